@@ -1,0 +1,115 @@
+"""Chunk / dechunk equations against the paper (eq. 2-10, Appendix B)."""
+import torch
+
+from vlm.model.chunking import (ChunkModule, Dechunk, cosine_boundary_prob, ema_scan, plug_back, ratio_loss,
+                                sharpen, ste)
+from vlm.model.config import ChunkConfig
+
+
+def ema_loop_reference(concept_MD, prob_M):
+    """Appendix B's loop, verbatim in spirit: concept_merge[i] = merge[i-1] (1 - p_i) + concept[i] p_i."""
+    out = [concept_MD[0]]
+    for i in range(1, concept_MD.shape[0]):
+        out.append(out[-1] * (1 - prob_M[i]) + concept_MD[i] * prob_M[i])
+    return torch.stack(out)
+
+
+def test_ema_scan_matches_appendix_b_loop_with_gradients():
+    torch.manual_seed(0)
+    M, D = 150, 8  # several scan blocks
+    x = torch.randn(M, D, dtype=torch.float64, requires_grad=True)
+    p = torch.rand(M, dtype=torch.float64).clamp(0.05, 0.95)
+    p[0] = 1.0
+    p.requires_grad_(True)
+    ref = ema_loop_reference(x, p)
+    reset = torch.zeros(1, M, dtype=torch.bool)
+    reset[0, 0] = True
+    got = ema_scan(x[None], p[None], reset, block=32)[0]
+    torch.testing.assert_close(got, ref.to(got.dtype), rtol=1e-5, atol=1e-5)
+    w = torch.randn(M, D, dtype=torch.float64)
+    gx_ref, gp_ref = torch.autograd.grad((ref * w).sum(), (x, p))
+    gx, gp = torch.autograd.grad((got * w).sum(), (x, p))
+    torch.testing.assert_close(gx, gx_ref, rtol=1e-4, atol=1e-5)
+    # p_0 is the constant 1 forced at a document start (the loop never reads it), so compare from 1 on.
+    torch.testing.assert_close(gp[1:], gp_ref[1:], rtol=1e-4, atol=1e-5)
+
+
+def test_ema_scan_restarts_at_document_starts():
+    torch.manual_seed(1)
+    x = torch.randn(1, 10, 4)
+    p = torch.rand(1, 10) * 0.5 + 0.25
+    reset = torch.zeros(1, 10, dtype=torch.bool)
+    reset[0, [0, 6]] = True
+    got = ema_scan(x, p, reset, block=4)
+    # The second document alone, with its first p treated as a restart (state before it is zero).
+    alone = ema_scan(x[:, 6:], p[:, 6:], reset[:, 6:], block=4)
+    torch.testing.assert_close(got[:, 6:], alone)
+    torch.testing.assert_close(got[:, 6], x[:, 6] * p[:, 6, None])
+
+
+def test_ratio_loss_equals_eq4_and_pushes_G_to_one_over_R():
+    R = 2.0
+    F_, G = torch.tensor(0.7), torch.tensor(0.6)
+    expected = R * 0.7 * 0.6 + R / (R - 1) * 0.3 * 0.4  # eq. 4, left form
+    torch.testing.assert_close(ratio_loss(F_, G, R), torch.tensor(expected))
+    assert abs(ratio_loss(torch.tensor(0.5), torch.tensor(0.5), R).item() - 1.0) < 1e-6
+    # Gradient descent on G (F follows G, as when boundaries are drawn from p) converges to 1/R.
+    for R, G0 in ((2.0, 0.9), (2.0, 0.1), (4.0, 0.8)):
+        g = torch.tensor(G0, requires_grad=True)
+        for _ in range(500):
+            loss = ratio_loss(g.detach(), g, R)
+            (grad,) = torch.autograd.grad(loss, g)
+            with torch.no_grad():
+                g -= 0.01 * grad
+        assert abs(g.item() - 1 / R) < 0.02, (R, g.item())
+
+
+def test_cosine_router_eq2_and_sharpen_eq5():
+    q = torch.tensor([[[1.0, 0.0], [1.0, 0.0], [0.0, 1.0]]])
+    k = torch.tensor([[[1.0, 0.0], [-1.0, 0.0], [1.0, 0.0]]])
+    p = cosine_boundary_prob(q, k)
+    # p_0 = 1; p_1 = (1 - cos(q_1, k_0))/2 = 0; p_2 = (1 - cos(q_2, k_1))/2 = 0.5
+    torch.testing.assert_close(p, torch.tensor([[1.0, 0.0, 0.5]]))
+    s = sharpen(torch.tensor([0.2, 0.5, 0.9]), 6.0)
+    torch.testing.assert_close(s, torch.tensor([1 - 0.8 ** (1 / 6), 0.5 ** (1 / 6), 0.9 ** (1 / 6)]))
+
+
+def test_ste_forward_one_backward_identity():
+    x = torch.tensor([0.3, 0.8], requires_grad=True)
+    y = ste(x)
+    assert torch.equal(y, torch.ones(2))
+    (g,) = torch.autograd.grad((y * torch.tensor([2.0, 3.0])).sum(), x)
+    torch.testing.assert_close(g, torch.tensor([2.0, 3.0]))
+
+
+def _hand_chunks(merge):
+    """Row: doc 0 = 5 tokens, doc 1 = 3 tokens, 1 pad. Boundaries forced at 0, 2, 5 (doc starts) and 6."""
+    cfg = ChunkConfig(merge=merge)
+    mod = ChunkModule(cfg, 2).eval()
+    doc = torch.tensor([[0, 0, 0, 0, 0, 1, 1, 1, -1]])
+    force = torch.tensor([[1, 0, 1, 0, 0, 0, 1, 0, 0]], dtype=torch.bool)
+    h = torch.arange(1, 10, dtype=torch.float32)[None, :, None].expand(1, 9, 2).clone()
+    ch = mod(h, doc, force=force)
+    return mod, ch, h, doc
+
+
+def test_merge_strategies_follow_the_causal_convention():
+    for merge, expected in (("last", [1, 3, 6, 7]), ("sum", [1, 2 + 3, 6, 7]), ("mean", [1, 2.5, 6, 7])):
+        mod, ch, h, doc = _hand_chunks(merge)
+        assert ch.b_BT.long().tolist() == [[1, 0, 1, 0, 0, 1, 1, 0, 0]]
+        assert ch.cidx_BT.tolist() == [[0, 0, 1, 1, 1, 2, 3, 3, -1]]
+        assert ch.cdoc_BM.tolist() == [[0, 0, 1, 1]]
+        assert ch.cpos_BM.tolist() == [[0, 1, 0, 1]]
+        c = mod.merge(h, doc, ch)[0, :, 0]
+        # tokens 3,4 (doc 0 tail) and 7 (doc 1 tail) join no concept; nothing crosses documents
+        torch.testing.assert_close(c, torch.tensor(expected, dtype=torch.float32), msg=merge)
+
+
+def test_dechunk_plug_back_and_ste():
+    mod, ch, h, doc = _hand_chunks("last")
+    de = Dechunk(ChunkConfig(), 2)
+    concepts = torch.randn(1, 4, 2)
+    z, c_read = de(h, concepts, ch)
+    torch.testing.assert_close(c_read[0, :8], plug_back(
+        ema_scan(concepts, ch.cp_BM, torch.tensor([[True, False, True, False]])), ch.cidx_BT)[0, :8])
+    torch.testing.assert_close(z, h + c_read)  # identity residual, STE forward = 1

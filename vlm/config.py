@@ -1,0 +1,179 @@
+"""One config system: YAML -> validated dataclasses, with dotted CLI overrides.
+
+Every config in the project is a dataclass whose fields carry type hints; `from_dict` builds it
+recursively and rejects unknown keys, wrong types and values outside a `Literal`, naming the dotted
+path of the offending field and what would have been allowed. Dataclasses may define `validate()`
+for cross-field checks; it is called after construction and should raise `ConfigError`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, TypeVar, Union, get_args, get_origin
+
+import yaml
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A config problem, reported as one line naming the field and what is allowed."""
+
+
+def _type_name(tp: Any) -> str:
+    origin = get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in get_args(tp))
+    if origin is not None:
+        return str(tp).replace("typing.", "")
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, path: str) -> Any:
+    origin = get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (Union, types.UnionType):
+        args = get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, path)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(f"{path}: got {value!r}, expected {_type_name(tp)}")
+    if origin is Literal:
+        allowed = get_args(tp)
+        if value not in allowed:
+            raise ConfigError(f"{path}: got {value!r}, allowed values: {', '.join(repr(a) for a in allowed)}")
+        return value
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a mapping for {tp.__name__}, got {value!r}")
+        return from_dict(tp, value, path)
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{path}: expected a list, got {value!r}")
+        args = get_args(tp)
+        item_tp = args[0] if args else Any
+        items = [_coerce(v, item_tp, f"{path}[{i}]") for i, v in enumerate(value)]
+        return items if origin is list else tuple(items)
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a mapping, got {value!r}")
+        kt, vt = get_args(tp) or (Any, Any)
+        return {_coerce(k, kt, f"{path}.<key>"): _coerce(v, vt, f"{path}.{k}") for k, v in value.items()}
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{path}: got {value!r}, expected true or false")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{path}: got {value!r}, expected an integer")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{path}: got {value!r}, expected a number")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{path}: got {value!r}, expected a string")
+    if isinstance(tp, type) and isinstance(value, tp):
+        return value
+    raise ConfigError(f"{path}: got {value!r}, expected {_type_name(tp)}")
+
+
+def from_dict(cls: type[T], data: dict, path: str = "") -> T:
+    """Build dataclass `cls` from a (nested) mapping, validating every field."""
+    if data is None:
+        data = {}
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        where = f"{path}." if path else ""
+        raise ConfigError(
+            f"unknown key {where}{unknown[0]}; allowed keys{' in ' + path if path else ''}: {', '.join(sorted(fields))}"
+        )
+    kwargs = {}
+    for name, value in data.items():
+        kwargs[name] = _coerce(value, hints[name], f"{path}.{name}" if path else name)
+    obj = cls(**kwargs)
+    validate = getattr(obj, "validate", None)
+    if callable(validate):
+        try:
+            validate()
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}" if path and not str(e).startswith(path) else str(e)) from None
+    return obj
+
+
+def to_dict(obj: Any) -> Any:
+    """Dataclass -> plain nested dict (YAML-safe)."""
+    if dataclasses.is_dataclass(obj):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [to_dict(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: to_dict(v) for k, v in obj.items()}
+    return obj
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`a.b.c=value` -> (['a','b','c'], value parsed as YAML scalar)."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r}: expected KEY=VALUE with a dotted KEY, e.g. model.chunk.target_ratio=2")
+    key, raw = text.split("=", 1)
+    return key.strip().split("."), yaml.safe_load(raw) if raw.strip() else None
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Apply dotted overrides to a nested mapping (validation happens in `from_dict`)."""
+    for text in overrides:
+        keys, value = parse_override(text)
+        node = data
+        for k in keys[:-1]:
+            child = node.get(k)
+            if child is None:
+                child = node[k] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {text!r}: {k} is not a section")
+            node = child
+        node[keys[-1]] = value
+    return data
+
+
+def load_yaml(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path}: top level must be a mapping")
+    return data
+
+
+def load_config(cls: type[T], path: str | Path | None = None, overrides: list[str] | None = None) -> T:
+    data = load_yaml(path) if path else {}
+    apply_overrides(data, overrides or [])
+    return from_dict(cls, data)
+
+
+def check(cond: bool, message: str) -> None:
+    """Raise a ConfigError with `message` unless `cond` holds (used by `validate()` methods)."""
+    if not cond:
+        raise ConfigError(message)

@@ -1,0 +1,129 @@
+"""Attention over packed rows: backends, and the GQA self-attention layer with joint decoding (eq. 11).
+
+Every backend computes the same thing: causal attention restricted to the query's own document.
+The choice is one function (`resolve_backend`), picked at run time; tests compare them on one input.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vlm.model.layers import RMSNorm, apply_rope
+
+try:  # optional GPU kernel
+    from flash_attn import flash_attn_varlen_func  # type: ignore
+except Exception:  # pragma: no cover - not installable on CPU machines
+    flash_attn_varlen_func = None
+
+
+def resolve_backend(requested: str, device: torch.device) -> str:
+    if requested != "auto":
+        if requested == "flash" and (flash_attn_varlen_func is None or device.type != "cuda"):
+            raise RuntimeError("attn_backend='flash' needs the flash-attn package and a CUDA device")
+        return requested
+    if device.type == "cuda" and flash_attn_varlen_func is not None:
+        return "flash"
+    return "sdpa"
+
+
+def packed_mask(doc_BT: torch.Tensor, causal: bool = True) -> torch.Tensor:
+    """[B, 1, T, T] bool: may query i attend key j? Same document (and j <= i when causal).
+
+    Padding queries (doc -1) attend only to themselves so that no row of the softmax is empty.
+    """
+    T = doc_BT.shape[1]
+    same = (doc_BT[:, :, None] == doc_BT[:, None, :]) & (doc_BT[:, None, :] >= 0)
+    if causal:
+        same &= torch.ones(T, T, dtype=torch.bool, device=doc_BT.device).tril()
+    same |= torch.eye(T, dtype=torch.bool, device=doc_BT.device)
+    return same[:, None]
+
+
+def _eager(q, k, v, mask_B1TT):
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    scores = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    scores = scores.masked_fill(~mask_B1TT, float("-inf"))
+    return (scores.softmax(-1) @ v.float()).to(q.dtype)
+
+
+def _flash(q, k, v, doc_BT, causal):  # pragma: no cover - CUDA only
+    B, H, T, d = q.shape
+    valid = doc_BT >= 0
+    # One varlen segment per (row, document): offset doc ids by row so segments never merge.
+    seg = (doc_BT + torch.arange(B, device=q.device)[:, None] * (T + 1))[valid]
+    _, counts = torch.unique_consecutive(seg, return_counts=True)
+    cu = F.pad(counts.cumsum(0), (1, 0)).to(torch.int32)
+    pick = lambda x: x.transpose(1, 2)[valid]  # noqa: E731  [N, heads, d]
+    out = flash_attn_varlen_func(pick(q), pick(k), pick(v), cu, cu, int(counts.max()), int(counts.max()), causal=causal)
+    full = q.new_zeros(B, T, H, d)
+    full[valid] = out
+    return full.transpose(1, 2)
+
+
+def attend(q_BHTd, k_BKTd, v_BKTd, doc_BT, backend: str, mask_B1TT=None, causal: bool = True):
+    """Packed attention; `mask_B1TT` may be passed in to share it across the layers of a stack."""
+    if backend == "flash":
+        return _flash(q_BHTd, k_BKTd, v_BKTd, doc_BT, causal)
+    if mask_B1TT is None:
+        mask_B1TT = packed_mask(doc_BT, causal)
+    if backend == "eager":
+        return _eager(q_BHTd, k_BKTd, v_BKTd, mask_B1TT)
+    if backend == "flex":  # pragma: no cover - exercised on GPU only (no CPU backward)
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        B, _, T, _ = q_BHTd.shape
+
+        def mod(b, h, qi, ki):
+            same = (doc_BT[b, qi] == doc_BT[b, ki]) & (doc_BT[b, ki] >= 0)
+            return (same & (ki <= qi) if causal else same) | (qi == ki)
+
+        bm = create_block_mask(mod, B, None, T, T, device=q_BHTd.device)
+        return flex_attention(q_BHTd, k_BKTd, v_BKTd, block_mask=bm, enable_gqa=True)
+    return F.scaled_dot_product_attention(q_BHTd, k_BKTd, v_BKTd, attn_mask=mask_B1TT,
+                                          enable_gqa=k_BKTd.shape[1] != q_BHTd.shape[1])
+
+
+class Attention(nn.Module):
+    """GQA self-attention with RoPE, optional QK-norm and optional joint decoding (ConceptMoE eq. 11)."""
+
+    def __init__(self, dim: int, num_heads: int, num_kv_heads: int, head_dim: int, qk_norm: bool,
+                 norm_eps: float, joint: bool = False):
+        super().__init__()
+        self.h, self.kv, self.hd = num_heads, num_kv_heads, head_dim
+        self.q_proj = nn.Linear(dim, num_heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(dim, num_kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(dim, num_kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(num_heads * head_dim, dim, bias=False)
+        self.q_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
+        self.joint = joint
+        if joint:
+            self.concept_norm = RMSNorm(dim, norm_eps)
+            self.cq_proj = nn.Linear(dim, num_heads * head_dim, bias=False)
+            self.ck_proj = nn.Linear(dim, num_kv_heads * head_dim, bias=False)
+            self.cv_proj = nn.Linear(dim, num_kv_heads * head_dim, bias=False)
+
+    def joint_qkv(self, x_BTD, c_BTD):
+        """Eq. 11: q = z W_q + c W^c_q (same for k, v), c the EMA concept each token reads."""
+        q, k, v = self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)
+        if self.joint and c_BTD is not None:
+            c = self.concept_norm(c_BTD)
+            q, k, v = q + self.cq_proj(c), k + self.ck_proj(c), v + self.cv_proj(c)
+        return q, k, v
+
+    def forward(self, x_BTD, doc_BT, rope, backend: str, mask=None, c_BTD=None):
+        B, T, _ = x_BTD.shape
+        q, k, v = self.joint_qkv(x_BTD, c_BTD)
+        q = q.view(B, T, self.h, self.hd).transpose(1, 2)
+        k = k.view(B, T, self.kv, self.hd).transpose(1, 2)
+        v = v.view(B, T, self.kv, self.hd).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        out = attend(q, k, v, doc_BT, backend, mask)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.h * self.hd))

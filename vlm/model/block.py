@@ -1,0 +1,64 @@
+"""Pre-norm transformer block (attention + MoE feed-forward) and the packed-row context a stack shares."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from vlm.model.attention import Attention, packed_mask, resolve_backend
+from vlm.model.config import MoEConfig
+from vlm.model.layers import RMSNorm, rope_cos_sin
+from vlm.model.moe import MoE, MoEStats
+
+
+@dataclass
+class StackContext:
+    """What every layer of one stack needs about the packed rows; built once per stack and forward."""
+
+    doc_BT: torch.Tensor
+    rope: tuple[torch.Tensor, torch.Tensor] | None
+    backend: str
+    mask: torch.Tensor | None
+
+    @property
+    def valid_BT(self) -> torch.Tensor:
+        return self.doc_BT >= 0
+
+    @staticmethod
+    def build(doc_BT, positions_BT, head_dim, theta, dtype, backend, use_rope=True) -> "StackContext":
+        backend = resolve_backend(backend, doc_BT.device)
+        rope = rope_cos_sin(positions_BT, head_dim, theta, dtype) if use_rope else None
+        mask = packed_mask(doc_BT) if backend in ("sdpa", "eager") else None
+        return StackContext(doc_BT, rope, backend, mask)
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, num_heads: int, num_kv_heads: int, head_dim: int, qk_norm: bool,
+                 norm_eps: float, moe: MoEConfig, init_std: float, joint: bool = False):
+        super().__init__()
+        self.attn_norm = RMSNorm(dim, norm_eps)
+        self.attn = Attention(dim, num_heads, num_kv_heads, head_dim, qk_norm, norm_eps, joint=joint)
+        self.ffn_norm = RMSNorm(dim, norm_eps)
+        self.moe = MoE(moe, dim, init_std)
+
+    def forward(self, x_BTD: torch.Tensor, ctx: StackContext, c_BTD: torch.Tensor | None = None):
+        x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), ctx.doc_BT, ctx.rope, ctx.backend, ctx.mask, c_BTD)
+        # Only real tokens reach the experts: padding would distort loads and the balancing bias.
+        valid = ctx.valid_BT
+        h_ND = self.ffn_norm(x_BTD[valid])
+        y_ND, stats = self.moe(h_ND)
+        out = x_BTD.clone()
+        out[valid] = x_BTD[valid] + y_ND
+        return out, stats
+
+
+def run_stack(blocks: nn.ModuleList, x_BTD, ctx: StackContext, schedule: list[int] | None = None,
+              c_BTD=None, joint_from: int | None = None) -> tuple[torch.Tensor, list[MoEStats]]:
+    """Run `blocks` in `schedule` order (layer loops repeat indices); layers >= joint_from get the concept input."""
+    stats = []
+    for i in schedule if schedule is not None else range(len(blocks)):
+        c = c_BTD if joint_from is not None and i >= joint_from else None
+        x_BTD, s = blocks[i](x_BTD, ctx, c)
+        stats.append(s)
+    return x_BTD, stats

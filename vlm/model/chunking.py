@@ -1,0 +1,237 @@
+"""Chunk and dechunk (ConceptMoE sections 3.2-3.3) over packed rows.
+
+Convention (DESIGN.md): a boundary at n closes a concept made of the tokens after the previous boundary
+(within the same document) up to and including n; tokens n .. next boundary - 1 read that concept.
+The first token of every document is a boundary (p = 1), so no token reads a concept of another
+document or one built from later tokens.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vlm.batch import IMAGE, TEXT
+from vlm.model.config import ChunkConfig
+from vlm.model.layers import doc_starts, positions_in_doc
+
+
+# ---------------------------------------------------------------- equations
+def cosine_boundary_prob(q_BTD: torch.Tensor, k_BTD: torch.Tensor) -> torch.Tensor:
+    """Eq. 2: p_n = (1 - cos(q_n, k_{n-1})) / 2 for n >= 1 (position 0 is set by the caller)."""
+    cos = F.cosine_similarity(q_BTD[:, 1:].float(), k_BTD[:, :-1].float(), dim=-1, eps=1e-6)
+    return F.pad(((1 - cos) / 2).clamp(0, 1), (1, 0), value=1.0)
+
+
+def sharpen(p: torch.Tensor, tau: float) -> torch.Tensor:
+    """Eq. 5: push p away from 0.5 so that sampling flips mostly the uncertain boundaries."""
+    return torch.where(p >= 0.5, p.clamp_min(0).pow(1 / tau), 1 - (1 - p).clamp_min(0).pow(1 / tau))
+
+
+def sample_boundaries(p_sharp: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Eq. 6: b_n ~ Bernoulli(p_sharp_n)."""
+    return torch.rand(p_sharp.shape, device=p_sharp.device, generator=generator) < p_sharp
+
+
+def ratio_loss(F_: torch.Tensor, G: torch.Tensor, R: float) -> torch.Tensor:
+    """Eq. 4: L_aux = R/(R-1) ((R-1) F G + (1-F)(1-G)); equals 1 at F = G = 1/R. F carries no gradient."""
+    return R / (R - 1) * ((R - 1) * F_ * G + (1 - F_) * (1 - G))
+
+
+def segsum(x_L: torch.Tensor) -> torch.Tensor:
+    """[..., L] -> [..., L, L] with out[i, j] = sum_{j < k <= i} x[k] (and -inf above the diagonal).
+
+    Built by a masked cumsum rather than differences of cumsums so that -inf entries (restarts) stay exact.
+    """
+    L = x_L.shape[-1]
+    xx = x_L[..., None].expand(*x_L.shape, L)
+    strict = torch.ones(L, L, dtype=torch.bool, device=x_L.device).tril(-1)
+    ss = xx.masked_fill(~strict, 0).cumsum(-2)
+    return ss.masked_fill(~strict.logical_or(torch.eye(L, dtype=torch.bool, device=x_L.device)), float("-inf"))
+
+
+def ema_scan(x_BMD: torch.Tensor, p_BM: torch.Tensor, reset_BM: torch.Tensor, block: int = 64) -> torch.Tensor:
+    """Eq. 8 by a blocked parallel scan: c_m = p_m x_m + (1 - p_m) c_{m-1}, restarted where reset_BM.
+
+    Within blocks of `block` concepts the recurrence is a lower-triangular matmul with weights
+    exp(segsum(log(1 - p))); the states carried between blocks use the same identity one level up.
+    No loop over concepts; fp32 throughout.
+    """
+    B, M, D = x_BMD.shape
+    dtype = x_BMD.dtype
+    nb = -(-M // block)
+    pad = nb * block - M
+    p = F.pad(p_BM.float(), (0, pad))
+    reset = F.pad(reset_BM, (0, pad), value=False)
+    loga = torch.where(reset, torch.full_like(p, float("-inf")), torch.log((1 - p).clamp_min(1e-12)))
+    u = F.pad(x_BMD.float() * p_BM.float()[..., None], (0, 0, 0, pad))
+    loga_BCL = loga.view(B, nb, block)
+    u_BCLD = u.view(B, nb, block, D)
+    y_BCLD = torch.exp(segsum(loga_BCL)) @ u_BCLD                       # within-block contributions
+    end_BCD = y_BCLD[:, :, -1]                                           # each block's final state (own inputs)
+    logA_BC = loga_BCL.sum(-1)                                           # decay across a whole block
+    state_BCD = torch.exp(segsum(logA_BC)) @ end_BCD                     # true state at the end of each block
+    carry_BCD = F.pad(state_BCD[:, :-1], (0, 0, 1, 0))                   # state entering each block
+    decay_BCL = torch.exp(loga_BCL.cumsum(-1))
+    y_BCLD = y_BCLD + decay_BCL[..., None] * carry_BCD[:, :, None]
+    return y_BCLD.reshape(B, nb * block, D)[:, :M].to(dtype)
+
+
+class _STE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return torch.ones_like(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def ste(x: torch.Tensor) -> torch.Tensor:
+    """Straight-through: forward 1, backward identity (eq. 10's multiplier on the selected probability)."""
+    return _STE.apply(x)
+
+
+def plug_back(concepts_BMD: torch.Tensor, cidx_BT: torch.Tensor) -> torch.Tensor:
+    """Eq. 9: token n reads concept psi(n), the last one closed at or before n."""
+    D = concepts_BMD.shape[-1]
+    return concepts_BMD.gather(1, cidx_BT.clamp_min(0)[..., None].expand(-1, -1, D))
+
+
+# ---------------------------------------------------------------- modules
+@dataclass
+class Chunks:
+    """Everything the rest of the model needs to know about one chunking of a batch."""
+
+    p_BT: torch.Tensor         # boundary probability (0 at padding)
+    b_BT: torch.Tensor         # bool boundaries
+    sel_BT: torch.Tensor       # probability of the selected outcome (p if boundary else 1-p)
+    cidx_BT: torch.Tensor      # psi(n): concept read by token n (-1 at padding)
+    cdoc_BM: torch.Tensor      # document of each concept (-1 at padding)
+    cpos_BM: torch.Tensor      # index of the concept within its document
+    cp_BM: torch.Tensor        # p at each concept's boundary
+    loss: torch.Tensor         # ratio loss (eq. 4), summed over ratio groups
+    local_stats: torch.Tensor  # [K, 3] (boundaries, sum p, tokens) per ratio group
+
+
+class ChunkModule(nn.Module):
+    """Boundary router + concept merge."""
+
+    def __init__(self, cfg: ChunkConfig, dim: int):
+        super().__init__()
+        self.cfg = cfg
+        if cfg.router == "cosine":
+            self.q_proj = nn.Linear(dim, dim, bias=False)
+            self.k_proj = nn.Linear(dim, dim, bias=False)
+        else:
+            self.score = nn.Linear(2 * dim, 1)
+        # Global parser (DLCM): maps local [K, 3] sums to global ones (ranks, micro-batches). Set by the trainer.
+        self.stats_hook: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.generator: torch.Generator | None = None
+
+    def boundary_prob(self, h_BTD, doc_BT, above_BT=None):
+        if self.cfg.router == "cosine":
+            q, k = self.q_proj(h_BTD), self.k_proj(h_BTD)
+            p = cosine_boundary_prob(q, k)
+            if above_BT is not None:
+                # 2D-aware: an image token also compares with the token above it in its patch grid.
+                has = above_BT >= 0
+                k_above = k.gather(1, above_BT.clamp_min(0)[..., None].expand_as(k))
+                cos_up = F.cosine_similarity(q.float(), k_above.float(), dim=-1, eps=1e-6)
+                p = torch.where(has, (p + ((1 - cos_up) / 2).clamp(0, 1)) / 2, p)
+        else:
+            prev = F.pad(h_BTD[:, :-1], (0, 0, 1, 0))
+            p = torch.sigmoid(self.score(torch.cat([h_BTD, prev], -1)).squeeze(-1).float())
+        start = doc_starts(doc_BT)
+        p = torch.where(start, torch.ones_like(p), p)
+        return torch.where(doc_BT >= 0, p, torch.zeros_like(p)), start
+
+    def ratio_groups(self, valid_BT, modality_BT):
+        """Token masks and targets of the ratio losses: one joint group, or one per modality."""
+        if self.cfg.modality_target_ratios:
+            names = {"text": TEXT, "image": IMAGE}
+            return [(valid_BT & (modality_BT == names[m]), r) for m, r in sorted(self.cfg.modality_target_ratios.items())]
+        return [(valid_BT, self.cfg.target_ratio)]
+
+    def compute_ratio_loss(self, p_BT, b_BT, groups):
+        masks = torch.stack([m for m, _ in groups])                            # [K, B, T]
+        pf = p_BT.float()
+        sum_p = (masks * pf).flatten(1).sum(-1)                                # [K] with grad
+        local = torch.stack([(masks & b_BT).flatten(1).sum(-1).float(), sum_p.detach(),
+                             masks.flatten(1).sum(-1).float()], -1)            # [K, 3]
+        glob = self.stats_hook(local) if self.stats_hook is not None else local
+        count = glob[:, 2].clamp_min(1)
+        F_ = glob[:, 0] / count
+        G = (sum_p + (glob[:, 1] - local[:, 1])) / count
+        loss = sum(ratio_loss(F_[k], G[k], r) for k, (_, r) in enumerate(groups) if glob[k, 2] > 0)
+        return (loss if torch.is_tensor(loss) else pf.sum() * 0), local
+
+    def forward(self, h_BTD, doc_BT, modality_BT=None, above_BT=None, force: str | torch.Tensor | None = None) -> Chunks:
+        valid = doc_BT >= 0
+        modality_BT = torch.zeros_like(doc_BT) if modality_BT is None else modality_BT
+        p, start = self.boundary_prob(h_BTD, doc_BT, above_BT)
+        if isinstance(force, torch.Tensor):
+            b = force.bool() | start
+        elif force == "all":  # every token its own concept, p = 1: the lossless-conversion starting point
+            p = torch.where(valid, torch.ones_like(p), p)
+            b = valid.clone()
+        elif self.training:
+            b = sample_boundaries(sharpen(p.detach(), self.cfg.tau), self.generator) | start
+        else:
+            b = (p >= 0.5) | start
+        b = b & valid
+        sel = torch.where(b, p, 1 - p)
+        loss, local = self.compute_ratio_loss(p, b, self.ratio_groups(valid, modality_BT))
+        cidx = torch.where(valid, b.long().cumsum(1) - 1, torch.full_like(doc_BT, -1))
+        M = int(b.sum(1).max().item()) if b.numel() else 0
+        bi, ti = b.nonzero(as_tuple=True)
+        mi = cidx[bi, ti]
+        cdoc = torch.full((doc_BT.shape[0], M), -1, dtype=doc_BT.dtype, device=doc_BT.device)
+        cdoc[bi, mi] = doc_BT[bi, ti]
+        cp = p.new_zeros(doc_BT.shape[0], M)
+        cp[bi, mi] = p[bi, ti]
+        return Chunks(p, b, sel, cidx, cdoc, positions_in_doc(cdoc), cp, loss, local)
+
+    def merge(self, h_BTD: torch.Tensor, doc_BT: torch.Tensor, ch: Chunks) -> torch.Tensor:
+        """Concepts [B, M, D] from token states: `last` takes h at the boundary, `sum`/`mean` pool the concept's tokens."""
+        B, M = ch.cdoc_BM.shape
+        out = h_BTD.new_zeros(B, M, h_BTD.shape[-1])
+        if self.cfg.merge == "last":
+            bi, ti = ch.b_BT.nonzero(as_tuple=True)
+            out[bi, ch.cidx_BT[bi, ti]] = h_BTD[bi, ti]
+            return out
+        # Token n belongs to the concept closed by the first boundary at or after n, if that boundary is in
+        # n's own document (a document's tail after its last boundary forms no concept).
+        seg_BT = (ch.cidx_BT + (~ch.b_BT).long()).clamp(0, max(M - 1, 0))
+        member = (doc_BT >= 0) & (ch.cidx_BT + (~ch.b_BT).long() < M) & (ch.cdoc_BM.gather(1, seg_BT) == doc_BT)
+        rows, cols = member.nonzero(as_tuple=True)
+        idx = (rows, seg_BT[rows, cols])
+        out = out.index_put(idx, h_BTD[rows, cols], accumulate=True)
+        if self.cfg.merge == "mean":
+            n_BM = h_BTD.new_zeros(B, M).index_put(idx, h_BTD.new_ones(rows.shape[0]), accumulate=True)
+            out = out / n_BM.clamp_min(1)[..., None]
+        return out
+
+
+class Dechunk(nn.Module):
+    """EMA over concepts (eq. 8), plug-back (eq. 9) and the decoder input z (eq. 10) with STE."""
+
+    def __init__(self, cfg: ChunkConfig, dim: int):
+        super().__init__()
+        self.cfg = cfg
+        # H-Net's residual projection; identity at init reproduces eq. 10, conversion starts it at zero.
+        self.residual = nn.Linear(dim, dim, bias=False) if cfg.residual == "linear" else None
+        if self.residual is not None:
+            with torch.no_grad():
+                self.residual.weight.copy_(torch.eye(dim))
+
+    def forward(self, h_BTD: torch.Tensor, concepts_BMD: torch.Tensor, ch: Chunks):
+        reset = doc_starts(ch.cdoc_BM)
+        ema_BMD = ema_scan(concepts_BMD, ch.cp_BM, reset)
+        c_BTD = plug_back(ema_BMD, ch.cidx_BT)
+        res = self.residual(h_BTD) if self.residual is not None else h_BTD
+        z_BTD = res + c_BTD * ste(ch.sel_BT)[..., None].to(c_BTD.dtype)
+        return z_BTD, c_BTD

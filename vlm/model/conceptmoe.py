@@ -1,0 +1,120 @@
+"""The ConceptMoE language model: embed -> encoder E -> chunk -> concept model C -> dechunk -> decoder D -> logits.
+
+With `chunk.enabled = False` the same code is the plain MoE baseline: the concept layers run on every
+token and the decoder reads their output directly.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from vlm.batch import PackedBatch
+from vlm.model.block import Block, StackContext, run_stack
+from vlm.model.chunking import ChunkModule, Chunks, Dechunk
+from vlm.model.config import ModelConfig
+from vlm.model.layers import RMSNorm
+from vlm.model.output import ModelOutput
+from vlm.model.stats import chunk_stats, lm_losses
+
+
+class ConceptMoELM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        D, Dc = cfg.hidden_size, cfg.c_hidden
+        tok = dict(num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                   qk_norm=cfg.qk_norm, norm_eps=cfg.norm_eps, init_std=cfg.init_std)
+        self.embed = nn.Embedding(cfg.vocab_size, D)
+        self.encoder = nn.ModuleList(Block(D, moe=cfg.moe, **tok) for _ in range(cfg.encoder_layers))
+        self.chunker = ChunkModule(cfg.chunk, D) if cfg.chunk.enabled else None
+        self.concept_up = nn.Linear(D, Dc, bias=False) if Dc != D else None
+        self.concept = nn.ModuleList(
+            Block(Dc, cfg.c_heads, cfg.c_kv_heads, cfg.head_dim, cfg.qk_norm, cfg.norm_eps, cfg.c_moe, cfg.init_std)
+            for _ in range(cfg.concept_layers))
+        self.concept_down = nn.Linear(Dc, D, bias=False) if Dc != D else None
+        self.dechunk = Dechunk(cfg.chunk, D) if cfg.chunk.enabled else None
+        self.joint_from = cfg.decoder_layers - cfg.num_joint_layers
+        self.decoder = nn.ModuleList(Block(D, moe=cfg.moe, joint=i >= self.joint_from, **tok)
+                                     for i in range(cfg.decoder_layers))
+        self.norm = RMSNorm(D, cfg.norm_eps)
+        self.lm_head = nn.Linear(D, cfg.vocab_size, bias=False)
+        self.apply(self._init)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        if cfg.chunk.joint_decoding_zero_init:
+            self.zero_joint_projections()
+
+    def _init(self, m: nn.Module) -> None:
+        if isinstance(m, (nn.Linear, nn.Embedding)) and not (self.dechunk is not None and m is self.dechunk.residual):
+            nn.init.normal_(m.weight, std=self.cfg.init_std)
+            if getattr(m, "bias", None) is not None:
+                nn.init.zeros_(m.bias)
+
+    @torch.no_grad()
+    def zero_joint_projections(self) -> None:
+        for blk in self.decoder:
+            if blk.attn.joint:
+                for proj in (blk.attn.cq_proj, blk.attn.ck_proj, blk.attn.cv_proj):
+                    proj.weight.zero_()
+
+    def hidden(self, x_BTD, doc_BT, pos_BT, modality_BT, above_BT=None, force=None):
+        """Final hidden states [B, T, D] (before the norm), the chunking, and the MoE stats of every layer."""
+        cfg = self.cfg
+        ctx = StackContext.build(doc_BT, pos_BT, cfg.head_dim, cfg.rope_theta, x_BTD.dtype, cfg.attn_backend)
+        h_BTD, moe_stats = run_stack(self.encoder, x_BTD, ctx)
+        ch: Chunks | None = None
+        if self.chunker is None:
+            c_BMD, cdoc_BM, cpos_BM = h_BTD, doc_BT, pos_BT
+        else:
+            ch = self.chunker(h_BTD, doc_BT, modality_BT, above_BT, force)
+            c_BMD, cdoc_BM, cpos_BM = self.chunker.merge(h_BTD, doc_BT, ch), ch.cdoc_BM, ch.cpos_BM
+        if self.concept_up is not None:
+            c_BMD = self.concept_up(c_BMD)
+        cctx = StackContext.build(cdoc_BM, cpos_BM, cfg.head_dim, cfg.rope_theta, c_BMD.dtype, cfg.attn_backend,
+                                  use_rope=cfg.concept_pos == "rope")
+        c_BMD, s = run_stack(self.concept, c_BMD, cctx, cfg.concept_schedule)
+        moe_stats += s
+        if self.concept_down is not None:
+            c_BMD = self.concept_down(c_BMD)
+        if ch is None:
+            z_BTD, cread_BTD = c_BMD, None
+        else:
+            z_BTD, cread_BTD = self.dechunk(h_BTD, c_BMD, ch)
+        out_BTD, s = run_stack(self.decoder, z_BTD, ctx, c_BTD=cread_BTD, joint_from=self.joint_from)
+        return out_BTD, ch, moe_stats + s
+
+    def forward(self, batch: PackedBatch, inputs_embeds: torch.Tensor | None = None, above_BT=None,
+                force: str | torch.Tensor | None = None) -> ModelOutput:
+        x_BTD = self.embed(batch.input_ids) if inputs_embeds is None else inputs_embeds
+        out_BTD, ch, moe_stats = self.hidden(x_BTD, batch.doc_ids, batch.position_ids, batch.modality, above_BT, force)
+        logits_BTV = self.lm_head(self.norm(out_BTD))
+        return self.assemble(logits_BTV, batch, ch, moe_stats)
+
+    def assemble(self, logits_BTV, batch: PackedBatch, ch: Chunks | None, moe_stats) -> ModelOutput:
+        """Losses and statistics; all scalars leave the device in one transfer."""
+        lm, split = lm_losses(logits_BTV, batch.labels, batch.doc_ids, batch.modality)
+        zero = logits_BTV.new_zeros(())
+        ratio = ch.loss if ch is not None else zero
+        balance = torch.stack([s.aux_loss for s in moe_stats]).mean() if moe_stats else zero
+        loss = lm + self.cfg.chunk.ratio_loss_weight * ratio + balance
+        valid = batch.doc_ids >= 0
+        b_BT = ch.b_BT if ch is not None else valid
+        p_BT = ch.p_BT if ch is not None else valid.float()
+        tensors = chunk_stats(p_BT, b_BT, batch.doc_ids, batch.modality)
+        for name, (val, n) in split.items():
+            tensors[name], tensors[name + "#n"] = val, n.float()
+        tensors.update({"lm_loss": lm.detach(), "ratio_loss": ratio.detach(), "balance_loss": balance.detach()})
+        keys = list(tensors)
+        vals = torch.stack([tensors[k].float() for k in keys]).tolist()
+        stats = dict(zip(keys, vals))
+        for name in split:  # a split with no samples in this batch is absent, not zero
+            if stats.pop(name + "#n") == 0:
+                stats.pop(name)
+        if moe_stats:
+            stats["moe/adjugate_per_token"] = sum(s.adjugate_per_token for s in moe_stats) / len(moe_stats)
+        extras = {"p": p_BT.detach(), "boundary": b_BT.detach(), "modality": batch.modality}
+        names = [f"encoder.{i}" for i in range(len(self.encoder))] + \
+                [f"concept.{i}" for i in self.cfg.concept_schedule] + [f"decoder.{i}" for i in range(len(self.decoder))]
+        for name, s in zip(names, moe_stats):
+            extras.setdefault(f"load/{name}", s.load_E)
+        return ModelOutput(logits_BTV, loss, lm, ratio, balance, stats, extras)

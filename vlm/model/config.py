@@ -1,0 +1,152 @@
+"""Model configuration dataclasses (validated; see vlm/config.py for the loader)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+from vlm.config import check
+
+
+@dataclass
+class MoEConfig:
+    """A mixture-of-experts feed-forward layer (SwiGLU experts)."""
+
+    num_experts: int = 8
+    top_k: int = 2
+    expert_hidden: int = 128          # intermediate size of one routed expert
+    num_shared_experts: int = 0       # always-on experts (DeepSeek style)
+    shared_hidden: int = 128          # intermediate size of one shared expert
+    router: Literal["softmax", "sigmoid"] = "softmax"
+    norm_topk_prob: bool = True        # renormalise the selected weights to sum to 1 (Qwen3-MoE, Mixtral)
+    balance_loss_weight: float = 0.01  # Switch-style; 0 disables
+    z_loss_weight: float = 0.0
+    loss_free_balancing: bool = True   # Grove eq. 6-10 / DeepSeek-V3 bias, selection only
+    bias_update_rate: float = 1e-3
+    grove_groups: int = 0             # 0: no adjugate experts; else experts split into this many groups
+    grove_hidden: int = 32            # intermediate size of an adjugate expert
+    grove_lambda: float = 0.05
+
+    def validate(self) -> None:
+        check(self.num_experts >= 1, f"num_experts must be >= 1, got {self.num_experts}")
+        check(1 <= self.top_k <= self.num_experts,
+              f"top_k must be in [1, num_experts={self.num_experts}], got {self.top_k}")
+        check(self.expert_hidden >= 1, f"expert_hidden must be >= 1, got {self.expert_hidden}")
+        check(self.num_shared_experts >= 0, "num_shared_experts must be >= 0")
+        check(self.bias_update_rate >= 0, "bias_update_rate must be >= 0")
+        if self.grove_groups:
+            check(self.num_experts % self.grove_groups == 0,
+                  f"grove_groups={self.grove_groups} must divide num_experts={self.num_experts}")
+
+
+@dataclass
+class ChunkConfig:
+    """Chunk / dechunk / joint decoding (ConceptMoE sections 3.2-3.4)."""
+
+    enabled: bool = True              # False: the plain MoE baseline (same code path otherwise)
+    router: Literal["cosine", "linear"] = "cosine"
+    target_ratio: float = 2.0         # R in eq. 4
+    ratio_loss_weight: float = 0.03   # lambda
+    tau: float = 6.0                  # sharpening temperature, eq. 5
+    merge: Literal["last", "sum", "mean"] = "last"
+    residual: Literal["identity", "linear"] = "identity"  # eq. 10 identity, or H-Net's residual projection
+    joint_decoding_layers: int = -1   # decoder layers (counted from the last) with eq. 11; -1 = all
+    joint_decoding_zero_init: bool = False
+    # Beyond the paper: one ratio loss per modality (e.g. {"text": 2.0, "image": 4.0}) instead of a joint one.
+    modality_target_ratios: dict[str, float] | None = None
+    grid_aware_boundaries: bool = False  # image tokens also compare with the token above in the patch grid
+
+    def validate(self) -> None:
+        check(self.target_ratio > 1.0, f"target_ratio must be > 1 (R = N/M), got {self.target_ratio}")
+        check(self.ratio_loss_weight >= 0, "ratio_loss_weight must be >= 0")
+        check(self.tau >= 1.0, f"tau must be >= 1, got {self.tau}")
+        if self.modality_target_ratios:
+            for k, v in self.modality_target_ratios.items():
+                check(k in ("text", "image"), f"modality_target_ratios: unknown modality {k!r}; allowed: 'text', 'image'")
+                check(v > 1.0, f"modality_target_ratios.{k} must be > 1, got {v}")
+
+
+@dataclass
+class ModelConfig:
+    """A ConceptMoE language model: encoder E, chunk, concept model C, dechunk, decoder D."""
+
+    vocab_size: int = 512
+    hidden_size: int = 128
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    qk_norm: bool = True
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    encoder_layers: int = 1
+    concept_layers: int = 2
+    decoder_layers: int = 1
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    chunk: ChunkConfig = field(default_factory=ChunkConfig)
+    # Concept model options (section 3.5). None = same as the token stacks.
+    concept_hidden_size: int | None = None
+    concept_num_heads: int | None = None
+    concept_num_kv_heads: int | None = None
+    concept_moe: MoEConfig | None = None
+    concept_pos: Literal["rope", "none"] = "rope"
+    loop_start: int = 0               # concept layers [loop_start, loop_end) are repeated loop_times extra times
+    loop_end: int = 0
+    loop_times: int = 0
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+    attn_backend: Literal["auto", "sdpa", "eager", "flash", "flex"] = "auto"
+
+    def validate(self) -> None:
+        check(self.vocab_size >= 2, "vocab_size must be >= 2")
+        check(self.num_heads % self.num_kv_heads == 0,
+              f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
+        check(self.head_dim % 2 == 0, "head_dim must be even (RoPE)")
+        check(self.encoder_layers >= 0 and self.decoder_layers >= 0 and self.concept_layers >= 0,
+              "layer counts must be >= 0")
+        if self.chunk.enabled:
+            check(self.decoder_layers >= 0, "decoder_layers must be >= 0")
+        ch, cq, ckv = self.c_hidden, self.c_heads, self.c_kv_heads
+        check(cq % ckv == 0, f"concept_num_heads={cq} must be a multiple of concept_num_kv_heads={ckv}")
+        check(ch >= 1, "concept_hidden_size must be >= 1")
+        if self.loop_times:
+            check(0 <= self.loop_start < self.loop_end <= self.concept_layers,
+                  f"loop range [{self.loop_start}, {self.loop_end}) must lie within the {self.concept_layers} concept layers")
+        jd = self.chunk.joint_decoding_layers
+        check(jd == -1 or 0 <= jd <= self.decoder_layers,
+              f"chunk.joint_decoding_layers must be -1 or in [0, decoder_layers={self.decoder_layers}], got {jd}")
+
+    # Resolved concept-model sizes.
+    @property
+    def c_hidden(self) -> int:
+        return self.concept_hidden_size or self.hidden_size
+
+    @property
+    def c_heads(self) -> int:
+        return self.concept_num_heads or self.num_heads
+
+    @property
+    def c_kv_heads(self) -> int:
+        return self.concept_num_kv_heads or self.num_kv_heads
+
+    @property
+    def c_moe(self) -> MoEConfig:
+        return self.concept_moe or self.moe
+
+    @property
+    def concept_schedule(self) -> list[int]:
+        """Order in which concept layers run, loops included (shared weights)."""
+        order = list(range(self.concept_layers))
+        if self.loop_times:
+            loop = list(range(self.loop_start, self.loop_end))
+            order = order[: self.loop_end] + loop * self.loop_times + order[self.loop_end:]
+        return order
+
+    @property
+    def num_joint_layers(self) -> int:
+        if not self.chunk.enabled:
+            return 0
+        jd = self.chunk.joint_decoding_layers
+        return self.decoder_layers if jd == -1 else jd
+
+    def baseline(self) -> "ModelConfig":
+        """The same model with chunking disabled (the MoE baseline)."""
+        return replace(self, chunk=replace(self.chunk, enabled=False))
