@@ -1,0 +1,81 @@
+"""MoE -> ConceptMoE conversion: with all boundaries forced on, the converted model reproduces the source."""
+import pytest
+import torch
+from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+from vlm.batch import PackedBatch
+from vlm.cli import main
+from vlm.config import ConfigError
+from vlm.model.config import ModelConfig, MoEConfig
+from vlm.model.convert import ConvertOptions, convert
+from vlm.model.hf import load_vlm, save_pretrained
+from vlm.model.multimodal import ConceptMoEVLM
+
+COMMON = dict(vocab_size=113, hidden_size=32, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=8, num_experts_per_tok=2, tie_word_embeddings=False)
+
+
+def qwen3(tmp_path):
+    torch.manual_seed(0)
+    cfg = Qwen3MoeConfig(intermediate_size=64, moe_intermediate_size=16, num_experts=4, decoder_sparse_step=1,
+                         mlp_only_layers=[], norm_topk_prob=True, **COMMON)
+    m = Qwen3MoeForCausalLM(cfg).eval()
+    m.save_pretrained(tmp_path)
+    return m
+
+
+def mixtral(tmp_path):
+    torch.manual_seed(1)
+    m = MixtralForCausalLM(MixtralConfig(intermediate_size=16, num_local_experts=4, **COMMON)).eval()
+    m.save_pretrained(tmp_path)
+    return m
+
+
+def batch():
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 113, (2, 24), generator=g)
+    T = ids.shape[1]
+    return PackedBatch(ids, torch.full_like(ids, -100), torch.zeros_like(ids), torch.arange(T).expand(2, T),
+                       torch.zeros_like(ids)), ids
+
+
+@pytest.mark.parametrize("make", [qwen3, mixtral])
+def test_transformers_moe_conversion_is_lossless(tmp_path, make):
+    src = make(tmp_path)
+    model, base = convert(tmp_path, ConvertOptions(encoder_layers=1, decoder_layers=2))
+    model.eval()
+    assert model.model_cfg.chunk.enabled and model.model_cfg.concept_layers == 2
+    b, ids = batch()
+    with torch.no_grad():
+        ref = src(input_ids=ids).logits
+        got = model(b, force="all").logits
+        free = model(b).logits  # the chunker left to itself merges tokens: not the source network
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(free, ref, atol=1e-3)
+
+
+def test_own_baseline_conversion_is_lossless_and_reallocates(tmp_path):
+    torch.manual_seed(2)
+    cfg = ModelConfig(vocab_size=113, hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8, encoder_layers=1,
+                      concept_layers=3, decoder_layers=1, moe=MoEConfig(num_experts=8, top_k=2, expert_hidden=16))
+    src = ConceptMoEVLM(cfg.baseline()).eval()
+    save_pretrained(src, tmp_path / "base")
+    model, _ = convert(tmp_path / "base", ConvertOptions(encoder_layers=1, decoder_layers=1))
+    b, _ = batch()
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(b, force="all").logits, src(b).logits, rtol=1e-5, atol=1e-5)
+    # Reallocation through the CLI: more active experts in the concept model, written in transformers format.
+    rc = main(["convert", str(tmp_path / "base"), "--out", str(tmp_path / "ct"), "--encoder-layers", "1",
+               "--decoder-layers", "1", "--concept-top-k", "4", "--ratio", "2"])
+    assert rc == 0
+    ct = load_vlm(tmp_path / "ct")
+    assert ct.model_cfg.c_moe.top_k == 4 and ct.model_cfg.moe.top_k == 2
+    assert sum(p.numel() for p in ct.parameters()) > sum(p.numel() for p in src.parameters())  # chunk + joint only
+
+
+def test_conversion_rejects_bad_inputs(tmp_path):
+    with pytest.raises(ConfigError, match="config.json"):
+        convert(tmp_path, ConvertOptions())
+    qwen3(tmp_path)
+    with pytest.raises(ConfigError, match="concept layer"):
+        convert(tmp_path, ConvertOptions(encoder_layers=3, decoder_layers=2))

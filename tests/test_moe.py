@@ -1,0 +1,354 @@
+"""MoE layer: dispatch paths vs a dense reference, Grove adjugate experts, loss-free balancing, routers."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+import vlm.model.moe as moe_mod
+from vlm.config import ConfigError
+from vlm.model.config import MoEConfig
+from vlm.model.moe import (MoE, grouped_mm_available, route, router_z_loss, switch_balance_loss,
+                           update_moe_biases)
+
+HAS_GMM = hasattr(torch, "_grouped_mm")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # Tensors here are tiny: extra intra-op threads only add overhead, and on a busy 2-core CI box
+    # oversubscription made these tests ~10x slower.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def make_moe(dim=16, **kw) -> MoE:
+    base = dict(num_experts=8, top_k=3, expert_hidden=12, shared_hidden=8, balance_loss_weight=0.01,
+                z_loss_weight=1e-3, grove_hidden=8, grove_lambda=0.3)
+    base.update(kw)
+    torch.manual_seed(0)
+    # A larger init than the default makes expert outputs and router scores far from zero, so a wrong
+    # weight or a wrong selection shows up well above float noise.
+    return MoE(MoEConfig(**base), dim, init_std=0.3)
+
+
+def reference_routing(m: MoE, x_TD):
+    """Routing written out from the spec, independently of vlm.model.moe."""
+    logits = x_TD.float() @ m.router.weight.float().t()
+    scores = logits.softmax(-1) if m.cfg.router == "softmax" else logits.sigmoid()
+    biased = scores + m.expert_bias if m.cfg.loss_free_balancing else scores
+    sel_TK = biased.topk(m.cfg.top_k, dim=-1).indices
+    w_TK = scores.gather(1, sel_TK)
+    if m.cfg.norm_topk_prob:
+        w_TK = w_TK / w_TK.sum(-1, keepdim=True)
+    return sel_TK, w_TK
+
+
+def swiglu(x, wg, wu, wd):
+    return (F.silu(x @ wg) * (x @ wu)) @ wd
+
+
+def dense_reference(m: MoE, x_TD):
+    """Every expert (and adjugate) on every token; the selection only masks the combine weights."""
+    T, E = x_TD.shape[0], m.num_experts
+    sel_TK, w_TK = reference_routing(m, x_TD)
+    dense_TE = torch.zeros(T, E).scatter(1, sel_TK, w_TK)
+    y_ETD = torch.stack([swiglu(x_TD, m.w_gate_EDH[e], m.w_up_EDH[e], m.w_down_EHD[e]) for e in range(E)])
+    out = torch.einsum("te,etd->td", dense_TE, y_ETD)
+    if m.cfg.grove_groups:
+        G = m.cfg.grove_groups
+        rho_TG = dense_TE.view(T, G, E // G).sum(-1)
+        a_GTD = torch.stack([swiglu(x_TD, m.adj_gate_GDH[g], m.adj_up_GDH[g], m.adj_down_GHD[g]) for g in range(G)])
+        out = out + m.cfg.grove_lambda * torch.einsum("tg,gtd->td", rho_TG, a_GTD)
+    if m.shared is not None:
+        out = out + m.shared(x_TD)
+    return out
+
+
+def run_with_grads(m: MoE, x_TD, fn):
+    m.zero_grad(set_to_none=True)
+    x = x_TD.clone().requires_grad_(True)
+    y = fn(x)
+    # A non-uniform upstream gradient, then a stride-0 one (.sum()) that _grouped_mm's backward rejects raw.
+    g = torch.linspace(-1, 1, y.numel()).view_as(y)
+    ((y * g).sum() + y.sum()).backward()
+    grads = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+    return y.detach(), x.grad.clone(), grads
+
+
+@pytest.mark.parametrize("router,shared,grove,norm", [
+    ("softmax", 0, 0, True), ("softmax", 2, 4, True), ("sigmoid", 1, 2, False), ("softmax", 0, 4, False)])
+def test_grouped_mm_equals_loop_equals_dense(router, shared, grove, norm):
+    m = make_moe(router=router, num_shared_experts=shared, grove_groups=grove, norm_topk_prob=norm,
+                 balance_loss_weight=0.0, z_loss_weight=0.0)
+    m.expert_bias.copy_(torch.linspace(-0.05, 0.05, 8))  # the bias must change selection only
+    x = torch.randn(37, 16)
+    ref = run_with_grads(m, x, lambda x: dense_reference(m, x))
+    paths = ["loop"] + (["grouped_mm"] if HAS_GMM else [])
+    if HAS_GMM:
+        assert grouped_mm_available(x, m.w_gate_EDH, m.w_down_EHD)
+    for path in paths:
+        m.dispatch = path
+        got = run_with_grads(m, x, lambda x: m(x)[0])
+        torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=1e-5, msg=f"{path} forward")
+        torch.testing.assert_close(got[1], ref[1], rtol=1e-5, atol=1e-5, msg=f"{path} grad x")
+        assert got[2].keys() - {"router.weight"} == ref[2].keys() - {"router.weight"}
+        for name, g in ref[2].items():
+            torch.testing.assert_close(got[2][name], g, rtol=1e-4, atol=1e-5, msg=f"{path} grad {name}")
+
+
+@pytest.mark.skipif(not HAS_GMM, reason="torch._grouped_mm not in this torch")
+def test_expert_swiglu_grouped_backward_takes_any_gradient_layout():
+    # .sum().backward() feeds a stride-0 gradient straight into the last grouped matmul; an empty expert too.
+    torch.manual_seed(0)
+    counts = torch.tensor([3, 0, 5, 2])
+    ws = [torch.randn(4, 8, 12), torch.randn(4, 8, 12), torch.randn(4, 12, 8)]
+    x = torch.randn(10, 8)
+    res = []
+    for grouped in (True, False):
+        leaves = [w.clone().requires_grad_(True) for w in ws]
+        xl = x.clone().requires_grad_(True)
+        y = moe_mod.expert_swiglu(xl, counts, *leaves, use_grouped=grouped)
+        y.sum().backward()
+        res.append([y.detach(), xl.grad] + [w.grad for w in leaves])
+    for a, b in zip(*res):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not HAS_GMM, reason="torch._grouped_mm not in this torch")
+def test_grouped_mm_bf16_and_fallback_on_misaligned_dims():
+    m = make_moe(dim=16, expert_hidden=16, grove_groups=2, grove_hidden=16).to(torch.bfloat16)
+    x = torch.randn(29, 16, dtype=torch.bfloat16)
+    assert grouped_mm_available(x, m.w_gate_EDH, m.w_down_EHD)
+    outs = {}
+    for path in ["loop", "grouped_mm"]:
+        m.dispatch = path
+        outs[path] = run_with_grads(m, x, lambda x: m(x)[0])
+    torch.testing.assert_close(outs["grouped_mm"][0], outs["loop"][0], rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(outs["grouped_mm"][1], outs["loop"][1], rtol=2e-2, atol=2e-2)
+    # dim=6 breaks the 16-byte row alignment: "auto" must fall back to the loop, "grouped_mm" must say why.
+    m6 = make_moe(dim=6)
+    x6 = torch.randn(11, 6)
+    assert not grouped_mm_available(x6, m6.w_gate_EDH, m6.w_down_EHD)
+    torch.testing.assert_close(m6(x6)[0], dense_reference(m6, x6), rtol=1e-5, atol=1e-5)
+    m6.dispatch = "grouped_mm"
+    with pytest.raises(RuntimeError, match="16-byte"):
+        m6(x6)
+
+
+def test_grove_adjugate_once_per_token_per_group_and_eq4(monkeypatch):
+    # 8 experts in 2 groups with top-3: every token has >= 2 selected experts in one group (pigeonhole),
+    # so a per-expert adjugate would run more often than a per-group one.
+    m = make_moe(num_experts=8, top_k=3, grove_groups=2, balance_loss_weight=0.0, z_loss_weight=0.0)
+    x = torch.randn(23, 16)
+    calls = []
+    real = moe_mod.expert_swiglu
+
+    def spy(x_MD, counts_E, w_gate, *rest):
+        if w_gate is m.adj_gate_GDH:
+            calls.append((x_MD.shape[0], counts_E.tolist()))
+        return real(x_MD, counts_E, w_gate, *rest)
+
+    monkeypatch.setattr(moe_mod, "expert_swiglu", spy)
+    y, stats = m(x)
+
+    sel_TK, w_TK = reference_routing(m, x)
+    per_group = 8 // 2  # experts per group
+    hand_pairs = [{int(e) // per_group for e in row} for row in sel_TK]
+    hand_total = sum(len(s) for s in hand_pairs)
+    hand_per_group = [sum(g in s for s in hand_pairs) for g in range(2)]
+    assert hand_total < x.shape[0] * 3
+    assert calls == [(hand_total, hand_per_group)]
+    assert stats.adjugate_per_token == pytest.approx(hand_total / x.shape[0])
+    assert all(math.ceil(3 / per_group) <= len(s) <= 3 for s in hand_pairs)  # Grove's range per token
+
+    # Eq. 4 evaluated directly: y = sum_i rho_i (E_i(x) + lambda A_j(x)), token by token.
+    lam = m.cfg.grove_lambda
+    with torch.no_grad():
+        y_ref = torch.zeros_like(x)
+        for t in range(x.shape[0]):
+            for i, rho in zip(sel_TK[t].tolist(), w_TK[t]):
+                j = i // per_group
+                e_i = swiglu(x[t], m.w_gate_EDH[i], m.w_up_EDH[i], m.w_down_EHD[i])
+                a_j = swiglu(x[t], m.adj_gate_GDH[j], m.adj_up_GDH[j], m.adj_down_GHD[j])
+                y_ref[t] += rho * (e_i + lam * a_j)
+    torch.testing.assert_close(y.detach(), y_ref, rtol=1e-5, atol=1e-5)
+
+
+def imbalance(load_E: torch.Tensor) -> tuple[float, float]:
+    """(max/mean load, coefficient of variation) of per-expert loads."""
+    return float(load_E.max() / load_E.mean()), float(load_E.std(unbiased=False) / load_E.mean())
+
+
+@pytest.mark.parametrize("router", ["softmax", "sigmoid"])
+def test_loss_free_balancing_reduces_imbalance(router):
+    m = make_moe(router=router, top_k=2, bias_update_rate=0.003, grove_groups=0)
+    D = m.dim
+    gen = torch.Generator().manual_seed(1)
+    u = F.normalize(torch.randn(D, generator=gen), dim=0)
+    with torch.no_grad():  # skew: experts 0 and 1 like the inputs' common direction
+        m.router.weight.copy_(0.5 * torch.randn(8, D, generator=gen))
+        m.router.weight[:2] += 1.5 * u
+    for p in m.parameters():  # weights frozen: only the bias can fix the balance
+        p.requires_grad_(False)
+
+    def batch(n=256):
+        return torch.randn(n, D, generator=gen) + 2.0 * u
+
+    m.eval()
+    before = imbalance(m(batch(4096))[1].load_E)  # large held-out batches keep sampling noise small
+    m.train()
+    for _ in range(250):
+        m(batch())
+        m.update_bias()  # the trainer's per-optimizer-step call
+    m.eval()
+    x = batch(4096)
+    y, stats = m(x)
+    after = imbalance(stats.load_E)
+    print(f"\n[{router}] max/mean load {before[0]:.2f} -> {after[0]:.2f}, CV {before[1]:.2f} -> {after[1]:.2f}")
+    assert before[0] > 2.5 and before[1] > 0.8
+    assert after[1] < before[1] / 3 and after[0] < 0.6 * before[0]
+    if router == "sigmoid":  # the decoupled-friendly router balances tightly (Grove eq. 9-10)
+        assert after[0] < 1.25
+    assert abs(float(m.expert_bias.mean())) < 1e-6 and float(m.expert_bias.abs().max()) > 0.05
+
+    # Weights still come from the unbiased scores: the layer equals the reference that weighs the (biased)
+    # selection with unbiased scores, and not one that weighs it with biased scores.
+    r = route(x @ m.router.weight.t(), m.cfg, m.expert_bias)
+    sel_TK, w_TK = reference_routing(m, x)
+    assert torch.equal(r.experts_TK, sel_TK)
+    torch.testing.assert_close(r.weights_TK, w_TK)
+    biased_w = (r.scores_TE + m.expert_bias).gather(1, sel_TK)
+    biased_w = biased_w / biased_w.sum(-1, keepdim=True) if m.cfg.norm_topk_prob else biased_w
+    assert (biased_w - w_TK).abs().max() > 1e-2
+    torch.testing.assert_close(y, dense_reference(m, x), rtol=1e-5, atol=1e-5)
+
+
+def test_load_accumulation_update_and_all_reduce():
+    m = make_moe(bias_update_rate=1e-3)
+    x1, x2 = torch.randn(10, 16), torch.randn(7, 16)
+    m.train()
+    l1, l2 = m(x1)[1].load_E, m(x2)[1].load_E
+    assert float(l1.sum()) == 10 * 3 and float(l2.sum()) == 7 * 3
+    torch.testing.assert_close(m.load_accum, l1 + l2)
+    m.eval()
+    m(x1)
+    torch.testing.assert_close(m.load_accum, l1 + l2)  # eval does not count
+    m.train()
+    # Activation checkpointing re-runs forward inside backward; that run must not be counted again.
+    for reentrant in (False, True):
+        m.load_accum.zero_()
+        xr = x1.clone().requires_grad_(True)
+        checkpoint(lambda t: m(t)[0], xr, use_reentrant=reentrant).sum().backward()
+        torch.testing.assert_close(m.load_accum, l1)
+
+    # update_moe_biases: one all-reduce (here: 2 identical ranks) then the sign step, recentred, accumulator reset.
+    m.load_accum.copy_(l1 + l2)
+    expected = m.expert_bias + 1e-3 * torch.sign(2 * (l1 + l2).mean() - 2 * (l1 + l2))
+    expected -= expected.mean()
+    seen = []
+    update_moe_biases(torch.nn.Sequential(m), all_reduce=lambda t: seen.append(t.clone()) or t * 2)
+    assert len(seen) == 1 and torch.equal(seen[0], l1 + l2)
+    torch.testing.assert_close(m.expert_bias, expected)
+    assert float(m.load_accum.abs().sum()) == 0
+
+    # Off: the bias never moves. bf16 cast: balancing state stays fp32.
+    m_off = make_moe(loss_free_balancing=False)
+    m_off.train()
+    m_off(x1)
+    assert float(m_off.load_accum.sum()) == 0
+    m_off.update_bias(l1)
+    assert float(m_off.expert_bias.abs().sum()) == 0
+    mb = make_moe().to(torch.bfloat16)
+    assert mb.expert_bias.dtype == torch.float32 and mb.load_accum.dtype == torch.float32
+    assert mb.w_gate_EDH.dtype == torch.bfloat16
+
+
+def test_softmax_router_matches_mixtral_formula_and_qwen_norm_false():
+    torch.manual_seed(3)
+    logits = torch.randn(9, 8)
+    cfg = MoEConfig(num_experts=8, top_k=2, norm_topk_prob=True, loss_free_balancing=False)
+    r = route(logits, cfg, None)
+    top_logits, top_idx = logits.topk(2, dim=-1)
+    assert torch.equal(r.experts_TK, top_idx)
+    torch.testing.assert_close(r.weights_TK, top_logits.softmax(-1))  # Mixtral: softmax over selected logits
+    r_raw = route(logits, MoEConfig(num_experts=8, top_k=2, norm_topk_prob=False, loss_free_balancing=False), None)
+    torch.testing.assert_close(r_raw.weights_TK, logits.softmax(-1).gather(1, top_idx))  # Qwen norm_topk_prob=False
+
+
+@pytest.mark.parametrize("arch,norm", [("mixtral", True), ("qwen3", True), ("qwen3", False)])
+def test_matches_hf_sparse_moe_block(arch, norm):
+    """Same weights -> same outputs as transformers' Mixtral / Qwen3-MoE blocks (what conversion relies on)."""
+    D, E, H, K = 16, 8, 12, 2
+    if arch == "mixtral":
+        from transformers import MixtralConfig
+        from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock as Block
+        hf_cfg = MixtralConfig(hidden_size=D, intermediate_size=H, num_local_experts=E, num_experts_per_tok=K)
+    else:
+        from transformers import Qwen3MoeConfig
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock as Block
+        hf_cfg = Qwen3MoeConfig(hidden_size=D, moe_intermediate_size=H, num_experts=E, num_experts_per_tok=K,
+                                norm_topk_prob=norm)
+    torch.manual_seed(0)
+    hf = Block(hf_cfg).eval()
+    ours = MoE(MoEConfig(num_experts=E, top_k=K, expert_hidden=H, norm_topk_prob=norm), D).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, 0.3)
+        ours.router.weight.copy_(hf.gate.weight)
+        gate_up = hf.experts.gate_up_proj  # [E, 2H, D], applied as x @ W^T
+        ours.w_gate_EDH.copy_(gate_up[:, :H].transpose(1, 2))
+        ours.w_up_EDH.copy_(gate_up[:, H:].transpose(1, 2))
+        ours.w_down_EHD.copy_(hf.experts.down_proj.transpose(1, 2))
+        x = torch.randn(2, 11, D)
+        torch.testing.assert_close(ours(x.view(-1, D))[0], hf(x).view(-1, D), rtol=1e-5, atol=1e-5)
+
+
+def test_balance_and_z_loss_values_and_sigmoid_router():
+    # Hand-made: 2 tokens, 4 experts, top-1 picks experts 0 and 1 -> f = [.5, .5, 0, 0], P = [.4, .4, .1, .1].
+    scores = torch.tensor([[0.7, 0.1, 0.1, 0.1], [0.1, 0.7, 0.1, 0.1]])
+    sel = torch.tensor([[0], [1]])
+    assert float(switch_balance_loss(scores, sel, False)) == pytest.approx(4 * (0.5 * 0.4 + 0.5 * 0.4))
+    # Sigmoid scores are normalised per token first: doubling them changes nothing.
+    assert float(switch_balance_loss(2 * scores, sel, True)) == pytest.approx(1.6)
+    assert float(router_z_loss(torch.tensor([[0.0, 0.0], [math.log(3.0), 0.0]]))) == pytest.approx(
+        (math.log(2.0) ** 2 + math.log(4.0) ** 2) / 2)
+
+    # A uniform router (zero weights): balance loss is exactly 1 whatever the tie-break, z-loss log(E)^2.
+    m = make_moe(balance_loss_weight=0.5, z_loss_weight=0.25, loss_free_balancing=False)
+    with torch.no_grad():
+        m.router.weight.zero_()
+    aux = m(torch.randn(12, 16))[1].aux_loss.detach()
+    assert float(aux) == pytest.approx(0.5 * 1.0 + 0.25 * math.log(8) ** 2, rel=1e-5)
+
+    # Sigmoid router: weights are sigmoid(selected logits) renormalised, output matches the dense reference,
+    # and the aux loss trains the router.
+    m = make_moe(router="sigmoid", norm_topk_prob=True, balance_loss_weight=0.1, z_loss_weight=0.01)
+    x = torch.randn(20, 16)
+    logits = x @ m.router.weight.t()
+    r = route(logits, m.cfg, m.expert_bias)
+    top = logits.sigmoid().topk(3, dim=-1)
+    torch.testing.assert_close(r.weights_TK, top.values / top.values.sum(-1, keepdim=True))
+    y, stats = m(x)
+    torch.testing.assert_close(y, dense_reference(m, x), rtol=1e-5, atol=1e-5)
+    stats.aux_loss.backward()
+    assert m.router.weight.grad is not None and float(m.router.weight.grad.abs().sum()) > 0
+
+
+def test_bad_input_and_config_errors():
+    with pytest.raises(ConfigError, match="top_k"):
+        MoE(MoEConfig(num_experts=4, top_k=5), 16)
+    with pytest.raises(ConfigError, match="grove_groups"):
+        MoE(MoEConfig(num_experts=8, grove_groups=3), 16)
+    m = make_moe()
+    with pytest.raises(ValueError, match=r"\[tokens, 16\]"):
+        m(torch.randn(2, 3, 16))
+    with pytest.raises(ValueError, match="load_E"):
+        m.update_bias(torch.ones(3))
+    y, stats = make_moe(grove_groups=2, num_shared_experts=1)(torch.randn(0, 16))  # no valid tokens
+    assert y.shape == (0, 16) and float(stats.load_E.sum()) == 0 and stats.adjugate_per_token == 0.0

@@ -1,0 +1,60 @@
+"""`vlm convert SRC --out DIR`: turn a pretrained MoE into a ConceptMoE for continual training."""
+from __future__ import annotations
+
+import argparse
+import shutil
+from pathlib import Path
+
+from vlm.config import ConfigError
+
+
+def _loop(text: str) -> tuple[int, int, int]:
+    try:
+        s, e, t = (int(v) for v in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--loop {text!r}: expected START:END:TIMES, e.g. 4:12:1") from None
+    return s, e, t
+
+
+def add_convert_command(sub) -> None:
+    p = sub.add_parser("convert", help="convert a pretrained MoE (ours, Qwen3-MoE, Mixtral) into a ConceptMoE")
+    p.add_argument("source", help="local checkpoint directory (config.json + safetensors)")
+    p.add_argument("--out", required=True, help="output directory (transformers format)")
+    p.add_argument("--encoder-layers", type=int, default=2)
+    p.add_argument("--decoder-layers", type=int, default=2)
+    p.add_argument("--joint-layers", type=int, default=-1, help="decoder layers with joint decoding (-1 = all)")
+    p.add_argument("--ratio", type=float, default=2.0, help="target compression ratio R")
+    p.add_argument("--concept-top-k", type=int, default=None, help="strategy 1: activated experts in the concept model")
+    p.add_argument("--loop", type=_loop, default=None, help="strategy 2: START:END:TIMES concept-layer loops")
+    p.add_argument("--tol", type=float, default=0.02, help="allowed per-token FLOPs mismatch vs the source")
+    p.set_defaults(func=run_convert)
+
+
+def run_convert(args) -> int:
+    from vlm.model.convert import ConvertOptions, convert
+    from vlm.model.flops import count_params, flops_per_token
+    from vlm.model.hf import save_pretrained
+
+    opt = ConvertOptions(args.encoder_layers, args.decoder_layers, args.joint_layers, args.ratio,
+                         args.concept_top_k, args.loop)
+    model, base = convert(args.source, opt)
+    cfg = model.model_cfg
+    f_base, f_new = flops_per_token(base)["total"], flops_per_token(cfg, args.ratio)["total"]
+    p_base, p_new = count_params(base)["total"], count_params(cfg)["total"]
+    print(f"source: {p_base / 1e6:.2f}M params, {f_base / 1e6:.2f} MFLOPs/token")
+    print(f"converted (R={args.ratio}): {p_new / 1e6:.2f}M params ({p_new / p_base:.4f}x), "
+          f"{f_new / 1e6:.2f} MFLOPs/token ({f_new / f_base:.4f}x)")
+    if abs(f_new / f_base - 1) > args.tol:
+        print(f"warning: per-token FLOPs differ from the source by {100 * abs(f_new / f_base - 1):.1f}% "
+              f"(> {100 * args.tol:.0f}%); adjust --concept-top-k / --loop (see `vlm flops`)")
+    out = Path(args.out)
+    save_pretrained(model, out)
+    src = Path(args.source)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "byte_tokenizer.json"):
+        if (src / name).is_file():
+            shutil.copy(src / name, out / name)
+    print(f"wrote {out}")
+    return 0
+
+
+__all__ = ["add_convert_command", "run_convert", "ConfigError"]

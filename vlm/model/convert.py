@@ -1,0 +1,154 @@
+"""MoE -> ConceptMoE conversion for continual training (ConceptMoE section 4.3, Figure 3).
+
+All pretrained weights are kept: the first layers become the encoder, the last the decoder, the rest the
+concept model. Added: a randomly initialised chunk module, the dechunk with a zero-initialised residual
+projection, and zero-initialised joint-decoding projections in the last decoder layers. With every
+boundary forced on (p = 1) the converted model reproduces the source logits exactly; reallocation
+(more active experts, concept-layer loops) is applied on top and checked with the FLOPs accounting.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+
+from vlm.config import ConfigError
+from vlm.model.config import ChunkConfig, ModelConfig, MoEConfig
+from vlm.model.multimodal import ConceptMoEVLM
+
+SUPPORTED = ("qwen3_moe", "mixtral")
+
+
+@dataclasses.dataclass
+class ConvertOptions:
+    encoder_layers: int = 2
+    decoder_layers: int = 2
+    joint_decoding_layers: int = -1
+    target_ratio: float = 2.0
+    concept_top_k: int | None = None       # strategy 1: more activated experts in the concept model
+    loop: tuple[int, int, int] | None = None  # strategy 2: (start, end, times) concept-layer loops
+
+    def validate(self, total_layers: int) -> None:
+        if self.encoder_layers < 1 or self.decoder_layers < 1 or self.encoder_layers + self.decoder_layers >= total_layers:
+            raise ConfigError(f"encoder_layers={self.encoder_layers} + decoder_layers={self.decoder_layers} must leave at "
+                              f"least one concept layer of the source's {total_layers}")
+
+
+def _split(n_layers: int, opt: ConvertOptions) -> tuple[range, range, range]:
+    e, d = opt.encoder_layers, opt.decoder_layers
+    return range(0, e), range(e, n_layers - d), range(n_layers - d, n_layers)
+
+
+def hf_model_config(hf_cfg, opt: ConvertOptions) -> ModelConfig:
+    """Our ModelConfig (chunking off) that is the same network as a transformers Qwen3-MoE / Mixtral config."""
+    mt = hf_cfg.model_type
+    if mt not in SUPPORTED:
+        raise ConfigError(f"model_type {mt!r} is not supported for conversion; supported: {', '.join(SUPPORTED)}")
+    n = hf_cfg.num_hidden_layers
+    opt.validate(n)
+    if mt == "qwen3_moe":
+        if getattr(hf_cfg, "mlp_only_layers", None) or getattr(hf_cfg, "decoder_sparse_step", 1) != 1:
+            raise ConfigError("qwen3_moe with dense (mlp_only) layers is not supported: every layer must be MoE")
+        moe = MoEConfig(num_experts=hf_cfg.num_experts, top_k=hf_cfg.num_experts_per_tok,
+                        expert_hidden=hf_cfg.moe_intermediate_size, norm_topk_prob=hf_cfg.norm_topk_prob,
+                        loss_free_balancing=False)
+        qk_norm = True
+    else:
+        moe = MoEConfig(num_experts=hf_cfg.num_local_experts, top_k=hf_cfg.num_experts_per_tok,
+                        expert_hidden=hf_cfg.intermediate_size, norm_topk_prob=True, loss_free_balancing=False)
+        qk_norm = False
+    rope = getattr(hf_cfg, "rope_parameters", None) or {}
+    theta = rope.get("rope_theta", getattr(hf_cfg, "rope_theta", 10000.0))
+    head_dim = getattr(hf_cfg, "head_dim", None) or hf_cfg.hidden_size // hf_cfg.num_attention_heads
+    enc, con, dec = _split(n, opt)
+    return ModelConfig(vocab_size=hf_cfg.vocab_size, hidden_size=hf_cfg.hidden_size,
+                       num_heads=hf_cfg.num_attention_heads, num_kv_heads=hf_cfg.num_key_value_heads,
+                       head_dim=head_dim, qk_norm=qk_norm, rope_theta=float(theta), norm_eps=hf_cfg.rms_norm_eps,
+                       encoder_layers=len(enc), concept_layers=len(con), decoder_layers=len(dec), moe=moe,
+                       chunk=ChunkConfig(enabled=False), tie_embeddings=bool(hf_cfg.tie_word_embeddings))
+
+
+def hf_state_dict_to_ours(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Rename/reshape a transformers MoE state dict into ConceptMoEVLM keys (`lm.` prefix)."""
+    n = cfg.encoder_layers + cfg.concept_layers + cfg.decoder_layers
+    stacks = [("encoder", i) for i in range(cfg.encoder_layers)] + [("concept", i) for i in range(cfg.concept_layers)] + \
+             [("decoder", i) for i in range(cfg.decoder_layers)]
+    out = {"lm.embed.weight": sd["model.embed_tokens.weight"], "lm.norm.weight": sd["model.norm.weight"],
+           "lm.lm_head.weight": sd.get("lm_head.weight", sd["model.embed_tokens.weight"])}
+    H = cfg.moe.expert_hidden
+    for j in range(n):
+        stack, i = stacks[j]
+        src, dst = f"model.layers.{j}.", f"lm.{stack}.{i}."
+        for p in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"):
+            if f"{src}self_attn.{p}.weight" in sd:
+                out[f"{dst}attn.{p}.weight"] = sd[f"{src}self_attn.{p}.weight"]
+        out[f"{dst}attn_norm.weight"] = sd[f"{src}input_layernorm.weight"]
+        out[f"{dst}ffn_norm.weight"] = sd[f"{src}post_attention_layernorm.weight"]
+        out[f"{dst}moe.router.weight"] = sd[f"{src}mlp.gate.weight"]
+        gate_up = sd[f"{src}mlp.experts.gate_up_proj"]            # [E, 2H, D], gate first
+        out[f"{dst}moe.w_gate_EDH"] = gate_up[:, :H].transpose(1, 2).contiguous()
+        out[f"{dst}moe.w_up_EDH"] = gate_up[:, H:].transpose(1, 2).contiguous()
+        out[f"{dst}moe.w_down_EHD"] = sd[f"{src}mlp.experts.down_proj"].transpose(1, 2).contiguous()  # [E, D, H]
+    return out
+
+
+def to_conceptmoe_config(base: ModelConfig, opt: ConvertOptions) -> ModelConfig:
+    """Enable chunking the conversion way (zero residual projection and joint decoding) and apply reallocation."""
+    chunk = ChunkConfig(enabled=True, target_ratio=opt.target_ratio, merge="last", residual="linear",
+                        joint_decoding_layers=opt.joint_decoding_layers, joint_decoding_zero_init=True)
+    cfg = dataclasses.replace(base, chunk=chunk)
+    if opt.concept_top_k is not None:
+        cfg = dataclasses.replace(cfg, concept_moe=dataclasses.replace(base.c_moe, top_k=opt.concept_top_k))
+    if opt.loop is not None:
+        s, e, t = opt.loop
+        cfg = dataclasses.replace(cfg, loop_start=s, loop_end=e, loop_times=t)
+    cfg.validate()
+    return cfg
+
+
+def convert_state(source: ConceptMoEVLM | dict[str, torch.Tensor], cfg: ModelConfig, vision_cfg=None) -> ConceptMoEVLM:
+    """Build the ConceptMoE and load every pretrained tensor; new parts get their conversion init."""
+    model = ConceptMoEVLM(cfg, vision_cfg)
+    sd = source.state_dict() if isinstance(source, torch.nn.Module) else source
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    if unexpected:
+        raise ValueError(f"source tensors with no place in the ConceptMoE: {unexpected[:5]}")
+    new_parts = ("lm.chunker.", "lm.dechunk.", ".attn.cq_proj", ".attn.ck_proj", ".attn.cv_proj", ".attn.concept_norm",
+                 ".moe.expert_bias", ".moe.load_accum")  # balancing state starts fresh
+    lost = [k for k in missing if not any(p in k for p in new_parts)]
+    if lost:
+        raise ValueError(f"pretrained tensors missing from the source: {lost[:5]}")
+    with torch.no_grad():
+        model.lm.dechunk.residual.weight.zero_()
+        model.lm.zero_joint_projections()
+    return model
+
+
+def load_source(path: str | Path, opt: ConvertOptions):
+    """A local directory: our own exported baseline, or a transformers Qwen3-MoE / Mixtral checkpoint."""
+    path = Path(path)
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise ConfigError(f"{path}: no config.json; expected a transformers checkpoint directory")
+    model_type = json.loads(cfg_file.read_text()).get("model_type")
+    from vlm.model.hf import MODEL_TYPE, load_vlm
+    if model_type == MODEL_TYPE:
+        src = load_vlm(path)
+        if src.model_cfg.chunk.enabled:
+            raise ConfigError(f"{path} is already a ConceptMoE (chunk.enabled=true)")
+        return src.state_dict(), src.model_cfg, src.vision_cfg
+    from transformers import AutoConfig, AutoModelForCausalLM
+    hf_cfg = AutoConfig.from_pretrained(str(path))
+    base = hf_model_config(hf_cfg, opt)
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    return hf_state_dict_to_ours(hf.state_dict(), base), base, None
+
+
+def convert(path: str | Path, opt: ConvertOptions) -> tuple[ConceptMoEVLM, ModelConfig]:
+    """Returns the converted model and the source's (baseline) config."""
+    sd, base, vision_cfg = load_source(path, opt)
+    if base.encoder_layers == 0 or base.decoder_layers == 0:  # our own baseline may put every layer in the middle
+        raise ConfigError("the source baseline needs encoder_layers >= 1 and decoder_layers >= 1")
+    return convert_state(sd, to_conceptmoe_config(base, opt), vision_cfg), base

@@ -1,0 +1,132 @@
+"""transformers integration: a PreTrainedModel wrapper, AutoModel registration and export.
+
+`final/` directories written by `save_pretrained` load with `AutoModelForCausalLM.from_pretrained(dir)` after
+`import vlm`. The wrapper's forward takes ordinary (left- or right-padded) `input_ids`/`attention_mask`;
+each row is one document. Generation is cache-free for now: every step re-runs the full forward.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PretrainedConfig, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from vlm.batch import IGNORE_INDEX, IMAGE, TEXT, PackedBatch
+from vlm.config import from_dict, to_dict
+from vlm.model.config import ModelConfig
+from vlm.model.layers import positions_in_doc
+from vlm.model.multimodal import ConceptMoEVLM
+
+MODEL_TYPE = "conceptmoe_vlm"
+
+
+class ConceptMoEConfig(PretrainedConfig):
+    model_type = MODEL_TYPE
+
+    def __init__(self, model: dict | None = None, vision: dict | None = None, image_pad_id: int = -1, **kwargs):
+        self.model = model or {}
+        self.vision = vision
+        self.image_pad_id = image_pad_id
+        mc = from_dict(ModelConfig, self.model)
+        # transformers' generate/save read these standard names.
+        kwargs.setdefault("vocab_size", mc.vocab_size)
+        kwargs.setdefault("hidden_size", mc.hidden_size)
+        kwargs.setdefault("num_hidden_layers", mc.encoder_layers + mc.concept_layers + mc.decoder_layers)
+        kwargs.setdefault("num_attention_heads", mc.num_heads)
+        kwargs["tie_word_embeddings"] = mc.tie_embeddings
+        super().__init__(**kwargs)
+
+    def build_configs(self):
+        mc = from_dict(ModelConfig, self.model)
+        vc = None
+        if self.vision is not None:
+            from vision.config import VisionConfig
+            vc = from_dict(VisionConfig, self.vision)
+        return mc, vc
+
+
+class ConceptMoEForCausalLM(PreTrainedModel, GenerationMixin):
+    config_class = ConceptMoEConfig
+    base_model_prefix = "vlm"
+    main_input_name = "input_ids"
+    _supports_cache_class = False
+
+    def __init__(self, config: ConceptMoEConfig, vlm: ConceptMoEVLM | None = None):
+        super().__init__(config)
+        self.vlm = vlm if vlm is not None else ConceptMoEVLM(*config.build_configs())
+        if config.tie_word_embeddings:
+            self._tied_weights_keys = {"vlm.lm.lm_head.weight": "vlm.lm.embed.weight"}
+        self.post_init()
+
+    def _init_weights(self, module):  # the wrapped model initialises itself
+        pass
+
+    def get_input_embeddings(self):
+        return self.vlm.lm.embed
+
+    def get_output_embeddings(self):
+        return self.vlm.lm.lm_head
+
+    def to_batch(self, input_ids, attention_mask=None, pixel_patches=None, patch_coords=None, image_grids=None,
+                 labels=None) -> PackedBatch:
+        """One document per row; padding (attention_mask 0) becomes doc id -1 wherever it sits."""
+        mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+        doc = torch.where(mask, torch.zeros_like(input_ids), torch.full_like(input_ids, -1))
+        modality = torch.full_like(input_ids, TEXT)
+        if self.config.image_pad_id >= 0:
+            modality = torch.where((input_ids == self.config.image_pad_id) & mask, IMAGE, TEXT)
+        if labels is None:
+            labels = torch.full_like(input_ids, IGNORE_INDEX)
+        else:  # HF convention: labels aligned with inputs; ours are already shifted
+            labels = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE_INDEX)], 1)
+        return PackedBatch(input_ids, labels, doc, positions_in_doc(doc), modality,
+                           pixel_patches, patch_coords, image_grids)
+
+    def forward(self, input_ids=None, attention_mask=None, pixel_patches=None, patch_coords=None, image_grids=None,
+                labels=None, return_dict=True, **kwargs):
+        batch = self.to_batch(input_ids, attention_mask, pixel_patches, patch_coords, image_grids, labels)
+        out = self.vlm(batch)
+        self.last_stats = out.stats
+        return CausalLMOutputWithPast(loss=out.lm_loss if labels is not None else None, logits=out.logits)
+
+    def prepare_inputs_for_generation(self, input_ids, attention_mask=None, pixel_patches=None, patch_coords=None,
+                                      image_grids=None, **kwargs):
+        # No KV cache yet: the whole prefix is re-encoded each step (concept-level caches are a later issue).
+        return {"input_ids": input_ids, "attention_mask": attention_mask, "pixel_patches": pixel_patches,
+                "patch_coords": patch_coords, "image_grids": image_grids}
+
+
+def register() -> None:
+    try:
+        AutoConfig.register(MODEL_TYPE, ConceptMoEConfig)
+        AutoModelForCausalLM.register(ConceptMoEConfig, ConceptMoEForCausalLM)
+    except ValueError:  # already registered
+        pass
+
+
+def hf_config_for(model: ConceptMoEVLM, image_pad_id: int = -1) -> ConceptMoEConfig:
+    vision = to_dict(model.vision_cfg) if model.vision_cfg is not None else None
+    return ConceptMoEConfig(model=to_dict(model.model_cfg), vision=vision, image_pad_id=image_pad_id)
+
+
+def save_pretrained(model: ConceptMoEVLM, out_dir: str | Path, tokenizer=None) -> Path:
+    """Export the training model (and its tokenizer) as a transformers checkpoint directory."""
+    out_dir = Path(out_dir)
+    image_pad_id = getattr(tokenizer, "image_pad_id", -1) if tokenizer is not None else -1
+    wrapper = ConceptMoEForCausalLM(hf_config_for(model, image_pad_id), vlm=model)
+    if tokenizer is not None:
+        wrapper.config.eos_token_id = tokenizer.eos_id
+        wrapper.config.pad_token_id = tokenizer.pad_id
+        wrapper.config.bos_token_id = tokenizer.bos_id
+        tokenizer.save(out_dir)
+    wrapper.save_pretrained(out_dir)
+    return out_dir
+
+
+def load_vlm(path: str | Path) -> ConceptMoEVLM:
+    """The training-side model from an exported directory."""
+    return ConceptMoEForCausalLM.from_pretrained(str(path)).vlm
+
+
+register()

@@ -1,0 +1,355 @@
+"""Mixture-of-experts feed-forward layer.
+
+Top-k router (softmax or sigmoid scores, routing in fp32), SwiGLU experts dispatched by sorting the
+token->expert assignments by expert and running each expert on its contiguous slice (one
+`torch._grouped_mm` per projection where it is available, else a loop over experts), optional
+always-on shared experts, Grove MoE adjugate experts computed once per token per group (Grove eq. 2-5),
+a Switch balance loss, a router z-loss and auxiliary-loss-free balancing: a per-expert bias used only to
+select experts (Grove eq. 6), moved after each optimizer step from the accumulated expert loads.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Literal
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from vlm.model.config import MoEConfig
+
+Dispatch = Literal["auto", "grouped_mm", "loop"]
+
+
+@dataclass
+class MoEStats:
+    aux_loss: torch.Tensor        # balance_loss_weight * switch balance + z_loss_weight * z-loss (scalar)
+    load_E: torch.Tensor          # [E] float: token->expert assignments per expert in this call (detached)
+    adjugate_per_token: float     # adjugate-expert evaluations / tokens (0 when Grove is off)
+
+
+@dataclass
+class Routing:
+    logits_TE: torch.Tensor       # fp32 router logits
+    scores_TE: torch.Tensor       # unbiased scores rho (eq. 10)
+    experts_TK: torch.Tensor      # selected experts (int64), selected with the bias when enabled (eq. 6)
+    weights_TK: torch.Tensor      # fp32 combine weights, from the unbiased scores
+
+
+# ----------------------------------------------------------------------------- routing
+
+
+def router_scores(logits_TE: torch.Tensor, kind: str) -> torch.Tensor:
+    """Grove eq. 10: softmax scores rho^(h) or sigmoid scores rho^(sigma) from the router logits."""
+    if kind == "softmax":
+        return logits_TE.softmax(dim=-1)
+    if kind == "sigmoid":
+        return logits_TE.sigmoid()
+    raise ValueError(f"MoEConfig.router: got {kind!r}, allowed values: 'softmax', 'sigmoid'")
+
+
+def select_experts(scores_TE: torch.Tensor, bias_E: torch.Tensor | None, top_k: int) -> torch.Tensor:
+    """Grove eq. 6: argtopk(rho + b). The bias only changes which experts are chosen, never their weights."""
+    biased_TE = scores_TE if bias_E is None else scores_TE + bias_E.to(scores_TE.dtype)
+    return biased_TE.topk(top_k, dim=-1).indices
+
+
+def combine_weights(scores_TE: torch.Tensor, experts_TK: torch.Tensor, normalise: bool) -> torch.Tensor:
+    """Grove eq. 1 / 6: rho_i of the selected experts, optionally renormalised to sum to 1 per token.
+
+    With softmax scores the renormalised weights equal Mixtral's softmax over the selected logits.
+    """
+    w_TK = scores_TE.gather(1, experts_TK)
+    if normalise:
+        w_TK = w_TK / w_TK.sum(dim=-1, keepdim=True).clamp_min(1e-20)
+    return w_TK
+
+
+def route(logits_TE: torch.Tensor, cfg: MoEConfig, bias_E: torch.Tensor | None) -> Routing:
+    logits_TE = logits_TE.float()
+    scores_TE = router_scores(logits_TE, cfg.router)
+    # Selection is a discrete choice: no gradient flows through it, only through the gathered scores.
+    with torch.no_grad():
+        experts_TK = select_experts(scores_TE, bias_E if cfg.loss_free_balancing else None, cfg.top_k)
+    weights_TK = combine_weights(scores_TE, experts_TK, cfg.norm_topk_prob)
+    return Routing(logits_TE, scores_TE, experts_TK, weights_TK)
+
+
+def expert_load(experts_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Grove eq. 7 (unnormalised): number of assignments per expert, F_i * k * T. index_add avoids a host sync."""
+    flat = experts_TK.reshape(-1)
+    return torch.zeros(num_experts, dtype=torch.float32, device=flat.device).index_add_(
+        0, flat, torch.ones(flat.shape, dtype=torch.float32, device=flat.device))
+
+
+def switch_balance_loss(scores_TE: torch.Tensor, experts_TK: torch.Tensor, normalise_scores: bool) -> torch.Tensor:
+    """Switch Transformer balance loss E * sum_i f_i P_i (f_i: share of assignments, P_i: mean score).
+
+    Equals 1 for a perfectly uniform router. Sigmoid scores do not sum to 1, so they are normalised per
+    token first. HF's `load_balancing_loss_func` divides f by tokens rather than assignments (k times ours).
+    """
+    num_experts = scores_TE.shape[-1]
+    probs_TE = scores_TE / scores_TE.sum(-1, keepdim=True).clamp_min(1e-20) if normalise_scores else scores_TE
+    f_E = expert_load(experts_TK, num_experts) / max(experts_TK.numel(), 1)
+    return num_experts * (f_E * probs_TE.mean(dim=0)).sum()
+
+
+def router_z_loss(logits_TE: torch.Tensor) -> torch.Tensor:
+    """ST-MoE router z-loss: mean over tokens of logsumexp(logits)^2."""
+    return logits_TE.float().logsumexp(dim=-1).square().mean()
+
+
+def loss_free_bias_step(bias_E: torch.Tensor, load_E: torch.Tensor, rate: float) -> torch.Tensor:
+    """Grove eq. 8 (sign form of DeepSeek-V3 / torchtitan): b <- b + rate * sign(mean load - load), recentred.
+
+    Grove normalises F - Q by its RMS; the sign update is the same direction with unit step per expert,
+    which is what DeepSeek-V3 and torchtitan use with rate ~1e-3. Recentring keeps the mean bias at 0.
+    """
+    load_E = load_E.to(bias_E.dtype)
+    new_E = bias_E + rate * torch.sign(load_E.mean() - load_E)
+    return new_E - new_E.mean()
+
+
+# ----------------------------------------------------------------------------- Grove adjugate experts
+
+
+def expert_group(experts_TK: torch.Tensor, experts_per_group: int) -> torch.Tensor:
+    """Grove eq. 2: expert i (0-based) belongs to group floor(i / (n/g))."""
+    return torch.div(experts_TK, experts_per_group, rounding_mode="floor")
+
+
+def group_routing_weights(groups_TK: torch.Tensor, weights_TK: torch.Tensor, num_groups: int
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Grove eq. 5: per token and group, the summed weights (rho_r + rho_s + ...) of its selected experts
+    in that group, and whether the group has any selected expert (its adjugate then runs once)."""
+    T = groups_TK.shape[0]
+    rho_TG = torch.zeros(T, num_groups, dtype=weights_TK.dtype, device=weights_TK.device)
+    rho_TG = rho_TG.scatter_add(1, groups_TK, weights_TK)
+    active_TG = torch.zeros(T, num_groups, dtype=torch.bool, device=groups_TK.device)
+    active_TG.scatter_(1, groups_TK, torch.ones_like(groups_TK, dtype=torch.bool))
+    return rho_TG, active_TG
+
+
+def adjugate_contribution(x_TD: torch.Tensor, rho_TG: torch.Tensor, active_TG: torch.Tensor, lam: float,
+                          w_gate_GDH: torch.Tensor, w_up_GDH: torch.Tensor, w_down_GHD: torch.Tensor,
+                          use_grouped: bool) -> tuple[torch.Tensor, int]:
+    """Grove eq. 3-5: sum over active groups j of lambda * (sum of rho in G_j) * A_j(x), each A_j once.
+
+    Returns the [T, D] contribution and the number of adjugate evaluations.
+    """
+    # Group-major order puts each adjugate expert's tokens on one contiguous slice.
+    g_idx, t_idx = active_TG.t().nonzero(as_tuple=True)
+    counts_G = active_TG.sum(dim=0)
+    a_MD = expert_swiglu(x_TD[t_idx], counts_G, w_gate_GDH, w_up_GDH, w_down_GHD, use_grouped)
+    scale_M = (lam * rho_TG[t_idx, g_idx]).to(a_MD.dtype)
+    out_TD = torch.zeros_like(x_TD).index_add_(0, t_idx, a_MD * scale_M[:, None])
+    return out_TD, int(t_idx.numel())
+
+
+# ----------------------------------------------------------------------------- expert computation
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient contiguous (`_grouped_mm`'s backward needs it,
+    and e.g. `out.sum().backward()` hands in a stride-0 gradient)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.contiguous()
+
+
+def grouped_mm_available(x_MD: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """Whether `torch._grouped_mm` can run these operands: it exists, the dtype is supported on this device,
+    and every row stride is a multiple of 16 bytes (its alignment rule)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    dev = x_MD.device.type
+    if dev == "cpu":
+        ok_dtypes = (torch.float32, torch.bfloat16, torch.float16)
+    elif dev == "cuda":
+        # The fast kernel is bf16 on Hopper and newer; elsewhere the loop is as good.
+        ok_dtypes = (torch.bfloat16,) if torch.cuda.get_device_capability(x_MD.device) >= (9, 0) else ()
+    else:
+        ok_dtypes = ()
+    if x_MD.dtype not in ok_dtypes:
+        return False
+    size = x_MD.element_size()
+    dims = [x_MD.shape[-1]] + [d for w in weights for d in w.shape[-2:]]
+    return all((d * size) % 16 == 0 for d in dims)
+
+
+def _gmm(x_MK: torch.Tensor, w_EKN: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+    return _ContiguousGrad.apply(torch._grouped_mm(x_MK, w_EKN, offs=offs_E))
+
+
+def expert_swiglu(x_MD: torch.Tensor, counts_E: torch.Tensor, w_gate_EDH: torch.Tensor, w_up_EDH: torch.Tensor,
+                  w_down_EHD: torch.Tensor, use_grouped: bool) -> torch.Tensor:
+    """Run expert e's SwiGLU, down(silu(x @ gate) * (x @ up)), on rows [offs[e-1], offs[e]) of the
+    expert-sorted x_MD. `counts_E` is the number of rows per expert."""
+    dt = x_MD.dtype
+    wg, wu, wd = w_gate_EDH.to(dt), w_up_EDH.to(dt), w_down_EHD.to(dt)
+    if use_grouped:
+        offs_E = counts_E.cumsum(0).to(torch.int32)
+        x_MD = x_MD.contiguous()
+        return _gmm(F.silu(_gmm(x_MD, wg, offs_E)) * _gmm(x_MD, wu, offs_E), wd, offs_E)
+    pieces = []
+    for e, x_ND in enumerate(x_MD.split(counts_E.tolist())):
+        if x_ND.shape[0]:
+            pieces.append((F.silu(x_ND @ wg[e]) * (x_ND @ wu[e])) @ wd[e])
+    return torch.cat(pieces) if pieces else x_MD.new_zeros(0, wd.shape[-1])
+
+
+class SwiGLU(nn.Module):
+    """Dense SwiGLU MLP with HF names (gate_proj, up_proj, down_proj): the shared experts."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _inside_backward() -> bool:
+    # Activation checkpointing re-runs forward during backward; its loads were already counted.
+    fn = getattr(torch._C, "_current_graph_task_id", None)
+    return fn is not None and fn() != -1
+
+
+# ----------------------------------------------------------------------------- the layer
+
+
+class MoE(nn.Module):
+    """Top-k routed SwiGLU experts (+ shared experts, + Grove adjugate experts) on a flat set of tokens."""
+
+    def __init__(self, cfg: MoEConfig, dim: int, init_std: float = 0.02):
+        super().__init__()
+        cfg.validate()
+        if dim < 1:
+            raise ValueError(f"MoE: dim must be >= 1, got {dim}")
+        self.cfg, self.dim, self.num_experts = cfg, dim, cfg.num_experts
+        # "auto": grouped_mm when grouped_mm_available(), else the per-expert loop. Settable for tests/benchmarks.
+        self.dispatch: Dispatch = "auto"
+        E, H = cfg.num_experts, cfg.expert_hidden
+        self.router = nn.Linear(dim, E, bias=False)
+        self.w_gate_EDH = nn.Parameter(torch.empty(E, dim, H))
+        self.w_up_EDH = nn.Parameter(torch.empty(E, dim, H))
+        self.w_down_EHD = nn.Parameter(torch.empty(E, H, dim))
+        self.shared = SwiGLU(dim, cfg.num_shared_experts * cfg.shared_hidden) if cfg.num_shared_experts else None
+        if cfg.grove_groups:
+            G, A = cfg.grove_groups, cfg.grove_hidden
+            self.adj_gate_GDH = nn.Parameter(torch.empty(G, dim, A))
+            self.adj_up_GDH = nn.Parameter(torch.empty(G, dim, A))
+            self.adj_down_GHD = nn.Parameter(torch.empty(G, A, dim))
+        self.register_buffer("expert_bias", torch.zeros(E), persistent=True)
+        self.register_buffer("load_accum", torch.zeros(E), persistent=True)
+        self.reset_parameters(init_std)
+
+    @torch.no_grad()
+    def reset_parameters(self, init_std: float = 0.02) -> None:
+        for p in self.parameters():
+            nn.init.normal_(p, mean=0.0, std=init_std)
+        self.expert_bias.zero_()
+        self.load_accum.zero_()
+
+    def _apply(self, fn, recurse=True):
+        # Keep the balancing state in fp32 when the model is cast to bf16: 1e-3 bias steps and token counts
+        # are not representable there.
+        super()._apply(fn, recurse)
+        self.expert_bias.data = self.expert_bias.data.float()
+        self.load_accum.data = self.load_accum.data.float()
+        return self
+
+    def _use_grouped(self, x_MD: torch.Tensor, *weights: torch.Tensor) -> bool:
+        if self.dispatch == "loop":
+            return False
+        ok = grouped_mm_available(x_MD, *weights)
+        if self.dispatch == "grouped_mm" and not ok:
+            raise RuntimeError(f"MoE.dispatch='grouped_mm' but torch._grouped_mm cannot run dtype {x_MD.dtype} "
+                               f"on {x_MD.device.type} with dim={self.dim} (needs 16-byte aligned rows)")
+        return ok
+
+    def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, MoEStats]:
+        if x_TD.dim() != 2 or x_TD.shape[-1] != self.dim:
+            raise ValueError(f"MoE expects x_TD of shape [tokens, {self.dim}], got {tuple(x_TD.shape)}")
+        cfg, E, K = self.cfg, self.num_experts, self.cfg.top_k
+        T = x_TD.shape[0]
+        dev_type = x_TD.device.type
+        with torch.autocast(dev_type, enabled=False):
+            logits_TE = F.linear(x_TD.float(), self.router.weight.float())
+        r = route(logits_TE, cfg, self.expert_bias)
+        load_E = expert_load(r.experts_TK, E)
+        if self.training and cfg.loss_free_balancing and not _inside_backward():
+            self.load_accum.add_(load_E)
+
+        aux = logits_TE.new_zeros(())
+        if cfg.balance_loss_weight and T:
+            balance = switch_balance_loss(r.scores_TE, r.experts_TK, normalise_scores=cfg.router == "sigmoid")
+            aux = aux + cfg.balance_loss_weight * balance
+        if cfg.z_loss_weight and T:
+            aux = aux + cfg.z_loss_weight * router_z_loss(logits_TE)
+
+        dtype = torch.get_autocast_dtype(dev_type) if torch.is_autocast_enabled(dev_type) else x_TD.dtype
+        x_c = x_TD.to(dtype)
+        # Sort assignments by expert so each expert reads one contiguous slice.
+        flat_E = r.experts_TK.reshape(-1)
+        order = torch.argsort(flat_E, stable=True)
+        tok = order // K
+        counts_E = load_E.long()
+        y = expert_swiglu(x_c[tok], counts_E, self.w_gate_EDH, self.w_up_EDH, self.w_down_EHD,
+                          self._use_grouped(x_c, self.w_gate_EDH, self.w_down_EHD))
+        y = y * r.weights_TK.reshape(-1)[order].to(dtype)[:, None]
+        out_TD = torch.zeros_like(x_c).index_add_(0, tok, y)
+
+        adj_per_token = 0.0
+        if cfg.grove_groups:
+            groups_TK = expert_group(r.experts_TK, E // cfg.grove_groups)
+            rho_TG, active_TG = group_routing_weights(groups_TK, r.weights_TK, cfg.grove_groups)
+            adj_TD, evals = adjugate_contribution(
+                x_c, rho_TG, active_TG, cfg.grove_lambda, self.adj_gate_GDH, self.adj_up_GDH, self.adj_down_GHD,
+                self._use_grouped(x_c, self.adj_gate_GDH, self.adj_down_GHD))
+            out_TD = out_TD + adj_TD
+            adj_per_token = evals / max(T, 1)
+        if self.shared is not None:
+            out_TD = out_TD + self.shared(x_c)
+        return out_TD.to(x_TD.dtype), MoEStats(aux, load_E.detach(), adj_per_token)
+
+    @torch.no_grad()
+    def update_bias(self, load_E: torch.Tensor | None = None) -> None:
+        """One loss-free balancing step (after an optimizer step) from `load_E` or the loads accumulated since
+        the last step; resets the accumulator. No-op on the bias when loss_free_balancing is off."""
+        load = self.load_accum if load_E is None else load_E.to(self.load_accum)
+        if load.shape != (self.num_experts,):
+            raise ValueError(f"update_bias: load_E must have shape [{self.num_experts}], got {tuple(load.shape)}")
+        if self.cfg.loss_free_balancing:
+            self.expert_bias.copy_(loss_free_bias_step(self.expert_bias, load, self.cfg.bias_update_rate))
+        self.load_accum.zero_()
+
+    def extra_repr(self) -> str:
+        c = self.cfg
+        return (f"dim={self.dim}, experts={c.num_experts}, top_k={c.top_k}, hidden={c.expert_hidden}, "
+                f"router={c.router}, shared={c.num_shared_experts}x{c.shared_hidden}, grove_groups={c.grove_groups}")
+
+
+def update_moe_biases(model: nn.Module, all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+    """Loss-free balancing step for every MoE in `model`: sum the accumulated loads over ranks with
+    `all_reduce` (one call for all layers; an in-place all-reduce that returns None also works), then
+    update each layer's bias. Call after each optimizer step, not each micro-batch."""
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    if not moes:
+        return
+    if all_reduce is None:
+        for m in moes:
+            m.update_bias()
+        return
+    flat = torch.cat([m.load_accum for m in moes])
+    reduced = all_reduce(flat)
+    reduced = flat if reduced is None else reduced
+    for m, load in zip(moes, reduced.split([m.num_experts for m in moes])):
+        m.update_bias(load)

@@ -1,0 +1,62 @@
+"""The vision-language model: vision tower + projector splice image tokens into the ConceptMoE LM's sequence.
+
+The chunk module then compresses both modalities jointly (ConceptMoE section 4.2); every statistic is kept
+per modality (see vlm/model/stats.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from vlm.batch import IGNORE_INDEX, IMAGE, PackedBatch
+from vlm.model.conceptmoe import ConceptMoELM
+from vlm.model.config import ModelConfig
+from vlm.model.output import ModelOutput
+
+
+class ConceptMoEVLM(nn.Module):
+    def __init__(self, model_cfg: ModelConfig, vision_cfg=None):
+        super().__init__()
+        self.model_cfg, self.vision_cfg = model_cfg, vision_cfg
+        self.lm = ConceptMoELM(model_cfg)
+        self.vision = vision_cfg.build(model_cfg.hidden_size) if vision_cfg is not None else None
+
+    def embed(self, batch: PackedBatch) -> torch.Tensor:
+        """Token embeddings with each image-pad position replaced by its projected vision token, in order."""
+        x_BTD = self.lm.embed(batch.input_ids)
+        image_BT = batch.modality == IMAGE
+        if batch.image_grids is None or batch.image_grids.numel() == 0:
+            if image_BT.any():
+                raise ValueError(f"batch has {int(image_BT.sum())} image positions but no images")
+            return x_BTD
+        if self.vision is None:
+            raise ValueError("batch carries images but the model has no vision tower (config `vision` is empty)")
+        feats_ND = self.vision(batch.pixel_patches, batch.patch_coords, batch.image_grids)
+        if feats_ND.shape[0] != int(image_BT.sum()):
+            raise ValueError(f"images give {feats_ND.shape[0]} vision tokens but the batch has "
+                             f"{int(image_BT.sum())} image positions")
+        x_BTD = x_BTD.clone()
+        x_BTD[image_BT] = feats_ND.to(x_BTD.dtype)
+        return x_BTD
+
+    def above_index(self, batch: PackedBatch) -> torch.Tensor | None:
+        """For 2D-aware boundaries: the row position of the token above each image token in its grid, else -1."""
+        if not self.model_cfg.chunk.grid_aware_boundaries or batch.image_grids is None or self.vision is None:
+            return None
+        m = self.vision.merge
+        widths_I = batch.image_grids[:, 1] // m
+        counts_I = (batch.image_grids[:, 0] // m) * widths_I
+        bi, ti = (batch.modality == IMAGE).nonzero(as_tuple=True)   # row-major = image order
+        img_N = torch.repeat_interleave(torch.arange(len(counts_I), device=ti.device), counts_I)
+        j_N = torch.arange(len(ti), device=ti.device) - (counts_I.cumsum(0) - counts_I)[img_N]
+        w_N = widths_I[img_N]
+        above = torch.full_like(batch.doc_ids, -1)
+        above[bi, ti] = torch.where(j_N >= w_N, ti - w_N, torch.full_like(ti, -1))
+        return above
+
+    def forward(self, batch: PackedBatch, force: str | torch.Tensor | None = None) -> ModelOutput:
+        # Images are never predicted, whatever the data says.
+        batch = dataclasses.replace(batch, labels=batch.labels.masked_fill(batch.modality == IMAGE, IGNORE_INDEX))
+        return self.lm(batch, inputs_embeds=self.embed(batch), above_BT=self.above_index(batch), force=force)
