@@ -1,0 +1,105 @@
+"""Built-in VQA eval: exact-match accuracy per question type on the default dataset's held-out split.
+
+Two baselines put the accuracy in context: the majority answer per question type (taken from the train
+split when it is there, else from the evaluated split itself) and the same model asked blind (the
+question without its image). Per-modality compression ratios of the evaluated samples are reported too.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+from pathlib import Path
+
+from tqdm import tqdm
+
+from data_pipelines.chat import iter_vqa_samples, normalize_answer, strip_answer, vqa_prompt
+
+
+def majority_answers(samples) -> dict[str, str]:
+    by_type: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    for s in samples:
+        by_type[s.question_type][normalize_answer(s.answer)] += 1
+    return {t: c.most_common(1)[0][0] for t, c in by_type.items()}
+
+
+def _accuracy(hits: dict[str, list[bool]]) -> dict[str, float]:
+    out = {t: 100.0 * sum(v) / len(v) for t, v in sorted(hits.items())}
+    allv = [x for v in hits.values() for x in v]
+    out["all"] = 100.0 * sum(allv) / max(len(allv), 1)
+    return out
+
+
+def run_vqa_eval(model, shards, train_shards=None, limit: int | None = None, batch_size: int = 16,
+                 max_new_tokens: int = 8, blind: bool = True, progress: bool = True) -> dict:
+    """`model` is an eval.protocol.EvalModel; `shards` the split to score (paths or globs)."""
+    from PIL import Image
+    import io
+
+    samples = list(iter_vqa_samples(shards, limit=limit))
+    if not samples:
+        raise ValueError(f"no VQA samples found in {shards}")
+    majority = majority_answers(iter_vqa_samples(train_shards) if train_shards else samples)
+    model.reset_stats()
+    hits, blind_hits, major_hits = (collections.defaultdict(list) for _ in range(3))
+    examples = []
+    bar = tqdm(range(0, len(samples), batch_size), desc="vqa", disable=not progress)
+    for i in bar:
+        chunk = samples[i: i + batch_size]
+        imgs = [[Image.open(io.BytesIO(b)) for b in (s.images or [s.image])] for s in chunk]
+        answers = model.generate([s.prompt for s in chunk], imgs, max_new_tokens=max_new_tokens, stop=["<|end|>"])
+        for s, a in zip(chunk, answers):
+            ok = normalize_answer(strip_answer(a)) == normalize_answer(s.answer)
+            hits[s.question_type].append(ok)
+            major_hits[s.question_type].append(majority.get(s.question_type) == normalize_answer(s.answer))
+            if len(examples) < 8:
+                examples.append({"question": s.question, "answer": s.answer, "predicted": strip_answer(a)})
+    compression = model.compression_stats()
+    if blind:
+        for i in tqdm(range(0, len(samples), batch_size), desc="vqa (blind)", disable=not progress):
+            chunk = samples[i: i + batch_size]
+            answers = model.generate([vqa_prompt(s.question, 0) for s in chunk], None, max_new_tokens=max_new_tokens,
+                                     stop=["<|end|>"])
+            for s, a in zip(chunk, answers):
+                blind_hits[s.question_type].append(normalize_answer(strip_answer(a)) == normalize_answer(s.answer))
+    return {"n": len(samples), "accuracy": _accuracy(hits), "majority_baseline": _accuracy(major_hits),
+            "blind_baseline": _accuracy(blind_hits) if blind else None, "compression": compression,
+            "majority_answers": majority, "examples": examples}
+
+
+def format_report(res: dict) -> str:
+    types = [t for t in res["accuracy"] if t != "all"] + ["all"]
+    lines = [f"VQA exact match on {res['n']} questions (%)", f"{'type':<12}{'model':>8}{'majority':>10}{'blind':>8}"]
+    for t in types:
+        blind = res["blind_baseline"][t] if res.get("blind_baseline") else float("nan")
+        lines.append(f"{t:<12}{res['accuracy'][t]:>8.1f}{res['majority_baseline'][t]:>10.1f}{blind:>8.1f}")
+    comp = res["compression"]
+    lines.append("compression (tokens/concept): " + ", ".join(
+        f"{k.split('/')[1]} {v:.2f}" for k, v in comp.items() if k.startswith("compression/")))
+    return "\n".join(lines)
+
+
+def add_vqa_command(sub) -> None:
+    p = sub.add_parser("vqa", help="exact-match VQA accuracy on the default dataset's held-out split")
+    p.add_argument("--ckpt", required=True, help="exported model directory (RUN_DIR/final)")
+    p.add_argument("--data", default="data/default", help="default dataset directory (built if missing)")
+    p.add_argument("--split", default="test", choices=["test", "val"])
+    p.add_argument("--limit", type=int, default=None)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--no-blind", action="store_true", help="skip the blind (no image) baseline")
+    p.add_argument("--out", default=None, help="write the JSON result here")
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from data_pipelines.default_dataset import ensure_default_dataset
+    from vlm.generate import load_eval_model
+
+    data = ensure_default_dataset(args.data)
+    res = run_vqa_eval(load_eval_model(args.ckpt), str(Path(data) / args.split / "vqa-*.tar"),
+                       train_shards=str(Path(data) / "train" / "vqa-*.tar"), limit=args.limit,
+                       batch_size=args.batch_size, blind=not args.no_blind)
+    print(format_report(res))
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, indent=2))
+    return 0

@@ -1,0 +1,172 @@
+"""Batched generation and scoring for prompts with images: the model behind every evaluator and the chat demo.
+
+`ConceptMoEChat` satisfies `eval.protocol.EvalModel`. Generation is cache-free for now (each new token
+re-runs the forward over the prefix; concept-level KV caches are a later issue), batched over prompts of
+different lengths by keeping every row right-padded (padding is doc id -1, which no real token attends to).
+"""
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import torch
+
+from vlm.batch import IGNORE_INDEX, TEXT, PackedBatch
+from vlm.model.multimodal import ConceptMoEVLM
+
+
+def _png(img) -> bytes:
+    if isinstance(img, (bytes, bytearray)):
+        return bytes(img)
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def sample_next(logits_BV: torch.Tensor, temperature: float, top_p: float, generator=None) -> torch.Tensor:
+    """Greedy at temperature 0, else nucleus sampling."""
+    if temperature <= 0:
+        return logits_BV.argmax(-1)
+    probs = torch.softmax(logits_BV.float() / temperature, -1)
+    if top_p < 1.0:
+        sorted_p, idx = probs.sort(-1, descending=True)
+        keep = sorted_p.cumsum(-1) - sorted_p < top_p   # always keeps the most likely token
+        probs = torch.zeros_like(probs).scatter(-1, idx, sorted_p * keep)
+    return torch.multinomial(probs / probs.sum(-1, keepdim=True), 1, generator=generator).squeeze(-1)
+
+
+def _extend(batch: PackedBatch, extra: int, pad_id: int) -> PackedBatch:
+    """Room for `extra` more tokens per row (as padding)."""
+    B = batch.input_ids.shape[0]
+    pad = lambda t, v: torch.cat([t, t.new_full((B, extra), v)], 1)  # noqa: E731
+    return PackedBatch(pad(batch.input_ids, pad_id), pad(batch.labels, IGNORE_INDEX), pad(batch.doc_ids, -1),
+                       pad(batch.position_ids, 0), pad(batch.modality, TEXT),
+                       batch.pixel_patches, batch.patch_coords, batch.image_grids)
+
+
+def _put(batch: PackedBatch, rows: torch.Tensor, cols: torch.Tensor, tokens: torch.Tensor) -> None:
+    """Append tokens at (rows, cols): they join their row's document (doc 0) as text."""
+    batch.input_ids[rows, cols] = tokens
+    batch.doc_ids[rows, cols] = 0
+    batch.position_ids[rows, cols] = cols
+    batch.modality[rows, cols] = TEXT
+
+
+class ConceptMoEChat:
+    """An exported or in-memory model with its tokenizer and image processor."""
+
+    def __init__(self, model: ConceptMoEVLM, tokenizer, processor=None, device: str | torch.device = "cpu"):
+        self.model = model.eval().to(device)
+        self.tokenizer = tokenizer
+        if processor is None and model.vision_cfg is not None:
+            processor = model.vision_cfg.build_processor()
+        self.processor = processor
+        self.device = torch.device(device)
+        self.reset_stats()
+
+    # ------------------------------------------------------------ statistics
+    def reset_stats(self) -> None:
+        self._counts = {"tokens/text": 0.0, "boundaries/text": 0.0, "tokens/image": 0.0, "boundaries/image": 0.0}
+
+    def _record(self, stats: dict) -> None:
+        for k in self._counts:
+            self._counts[k] += stats.get(k, 0.0)
+
+    def compression_stats(self) -> dict[str, float]:
+        c = self._counts
+        out = {}
+        for m in ("text", "image"):
+            if c[f"boundaries/{m}"]:
+                out[f"compression/{m}"] = c[f"tokens/{m}"] / c[f"boundaries/{m}"]
+            out[f"tokens/{m}"] = c[f"tokens/{m}"]
+        total_b = c["boundaries/text"] + c["boundaries/image"]
+        if total_b:
+            out["compression/ratio"] = (c["tokens/text"] + c["tokens/image"]) / total_b
+        return out
+
+    # ------------------------------------------------------------ batching
+    def prompt_batch(self, prompts: list[str], images=None) -> PackedBatch:
+        from data_pipelines.packing import make_prompt_batch
+
+        images = images or [[] for _ in prompts]
+        if len(images) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(images)} image lists")
+        pairs = [(p, [_png(im) for im in ims]) for p, ims in zip(prompts, images)]
+        return make_prompt_batch(pairs, self.tokenizer, self.processor).to(self.device)
+
+    @torch.no_grad()
+    def generate(self, prompts: list[str], images=None, *, max_new_tokens: int = 32, temperature: float = 0.0,
+                 top_p: float = 1.0, stop: list[str] | None = None, seed: int | None = None) -> list[str]:
+        if not prompts:
+            return []
+        batch = _extend(self.prompt_batch(prompts, images), max_new_tokens, self.tokenizer.pad_id)
+        B = len(prompts)
+        lengths = (batch.doc_ids >= 0).sum(1)
+        start = lengths.clone()
+        done = torch.zeros(B, dtype=torch.bool, device=self.device)
+        gen = torch.Generator(device=self.device).manual_seed(seed) if seed is not None else None
+        rows = torch.arange(B, device=self.device)
+        for step in range(max_new_tokens):
+            T = int(lengths.max())
+            view = PackedBatch(batch.input_ids[:, :T], batch.labels[:, :T], batch.doc_ids[:, :T],
+                               batch.position_ids[:, :T], batch.modality[:, :T],
+                               batch.pixel_patches, batch.patch_coords, batch.image_grids)
+            out = self.model(view)
+            if step == 0:
+                self._record(out.stats)
+            nxt = sample_next(out.logits[rows, lengths - 1], temperature, top_p, gen)
+            live = ~done
+            _put(batch, rows[live], lengths[live], nxt[live])
+            lengths = lengths + live.long()
+            done |= nxt == self.tokenizer.eos_id
+            if stop:
+                for i in rows[live].tolist():
+                    text = self.tokenizer.decode(batch.input_ids[i, start[i]: lengths[i]].tolist())
+                    done[i] |= any(s in text for s in stop)
+            if bool(done.all()):
+                break
+        texts = []
+        for i in range(B):
+            text = self.tokenizer.decode(batch.input_ids[i, start[i]: lengths[i]].tolist())
+            for s in stop or []:
+                text = text.split(s, 1)[0]
+            texts.append(text)
+        return texts
+
+    @torch.no_grad()
+    def loglikelihood(self, contexts: list[str], continuations: list[str], images=None) -> list[tuple[float, bool]]:
+        if not contexts:
+            return []
+        conts = [self.tokenizer.encode(c) for c in continuations]
+        if any(len(c) == 0 for c in conts):
+            raise ValueError("an empty continuation has no likelihood to score")
+        longest = max(len(c) for c in conts)
+        batch = _extend(self.prompt_batch(contexts, images), longest, self.tokenizer.pad_id)
+        B = len(contexts)
+        lengths = (batch.doc_ids >= 0).sum(1)
+        n_BC = torch.tensor([len(c) for c in conts], device=self.device)
+        cont_BC = torch.tensor([c + [0] * (longest - len(c)) for c in conts], device=self.device)
+        offs = torch.arange(longest, device=self.device)
+        real = offs[None] < n_BC[:, None]
+        r, j = real.nonzero(as_tuple=True)
+        _put(batch, r, lengths[r] + j, cont_BC[r, j])
+        out = self.model(batch)
+        self._record(out.stats)
+        # Token j of the continuation is predicted at position len(context) + j - 1.
+        pos_BC = (lengths[:, None] + offs[None] - 1).clamp(max=batch.input_ids.shape[1] - 1)
+        logp_BCV = torch.log_softmax(out.logits.float()[torch.arange(B)[:, None], pos_BC], -1)
+        tok_logp = logp_BCV.gather(-1, cont_BC[..., None]).squeeze(-1)
+        greedy = (logp_BCV.argmax(-1) == cont_BC) | ~real
+        return [(float((tok_logp[i] * real[i]).sum()), bool(greedy[i].all())) for i in range(B)]
+
+
+def load_eval_model(ckpt_dir: str | Path, device: str | None = None) -> ConceptMoEChat:
+    """An exported `final/` (or converted) directory -> ConceptMoEChat with its own tokenizer."""
+    from data_pipelines.tokenizer import load_tokenizer
+    from vlm.model.hf import load_vlm
+
+    ckpt_dir = Path(ckpt_dir)
+    if not (ckpt_dir / "config.json").is_file():
+        raise FileNotFoundError(f"{ckpt_dir}: not an exported model directory (no config.json)")
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return ConceptMoEChat(load_vlm(ckpt_dir), load_tokenizer(ckpt_dir), device=device)
