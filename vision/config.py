@@ -1,0 +1,65 @@
+"""VisionConfig: the one config for the vision side (processor, encoder, projector) and its builder."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from vision.image_processor import ImageProcessor, ImageProcessorConfig
+from vision.navit import NaViTConfig, NaViTEncoder
+from vision.projector import Projector, ProjectorConfig
+from vision.tower import VisionTower
+from vlm.config import ConfigError, check
+
+
+@dataclass
+class VisionConfig:
+    processor: ImageProcessorConfig = field(default_factory=ImageProcessorConfig)
+    encoder: NaViTConfig = field(default_factory=NaViTConfig)
+    projector: ProjectorConfig = field(default_factory=ProjectorConfig)
+    backbone: Literal["navit", "timm"] = "navit"
+    timm_model: str | None = None         # e.g. "naflexvit_base_patch16_gap" (backbone: timm)
+    timm_checkpoint: str | None = None    # LOCAL weights file; navit: loaded by name where shapes allow
+    pos_resample: Literal["copy", "interpolate"] = "copy"  # how a checkpoint's pos table fits max_grid
+    freeze_encoder: bool = False          # freeze the ViT body; merger and projector still train (LLaVA stage 1)
+
+    def validate(self) -> None:
+        self.processor.validate()
+        self.encoder.validate()
+        self.projector.validate()
+        check(self.processor.merge == self.encoder.merge,
+              f"processor.merge={self.processor.merge} must equal encoder.merge={self.encoder.merge}")
+        check(self.processor.patch_size == self.encoder.patch_size,
+              f"processor.patch_size={self.processor.patch_size} must equal "
+              f"encoder.patch_size={self.encoder.patch_size}")
+        if self.backbone == "timm":
+            check(bool(self.timm_model), "backbone 'timm' needs timm_model (e.g. naflexvit_base_patch16_gap)")
+        if self.encoder.pos == "learned2d" and self.backbone == "navit":
+            m = self.processor.merge
+            longest = (self.processor.max_patches // (m * m)) * m  # a thin strip: one merge unit wide
+            check(self.encoder.max_grid >= longest,
+                  f"encoder.max_grid={self.encoder.max_grid} is smaller than the longest grid side the processor "
+                  f"can make ({longest} patches, for a thin strip); raise max_grid or use pos=rope2d")
+
+    def build_processor(self) -> ImageProcessor:
+        return ImageProcessor(self.processor)
+
+    def build(self, llm_hidden: int) -> VisionTower:
+        """Encoder (+ optional local checkpoint) and projector to `llm_hidden`."""
+        self.validate()
+        if self.backbone == "timm":
+            from vision.timm_backbone import TimmBackbone
+            enc = TimmBackbone(self.timm_model, merge=self.encoder.merge, patch_size=self.processor.patch_size,
+                               checkpoint=self.timm_checkpoint, merger=self.encoder.merger,
+                               out_dim=self.encoder.out_dim)
+        else:
+            enc = NaViTEncoder(self.encoder)
+            if self.timm_checkpoint:
+                from vision.timm_backbone import load_timm_vit_state_dict
+                enc.load_report = load_timm_vit_state_dict(enc, self.timm_checkpoint, self.pos_resample)
+                if not enc.load_report.loaded:
+                    raise ConfigError(f"timm_checkpoint {self.timm_checkpoint}: no tensor matched the encoder "
+                                      f"(check hidden_size/patch_size):\n{enc.load_report}")
+        if self.freeze_encoder:  # the merger stays trainable: it is part of the adapter, like the projector
+            for name, p in enc.named_parameters():
+                p.requires_grad_(name.startswith("merger."))
+        return VisionTower(enc, Projector(self.projector, enc.out_dim, llm_hidden), self.encoder.merge)

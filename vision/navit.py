@@ -1,0 +1,204 @@
+"""Packed NaViT encoder ("Patch n' Pack"): images of any resolution share one sequence.
+
+Pre-norm ViT blocks whose parameter names follow timm's VisionTransformer (patch_embed.proj,
+blocks.i.norm1 / attn.qkv / attn.proj / norm2 / mlp.fc1 / mlp.fc2, norm), so timm weights load by name.
+Attention is block-diagonal over images; an optional 2x2 merge (Qwen2-VL) turns patches into tokens.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+import torch.utils.checkpoint
+from torch import nn
+
+from vision.packing import PackLayout, block_mask, build_layout, merge_patches, packed_attention, pick_backend
+from vision.positions import FactorisedPosEmbed, Rope2D, apply_rope
+from vlm.config import check
+
+
+@dataclass
+class NaViTConfig:
+    patch_size: int = 14
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    mlp_ratio: float = 4.0
+    pos: Literal["learned2d", "rope2d"] = "learned2d"
+    max_grid: int = 128                # rows/cols a learned2d table covers (in patches)
+    rope_theta: float = 10000.0
+    merge: Literal[1, 2] = 2
+    merger: Literal["mlp", "linear", "none"] = "mlp"  # how merged features map to out_dim
+    out_dim: int | None = None         # default hidden_size * merge**2
+    norm_eps: float = 1e-6
+    qkv_bias: bool = True
+    norm_pre: bool = False             # CLIP-style LayerNorm after the embedding (for CLIP timm weights)
+    attn_backend: Literal["auto", "dense", "per_image", "flash"] = "auto"  # see packing.pick_backend
+    grad_checkpointing: bool = False
+
+    def validate(self) -> None:
+        check(self.patch_size >= 1, f"patch_size must be >= 1, got {self.patch_size}")
+        check(self.hidden_size >= 1 and self.num_heads >= 1, "hidden_size and num_heads must be >= 1")
+        check(self.hidden_size % self.num_heads == 0,
+              f"hidden_size={self.hidden_size} must be divisible by num_heads={self.num_heads}")
+        check(self.num_layers >= 0, f"num_layers must be >= 0, got {self.num_layers}")
+        check(self.mlp_ratio > 0, f"mlp_ratio must be > 0, got {self.mlp_ratio}")
+        check(self.max_grid >= 1, f"max_grid must be >= 1, got {self.max_grid}")
+        if self.pos == "rope2d":
+            check((self.hidden_size // self.num_heads) % 4 == 0,
+                  f"pos='rope2d' needs head dim (hidden_size/num_heads = {self.hidden_size // self.num_heads}) "
+                  "divisible by 4")
+        check(self.out_dim is None or self.out_dim >= 1, f"out_dim must be >= 1, got {self.out_dim}")
+        if self.merger == "none":
+            check(self.out_dim is None or self.out_dim == self.hidden_size * self.merge ** 2,
+                  f"merger='none' outputs hidden_size*merge**2 = {self.hidden_size * self.merge ** 2} features; "
+                  f"out_dim={self.out_dim} needs merger 'mlp' or 'linear'")
+
+    @property
+    def merged_dim(self) -> int:
+        return self.hidden_size * self.merge ** 2
+
+    @property
+    def resolved_out_dim(self) -> int:
+        return self.out_dim or self.merged_dim
+
+    def build(self) -> "NaViTEncoder":
+        return NaViTEncoder(self)
+
+
+class PatchEmbed(nn.Module):
+    """Linear patch embedding; equals timm's stride-p conv on (c, ph, pw)-flattened patches."""
+
+    def __init__(self, in_dim: int, dim: int):
+        super().__init__()
+        self.proj = nn.Linear(in_dim, dim)
+
+    def forward(self, patches_PD: torch.Tensor) -> torch.Tensor:
+        return self.proj(patches_PD)
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, heads: int, qkv_bias: bool):
+        super().__init__()
+        self.heads, self.head_dim = heads, dim // heads
+        self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x_PD: torch.Tensor, layout: PackLayout, kernel: str, mask_PP: torch.Tensor | None,
+                rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        P, D = x_PD.shape
+        qkv_3HPd = self.qkv(x_PD).view(P, 3, self.heads, self.head_dim).permute(1, 2, 0, 3)
+        q_HPd, k_HPd, v_HPd = qkv_3HPd.unbind(0)
+        if rope is not None:
+            q_HPd, k_HPd = apply_rope(q_HPd, *rope), apply_rope(k_HPd, *rope)
+        out_HPd = packed_attention(q_HPd, k_HPd, v_HPd, layout, kernel, mask_PP)
+        return self.proj(out_HPd.transpose(0, 1).reshape(P, D))
+
+
+class Mlp(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden)
+        self.fc2 = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class Block(nn.Module):
+    """Pre-norm ViT block."""
+
+    def __init__(self, cfg: NaViTConfig):
+        super().__init__()
+        d = cfg.hidden_size
+        self.norm1 = nn.LayerNorm(d, eps=cfg.norm_eps)
+        self.attn = Attention(d, cfg.num_heads, cfg.qkv_bias)
+        self.norm2 = nn.LayerNorm(d, eps=cfg.norm_eps)
+        self.mlp = Mlp(d, int(d * cfg.mlp_ratio))
+
+    def forward(self, x_PD, layout, kernel, mask_PP, rope):
+        x_PD = x_PD + self.attn(self.norm1(x_PD), layout, kernel, mask_PP, rope)
+        return x_PD + self.mlp(self.norm2(x_PD))
+
+
+class Merger(nn.Module):
+    """Maps concatenated merge x merge patch features [N, hidden*merge**2] to [N, out_dim]."""
+
+    def __init__(self, kind: str, in_dim: int, out_dim: int):
+        super().__init__()
+        self.kind = kind
+        if kind == "mlp":
+            self.fc1, self.fc2 = nn.Linear(in_dim, in_dim), nn.Linear(in_dim, out_dim)
+        elif kind == "linear":
+            self.fc = nn.Linear(in_dim, out_dim)
+
+    def forward(self, x_NM: torch.Tensor) -> torch.Tensor:
+        if self.kind == "mlp":
+            return self.fc2(F.gelu(self.fc1(x_NM)))
+        if self.kind == "linear":
+            return self.fc(x_NM)
+        return x_NM
+
+
+class NaViTEncoder(nn.Module):
+    def __init__(self, cfg: NaViTConfig | None = None):
+        super().__init__()
+        self.cfg = cfg = cfg or NaViTConfig()
+        cfg.validate()
+        d = cfg.hidden_size
+        self.patch_dim = 3 * cfg.patch_size ** 2
+        self.patch_embed = PatchEmbed(self.patch_dim, d)
+        self.pos_embed = FactorisedPosEmbed(cfg.max_grid, d) if cfg.pos == "learned2d" else None
+        self.rope = Rope2D(d // cfg.num_heads, cfg.rope_theta) if cfg.pos == "rope2d" else None
+        self.norm_pre = nn.LayerNorm(d, eps=cfg.norm_eps) if cfg.norm_pre else nn.Identity()
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.norm = nn.LayerNorm(d, eps=cfg.norm_eps)
+        self.merger = Merger(cfg.merger, cfg.merged_dim, cfg.resolved_out_dim)
+        self.apply(_init_weights)
+
+    @property
+    def out_dim(self) -> int:
+        return self.cfg.resolved_out_dim
+
+    def layout(self, coords_P2, image_grids_I2, valid_P=None) -> PackLayout:
+        return build_layout(coords_P2, image_grids_I2, self.cfg.merge, valid_P)
+
+    def encode_patches(self, patches_PD: torch.Tensor, layout: PackLayout) -> torch.Tensor:
+        """Per-patch features after the final norm, [P, hidden] (padding rows are meaningless)."""
+        if patches_PD.ndim != 2 or patches_PD.shape[1] != self.patch_dim:
+            raise ValueError(f"patches must be [P, 3*patch*patch={self.patch_dim}], got {tuple(patches_PD.shape)}")
+        # Zero padding first: masked attention multiplies padded values by 0, and 0 * nan/inf is nan.
+        x = torch.where(layout.valid_P[:, None], patches_PD, torch.zeros((), dtype=patches_PD.dtype,
+                                                                         device=patches_PD.device))
+        x_PD = self.patch_embed(x.to(self.patch_embed.proj.weight.dtype))
+        if self.pos_embed is not None:
+            x_PD = x_PD + self.pos_embed(layout.coords_P2).to(x_PD.dtype)
+        rope = self.rope.cos_sin(layout.coords_P2) if self.rope is not None else None
+        x_PD = self.norm_pre(x_PD)
+        kernel = pick_backend(x_PD, layout, self.cfg.attn_backend)
+        mask_PP = block_mask(layout.image_ids_P) if kernel == "dense" else None  # built once, shared by layers
+        for blk in self.blocks:
+            if self.cfg.grad_checkpointing and self.training and torch.is_grad_enabled():
+                x_PD = torch.utils.checkpoint.checkpoint(blk, x_PD, layout, kernel, mask_PP, rope,
+                                                         use_reentrant=False)
+            else:
+                x_PD = blk(x_PD, layout, kernel, mask_PP, rope)
+        return self.norm(x_PD)
+
+    def forward(self, patches_PD: torch.Tensor, coords_P2: torch.Tensor, image_grids_I2: torch.Tensor,
+                valid_P: torch.Tensor | None = None) -> torch.Tensor:
+        """Packed patches of all images -> [N, out_dim] tokens, image by image, raster order of merged grids."""
+        layout = self.layout(coords_P2, image_grids_I2, valid_P)
+        if layout.num_tokens == 0:   # a batch without images (the zero-size result keeps the graph simple)
+            w = self.patch_embed.proj.weight
+            return w.new_zeros(0, self.out_dim)
+        return self.merger(merge_patches(self.encode_patches(patches_PD, layout), layout))
+
+
+def _init_weights(m: nn.Module) -> None:
+    if isinstance(m, nn.Linear):
+        nn.init.trunc_normal_(m.weight, std=0.02)
+        if m.bias is not None:
+            nn.init.zeros_(m.bias)
