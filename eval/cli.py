@@ -1,0 +1,157 @@
+"""`vlm eval ...` commands. `vlm.cli` calls `add_eval_commands(subparsers)`; each command sets `func`.
+
+    vlm eval longctx --ckpt RUN/final [--baseline-ckpt BASE/final] --lengths 1024 4096 \
+        --depths 0 50 100 --tasks niah_single_essay vt --out OUT
+
+writes OUT/model/{summary.json, samples.jsonl, heatmap*.png} (and OUT/baseline/..., plus
+OUT/comparison*.png and OUT/comparison.json when a baseline is given) and OUT/compression.png.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Callable
+
+from vlm.config import ConfigError, apply_overrides, from_dict, load_yaml, to_dict
+
+from eval.longctx.config import LongCtxConfig
+from eval.longctx.tasks import TASKS
+
+
+def add_eval_commands(subparsers: argparse._SubParsersAction) -> argparse._SubParsersAction:
+    """Register `eval` with `longctx`, `lmms-tasks` and `vqa`; returns the `eval` sub-command set."""
+    ev = subparsers.add_parser("eval", help="evaluation: long-context sweep, lmms-eval task export, VQA")
+    sub = ev.add_subparsers(dest="eval_command", metavar="{longctx,lmms-tasks,vqa}")
+    sub.required = True
+    lc = sub.add_parser("longctx", help="RULER-style synthetic long-context sweep (lengths x depths)",
+                        description="Offline RULER-style sweep; scores per task x length x depth, heat maps, "
+                                    "realized compression per length.")
+    lc.add_argument("--ckpt", required=True, help="checkpoint directory (loaded with vlm.generate.load_eval_model)")
+    lc.add_argument("--baseline-ckpt", help="second checkpoint (e.g. the MoE baseline) for a side-by-side plot")
+    lc.add_argument("--lengths", type=int, nargs="+", help="target prompt lengths in the model's tokens")
+    lc.add_argument("--depths", type=float, nargs="+", help="needle depths in percent")
+    lc.add_argument("--tasks", nargs="+", help=f"tasks (default: RULER-like set); allowed: {', '.join(TASKS)}")
+    lc.add_argument("--num-samples", type=int, help="samples per task x length x depth")
+    lc.add_argument("--mode", choices=["generate", "loglik", "both"], help="scoring mode (default both)")
+    lc.add_argument("--batch-size", type=int)
+    lc.add_argument("--num-distractors", type=int)
+    lc.add_argument("--max-new-tokens", type=int)
+    lc.add_argument("--seed", type=int)
+    lc.add_argument("--config", help="YAML with LongCtxConfig fields (flags override it)")
+    lc.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="dotted override of a LongCtxConfig field, repeatable")
+    lc.add_argument("--out", required=True, help="output directory")
+    lc.add_argument("--no-progress", action="store_true")
+    lc.set_defaults(func=run_longctx_command)
+
+    from eval import export_tasks
+
+    ex = sub.add_parser("lmms-tasks", help="export a dataset split + task YAMLs for lmms-eval (--include_path)",
+                        description=export_tasks.__doc__.split("\n\n")[0])
+    export_tasks.add_arguments(ex)
+    ex.set_defaults(func=export_tasks.run)
+
+    from eval.vqa import add_vqa_command  # `vlm eval vqa` (built-in VQA eval)
+
+    if "vqa" not in sub.choices:
+        add_vqa_command(sub)
+    return sub
+
+
+_FLAG_FIELDS = {"lengths": "lengths", "depths": "depths", "tasks": "tasks", "num_samples": "num_samples",
+                "mode": "mode", "batch_size": "batch_size", "num_distractors": "num_distractors",
+                "max_new_tokens": "max_new_tokens", "seed": "seed"}
+
+
+def longctx_config_from_args(args: argparse.Namespace) -> LongCtxConfig:
+    data = load_yaml(args.config) if getattr(args, "config", None) else {}
+    apply_overrides(data, list(getattr(args, "overrides", []) or []))
+    for flag, field in _FLAG_FIELDS.items():
+        value = getattr(args, flag, None)
+        if value is not None:
+            data[field] = value
+    return from_dict(LongCtxConfig, data)
+
+
+def _default_loader() -> Callable:
+    try:
+        from vlm.generate import load_eval_model
+    except ImportError as e:
+        raise SystemExit(f"vlm eval longctx: cannot import vlm.generate.load_eval_model ({e})") from None
+    return load_eval_model
+
+
+def run_longctx_command(args: argparse.Namespace) -> int:
+    run_longctx(args)
+    return 0
+
+
+def run_longctx(args: argparse.Namespace, loader: Callable | None = None) -> dict:
+    """The `eval longctx` command; returns {label: summary}. `loader(ckpt_dir)` defaults to the model's."""
+    from eval.longctx.plot import available_keys, plot_comparison, plot_compression, plot_heatmaps
+    from eval.longctx.sweep import run_sweep, write_summary
+
+    try:
+        cfg = longctx_config_from_args(args)
+        cfg.validate()
+    except ConfigError as e:
+        raise SystemExit(f"vlm eval longctx: {e}") from None
+    load = loader or _default_loader()
+    out = Path(args.out)
+    runs = [("model", args.ckpt)] + ([("baseline", args.baseline_ckpt)] if args.baseline_ckpt else [])
+    summaries = {}
+    for label, ckpt in runs:
+        if not Path(ckpt).exists():
+            raise SystemExit(f"vlm eval longctx: checkpoint directory {ckpt} does not exist")
+        model = load(ckpt)
+        records: list[dict] = []
+        summary = run_sweep(model, cfg, label=label, progress=not args.no_progress, records=records)
+        summary["ckpt"] = str(ckpt)
+        write_summary(summary, out / label, records)
+        for key in available_keys(summary):
+            plot_heatmaps(summary, out / label / _plot_name("heatmap", key), key)
+        summaries[label] = summary
+        del model
+        _print_table(summary)
+    plot_compression(list(summaries.values()), out / "compression.png")
+    if "baseline" in summaries:
+        a, b = summaries["model"], summaries["baseline"]
+        for key in available_keys(a):
+            plot_comparison(a, b, out / _plot_name("comparison", key), key)
+        (out / "comparison.json").write_text(json.dumps(
+            {"config": to_dict(cfg), "model": a["task_means"], "baseline": b["task_means"],
+             "compression": {"model": a["compression"], "baseline": b["compression"]}}, indent=2))
+    return summaries
+
+
+def _plot_name(stem: str, key: str) -> str:
+    return f"{stem}.png" if key == "string_match_all" else f"{stem}_{key}.png"
+
+
+def _print_table(summary: dict) -> None:
+    print(f"[{summary['label']}] {summary['ckpt']}  ({summary['elapsed_s']:.1f}s)")
+    short = {"string_match_all": "all", "string_match_part": "part", "loglik_acc": "ll"}
+    print("  (mean over depths; all/part = string_match_all/_part of generations, ll = log-likelihood ranking)")
+    for task, by_len in summary["task_means"].items():
+        cells = "  ".join(f"{n}: " + " ".join(f"{short[k]}={v:.1f}" for k, v in s.items() if k in short)
+                          for n, s in by_len.items())
+        print(f"  {task:22s} {cells}")
+    for n, comp in summary["compression"].items():
+        if comp:
+            shown = {m: r for m, r in comp.items() if m.startswith("compression/")} or comp
+            print(f"  compression @ {n}: " + ", ".join(f"{m}={r:.2f}" for m, r in shown.items()))
+    for s in summary["skipped"]:
+        print(f"  skipped {s['task']} @ {s['length']} depth={s['depth']}: {s['reason']}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Standalone entry (`python -m eval.cli eval longctx ...`) until `vlm.cli` wires it in."""
+    parser = argparse.ArgumentParser(prog="vlm")
+    add_eval_commands(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()

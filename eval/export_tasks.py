@@ -1,0 +1,147 @@
+"""Export a split of the default dataset (or any VQA/caption shards) for lmms-eval's local JSON tasks.
+
+    python -m eval.export_tasks --data DATA_DIR [--split test] --out TASK_DIR [--limit N]
+    (or: vlm eval lmms-tasks ...)
+
+writes TASK_DIR/{vqa_test.jsonl, caption_test.jsonl} and the task YAMLs of `eval/tasks/` with their
+`__DATA_DIR__` replaced by the absolute TASK_DIR (lmms-eval resolves relative `data_files` against the
+working directory, so the YAMLs must name absolute paths). Then:
+
+    lmms-eval eval --model conceptmoe --model_args pretrained=RUN/final \
+        --tasks conceptmoe_vqa,conceptmoe_vqa_mc,conceptmoe_caption --include_path TASK_DIR --output_path OUT
+
+Records are JSON Lines with images as base64 PNG/JPEG bytes (exactly the shard's bytes).
+"""
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+from collections import defaultdict
+from pathlib import Path
+
+TEMPLATE_DIR = Path(__file__).with_name("tasks")
+TEMPLATES = {"vqa": ["conceptmoe_vqa.yaml", "conceptmoe_vqa_mc.yaml"], "caption": ["conceptmoe_caption.yaml"]}
+DATA_TOKEN = "__DATA_DIR__"
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def vqa_records(shards, limit: int | None = None) -> list[dict]:
+    """One record per question; `choices` = the split's distinct answers of the item's question type."""
+    from data_pipelines.chat import iter_vqa_samples
+
+    recs = []
+    for i, s in enumerate(iter_vqa_samples(shards, limit=limit)):
+        recs.append({"id": f"{s.key}/{i}", "question": s.question, "answer": s.answer,
+                     "question_type": s.question_type, "heldout": bool(s.heldout),
+                     "images": [_b64(b) for b in (s.images or [s.image])]})
+    answers: dict[str, set[str]] = defaultdict(set)
+    for r in recs:
+        answers[r["question_type"]].add(r["answer"])
+    for r in recs:
+        r["choices"] = sorted(answers[r["question_type"]])
+    return recs
+
+
+def caption_records(shards, limit: int | None = None) -> list[dict]:
+    """One record per image-caption pair (`pair` samples with one image); the caption has no placeholder."""
+    from data_pipelines.reader import iter_shard, resolve_shards, shard_counts
+    from data_pipelines.schema import IMAGE_TOKEN, BadSample, decode_sample
+
+    paths = []
+    for p in ([shards] if isinstance(shards, (str, Path)) else shards):
+        paths += resolve_shards(p)
+    recs: list[dict] = []
+    for path, count in zip(paths, shard_counts(paths)):
+        for _, raw in iter_shard(path, expected=count):
+            if isinstance(raw, BadSample):
+                continue
+            try:
+                s = decode_sample(raw)
+            except BadSample:
+                continue
+            if s.kind != "pair" or len(s.images) != 1 or s.turns is not None:
+                continue
+            caption = s.text.replace(IMAGE_TOKEN, "").strip()
+            if caption:
+                recs.append({"id": s.key, "caption": caption, "images": [_b64(s.images[0])]})
+            if limit is not None and len(recs) >= limit:
+                return recs
+    return recs
+
+
+def write_jsonl(records: list[dict], path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        for r in records:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    return path
+
+
+def instantiate_templates(out_dir: Path, kinds: list[str]) -> list[Path]:
+    written = []
+    for kind in kinds:
+        for name in TEMPLATES[kind]:
+            text = (TEMPLATE_DIR / name).read_text(encoding="utf-8")
+            dst = out_dir / name
+            dst.write_text(text.replace(DATA_TOKEN, str(out_dir.resolve())), encoding="utf-8")
+            written.append(dst)
+    return written
+
+
+def export_tasks(out: str | Path, *, data: str | Path | None = None, split: str = "test",
+                 vqa_shards=None, caption_shards=None, limit: int | None = None) -> dict:
+    """Write the JSONL files and instantiated YAMLs; returns {"vqa": n, "caption": n, "yamls": [...]}."""
+    out = Path(out)
+    if data is not None:
+        root = Path(data) / split
+        if not root.is_dir():
+            raise FileNotFoundError(f"{root} does not exist: expected a dataset from `vlm data build-default` "
+                                    f"with a {split!r} split")
+        vqa_shards = vqa_shards or str(root / "vqa-*.tar")
+        caption_shards = caption_shards or str(root / "caption-*.tar")
+    if vqa_shards is None and caption_shards is None:
+        raise ValueError("give --data DIR or --vqa-shards / --caption-shards")
+    report: dict = {"yamls": []}
+    kinds = []
+    if vqa_shards is not None:
+        recs = vqa_records(vqa_shards, limit)
+        write_jsonl(recs, out / "vqa_test.jsonl")
+        report["vqa"] = len(recs)
+        kinds.append("vqa")
+    if caption_shards is not None:
+        recs = caption_records(caption_shards, limit)
+        write_jsonl(recs, out / "caption_test.jsonl")
+        report["caption"] = len(recs)
+        kinds.append("caption")
+    report["yamls"] = [str(p) for p in instantiate_templates(out, kinds)]
+    return report
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data", help="dataset directory from `vlm data build-default`")
+    p.add_argument("--split", default="test")
+    p.add_argument("--vqa-shards", help="VQA shards (dir, glob or brace pattern) instead of --data")
+    p.add_argument("--caption-shards", help="caption shards instead of --data")
+    p.add_argument("--limit", type=int, help="at most this many records per task")
+    p.add_argument("--out", required=True, help="task directory to pass to lmms-eval --include_path")
+
+
+def run(args: argparse.Namespace) -> int:
+    report = export_tasks(args.out, data=args.data, split=args.split, vqa_shards=args.vqa_shards,
+                          caption_shards=args.caption_shards, limit=args.limit)
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m eval.export_tasks", description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,211 @@
+"""lmms-eval adapter: requests built as lmms-eval 0.7.3 builds them, and a real `lmms-eval eval` CLI run."""
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("lmms_eval.api.model")  # also needs lmms-eval's small runtime deps (see eval/LMMS_EVAL.md)
+
+from lmms_eval.api.instance import Instance, unwrap_generation_output  # noqa: E402
+from PIL import Image  # noqa: E402
+
+from data_pipelines.chat import vqa_prompt  # noqa: E402
+from eval.export_tasks import instantiate_templates, write_jsonl  # noqa: E402
+from eval.lmms_adapter import ConceptMoELMMS, LoglikResult  # noqa: E402
+from eval.testing import COLOURS, OracleEvalModel, WordTokenizer  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+TASK = "colours"
+
+
+def _png(colour: str) -> str:
+    buf = io.BytesIO()
+    Image.new("RGB", (24, 16), COLOURS[colour]).save(buf, format="PNG")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def _docs() -> list[dict]:
+    names = ["red", "green", "blue", "yellow"]
+    return [{"id": str(i), "question": "What colour is this?", "answer": c, "question_type": "colour",
+             "heldout": i == 0, "images": [_png(c)], "choices": sorted(names), "caption": c}
+            for i, c in enumerate(names)]
+
+
+def doc_to_visual(doc):
+    return [Image.open(io.BytesIO(base64.b64decode(b))) for b in doc["images"]]
+
+
+class Double(ConceptMoELMMS):
+    def _load_model(self, pretrained):
+        return OracleEvalModel(WordTokenizer())
+
+
+def _adapter(tmp_path, **kw) -> ConceptMoELMMS:
+    lm = Double(pretrained=str(tmp_path / "ckpt"), stats_dir=str(tmp_path / "out"), **kw)
+    lm.task_dict = {TASK: {"test": _docs()}}
+    return lm
+
+
+def _gen_instance(doc_id: int, context: str, gen_kwargs: dict) -> Instance:
+    # exactly ConfigurableTask.construct_requests' shape for output_type generate_until
+    return Instance(request_type="generate_until", idx=0, metadata={"task": TASK, "doc_id": doc_id, "repeats": 1},
+                    arguments=(context, dict(gen_kwargs), doc_to_visual, doc_id, TASK, "test"))
+
+
+def _ll_instance(doc_id: int, context: str, continuation, idx: int = 0) -> Instance:
+    return Instance(request_type="loglikelihood", idx=idx, metadata={"task": TASK, "doc_id": doc_id, "repeats": 1},
+                    arguments=(context, continuation, doc_to_visual, doc_id, TASK, "test"))
+
+
+def test_generate_until_images_until_and_budget(tmp_path):
+    lm = _adapter(tmp_path, batch_size=3)
+    gk = {"until": ["\n"], "max_new_tokens": 7, "temperature": 0, "do_sample": False}
+    reqs = [_gen_instance(i, "What colour is this?", gk) for i in range(4)]
+    out = [unwrap_generation_output(x)[0] for x in lm.generate_until(reqs)]
+    assert [o.strip() for o in out] == ["red", "green", "blue", "yellow"]
+    calls = lm.model.calls
+    assert [c["n"] for c in calls] == [3, 1]                       # batched by batch_size
+    assert all(c["max_new_tokens"] == 7 and c["temperature"] == 0.0 for c in calls)
+    assert all(c["images"] == [1] * c["n"] for c in calls)         # one image per doc reached the model
+    assert calls[0]["stop"] == ["\n", "<|end|>"]
+    assert calls[0]["prompts"][0] == "<|user|><image>\nWhat colour is this?<|end|><|assistant|>"
+    assert calls[0]["prompts"][0] == vqa_prompt("What colour is this?")  # the format VQA was trained on
+    saved = json.loads(next((tmp_path / "out").glob("*/*_compression.json")).read_text())
+    comp = saved["tasks"][TASK]["generate_until"]
+    assert comp["requests"] == 4 and comp["compression"]["compression/image"] == 4.0
+    assert comp["compression"]["compression/text"] > 1.0
+
+
+class _Rambler(OracleEvalModel):
+    def generate(self, prompts, images=None, **kw):
+        super().generate(prompts, images, **kw)
+        return ["red. Then more\nand more <|end|> junk"] * len(prompts)
+
+
+def test_until_is_enforced_and_sampling_args_pass(tmp_path):
+    lm = _adapter(tmp_path)
+    lm.model = _Rambler(WordTokenizer())
+    gk = {"until": ". Then", "max_new_tokens": 3, "temperature": 0.7, "top_p": 0.9, "do_sample": True}
+    assert lm.generate_until([_gen_instance(0, "Colour?", gk)]) == ["red"]
+    call = lm.model.calls[-1]
+    assert call["temperature"] == 0.7 and call["top_p"] == 0.9 and call["max_new_tokens"] == 3
+    # no `until` given: the chat template's end token still stops the answer
+    assert lm.generate_until([_gen_instance(0, "Colour?", {"max_new_tokens": 3})]) == ["red. Then more\nand more "]
+
+
+def test_context_layouts(tmp_path):
+    lm = _adapter(tmp_path, chat="auto")
+    gk = {"until": ["\n"], "max_new_tokens": 4}
+    lm.generate_until([_gen_instance(0, "<image>", gk)])             # laid out by the task: verbatim
+    assert lm.model.calls[-1]["prompts"] == ["<image>"]
+    with pytest.raises(ValueError, match="2 <image> placeholders for 1 images"):
+        lm.generate_until([_gen_instance(0, "<image><image>Which?", gk)])
+    lm_off = _adapter(tmp_path, chat="false")
+    lm_off.generate_until([_gen_instance(1, "Q?", gk)])
+    assert lm_off.model.calls[-1]["prompts"] == ["<image>\nQ?"]
+
+
+def test_loglikelihood_multiple_choice_and_target(tmp_path):
+    lm = _adapter(tmp_path, batch_size=2)
+    choices = ["blue", "green", "red", "yellow"]
+    gold = {0: 2, 1: 1}  # doc 0 is red, doc 1 is green
+    reqs = [_ll_instance(d, "What colour is this?", c, idx=i) for d in gold for i, c in enumerate(choices)]
+    reqs.append(Instance(request_type="loglikelihood", idx=0, metadata={"task": TASK, "doc_id": 2, "repeats": 1},
+                         arguments=("", "blue")))                  # acc_mutual_info's unconditional pair
+    res = lm.loglikelihood(reqs)
+    assert all(isinstance(r, LoglikResult) and isinstance(r, tuple) for r in res)
+    values = [unwrap_generation_output(r)[0] for r in res]          # what lmms-eval stores as the response
+    assert all(isinstance(v, tuple) and len(v) == 2 for v in values)
+    for k, g in enumerate(gold.values()):
+        lls, greedy = zip(*values[4 * k:4 * k + 4])                 # MultipleChoice's `zip(*results)`
+        assert int(np.argmin(lls)) == g and greedy[g] and not any(greedy[i] for i in range(4) if i != g)
+    assert values[-1][0] > 0  # negative log-likelihood of a wrong choice
+    # output_type loglikelihood: continuation is doc_to_target (callable) -> log-likelihood itself
+    tgt = lm.loglikelihood([_ll_instance(3, "What colour is this?", lambda doc: doc["answer"]),
+                            _ll_instance(3, "What colour is this?", lambda doc: "red")])
+    assert tgt[0][0] == 0.0 and tgt[0][1] is True and tgt[1][0] < 0 and tgt[1][1] is False
+    assert lm.model.calls[0]["continuations"][:2] == ["blue", "green"] and lm.model.calls[0]["images"] == [1, 1]
+    saved = json.loads(next((tmp_path / "out").glob("*/*_compression.json")).read_text())
+    assert saved["tasks"][TASK]["loglikelihood"]["requests"] == 2
+
+
+def test_bad_model_args(tmp_path):
+    with pytest.raises(ValueError, match="unknown model args \\['temprature'\\]"):
+        Double(pretrained=str(tmp_path), temprature=1)
+    with pytest.raises(ValueError, match="chat='maybe'"):
+        Double(pretrained=str(tmp_path), chat="maybe")
+    with pytest.raises(ValueError, match="pretrained"):
+        Double()
+
+
+def test_manifest_resolves_through_registry():
+    from lmms_eval.models.registry_v2 import ModelRegistryV2
+
+    from eval.lmms_manifest import MANIFEST
+
+    reg = ModelRegistryV2()
+    reg.register_manifest(MANIFEST)
+    assert reg.get_model_class("conceptmoe") is ConceptMoELMMS
+
+
+PLUGIN = textwrap.dedent("""
+    from lmms_eval.models.registry_v2 import ModelManifest
+
+    MANIFEST = ModelManifest(model_id="conceptmoe_double", simple_class_path="cmoe_double_plugin.DoubleLMMS")
+
+    from eval.lmms_adapter import ConceptMoELMMS
+    from eval.testing import OracleEvalModel, WordTokenizer
+
+    class DoubleLMMS(ConceptMoELMMS):
+        def _load_model(self, pretrained):
+            return OracleEvalModel(WordTokenizer())
+""")
+
+
+@pytest.mark.slow
+def test_lmms_eval_cli_run_on_local_tasks(tmp_path):
+    """`lmms-eval eval` with the shipped task YAMLs on a tiny local JSON split; the model double is found
+    through a real `lmms_eval.models` entry point (a dist-info folder on PYTHONPATH)."""
+    plugin = tmp_path / "plugin"
+    info = plugin / "cmoe_double_plugin-0.0.dist-info"
+    info.mkdir(parents=True)
+    (plugin / "cmoe_double_plugin.py").write_text(PLUGIN)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: cmoe-double-plugin\nVersion: 0.0\n")
+    (info / "entry_points.txt").write_text("[lmms_eval.models]\nconceptmoe_double = cmoe_double_plugin:MANIFEST\n")
+    tasks = tmp_path / "tasks"
+    write_jsonl(_docs(), tasks / "vqa_test.jsonl")
+    write_jsonl(_docs(), tasks / "caption_test.jsonl")
+    instantiate_templates(tasks, ["vqa", "caption"])
+    ckpt = tmp_path / "run" / "final"
+    ckpt.mkdir(parents=True)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(plugin), str(REPO)]), HF_HOME=str(tmp_path / "hf"),
+               HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
+    cmd = [sys.executable, "-c", "import sys; from lmms_eval.cli.dispatch import main; sys.exit(main())",
+           "eval", "--model", "conceptmoe_double", "--model_args", f"pretrained={ckpt}",
+           "--tasks", "conceptmoe_vqa,conceptmoe_vqa_mc,conceptmoe_caption", "--include_path", str(tasks),
+           "--output_path", str(tmp_path / "out"), "--batch_size", "2"]
+    proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    log = proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, log
+    found = list((tmp_path / "out").glob("run__final/*_results.json"))  # lmms-eval exits 0 on errors: check files
+    assert found, log
+    res = json.loads(found[0].read_text())["results"]
+    assert res["conceptmoe_vqa"]["exact_match,none"] == 1.0
+    assert res["conceptmoe_vqa"]["exact_match_colour,none"] == 1.0
+    assert res["conceptmoe_vqa"]["exact_match_heldout,none"] == 1.0
+    assert res["conceptmoe_vqa_mc"]["acc,none"] == 1.0               # argmin over -log p picks the answer
+    assert res["conceptmoe_caption"]["exact_match,none"] == 1.0
+    assert res["conceptmoe_caption"]["cider,none"] > 0.0
+    comp = json.loads(next((tmp_path / "out").glob("run__final/*_compression.json")).read_text())
+    assert set(comp["tasks"]) == {"conceptmoe_vqa", "conceptmoe_vqa_mc", "conceptmoe_caption"}
+    assert comp["tasks"]["conceptmoe_vqa_mc"]["loglikelihood"]["requests"] == 16
+    assert comp["tasks"]["conceptmoe_vqa"]["generate_until"]["compression"]["compression/image"] == 4.0
