@@ -80,3 +80,9 @@ def test_transformers_generate_on_the_exported_model(chat, tmp_path):
     out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False,
                       eos_token_id=None)
     assert chat.tokenizer.decode(out[0, ids.shape[1]:].tolist()) == ours
+
+
+def test_image_only_prompt_generates(chat):
+    """A caption task's prompt is just the image: valid for generation (training data would reject it)."""
+    out = chat.generate(["<image>"], [[img(5)]], max_new_tokens=3)
+    assert len(out) == 1 and isinstance(out[0], str)

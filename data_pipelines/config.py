@@ -1,0 +1,65 @@
+"""Data configuration: sources and their mixture, packing budget, shuffling, workers, tokenizer, images."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from vision.image_processor import ImageProcessorConfig
+from vlm.config import check
+
+DEFAULT_DIR = "data/default"
+
+
+@dataclass
+class SourceConfig:
+    """One source of shards. `path`: a folder of shards, a glob, a brace pattern or one .tar file."""
+
+    path: str
+    weight: float = 1.0
+    kind: Literal["auto", "pair", "interleaved", "text"] = "auto"   # not "auto": other kinds are skipped
+    name: str = ""
+
+    def validate(self) -> None:
+        check(bool(self.path), "source path must not be empty")
+        check(self.weight > 0, f"source {self.path}: weight must be > 0, got {self.weight}")
+
+    @property
+    def label(self) -> str:
+        return self.name or self.path
+
+
+@dataclass
+class DataConfig:
+    # empty: the embedded default dataset's train split (built into default_dir when missing)
+    sources: list[SourceConfig] = field(default_factory=list)
+    default_dir: str = DEFAULT_DIR
+    split: str = "train"             # which split of the default dataset when `sources` is empty
+    row_tokens: int = 1024           # T: tokens per packed row (text + image tokens)
+    rows_per_batch: int = 4          # B
+    shuffle_buffer: int = 512        # samples per source held for shuffling (0: stream order)
+    pack_buffer: int = 64            # tokenized samples the packer chooses from when filling a row
+    seed: int = 0
+    num_workers: int = 0             # DataLoader worker processes per rank (0: in the main process)
+    # how ranks share the data: "samples" = each rank reads its own part of every source (no duplicated
+    # work); "rows" = every rank builds the same global batch of rows_per_batch x world_size rows and keeps
+    # its rows, so the global batch does not depend on the number of ranks (costs world_size x the CPU work)
+    rank_split: Literal["samples", "rows"] = "samples"
+    prefetch_factor: int = 2
+    epochs: int | None = None        # None: loop forever (training); N: stop after N passes over every source
+    tokenizer: str = "byte"          # "byte", a tokenizer directory or a tokenizer.json
+    processor: ImageProcessorConfig = field(default_factory=ImageProcessorConfig)
+    loss_on: Literal["all", "assistant"] = "all"   # "assistant": chat samples train on answers only
+    long_text: Literal["truncate", "split"] = "truncate"  # text-only documents longer than a row
+
+    def validate(self) -> None:
+        check(self.row_tokens >= 8, f"row_tokens must be >= 8, got {self.row_tokens}")
+        check(self.rows_per_batch >= 1, f"rows_per_batch must be >= 1, got {self.rows_per_batch}")
+        check(self.shuffle_buffer >= 0, f"shuffle_buffer must be >= 0, got {self.shuffle_buffer}")
+        check(self.pack_buffer >= 1, f"pack_buffer must be >= 1, got {self.pack_buffer}")
+        check(self.num_workers >= 0, f"num_workers must be >= 0, got {self.num_workers}")
+        check(self.prefetch_factor >= 1, f"prefetch_factor must be >= 1, got {self.prefetch_factor}")
+        check(self.epochs is None or self.epochs >= 1, f"epochs must be >= 1 or null, got {self.epochs}")
+        check(bool(self.tokenizer), "tokenizer must be 'byte' or a path")
+        names = [s.label for s in self.sources]
+        check(len(set(names)) == len(names), f"source names/paths must be unique, got {names}")
+        self.processor.validate()

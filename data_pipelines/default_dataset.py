@@ -1,0 +1,205 @@
+"""The embedded default dataset: `vlm data build-default --out DIR`, and `ensure_default_dataset(DIR)`.
+
+Layout (each folder has its manifest.json; DIR/default.json records the generator settings):
+
+    DIR/train/{vqa,caption,interleaved,text}-NNNNNN.tar
+    DIR/val/{vqa,caption,text}-NNNNNN.tar      same distribution as train
+    DIR/test/{vqa,caption}-NNNNNN.tar          every scene holds an unseen (colour, shape) combination
+
+A VQA sample is one scene with a few questions as a multi-turn chat (first turn `<image>\\n<question>`,
+exactly the evaluation prompt) and `meta.qa` listing {question, answer, type, heldout}. A caption sample
+is the same image with its caption. Interleaved documents show 2-3 scenes with captions and a comparison.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+from data_pipelines.scenes import caption, questions, render_scene, sample_scene
+from data_pipelines.schema import IMAGE_TOKEN, Sample
+from data_pipelines.text_corpus import document
+from data_pipelines.writer import ShardWriter
+from vlm.config import check, to_dict
+
+GENERATOR_VERSION = 1
+INFO_FILE = "default.json"
+# default mixture for training (weights are normalised by the loader)
+DEFAULT_WEIGHTS = {"vqa": 0.45, "caption": 0.2, "interleaved": 0.1, "text": 0.25}
+SPLIT_IDS = {"train": 0, "val": 1, "test": 2, "interleaved": 3, "text": 4}
+
+
+@dataclass
+class DefaultDatasetConfig:
+    seed: int = 0
+    train_scenes: int = 3000
+    val_scenes: int = 300
+    test_scenes: int = 300
+    interleaved_docs: int = 300       # train only
+    text_docs: int = 2000             # train; val gets a tenth
+    min_size: int = 64
+    max_size: int = 112
+    max_objects: int = 4
+    questions_per_scene: int = 3
+    shard_max_count: int = 1000
+
+    def validate(self) -> None:
+        check(8 <= self.min_size <= self.max_size, f"need 8 <= min_size <= max_size, got {self.min_size}, {self.max_size}")
+        check(1 <= self.max_objects <= 9, f"max_objects must be in 1..9 (a 3x3 grid), got {self.max_objects}")
+        check(1 <= self.questions_per_scene <= 5, f"questions_per_scene must be in 1..5, got {self.questions_per_scene}")
+        for name in ("train_scenes", "val_scenes", "test_scenes", "interleaved_docs", "text_docs"):
+            check(getattr(self, name) >= 0, f"{name} must be >= 0")
+        check(self.shard_max_count >= 1, "shard_max_count must be >= 1")
+
+
+def _rng(cfg: DefaultDatasetConfig, split: str, index: int) -> random.Random:
+    return random.Random(f"{cfg.seed}:{SPLIT_IDS[split]}:{index}")
+
+
+def _scene(cfg: DefaultDatasetConfig, split: str, index: int, heldout: bool):
+    rng = _rng(cfg, split, index)
+    scene = sample_scene(rng, cfg.min_size, cfg.max_size, cfg.max_objects, heldout)
+    return rng, scene, render_scene(scene)
+
+
+def _vqa_and_caption(cfg: DefaultDatasetConfig, split: str, index: int) -> tuple[Sample, Sample]:
+    heldout = split == "test"
+    rng, scene, png = _scene(cfg, split, index, heldout)
+    qa = questions(rng, scene, cfg.questions_per_scene, heldout)
+    turns = []
+    for j, q in enumerate(qa):
+        turns.append({"role": "user", "content": (IMAGE_TOKEN + "\n" if j == 0 else "") + q["question"]})
+        turns.append({"role": "assistant", "content": q["answer"]})
+    meta = {"qa": qa, "scene": scene.to_meta(), "split": split}
+    key = f"{split}{index:06d}"
+    vqa = Sample(key=key, kind="pair", turns=turns, images=[png], image_exts=["png"], meta=meta)
+    cap = Sample(key=key, kind="pair", text=IMAGE_TOKEN + caption(scene), images=[png], image_exts=["png"],
+                 meta={"scene": scene.to_meta(), "split": split})
+    return vqa, cap
+
+
+def _interleaved(cfg: DefaultDatasetConfig, index: int) -> Sample:
+    rng = _rng(cfg, "interleaved", index)
+    n = rng.randint(2, 3)
+    parts, images, counts = [], [], []
+    for j in range(n):
+        scene = sample_scene(rng, cfg.min_size, cfg.max_size, cfg.max_objects, heldout=False)
+        images.append(render_scene(scene))
+        counts.append(len(scene.objects))
+        parts.append(f"Picture {j + 1}: {IMAGE_TOKEN}{caption(scene)}")
+    most = max(range(n), key=lambda j: (counts[j], -j))
+    if counts.count(counts[most]) > 1:
+        summary = f"Several pictures have {counts[most]} objects."
+    else:
+        summary = f"Picture {most + 1} has the most objects."
+    return Sample(key=f"doc{index:06d}", kind="interleaved", text=" ".join(parts) + " " + summary,
+                  images=images, image_exts=["png"] * n)
+
+
+def _text(cfg: DefaultDatasetConfig, split: str, index: int) -> Sample:
+    rng = random.Random(f"{cfg.seed}:{SPLIT_IDS['text']}:{split}:{index}")
+    return Sample(key=f"text{index:06d}", kind="text", text=document(rng))
+
+
+def build_default(out: str | os.PathLike, cfg: DefaultDatasetConfig | None = None, progress: bool = True) -> Path:
+    """Write the default dataset into `out` (replaced if present) and return it."""
+    cfg = cfg or DefaultDatasetConfig()
+    cfg.validate()
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / INFO_FILE).exists())):
+        raise FileExistsError(f"{out} exists and is not a default-dataset folder (no {INFO_FILE}); "
+                              "refusing to replace it: choose an empty or new folder")
+    t0 = time.time()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        counts: dict[str, dict[str, int]] = {}
+        plan = [("train", cfg.train_scenes), ("val", cfg.val_scenes), ("test", cfg.test_scenes)]
+        total = sum(n for _, n in plan) + cfg.interleaved_docs + cfg.text_docs + cfg.text_docs // 10
+        bar = tqdm(total=total, desc="default dataset", unit="sample", disable=not progress)
+        for split, n in plan:
+            w_vqa = ShardWriter(tmp / split, "vqa", max_count=cfg.shard_max_count)
+            w_cap = ShardWriter(tmp / split, "caption", max_count=cfg.shard_max_count)
+            for i in range(n):
+                vqa, cap = _vqa_and_caption(cfg, split, i)
+                w_vqa.write(vqa)
+                w_cap.write(cap)
+                bar.update()
+            w_vqa.close(), w_cap.close()
+            counts[split] = {"vqa": n, "caption": n}
+        with ShardWriter(tmp / "train", "interleaved", max_count=cfg.shard_max_count) as w:
+            for i in range(cfg.interleaved_docs):
+                w.write(_interleaved(cfg, i))
+                bar.update()
+        counts["train"]["interleaved"] = cfg.interleaved_docs
+        for split, n in (("train", cfg.text_docs), ("val", cfg.text_docs // 10)):
+            with ShardWriter(tmp / split, "text", max_count=cfg.shard_max_count) as w:
+                for i in range(n):
+                    w.write(_text(cfg, split, i))
+                    bar.update()
+            counts[split]["text"] = n
+        bar.close()
+        counts = {s: {k: v for k, v in c.items() if v} for s, c in counts.items()}
+        info = {"version": GENERATOR_VERSION, "config": to_dict(cfg), "counts": counts,
+                "weights": DEFAULT_WEIGHTS, "build_seconds": round(time.time() - t0, 3)}
+        (tmp / INFO_FILE).write_text(json.dumps(info, indent=1))
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def default_info(directory: str | os.PathLike) -> dict | None:
+    path = Path(directory) / INFO_FILE
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def ensure_default_dataset(directory: str | os.PathLike, cfg: DefaultDatasetConfig | None = None,
+                           progress: bool = True) -> Path:
+    """Build the default dataset into `directory` unless a complete build is there already.
+
+    With `cfg=None` any complete build of this generator version is accepted (so a custom
+    `vlm data build-default --train-scenes ...` is kept); with a `cfg` its settings must match too.
+    """
+    directory = Path(directory)
+
+    def ok() -> bool:
+        info = default_info(directory)
+        return bool(info) and info.get("version") == GENERATOR_VERSION and (
+            cfg is None or info.get("config") == to_dict(cfg))
+
+    if ok():
+        return directory
+    try:
+        return build_default(directory, cfg, progress=progress)
+    except OSError:
+        if ok():  # another process (e.g. another rank) finished the same build first
+            return directory
+        raise
+
+
+def default_sources(directory: str | os.PathLike, split: str = "train") -> list[dict]:
+    """Source specs (path, weight, kind) of one split of the default dataset, for DataConfig.sources."""
+    info = default_info(directory)
+    if info is None:
+        raise FileNotFoundError(f"no default dataset in {directory} (missing {INFO_FILE}); "
+                                "run `vlm data build-default --out DIR`")
+    if split not in info["counts"]:
+        raise ValueError(f"default dataset split {split!r} not one of {sorted(info['counts'])}")
+    weights = info.get("weights", DEFAULT_WEIGHTS)
+    return [{"path": str(Path(directory) / split / f"{name}-*.tar"), "weight": float(weights.get(name, 1.0)),
+             "kind": "auto", "name": f"{split}/{name}"}
+            for name in sorted(info["counts"][split])]

@@ -1,0 +1,138 @@
+"""Packing encoded samples into rows of a fixed token budget and assembling PackedBatch tensors.
+
+Row filling: the oldest waiting sample opens a row (so nothing waits forever), then the subset of the
+other waiting samples (a pool of `pack_buffer`) that fills the rest of the row best is added: an exact
+0/1 knapsack over lengths, which leaves much less padding than greedy best fit when samples are long
+relative to the row. A sample is never split across rows. Labels are built for the whole batch at once from the row layout.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from data_pipelines.encode import EncodedSample
+from data_pipelines.tokenizer import Tokenizer
+from vlm.batch import IGNORE_INDEX, IMAGE, TEXT, PackedBatch
+
+
+class Packer:
+    """A pool of (ref, EncodedSample) in arrival order; `next_row` takes one row's worth out of it
+    (samples keep their pool order within the row)."""
+
+    def __init__(self, row_tokens: int, pack_buffer: int):
+        self.row_tokens = row_tokens
+        self.pack_buffer = pack_buffer
+        self.pool: list[tuple[Any, EncodedSample]] = []
+
+    def need(self) -> int:
+        return max(self.pack_buffer - len(self.pool), 0)
+
+    def add(self, ref: Any, sample: EncodedSample) -> None:
+        if len(sample) > self.row_tokens:
+            raise ValueError(f"sample {sample.key}: {len(sample)} tokens exceed row_tokens={self.row_tokens}")
+        self.pool.append((ref, sample))
+
+    def next_row(self) -> list[tuple[Any, EncodedSample]]:
+        if not self.pool:
+            return []
+        row = [self.pool.pop(0)]
+        room = self.row_tokens - len(row[0][1])
+        lengths = np.fromiter((len(s) for _, s in self.pool), dtype=np.int64, count=len(self.pool))
+        chosen = set(best_subset(lengths, room)) if room > 0 and self.pool else set()
+        row += [item for i, item in enumerate(self.pool) if i in chosen]
+        self.pool = [item for i, item in enumerate(self.pool) if i not in chosen]
+        return row
+
+
+def best_subset(lengths: np.ndarray, room: int) -> list[int]:
+    """Indices of a subset of `lengths` with the largest sum <= `room` (0/1 knapsack over reachable sums:
+    one vector operation per candidate sample, never a loop over tokens)."""
+    n = len(lengths)
+    reach = np.zeros((n + 1, room + 1), dtype=bool)
+    reach[0, 0] = True
+    for i, length in enumerate(lengths.tolist()):
+        reach[i + 1] = reach[i]
+        if length <= room:
+            reach[i + 1, length:] |= reach[i, :room + 1 - length]
+    total = int(np.flatnonzero(reach[n])[-1])
+    chosen = []
+    for i in range(n, 0, -1):  # walk back: item i-1 was needed iff the sum was not reachable without it
+        if not reach[i - 1, total]:
+            chosen.append(i - 1)
+            total -= int(lengths[i - 1])
+    return chosen[::-1]
+
+
+def assemble_batch(rows: list[list[EncodedSample]], row_tokens: int, tok: Tokenizer) -> PackedBatch:
+    """Rows of encoded samples -> PackedBatch (labels shifted, masked at document ends, padding, images
+    and non-target tokens; images concatenated row by row, left to right)."""
+    B, T = len(rows), row_tokens
+    ids = np.full((B, T), tok.pad_id, dtype=np.int64)
+    doc = np.full((B, T), -1, dtype=np.int64)
+    pos = np.zeros((B, T), dtype=np.int64)
+    target = np.zeros((B, T), dtype=bool)
+    images = []
+    for r, row in enumerate(rows):
+        o = 0
+        for d, s in enumerate(row):
+            n = len(s)
+            if o + n > T:
+                raise ValueError(f"row {r} overflows: {o + n} > {T} tokens")
+            ids[r, o:o + n] = s.ids
+            doc[r, o:o + n] = d
+            pos[r, o:o + n] = np.arange(n)
+            target[r, o:o + n] = s.target
+            images += s.images
+            o += n
+    is_image = (ids == tok.image_pad_id) & (doc >= 0)
+    labels = np.full((B, T), IGNORE_INDEX, dtype=np.int64)
+    keep = ((doc[:, 1:] == doc[:, :-1]) & (doc[:, :-1] >= 0) & target[:, 1:]
+            & ~is_image[:, 1:] & ~is_image[:, :-1])
+    labels[:, :-1] = np.where(keep, ids[:, 1:], IGNORE_INDEX)
+    modality = np.where(is_image, IMAGE, TEXT)
+    batch = PackedBatch(input_ids=torch.from_numpy(ids), labels=torch.from_numpy(labels),
+                        doc_ids=torch.from_numpy(doc), position_ids=torch.from_numpy(pos),
+                        modality=torch.from_numpy(modality))
+    if images:
+        batch.pixel_patches = torch.cat([im.patches_PD for im in images], 0)
+        batch.patch_coords = torch.cat([im.coords_P2 for im in images], 0)
+        batch.image_grids = torch.tensor([list(im.grid) for im in images], dtype=torch.long)
+    return batch
+
+
+def select_rows(batch: PackedBatch, start: int, stop: int) -> PackedBatch:
+    """Rows [start, stop) of a batch with exactly their images (images are stored row by row)."""
+    is_img = batch.modality == IMAGE
+    starts = is_img.clone()
+    starts[:, 1:] &= ~is_img[:, :-1]           # an image is one run of IMAGE positions
+    per_row = starts.sum(1).tolist()
+    out = PackedBatch(batch.input_ids[start:stop], batch.labels[start:stop], batch.doc_ids[start:stop],
+                      batch.position_ids[start:stop], batch.modality[start:stop])
+    i0, i1 = sum(per_row[:start]), sum(per_row[:stop])
+    if batch.image_grids is not None and i1 > i0:
+        sizes = batch.image_grids.prod(1).tolist()
+        p0, p1 = sum(sizes[:i0]), sum(sizes[:i1])
+        out.image_grids = batch.image_grids[i0:i1]
+        out.pixel_patches, out.patch_coords = batch.pixel_patches[p0:p1], batch.patch_coords[p0:p1]
+    return out
+
+
+def make_prompt_batch(prompts: list[tuple[str, list[bytes]]], tok: Tokenizer, processor,
+                      add_eos: bool = False) -> PackedBatch:
+    """One row per prompt (for generation/eval): `<bos>` + text with images expanded, right-padded to the
+    longest prompt. Labels are the usual shifted targets (useful for scoring answers)."""
+    from data_pipelines.encode import encode_sample
+    from data_pipelines.schema import Sample
+
+    encoded = []
+    for i, (text, imgs) in enumerate(prompts):
+        kind = "text" if not imgs else "pair" if len(imgs) == 1 else "interleaved"
+        s = Sample(key=f"prompt{i}", kind=kind, text=text, images=list(imgs), source="<prompt>")
+        e = encode_sample(s, tok, processor, row_tokens=1 << 30, allow_empty_text=True)[0]
+        if not add_eos:
+            e = EncodedSample(e.ids[:-1], e.target[:-1], e.images, e.key)
+        encoded.append(e)
+    T = max(len(e) for e in encoded)
+    return assemble_batch([[e] for e in encoded], T, tok)

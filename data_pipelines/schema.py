@@ -1,0 +1,178 @@
+"""The one sample schema of the shards (see SCHEMA.md), its encoder and its validating decoder.
+
+A tar sample is the set of members sharing a key (webdataset convention, the key holds no dot):
+`KEY.json` (metadata and text), `KEY.{i}.{ext}` (image i, in placeholder order). A foreign webdataset
+with `KEY.jpg` + `KEY.txt` reads as an image-caption pair. Decoding checks everything that does not need
+the image decoder and raises `BadSample(reason, message)`; reasons are the loader's counter names.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+KINDS = ("pair", "interleaved", "text")
+IMAGE_EXTS = ("png", "jpg", "jpeg", "webp", "bmp", "gif", "tif", "tiff", "ppm")
+TEXT_EXTS = ("txt", "text", "caption")
+IMAGE_TOKEN = "<image>"
+ROLES = ("user", "assistant")
+
+# Skip reasons (the loader's counters). Documented in SCHEMA.md.
+UNREADABLE_SHARD = "unreadable_shard"
+UNREADABLE_MEMBER = "unreadable_member"
+BAD_JSON = "bad_json"
+NON_UTF8 = "non_utf8_text"
+MISSING_FIELD = "missing_field"
+INVALID_FIELD = "invalid_field"
+EMPTY_TEXT = "empty_text"
+IMAGE_COUNT = "image_count_mismatch"
+CORRUPT_IMAGE = "corrupt_image"
+IMAGE_TOO_LARGE = "image_too_large"
+TOO_LONG = "too_long"
+FILTERED_KIND = "filtered_kind"
+REASONS = (UNREADABLE_SHARD, UNREADABLE_MEMBER, BAD_JSON, NON_UTF8, MISSING_FIELD, INVALID_FIELD, EMPTY_TEXT,
+           IMAGE_COUNT, CORRUPT_IMAGE, IMAGE_TOO_LARGE, TOO_LONG, FILTERED_KIND)
+
+_IMAGE_MEMBER = re.compile(r"^(?:(\d+)\.)?(" + "|".join(IMAGE_EXTS) + r")$")
+
+
+class BadSample(ValueError):
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass
+class Sample:
+    """One training sample. `text` holds `<image>` placeholders (one per image, in order); chat samples keep
+    the conversation in `turns` ([{role, content}], placeholders in the contents) and `text` is then unused."""
+
+    key: str
+    kind: str
+    text: str = ""
+    turns: list[dict] | None = None
+    images: list[bytes] = field(default_factory=list)
+    image_exts: list[str] = field(default_factory=list)
+    meta: dict[str, Any] = field(default_factory=dict)
+    source: str = ""    # shard path, for messages
+
+    def placeholder_count(self) -> int:
+        if self.turns is not None:
+            return sum(t["content"].count(IMAGE_TOKEN) for t in self.turns)
+        return self.text.count(IMAGE_TOKEN)
+
+    def all_text(self) -> str:
+        return "".join(t["content"] for t in self.turns) if self.turns is not None else self.text
+
+
+def normalize_placeholders(sample: Sample) -> Sample:
+    """An image-text pair without a placeholder gets one in front (caption datasets rarely write it)."""
+    if sample.kind == "pair" and len(sample.images) == 1 and sample.placeholder_count() == 0:
+        if sample.turns is not None:
+            first = next((t for t in sample.turns if t["role"] == "user"), None)
+            if first is not None:
+                first["content"] = IMAGE_TOKEN + "\n" + first["content"]
+        else:
+            sample.text = IMAGE_TOKEN + sample.text
+    return sample
+
+
+def encode_sample(sample: Sample) -> dict[str, Any]:
+    """Sample -> tar members for `webdataset.TarWriter` (bytes values, `__key__`)."""
+    if "." in sample.key or "/" in sample.key or not sample.key:
+        raise ValueError(f"sample key {sample.key!r}: must be non-empty and hold no '.' or '/'")
+    if sample.kind not in KINDS:
+        raise ValueError(f"sample {sample.key}: kind {sample.kind!r} not one of {KINDS}")
+    meta: dict[str, Any] = {"kind": sample.kind}
+    if sample.turns is not None:
+        meta["turns"] = sample.turns
+    else:
+        meta["text"] = sample.text
+    if sample.meta:
+        meta["meta"] = sample.meta
+    out: dict[str, Any] = {"__key__": sample.key,
+                           "json": json.dumps(meta, ensure_ascii=False, sort_keys=True).encode("utf-8")}
+    for i, data in enumerate(sample.images):
+        ext = (sample.image_exts[i] if i < len(sample.image_exts) else "png").lower().lstrip(".")
+        if ext not in IMAGE_EXTS:
+            raise ValueError(f"sample {sample.key}: image extension {ext!r} not one of {IMAGE_EXTS}")
+        out[f"{i}.{ext}"] = bytes(data)
+    return out
+
+
+def _utf8(data: bytes, what: str) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise BadSample(NON_UTF8, f"{what}: not valid UTF-8 ({e})") from None
+
+
+def _check_turns(turns: Any, where: str) -> list[dict]:
+    if not isinstance(turns, list) or not turns:
+        raise BadSample(INVALID_FIELD, f"{where}: 'turns' must be a non-empty list of {{role, content}}")
+    out = []
+    for i, t in enumerate(turns):
+        if not isinstance(t, dict) or "role" not in t or "content" not in t:
+            raise BadSample(MISSING_FIELD, f"{where}: turns[{i}] needs 'role' and 'content'")
+        if t["role"] not in ROLES or not isinstance(t["content"], str):
+            raise BadSample(INVALID_FIELD, f"{where}: turns[{i}] role must be one of {ROLES} "
+                                           f"and content a string, got {t['role']!r}")
+        out.append({"role": t["role"], "content": t["content"]})
+    if not any(t["role"] == "assistant" and t["content"].strip() for t in out):
+        raise BadSample(EMPTY_TEXT, f"{where}: no non-empty assistant turn")
+    return out
+
+
+def decode_sample(raw: dict[str, Any], kind_filter: str = "auto") -> Sample:
+    """Raw tar members {"__key__", "__url__", ext: bytes} -> validated Sample (images still undecoded)."""
+    key, url = raw.get("__key__", "?"), raw.get("__url__", "")
+    where = f"sample {key} in {url}"
+    images: dict[int, tuple[str, bytes]] = {}
+    for name, value in raw.items():
+        m = _IMAGE_MEMBER.match(name) if not name.startswith("__") else None
+        if m:
+            images[int(m.group(1) or 0)] = (m.group(2), value)
+    ordered = [images[i] for i in sorted(images)]
+    if sorted(images) != list(range(len(images))):
+        raise BadSample(IMAGE_COUNT, f"{where}: image members are not numbered 0..n-1: {sorted(images)}")
+    if "json" in raw:
+        try:
+            meta = json.loads(_utf8(raw["json"], f"{where}.json"))
+        except json.JSONDecodeError as e:
+            raise BadSample(BAD_JSON, f"{where}.json: not valid JSON ({e})") from None
+        if not isinstance(meta, dict):
+            raise BadSample(BAD_JSON, f"{where}.json: top level must be an object")
+        kind = meta.get("kind") or ("text" if not ordered else "pair" if len(ordered) == 1 else "interleaved")
+        if kind not in KINDS:
+            raise BadSample(INVALID_FIELD, f"{where}: kind {kind!r} not one of {KINDS}")
+        turns = _check_turns(meta["turns"], where) if meta.get("turns") is not None else None
+        text = meta.get("text")
+        if turns is None:
+            if text is None:
+                raise BadSample(MISSING_FIELD, f"{where}: needs 'text' or 'turns'")
+            if not isinstance(text, str):
+                raise BadSample(INVALID_FIELD, f"{where}: 'text' must be a string")
+        extra = meta.get("meta") or {}
+    else:
+        txt = next((raw[e] for e in TEXT_EXTS if e in raw), None)
+        if txt is None:
+            raise BadSample(MISSING_FIELD, f"{where}: no .json and no .txt member (members: "
+                                           f"{sorted(k for k in raw if not k.startswith('__'))})")
+        text, turns, extra = _utf8(txt, f"{where}.txt"), None, {}
+        kind = "text" if not ordered else "pair" if len(ordered) == 1 else "interleaved"
+    sample = Sample(key=key, kind=kind, text=text or "", turns=turns, images=[d for _, d in ordered],
+                    image_exts=[e for e, _ in ordered], meta=extra, source=url)
+    if kind_filter != "auto" and kind != kind_filter:
+        raise BadSample(FILTERED_KIND, f"{where}: kind {kind!r} filtered out (source kind {kind_filter!r})")
+    if kind == "text" and ordered:
+        raise BadSample(INVALID_FIELD, f"{where}: kind 'text' but {len(ordered)} image members")
+    if kind != "text" and not ordered:
+        raise BadSample(MISSING_FIELD, f"{where}: kind {kind!r} but no image member")
+    if not sample.all_text().replace(IMAGE_TOKEN, "").strip():
+        raise BadSample(EMPTY_TEXT, f"{where}: empty text")
+    normalize_placeholders(sample)
+    if sample.placeholder_count() != len(sample.images):
+        raise BadSample(IMAGE_COUNT, f"{where}: {sample.placeholder_count()} {IMAGE_TOKEN} placeholders "
+                                     f"but {len(sample.images)} images")
+    return sample

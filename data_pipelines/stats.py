@@ -1,0 +1,85 @@
+"""`vlm data stats SHARDS...`: counts and modality statistics from manifests, or by reading the shards."""
+from __future__ import annotations
+
+import os
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from data_pipelines.reader import iter_shard, resolve_shards
+from data_pipelines.schema import BadSample, decode_sample
+from data_pipelines.writer import ShardStats, merge_stats, read_manifest, update_manifest
+
+
+def scan_shard(path: Path) -> tuple[dict[str, Any], Counter]:
+    """Read one shard: its stats entry and the schema problems found (by reason)."""
+    stats, bad = ShardStats(), Counter()
+    for _, raw in iter_shard(path):
+        if isinstance(raw, BadSample):
+            bad[raw.reason] += 1
+            continue
+        try:
+            stats.add(decode_sample(raw), sum(len(v) for k, v in raw.items() if not k.startswith("__")))
+        except BadSample as e:
+            bad[e.reason] += 1
+    entry = {"name": path.name, **stats.to_dict(), "file_bytes": path.stat().st_size if path.exists() else 0}
+    return entry, bad
+
+
+def collect_stats(patterns: list[str | os.PathLike], scan: bool = False, write_manifest: bool = False
+                  ) -> dict[str, Any]:
+    """Per-shard entries and totals. Manifest entries are used unless `scan` (or a shard has none)."""
+    paths: list[Path] = []
+    for p in patterns:
+        paths += resolve_shards(p)
+    paths = sorted(dict.fromkeys(paths))
+    entries, bad, scanned = [], Counter(), []
+    manifests: dict[Path, dict[str, dict]] = {}
+    for path in paths:
+        d = path.parent
+        if d not in manifests:
+            m = read_manifest(d)
+            manifests[d] = {e["name"]: e for e in m["shards"]} if m else {}
+        entry = manifests[d].get(path.name)
+        if scan or entry is None:
+            entry, b = scan_shard(path)
+            bad.update(b)
+            scanned.append(path)
+        entries.append({**entry, "path": str(path)})
+    if write_manifest:
+        by_dir: dict[Path, list] = {}
+        for path, e in zip(paths, entries):
+            if path in scanned:
+                by_dir.setdefault(path.parent, []).append({k: v for k, v in e.items() if k != "path"})
+        for d, es in by_dir.items():
+            update_manifest(d, es)
+    return {"shards": entries, "totals": merge_stats(entries), "bad": dict(sorted(bad.items())),
+            "scanned": len(scanned)}
+
+
+def _fmt_counter(c: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in c.items()) or "-"
+
+
+def format_stats(result: dict[str, Any], per_shard: bool = True) -> str:
+    lines = []
+    if per_shard:
+        lines.append(f"{'shard':<40} {'samples':>8} {'images':>7} {'MB':>8}  kinds")
+        for e in result["shards"]:
+            lines.append(f"{Path(e['path']).name:<40} {e['count']:>8} {e['images']:>7} "
+                         f"{e.get('file_bytes', e['bytes']) / 1e6:>8.2f}  {_fmt_counter(e['kinds'])}")
+        lines.append("")
+    t = result["totals"]
+    n = max(t["count"], 1)
+    lines += [f"shards:            {t['shards']}",
+              f"samples:           {t['count']}  ({_fmt_counter(t['kinds'])}; chat {t['chat']})",
+              f"images:            {t['images']}  (per sample: {_fmt_counter(t['images_per_sample'])})",
+              f"image sides:       {t['min_image_side']}..{t['max_image_side']} px, mean "
+              f"{t['image_pixels'] / max(t['images'], 1):.0f} pixels/image",
+              f"text:              {t['text_bytes']} bytes ({t['text_bytes'] / n:.1f} per sample)",
+              f"payload:           {t['bytes'] / 1e6:.2f} MB"]
+    if t["qa_types"]:
+        lines.append(f"VQA questions:     {sum(t['qa_types'].values())}  ({_fmt_counter(t['qa_types'])})")
+    if result["scanned"]:
+        lines.append(f"read {result['scanned']} shard(s); problems: {_fmt_counter(result['bad'])}")
+    return "\n".join(lines)

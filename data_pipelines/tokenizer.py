@@ -1,0 +1,201 @@
+"""Tokenizers: byte-level (no files, Synergy-style) and BPE (the `tokenizers` library), one protocol.
+
+Both recognise the special tokens when they are written literally in the text, so the chat template and
+the `<image>` placeholder are plain strings everywhere else in the code. Byte-level ids 0..255 are the
+UTF-8 bytes and the specials follow; a BPE tokenizer puts the specials first (ids 0..9) when we train it,
+and wherever an imported `tokenizer.json` has them (missing ones are appended).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+
+SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<image>", "<image_pad>", "<image_start>", "<image_end>",
+                  "<|user|>", "<|assistant|>", "<|end|>"]
+META_FILE = "vlm_tokenizer.json"   # written next to tokenizer.json; says which kind to load
+_SPECIAL_RE = re.compile("(" + "|".join(re.escape(s) for s in SPECIAL_TOKENS) + ")")
+
+
+class TokenizerError(ValueError):
+    """A tokenizer that cannot be loaded or built; the message names the path or the problem."""
+
+
+class Tokenizer:
+    """Common protocol. Subclasses set `vocab_size` and `_special_ids` (token string -> id)."""
+
+    kind = "abstract"
+    vocab_size: int
+    _special_ids: dict[str, int]
+
+    def _init_special_attrs(self) -> None:
+        s = self._special_ids
+        self.pad_id, self.bos_id, self.eos_id = s["<pad>"], s["<bos>"], s["<eos>"]
+        self.image_id, self.image_pad_id = s["<image>"], s["<image_pad>"]
+        self.image_start_id, self.image_end_id = s["<image_start>"], s["<image_end>"]
+        self.user_id, self.assistant_id, self.end_id = s["<|user|>"], s["<|assistant|>"], s["<|end|>"]
+        self.special_ids = frozenset(s.values())
+        # lookup tables: checking token arrays with them costs one gather, not a set search
+        self.is_special = np.zeros(self.vocab_size, dtype=bool)
+        self.is_special[list(self.special_ids)] = True
+        self.is_reserved = np.zeros(self.vocab_size, dtype=bool)   # never legal inside sample text
+        self.is_reserved[[self.pad_id, self.bos_id, self.eos_id, self.image_pad_id, self.image_start_id,
+                          self.image_end_id]] = True
+
+    def token_id(self, special: str) -> int:
+        return self._special_ids[special]
+
+    def encode(self, text: str) -> list[int]:
+        raise NotImplementedError
+
+    def encode_np(self, text: str) -> np.ndarray:
+        return np.asarray(self.encode(text), dtype=np.int64)
+
+    def decode(self, ids: list[int], skip_special: bool = True) -> str:
+        raise NotImplementedError
+
+    def save(self, directory: str | os.PathLike) -> None:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(vocab_size={self.vocab_size})"
+
+
+class ByteTokenizer(Tokenizer):
+    """UTF-8 bytes are ids 0..255; SPECIAL_TOKENS follow at 256.. (no vocabulary file)."""
+
+    kind = "byte"
+
+    def __init__(self) -> None:
+        self._special_ids = {s: 256 + i for i, s in enumerate(SPECIAL_TOKENS)}
+        self._special_str = {i: s for s, i in self._special_ids.items()}
+        self.vocab_size = 256 + len(SPECIAL_TOKENS)
+        self._init_special_attrs()
+
+    def encode_np(self, text: str) -> np.ndarray:
+        parts = []
+        for i, piece in enumerate(_SPECIAL_RE.split(text)):
+            if i % 2:   # odd pieces are the captured special tokens
+                parts.append(np.array([self._special_ids[piece]], dtype=np.int64))
+            elif piece:
+                parts.append(np.frombuffer(piece.encode("utf-8"), dtype=np.uint8).astype(np.int64))
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+    def encode(self, text: str) -> list[int]:
+        return self.encode_np(text).tolist()
+
+    def decode(self, ids, skip_special: bool = True) -> str:
+        out, buf = [], bytearray()
+        for i in (int(x) for x in ids):
+            if 0 <= i < 256:
+                buf.append(i)
+                continue
+            out.append(buf.decode("utf-8", errors="replace"))
+            buf = bytearray()
+            if not skip_special and i in self._special_str:
+                out.append(self._special_str[i])
+        out.append(buf.decode("utf-8", errors="replace"))
+        return "".join(out)
+
+    def save(self, directory) -> None:
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        (d / META_FILE).write_text(json.dumps({"kind": "byte", "special_tokens": SPECIAL_TOKENS}, indent=1))
+
+
+class BPETokenizer(Tokenizer):
+    """A `tokenizers.Tokenizer` (usually byte-level BPE) with our special tokens registered."""
+
+    kind = "bpe"
+
+    def __init__(self, tok) -> None:
+        from tokenizers import AddedToken
+
+        missing = [s for s in SPECIAL_TOKENS if tok.token_to_id(s) is None]
+        if missing:  # an imported tokenizer.json: append what the VLM needs
+            tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in missing])
+        self.tok = tok
+        self._special_ids = {s: tok.token_to_id(s) for s in SPECIAL_TOKENS}
+        self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
+        self._init_special_attrs()
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids, skip_special: bool = True) -> str:
+        return self.tok.decode([int(i) for i in ids], skip_special_tokens=skip_special)
+
+    def save(self, directory) -> None:
+        """tokenizer.json + the files `transformers.AutoTokenizer.from_pretrained(directory)` reads."""
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        self.tok.save(str(d / "tokenizer.json"))
+        extra = [s for s in SPECIAL_TOKENS if s not in ("<pad>", "<bos>", "<eos>")]
+        specials = {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": None}
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", **specials,
+                  "additional_special_tokens": extra, "extra_special_tokens": {},
+                  "model_max_length": 1_000_000_000, "clean_up_tokenization_spaces": False}
+        (d / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+        (d / "special_tokens_map.json").write_text(json.dumps(
+            {**{k: v for k, v in specials.items() if v}, "additional_special_tokens": extra}, indent=1))
+        (d / META_FILE).write_text(json.dumps({"kind": "bpe", "file": "tokenizer.json",
+                                               "special_tokens": SPECIAL_TOKENS}, indent=1))
+
+
+def _load_tokenizer_json(path: Path) -> BPETokenizer:
+    from tokenizers import Tokenizer as HFTokenizer
+
+    try:
+        return BPETokenizer(HFTokenizer.from_file(str(path)))
+    except Exception as e:  # the tokenizers library raises a bare Exception for malformed files
+        raise TokenizerError(f"tokenizer file {path} cannot be loaded: {e}") from None
+
+
+def load_tokenizer(path_or_kind: str | os.PathLike) -> Tokenizer:
+    """`"byte"`, a directory written by `save()` (or holding any tokenizer.json), or a tokenizer.json file."""
+    if str(path_or_kind) == "byte":
+        return ByteTokenizer()
+    p = Path(path_or_kind)
+    if p.is_file():
+        if p.name == META_FILE:
+            return load_tokenizer(p.parent)
+        return _load_tokenizer_json(p)
+    if p.is_dir():
+        meta = p / META_FILE
+        if meta.is_file():
+            info = json.loads(meta.read_text())
+            if info.get("kind") == "byte":
+                return ByteTokenizer()
+            return _load_tokenizer_json(p / info.get("file", "tokenizer.json"))
+        if (p / "tokenizer.json").is_file():
+            return _load_tokenizer_json(p / "tokenizer.json")
+        raise TokenizerError(f"tokenizer directory {p} holds neither {META_FILE} nor tokenizer.json")
+    raise TokenizerError(f"tokenizer {str(path_or_kind)!r}: expected 'byte', a directory or a tokenizer.json file "
+                         "(path does not exist)")
+
+
+def train_bpe(texts_iter: Iterable[str], vocab_size: int, min_frequency: int = 2,
+              show_progress: bool = False) -> BPETokenizer:
+    """Train a byte-level BPE on `texts_iter`; the special tokens take ids 0..9 and every byte stays encodable."""
+    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
+
+    floor = len(SPECIAL_TOKENS) + 256
+    if vocab_size < floor:
+        raise TokenizerError(f"vocab_size={vocab_size} is too small for byte-level BPE: need >= {floor} "
+                             f"({len(SPECIAL_TOKENS)} special tokens + 256 bytes)")
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=show_progress)
+    # special tokens written in the corpus must not be learnt as merges of their characters
+    tok.train_from_iterator((_SPECIAL_RE.sub(" ", t) for t in texts_iter), trainer=trainer)
+    return BPETokenizer(tok)
