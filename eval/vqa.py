@@ -92,10 +92,11 @@ def add_vqa_command(sub) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from data_pipelines.default_dataset import ensure_default_dataset
+    from data_pipelines.default_dataset import default_info, ensure_default_dataset
     from vlm.generate import load_eval_model
 
-    data = ensure_default_dataset(args.data)
+    # An existing default dataset (whatever its size settings) is used as it is; a missing one is built.
+    data = Path(args.data) if default_info(args.data) else ensure_default_dataset(args.data)
     res = run_vqa_eval(load_eval_model(args.ckpt), str(Path(data) / args.split / "vqa-*.tar"),
                        train_shards=str(Path(data) / "train" / "vqa-*.tar"), limit=args.limit,
                        batch_size=args.batch_size, blind=not args.no_blind)

@@ -39,7 +39,7 @@ def test_compression_reaches_target_while_lm_loss_falls():
     opt = torch.optim.AdamW(m.parameters(), lr=3e-3)
     stream = batches(corpus_bytes(), rows=8, T=96, seed=0)
     lm, ratio = [], []
-    for step in range(200):
+    for step in range(300):
         out = m(next(stream))
         opt.zero_grad()
         out.loss.backward()
