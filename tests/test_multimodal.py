@@ -113,6 +113,9 @@ def test_per_modality_statistics_hand_counted(setup):
     assert s["boundary_p/image"] == pytest.approx(p[img].mean().item(), rel=1e-5)
     assert s["boundary_p/text"] == pytest.approx(p[(b.doc_ids[0] >= 0) & ~img].mean().item(), rel=1e-5)
     assert "loss/image_text" in s and "loss/text_only" in s
+    hist = out.extras["p_hist/image"]
+    assert hist.sum() == 4 and hist[min(int(p[img][0] * 10), 9)] >= 1
+    assert out.extras["p_hist/text"].sum() == 9
 
 
 def test_grid_aware_boundaries_compare_with_the_token_above():

@@ -14,7 +14,7 @@ from vlm.model.chunking import ChunkModule, Chunks, Dechunk
 from vlm.model.config import ModelConfig
 from vlm.model.layers import RMSNorm
 from vlm.model.output import ModelOutput
-from vlm.model.stats import chunk_stats, lm_losses
+from vlm.model.stats import chunk_stats, lm_losses, p_histograms
 
 
 class ConceptMoELM(nn.Module):
@@ -112,7 +112,8 @@ class ConceptMoELM(nn.Module):
                 stats.pop(name)
         if moe_stats:
             stats["moe/adjugate_per_token"] = sum(s.adjugate_per_token for s in moe_stats) / len(moe_stats)
-        extras = {"p": p_BT.detach(), "boundary": b_BT.detach(), "modality": batch.modality}
+        extras = {"p": p_BT.detach(), "boundary": b_BT.detach(), "modality": batch.modality,
+                  **p_histograms(p_BT.detach(), valid, batch.modality)}
         names = [f"encoder.{i}" for i in range(len(self.encoder))] + \
                 [f"concept.{i}" for i in self.cfg.concept_schedule] + [f"decoder.{i}" for i in range(len(self.decoder))]
         for name, s in zip(names, moe_stats):

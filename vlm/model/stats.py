@@ -45,3 +45,12 @@ def chunk_stats(p_BT, b_BT, doc_BT, modality_BT) -> dict[str, torch.Tensor]:
         out[f"boundaries/{name}"] = nb.float()
         out[f"boundary_p/{name}"] = (p_BT.detach().float() * sel).sum() / n.clamp_min(1)
     return out
+
+
+def p_histograms(p_BT, valid_BT, modality_BT, bins: int = 10) -> dict[str, torch.Tensor]:
+    """Counts of boundary probabilities in `bins` equal bins over [0, 1], per modality ("p_hist/text", ...)."""
+    out = {}
+    for name, i in MODALITIES.items():
+        sel = p_BT[valid_BT & (modality_BT == i)].float()
+        out[f"p_hist/{name}"] = torch.histc(sel, bins=bins, min=0.0, max=1.0)
+    return out
