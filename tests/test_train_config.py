@@ -1,0 +1,147 @@
+"""Trainer configuration: one clear line for bad configs, schedules, parameter groups, DeepSpeed config."""
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from test_train_helpers import ROOT, TINY, load_tiny, subprocess_env, write_config
+from vlm.config import ConfigError
+from vlm.train.__main__ import main as train_main
+
+BAD = [
+    # (override or yaml tweak, text the one line must contain)
+    (["optim.lrr=0.1"], "unknown key optim.lrr"),
+    (["optim.grad_accum=two"], "optim.grad_accum"),
+    (["model.moe.top_k=9", "model.moe.num_experts=4"], "top_k must be in [1, num_experts=4]"),
+    (["model.chunk.target_ratio=0.5"], "target_ratio must be > 1"),
+    (["deepspeed.zero_stage=5"], "allowed values: 0, 1, 2, 3"),
+    (["optim.schedule=linear"], "allowed values: 'cosine', 'wsd', 'constant'"),
+    (["train.stage=text"], "train.stage 'text' trains the LLM alone"),
+    (["params.freeze=[decoder]"], "params.freeze entry 'decoder'"),
+]
+
+
+@pytest.mark.parametrize("overrides,needle", BAD, ids=[b[1][:30] for b in BAD])
+def test_bad_config_one_line(tmp_path, capsys, overrides, needle):
+    path = write_config(TINY, tmp_path / "c.yaml")
+    rc = train_main(["--config", str(path), "--out", str(tmp_path / "run"), *overrides])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("config error: ") and needle in err, err
+    assert not (tmp_path / "run").exists(), "a config error must stop before any work"
+
+
+def test_bad_config_cli_subprocess(tmp_path):
+    """The real entry point: exit code 2 and exactly one line on stderr, before DeepSpeed starts."""
+    cfg = dict(TINY, optim={**TINY["optim"], "betas": "fast"})
+    path = write_config(cfg, tmp_path / "bad.yaml")
+    proc = subprocess.run([sys.executable, "-m", "vlm.train", "--config", str(path), "--out", str(tmp_path / "r")],
+                          cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    lines = [line for line in proc.stderr.splitlines() if line.strip() and "real_accelerator" not in line]
+    assert lines == [lines[0]] and "optim.betas" in lines[0], proc.stderr
+
+
+def test_default_configs_validate():
+    from vlm.config import load_config
+    from vlm.train.config import TrainConfig, load_train_config
+
+    cfg = load_train_config(ROOT / "configs" / "default.yaml")
+    assert cfg.train.stage == "vl" and cfg.vision is not None
+    assert cfg.data.processor.patch_size == cfg.vision.processor.patch_size
+    gpu = load_config(TrainConfig, ROOT / "configs" / "gpu.yaml")
+    assert gpu.deepspeed.bf16 and gpu.deepspeed.zero_stage >= 1
+
+
+def test_lr_schedules():
+    from vlm.train.schedule import lr_multiplier
+
+    kw = dict(warmup=10, total=110, min_ratio=0.1)
+    cos = [lr_multiplier(s, schedule="cosine", **kw) for s in range(110)]
+    assert cos[0] == pytest.approx(0.1) and cos[9] == pytest.approx(1.0)      # linear warm-up, never 0
+    assert cos[10] == pytest.approx(1.0) and cos[60] == pytest.approx(0.55)   # cosine midpoint
+    assert lr_multiplier(110, schedule="cosine", **kw) == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(cos[10:], cos[11:]))
+    wsd = [lr_multiplier(s, schedule="wsd", decay_fraction=0.2, **kw) for s in range(111)]
+    assert wsd[10:90] == [1.0] * 80                                       # stable phase
+    assert wsd[100] == pytest.approx(0.55) and wsd[110] == pytest.approx(0.1)  # linear decay over the last 20 %
+    assert lr_multiplier(50, schedule="constant", **kw) == 1.0
+
+
+def _tiny_model(**cfg_updates):
+    cfg = load_tiny({**TINY, **cfg_updates})
+    from vlm.model.multimodal import ConceptMoEVLM
+
+    torch.manual_seed(0)
+    return cfg, ConceptMoEVLM(cfg.model, cfg.vision)
+
+
+def test_param_groups_mup_and_multipliers():
+    from vlm.train.param_groups import apply_mup_init, build_param_groups, mup_width_multipliers, part_of
+
+    model_cfg = dict(TINY["model"], hidden_size=64, concept_hidden_size=128, head_dim=16)
+    cfg, model = _tiny_model(model=model_cfg, params={"mup": True, "mup_base_width": 32, "vision_lr_mult": 0.1,
+                                                      "projector_lr_mult": 2.0})
+    s_tok, s_con = mup_width_multipliers(64, 128, 32)
+    assert (s_tok, s_con) == (2.0, 4.0)
+    groups = build_param_groups(model, cfg.optim, cfg.params, 64, 128)
+    by_name = {}
+    for g in groups:
+        by_name.setdefault(g["name"], []).append(g)
+    lr = cfg.optim.lr
+    assert [g["lr"] for g in by_name["token/matrix"]] == [lr / 2]            # eq. 19
+    assert [g["lr"] for g in by_name["concept/matrix"]] == [lr / 4]          # eq. 20
+    assert by_name["concept/matrix"][0]["eps"] == pytest.approx(cfg.optim.eps / 4)
+    assert by_name["embed/matrix"][0]["lr"] == lr and by_name["embed/matrix"][0]["weight_decay"] == 0
+    assert by_name["head/matrix"][0]["lr"] == lr
+    assert by_name["vision/matrix"][0]["lr"] == pytest.approx(0.1 * lr)
+    assert by_name["projector/matrix"][0]["lr"] == pytest.approx(2 * lr)
+    assert all(g["weight_decay"] == 0 for n, gs in by_name.items() if n.endswith("vector") for g in gs)
+    # every trainable tensor in exactly one group
+    ids = [id(p) for g in groups for p in g["params"]]
+    assert len(ids) == len(set(ids)) == sum(1 for p in model.parameters() if p.requires_grad)
+    assert part_of("lm.concept.0.attn.q_proj.weight") == "concept" and part_of("lm.decoder.0.mlp.x") == "token"
+    # init variance sigma^2 / s for hidden matrices, untouched embeddings
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    apply_mup_init(model, s_tok, s_con)
+    after = dict(model.named_parameters())
+    w = "lm.concept.0.attn.q_proj.weight" if "lm.concept.0.attn.q_proj.weight" in after else next(
+        n for n in after if n.startswith("lm.concept.") and after[n].ndim >= 2)
+    assert torch.allclose(after[w], before[w] / math.sqrt(s_con))
+    assert torch.equal(after["lm.embed.weight"], before["lm.embed.weight"])
+
+
+def test_freeze_by_prefix_and_unknown_prefix():
+    from vlm.train.param_groups import build_param_groups, freeze_prefixes
+
+    cfg, model = _tiny_model()
+    n = freeze_prefixes(model, ["vision.encoder", "lm.embed"])
+    assert n > 0
+    assert all(not p.requires_grad for name, p in model.named_parameters()
+               if name.startswith(("vision.encoder.", "lm.embed.")))
+    groups = build_param_groups(model, cfg.optim, cfg.params, 32, 32)
+    frozen = {id(p) for name, p in model.named_parameters() if not p.requires_grad}
+    assert not frozen & {id(p) for g in groups for p in g["params"]}
+    with pytest.raises(ConfigError, match="matches no parameter; module prefixes: .*lm.decoder"):
+        freeze_prefixes(model, ["lm.nonexistent"])
+
+
+def test_deepspeed_config_generation(tmp_path):
+    from vlm.train.config import DeepSpeedConfig, OptimConfig
+    from vlm.train.engine import deepspeed_config
+
+    extra = tmp_path / "ds.json"
+    extra.write_text('{"zero_optimization": {"allgather_bucket_size": 123}}')
+    ds = DeepSpeedConfig(zero_stage=3, bf16=True, offload_param="cpu", config_file=str(extra))
+    out = deepspeed_config(ds, OptimConfig(grad_accum=4, clip=0.5), world_size=8)
+    assert out["train_batch_size"] == 32 and out["gradient_accumulation_steps"] == 4
+    assert out["gradient_clipping"] == 0.5 and out["bf16"]["enabled"]
+    z = out["zero_optimization"]
+    assert z["stage"] == 3 and z["offload_param"] == {"device": "cpu"} and z["allgather_bucket_size"] == 123
+    with pytest.raises(ConfigError, match="offload_param"):
+        DeepSpeedConfig(zero_stage=2, offload_param="cpu").validate()

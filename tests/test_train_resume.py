@@ -1,0 +1,104 @@
+"""Checkpoints: atomic saves, and a SIGKILLed + resumed run equal to an uninterrupted one, step by step."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from test_train_helpers import ROOT, run_train_cli, subprocess_env, tiny_config, tiny_data, write_config  # noqa: F401
+from test_train_run import make_trainer, torch_globals  # noqa: F401 (fixture)
+from vlm.train.metrics import TIMING_KEYS
+
+
+def _records(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def _strip(rec):
+    return {k: v for k, v in rec.items() if k not in TIMING_KEYS}
+
+
+def test_latest_checkpoint_ignores_partial_saves(tmp_path):
+    from vlm.train.checkpoint import clean_partial, latest_checkpoint, step_dir_name
+
+    root = tmp_path / "checkpoints"
+    good = root / step_dir_name(4)
+    good.mkdir(parents=True)
+    (good / "meta.json").write_text('{"step": 4, "world_size": 1}')
+    (root / f".tmp-{step_dir_name(6)}" / "ds").mkdir(parents=True)         # crashed mid-save
+    (root / step_dir_name(8)).mkdir()                                      # no meta.json: never complete
+    (root / f".del-{step_dir_name(2)}").mkdir()                            # crashed mid-delete
+    assert latest_checkpoint(root) == good
+    clean_partial(root)
+    assert sorted(p.name for p in root.iterdir()) == [step_dir_name(4), step_dir_name(8)]
+
+
+@pytest.mark.slow
+def test_sigkill_and_resume_reproduces_metrics(tiny_data, tmp_path):  # noqa: F811
+    cfg = tiny_config(tiny_data, train={"max_steps": 8, "threads": 1}, checkpoint={"save_every": 2, "keep_last": 2},
+                      logging={"eval_every": 3, "histogram_every": 2})
+    path = write_config(cfg, tmp_path / "c.yaml")
+    ref, killed = tmp_path / "ref", tmp_path / "killed"
+
+    ref_err = open(tmp_path / "ref.err", "w")   # the uninterrupted run, side by side with the one to kill
+    ref_proc = subprocess.Popen([sys.executable, "-m", "vlm.train", "--config", str(path), "--out", str(ref)],
+                                cwd=ROOT, env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=ref_err)
+    proc = subprocess.Popen([sys.executable, "-m", "vlm.train", "--config", str(path), "--out", str(killed)],
+                            cwd=ROOT, env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 600
+    try:
+        while time.time() < deadline and proc.poll() is None:
+            metrics = killed / "metrics.jsonl"
+            if metrics.exists() and len(metrics.read_text().splitlines()) >= 5:
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, "the run finished before it could be killed"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert len(_records(killed)) >= 5
+    ref_proc.wait(timeout=600)
+    ref_err.close()
+    assert ref_proc.returncode == 0, (tmp_path / "ref.err").read_text()[-3000:]
+    assert not (killed / "final").exists()
+
+    out = run_train_cli(["--config", str(path), "--out", str(killed), "--resume"], cwd=ROOT)
+    assert "resumed from" in out.stdout
+    a, b = _records(ref), _records(killed)
+    assert [r["step"] for r in b] == list(range(1, 9))
+    for ra, rb in zip(a, b):
+        assert _strip(ra) == _strip(rb), f"step {ra['step']} differs"
+    # same final weights, bit for bit
+    from safetensors.torch import load_file
+
+    wa, wb = load_file(ref / "final" / "model.safetensors"), load_file(killed / "final" / "model.safetensors")
+    assert wa.keys() == wb.keys() and all((wa[k] == wb[k]).all() for k in wa)
+
+
+def test_resume_refuses_a_changed_config(tiny_data, tmp_path, torch_globals):  # noqa: F811
+    from vlm.config import ConfigError
+    from vlm.train.loop import run
+
+    cfg = tiny_config(tiny_data, train={"max_steps": 2}, checkpoint={"save_every": 2}, logging={"eval_every": 0})
+    run_dir = tmp_path / "run"
+    assert run(make_trainer(cfg, run_dir)) == 0
+    with pytest.raises(ConfigError, match="already has checkpoints"):
+        make_trainer(cfg, run_dir, resume=False)
+    # More steps is a legitimate continuation (automatic resume) ...
+    cfg["train"]["max_steps"] = 3
+    tr = make_trainer(cfg, run_dir)
+    assert tr.resume_from is not None and run(tr) == 0 and tr.step == 3
+    assert [r["step"] for r in _records(run_dir)] == [1, 2, 3]
+    # ... a different learning rate is not.
+    cfg["optim"]["lr"] = 0.1
+    with pytest.raises(ConfigError, match="cannot resume: optim.lr was 0.003 in the checkpointed run, now 0.1"):
+        make_trainer(cfg, run_dir)
+    with pytest.raises(ConfigError, match="--resume: no complete checkpoint"):
+        make_trainer(cfg, tmp_path / "empty", resume=True)

@@ -1,0 +1,232 @@
+"""`vlm train` in one process: run directory, dashboard, export, global parser, non-finite steps."""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+
+import pytest
+import torch
+import yaml
+
+from test_train_helpers import load_tiny, tiny_config, tiny_data  # noqa: F401 (fixture)
+
+REQUIRED = ["step", "loss", "lm_loss", "aux_loss", "lr", "tokens_per_s", "compression/ratio", "compression/text",
+            "compression/image", "boundary_p/text", "boundary_p/image", "loss/text_only", "loss/image_text",
+            "nonfinite_steps", "skipped/corrupt_image"]
+
+
+@pytest.fixture
+def torch_globals():
+    """The trainer sets deterministic algorithms and thread counts; give other tests their state back."""
+    det, threads = torch.are_deterministic_algorithms_enabled(), torch.get_num_threads()
+    yield
+    torch.use_deterministic_algorithms(det)
+    torch.set_num_threads(threads)
+
+
+def make_trainer(cfg_dict, run_dir, resume=None):
+    from vlm.train.trainer import Trainer
+
+    return Trainer(load_tiny(cfg_dict), run_dir, resume=resume, log=lambda *_: None)
+
+
+def _tb(run_dir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    ea = EventAccumulator(str(run_dir / "tb"), size_guidance={"images": 0, "tensors": 0, "histograms": 0})
+    ea.Reload()
+    return ea
+
+
+def _hf_logits_match(run_dir, module, tokenizer):
+    import vlm.model.hf  # noqa: F401  (registers the architecture)
+    from transformers import AutoModelForCausalLM
+
+    from vlm.batch import PackedBatch
+
+    hf = AutoModelForCausalLM.from_pretrained(str(run_dir / "final")).eval()
+    ids = tokenizer.encode("a red circle left of a blue square")
+    module.eval()
+    with torch.no_grad():
+        ref = module(PackedBatch.from_documents([ids])).logits
+        got = hf(input_ids=torch.tensor([ids])).logits
+    module.train()
+    assert got.shape == ref.shape
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_train_single_process_run_dir(tiny_data, tmp_path, torch_globals):  # noqa: F811
+    from vlm.train.loop import run
+
+    run_dir = tmp_path / "run"
+    tr = make_trainer(tiny_config(tiny_data), run_dir)
+    assert run(tr) == 0
+    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs] == [1, 2, 3, 4]
+    for r in recs:
+        missing = [k for k in REQUIRED if k not in r]
+        assert not missing, missing
+        assert r["tokens"] > 0 and r["tokens_per_s"] > 0 and r["compression/ratio"] >= 1
+    assert all("val/lm_loss" in r for r in recs if r["step"] % 2 == 0)
+    assert all(r["text/embed_norm"] > 0 for r in recs)
+    assert any(r.get("vision/token_norm", 0) > 0 and r.get("vision/token_spread", 0) > 0 for r in recs)
+    assert recs[0]["lr"] < recs[1]["lr"]                      # warm-up
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert saved["model"]["hidden_size"] == 32 and saved["train"]["max_steps"] == 4
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_00000002", "step_00000004"]
+    assert (run_dir / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["exit_code"] == 0
+    ea = _tb(run_dir)
+    tags = ea.Tags()
+    for t in ("compression/text", "compression/image", "boundary_p/image", "loss/image_text", "target/ratio",
+              "throughput/tokens_per_s", "val/lm_loss"):
+        assert t in tags["scalars"], t
+    assert "concepts/image" in tags["images"]
+    assert any(h.startswith("boundary_p_hist/") for h in tags["histograms"])
+    assert any(h.startswith("expert_load/") for h in tags["histograms"])
+    from tensorboard.util import tensor_util
+    text = tensor_util.make_ndarray(ea.Tensors("concepts/text/text_summary")[-1].tensor_proto).item().decode()
+    assert "|" in text and len(text) > 20
+    _hf_logits_match(run_dir, tr.engine.module, tr.tokenizer)
+
+
+def test_mup_zero1_grad_accum_export(tiny_data, tmp_path, torch_globals):  # noqa: F811
+    """muP (logit scale folded into the export), ZeRO-1 and two micro-batches per step."""
+    from vlm.train.loop import run
+
+    cfg = tiny_config(tiny_data, params={"mup": True, "mup_base_width": 16}, deepspeed={"zero_stage": 1},
+                      optim={"grad_accum": 2}, train={"max_steps": 2}, logging={"eval_every": 0})
+    run_dir = tmp_path / "run"
+    tr = make_trainer(cfg, run_dir)
+    assert tr.logit_scale == pytest.approx(0.5)
+    assert run(tr) == 0
+    rec = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+    assert rec["step"] == 2 and rec["lm_loss"] > 0
+    _hf_logits_match(run_dir, tr.engine.module, tr.tokenizer)
+
+
+def test_global_parser_sums_ranks_and_micro_batches():
+    from vlm.train.global_parser import GlobalParser
+
+    two_ranks = GlobalParser(all_reduce=lambda x: 2 * x)     # two ranks holding the same sums
+    a = torch.tensor([[3.0, 4.5, 10.0]])
+    b = torch.tensor([[1.0, 2.0, 6.0]])
+    two_ranks.start_step()
+    assert torch.equal(two_ranks(a), 2 * a)
+    assert torch.equal(two_ranks(b), 2 * a + 2 * b)          # earlier micro-batches of the step are included
+    two_ranks.start_step()
+    assert torch.equal(two_ranks(b), 2 * b)
+
+
+def test_global_parser_drives_the_chunker(tiny_data):  # noqa: F811
+    """The model's chunk module uses the hook's global sums: its ratio loss is eq. 4 at the global F, G."""
+    from data_pipelines.loader import build_loader
+    from data_pipelines.tokenizer import load_tokenizer
+    from vlm.model.chunking import ratio_loss
+    from vlm.model.multimodal import ConceptMoEVLM
+    from vlm.train.global_parser import GlobalParser, install
+
+    cfg = load_tiny(tiny_config(tiny_data))
+    torch.manual_seed(0)
+    model = ConceptMoEVLM(cfg.model, cfg.vision)
+    parser = GlobalParser(all_reduce=lambda x: x.clone())
+    assert install(model, parser)
+    it = iter(build_loader(cfg.data, load_tokenizer("byte")))
+    parser.start_step()
+    outs = [model(next(it)) for _ in range(2)]
+    tok = sum(o.stats["tokens/all"] for o in outs)
+    bnd = sum(o.stats["boundaries/all"] for o in outs)
+    psum = sum(o.stats["boundary_p/all"] * o.stats["tokens/all"] for o in outs)
+    assert parser.calls == 2
+    assert parser.earlier_K3[0, 0].item() == pytest.approx(bnd) and parser.earlier_K3[0, 2].item() == pytest.approx(tok)
+    expected = ratio_loss(torch.tensor(bnd / tok), torch.tensor(psum / tok), cfg.model.chunk.target_ratio)
+    assert outs[1].ratio_loss.item() == pytest.approx(expected.item(), rel=1e-5)
+    # The second micro-batch's loss is not the per-batch one.
+    s = outs[1].stats
+    local = ratio_loss(torch.tensor(s["boundaries/all"] / s["tokens/all"]), torch.tensor(s["boundary_p/all"]), 2.0)
+    assert abs(local.item() - outs[1].ratio_loss.item()) > 1e-6
+
+
+def _nan_hook(out, k):
+    return dataclasses.replace(out, loss=out.loss + float("nan"))
+
+
+def _snapshot(tr):
+    return {n: p.detach().clone() for n, p in tr.engine.module.named_parameters()} | {
+        n: b.detach().clone() for n, b in tr.engine.module.named_buffers() if n.endswith("expert_bias")}
+
+
+@pytest.mark.parametrize("zero_stage,grad_accum,bad_micro", [(0, 1, 0), (0, 2, 1), (1, 2, 0)])
+def test_nonfinite_step_is_skipped(tiny_data, tmp_path, torch_globals, zero_stage, grad_accum, bad_micro):  # noqa: F811
+    cfg = tiny_config(tiny_data, deepspeed={"zero_stage": zero_stage}, optim={"grad_accum": grad_accum})
+    tr = make_trainer(cfg, tmp_path / "run")
+    tr.build_data()
+    it = iter(tr.loader)
+    window = lambda: [next(it) for _ in range(grad_accum)]  # noqa: E731
+    tr.after_step(tr.train_step(window()))
+    before = _snapshot(tr)
+    opt_before = copy.deepcopy(tr.optimizer.state_dict()["state"])
+    epoch = tr.scheduler.last_epoch
+    res = tr.train_step(window(), loss_hook=lambda out, k: _nan_hook(out, k) if k == bad_micro else out)
+    tr.after_step(res)
+    assert not res.applied and tr.nonfinite_total == 1 and tr.nonfinite_in_row == 1
+    after = _snapshot(tr)
+    assert all(torch.equal(before[n], after[n]) for n in before), "a skipped step changed the model"
+    assert tr.scheduler.last_epoch == epoch
+    assert tr.engine.skipped_steps == 1
+    # no stale gradient of the skipped window survives into the next step
+    assert all(p.grad is None or not p.grad.any() for p in tr.engine.module.parameters())
+    opt_after = tr.optimizer.state_dict()["state"]
+    assert all(torch.equal(a, b) for k in opt_before for a, b in zip(opt_before[k].values(), opt_after[k].values())
+               if torch.is_tensor(a))
+    assert all(float(m.load_accum.abs().sum()) == 0 for m in tr.engine.module.modules() if hasattr(m, "load_accum"))
+    res = tr.train_step(window())
+    tr.after_step(res)
+    assert res.applied and tr.nonfinite_in_row == 0
+    after2 = _snapshot(tr)
+    assert any(not torch.equal(after[n], after2[n]) for n in after) and all(torch.isfinite(v).all() for v in after2.values())
+
+
+def test_nonfinite_in_a_row_stops_with_checkpoint(tiny_data, tmp_path, torch_globals):  # noqa: F811
+    from vlm.train.loop import run
+
+    cfg = tiny_config(tiny_data, train={"max_steps": 10, "max_nonfinite_in_row": 2}, checkpoint={"save_every": 0},
+                      logging={"eval_every": 0})
+    run_dir = tmp_path / "run"
+    tr = make_trainer(cfg, run_dir)
+    tr.loss_hook = lambda out, k: _nan_hook(out, k) if tr.step >= 1 else out
+    assert run(tr) == 1
+    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r.get("skipped", False) for r in recs] == [False, True, True]
+    assert recs[-1]["nonfinite_steps"] == 2
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step_00000003"]
+    assert not (run_dir / "final").exists()
+
+
+def test_loss_weighting_gives_the_global_token_mean(tiny_data, tmp_path, torch_globals):  # noqa: F811
+    """Two one-row micro-batches update the model exactly like one two-row batch: each micro-batch's LM loss
+    is weighted by its share of the step's labelled tokens (chunking and balance loss off so that nothing
+    else depends on how rows are grouped)."""
+    from data_pipelines.loader import build_loader
+
+    from vlm.batch import PackedBatch
+    from vlm.train.metrics import labelled_counts
+
+    def trainer(rows, ga, name):
+        cfg = tiny_config(tiny_data, data={"rows_per_batch": rows}, optim={"grad_accum": ga}, logging={"eval_every": 0})
+        cfg["model"]["chunk"]["enabled"] = False
+        cfg["model"]["moe"]["balance_loss_weight"] = 0.0
+        return make_trainer(cfg, tmp_path / name)
+
+    whole, split = trainer(2, 1, "whole"), trainer(1, 2, "split")
+    it = iter(build_loader(split.cfg.data, split.tokenizer, 0, 1))
+    a, b = next(it), next(it)
+    na, nb = int(labelled_counts(a)[0]), int(labelled_counts(b)[0])
+    assert na != nb, "pick rows with different label counts so the weighting matters"
+    whole.after_step(whole.train_step([PackedBatch.stack([a, b])]))
+    split.after_step(split.train_step([a, b]))
+    pw, ps = dict(whole.engine.module.named_parameters()), dict(split.engine.module.named_parameters())
+    for n in pw:
+        torch.testing.assert_close(ps[n], pw[n], rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")

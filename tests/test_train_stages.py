@@ -1,0 +1,100 @@
+"""Training stages: text pretraining -> VL continual training from its LLM; CT from a converted pretrained MoE."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import yaml
+
+from test_train_helpers import tiny_config, tiny_data  # noqa: F401 (fixture)
+from test_train_run import make_trainer, torch_globals  # noqa: F401 (fixture)
+
+
+def _text_only(cfg: dict) -> dict:
+    cfg["vision"] = None
+    cfg["data"]["sources"] = [s for s in cfg["data"]["sources"] if s["name"].endswith("/text")]
+    cfg["logging"]["eval_sources"] = [s for s in cfg["logging"]["eval_sources"] if s["name"].endswith("/text")]
+    return cfg
+
+
+def test_text_then_vl_from_its_llm(tiny_data, tmp_path, torch_globals):  # noqa: F811
+    from vlm.model.hf import load_vlm
+    from vlm.train.loop import run
+
+    text_cfg = _text_only(tiny_config(tiny_data, train={"stage": "text", "max_steps": 2}, logging={"eval_every": 0}))
+    text_dir = tmp_path / "text"
+    assert run(make_trainer(text_cfg, text_dir)) == 0
+    pretrained = load_vlm(text_dir / "final")
+    assert pretrained.vision is None
+
+    vl_cfg = tiny_config(tiny_data, train={"stage": "vl", "max_steps": 2, "init_from": str(text_dir)},
+                         params={"freeze": ["lm.embed"], "projector_lr_mult": 10.0}, logging={"eval_every": 0})
+    tr = make_trainer(vl_cfg, tmp_path / "vl")
+    module = tr.engine.module
+    for name, t in pretrained.lm.state_dict().items():       # every LLM tensor comes from the text run
+        assert torch.equal(module.lm.state_dict()[name], t), name
+    assert module.vision is not None and module.vision.projector is not None
+    groups = {g["name"]: g["lr"] for g in tr.optimizer.param_groups}
+    assert groups["projector/matrix"] == pytest.approx(10 * groups["token/matrix"])
+    assert "embed/matrix" not in groups                       # frozen
+    embed_before = module.lm.embed.weight.detach().clone()
+    assert run(tr) == 0
+    assert torch.equal(module.lm.embed.weight, embed_before)
+    rec = json.loads((tmp_path / "vl" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert rec["tokens/image"] > 0 and rec["compression/image"] is not None
+
+
+def test_ct_stage_converts_a_transformers_moe(tiny_data, tmp_path, torch_globals):  # noqa: F811
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from vlm.train.loop import run
+
+    torch.manual_seed(0)
+    src = Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        vocab_size=272, hidden_size=32, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=16, intermediate_size=64, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+        decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True, tie_word_embeddings=False)).eval()
+    src.save_pretrained(tmp_path / "src")
+    cfg = _text_only(tiny_config(tiny_data, train={"stage": "ct", "max_steps": 2, "convert_from": str(tmp_path / "src")},
+                                 convert={"encoder_layers": 1, "decoder_layers": 1, "target_ratio": 3.0},
+                                 logging={"eval_every": 0}))
+    run_dir = tmp_path / "ct"
+    tr = make_trainer(cfg, run_dir)
+    m = tr.engine.module
+    assert tr.cfg.model.hidden_size == 32 and tr.cfg.model.concept_layers == 2 and tr.cfg.model.chunk.enabled
+    assert tr.cfg.model.chunk.target_ratio == 3.0
+    assert torch.equal(m.lm.embed.weight, src.model.embed_tokens.weight)      # pretrained weights kept
+    assert torch.equal(m.lm.lm_head.weight, src.lm_head.weight)
+    assert not m.lm.dechunk.residual.weight.any()                            # conversion init
+    assert run(tr) == 0
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert saved["model"]["concept_layers"] == 2 and saved["train"]["stage"] == "ct"
+    rec = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+    assert rec["compression/text"] is not None and rec["lm_loss"] > 0
+
+
+def test_mup_continuation_keeps_the_pretrained_function(tiny_data, tmp_path, torch_globals):  # noqa: F811
+    """muP scales logits by 1/s_token in a hook; exports fold it into lm_head, checkpoints do not. A VL run with
+    its own muP width starting from either source must compute the pretrained logits before any update."""
+    from vlm.batch import PackedBatch
+    from vlm.model.hf import load_vlm
+    from vlm.train.loop import run
+
+    text_cfg = _text_only(tiny_config(tiny_data, train={"stage": "text", "max_steps": 2}, logging={"eval_every": 0},
+                                      params={"mup": True, "mup_base_width": 16}, checkpoint={"save_every": 2}))
+    text_dir = tmp_path / "text"
+    assert run(make_trainer(text_cfg, text_dir)) == 0
+    ref_model = load_vlm(text_dir / "final").eval()
+    batch = PackedBatch.from_documents([[1, 2, 3, 4, 5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        ref = ref_model(batch).logits
+    for src in (text_dir / "final", text_dir / "checkpoints" / "step_00000002"):
+        cfg = tiny_config(tiny_data, train={"stage": "vl", "max_steps": 1, "init_from": str(src)},
+                          params={"mup": True, "mup_base_width": 8}, logging={"eval_every": 0})
+        tr = make_trainer(cfg, tmp_path / f"vl_{src.name}")
+        assert tr.logit_scale == pytest.approx(0.25)
+        m = tr.engine.module.eval()
+        with torch.no_grad():
+            got = m(batch).logits
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5, msg=lambda e: f"{src.name}: {e}")

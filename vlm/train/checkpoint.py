@@ -1,0 +1,149 @@
+"""Atomic checkpoints with exact resume.
+
+Layout of RUN_DIR/checkpoints/step_00000100/:
+    ds/               DeepSpeed's save_checkpoint (module, optimizer / ZeRO partitions, engine counters)
+    rank_00000.pt     per-rank trainer state: step, scheduler, RNG (python, numpy, torch), data-loader state
+    meta.json         written last: step, world size
+
+Everything is written into `.tmp-step_...`, fsynced, then renamed; a crash mid-save leaves only a
+`.tmp-` folder that `latest_checkpoint` never picks (and the next run deletes). Old checkpoints are
+renamed to `.del-` before removal for the same reason.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from vlm.train.distributed import barrier, broadcast_object
+
+STEP_RE = re.compile(r"^step_(\d{8})$")
+DS_TAG = "ds"
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def _fsync_tree(path: Path) -> None:
+    for root, _, files in os.walk(path):
+        for f in files:
+            with open(os.path.join(root, f), "rb") as fh:
+                os.fsync(fh.fileno())
+        _fsync_dir(Path(root))
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def list_checkpoints(ckpt_root: Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints (renamed into place, meta.json present), oldest first."""
+    if not ckpt_root.is_dir():
+        return []
+    out = []
+    for p in ckpt_root.iterdir():
+        m = STEP_RE.match(p.name)
+        if m and (p / "meta.json").is_file():
+            out.append((int(m.group(1)), p))
+    return sorted(out)
+
+
+def latest_checkpoint(ckpt_root: Path) -> Path | None:
+    ckpts = list_checkpoints(ckpt_root)
+    return ckpts[-1][1] if ckpts else None
+
+
+def clean_partial(ckpt_root: Path) -> None:
+    """Remove leftovers of interrupted saves or deletions (rank 0, before training starts)."""
+    if ckpt_root.is_dir():
+        for p in ckpt_root.iterdir():
+            if p.name.startswith((".tmp-", ".del-")):
+                shutil.rmtree(p, ignore_errors=True)
+
+
+def save_checkpoint(engine, ckpt_root: Path, step: int, trainer_state: dict, rank: int, world_size: int,
+                    keep_last: int) -> Path:
+    """Collective: every rank calls it. Returns the final checkpoint directory."""
+    final = ckpt_root / step_dir_name(step)
+    tmp = ckpt_root / f".tmp-{step_dir_name(step)}"
+    if rank == 0:
+        ckpt_root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    barrier()
+    engine.save_checkpoint(str(tmp), tag=DS_TAG, save_latest=False)
+    torch.save(trainer_state, tmp / f"rank_{rank:05d}.pt")
+    barrier()
+    if rank == 0:
+        (tmp / "meta.json").write_text(json.dumps({"step": step, "world_size": world_size, "time": time.time()}))
+        _fsync_tree(tmp)
+        if final.exists():   # same step saved twice (e.g. a final save right after a periodic one)
+            old = ckpt_root / f".del-{final.name}"
+            os.replace(final, old)
+            shutil.rmtree(old, ignore_errors=True)
+        os.replace(tmp, final)
+        _fsync_dir(ckpt_root)
+        for _, old in list_checkpoints(ckpt_root)[:-keep_last]:
+            trash = ckpt_root / f".del-{old.name}"
+            os.replace(old, trash)
+            shutil.rmtree(trash, ignore_errors=True)
+    barrier()
+    return final
+
+
+def load_checkpoint(engine, ckpt: Path, rank: int, world_size: int) -> dict:
+    """Collective: restore the engine from `ckpt` and return this rank's trainer state."""
+    meta = json.loads((ckpt / "meta.json").read_text())
+    if meta["world_size"] != world_size:
+        raise RuntimeError(f"checkpoint {ckpt} was written by {meta['world_size']} ranks; resume it with the same "
+                           f"number of processes (got {world_size}) so the data order and ZeRO partitions match")
+    load_path, _ = engine.load_checkpoint(str(ckpt), tag=DS_TAG, load_optimizer_states=True,
+                                          load_lr_scheduler_states=False, load_module_strict=True)
+    if load_path is None:
+        raise RuntimeError(f"DeepSpeed could not load the checkpoint in {ckpt / DS_TAG}")
+    state_file = ckpt / f"rank_{rank:05d}.pt"
+    if not state_file.is_file():
+        raise RuntimeError(f"checkpoint {ckpt} has no trainer state for rank {rank} ({state_file.name})")
+    return torch.load(state_file, map_location="cpu", weights_only=False)
+
+
+def find_resume_point(ckpt_root: Path, rank: int) -> Path | None:
+    """Rank 0 decides which checkpoint every rank resumes from."""
+    found = latest_checkpoint(ckpt_root) if rank == 0 else None
+    choice = str(found) if found is not None else None
+    choice = broadcast_object(choice)
+    return Path(choice) if choice else None

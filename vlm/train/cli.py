@@ -1,0 +1,70 @@
+"""`vlm train [--config PATH] [--out RUN_DIR] [--max-steps N] [--save-every N] [--resume] [key=value ...]`.
+
+The config is read and validated before anything else happens; a bad key or value prints one line
+(`config error: <dotted.key>: ...`) and exits with code 2. One process needs no launcher; for many,
+`torchrun --nproc_per_node N -m vlm.cli train ...` or `deepspeed --num_gpus N -m vlm.cli train ...`.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from vlm.config import ConfigError
+
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "default.yaml"
+
+
+def default_config_path() -> Path:
+    if DEFAULT_CONFIG.is_file():
+        return DEFAULT_CONFIG
+    try:   # an installed package carries configs/ as package data
+        import configs
+
+        return Path(configs.__file__).parent / "default.yaml"
+    except ImportError:
+        return DEFAULT_CONFIG
+
+
+def add_train_command(subparsers) -> None:
+    p = subparsers.add_parser("train", help="train a ConceptMoE VLM (the main job)",
+                              description="Train with DeepSpeed on CPU or GPU. Overrides are dotted keys, e.g. "
+                                          "optim.lr=0.001 model.chunk.target_ratio=3")
+    p.add_argument("--config", default=None, help="YAML config (default: configs/default.yaml)")
+    p.add_argument("--out", default="runs/default", help="run directory (default: runs/default)")
+    p.add_argument("--max-steps", type=int, default=None, help="override train.max_steps")
+    p.add_argument("--save-every", type=int, default=None, help="override checkpoint.save_every")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--resume", action="store_true", help="resume from RUN_DIR's latest checkpoint (required to exist)")
+    g.add_argument("--no-resume", action="store_true", help="refuse to start if RUN_DIR already has checkpoints")
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
+    p.set_defaults(func=train_command)
+
+
+def resolve_config(args):
+    """Config from --config / overrides / flags, validated (raises ConfigError)."""
+    from vlm.train.config import load_train_config
+
+    overrides = list(args.overrides)
+    for text in overrides:
+        if "=" not in text:
+            raise ConfigError(f"argument {text!r}: expected a dotted override KEY=VALUE (e.g. optim.lr=0.001)")
+    if args.max_steps is not None:
+        overrides.append(f"train.max_steps={args.max_steps}")
+    if args.save_every is not None:
+        overrides.append(f"checkpoint.save_every={args.save_every}")
+    path = args.config or default_config_path()
+    return load_train_config(path, overrides)
+
+
+def train_command(args) -> int:
+    cfg = resolve_config(args)   # ConfigError -> one line, exit 2 (vlm.cli.main)
+    if args.local_rank is not None:
+        os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
+    from vlm.train.loop import run
+    from vlm.train.trainer import Trainer
+
+    resume = True if args.resume else (False if args.no_resume else None)
+    trainer = Trainer(cfg, args.out, resume=resume)
+    return run(trainer)

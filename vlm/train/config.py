@@ -1,0 +1,219 @@
+"""TrainConfig: the one YAML of a training run (model, vision, data, optimisation, DeepSpeed, logging).
+
+Every section is a validated dataclass (vlm/config.py): a wrong key or value stops the run at once with
+one line naming the dotted field and what is allowed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from data_pipelines.config import DataConfig, SourceConfig
+from vision.config import VisionConfig
+from vlm.config import ConfigError, check, load_config
+from vlm.model.config import ModelConfig
+
+
+@dataclass
+class OptimConfig:
+    """AdamW and its schedule. `lr` is the peak rate of the LLM's hidden matrices (muP: at base width)."""
+
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    schedule: Literal["cosine", "wsd", "constant"] = "cosine"
+    warmup_steps: int = 20
+    decay_fraction: float = 0.2      # WSD: share of the post-warm-up steps spent decaying
+    clip: float = 1.0                # global gradient-norm clip; 0 disables
+    grad_accum: int = 1              # micro-batches per optimizer step (per rank)
+
+    def validate(self) -> None:
+        check(self.lr > 0, f"optim.lr must be > 0, got {self.lr}")
+        check(0 <= self.min_lr <= self.lr, f"optim.min_lr must be in [0, lr={self.lr}], got {self.min_lr}")
+        check(self.weight_decay >= 0, f"optim.weight_decay must be >= 0, got {self.weight_decay}")
+        check(all(0 <= b < 1 for b in self.betas), f"optim.betas must lie in [0, 1), got {list(self.betas)}")
+        check(self.eps > 0, f"optim.eps must be > 0, got {self.eps}")
+        check(self.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
+        check(0 < self.decay_fraction <= 1, f"optim.decay_fraction must be in (0, 1], got {self.decay_fraction}")
+        check(self.clip >= 0, f"optim.clip must be >= 0 (0 disables), got {self.clip}")
+        check(self.grad_accum >= 1, f"optim.grad_accum must be >= 1, got {self.grad_accum}")
+
+
+@dataclass
+class DeepSpeedConfig:
+    """The DeepSpeed engine. The same code runs on CPU (gloo) and GPU (nccl)."""
+
+    zero_stage: Literal[0, 1, 2, 3] = 0
+    bf16: bool = False
+    offload_optimizer: Literal["none", "cpu"] = "none"
+    offload_param: Literal["none", "cpu"] = "none"   # ZeRO-3 only
+    overlap_comm: bool = False
+    reduce_bucket_size: int = 50_000_000
+    config_file: str | None = None   # a DeepSpeed JSON merged over the generated config (e.g. configs/ds_zero2.json)
+    extra: dict[str, Any] = field(default_factory=dict)  # merged last; for keys this dataclass does not name
+
+    def validate(self) -> None:
+        check(self.offload_param == "none" or self.zero_stage == 3,
+              f"deepspeed.offload_param={self.offload_param!r} needs zero_stage 3, got {self.zero_stage}")
+        check(self.offload_optimizer == "none" or self.zero_stage >= 1,
+              f"deepspeed.offload_optimizer={self.offload_optimizer!r} needs zero_stage >= 1")
+        check(self.reduce_bucket_size >= 1, "deepspeed.reduce_bucket_size must be >= 1")
+        if self.config_file:
+            check(Path(self.config_file).is_file(), f"deepspeed.config_file {self.config_file} does not exist")
+
+
+@dataclass
+class ParamsConfig:
+    """How parameters are grouped: DLCM's decoupled muP, per-part learning-rate multipliers, freezing."""
+
+    mup: bool = False
+    mup_base_width: int = 128              # d_base of DLCM eq. 18
+    mup_token_lr: float | None = None      # eta_token^base (eq. 19); None = optim.lr
+    mup_concept_lr: float | None = None    # eta_concept^base (eq. 20); None = optim.lr
+    concept_lr_mult: float = 1.0           # without muP: concept model rate = lr * this
+    vision_lr_mult: float = 1.0            # vision encoder rate = lr * this
+    projector_lr_mult: float = 1.0         # projector (and patch merger) rate = lr * this
+    freeze: list[str] = field(default_factory=list)  # module prefixes, e.g. ["vision.encoder", "lm.embed"]
+
+    def validate(self) -> None:
+        check(self.mup_base_width >= 1, f"params.mup_base_width must be >= 1, got {self.mup_base_width}")
+        for name in ("concept_lr_mult", "vision_lr_mult", "projector_lr_mult"):
+            check(getattr(self, name) >= 0, f"params.{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("mup_token_lr", "mup_concept_lr"):
+            v = getattr(self, name)
+            check(v is None or v > 0, f"params.{name} must be > 0 or null, got {v}")
+
+
+@dataclass
+class LoggingConfig:
+    log_every: int = 1               # optimizer steps between metrics.jsonl lines / TensorBoard scalars
+    eval_every: int = 50             # steps between held-out evals and dashboard images; 0 disables
+    eval_batches: int = 2            # held-out batches per eval
+    tensorboard: bool = True
+    histogram_every: int = 10        # steps between p / expert-load histograms; 0 disables
+    progress: bool = True            # tqdm bar on rank 0
+    # Held-out data for evals; empty = the default dataset's val split when data.sources is empty (else no
+    # held-out loss: the dashboard pictures then come from the current training batch).
+    eval_sources: list[SourceConfig] = field(default_factory=list)
+
+    def validate(self) -> None:
+        check(self.log_every >= 1, f"logging.log_every must be >= 1, got {self.log_every}")
+        check(self.eval_every >= 0, f"logging.eval_every must be >= 0, got {self.eval_every}")
+        check(self.eval_batches >= 1, f"logging.eval_batches must be >= 1, got {self.eval_batches}")
+        check(self.histogram_every >= 0, f"logging.histogram_every must be >= 0, got {self.histogram_every}")
+
+
+@dataclass
+class CheckpointConfig:
+    save_every: int = 100            # optimizer steps between checkpoints; 0 = only at the end
+    keep_last: int = 2
+
+    def validate(self) -> None:
+        check(self.save_every >= 0, f"checkpoint.save_every must be >= 0, got {self.save_every}")
+        check(self.keep_last >= 1, f"checkpoint.keep_last must be >= 1, got {self.keep_last}")
+
+
+@dataclass
+class RunConfig:
+    """What this run is: its stage, length, seed and fault handling."""
+
+    stage: Literal["text", "vl", "ct"] = "vl"
+    max_steps: int = 300
+    seed: int = 0
+    deterministic: bool = True        # torch deterministic algorithms (bitwise resume on CPU)
+    threads: int = 0                  # torch intra-op threads; 0 = torch's default
+    max_nonfinite_in_row: int = 5     # this many skipped (non-finite) steps in a row stop the run
+    init_from: str | None = None      # vl: LLM weights from a run dir, its final/ or a checkpoint dir
+    convert_from: str | None = None   # ct: a pretrained MoE folder (ours, Qwen3-MoE, Mixtral) or a `vlm convert` output
+    vqa_eval: bool = True             # run the built-in VQA eval at the end when available
+    vqa_max_samples: int = 200
+
+    def validate(self) -> None:
+        check(self.max_steps >= 1, f"train.max_steps must be >= 1, got {self.max_steps}")
+        check(self.threads >= 0, f"train.threads must be >= 0, got {self.threads}")
+        check(self.max_nonfinite_in_row >= 1, f"train.max_nonfinite_in_row must be >= 1, got {self.max_nonfinite_in_row}")
+        check(self.vqa_max_samples >= 1, f"train.vqa_max_samples must be >= 1, got {self.vqa_max_samples}")
+        if self.stage == "ct":
+            check(bool(self.convert_from), "train.stage 'ct' needs train.convert_from (a pretrained MoE folder)")
+        if self.init_from:
+            check(Path(self.init_from).exists(), f"train.init_from {self.init_from} does not exist")
+        if self.convert_from:
+            check(Path(self.convert_from).exists(), f"train.convert_from {self.convert_from} does not exist")
+
+
+@dataclass
+class ConvertConfig:
+    """Stage 'ct': how `train.convert_from` becomes a ConceptMoE (vlm.model.convert; `vlm convert` options).
+    The converted checkpoint defines the LLM architecture; the `model` section is replaced by it."""
+
+    encoder_layers: int = 2
+    decoder_layers: int = 2
+    joint_decoding_layers: int = -1
+    target_ratio: float = 2.0
+    concept_top_k: int | None = None       # reallocation strategy 1: more activated experts in the concept model
+    loop: list[int] | None = None          # strategy 2: [start, end, times] concept-layer loops
+
+    def validate(self) -> None:
+        check(self.encoder_layers >= 1 and self.decoder_layers >= 1,
+              f"convert.encoder_layers and convert.decoder_layers must be >= 1, got {self.encoder_layers}, "
+              f"{self.decoder_layers}")
+        check(self.target_ratio > 1, f"convert.target_ratio must be > 1, got {self.target_ratio}")
+        check(self.loop is None or len(self.loop) == 3, f"convert.loop must be [start, end, times], got {self.loop}")
+        check(self.concept_top_k is None or self.concept_top_k >= 1, "convert.concept_top_k must be >= 1 or null")
+
+    def options(self):
+        from vlm.model.convert import ConvertOptions
+
+        return ConvertOptions(self.encoder_layers, self.decoder_layers, self.joint_decoding_layers, self.target_ratio,
+                              self.concept_top_k, tuple(self.loop) if self.loop else None)
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    vision: VisionConfig | None = field(default_factory=VisionConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    params: ParamsConfig = field(default_factory=ParamsConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    train: RunConfig = field(default_factory=RunConfig)
+    convert: ConvertConfig = field(default_factory=ConvertConfig)
+
+    def validate(self) -> None:
+        stage = self.train.stage
+        if stage == "text":
+            check(self.vision is None, "train.stage 'text' trains the LLM alone: set vision: null (or use stage 'vl')")
+        if stage == "vl":
+            check(self.vision is not None, "train.stage 'vl' needs a vision section (vision: {...})")
+        if self.vision is not None:
+            dp, vp = self.data.processor, self.vision.processor
+            for k in ("patch_size", "merge"):
+                check(getattr(dp, k) == getattr(vp, k),
+                      f"data.processor.{k}={getattr(dp, k)} must equal vision.processor.{k}={getattr(vp, k)} "
+                      f"(the loader patchifies what the encoder reads; a YAML anchor keeps them equal)")
+        if self.params.mup:
+            check(not self.model.tie_embeddings,
+                  "params.mup needs model.tie_embeddings: false (the output layer gets its own rate and logit scale)")
+        if self.vision is None:
+            for name in ("vision_lr_mult", "projector_lr_mult"):
+                check(getattr(self.params, name) == 1.0, f"params.{name} is set but the config has no vision tower")
+        for prefix in self.params.freeze:
+            check(prefix.split(".")[0] in ("lm", "vision"),
+                  f"params.freeze entry {prefix!r} must start with 'lm.' or 'vision.' (a module prefix of the model)")
+            check(not (prefix.startswith("vision") and self.vision is None),
+                  f"params.freeze entry {prefix!r} names the vision tower but the config has no vision section")
+
+
+def load_train_config(path: str | Path | None, overrides: list[str] | None = None) -> TrainConfig:
+    """Read a YAML file (or none: the defaults), apply dotted overrides, validate. Raises ConfigError."""
+    cfg = load_config(TrainConfig, path, overrides)
+    return cfg
+
+
+__all__ = ["TrainConfig", "OptimConfig", "DeepSpeedConfig", "ParamsConfig", "LoggingConfig", "CheckpointConfig",
+           "RunConfig", "ConvertConfig", "load_train_config", "ConfigError"]

@@ -1,0 +1,79 @@
+"""The live per-modality compression dashboard (TensorBoard, rank 0 only).
+
+Scalars: losses (split by sample kind), compression ratio and mean p per modality with their targets,
+throughput, learning rate, expert-load imbalance. Histograms: p per modality, expert load per layer.
+At eval steps: an image with its merged patches outlined by concept and a text sample with '|' at its
+concept boundaries.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from vlm.batch import IMAGE, TEXT
+
+SCALAR_GROUPS = {
+    "loss": "loss/total", "lm_loss": "loss/lm", "aux_loss": "loss/ratio_aux", "balance_loss": "loss/balance",
+    "loss/text_only": "loss/text_only", "loss/image_text": "loss/image_text",
+    "compression/ratio": "compression/all", "compression/text": "compression/text",
+    "compression/image": "compression/image", "boundary_p/all": "boundary_p/all",
+    "boundary_p/text": "boundary_p/text", "boundary_p/image": "boundary_p/image",
+    "tokens_per_s": "throughput/tokens_per_s", "step_time_s": "throughput/step_time_s", "lr": "optim/lr",
+    "grad_norm": "optim/grad_norm", "moe/adjugate_per_token": "moe/adjugate_per_token",
+}
+
+
+class Dashboard:
+    def __init__(self, log_dir: Path, resume_step: int | None, targets: dict[str, float]):
+        from torch.utils.tensorboard import SummaryWriter
+
+        # purge_step drops events an interrupted run logged after its last checkpoint (all of them when a run
+        # starts afresh in a directory that has old event files).
+        self.writer = SummaryWriter(str(log_dir), purge_step=0 if resume_step is None else resume_step + 1)
+        self.targets = targets
+
+    def scalars(self, rec: dict) -> None:
+        step = rec["step"]
+        w = self.writer
+        for key, val in rec.items():
+            if val is None or not isinstance(val, (int, float)) or key == "step":
+                continue
+            tag = SCALAR_GROUPS.get(key)
+            if tag is None and key.startswith(("val/", "moe/max_over_mean/", "skipped/", "vqa/", "vision/", "text/")):
+                tag = key
+            if tag is None and key == "nonfinite_steps":
+                tag = "faults/nonfinite_steps"
+            if tag is not None:
+                w.add_scalar(tag, val, step)
+        for name, target in self.targets.items():
+            w.add_scalar(f"target/{name}", target, step)
+
+    def histograms(self, step: int, extras: dict[str, torch.Tensor], loads: dict[str, torch.Tensor]) -> None:
+        w = self.writer
+        p, mod = extras.get("p"), extras.get("modality")
+        if p is not None and mod is not None:
+            valid = p > 0   # padding has p = 0; a real token has p > 0 almost surely
+            for name, m in (("text", TEXT), ("image", IMAGE)):
+                vals = p[(mod == m) & valid].float().cpu()
+                if vals.numel():
+                    w.add_histogram(f"boundary_p_hist/{name}", vals.numpy(), step, bins=np.linspace(0, 1, 41))
+        for k, load in loads.items():
+            total = float(load.sum())
+            if total > 0:
+                frac = (load / total).numpy()
+                # One "sample" per expert at its load share, so the histogram shows how loads spread.
+                w.add_histogram(f"expert_load/{k[len('load/'):]}", frac, step)
+
+    def pictures(self, step: int, image_HW3: np.ndarray | None, text: str | None) -> None:
+        if image_HW3 is not None:
+            self.writer.add_image("concepts/image", image_HW3, step, dataformats="HWC")
+        if text is not None:
+            self.writer.add_text("concepts/text", "    " + text.replace("\n", "\n    "), step)
+
+    def flush(self) -> None:
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()

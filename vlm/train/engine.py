@@ -1,0 +1,70 @@
+"""The DeepSpeed engine: config dict from TrainConfig, a torch AdamW (no FusedAdam build), initialise.
+
+The learning-rate schedule is a torch LambdaLR that the trainer steps itself after every applied
+optimizer step (a skipped, non-finite step must not advance it); its state travels in our checkpoint.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from vlm.train.config import DeepSpeedConfig, OptimConfig
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def deepspeed_config(ds: DeepSpeedConfig, optim: OptimConfig, world_size: int) -> dict:
+    """The DeepSpeed JSON for this run (written next to config.yaml for reference)."""
+    zero: dict = {"stage": ds.zero_stage}
+    if ds.zero_stage >= 1:
+        zero.update(overlap_comm=ds.overlap_comm, reduce_bucket_size=ds.reduce_bucket_size,
+                    contiguous_gradients=True)
+        if ds.offload_optimizer != "none":
+            zero["offload_optimizer"] = {"device": ds.offload_optimizer}
+    if ds.zero_stage == 3:
+        zero.update(stage3_gather_16bit_weights_on_model_save=True)
+        if ds.offload_param != "none":
+            zero["offload_param"] = {"device": ds.offload_param}
+    cfg = {
+        # One "sample" is one packed micro-batch per rank; the row count lives in the data config.
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": optim.grad_accum,
+        "train_batch_size": optim.grad_accum * world_size,
+        "gradient_clipping": optim.clip,
+        "zero_optimization": zero,
+        "bf16": {"enabled": ds.bf16},
+        "fp16": {"enabled": False},
+        "steps_per_print": 10 ** 12,
+        "wall_clock_breakdown": False,
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,   # offload with our torch AdamW (no DeepSpeedCPUAdam build)
+    }
+    if ds.config_file:
+        cfg = _merge(cfg, json.loads(Path(ds.config_file).read_text()))
+    return _merge(cfg, ds.extra)
+
+
+def build_optimizer(groups: list[dict], optim: OptimConfig) -> torch.optim.Optimizer:
+    """torch AdamW over the groups (per-group lr / weight decay / eps already set)."""
+    return torch.optim.AdamW(groups, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps,
+                             weight_decay=optim.weight_decay)
+
+
+def initialize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ds_config: dict):
+    """deepspeed.initialize with our optimizer; returns the engine (its .optimizer may wrap ours)."""
+    import deepspeed
+
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+    return engine
+
+
+def is_plain_fp32(engine) -> bool:
+    """Stage 0 without bf16: DeepSpeed steps our torch optimizer directly and checks nothing for overflow."""
+    return engine.zero_optimization_stage() == 0 and not engine.bfloat16_enabled() and not engine.fp16_enabled()

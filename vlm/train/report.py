@@ -1,0 +1,123 @@
+"""End-of-run picture (RUN_DIR/report.png) and console summary, both from metrics.jsonl."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+
+def _series(records: list[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
+    pts = [(r["step"], r[key]) for r in records if r.get(key) is not None]
+    if not pts:
+        return np.zeros(0), np.zeros(0)
+    s, v = zip(*pts)
+    return np.asarray(s), np.asarray(v, dtype=float)
+
+
+def _smooth(v: np.ndarray, k: int) -> np.ndarray:
+    if len(v) < 3 or k <= 1:
+        return v
+    k = min(k, len(v))
+    c = np.cumsum(np.insert(v, 0, 0.0))
+    head = c[1:k] / np.arange(1, k)
+    return np.concatenate([head, (c[k:] - c[:-k]) / k])
+
+
+def write_report(records: list[dict], out: Path, targets: dict[str, float], title: str = "") -> Path | None:
+    """Three panels: loss by sample kind; compression ratio per modality vs target; mean p per modality vs 1/R."""
+    if not records:
+        return None
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    k = max(len(records) // 30, 1)
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    ax = axes[0]
+    for key, label in (("lm_loss", "LM loss (all)"), ("loss/text_only", "text-only samples"),
+                       ("loss/image_text", "image-text samples"), ("val/lm_loss", "held-out")):
+        s, v = _series(records, key)
+        if len(s):
+            ax.plot(s, v if key.startswith("val/") else _smooth(v, k), label=label,
+                    marker="o" if key.startswith("val/") else None)
+    ax.set_xlabel("step"), ax.set_ylabel("loss (nats/token)"), ax.set_title("loss by sample kind")
+    ax.legend()
+    colours = {"ratio": "k", "text": "tab:blue", "image": "tab:orange"}
+    ax = axes[1]
+    for mod in ("ratio", "text", "image"):
+        s, v = _series(records, f"compression/{mod}")
+        if len(s):
+            ax.plot(s, _smooth(v, k), color=colours[mod], label=f"{'all' if mod == 'ratio' else mod} tokens")
+    for name, tgt in targets.items():
+        if name.startswith("ratio"):
+            mod = name.split("/")[-1] if "/" in name else "ratio"
+            ax.axhline(tgt, ls="--", color=colours.get(mod, "gray"), label=f"target R ({mod if mod != 'ratio' else 'joint'})")
+    ax.set_xlabel("step"), ax.set_ylabel("tokens per concept"), ax.set_title("realized compression N/M")
+    ax.legend()
+    ax = axes[2]
+    for mod in ("all", "text", "image"):
+        s, v = _series(records, f"boundary_p/{mod}")
+        if len(s):
+            ax.plot(s, _smooth(v, k), color=colours["ratio" if mod == "all" else mod], label=f"mean p ({mod})")
+    for name, tgt in targets.items():
+        if name.startswith("ratio"):
+            mod = name.split("/")[-1] if "/" in name else "ratio"
+            ax.axhline(1.0 / tgt, ls="--", color=colours.get(mod, "gray"),
+                       label=f"1/R ({mod if mod != 'ratio' else 'joint'})")
+    ax.set_xlabel("step"), ax.set_ylabel("mean boundary probability"), ax.set_title("mean p vs target")
+    ax.set_ylim(0, 1)
+    ax.legend()
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def _tail_mean(records: list[dict], key: str, frac: float = 0.1) -> float | None:
+    vals = [r[key] for r in records if r.get(key) is not None]
+    if not vals:
+        return None
+    n = max(int(len(vals) * frac), 1)
+    return float(np.mean(vals[-n:]))
+
+
+def summary_lines(records: list[dict], targets: dict[str, float], vqa: dict | None, run_dir: Path,
+                  wall_s: float, skipped_steps: int, data_counters: dict | None) -> list[str]:
+    """Human-readable end-of-run summary (means over the last 10 % of steps)."""
+    if not records:
+        return ["no steps were logged"]
+    first, last = records[0], records[-1]
+    fmt = lambda v, p=3: "n/a" if v is None else f"{v:.{p}f}"  # noqa: E731
+    lines = [f"run: {run_dir}  steps: {last['step']}  wall time: {wall_s / 60:.1f} min",
+             f"loss: {fmt(first.get('lm_loss'))} (first step) -> {fmt(_tail_mean(records, 'lm_loss'))} (last 10 %)",
+             f"  text-only samples:  {fmt(_tail_mean(records, 'loss/text_only'))}",
+             f"  image-text samples: {fmt(_tail_mean(records, 'loss/image_text'))}"]
+    val = [r for r in records if r.get("val/lm_loss") is not None]
+    if val:
+        lines.append(f"  held-out LM loss:   {fmt(val[-1]['val/lm_loss'])} (step {val[-1]['step']})")
+    joint = targets.get("ratio")
+    lines.append("compression (tokens per concept, last 10 %)" + (f", target R = {joint:g}" if joint else "") + ":")
+    for mod, label in (("ratio", "all"), ("text", "text"), ("image", "image")):
+        r = _tail_mean(records, f"compression/{mod}")
+        p = _tail_mean(records, f"boundary_p/{'all' if mod == 'ratio' else mod}")
+        tgt = targets.get(f"ratio/{mod}")
+        lines.append(f"  {label:<6} N/M = {fmt(r, 2)}   mean p = {fmt(p)}" + (f"   (target {tgt:g})" if tgt else ""))
+    if vqa:
+        pick = lambda d: d.get("all") if isinstance(d, dict) else d  # noqa: E731  (per-type dicts, % in "all")
+        acc, base, blind = pick(vqa.get("accuracy")), pick(vqa.get("majority_baseline")), pick(vqa.get("blind_baseline"))
+        lines.append(f"VQA ({vqa.get('split', 'held-out')} split, unseen colour-shape pairs, {vqa.get('n', '?')} "
+                     f"questions): accuracy {fmt(acc, 1)} % vs majority-answer baseline {fmt(base, 1)} %"
+                     + (f" (blind model {fmt(blind, 1)} %)" if blind is not None else ""))
+    else:
+        lines.append("VQA: not run")
+    tps = _tail_mean(records, "tokens_per_s", 0.5)
+    lines.append(f"throughput: {fmt(tps, 0)} tokens/s   skipped (non-finite) steps: {skipped_steps}")
+    if data_counters:
+        bad = {k: v for k, v in data_counters.items() if v}
+        if bad:
+            lines.append("data: skipped samples " + ", ".join(f"{k}={v}" for k, v in sorted(bad.items())))
+    lines.append(f"outputs: {run_dir / 'metrics.jsonl'}, {run_dir / 'report.png'}, {run_dir / 'tb'} (tensorboard), "
+                 f"{run_dir / 'final'}")
+    return lines

@@ -1,0 +1,121 @@
+"""Training stages: what model a run starts from.
+
+- text: a fresh ConceptMoE LLM (no vision tower), trained on text.
+- vl:   the VLM: a vision tower and a freshly initialised projector in front of the LLM; the LLM is fresh
+        or, with `train.init_from`, the LLM weights of an earlier run (its final/ export, a checkpoint, or
+        the run directory itself: its final/ when present, else its latest checkpoint).
+- ct:   continual training of a pretrained MoE converted into a ConceptMoE by vlm.model.convert
+        (ConceptMoE section 4.3; the converter owns the weight mapping and the reallocation).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from vlm.config import ConfigError
+from vlm.model.multimodal import ConceptMoEVLM
+from vlm.train.config import TrainConfig
+
+
+def resolve_weights_path(path: Path) -> Path:
+    """A run dir -> its final/ (or latest checkpoint); a final/ or checkpoint dir stays as it is."""
+    path = Path(path)
+    if (path / "config.json").is_file() or (path / "meta.json").is_file():
+        return path
+    if (path / "final" / "config.json").is_file():
+        return path / "final"
+    from vlm.train.checkpoint import latest_checkpoint
+
+    ckpt = latest_checkpoint(path / "checkpoints")
+    if ckpt is not None:
+        return ckpt
+    raise ConfigError(f"train.init_from {path}: not an exported model (config.json), a checkpoint (meta.json) "
+                      f"or a run directory with final/ or checkpoints/")
+
+
+def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """Full (unsharded) state dict of the VLM stored at `path` (export or checkpoint)."""
+    path = resolve_weights_path(path)
+    if (path / "config.json").is_file():
+        from vlm.model.hf import load_vlm
+
+        return load_vlm(path).state_dict()
+    ds_dir = path / "ds"
+    module_file = ds_dir / "mp_rank_00_model_states.pt"
+    state = torch.load(module_file, map_location="cpu", weights_only=False) if module_file.is_file() else {}
+    module = state.get("module")
+    if not module:   # ZeRO 0-2 keep the whole module in that file; ZeRO-3 leaves it empty
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        module = get_fp32_state_dict_from_zero_checkpoint(str(path), tag="ds")
+    return _fold_checkpoint_logit_scale(module, path.parent.parent / "config.yaml")
+
+
+def _fold_checkpoint_logit_scale(state: dict, run_config: Path) -> dict:
+    """A muP run's checkpoint holds lm_head without its logit multiplier (a forward hook applies it); fold it
+    in so that every source reads as the function it computes, like an export does."""
+    if not run_config.is_file() or "lm.lm_head.weight" not in state:
+        return state
+    import yaml
+
+    run = yaml.safe_load(run_config.read_text()) or {}
+    params, model = run.get("params") or {}, run.get("model") or {}
+    if params.get("mup"):
+        scale = params.get("mup_base_width", 128) / model.get("hidden_size", 1)
+        state = dict(state, **{"lm.lm_head.weight": state["lm.lm_head.weight"] * scale})
+    return state
+
+
+def load_llm_weights(model: ConceptMoEVLM, path: Path) -> int:
+    """Copy the `lm.*` tensors (parameters and balancing buffers) of a stored model into `model.lm`."""
+    state = read_state_dict(Path(path))
+    lm_state = {k[len("lm."):]: v for k, v in state.items() if k.startswith("lm.")}
+    if not lm_state:
+        raise ConfigError(f"train.init_from {path}: the stored model has no LLM weights (no 'lm.' tensors)")
+    mine = model.lm.state_dict()
+    missing = sorted(set(mine) - set(lm_state))
+    shape_bad = [k for k in mine if k in lm_state and lm_state[k].shape != mine[k].shape]
+    if missing or shape_bad:
+        k = (missing or shape_bad)[0]
+        what = "is missing" if missing else f"has shape {tuple(lm_state[k].shape)}, the config needs {tuple(mine[k].shape)}"
+        raise ConfigError(f"train.init_from {path}: LLM tensor lm.{k} {what}; the model section must match the "
+                          f"pretrained LLM")
+    model.lm.load_state_dict({k: lm_state[k] for k in mine}, strict=True)
+    return len(mine)
+
+
+def convert_pretrained(cfg: TrainConfig) -> ConceptMoEVLM:
+    """Stage 'ct': a pretrained MoE converted by vlm.model.convert (or an already converted export), with a
+    fresh vision tower + projector attached when the config has a vision section and the source has none."""
+    import json
+
+    from vlm.model.convert import convert_state, load_source, to_conceptmoe_config
+    from vlm.model.hf import MODEL_TYPE, load_vlm
+
+    path = Path(cfg.train.convert_from)
+    info = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
+    if info.get("model_type") == MODEL_TYPE and info.get("model", {}).get("chunk", {}).get("enabled", True):
+        model = load_vlm(path)                   # the output of `vlm convert`
+    else:
+        opt = cfg.convert.options()
+        sd, base, _ = load_source(path, opt)
+        lm_sd = {k: v for k, v in sd.items() if k.startswith("lm.")}
+        model = convert_state(lm_sd, to_conceptmoe_config(base, opt), None)
+    if cfg.vision is not None and model.vision is None:
+        model.vision = cfg.vision.build(model.model_cfg.hidden_size)
+        model.vision_cfg = cfg.vision
+    return model
+
+
+def build_model(cfg: TrainConfig) -> tuple[nn.Module, bool]:
+    """The model this stage trains, and whether its LLM weights are fresh (muP init applies only then)."""
+    stage = cfg.train.stage
+    if stage == "ct":
+        return convert_pretrained(cfg), False
+    model = ConceptMoEVLM(cfg.model, cfg.vision if stage == "vl" else None)
+    if cfg.train.init_from:
+        load_llm_weights(model, Path(cfg.train.init_from))
+        return model, False
+    return model, True

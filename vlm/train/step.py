@@ -1,0 +1,134 @@
+"""One optimizer step over a window of micro-batches: loss weighting, global parser, non-finite skip.
+
+Loss weighting. DeepSpeed divides each micro-batch's loss by the accumulation steps K and averages
+gradients over the W ranks. Weighting the LM loss of micro-batch (r, k) by n_rk K W / N (n labelled
+tokens in it, N in the whole global batch) makes the gradient that of the mean over the global batch's
+tokens, whatever the row split. The ratio loss of the global parser is a function of global F and G
+whose gradient reaches only the local p, so it is weighted by K W to sum, not average, those parts.
+
+Non-finite loss. Finiteness is agreed over ranks after each forward. A bad micro-batch makes the whole
+step a no-op: ZeRO / bf16 optimizers receive NaN gradients, which DeepSpeed's overflow check turns into
+a skipped step (no update, gradients cleared, counted); the plain fp32 path (stage 0) drops the
+gradients and advances the engine's counters itself. The LR schedule and the balancing biases move only
+on applied steps.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vlm.batch import PackedBatch
+from vlm.train.distributed import all_reduce_min, all_reduce_sum
+from vlm.train.engine import is_plain_fp32
+from vlm.train.global_parser import GlobalParser
+from vlm.train.metrics import StepAccumulator, labelled_counts
+
+
+@dataclass
+class StepResult:
+    applied: bool
+    vec: torch.Tensor | None          # globally summed metrics (None when skipped)
+    loads: dict[str, torch.Tensor]
+    ratio_loss: float
+    extras: dict[str, torch.Tensor]   # last micro-batch's per-token tensors on this rank (dashboards)
+
+
+def boundary_seed(seed: int, step: int, index: int) -> int:
+    """Seed of the boundary sampler for global micro-batch `index` of optimizer step `step`.
+
+    Keyed by position in the global batch, not by rank, so sampling does not depend on how the global
+    batch is split over ranks and micro-batches (and is reproduced exactly on resume)."""
+    return (seed * 0x9E3779B1 + (step + 1) * 0x85EBCA77 + index * 0xC2B2AE3D) % (2 ** 63 - 1)
+
+
+def model_of(engine) -> torch.nn.Module:
+    return engine.module
+
+
+def set_boundary_generator(module: torch.nn.Module, device: torch.device, seed: int) -> None:
+    chunker = getattr(getattr(module, "lm", module), "chunker", None)
+    if chunker is not None:
+        gen = torch.Generator(device=device)
+        gen.manual_seed(seed)
+        chunker.generator = gen
+
+
+def prepare(batch: PackedBatch, device: torch.device, float_dtype: torch.dtype) -> PackedBatch:
+    batch = batch.to(device)
+    if batch.pixel_patches is not None and batch.pixel_patches.dtype != float_dtype:
+        batch.pixel_patches = batch.pixel_patches.to(float_dtype)
+    return batch
+
+
+def poison_backward(engine) -> None:
+    """Backward a NaN through every trainable tensor: DeepSpeed's overflow check then skips the step."""
+    params = [p for p in engine.module.parameters() if p.requires_grad]
+    loss = torch.stack([p.sum().float() for p in params]).sum() * float("nan")
+    engine.backward(loss)
+
+
+def skip_plain_boundary(engine) -> None:
+    """Stage-0 fp32: the torch optimizer would apply NaN; drop the gradients and count the step as skipped."""
+    engine.zero_grad()
+    engine.micro_steps += 1
+    engine.global_steps += 1
+    engine.global_samples += engine.train_batch_size()
+    engine.skipped_steps += 1
+
+
+def zero_moe_loads(module: torch.nn.Module) -> None:
+    for m in module.modules():
+        if hasattr(m, "load_accum") and isinstance(m.load_accum, torch.Tensor):
+            m.load_accum.zero_()
+
+
+def train_step(engine, window: list[PackedBatch], step: int, *, seed: int, rank: int, world_size: int,
+               parser: GlobalParser | None, ratio_weight: float, device: torch.device,
+               float_dtype: torch.dtype = torch.float32, loss_hook=None) -> StepResult:
+    """Forward/backward every micro-batch of `window` and take (or skip) one optimizer step.
+
+    `loss_hook(out, k)` may replace a micro-batch's output (used by tests to inject a non-finite loss).
+    """
+    K, W = len(window), world_size
+    if K != engine.gradient_accumulation_steps():
+        raise ValueError(f"window of {K} micro-batches but the engine accumulates {engine.gradient_accumulation_steps()}")
+    n_local = [float(labelled_counts(b)[0]) for b in window]
+    N = float(all_reduce_sum(torch.tensor([sum(n_local)], dtype=torch.float64, device=device))[0])
+    if parser is not None:
+        parser.start_step()
+    acc = StepAccumulator(device)
+    plain = is_plain_fp32(engine)
+    bad = False
+    extras: dict[str, torch.Tensor] = {}
+    for k, batch in enumerate(window):
+        boundary = k == K - 1
+        if not bad:
+            batch = prepare(batch, device, float_dtype)
+            set_boundary_generator(engine.module, device, boundary_seed(seed, step, k * W + rank))
+            out = engine(batch)
+            if loss_hook is not None:
+                out = loss_hook(out, k)
+            finite = torch.isfinite(out.loss.detach().float()).all().to(torch.float64).reshape(1)
+            bad = float(all_reduce_min(finite.to(device))[0]) < 1.0
+            if not bad:
+                w = n_local[k] * K * W / max(N, 1.0)
+                loss = out.lm_loss * w + ratio_weight * K * W * out.ratio_loss + out.balance_loss
+                engine.backward(loss)
+                acc.add(out, batch)
+                extras = out.extras
+            del out
+        if bad:
+            if plain:
+                if boundary:
+                    skip_plain_boundary(engine)
+                    continue
+            else:
+                poison_backward(engine)
+        engine.step()
+    applied = not bad and engine.was_step_applied()
+    if not applied:
+        zero_moe_loads(engine.module)
+        return StepResult(False, None, {}, float("nan"), extras)
+    vec, loads = acc.reduce(all_reduce_sum)
+    return StepResult(True, vec, loads, acc.ratio_loss, extras)

@@ -1,0 +1,231 @@
+"""The training run: set up engine, data and run directory, loop, checkpoint, export, summarise."""
+from __future__ import annotations
+
+import os
+import random
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import torch
+import yaml
+
+from vlm.config import ConfigError, to_dict
+from vlm.train import checkpoint as ckpt_lib
+from vlm.train.config import TrainConfig
+from vlm.train.distributed import DistInfo, all_reduce_sum, barrier, init_distributed
+from vlm.train.engine import build_optimizer, deepspeed_config, initialize
+from vlm.train.global_parser import GlobalParser, install
+from vlm.train.param_groups import (apply_mup_init, build_param_groups, describe_groups, freeze_prefixes,
+                                    install_logit_scale, mup_logit_scale, mup_width_multipliers)
+from vlm.train.schedule import build_scheduler
+from vlm.train.step import StepResult, train_step
+
+# Config keys a resumed run may change (everything else must match the checkpointed run).
+RESUMABLE_CHANGES = ("train.max_steps", "checkpoint.", "logging.", "train.vqa_eval", "train.vqa_max_samples",
+                     "train.threads")
+
+
+def config_targets(cfg: TrainConfig) -> dict[str, float]:
+    """Compression targets for dashboards: the joint R, or one per modality."""
+    ch = cfg.model.chunk
+    if not ch.enabled:
+        return {}
+    if ch.modality_target_ratios:
+        return {f"ratio/{m}": r for m, r in ch.modality_target_ratios.items()}
+    return {"ratio": ch.target_ratio}
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def check_resume_config(saved: dict, now: dict) -> None:
+    a, b = _flatten(saved), _flatten(now)
+    for key in sorted(set(a) | set(b)):
+        if a.get(key) != b.get(key) and not key.startswith(RESUMABLE_CHANGES):
+            raise ConfigError(f"cannot resume: {key} was {a.get(key)!r} in the checkpointed run, now {b.get(key)!r}; "
+                              f"use a new --out directory or the same config")
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, run_dir: str | Path, resume: bool | None = None, log=print):
+        """resume: True = must resume; None = resume when RUN_DIR has a checkpoint; False = refuse if it has one."""
+        self.cfg, self.run_dir, self.log_fn = cfg, Path(run_dir), log
+        self.dist: DistInfo = init_distributed()
+        run = cfg.train
+        if run.threads:
+            torch.set_num_threads(run.threads)
+        if run.deterministic:
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")   # deterministic cuBLAS on GPU
+            torch.use_deterministic_algorithms(True, warn_only=True)
+        self._seed_all(run.seed)
+        self.ckpt_root = self.run_dir / "checkpoints"
+        if self.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            ckpt_lib.clean_partial(self.ckpt_root)
+        barrier()
+        self.resume_from = self._resume_point(resume)
+        self._prepare_data_dir()
+        from data_pipelines.tokenizer import load_tokenizer
+
+        self.tokenizer = load_tokenizer(cfg.data.tokenizer)
+        self._build_model()   # stage ct: cfg.model becomes the converted checkpoint's architecture
+        if cfg.model.vocab_size < self.tokenizer.vocab_size:
+            raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
+                              f"{self.tokenizer.vocab_size} ids ({cfg.data.tokenizer}); raise model.vocab_size")
+        if self.resume_from is not None and (self.run_dir / "config.yaml").is_file():
+            check_resume_config(yaml.safe_load((self.run_dir / "config.yaml").read_text()), to_dict(cfg))
+        self.step = 0
+        self.nonfinite_total = 0
+        self.nonfinite_in_row = 0
+        self.wall_before = 0.0
+        self.loader = None
+        self.loss_hook = None   # fault injection for tests: (ModelOutput, micro index) -> ModelOutput
+
+    # ---------------------------------------------------------------- setup
+    @property
+    def is_main(self) -> bool:
+        return self.dist.is_main
+
+    def log(self, msg: str) -> None:
+        if self.is_main:
+            self.log_fn(msg)
+
+    @staticmethod
+    def _seed_all(seed: int) -> None:
+        random.seed(seed)
+        np.random.seed(seed)
+        torch.manual_seed(seed)
+
+    def _resume_point(self, resume: bool | None) -> Path | None:
+        found = ckpt_lib.find_resume_point(self.ckpt_root, self.dist.rank)
+        if resume is True and found is None:
+            raise ConfigError(f"--resume: no complete checkpoint in {self.ckpt_root}")
+        if resume is False and found is not None:
+            raise ConfigError(f"{self.run_dir} already has checkpoints ({found.name}); resume it or use a new --out")
+        return found
+
+    def _prepare_data_dir(self) -> None:
+        """The default dataset is built once (rank 0) before any rank opens it."""
+        if not self.cfg.data.sources:
+            if self.is_main:
+                from data_pipelines.default_dataset import ensure_default_dataset
+
+                ensure_default_dataset(self.cfg.data.default_dir)
+            barrier()
+
+    def _build_model(self) -> None:
+        from vlm.train.stages import build_model
+
+        cfg = self.cfg
+        model, fresh = build_model(cfg)
+        if cfg.train.stage == "ct":
+            cfg.model, cfg.vision = model.model_cfg, model.vision_cfg
+        if cfg.params.freeze:
+            freeze_prefixes(model, cfg.params.freeze)
+        self.logit_scale = 1.0
+        if cfg.params.mup:
+            s_tok, s_con = mup_width_multipliers(cfg.model.hidden_size, cfg.model.c_hidden, cfg.params.mup_base_width)
+            self.logit_scale = mup_logit_scale(s_tok)
+            if fresh:
+                apply_mup_init(model, s_tok, s_con)
+            else:   # pretrained weights compute plain logits: unfold so that hook x weights is the same function
+                with torch.no_grad():
+                    model.lm.lm_head.weight.div_(self.logit_scale)
+            install_logit_scale(model, self.logit_scale)
+        groups = build_param_groups(model, cfg.optim, cfg.params, cfg.model.hidden_size, cfg.model.c_hidden)
+        self.groups_desc = describe_groups(groups)
+        self.optimizer = build_optimizer(groups, cfg.optim)
+        o = cfg.optim
+        self.scheduler = build_scheduler(self.optimizer, schedule=o.schedule, warmup=o.warmup_steps,
+                                         total=cfg.train.max_steps, lr=o.lr, min_lr=o.min_lr,
+                                         decay_fraction=o.decay_fraction)
+        self.ds_config = deepspeed_config(cfg.deepspeed, cfg.optim, self.dist.world_size)
+        self.engine = initialize(model, self.optimizer, self.ds_config)
+        self.float_dtype = torch.bfloat16 if self.engine.bfloat16_enabled() else torch.float32
+        from vlm.train.probes import ActivationProbe
+
+        self.probe = ActivationProbe(self.engine.module)
+        self.parser = GlobalParser(all_reduce_sum)
+        if not install(self.engine.module, self.parser):
+            self.parser = None
+        self.n_params = sum(p.numel() for p in model.parameters())
+        self.n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+    def build_data(self) -> None:
+        from data_pipelines.loader import build_loader
+
+        d = self.dist
+        self.loader = build_loader(self.cfg.data, self.tokenizer, d.rank, d.world_size)
+        self.eval_batches = []
+        lg, data = self.cfg.logging, self.cfg.data
+        val_cfg = None
+        if lg.eval_every and lg.eval_sources:
+            val_cfg = replace(data, sources=lg.eval_sources, num_workers=0, epochs=None)
+        elif lg.eval_every and not data.sources:
+            val_cfg = replace(data, split="val", num_workers=0, epochs=None)
+        if val_cfg is not None:
+            it = iter(build_loader(val_cfg, self.tokenizer, d.rank, d.world_size))
+            self.eval_batches = [next(it) for _ in range(lg.eval_batches)]
+
+    # ---------------------------------------------------------------- state
+    def trainer_state(self) -> dict:
+        return {"step": self.step, "scheduler": self.scheduler.state_dict(), "rng": ckpt_lib.rng_state(),
+                "loader": self.loader.state_dict() if self.loader is not None else None,
+                "nonfinite_total": self.nonfinite_total, "nonfinite_in_row": self.nonfinite_in_row,
+                "wall_s": self.wall_before + (time.time() - self.t_start if hasattr(self, "t_start") else 0.0)}
+
+    def save(self) -> Path:
+        return ckpt_lib.save_checkpoint(self.engine, self.ckpt_root, self.step, self.trainer_state(),
+                                        self.dist.rank, self.dist.world_size, self.cfg.checkpoint.keep_last)
+
+    def restore(self, path: Path) -> None:
+        state = ckpt_lib.load_checkpoint(self.engine, path, self.dist.rank, self.dist.world_size)
+        self.scheduler.load_state_dict(state["scheduler"])
+        for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
+            group["lr"] = lr
+        ckpt_lib.set_rng_state(state["rng"])
+        if self.loader is not None and state.get("loader") is not None:
+            self.loader.load_state_dict(state["loader"])
+        self.step = state["step"]
+        self.nonfinite_total, self.nonfinite_in_row = state["nonfinite_total"], state["nonfinite_in_row"]
+        self.wall_before = state.get("wall_s", 0.0)
+
+    def write_run_files(self) -> None:
+        if not self.is_main:
+            return
+        import json
+
+        (self.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(self.cfg), sort_keys=False))
+        (self.run_dir / "deepspeed_config.json").write_text(json.dumps(self.ds_config, indent=2))
+
+    # ---------------------------------------------------------------- one step
+    def train_step(self, window, loss_hook=None) -> StepResult:
+        cfg = self.cfg
+        return train_step(self.engine, window, self.step, seed=cfg.train.seed, rank=self.dist.rank,
+                          world_size=self.dist.world_size, parser=self.parser,
+                          ratio_weight=cfg.model.chunk.ratio_loss_weight if cfg.model.chunk.enabled else 0.0,
+                          device=self.dist.device, float_dtype=self.float_dtype, loss_hook=loss_hook or self.loss_hook)
+
+    def after_step(self, result: StepResult) -> None:
+        """Schedule and loss-free balancing move only when the optimizer applied the step."""
+        from vlm.model.moe import update_moe_biases
+
+        self.step += 1
+        if result.applied:
+            self.scheduler.step()
+            update_moe_biases(self.engine.module, all_reduce_sum)
+            self.nonfinite_in_row = 0
+        else:
+            self.nonfinite_total += 1
+            self.nonfinite_in_row += 1
+
