@@ -86,3 +86,19 @@ def test_image_only_prompt_generates(chat):
     """A caption task's prompt is just the image: valid for generation (training data would reject it)."""
     out = chat.generate(["<image>"], [[img(5)]], max_new_tokens=3)
     assert len(out) == 1 and isinstance(out[0], str)
+
+
+def test_stop_on_a_special_token_string(chat, monkeypatch):
+    """`<|end|>` is a special token: the stop check must see it although the returned text hides specials."""
+    tok = chat.tokenizer
+    script = tok.encode("yes") + [tok.end_id] + tok.encode("What")
+    calls = {"n": 0}
+
+    def scripted(logits_BV, *a, **k):
+        t = script[min(calls["n"], len(script) - 1)]
+        calls["n"] += 1
+        return torch.full(logits_BV.shape[:1], t, dtype=torch.long)
+
+    monkeypatch.setattr("vlm.generate.sample_next", scripted)
+    out = chat.generate(["q"], None, max_new_tokens=8, stop=["<|end|>"])
+    assert out == ["yes"] and calls["n"] == len(tok.encode("yes")) + 1

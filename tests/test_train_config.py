@@ -145,3 +145,9 @@ def test_deepspeed_config_generation(tmp_path):
     assert z["stage"] == 3 and z["offload_param"] == {"device": "cpu"} and z["allgather_bucket_size"] == 123
     with pytest.raises(ConfigError, match="offload_param"):
         DeepSpeedConfig(zero_stage=2, offload_param="cpu").validate()
+
+
+def test_cli_override_scientific_notation_is_a_number():
+    from vlm.config import parse_override
+    assert parse_override("optim.lr=1e-3") == (["optim", "lr"], 1e-3)
+    assert parse_override("model.chunk.merge=sum") == (["model", "chunk", "merge"], "sum")

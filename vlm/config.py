@@ -8,6 +8,7 @@ for cross-field checks; it is called after construction and should raise `Config
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from pathlib import Path
@@ -41,14 +42,14 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
         args = get_args(tp)
         if value is None and type(None) in args:
             return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
+        real = [a for a in args if a is not type(None)]
+        if len(real) == 1:  # Optional[X]: X's own error names the field that is wrong
+            return _coerce(value, real[0], path)
+        for arg in real:
             try:
                 return _coerce(value, arg, path)
-            except ConfigError as e:
-                errors.append(str(e))
+            except ConfigError:
+                pass
         raise ConfigError(f"{path}: got {value!r}, expected {_type_name(tp)}")
     if origin is Literal:
         allowed = get_args(tp)
@@ -130,12 +131,21 @@ def to_dict(obj: Any) -> Any:
     return obj
 
 
+_FLOAT_RE = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """`a.b.c=value` -> (['a','b','c'], value parsed as YAML scalar)."""
     if "=" not in text:
         raise ConfigError(f"override {text!r}: expected KEY=VALUE with a dotted KEY, e.g. model.chunk.target_ratio=2")
     key, raw = text.split("=", 1)
-    return key.strip().split("."), yaml.safe_load(raw) if raw.strip() else None
+    value = yaml.safe_load(raw) if raw.strip() else None
+    if isinstance(value, str):
+        try:  # YAML 1.1 reads "1e-3" as a string; on the command line it means a number
+            value = float(value) if _FLOAT_RE.fullmatch(value) else value
+        except ValueError:
+            pass
+    return key.strip().split("."), value
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:

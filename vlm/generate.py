@@ -119,18 +119,20 @@ class ConceptMoEChat:
             _put(batch, rows[live], lengths[live], nxt[live])
             lengths = lengths + live.long()
             done |= nxt == self.tokenizer.eos_id
-            if stop:
+            if stop:  # decode with special tokens: stop strings such as "<|end|>" are special tokens
                 for i in rows[live].tolist():
-                    text = self.tokenizer.decode(batch.input_ids[i, start[i]: lengths[i]].tolist())
+                    text = self.tokenizer.decode(batch.input_ids[i, start[i]: lengths[i]].tolist(), skip_special=False)
                     done[i] |= any(s in text for s in stop)
             if bool(done.all()):
                 break
         texts = []
         for i in range(B):
-            text = self.tokenizer.decode(batch.input_ids[i, start[i]: lengths[i]].tolist())
-            for s in stop or []:
-                text = text.split(s, 1)[0]
-            texts.append(text)
+            ids = batch.input_ids[i, start[i]: lengths[i]].tolist()
+            if stop:  # cut at the first stop string, then drop any special tokens before it
+                full = self.tokenizer.decode(ids, skip_special=False)
+                cut = min((full.index(s) for s in stop if s in full), default=len(full))
+                ids = self.tokenizer.encode(full[:cut])
+            texts.append(self.tokenizer.decode(ids))
         return texts
 
     @torch.no_grad()

@@ -7,8 +7,7 @@ document or one built from later tokens.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -102,9 +101,11 @@ def plug_back(concepts_BMD: torch.Tensor, cidx_BT: torch.Tensor) -> torch.Tensor
 
 
 # ---------------------------------------------------------------- modules
-@dataclass
-class Chunks:
-    """Everything the rest of the model needs to know about one chunking of a batch."""
+class Chunks(NamedTuple):
+    """Everything the rest of the model needs to know about one chunking of a batch.
+
+    A NamedTuple rather than a dataclass: DeepSpeed ZeRO-3 follows tensors through module outputs only
+    inside tuples, lists and dicts."""
 
     p_BT: torch.Tensor         # boundary probability (0 at padding)
     b_BT: torch.Tensor         # bool boundaries
