@@ -17,16 +17,6 @@ from vlm.model.moe import (MoE, grouped_mm_available, route, router_z_loss, swit
 HAS_GMM = hasattr(torch, "_grouped_mm")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tensors here are tiny: extra intra-op threads only add overhead, and on a busy 2-core CI box
-    # oversubscription made these tests ~10x slower.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def make_moe(dim=16, **kw) -> MoE:
     base = dict(num_experts=8, top_k=3, expert_hidden=12, shared_hidden=8, balance_loss_weight=0.01,
                 z_loss_weight=1e-3, grove_hidden=8, grove_lambda=0.3)

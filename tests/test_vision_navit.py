@@ -7,16 +7,6 @@ from vision.navit import NaViTConfig, NaViTEncoder
 from vlm.config import ConfigError, from_dict
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a loaded 2-core box OpenMP spinning makes
-    single ops 100x slower at random; one thread keeps these tests fast and steady."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 GRIDS = [(4, 6), (2, 2), (8, 4), (6, 2)]
 PD = 3 * 4 * 4   # patch_size 4 keeps the tests tiny
 

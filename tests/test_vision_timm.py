@@ -14,16 +14,6 @@ from vision.timm_backbone import factorise_pos_embed, load_timm_vit_state_dict, 
 from vlm.config import ConfigError, from_dict
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a loaded 2-core box OpenMP spinning makes
-    single ops 100x slower at random; one thread keeps these tests fast and steady."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 D, HEADS, LAYERS, P, GRID = 32, 4, 2, 4, 4   # hidden, heads, layers, patch size, checkpoint grid side
 
 

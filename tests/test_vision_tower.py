@@ -9,16 +9,6 @@ from vision.projector import Projector, ProjectorConfig
 from vlm.config import ConfigError, apply_overrides, from_dict, to_dict
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a loaded 2-core box OpenMP spinning makes
-    single ops 100x slower at random; one thread keeps these tests fast and steady."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 TINY = {"processor": {"patch_size": 4, "max_patches": 64, "min_patches": 4},
         "encoder": {"patch_size": 4, "hidden_size": 32, "num_heads": 4, "num_layers": 2, "max_grid": 64}}
 

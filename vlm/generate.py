@@ -106,6 +106,7 @@ class ConceptMoEChat:
         done = torch.zeros(B, dtype=torch.bool, device=self.device)
         gen = torch.Generator(device=self.device).manual_seed(seed) if seed is not None else None
         rows = torch.arange(B, device=self.device)
+        window = max((len(s) for s in stop or []), default=0) + 1
         for step in range(max_new_tokens):
             T = int(lengths.max())
             view = PackedBatch(batch.input_ids[:, :T], batch.labels[:, :T], batch.doc_ids[:, :T],
@@ -121,7 +122,9 @@ class ConceptMoEChat:
             done |= nxt == self.tokenizer.eos_id
             if stop:  # decode with special tokens: stop strings such as "<|end|>" are special tokens
                 for i in rows[live].tolist():
-                    text = self.tokenizer.decode(batch.input_ids[i, start[i]: lengths[i]].tolist(), skip_special=False)
+                    # every token decodes to >= 1 character, so a new stop string ends in this window
+                    lo = max(int(start[i]), int(lengths[i]) - window)
+                    text = self.tokenizer.decode(batch.input_ids[i, lo: lengths[i]].tolist(), skip_special=False)
                     done[i] |= any(s in text for s in stop)
             if bool(done.all()):
                 break

@@ -167,8 +167,9 @@ class ChunkModule(nn.Module):
         count = glob[:, 2].clamp_min(1)
         F_ = glob[:, 0] / count
         G = (sum_p + (glob[:, 1] - local[:, 1])) / count
-        loss = sum(ratio_loss(F_[k], G[k], r) for k, (_, r) in enumerate(groups) if glob[k, 2] > 0)
-        return (loss if torch.is_tensor(loss) else pf.sum() * 0), local
+        # A group with no tokens anywhere contributes nothing (masked on device: no host sync per group).
+        losses = torch.stack([ratio_loss(F_[k], G[k], r) for k, (_, r) in enumerate(groups)])
+        return torch.where(glob[:, 2] > 0, losses, torch.zeros_like(losses)).sum(), local
 
     def forward(self, h_BTD, doc_BT, modality_BT=None, above_BT=None, force: str | torch.Tensor | None = None) -> Chunks:
         valid = doc_BT >= 0
