@@ -5,8 +5,8 @@
 
 The CLI finds the class through the entry-point group `lmms_eval.models` (see `eval/lmms_manifest.py`).
 Model args: `pretrained` (checkpoint dir, loaded with `vlm.generate.load_eval_model`), `batch_size`,
-`chat` (auto|true|false: wrap contexts in the project's chat template; auto wraps unless the context
-already carries `<image>` placeholders or role tokens), `max_new_tokens` (when a task sets none),
+`chat` (auto|true|false: put contexts into the project's chat template; auto wraps every context
+that does not already carry the template's role tokens), `max_new_tokens` (when a task sets none),
 `stats_dir` / `stats_path` (where the compression statistics go; see `CompressionLog`).
 
 What lmms-eval 0.7.3 hands a model (read from its source):
@@ -118,16 +118,22 @@ class ConceptMoELMMS(lmms):
 
     # ---- prompt layout -----------------------------------------------------------------------------------
     def _format(self, context: str, n_images: int) -> tuple[str, bool]:
-        """(prompt, whether the chat template was applied); placeholders added when the context has none."""
+        """(prompt, whether the chat template was applied).
+
+        Most lmms-eval tasks hand over a raw context: the question, with `<image>` placeholders where the
+        task puts its images (or none: then the images go first, as in training). In `auto` mode such a
+        context becomes the user turn of the chat template the model was trained on, followed by the
+        generation prompt (LLaVA's and nanoVLM's adapters do the same); only a context that already carries
+        the template's role tokens is passed through verbatim."""
         from data_pipelines.chat import ASSISTANT, USER, format_chat
 
         has_slots = IMAGE_PLACEHOLDER in context
-        laid_out = has_slots or USER in context or ASSISTANT in context
         if has_slots and context.count(IMAGE_PLACEHOLDER) != n_images:
             raise ValueError(f"context has {context.count(IMAGE_PLACEHOLDER)} {IMAGE_PLACEHOLDER} placeholders "
                              f"for {n_images} images: {context[:80]!r}")
         body = context if has_slots else IMAGE_PLACEHOLDER * n_images + ("\n" if n_images else "") + context
-        if self.chat == "true" or (self.chat == "auto" and not laid_out):
+        templated = USER in context or ASSISTANT in context
+        if self.chat == "true" or (self.chat == "auto" and not templated):
             return format_chat([{"role": "user", "content": body}], add_generation_prompt=True), True
         return body, False
 

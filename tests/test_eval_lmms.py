@@ -105,8 +105,11 @@ def test_until_is_enforced_and_sampling_args_pass(tmp_path):
 def test_context_layouts(tmp_path):
     lm = _adapter(tmp_path, chat="auto")
     gk = {"until": ["\n"], "max_new_tokens": 4}
-    lm.generate_until([_gen_instance(0, "<image>", gk)])             # laid out by the task: verbatim
-    assert lm.model.calls[-1]["prompts"] == ["<image>"]
+    lm.generate_until([_gen_instance(0, "<image>\nQ?", gk)])         # placed by the task, wrapped in the template
+    assert lm.model.calls[-1]["prompts"] == ["<|user|><image>\nQ?<|end|><|assistant|>"]
+    templated = "<|user|><image>\nQ?<|end|><|assistant|>"
+    lm.generate_until([_gen_instance(0, templated, gk)])             # already in the template: verbatim
+    assert lm.model.calls[-1]["prompts"] == [templated]
     with pytest.raises(ValueError, match="2 <image> placeholders for 1 images"):
         lm.generate_until([_gen_instance(0, "<image><image>Which?", gk)])
     lm_off = _adapter(tmp_path, chat="false")
@@ -209,3 +212,25 @@ def test_lmms_eval_cli_run_on_local_tasks(tmp_path):
     assert set(comp["tasks"]) == {"conceptmoe_vqa", "conceptmoe_vqa_mc", "conceptmoe_caption"}
     assert comp["tasks"]["conceptmoe_vqa_mc"]["loglikelihood"]["requests"] == 16
     assert comp["tasks"]["conceptmoe_vqa"]["generate_until"]["compression"]["compression/image"] == 4.0
+
+
+def test_raw_image_context_is_wrapped_exactly_as_the_trainer_encodes_vqa(tmp_path):
+    """A standard task's raw `<image>\\n<question>` context becomes the same tokens the trainer saw before an answer."""
+    from data_pipelines.encode import encode_sample
+    from data_pipelines.packing import make_prompt_batch
+    from data_pipelines.schema import Sample
+    from data_pipelines.tokenizer import load_tokenizer
+    from vision.image_processor import ImageProcessor, ImageProcessorConfig
+
+    tok, proc = load_tokenizer("byte"), ImageProcessor(ImageProcessorConfig(patch_size=8, max_patches=64))
+    png = base64.b64decode(_png("red"))
+    question, answer = "What colour is the circle?", "red"
+    turns = [{"role": "user", "content": "<image>\n" + question}, {"role": "assistant", "content": answer}]
+    train = encode_sample(Sample(key="k", kind="pair", turns=turns, images=[png]), tok, proc, row_tokens=4096,
+                          loss_on="assistant")[0]
+    prompt, chatted = _adapter(tmp_path)._format("<image>\n" + question, 1)
+    assert chatted
+    ids = make_prompt_batch([(prompt, [png])], tok, proc).input_ids[0].tolist()
+    first_target = int(np.flatnonzero(train.target)[0])
+    assert ids == train.ids[:first_target].tolist()      # everything up to the first answer token
+    assert tok.decode(train.ids[first_target:first_target + len(answer)].tolist()) == answer

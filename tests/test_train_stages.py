@@ -98,3 +98,40 @@ def test_mup_continuation_keeps_the_pretrained_function(tiny_data, tmp_path, tor
         with torch.no_grad():
             got = m(batch).logits
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5, msg=lambda e: f"{src.name}: {e}")
+
+
+def test_vl_init_from_carries_the_whole_vlm(tiny_data, tmp_path, torch_globals):  # noqa: F811
+    """Stages chain: a VL run started from an earlier VL run (export or checkpoint) begins with its vision encoder,
+    projector and LLM exactly."""
+    from vlm.model.hf import load_vlm
+    from vlm.train.loop import run
+
+    first = tmp_path / "align"
+    cfg = tiny_config(tiny_data, train={"stage": "vl", "max_steps": 2}, logging={"eval_every": 0},
+                      checkpoint={"save_every": 2})
+    assert run(make_trainer(cfg, first)) == 0
+    trained = load_vlm(first / "final").state_dict()
+    for src in (first / "final", first / "checkpoints" / "step_00000002"):
+        nxt = tiny_config(tiny_data, train={"stage": "vl", "max_steps": 1, "init_from": str(src), "seed": 7},
+                          logging={"eval_every": 0})
+        module = make_trainer(nxt, tmp_path / f"full_{src.name}").engine.module
+        state = module.state_dict()
+        vision_keys = [k for k in trained if k.startswith("vision.")]
+        assert any(k.startswith("vision.encoder.") for k in vision_keys)
+        assert any(k.startswith("vision.projector.") for k in vision_keys)
+        for k in vision_keys + [k for k in trained if k.startswith("lm.")]:
+            assert torch.equal(state[k], trained[k]), f"{src.name}: {k}"
+
+
+def test_init_from_names_a_mismatched_vision_tensor(tiny_data, tmp_path, torch_globals):  # noqa: F811
+    from vlm.config import ConfigError
+    from vlm.train.loop import run
+
+    first = tmp_path / "a"
+    assert run(make_trainer(tiny_config(tiny_data, train={"stage": "vl", "max_steps": 1},
+                                        logging={"eval_every": 0}), first)) == 0
+    cfg = tiny_config(tiny_data, train={"stage": "vl", "max_steps": 1, "init_from": str(first)},
+                      logging={"eval_every": 0})
+    cfg["vision"]["projector"] = {"kind": "mlp"}
+    with pytest.raises(ConfigError, match=r"vision\.projector\.\S+ is missing; the vision section must match"):
+        make_trainer(cfg, tmp_path / "b")

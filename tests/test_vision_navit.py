@@ -26,10 +26,11 @@ def _packed(patches, coords, grids):
     return torch.cat(patches), torch.cat(coords), torch.tensor(grids)
 
 
+@pytest.mark.parametrize("stem", ["linear", "conv"])
 @pytest.mark.parametrize("merge", [1, 2])
 @pytest.mark.parametrize("pos", ["learned2d", "rope2d"])
-def test_packed_equals_alone(pos, merge):
-    enc = _encoder(pos, merge)
+def test_packed_equals_alone(pos, merge, stem):
+    enc = _encoder(pos, merge, stem=stem)
     patches, coords = _images()
     with torch.no_grad():
         packed = enc(*_packed(patches, coords, GRIDS))
@@ -39,9 +40,10 @@ def test_packed_equals_alone(pos, merge):
     torch.testing.assert_close(packed, alone, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("stem", ["linear", "conv"])
 @pytest.mark.parametrize("pos", ["learned2d", "rope2d"])
-def test_images_never_see_each_other(pos):
-    enc = _encoder(pos)
+def test_images_never_see_each_other(pos, stem):
+    enc = _encoder(pos, stem=stem)
     patches, coords = _images()
     changed = [p.clone() for p in patches]
     changed[1] = torch.randn_like(changed[1]) * 3
@@ -55,10 +57,11 @@ def test_images_never_see_each_other(pos):
     torch.testing.assert_close(a[keep], b[keep], atol=1e-6, rtol=0)   # ... and nobody else noticed
 
 
+@pytest.mark.parametrize("stem", ["linear", "conv"])
 @pytest.mark.parametrize("merge", [1, 2])
 @pytest.mark.parametrize("pos", ["learned2d", "rope2d"])
-def test_padding_never_changes_outputs(pos, merge):
-    enc = _encoder(pos, merge)
+def test_padding_never_changes_outputs(pos, merge, stem):
+    enc = _encoder(pos, merge, stem=stem)
     patches, coords = _images()
     x, rc, grids = _packed(patches, coords, GRIDS)
     with torch.no_grad():
@@ -78,9 +81,10 @@ def test_padding_never_changes_outputs(pos, merge):
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("stem", ["linear", "conv"])
 @pytest.mark.parametrize("pos", ["learned2d", "rope2d"])
-def test_patch_order_inside_an_image_does_not_matter(pos):
-    enc = _encoder(pos)
+def test_patch_order_inside_an_image_does_not_matter(pos, stem):
+    enc = _encoder(pos, stem=stem)
     patches, coords = _images()
     x, rc, grids = _packed(patches, coords, GRIDS)
     perm = torch.cat([torch.randperm(r * c) + off for (r, c), off in
@@ -204,3 +208,34 @@ def test_no_images_gives_no_tokens():
     out = enc(pads, torch.zeros(3, 2, dtype=torch.long), torch.zeros(0, 2, dtype=torch.long),
               valid_P=torch.zeros(3, dtype=torch.bool))
     assert out.shape == (0, enc.out_dim)
+
+
+@pytest.mark.parametrize("patch,strides", [(4, [2, 2]), (8, [2, 2, 2]), (14, [2, 7]), (6, [2, 3]), (1, [])])
+def test_conv_stem_strides_multiply_to_the_patch_size(patch, strides):
+    from vision.navit import stem_strides
+
+    assert stem_strides(patch) == strides
+
+
+def test_conv_stem_is_a_convolution_over_each_whole_image():
+    """Each patch's vector is the stem's conv stack applied to its image's pixels (kernels cross patch borders),
+    read at the patch's grid cell: the same as running the convs on that image alone."""
+    from vision.image_processor import unpatchify
+    from vision.packing import build_layout
+
+    enc = _encoder(stem="conv")
+    patches, coords = _images()
+    P, C, G = _packed(patches, coords, GRIDS)
+    with torch.no_grad():
+        got = enc.patch_embed(P, build_layout(C, G, 2))
+        want = []
+        for p, (r, c) in zip(patches, GRIDS):
+            img = unpatchify(p, (r, c), 4)[None]                      # [1, 3, r*4, c*4]
+            want.append(enc.patch_embed.convs(img)[0].permute(1, 2, 0).reshape(r * c, -1))
+    torch.testing.assert_close(got, torch.cat(want), atol=1e-5, rtol=1e-5)
+    # a border-crossing kernel: changing one patch's pixels moves its neighbour's vector too
+    changed = P.clone()
+    changed[0] += 1.0
+    with torch.no_grad():
+        moved = enc.patch_embed(changed, build_layout(C, G, 2))
+    assert not torch.allclose(moved[1], got[1])

@@ -30,6 +30,10 @@ class NaViTConfig:
     max_grid: int = 128                # rows/cols a learned2d table covers (in patches)
     rope_theta: float = 10000.0
     merge: Literal[1, 2] = 2
+    # "linear": ViT's patch embedding (timm weights load into it); "conv": a stack of overlapping 3x3 convs
+    # over each image's pixels down to one vector per patch (see ConvStem) for encoders trained from scratch.
+    stem: Literal["linear", "conv"] = "linear"
+    stem_channels: int = 32            # conv stem: channels of the first conv (doubling per stride-2 step)
     merger: Literal["mlp", "linear", "none"] = "mlp"  # how merged features map to out_dim
     out_dim: int | None = None         # default hidden_size * merge**2
     norm_eps: float = 1e-6
@@ -46,6 +50,7 @@ class NaViTConfig:
         check(self.num_layers >= 0, f"num_layers must be >= 0, got {self.num_layers}")
         check(self.mlp_ratio > 0, f"mlp_ratio must be > 0, got {self.mlp_ratio}")
         check(self.max_grid >= 1, f"max_grid must be >= 1, got {self.max_grid}")
+        check(self.stem_channels >= 1, f"stem_channels must be >= 1, got {self.stem_channels}")
         if self.pos == "rope2d":
             check((self.hidden_size // self.num_heads) % 4 == 0,
                   f"pos='rope2d' needs head dim (hidden_size/num_heads = {self.hidden_size // self.num_heads}) "
@@ -75,8 +80,63 @@ class PatchEmbed(nn.Module):
         super().__init__()
         self.proj = nn.Linear(in_dim, dim)
 
-    def forward(self, patches_PD: torch.Tensor) -> torch.Tensor:
-        return self.proj(patches_PD)
+    def forward(self, patches_PD: torch.Tensor, layout: PackLayout) -> torch.Tensor:
+        return self.proj(patches_PD.to(self.proj.weight.dtype))
+
+
+def stem_strides(patch_size: int) -> list[int]:
+    """Strides of the conv stem's layers: a 3x3 stride-2 conv per factor of two in the patch size, then one
+    conv whose kernel and stride are what is left (patch 8: [2, 2, 2]; patch 14: [2, 7]; patch 16: [2, 2, 2, 2])."""
+    strides, rest = [], patch_size
+    while rest % 2 == 0 and rest > 1:
+        strides.append(2)
+        rest //= 2
+    return strides + ([rest] if rest > 1 else [])
+
+
+class ConvStem(nn.Module):
+    """Overlapping convolutions over each image's pixels, one output vector per patch ("Early convolutions
+    help transformers see better", Xiao et al. 2021).
+
+    A linear patch embedding sees each patch alone, so a shape cut by a patch border must be pieced together
+    by attention, which a small ViT trained from scratch learns slowly. The stem's 3x3 kernels overlap
+    patch borders from the first layer. Packed images are placed on a zero canvas of the batch's largest
+    grid (one canvas per image: zero padding at an image's border, nothing shared between images), and
+    each patch's vector is read back at its coordinates."""
+
+    def __init__(self, patch_size: int, dim: int, channels: int):
+        super().__init__()
+        self.patch_size = patch_size
+        layers: list[nn.Module] = []
+        c_in, c = 3, channels
+        strides = stem_strides(patch_size)
+        for i, s in enumerate(strides):
+            last = i == len(strides) - 1
+            c_out = dim if last else c
+            k, pad = (3, 1) if s == 2 else (s, 0)
+            layers.append(nn.Conv2d(c_in, c_out, k, stride=s, padding=pad))
+            if not last:
+                layers.append(nn.GELU())
+            c_in, c = c_out, min(2 * c, dim)
+        if not strides:  # patch size 1: a pointwise projection
+            layers.append(nn.Conv2d(3, dim, 1))
+        self.convs = nn.Sequential(*layers)
+
+    def forward(self, patches_PD: torch.Tensor, layout: PackLayout) -> torch.Tensor:
+        p, P = self.patch_size, patches_PD.shape[0]
+        idx = layout.valid_index_V
+        img_V, rc_V2 = layout.image_ids_P[idx], layout.coords_P2[idx]
+        rows, cols = layout.grid_max
+        I = len(layout.sizes)
+        w = self.convs[0].weight
+        canvas = patches_PD.new_zeros(I, rows, cols, 3, p, p, dtype=w.dtype)
+        canvas[img_V, rc_V2[:, 0], rc_V2[:, 1]] = patches_PD[idx].to(w.dtype).view(-1, 3, p, p)
+        pixels_I3HW = canvas.permute(0, 3, 1, 4, 2, 5).reshape(I, 3, rows * p, cols * p)
+        feats_IDRC = self.convs(pixels_I3HW)
+        out_VD = feats_IDRC.permute(0, 2, 3, 1)[img_V, rc_V2[:, 0], rc_V2[:, 1]]
+        if not layout.has_padding:
+            return out_VD
+        return out_VD.new_zeros(P, out_VD.shape[1]).index_copy(0, idx, out_VD)
 
 
 class Attention(nn.Module):
@@ -149,7 +209,8 @@ class NaViTEncoder(nn.Module):
         cfg.validate()
         d = cfg.hidden_size
         self.patch_dim = 3 * cfg.patch_size ** 2
-        self.patch_embed = PatchEmbed(self.patch_dim, d)
+        self.patch_embed = PatchEmbed(self.patch_dim, d) if cfg.stem == "linear" else \
+            ConvStem(cfg.patch_size, d, cfg.stem_channels)
         self.pos_embed = FactorisedPosEmbed(cfg.max_grid, d) if cfg.pos == "learned2d" else None
         self.rope = Rope2D(d // cfg.num_heads, cfg.rope_theta) if cfg.pos == "rope2d" else None
         self.norm_pre = nn.LayerNorm(d, eps=cfg.norm_eps) if cfg.norm_pre else nn.Identity()
@@ -172,7 +233,7 @@ class NaViTEncoder(nn.Module):
         # Zero padding first: masked attention multiplies padded values by 0, and 0 * nan/inf is nan.
         x = torch.where(layout.valid_P[:, None], patches_PD, torch.zeros((), dtype=patches_PD.dtype,
                                                                          device=patches_PD.device))
-        x_PD = self.patch_embed(x.to(self.patch_embed.proj.weight.dtype))
+        x_PD = self.patch_embed(x, layout)
         if self.pos_embed is not None:
             x_PD = x_PD + self.pos_embed(layout.coords_P2).to(x_PD.dtype)
         rope = self.rope.cos_sin(layout.coords_P2) if self.rope is not None else None
@@ -192,7 +253,7 @@ class NaViTEncoder(nn.Module):
         """Packed patches of all images -> [N, out_dim] tokens, image by image, raster order of merged grids."""
         layout = self.layout(coords_P2, image_grids_I2, valid_P)
         if layout.num_tokens == 0:   # a batch without images (the zero-size result keeps the graph simple)
-            w = self.patch_embed.proj.weight
+            w = next(self.patch_embed.parameters())
             return w.new_zeros(0, self.out_dim)
         return self.merger(merge_patches(self.encode_patches(patches_PD, layout), layout))
 

@@ -31,6 +31,7 @@ class PackLayout:
     has_padding: bool
     valid_index_V: torch.Tensor  # [V] long, positions of the valid patches (image 0's first)
     sizes: list[int]             # patches per image (python ints, for splitting)
+    grid_max: tuple[int, int]    # largest rows and largest cols over the images (a canvas that holds any of them)
 
 
 def build_layout(coords_P2: torch.Tensor, image_grids_I2: torch.Tensor, merge: int,
@@ -80,7 +81,8 @@ def build_layout(coords_P2: torch.Tensor, image_grids_I2: torch.Tensor, merge: i
     cu[1:] = torch.cumsum(sizes_I, 0)
     return PackLayout(image_ids_P, coords, valid, token_index_V, sub_index_V, cu, num_tokens,
                       int(sizes_I.max()) if len(grids) else 0, merge, n_valid != P,
-                      torch.nonzero(valid).squeeze(1), sizes_I.tolist())
+                      torch.nonzero(valid).squeeze(1), sizes_I.tolist(),
+                      tuple(grids.max(0).values.tolist()) if len(grids) else (0, 0))
 
 
 def block_mask(image_ids_P: torch.Tensor) -> torch.Tensor:

@@ -126,7 +126,7 @@ class RunConfig:
     deterministic: bool = True        # torch deterministic algorithms (bitwise resume on CPU)
     threads: int = 0                  # torch intra-op threads; 0 = torch's default
     max_nonfinite_in_row: int = 5     # this many skipped (non-finite) steps in a row stop the run
-    init_from: str | None = None      # vl: LLM weights from a run dir, its final/ or a checkpoint dir
+    init_from: str | None = None      # vl/text: weights (whole VLM, or LLM only) from a run dir, its final/ or a checkpoint
     convert_from: str | None = None   # ct: a pretrained MoE folder (ours, Qwen3-MoE, Mixtral) or a `vlm convert` output
     vqa_eval: bool = True             # run the built-in VQA eval at the end when available
     vqa_max_samples: int = 200

@@ -44,14 +44,23 @@ def write_report(records: list[dict], out: Path, targets: dict[str, float], titl
     ax.legend()
     colours = {"ratio": "k", "text": "tab:blue", "image": "tab:orange"}
     ax = axes[1]
+    spans = []
     for mod in ("ratio", "text", "image"):
         s, v = _series(records, f"compression/{mod}")
         if len(s):
-            ax.plot(s, _smooth(v, k), color=colours[mod], label=f"{'all' if mod == 'ratio' else mod} tokens")
+            ax.plot(s, _smooth(v, k), color=colours[mod], label=f"{'all' if mod == 'ratio' else mod} tokens (train)")
+            spans.append(v[v > 0])
+        s, v = _series(records, f"val/compression/{mod}")
+        if len(s):
+            ax.plot(s, v, color=colours[mod], ls="none", marker="o", label=f"{'all' if mod == 'ratio' else mod} (eval)")
+            spans.append(v[v > 0])
     for name, tgt in targets.items():
         if name.startswith("ratio"):
             mod = name.split("/")[-1] if "/" in name else "ratio"
             ax.axhline(tgt, ls="--", color=colours.get(mod, "gray"), label=f"target R ({mod if mod != 'ratio' else 'joint'})")
+    span = np.concatenate(spans) if spans else np.zeros(0)
+    if len(span) and span.max() / max(span.min(), 1e-9) > 10:   # e.g. whole images merged early in a run
+        ax.set_yscale("log")
     ax.set_xlabel("step"), ax.set_ylabel("tokens per concept"), ax.set_title("realized compression N/M")
     ax.legend()
     ax = axes[2]

@@ -1,9 +1,10 @@
 """Training stages: what model a run starts from.
 
 - text: a fresh ConceptMoE LLM (no vision tower), trained on text.
-- vl:   the VLM: a vision tower and a freshly initialised projector in front of the LLM; the LLM is fresh
-        or, with `train.init_from`, the LLM weights of an earlier run (its final/ export, a checkpoint, or
-        the run directory itself: its final/ when present, else its latest checkpoint).
+- vl:   the VLM: a vision tower and a projector in front of the LLM, fresh or, with `train.init_from`, carried
+        over from an earlier run (its final/ export, a checkpoint, or the run directory itself: its final/
+        when present, else its latest checkpoint). Whatever the source holds is carried: the whole VLM
+        (vision encoder, projector, LLM) from a VL run, the LLM alone from a text run.
 - ct:   continual training of a pretrained MoE converted into a ConceptMoE by vlm.model.convert
         (ConceptMoE section 4.3; the converter owns the weight mapping and the reallocation).
 """
@@ -35,7 +36,7 @@ def resolve_weights_path(path: Path) -> Path:
                       f"or a run directory with final/ or checkpoints/")
 
 
-def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+def read_model_state(path: Path) -> dict[str, torch.Tensor]:
     """Full (unsharded) state dict of the VLM stored at `path` (export or checkpoint)."""
     path = resolve_weights_path(path)
     if (path / "config.json").is_file():
@@ -68,22 +69,32 @@ def _fold_checkpoint_logit_scale(state: dict, run_config: Path) -> dict:
     return state
 
 
-def load_llm_weights(model: ConceptMoEVLM, path: Path) -> int:
-    """Copy the `lm.*` tensors (parameters and balancing buffers) of a stored model into `model.lm`."""
-    state = read_state_dict(Path(path))
-    lm_state = {k[len("lm."):]: v for k, v in state.items() if k.startswith("lm.")}
-    if not lm_state:
-        raise ConfigError(f"train.init_from {path}: the stored model has no LLM weights (no 'lm.' tensors)")
-    mine = model.lm.state_dict()
-    missing = sorted(set(mine) - set(lm_state))
-    shape_bad = [k for k in mine if k in lm_state and lm_state[k].shape != mine[k].shape]
-    if missing or shape_bad:
-        k = (missing or shape_bad)[0]
-        what = "is missing" if missing else f"has shape {tuple(lm_state[k].shape)}, the config needs {tuple(mine[k].shape)}"
-        raise ConfigError(f"train.init_from {path}: LLM tensor lm.{k} {what}; the model section must match the "
-                          f"pretrained LLM")
-    model.lm.load_state_dict({k: lm_state[k] for k in mine}, strict=True)
-    return len(mine)
+def load_pretrained_weights(model: ConceptMoEVLM, path: Path) -> dict[str, int]:
+    """Copy a stored model's tensors into `model`: the LLM (`lm.*`, required) and, when the source has them, the
+    vision encoder and projector (`vision.*`). Returns how many tensors each part received."""
+    state = read_model_state(Path(path))
+    parts = {"lm": model.lm, "vision": model.vision}
+    loaded: dict[str, int] = {}
+    for part, module in parts.items():
+        src = {k[len(part) + 1:]: v for k, v in state.items() if k.startswith(part + ".")}
+        if not src:
+            if part == "lm":
+                raise ConfigError(f"train.init_from {path}: the stored model has no LLM weights (no 'lm.' tensors)")
+            continue   # a text-stage source: the vision tower starts fresh
+        if module is None:
+            continue   # a text stage started from a VL run keeps only the LLM
+        mine = module.state_dict()
+        missing = sorted(set(mine) - set(src))
+        shape_bad = [k for k in mine if k in src and src[k].shape != mine[k].shape]
+        if missing or shape_bad:
+            k = (missing or shape_bad)[0]
+            what = "is missing" if missing else f"has shape {tuple(src[k].shape)}, the config needs {tuple(mine[k].shape)}"
+            section = "model" if part == "lm" else "vision"
+            raise ConfigError(f"train.init_from {path}: tensor {part}.{k} {what}; the {section} section must match "
+                              f"the stored model's")
+        module.load_state_dict({k: src[k] for k in mine}, strict=True)
+        loaded[part] = len(mine)
+    return loaded
 
 
 def convert_pretrained(cfg: TrainConfig) -> ConceptMoEVLM:
@@ -116,6 +127,6 @@ def build_model(cfg: TrainConfig) -> tuple[nn.Module, bool]:
         return convert_pretrained(cfg), False
     model = ConceptMoEVLM(cfg.model, cfg.vision if stage == "vl" else None)
     if cfg.train.init_from:
-        load_llm_weights(model, Path(cfg.train.init_from))
+        load_pretrained_weights(model, Path(cfg.train.init_from))
         return model, False
     return model, True
