@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 from vision.image_processor import ImageProcessorConfig
@@ -46,10 +47,17 @@ class DataConfig:
     rank_split: Literal["samples", "rows"] = "samples"
     prefetch_factor: int = 2
     epochs: int | None = None        # None: loop forever (training); N: stop after N passes over every source
-    tokenizer: str = "byte"          # "byte", a tokenizer directory or a tokenizer.json
+    # "byte"; "default": the BPE tokenizer built with the embedded default dataset (default_dir/tokenizer);
+    # or a tokenizer directory / tokenizer.json
+    tokenizer: str = "byte"
     processor: ImageProcessorConfig = field(default_factory=ImageProcessorConfig)
     loss_on: Literal["all", "assistant"] = "all"   # "assistant": chat samples train on answers only
     long_text: Literal["truncate", "split"] = "truncate"  # text-only documents longer than a row
+
+    @property
+    def tokenizer_path(self) -> str:
+        """What `load_tokenizer` takes: "byte", or the directory / file the `tokenizer` setting names."""
+        return str(Path(self.default_dir) / "tokenizer") if self.tokenizer == "default" else self.tokenizer
 
     def validate(self) -> None:
         check(self.row_tokens >= 8, f"row_tokens must be >= 8, got {self.row_tokens}")
@@ -59,7 +67,7 @@ class DataConfig:
         check(self.num_workers >= 0, f"num_workers must be >= 0, got {self.num_workers}")
         check(self.prefetch_factor >= 1, f"prefetch_factor must be >= 1, got {self.prefetch_factor}")
         check(self.epochs is None or self.epochs >= 1, f"epochs must be >= 1 or null, got {self.epochs}")
-        check(bool(self.tokenizer), "tokenizer must be 'byte' or a path")
+        check(bool(self.tokenizer), "tokenizer must be 'byte', 'default' or a path")
         names = [s.label for s in self.sources]
         check(len(set(names)) == len(names), f"source names/paths must be unique, got {names}")
         self.processor.validate()

@@ -5,6 +5,8 @@ Layout (each folder has its manifest.json; DIR/default.json records the generato
     DIR/train/{vqa,caption,interleaved,text}-NNNNNN.tar
     DIR/val/{vqa,caption,text}-NNNNNN.tar      same distribution as train
     DIR/test/{vqa,caption}-NNNNNN.tar          every scene holds an unseen (colour, shape) combination
+    DIR/tokenizer/                             a byte-level BPE trained on the train split's text
+                                               (`data.tokenizer: default`)
 
 A VQA sample is one scene with a few questions as a multi-turn chat (first turn `<image>\\n<question>`,
 exactly the evaluation prompt) and `meta.qa` listing {question, answer, type, heldout}. A caption sample
@@ -26,29 +28,31 @@ from tqdm import tqdm
 from data_pipelines.scenes import caption, questions, render_scene, sample_scene
 from data_pipelines.schema import IMAGE_TOKEN, Sample
 from data_pipelines.text_corpus import document
+from data_pipelines.tokenizer import train_bpe
 from data_pipelines.writer import ShardWriter
 from vlm.config import check, to_dict
 
-GENERATOR_VERSION = 1
+GENERATOR_VERSION = 2
 INFO_FILE = "default.json"
 # default mixture for training (weights are normalised by the loader)
-DEFAULT_WEIGHTS = {"vqa": 0.45, "caption": 0.2, "interleaved": 0.1, "text": 0.25}
+DEFAULT_WEIGHTS = {"vqa": 0.5, "caption": 0.25, "interleaved": 0.1, "text": 0.15}
 SPLIT_IDS = {"train": 0, "val": 1, "test": 2, "interleaved": 3, "text": 4}
 
 
 @dataclass
 class DefaultDatasetConfig:
     seed: int = 0
-    train_scenes: int = 3000
+    train_scenes: int = 10000
     val_scenes: int = 300
-    test_scenes: int = 300
+    test_scenes: int = 200
     interleaved_docs: int = 300       # train only
     text_docs: int = 2000             # train; val gets a tenth
     min_size: int = 64
     max_size: int = 112
     max_objects: int = 4
-    questions_per_scene: int = 3
-    shard_max_count: int = 1000
+    questions_per_scene: int = 5      # one per question type the scene allows
+    shard_max_count: int = 2000
+    tokenizer_vocab: int = 768        # upper bound; the corpus may need fewer merges
 
     def validate(self) -> None:
         check(8 <= self.min_size <= self.max_size, f"need 8 <= min_size <= max_size, got {self.min_size}, {self.max_size}")
@@ -57,6 +61,7 @@ class DefaultDatasetConfig:
         for name in ("train_scenes", "val_scenes", "test_scenes", "interleaved_docs", "text_docs"):
             check(getattr(self, name) >= 0, f"{name} must be >= 0")
         check(self.shard_max_count >= 1, "shard_max_count must be >= 1")
+        check(self.tokenizer_vocab >= 266, f"tokenizer_vocab must be >= 266 (specials + bytes), got {self.tokenizer_vocab}")
 
 
 def _rng(cfg: DefaultDatasetConfig, split: str, index: int) -> random.Random:
@@ -124,11 +129,14 @@ def build_default(out: str | os.PathLike, cfg: DefaultDatasetConfig | None = Non
         plan = [("train", cfg.train_scenes), ("val", cfg.val_scenes), ("test", cfg.test_scenes)]
         total = sum(n for _, n in plan) + cfg.interleaved_docs + cfg.text_docs + cfg.text_docs // 10
         bar = tqdm(total=total, desc="default dataset", unit="sample", disable=not progress)
+        train_texts: list[str] = []
         for split, n in plan:
             w_vqa = ShardWriter(tmp / split, "vqa", max_count=cfg.shard_max_count)
             w_cap = ShardWriter(tmp / split, "caption", max_count=cfg.shard_max_count)
             for i in range(n):
                 vqa, cap = _vqa_and_caption(cfg, split, i)
+                if split == "train":
+                    train_texts += [vqa.all_text(), cap.all_text()]
                 w_vqa.write(vqa)
                 w_cap.write(cap)
                 bar.update()
@@ -136,16 +144,23 @@ def build_default(out: str | os.PathLike, cfg: DefaultDatasetConfig | None = Non
             counts[split] = {"vqa": n, "caption": n}
         with ShardWriter(tmp / "train", "interleaved", max_count=cfg.shard_max_count) as w:
             for i in range(cfg.interleaved_docs):
-                w.write(_interleaved(cfg, i))
+                doc = _interleaved(cfg, i)
+                train_texts.append(doc.all_text())
+                w.write(doc)
                 bar.update()
         counts["train"]["interleaved"] = cfg.interleaved_docs
         for split, n in (("train", cfg.text_docs), ("val", cfg.text_docs // 10)):
             with ShardWriter(tmp / split, "text", max_count=cfg.shard_max_count) as w:
                 for i in range(n):
-                    w.write(_text(cfg, split, i))
+                    doc = _text(cfg, split, i)
+                    if split == "train":
+                        train_texts.append(doc.all_text())
+                    w.write(doc)
                     bar.update()
             counts[split]["text"] = n
         bar.close()
+        # The chat template's role tokens are special tokens of every tokenizer; placeholders are not text.
+        train_bpe((t.replace(IMAGE_TOKEN, " ") for t in train_texts), cfg.tokenizer_vocab).save(tmp / "tokenizer")
         counts = {s: {k: v for k, v in c.items() if v} for s, c in counts.items()}
         info = {"version": GENERATOR_VERSION, "config": to_dict(cfg), "counts": counts,
                 "weights": DEFAULT_WEIGHTS, "build_seconds": round(time.time() - t0, 3)}

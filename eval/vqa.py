@@ -31,8 +31,12 @@ def _accuracy(hits: dict[str, list[bool]]) -> dict[str, float]:
 
 
 def run_vqa_eval(model, shards, train_shards=None, limit: int | None = None, batch_size: int = 16,
-                 max_new_tokens: int = 8, blind: bool = True, progress: bool = True) -> dict:
-    """`model` is an eval.protocol.EvalModel; `shards` the split to score (paths or globs)."""
+                 max_new_tokens: int = 8, blind: bool = True, progress: bool = True,
+                 compression_shards: list[str] | None = None) -> dict:
+    """`model` is an eval.protocol.EvalModel; `shards` the split to score (paths or globs).
+
+    `compression_shards`: whole samples of the held-out split on which to measure the realized compression
+    per modality in eval mode (needs a model with `held_out_compression`, i.e. a real ConceptMoE)."""
     from PIL import Image
     import io
 
@@ -62,9 +66,12 @@ def run_vqa_eval(model, shards, train_shards=None, limit: int | None = None, bat
                                      stop=["<|end|>"])
             for s, a in zip(chunk, answers):
                 blind_hits[s.question_type].append(normalize_answer(strip_answer(a)) == normalize_answer(s.answer))
+    held_out = None
+    if compression_shards and hasattr(model, "held_out_compression"):
+        held_out = model.held_out_compression(compression_shards)
     return {"n": len(samples), "accuracy": _accuracy(hits), "majority_baseline": _accuracy(major_hits),
             "blind_baseline": _accuracy(blind_hits) if blind else None, "compression": compression,
-            "majority_answers": majority, "examples": examples}
+            "held_out_compression": held_out, "majority_answers": majority, "examples": examples}
 
 
 def format_report(res: dict) -> str:
@@ -74,8 +81,11 @@ def format_report(res: dict) -> str:
         blind = res["blind_baseline"][t] if res.get("blind_baseline") else float("nan")
         lines.append(f"{t:<12}{res['accuracy'][t]:>8.1f}{res['majority_baseline'][t]:>10.1f}{blind:>8.1f}")
     comp = res["compression"]
-    lines.append("compression (tokens/concept): " + ", ".join(
+    lines.append("compression of the VQA prompts (tokens/concept): " + ", ".join(
         f"{k.split('/')[1]} {v:.2f}" for k, v in comp.items() if k.startswith("compression/")))
+    if res.get("held_out_compression"):
+        lines.append("compression of whole held-out samples (eval mode): " + ", ".join(
+            f"{m} {v:.2f}" for m, v in res["held_out_compression"].items()))
     return "\n".join(lines)
 
 
@@ -97,9 +107,11 @@ def _run(args: argparse.Namespace) -> int:
 
     # An existing default dataset (whatever its size settings) is used as it is; a missing one is built.
     data = Path(args.data) if default_info(args.data) else ensure_default_dataset(args.data)
-    res = run_vqa_eval(load_eval_model(args.ckpt), str(Path(data) / args.split / "vqa-*.tar"),
+    split = Path(data) / args.split
+    res = run_vqa_eval(load_eval_model(args.ckpt), str(split / "vqa-*.tar"),
                        train_shards=str(Path(data) / "train" / "vqa-*.tar"), limit=args.limit,
-                       batch_size=args.batch_size, blind=not args.no_blind)
+                       batch_size=args.batch_size, blind=not args.no_blind,
+                       compression_shards=[str(split / "vqa-*.tar"), str(split / "caption-*.tar")])
     print(format_report(res))
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=2))

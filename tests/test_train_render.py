@@ -46,8 +46,10 @@ def test_report_png_and_summary(tmp_path):
     recs[-1]["val/lm_loss"] = 3.1
     out = write_report(recs, tmp_path / "report.png", {"ratio": 2.0})
     assert out.read_bytes()[:4] == b"\x89PNG"
-    vqa = {"n": 10, "split": "test", "accuracy": {"all": 70.0}, "majority_baseline": {"all": 40.0},
-           "blind_baseline": {"all": 35.0}}
+    vqa = {"n": 10, "split": "test", "accuracy": {"colour": 80.0, "all": 70.0},
+           "majority_baseline": {"colour": 20.0, "all": 40.0}, "blind_baseline": {"colour": 15.0, "all": 35.0},
+           "held_out_compression": {"text": 2.1, "image": 3.96}}
     text = "\n".join(summary_lines(recs, {"ratio": 2.0}, vqa, tmp_path, 60.0, 0, {"corrupt_image": 2}))
-    assert "accuracy 70.0 % vs majority-answer baseline 40.0 %" in text
-    assert "image  N/M = 4.95" in text and "held-out LM loss:   3.100" in text and "corrupt_image=2" in text
+    assert "  colour        80.0      20.0    15.0" in text and "  all           70.0      40.0    35.0" in text
+    assert "image  train N/M = 4.95" in text and "held-out N/M = 3.96 (-20 % vs train)" in text
+    assert "held-out LM loss:   3.100" in text and "corrupt_image=2" in text

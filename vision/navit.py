@@ -38,6 +38,9 @@ class NaViTConfig:
     out_dim: int | None = None         # default hidden_size * merge**2
     norm_eps: float = 1e-6
     qkv_bias: bool = True
+    # LayerScale (CaiT; timm's `init_values`): each block's residual branches start scaled by this, so that
+    # a block trained from scratch starts near the identity instead of averaging every patch into every other
+    layer_scale: float | None = None
     norm_pre: bool = False             # CLIP-style LayerNorm after the embedding (for CLIP timm weights)
     attn_backend: Literal["auto", "dense", "per_image", "flash"] = "auto"  # see packing.pick_backend
     grad_checkpointing: bool = False
@@ -51,6 +54,7 @@ class NaViTConfig:
         check(self.mlp_ratio > 0, f"mlp_ratio must be > 0, got {self.mlp_ratio}")
         check(self.max_grid >= 1, f"max_grid must be >= 1, got {self.max_grid}")
         check(self.stem_channels >= 1, f"stem_channels must be >= 1, got {self.stem_channels}")
+        check(self.layer_scale is None or self.layer_scale > 0, f"layer_scale must be > 0 or null, got {self.layer_scale}")
         if self.pos == "rope2d":
             check((self.hidden_size // self.num_heads) % 4 == 0,
                   f"pos='rope2d' needs head dim (hidden_size/num_heads = {self.hidden_size // self.num_heads}) "
@@ -96,7 +100,8 @@ def stem_strides(patch_size: int) -> list[int]:
 
 class ConvStem(nn.Module):
     """Overlapping convolutions over each image's pixels, one output vector per patch ("Early convolutions
-    help transformers see better", Xiao et al. 2021).
+    help transformers see better", Xiao et al. 2021): stride-2 3x3 convs down to the patch grid, then a 3x3
+    conv on that grid.
 
     A linear patch embedding sees each patch alone, so a shape cut by a patch border must be pieced together
     by attention, which a small ViT trained from scratch learns slowly. The stem's 3x3 kernels overlap
@@ -120,6 +125,9 @@ class ConvStem(nn.Module):
             c_in, c = c_out, min(2 * c, dim)
         if not strides:  # patch size 1: a pointwise projection
             layers.append(nn.Conv2d(3, dim, 1))
+        # One more 3x3 conv on the patch grid: each patch vector then sees its neighbours, so an object cut by
+        # patch borders is whole in its vector (without it shape is learnt several times slower).
+        layers += [nn.GELU(), nn.Conv2d(dim, dim, 3, padding=1)]
         self.convs = nn.Sequential(*layers)
 
     def forward(self, patches_PD: torch.Tensor, layout: PackLayout) -> torch.Tensor:
@@ -167,8 +175,17 @@ class Mlp(nn.Module):
         return self.fc2(F.gelu(self.fc1(x)))
 
 
+class LayerScale(nn.Module):
+    def __init__(self, dim: int, init: float):
+        super().__init__()
+        self.gamma = nn.Parameter(torch.full((dim,), init))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.gamma
+
+
 class Block(nn.Module):
-    """Pre-norm ViT block."""
+    """Pre-norm ViT block (timm's names, LayerScale as timm's `ls1` / `ls2`)."""
 
     def __init__(self, cfg: NaViTConfig):
         super().__init__()
@@ -177,10 +194,13 @@ class Block(nn.Module):
         self.attn = Attention(d, cfg.num_heads, cfg.qkv_bias)
         self.norm2 = nn.LayerNorm(d, eps=cfg.norm_eps)
         self.mlp = Mlp(d, int(d * cfg.mlp_ratio))
+        scale = cfg.layer_scale
+        self.ls1 = LayerScale(d, scale) if scale is not None else nn.Identity()
+        self.ls2 = LayerScale(d, scale) if scale is not None else nn.Identity()
 
     def forward(self, x_PD, layout, kernel, mask_PP, rope):
-        x_PD = x_PD + self.attn(self.norm1(x_PD), layout, kernel, mask_PP, rope)
-        return x_PD + self.mlp(self.norm2(x_PD))
+        x_PD = x_PD + self.ls1(self.attn(self.norm1(x_PD), layout, kernel, mask_PP, rope))
+        return x_PD + self.ls2(self.mlp(self.norm2(x_PD)))
 
 
 class Merger(nn.Module):

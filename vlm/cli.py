@@ -1,4 +1,4 @@
-"""`vlm` command line: train, data, flops, convert, eval. Each part registers its own subcommands."""
+"""`vlm` command line: train, data, flops, convert, eval, experiment. Each part registers its own subcommands."""
 from __future__ import annotations
 
 import argparse
@@ -15,8 +15,10 @@ def build_parser() -> argparse.ArgumentParser:
     from vlm.flops_cli import add_flops_command
     from vlm.convert_cli import add_convert_command
     from eval.cli import add_eval_commands
+    from eval.experiments import add_experiment_command
 
-    for add in (add_train_command, add_data_commands, add_flops_command, add_convert_command, add_eval_commands):
+    for add in (add_train_command, add_data_commands, add_flops_command, add_convert_command, add_eval_commands,
+                add_experiment_command):
         add(sub)
     return parser
 

@@ -84,6 +84,28 @@ class ConceptMoEChat:
             out["compression/ratio"] = (c["tokens/text"] + c["tokens/image"]) / total_b
         return out
 
+    @torch.no_grad()
+    def held_out_compression(self, shards: list[str], row_tokens: int = 1024, max_batches: int | None = None) -> dict:
+        """Realized compression (eval mode: p >= 0.5) per modality over whole samples of `shards` (teacher
+        forced, packed as in training): the like-for-like counterpart of the training ratio."""
+        from data_pipelines.config import DataConfig, SourceConfig
+        from data_pipelines.loader import build_loader
+
+        if self.processor is None:
+            raise ValueError("held-out compression needs a model with a vision tower")
+        cfg = DataConfig(sources=[SourceConfig(path=str(p), name=f"s{i}") for i, p in enumerate(shards)],
+                         row_tokens=row_tokens, rows_per_batch=4, epochs=1, shuffle_buffer=0,
+                         processor=self.processor.cfg)
+        counts = dict.fromkeys(("tokens/text", "boundaries/text", "tokens/image", "boundaries/image"), 0.0)
+        for i, batch in enumerate(build_loader(cfg, self.tokenizer)):
+            if max_batches is not None and i >= max_batches:
+                break
+            stats = self.model(batch.to(self.device)).stats
+            for k in counts:
+                counts[k] += stats.get(k, 0.0)
+        return {m: counts[f"tokens/{m}"] / counts[f"boundaries/{m}"] for m in ("text", "image")
+                if counts[f"boundaries/{m}"]}
+
     # ------------------------------------------------------------ batching
     def prompt_batch(self, prompts: list[str], images=None) -> PackedBatch:
         from data_pipelines.packing import make_prompt_batch

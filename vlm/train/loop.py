@@ -124,7 +124,8 @@ def run_vqa(tr: Trainer, final: Path) -> dict | None:
     data = Path(cfg.data.default_dir)
     res = run_vqa_eval(load_eval_model(final), str(data / "test" / "vqa-*.tar"),
                        train_shards=str(data / "train" / "vqa-*.tar"), limit=cfg.train.vqa_max_samples,
-                       progress=cfg.logging.progress)
+                       progress=cfg.logging.progress,
+                       compression_shards=[str(data / "test" / "vqa-*.tar"), str(data / "test" / "caption-*.tar")])
     res["split"] = "test"
     (tr.run_dir / "vqa.json").write_text(json.dumps(res, indent=2))
     tr.log(format_report(res))

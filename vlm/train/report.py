@@ -107,18 +107,27 @@ def summary_lines(records: list[dict], targets: dict[str, float], vqa: dict | No
     if val:
         lines.append(f"  held-out LM loss:   {fmt(val[-1]['val/lm_loss'])} (step {val[-1]['step']})")
     joint = targets.get("ratio")
-    lines.append("compression (tokens per concept, last 10 %)" + (f", target R = {joint:g}" if joint else "") + ":")
+    held = (vqa or {}).get("held_out_compression") or {}
+    lines.append("compression (tokens per concept; train: last 10 % of steps, sampled boundaries"
+                 + ("; held-out: whole test samples, eval mode" if held else "") + ")"
+                 + (f", target R = {joint:g}" if joint else "") + ":")
     for mod, label in (("ratio", "all"), ("text", "text"), ("image", "image")):
         r = _tail_mean(records, f"compression/{mod}")
         p = _tail_mean(records, f"boundary_p/{'all' if mod == 'ratio' else mod}")
         tgt = targets.get(f"ratio/{mod}")
-        lines.append(f"  {label:<6} N/M = {fmt(r, 2)}   mean p = {fmt(p)}" + (f"   (target {tgt:g})" if tgt else ""))
+        line = f"  {label:<6} train N/M = {fmt(r, 2)}   mean p = {fmt(p)}" + (f"   target {tgt:g}" if tgt else "")
+        if mod in held and r:
+            line += f"   held-out N/M = {held[mod]:.2f} ({100 * (held[mod] / r - 1):+.0f} % vs train)"
+        lines.append(line)
     if vqa:
-        pick = lambda d: d.get("all") if isinstance(d, dict) else d  # noqa: E731  (per-type dicts, % in "all")
-        acc, base, blind = pick(vqa.get("accuracy")), pick(vqa.get("majority_baseline")), pick(vqa.get("blind_baseline"))
-        lines.append(f"VQA ({vqa.get('split', 'held-out')} split, unseen colour-shape pairs, {vqa.get('n', '?')} "
-                     f"questions): accuracy {fmt(acc, 1)} % vs majority-answer baseline {fmt(base, 1)} %"
-                     + (f" (blind model {fmt(blind, 1)} %)" if blind is not None else ""))
+        types = [t for t in vqa["accuracy"] if t != "all"] + ["all"]
+        blind = vqa.get("blind_baseline") or {}
+        lines.append(f"VQA exact match, {vqa.get('split', 'held-out')} split (unseen colour-shape pairs), "
+                     f"{vqa.get('n', '?')} questions (%):")
+        lines.append(f"  {'type':<10}{'model':>8}{'majority':>10}{'blind':>8}")
+        for t in types:
+            lines.append(f"  {t:<10}{vqa['accuracy'][t]:>8.1f}{vqa['majority_baseline'][t]:>10.1f}"
+                         f"{blind.get(t, float('nan')):>8.1f}")
     else:
         lines.append("VQA: not run")
     tps = _tail_mean(records, "tokens_per_s", 0.5)

@@ -77,11 +77,11 @@ class Trainer:
         self._prepare_data_dir()
         from data_pipelines.tokenizer import load_tokenizer
 
-        self.tokenizer = load_tokenizer(cfg.data.tokenizer)
+        self.tokenizer = load_tokenizer(cfg.data.tokenizer_path)
         self._build_model()   # stage ct: cfg.model becomes the converted checkpoint's architecture
         if cfg.model.vocab_size < self.tokenizer.vocab_size:
             raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
-                              f"{self.tokenizer.vocab_size} ids ({cfg.data.tokenizer}); raise model.vocab_size")
+                              f"{self.tokenizer.vocab_size} ids ({cfg.data.tokenizer_path}); raise model.vocab_size")
         if self.resume_from is not None and (self.run_dir / "config.yaml").is_file():
             check_resume_config(yaml.safe_load((self.run_dir / "config.yaml").read_text()), to_dict(cfg))
         self.step = 0
