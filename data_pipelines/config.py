@@ -35,6 +35,8 @@ class DataConfig:
     sources: list[SourceConfig] = field(default_factory=list)
     default_dir: str = DEFAULT_DIR
     split: str = "train"             # which split of the default dataset when `sources` is empty
+    # which parts of the default dataset to mix (vqa, caption, interleaved, text); empty: all of the split's
+    default_parts: list[str] = field(default_factory=list)
     row_tokens: int = 1024           # T: tokens per packed row (text + image tokens)
     rows_per_batch: int = 4          # B
     shuffle_buffer: int = 512        # samples per source held for shuffling (0: stream order)
@@ -68,6 +70,11 @@ class DataConfig:
         check(self.prefetch_factor >= 1, f"prefetch_factor must be >= 1, got {self.prefetch_factor}")
         check(self.epochs is None or self.epochs >= 1, f"epochs must be >= 1 or null, got {self.epochs}")
         check(bool(self.tokenizer), "tokenizer must be 'byte', 'default' or a path")
+        parts = ("vqa", "caption", "interleaved", "text")
+        for p in self.default_parts:
+            check(p in parts, f"default_parts: unknown part {p!r}; allowed: {', '.join(parts)}")
+        check(not (self.default_parts and self.sources), "default_parts selects parts of the default dataset; "
+                                                          "it cannot be combined with sources")
         names = [s.label for s in self.sources]
         check(len(set(names)) == len(names), f"source names/paths must be unique, got {names}")
         self.processor.validate()

@@ -35,7 +35,11 @@ def resolve_sources(cfg: DataConfig) -> list[ResolvedSource]:
         from data_pipelines.default_dataset import default_sources, ensure_default_dataset
 
         ensure_default_dataset(cfg.default_dir)
-        sources = [SourceConfig(**s) for s in default_sources(cfg.default_dir, cfg.split)]
+        sources = [SourceConfig(**s) for s in default_sources(cfg.default_dir, cfg.split)
+                   if not cfg.default_parts or s["name"].split("/")[-1] in cfg.default_parts]
+        if not sources:
+            raise ShardError(f"the default dataset's {cfg.split} split has none of data.default_parts="
+                             f"{cfg.default_parts}")
     out = []
     for s in sources:
         paths = resolve_shards(s.path)

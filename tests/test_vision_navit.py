@@ -218,8 +218,9 @@ def test_conv_stem_strides_multiply_to_the_patch_size(patch, strides):
 
 
 def test_conv_stem_is_a_convolution_over_each_whole_image():
-    """Each patch's vector is the stem's conv stack applied to its image's pixels (kernels cross patch borders),
-    read at the patch's grid cell: the same as running the convs on that image alone."""
+    """Each patch's vector is the stem's conv stack applied to its image's pixels with a one-patch zero margin
+    (kernels cross patch borders), read at the patch's grid cell: the same as running the convs on that image
+    alone, whatever else is packed with it."""
     from vision.image_processor import unpatchify
     from vision.packing import build_layout
 
@@ -230,8 +231,10 @@ def test_conv_stem_is_a_convolution_over_each_whole_image():
         got = enc.patch_embed(P, build_layout(C, G, 2))
         want = []
         for p, (r, c) in zip(patches, GRIDS):
-            img = unpatchify(p, (r, c), 4)[None]                      # [1, 3, r*4, c*4]
-            want.append(enc.patch_embed.convs(img)[0].permute(1, 2, 0).reshape(r * c, -1))
+            img = torch.nn.functional.pad(unpatchify(p, (r, c), 4)[None], (4, 4, 4, 4))   # [1, 3, r*4+8, c*4+8]
+            stem = enc.patch_embed
+            grid = stem.grid_conv(torch.nn.functional.gelu(stem.convs(img)))[0, :, 1:-1, 1:-1]
+            want.append(grid.permute(1, 2, 0).reshape(r * c, -1))
     torch.testing.assert_close(got, torch.cat(want), atol=1e-5, rtol=1e-5)
     # a border-crossing kernel: changing one patch's pixels moves its neighbour's vector too
     changed = P.clone()

@@ -1,4 +1,4 @@
-"""`vlm` command line: train, data, flops, convert, eval, experiment. Each part registers its own subcommands."""
+"""`vlm` command line: train, chain, data, flops, convert, eval, experiment. Each part registers its own subcommands."""
 from __future__ import annotations
 
 import argparse
@@ -10,6 +10,7 @@ from vlm.config import ConfigError
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vlm", description="ConceptMoE vision-language training system")
     sub = parser.add_subparsers(dest="command", required=True)
+    from vlm.train.chain import add_chain_command
     from vlm.train.cli import add_train_command
     from data_pipelines.cli import add_data_commands
     from vlm.flops_cli import add_flops_command
@@ -17,7 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     from eval.cli import add_eval_commands
     from eval.experiments import add_experiment_command
 
-    for add in (add_train_command, add_data_commands, add_flops_command, add_convert_command, add_eval_commands,
+    for add in (add_train_command, add_chain_command, add_data_commands, add_flops_command, add_convert_command, add_eval_commands,
                 add_experiment_command):
         add(sub)
     return parser

@@ -164,7 +164,17 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return data
 
 
-def load_yaml(path: str | Path) -> dict:
+def deep_merge(base: dict, over: dict) -> dict:
+    """`over` on top of `base`: mappings merge key by key, anything else (lists, scalars, null) replaces."""
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def load_yaml(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict:
+    """A YAML mapping. A top-level `base: OTHER.yaml` (relative to this file) is loaded first and this file's
+    keys are merged over it, so that a recipe stage states only what differs from the config it builds on."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
@@ -174,7 +184,19 @@ def load_yaml(path: str | Path) -> dict:
         raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path}: top level must be a mapping")
-    return data
+    base = data.pop("base", None)
+    if base is None:
+        return data
+    if not isinstance(base, str):
+        raise ConfigError(f"config file {path}: base must be a path to another YAML file, got {base!r}")
+    base_path = (path.parent / base).resolve()
+    chain = _chain + (path.resolve(),)      # the files whose bases are being loaded, outermost first
+    if base_path in chain:
+        cycle = " -> ".join(str(p) for p in chain[chain.index(base_path):] + (base_path,))
+        raise ConfigError(f"config file {path}: base {base} makes a cycle: {cycle}")
+    if not base_path.is_file():
+        raise ConfigError(f"config file {path}: base {base} does not exist (looked for {base_path})")
+    return deep_merge(load_yaml(base_path, chain), data)
 
 
 def load_config(cls: type[T], path: str | Path | None = None, overrides: list[str] | None = None) -> T:

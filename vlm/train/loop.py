@@ -114,6 +114,8 @@ def run_vqa(tr: Trainer, final: Path) -> dict | None:
     if cfg.data.sources:
         tr.log("VQA eval skipped: it runs on the embedded default dataset and this run uses its own sources")
         return None
+    if tr.engine.module.vision is None:
+        return None   # a text-only model
     try:
         from eval.vqa import format_report, run_vqa_eval
         from vlm.generate import load_eval_model

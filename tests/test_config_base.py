@@ -1,0 +1,151 @@
+"""Config inheritance: a YAML file with a top-level `base: OTHER.yaml` states only what differs from OTHER.
+
+Mappings merge key by key (the child wins, the rest of the base stays), anything else (lists, scalars, null)
+replaces; `base` is relative to the file naming it; cycles and missing bases are one clear ConfigError.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import yaml
+
+from test_train_helpers import ROOT, TINY
+from vlm.config import ConfigError, deep_merge, load_yaml
+
+
+def _write(path, data: dict):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def test_child_overrides_nested_keys_and_keeps_the_rest(tmp_path):
+    _write(tmp_path / "base.yaml", {
+        "model": {"hidden_size": 32, "moe": {"num_experts": 4, "top_k": 2}, "chunk": {"enabled": True}},
+        "optim": {"lr": 0.1, "betas": [0.9, 0.95]},
+        "vision": {"encoder": {"hidden_size": 16}},
+        "train": {"max_steps": 10},
+    })
+    child = _write(tmp_path / "child.yaml", {
+        "base": "base.yaml",
+        "model": {"moe": {"top_k": 1}},        # one nested key
+        "optim": {"betas": [0.8]},              # a list replaces the base's list
+        "vision": None,                         # null replaces a whole section
+        "logging": {"log_every": 5},            # a section the base lacks
+    })
+    got = load_yaml(child)
+    assert got == {
+        "model": {"hidden_size": 32, "moe": {"num_experts": 4, "top_k": 1}, "chunk": {"enabled": True}},
+        "optim": {"lr": 0.1, "betas": [0.8]},
+        "vision": None,
+        "train": {"max_steps": 10},
+        "logging": {"log_every": 5},
+    }
+    assert "base" not in got
+
+
+def test_bases_chain_and_the_nearest_file_wins(tmp_path):
+    _write(tmp_path / "a.yaml", {"train": {"max_steps": 1, "seed": 1}, "optim": {"lr": 0.1}})
+    _write(tmp_path / "b.yaml", {"base": "a.yaml", "train": {"max_steps": 2}})
+    c = _write(tmp_path / "c.yaml", {"base": "b.yaml", "train": {"seed": 3}})
+    assert load_yaml(c) == {"train": {"max_steps": 2, "seed": 3}, "optim": {"lr": 0.1}}
+
+
+def test_deep_merge_leaves_its_inputs_alone():
+    base = {"a": {"b": 1, "c": {"d": 2}}, "l": [1, 2]}
+    over = {"a": {"c": {"d": 3}}, "l": [9]}
+    before_base, before_over = copy.deepcopy(base), copy.deepcopy(over)
+    assert deep_merge(base, over) == {"a": {"b": 1, "c": {"d": 3}}, "l": [9]}
+    assert base == before_base and over == before_over
+
+
+def test_base_path_is_relative_to_the_child_file_not_the_cwd(tmp_path, monkeypatch):
+    _write(tmp_path / "recipes" / "common" / "base.yaml", {"train": {"max_steps": 7, "seed": 5}})
+    child = _write(tmp_path / "recipes" / "stages" / "s1.yaml",
+                   {"base": "../common/base.yaml", "train": {"max_steps": 3}})
+    # a decoy next to the cwd with the same relative name must not be read
+    _write(tmp_path / "elsewhere" / "common" / "base.yaml", {"train": {"max_steps": 99, "seed": 99}})
+    (tmp_path / "elsewhere" / "sub").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere" / "sub")
+    assert load_yaml(child) == {"train": {"max_steps": 3, "seed": 5}}
+    # the same through a relative path to the child
+    assert load_yaml("../../recipes/stages/s1.yaml") == {"train": {"max_steps": 3, "seed": 5}}
+
+
+def test_base_cycle_is_a_config_error_naming_the_files(tmp_path):
+    _write(tmp_path / "a.yaml", {"base": "b.yaml", "train": {"max_steps": 1}})
+    _write(tmp_path / "b.yaml", {"base": "c.yaml"})
+    _write(tmp_path / "c.yaml", {"base": "a.yaml"})
+    with pytest.raises(ConfigError, match="cycle") as e:
+        load_yaml(tmp_path / "a.yaml")
+    for name in ("a.yaml", "b.yaml", "c.yaml"):
+        assert name in str(e.value), str(e.value)
+
+    _write(tmp_path / "self.yaml", {"base": "self.yaml"})
+    with pytest.raises(ConfigError, match="cycle.*self.yaml"):
+        load_yaml(tmp_path / "self.yaml")
+
+
+def test_diamond_is_not_a_cycle(tmp_path):
+    """Two files may share a base through different routes as long as no file is its own ancestor."""
+    _write(tmp_path / "root.yaml", {"train": {"seed": 1}})
+    _write(tmp_path / "mid.yaml", {"base": "root.yaml", "train": {"max_steps": 2}})
+    leaf = _write(tmp_path / "leaf.yaml", {"base": "mid.yaml"})
+    other = _write(tmp_path / "other.yaml", {"base": "root.yaml"})
+    assert load_yaml(leaf) == {"train": {"seed": 1, "max_steps": 2}}
+    assert load_yaml(other) == {"train": {"seed": 1}}
+
+
+def test_missing_base_is_a_clear_config_error(tmp_path):
+    child = _write(tmp_path / "child.yaml", {"base": "nope/missing.yaml", "train": {"max_steps": 1}})
+    with pytest.raises(ConfigError) as e:
+        load_yaml(child)
+    msg = str(e.value)
+    assert "child.yaml" in msg and "missing.yaml" in msg and "does not exist" in msg, msg
+
+
+def test_base_must_be_a_path(tmp_path):
+    child = _write(tmp_path / "child.yaml", {"base": ["a.yaml", "b.yaml"]})
+    with pytest.raises(ConfigError, match="base must be a path"):
+        load_yaml(child)
+
+
+def test_train_config_loader_reads_bases_and_validates_the_merge(tmp_path):
+    """Through the trainer's loader: the merged mapping is what gets validated, and CLI overrides apply last."""
+    from vlm.train.config import load_train_config
+
+    _write(tmp_path / "tiny.yaml", TINY)
+    child = _write(tmp_path / "child.yaml", {"base": "tiny.yaml", "model": {"moe": {"top_k": 1}},
+                                             "train": {"max_steps": 3}})
+    cfg = load_train_config(child, ["train.seed=4"])
+    assert cfg.model.moe.top_k == 1 and cfg.model.moe.num_experts == TINY["model"]["moe"]["num_experts"]
+    assert cfg.model.hidden_size == TINY["model"]["hidden_size"]
+    assert cfg.train.max_steps == 3 and cfg.train.seed == 4 and cfg.train.stage == TINY["train"]["stage"]
+    bad = _write(tmp_path / "bad.yaml", {"base": "tiny.yaml", "model": {"moe": {"top_k": 9}}})
+    with pytest.raises(ConfigError, match="top_k"):
+        load_train_config(bad)
+
+
+def test_llava_recipe_configs_load_and_validate(tmp_path, monkeypatch):
+    from vlm.train.config import load_train_config
+
+    monkeypatch.chdir(tmp_path)   # `base: default.yaml` is found next to the stage file, wherever we run from
+    default = load_train_config(ROOT / "configs" / "default.yaml")
+    text = load_train_config(ROOT / "configs" / "llava_text.yaml")
+    align = load_train_config(ROOT / "configs" / "llava_align.yaml")
+    full = load_train_config(ROOT / "configs" / "llava_full.yaml")
+
+    # stage 1: the LLM alone on text
+    assert text.train.stage == "text" and text.vision is None
+    assert text.data.default_parts == ["text"] and not text.data.sources
+    # stage 2: captions, LLM frozen, vision tower and projector learn
+    assert align.train.stage == "vl" and align.vision is not None
+    assert align.data.default_parts == ["caption"] and align.params.freeze == ["lm"]
+    # stage 3: the full mix
+    assert full.train.stage == "vl" and full.data.default_parts == [] and full.params.freeze == []
+    for cfg in (text, align, full):
+        assert cfg.model == default.model           # inherited, so every stage can load the previous one's LLM
+        assert cfg.train.init_from is None          # the chain sets it
+        assert cfg.train.max_steps != default.train.max_steps
+    assert align.vision == full.vision == default.vision

@@ -1,0 +1,65 @@
+"""`vlm chain CONFIG... --out DIR [--set KEY=VALUE ...]`: training stages run in order, each one starting from
+the previous stage's exported model (`train.init_from`), e.g. LLaVA's recipe:
+
+    vlm chain configs/llava_text.yaml configs/llava_align.yaml configs/llava_full.yaml --out runs/llava
+
+Stage k trains into DIR/<k>_<config name>. A finished stage (its summary says exit code 0 and final/ is there) is
+not run again, and an interrupted one resumes from its last checkpoint, so the same command continues a chain.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from vlm.config import ConfigError
+
+
+def stage_dirs(configs: list[str], out: Path) -> list[Path]:
+    return [out / f"{k}_{Path(c).stem}" for k, c in enumerate(configs)]
+
+
+def finished(run_dir: Path) -> bool:
+    summary = run_dir / "summary.json"
+    if not summary.is_file() or not (run_dir / "final" / "config.json").is_file():
+        return False
+    try:   # a summary cut short by a kill mid-write means the stage did not finish
+        return json.loads(summary.read_text()).get("exit_code") == 0
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def run_chain(configs: list[str], out: Path, overrides: list[str], log=print) -> int:
+    from vlm.train.config import load_train_config
+    from vlm.train.loop import run
+    from vlm.train.trainer import Trainer
+
+    dirs = stage_dirs(configs, out)
+    # every stage's config is read and validated before any work starts
+    stage_cfgs = [load_train_config(c, overrides) for c in configs]
+    for k, cfg in enumerate(stage_cfgs):
+        if k and cfg.train.init_from:
+            raise ConfigError(f"{configs[k]}: train.init_from is set by the chain (the previous stage's final/); "
+                              "remove it from the stage config")
+    for k, (path, run_dir) in enumerate(zip(configs, dirs)):
+        if finished(run_dir):
+            log(f"stage {k} ({path}): done earlier, {run_dir / 'final'}")
+            continue
+        extra = [f"train.init_from={dirs[k - 1] / 'final'}"] if k else []
+        cfg = load_train_config(path, overrides + extra)
+        log(f"stage {k} ({path}) -> {run_dir}" + (f", from {dirs[k - 1] / 'final'}" if k else ""))
+        rc = run(Trainer(cfg, run_dir, resume=None))
+        if rc != 0:
+            log(f"stage {k} stopped with exit code {rc}; run the same command again to resume it")
+            return rc
+    log(f"chain done: {dirs[-1] / 'final'}")
+    return 0
+
+
+def add_chain_command(subparsers) -> None:
+    p = subparsers.add_parser("chain", help="run training stages in order, each from the previous stage's final/",
+                              description=__doc__.split("\n\n")[0])
+    p.add_argument("configs", nargs="+", help="stage configs, in order")
+    p.add_argument("--out", required=True, help="chain directory (one sub-directory per stage)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="dotted override applied to every stage, repeatable")
+    p.set_defaults(func=lambda args: run_chain(args.configs, Path(args.out), args.overrides))
