@@ -52,7 +52,7 @@ def _image_compression() -> Recipe:
     return Recipe("image-compression",
                   "ConceptMoE Figure 2c: at a joint R = 2 images are compressed more than text; "
                   "and the VLM answers from the image (VQA above the blind model)",
-                  variants, steps=700)
+                  variants, steps=500)
 
 
 RECIPES = {"image-compression": _image_compression}

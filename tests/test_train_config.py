@@ -22,6 +22,10 @@ BAD = [
     (["optim.schedule=linear"], "allowed values: 'cosine', 'wsd', 'constant'"),
     (["train.stage=text"], "train.stage 'text' trains the LLM alone"),
     (["params.freeze=[decoder]"], "params.freeze entry 'decoder'"),
+    (["model.init_std=-1"], "init_std must be > 0"),
+    (["optim.betas=[0.9]"], "optim.betas: expected 2 items, got 1"),
+    (["optim.lr=.inf"], "optim.lr: got inf, expected a finite number"),
+    (["optim.betas=[0.9, .nan]"], "optim.betas[1]: got nan, expected a finite number"),
 ]
 
 
@@ -151,3 +155,17 @@ def test_cli_override_scientific_notation_is_a_number():
     from vlm.config import parse_override
     assert parse_override("optim.lr=1e-3") == (["optim", "lr"], 1e-3)
     assert parse_override("model.chunk.merge=sum") == (["model", "chunk", "merge"], "sum")
+
+
+def test_overrides_may_follow_options(capsys):
+    from vlm.cli import build_parser
+    from vlm.config import parse_args_anywhere
+
+    args = parse_args_anywhere(build_parser(), ["train", "train.seed=1", "--max-steps", "3", "optim.lr=0.01"])
+    assert args.overrides == ["train.seed=1", "optim.lr=0.01"] and args.max_steps == 3
+    for argv in (["train", "--bogus", "3"], ["train", "a=1", "--max-steps", "3", "notakeyvalue"]):
+        with pytest.raises(SystemExit):
+            parse_args_anywhere(build_parser(), argv)
+        assert "unrecognized arguments" in capsys.readouterr().err
+    with pytest.raises(SystemExit):   # a command without overrides takes none
+        parse_args_anywhere(build_parser(), ["flops", "--config", "x.yaml", "a=1"])

@@ -153,6 +153,12 @@ def _nan_hook(out, k):
     return dataclasses.replace(out, loss=out.loss + float("nan"))
 
 
+def _nan_grad_hook(out, k):
+    """A finite loss whose gradient is NaN: d/dx sqrt(|x - x|) is inf * 0 at 0."""
+    poison = (out.lm_loss - out.lm_loss.detach()).abs().sqrt()
+    return dataclasses.replace(out, lm_loss=out.lm_loss + poison, loss=out.loss + poison.detach())
+
+
 def _snapshot(tr):
     return {n: p.detach().clone() for n, p in tr.engine.module.named_parameters()} | {
         n: b.detach().clone() for n, b in tr.engine.module.named_buffers() if n.endswith("expert_bias")}
@@ -187,6 +193,23 @@ def test_nonfinite_step_is_skipped(tiny_data, tmp_path, torch_globals, zero_stag
     assert res.applied and tr.nonfinite_in_row == 0
     after2 = _snapshot(tr)
     assert any(not torch.equal(after[n], after2[n]) for n in after) and all(torch.isfinite(v).all() for v in after2.values())
+
+
+@pytest.mark.parametrize("zero_stage", [0, 1])
+def test_finite_loss_with_nonfinite_gradient_is_skipped(tiny_data, tmp_path, torch_globals, zero_stage):  # noqa: F811
+    cfg = tiny_config(tiny_data, deepspeed={"zero_stage": zero_stage})
+    tr = make_trainer(cfg, tmp_path / "run")
+    tr.build_data()
+    it = iter(tr.loader)
+    tr.after_step(tr.train_step([next(it)]))
+    before = _snapshot(tr)
+    res = tr.train_step([next(it)], loss_hook=_nan_grad_hook)
+    tr.after_step(res)
+    assert not res.applied and tr.nonfinite_total == 1
+    after = _snapshot(tr)
+    assert all(torch.equal(before[n], after[n]) for n in before), "a NaN gradient reached the weights"
+    res = tr.train_step([next(it)])
+    assert res.applied and all(torch.isfinite(p).all() for p in tr.engine.module.parameters())
 
 
 def test_nonfinite_in_a_row_stops_with_checkpoint(tiny_data, tmp_path, torch_globals):  # noqa: F811
@@ -243,3 +266,16 @@ def test_zero3_trains_and_exports(tiny_data, tmp_path, torch_globals):  # noqa: 
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert lines[-1]["step"] == 2 and all(torch.isfinite(torch.tensor(r["loss"])) for r in lines)
     assert (run_dir / "final" / "config.json").is_file()
+
+
+def test_nonfinite_weights_are_never_exported(tiny_data, tmp_path, torch_globals):  # noqa: F811
+    from vlm.train.loop import export_final
+    from vlm.train.report import summary_lines
+
+    tr = make_trainer(tiny_config(tiny_data), tmp_path / "run")
+    with torch.no_grad():
+        next(tr.engine.module.parameters())[0].fill_(float("nan"))
+    assert export_final(tr) is None
+    assert not (tmp_path / "run" / "final").exists() and not (tmp_path / "run" / ".tmp-final").exists()
+    lines = summary_lines([{"step": 1, "lm_loss": 1.0}], {}, None, tmp_path / "run", 1.0, 0, {})
+    assert "no final/ exported" in lines[-1] and "final" not in lines[-1].replace("no final/ exported", "")

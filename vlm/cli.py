@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from vlm.config import ConfigError
+from vlm.config import ConfigError, parse_args_anywhere
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,7 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_args_anywhere(parser, argv)
     try:
         rc = args.func(args)
     except ConfigError as e:

@@ -8,6 +8,7 @@ for cross-field checks; it is called after construction and should raise `Config
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import types
 import typing
@@ -66,6 +67,10 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{path}: expected a list, got {value!r}")
         args = get_args(tp)
+        if origin is tuple and args and args[-1] is not Ellipsis:   # tuple[X, Y]: exactly that many items
+            if len(value) != len(args):
+                raise ConfigError(f"{path}: expected {len(args)} items, got {len(value)}: {list(value)!r}")
+            return tuple(_coerce(v, t, f"{path}[{i}]") for i, (v, t) in enumerate(zip(value, args)))
         item_tp = args[0] if args else Any
         items = [_coerce(v, item_tp, f"{path}[{i}]") for i, v in enumerate(value)]
         return items if origin is list else tuple(items)
@@ -84,6 +89,8 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
         raise ConfigError(f"{path}: got {value!r}, expected an integer")
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not math.isfinite(value):   # e.g. optim.lr=.inf would train to non-finite weights and exit 0
+                raise ConfigError(f"{path}: got {value!r}, expected a finite number")
             return float(value)
         raise ConfigError(f"{path}: got {value!r}, expected a number")
     if tp is str:
@@ -162,6 +169,18 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             node = child
         node[keys[-1]] = value
     return data
+
+
+def parse_args_anywhere(parser, argv: list[str] | None):
+    """`parser.parse_args`, except that `key=value` overrides may also follow options
+    (`vlm train a=1 --max-steps 1 b=2`): argparse stops collecting a positional list at the first option."""
+    args, extra = parser.parse_known_args(argv)
+    stray = [a for a in extra if a.startswith("-") or "=" not in a]
+    if stray or (extra and not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
+    return args
 
 
 def deep_merge(base: dict, over: dict) -> dict:

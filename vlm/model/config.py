@@ -97,6 +97,7 @@ class ModelConfig:
 
     def validate(self) -> None:
         check(self.vocab_size >= 2, "vocab_size must be >= 2")
+        check(self.init_std > 0, f"init_std must be > 0, got {self.init_std}")
         check(self.num_heads % self.num_kv_heads == 0,
               f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
         check(self.head_dim % 2 == 0, "head_dim must be even (RoPE)")

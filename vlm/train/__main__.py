@@ -4,14 +4,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from vlm.config import ConfigError
+from vlm.config import ConfigError, parse_args_anywhere
 from vlm.train.cli import add_train_command
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="vlm")
     add_train_command(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["train", *(sys.argv[1:] if argv is None else argv)])
+    args = parse_args_anywhere(parser, ["train", *(sys.argv[1:] if argv is None else argv)])
     try:
         return int(args.func(args) or 0)
     except ConfigError as e:

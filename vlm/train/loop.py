@@ -83,8 +83,14 @@ def pictures(tr: Trainer, batch, boundary) -> tuple:
     return img, txt
 
 
-def export_final(tr: Trainer) -> Path:
-    """RUN_DIR/final via the transformers export, written to a temp dir and renamed into place."""
+def nonfinite_tensors(module: torch.nn.Module) -> list[str]:
+    return [n for n, t in [*module.named_parameters(), *module.named_buffers()]
+            if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+
+
+def export_final(tr: Trainer) -> Path | None:
+    """RUN_DIR/final via the transformers export, written to a temp dir and renamed into place; None (nothing
+    written) when a weight is not finite: a final/ must always be usable."""
     from vlm.model.hf import save_pretrained
 
     final, tmp = tr.run_dir / "final", tr.run_dir / ".tmp-final"
@@ -94,6 +100,11 @@ def export_final(tr: Trainer) -> Path:
         import deepspeed
         ctx = deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None)
     with ctx:
+        bad = nonfinite_tensors(module)
+        if bad:
+            tr.log(f"not exporting final/: non-finite values in {len(bad)} tensors ({', '.join(bad[:3])}"
+                   f"{', ...' if len(bad) > 3 else ''}); the last finite checkpoint is in {tr.ckpt_root}")
+            return None
         if tr.is_main:
             if tmp.exists():
                 shutil.rmtree(tmp)
@@ -250,12 +261,14 @@ def finish(tr: Trainer, rc: int) -> int:
     """Export final/, report.png, VQA, summary (rank 0 prints)."""
     wall = tr.wall_before + (time.time() - tr.t_start)
     counters = tr.loader.counters if tr.loader is not None else {}
+    vqa = None
     if rc == 0:
         final = export_final(tr)
-        vqa = run_vqa(tr, final)
+        if final is None:
+            rc = 1
+        else:
+            vqa = run_vqa(tr, final)
         barrier()
-    else:
-        vqa = None
     if not tr.is_main:
         return rc
     records = read_metrics(tr.run_dir / "metrics.jsonl")

@@ -6,7 +6,8 @@ tokens in it, N in the whole global batch) makes the gradient that of the mean o
 tokens, whatever the row split. The ratio loss of the global parser is a function of global F and G
 whose gradient reaches only the local p, so it is weighted by K W to sum, not average, those parts.
 
-Non-finite loss. Finiteness is agreed over ranks after each forward. A bad micro-batch makes the whole
+Non-finite loss or gradient. Finiteness of the loss is agreed over ranks after each forward (and, on the plain
+fp32 path, of the gradients before the optimizer step). A bad micro-batch makes the whole
 step a no-op: ZeRO / bf16 optimizers receive NaN gradients, which DeepSpeed's overflow check turns into
 a skipped step (no update, gradients cleared, counted); the plain fp32 path (stage 0) drops the
 gradients and advances the engine's counters itself. The LR schedule and the balancing biases move only
@@ -77,6 +78,14 @@ def skip_plain_boundary(engine) -> None:
     engine.skipped_steps += 1
 
 
+def grads_finite(module: torch.nn.Module, device: torch.device) -> bool:
+    """Every rank's gradients are finite (one host sync per step): a finite loss can still back-propagate
+    inf or NaN (e.g. through a saturated op), which the loss check alone would let into the weights."""
+    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    ok = torch.stack([torch.isfinite(g).all() for g in grads]).all() if grads else torch.tensor(True)
+    return float(all_reduce_min(ok.to(torch.float64).reshape(1).to(device))[0]) >= 1.0
+
+
 def zero_moe_loads(module: torch.nn.Module) -> None:
     for m in module.modules():
         if hasattr(m, "load_accum") and isinstance(m.load_accum, torch.Tensor):
@@ -118,6 +127,8 @@ def train_step(engine, window: list[PackedBatch], step: int, *, seed: int, rank:
                 acc.add(out, batch)
                 extras = out.extras
             del out
+        if plain and boundary and not bad and not grads_finite(engine.module, device):
+            bad = True
         if bad:
             if plain:
                 if boundary:
