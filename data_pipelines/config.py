@@ -23,6 +23,12 @@ class SourceConfig:
     def validate(self) -> None:
         check(bool(self.path), "source path must not be empty")
         check(self.weight > 0, f"source {self.path}: weight must be > 0, got {self.weight}")
+        from data_pipelines.reader import ShardError, resolve_shards
+
+        try:   # a typo in a path stops here, before any model is built or run directory made
+            resolve_shards(self.path)
+        except ShardError as e:
+            check(False, f"source {self.path}: {e}")
 
     @property
     def label(self) -> str:
@@ -70,6 +76,13 @@ class DataConfig:
         check(self.prefetch_factor >= 1, f"prefetch_factor must be >= 1, got {self.prefetch_factor}")
         check(self.epochs is None or self.epochs >= 1, f"epochs must be >= 1 or null, got {self.epochs}")
         check(bool(self.tokenizer), "tokenizer must be 'byte', 'default' or a path")
+        if self.tokenizer == "default":   # built with the default dataset: there only when that dataset is used or built
+            check(not self.sources or Path(self.tokenizer_path).exists(),
+                  f"tokenizer 'default' is the default dataset's tokenizer ({self.tokenizer_path}), which does not "
+                  "exist; with sources set, give a tokenizer directory or tokenizer.json, or 'byte'")
+        elif self.tokenizer != "byte":
+            check(Path(self.tokenizer).exists(), f"tokenizer {self.tokenizer!r} does not exist; allowed: 'byte', "
+                                                 "'default' or a tokenizer directory / tokenizer.json")
         parts = ("vqa", "caption", "interleaved", "text")
         for p in self.default_parts:
             check(p in parts, f"default_parts: unknown part {p!r}; allowed: {', '.join(parts)}")

@@ -124,12 +124,16 @@ def test_prompt_batch_for_generation():
     assert b.input_ids[0, n0 - 1].item() == TOK.assistant_id   # ends with the generation prompt, no <eos>
 
 
-def test_data_config_validation():
-    cfg = from_dict(DataConfig, {"sources": [{"path": "a/*.tar", "weight": 2}], "row_tokens": 512,
+def test_data_config_validation(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "s-0.tar").touch()
+    shards, x = str(tmp_path / "a" / "*.tar"), str(tmp_path / "a" / "s-0.tar")
+    cfg = from_dict(DataConfig, {"sources": [{"path": shards, "weight": 2}], "row_tokens": 512,
                                  "processor": {"max_patches": 64}})
     assert isinstance(cfg.sources[0], SourceConfig) and cfg.processor.max_patches == 64
     for bad, msg in [({"row_tokens": 2}, "row_tokens"), ({"loss_on": "user"}, "loss_on"),
-                     ({"sources": [{"path": "x", "weight": 0}]}, "weight"), ({"shufle_buffer": 3}, "unknown key"),
-                     ({"sources": [{"path": "x"}, {"path": "x"}]}, "unique")]:
+                     ({"sources": [{"path": x, "weight": 0}]}, "weight"), ({"shufle_buffer": 3}, "unknown key"),
+                     ({"sources": [{"path": x}, {"path": x}]}, "unique"),
+                     ({"sources": [{"path": str(tmp_path / "b" / "*.tar")}]}, "matches no files")]:
         with pytest.raises(ConfigError, match=msg):
             from_dict(DataConfig, bad)

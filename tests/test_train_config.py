@@ -23,6 +23,8 @@ BAD = [
     (["train.stage=text"], "train.stage 'text' trains the LLM alone"),
     (["params.freeze=[decoder]"], "params.freeze entry 'decoder'"),
     (["model.init_std=-1"], "init_std must be > 0"),
+    (["data.tokenizer=/nonexistent/tok"], "tokenizer '/nonexistent/tok' does not exist"),
+    (["data.sources=[{path: /nonexistent/*.tar}]"], "data.sources[0]: source /nonexistent/*.tar: shard pattern"),
     (["optim.betas=[0.9]"], "optim.betas: expected 2 items, got 1"),
     (["optim.lr=.inf"], "optim.lr: got inf, expected a finite number"),
     (["optim.betas=[0.9, .nan]"], "optim.betas[1]: got nan, expected a finite number"),
@@ -169,3 +171,12 @@ def test_overrides_may_follow_options(capsys):
         assert "unrecognized arguments" in capsys.readouterr().err
     with pytest.raises(SystemExit):   # a command without overrides takes none
         parse_args_anywhere(build_parser(), ["flops", "--config", "x.yaml", "a=1"])
+
+
+def test_non_utf8_config_is_one_line(tmp_path, capsys):
+    path = tmp_path / "c.yaml"
+    path.write_bytes(b"model:\n  hidden_size: 9\xff\n")
+    rc = train_main(["--config", str(path), "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err.startswith("config error: ") and "not UTF-8" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "run").exists()

@@ -198,9 +198,11 @@ def load_yaml(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict:
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {path} is not UTF-8 text (byte {e.start}: {e.reason})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path}: top level must be a mapping")
     base = data.pop("base", None)
