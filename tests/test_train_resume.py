@@ -102,3 +102,41 @@ def test_resume_refuses_a_changed_config(tiny_data, tmp_path, torch_globals):  #
         make_trainer(cfg, run_dir)
     with pytest.raises(ConfigError, match="--resume: no complete checkpoint"):
         make_trainer(cfg, tmp_path / "empty", resume=True)
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
+def test_damaged_latest_checkpoint_falls_back_to_an_intact_one(tiny_data, tmp_path, torch_globals, damage):  # noqa: F811
+    """Every checkpoint file's SHA-256 is recorded at save; a resume skips a checkpoint whose files no longer
+    match, with a warning naming the file, and continues from the newest intact one."""
+    from vlm.train.loop import run
+    from vlm.train.trainer import Trainer
+    from test_train_helpers import load_tiny
+
+    cfg = tiny_config(tiny_data, train={"max_steps": 4}, checkpoint={"save_every": 2, "keep_last": 2},
+                      logging={"eval_every": 0})
+    run_dir = tmp_path / "run"
+    assert run(make_trainer(cfg, run_dir)) == 0
+    ckpts = sorted((run_dir / "checkpoints").iterdir())
+    assert [p.name for p in ckpts] == ["step_00000002", "step_00000004"]
+    victim = max((p for p in (ckpts[1] / "ds").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    data = victim.read_bytes()
+    if damage == "flip":
+        victim.write_bytes(data[:100] + bytes([data[100] ^ 1]) + data[101:])
+    elif damage == "truncate":
+        victim.write_bytes(data[: len(data) // 2])
+    else:
+        victim.unlink()
+    said = []
+    cfg["train"]["max_steps"] = 6
+    tr = Trainer(load_tiny(cfg), run_dir, resume=True, log=said.append)
+    assert tr.resume_from == ckpts[0]
+    assert any("damaged" in m and victim.name in m for m in said), said
+
+
+def test_checkpoints_without_checksums_still_resume(tmp_path):
+    from vlm.train.checkpoint import newest_intact_checkpoint, step_dir_name
+
+    old = tmp_path / step_dir_name(2)
+    old.mkdir()
+    (old / "meta.json").write_text('{"step": 2, "world_size": 1}')     # written before checksums existed
+    assert newest_intact_checkpoint(tmp_path, warn=lambda m: None) == old

@@ -3,15 +3,18 @@
 Layout of RUN_DIR/checkpoints/step_00000100/:
     ds/               DeepSpeed's save_checkpoint (module, optimizer / ZeRO partitions, engine counters)
     rank_00000.pt     per-rank trainer state: step, scheduler, RNG (python, numpy, torch), data-loader state
-    meta.json         written last: step, world size
+    meta.json         written last: step, world size, SHA-256 of every other file
 
 Everything is written into `.tmp-step_...`, fsynced, then renamed; a crash mid-save leaves only a
 `.tmp-` folder that `latest_checkpoint` never picks (and the next run deletes). Old checkpoints are
-renamed to `.del-` before removal for the same reason.
+renamed to `.del-` before removal for the same reason. A checkpoint damaged after it was written (a truncated
+file, a flipped bit) fails its checksums on resume, and the newest intact one is used instead, with a warning.
 """
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
 import random
 import re
@@ -24,6 +27,8 @@ import numpy as np
 import torch
 
 from vlm.train.distributed import barrier, broadcast_object
+
+log = logging.getLogger(__name__)
 
 STEP_RE = re.compile(r"^step_(\d{8})$")
 DS_TAG = "ds"
@@ -52,6 +57,31 @@ def _fsync_dir(path: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def file_digests(root: Path) -> dict[str, str]:
+    """SHA-256 of every file under `root` except meta.json, by relative path."""
+    out = {}
+    for path in sorted(p for p in root.rglob("*") if p.is_file() and p.name != "meta.json"):
+        with open(path, "rb") as fh:
+            out[path.relative_to(root).as_posix()] = hashlib.file_digest(fh, "sha256").hexdigest()
+    return out
+
+
+def damaged_file(ckpt: Path) -> str | None:
+    """The first file of `ckpt` that is missing or differs from its recorded checksum (None: intact, or a
+    checkpoint written before checksums were recorded)."""
+    recorded = json.loads((ckpt / "meta.json").read_text()).get("files")
+    if recorded is None:
+        return None
+    for rel, digest in recorded.items():
+        path = ckpt / rel
+        if not path.is_file():
+            return f"{rel} (missing)"
+        with open(path, "rb") as fh:
+            if hashlib.file_digest(fh, "sha256").hexdigest() != digest:
+                return f"{rel} (checksum mismatch)"
+    return None
 
 
 def rng_state() -> dict[str, Any]:
@@ -109,7 +139,8 @@ def save_checkpoint(engine, ckpt_root: Path, step: int, trainer_state: dict, ran
     torch.save(trainer_state, tmp / f"rank_{rank:05d}.pt")
     barrier()
     if rank == 0:
-        (tmp / "meta.json").write_text(json.dumps({"step": step, "world_size": world_size, "time": time.time()}))
+        (tmp / "meta.json").write_text(json.dumps({"step": step, "world_size": world_size, "time": time.time(),
+                                                   "files": file_digests(tmp)}))
         _fsync_tree(tmp)
         if final.exists():   # same step saved twice (e.g. a final save right after a periodic one)
             old = ckpt_root / f".del-{final.name}"
@@ -141,9 +172,18 @@ def load_checkpoint(engine, ckpt: Path, rank: int, world_size: int) -> dict:
     return torch.load(state_file, map_location="cpu", weights_only=False)
 
 
-def find_resume_point(ckpt_root: Path, rank: int) -> Path | None:
-    """Rank 0 decides which checkpoint every rank resumes from."""
-    found = latest_checkpoint(ckpt_root) if rank == 0 else None
+def newest_intact_checkpoint(ckpt_root: Path, warn=log.warning) -> Path | None:
+    for _, ckpt in reversed(list_checkpoints(ckpt_root)):
+        bad = damaged_file(ckpt)
+        if bad is None:
+            return ckpt
+        warn(f"checkpoint {ckpt} is damaged: {bad}; trying the one before it")
+    return None
+
+
+def find_resume_point(ckpt_root: Path, rank: int, warn=log.warning) -> Path | None:
+    """Rank 0 decides which checkpoint every rank resumes from: the newest whose files match their checksums."""
+    found = newest_intact_checkpoint(ckpt_root, warn) if rank == 0 else None
     choice = str(found) if found is not None else None
     choice = broadcast_object(choice)
     return Path(choice) if choice else None

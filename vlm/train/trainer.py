@@ -107,7 +107,7 @@ class Trainer:
         torch.manual_seed(seed)
 
     def _resume_point(self, resume: bool | None) -> Path | None:
-        found = ckpt_lib.find_resume_point(self.ckpt_root, self.dist.rank)
+        found = ckpt_lib.find_resume_point(self.ckpt_root, self.dist.rank, warn=lambda m: self.log(f"warning: {m}"))
         if resume is True and found is None:
             raise ConfigError(f"--resume: no complete checkpoint in {self.ckpt_root}")
         if resume is False and found is not None:
