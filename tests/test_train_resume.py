@@ -140,3 +140,58 @@ def test_checkpoints_without_checksums_still_resume(tmp_path):
     old.mkdir()
     (old / "meta.json").write_text('{"step": 2, "world_size": 1}')     # written before checksums existed
     assert newest_intact_checkpoint(tmp_path, warn=lambda m: None) == old
+
+
+class _RunsCode:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))   # unpickling would create the marker file
+
+
+def test_trainer_state_loads_tensors_only(tmp_path):
+    """A crafted trainer-state file cannot run code on resume: it is refused with the file named."""
+    import torch
+
+    from vlm.train.checkpoint import rng_state, set_rng_state
+    from vlm.train.engine import safe_load as load_trainer_state
+
+    marker = tmp_path / "pwned"
+    torch.save({"step": 1, "payload": _RunsCode(str(marker))}, tmp_path / "rank_00000.pt")
+    with pytest.raises(RuntimeError, match="rank_00000.pt: refused"):
+        load_trainer_state(tmp_path / "rank_00000.pt")
+    assert not marker.exists()
+    # the real trainer state (RNG states included) round-trips through the safe loader
+    import numpy as np
+
+    torch.save({"rng": rng_state()}, tmp_path / "ok.pt")
+    want = np.random.rand(3)
+    np.random.rand(5)
+    set_rng_state(load_trainer_state(tmp_path / "ok.pt")["rng"])
+    assert np.array_equal(np.random.rand(3), want)
+
+
+@pytest.mark.parametrize("zero_stage", [1, 2, 3])
+def test_zero_checkpoints_resume_through_the_safe_loader(tiny_data, tmp_path, torch_globals, zero_stage):  # noqa: F811
+    """DeepSpeed's own checkpoint files (ZeRO partitions included) load with tensors-only unpickling."""
+    from vlm.train.loop import run
+
+    cfg = tiny_config(tiny_data, train={"max_steps": 2}, deepspeed={"zero_stage": zero_stage},
+                      checkpoint={"save_every": 2}, logging={"eval_every": 0})
+    assert run(make_trainer(cfg, tmp_path / "run")) == 0
+    cfg["train"]["max_steps"] = 3
+    tr = make_trainer(cfg, tmp_path / "run", resume=True)
+    assert run(tr) == 0 and tr.step == 3
+
+
+def test_deepspeed_files_load_tensors_only(tmp_path):
+    import torch
+
+    from vlm.train.engine import safe_load
+
+    marker = tmp_path / "pwned"
+    torch.save({"module": {}, "x": _RunsCode(str(marker))}, tmp_path / "mp_rank_00_model_states.pt")
+    with pytest.raises(RuntimeError, match="mp_rank_00_model_states.pt: refused"):
+        safe_load(tmp_path / "mp_rank_00_model_states.pt")
+    assert not marker.exists()

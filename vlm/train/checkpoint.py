@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from vlm.train.distributed import barrier, broadcast_object
+from vlm.train.engine import safe_load
 
 log = logging.getLogger(__name__)
 
@@ -84,8 +85,19 @@ def damaged_file(ckpt: Path) -> str | None:
     return None
 
 
+def _numpy_rng_state() -> dict[str, Any]:
+    """numpy's global RNG state with its key array as a tensor: loadable with torch.load(weights_only=True)."""
+    st = np.random.get_state(legacy=False)
+    return {**st, "state": {"key": torch.from_numpy(st["state"]["key"].astype(np.int64)), "pos": st["state"]["pos"]}}
+
+
+def _set_numpy_rng_state(st: dict[str, Any]) -> None:
+    key = st["state"]["key"].numpy().astype(np.uint32)
+    np.random.set_state({**st, "state": {"key": key, "pos": st["state"]["pos"]}})
+
+
 def rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    state = {"python": random.getstate(), "numpy": _numpy_rng_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -93,7 +105,7 @@ def rng_state() -> dict[str, Any]:
 
 def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    _set_numpy_rng_state(state["numpy"])
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -169,7 +181,7 @@ def load_checkpoint(engine, ckpt: Path, rank: int, world_size: int) -> dict:
     state_file = ckpt / f"rank_{rank:05d}.pt"
     if not state_file.is_file():
         raise RuntimeError(f"checkpoint {ckpt} has no trainer state for rank {rank} ({state_file.name})")
-    return torch.load(state_file, map_location="cpu", weights_only=False)
+    return safe_load(state_file)   # tensors and plain containers only: a crafted checkpoint cannot run code
 
 
 def newest_intact_checkpoint(ckpt_root: Path, warn=log.warning) -> Path | None:

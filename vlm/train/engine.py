@@ -62,7 +62,26 @@ def initialize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ds_conf
     import deepspeed
 
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+    engine.checkpoint_engine.load = safe_load   # DeepSpeed's own loader unpickles arbitrary objects
     return engine
+
+
+def safe_load(path, map_location=None):
+    """torch.load for DeepSpeed's checkpoint files, tensors and plain containers only (a crafted checkpoint
+    cannot run code); anything else is refused with the file named."""
+    import pickle
+
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    # the few plain-data classes ZeRO's optimizer files hold (rebuilt from their fields, no code is called)
+    try:
+        with torch.serialization.safe_globals([LossScaler, ZeroStageEnum, fragment_address]):
+            return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise RuntimeError(f"checkpoint {path}: refused, it holds objects other than tensors and plain containers "
+                           f"({str(e).splitlines()[-1][:200]})") from None
 
 
 def is_plain_fp32(engine) -> bool:

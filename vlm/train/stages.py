@@ -43,9 +43,11 @@ def read_model_state(path: Path) -> dict[str, torch.Tensor]:
         from vlm.model.hf import load_vlm
 
         return load_vlm(path).state_dict()
+    from vlm.train.engine import safe_load
+
     ds_dir = path / "ds"
     module_file = ds_dir / "mp_rank_00_model_states.pt"
-    state = torch.load(module_file, map_location="cpu", weights_only=False) if module_file.is_file() else {}
+    state = safe_load(module_file, map_location="cpu") if module_file.is_file() else {}
     module = state.get("module")
     if not module:   # ZeRO 0-2 keep the whole module in that file; ZeRO-3 leaves it empty
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
