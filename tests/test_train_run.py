@@ -279,3 +279,33 @@ def test_nonfinite_weights_are_never_exported(tiny_data, tmp_path, torch_globals
     assert not (tmp_path / "run" / "final").exists() and not (tmp_path / "run" / ".tmp-final").exists()
     lines = summary_lines([{"step": 1, "lm_loss": 1.0}], {}, None, tmp_path / "run", 1.0, 0, {})
     assert "no final/ exported" in lines[-1] and "final" not in lines[-1].replace("no final/ exported", "")
+
+
+def _listening_addresses() -> list[str]:
+    """Local addresses of this process's listening TCP sockets (Linux /proc)."""
+    import os
+    from pathlib import Path
+
+    inodes = set()
+    for fd in Path("/proc/self/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    out = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            cols = line.split()
+            if cols[3] == "0A" and cols[9] in inodes:   # state LISTEN, one of ours
+                out.append(cols[1].split(":")[0])
+    return out
+
+
+@pytest.mark.skipif(not __import__("pathlib").Path("/proc/net/tcp").exists(), reason="needs Linux /proc")
+def test_one_process_run_listens_on_loopback_only(tiny_data, tmp_path, torch_globals):  # noqa: F811
+    make_trainer(tiny_config(tiny_data), tmp_path / "run")
+    addrs = _listening_addresses()
+    everywhere = {"00000000", "00000000000000000000000000000000"}
+    assert not everywhere & set(addrs), f"a listener on all interfaces: {addrs}"

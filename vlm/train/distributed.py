@@ -64,8 +64,11 @@ def init_distributed() -> DistInfo:
 
         # (by module path: the attribute deepspeed.comm.torch is the torch package itself)
         importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
-    if not dist.is_initialized():
-        deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), verbose=False)
+    backend = get_accelerator().communication_backend_name()
+    if os.environ.get("WORLD_SIZE") == "1" and not dist.is_initialized():
+        # one process: an in-memory store instead of a TCP rendezvous store listening on every interface
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    deepspeed.init_distributed(dist_backend=backend, verbose=False)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     acc = get_accelerator()
     if acc.device_name() == "cpu":
