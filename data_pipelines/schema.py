@@ -141,6 +141,8 @@ def decode_sample(raw: dict[str, Any], kind_filter: str = "auto") -> Sample:
             meta = json.loads(_utf8(raw["json"], f"{where}.json"))
         except json.JSONDecodeError as e:
             raise BadSample(BAD_JSON, f"{where}.json: not valid JSON ({e})") from None
+        except RecursionError:
+            raise BadSample(BAD_JSON, f"{where}.json: nested too deeply to parse") from None
         if not isinstance(meta, dict):
             raise BadSample(BAD_JSON, f"{where}.json: top level must be an object")
         kind = meta.get("kind") or ("text" if not ordered else "pair" if len(ordered) == 1 else "interleaved")
@@ -154,6 +156,11 @@ def decode_sample(raw: dict[str, Any], kind_filter: str = "auto") -> Sample:
             if not isinstance(text, str):
                 raise BadSample(INVALID_FIELD, f"{where}: 'text' must be a string")
         extra = meta.get("meta") or {}
+        if not isinstance(extra, dict):
+            raise BadSample(INVALID_FIELD, f"{where}: 'meta' must be an object")
+        qa = extra.get("qa")
+        if qa is not None and not (isinstance(qa, list) and all(isinstance(q, dict) for q in qa)):
+            raise BadSample(INVALID_FIELD, f"{where}: meta.qa must be a list of objects")
     else:
         txt = next((raw[e] for e in TEXT_EXTS if e in raw), None)
         if txt is None:
@@ -171,6 +178,10 @@ def decode_sample(raw: dict[str, Any], kind_filter: str = "auto") -> Sample:
         raise BadSample(MISSING_FIELD, f"{where}: kind {kind!r} but no image member")
     if not sample.all_text().replace(IMAGE_TOKEN, "").strip():
         raise BadSample(EMPTY_TEXT, f"{where}: empty text")
+    try:   # JSON may escape a lone surrogate (\ud800), which no tokenizer can encode
+        sample.all_text().encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise BadSample(NON_UTF8, f"{where}: text holds a lone surrogate at character {e.start}") from None
     normalize_placeholders(sample)
     if sample.placeholder_count() != len(sample.images):
         raise BadSample(IMAGE_COUNT, f"{where}: {sample.placeholder_count()} {IMAGE_TOKEN} placeholders "

@@ -56,7 +56,11 @@ def _fixture(d):
            ("badjson", [("json", b"{'single': 'quotes'}")]),
            ("count", [("json", _js({"kind": "interleaved", "text": "<image> only one"})), ("0.png", png()),
                       ("1.png", png())]),
-           ("reserved", [("json", _js({"kind": "text", "text": "sneaky <image_pad> token"}))])]
+           ("reserved", [("json", _js({"kind": "text", "text": "sneaky <image_pad> token"}))]),
+           ("deep", [("json", b'{"text": "x", "meta": ' + b"[" * 100_000 + b"]" * 100_000 + b"}")]),
+           ("surrogate", [("json", b'{"kind": "text", "text": "lone \\ud800 surrogate"}')]),
+           ("badqa", [("json", _js({"kind": "text", "text": "qa entries", "meta": {"qa": ["not an object"]}}))]),
+           ("badmeta", [("json", _js({"kind": "text", "text": "meta is a list", "meta": [1, 2]}))])]
     members = []
     for s in good[:2]:
         members += [(f"{s.key}.{k}", v) for k, v in _members(s)]
@@ -98,7 +102,7 @@ def test_bad_inputs_are_skipped_and_counted(tmp_path):
     for batch in loader:
         seen.update(decode_docs(batch, TOK))
     assert seen == Counter(expected_texts)
-    assert loader.counters == {"bad_json": 1, "corrupt_image": 2, "empty_text": 1, "image_count_mismatch": 1,
-                               "image_too_large": 1, "invalid_field": 1, "missing_field": 1, "non_utf8_text": 1,
+    assert loader.counters == {"bad_json": 2, "corrupt_image": 2, "empty_text": 1, "image_count_mismatch": 1,
+                               "image_too_large": 1, "invalid_field": 3, "missing_field": 1, "non_utf8_text": 2,
                                "too_long": 1, "unreadable_member": 3, "unreadable_shard": 1}
     assert "skipped" in loader.report() and "unreadable_shard=1" in loader.report()
