@@ -169,7 +169,10 @@ def shard_counts(paths: list[Path]) -> list[int]:
             try:
                 counts.append(count_samples(p))
             except Exception as e:  # noqa: BLE001
-                raise ShardError(f"shard {p} cannot be read to count its samples: {type(e).__name__}: {e}") from None
+                # One slot: the worker that owns it tries to read it and counts it once as an unreadable shard
+                # (as for a manifest-listed shard that no longer reads), instead of stopping the run.
+                log.warning("shard %s cannot be read (%s: %s); it is skipped and counted", p, type(e).__name__, e)
+                counts.append(1)
     return counts
 
 

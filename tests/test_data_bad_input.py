@@ -106,3 +106,18 @@ def test_bad_inputs_are_skipped_and_counted(tmp_path):
                                "image_too_large": 1, "invalid_field": 3, "missing_field": 1, "non_utf8_text": 2,
                                "too_long": 1, "unreadable_member": 3, "unreadable_shard": 1}
     assert "skipped" in loader.report() and "unreadable_shard=1" in loader.report()
+
+
+def test_unreadable_shard_without_manifest_is_skipped_and_counted(tmp_path):
+    """A shard that is not a tar and has no manifest entry does not stop the run: counted once, the rest read."""
+    with ShardWriter(tmp_path, "good") as w:
+        for i in range(3):
+            w.write(Sample(key=f"g{i}", kind="text", text=f"good sample {i}"))
+    (tmp_path / "bad-000000.tar").write_bytes(b"garbage" * 50)      # not in the manifest, not a tar
+    cfg = DataConfig(sources=[SourceConfig(path=str(tmp_path))], row_tokens=256, rows_per_batch=1, epochs=1)
+    loader = build_loader(cfg, TOK)
+    seen = Counter()
+    for batch in loader:
+        seen.update(decode_docs(batch, TOK))
+    assert seen == Counter(f"good sample {i}" for i in range(3))
+    assert loader.counters == {"unreadable_shard": 1}
