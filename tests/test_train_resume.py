@@ -195,3 +195,29 @@ def test_deepspeed_files_load_tensors_only(tmp_path):
     with pytest.raises(RuntimeError, match="mp_rank_00_model_states.pt: refused"):
         safe_load(tmp_path / "mp_rank_00_model_states.pt")
     assert not marker.exists()
+
+
+def test_accept_optim_change_resumes_with_the_new_rates(tiny_data, tmp_path, torch_globals):  # noqa: F811
+    """The documented fix after non-finite steps: resume with a lower optim.lr. The checkpoint's optimizer and
+    scheduler state come back, but the rates (and other optimiser settings) are this config's."""
+    from test_train_helpers import load_tiny
+
+    from vlm.config import ConfigError
+    from vlm.train.loop import run
+    from vlm.train.trainer import Trainer
+
+    cfg = tiny_config(tiny_data, train={"max_steps": 4}, checkpoint={"save_every": 2}, logging={"eval_every": 0},
+                      optim={"lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 0, "schedule": "constant"})
+    run_dir = tmp_path / "run"
+    assert run(make_trainer(cfg, run_dir)) == 0
+    cfg["train"]["max_steps"] = 6
+    cfg["optim"].update(lr=1e-4, min_lr=1e-5, weight_decay=0.0)
+    with pytest.raises(ConfigError, match="or --accept-optim-change"):
+        make_trainer(cfg, run_dir)
+    tr = Trainer(load_tiny(cfg), run_dir, log=lambda *_: None, accept_optim_change=True)
+    tr.build_data()
+    tr.restore(tr.resume_from)
+    assert tr.step == 4
+    groups = tr.optimizer.param_groups
+    assert max(g["lr"] for g in groups) == pytest.approx(1e-4) and all(g["weight_decay"] == 0.0 for g in groups)
+    assert tr.optimizer.state   # Adam moments came back from the checkpoint

@@ -37,6 +37,8 @@ def add_train_command(subparsers) -> None:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--resume", action="store_true", help="resume from RUN_DIR's latest checkpoint (required to exist)")
     g.add_argument("--no-resume", action="store_true", help="refuse to start if RUN_DIR already has checkpoints")
+    p.add_argument("--accept-optim-change", action="store_true",
+                   help="on resume, take this config's optim.* settings (e.g. a lower optim.lr) instead of refusing")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
     p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
     p.set_defaults(func=train_command)
@@ -66,5 +68,5 @@ def train_command(args) -> int:
     from vlm.train.trainer import Trainer
 
     resume = True if args.resume else (False if args.no_resume else None)
-    trainer = Trainer(cfg, args.out, resume=resume)
+    trainer = Trainer(cfg, args.out, resume=resume, accept_optim_change=args.accept_optim_change)
     return run(trainer)

@@ -239,8 +239,8 @@ def run(tr: Trainer) -> int:
             path = tr.save()
             last_saved = step
             tr.log(f"stopping: {tr.nonfinite_in_row} non-finite steps in a row (step {step}); nothing was applied "
-                   f"for them. Checkpoint: {path}. Lower optim.lr, check the data, or raise "
-                   f"train.max_nonfinite_in_row.")
+                   f"for them. Checkpoint: {path}. Lower optim.lr (resume with --resume --accept-optim-change "
+                   f"optim.lr=...), check the data, or raise train.max_nonfinite_in_row.")
             rc = 1
             break
         if cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0:

@@ -48,18 +48,30 @@ def _flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
-def check_resume_config(saved: dict, now: dict) -> None:
+# With --accept-optim-change (the documented fix after non-finite steps: a lower optim.lr) these may change too;
+# grad_accum may not (it changes how the data stream is cut into steps).
+OPTIM_CHANGES = ("optim.lr", "optim.min_lr", "optim.weight_decay", "optim.betas", "optim.eps", "optim.clip",
+                 "optim.warmup_steps", "optim.schedule", "optim.decay_fraction")
+
+
+def check_resume_config(saved: dict, now: dict, accept_optim_change: bool = False) -> None:
     a, b = _flatten(saved), _flatten(now)
+    allowed = RESUMABLE_CHANGES + (OPTIM_CHANGES if accept_optim_change else ())
     for key in sorted(set(a) | set(b)):
-        if a.get(key) != b.get(key) and not key.startswith(RESUMABLE_CHANGES):
+        if a.get(key) != b.get(key) and not key.startswith(allowed):
+            hint = " (or --accept-optim-change)" if key.startswith(OPTIM_CHANGES) else ""
             raise ConfigError(f"cannot resume: {key} was {a.get(key)!r} in the checkpointed run, now {b.get(key)!r}; "
-                              f"use a new --out directory or the same config")
+                              f"use a new --out directory or the same config{hint}")
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, run_dir: str | Path, resume: bool | None = None, log=print):
-        """resume: True = must resume; None = resume when RUN_DIR has a checkpoint; False = refuse if it has one."""
+    def __init__(self, cfg: TrainConfig, run_dir: str | Path, resume: bool | None = None, log=print,
+                 accept_optim_change: bool = False):
+        """resume: True = must resume; None = resume when RUN_DIR has a checkpoint; False = refuse if it has one.
+        accept_optim_change: a resumed run takes this config's optimiser settings (learning rate, schedule, ...)
+        instead of refusing them."""
         self.cfg, self.run_dir, self.log_fn = cfg, Path(run_dir), log
+        self.accept_optim_change = accept_optim_change
         self.dist: DistInfo = init_distributed()
         run = cfg.train
         if run.threads:
@@ -83,7 +95,8 @@ class Trainer:
             raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
                               f"{self.tokenizer.vocab_size} ids ({cfg.data.tokenizer_path}); raise model.vocab_size")
         if self.resume_from is not None and (self.run_dir / "config.yaml").is_file():
-            check_resume_config(yaml.safe_load((self.run_dir / "config.yaml").read_text()), to_dict(cfg))
+            check_resume_config(yaml.safe_load((self.run_dir / "config.yaml").read_text()), to_dict(cfg),
+                                accept_optim_change)
         self.step = 0
         self.nonfinite_total = 0
         self.nonfinite_in_row = 0
@@ -189,8 +202,16 @@ class Trainer:
                                         self.dist.rank, self.dist.world_size, self.cfg.checkpoint.keep_last)
 
     def restore(self, path: Path) -> None:
+        keys = ("initial_lr", "betas", "weight_decay", "eps")
+        fresh = [{k: g[k] for k in keys if k in g} for g in self.optimizer.param_groups], list(self.scheduler.base_lrs)
         state = ckpt_lib.load_checkpoint(self.engine, path, self.dist.rank, self.dist.world_size)
         self.scheduler.load_state_dict(state["scheduler"])
+        if self.accept_optim_change:   # the checkpoint brought the old settings back: this config's win
+            for group, settings in zip(self.optimizer.param_groups, fresh[0]):
+                group.update(settings)
+            self.scheduler.base_lrs = fresh[1]
+            self.scheduler._last_lr = [b * fn(self.scheduler.last_epoch)
+                                       for b, fn in zip(fresh[1], self.scheduler.lr_lambdas)]
         for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
             group["lr"] = lr
         ckpt_lib.set_rng_state(state["rng"])
