@@ -58,14 +58,16 @@ def _report(result: dict) -> None:
 
 def _import_folder(args) -> int:
     _report(import_folder(args.images, args.out, captions=args.captions, prefix=args.prefix,
-                          max_count=args.max_count, max_bytes=args.max_bytes))
+                          max_count=args.max_count, max_bytes=args.max_bytes,
+                          allow_outside_root=args.allow_outside_root))
 
 
 def _import_table(args) -> int:
     _report(import_table(args.table, args.out, image_col=args.image_col, text_col=args.text_col,
                          question_col=args.question_col, answer_col=args.answer_col, type_col=args.type_col,
                          conversations_col=args.conversations_col, image_root=args.image_root, fmt=args.format,
-                         prefix=args.prefix, max_count=args.max_count, max_bytes=args.max_bytes))
+                         prefix=args.prefix, max_count=args.max_count, max_bytes=args.max_bytes,
+                         allow_outside_root=args.allow_outside_root))
 
 
 def iter_texts(patterns: list[str], limit: int | None = None):
@@ -98,6 +100,8 @@ def _add_writer_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix", default="shard", help="shard file name prefix (default: shard)")
     p.add_argument("--max-count", type=int, default=10_000, help="samples per shard (default: 10000)")
     p.add_argument("--max-bytes", type=int, default=1 << 30, help="bytes per shard (default: 1 GiB)")
+    p.add_argument("--allow-outside-root", action="store_true",
+                   help="read image files outside the folder / image root (../, absolute paths, symlinks out)")
 
 
 def add_data_commands(subparsers) -> None:

@@ -60,8 +60,9 @@ def _image_ext(data: bytes) -> str:
 # ------------------------------------------------------------------------------------------------ folder
 def import_folder(images_dir: str | os.PathLike, out: str | os.PathLike, captions: str | os.PathLike | None = None,
                   caption_exts: tuple[str, ...] = ("txt", "caption"), prefix: str = "shard", max_count: int = 10_000,
-                  max_bytes: int = 1 << 30, recursive: bool = True) -> dict[str, Any]:
-    """Images with captions (sidecar `name.txt`, or a JSONL/CSV `captions` file mapping file -> caption)."""
+                  max_bytes: int = 1 << 30, recursive: bool = True, allow_outside_root: bool = False) -> dict[str, Any]:
+    """Images with captions (sidecar `name.txt`, or a JSONL/CSV `captions` file mapping file -> caption).
+    A symlink that leads out of the folder is skipped and counted (`outside_root`) unless allow_outside_root."""
     root = Path(images_dir)
     if not root.is_dir():
         raise ImporterError(f"image folder {root} does not exist or is not a folder")
@@ -79,6 +80,8 @@ def import_folder(images_dir: str | os.PathLike, out: str | os.PathLike, caption
         for i, path in enumerate(files):
             rel = path.relative_to(root).as_posix()
             try:
+                if not allow_outside_root and not _inside(path, [root]):
+                    raise _Skip("outside_root")
                 if captions is not None:
                     caption = mapping.get(rel, mapping.get(path.name))
                     if caption is None:
@@ -88,6 +91,8 @@ def import_folder(images_dir: str | os.PathLike, out: str | os.PathLike, caption
                                 None)
                     if side is None:
                         raise _Skip("missing_caption")
+                    if not allow_outside_root and not _inside(side, [root]):
+                        raise _Skip("outside_root")
                     try:
                         caption = side.read_bytes().decode("utf-8")
                     except UnicodeDecodeError:
@@ -151,13 +156,19 @@ def _guess(row: dict, what: str, given: str | None, table) -> str | None:
     return next((c for c in COLUMN_GUESSES[what] if c in row), None)
 
 
-def _load_image(value: Any, roots: list[Path]) -> bytes:
+def _inside(path: Path, roots: list[Path]) -> bool:
+    """`path`, symlinks followed, lies under one of `roots` (a table's `../x` or `/etc/x` does not)."""
+    real = path.resolve()
+    return any(real.is_relative_to(r.resolve()) for r in roots)
+
+
+def _load_image(value: Any, roots: list[Path], confine: bool = True) -> bytes:
     if isinstance(value, (bytes, bytearray, memoryview)):
         return bytes(value)
     if isinstance(value, dict):  # HF datasets Image feature: {"bytes": ..., "path": ...}
         if value.get("bytes"):
-            return _load_image(value["bytes"], roots)
-        return _load_image(value.get("path"), roots)
+            return _load_image(value["bytes"], roots, confine)
+        return _load_image(value.get("path"), roots, confine)
     if isinstance(value, str) and value.startswith("data:"):
         try:
             return base64.b64decode(value.split(",", 1)[1], validate=True)
@@ -167,6 +178,8 @@ def _load_image(value: Any, roots: list[Path]) -> bytes:
         p = Path(value)
         for cand in ([p] if p.is_absolute() else [r / p for r in roots]):
             if cand.is_file():
+                if confine and not _inside(cand, roots):
+                    raise _Skip("outside_root")
                 return cand.read_bytes()
         raise _Skip("missing_image_file")
     raise _Skip("missing_image")
@@ -218,10 +231,11 @@ def _place_images(sample: Sample) -> None:
         sample.text = IMAGE_TOKEN * missing + sample.text
 
 
-def row_to_sample(row: dict, index: int, cols: dict[str, str | None], roots: list[Path]) -> Sample:
+def row_to_sample(row: dict, index: int, cols: dict[str, str | None], roots: list[Path], confine: bool = True
+                  ) -> Sample:
     if "__error__" in row:
         raise _Skip("bad_row")
-    images = [_load_image(v, roots) for v in _image_list(row.get(cols["image"])) if cols["image"]]
+    images = [_load_image(v, roots, confine) for v in _image_list(row.get(cols["image"])) if cols["image"]]
     exts = [_image_ext(d) for d in images]
     meta: dict[str, Any] = {}
     turns, text = None, ""
@@ -255,7 +269,9 @@ def import_table(table: str | os.PathLike, out: str | os.PathLike, image_col: st
                  text_col: str | None = None, question_col: str | None = None, answer_col: str | None = None,
                  type_col: str | None = None, conversations_col: str | None = None,
                  image_root: str | os.PathLike | None = None, fmt: str | None = None, prefix: str = "shard",
-                 max_count: int = 10_000, max_bytes: int = 1 << 30) -> dict[str, Any]:
+                 max_count: int = 10_000, max_bytes: int = 1 << 30, allow_outside_root: bool = False) -> dict[str, Any]:
+    """Rows -> shards. Image paths must lead (symlinks followed) into --image-root or the table's folder; others
+    are skipped and counted (`outside_root`) unless allow_outside_root."""
     table = Path(table)
     roots = [Path(image_root)] if image_root else []
     roots.append(table.parent)
@@ -274,7 +290,7 @@ def import_table(table: str | os.PathLike, out: str | os.PathLike, image_col: st
             # JSONL rows may differ in their fields: unnamed columns are guessed row by row
             row_cols = {k: v or _guess(row, k, None, table) for k, v in given.items()}
             try:
-                w.write(row_to_sample(row, i, row_cols, roots))
+                w.write(row_to_sample(row, i, row_cols, roots, confine=not allow_outside_root))
                 written += 1
             except _Skip as s:
                 skipped[s.reason] += 1

@@ -136,3 +136,27 @@ def test_data_cli_build_stats_import(tmp_path, capsys):
     assert _cli(["data", "train-tokenizer", str(out / "train"), "--vocab-size", "300", "--out",
                  str(tmp_path / "tok")]) == 0
     assert (tmp_path / "tok" / "tokenizer.json").is_file()
+
+
+def test_importers_stay_inside_their_root(tmp_path):
+    """A table's `../x` or absolute path and a symlink out of the image folder are not read (skipped and
+    counted as outside_root) unless --allow-outside-root says so."""
+    secret = tmp_path / "secret.png"
+    secret.write_bytes(png(20, 20))
+    root = tmp_path / "data"
+    (root / "img").mkdir(parents=True)
+    (root / "img" / "ok.png").write_bytes(png(20, 20))
+    table = root / "t.jsonl"
+    table.write_text("\n".join(json.dumps({"image": p, "text": t}) for p, t in
+                               [("img/ok.png", "inside"), ("../secret.png", "dotdot"), (str(secret), "absolute")]))
+    res = import_table(table, tmp_path / "out1")
+    assert res["written"] == 1 and res["skipped"] == {"outside_root": 2}
+    assert import_table(table, tmp_path / "out2", allow_outside_root=True)["written"] == 3
+
+    (root / "img" / "ok.txt").write_text("inside")
+    (root / "img" / "link.png").symlink_to(secret)
+    (root / "img" / "link.txt").write_text("a link out")
+    res = import_folder(root / "img", tmp_path / "out3")
+    assert res["written"] == 1 and res["skipped"] == {"outside_root": 1}
+    assert [s.text for s in _read(tmp_path / "out3")] == ["<image>inside"]
+    assert import_folder(root / "img", tmp_path / "out4", allow_outside_root=True)["written"] == 2
