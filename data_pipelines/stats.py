@@ -6,20 +6,26 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from data_pipelines.encode import process_images
 from data_pipelines.reader import iter_shard, resolve_shards
 from data_pipelines.schema import BadSample, decode_sample
 from data_pipelines.writer import ShardStats, merge_stats, read_manifest, update_manifest
+from vision.image_processor import ImageProcessor
 
 
-def scan_shard(path: Path) -> tuple[dict[str, Any], Counter]:
-    """Read one shard: its stats entry and the schema problems found (by reason)."""
+def scan_shard(path: Path, processor: ImageProcessor | None = None) -> tuple[dict[str, Any], Counter]:
+    """Read one shard: its stats entry and the problems found (by reason). Images are decoded as the loader
+    decodes them (default processor settings), so corrupt images and decompression bombs count here too."""
+    processor = processor or ImageProcessor()
     stats, bad = ShardStats(), Counter()
     for _, raw in iter_shard(path):
         if isinstance(raw, BadSample):
             bad[raw.reason] += 1
             continue
         try:
-            stats.add(decode_sample(raw), sum(len(v) for k, v in raw.items() if not k.startswith("__")))
+            sample = decode_sample(raw)
+            process_images(sample, processor)
+            stats.add(sample, sum(len(v) for k, v in raw.items() if not k.startswith("__")))
         except BadSample as e:
             bad[e.reason] += 1
     entry = {"name": path.name, **stats.to_dict(), "file_bytes": path.stat().st_size if path.exists() else 0}

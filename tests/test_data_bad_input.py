@@ -121,3 +121,13 @@ def test_unreadable_shard_without_manifest_is_skipped_and_counted(tmp_path):
         seen.update(decode_docs(batch, TOK))
     assert seen == Counter(f"good sample {i}" for i in range(3))
     assert loader.counters == {"unreadable_shard": 1}
+
+
+def test_stats_scan_decodes_images_like_the_loader(tmp_path):
+    """`vlm data stats --scan` counts corrupt images as the loader does, not only schema problems."""
+    from data_pipelines.stats import collect_stats
+
+    _fixture(tmp_path)
+    bad = collect_stats([str(tmp_path / "mixed-000000.tar")], scan=True)["bad"]
+    assert bad["corrupt_image"] == 2       # the truncated PNG and the non-image bytes
+    assert bad["bad_json"] == 2 and bad["non_utf8_text"] == 2
