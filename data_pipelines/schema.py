@@ -176,10 +176,11 @@ def decode_sample(raw: dict[str, Any], kind_filter: str = "auto") -> Sample:
         raise BadSample(INVALID_FIELD, f"{where}: kind 'text' but {len(ordered)} image members")
     if kind != "text" and not ordered:
         raise BadSample(MISSING_FIELD, f"{where}: kind {kind!r} but no image member")
-    if not sample.all_text().replace(IMAGE_TOKEN, "").strip():
+    text_all = sample.all_text()
+    if not text_all.replace(IMAGE_TOKEN, "").strip():
         raise BadSample(EMPTY_TEXT, f"{where}: empty text")
     try:   # JSON may escape a lone surrogate (\ud800), which no tokenizer can encode
-        sample.all_text().encode("utf-8")
+        text_all.encode("utf-8")
     except UnicodeEncodeError as e:
         raise BadSample(NON_UTF8, f"{where}: text holds a lone surrogate at character {e.start}") from None
     normalize_placeholders(sample)

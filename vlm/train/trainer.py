@@ -203,15 +203,16 @@ class Trainer:
 
     def restore(self, path: Path) -> None:
         keys = ("initial_lr", "betas", "weight_decay", "eps")
-        fresh = [{k: g[k] for k in keys if k in g} for g in self.optimizer.param_groups], list(self.scheduler.base_lrs)
+        new_settings = [{k: g[k] for k in keys if k in g} for g in self.optimizer.param_groups]
+        new_base_lrs = list(self.scheduler.base_lrs)
         state = ckpt_lib.load_checkpoint(self.engine, path, self.dist.rank, self.dist.world_size)
         self.scheduler.load_state_dict(state["scheduler"])
         if self.accept_optim_change:   # the checkpoint brought the old settings back: this config's win
-            for group, settings in zip(self.optimizer.param_groups, fresh[0]):
+            for group, settings in zip(self.optimizer.param_groups, new_settings):
                 group.update(settings)
-            self.scheduler.base_lrs = fresh[1]
+            self.scheduler.base_lrs = new_base_lrs
             self.scheduler._last_lr = [b * fn(self.scheduler.last_epoch)
-                                       for b, fn in zip(fresh[1], self.scheduler.lr_lambdas)]
+                                       for b, fn in zip(new_base_lrs, self.scheduler.lr_lambdas)]
         for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
             group["lr"] = lr
         ckpt_lib.set_rng_state(state["rng"])
