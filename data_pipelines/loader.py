@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from data_pipelines.config import DataConfig, SourceConfig
 from data_pipelines.packing import select_rows
 from data_pipelines.pipeline import ResolvedSource, WorkerPipeline
-from data_pipelines.reader import ShardError, resolve_shards, shard_counts
+from data_pipelines.reader import ShardError, listed_but_missing, resolve_shards, shard_counts
 from data_pipelines.tokenizer import Tokenizer
 from vlm.batch import PackedBatch
 from vlm.config import to_dict
@@ -42,7 +42,7 @@ def resolve_sources(cfg: DataConfig) -> list[ResolvedSource]:
                              f"{cfg.default_parts}")
     out = []
     for s in sources:
-        paths = resolve_shards(s.path)
+        paths = sorted(resolve_shards(s.path) + listed_but_missing(s.path))
         out.append(ResolvedSource(s.label, paths, shard_counts(paths), s.weight, s.kind))
     return out
 

@@ -51,8 +51,9 @@ class WorkerPipeline:
                              self.cfg.long_text)
 
     def _skip(self, err: BadSample) -> None:
-        self.counters[err.reason] += 1
-        if self.counters[err.reason] == 1:
+        first = err.reason not in self.counters
+        self.counters[err.reason] += err.count
+        if first:
             log.warning("skipping bad input (%s): %s", err.reason, err)
         else:
             log.debug("skipping bad input (%s): %s", err.reason, err)

@@ -21,6 +21,9 @@ ROLES = ("user", "assistant")
 # Skip reasons (the loader's counters). Documented in SCHEMA.md.
 UNREADABLE_SHARD = "unreadable_shard"
 UNREADABLE_MEMBER = "unreadable_member"
+TRUNCATED_SHARD = "truncated_shard"
+MANIFEST_MISMATCH = "manifest_mismatch"
+MISSING_SHARD = "missing_shard"
 BAD_JSON = "bad_json"
 NON_UTF8 = "non_utf8_text"
 MISSING_FIELD = "missing_field"
@@ -31,16 +34,18 @@ CORRUPT_IMAGE = "corrupt_image"
 IMAGE_TOO_LARGE = "image_too_large"
 TOO_LONG = "too_long"
 FILTERED_KIND = "filtered_kind"
-REASONS = (UNREADABLE_SHARD, UNREADABLE_MEMBER, BAD_JSON, NON_UTF8, MISSING_FIELD, INVALID_FIELD, EMPTY_TEXT,
-           IMAGE_COUNT, CORRUPT_IMAGE, IMAGE_TOO_LARGE, TOO_LONG, FILTERED_KIND)
+REASONS = (UNREADABLE_SHARD, UNREADABLE_MEMBER, TRUNCATED_SHARD, MANIFEST_MISMATCH, MISSING_SHARD, BAD_JSON, NON_UTF8,
+           MISSING_FIELD, INVALID_FIELD, EMPTY_TEXT, IMAGE_COUNT, CORRUPT_IMAGE, IMAGE_TOO_LARGE, TOO_LONG, FILTERED_KIND)
 
 _IMAGE_MEMBER = re.compile(r"^(?:(\d+)\.)?(" + "|".join(IMAGE_EXTS) + r")$")
 
 
 class BadSample(ValueError):
-    def __init__(self, reason: str, message: str):
+    """A sample (or `count` samples, for a shard-level loss) skipped for `reason`."""
+
+    def __init__(self, reason: str, message: str, count: int = 1):
         super().__init__(message)
-        self.reason = reason
+        self.reason, self.count = reason, count
 
 
 @dataclass

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from data_pipelines.encode import process_images
-from data_pipelines.reader import iter_shard, resolve_shards
+from data_pipelines.reader import iter_shard, listed_but_missing, resolve_shards
 from data_pipelines.schema import BadSample, decode_sample
 from data_pipelines.writer import ShardStats, merge_stats, read_manifest, update_manifest
 from vision.image_processor import ImageProcessor
@@ -20,7 +20,7 @@ def scan_shard(path: Path, processor: ImageProcessor | None = None) -> tuple[dic
     stats, bad = ShardStats(), Counter()
     for _, raw in iter_shard(path):
         if isinstance(raw, BadSample):
-            bad[raw.reason] += 1
+            bad[raw.reason] += raw.count
             continue
         try:
             sample = decode_sample(raw)
@@ -36,8 +36,10 @@ def collect_stats(patterns: list[str | os.PathLike], scan: bool = False, write_m
                   ) -> dict[str, Any]:
     """Per-shard entries and totals. Manifest entries are used unless `scan` (or a shard has none)."""
     paths: list[Path] = []
+    missing: list[Path] = []
     for p in patterns:
         paths += resolve_shards(p)
+        missing += listed_but_missing(p)
     paths = sorted(dict.fromkeys(paths))
     entries, bad, scanned = [], Counter(), []
     manifests: dict[Path, dict[str, dict]] = {}
@@ -60,7 +62,7 @@ def collect_stats(patterns: list[str | os.PathLike], scan: bool = False, write_m
         for d, es in by_dir.items():
             update_manifest(d, es)
     return {"shards": entries, "totals": merge_stats(entries), "bad": dict(sorted(bad.items())),
-            "scanned": len(scanned)}
+            "scanned": len(scanned), "missing": [str(m) for m in sorted(set(missing))]}
 
 
 def _fmt_counter(c: dict) -> str:
@@ -88,4 +90,6 @@ def format_stats(result: dict[str, Any], per_shard: bool = True) -> str:
         lines.append(f"VQA questions:     {sum(t['qa_types'].values())}  ({_fmt_counter(t['qa_types'])})")
     if result["scanned"]:
         lines.append(f"read {result['scanned']} shard(s); problems: {_fmt_counter(result['bad'])}")
+    for m in result.get("missing", []):
+        lines.append(f"missing:           {m} (listed in its manifest, not on disk)")
     return "\n".join(lines)

@@ -104,7 +104,8 @@ def test_bad_inputs_are_skipped_and_counted(tmp_path):
     assert seen == Counter(expected_texts)
     assert loader.counters == {"bad_json": 2, "corrupt_image": 2, "empty_text": 1, "image_count_mismatch": 1,
                                "image_too_large": 1, "invalid_field": 3, "missing_field": 1, "non_utf8_text": 2,
-                               "too_long": 1, "unreadable_member": 3, "unreadable_shard": 1}
+                               "too_long": 1, "truncated_shard": 2, "unreadable_member": 1,
+                               "unreadable_shard": 1}
     assert "skipped" in loader.report() and "unreadable_shard=1" in loader.report()
 
 

@@ -28,6 +28,12 @@ BAD = [
     (["optim.betas=[0.9]"], "optim.betas: expected 2 items, got 1"),
     (["optim.lr=.inf"], "optim.lr: got inf, expected a finite number"),
     (["optim.betas=[0.9, .nan]"], "optim.betas[1]: got nan, expected a finite number"),
+    (["deepspeed.extra=5"], "deepspeed.extra: expected a mapping"),
+    (['deepspeed.extra={"zero_optimization": {"stage": 7}}'], "DeepSpeedZeroConfig | stage | Input should be 0, 1"),
+    (['deepspeed.extra={"zero_optimization": {"stagee": 2}}'], "stagee | Extra inputs are not permitted"),
+    (['deepspeed.extra={"gradient_clipping": "abc"}'], "gradient_clipping='abc' (from deepspeed.extra"),
+    (['deepspeed.extra={"bf16": {"enabled": "maybe"}}'], "bf16.enabled='maybe' (from deepspeed.extra"),
+    (["deepspeed.config_file=pyproject.toml"], "deepspeed.config_file pyproject.toml cannot be read as JSON"),
 ]
 
 

@@ -9,6 +9,7 @@ not run again, and an interrupted one resumes from its last checkpoint, so the s
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from vlm.config import ConfigError
@@ -30,6 +31,7 @@ def finished(run_dir: Path) -> bool:
 
 def run_chain(configs: list[str], out: Path, overrides: list[str], log=print) -> int:
     from vlm.train.config import load_train_config
+    from vlm.train.engine import check_deepspeed_config
     from vlm.train.loop import run
     from vlm.train.trainer import Trainer
 
@@ -37,6 +39,7 @@ def run_chain(configs: list[str], out: Path, overrides: list[str], log=print) ->
     # every stage's config is read and validated before any work starts
     stage_cfgs = [load_train_config(c, overrides) for c in configs]
     for k, cfg in enumerate(stage_cfgs):
+        check_deepspeed_config(cfg.deepspeed, cfg.optim, int(os.environ.get("WORLD_SIZE", "1")))
         if k and cfg.train.init_from:
             raise ConfigError(f"{configs[k]}: train.init_from is set by the chain (the previous stage's final/); "
                               "remove it from the stage config")

@@ -62,6 +62,9 @@ def resolve_config(args):
 
 def train_command(args) -> int:
     cfg = resolve_config(args)   # ConfigError -> one line, exit 2 (vlm.cli.main)
+    from vlm.train.engine import check_deepspeed_config
+
+    check_deepspeed_config(cfg.deepspeed, cfg.optim, int(os.environ.get("WORLD_SIZE", "1")))
     if args.local_rank is not None:
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
     from vlm.train.loop import run

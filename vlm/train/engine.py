@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from vlm.config import ConfigError
 from vlm.train.config import DeepSpeedConfig, OptimConfig
 
 
@@ -47,8 +48,46 @@ def deepspeed_config(ds: DeepSpeedConfig, optim: OptimConfig, world_size: int) -
         "zero_force_ds_cpu_optimizer": False,   # offload with our torch AdamW (no DeepSpeedCPUAdam build)
     }
     if ds.config_file:
-        cfg = _merge(cfg, json.loads(Path(ds.config_file).read_text()))
+        try:
+            user = json.loads(Path(ds.config_file).read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ConfigError(f"deepspeed.config_file {ds.config_file} cannot be read as JSON: {e}") from None
+        if not isinstance(user, dict):
+            raise ConfigError(f"deepspeed.config_file {ds.config_file}: expected a JSON object")
+        cfg = _merge(cfg, user)
     return _merge(cfg, ds.extra)
+
+
+def _same_kinds(ours: dict, merged: dict, where: str = "") -> None:
+    """A value the user's JSON or `deepspeed.extra` puts where we generate one keeps its kind (object,
+    boolean, number): DeepSpeed accepts e.g. `gradient_clipping: "abc"` and fails steps later."""
+    for k, a in ours.items():
+        b, key = merged.get(k), f"{where}{k}"
+        kind = (dict if isinstance(a, dict) else bool if isinstance(a, bool) else
+                (int, float) if isinstance(a, (int, float)) else None)
+        ok = kind is None or (isinstance(b, kind) and not (kind != bool and isinstance(b, bool)))
+        if not ok:
+            raise ConfigError(f"deepspeed config key {key}={b!r} (from deepspeed.extra or deepspeed.config_file): "
+                              f"expected {'an object' if kind is dict else 'true/false' if kind is bool else 'a number'}")
+        if kind is dict:
+            _same_kinds(a, b, key + ".")
+
+
+def check_deepspeed_config(ds: DeepSpeedConfig, optim: OptimConfig, world_size: int) -> dict:
+    """The merged DeepSpeed JSON, checked by DeepSpeed's own parser before any work, so a bad value in
+    `deepspeed.extra` or the config file stops the run with one line instead of a traceback mid-start-up."""
+    from deepspeed.runtime.config import DeepSpeedConfig as DeepSpeedJSON
+
+    cfg = deepspeed_config(ds, optim, world_size)
+    _same_kinds(deepspeed_config(DeepSpeedConfig(zero_stage=ds.zero_stage), optim, world_size), cfg)
+    probe = {k: v for k, v in cfg.items() if k != "train_batch_size"}   # needs the real world size: checked at init
+    try:
+        DeepSpeedJSON(probe)
+    except Exception as e:  # noqa: BLE001 - pydantic ValidationError, AssertionError, TypeError, ...
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip() and "errors.pydantic.dev" not in ln]
+        raise ConfigError("deepspeed config (from deepspeed.* / deepspeed.extra / deepspeed.config_file) is "
+                          f"invalid: {' | '.join(lines) or type(e).__name__}") from None
+    return cfg
 
 
 def build_optimizer(groups: list[dict], optim: OptimConfig) -> torch.optim.Optimizer:
