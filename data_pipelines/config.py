@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Literal
 
 from vision.image_processor import ImageProcessorConfig
-from vlm.config import check
+from configs.config import check
 
 DEFAULT_DIR = "data/default"
 

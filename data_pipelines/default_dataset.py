@@ -30,7 +30,7 @@ from data_pipelines.schema import IMAGE_TOKEN, Sample
 from data_pipelines.text_corpus import document
 from data_pipelines.tokenizer import train_bpe
 from data_pipelines.writer import ShardWriter
-from vlm.config import check, to_dict
+from configs.config import check, to_dict
 
 GENERATOR_VERSION = 2
 INFO_FILE = "default.json"

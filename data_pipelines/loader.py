@@ -22,8 +22,8 @@ from data_pipelines.packing import select_rows
 from data_pipelines.pipeline import ResolvedSource, WorkerPipeline
 from data_pipelines.reader import ShardError, listed_but_missing, resolve_shards, shard_counts
 from data_pipelines.tokenizer import Tokenizer
-from vlm.batch import PackedBatch
-from vlm.config import to_dict
+from configs.batch import PackedBatch
+from configs.config import to_dict
 
 STATE_VERSION = 1
 

@@ -14,7 +14,7 @@ import torch
 
 from data_pipelines.encode import EncodedSample
 from data_pipelines.tokenizer import Tokenizer
-from vlm.batch import IGNORE_INDEX, IMAGE, TEXT, PackedBatch
+from configs.batch import IGNORE_INDEX, IMAGE, TEXT, PackedBatch
 
 
 class Packer:

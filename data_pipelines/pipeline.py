@@ -17,7 +17,7 @@ from data_pipelines.schema import BadSample, decode_sample
 from data_pipelines.stream import Mixer, SourceStream
 from data_pipelines.tokenizer import Tokenizer
 from vision.image_processor import ImageProcessor
-from vlm.batch import IMAGE, PackedBatch
+from configs.batch import IMAGE, PackedBatch
 
 log = logging.getLogger("data_pipelines")
 

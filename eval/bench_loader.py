@@ -18,7 +18,7 @@ from data_pipelines.config import DataConfig
 from data_pipelines.default_dataset import build_default, default_info, ensure_default_dataset
 from data_pipelines.loader import build_loader
 from data_pipelines.tokenizer import load_tokenizer
-from vlm.batch import IMAGE
+from configs.batch import IMAGE
 
 
 def bench(data_dir: str, workers: int, batches: int, row_tokens: int, rows: int, tokenizer: str = "byte",

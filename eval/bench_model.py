@@ -14,10 +14,11 @@ import time
 
 import torch
 
-from vlm.batch import PackedBatch
+from configs.batch import PackedBatch
 from vlm.model.conceptmoe import ConceptMoELM
 from vlm.model.config import ModelConfig
-from vlm.model.flops import flops_per_token, reallocate
+from vlm.model.flops import flops_per_token
+from vlm.model.reallocate import reallocate
 
 
 def boundaries_at_ratio(B: int, T: int, R: float, seed: int = 0) -> torch.Tensor:

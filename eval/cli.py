@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Callable
 
-from vlm.config import ConfigError, apply_overrides, from_dict, load_yaml, to_dict
+from configs.config import ConfigError, apply_overrides, from_dict, load_yaml, to_dict
 
 from eval.longctx.config import LongCtxConfig
 from eval.longctx.tasks import TASKS

@@ -201,7 +201,7 @@ def add_experiment_command(subparsers) -> None:
 
 
 def _command(args: argparse.Namespace) -> int:
-    from vlm.config import ConfigError
+    from configs.config import ConfigError
 
     if args.list or not args.name:
         for name, make in RECIPES.items():

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from test_train_helpers import ROOT, TINY
-from vlm.config import ConfigError, deep_merge, load_yaml
+from configs.config import ConfigError, deep_merge, load_yaml
 
 
 def _write(path, data: dict):

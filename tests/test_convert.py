@@ -3,9 +3,9 @@ import pytest
 import torch
 from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from vlm.batch import PackedBatch
+from configs.batch import PackedBatch
 from vlm.cli import main
-from vlm.config import ConfigError
+from configs.config import ConfigError
 from vlm.model.config import ModelConfig, MoEConfig
 from vlm.model.convert import ConvertOptions, convert
 from vlm.model.hf import load_vlm, save_pretrained

@@ -12,8 +12,8 @@ from data_pipelines.loader import build_loader, resolve_sources
 from data_pipelines.reader import ShardError
 from data_pipelines.tokenizer import ByteTokenizer
 from test_train_helpers import tiny_data  # noqa: F401 (fixture)
-from vlm.batch import IMAGE, TEXT
-from vlm.config import ConfigError, from_dict
+from configs.batch import IMAGE, TEXT
+from configs.config import ConfigError, from_dict
 
 TOK = ByteTokenizer()
 

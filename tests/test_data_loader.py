@@ -19,7 +19,7 @@ from data_pipelines.schema import Sample
 from data_pipelines.stream import Mixer, SourceStream, split_range
 from data_pipelines.tokenizer import ByteTokenizer
 from data_pipelines.writer import ShardWriter
-from vlm.batch import PackedBatch
+from configs.batch import PackedBatch
 
 TOK = ByteTokenizer()
 

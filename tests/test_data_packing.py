@@ -14,8 +14,8 @@ from data_pipelines.packing import Packer, assemble_batch, best_subset, make_pro
 from data_pipelines.schema import TOO_LONG, BadSample, Sample
 from data_pipelines.tokenizer import ByteTokenizer
 from vision.image_processor import ImageProcessor, ImageProcessorConfig
-from vlm.batch import IGNORE_INDEX, IMAGE, TEXT
-from vlm.config import ConfigError, from_dict
+from configs.batch import IGNORE_INDEX, IMAGE, TEXT
+from configs.config import ConfigError, from_dict
 
 TOK = ByteTokenizer()
 PROC = ImageProcessor(ImageProcessorConfig(patch_size=14, min_patches=4, max_patches=256, merge=2))

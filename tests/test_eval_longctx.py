@@ -16,7 +16,7 @@ from eval.longctx.sweep import run_sweep
 from eval.longctx.tasks import TASKS, generate_sample
 from eval.protocol import EvalModel
 from eval.testing import ByteTokenizer, OracleEvalModel, WordTokenizer
-from vlm.config import ConfigError
+from configs.config import ConfigError
 
 ALL_TASKS = list(TASKS)
 NEEDLE_TASKS = [t for t, d in TASKS.items() if d.has_depth]

@@ -10,13 +10,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from vlm.config import ConfigError, from_dict
+from configs.config import ConfigError, from_dict
 from vlm.flops_cli import load_model_config, main
 from vlm.model.config import ChunkConfig, ModelConfig, MoEConfig
-from vlm.model.flops import (
-    attention_map_flops, comparison_table, count_params, expected_groups_hit, flops_per_token,
-    kv_cache_bytes, reallocate, search_reallocations,
-)
+from vlm.model.flops import attention_map_flops, count_params, expected_groups_hit, flops_per_token, kv_cache_bytes
+from vlm.model.reallocate import comparison_table, reallocate, search_reallocations
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 

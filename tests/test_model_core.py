@@ -4,7 +4,7 @@ import dataclasses
 import pytest
 import torch
 
-from vlm.batch import PackedBatch
+from configs.batch import PackedBatch
 from vlm.model.conceptmoe import ConceptMoELM
 from vlm.model.config import ChunkConfig, ModelConfig, MoEConfig
 

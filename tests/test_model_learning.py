@@ -6,7 +6,7 @@ import pydoc
 
 import torch
 
-from vlm.batch import PackedBatch
+from configs.batch import PackedBatch
 from vlm.model.conceptmoe import ConceptMoELM
 from vlm.model.config import ChunkConfig, ModelConfig, MoEConfig
 

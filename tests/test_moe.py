@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import vlm.model.moe as moe_mod
-from vlm.config import ConfigError
+from configs.config import ConfigError
 from vlm.model.config import MoEConfig
 from vlm.model.moe import (MoE, grouped_mm_available, route, router_z_loss, switch_balance_loss,
                            update_moe_biases)

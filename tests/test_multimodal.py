@@ -7,7 +7,7 @@ from PIL import Image
 from vision.config import VisionConfig
 from vision.image_processor import ImageProcessorConfig
 from vision.navit import NaViTConfig
-from vlm.batch import IGNORE_INDEX, IMAGE, TEXT, PackedBatch
+from configs.batch import IGNORE_INDEX, IMAGE, TEXT, PackedBatch
 from vlm.model.config import ChunkConfig, ModelConfig, MoEConfig
 from vlm.model.multimodal import ConceptMoEVLM
 

@@ -15,7 +15,7 @@ import torch
 import yaml
 
 from test_train_helpers import TINY, tiny_data  # noqa: F401 (fixture)
-from vlm.config import ConfigError
+from configs.config import ConfigError
 
 
 def _write(path, data: dict):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from test_train_helpers import ROOT, TINY, load_tiny, subprocess_env, write_config
-from vlm.config import ConfigError
+from configs.config import ConfigError
 from vlm.train.__main__ import main as train_main
 
 BAD = [
@@ -60,7 +60,7 @@ def test_bad_config_cli_subprocess(tmp_path):
 
 
 def test_default_configs_validate():
-    from vlm.config import load_config
+    from configs.config import load_config
     from vlm.train.config import TrainConfig, load_train_config
 
     cfg = load_train_config(ROOT / "configs" / "default.yaml")
@@ -160,14 +160,14 @@ def test_deepspeed_config_generation(tmp_path):
 
 
 def test_cli_override_scientific_notation_is_a_number():
-    from vlm.config import parse_override
+    from configs.config import parse_override
     assert parse_override("optim.lr=1e-3") == (["optim", "lr"], 1e-3)
     assert parse_override("model.chunk.merge=sum") == (["model", "chunk", "merge"], "sum")
 
 
 def test_overrides_may_follow_options(capsys):
     from vlm.cli import build_parser
-    from vlm.config import parse_args_anywhere
+    from configs.config import parse_args_anywhere
 
     args = parse_args_anywhere(build_parser(), ["train", "train.seed=1", "--max-steps", "3", "optim.lr=0.01"])
     assert args.overrides == ["train.seed=1", "optim.lr=0.01"] and args.max_steps == 3

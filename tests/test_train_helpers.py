@@ -71,7 +71,7 @@ def write_config(cfg: dict, path: Path) -> Path:
 
 
 def load_tiny(cfg: dict):
-    from vlm.config import from_dict
+    from configs.config import from_dict
     from vlm.train.config import TrainConfig
 
     return from_dict(TrainConfig, copy.deepcopy(cfg))

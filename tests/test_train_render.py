@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from vlm.batch import IMAGE, TEXT, PackedBatch
+from configs.batch import IMAGE, TEXT, PackedBatch
 from vlm.train.render import concept_ids, render_image_concepts, text_with_boundaries
 
 

@@ -83,7 +83,7 @@ def test_sigkill_and_resume_reproduces_metrics(tiny_data, tmp_path):  # noqa: F8
 
 
 def test_resume_refuses_a_changed_config(tiny_data, tmp_path, torch_globals):  # noqa: F811
-    from vlm.config import ConfigError
+    from configs.config import ConfigError
     from vlm.train.loop import run
 
     cfg = tiny_config(tiny_data, train={"max_steps": 2}, checkpoint={"save_every": 2}, logging={"eval_every": 0})
@@ -202,7 +202,7 @@ def test_accept_optim_change_resumes_with_the_new_rates(tiny_data, tmp_path, tor
     scheduler state come back, but the rates (and other optimiser settings) are this config's."""
     from test_train_helpers import load_tiny
 
-    from vlm.config import ConfigError
+    from configs.config import ConfigError
     from vlm.train.loop import run
     from vlm.train.trainer import Trainer
 

@@ -43,7 +43,7 @@ def _hf_logits_match(run_dir, module, tokenizer):
     import vlm.model.hf  # noqa: F401  (registers the architecture)
     from transformers import AutoModelForCausalLM
 
-    from vlm.batch import PackedBatch
+    from configs.batch import PackedBatch
 
     hf = AutoModelForCausalLM.from_pretrained(str(run_dir / "final")).eval()
     ids = tokenizer.encode("a red circle left of a blue square")
@@ -234,7 +234,7 @@ def test_loss_weighting_gives_the_global_token_mean(tiny_data, tmp_path, torch_g
     else depends on how rows are grouped)."""
     from data_pipelines.loader import build_loader
 
-    from vlm.batch import PackedBatch
+    from configs.batch import PackedBatch
     from vlm.train.metrics import labelled_counts
 
     def trainer(rows, ga, name):

@@ -77,7 +77,7 @@ def test_ct_stage_converts_a_transformers_moe(tiny_data, tmp_path, torch_globals
 def test_mup_continuation_keeps_the_pretrained_function(tiny_data, tmp_path, torch_globals):  # noqa: F811
     """muP scales logits by 1/s_token in a hook; exports fold it into lm_head, checkpoints do not. A VL run with
     its own muP width starting from either source must compute the pretrained logits before any update."""
-    from vlm.batch import PackedBatch
+    from configs.batch import PackedBatch
     from vlm.model.hf import load_vlm
     from vlm.train.loop import run
 
@@ -124,7 +124,7 @@ def test_vl_init_from_carries_the_whole_vlm(tiny_data, tmp_path, torch_globals):
 
 
 def test_init_from_names_a_mismatched_vision_tensor(tiny_data, tmp_path, torch_globals):  # noqa: F811
-    from vlm.config import ConfigError
+    from configs.config import ConfigError
     from vlm.train.loop import run
 
     first = tmp_path / "a"

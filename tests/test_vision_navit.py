@@ -4,7 +4,7 @@ import torch
 
 from vision.image_processor import grid_coords
 from vision.navit import NaViTConfig, NaViTEncoder
-from vlm.config import ConfigError, from_dict
+from configs.config import ConfigError, from_dict
 
 
 GRIDS = [(4, 6), (2, 2), (8, 4), (6, 2)]

@@ -11,7 +11,7 @@ from PIL import Image
 
 from vision.image_processor import (ImageError, ImageProcessor, ImageProcessorConfig, choose_grid, patchify,
                                     unpatchify)
-from vlm.config import ConfigError, from_dict
+from configs.config import ConfigError, from_dict
 
 
 def _check_valid(out, cfg):

@@ -11,7 +11,7 @@ from vision.config import VisionConfig
 from vision.image_processor import grid_coords, patchify
 from vision.navit import NaViTConfig, NaViTEncoder
 from vision.timm_backbone import factorise_pos_embed, load_timm_vit_state_dict, resample_table
-from vlm.config import ConfigError, from_dict
+from configs.config import ConfigError, from_dict
 
 
 D, HEADS, LAYERS, P, GRID = 32, 4, 2, 4, 4   # hidden, heads, layers, patch size, checkpoint grid side

@@ -6,7 +6,7 @@ from PIL import Image
 from vision.config import VisionConfig
 from vision.image_processor import ImageProcessor, grid_coords
 from vision.projector import Projector, ProjectorConfig
-from vlm.config import ConfigError, apply_overrides, from_dict, to_dict
+from configs.config import ConfigError, apply_overrides, from_dict, to_dict
 
 
 TINY = {"processor": {"patch_size": 4, "max_patches": 64, "min_patches": 4},

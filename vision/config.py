@@ -8,7 +8,7 @@ from vision.image_processor import ImageProcessor, ImageProcessorConfig
 from vision.navit import NaViTConfig, NaViTEncoder
 from vision.projector import Projector, ProjectorConfig
 from vision.tower import VisionTower
-from vlm.config import ConfigError, check
+from configs.config import ConfigError, check
 
 
 @dataclass

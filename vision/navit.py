@@ -16,7 +16,7 @@ from torch import nn
 
 from vision.packing import PackLayout, block_mask, build_layout, merge_patches, packed_attention, pick_backend
 from vision.positions import FactorisedPosEmbed, Rope2D, apply_rope
-from vlm.config import check
+from configs.config import check
 
 
 @dataclass

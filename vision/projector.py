@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vlm.config import check
+from configs.config import check
 
 
 @dataclass

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from vlm.config import ConfigError, parse_args_anywhere
+from configs.config import ConfigError, parse_args_anywhere
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -5,7 +5,7 @@ import argparse
 import shutil
 from pathlib import Path
 
-from vlm.config import ConfigError
+from configs.config import ConfigError
 
 
 def _loop(text: str) -> tuple[int, int, int]:

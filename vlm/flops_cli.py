@@ -16,9 +16,9 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from vlm.config import ConfigError, apply_overrides, from_dict, load_yaml
+from configs.config import ConfigError, apply_overrides, from_dict, load_yaml
 from vlm.model.config import ModelConfig
-from vlm.model.flops import comparison_table, search_reallocations
+from vlm.model.reallocate import comparison_table, search_reallocations
 
 
 def load_model_config(path: str | Path, overrides: list[str] | None = None) -> ModelConfig:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from vlm.batch import IGNORE_INDEX, TEXT, PackedBatch
+from configs.batch import IGNORE_INDEX, TEXT, PackedBatch
 from vlm.model.multimodal import ConceptMoEVLM
 
 

@@ -1,10 +1,10 @@
-"""Configuration of a long-context sweep (a `vlm.config` dataclass: YAML + dotted overrides)."""
+"""Configuration of a long-context sweep (a `configs.config` dataclass: YAML + dotted overrides)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Literal
 
-from vlm.config import check
+from configs.config import check
 
 from eval.longctx.tasks import DEFAULT_TASKS, TASKS
 

@@ -17,7 +17,7 @@ from typing import Iterator
 
 from tqdm import tqdm
 
-from vlm.config import to_dict
+from configs.config import to_dict
 
 from eval.longctx.config import LongCtxConfig
 from eval.longctx.sample import Sample

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vlm.batch import IMAGE, TEXT
+from configs.batch import IMAGE, TEXT
 from vlm.model.config import ChunkConfig
 from vlm.model.layers import doc_starts, positions_in_doc
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from vlm.batch import PackedBatch
+from configs.batch import PackedBatch
 from vlm.model.block import Block, StackContext, run_stack
 from vlm.model.chunking import ChunkModule, Chunks, Dechunk
 from vlm.model.config import ModelConfig

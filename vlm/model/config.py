@@ -1,10 +1,10 @@
-"""Model configuration dataclasses (validated; see vlm/config.py for the loader)."""
+"""Model configuration dataclasses (validated; see configs/config.py for the loader)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from vlm.config import check
+from configs.config import check
 
 
 @dataclass

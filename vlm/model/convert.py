@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from vlm.config import ConfigError
+from configs.config import ConfigError
 from vlm.model.config import ChunkConfig, ModelConfig, MoEConfig
 from vlm.model.multimodal import ConceptMoEVLM
 

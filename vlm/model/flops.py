@@ -270,13 +270,7 @@ def summary(cfg: ModelConfig, ratio: float | None = None, seq_len: int = 32768,
     }
 
 
-# The reallocation search and the comparison table live in their own file; re-exported for one import.
-from vlm.model.reallocate import (  # noqa: E402
-    STRATEGIES, Reallocation, comparison_table, reallocate, search_reallocations,
-)
-
 __all__ = [
     "PARAM_PARTS", "FLOP_PARTS", "STAGES", "Stage", "effective_ratio", "stages", "count_params",
     "flops_per_token", "attention_map_flops", "kv_cache_bytes", "summary", "expected_groups_hit",
-    "STRATEGIES", "Reallocation", "reallocate", "search_reallocations", "comparison_table",
 ]

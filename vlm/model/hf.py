@@ -12,8 +12,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from vlm.batch import IGNORE_INDEX, IMAGE, TEXT, PackedBatch
-from vlm.config import from_dict, to_dict
+from configs.batch import IGNORE_INDEX, IMAGE, TEXT, PackedBatch
+from configs.config import from_dict, to_dict
 from vlm.model.config import ModelConfig
 from vlm.model.layers import positions_in_doc
 from vlm.model.multimodal import ConceptMoEVLM

@@ -10,7 +10,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from vlm.batch import IGNORE_INDEX, IMAGE, PackedBatch
+from configs.batch import IGNORE_INDEX, IMAGE, PackedBatch
 from vlm.model.conceptmoe import ConceptMoELM
 from vlm.model.config import ModelConfig
 from vlm.model.output import ModelOutput

@@ -22,7 +22,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from configs.config import ConfigError
 from vlm.model.config import ModelConfig
+from vlm.model.flops import count_params, flops_per_token, summary
 
 STRATEGIES = {
     "more_experts": "Increasing C_moe",
@@ -46,7 +48,6 @@ class Reallocation:
 
 
 def _totals(cfg: ModelConfig) -> tuple[float, float]:
-    from vlm.model.flops import count_params, flops_per_token
     return flops_per_token(cfg)["total"], count_params(cfg)["total"]
 
 
@@ -82,7 +83,6 @@ def _with(cfg: ModelConfig, k_tok: int | None = None, **concept_moe) -> ModelCon
 
 
 def _valid(cfg: ModelConfig) -> bool:
-    from vlm.config import ConfigError
     try:
         cfg.c_moe.validate()
         cfg.moe.validate()
@@ -127,14 +127,12 @@ class _Search:
 
 def _expert_counts(s: _Search, cfg: ModelConfig, e0: int, step: int) -> list[int]:
     """Concept expert counts to try: the baseline's and those giving back the chunk/joint parameters."""
-    from vlm.model.flops import count_params
     fn = lambda e: count_params(_with(cfg, num_experts=e))["total"]  # noqa: E731
     cands = _int_candidates(fn, e0, s.p0, step, e0, step)
     return sorted(set(cands) | {e0}, reverse=True)
 
 
 def _fit_topk(s: _Search, cfg: ModelConfig, lo: int, hi: int) -> list[int]:
-    from vlm.model.flops import flops_per_token
     fn = lambda k: flops_per_token(_with(cfg, top_k=k))["total"]  # noqa: E731
     return _int_candidates(fn, lo, s.f0, lo, hi)
 
@@ -183,7 +181,6 @@ def _loop_more_experts(base: ModelConfig, ratio: float, tol: float, loop_fractio
 
 def _wider_concept(base: ModelConfig, ratio: float, tol: float, concept_heads: int | None = None,
                   max_heads: int = 8) -> Reallocation:
-    from vlm.model.flops import count_params, flops_per_token
     s = _Search(base, tol)
     start = _concept_start(base, ratio)
     d, hq, hkv, hd = base.c_hidden, base.c_heads, base.c_kv_heads, base.head_dim
@@ -281,7 +278,6 @@ def comparison_table(baseline_cfg: ModelConfig, ratio: float, seq_len: int = 327
     Reductions are baseline / config (concept model alone, as in Table 1, and the whole model).
     `found` reuses a `search_reallocations` result (e.g. when tabulating several sequence lengths).
     """
-    from vlm.model.flops import summary
     base = summary(baseline_cfg, None, seq_len, bytes_per_el, causal)
     rows = [dict(name="baseline", method="Baseline (MoE)", changes="-", within_tol=True, note="", **base)]
     found = found if found is not None else search_reallocations(baseline_cfg, ratio, tol, **options)

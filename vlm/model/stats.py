@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from vlm.batch import IGNORE_INDEX, IMAGE, MODALITIES
+from configs.batch import IGNORE_INDEX, IMAGE, MODALITIES
 
 
 def sample_has_image(doc_BT: torch.Tensor, modality_BT: torch.Tensor) -> torch.Tensor:

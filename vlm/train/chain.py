@@ -12,7 +12,7 @@ import json
 import os
 from pathlib import Path
 
-from vlm.config import ConfigError
+from configs.config import ConfigError
 
 
 def stage_dirs(configs: list[str], out: Path) -> list[Path]:

@@ -10,7 +10,7 @@ import argparse
 import os
 from pathlib import Path
 
-from vlm.config import ConfigError
+from configs.config import ConfigError
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "default.yaml"
 

@@ -1,6 +1,6 @@
 """TrainConfig: the one YAML of a training run (model, vision, data, optimisation, DeepSpeed, logging).
 
-Every section is a validated dataclass (vlm/config.py): a wrong key or value stops the run at once with
+Every section is a validated dataclass (configs/config.py): a wrong key or value stops the run at once with
 one line naming the dotted field and what is allowed.
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from data_pipelines.config import DataConfig, SourceConfig
 from vision.config import VisionConfig
-from vlm.config import ConfigError, check, load_config
+from configs.config import ConfigError, check, load_config
 from vlm.model.config import ModelConfig
 
 

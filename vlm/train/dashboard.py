@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from vlm.batch import IMAGE, TEXT
+from configs.batch import IMAGE, TEXT
 
 SCALAR_GROUPS = {
     "loss": "loss/total", "lm_loss": "loss/lm", "aux_loss": "loss/ratio_aux", "balance_loss": "loss/balance",

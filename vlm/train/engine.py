@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from vlm.config import ConfigError
+from configs.config import ConfigError
 from vlm.train.config import DeepSpeedConfig, OptimConfig
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from vlm.batch import IGNORE_INDEX, IMAGE, PackedBatch
+from configs.batch import IGNORE_INDEX, IMAGE, PackedBatch
 from vlm.model.output import ModelOutput
 from vlm.model.stats import sample_has_image
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from vlm.config import ConfigError
+from configs.config import ConfigError
 
 CONCEPT_PREFIXES = ("lm.concept.", "lm.concept_down.")
 TOKEN_PREFIXES = ("lm.encoder.", "lm.chunker.", "lm.concept_up.", "lm.dechunk.", "lm.decoder.", "lm.norm.")

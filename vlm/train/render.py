@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw
 
-from vlm.batch import IMAGE, PackedBatch
+from configs.batch import IMAGE, PackedBatch
 
 
 def _palette(n: int) -> list[tuple[int, int, int]]:

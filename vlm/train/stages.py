@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from vlm.config import ConfigError
+from configs.config import ConfigError
 from vlm.model.multimodal import ConceptMoEVLM
 from vlm.train.config import TrainConfig
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vlm.batch import PackedBatch
+from configs.batch import PackedBatch
 from vlm.train.distributed import all_reduce_min, all_reduce_sum
 from vlm.train.engine import is_plain_fp32
 from vlm.train.global_parser import GlobalParser

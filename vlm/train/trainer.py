@@ -11,7 +11,7 @@ import numpy as np
 import torch
 import yaml
 
-from vlm.config import ConfigError, to_dict
+from configs.config import ConfigError, to_dict
 from vlm.train import checkpoint as ckpt_lib
 from vlm.train.config import TrainConfig
 from vlm.train.distributed import DistInfo, all_reduce_sum, barrier, init_distributed
