@@ -3,7 +3,9 @@
 Every config in the project is a dataclass whose fields carry type hints; `from_dict` builds it
 recursively and rejects unknown keys, wrong types and values outside a `Literal`, naming the dotted
 path of the offending field and what would have been allowed. Dataclasses may define `validate()`
-for cross-field checks; it is called after construction and should raise `ConfigError`.
+for cross-field checks; it should raise `ConfigError`. Each config is validated exactly once: a subclass of
+`ValidatedOnInit` validates itself when it is made (`__post_init__`), in Python as through `from_dict`;
+for any other dataclass `from_dict` calls `validate()` after construction.
 """
 from __future__ import annotations
 
@@ -22,6 +24,15 @@ T = TypeVar("T")
 
 class ConfigError(ValueError):
     """A config problem, reported as one line naming the field and what is allowed."""
+
+
+class ValidatedOnInit:
+    """Base of config dataclasses that run `validate()` once, in `__post_init__`, however they are made
+    (`from_dict`, `dataclasses.replace` or a direct call); `from_dict` does not validate them again. A subclass
+    with a `__post_init__` of its own calls `super().__post_init__()` at its end."""
+
+    def __post_init__(self) -> None:
+        self.validate()
 
 
 def _type_name(tp: Any) -> str:
@@ -117,13 +128,13 @@ def from_dict(cls: type[T], data: dict, path: str = "") -> T:
     kwargs = {}
     for name, value in data.items():
         kwargs[name] = _coerce(value, hints[name], f"{path}.{name}" if path else name)
-    obj = cls(**kwargs)
-    validate = getattr(obj, "validate", None)
-    if callable(validate):
-        try:
+    try:
+        obj = cls(**kwargs)   # a ValidatedOnInit validates itself here
+        validate = getattr(obj, "validate", None)
+        if callable(validate) and not isinstance(obj, ValidatedOnInit):
             validate()
-        except ConfigError as e:
-            raise ConfigError(f"{path}: {e}" if path and not str(e).startswith(path) else str(e)) from None
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}" if path and not str(e).startswith(path) else str(e)) from None
     return obj
 
 

@@ -16,8 +16,8 @@ import string
 from dataclasses import dataclass
 from typing import Iterator
 
-from data_pipelines.reader import iter_shard, resolve_shards, shard_counts
-from data_pipelines.schema import IMAGE_TOKEN, ROLES, BadSample, decode_sample
+from data_pipelines.samples import iter_samples
+from data_pipelines.schema import IMAGE_TOKEN, ROLES
 
 USER, ASSISTANT, END = "<|user|>", "<|assistant|>", "<|end|>"
 _ROLE_TOKEN = {"user": USER, "assistant": ASSISTANT}
@@ -82,24 +82,14 @@ class VQASample:
 def iter_vqa_samples(shard_paths: str | os.PathLike | list, limit: int | None = None) -> Iterator[VQASample]:
     """One VQASample per question in the shards' `meta.qa` lists (default dataset and imported tables),
     in shard order. Samples without `qa` or that fail to decode are skipped."""
-    paths = []
-    for p in ([shard_paths] if isinstance(shard_paths, (str, os.PathLike)) else shard_paths):
-        paths += resolve_shards(p)
     n = 0
-    for path, count in zip(paths, shard_counts(paths)):
-        for _, raw in iter_shard(path, expected=count):
-            if isinstance(raw, BadSample):
-                continue
-            try:
-                sample = decode_sample(raw)
-            except BadSample:
-                continue
-            if not sample.images:
-                continue
-            for qa in sample.meta.get("qa", []):
-                yield VQASample(image=sample.images[0], question=qa["question"], answer=str(qa["answer"]),
-                                question_type=str(qa.get("type", "unknown")), key=sample.key,
-                                heldout=bool(qa.get("heldout", False)), images=sample.images)
-                n += 1
-                if limit is not None and n >= limit:
-                    return
+    for sample in iter_samples(shard_paths):
+        if not sample.images:
+            continue
+        for qa in sample.meta.get("qa", []):
+            yield VQASample(image=sample.images[0], question=qa["question"], answer=str(qa["answer"]),
+                            question_type=str(qa.get("type", "unknown")), key=sample.key,
+                            heldout=bool(qa.get("heldout", False)), images=sample.images)
+            n += 1
+            if limit is not None and n >= limit:
+                return

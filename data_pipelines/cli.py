@@ -9,8 +9,9 @@ from pathlib import Path
 
 from data_pipelines.default_dataset import DefaultDatasetConfig, build_default, ensure_default_dataset
 from data_pipelines.importers import ImporterError, import_folder, import_table
-from data_pipelines.reader import ShardError, iter_shard, resolve_shards
-from data_pipelines.schema import BadSample, decode_sample
+from data_pipelines.reader import ShardError
+from data_pipelines.samples import iter_samples
+from data_pipelines.schema import IMAGE_TOKEN
 from data_pipelines.stats import collect_stats, format_stats
 from data_pipelines.tokenizer import TokenizerError, train_bpe
 
@@ -72,20 +73,10 @@ def _import_table(args) -> int:
 
 def iter_texts(patterns: list[str], limit: int | None = None):
     """Texts of the shards' samples (placeholders removed), for tokenizer training."""
-    n = 0
-    for pattern in patterns:
-        for path in resolve_shards(pattern):
-            for _, raw in iter_shard(path):
-                if isinstance(raw, BadSample):
-                    continue
-                try:
-                    sample = decode_sample(raw)
-                except BadSample:
-                    continue
-                yield sample.all_text().replace("<image>", " ")
-                n += 1
-                if limit is not None and n >= limit:
-                    return
+    for n, sample in enumerate(iter_samples(patterns, manifest_counts=False), 1):
+        yield sample.all_text().replace(IMAGE_TOKEN, " ")
+        if limit is not None and n >= limit:
+            return
 
 
 def _train_tokenizer(args) -> int:

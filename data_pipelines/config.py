@@ -58,6 +58,8 @@ class DataConfig:
     # "byte"; "default": the BPE tokenizer built with the embedded default dataset (default_dir/tokenizer);
     # or a tokenizer directory / tokenizer.json
     tokenizer: str = "byte"
+    # how images are patchified (validated when it is made); a training config with a vision section sets it to
+    # vision.processor, so only configs without one state it here
     processor: ImageProcessorConfig = field(default_factory=ImageProcessorConfig)
     loss_on: Literal["all", "assistant"] = "all"   # "assistant": chat samples train on answers only
     long_text: Literal["truncate", "split"] = "truncate"  # text-only documents longer than a row
@@ -90,4 +92,3 @@ class DataConfig:
                                                           "it cannot be combined with sources")
         names = [s.label for s in self.sources]
         check(len(set(names)) == len(names), f"source names/paths must be unique, got {names}")
-        self.processor.validate()

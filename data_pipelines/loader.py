@@ -17,13 +17,14 @@ from typing import Iterator
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from configs.batch import PackedBatch
+from configs.config import to_dict
 from data_pipelines.config import DataConfig, SourceConfig
+from data_pipelines.default_dataset import default_sources, ensure_default_dataset
 from data_pipelines.packing import select_rows
 from data_pipelines.pipeline import ResolvedSource, WorkerPipeline
 from data_pipelines.reader import ShardError, listed_but_missing, resolve_shards, shard_counts
 from data_pipelines.tokenizer import Tokenizer
-from configs.batch import PackedBatch
-from configs.config import to_dict
 
 STATE_VERSION = 1
 
@@ -32,8 +33,6 @@ def resolve_sources(cfg: DataConfig) -> list[ResolvedSource]:
     """Source configs -> shard paths with per-shard counts (default dataset when `sources` is empty)."""
     sources = cfg.sources
     if not sources:
-        from data_pipelines.default_dataset import default_sources, ensure_default_dataset
-
         ensure_default_dataset(cfg.default_dir)
         sources = [SourceConfig(**s) for s in default_sources(cfg.default_dir, cfg.split)
                    if not cfg.default_parts or s["name"].split("/")[-1] in cfg.default_parts]

@@ -12,9 +12,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from data_pipelines.encode import EncodedSample
-from data_pipelines.tokenizer import Tokenizer
 from configs.batch import IGNORE_INDEX, IMAGE, TEXT, PackedBatch
+from data_pipelines.encode import EncodedSample, encode_sample
+from data_pipelines.schema import Sample
+from data_pipelines.tokenizer import Tokenizer
 
 
 class Packer:
@@ -123,8 +124,6 @@ def make_prompt_batch(prompts: list[tuple[str, list[bytes]]], tok: Tokenizer, pr
                       add_eos: bool = False) -> PackedBatch:
     """One row per prompt (for generation/eval): `<bos>` + text with images expanded, right-padded to the
     longest prompt. Labels are the usual shifted targets (useful for scoring answers)."""
-    from data_pipelines.encode import encode_sample
-    from data_pipelines.schema import Sample
 
     encoded = []
     for i, (text, imgs) in enumerate(prompts):

@@ -7,8 +7,9 @@ from pathlib import Path
 from typing import Any
 
 from data_pipelines.encode import process_images
-from data_pipelines.reader import iter_shard, listed_but_missing, resolve_shards
-from data_pipelines.schema import BadSample, decode_sample
+from data_pipelines.reader import listed_but_missing, resolve_shards
+from data_pipelines.samples import iter_decoded
+from data_pipelines.schema import BadSample
 from data_pipelines.writer import ShardStats, merge_stats, read_manifest, update_manifest
 from vision.image_processor import ImageProcessor
 
@@ -18,16 +19,12 @@ def scan_shard(path: Path, processor: ImageProcessor | None = None) -> tuple[dic
     decodes them (default processor settings), so corrupt images and decompression bombs count here too."""
     processor = processor or ImageProcessor()
     stats, bad = ShardStats(), Counter()
-    for _, raw in iter_shard(path):
-        if isinstance(raw, BadSample):
-            bad[raw.reason] += raw.count
-            continue
+    for raw, sample in iter_decoded(path, counters=bad):
         try:
-            sample = decode_sample(raw)
             process_images(sample, processor)
             stats.add(sample, sum(len(v) for k, v in raw.items() if not k.startswith("__")))
         except BadSample as e:
-            bad[e.reason] += 1
+            bad[e.reason] += e.count
     entry = {"name": path.name, **stats.to_dict(), "file_bytes": path.stat().st_size if path.exists() else 0}
     return entry, bad
 

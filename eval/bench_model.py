@@ -15,8 +15,9 @@ import time
 import torch
 
 from configs.batch import PackedBatch
+from vlm.flops_cli import load_model_config
 from vlm.model.conceptmoe import ConceptMoELM
-from vlm.model.config import ModelConfig
+from vlm.model.config import ModelConfig, MoEConfig
 from vlm.model.flops import flops_per_token
 from vlm.model.reallocate import reallocate
 
@@ -55,10 +56,8 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=3)
     args = ap.parse_args(argv)
     if args.config:
-        from vlm.flops_cli import load_model_config
         base = load_model_config(args.config, []).baseline()
     else:
-        from vlm.model.config import MoEConfig
         base = ModelConfig(vocab_size=512, hidden_size=256, num_heads=8, num_kv_heads=4, head_dim=32,
                            encoder_layers=1, concept_layers=6, decoder_layers=1,
                            moe=MoEConfig(num_experts=32, top_k=4, expert_hidden=128)).baseline()

@@ -23,6 +23,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from configs.config import ConfigError
+
 
 @dataclass
 class Variant:
@@ -201,7 +203,6 @@ def add_experiment_command(subparsers) -> None:
 
 
 def _command(args: argparse.Namespace) -> int:
-    from configs.config import ConfigError
 
     if args.list or not args.name:
         for name, make in RECIPES.items():

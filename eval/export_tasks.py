@@ -48,28 +48,18 @@ def vqa_records(shards, limit: int | None = None) -> list[dict]:
 
 def caption_records(shards, limit: int | None = None) -> list[dict]:
     """One record per image-caption pair (`pair` samples with one image); the caption has no placeholder."""
-    from data_pipelines.reader import iter_shard, resolve_shards, shard_counts
-    from data_pipelines.schema import IMAGE_TOKEN, BadSample, decode_sample
+    from data_pipelines.samples import iter_samples
+    from data_pipelines.schema import IMAGE_TOKEN
 
-    paths = []
-    for p in ([shards] if isinstance(shards, (str, Path)) else shards):
-        paths += resolve_shards(p)
     recs: list[dict] = []
-    for path, count in zip(paths, shard_counts(paths)):
-        for _, raw in iter_shard(path, expected=count):
-            if isinstance(raw, BadSample):
-                continue
-            try:
-                s = decode_sample(raw)
-            except BadSample:
-                continue
-            if s.kind != "pair" or len(s.images) != 1 or s.turns is not None:
-                continue
-            caption = s.text.replace(IMAGE_TOKEN, "").strip()
-            if caption:
-                recs.append({"id": s.key, "caption": caption, "images": [_b64(s.images[0])]})
-            if limit is not None and len(recs) >= limit:
-                return recs
+    for s in iter_samples(shards):
+        if s.kind != "pair" or len(s.images) != 1 or s.turns is not None:
+            continue
+        caption = s.text.replace(IMAGE_TOKEN, "").strip()
+        if caption:
+            recs.append({"id": s.key, "caption": caption, "images": [_b64(s.images[0])]})
+        if limit is not None and len(recs) >= limit:
+            return recs
     return recs
 
 

@@ -32,8 +32,10 @@ from lmms_eval.api.instance import Instance
 from lmms_eval.api.model import lmms
 from tqdm import tqdm
 
+from data_pipelines.chat import ASSISTANT, END, USER, format_chat
+from data_pipelines.schema import IMAGE_TOKEN
 from eval.lmms_stats import CompressionLog
-from eval.protocol import IMAGE_PLACEHOLDER, EvalModel
+from eval.protocol import EvalModel
 
 try:  # 0.7.x wraps generation outputs; older versions append results as they are
     from lmms_eval.api.instance import GenerationResult
@@ -125,13 +127,12 @@ class ConceptMoELMMS(lmms):
         context becomes the user turn of the chat template the model was trained on, followed by the
         generation prompt (LLaVA's and nanoVLM's adapters do the same); only a context that already carries
         the template's role tokens is passed through verbatim."""
-        from data_pipelines.chat import ASSISTANT, USER, format_chat
 
-        has_slots = IMAGE_PLACEHOLDER in context
-        if has_slots and context.count(IMAGE_PLACEHOLDER) != n_images:
-            raise ValueError(f"context has {context.count(IMAGE_PLACEHOLDER)} {IMAGE_PLACEHOLDER} placeholders "
+        has_slots = IMAGE_TOKEN in context
+        if has_slots and context.count(IMAGE_TOKEN) != n_images:
+            raise ValueError(f"context has {context.count(IMAGE_TOKEN)} {IMAGE_TOKEN} placeholders "
                              f"for {n_images} images: {context[:80]!r}")
-        body = context if has_slots else IMAGE_PLACEHOLDER * n_images + ("\n" if n_images else "") + context
+        body = context if has_slots else IMAGE_TOKEN * n_images + ("\n" if n_images else "") + context
         templated = USER in context or ASSISTANT in context
         if self.chat == "true" or (self.chat == "auto" and not templated):
             return format_chat([{"role": "user", "content": body}], add_generation_prompt=True), True
@@ -142,8 +143,6 @@ class ConceptMoELMMS(lmms):
 
     # ---- requests ----------------------------------------------------------------------------------------
     def generate_until(self, requests: list[Instance]) -> list[str]:
-        from data_pipelines.chat import END
-
         results: list[str | None] = [None] * len(requests)
         groups: dict[tuple, list[int]] = defaultdict(list)
         for i, req in enumerate(requests):

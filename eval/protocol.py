@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+from data_pipelines.schema import IMAGE_TOKEN
+
 if TYPE_CHECKING:  # PIL is only needed for the annotation
     from PIL.Image import Image
-
-IMAGE_PLACEHOLDER = "<image>"
 
 
 @runtime_checkable
@@ -48,4 +48,4 @@ class EvalModel(Protocol):
 
 
 def count_placeholders(prompt: str) -> int:
-    return prompt.count(IMAGE_PLACEHOLDER)
+    return prompt.count(IMAGE_TOKEN)

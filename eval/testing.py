@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from collections import Counter
 
-from eval.protocol import IMAGE_PLACEHOLDER
+from data_pipelines.schema import IMAGE_TOKEN
 
 _WORDISH = re.compile(r"\s*\w+|\s*[^\w\s]|\s+")
 
@@ -35,7 +35,7 @@ class WordTokenizer:
 
     def __init__(self) -> None:
         self._ids: dict[str, int] = {}
-        self._pieces: list[str] = ["</s>", IMAGE_PLACEHOLDER]
+        self._pieces: list[str] = ["</s>", IMAGE_TOKEN]
 
     @property
     def vocab_size(self) -> int:
@@ -140,8 +140,8 @@ class OracleEvalModel:
     def _account(self, prompts: list[str], images: list[list] | None) -> None:
         for i, p in enumerate(prompts):
             imgs = images[i] if images else []
-            if p.count(IMAGE_PLACEHOLDER) != len(imgs):
-                raise ValueError(f"prompt {i} has {p.count(IMAGE_PLACEHOLDER)} {IMAGE_PLACEHOLDER} placeholders "
+            if p.count(IMAGE_TOKEN) != len(imgs):
+                raise ValueError(f"prompt {i} has {p.count(IMAGE_TOKEN)} {IMAGE_TOKEN} placeholders "
                                  f"for {len(imgs)} images")
             if p not in self._lengths:
                 self._lengths = {p: len(self.tokenizer.encode(p))}

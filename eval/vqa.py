@@ -14,6 +14,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from data_pipelines.chat import iter_vqa_samples, normalize_answer, strip_answer, vqa_prompt
+from data_pipelines.default_dataset import default_info, ensure_default_dataset
+from vlm.generate import load_eval_model
 
 
 def majority_answers(samples) -> dict[str, str]:
@@ -37,8 +39,9 @@ def run_vqa_eval(model, shards, train_shards=None, limit: int | None = None, bat
 
     `compression_shards`: whole samples of the held-out split on which to measure the realized compression
     per modality in eval mode (needs a model with `held_out_compression`, i.e. a real ConceptMoE)."""
-    from PIL import Image
     import io
+
+    from PIL import Image
 
     samples = list(iter_vqa_samples(shards, limit=limit))
     if not samples:
@@ -89,6 +92,29 @@ def format_report(res: dict) -> str:
     return "\n".join(lines)
 
 
+def end_of_run_vqa(final: Path, cfg, run_dir: Path, log) -> dict:
+    """`vlm train`'s end-of-run check (registered under the `vlm.run_end` entry points): exact-match accuracy on
+    the default dataset's held-out split against the majority answer and the blind model, written to
+    RUN_DIR/vqa.json. Returns {"vqa": result or None} for the run's summary."""
+
+    if not cfg.train.vqa_eval:
+        return {"vqa": None}
+    if cfg.data.sources:
+        log("VQA eval skipped: it runs on the embedded default dataset and this run uses its own sources")
+        return {"vqa": None}
+    if cfg.vision is None:
+        return {"vqa": None}   # a text-only model
+    data = Path(cfg.data.default_dir)
+    res = run_vqa_eval(load_eval_model(final), str(data / "test" / "vqa-*.tar"),
+                       train_shards=str(data / "train" / "vqa-*.tar"), limit=cfg.train.vqa_max_samples,
+                       progress=cfg.logging.progress,
+                       compression_shards=[str(data / "test" / "vqa-*.tar"), str(data / "test" / "caption-*.tar")])
+    res["split"] = "test"
+    (Path(run_dir) / "vqa.json").write_text(json.dumps(res, indent=2))
+    log(format_report(res))
+    return {"vqa": res}
+
+
 def add_vqa_command(sub) -> None:
     p = sub.add_parser("vqa", help="exact-match VQA accuracy on the default dataset's held-out split")
     p.add_argument("--ckpt", required=True, help="exported model directory (RUN_DIR/final)")
@@ -102,8 +128,6 @@ def add_vqa_command(sub) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from data_pipelines.default_dataset import default_info, ensure_default_dataset
-    from vlm.generate import load_eval_model
 
     # An existing default dataset (whatever its size settings) is used as it is; a missing one is built.
     data = Path(args.data) if default_info(args.data) else ensure_default_dataset(args.data)

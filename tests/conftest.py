@@ -1,10 +1,260 @@
-"""Suite-wide settings: `make test` runs two pytest workers on two cores, so each uses one torch thread
-(more threads than cores makes torch's pool thrash and tests slow down by orders of magnitude)."""
+"""Suite-wide settings and the fixtures shared by several test modules.
+
+`make test` runs two pytest workers on two cores, so each uses one torch thread (more threads than cores
+makes torch's pool thrash and tests slow down by orders of magnitude).
+
+Shared helpers are fixtures here, never imported from sibling test modules: data (`png`, `write_text_shards`,
+`decode_docs`, `batches_equal`, `TINY_DEFAULT`, `tiny_default`) and trainer (`ROOT`, `TINY`, `tiny_data`,
+`tiny_config`, `write_config`, `load_tiny`, `make_trainer`, `torch_globals`, `subprocess_env`, `run_train_cli`).
+A fixture that gives a helper function returns the function itself, so a test calls it by the same name.
+"""
+import copy
+import io
 import os
+import subprocess
+import sys
+from dataclasses import fields
+from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/torch_extensions"))
 
+import pytest  # noqa: E402
 import torch  # noqa: E402
+import yaml  # noqa: E402
 
 torch.set_num_threads(1)
+
+_ROOT = Path(__file__).resolve().parents[1]
+
+
+# ---- data ------------------------------------------------------------------------------------------------
+
+def _tiny_default_config():
+    from data_pipelines.default_dataset import DefaultDatasetConfig
+
+    return DefaultDatasetConfig(train_scenes=120, val_scenes=20, test_scenes=20, interleaved_docs=16,
+                                text_docs=60, shard_max_count=50)
+
+
+def _png(w: int = 40, h: int = 30, colour=(255, 0, 0), fmt: str = "PNG", mode: str = "RGB") -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new(mode, (w, h), colour if mode == "RGB" else 0).save(buf, fmt)
+    return buf.getvalue()
+
+
+def _write_text_shards(directory: Path, n: int, per_shard: int, prefix: str = "t") -> list[str]:
+    """Text-only samples whose text names them ("doc 17 ..."), so a packed batch can be decoded back."""
+    from data_pipelines.schema import Sample
+    from data_pipelines.writer import ShardWriter
+
+    texts = [f"doc {i} " + "x" * (i % 23) for i in range(n)]
+    with ShardWriter(directory, prefix, max_count=per_shard) as w:
+        for i, t in enumerate(texts):
+            w.write(Sample(key=f"{prefix}{i:05d}", kind="text", text=t))
+    return texts
+
+
+def _batches_equal(a, b) -> bool:
+    for f in fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if (x is None) != (y is None) or (x is not None and not torch.equal(x, y)):
+            return False
+    return True
+
+
+def _decode_docs(batch, tok) -> list[str]:
+    """Text of every document in a packed batch (specials dropped)."""
+    out = []
+    for r in range(batch.input_ids.shape[0]):
+        ids, doc = batch.input_ids[r], batch.doc_ids[r]
+        for d in doc.unique().tolist():
+            if d >= 0:
+                out.append(tok.decode(ids[doc == d].tolist()))
+    return out
+
+
+@pytest.fixture(scope="session")
+def png():
+    """png(w=40, h=30, colour=(255, 0, 0), fmt="PNG", mode="RGB") -> the encoded image's bytes."""
+    return _png
+
+
+@pytest.fixture(scope="session")
+def write_text_shards():
+    """write_text_shards(directory, n, per_shard, prefix="t") -> the n texts written as text-only shards."""
+    return _write_text_shards
+
+
+@pytest.fixture(scope="session")
+def batches_equal():
+    """batches_equal(a, b): every tensor field of two packed batches equal (None where the other is None)."""
+    return _batches_equal
+
+
+@pytest.fixture(scope="session")
+def decode_docs():
+    """decode_docs(batch, tok) -> the text of every document in a packed batch."""
+    return _decode_docs
+
+
+@pytest.fixture(scope="session")
+def TINY_DEFAULT():  # noqa: N802 - named as the constant it stands for
+    """A small default-dataset config (seconds to build)."""
+    return _tiny_default_config()
+
+
+@pytest.fixture(scope="session")
+def tiny_default(tmp_path_factory) -> Path:
+    """The default dataset built with TINY_DEFAULT, shared by the tests of the session."""
+    from data_pipelines.default_dataset import build_default
+
+    return build_default(tmp_path_factory.mktemp("data") / "default", _tiny_default_config(), progress=False)
+
+
+# ---- trainer ---------------------------------------------------------------------------------------------
+
+_TINY = {
+    "model": {
+        "vocab_size": 272, "hidden_size": 32, "num_heads": 2, "num_kv_heads": 1, "head_dim": 16,
+        "encoder_layers": 1, "concept_layers": 1, "decoder_layers": 1,
+        "moe": {"num_experts": 4, "top_k": 2, "expert_hidden": 32, "balance_loss_weight": 0.01},
+        "chunk": {"enabled": True, "target_ratio": 2.0, "ratio_loss_weight": 0.03, "merge": "sum"},
+    },
+    "vision": {
+        "processor": {"patch_size": 14, "min_patches": 4, "max_patches": 16, "merge": 2},
+        "encoder": {"hidden_size": 16, "num_layers": 1, "num_heads": 2, "max_grid": 16},
+        "projector": {"kind": "linear"},
+    },
+    "data": {"tokenizer": "byte", "row_tokens": 128, "rows_per_batch": 2, "shuffle_buffer": 16, "pack_buffer": 8,
+             "num_workers": 0},
+    "optim": {"lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 2, "schedule": "cosine", "clip": 1.0, "grad_accum": 1},
+    "deepspeed": {"zero_stage": 0},
+    "logging": {"log_every": 1, "eval_every": 2, "eval_batches": 1, "histogram_every": 2, "progress": False},
+    "checkpoint": {"save_every": 2, "keep_last": 2},
+    "train": {"stage": "vl", "max_steps": 4, "seed": 0, "deterministic": True, "vqa_eval": False, "threads": 1},
+}
+
+
+def _sources(data_dir: Path, split: str) -> list[dict]:
+    from data_pipelines.default_dataset import default_sources
+
+    return default_sources(data_dir, split)
+
+
+def _tiny_config(data_dir: Path, **sections) -> dict:
+    """The tiny config as a dict; `sections` update whole sections shallowly, e.g. optim={"grad_accum": 2}."""
+    cfg = copy.deepcopy(_TINY)
+    cfg["data"]["sources"] = _sources(data_dir, "train")
+    cfg["logging"]["eval_sources"] = _sources(data_dir, "val")
+    for name, upd in sections.items():
+        if upd is None:
+            cfg[name] = None
+        else:
+            cfg.setdefault(name, {}).update(upd)
+    return cfg
+
+
+def _write_config(cfg: dict, path: Path) -> Path:
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+def _load_tiny(cfg: dict):
+    from configs.config import from_dict
+    from vlm.train.config import TrainConfig
+
+    return from_dict(TrainConfig, copy.deepcopy(cfg))
+
+
+def _make_trainer(cfg_dict, run_dir, resume=None, **kwargs):
+    from vlm.train.trainer import Trainer
+
+    return Trainer(_load_tiny(cfg_dict), run_dir, resume=resume, log=lambda *_: None, **kwargs)
+
+
+def _subprocess_env() -> dict:
+    env = dict(os.environ)
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE"):
+        env.pop(k, None)
+    env["PYTHONPATH"] = str(_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def _run_train_cli(args: list[str], cwd: Path, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "vlm.train", *args], cwd=cwd, env=_subprocess_env(),
+                          capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"vlm train failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return proc
+
+
+@pytest.fixture(scope="session")
+def ROOT() -> Path:  # noqa: N802 - named as the constant it stands for
+    """The repository root."""
+    return _ROOT
+
+
+@pytest.fixture(scope="session")
+def TINY() -> dict:  # noqa: N802 - named as the constant it stands for
+    """The tiny training config as a dict (shared: copy before changing it)."""
+    return _TINY
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory) -> Path:
+    """A small default dataset (seconds to build), shared by all trainer tests of the session."""
+    from data_pipelines.default_dataset import DefaultDatasetConfig, build_default
+
+    out = tmp_path_factory.mktemp("train_data") / "default"
+    build_default(out, DefaultDatasetConfig(train_scenes=48, val_scenes=12, test_scenes=12, interleaved_docs=8,
+                                            text_docs=48, shard_max_count=16), progress=False)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_config():
+    """tiny_config(data_dir, **sections) -> the tiny config dict reading `data_dir` (sections updated shallowly)."""
+    return _tiny_config
+
+
+@pytest.fixture(scope="session")
+def write_config():
+    """write_config(cfg, path) -> path, the config written as YAML."""
+    return _write_config
+
+
+@pytest.fixture(scope="session")
+def load_tiny():
+    """load_tiny(cfg_dict) -> the validated TrainConfig."""
+    return _load_tiny
+
+
+@pytest.fixture(scope="session")
+def make_trainer():
+    """make_trainer(cfg_dict, run_dir, resume=None, **Trainer kwargs) -> a quiet Trainer."""
+    return _make_trainer
+
+
+@pytest.fixture(scope="session")
+def subprocess_env():
+    """subprocess_env() -> os.environ without distributed settings, with the repository on PYTHONPATH."""
+    return _subprocess_env
+
+
+@pytest.fixture(scope="session")
+def run_train_cli():
+    """run_train_cli(args, cwd, timeout=600, check=True) -> the finished `python -m vlm.train ARGS` process."""
+    return _run_train_cli
+
+
+@pytest.fixture
+def torch_globals():
+    """The trainer sets deterministic algorithms and thread counts; give other tests their state back."""
+    det, threads = torch.are_deterministic_algorithms_enabled(), torch.get_num_threads()
+    yield
+    torch.use_deterministic_algorithms(det)
+    torch.set_num_threads(threads)

@@ -2,16 +2,17 @@
 
 Mappings merge key by key (the child wins, the rest of the base stays), anything else (lists, scalars, null)
 replaces; `base` is relative to the file naming it; cycles and missing bases are one clear ConfigError.
+And each config dataclass is validated exactly once, whether from_dict or Python code made it.
 """
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import yaml
 
-from test_train_helpers import ROOT, TINY
-from configs.config import ConfigError, deep_merge, load_yaml
+from configs.config import ConfigError, ValidatedOnInit, check, deep_merge, from_dict, load_yaml
 
 
 def _write(path, data: dict):
@@ -111,7 +112,7 @@ def test_base_must_be_a_path(tmp_path):
         load_yaml(child)
 
 
-def test_train_config_loader_reads_bases_and_validates_the_merge(tmp_path):
+def test_train_config_loader_reads_bases_and_validates_the_merge(tmp_path, TINY):
     """Through the trainer's loader: the merged mapping is what gets validated, and CLI overrides apply last."""
     from vlm.train.config import load_train_config
 
@@ -127,7 +128,7 @@ def test_train_config_loader_reads_bases_and_validates_the_merge(tmp_path):
         load_train_config(bad)
 
 
-def test_llava_recipe_configs_load_and_validate(tmp_path, monkeypatch):
+def test_llava_recipe_configs_load_and_validate(tmp_path, monkeypatch, ROOT):
     from vlm.train.config import load_train_config
 
     monkeypatch.chdir(tmp_path)   # `base: default.yaml` is found next to the stage file, wherever we run from
@@ -149,3 +150,48 @@ def test_llava_recipe_configs_load_and_validate(tmp_path, monkeypatch):
         assert cfg.train.init_from is None          # the chain sets it
         assert cfg.train.max_steps != default.train.max_steps
     assert align.vision == full.vision == default.vision
+
+
+# ---- validation runs once per config, however it is made ----------------------------------------------------
+
+_CALLS: list[str] = []
+
+
+@dataclasses.dataclass
+class _Plain:
+    n: int = 1
+
+    def validate(self) -> None:
+        _CALLS.append("plain")
+        check(self.n >= 1, f"n must be >= 1, got {self.n}")
+
+
+@dataclasses.dataclass
+class _SelfChecked(ValidatedOnInit):
+    n: int = 1
+
+    def validate(self) -> None:
+        _CALLS.append("self")
+        check(self.n >= 1, f"n must be >= 1, got {self.n}")
+
+
+@dataclasses.dataclass
+class _Outer:
+    plain: _Plain = dataclasses.field(default_factory=_Plain)
+    own: _SelfChecked = dataclasses.field(default_factory=_SelfChecked)
+
+
+def test_each_config_is_validated_once_however_it_is_made():
+    """from_dict validates a plain dataclass once; a ValidatedOnInit validates itself when it is made (through
+    from_dict, a direct call or dataclasses.replace) and from_dict does not repeat it. Errors name the field."""
+    _CALLS.clear()
+    cfg = from_dict(_Outer, {"plain": {"n": 2}, "own": {"n": 3}})
+    assert (cfg.plain.n, cfg.own.n) == (2, 3) and _CALLS == ["plain", "self"]
+    _CALLS.clear()
+    dataclasses.replace(_SelfChecked(n=4), n=5)
+    assert _CALLS == ["self", "self"]
+    with pytest.raises(ConfigError, match="n must be >= 1, got 0"):
+        _SelfChecked(n=0)                                   # made in Python: still checked
+    for section in ("plain", "own"):
+        with pytest.raises(ConfigError, match=rf"^{section}: n must be >= 1, got 0$"):
+            from_dict(_Outer, {section: {"n": 0}})

@@ -6,8 +6,8 @@ from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen
 from configs.batch import PackedBatch
 from vlm.cli import main
 from configs.config import ConfigError
-from vlm.model.config import ModelConfig, MoEConfig
-from vlm.model.convert import ConvertOptions, convert
+from vlm.model.config import ConvertConfig, ModelConfig, MoEConfig
+from vlm.model.convert import convert
 from vlm.model.hf import load_vlm, save_pretrained
 from vlm.model.multimodal import ConceptMoEVLM
 
@@ -42,7 +42,7 @@ def batch():
 @pytest.mark.parametrize("make", [qwen3, mixtral])
 def test_transformers_moe_conversion_is_lossless(tmp_path, make):
     src = make(tmp_path)
-    model, base = convert(tmp_path, ConvertOptions(encoder_layers=1, decoder_layers=2))
+    model, base = convert(tmp_path, ConvertConfig(encoder_layers=1, decoder_layers=2))
     model.eval()
     assert model.model_cfg.chunk.enabled and model.model_cfg.concept_layers == 2
     b, ids = batch()
@@ -60,7 +60,7 @@ def test_own_baseline_conversion_is_lossless_and_reallocates(tmp_path):
                       concept_layers=3, decoder_layers=1, moe=MoEConfig(num_experts=8, top_k=2, expert_hidden=16))
     src = ConceptMoEVLM(cfg.baseline()).eval()
     save_pretrained(src, tmp_path / "base")
-    model, _ = convert(tmp_path / "base", ConvertOptions(encoder_layers=1, decoder_layers=1))
+    model, _ = convert(tmp_path / "base", ConvertConfig(encoder_layers=1, decoder_layers=1))
     b, _ = batch()
     with torch.no_grad():
         torch.testing.assert_close(model.eval()(b, force="all").logits, src(b).logits, rtol=1e-5, atol=1e-5)
@@ -75,7 +75,11 @@ def test_own_baseline_conversion_is_lossless_and_reallocates(tmp_path):
 
 def test_conversion_rejects_bad_inputs(tmp_path):
     with pytest.raises(ConfigError, match="config.json"):
-        convert(tmp_path, ConvertOptions())
+        convert(tmp_path, ConvertConfig())
     qwen3(tmp_path)
     with pytest.raises(ConfigError, match="concept layer"):
-        convert(tmp_path, ConvertOptions(encoder_layers=3, decoder_layers=2))
+        convert(tmp_path, ConvertConfig(encoder_layers=3, decoder_layers=2))
+    with pytest.raises(ConfigError, match="target_ratio must be > 1"):   # checked when made, as `vlm convert` makes it
+        ConvertConfig(target_ratio=1.0)
+    assert main(["convert", str(tmp_path), "--out", str(tmp_path / "out"), "--ratio", "1"]) == 2
+    assert not (tmp_path / "out").exists()

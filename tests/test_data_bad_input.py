@@ -7,7 +7,6 @@ import tarfile
 from collections import Counter
 
 from PIL import Image
-from test_data_helpers import decode_docs, png
 
 from data_pipelines.config import DataConfig, SourceConfig
 from data_pipelines.loader import build_loader
@@ -38,7 +37,7 @@ def _js(obj) -> bytes:
     return json.dumps(obj).encode()
 
 
-def _fixture(d):
+def _fixture(d, png):
     good = [Sample(key="good0", kind="text", text="good text zero"),
             Sample(key="good1", kind="pair", text="<image>good pair one", images=[png(30, 30)]),
             Sample(key="good2", kind="interleaved", text="good <image> inter <image> two", images=[png(), png(20, 50)]),
@@ -92,8 +91,8 @@ def _members(s: Sample):
     return [(k, v) for k, v in encode_sample(s).items() if k != "__key__"]
 
 
-def test_bad_inputs_are_skipped_and_counted(tmp_path):
-    expected_texts = _fixture(tmp_path)
+def test_bad_inputs_are_skipped_and_counted(tmp_path, png, decode_docs):
+    expected_texts = _fixture(tmp_path, png)
     cfg = DataConfig(sources=[SourceConfig(path=str(tmp_path))], row_tokens=256, rows_per_batch=2, epochs=1,
                      shuffle_buffer=4, pack_buffer=4,
                      processor=ImageProcessorConfig(max_patches=256, max_pixels=1_000_000))
@@ -109,7 +108,7 @@ def test_bad_inputs_are_skipped_and_counted(tmp_path):
     assert "skipped" in loader.report() and "unreadable_shard=1" in loader.report()
 
 
-def test_unreadable_shard_without_manifest_is_skipped_and_counted(tmp_path):
+def test_unreadable_shard_without_manifest_is_skipped_and_counted(tmp_path, decode_docs):
     """A shard that is not a tar and has no manifest entry does not stop the run: counted once, the rest read."""
     with ShardWriter(tmp_path, "good") as w:
         for i in range(3):
@@ -124,11 +123,11 @@ def test_unreadable_shard_without_manifest_is_skipped_and_counted(tmp_path):
     assert loader.counters == {"unreadable_shard": 1}
 
 
-def test_stats_scan_decodes_images_like_the_loader(tmp_path):
+def test_stats_scan_decodes_images_like_the_loader(tmp_path, png):
     """`vlm data stats --scan` counts corrupt images as the loader does, not only schema problems."""
     from data_pipelines.stats import collect_stats
 
-    _fixture(tmp_path)
+    _fixture(tmp_path, png)
     bad = collect_stats([str(tmp_path / "mixed-000000.tar")], scan=True)["bad"]
     assert bad["corrupt_image"] == 2       # the truncated PNG and the non-image bytes
     assert bad["bad_json"] == 2 and bad["non_utf8_text"] == 2

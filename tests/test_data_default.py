@@ -7,7 +7,6 @@ import random
 
 import pytest
 from PIL import Image
-from test_data_helpers import TINY_DEFAULT
 
 from data_pipelines.chat import iter_vqa_samples
 from data_pipelines.default_dataset import build_default, default_info, default_sources, ensure_default_dataset
@@ -17,7 +16,7 @@ from data_pipelines.schema import decode_sample
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory):
+def built(tmp_path_factory, TINY_DEFAULT):
     root = tmp_path_factory.mktemp("dd")
     a = build_default(root / "a", TINY_DEFAULT, progress=False)
     b = build_default(root / "b", TINY_DEFAULT, progress=False)
@@ -104,7 +103,7 @@ def test_scene_rendering_matches_description():
     assert len({q["type"] for q in qs}) == len(qs) == 3
 
 
-def test_ensure_default_is_idempotent_and_vqa_iterator(built, tmp_path):
+def test_ensure_default_is_idempotent_and_vqa_iterator(built, tmp_path, TINY_DEFAULT):
     a = built[0]
     before = (a / "default.json").stat().st_mtime_ns
     assert ensure_default_dataset(a, TINY_DEFAULT, progress=False) == a
@@ -117,7 +116,7 @@ def test_ensure_default_is_idempotent_and_vqa_iterator(built, tmp_path):
     assert len(list(iter_vqa_samples([a / "test"], limit=5))) == 5
 
 
-def test_build_refuses_to_replace_a_foreign_folder(tmp_path):
+def test_build_refuses_to_replace_a_foreign_folder(tmp_path, TINY_DEFAULT):
     (tmp_path / "mine.txt").write_text("precious")
     with pytest.raises(FileExistsError, match="refusing"):
         build_default(tmp_path, TINY_DEFAULT, progress=False)

@@ -11,7 +11,6 @@ from data_pipelines.config import DataConfig
 from data_pipelines.loader import build_loader, resolve_sources
 from data_pipelines.reader import ShardError
 from data_pipelines.tokenizer import ByteTokenizer
-from test_train_helpers import tiny_data  # noqa: F401 (fixture)
 from configs.batch import IMAGE, TEXT
 from configs.config import ConfigError, from_dict
 
@@ -29,7 +28,7 @@ def _batches(cfg: DataConfig, n: int):
     return [next(it) for _ in range(n)]
 
 
-def test_resolve_sources_keeps_only_the_named_parts(tiny_data):  # noqa: F811
+def test_resolve_sources_keeps_only_the_named_parts(tiny_data):
     def labels(cfg):
         return sorted(s.label for s in resolve_sources(cfg))
 
@@ -40,7 +39,7 @@ def test_resolve_sources_keeps_only_the_named_parts(tiny_data):  # noqa: F811
     assert labels(_cfg(tiny_data, split="val", default_parts=["caption", "interleaved"])) == ["val/caption"]
 
 
-def test_text_part_gives_text_only_batches(tiny_data):  # noqa: F811
+def test_text_part_gives_text_only_batches(tiny_data):
     batches = _batches(_cfg(tiny_data, default_parts=["text"]), 4)
     for b in batches:
         assert b.pixel_patches is None and b.image_grids is None
@@ -48,20 +47,20 @@ def test_text_part_gives_text_only_batches(tiny_data):  # noqa: F811
         assert b.valid.any()
 
 
-def test_all_parts_by_default_include_images(tiny_data):  # noqa: F811
+def test_all_parts_by_default_include_images(tiny_data):
     """The contrast to the text-only case: without default_parts the same loader sees images."""
     batches = _batches(_cfg(tiny_data), 4)
     assert any(b.pixel_patches is not None for b in batches)
 
 
-def test_caption_part_gives_image_batches(tiny_data):  # noqa: F811
+def test_caption_part_gives_image_batches(tiny_data):
     batches = _batches(_cfg(tiny_data, default_parts=["caption"]), 3)
     for b in batches:   # every caption sample has an image
         assert b.pixel_patches is not None and b.image_grids.shape[0] >= 1
         assert bool((b.modality[b.valid] == IMAGE).any())
 
 
-def test_split_without_the_part_is_a_clear_error(tiny_data):  # noqa: F811
+def test_split_without_the_part_is_a_clear_error(tiny_data):
     with pytest.raises(ShardError, match="default_parts"):
         resolve_sources(_cfg(tiny_data, split="test", default_parts=["text"]))
 
@@ -74,7 +73,7 @@ def test_unknown_part_names_the_allowed_values(parts):
     assert "default_parts" in msg and "vqa, caption, interleaved, text" in msg, msg
 
 
-def test_default_parts_with_sources_is_an_error(tiny_data):  # noqa: F811
+def test_default_parts_with_sources_is_an_error(tiny_data):
     src = {"path": str(tiny_data / "train" / "text-*.tar"), "name": "mine"}
     with pytest.raises(ConfigError, match="default_parts.*sources"):
         from_dict(DataConfig, {"sources": [src], "default_parts": ["text"]})
@@ -82,9 +81,8 @@ def test_default_parts_with_sources_is_an_error(tiny_data):  # noqa: F811
     from_dict(DataConfig, {"default_parts": ["text"]}).validate()
 
 
-def test_train_config_reports_the_dotted_key(tmp_path):
+def test_train_config_reports_the_dotted_key(tmp_path, TINY, write_config):
     from vlm.train.config import load_train_config
-    from test_train_helpers import TINY, write_config
 
     cfg = dict(TINY, data={**TINY["data"], "default_parts": ["pictures"]})
     with pytest.raises(ConfigError, match=r"data.*default_parts.*'pictures'.*allowed: vqa, caption, interleaved, text"):

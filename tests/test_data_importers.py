@@ -7,7 +7,6 @@ import csv
 import json
 
 import pytest
-from test_data_helpers import png
 
 from data_pipelines.chat import iter_vqa_samples
 from data_pipelines.cli import add_data_commands
@@ -21,7 +20,7 @@ def _read(directory):
     return [decode_sample(raw) for p in resolve_shards(directory) for _, raw in iter_shard(p)]
 
 
-def test_import_folder_with_sidecars(tmp_path):
+def test_import_folder_with_sidecars(tmp_path, png):
     src = tmp_path / "imgs"
     (src / "sub").mkdir(parents=True)
     (src / "a.png").write_bytes(png(10, 10))
@@ -43,7 +42,7 @@ def test_import_folder_with_sidecars(tmp_path):
     assert read_manifest(tmp_path / "out")["totals"]["count"] == 2
 
 
-def test_import_folder_with_caption_file(tmp_path):
+def test_import_folder_with_caption_file(tmp_path, png):
     src = tmp_path / "imgs"
     src.mkdir()
     (src / "x.png").write_bytes(png())
@@ -54,7 +53,7 @@ def test_import_folder_with_caption_file(tmp_path):
     assert res["written"] == 2 and [s.text for s in _read(tmp_path / "out")] == ["<image>ex", "<image>why"]
 
 
-def test_import_jsonl_table_vqa_chat_interleaved_text(tmp_path):
+def test_import_jsonl_table_vqa_chat_interleaved_text(tmp_path, png):
     (tmp_path / "img").mkdir()
     (tmp_path / "img" / "1.png").write_bytes(png(16, 16))
     uri = "data:image/png;base64," + base64.b64encode(png(9, 9)).decode()
@@ -87,7 +86,7 @@ def test_import_jsonl_table_vqa_chat_interleaved_text(tmp_path):
     assert [(v.question, v.answer, v.question_type) for v in vqa] == [("What colour?", "red", "colour")]
 
 
-def test_import_csv_with_named_columns_and_errors(tmp_path):
+def test_import_csv_with_named_columns_and_errors(tmp_path, png):
     (tmp_path / "pics").mkdir()
     (tmp_path / "pics" / "p.png").write_bytes(png())
     with open(tmp_path / "t.csv", "w", newline="") as f:
@@ -138,7 +137,7 @@ def test_data_cli_build_stats_import(tmp_path, capsys):
     assert (tmp_path / "tok" / "tokenizer.json").is_file()
 
 
-def test_importers_stay_inside_their_root(tmp_path):
+def test_importers_stay_inside_their_root(tmp_path, png):
     """A table's `../x` or absolute path and a symlink out of the image folder are not read (skipped and
     counted as outside_root) unless --allow-outside-root says so."""
     secret = tmp_path / "secret.png"

@@ -9,7 +9,6 @@ from dataclasses import replace
 
 import pytest
 import torch
-from test_data_helpers import batches_equal, decode_docs, tiny_default, write_text_shards
 
 from data_pipelines.config import DataConfig, SourceConfig
 from data_pipelines.loader import build_loader
@@ -24,19 +23,14 @@ from configs.batch import PackedBatch
 TOK = ByteTokenizer()
 
 
-@pytest.fixture(scope="module")
-def default_dir(tmp_path_factory):
-    return tiny_default(tmp_path_factory)
-
-
 def _cfg(default_dir, **kw):
     base = dict(default_dir=str(default_dir), row_tokens=512, rows_per_batch=2, shuffle_buffer=32, pack_buffer=16)
     return DataConfig(**{**base, **kw})
 
 
 @pytest.mark.parametrize("workers", [0, 2])
-def test_resume_gives_the_uninterrupted_batches(default_dir, workers):
-    cfg = _cfg(default_dir, num_workers=workers)
+def test_resume_gives_the_uninterrupted_batches(tiny_default, workers, batches_equal):
+    cfg = _cfg(tiny_default, num_workers=workers)
     loader = build_loader(cfg, TOK)
     it = iter(loader)
     stream = [next(it) for _ in range(9)]
@@ -62,7 +56,7 @@ def test_resume_gives_the_uninterrupted_batches(default_dir, workers):
     assert batches_equal(more[0], stream[5]) and batches_equal(more[1], stream[6])
 
 
-def test_resume_across_epoch_boundaries_and_with_split_text(tmp_path):
+def test_resume_across_epoch_boundaries_and_with_split_text(tmp_path, batches_equal, write_text_shards):
     write_text_shards(tmp_path / "a", 23, per_shard=5)
     cfg = DataConfig(sources=[SourceConfig(path=str(tmp_path / "a"))], row_tokens=16, rows_per_batch=3,
                      shuffle_buffer=4, pack_buffer=3, long_text="split")
@@ -78,10 +72,10 @@ def test_resume_across_epoch_boundaries_and_with_split_text(tmp_path):
         assert all(batches_equal(a, b) for a, b in zip(full[k:], [b for _, b in zip(range(30 - k), again)]))
 
 
-def test_state_from_another_config_is_refused(default_dir):
-    ld = build_loader(_cfg(default_dir), TOK)
+def test_state_from_another_config_is_refused(tiny_default):
+    ld = build_loader(_cfg(tiny_default), TOK)
     next(iter(ld))
-    other = build_loader(_cfg(default_dir, seed=1), TOK)
+    other = build_loader(_cfg(tiny_default, seed=1), TOK)
     with pytest.raises(ValueError, match="seed"):
         other.load_state_dict(ld.state_dict())
 
@@ -99,7 +93,7 @@ def test_split_ranges_cover_every_sample_once():
         assert max(sizes) - min(sizes) <= 1
 
 
-def test_streams_cover_every_sample_once_per_epoch(tmp_path):
+def test_streams_cover_every_sample_once_per_epoch(tmp_path, write_text_shards):
     write_text_shards(tmp_path, 31, per_shard=7)
     paths = resolve_shards(tmp_path)
     counts = [7, 7, 7, 7, 3]
@@ -111,7 +105,7 @@ def test_streams_cover_every_sample_once_per_epoch(tmp_path):
     assert len(refs) == 31 and set(refs.values()) == {2}
 
 
-def test_loader_ranks_and_workers_cover_every_sample_once(tmp_path):
+def test_loader_ranks_and_workers_cover_every_sample_once(tmp_path, write_text_shards, decode_docs):
     texts = write_text_shards(tmp_path / "s", 40, per_shard=9)
     cfg = DataConfig(sources=[SourceConfig(path=str(tmp_path / "s"))], row_tokens=64, rows_per_batch=2,
                      shuffle_buffer=5, pack_buffer=4, num_workers=2, epochs=1)
@@ -122,8 +116,8 @@ def test_loader_ranks_and_workers_cover_every_sample_once(tmp_path):
     assert seen == Counter(texts)
 
 
-def test_rank_split_rows_gives_the_same_global_batch_for_any_world_size(default_dir):
-    cfg = _cfg(default_dir, rank_split="rows", rows_per_batch=2)
+def test_rank_split_rows_gives_the_same_global_batch_for_any_world_size(tiny_default, batches_equal):
+    cfg = _cfg(tiny_default, rank_split="rows", rows_per_batch=2)
     single = [b for _, b in zip(range(3), build_loader(replace(cfg, rows_per_batch=4), TOK))]
     per_rank = [[b for _, b in zip(range(3), build_loader(cfg, TOK, rank=r, world_size=2))] for r in range(2)]
     for k in range(3):
@@ -132,8 +126,8 @@ def test_rank_split_rows_gives_the_same_global_batch_for_any_world_size(default_
     assert any(b.image_grids is not None for b in per_rank[1])
 
 
-def test_select_rows_keeps_each_rows_images(default_dir):
-    (b,) = [b for _, b in zip(range(1), build_loader(_cfg(default_dir, rows_per_batch=3), TOK))]
+def test_select_rows_keeps_each_rows_images(tiny_default, batches_equal):
+    (b,) = [b for _, b in zip(range(1), build_loader(_cfg(tiny_default, rows_per_batch=3), TOK))]
     parts = [select_rows(b, i, i + 1) for i in range(3)]
     assert batches_equal(PackedBatch.stack(parts), b)
     for p in parts:
@@ -141,7 +135,7 @@ def test_select_rows_keeps_each_rows_images(default_dir):
         assert (p.pixel_patches is None and n == 0) or p.pixel_patches.shape[0] == n
 
 
-def test_mixing_follows_weights_deterministically(tmp_path):
+def test_mixing_follows_weights_deterministically(tmp_path, write_text_shards):
     write_text_shards(tmp_path / "a", 30, per_shard=10, prefix="a")
     write_text_shards(tmp_path / "b", 30, per_shard=10, prefix="b")
 
@@ -156,8 +150,8 @@ def test_mixing_follows_weights_deterministically(tmp_path):
     assert a == picks(0) and a != picks(1)
 
 
-def test_packing_efficiency_on_default_data(default_dir):
-    ld = build_loader(_cfg(default_dir, row_tokens=1024, rows_per_batch=4, pack_buffer=64), TOK)
+def test_packing_efficiency_on_default_data(tiny_default):
+    ld = build_loader(_cfg(tiny_default, row_tokens=1024, rows_per_batch=4, pack_buffer=64), TOK)
     batches = [b for _, b in zip(range(12), ld)]
     valid = sum(int(b.valid.sum()) for b in batches)
     assert valid / sum(b.input_ids.numel() for b in batches) >= 0.97

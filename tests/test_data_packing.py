@@ -6,7 +6,6 @@ import itertools
 import numpy as np
 import pytest
 import torch
-from test_data_helpers import png
 
 from data_pipelines.config import DataConfig, SourceConfig
 from data_pipelines.encode import encode_sample
@@ -19,18 +18,18 @@ from configs.config import ConfigError, from_dict
 
 TOK = ByteTokenizer()
 PROC = ImageProcessor(ImageProcessorConfig(patch_size=14, min_patches=4, max_patches=256, merge=2))
-CHAT = Sample(key="c", kind="pair", images=[png(56, 28)],
-              turns=[{"role": "user", "content": "<image>\nQ"}, {"role": "assistant", "content": "a"}])
 TEXT_DOC = Sample(key="t", kind="text", text="hi")
 
 
-def _row(loss_on):
-    encs = [encode_sample(s, TOK, PROC, 64, loss_on)[0] for s in (CHAT, TEXT_DOC)]
+def _row(loss_on, png):
+    chat = Sample(key="c", kind="pair", images=[png(56, 28)],
+                  turns=[{"role": "user", "content": "<image>\nQ"}, {"role": "assistant", "content": "a"}])
+    encs = [encode_sample(s, TOK, PROC, 64, loss_on)[0] for s in (chat, TEXT_DOC)]
     return encs, assemble_batch([encs], 24, TOK)
 
 
-def test_layout_of_a_packed_row():
-    encs, b = _row("assistant")
+def test_layout_of_a_packed_row(png):
+    encs, b = _row("assistant", png)
     t = TOK
     ids = [t.bos_id, t.user_id, t.image_start_id, t.image_pad_id, t.image_pad_id, t.image_end_id, 10, ord("Q"),
            t.end_id, t.assistant_id, ord("a"), t.end_id, t.eos_id, t.bos_id, ord("h"), ord("i"), t.eos_id]
@@ -47,8 +46,8 @@ def test_layout_of_a_packed_row():
                                     ord("h"), ord("i"), t.eos_id, X] + [X] * 7
 
 
-def test_labels_with_loss_on_all():
-    _, b = _row("all")
+def test_labels_with_loss_on_all(png):
+    _, b = _row("all", png)
     t, X = TOK, IGNORE_INDEX
     lab = b.labels[0].tolist()
     # bos -> <|user|> -> <image_start>; nothing is predicted into or out of the image, <image_end> -> "\n"
@@ -58,7 +57,7 @@ def test_labels_with_loss_on_all():
     assert torch.equal(shifted, b.labels[0, :-1][b.labels[0, :-1] != X])
 
 
-def test_images_in_order_across_rows_and_samples():
+def test_images_in_order_across_rows_and_samples(png):
     imgs = [png(28, 28, (i * 40, 0, 0)) for i in range(3)]
     s1 = Sample(key="a", kind="interleaved", text="x<image>y<image>z", images=imgs[:2])
     s2 = Sample(key="b", kind="pair", text="<image>w", images=imgs[2:])
@@ -101,7 +100,7 @@ def test_packer_fills_rows_exactly_and_keeps_fifo_opener():
         p.add(9, encode_sample(Sample(key="big", kind="text", text="x" * 20), TOK, PROC, 30)[0])
 
 
-def test_long_samples():
+def test_long_samples(png):
     long_text = Sample(key="l", kind="text", text="y" * 50)
     (cut,) = encode_sample(long_text, TOK, PROC, 20, long_text="truncate")
     assert len(cut) == 20 and cut.truncated and cut.ids[0] == TOK.bos_id
@@ -116,7 +115,7 @@ def test_long_samples():
     assert len(s) == 16 and s.truncated
 
 
-def test_prompt_batch_for_generation():
+def test_prompt_batch_for_generation(png):
     b = make_prompt_batch([("<|user|><image>\nWhat?<|end|><|assistant|>", [png(28, 28)]), ("<|user|>hi<|end|>", [])],
                           TOK, PROC)
     assert b.input_ids.shape[0] == 2 and b.image_grids.tolist() == [[2, 2]]

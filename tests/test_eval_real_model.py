@@ -25,8 +25,7 @@ from vlm.model.multimodal import ConceptMoEVLM
 def ckpt(tmp_path_factory):
     tok = load_tokenizer("byte")
     vc = VisionConfig(processor=ImageProcessorConfig(patch_size=4, min_patches=4, max_patches=16, merge=2),
-                      encoder=NaViTConfig(patch_size=4, hidden_size=16, num_layers=1, num_heads=2, merge=2,
-                                          max_grid=16))
+                      encoder=NaViTConfig(hidden_size=16, num_layers=1, num_heads=2, max_grid=16))
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=tok.vocab_size, hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8,
                       moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=32), init_std=0.2)

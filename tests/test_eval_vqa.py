@@ -23,8 +23,8 @@ def test_vqa_eval_cli_on_a_trained_tiny_checkpoint(tmp_path):
                                                                  interleaved_docs=2, text_docs=10), progress=False)
     tok = load_tokenizer("byte")
     proc = ImageProcessorConfig(patch_size=8, min_patches=4, max_patches=16, merge=2)
-    vc = VisionConfig(processor=proc, encoder=NaViTConfig(patch_size=8, hidden_size=16, num_layers=1, num_heads=2,
-                                                          merge=2, max_grid=16))
+    vc = VisionConfig(processor=proc, encoder=NaViTConfig(hidden_size=16, num_layers=1, num_heads=2,
+                                                          max_grid=16))
     torch.manual_seed(0)
     model = ConceptMoEVLM(ModelConfig(vocab_size=tok.vocab_size, hidden_size=32, num_heads=4, num_kv_heads=2,
                                       head_dim=8, moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=32)), vc)
@@ -36,7 +36,7 @@ def test_vqa_eval_cli_on_a_trained_tiny_checkpoint(tmp_path):
         opt.zero_grad()
         out.loss.backward()
         opt.step()
-        losses.append(out.stats["lm_loss"])
+        losses.append(out.lm_loss.item())
     assert losses[-1] < losses[0]
     save_pretrained(model, tmp_path / "final", tok)
 

@@ -7,6 +7,7 @@ import torch
 from configs.batch import PackedBatch
 from vlm.model.conceptmoe import ConceptMoELM
 from vlm.model.config import ChunkConfig, ModelConfig, MoEConfig
+from vlm.model.stats import summarize
 
 V = 97
 
@@ -105,10 +106,11 @@ def test_attention_backends_agree():
 
 def test_output_reports_losses_and_chunking_stats():
     m = model(tiny())
-    out = m(PackedBatch.from_documents(rand_docs([30, 20], 12), row_len=64))
-    s = out.stats
+    batch = PackedBatch.from_documents(rand_docs([30, 20], 12), row_len=64)
+    out = m(batch)
+    s = summarize(out, batch)
     assert s["tokens/all"] == 50 and s["tokens/text"] == 50 and s["tokens/image"] == 0
     assert s["compression/ratio"] == pytest.approx(50 / s["boundaries/all"])
-    assert s["boundaries/all"] == out.extras["boundary"].sum().item() >= 2
+    assert s["boundaries/all"] == out.chunks.b_BT.sum().item() >= 2
     assert "loss/text_only" in s and "loss/image_text" not in s
     torch.testing.assert_close(out.loss, out.lm_loss + 0.03 * out.ratio_loss + out.balance_loss)

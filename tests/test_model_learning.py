@@ -9,6 +9,7 @@ import torch
 from configs.batch import PackedBatch
 from vlm.model.conceptmoe import ConceptMoELM
 from vlm.model.config import ChunkConfig, ModelConfig, MoEConfig
+from vlm.model.stats import summarize
 
 
 def corpus_bytes() -> bytes:
@@ -40,12 +41,13 @@ def test_compression_reaches_target_while_lm_loss_falls():
     stream = batches(corpus_bytes(), rows=8, T=96, seed=0)
     lm, ratio = [], []
     for step in range(300):
-        out = m(next(stream))
+        batch = next(stream)
+        out = m(batch)
         opt.zero_grad()
         out.loss.backward()
         opt.step()
-        lm.append(out.stats["lm_loss"])
-        ratio.append(out.stats["compression/ratio"])
+        lm.append(out.lm_loss.item())
+        ratio.append(summarize(out, batch)["compression/ratio"])
     first, last = sum(lm[:20]) / 20, sum(lm[-20:]) / 20
     realized = sum(ratio[-50:]) / 50
     print(json.dumps({"lm_first": first, "lm_last": last, "ratio_last50": realized}))

@@ -10,14 +10,14 @@ from vision.navit import NaViTConfig
 from configs.batch import IGNORE_INDEX, IMAGE, TEXT, PackedBatch
 from vlm.model.config import ChunkConfig, ModelConfig, MoEConfig
 from vlm.model.multimodal import ConceptMoEVLM
+from vlm.model.stats import summarize
 
 V, PAD_IMG = 64, 1
 
 
 def vision_cfg():
     return VisionConfig(processor=ImageProcessorConfig(patch_size=4, min_patches=4, max_patches=16, merge=2),
-                        encoder=NaViTConfig(patch_size=4, hidden_size=16, num_layers=1, num_heads=2, merge=2,
-                                            max_grid=16))
+                        encoder=NaViTConfig(hidden_size=16, num_layers=1, num_heads=2, max_grid=16))
 
 
 def lm_cfg(**chunk):
@@ -103,19 +103,16 @@ def test_per_modality_statistics_hand_counted(setup):
     force = torch.zeros_like(b.doc_ids, dtype=torch.bool)
     force[0, [2, 3, 5, 11]] = True
     out = m(b, force=force)
-    s = out.stats
+    s = summarize(out, b)
     # text: 3 + 2 + 4 = 9 tokens, boundaries at 0, 2, 9, 11 -> 4; image: 4 tokens, boundaries at 3, 5 -> 2
     assert s["tokens/text"] == 9 and s["boundaries/text"] == 4 and s["compression/text"] == pytest.approx(9 / 4)
     assert s["tokens/image"] == 4 and s["boundaries/image"] == 2 and s["compression/image"] == pytest.approx(2.0)
     assert s["compression/ratio"] == pytest.approx(13 / 6)
-    p = out.extras["p"][0]
+    p = out.chunks.p_BT[0]
     img = b.modality[0] == IMAGE
     assert s["boundary_p/image"] == pytest.approx(p[img].mean().item(), rel=1e-5)
     assert s["boundary_p/text"] == pytest.approx(p[(b.doc_ids[0] >= 0) & ~img].mean().item(), rel=1e-5)
     assert "loss/image_text" in s and "loss/text_only" in s
-    hist = out.extras["p_hist/image"]
-    assert hist.sum() == 4 and hist[min(int(p[img][0] * 10), 9)] >= 1
-    assert out.extras["p_hist/text"].sum() == 9
 
 
 def test_grid_aware_boundaries_compare_with_the_token_above():
@@ -129,7 +126,7 @@ def test_grid_aware_boundaries_compare_with_the_token_above():
     assert [above[i].item() for i in img_pos] == [-1, -1, img_pos[0], img_pos[1]]
     base = ConceptMoEVLM(lm_cfg(), vc).eval()
     base.load_state_dict(m.state_dict())
-    assert not torch.allclose(m(b).extras["p"], base(b).extras["p"])
+    assert not torch.allclose(m(b).chunks.p_BT, base(b).chunks.p_BT)
 
 
 def test_separate_ratio_targets_per_modality(setup):
@@ -164,12 +161,36 @@ def test_caption_training_lowers_loss_and_reports_both_ratios():
                 img = Image.new("RGB", (12, 12), colours[tok])
                 docs.append([[2], img, [40, 41, tok, 3]])  # "<bos> <image> a photo of <colour> <eos>"
             rows.append(row(docs, proc, 40))
-        out = m(PackedBatch.stack(rows))
+        batch = PackedBatch.stack(rows)
+        out = m(batch)
         opt.zero_grad()
         out.loss.backward()
         opt.step()
-        losses.append(out.stats["loss/image_text"])
-        ratios_img.append(out.stats["compression/image"])
-        ratios_txt.append(out.stats["compression/text"])
+        s = summarize(out, batch)
+        losses.append(s["loss/image_text"])
+        ratios_img.append(s["compression/image"])
+        ratios_txt.append(s["compression/text"])
     assert np.mean(losses[-10:]) < np.mean(losses[:10]) - 0.5
     assert np.mean(ratios_img[-10:]) >= 1.0 and np.mean(ratios_txt[-10:]) >= 1.0
+
+
+def test_export_round_trips_the_vision_config(tmp_path):
+    """The vision config travels in the transformers config.json; exports written while the encoder still
+    repeated the processor's patch_size and merge load too."""
+    import json
+
+    from vlm.model.hf import load_vlm, save_pretrained
+
+    torch.manual_seed(0)
+    vc = vision_cfg()
+    model = ConceptMoEVLM(lm_cfg(), vc)
+    save_pretrained(model, tmp_path)
+    info = json.loads((tmp_path / "config.json").read_text())
+    assert "patch_size" not in info["vision"]["encoder"] and info["vision"]["processor"]["patch_size"] == 4
+    loaded = load_vlm(tmp_path)
+    assert loaded.vision_cfg == vc and loaded.vision.merge == 2 and loaded.vision.encoder.patch_size == 4
+    sd = model.state_dict()
+    assert all(torch.equal(t, sd[k]) for k, t in loaded.state_dict().items())
+    info["vision"]["encoder"].update(patch_size=4, merge=2)   # an export from before
+    (tmp_path / "config.json").write_text(json.dumps(info))
+    assert load_vlm(tmp_path).vision_cfg == vc

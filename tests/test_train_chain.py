@@ -14,7 +14,6 @@ import pytest
 import torch
 import yaml
 
-from test_train_helpers import TINY, tiny_data  # noqa: F401 (fixture)
 from configs.config import ConfigError
 
 
@@ -23,10 +22,10 @@ def _write(path, data: dict):
     return str(path)
 
 
-def _stage_files(root, data_dir) -> dict[str, str]:
+def _stage_files(root, data_dir, tiny: dict) -> dict[str, str]:
     """A tiny base config on the default dataset and three stages that state only what differs from it:
     text (LLM alone, text part) -> align (captions, LLM frozen) -> full (everything trains, all parts)."""
-    base = copy.deepcopy(TINY)
+    base = copy.deepcopy(tiny)
     base["data"].update(sources=[], default_dir=str(data_dir))
     base["logging"].update(eval_every=0, histogram_every=0, eval_sources=[])
     base["checkpoint"].update(save_every=1, keep_last=2)
@@ -63,11 +62,11 @@ def _mtimes(d) -> dict[str, int]:
 
 
 @pytest.fixture(scope="module")
-def chain(tiny_data, tmp_path_factory):  # noqa: F811
+def chain(tiny_data, tmp_path_factory, TINY):
     """The text -> align chain, run once through the CLI for the tests of this module."""
     det, threads = torch.are_deterministic_algorithms_enabled(), torch.get_num_threads()
     root = tmp_path_factory.mktemp("chain")
-    files = _stage_files(root / "cfg", tiny_data)
+    files = _stage_files(root / "cfg", tiny_data, TINY)
     out = root / "out"
     args = [files["text"], files["align"], "--out", str(out), "--set", "train.max_steps=2"]
     rc, stdout, stderr = _chain_cli(args)
@@ -165,10 +164,10 @@ def test_an_unfinished_stage_resumes_instead_of_restarting(chain, tmp_path):
     assert (align / "metrics.jsonl").read_text() == metrics_before      # no step was trained again
 
 
-def test_bad_stage_config_stops_before_any_work(tiny_data, tmp_path, capsys):  # noqa: F811
+def test_bad_stage_config_stops_before_any_work(tiny_data, tmp_path, capsys, TINY):
     from vlm.cli import main
 
-    files = _stage_files(tmp_path / "cfg", tiny_data)
+    files = _stage_files(tmp_path / "cfg", tiny_data, TINY)
     bad = _write(tmp_path / "cfg" / "bad.yaml", {"base": "base.yaml", "optim": {"lrr": 0.1}})
     out = tmp_path / "out"
     rc = main(["chain", files["text"], bad, "--out", str(out)])

@@ -8,7 +8,6 @@ import sys
 import pytest
 import torch
 
-from test_train_helpers import ROOT, TINY, load_tiny, subprocess_env, write_config
 from configs.config import ConfigError
 from vlm.train.__main__ import main as train_main
 
@@ -38,7 +37,7 @@ BAD = [
 
 
 @pytest.mark.parametrize("overrides,needle", BAD, ids=[b[1][:30] for b in BAD])
-def test_bad_config_one_line(tmp_path, capsys, overrides, needle):
+def test_bad_config_one_line(tmp_path, capsys, overrides, needle, write_config, TINY):
     path = write_config(TINY, tmp_path / "c.yaml")
     rc = train_main(["--config", str(path), "--out", str(tmp_path / "run"), *overrides])
     err = capsys.readouterr().err.strip()
@@ -48,7 +47,7 @@ def test_bad_config_one_line(tmp_path, capsys, overrides, needle):
     assert not (tmp_path / "run").exists(), "a config error must stop before any work"
 
 
-def test_bad_config_cli_subprocess(tmp_path):
+def test_bad_config_cli_subprocess(tmp_path, TINY, write_config, ROOT, subprocess_env):
     """The real entry point: exit code 2 and exactly one line on stderr, before DeepSpeed starts."""
     cfg = dict(TINY, optim={**TINY["optim"], "betas": "fast"})
     path = write_config(cfg, tmp_path / "bad.yaml")
@@ -59,7 +58,7 @@ def test_bad_config_cli_subprocess(tmp_path):
     assert lines == [lines[0]] and "optim.betas" in lines[0], proc.stderr
 
 
-def test_default_configs_validate():
+def test_default_configs_validate(ROOT):
     from configs.config import load_config
     from vlm.train.config import TrainConfig, load_train_config
 
@@ -85,15 +84,18 @@ def test_lr_schedules():
     assert lr_multiplier(50, schedule="constant", **kw) == 1.0
 
 
-def _tiny_model(**cfg_updates):
-    cfg = load_tiny({**TINY, **cfg_updates})
-    from vlm.model.multimodal import ConceptMoEVLM
+@pytest.fixture
+def _tiny_model(load_tiny, TINY):
+    def make(**cfg_updates):
+        cfg = load_tiny({**TINY, **cfg_updates})
+        from vlm.model.multimodal import ConceptMoEVLM
 
-    torch.manual_seed(0)
-    return cfg, ConceptMoEVLM(cfg.model, cfg.vision)
+        torch.manual_seed(0)
+        return cfg, ConceptMoEVLM(cfg.model, cfg.vision)
+    return make
 
 
-def test_param_groups_mup_and_multipliers():
+def test_param_groups_mup_and_multipliers(_tiny_model, TINY):
     from vlm.train.param_groups import apply_mup_init, build_param_groups, mup_width_multipliers, part_of
 
     model_cfg = dict(TINY["model"], hidden_size=64, concept_hidden_size=128, head_dim=16)
@@ -128,7 +130,7 @@ def test_param_groups_mup_and_multipliers():
     assert torch.equal(after["lm.embed.weight"], before["lm.embed.weight"])
 
 
-def test_freeze_by_prefix_and_unknown_prefix():
+def test_freeze_by_prefix_and_unknown_prefix(_tiny_model):
     from vlm.train.param_groups import build_param_groups, freeze_prefixes
 
     cfg, model = _tiny_model()
@@ -186,3 +188,27 @@ def test_non_utf8_config_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert rc == 2 and err.startswith("config error: ") and "not UTF-8" in err and len(err.splitlines()) == 1
     assert not (tmp_path / "run").exists()
+
+
+def test_the_data_processor_is_the_vision_processor():
+    """The patch geometry is stated once, under vision.processor: with a vision section the loader patchifies
+    with that same config. data.processor serves configs without vision; next to a vision section a copy is
+    accepted only where it is the same (a saved run config writes both), anything else is one clear error."""
+    from configs.config import from_dict, to_dict
+    from vision.config import VisionConfig
+    from vlm.train.config import TrainConfig
+
+    vision = {"processor": {"patch_size": 7, "max_patches": 16},
+              "encoder": {"hidden_size": 16, "num_heads": 2, "num_layers": 1, "max_grid": 16}}
+    cfg = from_dict(TrainConfig, {"vision": vision})
+    assert cfg.data.processor is cfg.vision.processor and cfg.data.processor.patch_size == 7
+    again = from_dict(TrainConfig, to_dict(cfg))
+    assert again == cfg and again.data.processor is again.vision.processor
+    direct = TrainConfig(vision=from_dict(VisionConfig, vision))           # made in Python: derived as well
+    assert direct.data.processor is direct.vision.processor
+    with pytest.raises(ConfigError, match="data.processor is set, but with a vision section"):
+        from_dict(TrainConfig, {"vision": vision, "data": {"processor": {"patch_size": 4}}})
+    text = from_dict(TrainConfig, {"vision": None, "train": {"stage": "text"}, "data": {"processor": {"patch_size": 4}}})
+    assert text.data.processor.patch_size == 4
+    with pytest.raises(ConfigError, match="unknown key vision.encoder.patch_size"):
+        from_dict(TrainConfig, {"vision": dict(vision, encoder=dict(vision["encoder"], patch_size=7))})

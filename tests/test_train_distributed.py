@@ -11,8 +11,6 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from test_train_helpers import ROOT, load_tiny, subprocess_env, tiny_config, tiny_data, write_config  # noqa: F401
-
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -20,7 +18,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, cfg_dict: dict, out: str) -> None:
+def _worker(rank: int, world: int, port: int, cfg, out: str) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -28,7 +26,6 @@ def _worker(rank: int, world: int, port: int, cfg_dict: dict, out: str) -> None:
     from vlm.train.metrics import step_record
     from vlm.train.trainer import Trainer
 
-    cfg = load_tiny(cfg_dict)
     tr = Trainer(cfg, os.path.join(out, f"run{world}"), log=lambda *_: None)
     # The same two one-row batches everywhere: one process takes both as micro-batches, two take one each.
     it = iter(build_loader(cfg.data, tr.tokenizer, 0, 1))
@@ -45,7 +42,7 @@ def _worker(rank: int, world: int, port: int, cfg_dict: dict, out: str) -> None:
 
 
 @pytest.mark.slow
-def test_two_ranks_match_one_rank_first_step(tiny_data, tmp_path):  # noqa: F811
+def test_two_ranks_match_one_rank_first_step(tiny_data, tmp_path, tiny_config, load_tiny):
     # ratio_loss_weight 0: the ratio loss is still computed (and compared) but the parameter update is then
     # exactly the global-batch gradient in both layouts (with a weight, micro-batch k of one process only sees
     # the running sums of micro-batches <= k, as in DLCM's accumulation).
@@ -53,8 +50,8 @@ def test_two_ranks_match_one_rank_first_step(tiny_data, tmp_path):  # noqa: F811
     base["model"]["chunk"]["ratio_loss_weight"] = 0.0
     one = dict(base, optim={**base["optim"], "grad_accum": 2})
     two = dict(base, optim={**base["optim"], "grad_accum": 1})
-    mp.spawn(_worker, args=(1, _free_port(), one, str(tmp_path)), nprocs=1, join=True)
-    mp.spawn(_worker, args=(2, _free_port(), two, str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_worker, args=(1, _free_port(), load_tiny(one), str(tmp_path)), nprocs=1, join=True)
+    mp.spawn(_worker, args=(2, _free_port(), load_tiny(two), str(tmp_path)), nprocs=2, join=True)
     a, b = torch.load(tmp_path / "world1.pt"), torch.load(tmp_path / "world2.pt")
     ra, rb = a["rec"], b["rec"]
     assert ra["tokens"] == rb["tokens"] and ra["tokens/image"] == rb["tokens/image"]
@@ -72,7 +69,7 @@ def test_two_ranks_match_one_rank_first_step(tiny_data, tmp_path):  # noqa: F811
 
 
 @pytest.mark.slow
-def test_torchrun_two_processes_cli(tiny_data, tmp_path):  # noqa: F811
+def test_torchrun_two_processes_cli(tiny_data, tmp_path, tiny_config, write_config, subprocess_env, ROOT):
     cfg = tiny_config(tiny_data, train={"max_steps": 2}, checkpoint={"save_every": 2}, logging={"eval_every": 2},
                       deepspeed={"zero_stage": 2})
     path = write_config(cfg, tmp_path / "c.yaml")

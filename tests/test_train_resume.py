@@ -10,8 +10,6 @@ import time
 
 import pytest
 
-from test_train_helpers import ROOT, run_train_cli, subprocess_env, tiny_config, tiny_data, write_config  # noqa: F401
-from test_train_run import make_trainer, torch_globals  # noqa: F401 (fixture)
 from vlm.train.metrics import TIMING_KEYS
 
 
@@ -39,7 +37,8 @@ def test_latest_checkpoint_ignores_partial_saves(tmp_path):
 
 
 @pytest.mark.slow
-def test_sigkill_and_resume_reproduces_metrics(tiny_data, tmp_path):  # noqa: F811
+def test_sigkill_and_resume_reproduces_metrics(tiny_data, tmp_path, tiny_config, write_config, run_train_cli, ROOT,
+                                               subprocess_env):
     cfg = tiny_config(tiny_data, train={"max_steps": 8, "threads": 1}, checkpoint={"save_every": 2, "keep_last": 2},
                       logging={"eval_every": 3, "histogram_every": 2})
     path = write_config(cfg, tmp_path / "c.yaml")
@@ -82,19 +81,18 @@ def test_sigkill_and_resume_reproduces_metrics(tiny_data, tmp_path):  # noqa: F8
     assert wa.keys() == wb.keys() and all((wa[k] == wb[k]).all() for k in wa)
 
 
-def test_resume_refuses_a_changed_config(tiny_data, tmp_path, torch_globals):  # noqa: F811
+def test_resume_refuses_a_changed_config(tiny_data, tmp_path, torch_globals, tiny_config, make_trainer):
     from configs.config import ConfigError
-    from vlm.train.loop import run
 
     cfg = tiny_config(tiny_data, train={"max_steps": 2}, checkpoint={"save_every": 2}, logging={"eval_every": 0})
     run_dir = tmp_path / "run"
-    assert run(make_trainer(cfg, run_dir)) == 0
+    assert make_trainer(cfg, run_dir).train() == 0
     with pytest.raises(ConfigError, match="already has checkpoints"):
         make_trainer(cfg, run_dir, resume=False)
     # More steps is a legitimate continuation (automatic resume) ...
     cfg["train"]["max_steps"] = 3
     tr = make_trainer(cfg, run_dir)
-    assert tr.resume_from is not None and run(tr) == 0 and tr.step == 3
+    assert tr.resume_from is not None and tr.train() == 0 and tr.step == 3
     assert [r["step"] for r in _records(run_dir)] == [1, 2, 3]
     # ... a different learning rate is not.
     cfg["optim"]["lr"] = 0.1
@@ -105,17 +103,16 @@ def test_resume_refuses_a_changed_config(tiny_data, tmp_path, torch_globals):  #
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
-def test_damaged_latest_checkpoint_falls_back_to_an_intact_one(tiny_data, tmp_path, torch_globals, damage):  # noqa: F811
+def test_damaged_latest_checkpoint_falls_back_to_an_intact_one(tiny_data, tmp_path, torch_globals, damage, tiny_config,
+                                                               load_tiny, make_trainer):
     """Every checkpoint file's SHA-256 is recorded at save; a resume skips a checkpoint whose files no longer
     match, with a warning naming the file, and continues from the newest intact one."""
-    from vlm.train.loop import run
     from vlm.train.trainer import Trainer
-    from test_train_helpers import load_tiny
 
     cfg = tiny_config(tiny_data, train={"max_steps": 4}, checkpoint={"save_every": 2, "keep_last": 2},
                       logging={"eval_every": 0})
     run_dir = tmp_path / "run"
-    assert run(make_trainer(cfg, run_dir)) == 0
+    assert make_trainer(cfg, run_dir).train() == 0
     ckpts = sorted((run_dir / "checkpoints").iterdir())
     assert [p.name for p in ckpts] == ["step_00000002", "step_00000004"]
     victim = max((p for p in (ckpts[1] / "ds").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
@@ -173,16 +170,16 @@ def test_trainer_state_loads_tensors_only(tmp_path):
 
 
 @pytest.mark.parametrize("zero_stage", [1, 2, 3])
-def test_zero_checkpoints_resume_through_the_safe_loader(tiny_data, tmp_path, torch_globals, zero_stage):  # noqa: F811
+def test_zero_checkpoints_resume_through_the_safe_loader(tiny_data, tmp_path, torch_globals, zero_stage, tiny_config,
+                                                         make_trainer):
     """DeepSpeed's own checkpoint files (ZeRO partitions included) load with tensors-only unpickling."""
-    from vlm.train.loop import run
 
     cfg = tiny_config(tiny_data, train={"max_steps": 2}, deepspeed={"zero_stage": zero_stage},
                       checkpoint={"save_every": 2}, logging={"eval_every": 0})
-    assert run(make_trainer(cfg, tmp_path / "run")) == 0
+    assert make_trainer(cfg, tmp_path / "run").train() == 0
     cfg["train"]["max_steps"] = 3
     tr = make_trainer(cfg, tmp_path / "run", resume=True)
-    assert run(tr) == 0 and tr.step == 3
+    assert tr.train() == 0 and tr.step == 3
 
 
 def test_deepspeed_files_load_tensors_only(tmp_path):
@@ -197,25 +194,22 @@ def test_deepspeed_files_load_tensors_only(tmp_path):
     assert not marker.exists()
 
 
-def test_accept_optim_change_resumes_with_the_new_rates(tiny_data, tmp_path, torch_globals):  # noqa: F811
+def test_accept_optim_change_resumes_with_the_new_rates(tiny_data, tmp_path, torch_globals, tiny_config, make_trainer,
+                                                        load_tiny):
     """The documented fix after non-finite steps: resume with a lower optim.lr. The checkpoint's optimizer and
     scheduler state come back, but the rates (and other optimiser settings) are this config's."""
-    from test_train_helpers import load_tiny
-
     from configs.config import ConfigError
-    from vlm.train.loop import run
     from vlm.train.trainer import Trainer
 
     cfg = tiny_config(tiny_data, train={"max_steps": 4}, checkpoint={"save_every": 2}, logging={"eval_every": 0},
                       optim={"lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 0, "schedule": "constant"})
     run_dir = tmp_path / "run"
-    assert run(make_trainer(cfg, run_dir)) == 0
+    assert make_trainer(cfg, run_dir).train() == 0
     cfg["train"]["max_steps"] = 6
     cfg["optim"].update(lr=1e-4, min_lr=1e-5, weight_decay=0.0)
     with pytest.raises(ConfigError, match="or --accept-optim-change"):
         make_trainer(cfg, run_dir)
     tr = Trainer(load_tiny(cfg), run_dir, log=lambda *_: None, accept_optim_change=True)
-    tr.build_data()
     tr.restore(tr.resume_from)
     assert tr.step == 4
     groups = tr.optimizer.param_groups

@@ -9,26 +9,10 @@ import pytest
 import torch
 import yaml
 
-from test_train_helpers import load_tiny, tiny_config, tiny_data  # noqa: F401 (fixture)
 
 REQUIRED = ["step", "loss", "lm_loss", "aux_loss", "lr", "tokens_per_s", "compression/ratio", "compression/text",
             "compression/image", "boundary_p/text", "boundary_p/image", "loss/text_only", "loss/image_text",
             "nonfinite_steps", "skipped/corrupt_image"]
-
-
-@pytest.fixture
-def torch_globals():
-    """The trainer sets deterministic algorithms and thread counts; give other tests their state back."""
-    det, threads = torch.are_deterministic_algorithms_enabled(), torch.get_num_threads()
-    yield
-    torch.use_deterministic_algorithms(det)
-    torch.set_num_threads(threads)
-
-
-def make_trainer(cfg_dict, run_dir, resume=None):
-    from vlm.train.trainer import Trainer
-
-    return Trainer(load_tiny(cfg_dict), run_dir, resume=resume, log=lambda *_: None)
 
 
 def _tb(run_dir):
@@ -56,12 +40,11 @@ def _hf_logits_match(run_dir, module, tokenizer):
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
-def test_train_single_process_run_dir(tiny_data, tmp_path, torch_globals):  # noqa: F811
-    from vlm.train.loop import run
+def test_train_single_process_run_dir(tiny_data, tmp_path, torch_globals, make_trainer, tiny_config):
 
     run_dir = tmp_path / "run"
     tr = make_trainer(tiny_config(tiny_data), run_dir)
-    assert run(tr) == 0
+    assert tr.train() == 0
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs] == [1, 2, 3, 4]
     for r in recs:
@@ -92,16 +75,15 @@ def test_train_single_process_run_dir(tiny_data, tmp_path, torch_globals):  # no
     _hf_logits_match(run_dir, tr.engine.module, tr.tokenizer)
 
 
-def test_mup_zero1_grad_accum_export(tiny_data, tmp_path, torch_globals):  # noqa: F811
+def test_mup_zero1_grad_accum_export(tiny_data, tmp_path, torch_globals, tiny_config, make_trainer):
     """muP (logit scale folded into the export), ZeRO-1 and two micro-batches per step."""
-    from vlm.train.loop import run
 
     cfg = tiny_config(tiny_data, params={"mup": True, "mup_base_width": 16}, deepspeed={"zero_stage": 1},
                       optim={"grad_accum": 2}, train={"max_steps": 2}, logging={"eval_every": 0})
     run_dir = tmp_path / "run"
     tr = make_trainer(cfg, run_dir)
     assert tr.logit_scale == pytest.approx(0.5)
-    assert run(tr) == 0
+    assert tr.train() == 0
     rec = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
     assert rec["step"] == 2 and rec["lm_loss"] > 0
     _hf_logits_match(run_dir, tr.engine.module, tr.tokenizer)
@@ -120,12 +102,13 @@ def test_global_parser_sums_ranks_and_micro_batches():
     assert torch.equal(two_ranks(b), 2 * b)
 
 
-def test_global_parser_drives_the_chunker(tiny_data):  # noqa: F811
+def test_global_parser_drives_the_chunker(tiny_data, load_tiny, tiny_config):
     """The model's chunk module uses the hook's global sums: its ratio loss is eq. 4 at the global F, G."""
     from data_pipelines.loader import build_loader
     from data_pipelines.tokenizer import load_tokenizer
     from vlm.model.chunking import ratio_loss
     from vlm.model.multimodal import ConceptMoEVLM
+    from vlm.model.stats import summarize
     from vlm.train.global_parser import GlobalParser, install
 
     cfg = load_tiny(tiny_config(tiny_data))
@@ -135,16 +118,18 @@ def test_global_parser_drives_the_chunker(tiny_data):  # noqa: F811
     assert install(model, parser)
     it = iter(build_loader(cfg.data, load_tokenizer("byte")))
     parser.start_step()
-    outs = [model(next(it)) for _ in range(2)]
-    tok = sum(o.stats["tokens/all"] for o in outs)
-    bnd = sum(o.stats["boundaries/all"] for o in outs)
-    psum = sum(o.stats["boundary_p/all"] * o.stats["tokens/all"] for o in outs)
+    batches = [next(it) for _ in range(2)]
+    outs = [model(b) for b in batches]
+    stats = [summarize(o, b) for o, b in zip(outs, batches)]
+    tok = sum(s["tokens/all"] for s in stats)
+    bnd = sum(s["boundaries/all"] for s in stats)
+    psum = sum(s["boundary_p/all"] * s["tokens/all"] for s in stats)
     assert parser.calls == 2
     assert parser.earlier_K3[0, 0].item() == pytest.approx(bnd) and parser.earlier_K3[0, 2].item() == pytest.approx(tok)
     expected = ratio_loss(torch.tensor(bnd / tok), torch.tensor(psum / tok), cfg.model.chunk.target_ratio)
     assert outs[1].ratio_loss.item() == pytest.approx(expected.item(), rel=1e-5)
     # The second micro-batch's loss is not the per-batch one.
-    s = outs[1].stats
+    s = stats[1]
     local = ratio_loss(torch.tensor(s["boundaries/all"] / s["tokens/all"]), torch.tensor(s["boundary_p/all"]), 2.0)
     assert abs(local.item() - outs[1].ratio_loss.item()) > 1e-6
 
@@ -165,10 +150,10 @@ def _snapshot(tr):
 
 
 @pytest.mark.parametrize("zero_stage,grad_accum,bad_micro", [(0, 1, 0), (0, 2, 1), (1, 2, 0)])
-def test_nonfinite_step_is_skipped(tiny_data, tmp_path, torch_globals, zero_stage, grad_accum, bad_micro):  # noqa: F811
+def test_nonfinite_step_is_skipped(tiny_data, tmp_path, torch_globals, zero_stage, grad_accum, bad_micro, tiny_config,
+                                   make_trainer):
     cfg = tiny_config(tiny_data, deepspeed={"zero_stage": zero_stage}, optim={"grad_accum": grad_accum})
     tr = make_trainer(cfg, tmp_path / "run")
-    tr.build_data()
     it = iter(tr.loader)
     window = lambda: [next(it) for _ in range(grad_accum)]  # noqa: E731
     tr.after_step(tr.train_step(window()))
@@ -196,10 +181,10 @@ def test_nonfinite_step_is_skipped(tiny_data, tmp_path, torch_globals, zero_stag
 
 
 @pytest.mark.parametrize("zero_stage", [0, 1])
-def test_finite_loss_with_nonfinite_gradient_is_skipped(tiny_data, tmp_path, torch_globals, zero_stage):  # noqa: F811
+def test_finite_loss_with_nonfinite_gradient_is_skipped(tiny_data, tmp_path, torch_globals, zero_stage, tiny_config,
+                                                        make_trainer):
     cfg = tiny_config(tiny_data, deepspeed={"zero_stage": zero_stage})
     tr = make_trainer(cfg, tmp_path / "run")
-    tr.build_data()
     it = iter(tr.loader)
     tr.after_step(tr.train_step([next(it)]))
     before = _snapshot(tr)
@@ -212,15 +197,15 @@ def test_finite_loss_with_nonfinite_gradient_is_skipped(tiny_data, tmp_path, tor
     assert res.applied and all(torch.isfinite(p).all() for p in tr.engine.module.parameters())
 
 
-def test_nonfinite_in_a_row_stops_with_checkpoint(tiny_data, tmp_path, torch_globals):  # noqa: F811
-    from vlm.train.loop import run
+def test_nonfinite_in_a_row_stops_with_checkpoint(tiny_data, tmp_path, torch_globals, tiny_config, make_trainer):
 
     cfg = tiny_config(tiny_data, train={"max_steps": 10, "max_nonfinite_in_row": 2}, checkpoint={"save_every": 0},
                       logging={"eval_every": 0})
     run_dir = tmp_path / "run"
-    tr = make_trainer(cfg, run_dir)
-    tr.loss_hook = lambda out, k: _nan_hook(out, k) if tr.step >= 1 else out
-    assert run(tr) == 1
+    trainer = {}   # from the second step on, every micro-batch's loss is NaN
+    tr = make_trainer(cfg, run_dir, loss_hook=lambda out, k: _nan_hook(out, k) if trainer["it"].step >= 1 else out)
+    trainer["it"] = tr
+    assert tr.train() == 1
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r.get("skipped", False) for r in recs] == [False, True, True]
     assert recs[-1]["nonfinite_steps"] == 2
@@ -228,7 +213,7 @@ def test_nonfinite_in_a_row_stops_with_checkpoint(tiny_data, tmp_path, torch_glo
     assert not (run_dir / "final").exists()
 
 
-def test_loss_weighting_gives_the_global_token_mean(tiny_data, tmp_path, torch_globals):  # noqa: F811
+def test_loss_weighting_gives_the_global_token_mean(tiny_data, tmp_path, torch_globals, tiny_config, make_trainer):
     """Two one-row micro-batches update the model exactly like one two-row batch: each micro-batch's LM loss
     is weighted by its share of the step's labelled tokens (chunking and balance loss off so that nothing
     else depends on how rows are grouped)."""
@@ -255,27 +240,26 @@ def test_loss_weighting_gives_the_global_token_mean(tiny_data, tmp_path, torch_g
         torch.testing.assert_close(ps[n], pw[n], rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
 
 
-def test_zero3_trains_and_exports(tiny_data, tmp_path, torch_globals):  # noqa: F811
+def test_zero3_trains_and_exports(tiny_data, tmp_path, torch_globals, tiny_config, make_trainer):
     """ZeRO-3 partitions parameters; the chunker's outputs must stay traceable through module outputs."""
-    from vlm.train.loop import run
 
     cfg = tiny_config(tiny_data, deepspeed={"zero_stage": 3}, train={"max_steps": 2}, logging={"eval_every": 0})
     run_dir = tmp_path / "run"
     tr = make_trainer(cfg, run_dir)
-    assert run(tr) == 0
+    assert tr.train() == 0
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert lines[-1]["step"] == 2 and all(torch.isfinite(torch.tensor(r["loss"])) for r in lines)
     assert (run_dir / "final" / "config.json").is_file()
 
 
-def test_nonfinite_weights_are_never_exported(tiny_data, tmp_path, torch_globals):  # noqa: F811
-    from vlm.train.loop import export_final
+def test_nonfinite_weights_are_never_exported(tiny_data, tmp_path, torch_globals, make_trainer, tiny_config):
+    from vlm.train.export import export_final
     from vlm.train.report import summary_lines
 
     tr = make_trainer(tiny_config(tiny_data), tmp_path / "run")
     with torch.no_grad():
         next(tr.engine.module.parameters())[0].fill_(float("nan"))
-    assert export_final(tr) is None
+    assert export_final(tr.engine, tr.run_dir, tr.tokenizer, tr.logit_scale, tr.is_main, tr.log) is None
     assert not (tmp_path / "run" / "final").exists() and not (tmp_path / "run" / ".tmp-final").exists()
     lines = summary_lines([{"step": 1, "lm_loss": 1.0}], {}, None, tmp_path / "run", 1.0, 0, {})
     assert "no final/ exported" in lines[-1] and "final" not in lines[-1].replace("no final/ exported", "")
@@ -304,7 +288,7 @@ def _listening_addresses() -> list[str]:
 
 
 @pytest.mark.skipif(not __import__("pathlib").Path("/proc/net/tcp").exists(), reason="needs Linux /proc")
-def test_one_process_run_listens_on_loopback_only(tiny_data, tmp_path, torch_globals):  # noqa: F811
+def test_one_process_run_listens_on_loopback_only(tiny_data, tmp_path, torch_globals, make_trainer, tiny_config):
     make_trainer(tiny_config(tiny_data), tmp_path / "run")
     addrs = _listening_addresses()
     everywhere = {"00000000", "00000000000000000000000000000000"}

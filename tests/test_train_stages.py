@@ -7,9 +7,6 @@ import pytest
 import torch
 import yaml
 
-from test_train_helpers import tiny_config, tiny_data  # noqa: F401 (fixture)
-from test_train_run import make_trainer, torch_globals  # noqa: F401 (fixture)
-
 
 def _text_only(cfg: dict) -> dict:
     cfg["vision"] = None
@@ -18,13 +15,12 @@ def _text_only(cfg: dict) -> dict:
     return cfg
 
 
-def test_text_then_vl_from_its_llm(tiny_data, tmp_path, torch_globals):  # noqa: F811
+def test_text_then_vl_from_its_llm(tiny_data, tmp_path, torch_globals, tiny_config, make_trainer):
     from vlm.model.hf import load_vlm
-    from vlm.train.loop import run
 
     text_cfg = _text_only(tiny_config(tiny_data, train={"stage": "text", "max_steps": 2}, logging={"eval_every": 0}))
     text_dir = tmp_path / "text"
-    assert run(make_trainer(text_cfg, text_dir)) == 0
+    assert make_trainer(text_cfg, text_dir).train() == 0
     pretrained = load_vlm(text_dir / "final")
     assert pretrained.vision is None
 
@@ -39,16 +35,15 @@ def test_text_then_vl_from_its_llm(tiny_data, tmp_path, torch_globals):  # noqa:
     assert groups["projector/matrix"] == pytest.approx(10 * groups["token/matrix"])
     assert "embed/matrix" not in groups                       # frozen
     embed_before = module.lm.embed.weight.detach().clone()
-    assert run(tr) == 0
+    assert tr.train() == 0
     assert torch.equal(module.lm.embed.weight, embed_before)
     rec = json.loads((tmp_path / "vl" / "metrics.jsonl").read_text().splitlines()[-1])
     assert rec["tokens/image"] > 0 and rec["compression/image"] is not None
 
 
-def test_ct_stage_converts_a_transformers_moe(tiny_data, tmp_path, torch_globals):  # noqa: F811
+def test_ct_stage_converts_a_transformers_moe(tiny_data, tmp_path, torch_globals, make_trainer, tiny_config):
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    from vlm.train.loop import run
 
     torch.manual_seed(0)
     src = Qwen3MoeForCausalLM(Qwen3MoeConfig(
@@ -67,24 +62,23 @@ def test_ct_stage_converts_a_transformers_moe(tiny_data, tmp_path, torch_globals
     assert torch.equal(m.lm.embed.weight, src.model.embed_tokens.weight)      # pretrained weights kept
     assert torch.equal(m.lm.lm_head.weight, src.lm_head.weight)
     assert not m.lm.dechunk.residual.weight.any()                            # conversion init
-    assert run(tr) == 0
+    assert tr.train() == 0
     saved = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert saved["model"]["concept_layers"] == 2 and saved["train"]["stage"] == "ct"
     rec = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
     assert rec["compression/text"] is not None and rec["lm_loss"] > 0
 
 
-def test_mup_continuation_keeps_the_pretrained_function(tiny_data, tmp_path, torch_globals):  # noqa: F811
+def test_mup_continuation_keeps_the_pretrained_function(tiny_data, tmp_path, torch_globals, tiny_config, make_trainer):
     """muP scales logits by 1/s_token in a hook; exports fold it into lm_head, checkpoints do not. A VL run with
     its own muP width starting from either source must compute the pretrained logits before any update."""
     from configs.batch import PackedBatch
     from vlm.model.hf import load_vlm
-    from vlm.train.loop import run
 
     text_cfg = _text_only(tiny_config(tiny_data, train={"stage": "text", "max_steps": 2}, logging={"eval_every": 0},
                                       params={"mup": True, "mup_base_width": 16}, checkpoint={"save_every": 2}))
     text_dir = tmp_path / "text"
-    assert run(make_trainer(text_cfg, text_dir)) == 0
+    assert make_trainer(text_cfg, text_dir).train() == 0
     ref_model = load_vlm(text_dir / "final").eval()
     batch = PackedBatch.from_documents([[1, 2, 3, 4, 5, 6, 7, 8, 9]])
     with torch.no_grad():
@@ -100,16 +94,15 @@ def test_mup_continuation_keeps_the_pretrained_function(tiny_data, tmp_path, tor
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5, msg=lambda e: f"{src.name}: {e}")
 
 
-def test_vl_init_from_carries_the_whole_vlm(tiny_data, tmp_path, torch_globals):  # noqa: F811
+def test_vl_init_from_carries_the_whole_vlm(tiny_data, tmp_path, torch_globals, tiny_config, make_trainer):
     """Stages chain: a VL run started from an earlier VL run (export or checkpoint) begins with its vision encoder,
     projector and LLM exactly."""
     from vlm.model.hf import load_vlm
-    from vlm.train.loop import run
 
     first = tmp_path / "align"
     cfg = tiny_config(tiny_data, train={"stage": "vl", "max_steps": 2}, logging={"eval_every": 0},
                       checkpoint={"save_every": 2})
-    assert run(make_trainer(cfg, first)) == 0
+    assert make_trainer(cfg, first).train() == 0
     trained = load_vlm(first / "final").state_dict()
     for src in (first / "final", first / "checkpoints" / "step_00000002"):
         nxt = tiny_config(tiny_data, train={"stage": "vl", "max_steps": 1, "init_from": str(src), "seed": 7},
@@ -123,13 +116,12 @@ def test_vl_init_from_carries_the_whole_vlm(tiny_data, tmp_path, torch_globals):
             assert torch.equal(state[k], trained[k]), f"{src.name}: {k}"
 
 
-def test_init_from_names_a_mismatched_vision_tensor(tiny_data, tmp_path, torch_globals):  # noqa: F811
+def test_init_from_names_a_mismatched_vision_tensor(tiny_data, tmp_path, torch_globals, tiny_config, make_trainer):
     from configs.config import ConfigError
-    from vlm.train.loop import run
 
     first = tmp_path / "a"
-    assert run(make_trainer(tiny_config(tiny_data, train={"stage": "vl", "max_steps": 1},
-                                        logging={"eval_every": 0}), first)) == 0
+    assert make_trainer(tiny_config(tiny_data, train={"stage": "vl", "max_steps": 1},
+                                    logging={"eval_every": 0}), first).train() == 0
     cfg = tiny_config(tiny_data, train={"stage": "vl", "max_steps": 1, "init_from": str(first)},
                       logging={"eval_every": 0})
     cfg["vision"]["projector"] = {"kind": "mlp"}

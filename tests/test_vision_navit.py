@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from vision.config import VisionConfig
 from vision.image_processor import grid_coords
 from vision.navit import NaViTConfig, NaViTEncoder
 from configs.config import ConfigError, from_dict
@@ -13,8 +14,8 @@ PD = 3 * 4 * 4   # patch_size 4 keeps the tests tiny
 
 def _encoder(pos="learned2d", merge=2, **kw):
     torch.manual_seed(0)
-    return NaViTEncoder(NaViTConfig(patch_size=4, hidden_size=32, num_heads=4, num_layers=2, pos=pos,
-                                    merge=merge, max_grid=16, **kw)).eval()
+    return NaViTEncoder(NaViTConfig(hidden_size=32, num_heads=4, num_layers=2, pos=pos, max_grid=16, **kw),
+                        patch_size=4, merge=merge).eval()
 
 
 def _images(grids=GRIDS, seed=1):
@@ -163,8 +164,13 @@ def test_config_validation():
         from_dict(NaViTConfig, {"hidden_size": 24, "num_heads": 4, "pos": "rope2d"})
     with pytest.raises(ConfigError, match="allowed values"):
         from_dict(NaViTConfig, {"pos": "sincos"})
-    with pytest.raises(ConfigError, match="merger='none'"):
-        from_dict(NaViTConfig, {"merger": "none", "out_dim": 10})
+    with pytest.raises(ConfigError, match="encoder.merger='none'"):  # needs the processor's merge
+        from_dict(VisionConfig, {"encoder": {"merger": "none", "out_dim": 10}}, "vision")
+    for key in ("patch_size", "merge"):   # the patch geometry is the processor's: no second copy here
+        with pytest.raises(ConfigError, match=f"unknown key {key}"):
+            from_dict(NaViTConfig, {key: 2})
+    with pytest.raises(ConfigError, match="divisible by num_heads"):   # checked however the config is made
+        NaViTConfig(hidden_size=30, num_heads=4)
 
 
 def test_grad_checkpointing_gives_same_gradients():

@@ -57,8 +57,8 @@ def _reference_vit(sd: dict, img_13HW: torch.Tensor) -> torch.Tensor:
 
 def _encoder(**kw) -> NaViTEncoder:
     torch.manual_seed(1)
-    return NaViTEncoder(NaViTConfig(patch_size=P, hidden_size=D, num_heads=HEADS, num_layers=LAYERS,
-                                    max_grid=8, **kw)).eval()
+    return NaViTEncoder(NaViTConfig(hidden_size=D, num_heads=HEADS, num_layers=LAYERS, max_grid=8, **kw),
+                        patch_size=P, merge=2).eval()
 
 
 def _features(enc, img_13HW):
@@ -134,12 +134,12 @@ def test_mismatches_are_skipped_with_reasons(tmp_path):
     sd = _timm_state_dict(cls_token=False)
     sd["blocks.0.ls1.gamma"] = torch.ones(D)
     save_file(sd, str(tmp_path / "vit.safetensors"))
-    enc = NaViTEncoder(NaViTConfig(patch_size=P, hidden_size=D, num_heads=HEADS, num_layers=1, pos="rope2d"))
+    enc = NaViTEncoder(NaViTConfig(hidden_size=D, num_heads=HEADS, num_layers=1, pos="rope2d"), patch_size=P, merge=2)
     reasons = dict(load_timm_vit_state_dict(enc, tmp_path / "vit.safetensors").skipped)
     assert "rope2d" in reasons["pos_embed"]
     assert "layer scale" in reasons["blocks.0.ls1.gamma"]
     assert "blocks.1.attn.qkv.weight" in reasons
-    enc8 = NaViTEncoder(NaViTConfig(patch_size=8, hidden_size=D, num_heads=HEADS, num_layers=1))
+    enc8 = NaViTEncoder(NaViTConfig(hidden_size=D, num_heads=HEADS, num_layers=1), patch_size=8, merge=2)
     assert "patch" in dict(load_timm_vit_state_dict(enc8, tmp_path / "vit.safetensors").skipped)[
         "patch_embed.proj.weight"]
     with pytest.raises(FileNotFoundError, match="nothing is downloaded"):
@@ -150,7 +150,7 @@ def test_vision_config_loads_checkpoint_into_navit(tmp_path):
     sd = _timm_state_dict(cls_token=False)
     save_file(sd, str(tmp_path / "vit.safetensors"))
     base = {"processor": {"patch_size": P, "max_patches": 16},
-            "encoder": {"patch_size": P, "hidden_size": D, "num_heads": HEADS, "num_layers": LAYERS, "max_grid": 16}}
+            "encoder": {"hidden_size": D, "num_heads": HEADS, "num_layers": LAYERS, "max_grid": 16}}
     tower = from_dict(VisionConfig, dict(base, timm_checkpoint=str(tmp_path / "vit.safetensors"))).build(24)
     torch.testing.assert_close(tower.encoder.blocks[0].attn.qkv.weight, sd["blocks.0.attn.qkv.weight"])
     wide = dict(base, encoder=dict(base["encoder"], hidden_size=64), timm_checkpoint=str(tmp_path / "vit.safetensors"))

@@ -10,7 +10,7 @@ from configs.config import ConfigError, apply_overrides, from_dict, to_dict
 
 
 TINY = {"processor": {"patch_size": 4, "max_patches": 64, "min_patches": 4},
-        "encoder": {"patch_size": 4, "hidden_size": 32, "num_heads": 4, "num_layers": 2, "max_grid": 64}}
+        "encoder": {"hidden_size": 32, "num_heads": 4, "num_layers": 2, "max_grid": 64}}
 
 
 def _cfg(**overrides) -> VisionConfig:
@@ -27,10 +27,11 @@ def _batch(grids, seed=0):
 def test_config_round_trip_and_cross_checks():
     cfg = _cfg()
     assert from_dict(VisionConfig, to_dict(cfg)) == cfg
-    with pytest.raises(ConfigError, match="merge"):
-        _cfg(**{"encoder.merge": 1})
-    with pytest.raises(ConfigError, match="patch_size"):
-        _cfg(**{"encoder.patch_size": 8})
+    for key in ("merge", "patch_size"):   # stated once, by the processor: the encoder has no copy to disagree
+        with pytest.raises(ConfigError, match=f"unknown key encoder.{key}"):
+            _cfg(**{f"encoder.{key}": 1})
+    tower = _cfg(**{"processor.patch_size": 2, "processor.merge": 1}).build(llm_hidden=8)
+    assert (tower.merge, tower.encoder.merge, tower.encoder.patch_size, tower.encoder.patch_dim) == (1, 1, 2, 12)
     with pytest.raises(ConfigError, match="max_grid"):
         _cfg(**{"encoder.max_grid": 16})
     with pytest.raises(ConfigError, match="timm_model"):

@@ -8,8 +8,6 @@ import io
 import pytest
 from PIL import Image
 
-from test_train_helpers import subprocess_env, tiny_config, tiny_data  # noqa: F401 (fixture)
-from test_train_run import make_trainer, torch_globals  # noqa: F401 (fixture)
 
 COLOURS = {"red": (220, 40, 40), "green": (30, 160, 60), "blue": (40, 80, 225), "yellow": (240, 205, 20)}
 QUESTION = "What colour is the square?"
@@ -30,13 +28,12 @@ def _picture(fill, seed: int) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def colour_vlm(tmp_path_factory, tiny_data):  # noqa: F811
+def colour_vlm(tmp_path_factory, tiny_data, tiny_config, make_trainer):
     """(exported final/ directory) of a tiny VLM trained on 'What colour is the square?' questions."""
     import torch
 
     from data_pipelines.schema import Sample
     from data_pipelines.writer import ShardWriter
-    from vlm.train.loop import run
 
     root = tmp_path_factory.mktemp("colour_vlm")
     for split, n in (("train", 400), ("val", 16)):
@@ -54,7 +51,7 @@ def colour_vlm(tmp_path_factory, tiny_data):  # noqa: F811
     cfg["vision"]["freeze_encoder"] = False
     threads = torch.get_num_threads()
     try:
-        assert run(make_trainer(cfg, root / "run")) == 0
+        assert make_trainer(cfg, root / "run").train() == 0
     finally:
         torch.set_num_threads(threads)
     return root / "run" / "final"
@@ -116,7 +113,7 @@ def doc_to_text(doc):
 
 
 @pytest.mark.slow
-def test_a_standard_lmms_eval_vqa_task_is_answered_in_the_trained_format(colour_vlm, tmp_path):
+def test_a_standard_lmms_eval_vqa_task_is_answered_in_the_trained_format(colour_vlm, tmp_path, subprocess_env):
     """`lmms-eval eval` on a task in lmms-eval's own YAML format whose context is raw `<image>\\n<question>`:
     the adapter puts it into the chat template, so the answers are colours and beat the majority answer."""
     import base64

@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> dict:
     imgs = [proc(Image.fromarray(rng.integers(0, 255, (int(rng.integers(32, 640)), int(rng.integers(32, 640)), 3),
                                               dtype=np.uint8)), f"bench{i}") for i in range(args.images)]
     enc = NaViTEncoder(NaViTConfig(hidden_size=args.hidden, num_layers=args.layers, num_heads=args.heads,
-                                   pos=args.pos)).eval()
+                                   pos=args.pos), patch_size=proc.cfg.patch_size, merge=proc.cfg.merge).eval()
     x = torch.cat([p.patches_PD for p in imgs])
     rc = torch.cat([p.coords_P2 for p in imgs])
     grids = torch.tensor([p.grid for p in imgs])

@@ -8,11 +8,14 @@ from vision.image_processor import ImageProcessor, ImageProcessorConfig
 from vision.navit import NaViTConfig, NaViTEncoder
 from vision.projector import Projector, ProjectorConfig
 from vision.tower import VisionTower
-from configs.config import ConfigError, check
+from configs.config import ConfigError, ValidatedOnInit, check
 
 
 @dataclass
-class VisionConfig:
+class VisionConfig(ValidatedOnInit):
+    """`processor` states the patch geometry (patch_size, merge) for the whole vision side: the encoder (NaViT or
+    timm) is built for the patches it makes. Its sections validated themselves when they were made."""
+
     processor: ImageProcessorConfig = field(default_factory=ImageProcessorConfig)
     encoder: NaViTConfig = field(default_factory=NaViTConfig)
     projector: ProjectorConfig = field(default_factory=ProjectorConfig)
@@ -23,14 +26,10 @@ class VisionConfig:
     freeze_encoder: bool = False          # freeze the ViT body; merger and projector still train (LLaVA stage 1)
 
     def validate(self) -> None:
-        self.processor.validate()
-        self.encoder.validate()
-        self.projector.validate()
-        check(self.processor.merge == self.encoder.merge,
-              f"processor.merge={self.processor.merge} must equal encoder.merge={self.encoder.merge}")
-        check(self.processor.patch_size == self.encoder.patch_size,
-              f"processor.patch_size={self.processor.patch_size} must equal "
-              f"encoder.patch_size={self.encoder.patch_size}")
+        try:
+            self.encoder.out_dim_for(self.processor.merge)
+        except ConfigError as e:
+            raise ConfigError(f"encoder.{e}") from None
         if self.backbone == "timm":
             check(bool(self.timm_model), "backbone 'timm' needs timm_model (e.g. naflexvit_base_patch16_gap)")
         if self.encoder.pos == "learned2d" and self.backbone == "navit":
@@ -45,21 +44,21 @@ class VisionConfig:
 
     def build(self, llm_hidden: int) -> VisionTower:
         """Encoder (+ optional local checkpoint) and projector to `llm_hidden`."""
-        self.validate()
+        patch_size, merge = self.processor.patch_size, self.processor.merge
         if self.backbone == "timm":
             from vision.timm_backbone import TimmBackbone
-            enc = TimmBackbone(self.timm_model, merge=self.encoder.merge, patch_size=self.processor.patch_size,
+            enc = TimmBackbone(self.timm_model, merge=merge, patch_size=patch_size,
                                checkpoint=self.timm_checkpoint, merger=self.encoder.merger,
                                out_dim=self.encoder.out_dim)
         else:
-            enc = NaViTEncoder(self.encoder)
+            enc = NaViTEncoder(self.encoder, patch_size=patch_size, merge=merge)
             if self.timm_checkpoint:
                 from vision.timm_backbone import load_timm_vit_state_dict
                 enc.load_report = load_timm_vit_state_dict(enc, self.timm_checkpoint, self.pos_resample)
                 if not enc.load_report.loaded:
                     raise ConfigError(f"timm_checkpoint {self.timm_checkpoint}: no tensor matched the encoder "
-                                      f"(check hidden_size/patch_size):\n{enc.load_report}")
+                                      f"(check encoder.hidden_size and processor.patch_size):\n{enc.load_report}")
         if self.freeze_encoder:  # the merger stays trainable: it is part of the adapter, like the projector
             for name, p in enc.named_parameters():
                 p.requires_grad_(name.startswith("merger."))
-        return VisionTower(enc, Projector(self.projector, enc.out_dim, llm_hidden), self.encoder.merge)
+        return VisionTower(enc, Projector(self.projector, enc.out_dim, llm_hidden), merge)

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from configs.config import check
+from configs.config import ValidatedOnInit, check
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -28,7 +28,11 @@ class ImageError(ValueError):
 
 
 @dataclass
-class ImageProcessorConfig:
+class ImageProcessorConfig(ValidatedOnInit):
+    """How images become patches. The patch geometry (`patch_size`, `merge`) is stated here only: the vision
+    encoder gets it from the processor config next to it (VisionConfig), and a training run's loader
+    patchifies with that same processor config."""
+
     patch_size: int = 14
     min_patches: int = 4          # per image, before merge
     max_patches: int = 256        # per image, before merge
@@ -53,9 +57,6 @@ class ImageProcessorConfig:
         check(len(self.mean) == 3 and len(self.std) == 3,
               f"mean and std need 3 values (R, G, B), got {list(self.mean)} and {list(self.std)}")
         check(all(s > 0 for s in self.std), f"std values must be > 0, got {list(self.std)}")
-
-    def build(self) -> "ImageProcessor":
-        return ImageProcessor(self)
 
 
 @dataclass
@@ -152,8 +153,7 @@ def grid_coords(rows: int, cols: int) -> torch.Tensor:
 
 class ImageProcessor:
     def __init__(self, cfg: ImageProcessorConfig | None = None):
-        self.cfg = cfg or ImageProcessorConfig()
-        self.cfg.validate()
+        self.cfg = cfg or ImageProcessorConfig()   # validated when it was made
         self._mean_3 = np.asarray(self.cfg.mean, dtype=np.float32)
         self._std_3 = np.asarray(self.cfg.std, dtype=np.float32)
 

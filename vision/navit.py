@@ -16,12 +16,14 @@ from torch import nn
 
 from vision.packing import PackLayout, block_mask, build_layout, merge_patches, packed_attention, pick_backend
 from vision.positions import FactorisedPosEmbed, Rope2D, apply_rope
-from configs.config import check
+from configs.config import ValidatedOnInit, check
 
 
 @dataclass
-class NaViTConfig:
-    patch_size: int = 14
+class NaViTConfig(ValidatedOnInit):
+    """The encoder's own settings. Its patch geometry (patch_size, merge) is not stated here: it is the image
+    processor's, which VisionConfig passes to NaViTEncoder."""
+
     hidden_size: int = 64
     num_layers: int = 2
     num_heads: int = 4
@@ -29,13 +31,12 @@ class NaViTConfig:
     pos: Literal["learned2d", "rope2d"] = "learned2d"
     max_grid: int = 128                # rows/cols a learned2d table covers (in patches)
     rope_theta: float = 10000.0
-    merge: Literal[1, 2] = 2
     # "linear": ViT's patch embedding (timm weights load into it); "conv": a stack of overlapping 3x3 convs
     # over each image's pixels down to one vector per patch (see ConvStem) for encoders trained from scratch.
     stem: Literal["linear", "conv"] = "linear"
     stem_channels: int = 32            # conv stem: channels of the first conv (doubling per stride-2 step)
     merger: Literal["mlp", "linear", "none"] = "mlp"  # how merged features map to out_dim
-    out_dim: int | None = None         # default hidden_size * merge**2
+    out_dim: int | None = None         # default hidden_size * merge**2 (the merged patch features as they are)
     norm_eps: float = 1e-6
     qkv_bias: bool = True
     # LayerScale (CaiT; timm's `init_values`): each block's residual branches start scaled by this, so that
@@ -46,7 +47,6 @@ class NaViTConfig:
     grad_checkpointing: bool = False
 
     def validate(self) -> None:
-        check(self.patch_size >= 1, f"patch_size must be >= 1, got {self.patch_size}")
         check(self.hidden_size >= 1 and self.num_heads >= 1, "hidden_size and num_heads must be >= 1")
         check(self.hidden_size % self.num_heads == 0,
               f"hidden_size={self.hidden_size} must be divisible by num_heads={self.num_heads}")
@@ -60,21 +60,15 @@ class NaViTConfig:
                   f"pos='rope2d' needs head dim (hidden_size/num_heads = {self.hidden_size // self.num_heads}) "
                   "divisible by 4")
         check(self.out_dim is None or self.out_dim >= 1, f"out_dim must be >= 1, got {self.out_dim}")
+
+    def out_dim_for(self, merge: int) -> int:
+        """Features of one merged token: `out_dim`, by default the merge x merge patch features as they are."""
+        merged = self.hidden_size * merge ** 2
         if self.merger == "none":
-            check(self.out_dim is None or self.out_dim == self.hidden_size * self.merge ** 2,
-                  f"merger='none' outputs hidden_size*merge**2 = {self.hidden_size * self.merge ** 2} features; "
+            check(self.out_dim is None or self.out_dim == merged,
+                  f"merger='none' outputs hidden_size*merge**2 = {merged} features; "
                   f"out_dim={self.out_dim} needs merger 'mlp' or 'linear'")
-
-    @property
-    def merged_dim(self) -> int:
-        return self.hidden_size * self.merge ** 2
-
-    @property
-    def resolved_out_dim(self) -> int:
-        return self.out_dim or self.merged_dim
-
-    def build(self) -> "NaViTEncoder":
-        return NaViTEncoder(self)
+        return self.out_dim or merged
 
 
 class PatchEmbed(nn.Module):
@@ -227,28 +221,27 @@ class Merger(nn.Module):
 
 
 class NaViTEncoder(nn.Module):
-    def __init__(self, cfg: NaViTConfig | None = None):
+    """`patch_size` and `merge` are the image processor's (ImageProcessorConfig): the encoder reads its patches."""
+
+    def __init__(self, cfg: NaViTConfig, *, patch_size: int, merge: int):
         super().__init__()
-        self.cfg = cfg = cfg or NaViTConfig()
-        cfg.validate()
+        self.cfg = cfg   # validated when it was made
+        self.patch_size, self.merge = patch_size, merge
+        self.out_dim = cfg.out_dim_for(merge)
         d = cfg.hidden_size
-        self.patch_dim = 3 * cfg.patch_size ** 2
+        self.patch_dim = 3 * patch_size ** 2
         self.patch_embed = PatchEmbed(self.patch_dim, d) if cfg.stem == "linear" else \
-            ConvStem(cfg.patch_size, d, cfg.stem_channels)
+            ConvStem(patch_size, d, cfg.stem_channels)
         self.pos_embed = FactorisedPosEmbed(cfg.max_grid, d) if cfg.pos == "learned2d" else None
         self.rope = Rope2D(d // cfg.num_heads, cfg.rope_theta) if cfg.pos == "rope2d" else None
         self.norm_pre = nn.LayerNorm(d, eps=cfg.norm_eps) if cfg.norm_pre else nn.Identity()
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
         self.norm = nn.LayerNorm(d, eps=cfg.norm_eps)
-        self.merger = Merger(cfg.merger, cfg.merged_dim, cfg.resolved_out_dim)
+        self.merger = Merger(cfg.merger, d * merge ** 2, self.out_dim)
         self.apply(_init_weights)
 
-    @property
-    def out_dim(self) -> int:
-        return self.cfg.resolved_out_dim
-
     def layout(self, coords_P2, image_grids_I2, valid_P=None) -> PackLayout:
-        return build_layout(coords_P2, image_grids_I2, self.cfg.merge, valid_P)
+        return build_layout(coords_P2, image_grids_I2, self.merge, valid_P)
 
     def encode_patches(self, patches_PD: torch.Tensor, layout: PackLayout) -> torch.Tensor:
         """Per-patch features after the final norm, [P, hidden] (padding rows are meaningless)."""

@@ -8,11 +8,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from configs.config import check
+from configs.config import ValidatedOnInit, check
 
 
 @dataclass
-class ProjectorConfig:
+class ProjectorConfig(ValidatedOnInit):
     kind: Literal["linear", "mlp"] = "linear"
     hidden_mult: float = 1.0   # mlp: hidden width = hidden_mult * out_dim
     bias: bool = True
@@ -20,14 +20,10 @@ class ProjectorConfig:
     def validate(self) -> None:
         check(self.hidden_mult > 0, f"projector.hidden_mult must be > 0, got {self.hidden_mult}")
 
-    def build(self, in_dim: int, out_dim: int) -> "Projector":
-        return Projector(self, in_dim, out_dim)
-
 
 class Projector(nn.Module):
     def __init__(self, cfg: ProjectorConfig, in_dim: int, out_dim: int):
         super().__init__()
-        cfg.validate()
         if in_dim < 1 or out_dim < 1:
             raise ValueError(f"projector dims must be >= 1, got in_dim={in_dim}, out_dim={out_dim}")
         self.cfg, self.in_dim, self.out_dim = cfg, in_dim, out_dim

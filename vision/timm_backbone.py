@@ -128,7 +128,7 @@ def load_timm_vit_state_dict(encoder: NaViTEncoder, path: str | Path, pos_resamp
     params = dict(encoder.named_parameters())
     report = LoadReport()
     assigned: set[str] = set()
-    patch = encoder.cfg.patch_size
+    patch = encoder.patch_size
 
     def put(src: str, dst: str, value: torch.Tensor) -> None:
         target = params.get(dst)

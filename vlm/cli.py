@@ -1,26 +1,24 @@
-"""`vlm` command line: train, chain, data, flops, convert, eval, experiment. Each part registers its own subcommands."""
+"""`vlm` command line. Each package registers its subcommands (train, chain, data, flops, convert, eval,
+experiment) under the `vlm.commands` entry-point group in pyproject.toml, so this module imports none of them."""
 from __future__ import annotations
 
 import argparse
 import sys
+from importlib.metadata import entry_points
 
 from configs.config import ConfigError, parse_args_anywhere
+
+COMMANDS = "vlm.commands"
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vlm", description="ConceptMoE vision-language training system")
     sub = parser.add_subparsers(dest="command", required=True)
-    from vlm.train.chain import add_chain_command
-    from vlm.train.cli import add_train_command
-    from data_pipelines.cli import add_data_commands
-    from vlm.flops_cli import add_flops_command
-    from vlm.convert_cli import add_convert_command
-    from eval.cli import add_eval_commands
-    from eval.experiments import add_experiment_command
-
-    for add in (add_train_command, add_chain_command, add_data_commands, add_flops_command, add_convert_command, add_eval_commands,
-                add_experiment_command):
-        add(sub)
+    found = entry_points(group=COMMANDS)
+    if not found:
+        raise SystemExit("vlm: no subcommands registered; install the package (`pip install -e .`)")
+    for ep in found:
+        ep.load()(sub)
     return parser
 
 

@@ -6,6 +6,7 @@ import shutil
 from pathlib import Path
 
 from configs.config import ConfigError
+from vlm.model.config import ConvertConfig
 
 
 def _loop(text: str) -> tuple[int, int, int]:
@@ -20,23 +21,27 @@ def add_convert_command(sub) -> None:
     p = sub.add_parser("convert", help="convert a pretrained MoE (ours, Qwen3-MoE, Mixtral) into a ConceptMoE")
     p.add_argument("source", help="local checkpoint directory (config.json + safetensors)")
     p.add_argument("--out", required=True, help="output directory (transformers format)")
-    p.add_argument("--encoder-layers", type=int, default=2)
-    p.add_argument("--decoder-layers", type=int, default=2)
-    p.add_argument("--joint-layers", type=int, default=-1, help="decoder layers with joint decoding (-1 = all)")
-    p.add_argument("--ratio", type=float, default=2.0, help="target compression ratio R")
-    p.add_argument("--concept-top-k", type=int, default=None, help="strategy 1: activated experts in the concept model")
-    p.add_argument("--loop", type=_loop, default=None, help="strategy 2: START:END:TIMES concept-layer loops")
+    d = ConvertConfig   # its defaults are the options' defaults
+    p.add_argument("--encoder-layers", type=int, default=d.encoder_layers)
+    p.add_argument("--decoder-layers", type=int, default=d.decoder_layers)
+    p.add_argument("--joint-layers", type=int, default=d.joint_decoding_layers,
+                   help="decoder layers with joint decoding (-1 = all)")
+    p.add_argument("--ratio", type=float, default=d.target_ratio, help="target compression ratio R")
+    p.add_argument("--concept-top-k", type=int, default=d.concept_top_k,
+                   help="strategy 1: activated experts in the concept model")
+    p.add_argument("--loop", type=_loop, default=d.loop, help="strategy 2: START:END:TIMES concept-layer loops")
     p.add_argument("--tol", type=float, default=0.02, help="allowed per-token FLOPs mismatch vs the source")
     p.set_defaults(func=run_convert)
 
 
 def run_convert(args) -> int:
-    from vlm.model.convert import ConvertOptions, convert
+    from vlm.model.convert import convert
     from vlm.model.flops import count_params, flops_per_token
     from vlm.model.hf import save_pretrained
 
-    opt = ConvertOptions(args.encoder_layers, args.decoder_layers, args.joint_layers, args.ratio,
-                         args.concept_top_k, args.loop)
+    opt = ConvertConfig(encoder_layers=args.encoder_layers, decoder_layers=args.decoder_layers,
+                        joint_decoding_layers=args.joint_layers, target_ratio=args.ratio,
+                        concept_top_k=args.concept_top_k, loop=args.loop)   # validated here: a bad option stops
     model, base = convert(args.source, opt)
     cfg = model.model_cfg
     f_base, f_new = flops_per_token(base)["total"], flops_per_token(cfg, args.ratio)["total"]

@@ -12,7 +12,13 @@ from pathlib import Path
 import torch
 
 from configs.batch import IGNORE_INDEX, TEXT, PackedBatch
+from data_pipelines.config import DataConfig, SourceConfig
+from data_pipelines.loader import build_loader
+from data_pipelines.packing import make_prompt_batch
+from data_pipelines.tokenizer import load_tokenizer
+from vlm.model.hf import load_vlm
 from vlm.model.multimodal import ConceptMoEVLM
+from vlm.model.stats import summarize
 
 
 def _png(img) -> bytes:
@@ -88,8 +94,6 @@ class ConceptMoEChat:
     def held_out_compression(self, shards: list[str], row_tokens: int = 1024, max_batches: int | None = None) -> dict:
         """Realized compression (eval mode: p >= 0.5) per modality over whole samples of `shards` (teacher
         forced, packed as in training): the like-for-like counterpart of the training ratio."""
-        from data_pipelines.config import DataConfig, SourceConfig
-        from data_pipelines.loader import build_loader
 
         if self.processor is None:
             raise ValueError("held-out compression needs a model with a vision tower")
@@ -100,7 +104,8 @@ class ConceptMoEChat:
         for i, batch in enumerate(build_loader(cfg, self.tokenizer)):
             if max_batches is not None and i >= max_batches:
                 break
-            stats = self.model(batch.to(self.device)).stats
+            batch = batch.to(self.device)
+            stats = summarize(self.model(batch), batch)
             for k in counts:
                 counts[k] += stats.get(k, 0.0)
         return {m: counts[f"tokens/{m}"] / counts[f"boundaries/{m}"] for m in ("text", "image")
@@ -108,8 +113,6 @@ class ConceptMoEChat:
 
     # ------------------------------------------------------------ batching
     def prompt_batch(self, prompts: list[str], images=None) -> PackedBatch:
-        from data_pipelines.packing import make_prompt_batch
-
         images = images or [[] for _ in prompts]
         if len(images) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(images)} image lists")
@@ -136,7 +139,7 @@ class ConceptMoEChat:
                                batch.pixel_patches, batch.patch_coords, batch.image_grids)
             out = self.model(view)
             if step == 0:
-                self._record(out.stats)
+                self._record(summarize(out, view))
             nxt = sample_next(out.logits[rows, lengths - 1], temperature, top_p, gen)
             live = ~done
             _put(batch, rows[live], lengths[live], nxt[live])
@@ -178,7 +181,7 @@ class ConceptMoEChat:
         r, j = real.nonzero(as_tuple=True)
         _put(batch, r, lengths[r] + j, cont_BC[r, j])
         out = self.model(batch)
-        self._record(out.stats)
+        self._record(summarize(out, batch))
         # Token j of the continuation is predicted at position len(context) + j - 1.
         pos_BC = (lengths[:, None] + offs[None] - 1).clamp(max=batch.input_ids.shape[1] - 1)
         logp_BCV = torch.log_softmax(out.logits.float()[torch.arange(B)[:, None], pos_BC], -1)
@@ -189,8 +192,6 @@ class ConceptMoEChat:
 
 def load_eval_model(ckpt_dir: str | Path, device: str | None = None) -> ConceptMoEChat:
     """An exported `final/` (or converted) directory -> ConceptMoEChat with its own tokenizer."""
-    from data_pipelines.tokenizer import load_tokenizer
-    from vlm.model.hf import load_vlm
 
     ckpt_dir = Path(ckpt_dir)
     if not (ckpt_dir / "config.json").is_file():

@@ -10,17 +10,12 @@ import base64
 import io
 import math
 import re
-import string
 from collections import Counter
 
+from data_pipelines.chat import normalize_answer
+from data_pipelines.schema import IMAGE_TOKEN
+
 QUESTION_TYPES = ("colour", "shape", "count", "position", "yesno")
-_PUNCT = str.maketrans("", "", string.punctuation)
-
-
-def normalize_answer(text: str) -> str:
-    """Lower case, no punctuation, no articles, single spaces (VQA-style exact match)."""
-    words = text.lower().translate(_PUNCT).split()
-    return " ".join(w for w in words if w not in ("a", "an", "the"))
 
 
 def doc_to_visual(doc: dict) -> list:
@@ -69,7 +64,7 @@ def caption_doc_to_text(doc: dict, lmms_eval_specific_kwargs: dict | None = None
     # Captions are trained as plain image-text pairs ("<image>A small red ..."), not as chat turns:
     # giving the placeholder ourselves keeps the adapter from wrapping the prompt in the chat template.
     kwargs = lmms_eval_specific_kwargs or {}
-    return "<image>" * len(doc["images"]) + kwargs.get("prompt", "")
+    return IMAGE_TOKEN * len(doc["images"]) + kwargs.get("prompt", "")
 
 
 def caption_process_results(doc: dict, results: list[str]) -> dict:

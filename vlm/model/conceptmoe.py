@@ -14,7 +14,7 @@ from vlm.model.chunking import ChunkModule, Chunks, Dechunk
 from vlm.model.config import ModelConfig
 from vlm.model.layers import RMSNorm
 from vlm.model.output import ModelOutput
-from vlm.model.stats import chunk_stats, lm_losses, p_histograms
+from vlm.model.stats import lm_losses
 
 
 class ConceptMoELM(nn.Module):
@@ -91,31 +91,15 @@ class ConceptMoELM(nn.Module):
         return self.assemble(logits_BTV, batch, ch, moe_stats)
 
     def assemble(self, logits_BTV, batch: PackedBatch, ch: Chunks | None, moe_stats) -> ModelOutput:
-        """Losses and statistics; all scalars leave the device in one transfer."""
+        """Losses; the chunking and the per-layer MoE outcomes travel as they are (no host transfer here)."""
         lm, split = lm_losses(logits_BTV, batch.labels, batch.doc_ids, batch.modality)
         zero = logits_BTV.new_zeros(())
         ratio = ch.loss if ch is not None else zero
         balance = torch.stack([s.aux_loss for s in moe_stats]).mean() if moe_stats else zero
         loss = lm + self.cfg.chunk.ratio_loss_weight * ratio + balance
-        valid = batch.doc_ids >= 0
-        b_BT = ch.b_BT if ch is not None else valid
-        p_BT = ch.p_BT if ch is not None else valid.float()
-        tensors = chunk_stats(p_BT, b_BT, batch.doc_ids, batch.modality)
-        for name, (val, n) in split.items():
-            tensors[name], tensors[name + "#n"] = val, n.float()
-        tensors.update({"lm_loss": lm.detach(), "ratio_loss": ratio.detach(), "balance_loss": balance.detach()})
-        keys = list(tensors)
-        vals = torch.stack([tensors[k].float() for k in keys]).tolist()
-        stats = dict(zip(keys, vals))
-        for name in split:  # a split with no samples in this batch is absent, not zero
-            if stats.pop(name + "#n") == 0:
-                stats.pop(name)
-        if moe_stats:
-            stats["moe/adjugate_per_token"] = sum(s.adjugate_per_token for s in moe_stats) / len(moe_stats)
-        extras = {"p": p_BT.detach(), "boundary": b_BT.detach(), "modality": batch.modality,
-                  **p_histograms(p_BT.detach(), valid, batch.modality)}
         names = [f"encoder.{i}" for i in range(len(self.encoder))] + \
                 [f"concept.{i}" for i in self.cfg.concept_schedule] + [f"decoder.{i}" for i in range(len(self.decoder))]
+        moe = {}
         for name, s in zip(names, moe_stats):
-            extras.setdefault(f"load/{name}", s.load_E)
-        return ModelOutput(logits_BTV, loss, lm, ratio, balance, stats, extras)
+            moe.setdefault(name, s)   # a looped concept layer reports its first pass
+        return ModelOutput(logits_BTV, loss, lm, ratio, balance, split, ch, moe)

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from configs.config import check
+from configs.config import ValidatedOnInit, check
 
 
 @dataclass
@@ -151,3 +151,30 @@ class ModelConfig:
     def baseline(self) -> "ModelConfig":
         """The same model with chunking disabled (the MoE baseline)."""
         return replace(self, chunk=replace(self.chunk, enabled=False))
+
+
+@dataclass
+class ConvertConfig(ValidatedOnInit):
+    """How a pretrained MoE becomes a ConceptMoE (vlm.model.convert): the options of `vlm convert` and the
+    training config's `convert` section (stage 'ct'). The source checkpoint defines the LLM architecture."""
+
+    encoder_layers: int = 2
+    decoder_layers: int = 2
+    joint_decoding_layers: int = -1
+    target_ratio: float = 2.0
+    concept_top_k: int | None = None       # reallocation strategy 1: more activated experts in the concept model
+    loop: tuple[int, int, int] | None = None  # strategy 2: (start, end, times) concept-layer loops
+
+    def validate(self) -> None:
+        check(self.encoder_layers >= 1 and self.decoder_layers >= 1,
+              f"convert.encoder_layers and convert.decoder_layers must be >= 1, got {self.encoder_layers}, "
+              f"{self.decoder_layers}")
+        check(self.target_ratio > 1, f"convert.target_ratio must be > 1, got {self.target_ratio}")
+        check(self.loop is None or len(self.loop) == 3, f"convert.loop must be [start, end, times], got {self.loop}")
+        check(self.concept_top_k is None or self.concept_top_k >= 1, "convert.concept_top_k must be >= 1 or null")
+
+    def check_split(self, total_layers: int) -> None:
+        """The source's layers must leave at least one concept layer between the encoder and the decoder."""
+        check(self.encoder_layers + self.decoder_layers < total_layers,
+              f"encoder_layers={self.encoder_layers} + decoder_layers={self.decoder_layers} must leave at "
+              f"least one concept layer of the source's {total_layers}")

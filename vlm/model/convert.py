@@ -15,39 +15,25 @@ from pathlib import Path
 import torch
 
 from configs.config import ConfigError
-from vlm.model.config import ChunkConfig, ModelConfig, MoEConfig
+from vlm.model.config import ChunkConfig, ConvertConfig, ModelConfig, MoEConfig
+from vlm.model.hf import MODEL_TYPE, load_vlm
 from vlm.model.multimodal import ConceptMoEVLM
 
 SUPPORTED = ("qwen3_moe", "mixtral")
 
 
-@dataclasses.dataclass
-class ConvertOptions:
-    encoder_layers: int = 2
-    decoder_layers: int = 2
-    joint_decoding_layers: int = -1
-    target_ratio: float = 2.0
-    concept_top_k: int | None = None       # strategy 1: more activated experts in the concept model
-    loop: tuple[int, int, int] | None = None  # strategy 2: (start, end, times) concept-layer loops
-
-    def validate(self, total_layers: int) -> None:
-        if self.encoder_layers < 1 or self.decoder_layers < 1 or self.encoder_layers + self.decoder_layers >= total_layers:
-            raise ConfigError(f"encoder_layers={self.encoder_layers} + decoder_layers={self.decoder_layers} must leave at "
-                              f"least one concept layer of the source's {total_layers}")
-
-
-def _split(n_layers: int, opt: ConvertOptions) -> tuple[range, range, range]:
+def _split(n_layers: int, opt: ConvertConfig) -> tuple[range, range, range]:
     e, d = opt.encoder_layers, opt.decoder_layers
     return range(0, e), range(e, n_layers - d), range(n_layers - d, n_layers)
 
 
-def hf_model_config(hf_cfg, opt: ConvertOptions) -> ModelConfig:
+def hf_model_config(hf_cfg, opt: ConvertConfig) -> ModelConfig:
     """Our ModelConfig (chunking off) that is the same network as a transformers Qwen3-MoE / Mixtral config."""
     mt = hf_cfg.model_type
     if mt not in SUPPORTED:
         raise ConfigError(f"model_type {mt!r} is not supported for conversion; supported: {', '.join(SUPPORTED)}")
     n = hf_cfg.num_hidden_layers
-    opt.validate(n)
+    opt.check_split(n)
     if mt == "qwen3_moe":
         if getattr(hf_cfg, "mlp_only_layers", None) or getattr(hf_cfg, "decoder_sparse_step", 1) != 1:
             raise ConfigError("qwen3_moe with dense (mlp_only) layers is not supported: every layer must be MoE")
@@ -94,7 +80,7 @@ def hf_state_dict_to_ours(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict
     return out
 
 
-def to_conceptmoe_config(base: ModelConfig, opt: ConvertOptions) -> ModelConfig:
+def to_conceptmoe_config(base: ModelConfig, opt: ConvertConfig) -> ModelConfig:
     """Enable chunking the conversion way (zero residual projection and joint decoding) and apply reallocation."""
     chunk = ChunkConfig(enabled=True, target_ratio=opt.target_ratio, merge="last", residual="linear",
                         joint_decoding_layers=opt.joint_decoding_layers, joint_decoding_zero_init=True)
@@ -126,14 +112,13 @@ def convert_state(source: ConceptMoEVLM | dict[str, torch.Tensor], cfg: ModelCon
     return model
 
 
-def load_source(path: str | Path, opt: ConvertOptions):
+def load_source(path: str | Path, opt: ConvertConfig):
     """A local directory: our own exported baseline, or a transformers Qwen3-MoE / Mixtral checkpoint."""
     path = Path(path)
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise ConfigError(f"{path}: no config.json; expected a transformers checkpoint directory")
     model_type = json.loads(cfg_file.read_text()).get("model_type")
-    from vlm.model.hf import MODEL_TYPE, load_vlm
     if model_type == MODEL_TYPE:
         src = load_vlm(path)
         if src.model_cfg.chunk.enabled:
@@ -146,7 +131,7 @@ def load_source(path: str | Path, opt: ConvertOptions):
     return hf_state_dict_to_ours(hf.state_dict(), base), base, None
 
 
-def convert(path: str | Path, opt: ConvertOptions) -> tuple[ConceptMoEVLM, ModelConfig]:
+def convert(path: str | Path, opt: ConvertConfig) -> tuple[ConceptMoEVLM, ModelConfig]:
     """Returns the converted model and the source's (baseline) config."""
     sd, base, vision_cfg = load_source(path, opt)
     if base.encoder_layers == 0 or base.decoder_layers == 0:  # our own baseline may put every layer in the middle

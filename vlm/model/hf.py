@@ -14,6 +14,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from configs.batch import IGNORE_INDEX, IMAGE, TEXT, PackedBatch
 from configs.config import from_dict, to_dict
+from vision.config import VisionConfig
 from vlm.model.config import ModelConfig
 from vlm.model.layers import positions_in_doc
 from vlm.model.multimodal import ConceptMoEVLM
@@ -41,9 +42,17 @@ class ConceptMoEConfig(PretrainedConfig):
         mc = from_dict(ModelConfig, self.model)
         vc = None
         if self.vision is not None:
-            from vision.config import VisionConfig
-            vc = from_dict(VisionConfig, self.vision)
+            vc = from_dict(VisionConfig, _drop_legacy_vision_keys(self.vision))
         return mc, vc
+
+
+def _drop_legacy_vision_keys(vision: dict) -> dict:
+    """Exports written before vision.processor alone stated the patch geometry also carry encoder.patch_size and
+    encoder.merge, which were then checked equal to the processor's: drop them so that those exports still load."""
+    enc = vision.get("encoder")
+    if not isinstance(enc, dict) or not {"patch_size", "merge"} & enc.keys():
+        return vision
+    return dict(vision, encoder={k: v for k, v in enc.items() if k not in ("patch_size", "merge")})
 
 
 class ConceptMoEForCausalLM(PreTrainedModel, GenerationMixin):
@@ -87,7 +96,6 @@ class ConceptMoEForCausalLM(PreTrainedModel, GenerationMixin):
                 labels=None, return_dict=True, **kwargs):
         batch = self.to_batch(input_ids, attention_mask, pixel_patches, patch_coords, image_grids, labels)
         out = self.vlm(batch)
-        self.last_stats = out.stats
         return CausalLMOutputWithPast(loss=out.lm_loss if labels is not None else None, logits=out.logits)
 
     def prepare_inputs_for_generation(self, input_ids, attention_mask=None, pixel_patches=None, patch_coords=None,

@@ -1,9 +1,16 @@
-"""What the model's forward returns."""
+"""What the model's forward returns: losses and the raw chunking and MoE outcomes, all on the device.
+
+Turning them into logged statistics (per-modality ratios, histograms, expert loads; one host transfer per
+step) is the reader's job: `vlm.model.stats.summarize` for one output, the trainer's metrics for a step.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import torch
+
+from vlm.model.chunking import Chunks
+from vlm.model.moe import MoEStats
 
 
 @dataclass
@@ -13,9 +20,7 @@ class ModelOutput:
     lm_loss: torch.Tensor                   # mean next-token loss over labelled positions
     ratio_loss: torch.Tensor                # eq. 4 (unweighted; 0 when chunking is off)
     balance_loss: torch.Tensor              # MoE balance + z losses, already weighted by their coefficients
-    # Scalar statistics for logging (python floats), e.g. "compression/ratio", "compression/text",
-    # "compression/image", "boundary_p/text", "boundary_p/image", "tokens/text", "boundaries/text",
-    # "loss/text_only", "loss/image_text", "moe/adjugate_per_token".
-    stats: dict[str, float] = field(default_factory=dict)
-    # Detached per-token tensors for dashboards: "p" [B, T], "boundary" [B, T] bool, "modality" [B, T].
-    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    # The LM loss split by sample kind: "loss/text_only", "loss/image_text" -> (mean, labelled positions).
+    loss_split: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    chunks: Chunks | None = None            # the chunking (p, boundaries, ...); None without a chunk module
+    moe: dict[str, MoEStats] = field(default_factory=dict)   # per MoE layer: "encoder.0", "concept.3", ...

@@ -47,10 +47,22 @@ def chunk_stats(p_BT, b_BT, doc_BT, modality_BT) -> dict[str, torch.Tensor]:
     return out
 
 
-def p_histograms(p_BT, valid_BT, modality_BT, bins: int = 10) -> dict[str, torch.Tensor]:
-    """Counts of boundary probabilities in `bins` equal bins over [0, 1], per modality ("p_hist/text", ...)."""
-    out = {}
-    for name, i in MODALITIES.items():
-        sel = p_BT[valid_BT & (modality_BT == i)].float()
-        out[f"p_hist/{name}"] = torch.histc(sel, bins=bins, min=0.0, max=1.0)
-    return out
+def summarize(out, batch) -> dict[str, float]:
+    """The scalar statistics of one forward as Python floats, in one host transfer: losses, the loss split
+    (a sample kind absent from the batch is absent here), and tokens / boundaries / realized ratio / mean p
+    overall and per modality (eval mode gives the realized compression at p >= 0.5)."""
+    valid = batch.doc_ids >= 0
+    b_BT = out.chunks.b_BT if out.chunks is not None else valid
+    p_BT = out.chunks.p_BT if out.chunks is not None else valid.float()
+    tensors = chunk_stats(p_BT, b_BT, batch.doc_ids, batch.modality)
+    for name, (val, n) in out.loss_split.items():
+        tensors[name], tensors[name + "#n"] = val, n.float()
+    tensors.update({"lm_loss": out.lm_loss.detach(), "ratio_loss": out.ratio_loss.detach(),
+                    "balance_loss": out.balance_loss.detach()})
+    stats = dict(zip(tensors, torch.stack([t.float() for t in tensors.values()]).tolist()))
+    for name in out.loss_split:
+        if stats.pop(name + "#n") == 0:
+            stats.pop(name)
+    if out.moe:
+        stats["moe/adjugate_per_token"] = sum(s.adjugate_per_token for s in out.moe.values()) / len(out.moe)
+    return stats

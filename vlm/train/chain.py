@@ -32,8 +32,7 @@ def finished(run_dir: Path) -> bool:
 def run_chain(configs: list[str], out: Path, overrides: list[str], log=print) -> int:
     from vlm.train.config import load_train_config
     from vlm.train.engine import check_deepspeed_config
-    from vlm.train.loop import run
-    from vlm.train.trainer import Trainer
+    from vlm.train.trainer import Trainer, registered_run_end
 
     dirs = stage_dirs(configs, out)
     # every stage's config is read and validated before any work starts
@@ -50,7 +49,7 @@ def run_chain(configs: list[str], out: Path, overrides: list[str], log=print) ->
         extra = [f"train.init_from={dirs[k - 1] / 'final'}"] if k else []
         cfg = load_train_config(path, overrides + extra)
         log(f"stage {k} ({path}) -> {run_dir}" + (f", from {dirs[k - 1] / 'final'}" if k else ""))
-        rc = run(Trainer(cfg, run_dir, resume=None))
+        rc = Trainer(cfg, run_dir, resume=None, on_end=registered_run_end()).train()
         if rc != 0:
             log(f"stage {k} stopped with exit code {rc}; run the same command again to resume it")
             return rc

@@ -199,3 +199,29 @@ def find_resume_point(ckpt_root: Path, rank: int, warn=log.warning) -> Path | No
     choice = str(found) if found is not None else None
     choice = broadcast_object(choice)
     return Path(choice) if choice else None
+
+
+class Checkpointer:
+    """Writes the run's checkpoints and decides by itself when (`maybe_save`: every `save_every` steps)."""
+
+    def __init__(self, engine, root: Path, save_every: int, keep_last: int, rank: int, world_size: int,
+                 last_saved: int = -1):
+        self.engine, self.root = engine, root
+        self.save_every, self.keep_last = save_every, keep_last
+        self.rank, self.world_size = rank, world_size
+        self.last_saved = last_saved
+
+    def save(self, step: int, state: dict) -> Path:
+        """Collective: every rank calls it."""
+        path = save_checkpoint(self.engine, self.root, step, state, self.rank, self.world_size, self.keep_last)
+        self.last_saved = step
+        return path
+
+    def maybe_save(self, step: int, state_fn) -> Path | None:
+        if self.save_every and step % self.save_every == 0:
+            return self.save(step, state_fn())
+        return None
+
+    def save_unless_saved(self, step: int, state_fn) -> Path | None:
+        """At the end of a run: the last step is always in a checkpoint."""
+        return None if self.last_saved == step else self.save(step, state_fn())

@@ -67,9 +67,9 @@ def train_command(args) -> int:
     check_deepspeed_config(cfg.deepspeed, cfg.optim, int(os.environ.get("WORLD_SIZE", "1")))
     if args.local_rank is not None:
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
-    from vlm.train.loop import run
-    from vlm.train.trainer import Trainer
+    from vlm.train.trainer import Trainer, registered_run_end
 
     resume = True if args.resume else (False if args.no_resume else None)
-    trainer = Trainer(cfg, args.out, resume=resume, accept_optim_change=args.accept_optim_change)
-    return run(trainer)
+    trainer = Trainer(cfg, args.out, resume=resume, accept_optim_change=args.accept_optim_change,
+                      on_end=registered_run_end())
+    return trainer.train()

@@ -5,14 +5,15 @@ one line naming the dotted field and what is allowed.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
 from data_pipelines.config import DataConfig, SourceConfig
 from vision.config import VisionConfig
+from vision.image_processor import ImageProcessorConfig
 from configs.config import ConfigError, check, load_config
-from vlm.model.config import ModelConfig
+from vlm.model.config import ConvertConfig, ModelConfig
 
 
 @dataclass
@@ -145,33 +146,6 @@ class RunConfig:
 
 
 @dataclass
-class ConvertConfig:
-    """Stage 'ct': how `train.convert_from` becomes a ConceptMoE (vlm.model.convert; `vlm convert` options).
-    The converted checkpoint defines the LLM architecture; the `model` section is replaced by it."""
-
-    encoder_layers: int = 2
-    decoder_layers: int = 2
-    joint_decoding_layers: int = -1
-    target_ratio: float = 2.0
-    concept_top_k: int | None = None       # reallocation strategy 1: more activated experts in the concept model
-    loop: list[int] | None = None          # strategy 2: [start, end, times] concept-layer loops
-
-    def validate(self) -> None:
-        check(self.encoder_layers >= 1 and self.decoder_layers >= 1,
-              f"convert.encoder_layers and convert.decoder_layers must be >= 1, got {self.encoder_layers}, "
-              f"{self.decoder_layers}")
-        check(self.target_ratio > 1, f"convert.target_ratio must be > 1, got {self.target_ratio}")
-        check(self.loop is None or len(self.loop) == 3, f"convert.loop must be [start, end, times], got {self.loop}")
-        check(self.concept_top_k is None or self.concept_top_k >= 1, "convert.concept_top_k must be >= 1 or null")
-
-    def options(self):
-        from vlm.model.convert import ConvertOptions
-
-        return ConvertOptions(self.encoder_layers, self.decoder_layers, self.joint_decoding_layers, self.target_ratio,
-                              self.concept_top_k, tuple(self.loop) if self.loop else None)
-
-
-@dataclass
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     vision: VisionConfig | None = field(default_factory=VisionConfig)
@@ -182,7 +156,18 @@ class TrainConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     train: RunConfig = field(default_factory=RunConfig)
-    convert: ConvertConfig = field(default_factory=ConvertConfig)
+    convert: ConvertConfig = field(default_factory=ConvertConfig)   # stage 'ct' (defined with vlm.model.convert)
+
+    def __post_init__(self) -> None:
+        """With a vision section the loader patchifies with vision.processor (what the encoder reads), so that
+        the patch geometry is stated once; `data.processor` is for configs without one. A saved run config
+        repeats it under data (to_dict writes both), which is accepted when it equals vision.processor."""
+        if self.vision is None or self.data.processor is self.vision.processor:
+            return
+        check(self.data.processor in (ImageProcessorConfig(), self.vision.processor),
+              "data.processor is set, but with a vision section the loader uses vision.processor: "
+              "state the image processor there only (data.processor is for configs without vision)")
+        self.data = replace(self.data, processor=self.vision.processor)
 
     def validate(self) -> None:
         stage = self.train.stage
@@ -190,12 +175,6 @@ class TrainConfig:
             check(self.vision is None, "train.stage 'text' trains the LLM alone: set vision: null (or use stage 'vl')")
         if stage == "vl":
             check(self.vision is not None, "train.stage 'vl' needs a vision section (vision: {...})")
-        if self.vision is not None:
-            dp, vp = self.data.processor, self.vision.processor
-            for k in ("patch_size", "merge"):
-                check(getattr(dp, k) == getattr(vp, k),
-                      f"data.processor.{k}={getattr(dp, k)} must equal vision.processor.{k}={getattr(vp, k)} "
-                      f"(the loader patchifies what the encoder reads; a YAML anchor keeps them equal)")
         if self.params.mup:
             check(not self.model.tie_embeddings,
                   "params.mup needs model.tie_embeddings: false (the output layer gets its own rate and logit scale)")

@@ -50,10 +50,12 @@ class Dashboard:
         for name, target in self.targets.items():
             w.add_scalar(f"target/{name}", target, step)
 
-    def histograms(self, step: int, extras: dict[str, torch.Tensor], loads: dict[str, torch.Tensor]) -> None:
+    def histograms(self, step: int, chunking: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+                   loads: dict[str, torch.Tensor]) -> None:
+        """p per modality from (p, boundary, modality) of one micro-batch; expert load shares per layer."""
         w = self.writer
-        p, mod = extras.get("p"), extras.get("modality")
-        if p is not None and mod is not None:
+        if chunking is not None:
+            p, _, mod = chunking
             valid = p > 0   # padding has p = 0; a real token has p > 0 almost surely
             for name, m in (("text", TEXT), ("image", IMAGE)):
                 vals = p[(mod == m) & valid].float().cpu()

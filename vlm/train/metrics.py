@@ -13,7 +13,9 @@ import torch
 
 from configs.batch import IGNORE_INDEX, IMAGE, PackedBatch
 from vlm.model.output import ModelOutput
-from vlm.model.stats import sample_has_image
+from vlm.model.stats import chunk_stats, sample_has_image
+from vlm.train.config import LoggingConfig
+from vlm.train.dashboard import Dashboard
 
 MODS = ("all", "text", "image")
 # Fixed order of the summed scalars.
@@ -30,54 +32,54 @@ def labelled_counts(batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor, tor
     return labelled.sum(), (labelled & ~mm).sum(), (labelled & mm).sum()
 
 
-def load_keys(out: ModelOutput) -> list[str]:
-    return sorted(k for k in out.extras if k.startswith("load/"))
-
-
 class StepAccumulator:
-    """Sums of one optimizer step on this rank; `reduce()` all-reduces them in one call."""
+    """Sums of one optimizer step on this rank, kept on the device; `reduce()` all-reduces them in one call
+    and brings them to the host in one transfer."""
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.vec = torch.zeros(len(FIELDS), dtype=torch.float64)
+        self.parts: list[torch.Tensor] = []
         self.loads: dict[str, torch.Tensor] = {}
-        self.ratio_loss = 0.0
+        self.ratio_loss = torch.zeros((), device=device)
 
     def add(self, out: ModelOutput, batch: PackedBatch) -> None:
-        s = out.stats
-        n, n_to, n_it = (float(x) for x in labelled_counts(batch))
-        v = self.vec
-        v[IDX["n_lab"]] += n
-        v[IDX["lm_sum"]] += s["lm_loss"] * n
-        v[IDX["n_text_only"]] += n_to
-        v[IDX["text_only_sum"]] += s.get("loss/text_only", 0.0) * n_to
-        v[IDX["n_image_text"]] += n_it
-        v[IDX["image_text_sum"]] += s.get("loss/image_text", 0.0) * n_it
-        v[IDX["balance_sum"]] += s["balance_loss"]
-        v[IDX["micro"]] += 1
-        v[IDX["adjugate_sum"]] += s.get("moe/adjugate_per_token", 0.0)
+        n, n_to, n_it = labelled_counts(batch)
+        valid = batch.doc_ids >= 0
+        ch = out.chunks
+        cs = chunk_stats(ch.p_BT if ch is not None else valid.float(), ch.b_BT if ch is not None else valid,
+                         batch.doc_ids, batch.modality)
+        zero = out.lm_loss.new_zeros(())
+        split = {k: m.detach() for k, (m, _) in out.loss_split.items()}
+        adj = sum(st.adjugate_per_token for st in out.moe.values()) / len(out.moe) if out.moe else 0.0
+        values = {"n_lab": n, "lm_sum": out.lm_loss.detach() * n, "n_text_only": n_to,
+                  "text_only_sum": split.get("loss/text_only", zero) * n_to, "n_image_text": n_it,
+                  "image_text_sum": split.get("loss/image_text", zero) * n_it,
+                  "balance_sum": out.balance_loss.detach(), "micro": torch.ones(()), "adjugate_sum": torch.tensor(adj)}
         for m in MODS:
-            tok = s.get(f"tokens/{m}", 0.0)
-            v[IDX[f"tokens/{m}"]] += tok
-            v[IDX[f"boundaries/{m}"]] += s.get(f"boundaries/{m}", 0.0)
-            v[IDX[f"psum/{m}"]] += s.get(f"boundary_p/{m}", 0.0) * tok
+            values[f"tokens/{m}"] = cs[f"tokens/{m}"]
+            values[f"boundaries/{m}"] = cs[f"boundaries/{m}"]
+            values[f"psum/{m}"] = cs[f"boundary_p/{m}"] * cs[f"tokens/{m}"]
+        self.parts.append(torch.stack([values[k].to(self.device, torch.float64) for k in FIELDS]))
         # The last micro-batch's ratio loss is computed on the step's global F and G (global parser).
-        self.ratio_loss = s["ratio_loss"]
-        for k in load_keys(out):
-            load = out.extras[k].detach().double().cpu()
+        self.ratio_loss = out.ratio_loss.detach()
+        for k, st in out.moe.items():
+            load = st.load_E.detach().double()
             self.loads[k] = self.loads[k] + load if k in self.loads else load
 
-    def reduce(self, all_reduce) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def reduce(self, all_reduce) -> tuple[torch.Tensor, dict[str, torch.Tensor], float]:
+        """(summed fields, per-layer expert loads, the last ratio loss), all on the host."""
         keys = sorted(self.loads)
-        flat = torch.cat([self.vec] + [self.loads[k] for k in keys])
-        flat = all_reduce(flat.to(self.device)).cpu()
-        vec, rest = flat[: len(FIELDS)], flat[len(FIELDS):]
+        vec = torch.stack(self.parts).sum(0) if self.parts else torch.zeros(len(FIELDS), dtype=torch.float64,
+                                                                               device=self.device)
+        flat = all_reduce(torch.cat([vec] + [self.loads[k].to(self.device) for k in keys]))
+        flat = torch.cat([flat, self.ratio_loss.to(flat).reshape(1)]).cpu()
+        vec, rest = flat[: len(FIELDS)], flat[len(FIELDS):-1]
         loads, i = {}, 0
         for k in keys:
             n = self.loads[k].numel()
-            loads[k] = rest[i:i + n]
+            loads[f"load/{k}"] = rest[i:i + n]
             i += n
-        return vec, loads
+        return vec, loads, float(flat[-1])
 
 
 def _div(a: float, b: float) -> float | None:
@@ -159,3 +161,60 @@ def read_metrics(path: Path) -> list[dict]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class MetricsLogger:
+    """Everything a step leaves behind on rank 0: metrics.jsonl, the TensorBoard dashboard, the progress bar.
+    It decides by itself which steps are logged, evaluated and drawn; other ranks get a logger that only
+    answers those questions (collectives such as the held-out eval must run on every rank)."""
+
+    def __init__(self, cfg: LoggingConfig, max_steps: int, run_dir: Path, resume_step: int | None,
+                 targets: dict[str, float], is_main: bool, start_step: int = 0):
+        self.cfg, self.max_steps = cfg, max_steps
+        self.file = MetricsFile(run_dir / "metrics.jsonl", resume_step) if is_main else None
+        self.dash = None
+        if is_main and cfg.tensorboard:
+            self.dash = Dashboard(run_dir / "tb", resume_step, targets)
+        self.bar = None
+        if is_main and cfg.progress:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=max_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
+        self.last_applied: dict | None = None
+
+    def should_eval(self, step: int) -> bool:
+        return bool(self.cfg.eval_every) and (step % self.cfg.eval_every == 0 or step == self.max_steps)
+
+    def should_log(self, step: int, applied: bool) -> bool:
+        return step % self.cfg.log_every == 0 or step == self.max_steps or self.should_eval(step) or not applied
+
+    def write(self, rec: dict, result=None, pictures: tuple | None = None) -> None:
+        """Rank 0: the step's line and scalars when due, its pictures and histograms; the progress bar always."""
+        step = rec["step"]
+        if result is not None and result.applied:
+            self.last_applied = rec
+        if self.bar is not None:
+            self.bar.update(1)
+            if self.last_applied is not None:
+                self.bar.set_postfix(_postfix(self.last_applied), refresh=False)
+        if self.file is None or not self.should_log(step, result is None or result.applied):
+            return
+        self.file.write(rec)
+        if self.dash is not None:
+            self.dash.scalars(rec)
+            if pictures is not None:
+                self.dash.pictures(step, *pictures)
+            if (result is not None and result.applied and self.cfg.histogram_every
+                    and step % self.cfg.histogram_every == 0):
+                self.dash.histograms(step, result.chunking, result.loads)
+
+    def close(self) -> None:
+        for part in (self.bar, self.dash, self.file):
+            if part is not None:
+                part.close()
+
+
+def _postfix(rec: dict) -> dict:
+    f = lambda v, p=2: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
+    return {"loss": f(rec.get("loss"), 3), "R_text": f(rec.get("compression/text")),
+            "R_img": f(rec.get("compression/image")), "tok/s": f(rec.get("tokens_per_s"), 0)}

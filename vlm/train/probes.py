@@ -32,6 +32,10 @@ class ActivationProbe:
             with torch.no_grad():
                 self.values["text/embed_norm"] = out_BTD.detach().float().norm(dim=-1).mean()
 
+    def clear(self) -> None:
+        """Forget the last step's values (a skipped step must not report them)."""
+        self.values.clear()
+
     def read(self) -> dict[str, float]:
         return {k: float(v) for k, v in self.values.items()}
 

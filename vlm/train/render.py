@@ -10,6 +10,7 @@ import torch
 from PIL import Image, ImageDraw
 
 from configs.batch import IMAGE, PackedBatch
+from vision.image_processor import unpatchify
 
 
 def _palette(n: int) -> list[tuple[int, int, int]]:
@@ -35,7 +36,6 @@ def first_image(batch: PackedBatch, patch_size: int, merge: int, denormalize) ->
     rows, cols = (int(v) for v in batch.image_grids[0])
     patches = batch.pixel_patches[: rows * cols].float().cpu()
     x = denormalize(patches).clamp(0, 1)
-    from vision.image_processor import unpatchify
     img_3HW = unpatchify(x, (rows, cols), patch_size)
     pixels = (img_3HW.permute(1, 2, 0).numpy() * 255).round().astype(np.uint8)
     img_pos = (batch.modality == IMAGE).nonzero(as_tuple=False)

@@ -16,8 +16,12 @@ import torch
 from torch import nn
 
 from configs.config import ConfigError
+from vlm.model.convert import convert_state, load_source, to_conceptmoe_config
+from vlm.model.hf import MODEL_TYPE, load_vlm
 from vlm.model.multimodal import ConceptMoEVLM
+from vlm.train.checkpoint import latest_checkpoint
 from vlm.train.config import TrainConfig
+from vlm.train.engine import safe_load
 
 
 def resolve_weights_path(path: Path) -> Path:
@@ -27,7 +31,6 @@ def resolve_weights_path(path: Path) -> Path:
         return path
     if (path / "final" / "config.json").is_file():
         return path / "final"
-    from vlm.train.checkpoint import latest_checkpoint
 
     ckpt = latest_checkpoint(path / "checkpoints")
     if ckpt is not None:
@@ -40,10 +43,7 @@ def read_model_state(path: Path) -> dict[str, torch.Tensor]:
     """Full (unsharded) state dict of the VLM stored at `path` (export or checkpoint)."""
     path = resolve_weights_path(path)
     if (path / "config.json").is_file():
-        from vlm.model.hf import load_vlm
-
         return load_vlm(path).state_dict()
-    from vlm.train.engine import safe_load
 
     ds_dir = path / "ds"
     module_file = ds_dir / "mp_rank_00_model_states.pt"
@@ -104,15 +104,12 @@ def convert_pretrained(cfg: TrainConfig) -> ConceptMoEVLM:
     fresh vision tower + projector attached when the config has a vision section and the source has none."""
     import json
 
-    from vlm.model.convert import convert_state, load_source, to_conceptmoe_config
-    from vlm.model.hf import MODEL_TYPE, load_vlm
-
     path = Path(cfg.train.convert_from)
     info = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
     if info.get("model_type") == MODEL_TYPE and info.get("model", {}).get("chunk", {}).get("enabled", True):
         model = load_vlm(path)                   # the output of `vlm convert`
     else:
-        opt = cfg.convert.options()
+        opt = cfg.convert
         sd, base, _ = load_source(path, opt)
         lm_sd = {k: v for k, v in sd.items() if k.startswith("lm.")}
         model = convert_state(lm_sd, to_conceptmoe_config(base, opt), None)

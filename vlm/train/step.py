@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from configs.batch import PackedBatch
+from vlm.model.moe import MoE
 from vlm.train.distributed import all_reduce_min, all_reduce_sum
 from vlm.train.engine import is_plain_fp32
 from vlm.train.global_parser import GlobalParser
@@ -32,7 +33,8 @@ class StepResult:
     vec: torch.Tensor | None          # globally summed metrics (None when skipped)
     loads: dict[str, torch.Tensor]
     ratio_loss: float
-    extras: dict[str, torch.Tensor]   # last micro-batch's per-token tensors on this rank (dashboards)
+    # The last micro-batch's chunking on this rank, for the dashboard's histograms: (p, boundary, modality) [B, T]
+    chunking: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
 
 
 def boundary_seed(seed: int, step: int, index: int) -> int:
@@ -41,10 +43,6 @@ def boundary_seed(seed: int, step: int, index: int) -> int:
     Keyed by position in the global batch, not by rank, so sampling does not depend on how the global
     batch is split over ranks and micro-batches (and is reproduced exactly on resume)."""
     return (seed * 0x9E3779B1 + (step + 1) * 0x85EBCA77 + index * 0xC2B2AE3D) % (2 ** 63 - 1)
-
-
-def model_of(engine) -> torch.nn.Module:
-    return engine.module
 
 
 def set_boundary_generator(module: torch.nn.Module, device: torch.device, seed: int) -> None:
@@ -88,7 +86,7 @@ def grads_finite(module: torch.nn.Module, device: torch.device) -> bool:
 
 def zero_moe_loads(module: torch.nn.Module) -> None:
     for m in module.modules():
-        if hasattr(m, "load_accum") and isinstance(m.load_accum, torch.Tensor):
+        if isinstance(m, MoE):
             m.load_accum.zero_()
 
 
@@ -109,7 +107,7 @@ def train_step(engine, window: list[PackedBatch], step: int, *, seed: int, rank:
     acc = StepAccumulator(device)
     plain = is_plain_fp32(engine)
     bad = False
-    extras: dict[str, torch.Tensor] = {}
+    chunking = None
     for k, batch in enumerate(window):
         boundary = k == K - 1
         if not bad:
@@ -125,7 +123,8 @@ def train_step(engine, window: list[PackedBatch], step: int, *, seed: int, rank:
                 loss = out.lm_loss * w + ratio_weight * K * W * out.ratio_loss + out.balance_loss
                 engine.backward(loss)
                 acc.add(out, batch)
-                extras = out.extras
+                if out.chunks is not None:
+                    chunking = (out.chunks.p_BT.detach(), out.chunks.b_BT.detach(), batch.modality)
             del out
         if plain and boundary and not bad and not grads_finite(engine.module, device):
             bad = True
@@ -140,6 +139,6 @@ def train_step(engine, window: list[PackedBatch], step: int, *, seed: int, rank:
     applied = not bad and engine.was_step_applied()
     if not applied:
         zero_moe_loads(engine.module)
-        return StepResult(False, None, {}, float("nan"), extras)
-    vec, loads = acc.reduce(all_reduce_sum)
-    return StepResult(True, vec, loads, acc.ratio_loss, extras)
+        return StepResult(False, None, {}, float("nan"), chunking)
+    vec, loads, ratio_loss = acc.reduce(all_reduce_sum)
+    return StepResult(True, vec, loads, ratio_loss, chunking)

@@ -1,26 +1,54 @@
-"""The training run: set up engine, data and run directory, loop, checkpoint, export, summarise."""
+"""The training run: `Trainer(cfg, run_dir).train()` sets up, loops, checkpoints, exports, evaluates, summarises.
+
+`train()` reads top to bottom; each component decides for itself when it acts (the metrics logger which steps
+it logs, evaluates and draws; the checkpointer which steps it saves). What runs on the exported model at the
+end (the built-in VQA check) is handed in as `on_end` callbacks, registered under the `vlm.run_end` entry
+points, so the trainer imports nothing above it.
+"""
 from __future__ import annotations
 
+import itertools
+import json
 import os
 import random
 import time
 from dataclasses import replace
+from importlib.metadata import entry_points
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
 import yaml
 
 from configs.config import ConfigError, to_dict
+from data_pipelines.default_dataset import ensure_default_dataset
+from data_pipelines.loader import build_loader
+from data_pipelines.schema import REASONS
+from data_pipelines.tokenizer import load_tokenizer
+from vlm.model.moe import update_moe_biases
 from vlm.train import checkpoint as ckpt_lib
 from vlm.train.config import TrainConfig
 from vlm.train.distributed import DistInfo, all_reduce_sum, barrier, init_distributed
 from vlm.train.engine import build_optimizer, deepspeed_config, initialize
+from vlm.train.export import export_final
 from vlm.train.global_parser import GlobalParser, install
-from vlm.train.param_groups import (apply_mup_init, build_param_groups, describe_groups, freeze_prefixes,
-                                    install_logit_scale, mup_logit_scale, mup_width_multipliers)
+from vlm.train.metrics import MetricsLogger, load_imbalance, read_metrics, step_record
+from vlm.train.param_groups import (
+    apply_mup_init,
+    build_param_groups,
+    describe_groups,
+    freeze_prefixes,
+    install_logit_scale,
+    mup_logit_scale,
+    mup_width_multipliers,
+)
+from vlm.train.probes import ActivationProbe
+from vlm.train.report import summary_lines, write_report
 from vlm.train.schedule import build_scheduler
+from vlm.train.stages import build_model
 from vlm.train.step import StepResult, train_step
+from vlm.train.validation import HeldOut
 
 # Config keys a resumed run may change (everything else must match the checkpointed run).
 RESUMABLE_CHANGES = ("train.max_steps", "checkpoint.", "logging.", "train.vqa_eval", "train.vqa_max_samples",
@@ -64,14 +92,24 @@ def check_resume_config(saved: dict, now: dict, accept_optim_change: bool = Fals
                               f"use a new --out directory or the same config{hint}")
 
 
+RUN_END_GROUP = "vlm.run_end"
+RunEnd = Callable[[Path, TrainConfig, Path, Callable[[str], None]], dict]
+
+
+def registered_run_end() -> list[RunEnd]:
+    """The end-of-run callbacks installed packages register (eval's VQA check)."""
+    return [ep.load() for ep in entry_points(group=RUN_END_GROUP)]
+
+
 class Trainer:
     def __init__(self, cfg: TrainConfig, run_dir: str | Path, resume: bool | None = None, log=print,
-                 accept_optim_change: bool = False):
+                 accept_optim_change: bool = False, on_end: list[RunEnd] = (), loss_hook=None):
         """resume: True = must resume; None = resume when RUN_DIR has a checkpoint; False = refuse if it has one.
         accept_optim_change: a resumed run takes this config's optimiser settings (learning rate, schedule, ...)
-        instead of refusing them."""
+        instead of refusing them. on_end: run on rank 0 with the exported final/; their dicts go into the
+        summary. loss_hook(out, k) may replace micro-batch k's output (fault injection in tests)."""
         self.cfg, self.run_dir, self.log_fn = cfg, Path(run_dir), log
-        self.accept_optim_change = accept_optim_change
+        self.on_end, self.loss_hook = list(on_end), loss_hook
         self.dist: DistInfo = init_distributed()
         run = cfg.train
         if run.threads:
@@ -87,8 +125,6 @@ class Trainer:
         barrier()
         self.resume_from = self._resume_point(resume)
         self._prepare_data_dir()
-        from data_pipelines.tokenizer import load_tokenizer
-
         self.tokenizer = load_tokenizer(cfg.data.tokenizer_path)
         self._build_model()   # stage ct: cfg.model becomes the converted checkpoint's architecture
         if cfg.model.vocab_size < self.tokenizer.vocab_size:
@@ -97,12 +133,135 @@ class Trainer:
         if self.resume_from is not None and (self.run_dir / "config.yaml").is_file():
             check_resume_config(yaml.safe_load((self.run_dir / "config.yaml").read_text()), to_dict(cfg),
                                 accept_optim_change)
+        self.accept_optim_change = accept_optim_change
         self.step = 0
         self.nonfinite_total = 0
         self.nonfinite_in_row = 0
         self.wall_before = 0.0
-        self.loader = None
-        self.loss_hook = None   # fault injection for tests: (ModelOutput, micro index) -> ModelOutput
+        self.t_start = time.time()
+        self._build_data()
+        self.checkpointer = ckpt_lib.Checkpointer(self.engine, self.ckpt_root, cfg.checkpoint.save_every,
+                                                  cfg.checkpoint.keep_last, self.dist.rank, self.dist.world_size)
+
+    # ---------------------------------------------------------------- the run
+    def train(self) -> int:
+        """Train to train.max_steps (or the end of the data), then export, evaluate and summarise; the exit code."""
+        cfg = self.cfg
+        if self.resume_from is not None:
+            self.restore(self.resume_from)
+            self.log(f"resumed from {self.resume_from} at step {self.step}")
+        self._write_run_files()
+        resume_step = self.step if self.resume_from is not None else None
+        metrics = MetricsLogger(cfg.logging, cfg.train.max_steps, self.run_dir, resume_step,
+                                config_targets(cfg), self.is_main, self.step)
+        self.log(f"model: {self.n_params:,} parameters ({self.n_trainable:,} trainable); {self.dist.world_size} "
+                 f"rank(s) on {self.dist.device}; ZeRO {cfg.deepspeed.zero_stage}{', bf16' if cfg.deepspeed.bf16 else ''}")
+        for line in self.groups_desc:
+            self.log(f"  group {line}")
+        batches = iter(self.loader)
+        self.t_start = time.time()
+        rc = 0
+        while self.step < cfg.train.max_steps:
+            t0 = time.perf_counter()   # throughput counts data loading too
+            window = list(itertools.islice(batches, cfg.optim.grad_accum))
+            if len(window) < cfg.optim.grad_accum:
+                self.log(f"data exhausted after {self.step} steps (data.epochs={cfg.data.epochs})")
+                break
+            lr = self.current_lr()
+            result = self.train_step(window)
+            self.after_step(result)
+            rec = self._step_record(result, lr, time.perf_counter() - t0)
+            if metrics.should_log(self.step, result.applied):
+                rec.update(self._skipped_samples())                       # a collective
+            pictures = None
+            if metrics.should_eval(self.step):
+                val, pictures = self.held_out.run(window[-1], draw=self.is_main)   # a collective
+                rec.update(val)
+            if self.is_main:
+                metrics.write(rec, result, pictures)
+            if self.nonfinite_in_row >= cfg.train.max_nonfinite_in_row:
+                path = self.checkpointer.save(self.step, self.trainer_state())
+                self.log(f"stopping: {self.nonfinite_in_row} non-finite steps in a row (step {self.step}); nothing "
+                         f"was applied for them. Checkpoint: {path}. Lower optim.lr (resume with --resume "
+                         f"--accept-optim-change optim.lr=...), check the data, or raise train.max_nonfinite_in_row.")
+                rc = 1
+                break
+            self.checkpointer.maybe_save(self.step, self.trainer_state)
+        if rc == 0:
+            self.checkpointer.save_unless_saved(self.step, self.trainer_state)
+        metrics.close()
+        return self._finish(rc)
+
+    def _finish(self, rc: int) -> int:
+        """Export final/, run the end-of-run callbacks, write report.png and summary.json (rank 0 prints)."""
+        wall = self.wall_before + (time.time() - self.t_start)
+        results: dict = {"vqa": None}
+        if rc == 0:
+            final = export_final(self.engine, self.run_dir, self.tokenizer, self.logit_scale, self.is_main, self.log)
+            if final is None:
+                rc = 1
+            elif self.is_main:
+                for fn in self.on_end:
+                    results.update(fn(final, self.cfg, self.run_dir, self.log))
+            barrier()
+        if not self.is_main:
+            return rc
+        records = read_metrics(self.run_dir / "metrics.jsonl")
+        targets = config_targets(self.cfg)
+        write_report(records, self.run_dir / "report.png", targets,
+                     title=f"{self.run_dir.name}: stage {self.cfg.train.stage}")
+        counters = self.loader.counters
+        lines = summary_lines(records, targets, results["vqa"], self.run_dir, wall, self.nonfinite_total, counters)
+        (self.run_dir / "summary.json").write_text(json.dumps(
+            {"steps": self.step, "wall_s": wall, **results, "nonfinite_steps": self.nonfinite_total,
+             "last": records[-1] if records else None, "exit_code": rc}, indent=2, default=str))
+        self.log("\n".join(["", "=" * 72, "summary", "=" * 72] + lines))
+        return rc
+
+    # ---------------------------------------------------------------- one step
+    def current_lr(self) -> float:
+        """The base `optim.lr` times the schedule's multiplier at this step."""
+        return self.cfg.optim.lr * self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)
+
+    def train_step(self, window, loss_hook=None) -> StepResult:
+        cfg = self.cfg
+        self.probe.clear()
+        return train_step(self.engine, window, self.step, seed=cfg.train.seed, rank=self.dist.rank,
+                          world_size=self.dist.world_size, parser=self.parser,
+                          ratio_weight=cfg.model.chunk.ratio_loss_weight if cfg.model.chunk.enabled else 0.0,
+                          device=self.dist.device, float_dtype=self.float_dtype, loss_hook=loss_hook or self.loss_hook)
+
+    def after_step(self, result: StepResult) -> None:
+        """Schedule and loss-free balancing move only when the optimizer applied the step."""
+        self.step += 1
+        if result.applied:
+            self.scheduler.step()
+            update_moe_biases(self.engine.module, all_reduce_sum)
+            self.nonfinite_in_row = 0
+        else:
+            self.nonfinite_total += 1
+            self.nonfinite_in_row += 1
+
+    def _step_record(self, result: StepResult, lr: float, seconds: float) -> dict:
+        cfg = self.cfg
+        if result.applied:
+            rec = step_record(self.step, result.vec, result.ratio_loss, cfg.model.chunk.ratio_loss_weight, lr, seconds)
+            rec.update(load_imbalance(result.loads))
+            rec.update(self.probe.read())
+            grad_norm = self.engine.get_global_grad_norm()
+            if grad_norm is not None:
+                rec["grad_norm"] = float(grad_norm)
+        else:
+            rec = {"step": self.step, "skipped": True, "lr": lr, "step_time_s": seconds}
+        rec["nonfinite_steps"] = self.nonfinite_total
+        return rec
+
+    def _skipped_samples(self) -> dict[str, int]:
+        """Data-loader skip counters summed over ranks (a collective: every rank calls it)."""
+        counters = self.loader.counters
+        vec = torch.tensor([float(counters.get(r, 0)) for r in REASONS], dtype=torch.float64)
+        vec = all_reduce_sum(vec.to(self.dist.device)).cpu()
+        return {f"skipped/{r}": int(v) for r, v in zip(REASONS, vec.tolist())}
 
     # ---------------------------------------------------------------- setup
     @property
@@ -131,14 +290,10 @@ class Trainer:
         """The default dataset is built once (rank 0) before any rank opens it."""
         if not self.cfg.data.sources:
             if self.is_main:
-                from data_pipelines.default_dataset import ensure_default_dataset
-
                 ensure_default_dataset(self.cfg.data.default_dir)
             barrier()
 
     def _build_model(self) -> None:
-        from vlm.train.stages import build_model
-
         cfg = self.cfg
         model, fresh = build_model(cfg)
         if cfg.train.stage == "ct":
@@ -165,8 +320,6 @@ class Trainer:
         self.ds_config = deepspeed_config(cfg.deepspeed, cfg.optim, self.dist.world_size)
         self.engine = initialize(model, self.optimizer, self.ds_config)
         self.float_dtype = torch.bfloat16 if self.engine.bfloat16_enabled() else torch.float32
-        from vlm.train.probes import ActivationProbe
-
         self.probe = ActivationProbe(self.engine.module)
         self.parser = GlobalParser(all_reduce_sum)
         if not install(self.engine.module, self.parser):
@@ -174,32 +327,30 @@ class Trainer:
         self.n_params = sum(p.numel() for p in model.parameters())
         self.n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
 
-    def build_data(self) -> None:
-        from data_pipelines.loader import build_loader
-
-        d = self.dist
-        self.loader = build_loader(self.cfg.data, self.tokenizer, d.rank, d.world_size)
-        self.eval_batches = []
-        lg, data = self.cfg.logging, self.cfg.data
+    def _build_data(self) -> None:
+        d, lg, data = self.dist, self.cfg.logging, self.cfg.data
+        self.loader = build_loader(data, self.tokenizer, d.rank, d.world_size)
         val_cfg = None
         if lg.eval_every and lg.eval_sources:
             val_cfg = replace(data, sources=lg.eval_sources, num_workers=0, epochs=None)
         elif lg.eval_every and not data.sources:
             val_cfg = replace(data, split="val", num_workers=0, epochs=None)
+        eval_batches = []
         if val_cfg is not None:
-            it = iter(build_loader(val_cfg, self.tokenizer, d.rank, d.world_size))
-            self.eval_batches = [next(it) for _ in range(lg.eval_batches)]
+            eval_batches = list(itertools.islice(build_loader(val_cfg, self.tokenizer, d.rank, d.world_size),
+                                                 lg.eval_batches))
+        self.held_out = HeldOut(self.engine, eval_batches, self.parser, d.device, self.float_dtype,
+                                data.processor, self.tokenizer)
 
     # ---------------------------------------------------------------- state
     def trainer_state(self) -> dict:
         return {"step": self.step, "scheduler": self.scheduler.state_dict(), "rng": ckpt_lib.rng_state(),
-                "loader": self.loader.state_dict() if self.loader is not None else None,
+                "loader": self.loader.state_dict(),
                 "nonfinite_total": self.nonfinite_total, "nonfinite_in_row": self.nonfinite_in_row,
-                "wall_s": self.wall_before + (time.time() - self.t_start if hasattr(self, "t_start") else 0.0)}
+                "wall_s": self.wall_before + (time.time() - self.t_start)}
 
     def save(self) -> Path:
-        return ckpt_lib.save_checkpoint(self.engine, self.ckpt_root, self.step, self.trainer_state(),
-                                        self.dist.rank, self.dist.world_size, self.cfg.checkpoint.keep_last)
+        return self.checkpointer.save(self.step, self.trainer_state())
 
     def restore(self, path: Path) -> None:
         keys = ("initial_lr", "betas", "weight_decay", "eps")
@@ -216,38 +367,13 @@ class Trainer:
         for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
             group["lr"] = lr
         ckpt_lib.set_rng_state(state["rng"])
-        if self.loader is not None and state.get("loader") is not None:
+        if state.get("loader") is not None:
             self.loader.load_state_dict(state["loader"])
         self.step = state["step"]
         self.nonfinite_total, self.nonfinite_in_row = state["nonfinite_total"], state["nonfinite_in_row"]
         self.wall_before = state.get("wall_s", 0.0)
 
-    def write_run_files(self) -> None:
-        if not self.is_main:
-            return
-        import json
-
-        (self.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(self.cfg), sort_keys=False))
-        (self.run_dir / "deepspeed_config.json").write_text(json.dumps(self.ds_config, indent=2))
-
-    # ---------------------------------------------------------------- one step
-    def train_step(self, window, loss_hook=None) -> StepResult:
-        cfg = self.cfg
-        return train_step(self.engine, window, self.step, seed=cfg.train.seed, rank=self.dist.rank,
-                          world_size=self.dist.world_size, parser=self.parser,
-                          ratio_weight=cfg.model.chunk.ratio_loss_weight if cfg.model.chunk.enabled else 0.0,
-                          device=self.dist.device, float_dtype=self.float_dtype, loss_hook=loss_hook or self.loss_hook)
-
-    def after_step(self, result: StepResult) -> None:
-        """Schedule and loss-free balancing move only when the optimizer applied the step."""
-        from vlm.model.moe import update_moe_biases
-
-        self.step += 1
-        if result.applied:
-            self.scheduler.step()
-            update_moe_biases(self.engine.module, all_reduce_sum)
-            self.nonfinite_in_row = 0
-        else:
-            self.nonfinite_total += 1
-            self.nonfinite_in_row += 1
-
+    def _write_run_files(self) -> None:
+        if self.is_main:
+            (self.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(self.cfg), sort_keys=False))
+            (self.run_dir / "deepspeed_config.json").write_text(json.dumps(self.ds_config, indent=2))

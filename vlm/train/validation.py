@@ -1,0 +1,58 @@
+"""Held-out evaluation during training: loss and compression in eval mode, and the chunking pictures."""
+from __future__ import annotations
+
+import torch
+
+from vision.image_processor import ImageProcessor
+from vlm.train.distributed import all_reduce_sum
+from vlm.train.global_parser import install
+from vlm.train.metrics import StepAccumulator, step_record
+from vlm.train.render import image_concept_picture, text_with_boundaries
+from vlm.train.step import prepare
+
+EVAL_KEYS = ("lm_loss", "loss/text_only", "loss/image_text", "compression/ratio", "compression/text",
+             "compression/image", "boundary_p/all", "boundary_p/text", "boundary_p/image")
+
+
+class HeldOut:
+    """Held-out batches read once at start-up (eval mode: p >= 0.5 boundaries, no sampling); without any, the
+    pictures come from the current training batch. `run` is a collective: every rank calls it."""
+
+    def __init__(self, engine, batches: list, parser, device: torch.device, float_dtype: torch.dtype,
+                 processor_cfg, tokenizer):
+        self.engine, self.batches, self.parser = engine, batches, parser
+        self.device, self.float_dtype = device, float_dtype
+        self.processor_cfg, self.tokenizer = processor_cfg, tokenizer
+
+    @torch.no_grad()
+    def run(self, fallback_batch, draw: bool) -> tuple[dict, tuple | None]:
+        """({"val/...": value}, (picture, text) or None)."""
+        engine = self.engine
+        engine.eval()
+        install(engine.module, None)   # eval statistics stay local: no collective inside the forward
+        acc = StepAccumulator(self.device)
+        first = None
+        try:
+            for b in self.batches or [fallback_batch]:
+                b = prepare(b, self.device, self.float_dtype)
+                out = engine(b)
+                if self.batches:
+                    acc.add(out, b)
+                if first is None and out.chunks is not None:
+                    first = (b, out.chunks.b_BT)
+        finally:
+            engine.train()
+            install(engine.module, self.parser)
+        val = {}
+        if self.batches:
+            vec, _, ratio_loss = acc.reduce(all_reduce_sum)
+            rec = step_record(0, vec, ratio_loss, 0.0, 0.0, 1.0)
+            val = {f"val/{k}": rec[k] for k in EVAL_KEYS}
+        return val, (self._pictures(*first) if draw and first is not None else None)
+
+    def _pictures(self, batch, boundary_BT) -> tuple:
+        proc = self.processor_cfg
+        img = image_concept_picture(batch, boundary_BT, proc.patch_size, proc.merge,
+                                    ImageProcessor(proc).denormalize)
+        txt = text_with_boundaries(batch, boundary_BT, lambda ids: self.tokenizer.decode(ids, skip_special=False))
+        return img, txt
