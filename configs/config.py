@@ -187,7 +187,7 @@ def parse_args_anywhere(parser, argv: list[str] | None):
     (`vlm train a=1 --max-steps 1 b=2`): argparse stops collecting a positional list at the first option."""
     args, extra = parser.parse_known_args(argv)
     stray = [a for a in extra if a.startswith("-") or "=" not in a]
-    if stray or (extra and not hasattr(args, "overrides")):
+    if stray or (extra and vars(args).get("overrides") is None):   # a subcommand without overrides
         parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
     if extra:
         args.overrides = [*args.overrides, *extra]

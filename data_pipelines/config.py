@@ -5,8 +5,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from vision.image_processor import ImageProcessorConfig
 from configs.config import check
+from data_pipelines.reader import ShardError, resolve_shards
+from vision.image_processor import ImageProcessorConfig
 
 DEFAULT_DIR = "data/default"
 
@@ -23,7 +24,6 @@ class SourceConfig:
     def validate(self) -> None:
         check(bool(self.path), "source path must not be empty")
         check(self.weight > 0, f"source {self.path}: weight must be > 0, got {self.weight}")
-        from data_pipelines.reader import ShardError, resolve_shards
 
         try:   # a typo in a path stops here, before any model is built or run directory made
             resolve_shards(self.path)

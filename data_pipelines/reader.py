@@ -8,24 +8,30 @@ stop, since tarfile ends silently at a truncated or corrupt header (we then read
 """
 from __future__ import annotations
 
+import bz2
 import fnmatch
 import glob
-import bz2
 import gzip
+import logging
 import lzma
+import os
 import re
 import tarfile
 import zlib
-import logging
-import os
 from pathlib import Path
 from typing import Any, Iterator
 
 import braceexpand
 from webdataset.tariterators import base_plus_ext
 
-from data_pipelines.schema import (MANIFEST_MISMATCH, MISSING_SHARD, TRUNCATED_SHARD, UNREADABLE_MEMBER,
-                                    UNREADABLE_SHARD, BadSample)
+from data_pipelines.schema import (
+    MANIFEST_MISMATCH,
+    MISSING_SHARD,
+    TRUNCATED_SHARD,
+    UNREADABLE_MEMBER,
+    UNREADABLE_SHARD,
+    BadSample,
+)
 from data_pipelines.writer import read_manifest
 
 log = logging.getLogger("data_pipelines")
@@ -237,17 +243,27 @@ def listed_but_missing(pattern: str | os.PathLike) -> list[Path]:
     return out
 
 
+class ManifestEntries:
+    """A shard's entry in its folder's manifest.json (each folder's manifest read once), or None."""
+
+    def __init__(self):
+        self._by_dir: dict[Path, dict[str, dict]] = {}
+
+    def __call__(self, shard: Path) -> dict | None:
+        d = shard.parent
+        if d not in self._by_dir:
+            m = read_manifest(d)
+            self._by_dir[d] = {e["name"]: e for e in m["shards"]} if m else {}
+        return self._by_dir[d].get(shard.name)
+
+
 def shard_counts(paths: list[Path]) -> list[int]:
     """Per-shard sample counts: from each folder's manifest.json, else (or when the entry's `file_bytes`
     disagrees with the file: the shard was rewritten) by reading the shard."""
-    manifests: dict[Path, dict[str, dict]] = {}
+    manifest_entry = ManifestEntries()
     counts = []
     for p in paths:
-        d = p.parent
-        if d not in manifests:
-            m = read_manifest(d)
-            manifests[d] = {e["name"]: e for e in m["shards"]} if m else {}
-        entry = manifests[d].get(p.name)
+        entry = manifest_entry(p)
         if entry is not None and p.exists() and entry.get("file_bytes") not in (None, p.stat().st_size):
             # Rewritten since the manifest was made, or truncated: an intact tar is counted as it is now; a
             # broken one keeps the manifest's count, so that every promised sample it lost is counted.
@@ -285,4 +301,4 @@ def fetch_samples(path: str | os.PathLike, indices: set[int], expected: int | No
     return out
 
 
-__all__ = ["resolve_shards", "listed_but_missing", "iter_shard", "count_samples", "shard_counts", "fetch_samples", "ShardError"]
+__all__ = ["resolve_shards", "listed_but_missing", "ManifestEntries", "iter_shard", "count_samples", "shard_counts", "fetch_samples", "ShardError"]

@@ -7,10 +7,10 @@ from pathlib import Path
 from typing import Any
 
 from data_pipelines.encode import process_images
-from data_pipelines.reader import listed_but_missing, resolve_shards
+from data_pipelines.reader import ManifestEntries, listed_but_missing, resolve_shards
 from data_pipelines.samples import iter_decoded
 from data_pipelines.schema import BadSample
-from data_pipelines.writer import ShardStats, merge_stats, read_manifest, update_manifest
+from data_pipelines.writer import ShardStats, merge_stats, update_manifest
 from vision.image_processor import ImageProcessor
 
 
@@ -39,13 +39,9 @@ def collect_stats(patterns: list[str | os.PathLike], scan: bool = False, write_m
         missing += listed_but_missing(p)
     paths = sorted(dict.fromkeys(paths))
     entries, bad, scanned = [], Counter(), []
-    manifests: dict[Path, dict[str, dict]] = {}
+    manifest_entry = ManifestEntries()
     for path in paths:
-        d = path.parent
-        if d not in manifests:
-            m = read_manifest(d)
-            manifests[d] = {e["name"]: e for e in m["shards"]} if m else {}
-        entry = manifests[d].get(path.name)
+        entry = manifest_entry(path)
         if scan or entry is None:
             entry, b = scan_shard(path)
             bad.update(b)

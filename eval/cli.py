@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import Callable
 
 from configs.config import ConfigError, apply_overrides, from_dict, load_yaml, to_dict
-
+from eval import export_tasks
 from eval.longctx.config import LongCtxConfig
 from eval.longctx.tasks import TASKS
+from eval.vqa import add_vqa_command
 
 
 def add_eval_commands(subparsers: argparse._SubParsersAction) -> argparse._SubParsersAction:
@@ -45,14 +46,12 @@ def add_eval_commands(subparsers: argparse._SubParsersAction) -> argparse._SubPa
     lc.add_argument("--no-progress", action="store_true")
     lc.set_defaults(func=run_longctx_command)
 
-    from eval import export_tasks
 
     ex = sub.add_parser("lmms-tasks", help="export a dataset split + task YAMLs for lmms-eval (--include_path)",
                         description=export_tasks.__doc__.split("\n\n")[0])
     export_tasks.add_arguments(ex)
     ex.set_defaults(func=export_tasks.run)
 
-    from eval.vqa import add_vqa_command  # `vlm eval vqa` (built-in VQA eval)
 
     if "vqa" not in sub.choices:
         add_vqa_command(sub)

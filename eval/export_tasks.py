@@ -20,6 +20,10 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
+from data_pipelines.chat import iter_vqa_samples
+from data_pipelines.samples import iter_samples
+from data_pipelines.schema import IMAGE_TOKEN
+
 TEMPLATE_DIR = Path(__file__).with_name("tasks")
 TEMPLATES = {"vqa": ["conceptmoe_vqa.yaml", "conceptmoe_vqa_mc.yaml"], "caption": ["conceptmoe_caption.yaml"]}
 DATA_TOKEN = "__DATA_DIR__"
@@ -31,7 +35,6 @@ def _b64(data: bytes) -> str:
 
 def vqa_records(shards, limit: int | None = None) -> list[dict]:
     """One record per question; `choices` = the split's distinct answers of the item's question type."""
-    from data_pipelines.chat import iter_vqa_samples
 
     recs = []
     for i, s in enumerate(iter_vqa_samples(shards, limit=limit)):
@@ -48,8 +51,6 @@ def vqa_records(shards, limit: int | None = None) -> list[dict]:
 
 def caption_records(shards, limit: int | None = None) -> list[dict]:
     """One record per image-caption pair (`pair` samples with one image); the caption has no placeholder."""
-    from data_pipelines.samples import iter_samples
-    from data_pipelines.schema import IMAGE_TOKEN
 
     recs: list[dict] = []
     for s in iter_samples(shards):

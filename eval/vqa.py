@@ -38,7 +38,7 @@ def run_vqa_eval(model, shards, train_shards=None, limit: int | None = None, bat
     """`model` is an eval.protocol.EvalModel; `shards` the split to score (paths or globs).
 
     `compression_shards`: whole samples of the held-out split on which to measure the realized compression
-    per modality in eval mode (needs a model with `held_out_compression`, i.e. a real ConceptMoE)."""
+    per modality in eval mode (a ConceptMoEChat's `held_out_compression`)."""
     import io
 
     from PIL import Image
@@ -70,7 +70,7 @@ def run_vqa_eval(model, shards, train_shards=None, limit: int | None = None, bat
             for s, a in zip(chunk, answers):
                 blind_hits[s.question_type].append(normalize_answer(strip_answer(a)) == normalize_answer(s.answer))
     held_out = None
-    if compression_shards and hasattr(model, "held_out_compression"):
+    if compression_shards:
         held_out = model.held_out_compression(compression_shards)
     return {"n": len(samples), "accuracy": _accuracy(hits), "majority_baseline": _accuracy(major_hits),
             "blind_baseline": _accuracy(blind_hits) if blind else None, "compression": compression,

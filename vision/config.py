@@ -4,11 +4,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from configs.config import ConfigError, ValidatedOnInit, check
 from vision.image_processor import ImageProcessor, ImageProcessorConfig
 from vision.navit import NaViTConfig, NaViTEncoder
 from vision.projector import Projector, ProjectorConfig
+from vision.timm_backbone import TimmBackbone, load_timm_vit_state_dict
 from vision.tower import VisionTower
-from configs.config import ConfigError, ValidatedOnInit, check
 
 
 @dataclass
@@ -46,14 +47,12 @@ class VisionConfig(ValidatedOnInit):
         """Encoder (+ optional local checkpoint) and projector to `llm_hidden`."""
         patch_size, merge = self.processor.patch_size, self.processor.merge
         if self.backbone == "timm":
-            from vision.timm_backbone import TimmBackbone
             enc = TimmBackbone(self.timm_model, merge=merge, patch_size=patch_size,
                                checkpoint=self.timm_checkpoint, merger=self.encoder.merger,
                                out_dim=self.encoder.out_dim)
         else:
             enc = NaViTEncoder(self.encoder, patch_size=patch_size, merge=merge)
             if self.timm_checkpoint:
-                from vision.timm_backbone import load_timm_vit_state_dict
                 enc.load_report = load_timm_vit_state_dict(enc, self.timm_checkpoint, self.pos_resample)
                 if not enc.load_report.loaded:
                     raise ConfigError(f"timm_checkpoint {self.timm_checkpoint}: no tensor matched the encoder "

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vision.image_processor import unpatchify
 from vision.navit import Merger, NaViTEncoder
 from vision.packing import build_layout, merge_patches
 
@@ -281,7 +282,6 @@ class TimmBackbone(nn.Module):
             feats = feats["patches"] if isinstance(feats, dict) else feats
             feat_VD = feats[:, self.prefix:][ids_V, rank_V]
         else:
-            from vision.image_processor import unpatchify
             # Put each image's patches in raster order (inputs may come in any order), run, map back.
             rc_V2 = layout.coords_P2[layout.valid_P]
             g_V2 = image_grids_I2.to(rc_V2.device)[ids_V]

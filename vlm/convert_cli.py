@@ -1,4 +1,6 @@
-"""`vlm convert SRC --out DIR`: turn a pretrained MoE into a ConceptMoE for continual training."""
+"""`vlm convert SRC --out DIR`: turn a pretrained MoE into a ConceptMoE for continual training.
+
+The model code is imported when the command runs, not when `vlm` registers it (as for `vlm train`)."""
 from __future__ import annotations
 
 import argparse

@@ -137,13 +137,19 @@ def _fit_topk(s: _Search, cfg: ModelConfig, lo: int, hi: int) -> list[int]:
     return _int_candidates(fn, lo, s.f0, lo, hi)
 
 
-def _more_experts(base: ModelConfig, ratio: float, tol: float, extra_tok_k: int = 2) -> Reallocation:
-    s = _Search(base, tol)
-    start = _concept_start(base, ratio)
-    k0, kc0, e0 = base.moe.top_k, base.c_moe.top_k, base.c_moe.num_experts
-    step = base.c_moe.grove_groups or 1
+def _search_setup(base: ModelConfig, ratio: float, tol: float, extra_tok_k: int):
+    """The search, the concept model at the target ratio, and the token-level top-k values to try (raising the
+    token top-k pays FLOPs back when there are token layers)."""
+    k0 = base.moe.top_k
     tok_range = range(k0, min(base.moe.num_experts, k0 + extra_tok_k) + 1) \
         if base.encoder_layers + base.decoder_layers else [k0]
+    return _Search(base, tol), _concept_start(base, ratio), tok_range
+
+
+def _more_experts(base: ModelConfig, ratio: float, tol: float, extra_tok_k: int = 2) -> Reallocation:
+    s, start, tok_range = _search_setup(base, ratio, tol, extra_tok_k)
+    k0, kc0, e0 = base.moe.top_k, base.c_moe.top_k, base.c_moe.num_experts
+    step = base.c_moe.grove_groups or 1
     for k_tok in tok_range:
         cfg_t = _with(start, k_tok)
         for e_c in _expert_counts(s, cfg_t, e0, step):
@@ -159,12 +165,9 @@ def _loop_more_experts(base: ModelConfig, ratio: float, tol: float, loop_fractio
     target = loop_layers if loop_layers else max(1, round(loop_fraction * lc))
     if not 1 <= target <= lc:
         raise ValueError(f"loop_layers must be in [1, concept_layers={lc}], got {target}")
-    s = _Search(base, tol)
-    start = _concept_start(base, ratio)
+    s, start, tok_range = _search_setup(base, ratio, tol, extra_tok_k)
     k0, kc0, e0 = base.moe.top_k, base.c_moe.top_k, base.c_moe.num_experts
     step = base.c_moe.grove_groups or 1
-    tok_range = range(k0, min(base.moe.num_experts, k0 + extra_tok_k) + 1) \
-        if base.encoder_layers + base.decoder_layers else [k0]
     for ell in range(1, lc + 1):
         first = (lc - ell) // 2          # loop the middle ("intermediate") layers
         looped = replace(start, loop_start=first, loop_end=first + ell, loop_times=1)

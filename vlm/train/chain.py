@@ -5,6 +5,7 @@ the previous stage's exported model (`train.init_from`), e.g. LLaVA's recipe:
 
 Stage k trains into DIR/<k>_<config name>. A finished stage (its summary says exit code 0 and final/ is there) is
 not run again, and an interrupted one resumes from its last checkpoint, so the same command continues a chain.
+The trainer is imported when the command runs (as for `vlm train`).
 """
 from __future__ import annotations
 

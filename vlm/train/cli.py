@@ -3,6 +3,9 @@
 The config is read and validated before anything else happens; a bad key or value prints one line
 (`config error: <dotted.key>: ...`) and exits with code 2. One process needs no launcher; for many,
 `torchrun --nproc_per_node N -m vlm.cli train ...` or `deepspeed --num_gpus N -m vlm.cli train ...`.
+
+The trainer (torch, DeepSpeed) is imported when the command runs, not when `vlm` registers it: every
+subcommand's registration runs on each `vlm` call, and `vlm data ...` should not wait for DeepSpeed.
 """
 from __future__ import annotations
 
