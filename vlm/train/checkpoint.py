@@ -204,18 +204,21 @@ def find_resume_point(ckpt_root: Path, rank: int, warn=log.warning) -> Path | No
 class Checkpointer:
     """Writes the run's checkpoints and decides by itself when (`maybe_save`: every `save_every` steps)."""
 
-    def __init__(self, engine, root: Path, save_every: int, keep_last: int, rank: int, world_size: int,
-                 last_saved: int = -1):
+    def __init__(self, engine, root: Path, save_every: int, keep_last: int, rank: int, world_size: int):
         self.engine, self.root = engine, root
         self.save_every, self.keep_last = save_every, keep_last
         self.rank, self.world_size = rank, world_size
-        self.last_saved = last_saved
+        self.last_saved = -1
 
     def save(self, step: int, state: dict) -> Path:
         """Collective: every rank calls it."""
         path = save_checkpoint(self.engine, self.root, step, state, self.rank, self.world_size, self.keep_last)
         self.last_saved = step
         return path
+
+    def resumed_at(self, step: int) -> None:
+        """The run continues from the checkpoint of `step`: it is saved already."""
+        self.last_saved = step
 
     def maybe_save(self, step: int, state_fn) -> Path | None:
         if self.save_every and step % self.save_every == 0:

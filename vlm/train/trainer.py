@@ -149,6 +149,7 @@ class Trainer:
         cfg = self.cfg
         if self.resume_from is not None:
             self.restore(self.resume_from)
+            self.checkpointer.resumed_at(self.step)
             self.log(f"resumed from {self.resume_from} at step {self.step}")
         self._write_run_files()
         resume_step = self.step if self.resume_from is not None else None
@@ -348,9 +349,6 @@ class Trainer:
                 "loader": self.loader.state_dict(),
                 "nonfinite_total": self.nonfinite_total, "nonfinite_in_row": self.nonfinite_in_row,
                 "wall_s": self.wall_before + (time.time() - self.t_start)}
-
-    def save(self) -> Path:
-        return self.checkpointer.save(self.step, self.trainer_state())
 
     def restore(self, path: Path) -> None:
         keys = ("initial_lr", "betas", "weight_decay", "eps")
