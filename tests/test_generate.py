@@ -102,3 +102,12 @@ def test_stop_on_a_special_token_string(chat, monkeypatch):
     monkeypatch.setattr("vlm.generate.sample_next", scripted)
     out = chat.generate(["q"], None, max_new_tokens=8, stop=["<|end|>"])
     assert out == ["yes"] and calls["n"] == len(tok.encode("yes")) + 1
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_cached_generation_equals_recompute(chat, temperature):
+    """The default (prefill once, one cached step per token) against re-running the whole prefix each token."""
+    prompts = ["<image>\nwhat is this?", "a", "<image> and <image> compared over a longer prompt", "no image here"]
+    images = [[img(1)], [], [img(2), img(3)], []]
+    kw = dict(max_new_tokens=40, temperature=temperature, seed=3)
+    assert chat.generate(prompts, images, **kw) == chat.generate(prompts, images, use_cache=False, **kw)

@@ -121,10 +121,15 @@ class ConceptMoEChat:
 
     @torch.no_grad()
     def generate(self, prompts: list[str], images=None, *, max_new_tokens: int = 32, temperature: float = 0.0,
-                 top_p: float = 1.0, stop: list[str] | None = None, seed: int | None = None) -> list[str]:
+                 top_p: float = 1.0, stop: list[str] | None = None, seed: int | None = None,
+                 use_cache: bool = True) -> list[str]:
+        """Continuations of a batch of prompts (ragged lengths and image counts). `use_cache`: prefill the
+        concept-level caches once, then one cached step per token; False re-runs the whole prefix every step
+        (the reference the cache is tested against)."""
         if not prompts:
             return []
-        batch = _extend(self.prompt_batch(prompts, images), max_new_tokens, self.tokenizer.pad_id)
+        prompt = self.prompt_batch(prompts, images)
+        batch = _extend(prompt, max_new_tokens, self.tokenizer.pad_id)
         B = len(prompts)
         lengths = (batch.doc_ids >= 0).sum(1)
         start = lengths.clone()
@@ -132,15 +137,24 @@ class ConceptMoEChat:
         gen = torch.Generator(device=self.device).manual_seed(seed) if seed is not None else None
         rows = torch.arange(B, device=self.device)
         window = max((len(s) for s in stop or []), default=0) + 1
+        cache = None
         for step in range(max_new_tokens):
-            T = int(lengths.max())
-            view = PackedBatch(batch.input_ids[:, :T], batch.labels[:, :T], batch.doc_ids[:, :T],
-                               batch.position_ids[:, :T], batch.modality[:, :T],
-                               batch.pixel_patches, batch.patch_coords, batch.image_grids)
-            out = self.model(view)
-            if step == 0:
-                self._record(summarize(out, view))
-            nxt = sample_next(out.logits[rows, lengths - 1], temperature, top_p, gen)
+            if use_cache and step == 0:
+                out, cache = self.model.prefill(prompt, max_new_tokens)
+                self._record(summarize(out, prompt))
+                logits_BV = out.logits[rows, lengths - 1]
+            elif use_cache:
+                logits_BV = self.model.step(nxt, cache)
+            else:
+                T = int(lengths.max())
+                view = PackedBatch(batch.input_ids[:, :T], batch.labels[:, :T], batch.doc_ids[:, :T],
+                                   batch.position_ids[:, :T], batch.modality[:, :T],
+                                   batch.pixel_patches, batch.patch_coords, batch.image_grids)
+                out = self.model(view)
+                if step == 0:
+                    self._record(summarize(out, view))
+                logits_BV = out.logits[rows, lengths - 1]
+            nxt = sample_next(logits_BV, temperature, top_p, gen)
             live = ~done
             _put(batch, rows[live], lengths[live], nxt[live])
             lengths = lengths + live.long()

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vlm.model.cache import KVCache
 from vlm.model.layers import RMSNorm, apply_rope
 
 try:  # optional GPU kernel
@@ -115,7 +116,7 @@ class Attention(nn.Module):
             q, k, v = q + self.cq_proj(c), k + self.ck_proj(c), v + self.cv_proj(c)
         return q, k, v
 
-    def forward(self, x_BTD, doc_BT, rope, backend: str, mask=None, c_BTD=None):
+    def _heads(self, x_BTD, c_BTD, rope):
         B, T, _ = x_BTD.shape
         q, k, v = self.joint_qkv(x_BTD, c_BTD)
         q = q.view(B, T, self.h, self.hd).transpose(1, 2)
@@ -125,5 +126,20 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        return q, k, v
+
+    def forward(self, x_BTD, doc_BT, rope, backend: str, mask=None, c_BTD=None, cache: KVCache | None = None):
+        """`cache` (prefill): each row is one document; its keys and values are kept for `step`."""
+        B, T, _ = x_BTD.shape
+        q, k, v = self._heads(x_BTD, c_BTD, rope)
+        if cache is not None:
+            cache.fill(k, v, (doc_BT >= 0).sum(1))
         out = attend(q, k, v, doc_BT, backend, mask)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.h * self.hd))
+
+    def step(self, x_R1D, rope, cache: KVCache, rows: torch.Tensor, c_R1D=None):
+        """One new token (or concept) for each of `rows`, attending over its row's cache."""
+        R = x_R1D.shape[0]
+        q, k, v = self._heads(x_R1D, c_R1D, rope)
+        out = cache.append_and_attend(rows, q, k, v)
+        return self.o_proj(out.transpose(1, 2).reshape(R, 1, self.h * self.hd))

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from vlm.model.attention import Attention, packed_mask, resolve_backend
+from vlm.model.cache import KVCache
 from vlm.model.config import MoEConfig
 from vlm.model.layers import RMSNorm, rope_cos_sin
 from vlm.model.moe import MoE, MoEStats
@@ -42,8 +43,9 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(dim, norm_eps)
         self.moe = MoE(moe, dim, init_std)
 
-    def forward(self, x_BTD: torch.Tensor, ctx: StackContext, c_BTD: torch.Tensor | None = None):
-        x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), ctx.doc_BT, ctx.rope, ctx.backend, ctx.mask, c_BTD)
+    def forward(self, x_BTD: torch.Tensor, ctx: StackContext, c_BTD: torch.Tensor | None = None,
+                cache: KVCache | None = None):
+        x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), ctx.doc_BT, ctx.rope, ctx.backend, ctx.mask, c_BTD, cache)
         # Only real tokens reach the experts: padding would distort loads and the balancing bias.
         valid = ctx.valid_BT
         h_ND = self.ffn_norm(x_BTD[valid])
@@ -52,13 +54,29 @@ class Block(nn.Module):
         out[valid] = x_BTD[valid] + y_ND
         return out, stats
 
+    def step(self, x_R1D: torch.Tensor, rope, cache: KVCache, rows: torch.Tensor, c_R1D=None) -> torch.Tensor:
+        """One new position for each of `rows` (every one a real token: no padding to skip)."""
+        x_R1D = x_R1D + self.attn.step(self.attn_norm(x_R1D), rope, cache, rows, c_R1D)
+        y_RD, _ = self.moe(self.ffn_norm(x_R1D[:, 0]))
+        return x_R1D + y_RD[:, None]
+
 
 def run_stack(blocks: nn.ModuleList, x_BTD, ctx: StackContext, schedule: list[int] | None = None,
-              c_BTD=None, joint_from: int | None = None) -> tuple[torch.Tensor, list[MoEStats]]:
+              c_BTD=None, joint_from: int | None = None,
+              caches: list[KVCache] | None = None) -> tuple[torch.Tensor, list[MoEStats]]:
     """Run `blocks` in `schedule` order (layer loops repeat indices); layers >= joint_from get the concept input."""
     stats = []
-    for i in schedule if schedule is not None else range(len(blocks)):
+    for n, i in enumerate(schedule if schedule is not None else range(len(blocks))):
         c = c_BTD if joint_from is not None and i >= joint_from else None
-        x_BTD, s = blocks[i](x_BTD, ctx, c)
+        x_BTD, s = blocks[i](x_BTD, ctx, c, caches[n] if caches is not None else None)
         stats.append(s)
     return x_BTD, stats
+
+
+def step_stack(blocks: nn.ModuleList, x_R1D, rope, caches: list[KVCache], rows: torch.Tensor,
+               schedule: list[int] | None = None, c_R1D=None, joint_from: int | None = None) -> torch.Tensor:
+    """`run_stack` for one new position per row of `rows`, reading and extending the caches (one per pass)."""
+    for n, i in enumerate(schedule if schedule is not None else range(len(blocks))):
+        c = c_R1D if joint_from is not None and i >= joint_from else None
+        x_R1D = blocks[i].step(x_R1D, rope, caches[n], rows, c)
+    return x_R1D

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from configs.batch import IMAGE, TEXT
+from vlm.model.cache import ChunkState
 from vlm.model.config import ChunkConfig
 from vlm.model.layers import doc_starts, positions_in_doc
 
@@ -197,6 +198,47 @@ class ChunkModule(nn.Module):
         cp[bi, mi] = p[bi, ti]
         return Chunks(p, b, sel, cidx, cdoc, positions_in_doc(cdoc), cp, loss, local)
 
+    def step(self, h_BD: torch.Tensor, state: ChunkState) -> tuple[torch.Tensor, torch.Tensor]:
+        """One new token per row (eval mode): its boundary probability (eq. 2 against the previous token) and
+        whether it closes a concept (p >= 0.5). Updates the state's last key."""
+        if self.cfg.router == "cosine":
+            q, key = self.q_proj(h_BD), self.k_proj(h_BD)
+            cos = F.cosine_similarity(q.float(), state.last_key_BD.float(), dim=-1, eps=1e-6)
+            p = ((1 - cos) / 2).clamp(0, 1)
+        else:
+            key = h_BD
+            p = torch.sigmoid(self.score(torch.cat([h_BD, state.last_key_BD], -1)).squeeze(-1).float())
+        state.last_key_BD = key
+        return p, p >= 0.5
+
+    def merge_step(self, h_BD: torch.Tensor, b_B: torch.Tensor, state: ChunkState) -> torch.Tensor:
+        """The concept each row would close with this token ([B, D]; meaningful where `b_B`), as `merge` builds
+        it; rows that close one start a new pending concept."""
+        if self.cfg.merge == "last":
+            return h_BD
+        state.pending_BD = state.pending_BD + h_BD
+        state.pending_n_B = state.pending_n_B + 1
+        concept = state.pending_BD
+        if self.cfg.merge == "mean":
+            concept = concept / state.pending_n_B.clamp_min(1)[:, None].to(concept.dtype)
+        state.pending_BD = torch.where(b_B[:, None], torch.zeros_like(concept), state.pending_BD)
+        state.pending_n_B = torch.where(b_B, torch.zeros_like(state.pending_n_B), state.pending_n_B)
+        return concept
+
+    def prefill_state(self, h_BTD: torch.Tensor, doc_BT: torch.Tensor, ch: Chunks, c_BTD: torch.Tensor) -> ChunkState:
+        """The state after a prompt (one document per row): last key, the tokens after the last boundary
+        (no concept yet), the EMA the last token read, and the concept count."""
+        B, T, _ = h_BTD.shape
+        valid = doc_BT >= 0
+        rows = torch.arange(B, device=h_BTD.device)
+        last = valid.sum(1) - 1
+        key = self.k_proj(h_BTD[rows, last]) if self.cfg.router == "cosine" else h_BTD[rows, last]
+        t = torch.arange(T, device=h_BTD.device)
+        last_b = torch.where(ch.b_BT, t, torch.full_like(t, -1)).amax(1)
+        tail = valid & (t[None] > last_b[:, None])
+        pending = (h_BTD * tail[..., None].to(h_BTD.dtype)).sum(1)
+        return ChunkState(key, pending, tail.sum(1), c_BTD[rows, last].float(), ch.b_BT.sum(1))
+
     def merge(self, h_BTD: torch.Tensor, doc_BT: torch.Tensor, ch: Chunks) -> torch.Tensor:
         """Concepts [B, M, D] from token states: `last` takes h at the boundary, `sum`/`mean` pool the concept's tokens."""
         B, M = ch.cdoc_BM.shape
@@ -229,6 +271,12 @@ class Dechunk(nn.Module):
         if self.residual is not None:
             with torch.no_grad():
                 self.residual.weight.copy_(torch.eye(dim))
+
+    @staticmethod
+    def ema_step(concept_RD: torch.Tensor, p_R: torch.Tensor, ema_RD: torch.Tensor) -> torch.Tensor:
+        """Eq. 8 for one new concept per row (fp32, as `ema_scan`): c_m = p_m x_m + (1 - p_m) c_{m-1}."""
+        p = p_R.float()[:, None]
+        return p * concept_RD.float() + (1 - p) * ema_RD
 
     def forward(self, h_BTD: torch.Tensor, concepts_BMD: torch.Tensor, ch: Chunks):
         reset = doc_starts(ch.cdoc_BM)

@@ -9,10 +9,11 @@ import torch
 from torch import nn
 
 from configs.batch import PackedBatch
-from vlm.model.block import Block, StackContext, run_stack
+from vlm.model.block import Block, StackContext, run_stack, step_stack
+from vlm.model.cache import InferenceCache, KVCache
 from vlm.model.chunking import ChunkModule, Chunks, Dechunk
 from vlm.model.config import ModelConfig
-from vlm.model.layers import RMSNorm
+from vlm.model.layers import RMSNorm, rope_cos_sin
 from vlm.model.output import ModelOutput
 from vlm.model.stats import lm_losses
 
@@ -57,22 +58,27 @@ class ConceptMoELM(nn.Module):
                 for proj in (blk.attn.cq_proj, blk.attn.ck_proj, blk.attn.cv_proj):
                     proj.weight.zero_()
 
-    def hidden(self, x_BTD, doc_BT, pos_BT, modality_BT, above_BT=None, force=None):
-        """Final hidden states [B, T, D] (before the norm), the chunking, and the MoE stats of every layer."""
+    def hidden(self, x_BTD, doc_BT, pos_BT, modality_BT, above_BT=None, force=None,
+               cache: InferenceCache | None = None):
+        """Final hidden states [B, T, D] (before the norm), the chunking, and the MoE stats of every layer.
+        With `cache` (prefill: one document per row) every layer's keys and values and the chunk state are kept."""
         cfg = self.cfg
         ctx = StackContext.build(doc_BT, pos_BT, cfg.head_dim, cfg.rope_theta, x_BTD.dtype, cfg.attn_backend)
-        h_BTD, moe_stats = run_stack(self.encoder, x_BTD, ctx)
+        h_BTD, moe_stats = run_stack(self.encoder, x_BTD, ctx, caches=cache.encoder if cache else None)
         ch: Chunks | None = None
         if self.chunker is None:
             c_BMD, cdoc_BM, cpos_BM = h_BTD, doc_BT, pos_BT
         else:
             ch = self.chunker(h_BTD, doc_BT, modality_BT, above_BT, force)
             c_BMD, cdoc_BM, cpos_BM = self.chunker.merge(h_BTD, doc_BT, ch), ch.cdoc_BM, ch.cpos_BM
+        if cache is not None:   # capacity: the prompt's concepts plus one per token still to come
+            cache.concept = self._caches(self.cfg.c_kv_heads, len(cfg.concept_schedule), x_BTD.shape[0],
+                                         c_BMD.shape[1] + cache.capacity - x_BTD.shape[1], x_BTD)
         if self.concept_up is not None:
             c_BMD = self.concept_up(c_BMD)
         cctx = StackContext.build(cdoc_BM, cpos_BM, cfg.head_dim, cfg.rope_theta, c_BMD.dtype, cfg.attn_backend,
                                   use_rope=cfg.concept_pos == "rope")
-        c_BMD, s = run_stack(self.concept, c_BMD, cctx, cfg.concept_schedule)
+        c_BMD, s = run_stack(self.concept, c_BMD, cctx, cfg.concept_schedule, caches=cache.concept if cache else None)
         moe_stats += s
         if self.concept_down is not None:
             c_BMD = self.concept_down(c_BMD)
@@ -80,8 +86,73 @@ class ConceptMoELM(nn.Module):
             z_BTD, cread_BTD = c_BMD, None
         else:
             z_BTD, cread_BTD = self.dechunk(h_BTD, c_BMD, ch)
-        out_BTD, s = run_stack(self.decoder, z_BTD, ctx, c_BTD=cread_BTD, joint_from=self.joint_from)
+            if cache is not None:
+                cache.chunk = self.chunker.prefill_state(h_BTD, doc_BT, ch, cread_BTD)
+        out_BTD, s = run_stack(self.decoder, z_BTD, ctx, c_BTD=cread_BTD, joint_from=self.joint_from,
+                               caches=cache.decoder if cache else None)
         return out_BTD, ch, moe_stats + s
+
+    # ---------------------------------------------------------------- inference with caches
+    def _caches(self, kv_heads: int, n: int, B: int, capacity: int, like: torch.Tensor) -> list[KVCache]:
+        return [KVCache.allocate(B, kv_heads, capacity, self.cfg.head_dim, like.dtype, like.device) for _ in range(n)]
+
+    def allocate_inference_cache(self, B: int, capacity: int, like: torch.Tensor) -> InferenceCache:
+        """Token caches for `capacity` positions per row; the concept caches are sized at prefill, once the
+        prompt's concepts are known."""
+        kv = self.cfg.num_kv_heads
+        return InferenceCache(self._caches(kv, len(self.encoder), B, capacity, like), [],
+                              self._caches(kv, len(self.decoder), B, capacity, like),
+                              torch.zeros(B, dtype=torch.long, device=like.device), capacity=capacity)
+
+    @torch.no_grad()
+    def prefill(self, batch: PackedBatch, inputs_embeds: torch.Tensor | None = None, above_BT=None,
+                max_new_tokens: int = 0) -> tuple[ModelOutput, InferenceCache]:
+        """The prompts' output (one document per row, right-padded) and the caches `step` continues from."""
+        x_BTD = self.embed(batch.input_ids) if inputs_embeds is None else inputs_embeds
+        B, T, _ = x_BTD.shape
+        cache = self.allocate_inference_cache(B, T + max_new_tokens, x_BTD)
+        out_BTD, ch, moe_stats = self.hidden(x_BTD, batch.doc_ids, batch.position_ids, batch.modality, above_BT,
+                                             cache=cache)
+        cache.len_B = (batch.doc_ids >= 0).sum(1)
+        return self.assemble(self.lm_head(self.norm(out_BTD)), batch, ch, moe_stats), cache
+
+    @torch.no_grad()
+    def step(self, x_BD: torch.Tensor, cache: InferenceCache) -> torch.Tensor:
+        """Logits [B, V] of one new token per row (embedded: [B, D]), extending every cache. The concept model
+        runs only for the rows whose boundary fires (the baseline: every row, every token)."""
+        cfg = self.cfg
+        B = x_BD.shape[0]
+        all_rows = torch.arange(B, device=x_BD.device)
+        rope = rope_cos_sin(cache.len_B[:, None], cfg.head_dim, cfg.rope_theta, x_BD.dtype)
+        h_B1D = step_stack(self.encoder, x_BD[:, None], rope, cache.encoder, all_rows)
+        if self.chunker is None:
+            rows, c_R1D, pos_R = all_rows, h_B1D, cache.len_B
+        else:
+            st = cache.chunk
+            p_B, b_B = self.chunker.step(h_B1D[:, 0], st)
+            concept_BD = self.chunker.merge_step(h_B1D[:, 0], b_B, st)
+            rows = b_B.nonzero().squeeze(1)
+            c_R1D, pos_R = concept_BD[rows, None], st.n_concepts_B[rows]
+        if rows.numel():
+            if self.concept_up is not None:
+                c_R1D = self.concept_up(c_R1D)
+            crope = rope_cos_sin(pos_R[:, None], cfg.head_dim, cfg.rope_theta, x_BD.dtype) \
+                if cfg.concept_pos == "rope" else None
+            c_R1D = step_stack(self.concept, c_R1D, crope, cache.concept, rows, cfg.concept_schedule)
+            if self.concept_down is not None:
+                c_R1D = self.concept_down(c_R1D)
+        if self.chunker is None:
+            z_B1D, cread_B1D = c_R1D, None
+        else:
+            st.ema_BD[rows] = self.dechunk.ema_step(c_R1D[:, 0], p_B[rows], st.ema_BD[rows])
+            st.n_concepts_B[rows] += 1
+            cread_B1D = st.ema_BD[:, None].to(h_B1D.dtype)
+            res = self.dechunk.residual(h_B1D) if self.dechunk.residual is not None else h_B1D
+            z_B1D = res + cread_B1D   # eq. 10: the STE multiplier is 1 in the forward
+        out_B1D = step_stack(self.decoder, z_B1D, rope, cache.decoder, all_rows, c_R1D=cread_B1D,
+                             joint_from=self.joint_from)
+        cache.len_B = cache.len_B + 1
+        return self.lm_head(self.norm(out_B1D))[:, 0]
 
     def forward(self, batch: PackedBatch, inputs_embeds: torch.Tensor | None = None, above_BT=None,
                 force: str | torch.Tensor | None = None) -> ModelOutput:

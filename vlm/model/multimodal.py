@@ -60,3 +60,13 @@ class ConceptMoEVLM(nn.Module):
         # Images are never predicted, whatever the data says.
         batch = dataclasses.replace(batch, labels=batch.labels.masked_fill(batch.modality == IMAGE, IGNORE_INDEX))
         return self.lm(batch, inputs_embeds=self.embed(batch), above_BT=self.above_index(batch), force=force)
+
+    @torch.no_grad()
+    def prefill(self, batch: PackedBatch, max_new_tokens: int = 0):
+        """Logits of the prompts and the inference caches; the images are encoded here, once per prompt."""
+        return self.lm.prefill(batch, self.embed(batch), self.above_index(batch), max_new_tokens)
+
+    @torch.no_grad()
+    def step(self, ids_B: torch.Tensor, cache) -> torch.Tensor:
+        """Logits [B, V] of the next position after one new (text) token per row."""
+        return self.lm.step(self.lm.embed(ids_B), cache)

@@ -1,0 +1,81 @@
+"""Inference caches: token-level KV for encoder and decoder layers, concept-level KV for the concept model.
+
+Rows are ragged: each has its own length (tokens, or concepts for a concept cache). A cache is one padded
+buffer per layer plus the lengths; appending writes at each row's length, attention masks past it. In a
+decode step the concept model runs only for the rows whose boundary fired, so concept caches are read
+and written for a subset of rows (`rows`, an index tensor): no Python loop over rows or tokens.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class KVCache:
+    """Keys and values of one attention layer: [B, kv_heads, capacity, head_dim], `len_B` filled per row."""
+
+    k_BKSd: torch.Tensor
+    v_BKSd: torch.Tensor
+    len_B: torch.Tensor
+
+    @staticmethod
+    def allocate(B: int, kv_heads: int, capacity: int, head_dim: int, dtype, device) -> "KVCache":
+        z = torch.zeros(B, kv_heads, capacity, head_dim, dtype=dtype, device=device)
+        return KVCache(z, z.clone(), torch.zeros(B, dtype=torch.long, device=device))
+
+    def fill(self, k_BKTd: torch.Tensor, v_BKTd: torch.Tensor, len_B: torch.Tensor) -> None:
+        """Prefill: the first T positions of every row (positions past `len_B` are padding, never read)."""
+        T = k_BKTd.shape[2]
+        if T > self.k_BKSd.shape[2]:
+            raise ValueError(f"prefill of {T} positions exceeds the cache capacity {self.k_BKSd.shape[2]}")
+        self.k_BKSd[:, :, :T] = k_BKTd
+        self.v_BKSd[:, :, :T] = v_BKTd
+        self.len_B.copy_(len_B)
+
+    def append_and_attend(self, rows: torch.Tensor, q_RH1d, k_RK1d, v_RK1d) -> torch.Tensor:
+        """Write one new key/value per selected row at its length, then attend its query over the row's cache."""
+        pos_R = self.len_B[rows]   # capacity is checked once per step by the model, not here (no host sync)
+        self.k_BKSd[rows, :, pos_R] = k_RK1d[:, :, 0]
+        self.v_BKSd[rows, :, pos_R] = v_RK1d[:, :, 0]
+        self.len_B[rows] += 1
+        S = self.k_BKSd.shape[2]
+        mask_R11S = (torch.arange(S, device=rows.device)[None] <= pos_R[:, None])[:, None, None]
+        k, v = self.k_BKSd[rows], self.v_BKSd[rows]
+        return F.scaled_dot_product_attention(q_RH1d, k, v, attn_mask=mask_R11S, enable_gqa=k.shape[1] != q_RH1d.shape[1])
+
+    def nbytes(self) -> int:
+        """Bytes of the filled entries (what a cache of exactly the realized length would hold)."""
+        per_pos = self.k_BKSd.shape[1] * self.k_BKSd.shape[3] * self.k_BKSd.element_size() * 2
+        return int(self.len_B.sum()) * per_pos
+
+
+@dataclass
+class ChunkState:
+    """What the chunk module and the dechunk carry from one token to the next, per row."""
+
+    last_key_BD: torch.Tensor        # the router's key (cosine) or hidden state (linear) of the last token
+    pending_BD: torch.Tensor         # merge of the tokens after the last boundary (sum; `last` ignores it)
+    pending_n_B: torch.Tensor        # how many tokens that is (for `mean`)
+    ema_BD: torch.Tensor             # eq. 8's EMA at the last closed concept: what the next token reads (fp32)
+    n_concepts_B: torch.Tensor       # concepts closed so far (the next concept's position)
+
+
+@dataclass
+class InferenceCache:
+    """Everything the model keeps between decode steps: one entry per realized token or concept."""
+
+    encoder: list[KVCache]
+    concept: list[KVCache]           # one per pass of the concept schedule (a looped layer has one per pass)
+    decoder: list[KVCache]
+    len_B: torch.Tensor              # tokens per row so far (the next token's position)
+    chunk: ChunkState | None = None  # None for the MoE baseline (every token is a concept)
+    capacity: int = 0                # token positions each row can hold
+
+    def token_bytes(self) -> int:
+        return sum(c.nbytes() for c in self.encoder + self.decoder)
+
+    def concept_bytes(self) -> int:
+        return sum(c.nbytes() for c in self.concept)
