@@ -35,15 +35,17 @@ class KVCache:
         self.v_BKSd[:, :, :T] = v_BKTd
         self.len_B.copy_(len_B)
 
-    def append_and_attend(self, rows: torch.Tensor, q_RH1d, k_RK1d, v_RK1d) -> torch.Tensor:
-        """Write one new key/value per selected row at its length, then attend its query over the row's cache."""
-        pos_R = self.len_B[rows]   # capacity is checked once per step by the model, not here (no host sync)
-        self.k_BKSd[rows, :, pos_R] = k_RK1d[:, :, 0]
-        self.v_BKSd[rows, :, pos_R] = v_RK1d[:, :, 0]
-        self.len_B[rows] += 1
+    def append_and_attend(self, rows: torch.Tensor | None, q_RH1d, k_RK1d, v_RK1d) -> torch.Tensor:
+        """Write one new key/value per selected row (`rows`; None = every row, read in place without a gather)
+        at its length, then attend its query over the row's cache."""
+        idx = rows if rows is not None else torch.arange(self.len_B.shape[0], device=self.len_B.device)
+        pos_R = self.len_B[idx]   # capacity is checked once per step by the model, not here (no host sync)
+        self.k_BKSd[idx, :, pos_R] = k_RK1d[:, :, 0]
+        self.v_BKSd[idx, :, pos_R] = v_RK1d[:, :, 0]
+        self.len_B[idx] += 1
         S = self.k_BKSd.shape[2]
-        mask_R11S = (torch.arange(S, device=rows.device)[None] <= pos_R[:, None])[:, None, None]
-        k, v = self.k_BKSd[rows], self.v_BKSd[rows]
+        mask_R11S = (torch.arange(S, device=idx.device)[None] <= pos_R[:, None])[:, None, None]
+        k, v = (self.k_BKSd, self.v_BKSd) if rows is None else (self.k_BKSd[rows], self.v_BKSd[rows])
         return F.scaled_dot_product_attention(q_RH1d, k, v, attn_mask=mask_R11S, enable_gqa=k.shape[1] != q_RH1d.shape[1])
 
     def nbytes(self) -> int:

@@ -117,23 +117,24 @@ class ConceptMoELM(nn.Module):
         return self.assemble(self.lm_head(self.norm(out_BTD)), batch, ch, moe_stats), cache
 
     @torch.no_grad()
-    def step(self, x_BD: torch.Tensor, cache: InferenceCache) -> torch.Tensor:
+    def step(self, x_BD: torch.Tensor, cache: InferenceCache, force_B: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [B, V] of one new token per row (embedded: [B, D]), extending every cache. The concept model
-        runs only for the rows whose boundary fires (the baseline: every row, every token)."""
+        runs only for the rows whose boundary fires (the baseline: every row, every token). `force_B` sets the
+        boundaries instead of the router (benchmarks at a chosen ratio, as `forward`'s `force`)."""
         cfg = self.cfg
-        B = x_BD.shape[0]
-        all_rows = torch.arange(B, device=x_BD.device)
+        all_rows = None   # every row: the caches are read in place
         rope = rope_cos_sin(cache.len_B[:, None], cfg.head_dim, cfg.rope_theta, x_BD.dtype)
         h_B1D = step_stack(self.encoder, x_BD[:, None], rope, cache.encoder, all_rows)
         if self.chunker is None:
-            rows, c_R1D, pos_R = all_rows, h_B1D, cache.len_B
+            rows, c_R1D, pos_R = None, h_B1D, cache.len_B
         else:
             st = cache.chunk
             p_B, b_B = self.chunker.step(h_B1D[:, 0], st)
+            b_B = b_B if force_B is None else force_B
             concept_BD = self.chunker.merge_step(h_B1D[:, 0], b_B, st)
             rows = b_B.nonzero().squeeze(1)
             c_R1D, pos_R = concept_BD[rows, None], st.n_concepts_B[rows]
-        if rows.numel():
+        if rows is None or rows.numel():
             if self.concept_up is not None:
                 c_R1D = self.concept_up(c_R1D)
             crope = rope_cos_sin(pos_R[:, None], cfg.head_dim, cfg.rope_theta, x_BD.dtype) \
