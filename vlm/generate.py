@@ -122,10 +122,10 @@ class ConceptMoEChat:
     @torch.no_grad()
     def generate(self, prompts: list[str], images=None, *, max_new_tokens: int = 32, temperature: float = 0.0,
                  top_p: float = 1.0, stop: list[str] | None = None, seed: int | None = None,
-                 use_cache: bool = True) -> list[str]:
+                 use_cache: bool = True, on_tokens=None) -> list[str]:
         """Continuations of a batch of prompts (ragged lengths and image counts). `use_cache`: prefill the
         concept-level caches once, then one cached step per token; False re-runs the whole prefix every step
-        (the reference the cache is tested against)."""
+        (the reference the cache is tested against). `on_tokens(ids per row)` after every step streams them."""
         if not prompts:
             return []
         prompt = self.prompt_batch(prompts, images)
@@ -159,6 +159,8 @@ class ConceptMoEChat:
             _put(batch, rows[live], lengths[live], nxt[live])
             lengths = lengths + live.long()
             done |= nxt == self.tokenizer.eos_id
+            if on_tokens is not None:
+                on_tokens([batch.input_ids[i, start[i]: lengths[i]].tolist() for i in range(B)])
             if stop:  # decode with special tokens: stop strings such as "<|end|>" are special tokens
                 for i in rows[live].tolist():
                     # every token decodes to >= 1 character, so a new stop string ends in this window
