@@ -111,3 +111,27 @@ def test_cached_generation_equals_recompute(chat, temperature):
     images = [[img(1)], [], [img(2), img(3)], []]
     kw = dict(max_new_tokens=40, temperature=temperature, seed=3)
     assert chat.generate(prompts, images, **kw) == chat.generate(prompts, images, use_cache=False, **kw)
+
+
+def test_transformers_generate_uses_the_concept_cache_with_left_padding(chat, tmp_path):
+    """A left-padded batch through `generate(use_cache=True)`: the same tokens as without the cache and as the
+    project's own decoding, and the cache it carries is the project's InferenceCache."""
+    from vlm.model.cache import InferenceCache
+
+    save_pretrained(chat.model, tmp_path, chat.tokenizer)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    prompts = ["a short one", "a considerably longer plain text prompt"]
+    ours = chat.generate(prompts, None, max_new_tokens=8)
+    rows = [chat.tokenizer.encode(p) for p in prompts]
+    rows = [[chat.tokenizer.bos_id] + r for r in rows]
+    T = max(len(r) for r in rows)
+    ids = torch.tensor([[chat.tokenizer.pad_id] * (T - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (T - len(r)) + [1] * len(r) for r in rows])
+    seen = []
+    step = hf.vlm.step
+    hf.vlm.step = lambda *a: (seen.append(type(a[1])), step(*a))[1]
+    kw = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, eos_token_id=None)
+    cached, full = hf.generate(ids, use_cache=True, **kw), hf.generate(ids, use_cache=False, **kw)
+    assert torch.equal(cached, full)
+    assert [chat.tokenizer.decode(r[T:].tolist()) for r in cached] == ours
+    assert seen and set(seen) == {InferenceCache}     # the cached steps ran

@@ -39,7 +39,7 @@ class KVCache:
         """Write one new key/value per selected row (`rows`; None = every row, read in place without a gather)
         at its length, then attend its query over the row's cache."""
         idx = rows if rows is not None else torch.arange(self.len_B.shape[0], device=self.len_B.device)
-        pos_R = self.len_B[idx]   # capacity is checked once per step by the model, not here (no host sync)
+        pos_R = self.len_B[idx]   # room was made once per step (InferenceCache.ensure_room), not here (no sync)
         self.k_BKSd[idx, :, pos_R] = k_RK1d[:, :, 0]
         self.v_BKSd[idx, :, pos_R] = v_RK1d[:, :, 0]
         self.len_B[idx] += 1
@@ -47,6 +47,15 @@ class KVCache:
         mask_R11S = (torch.arange(S, device=idx.device)[None] <= pos_R[:, None])[:, None, None]
         k, v = (self.k_BKSd, self.v_BKSd) if rows is None else (self.k_BKSd[rows], self.v_BKSd[rows])
         return F.scaled_dot_product_attention(q_RH1d, k, v, attn_mask=mask_R11S, enable_gqa=k.shape[1] != q_RH1d.shape[1])
+
+    def grow(self, extra: int) -> None:
+        """Room for `extra` more positions per row (when a generation runs past the capacity it was given)."""
+        pad = lambda t: torch.cat([t, t.new_zeros(*t.shape[:2], extra, t.shape[3])], 2)  # noqa: E731
+        self.k_BKSd, self.v_BKSd = pad(self.k_BKSd), pad(self.v_BKSd)
+
+    @property
+    def capacity(self) -> int:
+        return self.k_BKSd.shape[2]
 
     def nbytes(self) -> int:
         """Bytes of the filled entries (what a cache of exactly the realized length would hold)."""
@@ -74,7 +83,17 @@ class InferenceCache:
     decoder: list[KVCache]
     len_B: torch.Tensor              # tokens per row so far (the next token's position)
     chunk: ChunkState | None = None  # None for the MoE baseline (every token is a concept)
-    capacity: int = 0                # token positions each row can hold
+    capacity: int = 0                # token positions each row can hold at allocation (caches grow past it)
+
+    def ensure_room(self) -> None:
+        """Before a step: grow any cache that one more position per row would overflow (one host sync per step,
+        doubling, so a long generation grows it a logarithmic number of times)."""
+        n_tok = int(self.len_B.max()) + 1
+        n_con = int(self.chunk.n_concepts_B.max()) + 1 if self.chunk is not None else n_tok
+        for caches, need in ((self.encoder + self.decoder, n_tok), (self.concept, n_con)):
+            for c in caches:
+                if need > c.capacity:
+                    c.grow(c.capacity)
 
     def token_bytes(self) -> int:
         return sum(c.nbytes() for c in self.encoder + self.decoder)

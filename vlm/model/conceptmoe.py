@@ -122,6 +122,7 @@ class ConceptMoELM(nn.Module):
         runs only for the rows whose boundary fires (the baseline: every row, every token). `force_B` sets the
         boundaries instead of the router (benchmarks at a chosen ratio, as `forward`'s `force`)."""
         cfg = self.cfg
+        cache.ensure_room()
         all_rows = None   # every row: the caches are read in place
         rope = rope_cos_sin(cache.len_B[:, None], cfg.head_dim, cfg.rope_theta, x_BD.dtype)
         h_B1D = step_stack(self.encoder, x_BD[:, None], rope, cache.encoder, all_rows)

@@ -2,7 +2,8 @@
 
 `final/` directories written by `save_pretrained` load with `AutoModelForCausalLM.from_pretrained(dir)` after
 `import vlm`. The wrapper's forward takes ordinary (left- or right-padded) `input_ids`/`attention_mask`;
-each row is one document. Generation is cache-free for now: every step re-runs the full forward.
+each row is one document. `generate(..., use_cache=True)` (the default) runs the model's own prefill and cached
+steps: the concept-level `InferenceCache` travels as generate's `cache`; `use_cache=False` re-runs the prefix.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from configs.batch import IGNORE_INDEX, IMAGE, TEXT, PackedBatch
 from configs.config import from_dict, to_dict
 from vision.config import VisionConfig
+from vlm.model.cache import InferenceCache
 from vlm.model.config import ModelConfig
 from vlm.model.layers import positions_in_doc
 from vlm.model.multimodal import ConceptMoEVLM
@@ -92,17 +94,37 @@ class ConceptMoEForCausalLM(PreTrainedModel, GenerationMixin):
         return PackedBatch(input_ids, labels, doc, positions_in_doc(doc), modality,
                            pixel_patches, patch_coords, image_grids)
 
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False   # generate must not make a DynamicCache: the first forward returns our InferenceCache
+
     def forward(self, input_ids=None, attention_mask=None, pixel_patches=None, patch_coords=None, image_grids=None,
-                labels=None, return_dict=True, **kwargs):
+                labels=None, return_dict=True, cache: InferenceCache | None = None, use_cache: bool | None = None,
+                **kwargs):
+        if cache is not None:   # a decode step: one new token per row
+            return CausalLMOutputWithPast(logits=self.vlm.step(input_ids[:, -1], cache)[:, None], cache=cache)
         batch = self.to_batch(input_ids, attention_mask, pixel_patches, patch_coords, image_grids, labels)
+        if use_cache and labels is None:
+            # Prefill right-aligned rows (the caches fill from position 0), then put the logits back in place.
+            shift_B = (batch.doc_ids < 0).long().cumprod(1).sum(1)       # left padding per row
+            T = input_ids.shape[1]
+            to_right = (torch.arange(T, device=input_ids.device)[None] + shift_B[:, None]) % T
+            right = PackedBatch(*(t.gather(1, to_right) for t in (batch.input_ids, batch.labels, batch.doc_ids)),
+                                positions_in_doc(batch.doc_ids.gather(1, to_right)), batch.modality.gather(1, to_right),
+                                batch.pixel_patches, batch.patch_coords, batch.image_grids)
+            out, new_cache = self.vlm.prefill(right)
+            back = (torch.arange(T, device=input_ids.device)[None] - shift_B[:, None]) % T
+            logits = out.logits.gather(1, back[..., None].expand(-1, -1, out.logits.shape[-1]))
+            return CausalLMOutputWithPast(logits=logits, cache=new_cache)
         out = self.vlm(batch)
         return CausalLMOutputWithPast(loss=out.lm_loss if labels is not None else None, logits=out.logits)
 
     def prepare_inputs_for_generation(self, input_ids, attention_mask=None, pixel_patches=None, patch_coords=None,
-                                      image_grids=None, **kwargs):
-        # No KV cache yet: the whole prefix is re-encoded each step (concept-level caches are a later issue).
+                                      image_grids=None, cache=None, use_cache=None, **kwargs):
+        if cache is not None:   # the images were encoded at prefill; only the newest token goes in
+            return {"input_ids": input_ids[:, -1:], "cache": cache}
         return {"input_ids": input_ids, "attention_mask": attention_mask, "pixel_patches": pixel_patches,
-                "patch_coords": patch_coords, "image_grids": image_grids}
+                "patch_coords": patch_coords, "image_grids": image_grids, "use_cache": use_cache}
 
 
 def register() -> None:
