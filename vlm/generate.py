@@ -137,7 +137,7 @@ class ConceptMoEChat:
         gen = torch.Generator(device=self.device).manual_seed(seed) if seed is not None else None
         rows = torch.arange(B, device=self.device)
         window = max((len(s) for s in stop or []), default=0) + 1
-        cache = None
+        cache, nxt = None, None
         for step in range(max_new_tokens):
             if use_cache and step == 0:
                 out, cache = self.model.prefill(prompt, max_new_tokens)
