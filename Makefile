@@ -12,7 +12,7 @@ install:
 # lmms-eval pins torchvision (CUDA-only on PyPI): install it without dependencies, plus what it imports.
 install-eval: install
 	$(PIP) install -q --no-deps "lmms-eval==0.7.3"
-	$(PIP) install -q -e ".[dev,eval]"
+	$(PIP) install -q -e ".[dev,eval,demo]"
 
 train: install
 	vlm train --out runs/default

@@ -1,0 +1,131 @@
+"""`vlm demo`: the gradio image chat, served in-process on a free local port and driven with gradio_client."""
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+gr = pytest.importorskip("gradio")
+gradio_client = pytest.importorskip("gradio_client")
+
+from data_pipelines.tokenizer import load_tokenizer
+from vision.config import VisionConfig
+from vision.image_processor import ImageProcessorConfig
+from vision.navit import NaViTConfig
+from vlm.demo import build_app, check_image, launch_app
+from vlm.model.config import ModelConfig, MoEConfig
+from vlm.model.hf import save_pretrained
+from vlm.model.multimodal import ConceptMoEVLM
+
+UPLOAD_MB = 0.05   # 50 kB: the oversized upload below stays small
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    tok = load_tokenizer("byte")
+    vc = VisionConfig(processor=ImageProcessorConfig(patch_size=4, min_patches=4, max_patches=16, merge=2),
+                      encoder=NaViTConfig(hidden_size=16, num_layers=1, num_heads=2, max_grid=16))
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=tok.vocab_size, hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8,
+                      moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=32), init_std=0.2)
+    out = tmp_path_factory.mktemp("chat") / "final"
+    save_pretrained(ConceptMoEVLM(cfg, vc), out, tokenizer=tok)
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (16, 16, 3), dtype=np.uint8)).save(out.parent / "a.png")
+    (out.parent / "broken.png").write_bytes(b"\x89PNG not really")
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def served(exported):
+    from vlm.generate import load_eval_model
+
+    app = build_app(load_eval_model(exported), max_new_tokens=6, max_prompt_tokens=300, max_upload_mb=UPLOAD_MB)
+    port = _free_port()
+    launch_app(app, "127.0.0.1", port, max_upload_mb=UPLOAD_MB, block=False)
+    try:
+        yield f"http://127.0.0.1:{port}/"
+    finally:
+        app.close()
+
+
+def _text(message: dict) -> str:
+    """The text of a chat message as the client returns it (a string, or a list of content blocks)."""
+    c = message["content"]
+    return c if isinstance(c, str) else "".join(part.get("text", "") for part in c if isinstance(part, dict))
+
+
+def _client(url):
+    return gradio_client.Client(url, verbose=False, download_files=False)
+
+
+def test_multi_turn_chat_with_an_image_streams_and_shows_the_concepts(served, exported):
+    client = _client(served)
+    job = client.submit("what is this?", gradio_client.handle_file(str(exported.parent / "a.png")), api_name="/chat")
+    updates = list(job)                                   # every streamed update
+    history, picture, boundaries, compression, status = job.result()[:5]
+    assert len(updates) >= 2 and status == ""
+    assert [m["role"] for m in history] == ["user", "assistant"] and _text(history[0]).startswith("[image]")
+    first = _text(history[1])
+    assert compression["text"]["tokens"] > 0 and compression["text"]["compression"] >= 1
+    assert compression["image"]["tokens"] > 0 and compression["image"]["compression"] >= 1
+    assert picture is not None and "|" in boundaries and "image tokens]" in boundaries
+
+    history, picture, boundaries, compression, status = client.predict("and now?", None, api_name="/chat")[:5]
+    assert [m["role"] for m in history] == ["user", "assistant"] * 2 and _text(history[1]) == first
+    assert compression["image"]["tokens"] > 0 and picture is not None       # the image stays in the conversation
+    assert "and now?" in boundaries.replace("|", "")
+
+    history = client.predict(api_name="/reset")[0]
+    assert history == []
+
+
+def test_a_broken_image_gives_a_message_and_the_server_lives_on(served, exported):
+    client = _client(served)
+    out = client.predict("what is this?", gradio_client.handle_file(str(exported.parent / "broken.png")),
+                         api_name="/chat")
+    history, status = out[0], out[4]
+    assert "Image not used" in status and "not an image" in status and history == []
+    history = client.predict("hello", None, api_name="/chat")[0]          # still answering
+    assert [m["role"] for m in history] == ["user", "assistant"]
+
+
+def test_an_oversized_upload_is_rejected_with_a_message(served, tmp_path):
+    big = tmp_path / "big.png"
+    rng = np.random.default_rng(1)
+    Image.fromarray(rng.integers(0, 255, (160, 160, 3), dtype=np.uint8)).save(big)   # ~77 kB of noise
+    assert big.stat().st_size > UPLOAD_MB * 1e6
+    with pytest.raises(Exception, match="(?i)size"):   # gradio's max_file_size stops it at the upload
+        _client(served).predict("what is this?", gradio_client.handle_file(str(big)), api_name="/chat")
+    import httpx  # and the server refuses it too, whatever the client checks
+
+    with big.open("rb") as f:
+        r = httpx.post(served + "gradio_api/upload", files={"files": ("big.png", f, "image/png")}, timeout=30)
+    assert r.status_code == 413 and "size" in r.text
+    # and the demo's own check says so in the page if a file gets past the upload limit
+    assert "upload limit" in check_image(str(big), int(UPLOAD_MB * 1e6), 10**6)
+    assert "pixels, over the limit" in check_image(str(big), 10**7, 100)
+    history = _client(served).predict("still there?", None, api_name="/chat")[0]
+    assert history[-1]["role"] == "assistant"
+
+
+def test_an_overlong_prompt_gives_a_message(served):
+    client = _client(served)
+    out = client.predict("x" * 400, None, api_name="/chat")
+    assert "Prompt too long" in out[4] and out[0] == []
+
+
+def test_vlm_demo_without_a_model_is_a_one_line_error(subprocess_env):
+    bad = subprocess.run([sys.executable, "-m", "vlm.cli", "demo", "--ckpt", "/nonexistent"], capture_output=True,
+                         text=True, env=subprocess_env(), timeout=300)
+    assert bad.returncode == 2 and "no exported model there" in bad.stderr and "Traceback" not in bad.stderr

@@ -1,0 +1,257 @@
+"""`vlm demo --ckpt DIR [--host 127.0.0.1] [--port 7860]`: image chat in the browser (gradio), answers streamed.
+
+Upload an image, ask about it over several turns; beside the answer the demo shows what makes ConceptMoE
+different: the image with its merged patches outlined by concept, the conversation text with its concept
+boundaries marked (`|`), and the realized compression (tokens per concept) of text and image so far.
+
+Safe by default: it binds 127.0.0.1 (pass `--host 0.0.0.0` to expose it), uploads are capped in bytes
+(`--max-upload-mb`, enforced by gradio's max_file_size and again here) and in pixels (the processor's
+`max_pixels`, read from the header before decoding), and a broken image or an over-long prompt gives a message
+in the page, never a traceback. Needs the optional extra: `pip install -e ".[demo]"`.
+
+A screenshot of the page with headless Chromium, while the demo runs:
+
+    chromium --headless --no-sandbox --screenshot=demo.png --window-size=1280,900 http://127.0.0.1:7860
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+from pathlib import Path
+
+from PIL import Image, UnidentifiedImageError
+
+from configs.config import ConfigError
+from data_pipelines.chat import format_chat
+from data_pipelines.schema import IMAGE_TOKEN
+from vision.image_processor import ImageError, ImageProcessor
+from vlm.chat_cli import Conversation
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PORT = 7860
+MAX_UPLOAD_MB = 10
+TITLE = "ConceptMoE image chat"
+
+
+def check_image(path: str, max_bytes: int, max_pixels: int) -> str | None:
+    """Why the uploaded file at `path` cannot be used (one line), or None when it is a readable image within the
+    byte and pixel limits. The size comes from the header: nothing is decoded before the check."""
+    name = Path(path).name
+    try:
+        size = os.path.getsize(path)
+    except OSError as e:
+        return f"cannot read {name}: {e.strerror or e}"
+    if size > max_bytes:
+        return f"{name} is {size / 1e6:.1f} MB, over the {max_bytes / 1e6:.0f} MB upload limit"
+    try:
+        with Image.open(path) as im:
+            w, h = im.size
+    except (OSError, UnidentifiedImageError, Image.DecompressionBombError, ValueError):
+        return f"{name} is not an image that can be read"
+    if w * h > max_pixels:
+        return f"{name} is {w}x{h} = {w * h} pixels, over the limit of {max_pixels}"
+    return None
+
+
+class Session:
+    """One browser session: its conversation and the chat history as shown."""
+
+    def __init__(self, conv: Conversation):
+        self.conv, self.history = conv, _history_of(conv)
+
+
+def _history_of(conv: Conversation) -> list[dict]:
+    return [{"role": t["role"], "content": t["content"].replace(IMAGE_TOKEN, "[image] ").replace("] \n", "] ")}
+            for t in conv.turns]
+
+
+def _stream_answer(conv: Conversation, text: str):
+    """Yields the pieces of the answer to `text` as `conv.ask` produces them (it runs in a worker thread);
+    re-raises its error at the end."""
+    pieces: queue.Queue = queue.Queue()
+    failed: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            conv.ask(text, on_text=pieces.put)
+        except BaseException as e:   # noqa: BLE001 - re-raised in the caller's thread below
+            failed.append(e)
+        finally:
+            pieces.put(None)
+
+    worker = threading.Thread(target=work, name="vlm-demo-answer", daemon=True)
+    worker.start()
+    while (piece := pieces.get()) is not None:
+        yield piece
+    worker.join()
+    if failed:
+        raise failed[0]
+
+
+def concept_panel(chat, turns: list[dict], images: list) -> tuple:
+    """(picture of the first image with its concepts outlined or None, the conversation text with concept
+    boundaries marked, per-modality compression) of the whole conversation, from one prefill."""
+    from vlm.model.stats import summarize
+    from vlm.train.render import image_concept_picture, text_with_boundaries
+
+    batch = chat.prompt_batch([format_chat(turns)], [images])
+    out, _ = chat.model.prefill(batch, max_new_tokens=0)
+    if out.chunks is None:
+        return None, "(this model has no chunk module)", {}
+    b_BT = out.chunks.b_BT
+    stats = summarize(out, batch)
+    compression = {}
+    for m in ("text", "image"):
+        tokens = int(stats.get(f"tokens/{m}", 0))
+        concepts = int(stats.get(f"boundaries/{m}", 0))
+        compression[m] = {"tokens": tokens, "concepts": concepts,
+                          "compression": round(tokens / concepts, 3) if concepts else None}
+    picture = None
+    if chat.processor is not None and images:
+        cfg = chat.processor.cfg
+        picture = image_concept_picture(batch, b_BT, cfg.patch_size, cfg.merge, ImageProcessor(cfg).denormalize)
+    text = text_with_boundaries(batch, b_BT, lambda ids: chat.tokenizer.decode(ids, skip_special=False),
+                                max_tokens=4096)
+    return picture, text, compression
+
+
+def build_app(chat, *, max_new_tokens: int = 64, temperature: float = 0.0, max_prompt_tokens: int = 4096,
+              max_upload_mb: float = MAX_UPLOAD_MB):
+    """The gradio Blocks of the demo around a loaded `ConceptMoEChat` (launch it with `launch_app`)."""
+    import gradio as gr
+
+    max_bytes = int(max_upload_mb * 1e6)
+    max_pixels = chat.processor.cfg.max_pixels if chat.processor is not None else Image.MAX_IMAGE_PIXELS
+    max_chars = max_prompt_tokens * 8   # a cheap bound before tokenizing anything
+
+    def new_conversation() -> Conversation:
+        return Conversation(chat, max_new_tokens=max_new_tokens, temperature=temperature)
+
+    def prompt_tokens(conv: Conversation, text: str) -> int:
+        """Tokens of the conversation with `text` as the next user turn (the prompt `conv.ask` will build)."""
+        content = IMAGE_TOKEN * len(conv.pending) + ("\n" if conv.pending else "") + text
+        turns = conv.turns + [{"role": "user", "content": content}]
+        batch = chat.prompt_batch([format_chat(turns, add_generation_prompt=True)], [conv.images + conv.pending])
+        return int((batch.doc_ids >= 0).sum())
+
+    def respond(message, upload, session):
+        """Streams (chat history, session, picture, text, compression, status, message box, upload)."""
+        session = session if session is not None else Session(new_conversation())
+        conv, history = session.conv, session.history
+        text = (message or "").strip()
+        keep = (gr.skip(), gr.skip(), gr.skip())
+
+        def say(status):   # a message under the chat; the upload box is emptied, the message kept
+            return (list(history), session) + keep + (status, gr.skip(), None)
+
+        if upload:
+            path = upload if isinstance(upload, str) else getattr(upload, "path", None) or upload.get("path")
+            problem = check_image(path, max_bytes, max_pixels)
+            if problem is None:
+                note = conv.attach(path)
+                problem = note if note.startswith("cannot") else None
+            if problem is not None:
+                yield say(f"**Image not used:** {problem}")
+                return
+        if not text:
+            yield say("Image attached: ask something about it." if upload else "Type a message first.")
+            return
+        try:
+            if len(text) > max_chars or (n := prompt_tokens(conv, text)) > max_prompt_tokens:
+                conv.pending = []
+                yield say(f"**Prompt too long:** the conversation would exceed {max_prompt_tokens} tokens; "
+                          "shorten the message or press *New conversation*.")
+                return
+            shown = ("[image] " * len(conv.pending)) + text
+            history.append({"role": "user", "content": shown})
+            history.append({"role": "assistant", "content": ""})
+            yield (list(history), session) + keep + (f"answering ({n} prompt tokens) ...", "", None)
+            answer = ""
+            for piece in _stream_answer(conv, text):
+                answer += piece
+                history[-1] = {"role": "assistant", "content": answer}
+                yield (list(history), session) + keep + (gr.skip(), gr.skip(), gr.skip())
+            picture, boundaries, compression = concept_panel(chat, conv.turns, conv.images)
+        except (ImageError, ValueError) as e:   # an image over the limits, a prompt the model cannot take, ...
+            failed = f"**Cannot answer:** {e}"
+        except Exception as e:   # the page shows one line, the server log has the traceback
+            log.exception("demo: answering failed")
+            failed = f"**Internal error:** {type(e).__name__}: {e}"
+        else:
+            yield (list(history), session, picture, boundaries, compression, "", gr.skip(), gr.skip())
+            return
+        conv.pending = []
+        session.history = history = _history_of(conv)   # back to the turns that were answered
+        yield say(failed)
+
+    def reset(session):
+        return [], None, None, "", {}, "Conversation cleared.", "", None
+
+    with gr.Blocks(title=TITLE, analytics_enabled=False) as app:   # nothing leaves the machine
+        gr.Markdown(f"## {TITLE}\nUpload an image and ask about it; the right side shows how the model groups "
+                    "image patches and text tokens into concepts (tokens per concept = compression).")
+        state = gr.State(None)
+        with gr.Row():
+            with gr.Column(scale=3):
+                chatbot = gr.Chatbot(label="conversation", height=420)
+                upload = gr.File(label=f"image (attached to your next message; max {max_upload_mb:g} MB)",
+                                 file_types=["image"], type="filepath")
+                msg = gr.Textbox(label="message", placeholder="Ask about the image, then press Enter",
+                                 max_lines=6)
+                with gr.Row():
+                    send = gr.Button("Send", variant="primary")
+                    clear = gr.Button("New conversation")
+                status = gr.Markdown("")
+            with gr.Column(scale=2):
+                picture = gr.Image(label="image concepts (merged patches outlined by concept)",
+                                   type="numpy", interactive=False)
+                compression = gr.JSON(label="compression so far (tokens per concept)")
+                boundaries = gr.Textbox(label="conversation with concept boundaries (|)", lines=10,
+                                        interactive=False)
+        outputs = [chatbot, state, picture, boundaries, compression, status, msg, upload]
+        inputs = [msg, upload, state]
+        msg.submit(respond, inputs, outputs, api_visibility="private", concurrency_id="model")
+        send.click(respond, inputs, outputs, api_name="chat", concurrency_id="model")
+        clear.click(reset, [state], outputs, api_name="reset")
+    return app
+
+
+def launch_app(app, host: str = "127.0.0.1", port: int | None = DEFAULT_PORT,
+               max_upload_mb: float = MAX_UPLOAD_MB, block: bool = True):
+    """Serve `app` (one answer at a time: the model is shared); `block=False` returns once it listens."""
+    app.queue(default_concurrency_limit=1)
+    return app.launch(server_name=host, server_port=port, max_file_size=f"{int(max_upload_mb * 1e6)}b",
+                      share=False, show_error=False, prevent_thread_lock=not block, quiet=not block)
+
+
+def add_demo_command(sub) -> None:
+    p = sub.add_parser("demo", help="image chat in the browser (gradio) with the concept view",
+                       description=__doc__.split("\n\n")[0])
+    p.add_argument("--ckpt", required=True, help="exported model directory (RUN_DIR/final)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--max-prompt-tokens", type=int, default=4096, help="longest conversation accepted")
+    p.add_argument("--max-upload-mb", type=float, default=MAX_UPLOAD_MB, help="largest image upload")
+    p.set_defaults(func=_run)
+
+
+def _run(args) -> int:
+    if not (Path(args.ckpt) / "config.json").is_file():
+        raise ConfigError(f"--ckpt {args.ckpt}: no exported model there (expected RUN_DIR/final with config.json)")
+    try:
+        import gradio  # noqa: F401  (the optional `demo` extra)
+    except ImportError:
+        raise ConfigError("vlm demo needs gradio: pip install -e \".[demo]\"") from None
+    from vlm.generate import load_eval_model   # torch and the model load when the command runs
+
+    chat = load_eval_model(args.ckpt)
+    app = build_app(chat, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                    max_prompt_tokens=args.max_prompt_tokens, max_upload_mb=args.max_upload_mb)
+    print(f"serving {args.ckpt} on http://{args.host}:{args.port} (Ctrl-C stops)")
+    launch_app(app, args.host, args.port, args.max_upload_mb)
+    return 0
