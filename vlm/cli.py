@@ -1,5 +1,5 @@
-"""`vlm` command line. Each package registers its subcommands (train, chain, data, flops, convert, eval,
-experiment) under the `vlm.commands` entry-point group in pyproject.toml, so this module imports none of them."""
+"""`vlm` command line. Each package registers its subcommands (train, chain, data, flops, convert, chat, demo,
+eval, experiment) under the `vlm.commands` entry-point group in pyproject.toml, so this module imports none of them."""
 from __future__ import annotations
 
 import argparse
