@@ -258,3 +258,44 @@ def torch_globals():
     yield
     torch.use_deterministic_algorithms(det)
     torch.set_num_threads(threads)
+
+
+# ---------------------------------------------------------------- a tiny VLM with the byte tokenizer
+def _tiny_vlm():
+    """(ConceptMoEVLM, byte tokenizer): the small vision + ConceptMoE model the generation tests share."""
+    from data_pipelines.tokenizer import load_tokenizer
+    from vision.config import VisionConfig
+    from vision.image_processor import ImageProcessorConfig
+    from vision.navit import NaViTConfig
+    from vlm.model.config import ModelConfig, MoEConfig
+    from vlm.model.multimodal import ConceptMoEVLM
+
+    tok = load_tokenizer("byte")
+    vc = VisionConfig(processor=ImageProcessorConfig(patch_size=4, min_patches=4, max_patches=16, merge=2),
+                      encoder=NaViTConfig(hidden_size=16, num_layers=1, num_heads=2, max_grid=16))
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=tok.vocab_size, hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8,
+                      moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=32), init_std=0.2)
+    return ConceptMoEVLM(cfg, vc), tok
+
+
+@pytest.fixture(scope="module")
+def tiny_vlm():
+    """tiny_vlm() -> (ConceptMoEVLM, tokenizer), a fresh copy each call (same seed, same weights)."""
+    return _tiny_vlm
+
+
+@pytest.fixture(scope="module")
+def exported_vlm(tmp_path_factory):
+    """RUN/final of the tiny VLM exported with its tokenizer; RUN/a.png is an image, RUN/broken.png is not."""
+    import numpy as np
+    from PIL import Image
+
+    from vlm.model.hf import save_pretrained
+
+    model, tok = _tiny_vlm()
+    out = tmp_path_factory.mktemp("run") / "final"
+    save_pretrained(model, out, tokenizer=tok)
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (16, 16, 3), dtype=np.uint8)).save(out.parent / "a.png")
+    (out.parent / "broken.png").write_bytes(b"\x89PNG not really")
+    return out

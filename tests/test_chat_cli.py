@@ -5,35 +5,14 @@ import io
 import subprocess
 import sys
 
-import numpy as np
 import pytest
-import torch
-from PIL import Image
 
-from data_pipelines.tokenizer import load_tokenizer
-from vision.config import VisionConfig
-from vision.image_processor import ImageProcessorConfig
-from vision.navit import NaViTConfig
 from vlm.chat_cli import Conversation, run_chat
-from vlm.generate import ConceptMoEChat
-from vlm.model.config import MoEConfig, ModelConfig
-from vlm.model.hf import save_pretrained
-from vlm.model.multimodal import ConceptMoEVLM
 
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory):
-    tok = load_tokenizer("byte")
-    vc = VisionConfig(processor=ImageProcessorConfig(patch_size=4, min_patches=4, max_patches=16, merge=2),
-                      encoder=NaViTConfig(hidden_size=16, num_layers=1, num_heads=2, max_grid=16))
-    torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=tok.vocab_size, hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8,
-                      moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=32), init_std=0.2)
-    out = tmp_path_factory.mktemp("chat") / "final"
-    save_pretrained(ConceptMoEVLM(cfg, vc), out, tokenizer=tok)
-    Image.fromarray(np.random.default_rng(0).integers(0, 255, (16, 16, 3), dtype=np.uint8)).save(out.parent / "a.png")
-    (out.parent / "broken.png").write_bytes(b"\x89PNG not really")
-    return out
+def exported(exported_vlm):
+    return exported_vlm
 
 
 def test_conversation_keeps_turns_and_images_in_order(exported):

@@ -5,33 +5,17 @@ import importlib.util
 import json
 
 import pytest
-import torch
 from PIL import Image
 
-from data_pipelines.tokenizer import load_tokenizer
 from eval.longctx.config import LongCtxConfig
 from eval.longctx.sweep import run_sweep
 from eval.protocol import EvalModel
-from vision.config import VisionConfig
-from vision.image_processor import ImageProcessorConfig
-from vision.navit import NaViTConfig
 from vlm.generate import load_eval_model
-from vlm.model.config import ModelConfig, MoEConfig
-from vlm.model.hf import save_pretrained
-from vlm.model.multimodal import ConceptMoEVLM
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    tok = load_tokenizer("byte")
-    vc = VisionConfig(processor=ImageProcessorConfig(patch_size=4, min_patches=4, max_patches=16, merge=2),
-                      encoder=NaViTConfig(hidden_size=16, num_layers=1, num_heads=2, max_grid=16))
-    torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=tok.vocab_size, hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8,
-                      moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=32), init_std=0.2)
-    out = tmp_path_factory.mktemp("run") / "final"
-    save_pretrained(ConceptMoEVLM(cfg, vc), out, tok)
-    return out
+def ckpt(exported_vlm):
+    return exported_vlm
 
 
 def test_longctx_sweep_on_exported_model(ckpt):

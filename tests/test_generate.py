@@ -5,25 +5,13 @@ import torch
 from PIL import Image
 from transformers import AutoModelForCausalLM
 
-from data_pipelines.tokenizer import load_tokenizer
-from vision.config import VisionConfig
-from vision.image_processor import ImageProcessorConfig
-from vision.navit import NaViTConfig
 from vlm.generate import ConceptMoEChat, sample_next
-from vlm.model.config import ModelConfig, MoEConfig
 from vlm.model.hf import save_pretrained
-from vlm.model.multimodal import ConceptMoEVLM
 
 
 @pytest.fixture(scope="module")
-def chat():
-    tok = load_tokenizer("byte")
-    vc = VisionConfig(processor=ImageProcessorConfig(patch_size=4, min_patches=4, max_patches=16, merge=2),
-                      encoder=NaViTConfig(hidden_size=16, num_layers=1, num_heads=2, max_grid=16))
-    torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=tok.vocab_size, hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8,
-                      moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=32), init_std=0.2)
-    return ConceptMoEChat(ConceptMoEVLM(cfg, vc), tok)
+def chat(tiny_vlm):
+    return ConceptMoEChat(*tiny_vlm())
 
 
 def img(seed):
