@@ -123,3 +123,15 @@ def test_transformers_generate_uses_the_concept_cache_with_left_padding(chat, tm
     assert torch.equal(cached, full)
     assert [chat.tokenizer.decode(r[T:].tolist()) for r in cached] == ours
     assert seen and set(seen) == {InferenceCache}     # the cached steps ran
+
+
+def test_cached_loglikelihood_equals_one_forward_per_pair(chat):
+    """Shared contexts encoded once and continued from their caches score as full forwards do."""
+    contexts = ["<image>\nwhat colour?", "<image>\nwhat colour?", "plain question", "<image>\nwhat colour?"]
+    images = [[img(1)], [img(1)], [], [img(2)]]          # the last one shares the text, not the image
+    conts = ["red", "a longer answer", "x", "blue"]
+    cached = chat.loglikelihood(contexts, conts, images)
+    full = chat.loglikelihood(contexts, conts, images, use_cache=False)
+    assert [g for _, g in cached] == [g for _, g in full]
+    assert all(abs(a - b) < 1e-4 for (a, _), (b, _) in zip(cached, full))
+    assert len({round(a, 4) for a, _ in cached}) == 4                 # four different scores

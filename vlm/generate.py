@@ -180,30 +180,57 @@ class ConceptMoEChat:
         return texts
 
     @torch.no_grad()
-    def loglikelihood(self, contexts: list[str], continuations: list[str], images=None) -> list[tuple[float, bool]]:
+    def loglikelihood(self, contexts: list[str], continuations: list[str], images=None,
+                      use_cache: bool = True) -> list[tuple[float, bool]]:
+        """(sum of log p of each continuation given its context, whether greedy decoding would produce it).
+        `use_cache`: every distinct context (with its images) is encoded once, its caches repeated for each of
+        its candidates, and the continuations are teacher-forced through cached steps; False scores each pair with
+        one full forward (the reference)."""
         if not contexts:
             return []
         conts = [self.tokenizer.encode(c) for c in continuations]
         if any(len(c) == 0 for c in conts):
             raise ValueError("an empty continuation has no likelihood to score")
-        longest = max(len(c) for c in conts)
-        batch = _extend(self.prompt_batch(contexts, images), longest, self.tokenizer.pad_id)
-        B = len(contexts)
-        lengths = (batch.doc_ids >= 0).sum(1)
+        images = images or [[] for _ in contexts]
+        B, longest = len(contexts), max(len(c) for c in conts)
         n_BC = torch.tensor([len(c) for c in conts], device=self.device)
         cont_BC = torch.tensor([c + [0] * (longest - len(c)) for c in conts], device=self.device)
-        offs = torch.arange(longest, device=self.device)
-        real = offs[None] < n_BC[:, None]
-        r, j = real.nonzero(as_tuple=True)
-        _put(batch, r, lengths[r] + j, cont_BC[r, j])
-        out = self.model(batch)
-        self._record(summarize(out, batch))
-        # Token j of the continuation is predicted at position len(context) + j - 1.
-        pos_BC = (lengths[:, None] + offs[None] - 1).clamp(max=batch.input_ids.shape[1] - 1)
-        logp_BCV = torch.log_softmax(out.logits.float()[torch.arange(B)[:, None], pos_BC], -1)
+        real = torch.arange(longest, device=self.device)[None] < n_BC[:, None]
+        if use_cache:
+            logits_BCV = self._continuation_logits_cached(contexts, images, cont_BC)
+        else:
+            batch = _extend(self.prompt_batch(contexts, images), longest, self.tokenizer.pad_id)
+            lengths = (batch.doc_ids >= 0).sum(1)
+            r, j = real.nonzero(as_tuple=True)
+            _put(batch, r, lengths[r] + j, cont_BC[r, j])
+            out = self.model(batch)
+            self._record(summarize(out, batch))
+            # Token j of the continuation is predicted at position len(context) + j - 1.
+            pos_BC = (lengths[:, None] + torch.arange(longest, device=self.device)[None] - 1).clamp(
+                max=batch.input_ids.shape[1] - 1)
+            logits_BCV = out.logits[torch.arange(B)[:, None], pos_BC]
+        logp_BCV = torch.log_softmax(logits_BCV.float(), -1)
         tok_logp = logp_BCV.gather(-1, cont_BC[..., None]).squeeze(-1)
         greedy = (logp_BCV.argmax(-1) == cont_BC) | ~real
         return [(float((tok_logp[i] * real[i]).sum()), bool(greedy[i].all())) for i in range(B)]
+
+    def _continuation_logits_cached(self, contexts, images, cont_BC: torch.Tensor) -> torch.Tensor:
+        """[B, C, V]: the logits predicting each continuation token, from one prefill per distinct context."""
+        keys = [(c, tuple(_png(im) for im in ims)) for c, ims in zip(contexts, images)]
+        first: dict = {}
+        for i, k in enumerate(keys):
+            first.setdefault(k, i)
+        uniq = list(first.values())
+        of_pair = torch.tensor([uniq.index(first[k]) for k in keys], device=self.device)
+        prompt = self.prompt_batch([contexts[i] for i in uniq], [images[i] for i in uniq])
+        out, cache = self.model.prefill(prompt, cont_BC.shape[1])
+        self._record(summarize(out, prompt))
+        last = (prompt.doc_ids >= 0).sum(1) - 1
+        cache = cache.select(of_pair)
+        steps = [out.logits[of_pair, last[of_pair]]]
+        for j in range(cont_BC.shape[1] - 1):
+            steps.append(self.model.step(cont_BC[:, j], cache))
+        return torch.stack(steps, 1)
 
 
 def load_eval_model(ckpt_dir: str | Path, device: str | None = None) -> ConceptMoEChat:

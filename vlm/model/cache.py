@@ -48,6 +48,10 @@ class KVCache:
         k, v = (self.k_BKSd, self.v_BKSd) if rows is None else (self.k_BKSd[rows], self.v_BKSd[rows])
         return F.scaled_dot_product_attention(q_RH1d, k, v, attn_mask=mask_R11S, enable_gqa=k.shape[1] != q_RH1d.shape[1])
 
+    def select(self, rows: torch.Tensor) -> "KVCache":
+        """A cache of the given rows (repeats allowed: one prefix continued several ways)."""
+        return KVCache(self.k_BKSd[rows], self.v_BKSd[rows], self.len_B[rows])
+
     def grow(self, extra: int) -> None:
         """Room for `extra` more positions per row (when a generation runs past the capacity it was given)."""
         pad = lambda t: torch.cat([t, t.new_zeros(*t.shape[:2], extra, t.shape[3])], 2)  # noqa: E731
@@ -84,6 +88,15 @@ class InferenceCache:
     len_B: torch.Tensor              # tokens per row so far (the next token's position)
     chunk: ChunkState | None = None  # None for the MoE baseline (every token is a concept)
     capacity: int = 0                # token positions each row can hold at allocation (caches grow past it)
+
+    def select(self, rows: torch.Tensor) -> "InferenceCache":
+        """The caches of the given rows, e.g. each prompt repeated once per candidate continuation."""
+        ch = self.chunk
+        chunk = None if ch is None else ChunkState(*(t[rows] for t in (ch.last_key_BD, ch.pending_BD, ch.pending_n_B,
+                                                                      ch.ema_BD, ch.n_concepts_B)))
+        pick = lambda caches: [c.select(rows) for c in caches]  # noqa: E731
+        return InferenceCache(pick(self.encoder), pick(self.concept), pick(self.decoder), self.len_B[rows], chunk,
+                              self.capacity)
 
     def ensure_room(self) -> None:
         """Before a step: grow any cache that one more position per row would overflow (one host sync per step,
