@@ -161,6 +161,54 @@ def test_deepspeed_config_generation(tmp_path):
         DeepSpeedConfig(zero_stage=2, offload_param="cpu").validate()
 
 
+LLAVA_ZERO2 = {   # LLaVA's scripts/zero2.json, as users bring it
+    "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
+             "hysteresis": 2, "min_loss_scale": 1},
+    "bf16": {"enabled": "auto"},
+    "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto", "gradient_accumulation_steps": "auto",
+    "zero_optimization": {"stage": 2, "overlap_comm": True, "contiguous_gradients": True, "sub_group_size": 1e9,
+                          "reduce_bucket_size": "auto"},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+}
+
+
+def test_a_users_deepspeed_json_with_auto_values(tmp_path):
+    """"auto" takes the run's own values (as transformers' Trainer fills them); the optimizer section gives way to
+    optim.*; the stage the file sets is what the run reports."""
+    import json
+
+    from vlm.train.config import DeepSpeedConfig, OptimConfig
+    from vlm.train.engine import check_deepspeed_config, effective_settings
+
+    path = tmp_path / "zero2.json"
+    path.write_text(json.dumps(LLAVA_ZERO2))
+    ds = DeepSpeedConfig(config_file=str(path))
+    out = check_deepspeed_config(ds, OptimConfig(grad_accum=2, clip=0.7), world_size=1)
+    assert out["train_micro_batch_size_per_gpu"] == 1 and out["gradient_accumulation_steps"] == 2
+    assert out["train_batch_size"] == 2 and out["gradient_clipping"] == 0.7
+    assert out["bf16"]["enabled"] is False and out["fp16"]["enabled"] is False and out["fp16"]["loss_scale"] == 0
+    assert out["zero_optimization"]["stage"] == 2 and out["zero_optimization"]["reduce_bucket_size"] == 50_000_000
+    assert "optimizer" not in out
+    ran = effective_settings(ds, out)
+    assert ran.zero_stage == 2 and ran.bf16 is False
+
+
+def test_the_run_records_the_stage_its_deepspeed_json_set(tiny_data, tmp_path, torch_globals, tiny_config,
+                                                           make_trainer):
+    import json
+
+    import yaml
+
+    path = tmp_path / "zero2.json"
+    path.write_text(json.dumps(LLAVA_ZERO2))
+    cfg = tiny_config(tiny_data, train={"max_steps": 1}, deepspeed={"config_file": str(path)},
+                      logging={"eval_every": 0})
+    tr = make_trainer(cfg, tmp_path / "run")
+    assert tr.train() == 0
+    saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    assert saved["deepspeed"]["zero_stage"] == 2 and tr.engine.zero_optimization_stage() == 2
+
+
 def test_cli_override_scientific_notation_is_a_number():
     from configs.config import parse_override
     assert parse_override("optim.lr=1e-3") == (["optim", "lr"], 1e-3)

@@ -6,12 +6,16 @@ optimizer step (a skipped, non-finite step must not advance it); its state trave
 from __future__ import annotations
 
 import json
+import logging
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from configs.config import ConfigError
 from vlm.train.config import DeepSpeedConfig, OptimConfig
+
+log = logging.getLogger("vlm.train")
 
 
 def _merge(base: dict, over: dict) -> dict:
@@ -21,8 +25,7 @@ def _merge(base: dict, over: dict) -> dict:
     return out
 
 
-def deepspeed_config(ds: DeepSpeedConfig, optim: OptimConfig, world_size: int) -> dict:
-    """The DeepSpeed JSON for this run (written next to config.yaml for reference)."""
+def _generated(ds: DeepSpeedConfig, optim: OptimConfig, world_size: int) -> dict:
     zero: dict = {"stage": ds.zero_stage}
     if ds.zero_stage >= 1:
         zero.update(overlap_comm=ds.overlap_comm, reduce_bucket_size=ds.reduce_bucket_size,
@@ -33,7 +36,7 @@ def deepspeed_config(ds: DeepSpeedConfig, optim: OptimConfig, world_size: int) -
         zero.update(stage3_gather_16bit_weights_on_model_save=True)
         if ds.offload_param != "none":
             zero["offload_param"] = {"device": ds.offload_param}
-    cfg = {
+    return {
         # One "sample" is one packed micro-batch per rank; the row count lives in the data config.
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": optim.grad_accum,
@@ -47,15 +50,58 @@ def deepspeed_config(ds: DeepSpeedConfig, optim: OptimConfig, world_size: int) -
         "zero_allow_untested_optimizer": True,
         "zero_force_ds_cpu_optimizer": False,   # offload with our torch AdamW (no DeepSpeedCPUAdam build)
     }
-    if ds.config_file:
-        try:
-            user = json.loads(Path(ds.config_file).read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ConfigError(f"deepspeed.config_file {ds.config_file} cannot be read as JSON: {e}") from None
-        if not isinstance(user, dict):
-            raise ConfigError(f"deepspeed.config_file {ds.config_file}: expected a JSON object")
-        cfg = _merge(cfg, user)
-    return _merge(cfg, ds.extra)
+
+
+def _read_user_json(ds: DeepSpeedConfig) -> dict:
+    try:
+        user = json.loads(Path(ds.config_file).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"deepspeed.config_file {ds.config_file} cannot be read as JSON: {e}") from None
+    if not isinstance(user, dict):
+        raise ConfigError(f"deepspeed.config_file {ds.config_file}: expected a JSON object")
+    for section in ("optimizer", "scheduler"):
+        if user.pop(section, None) is not None:
+            log.warning("deepspeed.config_file %s: its %r section is ignored; the run's optimizer (torch AdamW) "
+                        "and learning-rate schedule come from optim.*", ds.config_file, section)
+    return user
+
+
+def deepspeed_config(ds: DeepSpeedConfig, optim: OptimConfig, world_size: int) -> dict:
+    """The DeepSpeed JSON for this run (written next to config.yaml for reference): generated from `deepspeed.*`
+    and `optim.*`, then the user's JSON file and `deepspeed.extra` on top, their "auto" values filled in."""
+    user = _read_user_json(ds) if ds.config_file else {}
+    stage = user.get("zero_optimization", {}).get("stage") if isinstance(user.get("zero_optimization"), dict) else None
+    if isinstance(stage, int) and stage in (0, 1, 2, 3):   # generate the defaults of the stage that will run
+        ds = replace(ds, zero_stage=stage)
+    cfg = _generated(ds, optim, world_size)
+    cfg = _merge(cfg, fill_auto(user, cfg))
+    return _merge(cfg, fill_auto(ds.extra, cfg))
+
+
+def fill_auto(user: dict, ours: dict) -> dict:
+    """The transformers Trainer's convention for DeepSpeed JSON files (e.g. LLaVA's zero2.json / zero3.json):
+    a value "auto" takes what this run computes from its config; one the run does not compute is left out,
+    so DeepSpeed uses its default."""
+    out = {}
+    for k, v in user.items():
+        if isinstance(v, dict):
+            out[k] = fill_auto(v, ours.get(k) if isinstance(ours.get(k), dict) else {})
+        elif v == "auto":
+            if k in ours:
+                out[k] = ours[k]
+        else:
+            out[k] = v
+    return out
+
+
+def effective_settings(ds: DeepSpeedConfig, ds_json: dict) -> DeepSpeedConfig:
+    """`deepspeed.*` as the merged JSON actually runs it (a config file may set the stage or precision): what the
+    banner prints and config.yaml records."""
+    zero = ds_json.get("zero_optimization", {})
+    offload = {k: zero.get(k, {}).get("device", getattr(ds, k)) for k in ("offload_optimizer", "offload_param")}
+    return replace(ds, zero_stage=int(zero.get("stage", ds.zero_stage)),
+                   bf16=bool(ds_json.get("bf16", {}).get("enabled", ds.bf16)),
+                   **{k: v for k, v in offload.items() if v in ("none", "cpu")})
 
 
 def _same_kinds(ours: dict, merged: dict, where: str = "") -> None:

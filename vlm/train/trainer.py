@@ -30,7 +30,7 @@ from vlm.model.moe import update_moe_biases
 from vlm.train import checkpoint as ckpt_lib
 from vlm.train.config import TrainConfig
 from vlm.train.distributed import DistInfo, all_reduce_sum, barrier, init_distributed
-from vlm.train.engine import build_optimizer, deepspeed_config, initialize
+from vlm.train.engine import build_optimizer, deepspeed_config, effective_settings, initialize
 from vlm.train.export import export_final
 from vlm.train.global_parser import GlobalParser, install
 from vlm.train.metrics import MetricsLogger, load_imbalance, read_metrics, step_record
@@ -319,6 +319,7 @@ class Trainer:
                                          total=cfg.train.max_steps, lr=o.lr, min_lr=o.min_lr,
                                          decay_fraction=o.decay_fraction)
         self.ds_config = deepspeed_config(cfg.deepspeed, cfg.optim, self.dist.world_size)
+        cfg.deepspeed = effective_settings(cfg.deepspeed, self.ds_config)   # the banner and config.yaml say what runs
         self.engine = initialize(model, self.optimizer, self.ds_config)
         self.float_dtype = torch.bfloat16 if self.engine.bfloat16_enabled() else torch.float32
         self.probe = ActivationProbe(self.engine.module)
