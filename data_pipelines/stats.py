@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from data_pipelines.encode import process_images
-from data_pipelines.reader import ManifestEntries, listed_but_missing, resolve_shards
+from data_pipelines.reader import SHARD_SUFFIXES, ManifestEntries, listed_but_missing, resolve_shards
 from data_pipelines.samples import iter_decoded
 from data_pipelines.schema import BadSample
 from data_pipelines.writer import ShardStats, merge_stats, update_manifest
@@ -29,12 +29,24 @@ def scan_shard(path: Path, processor: ImageProcessor | None = None) -> tuple[dic
     return entry, bad
 
 
+def _with_split_folders(patterns: list[str | os.PathLike]) -> list[str | os.PathLike]:
+    """A dataset folder whose shards sit in split subfolders (what `vlm data build-default` writes: train/, val/,
+    test/) stands for those subfolders."""
+    out: list[str | os.PathLike] = []
+    for p in patterns:
+        d = Path(p)
+        subs = sorted(q for q in d.iterdir() if q.is_dir() and any(q.glob("*.tar*"))) if d.is_dir() else []
+        has_own = d.is_dir() and any(q.name.endswith(SHARD_SUFFIXES) for q in d.iterdir())
+        out += subs if subs and not has_own else [p]
+    return out
+
+
 def collect_stats(patterns: list[str | os.PathLike], scan: bool = False, write_manifest: bool = False
                   ) -> dict[str, Any]:
     """Per-shard entries and totals. Manifest entries are used unless `scan` (or a shard has none)."""
     paths: list[Path] = []
     missing: list[Path] = []
-    for p in patterns:
+    for p in _with_split_folders(patterns):
         paths += resolve_shards(p)
         missing += listed_but_missing(p)
     paths = sorted(dict.fromkeys(paths))

@@ -125,6 +125,12 @@ def test_data_cli_build_stats_import(tmp_path, capsys):
     assert _cli(["data", "stats", str(out / "test"), "--json"]) == 0
     stats = json.loads(capsys.readouterr().out)
     assert stats["totals"]["count"] == 10 and stats["totals"]["kinds"] == {"pair": 10}
+    split_counts = []
+    for split in ("train", "val", "test"):
+        assert _cli(["data", "stats", str(out / split), "--json"]) == 0
+        split_counts.append(json.loads(capsys.readouterr().out)["totals"]["count"])
+    assert _cli(["data", "stats", str(out), "--json"]) == 0           # the dataset folder: its split subfolders
+    assert json.loads(capsys.readouterr().out)["totals"]["count"] == sum(split_counts) > 74
     assert _cli(["data", "stats", str(out / "val" / "*.tar"), "--scan"]) == 0
     assert "problems: -" in capsys.readouterr().out
     assert _cli(["data", "stats", str(tmp_path / "missing.tar")]) == 2

@@ -260,3 +260,13 @@ def test_the_data_processor_is_the_vision_processor():
     assert text.data.processor.patch_size == 4
     with pytest.raises(ConfigError, match="unknown key vision.encoder.patch_size"):
         from_dict(TrainConfig, {"vision": dict(vision, encoder=dict(vision["encoder"], patch_size=7))})
+
+
+def test_print_config_shows_the_resolved_config_and_exits(tmp_path, capsys, write_config, TINY):
+    import yaml
+
+    path = write_config(TINY, tmp_path / "c.yaml")
+    assert train_main(["--config", str(path), "--print-config", "optim.lr=0.02", "--out", str(tmp_path / "run")]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["optim"]["lr"] == 0.02 and printed["model"]["hidden_size"] == TINY["model"]["hidden_size"]
+    assert not (tmp_path / "run").exists()

@@ -13,7 +13,9 @@ import argparse
 import os
 from pathlib import Path
 
-from configs.config import ConfigError
+import yaml
+
+from configs.config import ConfigError, to_dict
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "default.yaml"
 
@@ -40,6 +42,7 @@ def add_train_command(subparsers) -> None:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--resume", action="store_true", help="resume from RUN_DIR's latest checkpoint (required to exist)")
     g.add_argument("--no-resume", action="store_true", help="refuse to start if RUN_DIR already has checkpoints")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config (YAML) and exit")
     p.add_argument("--accept-optim-change", action="store_true",
                    help="on resume, take this config's optim.* settings (e.g. a lower optim.lr) instead of refusing")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
@@ -65,6 +68,9 @@ def resolve_config(args):
 
 def train_command(args) -> int:
     cfg = resolve_config(args)   # ConfigError -> one line, exit 2 (vlm.cli.main)
+    if args.print_config:
+        print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
+        return 0
     from vlm.train.engine import check_deepspeed_config
 
     check_deepspeed_config(cfg.deepspeed, cfg.optim, int(os.environ.get("WORLD_SIZE", "1")))
