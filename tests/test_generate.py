@@ -135,3 +135,31 @@ def test_cached_loglikelihood_equals_one_forward_per_pair(chat):
     assert [g for _, g in cached] == [g for _, g in full]
     assert all(abs(a - b) < 1e-4 for (a, _), (b, _) in zip(cached, full))
     assert len({round(a, 4) for a, _ in cached}) == 4                 # four different scores
+
+
+def test_transformers_options_hidden_states_checkpointing_and_clear_refusals(chat, tmp_path):
+    save_pretrained(chat.model, tmp_path, chat.tokenizer)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path)
+    ids = torch.tensor([[chat.tokenizer.bos_id] + chat.tokenizer.encode("some text to score")])
+    out = hf(ids, output_hidden_states=True)
+    cfg = hf.vlm.model_cfg
+    assert len(out.hidden_states) == cfg.encoder_layers + cfg.decoder_layers + 2
+    torch.testing.assert_close(hf.vlm.lm.lm_head(out.hidden_states[-1]), out.logits)
+    assert hf(ids).hidden_states is None
+
+    hf.train()
+    grads, calls = [], []
+    block = hf.vlm.lm.decoder[0]
+    forward = block.forward
+    block.forward = lambda *a, **k: (calls.append(1), forward(*a, **k))[1]
+    for enable in (False, True):
+        (hf.gradient_checkpointing_enable if enable else hf.gradient_checkpointing_disable)()
+        hf.zero_grad()
+        torch.manual_seed(0)                                # the same sampled boundaries both times
+        hf(ids, labels=ids).loss.backward()
+        grads.append(torch.cat([p.grad.flatten() for p in hf.vlm.lm.parameters() if p.grad is not None]))
+    assert hf.is_gradient_checkpointing
+    assert len(calls) == 3                                  # once without, twice (forward + recompute) with
+    torch.testing.assert_close(grads[0], grads[1])          # the same gradients, activations recomputed
+    with pytest.raises(ValueError, match="does not support output_attentions"):
+        hf(ids, output_attentions=True)

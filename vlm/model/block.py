@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from vlm.model.attention import Attention, packed_mask, resolve_backend
@@ -62,14 +63,21 @@ class Block(nn.Module):
 
 
 def run_stack(blocks: nn.ModuleList, x_BTD, ctx: StackContext, schedule: list[int] | None = None,
-              c_BTD=None, joint_from: int | None = None,
-              caches: list[KVCache] | None = None) -> tuple[torch.Tensor, list[MoEStats]]:
-    """Run `blocks` in `schedule` order (layer loops repeat indices); layers >= joint_from get the concept input."""
+              c_BTD=None, joint_from: int | None = None, caches: list[KVCache] | None = None,
+              checkpoint: bool = False, states: list | None = None) -> tuple[torch.Tensor, list[MoEStats]]:
+    """Run `blocks` in `schedule` order (layer loops repeat indices); layers >= joint_from get the concept input.
+    `checkpoint`: gradient checkpointing per block; `states` collects each block's output."""
     stats = []
     for n, i in enumerate(schedule if schedule is not None else range(len(blocks))):
         c = c_BTD if joint_from is not None and i >= joint_from else None
-        x_BTD, s = blocks[i](x_BTD, ctx, c, caches[n] if caches is not None else None)
+        cache = caches[n] if caches is not None else None
+        if checkpoint and blocks[i].training and cache is None:   # activations recomputed in the backward
+            x_BTD, s = torch.utils.checkpoint.checkpoint(blocks[i], x_BTD, ctx, c, None, use_reentrant=False)
+        else:
+            x_BTD, s = blocks[i](x_BTD, ctx, c, cache)
         stats.append(s)
+        if states is not None:
+            states.append(x_BTD)
     return x_BTD, stats
 
 

@@ -38,6 +38,7 @@ class ConceptMoELM(nn.Module):
         self.decoder = nn.ModuleList(Block(D, moe=cfg.moe, joint=i >= self.joint_from, **tok)
                                      for i in range(cfg.decoder_layers))
         self.norm = RMSNorm(D, cfg.norm_eps)
+        self.gradient_checkpointing = False   # recompute each block's activations in the backward (training)
         self.lm_head = nn.Linear(D, cfg.vocab_size, bias=False)
         self.apply(self._init)
         if cfg.tie_embeddings:
@@ -59,12 +60,14 @@ class ConceptMoELM(nn.Module):
                     proj.weight.zero_()
 
     def hidden(self, x_BTD, doc_BT, pos_BT, modality_BT, above_BT=None, force=None,
-               cache: InferenceCache | None = None):
+               cache: InferenceCache | None = None, states: list | None = None):
         """Final hidden states [B, T, D] (before the norm), the chunking, and the MoE stats of every layer.
         With `cache` (prefill: one document per row) every layer's keys and values and the chunk state are kept."""
         cfg = self.cfg
         ctx = StackContext.build(doc_BT, pos_BT, cfg.head_dim, cfg.rope_theta, x_BTD.dtype, cfg.attn_backend)
-        h_BTD, moe_stats = run_stack(self.encoder, x_BTD, ctx, caches=cache.encoder if cache else None)
+        ckpt = self.gradient_checkpointing
+        h_BTD, moe_stats = run_stack(self.encoder, x_BTD, ctx, caches=cache.encoder if cache else None,
+                                     checkpoint=ckpt, states=states)
         ch: Chunks | None = None
         if self.chunker is None:
             c_BMD, cdoc_BM, cpos_BM = h_BTD, doc_BT, pos_BT
@@ -78,7 +81,8 @@ class ConceptMoELM(nn.Module):
             c_BMD = self.concept_up(c_BMD)
         cctx = StackContext.build(cdoc_BM, cpos_BM, cfg.head_dim, cfg.rope_theta, c_BMD.dtype, cfg.attn_backend,
                                   use_rope=cfg.concept_pos == "rope")
-        c_BMD, s = run_stack(self.concept, c_BMD, cctx, cfg.concept_schedule, caches=cache.concept if cache else None)
+        c_BMD, s = run_stack(self.concept, c_BMD, cctx, cfg.concept_schedule, caches=cache.concept if cache else None,
+                             checkpoint=ckpt)
         moe_stats += s
         if self.concept_down is not None:
             c_BMD = self.concept_down(c_BMD)
@@ -88,8 +92,10 @@ class ConceptMoELM(nn.Module):
             z_BTD, cread_BTD = self.dechunk(h_BTD, c_BMD, ch)
             if cache is not None:
                 cache.chunk = self.chunker.prefill_state(h_BTD, doc_BT, ch, cread_BTD)
+        if states is not None:
+            states.append(z_BTD)
         out_BTD, s = run_stack(self.decoder, z_BTD, ctx, c_BTD=cread_BTD, joint_from=self.joint_from,
-                               caches=cache.decoder if cache else None)
+                               caches=cache.decoder if cache else None, checkpoint=ckpt, states=states)
         return out_BTD, ch, moe_stats + s
 
     # ---------------------------------------------------------------- inference with caches
@@ -157,11 +163,16 @@ class ConceptMoELM(nn.Module):
         return self.lm_head(self.norm(out_B1D))[:, 0]
 
     def forward(self, batch: PackedBatch, inputs_embeds: torch.Tensor | None = None, above_BT=None,
-                force: str | torch.Tensor | None = None) -> ModelOutput:
+                force: str | torch.Tensor | None = None, output_hidden_states: bool = False) -> ModelOutput:
         x_BTD = self.embed(batch.input_ids) if inputs_embeds is None else inputs_embeds
-        out_BTD, ch, moe_stats = self.hidden(x_BTD, batch.doc_ids, batch.position_ids, batch.modality, above_BT, force)
-        logits_BTV = self.lm_head(self.norm(out_BTD))
-        return self.assemble(logits_BTV, batch, ch, moe_stats)
+        states = [] if output_hidden_states else None
+        out_BTD, ch, moe_stats = self.hidden(x_BTD, batch.doc_ids, batch.position_ids, batch.modality, above_BT, force,
+                                             states=states)
+        normed_BTD = self.norm(out_BTD)
+        out = self.assemble(self.lm_head(normed_BTD), batch, ch, moe_stats)
+        if states is not None:
+            out.hidden_states = (x_BTD, *states[:-1], normed_BTD)
+        return out
 
     def assemble(self, logits_BTV, batch: PackedBatch, ch: Chunks | None, moe_stats) -> ModelOutput:
         """Losses; the chunking and the per-layer MoE outcomes travel as they are (no host transfer here)."""

@@ -98,9 +98,31 @@ class ConceptMoEForCausalLM(PreTrainedModel, GenerationMixin):
     def _supports_default_dynamic_cache(cls) -> bool:
         return False   # generate must not make a DynamicCache: the first forward returns our InferenceCache
 
+    supports_gradient_checkpointing = True
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None, **kwargs) -> None:
+        """Recompute the LLM blocks' activations in the backward (token and concept stacks; the vision encoder
+        has its own switch, `vision.encoder.grad_checkpointing`)."""
+        self.vlm.lm.gradient_checkpointing = True
+
+    def gradient_checkpointing_disable(self) -> None:
+        self.vlm.lm.gradient_checkpointing = False
+
+    @property
+    def is_gradient_checkpointing(self) -> bool:
+        return self.vlm.lm.gradient_checkpointing
+
     def forward(self, input_ids=None, attention_mask=None, pixel_patches=None, patch_coords=None, image_grids=None,
                 labels=None, return_dict=True, cache: InferenceCache | None = None, use_cache: bool | None = None,
-                **kwargs):
+                output_hidden_states: bool | None = None, **kwargs):
+        """`output_hidden_states`: token-level states (embeddings, each encoder layer, the decoder input, each
+        decoder layer, the last one normed); the concept layers run on concepts and are not among them."""
+        unsupported = [k for k in ("output_attentions", "inputs_embeds", "past_key_values", "position_ids")
+                       if kwargs.get(k) not in (None, False)]
+        if unsupported or return_dict is False:
+            raise ValueError(f"ConceptMoEForCausalLM does not support {', '.join(unsupported or ['return_dict=False'])}"
+                             f" (attention maps are per stack and concept-level; the cache is `cache`, built by "
+                             f"`generate`; positions follow `attention_mask`)")
         if cache is not None:   # a decode step: one new token per row
             return CausalLMOutputWithPast(logits=self.vlm.step(input_ids[:, -1], cache)[:, None], cache=cache)
         batch = self.to_batch(input_ids, attention_mask, pixel_patches, patch_coords, image_grids, labels)
@@ -116,8 +138,9 @@ class ConceptMoEForCausalLM(PreTrainedModel, GenerationMixin):
             back = (torch.arange(T, device=input_ids.device)[None] - shift_B[:, None]) % T
             logits = out.logits.gather(1, back[..., None].expand(-1, -1, out.logits.shape[-1]))
             return CausalLMOutputWithPast(logits=logits, cache=new_cache)
-        out = self.vlm(batch)
-        return CausalLMOutputWithPast(loss=out.lm_loss if labels is not None else None, logits=out.logits)
+        out = self.vlm(batch, output_hidden_states=bool(output_hidden_states))
+        return CausalLMOutputWithPast(loss=out.lm_loss if labels is not None else None, logits=out.logits,
+                                      hidden_states=out.hidden_states)
 
     def prepare_inputs_for_generation(self, input_ids, attention_mask=None, pixel_patches=None, patch_coords=None,
                                       image_grids=None, cache=None, use_cache=None, **kwargs):

@@ -56,10 +56,12 @@ class ConceptMoEVLM(nn.Module):
         above[bi, ti] = torch.where(j_N >= w_N, ti - w_N, torch.full_like(ti, -1))
         return above
 
-    def forward(self, batch: PackedBatch, force: str | torch.Tensor | None = None) -> ModelOutput:
+    def forward(self, batch: PackedBatch, force: str | torch.Tensor | None = None,
+                output_hidden_states: bool = False) -> ModelOutput:
         # Images are never predicted, whatever the data says.
         batch = dataclasses.replace(batch, labels=batch.labels.masked_fill(batch.modality == IMAGE, IGNORE_INDEX))
-        return self.lm(batch, inputs_embeds=self.embed(batch), above_BT=self.above_index(batch), force=force)
+        return self.lm(batch, inputs_embeds=self.embed(batch), above_BT=self.above_index(batch), force=force,
+                       output_hidden_states=output_hidden_states)
 
     @torch.no_grad()
     def prefill(self, batch: PackedBatch, max_new_tokens: int = 0):

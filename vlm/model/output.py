@@ -24,3 +24,6 @@ class ModelOutput:
     loss_split: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     chunks: Chunks | None = None            # the chunking (p, boundaries, ...); None without a chunk module
     moe: dict[str, MoEStats] = field(default_factory=dict)   # per MoE layer: "encoder.0", "concept.3", ...
+    # Token-level hidden states when asked: embeddings, each encoder layer, the decoder input (after the
+    # dechunk), each decoder layer (the last one normed). The concept layers run on concepts, not tokens.
+    hidden_states: tuple[torch.Tensor, ...] | None = None
