@@ -73,6 +73,9 @@ def test_train_single_process_run_dir(tiny_data, tmp_path, torch_globals, make_t
     text = tensor_util.make_ndarray(ea.Tensors("concepts/text/text_summary")[-1].tensor_proto).item().decode()
     assert "|" in text and len(text) > 20
     _hf_logits_match(run_dir, tr.engine.module, tr.tokenizer)
+    card = (run_dir / "final" / "README.md").read_text()          # the model card written at export
+    assert "compression" in card and "![training report](report.png)" in card and "| hidden size |" in card
+    assert (run_dir / "final" / "report.png").stat().st_size > 0
 
 
 def test_mup_zero1_grad_accum_export(tiny_data, tmp_path, torch_globals, tiny_config, make_trainer):

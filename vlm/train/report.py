@@ -140,3 +140,37 @@ def summary_lines(records: list[dict], targets: dict[str, float], vqa: dict | No
     lines.append(f"outputs: {run_dir / 'metrics.jsonl'}, {run_dir / 'report.png'}, {run_dir / 'tb'} (tensorboard)"
                  f"{final}")
     return lines
+
+
+def model_card(cfg: dict, summary: list[str], title: str) -> str:
+    """final/README.md: what was trained on what, how it went (the run's summary) and the report picture."""
+    m, data, run = cfg["model"], cfg["data"], cfg["train"]
+    chunk = m.get("chunk", {})
+    ratios = chunk.get("modality_target_ratios") or {"joint": chunk.get("target_ratio")}
+    sources = ", ".join(s["path"] for s in data.get("sources") or []) or f"the embedded default dataset ({data['default_dir']})"
+    lines = [
+        f"# {title}",
+        "",
+        "A ConceptMoE vision-language model trained with `vlm train` (ConceptMoE-VLM). Load it with "
+        "`AutoModelForCausalLM.from_pretrained(this_dir)` after `import vlm`, or chat with `vlm chat --ckpt this_dir`.",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| layers (encoder / concept / decoder) | {m['encoder_layers']} / {m['concept_layers']} / {m['decoder_layers']} |",
+        f"| hidden size | {m['hidden_size']} |",
+        f"| experts (top-k of E) | {m['moe']['top_k']} of {m['moe']['num_experts']} |",
+        f"| chunking | {'on, target ratios ' + ', '.join(f'{k} {v:g}' for k, v in ratios.items()) if chunk.get('enabled', True) else 'off (MoE baseline)'} |",
+        f"| vision encoder | {'yes' if cfg.get('vision') else 'none'} |",
+        f"| data | {sources} |",
+        f"| stage, steps | {run['stage']}, {run['max_steps']} |",
+        "",
+        "## The run",
+        "",
+        "```",
+        *summary,
+        "```",
+        "",
+        "![training report](report.png)",
+        "",
+    ]
+    return "\n".join(lines)

@@ -11,6 +11,7 @@ import itertools
 import json
 import os
 import random
+import shutil
 import time
 from dataclasses import replace
 from importlib.metadata import entry_points
@@ -44,7 +45,7 @@ from vlm.train.param_groups import (
     mup_width_multipliers,
 )
 from vlm.train.probes import ActivationProbe
-from vlm.train.report import summary_lines, write_report
+from vlm.train.report import model_card, summary_lines, write_report
 from vlm.train.schedule import build_scheduler
 from vlm.train.stages import build_model
 from vlm.train.step import StepResult, train_step
@@ -209,13 +210,18 @@ class Trainer:
             return rc
         records = read_metrics(self.run_dir / "metrics.jsonl")
         targets = config_targets(self.cfg)
-        write_report(records, self.run_dir / "report.png", targets,
-                     title=f"{self.run_dir.name}: stage {self.cfg.train.stage}")
+        picture = write_report(records, self.run_dir / "report.png", targets,
+                               title=f"{self.run_dir.name}: stage {self.cfg.train.stage}")
         counters = self.loader.counters
         lines = summary_lines(records, targets, results["vqa"], self.run_dir, wall, self.nonfinite_total, counters)
         (self.run_dir / "summary.json").write_text(json.dumps(
             {"steps": self.step, "wall_s": wall, **results, "nonfinite_steps": self.nonfinite_total,
              "last": records[-1] if records else None, "exit_code": rc}, indent=2, default=str))
+        if rc == 0:   # final/ was exported: it gets a model card and the report picture
+            final = self.run_dir / "final"
+            if picture is not None:
+                shutil.copyfile(picture, final / "report.png")
+            (final / "README.md").write_text(model_card(to_dict(self.cfg), lines, f"{self.run_dir.name}: ConceptMoE VLM"))
         self.log("\n".join(["", "=" * 72, "summary", "=" * 72] + lines))
         return rc
 
