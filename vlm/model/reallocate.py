@@ -186,7 +186,7 @@ def _wider_concept(base: ModelConfig, ratio: float, tol: float, concept_heads: i
                   max_heads: int = 8) -> Reallocation:
     s = _Search(base, tol)
     start = _concept_start(base, ratio)
-    d, hq, hkv, hd = base.c_hidden, base.c_heads, base.c_kv_heads, base.head_dim
+    d, hq, hkv = base.c_hidden, base.c_heads, base.c_kv_heads
     group = hq // hkv
     want = math.sqrt(ratio)
     kc0, e0, he0 = base.c_moe.top_k, base.c_moe.num_experts, base.c_moe.expert_hidden
