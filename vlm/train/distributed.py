@@ -79,21 +79,21 @@ def init_distributed() -> DistInfo:
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device)
 
 
-def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
-    """Sum over data-parallel ranks (a copy; the input is left alone). Identity without a process group."""
+def _all_reduce(x: torch.Tensor, op) -> torch.Tensor:
+    """Reduced over data-parallel ranks (a copy; the input is left alone). Identity without a process group."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return x.clone()
     y = x.detach().clone()
-    dist.all_reduce(y, op=dist.ReduceOp.SUM)
+    dist.all_reduce(y, op=op)
     return y
+
+
+def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
+    return _all_reduce(x, dist.ReduceOp.SUM)
 
 
 def all_reduce_min(x: torch.Tensor) -> torch.Tensor:
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return x.clone()
-    y = x.detach().clone()
-    dist.all_reduce(y, op=dist.ReduceOp.MIN)
-    return y
+    return _all_reduce(x, dist.ReduceOp.MIN)
 
 
 def barrier() -> None:
