@@ -128,7 +128,7 @@ def build_default(out: str | os.PathLike, cfg: DefaultDatasetConfig | None = Non
         counts: dict[str, dict[str, int]] = {}
         plan = [("train", cfg.train_scenes), ("val", cfg.val_scenes), ("test", cfg.test_scenes)]
         total = sum(n for _, n in plan) + cfg.interleaved_docs + cfg.text_docs + cfg.text_docs // 10
-        bar = tqdm(total=total, desc="default dataset", unit="sample", disable=not progress)
+        bar = tqdm(total=total, desc="default dataset", unit="sample", disable=None if progress else True)
         train_texts: list[str] = []
         for split, n in plan:
             w_vqa = ShardWriter(tmp / split, "vqa", max_count=cfg.shard_max_count)

@@ -112,7 +112,7 @@ def run_recipe(name: str, out: Path, steps: int | None = None, jobs: int = 2, vq
     runs = {v.name: out / v.name for v in variants}
     todo = [v for v in variants if not (runs[v.name] / "summary.json").is_file()]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    bar = tqdm(total=steps * len(variants), desc=f"{name} ({len(variants)} runs)", unit="step")
+    bar = tqdm(total=steps * len(variants), desc=f"{name} ({len(variants)} runs)", unit="step", disable=None)
     running: list[tuple[Variant, subprocess.Popen, object]] = []
     failed = []
     while todo or running:

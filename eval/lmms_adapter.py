@@ -148,7 +148,7 @@ class ConceptMoELMMS(lmms):
         for i, req in enumerate(requests):
             context, gen_kwargs, doc_to_visual, doc_id, task, split = req.args
             groups[(task, json.dumps(gen_kwargs, sort_keys=True, default=str))].append(i)
-        bar = tqdm(total=len(requests), desc="conceptmoe generate", disable=self.rank != 0)
+        bar = tqdm(total=len(requests), desc="conceptmoe generate", disable=True if self.rank else None)
         for task, keys in self._by_task(groups):
             self.model.reset_stats()
             for key in keys:
@@ -181,7 +181,7 @@ class ConceptMoELMMS(lmms):
         for i, req in enumerate(requests):
             task = req.args[4] if len(req.args) >= 6 else req.task_name
             groups[(task,)].append(i)
-        bar = tqdm(total=len(requests), desc="conceptmoe loglikelihood", disable=self.rank != 0)
+        bar = tqdm(total=len(requests), desc="conceptmoe loglikelihood", disable=True if self.rank else None)
         for task, keys in self._by_task(groups):
             self.model.reset_stats()
             idx = [i for k in keys for i in groups[k]]

@@ -50,7 +50,7 @@ def run_vqa_eval(model, shards, train_shards=None, limit: int | None = None, bat
     model.reset_stats()
     hits, blind_hits, major_hits = (collections.defaultdict(list) for _ in range(3))
     examples = []
-    bar = tqdm(range(0, len(samples), batch_size), desc="vqa", disable=not progress)
+    bar = tqdm(range(0, len(samples), batch_size), desc="vqa", disable=None if progress else True)
     for i in bar:
         chunk = samples[i: i + batch_size]
         imgs = [[Image.open(io.BytesIO(b)) for b in (s.images or [s.image])] for s in chunk]
@@ -63,7 +63,7 @@ def run_vqa_eval(model, shards, train_shards=None, limit: int | None = None, bat
                 examples.append({"question": s.question, "answer": s.answer, "predicted": strip_answer(a)})
     compression = model.compression_stats()
     if blind:
-        for i in tqdm(range(0, len(samples), batch_size), desc="vqa (blind)", disable=not progress):
+        for i in tqdm(range(0, len(samples), batch_size), desc="vqa (blind)", disable=None if progress else True):
             chunk = samples[i: i + batch_size]
             answers = model.generate([vqa_prompt(s.question, 0) for s in chunk], None, max_new_tokens=max_new_tokens,
                                      stop=["<|end|>"])

@@ -226,7 +226,7 @@ def test_overrides_may_follow_options(capsys):
             parse_args_anywhere(build_parser(), argv)
         assert "unrecognized arguments" in capsys.readouterr().err
     with pytest.raises(SystemExit):   # a command without overrides takes none
-        parse_args_anywhere(build_parser(), ["flops", "--config", "x.yaml", "a=1"])
+        parse_args_anywhere(build_parser(), ["chat", "--ckpt", "x", "a=1"])
 
 
 def test_non_utf8_config_is_one_line(tmp_path, capsys):

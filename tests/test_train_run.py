@@ -296,3 +296,13 @@ def test_one_process_run_listens_on_loopback_only(tiny_data, tmp_path, torch_glo
     addrs = _listening_addresses()
     everywhere = {"00000000", "00000000000000000000000000000000"}
     assert not everywhere & set(addrs), f"a listener on all interfaces: {addrs}"
+
+
+def test_a_redirected_log_gets_plain_progress_lines(tiny_data, tmp_path, tiny_config, write_config, run_train_cli,
+                                                    ROOT):
+    """No carriage-return progress bars when stderr is not a terminal: periodic `train step k/N` lines instead."""
+    cfg = tiny_config(tiny_data, train={"max_steps": 4}, logging={"progress": True, "eval_every": 0})
+    proc = run_train_cli(["--config", str(write_config(cfg, tmp_path / "c.yaml")), "--out", str(tmp_path / "run")],
+                         cwd=ROOT)
+    assert "\r" not in proc.stderr and "\r" not in proc.stdout
+    assert "train step 4/4" in proc.stderr

@@ -23,6 +23,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if not sys.stderr.isatty():   # a redirected log gets no carriage-return progress bars from transformers
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
     parser = build_parser()
     args = parse_args_anywhere(parser, argv)
     try:

@@ -100,7 +100,7 @@ def run_sweep(model: EvalModel, cfg: LongCtxConfig, *, label: str = "model", pro
     cells = [(L, t, d) for L in cfg.lengths for t in cfg.tasks
              for d in (cfg.depths if task_def(t).has_depth else [None])]
     t0 = time.time()
-    bar = tqdm(total=len(cells), desc=f"longctx[{label}]", disable=not progress)
+    bar = tqdm(total=len(cells), desc=f"longctx[{label}]", disable=None if progress else True)
     for length in cfg.lengths:
         model.reset_stats()
         for task, depth in [(t, d) for L, t, d in cells if L == length]:

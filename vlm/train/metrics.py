@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import math
+import sys
+import time
 from pathlib import Path
 
 import torch
@@ -179,7 +181,11 @@ class MetricsLogger:
         if is_main and cfg.progress:
             from tqdm.auto import tqdm
 
-            self.bar = tqdm(total=max_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
+            # disable=None: no bar when stderr is not a terminal (a redirected log gets plain lines instead)
+            self.bar = tqdm(total=max_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True,
+                            disable=None)
+        self.plain_every = max(1, max_steps // 20) if self.bar is not None and self.bar.disable else 0
+        self.t0, self.start_step = time.time(), start_step
         self.last_applied: dict | None = None
 
     def should_eval(self, step: int) -> bool:
@@ -197,6 +203,12 @@ class MetricsLogger:
             self.bar.update(1)
             if self.last_applied is not None:
                 self.bar.set_postfix(_postfix(self.last_applied), refresh=False)
+        if self.plain_every and (step % self.plain_every == 0 or step == self.max_steps):
+            pf = _postfix(self.last_applied or {})
+            elapsed = time.time() - self.t0
+            eta = elapsed / max(step - self.start_step, 1) * (self.max_steps - step)
+            print(f"train step {step}/{self.max_steps}  " + "  ".join(f"{k} {v}" for k, v in pf.items())
+                  + f"  elapsed {elapsed / 60:.1f} min  eta {eta / 60:.1f} min", file=sys.stderr, flush=True)
         if self.file is None or not self.should_log(step, result is None or result.applied):
             return
         self.file.write(rec)
