@@ -40,11 +40,14 @@ class Conversation:
     def reset(self) -> None:
         self.turns, self.images, self.pending = [], [], []
 
+    def next_turns(self, text: str) -> tuple[list[dict], list[Image.Image]]:
+        """The turns and images of the conversation with `text` (and the pending images) as the next user turn."""
+        content = IMAGE_TOKEN * len(self.pending) + ("\n" if self.pending else "") + text
+        return self.turns + [{"role": "user", "content": content}], self.images + self.pending
+
     def ask(self, text: str, on_text=None) -> str:
         """The assistant's answer to `text` (with the pending images); `on_text(piece)` receives it as it grows."""
-        content = IMAGE_TOKEN * len(self.pending) + ("\n" if self.pending else "") + text
-        turns = self.turns + [{"role": "user", "content": content}]
-        images = self.images + self.pending
+        turns, images = self.next_turns(text)
         shown = [""]
 
         def stream(ids: list[int]) -> None:
@@ -104,7 +107,7 @@ def add_chat_command(sub) -> None:
 
 
 def _run(args) -> int:
-    from vlm.generate import load_eval_model   # torch and the model load when the command runs
+    from vlm.generate import load_eval_model  # torch and the model load when the command runs
 
     if not (Path(args.ckpt) / "config.json").is_file():
         raise ConfigError(f"--ckpt {args.ckpt}: no exported model there (expected RUN_DIR/final with config.json)")

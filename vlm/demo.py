@@ -28,6 +28,8 @@ from data_pipelines.chat import format_chat
 from data_pipelines.schema import IMAGE_TOKEN
 from vision.image_processor import ImageError, ImageProcessor
 from vlm.chat_cli import Conversation
+from vlm.model.stats import summarize
+from vlm.train.render import image_concept_picture, text_with_boundaries
 
 log = logging.getLogger(__name__)
 
@@ -94,9 +96,6 @@ def _stream_answer(conv: Conversation, text: str):
 def concept_panel(chat, turns: list[dict], images: list) -> tuple:
     """(picture of the first image with its concepts outlined or None, the conversation text with concept
     boundaries marked, per-modality compression) of the whole conversation, from one prefill."""
-    from vlm.model.stats import summarize
-    from vlm.train.render import image_concept_picture, text_with_boundaries
-
     batch = chat.prompt_batch([format_chat(turns)], [images])
     out, _ = chat.model.prefill(batch, max_new_tokens=0)
     if out.chunks is None:
@@ -132,9 +131,8 @@ def build_app(chat, *, max_new_tokens: int = 64, temperature: float = 0.0, max_p
 
     def prompt_tokens(conv: Conversation, text: str) -> int:
         """Tokens of the conversation with `text` as the next user turn (the prompt `conv.ask` will build)."""
-        content = IMAGE_TOKEN * len(conv.pending) + ("\n" if conv.pending else "") + text
-        turns = conv.turns + [{"role": "user", "content": content}]
-        batch = chat.prompt_batch([format_chat(turns, add_generation_prompt=True)], [conv.images + conv.pending])
+        turns, images = conv.next_turns(text)
+        batch = chat.prompt_batch([format_chat(turns, add_generation_prompt=True)], [images])
         return int((batch.doc_ids >= 0).sum())
 
     def respond(message, upload, session):
@@ -247,7 +245,7 @@ def _run(args) -> int:
         import gradio  # noqa: F401  (the optional `demo` extra)
     except ImportError:
         raise ConfigError("vlm demo needs gradio: pip install -e \".[demo]\"") from None
-    from vlm.generate import load_eval_model   # torch and the model load when the command runs
+    from vlm.generate import load_eval_model  # torch and the model load when the command runs
 
     chat = load_eval_model(args.ckpt)
     app = build_app(chat, max_new_tokens=args.max_new_tokens, temperature=args.temperature,

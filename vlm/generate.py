@@ -217,11 +217,9 @@ class ConceptMoEChat:
     def _continuation_logits_cached(self, contexts, images, cont_BC: torch.Tensor) -> torch.Tensor:
         """[B, C, V]: the logits predicting each continuation token, from one prefill per distinct context."""
         keys = [(c, tuple(_png(im) for im in ims)) for c, ims in zip(contexts, images)]
-        first: dict = {}
-        for i, k in enumerate(keys):
-            first.setdefault(k, i)
-        uniq = list(first.values())
-        of_pair = torch.tensor([uniq.index(first[k]) for k in keys], device=self.device)
+        slot: dict = {}   # distinct context -> its row in the prefill
+        of_pair = torch.tensor([slot.setdefault(k, len(slot)) for k in keys], device=self.device)
+        uniq = [keys.index(k) for k in slot]
         prompt = self.prompt_batch([contexts[i] for i in uniq], [images[i] for i in uniq])
         out, cache = self.model.prefill(prompt, cont_BC.shape[1])
         self._record(summarize(out, prompt))
