@@ -107,6 +107,23 @@ def test_an_overlong_prompt_gives_a_message(served):
     assert "Prompt too long" in out[4] and out[0] == []
 
 
+def test_an_example_conversation_opens_every_page(exported):
+    """`--example IMAGE QUESTION`: the page loads with the answered question and the image's concepts."""
+    from vlm.generate import load_eval_model
+
+    app = build_app(load_eval_model(exported), max_new_tokens=6,
+                    example=(str(exported.parent / "a.png"), ["what is this?"]))
+    port = _free_port()
+    launch_app(app, "127.0.0.1", port, block=False)
+    try:
+        history, picture, boundaries, compression = _client(f"http://127.0.0.1:{port}/").predict(
+            api_name="/example")[:4]
+    finally:
+        app.close()
+    assert [m["role"] for m in history] == ["user", "assistant"] and "what is this?" in _text(history[0])
+    assert picture is not None and "|" in boundaries and compression["image"]["tokens"] > 0
+
+
 def test_vlm_demo_without_a_model_is_a_one_line_error(subprocess_env):
     bad = subprocess.run([sys.executable, "-m", "vlm.cli", "demo", "--ckpt", "/nonexistent"], capture_output=True,
                          text=True, env=subprocess_env(), timeout=300)

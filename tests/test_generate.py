@@ -4,8 +4,9 @@ import pytest
 import torch
 from PIL import Image
 from transformers import AutoModelForCausalLM
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from vlm.generate import ConceptMoEChat, sample_next
+from vlm.generate import ConceptMoEChat
 from vlm.model.hf import save_pretrained
 
 
@@ -50,12 +51,16 @@ def test_stop_strings_and_compression_stats(chat):
     assert stats["tokens/text"] > 0 and stats["compression/ratio"] >= 1.0
 
 
-def test_top_p_sampling_keeps_only_the_nucleus():
-    logits = torch.log(torch.tensor([[0.6, 0.3, 0.05, 0.05]]))
-    g = torch.Generator().manual_seed(0)
-    draws = {int(sample_next(logits, 1.0, 0.8, g)) for _ in range(200)}
-    assert draws == {0, 1}
-    assert int(sample_next(logits, 0.0, 1.0)) == 0
+def test_sampling_is_reproducible_with_a_seed_and_leaves_the_callers_rng_alone(chat):
+    prompts, images = ["<image>\nwhat is this?", "a"], [[img(1)], []]
+    torch.manual_seed(123)
+    before = torch.rand(1)
+    torch.manual_seed(123)
+    kw = dict(max_new_tokens=12, temperature=1.5, top_p=0.9)
+    a = chat.generate(prompts, images, seed=7, **kw)
+    assert torch.equal(torch.rand(1), before)                     # the global RNG did not move
+    assert chat.generate(prompts, images, seed=7, **kw) == a
+    assert any(chat.generate(prompts, images, seed=s, **kw) != a for s in (8, 9, 10))
 
 
 def test_transformers_generate_on_the_exported_model(chat, tmp_path):
@@ -82,12 +87,14 @@ def test_stop_on_a_special_token_string(chat, monkeypatch):
     script = tok.encode("yes") + [tok.end_id] + tok.encode("What")
     calls = {"n": 0}
 
-    def scripted(logits_BV, *a, **k):
+    def scripted(input_ids=None, **kw):   # the model "says" the script, one token per forward
         t = script[min(calls["n"], len(script) - 1)]
         calls["n"] += 1
-        return torch.full(logits_BV.shape[:1], t, dtype=torch.long)
+        logits = torch.zeros(*input_ids.shape, chat.model.model_cfg.vocab_size)
+        logits[:, -1, t] = 1.0
+        return CausalLMOutputWithPast(logits=logits)
 
-    monkeypatch.setattr("vlm.generate.sample_next", scripted)
+    monkeypatch.setattr(chat.hf, "forward", scripted)
     out = chat.generate(["q"], None, max_new_tokens=8, stop=["<|end|>"])
     assert out == ["yes"] and calls["n"] == len(tok.encode("yes")) + 1
 
@@ -163,3 +170,13 @@ def test_transformers_options_hidden_states_checkpointing_and_clear_refusals(cha
     torch.testing.assert_close(grads[0], grads[1])          # the same gradients, activations recomputed
     with pytest.raises(ValueError, match="does not support output_attentions"):
         hf(ids, output_attentions=True)
+
+
+def test_on_tokens_streams_every_rows_tokens_as_they_grow(chat):
+    prompts, images = ["<image>\nwhat is this?", "a longer text prompt"], [[img(4)], []]
+    seen = []
+    out = chat.generate(prompts, images, max_new_tokens=7, on_tokens=lambda rows: seen.append([list(r) for r in rows]))
+    assert 1 <= len(seen) <= 7
+    for earlier, later in zip(seen, seen[1:]):   # each row only grows, by at most one token a step
+        assert all(l[:len(e)] == e and len(l) - len(e) <= 1 for e, l in zip(earlier, later))
+    assert [chat.tokenizer.decode(r) for r in seen[-1]] == out == chat.generate(prompts, images, max_new_tokens=7)

@@ -118,8 +118,9 @@ def concept_panel(chat, turns: list[dict], images: list) -> tuple:
 
 
 def build_app(chat, *, max_new_tokens: int = 64, temperature: float = 0.0, max_prompt_tokens: int = 4096,
-              max_upload_mb: float = MAX_UPLOAD_MB):
-    """The gradio Blocks of the demo around a loaded `ConceptMoEChat` (launch it with `launch_app`)."""
+              max_upload_mb: float = MAX_UPLOAD_MB, example: tuple[str, list[str]] | None = None):
+    """The gradio Blocks of the demo around a loaded `ConceptMoEChat` (launch it with `launch_app`).
+    `example` = (image path, questions): every page opens on that conversation, answered once here."""
     import gradio as gr
 
     max_bytes = int(max_upload_mb * 1e6)
@@ -188,6 +189,26 @@ def build_app(chat, *, max_new_tokens: int = 64, temperature: float = 0.0, max_p
     def reset(session):
         return [], None, None, "", {}, "Conversation cleared.", "", None
 
+    opening = None
+    if example is not None:
+        image, questions = example
+        problem = check_image(image, max_bytes, max_pixels)
+        if problem is not None:
+            raise ImageError(f"--example: {problem}")
+        conv = new_conversation()
+        conv.attach(image)
+        for q in questions:
+            conv.ask(q)
+        opening = (conv.turns, conv.images, concept_panel(chat, conv.turns, conv.images))
+
+    def load_example(session):
+        """Each page gets its own copy of the example conversation (the answers were generated once)."""
+        turns, images, (picture, text, compression) = opening
+        conv = new_conversation()
+        conv.turns, conv.images = list(turns), list(images)
+        session = Session(conv)
+        return list(session.history), session, picture, text, compression, "", "", None
+
     with gr.Blocks(title=TITLE, analytics_enabled=False) as app:   # nothing leaves the machine
         gr.Markdown(f"## {TITLE}\nUpload an image and ask about it; the right side shows how the model groups "
                     "image patches and text tokens into concepts (tokens per concept = compression).")
@@ -214,6 +235,8 @@ def build_app(chat, *, max_new_tokens: int = 64, temperature: float = 0.0, max_p
         msg.submit(respond, inputs, outputs, api_visibility="private", concurrency_id="model")
         send.click(respond, inputs, outputs, api_name="chat", concurrency_id="model")
         clear.click(reset, [state], outputs, api_name="reset")
+        if opening is not None:
+            app.load(load_example, [state], outputs, api_name="example")
     return app
 
 
@@ -235,6 +258,8 @@ def add_demo_command(sub) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--max-prompt-tokens", type=int, default=4096, help="longest conversation accepted")
     p.add_argument("--max-upload-mb", type=float, default=MAX_UPLOAD_MB, help="largest image upload")
+    p.add_argument("--example", nargs="+", metavar=("IMAGE", "QUESTION"),
+                   help="open every page on this image and the model's answers to these questions")
     p.set_defaults(func=_run)
 
 
@@ -247,9 +272,17 @@ def _run(args) -> int:
         raise ConfigError("vlm demo needs gradio: pip install -e \".[demo]\"") from None
     from vlm.generate import load_eval_model  # torch and the model load when the command runs
 
+    if args.example and len(args.example) < 2:
+        raise ConfigError("--example needs an image and at least one question: --example IMAGE QUESTION ...")
+    if args.example and not Path(args.example[0]).is_file():
+        raise ConfigError(f"--example: image {args.example[0]} not found")
     chat = load_eval_model(args.ckpt)
-    app = build_app(chat, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                    max_prompt_tokens=args.max_prompt_tokens, max_upload_mb=args.max_upload_mb)
+    example = (args.example[0], args.example[1:]) if args.example else None
+    try:
+        app = build_app(chat, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                        max_prompt_tokens=args.max_prompt_tokens, max_upload_mb=args.max_upload_mb, example=example)
+    except ImageError as e:
+        raise ConfigError(str(e)) from None
     print(f"serving {args.ckpt} on http://{args.host}:{args.port} (Ctrl-C stops)")
     launch_app(app, args.host, args.port, args.max_upload_mb)
     return 0

@@ -1,8 +1,9 @@
 """Batched generation and scoring for prompts with images: the model behind every evaluator and the chat demo.
 
-`ConceptMoEChat` satisfies `eval.protocol.EvalModel`. Generation is cache-free for now (each new token
-re-runs the forward over the prefix; concept-level KV caches are a later issue), batched over prompts of
-different lengths by keeping every row right-padded (padding is doc id -1, which no real token attends to).
+`ConceptMoEChat` satisfies `eval.protocol.EvalModel`. There is one decode loop: transformers' `generate` on
+the model's wrapper (vlm/model/hf.py), which prefills the concept-level caches once and then runs one cached
+step per token, batched over prompts of different lengths and image counts (left-padded rows). Scoring
+(`loglikelihood`) encodes each distinct context once and teacher-forces the candidates through cached steps.
 """
 from __future__ import annotations
 
@@ -10,13 +11,15 @@ import io
 from pathlib import Path
 
 import torch
+from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
+from transformers.generation.streamers import BaseStreamer
 
 from configs.batch import IGNORE_INDEX, TEXT, PackedBatch
 from data_pipelines.config import DataConfig, SourceConfig
 from data_pipelines.loader import build_loader
 from data_pipelines.packing import make_prompt_batch
 from data_pipelines.tokenizer import load_tokenizer
-from vlm.model.hf import load_vlm
+from vlm.model.hf import ConceptMoEForCausalLM, hf_config_for, load_vlm
 from vlm.model.multimodal import ConceptMoEVLM
 from vlm.model.stats import summarize
 
@@ -29,16 +32,53 @@ def _png(img) -> bytes:
     return buf.getvalue()
 
 
-def sample_next(logits_BV: torch.Tensor, temperature: float, top_p: float, generator=None) -> torch.Tensor:
-    """Greedy at temperature 0, else nucleus sampling."""
-    if temperature <= 0:
-        return logits_BV.argmax(-1)
-    probs = torch.softmax(logits_BV.float() / temperature, -1)
-    if top_p < 1.0:
-        sorted_p, idx = probs.sort(-1, descending=True)
-        keep = sorted_p.cumsum(-1) - sorted_p < top_p   # always keeps the most likely token
-        probs = torch.zeros_like(probs).scatter(-1, idx, sorted_p * keep)
-    return torch.multinomial(probs / probs.sum(-1, keepdim=True), 1, generator=generator).squeeze(-1)
+def _left_padded(batch: PackedBatch, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded prompt rows -> (input_ids, attention_mask) left-padded, as transformers' generate wants."""
+    real_BT = batch.doc_ids >= 0
+    T = real_BT.shape[1]
+    shift_B = T - real_BT.sum(1)
+    src_BT = (torch.arange(T, device=real_BT.device)[None] - shift_B[:, None]) % T
+    ids_BT = torch.where(real_BT, batch.input_ids, pad_id).gather(1, src_BT)
+    return ids_BT, real_BT.gather(1, src_BT).long()
+
+
+class _RowStreamer(BaseStreamer):
+    """transformers' streamer protocol for a batch: collects each live row's new tokens and hands the rows to
+    `on_tokens` after every step (generate puts the prompt first, then one token per row per step)."""
+
+    def __init__(self, B: int, eos_id: int, done_B: torch.Tensor, on_tokens):
+        self.rows: list[list[int]] = [[] for _ in range(B)]
+        self.eos_id, self.done_B, self.on_tokens, self.prompt_seen = eos_id, done_B, on_tokens, False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self.prompt_seen:
+            self.prompt_seen = True
+            return
+        for i, t in enumerate(value.reshape(-1).tolist()):
+            if not self.done_B[i]:
+                self.rows[i].append(t)
+                self.done_B[i] = t == self.eos_id
+        if self.on_tokens is not None:
+            self.on_tokens([list(r) for r in self.rows])
+
+    def end(self) -> None:
+        pass
+
+
+class _StopStrings(StoppingCriteria):
+    """Ends a row once its new text holds one of `stops` (decoded with special tokens, so that `<|end|>` counts)."""
+
+    def __init__(self, stops: list[str], prompt_len: int, tok, done_B: torch.Tensor):
+        self.stops, self.prompt_len, self.tok, self.done_B = stops, prompt_len, tok, done_B
+        self.window = max(len(s) for s in stops) + 1   # every token decodes to >= 1 character
+
+    def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
+        hit_B = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        for i in range(input_ids.shape[0]):
+            new = input_ids[i, self.prompt_len:][-self.window:].tolist()
+            hit_B[i] = any(s in self.tok.decode(new, skip_special=False) for s in self.stops)
+        self.done_B |= hit_B.cpu()
+        return hit_B
 
 
 def _extend(batch: PackedBatch, extra: int, pad_id: int) -> PackedBatch:
@@ -63,6 +103,7 @@ class ConceptMoEChat:
 
     def __init__(self, model: ConceptMoEVLM, tokenizer, processor=None, device: str | torch.device = "cpu"):
         self.model = model.eval().to(device)
+        self.hf = ConceptMoEForCausalLM(hf_config_for(model, getattr(tokenizer, "image_pad_id", -1)), vlm=self.model)
         self.tokenizer = tokenizer
         if processor is None and model.vision_cfg is not None:
             processor = model.vision_cfg.build_processor()
@@ -123,61 +164,57 @@ class ConceptMoEChat:
     def generate(self, prompts: list[str], images=None, *, max_new_tokens: int = 32, temperature: float = 0.0,
                  top_p: float = 1.0, stop: list[str] | None = None, seed: int | None = None,
                  use_cache: bool = True, on_tokens=None) -> list[str]:
-        """Continuations of a batch of prompts (ragged lengths and image counts). `use_cache`: prefill the
+        """Continuations of a batch of prompts (ragged lengths and image counts), decoded by transformers'
+        `generate` on the model's wrapper: left-padded rows, greedy at temperature 0, else nucleus sampling
+        (torch's RNG seeded with `seed`, the caller's RNG state left alone). `use_cache`: prefill the
         concept-level caches once, then one cached step per token; False re-runs the whole prefix every step
-        (the reference the cache is tested against). `on_tokens(ids per row)` after every step streams them."""
+        (the reference the cache is tested against). `stop`: strings that end a row (special tokens such as
+        `<|end|>` included), cut from the text. `on_tokens(ids per row)` after every step streams them."""
         if not prompts:
             return []
         prompt = self.prompt_batch(prompts, images)
-        batch = _extend(prompt, max_new_tokens, self.tokenizer.pad_id)
-        B = len(prompts)
-        lengths = (batch.doc_ids >= 0).sum(1)
-        start = lengths.clone()
-        done = torch.zeros(B, dtype=torch.bool, device=self.device)
-        gen = torch.Generator(device=self.device).manual_seed(seed) if seed is not None else None
-        rows = torch.arange(B, device=self.device)
-        window = max((len(s) for s in stop or []), default=0) + 1
-        cache, nxt = None, None
-        for step in range(max_new_tokens):
-            if use_cache and step == 0:
-                out, cache = self.model.prefill(prompt, max_new_tokens)
-                self._record(summarize(out, prompt))
-                logits_BV = out.logits[rows, lengths - 1]
-            elif use_cache:
-                logits_BV = self.model.step(nxt, cache)
+        ids_BT, mask_BT = _left_padded(prompt, self.tokenizer.pad_id)
+        B, T = ids_BT.shape
+        tok = self.tokenizer
+        done_B = torch.zeros(B, dtype=torch.bool)
+        streamer = _RowStreamer(B, tok.eos_id, done_B, on_tokens)
+        criteria = StoppingCriteriaList([_StopStrings(stop, T, tok, done_B)] if stop else [])
+        config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=temperature > 0,
+                                  temperature=temperature if temperature > 0 else None,
+                                  top_p=top_p if temperature > 0 and top_p < 1 else None, top_k=None,
+                                  use_cache=use_cache, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id,
+                                  bos_token_id=tok.bos_id)
+        inputs = dict(input_ids=ids_BT, attention_mask=mask_BT, pixel_patches=prompt.pixel_patches,
+                      patch_coords=prompt.patch_coords, image_grids=prompt.image_grids)
+        self.hf.on_prefill = self._record_once()
+        try:
+            if seed is None:
+                self.hf.generate(**inputs, generation_config=config, stopping_criteria=criteria, streamer=streamer)
             else:
-                T = int(lengths.max())
-                view = PackedBatch(batch.input_ids[:, :T], batch.labels[:, :T], batch.doc_ids[:, :T],
-                                   batch.position_ids[:, :T], batch.modality[:, :T],
-                                   batch.pixel_patches, batch.patch_coords, batch.image_grids)
-                out = self.model(view)
-                if step == 0:
-                    self._record(summarize(out, view))
-                logits_BV = out.logits[rows, lengths - 1]
-            nxt = sample_next(logits_BV, temperature, top_p, gen)
-            live = ~done
-            _put(batch, rows[live], lengths[live], nxt[live])
-            lengths = lengths + live.long()
-            done |= nxt == self.tokenizer.eos_id
-            if on_tokens is not None:
-                on_tokens([batch.input_ids[i, start[i]: lengths[i]].tolist() for i in range(B)])
-            if stop:  # decode with special tokens: stop strings such as "<|end|>" are special tokens
-                for i in rows[live].tolist():
-                    # every token decodes to >= 1 character, so a new stop string ends in this window
-                    lo = max(int(start[i]), int(lengths[i]) - window)
-                    text = self.tokenizer.decode(batch.input_ids[i, lo: lengths[i]].tolist(), skip_special=False)
-                    done[i] |= any(s in text for s in stop)
-            if bool(done.all()):
-                break
+                with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+                    torch.manual_seed(seed)
+                    self.hf.generate(**inputs, generation_config=config, stopping_criteria=criteria, streamer=streamer)
+        finally:
+            self.hf.on_prefill = None
         texts = []
         for i in range(B):
-            ids = batch.input_ids[i, start[i]: lengths[i]].tolist()
+            ids = streamer.rows[i]   # the row's tokens up to its end (generate pads finished rows)
             if stop:  # cut at the first stop string, then drop any special tokens before it
-                full = self.tokenizer.decode(ids, skip_special=False)
+                full = tok.decode(ids, skip_special=False)
                 cut = min((full.index(s) for s in stop if s in full), default=len(full))
-                ids = self.tokenizer.encode(full[:cut])
-            texts.append(self.tokenizer.decode(ids))
+                ids = tok.encode(full[:cut])
+            texts.append(tok.decode(ids))
         return texts
+
+    def _record_once(self):
+        """The prompts' compression statistics, from the first forward of a `generate` call only."""
+        seen = []
+
+        def record(out, batch) -> None:
+            if not seen:
+                seen.append(True)
+                self._record(summarize(out, batch))
+        return record
 
     @torch.no_grad()
     def loglikelihood(self, contexts: list[str], continuations: list[str], images=None,

@@ -66,6 +66,9 @@ class ConceptMoEForCausalLM(PreTrainedModel, GenerationMixin):
     def __init__(self, config: ConceptMoEConfig, vlm: ConceptMoEVLM | None = None):
         super().__init__(config)
         self.vlm = vlm if vlm is not None else ConceptMoEVLM(*config.build_configs())
+        # on_prefill(model output, batch): called with every forward over whole prompts (not with cached steps);
+        # the project's evaluators read the prompts' compression statistics through it
+        self.on_prefill = None
         if config.tie_word_embeddings:
             self._tied_weights_keys = {"vlm.lm.lm_head.weight": "vlm.lm.embed.weight"}
         self.post_init()
@@ -135,10 +138,14 @@ class ConceptMoEForCausalLM(PreTrainedModel, GenerationMixin):
                                 positions_in_doc(batch.doc_ids.gather(1, to_right)), batch.modality.gather(1, to_right),
                                 batch.pixel_patches, batch.patch_coords, batch.image_grids)
             out, new_cache = self.vlm.prefill(right)
+            if self.on_prefill is not None:
+                self.on_prefill(out, right)
             back = (torch.arange(T, device=input_ids.device)[None] - shift_B[:, None]) % T
             logits = out.logits.gather(1, back[..., None].expand(-1, -1, out.logits.shape[-1]))
             return CausalLMOutputWithPast(logits=logits, cache=new_cache)
         out = self.vlm(batch, output_hidden_states=bool(output_hidden_states))
+        if self.on_prefill is not None:
+            self.on_prefill(out, batch)
         return CausalLMOutputWithPast(loss=out.lm_loss if labels is not None else None, logits=out.logits,
                                       hidden_states=out.hidden_states)
 

@@ -146,6 +146,30 @@ class RunConfig:
 
 
 @dataclass
+class VisionWarmupConfig:
+    """Before step 0, a fresh vision encoder learns the words of the training data's captions from their images
+    (vlm/train/vision_warmup.py). Skipped when the encoder comes from `train.init_from` or a resumed run."""
+
+    steps: int = 0                   # 0: no warm-up
+    images_per_step: int = 32
+    lr: float = 2e-3                 # AdamW, linear warm-up then cosine to 0
+    weight_decay: float = 0.05
+    min_word_count: int = 20         # words in fewer captions than this are not predicted
+    max_captions: int = 4000         # caption samples read from the training sources (in shard order)
+    held_out: int = 300              # captions scored after the warm-up (the default data's val split)
+
+    def validate(self) -> None:
+        check(self.steps >= 0, f"vision_warmup.steps must be >= 0, got {self.steps}")
+        for name in ("images_per_step", "min_word_count", "max_captions"):
+            check(getattr(self, name) >= 1, f"vision_warmup.{name} must be >= 1, got {getattr(self, name)}")
+        check(self.max_captions >= self.images_per_step,
+              f"vision_warmup.max_captions={self.max_captions} must be >= images_per_step={self.images_per_step}")
+        check(self.lr > 0, f"vision_warmup.lr must be > 0, got {self.lr}")
+        check(self.weight_decay >= 0, f"vision_warmup.weight_decay must be >= 0, got {self.weight_decay}")
+        check(self.held_out >= 0, f"vision_warmup.held_out must be >= 0, got {self.held_out}")
+
+
+@dataclass
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     vision: VisionConfig | None = field(default_factory=VisionConfig)
@@ -157,6 +181,7 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     train: RunConfig = field(default_factory=RunConfig)
     convert: ConvertConfig = field(default_factory=ConvertConfig)   # stage 'ct' (defined with vlm.model.convert)
+    vision_warmup: VisionWarmupConfig = field(default_factory=VisionWarmupConfig)
 
     def __post_init__(self) -> None:
         """With a vision section the loader patchifies with vision.processor (what the encoder reads), so that
@@ -175,6 +200,13 @@ class TrainConfig:
             check(self.vision is None, "train.stage 'text' trains the LLM alone: set vision: null (or use stage 'vl')")
         if stage == "vl":
             check(self.vision is not None, "train.stage 'vl' needs a vision section (vision: {...})")
+        if self.vision_warmup.steps:
+            check(stage == "vl" and self.vision is not None,
+                  "vision_warmup.steps > 0 needs train.stage 'vl' and a vision section")
+            check(not self.vision.freeze_encoder and not any(
+                p in ("vision", "vision.encoder") for p in self.params.freeze),
+                  "vision_warmup.steps > 0 trains the vision encoder, which this config freezes "
+                  "(vision.freeze_encoder / params.freeze): set vision_warmup.steps: 0")
         if self.params.mup:
             check(not self.model.tie_embeddings,
                   "params.mup needs model.tie_embeddings: false (the output layer gets its own rate and logit scale)")

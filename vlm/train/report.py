@@ -93,8 +93,9 @@ def _tail_mean(records: list[dict], key: str, frac: float = 0.1) -> float | None
 
 
 def summary_lines(records: list[dict], targets: dict[str, float], vqa: dict | None, run_dir: Path,
-                  wall_s: float, skipped_steps: int, data_counters: dict | None) -> list[str]:
-    """Human-readable end-of-run summary (means over the last 10 % of steps)."""
+                  wall_s: float, skipped_steps: int, data_counters: dict | None, warmup: dict | None = None
+                  ) -> list[str]:
+    """Human-readable end-of-run summary (means over the last 10 % of steps; `warmup`: vision_warmup.json)."""
     if not records:
         return ["no steps were logged"]
     first, last = records[0], records[-1]
@@ -103,6 +104,12 @@ def summary_lines(records: list[dict], targets: dict[str, float], vqa: dict | No
              f"loss: {fmt(first.get('lm_loss'))} (first step) -> {fmt(_tail_mean(records, 'lm_loss'))} (last 10 %)",
              f"  text-only samples:  {fmt(_tail_mean(records, 'loss/text_only'))}",
              f"  image-text samples: {fmt(_tail_mean(records, 'loss/image_text'))}"]
+    if warmup:
+        held = warmup.get("held_out_all_words_right")
+        lines.insert(1, f"vision warm-up before step 0: {warmup['steps']} steps, {warmup['seconds'] / 60:.1f} min, "
+                        f"word loss {warmup['loss_first']:.3f} -> {warmup['loss_last']:.3f}"
+                        + (f", every caption word right on {100 * held:.1f} % of {warmup['held_out_captions']} "
+                           "held-out images" if held is not None else ""))
     val = [r for r in records if r.get("val/lm_loss") is not None]
     if val:
         lines.append(f"  held-out LM loss:   {fmt(val[-1]['val/lm_loss'])} (step {val[-1]['step']})")

@@ -119,13 +119,15 @@ def convert_pretrained(cfg: TrainConfig) -> ConceptMoEVLM:
     return model
 
 
-def build_model(cfg: TrainConfig) -> tuple[nn.Module, bool]:
-    """The model this stage trains, and whether its LLM weights are fresh (muP init applies only then)."""
+def build_model(cfg: TrainConfig) -> tuple[nn.Module, set[str]]:
+    """The model this stage trains, and which of its parts ("lm", "vision") start from fresh weights (muP init
+    applies to a fresh LLM, the vision warm-up to a fresh vision tower)."""
     stage = cfg.train.stage
     if stage == "ct":
-        return convert_pretrained(cfg), False
+        return convert_pretrained(cfg), set()
     model = ConceptMoEVLM(cfg.model, cfg.vision if stage == "vl" else None)
+    parts = {"lm"} | ({"vision"} if model.vision is not None else set())
     if cfg.train.init_from:
-        load_pretrained_weights(model, Path(cfg.train.init_from))
-        return model, False
-    return model, True
+        loaded = load_pretrained_weights(model, Path(cfg.train.init_from))
+        return model, parts - set(loaded)
+    return model, parts

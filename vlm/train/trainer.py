@@ -30,7 +30,7 @@ from data_pipelines.tokenizer import load_tokenizer
 from vlm.model.moe import update_moe_biases
 from vlm.train import checkpoint as ckpt_lib
 from vlm.train.config import TrainConfig
-from vlm.train.distributed import DistInfo, all_reduce_sum, barrier, init_distributed
+from vlm.train.distributed import DistInfo, all_reduce_sum, barrier, broadcast_module, init_distributed
 from vlm.train.engine import build_optimizer, deepspeed_config, effective_settings, initialize
 from vlm.train.export import export_final
 from vlm.train.global_parser import GlobalParser, install
@@ -50,6 +50,7 @@ from vlm.train.schedule import build_scheduler
 from vlm.train.stages import build_model
 from vlm.train.step import StepResult, train_step
 from vlm.train.validation import HeldOut
+from vlm.train.vision_warmup import run_vision_warmup
 
 # Config keys a resumed run may change (everything else must match the checkpointed run).
 RESUMABLE_CHANGES = ("train.max_steps", "checkpoint.", "logging.", "train.vqa_eval", "train.vqa_max_samples",
@@ -213,10 +214,14 @@ class Trainer:
         picture = write_report(records, self.run_dir / "report.png", targets,
                                title=f"{self.run_dir.name}: stage {self.cfg.train.stage}")
         counters = self.loader.counters
-        lines = summary_lines(records, targets, results["vqa"], self.run_dir, wall, self.nonfinite_total, counters)
+        warm_file = self.run_dir / "vision_warmup.json"
+        warmup = json.loads(warm_file.read_text()) if warm_file.is_file() else None
+        lines = summary_lines(records, targets, results["vqa"], self.run_dir, wall, self.nonfinite_total, counters,
+                              warmup)
         (self.run_dir / "summary.json").write_text(json.dumps(
-            {"steps": self.step, "wall_s": wall, **results, "nonfinite_steps": self.nonfinite_total,
-             "last": records[-1] if records else None, "exit_code": rc}, indent=2, default=str))
+            {"steps": self.step, "wall_s": wall, **results, "vision_warmup": warmup,
+             "nonfinite_steps": self.nonfinite_total, "last": records[-1] if records else None, "exit_code": rc},
+            indent=2, default=str))
         if rc == 0:   # final/ was exported: it gets a model card and the report picture
             final = self.run_dir / "final"
             if picture is not None:
@@ -307,11 +312,17 @@ class Trainer:
             cfg.model, cfg.vision = model.model_cfg, model.vision_cfg
         if cfg.params.freeze:
             freeze_prefixes(model, cfg.params.freeze)
+        if "vision" in fresh and cfg.vision_warmup.steps and self.resume_from is None:
+            # before the engine exists: rank 0's result is what every rank starts from
+            run_vision_warmup(model.vision.encoder.to(self.dist.device), cfg.vision.build_processor(),
+                              cfg.vision_warmup, cfg.data, seed=cfg.train.seed, device=self.dist.device,
+                              run_dir=self.run_dir if self.is_main else None, log=self.log)
+            broadcast_module(model.vision.encoder)
         self.logit_scale = 1.0
         if cfg.params.mup:
             s_tok, s_con = mup_width_multipliers(cfg.model.hidden_size, cfg.model.c_hidden, cfg.params.mup_base_width)
             self.logit_scale = mup_logit_scale(s_tok)
-            if fresh:
+            if "lm" in fresh:
                 apply_mup_init(model, s_tok, s_con)
             else:   # pretrained weights compute plain logits: unfold so that hook x weights is the same function
                 with torch.no_grad():
