@@ -102,9 +102,49 @@ class ByteTokenizer(Tokenizer):
         return "".join(out)
 
     def save(self, directory) -> None:
+        """The marker our loader reads, and the same tokenizer as a `tokenizers` file for transformers."""
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
+        _save_for_transformers(self.as_tokenizers(), d)
         (d / META_FILE).write_text(json.dumps({"kind": "byte", "special_tokens": SPECIAL_TOKENS}, indent=1))
+
+    def as_tokenizers(self):
+        """An equivalent `tokenizers.Tokenizer`: byte-level BPE without merges (one token per UTF-8 byte, id = the
+        byte's value), the special tokens at 256.., so that `AutoTokenizer` encodes and decodes as we do."""
+        from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+
+        mapping = _bytes_to_unicode()
+        vocab = {mapping[b]: b for b in range(256)}
+        tok = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tok.decoder = decoders.ByteLevel()
+        tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in SPECIAL_TOKENS])
+        return tok
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table, the one `tokenizers`' ByteLevel uses."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+def _save_for_transformers(tok, d: Path) -> None:
+    """tokenizer.json and the configs `transformers.AutoTokenizer.from_pretrained(d)` reads."""
+    tok.save(str(d / "tokenizer.json"))
+    extra = [s for s in SPECIAL_TOKENS if s not in ("<pad>", "<bos>", "<eos>")]
+    specials = {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": None}
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", **specials,
+              "additional_special_tokens": extra, "extra_special_tokens": {},
+              "model_max_length": 1_000_000_000, "clean_up_tokenization_spaces": False}
+    (d / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+    (d / "special_tokens_map.json").write_text(json.dumps(
+        {**{k: v for k, v in specials.items() if v}, "additional_special_tokens": extra}, indent=1))
 
 
 class BPETokenizer(Tokenizer):
@@ -136,15 +176,7 @@ class BPETokenizer(Tokenizer):
         """tokenizer.json + the files `transformers.AutoTokenizer.from_pretrained(directory)` reads."""
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
-        self.tok.save(str(d / "tokenizer.json"))
-        extra = [s for s in SPECIAL_TOKENS if s not in ("<pad>", "<bos>", "<eos>")]
-        specials = {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": None}
-        config = {"tokenizer_class": "PreTrainedTokenizerFast", **specials,
-                  "additional_special_tokens": extra, "extra_special_tokens": {},
-                  "model_max_length": 1_000_000_000, "clean_up_tokenization_spaces": False}
-        (d / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
-        (d / "special_tokens_map.json").write_text(json.dumps(
-            {**{k: v for k, v in specials.items() if v}, "additional_special_tokens": extra}, indent=1))
+        _save_for_transformers(self.tok, d)
         (d / META_FILE).write_text(json.dumps({"kind": "bpe", "file": "tokenizer.json",
                                                "special_tokens": SPECIAL_TOKENS}, indent=1))
 

@@ -88,6 +88,27 @@ def _images_of(visuals: Any, where: str) -> list:
     return out
 
 
+def _rank_and_world_size() -> tuple[int, int]:
+    """This process's place among the evaluation processes (torch.distributed, else accelerate's / torchrun's
+    environment): lmms-eval builds each rank's share of the requests from it, so each is answered once."""
+    import os
+
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def _longest_first(idx: list[int], lengths: list[int], batch_size: int) -> list[list[int]]:
+    """Batches of request indices in decreasing prompt length (lmms-eval's Collator): rows of similar length
+    pad little, and an out-of-memory error shows on the first batch."""
+    from lmms_eval.utils import Collator
+
+    order = Collator(list(zip(idx, lengths)), sort_fn=lambda item: -item[1])
+    return [[i for i, _ in batch] for batch in order.get_batched(n=batch_size)]
+
+
 class ConceptMoELMMS(lmms):
     is_simple = True
 
@@ -108,6 +129,7 @@ class ConceptMoELMMS(lmms):
         self.chat = _as_bool_or_auto(chat)
         self.max_new_tokens = int(max_new_tokens)
         self.pretrained = str(pretrained)
+        self._rank, self._world_size = _rank_and_world_size()
         self.device = device
         self.model: EvalModel = self._load_model(self.pretrained)
         self.stats = CompressionLog(self.pretrained, stats_dir=stats_dir, stats_path=stats_path)
@@ -161,8 +183,7 @@ class ConceptMoELMMS(lmms):
                 temperature = float(gen_kwargs.get("temperature", 0) or 0) if sample else 0.0
                 top_p = float(gen_kwargs.get("top_p") or 1.0) if sample else 1.0
                 max_new = int(gen_kwargs.get("max_new_tokens") or self.max_new_tokens)
-                for start in range(0, len(idx), self.batch_size):
-                    batch = idx[start:start + self.batch_size]
+                for batch in _longest_first(idx, [len(requests[i].args[0]) for i in idx], self.batch_size):
                     prompts, images, chatted = self._prepare([requests[i] for i in batch])
                     stop = until + ([END] if any(chatted) else [])
                     outs = self.model.generate(prompts, images if any(images) else None, max_new_tokens=max_new,
@@ -185,8 +206,8 @@ class ConceptMoELMMS(lmms):
         for task, keys in self._by_task(groups):
             self.model.reset_stats()
             idx = [i for k in keys for i in groups[k]]
-            for start in range(0, len(idx), self.batch_size):
-                batch = idx[start:start + self.batch_size]
+            lengths = [len(requests[i].args[0]) + len(str(requests[i].args[1])) for i in idx]
+            for batch in _longest_first(idx, lengths, self.batch_size):
                 contexts, conts, images, is_target = [], [], [], []
                 for i in batch:
                     ctx, cont, imgs, target = self._loglik_request(requests[i])

@@ -87,3 +87,18 @@ def test_chat_template():
     assert normalize_answer("The Red.") == "red"
     with pytest.raises(ValueError, match="role"):
         format_chat([{"role": "system", "content": "x"}])
+
+
+@pytest.mark.parametrize("text", ["héllo wörld <image> 日本 <|end|>x", "  two  spaces\n\ttab", ""])
+def test_the_byte_tokenizer_saves_a_file_transformers_reads_the_same(tmp_path, text):
+    from transformers import AutoTokenizer
+
+    from data_pipelines.tokenizer import ByteTokenizer
+
+    ours = ByteTokenizer()
+    ours.save(tmp_path)
+    theirs = AutoTokenizer.from_pretrained(tmp_path)
+    ids = theirs(text, add_special_tokens=False).input_ids
+    assert ids == ours.encode(text)
+    assert theirs.decode(ids) == text and theirs.decode(ids, skip_special_tokens=True) == ours.decode(ids)
+    assert type(load_tokenizer(tmp_path)).__name__ == "ByteTokenizer"

@@ -85,6 +85,26 @@ def test_generate_until_images_until_and_budget(tmp_path):
     assert comp["compression"]["compression/text"] > 1.0
 
 
+def test_batches_go_longest_prompt_first_and_answers_keep_request_order(tmp_path):
+    lm = _adapter(tmp_path, batch_size=2)
+    gk = {"max_new_tokens": 4}
+    contexts = ["Colour?", "What colour is this one, please?", "What colour?", "What colour is it?"]
+    out = [unwrap_generation_output(x)[0] for x in lm.generate_until([_gen_instance(i, c, gk)
+                                                                       for i, c in enumerate(contexts)])]
+    assert [o.strip() for o in out] == ["red", "green", "blue", "yellow"]
+    firsts = [c["prompts"] for c in lm.model.calls]
+    assert [len(p) for batch in firsts for p in batch] == sorted((len(p) for batch in firsts for p in batch),
+                                                                  reverse=True)
+
+
+def test_rank_and_world_size_come_from_the_launcher(tmp_path, monkeypatch):
+    """accelerate / torchrun set RANK and WORLD_SIZE: lmms-eval then builds only this rank's requests."""
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    lm = _adapter(tmp_path)
+    assert (lm.rank, lm.world_size) == (1, 2)
+
+
 class _Rambler(OracleEvalModel):
     def generate(self, prompts, images=None, **kw):
         super().generate(prompts, images, **kw)
@@ -136,7 +156,8 @@ def test_loglikelihood_multiple_choice_and_target(tmp_path):
     tgt = lm.loglikelihood([_ll_instance(3, "What colour is this?", lambda doc: doc["answer"]),
                             _ll_instance(3, "What colour is this?", lambda doc: "red")])
     assert tgt[0][0] == 0.0 and tgt[0][1] is True and tgt[1][0] < 0 and tgt[1][1] is False
-    assert lm.model.calls[0]["continuations"][:2] == ["blue", "green"] and lm.model.calls[0]["images"] == [1, 1]
+    first = lm.model.calls[0]     # the longest requests go first
+    assert first["images"] == [1, 1] and first["continuations"] == ["yellow", "yellow"]
     saved = json.loads(next((tmp_path / "out").glob("*/*_compression.json")).read_text())
     assert saved["tasks"][TASK]["loglikelihood"]["requests"] == 2
 

@@ -10,7 +10,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PretrainedConfig, PreTrainedModel
+from transformers import (
+    AutoConfig,
+    AutoImageProcessor,
+    AutoModelForCausalLM,
+    AutoProcessor,
+    AutoTokenizer,
+    GenerationMixin,
+    PretrainedConfig,
+    PreTrainedModel,
+)
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from configs.batch import IGNORE_INDEX, IMAGE, TEXT, PackedBatch
@@ -20,6 +29,7 @@ from vlm.model.cache import InferenceCache
 from vlm.model.config import ModelConfig
 from vlm.model.layers import positions_in_doc
 from vlm.model.multimodal import ConceptMoEVLM
+from vlm.model.processing import CHAT_TEMPLATE, ConceptMoEImageProcessor, ConceptMoEProcessor
 
 MODEL_TYPE = "conceptmoe_vlm"
 
@@ -158,11 +168,14 @@ class ConceptMoEForCausalLM(PreTrainedModel, GenerationMixin):
 
 
 def register() -> None:
-    try:
-        AutoConfig.register(MODEL_TYPE, ConceptMoEConfig)
-        AutoModelForCausalLM.register(ConceptMoEConfig, ConceptMoEForCausalLM)
-    except ValueError:  # already registered
-        pass
+    for auto, args in ((AutoConfig, (MODEL_TYPE, ConceptMoEConfig)),
+                       (AutoModelForCausalLM, (ConceptMoEConfig, ConceptMoEForCausalLM)),
+                       (AutoImageProcessor, (ConceptMoEConfig, ConceptMoEImageProcessor)),
+                       (AutoProcessor, (ConceptMoEConfig, ConceptMoEProcessor))):
+        try:
+            auto.register(*args)
+        except ValueError:  # already registered
+            pass
 
 
 def hf_config_for(model: ConceptMoEVLM, image_pad_id: int = -1) -> ConceptMoEConfig:
@@ -181,7 +194,21 @@ def save_pretrained(model: ConceptMoEVLM, out_dir: str | Path, tokenizer=None) -
         wrapper.config.bos_token_id = tokenizer.bos_id
         tokenizer.save(out_dir)
     wrapper.save_pretrained(out_dir)
+    if tokenizer is not None:
+        save_processor(model, out_dir)
     return out_dir
+
+
+def save_processor(model: ConceptMoEVLM, out_dir: str | Path) -> None:
+    """The files `AutoTokenizer` / `AutoProcessor.from_pretrained(out_dir)` read: the tokenizer gets the chat
+    template and left padding (rows are generated from their right end); a VLM also gets its image processor."""
+    tok = AutoTokenizer.from_pretrained(str(out_dir), padding_side="left")   # an init argument: it is saved
+    tok.chat_template = CHAT_TEMPLATE
+    if model.vision_cfg is None:
+        tok.save_pretrained(str(out_dir))
+        return
+    image_processor = ConceptMoEImageProcessor(**to_dict(model.vision_cfg.processor))
+    ConceptMoEProcessor(image_processor=image_processor, tokenizer=tok).save_pretrained(str(out_dir))
 
 
 def load_vlm(path: str | Path) -> ConceptMoEVLM:
