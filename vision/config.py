@@ -22,7 +22,7 @@ class VisionConfig(ValidatedOnInit):
     projector: ProjectorConfig = field(default_factory=ProjectorConfig)
     backbone: Literal["navit", "timm"] = "navit"
     timm_model: str | None = None         # e.g. "naflexvit_base_patch16_gap" (backbone: timm)
-    timm_checkpoint: str | None = None    # LOCAL weights file; navit: loaded by name where shapes allow
+    timm_checkpoint: str | None = None    # LOCAL timm weights file or HF SigLIP / CLIP folder; navit: loaded by name
     pos_resample: Literal["copy", "interpolate"] = "copy"  # how a checkpoint's pos table fits max_grid
     freeze_encoder: bool = False          # freeze the ViT body; merger and projector still train (LLaVA stage 1)
 

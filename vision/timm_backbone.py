@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vision.image_processor import unpatchify
+from vision.hf_vision import hf_vision_to_timm, is_hf_vision_layout
 from vision.navit import Merger, NaViTEncoder
 from vision.packing import build_layout, merge_patches
 
@@ -40,8 +41,14 @@ class LoadReport:
 
 
 def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
-    """Tensors from a local .safetensors / .pth / .pt / .bin file (common wrapper keys and prefixes removed)."""
+    """Tensors from a local .safetensors / .pth / .pt / .bin file, or a Hugging Face model folder holding
+    model.safetensors (common wrapper keys and prefixes removed; SigLIP / CLIP names mapped to timm's)."""
     path = Path(path)
+    if path.is_dir():
+        if not (path / "model.safetensors").is_file():
+            raise FileNotFoundError(f"vision checkpoint folder {path} has no model.safetensors (a Hugging Face "
+                                    "SigLIP / CLIP folder saved with save_pretrained, or give a weights file)")
+        path = path / "model.safetensors"
     if not path.is_file():
         raise FileNotFoundError(f"timm checkpoint {path} does not exist (only local files are read, nothing is "
                                 "downloaded)")
@@ -66,7 +73,7 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
             if k.startswith(p):
                 k = k[len(p):]
         out[k] = v
-    return out
+    return hf_vision_to_timm(out) if is_hf_vision_layout(out) else out
 
 
 def factorise_pos_embed(grid_hwD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
