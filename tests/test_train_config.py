@@ -70,18 +70,24 @@ def test_default_configs_validate(ROOT):
 
 
 def test_lr_schedules():
-    from vlm.train.schedule import lr_multiplier
+    """transformers' schedules behind optim.schedule: the multiplier of optim.lr at each optimizer step."""
+    import torch
 
-    kw = dict(warmup=10, total=110, min_ratio=0.1)
-    cos = [lr_multiplier(s, schedule="cosine", **kw) for s in range(110)]
+    from vlm.train.schedule import build_scheduler
+
+    def multipliers(schedule, steps=111, **kw):
+        opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+        sched = build_scheduler(opt, schedule=schedule, warmup=10, total=110, lr=1.0, min_lr=0.1, **kw)
+        return [sched.lr_lambdas[0](s) for s in range(steps)]
+
+    cos = multipliers("cosine", decay_fraction=0.2)
     assert cos[0] == pytest.approx(0.1) and cos[9] == pytest.approx(1.0)      # linear warm-up, never 0
-    assert cos[10] == pytest.approx(1.0) and cos[60] == pytest.approx(0.55)   # cosine midpoint
-    assert lr_multiplier(110, schedule="cosine", **kw) == pytest.approx(0.1)
-    assert all(a >= b for a, b in zip(cos[10:], cos[11:]))
-    wsd = [lr_multiplier(s, schedule="wsd", decay_fraction=0.2, **kw) for s in range(111)]
-    assert wsd[10:90] == [1.0] * 80                                       # stable phase
+    assert cos[59] == pytest.approx(0.55) and cos[109] == pytest.approx(0.1)   # cosine to the floor at the last step
+    assert all(a >= b for a, b in zip(cos[10:110], cos[11:110]))
+    wsd = multipliers("wsd", decay_fraction=0.2)
+    assert wsd[10:90] == [1.0] * 80                                           # stable phase
     assert wsd[100] == pytest.approx(0.55) and wsd[110] == pytest.approx(0.1)  # linear decay over the last 20 %
-    assert lr_multiplier(50, schedule="constant", **kw) == 1.0
+    assert multipliers("constant", decay_fraction=0.2)[50] == 1.0
 
 
 @pytest.fixture
