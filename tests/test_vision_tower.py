@@ -119,3 +119,22 @@ def test_processor_output_feeds_the_tower():
     out = tower(torch.cat([p.patches_PD for p in imgs]), torch.cat([p.coords_P2 for p in imgs]),
                 torch.tensor([p.grid for p in imgs]))
     assert out.shape == (sum(p.num_tokens for p in imgs), 8) and torch.isfinite(out).all()
+
+
+def test_token_rows_cols_follow_each_images_raster_order():
+    from vision.projector import token_rows_cols
+
+    rows, cols = token_rows_cols(torch.tensor([[2, 3], [1, 2]]))
+    assert rows.tolist() == [0, 0, 0, 1, 1, 1, 0, 0] and cols.tolist() == [0, 1, 2, 0, 1, 2, 0, 1]
+
+
+def test_grid_pos_tells_the_llm_where_each_token_is():
+    """Equal features at different grid places come out different, by exactly row + col embeddings."""
+    proj = Projector(ProjectorConfig(grid_pos=4), 8, 16)
+    x = torch.ones(6, 8)
+    y = proj(x, torch.tensor([[2, 3]]))
+    assert not torch.allclose(y[0], y[4])
+    plain = proj.fc(x)
+    assert torch.allclose(y[4] - plain[4], proj.row_pos[1] + proj.col_pos[1])
+    with pytest.raises(ValueError, match="grid_pos=4"):
+        proj(torch.ones(5, 8), torch.tensor([[1, 5]]))

@@ -16,9 +16,14 @@ class ProjectorConfig(ValidatedOnInit):
     kind: Literal["linear", "mlp"] = "linear"
     hidden_mult: float = 1.0   # mlp: hidden width = hidden_mult * out_dim
     bias: bool = True
+    # Learned row and column embeddings of each image token's place in its merged grid, added after the
+    # projection (Pix2Struct-style absolute 2D positions): the LLM reads where a token is from its value,
+    # which its 1D RoPE over the flattened image cannot give it. 0 disables; else the largest grid side.
+    grid_pos: int = 0
 
     def validate(self) -> None:
         check(self.hidden_mult > 0, f"projector.hidden_mult must be > 0, got {self.hidden_mult}")
+        check(self.grid_pos >= 0, f"projector.grid_pos must be >= 0 (0 disables), got {self.grid_pos}")
 
 
 class Projector(nn.Module):
@@ -34,9 +39,30 @@ class Projector(nn.Module):
             self.fc1 = nn.Linear(in_dim, hidden, bias=cfg.bias)
             self.fc2 = nn.Linear(hidden, out_dim, bias=cfg.bias)
 
-    def forward(self, x_NV: torch.Tensor) -> torch.Tensor:
+        if cfg.grid_pos:
+            self.row_pos = nn.Parameter(torch.randn(cfg.grid_pos, out_dim) * 0.02)
+            self.col_pos = nn.Parameter(torch.randn(cfg.grid_pos, out_dim) * 0.02)
+
+    def forward(self, x_NV: torch.Tensor, token_grids_I2: torch.Tensor | None = None) -> torch.Tensor:
+        """x_NV: every image's tokens, image by image, each in raster order of its merged grid, whose
+        (rows, cols) are `token_grids_I2` (needed with grid_pos)."""
         if x_NV.shape[-1] != self.in_dim:
             raise ValueError(f"projector expects {self.in_dim} features, got {x_NV.shape[-1]}")
-        if self.cfg.kind == "linear":
-            return self.fc(x_NV)
-        return self.fc2(F.gelu(self.fc1(x_NV)))
+        y_ND = self.fc(x_NV) if self.cfg.kind == "linear" else self.fc2(F.gelu(self.fc1(x_NV)))
+        if self.cfg.grid_pos:
+            row_N, col_N = token_rows_cols(token_grids_I2)
+            if int(max(row_N.max(), col_N.max())) >= self.cfg.grid_pos:
+                raise ValueError(f"an image has {int(max(row_N.max(), col_N.max())) + 1} tokens on a side; "
+                                 f"projector.grid_pos={self.cfg.grid_pos} covers fewer: raise it")
+            y_ND = y_ND + self.row_pos[row_N] + self.col_pos[col_N]
+        return y_ND
+
+
+def token_rows_cols(token_grids_I2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, col) of every token of images with these token grids, images in order, each in raster order."""
+    rows_I, cols_I = token_grids_I2[:, 0].long(), token_grids_I2[:, 1].long()
+    n_I = rows_I * cols_I
+    start_I = torch.cumsum(n_I, 0) - n_I
+    image_N = torch.repeat_interleave(torch.arange(len(n_I), device=n_I.device), n_I)
+    k_N = torch.arange(int(n_I.sum()), device=n_I.device) - start_I[image_N]
+    return k_N // cols_I[image_N], k_N % cols_I[image_N]

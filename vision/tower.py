@@ -28,4 +28,5 @@ class VisionTower(nn.Module):
     def forward(self, patches_PD: torch.Tensor, coords_P2: torch.Tensor, image_grids_I2: torch.Tensor,
                 valid_P: torch.Tensor | None = None) -> torch.Tensor:
         """All images' packed patches -> [N, llm_hidden] tokens in image order (N = sum of tokens_per_image)."""
-        return self.projector(self.encoder(patches_PD, coords_P2, image_grids_I2, valid_P))
+        return self.projector(self.encoder(patches_PD, coords_P2, image_grids_I2, valid_P),
+                              torch.div(image_grids_I2, self.merge, rounding_mode="floor"))
