@@ -5,6 +5,7 @@ one line naming the dotted field and what is allowed.
 """
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -88,12 +89,19 @@ class ParamsConfig:
             check(v is None or v > 0, f"params.{name} must be > 0 or null, got {v}")
 
 
+REPORTERS = ("tensorboard", "wandb")
+
+
 @dataclass
 class LoggingConfig:
     log_every: int = 1               # optimizer steps between metrics.jsonl lines / TensorBoard scalars
     eval_every: int = 50             # steps between held-out evals and dashboard images; 0 disables
     eval_batches: int = 2            # held-out batches per eval
-    tensorboard: bool = True
+    # where metrics go besides metrics.jsonl: "tensorboard" (RUN_DIR/tb, the dashboard) and/or "wandb"
+    # (RUN_DIR/wandb; the `track` extra). wandb_mode "offline" needs no network: `wandb sync` uploads later.
+    report_to: list[str] = field(default_factory=lambda: ["tensorboard"])
+    wandb_project: str = "conceptmoe-vlm"
+    wandb_mode: Literal["offline", "online", "disabled"] = "offline"
     histogram_every: int = 10        # steps between p / expert-load histograms; 0 disables
     progress: bool = True            # tqdm bar on rank 0
     # Held-out data for evals; empty = the default dataset's val split when data.sources is empty (else no
@@ -105,6 +113,10 @@ class LoggingConfig:
         check(self.eval_every >= 0, f"logging.eval_every must be >= 0, got {self.eval_every}")
         check(self.eval_batches >= 1, f"logging.eval_batches must be >= 1, got {self.eval_batches}")
         check(self.histogram_every >= 0, f"logging.histogram_every must be >= 0, got {self.histogram_every}")
+        for name in self.report_to:
+            check(name in REPORTERS, f"logging.report_to entry {name!r}: allowed values {', '.join(map(repr, REPORTERS))}")
+        check("wandb" not in self.report_to or importlib.util.find_spec("wandb") is not None,
+              "logging.report_to includes 'wandb' but wandb is not installed: pip install -e \".[track]\"")
 
 
 @dataclass

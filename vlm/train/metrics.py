@@ -18,6 +18,7 @@ from vlm.model.output import ModelOutput
 from vlm.model.stats import chunk_stats, sample_has_image
 from vlm.train.config import LoggingConfig
 from vlm.train.dashboard import Dashboard
+from vlm.train.tracking import WandbTracker
 
 MODS = ("all", "text", "image")
 # Fixed order of the summed scalars.
@@ -171,12 +172,15 @@ class MetricsLogger:
     answers those questions (collectives such as the held-out eval must run on every rank)."""
 
     def __init__(self, cfg: LoggingConfig, max_steps: int, run_dir: Path, resume_step: int | None,
-                 targets: dict[str, float], is_main: bool, start_step: int = 0):
+                 targets: dict[str, float], is_main: bool, start_step: int = 0, run_config: dict | None = None):
         self.cfg, self.max_steps = cfg, max_steps
         self.file = MetricsFile(run_dir / "metrics.jsonl", resume_step) if is_main else None
         self.dash = None
-        if is_main and cfg.tensorboard:
+        if is_main and "tensorboard" in cfg.report_to:
             self.dash = Dashboard(run_dir / "tb", resume_step, targets)
+        self.tracker = None
+        if is_main and "wandb" in cfg.report_to:
+            self.tracker = WandbTracker(run_dir, cfg.wandb_project, cfg.wandb_mode, run_config or {})
         self.bar = None
         if is_main and cfg.progress:
             from tqdm.auto import tqdm
@@ -212,6 +216,10 @@ class MetricsLogger:
         if self.file is None or not self.should_log(step, result is None or result.applied):
             return
         self.file.write(rec)
+        if self.tracker is not None:
+            self.tracker.scalars(rec)
+            if pictures is not None:
+                self.tracker.pictures(step, *pictures)
         if self.dash is not None:
             self.dash.scalars(rec)
             if pictures is not None:
@@ -221,7 +229,7 @@ class MetricsLogger:
                 self.dash.histograms(step, result.chunking, result.loads)
 
     def close(self) -> None:
-        for part in (self.bar, self.dash, self.file):
+        for part in (self.bar, self.dash, self.tracker, self.file):
             if part is not None:
                 part.close()
 

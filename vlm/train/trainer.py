@@ -156,7 +156,7 @@ class Trainer:
         self._write_run_files()
         resume_step = self.step if self.resume_from is not None else None
         metrics = MetricsLogger(cfg.logging, cfg.train.max_steps, self.run_dir, resume_step,
-                                config_targets(cfg), self.is_main, self.step)
+                                config_targets(cfg), self.is_main, self.step, run_config=to_dict(cfg))
         self.log(f"model: {self.n_params:,} parameters ({self.n_trainable:,} trainable); {self.dist.world_size} "
                  f"rank(s) on {self.dist.device}; ZeRO {cfg.deepspeed.zero_stage}{', bf16' if cfg.deepspeed.bf16 else ''}")
         for line in self.groups_desc:
