@@ -60,7 +60,7 @@ def _report(result: dict) -> None:
 def _import_folder(args) -> int:
     _report(import_folder(args.images, args.out, captions=args.captions, prefix=args.prefix,
                           max_count=args.max_count, max_bytes=args.max_bytes,
-                          allow_outside_root=args.allow_outside_root))
+                          allow_outside_root=args.allow_outside_root, progress=True))
 
 
 def _import_table(args) -> int:
@@ -68,7 +68,7 @@ def _import_table(args) -> int:
                          question_col=args.question_col, answer_col=args.answer_col, type_col=args.type_col,
                          conversations_col=args.conversations_col, image_root=args.image_root, fmt=args.format,
                          prefix=args.prefix, max_count=args.max_count, max_bytes=args.max_bytes,
-                         allow_outside_root=args.allow_outside_root))
+                         allow_outside_root=args.allow_outside_root, progress=True))
 
 
 def iter_texts(patterns: list[str], limit: int | None = None):

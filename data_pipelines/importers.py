@@ -22,6 +22,7 @@ from typing import Any, Iterator
 from PIL import Image
 
 from data_pipelines.schema import IMAGE_EXTS, IMAGE_TOKEN, Sample
+from data_pipelines.progress import Progress
 from data_pipelines.writer import ShardWriter
 
 COLUMN_GUESSES = {
@@ -60,9 +61,11 @@ def _image_ext(data: bytes) -> str:
 # ------------------------------------------------------------------------------------------------ folder
 def import_folder(images_dir: str | os.PathLike, out: str | os.PathLike, captions: str | os.PathLike | None = None,
                   caption_exts: tuple[str, ...] = ("txt", "caption"), prefix: str = "shard", max_count: int = 10_000,
-                  max_bytes: int = 1 << 30, recursive: bool = True, allow_outside_root: bool = False) -> dict[str, Any]:
+                  max_bytes: int = 1 << 30, recursive: bool = True, allow_outside_root: bool = False,
+                  progress: bool = False) -> dict[str, Any]:
     """Images with captions (sidecar `name.txt`, or a JSONL/CSV `captions` file mapping file -> caption).
-    A symlink that leads out of the folder is skipped and counted (`outside_root`) unless allow_outside_root."""
+    A symlink that leads out of the folder is skipped and counted (`outside_root`) unless allow_outside_root.
+    `progress`: a bar on a terminal, periodic lines in a redirected log."""
     root = Path(images_dir)
     if not root.is_dir():
         raise ImporterError(f"image folder {root} does not exist or is not a folder")
@@ -76,8 +79,10 @@ def import_folder(images_dir: str | os.PathLike, out: str | os.PathLike, caption
                    if p.is_file() and p.suffix.lower().lstrip(".") in IMAGE_EXTS)
     skipped: Counter = Counter()
     written = 0
-    with ShardWriter(out, prefix, max_count=max_count, max_bytes=max_bytes) as w:
+    with ShardWriter(out, prefix, max_count=max_count, max_bytes=max_bytes) as w, \
+            Progress(len(files), "import-folder", progress, unit="image") as bar:
         for i, path in enumerate(files):
+            bar.update()
             rel = path.relative_to(root).as_posix()
             try:
                 if not allow_outside_root and not _inside(path, [root]):
@@ -269,9 +274,11 @@ def import_table(table: str | os.PathLike, out: str | os.PathLike, image_col: st
                  text_col: str | None = None, question_col: str | None = None, answer_col: str | None = None,
                  type_col: str | None = None, conversations_col: str | None = None,
                  image_root: str | os.PathLike | None = None, fmt: str | None = None, prefix: str = "shard",
-                 max_count: int = 10_000, max_bytes: int = 1 << 30, allow_outside_root: bool = False) -> dict[str, Any]:
+                 max_count: int = 10_000, max_bytes: int = 1 << 30, allow_outside_root: bool = False,
+                 progress: bool = False) -> dict[str, Any]:
     """Rows -> shards. Image paths must lead (symlinks followed) into --image-root or the table's folder; others
-    are skipped and counted (`outside_root`) unless allow_outside_root."""
+    are skipped and counted (`outside_root`) unless allow_outside_root. `progress` as in import_folder (the
+    number of rows is not known in advance)."""
     table = Path(table)
     roots = [Path(image_root)] if image_root else []
     roots.append(table.parent)
@@ -280,8 +287,10 @@ def import_table(table: str | os.PathLike, out: str | os.PathLike, image_col: st
     cols: dict[str, str | None] | None = None
     skipped: Counter = Counter()
     written = 0
-    with ShardWriter(out, prefix, max_count=max_count, max_bytes=max_bytes) as w:
+    with ShardWriter(out, prefix, max_count=max_count, max_bytes=max_bytes) as w, \
+            Progress(None, "import-table", progress, unit="row") as bar:
         for i, row in enumerate(read_table(table, fmt)):
+            bar.update()
             if cols is None and "__error__" not in row:  # named columns must exist; check names on the first row
                 cols = {k: _guess(row, k, v, table) for k, v in given.items()}
                 if not (cols["text"] or cols["conversations"] or (cols["question"] and cols["answer"])):

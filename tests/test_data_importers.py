@@ -165,3 +165,17 @@ def test_importers_stay_inside_their_root(tmp_path, png):
     assert res["written"] == 1 and res["skipped"] == {"outside_root": 1}
     assert [s.text for s in _read(tmp_path / "out3")] == ["<image>inside"]
     assert import_folder(root / "img", tmp_path / "out4", allow_outside_root=True)["written"] == 2
+
+
+def test_importers_show_progress_as_plain_lines_in_a_redirected_log(tmp_path, png, capsys):
+    """Under pytest stderr is not a terminal: no carriage-return bar, a `done/total` line instead."""
+    src = tmp_path / "imgs"
+    src.mkdir()
+    for i in range(3):
+        (src / f"{i}.png").write_bytes(png(10, 10))
+        (src / f"{i}.txt").write_text(f"picture {i}")
+    import_folder(src, tmp_path / "out", progress=True)
+    err = capsys.readouterr().err
+    assert "import-folder: 3/3 images" in err and "\r" not in err
+    import_folder(src, tmp_path / "quiet", progress=False)
+    assert capsys.readouterr().err == ""
