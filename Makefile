@@ -12,7 +12,7 @@ install:
 # lmms-eval pins torchvision (CUDA-only on PyPI): install it without dependencies, plus what it imports.
 install-eval: install
 	$(PIP) install -q --no-deps "lmms-eval==0.7.3"
-	$(PIP) install -q -e ".[dev,eval,demo]"
+	$(PIP) install -q -e ".[dev,eval,demo,track]"
 
 train: install
 	vlm train --out runs/default
@@ -21,7 +21,7 @@ flops: install
 	vlm flops --config configs/paper_moe_90b.yaml --ratio 1.5
 
 bench: install
-	$(PY) -m eval.bench_model --seq-len 1024
+	$(PY) -m eval.bench all --quick --out runs/bench
 
 test: install-eval
 	$(PY) -m pytest -n 2 tests

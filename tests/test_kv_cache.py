@@ -139,14 +139,14 @@ def test_concept_cache_holds_one_entry_per_realized_concept():
 
 
 def test_decode_benchmark_runs_and_writes_its_table(tmp_path):
-    """`python -m eval.bench_decode` end to end on a tiny context (checks that it runs, not its speed)."""
+    """`python -m eval.bench decode` end to end on a tiny context (checks that it runs, not its speed)."""
     import json
 
-    from eval.bench_decode import main
+    from eval.bench.__main__ import main
 
-    assert main(["--contexts", "64", "--batches", "2", "--steps", "2", "--out", str(tmp_path)]) == 0
-    rows = json.loads((tmp_path / "bench_decode.json").read_text())["rows"]
-    assert {r["model"] for r in rows} == {"baseline (MoE)", "more_experts", "loop_more_experts", "wider_concept"}
-    base = next(r for r in rows if r["model"] == "baseline (MoE)")
+    assert main(["decode", "--smoke", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "decode.json").read_text())["rows"]
+    assert {r["candidate"] for r in rows} == {"baseline (MoE)", "more_experts", "loop_more_experts", "wider_concept"}
+    base = next(r for r in rows if r["candidate"] == "baseline (MoE)")
     assert all(r["kv_bytes_per_seq"] < base["kv_bytes_per_seq"] for r in rows if r is not base)   # L/R concepts
-    assert (tmp_path / "bench_decode.png").stat().st_size > 0
+    assert (tmp_path / "decode.png").stat().st_size > 0

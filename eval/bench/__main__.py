@@ -1,0 +1,50 @@
+"""Run benchmark parts and write DIR/<part>.json and DIR/<part>.png; prints each part's table.
+
+    python -m eval.bench [model|decode|moe|loader|attention|vision|all] [--quick] [--out DIR]
+
+--quick: fewer lengths and rounds (`all` in under 5 minutes on 2 CPU cores). --smoke (not in --help): tiny
+shapes and two rounds, for the suite's own test; its figures say nothing about speed.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from eval.bench import common
+
+PARTS = ("model", "decode", "moe", "loader", "attention", "vision")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m eval.bench", description=__doc__.split("\n")[0])
+    ap.add_argument("part", nargs="?", default="all", choices=PARTS + ("all",))
+    ap.add_argument("--quick", action="store_true", help="fewer lengths and rounds (all parts: < 5 min on 2 cores)")
+    ap.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--out", default="runs/bench", help="folder for <part>.json and <part>.png (default runs/bench)")
+    ap.add_argument("--data", help="loader part, full mode: default dataset folder (built there if missing)")
+    args = ap.parse_args(argv)
+    mode = "smoke" if args.smoke else "quick" if args.quick else "full"
+    out = Path(args.out)
+    t_all = time.perf_counter()
+    for part in PARTS if args.part == "all" else (args.part,):
+        mod = importlib.import_module(f"eval.bench.{part}")
+        settings = mod.SETTINGS[mode]
+        if part == "loader" and args.data:
+            settings = replace(settings, data=args.data)
+        t0 = time.perf_counter()
+        res = mod.run(settings, log=lambda msg: print(msg, file=sys.stderr, flush=True))
+        res["mode"], res["wall_seconds"] = mode, round(time.perf_counter() - t0, 1)
+        path = common.write_json(res, out)
+        mod.plot(res, out / f"{part}.png")
+        print(common.table(res))
+        print(f"  wrote {path} and {out / f'{part}.png'} ({res['wall_seconds']} s)\n", flush=True)
+    print(f"total {time.perf_counter() - t_all:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

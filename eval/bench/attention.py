@@ -1,0 +1,145 @@
+"""Attention over packed rows (several documents per row): time and the size of the T x T temporaries, per backend.
+
+Backends (vlm.model.attention): `sdpa` with the dense packed mask (what the model runs on CPU; the mask is built
+once per stack, so it is built outside the timed call here), `eager` (scores materialised in fp32), `flex`
+(torch's flex_attention without torch.compile: its unfused path, forward only, no CPU backward), and for
+reference two that are not backends of the model: per-document SDPA (one causal call per document, what a
+varlen kernel does in one launch; the same output) and plain causal SDPA over the whole row (ignores document
+borders, so a different output: the cost of the mask alone). `flash` needs CUDA and is listed as unavailable.
+
+Memory: CPU peak memory of torch tensors is not visible to tracemalloc, so the part reports the analytic size
+of the tensors that grow as T^2, per call: the bool mask (B*T^2 bytes) plus the fp32 copy SDPA makes of it
+(aten::where, seen with torch.profiler), the fp32 scores (B*H*T^2*4) for eager and unfused flex, and none for
+the per-document and causal calls (CPU flash kernels work in blocks). A backend whose temporaries would
+exceed `max_quadratic_bytes` is skipped at that length and listed.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from eval.bench import common
+from eval.bench.model import BASE
+from vlm.model.attention import attend, packed_mask
+
+PART = "attention"
+BASELINE = "sdpa + packed mask"
+
+
+@dataclass
+class Settings:
+    seq_lens: list[int] = field(default_factory=lambda: [1024, 2048, 4096, 8192, 16384])
+    docs_per_row: int = 4
+    repeats: int = 5
+    warmup: int = 1
+    modes: tuple[str, ...] = ("forward", "forward+backward")
+    max_quadratic_bytes: int = 2 * 2 ** 30
+
+
+SETTINGS = {"full": Settings(),
+            "quick": Settings(seq_lens=[1024, 2048, 4096]),
+            "smoke": Settings(seq_lens=[128], repeats=2)}
+
+
+def documents(T: int, n: int, seed: int = 0) -> torch.Tensor:
+    """[1, T] document ids 0..n-1 of random lengths, each at least T / (4n)."""
+    g = torch.Generator().manual_seed(seed)
+    share_N = torch.rand(n, generator=g) + 0.25
+    len_N = (share_N / share_N.sum() * T).long()
+    len_N[-1] += T - int(len_N.sum())
+    return torch.repeat_interleave(torch.arange(n), len_N)[None]
+
+
+def per_document(q, k, v, doc_BT):
+    """One causal SDPA per document of the (single) row: a loop over documents, not tokens."""
+    counts = torch.unique_consecutive(doc_BT[0], return_counts=True)[1].tolist()
+    parts = zip(q.split(counts, 2), k.split(counts, 2), v.split(counts, 2))
+    return torch.cat([F.scaled_dot_product_attention(a, b, c, is_causal=True, enable_gqa=True) for a, b, c in parts], 2)
+
+
+def quadratic_bytes(name: str, B: int, H: int, T: int) -> int:
+    return {BASELINE: B * T * T * (1 + 4), "eager": B * T * T + B * H * T * T * 4,
+            "flex (unfused, no compile)": B * H * T * T * 4}.get(name, 0)
+
+
+def backends(doc_BT, mask_B1TT):
+    return {
+        BASELINE: lambda q, k, v: attend(q, k, v, doc_BT, "sdpa", mask_B1TT),
+        "eager": lambda q, k, v: attend(q, k, v, doc_BT, "eager", mask_B1TT),
+        "flex (unfused, no compile)": lambda q, k, v: attend(q, k, v, doc_BT, "flex"),
+        "per-document sdpa (varlen-style)": lambda q, k, v: per_document(q, k, v, doc_BT),
+        "causal sdpa, no document mask": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                                                        enable_gqa=True),
+    }
+
+
+def _timed(fn, q, k, v, g, backward: bool):
+    def call():
+        if not backward:
+            with torch.no_grad():
+                fn(q, k, v)
+            return
+        qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+        (fn(qq, kk, vv) * g).sum().backward()
+    return call
+
+
+def run(s: Settings, log=print) -> dict:
+    with warnings.catch_warnings():   # flex's advice to compile: its unfused path is what is measured here
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        return _run(s, log)
+
+
+def _run(s: Settings, log) -> dict:
+    B, H, KV, d = 1, BASE.num_heads, BASE.num_kv_heads, BASE.head_dim
+    skipped, out = {}, []
+    unavailable = {"flash": "flash-attn varlen kernel: needs the flash-attn package and a CUDA device"}
+    for T in s.seq_lens:
+        gen = torch.Generator().manual_seed(T)
+        q, g = torch.randn(B, H, T, d, generator=gen), torch.randn(B, H, T, d, generator=gen)
+        k, v = torch.randn(B, KV, T, d, generator=gen), torch.randn(B, KV, T, d, generator=gen)
+        doc_BT = documents(T, s.docs_per_row)
+        all_fns = backends(doc_BT, packed_mask(doc_BT))
+        with torch.no_grad():
+            ref = all_fns[BASELINE](q, k, v)
+        for mode in s.modes:
+            backward = mode == "forward+backward"
+            fns, extra = {}, {}
+            for name, fn in all_fns.items():
+                qb = quadratic_bytes(name, B, H, T)
+                if qb > s.max_quadratic_bytes:
+                    skipped[f"{name} at T={T}"] = f"T x T temporaries of {qb / 2**30:.1f} GiB"
+                    continue
+                if backward and name.startswith("flex"):
+                    continue
+                with torch.no_grad():
+                    diff = float((fn(q, k, v) - ref).abs().max())
+                fns[name] = _timed(fn, q, k, v, g, backward)
+                extra[name] = {"quadratic_temp_bytes": qb, "max_abs_diff_vs_sdpa": diff}
+            secs = common.measure(fns, s.repeats, s.warmup)
+            ms = {n: [1000 * t for t in ts] for n, ts in secs.items()}
+            rs = common.rows(ms, BASELINE, {"mode": mode, "seq_len": T}, "time", "ms", extra)
+            out += rs
+            log(f"  attention {mode} T={T}: " + ", ".join(f"{r['candidate']} x{r['ratio_vs_baseline']:.2f}"
+                                                          for r in rs))
+    if "forward+backward" in s.modes:
+        unavailable["flex (forward+backward)"] = "flex_attention has no CPU backward"
+    return common.result(
+        PART, {**asdict(s), "batch": B, "heads": H, "kv_heads": KV, "head_dim": d}, out,
+        unavailable={**unavailable, **skipped},
+        memory_method="analytic: bytes of the tensors that grow as T^2 in one call (quadratic_temp_bytes); "
+                      "tracemalloc does not see torch's CPU allocations",
+        notes=["time ratio = median ms / sdpa's (below 1: faster)",
+               "causal sdpa without the document mask computes a different function (cost of the mask alone)"])
+
+
+def plot(res: dict, path) -> None:
+    # The analytic memory goes in as rows of its own panel; backends without T x T temporaries have no line.
+    mem = [{**r, "metric": "T x T temporaries", "unit": "MiB", "median": r["quadratic_temp_bytes"] / 2 ** 20,
+            "spread": None, "setting": {**r["setting"], "mode": "per call"}}
+           for r in res["rows"] if r["setting"]["mode"] == "forward" and r["quadratic_temp_bytes"]]
+    common.plot({**res, "rows": res["rows"] + mem}, path, x="seq_len", panels=("metric", "mode"), y="median",
+                logy=True, title=f"packed attention, {res['settings']['docs_per_row']} documents per row")

@@ -1,0 +1,120 @@
+"""Decode tokens/s and KV-cache bytes of ConceptMoE against its MoE baseline, per context length and batch size.
+
+Every model gets caches filled to the context length (random keys and values: decode cost depends on how much
+is cached, not on what) and then decodes `steps` tokens per round. ConceptMoE's caches hold the context's L/R
+concepts and its boundaries fire at rate 1/R (forced, as a trained model at realized ratio R does), so the
+concept model runs for ~1/R of the rows per step. Between rounds the caches are rewound to the context (not
+timed), so every round decodes the same positions. A round's figure is batch * steps / its total time: a
+ConceptMoE step costs more when boundaries fire, and a stream of tokens at ratio R pays the mean over steps.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field, fields
+
+import torch
+
+from eval.bench import common
+from eval.bench.model import BASE, BASELINE
+from vlm.model.cache import ChunkState, InferenceCache
+from vlm.model.conceptmoe import ConceptMoELM
+from vlm.model.reallocate import reallocate
+
+PART = "decode"
+
+
+@dataclass
+class Settings:
+    contexts: list[int] = field(default_factory=lambda: [1024, 4096, 8192, 16384])
+    batches: list[int] = field(default_factory=lambda: [1, 8])
+    ratio: float = 2.0
+    steps: int = 16          # decoded tokens per round
+    repeats: int = 5
+    warmup: int = 1
+
+
+SETTINGS = {"full": Settings(),
+            "quick": Settings(contexts=[1024, 4096], steps=8, repeats=5),
+            "smoke": Settings(contexts=[64], batches=[2], steps=2, repeats=2)}
+
+
+def filled_cache(model: ConceptMoELM, B: int, L: int, ratio: float | None, steps: int, gen) -> InferenceCache:
+    """Caches as a prompt of L tokens (L/R concepts) would leave them, with room for `steps` more."""
+    cfg, D = model.cfg, model.cfg.hidden_size
+    like = torch.zeros((), dtype=torch.float32)
+    cache = model.allocate_inference_cache(B, L + steps, like)
+    n_concepts = L if ratio is None else max(1, round(L / ratio))
+    cache.concept = model._caches(cfg.c_kv_heads, len(cfg.concept_schedule), B, n_concepts + steps, like)
+    for c, n in [(c, L) for c in cache.encoder + cache.decoder] + [(c, n_concepts) for c in cache.concept]:
+        c.k_BKSd[:, :, :n].normal_(generator=gen)
+        c.v_BKSd[:, :, :n].normal_(generator=gen)
+        c.len_B.fill_(n)
+    cache.len_B = torch.full((B,), L, dtype=torch.long)
+    if model.chunker is not None:
+        cache.chunk = ChunkState(torch.randn(B, D, generator=gen), torch.zeros(B, D), torch.zeros(B, dtype=torch.long),
+                                 torch.randn(B, D, generator=gen), torch.full((B,), n_concepts, dtype=torch.long))
+    return cache
+
+
+def rewinder(cache: InferenceCache):
+    """A function that puts the cache back to its current lengths and chunk state (the entries written past them
+    are overwritten by the next round)."""
+    lens = [c.len_B.clone() for c in cache.encoder + cache.concept + cache.decoder]
+    len_B = cache.len_B.clone()
+    chunk = None if cache.chunk is None else [getattr(cache.chunk, f.name).clone() for f in fields(ChunkState)]
+
+    def rewind():
+        for c, n in zip(cache.encoder + cache.concept + cache.decoder, lens):
+            c.len_B.copy_(n)
+        cache.len_B = len_B.clone()
+        if chunk is not None:
+            cache.chunk = ChunkState(*(t.clone() for t in chunk))
+    return rewind
+
+
+def decoder(model: ConceptMoELM, B: int, L: int, ratio: float | None, steps: int, seed: int = 0):
+    """A self-timed round of `steps` decode steps from a context of L, and the KV bytes per sequence."""
+    gen = torch.Generator().manual_seed(seed)
+    cache = filled_cache(model, B, L, ratio, steps, gen)
+    kv_bytes = (cache.token_bytes() + cache.concept_bytes()) / B
+    rewind = rewinder(cache)
+    with torch.no_grad():
+        x_SBD = model.embed(torch.randint(0, model.cfg.vocab_size, (steps, B), generator=gen))
+    fire_SB = torch.rand(steps, B, generator=gen) < (1.0 / ratio if ratio else 1.0)
+
+    @torch.no_grad()
+    def round_() -> float:
+        rewind()
+        t0 = time.perf_counter()
+        for i in range(steps):   # one step per token is what decoding is
+            model.step(x_SBD[i], cache, force_B=fire_SB[i] if ratio else None)
+        return time.perf_counter() - t0
+    return round_, kv_bytes
+
+
+def run(s: Settings, log=print) -> dict:
+    torch.manual_seed(0)
+    base = BASE.baseline()
+    models = {BASELINE: (base, None), **{k: (v, s.ratio) for k, v in reallocate(base, s.ratio).items()}}
+    built = {name: ConceptMoELM(cfg).eval() for name, (cfg, _) in models.items()}
+    out = []
+    for L in s.contexts:
+        for B in s.batches:
+            fns, kv = {}, {}
+            for name, (_, r) in models.items():
+                fns[name], kv[name] = decoder(built[name], B, L, r, s.steps)
+            secs = common.measure(fns, s.repeats, s.warmup)
+            extra = {n: {"kv_bytes_per_seq": kv[n], "kv_ratio": kv[n] / kv[BASELINE]} for n in models}
+            rs = common.rows(common.per_second(secs, B * s.steps), BASELINE, {"context": L, "batch": B},
+                             "decode tokens/s", "tok/s", extra)
+            out += rs
+            log(f"  decode L={L} B={B}: " + ", ".join(f"{r['candidate']} x{r['ratio_vs_baseline']:.2f}" for r in rs))
+            del fns
+    return common.result(PART, asdict(s), out,
+                         notes=["KV bytes per sequence at the context length (fp32 caches); kv_ratio vs the baseline"],
+                         base_config={k: v for k, v in vars(BASE).items() if isinstance(v, (int, float, str))})
+
+
+def plot(res: dict, path) -> None:
+    common.plot(res, path, x="context", panels=("batch",), ylabel="decode tokens/s vs MoE baseline",
+                title=f"decode, realized R = {res['settings']['ratio']:g}")
