@@ -113,3 +113,23 @@ def test_dechunk_plug_back_and_ste():
     torch.testing.assert_close(c_read[0, :8], plug_back(
         ema_scan(concepts, ch.cp_BM, torch.tensor([[True, False, True, False]])), ch.cidx_BT)[0, :8])
     torch.testing.assert_close(z, h + c_read)  # identity residual, STE forward = 1
+
+
+def test_ema_scan_gradient_is_exact_where_p_is_one_inside_a_document():
+    """p == 1 at a non-restart position: the decay is exactly 0, but d c_m / d p_m = x_m - c_{m-1} is not."""
+    torch.manual_seed(1)
+    M, D = 70, 4
+    x = torch.randn(M, D, dtype=torch.float64, requires_grad=True)
+    p = torch.rand(M, dtype=torch.float64).clamp(0.05, 0.95)
+    p[0] = p[5] = p[33] = p[64] = 1.0                   # 64: the first position of the second scan block
+    p.requires_grad_(True)
+    reset = torch.zeros(1, M, dtype=torch.bool)
+    reset[0, 0] = True
+    ref = ema_loop_reference(x, p)
+    got = ema_scan(x[None], p[None], reset, block=32)[0]
+    torch.testing.assert_close(got, ref.to(got.dtype), rtol=1e-5, atol=1e-5)
+    w = torch.randn(M, D, dtype=torch.float64)
+    gp_ref, = torch.autograd.grad((ref * w).sum(), p)
+    gp, = torch.autograd.grad((got * w).sum(), p)
+    torch.testing.assert_close(gp[1:], gp_ref[1:], rtol=1e-4, atol=1e-5)
+    assert gp[5].abs() > 1e-3 and gp[33].abs() > 1e-3   # not cut to x_m's share alone
