@@ -1,4 +1,5 @@
 """Chunk / dechunk equations against the paper (eq. 2-10, Appendix B)."""
+import pytest
 import torch
 
 from vlm.model.chunking import (ChunkModule, Dechunk, cosine_boundary_prob, ema_scan, plug_back, ratio_loss,
@@ -133,3 +134,42 @@ def test_ema_scan_gradient_is_exact_where_p_is_one_inside_a_document():
     gp, = torch.autograd.grad((got * w).sum(), p)
     torch.testing.assert_close(gp[1:], gp_ref[1:], rtol=1e-4, atol=1e-5)
     assert gp[5].abs() > 1e-3 and gp[33].abs() > 1e-3   # not cut to x_m's share alone
+
+
+def test_train_mode_samples_boundaries_at_the_papers_flip_rate(monkeypatch):
+    """Eq. 5-6: in training boundaries are drawn from sharpened p, not thresholded. With p spread evenly over
+    [0, 1] and tau = 6 the expected share of tokens whose boundary differs from p >= 0.5 is
+    1 - (12/7)(1 - 0.5^(7/6)) = 4.9 % (the paper reports ~4 %); in eval mode it is 0."""
+    T = 50_000
+    p = torch.linspace(0, 1, T)[None]
+    mod = ChunkModule(ChunkConfig(tau=6.0), 2)
+    start = torch.zeros(1, T, dtype=torch.bool)
+    monkeypatch.setattr(mod, "boundary_prob", lambda h, doc, above=None: (p, start))
+    h, doc = torch.zeros(1, T, 2), torch.zeros(1, T, dtype=torch.long)
+    torch.manual_seed(0)
+    flips = (mod.train()(h, doc).b_BT != (p >= 0.5)).float().mean().item()
+    assert flips == pytest.approx(1 - (12 / 7) * (1 - 0.5 ** (7 / 6)), abs=0.005)
+    assert (mod.eval()(h, doc).b_BT == (p >= 0.5)).all()
+
+
+def test_joint_decoding_reads_the_concepts():
+    """Eq. 11: the decoder's q, k, v add projections of the EMA concept; changing those projections must change
+    the logits (a decoder that ignored its concept read would not notice)."""
+    from configs.batch import PackedBatch
+    from vlm.model.conceptmoe import ConceptMoELM
+    from vlm.model.config import ModelConfig, MoEConfig
+
+    cfg = ModelConfig(vocab_size=50, hidden_size=16, num_heads=2, num_kv_heads=1, head_dim=8, encoder_layers=1,
+                      concept_layers=1, decoder_layers=1, moe=MoEConfig(num_experts=2, top_k=1, expert_hidden=16),
+                      chunk=ChunkConfig())
+    torch.manual_seed(0)
+    model = ConceptMoELM(cfg).eval()
+    joint = [m for m in model.modules() if getattr(m, "joint", False)]
+    assert joint, "no decoder layer has joint decoding"
+    batch = PackedBatch.from_documents([list(range(3, 40))])
+    before = model(batch).logits
+    with torch.no_grad():
+        for m in joint:
+            for proj in (m.cq_proj, m.ck_proj, m.cv_proj):
+                proj.weight.mul_(3.0)
+    assert not torch.allclose(model(batch).logits, before, atol=1e-5)
