@@ -99,42 +99,74 @@ def test_global_parser_sums_ranks_and_micro_batches():
     a = torch.tensor([[3.0, 4.5, 10.0]])
     b = torch.tensor([[1.0, 2.0, 6.0]])
     two_ranks.start_step()
-    assert torch.equal(two_ranks(a), 2 * a)
-    assert torch.equal(two_ranks(b), 2 * a + 2 * b)          # earlier micro-batches of the step are included
+    assert torch.equal(two_ranks(a), 2 * a)                  # one micro-batch: summed over ranks
     two_ranks.start_step()
-    assert torch.equal(two_ranks(b), 2 * b)
+    two_ranks.collect()                                      # two micro-batches: the statistics pass first
+    two_ranks(a), two_ranks(b)
+    assert torch.equal(two_ranks.settle(), 2 * (a + b))
+    assert torch.equal(two_ranks(a), 2 * (a + b)) and torch.equal(two_ranks(b), 2 * (a + b))
 
 
-def test_global_parser_drives_the_chunker(tiny_data, load_tiny, tiny_config):
-    """The model's chunk module uses the hook's global sums: its ratio loss is eq. 4 at the global F, G."""
+def _two_micro_batches(tiny_data, load_tiny, tiny_config):
     from data_pipelines.loader import build_loader
     from data_pipelines.tokenizer import load_tokenizer
-    from vlm.model.chunking import ratio_loss
     from vlm.model.multimodal import ConceptMoEVLM
-    from vlm.model.stats import summarize
-    from vlm.train.global_parser import GlobalParser, install
 
     cfg = load_tiny(tiny_config(tiny_data))
     torch.manual_seed(0)
-    model = ConceptMoEVLM(cfg.model, cfg.vision)
+    model = ConceptMoEVLM(cfg.model, cfg.vision).eval()      # eval: threshold boundaries, same in every pass
+    it = iter(build_loader(cfg.data, load_tokenizer("byte")))
+    return cfg, model, [next(it) for _ in range(2)]
+
+
+def test_global_parser_drives_the_chunker(tiny_data, load_tiny, tiny_config):
+    """Every micro-batch's ratio loss is eq. 4 at the F, G of the whole step's batch."""
+    from vlm.model.chunking import ratio_loss
+    from vlm.model.stats import summarize
+    from vlm.train.global_parser import GlobalParser, install
+
+    cfg, model, batches = _two_micro_batches(tiny_data, load_tiny, tiny_config)
     parser = GlobalParser(all_reduce=lambda x: x.clone())
     assert install(model, parser)
-    it = iter(build_loader(cfg.data, load_tokenizer("byte")))
     parser.start_step()
-    batches = [next(it) for _ in range(2)]
+    parser.collect()
+    stats = [summarize(model(b), b) for b in batches]
+    parser.settle()
     outs = [model(b) for b in batches]
-    stats = [summarize(o, b) for o, b in zip(outs, batches)]
     tok = sum(s["tokens/all"] for s in stats)
     bnd = sum(s["boundaries/all"] for s in stats)
     psum = sum(s["boundary_p/all"] * s["tokens/all"] for s in stats)
-    assert parser.calls == 2
-    assert parser.earlier_K3[0, 0].item() == pytest.approx(bnd) and parser.earlier_K3[0, 2].item() == pytest.approx(tok)
+    assert parser.calls == 2 and parser.total_K3[0, 2].item() == pytest.approx(tok)
     expected = ratio_loss(torch.tensor(bnd / tok), torch.tensor(psum / tok), cfg.model.chunk.target_ratio)
-    assert outs[1].ratio_loss.item() == pytest.approx(expected.item(), rel=1e-5)
-    # The second micro-batch's loss is not the per-batch one.
-    s = stats[1]
-    local = ratio_loss(torch.tensor(s["boundaries/all"] / s["tokens/all"]), torch.tensor(s["boundary_p/all"]), 2.0)
-    assert abs(local.item() - outs[1].ratio_loss.item()) > 1e-6
+    for out in outs:
+        assert out.ratio_loss.item() == pytest.approx(expected.item(), rel=1e-5)
+
+
+def test_accumulated_ratio_loss_gradient_equals_the_one_big_batch_gradient(tiny_data, load_tiny, tiny_config):
+    """DLCM's global parser with gradient accumulation: the micro-batches' ratio-loss gradients, summed, are the
+    gradient of the ratio loss of both micro-batches as one batch (early micro-batches see late ones' sums)."""
+    from configs.batch import PackedBatch
+    from vlm.train.global_parser import GlobalParser, install
+
+    cfg, model, batches = _two_micro_batches(tiny_data, load_tiny, tiny_config)
+    params = [p for p in model.lm.chunker.parameters() if p.requires_grad]
+    install(model, None)
+    big = model(PackedBatch.stack(batches))                  # both micro-batches as one batch (same T)
+    g_big = torch.autograd.grad(big.ratio_loss, params)
+    parser = GlobalParser(all_reduce=lambda x: x.clone())
+    install(model, parser)
+    parser.start_step()
+    parser.collect()
+    with torch.no_grad():
+        for b in batches:
+            model(b)
+    parser.settle()
+    g_acc = [torch.zeros_like(p) for p in params]
+    for b in batches:
+        for acc, g in zip(g_acc, torch.autograd.grad(model(b).ratio_loss, params)):
+            acc += g
+    for a, b in zip(g_acc, g_big):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
 
 
 def _nan_hook(out, k):

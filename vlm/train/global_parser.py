@@ -1,10 +1,14 @@
 """DLCM's Global Parser: ratio-loss statistics over the whole global batch (DLCM eq. 8-10, section 8.2).
 
-The chunk module hands its local sums (boundaries, sum of p, tokens) for each ratio loss to
-`stats_hook`; this object sums them over data-parallel ranks and adds the sums of the earlier
-micro-batches of the same optimizer step. The chunk module then forms F and G from the global sums
-(gradients still reach only the local p), so compression is regulated on the global batch rather than
-per sequence or per device.
+The chunk module hands its local sums (boundaries, sum of p, tokens) for each ratio loss to `stats_hook`;
+this object answers with the sums over the whole global batch: every data-parallel rank and every
+micro-batch of the optimizer step. The chunk module forms F and G from them, and gradients still reach only
+the local p, so summing the micro-batches' gradients gives exactly the one-big-batch gradient.
+
+With gradient accumulation the later micro-batches are not known when the first one runs backward, so
+`train_step` makes a statistics pass first: each micro-batch runs forward without gradients (same boundary
+samples, seeded per micro-batch) while the parser `collect`s their sums; `settle()` sums them over ranks,
+and every real micro-batch then sees those totals. One micro-batch per step needs no extra pass.
 """
 from __future__ import annotations
 
@@ -16,24 +20,37 @@ from vlm.train.distributed import all_reduce_sum
 
 
 class GlobalParser:
-    """Callable stats hook; `start_step()` before the first micro-batch of each optimizer step."""
+    """Callable stats hook; `start_step()` before each optimizer step."""
 
     def __init__(self, all_reduce: Callable[[torch.Tensor], torch.Tensor] = all_reduce_sum):
         self.all_reduce = all_reduce
-        self.earlier_K3: torch.Tensor | None = None   # global sums of this step's earlier micro-batches
+        self.total_K3: torch.Tensor | None = None       # the step's global sums, once known
+        self.collected: list[torch.Tensor] | None = None
         self.calls = 0
 
     def start_step(self) -> None:
-        self.earlier_K3 = None
-        self.calls = 0
+        self.total_K3, self.collected, self.calls = None, None, 0
+
+    def collect(self) -> None:
+        """Statistics pass: the following forwards only report their local sums."""
+        self.collected = []
+
+    def settle(self) -> torch.Tensor:
+        """End of the statistics pass: the sums over this rank's micro-batches and over ranks (a collective)."""
+        self.total_K3 = self.all_reduce(torch.stack(self.collected).sum(0))
+        self.collected = None
+        return self.total_K3
 
     def __call__(self, local_K3: torch.Tensor) -> torch.Tensor:
-        """DLCM eq. 8-9 sums: local [K, 3] -> global [K, 3] (ranks + earlier micro-batches of the step)."""
-        ranks_K3 = self.all_reduce(local_K3.detach().float())
-        total_K3 = ranks_K3 if self.earlier_K3 is None else ranks_K3 + self.earlier_K3
-        self.earlier_K3 = total_K3
+        """DLCM eq. 8-9 sums: local [K, 3] -> global [K, 3]."""
+        local_K3 = local_K3.detach().float()
+        if self.collected is not None:
+            self.collected.append(local_K3)
+            return local_K3                      # the statistics pass's own loss is never used
         self.calls += 1
-        return total_K3
+        if self.total_K3 is None:                # one micro-batch: its sums over ranks are the global ones
+            return self.all_reduce(local_K3)
+        return self.total_K3
 
 
 def install(model: torch.nn.Module, parser: GlobalParser | None) -> bool:

@@ -90,6 +90,22 @@ def zero_moe_loads(module: torch.nn.Module) -> None:
             m.load_accum.zero_()
 
 
+@torch.no_grad()
+def statistics_pass(model, window: list[PackedBatch], parser: GlobalParser, step: int, *, seed: int, rank: int,
+                    world_size: int, device: torch.device, float_dtype: torch.dtype) -> None:
+    """Forward every micro-batch without gradients, with the boundary samples its real pass will draw, so that
+    the parser knows the global batch's statistics before the first backward. The MoE loads these forwards
+    count are put back: loss-free balancing must see each token once."""
+    loads = [(m, m.load_accum.clone()) for m in model.modules() if hasattr(m, "load_accum")]
+    parser.collect()
+    for k, batch in enumerate(window):
+        set_boundary_generator(model, device, boundary_seed(seed, step, k * world_size + rank))
+        model(prepare(batch, device, float_dtype))
+    parser.settle()
+    for m, before in loads:
+        m.load_accum.copy_(before)
+
+
 def train_step(engine, window: list[PackedBatch], step: int, *, seed: int, rank: int, world_size: int,
                parser: GlobalParser | None, ratio_weight: float, device: torch.device,
                float_dtype: torch.dtype = torch.float32, loss_hook=None) -> StepResult:
@@ -104,6 +120,9 @@ def train_step(engine, window: list[PackedBatch], step: int, *, seed: int, rank:
     N = float(all_reduce_sum(torch.tensor([sum(n_local)], dtype=torch.float64, device=device))[0])
     if parser is not None:
         parser.start_step()
+        if K > 1:
+            statistics_pass(engine.module, window, parser, step, seed=seed, rank=rank, world_size=W, device=device,
+                            float_dtype=float_dtype)
     acc = StepAccumulator(device)
     plain = is_plain_fp32(engine)
     bad = False
