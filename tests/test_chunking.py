@@ -173,3 +173,37 @@ def test_joint_decoding_reads_the_concepts():
             for proj in (m.cq_proj, m.ck_proj, m.cv_proj):
                 proj.weight.mul_(3.0)
     assert not torch.allclose(model(batch).logits, before, atol=1e-5)
+
+
+def test_fixed_router_puts_a_boundary_every_R_tokens_of_each_document():
+    mod = ChunkModule(ChunkConfig(router="fixed", target_ratio=3.0), 2)
+    assert not list(mod.parameters())                       # nothing to learn
+    doc = torch.tensor([[0] * 7 + [1] * 4 + [-1]])
+    for m in (mod.train(), mod.eval()):
+        b = m(torch.randn(1, 12, 2), doc).b_BT[0].tolist()
+        assert b == [True, False, False, True, False, False, True, True, False, False, True, False]
+
+
+@pytest.mark.parametrize("noise", ["gaussian", "none"])
+def test_boundary_noise_options(noise, monkeypatch):
+    """gaussian: p + N(0, sigma) thresholded (flips only near 0.5); none: training thresholds like eval."""
+    T = 20_000
+    p = torch.linspace(0, 1, T)[None]
+    mod = ChunkModule(ChunkConfig(boundary_noise=noise, noise_sigma=0.1), 2).train()
+    monkeypatch.setattr(mod, "boundary_prob", lambda h, doc, above=None: (p, torch.zeros(1, T, dtype=torch.bool)))
+    torch.manual_seed(0)
+    flip = mod(torch.zeros(1, T, 2), torch.zeros(1, T, dtype=torch.long)).b_BT != (p >= 0.5)
+    if noise == "none":
+        assert not flip.any()
+    else:   # E|flip| = E over p of P(N(0, 0.1) crosses 0.5 - p) = 0.1 * sqrt(2/pi) = 0.080 for p uniform
+        assert flip.float().mean().item() == pytest.approx(0.1 * (2 / torch.pi) ** 0.5, abs=0.01)
+        assert not flip[0, (p[0] - 0.5).abs() > 0.45].any()
+
+
+def test_fixed_router_refuses_settings_it_cannot_honour():
+    from configs.config import ConfigError, from_dict
+
+    with pytest.raises(ConfigError, match="modality_target_ratios needs a learned router"):
+        from_dict(ChunkConfig, {"router": "fixed", "modality_target_ratios": {"text": 2.0, "image": 2.0}})
+    with pytest.raises(ConfigError, match="rounds below 2"):
+        from_dict(ChunkConfig, {"router": "fixed", "target_ratio": 1.4})

@@ -25,6 +25,7 @@ VARIANTS = {
     "wider_concept": dataclasses.replace(tiny(), concept_hidden_size=48, concept_num_heads=6, concept_num_kv_heads=3),
     "grove_sigmoid": dataclasses.replace(tiny(), moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=32, router="sigmoid",
                                                                grove_groups=2, num_shared_experts=1, shared_hidden=16)),
+    "fixed_router": tiny(router="fixed", target_ratio=3.0),
     "baseline": tiny(enabled=False),
 }
 

@@ -143,8 +143,9 @@ class ChunkModule(nn.Module):
         if cfg.router == "cosine":
             self.q_proj = nn.Linear(dim, dim, bias=False)
             self.k_proj = nn.Linear(dim, dim, bias=False)
-        else:
+        elif cfg.router == "linear":
             self.score = nn.Linear(2 * dim, 1)
+        self.every = max(2, round(cfg.target_ratio))   # the fixed router's spacing
         # Global parser (DLCM): maps local [K, 3] sums to global ones (ranks, micro-batches). Set by the trainer.
         self.stats_hook: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.generator: torch.Generator | None = None
@@ -159,6 +160,8 @@ class ChunkModule(nn.Module):
                 k_above = k.gather(1, above_BT.clamp_min(0)[..., None].expand_as(k))
                 cos_up = F.cosine_similarity(q.float(), k_above.float(), dim=-1, eps=1e-6)
                 p = torch.where(has, (p + ((1 - cos_up) / 2).clamp(0, 1)) / 2, p)
+        elif self.cfg.router == "fixed":
+            p = (positions_in_doc(doc_BT) % self.every == 0).to(h_BTD.dtype)
         else:
             prev = F.pad(h_BTD[:, :-1], (0, 0, 1, 0))
             p = torch.sigmoid(self.score(torch.cat([h_BTD, prev], -1)).squeeze(-1).float())
@@ -196,8 +199,11 @@ class ChunkModule(nn.Module):
         elif force == "all":  # every token its own concept, p = 1: the lossless-conversion starting point
             p = torch.where(valid, torch.ones_like(p), p)
             b = valid.clone()
-        elif self.training:
+        elif self.training and self.cfg.boundary_noise == "bernoulli":
             b = sample_boundaries(sharpen(p.detach(), self.cfg.tau), self.generator) | start
+        elif self.training and self.cfg.boundary_noise == "gaussian":
+            noise = torch.randn(p.shape, device=p.device, generator=self.generator) * self.cfg.noise_sigma
+            b = (p.detach() + noise >= 0.5) | start
         else:
             b = (p >= 0.5) | start
         b = b & valid
@@ -220,6 +226,9 @@ class ChunkModule(nn.Module):
             q, key = self.q_proj(h_BD), self.k_proj(h_BD)
             cos = F.cosine_similarity(q.float(), state.last_key_BD.float(), dim=-1, eps=1e-6)
             p = ((1 - cos) / 2).clamp(0, 1)
+        elif self.cfg.router == "fixed":   # this token's place in its document: pending tokens + 1
+            key = h_BD
+            p = ((state.pending_n_B + 1) % self.every == 0).float()
         else:
             key = h_BD
             p = torch.sigmoid(self.score(torch.cat([h_BD, state.last_key_BD], -1)).squeeze(-1).float())
@@ -229,7 +238,8 @@ class ChunkModule(nn.Module):
     def merge_step(self, h_BD: torch.Tensor, b_B: torch.Tensor, state: ChunkState) -> torch.Tensor:
         """The concept each row would close with this token ([B, D]; meaningful where `b_B`), as `merge` builds
         it; rows that close one start a new pending concept."""
-        if self.cfg.merge == "last":
+        if self.cfg.merge == "last":   # only the count of pending tokens is kept (the fixed router reads it)
+            state.pending_n_B = torch.where(b_B, torch.zeros_like(state.pending_n_B), state.pending_n_B + 1)
             return h_BD
         state.pending_BD = state.pending_BD + h_BD
         state.pending_n_B = state.pending_n_B + 1

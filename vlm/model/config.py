@@ -43,10 +43,16 @@ class ChunkConfig:
     """Chunk / dechunk / joint decoding (ConceptMoE sections 3.2-3.4)."""
 
     enabled: bool = True              # False: the plain MoE baseline (same code path otherwise)
-    router: Literal["cosine", "linear"] = "cosine"
+    # cosine (eq. 2) or linear learn the boundaries; fixed puts one every round(target_ratio) tokens of each
+    # document (ConceptMoE 4.5.2's fixed-chunking ablation; nothing to learn, the ratio loss is a constant)
+    router: Literal["cosine", "linear", "fixed"] = "cosine"
     target_ratio: float = 2.0         # R in eq. 4
     ratio_loss_weight: float = 0.03   # lambda
     tau: float = 6.0                  # sharpening temperature, eq. 5
+    # how training draws boundaries from p (section 4.6): eq. 5-6's Bernoulli on the sharpened p; p plus
+    # N(0, noise_sigma) thresholded at 0.5; or none (the eval-mode threshold in training too)
+    boundary_noise: Literal["bernoulli", "gaussian", "none"] = "bernoulli"
+    noise_sigma: float = 0.1
     merge: Literal["last", "sum", "mean"] = "last"
     residual: Literal["identity", "linear"] = "identity"  # eq. 10 identity, or H-Net's residual projection
     joint_decoding_layers: int = -1   # decoder layers (counted from the last) with eq. 11; -1 = all
@@ -59,6 +65,13 @@ class ChunkConfig:
         check(self.target_ratio > 1.0, f"target_ratio must be > 1 (R = N/M), got {self.target_ratio}")
         check(self.ratio_loss_weight >= 0, "ratio_loss_weight must be >= 0")
         check(self.tau >= 1.0, f"tau must be >= 1, got {self.tau}")
+        check(self.noise_sigma > 0, f"noise_sigma must be > 0, got {self.noise_sigma}")
+        if self.router == "fixed":
+            check(round(self.target_ratio) >= 2, f"router 'fixed' puts a boundary every round(target_ratio) tokens; "
+                                                 f"target_ratio={self.target_ratio} rounds below 2")
+            check(not self.modality_target_ratios, "router 'fixed' has one spacing (target_ratio); "
+                                                   "modality_target_ratios needs a learned router")
+            check(not self.grid_aware_boundaries, "grid_aware_boundaries needs the cosine router")
         if self.modality_target_ratios:
             for k, v in self.modality_target_ratios.items():
                 check(k in ("text", "image"), f"modality_target_ratios: unknown modality {k!r}; allowed: 'text', 'image'")

@@ -140,8 +140,8 @@ def joint_layer_params(cfg: ModelConfig) -> int:
 
 
 def chunk_params(cfg: ModelConfig) -> int:
-    """Boundary router: cosine (W_q, W_k, eq. 2) or linear (2D weights + bias)."""
-    if not cfg.chunk.enabled:
+    """Boundary router: cosine (W_q, W_k, eq. 2), linear (2D weights + bias) or fixed (none)."""
+    if not cfg.chunk.enabled or cfg.chunk.router == "fixed":
         return 0
     d = cfg.hidden_size
     return 2 * d * d if cfg.chunk.router == "cosine" else 2 * d + 1
@@ -198,7 +198,7 @@ def flops_per_token(cfg: ModelConfig, ratio: float | None = None) -> dict[str, f
     d = cfg.hidden_size
     enc, con, dec = stages(cfg, r)
     router = 0
-    if cfg.chunk.enabled:
+    if cfg.chunk.enabled and cfg.chunk.router != "fixed":
         router = 2 * d * d if cfg.chunk.router == "cosine" else 2 * d
     macs = {
         "encoder": enc.passes * layer_macs(enc),
