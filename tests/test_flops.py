@@ -191,6 +191,9 @@ def test_paper_configs_parse_and_sizes(name):
     assert abs(p["total"] / total - 1) < 0.02, p["total"]
     if active:   # "A2.5B": we read it as activated parameters without the embedding tables
         assert abs(p["activated_non_embedding"] / active - 1) < 0.05, p["activated_non_embedding"]
+    # one balancing method, as the configs' comments say: loss-free alone (the paper does not state its own)
+    for moe in (cfg.moe, cfg.concept_moe or cfg.moe):
+        assert moe.loss_free_balancing and moe.balance_loss_weight == 0.0
 
 
 @pytest.mark.parametrize("name,baseline", [("paper_ct_90b_top15.yaml", "paper_moe_90b.yaml"),
