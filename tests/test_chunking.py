@@ -110,7 +110,7 @@ def test_dechunk_plug_back_and_ste():
     mod, ch, h, doc = _hand_chunks("last")
     de = Dechunk(ChunkConfig(), 2)
     concepts = torch.randn(1, 4, 2)
-    z, c_read = de(h, concepts, ch)
+    z, c_read, _ = de(h, concepts, ch)
     torch.testing.assert_close(c_read[0, :8], plug_back(
         ema_scan(concepts, ch.cp_BM, torch.tensor([[True, False, True, False]])), ch.cidx_BT)[0, :8])
     torch.testing.assert_close(z, h + c_read)  # identity residual, STE forward = 1

@@ -83,3 +83,33 @@ def test_conversion_rejects_bad_inputs(tmp_path):
         ConvertConfig(target_ratio=1.0)
     assert main(["convert", str(tmp_path), "--out", str(tmp_path / "out"), "--ratio", "1"]) == 2
     assert not (tmp_path / "out").exists()
+
+
+def test_converted_tokens_keep_their_own_state_with_real_boundaries(tmp_path, tiny_vlm, tiny_default):
+    """The "delta" residual: with all boundaries on the conversion is the source; with real ones a chunk's tokens
+    get different decoder inputs (their own state plus the concept model's update), and the start-of-CT loss
+    measured by `python -m eval.ct_start` reports both next to the source's."""
+    import dataclasses
+
+    from eval.ct_start import random_boundaries, start_losses
+
+    vlm_model, tok = tiny_vlm()
+    src = type(vlm_model)(vlm_model.model_cfg.baseline(), vlm_model.vision_cfg).eval()
+    save_pretrained(src, tmp_path / "base", tok)
+    model, _ = convert(tmp_path / "base", ConvertConfig(encoder_layers=1, decoder_layers=1, target_ratio=1.5))
+    b, _ = batch()
+    force = random_boundaries(b.doc_ids, 3.0, seed=0)
+    seen = {}
+    def grab(module, args, kwargs):
+        seen.setdefault("z", args[0])
+
+    model.lm.decoder[0].register_forward_pre_hook(grab, with_kwargs=True)
+    with torch.no_grad():
+        model.eval()(b, force=force)
+    z, row = seen["z"][0], force[0]
+    inside = [t for t in range(1, z.shape[0]) if not row[t] and not row[t - 1] and b.doc_ids[0, t] >= 0]
+    assert inside and all(not torch.allclose(z[t], z[t - 1]) for t in inside)   # not one input per chunk
+    losses = start_losses(str(tmp_path / "base"), 1.5, 1, str(tiny_default))
+    assert losses["converted, all boundaries"] == pytest.approx(losses["source MoE"], rel=1e-4)
+    assert all(v > 0 for v in losses.values())
+    assert dataclasses.asdict(model.model_cfg.chunk)["residual"] == "delta"

@@ -26,6 +26,7 @@ VARIANTS = {
     "grove_sigmoid": dataclasses.replace(tiny(), moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=32, router="sigmoid",
                                                                grove_groups=2, num_shared_experts=1, shared_hidden=16)),
     "fixed_router": tiny(router="fixed", target_ratio=3.0),
+    "delta_residual": tiny(merge="last", residual="delta"),
     "baseline": tiny(enabled=False),
 }
 

@@ -61,7 +61,7 @@ def test_ct_stage_converts_a_transformers_moe(tiny_data, tmp_path, torch_globals
     assert tr.cfg.model.chunk.target_ratio == 3.0
     assert torch.equal(m.lm.embed.weight, src.model.embed_tokens.weight)      # pretrained weights kept
     assert torch.equal(m.lm.lm_head.weight, src.lm_head.weight)
-    assert not m.lm.dechunk.residual.weight.any()                            # conversion init
+    assert m.lm.cfg.chunk.residual == "delta" and m.lm.dechunk.residual is None  # conversion: own state + update
     assert tr.train() == 0
     saved = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert saved["model"]["concept_layers"] == 2 and saved["train"]["stage"] == "ct"

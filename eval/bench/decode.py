@@ -61,14 +61,14 @@ def rewinder(cache: InferenceCache):
     are overwritten by the next round)."""
     lens = [c.len_B.clone() for c in cache.encoder + cache.concept + cache.decoder]
     len_B = cache.len_B.clone()
-    chunk = None if cache.chunk is None else [getattr(cache.chunk, f.name).clone() for f in fields(ChunkState)]
+    chunk = None if cache.chunk is None else [getattr(cache.chunk, f.name) for f in fields(ChunkState)]
 
     def rewind():
         for c, n in zip(cache.encoder + cache.concept + cache.decoder, lens):
             c.len_B.copy_(n)
         cache.len_B = len_B.clone()
         if chunk is not None:
-            cache.chunk = ChunkState(*(t.clone() for t in chunk))
+            cache.chunk = ChunkState(*(None if t is None else t.clone() for t in chunk))
     return rewind
 
 

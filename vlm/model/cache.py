@@ -76,6 +76,7 @@ class ChunkState:
     pending_n_B: torch.Tensor        # how many tokens that is (for `mean`)
     ema_BD: torch.Tensor             # eq. 8's EMA at the last closed concept: what the next token reads (fp32)
     n_concepts_B: torch.Tensor       # concepts closed so far (the next concept's position)
+    ema_in_BD: torch.Tensor | None = None   # residual "delta": the same EMA over the concept model's inputs
 
 
 @dataclass
@@ -92,8 +93,8 @@ class InferenceCache:
     def select(self, rows: torch.Tensor) -> "InferenceCache":
         """The caches of the given rows, e.g. each prompt repeated once per candidate continuation."""
         ch = self.chunk
-        chunk = None if ch is None else ChunkState(*(t[rows] for t in (ch.last_key_BD, ch.pending_BD, ch.pending_n_B,
-                                                                      ch.ema_BD, ch.n_concepts_B)))
+        chunk = None if ch is None else ChunkState(*(None if t is None else t[rows] for t in (
+            ch.last_key_BD, ch.pending_BD, ch.pending_n_B, ch.ema_BD, ch.n_concepts_B, ch.ema_in_BD)))
         pick = lambda caches: [c.select(rows) for c in caches]  # noqa: E731
         return InferenceCache(pick(self.encoder), pick(self.concept), pick(self.decoder), self.len_B[rows], chunk,
                               self.capacity)

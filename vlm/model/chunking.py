@@ -250,7 +250,8 @@ class ChunkModule(nn.Module):
         state.pending_n_B = torch.where(b_B, torch.zeros_like(state.pending_n_B), state.pending_n_B)
         return concept
 
-    def prefill_state(self, h_BTD: torch.Tensor, doc_BT: torch.Tensor, ch: Chunks, c_BTD: torch.Tensor) -> ChunkState:
+    def prefill_state(self, h_BTD: torch.Tensor, doc_BT: torch.Tensor, ch: Chunks, c_BTD: torch.Tensor,
+                      c_in_BTD: torch.Tensor | None = None) -> ChunkState:
         """The state after a prompt (one document per row): last key, the tokens after the last boundary
         (no concept yet), the EMA the last token read, and the concept count."""
         B, T, _ = h_BTD.shape
@@ -262,7 +263,8 @@ class ChunkModule(nn.Module):
         last_b = torch.where(ch.b_BT, t, torch.full_like(t, -1)).amax(1)
         tail = valid & (t[None] > last_b[:, None])
         pending = (h_BTD * tail[..., None].to(h_BTD.dtype)).sum(1)
-        return ChunkState(key, pending, tail.sum(1), c_BTD[rows, last].float(), ch.b_BT.sum(1))
+        return ChunkState(key, pending, tail.sum(1), c_BTD[rows, last].float(), ch.b_BT.sum(1),
+                          None if c_in_BTD is None else c_in_BTD[rows, last].float())
 
     def merge(self, h_BTD: torch.Tensor, doc_BT: torch.Tensor, ch: Chunks) -> torch.Tensor:
         """Concepts [B, M, D] from token states: `last` takes h at the boundary, `sum`/`mean` pool the concept's tokens."""
@@ -303,10 +305,16 @@ class Dechunk(nn.Module):
         p = p_R.float()[:, None]
         return p * concept_RD.float() + (1 - p) * ema_RD
 
-    def forward(self, h_BTD: torch.Tensor, concepts_BMD: torch.Tensor, ch: Chunks):
+    def forward(self, h_BTD: torch.Tensor, concepts_BMD: torch.Tensor, ch: Chunks,
+                inputs_BMD: torch.Tensor | None = None):
+        """(z, c, c_in): the decoder input (eq. 10), the EMA concept each token reads and, for residual "delta"
+        (which needs `inputs_BMD`, the concept model's inputs), the same EMA over those inputs (else None)."""
         reset = doc_starts(ch.cdoc_BM)
-        ema_BMD = ema_scan(concepts_BMD, ch.cp_BM, reset)
-        c_BTD = plug_back(ema_BMD, ch.cidx_BT)
+        c_BTD = plug_back(ema_scan(concepts_BMD, ch.cp_BM, reset), ch.cidx_BT)
+        gate = ste(ch.sel_BT)[..., None].to(c_BTD.dtype)
+        if self.cfg.residual == "delta":
+            c_in_BTD = plug_back(ema_scan(inputs_BMD, ch.cp_BM, reset), ch.cidx_BT)
+            return h_BTD + (c_BTD - c_in_BTD) * gate, c_BTD, c_in_BTD
         res = self.residual(h_BTD) if self.residual is not None else h_BTD
-        z_BTD = res + c_BTD * ste(ch.sel_BT)[..., None].to(c_BTD.dtype)
-        return z_BTD, c_BTD
+        return res + c_BTD * gate, c_BTD, None
+

@@ -74,6 +74,7 @@ class ConceptMoELM(nn.Module):
         else:
             ch = self.chunker(h_BTD, doc_BT, modality_BT, above_BT, force)
             c_BMD, cdoc_BM, cpos_BM = self.chunker.merge(h_BTD, doc_BT, ch), ch.cdoc_BM, ch.cpos_BM
+        concept_in_BMD = c_BMD
         if cache is not None:   # capacity: the prompt's concepts plus one per token still to come
             cache.concept = self._caches(self.cfg.c_kv_heads, len(cfg.concept_schedule), x_BTD.shape[0],
                                          c_BMD.shape[1] + cache.capacity - x_BTD.shape[1], x_BTD)
@@ -89,9 +90,9 @@ class ConceptMoELM(nn.Module):
         if ch is None:
             z_BTD, cread_BTD = c_BMD, None
         else:
-            z_BTD, cread_BTD = self.dechunk(h_BTD, c_BMD, ch)
+            z_BTD, cread_BTD, cread_in_BTD = self.dechunk(h_BTD, c_BMD, ch, concept_in_BMD)
             if cache is not None:
-                cache.chunk = self.chunker.prefill_state(h_BTD, doc_BT, ch, cread_BTD)
+                cache.chunk = self.chunker.prefill_state(h_BTD, doc_BT, ch, cread_BTD, cread_in_BTD)
         if states is not None:
             states.append(z_BTD)
         out_BTD, s = run_stack(self.decoder, z_BTD, ctx, c_BTD=cread_BTD, joint_from=self.joint_from,
@@ -141,6 +142,7 @@ class ConceptMoELM(nn.Module):
             concept_BD = self.chunker.merge_step(h_B1D[:, 0], b_B, st)
             rows = b_B.nonzero().squeeze(1)
             c_R1D, pos_R = concept_BD[rows, None], st.n_concepts_B[rows]
+            c_in_RD = c_R1D[:, 0]
         if rows is None or rows.numel():
             if self.concept_up is not None:
                 c_R1D = self.concept_up(c_R1D)
@@ -155,8 +157,12 @@ class ConceptMoELM(nn.Module):
             st.ema_BD[rows] = self.dechunk.ema_step(c_R1D[:, 0], p_B[rows], st.ema_BD[rows])
             st.n_concepts_B[rows] += 1
             cread_B1D = st.ema_BD[:, None].to(h_B1D.dtype)
-            res = self.dechunk.residual(h_B1D) if self.dechunk.residual is not None else h_B1D
-            z_B1D = res + cread_B1D   # eq. 10: the STE multiplier is 1 in the forward
+            if cfg.chunk.residual == "delta":   # own state + the concept model's (EMA) update
+                st.ema_in_BD[rows] = self.dechunk.ema_step(c_in_RD, p_B[rows], st.ema_in_BD[rows])
+                z_B1D = h_B1D + cread_B1D - st.ema_in_BD[:, None].to(h_B1D.dtype)
+            else:
+                res = self.dechunk.residual(h_B1D) if self.dechunk.residual is not None else h_B1D
+                z_B1D = res + cread_B1D   # eq. 10: the STE multiplier is 1 in the forward
         out_B1D = step_stack(self.decoder, z_B1D, rope, cache.decoder, all_rows, c_R1D=cread_B1D,
                              joint_from=self.joint_from)
         cache.len_B = cache.len_B + 1

@@ -54,7 +54,11 @@ class ChunkConfig:
     boundary_noise: Literal["bernoulli", "gaussian", "none"] = "bernoulli"
     noise_sigma: float = 0.1
     merge: Literal["last", "sum", "mean"] = "last"
-    residual: Literal["identity", "linear"] = "identity"  # eq. 10 identity, or H-Net's residual projection
+    # eq. 10's z = h + c STE(sel) ("identity"), H-Net's projection of h ("linear"), or "delta":
+    # z = h + (c - c_in) STE(sel) with c_in the same EMA over the concept model's inputs, i.e. each token's own
+    # state plus the concept model's update; exactly the concept model's output when every token is a boundary
+    # (MoE -> ConceptMoE conversion is lossless with it, and a chunk's tokens still see themselves)
+    residual: Literal["identity", "linear", "delta"] = "identity"
     joint_decoding_layers: int = -1   # decoder layers (counted from the last) with eq. 11; -1 = all
     joint_decoding_zero_init: bool = False
     # Beyond the paper: one ratio loss per modality (e.g. {"text": 2.0, "image": 4.0}) instead of a joint one.

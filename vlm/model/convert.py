@@ -1,8 +1,9 @@
 """MoE -> ConceptMoE conversion for continual training (ConceptMoE section 4.3, Figure 3).
 
 All pretrained weights are kept: the first layers become the encoder, the last the decoder, the rest the
-concept model. Added: a randomly initialised chunk module, the dechunk with a zero-initialised residual
-projection, and zero-initialised joint-decoding projections in the last decoder layers. With every
+concept model. Added: a randomly initialised chunk module, the dechunk with the "delta" residual (each token's
+own state plus the concept model's update, so a chunk's tokens still see themselves; no new weights), and
+zero-initialised joint-decoding projections in the last decoder layers. With every
 boundary forced on (p = 1) the converted model reproduces the source logits exactly; reallocation
 (more active experts, concept-layer loops) is applied on top and checked with the FLOPs accounting.
 """
@@ -81,8 +82,8 @@ def hf_state_dict_to_ours(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict
 
 
 def to_conceptmoe_config(base: ModelConfig, opt: ConvertConfig) -> ModelConfig:
-    """Enable chunking the conversion way (zero residual projection and joint decoding) and apply reallocation."""
-    chunk = ChunkConfig(enabled=True, target_ratio=opt.target_ratio, merge="last", residual="linear",
+    """Enable chunking the conversion way ("delta" residual, zero joint decoding) and apply reallocation."""
+    chunk = ChunkConfig(enabled=True, target_ratio=opt.target_ratio, merge="last", residual="delta",
                         joint_decoding_layers=opt.joint_decoding_layers, joint_decoding_zero_init=True)
     cfg = dataclasses.replace(base, chunk=chunk)
     if opt.concept_top_k is not None:
@@ -107,7 +108,6 @@ def convert_state(source: ConceptMoEVLM | dict[str, torch.Tensor], cfg: ModelCon
     if lost:
         raise ValueError(f"pretrained tensors missing from the source: {lost[:5]}")
     with torch.no_grad():
-        model.lm.dechunk.residual.weight.zero_()
         model.lm.zero_joint_projections()
     return model
 
