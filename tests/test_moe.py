@@ -30,6 +30,10 @@ def make_moe(dim=16, **kw) -> MoE:
 def reference_routing(m: MoE, x_TD):
     """Routing written out from the spec, independently of vlm.model.moe."""
     logits = x_TD.float() @ m.router.weight.float().t()
+    if m.cfg.router == "grove":   # Grove eq. 9: choose by sigmoid + bias, weigh by a softmax over the chosen logits
+        biased = logits.sigmoid() + m.expert_bias if m.cfg.loss_free_balancing else logits.sigmoid()
+        sel_TK = biased.topk(m.cfg.top_k, dim=-1).indices
+        return sel_TK, logits.gather(1, sel_TK).softmax(-1)
     scores = logits.softmax(-1) if m.cfg.router == "softmax" else logits.sigmoid()
     biased = scores + m.expert_bias if m.cfg.loss_free_balancing else scores
     sel_TK = biased.topk(m.cfg.top_k, dim=-1).indices
@@ -72,7 +76,8 @@ def run_with_grads(m: MoE, x_TD, fn):
 
 
 @pytest.mark.parametrize("router,shared,grove,norm", [
-    ("softmax", 0, 0, True), ("softmax", 2, 4, True), ("sigmoid", 1, 2, False), ("softmax", 0, 4, False)])
+    ("softmax", 0, 0, True), ("softmax", 2, 4, True), ("sigmoid", 1, 2, False), ("softmax", 0, 4, False),
+    ("grove", 0, 4, False)])
 def test_grouped_mm_equals_loop_equals_dense(router, shared, grove, norm):
     m = make_moe(router=router, num_shared_experts=shared, grove_groups=grove, norm_topk_prob=norm,
                  balance_loss_weight=0.0, z_loss_weight=0.0)
@@ -175,9 +180,9 @@ def imbalance(load_E: torch.Tensor) -> tuple[float, float]:
     return float(load_E.max() / load_E.mean()), float(load_E.std(unbiased=False) / load_E.mean())
 
 
-@pytest.mark.parametrize("router", ["softmax", "sigmoid"])
-def test_loss_free_balancing_reduces_imbalance(router):
-    m = make_moe(router=router, top_k=2, bias_update_rate=0.003, grove_groups=0)
+@pytest.mark.parametrize("router,update", [("softmax", "sign"), ("sigmoid", "sign"), ("grove", "rms")])
+def test_loss_free_balancing_reduces_imbalance(router, update):
+    m = make_moe(router=router, top_k=2, bias_update_rate=0.003, grove_groups=0, bias_update=update)
     D = m.dim
     gen = torch.Generator().manual_seed(1)
     u = F.normalize(torch.randn(D, generator=gen), dim=0)
@@ -203,7 +208,7 @@ def test_loss_free_balancing_reduces_imbalance(router):
     print(f"\n[{router}] max/mean load {before[0]:.2f} -> {after[0]:.2f}, CV {before[1]:.2f} -> {after[1]:.2f}")
     assert before[0] > 2.5 and before[1] > 0.8
     assert after[1] < before[1] / 3 and after[0] < 0.6 * before[0]
-    if router == "sigmoid":  # the decoupled-friendly router balances tightly (Grove eq. 9-10)
+    if router in ("sigmoid", "grove"):  # sigmoid selection balances tightly (Grove eq. 9-10)
         assert after[0] < 1.25
     assert abs(float(m.expert_bias.mean())) < 1e-6 and float(m.expert_bias.abs().max()) > 0.05
 
@@ -217,6 +222,17 @@ def test_loss_free_balancing_reduces_imbalance(router):
     biased_w = biased_w / biased_w.sum(-1, keepdim=True) if m.cfg.norm_topk_prob else biased_w
     assert (biased_w - w_TK).abs().max() > 1e-2
     torch.testing.assert_close(y, dense_reference(m, x), rtol=1e-5, atol=1e-5)
+
+
+def test_grove_eq8_rms_bias_step():
+    from vlm.model.moe import loss_free_bias_step
+
+    load = torch.tensor([30.0, 10.0, 10.0, 10.0])
+    F_, Q = load / load.sum(), 0.25
+    step = (F_ - Q) / ((F_ - Q) ** 2).mean().sqrt()
+    expected = -0.01 * step
+    torch.testing.assert_close(loss_free_bias_step(torch.zeros(4), load, 0.01, "rms"), expected - expected.mean())
+    assert torch.equal(loss_free_bias_step(torch.zeros(4), torch.full((4,), 5.0), 0.01, "rms"), torch.zeros(4))
 
 
 def test_load_accumulation_update_and_all_reduce():

@@ -16,12 +16,17 @@ class MoEConfig:
     expert_hidden: int = 128          # intermediate size of one routed expert
     num_shared_experts: int = 0       # always-on experts (DeepSeek style)
     shared_hidden: int = 128          # intermediate size of one shared expert
-    router: Literal["softmax", "sigmoid"] = "softmax"
+    # softmax / sigmoid: one score per expert chooses (with the balancing bias) and weighs; grove (Grove eq. 9):
+    # sigmoid scores plus the bias choose, a softmax over the chosen experts' logits weighs
+    router: Literal["softmax", "sigmoid", "grove"] = "softmax"
     norm_topk_prob: bool = True        # renormalise the selected weights to sum to 1 (Qwen3-MoE, Mixtral)
     balance_loss_weight: float = 0.01  # Switch-style; 0 disables
     z_loss_weight: float = 0.0
     loss_free_balancing: bool = True   # Grove eq. 6-10 / DeepSeek-V3 bias, selection only
     bias_update_rate: float = 1e-3
+    # loss-free bias step: "sign" (DeepSeek-V3, torchtitan: rate * sign(mean load - load)) or "rms" (Grove eq. 8:
+    # rate * (Q - F) / RMS(F - Q), the imbalance normalised by its root mean square)
+    bias_update: Literal["sign", "rms"] = "sign"
     grove_groups: int = 0             # 0: no adjugate experts; else experts split into this many groups
     grove_hidden: int = 32            # intermediate size of an adjugate expert
     grove_lambda: float = 0.05

@@ -45,7 +45,7 @@ def router_scores(logits_TE: torch.Tensor, kind: str) -> torch.Tensor:
         return logits_TE.softmax(dim=-1)
     if kind == "sigmoid":
         return logits_TE.sigmoid()
-    raise ValueError(f"MoEConfig.router: got {kind!r}, allowed values: 'softmax', 'sigmoid'")
+    raise ValueError(f"MoEConfig.router: got {kind!r}, allowed values: 'softmax', 'sigmoid', 'grove'")
 
 
 def select_experts(scores_TE: torch.Tensor, bias_E: torch.Tensor | None, top_k: int) -> torch.Tensor:
@@ -67,11 +67,14 @@ def combine_weights(scores_TE: torch.Tensor, experts_TK: torch.Tensor, normalise
 
 def route(logits_TE: torch.Tensor, cfg: MoEConfig, bias_E: torch.Tensor | None) -> Routing:
     logits_TE = logits_TE.float()
-    scores_TE = router_scores(logits_TE, cfg.router)
+    grove = cfg.router == "grove"
+    scores_TE = router_scores(logits_TE, "softmax" if grove else cfg.router)
     # Selection is a discrete choice: no gradient flows through it, only through the gathered scores.
     with torch.no_grad():
-        experts_TK = select_experts(scores_TE, bias_E if cfg.loss_free_balancing else None, cfg.top_k)
-    weights_TK = combine_weights(scores_TE, experts_TK, cfg.norm_topk_prob)
+        chooser_TE = router_scores(logits_TE, "sigmoid") if grove else scores_TE
+        experts_TK = select_experts(chooser_TE, bias_E if cfg.loss_free_balancing else None, cfg.top_k)
+    # grove: renormalised softmax probabilities of the chosen experts = the softmax over their logits (eq. 9)
+    weights_TK = combine_weights(scores_TE, experts_TK, cfg.norm_topk_prob or grove)
     return Routing(logits_TE, scores_TE, experts_TK, weights_TK)
 
 
@@ -99,14 +102,21 @@ def router_z_loss(logits_TE: torch.Tensor) -> torch.Tensor:
     return logits_TE.float().logsumexp(dim=-1).square().mean()
 
 
-def loss_free_bias_step(bias_E: torch.Tensor, load_E: torch.Tensor, rate: float) -> torch.Tensor:
-    """Grove eq. 8 (sign form of DeepSeek-V3 / torchtitan): b <- b + rate * sign(mean load - load), recentred.
+def loss_free_bias_step(bias_E: torch.Tensor, load_E: torch.Tensor, rate: float, kind: str = "sign") -> torch.Tensor:
+    """One loss-free balancing step from the loads (assignment counts) since the last one, recentred to mean 0.
 
-    Grove normalises F - Q by its RMS; the sign update is the same direction with unit step per expert,
-    which is what DeepSeek-V3 and torchtitan use with rate ~1e-3. Recentring keeps the mean bias at 0.
+    - "sign" (DeepSeek-V3 / torchtitan): b <- b + rate * sign(mean load - load);
+    - "rms" (Grove eq. 8): b <- b - rate * (F - Q) / sqrt(mean((F - Q)^2)), F the load shares, Q = 1/n.
+    Both move every over-loaded expert down and every under-loaded one up; "rms" in proportion to the imbalance.
     """
     load_E = load_E.to(bias_E.dtype)
-    new_E = bias_E + rate * torch.sign(load_E.mean() - load_E)
+    if kind == "rms":
+        diff_E = load_E / load_E.sum().clamp_min(1e-20) - 1.0 / load_E.numel()
+        rms = diff_E.square().mean().sqrt()
+        step_E = torch.where(rms > 0, diff_E / rms.clamp_min(1e-20), torch.zeros_like(diff_E))
+        new_E = bias_E - rate * step_E
+    else:
+        new_E = bias_E + rate * torch.sign(load_E.mean() - load_E)
     return new_E - new_E.mean()
 
 
@@ -328,7 +338,8 @@ class MoE(nn.Module):
         if load.shape != (self.num_experts,):
             raise ValueError(f"update_bias: load_E must have shape [{self.num_experts}], got {tuple(load.shape)}")
         if self.cfg.loss_free_balancing:
-            self.expert_bias.copy_(loss_free_bias_step(self.expert_bias, load, self.cfg.bias_update_rate))
+            self.expert_bias.copy_(loss_free_bias_step(self.expert_bias, load, self.cfg.bias_update_rate,
+                                                       self.cfg.bias_update))
         self.load_accum.zero_()
 
     def extra_repr(self) -> str:
