@@ -113,3 +113,24 @@ def test_converted_tokens_keep_their_own_state_with_real_boundaries(tmp_path, ti
     assert losses["converted, all boundaries"] == pytest.approx(losses["source MoE"], rel=1e-4)
     assert all(v > 0 for v in losses.values())
     assert dataclasses.asdict(model.model_cfg.chunk)["residual"] == "delta"
+
+
+def test_grove_upcycling_keeps_the_source_and_bounds_lambda(tmp_path):
+    """Grove 3.4: `vlm convert --grove-groups G` adds adjugate experts whose down-projections start at zero, so the
+    converted model (all boundaries on) still computes the source; lambda above g/n is refused."""
+    torch.manual_seed(3)
+    cfg = ModelConfig(vocab_size=113, hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8, encoder_layers=1,
+                      concept_layers=2, decoder_layers=1, moe=MoEConfig(num_experts=8, top_k=2, expert_hidden=16))
+    src = ConceptMoEVLM(cfg.baseline()).eval()
+    save_pretrained(src, tmp_path / "base")
+    model, _ = convert(tmp_path / "base", ConvertConfig(encoder_layers=1, decoder_layers=1, grove_groups=4,
+                                                        grove_hidden=8, grove_lambda=0.25))
+    adj = {n: p for n, p in model.named_parameters() if ".moe.adj_" in n}
+    assert len(adj) == 3 * 4                                          # gate, up, down in each of the 4 MoE layers
+    assert all(not p.any() for n, p in adj.items() if "adj_down" in n)
+    assert all(0.003 < p.std() < 0.012 for n, p in adj.items() if "adj_down" not in n)
+    b, _ = batch()
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(b, force="all").logits, src(b).logits, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ConfigError, match="grove_lambda=0.6 must be in"):
+        convert(tmp_path / "base", ConvertConfig(encoder_layers=1, decoder_layers=1, grove_groups=4, grove_lambda=0.6))

@@ -32,6 +32,10 @@ def add_convert_command(sub) -> None:
     p.add_argument("--concept-top-k", type=int, default=d.concept_top_k,
                    help="strategy 1: activated experts in the concept model")
     p.add_argument("--loop", type=_loop, default=d.loop, help="strategy 2: START:END:TIMES concept-layer loops")
+    p.add_argument("--grove-groups", type=int, default=d.grove_groups,
+                   help="Grove upcycling: adjugate experts per MoE layer (0: none); the source's logits are kept")
+    p.add_argument("--grove-hidden", type=int, default=d.grove_hidden, help="intermediate size of an adjugate expert")
+    p.add_argument("--grove-lambda", type=float, default=d.grove_lambda, help="adjugate scale, at most groups/experts")
     p.add_argument("--tol", type=float, default=0.02, help="allowed per-token FLOPs mismatch vs the source")
     p.set_defaults(func=run_convert)
 
@@ -43,7 +47,8 @@ def run_convert(args) -> int:
 
     opt = ConvertConfig(encoder_layers=args.encoder_layers, decoder_layers=args.decoder_layers,
                         joint_decoding_layers=args.joint_layers, target_ratio=args.ratio,
-                        concept_top_k=args.concept_top_k, loop=args.loop)   # validated here: a bad option stops
+                        concept_top_k=args.concept_top_k, loop=args.loop, grove_groups=args.grove_groups,
+                        grove_hidden=args.grove_hidden, grove_lambda=args.grove_lambda)   # validated: a bad option stops
     model, base = convert(args.source, opt)
     cfg = model.model_cfg
     f_base, f_new = flops_per_token(base)["total"], flops_per_token(cfg, args.ratio)["total"]

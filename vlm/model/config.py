@@ -186,6 +186,11 @@ class ConvertConfig(ValidatedOnInit):
     target_ratio: float = 2.0
     concept_top_k: int | None = None       # reallocation strategy 1: more activated experts in the concept model
     loop: tuple[int, int, int] | None = None  # strategy 2: (start, end, times) concept-layer loops
+    # Grove upcycling (section 3.4): every MoE layer gets this many adjugate experts, down-projections at zero so
+    # the converted model still computes the source; 0 keeps the source's experts as they are
+    grove_groups: int = 0
+    grove_hidden: int = 128
+    grove_lambda: float = 0.05
 
     def validate(self) -> None:
         check(self.encoder_layers >= 1 and self.decoder_layers >= 1,
@@ -194,6 +199,8 @@ class ConvertConfig(ValidatedOnInit):
         check(self.target_ratio > 1, f"convert.target_ratio must be > 1, got {self.target_ratio}")
         check(self.loop is None or len(self.loop) == 3, f"convert.loop must be [start, end, times], got {self.loop}")
         check(self.concept_top_k is None or self.concept_top_k >= 1, "convert.concept_top_k must be >= 1 or null")
+        check(self.grove_groups >= 0 and self.grove_hidden >= 1, "convert.grove_groups must be >= 0 and "
+                                                                  "convert.grove_hidden >= 1")
 
     def check_split(self, total_layers: int) -> None:
         """The source's layers must leave at least one concept layer between the encoder and the decoder."""

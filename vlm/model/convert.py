@@ -86,6 +86,16 @@ def to_conceptmoe_config(base: ModelConfig, opt: ConvertConfig) -> ModelConfig:
     chunk = ChunkConfig(enabled=True, target_ratio=opt.target_ratio, merge="last", residual="delta",
                         joint_decoding_layers=opt.joint_decoding_layers, joint_decoding_zero_init=True)
     cfg = dataclasses.replace(base, chunk=chunk)
+    if opt.grove_groups:   # upcycling: every MoE layer (token and concept stacks) gets adjugate experts
+        # Grove 3.3: when upcycling, an adjugate's weight (the group's chosen rho summed, times lambda) should
+        # not exceed an expert's own: lambda <= g / n
+        bound = opt.grove_groups / base.moe.num_experts
+        if not 0 < opt.grove_lambda <= bound:
+            raise ConfigError(f"grove_lambda={opt.grove_lambda} must be in (0, grove_groups / num_experts = "
+                              f"{opt.grove_groups}/{base.moe.num_experts} = {bound:g}] when upcycling (Grove 3.3)")
+        grove = dict(grove_groups=opt.grove_groups, grove_hidden=opt.grove_hidden, grove_lambda=opt.grove_lambda)
+        cfg = dataclasses.replace(cfg, moe=dataclasses.replace(base.moe, **grove),
+                                  concept_moe=dataclasses.replace(base.c_moe, **grove))
     if opt.concept_top_k is not None:
         cfg = dataclasses.replace(cfg, concept_moe=dataclasses.replace(base.c_moe, top_k=opt.concept_top_k))
     if opt.loop is not None:
@@ -103,12 +113,18 @@ def convert_state(source: ConceptMoEVLM | dict[str, torch.Tensor], cfg: ModelCon
     if unexpected:
         raise ValueError(f"source tensors with no place in the ConceptMoE: {unexpected[:5]}")
     new_parts = ("lm.chunker.", "lm.dechunk.", ".attn.cq_proj", ".attn.ck_proj", ".attn.cv_proj", ".attn.concept_norm",
-                 ".moe.expert_bias", ".moe.load_accum")  # balancing state starts fresh
+                 ".moe.expert_bias", ".moe.load_accum",   # balancing state starts fresh
+                 ".moe.adj_")                            # Grove upcycling's adjugate experts
     lost = [k for k in missing if not any(p in k for p in new_parts)]
     if lost:
         raise ValueError(f"pretrained tensors missing from the source: {lost[:5]}")
     with torch.no_grad():
         model.lm.zero_joint_projections()
+        for name, p in model.named_parameters():   # Grove 3.4: adjugates N(0, 0.006), down-projections zero
+            if ".moe.adj_down" in name:
+                p.zero_()
+            elif ".moe.adj_" in name:
+                p.normal_(0.0, 0.006)
     return model
 
 
