@@ -282,3 +282,14 @@ def test_analytic_params_equal_the_real_model():
         model = ConceptMoELM(cfg)
         real = sum(p.numel() for p in model.parameters())
         assert count_params(cfg)["total"] == real, cfg
+
+
+def test_sliding_window_caps_the_token_stacks_attention_map():
+    base = ModelConfig(vocab_size=64, hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16, encoder_layers=1,
+                       concept_layers=1, decoder_layers=1, moe=MoEConfig(num_experts=2, top_k=1, expert_hidden=16))
+    local = replace(base, attention_window=128)
+    full, win = attention_map_flops(base, 4096, 2.0), attention_map_flops(local, 4096, 2.0)
+    assert win["concept"] == full["concept"]                             # the concept model sees everything
+    per_head = 4.0 * base.num_heads * base.head_dim
+    assert win["encoder"] == per_head * (128 * 129 / 2 + (4096 - 128) * 128)
+    assert attention_map_flops(local, 100)["encoder"] == attention_map_flops(base, 100)["encoder"]

@@ -27,6 +27,7 @@ VARIANTS = {
                                                                grove_groups=2, num_shared_experts=1, shared_hidden=16)),
     "fixed_router": tiny(router="fixed", target_ratio=3.0),
     "delta_residual": tiny(merge="last", residual="delta"),
+    "local_window": dataclasses.replace(tiny(), attention_window=4),
     "baseline": tiny(enabled=False),
 }
 
@@ -116,3 +117,19 @@ def test_output_reports_losses_and_chunking_stats():
     assert s["boundaries/all"] == out.chunks.b_BT.sum().item() >= 2
     assert "loss/text_only" in s and "loss/image_text" not in s
     torch.testing.assert_close(out.loss, out.lm_loss + 0.03 * out.ratio_loss + out.balance_loss)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "eager"])
+def test_sliding_window_attention_sees_itself_and_the_window_before_it(backend):
+    """model.attention_window: query i of a document attends to keys i - window + 1 .. i of the same document."""
+    from vlm.model.attention import attend
+
+    torch.manual_seed(0)
+    W, T = 3, 10
+    doc = torch.tensor([[0] * 6 + [1] * 4])
+    q, k, v = (torch.randn(1, 2, T, 8) for _ in range(3))
+    out = attend(q, k, v, doc, backend, window=W)
+    for i in range(T):
+        lo = max(i - W + 1, 0 if i < 6 else 6)
+        att_HN = torch.softmax((q[0, :, i, None] @ k[0, :, lo:i + 1].transpose(-1, -2))[:, 0] / 8 ** 0.5, -1)
+        torch.testing.assert_close(out[0, :, i], (att_HN[:, None] @ v[0, :, lo:i + 1])[:, 0], rtol=1e-5, atol=1e-5)

@@ -30,8 +30,9 @@ def resolve_backend(requested: str, device: torch.device) -> str:
     return "sdpa"
 
 
-def packed_mask(doc_BT: torch.Tensor, causal: bool = True) -> torch.Tensor:
-    """[B, 1, T, T] bool: may query i attend key j? Same document (and j <= i when causal).
+def packed_mask(doc_BT: torch.Tensor, causal: bool = True, window: int = 0) -> torch.Tensor:
+    """[B, 1, T, T] bool: may query i attend key j? Same document (and j <= i when causal; with a sliding
+    `window` > 0 also i - j < window: each query sees itself and the window - 1 keys before it).
 
     Padding queries (doc -1) attend only to themselves so that no row of the softmax is empty.
     """
@@ -39,6 +40,8 @@ def packed_mask(doc_BT: torch.Tensor, causal: bool = True) -> torch.Tensor:
     same = (doc_BT[:, :, None] == doc_BT[:, None, :]) & (doc_BT[:, None, :] >= 0)
     if causal:
         same &= torch.ones(T, T, dtype=torch.bool, device=doc_BT.device).tril()
+    if window:
+        same &= torch.ones(T, T, dtype=torch.bool, device=doc_BT.device).triu(-(window - 1))
     same |= torch.eye(T, dtype=torch.bool, device=doc_BT.device)
     return same[:, None]
 
@@ -51,7 +54,7 @@ def _eager(q, k, v, mask_B1TT):
     return (scores.softmax(-1) @ v.float()).to(q.dtype)
 
 
-def _flash(q, k, v, doc_BT, causal):  # pragma: no cover - CUDA only
+def _flash(q, k, v, doc_BT, causal, window=0):  # pragma: no cover - CUDA only
     B, H, T, d = q.shape
     valid = doc_BT >= 0
     # One varlen segment per (row, document): offset doc ids by row so segments never merge.
@@ -59,18 +62,20 @@ def _flash(q, k, v, doc_BT, causal):  # pragma: no cover - CUDA only
     _, counts = torch.unique_consecutive(seg, return_counts=True)
     cu = F.pad(counts.cumsum(0), (1, 0)).to(torch.int32)
     pick = lambda x: x.transpose(1, 2)[valid]  # noqa: E731  [N, heads, d]
-    out = flash_attn_varlen_func(pick(q), pick(k), pick(v), cu, cu, int(counts.max()), int(counts.max()), causal=causal)
+    out = flash_attn_varlen_func(pick(q), pick(k), pick(v), cu, cu, int(counts.max()), int(counts.max()), causal=causal,
+                                 window_size=(window - 1, 0) if window else (-1, -1))
     full = q.new_zeros(B, T, H, d)
     full[valid] = out
     return full.transpose(1, 2)
 
 
-def attend(q_BHTd, k_BKTd, v_BKTd, doc_BT, backend: str, mask_B1TT=None, causal: bool = True):
-    """Packed attention; `mask_B1TT` may be passed in to share it across the layers of a stack."""
+def attend(q_BHTd, k_BKTd, v_BKTd, doc_BT, backend: str, mask_B1TT=None, causal: bool = True, window: int = 0):
+    """Packed attention; `mask_B1TT` may be passed in to share it across the layers of a stack (it then already
+    holds the sliding `window`)."""
     if backend == "flash":
-        return _flash(q_BHTd, k_BKTd, v_BKTd, doc_BT, causal)
+        return _flash(q_BHTd, k_BKTd, v_BKTd, doc_BT, causal, window)
     if mask_B1TT is None:
-        mask_B1TT = packed_mask(doc_BT, causal)
+        mask_B1TT = packed_mask(doc_BT, causal, window)
     if backend == "eager":
         return _eager(q_BHTd, k_BKTd, v_BKTd, mask_B1TT)
     if backend == "flex":  # pragma: no cover - exercised on GPU only (no CPU backward)
@@ -80,6 +85,8 @@ def attend(q_BHTd, k_BKTd, v_BKTd, doc_BT, backend: str, mask_B1TT=None, causal:
 
         def mod(b, h, qi, ki):
             same = (doc_BT[b, qi] == doc_BT[b, ki]) & (doc_BT[b, ki] >= 0)
+            if window:
+                same = same & (qi - ki < window)
             return (same & (ki <= qi) if causal else same) | (qi == ki)
 
         bm = create_block_mask(mod, B, None, T, T, device=q_BHTd.device)
@@ -128,13 +135,14 @@ class Attention(nn.Module):
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         return q, k, v
 
-    def forward(self, x_BTD, doc_BT, rope, backend: str, mask=None, c_BTD=None, cache: KVCache | None = None):
+    def forward(self, x_BTD, doc_BT, rope, backend: str, mask=None, c_BTD=None, cache: KVCache | None = None,
+                window: int = 0):
         """`cache` (prefill): each row is one document; its keys and values are kept for `step`."""
         B, T, _ = x_BTD.shape
         q, k, v = self._heads(x_BTD, c_BTD, rope)
         if cache is not None:
             cache.fill(k, v, (doc_BT >= 0).sum(1))
-        out = attend(q, k, v, doc_BT, backend, mask)
+        out = attend(q, k, v, doc_BT, backend, mask, window=window)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.h * self.hd))
 
     def step(self, x_R1D, rope, cache: KVCache, rows: torch.Tensor, c_R1D=None):

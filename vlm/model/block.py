@@ -22,17 +22,18 @@ class StackContext:
     rope: tuple[torch.Tensor, torch.Tensor] | None
     backend: str
     mask: torch.Tensor | None
+    window: int = 0          # sliding-window attention (0: the whole document)
 
     @property
     def valid_BT(self) -> torch.Tensor:
         return self.doc_BT >= 0
 
     @staticmethod
-    def build(doc_BT, positions_BT, head_dim, theta, dtype, backend, use_rope=True) -> "StackContext":
+    def build(doc_BT, positions_BT, head_dim, theta, dtype, backend, use_rope=True, window: int = 0) -> "StackContext":
         backend = resolve_backend(backend, doc_BT.device)
         rope = rope_cos_sin(positions_BT, head_dim, theta, dtype) if use_rope else None
-        mask = packed_mask(doc_BT) if backend in ("sdpa", "eager") else None
-        return StackContext(doc_BT, rope, backend, mask)
+        mask = packed_mask(doc_BT, window=window) if backend in ("sdpa", "eager") else None
+        return StackContext(doc_BT, rope, backend, mask, window)
 
 
 class Block(nn.Module):
@@ -46,7 +47,8 @@ class Block(nn.Module):
 
     def forward(self, x_BTD: torch.Tensor, ctx: StackContext, c_BTD: torch.Tensor | None = None,
                 cache: KVCache | None = None):
-        x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), ctx.doc_BT, ctx.rope, ctx.backend, ctx.mask, c_BTD, cache)
+        x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), ctx.doc_BT, ctx.rope, ctx.backend, ctx.mask, c_BTD, cache,
+                                  window=ctx.window)
         # Only real tokens reach the experts: padding would distort loads and the balancing bias.
         valid = ctx.valid_BT
         h_ND = self.ffn_norm(x_BTD[valid])

@@ -20,11 +20,12 @@ class KVCache:
     k_BKSd: torch.Tensor
     v_BKSd: torch.Tensor
     len_B: torch.Tensor
+    window: int = 0          # sliding-window layers read only their last `window` entries
 
     @staticmethod
-    def allocate(B: int, kv_heads: int, capacity: int, head_dim: int, dtype, device) -> "KVCache":
+    def allocate(B: int, kv_heads: int, capacity: int, head_dim: int, dtype, device, window: int = 0) -> "KVCache":
         z = torch.zeros(B, kv_heads, capacity, head_dim, dtype=dtype, device=device)
-        return KVCache(z, z.clone(), torch.zeros(B, dtype=torch.long, device=device))
+        return KVCache(z, z.clone(), torch.zeros(B, dtype=torch.long, device=device), window)
 
     def fill(self, k_BKTd: torch.Tensor, v_BKTd: torch.Tensor, len_B: torch.Tensor) -> None:
         """Prefill: the first T positions of every row (positions past `len_B` are padding, never read)."""
@@ -44,13 +45,17 @@ class KVCache:
         self.v_BKSd[idx, :, pos_R] = v_RK1d[:, :, 0]
         self.len_B[idx] += 1
         S = self.k_BKSd.shape[2]
-        mask_R11S = (torch.arange(S, device=idx.device)[None] <= pos_R[:, None])[:, None, None]
+        j_1S = torch.arange(S, device=idx.device)[None]
+        mask_RS = j_1S <= pos_R[:, None]
+        if self.window:
+            mask_RS &= j_1S > pos_R[:, None] - self.window
+        mask_R11S = mask_RS[:, None, None]
         k, v = (self.k_BKSd, self.v_BKSd) if rows is None else (self.k_BKSd[rows], self.v_BKSd[rows])
         return F.scaled_dot_product_attention(q_RH1d, k, v, attn_mask=mask_R11S, enable_gqa=k.shape[1] != q_RH1d.shape[1])
 
     def select(self, rows: torch.Tensor) -> "KVCache":
         """A cache of the given rows (repeats allowed: one prefix continued several ways)."""
-        return KVCache(self.k_BKSd[rows], self.v_BKSd[rows], self.len_B[rows])
+        return KVCache(self.k_BKSd[rows], self.v_BKSd[rows], self.len_B[rows], self.window)
 
     def grow(self, extra: int) -> None:
         """Room for `extra` more positions per row (when a generation runs past the capacity it was given)."""

@@ -64,7 +64,8 @@ class ConceptMoELM(nn.Module):
         """Final hidden states [B, T, D] (before the norm), the chunking, and the MoE stats of every layer.
         With `cache` (prefill: one document per row) every layer's keys and values and the chunk state are kept."""
         cfg = self.cfg
-        ctx = StackContext.build(doc_BT, pos_BT, cfg.head_dim, cfg.rope_theta, x_BTD.dtype, cfg.attn_backend)
+        ctx = StackContext.build(doc_BT, pos_BT, cfg.head_dim, cfg.rope_theta, x_BTD.dtype, cfg.attn_backend,
+                                 window=cfg.attention_window)
         ckpt = self.gradient_checkpointing
         h_BTD, moe_stats = run_stack(self.encoder, x_BTD, ctx, caches=cache.encoder if cache else None,
                                      checkpoint=ckpt, states=states)
@@ -100,15 +101,18 @@ class ConceptMoELM(nn.Module):
         return out_BTD, ch, moe_stats + s
 
     # ---------------------------------------------------------------- inference with caches
-    def _caches(self, kv_heads: int, n: int, B: int, capacity: int, like: torch.Tensor) -> list[KVCache]:
-        return [KVCache.allocate(B, kv_heads, capacity, self.cfg.head_dim, like.dtype, like.device) for _ in range(n)]
+    def _caches(self, kv_heads: int, n: int, B: int, capacity: int, like: torch.Tensor, window: int = 0
+                ) -> list[KVCache]:
+        return [KVCache.allocate(B, kv_heads, capacity, self.cfg.head_dim, like.dtype, like.device, window)
+                for _ in range(n)]
 
     def allocate_inference_cache(self, B: int, capacity: int, like: torch.Tensor) -> InferenceCache:
         """Token caches for `capacity` positions per row; the concept caches are sized at prefill, once the
         prompt's concepts are known."""
         kv = self.cfg.num_kv_heads
-        return InferenceCache(self._caches(kv, len(self.encoder), B, capacity, like), [],
-                              self._caches(kv, len(self.decoder), B, capacity, like),
+        w = self.cfg.attention_window
+        return InferenceCache(self._caches(kv, len(self.encoder), B, capacity, like, w), [],
+                              self._caches(kv, len(self.decoder), B, capacity, like, w),
                               torch.zeros(B, dtype=torch.long, device=like.device), capacity=capacity)
 
     @torch.no_grad()

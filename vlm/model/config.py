@@ -116,8 +116,12 @@ class ModelConfig:
     tie_embeddings: bool = False
     init_std: float = 0.02
     attn_backend: Literal["auto", "sdpa", "eager", "flash", "flex"] = "auto"
+    # sliding-window (local) attention in the encoder and decoder layers: a token sees itself and the
+    # window - 1 tokens before it in its document; 0 = the whole document. The concept model always sees all.
+    attention_window: int = 0
 
     def validate(self) -> None:
+        check(self.attention_window >= 0, f"attention_window must be >= 0 (0: whole document), got {self.attention_window}")
         check(self.vocab_size >= 2, "vocab_size must be >= 2")
         check(self.init_std > 0, f"init_std must be > 0, got {self.init_std}")
         check(self.num_heads % self.num_kv_heads == 0,

@@ -215,7 +215,10 @@ def flops_per_token(cfg: ModelConfig, ratio: float | None = None) -> dict[str, f
     return out
 
 
-def _pairs(n: float, causal: bool) -> float:
+def _pairs(n: float, causal: bool, window: int = 0) -> float:
+    """Query-key pairs of n positions; a causal sliding window of W keeps min(i + 1, W) keys for query i."""
+    if window and causal and n > window:
+        return window * (window + 1) / 2 + (n - window) * window
     return n * (n + 1) / 2 if causal else n * n
 
 
@@ -223,13 +226,15 @@ def attention_map_flops(cfg: ModelConfig, seq_len: int, ratio: float | None = No
                         causal: bool = True) -> dict[str, float]:
     """FLOPs of QK^T and AV for one sequence of `seq_len` tokens, by stage and `total`.
 
-    The concept model attends over seq_len / R concepts, once per pass (loops included).
+    The concept model attends over seq_len / R concepts, once per pass (loops included); encoder and decoder
+    layers over at most `model.attention_window` keys per query when it is set.
     """
     if seq_len < 1:
         raise ValueError(f"seq_len must be >= 1, got {seq_len}")
     out = {}
     for st in stages(cfg, ratio):
-        out[st.name] = st.passes * 4.0 * st.heads * st.head_dim * _pairs(seq_len * st.positions, causal)
+        window = 0 if st.name == "concept" else cfg.attention_window
+        out[st.name] = st.passes * 4.0 * st.heads * st.head_dim * _pairs(seq_len * st.positions, causal, window)
     out["total"] = sum(out[s] for s in STAGES)
     return out
 
