@@ -49,6 +49,17 @@ class Tokenizer:
     def token_id(self, special: str) -> int:
         return self._special_ids[special]
 
+    @property
+    def bytes_per_id(self) -> np.ndarray:
+        """UTF-8 bytes each id stands for (0 for special tokens): the denominator of bits per byte."""
+        if getattr(self, "_bytes_per_id", None) is None:
+            self._bytes_per_id = self._count_bytes()
+            self._bytes_per_id[list(self.special_ids)] = 0
+        return self._bytes_per_id
+
+    def _count_bytes(self) -> np.ndarray:
+        raise NotImplementedError
+
     def encode(self, text: str) -> list[int]:
         raise NotImplementedError
 
@@ -75,6 +86,9 @@ class ByteTokenizer(Tokenizer):
         self._special_str = {i: s for s, i in self._special_ids.items()}
         self.vocab_size = 256 + len(SPECIAL_TOKENS)
         self._init_special_attrs()
+
+    def _count_bytes(self) -> np.ndarray:
+        return np.ones(self.vocab_size, dtype=np.int64)   # ids 0..255 are bytes; specials are zeroed
 
     def encode_np(self, text: str) -> np.ndarray:
         parts = []
@@ -165,6 +179,17 @@ class BPETokenizer(Tokenizer):
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
+
+    def _count_bytes(self) -> np.ndarray:
+        """A byte-level BPE token's string has one character per byte (GPT-2's table); other vocabularies are
+        measured by decoding each token alone."""
+        byte_of = set(_bytes_to_unicode().values())
+        out = np.zeros(self.vocab_size, dtype=np.int64)
+        for i in range(self.vocab_size):
+            piece = self.tok.id_to_token(i) or ""
+            out[i] = len(piece) if piece and all(c in byte_of for c in piece) else \
+                len(self.tok.decode([i], skip_special_tokens=False).encode("utf-8"))
+        return out
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]

@@ -102,3 +102,15 @@ def test_the_byte_tokenizer_saves_a_file_transformers_reads_the_same(tmp_path, t
     assert ids == ours.encode(text)
     assert theirs.decode(ids) == text and theirs.decode(ids, skip_special_tokens=True) == ours.decode(ids)
     assert type(load_tokenizer(tmp_path)).__name__ == "ByteTokenizer"
+
+
+def test_bytes_per_id_counts_the_utf8_bytes_each_token_stands_for(tmp_path):
+    """The denominator of bits per byte: summed over a text's tokens it is the text's UTF-8 length."""
+    byte = ByteTokenizer()
+    assert byte.bytes_per_id[:256].tolist() == [1] * 256 and not byte.bytes_per_id[256:].any()
+    texts = ["a red circle at the top left", "zwölf Boxkämpfer jagen Viktor", "日本語のテキスト"] * 20
+    bpe = train_bpe(texts, 300)
+    for text in texts[:3] + ["<|user|>hi<|end|>"]:
+        ids = bpe.encode(text)
+        plain = text.replace("<|user|>", "").replace("<|end|>", "")
+        assert int(bpe.bytes_per_id[ids].sum()) == len(plain.encode("utf-8"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import math
 
 import pytest
 import torch
@@ -52,6 +53,11 @@ def test_train_single_process_run_dir(tiny_data, tmp_path, torch_globals, make_t
         assert not missing, missing
         assert r["tokens"] > 0 and r["tokens_per_s"] > 0 and r["compression/ratio"] >= 1
     assert all("val/lm_loss" in r for r in recs if r["step"] % 2 == 0)
+    # bits per byte of the text-only samples: the byte tokenizer's targets are bytes or 0-byte specials (eos)
+    for r in recs:
+        if r["loss/text_only"] is not None:
+            assert 1.0 <= r["bpb/text"] / (r["loss/text_only"] / math.log(2)) < 1.5
+    assert any(r.get("val/bpb/text") for r in recs)
     assert all(r["text/embed_norm"] > 0 for r in recs)
     assert any(r.get("vision/token_norm", 0) > 0 and r.get("vision/token_spread", 0) > 0 for r in recs)
     assert recs[0]["lr"] < recs[1]["lr"]                      # warm-up

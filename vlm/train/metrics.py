@@ -23,7 +23,7 @@ from vlm.train.tracking import WandbTracker
 MODS = ("all", "text", "image")
 # Fixed order of the summed scalars.
 FIELDS = (["n_lab", "lm_sum", "n_text_only", "text_only_sum", "n_image_text", "image_text_sum", "balance_sum",
-           "micro", "adjugate_sum"]
+           "micro", "adjugate_sum", "bytes_text_only"]
           + [f"tokens/{m}" for m in MODS] + [f"boundaries/{m}" for m in MODS] + [f"psum/{m}" for m in MODS])
 IDX = {k: i for i, k in enumerate(FIELDS)}
 
@@ -39,8 +39,10 @@ class StepAccumulator:
     """Sums of one optimizer step on this rank, kept on the device; `reduce()` all-reduces them in one call
     and brings them to the host in one transfer."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, bytes_per_id: torch.Tensor | None = None):
+        """bytes_per_id: UTF-8 bytes per token id (the tokenizer's), for bits per byte of the text."""
         self.device = device
+        self.bytes_per_id = bytes_per_id
         self.parts: list[torch.Tensor] = []
         self.loads: dict[str, torch.Tensor] = {}
         self.ratio_loss = torch.zeros((), device=device)
@@ -54,7 +56,13 @@ class StepAccumulator:
         zero = out.lm_loss.new_zeros(())
         split = {k: m.detach() for k, (m, _) in out.loss_split.items()}
         adj = sum(st.adjugate_per_token for st in out.moe.values()) / len(out.moe) if out.moe else 0.0
-        values = {"n_lab": n, "lm_sum": out.lm_loss.detach() * n, "n_text_only": n_to,
+        text_bytes = zero_b = torch.zeros((), device=batch.labels.device)
+        if self.bytes_per_id is not None:
+            labelled = (batch.labels != IGNORE_INDEX) & (batch.modality != IMAGE)
+            text_only = labelled & ~sample_has_image(batch.doc_ids, batch.modality)
+            per_pos = self.bytes_per_id.to(batch.labels.device)[batch.labels.clamp(0, len(self.bytes_per_id) - 1)]
+            text_bytes = torch.where(text_only, per_pos, zero_b.long()).sum()
+        values = {"n_lab": n, "lm_sum": out.lm_loss.detach() * n, "n_text_only": n_to, "bytes_text_only": text_bytes,
                   "text_only_sum": split.get("loss/text_only", zero) * n_to, "n_image_text": n_it,
                   "image_text_sum": split.get("loss/image_text", zero) * n_it,
                   "balance_sum": out.balance_loss.detach(), "micro": torch.ones(()), "adjugate_sum": torch.tensor(adj)}
@@ -106,6 +114,8 @@ def step_record(step: int, vec: torch.Tensor, ratio_loss: float, ratio_weight: f
         "tokens_per_s": v["tokens/all"] / seconds if seconds > 0 else 0.0,
         "step_time_s": seconds,
         "loss/text_only": _div(v["text_only_sum"], v["n_text_only"]),
+        # bits per byte of the text-only samples: their summed loss in bits over the UTF-8 bytes they predict
+        "bpb/text": _div(v["text_only_sum"] / math.log(2), v["bytes_text_only"]),
         "loss/image_text": _div(v["image_text_sum"], v["n_image_text"]),
         "compression/ratio": _div(v["tokens/all"], v["boundaries/all"]),
         "compression/text": _div(v["tokens/text"], v["boundaries/text"]),

@@ -102,7 +102,8 @@ def summary_lines(records: list[dict], targets: dict[str, float], vqa: dict | No
     fmt = lambda v, p=3: "n/a" if v is None else f"{v:.{p}f}"  # noqa: E731
     lines = [f"run: {run_dir}  steps: {last['step']}  wall time: {wall_s / 60:.1f} min",
              f"loss: {fmt(first.get('lm_loss'))} (first step) -> {fmt(_tail_mean(records, 'lm_loss'))} (last 10 %)",
-             f"  text-only samples:  {fmt(_tail_mean(records, 'loss/text_only'))}",
+             f"  text-only samples:  {fmt(_tail_mean(records, 'loss/text_only'))}"
+             f"   ({fmt(_tail_mean(records, 'bpb/text'))} bits per byte)",
              f"  image-text samples: {fmt(_tail_mean(records, 'loss/image_text'))}"]
     if warmup:
         held = warmup.get("held_out_all_words_right")

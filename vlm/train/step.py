@@ -108,7 +108,8 @@ def statistics_pass(model, window: list[PackedBatch], parser: GlobalParser, step
 
 def train_step(engine, window: list[PackedBatch], step: int, *, seed: int, rank: int, world_size: int,
                parser: GlobalParser | None, ratio_weight: float, device: torch.device,
-               float_dtype: torch.dtype = torch.float32, loss_hook=None) -> StepResult:
+               float_dtype: torch.dtype = torch.float32, loss_hook=None,
+               bytes_per_id: torch.Tensor | None = None) -> StepResult:
     """Forward/backward every micro-batch of `window` and take (or skip) one optimizer step.
 
     `loss_hook(out, k)` may replace a micro-batch's output (used by tests to inject a non-finite loss).
@@ -123,7 +124,7 @@ def train_step(engine, window: list[PackedBatch], step: int, *, seed: int, rank:
         if K > 1:
             statistics_pass(engine.module, window, parser, step, seed=seed, rank=rank, world_size=W, device=device,
                             float_dtype=float_dtype)
-    acc = StepAccumulator(device)
+    acc = StepAccumulator(device, bytes_per_id)
     plain = is_plain_fp32(engine)
     bad = False
     chunking = None

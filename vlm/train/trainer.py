@@ -128,6 +128,7 @@ class Trainer:
         self.resume_from = self._resume_point(resume)
         self._prepare_data_dir()
         self.tokenizer = load_tokenizer(cfg.data.tokenizer_path)
+        self.bytes_per_id = torch.as_tensor(self.tokenizer.bytes_per_id, device=self.dist.device)
         self._build_model()   # stage ct: cfg.model becomes the converted checkpoint's architecture
         if cfg.model.vocab_size < self.tokenizer.vocab_size:
             raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
@@ -241,7 +242,8 @@ class Trainer:
         return train_step(self.engine, window, self.step, seed=cfg.train.seed, rank=self.dist.rank,
                           world_size=self.dist.world_size, parser=self.parser,
                           ratio_weight=cfg.model.chunk.ratio_loss_weight if cfg.model.chunk.enabled else 0.0,
-                          device=self.dist.device, float_dtype=self.float_dtype, loss_hook=loss_hook or self.loss_hook)
+                          device=self.dist.device, float_dtype=self.float_dtype, loss_hook=loss_hook or self.loss_hook,
+                          bytes_per_id=self.bytes_per_id)
 
     def after_step(self, result: StepResult) -> None:
         """Schedule and loss-free balancing move only when the optimizer applied the step."""

@@ -10,7 +10,7 @@ from vlm.train.metrics import StepAccumulator, step_record
 from vlm.train.render import image_concept_picture, text_with_boundaries
 from vlm.train.step import prepare
 
-EVAL_KEYS = ("lm_loss", "loss/text_only", "loss/image_text", "compression/ratio", "compression/text",
+EVAL_KEYS = ("lm_loss", "loss/text_only", "bpb/text", "loss/image_text", "compression/ratio", "compression/text",
              "compression/image", "boundary_p/all", "boundary_p/text", "boundary_p/image")
 
 
@@ -23,6 +23,7 @@ class HeldOut:
         self.engine, self.batches, self.parser = engine, batches, parser
         self.device, self.float_dtype = device, float_dtype
         self.processor_cfg, self.tokenizer = processor_cfg, tokenizer
+        self.bytes_per_id = torch.as_tensor(tokenizer.bytes_per_id, device=device)
 
     @torch.no_grad()
     def run(self, fallback_batch, draw: bool) -> tuple[dict, tuple | None]:
@@ -30,7 +31,7 @@ class HeldOut:
         engine = self.engine
         engine.eval()
         install(engine.module, None)   # eval statistics stay local: no collective inside the forward
-        acc = StepAccumulator(self.device)
+        acc = StepAccumulator(self.device, self.bytes_per_id)
         first = None
         try:
             for b in self.batches or [fallback_batch]:
