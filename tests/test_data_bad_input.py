@@ -81,7 +81,7 @@ def _fixture(d, png):
         w.write(Sample(key="j", kind="text", text="lost"))
     (d / "junk-000000.tar").write_bytes(b"garbage" * 100)
     update_manifest(d, entries)
-    return [f"good text zero", "good pair one", "good  inter  two", "\ngood questionthree",
+    return ["good text zero", "good pair one", "good  inter  two", "\ngood questionthree",
             "truncated shard sample 0 " + "p" * 100, "truncated shard sample 1 " + "p" * 100]
 
 
