@@ -276,3 +276,15 @@ def test_print_config_shows_the_resolved_config_and_exits(tmp_path, capsys, writ
     printed = yaml.safe_load(capsys.readouterr().out)
     assert printed["optim"]["lr"] == 0.02 and printed["model"]["hidden_size"] == TINY["model"]["hidden_size"]
     assert not (tmp_path / "run").exists()
+
+
+def test_run_configs_written_by_earlier_versions_still_load(tmp_path):
+    """RUN_DIR/config.yaml from before `logging.report_to`: `logging.tensorboard: bool` is read as report_to."""
+    from vlm.train.config import load_train_config
+
+    old = tmp_path / "config.yaml"
+    old.write_text("logging:\n  tensorboard: false\n  log_every: 3\n")
+    cfg = load_train_config(old)
+    assert cfg.logging.report_to == [] and cfg.logging.log_every == 3
+    old.write_text("logging:\n  tensorboard: true\n")
+    assert load_train_config(old).logging.report_to == ["tensorboard"]

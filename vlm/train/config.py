@@ -13,7 +13,7 @@ from typing import Any, Literal
 from data_pipelines.config import DataConfig, SourceConfig
 from vision.config import VisionConfig
 from vision.image_processor import ImageProcessorConfig
-from configs.config import ConfigError, check, load_config
+from configs.config import ConfigError, apply_overrides, check, from_dict, load_yaml
 from vlm.model.config import ConvertConfig, ModelConfig
 
 
@@ -234,8 +234,19 @@ class TrainConfig:
 
 def load_train_config(path: str | Path | None, overrides: list[str] | None = None) -> TrainConfig:
     """Read a YAML file (or none: the defaults), apply dotted overrides, validate. Raises ConfigError."""
-    cfg = load_config(TrainConfig, path, overrides)
-    return cfg
+    data = migrate_run_config(load_yaml(path) if path else {})
+    apply_overrides(data, overrides or [])
+    return from_dict(TrainConfig, data)
+
+
+def migrate_run_config(data: dict) -> dict:
+    """Keys that earlier versions wrote into RUN_DIR/config.yaml, in today's form, so that old runs still resume
+    and serve as `init_from`: `logging.tensorboard: bool` became `logging.report_to`."""
+    logging_ = data.get("logging")
+    if isinstance(logging_, dict) and "tensorboard" in logging_:
+        on = logging_.pop("tensorboard")
+        logging_.setdefault("report_to", ["tensorboard"] if on else [])
+    return data
 
 
 __all__ = ["TrainConfig", "OptimConfig", "DeepSpeedConfig", "ParamsConfig", "LoggingConfig", "CheckpointConfig",
