@@ -17,13 +17,14 @@ from configs.config import ConfigError, apply_overrides, from_dict, load_yaml, t
 from eval import export_tasks
 from eval.longctx.config import LongCtxConfig
 from eval.longctx.tasks import TASKS
+from eval.perplexity import add_ppl_command
 from eval.vqa import add_vqa_command
 
 
 def add_eval_commands(subparsers: argparse._SubParsersAction) -> argparse._SubParsersAction:
-    """Register `eval` with `longctx`, `lmms-tasks` and `vqa`; returns the `eval` sub-command set."""
-    ev = subparsers.add_parser("eval", help="evaluation: long-context sweep, lmms-eval task export, VQA")
-    sub = ev.add_subparsers(dest="eval_command", metavar="{longctx,lmms-tasks,vqa}")
+    """Register `eval` with `longctx`, `lmms-tasks`, `vqa` and `ppl`; returns the `eval` sub-command set."""
+    ev = subparsers.add_parser("eval", help="evaluation: long-context sweep, lmms-eval task export, VQA, perplexity")
+    sub = ev.add_subparsers(dest="eval_command", metavar="{longctx,lmms-tasks,vqa,ppl}")
     sub.required = True
     lc = sub.add_parser("longctx", help="RULER-style synthetic long-context sweep (lengths x depths)",
                         description="Offline RULER-style sweep; scores per task x length x depth, heat maps, "
@@ -55,6 +56,7 @@ def add_eval_commands(subparsers: argparse._SubParsersAction) -> argparse._SubPa
 
     if "vqa" not in sub.choices:
         add_vqa_command(sub)
+    add_ppl_command(sub)
     return sub
 
 

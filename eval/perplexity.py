@@ -1,0 +1,70 @@
+"""`vlm eval ppl`: held-out LM loss and bits per byte of an exported model, per kind of sample.
+
+    vlm eval ppl --ckpt RUN/final [--data SHARDS ...] [--max-batches N] [--out result.json]
+
+Without --data: the default dataset's validation split. Samples are packed and scored as in training (chat samples
+on their answers, captions and text on every token); bits per byte divide the text-only samples' summed loss in
+bits by the UTF-8 bytes of the tokens they predict, so models with different tokenizers compare on one scale.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from data_pipelines.config import DataConfig, SourceConfig
+from data_pipelines.loader import build_loader
+from vlm.train.metrics import StepAccumulator, step_record
+
+KEYS = ("lm_loss", "loss/text_only", "bpb/text", "loss/image_text", "compression/text", "compression/image")
+
+
+@torch.no_grad()
+def perplexity(chat, shards: list[str] | None, data_dir: str, max_batches: int | None, row_tokens: int = 512) -> dict:
+    """`chat`: a ConceptMoEChat (model, tokenizer, processor)."""
+    proc = chat.processor.cfg if chat.processor is not None else DataConfig().processor
+    sources = [SourceConfig(path=str(p), name=f"s{i}") for i, p in enumerate(shards or [])]
+    cfg = DataConfig(sources=sources, default_dir=data_dir, split="val", epochs=1, shuffle_buffer=0,
+                     row_tokens=row_tokens, rows_per_batch=4, loss_on="assistant", processor=proc)
+    acc = StepAccumulator(chat.device, torch.as_tensor(chat.tokenizer.bytes_per_id, device=chat.device))
+    n = 0
+    for batch in build_loader(cfg, chat.tokenizer):
+        if max_batches is not None and n >= max_batches:
+            break
+        batch = batch.to(chat.device)
+        acc.add(chat.model(batch), batch)
+        n += 1
+    if not n:
+        raise ValueError("no samples to score (empty shards?)")
+    vec, _, _ = acc.reduce(lambda x: x)
+    rec = step_record(0, vec, 0.0, 0.0, 0.0, 0.0)
+    return {"batches": n, **{k: rec.get(k) for k in KEYS}}
+
+
+def add_ppl_command(sub) -> None:
+    p = sub.add_parser("ppl", help="held-out LM loss and bits per byte per kind of sample",
+                       description=__doc__.split("\n\n")[0])
+    p.add_argument("--ckpt", required=True, help="exported model directory (RUN_DIR/final)")
+    p.add_argument("--data", nargs="+", help="shards (dirs, globs, files); default: the default dataset's val split")
+    p.add_argument("--default-dir", default="data/default", help="the default dataset (built if missing)")
+    p.add_argument("--max-batches", type=int)
+    p.add_argument("--row-tokens", type=int, default=512)
+    p.add_argument("--out", help="write the result as JSON here")
+    p.set_defaults(func=_run)
+
+
+def _run(args) -> int:
+    from vlm.generate import load_eval_model
+
+    res = perplexity(load_eval_model(args.ckpt), args.data, args.default_dir, args.max_batches, args.row_tokens)
+    fmt = lambda v: "n/a" if v is None else f"{v:.4f}"  # noqa: E731
+    print(f"{args.ckpt}: {res['batches']} batches")
+    print(f"  LM loss (all)        {fmt(res['lm_loss'])}")
+    print(f"  text-only samples    {fmt(res['loss/text_only'])}   ({fmt(res['bpb/text'])} bits per byte)")
+    print(f"  image-text samples   {fmt(res['loss/image_text'])}")
+    print(f"  compression (tokens per concept): text {fmt(res['compression/text'])}, "
+          f"image {fmt(res['compression/image'])}")
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, indent=1))
+    return 0
