@@ -207,3 +207,29 @@ def test_fixed_router_refuses_settings_it_cannot_honour():
         from_dict(ChunkConfig, {"router": "fixed", "modality_target_ratios": {"text": 2.0, "image": 2.0}})
     with pytest.raises(ConfigError, match="rounds below 2"):
         from_dict(ChunkConfig, {"router": "fixed", "target_ratio": 1.4})
+
+
+def test_topk_router_keeps_the_best_n_over_R_tokens_per_document_and_a_causal_threshold_at_inference():
+    """Synergy eq. 1-2: in training each n-token document keeps its ceil(n / R) best-scoring tokens (plus its
+    first); the threshold that inference uses instead follows the scores' (1 - 1/R) quantile, so eval-mode
+    boundaries come at about 1/R of the tokens and depend on each token alone (a prefix never changes)."""
+    torch.manual_seed(0)
+    mod = ChunkModule(ChunkConfig(router="topk", target_ratio=4.0), 8).train()
+    doc = torch.tensor([[0] * 20 + [1] * 9 + [-1] * 3, [2] * 32])
+    for _ in range(60):
+        h = torch.randn(2, 32, 8)
+        ch = mod(h, doc)
+        w = mod.score(h).squeeze(-1)
+        for row, lo, hi in ((0, 0, 20), (0, 20, 29), (1, 0, 32)):
+            b = ch.b_BT[row, lo:hi]
+            k = -(-(hi - lo) // 4)
+            best = set(w[row, lo:hi].topk(k).indices.tolist())
+            assert set(b.nonzero().squeeze(1).tolist()) - {0} == best - {0} and b[0]
+        assert not ch.b_BT[0, 29:].any()                         # padding
+    mod.eval()
+    big_doc = torch.arange(64).repeat_interleave(64).view(8, 512)  # 64 documents of 64 tokens
+    rate = mod(torch.randn(8, 512, 8), big_doc).b_BT.float().mean().item()
+    assert 0.2 < rate < 0.33                                      # about 1/R (+ 1/64 document starts)
+    h = torch.randn(2, 32, 8)
+    full = mod(h, doc).b_BT
+    assert torch.equal(mod(h[:, :12], doc[:, :12]).b_BT, full[:, :12])   # a prefix decides alone

@@ -28,6 +28,7 @@ VARIANTS = {
     "fixed_router": tiny(router="fixed", target_ratio=3.0),
     "delta_residual": tiny(merge="last", residual="delta"),
     "local_window": dataclasses.replace(tiny(), attention_window=4),
+    "topk_router": tiny(router="topk", target_ratio=3.0),
     "baseline": tiny(enabled=False),
 }
 

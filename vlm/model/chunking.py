@@ -145,6 +145,9 @@ class ChunkModule(nn.Module):
             self.k_proj = nn.Linear(dim, dim, bias=False)
         elif cfg.router == "linear":
             self.score = nn.Linear(2 * dim, 1)
+        elif cfg.router == "topk":   # Synergy eq. 1: one score per token from its own state
+            self.score = nn.Linear(dim, 1)
+            self.register_buffer("threshold", torch.zeros(()))
         self.every = max(2, round(cfg.target_ratio))   # the fixed router's spacing
         # Global parser (DLCM): maps local [K, 3] sums to global ones (ranks, micro-batches). Set by the trainer.
         self.stats_hook: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -162,12 +165,38 @@ class ChunkModule(nn.Module):
                 p = torch.where(has, (p + ((1 - cos_up) / 2).clamp(0, 1)) / 2, p)
         elif self.cfg.router == "fixed":
             p = (positions_in_doc(doc_BT) % self.every == 0).to(h_BTD.dtype)
+        elif self.cfg.router == "topk":
+            # p = sigmoid(w - tau): p >= 0.5 is w >= tau, the causal rule inference uses (see topk_boundaries)
+            p = torch.sigmoid(self.score(h_BTD).squeeze(-1).float() - self.threshold)
         else:
             prev = F.pad(h_BTD[:, :-1], (0, 0, 1, 0))
             p = torch.sigmoid(self.score(torch.cat([h_BTD, prev], -1)).squeeze(-1).float())
         start = doc_starts(doc_BT)
         p = torch.where(start, torch.ones_like(p), p)
         return torch.where(doc_BT >= 0, p, torch.zeros_like(p)), start
+
+    def topk_boundaries(self, w_BT: torch.Tensor, doc_BT: torch.Tensor) -> torch.Tensor:
+        """Synergy eq. 2 in training: the ceil(n / R) highest-scoring tokens of each n-token document.
+
+        A top-k over a document looks ahead, so inference cannot use it: there a token is a boundary when its
+        score clears `threshold`, a running estimate (updated here) of the score at the (1 - 1/R) quantile.
+        Each decision then depends on the token's own score alone, and a prefix's boundaries never change as
+        tokens arrive."""
+        B, T = w_BT.shape
+        valid = doc_BT >= 0
+        R = self.cfg.target_ratio
+        by_score = torch.argsort(torch.where(valid, w_BT, float("-inf")), dim=1, descending=True, stable=True)
+        order = by_score.gather(1, torch.argsort(doc_BT.gather(1, by_score), dim=1, stable=True))  # doc, then score
+        doc_s = doc_BT.gather(1, order)
+        t = torch.arange(T, device=w_BT.device).expand(B, T)
+        first = torch.where(F.pad(doc_s[:, 1:] != doc_s[:, :-1], (1, 0), value=True), t, 0).cummax(1).values
+        n_doc = torch.zeros(B, T + 1, device=w_BT.device).scatter_add_(1, (doc_BT + 1).clamp(0, T), valid.float())
+        k_s = torch.ceil(n_doc.gather(1, (doc_s + 1).clamp(0, T)) / R)
+        b = torch.zeros_like(valid).scatter(1, order, (t - first) < k_s) & valid
+        w = w_BT[valid]
+        if w.numel():   # w at the (1 - 1/R) quantile of this batch's scores, averaged over steps
+            self.threshold.mul_(0.9).add_(0.1 * torch.quantile(w, 1 - 1 / R))
+        return b
 
     def ratio_groups(self, valid_BT, modality_BT):
         """Token masks and targets of the ratio losses: one joint group, or one per modality."""
@@ -199,6 +228,9 @@ class ChunkModule(nn.Module):
         elif force == "all":  # every token its own concept, p = 1: the lossless-conversion starting point
             p = torch.where(valid, torch.ones_like(p), p)
             b = valid.clone()
+        elif self.training and self.cfg.router == "topk":
+            # ranked by the raw scores: p = sigmoid(w - tau) saturates and would tie the best ones
+            b = self.topk_boundaries(self.score(h_BTD).squeeze(-1).detach().float(), doc_BT) | start
         elif self.training and self.cfg.boundary_noise == "bernoulli":
             b = sample_boundaries(sharpen(p.detach(), self.cfg.tau), self.generator) | start
         elif self.training and self.cfg.boundary_noise == "gaussian":
@@ -229,6 +261,9 @@ class ChunkModule(nn.Module):
         elif self.cfg.router == "fixed":   # this token's place in its document: pending tokens + 1
             key = h_BD
             p = ((state.pending_n_B + 1) % self.every == 0).float()
+        elif self.cfg.router == "topk":
+            key = h_BD
+            p = torch.sigmoid(self.score(h_BD).squeeze(-1).float() - self.threshold)
         else:
             key = h_BD
             p = torch.sigmoid(self.score(torch.cat([h_BD, state.last_key_BD], -1)).squeeze(-1).float())

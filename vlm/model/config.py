@@ -49,8 +49,10 @@ class ChunkConfig:
 
     enabled: bool = True              # False: the plain MoE baseline (same code path otherwise)
     # cosine (eq. 2) or linear learn the boundaries; fixed puts one every round(target_ratio) tokens of each
-    # document (ConceptMoE 4.5.2's fixed-chunking ablation; nothing to learn, the ratio loss is a constant)
-    router: Literal["cosine", "linear", "fixed"] = "cosine"
+    # document (ConceptMoE 4.5.2's fixed-chunking ablation; nothing to learn, the ratio loss is a constant);
+    # topk (Synergy eq. 1-2, MoD): the n/R best-scoring tokens of each document in training, a learned score
+    # threshold at inference (causal)
+    router: Literal["cosine", "linear", "fixed", "topk"] = "cosine"
     target_ratio: float = 2.0         # R in eq. 4
     ratio_loss_weight: float = 0.03   # lambda
     tau: float = 6.0                  # sharpening temperature, eq. 5
@@ -80,6 +82,10 @@ class ChunkConfig:
                                                  f"target_ratio={self.target_ratio} rounds below 2")
             check(not self.modality_target_ratios, "router 'fixed' has one spacing (target_ratio); "
                                                    "modality_target_ratios needs a learned router")
+            check(not self.grid_aware_boundaries, "grid_aware_boundaries needs the cosine router")
+        if self.router == "topk":
+            check(not self.modality_target_ratios, "router 'topk' keeps n / target_ratio tokens per document; "
+                                                   "modality_target_ratios needs the cosine or linear router")
             check(not self.grid_aware_boundaries, "grid_aware_boundaries needs the cosine router")
         if self.modality_target_ratios:
             for k, v in self.modality_target_ratios.items():

@@ -144,7 +144,7 @@ def chunk_params(cfg: ModelConfig) -> int:
     if not cfg.chunk.enabled or cfg.chunk.router == "fixed":
         return 0
     d = cfg.hidden_size
-    return 2 * d * d if cfg.chunk.router == "cosine" else 2 * d + 1
+    return {"cosine": 2 * d * d, "linear": 2 * d + 1, "topk": d + 1}[cfg.chunk.router]
 
 
 def residual_params(cfg: ModelConfig) -> int:
@@ -199,7 +199,7 @@ def flops_per_token(cfg: ModelConfig, ratio: float | None = None) -> dict[str, f
     enc, con, dec = stages(cfg, r)
     router = 0
     if cfg.chunk.enabled and cfg.chunk.router != "fixed":
-        router = 2 * d * d if cfg.chunk.router == "cosine" else 2 * d
+        router = {"cosine": 2 * d * d, "linear": 2 * d, "topk": d}[cfg.chunk.router]
     macs = {
         "encoder": enc.passes * layer_macs(enc),
         "chunk": router,
