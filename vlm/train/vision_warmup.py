@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from configs.config import ConfigError
 from data_pipelines.loader import resolve_sources
 from data_pipelines.samples import iter_samples
 from data_pipelines.schema import IMAGE_TOKEN, Sample
@@ -117,7 +118,7 @@ def run_vision_warmup(encoder: nn.Module, processor: ImageProcessor, cfg, data_c
     train_patterns = [p for s in resolve_sources(data_cfg) for p in map(str, s.paths)]
     caps = collect_captions(train_patterns, cfg.max_captions)
     if len(caps.images) < cfg.images_per_step:
-        raise ValueError(f"vision_warmup needs at least vision_warmup.images_per_step={cfg.images_per_step} "
+        raise ConfigError(f"vision_warmup needs at least vision_warmup.images_per_step={cfg.images_per_step} "
                          f"caption samples (one image, plain text) in the training data, found {len(caps.images)}; "
                          "set vision_warmup.steps: 0 or add captions")
     held = Captions([], [], [])
@@ -131,7 +132,7 @@ def run_vision_warmup(encoder: nn.Module, processor: ImageProcessor, cfg, data_c
             caps = Captions(caps.images[:-k], caps.words[:-k], caps.names[:-k])
     vocab = word_vocabulary(caps.words, cfg.min_word_count)
     if not vocab:
-        raise ValueError(f"vision_warmup: no word occurs in vision_warmup.min_word_count={cfg.min_word_count} of "
+        raise ConfigError(f"vision_warmup: no word occurs in vision_warmup.min_word_count={cfg.min_word_count} of "
                          f"the {len(caps.images)} captions found; lower it")
     index = {w: j for j, w in enumerate(vocab)}
     merge = processor.cfg.merge
