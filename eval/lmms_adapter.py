@@ -132,7 +132,8 @@ class ConceptMoELMMS(lmms):
         self._rank, self._world_size = _rank_and_world_size()
         self.device = device
         self.model: EvalModel = self._load_model(self.pretrained)
-        self.stats = CompressionLog(self.pretrained, stats_dir=stats_dir, stats_path=stats_path)
+        self.stats = CompressionLog(self.pretrained, stats_dir=stats_dir, stats_path=stats_path, rank=self._rank,
+                                    world_size=self._world_size)
 
     # ---- model loading (subclasses and tests override) ------------------------------------------------
     def _load_model(self, pretrained: str) -> EvalModel:

@@ -51,7 +51,9 @@ def output_path_from_argv(argv: list[str]) -> str | None:
 
 class CompressionLog:
     def __init__(self, pretrained: str, stats_dir: str | None = None, stats_path: str | None = None,
-                 argv: list[str] | None = None) -> None:
+                 argv: list[str] | None = None, rank: int = 0, world_size: int = 1) -> None:
+        """With several processes each writes its own share (`..._compression.rankR.json`): lmms-eval hands every
+        rank different requests, so the shares add up to the whole run."""
         self.pretrained = pretrained
         self.tasks: dict[str, dict[str, dict]] = {}
         stamp = _datetime_str()
@@ -65,6 +67,8 @@ class CompressionLog:
             self.path = base / sanitize_model_name(pretrained) / f"{stamp}_compression.json"
         else:
             self.path = None
+        if self.path is not None and world_size > 1:
+            self.path = self.path.with_name(f"{self.path.stem}.rank{rank}{self.path.suffix}")
 
     def record(self, task: str, request_type: str, requests: int, stats: dict[str, float]) -> None:
         self.tasks.setdefault(task, {})[request_type] = {

@@ -5,6 +5,7 @@ import base64
 import io
 import json
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -233,6 +234,46 @@ def test_lmms_eval_cli_run_on_local_tasks(tmp_path):
     assert set(comp["tasks"]) == {"conceptmoe_vqa", "conceptmoe_vqa_mc", "conceptmoe_caption"}
     assert comp["tasks"]["conceptmoe_vqa_mc"]["loglikelihood"]["requests"] == 16
     assert comp["tasks"]["conceptmoe_vqa"]["generate_until"]["compression"]["compression/image"] == 4.0
+
+
+@pytest.mark.slow
+def test_two_processes_answer_each_request_once(tmp_path):
+    """`torchrun --nproc_per_node 2 -m lmms_eval eval ...` (what `accelerate launch` does): lmms-eval gives each
+    rank its share of the requests; the scores are those of one process and the ranks' compression logs add up to
+    every request exactly once."""
+    plugin = tmp_path / "plugin"
+    info = plugin / "cmoe_double_plugin-0.0.dist-info"
+    info.mkdir(parents=True)
+    (plugin / "cmoe_double_plugin.py").write_text(PLUGIN)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: cmoe-double-plugin\nVersion: 0.0\n")
+    (info / "entry_points.txt").write_text("[lmms_eval.models]\nconceptmoe_double = cmoe_double_plugin:MANIFEST\n")
+    tasks = tmp_path / "tasks"
+    write_jsonl(_docs(), tasks / "vqa_test.jsonl")
+    instantiate_templates(tasks, ["vqa"])
+    ckpt = tmp_path / "run" / "final"
+    ckpt.mkdir(parents=True)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(plugin), str(REPO)]), HF_HOME=str(tmp_path / "hf"),
+               HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(port), "-m", "lmms_eval", "eval", "--model", "conceptmoe_double",
+           "--model_args", f"pretrained={ckpt}", "--tasks", "conceptmoe_vqa,conceptmoe_vqa_mc",
+           "--include_path", str(tasks), "--output_path", str(tmp_path / "out"), "--batch_size", "2"]
+    proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    log = proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, log
+    found = list((tmp_path / "out").glob("run__final/*_results.json"))
+    assert found, log
+    res = json.loads(found[0].read_text())["results"]
+    assert res["conceptmoe_vqa"]["exact_match,none"] == 1.0 and res["conceptmoe_vqa_mc"]["acc,none"] == 1.0
+    shares = [json.loads(p.read_text())["tasks"] for p in (tmp_path / "out").glob("run__final/*_compression.rank*.json")]
+    assert len(shares) == 2
+    assert sum(t["conceptmoe_vqa_mc"]["loglikelihood"]["requests"] for t in shares) == 16    # 4 docs x 4 choices
+    assert sum(t["conceptmoe_vqa"]["generate_until"]["requests"] for t in shares) == 4
 
 
 def test_raw_image_context_is_wrapped_exactly_as_the_trainer_encodes_vqa(tmp_path):
