@@ -43,7 +43,8 @@ class Recipe:
 
 
 def _image_compression() -> Recipe:
-    vision = {"frozen": ["vision.freeze_encoder=true"], "trained": ["vision.freeze_encoder=false"]}
+    # a frozen encoder stays at its random init (no warm-up: it would train it); a trained one gets the default's
+    vision = {"frozen": ["vision.freeze_encoder=true", "vision_warmup.steps=0"], "trained": ["vision.freeze_encoder=false"]}
     targets = {"joint R=2": ["model.chunk.modality_target_ratios=null", "model.chunk.target_ratio=2"],
                "text 2 / image 2": ["model.chunk.modality_target_ratios={text: 2, image: 2}"]}
     grid = {"off": ["model.chunk.grid_aware_boundaries=false"], "on": ["model.chunk.grid_aware_boundaries=true"]}
