@@ -195,3 +195,13 @@ def test_each_config_is_validated_once_however_it_is_made():
     for section in ("plain", "own"):
         with pytest.raises(ConfigError, match=rf"^{section}: n must be >= 1, got 0$"):
             from_dict(_Outer, {section: {"n": 0}})
+
+
+def test_byte_level_recipe_loads_on_the_byte_tokenizer(ROOT):
+    from data_pipelines.tokenizer import load_tokenizer
+    from vlm.train.config import load_train_config
+
+    cfg = load_train_config(ROOT / "configs" / "byte_level.yaml")
+    assert cfg.data.tokenizer == "byte" and cfg.model.vocab_size >= load_tokenizer("byte").vocab_size
+    assert cfg.model.chunk.modality_target_ratios == {"text": 4.0, "image": 2.0}
+    assert cfg.data.row_tokens * cfg.data.rows_per_batch == 2048 and cfg.vision_warmup.steps == 1000
