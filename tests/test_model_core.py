@@ -102,10 +102,13 @@ def test_all_boundaries_reproduce_the_baseline():
 def test_attention_backends_agree():
     batch = PackedBatch.stack([PackedBatch.from_documents(rand_docs([20, 30], 11), row_len=56)] * 2)
     outs = {}
-    for backend in ("eager", "sdpa"):
-        cfg = dataclasses.replace(tiny(), attn_backend=backend)
-        outs[backend] = model(cfg)(batch).logits
-    torch.testing.assert_close(outs["eager"], outs["sdpa"], rtol=1e-4, atol=1e-5)
+    for backend in ("eager", "sdpa", "docs"):
+        for window in (0, 7):
+            cfg = dataclasses.replace(tiny(), attn_backend=backend, attention_window=window)
+            outs[backend, window] = model(cfg)(batch).logits
+    for window in (0, 7):
+        torch.testing.assert_close(outs["eager", window], outs["sdpa", window], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(outs["docs", window], outs["sdpa", window], rtol=1e-4, atol=1e-5)
 
 
 def test_output_reports_losses_and_chunking_stats():
@@ -120,7 +123,7 @@ def test_output_reports_losses_and_chunking_stats():
     torch.testing.assert_close(out.loss, out.lm_loss + 0.03 * out.ratio_loss + out.balance_loss)
 
 
-@pytest.mark.parametrize("backend", ["sdpa", "eager"])
+@pytest.mark.parametrize("backend", ["sdpa", "eager", "docs"])
 def test_sliding_window_attention_sees_itself_and_the_window_before_it(backend):
     """model.attention_window: query i of a document attends to keys i - window + 1 .. i of the same document."""
     from vlm.model.attention import attend
@@ -134,3 +137,17 @@ def test_sliding_window_attention_sees_itself_and_the_window_before_it(backend):
         lo = max(i - W + 1, 0 if i < 6 else 6)
         att_HN = torch.softmax((q[0, :, i, None] @ k[0, :, lo:i + 1].transpose(-1, -2))[:, 0] / 8 ** 0.5, -1)
         torch.testing.assert_close(out[0, :, i], (att_HN[:, None] @ v[0, :, lo:i + 1])[:, 0], rtol=1e-5, atol=1e-5)
+
+
+def test_per_document_backend_trains_like_the_packed_mask():
+    """attn_backend docs (one SDPA per document, no T x T mask): same loss and gradients as SDPA + mask."""
+    batch = PackedBatch.stack([PackedBatch.from_documents(rand_docs([12, 25, 9], 5), row_len=50)] * 2)
+    grads = {}
+    for backend in ("sdpa", "docs"):
+        m = model(dataclasses.replace(tiny(), attn_backend=backend)).train()
+        m.chunker.generator = torch.Generator().manual_seed(0)
+        m(batch).loss.backward()
+        grads[backend] = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+    assert grads["docs"].keys() == grads["sdpa"].keys()
+    for n in grads["sdpa"]:
+        torch.testing.assert_close(grads["docs"][n], grads["sdpa"][n], rtol=1e-4, atol=1e-5, msg=n)

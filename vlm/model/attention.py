@@ -21,7 +21,7 @@ except Exception:  # pragma: no cover - not installable on CPU machines
 
 
 def resolve_backend(requested: str, device: torch.device) -> str:
-    if requested != "auto":
+    if requested != "auto":   # "docs": one SDPA per document, no T x T mask (long rows on CPU)
         if requested == "flash" and (flash_attn_varlen_func is None or device.type != "cuda"):
             raise RuntimeError("attn_backend='flash' needs the flash-attn package and a CUDA device")
         return requested
@@ -44,6 +44,34 @@ def packed_mask(doc_BT: torch.Tensor, causal: bool = True, window: int = 0) -> t
         same &= torch.ones(T, T, dtype=torch.bool, device=doc_BT.device).triu(-(window - 1))
     same |= torch.eye(T, dtype=torch.bool, device=doc_BT.device)
     return same[:, None]
+
+
+def doc_segments(doc_BT: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(row, start, end) of every document of every row, in order (one host transfer; built once per stack)."""
+    B, T = doc_BT.shape
+    starts_BT = torch.ones_like(doc_BT, dtype=torch.bool)
+    starts_BT[:, 1:] = doc_BT[:, 1:] != doc_BT[:, :-1]
+    rows, cols = starts_BT.nonzero(as_tuple=True)
+    ends = torch.cat([cols[1:], cols.new_tensor([T])])
+    ends = torch.where(F.pad(rows[1:] != rows[:-1], (0, 1), value=True), torch.full_like(ends, T), ends)
+    docs = doc_BT[rows, cols]
+    return [(r, s, e) for r, s, e, d in zip(rows.tolist(), cols.tolist(), ends.tolist(), docs.tolist()) if d >= 0]
+
+
+def _per_document(q, k, v, doc_BT, segments, causal, window):
+    """One SDPA call per document: no T x T mask, memory linear in the row length (a loop over documents, not
+    tokens). Padding queries read their own value, as under the packed mask."""
+    rep = q.shape[1] // k.shape[1]
+    out = v.repeat_interleave(rep, 1) if rep > 1 else v.clone()   # padding: attends only to itself
+    for b, s, e in segments:
+        qs, ks, vs = q[b:b + 1, :, s:e], k[b:b + 1, :, s:e], v[b:b + 1, :, s:e]
+        mask = None
+        if window and e - s > window:
+            n = e - s
+            mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril().triu(-(window - 1))
+        out[b:b + 1, :, s:e] = F.scaled_dot_product_attention(
+            qs, ks, vs, attn_mask=mask, is_causal=causal and mask is None, enable_gqa=rep > 1)
+    return out
 
 
 def _eager(q, k, v, mask_B1TT):
@@ -74,6 +102,9 @@ def attend(q_BHTd, k_BKTd, v_BKTd, doc_BT, backend: str, mask_B1TT=None, causal:
     holds the sliding `window`)."""
     if backend == "flash":
         return _flash(q_BHTd, k_BKTd, v_BKTd, doc_BT, causal, window)
+    if backend == "docs":   # `mask_B1TT` holds the stack's document segments here (doc_segments)
+        segments = mask_B1TT if mask_B1TT is not None else doc_segments(doc_BT)
+        return _per_document(q_BHTd, k_BKTd, v_BKTd, doc_BT, segments, causal, window)
     if mask_B1TT is None:
         mask_B1TT = packed_mask(doc_BT, causal, window)
     if backend == "eager":

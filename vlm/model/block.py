@@ -7,7 +7,7 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
-from vlm.model.attention import Attention, packed_mask, resolve_backend
+from vlm.model.attention import Attention, doc_segments, packed_mask, resolve_backend
 from vlm.model.cache import KVCache
 from vlm.model.config import MoEConfig
 from vlm.model.layers import RMSNorm, rope_cos_sin
@@ -32,7 +32,8 @@ class StackContext:
     def build(doc_BT, positions_BT, head_dim, theta, dtype, backend, use_rope=True, window: int = 0) -> "StackContext":
         backend = resolve_backend(backend, doc_BT.device)
         rope = rope_cos_sin(positions_BT, head_dim, theta, dtype) if use_rope else None
-        mask = packed_mask(doc_BT, window=window) if backend in ("sdpa", "eager") else None
+        mask = packed_mask(doc_BT, window=window) if backend in ("sdpa", "eager") else \
+            doc_segments(doc_BT) if backend == "docs" else None
         return StackContext(doc_BT, rope, backend, mask, window)
 
 

@@ -121,7 +121,9 @@ class ModelConfig:
     loop_times: int = 0
     tie_embeddings: bool = False
     init_std: float = 0.02
-    attn_backend: Literal["auto", "sdpa", "eager", "flash", "flex"] = "auto"
+    # auto: flash on CUDA when installed, else SDPA with the packed T x T mask; docs: one SDPA per document (no
+    # T x T mask: memory linear in the row length, faster for long rows on CPU, see `python -m eval.bench attention`)
+    attn_backend: Literal["auto", "sdpa", "eager", "flash", "flex", "docs"] = "auto"
     # sliding-window (local) attention in the encoder and decoder layers: a token sees itself and the
     # window - 1 tokens before it in its document; 0 = the whole document. The concept model always sees all.
     attention_window: int = 0
