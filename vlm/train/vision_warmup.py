@@ -30,7 +30,7 @@ from configs.config import ConfigError
 from data_pipelines.loader import resolve_sources
 from data_pipelines.samples import iter_samples
 from data_pipelines.schema import IMAGE_TOKEN, Sample
-from vision.image_processor import ImageError, ImageProcessor
+from vision.image_processor import ImageError, ImageProcessor, ProcessedImage
 
 WORD = re.compile(r"[^\W\d_]{2,}")   # letters only, two or more; lower-cased
 
@@ -42,7 +42,9 @@ def caption_words(text: str) -> set[str]:
 
 def is_caption(sample: Sample) -> bool:
     """One image and plain text about it (chat samples are questions, not descriptions)."""
-    return sample.turns is None and len(sample.images) == 1 and bool(caption_words(sample.text))
+    if sample.turns is not None or len(sample.images) != 1:
+        return False
+    return WORD.search(sample.text.replace(IMAGE_TOKEN, " ")) is not None
 
 
 @dataclass
@@ -90,22 +92,24 @@ class WordReadout(nn.Module):
         return max_pool_per_image(self.fc(feats_ND), tokens_per_image)
 
 
-def _batch(processor: ImageProcessor, images: list[bytes], names: list[str], words: list[set[str]],
-           index: dict[str, int], merge: int):
-    patches, coords, grids, kept = [], [], [], []
-    for i, (data, name) in enumerate(zip(images, names)):
-        try:
-            p = processor(data, source=name)
-        except ImageError:
-            continue   # the loader skips and counts the same image; here it is simply not used
-        patches.append(p.patches_PD), coords.append(p.coords_P2), grids.append(p.grid), kept.append(i)
+def _process(processor: ImageProcessor, data: bytes, name: str) -> ProcessedImage | None:
+    try:
+        return processor(data, source=name)
+    except ImageError:
+        return None   # the loader skips and counts the same image; here it is simply not used
+
+
+def _batch(images: list[ProcessedImage | None], words: list[set[str]], index: dict[str, int]):
+    """Packed patches, coords, grids, tokens per image and the [I, V] word targets of the usable images."""
+    kept = [i for i, p in enumerate(images) if p is not None]
     y_IV = torch.zeros(len(kept), len(index))
     for row, i in enumerate(kept):
         for w in words[i]:
             if w in index:
                 y_IV[row, index[w]] = 1.0
-    tokens = [(r // merge) * (c // merge) for r, c in grids]
-    return torch.cat(patches), torch.cat(coords), torch.tensor(grids), tokens, y_IV
+    ps = [images[i] for i in kept]
+    return (torch.cat([p.patches_PD for p in ps]), torch.cat([p.coords_P2 for p in ps]),
+            torch.tensor([p.grid for p in ps]), [p.num_tokens for p in ps], y_IV)
 
 
 def run_vision_warmup(encoder: nn.Module, processor: ImageProcessor, cfg, data_cfg, *, seed: int,
@@ -135,7 +139,6 @@ def run_vision_warmup(encoder: nn.Module, processor: ImageProcessor, cfg, data_c
         raise ConfigError(f"vision_warmup: no word occurs in vision_warmup.min_word_count={cfg.min_word_count} of "
                          f"the {len(caps.images)} captions found; lower it")
     index = {w: j for j, w in enumerate(vocab)}
-    merge = processor.cfg.merge
     readout = WordReadout(encoder.out_dim, len(vocab)).to(device)
     params = [p for p in encoder.parameters() if p.requires_grad] + list(readout.parameters())
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -143,15 +146,18 @@ def run_vision_warmup(encoder: nn.Module, processor: ImageProcessor, cfg, data_c
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(s, cfg.steps) / cfg.steps)))
     rng = random.Random(f"vision-warmup:{seed}")
+    processed: dict[int, ProcessedImage | None] = {}
     was_training = encoder.training
     encoder.train()
     losses: list[float] = []
     every = max(1, cfg.steps // 10)
     for step in range(cfg.steps):
         pick = rng.sample(range(len(caps.images)), cfg.images_per_step)
-        patches, coords, grids, tokens, y_IV = _batch(processor, [caps.images[i] for i in pick],
-                                                      [caps.names[i] for i in pick], [caps.words[i] for i in pick],
-                                                      index, merge)
+        for i in pick:   # each image is decoded and patchified once, on first use
+            if i not in processed:
+                processed[i] = _process(processor, caps.images[i], caps.names[i])
+        patches, coords, grids, tokens, y_IV = _batch([processed[i] for i in pick], [caps.words[i] for i in pick],
+                                                      index)
         logits_IV = readout(encoder(patches.to(device), coords.to(device), grids.to(device)), tokens)
         loss = F.binary_cross_entropy_with_logits(logits_IV, y_IV.to(device))
         opt.zero_grad(set_to_none=True)
@@ -170,8 +176,8 @@ def run_vision_warmup(encoder: nn.Module, processor: ImageProcessor, cfg, data_c
         with torch.no_grad():
             accs, labels = [], []
             for i in range(0, len(held.images), 64):
-                patches, coords, grids, tokens, y_IV = _batch(processor, held.images[i:i + 64], held.names[i:i + 64],
-                                                              held.words[i:i + 64], index, merge)
+                imgs = [_process(processor, d, n) for d, n in zip(held.images[i:i + 64], held.names[i:i + 64])]
+                patches, coords, grids, tokens, y_IV = _batch(imgs, held.words[i:i + 64], index)
                 logits_IV = readout(encoder(patches.to(device), coords.to(device), grids.to(device)), tokens)
                 accs.append(((logits_IV.cpu() > 0).float() == y_IV).float())
                 labels.append(y_IV)
