@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from configs.batch import IGNORE_INDEX, IMAGE, PackedBatch
+from vision.projector import token_rows_cols
 from vlm.model.conceptmoe import ConceptMoELM
 from vlm.model.config import ModelConfig
 from vlm.model.output import ModelOutput
@@ -45,15 +46,12 @@ class ConceptMoEVLM(nn.Module):
         """For 2D-aware boundaries: the row position of the token above each image token in its grid, else -1."""
         if not self.model_cfg.chunk.grid_aware_boundaries or batch.image_grids is None or self.vision is None:
             return None
-        m = self.vision.merge
-        widths_I = batch.image_grids[:, 1] // m
-        counts_I = (batch.image_grids[:, 0] // m) * widths_I
+        token_grids_I2 = torch.div(batch.image_grids, self.vision.merge, rounding_mode="floor")
         bi, ti = (batch.modality == IMAGE).nonzero(as_tuple=True)   # row-major = image order
-        img_N = torch.repeat_interleave(torch.arange(len(counts_I), device=ti.device), counts_I)
-        j_N = torch.arange(len(ti), device=ti.device) - (counts_I.cumsum(0) - counts_I)[img_N]
-        w_N = widths_I[img_N]
+        row_N, _ = token_rows_cols(token_grids_I2)
+        w_N = torch.repeat_interleave(token_grids_I2[:, 1], token_grids_I2.prod(1))
         above = torch.full_like(batch.doc_ids, -1)
-        above[bi, ti] = torch.where(j_N >= w_N, ti - w_N, torch.full_like(ti, -1))
+        above[bi, ti] = torch.where(row_N > 0, ti - w_N, torch.full_like(ti, -1))
         return above
 
     def forward(self, batch: PackedBatch, force: str | torch.Tensor | None = None,
