@@ -23,8 +23,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tqdm import tqdm
-
+from data_pipelines.progress import Progress
 from data_pipelines.scenes import caption, questions, render_scene, sample_scene
 from data_pipelines.schema import IMAGE_TOKEN, Sample
 from data_pipelines.text_corpus import document
@@ -128,7 +127,7 @@ def build_default(out: str | os.PathLike, cfg: DefaultDatasetConfig | None = Non
         counts: dict[str, dict[str, int]] = {}
         plan = [("train", cfg.train_scenes), ("val", cfg.val_scenes), ("test", cfg.test_scenes)]
         total = sum(n for _, n in plan) + cfg.interleaved_docs + cfg.text_docs + cfg.text_docs // 10
-        bar = tqdm(total=total, desc="default dataset", unit="sample", disable=None if progress else True)
+        bar = Progress(total, "default dataset", progress, unit="sample")   # plain lines in redirected logs
         train_texts: list[str] = []
         for split, n in plan:
             w_vqa = ShardWriter(tmp / split, "vqa", max_count=cfg.shard_max_count)
