@@ -196,24 +196,34 @@ PLUGIN = textwrap.dedent("""
 """)
 
 
-@pytest.mark.slow
-def test_lmms_eval_cli_run_on_local_tasks(tmp_path):
-    """`lmms-eval eval` with the shipped task YAMLs on a tiny local JSON split; the model double is found
-    through a real `lmms_eval.models` entry point (a dist-info folder on PYTHONPATH)."""
+def _double_plugin(tmp_path):
+    """A folder that, on PYTHONPATH, registers the model double under the `lmms_eval.models` entry points."""
     plugin = tmp_path / "plugin"
     info = plugin / "cmoe_double_plugin-0.0.dist-info"
     info.mkdir(parents=True)
     (plugin / "cmoe_double_plugin.py").write_text(PLUGIN)
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: cmoe-double-plugin\nVersion: 0.0\n")
     (info / "entry_points.txt").write_text("[lmms_eval.models]\nconceptmoe_double = cmoe_double_plugin:MANIFEST\n")
+    return plugin
+
+
+def _offline_env(plugin, tmp_path) -> dict:
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(plugin), str(REPO)]), HF_HOME=str(tmp_path / "hf"),
+                HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
+
+
+@pytest.mark.slow
+def test_lmms_eval_cli_run_on_local_tasks(tmp_path):
+    """`lmms-eval eval` with the shipped task YAMLs on a tiny local JSON split; the model double is found
+    through a real `lmms_eval.models` entry point (a dist-info folder on PYTHONPATH)."""
+    plugin = _double_plugin(tmp_path)
     tasks = tmp_path / "tasks"
     write_jsonl(_docs(), tasks / "vqa_test.jsonl")
     write_jsonl(_docs(), tasks / "caption_test.jsonl")
     instantiate_templates(tasks, ["vqa", "caption"])
     ckpt = tmp_path / "run" / "final"
     ckpt.mkdir(parents=True)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(plugin), str(REPO)]), HF_HOME=str(tmp_path / "hf"),
-               HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
+    env = _offline_env(plugin, tmp_path)
     cmd = [sys.executable, "-c", "import sys; from lmms_eval.cli.dispatch import main; sys.exit(main())",
            "eval", "--model", "conceptmoe_double", "--model_args", f"pretrained={ckpt}",
            "--tasks", "conceptmoe_vqa,conceptmoe_vqa_mc,conceptmoe_caption", "--include_path", str(tasks),
@@ -241,19 +251,13 @@ def test_two_processes_answer_each_request_once(tmp_path):
     """`torchrun --nproc_per_node 2 -m lmms_eval eval ...` (what `accelerate launch` does): lmms-eval gives each
     rank its share of the requests; the scores are those of one process and the ranks' compression logs add up to
     every request exactly once."""
-    plugin = tmp_path / "plugin"
-    info = plugin / "cmoe_double_plugin-0.0.dist-info"
-    info.mkdir(parents=True)
-    (plugin / "cmoe_double_plugin.py").write_text(PLUGIN)
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: cmoe-double-plugin\nVersion: 0.0\n")
-    (info / "entry_points.txt").write_text("[lmms_eval.models]\nconceptmoe_double = cmoe_double_plugin:MANIFEST\n")
+    plugin = _double_plugin(tmp_path)
     tasks = tmp_path / "tasks"
     write_jsonl(_docs(), tasks / "vqa_test.jsonl")
     instantiate_templates(tasks, ["vqa"])
     ckpt = tmp_path / "run" / "final"
     ckpt.mkdir(parents=True)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(plugin), str(REPO)]), HF_HOME=str(tmp_path / "hf"),
-               HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    env = dict(_offline_env(plugin, tmp_path), OMP_NUM_THREADS="1")
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     with socket.socket() as s:
