@@ -112,7 +112,8 @@ def add_data_commands(subparsers) -> None:
     p.set_defaults(func=_guarded(_build_default))
 
     p = sub.add_parser("stats", help="sample counts and modality statistics of shards")
-    p.add_argument("shards", nargs="+", help="shard folders, globs, brace patterns or .tar files")
+    p.add_argument("shards", nargs="+", help="shard folders, globs, brace patterns, .tar files or URLs "
+                                            "(pipe:CMD, http(s)://..., file:PATH)")
     p.add_argument("--scan", action="store_true", help="read the shards instead of trusting manifest.json")
     p.add_argument("--write-manifest", action="store_true", help="write manifest entries for scanned shards")
     p.add_argument("--totals", action="store_true", help="totals only, no per-shard lines")

@@ -14,7 +14,8 @@ DEFAULT_DIR = "data/default"
 
 @dataclass
 class SourceConfig:
-    """One source of shards. `path`: a folder of shards, a glob, a brace pattern or one .tar file."""
+    """One source of shards. `path`: a folder of shards, a glob, a brace pattern or one .tar file, or a URL
+    webdataset understands (`pipe:CMD`, `http(s)://host/shard-{000..009}.tar`, `file:PATH`; SCHEMA.md)."""
 
     path: str
     weight: float = 1.0

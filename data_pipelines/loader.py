@@ -23,7 +23,7 @@ from data_pipelines.config import DataConfig, SourceConfig
 from data_pipelines.default_dataset import default_sources, ensure_default_dataset
 from data_pipelines.packing import select_rows
 from data_pipelines.pipeline import ResolvedSource, WorkerPipeline
-from data_pipelines.reader import ShardError, listed_but_missing, resolve_shards, shard_counts
+from data_pipelines.reader import ShardError, listed_but_missing, resolve_shards, shard_counts, shard_name
 from data_pipelines.tokenizer import Tokenizer
 
 STATE_VERSION = 1
@@ -41,7 +41,9 @@ def resolve_sources(cfg: DataConfig) -> list[ResolvedSource]:
                              f"{cfg.default_parts}")
     out = []
     for s in sources:
-        paths = sorted(resolve_shards(s.path) + listed_but_missing(s.path))
+        paths = resolve_shards(s.path)    # local: sorted; URLs: in webdataset's expansion order
+        if missing := listed_but_missing(s.path):
+            paths = sorted(paths + missing)
         out.append(ResolvedSource(s.label, paths, shard_counts(paths), s.weight, s.kind))
     return out
 
@@ -94,8 +96,9 @@ class PackedLoader:
     # ---------------------------------------------------------------- state
     def fingerprint(self) -> dict:
         c = self.cfg
-        # shard file names, not paths: a dataset folder may move between the checkpoint and the resume
-        return {"sources": [[[p.name for p in s.paths], s.counts, s.weight, s.kind] for s in self.sources],
+        # shard file names, not paths: a dataset folder may move (or be served over http) between the
+        # checkpoint and the resume
+        return {"sources": [[[shard_name(p) for p in s.paths], s.counts, s.weight, s.kind] for s in self.sources],
                 "seed": c.seed, "row_tokens": c.row_tokens, "rows_per_batch": c.rows_per_batch,
                 "shuffle_buffer": c.shuffle_buffer, "pack_buffer": c.pack_buffer, "workers": self.num_logical,
                 "rank": self.rank, "world_size": self.world_size, "epochs": c.epochs, "loss_on": c.loss_on,

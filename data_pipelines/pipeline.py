@@ -25,7 +25,7 @@ log = logging.getLogger("data_pipelines")
 @dataclass
 class ResolvedSource:
     label: str
-    paths: list[Path]
+    paths: list[Path | str]   # local shard files, or shard URLs (reader.Shard)
     counts: list[int]
     weight: float
     kind: str

@@ -1,17 +1,18 @@
 """Reading shards: resolve source patterns, count samples, iterate a shard's samples by index.
 
-Members come from Python's tarfile in stream mode and are grouped into samples here, not by webdataset's
-`tar_file_iterator` + `group_by_keys`, because exact resume and exact loss counting need what they do not
-give: a stable ordinal for every sample (bad ones included) so a position can be saved as (shard, index)
-and resumed by skipping; knowing which sample a read error hit; and the stream offset where the members
+A shard is a local file (a Path) or a URL webdataset understands (a str: `pipe:CMD`, `http(s)://...`), opened
+with webdataset's gopen and read as a stream (urls.py); `file:` URLs are local paths. Members come from
+Python's tarfile in stream mode and are grouped into samples here, not by webdataset's `tar_file_iterator` +
+`group_by_keys` (nor its WebDataset pipeline, which resumes at shard starts at best), because exact resume
+and exact loss counting need what they do not give: a stable ordinal for every sample (bad ones included) so
+a position can be saved as (shard, index) and resumed by skipping (on a URL shard, by streaming past the
+samples before it again); knowing which sample a read error hit; and the stream offset where the members
 stop, since tarfile ends silently at a truncated or corrupt header (we then read that block ourselves).
 """
 from __future__ import annotations
 
-import bz2
 import fnmatch
 import glob
-import gzip
 import logging
 import lzma
 import os
@@ -31,23 +32,56 @@ from data_pipelines.schema import (
     UNREADABLE_MEMBER,
     UNREADABLE_SHARD,
     BadSample,
+    ShardError,
+)
+from data_pipelines.urls import (
+    COMPRESSED,
+    READ_ERRORS,
+    UrlStream,
+    expand_url_pattern,
+    fetch_manifest,
+    file_url_path,
+    is_stream_url,
+    shard_name,
+    url_folder,
+    url_scheme,
 )
 from data_pipelines.writer import read_manifest
 
 log = logging.getLogger("data_pipelines")
 SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")
 BLOCK = tarfile.BLOCKSIZE
-_COMPRESSED = ((b"\x1f\x8b", gzip.open), (b"BZh", bz2.open), (b"\xfd7zXZ\x00", lzma.open))
 _META = re.compile(r"__[^/]*__($|/)")   # webdataset's metadata members (`__key__` and the like)
 
 
-class ShardError(ValueError):
-    """A source pattern or shard that cannot be used (no match, missing file); names the path."""
+Shard = Path | str   # a local file, or a URL read through gopen
 
 
-def resolve_shards(pattern: str | os.PathLike) -> list[Path]:
-    """A directory (its shards), a glob, a brace pattern (`a-{000..009}.tar`) or one file -> sorted shard paths."""
-    pattern = str(pattern)
+def as_shard(name: str | os.PathLike) -> Shard:
+    """A shard name as the reader takes it: a URL stays a str (a `file:` URL becomes its Path), a path a Path."""
+    if is_stream_url(name):
+        return name
+    return Path(file_url_path(name) if url_scheme(name) == "file" else name)
+
+
+def local_source(pattern: str | os.PathLike) -> str | None:
+    """A source pattern as a local path pattern (a `file:` URL is one), or None for a URL read as a stream."""
+    if is_stream_url(pattern):
+        return None
+    return file_url_path(pattern) if url_scheme(pattern) == "file" else str(pattern)
+
+
+def resolve_shards(pattern: str | os.PathLike) -> list[Shard]:
+    """A directory (its shards), a glob, a brace pattern (`a-{000..009}.tar`) or one file -> sorted shard paths
+    (a `file:` URL names the same). Any other URL (`pipe:CMD`, `http(s)://...`) -> its shard URLs, expanded and
+    ordered as webdataset does; they are not fetched here (counting them does)."""
+    if (local := local_source(pattern)) is None:
+        shards = [as_shard(u) for u in expand_url_pattern(pattern)]
+        for q in shards:
+            if isinstance(q, Path) and not q.is_file():
+                raise ShardError(f"shard {q} does not exist")
+        return shards
+    pattern = local
     p = Path(pattern)
     if p.is_dir():
         paths = sorted(q for q in p.iterdir() if q.name.endswith(SHARD_SUFFIXES))
@@ -71,7 +105,7 @@ def _block_at(path: Path, offset: int) -> bytes:
     """Up to one tar block of the (decompressed) tar stream at `offset`."""
     with open(path, "rb") as f:
         magic = f.read(6)
-    opener = next((o for m, o in _COMPRESSED if magic.startswith(m)), open)   # as tarfile's "r|*" detects
+    opener = next((o for m, o in COMPRESSED if magic.startswith(m)), open)   # as tarfile's "r|*" detects
     try:
         with opener(path, "rb") as f:
             f.seek(offset)
@@ -80,21 +114,23 @@ def _block_at(path: Path, offset: int) -> bytes:
         return b""
 
 
-def _groups(path: Path, on_error: list, end: dict) -> Iterator[dict[str, Any]]:
+def _groups(path: Shard, on_error: list, end: dict) -> Iterator[dict[str, Any]]:
     """Tar members -> raw samples {"__key__", "__url__", ext: bytes}; a failed member read ends the shard
     with one sample marked "__broken__" (the one the failing member belongs to).
 
     Python's tarfile ends silently at a truncated or corrupt header, so where the members stop we look at
     the next block ourselves: a zero block is the archive's end; anything else (a short or non-zero block)
     means the tar breaks there, and the header's name, when readable, tells whether the last sample is
-    whole. `end["truncated"]` is set when the tar breaks.
+    whole. `end["truncated"]` is set when the tar breaks. A URL shard is one gopen stream (urls.UrlStream, which
+    keeps the bytes tarfile just read); a local file is reopened to read that block.
     """
     sample: dict[str, Any] | None = None
     seen_member, failed_name = False, None
-    with open(path, "rb") as f:
+    url = isinstance(path, str)
+    with UrlStream(path) if url else open(path, "rb") as f:
         tf = None
         try:
-            tf = tarfile.open(fileobj=f, mode="r|*")
+            tf = tarfile.open(fileobj=f, mode="r|" if url else "r|*")
             for ti in tf:
                 seen_member = True
                 if not ti.isreg() or _META.match(ti.name):
@@ -111,12 +147,12 @@ def _groups(path: Path, on_error: list, end: dict) -> Iterator[dict[str, Any]]:
                 if sample is None:
                     sample = {"__key__": prefix, "__url__": str(path)}
                 sample[suffix.lower()] = data
-        except (tarfile.TarError, OSError, EOFError, zlib.error) as e:
+        except READ_ERRORS as e:
             if not seen_member:
                 raise
             on_error.append((failed_name, e))   # the stream position is lost after a failed read
         if not on_error and tf is not None:
-            block = _block_at(path, tf.offset)
+            block = f.block_at(tf.offset) if url else _block_at(path, tf.offset)
             if len(block) < BLOCK or any(block):
                 name = block[:100].split(b"\0")[0].decode("utf-8", "replace") or None
                 on_error.append((name, "the tar breaks at byte %d (truncated, or a corrupt header)" % tf.offset))
@@ -134,7 +170,7 @@ def _groups(path: Path, on_error: list, end: dict) -> Iterator[dict[str, Any]]:
 
 
 def iter_shard(path: str | os.PathLike, start: int = 0, stop: int | None = None,
-               expected: int | None = None) -> Iterator[tuple[int, Any]]:
+               expected: int | None = None, count_unreachable: bool = False) -> Iterator[tuple[int, Any]]:
     """Yield (index, raw sample or BadSample) for samples `start <= index < stop` of one shard.
 
     Samples before `start` are read but not yielded (resume skips this way). `expected` is the shard's
@@ -144,12 +180,17 @@ def iter_shard(path: str | os.PathLike, start: int = 0, stop: int | None = None,
     a missing file, each sample as missing_shard. Events without an index of their own come as index -1
     (also: unreadable_shard, the file cannot be opened as a tar) and only from the reader whose range ends
     the shard, so each is counted once per pass. Each shard warns once.
+
+    A URL shard is a stream: reaching `start` means streaming past the samples before it (the price of exact
+    resume inside a URL shard). One that cannot be fetched at all (the command fails before its first byte)
+    raises ShardError naming it, or with `count_unreachable` (the loader, mid-run) is counted as
+    unreadable_shard; a stream that breaks later is a truncated shard, as a local file cut short.
     """
-    path = Path(path)
+    path = as_shard(path)
     at_end = stop is None or expected is None or stop >= expected
     if expected is not None:
         stop = expected if stop is None else min(stop, expected)
-    if not path.exists():
+    if isinstance(path, Path) and not path.exists():
         if expected is None:
             yield -1, BadSample(MISSING_SHARD, f"shard {path} is gone")
             return
@@ -177,8 +218,10 @@ def iter_shard(path: str | os.PathLike, start: int = 0, stop: int | None = None,
             held, n = (n, raw), n + 1
     except Exception as e:  # noqa: BLE001 - OSError, tarfile.ReadError on a file that is no tar, ...
         if n == 0:
-            yield -1, BadSample(UNREADABLE_SHARD, f"shard {path} cannot be opened or read as a tar file: "
-                                                  f"{type(e).__name__}: {e}")
+            if isinstance(e, ShardError) and not count_unreachable:
+                raise
+            yield -1, BadSample(UNREADABLE_SHARD, str(e) if isinstance(e, ShardError) else
+                                f"shard {path} cannot be opened or read as a tar file: {type(e).__name__}: {e}")
             return
         errors.append((None, e))
         end["truncated"] = True
@@ -215,11 +258,11 @@ def iter_shard(path: str | os.PathLike, start: int = 0, stop: int | None = None,
 
 
 def count_samples(path: str | os.PathLike) -> int:
-    """Samples in a shard by reading it (for shards without a manifest entry)."""
-    return _count(Path(path))[0]
+    """Samples in a shard by reading it (for shards without a manifest entry; a URL shard is streamed once)."""
+    return _count(as_shard(path))[0]
 
 
-def _count(path: Path) -> tuple[int, bool]:
+def _count(path: Shard) -> tuple[int, bool]:
     """(samples, whether the tar breaks)."""
     end: dict = {}
     n = sum(1 for _ in _groups(path, [], end))
@@ -228,8 +271,10 @@ def _count(path: Path) -> tuple[int, bool]:
 
 def listed_but_missing(pattern: str | os.PathLike) -> list[Path]:
     """Shards a folder's manifest lists under a directory or glob source that are no longer on disk: the
-    loader keeps them (each of their samples is counted as missing_shard) instead of dropping them silently."""
-    pattern = str(pattern)
+    loader keeps them (each of their samples is counted as missing_shard) instead of dropping them silently.
+    A URL source has no folder to list: none."""
+    if (pattern := local_source(pattern)) is None:
+        return []
     folders = [Path(pattern)] if Path(pattern).is_dir() else \
         sorted({Path(q).parent for q in braceexpand.braceexpand(pattern) if glob.has_magic(q)})
     out = []
@@ -244,27 +289,32 @@ def listed_but_missing(pattern: str | os.PathLike) -> list[Path]:
 
 
 class ManifestEntries:
-    """A shard's entry in its folder's manifest.json (each folder's manifest read once), or None."""
+    """A shard's entry in its folder's manifest.json (each folder's manifest read once), or None. A URL
+    shard's folder manifest is fetched with gopen (`http://host/dir/manifest.json`); a `pipe:` shard has none."""
 
     def __init__(self):
-        self._by_dir: dict[Path, dict[str, dict]] = {}
+        self._by_dir: dict[Path | str, dict[str, dict]] = {}
 
-    def __call__(self, shard: Path) -> dict | None:
-        d = shard.parent
+    def __call__(self, shard: Shard) -> dict | None:
+        d = url_folder(shard) if isinstance(shard, str) else shard.parent
+        if d is None:
+            return None
         if d not in self._by_dir:
-            m = read_manifest(d)
+            m = fetch_manifest(d) if isinstance(d, str) else read_manifest(d)
             self._by_dir[d] = {e["name"]: e for e in m["shards"]} if m else {}
-        return self._by_dir[d].get(shard.name)
+        return self._by_dir[d].get(shard_name(shard))
 
 
-def shard_counts(paths: list[Path]) -> list[int]:
+def shard_counts(paths: list[Shard]) -> list[int]:
     """Per-shard sample counts: from each folder's manifest.json, else (or when the entry's `file_bytes`
-    disagrees with the file: the shard was rewritten) by reading the shard."""
+    disagrees with the file: the shard was rewritten) by reading the shard (a URL shard: streaming it once).
+    A URL shard that cannot be fetched raises ShardError naming it."""
     manifest_entry = ManifestEntries()
     counts = []
     for p in paths:
         entry = manifest_entry(p)
-        if entry is not None and p.exists() and entry.get("file_bytes") not in (None, p.stat().st_size):
+        if entry is not None and isinstance(p, Path) and p.exists() and \
+                entry.get("file_bytes") not in (None, p.stat().st_size):
             # Rewritten since the manifest was made, or truncated: an intact tar is counted as it is now; a
             # broken one keeps the manifest's count, so that every promised sample it lost is counted.
             try:
@@ -279,9 +329,12 @@ def shard_counts(paths: list[Path]) -> list[int]:
         if entry is not None:
             counts.append(int(entry["count"]))
             continue
-        log.warning("shard %s has no manifest entry; counting its samples by reading it", p)
+        log.warning("shard %s has no manifest entry; counting its samples by %s it", p,
+                    "streaming" if isinstance(p, str) else "reading")
         try:
             counts.append(count_samples(p))
+        except ShardError:
+            raise    # a URL that cannot be fetched: a wrong source, as a local path that does not exist
         except Exception as e:  # noqa: BLE001
             # One slot: the worker that owns it tries to read it and counts it once as an unreadable shard
             # (as for a manifest-listed shard that no longer reads), instead of stopping the run.
@@ -301,4 +354,5 @@ def fetch_samples(path: str | os.PathLike, indices: set[int], expected: int | No
     return out
 
 
-__all__ = ["resolve_shards", "listed_but_missing", "ManifestEntries", "iter_shard", "count_samples", "shard_counts", "fetch_samples", "ShardError"]
+__all__ = ["Shard", "as_shard", "local_source", "shard_name", "resolve_shards", "listed_but_missing",
+           "ManifestEntries", "iter_shard", "count_samples", "shard_counts", "fetch_samples", "ShardError"]

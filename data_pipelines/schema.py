@@ -12,6 +12,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from configs.config import ConfigError
+
 KINDS = ("pair", "interleaved", "text")
 IMAGE_EXTS = ("png", "jpg", "jpeg", "webp", "bmp", "gif", "tif", "tiff", "ppm")
 TEXT_EXTS = ("txt", "text", "caption")
@@ -38,6 +40,11 @@ REASONS = (UNREADABLE_SHARD, UNREADABLE_MEMBER, TRUNCATED_SHARD, MANIFEST_MISMAT
            MISSING_FIELD, INVALID_FIELD, EMPTY_TEXT, IMAGE_COUNT, CORRUPT_IMAGE, IMAGE_TOO_LARGE, TOO_LONG, FILTERED_KIND)
 
 _IMAGE_MEMBER = re.compile(r"^(?:(\d+)\.)?(" + "|".join(IMAGE_EXTS) + r")$")
+
+
+class ShardError(ConfigError):
+    """A source pattern or shard that cannot be used (no match, missing file, a URL that cannot be fetched);
+    names the path or URL. A config problem: the commands report it in one line, without a traceback."""
 
 
 class BadSample(ValueError):

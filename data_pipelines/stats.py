@@ -1,20 +1,32 @@
-"""`vlm data stats SHARDS...`: counts and modality statistics from manifests, or by reading the shards."""
+"""`vlm data stats SHARDS...`: counts and modality statistics from manifests, or by reading the shards (URL
+shards too: streamed through the same reader as the loader's)."""
 from __future__ import annotations
 
+import logging
 import os
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from data_pipelines.encode import process_images
-from data_pipelines.reader import SHARD_SUFFIXES, ManifestEntries, listed_but_missing, resolve_shards
+from data_pipelines.reader import (
+    SHARD_SUFFIXES,
+    ManifestEntries,
+    Shard,
+    listed_but_missing,
+    local_source,
+    resolve_shards,
+    shard_name,
+)
 from data_pipelines.samples import iter_decoded
 from data_pipelines.schema import BadSample
 from data_pipelines.writer import ShardStats, merge_stats, update_manifest
 from vision.image_processor import ImageProcessor
 
+log = logging.getLogger("data_pipelines")
 
-def scan_shard(path: Path, processor: ImageProcessor | None = None) -> tuple[dict[str, Any], Counter]:
+
+def scan_shard(path: Shard, processor: ImageProcessor | None = None) -> tuple[dict[str, Any], Counter]:
     """Read one shard: its stats entry and the problems found (by reason). Images are decoded as the loader
     decodes them (default processor settings), so corrupt images and decompression bombs count here too."""
     processor = processor or ImageProcessor()
@@ -25,7 +37,9 @@ def scan_shard(path: Path, processor: ImageProcessor | None = None) -> tuple[dic
             stats.add(sample, sum(len(v) for k, v in raw.items() if not k.startswith("__")))
         except BadSample as e:
             bad[e.reason] += e.count
-    entry = {"name": path.name, **stats.to_dict(), "file_bytes": path.stat().st_size if path.exists() else 0}
+    entry = {"name": shard_name(path), **stats.to_dict()}
+    if isinstance(path, Path):   # a URL's size is not known without fetching it
+        entry["file_bytes"] = path.stat().st_size if path.exists() else 0
     return entry, bad
 
 
@@ -34,7 +48,11 @@ def _with_split_folders(patterns: list[str | os.PathLike]) -> list[str | os.Path
     test/) stands for those subfolders."""
     out: list[str | os.PathLike] = []
     for p in patterns:
-        d = Path(p)
+        local = local_source(p)
+        if local is None:
+            out.append(p)
+            continue
+        d = Path(local)
         subs = sorted(q for q in d.iterdir() if q.is_dir() and any(q.glob("*.tar*"))) if d.is_dir() else []
         has_own = d.is_dir() and any(q.name.endswith(SHARD_SUFFIXES) for q in d.iterdir())
         out += subs if subs and not has_own else [p]
@@ -44,12 +62,14 @@ def _with_split_folders(patterns: list[str | os.PathLike]) -> list[str | os.Path
 def collect_stats(patterns: list[str | os.PathLike], scan: bool = False, write_manifest: bool = False
                   ) -> dict[str, Any]:
     """Per-shard entries and totals. Manifest entries are used unless `scan` (or a shard has none)."""
-    paths: list[Path] = []
+    paths: list[Shard] = []
     missing: list[Path] = []
     for p in _with_split_folders(patterns):
         paths += resolve_shards(p)
         missing += listed_but_missing(p)
-    paths = sorted(dict.fromkeys(paths))
+    # local shards sorted, then URLs in the order given (a Path and a str do not compare)
+    paths = sorted(dict.fromkeys(p for p in paths if isinstance(p, Path))) + \
+        list(dict.fromkeys(p for p in paths if isinstance(p, str)))
     entries, bad, scanned = [], Counter(), []
     manifest_entry = ManifestEntries()
     for path in paths:
@@ -61,8 +81,10 @@ def collect_stats(patterns: list[str | os.PathLike], scan: bool = False, write_m
         entries.append({**entry, "path": str(path)})
     if write_manifest:
         by_dir: dict[Path, list] = {}
+        if any(isinstance(p, str) for p in scanned):
+            log.warning("manifest entries are written next to local shards only; the URL shards are left out")
         for path, e in zip(paths, entries):
-            if path in scanned:
+            if path in scanned and isinstance(path, Path):
                 by_dir.setdefault(path.parent, []).append({k: v for k, v in e.items() if k != "path"})
         for d, es in by_dir.items():
             update_manifest(d, es)

@@ -6,7 +6,8 @@ as (shard, start, stop) segments, so every sample is read by exactly one worker 
 Shuffling: segment order is permuted per epoch, then a shuffle buffer (webdataset-style) draws samples
 at random. All randomness is numpy PCG64 seeded from (seed, source, split[, epoch]); the state is the
 reading position, the buffered samples as (shard, index) references and the generator state, all plain
-Python values, so a restored stream re-reads its buffered samples and continues bit for bit.
+Python values, so a restored stream re-reads its buffered samples and continues bit for bit (a URL shard
+has no random access: re-reading sample k of one streams through the k before it).
 """
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ def _rng(*seed: int) -> np.random.Generator:
 class SourceStream:
     """The samples of one source for one split: (ref, raw sample | BadSample), epoch after epoch."""
 
-    def __init__(self, index: int, paths: list[Path], counts: list[int], split: int, num_splits: int,
+    def __init__(self, index: int, paths: list[Path | str], counts: list[int], split: int, num_splits: int,
                  seed: int, shuffle_buffer: int, epochs: int | None):
         self.index, self.paths, self.counts = index, paths, counts
         self.split, self.seed = split, seed
@@ -72,8 +73,9 @@ class SourceStream:
         while self.seg_pos < len(self.segments):
             seg = self.segments[self._order[self.seg_pos]]
             if self._reader is None:
+                # mid-run, a URL that no longer answers is counted (unreadable_shard), not fatal
                 self._reader = iter_shard(self.paths[seg.shard], start=seg.start + self.offset, stop=seg.stop,
-                                          expected=self.counts[seg.shard])
+                                          expected=self.counts[seg.shard], count_unreachable=True)
             item = next(self._reader, None)
             if item is None or item[0] < 0:   # segment done, or the shard cannot be opened at all
                 self.seg_pos, self.offset, self._reader = self.seg_pos + 1, 0, None

@@ -111,6 +111,32 @@ def test_attention_backends_agree():
         torch.testing.assert_close(outs["docs", window], outs["sdpa", window], rtol=1e-4, atol=1e-5)
 
 
+def test_flash_varlen_layout_matches_the_packed_mask(monkeypatch):
+    """The CUDA flash path's varlen bookkeeping (real-token indices, cu_seqlens, longest segment; built once per
+    stack), checked on CPU with a stand-in for flash_attn_varlen_func written from its documented contract."""
+    import vlm.model.attention as attention
+    import vlm.model.block as block
+
+    def varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, window_size):
+        assert cu_q.dtype == torch.int32 and max_q == int((cu_q[1:] - cu_q[:-1]).max())
+        out = torch.empty_like(q)
+        for s, e in zip(cu_q[:-1].tolist(), cu_q[1:].tolist()):
+            seg = lambda x: x[s:e].transpose(0, 1)[None]  # noqa: E731
+            o = torch.nn.functional.scaled_dot_product_attention(seg(q), seg(k), seg(v), is_causal=causal,
+                                                                 enable_gqa=True)
+            out[s:e] = o[0].transpose(0, 1)
+        return out
+
+    monkeypatch.setattr(attention, "flash_attn_varlen_func", varlen)
+    monkeypatch.setattr(block, "resolve_backend", lambda b, d: b)
+    batch = PackedBatch.stack([PackedBatch.from_documents(rand_docs([20, 30], 11), row_len=56),
+                               PackedBatch.from_documents(rand_docs([9, 14, 25], 4), row_len=56)])
+    valid = batch.doc_ids >= 0
+    got = model(dataclasses.replace(tiny(), attn_backend="flash"))(batch).logits[valid]
+    ref = model(dataclasses.replace(tiny(), attn_backend="sdpa"))(batch).logits[valid]
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
+
+
 def test_output_reports_losses_and_chunking_stats():
     m = model(tiny())
     batch = PackedBatch.from_documents(rand_docs([30, 20], 12), row_len=64)

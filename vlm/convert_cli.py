@@ -36,6 +36,8 @@ def add_convert_command(sub) -> None:
                    help="Grove upcycling: adjugate experts per MoE layer (0: none); the source's logits are kept")
     p.add_argument("--grove-hidden", type=int, default=d.grove_hidden, help="intermediate size of an adjugate expert")
     p.add_argument("--grove-lambda", type=float, default=d.grove_lambda, help="adjugate scale, at most groups/experts")
+    p.add_argument("--decoder-mode", choices=("joint", "cross_attention"), default=d.decoder_mode,
+                   help="how decoder layers read concepts: ConceptMoE joint decoding or DLCM cross-attention")
     p.add_argument("--tol", type=float, default=0.02, help="allowed per-token FLOPs mismatch vs the source")
     p.set_defaults(func=run_convert)
 
@@ -48,7 +50,8 @@ def run_convert(args) -> int:
     opt = ConvertConfig(encoder_layers=args.encoder_layers, decoder_layers=args.decoder_layers,
                         joint_decoding_layers=args.joint_layers, target_ratio=args.ratio,
                         concept_top_k=args.concept_top_k, loop=args.loop, grove_groups=args.grove_groups,
-                        grove_hidden=args.grove_hidden, grove_lambda=args.grove_lambda)   # validated: a bad option stops
+                        grove_hidden=args.grove_hidden, grove_lambda=args.grove_lambda,
+                        decoder_mode=args.decoder_mode)   # validated: a bad option stops
     model, base = convert(args.source, opt)
     cfg = model.model_cfg
     f_base, f_new = flops_per_token(base)["total"], flops_per_token(cfg, args.ratio)["total"]

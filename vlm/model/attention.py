@@ -27,7 +27,10 @@ def resolve_backend(requested: str, device: torch.device) -> str:
         return requested
     if device.type == "cuda" and flash_attn_varlen_func is not None:
         return "flash"
-    return "sdpa"
+    # On CPU one SDPA call per document beats SDPA under the packed [B, 1, T, T] mask (prefill 0.57x at 2K,
+    # 0.23x at 8K; `python -m eval.bench attention`) and keeps memory linear in T. On CUDA without flash-attn
+    # the per-document loop is launch-bound, so the masked kernel stays.
+    return "sdpa" if device.type == "cuda" else "docs"
 
 
 def packed_mask(doc_BT: torch.Tensor, causal: bool = True, window: int = 0) -> torch.Tensor:
@@ -82,26 +85,34 @@ def _eager(q, k, v, mask_B1TT):
     return (scores.softmax(-1) @ v.float()).to(q.dtype)
 
 
-def _flash(q, k, v, doc_BT, causal, window=0):  # pragma: no cover - CUDA only
-    B, H, T, d = q.shape
-    valid = doc_BT >= 0
-    # One varlen segment per (row, document): offset doc ids by row so segments never merge.
-    seg = (doc_BT + torch.arange(B, device=q.device)[:, None] * (T + 1))[valid]
-    _, counts = torch.unique_consecutive(seg, return_counts=True)
+def flash_layout(doc_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The varlen layout of packed rows, built once per stack so no layer syncs with the host: flat indices of
+    the real tokens, cumulative segment lengths (one segment per (row, document)) and the longest segment."""
+    B, T = doc_BT.shape
+    valid_N = (doc_BT >= 0).flatten().nonzero().squeeze(1)
+    # offset doc ids by row so that segments of two rows never merge
+    seg_N = (doc_BT + torch.arange(B, device=doc_BT.device)[:, None] * (T + 1)).flatten()[valid_N]
+    _, counts = torch.unique_consecutive(seg_N, return_counts=True)
     cu = F.pad(counts.cumsum(0), (1, 0)).to(torch.int32)
-    pick = lambda x: x.transpose(1, 2)[valid]  # noqa: E731  [N, heads, d]
-    out = flash_attn_varlen_func(pick(q), pick(k), pick(v), cu, cu, int(counts.max()), int(counts.max()), causal=causal,
+    return valid_N, cu, int(counts.max()) if counts.numel() else 0
+
+
+def _flash(q, k, v, layout, causal, window=0):
+    B, H, T, d = q.shape
+    valid_N, cu, longest = layout
+    pick = lambda x: x.transpose(1, 2).flatten(0, 1).index_select(0, valid_N)  # noqa: E731  [N, heads, d]
+    out = flash_attn_varlen_func(pick(q), pick(k), pick(v), cu, cu, longest, longest, causal=causal,
                                  window_size=(window - 1, 0) if window else (-1, -1))
-    full = q.new_zeros(B, T, H, d)
-    full[valid] = out
-    return full.transpose(1, 2)
+    full = q.new_zeros(B * T, H, d).index_copy(0, valid_N, out)
+    return full.view(B, T, H, d).transpose(1, 2)
 
 
 def attend(q_BHTd, k_BKTd, v_BKTd, doc_BT, backend: str, mask_B1TT=None, causal: bool = True, window: int = 0):
     """Packed attention; `mask_B1TT` may be passed in to share it across the layers of a stack (it then already
     holds the sliding `window`)."""
-    if backend == "flash":
-        return _flash(q_BHTd, k_BKTd, v_BKTd, doc_BT, causal, window)
+    if backend == "flash":  # `mask_B1TT` holds the stack's flash_layout here
+        layout = mask_B1TT if mask_B1TT is not None else flash_layout(doc_BT)
+        return _flash(q_BHTd, k_BKTd, v_BKTd, layout, causal, window)
     if backend == "docs":   # `mask_B1TT` holds the stack's document segments here (doc_segments)
         segments = mask_B1TT if mask_B1TT is not None else doc_segments(doc_BT)
         return _per_document(q_BHTd, k_BKTd, v_BKTd, doc_BT, segments, causal, window)

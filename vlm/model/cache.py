@@ -1,13 +1,14 @@
 """Inference caches: token-level KV for encoder and decoder layers, concept-level KV for the concept model.
 
-Rows are ragged: each has its own length (tokens, or concepts for a concept cache). A cache is one padded
+Rows are ragged: each has its own length (tokens, or concepts for a concept cache: the concept model's, and the
+cross-attention decoder's, which keeps one key/value per concept). A cache is one padded
 buffer per layer plus the lengths; appending writes at each row's length, attention masks past it. In a
 decode step the concept model runs only for the rows whose boundary fired, so concept caches are read
 and written for a subset of rows (`rows`, an index tensor): no Python loop over rows or tokens.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -36,22 +37,31 @@ class KVCache:
         self.v_BKSd[:, :, :T] = v_BKTd
         self.len_B.copy_(len_B)
 
-    def append_and_attend(self, rows: torch.Tensor | None, q_RH1d, k_RK1d, v_RK1d) -> torch.Tensor:
-        """Write one new key/value per selected row (`rows`; None = every row, read in place without a gather)
-        at its length, then attend its query over the row's cache."""
+    def append(self, rows: torch.Tensor | None, k_RK1d, v_RK1d) -> None:
+        """Write one new key/value per selected row (`rows`; None = every row) at its length."""
         idx = rows if rows is not None else torch.arange(self.len_B.shape[0], device=self.len_B.device)
         pos_R = self.len_B[idx]   # room was made once per step (InferenceCache.ensure_room), not here (no sync)
         self.k_BKSd[idx, :, pos_R] = k_RK1d[:, :, 0]
         self.v_BKSd[idx, :, pos_R] = v_RK1d[:, :, 0]
         self.len_B[idx] += 1
+
+    def attend(self, rows: torch.Tensor | None, q_RH1d) -> torch.Tensor:
+        """One query per selected row over that row's filled entries (the last `window` of them if set)."""
+        len_R = self.len_B if rows is None else self.len_B[rows]
         S = self.k_BKSd.shape[2]
-        j_1S = torch.arange(S, device=idx.device)[None]
-        mask_RS = j_1S <= pos_R[:, None]
+        j_1S = torch.arange(S, device=len_R.device)[None]
+        mask_RS = j_1S < len_R[:, None]
         if self.window:
-            mask_RS &= j_1S > pos_R[:, None] - self.window
+            mask_RS &= j_1S >= len_R[:, None] - self.window
         mask_R11S = mask_RS[:, None, None]
         k, v = (self.k_BKSd, self.v_BKSd) if rows is None else (self.k_BKSd[rows], self.v_BKSd[rows])
         return F.scaled_dot_product_attention(q_RH1d, k, v, attn_mask=mask_R11S, enable_gqa=k.shape[1] != q_RH1d.shape[1])
+
+    def append_and_attend(self, rows: torch.Tensor | None, q_RH1d, k_RK1d, v_RK1d) -> torch.Tensor:
+        """Self-attention of one new position per selected row (`rows`; None = every row, read in place without
+        a gather): its key/value joins the row's cache, then its query attends over the row."""
+        self.append(rows, k_RK1d, v_RK1d)
+        return self.attend(rows, q_RH1d)
 
     def select(self, rows: torch.Tensor) -> "KVCache":
         """A cache of the given rows (repeats allowed: one prefix continued several ways)."""
@@ -94,6 +104,9 @@ class InferenceCache:
     len_B: torch.Tensor              # tokens per row so far (the next token's position)
     chunk: ChunkState | None = None  # None for the MoE baseline (every token is a concept)
     capacity: int = 0                # token positions each row can hold at allocation (caches grow past it)
+    # decoder_mode cross_attention: the concept keys/values of each cross-attending decoder layer, one entry
+    # per realized concept (DLCM eq. 13), filled at prefill and extended when a boundary fires
+    cross: list[KVCache] = field(default_factory=list)
 
     def select(self, rows: torch.Tensor) -> "InferenceCache":
         """The caches of the given rows, e.g. each prompt repeated once per candidate continuation."""
@@ -102,14 +115,14 @@ class InferenceCache:
             ch.last_key_BD, ch.pending_BD, ch.pending_n_B, ch.ema_BD, ch.n_concepts_B, ch.ema_in_BD)))
         pick = lambda caches: [c.select(rows) for c in caches]  # noqa: E731
         return InferenceCache(pick(self.encoder), pick(self.concept), pick(self.decoder), self.len_B[rows], chunk,
-                              self.capacity)
+                              self.capacity, pick(self.cross))
 
     def ensure_room(self) -> None:
         """Before a step: grow any cache that one more position per row would overflow (one host sync per step,
         doubling, so a long generation grows it a logarithmic number of times)."""
         n_tok = int(self.len_B.max()) + 1
         n_con = int(self.chunk.n_concepts_B.max()) + 1 if self.chunk is not None else n_tok
-        for caches, need in ((self.encoder + self.decoder, n_tok), (self.concept, n_con)):
+        for caches, need in ((self.encoder + self.decoder, n_tok), (self.concept + self.cross, n_con)):
             for c in caches:
                 if need > c.capacity:
                     c.grow(c.capacity)
@@ -118,4 +131,8 @@ class InferenceCache:
         return sum(c.nbytes() for c in self.encoder + self.decoder)
 
     def concept_bytes(self) -> int:
+        """The concept model's caches (the decoder's cross-attention caches are `cross_bytes`)."""
         return sum(c.nbytes() for c in self.concept)
+
+    def cross_bytes(self) -> int:
+        return sum(c.nbytes() for c in self.cross)

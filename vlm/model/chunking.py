@@ -242,13 +242,13 @@ class ChunkModule(nn.Module):
         sel = torch.where(b, p, 1 - p)
         loss, local = self.compute_ratio_loss(p, b, self.ratio_groups(valid, modality_BT))
         cidx = torch.where(valid, b.long().cumsum(1) - 1, torch.full_like(doc_BT, -1))
-        M = int(b.sum(1).max().item()) if b.numel() else 0
-        bi, ti = b.nonzero(as_tuple=True)
-        mi = cidx[bi, ti]
-        cdoc = torch.full((doc_BT.shape[0], M), -1, dtype=doc_BT.dtype, device=doc_BT.device)
-        cdoc[bi, mi] = doc_BT[bi, ti]
-        cp = p.new_zeros(doc_BT.shape[0], M)
-        cp[bi, mi] = p[bi, ti]
+        # The forward's one host sync: the concept count sizes the concept stack. Everything else scatters
+        # into a spill column M (non-boundary tokens) that is dropped, instead of boolean indexing.
+        M = int(b.sum(1).max()) if b.numel() else 0
+        slot_BT = torch.where(b, cidx, torch.full_like(cidx, M))
+        cdoc = torch.full((doc_BT.shape[0], M + 1), -1, dtype=doc_BT.dtype, device=doc_BT.device)
+        cdoc = cdoc.scatter(1, slot_BT, doc_BT)[:, :M]
+        cp = p.new_zeros(doc_BT.shape[0], M + 1).scatter(1, slot_BT, p)[:, :M]
         return Chunks(p, b, sel, cidx, cdoc, positions_in_doc(cdoc), cp, loss, local)
 
     def step(self, h_BD: torch.Tensor, state: ChunkState) -> tuple[torch.Tensor, torch.Tensor]:
@@ -304,21 +304,22 @@ class ChunkModule(nn.Module):
     def merge(self, h_BTD: torch.Tensor, doc_BT: torch.Tensor, ch: Chunks) -> torch.Tensor:
         """Concepts [B, M, D] from token states: `last` takes h at the boundary, `sum`/`mean` pool the concept's tokens."""
         B, M = ch.cdoc_BM.shape
-        out = h_BTD.new_zeros(B, M, h_BTD.shape[-1])
         if self.cfg.merge == "last":
-            bi, ti = ch.b_BT.nonzero(as_tuple=True)
-            out[bi, ch.cidx_BT[bi, ti]] = h_BTD[bi, ti]
-            return out
-        # Token n belongs to the concept closed by the first boundary at or after n, if that boundary is in
-        # n's own document (a document's tail after its last boundary forms no concept).
-        seg_BT = (ch.cidx_BT + (~ch.b_BT).long()).clamp(0, max(M - 1, 0))
-        member = (doc_BT >= 0) & (ch.cidx_BT + (~ch.b_BT).long() < M) & (ch.cdoc_BM.gather(1, seg_BT) == doc_BT)
-        rows, cols = member.nonzero(as_tuple=True)
-        idx = (rows, seg_BT[rows, cols])
-        out = out.index_put(idx, h_BTD[rows, cols], accumulate=True)
+            slot_BT = torch.where(ch.b_BT, ch.cidx_BT, M)
+        else:
+            # Token n belongs to the concept closed by the first boundary at or after n, if that boundary is in
+            # n's own document (a document's tail after its last boundary forms no concept).
+            seg_BT = ch.cidx_BT + (~ch.b_BT).long()
+            member = (doc_BT >= 0) & (seg_BT < M) & (ch.cdoc_BM.gather(1, seg_BT.clamp(0, max(M - 1, 0))) == doc_BT)
+            slot_BT = torch.where(member, seg_BT, M)
+        # a spill slot M per row takes every non-member token and is dropped: no boolean indexing, no host sync
+        flat_N = (slot_BT + torch.arange(B, device=slot_BT.device)[:, None] * (M + 1)).flatten()
+        D = h_BTD.shape[-1]
+        out = h_BTD.new_zeros(B * (M + 1), D).index_add(0, flat_N, h_BTD.reshape(-1, D))
+        out = out.view(B, M + 1, D)[:, :M]
         if self.cfg.merge == "mean":
-            n_BM = h_BTD.new_zeros(B, M).index_put(idx, h_BTD.new_ones(rows.shape[0]), accumulate=True)
-            out = out / n_BM.clamp_min(1)[..., None]
+            n_BM = h_BTD.new_zeros(B * (M + 1)).index_add(0, flat_N, h_BTD.new_ones(flat_N.shape[0]))
+            out = out / n_BM.view(B, M + 1)[:, :M].clamp_min(1)[..., None]
         return out
 
 
@@ -340,12 +341,21 @@ class Dechunk(nn.Module):
         p = p_R.float()[:, None]
         return p * concept_RD.float() + (1 - p) * ema_RD
 
+    @staticmethod
+    def smooth(concepts_BMD: torch.Tensor, ch: Chunks) -> torch.Tensor:
+        """Eq. 8 at concept level, [B, M, D], restarted at each document (DLCM's concept smoothing S, eq. 11
+        there: what the cross-attention decoder attends over)."""
+        return ema_scan(concepts_BMD, ch.cp_BM, doc_starts(ch.cdoc_BM))
+
     def forward(self, h_BTD: torch.Tensor, concepts_BMD: torch.Tensor, ch: Chunks,
-                inputs_BMD: torch.Tensor | None = None):
+                inputs_BMD: torch.Tensor | None = None, smoothed_BMD: torch.Tensor | None = None):
         """(z, c, c_in): the decoder input (eq. 10), the EMA concept each token reads and, for residual "delta"
-        (which needs `inputs_BMD`, the concept model's inputs), the same EMA over those inputs (else None)."""
+        (which needs `inputs_BMD`, the concept model's inputs), the same EMA over those inputs (else None).
+        `smoothed_BMD`: `smooth(concepts_BMD, ch)` when the caller has it already."""
         reset = doc_starts(ch.cdoc_BM)
-        c_BTD = plug_back(ema_scan(concepts_BMD, ch.cp_BM, reset), ch.cidx_BT)
+        if smoothed_BMD is None:
+            smoothed_BMD = ema_scan(concepts_BMD, ch.cp_BM, reset)
+        c_BTD = plug_back(smoothed_BMD, ch.cidx_BT)
         gate = ste(ch.sel_BT)[..., None].to(c_BTD.dtype)
         if self.cfg.residual == "delta":
             c_in_BTD = plug_back(ema_scan(inputs_BMD, ch.cp_BM, reset), ch.cidx_BT)

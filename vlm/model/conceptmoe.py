@@ -13,6 +13,7 @@ from vlm.model.block import Block, StackContext, run_stack, step_stack
 from vlm.model.cache import InferenceCache, KVCache
 from vlm.model.chunking import ChunkModule, Chunks, Dechunk
 from vlm.model.config import ModelConfig
+from vlm.model.cross_attention import ConceptMemory, ConceptStep
 from vlm.model.layers import RMSNorm, rope_cos_sin
 from vlm.model.output import ModelOutput
 from vlm.model.stats import lm_losses
@@ -34,8 +35,11 @@ class ConceptMoELM(nn.Module):
             for _ in range(cfg.concept_layers))
         self.concept_down = nn.Linear(Dc, D, bias=False) if Dc != D else None
         self.dechunk = Dechunk(cfg.chunk, D) if cfg.chunk.enabled else None
+        # the last num_joint_layers decoder layers read the concepts: eq. 11 (joint) or DLCM's cross-attention
         self.joint_from = cfg.decoder_layers - cfg.num_joint_layers
-        self.decoder = nn.ModuleList(Block(D, moe=cfg.moe, joint=i >= self.joint_from, **tok)
+        self.cross = cfg.decoder_mode == "cross_attention"
+        self.decoder = nn.ModuleList(Block(D, moe=cfg.moe, joint=i >= self.joint_from and not self.cross,
+                                           cross=i >= self.joint_from and self.cross, **tok)
                                      for i in range(cfg.decoder_layers))
         self.norm = RMSNorm(D, cfg.norm_eps)
         self.gradient_checkpointing = False   # recompute each block's activations in the backward (training)
@@ -54,10 +58,14 @@ class ConceptMoELM(nn.Module):
 
     @torch.no_grad()
     def zero_joint_projections(self) -> None:
+        """The decoder's concept reads start at zero: eq. 11's W^c, or the cross-attention's W_O (its sublayer
+        then adds nothing: DLCM eq. 14 reduces to its residual)."""
         for blk in self.decoder:
             if blk.attn.joint:
                 for proj in (blk.attn.cq_proj, blk.attn.ck_proj, blk.attn.cv_proj):
                     proj.weight.zero_()
+            if blk.cross is not None:
+                blk.cross.o_proj.weight.zero_()
 
     def hidden(self, x_BTD, doc_BT, pos_BT, modality_BT, above_BT=None, force=None,
                cache: InferenceCache | None = None, states: list | None = None):
@@ -91,13 +99,20 @@ class ConceptMoELM(nn.Module):
         if ch is None:
             z_BTD, cread_BTD = c_BMD, None
         else:
-            z_BTD, cread_BTD, cread_in_BTD = self.dechunk(h_BTD, c_BMD, ch, concept_in_BMD)
+            smoothed_BMD = self.dechunk.smooth(c_BMD, ch)
+            z_BTD, cread_BTD, cread_in_BTD = self.dechunk(h_BTD, c_BMD, ch, concept_in_BMD, smoothed_BMD)
             if cache is not None:
                 cache.chunk = self.chunker.prefill_state(h_BTD, doc_BT, ch, cread_BTD, cread_in_BTD)
+            if self.cross:   # the decoder attends over the smoothed concepts instead of adding its own (eq. 11)
+                cread_BTD = ConceptMemory.build(smoothed_BMD, ch.cidx_BT, ch.b_BT, doc_BT, ctx)
+                if cache is not None:
+                    cache.cross = self._caches(cfg.num_kv_heads, cfg.num_joint_layers, x_BTD.shape[0],
+                                               c_BMD.shape[1] + cache.capacity - x_BTD.shape[1], x_BTD)
         if states is not None:
             states.append(z_BTD)
         out_BTD, s = run_stack(self.decoder, z_BTD, ctx, c_BTD=cread_BTD, joint_from=self.joint_from,
-                               caches=cache.decoder if cache else None, checkpoint=ckpt, states=states)
+                               caches=cache.decoder if cache else None, checkpoint=ckpt, states=states,
+                               cross_caches=cache.cross if cache else None)
         return out_BTD, ch, moe_stats + s
 
     # ---------------------------------------------------------------- inference with caches
@@ -167,8 +182,10 @@ class ConceptMoELM(nn.Module):
             else:
                 res = self.dechunk.residual(h_B1D) if self.dechunk.residual is not None else h_B1D
                 z_B1D = res + cread_B1D   # eq. 10: the STE multiplier is 1 in the forward
+            if self.cross:   # the rows whose boundary fired add their new (smoothed) concept to the cross caches
+                cread_B1D = ConceptStep(st.ema_BD[rows, None].to(h_B1D.dtype), rows)
         out_B1D = step_stack(self.decoder, z_B1D, rope, cache.decoder, all_rows, c_R1D=cread_B1D,
-                             joint_from=self.joint_from)
+                             joint_from=self.joint_from, cross_caches=cache.cross)
         cache.len_B = cache.len_B + 1
         return self.lm_head(self.norm(out_B1D))[:, 0]
 

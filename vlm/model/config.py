@@ -66,8 +66,10 @@ class ChunkConfig:
     # state plus the concept model's update; exactly the concept model's output when every token is a boundary
     # (MoE -> ConceptMoE conversion is lossless with it, and a chunk's tokens still see themselves)
     residual: Literal["identity", "linear", "delta"] = "identity"
-    joint_decoding_layers: int = -1   # decoder layers (counted from the last) with eq. 11; -1 = all
-    joint_decoding_zero_init: bool = False
+    # decoder layers (counted from the last) that read the concepts: with eq. 11 (model.decoder_mode joint) or
+    # through DLCM's cross-attention (cross_attention); -1 = all
+    joint_decoding_layers: int = -1
+    joint_decoding_zero_init: bool = False   # start those reads at zero (W^c of eq. 11, or the cross-attention's W_O)
     # Beyond the paper: one ratio loss per modality (e.g. {"text": 2.0, "image": 4.0}) instead of a joint one.
     modality_target_ratios: dict[str, float] | None = None
     grid_aware_boundaries: bool = False  # image tokens also compare with the token above in the patch grid
@@ -127,6 +129,10 @@ class ModelConfig:
     # sliding-window (local) attention in the encoder and decoder layers: a token sees itself and the
     # window - 1 tokens before it in its document; 0 = the whole document. The concept model always sees all.
     attention_window: int = 0
+    # How the decoder layers chosen by chunk.joint_decoding_layers read the concepts: joint (ConceptMoE eq. 11,
+    # the token's own EMA concept added into q, k, v) or cross_attention (DLCM eq. 12-14: a causal
+    # cross-attention sublayer over every concept of the document up to the token's own; see cross_attention.py)
+    decoder_mode: Literal["joint", "cross_attention"] = "joint"
 
     def validate(self) -> None:
         check(self.attention_window >= 0, f"attention_window must be >= 0 (0: whole document), got {self.attention_window}")
@@ -148,6 +154,15 @@ class ModelConfig:
         jd = self.chunk.joint_decoding_layers
         check(jd == -1 or 0 <= jd <= self.decoder_layers,
               f"chunk.joint_decoding_layers must be -1 or in [0, decoder_layers={self.decoder_layers}], got {jd}")
+        check(self.decoder_mode in ("joint", "cross_attention"),
+              f"decoder_mode: got {self.decoder_mode!r}, allowed values: 'joint', 'cross_attention'")
+        if self.decoder_mode == "cross_attention":
+            check(self.chunk.enabled, "decoder_mode 'cross_attention' attends over concepts: it needs chunking "
+                                      "(chunk.enabled: true); the MoE baseline has none (use decoder_mode 'joint')")
+            check(self.num_joint_layers >= 1,
+                  f"decoder_mode 'cross_attention' with decoder_layers={self.decoder_layers} and "
+                  f"chunk.joint_decoding_layers={jd} gives no decoder layer a cross-attention; "
+                  f"use decoder_layers >= 1 and joint_decoding_layers -1 (all) or >= 1")
 
     # Resolved concept-model sizes.
     @property
@@ -177,14 +192,15 @@ class ModelConfig:
 
     @property
     def num_joint_layers(self) -> int:
+        """Decoder layers that read the concepts (eq. 11, or cross-attention per `decoder_mode`)."""
         if not self.chunk.enabled:
             return 0
         jd = self.chunk.joint_decoding_layers
         return self.decoder_layers if jd == -1 else jd
 
     def baseline(self) -> "ModelConfig":
-        """The same model with chunking disabled (the MoE baseline)."""
-        return replace(self, chunk=replace(self.chunk, enabled=False))
+        """The same model with chunking disabled (the MoE baseline; it has no concepts to cross-attend to)."""
+        return replace(self, chunk=replace(self.chunk, enabled=False), decoder_mode="joint")
 
 
 @dataclass
@@ -195,6 +211,9 @@ class ConvertConfig(ValidatedOnInit):
     encoder_layers: int = 2
     decoder_layers: int = 2
     joint_decoding_layers: int = -1
+    # how the converted decoder reads the concepts (model.decoder_mode); either way the new read starts at zero
+    # (eq. 11's W^c, or the cross-attention's W_O), so the conversion stays lossless with all boundaries on
+    decoder_mode: Literal["joint", "cross_attention"] = "joint"
     target_ratio: float = 2.0
     concept_top_k: int | None = None       # reallocation strategy 1: more activated experts in the concept model
     loop: tuple[int, int, int] | None = None  # strategy 2: (start, end, times) concept-layer loops
@@ -209,6 +228,11 @@ class ConvertConfig(ValidatedOnInit):
               f"convert.encoder_layers and convert.decoder_layers must be >= 1, got {self.encoder_layers}, "
               f"{self.decoder_layers}")
         check(self.target_ratio > 1, f"convert.target_ratio must be > 1, got {self.target_ratio}")
+        check(self.decoder_mode in ("joint", "cross_attention"),
+              f"convert.decoder_mode: got {self.decoder_mode!r}, allowed values: 'joint', 'cross_attention'")
+        check(self.decoder_mode == "joint" or self.joint_decoding_layers != 0,
+              "convert.decoder_mode 'cross_attention' with joint_decoding_layers=0 gives no decoder layer a "
+              "cross-attention; use -1 (all) or >= 1")
         check(self.loop is None or len(self.loop) == 3, f"convert.loop must be [start, end, times], got {self.loop}")
         check(self.concept_top_k is None or self.concept_top_k >= 1, "convert.concept_top_k must be >= 1 or null")
         check(self.grove_groups >= 0 and self.grove_hidden >= 1, "convert.grove_groups must be >= 0 and "

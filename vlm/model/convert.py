@@ -3,7 +3,8 @@
 All pretrained weights are kept: the first layers become the encoder, the last the decoder, the rest the
 concept model. Added: a randomly initialised chunk module, the dechunk with the "delta" residual (each token's
 own state plus the concept model's update, so a chunk's tokens still see themselves; no new weights), and
-zero-initialised joint-decoding projections in the last decoder layers. With every
+zero-initialised joint-decoding projections in the last decoder layers (or, with `decoder_mode: cross_attention`,
+DLCM cross-attention sublayers whose output projection W_O starts at zero, so they add nothing yet). With every
 boundary forced on (p = 1) the converted model reproduces the source logits exactly; reallocation
 (more active experts, concept-layer loops) is applied on top and checked with the FLOPs accounting.
 """
@@ -85,7 +86,7 @@ def to_conceptmoe_config(base: ModelConfig, opt: ConvertConfig) -> ModelConfig:
     """Enable chunking the conversion way ("delta" residual, zero joint decoding) and apply reallocation."""
     chunk = ChunkConfig(enabled=True, target_ratio=opt.target_ratio, merge="last", residual="delta",
                         joint_decoding_layers=opt.joint_decoding_layers, joint_decoding_zero_init=True)
-    cfg = dataclasses.replace(base, chunk=chunk)
+    cfg = dataclasses.replace(base, chunk=chunk, decoder_mode=opt.decoder_mode)
     if opt.grove_groups:   # upcycling: every MoE layer (token and concept stacks) gets adjugate experts
         # Grove 3.3: when upcycling, an adjugate's weight (the group's chosen rho summed, times lambda) should
         # not exceed an expert's own: lambda <= g / n
@@ -113,6 +114,7 @@ def convert_state(source: ConceptMoEVLM | dict[str, torch.Tensor], cfg: ModelCon
     if unexpected:
         raise ValueError(f"source tensors with no place in the ConceptMoE: {unexpected[:5]}")
     new_parts = ("lm.chunker.", "lm.dechunk.", ".attn.cq_proj", ".attn.ck_proj", ".attn.cv_proj", ".attn.concept_norm",
+                 ".cross.", ".cross_norm.",                # cross-attention decoder layers (W_O zeroed below)
                  ".moe.expert_bias", ".moe.load_accum",   # balancing state starts fresh
                  ".moe.adj_")                            # Grove upcycling's adjugate experts
     lost = [k for k in missing if not any(p in k for p in new_parts)]

@@ -17,6 +17,10 @@ Assumptions worth knowing:
   loads uniform; the within-token correlation of picks is what the uniform draw assumes away.
 - Joint decoding's concept projections (c W^c_q, c W^c_k, c W^c_v, eq. 11) are counted per token, as a
   straightforward implementation computes them; computing them once per concept would divide them by R.
+- DLCM's cross-attention decoder (`decoder_mode: cross_attention`, part `cross_attention`): W_Q and W_O per
+  token, W_K and W_V once per concept (1/R per token), as the model computes them. Its attention map is counted
+  as the replicated L x L causal kernel computes it (DLCM eq. 17: every token pair of the sequence, R times the
+  L x M pairs an irregular kernel would visit, never windowed); its KV cache holds one entry per concept.
 - Attention map (QK^T and AV): 2 MACs x heads x head_dim per (query, key) pair, i.e. 4 Hq hd FLOPs per pair.
   `causal=True` counts the N(N+1)/2 pairs a causal kernel visits, `causal=False` all N^2. A sequence is one
   document; packed rows of several documents cost less (block-diagonal).
@@ -29,9 +33,9 @@ from dataclasses import dataclass
 from vlm.model.config import ModelConfig, MoEConfig
 
 PARAM_PARTS = ("embedding", "encoder", "chunk", "residual", "concept_proj", "concept",
-               "decoder", "joint_decoding", "final_norm", "lm_head")
+               "decoder", "joint_decoding", "cross_attention", "final_norm", "lm_head")
 FLOP_PARTS = ("encoder", "chunk", "residual", "concept_proj", "concept", "decoder",
-              "joint_decoding", "lm_head")
+              "joint_decoding", "cross_attention", "lm_head")
 STAGES = ("encoder", "concept", "decoder")
 
 
@@ -139,6 +143,29 @@ def joint_layer_params(cfg: ModelConfig) -> int:
     return d * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim + d
 
 
+def joint_layers(cfg: ModelConfig) -> int:
+    """Decoder layers with eq. 11's concept projections (none in cross-attention mode)."""
+    return cfg.num_joint_layers if cfg.decoder_mode == "joint" else 0
+
+
+def cross_layers(cfg: ModelConfig) -> int:
+    """Decoder layers with a cross-attention sublayer (DLCM eq. 12-14)."""
+    return cfg.num_joint_layers if cfg.decoder_mode == "cross_attention" else 0
+
+
+def cross_layer_params(cfg: ModelConfig) -> int:
+    """One cross-attention sublayer: its pre-norm, the concepts' RMSNorm, W_Q, W_K, W_V, W_O (eq. 12-14) and
+    the optional per-head q/k RMSNorms (eq. 16)."""
+    d = cfg.hidden_size
+    return 2 * d + attn_params(d, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.qk_norm)
+
+
+def cross_layer_macs(cfg: ModelConfig, r: float) -> float:
+    """Per token: W_Q and W_O on the token, W_K and W_V on its 1/R share of a concept."""
+    d, hd = cfg.hidden_size, cfg.head_dim
+    return 2 * d * cfg.num_heads * hd + 2 * d * cfg.num_kv_heads * hd / r
+
+
 def chunk_params(cfg: ModelConfig) -> int:
     """Boundary router: cosine (W_q, W_k, eq. 2), linear (2D weights + bias) or fixed (none)."""
     if not cfg.chunk.enabled or cfg.chunk.router == "fixed":
@@ -176,7 +203,8 @@ def count_params(cfg: ModelConfig) -> dict[str, float]:
         "concept_proj": concept_proj_params(cfg),
         "concept": con.layers * layer_params(con),
         "decoder": dec.layers * layer_params(dec),
-        "joint_decoding": cfg.num_joint_layers * joint_layer_params(cfg),
+        "joint_decoding": joint_layers(cfg) * joint_layer_params(cfg),
+        "cross_attention": cross_layers(cfg) * cross_layer_params(cfg),
         "final_norm": d,
         "lm_head": 0 if cfg.tie_embeddings else d * v,
     }
@@ -207,7 +235,8 @@ def flops_per_token(cfg: ModelConfig, ratio: float | None = None) -> dict[str, f
         "concept_proj": concept_proj_params(cfg) / r,
         "concept": con.passes * layer_macs(con) / r,
         "decoder": dec.passes * layer_macs(dec),
-        "joint_decoding": cfg.num_joint_layers * (joint_layer_params(cfg) - d),
+        "joint_decoding": joint_layers(cfg) * (joint_layer_params(cfg) - d),
+        "cross_attention": cross_layers(cfg) * cross_layer_macs(cfg, r),
         "lm_head": d * cfg.vocab_size,
     }
     out = {k: 2.0 * v for k, v in macs.items()}
@@ -227,7 +256,8 @@ def attention_map_flops(cfg: ModelConfig, seq_len: int, ratio: float | None = No
     """FLOPs of QK^T and AV for one sequence of `seq_len` tokens, by stage and `total`.
 
     The concept model attends over seq_len / R concepts, once per pass (loops included); encoder and decoder
-    layers over at most `model.attention_window` keys per query when it is set.
+    layers over at most `model.attention_window` keys per query when it is set. `cross_attention`: the decoder's
+    cross-attention layers over the replicated concepts (every pair of the sequence, see the module doc).
     """
     if seq_len < 1:
         raise ValueError(f"seq_len must be >= 1, got {seq_len}")
@@ -235,7 +265,8 @@ def attention_map_flops(cfg: ModelConfig, seq_len: int, ratio: float | None = No
     for st in stages(cfg, ratio):
         window = 0 if st.name == "concept" else cfg.attention_window
         out[st.name] = st.passes * 4.0 * st.heads * st.head_dim * _pairs(seq_len * st.positions, causal, window)
-    out["total"] = sum(out[s] for s in STAGES)
+    out["cross_attention"] = cross_layers(cfg) * 4.0 * cfg.num_heads * cfg.head_dim * _pairs(seq_len, causal)
+    out["total"] = sum(out[s] for s in STAGES) + out["cross_attention"]
     return out
 
 
@@ -244,14 +275,17 @@ def kv_cache_bytes(cfg: ModelConfig, seq_len: int, ratio: float | None = None,
     """KV-cache bytes after `seq_len` tokens, by stage and `total`.
 
     Per layer application 2 * Hkv * hd * bytes per cached position; the concept model caches seq_len / R
-    positions, and each loop pass keeps its own cache (its inputs differ), as in Table 1.
+    positions, and each loop pass keeps its own cache (its inputs differ), as in Table 1. `cross_attention`: the
+    decoder's cross-attention layers cache the seq_len / R concepts' keys and values.
     """
     if seq_len < 1:
         raise ValueError(f"seq_len must be >= 1, got {seq_len}")
     out = {}
     for st in stages(cfg, ratio):
         out[st.name] = st.passes * 2.0 * st.kv_heads * st.head_dim * bytes_per_el * seq_len * st.positions
-    out["total"] = sum(out[s] for s in STAGES)
+    r = effective_ratio(cfg, ratio)
+    out["cross_attention"] = cross_layers(cfg) * 2.0 * cfg.num_kv_heads * cfg.head_dim * bytes_per_el * seq_len / r
+    out["total"] = sum(out[s] for s in STAGES) + out["cross_attention"]
     return out
 
 

@@ -13,7 +13,6 @@ compression"). The read-out head is thrown away; the encoder keeps what it learn
 from __future__ import annotations
 
 import json
-import math
 import random
 import re
 import time
@@ -30,6 +29,7 @@ from configs.config import ConfigError
 from data_pipelines.loader import resolve_sources
 from data_pipelines.samples import iter_samples
 from data_pipelines.schema import IMAGE_TOKEN, Sample
+from vlm.train.schedule import build_scheduler
 from vision.image_processor import ImageError, ImageProcessor, ProcessedImage
 
 WORD = re.compile(r"[^\W\d_]{2,}")   # letters only, two or more; lower-cased
@@ -143,8 +143,8 @@ def run_vision_warmup(encoder: nn.Module, processor: ImageProcessor, cfg, data_c
     params = [p for p in encoder.parameters() if p.requires_grad] + list(readout.parameters())
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     warm = max(1, cfg.steps // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(s, cfg.steps) / cfg.steps)))
+    sched = build_scheduler(opt, schedule="cosine", warmup=warm, total=cfg.steps, lr=cfg.lr, min_lr=0.0,
+                            decay_fraction=0.0)
     rng = random.Random(f"vision-warmup:{seed}")
     processed: dict[int, ProcessedImage | None] = {}
     was_training = encoder.training
