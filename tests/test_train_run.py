@@ -175,6 +175,27 @@ def test_accumulated_ratio_loss_gradient_equals_the_one_big_batch_gradient(tiny_
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
 
 
+def test_per_micro_batch_statistics_when_the_global_parser_is_off(tiny_data, tmp_path, torch_globals, tiny_config,
+                                                                   make_trainer):
+    """train.global_parser=false (DLCM Table 4's ablation): no parser on the chunker, so each micro-batch's ratio
+    loss is eq. 4 at its own F, G; training runs."""
+    from vlm.model.chunking import ratio_loss
+    from vlm.model.stats import summarize
+
+    cfg = tiny_config(tiny_data, optim={"grad_accum": 2}, train={"max_steps": 2, "global_parser": False},
+                      logging={"eval_every": 0})
+    tr = make_trainer(cfg, tmp_path / "run")
+    assert tr.parser is None and tr.engine.module.lm.chunker.stats_hook is None
+    assert tr.train() == 0
+    model = tr.engine.module
+    batch = next(iter(tr.loader))
+    out = model(batch)
+    s = summarize(out, batch)
+    local = ratio_loss(torch.tensor(s["boundaries/all"] / s["tokens/all"]), torch.tensor(s["boundary_p/all"]),
+                       tr.cfg.model.chunk.target_ratio)
+    assert out.ratio_loss.item() == pytest.approx(local.item(), rel=1e-5)
+
+
 def _nan_hook(out, k):
     return dataclasses.replace(out, loss=out.loss + float("nan"))
 

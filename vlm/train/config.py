@@ -141,6 +141,9 @@ class RunConfig:
     max_nonfinite_in_row: int = 5     # this many skipped (non-finite) steps in a row stop the run
     init_from: str | None = None      # vl/text: weights (whole VLM, or LLM only) from a run dir, its final/ or a checkpoint
     convert_from: str | None = None   # ct: a pretrained MoE folder (ours, Qwen3-MoE, Mixtral) or a `vlm convert` output
+    # DLCM's global parser: the ratio loss sees the statistics of the whole global batch (every micro-batch and
+    # rank); false = each micro-batch's own statistics (DLCM Table 4's ablation)
+    global_parser: bool = True
     vqa_eval: bool = True             # run the built-in VQA eval at the end when available
     vqa_max_samples: int = 200
 

@@ -140,7 +140,10 @@ def train_step(engine, window: list[PackedBatch], step: int, *, seed: int, rank:
             bad = float(all_reduce_min(finite.to(device))[0]) < 1.0
             if not bad:
                 w = n_local[k] * K * W / max(N, 1.0)
-                loss = out.lm_loss * w + ratio_weight * K * W * out.ratio_loss + out.balance_loss
+                # the global parser's ratio loss is this micro-batch's share of the global one (the engine
+                # averages K micro-batches and W ranks); without it each micro-batch's own loss is averaged
+                share = K * W if parser is not None else 1
+                loss = out.lm_loss * w + ratio_weight * share * out.ratio_loss + out.balance_loss
                 engine.backward(loss)
                 acc.add(out, batch)
                 if out.chunks is not None:

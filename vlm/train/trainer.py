@@ -342,8 +342,8 @@ class Trainer:
         self.engine = initialize(model, self.optimizer, self.ds_config)
         self.float_dtype = torch.bfloat16 if self.engine.bfloat16_enabled() else torch.float32
         self.probe = ActivationProbe(self.engine.module)
-        self.parser = GlobalParser(all_reduce_sum)
-        if not install(self.engine.module, self.parser):
+        self.parser = GlobalParser(all_reduce_sum) if cfg.train.global_parser else None
+        if self.parser is not None and not install(self.engine.module, self.parser):
             self.parser = None
         self.n_params = sum(p.numel() for p in model.parameters())
         self.n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
