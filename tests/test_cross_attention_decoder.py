@@ -159,17 +159,7 @@ def test_replication_needs_only_a_causal_kernel(monkeypatch):
 
 
 # ---------------------------------------------------------------- the model
-@pytest.mark.parametrize("name", list(VARIANTS))
-def test_causal_eval_mode(name):
-    """Perturbing tokens after t leaves every output at <= t unchanged."""
-    m = model(VARIANTS[name])
-    docs = rand_docs([40], 1)
-    t = 17
-    changed = [docs[0][: t + 1] + rand_docs([40 - t - 1], 2)[0]]
-    a = m(PackedBatch.from_documents(docs)).logits
-    c = m(PackedBatch.from_documents(changed)).logits
-    torch.testing.assert_close(a[:, : t + 1], c[:, : t + 1], rtol=1e-5, atol=1e-5)
-    assert not torch.allclose(a[:, t + 1:], c[:, t + 1:])
+# causality in eval mode and packing isolation of these variants: tests/test_model_core.py's VARIANTS
 
 
 def test_causal_train_mode_with_fixed_boundaries():

@@ -29,6 +29,9 @@ VARIANTS = {
     "delta_residual": tiny(merge="last", residual="delta"),
     "local_window": dataclasses.replace(tiny(), attention_window=4),
     "topk_router": tiny(router="topk", target_ratio=3.0),
+    "cross_attention": dataclasses.replace(tiny(merge="sum"), decoder_mode="cross_attention"),
+    "cross_attention_window_docs": dataclasses.replace(tiny(merge="mean"), decoder_mode="cross_attention",
+                                                       attention_window=4, attn_backend="docs"),
     "baseline": tiny(enabled=False),
 }
 
