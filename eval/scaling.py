@@ -9,6 +9,8 @@ concept model. Each finished run gives one point (N and P from its config, D fro
 training ratio, L its last held-out LM loss). The fit prints the constants with R^2 and RMSE, draws predicted
 against observed loss, and, under a FLOPs budget C = 6 D N (1 - P + P / R) (the concept model runs on D / R
 positions), the R and P that minimise the predicted loss.
+
+`vlm scaling sweep` (eval/scaling_sweep.py) trains the grid of small runs this fit needs, then fits it.
 """
 from __future__ import annotations
 
@@ -74,11 +76,17 @@ def fit(points: list[Point], starts: int = 24, seed: int = 0) -> dict:
             "rmse": (ss_res / len(points)) ** 0.5, "points": len(points)}
 
 
+def train_flops(N, D, R, P):
+    """Training FLOPs C = 6 D N (1 - P + P / R): the concept model's share of N runs on D / R positions."""
+    N, D, R, P = (np.asarray(v, dtype=float) for v in (N, D, R, P))
+    return 6.0 * D * N * (1 - P + P / R)
+
+
 def best_allocation(c: dict[str, float], budget: float, tokens: float,
                     ratios=np.linspace(1.25, 8, 55), shares=np.linspace(0.05, 0.95, 91)) -> dict:
     """The (R, P) with the lowest predicted loss when C = 6 D N (1 - P + P / R) is fixed (N follows)."""
     R, P = np.meshgrid(ratios, shares, indexing="ij")
-    N = budget / (6.0 * tokens * (1 - P + P / R))
+    N = budget / train_flops(1.0, tokens, R, P)
     L = law(c, N, tokens, R, P)
     i = np.unravel_index(np.argmin(L), L.shape)
     return {"R": float(R[i]), "P": float(P[i]), "N": float(N[i]), "loss": float(L[i])}
@@ -122,7 +130,15 @@ def plot(points: list[Point], c: dict[str, float], path: Path) -> None:
     plt.close(fig)
 
 
+def median_budget(points: list[Point]) -> tuple[float, float]:
+    """The training FLOPs and tokens of the run whose FLOPs are the (lower) median of the runs'."""
+    flops = sorted((float(train_flops(p.N, p.D, p.R, p.P)), p.D) for p in points)
+    return flops[(len(flops) - 1) // 2]
+
+
 def add_scaling_command(sub) -> None:
+    from eval.scaling_sweep import add_sweep_arguments
+
     p = sub.add_parser("scaling", help="DLCM's compression-aware scaling law over finished runs")
     s = p.add_subparsers(dest="scaling_command", required=True)
     f = s.add_parser("fit", help="fit L(N, D, R, P) (DLCM eq. 22) to the runs; best R, P under a FLOPs budget")
@@ -132,6 +148,37 @@ def add_scaling_command(sub) -> None:
     f.add_argument("--tokens", type=float, default=None, help="training tokens D for the budget (default: the "
                                                                 "runs' largest)")
     f.set_defaults(func=_run)
+    w = s.add_parser("sweep", help="train the grid of small text runs the law needs (N, D, R, P varied), then fit",
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_sweep_arguments(w)
+    w.set_defaults(func=_sweep)
+
+
+def report(points: list[Point], out: Path | None, budget: float | None, tokens: float | None,
+           what: str = "vlm scaling fit", log=print) -> dict:
+    """Fit the points, print the constants with R^2 and RMSE (and the best R, P under `budget` at `tokens`,
+    default: the runs' largest D), write OUT/fit.json and OUT/fit.png; too few points are a one-line error."""
+    from configs.config import ConfigError
+
+    try:
+        res = fit(points)
+    except ValueError as e:
+        raise ConfigError(f"{what}: {e}") from None
+    log(f"DLCM eq. 22 fitted to {res['points']} runs: R^2 = {res['r2']:.4f}, RMSE = {res['rmse']:.4f}")
+    for k, v in res["constants"].items():
+        log(f"  {k:<6} {v:.5g}")
+    if budget:
+        tokens = tokens or max(p.D for p in points)
+        res["best"] = b = {**best_allocation(res["constants"], budget, tokens), "budget": budget, "tokens": tokens}
+        log(f"under {budget:.3g} FLOPs at {tokens:.3g} tokens: R = {b['R']:.2f}, P = {b['P']:.2f} "
+            f"(N = {b['N']:.3g}), predicted loss {b['loss']:.4f}")
+    if out:
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "fit.json").write_text(json.dumps({**res, "runs": [asdict(p) for p in points]}, indent=1))
+        plot(points, res["constants"], out / "fit.png")
+        log(f"wrote {out / 'fit.json'} and {out / 'fit.png'}")
+    return res
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -139,22 +186,30 @@ def _run(args: argparse.Namespace) -> int:
 
     try:
         points = [run_point(r) for r in args.runs]
-        res = fit(points)
-    except (OSError, ValueError, KeyError) as e:   # a run that is not finished, too few runs: one line
+    except (OSError, ValueError, KeyError) as e:   # a run that is not finished: one line
         raise ConfigError(f"vlm scaling fit: {e}") from None
-    print(f"DLCM eq. 22 fitted to {res['points']} runs: R^2 = {res['r2']:.4f}, RMSE = {res['rmse']:.4f}")
-    for k, v in res["constants"].items():
-        print(f"  {k:<6} {v:.5g}")
-    if args.budget:
-        tokens = args.tokens or max(p.D for p in points)
-        res["best"] = best_allocation(res["constants"], args.budget, tokens)
-        b = res["best"]
-        print(f"under {args.budget:.3g} FLOPs at {tokens:.3g} tokens: R = {b['R']:.2f}, P = {b['P']:.2f} "
-              f"(N = {b['N']:.3g}), predicted loss {b['loss']:.4f}")
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "fit.json").write_text(json.dumps({**res, "runs": [asdict(p) for p in points]}, indent=1))
-        plot(points, res["constants"], out / "fit.png")
-        print(f"wrote {out / 'fit.json'} and {out / 'fit.png'}")
+    report(points, args.out, args.budget, args.tokens)
+    return 0
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    """`vlm scaling sweep`: train the grid (eval/scaling_sweep.py), then fit all of its runs."""
+    from configs.config import ConfigError
+    from eval.scaling_sweep import train_sweep
+
+    trained = train_sweep(args)
+    if trained is None:   # --dry-run
+        return 0
+    runs, failed = trained
+    if failed:
+        print(f"vlm scaling sweep: runs failed: {', '.join(failed)} (see {args.out}/<run>.log)")
+        return 1
+    try:
+        points = [run_point(r) for r in runs]
+    except (OSError, ValueError, KeyError) as e:
+        raise ConfigError(f"vlm scaling sweep: {e}") from None
+    (Path(args.out) / "points.json").write_text(json.dumps({r.name: asdict(p) for r, p in zip(runs, points)},
+                                                           indent=1))
+    budget, tokens = (args.budget, None) if args.budget else median_budget(points)
+    report(points, args.out, budget, tokens, what="vlm scaling sweep")
     return 0
