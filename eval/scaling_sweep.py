@@ -109,13 +109,17 @@ def format_plan(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+DEFAULT_BUDGET_MIN = 50.0
+
+
 def add_sweep_arguments(p) -> None:
     p.description = __doc__.split("\n\n")[1]
     p.add_argument("--out", default="runs/scaling", help="runs, points.json, fit.json and fit.png (default: "
                                                          "runs/scaling)")
     p.add_argument("--jobs", type=int, default=2, help="job slots, one torch thread each (default 2)")
-    p.add_argument("--budget-minutes", type=float, default=60.0,
-                   help="wall-clock budget; S is the most steps whose estimated sweep fits it (default 60)")
+    p.add_argument("--budget-minutes", type=float, default=DEFAULT_BUDGET_MIN,
+                   help=f"wall-clock budget; S is the most steps whose estimated sweep fits it (default "
+                        f"{DEFAULT_BUDGET_MIN:g}: the hour with a margin for the estimate's error)")
     p.add_argument("--budget", type=float, default=None, help="FLOPs budget for the best (R, P) (default: the "
                                                               "median run's training FLOPs, at its tokens)")
     p.add_argument("--dry-run", action="store_true", help="print the planned runs and the time estimate only")
