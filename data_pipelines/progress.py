@@ -28,6 +28,10 @@ class Progress:
         elif self.plain and time.time() - self.last >= self.every_s:
             self._line()
 
+    def set(self, n: int) -> None:
+        """Move to an absolute count (for work counted from outside, e.g. steps written by subprocesses)."""
+        self.update(n - self.n)
+
     def _line(self) -> None:
         self.last = time.time()
         of = f"/{self.total}" if self.total else ""

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from configs.config import ConfigError
+from data_pipelines.progress import Progress
 from eval.experiments.core import Recipe, Run, Variant, configs_dir, overall, stats_table
 
 
@@ -131,8 +132,6 @@ def run_jobs(jobs: list[Job], out: Path, slots: int, log=print) -> list[str]:
 
 class _Pool:
     def __init__(self, jobs: list[Job], out: Path, slots: int, log):
-        from tqdm import tqdm
-
         self.out, self.slots, self.log = out, slots, log
         self.done = {j.name for j in jobs if _check_reuse(out, j)}
         if self.done:
@@ -142,16 +141,15 @@ class _Pool:
         self.failed: list[str] = []
         self.running: list[tuple[Job, subprocess.Popen, object]] = []
         self.env = dict(os.environ, OMP_NUM_THREADS="1")
-        self.bar = tqdm(total=sum(j.steps for j in self.todo), desc=f"{len(self.todo)} runs", unit="step",
-                        disable=None)
+        # a bar on a terminal, plain periodic lines in a redirected log
+        self.bar = Progress(sum(j.steps for j in self.todo), f"{len(self.todo)} runs", unit="step", every_s=60)
 
     def run(self) -> None:
         while self.todo or self.running:
             self._launch_ready()
             time.sleep(1)
-            self.bar.n = min(sum(_steps_done(self.out / j.name) for j in self.mine if j not in self.todo),
-                             self.bar.total)
-            self.bar.refresh()
+            self.bar.set(min(sum(_steps_done(self.out / j.name) for j in self.mine if j not in self.todo),
+                             self.bar.total))
             self._reap()
 
     def _launch_ready(self) -> None:
