@@ -37,7 +37,7 @@ def _build_default(args) -> int:
     out = build_default(args.out, cfg) if args.force else ensure_default_dataset(args.out, cfg)
     print(f"default dataset in {out} ({time.time() - t0:.1f}s)")
     for split in ("train", "val", "test"):
-        if (out / split).is_dir():
+        if (out / split).is_dir() and any((out / split).glob("*.tar")):   # a split built with 0 items is empty
             print(f"\n== {split}\n" + format_stats(collect_stats([out / split]), per_shard=False))
 
 

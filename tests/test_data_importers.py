@@ -138,6 +138,10 @@ def test_data_cli_build_stats_import(tmp_path, capsys):
     (tmp_path / "t.jsonl").write_text(json.dumps({"text": "hello there"}) + "\n")
     assert _cli(["data", "import-table", str(tmp_path / "t.jsonl"), "--out", str(tmp_path / "imp")]) == 0
     assert "wrote 1 samples" in capsys.readouterr().out
+    # a text-only build (no scenes: its image splits are empty) is fine too
+    assert _cli(["data", "build-default", "--out", str(tmp_path / "text"), "--train-scenes", "0", "--val-scenes", "0",
+                 "--test-scenes", "0", "--text-docs", "20", "--interleaved-docs", "0"]) == 0
+    assert "== train" in capsys.readouterr().out
     assert _cli(["data", "train-tokenizer", str(out / "train"), "--vocab-size", "300", "--out",
                  str(tmp_path / "tok")]) == 0
     assert (tmp_path / "tok" / "tokenizer.json").is_file()

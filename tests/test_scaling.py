@@ -129,6 +129,15 @@ def test_the_dry_run_lists_the_runs_and_the_estimate_and_trains_nothing(tmp_path
     assert not out.exists()
 
 
+def test_the_sweep_trains_on_fresh_text_enough_for_its_longest_run():
+    """Eq. 22's data term assumes fresh tokens: the sweep's own corpus holds more tokens than its longest run reads
+    (~265 bytes a document, ~3.65 bytes a token with the corpus's BPE)."""
+    from eval.scaling_sweep import text_docs_for
+
+    for tokens in (1e5, 3.7e6):
+        assert text_docs_for(tokens) * 265 / 3.65 > 1.1 * tokens
+
+
 def test_bad_sweep_input_is_a_clear_error(tmp_path, capsys):
     from vlm.cli import main
 
