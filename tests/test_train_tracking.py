@@ -18,7 +18,8 @@ def test_a_run_logs_to_wandb_offline_and_a_resume_continues_the_same_run(tiny_da
     cfg["train"]["max_steps"] = 6
     assert make_trainer(cfg, run, resume=True).train() == 0
     assert (run / "wandb_id").read_text() == run_id        # the same wandb run continues
-    assert all(p.name.endswith(run_id) for p in (run / "wandb").glob("offline-run-*"))
+    names = [p.name for p in (run / "wandb").glob("offline-run-*")]
+    assert names and all(n.endswith(run_id) for n in names), (run_id, names)
 
 
 def test_an_unknown_reporter_is_refused_by_name(tiny_data, tiny_config, load_tiny):
