@@ -1,4 +1,6 @@
 """`logging.report_to`: metrics go to TensorBoard and/or Weights & Biases (offline, no network)."""
+import re
+
 import pytest
 
 wandb = pytest.importorskip("wandb")
@@ -18,8 +20,10 @@ def test_a_run_logs_to_wandb_offline_and_a_resume_continues_the_same_run(tiny_da
     cfg["train"]["max_steps"] = 6
     assert make_trainer(cfg, run, resume=True).train() == 0
     assert (run / "wandb_id").read_text() == run_id        # the same wandb run continues
+    # wandb names an offline run's folder offline-run-<time>-<id>, adding -1, -2 when two start in one second
     names = [p.name for p in (run / "wandb").glob("offline-run-*")]
-    assert names and all(n.endswith(run_id) for n in names), (run_id, names)
+    same_run = re.compile(rf"offline-run-\d{{8}}_\d{{6}}-{run_id}(-\d+)?")
+    assert len(names) == 2 and all(same_run.fullmatch(n) for n in names), names
 
 
 def test_an_unknown_reporter_is_refused_by_name(tiny_data, tiny_config, load_tiny):
