@@ -143,12 +143,13 @@ def train_sweep(args: argparse.Namespace) -> tuple[list[Path], list[str]] | None
     rec = recipe(steps, args.runs)
     out = Path(args.out)
     jobs = plan(rec, out, extra=list(args.overrides))
-    print(format_plan(describe(jobs, list(args.overrides))))
+    rows = describe(jobs, list(args.overrides))   # validates every run's config once
+    print(format_plan(rows))
     mults = sorted({v.steps_mult for v in rec.variants})
     print(f"{len(jobs)} runs of {' / '.join(f'{round(steps * m)}' for m in mults)} steps (S = {steps}); estimated "
           f"{estimate_s(rec, args.jobs) / 60:.0f} min with --jobs {args.jobs} (from the runner's step timings)")
     own_data = not any(o.split("=", 1)[0] in ("data.default_dir", "data.sources") for o in args.overrides)
-    docs = text_docs_for(max(r["D"] for r in describe(jobs, list(args.overrides))))
+    docs = text_docs_for(max(r["D"] for r in rows))
     if own_data:
         print(f"data: {docs} fresh text documents in {out / 'data'}, so that the longest run reads each token at "
               "most once (eq. 22's data term assumes fresh tokens; the embedded text split is ~156k tokens)")
