@@ -18,7 +18,7 @@ from vlm.model.config import ChunkConfig, ConvertConfig, ModelConfig, MoEConfig
 from vlm.model.cross_attention import ConceptMemory, CrossAttention
 from vlm.model.flops import attention_map_flops, count_params, flops_per_token, kv_cache_bytes
 
-V = 97
+from test_model_core import V, model, rand_docs   # the model-core spec's helpers, shared
 
 
 def tiny(decoder_layers=2, **chunk) -> ModelConfig:
@@ -34,16 +34,6 @@ VARIANTS = {
     "mean_window_docs": dataclasses.replace(tiny(merge="mean"), attention_window=4, attn_backend="docs"),
     "wider_concept": dataclasses.replace(tiny(), concept_hidden_size=48, concept_num_heads=6, concept_num_kv_heads=3),
 }
-
-
-def model(cfg, seed=0):
-    torch.manual_seed(seed)
-    return ConceptMoELM(cfg).eval()
-
-
-def rand_docs(lengths, seed):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, V, (n,), generator=g).tolist() for n in lengths]
 
 
 # ---------------------------------------------------------------- config
@@ -232,6 +222,22 @@ def test_cached_decoding_equals_full_recompute(name):
     assert len(cache.cross) == m.cfg.num_joint_layers
     assert all(torch.equal(c.len_B, cache.chunk.n_concepts_B) for c in cache.cross)   # one entry per concept
     assert cache.cross_bytes() > 0
+
+
+
+def test_decode_benchmark_fills_counts_and_rewinds_the_cross_caches():
+    """`python -m eval.bench decode` on a cross-attention model: its synthetic context fills the cross caches
+    to the context's concept count, its KV bytes include them, and each round starts from the same lengths."""
+    from eval.bench.decode import decoder, filled_cache
+    m = model(VARIANTS["sum"])
+    B, L, R, steps = 2, 24, 2.0, 6
+    cache = filled_cache(m, B, L, R, steps, torch.Generator().manual_seed(0))
+    assert len(cache.cross) == m.cfg.num_joint_layers
+    assert all(torch.equal(c.len_B, torch.full((B,), L // 2)) for c in cache.cross)
+    round_, kv_bytes = decoder(m, B, L, R, steps)
+    joint_bytes = (cache.token_bytes() + cache.concept_bytes()) / B
+    assert kv_bytes == joint_bytes + cache.cross_bytes() / B and cache.cross_bytes() > 0
+    assert round_() > 0 and round_() > 0   # the second round rewinds (it would overrun the room otherwise)
 
 
 # ---------------------------------------------------------------- accounting

@@ -45,7 +45,10 @@ def filled_cache(model: ConceptMoELM, B: int, L: int, ratio: float | None, steps
     cache = model.allocate_inference_cache(B, L + steps, like)
     n_concepts = L if ratio is None else max(1, round(L / ratio))
     cache.concept = model._caches(cfg.c_kv_heads, len(cfg.concept_schedule), B, n_concepts + steps, like)
-    for c, n in [(c, L) for c in cache.encoder + cache.decoder] + [(c, n_concepts) for c in cache.concept]:
+    if model.cross:   # DLCM's decoder: one key/value per concept in each cross-attending layer
+        cache.cross = model._caches(cfg.num_kv_heads, cfg.num_joint_layers, B, n_concepts + steps, like)
+    filled = [(c, L) for c in cache.encoder + cache.decoder] + [(c, n_concepts) for c in cache.concept + cache.cross]
+    for c, n in filled:
         c.k_BKSd[:, :, :n].normal_(generator=gen)
         c.v_BKSd[:, :, :n].normal_(generator=gen)
         c.len_B.fill_(n)
@@ -59,12 +62,13 @@ def filled_cache(model: ConceptMoELM, B: int, L: int, ratio: float | None, steps
 def rewinder(cache: InferenceCache):
     """A function that puts the cache back to its current lengths and chunk state (the entries written past them
     are overwritten by the next round)."""
-    lens = [c.len_B.clone() for c in cache.encoder + cache.concept + cache.decoder]
+    caches = cache.encoder + cache.concept + cache.decoder + cache.cross
+    lens = [c.len_B.clone() for c in caches]
     len_B = cache.len_B.clone()
     chunk = None if cache.chunk is None else [getattr(cache.chunk, f.name) for f in fields(ChunkState)]
 
     def rewind():
-        for c, n in zip(cache.encoder + cache.concept + cache.decoder, lens):
+        for c, n in zip(caches, lens):
             c.len_B.copy_(n)
         cache.len_B = len_B.clone()
         if chunk is not None:
@@ -76,7 +80,7 @@ def decoder(model: ConceptMoELM, B: int, L: int, ratio: float | None, steps: int
     """A self-timed round of `steps` decode steps from a context of L, and the KV bytes per sequence."""
     gen = torch.Generator().manual_seed(seed)
     cache = filled_cache(model, B, L, ratio, steps, gen)
-    kv_bytes = (cache.token_bytes() + cache.concept_bytes()) / B
+    kv_bytes = (cache.token_bytes() + cache.concept_bytes() + cache.cross_bytes()) / B
     rewind = rewinder(cache)
     with torch.no_grad():
         x_SBD = model.embed(torch.randint(0, model.cfg.vocab_size, (steps, B), generator=gen))
