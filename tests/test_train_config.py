@@ -262,10 +262,32 @@ def test_the_data_processor_is_the_vision_processor():
     assert direct.data.processor is direct.vision.processor
     with pytest.raises(ConfigError, match="data.processor is set, but with a vision section"):
         from_dict(TrainConfig, {"vision": vision, "data": {"processor": {"patch_size": 4}}})
-    text = from_dict(TrainConfig, {"vision": None, "train": {"stage": "text"}, "data": {"processor": {"patch_size": 4}}})
+    text = from_dict(TrainConfig, {"vision": None, "train": {"stage": "text"},
+                                   "data": {"processor": {"patch_size": 4}, "default_parts": ["text"]}})
     assert text.data.processor.patch_size == 4
     with pytest.raises(ConfigError, match="unknown key vision.encoder.patch_size"):
         from_dict(TrainConfig, {"vision": dict(vision, encoder=dict(vision["encoder"], patch_size=7))})
+
+
+def test_no_vision_tower_refuses_image_data_in_one_line(tmp_path, capsys, tiny_data, tiny_config, write_config):
+    """vision: null on the default dataset's image parts is a config error at load time; on sources that turn
+    out to carry images it is one line at the first batch, not a traceback."""
+    from configs.config import from_dict
+    from vlm.train.config import TrainConfig
+
+    text_only = {"vision": None, "train": {"stage": "text"}, "vision_warmup": {"steps": 0}}
+    for parts in ([], ["vqa"], ["text", "caption"]):
+        with pytest.raises(ConfigError, match=r"vision: null, but the default dataset's parts \[.*\] carry images"):
+            from_dict(TrainConfig, dict(text_only, data={"default_parts": parts}))
+    assert from_dict(TrainConfig, dict(text_only, data={"default_parts": ["text"]})).vision is None
+
+    cfg = tiny_config(tiny_data, vision=None, vision_warmup={"steps": 0},
+                      train={"stage": "text", "max_steps": 2, "vqa_eval": False},
+                      params={"vision_lr_mult": 1.0, "projector_lr_mult": 1.0})
+    rc = train_main(["--config", str(write_config(cfg, tmp_path / "c.yaml")), "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1, err
+    assert "the data carries images but the config has no vision tower" in err
 
 
 def test_print_config_shows_the_resolved_config_and_exits(tmp_path, capsys, write_config, TINY):

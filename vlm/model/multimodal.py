@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from configs.batch import IGNORE_INDEX, IMAGE, PackedBatch
+from configs.config import ConfigError
 from vision.projector import token_rows_cols
 from vlm.model.conceptmoe import ConceptMoELM
 from vlm.model.config import ModelConfig
@@ -33,7 +34,8 @@ class ConceptMoEVLM(nn.Module):
                 raise ValueError(f"batch has {int(image_BT.sum())} image positions but no images")
             return x_BTD
         if self.vision is None:
-            raise ValueError("batch carries images but the model has no vision tower (config `vision` is empty)")
+            raise ConfigError("the data carries images but the config has no vision tower (vision: null): give it a "
+                              "vision section, or train on text-only sources")
         feats_ND = self.vision(batch.pixel_patches, batch.patch_coords, batch.image_grids)
         if feats_ND.shape[0] != int(image_BT.sum()):
             raise ValueError(f"images give {feats_ND.shape[0]} vision tokens but the batch has "

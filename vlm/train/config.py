@@ -226,6 +226,10 @@ class TrainConfig:
             check(not self.model.tie_embeddings,
                   "params.mup needs model.tie_embeddings: false (the output layer gets its own rate and logit scale)")
         if self.vision is None:
+            image_parts = sorted(set(self.data.default_parts or ("vqa", "caption", "interleaved")) - {"text"})
+            check(bool(self.data.sources) or not image_parts,
+                  f"vision: null, but the default dataset's parts {image_parts} carry images: set "
+                  "data.default_parts: [text] (or give a vision section)")
             for name in ("vision_lr_mult", "projector_lr_mult"):
                 check(getattr(self.params, name) == 1.0, f"params.{name} is set but the config has no vision tower")
         for prefix in self.params.freeze:
