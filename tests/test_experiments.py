@@ -122,6 +122,9 @@ def test_checks_follow_the_seed_spreads():
     assert better("c", "a", hi, "b", lo).status == FAILS
     assert better("c", "a", lo, "b", mid).status == UNSURE
     assert better("c", "a", hi, "b", lo, lower=False).status == HOLDS
+    assert better("c", "a", lo, "b", hi, lower=False).status == FAILS
+    assert better("c", "a", mid, "b", lo, lower=False).status == UNSURE      # overlapping spreads, either way
+    assert better("c", "a", hi, "b", mid, lower=False).status == UNSURE
     assert better("c", "a", Stat([1.0]), "b", Stat([2.0])).status == ONE_SEED
     assert "no numbers" in better("c", "a", None, "b", lo).status
     assert no_worse("c", "a", Stat([1.0, 1.3]), "b", Stat([1.1, 1.2])).status == HOLDS      # overlapping, mean equal

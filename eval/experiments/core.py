@@ -127,12 +127,11 @@ def better(claim: str, a: str, sa: Stat | None, b: str, sb: Stat | None, lower: 
     does not hold when they are apart the other way, inconclusive when they overlap."""
     if sa is None or sb is None:
         return _missing(claim, core, *(n for n, s in ((a, sa), (b, sb)) if s is None))
-    sign = 1 if lower else -1
     if min(sa.n, sb.n) < 2:
         status = ONE_SEED
-    elif sign * sa.hi < sign * sb.lo:
+    elif (sa.hi < sb.lo) if lower else (sa.lo > sb.hi):      # a's whole spread on the better side of b's
         status = HOLDS
-    elif sign * sa.lo > sign * sb.hi:
+    elif (sa.lo > sb.hi) if lower else (sa.hi < sb.lo):      # ... on the worse side
         status = FAILS
     else:
         status = UNSURE

@@ -73,11 +73,15 @@ def plot(result: dict, path: Path) -> Path:
         if m.get("ref") is not None:
             ax.axhline(m["ref"], color="tab:red", lw=1, ls="--")
             finite.append(m["ref"])
-        if finite:   # zoom on the spread: differences between variants are often small next to the values
+        if finite and min(finite) > 0 and max(finite) / min(finite) > 20:   # e.g. compression ratios 1.3 to 500
+            ax.set_yscale("log")
+        elif finite:   # zoom on the spread: differences between variants are often small next to the values
             lo, hi = min(finite), max(finite)
             pad = (hi - lo) * 0.3 or abs(hi) * 0.05 or 0.1
             ax.set_ylim(lo - pad if lo - pad > 0 or lo < 0 else 0, hi + pad)
-        ax.set_xticks(x, [nm.replace("-", "\n", 1) if len(nm) > 12 else nm for nm in names], fontsize=7)
+        tilt = max(map(len, names)) > 12 and len(names) > 4   # long names side by side would overlap
+        ax.set_xticks(x, [nm.replace("-", "\n", 1) if len(nm) > 12 else nm for nm in names], fontsize=7,
+                      rotation=35 if tilt else 0, ha="right" if tilt else "center")
         ax.set_title(m["label"], fontsize=9)
     for ax in list(axes.flat)[n:]:
         ax.axis("off")
