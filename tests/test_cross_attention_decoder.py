@@ -18,7 +18,7 @@ from vlm.model.config import ChunkConfig, ConvertConfig, ModelConfig, MoEConfig
 from vlm.model.cross_attention import ConceptMemory, CrossAttention
 from vlm.model.flops import attention_map_flops, count_params, flops_per_token, kv_cache_bytes
 
-from test_model_core import V, model, rand_docs   # the model-core spec's helpers, shared
+V = 97
 
 
 def tiny(decoder_layers=2, **chunk) -> ModelConfig:
@@ -34,6 +34,16 @@ VARIANTS = {
     "mean_window_docs": dataclasses.replace(tiny(merge="mean"), attention_window=4, attn_backend="docs"),
     "wider_concept": dataclasses.replace(tiny(), concept_hidden_size=48, concept_num_heads=6, concept_num_kv_heads=3),
 }
+
+
+def model(cfg, seed=0):
+    torch.manual_seed(seed)
+    return ConceptMoELM(cfg).eval()
+
+
+def rand_docs(lengths, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, V, (n,), generator=g).tolist() for n in lengths]
 
 
 # ---------------------------------------------------------------- config
