@@ -1,16 +1,17 @@
-"""`python -m eval.bench all` end to end at the hidden --smoke size: every part runs and writes its JSON and
-figure. It checks that the suite runs and what it writes, never the speed it measures."""
+"""`python -m eval.bench all --quick` end to end (the README's command, about 2 minutes on 2 cores): every part
+runs and writes its JSON and figure. It checks that the suite runs and what it writes, never the speed it
+measures."""
 import json
 
 from eval.bench.__main__ import PARTS, main
 
 
 def test_every_part_writes_rows_machine_ratios_and_a_figure(tmp_path, capsys):
-    assert main(["all", "--smoke", "--out", str(tmp_path)]) == 0
+    assert main(["all", "--quick", "--out", str(tmp_path)]) == 0
     printed = capsys.readouterr().out
     for part in PARTS:
         res = json.loads((tmp_path / f"{part}.json").read_text())
-        assert res["part"] == part and res["mode"] == "smoke"
+        assert res["part"] == part and res["mode"] == "quick"
         assert {"platform", "processor", "torch", "threads", "device"} <= set(res["machine"])
         assert res["settings"] and res["rows"]
         for r in res["rows"]:

@@ -3,7 +3,7 @@
     python -m eval.bench [model|decode|moe|loader|attention|vision|all] [--quick] [--out DIR]
 
 --quick: fewer lengths and rounds (`all` in under 5 minutes on 2 CPU cores). --smoke (not in --help): tiny
-shapes and two rounds, for the suite's own test; its figures say nothing about speed.
+shapes and two rounds, for tests of one part's plumbing; its figures say nothing about speed.
 """
 from __future__ import annotations
 
