@@ -32,7 +32,7 @@ def _guarded(fn):
 def _build_default(args) -> int:
     cfg = DefaultDatasetConfig(seed=args.seed, train_scenes=args.train_scenes, val_scenes=args.val_scenes,
                                test_scenes=args.test_scenes, text_docs=args.text_docs,
-                               interleaved_docs=args.interleaved_docs)
+                               interleaved_docs=args.interleaved_docs, relation_captions=args.relation_captions)
     t0 = time.time()
     out = build_default(args.out, cfg) if args.force else ensure_default_dataset(args.out, cfg)
     print(f"default dataset in {out} ({time.time() - t0:.1f}s)")
@@ -108,6 +108,8 @@ def add_data_commands(subparsers) -> None:
     p.add_argument("--test-scenes", type=int, default=d.test_scenes)
     p.add_argument("--text-docs", type=int, default=d.text_docs)
     p.add_argument("--interleaved-docs", type=int, default=d.interleaved_docs)
+    p.add_argument("--relation-captions", action=argparse.BooleanOptionalAction, default=d.relation_captions,
+                   help="captions also state left/right/above/below for objects sharing a row or column")
     p.add_argument("--force", action="store_true", help="rebuild even if an identical build is there")
     p.set_defaults(func=_guarded(_build_default))
 

@@ -24,14 +24,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from data_pipelines.progress import Progress
-from data_pipelines.scenes import caption, questions, render_scene, sample_scene
+from data_pipelines.scenes import caption, questions, relations, render_scene, sample_scene
 from data_pipelines.schema import IMAGE_TOKEN, Sample
 from data_pipelines.text_corpus import document
 from data_pipelines.tokenizer import train_bpe
 from data_pipelines.writer import ShardWriter
 from configs.config import check, to_dict
 
-GENERATOR_VERSION = 2
+GENERATOR_VERSION = 3
 INFO_FILE = "default.json"
 # default mixture for training (weights are normalised by the loader)
 DEFAULT_WEIGHTS = {"vqa": 0.5, "caption": 0.25, "interleaved": 0.1, "text": 0.15}
@@ -50,6 +50,7 @@ class DefaultDatasetConfig:
     max_size: int = 112
     max_objects: int = 4
     questions_per_scene: int = 5      # one per question type the scene allows
+    relation_captions: bool = True    # captions add "The A is left of the B." for objects sharing a row/column
     shard_max_count: int = 2000
     tokenizer_vocab: int = 768        # upper bound; the corpus may need fewer merges
 
@@ -84,7 +85,8 @@ def _vqa_and_caption(cfg: DefaultDatasetConfig, split: str, index: int) -> tuple
     meta = {"qa": qa, "scene": scene.to_meta(), "split": split}
     key = f"{split}{index:06d}"
     vqa = Sample(key=key, kind="pair", turns=turns, images=[png], image_exts=["png"], meta=meta)
-    cap = Sample(key=key, kind="pair", text=IMAGE_TOKEN + caption(scene), images=[png], image_exts=["png"],
+    text = caption(scene) + (" " + relations(rng, scene) if cfg.relation_captions else "")
+    cap = Sample(key=key, kind="pair", text=IMAGE_TOKEN + text.rstrip(), images=[png], image_exts=["png"],
                  meta={"scene": scene.to_meta(), "split": split})
     return vqa, cap
 

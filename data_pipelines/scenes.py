@@ -109,6 +109,21 @@ def caption(scene: Scene) -> str:
     return text[0].upper() + text[1:] + "."
 
 
+def relations(rng: random.Random, scene: Scene) -> str:
+    """One sentence per pair of objects that share a row or a column, in the words the position questions
+    answer with ("The red triangle is left of the yellow diamond."), each pair in a random direction."""
+    out = []
+    for i, first in enumerate(scene.objects):
+        for second in scene.objects[i + 1:]:
+            if first.row != second.row and first.col != second.col:
+                continue
+            a, b = (second, first) if rng.random() < 0.5 else (first, second)
+            rel = ("left of" if a.col < b.col else "right of") if a.row == b.row else \
+                ("above" if a.row < b.row else "below")
+            out.append(f"The {a.colour} {a.shape} is {rel} the {b.colour} {b.shape}.")
+    return " ".join(out)
+
+
 def _unique(objs: list[SceneObject], o: SceneObject, attrs: tuple[str, ...]) -> bool:
     return sum(all(getattr(p, a) == getattr(o, a) for a in attrs) for p in objs) == 1
 

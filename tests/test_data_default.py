@@ -11,7 +11,8 @@ from PIL import Image
 from data_pipelines.chat import iter_vqa_samples
 from data_pipelines.default_dataset import build_default, default_info, default_sources, ensure_default_dataset
 from data_pipelines.reader import iter_shard, resolve_shards
-from data_pipelines.scenes import COLOURS, HELD_OUT, QUESTION_TYPES, SHAPES, caption, questions, sample_scene
+from data_pipelines.scenes import (COLOURS, HELD_OUT, QUESTION_TYPES, SHAPES, caption, questions, relations,
+                                   sample_scene)
 from data_pipelines.schema import decode_sample
 
 
@@ -87,6 +88,29 @@ def test_answers_agree_with_scene_and_chat_layout(built):
                 c, sh = qa["question"][len("Is there a "):-1].split()
                 assert qa["answer"] == ("yes" if any((o["colour"], o["shape"]) == (c, sh) for o in objs) else "no")
     assert types == set(QUESTION_TYPES)
+
+
+def test_relation_sentences_agree_with_the_scene():
+    """`relation_captions`: one sentence per pair sharing a row or column, true of the scene in either direction,
+    in the position questions' answer words."""
+    seen = set()
+    for i in range(300):
+        rng = random.Random(i)
+        scene = sample_scene(rng, 64, 96, 4, heldout=False)
+        cell = {(o.colour, o.shape): (o.row, o.col) for o in scene.objects}
+        if len(cell) < len(scene.objects):
+            continue   # two objects of one colour and shape: a sentence could name either
+        sentences = [x for x in relations(rng, scene).split(".") if x.strip()]
+        pairs = sum(a.row == b.row or a.col == b.col for k, a in enumerate(scene.objects) for b in scene.objects[k + 1:])
+        assert len(sentences) == pairs
+        for x in sentences:
+            w = x.split()   # The C1 S1 is REL [of] the C2 S2
+            (r1, c1), (r2, c2) = cell[w[1], w[2]], cell[w[-2], w[-1]]
+            rel = " ".join(w[4:-3])
+            seen.add(rel)
+            assert {"left of": r1 == r2 and c1 < c2, "right of": r1 == r2 and c1 > c2,
+                    "above": c1 == c2 and r1 < r2, "below": c1 == c2 and r1 > r2}[rel], x
+    assert seen == {"left of", "right of", "above", "below"}
 
 
 def test_scene_rendering_matches_description():
