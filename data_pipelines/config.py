@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Literal
 
 from configs.config import check
+from data_pipelines.default_dataset import PARTS
 from data_pipelines.reader import ShardError, resolve_shards
 from vision.image_processor import ImageProcessorConfig
 
@@ -86,9 +87,8 @@ class DataConfig:
         elif self.tokenizer != "byte":
             check(Path(self.tokenizer).exists(), f"tokenizer {self.tokenizer!r} does not exist; allowed: 'byte', "
                                                  "'default' or a tokenizer directory / tokenizer.json")
-        parts = ("vqa", "caption", "interleaved", "text")
         for p in self.default_parts:
-            check(p in parts, f"default_parts: unknown part {p!r}; allowed: {', '.join(parts)}")
+            check(p in PARTS, f"default_parts: unknown part {p!r}; allowed: {', '.join(PARTS)}")
         check(not (self.default_parts and self.sources), "default_parts selects parts of the default dataset; "
                                                           "it cannot be combined with sources")
         names = [s.label for s in self.sources]

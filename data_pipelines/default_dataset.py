@@ -35,6 +35,8 @@ GENERATOR_VERSION = 3
 INFO_FILE = "default.json"
 # default mixture for training (weights are normalised by the loader)
 DEFAULT_WEIGHTS = {"vqa": 0.5, "caption": 0.25, "interleaved": 0.1, "text": 0.15}
+PARTS = tuple(DEFAULT_WEIGHTS)                  # what data.default_parts may name
+IMAGE_PARTS = ("vqa", "caption", "interleaved")  # the parts whose samples carry images
 SPLIT_IDS = {"train": 0, "val": 1, "test": 2, "interleaved": 3, "text": 4}
 
 
@@ -50,7 +52,7 @@ class DefaultDatasetConfig:
     max_size: int = 112
     max_objects: int = 4
     questions_per_scene: int = 5      # one per question type the scene allows
-    relation_captions: bool = True    # captions add "The A is left of the B." for objects sharing a row/column
+    relation_captions: bool = True    # caption samples add "The A is left of the B." per row/column pair
     shard_max_count: int = 2000
     tokenizer_vocab: int = 768        # upper bound; the corpus may need fewer merges
 

@@ -113,6 +113,21 @@ def test_relation_sentences_agree_with_the_scene():
     assert seen == {"left of", "right of", "above", "below"}
 
 
+def test_caption_samples_carry_one_relation_sentence_per_row_or_column_pair(built, tmp_path, TINY_DEFAULT):
+    """relation_captions (on by default): each caption sample is the scene's caption and then one sentence per
+    pair of objects sharing a row or a column; off, the caption alone."""
+    def pairs(objs):
+        return sum(a["row"] == b["row"] or a["col"] == b["col"] for k, a in enumerate(objs) for b in objs[k + 1:])
+
+    caps = _samples(built[0], "train/caption-*.tar")
+    assert sum(pairs(c.meta["scene"]["objects"]) for c in caps) > 0
+    for c in caps:
+        assert c.text.count(".") == 1 + pairs(c.meta["scene"]["objects"]), c.text
+    plain = build_default(tmp_path / "plain", dataclasses.replace(TINY_DEFAULT, relation_captions=False),
+                          progress=False)
+    assert all(c.text.count(".") == 1 for c in _samples(plain, "train/caption-*.tar"))
+
+
 def test_scene_rendering_matches_description():
     rng = random.Random(5)
     scene = sample_scene(rng, 96, 96, 3, heldout=False)

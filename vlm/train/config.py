@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from data_pipelines.config import DataConfig, SourceConfig
+from data_pipelines.default_dataset import IMAGE_PARTS
 from vision.config import VisionConfig
 from vision.image_processor import ImageProcessorConfig
 from configs.config import ConfigError, apply_overrides, check, from_dict, load_yaml
@@ -226,7 +227,7 @@ class TrainConfig:
             check(not self.model.tie_embeddings,
                   "params.mup needs model.tie_embeddings: false (the output layer gets its own rate and logit scale)")
         if self.vision is None:
-            image_parts = sorted(set(self.data.default_parts or ("vqa", "caption", "interleaved")) - {"text"})
+            image_parts = [p for p in IMAGE_PARTS if not self.data.default_parts or p in self.data.default_parts]
             check(bool(self.data.sources) or not image_parts,
                   f"vision: null, but the default dataset's parts {image_parts} carry images: set "
                   "data.default_parts: [text] (or give a vision section)")
