@@ -31,7 +31,7 @@ from data_pipelines.tokenizer import train_bpe
 from data_pipelines.writer import ShardWriter
 from configs.config import check, to_dict
 
-GENERATOR_VERSION = 3
+GENERATOR_VERSION = 4
 INFO_FILE = "default.json"
 # default mixture for training (weights are normalised by the loader)
 DEFAULT_WEIGHTS = {"vqa": 0.5, "caption": 0.25, "interleaved": 0.1, "text": 0.15}
@@ -52,7 +52,7 @@ class DefaultDatasetConfig:
     max_size: int = 112
     max_objects: int = 4
     questions_per_scene: int = 5      # one per question type the scene allows
-    relation_captions: bool = True    # caption samples add "The A is left of the B." per row/column pair
+    relation_captions: bool = True    # caption samples add "Relative to the B, the A is to the left." per row/column pair
     shard_max_count: int = 2000
     tokenizer_vocab: int = 768        # upper bound; the corpus may need fewer merges
 

@@ -110,17 +110,19 @@ def caption(scene: Scene) -> str:
 
 
 def relations(rng: random.Random, scene: Scene) -> str:
-    """One sentence per pair of objects that share a row or a column, in the words the position questions
-    answer with ("The red triangle is left of the yellow diamond."), each pair in a random direction."""
+    """One sentence per pair of objects that share a row or a column, each pair in a random direction:
+    "Relative to the yellow diamond, the red triangle is to the left." Both objects are named before the
+    relation, as in the position questions: "The red triangle is left of the ..." would ask for the relation
+    before saying which object it is relative to, which no model can know."""
     out = []
     for i, first in enumerate(scene.objects):
         for second in scene.objects[i + 1:]:
             if first.row != second.row and first.col != second.col:
                 continue
             a, b = (second, first) if rng.random() < 0.5 else (first, second)
-            rel = ("left of" if a.col < b.col else "right of") if a.row == b.row else \
+            rel = ("to the left" if a.col < b.col else "to the right") if a.row == b.row else \
                 ("above" if a.row < b.row else "below")
-            out.append(f"The {a.colour} {a.shape} is {rel} the {b.colour} {b.shape}.")
+            out.append(f"Relative to the {b.colour} {b.shape}, the {a.colour} {a.shape} is {rel}.")
     return " ".join(out)
 
 

@@ -15,6 +15,7 @@ from typing import Callable
 
 from configs.config import ConfigError, apply_overrides, from_dict, load_yaml, to_dict
 from eval import export_tasks
+from eval.caption_probe import add_probe_command
 from eval.longctx.config import LongCtxConfig
 from eval.longctx.tasks import TASKS
 from eval.perplexity import add_ppl_command
@@ -22,9 +23,9 @@ from eval.vqa import add_vqa_command
 
 
 def add_eval_commands(subparsers: argparse._SubParsersAction) -> argparse._SubParsersAction:
-    """Register `eval` with `longctx`, `lmms-tasks`, `vqa` and `ppl`; returns the `eval` sub-command set."""
-    ev = subparsers.add_parser("eval", help="evaluation: long-context sweep, lmms-eval task export, VQA, perplexity")
-    sub = ev.add_subparsers(dest="eval_command", metavar="{longctx,lmms-tasks,vqa,ppl}")
+    """Register `eval` with `longctx`, `lmms-tasks`, `vqa`, `probe` and `ppl`; returns the `eval` sub-command set."""
+    ev = subparsers.add_parser("eval", help="evaluation: long-context sweep, lmms-eval task export, VQA, caption probes, perplexity")
+    sub = ev.add_subparsers(dest="eval_command", metavar="{longctx,lmms-tasks,vqa,probe,ppl}")
     sub.required = True
     lc = sub.add_parser("longctx", help="RULER-style synthetic long-context sweep (lengths x depths)",
                         description="Offline RULER-style sweep; scores per task x length x depth, heat maps, "
@@ -56,6 +57,7 @@ def add_eval_commands(subparsers: argparse._SubParsersAction) -> argparse._SubPa
 
     if "vqa" not in sub.choices:
         add_vqa_command(sub)
+    add_probe_command(sub)
     add_ppl_command(sub)
     return sub
 

@@ -143,8 +143,10 @@ def test_llava_recipe_configs_load_and_validate(tmp_path, monkeypatch, ROOT):
     # stage 2: captions, LLM frozen, vision tower and projector learn
     assert align.train.stage == "vl" and align.vision is not None
     assert align.data.default_parts == ["caption"] and align.params.freeze == ["lm"]
-    # stage 3: the full mix
+    assert not align.vision_warmup.freeze_after
+    # stage 3: the full mix; the encoder as stage 2 left it
     assert full.train.stage == "vl" and full.data.default_parts == [] and full.params.freeze == []
+    assert full.vision_warmup.freeze_after == default.vision_warmup.freeze_after
     for cfg in (text, align, full):
         assert cfg.model == default.model           # inherited, so every stage can load the previous one's LLM
         assert cfg.train.init_from is None          # the chain sets it

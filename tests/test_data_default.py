@@ -104,13 +104,13 @@ def test_relation_sentences_agree_with_the_scene():
         pairs = sum(a.row == b.row or a.col == b.col for k, a in enumerate(scene.objects) for b in scene.objects[k + 1:])
         assert len(sentences) == pairs
         for x in sentences:
-            w = x.split()   # The C1 S1 is REL [of] the C2 S2
-            (r1, c1), (r2, c2) = cell[w[1], w[2]], cell[w[-2], w[-1]]
-            rel = " ".join(w[4:-3])
+            w = x.replace(",", "").split()   # Relative to the C2 S2 the C1 S1 is REL
+            (r2, c2), (r1, c1) = cell[w[3], w[4]], cell[w[6], w[7]]
+            rel = " ".join(w[9:])
             seen.add(rel)
-            assert {"left of": r1 == r2 and c1 < c2, "right of": r1 == r2 and c1 > c2,
+            assert {"to the left": r1 == r2 and c1 < c2, "to the right": r1 == r2 and c1 > c2,
                     "above": c1 == c2 and r1 < r2, "below": c1 == c2 and r1 > r2}[rel], x
-    assert seen == {"left of", "right of", "above", "below"}
+    assert seen == {"to the left", "to the right", "above", "below"}
 
 
 def test_caption_samples_carry_one_relation_sentence_per_row_or_column_pair(built, tmp_path, TINY_DEFAULT):

@@ -139,3 +139,24 @@ def test_grid_pos_tells_the_llm_where_each_token_is():
     torch.testing.assert_close(y[4] - plain[4], proj.row_pos[1] + proj.col_pos[1])   # float32 tolerance
     with pytest.raises(ValueError, match="grid_pos=4"):
         proj(torch.ones(5, 8), torch.tensor([[1, 5]]))
+
+
+def test_frac_pos_means_the_same_place_in_every_image_size():
+    """frac_pos encodes a token's centre as a fraction of its image: the centre token of a 3x3 and of a 5x5 grid
+    get the same added vector, its left and right neighbours different ones; tokens are told apart by place."""
+    from vision.projector import fraction_features
+
+    torch.manual_seed(0)
+    proj = Projector(ProjectorConfig(frac_pos=3), 8, 16)
+    grids = torch.tensor([[3, 3], [5, 5]])
+    x = torch.ones(9 + 25, 8)
+    added = proj(x, grids) - proj.fc(x)
+    centre_small, centre_large = 4, 9 + 12
+    torch.testing.assert_close(added[centre_small], added[centre_large])
+    assert not torch.allclose(added[3], added[5])                    # left vs right of the centre
+    feats = fraction_features(grids, 1)
+    # the lowest frequency's cos is monotone in x: further right, smaller cos x
+    cos_x = feats[:9, 3].view(3, 3)
+    assert (cos_x[:, :-1] > cos_x[:, 1:]).all()
+    with pytest.raises(ValueError, match="frac_pos"):
+        ProjectorConfig(frac_pos=-1)

@@ -118,3 +118,22 @@ def test_a_vl_run_warms_up_a_fresh_encoder_but_not_one_it_resumes_or_inherits(ti
     cfg2 = tiny_config(tiny_data, vision_warmup=cfg["vision_warmup"], train={"init_from": str(run / "final")})
     make_trainer(cfg2, child)                                 # inherited: init_from carries the encoder
     assert not (child / "vision_warmup.json").exists()
+
+
+def test_freeze_after_keeps_the_warmed_encoder_for_the_run_and_its_resumes(tiny_data, tiny_config, make_trainer,
+                                                                          tmp_path, torch_globals):
+    """vision_warmup.freeze_after: the encoder trains in the warm-up, then not at all (nor after a resume); the
+    projector and the LLM still train."""
+    cfg = tiny_config(tiny_data, vision_warmup={"steps": 3, "images_per_step": 4, "min_word_count": 2,
+                                                "max_captions": 40, "held_out": 4, "freeze_after": True})
+    run = tmp_path / "run"
+    t = make_trainer(cfg, run)
+    enc = t.engine.module.vision.encoder
+    assert not any(p.requires_grad for p in enc.parameters())
+    warmed = {k: v.clone() for k, v in enc.state_dict().items()}
+    proj = {k: v.clone() for k, v in t.engine.module.vision.projector.state_dict().items()}
+    assert t.train() == 0
+    assert all(torch.equal(v, enc.state_dict()[k]) for k, v in warmed.items())
+    assert not all(torch.equal(v, t.engine.module.vision.projector.state_dict()[k]) for k, v in proj.items())
+    resumed = make_trainer(cfg, run, resume=True)
+    assert not any(p.requires_grad for p in resumed.engine.module.vision.encoder.parameters())

@@ -320,6 +320,8 @@ class Trainer:
                               cfg.vision_warmup, cfg.data, seed=cfg.train.seed, device=self.dist.device,
                               run_dir=self.run_dir if self.is_main else None, log=self.log)
             broadcast_module(model.vision.encoder)
+        if cfg.vision_warmup.steps and cfg.vision_warmup.freeze_after:
+            freeze_prefixes(model, ["vision.encoder"])
         self.logit_scale = 1.0
         if cfg.params.mup:
             s_tok, s_con = mup_width_multipliers(cfg.model.hidden_size, cfg.model.c_hidden, cfg.params.mup_base_width)
