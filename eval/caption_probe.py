@@ -48,10 +48,11 @@ def probe_items(samples, limit: int) -> list[ProbeItem]:
             continue
         text = s.text.replace(IMAGE_TOKEN, "")
         for o in sorted(scene["objects"], key=lambda o: (o["row"], o["col"])):
-            at = text.lower().find(f"{o['size']} {o['colour']} {o['shape']}")
+            desc = f"{o['size']} {o['colour']} {o['shape']}"
+            at = text.lower().find(desc)
             if at >= 0 and len(items["cell"]) < limit:
-                end = at + len(o["size"]) + len(o["colour"]) + len(o["shape"]) + 2
-                items["cell"].append(ProbeItem("cell", text[:end], CELL_PHRASE[(o["row"], o["col"])], s.images[0]))
+                cell = CELL_PHRASE[(o["row"], o["col"])]
+                items["cell"].append(ProbeItem("cell", text[:at + len(desc)], cell, s.images[0]))
         for m in RELATION.finditer(text):
             if len(items["relation"]) < limit:
                 items["relation"].append(ProbeItem("relation", text[:m.start(1)].rstrip(), m.group(1), s.images[0]))

@@ -76,6 +76,18 @@ def _decode_docs(batch, tok) -> list[str]:
     return out
 
 
+def _seeded_lm(cfg, seed: int = 0):
+    from vlm.model.conceptmoe import ConceptMoELM
+
+    torch.manual_seed(seed)
+    return ConceptMoELM(cfg).eval()
+
+
+def _rand_docs(vocab: int, lengths: list[int], seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
 @pytest.fixture(scope="session")
 def png():
     """png(w=40, h=30, colour=(255, 0, 0), fmt="PNG", mode="RGB") -> the encoded image's bytes."""
@@ -98,6 +110,18 @@ def batches_equal():
 def decode_docs():
     """decode_docs(batch, tok) -> the text of every document in a packed batch."""
     return _decode_docs
+
+
+@pytest.fixture(scope="session")
+def seeded_lm():
+    """seeded_lm(cfg, seed=0): a ConceptMoELM built after torch.manual_seed(seed), in eval mode."""
+    return _seeded_lm
+
+
+@pytest.fixture(scope="session")
+def rand_docs():
+    """rand_docs(vocab, lengths, seed): one document per length, random ids in 3..vocab-1 (above the specials)."""
+    return _rand_docs
 
 
 @pytest.fixture(scope="session")

@@ -36,16 +36,6 @@ VARIANTS = {
 }
 
 
-def model(cfg, seed=0):
-    torch.manual_seed(seed)
-    return ConceptMoELM(cfg).eval()
-
-
-def rand_docs(lengths, seed):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, V, (n,), generator=g).tolist() for n in lengths]
-
-
 # ---------------------------------------------------------------- config
 def test_config_names_the_modes_and_refuses_meaningless_combinations():
     with pytest.raises(ConfigError, match="'joint', 'cross_attention'"):
@@ -162,11 +152,11 @@ def test_replication_needs_only_a_causal_kernel(monkeypatch):
 # causality in eval mode and packing isolation of these variants: tests/test_model_core.py's VARIANTS
 
 
-def test_causal_train_mode_with_fixed_boundaries():
-    m = model(VARIANTS["sum"]).train()
-    docs = rand_docs([40], 3)
+def test_causal_train_mode_with_fixed_boundaries(seeded_lm, rand_docs):
+    m = seeded_lm(VARIANTS["sum"]).train()
+    docs = rand_docs(V, [40], 3)
     for t in (0, 8, 21, 38):
-        changed = [docs[0][: t + 1] + rand_docs([40 - t - 1], 4 + t)[0]]
+        changed = [docs[0][: t + 1] + rand_docs(V, [40 - t - 1], 4 + t)[0]]
         force = torch.rand(1, 40, generator=torch.Generator().manual_seed(5)) < 0.4
         a = m(PackedBatch.from_documents(docs), force=force)
         c = m(PackedBatch.from_documents(changed), force=force)
@@ -176,9 +166,9 @@ def test_causal_train_mode_with_fixed_boundaries():
 
 
 @pytest.mark.parametrize("name", ["sum", "mean_window_docs"])
-def test_packing_isolation(name):
-    m = model(VARIANTS[name])
-    docs = rand_docs([23, 31, 9, 17], 7)
+def test_packing_isolation(name, seeded_lm, rand_docs):
+    m = seeded_lm(VARIANTS[name])
+    docs = rand_docs(V, [23, 31, 9, 17], 7)
     alone = [m(PackedBatch.from_documents([d])).logits[0] for d in docs]
     packed = m(PackedBatch.stack([PackedBatch.from_documents(docs[:2], row_len=64),
                                   PackedBatch.from_documents(docs[2:], row_len=64)])).logits
@@ -186,15 +176,15 @@ def test_packing_isolation(name):
         torch.testing.assert_close(packed[row, off: off + len(d)], ref, rtol=1e-4, atol=1e-5)
 
 
-def test_backends_agree_and_the_cross_attention_matters():
-    batch = PackedBatch.stack([PackedBatch.from_documents(rand_docs([20, 30], 11), row_len=56)] * 2)
+def test_backends_agree_and_the_cross_attention_matters(seeded_lm, rand_docs):
+    batch = PackedBatch.stack([PackedBatch.from_documents(rand_docs(V, [20, 30], 11), row_len=56)] * 2)
     valid = batch.doc_ids >= 0
-    outs = {be: model(dataclasses.replace(tiny(), attn_backend=be, attention_window=5))(batch).logits[valid]
+    outs = {be: seeded_lm(dataclasses.replace(tiny(), attn_backend=be, attention_window=5))(batch).logits[valid]
             for be in ("eager", "sdpa", "docs")}
     torch.testing.assert_close(outs["eager"], outs["sdpa"], rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(outs["docs"], outs["sdpa"], rtol=1e-4, atol=1e-5)
     # the concept read is live: silencing the cross-attention (W_O = 0, the conversion's start) changes the logits
-    m = model(dataclasses.replace(tiny(), attention_window=5))
+    m = seeded_lm(dataclasses.replace(tiny(), attention_window=5))
     m.zero_joint_projections()
     assert not torch.allclose(m(batch).logits[valid], outs["sdpa"], atol=1e-3)
 
@@ -209,11 +199,11 @@ def _rows_batch(rows: list[list[int]]) -> PackedBatch:
 
 
 @pytest.mark.parametrize("name", ["sum", "last_delta_one_layer", "wider_concept"])
-def test_cached_decoding_equals_full_recompute(name):
+def test_cached_decoding_equals_full_recompute(name, seeded_lm, rand_docs):
     """prefill + step (one concept key/value per realized concept, appended when a boundary fires) gives the
     logits of a full forward over the same tokens, for ragged rows, past the allocated capacity."""
-    m = model(VARIANTS[name])
-    rows = [list(r) for r in rand_docs([9, 4, 15, 1], 21)]
+    m = seeded_lm(VARIANTS[name])
+    rows = [list(r) for r in rand_docs(V, [9, 4, 15, 1], 21)]
     B, steps = len(rows), 30
     out, cache = m.prefill(_rows_batch(rows), max_new_tokens=5)   # the caches must grow on the way
     logits = out.logits[torch.arange(B), torch.tensor([len(r) - 1 for r in rows])]
@@ -235,11 +225,11 @@ def test_cached_decoding_equals_full_recompute(name):
 
 
 
-def test_decode_benchmark_fills_counts_and_rewinds_the_cross_caches():
+def test_decode_benchmark_fills_counts_and_rewinds_the_cross_caches(seeded_lm):
     """`python -m eval.bench decode` on a cross-attention model: its synthetic context fills the cross caches
     to the context's concept count, its KV bytes include them, and each round starts from the same lengths."""
     from eval.bench.decode import decoder, filled_cache
-    m = model(VARIANTS["sum"])
+    m = seeded_lm(VARIANTS["sum"])
     B, L, R, steps = 2, 24, 2.0, 6
     cache = filled_cache(m, B, L, R, steps, torch.Generator().manual_seed(0))
     assert len(cache.cross) == m.cfg.num_joint_layers
@@ -319,7 +309,7 @@ def test_training_lowers_the_loss():
     assert not torch.equal(m.decoder[0].cross.o_proj.weight, w0)   # the cross-attention itself learns
 
 
-def test_conversion_to_cross_attention_is_lossless(tmp_path):
+def test_conversion_to_cross_attention_is_lossless(tmp_path, rand_docs):
     from vlm.model.convert import convert
     from vlm.model.hf import save_pretrained
     from vlm.model.multimodal import ConceptMoEVLM
@@ -331,7 +321,7 @@ def test_conversion_to_cross_attention_is_lossless(tmp_path):
     model, _ = convert(tmp_path / "base", ConvertConfig(encoder_layers=1, decoder_layers=1,
                                                         decoder_mode="cross_attention"))
     assert model.model_cfg.decoder_mode == "cross_attention" and model.lm.decoder[0].cross is not None
-    batch = PackedBatch.stack([PackedBatch.from_documents(rand_docs([20, 30], 9), row_len=56)] * 2)
+    batch = PackedBatch.stack([PackedBatch.from_documents(rand_docs(V, [20, 30], 9), row_len=56)] * 2)
     valid = batch.doc_ids >= 0
     with torch.no_grad():
         torch.testing.assert_close(model.eval()(batch, force="all").logits[valid], src(batch).logits[valid],
@@ -345,7 +335,7 @@ def test_conversion_to_cross_attention_is_lossless(tmp_path):
     assert load_vlm(tmp_path / "ct").model_cfg.decoder_mode == "cross_attention"
 
 
-def test_export_round_trip_and_cached_generate(tmp_path):
+def test_export_round_trip_and_cached_generate(tmp_path, rand_docs):
     from vlm.model.hf import ConceptMoEForCausalLM, hf_config_for, load_vlm, save_pretrained
     from vlm.model.multimodal import ConceptMoEVLM
 
@@ -354,10 +344,10 @@ def test_export_round_trip_and_cached_generate(tmp_path):
     save_pretrained(vlm, tmp_path / "x")
     back = load_vlm(tmp_path / "x").eval()
     assert back.model_cfg.decoder_mode == "cross_attention"
-    batch = PackedBatch.from_documents(rand_docs([20, 15], 3), row_len=40)
+    batch = PackedBatch.from_documents(rand_docs(V, [20, 15], 3), row_len=40)
     torch.testing.assert_close(back(batch).logits, vlm(batch).logits)
     hf = ConceptMoEForCausalLM(hf_config_for(vlm), vlm=vlm).eval()
-    ids = torch.tensor(rand_docs([6, 6], 5))
+    ids = torch.tensor(rand_docs(V, [6, 6], 5))
     kw = dict(max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=None)
     cached = hf.generate(ids, attention_mask=torch.ones_like(ids), use_cache=True, **kw)
     plain = hf.generate(ids, attention_mask=torch.ones_like(ids), use_cache=False, **kw)

@@ -47,7 +47,8 @@ class _Oracle:
     def generate(self, prompts, images, max_new_tokens):
         if not images:
             return [" nothing"] * len(prompts)
-        return [" " + self.answers[p.replace("<image>", ""), im[0].tobytes()] + " and" for p, im in zip(prompts, images)]
+        return [" " + self.answers[p.replace("<image>", ""), im[0].tobytes()] + " and"
+                for p, im in zip(prompts, images)]
 
 
 class _Constant:

@@ -5,7 +5,6 @@ import pytest
 import torch
 
 from configs.batch import PackedBatch
-from vlm.model.conceptmoe import ConceptMoELM
 from vlm.model.config import ChunkConfig, ModelConfig, MoEConfig
 from vlm.model.stats import summarize
 
@@ -36,22 +35,12 @@ VARIANTS = {
 }
 
 
-def model(cfg, seed=0):
-    torch.manual_seed(seed)
-    return ConceptMoELM(cfg).eval()
-
-
-def rand_docs(lengths, seed):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, V, (n,), generator=g).tolist() for n in lengths]
-
-
 @pytest.mark.parametrize("name", list(VARIANTS))
-def test_causal_eval_mode(name):
-    m = model(VARIANTS[name])
-    docs = rand_docs([40], 1)
+def test_causal_eval_mode(name, seeded_lm, rand_docs):
+    m = seeded_lm(VARIANTS[name])
+    docs = rand_docs(V, [40], 1)
     t = 17
-    changed = [docs[0][: t + 1] + rand_docs([40 - t - 1], 2)[0]]
+    changed = [docs[0][: t + 1] + rand_docs(V, [40 - t - 1], 2)[0]]
     a = m(PackedBatch.from_documents(docs)).logits
     b = m(PackedBatch.from_documents(changed)).logits
     torch.testing.assert_close(a[:, : t + 1], b[:, : t + 1], rtol=1e-5, atol=1e-5)
@@ -59,11 +48,11 @@ def test_causal_eval_mode(name):
 
 
 @pytest.mark.parametrize("name", ["default", "sum_linear_router", "grove_sigmoid"])
-def test_causal_train_mode_with_fixed_boundaries(name):
-    m = model(VARIANTS[name]).train()
-    docs = rand_docs([40], 3)
+def test_causal_train_mode_with_fixed_boundaries(name, seeded_lm, rand_docs):
+    m = seeded_lm(VARIANTS[name]).train()
+    docs = rand_docs(V, [40], 3)
     t = 21
-    changed = [docs[0][: t + 1] + rand_docs([40 - t - 1], 4)[0]]
+    changed = [docs[0][: t + 1] + rand_docs(V, [40 - t - 1], 4)[0]]
     force = torch.rand(1, 40, generator=torch.Generator().manual_seed(5)) < 0.5
     a = m(PackedBatch.from_documents(docs), force=force)
     b = m(PackedBatch.from_documents(changed), force=force)
@@ -72,9 +61,9 @@ def test_causal_train_mode_with_fixed_boundaries(name):
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
-def test_packing_isolation(name):
-    m = model(VARIANTS[name])
-    docs = rand_docs([23, 31, 9, 17], 7)
+def test_packing_isolation(name, seeded_lm, rand_docs):
+    m = seeded_lm(VARIANTS[name])
+    docs = rand_docs(V, [23, 31, 9, 17], 7)
     alone = [m(PackedBatch.from_documents([d])).logits[0] for d in docs]
     packed = m(PackedBatch.stack([PackedBatch.from_documents(docs[:2], row_len=64),
                                   PackedBatch.from_documents(docs[2:], row_len=64)])).logits
@@ -83,17 +72,17 @@ def test_packing_isolation(name):
         torch.testing.assert_close(packed[row, off: off + len(d)], ref, rtol=1e-4, atol=1e-5)
 
 
-def test_all_boundaries_reproduce_the_baseline():
+def test_all_boundaries_reproduce_the_baseline(seeded_lm, rand_docs):
     """p = 1 everywhere, `last` merge, zero joint projections, zero residual projection == the MoE baseline."""
     cfg = tiny(merge="last", residual="linear", joint_decoding_zero_init=True)
-    base = model(cfg.baseline(), seed=3)
-    concept = model(cfg, seed=4)
+    base = seeded_lm(cfg.baseline(), seed=3)
+    concept = seeded_lm(cfg, seed=4)
     missing, unexpected = concept.load_state_dict(base.state_dict(), strict=False)
     assert not unexpected
     assert all(k.startswith(("chunker.", "dechunk.")) or ".attn.c" in k or "concept_norm" in k for k in missing)
     with torch.no_grad():
         concept.dechunk.residual.weight.zero_()
-    batch = PackedBatch.stack([PackedBatch.from_documents(rand_docs([20, 30], 9), row_len=56)] * 2)
+    batch = PackedBatch.stack([PackedBatch.from_documents(rand_docs(V, [20, 30], 9), row_len=56)] * 2)
     valid = batch.doc_ids >= 0  # padding outputs are meaningless and differ
     ref = base(batch).logits[valid]
     got = concept(batch, force="all").logits[valid]
@@ -102,19 +91,19 @@ def test_all_boundaries_reproduce_the_baseline():
     assert not torch.allclose(concept(batch).logits[valid], ref, atol=1e-3)
 
 
-def test_attention_backends_agree():
-    batch = PackedBatch.stack([PackedBatch.from_documents(rand_docs([20, 30], 11), row_len=56)] * 2)
+def test_attention_backends_agree(seeded_lm, rand_docs):
+    batch = PackedBatch.stack([PackedBatch.from_documents(rand_docs(V, [20, 30], 11), row_len=56)] * 2)
     outs = {}
     for backend in ("eager", "sdpa", "docs"):
         for window in (0, 7):
             cfg = dataclasses.replace(tiny(), attn_backend=backend, attention_window=window)
-            outs[backend, window] = model(cfg)(batch).logits
+            outs[backend, window] = seeded_lm(cfg)(batch).logits
     for window in (0, 7):
         torch.testing.assert_close(outs["eager", window], outs["sdpa", window], rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(outs["docs", window], outs["sdpa", window], rtol=1e-4, atol=1e-5)
 
 
-def test_flash_varlen_layout_matches_the_packed_mask(monkeypatch):
+def test_flash_varlen_layout_matches_the_packed_mask(monkeypatch, seeded_lm, rand_docs):
     """The CUDA flash path's varlen bookkeeping (real-token indices, cu_seqlens, longest segment; built once per
     stack), checked on CPU with a stand-in for flash_attn_varlen_func written from its documented contract."""
     import vlm.model.attention as attention
@@ -132,17 +121,17 @@ def test_flash_varlen_layout_matches_the_packed_mask(monkeypatch):
 
     monkeypatch.setattr(attention, "flash_attn_varlen_func", varlen)
     monkeypatch.setattr(block, "resolve_backend", lambda b, d: b)
-    batch = PackedBatch.stack([PackedBatch.from_documents(rand_docs([20, 30], 11), row_len=56),
-                               PackedBatch.from_documents(rand_docs([9, 14, 25], 4), row_len=56)])
+    batch = PackedBatch.stack([PackedBatch.from_documents(rand_docs(V, [20, 30], 11), row_len=56),
+                               PackedBatch.from_documents(rand_docs(V, [9, 14, 25], 4), row_len=56)])
     valid = batch.doc_ids >= 0
-    got = model(dataclasses.replace(tiny(), attn_backend="flash"))(batch).logits[valid]
-    ref = model(dataclasses.replace(tiny(), attn_backend="sdpa"))(batch).logits[valid]
+    got = seeded_lm(dataclasses.replace(tiny(), attn_backend="flash"))(batch).logits[valid]
+    ref = seeded_lm(dataclasses.replace(tiny(), attn_backend="sdpa"))(batch).logits[valid]
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
 
 
-def test_output_reports_losses_and_chunking_stats():
-    m = model(tiny())
-    batch = PackedBatch.from_documents(rand_docs([30, 20], 12), row_len=64)
+def test_output_reports_losses_and_chunking_stats(seeded_lm, rand_docs):
+    m = seeded_lm(tiny())
+    batch = PackedBatch.from_documents(rand_docs(V, [30, 20], 12), row_len=64)
     out = m(batch)
     s = summarize(out, batch)
     assert s["tokens/all"] == 50 and s["tokens/text"] == 50 and s["tokens/image"] == 0
@@ -168,12 +157,12 @@ def test_sliding_window_attention_sees_itself_and_the_window_before_it(backend):
         torch.testing.assert_close(out[0, :, i], (att_HN[:, None] @ v[0, :, lo:i + 1])[:, 0], rtol=1e-5, atol=1e-5)
 
 
-def test_per_document_backend_trains_like_the_packed_mask():
+def test_per_document_backend_trains_like_the_packed_mask(seeded_lm, rand_docs):
     """attn_backend docs (one SDPA per document, no T x T mask): same loss and gradients as SDPA + mask."""
-    batch = PackedBatch.stack([PackedBatch.from_documents(rand_docs([12, 25, 9], 5), row_len=50)] * 2)
+    batch = PackedBatch.stack([PackedBatch.from_documents(rand_docs(V, [12, 25, 9], 5), row_len=50)] * 2)
     grads = {}
     for backend in ("sdpa", "docs"):
-        m = model(dataclasses.replace(tiny(), attn_backend=backend)).train()
+        m = seeded_lm(dataclasses.replace(tiny(), attn_backend=backend)).train()
         m.chunker.generator = torch.Generator().manual_seed(0)
         m(batch).loss.backward()
         grads[backend] = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}

@@ -45,7 +45,8 @@ def recipe() -> Recipe:
     # a frozen encoder stays at its random init (no warm-up: it would train it); a trained one gets the default's
     # warm-up and then trains on with the LLM, whose LM loss is what can pull an image into one concept
     vision = {"frozen": ["vision.freeze_encoder=true", "vision_warmup.steps=0"],
-              "trained": ["vision.freeze_encoder=false", f"vision_warmup.steps={WARMUP}", "vision_warmup.freeze_after=false"]}
+              "trained": ["vision.freeze_encoder=false", f"vision_warmup.steps={WARMUP}",
+                          "vision_warmup.freeze_after=false"]}
     targets = {"joint R=2": ["model.chunk.modality_target_ratios=null", "model.chunk.target_ratio=2"],
                "text 2 / image 2": ["model.chunk.modality_target_ratios={text: 2, image: 2}"]}
     grid = {"off": ["model.chunk.grid_aware_boundaries=false"], "on": ["model.chunk.grid_aware_boundaries=true"]}
