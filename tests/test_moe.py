@@ -11,15 +11,16 @@ from torch.utils.checkpoint import checkpoint
 import vlm.model.moe as moe_mod
 from configs.config import ConfigError
 from vlm.model.config import MoEConfig
-from vlm.model.moe import (MoE, grouped_mm_available, route, router_z_loss, switch_balance_loss,
-                           update_moe_biases)
+from configs.config import from_dict
+from vlm.model.moe import (MoE, grouped_mm_available, loss_free_bias_step, route, router_z_loss,
+                           switch_balance_loss, update_moe_biases)
 
 HAS_GMM = hasattr(torch, "_grouped_mm")
 
 
 def make_moe(dim=16, **kw) -> MoE:
     base = dict(num_experts=8, top_k=3, expert_hidden=12, shared_hidden=8, balance_loss_weight=0.01,
-                z_loss_weight=1e-3, grove_hidden=8, grove_lambda=0.3)
+                z_loss_weight=1e-3, grove_hidden=8, grove_lambda=0.25)   # Grove's bound g/n for 2 groups of 8
     base.update(kw)
     torch.manual_seed(0)
     # A larger init than the default makes expert outputs and router scores far from zero, so a wrong
@@ -30,10 +31,13 @@ def make_moe(dim=16, **kw) -> MoE:
 def reference_routing(m: MoE, x_TD):
     """Routing written out from the spec, independently of vlm.model.moe."""
     logits = x_TD.float() @ m.router.weight.float().t()
-    if m.cfg.router == "grove":   # Grove eq. 9: choose by sigmoid + bias, weigh by a softmax over the chosen logits
+    if m.cfg.router == "grove":   # Grove eq. 9-10: choose by sigmoid + bias, weigh by the softmax over all experts
         biased = logits.sigmoid() + m.expert_bias if m.cfg.loss_free_balancing else logits.sigmoid()
         sel_TK = biased.topk(m.cfg.top_k, dim=-1).indices
-        return sel_TK, logits.gather(1, sel_TK).softmax(-1)
+        w_TK = logits.softmax(-1).gather(1, sel_TK)
+        if m.cfg.grove_weights == "renormalised":
+            w_TK = w_TK / w_TK.sum(-1, keepdim=True)
+        return sel_TK, w_TK
     scores = logits.softmax(-1) if m.cfg.router == "softmax" else logits.sigmoid()
     biased = scores + m.expert_bias if m.cfg.loss_free_balancing else scores
     sel_TK = biased.topk(m.cfg.top_k, dim=-1).indices
@@ -285,6 +289,52 @@ def test_softmax_router_matches_mixtral_formula_and_qwen_norm_false():
     torch.testing.assert_close(r.weights_TK, top_logits.softmax(-1))  # Mixtral: softmax over selected logits
     r_raw = route(logits, MoEConfig(num_experts=8, top_k=2, norm_topk_prob=False, loss_free_balancing=False), None)
     torch.testing.assert_close(r_raw.weights_TK, logits.softmax(-1).gather(1, top_idx))  # Qwen norm_topk_prob=False
+
+
+def test_grove_router_eq9_weighs_the_chosen_experts_by_the_full_softmax():
+    """Grove eq. 9-10: y = sum over argtopk(rho^(sigma) + b) of rho^(h)_i e_i, rho^(h) the softmax over all n
+    experts, not renormalised over the chosen ones. One token, logits (2, 1, 0, -1), bias 0.6 on expert 2:
+    sigmoid + b = (0.881, 0.731, 1.1, 0.269) chooses experts 2 and 0; rho^(h) = e^x / 11.475217."""
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    bias = torch.tensor([0.0, 0.0, 0.6, 0.0])
+    r = route(logits, MoEConfig(num_experts=4, top_k=2, router="grove"), bias)
+    assert r.experts_TK.tolist() == [[2, 0]]
+    torch.testing.assert_close(r.weights_TK, torch.tensor([[0.087144, 0.643914]]), rtol=0, atol=1e-6)
+    assert float(r.weights_TK.sum()) == pytest.approx(0.731058, abs=1e-6)   # < 1: eq. 9 does not renormalise
+    # the non-paper option: the same two weights rescaled to sum to 1
+    r = route(logits, MoEConfig(num_experts=4, top_k=2, router="grove", grove_weights="renormalised"), bias)
+    torch.testing.assert_close(r.weights_TK, torch.tensor([[0.119203, 0.880797]]), rtol=0, atol=1e-6)
+    # the layer: every token's output is eq. 9's sum, and its chosen weights sum to less than 1
+    m = make_moe(router="grove", grove_groups=0, num_shared_experts=0)
+    x = torch.randn(11, 16)
+    w_sum = route(x @ m.router.weight.detach().t(), m.cfg, m.expert_bias).weights_TK.sum(-1)
+    assert float(w_sum.max()) < 0.99
+    torch.testing.assert_close(m(x)[0], dense_reference(m, x), rtol=1e-5, atol=1e-5)
+
+
+def test_grove_lambda_bound_is_part_of_the_config():
+    """Grove 3.2: lambda <= g / n, checked wherever a MoEConfig is validated (not only when upcycling)."""
+    with pytest.raises(ConfigError, match=r"grove_lambda=0.9 must be in \(0, grove_groups / num_experts = 2/8 = 0.25\]"):
+        from_dict(MoEConfig, {"num_experts": 8, "grove_groups": 2, "grove_lambda": 0.9})
+    with pytest.raises(ConfigError, match="grove_lambda=0.26"):
+        MoE(MoEConfig(num_experts=8, grove_groups=2, grove_lambda=0.26), 16)
+    from_dict(MoEConfig, {"num_experts": 8, "grove_groups": 2, "grove_lambda": 0.25})          # at the bound
+    from_dict(MoEConfig, {"num_experts": 8, "grove_groups": 0, "grove_lambda": 0.9})           # no adjugates
+
+
+def test_loss_free_bias_of_each_layer_moves_by_its_own_loads():
+    """Two MoE layers with opposite loads: after update_moe_biases each layer's bias is the step of its own
+    loads (one all-reduce for all layers, split back in module order), with and without an all-reduce."""
+    for all_reduce in (lambda t: t.clone(), None):
+        a, b = make_moe(num_experts=4, top_k=1), make_moe(num_experts=4, top_k=1, bias_update="rms")
+        a.load_accum.copy_(torch.tensor([9.0, 1.0, 1.0, 1.0]))
+        b.load_accum.copy_(torch.tensor([1.0, 2.0, 3.0, 10.0]))
+        want_a = loss_free_bias_step(a.expert_bias, a.load_accum, 1e-3, "sign")
+        want_b = loss_free_bias_step(b.expert_bias, b.load_accum, 1e-3, "rms")
+        update_moe_biases(torch.nn.ModuleList([a, b]), all_reduce)
+        torch.testing.assert_close(a.expert_bias, want_a)
+        torch.testing.assert_close(b.expert_bias, want_b)
+        assert float(a.expert_bias[0]) < 0 and float(b.expert_bias[3]) < 0   # the over-loaded expert goes down
 
 
 @pytest.mark.parametrize("arch,norm", [("mixtral", True), ("qwen3", True), ("qwen3", False)])

@@ -17,9 +17,12 @@ class MoEConfig:
     num_shared_experts: int = 0       # always-on experts (DeepSeek style)
     shared_hidden: int = 128          # intermediate size of one shared expert
     # softmax / sigmoid: one score per expert chooses (with the balancing bias) and weighs; grove (Grove eq. 9):
-    # sigmoid scores plus the bias choose, a softmax over the chosen experts' logits weighs
+    # sigmoid scores plus the bias choose, the softmax scores rho^(h) weigh (see grove_weights)
     router: Literal["softmax", "sigmoid", "grove"] = "softmax"
-    norm_topk_prob: bool = True        # renormalise the selected weights to sum to 1 (Qwen3-MoE, Mixtral)
+    norm_topk_prob: bool = True        # softmax / sigmoid routers: renormalise the selected weights (Qwen3-MoE, Mixtral)
+    # grove router's combine weights: "softmax" is eq. 9-10's rho^(h) over all n experts (the chosen ones sum to
+    # less than 1); "renormalised" rescales them to sum to 1 (= a softmax over the chosen logits; not the paper)
+    grove_weights: Literal["softmax", "renormalised"] = "softmax"
     balance_loss_weight: float = 0.01  # Switch-style; 0 disables
     z_loss_weight: float = 0.0
     loss_free_balancing: bool = True   # Grove eq. 6-10 / DeepSeek-V3 bias, selection only
@@ -38,9 +41,19 @@ class MoEConfig:
         check(self.expert_hidden >= 1, f"expert_hidden must be >= 1, got {self.expert_hidden}")
         check(self.num_shared_experts >= 0, "num_shared_experts must be >= 0")
         check(self.bias_update_rate >= 0, "bias_update_rate must be >= 0")
+        check(self.router in ("softmax", "sigmoid", "grove"),
+              f"router: got {self.router!r}, allowed values: 'softmax', 'sigmoid', 'grove'")
+        check(self.grove_weights in ("softmax", "renormalised"),
+              f"grove_weights: got {self.grove_weights!r}, allowed values: 'softmax', 'renormalised'")
         if self.grove_groups:
             check(self.num_experts % self.grove_groups == 0,
                   f"grove_groups={self.grove_groups} must divide num_experts={self.num_experts}")
+            # Grove 3.2: an adjugate's weight lambda * (sum of its group's chosen rho) must not exceed the
+            # experts' own, which holds for every routing only when lambda <= 1 / (n / g)
+            bound = self.grove_groups / self.num_experts
+            check(0 < self.grove_lambda <= bound,
+                  f"grove_lambda={self.grove_lambda} must be in (0, grove_groups / num_experts = "
+                  f"{self.grove_groups}/{self.num_experts} = {bound:g}] (Grove 3.2)")
 
 
 @dataclass

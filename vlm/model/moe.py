@@ -55,9 +55,10 @@ def select_experts(scores_TE: torch.Tensor, bias_E: torch.Tensor | None, top_k: 
 
 
 def combine_weights(scores_TE: torch.Tensor, experts_TK: torch.Tensor, normalise: bool) -> torch.Tensor:
-    """Grove eq. 1 / 6: rho_i of the selected experts, optionally renormalised to sum to 1 per token.
+    """Grove eq. 4 / 6 / 9: rho_i of the selected experts, optionally renormalised to sum to 1 per token.
 
-    With softmax scores the renormalised weights equal Mixtral's softmax over the selected logits.
+    Eq. 9 (router "grove") takes rho^(h)_i, the softmax over all n experts, as it is: the chosen weights sum
+    to less than 1. Renormalised softmax weights equal Mixtral's softmax over the selected logits.
     """
     w_TK = scores_TE.gather(1, experts_TK)
     if normalise:
@@ -66,6 +67,8 @@ def combine_weights(scores_TE: torch.Tensor, experts_TK: torch.Tensor, normalise
 
 
 def route(logits_TE: torch.Tensor, cfg: MoEConfig, bias_E: torch.Tensor | None) -> Routing:
+    """Which experts each token uses and with what weights. softmax / sigmoid routers: argtopk(rho + b) weighed
+    by rho (Grove eq. 6). grove router, Grove eq. 9-10: argtopk(rho^(sigma) + b) weighed by rho^(h)."""
     logits_TE = logits_TE.float()
     grove = cfg.router == "grove"
     scores_TE = router_scores(logits_TE, "softmax" if grove else cfg.router)
@@ -73,8 +76,8 @@ def route(logits_TE: torch.Tensor, cfg: MoEConfig, bias_E: torch.Tensor | None) 
     with torch.no_grad():
         chooser_TE = router_scores(logits_TE, "sigmoid") if grove else scores_TE
         experts_TK = select_experts(chooser_TE, bias_E if cfg.loss_free_balancing else None, cfg.top_k)
-    # grove: renormalised softmax probabilities of the chosen experts = the softmax over their logits (eq. 9)
-    weights_TK = combine_weights(scores_TE, experts_TK, cfg.norm_topk_prob or grove)
+    normalise = cfg.grove_weights == "renormalised" if grove else cfg.norm_topk_prob
+    weights_TK = combine_weights(scores_TE, experts_TK, normalise)
     return Routing(logits_TE, scores_TE, experts_TK, weights_TK)
 
 
