@@ -8,7 +8,10 @@ import time
 from pathlib import Path
 
 from data_pipelines.default_dataset import DefaultDatasetConfig, build_default, ensure_default_dataset
-from data_pipelines.importers import ImporterError, import_folder, import_table
+from data_pipelines.importers import (DEFAULT_MAX_SKIP_SHARE, ImportFailed, ImporterError, ImportInterrupted,
+                                      import_folder, import_table, summary_lines)
+from data_pipelines.import_run import default_workers
+from data_pipelines.import_sources import FORMATS
 from data_pipelines.reader import ShardError
 from data_pipelines.samples import iter_samples
 from data_pipelines.schema import IMAGE_TOKEN
@@ -49,26 +52,39 @@ def _stats(args) -> int:
         print(format_stats(result, per_shard=not args.totals))
 
 
-def _report(result: dict) -> None:
-    print(f"wrote {result['written']} samples into {len(result['shards'])} shard(s)")
-    if result["skipped"]:
-        print("skipped: " + ", ".join(f"{k}={v}" for k, v in sorted(result["skipped"].items())))
-    if result.get("columns"):
-        print("columns: " + ", ".join(f"{k}={v}" for k, v in result["columns"].items() if v))
+def _run_import(args, fn, *pos, **kw) -> int:
+    """An import with its report: exit 0 when done, 1 when more than --max-skip-share of the rows were skipped,
+    2 when nothing could be imported (one line on stderr naming the first skipped rows), 130 when interrupted
+    (the same command resumes). `--json`: the summary as one JSON object on stdout, whatever the outcome."""
+    try:
+        summary = fn(*pos, out=args.out, prefix=args.prefix, max_count=args.max_count, max_bytes=args.max_bytes,
+                     allow_outside_root=args.allow_outside_root, workers=args.workers, progress=not args.quiet,
+                     max_skip_share=args.max_skip_share, overwrite=args.overwrite, **kw)
+    except ImportFailed as e:
+        if args.json:
+            print(json.dumps({**e.summary, "error": str(e)}))
+        print(f"error: {e}", file=sys.stderr)
+        return 130 if isinstance(e, ImportInterrupted) else 2
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print("\n".join(summary_lines(summary)))
+    if summary["status"] == "too_many_skipped":
+        if args.json:
+            print(summary_lines(summary)[-1], file=sys.stderr)
+        return 1
+    return 0
 
 
 def _import_folder(args) -> int:
-    _report(import_folder(args.images, args.out, captions=args.captions, prefix=args.prefix,
-                          max_count=args.max_count, max_bytes=args.max_bytes,
-                          allow_outside_root=args.allow_outside_root, progress=True))
+    return _run_import(args, import_folder, args.images, captions=args.captions)
 
 
 def _import_table(args) -> int:
-    _report(import_table(args.table, args.out, image_col=args.image_col, text_col=args.text_col,
-                         question_col=args.question_col, answer_col=args.answer_col, type_col=args.type_col,
-                         conversations_col=args.conversations_col, image_root=args.image_root, fmt=args.format,
-                         prefix=args.prefix, max_count=args.max_count, max_bytes=args.max_bytes,
-                         allow_outside_root=args.allow_outside_root, progress=True))
+    return _run_import(args, import_table, args.table, image_col=args.image_col, text_col=args.text_col,
+                       question_col=args.question_col, answer_col=args.answer_col, type_col=args.type_col,
+                       conversations_col=args.conversations_col, image_root=args.image_root, fmt=args.format,
+                       split=args.split, encoding=args.encoding)
 
 
 def iter_texts(patterns: list[str], limit: int | None = None):
@@ -93,6 +109,25 @@ def _add_writer_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-bytes", type=int, default=1 << 30, help="bytes per shard (default: 1 GiB)")
     p.add_argument("--allow-outside-root", action="store_true",
                    help="read image files outside the folder / image root (../, absolute paths, symlinks out)")
+    p.add_argument("--workers", type=int, default=default_workers(),
+                   help="processes that read, decode and check images (0: in this process; default: %(default)s)")
+    p.add_argument("--max-skip-share", type=_share, default=DEFAULT_MAX_SKIP_SHARE,
+                   help="exit 1 (after writing) when more than this share of rows is skipped (default: %(default)s)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the PREFIX-*.tar shards already in --out (by default the same command resumes "
+                        "an interrupted import and does nothing after a complete one)")
+    p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _share(value: str) -> float:
+    try:
+        x = float(value)
+    except ValueError:
+        x = -1.0
+    if not 0 <= x <= 1:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a share between 0 and 1")
+    return x
 
 
 def add_data_commands(subparsers) -> None:
@@ -128,9 +163,14 @@ def add_data_commands(subparsers) -> None:
     _add_writer_args(p)
     p.set_defaults(func=_guarded(_import_folder))
 
-    p = sub.add_parser("import-table", help="a JSONL/CSV/Parquet table of images and text/QA/chats -> shards")
-    p.add_argument("table")
-    p.add_argument("--format", choices=["jsonl", "csv", "tsv", "parquet"], help="default: from the extension")
+    p = sub.add_parser("import-table", help="a table or dataset of images and text/QA/chats -> shards: LLaVA JSON "
+                                            "arrays, JSONL, CSV/TSV, Parquet/Arrow files and datasets folders")
+    p.add_argument("table", help="a .json/.jsonl/.csv/.tsv/.parquet/.arrow file, or a folder of them (also what "
+                                 "datasets' save_to_disk or to_parquet wrote)")
+    p.add_argument("--format", choices=list(FORMATS), help="default: from the extension (.json: an array or JSON "
+                                                           "lines, from its first character)")
+    p.add_argument("--split", help="the split of a dataset folder that holds several (train, test, ...)")
+    p.add_argument("--encoding", default="utf-8", help="text encoding of a CSV/TSV/JSONL file (default: utf-8)")
     for col, what in (("image", "image path(s)/bytes"), ("text", "caption or document"), ("question", "question"),
                       ("answer", "answer"), ("type", "question type"), ("conversations", "chat turns")):
         p.add_argument(f"--{col}-col", help=f"column with the {what} (default: guessed from common names)")

@@ -50,6 +50,7 @@ from data_pipelines.writer import read_manifest
 
 log = logging.getLogger("data_pipelines")
 SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")
+SIDECAR_SUFFIXES = (".parquet", ".json")   # metadata written next to shards (img2dataset, our manifest.json)
 BLOCK = tarfile.BLOCKSIZE
 _META = re.compile(r"__[^/]*__($|/)")   # webdataset's metadata members (`__key__` and the like)
 
@@ -90,8 +91,8 @@ def resolve_shards(pattern: str | os.PathLike) -> list[Shard]:
         return paths
     paths: list[Path] = []
     for pat in braceexpand.braceexpand(pattern):
-        if glob.has_magic(pat):
-            paths += [Path(q) for q in sorted(glob.glob(pat))]
+        if glob.has_magic(pat):   # img2dataset's NNNNN.parquet / NNNNN_stats.json beside the tars are not shards
+            paths += [Path(q) for q in sorted(glob.glob(pat)) if not q.endswith(SIDECAR_SUFFIXES)]
         elif Path(pat).is_file():
             paths.append(Path(pat))
         else:

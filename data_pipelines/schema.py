@@ -39,6 +39,8 @@ FILTERED_KIND = "filtered_kind"
 REASONS = (UNREADABLE_SHARD, UNREADABLE_MEMBER, TRUNCATED_SHARD, MANIFEST_MISMATCH, MISSING_SHARD, BAD_JSON, NON_UTF8,
            MISSING_FIELD, INVALID_FIELD, EMPTY_TEXT, IMAGE_COUNT, CORRUPT_IMAGE, IMAGE_TOO_LARGE, TOO_LONG, FILTERED_KIND)
 
+SCHEMA_FIELDS = ("text", "turns", "kind")          # a KEY.json holding one of these is the sample's schema
+METADATA_KEPT = ("key", "url", "status", "width", "height", "original_width", "original_height")  # img2dataset
 _IMAGE_MEMBER = re.compile(r"^(?:(\d+)\.)?(" + "|".join(IMAGE_EXTS) + r")$")
 
 
@@ -136,8 +138,30 @@ def _check_turns(turns: Any, where: str) -> list[dict]:
     return out
 
 
-def decode_sample(raw: dict[str, Any], kind_filter: str = "auto") -> Sample:
-    """Raw tar members {"__key__", "__url__", ext: bytes} -> validated Sample (images still undecoded)."""
+def _parse_json(data: bytes, where: str) -> dict:
+    try:
+        meta = json.loads(_utf8(data, f"{where}.json"))
+    except json.JSONDecodeError as e:
+        raise BadSample(BAD_JSON, f"{where}.json: not valid JSON ({e})") from None
+    except RecursionError:
+        raise BadSample(BAD_JSON, f"{where}.json: nested too deeply to parse") from None
+    if not isinstance(meta, dict):
+        raise BadSample(BAD_JSON, f"{where}.json: top level must be an object")
+    return meta
+
+
+def is_metadata_json(meta: dict, raw: dict[str, Any]) -> bool:
+    """A `KEY.json` that describes the sample instead of being it (img2dataset's url, caption, status, width,
+    height, ...): it holds none of `text`, `turns`, `kind`, or the sample has a caption member (.txt), which
+    this project's writer never writes next to its schema JSON."""
+    return not any(k in meta for k in SCHEMA_FIELDS) or any(e in raw for e in TEXT_EXTS)
+
+
+def decode_sample(raw: dict[str, Any], kind_filter: str = "auto", caption_field: str = "caption") -> Sample:
+    """Raw tar members {"__key__", "__url__", ext: bytes} -> validated Sample (images still undecoded).
+
+    A metadata JSON (see `is_metadata_json`) is not the schema: the caption comes from the `.txt` member, else
+    from the metadata's `caption_field`, and the metadata's `METADATA_KEPT` fields go into `meta`."""
     key, url = raw.get("__key__", "?"), raw.get("__url__", "")
     where = f"sample {key} in {url}"
     images: dict[int, tuple[str, bytes]] = {}
@@ -148,15 +172,8 @@ def decode_sample(raw: dict[str, Any], kind_filter: str = "auto") -> Sample:
     ordered = [images[i] for i in sorted(images)]
     if sorted(images) != list(range(len(images))):
         raise BadSample(IMAGE_COUNT, f"{where}: image members are not numbered 0..n-1: {sorted(images)}")
-    if "json" in raw:
-        try:
-            meta = json.loads(_utf8(raw["json"], f"{where}.json"))
-        except json.JSONDecodeError as e:
-            raise BadSample(BAD_JSON, f"{where}.json: not valid JSON ({e})") from None
-        except RecursionError:
-            raise BadSample(BAD_JSON, f"{where}.json: nested too deeply to parse") from None
-        if not isinstance(meta, dict):
-            raise BadSample(BAD_JSON, f"{where}.json: top level must be an object")
+    meta = _parse_json(raw["json"], where) if "json" in raw else None
+    if meta is not None and not is_metadata_json(meta, raw):
         kind = meta.get("kind") or ("text" if not ordered else "pair" if len(ordered) == 1 else "interleaved")
         if kind not in KINDS:
             raise BadSample(INVALID_FIELD, f"{where}: kind {kind!r} not one of {KINDS}")
@@ -175,10 +192,18 @@ def decode_sample(raw: dict[str, Any], kind_filter: str = "auto") -> Sample:
             raise BadSample(INVALID_FIELD, f"{where}: meta.qa must be a list of objects")
     else:
         txt = next((raw[e] for e in TEXT_EXTS if e in raw), None)
-        if txt is None:
+        extra = {k: meta[k] for k in METADATA_KEPT if k in meta} if meta is not None else {}
+        if txt is not None:
+            text = _utf8(txt, f"{where}.txt")
+        elif meta is not None and isinstance(meta.get(caption_field), str):
+            text = meta[caption_field]
+        elif meta is not None:
+            raise BadSample(MISSING_FIELD, f"{where}: no .txt member, and its .json is metadata (no "
+                                           f"{'/'.join(SCHEMA_FIELDS)}) without a string {caption_field!r}")
+        else:
             raise BadSample(MISSING_FIELD, f"{where}: no .json and no .txt member (members: "
                                            f"{sorted(k for k in raw if not k.startswith('__'))})")
-        text, turns, extra = _utf8(txt, f"{where}.txt"), None, {}
+        turns = None
         kind = "text" if not ordered else "pair" if len(ordered) == 1 else "interleaved"
     sample = Sample(key=key, kind=kind, text=text or "", turns=turns, images=[d for _, d in ordered],
                     image_exts=[e for e, _ in ordered], meta=extra, source=url)

@@ -34,7 +34,7 @@ def test_import_folder_with_sidecars(tmp_path, png):
     (src / "latin.txt").write_bytes(b"caf\xe9")
     res = import_folder(src, tmp_path / "out", max_count=1)
     assert res["written"] == 2 and len(res["shards"]) == 2
-    assert res["skipped"] == {"missing_caption": 1, "unreadable_image": 1, "non_utf8_text": 1}
+    assert res["skipped"] == {"missing_caption": 1, "corrupt_image": 1, "non_utf8_text": 1}
     got = _read(tmp_path / "out")
     assert [(s.kind, s.text, s.image_exts) for s in got] == [("pair", "<image>a red square", ["png"]),
                                                            ("pair", "<image>a photo", ["jpg"])]

@@ -1,0 +1,306 @@
+"""One imported row (or image file) -> one Sample, or a `Skip(reason, detail)`.
+
+Runs in the import's worker processes, so it imports only the schema and Pillow. Columns are found by common
+names unless given. What a row may hold:
+
+- images: a path (relative to --image-root or the table's folder; never outside them unless allowed), bytes,
+  a `{"bytes", "path"}` struct (datasets' `Image` feature), a `data:` URI, or a list of those (multi-image);
+- text: a caption or document (`text`, `caption`, ...), a question/answer pair, or a conversation:
+  LLaVA/ShareGPT `[{"from": "human"|"gpt", "value"}]`, OpenAI-style `[{"role", "content"}]` (content a string
+  or a list of `{"type": "text"|"image"}` parts), the Cauldron's `texts: [{"user", "assistant"}]`;
+- interleaved documents as OBELICS writes them: `texts` and `images` lists of the same length, each position
+  holding either a text or an image (`None` in the other list).
+
+Every image is decoded once here (a truncated file fails only when decoded), so a corrupt image is skipped and
+counted instead of reaching training. Rows rarely write `<image>` placeholders: missing ones go in front.
+"""
+from __future__ import annotations
+
+import base64
+import io
+import re
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from PIL import Image
+
+from data_pipelines.schema import IMAGE_EXTS, IMAGE_TOKEN, Sample
+
+COLUMN_GUESSES = {
+    "image": ("image", "images", "image_path", "image_paths", "img", "file_name", "filename", "file", "path", "jpg",
+              "png"),
+    "text": ("text", "caption", "captions", "txt", "content", "sentence"),
+    "question": ("question", "query", "prompt", "instruction"),
+    "answer": ("answer", "answers", "response", "output", "label"),
+    "type": ("question_type", "type", "category"),
+    "conversations": ("conversations", "messages", "turns", "conversation", "texts"),
+}
+ROLE_MAP = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "bot": "assistant",
+            "model": "assistant"}
+_ID_FIELDS = ("id", "sample_id", "uid", "key")
+
+
+class Skip(Exception):
+    """A row that cannot become a sample: `reason` (a counter name) and a one-line `detail`."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(reason)
+        self.reason, self.detail = reason, detail
+
+
+@dataclass
+class RowSettings:
+    """What every worker needs to convert rows: the given column names and where images may be read."""
+
+    columns: dict[str, str | None] = field(default_factory=dict)
+    roots: list[Path] = field(default_factory=list)
+    confine: bool = True
+
+
+@dataclass
+class FileSettings:
+    """Image-folder import: the folder, the caption sidecar extensions."""
+
+    root: Path
+    caption_exts: tuple[str, ...] = ("txt", "caption")
+    confine: bool = True
+
+
+def guess_column(row: dict, what: str) -> str | None:
+    return next((c for c in COLUMN_GUESSES[what] if c in row), None)
+
+
+def row_id(row: Any) -> str | None:
+    if isinstance(row, dict):
+        for k in _ID_FIELDS:
+            if isinstance(row.get(k), (str, int)) and not isinstance(row.get(k), bool):
+                return str(row[k])[:100]
+    return None
+
+
+# ------------------------------------------------------------------------------------------------ images
+def check_image(data: bytes) -> str:
+    """Decode the image (all of it: a truncated file fails only here); its file extension."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(io.BytesIO(data)) as im:
+                fmt = (im.format or "").lower()
+                im.load()
+    except Image.DecompressionBombError as e:
+        raise Skip("image_too_large", str(e)) from None
+    except Exception as e:  # noqa: BLE001 - Pillow raises many kinds for bad bytes
+        raise Skip("corrupt_image", f"{type(e).__name__}: {' '.join(str(e).split())[:200]}") from None
+    ext = {"jpeg": "jpg", "tiff": "tif"}.get(fmt, fmt)
+    return ext if ext in IMAGE_EXTS else "png"
+
+
+def inside(path: Path, roots: list[Path]) -> bool:
+    """`path`, symlinks followed, lies under one of `roots` (a table's `../x` or `/etc/x` does not)."""
+    real = path.resolve()
+    return any(real.is_relative_to(r.resolve()) for r in roots)
+
+
+def load_image(value: Any, roots: list[Path], confine: bool = True) -> bytes:
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value)
+    if isinstance(value, dict):  # datasets' Image feature: {"bytes": ..., "path": ...}
+        if value.get("bytes"):
+            return load_image(value["bytes"], roots, confine)
+        return load_image(value.get("path"), roots, confine)
+    if isinstance(value, str) and value.startswith("data:"):
+        try:
+            return base64.b64decode(value.split(",", 1)[1], validate=True)
+        except Exception:  # noqa: BLE001
+            raise Skip("bad_image_data", "a data: URI that is not base64") from None
+    if isinstance(value, str) and value.strip():
+        p = Path(value)
+        for cand in ([p] if p.is_absolute() else [r / p for r in roots]):
+            if cand.is_file():
+                if confine and not inside(cand, roots):
+                    raise Skip("outside_root", f"image {value!r} leads outside {', '.join(map(str, roots))}")
+                return cand.read_bytes()
+        raise Skip("missing_image_file", f"image {value!r} not found under {', '.join(map(str, roots))}")
+    raise Skip("missing_image", f"image value {str(value)[:60]!r}")
+
+
+def _as_list(value: Any, what: str) -> list:
+    if value is None or value == "":
+        return []
+    if isinstance(value, str) and value.startswith("["):
+        import json
+
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise Skip("bad_row", f"{what}: a '[...]' string that is not JSON") from None
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+# ------------------------------------------------------------------------------------------------ text
+def _content(value: Any, images_in_parts: list[int]) -> str:
+    """A turn's content: a string, or a list of parts ({"type": "text", "text"} / {"type": "image"})."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(p, dict) for p in value):
+        out = []
+        for p in value:
+            if p.get("type") in ("image", "image_url"):
+                out.append(IMAGE_TOKEN)
+                images_in_parts.append(1)
+            elif isinstance(p.get("text"), str):
+                out.append(p["text"])
+        return "".join(out)
+    raise Skip("bad_conversations", f"turn content is a {type(value).__name__}")
+
+
+def conversation_turns(conv: Any) -> list[dict]:
+    """LLaVA / OpenAI / Cauldron conversations -> [{role, content}] (system prompts and unknown roles dropped)."""
+    conv = _as_list(conv, "conversations")
+    turns: list[dict] = []
+    for t in conv:
+        if not isinstance(t, dict):
+            raise Skip("bad_conversations", f"a turn is a {type(t).__name__}, not an object")
+        if "user" in t or "assistant" in t:          # the Cauldron: {"user", "assistant", "source"}
+            for role in ("user", "assistant"):
+                if isinstance(t.get(role), str):
+                    turns.append({"role": role, "content": t[role]})
+            continue
+        role = ROLE_MAP.get(str(t.get("role", t.get("from", ""))).lower())
+        content = t.get("content", t.get("value"))
+        if role is None or content is None:
+            continue
+        turns.append({"role": role, "content": _content(content, [])})
+    if not any(t["role"] == "assistant" and t["content"].strip() for t in turns):
+        raise Skip("bad_conversations", "no assistant turn with text")
+    return turns
+
+
+def _interleaved(texts: list, images: list) -> tuple[str, list]:
+    """OBELICS-style aligned lists: position i holds a text or an image."""
+    parts, kept = [], []
+    for t, im in zip(texts, images):
+        if im is not None:
+            parts.append(IMAGE_TOKEN)
+            kept.append(im)
+        elif isinstance(t, str):
+            parts.append(t)
+    return "\n".join(parts), kept
+
+
+def place_images(sample: Sample, missing: int) -> None:
+    if missing <= 0:
+        return
+    if sample.turns is not None:
+        first = next((t for t in sample.turns if t["role"] == "user"), sample.turns[0])
+        first["content"] = IMAGE_TOKEN * missing + "\n" + first["content"]
+    else:
+        sample.text = IMAGE_TOKEN * missing + sample.text
+
+
+# ------------------------------------------------------------------------------------------------ rows
+def convert_row(index: int, row: dict, settings: RowSettings) -> Sample:
+    if "__error__" in row:
+        raise Skip(*row["__error__"])
+    cols = {k: v or guess_column(row, k) for k, v in settings.columns.items()}
+    for k in ("image", "text", "question", "answer", "type", "conversations"):
+        cols.setdefault(k, guess_column(row, k))
+    image_values = _as_list(row.get(cols["image"]), "images") if cols["image"] else []
+    meta: dict[str, Any] = {}
+    if (rid := row_id(row)) is not None:
+        meta["id"] = rid
+    turns, text = None, ""
+    conv = row.get(cols["conversations"]) if cols["conversations"] else None
+    if isinstance(conv, list) and conv and all(t is None or isinstance(t, str) for t in conv):
+        if len(conv) != len(image_values):          # OBELICS: texts and images aligned
+            raise Skip("image_count_mismatch", f"{len(conv)} texts but {len(image_values)} image slots")
+        text, image_values = _interleaved(conv, image_values)
+    elif conv not in (None, "", []):
+        turns = conversation_turns(conv)
+    elif cols["question"] and cols["answer"] and row.get(cols["question"]) not in (None, ""):
+        q, a = str(row[cols["question"]]), row.get(cols["answer"])
+        if isinstance(a, list):  # VQA-style answer lists: train on the first
+            a = a[0] if a else ""
+        if a is None or not str(a).strip():
+            raise Skip("empty_text", f"column {cols['answer']!r} is empty")
+        turns = [{"role": "user", "content": q}, {"role": "assistant", "content": str(a)}]
+        qtype = str(row.get(cols["type"])) if cols["type"] and row.get(cols["type"]) is not None else "unknown"
+        meta["qa"] = [{"question": q.replace(IMAGE_TOKEN, "").strip(), "answer": str(a), "type": qtype}]
+    elif cols["text"] and row.get(cols["text"]) not in (None, ""):
+        value = row[cols["text"]]
+        if isinstance(value, list):   # several captions: the first
+            value = next((v for v in value if isinstance(v, str) and v.strip()), "")
+        text = str(value)
+    else:
+        raise Skip("missing_text", f"no text, caption, question/answer or conversation in {sorted(row)[:8]}")
+    if not (text.replace(IMAGE_TOKEN, "").strip() or turns):
+        raise Skip("empty_text", "the text is empty")
+    images = [load_image(v, settings.roots, settings.confine) for v in image_values]
+    exts = [check_image(d) for d in images]
+    kind = "text" if not images else "pair" if len(images) == 1 else "interleaved"
+    sample = Sample(key=f"row{index:09d}", kind=kind, text=text, turns=turns, images=images, image_exts=exts,
+                    meta=meta)
+    place_images(sample, len(images) - sample.placeholder_count())
+    if sample.placeholder_count() != len(images):
+        raise Skip("image_count_mismatch", f"{sample.placeholder_count()} {IMAGE_TOKEN} placeholders but "
+                                           f"{len(images)} images")
+    return sample
+
+
+def file_key(name: str, index: int) -> str:
+    return f"{index:08d}_" + re.sub(r"[^A-Za-z0-9_-]+", "_", name)[:80]
+
+
+def convert_file(index: int, item: tuple[str, str | bool | None], settings: FileSettings) -> Sample:
+    """(path relative to the folder, caption; None: read the sidecar file; False: not in the captions table)
+    -> an image-caption pair."""
+    rel, caption = item
+    root = settings.root
+    path = root / rel
+    if caption is False:
+        raise Skip("missing_caption", f"{rel} is not in the captions table")
+    if settings.confine and not inside(path, [root]):
+        raise Skip("outside_root", f"{rel} leads outside {root}")
+    if caption is None:
+        side = next((path.with_suffix("." + e) for e in settings.caption_exts
+                     if path.with_suffix("." + e).is_file()), None)
+        if side is None:
+            raise Skip("missing_caption", f"no {' or '.join('.' + e for e in settings.caption_exts)} beside {rel}")
+        if settings.confine and not inside(side, [root]):
+            raise Skip("outside_root", f"{side.name} leads outside {root}")
+        try:
+            caption = side.read_bytes().decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise Skip("non_utf8_text", f"{side.name}: not valid UTF-8 (byte {e.start})") from None
+    if not str(caption).strip():
+        raise Skip("empty_text", f"the caption of {rel} is empty")
+    data = path.read_bytes()
+    ext = check_image(data)
+    return Sample(key=file_key(rel, index), kind="pair", text=IMAGE_TOKEN + str(caption).strip(), images=[data],
+                  image_exts=[ext], meta={"file": rel})
+
+
+# ------------------------------------------------------------------------------------------------ workers
+_WORKER: tuple | None = None
+
+
+def init_worker(convert, settings) -> None:
+    global _WORKER
+    _WORKER = (convert, settings)
+
+
+def convert_chunk(chunk: list[tuple[int, Any]], convert=None, settings=None) -> list[tuple[int, Any]]:
+    """[(index, row)] -> [(index, Sample or (reason, detail, id))]. Any failure of a row skips that row only."""
+    if convert is None:
+        convert, settings = _WORKER
+    out = []
+    for i, item in chunk:
+        try:
+            out.append((i, convert(i, item, settings)))
+        except Skip as s:
+            out.append((i, (s.reason, s.detail, row_id(item) or (item[0] if isinstance(item, tuple) else None))))
+        except (OSError, ValueError, TypeError, AttributeError, KeyError, IndexError, RecursionError) as e:
+            out.append((i, ("bad_row", f"{type(e).__name__}: {' '.join(str(e).split())[:200]}", row_id(item))))
+    return out

@@ -1,0 +1,302 @@
+"""Running an import: rows -> worker processes (decode and check) -> shards, resumable, with a summary.
+
+- **Workers.** Rows are cut into chunks and converted (`import_rows.convert_chunk`: images read, decoded and
+  checked) in `workers` spawned processes; at most a few chunks per worker are in flight, so a 1 GB input
+  is never held in memory, and results are written in row order (the output does not depend on `workers`).
+- **Resumable and idempotent.** Shards are written into `OUT/.PREFIX.partial/` and moved into OUT when full;
+  after each, `OUT/PREFIX.import.json` records the input's fingerprint (file names, sizes, modification
+  times, the options), the next row and the counts so far. The same command again resumes at the last full
+  shard (a crash at 90 % redoes at most one shard); once complete it does nothing and reports the same
+  summary. Another input or other options into the same OUT/PREFIX is refused unless `overwrite`.
+- **Failing loudly.** Nothing written (no rows, or all skipped) raises `ImportFailed` whose one-line message
+  names the first skipped rows and their reasons; skipping more than `max_skip_share` of the rows sets the
+  summary's status to `too_many_skipped` (the CLI exits 1). A source that breaks part way (a JSON array cut
+  short) keeps what was written and fails.
+"""
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import shutil
+import sys
+import time
+from collections import Counter, deque
+from concurrent.futures import ProcessPoolExecutor
+from itertools import islice
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from data_pipelines.import_rows import convert_chunk, init_worker
+from data_pipelines.import_sources import ImporterError
+from data_pipelines.progress import Progress
+from data_pipelines.schema import Sample
+from data_pipelines.writer import MANIFEST, ShardWriter, read_manifest, update_manifest
+
+STATE_VERSION = 1
+MAX_EXAMPLES = 5
+DEFAULT_MAX_SKIP_SHARE = 0.1
+CHUNK_ROWS = 32
+
+
+class ImportFailed(ImporterError):
+    """An import that wrote nothing (or whose source broke part way); `summary` says what was read."""
+
+    def __init__(self, message: str, summary: dict[str, Any]):
+        super().__init__(message)
+        self.summary = summary
+
+
+class ImportInterrupted(ImportFailed):
+    """Ctrl-C / SIGINT during an import: complete shards are kept; the same command resumes."""
+
+
+def default_workers() -> int:
+    return max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+
+
+def state_path(out: Path, prefix: str) -> Path:
+    return out / f"{prefix}.import.json"
+
+
+def _shard_index(name: str, prefix: str) -> int | None:
+    stem = name[len(prefix) + 1:-len(".tar")] if name.startswith(prefix + "-") and name.endswith(".tar") else ""
+    return int(stem) if stem.isdigit() else None
+
+
+def _remove_shards(out: Path, prefix: str, first: int) -> None:
+    """Delete PREFIX-NNNNNN.tar with NNNNNN >= first and their manifest entries."""
+    gone = set()
+    for p in out.glob(f"{prefix}-*.tar"):
+        i = _shard_index(p.name, prefix)
+        if i is not None and i >= first:
+            p.unlink()
+            gone.add(p.name)
+    m = read_manifest(out)
+    if m is not None and any(e.get("name") in gone or (_shard_index(str(e.get("name")), prefix) or -1) >= first
+                             for e in m["shards"]):
+        keep = [e for e in m["shards"] if e.get("name") not in gone and
+                ((i := _shard_index(str(e.get("name")), prefix)) is None or i < first)]
+        (out / MANIFEST).unlink()
+        if keep:
+            update_manifest(out, keep)
+
+
+class _Shards:
+    """Shards of one import: full ones moved from the partial folder into OUT, each followed by a state save."""
+
+    def __init__(self, out: Path, prefix: str, max_count: int, max_bytes: int, start: int, save: Callable):
+        self.out, self.prefix, self.max_count, self.max_bytes = out, prefix, max_count, max_bytes
+        self.tmp = out / f".{prefix}.partial"
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        self.index, self.save = start, save
+        self.writer: ShardWriter | None = None
+        self.count = self.bytes = 0
+        self.names: list[str] = []
+
+    def write(self, sample: Sample, row: int) -> None:
+        if self.writer is not None and (self.count >= self.max_count or self.bytes >= self.max_bytes):
+            self.finish(next_row=row)
+        if self.writer is None:
+            self.tmp.mkdir(parents=True, exist_ok=True)
+            self.writer = ShardWriter(self.tmp, self.prefix, max_count=sys.maxsize, max_bytes=sys.maxsize,
+                                      start_index=self.index)
+            self.count = self.bytes = 0
+        self.writer.write(sample)
+        self.count += 1
+        self.bytes += sum(len(d) for d in sample.images) + len(sample.all_text().encode("utf-8", "replace"))
+
+    def finish(self, next_row: int) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            entry = self.writer.entries[0]
+            os.replace(self.tmp / entry["name"], self.out / entry["name"])
+            update_manifest(self.out, [entry])
+            self.names.append(entry["name"])
+            self.writer = None
+            self.index += 1
+        self.save(next_row)
+
+    def discard(self) -> None:
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def _examples_line(examples: list[dict]) -> str:
+    parts = []
+    for e in examples:
+        who = f"row {e['row']}" + (f" ({e['id']})" if e.get("id") else "")
+        parts.append(f"{who}: {e['reason']}" + (f" ({e['detail']})" if e.get("detail") else ""))
+    return "; ".join(parts)
+
+
+def _counts(skipped: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in sorted(skipped.items()))
+
+
+def run_import(items: Iterable[Any], convert: Callable, settings: Any, *, out: str | os.PathLike, source: str,
+               fmt: str, fingerprint: Any, prefix: str = "shard", max_count: int = 10_000, max_bytes: int = 1 << 30,
+               workers: int = 0, progress: bool = False, total: int | None = None, unit: str = "row",
+               desc: str = "import", max_skip_share: float = DEFAULT_MAX_SKIP_SHARE, overwrite: bool = False,
+               extra: dict | None = None) -> dict[str, Any]:
+    """Convert `items` with `convert(index, item, settings)` (a module-level function: it runs in workers)
+    and write the samples into shards in `out`; returns the summary (see the module docstring)."""
+    if not 0 <= max_skip_share <= 1:
+        raise ImporterError(f"max skip share must be in [0, 1], got {max_skip_share}")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    if "." in prefix or "/" in prefix or not prefix:
+        raise ImporterError(f"shard prefix {prefix!r} must be non-empty and hold no '.' or '/'")
+    sp = state_path(out, prefix)
+    key = {"source": source, "fingerprint": fingerprint, "prefix": prefix, "max_count": max_count,
+           "max_bytes": max_bytes, **(extra or {})}
+    key = json.loads(json.dumps(key, default=str))
+    state = None
+    if sp.is_file():
+        try:
+            state = json.loads(sp.read_text())
+        except ValueError:
+            state = None
+    same = isinstance(state, dict) and state.get("version") == STATE_VERSION and state.get("key") == key
+    if same and not overwrite and state.get("complete"):
+        return _finalise(dict(state["summary"], already_imported=True), max_skip_share)
+    if not same or overwrite:
+        theirs = state is not None or any(_shard_index(p.name, prefix) is not None for p in out.glob(f"{prefix}-*.tar"))
+        if theirs and not overwrite:
+            what = "an import of another input or with other options" if state else "shards not written by an import"
+            raise ImporterError(f"{out} already holds {prefix}-*.tar from {what}; use --overwrite, or another --out "
+                                "or --prefix")
+        _remove_shards(out, prefix, 0)
+        sp.unlink(missing_ok=True)
+        state = None
+    start_row = int(state["next_row"]) if state else 0
+    skipped: Counter = Counter(state["skipped"]) if state else Counter()
+    examples: list[dict] = list(state["examples"]) if state else []
+    written = int(state["written"]) if state else 0
+    names: list[str] = list(state["shards"]) if state else []
+    start_shard = int(state["next_shard"]) if state else 0
+    _remove_shards(out, prefix, start_shard)
+    t0 = time.time()
+    rows = start_row
+    summary: dict[str, Any] = {"status": "ok", "source": source, "format": fmt, "out": str(out), "prefix": prefix}
+
+    def snapshot(next_row: int, complete: bool = False) -> dict:
+        # called when a shard is full, before the row that opens the next one is counted: the counts then
+        # are those of the rows before `next_row`
+        return {"version": STATE_VERSION, "key": key, "next_row": next_row, "next_shard": shards.index,
+                "written": written, "skipped": dict(skipped), "examples": list(examples),
+                "shards": names + shards.names, "complete": complete}
+
+    def save(next_row: int) -> None:
+        tmp = sp.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(snapshot(next_row)))
+        os.replace(tmp, sp)
+
+    shards = _Shards(out, prefix, max_count, max_bytes, start_shard, save)
+    source_error = None
+    interrupted = False
+    pool = None
+    bar = Progress(total, desc, progress, unit=unit)
+    if start_row:
+        bar.update(start_row)
+    try:
+        it = enumerate(items)
+        for _ in islice(it, start_row):      # resume: rows before the last full shard were imported
+            pass
+        if workers > 0:
+            pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                                       initializer=init_worker, initargs=(convert, settings))
+        in_flight: deque = deque()
+        exhausted = False
+        while True:
+            while not exhausted and len(in_flight) < max(2, 3 * workers):
+                try:
+                    chunk = list(islice(it, CHUNK_ROWS))
+                except ImporterError as e:   # the source broke part way: keep what came before
+                    source_error, chunk, exhausted = str(e), [], True
+                if not chunk:
+                    exhausted = True
+                    break
+                in_flight.append(pool.submit(convert_chunk, chunk) if pool else convert_chunk(chunk, convert, settings))
+            if not in_flight:
+                break
+            results = in_flight.popleft()
+            for i, res in (results.result() if pool else results):
+                rows = i + 1
+                bar.update()
+                if isinstance(res, Sample):
+                    shards.write(res, i)
+                    written += 1
+                else:
+                    reason, detail, rid = res
+                    skipped[reason] += 1
+                    if len(examples) < MAX_EXAMPLES:
+                        examples.append({"row": i, "id": rid, "reason": reason, "detail": detail})
+        shards.finish(next_row=rows)
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        bar.close()
+        if pool is not None:
+            pool.shutdown(wait=not interrupted, cancel_futures=True)
+    shards.discard()
+    summary.update({"rows": rows, "written": written, "skipped": dict(sorted(skipped.items())),
+                    "examples": examples, "shards": [str(out / n) for n in names + shards.names],
+                    "resumed_at_row": start_row or None, "workers": workers,
+                    "seconds": round(time.time() - t0, 3),
+                    "rows_per_s": round((rows - start_row) / max(time.time() - t0, 1e-9), 1)})
+    if interrupted:
+        state_now = json.loads(sp.read_text()) if sp.is_file() else {"next_row": 0, "written": 0}
+        summary["status"] = "interrupted"
+        raise ImportInterrupted(f"import of {source} interrupted after {rows} rows; {state_now['written']} samples in "
+                                f"complete shards are kept; run the same command again to resume at row "
+                                f"{state_now['next_row']}", summary)
+    if source_error is None:
+        tmp = sp.with_suffix(".json.tmp")
+        done = snapshot(rows, complete=True)
+        done["summary"] = {k: v for k, v in summary.items() if k not in ("already_imported",)}
+        tmp.write_text(json.dumps(done))
+        os.replace(tmp, sp)
+    else:
+        summary["status"] = "source_error"
+        summary["error"] = source_error
+    return _finalise(summary, max_skip_share)
+
+
+def _finalise(summary: dict[str, Any], max_skip_share: float) -> dict[str, Any]:
+    rows, written, skipped = summary["rows"], summary["written"], summary["skipped"]
+    share = (rows - written) / rows if rows else 0.0
+    summary["skip_share"] = round(share, 6)
+    summary["max_skip_share"] = max_skip_share
+    src = summary["source"]
+    if summary.get("error"):
+        kept = f"; {written} samples written before it are kept" if written else ""
+        raise ImportFailed(f"{summary['error']}{kept}", summary)
+    if rows == 0:
+        summary["status"] = "nothing_written"
+        raise ImportFailed(f"nothing imported: {src} holds no rows", summary)
+    if written == 0:
+        summary["status"] = "nothing_written"
+        raise ImportFailed(f"nothing imported from {src}: all {rows} rows skipped ({_counts(skipped)}); first: "
+                           f"{_examples_line(summary['examples'])}", summary)
+    summary["status"] = "too_many_skipped" if share > max_skip_share else "ok"
+    return summary
+
+
+def summary_lines(summary: dict[str, Any]) -> list[str]:
+    """The human-readable report of an import."""
+    lines = []
+    if summary.get("already_imported"):
+        lines.append(f"already imported into {summary['out']} (same input and options): nothing to do")
+    elif summary.get("resumed_at_row"):
+        lines.append(f"resumed at row {summary['resumed_at_row']}")
+    lines.append(f"wrote {summary['written']} samples into {len(summary['shards'])} shard(s) from {summary['rows']} "
+                 f"rows ({summary['format']}, {summary.get('rows_per_s', 0):.0f} rows/s)")
+    if summary["skipped"]:
+        lines.append(f"skipped {summary['rows'] - summary['written']} ({100 * summary['skip_share']:.1f} %): "
+                     f"{_counts(summary['skipped'])}; first: {_examples_line(summary['examples'])}")
+    if summary.get("columns"):
+        lines.append("columns: " + ", ".join(f"{k}={v}" for k, v in summary["columns"].items() if v))
+    if summary["status"] == "too_many_skipped":
+        lines.append(f"warning: {100 * summary['skip_share']:.1f} % of the rows were skipped, more than the "
+                     f"allowed {100 * summary['max_skip_share']:.1f} % (--max-skip-share)")
+    return lines
