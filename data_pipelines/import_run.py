@@ -23,6 +23,7 @@ import sys
 import time
 from collections import Counter, deque
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from itertools import islice
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -53,6 +54,13 @@ class ImportInterrupted(ImportFailed):
 
 def default_workers() -> int:
     return max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+
+
+def _mp_context():
+    """fork where the platform has it (as torch's DataLoader): a spawned worker would re-import the program's
+    main module (the `vlm` CLI and everything it loads) before converting a row."""
+    methods = multiprocessing.get_all_start_methods()
+    return multiprocessing.get_context("fork" if "fork" in methods else "spawn")
 
 
 def state_path(out: Path, prefix: str) -> Path:
@@ -118,6 +126,13 @@ class _Shards:
         self.save(next_row)
 
     def discard(self) -> None:
+        """Drop the shard being written (after an interruption): the same command rewrites it."""
+        if self.writer is not None:
+            try:
+                self.writer.close()
+            except OSError:
+                pass
+            self.writer = None
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
@@ -193,8 +208,11 @@ def run_import(items: Iterable[Any], convert: Callable, settings: Any, *, out: s
 
     shards = _Shards(out, prefix, max_count, max_bytes, start_shard, save)
     source_error = None
-    interrupted = False
+    interrupted = broken = False
     pool = None
+    if workers > 0:   # before any thread (the progress bar's) starts: workers are forked where that exists
+        pool = ProcessPoolExecutor(workers, mp_context=_mp_context(), initializer=init_worker,
+                                   initargs=(convert, settings))
     bar = Progress(total, desc, progress, unit=unit)
     if start_row:
         bar.update(start_row)
@@ -202,9 +220,6 @@ def run_import(items: Iterable[Any], convert: Callable, settings: Any, *, out: s
         it = enumerate(items)
         for _ in islice(it, start_row):      # resume: rows before the last full shard were imported
             pass
-        if workers > 0:
-            pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                                       initializer=init_worker, initargs=(convert, settings))
         in_flight: deque = deque()
         exhausted = False
         while True:
@@ -216,11 +231,11 @@ def run_import(items: Iterable[Any], convert: Callable, settings: Any, *, out: s
                 if not chunk:
                     exhausted = True
                     break
-                in_flight.append(pool.submit(convert_chunk, chunk) if pool else convert_chunk(chunk, convert, settings))
+                in_flight.append(pool.submit(convert_chunk, chunk) if pool else chunk)
             if not in_flight:
                 break
-            results = in_flight.popleft()
-            for i, res in (results.result() if pool else results):
+            head = in_flight.popleft()
+            for i, res in (head.result() if pool else convert_chunk(head, convert, settings)):
                 rows = i + 1
                 bar.update()
                 if isinstance(res, Sample):
@@ -234,22 +249,25 @@ def run_import(items: Iterable[Any], convert: Callable, settings: Any, *, out: s
         shards.finish(next_row=rows)
     except KeyboardInterrupt:
         interrupted = True
+    except BrokenProcessPool:
+        broken = True
     finally:
         bar.close()
         if pool is not None:
-            pool.shutdown(wait=not interrupted, cancel_futures=True)
+            pool.shutdown(wait=not (interrupted or broken), cancel_futures=True)
     shards.discard()
     summary.update({"rows": rows, "written": written, "skipped": dict(sorted(skipped.items())),
                     "examples": examples, "shards": [str(out / n) for n in names + shards.names],
                     "resumed_at_row": start_row or None, "workers": workers,
                     "seconds": round(time.time() - t0, 3),
                     "rows_per_s": round((rows - start_row) / max(time.time() - t0, 1e-9), 1)})
-    if interrupted:
+    if interrupted or broken:
         state_now = json.loads(sp.read_text()) if sp.is_file() else {"next_row": 0, "written": 0}
         summary["status"] = "interrupted"
-        raise ImportInterrupted(f"import of {source} interrupted after {rows} rows; {state_now['written']} samples in "
-                                f"complete shards are kept; run the same command again to resume at row "
-                                f"{state_now['next_row']}", summary)
+        what = "interrupted" if interrupted else "stopped: a worker process died (out of memory?)"
+        raise (ImportInterrupted if interrupted else ImportFailed)(
+            f"import of {source} {what} after {rows} rows; {state_now['written']} samples in complete shards are "
+            f"kept; run the same command again to resume at row {state_now['next_row']}", summary)
     if source_error is None:
         tmp = sp.with_suffix(".json.tmp")
         done = snapshot(rows, complete=True)
