@@ -1,0 +1,97 @@
+"""img2dataset output (LAION, CC3M, CC12M, DataComp) reads as it is (issue 26): `KEY.jpg` + `KEY.txt` +
+`KEY.json` (metadata, not the sample schema), with `NNNNN.parquet` and `NNNNN_stats.json` beside each tar."""
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import tarfile
+from collections import Counter
+
+import pytest
+
+from data_pipelines.cli import add_data_commands
+from data_pipelines.config import DataConfig, SourceConfig
+from data_pipelines.loader import build_loader
+from data_pipelines.samples import iter_samples
+from data_pipelines.schema import BadSample, decode_sample
+from data_pipelines.tokenizer import ByteTokenizer
+from vision.image_processor import ImageProcessorConfig
+
+
+def _img2dataset(d, png, shards=2, per_shard=6):
+    """Shards as img2dataset's webdataset writer lays them out; returns the captions in order."""
+    d.mkdir(parents=True)
+    captions = []
+    for s in range(shards):
+        rows = []
+        with tarfile.open(d / f"{s:05d}.tar", "w") as tf:
+            for j in range(per_shard):
+                key = f"{s:05d}{j:04d}"
+                caption = f"a photo number {s * per_shard + j} of a red square"
+                w, h = 20 + j, 16
+                meta = {"url": f"http://example.com/{key}.jpg", "caption": caption, "key": key, "status": "success",
+                        "error_message": None, "width": w, "height": h, "original_width": 4 * w,
+                        "original_height": 4 * h, "exif": "{}", "sha256": "0" * 64}
+                members = [("jpg", png(w, h, fmt="JPEG")), ("json", json.dumps(meta).encode())]
+                if j != per_shard - 1:          # the last sample carries its caption in the metadata only
+                    members.insert(1, ("txt", caption.encode()))
+                for ext, data in members:
+                    ti = tarfile.TarInfo(f"{key}.{ext}")
+                    ti.size = len(data)
+                    tf.addfile(ti, io.BytesIO(data))
+                rows.append(meta)
+                captions.append(caption)
+        pa = pytest.importorskip("pyarrow")
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist(rows), d / f"{s:05d}.parquet")
+        (d / f"{s:05d}_stats.json").write_text(json.dumps({"count": per_shard, "successes": per_shard,
+                                                          "failed_to_download": 0, "status_dict": {"success": 6}}))
+    return captions
+
+
+def _cli(argv, capsys):
+    p = argparse.ArgumentParser(prog="vlm")
+    add_data_commands(p.add_subparsers(dest="command", required=True))
+    args = p.parse_args(argv)
+    rc = args.func(args)
+    return rc, capsys.readouterr()
+
+
+def test_img2dataset_shards_read_as_they_are(tmp_path, png, capsys, decode_docs):
+    d = tmp_path / "cc3m"
+    captions = _img2dataset(d, png)
+    samples = list(iter_samples(d))
+    assert [s.text for s in samples] == ["<image>" + c for c in captions]
+    assert all(s.kind == "pair" and len(s.images) == 1 for s in samples)
+    assert samples[1].meta == {"key": "000000001", "url": "http://example.com/000000001.jpg", "status": "success",
+                               "width": 21, "height": 16, "original_width": 84, "original_height": 64}
+    for args in ([str(d)], [str(d), "--scan"], [str(d / "*")]):   # a glob also matches the .parquet/.json beside
+        rc, out = _cli(["data", "stats", *args, "--json"], capsys)
+        res = json.loads(out.out)
+        assert rc == 0 and res["totals"]["count"] == 12 and res["bad"] == {} and res["totals"]["shards"] == 2, args
+    tok = ByteTokenizer()
+    cfg = DataConfig(sources=[SourceConfig(path=str(d))], row_tokens=256, rows_per_batch=2, epochs=1,
+                     processor=ImageProcessorConfig(patch_size=4, max_patches=16, min_patches=4, merge=2))
+    loader = build_loader(cfg, tok)
+    docs = Counter()
+    for batch in loader:
+        docs.update(decode_docs(batch, tok))
+    assert loader.counters == {} and docs == Counter(captions)
+
+
+def test_metadata_json_is_told_apart_from_the_sample_schema():
+    img = {"__key__": "k", "__url__": "u", "jpg": b"x"}
+    ours = decode_sample({**img, "json": json.dumps({"kind": "pair", "text": "<image>ours"}).encode()})
+    assert ours.text == "<image>ours"
+    theirs = decode_sample({**img, "txt": b"from txt", "json": json.dumps({"caption": "c", "status": "success",
+                                                                          "width": 3, "exif": "{}"}).encode()})
+    assert theirs.text == "<image>from txt" and theirs.meta == {"status": "success", "width": 3}
+    # a .txt beside a JSON that looks like the schema: the JSON is metadata (our writer never writes .txt)
+    assert decode_sample({**img, "txt": b"t", "json": b'{"text": "other"}'}).text == "<image>t"
+    assert decode_sample({**img, "json": b'{"text_en": "x", "caption_en": "y"}'}, caption_field="caption_en").text \
+        == "<image>y"
+    with pytest.raises(BadSample, match="metadata .* without a string 'caption'") as e:
+        decode_sample({**img, "json": b'{"url": "http://x", "status": "success"}'})
+    assert e.value.reason == "missing_field"
