@@ -14,6 +14,8 @@ import torch
 TEXT, IMAGE = 0, 1
 MODALITIES = {"text": TEXT, "image": IMAGE}
 IGNORE_INDEX = -100
+# The kind of sample a document is, for per-kind statistics (compression is judged per kind: see DESIGN.md).
+KINDS = ("chat", "caption", "interleaved", "text")
 
 
 @dataclass
@@ -26,6 +28,10 @@ class PackedBatch:
     pixel_patches: torch.Tensor | None = None   # [P, 3*p*p] float, all images' patches concatenated
     patch_coords: torch.Tensor | None = None    # [P, 2] long, (row, col) of each patch in its image's grid
     image_grids: torch.Tensor | None = None     # [I, 2] long, (rows, cols) patch grid of each image, in order
+    # Statistics only (the model never reads them): per position, its document's kind (index into KINDS) and
+    # data source (index into the run's sources); -1 at padding or where unknown.
+    kind: torch.Tensor | None = None            # [B, T] long
+    source: torch.Tensor | None = None          # [B, T] long
 
     @property
     def shape(self) -> torch.Size:

@@ -31,7 +31,7 @@ from data_pipelines.tokenizer import train_bpe
 from data_pipelines.writer import ShardWriter
 from configs.config import check, to_dict
 
-GENERATOR_VERSION = 4
+GENERATOR_VERSION = 5
 INFO_FILE = "default.json"
 # default mixture for training (weights are normalised by the loader)
 DEFAULT_WEIGHTS = {"vqa": 0.5, "caption": 0.25, "interleaved": 0.1, "text": 0.15}
@@ -46,7 +46,7 @@ class DefaultDatasetConfig:
     train_scenes: int = 10000
     val_scenes: int = 300
     test_scenes: int = 200
-    interleaved_docs: int = 300       # train only
+    interleaved_docs: int = 300       # train; val gets a tenth more (held out, for per-kind compression)
     text_docs: int = 2000             # train; val gets a tenth
     min_size: int = 64
     max_size: int = 112
@@ -130,7 +130,7 @@ def build_default(out: str | os.PathLike, cfg: DefaultDatasetConfig | None = Non
     try:
         counts: dict[str, dict[str, int]] = {}
         plan = [("train", cfg.train_scenes), ("val", cfg.val_scenes), ("test", cfg.test_scenes)]
-        total = sum(n for _, n in plan) + cfg.interleaved_docs + cfg.text_docs + cfg.text_docs // 10
+        total = sum(n for _, n in plan) + cfg.interleaved_docs * 11 // 10 + cfg.text_docs + cfg.text_docs // 10
         bar = Progress(total, "default dataset", progress, unit="sample")   # plain lines in redirected logs
         train_texts: list[str] = []
         for split, n in plan:
@@ -145,13 +145,17 @@ def build_default(out: str | os.PathLike, cfg: DefaultDatasetConfig | None = Non
                 bar.update()
             w_vqa.close(), w_cap.close()
             counts[split] = {"vqa": n, "caption": n}
-        with ShardWriter(tmp / "train", "interleaved", max_count=cfg.shard_max_count) as w:
-            for i in range(cfg.interleaved_docs):
-                doc = _interleaved(cfg, i)
-                train_texts.append(doc.all_text())
-                w.write(doc)
-                bar.update()
-        counts["train"]["interleaved"] = cfg.interleaved_docs
+        # val's documents continue the train documents' index: the train split is what it was before
+        n_val = cfg.interleaved_docs // 10
+        for split, first, n in (("train", 0, cfg.interleaved_docs), ("val", cfg.interleaved_docs, n_val)):
+            with ShardWriter(tmp / split, "interleaved", max_count=cfg.shard_max_count) as w:
+                for i in range(first, first + n):
+                    doc = _interleaved(cfg, i)
+                    if split == "train":
+                        train_texts.append(doc.all_text())
+                    w.write(doc)
+                    bar.update()
+            counts[split]["interleaved"] = n
         for split, n in (("train", cfg.text_docs), ("val", cfg.text_docs // 10)):
             with ShardWriter(tmp / split, "text", max_count=cfg.shard_max_count) as w:
                 for i in range(n):

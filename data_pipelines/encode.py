@@ -27,6 +27,8 @@ class EncodedSample:
     images: list[ProcessedImage] = field(default_factory=list)
     key: str = ""
     truncated: bool = False
+    kind: str = "text"               # one of configs.batch.KINDS (statistics only)
+    source: int = -1                 # index of the data source it came from (statistics only)
 
     def __len__(self) -> int:
         return int(self.ids.shape[0])
@@ -83,6 +85,14 @@ def expand_images(ids: np.ndarray, target: np.ndarray, num_tokens: list[int], to
     return out_ids, out_target
 
 
+def stats_kind(sample: Sample) -> str:
+    """The kind a sample counts as in per-kind statistics: chat (it has turns), caption (an image-text pair),
+    interleaved or text."""
+    if sample.turns is not None:
+        return "chat"
+    return {"pair": "caption", "interleaved": "interleaved"}.get(sample.kind, "text")
+
+
 def encode_sample(sample: Sample, tok: Tokenizer, processor: ImageProcessor, row_tokens: int,
                   loss_on: str = "all", long_text: str = "truncate", allow_empty_text: bool = False
                   ) -> list[EncodedSample]:
@@ -115,15 +125,16 @@ def encode_sample(sample: Sample, tok: Tokenizer, processor: ImageProcessor, row
         ids, target = expand_images(ids, target, [im.num_tokens for im in images], tok)
     except BadSample as e:
         raise BadSample(e.reason, f"sample {sample.key} in {sample.source}: {e}") from None
+    kind = stats_kind(sample)
     if len(ids) <= row_tokens:
-        return [EncodedSample(ids, target, images, sample.key)]
+        return [EncodedSample(ids, target, images, sample.key, kind=kind)]
     if images:
         last_end = int(np.flatnonzero(ids == tok.image_end_id)[-1])
         if last_end + 1 >= row_tokens:  # keep at least one text token after the last image
             raise BadSample(TOO_LONG, f"sample {sample.key} in {sample.source}: {len(ids)} tokens with images "
                                       f"ending at {last_end + 1} do not fit a row of {row_tokens}")
-        return [EncodedSample(ids[:row_tokens], target[:row_tokens], images, sample.key, truncated=True)]
+        return [EncodedSample(ids[:row_tokens], target[:row_tokens], images, sample.key, truncated=True, kind=kind)]
     if long_text == "split":
-        return [EncodedSample(ids[s:s + row_tokens], target[s:s + row_tokens], [], sample.key, truncated=True)
-                for s in range(0, len(ids), row_tokens)]
-    return [EncodedSample(ids[:row_tokens], target[:row_tokens], [], sample.key, truncated=True)]
+        return [EncodedSample(ids[s:s + row_tokens], target[s:s + row_tokens], [], sample.key, truncated=True,
+                              kind=kind) for s in range(0, len(ids), row_tokens)]
+    return [EncodedSample(ids[:row_tokens], target[:row_tokens], [], sample.key, truncated=True, kind=kind)]

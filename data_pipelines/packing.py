@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from configs.batch import IGNORE_INDEX, IMAGE, TEXT, PackedBatch
+from configs.batch import IGNORE_INDEX, IMAGE, KINDS, TEXT, PackedBatch
 from data_pipelines.encode import EncodedSample, encode_sample
 from data_pipelines.schema import Sample
 from data_pipelines.tokenizer import Tokenizer
@@ -74,6 +74,8 @@ def assemble_batch(rows: list[list[EncodedSample]], row_tokens: int, tok: Tokeni
     doc = np.full((B, T), -1, dtype=np.int64)
     pos = np.zeros((B, T), dtype=np.int64)
     target = np.zeros((B, T), dtype=bool)
+    kind = np.full((B, T), -1, dtype=np.int64)
+    source = np.full((B, T), -1, dtype=np.int64)
     images = []
     for r, row in enumerate(rows):
         o = 0
@@ -85,6 +87,8 @@ def assemble_batch(rows: list[list[EncodedSample]], row_tokens: int, tok: Tokeni
             doc[r, o:o + n] = d
             pos[r, o:o + n] = np.arange(n)
             target[r, o:o + n] = s.target
+            kind[r, o:o + n] = KINDS.index(s.kind)
+            source[r, o:o + n] = s.source
             images += s.images
             o += n
     is_image = (ids == tok.image_pad_id) & (doc >= 0)
@@ -95,7 +99,8 @@ def assemble_batch(rows: list[list[EncodedSample]], row_tokens: int, tok: Tokeni
     modality = np.where(is_image, IMAGE, TEXT)
     batch = PackedBatch(input_ids=torch.from_numpy(ids), labels=torch.from_numpy(labels),
                         doc_ids=torch.from_numpy(doc), position_ids=torch.from_numpy(pos),
-                        modality=torch.from_numpy(modality))
+                        modality=torch.from_numpy(modality), kind=torch.from_numpy(kind),
+                        source=torch.from_numpy(source))
     if images:
         batch.pixel_patches = torch.cat([im.patches_PD for im in images], 0)
         batch.patch_coords = torch.cat([im.coords_P2 for im in images], 0)
@@ -110,7 +115,9 @@ def select_rows(batch: PackedBatch, start: int, stop: int) -> PackedBatch:
     starts[:, 1:] &= ~is_img[:, :-1]           # an image is one run of IMAGE positions
     per_row = starts.sum(1).tolist()
     out = PackedBatch(batch.input_ids[start:stop], batch.labels[start:stop], batch.doc_ids[start:stop],
-                      batch.position_ids[start:stop], batch.modality[start:stop])
+                      batch.position_ids[start:stop], batch.modality[start:stop],
+                      kind=None if batch.kind is None else batch.kind[start:stop],
+                      source=None if batch.source is None else batch.source[start:stop])
     i0, i1 = sum(per_row[:start]), sum(per_row[:stop])
     if batch.image_grids is not None and i1 > i0:
         sizes = batch.image_grids.prod(1).tolist()
@@ -132,6 +139,7 @@ def make_prompt_batch(prompts: list[tuple[str, list[bytes]]], tok: Tokenizer, pr
         e = encode_sample(s, tok, processor, row_tokens=1 << 30, allow_empty_text=True)[0]
         if not add_eos:
             e = EncodedSample(e.ids[:-1], e.target[:-1], e.images, e.key)
+        e.kind = "chat"   # a prompt to the model is a chat turn, whatever its text is
         encoded.append(e)
     T = max(len(e) for e in encoded)
     return assemble_batch([[e] for e in encoded], T, tok)

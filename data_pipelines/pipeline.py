@@ -47,8 +47,11 @@ class WorkerPipeline:
 
     def _encode(self, src: int, raw):
         sample = decode_sample(raw, self.sources[src].kind)
-        return encode_sample(sample, self.tok, self.processor, self.cfg.row_tokens, self.cfg.loss_on,
-                             self.cfg.long_text)
+        pieces = encode_sample(sample, self.tok, self.processor, self.cfg.row_tokens, self.cfg.loss_on,
+                               self.cfg.long_text)
+        for piece in pieces:
+            piece.source = src
+        return pieces
 
     def _skip(self, err: BadSample) -> None:
         first = err.reason not in self.counters

@@ -16,6 +16,7 @@ from tqdm import tqdm
 from data_pipelines.chat import iter_vqa_samples, normalize_answer, strip_answer, vqa_prompt
 from data_pipelines.default_dataset import default_info, ensure_default_dataset
 from vlm.generate import load_eval_model
+from vlm.model.doc_stats import format_distribution, summarize_documents
 
 
 def majority_answers(samples) -> dict[str, str]:
@@ -38,7 +39,8 @@ def run_vqa_eval(model, shards, train_shards=None, limit: int | None = None, bat
     """`model` is an eval.protocol.EvalModel; `shards` the split to score (paths or globs).
 
     `compression_shards`: whole samples of the held-out split on which to measure the realized compression
-    per modality in eval mode (a ConceptMoEChat's `held_out_compression`)."""
+    per document, kind and modality in eval mode (a ConceptMoEChat's `held_out_compression`). The prompts' own
+    prefill compression (one document per prompt) is `prompt_compression`: what decides a user's speed."""
     import io
 
     from PIL import Image
@@ -62,6 +64,7 @@ def run_vqa_eval(model, shards, train_shards=None, limit: int | None = None, bat
             if len(examples) < 8:
                 examples.append({"question": s.question, "answer": s.answer, "predicted": strip_answer(a)})
     compression = model.compression_stats()
+    prompt_docs = model.prompt_documents() if hasattr(model, "prompt_documents") else []
     if blind:
         for i in tqdm(range(0, len(samples), batch_size), desc="vqa (blind)", disable=None if progress else True):
             chunk = samples[i: i + batch_size]
@@ -74,6 +77,7 @@ def run_vqa_eval(model, shards, train_shards=None, limit: int | None = None, bat
         held_out = model.held_out_compression(compression_shards)
     return {"n": len(samples), "accuracy": _accuracy(hits), "majority_baseline": _accuracy(major_hits),
             "blind_baseline": _accuracy(blind_hits) if blind else None, "compression": compression,
+            "prompt_compression": summarize_documents(prompt_docs).get("chat") if prompt_docs else None,
             "held_out_compression": held_out, "majority_answers": majority, "examples": examples}
 
 
@@ -83,13 +87,25 @@ def format_report(res: dict) -> str:
     for t in types:
         blind = res["blind_baseline"][t] if res.get("blind_baseline") else float("nan")
         lines.append(f"{t:<12}{res['accuracy'][t]:>8.1f}{res['majority_baseline'][t]:>10.1f}{blind:>8.1f}")
-    comp = res["compression"]
-    lines.append("compression of the VQA prompts (tokens/concept): " + ", ".join(
-        f"{k.split('/')[1]} {v:.2f}" for k, v in comp.items() if k.startswith("compression/")))
+    if res.get("prompt_compression"):
+        lines.append("prefill compression of the VQA prompts, per prompt (tokens per concept):")
+        lines += format_distribution({"vqa prompt": res["prompt_compression"]})
     if res.get("held_out_compression"):
-        lines.append("compression of whole held-out samples (eval mode): " + ", ".join(
-            f"{m} {v:.2f}" for m, v in res["held_out_compression"].items()))
+        lines.append("compression of whole held-out samples, per document (eval mode):")
+        lines += format_distribution(res["held_out_compression"])
     return "\n".join(lines)
+
+
+def held_out_shards(data: Path, split: str = "test") -> list[str]:
+    """Every kind of the default dataset, held out: the split's VQA and captions, and the val split's text and
+    interleaved documents (the test split has none)."""
+    data = Path(data)
+    out = [str(data / split / "vqa-*.tar"), str(data / split / "caption-*.tar")]
+    info = default_info(data) or {}
+    for part in ("text", "interleaved"):
+        if part in info.get("counts", {}).get("val", {}):
+            out.append(str(data / "val" / f"{part}-*.tar"))
+    return out
 
 
 def end_of_run_vqa(final: Path, cfg, run_dir: Path, log) -> dict:
@@ -107,8 +123,7 @@ def end_of_run_vqa(final: Path, cfg, run_dir: Path, log) -> dict:
     data = Path(cfg.data.default_dir)
     res = run_vqa_eval(load_eval_model(final), str(data / "test" / "vqa-*.tar"),
                        train_shards=str(data / "train" / "vqa-*.tar"), limit=cfg.train.vqa_max_samples,
-                       progress=cfg.logging.progress,
-                       compression_shards=[str(data / "test" / "vqa-*.tar"), str(data / "test" / "caption-*.tar")])
+                       progress=cfg.logging.progress, compression_shards=held_out_shards(data))
     res["split"] = "test"
     (Path(run_dir) / "vqa.json").write_text(json.dumps(res, indent=2))
     log(format_report(res))
@@ -135,7 +150,7 @@ def _run(args: argparse.Namespace) -> int:
     res = run_vqa_eval(load_eval_model(args.ckpt), str(split / "vqa-*.tar"),
                        train_shards=str(Path(data) / "train" / "vqa-*.tar"), limit=args.limit,
                        batch_size=args.batch_size, blind=not args.no_blind,
-                       compression_shards=[str(split / "vqa-*.tar"), str(split / "caption-*.tar")])
+                       compression_shards=held_out_shards(data, args.split))
     print(format_report(res))
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=2))

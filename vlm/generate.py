@@ -21,6 +21,7 @@ from data_pipelines.packing import make_prompt_batch
 from data_pipelines.tokenizer import load_tokenizer
 from vlm.model.hf import ConceptMoEForCausalLM, hf_config_for, load_vlm
 from vlm.model.multimodal import ConceptMoEVLM
+from vlm.model.doc_stats import document_ratios, summarize_documents
 from vlm.model.stats import summarize
 
 
@@ -114,6 +115,12 @@ class ConceptMoEChat:
     # ------------------------------------------------------------ statistics
     def reset_stats(self) -> None:
         self._counts = {"tokens/text": 0.0, "boundaries/text": 0.0, "tokens/image": 0.0, "boundaries/image": 0.0}
+        self._prompt_docs: list[dict] = []
+
+    def prompt_documents(self) -> list[dict]:
+        """Each prompt's realized compression at prefill since `reset_stats` (`doc_stats.document_ratios`; one
+        document per prompt, kind "chat"): what decides the speed a user gets."""
+        return list(self._prompt_docs)
 
     def _record(self, stats: dict) -> None:
         for k in self._counts:
@@ -133,24 +140,24 @@ class ConceptMoEChat:
 
     @torch.no_grad()
     def held_out_compression(self, shards: list[str], row_tokens: int = 1024, max_batches: int | None = None) -> dict:
-        """Realized compression (eval mode: p >= 0.5) per modality over whole samples of `shards` (teacher
-        forced, packed as in training): the like-for-like counterpart of the training ratio."""
+        """Realized compression (eval mode: p >= 0.5) of whole samples of `shards` (teacher forced, packed as in
+        training), per document: `doc_stats.summarize_documents` ({"all" | kind: {modality: {p10, p50, p90,
+        aggregate, docs, no_concept}}}), the like-for-like counterpart of the training ratios."""
 
         if self.processor is None:
             raise ValueError("held-out compression needs a model with a vision tower")
         cfg = DataConfig(sources=[SourceConfig(path=str(p), name=f"s{i}") for i, p in enumerate(shards)],
                          row_tokens=row_tokens, rows_per_batch=4, epochs=1, shuffle_buffer=0,
                          processor=self.processor.cfg)
-        counts = dict.fromkeys(("tokens/text", "boundaries/text", "tokens/image", "boundaries/image"), 0.0)
+        docs: list[dict] = []
         for i, batch in enumerate(build_loader(cfg, self.tokenizer)):
             if max_batches is not None and i >= max_batches:
                 break
             batch = batch.to(self.device)
-            stats = summarize(self.model(batch), batch)
-            for k in counts:
-                counts[k] += stats.get(k, 0.0)
-        return {m: counts[f"tokens/{m}"] / counts[f"boundaries/{m}"] for m in ("text", "image")
-                if counts[f"boundaries/{m}"]}
+            out = self.model(batch)
+            b_BT = out.chunks.b_BT if out.chunks is not None else batch.doc_ids >= 0
+            docs += document_ratios(b_BT, batch.doc_ids, batch.modality, batch.kind)
+        return summarize_documents(docs)
 
     # ------------------------------------------------------------ batching
     def prompt_batch(self, prompts: list[str], images=None) -> PackedBatch:
@@ -214,6 +221,9 @@ class ConceptMoEChat:
             if not seen:
                 seen.append(True)
                 self._record(summarize(out, batch))
+                if out.chunks is not None:
+                    docs = document_ratios(out.chunks.b_BT, batch.doc_ids, batch.modality)
+                    self._prompt_docs += [{**d, "kind": "chat"} for d in docs]
         return record
 
     @torch.no_grad()

@@ -1,6 +1,7 @@
 """The recipes `vlm experiment` knows, by name (each module has one `recipe()`)."""
 from __future__ import annotations
 
+import eval.experiments.compression_allocation as compression_allocation
 import eval.experiments.ct_conversion as ct_conversion
 import eval.experiments.dynamic_vs_fixed as dynamic_vs_fixed
 import eval.experiments.flip_noise as flip_noise
@@ -11,6 +12,7 @@ import eval.experiments.nope_middle as nope_middle
 import eval.experiments.router as router
 
 RECIPES = {
+    "compression-allocation": compression_allocation.recipe,
     "dynamic-vs-fixed": dynamic_vs_fixed.recipe,
     "router": router.recipe,
     "flip-noise": flip_noise.recipe,

@@ -7,6 +7,7 @@ document or one built from later tokens.
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, NamedTuple
 
 import torch
@@ -16,6 +17,7 @@ from torch import nn
 from configs.batch import IMAGE, TEXT
 from vlm.model.cache import ChunkState
 from vlm.model.config import ChunkConfig
+from vlm.model.doc_stats import document_slots
 from vlm.model.layers import doc_starts, positions_in_doc
 
 
@@ -39,6 +41,27 @@ def sample_boundaries(p_sharp: torch.Tensor, generator: torch.Generator | None =
 def ratio_loss(F_: torch.Tensor, G: torch.Tensor, R: float) -> torch.Tensor:
     """Eq. 4: L_aux = R/(R-1) ((R-1) F G + (1-F)(1-G)); equals 1 at F = G = 1/R. F carries no gradient."""
     return R / (R - 1) * ((R - 1) * F_ * G + (1 - F_) * (1 - G))
+
+
+def document_ratio_target(F_: torch.Tensor, R: float, slack: float) -> torch.Tensor:
+    """A document's own target ratio (beyond the paper): its realized ratio 1/F clamped into [R/s, R*s].
+
+    Inside the band eq. 4 at R_d = 1/F is 1 with zero gradient in G, so the document is free; outside, the
+    document is pulled towards the nearest edge. F = 0 (no boundary) reads as an infinite ratio."""
+    return torch.where(F_ > 0, 1 / F_.clamp_min(1e-12), torch.full_like(F_, math.inf)).clamp(R / slack, R * slack)
+
+
+def document_ratio_loss(n_D: torch.Tensor, b_D: torch.Tensor, psum_D: torch.Tensor, N: torch.Tensor, R: float,
+                        slack: float) -> torch.Tensor:
+    """Sum over documents d of (n_d / N) * eq. 4(F_d, G_d, R_d), with F_d, G_d a document's own boundary fraction
+    and mean p and R_d its `document_ratio_target`. Weighted by tokens over the group's global count N, so the
+    gradient on one token's p has the scale of the batch loss's, and micro-batch shares sum to the whole."""
+    has = n_D > 0
+    n = n_D.clamp_min(1)
+    F_, G = b_D / n, psum_D / n
+    R_d = document_ratio_target(F_, R, slack)
+    per_doc = ratio_loss(F_, G, R_d)
+    return torch.where(has, per_doc * n_D / N.clamp_min(1), torch.zeros_like(per_doc)).sum()
 
 
 def segsum(x_L: torch.Tensor) -> torch.Tensor:
@@ -132,6 +155,9 @@ class Chunks(NamedTuple):
     cp_BM: torch.Tensor        # p at each concept's boundary
     loss: torch.Tensor         # ratio loss (eq. 4), summed over ratio groups
     local_stats: torch.Tensor  # [K, 3] (boundaries, sum p, tokens) per ratio group
+    # Synergy eq. 3's gate sigmoid(w) at each concept's boundary (topk router, topk_gate "sigmoid"); None: the
+    # concepts are not gated and eq. 10's STE(sel) multiplies them
+    cgate_BM: torch.Tensor | None = None
 
 
 class ChunkModule(nn.Module):
@@ -148,6 +174,11 @@ class ChunkModule(nn.Module):
         elif cfg.router == "topk":   # Synergy eq. 1: one score per token from its own state
             self.score = nn.Linear(dim, 1)
             self.register_buffer("threshold", torch.zeros(()))
+            # (sum of batch quantiles, batches) since the last `update_threshold`; not saved: a step's partial sums
+            self.register_buffer("quantile_accum", torch.zeros(2), persistent=False)
+        # True (set by train_step): training forwards only accumulate the threshold statistics and the trainer
+        # folds them in once per optimizer step; False (a module used alone): every training forward moves it
+        self.threshold_per_step = False
         self.every = max(2, round(cfg.target_ratio))   # the fixed router's spacing
         # Global parser (DLCM): maps local [K, 3] sums to global ones (ranks, micro-batches). Set by the trainer.
         self.stats_hook: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -178,10 +209,11 @@ class ChunkModule(nn.Module):
     def topk_boundaries(self, w_BT: torch.Tensor, doc_BT: torch.Tensor) -> torch.Tensor:
         """Synergy eq. 2 in training: the ceil(n / R) highest-scoring tokens of each n-token document.
 
-        A top-k over a document looks ahead, so inference cannot use it: there a token is a boundary when its
-        score clears `threshold`, a running estimate (updated here) of the score at the (1 - 1/R) quantile.
-        Each decision then depends on the token's own score alone, and a prefix's boundaries never change as
-        tokens arrive."""
+        A top-k over a document looks ahead, so inference cannot use it. Synergy leaves the inference rule open
+        (MoD trains a causal predictor); here a token is a boundary when its score clears `threshold`, a running
+        average of the batches' (1 - 1/R) score quantile (see `update_threshold`). Each decision then depends on
+        the token's own score alone, and a prefix's boundaries never change as tokens arrive; the rate matches
+        1/R over the batch, not per document (docs/deviations.md has the measured agreement with the top-k)."""
         B, T = w_BT.shape
         valid = doc_BT >= 0
         R = self.cfg.target_ratio
@@ -193,10 +225,36 @@ class ChunkModule(nn.Module):
         n_doc = torch.zeros(B, T + 1, device=w_BT.device).scatter_add_(1, (doc_BT + 1).clamp(0, T), valid.float())
         k_s = torch.ceil(n_doc.gather(1, (doc_s + 1).clamp(0, T)) / R)
         b = torch.zeros_like(valid).scatter(1, order, (t - first) < k_s) & valid
-        w = w_BT[valid]
-        if w.numel():   # w at the (1 - 1/R) quantile of this batch's scores, averaged over steps
-            self.threshold.mul_(0.9).add_(0.1 * torch.quantile(w, 1 - 1 / R))
+        # the batch's (1 - 1/R) score quantile, padding as NaN (no boolean indexing: no host sync)
+        has = valid.any()
+        q = torch.nanquantile(torch.where(valid, w_BT, float("nan")).flatten(), 1 - 1 / R)
+        q = torch.where(has, q, torch.zeros_like(q))
+        self.quantile_accum.add_(torch.stack([q, has.float()]))
+        if not self.threshold_per_step:
+            self.update_threshold()
         return b
+
+    @torch.no_grad()
+    def update_threshold(self, accum: torch.Tensor | None = None) -> None:
+        """threshold <- 0.9 threshold + 0.1 (mean batch quantile since the last update), then the statistics are
+        reset. The trainer calls it once per applied optimizer step with `accum` summed over ranks, so the rate
+        does not depend on gradient accumulation or on no-gradient statistics passes."""
+        s = self.quantile_accum if accum is None else accum.to(self.quantile_accum)
+        mean = s[0] / s[1].clamp_min(1)
+        self.threshold.copy_(torch.where(s[1] > 0, 0.9 * self.threshold + 0.1 * mean, self.threshold))
+        self.quantile_accum.zero_()
+
+    def topk_gate(self) -> str:
+        """"sigmoid": Synergy eq. 3 (each concept's output times sigmoid(w) of its boundary token); "ste": eq. 10's
+        straight-through factor. Read from ChunkConfig.topk_gate when the config has it."""
+        return getattr(self.cfg, "topk_gate", "sigmoid") if self.cfg.router == "topk" else "ste"
+
+    def concept_gate(self, h_RD: torch.Tensor) -> torch.Tensor | None:
+        """Synergy eq. 3: sigma_i = sigmoid(w_i), w_i (eq. 1) the score of the token that closes the concept; None
+        where the concepts are not gated."""
+        if self.topk_gate() != "sigmoid":
+            return None
+        return torch.sigmoid(self.score(h_RD).squeeze(-1).float())
 
     def ratio_groups(self, valid_BT, modality_BT):
         """Token masks and targets of the ratio losses: one joint group, or one per modality."""
@@ -205,7 +263,9 @@ class ChunkModule(nn.Module):
             return [(valid_BT & (modality_BT == names[m]), r) for m, r in sorted(self.cfg.modality_target_ratios.items())]
         return [(valid_BT, self.cfg.target_ratio)]
 
-    def compute_ratio_loss(self, p_BT, b_BT, groups):
+    def compute_ratio_loss(self, p_BT, b_BT, groups, doc_BT=None):
+        """Eq. 4 per ratio group over the global batch (the paper), plus with `document_slack` the per-document
+        term (`document_ratio_loss`) of each group. Returns (loss, local [K, 3] sums)."""
         masks = torch.stack([m for m, _ in groups])                            # [K, B, T]
         pf = p_BT.float()
         sum_p = (masks * pf).flatten(1).sum(-1)                                # [K] with grad
@@ -217,7 +277,17 @@ class ChunkModule(nn.Module):
         G = (sum_p + (glob[:, 1] - local[:, 1])) / count
         # A group with no tokens anywhere contributes nothing (masked on device: no host sync per group).
         losses = torch.stack([ratio_loss(F_[k], G[k], r) for k, (_, r) in enumerate(groups)])
-        return torch.where(glob[:, 2] > 0, losses, torch.zeros_like(losses)).sum(), local
+        loss = torch.where(glob[:, 2] > 0, losses, torch.zeros_like(losses)).sum()
+        if self.cfg.document_slack is not None and doc_BT is not None:
+            slot_BT, S = document_slots(doc_BT)
+            idx = slot_BT.flatten()
+            for k, (mask, r) in enumerate(groups):   # one or two groups: a loop over modalities, not tokens
+                m = mask.flatten().float()
+                n_S = pf.new_zeros(S).index_add(0, idx, m)
+                b_S = pf.new_zeros(S).index_add(0, idx, m * b_BT.flatten().float())
+                p_S = pf.new_zeros(S).index_add(0, idx, m * pf.flatten())
+                loss = loss + document_ratio_loss(n_S, b_S, p_S, glob[k, 2], r, self.cfg.document_slack)
+        return loss, local
 
     def forward(self, h_BTD, doc_BT, modality_BT=None, above_BT=None, force: str | torch.Tensor | None = None) -> Chunks:
         valid = doc_BT >= 0
@@ -240,7 +310,7 @@ class ChunkModule(nn.Module):
             b = (p >= 0.5) | start
         b = b & valid
         sel = torch.where(b, p, 1 - p)
-        loss, local = self.compute_ratio_loss(p, b, self.ratio_groups(valid, modality_BT))
+        loss, local = self.compute_ratio_loss(p, b, self.ratio_groups(valid, modality_BT), doc_BT)
         cidx = torch.where(valid, b.long().cumsum(1) - 1, torch.full_like(doc_BT, -1))
         # The forward's one host sync: the concept count sizes the concept stack. Everything else scatters
         # into a spill column M (non-boundary tokens) that is dropped, instead of boolean indexing.
@@ -249,7 +319,9 @@ class ChunkModule(nn.Module):
         cdoc = torch.full((doc_BT.shape[0], M + 1), -1, dtype=doc_BT.dtype, device=doc_BT.device)
         cdoc = cdoc.scatter(1, slot_BT, doc_BT)[:, :M]
         cp = p.new_zeros(doc_BT.shape[0], M + 1).scatter(1, slot_BT, p)[:, :M]
-        return Chunks(p, b, sel, cidx, cdoc, positions_in_doc(cdoc), cp, loss, local)
+        gate_BT = self.concept_gate(h_BTD)
+        cgate = None if gate_BT is None else gate_BT.new_zeros(doc_BT.shape[0], M + 1).scatter(1, slot_BT, gate_BT)[:, :M]
+        return Chunks(p, b, sel, cidx, cdoc, positions_in_doc(cdoc), cp, loss, local, cgate)
 
     def step(self, h_BD: torch.Tensor, state: ChunkState) -> tuple[torch.Tensor, torch.Tensor]:
         """One new token per row (eval mode): its boundary probability (eq. 2 against the previous token) and
@@ -342,10 +414,15 @@ class Dechunk(nn.Module):
         return p * concept_RD.float() + (1 - p) * ema_RD
 
     @staticmethod
+    def gated(concepts_BMD: torch.Tensor, ch: Chunks) -> torch.Tensor:
+        """Synergy eq. 4's m_i sigma_i Middle(x_i): each concept times its gate (eq. 3), when the chunking has one."""
+        return concepts_BMD
+
+    @staticmethod
     def smooth(concepts_BMD: torch.Tensor, ch: Chunks) -> torch.Tensor:
         """Eq. 8 at concept level, [B, M, D], restarted at each document (DLCM's concept smoothing S, eq. 11
-        there: what the cross-attention decoder attends over)."""
-        return ema_scan(concepts_BMD, ch.cp_BM, doc_starts(ch.cdoc_BM))
+        there: what the cross-attention decoder attends over), over the gated concepts."""
+        return ema_scan(Dechunk.gated(concepts_BMD, ch), ch.cp_BM, doc_starts(ch.cdoc_BM))
 
     def forward(self, h_BTD: torch.Tensor, concepts_BMD: torch.Tensor, ch: Chunks,
                 inputs_BMD: torch.Tensor | None = None, smoothed_BMD: torch.Tensor | None = None):
@@ -354,11 +431,16 @@ class Dechunk(nn.Module):
         `smoothed_BMD`: `smooth(concepts_BMD, ch)` when the caller has it already."""
         reset = doc_starts(ch.cdoc_BM)
         if smoothed_BMD is None:
-            smoothed_BMD = ema_scan(concepts_BMD, ch.cp_BM, reset)
+            smoothed_BMD = self.smooth(concepts_BMD, ch)
         c_BTD = plug_back(smoothed_BMD, ch.cidx_BT)
-        gate = ste(ch.sel_BT)[..., None].to(c_BTD.dtype)
+        if ch.cgate_BM is None:
+            gate = ste(ch.sel_BT)[..., None].to(c_BTD.dtype)
+        else:   # Synergy eq. 4: the router's gradient comes through the gate in the concepts, not an STE
+            gate = torch.ones_like(ch.sel_BT)[..., None].to(c_BTD.dtype)
         if self.cfg.residual == "delta":
-            c_in_BTD = plug_back(ema_scan(inputs_BMD, ch.cp_BM, reset), ch.cidx_BT)
+            # the STE multiplies the whole update c - c_in: on c alone the forward is the same but p's gradient
+            # would miss -c_in
+            c_in_BTD = plug_back(ema_scan(self.gated(inputs_BMD, ch), ch.cp_BM, reset), ch.cidx_BT)
             return h_BTD + (c_BTD - c_in_BTD) * gate, c_BTD, c_in_BTD
         res = self.residual(h_BTD) if self.residual is not None else h_BTD
         return res + c_BTD * gate, c_BTD, None

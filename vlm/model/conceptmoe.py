@@ -173,6 +173,9 @@ class ConceptMoELM(nn.Module):
         if self.chunker is None:
             z_B1D, cread_B1D = c_R1D, None
         else:
+            gate_R = self.chunker.concept_gate(h_B1D[rows, 0])
+            if gate_R is not None:   # Synergy eq. 3-4, as Dechunk.gated: the concept (and its input) times its gate
+                c_R1D, c_in_RD = c_R1D * gate_R[:, None, None].to(c_R1D.dtype), c_in_RD * gate_R[:, None].to(c_in_RD.dtype)
             st.ema_BD[rows] = self.dechunk.ema_step(c_R1D[:, 0], p_B[rows], st.ema_BD[rows])
             st.n_concepts_B[rows] += 1
             cread_B1D = st.ema_BD[:, None].to(h_B1D.dtype)
@@ -203,7 +206,7 @@ class ConceptMoELM(nn.Module):
 
     def assemble(self, logits_BTV, batch: PackedBatch, ch: Chunks | None, moe_stats) -> ModelOutput:
         """Losses; the chunking and the per-layer MoE outcomes travel as they are (no host transfer here)."""
-        lm, split = lm_losses(logits_BTV, batch.labels, batch.doc_ids, batch.modality)
+        lm, split, token_loss = lm_losses(logits_BTV, batch.labels, batch.doc_ids, batch.modality)
         zero = logits_BTV.new_zeros(())
         ratio = ch.loss if ch is not None else zero
         balance = torch.stack([s.aux_loss for s in moe_stats]).mean() if moe_stats else zero
@@ -213,4 +216,4 @@ class ConceptMoELM(nn.Module):
         moe = {}
         for name, s in zip(names, moe_stats):
             moe.setdefault(name, s)   # a looped concept layer reports its first pass
-        return ModelOutput(logits_BTV, loss, lm, ratio, balance, split, ch, moe)
+        return ModelOutput(logits_BTV, loss, lm, ratio, balance, split, ch, moe, token_loss_BT=token_loss)

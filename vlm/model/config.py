@@ -86,6 +86,11 @@ class ChunkConfig:
     # Beyond the paper: one ratio loss per modality (e.g. {"text": 2.0, "image": 4.0}) instead of a joint one.
     modality_target_ratios: dict[str, float] | None = None
     grid_aware_boundaries: bool = False  # image tokens also compare with the token above in the patch grid
+    # How far one document's ratio may move from its target R (per ratio group). null: the paper's batch statistics
+    # alone, which let the router meet R with all-or-nothing documents; s >= 1: each document's ratio may lie
+    # anywhere in [R/s, R*s] (content-adaptive allocation within that band) and a per-document ratio loss pulls
+    # it back from outside (s = 1: every document at R). See `document_ratio_loss`.
+    document_slack: float | None = None
 
     def validate(self) -> None:
         check(self.target_ratio > 1.0, f"target_ratio must be > 1 (R = N/M), got {self.target_ratio}")
@@ -102,6 +107,16 @@ class ChunkConfig:
             check(not self.modality_target_ratios, "router 'topk' keeps n / target_ratio tokens per document; "
                                                    "modality_target_ratios needs the cosine or linear router")
             check(not self.grid_aware_boundaries, "grid_aware_boundaries needs the cosine router")
+        if self.document_slack is not None:
+            check(self.router in ("cosine", "linear"),
+                  f"document_slack bounds a learned router's per-document ratio; router {self.router!r} sets its "
+                  f"boundaries itself (use null)")
+            check(self.document_slack >= 1.0, f"document_slack must be >= 1 (a document's ratio lies in [R/s, R*s]), "
+                                              f"got {self.document_slack}")
+            low = min((self.modality_target_ratios or {}).values(), default=self.target_ratio)
+            check(low / self.document_slack > 1.0,
+                  f"document_slack={self.document_slack} lets a document's ratio fall to R/s = "
+                  f"{low / self.document_slack:.3g} <= 1 for target {low}; use document_slack < {low}")
         if self.modality_target_ratios:
             for k, v in self.modality_target_ratios.items():
                 check(k in ("text", "image"), f"modality_target_ratios: unknown modality {k!r}; allowed: 'text', 'image'")

@@ -27,3 +27,4 @@ class ModelOutput:
     # Token-level hidden states when asked: embeddings, each encoder layer, the decoder input (after the
     # dechunk), each decoder layer (the last one normed). The concept layers run on concepts, not tokens.
     hidden_states: tuple[torch.Tensor, ...] | None = None
+    token_loss_BT: torch.Tensor | None = None   # detached next-token loss per position (0 where unlabelled)

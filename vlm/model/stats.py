@@ -17,7 +17,8 @@ def sample_has_image(doc_BT: torch.Tensor, modality_BT: torch.Tensor) -> torch.T
 
 
 def lm_losses(logits_BTV: torch.Tensor, labels_BT: torch.Tensor, doc_BT, modality_BT):
-    """Mean next-token loss, plus the same split into image-text and text-only samples (the paper's mmloss/textloss)."""
+    """Mean next-token loss, the same split into image-text and text-only samples (the paper's mmloss/textloss),
+    and the detached per-position loss [B, T] (0 where unlabelled) for statistics by kind and source."""
     labelled = labels_BT != IGNORE_INDEX
     tok_loss = F.cross_entropy(logits_BTV.float().flatten(0, 1), labels_BT.flatten().clamp_min(0),
                                reduction="none").view_as(labels_BT) * labelled
@@ -27,7 +28,7 @@ def lm_losses(logits_BTV: torch.Tensor, labels_BT: torch.Tensor, doc_BT, modalit
     split = {}
     for name, sel in (("loss/image_text", labelled & mm), ("loss/text_only", labelled & ~mm)):
         split[name] = (tok_loss.detach() * sel).sum() / sel.sum().clamp_min(1), sel.sum()
-    return lm, split
+    return lm, split, tok_loss.detach()
 
 
 def chunk_stats(p_BT, b_BT, doc_BT, modality_BT) -> dict[str, torch.Tensor]:

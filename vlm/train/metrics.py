@@ -13,7 +13,9 @@ from pathlib import Path
 
 import torch
 
-from configs.batch import IGNORE_INDEX, IMAGE, PackedBatch
+from configs.batch import IGNORE_INDEX, IMAGE, KINDS, PackedBatch
+from vlm.model.doc_stats import MODS as DOC_MODS
+from vlm.model.doc_stats import NBINS, document_counts, document_labels, group_histogram, histogram_quantiles
 from vlm.model.output import ModelOutput
 from vlm.model.stats import chunk_stats, sample_has_image
 from vlm.train.config import LoggingConfig
@@ -39,10 +41,15 @@ class StepAccumulator:
     """Sums of one optimizer step on this rank, kept on the device; `reduce()` all-reduces them in one call
     and brings them to the host in one transfer."""
 
-    def __init__(self, device: torch.device, bytes_per_id: torch.Tensor | None = None):
-        """bytes_per_id: UTF-8 bytes per token id (the tokenizer's), for bits per byte of the text."""
+    def __init__(self, device: torch.device, bytes_per_id: torch.Tensor | None = None, n_sources: int = 0):
+        """bytes_per_id: UTF-8 bytes per token id (the tokenizer's), for bits per byte of the text.
+        n_sources: the run's data sources, for per-source statistics next to the per-kind ones."""
         self.device = device
         self.bytes_per_id = bytes_per_id
+        self.n_groups = len(KINDS) + n_sources
+        # per group (kinds, then sources): document-ratio histograms per modality, and (LM loss sum, labelled)
+        self.doc_hist = torch.zeros(self.n_groups, 2, NBINS, dtype=torch.float64, device=device)
+        self.group_loss = torch.zeros(self.n_groups, 2, dtype=torch.float64, device=device)
         self.parts: list[torch.Tensor] = []
         self.loads: dict[str, torch.Tensor] = {}
         self.ratio_loss = torch.zeros((), device=device)
@@ -71,20 +78,43 @@ class StepAccumulator:
             values[f"boundaries/{m}"] = cs[f"boundaries/{m}"]
             values[f"psum/{m}"] = cs[f"boundary_p/{m}"] * cs[f"tokens/{m}"]
         self.parts.append(torch.stack([values[k].to(self.device, torch.float64) for k in FIELDS]))
+        self.add_groups(out, batch, valid)
         # The last micro-batch's ratio loss is computed on the step's global F and G (global parser).
         self.ratio_loss = out.ratio_loss.detach()
         for k, st in out.moe.items():
             load = st.load_E.detach().double()
             self.loads[k] = self.loads[k] + load if k in self.loads else load
 
+    def add_groups(self, out: ModelOutput, batch: PackedBatch, valid: torch.Tensor) -> None:
+        """Per kind of sample and per source: each document's realized ratio per modality into the histograms, and
+        the LM loss sums."""
+        b_BT = out.chunks.b_BT if out.chunks is not None else valid
+        counts = document_counts(b_BT, batch.doc_ids, batch.modality)
+        nk = len(KINDS)
+        labels = [(batch.kind, 0, nk), (batch.source, nk, self.n_groups - nk)]
+        lab_BT = (batch.labels != IGNORE_INDEX) & (batch.modality != IMAGE)
+        for label_BT, offset, n in labels:
+            if label_BT is None or n == 0:
+                continue
+            group_S = document_labels(label_BT, batch.doc_ids)
+            self.doc_hist[offset:offset + n] += group_histogram(counts, group_S, n).to(self.device)
+            if out.token_loss_BT is not None:
+                g = torch.where(lab_BT & (label_BT >= 0) & (label_BT < n), label_BT, n).flatten()
+                sums = torch.zeros(n + 1, 2, dtype=torch.float64, device=g.device)
+                sums[:, 0].index_add_(0, g, out.token_loss_BT.flatten().double())
+                sums[:, 1].index_add_(0, g, lab_BT.flatten().double())
+                self.group_loss[offset:offset + n] += sums[:n].to(self.device)
+
     def reduce(self, all_reduce) -> tuple[torch.Tensor, dict[str, torch.Tensor], float]:
-        """(summed fields, per-layer expert loads, the last ratio loss), all on the host."""
+        """(summed fields followed by the per-group histograms and losses, per-layer expert loads, the last ratio
+        loss), all on the host, from one all-reduce."""
         keys = sorted(self.loads)
         vec = torch.stack(self.parts).sum(0) if self.parts else torch.zeros(len(FIELDS), dtype=torch.float64,
                                                                                device=self.device)
+        vec = torch.cat([vec, self.doc_hist.flatten(), self.group_loss.flatten()])
         flat = all_reduce(torch.cat([vec] + [self.loads[k].to(self.device) for k in keys]))
         flat = torch.cat([flat, self.ratio_loss.to(flat).reshape(1)]).cpu()
-        vec, rest = flat[: len(FIELDS)], flat[len(FIELDS):-1]
+        vec, rest = flat[: len(vec)], flat[len(vec):-1]
         loads, i = {}, 0
         for k in keys:
             n = self.loads[k].numel()
@@ -93,12 +123,43 @@ class StepAccumulator:
         return vec, loads, float(flat[-1])
 
 
+def group_parts(vec: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-group part of a reduced vector: ([G, 2, NBINS] document-ratio histograms, [G, 2] loss sums)."""
+    tail = vec[len(FIELDS):]
+    G = tail.numel() // (2 * NBINS + 2)
+    return tail[:G * 2 * NBINS].view(G, 2, NBINS), tail[G * 2 * NBINS:].view(G, 2)
+
+
+def group_names(source_names: list[str] | None = None) -> list[str]:
+    """Names of the statistics groups: the kinds of sample, then `source:NAME` per data source."""
+    return list(KINDS) + [f"source:{n}" for n in (source_names or [])]
+
+
+def group_record(vec: torch.Tensor, names: list[str] | None = None) -> dict:
+    """Per kind (and source): the documents' ratio per modality as p10 / p50 / p90 (`doc_ratio/KIND/MOD/pNN`,
+    with `.../docs` and `.../no_concept` share), and the LM loss (`loss/kind/KIND`, `loss/source/NAME`)."""
+    hist, loss = group_parts(vec)
+    names = names or group_names()
+    rec = {}
+    for g in range(hist.shape[0]):
+        name = names[g] if g < len(names) else f"group{g}"
+        for j, m in enumerate(DOC_MODS):
+            q = histogram_quantiles(hist[g, j])
+            if q is not None:
+                for k, v in q.items():
+                    rec[f"doc_ratio/{name}/{m}/{k}"] = v
+        if loss[g, 1] > 0:
+            key = f"loss/source/{name[len('source:'):]}" if name.startswith("source:") else f"loss/kind/{name}"
+            rec[key] = float(loss[g, 0] / loss[g, 1])
+    return rec
+
+
 def _div(a: float, b: float) -> float | None:
     return a / b if b > 0 else None
 
 
 def step_record(step: int, vec: torch.Tensor, ratio_loss: float, ratio_weight: float, lr: float,
-                seconds: float) -> dict:
+                seconds: float, groups: list[str] | None = None) -> dict:
     """The metrics.jsonl object of one optimizer step (global means). Absent modalities give null."""
     v = {k: float(vec[i]) for k, i in IDX.items()}
     lm = _div(v["lm_sum"], v["n_lab"]) or 0.0
@@ -127,6 +188,8 @@ def step_record(step: int, vec: torch.Tensor, ratio_loss: float, ratio_weight: f
         "tokens/image": int(v["tokens/image"]),
         "moe/adjugate_per_token": v["adjugate_sum"] / max(v["micro"], 1),
     }
+    if vec.numel() > len(FIELDS):
+        rec.update(group_record(vec, groups))
     return rec
 
 

@@ -5,6 +5,8 @@ from pathlib import Path
 
 import numpy as np
 
+from vlm.model.doc_stats import MODS, format_distribution
+
 
 def _series(records: list[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
     pts = [(r["step"], r[key]) for r in records if r.get(key) is not None]
@@ -92,6 +94,23 @@ def _tail_mean(records: list[dict], key: str, frac: float = 0.1) -> float | None
     return float(np.mean(vals[-n:]))
 
 
+def train_distribution(records: list[dict]) -> dict:
+    """{kind: {modality: {p10, p50, p90, docs, no_concept}}} from the last record that has per-document figures."""
+    for r in reversed(records):
+        keys = [k for k in r if k.startswith("doc_ratio/")]
+        if not keys:
+            continue
+        out: dict = {}
+        for k in keys:
+            group, mod, stat = k[len("doc_ratio/"):].rsplit("/", 2)   # a source's name may hold slashes
+            if mod in MODS:
+                v = r[k]
+                out.setdefault(group, {}).setdefault(mod, {})[stat] = float("inf") if v is None else v
+        return {g: {m: st for m, st in per.items() if {"p10", "p50", "p90", "docs", "no_concept"} <= set(st)}
+                for g, per in out.items()}
+    return {}
+
+
 def summary_lines(records: list[dict], targets: dict[str, float], vqa: dict | None, run_dir: Path,
                   wall_s: float, skipped_steps: int, data_counters: dict | None, warmup: dict | None = None
                   ) -> list[str]:
@@ -115,18 +134,25 @@ def summary_lines(records: list[dict], targets: dict[str, float], vqa: dict | No
     if val:
         lines.append(f"  held-out LM loss:   {fmt(val[-1]['val/lm_loss'])} (step {val[-1]['step']})")
     joint = targets.get("ratio")
-    held = (vqa or {}).get("held_out_compression") or {}
-    lines.append("compression (tokens per concept; train: last 10 % of steps, sampled boundaries"
-                 + ("; held-out: whole test samples, eval mode" if held else "") + ")"
-                 + (f", target R = {joint:g}" if joint else "") + ":")
+    lines.append("compression (tokens per concept; train: the last logged step's documents, sampled boundaries"
+                 + (f"; target R = {joint:g}" if joint else "; targets " + ", ".join(
+                     f"{k.split('/')[-1]} {v:g}" for k, v in targets.items() if k.startswith("ratio/"))) + "):")
     for mod, label in (("ratio", "all"), ("text", "text"), ("image", "image")):
         r = _tail_mean(records, f"compression/{mod}")
         p = _tail_mean(records, f"boundary_p/{'all' if mod == 'ratio' else mod}")
-        tgt = targets.get(f"ratio/{mod}")
-        line = f"  {label:<6} train N/M = {fmt(r, 2)}   mean p = {fmt(p)}" + (f"   target {tgt:g}" if tgt else "")
-        if mod in held and r:
-            line += f"   held-out N/M = {held[mod]:.2f} ({100 * (held[mod] / r - 1):+.0f} % vs train)"
-        lines.append(line)
+        lines.append(f"  {label:<6} batch aggregate N/M = {fmt(r, 2)} (last 10 %)   mean p = {fmt(p)}")
+    train_docs = train_distribution(records)
+    if train_docs:
+        lines.append("  per document, by kind of sample (train, last logged step; histogram bins of 9 %):")
+        lines += format_distribution(train_docs, indent="    ")
+    held = (vqa or {}).get("held_out_compression") or {}
+    if held:
+        lines.append("  per document, whole held-out samples (eval mode, p >= 0.5):")
+        lines += format_distribution(held, indent="    ")
+    prompts = (vqa or {}).get("prompt_compression")
+    if prompts:
+        lines.append("  per prompt, the VQA eval's prefill (eval mode; what chat and the demo run):")
+        lines += format_distribution({"vqa prompt": prompts}, indent="    ")
     if vqa:
         types = [t for t in vqa["accuracy"] if t != "all"] + ["all"]
         blind = vqa.get("blind_baseline") or {}

@@ -11,7 +11,8 @@ fp32 path, of the gradients before the optimizer step). A bad micro-batch makes 
 step a no-op: ZeRO / bf16 optimizers receive NaN gradients, which DeepSpeed's overflow check turns into
 a skipped step (no update, gradients cleared, counted); the plain fp32 path (stage 0) drops the
 gradients and advances the engine's counters itself. The LR schedule and the balancing biases move only
-on applied steps.
+on applied steps; so does the top-k router's inference threshold, once per step, from the statistics of the
+step's real (gradient) passes on every rank: not once per micro-batch, and never from the statistics pass.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from configs.batch import PackedBatch
+from vlm.model.chunking import ChunkModule
 from vlm.model.moe import MoE
 from vlm.train.distributed import all_reduce_min, all_reduce_sum
 from vlm.train.engine import is_plain_fp32
@@ -88,28 +90,48 @@ def zero_moe_loads(module: torch.nn.Module) -> None:
     for m in module.modules():
         if isinstance(m, MoE):
             m.load_accum.zero_()
+    for m in topk_chunkers(module):
+        m.quantile_accum.zero_()
+
+
+def topk_chunkers(module: torch.nn.Module) -> list[ChunkModule]:
+    return [m for m in module.modules() if isinstance(m, ChunkModule) and hasattr(m, "quantile_accum")]
+
+
+def update_topk_thresholds(module: torch.nn.Module, all_reduce=all_reduce_sum) -> None:
+    """After an applied optimizer step: each top-k chunker's inference threshold from the step's score
+    quantiles, summed over ranks in one collective (every rank then holds the same threshold)."""
+    mods = topk_chunkers(module)
+    if mods:
+        for m, s in zip(mods, all_reduce(torch.stack([m.quantile_accum for m in mods]))):
+            m.update_threshold(s)
+
+
+# what a training forward adds up for the updates after the step; the statistics pass puts it back
+STEP_STATISTICS = ("load_accum", "quantile_accum")
 
 
 @torch.no_grad()
 def statistics_pass(model, window: list[PackedBatch], parser: GlobalParser, step: int, *, seed: int, rank: int,
                     world_size: int, device: torch.device, float_dtype: torch.dtype) -> None:
     """Forward every micro-batch without gradients, with the boundary samples its real pass will draw, so that
-    the parser knows the global batch's statistics before the first backward. The MoE loads these forwards
-    count are put back: loss-free balancing must see each token once."""
-    loads = [(m, m.load_accum.clone()) for m in model.modules() if hasattr(m, "load_accum")]
+    the parser knows the global batch's statistics before the first backward. The MoE loads and the top-k
+    score quantiles these forwards count are put back: the step's updates must see each token once."""
+    kept = [(buf, buf.clone()) for m in model.modules() for name in STEP_STATISTICS
+            if (buf := getattr(m, name, None)) is not None]
     parser.collect()
     for k, batch in enumerate(window):
         set_boundary_generator(model, device, boundary_seed(seed, step, k * world_size + rank))
         model(prepare(batch, device, float_dtype))
     parser.settle()
-    for m, before in loads:
-        m.load_accum.copy_(before)
+    for buf, before in kept:
+        buf.copy_(before)
 
 
 def train_step(engine, window: list[PackedBatch], step: int, *, seed: int, rank: int, world_size: int,
                parser: GlobalParser | None, ratio_weight: float, device: torch.device,
                float_dtype: torch.dtype = torch.float32, loss_hook=None,
-               bytes_per_id: torch.Tensor | None = None) -> StepResult:
+               bytes_per_id: torch.Tensor | None = None, n_sources: int = 0) -> StepResult:
     """Forward/backward every micro-batch of `window` and take (or skip) one optimizer step.
 
     `loss_hook(out, k)` may replace a micro-batch's output (used by tests to inject a non-finite loss).
@@ -117,6 +139,8 @@ def train_step(engine, window: list[PackedBatch], step: int, *, seed: int, rank:
     K, W = len(window), world_size
     if K != engine.gradient_accumulation_steps():
         raise ValueError(f"window of {K} micro-batches but the engine accumulates {engine.gradient_accumulation_steps()}")
+    for m in topk_chunkers(engine.module):   # its threshold moves once per step (update_topk_thresholds below)
+        m.threshold_per_step = True
     n_local = [float(labelled_counts(b)[0]) for b in window]
     N = float(all_reduce_sum(torch.tensor([sum(n_local)], dtype=torch.float64, device=device))[0])
     if parser is not None:
@@ -124,7 +148,7 @@ def train_step(engine, window: list[PackedBatch], step: int, *, seed: int, rank:
         if K > 1:
             statistics_pass(engine.module, window, parser, step, seed=seed, rank=rank, world_size=W, device=device,
                             float_dtype=float_dtype)
-    acc = StepAccumulator(device, bytes_per_id)
+    acc = StepAccumulator(device, bytes_per_id, n_sources)
     plain = is_plain_fp32(engine)
     bad = False
     chunking = None
@@ -163,5 +187,6 @@ def train_step(engine, window: list[PackedBatch], step: int, *, seed: int, rank:
     if not applied:
         zero_moe_loads(engine.module)
         return StepResult(False, None, {}, float("nan"), chunking)
+    update_topk_thresholds(engine.module)
     vec, loads, ratio_loss = acc.reduce(all_reduce_sum)
     return StepResult(True, vec, loads, ratio_loss, chunking)

@@ -34,7 +34,7 @@ from vlm.train.distributed import DistInfo, all_reduce_sum, barrier, broadcast_m
 from vlm.train.engine import build_optimizer, deepspeed_config, effective_settings, initialize
 from vlm.train.export import export_final
 from vlm.train.global_parser import GlobalParser, install
-from vlm.train.metrics import MetricsLogger, load_imbalance, read_metrics, step_record
+from vlm.train.metrics import MetricsLogger, group_names, load_imbalance, read_metrics, step_record
 from vlm.train.param_groups import (
     apply_mup_init,
     build_param_groups,
@@ -243,7 +243,7 @@ class Trainer:
                           world_size=self.dist.world_size, parser=self.parser,
                           ratio_weight=cfg.model.chunk.ratio_loss_weight if cfg.model.chunk.enabled else 0.0,
                           device=self.dist.device, float_dtype=self.float_dtype, loss_hook=loss_hook or self.loss_hook,
-                          bytes_per_id=self.bytes_per_id)
+                          bytes_per_id=self.bytes_per_id, n_sources=len(self.source_names))
 
     def after_step(self, result: StepResult) -> None:
         """Schedule and loss-free balancing move only when the optimizer applied the step."""
@@ -259,7 +259,8 @@ class Trainer:
     def _step_record(self, result: StepResult, lr: float, seconds: float) -> dict:
         cfg = self.cfg
         if result.applied:
-            rec = step_record(self.step, result.vec, result.ratio_loss, cfg.model.chunk.ratio_loss_weight, lr, seconds)
+            rec = step_record(self.step, result.vec, result.ratio_loss, cfg.model.chunk.ratio_loss_weight, lr, seconds,
+                              group_names(self.source_names))
             rec.update(load_imbalance(result.loads))
             rec.update(self.probe.read())
             grad_norm = self.engine.get_global_grad_norm()
@@ -353,6 +354,7 @@ class Trainer:
     def _build_data(self) -> None:
         d, lg, data = self.dist, self.cfg.logging, self.cfg.data
         self.loader = build_loader(data, self.tokenizer, d.rank, d.world_size)
+        self.source_names = [s.label for s in self.loader.sources]
         val_cfg = None
         if lg.eval_every and lg.eval_sources:
             val_cfg = replace(data, sources=lg.eval_sources, num_workers=0, epochs=None)
