@@ -138,8 +138,12 @@ class ConceptMoELMMS(lmms):
     # ---- model loading (subclasses and tests override) ------------------------------------------------
     def _load_model(self, pretrained: str) -> EvalModel:
         from vlm.generate import load_eval_model  # lazy: keeps lmms-eval's model listing cheap
+        from vlm.model.weights_check import WeightsError
 
-        return load_eval_model(pretrained)
+        try:
+            return load_eval_model(pretrained)
+        except WeightsError as e:   # lmms-eval prints a traceback for any Exception; refused weights are one line
+            raise SystemExit(f"conceptmoe: {e}") from None
 
     # ---- prompt layout -----------------------------------------------------------------------------------
     def _format(self, context: str, n_images: int) -> tuple[str, bool]:

@@ -30,6 +30,7 @@ from vlm.model.config import ModelConfig
 from vlm.model.layers import positions_in_doc
 from vlm.model.multimodal import ConceptMoEVLM
 from vlm.model.processing import CHAT_TEMPLATE, ConceptMoEImageProcessor, ConceptMoEProcessor
+from vlm.model.weights_check import check_exported_weights, read_config
 
 MODEL_TYPE = "conceptmoe_vlm"
 
@@ -85,6 +86,18 @@ class ConceptMoEForCausalLM(PreTrainedModel, GenerationMixin):
 
     def _init_weights(self, module):  # the wrapped model initialises itself
         pass
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        """transformers' loader, after every tensor of a local export was checked against its config (a missing
+        one would otherwise come from uninitialised memory, a wrong dtype would be cast silently)."""
+        path = Path(pretrained_model_name_or_path)
+        if path.is_dir():
+            config = kwargs.get("config")
+            if not isinstance(config, ConceptMoEConfig):
+                config = read_config(path, cls.config_class)
+            check_exported_weights(path, config)
+        return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
 
     def get_input_embeddings(self):
         return self.vlm.lm.embed

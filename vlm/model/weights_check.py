@@ -1,0 +1,145 @@
+"""Exported weights are checked against their config before anything loads them.
+
+transformers' `from_pretrained` fills a tensor that the file lacks from uninitialised memory (this model
+initialises itself, so its `_init_weights` does nothing), casts a wrong dtype silently (int64 weights trained
+at loss 6.2 million), and reports a truncated or non-safetensors file with a traceback that does not name it.
+`check_exported_weights` reads only safetensors headers and tensors (never a pickle), compares every tensor's
+presence, shape and dtype with the model the config describes (built on the meta device: nothing is
+allocated), then reads each tensor once to check that it is finite. The first problem becomes one line that
+names the file and the tensor.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from configs.config import ConfigError
+
+SAFETENSORS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool}
+
+
+class WeightsError(ConfigError):
+    """Exported weights that do not match their config (one line: the file and the first bad tensor)."""
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The safetensors files of an export directory (one file, or the shards its index lists)."""
+    index = path / INDEX
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as e:
+            raise WeightsError(f"{index}: not a readable safetensors index ({type(e).__name__})") from None
+        files = [path / s for s in shards]
+        for f in files:
+            if not f.is_file() or f.resolve().parent != path.resolve():
+                raise WeightsError(f"{index}: lists {f.name}, which is not a file in {path}")
+        return files
+    if (path / SAFETENSORS).is_file():
+        return [path / SAFETENSORS]
+    others = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
+    found = f" (found {', '.join(others)}: pickled weights are never loaded)" if others else ""
+    raise WeightsError(f"{path}: no {SAFETENSORS}{found}")
+
+
+def expected_tensors(config) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """name -> (shape, dtype) of every tensor an export of this `ConceptMoEConfig` must hold. Floating tensors
+    carry the dtype the export recorded (`dtype`, float32 when absent)."""
+    from vlm.model.multimodal import ConceptMoEVLM
+
+    with torch.device("meta"):
+        model = ConceptMoEVLM(*config.build_configs())
+    want = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+    if isinstance(want, str):
+        want = getattr(torch, want.removeprefix("torch."), torch.float32)
+    out = {}
+    for k, t in model.state_dict().items():
+        out[f"vlm.{k}"] = (tuple(t.shape), want if t.is_floating_point() else t.dtype)
+    if config.tie_word_embeddings:   # transformers stores a tied head once, under the embedding's name
+        out.pop("vlm.lm.lm_head.weight", None)
+    return out
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def check_exported_weights(path: str | Path, config) -> None:
+    """Raise WeightsError (one line) unless every tensor of the export at `path` is present, of the shape and
+    dtype its `config` (a ConceptMoEConfig) gives, finite, and no other tensor is there."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    try:
+        expected = expected_tensors(config)
+    except (RuntimeError, ValueError, TypeError, OverflowError) as e:
+        raise WeightsError(f"{path / 'config.json'}: describes no model that can be built ({e})") from None
+    found: dict[str, Path] = {}
+    headers: dict[str, tuple[tuple[int, ...], str]] = {}
+    files = weight_files(path)
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as h:
+                for k in h.keys():
+                    sl = h.get_slice(k)
+                    headers[k] = (tuple(sl.get_shape()), sl.get_dtype())
+                    found[k] = f
+        except Exception as e:   # safetensors raises its own error types (and OSError) for unreadable files
+            raise WeightsError(f"{f}: not a readable safetensors file ({_reason(e)})") from None
+    for k, (shape, dtype) in expected.items():
+        if k not in headers:
+            raise WeightsError(f"{_where(path, files)}: tensor {k} is missing (the config needs {list(shape)} "
+                               f"{_name(dtype)})")
+        got_shape, got_dtype = headers[k]
+        if got_shape != shape:
+            raise WeightsError(f"{found[k]}: tensor {k} has shape {list(got_shape)}, the config needs {list(shape)}")
+        got = _DTYPES.get(got_dtype)
+        if got != dtype:
+            raise WeightsError(f"{found[k]}: tensor {k} has dtype {_name(got) if got else got_dtype}, the config "
+                               f"needs {_name(dtype)}")
+    extra = [k for k in headers if k not in expected]
+    if extra:
+        raise WeightsError(f"{found[extra[0]]}: tensor {extra[0]} is not part of the model its config describes"
+                           + (f" ({len(extra) - 1} more)" if len(extra) > 1 else ""))
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as h:
+                for k in expected:
+                    if found.get(k) != f:
+                        continue
+                    t = h.get_tensor(k)
+                    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                        bad = int((~torch.isfinite(t)).sum())
+                        raise WeightsError(f"{f}: tensor {k} has {bad} non-finite values (NaN or inf) of {t.numel()}")
+        except WeightsError:
+            raise
+        except Exception as e:
+            raise WeightsError(f"{f}: not a readable safetensors file ({_reason(e)})") from None
+
+
+def read_config(path: Path, config_class):
+    """The export's config, or WeightsError naming config.json."""
+    cfg_file = path / "config.json"
+    try:
+        json.loads(cfg_file.read_text())
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        raise WeightsError(f"{cfg_file}: not a readable model config ({_reason(e)})") from None
+    try:
+        return config_class.from_pretrained(str(path))
+    except ConfigError as e:
+        raise WeightsError(f"{cfg_file}: {e}") from None
+
+
+def _where(path: Path, files: list[Path]) -> Path:
+    return files[0] if len(files) == 1 else path
+
+
+def _reason(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:200]}" if text else type(e).__name__
