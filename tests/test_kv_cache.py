@@ -126,6 +126,22 @@ def test_cached_decoding_equals_full_recompute(name, sample):
     assert torch.equal(cache.len_B, torch.tensor([len(r[0]) + STEPS for r in rows]))
 
 
+def test_topk_decoding_reads_the_learned_threshold():
+    """The top-k router's inference rule is score >= threshold, in the full forward and in `step` alike. Every
+    model above has threshold 0 (never trained); a non-zero one must move the boundaries and leave cached
+    decoding equal to recompute."""
+    torch.manual_seed(0)
+    vc = vision_cfg()
+    model = ConceptMoEVLM(VARIANTS["topk_router"], vc).eval()
+    rows = prompts(vc.build_processor(), np.random.default_rng(0))
+    batch = batch_of(rows, [[] for _ in rows])
+    at_zero = model(batch).chunks.b_BT
+    model.lm.chunker.threshold.fill_(0.05)
+    assert not torch.equal(model(batch).chunks.b_BT, at_zero)
+    gaps, _ = decode_both(model, rows, sample=False)
+    assert max(gaps) < 1e-4, f"largest logit gap {max(gaps):.2e} (step {int(np.argmax(gaps))})"
+
+
 def test_concept_cache_holds_one_entry_per_realized_concept():
     torch.manual_seed(0)
     vc = vision_cfg()

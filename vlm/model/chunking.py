@@ -416,7 +416,7 @@ class Dechunk(nn.Module):
     @staticmethod
     def gated(concepts_BMD: torch.Tensor, ch: Chunks) -> torch.Tensor:
         """Synergy eq. 4's m_i sigma_i Middle(x_i): each concept times its gate (eq. 3), when the chunking has one."""
-        return concepts_BMD
+        return concepts_BMD if ch.cgate_BM is None else concepts_BMD * ch.cgate_BM[..., None].to(concepts_BMD.dtype)
 
     @staticmethod
     def smooth(concepts_BMD: torch.Tensor, ch: Chunks) -> torch.Tensor:
