@@ -148,6 +148,44 @@ def test_replication_needs_only_a_causal_kernel(monkeypatch):
     torch.testing.assert_close(got[valid], ref[valid], rtol=1e-5, atol=1e-5)
 
 
+def test_a_256_wide_head_leaves_flash_for_sdpa(monkeypatch):
+    """The replication's extra bias dimension makes a 256-wide head 257 wide, beyond flash-attn 2's limit of 256:
+    that cross-attention runs on SDPA under the packed mask (the stand-in kernel refuses > 256 as flash does),
+    still eq. 14, while a 128-wide head stays on flash."""
+    import vlm.model.attention as attention
+    import vlm.model.block as block
+    from vlm.model.cross_attention import cross_backend
+
+    calls = []
+
+    def varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, window_size):
+        assert q.shape[-1] <= 256, f"flash-attn 2 takes head_dim <= 256, got {q.shape[-1]}"
+        calls.append(q.shape[-1])
+        out = torch.empty_like(q)
+        for s, e in zip(cu_q[:-1].tolist(), cu_q[1:].tolist()):
+            seg = lambda x: x[s:e].transpose(0, 1)[None]  # noqa: E731
+            out[s:e] = torch.nn.functional.scaled_dot_product_attention(
+                seg(q), seg(k), seg(v), is_causal=True, enable_gqa=True)[0].transpose(0, 1)
+        return out
+
+    monkeypatch.setattr(attention, "flash_attn_varlen_func", varlen)
+    monkeypatch.setattr(block, "resolve_backend", lambda b, d: b)
+    assert cross_backend("flash", 256) == "sdpa" and cross_backend("flash", 255) == "flash"
+    assert cross_backend("docs", 256) == "docs"
+    torch.manual_seed(2)
+    doc, b, cidx, cdoc = packed_case(seed=2)
+    for head_dim, used in ((256, []), (128, [129])):
+        calls.clear()
+        xattn = CrossAttention(16, num_heads=2, num_kv_heads=1, head_dim=head_dim, qk_norm=True, norm_eps=1e-6)
+        x, concepts = torch.randn(*doc.shape, 16), torch.randn(2, cdoc.shape[1], 16)
+        ctx = StackContext.build(doc, torch.zeros_like(doc), head_dim, 1e4, x.dtype, "flash")
+        got = xattn(x, ConceptMemory.build(concepts, cidx, b, doc, ctx), doc, ctx.backend)
+        ref = reference_cross_attention(xattn, x, concepts, doc, cidx, cdoc)
+        valid = doc >= 0
+        torch.testing.assert_close(got[valid], ref[valid], rtol=1e-5, atol=1e-5)
+        assert calls == used
+
+
 # ---------------------------------------------------------------- the model
 # causality in eval mode and packing isolation of these variants: tests/test_model_core.py's VARIANTS
 

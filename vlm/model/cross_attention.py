@@ -19,7 +19,9 @@ per-key bias, so it rides in one extra head dimension: q gets a constant 1, k ge
 gets 0, and q is scaled so that the kernel's 1 / sqrt(d + 1) becomes eq. 14's 1 / sqrt(d). A live key's score is
 then exactly q.k / sqrt(d) and every copy's weight exactly 0: the result is eq. 14's L x M attention (tested
 against it), with the kernels' linear memory and no mask beyond the stack's own. The cost is DLCM's trade:
-L x L instead of L x M score pairs (R times the ideal), and one more head dimension.
+L x L instead of L x M score pairs (R times the ideal), and one more head dimension. flash-attn 2 takes head
+dimensions up to 256, so a 256-wide head (257 with the extra one) runs on SDPA under the packed mask instead
+(`cross_backend`; T x T mask memory per row).
 
 Inference needs no replication: the cache keeps one key/value per realized concept (appended when a boundary
 fires) and each new token attends over its row's concepts, eq. 14 for one query.
@@ -40,6 +42,15 @@ from vlm.model.layers import RMSNorm
 # anywhere), and for d <= 256 it puts the copy >= 1875 below its live original, so as long as a row's real scores
 # span less than ~1700 (RMS-normed q, k: at most d times the norm gains) exp underflows to exactly 0 (fp32 < e^-104).
 COPY_SCORE = -3.0e4
+FLASH_MAX_HEAD_DIM = 256   # flash-attn 2's largest head dimension
+
+
+def cross_backend(backend: str, head_dim: int) -> str:
+    """The backend the replicated cross-attention runs on: the stack's, except that flash cannot take the extra
+    bias dimension when head_dim + 1 > 256; SDPA under the packed mask computes the same thing there."""
+    if backend == "flash" and head_dim + 1 > FLASH_MAX_HEAD_DIM:
+        return "sdpa"
+    return backend
 
 
 @dataclass
@@ -51,6 +62,7 @@ class ConceptMemory:
     first_BT: torch.Tensor       # bool: n is the first position that reads its concept (its boundary) or padding
     n_concepts_B: torch.Tensor   # concepts per row (the prefill's cache lengths)
     mask: object                 # what `attend` takes for this stack, without any sliding window
+    sdpa_mask: torch.Tensor | None = None   # the packed mask where `cross_backend` leaves flash (built once, shared)
 
     @staticmethod
     def build(concepts_BMD, cidx_BT, b_BT, doc_BT, ctx) -> "ConceptMemory":
@@ -83,6 +95,11 @@ def replicated_cross_attention(q_BHTd, k_BKMd, v_BKMd, mem: ConceptMemory, doc_B
     """Eq. 14's attention (before W_O) over replicated concepts with a causal L x L kernel: each token attends to
     the first copies of concepts 0 .. psi(t) of its document, i.e. to each of those concepts exactly once."""
     d = q_BHTd.shape[-1]
+    mask = mem.mask
+    if cross_backend(backend, d) != backend:
+        if mem.sdpa_mask is None:
+            mem.sdpa_mask = packed_mask(doc_BT)
+        backend, mask = cross_backend(backend, d), mem.sdpa_mask
     k_BKTd, v_BKTd = replicate(k_BKMd, mem.cidx_BT), replicate(v_BKMd, mem.cidx_BT)
     B, K, T, _ = k_BKTd.shape
     bias_BKT1 = torch.where(mem.first_BT, 0.0, COPY_SCORE).to(k_BKTd.dtype)[:, None, :, None].expand(B, K, T, 1)
@@ -90,7 +107,7 @@ def replicated_cross_attention(q_BHTd, k_BKMd, v_BKMd, mem: ConceptMemory, doc_B
     q1 = torch.cat([q_BHTd, q_BHTd.new_ones(*q_BHTd.shape[:-1], 1)], -1) * math.sqrt((d + 1) / d)
     k1 = torch.cat([k_BKTd, bias_BKT1], -1)
     v1 = torch.cat([v_BKTd, v_BKTd.new_zeros(B, K, T, 1)], -1)
-    return attend(q1, k1, v1, doc_BT, backend, mem.mask)[..., :d]
+    return attend(q1, k1, v1, doc_BT, backend, mask)[..., :d]
 
 
 class CrossAttention(nn.Module):
