@@ -3,7 +3,7 @@
     python -m data_pipelines.import_bench --rows 100000 --workers 2 --dir /tmp/bench
 
 The file is one JSON array as `llava_v1_5_mix665k.json` is (id, image path, a two-turn conversation of
-`text_bytes` characters), over `images` distinct generated JPEGs of `image_side` px (rows reuse them, so the
+`text_bytes` characters), over `images` distinct generated noisy JPEGs of `image_side` px (rows reuse them, so the
 folder stays small while every row still reads, decodes and checks its image); `--text-only` leaves the images
 out (parsing and writing only). Peak memory is the resident set's high-water mark (`ru_maxrss`) of this
 process and, with workers, of the largest worker; each run belongs in a fresh process (the bench is one).
@@ -35,7 +35,9 @@ def generate_llava(path: str | Path, rows: int, images: int = 200, image_side: i
             p = img_dir / f"{i:06d}.jpg"
             if not p.exists():
                 colour = (rng.randrange(256), rng.randrange(256), rng.randrange(256))
-                Image.new("RGB", (image_side, image_side + i % 7), colour).save(p, "JPEG", quality=85)
+                size = (image_side, image_side + i % 7)
+                noise = Image.effect_noise(size, 48).convert("RGB")     # a photo's entropy, not a flat colour
+                Image.blend(Image.new("RGB", size, colour), noise, 0.5).save(p, "JPEG", quality=90)
     words = ["the", "a", "red", "circle", "square", "left", "of", "above", "picture", "shows", "two", "small"]
     sep = "\n" if indent else ""
     with open(path, "w", encoding="utf-8") as f:
@@ -50,6 +52,55 @@ def generate_llava(path: str | Path, rows: int, images: int = 200, image_side: i
             f.write(("," + sep if r else "") + json.dumps(row, indent=indent))
         f.write(sep + "]\n")
     return path
+
+
+def write_img2dataset(folder: str | Path, images: list[bytes], shards: int = 2, caption_in_json_only: int = 1
+                      ) -> list[str]:
+    """An img2dataset webdataset output of `images` (JPEG bytes) split over `shards`: NNNNN.tar with KEY.jpg +
+    KEY.txt + KEY.json (metadata), and NNNNN.parquet + NNNNN_stats.json beside each tar. The last
+    `caption_in_json_only` samples of each shard have no .txt (their caption is in the metadata only).
+    Returns the captions in order."""
+    import io
+    import tarfile
+
+    from PIL import Image
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    per = -(-len(images) // shards)
+    captions = []
+    for s in range(shards):
+        part = images[s * per:(s + 1) * per]
+        rows = []
+        with tarfile.open(folder / f"{s:05d}.tar", "w") as tf:
+            for j, data in enumerate(part):
+                key = f"{s:05d}{j:04d}"
+                with Image.open(io.BytesIO(data)) as im:
+                    w, h = im.size
+                caption = f"a photo, number {s * per + j}"
+                meta = {"url": f"http://example.com/{key}.jpg", "caption": caption, "key": key, "status": "success",
+                        "error_message": None, "width": w, "height": h, "original_width": 4 * w,
+                        "original_height": 4 * h, "exif": "{}", "sha256": "0" * 64}
+                members = [("jpg", data)]
+                if j < len(part) - caption_in_json_only:
+                    members.append(("txt", caption.encode()))
+                members.append(("json", json.dumps(meta).encode()))
+                for ext, payload in members:
+                    ti = tarfile.TarInfo(f"{key}.{ext}")
+                    ti.size = len(payload)
+                    tf.addfile(ti, io.BytesIO(payload))
+                rows.append(meta)
+                captions.append(caption)
+        try:
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+
+            pq.write_table(pa.Table.from_pylist(rows), folder / f"{s:05d}.parquet")
+        except ImportError:
+            (folder / f"{s:05d}.parquet").write_bytes(b"PAR1")
+        (folder / f"{s:05d}_stats.json").write_text(json.dumps({"count": len(part), "successes": len(part),
+                                                                "failed_to_download": 0}))
+    return captions
 
 
 def peak_rss_mb() -> dict[str, float]:

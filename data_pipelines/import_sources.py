@@ -195,8 +195,7 @@ def _json_rows(path: Path, src: RowSource) -> Iterator[dict]:
                                                                          f"{type(item).__name__}, not an object")}
                 n += 1
         except ijson.JSONError as e:
-            raise ImporterError(f"table {path}: invalid JSON after item {n} ({_one_line(e)}); the rows before it "
-                                "are kept") from None
+            raise ImporterError(f"table {path}: invalid JSON after item {n} ({_one_line(e)})") from None
 
 
 def _jsonl_rows(path: Path, src: RowSource) -> Iterator[dict]:

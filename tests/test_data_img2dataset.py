@@ -3,52 +3,19 @@
 from __future__ import annotations
 
 import argparse
-import io
 import json
-import tarfile
 from collections import Counter
 
 import pytest
 
 from data_pipelines.cli import add_data_commands
 from data_pipelines.config import DataConfig, SourceConfig
+from data_pipelines.import_bench import write_img2dataset
 from data_pipelines.loader import build_loader
 from data_pipelines.samples import iter_samples
 from data_pipelines.schema import BadSample, decode_sample
 from data_pipelines.tokenizer import ByteTokenizer
 from vision.image_processor import ImageProcessorConfig
-
-
-def _img2dataset(d, png, shards=2, per_shard=6):
-    """Shards as img2dataset's webdataset writer lays them out; returns the captions in order."""
-    d.mkdir(parents=True)
-    captions = []
-    for s in range(shards):
-        rows = []
-        with tarfile.open(d / f"{s:05d}.tar", "w") as tf:
-            for j in range(per_shard):
-                key = f"{s:05d}{j:04d}"
-                caption = f"a photo number {s * per_shard + j} of a red square"
-                w, h = 20 + j, 16
-                meta = {"url": f"http://example.com/{key}.jpg", "caption": caption, "key": key, "status": "success",
-                        "error_message": None, "width": w, "height": h, "original_width": 4 * w,
-                        "original_height": 4 * h, "exif": "{}", "sha256": "0" * 64}
-                members = [("jpg", png(w, h, fmt="JPEG")), ("json", json.dumps(meta).encode())]
-                if j != per_shard - 1:          # the last sample carries its caption in the metadata only
-                    members.insert(1, ("txt", caption.encode()))
-                for ext, data in members:
-                    ti = tarfile.TarInfo(f"{key}.{ext}")
-                    ti.size = len(data)
-                    tf.addfile(ti, io.BytesIO(data))
-                rows.append(meta)
-                captions.append(caption)
-        pa = pytest.importorskip("pyarrow")
-        import pyarrow.parquet as pq
-
-        pq.write_table(pa.Table.from_pylist(rows), d / f"{s:05d}.parquet")
-        (d / f"{s:05d}_stats.json").write_text(json.dumps({"count": per_shard, "successes": per_shard,
-                                                          "failed_to_download": 0, "status_dict": {"success": 6}}))
-    return captions
 
 
 def _cli(argv, capsys):
@@ -60,11 +27,15 @@ def _cli(argv, capsys):
 
 
 def test_img2dataset_shards_read_as_they_are(tmp_path, png, capsys, decode_docs):
+    pytest.importorskip("pyarrow")
     d = tmp_path / "cc3m"
-    captions = _img2dataset(d, png)
+    images = [png(20 + j, 16, fmt="JPEG") for j in range(12)]
+    captions = write_img2dataset(d, images, shards=2)     # the last of each shard: its caption in the JSON only
+    assert sorted(p.name for p in d.iterdir()) == ["00000.parquet", "00000.tar", "00000_stats.json",
+                                                   "00001.parquet", "00001.tar", "00001_stats.json"]
     samples = list(iter_samples(d))
     assert [s.text for s in samples] == ["<image>" + c for c in captions]
-    assert all(s.kind == "pair" and len(s.images) == 1 for s in samples)
+    assert all(s.kind == "pair" and len(s.images) == 1 for s in samples) and samples[0].images[0] == images[0]
     assert samples[1].meta == {"key": "000000001", "url": "http://example.com/000000001.jpg", "status": "success",
                                "width": 21, "height": 16, "original_width": 84, "original_height": 64}
     for args in ([str(d)], [str(d), "--scan"], [str(d / "*")]):   # a glob also matches the .parquet/.json beside
