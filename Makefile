@@ -1,27 +1,39 @@
+# Every target installs into its own virtual environment (VENV, default .venv), so that what runs is what this
+# file installs and nothing left on the machine: `make train` and `make test` work on a fresh machine.
 PY ?= python3
-PIP ?= $(PY) -m pip
+VENV ?= .venv
+BIN := $(VENV)/bin
+PIP := $(BIN)/python -m pip
 export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/torch_extensions
 
-.PHONY: install install-eval train test flops bench
+.PHONY: install install-eval train test test-fast flops bench
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
 
 # torch first and pinned: the CPU build; anything else would pull CUDA wheels.
-install:
+install: $(BIN)/python
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e ".[dev]"
 
-# lmms-eval pins torchvision (CUDA-only on PyPI): install it without dependencies, plus what it imports.
+# lmms-eval pins torchvision (CUDA-only on PyPI): install it without dependencies, plus what it imports (the eval
+# extra, which also bounds what its releases broke: filelock 4 removed the module lmms-eval 0.7.3 imports).
 install-eval: install
 	$(PIP) install -q --no-deps "lmms-eval==0.7.3"
 	$(PIP) install -q -e ".[dev,eval,demo,track]"
 
 train: install
-	vlm train --out runs/default
+	$(BIN)/vlm train --out runs/default
 
 flops: install
-	vlm flops --config configs/paper_moe_90b.yaml --ratio 1.5
+	$(BIN)/vlm flops --config configs/paper_moe_90b.yaml --ratio 1.5
 
 bench: install
-	$(PY) -m eval.bench all --quick --out runs/bench
+	$(BIN)/python -m eval.bench all --quick --out runs/bench
 
 test: install-eval
-	$(PY) -m pytest -n 2 tests
+	$(BIN)/python -m pytest -n 2 tests
+
+# what a developer runs while working: everything but the tests marked slow
+test-fast: install-eval
+	$(BIN)/python -m pytest -n 2 -m "not slow" tests

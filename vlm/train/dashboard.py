@@ -7,6 +7,7 @@ concept boundaries.
 """
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -41,7 +42,8 @@ class Dashboard:
             if val is None or not isinstance(val, (int, float)) or key == "step":
                 continue
             tag = SCALAR_GROUPS.get(key)
-            if tag is None and key.startswith(("val/", "moe/max_over_mean/", "skipped/", "vqa/", "vision/", "text/")):
+            if tag is None and key.startswith(("val/", "moe/max_over_mean/", "skipped/", "vqa/", "vision/", "text/",
+                                               "doc_ratio/", "loss/kind/", "loss/source/")):
                 tag = key
             if tag is None and key == "nonfinite_steps":
                 tag = "faults/nonfinite_steps"
@@ -67,6 +69,26 @@ class Dashboard:
                 frac = (load / total).numpy()
                 # One "sample" per expert at its load share, so the histogram shows how loads spread.
                 w.add_histogram(f"expert_load/{k[len('load/'):]}", frac, step)
+
+    def document_histograms(self, step: int, hist_GMB: torch.Tensor, loss_G2: torch.Tensor, names: list[str]) -> None:
+        """Per kind (and source) and modality: the distribution of the step's documents' realized ratios
+        (`doc_ratio_hist/KIND/MOD`, log2 of tokens per concept; documents with no concept on the modality sit at
+        log2 = 8), next to the p10 / p50 / p90 scalars of metrics.jsonl."""
+        from vlm.model.doc_stats import EDGES, MODS
+
+        limits = [math.log2(e) for e in EDGES[1:]] + [6.5, 8.0]   # upper edge of each bin; overflow, no concept
+        mids = [math.log2(e) + 1 / 16 for e in EDGES[:-1]] + [6.25, 8.0]
+        for g in range(min(hist_GMB.shape[0], len(names))):
+            for j, m in enumerate(MODS):
+                counts = hist_GMB[g, j].double()
+                n = float(counts.sum())
+                if n <= 0:
+                    continue
+                vals = torch.tensor(mids, dtype=torch.float64)
+                self.writer.add_histogram_raw(
+                    f"doc_ratio_hist/{names[g]}/{m}", min=0.0, max=max(v for v, c in zip(mids, counts) if c > 0),
+                    num=n, sum=float((vals * counts).sum()), sum_squares=float((vals ** 2 * counts).sum()),
+                    bucket_limits=limits, bucket_counts=counts.tolist(), global_step=step)
 
     def pictures(self, step: int, image_HW3: np.ndarray | None, text: str | None) -> None:
         if image_HW3 is not None:

@@ -245,8 +245,10 @@ class MetricsLogger:
     answers those questions (collectives such as the held-out eval must run on every rank)."""
 
     def __init__(self, cfg: LoggingConfig, max_steps: int, run_dir: Path, resume_step: int | None,
-                 targets: dict[str, float], is_main: bool, start_step: int = 0, run_config: dict | None = None):
+                 targets: dict[str, float], is_main: bool, start_step: int = 0, run_config: dict | None = None,
+                 groups: list[str] | None = None):
         self.cfg, self.max_steps = cfg, max_steps
+        self.group_names = groups or group_names()
         self.file = MetricsFile(run_dir / "metrics.jsonl", resume_step) if is_main else None
         self.dash = None
         if is_main and "tensorboard" in cfg.report_to:
@@ -300,6 +302,7 @@ class MetricsLogger:
             if (result is not None and result.applied and self.cfg.histogram_every
                     and step % self.cfg.histogram_every == 0):
                 self.dash.histograms(step, result.chunking, result.loads)
+                self.dash.document_histograms(step, *group_parts(result.vec), self.group_names)
 
     def close(self) -> None:
         for part in (self.bar, self.dash, self.tracker, self.file):

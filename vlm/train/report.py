@@ -26,7 +26,8 @@ def _smooth(v: np.ndarray, k: int) -> np.ndarray:
 
 
 def write_report(records: list[dict], out: Path, targets: dict[str, float], title: str = "") -> Path | None:
-    """Three panels: loss by sample kind; compression ratio per modality vs target; mean p per modality vs 1/R."""
+    """Four panels: loss by sample kind; the batch's compression ratio per modality vs target; the documents' ratio
+    per kind of sample (median, p10-p90 band); mean p per modality vs 1/R."""
     if not records:
         return None
     import matplotlib
@@ -34,7 +35,7 @@ def write_report(records: list[dict], out: Path, targets: dict[str, float], titl
     import matplotlib.pyplot as plt
 
     k = max(len(records) // 30, 1)
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    fig, axes = plt.subplots(1, 4, figsize=(21, 4.5))
     ax = axes[0]
     for key, label in (("lm_loss", "LM loss (all)"), ("loss/text_only", "text-only samples"),
                        ("loss/image_text", "image-text samples"), ("val/lm_loss", "held-out")):
@@ -66,6 +67,29 @@ def write_report(records: list[dict], out: Path, targets: dict[str, float], titl
     ax.set_xlabel("step"), ax.set_ylabel("tokens per concept"), ax.set_title("realized compression N/M")
     ax.legend()
     ax = axes[2]
+    kind_colours = {"chat": "tab:green", "caption": "tab:purple", "interleaved": "tab:brown", "text": "tab:blue"}
+    drew = False
+    for kind, c in kind_colours.items():
+        for mod, ls in (("text", "-"), ("image", "--")):
+            key = f"doc_ratio/{kind}/{mod}"
+            recs = [r for r in records if f"{key}/docs" in r]   # null quantile = no concept: drawn at 100
+            if not recs:
+                continue
+            s = np.asarray([r["step"] for r in recs])
+            lo, mid, hi = (np.asarray([100.0 if r.get(f"{key}/{q}") is None else min(r[f"{key}/{q}"], 100.0)
+                                       for r in recs]) for q in ("p10", "p50", "p90"))
+            ax.plot(s, _smooth(mid, k), color=c, ls=ls, label=f"{kind} {mod}")
+            ax.fill_between(s, _smooth(lo, k), _smooth(hi, k), color=c, alpha=0.12)
+            drew = True
+    for name, tgt in targets.items():
+        if name.startswith("ratio"):
+            ax.axhline(tgt, ls=":", color="gray")
+    if drew:
+        ax.set_yscale("log")
+        ax.legend(fontsize=7, ncol=2)
+    ax.set_xlabel("step"), ax.set_ylabel("tokens per concept (one document)")
+    ax.set_title("per document, by kind: median, p10-p90 (train)")
+    ax = axes[3]
     for mod in ("all", "text", "image"):
         s, v = _series(records, f"boundary_p/{mod}")
         if len(s):

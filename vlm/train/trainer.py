@@ -12,6 +12,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import time
 from dataclasses import replace
 from importlib.metadata import entry_points
@@ -47,6 +48,8 @@ from vlm.train.param_groups import (
 from vlm.train.probes import ActivationProbe
 from vlm.train.report import model_card, summary_lines, write_report
 from vlm.train.schedule import build_scheduler
+from vlm.train.signals import Preempted, StopFlag
+from vlm.train.sizes import check_buildable
 from vlm.train.stages import build_model
 from vlm.train.step import StepResult, train_step
 from vlm.train.validation import HeldOut
@@ -105,13 +108,17 @@ def registered_run_end() -> list[RunEnd]:
 
 class Trainer:
     def __init__(self, cfg: TrainConfig, run_dir: str | Path, resume: bool | None = None, log=print,
-                 accept_optim_change: bool = False, on_end: list[RunEnd] = (), loss_hook=None):
+                 accept_optim_change: bool = False, on_end: list[RunEnd] = (), loss_hook=None, stop: StopFlag | None = None):
         """resume: True = must resume; None = resume when RUN_DIR has a checkpoint; False = refuse if it has one.
         accept_optim_change: a resumed run takes this config's optimiser settings (learning rate, schedule, ...)
         instead of refusing them. on_end: run on rank 0 with the exported final/; their dicts go into the
-        summary. loss_hook(out, k) may replace micro-batch k's output (fault injection in tests)."""
+        summary. loss_hook(out, k) may replace micro-batch k's output (fault injection in tests).
+        stop: raised by SIGTERM / SIGINT (vlm.train.signals): the run checkpoints after the step in flight and
+        `train` returns 128 + the signal number; the vision warm-up raises Preempted after saving its state."""
         self.cfg, self.run_dir, self.log_fn = cfg, Path(run_dir), log
         self.on_end, self.loss_hook = list(on_end), loss_hook
+        self.stop = stop if stop is not None else StopFlag()
+        check_buildable(cfg)   # before the run folder exists: a size that cannot be allocated leaves nothing behind
         self.dist: DistInfo = init_distributed()
         run = cfg.train
         if run.threads:
@@ -157,7 +164,8 @@ class Trainer:
         self._write_run_files()
         resume_step = self.step if self.resume_from is not None else None
         metrics = MetricsLogger(cfg.logging, cfg.train.max_steps, self.run_dir, resume_step,
-                                config_targets(cfg), self.is_main, self.step, run_config=to_dict(cfg))
+                                config_targets(cfg), self.is_main, self.step, run_config=to_dict(cfg),
+                                groups=group_names(self.source_names))
         self.log(f"model: {self.n_params:,} parameters ({self.n_trainable:,} trainable); {self.dist.world_size} "
                  f"rank(s) on {self.dist.device}; ZeRO {cfg.deepspeed.zero_stage}{', bf16' if cfg.deepspeed.bf16 else ''}")
         for line in self.groups_desc:
@@ -166,6 +174,9 @@ class Trainer:
         self.t_start = time.time()
         rc = 0
         while self.step < cfg.train.max_steps:
+            if self._stop_requested():
+                metrics.close()
+                return self._stopped()
             t0 = time.perf_counter()   # throughput counts data loading too
             window = list(itertools.islice(batches, cfg.optim.grad_accum))
             if len(window) < cfg.optim.grad_accum:
@@ -194,7 +205,29 @@ class Trainer:
         if rc == 0:
             self.checkpointer.save_unless_saved(self.step, self.trainer_state)
         metrics.close()
+        if rc == 0 and self._stop_requested():   # asked to stop during the last step: no export, no evaluation
+            return self._stopped()
         return self._finish(rc)
+
+    def _stop_requested(self) -> bool:
+        """A SIGTERM / SIGINT on any rank stops every rank after the same step (a collective when distributed)."""
+        if self.dist.world_size == 1:
+            return self.stop.requested
+        flag = torch.tensor([float(self.stop.requested)], device=self.dist.device)
+        return bool(all_reduce_sum(flag).item() > 0)
+
+    def _stopped(self) -> int:
+        """Checkpoint the step just finished and say so in one line; the exit code of the signal."""
+        signum = self.stop.signum or signal.SIGTERM   # a rank that did not see the signal itself
+        name = signal.Signals(signum).name
+        if self.step == 0 and self.resume_from is None:
+            self.log(f"stopped by {name} before the first step: nothing to save; the same command starts the run "
+                     f"(--resume included)")
+        else:
+            self.checkpointer.save_unless_saved(self.step, self.trainer_state)   # WriteError: reported by the CLI
+            self.log(f"stopped by {name} after step {self.step}: checkpoint "
+                     f"{self.ckpt_root / ckpt_lib.step_dir_name(self.step)}; continue with the same command and --resume")
+        return 128 + int(signum)
 
     def _finish(self, rc: int) -> int:
         """Export final/, run the end-of-run callbacks, write report.png and summary.json (rank 0 prints)."""
@@ -296,10 +329,19 @@ class Trainer:
     def _resume_point(self, resume: bool | None) -> Path | None:
         found = ckpt_lib.find_resume_point(self.ckpt_root, self.dist.rank, warn=lambda m: self.log(f"warning: {m}"))
         if resume is True and found is None:
-            raise ConfigError(f"--resume: no complete checkpoint in {self.ckpt_root}")
+            if ckpt_lib.list_checkpoints(self.ckpt_root):   # there are some, all damaged: starting over would hide it
+                raise ConfigError(f"--resume: no intact checkpoint in {self.ckpt_root}")
+            # a requeue script can always pass --resume: a run preempted before its first checkpoint starts over
+            self.log(f"--resume: no checkpoint in {self.ckpt_root} yet: starting the run from the beginning")
         if resume is False and found is not None:
             raise ConfigError(f"{self.run_dir} already has checkpoints ({found.name}); resume it or use a new --out")
         return found
+
+    def _warmup_fingerprint(self) -> str:
+        """The settings that decide what the vision warm-up computes: its checkpoint resumes only under them."""
+        c = self.cfg
+        return json.dumps({"vision": to_dict(c.vision), "warmup": to_dict(c.vision_warmup), "data": to_dict(c.data),
+                           "seed": c.train.seed}, sort_keys=True, default=str)
 
     def _prepare_data_dir(self) -> None:
         """The default dataset is built once (rank 0) before any rank opens it."""
@@ -317,9 +359,17 @@ class Trainer:
             freeze_prefixes(model, cfg.params.freeze)
         if "vision" in fresh and cfg.vision_warmup.steps and self.resume_from is None:
             # before the engine exists: rank 0's result is what every rank starts from
-            run_vision_warmup(model.vision.encoder.to(self.dist.device), cfg.vision.build_processor(),
-                              cfg.vision_warmup, cfg.data, seed=cfg.train.seed, device=self.dist.device,
-                              run_dir=self.run_dir if self.is_main else None, log=self.log)
+            warm = run_vision_warmup(model.vision.encoder.to(self.dist.device), cfg.vision.build_processor(),
+                                     cfg.vision_warmup, cfg.data, seed=cfg.train.seed, device=self.dist.device,
+                                     run_dir=self.run_dir if self.is_main else None, log=self.log,
+                                     state_dir=self.ckpt_root if self.is_main else None,
+                                     fingerprint=self._warmup_fingerprint(), stop=self.stop)
+            if warm.get("stopped"):
+                name = signal.Signals(self.stop.signum or signal.SIGTERM).name
+                raise Preempted(self.stop.code or 143,
+                                f"stopped by {name} in the vision warm-up at step {warm['step']}/{warm['steps']}: "
+                                f"its state is in {warm['checkpoint']}; the same command (--resume included) "
+                                f"continues it")
             broadcast_module(model.vision.encoder)
         if cfg.vision_warmup.steps and cfg.vision_warmup.freeze_after:
             freeze_prefixes(model, ["vision.encoder"])
