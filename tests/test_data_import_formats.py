@@ -2,6 +2,7 @@
 (the old importer wrote 0 samples from a LLaVA JSON array and ignored `Image` bytes and the Cauldron's `texts`)."""
 from __future__ import annotations
 
+import io
 import json
 
 import pytest
@@ -67,7 +68,9 @@ def _hf_llava(png, n=4, with_bytes=True):
     feats = datasets.Features({"id": datasets.Value("string"), "image": datasets.Image(),
                                "conversations": [{"from": datasets.Value("string"), "value": datasets.Value("string")}]})
     rows = {"id": [f"ov{i}" for i in range(n)],
-            "image": [{"bytes": png(10 + i, 12), "path": None} if with_bytes else f"pics/{i}.png" for i in range(n)],
+            # bytes with the path the file had when the dataset was made (not on disk here): the bytes count
+            "image": [{"bytes": png(10 + i, 12), "path": f"coco/{i}.png"} if with_bytes else f"pics/{i}.png"
+                      for i in range(n)],
             "conversations": [[{"from": "human", "value": f"<image>\nHow wide is picture {i}?"},
                                {"from": "gpt", "value": f"{10 + i} pixels"}] for i in range(n)]}
     return datasets.Dataset.from_dict(rows, features=feats)
@@ -190,7 +193,12 @@ def test_workers_write_the_same_shards(tmp_path, png):
     _images(tmp_path / "images", png)
     rows = _llava_rows(png) * 30
     rows[5] = dict(rows[5], image="coco/train2017/missing.jpg")
-    (tmp_path / "images/coco/train2017/broken.jpg").write_bytes(png(32, 32, fmt="JPEG")[:-40])
+    from PIL import Image
+
+    noisy = io.BytesIO()
+    Image.effect_noise((64, 64), 60).convert("RGB").save(noisy, "JPEG", quality=90)
+    # cut inside the entropy-coded data: the header reads, only decoding finds the loss
+    (tmp_path / "images/coco/train2017/broken.jpg").write_bytes(noisy.getvalue()[:len(noisy.getvalue()) // 2])
     rows[7] = dict(rows[0], image="coco/train2017/broken.jpg")
     (tmp_path / "t.json").write_text(json.dumps(rows))
     outs = []
