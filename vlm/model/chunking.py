@@ -155,8 +155,8 @@ class Chunks(NamedTuple):
     cp_BM: torch.Tensor        # p at each concept's boundary
     loss: torch.Tensor         # ratio loss (eq. 4), summed over ratio groups
     local_stats: torch.Tensor  # [K, 3] (boundaries, sum p, tokens) per ratio group
-    # Synergy eq. 3's gate sigmoid(w) at each concept's boundary (topk router, topk_gate "sigmoid"); None: the
-    # concepts are not gated and eq. 10's STE(sel) multiplies them
+    # Synergy eq. 3's gate sigmoid(w) at each concept's boundary (topk router); None: the concepts are not gated
+    # and eq. 10's STE(sel) multiplies them
     cgate_BM: torch.Tensor | None = None
 
 
@@ -244,15 +244,11 @@ class ChunkModule(nn.Module):
         self.threshold.copy_(torch.where(s[1] > 0, 0.9 * self.threshold + 0.1 * mean, self.threshold))
         self.quantile_accum.zero_()
 
-    def topk_gate(self) -> str:
-        """"sigmoid": Synergy eq. 3 (each concept's output times sigmoid(w) of its boundary token); "ste": eq. 10's
-        straight-through factor. Read from ChunkConfig.topk_gate when the config has it."""
-        return getattr(self.cfg, "topk_gate", "sigmoid") if self.cfg.router == "topk" else "ste"
-
     def concept_gate(self, h_RD: torch.Tensor) -> torch.Tensor | None:
         """Synergy eq. 3: sigma_i = sigmoid(w_i), w_i (eq. 1) the score of the token that closes the concept; None
-        where the concepts are not gated."""
-        if self.topk_gate() != "sigmoid":
+        for the other routers (their concepts are not gated; eq. 10's STE(sel) multiplies them instead). Against
+        eq. 10's STE on the top-k router: held-out loss 0.9712 vs 0.9718 at step 300, 3 seeds (docs/deviations.md)."""
+        if self.cfg.router != "topk":
             return None
         return torch.sigmoid(self.score(h_RD).squeeze(-1).float())
 
