@@ -24,3 +24,29 @@ def test_every_part_writes_rows_machine_ratios_and_a_figure(tmp_path, capsys):
             assert len(ratios) >= 2 and ratios[0] == 1.0
         assert (tmp_path / f"{part}.png").stat().st_size > 0
         assert f"== {part} ==" in printed
+
+
+def test_realized_part_times_the_checkpoints_own_boundaries_next_to_forced_ones(exported_vlm, tiny_default, tmp_path):
+    from eval.bench import realized
+
+    docs = realized.realized_documents(str(exported_vlm), str(tiny_default), 6)
+    assert set(docs) == {"vqa prompt", "caption"} and all(len(v) == 6 for v in docs.values())
+    assert all(m[0] for v in docs.values() for m in v)        # every document starts a concept
+    assert main(["realized", "--smoke", "--ckpt", str(exported_vlm), "--data", str(tiny_default),
+                 "--out", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "realized.json").read_text())
+    names = {r["candidate"] for r in res["rows"]}
+    assert {"baseline (MoE)", "more_experts (learned)", "more_experts (forced R=2)"} <= names
+    for r in res["rows"]:
+        if r["candidate"].endswith("(forced R=2)"):
+            assert abs(r["realized_R"] - 2) < 0.3
+    # the learned rows carry the router's own ratio on the packed documents
+    learned = {r["setting"]["kind"]: r["realized_R"] for r in res["rows"] if r["candidate"] == "more_experts (learned)"}
+    batch, mask = realized.pack(docs["caption"], 128, 512)
+    assert learned["caption"] == round(float((batch.doc_ids >= 0).sum() / mask.sum()), 3)
+
+
+def test_realized_part_without_a_checkpoint_says_so(tmp_path):
+    assert main(["realized", "--smoke", "--out", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "realized.json").read_text())
+    assert res["rows"] == [] and "--ckpt" in res["unavailable"]["learned boundaries"]

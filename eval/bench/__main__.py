@@ -1,6 +1,9 @@
 """Run benchmark parts and write DIR/<part>.json and DIR/<part>.png; prints each part's table.
 
-    python -m eval.bench [model|decode|moe|loader|attention|vision|all] [--quick] [--out DIR]
+    python -m eval.bench [model|decode|moe|loader|attention|vision|realized|all] [--quick] [--out DIR] [--ckpt DIR]
+
+`realized` (prefill with the boundaries a trained router draws on real prompts) needs a checkpoint: `all` runs it
+when --ckpt is given.
 
 --quick: fewer lengths and rounds (`all` in under 5 minutes on 2 CPU cores). --smoke (not in --help): tiny
 shapes and two rounds, for tests of one part's plumbing; its figures say nothing about speed.
@@ -17,24 +20,31 @@ from pathlib import Path
 from eval.bench import common
 
 PARTS = ("model", "decode", "moe", "loader", "attention", "vision")
+CKPT_PARTS = ("realized",)      # parts that measure a trained checkpoint (--ckpt)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m eval.bench", description=__doc__.split("\n")[0])
-    ap.add_argument("part", nargs="?", default="all", choices=PARTS + ("all",))
+    ap.add_argument("part", nargs="?", default="all", choices=PARTS + CKPT_PARTS + ("all",))
     ap.add_argument("--quick", action="store_true", help="fewer lengths and rounds (all parts: < 5 min on 2 cores)")
     ap.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default="runs/bench", help="folder for <part>.json and <part>.png (default runs/bench)")
-    ap.add_argument("--data", help="loader part, full mode: default dataset folder (built there if missing)")
+    ap.add_argument("--data", help="loader part, full mode: default dataset folder (built there if missing); "
+                                   "realized part: the checkpoint's default dataset (default data/default)")
+    ap.add_argument("--ckpt", help="realized part: a trained checkpoint (RUN_DIR/final) whose router's boundaries "
+                                   "on its own held-out prompts are timed")
     args = ap.parse_args(argv)
     mode = "smoke" if args.smoke else "quick" if args.quick else "full"
     out = Path(args.out)
     t_all = time.perf_counter()
-    for part in PARTS if args.part == "all" else (args.part,):
+    parts = (PARTS + (CKPT_PARTS if args.ckpt else ())) if args.part == "all" else (args.part,)
+    for part in parts:
         mod = importlib.import_module(f"eval.bench.{part}")
         settings = mod.SETTINGS[mode]
         if part == "loader" and args.data:
             settings = replace(settings, data=args.data)
+        if part == "realized":
+            settings = replace(settings, ckpt=args.ckpt, **({"data": args.data} if args.data else {}))
         t0 = time.perf_counter()
         res = mod.run(settings, log=lambda msg: print(msg, file=sys.stderr, flush=True))
         res["mode"], res["wall_seconds"] = mode, round(time.perf_counter() - t0, 1)
