@@ -20,6 +20,7 @@ import base64
 import io
 import os
 import re
+import signal
 import warnings
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -300,7 +301,10 @@ _WORKER: tuple | None = None
 
 
 def init_worker(convert, settings) -> None:
+    """A worker's set-up: what to convert with. Ctrl-C reaches the whole process group; the main process
+    handles it (keeps the complete shards, says how to resume) and stops the workers, which ignore it."""
     global _WORKER
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _WORKER = (convert, settings)
 
 
