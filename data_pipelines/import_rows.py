@@ -43,6 +43,7 @@ COLUMN_GUESSES = {
 ROLE_MAP = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "bot": "assistant",
             "model": "assistant"}
 _ID_FIELDS = ("id", "sample_id", "uid", "key")
+MAX_PIXELS = 50_000_000     # as the loader's default processor.max_pixels: larger images would be skipped there
 
 
 class Skip(Exception):
@@ -91,9 +92,13 @@ def check_image(data: bytes) -> str:
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             with Image.open(io.BytesIO(data)) as im:
                 fmt = (im.format or "").lower()
+                if im.width * im.height > MAX_PIXELS:     # from the header, before anything is decoded
+                    raise Skip("image_too_large", f"{im.width}x{im.height} pixels exceeds {MAX_PIXELS}")
                 if fmt == "jpeg":   # decode at 1/8 scale: every coefficient is still read (a cut file fails)
                     im.draft(im.mode, (max(1, im.width // 8), max(1, im.height // 8)))
                 im.load()
+    except Skip:
+        raise
     except Image.DecompressionBombError as e:
         raise Skip("image_too_large", str(e)) from None
     except Exception as e:  # noqa: BLE001 - Pillow raises many kinds for bad bytes

@@ -164,3 +164,18 @@ def test_an_output_folder_is_not_mixed_up_with_another_import(tmp_path, png):
     assert import_table(table, tmp_path / "out", prefix="other", max_skip_share=0.2)["written"] == 17
     with pytest.raises(ImportFailed):
         import_folder(tmp_path / "img", tmp_path / "out3")       # no captions: nothing written, raises
+
+
+def test_bad_images_are_skipped_and_counted_not_decoded_whole(tmp_path, png):
+    """A decompression bomb (8000 x 8000, a few kB) is refused from its header; bytes that are no image are
+    corrupt_image; the good row is written."""
+    from PIL import Image
+
+    Image.new("1", (8000, 8000)).save(tmp_path / "bomb.png")
+    (tmp_path / "junk.jpg").write_bytes(b"\xff\xd8\xff\xe0 not a jpeg")
+    (tmp_path / "ok.png").write_bytes(png())
+    rows = [{"image": n, "caption": f"row with {n}"} for n in ("ok.png", "bomb.png", "junk.jpg")]
+    (tmp_path / "t.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    res = import_table(tmp_path / "t.jsonl", tmp_path / "out", max_skip_share=1.0)
+    assert res["written"] == 1 and res["skipped"] == {"image_too_large": 1, "corrupt_image": 1}
+    assert "8000x8000 pixels exceeds" in res["examples"][0]["detail"]
