@@ -81,7 +81,7 @@ def test_sigkill_and_resume_reproduces_metrics(tiny_data, tmp_path, tiny_config,
     assert wa.keys() == wb.keys() and all((wa[k] == wb[k]).all() for k in wa)
 
 
-def test_resume_refuses_a_changed_config(tiny_data, tmp_path, torch_globals, tiny_config, make_trainer):
+def test_resume_refuses_a_changed_config(tiny_data, tmp_path, torch_globals, tiny_config, make_trainer, load_tiny):
     from configs.config import ConfigError
 
     cfg = tiny_config(tiny_data, train={"max_steps": 2}, checkpoint={"save_every": 2}, logging={"eval_every": 0})
@@ -98,8 +98,19 @@ def test_resume_refuses_a_changed_config(tiny_data, tmp_path, torch_globals, tin
     cfg["optim"]["lr"] = 0.1
     with pytest.raises(ConfigError, match="cannot resume: optim.lr was 0.003 in the checkpointed run, now 0.1"):
         make_trainer(cfg, run_dir)
-    with pytest.raises(ConfigError, match="--resume: no complete checkpoint"):
-        make_trainer(cfg, tmp_path / "empty", resume=True)
+    # --resume on a run with no checkpoint yet (preempted before its first save) starts it, saying so
+    said = []
+    from vlm.train.trainer import Trainer
+
+    fresh = Trainer(load_tiny(cfg), tmp_path / "empty", resume=True, log=said.append)
+    assert fresh.resume_from is None and any("no checkpoint in" in m and "from the beginning" in m for m in said)
+    # ... but checkpoints that are all damaged are not silently trained over
+    for ckpt in (run_dir / "checkpoints").iterdir():
+        if (ckpt / "rank_00000.pt").is_file():
+            (ckpt / "rank_00000.pt").write_bytes(b"damaged")
+    cfg["optim"]["lr"] = 0.003
+    with pytest.raises(ConfigError, match="--resume: no intact checkpoint"):
+        make_trainer(cfg, run_dir, resume=True)
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])

@@ -9,9 +9,16 @@ Everything is written into `.tmp-step_...`, fsynced, then renamed; a crash mid-s
 `.tmp-` folder that `latest_checkpoint` never picks (and the next run deletes). Old checkpoints are
 renamed to `.del-` before removal for the same reason. A checkpoint damaged after it was written (a truncated
 file, a flipped bit) fails its checksums on resume, and the newest intact one is used instead, with a warning.
+
+A save that cannot be written (a full disk, a quota, a read-only mount) raises `WriteError`: one line with the
+path and the system's reason ("No space left on device"), after the `.tmp-` folder was removed; the previous
+checkpoint, untouched, stays the resume point. torch.save reports a failed write as "iostream error" or
+"unexpected pos" without the errno, so every torch.save here (DeepSpeed's included) writes through a file
+object that keeps the OSError.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -33,6 +40,61 @@ log = logging.getLogger(__name__)
 
 STEP_RE = re.compile(r"^step_(\d{8})$")
 DS_TAG = "ds"
+
+
+class WriteError(RuntimeError):
+    """A checkpoint or export that could not be written; the message is one line naming the path and why."""
+
+
+# errors that come from the machine, not from a bug: reported in one line, never as a traceback
+DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EFBIG, errno.EACCES, errno.EPERM)
+
+
+class _KeepsWriteError:
+    """A file object for torch.save that remembers the OSError its write raised (torch replaces it with
+    "iostream error" / "unexpected pos")."""
+
+    def __init__(self, fh):
+        self.fh, self.error = fh, None
+
+    def write(self, data):
+        try:
+            return self.fh.write(data)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def flush(self):
+        return self.fh.flush()
+
+
+def torch_save(obj, path, **kwargs) -> None:
+    """torch.save that fails with the OSError (errno, path) of a failed write instead of torch's message."""
+    path = Path(path)
+    try:
+        with open(path, "wb") as fh:
+            w = _KeepsWriteError(fh)
+            try:
+                torch.save(obj, w, **kwargs)
+            except RuntimeError:
+                if w.error is not None:
+                    raise OSError(w.error.errno, w.error.strerror, str(path)) from None
+                raise
+    except OSError as e:
+        if e.filename is None:
+            raise OSError(e.errno, e.strerror, str(path)) from None
+        raise
+
+
+def describe_write_error(e: BaseException, fallback: Path) -> str:
+    """'PATH: No space left on device' for a failed write (the path the OS named, else `fallback`)."""
+    if isinstance(e, OSError):
+        return f"{e.filename or fallback}: {e.strerror or e}"
+    return f"{fallback}: {type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
+
+
+def is_disk_error(e: BaseException) -> bool:
+    return isinstance(e, OSError) and e.errno in DISK_ERRNOS
 
 
 def step_dir_name(step: int) -> str:
@@ -138,22 +200,42 @@ def clean_partial(ckpt_root: Path) -> None:
 
 def save_checkpoint(engine, ckpt_root: Path, step: int, trainer_state: dict, rank: int, world_size: int,
                     keep_last: int) -> Path:
-    """Collective: every rank calls it. Returns the final checkpoint directory."""
+    """Collective: every rank calls it. Returns the final checkpoint directory; WriteError (the `.tmp-` folder
+    removed, older checkpoints untouched) when the files cannot be written."""
     final = ckpt_root / step_dir_name(step)
     tmp = ckpt_root / f".tmp-{step_dir_name(step)}"
+    try:
+        if rank == 0:
+            ckpt_root.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir()
+        barrier()
+        ds_save = getattr(getattr(engine, "checkpoint_engine", None), "save", None)
+        if ds_save is not None:   # DeepSpeed's own torch.save, through the errno-keeping writer
+            engine.checkpoint_engine.save = lambda state_dict, path: torch_save(state_dict, path)
+        try:
+            engine.save_checkpoint(str(tmp), tag=DS_TAG, save_latest=False)
+        finally:
+            if ds_save is not None:
+                del engine.checkpoint_engine.save   # back to the class's method
+        torch_save(trainer_state, tmp / f"rank_{rank:05d}.pt")
+        barrier()
+        if rank == 0:
+            (tmp / "meta.json").write_text(json.dumps({"step": step, "world_size": world_size, "time": time.time(),
+                                                       "files": file_digests(tmp)}))
+            _fsync_tree(tmp)
+    except (OSError, RuntimeError) as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, RuntimeError):
+            e = _disk_full_guess(e, ckpt_root)
+            if isinstance(e, RuntimeError):
+                raise   # not the machine's doing: a bug, with its traceback
+        previous = latest_checkpoint(ckpt_root)
+        raise WriteError(f"cannot write checkpoint step {step}: {describe_write_error(e, tmp)}; removed the partial "
+                         f"{tmp.name}, the resume point stays "
+                         f"{previous if previous is not None else 'the start of the run (no checkpoint yet)'}") from None
     if rank == 0:
-        ckpt_root.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
-    barrier()
-    engine.save_checkpoint(str(tmp), tag=DS_TAG, save_latest=False)
-    torch.save(trainer_state, tmp / f"rank_{rank:05d}.pt")
-    barrier()
-    if rank == 0:
-        (tmp / "meta.json").write_text(json.dumps({"step": step, "world_size": world_size, "time": time.time(),
-                                                   "files": file_digests(tmp)}))
-        _fsync_tree(tmp)
         if final.exists():   # same step saved twice (e.g. a final save right after a periodic one)
             old = ckpt_root / f".del-{final.name}"
             os.replace(final, old)
@@ -166,6 +248,52 @@ def save_checkpoint(engine, ckpt_root: Path, step: int, trainer_state: dict, ran
             shutil.rmtree(trash, ignore_errors=True)
     barrier()
     return final
+
+
+def _disk_full_guess(e: RuntimeError, where: Path) -> BaseException:
+    """A write error that lost its errno inside a library: when the disk has no room left, say so."""
+    try:
+        if shutil.disk_usage(where).free < 1 << 20:
+            return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), None)
+    except OSError:
+        pass
+    return e
+
+
+def save_state_dir(root: Path, name: str, state: dict) -> Path:
+    """One process's state (tensors and plain containers) as root/name/state.pt with its checksum, written into
+    `.tmp-name` and renamed: an interrupted write leaves the previous one in place. WriteError on a failed write."""
+    final, tmp = root / name, root / f".tmp-{name}"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        torch_save(state, tmp / "state.pt")
+        (tmp / "meta.json").write_text(json.dumps({"time": time.time(), "files": file_digests(tmp)}))
+        _fsync_tree(tmp)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise WriteError(f"cannot write {final}: {describe_write_error(e, tmp)}; removed the partial {tmp.name}") \
+            from None
+    if final.exists():
+        old = root / f".del-{name}"
+        os.replace(final, old)
+        shutil.rmtree(old, ignore_errors=True)
+    os.replace(tmp, final)
+    _fsync_dir(root)
+    return final
+
+
+def load_state_dir(root: Path, name: str, warn=log.warning) -> dict | None:
+    """The state `save_state_dir` wrote, or None (absent, or damaged: with a warning)."""
+    d = root / name
+    if not (d / "meta.json").is_file():
+        return None
+    bad = damaged_file(d)
+    if bad is not None:
+        warn(f"{d} is damaged: {bad}; not using it")
+        return None
+    return safe_load(d / "state.pt")
 
 
 def load_checkpoint(engine, ckpt: Path, rank: int, world_size: int) -> dict:

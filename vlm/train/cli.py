@@ -6,11 +6,16 @@ The config is read and validated before anything else happens; a bad key or valu
 
 The trainer (torch, DeepSpeed) is imported when the command runs, not when `vlm` registers it: every
 subcommand's registration runs on each `vlm` call, and `vlm data ...` should not wait for DeepSpeed.
+
+Preemption and failures the machine causes are one line each: SIGTERM / SIGINT checkpoint after the step in
+flight and exit 143 / 130 (a second signal exits at once; vlm.train.signals); a checkpoint, export or log that
+cannot be written (a full disk) names the path and the reason and exits 1.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
 import yaml
@@ -40,7 +45,8 @@ def add_train_command(subparsers) -> None:
     p.add_argument("--max-steps", type=int, default=None, help="override train.max_steps")
     p.add_argument("--save-every", type=int, default=None, help="override checkpoint.save_every")
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--resume", action="store_true", help="resume from RUN_DIR's latest checkpoint (required to exist)")
+    g.add_argument("--resume", action="store_true",
+                   help="resume from RUN_DIR's latest checkpoint (a run without one yet starts from the beginning)")
     g.add_argument("--no-resume", action="store_true", help="refuse to start if RUN_DIR already has checkpoints")
     p.add_argument("--print-config", action="store_true", help="print the resolved config (YAML) and exit")
     p.add_argument("--accept-optim-change", action="store_true",
@@ -67,6 +73,17 @@ def resolve_config(args):
 
 
 def train_command(args) -> int:
+    from vlm.train.signals import stop_on_signals
+
+    with stop_on_signals() as stop:   # from here on Ctrl-C is a flag, never a KeyboardInterrupt traceback
+        rc = _train(args, stop)
+    if rc is None and stop.requested:   # stopped before training began: nothing was written
+        print(f"vlm train: stopped by {stop.name} before the run started", file=sys.stderr)
+        return stop.code
+    return rc
+
+
+def _train(args, stop) -> int | None:
     cfg = resolve_config(args)   # ConfigError -> one line, exit 2 (vlm.cli.main)
     if args.print_config:
         print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
@@ -76,9 +93,25 @@ def train_command(args) -> int:
     check_deepspeed_config(cfg.deepspeed, cfg.optim, int(os.environ.get("WORLD_SIZE", "1")))
     if args.local_rank is not None:
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
+    from vlm.train.checkpoint import WriteError, describe_write_error, is_disk_error
+    from vlm.train.signals import Preempted
     from vlm.train.trainer import Trainer, registered_run_end
 
+    if stop.requested:
+        return None
     resume = True if args.resume else (False if args.no_resume else None)
-    trainer = Trainer(cfg, args.out, resume=resume, accept_optim_change=args.accept_optim_change,
-                      on_end=registered_run_end())
-    return trainer.train()
+    try:
+        trainer = Trainer(cfg, args.out, resume=resume, accept_optim_change=args.accept_optim_change,
+                          on_end=registered_run_end(), stop=stop)
+        return trainer.train()
+    except Preempted as e:
+        print(e)
+        return e.code
+    except WriteError as e:
+        print(f"vlm train: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:
+        if not is_disk_error(e):
+            raise
+        print(f"vlm train: cannot write {describe_write_error(e, args.out)}", file=sys.stderr)
+        return 1

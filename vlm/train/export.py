@@ -1,4 +1,9 @@
-"""RUN_DIR/final: the transformers export of the trained model, only when every weight is finite."""
+"""RUN_DIR/final: the transformers export of the trained model, only when every weight is finite.
+
+It is written into RUN_DIR/.tmp-final and renamed into place only when every file is complete, so a final/
+that exists is always whole. A write that fails (a full disk) removes the partial folder and raises
+WriteError: one line naming the file and the reason; an earlier final/ and the checkpoints stay as they were.
+"""
 from __future__ import annotations
 
 import contextlib
@@ -6,9 +11,13 @@ import os
 import shutil
 from pathlib import Path
 
+import errno
+import re
+
 import torch
 
 from vlm.model.hf import save_pretrained
+from vlm.train.checkpoint import DISK_ERRNOS, WriteError, describe_write_error
 from vlm.train.distributed import barrier
 from vlm.train.param_groups import folded_logit_scale
 
@@ -16,6 +25,17 @@ from vlm.train.param_groups import folded_logit_scale
 def nonfinite_tensors(module: torch.nn.Module) -> list[str]:
     return [n for n, t in [*module.named_parameters(), *module.named_buffers()]
             if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+
+
+def _as_os_error(e: Exception, path: Path) -> OSError | None:
+    """The OSError behind a failed export write: raised as such, or inside safetensors' "(os error 28)" text."""
+    if isinstance(e, OSError):
+        return e
+    m = re.search(r"os error (\d+)", str(e))
+    if m:
+        code = int(m.group(1))
+        return OSError(code, os.strerror(code), str(path))
+    return None
 
 
 def export_final(engine, run_dir: Path, tokenizer, logit_scale: float, is_main: bool, log) -> Path | None:
@@ -36,10 +56,42 @@ def export_final(engine, run_dir: Path, tokenizer, logit_scale: float, is_main: 
         if is_main:
             if tmp.exists():
                 shutil.rmtree(tmp)
-            with folded_logit_scale(module, logit_scale):
-                save_pretrained(module, tmp, tokenizer=tokenizer)
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
+            try:
+                with folded_logit_scale(module, logit_scale):
+                    save_pretrained(module, tmp, tokenizer=tokenizer)
+            except Exception as e:   # safetensors raises its own error type for a failed write
+                shutil.rmtree(tmp, ignore_errors=True)
+                err = _as_os_error(e, tmp / "model.safetensors")
+                if err is None or err.errno not in DISK_ERRNOS + (errno.ENOSPC,):
+                    raise
+                raise WriteError(f"cannot export {final}: {describe_write_error(err, tmp)}; removed the partial "
+                                 f"{tmp.name}; the trained weights are in the last checkpoint in "
+                                 f"{run_dir / 'checkpoints'}") from None
+            if final.exists():   # the old final/ goes only once the new one is complete
+                old = run_dir / ".del-final"
+                shutil.rmtree(old, ignore_errors=True)
+                os.replace(final, old)
+                os.replace(tmp, final)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(tmp, final)
     barrier()
     return final
+
+
+def write_extras(final: Path, files: dict[str, "Path | str | None"]) -> None:
+    """Files added to a complete final/ (the model card, the report picture): a path is copied, a string written.
+    A failed write removes its partial file and raises WriteError; the model in final/ stays whole."""
+    for name, content in files.items():
+        if content is None:
+            continue
+        dest = final / name
+        try:
+            if isinstance(content, Path):
+                shutil.copyfile(content, dest)
+            else:
+                dest.write_text(content)
+        except OSError as e:
+            dest.unlink(missing_ok=True)
+            raise WriteError(f"cannot write {describe_write_error(e, dest)}; removed the partial {name} (the model "
+                             f"in {final} is complete)") from None

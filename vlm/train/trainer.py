@@ -33,7 +33,7 @@ from vlm.train import checkpoint as ckpt_lib
 from vlm.train.config import TrainConfig
 from vlm.train.distributed import DistInfo, all_reduce_sum, barrier, broadcast_module, init_distributed
 from vlm.train.engine import build_optimizer, deepspeed_config, effective_settings, initialize
-from vlm.train.export import export_final
+from vlm.train.export import export_final, write_extras
 from vlm.train.global_parser import GlobalParser, install
 from vlm.train.metrics import MetricsLogger, group_names, load_imbalance, read_metrics, step_record
 from vlm.train.param_groups import (
@@ -258,9 +258,8 @@ class Trainer:
             indent=2, default=str))
         if rc == 0:   # final/ was exported: it gets a model card and the report picture
             final = self.run_dir / "final"
-            if picture is not None:
-                shutil.copyfile(picture, final / "report.png")
-            (final / "README.md").write_text(model_card(to_dict(self.cfg), lines, f"{self.run_dir.name}: ConceptMoE VLM"))
+            card = model_card(to_dict(self.cfg), lines, f"{self.run_dir.name}: ConceptMoE VLM")
+            write_extras(final, {"report.png": picture, "README.md": card})   # a full disk: one line, nothing partial
         self.log("\n".join(["", "=" * 72, "summary", "=" * 72] + lines))
         return rc
 

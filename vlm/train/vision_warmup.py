@@ -9,6 +9,11 @@ with mean pooling left shape words at 73 % per-label accuracy (chance 51 %), max
 Why a warm-up at all: inside the VLM the only signal the encoder gets is the LM loss on a few answer tokens,
 which taught colour and counts but not shape in every run we made (see the README's "Images: seeing and
 compression"). The read-out head is thrown away; the encoder keeps what it learnt.
+
+Preemption: the warm-up can take minutes, so it checkpoints too (RUN_DIR/checkpoints/vision_warmup/: encoder,
+read-out, optimiser, schedule and RNG states) every tenth of its steps, when it ends, and when a SIGTERM /
+SIGINT asks the run to stop. The next start of the same run (with or without --resume) continues it from there
+and draws the same images, so an interrupted warm-up ends where an uninterrupted one would.
 """
 from __future__ import annotations
 
@@ -29,10 +34,12 @@ from configs.config import ConfigError
 from data_pipelines.loader import resolve_sources
 from data_pipelines.samples import iter_samples
 from data_pipelines.schema import IMAGE_TOKEN, Sample
+from vlm.train.checkpoint import load_state_dir, rng_state, save_state_dir, set_rng_state
 from vlm.train.schedule import build_scheduler
 from vision.image_processor import ImageError, ImageProcessor, ProcessedImage
 
 WORD = re.compile(r"[^\W\d_]{2,}")   # letters only, two or more; lower-cased
+STATE_NAME = "vision_warmup"          # RUN_DIR/checkpoints/vision_warmup/
 
 
 def caption_words(text: str) -> set[str]:
@@ -113,11 +120,15 @@ def _batch(images: list[ProcessedImage | None], words: list[set[str]], index: di
 
 
 def run_vision_warmup(encoder: nn.Module, processor: ImageProcessor, cfg, data_cfg, *, seed: int,
-                      device: torch.device, run_dir: Path | None, log: Callable[[str], None]) -> dict:
+                      device: torch.device, run_dir: Path | None, log: Callable[[str], None],
+                      state_dir: Path | None = None, fingerprint: str = "", stop=None) -> dict:
     """Train `encoder` in place for cfg.steps steps on caption words; returns (and writes) what it learnt.
 
     cfg: VisionWarmupConfig; data_cfg: the run's DataConfig (its sources are read for captions; the
-    default dataset's val split, when that is the data, gives the held-out captions)."""
+    default dataset's val split, when that is the data, gives the held-out captions).
+    state_dir: where its checkpoint lives (None: no checkpoints); one written under another `fingerprint` (the
+    settings that decide the warm-up) is not resumed. stop: a StopFlag; when it is raised the warm-up saves and
+    returns {"stopped": True, "step": ..., "checkpoint": ...} after the step in flight."""
     t0 = time.time()
     train_patterns = [p for s in resolve_sources(data_cfg) for p in map(str, s.paths)]
     caps = collect_captions(train_patterns, cfg.max_captions)
@@ -151,7 +162,30 @@ def run_vision_warmup(encoder: nn.Module, processor: ImageProcessor, cfg, data_c
     encoder.train()
     losses: list[float] = []
     every = max(1, cfg.steps // 10)
-    for step in range(cfg.steps):
+    start = 0
+    saved = load_state_dir(state_dir, STATE_NAME, warn=lambda m: log(f"warning: {m}")) if state_dir else None
+    if saved is not None and (saved.get("fingerprint") != fingerprint or saved.get("vocabulary") != vocab):
+        log(f"warning: {state_dir / STATE_NAME} was written by a warm-up with other settings; starting it over")
+        saved = None
+    if saved is not None:
+        encoder.load_state_dict(saved["encoder"])
+        readout.load_state_dict(saved["readout"])
+        opt.load_state_dict(saved["optimizer"])
+        sched.load_state_dict(saved["scheduler"])
+        rng.setstate(saved["sampler"])
+        set_rng_state(saved["rng"])
+        start, losses = saved["step"], list(saved["losses"])
+        log(f"vision warm-up: continuing from {state_dir / STATE_NAME} at step {start}/{cfg.steps}")
+
+    def save(done: int) -> Path | None:
+        if state_dir is None:
+            return None
+        return save_state_dir(state_dir, STATE_NAME, {
+            "fingerprint": fingerprint, "vocabulary": vocab, "step": done, "losses": losses,
+            "encoder": encoder.state_dict(), "readout": readout.state_dict(), "optimizer": opt.state_dict(),
+            "scheduler": sched.state_dict(), "sampler": rng.getstate(), "rng": rng_state()})
+
+    for step in range(start, cfg.steps):
         pick = rng.sample(range(len(caps.images)), cfg.images_per_step)
         for i in pick:   # each image is decoded and patchified once, on first use
             if i not in processed:
@@ -166,9 +200,15 @@ def run_vision_warmup(encoder: nn.Module, processor: ImageProcessor, cfg, data_c
         opt.step()
         sched.step()
         losses.append(loss.item())
-        if (step + 1) % every == 0 or step + 1 == cfg.steps:
+        periodic = (step + 1) % every == 0 or step + 1 == cfg.steps
+        if periodic:
             log(f"vision warm-up {step + 1}/{cfg.steps}: word loss {sum(losses[-every:]) / len(losses[-every:]):.4f} "
                 f"({time.time() - t0:.0f} s)")
+        if stop is not None and stop.requested:
+            encoder.train(was_training)
+            return {"stopped": True, "step": step + 1, "steps": cfg.steps, "checkpoint": save(step + 1)}
+        if periodic:   # and at the end: a kill before the run's first checkpoint does not lose the warm-up
+            save(step + 1)
     encoder.train(was_training)
     result = {"steps": cfg.steps, "captions": len(caps.images), "vocabulary": vocab,
               "loss_first": losses[0], "loss_last": sum(losses[-every:]) / len(losses[-every:])}

@@ -1,0 +1,81 @@
+"""Preemption: SIGTERM (what SLURM and Kubernetes send before they kill) and SIGINT (Ctrl-C) stop a run cleanly.
+
+The first signal sets a flag (and says so on stderr): the step in flight finishes, the trainer (or the vision warm-up) writes a
+checkpoint and returns the conventional exit code, 128 + the signal number (130 for SIGINT, 143 for SIGTERM).
+Python runs a handler between bytecodes, never inside a torch kernel, so setting a flag cannot corrupt a step.
+A second signal means "now": one line, and the process exits at once without saving (os._exit: no cleanup
+that could hang on a collective or a full disk).
+
+Forked data-loader workers inherit the handler, so a Ctrl-C to the whole process group sets a flag in them
+too instead of killing them with a KeyboardInterrupt mid-batch.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from contextlib import contextmanager
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def exit_code(signum: int) -> int:
+    return 128 + signum
+
+
+class Preempted(Exception):
+    """Raised where a stop cannot be a return value (the vision warm-up runs while the trainer is being built):
+    its state was saved; `code` is the exit code, the message the one line to print."""
+
+    def __init__(self, code: int, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+class StopFlag:
+    """Set by the first SIGTERM / SIGINT; `requested` is what the loops poll."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._pid = os.getpid()
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name if self.signum is not None else ""
+
+    @property
+    def code(self) -> int:
+        return exit_code(self.signum) if self.signum is not None else 0
+
+    def request(self, signum: int) -> None:
+        """What the handler does (and what a test or a caller may do to ask for a stop)."""
+        self.signum = signum
+
+    def _handle(self, signum, frame) -> None:
+        if os.getpid() != self._pid:   # a forked worker: the parent decides, the worker keeps serving it
+            return
+        if self.signum is not None:
+            print(f"vlm train: second {signal.Signals(signum).name}: exiting now, without a checkpoint",
+                  file=sys.stderr, flush=True)
+            os._exit(exit_code(signum))
+        self.signum = signum
+        # said at once (a step or a save can take a while): someone at a terminal knows the Ctrl-C was heard, a
+        # log shows when the signal came; the outcome is one more line when the run stops
+        print(f"vlm train: {signal.Signals(signum).name} received: finishing this step and saving a checkpoint "
+              f"(send it again to exit at once)", file=sys.stderr, flush=True)
+
+
+@contextmanager
+def stop_on_signals(flag: StopFlag | None = None):
+    """Install the handlers for the duration of the block (main thread only) and restore the previous ones."""
+    flag = flag or StopFlag()
+    previous = {s: signal.signal(s, flag._handle) for s in SIGNALS}
+    try:
+        yield flag
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
