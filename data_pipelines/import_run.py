@@ -192,7 +192,8 @@ def run_import(items: Iterable[Any], convert: Callable, settings: Any, *, out: s
     _remove_shards(out, prefix, start_shard)
     t0 = time.time()
     rows = start_row
-    summary: dict[str, Any] = {"status": "ok", "source": source, "format": fmt, "out": str(out), "prefix": prefix}
+    summary: dict[str, Any] = {"status": "ok", "source": source, "format": fmt, "unit": unit, "out": str(out),
+                               "prefix": prefix}
 
     def snapshot(next_row: int, complete: bool = False) -> dict:
         # called when a shard is full, before the row that opens the next one is counted: the counts then
@@ -291,10 +292,11 @@ def _finalise(summary: dict[str, Any], max_skip_share: float) -> dict[str, Any]:
         raise ImportFailed(f"{summary['error']}{kept}", summary)
     if rows == 0:
         summary["status"] = "nothing_written"
-        raise ImportFailed(f"nothing imported: {src} holds no rows", summary)
+        raise ImportFailed(f"nothing imported: {src} holds no {summary.get('unit', 'row')}s", summary)
     if written == 0:
         summary["status"] = "nothing_written"
-        raise ImportFailed(f"nothing imported from {src}: all {rows} rows skipped ({_counts(skipped)}); first: "
+        raise ImportFailed(f"nothing imported from {src}: all {rows} {summary.get('unit', 'row')}s skipped "
+                           f"({_counts(skipped)}); first: "
                            f"{_examples_line(summary['examples'])}", summary)
     summary["status"] = "too_many_skipped" if share > max_skip_share else "ok"
     return summary

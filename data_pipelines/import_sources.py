@@ -158,6 +158,9 @@ def _sniff_json(path: Path) -> str:
             if not chunk:
                 return "jsonl"      # empty: no rows
             head = chunk.lstrip(b" \t\r\n")
+    if head[:1] == b"{" and head.split(b"\n", 1)[0].strip() == b"{":
+        raise ImporterError(f"table {path}: one pretty-printed JSON object, not an array of rows ([{{...}}, ...]) "
+                            "nor JSON lines (one object per line)")
     return "json" if head[:1] == b"[" else "jsonl"
 
 

@@ -65,6 +65,7 @@ def test_an_import_that_writes_nothing_fails_in_one_line(tmp_path, png, capsys):
     assert "holds no rows" in reasons["empty_file"] and "holds no rows" in reasons["empty_array"]
     assert "invalid JSON after item 0" in reasons["truncated_array"] and "truncated.json" in reasons["truncated_array"]
     assert "missing_caption" in reasons["no_captions"] and "holds no" in reasons["empty_table_folder"]
+    assert "holds no images" in reasons["empty_image_folder"] and "pretty-printed JSON object" in reasons["json_object"]
     # --encoding reads the latin-1 file
     rc, out, _ = _cli(["data", "import-table", str(tmp_path / "latin1.csv"), "--out", str(tmp_path / "o_l1"),
                        "--encoding", "latin-1", "--workers", "0", "--json"], capsys)
