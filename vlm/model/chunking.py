@@ -282,7 +282,8 @@ class ChunkModule(nn.Module):
                 n_S = pf.new_zeros(S).index_add(0, idx, m)
                 b_S = pf.new_zeros(S).index_add(0, idx, m * b_BT.flatten().float())
                 p_S = pf.new_zeros(S).index_add(0, idx, m * pf.flatten())
-                loss = loss + document_ratio_loss(n_S, b_S, p_S, glob[k, 2], r, self.cfg.document_slack)
+                loss = loss + self.cfg.document_weight * document_ratio_loss(n_S, b_S, p_S, glob[k, 2], r,
+                                                                             self.cfg.document_slack)
         return loss, local
 
     def forward(self, h_BTD, doc_BT, modality_BT=None, above_BT=None, force: str | torch.Tensor | None = None) -> Chunks:

@@ -91,6 +91,9 @@ class ChunkConfig:
     # anywhere in [R/s, R*s] (content-adaptive allocation within that band) and a per-document ratio loss pulls
     # it back from outside (s = 1: every document at R). See `document_ratio_loss`.
     document_slack: float | None = None
+    # weight of that per-document term relative to the batch term's (ratio_loss_weight): inside the band it is 0, so
+    # a large weight only sets how hard a document outside it is pulled back against the LM loss's pressure
+    document_weight: float = 10.0
 
     def validate(self) -> None:
         check(self.target_ratio > 1.0, f"target_ratio must be > 1 (R = N/M), got {self.target_ratio}")
@@ -111,6 +114,7 @@ class ChunkConfig:
             check(self.router in ("cosine", "linear"),
                   f"document_slack bounds a learned router's per-document ratio; router {self.router!r} sets its "
                   f"boundaries itself (use null)")
+            check(self.document_weight > 0, f"document_weight must be > 0, got {self.document_weight}")
             check(self.document_slack >= 1.0, f"document_slack must be >= 1 (a document's ratio lies in [R/s, R*s]), "
                                               f"got {self.document_slack}")
             low = min((self.modality_target_ratios or {}).values(), default=self.target_ratio)
