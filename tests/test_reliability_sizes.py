@@ -31,6 +31,8 @@ def test_the_estimate_is_a_lower_bound_close_to_the_real_count(tiny_data, tiny_c
     cfg = load_tiny(tiny_config(tiny_data))
     real = sum(p.numel() for p in ConceptMoEVLM(cfg.model, cfg.vision).parameters())
     check_buildable(cfg, limit=4 * real)   # exactly enough memory for the float32 weights: accepted
+    with pytest.raises(ConfigError, match="parameters need"):
+        check_buildable(cfg, limit=int(0.9 * 4 * real))
     lo, hi = int(0.9 * real), real
     while hi - lo > 1:   # the smallest limit (in parameters) it accepts
         mid = (lo + hi) // 2
