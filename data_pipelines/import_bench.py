@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     d = Path(args.dir)
     table = d / f"llava_{args.rows}{'_text' if args.text_only else ''}.json"
-    if not table.exists():
+    if not table.exists() or not (args.text_only or (d / "images").is_dir()):
         generate_llava(table, args.rows, args.images, args.image_side, args.text_bytes, args.text_only)
     if args.generate_only:
         return 0
