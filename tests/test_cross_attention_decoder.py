@@ -33,6 +33,7 @@ VARIANTS = {
     "last_delta_one_layer": tiny(merge="last", residual="delta", joint_decoding_layers=1),
     "mean_window_docs": dataclasses.replace(tiny(merge="mean"), attention_window=4, attn_backend="docs"),
     "wider_concept": dataclasses.replace(tiny(), concept_hidden_size=48, concept_num_heads=6, concept_num_kv_heads=3),
+    "topk_delta": tiny(router="topk", merge="last", residual="delta"),   # Synergy's gated concepts and inputs
 }
 
 
@@ -236,7 +237,7 @@ def _rows_batch(rows: list[list[int]]) -> PackedBatch:
     return PackedBatch(ids, torch.full_like(ids, -100), doc, pos, torch.zeros_like(ids))
 
 
-@pytest.mark.parametrize("name", ["sum", "last_delta_one_layer", "wider_concept"])
+@pytest.mark.parametrize("name", ["sum", "last_delta_one_layer", "wider_concept", "topk_delta"])
 def test_cached_decoding_equals_full_recompute(name, seeded_lm, rand_docs):
     """prefill + step (one concept key/value per realized concept, appended when a boundary fires) gives the
     logits of a full forward over the same tokens, for ragged rows, past the allocated capacity."""

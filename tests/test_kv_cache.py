@@ -38,6 +38,7 @@ VARIANTS = {
     "delta_residual_last": lm(merge="last", residual="delta"),     # the conversion's dechunk
     "local_window": dataclasses.replace(lm(merge="sum"), attention_window=3),
     "topk_router": lm(merge="sum", router="topk"),
+    "topk_router_delta": lm(merge="last", router="topk", residual="delta"),   # eq. 3's gate on c and c_in
     "loop_more_experts": dataclasses.replace(lm(), loop_start=0, loop_end=2, loop_times=1, concept_pos="none"),
     "more_experts": dataclasses.replace(lm(), concept_moe=MoEConfig(num_experts=8, top_k=3, expert_hidden=32)),
     "wider_concept": dataclasses.replace(lm(), concept_hidden_size=48, concept_num_heads=6, concept_num_kv_heads=3),
