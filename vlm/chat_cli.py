@@ -3,6 +3,12 @@
 Each line is a user turn; `/image PATH` attaches an image to the next turn, `/reset` starts over, `/quit` (or end
 of input) leaves. When standard input is not a terminal it reads one turn per line, prints each answer and exits
 0 at the end of input. Every turn prefills the conversation once and decodes with the concept-level caches.
+
+Inputs are bounded as in the demo: a turn whose conversation would exceed `--max-prompt-tokens` is refused
+before the model sees it (a cheap character bound first, so a 5 MB line is never tokenized), a line that is
+not UTF-8 is skipped with a message, a conversation holds at most `MAX_IMAGES` images, and each image is
+shrunk to the patch grid the model sees when it is attached (its pixel count checked from the header before
+anything is decoded): a conversation keeps kilobytes per image, not the upload's decoded size.
 """
 from __future__ import annotations
 
@@ -14,28 +20,63 @@ from PIL import Image, UnidentifiedImageError
 from configs.config import ConfigError
 from data_pipelines.chat import END, format_chat
 from data_pipelines.schema import IMAGE_TOKEN
-from vision.image_processor import ImageError
+from vision.image_processor import ImageError, choose_grid
 
 HELP = "commands: /image PATH (attach to the next turn), /reset, /quit"
+MAX_PROMPT_TOKENS = 4096   # the longest conversation accepted (the demo's default too)
+MAX_IMAGES = 8             # images one conversation may hold
+CHARS_PER_TOKEN = 8        # no tokenizer makes fewer tokens than characters / 8: a bound before tokenizing
 
 
 class Conversation:
     """The turns so far and their images, in the order their placeholders appear."""
 
-    def __init__(self, chat, max_new_tokens: int = 64, temperature: float = 0.0):
+    def __init__(self, chat, max_new_tokens: int = 64, temperature: float = 0.0,
+                 max_prompt_tokens: int = MAX_PROMPT_TOKENS, max_images: int = MAX_IMAGES):
         self.chat, self.max_new_tokens, self.temperature = chat, max_new_tokens, temperature
+        self.max_prompt_tokens, self.max_images = max_prompt_tokens, max_images
         self.turns: list[dict] = []
         self.images: list[Image.Image] = []
         self.pending: list[Image.Image] = []
 
     def attach(self, path: str) -> str:
+        if len(self.images) + len(self.pending) >= self.max_images:
+            return (f"cannot use image {path}: this conversation holds {self.max_images} images already "
+                    "(the most it takes); start a new one")
         try:
+            im = self._load(path)
+        except (OSError, UnidentifiedImageError, Image.DecompressionBombError, ImageError) as e:
+            return f"cannot use image {path}: {e}"
+        self.pending.append(im)
+        return f"image {Path(path).name} attached to your next message"
+
+    def _load(self, path: str) -> Image.Image:
+        """The image as the model will see it: decoded by the model's processor (pixel limit checked on the
+        header, JPEGs decoded at a reduced scale) and resized to its patch grid at once, so that the
+        conversation never holds the upload's full decoded size (7000 x 7000 RGB is 147 MB)."""
+        processor = getattr(self.chat, "processor", None)
+        if processor is None:   # a text-only model: the image is refused later, with the model's own message
             with Image.open(path) as im:
                 im.load()
-                self.pending.append(im.copy())
-        except (OSError, UnidentifiedImageError, Image.DecompressionBombError) as e:
-            return f"cannot use image {path}: {e}"
-        return f"image {Path(path).name} attached to your next message"
+                return im.copy()
+        img = processor.load(path, source=Path(path).name, for_patches=True)
+        cfg = processor.cfg
+        rows, cols = choose_grid(img.height, img.width, cfg)
+        # the processor's own resize (same size, same filter), done once here; on this image it is then a no-op
+        return img.resize((cols * cfg.patch_size, rows * cfg.patch_size), Image.Resampling.BICUBIC)
+
+    def prompt_problem(self, text: str) -> str | None:
+        """Why `text` cannot be the next turn (the conversation would exceed max_prompt_tokens), or None."""
+        if len(text) > self.max_prompt_tokens * CHARS_PER_TOKEN or self.prompt_tokens(text) > self.max_prompt_tokens:
+            return (f"the conversation would exceed {self.max_prompt_tokens} tokens; shorten the message or start "
+                    "a new conversation")
+        return None
+
+    def prompt_tokens(self, text: str) -> int:
+        """Tokens of the conversation with `text` as the next user turn (the prompt `ask` will build)."""
+        turns, images = self.next_turns(text)
+        batch = self.chat.prompt_batch([format_chat(turns, add_generation_prompt=True)], [images])
+        return int((batch.doc_ids >= 0).sum())
 
     def reset(self) -> None:
         self.turns, self.images, self.pending = [], [], []
@@ -66,14 +107,38 @@ class Conversation:
         return answer
 
 
+def input_lines(stream, max_bytes: int):
+    """Lines of a binary stream as (text, None), or (None, why) for a line that cannot be a turn: not UTF-8,
+    or longer than `max_bytes` (the rest of such a line is read and dropped in pieces, never held whole)."""
+    while True:
+        line = stream.readline(max_bytes + 1)
+        if not line:
+            return
+        if len(line) > max_bytes and not line.endswith(b"\n"):
+            while (rest := stream.readline(1 << 16)) and not rest.endswith(b"\n"):
+                pass
+            yield None, f"line skipped: longer than {max_bytes} bytes"
+            continue
+        try:
+            yield line.decode("utf-8"), None
+        except UnicodeDecodeError as e:
+            yield None, f"line skipped: not UTF-8 text (byte {line[e.start]:#04x} at position {e.start})"
+
+
 def run_chat(chat, lines, out=sys.stdout, interactive: bool = False, max_new_tokens: int = 64,
-             temperature: float = 0.0, images: list[str] = ()) -> int:
-    conv = Conversation(chat, max_new_tokens, temperature)
+             temperature: float = 0.0, images: list[str] = (), max_prompt_tokens: int = MAX_PROMPT_TOKENS) -> int:
+    """`lines`: strings, or (text, None) / (None, why) pairs from `input_lines`."""
+    conv = Conversation(chat, max_new_tokens, temperature, max_prompt_tokens=max_prompt_tokens)
     for path in images:
         print(conv.attach(path), file=out)
     prompt = lambda: print("you> ", end="", file=out, flush=True) if interactive else None  # noqa: E731
     prompt()
     for line in lines:
+        line, why = line if isinstance(line, tuple) else (line, None)
+        if why is not None:
+            print(f"[{why}]", file=out, flush=True)
+            prompt()
+            continue
         text = line.strip()
         if text in ("/quit", "/exit"):
             break
@@ -87,6 +152,9 @@ def run_chat(chat, lines, out=sys.stdout, interactive: bool = False, max_new_tok
         elif text:
             print("model> ", end="", file=out, flush=True)
             try:
+                problem = conv.prompt_problem(text)
+                if problem is not None:
+                    raise ValueError(f"prompt too long: {problem}")
                 conv.ask(text, on_text=lambda piece: print(piece, end="", file=out, flush=True))
             except (ImageError, ValueError) as e:   # an image over the limits, a prompt too long, ...
                 conv.pending = []
@@ -103,6 +171,7 @@ def add_chat_command(sub) -> None:
     p.add_argument("--image", action="append", default=[], metavar="PATH", help="attach to the first turn")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--max-prompt-tokens", type=int, default=MAX_PROMPT_TOKENS, help="longest conversation accepted")
     p.set_defaults(func=_run)
 
 
@@ -111,9 +180,17 @@ def _run(args) -> int:
 
     if not (Path(args.ckpt) / "config.json").is_file():
         raise ConfigError(f"--ckpt {args.ckpt}: no exported model there (expected RUN_DIR/final with config.json)")
-    chat = load_eval_model(args.ckpt)
+    from vlm.model.weights_check import WeightsError
+
+    try:
+        chat = load_eval_model(args.ckpt)
+    except WeightsError as e:
+        print(f"vlm chat: {e}", file=sys.stderr)
+        return 2
     interactive = sys.stdin.isatty()
     if interactive:
         print(f"chatting with {args.ckpt}; {HELP}")
-    return run_chat(chat, sys.stdin, interactive=interactive, max_new_tokens=args.max_new_tokens,
-                    temperature=args.temperature, images=args.image)
+    max_bytes = args.max_prompt_tokens * CHARS_PER_TOKEN * 4   # UTF-8: at most 4 bytes a character
+    return run_chat(chat, input_lines(sys.stdin.buffer, max_bytes), interactive=interactive,
+                    max_new_tokens=args.max_new_tokens, temperature=args.temperature, images=args.image,
+                    max_prompt_tokens=args.max_prompt_tokens)

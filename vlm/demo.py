@@ -7,7 +7,10 @@ boundaries marked (`|`), and the realized compression (tokens per concept) of te
 Safe by default: it binds 127.0.0.1 (pass `--host 0.0.0.0` to expose it), uploads are capped in bytes
 (`--max-upload-mb`, enforced by gradio's max_file_size and again here) and in pixels (the processor's
 `max_pixels`, read from the header before decoding), and a broken image or an over-long prompt gives a message
-in the page, never a traceback. Needs the optional extra: `pip install -e ".[demo]"`.
+in the page, never a traceback. Memory is bounded per session: an image is shrunk to the patch grid the model
+sees when it is attached (`Conversation.attach`), a conversation holds at most `--max-images` of them, and a
+session's conversation is dropped when its page closes or after `SESSION_TTL_S` (gradio's State lifetime).
+Needs the optional extra: `pip install -e ".[demo]"`.
 
 A screenshot of the page with headless Chromium, while the demo runs:
 
@@ -18,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import sys
 import threading
 from pathlib import Path
 
@@ -27,7 +31,7 @@ from configs.config import ConfigError
 from data_pipelines.chat import format_chat
 from data_pipelines.schema import IMAGE_TOKEN
 from vision.image_processor import ImageError, ImageProcessor
-from vlm.chat_cli import Conversation
+from vlm.chat_cli import MAX_IMAGES, Conversation
 from vlm.model.stats import summarize
 from vlm.train.render import image_concept_picture, text_with_boundaries
 
@@ -36,6 +40,7 @@ log = logging.getLogger(__name__)
 DEFAULT_PORT = 7860
 MAX_UPLOAD_MB = 10
 TITLE = "ConceptMoE image chat"
+SESSION_TTL_S = 3600        # a session's conversation (and its images) is dropped an hour after its last use
 
 
 def check_image(path: str, max_bytes: int, max_pixels: int) -> str | None:
@@ -118,23 +123,18 @@ def concept_panel(chat, turns: list[dict], images: list) -> tuple:
 
 
 def build_app(chat, *, max_new_tokens: int = 64, temperature: float = 0.0, max_prompt_tokens: int = 4096,
-              max_upload_mb: float = MAX_UPLOAD_MB, example: tuple[str, list[str]] | None = None):
+              max_upload_mb: float = MAX_UPLOAD_MB, example: tuple[str, list[str]] | None = None,
+              max_images: int = MAX_IMAGES):
     """The gradio Blocks of the demo around a loaded `ConceptMoEChat` (launch it with `launch_app`).
     `example` = (image path, questions): every page opens on that conversation, answered once here."""
     import gradio as gr
 
     max_bytes = int(max_upload_mb * 1e6)
     max_pixels = chat.processor.cfg.max_pixels if chat.processor is not None else Image.MAX_IMAGE_PIXELS
-    max_chars = max_prompt_tokens * 8   # a cheap bound before tokenizing anything
 
     def new_conversation() -> Conversation:
-        return Conversation(chat, max_new_tokens=max_new_tokens, temperature=temperature)
-
-    def prompt_tokens(conv: Conversation, text: str) -> int:
-        """Tokens of the conversation with `text` as the next user turn (the prompt `conv.ask` will build)."""
-        turns, images = conv.next_turns(text)
-        batch = chat.prompt_batch([format_chat(turns, add_generation_prompt=True)], [images])
-        return int((batch.doc_ids >= 0).sum())
+        return Conversation(chat, max_new_tokens=max_new_tokens, temperature=temperature,
+                            max_prompt_tokens=max_prompt_tokens, max_images=max_images)
 
     def respond(message, upload, session):
         """Streams (chat history, session, picture, text, compression, status, message box, upload)."""
@@ -159,11 +159,12 @@ def build_app(chat, *, max_new_tokens: int = 64, temperature: float = 0.0, max_p
             yield say("Image attached: ask something about it." if upload else "Type a message first.")
             return
         try:
-            if len(text) > max_chars or (n := prompt_tokens(conv, text)) > max_prompt_tokens:
+            if conv.prompt_problem(text) is not None:
                 conv.pending = []
                 yield say(f"**Prompt too long:** the conversation would exceed {max_prompt_tokens} tokens; "
                           "shorten the message or press *New conversation*.")
                 return
+            n = conv.prompt_tokens(text)
             shown = ("[image] " * len(conv.pending)) + text
             history.append({"role": "user", "content": shown})
             history.append({"role": "assistant", "content": ""})
@@ -187,6 +188,8 @@ def build_app(chat, *, max_new_tokens: int = 64, temperature: float = 0.0, max_p
         yield say(failed)
 
     def reset(session):
+        if session is not None:
+            session.conv.reset()
         return [], None, None, "", {}, "Conversation cleared.", "", None
 
     opening = None
@@ -201,6 +204,13 @@ def build_app(chat, *, max_new_tokens: int = 64, temperature: float = 0.0, max_p
             conv.ask(q)
         opening = (conv.turns, conv.images, concept_panel(chat, conv.turns, conv.images))
 
+    def end_session(session) -> None:
+        """The page closed (or the session expired): its conversation's images go now, not when gradio's state
+        holder is next swept."""
+        if session is not None:
+            session.conv.reset()
+            session.history = []
+
     def load_example(session):
         """Each page gets its own copy of the example conversation (the answers were generated once)."""
         turns, images, (picture, text, compression) = opening
@@ -209,10 +219,12 @@ def build_app(chat, *, max_new_tokens: int = 64, temperature: float = 0.0, max_p
         session = Session(conv)
         return list(session.history), session, picture, text, compression, "", "", None
 
-    with gr.Blocks(title=TITLE, analytics_enabled=False) as app:   # nothing leaves the machine
+    # uploads are copied into gradio's cache folder: files older than the session lifetime are deleted
+    with gr.Blocks(title=TITLE, analytics_enabled=False,   # nothing leaves the machine
+                   delete_cache=(SESSION_TTL_S // 4, SESSION_TTL_S)) as app:
         gr.Markdown(f"## {TITLE}\nUpload an image and ask about it; the right side shows how the model groups "
                     "image patches and text tokens into concepts (tokens per concept = compression).")
-        state = gr.State(None)
+        state = gr.State(None, time_to_live=SESSION_TTL_S, delete_callback=end_session)
         with gr.Row():
             with gr.Column(scale=3):
                 chatbot = gr.Chatbot(label="conversation", height=420)
@@ -258,6 +270,7 @@ def add_demo_command(sub) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--max-prompt-tokens", type=int, default=4096, help="longest conversation accepted")
     p.add_argument("--max-upload-mb", type=float, default=MAX_UPLOAD_MB, help="largest image upload")
+    p.add_argument("--max-images", type=int, default=MAX_IMAGES, help="most images one conversation holds")
     p.add_argument("--example", nargs="+", metavar=("IMAGE", "QUESTION"),
                    help="open every page on this image and the model's answers to these questions")
     p.set_defaults(func=_run)
@@ -276,11 +289,18 @@ def _run(args) -> int:
         raise ConfigError("--example needs an image and at least one question: --example IMAGE QUESTION ...")
     if args.example and not Path(args.example[0]).is_file():
         raise ConfigError(f"--example: image {args.example[0]} not found")
-    chat = load_eval_model(args.ckpt)
+    from vlm.model.weights_check import WeightsError
+
+    try:
+        chat = load_eval_model(args.ckpt)
+    except WeightsError as e:
+        print(f"vlm demo: {e}", file=sys.stderr)
+        return 2
     example = (args.example[0], args.example[1:]) if args.example else None
     try:
         app = build_app(chat, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                        max_prompt_tokens=args.max_prompt_tokens, max_upload_mb=args.max_upload_mb, example=example)
+                        max_prompt_tokens=args.max_prompt_tokens, max_upload_mb=args.max_upload_mb, example=example,
+                        max_images=args.max_images)
     except ImageError as e:
         raise ConfigError(str(e)) from None
     print(f"serving {args.ckpt} on http://{args.host}:{args.port} (Ctrl-C stops)")
