@@ -5,6 +5,7 @@ accumulation (one big batch's gradient)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -209,6 +210,14 @@ def test_topk_threshold_moves_once_per_optimizer_step_from_the_real_passes():
     real_q = [q for grad, q in seen if grad]
     assert len(real_q) == K and len(seen) == 2 * K           # the statistics pass ran too
     want = 0.9 * before + 0.1 * float(torch.stack(real_q).mean())
+    assert float(chunker.threshold) == pytest.approx(want, rel=1e-6, abs=1e-7)
+    assert float(chunker.quantile_accum.abs().sum()) == 0
+
+    # a skipped (non-finite) step moves nothing and leaves nothing behind for the next one
+    res = train_step(engine, micro_batches(K), 1, seed=0, rank=0, world_size=1, parser=parser, ratio_weight=0.03,
+                     device=torch.device("cpu"),
+                     loss_hook=lambda out, k: dataclasses.replace(out, loss=out.loss + float("nan")))
+    assert not res.applied
     assert float(chunker.threshold) == pytest.approx(want, rel=1e-6, abs=1e-7)
     assert float(chunker.quantile_accum.abs().sum()) == 0
 

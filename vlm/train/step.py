@@ -86,7 +86,8 @@ def grads_finite(module: torch.nn.Module, device: torch.device) -> bool:
     return float(all_reduce_min(ok.to(torch.float64).reshape(1).to(device))[0]) >= 1.0
 
 
-def zero_moe_loads(module: torch.nn.Module) -> None:
+def zero_step_statistics(module: torch.nn.Module) -> None:
+    """A skipped step's MoE loads and top-k score quantiles are dropped: its micro-batches never happened."""
     for m in module.modules():
         if isinstance(m, MoE):
             m.load_accum.zero_()
@@ -185,7 +186,7 @@ def train_step(engine, window: list[PackedBatch], step: int, *, seed: int, rank:
         engine.step()
     applied = not bad and engine.was_step_applied()
     if not applied:
-        zero_moe_loads(engine.module)
+        zero_step_statistics(engine.module)
         return StepResult(False, None, {}, float("nan"), chunking)
     update_topk_thresholds(engine.module)
     vec, loads, ratio_loss = acc.reduce(all_reduce_sum)
