@@ -81,10 +81,11 @@ def _remove_shards(out: Path, prefix: str, first: int) -> None:
             p.unlink()
             gone.add(p.name)
     m = read_manifest(out)
-    if m is not None and any(e.get("name") in gone or (_shard_index(str(e.get("name")), prefix) or -1) >= first
-                             for e in m["shards"]):
-        keep = [e for e in m["shards"] if e.get("name") not in gone and
-                ((i := _shard_index(str(e.get("name")), prefix)) is None or i < first)]
+    if m is None:
+        return
+    keep = [e for e in m["shards"] if e.get("name") not in gone and
+            ((i := _shard_index(str(e.get("name")), prefix)) is None or i < first)]
+    if len(keep) != len(m["shards"]):
         (out / MANIFEST).unlink()
         if keep:
             update_manifest(out, keep)
@@ -162,7 +163,7 @@ def run_import(items: Iterable[Any], convert: Callable, settings: Any, *, out: s
     if "." in prefix or "/" in prefix or not prefix:
         raise ImporterError(f"shard prefix {prefix!r} must be non-empty and hold no '.' or '/'")
     sp = state_path(out, prefix)
-    key = {"source": source, "fingerprint": fingerprint, "prefix": prefix, "max_count": max_count,
+    key = {"source": os.path.realpath(source) if os.path.exists(source) else source, "fingerprint": fingerprint, "prefix": prefix, "max_count": max_count,
            "max_bytes": max_bytes, **(extra or {})}
     key = json.loads(json.dumps(key, default=str))
     state = None
