@@ -109,6 +109,9 @@ def _folder_source(path: Path, fmt: str | None, split: str | None, encoding: str
         src = RowSource(path, "arrow", files, path, encoding)
         _count_rows(src)
         return src
+    if any(path.glob("*.tar")):
+        raise ImporterError(f"folder {path} holds webdataset shards (.tar; img2dataset writes its .parquet "
+                            "metadata beside them): give the folder as a data source as it is, or to `vlm data stats`")
     files = sorted(f for f in path.rglob("*") if f.is_file() and not f.name.startswith(".")
                    and f.suffix.lower() in _SUFFIX_FORMAT and f.name not in _METADATA_FILES)
     if fmt:

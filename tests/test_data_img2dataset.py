@@ -42,6 +42,11 @@ def test_img2dataset_shards_read_as_they_are(tmp_path, png, capsys, decode_docs)
         rc, out = _cli(["data", "stats", *args, "--json"], capsys)
         res = json.loads(out.out)
         assert rc == 0 and res["totals"]["count"] == 12 and res["bad"] == {} and res["totals"]["shards"] == 2, args
+    # importing it instead is a one-line pointer to reading it as it is (its .parquet is metadata, no images)
+    from data_pipelines.importers import ImporterError, import_table
+
+    with pytest.raises(ImporterError, match="holds webdataset shards .*give the folder as a data source"):
+        import_table(d, tmp_path / "imported")
     tok = ByteTokenizer()
     cfg = DataConfig(sources=[SourceConfig(path=str(d))], row_tokens=256, rows_per_batch=2, epochs=1,
                      processor=ImageProcessorConfig(patch_size=4, max_patches=16, min_patches=4, merge=2))
