@@ -314,7 +314,8 @@ def test_grove_router_eq9_weighs_the_chosen_experts_by_the_full_softmax():
 
 def test_grove_lambda_bound_is_part_of_the_config():
     """Grove 3.2: lambda <= g / n, checked wherever a MoEConfig is validated (not only when upcycling)."""
-    with pytest.raises(ConfigError, match=r"grove_lambda=0.9 must be in \(0, grove_groups / num_experts = 2/8 = 0.25\]"):
+    bound = r"grove_lambda=0.9 must be in \(0, grove_groups / num_experts = 2/8 = 0.25\]"
+    with pytest.raises(ConfigError, match=bound):
         from_dict(MoEConfig, {"num_experts": 8, "grove_groups": 2, "grove_lambda": 0.9})
     with pytest.raises(ConfigError, match="grove_lambda=0.26"):
         MoE(MoEConfig(num_experts=8, grove_groups=2, grove_lambda=0.26), 16)

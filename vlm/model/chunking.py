@@ -317,7 +317,9 @@ class ChunkModule(nn.Module):
         cdoc = cdoc.scatter(1, slot_BT, doc_BT)[:, :M]
         cp = p.new_zeros(doc_BT.shape[0], M + 1).scatter(1, slot_BT, p)[:, :M]
         gate_BT = self.concept_gate(h_BTD)
-        cgate = None if gate_BT is None else gate_BT.new_zeros(doc_BT.shape[0], M + 1).scatter(1, slot_BT, gate_BT)[:, :M]
+        cgate = None
+        if gate_BT is not None:   # each concept keeps its boundary token's gate (the spill column M is dropped)
+            cgate = gate_BT.new_zeros(doc_BT.shape[0], M + 1).scatter(1, slot_BT, gate_BT)[:, :M]
         return Chunks(p, b, sel, cidx, cdoc, positions_in_doc(cdoc), cp, loss, local, cgate)
 
     def step(self, h_BD: torch.Tensor, state: ChunkState) -> tuple[torch.Tensor, torch.Tensor]:

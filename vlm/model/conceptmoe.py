@@ -175,7 +175,8 @@ class ConceptMoELM(nn.Module):
         else:
             gate_R = self.chunker.concept_gate(h_B1D[rows, 0])
             if gate_R is not None:   # Synergy eq. 3-4, as Dechunk.gated: the concept (and its input) times its gate
-                c_R1D, c_in_RD = c_R1D * gate_R[:, None, None].to(c_R1D.dtype), c_in_RD * gate_R[:, None].to(c_in_RD.dtype)
+                c_R1D = c_R1D * gate_R[:, None, None].to(c_R1D.dtype)
+                c_in_RD = c_in_RD * gate_R[:, None].to(c_in_RD.dtype)
             st.ema_BD[rows] = self.dechunk.ema_step(c_R1D[:, 0], p_B[rows], st.ema_BD[rows])
             st.n_concepts_B[rows] += 1
             cread_B1D = st.ema_BD[:, None].to(h_B1D.dtype)

@@ -19,7 +19,7 @@ class MoEConfig:
     # softmax / sigmoid: one score per expert chooses (with the balancing bias) and weighs; grove (Grove eq. 9):
     # sigmoid scores plus the bias choose, the softmax scores rho^(h) weigh (see grove_weights)
     router: Literal["softmax", "sigmoid", "grove"] = "softmax"
-    norm_topk_prob: bool = True        # softmax / sigmoid routers: renormalise the selected weights (Qwen3-MoE, Mixtral)
+    norm_topk_prob: bool = True        # softmax / sigmoid routers: renormalise the chosen weights (Qwen3-MoE, Mixtral)
     # grove router's combine weights: "softmax" is eq. 9-10's rho^(h) over all n experts (the chosen ones sum to
     # less than 1); "renormalised" rescales them to sum to 1 (= a softmax over the chosen logits; not the paper)
     grove_weights: Literal["softmax", "renormalised"] = "softmax"
