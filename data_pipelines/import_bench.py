@@ -45,8 +45,8 @@ def generate_llava(path: str | Path, rows: int, images: int = 200, image_side: i
         for r in range(rows):
             q = " ".join(rng.choice(words) for _ in range(max(1, text_bytes // 12)))
             a = " ".join(rng.choice(words) for _ in range(max(1, text_bytes // 8)))
-            row = {"id": f"{r:09d}", "conversations": [{"from": "human", "value": ("" if text_only else "<image>\n") + q},
-                                                       {"from": "gpt", "value": a}]}
+            human = ("" if text_only else "<image>\n") + q
+            row = {"id": f"{r:09d}", "conversations": [{"from": "human", "value": human}, {"from": "gpt", "value": a}]}
             if not text_only:
                 row["image"] = f"coco/{r % images:06d}.jpg"
             f.write(("," + sep if r else "") + json.dumps(row, indent=indent))

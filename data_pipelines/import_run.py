@@ -163,8 +163,8 @@ def run_import(items: Iterable[Any], convert: Callable, settings: Any, *, out: s
     if "." in prefix or "/" in prefix or not prefix:
         raise ImporterError(f"shard prefix {prefix!r} must be non-empty and hold no '.' or '/'")
     sp = state_path(out, prefix)
-    key = {"source": os.path.realpath(source) if os.path.exists(source) else source, "fingerprint": fingerprint, "prefix": prefix, "max_count": max_count,
-           "max_bytes": max_bytes, **(extra or {})}
+    key = {"source": os.path.realpath(source) if os.path.exists(source) else source, "fingerprint": fingerprint,
+           "prefix": prefix, "max_count": max_count, "max_bytes": max_bytes, **(extra or {})}
     key = json.loads(json.dumps(key, default=str))
     state = None
     if sp.is_file():

@@ -6,7 +6,7 @@
 | `.json` / `.jsonl` / `.ndjson` with one object per line | line by line |
 | `.csv` / `.tsv` | the csv module |
 | `.parquet`, or a folder of them (`Dataset.to_parquet`, the hub's `data/train-*.parquet`) | pyarrow, in small batches |
-| `.arrow`, or a `Dataset.save_to_disk` folder (`state.json`; `dataset_dict.json` + splits) | pyarrow IPC, memory-mapped |
+| `.arrow`, or a `Dataset.save_to_disk` folder (`state.json`; `dataset_dict.json` + splits) | pyarrow IPC, mmap |
 
 Nothing is read whole into memory. A row that cannot be parsed comes as `{"__error__": (reason, detail)}` and is
 skipped and counted by the importer; a file that cannot be read at all raises `ImporterError` naming it.

@@ -68,7 +68,8 @@ def test_import_finetune_from_final_and_evaluate(tmp_path, png, tiny_data, TINY,
     base["train"].update(max_steps=2)
     (tmp_path / "cfg").mkdir()
     (tmp_path / "cfg" / "base.yaml").write_text(yaml.safe_dump(base, sort_keys=False))
-    rc, out, err = _main(["train", "--config", str(tmp_path / "cfg" / "base.yaml"), "--out", str(tmp_path / "runs/base")])
+    rc, out, err = _main(["train", "--config", str(tmp_path / "cfg" / "base.yaml"), "--out",
+                          str(tmp_path / "runs/base")])
     assert rc == 0, out[-2000:] + err[-2000:]
     final = tmp_path / "runs" / "base" / "final"
     assert (final / "config.json").is_file()

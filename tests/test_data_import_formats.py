@@ -66,7 +66,8 @@ def test_llava_json_array_and_jsonl(tmp_path, png, layout):
 
 def _hf_llava(png, n=4, with_bytes=True):
     feats = datasets.Features({"id": datasets.Value("string"), "image": datasets.Image(),
-                               "conversations": [{"from": datasets.Value("string"), "value": datasets.Value("string")}]})
+                               "conversations": [{"from": datasets.Value("string"),
+                                                  "value": datasets.Value("string")}]})
     rows = {"id": [f"ov{i}" for i in range(n)],
             # bytes with the path the file had when the dataset was made (not on disk here): the bytes count
             "image": [{"bytes": png(10 + i, 12), "path": f"coco/{i}.png"} if with_bytes else f"pics/{i}.png"
@@ -157,7 +158,8 @@ def test_the_cauldron_texts_and_images(tmp_path, png):
     assert res["written"] == 2 and res["skipped"] == {}
     a, b = _read(tmp_path / "out")
     assert a.kind == "pair" and a.turns == [
-        {"role": "user", "content": "<image>\nQuestion: what is shown?"}, {"role": "assistant", "content": "A red square."},
+        {"role": "user", "content": "<image>\nQuestion: what is shown?"},
+        {"role": "assistant", "content": "A red square."},
         {"role": "user", "content": "And its colour?"}, {"role": "assistant", "content": "Red."}]
     assert b.kind == "interleaved" and b.images == [png(8, 8), png(9, 9)]
     assert b.turns[0]["content"] == "<image><image>\nCompare the two."
