@@ -138,6 +138,10 @@ def test_interrupted_import_resumes_and_a_finished_one_is_not_redone(tmp_path, p
         import_table(table, tmp_path / "out", **kw)
     assert not list((tmp_path / "out").glob(".*partial/*.tar"))     # no partial shard left in the output
     assert len(list((tmp_path / "out").glob("*.tar"))) == 5
+    # what a SIGKILL can leave besides: the shard being written, and a full shard moved out before its state save
+    (tmp_path / "out" / ".shard.partial").mkdir()
+    (tmp_path / "out" / ".shard.partial" / "shard-000005.tar").write_bytes(b"half a shard")
+    (tmp_path / "out" / "shard-000006.tar").write_bytes(b"a shard the state does not know")
     seen.clear()
     monkeypatch.setattr(importers, "convert_row", lambda i, r, s: seen.append(i) or real(i, r, s))
     res = import_table(table, tmp_path / "out", **kw)
@@ -146,6 +150,7 @@ def test_interrupted_import_resumes_and_a_finished_one_is_not_redone(tmp_path, p
     assert res["examples"] == ref["examples"]
     names = sorted(p.name for p in (tmp_path / "ref").glob("*.tar"))
     assert names == sorted(p.name for p in (tmp_path / "out").glob("*.tar")) and len(names) == 9
+    assert not (tmp_path / "out" / ".shard.partial").exists()
     for n in names + ["manifest.json"]:
         ref_bytes, out_bytes = (tmp_path / "ref" / n).read_bytes(), (tmp_path / "out" / n).read_bytes()
         assert ref_bytes == out_bytes, n
