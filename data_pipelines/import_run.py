@@ -158,6 +158,9 @@ def run_import(items: Iterable[Any], convert: Callable, settings: Any, *, out: s
     and write the samples into shards in `out`; returns the summary (see the module docstring)."""
     if not 0 <= max_skip_share <= 1:
         raise ImporterError(f"max skip share must be in [0, 1], got {max_skip_share}")
+    if max_count < 1 or max_bytes < 1 or workers < 0:
+        raise ImporterError(f"--max-count and --max-bytes must be >= 1 and --workers >= 0, got {max_count}, "
+                            f"{max_bytes}, {workers}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     if "." in prefix or "/" in prefix or not prefix:
