@@ -218,6 +218,7 @@ def run_import(items: Iterable[Any], convert: Callable, settings: Any, *, out: s
     if workers > 0:   # before any thread (the progress bar's) starts: workers are forked where that exists
         pool = ProcessPoolExecutor(workers, mp_context=_mp_context(), initializer=init_worker,
                                    initargs=(convert, settings))
+        pool.submit(int).result()     # the workers start now (a fork pool starts all of them at its first task)
     bar = Progress(total, desc, progress, unit=unit)
     if start_row:
         bar.update(start_row)
