@@ -3,8 +3,8 @@ global): on the default VL mix the batch ratio loss alone lets the router meet R
 sample (chat prompts unmerged, captions and text documents in a few concepts). Does a per-document band on the ratio
 (`model.chunk.document_slack`) bring every kind's documents near the target in eval mode, without costing VQA?
 
-Variants: the paper's batch statistics alone; a band of [R/1.5, R*1.5] per document (content-adaptive inside it);
-every document at R (slack 1). Read: per kind and modality of held-out samples (test VQA and captions, val text and
+Variants: the paper's batch statistics alone; a band of [R/1.5, R*1.5] per document (content-adaptive inside it, the
+default); every document at R (slack 1). The per-document term's weight is the default's (10 x ratio_loss_weight). Read: per kind and modality of held-out samples (test VQA and captions, val text and
 interleaved documents), the median, 10th and 90th percentile documents' ratio; the VQA prompts' own prefill ratio;
 VQA against the majority answer and the blind model.
 """
@@ -20,6 +20,7 @@ METRICS = ([Metric("vqa", "VQA %", 1), Metric("margin", "VQA - best baseline", 1
             Metric("worst_type", "worst type - its best baseline", 1),
             Metric("in_band", "kind x modality pairs meeting the bands", 0),
             Metric("prompt_text_p50", "VQA prompt text R (median)", 2, ref=2.0),
+            Metric("prompt_gap", "|VQA prompt text R - 2|", 2),
             Metric("prompt_image_p50", "VQA prompt image R (median)", 2, ref=2.0)]
            + [Metric(f"{k}_{m}_p50", f"{k} {m} R (median doc)", 2, ref=2.0) for k in KINDS for m in MODS[k]])
 
@@ -50,12 +51,16 @@ def read(run: Run, seed_runs: dict[str, Run]) -> dict:
     row["in_band"] = ok
     for m, d in (vqa.get("prompt_compression") or {}).items():
         row[f"prompt_{m}_p50"] = _finite(d["p50"])
+    if row.get("prompt_text_p50") is not None:
+        row["prompt_gap"] = abs(row["prompt_text_p50"] - 2.0)
     return row
 
 
 def verdict(t):
     return [better("a per-document band brings more kinds x modalities within the bands than the batch loss alone",
                    "slack-1.5", t["slack-1.5"]["in_band"], "batch", t["batch"]["in_band"], lower=False, digits=0),
+            better("the band keeps the VQA prompts' text closer to R than the batch loss alone (median prompt)",
+                   "slack-1.5", t["slack-1.5"]["prompt_gap"], "batch", t["batch"]["prompt_gap"], digits=2),
             no_worse("the band costs no VQA accuracy", "slack-1.5", t["slack-1.5"]["vqa"], "batch",
                      t["batch"]["vqa"], lower=False, digits=1),
             better("every document at R: more kinds x modalities within the bands than the batch loss alone",
@@ -72,11 +77,14 @@ def recipe() -> Recipe:
         "document in [1.33, 3], 10th-90th percentile in [1.1, 6]), where the batch ratio loss alone splits kinds "
         "all-or-nothing; VQA no worse",
         "default.yaml",
-        [Variant("batch", ["model.chunk.document_slack=null"], {"ratio statistics": "batch (paper)"}),
+        [Variant("batch", ["model.chunk.document_slack=null"], {"ratio statistics": "batch (paper, the old default)"}),
          Variant("slack-1.5", ["model.chunk.document_slack=1.5"],
                  {"ratio statistics": "batch + per document, band [R/1.5, 1.5 R]"}),
          Variant("slack-1.0", ["model.chunk.document_slack=1.0"],
                  {"ratio statistics": "batch + per document, every document at R"})],
-        METRICS, read, verdict, steps=1500,
+        METRICS, read, verdict, steps=600,
         held_out="eval mode (p >= 0.5) on held-out samples: test VQA and captions, val text and interleaved documents",
-        seeds=2, common=["train.vqa_max_samples=400"], evals=3, step_s=0.30, startup_s=200)
+        seeds=2, common=["train.vqa_max_samples=300", "vision_warmup.steps=300"], evals=3, step_s=0.30,
+        startup_s=150,
+        note="600 steps after a 300-step vision warm-up (the default: 3000 after 1000) so that 6 runs fit in about "
+             "half an hour on 2 cores; the default itself is measured at three seeds in the README")

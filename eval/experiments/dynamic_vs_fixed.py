@@ -3,7 +3,8 @@ the chunked models get the MoE's per-token FLOPs back (section 3.5, strategy 1: 
 from __future__ import annotations
 
 from eval.experiments.core import Metric, Recipe, Run, Variant, better
-from eval.experiments.text import HELD_OUT, TEXT_CONFIG, TRAIN_LOSS, VAL_LOSS, VAL_R, flops_vs, losses, \
+from eval.experiments.text import HELD_OUT, TEXT_CONFIG, TRAIN_LOSS, VAL_LOSS, VAL_R, VAL_R_DOC, flops_vs, \
+    losses, \
     matched_overrides
 
 RATIO = 2.0
@@ -36,5 +37,5 @@ def recipe() -> Recipe:
         [Variant("moe", ["model.chunk.enabled=false"], {"chunking": "none (MoE)"}),
          Variant("fixed", [*matched, "model.chunk.router=fixed"], {"chunking": f"fixed, every {RATIO:g} tokens"}),
          Variant("dynamic", [*matched, "model.chunk.router=cosine"], {"chunking": "dynamic (cosine router)"})],
-        [VAL_LOSS, TRAIN_LOSS, VAL_R, FLOPS], read, verdict, steps=1500, held_out=HELD_OUT, seeds=3,
+        [VAL_LOSS, TRAIN_LOSS, VAL_R, *VAL_R_DOC, FLOPS], read, verdict, steps=1500, held_out=HELD_OUT, seeds=3,
         common=common, note=f"chunked variants reallocated: {how} (FLOPs at the target R)")

@@ -5,10 +5,11 @@ as in the paper."""
 from __future__ import annotations
 
 from eval.experiments.core import Metric, Recipe, Run, Variant, better
-from eval.experiments.text import HELD_OUT, TEXT_CONFIG, TRAIN_R, VAL_LOSS, VAL_R, losses
+from eval.experiments.text import HELD_OUT, TEXT_CONFIG, TRAIN_R, VAL_LOSS, VAL_R, VAL_R_DOC, losses
 
 RATIO = 1.5
-METRICS = [Metric("train_R", TRAIN_R.label, 2, ref=RATIO), Metric("val_R", VAL_R.label, 2, ref=RATIO),
+METRICS = [*VAL_R_DOC, Metric("train_R", TRAIN_R.label, 2, ref=RATIO),
+           Metric("val_R", VAL_R.label, 2, ref=RATIO),
            Metric("R_drift", "|held-out R - train R|", 3), Metric("mean_p", "mean p (train)", 3, ref=1 / RATIO),
            Metric("p_gap", f"|mean p - 1/R| (1/R = {1 / RATIO:.3f})", 3), VAL_LOSS]
 

@@ -13,14 +13,21 @@ HELD_OUT = ("the run's last val/lm_loss (eval mode: boundaries where p >= 0.5) o
 
 VAL_LOSS = Metric("val_loss", "held-out loss")
 TRAIN_LOSS = Metric("train_loss", "train loss (last 10 %)")
-VAL_R = Metric("val_R", "held-out R", 2)
+VAL_R = Metric("val_R", "held-out R (aggregate)", 2)
+# the same held-out text documents one by one: the median document, and the 10th / 90th percentile ones
+VAL_R_DOC = [Metric("val_R_p50", "held-out R, median document", 2), Metric("val_R_p10", "held-out R, p10 document", 2),
+             Metric("val_R_p90", "held-out R, p90 document", 2)]
 TRAIN_R = Metric("train_R", "train R (last 10 %)", 2)
 
 
 def losses(run: Run) -> dict:
     """Held-out and training LM loss, realized compression (tokens per concept) held out and in training."""
-    return {"val_loss": run.last_val("lm_loss"), "train_loss": run.tail("lm_loss"),
-            "val_R": run.last_val("compression/ratio"), "train_R": run.tail("compression/ratio")}
+    row = {"val_loss": run.last_val("lm_loss"), "train_loss": run.tail("lm_loss"),
+           "val_R": run.last_val("compression/ratio"), "train_R": run.tail("compression/ratio")}
+    for q in ("p10", "p50", "p90"):   # a null quantile is a document with no concept: read as 1000 tokens per concept
+        v = run.last_val(f"doc_ratio/text/text/{q}")
+        row[f"val_R_{q}"] = v if v is not None or run.last_val("doc_ratio/text/text/docs") is None else 1e3
+    return row
 
 
 def model_config(run: Run):

@@ -48,7 +48,8 @@ class HeldOut:
         if self.batches:
             vec, _, ratio_loss = acc.reduce(all_reduce_sum)
             rec = step_record(0, vec, ratio_loss, 0.0, 0.0, 1.0)
-            val = {f"val/{k}": rec[k] for k in EVAL_KEYS}
+            # the aggregates, and per kind of sample the documents' ratio per modality (eval mode): p10 / p50 / p90
+            val = {f"val/{k}": v for k, v in rec.items() if k in EVAL_KEYS or k.startswith("doc_ratio/")}
         return val, (self._pictures(*first) if draw and first is not None else None)
 
     def _pictures(self, batch, boundary_BT) -> tuple:
