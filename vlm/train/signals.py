@@ -6,8 +6,10 @@ Python runs a handler between bytecodes, never inside a torch kernel, so setting
 A second signal means "now": one line, and the process exits at once without saving (os._exit: no cleanup
 that could hang on a collective or a full disk).
 
-Forked data-loader workers inherit the handler, so a Ctrl-C to the whole process group sets a flag in them
-too instead of killing them with a KeyboardInterrupt mid-batch.
+Forked data-loader workers (data.num_workers > 0) inherit the handler, which does nothing in them, so a Ctrl-C
+to the whole process group does not kill them mid-batch. A SIGTERM sent to the whole group is different: torch
+gives its workers their own SIGTERM handler, they end, and the run stops with torch's "worker killed" error
+instead of a checkpoint; schedulers that signal only the main process (or num_workers: 0, the default) are fine.
 """
 from __future__ import annotations
 
