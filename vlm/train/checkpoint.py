@@ -232,9 +232,9 @@ def save_checkpoint(engine, ckpt_root: Path, step: int, trainer_state: dict, ran
             if isinstance(e, RuntimeError):
                 raise   # not the machine's doing: a bug, with its traceback
         previous = latest_checkpoint(ckpt_root)
+        keep = previous if previous is not None else "the start of the run (no checkpoint yet)"
         raise WriteError(f"cannot write checkpoint step {step}: {describe_write_error(e, tmp)}; removed the partial "
-                         f"{tmp.name}, the resume point stays "
-                         f"{previous if previous is not None else 'the start of the run (no checkpoint yet)'}") from None
+                         f"{tmp.name}, the resume point stays {keep}") from None
     if rank == 0:
         if final.exists():   # same step saved twice (e.g. a final save right after a periodic one)
             old = ckpt_root / f".del-{final.name}"
