@@ -2,7 +2,8 @@
 
 The first signal sets a flag (and says so on stderr): the step in flight finishes, the trainer (or the vision
 warm-up) writes a checkpoint and returns the conventional exit code, 128 + the signal number (130 for SIGINT,
-143 for SIGTERM). Python runs a handler between bytecodes, never inside a torch kernel, so setting a flag cannot corrupt a step.
+143 for SIGTERM). Python runs a handler between bytecodes, never inside a torch kernel, so setting a flag
+cannot corrupt a step.
 A second signal means "now": one line, and the process exits at once without saving (os._exit: no cleanup
 that could hang on a collective or a full disk).
 
