@@ -92,6 +92,18 @@ def test_a_good_export_still_loads(exported_vlm):
     assert all(torch.equal(got[k], v) for k, v in want.items())
 
 
+def test_a_bfloat16_export_loads_with_its_float32_expert_bias(tiny_vlm, tmp_path):
+    """A bf16 run exports bf16 weights, but the MoE keeps its expert bias in float32: the check expects each
+    tensor in the dtype the model itself gives it, not one dtype for all."""
+    from vlm.model.hf import load_vlm, save_pretrained
+
+    model, tok = tiny_vlm()
+    save_pretrained(model.bfloat16(), tmp_path / "final", tokenizer=tok)
+    dtypes = {v.dtype for v in load_file(tmp_path / "final" / "model.safetensors").values()}
+    assert dtypes == {torch.bfloat16, torch.float32}
+    assert next(load_vlm(tmp_path / "final").lm.parameters()).dtype == torch.bfloat16
+
+
 def test_init_from_refuses_int64_weights(exported_vlm, tmp_path):
     """The probe that trained at loss 6.2 million: int64 weights through train.init_from."""
     from configs.config import ConfigError

@@ -49,18 +49,19 @@ def weight_files(path: Path) -> list[Path]:
 
 
 def expected_tensors(config) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """name -> (shape, dtype) of every tensor an export of this `ConceptMoEConfig` must hold. Floating tensors
-    carry the dtype the export recorded (`dtype`, float32 when absent)."""
+    """name -> (shape, dtype) of every tensor an export of this `ConceptMoEConfig` must hold: the model cast to
+    the dtype the export recorded (`dtype`, float32 when absent) the way the export was, so that what the model
+    keeps in float32 whatever its dtype (the MoE expert bias) is expected in float32."""
     from vlm.model.multimodal import ConceptMoEVLM
 
-    with torch.device("meta"):
-        model = ConceptMoEVLM(*config.build_configs())
     want = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
     if isinstance(want, str):
-        want = getattr(torch, want.removeprefix("torch."), torch.float32)
-    out = {}
-    for k, t in model.state_dict().items():
-        out[f"vlm.{k}"] = (tuple(t.shape), want if t.is_floating_point() else t.dtype)
+        want = getattr(torch, want.removeprefix("torch."), None)
+    if not isinstance(want, torch.dtype) or not want.is_floating_point:
+        raise WeightsError(f"config dtype {getattr(config, 'dtype', None)!r} is not a floating-point torch dtype")
+    with torch.device("meta"):
+        model = ConceptMoEVLM(*config.build_configs()).to(want)
+    out = {f"vlm.{k}": (tuple(t.shape), t.dtype) for k, t in model.state_dict().items()}
     if config.tie_word_embeddings:   # transformers stores a tied head once, under the embedding's name
         out.pop("vlm.lm.lm_head.weight", None)
     return out
@@ -78,6 +79,8 @@ def check_exported_weights(path: str | Path, config) -> None:
     path = Path(path)
     try:
         expected = expected_tensors(config)
+    except WeightsError as e:
+        raise WeightsError(f"{path / 'config.json'}: {e}") from None
     except (RuntimeError, ValueError, TypeError, OverflowError) as e:
         raise WeightsError(f"{path / 'config.json'}: describes no model that can be built ({e})") from None
     found: dict[str, Path] = {}
