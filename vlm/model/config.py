@@ -93,7 +93,7 @@ class ChunkConfig:
     document_slack: float | None = None
     # weight of that per-document term relative to the batch term's (ratio_loss_weight): inside the band it is 0, so
     # a large weight only sets how hard a document outside it is pulled back against the LM loss's pressure
-    document_weight: float = 10.0
+    document_weight: float = 30.0
 
     def validate(self) -> None:
         check(self.target_ratio > 1.0, f"target_ratio must be > 1 (R = N/M), got {self.target_ratio}")
