@@ -67,6 +67,9 @@ class _KeepsWriteError:
     def flush(self):
         return self.fh.flush()
 
+    def __getattr__(self, name):   # tell, seek, fileno, ...: the real file's
+        return getattr(self.fh, name)
+
 
 def torch_save(obj, path, **kwargs) -> None:
     """torch.save that fails with the OSError (errno, path) of a failed write instead of torch's message."""
@@ -213,7 +216,9 @@ def save_checkpoint(engine, ckpt_root: Path, step: int, trainer_state: dict, ran
         barrier()
         ds_save = getattr(getattr(engine, "checkpoint_engine", None), "save", None)
         if ds_save is not None:   # DeepSpeed's own torch.save, through the errno-keeping writer
-            engine.checkpoint_engine.save = lambda state_dict, path: torch_save(state_dict, path)
+            zipfile = getattr(engine.checkpoint_engine, "zipfile_serialization", True)   # DeepSpeed's setting
+            engine.checkpoint_engine.save = lambda state_dict, path: torch_save(
+                state_dict, path, _use_new_zipfile_serialization=zipfile)
         try:
             engine.save_checkpoint(str(tmp), tag=DS_TAG, save_latest=False)
         finally:
