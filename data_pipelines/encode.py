@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 import numpy as np
 from PIL import Image
 
-from data_pipelines.chat import chat_segments
 from data_pipelines.schema import (CORRUPT_IMAGE, EMPTY_TEXT, IMAGE_COUNT, IMAGE_TOO_LARGE, INVALID_FIELD, TOO_LONG,
                                    BadSample, Sample)
 from data_pipelines.tokenizer import Tokenizer
@@ -101,13 +100,14 @@ def encode_sample(sample: Sample, tok: Tokenizer, processor: ImageProcessor, row
     `allow_empty_text` is for prompts: an image-only prompt ("<image>") is valid input to generation,
     while as training data it would teach nothing."""
     if sample.turns is not None:
-        segments = chat_segments(sample.turns)
+        segments = tok.chat_segments(sample.turns)   # the tokenizer's chat format: ours or a source's
         if loss_on == "all":
             segments = [(text, True) for text, _ in segments]
     else:
         segments = [(sample.text, True)]
-    parts = [np.array([tok.bos_id], dtype=np.int64)]
-    flags = [np.zeros(1, dtype=bool)]
+    head = [] if tok.bos_id is None else [tok.bos_id]   # a source without bos (Qwen) starts with its first token
+    parts = [np.array(head, dtype=np.int64)]
+    flags = [np.zeros(len(head), dtype=bool)]
     for text, is_target in segments:
         ids = tok.encode_np(text)
         if tok.is_reserved[ids].any():

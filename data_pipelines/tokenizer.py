@@ -49,6 +49,14 @@ class Tokenizer:
     def token_id(self, special: str) -> int:
         return self._special_ids[special]
 
+    chat_template = None   # the project's own format (data_pipelines/chat.py); a source's tokenizer has its own
+
+    def chat_segments(self, turns: list[dict], add_generation_prompt: bool = False) -> list[tuple[str, bool]]:
+        """A conversation as (text, is_target) pieces in this tokenizer's chat format."""
+        from data_pipelines.chat import chat_segments
+
+        return chat_segments(turns, add_generation_prompt)
+
     @property
     def bytes_per_id(self) -> np.ndarray:
         """UTF-8 bytes each id stands for (0 for special tokens): the denominator of bits per byte."""
@@ -215,6 +223,119 @@ def _load_tokenizer_json(path: Path) -> BPETokenizer:
         raise TokenizerError(f"tokenizer file {path} cannot be loaded: {e}") from None
 
 
+# What a pretrained model's chat format needs from the project: the image placeholder `encode` expands and the
+# three tokens it expands into. Role tokens never: the source's chat template says how turns are written.
+IMAGE_TOKENS = ["<image>", "<image_pad>", "<image_start>", "<image_end>"]
+
+
+def is_source_tokenizer_dir(path: Path) -> bool:
+    """A pretrained model's own tokenizer files (tokenizer.json with a chat template, as transformers saves them),
+    or a final/ that carries one on: the chat format is the source's, not the project's."""
+    path = Path(path)
+    meta = path / META_FILE
+    if meta.is_file():
+        return json.loads(meta.read_text()).get("kind") == "source"
+    if not (path / "tokenizer.json").is_file() or not (path / "tokenizer_config.json").is_file():
+        return False
+    if (path / "chat_template.jinja").is_file() or (path / "chat_template.json").is_file():
+        return True
+    return bool(json.loads((path / "tokenizer_config.json").read_text()).get("chat_template"))
+
+
+class SourceTokenizer(Tokenizer):
+    """A pretrained model's tokenizer, loaded with transformers from its own files, in its own chat format.
+
+    Its ids, special tokens, eos (which ends answers and documents), pad and chat template stay as they are;
+    the only change is IMAGE_TOKENS appended with `add_tokens(..., special_tokens=True)`, the transformers way,
+    at the first free ids (the model's embedding grows to fit them; see vlm.model.convert.fit_vocab). A source
+    without a bos token (Qwen) starts documents with nothing, as its own tokenization does."""
+
+    kind = "source"
+
+    def __init__(self, directory: str | os.PathLike) -> None:
+        from tokenizers import AddedToken
+        from transformers import AutoTokenizer
+
+        d = Path(directory)
+        try:
+            hf = AutoTokenizer.from_pretrained(str(d))
+        except Exception as e:  # transformers raises many types for unreadable files
+            raise TokenizerError(f"tokenizer directory {d} cannot be loaded with transformers: {e}") from None
+        if not getattr(hf, "chat_template", None):
+            raise TokenizerError(f"tokenizer directory {d} has no chat template (tokenizer_config.json "
+                                 "chat_template or chat_template.jinja)")
+        if hf.eos_token_id is None:
+            raise TokenizerError(f"tokenizer directory {d} names no eos_token: nothing would end an answer")
+        hf.add_tokens([AddedToken(s, special=True, normalized=False) for s in IMAGE_TOKENS], special_tokens=True)
+        self.hf, self.chat_template = hf, hf.chat_template
+        self.vocab_size = len(hf)
+        vocab = hf.get_vocab()
+        self._special_ids = {s: vocab[s] for s in IMAGE_TOKENS}
+        s = self._special_ids
+        self.eos_id = hf.eos_token_id
+        self.bos_id = hf.bos_token_id                      # None: documents start with their first token
+        self.pad_id = hf.pad_token_id if hf.pad_token_id is not None else self.eos_id
+        self.image_id, self.image_pad_id = s["<image>"], s["<image_pad>"]
+        self.image_start_id, self.image_end_id = s["<image_start>"], s["<image_end>"]
+        self.user_id = self.assistant_id = self.end_id = None   # the roles are the template's text
+        special = {i for i, t in hf.added_tokens_decoder.items() if t.special} | set(s.values()) | \
+            {i for i in (self.eos_id, self.bos_id, self.pad_id) if i is not None}
+        self.special_ids = frozenset(special)
+        self.is_special = np.zeros(self.vocab_size, dtype=bool)
+        self.is_special[list(self.special_ids)] = True
+        # the eos may sit inside a rendered chat (Qwen closes every turn with it): only what the data pipeline
+        # writes itself is reserved
+        self.is_reserved = np.zeros(self.vocab_size, dtype=bool)
+        self.is_reserved[[self.image_pad_id, self.image_start_id, self.image_end_id]] = True
+
+    def encode(self, text: str) -> list[int]:
+        return self.hf.backend_tokenizer.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self.hf.backend_tokenizer.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids, skip_special: bool = True) -> str:
+        return self.hf.decode([int(i) for i in ids], skip_special_tokens=skip_special)
+
+    def _count_bytes(self) -> np.ndarray:
+        return np.array([len(self.hf.decode([i], skip_special_tokens=False).encode("utf-8"))
+                         for i in range(self.vocab_size)], dtype=np.int64)
+
+    def render(self, turns: list[dict], add_generation_prompt: bool = False) -> str:
+        return self.hf.apply_chat_template(turns, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    def chat_segments(self, turns: list[dict], add_generation_prompt: bool = False) -> list[tuple[str, bool]]:
+        """The source's template rendered turn by turn: (text, is_target), the targets being what the template
+        writes after the generation prompt for each assistant turn (its content and closing eos)."""
+        segs, done = [], ""
+        for i, t in enumerate(turns):
+            if t.get("role") == "assistant":
+                prompt = self.render(turns[:i], add_generation_prompt=True)
+                full = self.render(turns[:i + 1])
+                if not (prompt.startswith(done) and full.startswith(prompt)):
+                    raise TokenizerError("the source's chat template does not render a conversation as the "
+                                         "prefix of its continuation; it cannot be split into prompt and answer")
+                segs += [(prompt[len(done):], False), (full[len(prompt):], True)]
+            else:
+                full = self.render(turns[:i + 1])
+                if not full.startswith(done):
+                    raise TokenizerError("the source's chat template does not render a conversation as the "
+                                         "prefix of its continuation; it cannot be split into turns")
+                segs.append((full[len(done):], False))
+            done = full
+        if add_generation_prompt:
+            segs.append((self.render(turns, add_generation_prompt=True)[len(done):], False))
+        return [(text, target) for text, target in segs if text]
+
+    def save(self, directory) -> None:
+        """The source's files as transformers writes them (its template included, IMAGE_TOKENS added), and the
+        marker that keeps the source's chat format when this directory is read back."""
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        self.hf.save_pretrained(str(d))
+        (d / META_FILE).write_text(json.dumps({"kind": "source", "image_tokens": IMAGE_TOKENS}, indent=1))
+
+
 def load_tokenizer(path_or_kind: str | os.PathLike) -> Tokenizer:
     """`"byte"`, a directory written by `save()` (or holding any tokenizer.json), or a tokenizer.json file."""
     if str(path_or_kind) == "byte":
@@ -230,7 +351,11 @@ def load_tokenizer(path_or_kind: str | os.PathLike) -> Tokenizer:
             info = json.loads(meta.read_text())
             if info.get("kind") == "byte":
                 return ByteTokenizer()
+            if info.get("kind") == "source":
+                return SourceTokenizer(p)
             return _load_tokenizer_json(p / info.get("file", "tokenizer.json"))
+        if is_source_tokenizer_dir(p):
+            return SourceTokenizer(p)
         if (p / "tokenizer.json").is_file():
             return _load_tokenizer_json(p / "tokenizer.json")
         raise TokenizerError(f"tokenizer directory {p} holds neither {META_FILE} nor tokenizer.json")

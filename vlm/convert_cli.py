@@ -43,7 +43,7 @@ def add_convert_command(sub) -> None:
 
 
 def run_convert(args) -> int:
-    from vlm.model.convert import convert
+    from vlm.model.convert import TOKENIZER_FILES, convert, source_token_ids
     from vlm.model.flops import count_params, flops_per_token
     from vlm.model.hf import save_pretrained
 
@@ -63,9 +63,20 @@ def run_convert(args) -> int:
         print(f"warning: per-token FLOPs differ from the source by {100 * abs(f_new / f_base - 1):.1f}% "
               f"(> {100 * args.tol:.0f}%); adjust --concept-top-k / --loop (see `vlm flops`)")
     out = Path(args.out)
-    save_pretrained(model, out)
     src = Path(args.source)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "byte_tokenizer.json"):
+    save_pretrained(model, out)
+    ids = source_token_ids(src)
+    if ids:   # generate from the converted folder stops on the source's eos, as the source's own does
+        from vlm.model.hf import ConceptMoEConfig, read_config
+
+        config = read_config(out, ConceptMoEConfig)
+        for key, v in ids.items():
+            setattr(config, key, v)
+        config.save_pretrained(str(out))
+        from transformers import GenerationConfig
+
+        GenerationConfig.from_model_config(config).save_pretrained(str(out))
+    for name in TOKENIZER_FILES:
         if (src / name).is_file():
             shutil.copy(src / name, out / name)
     print(f"wrote {out}")

@@ -130,6 +130,57 @@ def convert_state(source: ConceptMoEVLM | dict[str, torch.Tensor], cfg: ModelCon
     return model
 
 
+def fit_vocab(model: ConceptMoEVLM, vocab_size: int) -> int:
+    """Grow the embedding (and untied lm_head) to `vocab_size` rows, as transformers' resize_token_embeddings does
+    for tokens added to a pretrained tokenizer; returns how many rows were added (0: it already fits).
+
+    Every new row starts at the mean of the source's rows (embedding and output alike): a new token reads as an
+    average token and its logit as the average logit, so the source's own tokens are predicted as before up to
+    the softmax's one extra term per new row. The source's rows are not touched."""
+    lm, old = model.lm, model.lm.embed.weight.shape[0]
+    if vocab_size <= old:
+        return 0
+    with torch.no_grad():
+        def grown(w: torch.Tensor) -> torch.nn.Parameter:
+            extra = w.mean(0, keepdim=True).expand(vocab_size - old, -1)
+            return torch.nn.Parameter(torch.cat([w, extra]), requires_grad=w.requires_grad)
+
+        lm.embed.weight = grown(lm.embed.weight)
+        lm.embed.num_embeddings = vocab_size
+        if model.model_cfg.tie_embeddings:
+            lm.lm_head.weight = lm.embed.weight
+        else:
+            lm.lm_head.weight = grown(lm.lm_head.weight)
+        lm.lm_head.out_features = vocab_size
+    cfg = dataclasses.replace(model.model_cfg, vocab_size=vocab_size)
+    model.model_cfg = lm.cfg = cfg
+    return vocab_size - old
+
+
+# The tokenizer and chat-format files a transformers checkpoint may carry: `vlm convert` copies them as they are,
+# so that the converted model speaks the source's chat format (see data_pipelines.tokenizer.SourceTokenizer).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "chat_template.json", "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model",
+                   "byte_tokenizer.json", "vlm_tokenizer.json")
+
+
+def source_token_ids(path: str | Path) -> dict[str, int]:
+    """eos / bos / pad ids from a transformers checkpoint's config.json and generation_config.json (the latter
+    wins: chat models state the eos that ends an answer there)."""
+    path, out = Path(path), {}
+    for name in ("config.json", "generation_config.json"):
+        f = path / name
+        if f.is_file():
+            info = json.loads(f.read_text())
+            for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
+                v = info.get(key)
+                if isinstance(v, list):   # several eos ids: the first is the one the tokenizer names
+                    v = v[0] if v else None
+                if v is not None:
+                    out[key] = int(v)
+    return out
+
+
 def load_source(path: str | Path, opt: ConvertConfig):
     """A local directory: our own exported baseline, or a transformers Qwen3-MoE / Mixtral checkpoint."""
     path = Path(path)

@@ -205,6 +205,11 @@ def save_pretrained(model: ConceptMoEVLM, out_dir: str | Path, tokenizer=None) -
         wrapper.config.eos_token_id = tokenizer.eos_id
         wrapper.config.pad_token_id = tokenizer.pad_id
         wrapper.config.bos_token_id = tokenizer.bos_id
+        if getattr(tokenizer, "kind", "") == "source":   # generate stops on the source's eos, as the source's does
+            from transformers import GenerationConfig
+
+            wrapper.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id,
+                                                         bos_token_id=tokenizer.bos_id)
         tokenizer.save(out_dir)
     wrapper.save_pretrained(out_dir)
     if tokenizer is not None:
@@ -216,12 +221,19 @@ def save_processor(model: ConceptMoEVLM, out_dir: str | Path) -> None:
     """The files `AutoTokenizer` / `AutoProcessor.from_pretrained(out_dir)` read: the tokenizer gets the chat
     template and left padding (rows are generated from their right end); a VLM also gets its image processor."""
     tok = AutoTokenizer.from_pretrained(str(out_dir), padding_side="left")   # an init argument: it is saved
-    tok.chat_template = CHAT_TEMPLATE
+    # a source's tokenizer (data_pipelines.tokenizer.SourceTokenizer) wrote its own template: it stays
+    tok.chat_template = tok.chat_template if _keeps_source_format(out_dir) else CHAT_TEMPLATE
     if model.vision_cfg is None:
         tok.save_pretrained(str(out_dir))
         return
     image_processor = ConceptMoEImageProcessor(**to_dict(model.vision_cfg.processor))
     ConceptMoEProcessor(image_processor=image_processor, tokenizer=tok).save_pretrained(str(out_dir))
+
+
+def _keeps_source_format(out_dir: str | Path) -> bool:
+    from data_pipelines.tokenizer import is_source_tokenizer_dir
+
+    return is_source_tokenizer_dir(Path(out_dir))
 
 
 def load_vlm(path: str | Path) -> ConceptMoEVLM:

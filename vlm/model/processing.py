@@ -96,7 +96,9 @@ class ConceptMoEProcessor(ProcessorMixin):
     `<image_start>` + one `<image_pad>` per image token + `<image_end>` and puts `<bos>` in front."""
 
     def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
-        super().__init__(image_processor, tokenizer, chat_template=chat_template or CHAT_TEMPLATE, **kwargs)
+        # a model continued from a pretrained source speaks the source's template (its tokenizer carries it)
+        chat_template = chat_template or getattr(tokenizer, "chat_template", None) or CHAT_TEMPLATE
+        super().__init__(image_processor, tokenizer, chat_template=chat_template, **kwargs)
 
     def __call__(self, images=None, text=None, return_tensors=None, padding=True, **kwargs) -> BatchFeature:
         if text is None:
@@ -118,8 +120,8 @@ class ConceptMoEProcessor(ProcessorMixin):
                 n = self.image_processor.tokens_per_image(grids[k])
                 out += "<image_start>" + "<image_pad>" * n + "<image_end>" + piece
                 k += 1
-            bos = self.tokenizer.bos_token
-            expanded.append(out if out.startswith(bos) else bos + out)
+            bos = self.tokenizer.bos_token   # None for a source without one (Qwen): trained without it too
+            expanded.append(out if not bos or out.startswith(bos) else bos + out)
         enc = self.tokenizer(expanded, add_special_tokens=False, padding=padding, return_tensors=return_tensors,
                              **kwargs)
         data = dict(enc)

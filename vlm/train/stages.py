@@ -10,13 +10,15 @@
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from configs.config import ConfigError
-from vlm.model.convert import convert_state, load_source, to_conceptmoe_config
+from data_pipelines.tokenizer import Tokenizer, is_source_tokenizer_dir, load_tokenizer
+from vlm.model.convert import convert_state, fit_vocab, load_source, to_conceptmoe_config
 from vlm.model.hf import MODEL_TYPE, load_vlm
 from vlm.model.multimodal import ConceptMoEVLM
 from vlm.train.checkpoint import latest_checkpoint
@@ -119,12 +121,42 @@ def convert_pretrained(cfg: TrainConfig) -> ConceptMoEVLM:
     return model
 
 
-def build_model(cfg: TrainConfig) -> tuple[nn.Module, set[str]]:
+def source_tokenizer_dir(cfg: TrainConfig) -> Path | None:
+    """The folder of the pretrained model this run continues, when it carries its own tokenizer and chat template
+    (a transformers checkpoint, its `vlm convert` output, or a final/ of a run that continued one)."""
+    if cfg.train.stage == "ct":
+        where = Path(cfg.train.convert_from)
+    elif cfg.train.init_from:
+        where = resolve_weights_path(Path(cfg.train.init_from))
+    else:
+        return None
+    return where if is_source_tokenizer_dir(where) else None
+
+
+def run_tokenizer(cfg: TrainConfig) -> Tokenizer:
+    """The run's tokenizer. A run that continues a pretrained model with its own tokenizer files keeps them, and
+    with them its chat format, special tokens and ids; `data.tokenizer` then names that folder (the saved run
+    config says which tokenizer trained) and any other explicit choice is refused. Otherwise `data.tokenizer`."""
+    src = source_tokenizer_dir(cfg)
+    if src is None:
+        return load_tokenizer(cfg.data.tokenizer_path)
+    if cfg.data.tokenizer not in ("byte", str(src)) and not is_source_tokenizer_dir(Path(cfg.data.tokenizer_path)):
+        raise ConfigError(f"data.tokenizer {cfg.data.tokenizer!r}: the model from {src} keeps its own tokenizer and "
+                          f"chat format; drop data.tokenizer (or set it to {src})")
+    cfg.data = replace(cfg.data, tokenizer=str(src) if cfg.data.tokenizer == "byte" else cfg.data.tokenizer)
+    return load_tokenizer(cfg.data.tokenizer_path)
+
+
+def build_model(cfg: TrainConfig, tokenizer: Tokenizer | None = None) -> tuple[nn.Module, set[str]]:
     """The model this stage trains, and which of its parts ("lm", "vision") start from fresh weights (muP init
-    applies to a fresh LLM, the vision warm-up to a fresh vision tower)."""
+    applies to a fresh LLM, the vision warm-up to a fresh vision tower). A pretrained model whose vocabulary is
+    smaller than `tokenizer` (the image tokens a source's tokenizer gets) grows to fit it (convert.fit_vocab)."""
     stage = cfg.train.stage
     if stage == "ct":
-        return convert_pretrained(cfg), set()
+        model = convert_pretrained(cfg)
+        if tokenizer is not None and getattr(tokenizer, "kind", "") == "source":
+            fit_vocab(model, tokenizer.vocab_size)
+        return model, set()
     model = ConceptMoEVLM(cfg.model, cfg.vision if stage == "vl" else None)
     parts = {"lm"} | ({"vision"} if model.vision is not None else set())
     if cfg.train.init_from:

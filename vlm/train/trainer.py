@@ -27,7 +27,6 @@ from configs.config import ConfigError, to_dict
 from data_pipelines.default_dataset import ensure_default_dataset
 from data_pipelines.loader import build_loader
 from data_pipelines.schema import REASONS
-from data_pipelines.tokenizer import load_tokenizer
 from vlm.model.moe import update_moe_biases
 from vlm.train import checkpoint as ckpt_lib
 from vlm.train.config import TrainConfig
@@ -50,7 +49,7 @@ from vlm.train.report import model_card, summary_lines, write_report
 from vlm.train.schedule import build_scheduler
 from vlm.train.signals import Preempted, StopFlag
 from vlm.train.sizes import check_buildable
-from vlm.train.stages import build_model
+from vlm.train.stages import build_model, run_tokenizer
 from vlm.train.step import StepResult, train_step
 from vlm.train.validation import HeldOut
 from vlm.train.vision_warmup import run_vision_warmup
@@ -134,7 +133,7 @@ class Trainer:
         barrier()
         self.resume_from = self._resume_point(resume)
         self._prepare_data_dir()
-        self.tokenizer = load_tokenizer(cfg.data.tokenizer_path)
+        self.tokenizer = run_tokenizer(cfg)   # a continued pretrained model keeps its own (stages.run_tokenizer)
         self.bytes_per_id = torch.as_tensor(self.tokenizer.bytes_per_id, device=self.dist.device)
         self._build_model()   # stage ct: cfg.model becomes the converted checkpoint's architecture
         if cfg.model.vocab_size < self.tokenizer.vocab_size:
@@ -351,7 +350,7 @@ class Trainer:
 
     def _build_model(self) -> None:
         cfg = self.cfg
-        model, fresh = build_model(cfg)
+        model, fresh = build_model(cfg, self.tokenizer)
         if cfg.train.stage == "ct":
             cfg.model, cfg.vision = model.model_cfg, model.vision_cfg
         if cfg.params.freeze:
