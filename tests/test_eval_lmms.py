@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-pytest.importorskip("lmms_eval.api.model")  # also needs lmms-eval's small runtime deps (see eval/LMMS_EVAL.md)
+pytest.importorskip("lmms_eval.api.model")  # also needs lmms-eval's small runtime deps (see eval/README.md)
 
 from lmms_eval.api.instance import Instance, unwrap_generation_output  # noqa: E402
 from PIL import Image  # noqa: E402
