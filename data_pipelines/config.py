@@ -22,6 +22,8 @@ class SourceConfig:
     weight: float = 1.0
     kind: Literal["auto", "pair", "interleaved", "text"] = "auto"   # not "auto": other kinds are skipped
     name: str = ""
+    # img2dataset shards without a .txt member: the field of their metadata JSON that holds the caption
+    caption_field: str = "caption"
 
     def validate(self) -> None:
         check(bool(self.path), "source path must not be empty")

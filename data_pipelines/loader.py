@@ -44,7 +44,8 @@ def resolve_sources(cfg: DataConfig) -> list[ResolvedSource]:
         paths = resolve_shards(s.path)    # local: sorted; URLs: in webdataset's expansion order
         if missing := listed_but_missing(s.path):
             paths = sorted(paths + missing)
-        out.append(ResolvedSource(s.label, paths, shard_counts(paths), s.weight, s.kind))
+        out.append(ResolvedSource(s.label, paths, shard_counts(paths), s.weight, s.kind,
+                                  s.caption_field))
     return out
 
 

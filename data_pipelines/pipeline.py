@@ -29,6 +29,7 @@ class ResolvedSource:
     counts: list[int]
     weight: float
     kind: str
+    caption_field: str = "caption"
 
 
 class WorkerPipeline:
@@ -46,7 +47,7 @@ class WorkerPipeline:
         self.ended = False
 
     def _encode(self, src: int, raw):
-        sample = decode_sample(raw, self.sources[src].kind)
+        sample = decode_sample(raw, self.sources[src].kind, self.sources[src].caption_field)
         pieces = encode_sample(sample, self.tok, self.processor, self.cfg.row_tokens, self.cfg.loss_on,
                                self.cfg.long_text)
         for piece in pieces:

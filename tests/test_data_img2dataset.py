@@ -71,3 +71,30 @@ def test_metadata_json_is_told_apart_from_the_sample_schema():
     with pytest.raises(BadSample, match="metadata .* without a string 'caption'") as e:
         decode_sample({**img, "json": b'{"url": "http://x", "status": "success"}'})
     assert e.value.reason == "missing_field"
+
+
+def test_a_source_names_the_metadata_field_that_holds_the_caption(tmp_path, png, decode_docs):
+    """LAION-style metadata keeps its caption under another name (e.g. TEXT) and the shards have no .txt."""
+    import io
+    import tarfile
+
+    d = tmp_path / "laion"
+    d.mkdir()
+    with tarfile.open(d / "00000.tar", "w") as tar:
+        for i in range(3):
+            for name, data in ((f"{i:09d}.jpg", png(20, 16, fmt="JPEG")),
+                               (f"{i:09d}.json", json.dumps({"TEXT": f"caption {i}", "status": "success"}).encode())):
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    proc = ImageProcessorConfig(patch_size=4, max_patches=16, min_patches=4, merge=2)
+    tok = ByteTokenizer()
+    plain = build_loader(DataConfig(sources=[SourceConfig(path=str(d))], row_tokens=256, rows_per_batch=2,
+                                    epochs=1, processor=proc), tok)
+    assert list(plain) == [] and plain.counters == {"missing_field": 3}    # no 'caption' field: skipped, counted
+    named = build_loader(DataConfig(sources=[SourceConfig(path=str(d), caption_field="TEXT")], row_tokens=256,
+                                    rows_per_batch=2, epochs=1, processor=proc), tok)
+    docs = Counter()
+    for batch in named:
+        docs.update(decode_docs(batch, tok))
+    assert docs == Counter(f"caption {i}" for i in range(3)) and named.counters == {}
