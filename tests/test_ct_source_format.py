@@ -82,7 +82,7 @@ def test_ct_keeps_the_source_chat_format(pad_vocab, tiny_data, tmp_path, torch_g
 
     cfg = tiny_config(tiny_data, train={"stage": "ct", "max_steps": 2, "convert_from": str(conv)},
                       logging={"eval_every": 0})
-    cfg["vision"] = None
+    cfg["model"], cfg["vision"] = {}, None   # the model section is the checkpoint's
     cfg["data"]["sources"] = [s for s in cfg["data"]["sources"] if s["name"].endswith("/text")]
     cfg["logging"]["eval_sources"] = []
     tr = make_trainer(cfg, run_dir)

@@ -54,6 +54,7 @@ def test_ct_stage_converts_a_transformers_moe(tiny_data, tmp_path, torch_globals
     cfg = _text_only(tiny_config(tiny_data, train={"stage": "ct", "max_steps": 2, "convert_from": str(tmp_path / "src")},
                                  convert={"encoder_layers": 1, "decoder_layers": 1, "target_ratio": 3.0},
                                  logging={"eval_every": 0}))
+    cfg["model"] = {}   # the model section is the checkpoint's (a differing value would be refused)
     run_dir = tmp_path / "ct"
     tr = make_trainer(cfg, run_dir)
     m = tr.engine.module

@@ -244,11 +244,54 @@ class TrainConfig:
                   f"params.freeze entry {prefix!r} names the vision tower but the config has no vision section")
 
 
+# Model keys a run that continues a checkpoint (train.init_from, train.convert_from) may set to a value other than
+# the checkpoint's: they change how the model trains, not what its stored tensors compute with every boundary on
+# (conversion sets the lossless start: ratio target, concept top-k and loops go through `convert:` on a raw source,
+# see vlm.model.convert.to_conceptmoe_config). A model key not listed here must equal the stored value.
+# `vocab_size` may only grow (rows added for tokens added to the tokenizer, vlm.model.convert.fit_vocab).
+MAY_CHANGE_FROM_CHECKPOINT = (
+    "chunk.target_ratio", "chunk.modality_target_ratios", "chunk.ratio_loss_weight", "chunk.document_slack",
+    "chunk.document_weight", "chunk.tau", "chunk.boundary_noise", "chunk.noise_sigma",
+    "moe.balance_loss_weight", "moe.z_loss_weight", "moe.bias_update_rate", "moe.bias_update",
+    "concept_moe.top_k", "concept_moe.balance_loss_weight", "concept_moe.z_loss_weight",
+    "concept_moe.bias_update_rate", "concept_moe.bias_update",
+    "loop_start", "loop_end", "loop_times", "attn_backend", "init_std")
+
+
+def _flat_keys(d: dict, prefix: str = "") -> set[str]:
+    out: set[str] = set()
+    for k, v in d.items():
+        out |= _flat_keys(v, f"{prefix}{k}.") if isinstance(v, dict) and v else {f"{prefix}{k}"}
+    return out
+
+
 def load_train_config(path: str | Path | None, overrides: list[str] | None = None) -> TrainConfig:
-    """Read a YAML file (or none: the defaults), apply dotted overrides, validate. Raises ConfigError."""
+    """Read a YAML file (or none: the defaults), apply dotted overrides, validate. Raises ConfigError.
+
+    A config that continues a checkpoint (train.init_from / train.convert_from) takes its model section from the
+    checkpoint: only the model keys this file itself and the overrides state count (its `base:` files' model
+    section describes another model), and `model_stated` records them for vlm.train.stages.merge_model_section."""
     data = migrate_run_config(load_yaml(path) if path else {})
     apply_overrides(data, overrides or [])
-    return from_dict(TrainConfig, data)
+    run = data.get("train") or {}
+    stated = None
+    if isinstance(run, dict) and (run.get("init_from") or run.get("convert_from")):
+        own = migrate_run_config(_own_yaml(path) if path else {})
+        apply_overrides(own, [o for o in overrides or [] if o.strip().startswith("model.")])
+        model = own.get("model") or {}
+        data["model"] = model
+        stated = _flat_keys(model) if isinstance(model, dict) else set()
+    cfg = from_dict(TrainConfig, data)
+    cfg.model_stated = stated
+    return cfg
+
+
+def _own_yaml(path: str | Path) -> dict:
+    """The file's own mapping, without what its `base:` brings."""
+    import yaml
+
+    data = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
+    return data if isinstance(data, dict) else {}
 
 
 def migrate_run_config(data: dict) -> dict:

@@ -10,19 +10,21 @@
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from configs.config import ConfigError
+from configs.config import ConfigError, from_dict, to_dict
+from vlm.model.config import ModelConfig
 from data_pipelines.tokenizer import Tokenizer, is_source_tokenizer_dir, load_tokenizer
 from vlm.model.convert import convert_state, fit_vocab, load_source, to_conceptmoe_config
 from vlm.model.hf import MODEL_TYPE, load_vlm
 from vlm.model.multimodal import ConceptMoEVLM
 from vlm.train.checkpoint import latest_checkpoint
-from vlm.train.config import TrainConfig
+from vlm.train.config import MAY_CHANGE_FROM_CHECKPOINT, TrainConfig
 from vlm.train.engine import safe_load
 
 
@@ -90,15 +92,121 @@ def load_pretrained_weights(model: ConceptMoEVLM, path: Path) -> dict[str, int]:
         mine = module.state_dict()
         missing = sorted(set(mine) - set(src))
         shape_bad = [k for k in mine if k in src and src[k].shape != mine[k].shape]
-        if missing or shape_bad:
-            k = (missing or shape_bad)[0]
-            what = "is missing" if missing else f"has shape {tuple(src[k].shape)}, the config needs {tuple(mine[k].shape)}"
+        extra = sorted(set(src) - set(mine))   # e.g. qk_norm=false would drop the stored q/k norms
+        if missing or shape_bad or extra:
+            k = (missing or shape_bad or extra)[0]
+            what = "is missing" if missing else \
+                f"has shape {tuple(src[k].shape)}, the config needs {tuple(mine[k].shape)}" if shape_bad else \
+                "is stored but has no place in the model"
             section = "model" if part == "lm" else "vision"
             raise ConfigError(f"train.init_from {path}: tensor {part}.{k} {what}; the {section} section must match "
                               f"the stored model's")
         module.load_state_dict({k: src[k] for k in mine}, strict=True)
         loaded[part] = len(mine)
     return loaded
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _model_dict(mc: ModelConfig) -> dict:
+    """to_dict with the concept model's MoE spelled out (null there means "as moe"), so that a config that sets
+    concept_moe.top_k compares with what the stored model runs."""
+    d = to_dict(mc)
+    d["concept_moe"] = to_dict(mc.c_moe)
+    return d
+
+
+def _set(d: dict, key: str, value) -> None:
+    *path, last = key.split(".")
+    for k in path:
+        if not isinstance(d.get(k), dict):
+            d[k] = {}
+        d = d[k]
+    d[last] = value
+
+
+def merge_model_section(stored: ModelConfig, cfg: TrainConfig, where: Path) -> ModelConfig:
+    """The checkpoint's model section with the config's permitted changes (MAY_CHANGE_FROM_CHECKPOINT) on top.
+    A stated key whose value differs from the stored one and may not change is refused in one line. The keys
+    stated are those the config file and overrides name (load_train_config); a config built otherwise states
+    every key whose value is not the project default."""
+    mine, base = _flat(_model_dict(cfg.model)), _flat(_model_dict(stored))
+    stated = getattr(cfg, "model_stated", None)
+    if stated is None:
+        default = _flat(_model_dict(ModelConfig()))
+        stated = {k for k, v in mine.items() if k not in default or default[k] != v}
+    else:   # a section stated as a whole (modality_target_ratios: {...}) compares key by key
+        stated = {k for k in mine if any(k == s or k.startswith(s + ".") for s in stated)}
+    out = _model_dict(stored)
+    for key in sorted(stated):
+        value, old = mine.get(key), base.get(key)
+        if value == old:
+            continue
+        if key == "vocab_size" and old is not None and value > old:
+            _set(out, key, value)       # grown by fit_vocab below: the stored rows stay
+            continue
+        if key.startswith(MAY_CHANGE_FROM_CHECKPOINT):
+            _set(out, key, value)
+            continue
+        raise ConfigError(f"model.{key}: the checkpoint {where} has {old!r}, this config {value!r}; it may not "
+                          f"change when continuing a checkpoint (drop it to keep the stored value)")
+    if out["concept_moe"] == to_dict(stored.moe) and stored.concept_moe is None:
+        out["concept_moe"] = None
+    vocab = out.pop("vocab_size")
+    merged = from_dict(ModelConfig, dict(out, vocab_size=stored.vocab_size))
+    return dataclasses.replace(merged, vocab_size=vocab) if vocab != stored.vocab_size else merged
+
+
+# Tensors a model built from a merged config may lack that the stored one has no counterpart for: fresh balancing
+# state (a stored model that balanced without the loss-free bias).
+_FRESH_STATE = (".moe.expert_bias", ".moe.load_accum")
+
+
+def rebuild(model: ConceptMoEVLM, mc: ModelConfig, where: Path) -> ConceptMoEVLM:
+    """`model`'s tensors in a model built from `mc` (a merged model section). A stored tensor the new model has
+    no place for, or a tensor of the new model the stored one lacks, is an error: nothing is dropped silently."""
+    if mc == model.model_cfg:
+        return model
+    grow = mc.vocab_size
+    mc = dataclasses.replace(mc, vocab_size=model.model_cfg.vocab_size)
+    new = ConceptMoEVLM(mc, model.vision_cfg) if mc != model.model_cfg else model
+    if new is not model:
+        missing, unexpected = new.load_state_dict(model.state_dict(), strict=False)
+        lost = [k for k in missing if not any(p in k for p in _FRESH_STATE)]
+        if unexpected or lost:
+            what = f"stored tensor {unexpected[0]} has no place" if unexpected else f"tensor {lost[0]} is not stored"
+            raise ConfigError(f"{where}: {what} in the model this config describes; its model section must match "
+                              f"the stored model's")
+    fit_vocab(new, grow)
+    return new
+
+
+def stored_model_config(path: Path) -> ModelConfig | None:
+    """The model section a checkpoint was made with: an export's config.json, or the run config a checkpoint's
+    run directory holds (RUN_DIR/config.yaml); None when neither says."""
+    path = resolve_weights_path(path)
+    import json
+
+    if (path / "config.json").is_file():
+        info = json.loads((path / "config.json").read_text())
+        if info.get("model_type") == MODEL_TYPE and isinstance(info.get("model"), dict):
+            return from_dict(ModelConfig, info["model"])
+        return None
+    run_config = path.parent.parent / "config.yaml"
+    if run_config.is_file():
+        import yaml
+
+        model = (yaml.safe_load(run_config.read_text()) or {}).get("model")
+        return from_dict(ModelConfig, model) if isinstance(model, dict) else None
+    return None
 
 
 def convert_pretrained(cfg: TrainConfig) -> ConceptMoEVLM:
@@ -115,6 +223,7 @@ def convert_pretrained(cfg: TrainConfig) -> ConceptMoEVLM:
         sd, base, _ = load_source(path, opt)
         lm_sd = {k: v for k, v in sd.items() if k.startswith("lm.")}
         model = convert_state(lm_sd, to_conceptmoe_config(base, opt), None)
+    model = rebuild(model, merge_model_section(model.model_cfg, cfg, path), path)
     if cfg.vision is not None and model.vision is None:
         model.vision = cfg.vision.build(model.model_cfg.hidden_size)
         model.vision_cfg = cfg.vision
@@ -157,9 +266,18 @@ def build_model(cfg: TrainConfig, tokenizer: Tokenizer | None = None) -> tuple[n
         if tokenizer is not None and getattr(tokenizer, "kind", "") == "source":
             fit_vocab(model, tokenizer.vocab_size)
         return model, set()
+    grow = 0
+    if cfg.train.init_from:   # the model section is the checkpoint's, with the config's permitted changes
+        where = Path(cfg.train.init_from)
+        stored = stored_model_config(where)
+        if stored is not None:
+            mc = merge_model_section(stored, cfg, where)
+            grow, cfg.model = mc.vocab_size, dataclasses.replace(mc, vocab_size=stored.vocab_size)
     model = ConceptMoEVLM(cfg.model, cfg.vision if stage == "vl" else None)
     parts = {"lm"} | ({"vision"} if model.vision is not None else set())
     if cfg.train.init_from:
         loaded = load_pretrained_weights(model, Path(cfg.train.init_from))
+        fit_vocab(model, max(grow, tokenizer.vocab_size if getattr(tokenizer, "kind", "") == "source" else 0))
+        cfg.model = model.model_cfg
         return model, parts - set(loaded)
     return model, parts
