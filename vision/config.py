@@ -1,10 +1,11 @@
 """VisionConfig: the one config for the vision side (processor, encoder, projector) and its builder."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from configs.config import ConfigError, ValidatedOnInit, check
+from vision.hf_vision import hf_vision_architecture
 from vision.image_processor import ImageProcessor, ImageProcessorConfig
 from vision.navit import NaViTConfig, NaViTEncoder
 from vision.projector import Projector, ProjectorConfig
@@ -25,6 +26,22 @@ class VisionConfig(ValidatedOnInit):
     timm_checkpoint: str | None = None    # LOCAL timm weights file or HF SigLIP / CLIP folder; navit: loaded by name
     pos_resample: Literal["copy", "interpolate"] = "copy"  # how a checkpoint's pos table fits max_grid
     freeze_encoder: bool = False          # freeze the ViT body; merger and projector still train (LLaVA stage 1)
+
+    def __post_init__(self) -> None:
+        """A Hugging Face SigLIP / CLIP folder states its tower: the encoder is built as it says (widths, depth,
+        heads, stem, layer scale, patch size), whatever the config's encoder section or its base file says, so
+        that every pretrained tensor has its place (the load report lists what was taken from the checkpoint)."""
+        arch = self.checkpoint_architecture()
+        if arch is not None:
+            fields, patch = arch
+            self.encoder = replace(self.encoder, **fields)
+            self.processor = replace(self.processor, patch_size=patch)
+        super().__post_init__()
+
+    def checkpoint_architecture(self) -> tuple[dict, int] | None:
+        if not self.timm_checkpoint or self.backbone != "navit":
+            return None
+        return hf_vision_architecture(self.timm_checkpoint)
 
     def validate(self) -> None:
         try:
@@ -53,10 +70,18 @@ class VisionConfig(ValidatedOnInit):
         else:
             enc = NaViTEncoder(self.encoder, patch_size=patch_size, merge=merge)
             if self.timm_checkpoint:
-                enc.load_report = load_timm_vit_state_dict(enc, self.timm_checkpoint, self.pos_resample)
-                if not enc.load_report.loaded:
+                report = enc.load_report = load_timm_vit_state_dict(enc, self.timm_checkpoint, self.pos_resample)
+                if not report.loaded:
                     raise ConfigError(f"timm_checkpoint {self.timm_checkpoint}: no tensor matched the encoder "
-                                      f"(check encoder.hidden_size and processor.patch_size):\n{enc.load_report}")
+                                      f"(check encoder.hidden_size and processor.patch_size):\n{report}")
+                if self.checkpoint_architecture() is not None:
+                    report.notes.append("architecture read from the checkpoint's config.json: " + ", ".join(
+                        f"{k}={getattr(self.encoder, k)}" for k in self.checkpoint_architecture()[0]) +
+                        f", patch_size={patch_size}")
+                bad = report.mismatches()
+                if bad:   # a pretrained tower is loaded whole: a part left at its init is not what was asked for
+                    raise ConfigError(f"timm_checkpoint {self.timm_checkpoint}: the tower does not match the "
+                                      f"checkpoint: {bad[0]}" + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""))
         if self.freeze_encoder:  # the merger stays trainable: it is part of the adapter, like the projector
             for name, p in enc.named_parameters():
                 p.requires_grad_(name.startswith("merger."))

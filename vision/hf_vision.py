@@ -10,6 +10,7 @@ encoder's exact GELU, and a full 2D position table fitted into learned2d's row a
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import torch
 
@@ -64,3 +65,26 @@ def hf_vision_to_timm(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if set(parts) == {"q", "k", "v"}:
             out[f"blocks.{i}.attn.qkv.{kind}"] = torch.cat([parts["q"], parts["k"], parts["v"]])
     return out
+
+
+def hf_vision_architecture(path: str | Path) -> tuple[dict, int] | None:
+    """(NaViTConfig fields, patch size) of the ViT a Hugging Face SigLIP / CLIP folder holds, read from its
+    config.json; None for anything else (a timm weights file states no architecture). A packed encoder built
+    with them has a place for every tower tensor: linear patch embedding (a stride-p conv), no layer scale."""
+    path = Path(path)
+    if not (path.is_dir() and (path / "config.json").is_file()):
+        return None
+    import json
+
+    info = json.loads((path / "config.json").read_text())
+    v = info.get("vision_config") if isinstance(info.get("vision_config"), dict) else info
+    kind = str(v.get("model_type") or info.get("model_type") or "")
+    if not kind.startswith(("siglip", "clip")):
+        return None
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(str(path))
+    cfg = getattr(cfg, "vision_config", cfg)
+    return {"hidden_size": cfg.hidden_size, "num_layers": cfg.num_hidden_layers, "num_heads": cfg.num_attention_heads,
+            "mlp_ratio": cfg.intermediate_size / cfg.hidden_size, "stem": "linear", "layer_scale": None,
+            "norm_pre": kind.startswith("clip"), "norm_eps": cfg.layer_norm_eps, "qkv_bias": True}, cfg.patch_size

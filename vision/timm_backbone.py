@@ -32,6 +32,14 @@ class LoadReport:
     untouched: list[str] = field(default_factory=list)              # encoder params left at their init
     notes: list[str] = field(default_factory=list)                  # e.g. pos-embed factorisation error
 
+    # skip reasons for checkpoint parts a packed encoder has no use for; every other skip is a mismatch
+    _NOT_USED = ("the packed encoder has no prefix tokens", "not part of the packed encoder")
+
+    def mismatches(self) -> list[str]:
+        """What keeps a checkpoint from loading whole: a tensor that did not fit, an encoder param at its init."""
+        out = [f"{k}: {why}" for k, why in self.skipped if not why.startswith(self._NOT_USED)]
+        return out + [f"encoder param {n} is not in the checkpoint (kept at init)" for n in self.untouched]
+
     def __str__(self) -> str:
         lines = [f"loaded {len(self.loaded)} tensors, skipped {len(self.skipped)}, "
                  f"{len(self.untouched)} encoder params kept at init"]

@@ -164,7 +164,8 @@ class RunConfig:
 @dataclass
 class VisionWarmupConfig:
     """Before step 0, a fresh vision encoder learns the words of the training data's captions from their images
-    (vlm/train/vision_warmup.py). Skipped when the encoder comes from `train.init_from` or a resumed run."""
+    (vlm/train/vision_warmup.py). Skipped when the encoder comes from `train.init_from`, a pretrained
+    vision.timm_checkpoint or a resumed run."""
 
     steps: int = 0                   # 0: no warm-up
     images_per_step: int = 32
@@ -220,7 +221,8 @@ class TrainConfig:
             check(self.vision is None, "train.stage 'text' trains the LLM alone: set vision: null (or use stage 'vl')")
         if stage == "vl":
             check(self.vision is not None, "train.stage 'vl' needs a vision section (vision: {...})")
-        if self.vision_warmup.steps:
+        if self.vision_warmup.steps and not (self.vision is not None and self.vision.timm_checkpoint):
+            # (a pretrained tower gets no warm-up: vlm.train.stages.pretrained_tower)
             check(stage == "vl" and self.vision is not None,
                   "vision_warmup.steps > 0 needs train.stage 'vl' and a vision section")
             check(not self.vision.freeze_encoder and not any(

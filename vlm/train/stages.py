@@ -256,6 +256,19 @@ def run_tokenizer(cfg: TrainConfig) -> Tokenizer:
     return load_tokenizer(cfg.data.tokenizer_path)
 
 
+def pretrained_tower(cfg: TrainConfig) -> bool:
+    """The vision encoder comes from a pretrained checkpoint (vision.timm_checkpoint): no warm-up for a fresh
+    encoder runs on it, and nothing freezes it but the config's own vision.freeze_encoder / params.freeze."""
+    return cfg.vision is not None and bool(cfg.vision.timm_checkpoint)
+
+
+def vision_load_report(model: nn.Module) -> str | None:
+    """What a pretrained vision checkpoint gave the encoder (printed at start, written to RUN_DIR)."""
+    enc = getattr(getattr(model, "vision", None), "encoder", None)
+    report = getattr(enc, "load_report", None)
+    return None if report is None else str(report)
+
+
 def build_model(cfg: TrainConfig, tokenizer: Tokenizer | None = None) -> tuple[nn.Module, set[str]]:
     """The model this stage trains, and which of its parts ("lm", "vision") start from fresh weights (muP init
     applies to a fresh LLM, the vision warm-up to a fresh vision tower). A pretrained model whose vocabulary is
@@ -274,7 +287,7 @@ def build_model(cfg: TrainConfig, tokenizer: Tokenizer | None = None) -> tuple[n
             mc = merge_model_section(stored, cfg, where)
             grow, cfg.model = mc.vocab_size, dataclasses.replace(mc, vocab_size=stored.vocab_size)
     model = ConceptMoEVLM(cfg.model, cfg.vision if stage == "vl" else None)
-    parts = {"lm"} | ({"vision"} if model.vision is not None else set())
+    parts = {"lm"} | ({"vision"} if model.vision is not None and not pretrained_tower(cfg) else set())
     if cfg.train.init_from:
         loaded = load_pretrained_weights(model, Path(cfg.train.init_from))
         fit_vocab(model, max(grow, tokenizer.vocab_size if getattr(tokenizer, "kind", "") == "source" else 0))

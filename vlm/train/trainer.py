@@ -49,7 +49,7 @@ from vlm.train.report import model_card, summary_lines, write_report
 from vlm.train.schedule import build_scheduler
 from vlm.train.signals import Preempted, StopFlag
 from vlm.train.sizes import check_buildable
-from vlm.train.stages import build_model, run_tokenizer
+from vlm.train.stages import build_model, pretrained_tower, run_tokenizer, vision_load_report
 from vlm.train.step import StepResult, train_step
 from vlm.train.validation import HeldOut
 from vlm.train.vision_warmup import run_vision_warmup
@@ -369,8 +369,13 @@ class Trainer:
                                 f"its state is in {warm['checkpoint']}; the same command (--resume included) "
                                 f"continues it")
             broadcast_module(model.vision.encoder)
-        if cfg.vision_warmup.steps and cfg.vision_warmup.freeze_after:
+        if cfg.vision_warmup.steps and cfg.vision_warmup.freeze_after and not pretrained_tower(cfg):
             freeze_prefixes(model, ["vision.encoder"])
+        report = vision_load_report(model)
+        if report is not None:
+            self.log(f"vision checkpoint {cfg.vision.timm_checkpoint}: {report}")
+            if self.is_main:
+                (self.run_dir / "vision_load_report.txt").write_text(report + "\n")
         self.logit_scale = 1.0
         if cfg.params.mup:
             s_tok, s_con = mup_width_multipliers(cfg.model.hidden_size, cfg.model.c_hidden, cfg.params.mup_base_width)
