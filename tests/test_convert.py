@@ -134,3 +134,13 @@ def test_grove_upcycling_keeps_the_source_and_bounds_lambda(tmp_path):
         torch.testing.assert_close(model.eval()(b, force="all").logits, src(b).logits, rtol=1e-5, atol=1e-5)
     with pytest.raises(ConfigError, match="grove_lambda=0.6 must be in"):
         convert(tmp_path / "base", ConvertConfig(encoder_layers=1, decoder_layers=1, grove_groups=4, grove_lambda=0.6))
+
+
+@pytest.mark.parametrize("make", [qwen3, mixtral])
+def test_convert_check_prints_the_largest_logit_difference(tmp_path, make, capsys):
+    make(tmp_path / "src")
+    rc = main(["convert", str(tmp_path / "src"), "--out", str(tmp_path / "ct"), "--encoder-layers", "1",
+               "--decoder-layers", "2", "--check"])
+    line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("check:")][0]
+    assert rc == 0 and "ok" in line
+    assert float(line.split("every boundary on: ")[1].split()[0]) < 1e-4

@@ -39,6 +39,10 @@ def add_convert_command(sub) -> None:
     p.add_argument("--decoder-mode", choices=("joint", "cross_attention"), default=d.decoder_mode,
                    help="how decoder layers read concepts: ConceptMoE joint decoding or DLCM cross-attention")
     p.add_argument("--tol", type=float, default=0.02, help="allowed per-token FLOPs mismatch vs the source")
+    p.add_argument("--check", action="store_true",
+                   help="after writing, print the largest logit difference between the written model (every "
+                        "boundary forced on) and the source on random token ids; exit 1 above --check-tol")
+    p.add_argument("--check-tol", type=float, default=1e-3, help="largest logit difference --check accepts")
     p.set_defaults(func=run_convert)
 
 
@@ -80,7 +84,41 @@ def run_convert(args) -> int:
         if (src / name).is_file():
             shutil.copy(src / name, out / name)
     print(f"wrote {out}")
+    if args.check:
+        diff = max_logit_difference(src, out)
+        print(f"check: largest logit difference vs the source, every boundary on: {diff:.3g} "
+              f"({'ok' if diff <= args.check_tol else 'FAILED'}, tolerance {args.check_tol:g})")
+        if diff > args.check_tol:
+            return 1
     return 0
+
+
+def max_logit_difference(source: Path, converted: Path, tokens: int = 48, seed: int = 0) -> float:
+    """max |logit| difference between `converted` (read back from disk, every boundary forced on) and `source`
+    over the source's vocabulary, on one document of random token ids (float32, CPU)."""
+    import json
+
+    import torch
+
+    from configs.batch import PackedBatch
+    from vlm.model.hf import MODEL_TYPE, load_vlm
+
+    new = load_vlm(converted).eval()
+    if json.loads((source / "config.json").read_text()).get("model_type") == MODEL_TYPE:
+        old = load_vlm(source).eval()
+        ref = lambda ids: old(PackedBatch.from_documents([ids.tolist()])).logits   # noqa: E731
+        vocab = old.model_cfg.vocab_size
+    else:
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32).eval()
+        ref = lambda ids: hf(input_ids=ids[None]).logits   # noqa: E731
+        vocab = hf.config.vocab_size
+    ids = torch.randint(0, vocab, (tokens,), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        got = new(PackedBatch.from_documents([ids.tolist()]), force="all").logits[..., :vocab]
+        want = ref(ids)
+    return float((got - want).abs().max())
 
 
 __all__ = ["add_convert_command", "run_convert", "ConfigError"]
