@@ -143,3 +143,35 @@ def test_own_format_stays_for_our_tokenizer(tmp_path):
     assert tok.chat_segments(CHAT) == chat_segments(CHAT) and tok.chat_template is None
     tok.save(tmp_path)
     assert not is_source_tokenizer_dir(tmp_path)
+
+
+def test_a_vl_stage_after_ct_keeps_the_source_format(tiny_data, tmp_path, torch_globals, tiny_config, make_trainer):
+    """Chained: CT (text) -> VL from its final/: the tokenizer, template and ids carry over through init_from, the
+    images use the added placeholder tokens, and final/'s AutoProcessor renders the source's template."""
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    import vlm  # noqa: F401
+    src_dir = tmp_path / "src"
+    _, src_tok = _source(src_dir, pad_vocab=True)
+    ct = tiny_config(tiny_data, train={"stage": "ct", "max_steps": 1, "convert_from": str(src_dir)},
+                     convert={"encoder_layers": 1, "decoder_layers": 1}, logging={"eval_every": 0})
+    ct["model"], ct["vision"] = {}, None
+    ct["data"]["sources"] = [s for s in ct["data"]["sources"] if s["name"].endswith("/text")]
+    ct["logging"]["eval_sources"] = []
+    assert make_trainer(ct, tmp_path / "ct").train() == 0
+    vl = tiny_config(tiny_data, train={"stage": "vl", "max_steps": 1, "init_from": str(tmp_path / "ct" / "final")},
+                     logging={"eval_every": 0})
+    vl["model"] = {}
+    tr = make_trainer(vl, tmp_path / "vl")
+    assert tr.tokenizer.kind == "source" and tr.tokenizer.eos_id == src_tok.eos_token_id
+    assert tr.cfg.model.chunk.enabled and tr.cfg.model.hidden_size == 32    # the CT model's settings
+    assert tr.train() == 0
+    proc = AutoProcessor.from_pretrained(str(tmp_path / "vl" / "final"))
+    msgs = [{"role": "user", "content": "<image>\nwhat is it?"}]
+    text = proc.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert text == src_tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    enc = proc(images=[Image.new("RGB", (28, 28))], text=[text], return_tensors="pt")
+    ids = enc["input_ids"][0].tolist()
+    assert ids[0] == src_tok.convert_tokens_to_ids("<|im_start|>")          # no bos the source never had
+    assert proc.tokenizer.convert_tokens_to_ids("<image_pad>") in ids
