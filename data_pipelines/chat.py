@@ -7,6 +7,9 @@ Template, with no extra whitespace so that byte-level tokens are not spent on it
 Images are `<image>` placeholders inside user contents. In training the assistant contents plus their
 closing `<|end|>` are the targets (with `loss_on="assistant"`); a generation prompt ends with
 `<|assistant|>` and the model answers until it writes `<|end|>`.
+
+This is the format of models trained from scratch. A model continued from a pretrained source keeps the source's
+own template (data_pipelines.tokenizer.SourceTokenizer.chat_segments); the data pipeline asks the tokenizer.
 """
 from __future__ import annotations
 

@@ -62,8 +62,11 @@ class _EosAt:
         return scores
 
 
+@pytest.mark.parametrize("how", ["convert_from", "init_from"])
 @pytest.mark.parametrize("pad_vocab", [True, False], ids=["vocab_above_tokenizer", "vocab_equals_tokenizer"])
-def test_ct_keeps_the_source_chat_format(pad_vocab, tiny_data, tmp_path, torch_globals, tiny_config, make_trainer):
+def test_ct_keeps_the_source_chat_format(pad_vocab, how, tiny_data, tmp_path, torch_globals, tiny_config,
+                                         make_trainer):
+    """`train.stage: ct` on the converted folder, or `train.init_from` on it (a text stage)."""
     from transformers import AutoTokenizer, LogitsProcessorList
 
     import vlm  # noqa: F401  (registers the Auto classes)
@@ -80,8 +83,8 @@ def test_ct_keeps_the_source_chat_format(pad_vocab, tiny_data, tmp_path, torch_g
     assert conv_tok.apply_chat_template(CHAT, tokenize=False) == rendered
     assert json.loads((conv / "config.json").read_text())["eos_token_id"] == src_tok.eos_token_id
 
-    cfg = tiny_config(tiny_data, train={"stage": "ct", "max_steps": 2, "convert_from": str(conv)},
-                      logging={"eval_every": 0})
+    cfg = tiny_config(tiny_data, train={"stage": "ct" if how == "convert_from" else "text", "max_steps": 2,
+                                        how: str(conv)}, logging={"eval_every": 0})
     cfg["model"], cfg["vision"] = {}, None   # the model section is the checkpoint's
     cfg["data"]["sources"] = [s for s in cfg["data"]["sources"] if s["name"].endswith("/text")]
     cfg["logging"]["eval_sources"] = []
@@ -175,3 +178,38 @@ def test_a_vl_stage_after_ct_keeps_the_source_format(tiny_data, tmp_path, torch_
     ids = enc["input_ids"][0].tolist()
     assert ids[0] == src_tok.convert_tokens_to_ids("<|im_start|>")          # no bos the source never had
     assert proc.tokenizer.convert_tokens_to_ids("<image_pad>") in ids
+
+
+def test_a_ct_run_with_the_source_tokenizer_resumes(tiny_data, tmp_path, torch_globals, tiny_config, make_trainer):
+    """The run config records the source's tokenizer and the grown vocabulary: --resume accepts its own run."""
+    src_dir = tmp_path / "src"
+    _source(src_dir, pad_vocab=False)
+    cfg = tiny_config(tiny_data, train={"stage": "ct", "max_steps": 1, "convert_from": str(src_dir)},
+                      convert={"encoder_layers": 1, "decoder_layers": 1}, logging={"eval_every": 0},
+                      checkpoint={"save_every": 1})
+    cfg["model"], cfg["vision"] = {}, None
+    cfg["data"]["sources"] = [s for s in cfg["data"]["sources"] if s["name"].endswith("/text")]
+    cfg["logging"]["eval_sources"] = []
+    assert make_trainer(cfg, tmp_path / "ct").train() == 0
+    cfg["train"]["max_steps"] = 2
+    tr = make_trainer(cfg, tmp_path / "ct", resume=True)
+    assert tr.cfg.data.tokenizer == str(src_dir) and tr.tokenizer.kind == "source"
+    assert tr.train() == 0 and tr.step == 2
+
+
+def test_a_project_tokenizer_for_a_source_model_is_refused(tmp_path):
+    from configs.config import ConfigError, from_dict
+    from data_pipelines.tokenizer import load_tokenizer
+    from vlm.train.config import TrainConfig
+    from vlm.train.stages import run_tokenizer
+
+    _source_tokenizer(tmp_path / "src", 300)
+    load_tokenizer("byte").save(tmp_path / "ours")
+    base = {"vision": None, "data": {"default_parts": ["text"]}, "train": {"stage": "ct",
+                                                                           "convert_from": str(tmp_path / "src")}}
+    for name in ("byte", "default"):   # the project's defaults give way to the source's
+        cfg = from_dict(TrainConfig, dict(base, data={"default_parts": ["text"], "tokenizer": name}))
+        assert run_tokenizer(cfg).kind == "source" and cfg.data.tokenizer == str(tmp_path / "src")
+    cfg = from_dict(TrainConfig, dict(base, data={"default_parts": ["text"], "tokenizer": str(tmp_path / "ours")}))
+    with pytest.raises(ConfigError, match=r"keeps its own tokenizer and chat format; drop data.tokenizer"):
+        run_tokenizer(cfg)

@@ -245,14 +245,18 @@ def source_tokenizer_dir(cfg: TrainConfig) -> Path | None:
 def run_tokenizer(cfg: TrainConfig) -> Tokenizer:
     """The run's tokenizer. A run that continues a pretrained model with its own tokenizer files keeps them, and
     with them its chat format, special tokens and ids; `data.tokenizer` then names that folder (the saved run
-    config says which tokenizer trained) and any other explicit choice is refused. Otherwise `data.tokenizer`."""
+    config says which tokenizer trained); a path to a tokenizer of the project's own format is refused.
+    Otherwise `data.tokenizer`."""
     src = source_tokenizer_dir(cfg)
     if src is None:
         return load_tokenizer(cfg.data.tokenizer_path)
-    if cfg.data.tokenizer not in ("byte", str(src)) and not is_source_tokenizer_dir(Path(cfg.data.tokenizer_path)):
+    # "byte" and "default" (the dataclass's and configs/default.yaml's choice) are the project's own tokenizers,
+    # which the source never saw: the source's wins over them; a path to another tokenizer is a conflict
+    if cfg.data.tokenizer in ("byte", "default"):
+        cfg.data = replace(cfg.data, tokenizer=str(src))
+    elif not is_source_tokenizer_dir(Path(cfg.data.tokenizer_path)):
         raise ConfigError(f"data.tokenizer {cfg.data.tokenizer!r}: the model from {src} keeps its own tokenizer and "
                           f"chat format; drop data.tokenizer (or set it to {src})")
-    cfg.data = replace(cfg.data, tokenizer=str(src) if cfg.data.tokenizer == "byte" else cfg.data.tokenizer)
     return load_tokenizer(cfg.data.tokenizer_path)
 
 
