@@ -213,3 +213,22 @@ def test_a_project_tokenizer_for_a_source_model_is_refused(tmp_path):
     cfg = from_dict(TrainConfig, dict(base, data={"default_parts": ["text"], "tokenizer": str(tmp_path / "ours")}))
     with pytest.raises(ConfigError, match=r"keeps its own tokenizer and chat format; drop data.tokenizer"):
         run_tokenizer(cfg)
+
+
+def test_a_template_that_cannot_be_split_is_refused_at_start(tmp_path):
+    """A template whose rendering of a conversation is not the prefix of its continuation (it rewrites earlier
+    turns) cannot say which tokens are the answer: one line at start, not a crash in the data loader."""
+    from transformers import AutoTokenizer
+
+    from configs.config import ConfigError, from_dict
+    from vlm.train.config import TrainConfig
+    from vlm.train.stages import run_tokenizer
+
+    _source_tokenizer(tmp_path / "src", 300)
+    hf = AutoTokenizer.from_pretrained(str(tmp_path / "src"))
+    hf.chat_template = "{{ messages | length }}{% for m in messages %}{{ m['content'] }}<|im_end|>{% endfor %}"
+    hf.save_pretrained(str(tmp_path / "src"))
+    cfg = from_dict(TrainConfig, {"vision": None, "data": {"default_parts": ["text"]},
+                                  "train": {"stage": "ct", "convert_from": str(tmp_path / "src")}})
+    with pytest.raises(ConfigError, match="does not render a conversation as the prefix"):
+        run_tokenizer(cfg)

@@ -19,7 +19,7 @@ from torch import nn
 
 from configs.config import ConfigError, from_dict, to_dict
 from vlm.model.config import ModelConfig
-from data_pipelines.tokenizer import Tokenizer, is_source_tokenizer_dir, load_tokenizer
+from data_pipelines.tokenizer import Tokenizer, TokenizerError, is_source_tokenizer_dir, load_tokenizer
 from vlm.model.convert import convert_state, fit_vocab, load_source, to_conceptmoe_config
 from vlm.model.hf import MODEL_TYPE, load_vlm
 from vlm.model.multimodal import ConceptMoEVLM
@@ -257,7 +257,13 @@ def run_tokenizer(cfg: TrainConfig) -> Tokenizer:
     elif not is_source_tokenizer_dir(Path(cfg.data.tokenizer_path)):
         raise ConfigError(f"data.tokenizer {cfg.data.tokenizer!r}: the model from {src} keeps its own tokenizer and "
                           f"chat format; drop data.tokenizer (or set it to {src})")
-    return load_tokenizer(cfg.data.tokenizer_path)
+    try:
+        tok = load_tokenizer(cfg.data.tokenizer_path)
+        # a template that cannot be split into prompt and answer would stop the data loader mid-run: now instead
+        tok.chat_segments([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}] * 2)
+    except TokenizerError as e:
+        raise ConfigError(str(e)) from None
+    return tok
 
 
 def pretrained_tower(cfg: TrainConfig) -> bool:
