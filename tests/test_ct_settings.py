@@ -57,10 +57,12 @@ def test_a_differing_setting_is_refused_in_one_line(stored, stage, key, value, s
 
 @pytest.mark.parametrize("stage", ["text", "ct"])
 def test_the_ratio_target_may_change_and_everything_else_is_the_checkpoints(stored, stage):
-    cfg = _cfg(stored, stage, chunk={"target_ratio": 3.0}, concept_moe={"top_k": 3})
+    cfg = _cfg(stored, stage, chunk={"target_ratio": 3.0}, concept_moe={"top_k": 3},
+               moe={"loss_free_balancing": False})
     model, fresh = build_model(cfg)
     assert model.model_cfg.chunk.target_ratio == 3.0 and model.model_cfg.c_moe.top_k == 3
     assert model.model_cfg.moe.top_k == 2                  # the token-level experts keep theirs
+    assert not model.model_cfg.moe.loss_free_balancing
     assert model.model_cfg.rope_theta == 1e6 and model.model_cfg.chunk.residual == "delta"
     assert model.model_cfg.hidden_size == 32 and (stage == "ct" or cfg.model == model.model_cfg)
     torch.manual_seed(0)

@@ -255,8 +255,9 @@ MAY_CHANGE_FROM_CHECKPOINT = (
     "chunk.target_ratio", "chunk.modality_target_ratios", "chunk.ratio_loss_weight", "chunk.document_slack",
     "chunk.document_weight", "chunk.tau", "chunk.boundary_noise", "chunk.noise_sigma",
     "moe.balance_loss_weight", "moe.z_loss_weight", "moe.bias_update_rate", "moe.bias_update",
+    "moe.loss_free_balancing",    # its selection bias starts at zero: the routing is the stored one at start
     "concept_moe.top_k", "concept_moe.balance_loss_weight", "concept_moe.z_loss_weight",
-    "concept_moe.bias_update_rate", "concept_moe.bias_update",
+    "concept_moe.bias_update_rate", "concept_moe.bias_update", "concept_moe.loss_free_balancing",
     "loop_start", "loop_end", "loop_times", "attn_backend", "init_std")
 
 
