@@ -4,6 +4,10 @@ Both recognise the special tokens when they are written literally in the text, s
 the `<image>` placeholder are plain strings everywhere else in the code. Byte-level ids 0..255 are the
 UTF-8 bytes and the specials follow; a BPE tokenizer puts the specials first (ids 0..9) when we train it,
 and wherever an imported `tokenizer.json` has them (missing ones are appended).
+
+A pretrained model's own tokenizer folder (tokenizer.json with a chat template, as transformers saves it) loads as
+a SourceTokenizer instead: its ids, special tokens and chat template stay the source's, and only the image tokens
+are added; the project's role tokens never are.
 """
 from __future__ import annotations
 
