@@ -100,8 +100,13 @@ def test_batches_go_longest_prompt_first_and_answers_keep_request_order(tmp_path
 
 def test_rank_and_world_size_come_from_the_launcher(tmp_path, monkeypatch):
     """accelerate / torchrun set RANK and WORLD_SIZE: lmms-eval then builds only this rank's requests."""
+    import torch.distributed as dist
+
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
+    # a Trainer test earlier in this worker leaves its one-process group initialised; a launcher-started
+    # process has none yet when lmms-eval builds the model
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
     lm = _adapter(tmp_path)
     assert (lm.rank, lm.world_size) == (1, 2)
 
