@@ -3,9 +3,12 @@ runs and writes its JSON and figure. It checks that the suite runs and what it w
 measures."""
 import json
 
+import pytest
+
 from eval.bench.__main__ import PARTS, main
 
 
+@pytest.mark.slow   # about 3 minutes in one worker
 def test_every_part_writes_rows_machine_ratios_and_a_figure(tmp_path, capsys):
     assert main(["all", "--quick", "--out", str(tmp_path)]) == 0
     printed = capsys.readouterr().out

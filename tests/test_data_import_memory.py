@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from data_pipelines.import_bench import generate_llava
 
 
@@ -20,6 +22,7 @@ def _peak_mb(table, out, env) -> tuple[float, int]:
     return res["peak"], res["written"]
 
 
+@pytest.mark.slow   # imports two generated files of 9 and 44 MB in fresh processes
 def test_streaming_import_memory_stays_flat(tmp_path, subprocess_env):
     env = subprocess_env()
     small = generate_llava(tmp_path / "small.json", 4_000, text_bytes=2000, text_only=True)
