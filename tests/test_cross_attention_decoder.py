@@ -121,6 +121,16 @@ def test_replicated_cross_attention_equals_the_L_by_M_masked_form(backend, windo
     assert not torch.allclose(naive[valid], ref[valid], atol=1e-3)
 
 
+def _varlen_by_segment(q, k, v, cu_q):
+    """A stand-in for flash_attn_varlen_func written from its documented contract: causal SDPA per segment."""
+    out = torch.empty_like(q)
+    for s, e in zip(cu_q[:-1].tolist(), cu_q[1:].tolist()):
+        seg = lambda x: x[s:e].transpose(0, 1)[None]  # noqa: E731
+        out[s:e] = torch.nn.functional.scaled_dot_product_attention(
+            seg(q), seg(k), seg(v), is_causal=True, enable_gqa=True)[0].transpose(0, 1)
+    return out
+
+
 def test_replication_needs_only_a_causal_kernel(monkeypatch):
     """The flash path (CUDA) gets no mask at all, only causal varlen segments; checked on CPU with a stand-in for
     flash_attn_varlen_func written from its documented contract: still eq. 14's L x M form."""
@@ -129,12 +139,7 @@ def test_replication_needs_only_a_causal_kernel(monkeypatch):
 
     def varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, window_size):
         assert causal and window_size == (-1, -1)   # cross-attention is never windowed
-        out = torch.empty_like(q)
-        for s, e in zip(cu_q[:-1].tolist(), cu_q[1:].tolist()):
-            seg = lambda x: x[s:e].transpose(0, 1)[None]  # noqa: E731
-            out[s:e] = torch.nn.functional.scaled_dot_product_attention(
-                seg(q), seg(k), seg(v), is_causal=True, enable_gqa=True)[0].transpose(0, 1)
-        return out
+        return _varlen_by_segment(q, k, v, cu_q)
 
     monkeypatch.setattr(attention, "flash_attn_varlen_func", varlen)
     monkeypatch.setattr(block, "resolve_backend", lambda b, d: b)
@@ -162,12 +167,7 @@ def test_a_256_wide_head_leaves_flash_for_sdpa(monkeypatch):
     def varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, window_size):
         assert q.shape[-1] <= 256, f"flash-attn 2 takes head_dim <= 256, got {q.shape[-1]}"
         calls.append(q.shape[-1])
-        out = torch.empty_like(q)
-        for s, e in zip(cu_q[:-1].tolist(), cu_q[1:].tolist()):
-            seg = lambda x: x[s:e].transpose(0, 1)[None]  # noqa: E731
-            out[s:e] = torch.nn.functional.scaled_dot_product_attention(
-                seg(q), seg(k), seg(v), is_causal=True, enable_gqa=True)[0].transpose(0, 1)
-        return out
+        return _varlen_by_segment(q, k, v, cu_q)
 
     monkeypatch.setattr(attention, "flash_attn_varlen_func", varlen)
     monkeypatch.setattr(block, "resolve_backend", lambda b, d: b)
