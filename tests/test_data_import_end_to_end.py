@@ -47,7 +47,7 @@ def _llava(root, png) -> int:
 
 
 @pytest.mark.slow
-def test_import_finetune_from_final_and_evaluate(tmp_path, png, tiny_data, TINY, torch_globals):
+def test_import_finetune_from_final_and_evaluate(tmp_path, png, tiny_data, TINY, torch_globals, subprocess_env):
     # 1. the data as a user holds it
     n_rows = _llava(tmp_path, png)
     cc = tmp_path / "cc3m"
@@ -102,3 +102,24 @@ def test_import_finetune_from_final_and_evaluate(tmp_path, png, tiny_data, TINY,
     assert rc == 0, err[-2000:]
     records = (tmp_path / "tasks" / "caption_test.jsonl").read_text().splitlines()
     assert len(records) == len(captions)
+
+    # 5. ... and score the fine-tuned model on that task with lmms-eval itself, as the README's recipe runs it
+    pytest.importorskip("lmms_eval.api.model")
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(subprocess_env(), PYTHONPATH=str(repo), HF_HOME=str(tmp_path / "hf"), HF_DATASETS_OFFLINE="1",
+               HF_HUB_OFFLINE="1")
+    cmd = [sys.executable, "-c", "import sys; from lmms_eval.cli.dispatch import main; sys.exit(main())",
+           "eval", "--model", "conceptmoe", "--model_args", f"pretrained={tmp_path / 'runs/mine/final'}",
+           "--tasks", "conceptmoe_caption", "--include_path", str(tmp_path / "tasks"), "--batch_size", "4",
+           "--output_path", str(tmp_path / "lmms")]
+    proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    log = proc.stdout[-3000:] + proc.stderr[-3000:]
+    found = list((tmp_path / "lmms").rglob("*_results.json"))      # lmms-eval exits 0 even on errors
+    assert proc.returncode == 0 and found, log
+    scored = json.loads(found[0].read_text())["results"]["conceptmoe_caption"]
+    assert "exact_match,none" in scored and "cider,none" in scored, scored
+
