@@ -115,8 +115,11 @@ def encode_sample(sample: Sample, tok: Tokenizer, processor: ImageProcessor, row
                                            "token (<pad>, <bos>, <eos>, <image_pad>, <image_start>, <image_end>)")
         parts.append(ids)
         flags.append(np.full(len(ids), is_target, dtype=bool))
-    parts.append(np.array([tok.eos_id], dtype=np.int64))
-    flags.append(np.ones(1, dtype=bool))
+    # A source's chat template closes each answer with its own eos (Qwen's <|im_end|>): that ends the document;
+    # our format closes turns with <|end|> and the document with <eos>.
+    if not (sample.turns is not None and len(parts) > 1 and (parts[-1] == tok.eos_id).any()):
+        parts.append(np.array([tok.eos_id], dtype=np.int64))
+        flags.append(np.ones(1, dtype=bool))
     ids, target = np.concatenate(parts), np.concatenate(flags)
     if tok.is_special[ids].all() and not (allow_empty_text and sample.images):
         raise BadSample(EMPTY_TEXT, f"sample {sample.key} in {sample.source}: no text tokens")

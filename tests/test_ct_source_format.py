@@ -110,10 +110,11 @@ def test_ct_keeps_the_source_chat_format(pad_vocab, how, tiny_data, tmp_path, to
 
     enc = encode_sample(Sample("k", "chat", turns=CHAT), tok, ImageProcessor(ImageProcessorConfig()), 256,
                         loss_on="assistant")[0]
-    want = src_tok(rendered, add_special_tokens=False)["input_ids"] + [src_tok.eos_token_id]   # no bos: Qwen has none
-    assert enc.ids.tolist() == want
+    # exactly the rendered conversation: no bos (Qwen has none), and the template's own <|im_end|> ends the
+    # document (no second eos after it)
+    assert enc.ids.tolist() == src_tok(rendered, add_special_tokens=False)["input_ids"]
     answer = src_tok("hi, how are you<|im_end|>\n", add_special_tokens=False)["input_ids"]
-    assert enc.ids[enc.target].tolist() == answer + [src_tok.eos_token_id]
+    assert enc.ids[enc.target].tolist() == answer
     assert tr.train() == 0
 
     final = run_dir / "final"
