@@ -61,6 +61,11 @@ class Tokenizer:
 
         return chat_segments(turns, add_generation_prompt)
 
+    def format_chat(self, turns: list[dict], add_generation_prompt: bool = False) -> str:
+        """The conversation as one string in this tokenizer's chat format (what chat, the demo and lmms-eval prompt
+        the model with)."""
+        return "".join(text for text, _ in self.chat_segments(turns, add_generation_prompt))
+
     @property
     def bytes_per_id(self) -> np.ndarray:
         """UTF-8 bytes each id stands for (0 for special tokens): the denominator of bits per byte."""

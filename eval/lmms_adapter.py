@@ -162,7 +162,9 @@ class ConceptMoELMMS(lmms):
         body = context if has_slots else IMAGE_TOKEN * n_images + ("\n" if n_images else "") + context
         templated = USER in context or ASSISTANT in context
         if self.chat == "true" or (self.chat == "auto" and not templated):
-            return format_chat([{"role": "user", "content": body}], add_generation_prompt=True), True
+            # the model's own chat format: ours, or a CT source's (test doubles without one get ours)
+            fmt = getattr(getattr(self.model, "tokenizer", None), "format_chat", format_chat)
+            return fmt([{"role": "user", "content": body}], add_generation_prompt=True), True
         return body, False
 
     def _doc(self, task: str, split: str, doc_id: int) -> dict:

@@ -137,6 +137,14 @@ def test_ct_keeps_the_source_chat_format(pad_vocab, how, tiny_data, tmp_path, to
                          logits_processor=LogitsProcessorList([_EosAt(L, 3, src_tok.eos_token_id)]))
     assert out.shape[1] == L + 3 and out[0, -1].item() == src_tok.eos_token_id   # ended on the source's eos
 
+    # vlm chat, the demo and lmms-eval prompt the model in that same format (the model's tokenizer renders it)
+    from vlm.chat_cli import Conversation
+    from vlm.generate import load_eval_model
+
+    session = Conversation(load_eval_model(final))
+    assert session.prompt(CHAT[:1]) == src_tok.apply_chat_template(CHAT[:1], tokenize=False,
+                                                                   add_generation_prompt=True)
+
 
 def test_own_format_stays_for_our_tokenizer(tmp_path):
     """A model trained from scratch keeps the project's template and tokens."""

@@ -18,7 +18,7 @@ from pathlib import Path
 from PIL import Image, UnidentifiedImageError
 
 from configs.config import ConfigError
-from data_pipelines.chat import END, format_chat
+from data_pipelines.chat import END
 from data_pipelines.schema import IMAGE_TOKEN
 from vision.image_processor import ImageError, choose_grid
 
@@ -72,10 +72,14 @@ class Conversation:
                     "a new conversation")
         return None
 
+    def prompt(self, turns: list[dict]) -> str:
+        """The conversation and the generation prompt in the model's own chat format (ours, or a CT source's)."""
+        return self.chat.tokenizer.format_chat(turns, add_generation_prompt=True)
+
     def prompt_tokens(self, text: str) -> int:
         """Tokens of the conversation with `text` as the next user turn (the prompt `ask` will build)."""
         turns, images = self.next_turns(text)
-        batch = self.chat.prompt_batch([format_chat(turns, add_generation_prompt=True)], [images])
+        batch = self.chat.prompt_batch([self.prompt(turns)], [images])
         return int((batch.doc_ids >= 0).sum())
 
     def reset(self) -> None:
@@ -97,7 +101,7 @@ class Conversation:
                 on_text(now[len(shown[0]):])
                 shown[0] = now
 
-        answer = self.chat.generate([format_chat(turns, add_generation_prompt=True)], [images],
+        answer = self.chat.generate([self.prompt(turns)], [images],
                                     max_new_tokens=self.max_new_tokens, temperature=self.temperature,
                                     stop=[END], on_tokens=lambda ids: stream(ids[0]))[0]
         if on_text is not None and answer.startswith(shown[0]) and answer != shown[0]:

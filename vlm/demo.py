@@ -28,7 +28,6 @@ from pathlib import Path
 from PIL import Image, UnidentifiedImageError
 
 from configs.config import ConfigError
-from data_pipelines.chat import format_chat
 from data_pipelines.schema import IMAGE_TOKEN
 from vision.image_processor import ImageError, ImageProcessor
 from vlm.chat_cli import MAX_IMAGES, Conversation
@@ -101,7 +100,7 @@ def _stream_answer(conv: Conversation, text: str):
 def concept_panel(chat, turns: list[dict], images: list) -> tuple:
     """(picture of the first image with its concepts outlined or None, the conversation text with concept
     boundaries marked, per-modality compression) of the whole conversation, from one prefill."""
-    batch = chat.prompt_batch([format_chat(turns)], [images])
+    batch = chat.prompt_batch([chat.tokenizer.format_chat(turns)], [images])
     out, _ = chat.model.prefill(batch, max_new_tokens=0)
     if out.chunks is None:
         return None, "(this model has no chunk module)", {}
