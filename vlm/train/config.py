@@ -221,10 +221,9 @@ class TrainConfig:
             check(self.vision is None, "train.stage 'text' trains the LLM alone: set vision: null (or use stage 'vl')")
         if stage == "vl":
             check(self.vision is not None, "train.stage 'vl' needs a vision section (vision: {...})")
-        if self.vision_warmup.steps and not (self.vision is not None and self.vision.timm_checkpoint):
-            # (a pretrained tower gets no warm-up: vlm.train.stages.pretrained_tower)
-            check(stage == "vl" and self.vision is not None,
-                  "vision_warmup.steps > 0 needs train.stage 'vl' and a vision section")
+        # vision_warmup applies to a fresh tower in stage 'vl' only; elsewhere (no tower, stage 'text' or 'ct', a
+        # pretrained tower: vlm.train.stages.pretrained_tower) it has nothing to warm and is not run, so a config on
+        # `base: default.yaml` need not reset it
             check(not self.vision.freeze_encoder and not any(
                 p in ("vision", "vision.encoder") for p in self.params.freeze),
                   "vision_warmup.steps > 0 trains the vision encoder, which this config freezes "
@@ -237,8 +236,7 @@ class TrainConfig:
             check(bool(self.data.sources) or not image_parts,
                   f"vision: null, but the default dataset's parts {image_parts} carry images: set "
                   "data.default_parts: [text] (or give a vision section)")
-            for name in ("vision_lr_mult", "projector_lr_mult"):
-                check(getattr(self.params, name) == 1.0, f"params.{name} is set but the config has no vision tower")
+            # params.vision_lr_mult / projector_lr_mult have no parameters to scale then: they are not read
         for prefix in self.params.freeze:
             check(prefix.split(".")[0] in ("lm", "vision"),
                   f"params.freeze entry {prefix!r} must start with 'lm.' or 'vision.' (a module prefix of the model)")

@@ -355,7 +355,7 @@ class Trainer:
             cfg.model, cfg.vision = model.model_cfg, model.vision_cfg
         if cfg.params.freeze:
             freeze_prefixes(model, cfg.params.freeze)
-        if "vision" in fresh and cfg.vision_warmup.steps and self.resume_from is None:
+        if "vision" in fresh and cfg.vision_warmup.steps and cfg.train.stage == "vl" and self.resume_from is None:
             # before the engine exists: rank 0's result is what every rank starts from
             warm = run_vision_warmup(model.vision.encoder.to(self.dist.device), cfg.vision.build_processor(),
                                      cfg.vision_warmup, cfg.data, seed=cfg.train.seed, device=self.dist.device,
@@ -369,7 +369,8 @@ class Trainer:
                                 f"its state is in {warm['checkpoint']}; the same command (--resume included) "
                                 f"continues it")
             broadcast_module(model.vision.encoder)
-        if cfg.vision_warmup.steps and cfg.vision_warmup.freeze_after and not pretrained_tower(cfg):
+        if cfg.vision_warmup.steps and cfg.vision_warmup.freeze_after and cfg.train.stage == "vl" \
+                and cfg.vision is not None and not pretrained_tower(cfg):
             freeze_prefixes(model, ["vision.encoder"])
         report = vision_load_report(model)
         if report is not None:
