@@ -224,6 +224,7 @@ class TrainConfig:
         # vision_warmup applies to a fresh tower in stage 'vl' only; elsewhere (no tower, stage 'text' or 'ct', a
         # pretrained tower: vlm.train.stages.pretrained_tower) it has nothing to warm and is not run, so a config on
         # `base: default.yaml` need not reset it
+        if self.vision_warmup.steps and stage == "vl" and self.vision is not None and not self.vision.timm_checkpoint:
             check(not self.vision.freeze_encoder and not any(
                 p in ("vision", "vision.encoder") for p in self.params.freeze),
                   "vision_warmup.steps > 0 trains the vision encoder, which this config freezes "
