@@ -80,5 +80,8 @@ def stop_on_signals(flag: StopFlag | None = None):
     try:
         yield flag
     finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
+        # after a first signal the handlers stay: a second one during the exit that follows (export, the closing
+        # lines) still means "now" and exits with the signal's code, never by the default action's bare death
+        if not flag.requested:
+            for s, h in previous.items():
+                signal.signal(s, h)
