@@ -149,6 +149,17 @@ def to_dict(obj: Any) -> Any:
     return obj
 
 
+def flatten(d: dict, prefix: str = "") -> dict:
+    """Nested dict -> {"a.b.c": value}; an empty mapping is a value of its own (a section set to {})."""
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
 _FLOAT_RE = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 

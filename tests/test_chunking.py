@@ -2,8 +2,9 @@
 import pytest
 import torch
 
-from vlm.model.chunking import (ChunkModule, Dechunk, cosine_boundary_prob, ema_scan, plug_back, ratio_loss,
-                                sharpen, ste)
+from vlm.model.chunking import ChunkModule, Dechunk, cosine_boundary_prob, plug_back, sharpen, ste
+from vlm.model.ema_scan import ema_scan
+from vlm.model.ratio_loss import ratio_loss
 from vlm.model.config import ChunkConfig
 
 

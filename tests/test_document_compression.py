@@ -7,7 +7,8 @@ import torch
 
 from configs.batch import IMAGE, KINDS, TEXT
 from configs.config import ConfigError
-from vlm.model.chunking import ChunkModule, document_ratio_loss, document_ratio_target, ratio_loss
+from vlm.model.chunking import ChunkModule
+from vlm.model.ratio_loss import document_ratio_loss, document_ratio_target, ratio_loss
 from vlm.model.config import ChunkConfig
 from vlm.model.doc_stats import (document_counts, document_labels, document_ratios, group_histogram,
                                  histogram_quantiles, summarize_documents)

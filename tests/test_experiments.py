@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from configs.config import to_dict
+from configs.config import flatten, to_dict
 from eval.experiments import RECIPES, global_parser
 from eval.experiments.core import FAILS, HOLDS, ONE_SEED, UNSURE, Stat, at_most, better, no_worse, overall, \
     stats_table
@@ -24,16 +24,6 @@ def _overrides(job) -> tuple[str, list[str]]:
     args = list(job.args)
     cfg = args[args.index("--config") + 1]
     return cfg, [a for a in args if "=" in a and not a.startswith("--")]
-
-
-def _flat(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict) and v:
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
 
 
 def _configs(name: str, tmp_path: Path) -> dict:
@@ -55,7 +45,7 @@ def test_every_variant_is_a_valid_config_differing_only_where_the_recipe_says(na
     assert recipe.claim and recipe.source and recipe.metrics and recipe.seeds >= 2
     assert len({v.name for v in recipe.variants}) == len(recipe.variants) >= 2
     configs = _configs(name, tmp_path)
-    flat = {v: _flat(to_dict(c)) for v, c in configs.items()}
+    flat = {v: flatten(to_dict(c)) for v, c in configs.items()}
     stated = {o.split("=", 1)[0] for v in recipe.variants for o in v.overrides}
     if len({v.steps_mult for v in recipe.variants}) > 1:   # e.g. pretraining before continual training
         stated |= {"train.max_steps", "logging.eval_every"}

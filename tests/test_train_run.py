@@ -127,7 +127,7 @@ def _two_micro_batches(tiny_data, load_tiny, tiny_config):
 
 def test_global_parser_drives_the_chunker(tiny_data, load_tiny, tiny_config):
     """Every micro-batch's ratio loss is eq. 4 at the F, G of the whole step's batch."""
-    from vlm.model.chunking import ratio_loss
+    from vlm.model.ratio_loss import ratio_loss
     from vlm.model.stats import summarize
     from vlm.train.global_parser import GlobalParser, install
 
@@ -179,7 +179,7 @@ def test_per_micro_batch_statistics_when_the_global_parser_is_off(tiny_data, tmp
                                                                    make_trainer):
     """train.global_parser=false (DLCM Table 4's ablation): no parser on the chunker, so each micro-batch's ratio
     loss is eq. 4 at its own F, G; training runs."""
-    from vlm.model.chunking import ratio_loss
+    from vlm.model.ratio_loss import ratio_loss
     from vlm.model.stats import summarize
 
     cfg = tiny_config(tiny_data, optim={"grad_accum": 2}, train={"max_steps": 2, "global_parser": False},

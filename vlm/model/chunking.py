@@ -7,7 +7,6 @@ document or one built from later tokens.
 """
 from __future__ import annotations
 
-import math
 from typing import Callable, NamedTuple
 
 import torch
@@ -18,6 +17,8 @@ from configs.batch import IMAGE, TEXT
 from vlm.model.cache import ChunkState
 from vlm.model.config import ChunkConfig
 from vlm.model.doc_stats import document_slots
+from vlm.model.ema_scan import ema_scan
+from vlm.model.ratio_loss import document_ratio_loss, ratio_loss
 from vlm.model.layers import doc_starts, positions_in_doc
 
 
@@ -36,86 +37,6 @@ def sharpen(p: torch.Tensor, tau: float) -> torch.Tensor:
 def sample_boundaries(p_sharp: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """Eq. 6: b_n ~ Bernoulli(p_sharp_n)."""
     return torch.rand(p_sharp.shape, device=p_sharp.device, generator=generator) < p_sharp
-
-
-def ratio_loss(F_: torch.Tensor, G: torch.Tensor, R: float) -> torch.Tensor:
-    """Eq. 4: L_aux = R/(R-1) ((R-1) F G + (1-F)(1-G)); equals 1 at F = G = 1/R. F carries no gradient."""
-    return R / (R - 1) * ((R - 1) * F_ * G + (1 - F_) * (1 - G))
-
-
-def document_ratio_target(F_: torch.Tensor, R: float, slack: float) -> torch.Tensor:
-    """A document's own target ratio (beyond the paper): its realized ratio 1/F clamped into [R/s, R*s].
-
-    Inside the band eq. 4 at R_d = 1/F is 1 with zero gradient in G, so the document is free; outside, the
-    document is pulled towards the nearest edge. F = 0 (no boundary) reads as an infinite ratio."""
-    return torch.where(F_ > 0, 1 / F_.clamp_min(1e-12), torch.full_like(F_, math.inf)).clamp(R / slack, R * slack)
-
-
-def document_ratio_loss(n_D: torch.Tensor, b_D: torch.Tensor, psum_D: torch.Tensor, N: torch.Tensor, R: float,
-                        slack: float) -> torch.Tensor:
-    """Sum over documents d of (n_d / N) * eq. 4(F_d, G_d, R_d), with F_d, G_d a document's own boundary fraction
-    and mean p and R_d its `document_ratio_target`. Weighted by tokens over the group's global count N, so the
-    gradient on one token's p has the scale of the batch loss's, and micro-batch shares sum to the whole."""
-    has = n_D > 0
-    n = n_D.clamp_min(1)
-    F_, G = b_D / n, psum_D / n
-    R_d = document_ratio_target(F_, R, slack)
-    per_doc = ratio_loss(F_, G, R_d)
-    return torch.where(has, per_doc * n_D / N.clamp_min(1), torch.zeros_like(per_doc)).sum()
-
-
-def segsum(x_L: torch.Tensor) -> torch.Tensor:
-    """[..., L] -> [..., L, L] with out[i, j] = sum_{j < k <= i} x[k] (and -inf above the diagonal).
-
-    Built by a masked cumsum rather than differences of cumsums so that -inf entries (restarts) stay exact.
-    """
-    L = x_L.shape[-1]
-    xx = x_L[..., None].expand(*x_L.shape, L)
-    strict = torch.ones(L, L, dtype=torch.bool, device=x_L.device).tril(-1)
-    ss = xx.masked_fill(~strict, 0).cumsum(-2)
-    return ss.masked_fill(~strict.logical_or(torch.eye(L, dtype=torch.bool, device=x_L.device)), float("-inf"))
-
-
-def _scan(u_BMD: torch.Tensor, loga_BM: torch.Tensor, block: int) -> torch.Tensor:
-    """y_m = u_m + exp(loga_m) y_{m-1} by blocks (fp32 in, fp32 out); M a multiple of `block`."""
-    B, M, D = u_BMD.shape
-    nb = M // block
-    loga_BCL = loga_BM.view(B, nb, block)
-    y_BCLD = torch.exp(segsum(loga_BCL)) @ u_BMD.view(B, nb, block, D)  # within-block contributions
-    end_BCD = y_BCLD[:, :, -1]                                           # each block's final state (own inputs)
-    logA_BC = loga_BCL.sum(-1)                                           # decay across a whole block
-    state_BCD = torch.exp(segsum(logA_BC)) @ end_BCD                     # true state at the end of each block
-    carry_BCD = F.pad(state_BCD[:, :-1], (0, 0, 1, 0))                   # state entering each block
-    decay_BCL = torch.exp(loga_BCL.cumsum(-1))
-    return (y_BCLD + decay_BCL[..., None] * carry_BCD[:, :, None]).reshape(B, M, D)
-
-
-def ema_scan(x_BMD: torch.Tensor, p_BM: torch.Tensor, reset_BM: torch.Tensor, block: int = 64) -> torch.Tensor:
-    """Eq. 8 by a blocked parallel scan: c_m = p_m x_m + (1 - p_m) c_{m-1}, restarted where reset_BM.
-
-    Within blocks of `block` concepts the recurrence is a lower-triangular matmul with weights
-    exp(segsum(log(1 - p))); the states carried between blocks use the same identity one level up.
-    No loop over concepts; fp32 throughout.
-
-    Where p == 1 exactly (not at a restart) the decay is exactly 0, log(1 - p) = -inf, and the log cuts the
-    gradient of the (1 - p) c_{m-1} term. A second scan restores it: its input (a - a.detach()) c_{m-1} is zero
-    in value but carries d/da = c_{m-1} into c_m, from where the scan propagates it as it does any input.
-    """
-    B, M, D = x_BMD.shape
-    dtype = x_BMD.dtype
-    pad = -(-M // block) * block - M
-    p = F.pad(p_BM.float(), (0, pad))
-    reset = F.pad(reset_BM, (0, pad), value=True)
-    a = 1 - p
-    open_ = (a > 0) & ~reset
-    loga = torch.where(open_, torch.log(torch.where(open_, a, torch.ones_like(a))), torch.full_like(a, float("-inf")))
-    u = F.pad(x_BMD.float() * p_BM.float()[..., None], (0, 0, 0, pad))
-    y = _scan(u, loga, block)
-    shut = (a == 0) & ~reset                              # p == 1 inside a document
-    prev = F.pad(y[:, :-1].detach(), (0, 0, 1, 0))
-    zero_u = torch.where(shut[..., None], (a - a.detach())[..., None] * prev, torch.zeros_like(prev))
-    y = y + _scan(zero_u, loga, block)
-    return y[:, :M].to(dtype)
 
 
 class _STE(torch.autograd.Function):

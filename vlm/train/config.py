@@ -14,7 +14,7 @@ from data_pipelines.config import DataConfig, SourceConfig
 from data_pipelines.default_dataset import IMAGE_PARTS
 from vision.config import VisionConfig
 from vision.image_processor import ImageProcessorConfig
-from configs.config import ConfigError, apply_overrides, check, from_dict, load_yaml
+from configs.config import ConfigError, apply_overrides, check, flatten, from_dict, load_yaml
 from vlm.model.config import ConvertConfig, ModelConfig
 
 
@@ -260,13 +260,6 @@ MAY_CHANGE_FROM_CHECKPOINT = (
     "loop_start", "loop_end", "loop_times", "attn_backend", "init_std")
 
 
-def _flat_keys(d: dict, prefix: str = "") -> set[str]:
-    out: set[str] = set()
-    for k, v in d.items():
-        out |= _flat_keys(v, f"{prefix}{k}.") if isinstance(v, dict) and v else {f"{prefix}{k}"}
-    return out
-
-
 def load_train_config(path: str | Path | None, overrides: list[str] | None = None) -> TrainConfig:
     """Read a YAML file (or none: the defaults), apply dotted overrides, validate. Raises ConfigError.
 
@@ -282,7 +275,7 @@ def load_train_config(path: str | Path | None, overrides: list[str] | None = Non
         apply_overrides(own, [o for o in overrides or [] if o.strip().startswith("model.")])
         model = own.get("model") or {}
         data["model"] = model
-        stated = _flat_keys(model) if isinstance(model, dict) else set()
+        stated = set(flatten(model)) if isinstance(model, dict) else set()
     cfg = from_dict(TrainConfig, data)
     cfg.model_stated = stated
     return cfg

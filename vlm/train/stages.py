@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from configs.config import ConfigError, from_dict, to_dict
+from configs.config import ConfigError, flatten, from_dict, to_dict
 from vlm.model.config import ModelConfig
 from data_pipelines.tokenizer import Tokenizer, TokenizerError, is_source_tokenizer_dir, load_tokenizer
 from vlm.model.convert import convert_state, fit_vocab, load_source, to_conceptmoe_config
@@ -106,16 +106,6 @@ def load_pretrained_weights(model: ConceptMoEVLM, path: Path) -> dict[str, int]:
     return loaded
 
 
-def _flat(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict) and v:
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
 def _model_dict(mc: ModelConfig) -> dict:
     """to_dict with the concept model's MoE spelled out (null there means "as moe"), so that a config that sets
     concept_moe.top_k compares with what the stored model runs."""
@@ -138,10 +128,10 @@ def merge_model_section(stored: ModelConfig, cfg: TrainConfig, where: Path) -> M
     A stated key whose value differs from the stored one and may not change is refused in one line. The keys
     stated are those the config file and overrides name (load_train_config); a config built otherwise states
     every key whose value is not the project default."""
-    mine, base = _flat(_model_dict(cfg.model)), _flat(_model_dict(stored))
+    mine, base = flatten(_model_dict(cfg.model)), flatten(_model_dict(stored))
     stated = getattr(cfg, "model_stated", None)
     if stated is None:
-        default = _flat(_model_dict(ModelConfig()))
+        default = flatten(_model_dict(ModelConfig()))
         stated = {k for k, v in mine.items() if k not in default or default[k] != v}
     else:   # a section stated as a whole (modality_target_ratios: {...}) compares key by key
         stated = {k for k in mine if any(k == s or k.startswith(s + ".") for s in stated)}

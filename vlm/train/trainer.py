@@ -11,7 +11,6 @@ import itertools
 import json
 import os
 import random
-import shutil
 import signal
 import time
 from dataclasses import replace
@@ -46,6 +45,7 @@ from vlm.train.param_groups import (
 )
 from vlm.train.probes import ActivationProbe
 from vlm.train.report import model_card, summary_lines, write_report
+from vlm.train.run_config import check_resume_config, config_targets
 from vlm.train.schedule import build_scheduler
 from vlm.train.signals import Preempted, StopFlag
 from vlm.train.sizes import check_buildable
@@ -53,48 +53,6 @@ from vlm.train.stages import build_model, pretrained_tower, run_tokenizer, visio
 from vlm.train.step import StepResult, train_step
 from vlm.train.validation import HeldOut
 from vlm.train.vision_warmup import run_vision_warmup
-
-# Config keys a resumed run may change (everything else must match the checkpointed run).
-RESUMABLE_CHANGES = ("train.max_steps", "checkpoint.", "logging.", "train.vqa_eval", "train.vqa_max_samples",
-                     "train.threads")
-
-
-def config_targets(cfg: TrainConfig) -> dict[str, float]:
-    """Compression targets for dashboards: the joint R, or one per modality."""
-    ch = cfg.model.chunk
-    if not ch.enabled:
-        return {}
-    if ch.modality_target_ratios:
-        return {f"ratio/{m}": r for m, r in ch.modality_target_ratios.items()}
-    return {"ratio": ch.target_ratio}
-
-
-def _flatten(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict):
-            out.update(_flatten(v, key + "."))
-        else:
-            out[key] = v
-    return out
-
-
-# With --accept-optim-change (the documented fix after non-finite steps: a lower optim.lr) these may change too;
-# grad_accum may not (it changes how the data stream is cut into steps).
-OPTIM_CHANGES = ("optim.lr", "optim.min_lr", "optim.weight_decay", "optim.betas", "optim.eps", "optim.clip",
-                 "optim.warmup_steps", "optim.schedule", "optim.decay_fraction")
-
-
-def check_resume_config(saved: dict, now: dict, accept_optim_change: bool = False) -> None:
-    a, b = _flatten(saved), _flatten(now)
-    allowed = RESUMABLE_CHANGES + (OPTIM_CHANGES if accept_optim_change else ())
-    for key in sorted(set(a) | set(b)):
-        if a.get(key) != b.get(key) and not key.startswith(allowed):
-            hint = " (or --accept-optim-change)" if key.startswith(OPTIM_CHANGES) else ""
-            raise ConfigError(f"cannot resume: {key} was {a.get(key)!r} in the checkpointed run, now {b.get(key)!r}; "
-                              f"use a new --out directory or the same config{hint}")
-
 
 RUN_END_GROUP = "vlm.run_end"
 RunEnd = Callable[[Path, TrainConfig, Path, Callable[[str], None]], dict]

@@ -1,0 +1,59 @@
+"""Eq. 8's EMA over concepts, c_m = p_m x_m + (1 - p_m) c_{m-1}, as a blocked parallel scan (no loop over concepts)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def segsum(x_L: torch.Tensor) -> torch.Tensor:
+    """[..., L] -> [..., L, L] with out[i, j] = sum_{j < k <= i} x[k] (and -inf above the diagonal).
+
+    Built by a masked cumsum rather than differences of cumsums so that -inf entries (restarts) stay exact.
+    """
+    L = x_L.shape[-1]
+    xx = x_L[..., None].expand(*x_L.shape, L)
+    strict = torch.ones(L, L, dtype=torch.bool, device=x_L.device).tril(-1)
+    ss = xx.masked_fill(~strict, 0).cumsum(-2)
+    return ss.masked_fill(~strict.logical_or(torch.eye(L, dtype=torch.bool, device=x_L.device)), float("-inf"))
+
+
+def _scan(u_BMD: torch.Tensor, loga_BM: torch.Tensor, block: int) -> torch.Tensor:
+    """y_m = u_m + exp(loga_m) y_{m-1} by blocks (fp32 in, fp32 out); M a multiple of `block`."""
+    B, M, D = u_BMD.shape
+    nb = M // block
+    loga_BCL = loga_BM.view(B, nb, block)
+    y_BCLD = torch.exp(segsum(loga_BCL)) @ u_BMD.view(B, nb, block, D)  # within-block contributions
+    end_BCD = y_BCLD[:, :, -1]                                           # each block's final state (own inputs)
+    logA_BC = loga_BCL.sum(-1)                                           # decay across a whole block
+    state_BCD = torch.exp(segsum(logA_BC)) @ end_BCD                     # true state at the end of each block
+    carry_BCD = F.pad(state_BCD[:, :-1], (0, 0, 1, 0))                   # state entering each block
+    decay_BCL = torch.exp(loga_BCL.cumsum(-1))
+    return (y_BCLD + decay_BCL[..., None] * carry_BCD[:, :, None]).reshape(B, M, D)
+
+
+def ema_scan(x_BMD: torch.Tensor, p_BM: torch.Tensor, reset_BM: torch.Tensor, block: int = 64) -> torch.Tensor:
+    """Eq. 8 by a blocked parallel scan: c_m = p_m x_m + (1 - p_m) c_{m-1}, restarted where reset_BM.
+
+    Within blocks of `block` concepts the recurrence is a lower-triangular matmul with weights
+    exp(segsum(log(1 - p))); the states carried between blocks use the same identity one level up.
+    No loop over concepts; fp32 throughout.
+
+    Where p == 1 exactly (not at a restart) the decay is exactly 0, log(1 - p) = -inf, and the log cuts the
+    gradient of the (1 - p) c_{m-1} term. A second scan restores it: its input (a - a.detach()) c_{m-1} is zero
+    in value but carries d/da = c_{m-1} into c_m, from where the scan propagates it as it does any input.
+    """
+    B, M, D = x_BMD.shape
+    dtype = x_BMD.dtype
+    pad = -(-M // block) * block - M
+    p = F.pad(p_BM.float(), (0, pad))
+    reset = F.pad(reset_BM, (0, pad), value=True)
+    a = 1 - p
+    open_ = (a > 0) & ~reset
+    loga = torch.where(open_, torch.log(torch.where(open_, a, torch.ones_like(a))), torch.full_like(a, float("-inf")))
+    u = F.pad(x_BMD.float() * p_BM.float()[..., None], (0, 0, 0, pad))
+    y = _scan(u, loga, block)
+    shut = (a == 0) & ~reset                              # p == 1 inside a document
+    prev = F.pad(y[:, :-1].detach(), (0, 0, 1, 0))
+    zero_u = torch.where(shut[..., None], (a - a.detach())[..., None] * prev, torch.zeros_like(prev))
+    y = y + _scan(zero_u, loga, block)
+    return y[:, :M].to(dtype)

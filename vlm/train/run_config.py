@@ -1,0 +1,36 @@
+"""What a run's config says beyond training itself: its compression targets for the dashboards, and which of its
+keys a resumed run may change."""
+from __future__ import annotations
+
+from configs.config import ConfigError, flatten
+from vlm.train.config import TrainConfig
+
+# Config keys a resumed run may change (everything else must match the checkpointed run).
+RESUMABLE_CHANGES = ("train.max_steps", "checkpoint.", "logging.", "train.vqa_eval", "train.vqa_max_samples",
+                     "train.threads")
+
+
+def config_targets(cfg: TrainConfig) -> dict[str, float]:
+    """Compression targets for dashboards: the joint R, or one per modality."""
+    ch = cfg.model.chunk
+    if not ch.enabled:
+        return {}
+    if ch.modality_target_ratios:
+        return {f"ratio/{m}": r for m, r in ch.modality_target_ratios.items()}
+    return {"ratio": ch.target_ratio}
+
+
+# With --accept-optim-change (the documented fix after non-finite steps: a lower optim.lr) these may change too;
+# grad_accum may not (it changes how the data stream is cut into steps).
+OPTIM_CHANGES = ("optim.lr", "optim.min_lr", "optim.weight_decay", "optim.betas", "optim.eps", "optim.clip",
+                 "optim.warmup_steps", "optim.schedule", "optim.decay_fraction")
+
+
+def check_resume_config(saved: dict, now: dict, accept_optim_change: bool = False) -> None:
+    a, b = flatten(saved), flatten(now)
+    allowed = RESUMABLE_CHANGES + (OPTIM_CHANGES if accept_optim_change else ())
+    for key in sorted(set(a) | set(b)):
+        if a.get(key) != b.get(key) and not key.startswith(allowed):
+            hint = " (or --accept-optim-change)" if key.startswith(OPTIM_CHANGES) else ""
+            raise ConfigError(f"cannot resume: {key} was {a.get(key)!r} in the checkpointed run, now {b.get(key)!r}; "
+                              f"use a new --out directory or the same config{hint}")
