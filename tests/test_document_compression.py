@@ -79,6 +79,9 @@ def test_training_histograms_give_the_per_kind_quantiles_and_sum_over_micro_batc
     vec = torch.cat([torch.zeros(len(FIELDS), dtype=torch.float64), acc.doc_hist.flatten(), acc.group_loss.flatten()])
     rec = group_record(vec, group_names(["captions", "vqa"]))
     assert rec["doc_ratio/caption/image/docs"] == 2 and rec["doc_ratio/source:vqa/text/docs"] == 2
+    # each source holds its own document: the caption (source 0) merged whole, the chat sample (source 1) not
+    assert 8 / 1.1 < rec["doc_ratio/source:captions/image/p50"] < 8 * 1.1
+    assert rec["doc_ratio/source:vqa/text/p50"] < 1.1
     assert rec["doc_ratio/chat/text/p50"] < 1.1 < 3.5 < rec["doc_ratio/caption/text/p50"]
     assert rec["loss/kind/chat"] == 1.0 and rec["loss/source/captions"] == 1.0
 
