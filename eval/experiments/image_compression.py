@@ -37,9 +37,14 @@ def read(run: Run, seed_runs: dict[str, Run]) -> dict:
 
 def verdict(t):
     joint, default = t["trained-joint-grid_off"], t["trained-per_modality-grid_off"]
-    return [better("at a joint R = 2 images are compressed more than text (held-out R)", "image",
+    per_kind = [better(f"at a joint R = 2 images are compressed more than text (median held-out {kind} document)",
+                       "image", joint[f"{kind}_image_p50"], "text", joint[f"{kind}_text_p50"], lower=False, digits=2,
+                       what="trained encoder, joint target")
+                for kind in ("chat", "caption")]
+    return [*per_kind,
+            better("at a joint R = 2 images are compressed more than text (held-out aggregate)", "image",
                    joint["eval_R_image"], "text", joint["eval_R_text"], lower=False, digits=2,
-                   what="trained encoder, joint target"),
+                   what="trained encoder, joint target", core=False),
             better("the VLM answers from the image: VQA above the blind model", "VQA", default["vqa"], "blind",
                    default["blind"], lower=False, digits=1, what="trained encoder, per-modality targets"),
             no_worse("a frozen random encoder answers no better than blind", "blind",

@@ -18,6 +18,7 @@ VAL_R = Metric("val_R", "held-out R (aggregate)", 2)
 VAL_R_DOC = [Metric("val_R_p50", "held-out R, median document", 2), Metric("val_R_p10", "held-out R, p10 document", 2),
              Metric("val_R_p90", "held-out R, p90 document", 2)]
 TRAIN_R = Metric("train_R", "train R (last 10 %)", 2)
+TRAIN_R_DOC = Metric("train_R_p50", "train R, median document (last 10 %)", 2)
 
 
 def losses(run: Run) -> dict:
@@ -27,6 +28,7 @@ def losses(run: Run) -> dict:
     for q in ("p10", "p50", "p90"):   # a null quantile is a document with no concept: read as 1000 tokens per concept
         v = run.last_val(f"doc_ratio/text/text/{q}")
         row[f"val_R_{q}"] = v if v is not None or run.last_val("doc_ratio/text/text/docs") is None else 1e3
+    row["train_R_p50"] = run.tail("doc_ratio/text/text/p50")
     return row
 
 
