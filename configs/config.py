@@ -2,15 +2,21 @@
 
 Every config in the project is a dataclass whose fields carry type hints; `from_dict` builds it
 recursively and rejects unknown keys, wrong types and values outside a `Literal`, naming the dotted
-path of the offending field and what would have been allowed. Dataclasses may define `validate()`
-for cross-field checks; it should raise `ConfigError`. Each config is validated exactly once: a subclass of
-`ValidatedOnInit` validates itself when it is made (`__post_init__`), in Python as through `from_dict`;
-for any other dataclass `from_dict` calls `validate()` after construction.
+path of the offending field and what would have been allowed.
+
+One validation scheme: every config dataclass subclasses `ValidatedOnInit`, which checks its fields' types (the
+same checks `from_dict` makes) and runs its `validate()` (cross-field checks raising `ConfigError`) in
+`__post_init__`, so a config is valid however it is made: `from_dict`, a direct call or `dataclasses.replace`.
+`from_dict` only builds; it refuses a dataclass with a `validate()` that is not a `ValidatedOnInit`.
+
+One source of defaults: the dataclasses' field defaults. A YAML file states only what differs from them (or, with
+`base: OTHER.yaml`, from its base); tests/test_config_base.py fails on a key that restates what it would inherit.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 import types
 import typing
@@ -27,12 +33,33 @@ class ConfigError(ValueError):
 
 
 class ValidatedOnInit:
-    """Base of config dataclasses that run `validate()` once, in `__post_init__`, however they are made
-    (`from_dict`, `dataclasses.replace` or a direct call); `from_dict` does not validate them again. A subclass
-    with a `__post_init__` of its own calls `super().__post_init__()` at its end."""
+    """Base of every config dataclass: in `__post_init__`, however it is made (`from_dict`, `dataclasses.replace`
+    or a direct call), each field is checked against its type hint (as `from_dict` checks YAML values: a
+    `Literal`'s values, int / float / bool / str, finite numbers; an int becomes a float, a list a tuple, a
+    mapping for a nested config that config) and then `validate()` runs. A subclass with a `__post_init__` of its
+    own calls `super().__post_init__()` at its end."""
 
     def __post_init__(self) -> None:
+        hints = _hints(type(self))
+        for f in dataclasses.fields(self):
+            if f.init and f.name in hints:
+                value = getattr(self, f.name)
+                coerced = _coerce(value, hints[f.name], f.name)
+                if coerced is not value:
+                    object.__setattr__(self, f.name, coerced)
         self.validate()
+
+    def validate(self) -> None:
+        """Cross-field checks; raise `ConfigError` (see `check`)."""
+
+
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    if cls not in _HINTS:
+        _HINTS[cls] = typing.get_type_hints(cls)
+    return _HINTS[cls]
 
 
 def _type_name(tp: Any) -> str:
@@ -107,6 +134,8 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
     if tp is str:
         if isinstance(value, str):
             return value
+        if isinstance(value, os.PathLike):   # a Path given in Python
+            return os.fspath(value)
         raise ConfigError(f"{path}: got {value!r}, expected a string")
     if isinstance(tp, type) and isinstance(value, tp):
         return value
@@ -114,10 +143,14 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
 
 
 def from_dict(cls: type[T], data: dict, path: str = "") -> T:
-    """Build dataclass `cls` from a (nested) mapping, validating every field."""
+    """Build dataclass `cls` from a (nested) mapping, checking every field (a `ValidatedOnInit` then validates
+    itself when it is made)."""
+    if callable(getattr(cls, "validate", None)) and not issubclass(cls, ValidatedOnInit):
+        raise TypeError(f"{cls.__name__} has a validate() but is not a ValidatedOnInit: a config dataclass "
+                        "subclasses configs.config.ValidatedOnInit so that it is validated however it is made")
     if data is None:
         data = {}
-    hints = typing.get_type_hints(cls)
+    hints = _hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(data) - set(fields))
     if unknown:
@@ -130,9 +163,6 @@ def from_dict(cls: type[T], data: dict, path: str = "") -> T:
         kwargs[name] = _coerce(value, hints[name], f"{path}.{name}" if path else name)
     try:
         obj = cls(**kwargs)   # a ValidatedOnInit validates itself here
-        validate = getattr(obj, "validate", None)
-        if callable(validate) and not isinstance(obj, ValidatedOnInit):
-            validate()
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}" if path and not str(e).startswith(path) else str(e)) from None
     return obj

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from configs.config import check
+from configs.config import ValidatedOnInit, check
 from data_pipelines.default_dataset import PARTS
 from data_pipelines.reader import ShardError, resolve_shards
 from vision.image_processor import ImageProcessorConfig
@@ -14,7 +14,7 @@ DEFAULT_DIR = "data/default"
 
 
 @dataclass
-class SourceConfig:
+class SourceConfig(ValidatedOnInit):
     """One source of shards. `path`: a folder of shards, a glob, a brace pattern or one .tar file, or a URL
     webdataset understands (`pipe:CMD`, `http(s)://host/shard-{000..009}.tar`, `file:PATH`; SCHEMA.md)."""
 
@@ -40,7 +40,7 @@ class SourceConfig:
 
 
 @dataclass
-class DataConfig:
+class DataConfig(ValidatedOnInit):
     # empty: the embedded default dataset's train split (built into default_dir when missing)
     sources: list[SourceConfig] = field(default_factory=list)
     default_dir: str = DEFAULT_DIR

@@ -29,7 +29,7 @@ from data_pipelines.schema import IMAGE_TOKEN, Sample
 from data_pipelines.text_corpus import document
 from data_pipelines.tokenizer import train_bpe
 from data_pipelines.writer import ShardWriter
-from configs.config import check, to_dict
+from configs.config import ValidatedOnInit, check, to_dict
 
 GENERATOR_VERSION = 5
 INFO_FILE = "default.json"
@@ -41,7 +41,7 @@ SPLIT_IDS = {"train": 0, "val": 1, "test": 2, "interleaved": 3, "text": 4}
 
 
 @dataclass
-class DefaultDatasetConfig:
+class DefaultDatasetConfig(ValidatedOnInit):
     seed: int = 0
     train_scenes: int = 10000
     val_scenes: int = 300

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from typing import Literal
 
 import pytest
 import yaml
@@ -171,6 +172,7 @@ class _Plain:
 @dataclasses.dataclass
 class _SelfChecked(ValidatedOnInit):
     n: int = 1
+    mode: Literal["a", "b"] = "a"
 
     def validate(self) -> None:
         _CALLS.append("self")
@@ -178,25 +180,32 @@ class _SelfChecked(ValidatedOnInit):
 
 
 @dataclasses.dataclass
-class _Outer:
-    plain: _Plain = dataclasses.field(default_factory=_Plain)
+class _Outer(ValidatedOnInit):
     own: _SelfChecked = dataclasses.field(default_factory=_SelfChecked)
 
 
 def test_each_config_is_validated_once_however_it_is_made():
-    """from_dict validates a plain dataclass once; a ValidatedOnInit validates itself when it is made (through
-    from_dict, a direct call or dataclasses.replace) and from_dict does not repeat it. Errors name the field."""
+    """One scheme: a ValidatedOnInit checks its types and validates itself when it is made (through from_dict, a
+    direct call or dataclasses.replace), once; from_dict adds no second path and refuses a plain dataclass with a
+    validate(). Errors name the field."""
     _CALLS.clear()
-    cfg = from_dict(_Outer, {"plain": {"n": 2}, "own": {"n": 3}})
-    assert (cfg.plain.n, cfg.own.n) == (2, 3) and _CALLS == ["plain", "self"]
+    cfg = from_dict(_Outer, {"own": {"n": 3}})
+    assert cfg.own.n == 3 and _CALLS == ["self"]
     _CALLS.clear()
     dataclasses.replace(_SelfChecked(n=4), n=5)
     assert _CALLS == ["self", "self"]
     with pytest.raises(ConfigError, match="n must be >= 1, got 0"):
         _SelfChecked(n=0)                                   # made in Python: still checked
-    for section in ("plain", "own"):
-        with pytest.raises(ConfigError, match=rf"^{section}: n must be >= 1, got 0$"):
-            from_dict(_Outer, {section: {"n": 0}})
+    with pytest.raises(ConfigError, match=r"^mode: got 'c', allowed values: 'a', 'b'$"):
+        _SelfChecked(mode="c")                              # and its types too, as from_dict checks them
+    with pytest.raises(ConfigError, match=r"^n: got '2', expected an integer$"):
+        _SelfChecked(n="2")
+    assert _Outer(own={"n": 2}).own == _SelfChecked(n=2)   # a mapping for a nested config becomes that config
+    with pytest.raises(ConfigError, match=r"^own: n must be >= 1, got 0$"):
+        from_dict(_Outer, {"own": {"n": 0}})
+    with pytest.raises(TypeError, match="not a ValidatedOnInit"):
+        from_dict(_Plain, {"n": 2})                         # a second validation path is refused
+    assert _CALLS.count("plain") == 0
 
 
 def test_byte_level_recipe_loads_on_the_byte_tokenizer(ROOT):

@@ -4,13 +4,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from configs.config import check
+from configs.config import ValidatedOnInit, check
 
 from eval.longctx.tasks import DEFAULT_TASKS, TASKS
 
 
 @dataclass
-class LongCtxConfig:
+class LongCtxConfig(ValidatedOnInit):
     lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096])
     depths: list[float] = field(default_factory=lambda: [0.0, 25.0, 50.0, 75.0, 100.0])
     tasks: list[str] = field(default_factory=lambda: list(DEFAULT_TASKS))

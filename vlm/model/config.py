@@ -1,4 +1,4 @@
-"""Model configuration dataclasses (validated; see configs/config.py for the loader)."""
+"""Model configuration dataclasses (each validates itself when made; see configs/config.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
@@ -8,7 +8,7 @@ from configs.config import ValidatedOnInit, check
 
 
 @dataclass
-class MoEConfig:
+class MoEConfig(ValidatedOnInit):
     """A mixture-of-experts feed-forward layer (SwiGLU experts)."""
 
     num_experts: int = 8
@@ -57,7 +57,7 @@ class MoEConfig:
 
 
 @dataclass
-class ChunkConfig:
+class ChunkConfig(ValidatedOnInit):
     """Chunk / dechunk / joint decoding (ConceptMoE sections 3.2-3.4)."""
 
     enabled: bool = True              # False: the plain MoE baseline (same code path otherwise)
@@ -126,7 +126,7 @@ class ChunkConfig:
 
 
 @dataclass
-class ModelConfig:
+class ModelConfig(ValidatedOnInit):
     """A ConceptMoE language model: encoder E, chunk, concept model C, dechunk, decoder D."""
 
     vocab_size: int = 512

@@ -14,12 +14,12 @@ from data_pipelines.config import DataConfig, SourceConfig
 from data_pipelines.default_dataset import IMAGE_PARTS
 from vision.config import VisionConfig
 from vision.image_processor import ImageProcessorConfig
-from configs.config import ConfigError, apply_overrides, check, flatten, from_dict, load_yaml
+from configs.config import ConfigError, ValidatedOnInit, apply_overrides, check, flatten, from_dict, load_yaml
 from vlm.model.config import ConvertConfig, ModelConfig
 
 
 @dataclass
-class OptimConfig:
+class OptimConfig(ValidatedOnInit):
     """AdamW and its schedule. `lr` is the peak rate of the LLM's hidden matrices (muP: at base width)."""
 
     lr: float = 3e-3
@@ -46,7 +46,7 @@ class OptimConfig:
 
 
 @dataclass
-class DeepSpeedConfig:
+class DeepSpeedConfig(ValidatedOnInit):
     """The DeepSpeed engine. The same code runs on CPU (gloo) and GPU (nccl)."""
 
     zero_stage: Literal[0, 1, 2, 3] = 0
@@ -69,7 +69,7 @@ class DeepSpeedConfig:
 
 
 @dataclass
-class ParamsConfig:
+class ParamsConfig(ValidatedOnInit):
     """How parameters are grouped: DLCM's decoupled muP, per-part learning-rate multipliers, freezing."""
 
     mup: bool = False
@@ -94,7 +94,7 @@ REPORTERS = ("tensorboard", "wandb")
 
 
 @dataclass
-class LoggingConfig:
+class LoggingConfig(ValidatedOnInit):
     log_every: int = 1               # optimizer steps between metrics.jsonl lines / TensorBoard scalars
     eval_every: int = 50             # steps between held-out evals and dashboard images; 0 disables
     eval_batches: int = 2            # held-out batches per eval
@@ -121,7 +121,7 @@ class LoggingConfig:
 
 
 @dataclass
-class CheckpointConfig:
+class CheckpointConfig(ValidatedOnInit):
     save_every: int = 100            # optimizer steps between checkpoints; 0 = only at the end
     keep_last: int = 2
 
@@ -131,7 +131,7 @@ class CheckpointConfig:
 
 
 @dataclass
-class RunConfig:
+class RunConfig(ValidatedOnInit):
     """What this run is: its stage, length, seed and fault handling."""
 
     stage: Literal["text", "vl", "ct"] = "vl"
@@ -162,7 +162,7 @@ class RunConfig:
 
 
 @dataclass
-class VisionWarmupConfig:
+class VisionWarmupConfig(ValidatedOnInit):
     """Before step 0, a fresh vision encoder learns the words of the training data's captions from their images
     (vlm/train/vision_warmup.py). Skipped when the encoder comes from `train.init_from`, a pretrained
     vision.timm_checkpoint or a resumed run."""
@@ -191,7 +191,7 @@ class VisionWarmupConfig:
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(ValidatedOnInit):
     model: ModelConfig = field(default_factory=ModelConfig)
     vision: VisionConfig | None = field(default_factory=VisionConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -208,12 +208,12 @@ class TrainConfig:
         """With a vision section the loader patchifies with vision.processor (what the encoder reads), so that
         the patch geometry is stated once; `data.processor` is for configs without one. A saved run config
         repeats it under data (to_dict writes both), which is accepted when it equals vision.processor."""
-        if self.vision is None or self.data.processor is self.vision.processor:
-            return
-        check(self.data.processor in (ImageProcessorConfig(), self.vision.processor),
-              "data.processor is set, but with a vision section the loader uses vision.processor: "
-              "state the image processor there only (data.processor is for configs without vision)")
-        self.data = replace(self.data, processor=self.vision.processor)
+        if self.vision is not None and self.data.processor is not self.vision.processor:
+            check(self.data.processor in (ImageProcessorConfig(), self.vision.processor),
+                  "data.processor is set, but with a vision section the loader uses vision.processor: "
+                  "state the image processor there only (data.processor is for configs without vision)")
+            self.data = replace(self.data, processor=self.vision.processor)
+        super().__post_init__()
 
     def validate(self) -> None:
         stage = self.train.stage
