@@ -47,7 +47,7 @@ class DataConfig(ValidatedOnInit):
     split: str = "train"             # which split of the default dataset when `sources` is empty
     # which parts of the default dataset to mix (vqa, caption, interleaved, text); empty: all of the split's
     default_parts: list[str] = field(default_factory=list)
-    row_tokens: int = 1024           # T: tokens per packed row (text + image tokens)
+    row_tokens: int = 512            # T: tokens per packed row (text + image tokens)
     rows_per_batch: int = 4          # B
     shuffle_buffer: int = 512        # samples per source held for shuffling (0: stream order)
     pack_buffer: int = 64            # tokenized samples the packer chooses from when filling a row

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import typing
+from pathlib import Path
 from typing import Literal
 
 import pytest
 import yaml
 
-from configs.config import ConfigError, ValidatedOnInit, check, deep_merge, from_dict, load_yaml
+from configs.config import (ConfigError, ValidatedOnInit, _coerce, check, deep_merge, flatten, from_dict, load_yaml,
+                            to_dict)
 
 
 def _write(path, data: dict):
@@ -216,3 +219,63 @@ def test_byte_level_recipe_loads_on_the_byte_tokenizer(ROOT):
     assert cfg.data.tokenizer == "byte" and cfg.model.vocab_size >= load_tokenizer("byte").vocab_size
     assert cfg.model.chunk.modality_target_ratios == {"text": 4.0, "image": 2.0}
     assert cfg.data.row_tokens * cfg.data.rows_per_batch == 2048 and cfg.vision_warmup.steps == 1000
+
+
+# --- one source of defaults -------------------------------------------------------------------------------------
+
+
+def _dataclass_of(tp):
+    """The dataclass in a field's type hint (`X` or `X | None`), else None."""
+    if dataclasses.is_dataclass(tp):
+        return tp
+    for arg in typing.get_args(tp):
+        if dataclasses.is_dataclass(arg):
+            return arg
+    return None
+
+
+def _restated(own: dict, ref, cls, path: str = "") -> list[str]:
+    """Keys of the YAML mapping `own` whose value equals what `ref` (an instance of config class `cls`, the value the
+    file would inherit: its base's effective config, or the dataclass default) already has there."""
+    hints = typing.get_type_hints(cls)
+    out = []
+    for key, value in own.items():
+        where = f"{path}{key}"
+        tp = hints[key]
+        sub = _dataclass_of(tp)
+        inherited = getattr(ref, key)
+        if sub is not None and isinstance(value, dict):
+            out += _restated(value, inherited if inherited is not None else sub(), sub, where + ".")
+        elif _coerce(value, tp, where) == inherited:
+            out.append(f"{where}: {value!r}")
+    return out
+
+
+def _yaml_files():
+    return sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", _yaml_files(), ids=lambda p: p.name)
+def test_no_yaml_key_states_what_it_inherits(path):
+    """The dataclasses hold the defaults; a YAML states only what differs from them (or, with `base:`, from its
+    base's effective config). A key that restates its inherited value is a second source of that default."""
+    from vlm.train.config import TrainConfig
+
+    own = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    base = own.pop("base", None)
+    ref = from_dict(TrainConfig, load_yaml(path.parent / base)) if base else TrainConfig()
+    assert _restated(own, ref, TrainConfig) == [], f"{path.name} restates inherited values"
+
+
+def test_default_yaml_is_the_dataclass_defaults_where_it_says_nothing(ROOT):
+    """`vlm train` (configs/default.yaml) and TrainConfig() differ only in the keys default.yaml states."""
+    from vlm.train.config import TrainConfig
+
+    stated = flatten(yaml.safe_load((ROOT / "configs" / "default.yaml").read_text(encoding="utf-8")) or {})
+    run = flatten(to_dict(from_dict(TrainConfig, load_yaml(ROOT / "configs" / "default.yaml"))))
+    default = flatten(to_dict(TrainConfig()))
+    # data.processor follows vision.processor (TrainConfig.__post_init__), stated once under vision
+    differ = {k for k in set(run) | set(default) if run.get(k, "<absent>") != default.get(k, "<absent>")}
+    unexplained = sorted(k for k in differ if not k.startswith("data.processor.") and
+                         not any(k == s or k.startswith(s + ".") or s.startswith(k + ".") for s in stated))
+    assert unexplained == []

@@ -13,7 +13,7 @@ class MoEConfig(ValidatedOnInit):
 
     num_experts: int = 8
     top_k: int = 2
-    expert_hidden: int = 128          # intermediate size of one routed expert
+    expert_hidden: int = 96           # intermediate size of one routed expert
     num_shared_experts: int = 0       # always-on experts (DeepSeek style)
     shared_hidden: int = 128          # intermediate size of one shared expert
     # softmax / sigmoid: one score per expert chooses (with the balancing bias) and weighs; grove (Grove eq. 9):
@@ -73,7 +73,7 @@ class ChunkConfig(ValidatedOnInit):
     # N(0, noise_sigma) thresholded at 0.5; or none (the eval-mode threshold in training too)
     boundary_noise: Literal["bernoulli", "gaussian", "none"] = "bernoulli"
     noise_sigma: float = 0.1
-    merge: Literal["last", "sum", "mean"] = "last"
+    merge: Literal["last", "sum", "mean"] = "sum"
     # eq. 10's z = h + c STE(sel) ("identity"), H-Net's projection of h ("linear"), or "delta":
     # z = h + (c - c_in) STE(sel) with c_in the same EMA over the concept model's inputs, i.e. each token's own
     # state plus the concept model's update; exactly the concept model's output when every token is a boundary
@@ -129,11 +129,11 @@ class ChunkConfig(ValidatedOnInit):
 class ModelConfig(ValidatedOnInit):
     """A ConceptMoE language model: encoder E, chunk, concept model C, dechunk, decoder D."""
 
-    vocab_size: int = 512
-    hidden_size: int = 128
+    vocab_size: int = 768             # the default dataset's BPE tokenizer (686 ids) fits
+    hidden_size: int = 96
     num_heads: int = 4
     num_kv_heads: int = 2
-    head_dim: int = 32
+    head_dim: int = 24
     qk_norm: bool = True
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6

@@ -28,7 +28,7 @@ class OptimConfig(ValidatedOnInit):
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
     schedule: Literal["cosine", "wsd", "constant"] = "cosine"
-    warmup_steps: int = 20
+    warmup_steps: int = 50
     decay_fraction: float = 0.2      # WSD: share of the post-warm-up steps spent decaying
     clip: float = 1.0                # global gradient-norm clip; 0 disables
     grad_accum: int = 1              # micro-batches per optimizer step (per rank)
@@ -77,8 +77,8 @@ class ParamsConfig(ValidatedOnInit):
     mup_token_lr: float | None = None      # eta_token^base (eq. 19); None = optim.lr
     mup_concept_lr: float | None = None    # eta_concept^base (eq. 20); None = optim.lr
     concept_lr_mult: float = 1.0           # without muP: concept model rate = lr * this
-    vision_lr_mult: float = 1.0            # vision encoder rate = lr * this
-    projector_lr_mult: float = 1.0         # projector (and patch merger) rate = lr * this
+    vision_lr_mult: float = 0.5            # vision encoder rate = lr * this (read when the encoder trains)
+    projector_lr_mult: float = 0.5         # projector (and patch merger) rate = lr * this
     freeze: list[str] = field(default_factory=list)  # module prefixes, e.g. ["vision.encoder", "lm.embed"]
 
     def validate(self) -> None:
@@ -96,14 +96,14 @@ REPORTERS = ("tensorboard", "wandb")
 @dataclass
 class LoggingConfig(ValidatedOnInit):
     log_every: int = 1               # optimizer steps between metrics.jsonl lines / TensorBoard scalars
-    eval_every: int = 50             # steps between held-out evals and dashboard images; 0 disables
+    eval_every: int = 100            # steps between held-out evals and dashboard images; 0 disables
     eval_batches: int = 2            # held-out batches per eval
     # where metrics go besides metrics.jsonl: "tensorboard" (RUN_DIR/tb, the dashboard) and/or "wandb"
     # (RUN_DIR/wandb; the `track` extra). wandb_mode "offline" needs no network: `wandb sync` uploads later.
     report_to: list[str] = field(default_factory=lambda: ["tensorboard"])
     wandb_project: str = "conceptmoe-vlm"
     wandb_mode: Literal["offline", "online", "disabled"] = "offline"
-    histogram_every: int = 10        # steps between p / expert-load histograms; 0 disables
+    histogram_every: int = 25        # steps between p / expert-load histograms; 0 disables
     progress: bool = True            # tqdm bar on rank 0
     # Held-out data for evals; empty = the default dataset's val split when data.sources is empty (else no
     # held-out loss: the dashboard pictures then come from the current training batch).
@@ -122,7 +122,7 @@ class LoggingConfig(ValidatedOnInit):
 
 @dataclass
 class CheckpointConfig(ValidatedOnInit):
-    save_every: int = 100            # optimizer steps between checkpoints; 0 = only at the end
+    save_every: int = 500            # optimizer steps between checkpoints; 0 = only at the end
     keep_last: int = 2
 
     def validate(self) -> None:
@@ -135,7 +135,7 @@ class RunConfig(ValidatedOnInit):
     """What this run is: its stage, length, seed and fault handling."""
 
     stage: Literal["text", "vl", "ct"] = "vl"
-    max_steps: int = 300
+    max_steps: int = 3000
     seed: int = 0
     deterministic: bool = True        # torch deterministic algorithms (bitwise resume on CPU)
     threads: int = 0                  # torch intra-op threads; 0 = torch's default
@@ -146,7 +146,7 @@ class RunConfig(ValidatedOnInit):
     # rank); false = each micro-batch's own statistics (DLCM Table 4's ablation)
     global_parser: bool = True
     vqa_eval: bool = True             # run the built-in VQA eval at the end when available
-    vqa_max_samples: int = 200
+    vqa_max_samples: int = 1000       # every question of the default dataset's test split (~900)
 
     def validate(self) -> None:
         check(self.max_steps >= 1, f"train.max_steps must be >= 1, got {self.max_steps}")
@@ -167,7 +167,7 @@ class VisionWarmupConfig(ValidatedOnInit):
     (vlm/train/vision_warmup.py). Skipped when the encoder comes from `train.init_from`, a pretrained
     vision.timm_checkpoint or a resumed run."""
 
-    steps: int = 0                   # 0: no warm-up
+    steps: int = 1000                # 0: no warm-up
     images_per_step: int = 32
     lr: float = 2e-3                 # AdamW, linear warm-up then cosine to 0
     weight_decay: float = 0.05
@@ -177,7 +177,7 @@ class VisionWarmupConfig(ValidatedOnInit):
     # Keep the encoder as the warm-up left it for the whole run (LLaVA-style: the LLM learns to read a fixed,
     # pretrained encoder). Applies on resume and after init_from too, so the optimizer's groups depend on the
     # config alone. No backward through the tower: 1.35x the tokens/s of the CPU default.
-    freeze_after: bool = False
+    freeze_after: bool = True
 
     def validate(self) -> None:
         check(self.steps >= 0, f"vision_warmup.steps must be >= 0, got {self.steps}")
