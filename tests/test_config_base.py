@@ -279,3 +279,105 @@ def test_default_yaml_is_the_dataclass_defaults_where_it_says_nothing(ROOT):
     unexplained = sorted(k for k in differ if not k.startswith("data.processor.") and
                          not any(k == s or k.startswith(s + ".") or s.startswith(k + ".") for s in stated))
     assert unexplained == []
+
+
+def test_configuration_docs_list_the_dataclass_defaults(ROOT):
+    """docs/configuration.md's `default` column is each key's dataclass default (TrainConfig())."""
+    import re
+
+    from configs.config import _FLOAT_RE
+    from vlm.train.config import TrainConfig
+
+    tree = to_dict(TrainConfig())
+    rows = re.findall(r"^\| `([a-z_]+\.[a-z_.]+)` \| [^|]* \| `?([^|]*?)`? \| ",
+                      (ROOT / "docs" / "configuration.md").read_text(encoding="utf-8"), re.M)
+    assert len(rows) > 100
+    wrong = []
+    for key, cell in rows:
+        node = tree
+        for part in key.split("."):
+            node = node[part]
+        value = yaml.safe_load(cell)
+        if isinstance(value, str) and _FLOAT_RE.fullmatch(value):
+            value = float(value)
+        if value != node:
+            wrong.append(f"{key}: docs {cell}, dataclass {node!r}")
+    assert wrong == []
+
+
+# --- one validation scheme ---------------------------------------------------------------------------------------
+
+# One value each class's validate() refuses, given to a direct call (the nested ones through TrainConfig too).
+_INVALID = {
+    "MoEConfig": {"top_k": 9},
+    "ChunkConfig": {"target_ratio": 0.5},
+    "ModelConfig": {"num_heads": 3},
+    "ConvertConfig": {"target_ratio": 1.0},
+    "OptimConfig": {"lr": 0.0},
+    "DeepSpeedConfig": {"offload_param": "cpu"},
+    "ParamsConfig": {"vision_lr_mult": -1.0},
+    "LoggingConfig": {"log_every": 0},
+    "CheckpointConfig": {"keep_last": 0},
+    "RunConfig": {"max_steps": 0},
+    "VisionWarmupConfig": {"lr": 0.0},
+    "TrainConfig": {"vision": None},                  # stage 'vl' needs a vision section
+    "SourceConfig": {"path": "/nonexistent/shards-*.tar"},
+    "DataConfig": {"row_tokens": 4},
+    "DefaultDatasetConfig": {"max_objects": 10},
+    "LongCtxConfig": {"num_samples": 0},
+    "VisionConfig": {"backbone": "timm"},             # needs timm_model
+    "ProjectorConfig": {"hidden_mult": 0.0},
+    "NaViTConfig": {"num_heads": 5},
+    "ImageProcessorConfig": {"min_patches": 0},
+}
+
+
+def _config_classes() -> dict[str, type]:
+    """Every dataclass named *Config in the project's packages (transformers' PretrainedConfig subclass aside)."""
+    import importlib
+    import pkgutil
+
+    root = Path(__file__).resolve().parents[1]
+    found = {}
+    for pkg in ("configs", "vlm", "vision", "data_pipelines", "eval"):
+        for info in pkgutil.walk_packages([str(root / pkg)], prefix=f"{pkg}."):
+            text = (root / (info.name.replace(".", "/") + ("/__init__.py" if info.ispkg else ".py"))).read_text()
+            if "Config" not in text or "@dataclass" not in text:
+                continue
+            module = importlib.import_module(info.name)
+            for name, obj in vars(module).items():
+                if (name.endswith("Config") and dataclasses.is_dataclass(obj) and isinstance(obj, type)
+                        and obj.__module__ == info.name):
+                    found[name] = obj
+    return found
+
+
+def test_every_config_class_is_validated_on_init_and_listed_here():
+    classes = _config_classes()
+    assert sorted(classes) == sorted(_INVALID)
+    assert [n for n, c in classes.items() if not issubclass(c, ValidatedOnInit)] == []
+
+
+@pytest.mark.parametrize("name", sorted(_INVALID))
+def test_a_config_built_in_python_with_a_bad_value_is_refused(name):
+    cls = _config_classes()[name]
+    kwargs = {"path": "/nonexistent"} if name == "SourceConfig" else {}
+    if name != "SourceConfig":
+        cls(**kwargs)                                    # its defaults are valid
+    with pytest.raises(ConfigError):
+        cls(**{**kwargs, **_INVALID[name]})
+    if name not in ("SourceConfig",):
+        with pytest.raises(ConfigError):                 # dataclasses.replace makes it again: checked again
+            dataclasses.replace(cls(), **_INVALID[name])
+
+
+def test_train_config_refuses_a_bad_nested_value_given_in_python():
+    from vlm.model.config import ChunkConfig, ModelConfig
+    from vlm.train.config import TrainConfig
+
+    with pytest.raises(ConfigError, match="target_ratio must be > 1"):
+        TrainConfig(model=ModelConfig(chunk=ChunkConfig(target_ratio=0.5)))
+    with pytest.raises(ConfigError, match="target_ratio must be > 1"):
+        TrainConfig(model={"chunk": {"target_ratio": 0.5}})
+    with pytest.raises(ConfigError, match=r"^merge: got 'first'"):
+        ChunkConfig(merge="first")
