@@ -158,12 +158,27 @@ def test_recipe_verdicts_on_synthetic_rows():
     v, _ = _verdict("dynamic-vs-fixed", {"moe": {"val_loss": [1.0, 1.01]}, "fixed": {"val_loss": [1.02, 1.03]},
                                          "dynamic": {"val_loss": [1.10, 1.12]}})
     assert v == FAILS
-    # flip-noise: tau 6 drifts less but its p gap overlaps no noise's -> inconclusive
-    v, checks = _verdict("flip-noise", {"none": {"R_drift": [0.3, 0.4], "p_gap": [0.10, 0.20]},
-                                        "tau6": {"R_drift": [0.05, 0.1], "p_gap": [0.05, 0.15]},
-                                        "gaussian": {"R_drift": [0.3, 0.4], "p_gap": [0.1, 0.2]},
-                                        "tau4": {"R_drift": [0.3, 0.4], "p_gap": [0.1, 0.2]}})
+    # flip-noise: tau 6's median document drifts less but its p gap overlaps no noise's -> inconclusive; the
+    # aggregate drift (the other way here) is context and does not vote
+    v, checks = _verdict("flip-noise", {
+        "none": {"R_drift_doc": [0.3, 0.4], "R_drift": [0.01, 0.02], "p_gap": [0.10, 0.20]},
+        "tau6": {"R_drift_doc": [0.05, 0.1], "R_drift": [0.3, 0.4], "p_gap": [0.05, 0.15]},
+        "gaussian": {"R_drift_doc": [0.3, 0.4], "R_drift": [0.3, 0.4], "p_gap": [0.1, 0.2]},
+        "tau4": {"R_drift_doc": [0.3, 0.4], "R_drift": [0.3, 0.4], "p_gap": [0.1, 0.2]}})
     assert v == UNSURE and [c.status for c in checks if c.core] == [HOLDS, UNSURE]
+    assert checks[1].status == FAILS and not checks[1].core
+    # global-parser: judged on the median document's distance to R = 4, not on the aggregate
+    near, far = {"R_gap_doc": [0.1, 0.2], "R_gap": [2.0, 2.1]}, {"R_gap_doc": [1.0, 1.2], "R_gap": [0.1, 0.2]}
+    v, _ = _verdict("global-parser", {"global-4mb": near, "local-4mb": far, "global-2ranks": near,
+                                      "local-2ranks": far})
+    assert v == HOLDS
+    # image-compression: images more compressed than text in the median chat and caption documents
+    row = {"chat_image_p50": [3.0, 3.2], "chat_text_p50": [1.5, 1.6], "caption_image_p50": [4.0, 4.1],
+           "caption_text_p50": [2.0, 2.1], "eval_R_image": [1.0, 1.1], "eval_R_text": [2.0, 2.1],
+           "vqa": [40.0, 41.0], "blind": [30.0, 31.0]}
+    v, checks = _verdict("image-compression", {"trained-joint-grid_off": row, "trained-per_modality-grid_off": row,
+                                               "frozen-per_modality-grid_off": row})
+    assert v == HOLDS and [c.status for c in checks][:3] == [HOLDS, HOLDS, FAILS]
     # ct-conversion: three claims, one row each in claims.md
     v, checks = _verdict("ct-conversion", {
         "moe": {"val_loss": [1.00, 1.01]}, "convert": {"step0_gap": [0.5, 0.6]},
@@ -174,9 +189,10 @@ def test_recipe_verdicts_on_synthetic_rows():
                            "checks": [c.to_json() for c in checks]}], {"global-parser": "no switch"})
     assert md.count("\n| **ct-conversion**") == 3 and "| **global-parser** | not run: no switch | - |" in md
     # a recipe run with --only: the checks on variants it did not run say so instead of failing
-    v, checks = _verdict("image-compression", {"trained-joint-grid_off": {"eval_R_image": [3.0, 3.2],
-                                                                          "eval_R_text": [1.9, 2.0]}})
-    assert checks[0].status == HOLDS and "no numbers" in checks[1].status and v == checks[1].status
+    v, checks = _verdict("image-compression", {"trained-joint-grid_off": {
+        "chat_image_p50": [3.0, 3.2], "chat_text_p50": [1.9, 2.0], "caption_image_p50": [3.0, 3.2],
+        "caption_text_p50": [1.9, 2.0]}})
+    assert checks[0].status == HOLDS and "no numbers" in checks[3].status and v == checks[3].status
 
 
 # ---------------------------------------------------------------- running
