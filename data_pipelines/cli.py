@@ -1,4 +1,7 @@
-"""`vlm data ...`: build-default, stats, import-folder, import-table, train-tokenizer."""
+"""`vlm data ...`: build-default, stats, import-folder, import-table, train-tokenizer, import-bench.
+
+Registering the commands builds argparse only; what a command needs (the shard reader, the importers, the
+tokenizer trainer, and through them torch) is imported when it runs, so `vlm data --help` starts at once."""
 from __future__ import annotations
 
 import argparse
@@ -7,35 +10,41 @@ import sys
 import time
 from pathlib import Path
 
-from data_pipelines.default_dataset import DefaultDatasetConfig, build_default, ensure_default_dataset
-from data_pipelines.importers import (DEFAULT_MAX_SKIP_SHARE, ImportFailed, ImporterError, ImportInterrupted,
-                                      import_folder, import_table, summary_lines)
-from data_pipelines.import_run import default_workers
+from data_pipelines import import_bench
 from data_pipelines.import_sources import FORMATS
-from data_pipelines.reader import ShardError
-from data_pipelines.samples import iter_samples
-from data_pipelines.schema import IMAGE_TOKEN
-from data_pipelines.stats import collect_stats, format_stats
-from data_pipelines.tokenizer import TokenizerError, train_bpe
 
-__all__ = ["add_data_commands", "ensure_default_dataset"]
-_USER_ERRORS = (ShardError, ImporterError, TokenizerError, FileNotFoundError, FileExistsError, ValueError)
+__all__ = ["add_data_commands"]
+DEFAULT_MAX_SKIP_SHARE_TEXT = "0.1"   # data_pipelines.import_run.DEFAULT_MAX_SKIP_SHARE (tests/test_cli.py checks)
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from data_pipelines.import_sources import ImporterError
+    from data_pipelines.reader import ShardError
+    from data_pipelines.tokenizer import TokenizerError
+
+    return ShardError, ImporterError, TokenizerError, FileNotFoundError, FileExistsError, ValueError
 
 
 def _guarded(fn):
     def run(args) -> int:
+        errors = _user_errors()
         try:
             return fn(args) or 0
-        except _USER_ERRORS as e:
+        except errors as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
     return run
 
 
+_DEFAULT_FIELDS = ("seed", "train_scenes", "val_scenes", "test_scenes", "text_docs", "interleaved_docs",
+                   "relation_captions")
+
+
 def _build_default(args) -> int:
-    cfg = DefaultDatasetConfig(seed=args.seed, train_scenes=args.train_scenes, val_scenes=args.val_scenes,
-                               test_scenes=args.test_scenes, text_docs=args.text_docs,
-                               interleaved_docs=args.interleaved_docs, relation_captions=args.relation_captions)
+    from data_pipelines.default_dataset import DefaultDatasetConfig, build_default, ensure_default_dataset
+    from data_pipelines.stats import collect_stats, format_stats
+
+    cfg = DefaultDatasetConfig(**{k: getattr(args, k) for k in _DEFAULT_FIELDS if getattr(args, k) is not None})
     t0 = time.time()
     out = build_default(args.out, cfg) if args.force else ensure_default_dataset(args.out, cfg)
     print(f"default dataset in {out} ({time.time() - t0:.1f}s)")
@@ -45,6 +54,8 @@ def _build_default(args) -> int:
 
 
 def _stats(args) -> int:
+    from data_pipelines.stats import collect_stats, format_stats
+
     result = collect_stats(args.shards, scan=args.scan, write_manifest=args.write_manifest)
     if args.json:
         print(json.dumps(result, indent=1))
@@ -56,10 +67,15 @@ def _run_import(args, fn, *pos, **kw) -> int:
     """An import with its report: exit 0 when done, 1 when more than --max-skip-share of the rows were skipped,
     2 when nothing could be imported (one line on stderr naming the first skipped rows), 130 when interrupted
     (the same command resumes). `--json`: the summary as one JSON object on stdout, whatever the outcome."""
+    from data_pipelines.import_run import DEFAULT_MAX_SKIP_SHARE, ImportFailed, ImportInterrupted, default_workers
+    from data_pipelines.importers import summary_lines
+
+    workers = default_workers() if args.workers is None else args.workers
+    share = DEFAULT_MAX_SKIP_SHARE if args.max_skip_share is None else args.max_skip_share
     try:
         summary = fn(*pos, out=args.out, prefix=args.prefix, max_count=args.max_count, max_bytes=args.max_bytes,
-                     allow_outside_root=args.allow_outside_root, workers=args.workers, progress=not args.quiet,
-                     max_skip_share=args.max_skip_share, overwrite=args.overwrite, **kw)
+                     allow_outside_root=args.allow_outside_root, workers=workers, progress=not args.quiet,
+                     max_skip_share=share, overwrite=args.overwrite, **kw)
     except ImportFailed as e:
         if args.json:
             print(json.dumps({**e.summary, "error": str(e)}))
@@ -77,10 +93,14 @@ def _run_import(args, fn, *pos, **kw) -> int:
 
 
 def _import_folder(args) -> int:
+    from data_pipelines.importers import import_folder
+
     return _run_import(args, import_folder, args.images, captions=args.captions)
 
 
 def _import_table(args) -> int:
+    from data_pipelines.importers import import_table
+
     return _run_import(args, import_table, args.table, image_col=args.image_col, text_col=args.text_col,
                        question_col=args.question_col, answer_col=args.answer_col, type_col=args.type_col,
                        conversations_col=args.conversations_col, image_root=args.image_root, fmt=args.format,
@@ -89,6 +109,9 @@ def _import_table(args) -> int:
 
 def iter_texts(patterns: list[str], limit: int | None = None):
     """Texts of the shards' samples (placeholders removed), for tokenizer training."""
+    from data_pipelines.samples import iter_samples
+    from data_pipelines.schema import IMAGE_TOKEN
+
     for n, sample in enumerate(iter_samples(patterns, manifest_counts=False), 1):
         yield sample.all_text().replace(IMAGE_TOKEN, " ")
         if limit is not None and n >= limit:
@@ -96,6 +119,8 @@ def iter_texts(patterns: list[str], limit: int | None = None):
 
 
 def _train_tokenizer(args) -> int:
+    from data_pipelines.tokenizer import train_bpe
+
     tok = train_bpe(iter_texts(args.shards, args.limit), args.vocab_size, min_frequency=args.min_frequency,
                     show_progress=True)
     tok.save(args.out)
@@ -109,10 +134,12 @@ def _add_writer_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-bytes", type=int, default=1 << 30, help="bytes per shard (default: 1 GiB)")
     p.add_argument("--allow-outside-root", action="store_true",
                    help="read image files outside the folder / image root (../, absolute paths, symlinks out)")
-    p.add_argument("--workers", type=int, default=default_workers(),
-                   help="processes that read, decode and check images (0: in this process; default: %(default)s)")
-    p.add_argument("--max-skip-share", type=_share, default=DEFAULT_MAX_SKIP_SHARE,
-                   help="exit 1 (after writing) when more than this share of rows is skipped (default: %(default)s)")
+    p.add_argument("--workers", type=int, default=None,
+                   help="processes that read, decode and check images (0: in this process; default: the usable "
+                        "CPU cores, at most 8)")
+    p.add_argument("--max-skip-share", type=_share, default=None,
+                   help="exit 1 (after writing) when more than this share of rows is skipped (default: "
+                        f"{DEFAULT_MAX_SKIP_SHARE_TEXT})")
     p.add_argument("--overwrite", action="store_true",
                    help="replace the PREFIX-*.tar shards already in --out (by default the same command resumes "
                         "an interrupted import and does nothing after a complete one)")
@@ -136,14 +163,10 @@ def add_data_commands(subparsers) -> None:
 
     p = sub.add_parser("build-default", help="write the embedded default dataset (train/val/test shards)")
     p.add_argument("--out", required=True, type=Path)
-    d = DefaultDatasetConfig()
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--train-scenes", type=int, default=d.train_scenes)
-    p.add_argument("--val-scenes", type=int, default=d.val_scenes)
-    p.add_argument("--test-scenes", type=int, default=d.test_scenes)
-    p.add_argument("--text-docs", type=int, default=d.text_docs)
-    p.add_argument("--interleaved-docs", type=int, default=d.interleaved_docs)
-    p.add_argument("--relation-captions", action=argparse.BooleanOptionalAction, default=d.relation_captions,
+    # unset options keep DefaultDatasetConfig's defaults (the same build `vlm train` makes when data is missing)
+    for name in ("seed", "train-scenes", "val-scenes", "test-scenes", "text-docs", "interleaved-docs"):
+        p.add_argument(f"--{name}", type=int, default=None)
+    p.add_argument("--relation-captions", action=argparse.BooleanOptionalAction, default=None,
                    help="captions also state left/right/above/below for objects sharing a row or column")
     p.add_argument("--force", action="store_true", help="rebuild even if an identical build is there")
     p.set_defaults(func=_guarded(_build_default))
@@ -185,3 +208,11 @@ def add_data_commands(subparsers) -> None:
     p.add_argument("--limit", type=int, default=None, help="use at most this many samples")
     p.add_argument("--out", required=True, help="folder for tokenizer.json (+ transformers files)")
     p.set_defaults(func=_guarded(_train_tokenizer))
+
+    p = sub.add_parser("import-bench", help="time an import: generate a LLaVA-format JSON array, import it, "
+                                            "report rows/s and peak memory",
+                       description="Generates (once) a LLaVA-format JSON array over generated JPEGs in --dir, imports "
+                                   "it with import-table's code and prints rows/s and peak resident memory as one "
+                                   "JSON line. Run each measurement as its own command (peak memory is per process).")
+    import_bench.add_arguments(p)
+    p.set_defaults(func=import_bench.run)

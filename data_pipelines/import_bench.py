@@ -1,6 +1,6 @@
 """Measure an import: generate a LLaVA-format JSON array, import it, report rows/s and peak memory.
 
-    python -m data_pipelines.import_bench --rows 100000 --workers 2 --dir /tmp/bench
+    vlm data import-bench --rows 100000 --workers 2 --dir /tmp/bench
 
 The file is one JSON array as `llava_v1_5_mix665k.json` is (id, image path, a two-turn conversation of
 `text_bytes` characters), over `images` distinct generated noisy JPEGs of `image_side` px (rows reuse them, so the
@@ -10,7 +10,6 @@ process and, with workers, of the largest worker; each run belongs in a fresh pr
 """
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import resource
@@ -110,8 +109,7 @@ def peak_rss_mb() -> dict[str, float]:
             "children": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * scale}
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m data_pipelines.import_bench", description=__doc__.split("\n")[0])
+def add_arguments(p) -> None:
     p.add_argument("--rows", type=int, default=100_000)
     p.add_argument("--workers", type=int, default=0)
     p.add_argument("--dir", required=True, help="folder for the generated file, its images and the shards")
@@ -120,7 +118,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--text-bytes", type=int, default=400)
     p.add_argument("--text-only", action="store_true")
     p.add_argument("--generate-only", action="store_true")
-    args = p.parse_args(argv)
+
+
+def run(args) -> int:
+    """`vlm data import-bench`: generate (once) and import; prints one JSON line."""
     d = Path(args.dir)
     table = d / f"llava_{args.rows}{'_text' if args.text_only else ''}.json"
     if not table.exists() or not (args.text_only or (d / "images").is_dir()):
@@ -139,6 +140,3 @@ def main(argv: list[str] | None = None) -> int:
                                                                                  peak_rss_mb().items()}}))
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

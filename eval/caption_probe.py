@@ -92,17 +92,8 @@ def format_probes(res: dict) -> str:
     return "\n".join(lines)
 
 
-def add_probe_command(sub) -> None:
-    p = sub.add_parser("probe", help="caption probes: an object's cell, and two objects' relation, teacher-forced")
-    p.add_argument("--ckpt", required=True, help="exported model directory (RUN_DIR/final)")
-    p.add_argument("--data", default="data/default", help="default dataset directory (built if missing)")
-    p.add_argument("--split", default="val", choices=["train", "val", "test"])
-    p.add_argument("--limit", type=int, default=300, help="items per probe")
-    p.add_argument("--out", default=None, help="write the JSON result here")
-    p.set_defaults(func=_run)
-
-
-def _run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
+    """`vlm eval probe` (its arguments are declared in eval/cli.py)."""
     from vlm.generate import load_eval_model
 
     data = Path(args.data) if default_info(args.data) else ensure_default_dataset(args.data)

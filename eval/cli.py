@@ -1,4 +1,5 @@
-"""`vlm eval ...` commands. `vlm.cli` calls `add_eval_commands(subparsers)`; each command sets `func`.
+"""`vlm eval ...` commands. `vlm.cli` calls `add_eval_commands(subparsers)`; each command sets `func`. Their
+arguments are all declared here; a command's module (and the model, torch, transformers) loads when it runs.
 
     vlm eval longctx --ckpt RUN/final [--baseline-ckpt BASE/final] --lengths 1024 4096 \
         --depths 0 50 100 --tasks niah_single_essay vt --out OUT
@@ -9,23 +10,30 @@ OUT/comparison*.png and OUT/comparison.json when a baseline is given) and OUT/co
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 from pathlib import Path
 from typing import Callable
 
 from configs.config import ConfigError, apply_overrides, from_dict, load_yaml, to_dict
-from eval import export_tasks
-from eval.caption_probe import add_probe_command
 from eval.longctx.config import LongCtxConfig
 from eval.longctx.tasks import TASKS
-from eval.perplexity import add_ppl_command
-from eval.vqa import add_vqa_command
+from vlm.cli import refuse_set_option
+
+
+def _later(module: str, name: str = "run") -> Callable[[argparse.Namespace], int]:
+    """`module.name(args)`, imported when the command runs: registering `vlm eval` imports no model (nor torch)."""
+    def run(args: argparse.Namespace) -> int:
+        return getattr(importlib.import_module(module), name)(args)
+    return run
 
 
 def add_eval_commands(subparsers: argparse._SubParsersAction) -> argparse._SubParsersAction:
-    """Register `eval` with `longctx`, `lmms-tasks`, `vqa`, `probe` and `ppl`; returns the `eval` sub-command set."""
-    ev = subparsers.add_parser("eval", help="evaluation: long-context sweep, lmms-eval task export, VQA, caption probes, perplexity")
-    sub = ev.add_subparsers(dest="eval_command", metavar="{longctx,lmms-tasks,vqa,probe,ppl}")
+    """Register `eval` with `longctx`, `lmms-tasks`, `vqa`, `probe`, `ppl` and `ct-start`; returns the `eval`
+    sub-command set. Every `vlm eval` command's arguments are declared here; its module runs it."""
+    ev = subparsers.add_parser("eval", help="evaluation: long-context sweep, lmms-eval task export, VQA, caption "
+                                            "probes, perplexity, the loss continual training starts from")
+    sub = ev.add_subparsers(dest="eval_command", metavar="{longctx,lmms-tasks,vqa,probe,ppl,ct-start}")
     sub.required = True
     lc = sub.add_parser("longctx", help="RULER-style synthetic long-context sweep (lengths x depths)",
                         description="Offline RULER-style sweep; scores per task x length x depth, heat maps, "
@@ -41,24 +49,64 @@ def add_eval_commands(subparsers: argparse._SubParsersAction) -> argparse._SubPa
     lc.add_argument("--num-distractors", type=int)
     lc.add_argument("--max-new-tokens", type=int)
     lc.add_argument("--seed", type=int)
-    lc.add_argument("--config", help="YAML with LongCtxConfig fields (flags override it)")
-    lc.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                    help="dotted override of a LongCtxConfig field, repeatable")
+    lc.add_argument("--config", help="YAML with LongCtxConfig fields (overrides and flags win over it)")
     lc.add_argument("--out", required=True, help="output directory")
     lc.add_argument("--no-progress", action="store_true")
+    lc.add_argument("overrides", nargs="*", metavar="key=value",
+                    help="LongCtxConfig field overrides, e.g. num_samples=2 haystack=essay")
+    refuse_set_option(lc)
     lc.set_defaults(func=run_longctx_command)
 
-
     ex = sub.add_parser("lmms-tasks", help="export a dataset split + task YAMLs for lmms-eval (--include_path)",
-                        description=export_tasks.__doc__.split("\n\n")[0])
-    export_tasks.add_arguments(ex)
-    ex.set_defaults(func=export_tasks.run)
+                        description="Export a split of the default dataset (or any VQA/caption shards) for "
+                                    "lmms-eval's local JSON tasks: TASK_DIR/{vqa,caption}_test.jsonl and the task "
+                                    "YAMLs, to pass as lmms-eval --include_path TASK_DIR.")
+    ex.add_argument("--data", help="dataset directory from `vlm data build-default`")
+    ex.add_argument("--split", default="test")
+    ex.add_argument("--vqa-shards", help="VQA shards (dir, glob or brace pattern) instead of --data")
+    ex.add_argument("--caption-shards", help="caption shards instead of --data")
+    ex.add_argument("--limit", type=int, help="at most this many records per task")
+    ex.add_argument("--out", required=True, help="task directory to pass to lmms-eval --include_path")
+    ex.set_defaults(func=_later("eval.export_tasks"))
 
+    p = sub.add_parser("vqa", help="exact-match VQA accuracy on the default dataset's held-out split")
+    p.add_argument("--ckpt", required=True, help="exported model directory (RUN_DIR/final)")
+    p.add_argument("--data", default="data/default", help="default dataset directory (built if missing)")
+    p.add_argument("--split", default="test", choices=["test", "val"])
+    p.add_argument("--limit", type=int, default=None)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--no-blind", action="store_true", help="skip the blind (no image) baseline")
+    p.add_argument("--out", default=None, help="write the JSON result here")
+    p.set_defaults(func=_later("eval.vqa"))
 
-    if "vqa" not in sub.choices:
-        add_vqa_command(sub)
-    add_probe_command(sub)
-    add_ppl_command(sub)
+    p = sub.add_parser("probe", help="caption probes: an object's cell, and two objects' relation, teacher-forced")
+    p.add_argument("--ckpt", required=True, help="exported model directory (RUN_DIR/final)")
+    p.add_argument("--data", default="data/default", help="default dataset directory (built if missing)")
+    p.add_argument("--split", default="val", choices=["train", "val", "test"])
+    p.add_argument("--limit", type=int, default=300, help="items per probe")
+    p.add_argument("--out", default=None, help="write the JSON result here")
+    p.set_defaults(func=_later("eval.caption_probe"))
+
+    p = sub.add_parser("ppl", help="held-out LM loss and bits per byte per kind of sample",
+                       description="Held-out LM loss and bits per byte of an exported model, per kind of sample "
+                                   "(without --data: the default dataset's validation split).")
+    p.add_argument("--ckpt", required=True, help="exported model directory (RUN_DIR/final)")
+    p.add_argument("--data", nargs="+", help="shards (dirs, globs, files); default: the default dataset's val split")
+    p.add_argument("--default-dir", default="data/default", help="the default dataset (built if missing)")
+    p.add_argument("--max-batches", type=int)
+    p.add_argument("--row-tokens", type=int, default=512)
+    p.add_argument("--out", help="write the result as JSON here")
+    p.set_defaults(func=_later("eval.perplexity"))
+
+    p = sub.add_parser("ct-start", help="the loss a MoE -> ConceptMoE conversion starts continual training from",
+                       description="LM loss on validation batches of the source MoE and of its ConceptMoE "
+                                   "conversion with real boundaries (every document start plus random tokens at "
+                                   "rate 1/R), the conversion with a zero residual, and with every boundary on.")
+    p.add_argument("src", help="an exported MoE baseline (RUN_DIR/final with chunking off) or a transformers MoE")
+    p.add_argument("--ratio", type=float, default=1.5, help="boundary rate 1/R (default 1.5)")
+    p.add_argument("--batches", type=int, default=8, help="validation batches scored (default 8)")
+    p.add_argument("--data", default="data/default", help="default dataset folder (its val split is scored)")
+    p.set_defaults(func=_later("eval.ct_start"))
     return sub
 
 
@@ -146,15 +194,3 @@ def _print_table(summary: dict) -> None:
             print(f"  compression @ {n}: " + ", ".join(f"{m}={r:.2f}" for m, r in shown.items()))
     for s in summary["skipped"]:
         print(f"  skipped {s['task']} @ {s['length']} depth={s['depth']}: {s['reason']}")
-
-
-def main(argv: list[str] | None = None) -> None:
-    """Standalone entry (`python -m eval.cli eval longctx ...`) until `vlm.cli` wires it in."""
-    parser = argparse.ArgumentParser(prog="vlm")
-    add_eval_commands(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    args.func(args)
-
-
-if __name__ == "__main__":
-    main()

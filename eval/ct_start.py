@@ -1,6 +1,6 @@
 """The loss a MoE -> ConceptMoE conversion starts continual training from, with real boundaries.
 
-    python -m eval.ct_start SRC [--ratio 1.5] [--batches 8] [--data data/default]
+    vlm eval ct-start SRC [--ratio 1.5] [--batches 8] [--data data/default]
 
 With every boundary on, the converted model is the source (tested exactly). What matters for continual training
 is the loss once boundaries are real: here every document start plus random tokens at rate 1/R are boundaries
@@ -58,19 +58,10 @@ def start_losses(src_dir: str, ratio: float, batches: int, data_dir: str, seed: 
     return {k: v / max(n, 1) for k, v in sums.items()}
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("src", help="an exported MoE baseline (RUN_DIR/final with chunking off) or a transformers MoE")
-    ap.add_argument("--ratio", type=float, default=1.5)
-    ap.add_argument("--batches", type=int, default=8)
-    ap.add_argument("--data", default="data/default", help="default dataset folder (its val split is scored)")
-    args = ap.parse_args(argv)
+def run(args: argparse.Namespace) -> int:
+    """`vlm eval ct-start` (its arguments are declared in eval/cli.py)."""
     losses = start_losses(args.src, args.ratio, args.batches, args.data)
     print(f"LM loss at the start of continual training, boundaries at R = {args.ratio:g} ({args.batches} val batches):")
     for k, v in losses.items():
         print(f"  {k:<28} {v:.4f}")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,7 +1,6 @@
 """Export a split of the default dataset (or any VQA/caption shards) for lmms-eval's local JSON tasks.
 
-    python -m eval.export_tasks --data DATA_DIR [--split test] --out TASK_DIR [--limit N]
-    (or: vlm eval lmms-tasks ...)
+    vlm eval lmms-tasks --data DATA_DIR [--split test] --out TASK_DIR [--limit N]
 
 writes TASK_DIR/{vqa_test.jsonl, caption_test.jsonl} and the task YAMLs of `eval/tasks/` with their
 `__DATA_DIR__` replaced by the absolute TASK_DIR (lmms-eval resolves relative `data_files` against the
@@ -112,27 +111,9 @@ def export_tasks(out: str | Path, *, data: str | Path | None = None, split: str 
     return report
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--data", help="dataset directory from `vlm data build-default`")
-    p.add_argument("--split", default="test")
-    p.add_argument("--vqa-shards", help="VQA shards (dir, glob or brace pattern) instead of --data")
-    p.add_argument("--caption-shards", help="caption shards instead of --data")
-    p.add_argument("--limit", type=int, help="at most this many records per task")
-    p.add_argument("--out", required=True, help="task directory to pass to lmms-eval --include_path")
-
-
 def run(args: argparse.Namespace) -> int:
+    """`vlm eval lmms-tasks` (its arguments are declared in eval/cli.py)."""
     report = export_tasks(args.out, data=args.data, split=args.split, vqa_shards=args.vqa_shards,
                           caption_shards=args.caption_shards, limit=args.limit)
     print(json.dumps(report, indent=2))
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m eval.export_tasks", description=__doc__.split("\n\n")[0])
-    add_arguments(p)
-    return run(p.parse_args(argv))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

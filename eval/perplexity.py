@@ -42,19 +42,8 @@ def perplexity(chat, shards: list[str] | None, data_dir: str, max_batches: int |
     return {"batches": n, **{k: rec.get(k) for k in KEYS}}
 
 
-def add_ppl_command(sub) -> None:
-    p = sub.add_parser("ppl", help="held-out LM loss and bits per byte per kind of sample",
-                       description=__doc__.split("\n\n")[0])
-    p.add_argument("--ckpt", required=True, help="exported model directory (RUN_DIR/final)")
-    p.add_argument("--data", nargs="+", help="shards (dirs, globs, files); default: the default dataset's val split")
-    p.add_argument("--default-dir", default="data/default", help="the default dataset (built if missing)")
-    p.add_argument("--max-batches", type=int)
-    p.add_argument("--row-tokens", type=int, default=512)
-    p.add_argument("--out", help="write the result as JSON here")
-    p.set_defaults(func=_run)
-
-
-def _run(args) -> int:
+def run(args) -> int:
+    """`vlm eval ppl` (its arguments are declared in eval/cli.py)."""
     from vlm.generate import load_eval_model
 
     res = perplexity(load_eval_model(args.ckpt), args.data, args.default_dir, args.max_batches, args.row_tokens)

@@ -130,20 +130,8 @@ def end_of_run_vqa(final: Path, cfg, run_dir: Path, log) -> dict:
     return {"vqa": res}
 
 
-def add_vqa_command(sub) -> None:
-    p = sub.add_parser("vqa", help="exact-match VQA accuracy on the default dataset's held-out split")
-    p.add_argument("--ckpt", required=True, help="exported model directory (RUN_DIR/final)")
-    p.add_argument("--data", default="data/default", help="default dataset directory (built if missing)")
-    p.add_argument("--split", default="test", choices=["test", "val"])
-    p.add_argument("--limit", type=int, default=None)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--no-blind", action="store_true", help="skip the blind (no image) baseline")
-    p.add_argument("--out", default=None, help="write the JSON result here")
-    p.set_defaults(func=_run)
-
-
-def _run(args: argparse.Namespace) -> int:
-
+def run(args: argparse.Namespace) -> int:
+    """`vlm eval vqa` (its arguments are declared in eval/cli.py)."""
     # An existing default dataset (whatever its size settings) is used as it is; a missing one is built.
     data = Path(args.data) if default_info(args.data) else ensure_default_dataset(args.data)
     split = Path(data) / args.split

@@ -1,16 +1,17 @@
-"""`python -m eval.bench all --quick` end to end (the README's command, about 2 minutes on 2 cores): every part
+"""`vlm bench all --quick` end to end (the README's command, about 2 minutes on 2 cores): every part
 runs and writes its JSON and figure. It checks that the suite runs and what it writes, never the speed it
 measures."""
 import json
 
 import pytest
 
-from eval.bench.__main__ import PARTS, main
+from eval.bench.cli import PARTS
+from vlm.cli import main
 
 
 @pytest.mark.slow   # about 3 minutes in one worker
 def test_every_part_writes_rows_machine_ratios_and_a_figure(tmp_path, capsys):
-    assert main(["all", "--quick", "--out", str(tmp_path)]) == 0
+    assert main(["bench", "all", "--quick", "--out", str(tmp_path)]) == 0
     printed = capsys.readouterr().out
     for part in PARTS:
         res = json.loads((tmp_path / f"{part}.json").read_text())
@@ -35,7 +36,7 @@ def test_realized_part_times_the_checkpoints_own_boundaries_next_to_forced_ones(
     docs = realized.realized_documents(str(exported_vlm), str(tiny_default), 6)
     assert set(docs) == {"vqa prompt", "caption"} and all(len(v) == 6 for v in docs.values())
     assert all(m[0] for v in docs.values() for m in v)        # every document starts a concept
-    assert main(["realized", "--smoke", "--ckpt", str(exported_vlm), "--data", str(tiny_default),
+    assert main(["bench", "realized", "--smoke", "--ckpt", str(exported_vlm), "--data", str(tiny_default),
                  "--out", str(tmp_path)]) == 0
     res = json.loads((tmp_path / "realized.json").read_text())
     names = {r["candidate"] for r in res["rows"]}
@@ -50,6 +51,6 @@ def test_realized_part_times_the_checkpoints_own_boundaries_next_to_forced_ones(
 
 
 def test_realized_part_without_a_checkpoint_says_so(tmp_path):
-    assert main(["realized", "--smoke", "--out", str(tmp_path)]) == 0
+    assert main(["bench", "realized", "--smoke", "--out", str(tmp_path)]) == 0
     res = json.loads((tmp_path / "realized.json").read_text())
     assert res["rows"] == [] and "--ckpt" in res["unavailable"]["learned boundaries"]

@@ -216,7 +216,7 @@ def test_cli_writes_summaries_and_plots(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "vlm.generate", types.SimpleNamespace(load_eval_model=load_eval_model))
     (tmp_path / "main").mkdir()
     (tmp_path / "base").mkdir()
-    from eval.cli import main
+    from vlm.cli import main
     main(["eval", "longctx", "--ckpt", str(tmp_path / "main"), "--baseline-ckpt", str(tmp_path / "base"),
           "--lengths", "1024", "2048", "--depths", "0", "100", "--tasks", "niah_single_repeat", "vt",
           "--num-samples", "1", "--mode", "both", "--out", str(tmp_path / "out"), "--no-progress"])

@@ -233,11 +233,11 @@ def test_cli_reads_only_model_section(tmp_path, capsys):
     rows = json.loads(capsys.readouterr().out)
     expect = comparison_table(from_dict(ModelConfig, data["model"]), 2.0, 4096)
     assert [r["flops_per_token"] for r in rows] == pytest.approx([r["flops_per_token"] for r in expect])
-    # overrides as `vlm train` takes them (plain key=value, anywhere), and as --set: the same table
+    # overrides as `vlm train` takes them (plain key=value, anywhere): the same table wherever they stand
     assert main(["flops", "--config", str(path), "model.moe.top_k=4", "--json", "--ratio", "2", "--seq-len", "4096"]) == 0
     plain = json.loads(capsys.readouterr().out)
-    assert main(["flops", "--config", str(path), "--set", "model.moe.top_k=4", "--json", "--ratio", "2",
-                 "--seq-len", "4096"]) == 0
+    assert main(["flops", "--config", str(path), "--json", "--ratio", "2", "--seq-len", "4096",
+                 "model.moe.top_k=4"]) == 0
     assert json.loads(capsys.readouterr().out) == plain and plain != rows
 
 

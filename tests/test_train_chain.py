@@ -1,4 +1,4 @@
-"""`vlm chain CONFIG... --out DIR [--set K=V]`: training stages in order, each from the previous stage's final/.
+"""`vlm chain CONFIG... [K=V ...] --out DIR`: training stages in order, each from the previous stage's final/.
 
 Stage k trains into DIR/<k>_<config stem> with train.init_from = the previous stage's final/; a finished stage is
 skipped when the same command runs again; every stage config is validated before any stage starts.
@@ -29,7 +29,7 @@ def _stage_files(root, data_dir, tiny: dict) -> dict[str, str]:
     base["data"].update(sources=[], default_dir=str(data_dir))
     base["logging"].update(eval_every=0, histogram_every=0, eval_sources=[])
     base["checkpoint"].update(save_every=1, keep_last=2)
-    base["train"].update(max_steps=5)        # the chain's --set brings every stage down to 2
+    base["train"].update(max_steps=5)        # the chain's override brings every stage down to 2
     root.mkdir(parents=True, exist_ok=True)
     _write(root / "base.yaml", base)
     return {
@@ -68,7 +68,7 @@ def chain(tiny_data, tmp_path_factory, TINY):
     root = tmp_path_factory.mktemp("chain")
     files = _stage_files(root / "cfg", tiny_data, TINY)
     out = root / "out"
-    args = [files["text"], files["align"], "--out", str(out), "--set", "train.max_steps=2"]
+    args = [files["text"], files["align"], "train.max_steps=2", "--out", str(out)]
     rc, stdout, stderr = _chain_cli(args)
     assert rc == 0, stdout[-3000:] + stderr[-3000:]
     yield {"files": files, "out": out, "args": args, "stdout": stdout, "data": tiny_data}
@@ -82,7 +82,7 @@ def test_stages_run_in_order_each_from_the_previous_final(chain):
     assert sorted(p.name for p in out.iterdir()) == ["0_text", "1_align"]
     for d in (text_dir, align_dir):
         summary = json.loads((d / "summary.json").read_text())
-        assert summary["exit_code"] == 0 and summary["steps"] == 2      # --set reached every stage
+        assert summary["exit_code"] == 0 and summary["steps"] == 2      # the override reached every stage
         assert (d / "final" / "config.json").is_file()
 
     assert json.loads((text_dir / "summary.json").read_text())["vqa"] is None
@@ -129,7 +129,7 @@ def test_rerun_skips_finished_stages_and_runs_the_rest(chain, tmp_path):
     shutil.copytree(out, out3)
     before = {d.name: _mtimes(d) for d in out3.iterdir()}
     rc, stdout, _ = _chain_cli([chain["files"]["text"], chain["files"]["align"], chain["files"]["full"],
-                                "--out", str(out3), "--set", "train.max_steps=2"])
+                                "--out", str(out3), "train.max_steps=2"])
     assert rc == 0
     assert stdout.count("done earlier") == 2, stdout
     for name, mt in before.items():
@@ -184,8 +184,8 @@ def test_bad_stage_config_stops_before_any_work(tiny_data, tmp_path, capsys, TIN
         run_chain([files["text"], own], out, [], log=lambda *_: None)
     assert not out.exists()
 
-    # a bad --set is caught the same way
-    rc = main(["chain", files["text"], files["align"], "--out", str(out), "--set", "train.max_steps=zero"])
+    # a bad override is caught the same way
+    rc = main(["chain", files["text"], files["align"], "train.max_steps=zero", "--out", str(out)])
     assert rc == 2 and "train.max_steps" in capsys.readouterr().err
     assert not out.exists()
 

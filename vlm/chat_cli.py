@@ -18,9 +18,7 @@ from pathlib import Path
 from PIL import Image, UnidentifiedImageError
 
 from configs.config import ConfigError
-from data_pipelines.chat import END
 from data_pipelines.schema import IMAGE_TOKEN
-from vision.image_processor import ImageError, choose_grid
 
 HELP = "commands: /image PATH (attach to the next turn), /reset, /quit"
 MAX_PROMPT_TOKENS = 4096   # the longest conversation accepted (the demo's default too)
@@ -40,6 +38,8 @@ class Conversation:
         self.pending: list[Image.Image] = []
 
     def attach(self, path: str) -> str:
+        from vision.image_processor import ImageError   # torch: imported when a conversation runs, not by `vlm --help`
+
         if len(self.images) + len(self.pending) >= self.max_images:
             return (f"cannot use image {path}: this conversation holds {self.max_images} images already "
                     "(the most it takes); start a new one")
@@ -54,6 +54,8 @@ class Conversation:
         """The image as the model will see it: decoded by the model's processor (pixel limit checked on the
         header, JPEGs decoded at a reduced scale) and resized to its patch grid at once, so that the
         conversation never holds the upload's full decoded size (7000 x 7000 RGB is 147 MB)."""
+        from vision.image_processor import choose_grid
+
         processor = getattr(self.chat, "processor", None)
         if processor is None:   # a text-only model: the image is refused later, with the model's own message
             with Image.open(path) as im:
@@ -92,6 +94,8 @@ class Conversation:
 
     def ask(self, text: str, on_text=None) -> str:
         """The assistant's answer to `text` (with the pending images); `on_text(piece)` receives it as it grows."""
+        from data_pipelines.chat import END
+
         turns, images = self.next_turns(text)
         shown = [""]
 
@@ -132,6 +136,8 @@ def input_lines(stream, max_bytes: int):
 def run_chat(chat, lines, out=sys.stdout, interactive: bool = False, max_new_tokens: int = 64,
              temperature: float = 0.0, images: list[str] = (), max_prompt_tokens: int = MAX_PROMPT_TOKENS) -> int:
     """`lines`: strings, or (text, None) / (None, why) pairs from `input_lines`."""
+    from vision.image_processor import ImageError
+
     conv = Conversation(chat, max_new_tokens, temperature, max_prompt_tokens=max_prompt_tokens)
     for path in images:
         print(conv.attach(path), file=out)

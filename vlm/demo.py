@@ -29,10 +29,7 @@ from PIL import Image, UnidentifiedImageError
 
 from configs.config import ConfigError
 from data_pipelines.schema import IMAGE_TOKEN
-from vision.image_processor import ImageError, ImageProcessor
 from vlm.chat_cli import MAX_IMAGES, Conversation
-from vlm.model.stats import summarize
-from vlm.train.render import image_concept_picture, text_with_boundaries
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +97,10 @@ def _stream_answer(conv: Conversation, text: str):
 def concept_panel(chat, turns: list[dict], images: list) -> tuple:
     """(picture of the first image with its concepts outlined or None, the conversation text with concept
     boundaries marked, per-modality compression) of the whole conversation, from one prefill."""
+    from vision.image_processor import ImageProcessor
+    from vlm.model.stats import summarize
+    from vlm.train.render import image_concept_picture, text_with_boundaries
+
     batch = chat.prompt_batch([chat.tokenizer.format_chat(turns)], [images])
     out, _ = chat.model.prefill(batch, max_new_tokens=0)
     if out.chunks is None:
@@ -127,6 +128,8 @@ def build_app(chat, *, max_new_tokens: int = 64, temperature: float = 0.0, max_p
     """The gradio Blocks of the demo around a loaded `ConceptMoEChat` (launch it with `launch_app`).
     `example` = (image path, questions): every page opens on that conversation, answered once here."""
     import gradio as gr
+
+    from vision.image_processor import ImageError
 
     max_bytes = int(max_upload_mb * 1e6)
     max_pixels = chat.processor.cfg.max_pixels if chat.processor is not None else Image.MAX_IMAGE_PIXELS
@@ -288,6 +291,7 @@ def _run(args) -> int:
         raise ConfigError("--example needs an image and at least one question: --example IMAGE QUESTION ...")
     if args.example and not Path(args.example[0]).is_file():
         raise ConfigError(f"--example: image {args.example[0]} not found")
+    from vision.image_processor import ImageError
     from vlm.model.weights_check import WeightsError
 
     try:

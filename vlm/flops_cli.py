@@ -16,7 +16,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from configs.config import ConfigError, apply_overrides, from_dict, load_yaml, parse_args_anywhere
+from configs.config import ConfigError, apply_overrides, from_dict, load_yaml
+from vlm.cli import refuse_set_option
 from vlm.model.config import ModelConfig
 from vlm.model.reallocate import comparison_table, search_reallocations
 
@@ -126,7 +127,7 @@ def plot_scaling(rows_by_len: dict[int, list[dict]], path: str | Path) -> None:
 
 def run_flops(args: argparse.Namespace) -> int:
     try:
-        overrides = [*args.set, *args.overrides]
+        overrides = args.overrides
         if overrides and not args.config:
             raise ConfigError("overrides need --config (they apply to its mapping)")
         cfg = load_model_config(args.config, overrides) if args.config else ModelConfig()
@@ -185,9 +186,6 @@ def add_flops_command(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("flops", help="parameters, FLOPs, attention map, KV cache; fair-comparison table",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="trainer config YAML; only its `model:` section is read")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override, dotted from the file's top level, e.g. model.moe.top_k=4 (repeatable); "
-                        "plain `key=value` arguments work too, as for `vlm train`")
     p.add_argument("--baseline", help="baseline MoE config YAML (its `model:`) for a ConceptMoE --config")
     p.add_argument("--ratio", type=float, help="compression ratio R (default: model.chunk.target_ratio)")
     p.add_argument("--seq-len", type=int, default=32768, help="sequence length N for attention map and KV cache")
@@ -199,17 +197,15 @@ def add_flops_command(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
     p.add_argument("--plain", action="store_true", help="plain-text tables instead of rich")
     p.add_argument("--plot", help="write a PNG of prefill-FLOPs and KV-cache reduction vs sequence length")
-    p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides (as `vlm train`)")
+    p.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="dotted overrides from the file's top level, e.g. model.moe.top_k=4 (as for `vlm train`)")
+    refuse_set_option(p)
     p.set_defaults(func=run_flops)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="vlm")
-    add_flops_command(parser.add_subparsers(dest="command", required=True))
-    args = parse_args_anywhere(parser, argv)
-    return args.func(args)
+    """`vlm ARGV...` (ARGV starts with `flops`), kept for callers of this module."""
+    from vlm.cli import main as vlm_main
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    return vlm_main(argv)

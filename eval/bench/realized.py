@@ -100,7 +100,7 @@ def pack(masks: list[torch.Tensor], T: int, vocab: int) -> tuple[PackedBatch, to
 def run(s: Settings, log=print) -> dict:
     if s.ckpt is None:
         return common.result(PART, asdict(s), [], unavailable={
-            "learned boundaries": "no checkpoint given: `python -m eval.bench realized --ckpt RUN_DIR/final` "
+            "learned boundaries": "no checkpoint given: `vlm bench realized --ckpt RUN_DIR/final` "
                                   "(a run on the default dataset; its held-out prompts are read from --data)"})
     torch.manual_seed(0)
     docs = realized_documents(s.ckpt, s.data, s.documents)

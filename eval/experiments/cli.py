@@ -8,9 +8,9 @@ from configs.config import ConfigError
 
 
 def _recipes() -> dict:
-    from eval.experiments import registry
+    from eval.experiments.registry import RECIPES
 
-    return registry.RECIPES
+    return RECIPES
 
 
 def add_experiment_command(subparsers) -> None:

@@ -1,9 +1,10 @@
 """transformers integration: a PreTrainedModel wrapper, AutoModel registration and export.
 
 `final/` directories written by `save_pretrained` load with `AutoModelForCausalLM.from_pretrained(dir)` after
-`import vlm`. The wrapper's forward takes ordinary (left- or right-padded) `input_ids`/`attention_mask`;
-each row is one document. `generate(..., use_cache=True)` (the default) runs the model's own prefill and cached
-steps: the concept-level `InferenceCache` travels as generate's `cache`; `use_cache=False` re-runs the prefix.
+`import vlm.model.hf` (importing this module registers the Auto classes; every loader here imports it). The
+wrapper's forward takes ordinary (left- or right-padded) `input_ids`/`attention_mask`; each row is one document.
+`generate(..., use_cache=True)` (the default) runs the model's own prefill and cached steps: the concept-level
+`InferenceCache` travels as generate's `cache`; `use_cache=False` re-runs the prefix.
 """
 from __future__ import annotations
 
@@ -181,6 +182,8 @@ class ConceptMoEForCausalLM(PreTrainedModel, GenerationMixin):
 
 
 def register() -> None:
+    """Register the config, model, image processor and processor with transformers' Auto classes (idempotent;
+    run when this module is imported, so every loader in the project, which imports it, finds them)."""
     for auto, args in ((AutoConfig, (MODEL_TYPE, ConceptMoEConfig)),
                        (AutoModelForCausalLM, (ConceptMoEConfig, ConceptMoEForCausalLM)),
                        (AutoImageProcessor, (ConceptMoEConfig, ConceptMoEImageProcessor)),

@@ -1,7 +1,9 @@
-"""`vlm chain CONFIG... --out DIR [--set KEY=VALUE ...]`: training stages run in order, each one starting from
+"""`vlm chain CONFIG... [key=value ...] --out DIR`: training stages run in order, each one starting from
 the previous stage's exported model (`train.init_from`), e.g. LLaVA's recipe:
 
     vlm chain configs/llava_text.yaml configs/llava_align.yaml configs/llava_full.yaml --out runs/llava
+
+`key=value` overrides (dotted, as for `vlm train`) apply to every stage.
 
 Stage k trains into DIR/<k>_<config name>. A finished stage (its summary says exit code 0 and final/ is there) is
 not run again, and an interrupted one resumes from its last checkpoint, so the same command continues a chain.
@@ -14,6 +16,7 @@ import os
 from pathlib import Path
 
 from configs.config import ConfigError
+from vlm.cli import refuse_set_option
 
 
 def stage_dirs(configs: list[str], out: Path) -> list[Path]:
@@ -58,11 +61,24 @@ def run_chain(configs: list[str], out: Path, overrides: list[str], log=print) ->
     return 0
 
 
+def split_configs(items: list[str]) -> tuple[list[str], list[str]]:
+    """The positionals of `vlm chain`: stage configs, and `key=value` overrides wherever they stand."""
+    configs = [a for a in items if "=" not in a]
+    if not configs:
+        raise ConfigError("vlm chain needs at least one stage config before its key=value overrides")
+    return configs, [a for a in items if "=" in a]
+
+
+def _chain_command(args) -> int:
+    configs, overrides = split_configs(args.configs)
+    return run_chain(configs, Path(args.out), [*overrides, *args.overrides])
+
+
 def add_chain_command(subparsers) -> None:
     p = subparsers.add_parser("chain", help="run training stages in order, each from the previous stage's final/",
                               description=__doc__.split("\n\n")[0])
-    p.add_argument("configs", nargs="+", help="stage configs, in order")
+    p.add_argument("configs", nargs="+", metavar="CONFIG [key=value]",
+                   help="stage configs, in order; then dotted overrides applied to every stage")
     p.add_argument("--out", required=True, help="chain directory (one sub-directory per stage)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="dotted override applied to every stage, repeatable")
-    p.set_defaults(func=lambda args: run_chain(args.configs, Path(args.out), args.overrides))
+    refuse_set_option(p)
+    p.set_defaults(func=_chain_command, overrides=[])

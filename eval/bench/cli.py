@@ -1,0 +1,67 @@
+"""`vlm bench`: run benchmark parts and write DIR/<part>.json and DIR/<part>.png; prints each part's table.
+
+    vlm bench [model|decode|moe|loader|attention|vision|realized|all] [--quick] [--out DIR] [--ckpt DIR]
+
+`realized` (prefill with the boundaries a trained router draws on real prompts) needs a checkpoint: `all` runs it
+when --ckpt is given.
+
+--quick: fewer lengths and rounds (`all` in under 5 minutes on 2 CPU cores). --smoke (not in --help): tiny
+shapes and two rounds, for tests of one part's plumbing; its figures say nothing about speed.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+PARTS = ("model", "decode", "moe", "loader", "attention", "vision")
+CKPT_PARTS = ("realized",)      # parts that measure a trained checkpoint (--ckpt)
+
+
+def add_bench_command(subparsers) -> None:
+    ap = subparsers.add_parser("bench", help="speed and memory benchmarks against the MoE baseline",
+                               description=__doc__.split("\n")[0])
+    ap.add_argument("part", nargs="?", default="all", choices=PARTS + CKPT_PARTS + ("all",))
+    ap.add_argument("--quick", action="store_true", help="fewer lengths and rounds (all parts: < 5 min on 2 cores)")
+    ap.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--out", default="runs/bench", help="folder for <part>.json and <part>.png (default runs/bench)")
+    ap.add_argument("--data", help="loader part, full mode: default dataset folder (built there if missing); "
+                                   "realized part: the checkpoint's default dataset (default data/default)")
+    ap.add_argument("--ckpt", help="realized part: a trained checkpoint (RUN_DIR/final) whose router's boundaries "
+                                   "on its own held-out prompts are timed")
+    ap.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from eval.bench import common   # torch and the model: imported when a benchmark runs
+
+    mode = "smoke" if args.smoke else "quick" if args.quick else "full"
+    out = Path(args.out)
+    t_all = time.perf_counter()
+    parts = (PARTS + (CKPT_PARTS if args.ckpt else ())) if args.part == "all" else (args.part,)
+    for part in parts:
+        mod = importlib.import_module(f"eval.bench.{part}")
+        settings = mod.SETTINGS[mode]
+        if part == "loader" and args.data:
+            settings = replace(settings, data=args.data)
+        if part == "realized":
+            settings = replace(settings, ckpt=args.ckpt, **({"data": args.data} if args.data else {}))
+        t0 = time.perf_counter()
+        res = mod.run(settings, log=lambda msg: print(msg, file=sys.stderr, flush=True))
+        res["mode"], res["wall_seconds"] = mode, round(time.perf_counter() - t0, 1)
+        path = common.write_json(res, out)
+        mod.plot(res, out / f"{part}.png")
+        print(common.table(res))
+        print(f"  wrote {path} and {out / f'{part}.png'} ({res['wall_seconds']} s)\n", flush=True)
+    print(f"total {time.perf_counter() - t_all:.1f} s")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`vlm bench ARGV...` (what `python -m eval.bench` runs)."""
+    from vlm.cli import main as vlm_main
+
+    return vlm_main(["bench", *(sys.argv[1:] if argv is None else argv)])
