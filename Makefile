@@ -29,7 +29,7 @@ flops: install
 	$(BIN)/vlm flops --config configs/paper_moe_90b.yaml --ratio 1.5
 
 bench: install
-	$(BIN)/python -m eval.bench all --quick --out runs/bench
+	$(BIN)/vlm bench all --quick --out runs/bench
 
 test: install-eval
 	$(BIN)/python -m pytest -n 2 tests
