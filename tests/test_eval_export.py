@@ -9,7 +9,7 @@ import yaml
 
 from data_pipelines.chat import iter_vqa_samples
 from data_pipelines.default_dataset import DefaultDatasetConfig, build_default
-from eval.cli import main as eval_main
+from vlm.cli import main as eval_main
 from eval.export_tasks import DATA_TOKEN, export_tasks
 from eval.tasks import conceptmoe_utils as U
 
