@@ -78,8 +78,16 @@ def _concept_start(base: ModelConfig, ratio: float) -> ModelConfig:
 
 
 def _with(cfg: ModelConfig, k_tok: int | None = None, **concept_moe) -> ModelConfig:
+    """`cfg` with the token top-k and concept-MoE knobs changed. Configs validate when built, and the search
+    evaluates FLOPs and parameters at expert counts where the baseline's Grove lambda is out of bounds
+    (lambda <= groups / experts): there lambda, which changes neither, is clamped, and `_Search.offer` refuses
+    the result (a reallocation keeps the baseline's lambda)."""
     moe = cfg.moe if k_tok is None else replace(cfg.moe, top_k=k_tok)
-    return replace(cfg, moe=moe, concept_moe=replace(cfg.c_moe, **concept_moe))
+    c = cfg.c_moe
+    groups, experts = c.grove_groups, concept_moe.get("num_experts", c.num_experts)
+    if groups and experts and groups <= experts and c.grove_lambda > groups / experts:
+        concept_moe.setdefault("grove_lambda", groups / experts)
+    return replace(cfg, moe=moe, concept_moe=replace(c, **concept_moe))
 
 
 def _valid(cfg: ModelConfig) -> bool:
@@ -97,12 +105,13 @@ class _Search:
 
     def __init__(self, base: ModelConfig, tol: float):
         self.f0, self.p0 = _totals(base)
+        self.grove_lambda = base.c_moe.grove_lambda
         self.tol = tol
         self.best: tuple | None = None
 
     def offer(self, cfg: ModelConfig, dev: float, off_intent: bool = False) -> None:
         """`off_intent`: the candidate misses what the strategy is about; used only if nothing else fits."""
-        if not _valid(cfg):
+        if not _valid(cfg) or cfg.c_moe.grove_lambda != self.grove_lambda:
             return
         f, p = _totals(cfg)
         err = max(abs(f / self.f0 - 1), abs(p / self.p0 - 1))
@@ -127,7 +136,8 @@ class _Search:
 
 def _expert_counts(s: _Search, cfg: ModelConfig, e0: int, step: int) -> list[int]:
     """Concept expert counts to try: the baseline's and those giving back the chunk/joint parameters."""
-    fn = lambda e: count_params(_with(cfg, num_experts=e))["total"]  # noqa: E731
+    # top_k capped at the count so that every count tried is a valid config (parameters do not depend on top_k)
+    fn = lambda e: count_params(_with(cfg, num_experts=e, top_k=min(cfg.c_moe.top_k, e)))["total"]  # noqa: E731
     cands = _int_candidates(fn, e0, s.p0, step, e0, step)
     return sorted(set(cands) | {e0}, reverse=True)
 
@@ -153,7 +163,7 @@ def _more_experts(base: ModelConfig, ratio: float, tol: float, extra_tok_k: int 
     for k_tok in tok_range:
         cfg_t = _with(start, k_tok)
         for e_c in _expert_counts(s, cfg_t, e0, step):
-            cfg_e = _with(cfg_t, num_experts=e_c)
+            cfg_e = _with(cfg_t, num_experts=e_c, top_k=min(kc0, e_c))
             for k_c in _fit_topk(s, cfg_e, min(kc0, e_c), e_c):
                 s.offer(_with(cfg_e, top_k=k_c), dev=(k_tok - k0) + (e0 - e_c) / step, off_intent=k_c <= kc0)
     return s.result("more_experts", off_intent_note="matched only without raising the concept top_k")
@@ -174,7 +184,7 @@ def _loop_more_experts(base: ModelConfig, ratio: float, tol: float, loop_fractio
         for k_tok in tok_range:
             cfg_t = _with(looped, k_tok)
             for e_c in _expert_counts(s, cfg_t, e0, step):
-                cfg_e = _with(cfg_t, num_experts=e_c)
+                cfg_e = _with(cfg_t, num_experts=e_c, top_k=min(kc0, e_c))
                 for k_c in _fit_topk(s, cfg_e, min(kc0, e_c), e_c):
                     dev = abs(ell - target) + (k_tok - k0) + (e0 - e_c) / step
                     s.offer(_with(cfg_e, top_k=k_c), dev, off_intent=k_c <= kc0)
