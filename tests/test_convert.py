@@ -88,7 +88,7 @@ def test_conversion_rejects_bad_inputs(tmp_path):
 def test_converted_tokens_keep_their_own_state_with_real_boundaries(tmp_path, tiny_vlm, tiny_default):
     """The "delta" residual: with all boundaries on the conversion is the source; with real ones a chunk's tokens
     get different decoder inputs (their own state plus the concept model's update), and the start-of-CT loss
-    measured by `python -m eval.ct_start` reports both next to the source's."""
+    measured by `vlm eval ct-start` reports both next to the source's."""
     import dataclasses
 
     from eval.ct_start import random_boundaries, start_losses

@@ -69,7 +69,7 @@ def test_ct_keeps_the_source_chat_format(pad_vocab, how, tiny_data, tmp_path, to
     """`train.stage: ct` on the converted folder, or `train.init_from` on it (a text stage)."""
     from transformers import AutoTokenizer, LogitsProcessorList
 
-    import vlm  # noqa: F401  (registers the Auto classes)
+    import vlm.model.hf  # noqa: F401  (registers the Auto classes)
     from data_pipelines.tokenizer import IMAGE_TOKENS
     from vlm.cli import main
 
@@ -163,7 +163,7 @@ def test_a_vl_stage_after_ct_keeps_the_source_format(tiny_data, tmp_path, torch_
     from PIL import Image
     from transformers import AutoProcessor
 
-    import vlm  # noqa: F401
+    import vlm.model.hf  # noqa: F401  (registers the Auto classes)
     src_dir = tmp_path / "src"
     _, src_tok = _source(src_dir, pad_vocab=True)
     ct = tiny_config(tiny_data, train={"stage": "ct", "max_steps": 1, "convert_from": str(src_dir)},

@@ -1,6 +1,6 @@
 """The CUDA paths: every attention backend gives the same logits and gradients in bf16 on the GPU (flash-attn varlen
 included when installed), grouped_mm expert dispatch equals the per-expert loop, and cached decoding equals a full
-forward. Skipped, with the reason, where there is no GPU; `python -m eval.bench all` on a GPU gives the speed."""
+forward. Skipped, with the reason, where there is no GPU; `vlm bench all` on a GPU gives the speed."""
 import dataclasses
 
 import pytest

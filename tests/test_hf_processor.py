@@ -6,7 +6,7 @@ import torch
 from PIL import Image
 from transformers import AutoModelForCausalLM, AutoProcessor, AutoTokenizer
 
-import vlm  # noqa: F401  (registers the Auto classes)
+import vlm.model.hf  # noqa: F401  (registers the Auto classes)
 from data_pipelines.chat import format_chat
 from vlm.generate import ConceptMoEChat
 

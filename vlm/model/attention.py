@@ -28,7 +28,7 @@ def resolve_backend(requested: str, device: torch.device) -> str:
     if device.type == "cuda" and flash_attn_varlen_func is not None:
         return "flash"
     # On CPU one SDPA call per document beats SDPA under the packed [B, 1, T, T] mask (prefill 0.57x at 2K,
-    # 0.23x at 8K; `python -m eval.bench attention`) and keeps memory linear in T. On CUDA without flash-attn
+    # 0.23x at 8K; `vlm bench attention`) and keeps memory linear in T. On CUDA without flash-attn
     # the per-document loop is launch-bound, so the masked kernel stays.
     return "sdpa" if device.type == "cuda" else "docs"
 

@@ -154,7 +154,7 @@ class ModelConfig(ValidatedOnInit):
     tie_embeddings: bool = False
     init_std: float = 0.02
     # auto: flash on CUDA when installed, else SDPA with the packed T x T mask; docs: one SDPA per document (no
-    # T x T mask: memory linear in the row length, faster for long rows on CPU, see `python -m eval.bench attention`)
+    # T x T mask: memory linear in the row length, faster for long rows on CPU, see `vlm bench attention`)
     attn_backend: Literal["auto", "sdpa", "eager", "flash", "flex", "docs"] = "auto"
     # sliding-window (local) attention in the encoder and decoder layers: a token sees itself and the
     # window - 1 tokens before it in its document; 0 = the whole document. The concept model always sees all.

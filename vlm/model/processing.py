@@ -1,4 +1,4 @@
-"""transformers processors for exported models: `AutoProcessor.from_pretrained(final)` after `import vlm`.
+"""transformers processors for exported models: `AutoProcessor.from_pretrained(final)` after `import vlm.model.hf`.
 
 The standard multimodal calls work as for LLaVA or Qwen2-VL:
 

@@ -210,7 +210,7 @@ def model_card(cfg: dict, summary: list[str], title: str) -> str:
         f"# {title}",
         "",
         "A ConceptMoE vision-language model trained with `vlm train` (ConceptMoE-VLM). Load it with "
-        "`AutoModelForCausalLM.from_pretrained(this_dir)` after `import vlm`, or chat with `vlm chat --ckpt this_dir`.",
+        "`AutoModelForCausalLM.from_pretrained(this_dir)` after `import vlm.model.hf`, or chat with `vlm chat --ckpt this_dir`.",
         "",
         "| | |",
         "|---|---|",
