@@ -61,6 +61,7 @@ def test_multi_turn_chat_with_an_image_streams_and_shows_the_concepts(served, ex
     first = _text(history[1])
     assert compression["text"]["tokens"] > 0 and compression["text"]["compression"] >= 1
     assert compression["image"]["tokens"] > 0 and compression["image"]["compression"] >= 1
+    assert compression["text"]["target"] > 1 and compression["image"]["target"] > 1   # next to what was trained for
     assert picture is not None and "|" in boundaries and "image tokens]" in boundaries
 
     history, picture, boundaries, compression, status = client.predict("and now?", None, api_name="/chat")[:5]
@@ -183,3 +184,13 @@ def test_a_session_that_ends_drops_its_images(exported):
     session = Session(conv)
     state.delete_callback(session)      # what gradio calls when the page closes or the state expires
     assert conv.images == [] and conv.pending == [] and session.history == []
+
+
+def test_the_band_shown_is_the_one_training_held_documents_in():
+    from vlm.demo import target_band
+    from vlm.model.config import ChunkConfig
+
+    band = ChunkConfig(target_ratio=2.0, modality_target_ratios={"text": 2.0, "image": 4.0}, document_slack=1.25)
+    assert target_band(band, "image") == {"target": 4.0, "band": [3.2, 5.0]}
+    assert target_band(band, "text") == {"target": 2.0, "band": [1.6, 2.5]}
+    assert target_band(ChunkConfig(target_ratio=3.0), "text") == {"target": 3.0}   # batch statistics only: no band

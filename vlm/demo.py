@@ -94,6 +94,16 @@ def _stream_answer(conv: Conversation, text: str):
         raise failed[0]
 
 
+def target_band(chunk, modality: str) -> dict:
+    """What the model was trained to do with this conversation's tokens of `modality`: its target ratio and, with
+    `document_slack`, the band [R/s, R*s] a document's ratio was held in (the conversation is one document)."""
+    R = (chunk.modality_target_ratios or {}).get(modality, chunk.target_ratio)
+    out = {"target": R}
+    if chunk.document_slack is not None:
+        out["band"] = [round(R / chunk.document_slack, 3), round(R * chunk.document_slack, 3)]
+    return out
+
+
 def concept_panel(chat, turns: list[dict], images: list) -> tuple:
     """(picture of the first image with its concepts outlined or None, the conversation text with concept
     boundaries marked, per-modality compression) of the whole conversation, from one prefill."""
@@ -107,12 +117,14 @@ def concept_panel(chat, turns: list[dict], images: list) -> tuple:
         return None, "(this model has no chunk module)", {}
     b_BT = out.chunks.b_BT
     stats = summarize(out, batch)
+    chunk = chat.model.model_cfg.chunk
     compression = {}
     for m in ("text", "image"):
         tokens = int(stats.get(f"tokens/{m}", 0))
         concepts = int(stats.get(f"boundaries/{m}", 0))
         compression[m] = {"tokens": tokens, "concepts": concepts,
-                          "compression": round(tokens / concepts, 3) if concepts else None}
+                          "compression": round(tokens / concepts, 3) if concepts else None,
+                          **target_band(chunk, m)}
     picture = None
     if chat.processor is not None and images:
         cfg = chat.processor.cfg
@@ -241,7 +253,8 @@ def build_app(chat, *, max_new_tokens: int = 64, temperature: float = 0.0, max_p
             with gr.Column(scale=2):
                 picture = gr.Image(label="image concepts (merged patches outlined by concept)",
                                    type="numpy", interactive=False)
-                compression = gr.JSON(label="compression so far (tokens per concept)")
+                compression = gr.JSON(label="compression of this conversation (tokens per concept), with the target "
+                                            "and the band training held each document in")
                 boundaries = gr.Textbox(label="conversation with concept boundaries (|)", lines=10,
                                         interactive=False)
         outputs = [chatbot, state, picture, boundaries, compression, status, msg, upload]
