@@ -65,6 +65,10 @@ class Block(nn.Module):
         y_ND, stats = self.moe(self.ffn_norm(x_ND.index_select(0, ctx.valid_N)))
         return x_ND.index_add(0, ctx.valid_N, y_ND).view_as(x_BTD), stats
 
+    def allocate_cache(self, B: int, capacity: int, like: torch.Tensor, window: int = 0) -> KVCache:
+        """The self-attention's cache for `step`: `capacity` positions per row (`like`: dtype and device)."""
+        return KVCache.allocate(B, self.attn.kv, capacity, self.attn.hd, like.dtype, like.device, window)
+
     def step(self, x_R1D: torch.Tensor, rope, cache: KVCache, rows: torch.Tensor,
              c: torch.Tensor | ConceptStep | None = None, cross_cache: KVCache | None = None) -> torch.Tensor:
         """One new position for each of `rows` (every one a real token: no padding to skip). `c`: the row's
@@ -97,6 +101,18 @@ def run_stack(blocks: nn.ModuleList, x_BTD, ctx: StackContext, schedule: list[in
         if states is not None:
             states.append(x_BTD)
     return x_BTD, stats
+
+
+def allocate_stack_caches(blocks: nn.ModuleList, B: int, capacity: int, like: torch.Tensor,
+                          schedule: list[int] | None = None, window: int = 0) -> list[KVCache]:
+    """One self-attention cache per pass of `schedule` (a looped layer has one per pass), as `step_stack` reads them."""
+    return [blocks[i].allocate_cache(B, capacity, like, window)
+            for i in (schedule if schedule is not None else range(len(blocks)))]
+
+
+def allocate_cross_caches(blocks: nn.ModuleList, B: int, capacity: int, like: torch.Tensor) -> list[KVCache]:
+    """One concept cache per cross-attending block, in order (`capacity` concepts per row)."""
+    return [blk.cross.allocate_cache(B, capacity, like) for blk in blocks if blk.cross is not None]
 
 
 def step_stack(blocks: nn.ModuleList, x_R1D, rope, caches: list[KVCache], rows: torch.Tensor,

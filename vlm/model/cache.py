@@ -8,7 +8,7 @@ and written for a subset of rows (`rows`, an index tensor): no Python loop over 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 import torch.nn.functional as F
@@ -83,15 +83,32 @@ class KVCache:
 
 
 @dataclass
-class ChunkState:
-    """What the chunk module and the dechunk carry from one token to the next, per row."""
+class RouterState:
+    """What the chunk module carries from one token to the next, per row (`ChunkModule.step`)."""
 
     last_key_BD: torch.Tensor        # the router's key (cosine) or hidden state (linear) of the last token
     pending_BD: torch.Tensor         # merge of the tokens after the last boundary (sum; `last` ignores it)
-    pending_n_B: torch.Tensor        # how many tokens that is (for `mean`)
+    pending_n_B: torch.Tensor        # how many tokens that is (for `mean`; the fixed router's place in the document)
+
+
+@dataclass
+class DechunkState:
+    """What the dechunk carries from one concept to the next, per row (`Dechunk.step`)."""
+
     ema_BD: torch.Tensor             # eq. 8's EMA at the last closed concept: what the next token reads (fp32)
     n_concepts_B: torch.Tensor       # concepts closed so far (the next concept's position)
     ema_in_BD: torch.Tensor | None = None   # residual "delta": the same EMA over the concept model's inputs
+
+
+@dataclass
+class ChunkState(DechunkState, RouterState):
+    """The chunk module's and the dechunk's state in one object (each module reads and writes its own fields);
+    fields in the order last_key_BD, pending_BD, pending_n_B, ema_BD, n_concepts_B, ema_in_BD."""
+
+    @staticmethod
+    def join(router: RouterState, dechunk: DechunkState) -> "ChunkState":
+        return ChunkState(router.last_key_BD, router.pending_BD, router.pending_n_B, dechunk.ema_BD,
+                          dechunk.n_concepts_B, dechunk.ema_in_BD)
 
 
 @dataclass
@@ -111,8 +128,8 @@ class InferenceCache:
     def select(self, rows: torch.Tensor) -> "InferenceCache":
         """The caches of the given rows, e.g. each prompt repeated once per candidate continuation."""
         ch = self.chunk
-        chunk = None if ch is None else ChunkState(*(None if t is None else t[rows] for t in (
-            ch.last_key_BD, ch.pending_BD, ch.pending_n_B, ch.ema_BD, ch.n_concepts_B, ch.ema_in_BD)))
+        chunk = None if ch is None else ChunkState(*(None if (t := getattr(ch, f.name)) is None else t[rows]
+                                                      for f in fields(ChunkState)))
         pick = lambda caches: [c.select(rows) for c in caches]  # noqa: E731
         return InferenceCache(pick(self.encoder), pick(self.concept), pick(self.decoder), self.len_B[rows], chunk,
                               self.capacity, pick(self.cross))

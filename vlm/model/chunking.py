@@ -1,4 +1,4 @@
-"""Chunk and dechunk (ConceptMoE sections 3.2-3.3) over packed rows.
+"""Chunk (ConceptMoE section 3.2) over packed rows; the dechunk (3.3) is in dechunk.py.
 
 Convention (DESIGN.md): a boundary at n closes a concept made of the tokens after the previous boundary
 (within the same document) up to and including n; tokens n .. next boundary - 1 read that concept.
@@ -14,12 +14,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from configs.batch import IMAGE, TEXT
-from vlm.model.cache import ChunkState
+from vlm.model.cache import RouterState
 from vlm.model.config import ChunkConfig
 from vlm.model.doc_stats import document_slots
-from vlm.model.ema_scan import ema_scan
 from vlm.model.ratio_loss import document_ratio_loss, ratio_loss
 from vlm.model.layers import doc_starts, positions_in_doc
+# the dechunk's equations and module live in dechunk.py; re-exported here, where they were
+from vlm.model.dechunk import Dechunk, plug_back, ste  # noqa: F401
 
 
 # ---------------------------------------------------------------- equations
@@ -37,27 +38,6 @@ def sharpen(p: torch.Tensor, tau: float) -> torch.Tensor:
 def sample_boundaries(p_sharp: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """Eq. 6: b_n ~ Bernoulli(p_sharp_n)."""
     return torch.rand(p_sharp.shape, device=p_sharp.device, generator=generator) < p_sharp
-
-
-class _STE(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return torch.ones_like(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad
-
-
-def ste(x: torch.Tensor) -> torch.Tensor:
-    """Straight-through: forward 1, backward identity (eq. 10's multiplier on the selected probability)."""
-    return _STE.apply(x)
-
-
-def plug_back(concepts_BMD: torch.Tensor, cidx_BT: torch.Tensor) -> torch.Tensor:
-    """Eq. 9: token n reads concept psi(n), the last one closed at or before n."""
-    D = concepts_BMD.shape[-1]
-    return concepts_BMD.gather(1, cidx_BT.clamp_min(0)[..., None].expand(-1, -1, D))
 
 
 # ---------------------------------------------------------------- modules
@@ -79,6 +59,16 @@ class Chunks(NamedTuple):
     # Synergy eq. 3's gate sigmoid(w) at each concept's boundary (topk router); None: the concepts are not gated
     # and eq. 10's STE(sel) multiplies them
     cgate_BM: torch.Tensor | None = None
+
+
+class ChunkStep(NamedTuple):
+    """One decode step's chunking (`ChunkModule.step`): `forward` and `merge` for one new token per row."""
+
+    p_B: torch.Tensor          # boundary probability
+    b_B: torch.Tensor          # bool: the token closes a concept
+    rows: torch.Tensor         # the rows whose boundary fired (indices), the only ones the concept model runs on
+    c_RD: torch.Tensor         # their new concepts, as `merge` builds them (the concept model's inputs)
+    gate_R: torch.Tensor | None = None   # Synergy eq. 3's gate of each new concept (topk router), as Chunks.cgate_BM
 
 
 class ChunkModule(nn.Module):
@@ -243,56 +233,6 @@ class ChunkModule(nn.Module):
             cgate = gate_BT.new_zeros(doc_BT.shape[0], M + 1).scatter(1, slot_BT, gate_BT)[:, :M]
         return Chunks(p, b, sel, cidx, cdoc, positions_in_doc(cdoc), cp, loss, local, cgate)
 
-    def step(self, h_BD: torch.Tensor, state: ChunkState) -> tuple[torch.Tensor, torch.Tensor]:
-        """One new token per row (eval mode): its boundary probability (eq. 2 against the previous token) and
-        whether it closes a concept (p >= 0.5). Updates the state's last key."""
-        if self.cfg.router == "cosine":
-            q, key = self.q_proj(h_BD), self.k_proj(h_BD)
-            cos = F.cosine_similarity(q.float(), state.last_key_BD.float(), dim=-1, eps=1e-6)
-            p = ((1 - cos) / 2).clamp(0, 1)
-        elif self.cfg.router == "fixed":   # this token's place in its document: pending tokens + 1
-            key = h_BD
-            p = ((state.pending_n_B + 1) % self.every == 0).float()
-        elif self.cfg.router == "topk":
-            key = h_BD
-            p = torch.sigmoid(self.score(h_BD).squeeze(-1).float() - self.threshold)
-        else:
-            key = h_BD
-            p = torch.sigmoid(self.score(torch.cat([h_BD, state.last_key_BD], -1)).squeeze(-1).float())
-        state.last_key_BD = key
-        return p, p >= 0.5
-
-    def merge_step(self, h_BD: torch.Tensor, b_B: torch.Tensor, state: ChunkState) -> torch.Tensor:
-        """The concept each row would close with this token ([B, D]; meaningful where `b_B`), as `merge` builds
-        it; rows that close one start a new pending concept."""
-        if self.cfg.merge == "last":   # only the count of pending tokens is kept (the fixed router reads it)
-            state.pending_n_B = torch.where(b_B, torch.zeros_like(state.pending_n_B), state.pending_n_B + 1)
-            return h_BD
-        state.pending_BD = state.pending_BD + h_BD
-        state.pending_n_B = state.pending_n_B + 1
-        concept = state.pending_BD
-        if self.cfg.merge == "mean":
-            concept = concept / state.pending_n_B.clamp_min(1)[:, None].to(concept.dtype)
-        state.pending_BD = torch.where(b_B[:, None], torch.zeros_like(concept), state.pending_BD)
-        state.pending_n_B = torch.where(b_B, torch.zeros_like(state.pending_n_B), state.pending_n_B)
-        return concept
-
-    def prefill_state(self, h_BTD: torch.Tensor, doc_BT: torch.Tensor, ch: Chunks, c_BTD: torch.Tensor,
-                      c_in_BTD: torch.Tensor | None = None) -> ChunkState:
-        """The state after a prompt (one document per row): last key, the tokens after the last boundary
-        (no concept yet), the EMA the last token read, and the concept count."""
-        B, T, _ = h_BTD.shape
-        valid = doc_BT >= 0
-        rows = torch.arange(B, device=h_BTD.device)
-        last = valid.sum(1) - 1
-        key = self.k_proj(h_BTD[rows, last]) if self.cfg.router == "cosine" else h_BTD[rows, last]
-        t = torch.arange(T, device=h_BTD.device)
-        last_b = torch.where(ch.b_BT, t, torch.full_like(t, -1)).amax(1)
-        tail = valid & (t[None] > last_b[:, None])
-        pending = (h_BTD * tail[..., None].to(h_BTD.dtype)).sum(1)
-        return ChunkState(key, pending, tail.sum(1), c_BTD[rows, last].float(), ch.b_BT.sum(1),
-                          None if c_in_BTD is None else c_in_BTD[rows, last].float())
-
     def merge(self, h_BTD: torch.Tensor, doc_BT: torch.Tensor, ch: Chunks) -> torch.Tensor:
         """Concepts [B, M, D] from token states: `last` takes h at the boundary, `sum`/`mean` pool the concept's tokens."""
         B, M = ch.cdoc_BM.shape
@@ -314,54 +254,61 @@ class ChunkModule(nn.Module):
             out = out / n_BM.view(B, M + 1)[:, :M].clamp_min(1)[..., None]
         return out
 
+    # ---------------------------------------------------------------- inference
+    def step(self, h_BD: torch.Tensor, state: RouterState, force_B: torch.Tensor | None = None) -> ChunkStep:
+        """`forward` and `merge` for one new token per row (eval mode): whether it closes a concept and, for the
+        rows where it does, that concept (and its gate). `force_B` sets the boundaries instead of the router (as
+        `forward`'s `force`). Updates `state` in place. One host sync: the rows that fired."""
+        p_B, b_B = self.boundary_step(h_BD, state)
+        b_B = b_B if force_B is None else force_B
+        concept_BD = self.merge_step(h_BD, b_B, state)
+        rows = b_B.nonzero().squeeze(1)
+        return ChunkStep(p_B, b_B, rows, concept_BD[rows], self.concept_gate(h_BD[rows]))
 
-class Dechunk(nn.Module):
-    """EMA over concepts (eq. 8), plug-back (eq. 9) and the decoder input z (eq. 10) with STE."""
+    def boundary_step(self, h_BD: torch.Tensor, state: RouterState) -> tuple[torch.Tensor, torch.Tensor]:
+        """One new token per row (eval mode): its boundary probability (eq. 2 against the previous token) and
+        whether it closes a concept (p >= 0.5). Updates the state's last key."""
+        if self.cfg.router == "cosine":
+            q, key = self.q_proj(h_BD), self.k_proj(h_BD)
+            cos = F.cosine_similarity(q.float(), state.last_key_BD.float(), dim=-1, eps=1e-6)
+            p = ((1 - cos) / 2).clamp(0, 1)
+        elif self.cfg.router == "fixed":   # this token's place in its document: pending tokens + 1
+            key = h_BD
+            p = ((state.pending_n_B + 1) % self.every == 0).float()
+        elif self.cfg.router == "topk":
+            key = h_BD
+            p = torch.sigmoid(self.score(h_BD).squeeze(-1).float() - self.threshold)
+        else:
+            key = h_BD
+            p = torch.sigmoid(self.score(torch.cat([h_BD, state.last_key_BD], -1)).squeeze(-1).float())
+        state.last_key_BD = key
+        return p, p >= 0.5
 
-    def __init__(self, cfg: ChunkConfig, dim: int):
-        super().__init__()
-        self.cfg = cfg
-        # H-Net's residual projection; identity at init reproduces eq. 10, conversion starts it at zero.
-        self.residual = nn.Linear(dim, dim, bias=False) if cfg.residual == "linear" else None
-        if self.residual is not None:
-            with torch.no_grad():
-                self.residual.weight.copy_(torch.eye(dim))
+    def merge_step(self, h_BD: torch.Tensor, b_B: torch.Tensor, state: RouterState) -> torch.Tensor:
+        """The concept each row would close with this token ([B, D]; meaningful where `b_B`), as `merge` builds
+        it; rows that close one start a new pending concept."""
+        if self.cfg.merge == "last":   # only the count of pending tokens is kept (the fixed router reads it)
+            state.pending_n_B = torch.where(b_B, torch.zeros_like(state.pending_n_B), state.pending_n_B + 1)
+            return h_BD
+        state.pending_BD = state.pending_BD + h_BD
+        state.pending_n_B = state.pending_n_B + 1
+        concept = state.pending_BD
+        if self.cfg.merge == "mean":
+            concept = concept / state.pending_n_B.clamp_min(1)[:, None].to(concept.dtype)
+        state.pending_BD = torch.where(b_B[:, None], torch.zeros_like(concept), state.pending_BD)
+        state.pending_n_B = torch.where(b_B, torch.zeros_like(state.pending_n_B), state.pending_n_B)
+        return concept
 
-    @staticmethod
-    def ema_step(concept_RD: torch.Tensor, p_R: torch.Tensor, ema_RD: torch.Tensor) -> torch.Tensor:
-        """Eq. 8 for one new concept per row (fp32, as `ema_scan`): c_m = p_m x_m + (1 - p_m) c_{m-1}."""
-        p = p_R.float()[:, None]
-        return p * concept_RD.float() + (1 - p) * ema_RD
-
-    @staticmethod
-    def gated(concepts_BMD: torch.Tensor, ch: Chunks) -> torch.Tensor:
-        """Synergy eq. 4's m_i sigma_i Middle(x_i): each concept times its gate (eq. 3), when the chunking has one."""
-        return concepts_BMD if ch.cgate_BM is None else concepts_BMD * ch.cgate_BM[..., None].to(concepts_BMD.dtype)
-
-    @staticmethod
-    def smooth(concepts_BMD: torch.Tensor, ch: Chunks) -> torch.Tensor:
-        """Eq. 8 at concept level, [B, M, D], restarted at each document (DLCM's concept smoothing S, eq. 11
-        there: what the cross-attention decoder attends over), over the gated concepts."""
-        return ema_scan(Dechunk.gated(concepts_BMD, ch), ch.cp_BM, doc_starts(ch.cdoc_BM))
-
-    def forward(self, h_BTD: torch.Tensor, concepts_BMD: torch.Tensor, ch: Chunks,
-                inputs_BMD: torch.Tensor | None = None, smoothed_BMD: torch.Tensor | None = None):
-        """(z, c, c_in): the decoder input (eq. 10), the EMA concept each token reads and, for residual "delta"
-        (which needs `inputs_BMD`, the concept model's inputs), the same EMA over those inputs (else None).
-        `smoothed_BMD`: `smooth(concepts_BMD, ch)` when the caller has it already."""
-        reset = doc_starts(ch.cdoc_BM)
-        if smoothed_BMD is None:
-            smoothed_BMD = self.smooth(concepts_BMD, ch)
-        c_BTD = plug_back(smoothed_BMD, ch.cidx_BT)
-        if ch.cgate_BM is None:
-            gate = ste(ch.sel_BT)[..., None].to(c_BTD.dtype)
-        else:   # Synergy eq. 4: the router's gradient comes through the gate in the concepts, not an STE
-            gate = torch.ones_like(ch.sel_BT)[..., None].to(c_BTD.dtype)
-        if self.cfg.residual == "delta":
-            # the STE multiplies the whole update c - c_in: on c alone the forward is the same but p's gradient
-            # would miss -c_in
-            c_in_BTD = plug_back(ema_scan(self.gated(inputs_BMD, ch), ch.cp_BM, reset), ch.cidx_BT)
-            return h_BTD + (c_BTD - c_in_BTD) * gate, c_BTD, c_in_BTD
-        res = self.residual(h_BTD) if self.residual is not None else h_BTD
-        return res + c_BTD * gate, c_BTD, None
-
+    def prefill_state(self, h_BTD: torch.Tensor, doc_BT: torch.Tensor, ch: Chunks) -> RouterState:
+        """The state after a prompt (one document per row): the last token's key and the tokens after the last
+        boundary (no concept yet)."""
+        B, T, _ = h_BTD.shape
+        valid = doc_BT >= 0
+        rows = torch.arange(B, device=h_BTD.device)
+        last = valid.sum(1) - 1
+        key = self.k_proj(h_BTD[rows, last]) if self.cfg.router == "cosine" else h_BTD[rows, last]
+        t = torch.arange(T, device=h_BTD.device)
+        last_b = torch.where(ch.b_BT, t, torch.full_like(t, -1)).amax(1)
+        tail = valid & (t[None] > last_b[:, None])
+        pending = (h_BTD * tail[..., None].to(h_BTD.dtype)).sum(1)
+        return RouterState(key, pending, tail.sum(1))

@@ -9,13 +9,14 @@ import torch
 from torch import nn
 
 from configs.batch import PackedBatch
-from vlm.model.block import Block, StackContext, run_stack, step_stack
-from vlm.model.cache import InferenceCache, KVCache
-from vlm.model.chunking import ChunkModule, Chunks, Dechunk
+from vlm.model.block import Block, StackContext, allocate_cross_caches, allocate_stack_caches, run_stack, step_stack
+from vlm.model.cache import ChunkState, InferenceCache, KVCache
+from vlm.model.chunking import ChunkModule, Chunks, ChunkStep
 from vlm.model.config import ModelConfig
 from vlm.model.cross_attention import ConceptMemory, ConceptStep
+from vlm.model.dechunk import Dechunk
 from vlm.model.layers import RMSNorm, rope_cos_sin
-from vlm.model.output import ModelOutput
+from vlm.model.output import ModelOutput, ratio_weight, total_loss
 from vlm.model.stats import lm_losses
 
 
@@ -85,8 +86,7 @@ class ConceptMoELM(nn.Module):
             c_BMD, cdoc_BM, cpos_BM = self.chunker.merge(h_BTD, doc_BT, ch), ch.cdoc_BM, ch.cpos_BM
         concept_in_BMD = c_BMD
         if cache is not None:   # capacity: the prompt's concepts plus one per token still to come
-            cache.concept = self._caches(self.cfg.c_kv_heads, len(cfg.concept_schedule), x_BTD.shape[0],
-                                         c_BMD.shape[1] + cache.capacity - x_BTD.shape[1], x_BTD)
+            self.allocate_concept_caches(cache, c_BMD.shape[1] + cache.capacity - x_BTD.shape[1], x_BTD)
         if self.concept_up is not None:
             c_BMD = self.concept_up(c_BMD)
         cctx = StackContext.build(cdoc_BM, cpos_BM, cfg.head_dim, cfg.rope_theta, c_BMD.dtype, cfg.attn_backend,
@@ -102,12 +102,10 @@ class ConceptMoELM(nn.Module):
             smoothed_BMD = self.dechunk.smooth(c_BMD, ch)
             z_BTD, cread_BTD, cread_in_BTD = self.dechunk(h_BTD, c_BMD, ch, concept_in_BMD, smoothed_BMD)
             if cache is not None:
-                cache.chunk = self.chunker.prefill_state(h_BTD, doc_BT, ch, cread_BTD, cread_in_BTD)
+                cache.chunk = ChunkState.join(self.chunker.prefill_state(h_BTD, doc_BT, ch),
+                                              self.dechunk.prefill_state(doc_BT, ch, cread_BTD, cread_in_BTD))
             if self.cross:   # the decoder attends over the smoothed concepts instead of adding its own (eq. 11)
                 cread_BTD = ConceptMemory.build(smoothed_BMD, ch.cidx_BT, ch.b_BT, doc_BT, ctx)
-                if cache is not None:
-                    cache.cross = self._caches(cfg.num_kv_heads, cfg.num_joint_layers, x_BTD.shape[0],
-                                               c_BMD.shape[1] + cache.capacity - x_BTD.shape[1], x_BTD)
         if states is not None:
             states.append(z_BTD)
         out_BTD, s = run_stack(self.decoder, z_BTD, ctx, c_BTD=cread_BTD, joint_from=self.joint_from,
@@ -118,17 +116,24 @@ class ConceptMoELM(nn.Module):
     # ---------------------------------------------------------------- inference with caches
     def _caches(self, kv_heads: int, n: int, B: int, capacity: int, like: torch.Tensor, window: int = 0
                 ) -> list[KVCache]:
+        """`n` bare caches (eval/bench/decode.py builds synthetic ones with it; the model allocates per module)."""
         return [KVCache.allocate(B, kv_heads, capacity, self.cfg.head_dim, like.dtype, like.device, window)
                 for _ in range(n)]
 
     def allocate_inference_cache(self, B: int, capacity: int, like: torch.Tensor) -> InferenceCache:
         """Token caches for `capacity` positions per row; the concept caches are sized at prefill, once the
-        prompt's concepts are known."""
-        kv = self.cfg.num_kv_heads
+        prompt's concepts are known (`allocate_concept_caches`)."""
         w = self.cfg.attention_window
-        return InferenceCache(self._caches(kv, len(self.encoder), B, capacity, like, w), [],
-                              self._caches(kv, len(self.decoder), B, capacity, like, w),
+        return InferenceCache(allocate_stack_caches(self.encoder, B, capacity, like, window=w), [],
+                              allocate_stack_caches(self.decoder, B, capacity, like, window=w),
                               torch.zeros(B, dtype=torch.long, device=like.device), capacity=capacity)
+
+    def allocate_concept_caches(self, cache: InferenceCache, capacity: int, like: torch.Tensor) -> None:
+        """The concept model's caches (one per pass of its schedule) and the cross-attention decoder's concept
+        caches, `capacity` concepts per row."""
+        B = cache.len_B.shape[0]
+        cache.concept = allocate_stack_caches(self.concept, B, capacity, like, self.cfg.concept_schedule)
+        cache.cross = allocate_cross_caches(self.decoder, B, capacity, like) if self.chunker is not None else []
 
     @torch.no_grad()
     def prefill(self, batch: PackedBatch, inputs_embeds: torch.Tensor | None = None, above_BT=None,
@@ -149,49 +154,37 @@ class ConceptMoELM(nn.Module):
         boundaries instead of the router (benchmarks at a chosen ratio, as `forward`'s `force`)."""
         cfg = self.cfg
         cache.ensure_room()
-        all_rows = None   # every row: the caches are read in place
         rope = rope_cos_sin(cache.len_B[:, None], cfg.head_dim, cfg.rope_theta, x_BD.dtype)
-        h_B1D = step_stack(self.encoder, x_BD[:, None], rope, cache.encoder, all_rows)
-        if self.chunker is None:
-            rows, c_R1D, pos_R = None, h_B1D, cache.len_B
+        h_B1D = step_stack(self.encoder, x_BD[:, None], rope, cache.encoder, None)   # every row, caches in place
+        if self.chunker is None:   # every token is a concept
+            z_B1D = self.concept_step(h_B1D, cache.len_B, None, cache)
+            cread_B1D = None
         else:
-            st = cache.chunk
-            p_B, b_B = self.chunker.step(h_B1D[:, 0], st)
-            b_B = b_B if force_B is None else force_B
-            concept_BD = self.chunker.merge_step(h_B1D[:, 0], b_B, st)
-            rows = b_B.nonzero().squeeze(1)
-            c_R1D, pos_R = concept_BD[rows, None], st.n_concepts_B[rows]
-            c_in_RD = c_R1D[:, 0]
-        if rows is None or rows.numel():
-            if self.concept_up is not None:
-                c_R1D = self.concept_up(c_R1D)
-            crope = rope_cos_sin(pos_R[:, None], cfg.head_dim, cfg.rope_theta, x_BD.dtype) \
-                if cfg.concept_pos == "rope" else None
-            c_R1D = step_stack(self.concept, c_R1D, crope, cache.concept, rows, cfg.concept_schedule)
-            if self.concept_down is not None:
-                c_R1D = self.concept_down(c_R1D)
-        if self.chunker is None:
-            z_B1D, cread_B1D = c_R1D, None
-        else:
-            gate_R = self.chunker.concept_gate(h_B1D[rows, 0])
-            if gate_R is not None:   # Synergy eq. 3-4, as Dechunk.gated: the concept (and its input) times its gate
-                c_R1D = c_R1D * gate_R[:, None, None].to(c_R1D.dtype)
-                c_in_RD = c_in_RD * gate_R[:, None].to(c_in_RD.dtype)
-            st.ema_BD[rows] = self.dechunk.ema_step(c_R1D[:, 0], p_B[rows], st.ema_BD[rows])
-            st.n_concepts_B[rows] += 1
-            cread_B1D = st.ema_BD[:, None].to(h_B1D.dtype)
-            if cfg.chunk.residual == "delta":   # own state + the concept model's (EMA) update
-                st.ema_in_BD[rows] = self.dechunk.ema_step(c_in_RD, p_B[rows], st.ema_in_BD[rows])
-                z_B1D = h_B1D + cread_B1D - st.ema_in_BD[:, None].to(h_B1D.dtype)
-            else:
-                res = self.dechunk.residual(h_B1D) if self.dechunk.residual is not None else h_B1D
-                z_B1D = res + cread_B1D   # eq. 10: the STE multiplier is 1 in the forward
-            if self.cross:   # the rows whose boundary fired add their new (smoothed) concept to the cross caches
-                cread_B1D = ConceptStep(st.ema_BD[rows, None].to(h_B1D.dtype), rows)
-        out_B1D = step_stack(self.decoder, z_B1D, rope, cache.decoder, all_rows, c_R1D=cread_B1D,
+            ck: ChunkStep = self.chunker.step(h_B1D[:, 0], cache.chunk, force_B)
+            pos_R = cache.chunk.n_concepts_B[ck.rows]   # the new concepts' places: the concepts closed so far
+            c_R1D = self.concept_step(ck.c_RD[:, None], pos_R, ck.rows, cache)
+            d = self.dechunk.step(h_B1D, c_R1D, ck, cache.chunk)
+            z_B1D = d.z_B1D
+            # the cross-attention decoder appends the new (smoothed) concepts to its caches; joint decoding reads c
+            cread_B1D = ConceptStep(d.new_R1D, ck.rows) if self.cross else d.c_B1D
+        out_B1D = step_stack(self.decoder, z_B1D, rope, cache.decoder, None, c_R1D=cread_B1D,
                              joint_from=self.joint_from, cross_caches=cache.cross)
         cache.len_B = cache.len_B + 1
         return self.lm_head(self.norm(out_B1D))[:, 0]
+
+    def concept_step(self, c_R1D: torch.Tensor, pos_R: torch.Tensor, rows: torch.Tensor | None,
+                     cache: InferenceCache) -> torch.Tensor:
+        """The concept model (with its width projections) on one new concept for each of `rows` (None: every row),
+        at concept positions `pos_R`; no row fired: nothing runs."""
+        cfg = self.cfg
+        if rows is not None and not rows.numel():
+            return c_R1D
+        crope = rope_cos_sin(pos_R[:, None], cfg.head_dim, cfg.rope_theta, c_R1D.dtype) \
+            if cfg.concept_pos == "rope" else None
+        if self.concept_up is not None:
+            c_R1D = self.concept_up(c_R1D)
+        c_R1D = step_stack(self.concept, c_R1D, crope, cache.concept, rows, cfg.concept_schedule)
+        return self.concept_down(c_R1D) if self.concept_down is not None else c_R1D
 
     def forward(self, batch: PackedBatch, inputs_embeds: torch.Tensor | None = None, above_BT=None,
                 force: str | torch.Tensor | None = None, output_hidden_states: bool = False) -> ModelOutput:
@@ -211,10 +204,12 @@ class ConceptMoELM(nn.Module):
         zero = logits_BTV.new_zeros(())
         ratio = ch.loss if ch is not None else zero
         balance = torch.stack([s.aux_loss for s in moe_stats]).mean() if moe_stats else zero
-        loss = lm + self.cfg.chunk.ratio_loss_weight * ratio + balance
+        weight = ratio_weight(self.cfg)
+        loss = total_loss(lm, ratio, balance, weight)
         names = [f"encoder.{i}" for i in range(len(self.encoder))] + \
                 [f"concept.{i}" for i in self.cfg.concept_schedule] + [f"decoder.{i}" for i in range(len(self.decoder))]
         moe = {}
         for name, s in zip(names, moe_stats):
             moe.setdefault(name, s)   # a looped concept layer reports its first pass
-        return ModelOutput(logits_BTV, loss, lm, ratio, balance, split, ch, moe, token_loss_BT=token_loss)
+        return ModelOutput(logits_BTV, loss, lm, ratio, balance, split, ch, moe, token_loss_BT=token_loss,
+                           ratio_weight=weight)

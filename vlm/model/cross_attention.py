@@ -150,6 +150,10 @@ class CrossAttention(nn.Module):
             cache.fill(k, v, mem.n_concepts_B)
         return self.out(replicated_cross_attention(self.queries(x_BTD), k, v, mem, doc_BT, backend))
 
+    def allocate_cache(self, B: int, capacity: int, like: torch.Tensor) -> KVCache:
+        """The concept keys and values `step` reads: `capacity` concepts per row (`like`: dtype and device)."""
+        return KVCache.allocate(B, self.kv, capacity, self.hd, like.dtype, like.device)
+
     def step(self, x_B1D, new: ConceptStep, cache: KVCache) -> torch.Tensor:
         """One new token per row: the rows whose boundary fired first append their new concept, then every row's
         query attends over its concepts (each once: the cache holds no copies)."""

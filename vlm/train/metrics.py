@@ -16,7 +16,7 @@ import torch
 from configs.batch import IGNORE_INDEX, IMAGE, KINDS, PackedBatch
 from vlm.model.doc_stats import MODS as DOC_MODS
 from vlm.model.doc_stats import NBINS, document_counts, document_labels, group_histogram, histogram_quantiles
-from vlm.model.output import ModelOutput
+from vlm.model.output import ModelOutput, total_loss
 from vlm.model.stats import chunk_stats, sample_has_image
 from vlm.train.config import LoggingConfig
 from vlm.train.dashboard import Dashboard
@@ -25,7 +25,7 @@ from vlm.train.tracking import WandbTracker
 MODS = ("all", "text", "image")
 # Fixed order of the summed scalars.
 FIELDS = (["n_lab", "lm_sum", "n_text_only", "text_only_sum", "n_image_text", "image_text_sum", "balance_sum",
-           "micro", "adjugate_sum", "bytes_text_only"]
+           "micro", "adjugate_sum", "bytes_text_only", "ratio_weight_sum"]
           + [f"tokens/{m}" for m in MODS] + [f"boundaries/{m}" for m in MODS] + [f"psum/{m}" for m in MODS])
 IDX = {k: i for i, k in enumerate(FIELDS)}
 
@@ -72,7 +72,8 @@ class StepAccumulator:
         values = {"n_lab": n, "lm_sum": out.lm_loss.detach() * n, "n_text_only": n_to, "bytes_text_only": text_bytes,
                   "text_only_sum": split.get("loss/text_only", zero) * n_to, "n_image_text": n_it,
                   "image_text_sum": split.get("loss/image_text", zero) * n_it,
-                  "balance_sum": out.balance_loss.detach(), "micro": torch.ones(()), "adjugate_sum": torch.tensor(adj)}
+                  "balance_sum": out.balance_loss.detach(), "micro": torch.ones(()), "adjugate_sum": torch.tensor(adj),
+                  "ratio_weight_sum": torch.tensor(float(out.ratio_weight), dtype=torch.float64)}
         for m in MODS:
             values[f"tokens/{m}"] = cs[f"tokens/{m}"]
             values[f"boundaries/{m}"] = cs[f"boundaries/{m}"]
@@ -158,15 +159,19 @@ def _div(a: float, b: float) -> float | None:
     return a / b if b > 0 else None
 
 
-def step_record(step: int, vec: torch.Tensor, ratio_loss: float, ratio_weight: float, lr: float,
-                seconds: float, groups: list[str] | None = None) -> dict:
-    """The metrics.jsonl object of one optimizer step (global means). Absent modalities give null."""
+def step_record(step: int, vec: torch.Tensor, ratio_loss: float, ratio_weight: float | None = None, lr: float = 0.0,
+                seconds: float = 0.0, groups: list[str] | None = None) -> dict:
+    """The metrics.jsonl object of one optimizer step (global means). Absent modalities give null. `loss` is
+    `total_loss` of the logged parts, the ratio loss weighted as the model weighted it (`ModelOutput.ratio_weight`,
+    carried in `vec`) unless `ratio_weight` says otherwise (0: the LM and balance losses only)."""
     v = {k: float(vec[i]) for k, i in IDX.items()}
     lm = _div(v["lm_sum"], v["n_lab"]) or 0.0
     balance = v["balance_sum"] / max(v["micro"], 1)
+    if ratio_weight is None:
+        ratio_weight = v["ratio_weight_sum"] / max(v["micro"], 1)
     rec = {
         "step": step,
-        "loss": lm + ratio_weight * ratio_loss + balance,
+        "loss": total_loss(lm, ratio_loss, balance, ratio_weight),
         "lm_loss": lm,
         "aux_loss": ratio_loss,
         "balance_loss": balance,

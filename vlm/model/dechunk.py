@@ -1,0 +1,135 @@
+"""Dechunk (ConceptMoE section 3.3): EMA over concepts (eq. 8), plug-back (eq. 9) and the decoder input z (eq. 10)
+with STE, over a whole sequence (`forward`) and for one new token per row (`step`, with the state `prefill_state`
+builds after a prompt).
+
+Convention (DESIGN.md): token n reads the EMA at concept psi(n), the last one closed at or before n.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+from torch import nn
+
+from vlm.model.cache import DechunkState
+from vlm.model.config import ChunkConfig
+from vlm.model.ema_scan import ema_scan
+from vlm.model.layers import doc_starts
+
+if TYPE_CHECKING:   # chunking.py re-exports this module's names: no import back at run time
+    from vlm.model.chunking import Chunks, ChunkStep
+
+
+# ---------------------------------------------------------------- equations
+class _STE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return torch.ones_like(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def ste(x: torch.Tensor) -> torch.Tensor:
+    """Straight-through: forward 1, backward identity (eq. 10's multiplier on the selected probability)."""
+    return _STE.apply(x)
+
+
+def plug_back(concepts_BMD: torch.Tensor, cidx_BT: torch.Tensor) -> torch.Tensor:
+    """Eq. 9: token n reads concept psi(n), the last one closed at or before n."""
+    D = concepts_BMD.shape[-1]
+    return concepts_BMD.gather(1, cidx_BT.clamp_min(0)[..., None].expand(-1, -1, D))
+
+
+# ---------------------------------------------------------------- module
+class DechunkStep(NamedTuple):
+    """One decode step's dechunk output."""
+
+    z_B1D: torch.Tensor        # the decoder's input (eq. 10)
+    c_B1D: torch.Tensor        # the EMA concept each row's token reads (joint decoding's c, eq. 11)
+    new_R1D: torch.Tensor      # the smoothed concepts that closed with this token (rows `ChunkStep.rows`), for
+                               # the cross-attention decoder's caches
+
+
+class Dechunk(nn.Module):
+    """EMA over concepts (eq. 8), plug-back (eq. 9) and the decoder input z (eq. 10) with STE."""
+
+    def __init__(self, cfg: ChunkConfig, dim: int):
+        super().__init__()
+        self.cfg = cfg
+        # H-Net's residual projection; identity at init reproduces eq. 10, conversion starts it at zero.
+        self.residual = nn.Linear(dim, dim, bias=False) if cfg.residual == "linear" else None
+        if self.residual is not None:
+            with torch.no_grad():
+                self.residual.weight.copy_(torch.eye(dim))
+
+    @staticmethod
+    def ema_step(concept_RD: torch.Tensor, p_R: torch.Tensor, ema_RD: torch.Tensor) -> torch.Tensor:
+        """Eq. 8 for one new concept per row (fp32, as `ema_scan`): c_m = p_m x_m + (1 - p_m) c_{m-1}."""
+        p = p_R.float()[:, None]
+        return p * concept_RD.float() + (1 - p) * ema_RD
+
+    @staticmethod
+    def gated(concepts_BMD: torch.Tensor, ch: Chunks) -> torch.Tensor:
+        """Synergy eq. 4's m_i sigma_i Middle(x_i): each concept times its gate (eq. 3), when the chunking has one."""
+        return concepts_BMD if ch.cgate_BM is None else concepts_BMD * ch.cgate_BM[..., None].to(concepts_BMD.dtype)
+
+    @staticmethod
+    def smooth(concepts_BMD: torch.Tensor, ch: Chunks) -> torch.Tensor:
+        """Eq. 8 at concept level, [B, M, D], restarted at each document (DLCM's concept smoothing S, eq. 11
+        there: what the cross-attention decoder attends over), over the gated concepts."""
+        return ema_scan(Dechunk.gated(concepts_BMD, ch), ch.cp_BM, doc_starts(ch.cdoc_BM))
+
+    def forward(self, h_BTD: torch.Tensor, concepts_BMD: torch.Tensor, ch: Chunks,
+                inputs_BMD: torch.Tensor | None = None, smoothed_BMD: torch.Tensor | None = None):
+        """(z, c, c_in): the decoder input (eq. 10), the EMA concept each token reads and, for residual "delta"
+        (which needs `inputs_BMD`, the concept model's inputs), the same EMA over those inputs (else None).
+        `smoothed_BMD`: `smooth(concepts_BMD, ch)` when the caller has it already."""
+        reset = doc_starts(ch.cdoc_BM)
+        if smoothed_BMD is None:
+            smoothed_BMD = self.smooth(concepts_BMD, ch)
+        c_BTD = plug_back(smoothed_BMD, ch.cidx_BT)
+        if ch.cgate_BM is None:
+            gate = ste(ch.sel_BT)[..., None].to(c_BTD.dtype)
+        else:   # Synergy eq. 4: the router's gradient comes through the gate in the concepts, not an STE
+            gate = torch.ones_like(ch.sel_BT)[..., None].to(c_BTD.dtype)
+        if self.cfg.residual == "delta":
+            # the STE multiplies the whole update c - c_in: on c alone the forward is the same but p's gradient
+            # would miss -c_in
+            c_in_BTD = plug_back(ema_scan(self.gated(inputs_BMD, ch), ch.cp_BM, reset), ch.cidx_BT)
+            return h_BTD + (c_BTD - c_in_BTD) * gate, c_BTD, c_in_BTD
+        res = self.residual(h_BTD) if self.residual is not None else h_BTD
+        return res + c_BTD * gate, c_BTD, None
+
+    # ---------------------------------------------------------------- inference
+    @staticmethod
+    def prefill_state(doc_BT: torch.Tensor, ch: Chunks, c_BTD: torch.Tensor,
+                      c_in_BTD: torch.Tensor | None = None) -> DechunkState:
+        """The state after a prompt (one document per row), from `forward`'s c and c_in: the EMA the last token
+        read (and, for "delta", the same over the inputs) and the concept count."""
+        rows = torch.arange(doc_BT.shape[0], device=doc_BT.device)
+        last = (doc_BT >= 0).sum(1) - 1
+        return DechunkState(c_BTD[rows, last].float(), ch.b_BT.sum(1),
+                            None if c_in_BTD is None else c_in_BTD[rows, last].float())
+
+    def step(self, h_B1D: torch.Tensor, c_R1D: torch.Tensor, ck: ChunkStep, state: DechunkState) -> DechunkStep:
+        """`forward` for one new token per row (eval mode): the rows whose boundary fired (`ck.rows`) take in their
+        new concept, `c_R1D` (the concept model's output; its input is `ck.c_RD`), gated as `gated` does, into
+        eq. 8's EMA (and the concept count); every row's token then reads its EMA (eq. 9) into z (eq. 10; the STE
+        multiplier is 1 in the forward). Updates `state` in place."""
+        rows, c_in_RD = ck.rows, ck.c_RD
+        if ck.gate_R is not None:   # Synergy eq. 3-4: the concept (and its input) times its gate
+            c_R1D = c_R1D * ck.gate_R[:, None, None].to(c_R1D.dtype)
+            c_in_RD = c_in_RD * ck.gate_R[:, None].to(c_in_RD.dtype)
+        p_R = ck.p_B[rows]
+        state.ema_BD[rows] = self.ema_step(c_R1D[:, 0], p_R, state.ema_BD[rows])
+        state.n_concepts_B[rows] += 1
+        c_B1D = state.ema_BD[:, None].to(h_B1D.dtype)
+        if self.cfg.residual == "delta":   # own state + the concept model's (EMA) update
+            state.ema_in_BD[rows] = self.ema_step(c_in_RD, p_R, state.ema_in_BD[rows])
+            z_B1D = h_B1D + c_B1D - state.ema_in_BD[:, None].to(h_B1D.dtype)
+        else:
+            res = self.residual(h_B1D) if self.residual is not None else h_B1D
+            z_B1D = res + c_B1D
+        return DechunkStep(z_B1D, c_B1D, state.ema_BD[rows, None].to(h_B1D.dtype))
