@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from vlm.model.cache import ChunkState
 from vlm.model.chunking import ChunkModule, Dechunk, cosine_boundary_prob, plug_back, sharpen, ste
 from vlm.model.ema_scan import ema_scan
 from vlm.model.ratio_loss import ratio_loss
@@ -234,3 +235,75 @@ def test_topk_router_keeps_the_best_n_over_R_tokens_per_document_and_a_causal_th
     h = torch.randn(2, 32, 8)
     full = mod(h, doc).b_BT
     assert torch.equal(mod(h[:, :12], doc[:, :12]).b_BT, full[:, :12])   # a prefix decides alone
+
+
+# ---------------------------------------------------------------- the modules' single-token steps
+def _step_setup(router, merge="sum", residual="identity", T=12, t0=4, B=2, D=16):
+    """A chunk module and a dechunk (eval mode), rows of one document each, the whole-sequence forward, and the
+    state a prompt of the first t0 tokens leaves (as ConceptMoELM.prefill builds it)."""
+    torch.manual_seed(0)
+    cfg = ChunkConfig(router=router, merge=merge, residual=residual, target_ratio=3.0)
+    chunker, de = ChunkModule(cfg, D).eval(), Dechunk(cfg, D)
+    with torch.no_grad():
+        if de.residual is not None:   # not the identity: the step must apply the projection
+            de.residual.weight.add_(torch.randn(D, D) * 0.1)
+    concept_model = lambda c: torch.tanh(c) * 1.5 - 0.2  # noqa: E731  (stands in for the concept layers)
+    h = torch.randn(B, T, D)
+    doc = torch.zeros(B, T, dtype=torch.long)
+
+    def run(h_, doc_):
+        ch = chunker(h_, doc_)
+        c_in = chunker.merge(h_, doc_, ch)
+        c_out = concept_model(c_in)
+        z, c, c_in_read = de(h_, c_out, ch, c_in)
+        return ch, c_in, c_out, z, c, c_in_read
+
+    ch0, _, _, _, c0, c_in0 = run(h[:, :t0], doc[:, :t0])
+    state = ChunkState.join(chunker.prefill_state(h[:, :t0], doc[:, :t0], ch0),
+                            de.prefill_state(doc[:, :t0], ch0, c0, c_in0))
+    return chunker, de, concept_model, h, run(h, doc), state
+
+
+@pytest.mark.parametrize("merge", ["last", "sum", "mean"])
+@pytest.mark.parametrize("router", ["cosine", "linear", "fixed", "topk"])
+def test_chunk_step_token_by_token_equals_the_forward_and_merge(router, merge):
+    """ChunkModule.step on one token at a time after a prompt: the boundary probability and decision `forward`
+    gives that position, the rows that fired, their concept as `merge` builds it and its gate (topk)."""
+    chunker, _, _, h, (ch, c_in, *_), state = _step_setup(router, merge)
+    t0, T = 4, h.shape[1]
+    fired = 0
+    for t in range(t0, T):
+        ck = chunker.step(h[:, t], state)
+        torch.testing.assert_close(ck.p_B, ch.p_BT[:, t].float(), rtol=1e-5, atol=1e-5)
+        assert torch.equal(ck.b_B, ch.b_BT[:, t])
+        assert torch.equal(ck.rows, ch.b_BT[:, t].nonzero().squeeze(1))
+        idx = ch.cidx_BT[ck.rows, t]
+        torch.testing.assert_close(ck.c_RD, c_in[ck.rows, idx], rtol=1e-5, atol=1e-5)
+        if router == "topk":
+            torch.testing.assert_close(ck.gate_R, ch.cgate_BM[ck.rows, idx], rtol=1e-5, atol=1e-6)
+        else:
+            assert ck.gate_R is None
+        fired += ck.rows.numel()
+    assert 0 < fired < (T - t0) * h.shape[0]   # both cases met: the check is not vacuous
+
+
+@pytest.mark.parametrize("residual", ["identity", "linear", "delta"])
+@pytest.mark.parametrize("router", ["cosine", "topk"])
+def test_dechunk_step_token_by_token_equals_the_forward(router, residual):
+    """Dechunk.step after a prompt, fed the chunk module's step and the concept model's output on the rows that
+    fired: every later position's z (eq. 10), the EMA concept it reads (eq. 8-9), the concept count, and the
+    smoothed new concepts the cross-attention decoder appends, as `forward` / `smooth` give them for the whole
+    sequence (Synergy's gate with the topk router; the EMA over the inputs with "delta")."""
+    chunker, de, concept_model, h, (ch, _, c_out, z, c, _), state = _step_setup(router, "sum", residual)
+    smoothed = de.smooth(c_out, ch)
+    t0, T = 4, h.shape[1]
+    fired = 0
+    for t in range(t0, T):
+        ck = chunker.step(h[:, t], state)
+        fired += ck.rows.numel()
+        d = de.step(h[:, t, None], concept_model(ck.c_RD)[:, None], ck, state)
+        torch.testing.assert_close(d.z_B1D[:, 0], z[:, t], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(d.c_B1D[:, 0], c[:, t], rtol=1e-5, atol=1e-5)
+        assert torch.equal(state.n_concepts_B, ch.b_BT[:, :t + 1].sum(1))
+        torch.testing.assert_close(d.new_R1D[:, 0], smoothed[ck.rows, ch.cidx_BT[ck.rows, t]], rtol=1e-5, atol=1e-5)
+    assert 0 < fired < (T - t0) * h.shape[0]
