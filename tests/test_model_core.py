@@ -6,7 +6,9 @@ import torch
 
 from configs.batch import PackedBatch
 from vlm.model.config import ChunkConfig, ModelConfig, MoEConfig
+from vlm.model.output import ratio_weight, total_loss
 from vlm.model.stats import summarize
+from vlm.train.metrics import StepAccumulator, step_record
 
 V = 97
 
@@ -139,6 +141,29 @@ def test_output_reports_losses_and_chunking_stats(seeded_lm, rand_docs):
     assert s["boundaries/all"] == out.chunks.b_BT.sum().item() >= 2
     assert "loss/text_only" in s and "loss/image_text" not in s
     torch.testing.assert_close(out.loss, out.lm_loss + 0.03 * out.ratio_loss + out.balance_loss)
+
+
+@pytest.mark.parametrize("chunk", [True, False], ids=["conceptmoe", "baseline"])
+def test_the_total_loss_has_one_builder_that_the_step_metrics_share(chunk, seeded_lm, rand_docs):
+    """`total_loss` builds the model's loss; `ModelOutput.total` rescales its parts the way a training step does;
+    the logged step's `loss` is the same formula over the logged parts, weighted as the model weighted them."""
+    cfg = tiny(ratio_loss_weight=0.25, enabled=chunk)
+    out = seeded_lm(cfg)(PackedBatch.from_documents(rand_docs(V, [30, 20], 12), row_len=64))
+    w = ratio_weight(cfg)
+    assert out.ratio_weight == w == (0.25 if chunk else 0.0)
+    assert torch.equal(out.loss, total_loss(out.lm_loss, out.ratio_loss, out.balance_loss, w))
+    assert torch.equal(out.total(), out.loss)
+    assert torch.equal(out.total(lm_scale=0.5, ratio_scale=4),
+                       out.lm_loss * 0.5 + w * 4 * out.ratio_loss + out.balance_loss)
+    acc = StepAccumulator(torch.device("cpu"))
+    batch = PackedBatch.from_documents(rand_docs(V, [30, 20], 12), row_len=64)
+    for _ in range(3):   # three micro-batches: the weight is carried once per micro-batch, not summed
+        acc.add(out, batch)
+    vec, _, ratio = acc.reduce(lambda x: x)
+    rec = step_record(1, vec, ratio)
+    assert rec["loss"] == pytest.approx(total_loss(rec["lm_loss"], ratio, rec["balance_loss"], w), rel=1e-12)
+    assert ratio > 0.01 or not chunk
+    assert step_record(1, vec, ratio, 0.0)["loss"] == pytest.approx(rec["lm_loss"] + rec["balance_loss"], rel=1e-12)
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "eager", "docs"])
