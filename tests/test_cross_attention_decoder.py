@@ -49,8 +49,10 @@ def test_config_names_the_modes_and_refuses_meaningless_combinations():
         tiny(joint_decoding_layers=0).validate()
     with pytest.raises(ConfigError, match="no decoder layer a cross-attention"):
         tiny(decoder_layers=0).validate()
-    with pytest.raises(ConfigError, match="convert.decoder_mode"):
-        ConvertConfig(decoder_mode="cross")
+    with pytest.raises(ConfigError, match="decoder_mode: got 'cross', allowed values: 'joint', 'cross_attention'"):
+        ConvertConfig(decoder_mode="cross")   # built in Python, it validates itself too
+    with pytest.raises(ConfigError, match="convert.decoder_mode: got 'cross'"):
+        from_dict(ConvertConfig, {"decoder_mode": "cross"}, "convert")
     base = tiny().baseline()   # the MoE twin has no concepts: it falls back to the (inert) joint mode
     base.validate()
     assert base.decoder_mode == "joint" and not base.chunk.enabled
