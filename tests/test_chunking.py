@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from vlm.model.cache import ChunkState
-from vlm.model.chunking import ChunkModule, Dechunk, cosine_boundary_prob, plug_back, sharpen, ste
+from vlm.model.chunking import ChunkModule, cosine_boundary_prob, sharpen
+from vlm.model.dechunk import Dechunk, plug_back, ste
 from vlm.model.ema_scan import ema_scan
 from vlm.model.ratio_loss import ratio_loss
 from vlm.model.config import ChunkConfig

@@ -12,7 +12,8 @@ import torch
 
 from configs.batch import PackedBatch
 from vlm.model.attention import Attention
-from vlm.model.chunking import ChunkModule, Dechunk, plug_back
+from vlm.model.chunking import ChunkModule
+from vlm.model.dechunk import Dechunk, plug_back
 from vlm.model.ema_scan import ema_scan
 from vlm.model.config import ChunkConfig, ModelConfig, MoEConfig
 from vlm.model.conceptmoe import ConceptMoELM

@@ -19,8 +19,6 @@ from vlm.model.config import ChunkConfig
 from vlm.model.doc_stats import document_slots
 from vlm.model.ratio_loss import document_ratio_loss, ratio_loss
 from vlm.model.layers import doc_starts, positions_in_doc
-# the dechunk's equations and module live in dechunk.py; re-exported here, where they were
-from vlm.model.dechunk import Dechunk, plug_back, ste  # noqa: F401
 
 
 # ---------------------------------------------------------------- equations
