@@ -226,3 +226,30 @@ def test_accept_optim_change_resumes_with_the_new_rates(tiny_data, tmp_path, tor
     groups = tr.optimizer.param_groups
     assert max(g["lr"] for g in groups) == pytest.approx(1e-4) and all(g["weight_decay"] == 0.0 for g in groups)
     assert tr.optimizer.state   # Adam moments came back from the checkpoint
+
+
+def test_accept_optim_change_continues_the_schedule_from_the_new_base_rates(tiny_data, tmp_path, torch_globals,
+                                                                            tiny_config, load_tiny, make_trainer):
+    """Mid-cosine, with per-group rates (muP-free multipliers): every group's rate, and get_last_lr(), is the new
+    config's base rate times the schedule's multiplier at the checkpoint's step; stepping on continues from there."""
+    from vlm.train.trainer import Trainer
+
+    cfg = tiny_config(tiny_data, train={"max_steps": 4}, checkpoint={"save_every": 2}, logging={"eval_every": 0},
+                      optim={"lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 1, "schedule": "cosine"},
+                      params={"projector_lr_mult": 4.0}, vision_warmup={"steps": 0})
+    run_dir = tmp_path / "run"
+    assert make_trainer(cfg, run_dir).train() == 0
+    cfg["train"]["max_steps"] = 8
+    cfg["optim"].update(lr=1e-3, min_lr=1e-4)
+    tr = Trainer(load_tiny(cfg), run_dir, log=lambda *_: None, accept_optim_change=True)
+    fresh_base = list(tr.scheduler.base_lrs)
+    tr.restore(tr.resume_from)
+    sched = tr.scheduler
+    assert tr.step == 4 and sched.last_epoch == 4
+    assert sched.base_lrs == fresh_base and len(set(fresh_base)) > 1
+    want = [b * fn(4) for b, fn in zip(fresh_base, sched.lr_lambdas)]
+    assert sched.get_last_lr() == want
+    assert [g["lr"] for g in tr.optimizer.param_groups] == want
+    assert [g["initial_lr"] for g in tr.optimizer.param_groups] == fresh_base
+    sched.step()
+    assert sched.get_last_lr() == [b * fn(5) for b, fn in zip(fresh_base, sched.lr_lambdas)]

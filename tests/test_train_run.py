@@ -228,7 +228,8 @@ def test_nonfinite_step_is_skipped(tiny_data, tmp_path, torch_globals, zero_stag
     after = _snapshot(tr)
     assert all(torch.equal(before[n], after[n]) for n in before), "a skipped step changed the model"
     assert tr.scheduler.last_epoch == epoch
-    assert tr.engine.skipped_steps == 1
+    # DeepSpeed counts the skipped step itself (on the plain fp32 path the optimizer reports it as an overflow)
+    assert tr.engine.skipped_steps == 1 and tr.engine.global_steps == tr.step == 2 and not tr.engine.was_step_applied()
     # no stale gradient of the skipped window survives into the next step
     assert all(p.grad is None or not p.grad.any() for p in tr.engine.module.parameters())
     opt_after = tr.optimizer.state_dict()["state"]

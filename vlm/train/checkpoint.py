@@ -334,6 +334,23 @@ def find_resume_point(ckpt_root: Path, rank: int, warn=log.warning) -> Path | No
     return Path(choice) if choice else None
 
 
+def resume_point(ckpt_root: Path, rank: int, resume: bool | None, log=log.info) -> Path | None:
+    """The checkpoint a run resumes from (None: it starts from the beginning). resume: True = it must (a run
+    preempted before its first checkpoint starts over, with a line saying so); None = when there is one;
+    False = there must be none. Damaged checkpoints are skipped with a warning, all damaged is an error."""
+    from configs.config import ConfigError
+
+    found = find_resume_point(ckpt_root, rank, warn=lambda m: log(f"warning: {m}"))
+    if resume is True and found is None:
+        if list_checkpoints(ckpt_root):   # there are some, all damaged: starting over would hide it
+            raise ConfigError(f"--resume: no intact checkpoint in {ckpt_root}")
+        # a requeue script can always pass --resume: a run preempted before its first checkpoint starts over
+        log(f"--resume: no checkpoint in {ckpt_root} yet: starting the run from the beginning")
+    if resume is False and found is not None:
+        raise ConfigError(f"{ckpt_root.parent} already has checkpoints ({found.name}); resume it or use a new --out")
+    return found
+
+
 class Checkpointer:
     """Writes the run's checkpoints and decides by itself when (`maybe_save`: every `save_every` steps)."""
 

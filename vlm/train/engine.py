@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import json
 import logging
+import warnings
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from configs.config import ConfigError
-from vlm.train.config import DeepSpeedConfig, OptimConfig
+from vlm.train.config import DeepSpeedConfig, OptimConfig, TrainConfig
 
 log = logging.getLogger("vlm.train")
 
@@ -136,10 +137,84 @@ def check_deepspeed_config(ds: DeepSpeedConfig, optim: OptimConfig, world_size: 
     return cfg
 
 
-def build_optimizer(groups: list[dict], optim: OptimConfig) -> torch.optim.Optimizer:
-    """torch AdamW over the groups (per-group lr / weight decay / eps already set)."""
-    return torch.optim.AdamW(groups, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps,
-                             weight_decay=optim.weight_decay)
+class SkipNonFiniteAdamW(torch.optim.AdamW):
+    """torch AdamW that leaves everything as it is when a gradient is not finite on some rank, and says so in
+    `overflow`: the attribute DeepSpeed's engine reads after every optimizer step (as from its own fp16 / bf16 /
+    ZeRO optimizers) to count the step as skipped (`skipped_steps`) and answer `was_step_applied()` with False.
+    For the plain fp32 stage-0 path, where DeepSpeed steps this optimizer directly and checks nothing itself: a
+    skipped step then advances DeepSpeed's counters as on every other path, through DeepSpeed's own code."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.overflow = False
+
+    def step(self, closure=None):
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        self.overflow = not grads_finite(grads)
+        return None if self.overflow else super().step(closure)
+
+
+def grads_finite(grads: list[torch.Tensor]) -> bool:
+    """Every rank's gradients are finite (one host sync; a collective when distributed)."""
+    from vlm.train.distributed import all_reduce_min
+
+    ok = torch.stack([torch.isfinite(g).all() for g in grads]).all() if grads else torch.tensor(True)
+    device = grads[0].device if grads else torch.device("cpu")
+    return float(all_reduce_min(ok.to(torch.float64).reshape(1).to(device))[0]) >= 1.0
+
+
+def build_optimizer(groups: list[dict], optim: OptimConfig, skip_nonfinite: bool = False) -> torch.optim.Optimizer:
+    """torch AdamW over the groups (per-group lr / weight decay / eps already set); with `skip_nonfinite` one that
+    skips a step with a non-finite gradient itself (for the plain fp32 path: `plain_fp32`)."""
+    cls = SkipNonFiniteAdamW if skip_nonfinite else torch.optim.AdamW
+    return cls(groups, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps, weight_decay=optim.weight_decay)
+
+
+# The optimizer settings a resumed run takes from its config with --accept-optim-change (the checkpoint's
+# optimizer state brings the old ones back with the Adam moments).
+OPTIM_SETTINGS = ("initial_lr", "betas", "weight_decay", "eps")
+
+
+def optimizer_settings(optimizer: torch.optim.Optimizer) -> list[dict]:
+    return [{k: g[k] for k in OPTIM_SETTINGS if k in g} for g in optimizer.param_groups]
+
+
+def resume_schedule(optimizer: torch.optim.Optimizer, scheduler, saved: dict,
+                    settings: list[dict] | None = None) -> None:
+    """The schedule at the checkpoint's step (`saved`: its state dict), and every group's rate from it. With
+    `settings` (optimizer_settings taken before the checkpoint was loaded): those settings, and the schedule
+    continuing from the saved step with their base rates; one public `step()` from the step before recomputes
+    every rate as base x multiplier(step), so that `get_last_lr()` says the same."""
+    if settings is None:
+        scheduler.load_state_dict(saved)
+    else:
+        for group, values in zip(optimizer.param_groups, settings):
+            group.update(values)
+        scheduler.load_state_dict(dict(saved, base_lrs=[v["initial_lr"] for v in settings],
+                                       last_epoch=saved["last_epoch"] - 1))
+        with warnings.catch_warnings():   # "lr_scheduler.step() before optimizer.step()": a resume, not a mistake
+            warnings.simplefilter("ignore", UserWarning)
+            scheduler.step()
+    for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
+        group["lr"] = lr
+
+
+def build_engine(model: torch.nn.Module, groups: list[dict], cfg: TrainConfig, world_size: int):
+    """The run's optimizer over `groups` (on the plain fp32 path one that skips a non-finite step itself), its
+    learning-rate schedule, the DeepSpeed JSON (deepspeed_config) and the engine: (optimizer, scheduler, json,
+    engine)."""
+    from vlm.train.schedule import build_scheduler
+
+    ds_json = deepspeed_config(cfg.deepspeed, cfg.optim, world_size)
+    o = cfg.optim
+    optimizer = build_optimizer(groups, o, skip_nonfinite=plain_fp32(ds_json))
+    scheduler = build_scheduler(optimizer, schedule=o.schedule, warmup=o.warmup_steps, total=cfg.train.max_steps,
+                                lr=o.lr, min_lr=o.min_lr, decay_fraction=o.decay_fraction)
+    engine = initialize(model, optimizer, ds_json)
+    if is_plain_fp32(engine) and not isinstance(engine.optimizer, SkipNonFiniteAdamW):   # plain_fp32 misjudged it
+        raise RuntimeError("DeepSpeed steps the optimizer directly (stage 0, fp32) but it does not skip non-finite "
+                           "steps")
+    return optimizer, scheduler, ds_json, engine
 
 
 def initialize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ds_config: dict):
@@ -167,6 +242,13 @@ def safe_load(path, map_location=None):
     except pickle.UnpicklingError as e:
         raise RuntimeError(f"checkpoint {path}: refused, it holds objects other than tensors and plain containers "
                            f"({str(e).splitlines()[-1][:200]})") from None
+
+
+def plain_fp32(ds_json: dict) -> bool:
+    """The DeepSpeed JSON runs stage 0 without bf16 / fp16 (what `is_plain_fp32` says of the engine it makes)."""
+    enabled = lambda k: bool((ds_json.get(k) or {}).get("enabled", False))  # noqa: E731
+    return int((ds_json.get("zero_optimization") or {}).get("stage", 0)) == 0 and not enabled("bf16") \
+        and not enabled("fp16")
 
 
 def is_plain_fp32(engine) -> bool:

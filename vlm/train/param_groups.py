@@ -98,6 +98,23 @@ def apply_mup_init(model: nn.Module, s_token: float, s_concept: float) -> None:
             p.mul_(1.0 / math.sqrt(s_token if part == "token" else s_concept))
 
 
+def apply_mup(model: nn.Module, params_cfg, hidden: int, concept_hidden: int, fresh_lm: bool) -> float:
+    """params.mup: a fresh LLM gets muP's initialisation; a pretrained one, which computes plain logits, has lm_head
+    divided by the logit multiplier so that hook x weights is the same function. Installs the multiplier's forward
+    hook and returns it (1.0, and nothing done, without muP)."""
+    if not params_cfg.mup:
+        return 1.0
+    s_tok, s_con = mup_width_multipliers(hidden, concept_hidden, params_cfg.mup_base_width)
+    scale = mup_logit_scale(s_tok)
+    if fresh_lm:
+        apply_mup_init(model, s_tok, s_con)
+    else:
+        with torch.no_grad():
+            model.lm.lm_head.weight.div_(scale)
+    install_logit_scale(model, scale)
+    return scale
+
+
 def build_param_groups(model: nn.Module, optim, params_cfg, hidden: int, concept_hidden: int) -> list[dict]:
     """AdamW groups (only trainable tensors), each with a `name`, its own lr, weight decay and eps."""
     s_tok, s_con = mup_width_multipliers(hidden, concept_hidden, params_cfg.mup_base_width)

@@ -2,12 +2,22 @@
 keys a resumed run may change."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 from configs.config import ConfigError, flatten
 from vlm.train.config import TrainConfig
 
 # Config keys a resumed run may change (everything else must match the checkpointed run).
 RESUMABLE_CHANGES = ("train.max_steps", "checkpoint.", "logging.", "train.vqa_eval", "train.vqa_max_samples",
                      "train.threads")
+
+
+def evolve(cfg: TrainConfig, **sections) -> TrainConfig:
+    """A new TrainConfig with `sections` replaced (validated again); `cfg` stays as it is. The model keys its file
+    stated (load_train_config's `model_stated`, not a field) come along."""
+    out = replace(cfg, **sections)
+    out.model_stated = getattr(cfg, "model_stated", None)
+    return out
 
 
 def config_targets(cfg: TrainConfig) -> dict[str, float]:

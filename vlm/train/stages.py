@@ -26,6 +26,7 @@ from vlm.model.multimodal import ConceptMoEVLM
 from vlm.train.checkpoint import latest_checkpoint
 from vlm.train.config import MAY_CHANGE_FROM_CHECKPOINT, TrainConfig
 from vlm.train.engine import safe_load
+from vlm.train.run_config import evolve
 
 
 def resolve_weights_path(path: Path) -> Path:
@@ -232,28 +233,43 @@ def source_tokenizer_dir(cfg: TrainConfig) -> Path | None:
     return where if is_source_tokenizer_dir(where) else None
 
 
-def run_tokenizer(cfg: TrainConfig) -> Tokenizer:
-    """The run's tokenizer. A run that continues a pretrained model with its own tokenizer files keeps them, and
-    with them its chat format, special tokens and ids; `data.tokenizer` then names that folder (the saved run
-    config says which tokenizer trained); a path to a tokenizer of the project's own format is refused.
-    Otherwise `data.tokenizer`."""
+def resolve_tokenizer(cfg: TrainConfig) -> TrainConfig:
+    """`cfg` naming the tokenizer the run uses (a new object; `cfg` stays as it is). A run that continues a pretrained
+    model with its own tokenizer files keeps them, and with them its chat format, special tokens and ids:
+    `data.tokenizer` then names that folder (the saved run config says which tokenizer trained); a path to a
+    tokenizer of the project's own format is refused. Otherwise `data.tokenizer` as it is."""
     src = source_tokenizer_dir(cfg)
     if src is None:
-        return load_tokenizer(cfg.data.tokenizer_path)
+        return cfg
     # "byte" and "default" (the dataclass's and configs/default.yaml's choice) are the project's own tokenizers,
     # which the source never saw: the source's wins over them; a path to another tokenizer is a conflict
     if cfg.data.tokenizer in ("byte", "default"):
-        cfg.data = replace(cfg.data, tokenizer=str(src))
-    elif not is_source_tokenizer_dir(Path(cfg.data.tokenizer_path)):
+        return evolve(cfg, data=replace(cfg.data, tokenizer=str(src)))
+    if not is_source_tokenizer_dir(Path(cfg.data.tokenizer_path)):
         raise ConfigError(f"data.tokenizer {cfg.data.tokenizer!r}: the model from {src} keeps its own tokenizer and "
                           f"chat format; drop data.tokenizer (or set it to {src})")
+    return cfg
+
+
+def load_run_tokenizer(cfg: TrainConfig) -> Tokenizer:
+    """The tokenizer a resolved config (resolve_tokenizer) names; a source's chat template must split a
+    conversation into prompt and answer (checked now rather than by the data loader mid-run)."""
+    if source_tokenizer_dir(cfg) is None:
+        return load_tokenizer(cfg.data.tokenizer_path)
     try:
         tok = load_tokenizer(cfg.data.tokenizer_path)
-        # a template that cannot be split into prompt and answer would stop the data loader mid-run: now instead
         tok.chat_segments([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}] * 2)
     except TokenizerError as e:
         raise ConfigError(str(e)) from None
     return tok
+
+
+def run_tokenizer(cfg: TrainConfig) -> Tokenizer:
+    """resolve_tokenizer + load_run_tokenizer, writing the resolved `data` section back into `cfg` (for callers
+    that read it there; the trainer keeps the resolved config apart and leaves its caller's alone)."""
+    resolved = resolve_tokenizer(cfg)
+    cfg.data = resolved.data
+    return load_run_tokenizer(resolved)
 
 
 def pretrained_tower(cfg: TrainConfig) -> bool:
@@ -269,28 +285,50 @@ def vision_load_report(model: nn.Module) -> str | None:
     return None if report is None else str(report)
 
 
-def build_model(cfg: TrainConfig, tokenizer: Tokenizer | None = None) -> tuple[nn.Module, set[str]]:
+def build_stage_model(cfg: TrainConfig, tokenizer: Tokenizer | None = None) -> tuple[nn.Module, set[str]]:
     """The model this stage trains, and which of its parts ("lm", "vision") start from fresh weights (muP init
     applies to a fresh LLM, the vision warm-up to a fresh vision tower). A pretrained model whose vocabulary is
-    smaller than `tokenizer` (the image tokens a source's tokenizer gets) grows to fit it (convert.fit_vocab)."""
+    smaller than `tokenizer` (the image tokens a source's tokenizer gets) grows to fit it (convert.fit_vocab).
+    `cfg` is left as it is: `with_built_model` says what the model runs."""
     stage = cfg.train.stage
     if stage == "ct":
         model = convert_pretrained(cfg)
         if tokenizer is not None and getattr(tokenizer, "kind", "") == "source":
             fit_vocab(model, tokenizer.vocab_size)
         return model, set()
-    grow = 0
+    grow, mc = 0, cfg.model
     if cfg.train.init_from:   # the model section is the checkpoint's, with the config's permitted changes
         where = Path(cfg.train.init_from)
         stored = stored_model_config(where)
         if stored is not None:
             mc = merge_model_section(stored, cfg, where)
-            grow, cfg.model = mc.vocab_size, dataclasses.replace(mc, vocab_size=stored.vocab_size)
-    model = ConceptMoEVLM(cfg.model, cfg.vision if stage == "vl" else None)
+            grow, mc = mc.vocab_size, dataclasses.replace(mc, vocab_size=stored.vocab_size)
+    model = ConceptMoEVLM(mc, cfg.vision if stage == "vl" else None)
     parts = {"lm"} | ({"vision"} if model.vision is not None and not pretrained_tower(cfg) else set())
     if cfg.train.init_from:
         loaded = load_pretrained_weights(model, Path(cfg.train.init_from))
         fit_vocab(model, max(grow, tokenizer.vocab_size if getattr(tokenizer, "kind", "") == "source" else 0))
-        cfg.model = model.model_cfg
         return model, parts - set(loaded)
     return model, parts
+
+
+def with_built_model(cfg: TrainConfig, model: ConceptMoEVLM) -> TrainConfig:
+    """`cfg` naming the model build_stage_model built (a new object; `cfg` stays as it is): a converted model's
+    model and vision sections (stage ct), a continued checkpoint's model section (train.init_from); a fresh
+    model is `cfg`'s own."""
+    if cfg.train.stage == "ct":
+        vision = model.vision_cfg   # a converted VLM's own tower patchifies with its own processor
+        data = cfg.data if vision is None else replace(cfg.data, processor=vision.processor)
+        return evolve(cfg, model=model.model_cfg, vision=vision, data=data)
+    if cfg.train.init_from:
+        return evolve(cfg, model=model.model_cfg)
+    return cfg
+
+
+def build_model(cfg: TrainConfig, tokenizer: Tokenizer | None = None) -> tuple[nn.Module, set[str]]:
+    """build_stage_model, writing a continued checkpoint's model section back into `cfg.model` (for callers that
+    read it there; the trainer keeps the resolved config apart: with_built_model)."""
+    model, fresh = build_stage_model(cfg, tokenizer)
+    if cfg.train.stage != "ct" and cfg.train.init_from:
+        cfg.model = model.model_cfg
+    return model, fresh

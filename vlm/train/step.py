@@ -6,11 +6,11 @@ tokens in it, N in the whole global batch) makes the gradient that of the mean o
 tokens, whatever the row split. The ratio loss of the global parser is a function of global F and G
 whose gradient reaches only the local p, so it is weighted by K W to sum, not average, those parts.
 
-Non-finite loss or gradient. Finiteness of the loss is agreed over ranks after each forward (and, on the plain
-fp32 path, of the gradients before the optimizer step). A bad micro-batch makes the whole
-step a no-op: ZeRO / bf16 optimizers receive NaN gradients, which DeepSpeed's overflow check turns into
-a skipped step (no update, gradients cleared, counted); the plain fp32 path (stage 0) drops the
-gradients and advances the engine's counters itself. The LR schedule and the balancing biases move only
+Non-finite loss or gradient. Finiteness of the loss is agreed over ranks after each forward. A bad micro-batch
+makes the whole step a no-op: the optimizer receives NaN gradients, which its overflow check turns into a
+skipped step (no update, gradients cleared, counted by DeepSpeed): DeepSpeed's own check for ZeRO / bf16, and on
+the plain fp32 path (stage 0), where DeepSpeed checks nothing, the optimizer's (engine.SkipNonFiniteAdamW, which
+also catches a finite loss whose gradient is not). The LR schedule and the balancing biases move only
 on applied steps; so does the top-k router's inference threshold, once per step, from the statistics of the
 step's real (gradient) passes on every rank: not once per micro-batch, and never from the statistics pass.
 """
@@ -24,7 +24,6 @@ from configs.batch import PackedBatch
 from vlm.model.chunking import ChunkModule
 from vlm.model.moe import MoE
 from vlm.train.distributed import all_reduce_min, all_reduce_sum
-from vlm.train.engine import is_plain_fp32
 from vlm.train.global_parser import GlobalParser
 from vlm.train.metrics import StepAccumulator, labelled_counts
 
@@ -67,23 +66,6 @@ def poison_backward(engine) -> None:
     params = [p for p in engine.module.parameters() if p.requires_grad]
     loss = torch.stack([p.sum().float() for p in params]).sum() * float("nan")
     engine.backward(loss)
-
-
-def skip_plain_boundary(engine) -> None:
-    """Stage-0 fp32: the torch optimizer would apply NaN; drop the gradients and count the step as skipped."""
-    engine.zero_grad()
-    engine.micro_steps += 1
-    engine.global_steps += 1
-    engine.global_samples += engine.train_batch_size()
-    engine.skipped_steps += 1
-
-
-def grads_finite(module: torch.nn.Module, device: torch.device) -> bool:
-    """Every rank's gradients are finite (one host sync per step): a finite loss can still back-propagate
-    inf or NaN (e.g. through a saturated op), which the loss check alone would let into the weights."""
-    grads = [p.grad for p in module.parameters() if p.grad is not None]
-    ok = torch.stack([torch.isfinite(g).all() for g in grads]).all() if grads else torch.tensor(True)
-    return float(all_reduce_min(ok.to(torch.float64).reshape(1).to(device))[0]) >= 1.0
 
 
 def zero_step_statistics(module: torch.nn.Module) -> None:
@@ -136,6 +118,7 @@ def train_step(engine, window: list[PackedBatch], step: int, *, seed: int, rank:
     """Forward/backward every micro-batch of `window` and take (or skip) one optimizer step.
 
     `loss_hook(out, k)` may replace a micro-batch's output (used by tests to inject a non-finite loss).
+    On the plain fp32 path the engine's optimizer must skip a non-finite step itself (engine.build_engine's does).
     """
     K, W = len(window), world_size
     if K != engine.gradient_accumulation_steps():
@@ -150,11 +133,9 @@ def train_step(engine, window: list[PackedBatch], step: int, *, seed: int, rank:
             statistics_pass(engine.module, window, parser, step, seed=seed, rank=rank, world_size=W, device=device,
                             float_dtype=float_dtype)
     acc = StepAccumulator(device, bytes_per_id, n_sources)
-    plain = is_plain_fp32(engine)
     bad = False
     chunking = None
     for k, batch in enumerate(window):
-        boundary = k == K - 1
         if not bad:
             batch = prepare(batch, device, float_dtype)
             set_boundary_generator(engine.module, device, boundary_seed(seed, step, k * W + rank))
@@ -174,15 +155,8 @@ def train_step(engine, window: list[PackedBatch], step: int, *, seed: int, rank:
                 if out.chunks is not None:
                     chunking = (out.chunks.p_BT.detach(), out.chunks.b_BT.detach(), batch.modality)
             del out
-        if plain and boundary and not bad and not grads_finite(engine.module, device):
-            bad = True
         if bad:
-            if plain:
-                if boundary:
-                    skip_plain_boundary(engine)
-                    continue
-            else:
-                poison_backward(engine)
+            poison_backward(engine)
         engine.step()
     applied = not bad and engine.was_step_applied()
     if not applied:

@@ -13,7 +13,6 @@ import os
 import random
 import signal
 import time
-from dataclasses import replace
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Callable
@@ -24,35 +23,26 @@ import yaml
 
 from configs.config import ConfigError, to_dict
 from data_pipelines.default_dataset import ensure_default_dataset
-from data_pipelines.loader import build_loader
 from data_pipelines.schema import REASONS
 from vlm.model.moe import update_moe_biases
 from vlm.train import checkpoint as ckpt_lib
 from vlm.train.config import TrainConfig
-from vlm.train.distributed import DistInfo, all_reduce_sum, barrier, broadcast_module, init_distributed
-from vlm.train.engine import build_optimizer, deepspeed_config, effective_settings, initialize
+from vlm.train.distributed import DistInfo, all_reduce_sum, barrier, init_distributed
+from vlm.train.engine import build_engine, effective_settings, optimizer_settings, resume_schedule
 from vlm.train.export import export_final, write_extras
 from vlm.train.global_parser import GlobalParser, install
+from vlm.train.loaders import build_loaders
 from vlm.train.metrics import MetricsLogger, group_names, load_imbalance, read_metrics, step_record
-from vlm.train.param_groups import (
-    apply_mup_init,
-    build_param_groups,
-    describe_groups,
-    freeze_prefixes,
-    install_logit_scale,
-    mup_logit_scale,
-    mup_width_multipliers,
-)
+from vlm.train.param_groups import apply_mup, build_param_groups, describe_groups, freeze_prefixes
 from vlm.train.probes import ActivationProbe
 from vlm.train.report import model_card, summary_lines, write_report
-from vlm.train.run_config import check_resume_config, config_targets
-from vlm.train.schedule import build_scheduler
-from vlm.train.signals import Preempted, StopFlag
+from vlm.train.run_config import check_resume_config, config_targets, evolve
+from vlm.train.signals import StopFlag
 from vlm.train.sizes import check_buildable
-from vlm.train.stages import build_model, pretrained_tower, run_tokenizer, vision_load_report
+from vlm.train.stages import build_stage_model, load_run_tokenizer, resolve_tokenizer, with_built_model
 from vlm.train.step import StepResult, train_step
 from vlm.train.validation import HeldOut
-from vlm.train.vision_warmup import run_vision_warmup
+from vlm.train.vision_warmup import warm_up_vision
 
 RUN_END_GROUP = "vlm.run_end"
 RunEnd = Callable[[Path, TrainConfig, Path, Callable[[str], None]], dict]
@@ -71,44 +61,29 @@ class Trainer:
         instead of refusing them. on_end: run on rank 0 with the exported final/; their dicts go into the
         summary. loss_hook(out, k) may replace micro-batch k's output (fault injection in tests).
         stop: raised by SIGTERM / SIGINT (vlm.train.signals): the run checkpoints after the step in flight and
-        `train` returns 128 + the signal number; the vision warm-up raises Preempted after saving its state."""
+        `train` returns 128 + the signal number; the vision warm-up raises Preempted after saving its state.
+
+        `cfg` is never changed. `self.cfg` is what runs, a new object where setup learns more than `cfg` says (a
+        continued model's tokenizer and model section, the DeepSpeed settings the merged JSON runs): config.yaml,
+        the banner and the summary show it."""
         self.cfg, self.run_dir, self.log_fn = cfg, Path(run_dir), log
-        self.on_end, self.loss_hook = list(on_end), loss_hook
+        self.on_end, self.loss_hook, self.accept_optim_change = list(on_end), loss_hook, accept_optim_change
         self.stop = stop if stop is not None else StopFlag()
         check_buildable(cfg)   # before the run folder exists: a size that cannot be allocated leaves nothing behind
         self.dist: DistInfo = init_distributed()
-        run = cfg.train
-        if run.threads:
-            torch.set_num_threads(run.threads)
-        if run.deterministic:
-            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")   # deterministic cuBLAS on GPU
-            torch.use_deterministic_algorithms(True, warn_only=True)
-        self._seed_all(run.seed)
-        self.ckpt_root = self.run_dir / "checkpoints"
-        if self.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            ckpt_lib.clean_partial(self.ckpt_root)
-        barrier()
-        self.resume_from = self._resume_point(resume)
-        self._prepare_data_dir()
-        self.tokenizer = run_tokenizer(cfg)   # a continued pretrained model keeps its own (stages.run_tokenizer)
-        self.bytes_per_id = torch.as_tensor(self.tokenizer.bytes_per_id, device=self.dist.device)
-        self._build_model()   # stage ct: cfg.model becomes the converted checkpoint's architecture
-        if cfg.model.vocab_size < self.tokenizer.vocab_size:
-            raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
-                              f"{self.tokenizer.vocab_size} ids ({cfg.data.tokenizer_path}); raise model.vocab_size")
-        if self.resume_from is not None and (self.run_dir / "config.yaml").is_file():
-            check_resume_config(yaml.safe_load((self.run_dir / "config.yaml").read_text()), to_dict(cfg),
-                                accept_optim_change)
-        self.accept_optim_change = accept_optim_change
-        self.step = 0
-        self.nonfinite_total = 0
-        self.nonfinite_in_row = 0
-        self.wall_before = 0.0
-        self.t_start = time.time()
-        self._build_data()
-        self.checkpointer = ckpt_lib.Checkpointer(self.engine, self.ckpt_root, cfg.checkpoint.save_every,
-                                                  cfg.checkpoint.keep_last, self.dist.rank, self.dist.world_size)
+        self._set_up_process()
+        self.resume_from = self._open_run_dir(resume)
+        self._prepare_data()
+        model, fresh = self._build_model()
+        warm_up_vision(model, fresh, self.cfg, resuming=self.resume_from is not None, device=self.dist.device,
+                       run_dir=self.run_dir, is_main=self.is_main, log=self.log, stop=self.stop)
+        self._build_engine(model, fresh)
+        self._check_resume_config()
+        self._reset_state()
+        self._build_loaders()
+        ck = self.cfg.checkpoint
+        self.checkpointer = ckpt_lib.Checkpointer(self.engine, self.ckpt_root, ck.save_every, ck.keep_last,
+                                                  self.dist.rank, self.dist.world_size)
 
     # ---------------------------------------------------------------- the run
     def train(self) -> int:
@@ -276,85 +251,58 @@ class Trainer:
         if self.is_main:
             self.log_fn(msg)
 
-    @staticmethod
-    def _seed_all(seed: int) -> None:
-        random.seed(seed)
-        np.random.seed(seed)
-        torch.manual_seed(seed)
+    def _set_up_process(self) -> None:
+        """Threads, determinism and seeds, before anything draws a random number."""
+        run = self.cfg.train
+        if run.threads:
+            torch.set_num_threads(run.threads)
+        if run.deterministic:
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")   # deterministic cuBLAS on GPU
+            torch.use_deterministic_algorithms(True, warn_only=True)
+        random.seed(run.seed)
+        np.random.seed(run.seed)
+        torch.manual_seed(run.seed)
 
-    def _resume_point(self, resume: bool | None) -> Path | None:
-        found = ckpt_lib.find_resume_point(self.ckpt_root, self.dist.rank, warn=lambda m: self.log(f"warning: {m}"))
-        if resume is True and found is None:
-            if ckpt_lib.list_checkpoints(self.ckpt_root):   # there are some, all damaged: starting over would hide it
-                raise ConfigError(f"--resume: no intact checkpoint in {self.ckpt_root}")
-            # a requeue script can always pass --resume: a run preempted before its first checkpoint starts over
-            self.log(f"--resume: no checkpoint in {self.ckpt_root} yet: starting the run from the beginning")
-        if resume is False and found is not None:
-            raise ConfigError(f"{self.run_dir} already has checkpoints ({found.name}); resume it or use a new --out")
-        return found
+    def _open_run_dir(self, resume: bool | None) -> Path | None:
+        """RUN_DIR exists without a partial checkpoint; the checkpoint to resume from (None: a fresh start)."""
+        self.ckpt_root = self.run_dir / "checkpoints"
+        if self.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            ckpt_lib.clean_partial(self.ckpt_root)
+        barrier()
+        return ckpt_lib.resume_point(self.ckpt_root, self.dist.rank, resume, log=self.log)
 
-    def _warmup_fingerprint(self) -> str:
-        """The settings that decide what the vision warm-up computes: its checkpoint resumes only under them."""
-        c = self.cfg
-        return json.dumps({"vision": to_dict(c.vision), "warmup": to_dict(c.vision_warmup), "data": to_dict(c.data),
-                           "seed": c.train.seed}, sort_keys=True, default=str)
-
-    def _prepare_data_dir(self) -> None:
-        """The default dataset is built once (rank 0) before any rank opens it."""
+    def _prepare_data(self) -> None:
+        """The default dataset (built once, by rank 0, before any rank opens it) and the run's tokenizer: a
+        continued pretrained model keeps its own (stages.resolve_tokenizer)."""
         if not self.cfg.data.sources:
             if self.is_main:
                 ensure_default_dataset(self.cfg.data.default_dir)
             barrier()
+        self.cfg = resolve_tokenizer(self.cfg)
+        self.tokenizer = load_run_tokenizer(self.cfg)
+        self.bytes_per_id = torch.as_tensor(self.tokenizer.bytes_per_id, device=self.dist.device)
 
-    def _build_model(self) -> None:
-        cfg = self.cfg
-        model, fresh = build_model(cfg, self.tokenizer)
-        if cfg.train.stage == "ct":
-            cfg.model, cfg.vision = model.model_cfg, model.vision_cfg
+    def _build_model(self) -> tuple[torch.nn.Module, set[str]]:
+        """The stage's model and its fresh parts, with params.freeze applied; `self.cfg` names the model built."""
+        model, fresh = build_stage_model(self.cfg, self.tokenizer)
+        self.cfg = cfg = with_built_model(self.cfg, model)
+        if cfg.model.vocab_size < self.tokenizer.vocab_size:
+            raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
+                              f"{self.tokenizer.vocab_size} ids ({cfg.data.tokenizer_path}); raise model.vocab_size")
         if cfg.params.freeze:
             freeze_prefixes(model, cfg.params.freeze)
-        if "vision" in fresh and cfg.vision_warmup.steps and cfg.train.stage == "vl" and self.resume_from is None:
-            # before the engine exists: rank 0's result is what every rank starts from
-            warm = run_vision_warmup(model.vision.encoder.to(self.dist.device), cfg.vision.build_processor(),
-                                     cfg.vision_warmup, cfg.data, seed=cfg.train.seed, device=self.dist.device,
-                                     run_dir=self.run_dir if self.is_main else None, log=self.log,
-                                     state_dir=self.ckpt_root if self.is_main else None,
-                                     fingerprint=self._warmup_fingerprint(), stop=self.stop)
-            if warm.get("stopped"):
-                name = signal.Signals(self.stop.signum or signal.SIGTERM).name
-                raise Preempted(self.stop.code or 143,
-                                f"stopped by {name} in the vision warm-up at step {warm['step']}/{warm['steps']}: "
-                                f"its state is in {warm['checkpoint']}; the same command (--resume included) "
-                                f"continues it")
-            broadcast_module(model.vision.encoder)
-        if cfg.vision_warmup.steps and cfg.vision_warmup.freeze_after and cfg.train.stage == "vl" \
-                and cfg.vision is not None and not pretrained_tower(cfg):
-            freeze_prefixes(model, ["vision.encoder"])
-        report = vision_load_report(model)
-        if report is not None:
-            self.log(f"vision checkpoint {cfg.vision.timm_checkpoint}: {report}")
-            if self.is_main:
-                (self.run_dir / "vision_load_report.txt").write_text(report + "\n")
-        self.logit_scale = 1.0
-        if cfg.params.mup:
-            s_tok, s_con = mup_width_multipliers(cfg.model.hidden_size, cfg.model.c_hidden, cfg.params.mup_base_width)
-            self.logit_scale = mup_logit_scale(s_tok)
-            if "lm" in fresh:
-                apply_mup_init(model, s_tok, s_con)
-            else:   # pretrained weights compute plain logits: unfold so that hook x weights is the same function
-                with torch.no_grad():
-                    model.lm.lm_head.weight.div_(self.logit_scale)
-            install_logit_scale(model, self.logit_scale)
+        return model, fresh
+
+    def _build_engine(self, model: torch.nn.Module, fresh: set[str]) -> None:
+        """muP, the parameter groups, optimizer, schedule and DeepSpeed engine, and what hooks into its module."""
+        cfg = self.cfg
+        self.logit_scale = apply_mup(model, cfg.params, cfg.model.hidden_size, cfg.model.c_hidden, "lm" in fresh)
         groups = build_param_groups(model, cfg.optim, cfg.params, cfg.model.hidden_size, cfg.model.c_hidden)
         self.groups_desc = describe_groups(groups)
-        self.optimizer = build_optimizer(groups, cfg.optim)
-        o = cfg.optim
-        self.scheduler = build_scheduler(self.optimizer, schedule=o.schedule, warmup=o.warmup_steps,
-                                         total=cfg.train.max_steps, lr=o.lr, min_lr=o.min_lr,
-                                         decay_fraction=o.decay_fraction)
-        self.ds_config = deepspeed_config(cfg.deepspeed, cfg.optim, self.dist.world_size)
-        cfg.deepspeed = effective_settings(cfg.deepspeed, self.ds_config)   # the banner and config.yaml say what runs
-        self.engine = initialize(model, self.optimizer, self.ds_config)
+        self.optimizer, self.scheduler, self.ds_config, self.engine = build_engine(model, groups, cfg,
+                                                                                   self.dist.world_size)
+        self.cfg = evolve(cfg, deepspeed=effective_settings(cfg.deepspeed, self.ds_config))   # what runs
         self.float_dtype = torch.bfloat16 if self.engine.bfloat16_enabled() else torch.float32
         self.probe = ActivationProbe(self.engine.module)
         self.parser = GlobalParser(all_reduce_sum) if cfg.train.global_parser else None
@@ -363,21 +311,26 @@ class Trainer:
         self.n_params = sum(p.numel() for p in model.parameters())
         self.n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
 
-    def _build_data(self) -> None:
-        d, lg, data = self.dist, self.cfg.logging, self.cfg.data
-        self.loader = build_loader(data, self.tokenizer, d.rank, d.world_size)
+    def _check_resume_config(self) -> None:
+        """A resumed run's config (as it runs) matches the checkpointed run's, but for what may change."""
+        if self.resume_from is not None and (self.run_dir / "config.yaml").is_file():
+            check_resume_config(yaml.safe_load((self.run_dir / "config.yaml").read_text()), to_dict(self.cfg),
+                                self.accept_optim_change)
+
+    def _reset_state(self) -> None:
+        self.step = 0
+        self.nonfinite_total = 0
+        self.nonfinite_in_row = 0
+        self.wall_before = 0.0
+        self.t_start = time.time()
+
+    def _build_loaders(self) -> None:
+        """The training stream and the held-out evaluation (a collective when distributed)."""
+        d = self.dist
+        self.loader, eval_batches = build_loaders(self.cfg, self.tokenizer, d.rank, d.world_size)
         self.source_names = [s.label for s in self.loader.sources]
-        val_cfg = None
-        if lg.eval_every and lg.eval_sources:
-            val_cfg = replace(data, sources=lg.eval_sources, num_workers=0, epochs=None)
-        elif lg.eval_every and not data.sources:
-            val_cfg = replace(data, split="val", num_workers=0, epochs=None)
-        eval_batches = []
-        if val_cfg is not None:
-            eval_batches = list(itertools.islice(build_loader(val_cfg, self.tokenizer, d.rank, d.world_size),
-                                                 lg.eval_batches))
         self.held_out = HeldOut(self.engine, eval_batches, self.parser, d.device, self.float_dtype,
-                                data.processor, self.tokenizer)
+                                self.cfg.data.processor, self.tokenizer)
 
     # ---------------------------------------------------------------- state
     def trainer_state(self) -> dict:
@@ -387,19 +340,10 @@ class Trainer:
                 "wall_s": self.wall_before + (time.time() - self.t_start)}
 
     def restore(self, path: Path) -> None:
-        keys = ("initial_lr", "betas", "weight_decay", "eps")
-        new_settings = [{k: g[k] for k in keys if k in g} for g in self.optimizer.param_groups]
-        new_base_lrs = list(self.scheduler.base_lrs)
+        settings = optimizer_settings(self.optimizer)   # this config's: the checkpoint's come back with its state
         state = ckpt_lib.load_checkpoint(self.engine, path, self.dist.rank, self.dist.world_size)
-        self.scheduler.load_state_dict(state["scheduler"])
-        if self.accept_optim_change:   # the checkpoint brought the old settings back: this config's win
-            for group, settings in zip(self.optimizer.param_groups, new_settings):
-                group.update(settings)
-            self.scheduler.base_lrs = new_base_lrs
-            self.scheduler._last_lr = [b * fn(self.scheduler.last_epoch)
-                                       for b, fn in zip(new_base_lrs, self.scheduler.lr_lambdas)]
-        for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
-            group["lr"] = lr
+        resume_schedule(self.optimizer, self.scheduler, state["scheduler"],
+                        settings if self.accept_optim_change else None)
         ckpt_lib.set_rng_state(state["rng"])
         if state.get("loader") is not None:
             self.loader.load_state_dict(state["loader"])

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import signal
 import time
 from collections import Counter
 from dataclasses import dataclass, replace
@@ -30,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from configs.config import ConfigError
+from configs.config import ConfigError, to_dict
 from data_pipelines.loader import resolve_sources
 from data_pipelines.samples import iter_samples
 from data_pipelines.schema import IMAGE_TOKEN, Sample
@@ -234,3 +235,44 @@ def run_vision_warmup(encoder: nn.Module, processor: ImageProcessor, cfg, data_c
     if run_dir is not None:
         (run_dir / "vision_warmup.json").write_text(json.dumps(result, indent=1))
     return result
+
+
+def warmup_fingerprint(cfg) -> str:
+    """The settings that decide what the vision warm-up computes (cfg: the run's TrainConfig, resolved): its
+    checkpoint resumes only under them."""
+    return json.dumps({"vision": to_dict(cfg.vision), "warmup": to_dict(cfg.vision_warmup), "data": to_dict(cfg.data),
+                       "seed": cfg.train.seed}, sort_keys=True, default=str)
+
+
+def warm_up_vision(model: nn.Module, fresh: set[str], cfg, *, resuming: bool, device: torch.device, run_dir: Path,
+                   is_main: bool, log: Callable[[str], None], stop) -> None:
+    """The run's vision step before the engine exists. A fresh tower in stage vl is warmed up on rank 0's captions
+    (not when resuming: the checkpoint has the weights), and every rank starts from rank 0's result; with
+    vision_warmup.freeze_after it is then frozen. A pretrained tower (vision.timm_checkpoint) is neither, and what
+    its checkpoint gave is logged and written to RUN_DIR/vision_load_report.txt. cfg: the run's TrainConfig
+    (resolved); stop: its StopFlag (a stop during the warm-up raises Preempted after the warm-up saved its state)."""
+    from vlm.train.distributed import broadcast_module
+    from vlm.train.param_groups import freeze_prefixes
+    from vlm.train.signals import Preempted
+    from vlm.train.stages import pretrained_tower, vision_load_report
+
+    warm_cfg, vl = cfg.vision_warmup, cfg.train.stage == "vl"
+    if "vision" in fresh and warm_cfg.steps and vl and not resuming:
+        ckpt_root = run_dir / "checkpoints"
+        warm = run_vision_warmup(model.vision.encoder.to(device), cfg.vision.build_processor(), warm_cfg, cfg.data,
+                                 seed=cfg.train.seed, device=device, run_dir=run_dir if is_main else None, log=log,
+                                 state_dir=ckpt_root if is_main else None, fingerprint=warmup_fingerprint(cfg),
+                                 stop=stop)
+        if warm.get("stopped"):
+            name = signal.Signals(stop.signum or signal.SIGTERM).name
+            raise Preempted(stop.code or 143, f"stopped by {name} in the vision warm-up at step {warm['step']}/"
+                                              f"{warm['steps']}: its state is in {warm['checkpoint']}; the same "
+                                              f"command (--resume included) continues it")
+        broadcast_module(model.vision.encoder)
+    if warm_cfg.steps and warm_cfg.freeze_after and vl and cfg.vision is not None and not pretrained_tower(cfg):
+        freeze_prefixes(model, ["vision.encoder"])
+    report = vision_load_report(model)
+    if report is not None:
+        log(f"vision checkpoint {cfg.vision.timm_checkpoint}: {report}")
+        if is_main:
+            (run_dir / "vision_load_report.txt").write_text(report + "\n")
