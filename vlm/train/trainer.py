@@ -29,14 +29,14 @@ from vlm.train import checkpoint as ckpt_lib
 from vlm.train.config import TrainConfig
 from vlm.train.distributed import DistInfo, all_reduce_sum, barrier, init_distributed
 from vlm.train.engine import build_engine, effective_settings, optimizer_settings, resume_schedule
-from vlm.train.export import export_final, write_extras
+from vlm.train.export import export_final
 from vlm.train.global_parser import GlobalParser, install
 from vlm.train.loaders import build_loaders
-from vlm.train.metrics import MetricsLogger, group_names, load_imbalance, read_metrics, step_record
+from vlm.train.metrics import MetricsLogger, group_names, load_imbalance, step_record
 from vlm.train.param_groups import apply_mup, build_param_groups, describe_groups, freeze_prefixes
 from vlm.train.probes import ActivationProbe
-from vlm.train.report import model_card, summary_lines, write_report
 from vlm.train.run_config import check_resume_config, config_targets, evolve
+from vlm.train.run_summary import write_summary
 from vlm.train.signals import StopFlag
 from vlm.train.sizes import check_buildable
 from vlm.train.stages import build_stage_model, load_run_tokenizer, resolve_tokenizer, with_built_model
@@ -175,23 +175,8 @@ class Trainer:
             barrier()
         if not self.is_main:
             return rc
-        records = read_metrics(self.run_dir / "metrics.jsonl")
-        targets = config_targets(self.cfg)
-        picture = write_report(records, self.run_dir / "report.png", targets,
-                               title=f"{self.run_dir.name}: stage {self.cfg.train.stage}")
-        counters = self.loader.counters
-        warm_file = self.run_dir / "vision_warmup.json"
-        warmup = json.loads(warm_file.read_text()) if warm_file.is_file() else None
-        lines = summary_lines(records, targets, results["vqa"], self.run_dir, wall, self.nonfinite_total, counters,
-                              warmup)
-        (self.run_dir / "summary.json").write_text(json.dumps(
-            {"steps": self.step, "wall_s": wall, **results, "vision_warmup": warmup,
-             "nonfinite_steps": self.nonfinite_total, "last": records[-1] if records else None, "exit_code": rc},
-            indent=2, default=str))
-        if rc == 0:   # final/ was exported: it gets a model card and the report picture
-            final = self.run_dir / "final"
-            card = model_card(to_dict(self.cfg), lines, f"{self.run_dir.name}: ConceptMoE VLM")
-            write_extras(final, {"report.png": picture, "README.md": card})   # a full disk: one line, nothing partial
+        lines = write_summary(self.run_dir, self.cfg, steps=self.step, wall=wall, results=results,
+                              nonfinite_total=self.nonfinite_total, data_counters=self.loader.counters, rc=rc)
         self.log("\n".join(["", "=" * 72, "summary", "=" * 72] + lines))
         return rc
 
