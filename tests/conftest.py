@@ -158,6 +158,10 @@ _TINY = {
     "deepspeed": {"zero_stage": 0},
     "logging": {"log_every": 1, "eval_every": 2, "eval_batches": 1, "histogram_every": 2, "progress": False},
     "checkpoint": {"save_every": 2, "keep_last": 2},
+    # the default run warms its fresh tower up for 1000 steps and trains it at half the LLM's rate: the tiny runs
+    # test the trainer, not the recipe
+    "vision_warmup": {"steps": 0},
+    "params": {"vision_lr_mult": 1.0, "projector_lr_mult": 1.0},
     "train": {"stage": "vl", "max_steps": 4, "seed": 0, "deterministic": True, "vqa_eval": False, "threads": 1},
 }
 

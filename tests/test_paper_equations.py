@@ -169,7 +169,7 @@ def test_global_parser_with_gradient_accumulation_gives_one_big_batch_gradient()
     parser = GlobalParser(all_reduce=lambda t: t.clone())
     install(model, parser)
     drawn = []
-    res = train_step(engine, window, 0, seed=7, rank=0, world_size=1, parser=parser, ratio_weight=weight,
+    res = train_step(engine, window, 0, seed=7, rank=0, world_size=1, parser=parser,
                      device=torch.device("cpu"), loss_hook=lambda out, k: drawn.append(out.chunks.b_BT) or out)
     assert res.applied and len(drawn) == K
     big = reference(cat_rows(window), force=torch.cat(drawn))
@@ -208,7 +208,7 @@ def test_topk_threshold_moves_once_per_optimizer_step_from_the_real_passes():
     parser = GlobalParser(all_reduce=lambda t: t.clone())
     install(model, parser)
     before = float(chunker.threshold)
-    train_step(engine, micro_batches(K), 0, seed=0, rank=0, world_size=1, parser=parser, ratio_weight=0.03,
+    train_step(engine, micro_batches(K), 0, seed=0, rank=0, world_size=1, parser=parser,
                device=torch.device("cpu"))
     real_q = [q for grad, q in seen if grad]
     assert len(real_q) == K and len(seen) == 2 * K           # the statistics pass ran too
@@ -217,7 +217,7 @@ def test_topk_threshold_moves_once_per_optimizer_step_from_the_real_passes():
     assert float(chunker.quantile_accum.abs().sum()) == 0
 
     # a skipped (non-finite) step moves nothing and leaves nothing behind for the next one
-    res = train_step(engine, micro_batches(K), 1, seed=0, rank=0, world_size=1, parser=parser, ratio_weight=0.03,
+    res = train_step(engine, micro_batches(K), 1, seed=0, rank=0, world_size=1, parser=parser,
                      device=torch.device("cpu"),
                      loss_hook=lambda out, k: dataclasses.replace(out, loss=out.loss + float("nan")))
     assert not res.applied

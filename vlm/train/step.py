@@ -112,7 +112,7 @@ def statistics_pass(model, window: list[PackedBatch], parser: GlobalParser, step
 
 
 def train_step(engine, window: list[PackedBatch], step: int, *, seed: int, rank: int, world_size: int,
-               parser: GlobalParser | None, ratio_weight: float, device: torch.device,
+               parser: GlobalParser | None, device: torch.device,
                float_dtype: torch.dtype = torch.float32, loss_hook=None,
                bytes_per_id: torch.Tensor | None = None, n_sources: int = 0) -> StepResult:
     """Forward/backward every micro-batch of `window` and take (or skip) one optimizer step.
@@ -149,7 +149,7 @@ def train_step(engine, window: list[PackedBatch], step: int, *, seed: int, rank:
                 # the global parser's ratio loss is this micro-batch's share of the global one (the engine
                 # averages K micro-batches and W ranks); without it each micro-batch's own loss is averaged
                 share = K * W if parser is not None else 1
-                loss = out.lm_loss * w + ratio_weight * share * out.ratio_loss + out.balance_loss
+                loss = out.total(lm_scale=w, ratio_scale=share)
                 engine.backward(loss)
                 acc.add(out, batch)
                 if out.chunks is not None:

@@ -190,7 +190,6 @@ class Trainer:
         self.probe.clear()
         return train_step(self.engine, window, self.step, seed=cfg.train.seed, rank=self.dist.rank,
                           world_size=self.dist.world_size, parser=self.parser,
-                          ratio_weight=cfg.model.chunk.ratio_loss_weight if cfg.model.chunk.enabled else 0.0,
                           device=self.dist.device, float_dtype=self.float_dtype, loss_hook=loss_hook or self.loss_hook,
                           bytes_per_id=self.bytes_per_id, n_sources=len(self.source_names))
 
@@ -206,10 +205,9 @@ class Trainer:
             self.nonfinite_in_row += 1
 
     def _step_record(self, result: StepResult, lr: float, seconds: float) -> dict:
-        cfg = self.cfg
         if result.applied:
-            rec = step_record(self.step, result.vec, result.ratio_loss, cfg.model.chunk.ratio_loss_weight, lr, seconds,
-                              group_names(self.source_names))
+            rec = step_record(self.step, result.vec, result.ratio_loss, lr=lr, seconds=seconds,
+                              groups=group_names(self.source_names))
             rec.update(load_imbalance(result.loads))
             rec.update(self.probe.read())
             grad_norm = self.engine.get_global_grad_norm()
