@@ -210,7 +210,7 @@ def test_a_project_tokenizer_for_a_source_model_is_refused(tmp_path):
     from configs.config import ConfigError, from_dict
     from data_pipelines.tokenizer import load_tokenizer
     from vlm.train.config import TrainConfig
-    from vlm.train.stages import run_tokenizer
+    from vlm.train.stages import load_run_tokenizer, resolve_tokenizer
 
     _source_tokenizer(tmp_path / "src", 300)
     load_tokenizer("byte").save(tmp_path / "ours")
@@ -218,10 +218,12 @@ def test_a_project_tokenizer_for_a_source_model_is_refused(tmp_path):
                                                                            "convert_from": str(tmp_path / "src")}}
     for name in ("byte", "default"):   # the project's defaults give way to the source's
         cfg = from_dict(TrainConfig, dict(base, data={"default_parts": ["text"], "tokenizer": name}))
-        assert run_tokenizer(cfg).kind == "source" and cfg.data.tokenizer == str(tmp_path / "src")
+        resolved = resolve_tokenizer(cfg)
+        assert load_run_tokenizer(resolved).kind == "source" and resolved.data.tokenizer == str(tmp_path / "src")
+        assert cfg.data.tokenizer == name   # the config handed in stays as it was
     cfg = from_dict(TrainConfig, dict(base, data={"default_parts": ["text"], "tokenizer": str(tmp_path / "ours")}))
     with pytest.raises(ConfigError, match=r"keeps its own tokenizer and chat format; drop data.tokenizer"):
-        run_tokenizer(cfg)
+        resolve_tokenizer(cfg)
 
 
 def test_a_template_that_cannot_be_split_is_refused_at_start(tmp_path):
@@ -231,7 +233,7 @@ def test_a_template_that_cannot_be_split_is_refused_at_start(tmp_path):
 
     from configs.config import ConfigError, from_dict
     from vlm.train.config import TrainConfig
-    from vlm.train.stages import run_tokenizer
+    from vlm.train.stages import load_run_tokenizer, resolve_tokenizer
 
     _source_tokenizer(tmp_path / "src", 300)
     hf = AutoTokenizer.from_pretrained(str(tmp_path / "src"))
@@ -240,4 +242,4 @@ def test_a_template_that_cannot_be_split_is_refused_at_start(tmp_path):
     cfg = from_dict(TrainConfig, {"vision": None, "data": {"default_parts": ["text"]},
                                   "train": {"stage": "ct", "convert_from": str(tmp_path / "src")}})
     with pytest.raises(ConfigError, match="does not render a conversation as the prefix"):
-        run_tokenizer(cfg)
+        load_run_tokenizer(resolve_tokenizer(cfg))

@@ -264,14 +264,6 @@ def load_run_tokenizer(cfg: TrainConfig) -> Tokenizer:
     return tok
 
 
-def run_tokenizer(cfg: TrainConfig) -> Tokenizer:
-    """resolve_tokenizer + load_run_tokenizer, writing the resolved `data` section back into `cfg` (for callers
-    that read it there; the trainer keeps the resolved config apart and leaves its caller's alone)."""
-    resolved = resolve_tokenizer(cfg)
-    cfg.data = resolved.data
-    return load_run_tokenizer(resolved)
-
-
 def pretrained_tower(cfg: TrainConfig) -> bool:
     """The vision encoder comes from a pretrained checkpoint (vision.timm_checkpoint): no warm-up for a fresh
     encoder runs on it, and nothing freezes it but the config's own vision.freeze_encoder / params.freeze."""
@@ -323,12 +315,3 @@ def with_built_model(cfg: TrainConfig, model: ConceptMoEVLM) -> TrainConfig:
     if cfg.train.init_from:
         return evolve(cfg, model=model.model_cfg)
     return cfg
-
-
-def build_model(cfg: TrainConfig, tokenizer: Tokenizer | None = None) -> tuple[nn.Module, set[str]]:
-    """build_stage_model, writing a continued checkpoint's model section back into `cfg.model` (for callers that
-    read it there; the trainer keeps the resolved config apart: with_built_model)."""
-    model, fresh = build_stage_model(cfg, tokenizer)
-    if cfg.train.stage != "ct" and cfg.train.init_from:
-        cfg.model = model.model_cfg
-    return model, fresh
