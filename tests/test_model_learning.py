@@ -35,7 +35,7 @@ def test_compression_reaches_target_while_lm_loss_falls():
     cfg = ModelConfig(vocab_size=256, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
                       encoder_layers=1, concept_layers=1, decoder_layers=1,
                       moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=64),
-                      chunk=ChunkConfig(target_ratio=2.0, ratio_loss_weight=0.1))
+                      chunk=ChunkConfig(target_ratio=2.0, ratio_loss_weight=0.1, merge="last"))
     m = ConceptMoELM(cfg).train()
     opt = torch.optim.AdamW(m.parameters(), lr=3e-3)
     stream = batches(corpus_bytes(), rows=8, T=96, seed=0)
