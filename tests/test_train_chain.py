@@ -205,3 +205,40 @@ def test_finished_needs_a_clean_summary_and_an_export(tmp_path):
     assert finished(run)
     (run / "final" / "config.json").unlink()
     assert not finished(run)                                   # export missing
+
+
+def test_ctrl_c_stops_the_stage_in_flight_and_the_same_command_continues(chain, tmp_path):
+    """SIGINT during stage 0: the stage saves and returns 130, stage 1 never starts, nothing raises; the same
+    command then finishes both stages. The signal is simulated as the flag the handler sets, seen at the
+    n-th poll (deterministic: no real signal, no timing)."""
+    import signal
+
+    from vlm.train.chain import finished, run_chain, stage_dirs
+    from vlm.train.signals import StopFlag
+
+    class StopAtPoll(StopFlag):
+        def __init__(self, polls: int):
+            super().__init__()
+            self.left = polls
+
+        @property
+        def requested(self) -> bool:
+            if self.signum is None:
+                self.left -= 1
+                if self.left < 0:
+                    self.signum = signal.SIGINT
+            return self.signum is not None
+
+    files = [chain["files"]["text"], chain["files"]["align"]]
+    out = tmp_path / "out"
+    first, second = stage_dirs(files, out)
+    logs: list[str] = []
+    rc = run_chain(files, out, ["train.max_steps=4"], log=logs.append, stop=StopAtPoll(3))
+    assert rc == 130, logs
+    assert not finished(first) and not second.exists()
+    assert any("stopped with exit code 130" in x for x in logs), logs
+    rc = run_chain(files, out, ["train.max_steps=4"], log=logs.append)
+    assert rc == 0 and finished(first) and finished(second)
+    steps = [json.loads(x)["step"] for x in (first / "metrics.jsonl").read_text().splitlines()
+             if "loss" in json.loads(x)]
+    assert steps == sorted(set(steps)) and steps[-1] == 4      # stage 0 resumed: no step trained twice

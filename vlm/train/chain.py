@@ -7,6 +7,8 @@ the previous stage's exported model (`train.init_from`), e.g. LLaVA's recipe:
 
 Stage k trains into DIR/<k>_<config name>. A finished stage (its summary says exit code 0 and final/ is there) is
 not run again, and an interrupted one resumes from its last checkpoint, so the same command continues a chain.
+SIGTERM / Ctrl-C stops the chain as it stops `vlm train`: the stage in flight saves a checkpoint after its step,
+no later stage starts, and the exit code is 128 + the signal (a second signal exits at once).
 The trainer is imported when the command runs (as for `vlm train`).
 """
 from __future__ import annotations
@@ -33,10 +35,15 @@ def finished(run_dir: Path) -> bool:
         return False
 
 
-def run_chain(configs: list[str], out: Path, overrides: list[str], log=print) -> int:
+def run_chain(configs: list[str], out: Path, overrides: list[str], log=print, stop=None) -> int:
+    """0 when every stage is done; else the exit code of the stage that stopped. `stop`: the StopFlag that
+    SIGTERM / SIGINT set (vlm.train.signals), polled by each stage's trainer and between stages."""
     from vlm.train.config import load_train_config
     from vlm.train.engine import check_deepspeed_config
+    from vlm.train.signals import Preempted, StopFlag
     from vlm.train.trainer import Trainer, registered_run_end
+
+    stop = stop if stop is not None else StopFlag()
 
     dirs = stage_dirs(configs, out)
     # every stage's config is read and validated before any work starts
@@ -50,10 +57,17 @@ def run_chain(configs: list[str], out: Path, overrides: list[str], log=print) ->
         if finished(run_dir):
             log(f"stage {k} ({path}): done earlier, {run_dir / 'final'}")
             continue
+        if stop.requested:
+            log(f"stopped by {stop.name} before stage {k} ({path}); run the same command again to continue")
+            return stop.code
         extra = [f"train.init_from={dirs[k - 1] / 'final'}"] if k else []
         cfg = load_train_config(path, overrides + extra)
         log(f"stage {k} ({path}) -> {run_dir}" + (f", from {dirs[k - 1] / 'final'}" if k else ""))
-        rc = Trainer(cfg, run_dir, resume=None, on_end=registered_run_end()).train()
+        try:
+            rc = Trainer(cfg, run_dir, resume=None, on_end=registered_run_end(), stop=stop).train()
+        except Preempted as e:   # stopped in the vision warm-up, its state saved
+            log(str(e))
+            rc = e.code
         if rc != 0:
             log(f"stage {k} stopped with exit code {rc}; run the same command again to resume it")
             return rc
@@ -70,8 +84,11 @@ def split_configs(items: list[str]) -> tuple[list[str], list[str]]:
 
 
 def _chain_command(args) -> int:
+    from vlm.train.signals import stop_on_signals
+
     configs, overrides = split_configs(args.configs)
-    return run_chain(configs, Path(args.out), [*overrides, *args.overrides])
+    with stop_on_signals() as stop:   # Ctrl-C is a flag the stages poll, never a KeyboardInterrupt traceback
+        return run_chain(configs, Path(args.out), [*overrides, *args.overrides], stop=stop)
 
 
 def add_chain_command(subparsers) -> None:
