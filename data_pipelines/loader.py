@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import copy
 import os
+import signal
+import threading
 from collections import Counter
 from typing import Iterator
 
@@ -58,6 +60,24 @@ def _single_threaded(fn):
         return fn()
     finally:
         torch.set_num_threads(n)
+
+
+def _leave_stop_signals_to_the_trainer(worker_id: int) -> None:
+    """A scheduler's SIGTERM (SLURM, Kubernetes) and a terminal's Ctrl-C reach every process of the job, workers
+    included. torch's worker dies on SIGTERM, and the trainer would then crash on the dead worker instead of saving a
+    checkpoint (vlm.train.signals). So a worker ignores SIGINT and takes SIGTERM only from its parent: the DataLoader
+    shutting it down (`Process.terminate`). A thread waits for SIGTERM (blocked in every thread, so no handler runs)
+    and reads who sent it."""
+    parent = os.getppid()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+
+    def wait_for_the_parent() -> None:
+        while signal.sigwaitinfo({signal.SIGTERM}).si_pid != parent:
+            pass
+        os._exit(0)
+
+    threading.Thread(target=wait_for_the_parent, name="sigterm-from-parent", daemon=True).start()
 
 
 def _identity(x):
@@ -160,7 +180,8 @@ class PackedLoader:
         if len(done) == self.num_logical:
             return
         dl = DataLoader(_WorkerDataset(self, self.next_worker), batch_size=None, num_workers=self.cfg.num_workers,
-                        collate_fn=_identity, prefetch_factor=self.cfg.prefetch_factor, persistent_workers=False)
+                        collate_fn=_identity, prefetch_factor=self.cfg.prefetch_factor, persistent_workers=False,
+                        worker_init_fn=_leave_stop_signals_to_the_trainer)
         for w, batch, state in dl:
             self._record(w, state)
             batch = self._mine(batch)

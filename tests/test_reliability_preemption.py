@@ -154,3 +154,36 @@ def test_the_vision_warmup_checkpoints_and_resume_continues_it(tiny_data, tmp_pa
     wa = json.loads((ref / "vision_warmup.json").read_text())
     wb = json.loads((run / "vision_warmup.json").read_text())
     assert wa["loss_last"] == wb["loss_last"]
+
+
+def test_a_scheduler_sigterm_to_the_whole_job_with_loader_workers_checkpoints(tiny_data, tmp_path, tiny_config,
+                                                                             write_config, ROOT, subprocess_env):
+    """SLURM and Kubernetes signal every process of the job, so the data-loader workers get the SIGTERM too: they
+    leave it to the trainer (which would otherwise crash on a dead worker instead of saving), and the run resumes
+    with no step lost or repeated."""
+    import os
+
+    cfg = tiny_config(tiny_data, train={"max_steps": 400}, checkpoint={"save_every": 1000, "keep_last": 2},
+                      logging={"eval_every": 0}, data={"num_workers": 2})
+    path = write_config(cfg, tmp_path / "c.yaml")
+    run = tmp_path / "run"
+    out, err = open(tmp_path / "out.txt", "w"), open(tmp_path / "err.txt", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "vlm.train", "--config", str(path), "--out", str(run)], cwd=ROOT,
+                            env=subprocess_env(), stdout=out, stderr=err, start_new_session=True)
+    try:
+        _wait_for(lambda: len(_steps(run)) >= 3, proc, "3 steps")
+        os.killpg(proc.pid, signal.SIGTERM)          # the trainer and its two workers
+        stdout, stderr = _finish(proc, out, err, tmp_path)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 143, stderr[-3000:]
+    assert "Traceback" not in stderr and "killed by signal" not in stderr
+    n = _steps(run)[-1]
+    assert stdout.strip().splitlines()[-1].startswith(f"stopped by SIGTERM after step {n}: checkpoint")
+    cfg["train"]["max_steps"] = n + 2
+    write_config(cfg, path)
+    done = subprocess.run([sys.executable, "-m", "vlm.train", "--config", str(path), "--out", str(run), "--resume"],
+                          cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert _steps(run) == list(range(1, n + 3))
