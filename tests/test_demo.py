@@ -191,6 +191,11 @@ def test_the_band_shown_is_the_one_training_held_documents_in():
     from vlm.model.config import ChunkConfig
 
     band = ChunkConfig(target_ratio=2.0, modality_target_ratios={"text": 2.0, "image": 4.0}, document_slack=1.25)
-    assert target_band(band, "image") == {"target": 4.0, "band": [3.2, 5.0]}
-    assert target_band(band, "text") == {"target": 2.0, "band": [1.6, 2.5]}
-    assert target_band(ChunkConfig(target_ratio=3.0), "text") == {"target": 3.0}   # batch statistics only: no band
+    assert target_band(band, "image") == {"target": 4.0, "target_of": "image", "band": [3.2, 5.0]}
+    assert target_band(band, "text") == {"target": 2.0, "target_of": "text", "band": [1.6, 2.5]}
+    joint = ChunkConfig(target_ratio=3.0)   # one joint target, batch statistics only: no band
+    assert target_band(joint, "image") == {"target": 3.0, "target_of": "text and image together"}
+    text_only = ChunkConfig(modality_target_ratios={"text": 2.0}, document_slack=1.25)
+    assert target_band(text_only, "image") == {"target": None}   # no ratio loss held the image tokens
+    fixed = ChunkConfig(router="fixed", target_ratio=2.0, document_slack=1.25)
+    assert "band" not in target_band(fixed, "text")   # the band's loss runs for learned routers only

@@ -95,11 +95,18 @@ def _stream_answer(conv: Conversation, text: str):
 
 
 def target_band(chunk, modality: str) -> dict:
-    """What the model was trained to do with this conversation's tokens of `modality`: its target ratio and, with
-    `document_slack`, the band [R/s, R*s] a document's ratio was held in (the conversation is one document)."""
-    R = (chunk.modality_target_ratios or {}).get(modality, chunk.target_ratio)
-    out = {"target": R}
-    if chunk.document_slack is not None:
+    """What training held this conversation's `modality` tokens to (the ratio groups of ChunkModule.ratio_groups):
+    the target ratio, whether it is the modality's own or joint over text and image, and, where the per-document
+    band applies (`ChunkConfig.holds_documents`), the band [R/s, R*s] a document's ratio was held in (the
+    conversation is one document). A modality left out of `modality_target_ratios` had no target."""
+    if chunk.modality_target_ratios:
+        R, scope = chunk.modality_target_ratios.get(modality), modality
+    else:
+        R, scope = chunk.target_ratio, "text and image together"
+    if R is None:
+        return {"target": None}
+    out = {"target": R, "target_of": scope}
+    if chunk.holds_documents:
         out["band"] = [round(R / chunk.document_slack, 3), round(R * chunk.document_slack, 3)]
     return out
 

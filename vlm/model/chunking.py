@@ -183,7 +183,7 @@ class ChunkModule(nn.Module):
         # A group with no tokens anywhere contributes nothing (masked on device: no host sync per group).
         losses = torch.stack([ratio_loss(F_[k], G[k], r) for k, (_, r) in enumerate(groups)])
         loss = torch.where(glob[:, 2] > 0, losses, torch.zeros_like(losses)).sum()
-        if self.cfg.document_slack is not None and doc_BT is not None and self.cfg.router in ("cosine", "linear"):
+        if self.cfg.holds_documents and doc_BT is not None:
             slot_BT, S = document_slots(doc_BT)
             idx = slot_BT.flatten()
             for k, (mask, r) in enumerate(groups):   # one or two groups: a loop over modalities, not tokens

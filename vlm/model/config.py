@@ -96,6 +96,12 @@ class ChunkConfig(ValidatedOnInit):
     # a large weight only sets how hard a document outside it is pulled back against the LM loss's pressure
     document_weight: float = 30.0
 
+    @property
+    def holds_documents(self) -> bool:
+        """The per-document band applies: `document_slack` set and a learned router (fixed and top-k place their
+        boundaries per document already)."""
+        return self.document_slack is not None and self.router in ("cosine", "linear")
+
     def validate(self) -> None:
         check(self.target_ratio > 1.0, f"target_ratio must be > 1 (R = N/M), got {self.target_ratio}")
         check(self.ratio_loss_weight >= 0, "ratio_loss_weight must be >= 0")
