@@ -22,7 +22,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from configs.config import ConfigError
 from vlm.model.config import ModelConfig
 from vlm.model.flops import count_params, flops_per_token, summary
 
@@ -81,23 +80,13 @@ def _with(cfg: ModelConfig, k_tok: int | None = None, **concept_moe) -> ModelCon
     """`cfg` with the token top-k and concept-MoE knobs changed. Configs validate when built, and the search
     evaluates FLOPs and parameters at expert counts where the baseline's Grove lambda is out of bounds
     (lambda <= groups / experts): there lambda, which changes neither, is clamped, and `_Search.offer` refuses
-    the result (a reallocation keeps the baseline's lambda)."""
+    the result (a reallocation keeps the baseline's lambda). Every config built is valid: configs validate when made."""
     moe = cfg.moe if k_tok is None else replace(cfg.moe, top_k=k_tok)
     c = cfg.c_moe
     groups, experts = c.grove_groups, concept_moe.get("num_experts", c.num_experts)
     if groups and experts and groups <= experts and c.grove_lambda > groups / experts:
         concept_moe.setdefault("grove_lambda", groups / experts)
     return replace(cfg, moe=moe, concept_moe=replace(c, **concept_moe))
-
-
-def _valid(cfg: ModelConfig) -> bool:
-    try:
-        cfg.c_moe.validate()
-        cfg.moe.validate()
-        cfg.validate()
-    except ConfigError:
-        return False
-    return True
 
 
 class _Search:
@@ -111,7 +100,7 @@ class _Search:
 
     def offer(self, cfg: ModelConfig, dev: float, off_intent: bool = False) -> None:
         """`off_intent`: the candidate misses what the strategy is about; used only if nothing else fits."""
-        if not _valid(cfg) or cfg.c_moe.grove_lambda != self.grove_lambda:
+        if cfg.c_moe.grove_lambda != self.grove_lambda:   # clamped by _with: not the baseline's lambda
             return
         f, p = _totals(cfg)
         err = max(abs(f / self.f0 - 1), abs(p / self.p0 - 1))
