@@ -144,8 +144,7 @@ def run_longctx(args: argparse.Namespace, loader: Callable | None = None) -> dic
     from eval.longctx.sweep import run_sweep, write_summary
 
     try:
-        cfg = longctx_config_from_args(args)
-        cfg.validate()
+        cfg = longctx_config_from_args(args)   # validated as it is built
     except ConfigError as e:
         raise SystemExit(f"vlm eval longctx: {e}") from None
     load = loader or _default_loader()

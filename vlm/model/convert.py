@@ -102,7 +102,6 @@ def to_conceptmoe_config(base: ModelConfig, opt: ConvertConfig) -> ModelConfig:
     if opt.loop is not None:
         s, e, t = opt.loop
         cfg = dataclasses.replace(cfg, loop_start=s, loop_end=e, loop_times=t)
-    cfg.validate()
     return cfg
 
 
