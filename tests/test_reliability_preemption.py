@@ -15,9 +15,11 @@ import pytest
 pytestmark = pytest.mark.slow
 
 
-def _start(args, cwd, env, out_dir):
+def _start(args, cwd, env, out_dir, new_session: bool = False):
+    """`python -m vlm.train ARGS`; with `new_session` in a process group of its own (as a scheduler's job)."""
     out, err = open(out_dir / "out.txt", "w"), open(out_dir / "err.txt", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "vlm.train", *args], cwd=cwd, env=env, stdout=out, stderr=err)
+    proc = subprocess.Popen([sys.executable, "-m", "vlm.train", *args], cwd=cwd, env=env, stdout=out, stderr=err,
+                            start_new_session=new_session)
     return proc, out, err
 
 
@@ -167,9 +169,8 @@ def test_a_scheduler_sigterm_to_the_whole_job_with_loader_workers_checkpoints(ti
                       logging={"eval_every": 0}, data={"num_workers": 2})
     path = write_config(cfg, tmp_path / "c.yaml")
     run = tmp_path / "run"
-    out, err = open(tmp_path / "out.txt", "w"), open(tmp_path / "err.txt", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "vlm.train", "--config", str(path), "--out", str(run)], cwd=ROOT,
-                            env=subprocess_env(), stdout=out, stderr=err, start_new_session=True)
+    proc, out, err = _start(["--config", str(path), "--out", str(run)], ROOT, subprocess_env(), tmp_path,
+                            new_session=True)
     try:
         _wait_for(lambda: len(_steps(run)) >= 3, proc, "3 steps")
         os.killpg(proc.pid, signal.SIGTERM)          # the trainer and its two workers
