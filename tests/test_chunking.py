@@ -102,20 +102,49 @@ def test_merge_strategies_follow_the_causal_convention():
         mod, ch, h, doc = _hand_chunks(merge)
         assert ch.b_BT.long().tolist() == [[1, 0, 1, 0, 0, 1, 1, 0, 0]]
         assert ch.cidx_BT.tolist() == [[0, 0, 1, 1, 1, 2, 3, 3, -1]]
-        assert ch.cdoc_BM.tolist() == [[0, 0, 1, 1]]
-        assert ch.cpos_BM.tolist() == [[0, 1, 0, 1]]
+        # concepts sit in a static capacity (here the whole row of 9) with the unused places marked -1
+        M = ch.cdoc_BM.shape[1]
+        assert M == mod.capacity(9) == mod.capacity(9, training=True) == 9
+        assert ch.cdoc_BM.tolist() == [[0, 0, 1, 1] + [-1] * (M - 4)]
+        assert ch.cpos_BM.tolist() == [[0, 1, 0, 1] + [0] * (M - 4)]
+        assert float(ch.overflow) == 0
         c = mod.merge(h, doc, ch)[0, :, 0]
         # tokens 3,4 (doc 0 tail) and 7 (doc 1 tail) join no concept; nothing crosses documents
-        torch.testing.assert_close(c, torch.tensor(expected, dtype=torch.float32), msg=merge)
+        torch.testing.assert_close(c, torch.tensor(expected + [0] * (M - 4), dtype=torch.float32), msg=merge)
+
+
+def test_concepts_past_the_static_capacity_are_counted_and_read_by_no_token():
+    """A row with more boundaries than its capacity (ceil(T slack / R) rounded up to 16): the concepts past it are
+    not computed, counted in `overflow`, and the tokens that would read them read nothing (z = h); the concepts
+    within capacity are exactly those of an unlimited capacity."""
+    T = 40
+    doc = torch.zeros(1, T, dtype=torch.long)
+    force = torch.ones(1, T, dtype=torch.bool)            # 40 boundaries
+    h = torch.randn(1, T, 3)
+    tight = ChunkModule(ChunkConfig(eval_capacity_slack=1.0, target_ratio=4.0), 3).eval()
+    assert tight.capacity(T) == 16                         # ceil(40 / 4) = 10 -> 16
+    assert tight.capacity(T, training=True) == 16          # ceil(40 * 1.25 / 4) = 13 -> 16
+    ch = tight(h, doc, force=force)
+    assert ch.cdoc_BM.shape == (1, 16) and float(ch.overflow) == T - 16
+    assert ch.cidx_BT[0, :16].tolist() == list(range(16)) and (ch.cidx_BT[0, 16:] == -1).all()
+    free = ChunkModule(ChunkConfig(target_ratio=4.0), 3).eval()   # eval capacity: T by default
+    ch_free = free(h, doc, force=force)
+    assert ch_free.cdoc_BM.shape == (1, T) and float(ch_free.overflow) == 0
+    torch.testing.assert_close(tight.merge(h, doc, ch), free.merge(h, doc, ch_free)[:, :16])
+    de = Dechunk(ChunkConfig(), 3)
+    concepts = torch.randn(1, 16, 3)
+    z, c_read, _ = de(h, concepts, ch)
+    assert (c_read[0, 16:] == 0).all() and torch.equal(z[0, 16:], h[0, 16:])
 
 
 def test_dechunk_plug_back_and_ste():
     mod, ch, h, doc = _hand_chunks("last")
     de = Dechunk(ChunkConfig(), 2)
-    concepts = torch.randn(1, 4, 2)
+    M = ch.cdoc_BM.shape[1]
+    concepts = torch.randn(1, M, 2)
     z, c_read, _ = de(h, concepts, ch)
-    torch.testing.assert_close(c_read[0, :8], plug_back(
-        ema_scan(concepts, ch.cp_BM, torch.tensor([[True, False, True, False]])), ch.cidx_BT)[0, :8])
+    reset = torch.tensor([[True, False, True, False] + [True] * (M - 4)])
+    torch.testing.assert_close(c_read[0, :8], plug_back(ema_scan(concepts, ch.cp_BM, reset), ch.cidx_BT)[0, :8])
     torch.testing.assert_close(z, h + c_read)  # identity residual, STE forward = 1
 
 
@@ -269,7 +298,8 @@ def _step_setup(router, merge="sum", residual="identity", T=12, t0=4, B=2, D=16)
 @pytest.mark.parametrize("router", ["cosine", "linear", "fixed", "topk"])
 def test_chunk_step_token_by_token_equals_the_forward_and_merge(router, merge):
     """ChunkModule.step on one token at a time after a prompt: the boundary probability and decision `forward`
-    gives that position, the rows that fired, their concept as `merge` builds it and its gate (topk)."""
+    gives that position, and for the rows that fired their concept as `merge` builds it and its gate (topk). Every
+    row is computed (fixed shapes); the rows that did not fire are not read."""
     chunker, _, _, h, (ch, c_in, *_), state = _step_setup(router, merge)
     t0, T = 4, h.shape[1]
     fired = 0
@@ -277,34 +307,37 @@ def test_chunk_step_token_by_token_equals_the_forward_and_merge(router, merge):
         ck = chunker.step(h[:, t], state)
         torch.testing.assert_close(ck.p_B, ch.p_BT[:, t].float(), rtol=1e-5, atol=1e-5)
         assert torch.equal(ck.b_B, ch.b_BT[:, t])
-        assert torch.equal(ck.rows, ch.b_BT[:, t].nonzero().squeeze(1))
-        idx = ch.cidx_BT[ck.rows, t]
-        torch.testing.assert_close(ck.c_RD, c_in[ck.rows, idx], rtol=1e-5, atol=1e-5)
+        assert ck.c_BD.shape[0] == h.shape[0]
+        rows = ch.b_BT[:, t].nonzero().squeeze(1)
+        idx = ch.cidx_BT[rows, t]
+        torch.testing.assert_close(ck.c_BD[rows], c_in[rows, idx], rtol=1e-5, atol=1e-5)
         if router == "topk":
-            torch.testing.assert_close(ck.gate_R, ch.cgate_BM[ck.rows, idx], rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(ck.gate_B[rows], ch.cgate_BM[rows, idx], rtol=1e-5, atol=1e-6)
         else:
-            assert ck.gate_R is None
-        fired += ck.rows.numel()
+            assert ck.gate_B is None
+        fired += rows.numel()
     assert 0 < fired < (T - t0) * h.shape[0]   # both cases met: the check is not vacuous
 
 
 @pytest.mark.parametrize("residual", ["identity", "linear", "delta"])
 @pytest.mark.parametrize("router", ["cosine", "topk"])
 def test_dechunk_step_token_by_token_equals_the_forward(router, residual):
-    """Dechunk.step after a prompt, fed the chunk module's step and the concept model's output on the rows that
-    fired: every later position's z (eq. 10), the EMA concept it reads (eq. 8-9), the concept count, and the
-    smoothed new concepts the cross-attention decoder appends, as `forward` / `smooth` give them for the whole
-    sequence (Synergy's gate with the topk router; the EMA over the inputs with "delta")."""
+    """Dechunk.step after a prompt, fed the chunk module's step and the concept model's output (every row computes;
+    the rows that did not fire must ignore it): every later position's z (eq. 10), the EMA concept it reads
+    (eq. 8-9), the concept count, and for the rows that fired the smoothed new concept the cross-attention decoder
+    appends, as `forward` / `smooth` give them for the whole sequence (Synergy's gate with the topk router; the EMA
+    over the inputs with "delta")."""
     chunker, de, concept_model, h, (ch, _, c_out, z, c, _), state = _step_setup(router, "sum", residual)
     smoothed = de.smooth(c_out, ch)
     t0, T = 4, h.shape[1]
     fired = 0
     for t in range(t0, T):
         ck = chunker.step(h[:, t], state)
-        fired += ck.rows.numel()
-        d = de.step(h[:, t, None], concept_model(ck.c_RD)[:, None], ck, state)
+        rows = ck.b_B.nonzero().squeeze(1)
+        fired += rows.numel()
+        d = de.step(h[:, t, None], concept_model(ck.c_BD)[:, None], ck, state)
         torch.testing.assert_close(d.z_B1D[:, 0], z[:, t], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(d.c_B1D[:, 0], c[:, t], rtol=1e-5, atol=1e-5)
         assert torch.equal(state.n_concepts_B, ch.b_BT[:, :t + 1].sum(1))
-        torch.testing.assert_close(d.new_R1D[:, 0], smoothed[ck.rows, ch.cidx_BT[ck.rows, t]], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(d.c_B1D[rows, 0], smoothed[rows, ch.cidx_BT[rows, t]], rtol=1e-5, atol=1e-5)
     assert 0 < fired < (T - t0) * h.shape[0]

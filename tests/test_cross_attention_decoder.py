@@ -107,7 +107,7 @@ def test_replicated_cross_attention_equals_the_L_by_M_masked_form(backend, windo
     concepts = torch.randn(B, M, D, requires_grad=True)
     # the decoder's context: its sliding window must not limit the concepts a token sees
     ctx = StackContext.build(doc, torch.zeros_like(doc), 8, 1e4, x.dtype, backend, window=window)
-    mem = ConceptMemory.build(concepts, cidx, b, doc, ctx)
+    mem = ConceptMemory.build(concepts, cidx, b, doc, ctx, xattn.hd)
     got = xattn(x, mem, doc, ctx.backend)
     ref = reference_cross_attention(xattn, x, concepts, doc, cidx, cdoc)
     valid = doc >= 0
@@ -144,13 +144,13 @@ def test_replication_needs_only_a_causal_kernel(monkeypatch):
         return _varlen_by_segment(q, k, v, cu_q)
 
     monkeypatch.setattr(attention, "flash_attn_varlen_func", varlen)
-    monkeypatch.setattr(block, "resolve_backend", lambda b, d: b)
+    monkeypatch.setattr(block, "resolve_backend", lambda b, d, compiled=False: b)
     torch.manual_seed(1)
     doc, b, cidx, cdoc = packed_case(seed=1)
     xattn = CrossAttention(16, num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=False, norm_eps=1e-6)
     x, concepts = torch.randn(*doc.shape, 16), torch.randn(2, cdoc.shape[1], 16)
     ctx = StackContext.build(doc, torch.zeros_like(doc), 8, 1e4, x.dtype, "flash", window=3)
-    got = xattn(x, ConceptMemory.build(concepts, cidx, b, doc, ctx), doc, ctx.backend)
+    got = xattn(x, ConceptMemory.build(concepts, cidx, b, doc, ctx, xattn.hd), doc, ctx.backend)
     ref = reference_cross_attention(xattn, x, concepts, doc, cidx, cdoc)
     valid = doc >= 0
     torch.testing.assert_close(got[valid], ref[valid], rtol=1e-5, atol=1e-5)
@@ -172,7 +172,7 @@ def test_a_256_wide_head_leaves_flash_for_sdpa(monkeypatch):
         return _varlen_by_segment(q, k, v, cu_q)
 
     monkeypatch.setattr(attention, "flash_attn_varlen_func", varlen)
-    monkeypatch.setattr(block, "resolve_backend", lambda b, d: b)
+    monkeypatch.setattr(block, "resolve_backend", lambda b, d, compiled=False: b)
     assert cross_backend("flash", 256) == "sdpa" and cross_backend("flash", 255) == "flash"
     assert cross_backend("docs", 256) == "docs"
     torch.manual_seed(2)
@@ -182,7 +182,7 @@ def test_a_256_wide_head_leaves_flash_for_sdpa(monkeypatch):
         xattn = CrossAttention(16, num_heads=2, num_kv_heads=1, head_dim=head_dim, qk_norm=True, norm_eps=1e-6)
         x, concepts = torch.randn(*doc.shape, 16), torch.randn(2, cdoc.shape[1], 16)
         ctx = StackContext.build(doc, torch.zeros_like(doc), head_dim, 1e4, x.dtype, "flash")
-        got = xattn(x, ConceptMemory.build(concepts, cidx, b, doc, ctx), doc, ctx.backend)
+        got = xattn(x, ConceptMemory.build(concepts, cidx, b, doc, ctx, xattn.hd), doc, ctx.backend)
         ref = reference_cross_attention(xattn, x, concepts, doc, cidx, cdoc)
         valid = doc >= 0
         torch.testing.assert_close(got[valid], ref[valid], rtol=1e-5, atol=1e-5)

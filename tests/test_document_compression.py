@@ -120,7 +120,7 @@ def _train_router(slack, steps=300, seed=0):
     D, L = 16, 24
     cfg = ChunkConfig(router="linear", target_ratio=2.0, document_slack=slack)
     ch = ChunkModule(cfg, D)
-    ch.generator = torch.Generator().manual_seed(seed)
+    ch.seed_boundaries(seed)
     kind_vec = torch.randn(2, D)
     opt = torch.optim.Adam(ch.parameters(), lr=3e-2)
     doc = torch.arange(8).repeat_interleave(L)[None]            # 8 documents of L tokens in one row

@@ -83,14 +83,16 @@ def test_topk_router_gates_each_concept_by_sigmoid_of_its_score_eq3():
     h = torch.randn(1, 8, D)
     sigma = torch.sigmoid(mod.score(h).squeeze(-1))                          # eq. 1, 3
     ch = mod(h, doc, force="all")
-    middle = torch.randn(1, 7, D)                                            # concept m = token m (7 real tokens)
+    middle = torch.randn(1, ch.cdoc_BM.shape[1], D)                          # concept m = token m (7 real tokens)
     z, _, _ = dech(h, middle, ch)
-    torch.testing.assert_close(z[:, :7], h[:, :7] + sigma[:, :7, None] * middle)      # eq. 4
+    torch.testing.assert_close(z[:, :7], h[:, :7] + sigma[:, :7, None] * middle[:, :7])      # eq. 4
     assert float((sigma[0, :7] - 0.5).abs().min().detach()) > 0.05
 
     b = torch.tensor([[1, 0, 1, 0, 1, 1, 0, 0]]).bool()
     ch = mod(h, doc, force=b)
-    torch.testing.assert_close(ch.cgate_BM, sigma[b][None])                  # the boundary token's gate
+    n = int(b.sum())
+    torch.testing.assert_close(ch.cgate_BM[:, :n], sigma[b][None])           # the boundary token's gate
+    assert (ch.cgate_BM[:, n:] == 0).all()                                   # unused capacity
     middle = torch.randn(1, ch.cdoc_BM.shape[1], D)
     z, c, _ = dech(h, middle, ch)
     gated = ema_scan(middle * ch.cgate_BM[..., None], ch.cp_BM, doc_starts(ch.cdoc_BM))

@@ -1,21 +1,20 @@
 """Attention over packed rows (several documents per row): time and the size of the T x T temporaries, per backend.
 
-Backends (vlm.model.attention): `sdpa` with the dense packed mask (what the model runs on CPU; the mask is built
-once per stack, so it is built outside the timed call here), `eager` (scores materialised in fp32), `flex`
-(torch's flex_attention without torch.compile: its unfused path, forward only, no CPU backward), and for
-reference two that are not backends of the model: per-document SDPA (one causal call per document, what a
-varlen kernel does in one launch; the same output) and plain causal SDPA over the whole row (ignores document
-borders, so a different output: the cost of the mask alone). `flash` needs CUDA and is listed as unavailable.
+Backends (vlm.model.attention): `sdpa` with the dense packed mask (the fallback, and the CPU path under
+torch.compile; the mask is built once per stack, so it is built outside the timed call here), `eager` (scores
+materialised in fp32), per-document SDPA (one causal call per document: the CPU default `docs`, and what a varlen
+kernel does in one launch; the same output), and for reference plain causal SDPA over the whole row (ignores
+document borders, so a different output: the cost of the mask alone). `flash` and FlexAttention (the CUDA
+defaults: a compiled kernel per shape, no CPU backward) are measured by `vlm bench gpu`.
 
 Memory: CPU peak memory of torch tensors is not visible to tracemalloc, so the part reports the analytic size
 of the tensors that grow as T^2, per call: the bool mask (B*T^2 bytes) plus the fp32 copy SDPA makes of it
-(aten::where, seen with torch.profiler), the fp32 scores (B*H*T^2*4) for eager and unfused flex, and none for
+(aten::where, seen with torch.profiler), the fp32 scores (B*H*T^2*4) for eager, and none for
 the per-document and causal calls (CPU flash kernels work in blocks). A backend whose temporaries would
 exceed `max_quadratic_bytes` is skipped at that length and listed.
 """
 from __future__ import annotations
 
-import warnings
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -61,15 +60,13 @@ def per_document(q, k, v, doc_BT):
 
 
 def quadratic_bytes(name: str, B: int, H: int, T: int) -> int:
-    return {BASELINE: B * T * T * (1 + 4), "eager": B * T * T + B * H * T * T * 4,
-            "flex (unfused, no compile)": B * H * T * T * 4}.get(name, 0)
+    return {BASELINE: B * T * T * (1 + 4), "eager": B * T * T + B * H * T * T * 4}.get(name, 0)
 
 
 def backends(doc_BT, mask_B1TT):
     return {
         BASELINE: lambda q, k, v: attend(q, k, v, doc_BT, "sdpa", mask_B1TT),
         "eager": lambda q, k, v: attend(q, k, v, doc_BT, "eager", mask_B1TT),
-        "flex (unfused, no compile)": lambda q, k, v: attend(q, k, v, doc_BT, "flex"),
         "per-document sdpa (varlen-style)": lambda q, k, v: per_document(q, k, v, doc_BT),
         "causal sdpa, no document mask": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                                                                         enable_gqa=True),
@@ -88,12 +85,6 @@ def _timed(fn, q, k, v, g, backward: bool):
 
 
 def run(s: Settings, log=print) -> dict:
-    with warnings.catch_warnings():   # flex's advice to compile: its unfused path is what is measured here
-        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-        return _run(s, log)
-
-
-def _run(s: Settings, log) -> dict:
     B, H, KV, d = 1, BASE.num_heads, BASE.num_kv_heads, BASE.head_dim
     skipped, out = {}, []
     unavailable = {"flash": "flash-attn varlen kernel: needs the flash-attn package and a CUDA device"}
@@ -113,8 +104,6 @@ def _run(s: Settings, log) -> dict:
                 if qb > s.max_quadratic_bytes:
                     skipped[f"{name} at T={T}"] = f"T x T temporaries of {qb / 2**30:.1f} GiB"
                     continue
-                if backward and name.startswith("flex"):
-                    continue
                 with torch.no_grad():
                     diff = float((fn(q, k, v) - ref).abs().max())
                 fns[name] = _timed(fn, q, k, v, g, backward)
@@ -125,8 +114,7 @@ def _run(s: Settings, log) -> dict:
             out += rs
             log(f"  attention {mode} T={T}: " + ", ".join(f"{r['candidate']} x{r['ratio_vs_baseline']:.2f}"
                                                           for r in rs))
-    if "forward+backward" in s.modes:
-        unavailable["flex (forward+backward)"] = "flex_attention has no CPU backward"
+    unavailable["flex"] = "FlexAttention: the CUDA default (compiled per shape, no CPU backward): vlm bench gpu"
     return common.result(
         PART, {**asdict(s), "batch": B, "heads": H, "kv_heads": KV, "head_dim": d}, out,
         unavailable={**unavailable, **skipped},

@@ -2,8 +2,10 @@
 
 Every model gets caches filled to the context length (random keys and values: decode cost depends on how much
 is cached, not on what) and then decodes `steps` tokens per round. ConceptMoE's caches hold the context's L/R
-concepts and its boundaries fire at rate 1/R (forced, as a trained model at realized ratio R does), so the
-concept model runs for ~1/R of the rows per step. Between rounds the caches are rewound to the context (not
+concepts and its boundaries fire at rate 1/R (forced, as a trained model at realized ratio R does). The step has
+fixed shapes (it can be compiled and captured as a CUDA graph): every row runs the concept model every step and
+the rows whose boundary did not fire keep their caches, so what ConceptMoE saves per step is the concept model's
+shorter attention (L/R cached concepts), not its MoE. Between rounds the caches are rewound to the context (not
 timed), so every round decodes the same positions. A round's figure is batch * steps / its total time: a
 ConceptMoE step costs more when boundaries fire, and a stream of tokens at ratio R pays the mean over steps.
 """
@@ -53,6 +55,7 @@ def filled_cache(model: ConceptMoELM, B: int, L: int, ratio: float | None, steps
         c.v_BKSd[:, :, :n].normal_(generator=gen)
         c.len_B.fill_(n)
     cache.len_B = torch.full((B,), L, dtype=torch.long)
+    cache.used_tokens, cache.used_concepts = L, n_concepts
     if model.chunker is not None:
         cache.chunk = ChunkState(torch.randn(B, D, generator=gen), torch.zeros(B, D), torch.zeros(B, dtype=torch.long),
                                  torch.randn(B, D, generator=gen), torch.full((B,), n_concepts, dtype=torch.long))
@@ -67,10 +70,13 @@ def rewinder(cache: InferenceCache):
     len_B = cache.len_B.clone()
     chunk = None if cache.chunk is None else [getattr(cache.chunk, f.name) for f in fields(ChunkState)]
 
+    used = cache.used_tokens, cache.used_concepts
+
     def rewind():
         for c, n in zip(caches, lens):
             c.len_B.copy_(n)
         cache.len_B = len_B.clone()
+        cache.used_tokens, cache.used_concepts = used
         if chunk is not None:
             cache.chunk = ChunkState(*(None if t is None else t.clone() for t in chunk))
     return rewind

@@ -20,17 +20,21 @@ except Exception:  # pragma: no cover - not installable on CPU machines
     flash_attn_varlen_func = None
 
 
-def resolve_backend(requested: str, device: torch.device) -> str:
-    if requested != "auto":   # "docs": one SDPA per document, no T x T mask (long rows on CPU)
+def resolve_backend(requested: str, device: torch.device, compiled: bool = False) -> str:
+    """The attention backend that runs: `requested`, or for "auto" flash-attn on CUDA when installed, else a
+    compiled FlexAttention document mask (fused, no T x T mask, no host synchronisation), and on CPU one SDPA per
+    document. `compiled` (the blocks are compiled, or this runs under torch.compile): the per-document loop, which
+    reads the documents on the host, becomes SDPA under the packed mask."""
+    compiled = compiled or torch.compiler.is_compiling()
+    if requested != "auto":
         if requested == "flash" and (flash_attn_varlen_func is None or device.type != "cuda"):
             raise RuntimeError("attn_backend='flash' needs the flash-attn package and a CUDA device")
-        return requested
-    if device.type == "cuda" and flash_attn_varlen_func is not None:
-        return "flash"
+        return "sdpa" if requested == "docs" and compiled else requested
+    if device.type == "cuda":
+        return "flash" if flash_attn_varlen_func is not None else "flex"
     # On CPU one SDPA call per document beats SDPA under the packed [B, 1, T, T] mask (prefill 0.57x at 2K,
-    # 0.23x at 8K; `vlm bench attention`) and keeps memory linear in T. On CUDA without flash-attn
-    # the per-document loop is launch-bound, so the masked kernel stays.
-    return "sdpa" if device.type == "cuda" else "docs"
+    # 0.23x at 8K; `vlm bench attention`) and keeps memory linear in T.
+    return "sdpa" if compiled else "docs"
 
 
 def packed_mask(doc_BT: torch.Tensor, causal: bool = True, window: int = 0) -> torch.Tensor:
@@ -107,32 +111,58 @@ def _flash(q, k, v, layout, causal, window=0):
     return full.view(B, T, H, d).transpose(1, 2)
 
 
+def document_block_mask(doc_BT: torch.Tensor, causal: bool = True, window: int = 0):
+    """FlexAttention's BlockMask for packed rows: the same rule as `packed_mask` (same document, causal, the
+    sliding window; padding attends to itself), evaluated blockwise so that fully masked blocks (other documents,
+    the future, padding) are skipped. Built once per stack; compiled when built outside torch.compile."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    B, T = doc_BT.shape
+
+    def mask_mod(b, h, qi, ki):
+        same = (doc_BT[b, qi] == doc_BT[b, ki]) & (doc_BT[b, ki] >= 0)
+        if window:
+            same = same & (qi - ki < window)
+        if causal:
+            same = same & (ki <= qi)
+        return same | (qi == ki)
+
+    return create_block_mask(mask_mod, B, None, T, T, device=doc_BT.device,
+                             _compile=not torch.compiler.is_compiling())
+
+
+_COMPILED_FLEX = None
+
+
+def _flex():
+    """flex_attention, compiled once when called from eager code (uncompiled, it materialises the scores); under
+    torch.compile the surrounding graph compiles it."""
+    global _COMPILED_FLEX
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if torch.compiler.is_compiling():
+        return flex_attention
+    if _COMPILED_FLEX is None:
+        _COMPILED_FLEX = torch.compile(flex_attention, dynamic=False)
+    return _COMPILED_FLEX
+
+
 def attend(q_BHTd, k_BKTd, v_BKTd, doc_BT, backend: str, mask_B1TT=None, causal: bool = True, window: int = 0):
     """Packed attention; `mask_B1TT` may be passed in to share it across the layers of a stack (it then already
-    holds the sliding `window`)."""
-    if backend == "flash":  # `mask_B1TT` holds the stack's flash_layout here
+    holds the sliding `window`; per backend it is the flash layout, the document segments or the BlockMask)."""
+    if backend == "flash":
         layout = mask_B1TT if mask_B1TT is not None else flash_layout(doc_BT)
         return _flash(q_BHTd, k_BKTd, v_BKTd, layout, causal, window)
-    if backend == "docs":   # `mask_B1TT` holds the stack's document segments here (doc_segments)
+    if backend == "docs":
         segments = mask_B1TT if mask_B1TT is not None else doc_segments(doc_BT)
         return _per_document(q_BHTd, k_BKTd, v_BKTd, doc_BT, segments, causal, window)
+    if backend == "flex":
+        block_mask = mask_B1TT if mask_B1TT is not None else document_block_mask(doc_BT, causal, window)
+        return _flex()(q_BHTd, k_BKTd, v_BKTd, block_mask=block_mask, enable_gqa=k_BKTd.shape[1] != q_BHTd.shape[1])
     if mask_B1TT is None:
         mask_B1TT = packed_mask(doc_BT, causal, window)
     if backend == "eager":
         return _eager(q_BHTd, k_BKTd, v_BKTd, mask_B1TT)
-    if backend == "flex":  # pragma: no cover - exercised on GPU only (no CPU backward)
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-        B, _, T, _ = q_BHTd.shape
-
-        def mod(b, h, qi, ki):
-            same = (doc_BT[b, qi] == doc_BT[b, ki]) & (doc_BT[b, ki] >= 0)
-            if window:
-                same = same & (qi - ki < window)
-            return (same & (ki <= qi) if causal else same) | (qi == ki)
-
-        bm = create_block_mask(mod, B, None, T, T, device=q_BHTd.device)
-        return flex_attention(q_BHTd, k_BKTd, v_BKTd, block_mask=bm, enable_gqa=True)
     return F.scaled_dot_product_attention(q_BHTd, k_BKTd, v_BKTd, attn_mask=mask_B1TT,
                                           enable_gqa=k_BKTd.shape[1] != q_BHTd.shape[1])
 
@@ -194,9 +224,10 @@ class Attention(nn.Module):
         out = attend(q, k, v, doc_BT, backend, mask, window=window)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.h * self.hd))
 
-    def step(self, x_R1D, rope, cache: KVCache, rows: torch.Tensor, c_R1D=None):
-        """One new token (or concept) for each of `rows`, attending over its row's cache."""
-        R = x_R1D.shape[0]
-        q, k, v = self._heads(x_R1D, c_R1D, rope)
-        out = cache.append_and_attend(rows, q, k, v)
-        return self.o_proj(out.transpose(1, 2).reshape(R, 1, self.h * self.hd))
+    def step(self, x_B1D, rope, cache: KVCache, advance_B: torch.Tensor | None = None, c_B1D=None):
+        """One new token (or concept) per row, attending over its row's cache; rows with `advance_B` False do not
+        keep it (a concept that did not close)."""
+        B = x_B1D.shape[0]
+        q, k, v = self._heads(x_B1D, c_B1D, rope)
+        out = cache.append_and_attend(q, k, v, advance_B)
+        return self.o_proj(out.transpose(1, 2).reshape(B, 1, self.h * self.hd))

@@ -3,8 +3,9 @@
 Rows are ragged: each has its own length (tokens, or concepts for a concept cache: the concept model's, and the
 cross-attention decoder's, which keeps one key/value per concept). A cache is one padded
 buffer per layer plus the lengths; appending writes at each row's length, attention masks past it. In a
-decode step the concept model runs only for the rows whose boundary fired, so concept caches are read
-and written for a subset of rows (`rows`, an index tensor): no Python loop over rows or tokens.
+decode step every row computes (fixed shapes, so the step can be compiled and captured as a CUDA graph); a concept
+cache keeps the new entry only for the rows whose boundary fired (`advance_B`): no Python loop over rows or tokens,
+no host synchronisation.
 """
 from __future__ import annotations
 
@@ -37,31 +38,42 @@ class KVCache:
         self.v_BKSd[:, :, :T] = v_BKTd
         self.len_B.copy_(len_B)
 
-    def append(self, rows: torch.Tensor | None, k_RK1d, v_RK1d) -> None:
-        """Write one new key/value per selected row (`rows`; None = every row) at its length."""
-        idx = rows if rows is not None else torch.arange(self.len_B.shape[0], device=self.len_B.device)
-        pos_R = self.len_B[idx]   # room was made once per step (InferenceCache.ensure_room), not here (no sync)
-        self.k_BKSd[idx, :, pos_R] = k_RK1d[:, :, 0]
-        self.v_BKSd[idx, :, pos_R] = v_RK1d[:, :, 0]
-        self.len_B[idx] += 1
+    def write(self, k_BK1d, v_BK1d) -> None:
+        """One new key/value per row at its length, not yet counted. Fixed shapes: every row writes, no host
+        synchronisation (room was made before the step: `InferenceCache.make_room`)."""
+        rows = torch.arange(self.len_B.shape[0], device=self.len_B.device)
+        self.k_BKSd[rows, :, self.len_B] = k_BK1d[:, :, 0]
+        self.v_BKSd[rows, :, self.len_B] = v_BK1d[:, :, 0]
 
-    def attend(self, rows: torch.Tensor | None, q_RH1d) -> torch.Tensor:
-        """One query per selected row over that row's filled entries (the last `window` of them if set)."""
-        len_R = self.len_B if rows is None else self.len_B[rows]
+    def advance(self, advance_B: torch.Tensor | None = None) -> None:
+        """Count the written entry (for the rows with `advance_B`; None: every row). A row that does not keep it
+        overwrites the slot with its next entry."""
+        self.len_B.add_(1 if advance_B is None else advance_B.long())
+
+    def append(self, k_BK1d, v_BK1d, advance_B: torch.Tensor | None = None) -> None:
+        self.write(k_BK1d, v_BK1d)
+        self.advance(advance_B)
+
+    def attend(self, q_BH1d, extra: int = 0) -> torch.Tensor:
+        """One query per row over that row's filled entries plus `extra` written past them (only the last `window`
+        of them if set)."""
+        len_B = self.len_B + extra
         S = self.k_BKSd.shape[2]
-        j_1S = torch.arange(S, device=len_R.device)[None]
-        mask_RS = j_1S < len_R[:, None]
+        j_1S = torch.arange(S, device=len_B.device)[None]
+        mask_BS = j_1S < len_B[:, None]
         if self.window:
-            mask_RS &= j_1S >= len_R[:, None] - self.window
-        mask_R11S = mask_RS[:, None, None]
-        k, v = (self.k_BKSd, self.v_BKSd) if rows is None else (self.k_BKSd[rows], self.v_BKSd[rows])
-        return F.scaled_dot_product_attention(q_RH1d, k, v, attn_mask=mask_R11S, enable_gqa=k.shape[1] != q_RH1d.shape[1])
+            mask_BS &= j_1S >= len_B[:, None] - self.window
+        return F.scaled_dot_product_attention(q_BH1d, self.k_BKSd, self.v_BKSd, attn_mask=mask_BS[:, None, None],
+                                              enable_gqa=self.k_BKSd.shape[1] != q_BH1d.shape[1])
 
-    def append_and_attend(self, rows: torch.Tensor | None, q_RH1d, k_RK1d, v_RK1d) -> torch.Tensor:
-        """Self-attention of one new position per selected row (`rows`; None = every row, read in place without
-        a gather): its key/value joins the row's cache, then its query attends over the row."""
-        self.append(rows, k_RK1d, v_RK1d)
-        return self.attend(rows, q_RH1d)
+    def append_and_attend(self, q_BH1d, k_BK1d, v_BK1d, advance_B: torch.Tensor | None = None) -> torch.Tensor:
+        """Self-attention of one new position per row: its key/value joins the row's cache and its query attends
+        over the row. Rows with `advance_B` False (a concept cache whose boundary did not fire) compute as the others
+        do, with fixed shapes, but do not keep the entry; their result is not used."""
+        self.write(k_BK1d, v_BK1d)
+        out = self.attend(q_BH1d, extra=1)
+        self.advance(advance_B)
+        return out
 
     def select(self, rows: torch.Tensor) -> "KVCache":
         """A cache of the given rows (repeats allowed: one prefix continued several ways)."""
@@ -124,6 +136,10 @@ class InferenceCache:
     # decoder_mode cross_attention: the concept keys/values of each cross-attending decoder layer, one entry
     # per realized concept (DLCM eq. 13), filled at prefill and extended when a boundary fires
     cross: list[KVCache] = field(default_factory=list)
+    # host-side bounds on the entries any row has used in the token caches (the prompt's padded length plus one per
+    # step) and in the concept caches (the prompt's concept capacity plus one per step): see `make_room`
+    used_tokens: int = 0
+    used_concepts: int = 0
 
     def select(self, rows: torch.Tensor) -> "InferenceCache":
         """The caches of the given rows, e.g. each prompt repeated once per candidate continuation."""
@@ -132,17 +148,24 @@ class InferenceCache:
                                                       for f in fields(ChunkState)))
         pick = lambda caches: [c.select(rows) for c in caches]  # noqa: E731
         return InferenceCache(pick(self.encoder), pick(self.concept), pick(self.decoder), self.len_B[rows], chunk,
-                              self.capacity, pick(self.cross))
+                              self.capacity, pick(self.cross), self.used_tokens,
+                              self.used_concepts)
 
-    def ensure_room(self) -> None:
-        """Before a step: grow any cache that one more position per row would overflow (one host sync per step,
-        doubling, so a long generation grows it a logarithmic number of times)."""
-        n_tok = int(self.len_B.max()) + 1
-        n_con = int(self.chunk.n_concepts_B.max()) + 1 if self.chunk is not None else n_tok
-        for caches, need in ((self.encoder + self.decoder, n_tok), (self.concept + self.cross, n_con)):
-            for c in caches:
-                if need > c.capacity:
-                    c.grow(c.capacity)
+    def make_room(self, steps: int = 1) -> None:
+        """Before `steps` decode steps: grow every cache (doubling) that they could overflow. Host-side bookkeeping
+        (bounds on the entries used), so the step itself has no host synchronisation and fixed shapes between
+        growths."""
+        if self.room() < steps:
+            for c in self.encoder + self.decoder + self.concept + self.cross:
+                c.grow(max(c.capacity, steps))
+        self.used_tokens += steps
+        self.used_concepts += steps
+
+    def room(self) -> int:
+        """Decode steps every cache has a free slot for (from the host-side bounds)."""
+        tok = min((c.capacity for c in self.encoder + self.decoder), default=1 << 62) - self.used_tokens
+        con = min((c.capacity for c in self.concept + self.cross), default=1 << 62) - self.used_concepts
+        return min(tok, con)
 
     def token_bytes(self) -> int:
         return sum(c.nbytes() for c in self.encoder + self.decoder)

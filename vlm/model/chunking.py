@@ -7,6 +7,7 @@ document or one built from later tokens.
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, NamedTuple
 
 import torch
@@ -19,6 +20,7 @@ from vlm.model.config import ChunkConfig
 from vlm.model.doc_stats import document_slots
 from vlm.model.ratio_loss import document_ratio_loss, ratio_loss
 from vlm.model.layers import doc_starts, positions_in_doc
+from vlm.model.noise import normal, uniform
 
 
 # ---------------------------------------------------------------- equations
@@ -33,9 +35,18 @@ def sharpen(p: torch.Tensor, tau: float) -> torch.Tensor:
     return torch.where(p >= 0.5, p.clamp_min(0).pow(1 / tau), 1 - (1 - p).clamp_min(0).pow(1 / tau))
 
 
-def sample_boundaries(p_sharp: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Eq. 6: b_n ~ Bernoulli(p_sharp_n)."""
-    return torch.rand(p_sharp.shape, device=p_sharp.device, generator=generator) < p_sharp
+def sample_boundaries(p_sharp: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Eq. 6: b_n ~ Bernoulli(p_sharp_n), from uniforms u_n in [0, 1)."""
+    return u < p_sharp
+
+
+def concept_capacity(T: int, slack: float | None, R: float) -> int:
+    """Concept positions per row: ceil(T * slack / R) rounded up to a multiple of 16 (kernel tiles), at most T;
+    T when `slack` is None. A static function of the row length, so the concept model's shapes never depend on
+    the data (no host synchronisation)."""
+    if slack is None:
+        return T
+    return min(T, -(-math.ceil(T * slack / R) // 16) * 16)
 
 
 # ---------------------------------------------------------------- modules
@@ -46,27 +57,28 @@ class Chunks(NamedTuple):
     inside tuples, lists and dicts."""
 
     p_BT: torch.Tensor         # boundary probability (0 at padding)
-    b_BT: torch.Tensor         # bool boundaries
+    b_BT: torch.Tensor         # bool boundaries (the router's, capacity overflow included)
     sel_BT: torch.Tensor       # probability of the selected outcome (p if boundary else 1-p)
-    cidx_BT: torch.Tensor      # psi(n): concept read by token n (-1 at padding)
-    cdoc_BM: torch.Tensor      # document of each concept (-1 at padding)
+    cidx_BT: torch.Tensor      # psi(n): concept read by token n (-1 at padding and past the concept capacity)
+    cdoc_BM: torch.Tensor      # document of each concept (-1 at padding); M is the static concept capacity
     cpos_BM: torch.Tensor      # index of the concept within its document
     cp_BM: torch.Tensor        # p at each concept's boundary
     loss: torch.Tensor         # ratio loss (eq. 4), summed over ratio groups
     local_stats: torch.Tensor  # [K, 3] (boundaries, sum p, tokens) per ratio group
+    overflow: torch.Tensor     # 0-d: boundaries past their row's concept capacity (concepts not computed)
     # Synergy eq. 3's gate sigmoid(w) at each concept's boundary (topk router); None: the concepts are not gated
     # and eq. 10's STE(sel) multiplies them
     cgate_BM: torch.Tensor | None = None
 
 
 class ChunkStep(NamedTuple):
-    """One decode step's chunking (`ChunkModule.step`): `forward` and `merge` for one new token per row."""
+    """One decode step's chunking (`ChunkModule.step`): `forward` and `merge` for one new token per row. Every
+    row is present (fixed shapes); only the rows with `b_B` close a concept, the others' values are not used."""
 
     p_B: torch.Tensor          # boundary probability
     b_B: torch.Tensor          # bool: the token closes a concept
-    rows: torch.Tensor         # the rows whose boundary fired (indices), the only ones the concept model runs on
-    c_RD: torch.Tensor         # their new concepts, as `merge` builds them (the concept model's inputs)
-    gate_R: torch.Tensor | None = None   # Synergy eq. 3's gate of each new concept (topk router), as Chunks.cgate_BM
+    c_BD: torch.Tensor         # the concept each row closes, as `merge` builds it (the concept model's input)
+    gate_B: torch.Tensor | None = None   # Synergy eq. 3's gate of that concept (topk router), as Chunks.cgate_BM
 
 
 class ChunkModule(nn.Module):
@@ -91,7 +103,29 @@ class ChunkModule(nn.Module):
         self.every = max(2, round(cfg.target_ratio))   # the fixed router's spacing
         # Global parser (DLCM): maps local [K, 3] sums to global ones (ranks, micro-batches). Set by the trainer.
         self.stats_hook: Callable[[torch.Tensor], torch.Tensor] | None = None
-        self.generator: torch.Generator | None = None
+        # Boundary noise (vlm.model.noise): a pure function of this seed and the position. Unseeded, every
+        # training forward draws a fresh seed from torch's RNG; `seed_boundaries` fixes it (a step's passes).
+        self.register_buffer("noise_seed", torch.zeros((), dtype=torch.long), persistent=False)
+        self.seeded = False
+
+    def seed_boundaries(self, seed: int | None) -> None:
+        """The seed of the next forwards' boundary noise (None: a fresh one per forward). Held in a tensor, so a
+        new seed is no new compilation."""
+        self.seeded = seed is not None
+        if seed is not None:
+            self.noise_seed.fill_(seed % (2 ** 63 - 1))
+
+    def _noise_seed(self) -> torch.Tensor:
+        if self.seeded:
+            return self.noise_seed
+        return torch.randint(0, 2 ** 62, (), device=self.noise_seed.device)
+
+    def capacity(self, T: int, training: bool | None = None) -> int:
+        """The static concept capacity of a T-token row (`concept_capacity` at the smallest target ratio), with the
+        training or the eval slack (None: the module's mode)."""
+        R = min(list((self.cfg.modality_target_ratios or {}).values()) or [self.cfg.target_ratio])
+        training = self.training if training is None else training
+        return concept_capacity(T, self.cfg.capacity_slack if training else self.cfg.eval_capacity_slack, R)
 
     def boundary_prob(self, h_BTD, doc_BT, above_BT=None):
         if self.cfg.router == "cosine":
@@ -208,20 +242,25 @@ class ChunkModule(nn.Module):
             # ranked by the raw scores: p = sigmoid(w - tau) saturates and would tie the best ones
             b = self.topk_boundaries(self.score(h_BTD).squeeze(-1).detach().float(), doc_BT) | start
         elif self.training and self.cfg.boundary_noise == "bernoulli":
-            b = sample_boundaries(sharpen(p.detach(), self.cfg.tau), self.generator) | start
+            u = uniform(self._noise_seed(), tuple(p.shape), p.device)
+            b = sample_boundaries(sharpen(p.detach(), self.cfg.tau), u) | start
         elif self.training and self.cfg.boundary_noise == "gaussian":
-            noise = torch.randn(p.shape, device=p.device, generator=self.generator) * self.cfg.noise_sigma
+            noise = normal(self._noise_seed(), tuple(p.shape), p.device) * self.cfg.noise_sigma
             b = (p.detach() + noise >= 0.5) | start
         else:
             b = (p >= 0.5) | start
         b = b & valid
         sel = torch.where(b, p, 1 - p)
         loss, local = self.compute_ratio_loss(p, b, self.ratio_groups(valid, modality_BT), doc_BT)
-        cidx = torch.where(valid, b.long().cumsum(1) - 1, torch.full_like(doc_BT, -1))
-        # The forward's one host sync: the concept count sizes the concept stack. Everything else scatters
-        # into a spill column M (non-boundary tokens) that is dropped, instead of boolean indexing.
-        M = int(b.sum(1).max()) if b.numel() else 0
-        slot_BT = torch.where(b, cidx, torch.full_like(cidx, M))
+        # Concepts go into a static capacity of M per row (no host synchronisation): everything scatters into a
+        # spill column M (non-boundary tokens, and boundaries past the capacity) that is dropped. Tokens whose
+        # concept lies past the capacity read none (cidx -1); those concepts are counted, not hidden.
+        M = doc_BT.shape[1] if force == "all" else self.capacity(doc_BT.shape[1])
+        count_BT = b.long().cumsum(1) - 1
+        fits = count_BT < M
+        cidx = torch.where(valid & fits, count_BT, torch.full_like(doc_BT, -1))
+        overflow = (b & ~fits).sum().float()
+        slot_BT = torch.where(b & fits, count_BT, torch.full_like(count_BT, M))
         cdoc = torch.full((doc_BT.shape[0], M + 1), -1, dtype=doc_BT.dtype, device=doc_BT.device)
         cdoc = cdoc.scatter(1, slot_BT, doc_BT)[:, :M]
         cp = p.new_zeros(doc_BT.shape[0], M + 1).scatter(1, slot_BT, p)[:, :M]
@@ -229,17 +268,17 @@ class ChunkModule(nn.Module):
         cgate = None
         if gate_BT is not None:   # each concept keeps its boundary token's gate (the spill column M is dropped)
             cgate = gate_BT.new_zeros(doc_BT.shape[0], M + 1).scatter(1, slot_BT, gate_BT)[:, :M]
-        return Chunks(p, b, sel, cidx, cdoc, positions_in_doc(cdoc), cp, loss, local, cgate)
+        return Chunks(p, b, sel, cidx, cdoc, positions_in_doc(cdoc), cp, loss, local, overflow, cgate)
 
     def merge(self, h_BTD: torch.Tensor, doc_BT: torch.Tensor, ch: Chunks) -> torch.Tensor:
         """Concepts [B, M, D] from token states: `last` takes h at the boundary, `sum`/`mean` pool the concept's tokens."""
         B, M = ch.cdoc_BM.shape
         if self.cfg.merge == "last":
-            slot_BT = torch.where(ch.b_BT, ch.cidx_BT, M)
+            slot_BT = torch.where(ch.b_BT & (ch.cidx_BT >= 0), ch.cidx_BT, M)
         else:
             # Token n belongs to the concept closed by the first boundary at or after n, if that boundary is in
-            # n's own document (a document's tail after its last boundary forms no concept).
-            seg_BT = ch.cidx_BT + (~ch.b_BT).long()
+            # n's own document (a document's tail after its last boundary forms no concept) and within capacity.
+            seg_BT = ch.b_BT.long().cumsum(1) - ch.b_BT.long()
             member = (doc_BT >= 0) & (seg_BT < M) & (ch.cdoc_BM.gather(1, seg_BT.clamp(0, max(M - 1, 0))) == doc_BT)
             slot_BT = torch.where(member, seg_BT, M)
         # a spill slot M per row takes every non-member token and is dropped: no boolean indexing, no host sync
@@ -256,12 +295,11 @@ class ChunkModule(nn.Module):
     def step(self, h_BD: torch.Tensor, state: RouterState, force_B: torch.Tensor | None = None) -> ChunkStep:
         """`forward` and `merge` for one new token per row (eval mode): whether it closes a concept and, for the
         rows where it does, that concept (and its gate). `force_B` sets the boundaries instead of the router (as
-        `forward`'s `force`). Updates `state` in place. One host sync: the rows that fired."""
+        `forward`'s `force`). Updates `state` in place; fixed shapes, no host synchronisation."""
         p_B, b_B = self.boundary_step(h_BD, state)
-        b_B = b_B if force_B is None else force_B
+        b_B = b_B if force_B is None else force_B.bool()
         concept_BD = self.merge_step(h_BD, b_B, state)
-        rows = b_B.nonzero().squeeze(1)
-        return ChunkStep(p_B, b_B, rows, concept_BD[rows], self.concept_gate(h_BD[rows]))
+        return ChunkStep(p_B, b_B, concept_BD, self.concept_gate(h_BD))
 
     def boundary_step(self, h_BD: torch.Tensor, state: RouterState) -> tuple[torch.Tensor, torch.Tensor]:
         """One new token per row (eval mode): its boundary probability (eq. 2 against the previous token) and
@@ -279,22 +317,20 @@ class ChunkModule(nn.Module):
         else:
             key = h_BD
             p = torch.sigmoid(self.score(torch.cat([h_BD, state.last_key_BD], -1)).squeeze(-1).float())
-        state.last_key_BD = key
+        state.last_key_BD.copy_(key)   # in place: a captured (CUDA graph) step keeps its buffers
         return p, p >= 0.5
 
     def merge_step(self, h_BD: torch.Tensor, b_B: torch.Tensor, state: RouterState) -> torch.Tensor:
         """The concept each row would close with this token ([B, D]; meaningful where `b_B`), as `merge` builds
         it; rows that close one start a new pending concept."""
+        n_B = state.pending_n_B + 1
+        state.pending_n_B.copy_(torch.where(b_B, torch.zeros_like(n_B), n_B))   # in place, as every state update
         if self.cfg.merge == "last":   # only the count of pending tokens is kept (the fixed router reads it)
-            state.pending_n_B = torch.where(b_B, torch.zeros_like(state.pending_n_B), state.pending_n_B + 1)
             return h_BD
-        state.pending_BD = state.pending_BD + h_BD
-        state.pending_n_B = state.pending_n_B + 1
-        concept = state.pending_BD
+        concept = state.pending_BD + h_BD
+        state.pending_BD.copy_(torch.where(b_B[:, None], torch.zeros_like(concept), concept))
         if self.cfg.merge == "mean":
-            concept = concept / state.pending_n_B.clamp_min(1)[:, None].to(concept.dtype)
-        state.pending_BD = torch.where(b_B[:, None], torch.zeros_like(concept), state.pending_BD)
-        state.pending_n_B = torch.where(b_B, torch.zeros_like(state.pending_n_B), state.pending_n_B)
+            concept = concept / n_B.clamp_min(1)[:, None].to(concept.dtype)
         return concept
 
     def prefill_state(self, h_BTD: torch.Tensor, doc_BT: torch.Tensor, ch: Chunks) -> RouterState:

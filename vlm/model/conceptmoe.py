@@ -43,13 +43,25 @@ class ConceptMoELM(nn.Module):
                                            cross=i >= self.joint_from and self.cross, **tok)
                                      for i in range(cfg.decoder_layers))
         self.norm = RMSNorm(D, cfg.norm_eps)
-        self.gradient_checkpointing = False   # recompute each block's activations in the backward (training)
+        # activation checkpointing per block in training (cfg.activation_checkpoint; `gradient_checkpointing`
+        # switches it to "full" the transformers way); `compiled`: the blocks are compiled (vlm.model.compile)
+        self.activation_checkpoint = cfg.activation_checkpoint
+        self.compiled = False
         self.lm_head = nn.Linear(D, cfg.vocab_size, bias=False)
         self.apply(self._init)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         if cfg.chunk.joint_decoding_zero_init:
             self.zero_joint_projections()
+
+    @property
+    def gradient_checkpointing(self) -> bool:
+        return self.activation_checkpoint != "none"
+
+    @gradient_checkpointing.setter
+    def gradient_checkpointing(self, on: bool) -> None:
+        self.activation_checkpoint = ("full" if self.activation_checkpoint == "none" else self.activation_checkpoint) \
+            if on else "none"
 
     def _init(self, m: nn.Module) -> None:
         if isinstance(m, (nn.Linear, nn.Embedding)) and not (self.dechunk is not None and m is self.dechunk.residual):
@@ -74,8 +86,8 @@ class ConceptMoELM(nn.Module):
         With `cache` (prefill: one document per row) every layer's keys and values and the chunk state are kept."""
         cfg = self.cfg
         ctx = StackContext.build(doc_BT, pos_BT, cfg.head_dim, cfg.rope_theta, x_BTD.dtype, cfg.attn_backend,
-                                 window=cfg.attention_window)
-        ckpt = self.gradient_checkpointing
+                                 window=cfg.attention_window, compiled=self.compiled)
+        ckpt = self.activation_checkpoint
         h_BTD, moe_stats = run_stack(self.encoder, x_BTD, ctx, caches=cache.encoder if cache else None,
                                      checkpoint=ckpt, states=states)
         ch: Chunks | None = None
@@ -90,7 +102,7 @@ class ConceptMoELM(nn.Module):
         if self.concept_up is not None:
             c_BMD = self.concept_up(c_BMD)
         cctx = StackContext.build(cdoc_BM, cpos_BM, cfg.head_dim, cfg.rope_theta, c_BMD.dtype, cfg.attn_backend,
-                                  use_rope=cfg.concept_pos == "rope")
+                                  use_rope=cfg.concept_pos == "rope", compiled=self.compiled)
         c_BMD, s = run_stack(self.concept, c_BMD, cctx, cfg.concept_schedule, caches=cache.concept if cache else None,
                              checkpoint=ckpt)
         moe_stats += s
@@ -105,7 +117,7 @@ class ConceptMoELM(nn.Module):
                 cache.chunk = ChunkState.join(self.chunker.prefill_state(h_BTD, doc_BT, ch),
                                               self.dechunk.prefill_state(doc_BT, ch, cread_BTD, cread_in_BTD))
             if self.cross:   # the decoder attends over the smoothed concepts instead of adding its own (eq. 11)
-                cread_BTD = ConceptMemory.build(smoothed_BMD, ch.cidx_BT, ch.b_BT, doc_BT, ctx)
+                cread_BTD = ConceptMemory.build(smoothed_BMD, ch.cidx_BT, ch.b_BT, doc_BT, ctx, cfg.head_dim)
         if states is not None:
             states.append(z_BTD)
         out_BTD, s = run_stack(self.decoder, z_BTD, ctx, c_BTD=cread_BTD, joint_from=self.joint_from,
@@ -128,6 +140,7 @@ class ConceptMoELM(nn.Module):
                               allocate_stack_caches(self.decoder, B, capacity, like, window=w),
                               torch.zeros(B, dtype=torch.long, device=like.device), capacity=capacity)
 
+
     def allocate_concept_caches(self, cache: InferenceCache, capacity: int, like: torch.Tensor) -> None:
         """The concept model's caches (one per pass of its schedule) and the cross-attention decoder's concept
         caches, `capacity` concepts per row."""
@@ -145,46 +158,54 @@ class ConceptMoELM(nn.Module):
         out_BTD, ch, moe_stats = self.hidden(x_BTD, batch.doc_ids, batch.position_ids, batch.modality, above_BT,
                                              cache=cache)
         cache.len_B = (batch.doc_ids >= 0).sum(1)
+        cache.used_tokens, cache.used_concepts = T, ch.cdoc_BM.shape[1] if ch is not None else T
         return self.assemble(self.lm_head(self.norm(out_BTD)), batch, ch, moe_stats), cache
 
     @torch.no_grad()
     def step(self, x_BD: torch.Tensor, cache: InferenceCache, force_B: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [B, V] of one new token per row (embedded: [B, D]), extending every cache. The concept model
-        runs only for the rows whose boundary fires (the baseline: every row, every token). `force_B` sets the
-        boundaries instead of the router (benchmarks at a chosen ratio, as `forward`'s `force`)."""
+        """Logits [B, V] of one new token per row (embedded: [B, D]), extending every cache: makes room for it
+        (host-side bookkeeping: the caches grow, rarely, between steps) and runs `decode_step`."""
+        cache.make_room(1)
+        return self.decode_step(x_BD, cache, force_B)
+
+    @torch.no_grad()
+    def decode_step(self, x_BD: torch.Tensor, cache: InferenceCache, force_B: torch.Tensor | None = None
+                    ) -> torch.Tensor:
+        """One decode step with fixed shapes and no host synchronisation, so it can be compiled
+        (`torch.compile(model.decode_step, fullgraph=True)`) and captured as a CUDA graph: every row runs every
+        stack, the concept model included; the rows whose boundary did not fire keep their concept state and
+        caches as they were (masked, not sliced out). `force_B` sets the boundaries instead of the router
+        (benchmarks at a chosen ratio, as `forward`'s `force`). The caches must have room (`step` makes it)."""
         cfg = self.cfg
-        cache.ensure_room()
         rope = rope_cos_sin(cache.len_B[:, None], cfg.head_dim, cfg.rope_theta, x_BD.dtype)
-        h_B1D = step_stack(self.encoder, x_BD[:, None], rope, cache.encoder, None)   # every row, caches in place
+        h_B1D = step_stack(self.encoder, x_BD[:, None], rope, cache.encoder)
         if self.chunker is None:   # every token is a concept
             z_B1D = self.concept_step(h_B1D, cache.len_B, None, cache)
             cread_B1D = None
         else:
             ck: ChunkStep = self.chunker.step(h_B1D[:, 0], cache.chunk, force_B)
-            pos_R = cache.chunk.n_concepts_B[ck.rows]   # the new concepts' places: the concepts closed so far
-            c_R1D = self.concept_step(ck.c_RD[:, None], pos_R, ck.rows, cache)
-            d = self.dechunk.step(h_B1D, c_R1D, ck, cache.chunk)
+            pos_B = cache.chunk.n_concepts_B   # the new concept's place: the concepts closed so far
+            c_B1D = self.concept_step(ck.c_BD[:, None], pos_B, ck.b_B, cache)
+            d = self.dechunk.step(h_B1D, c_B1D, ck, cache.chunk)
             z_B1D = d.z_B1D
             # the cross-attention decoder appends the new (smoothed) concepts to its caches; joint decoding reads c
-            cread_B1D = ConceptStep(d.new_R1D, ck.rows) if self.cross else d.c_B1D
-        out_B1D = step_stack(self.decoder, z_B1D, rope, cache.decoder, None, c_R1D=cread_B1D,
-                             joint_from=self.joint_from, cross_caches=cache.cross)
-        cache.len_B = cache.len_B + 1
+            cread_B1D = ConceptStep(d.c_B1D, ck.b_B) if self.cross else d.c_B1D
+        out_B1D = step_stack(self.decoder, z_B1D, rope, cache.decoder, c_B1D=cread_B1D, joint_from=self.joint_from,
+                             cross_caches=cache.cross)
+        cache.len_B.add_(1)
         return self.lm_head(self.norm(out_B1D))[:, 0]
 
-    def concept_step(self, c_R1D: torch.Tensor, pos_R: torch.Tensor, rows: torch.Tensor | None,
+    def concept_step(self, c_B1D: torch.Tensor, pos_B: torch.Tensor, fired_B: torch.Tensor | None,
                      cache: InferenceCache) -> torch.Tensor:
-        """The concept model (with its width projections) on one new concept for each of `rows` (None: every row),
-        at concept positions `pos_R`; no row fired: nothing runs."""
+        """The concept model (with its width projections) on one new concept per row at concept positions `pos_B`;
+        rows with `fired_B` False (None: every row fired) compute too but keep their caches as they were."""
         cfg = self.cfg
-        if rows is not None and not rows.numel():
-            return c_R1D
-        crope = rope_cos_sin(pos_R[:, None], cfg.head_dim, cfg.rope_theta, c_R1D.dtype) \
+        crope = rope_cos_sin(pos_B[:, None], cfg.head_dim, cfg.rope_theta, c_B1D.dtype) \
             if cfg.concept_pos == "rope" else None
         if self.concept_up is not None:
-            c_R1D = self.concept_up(c_R1D)
-        c_R1D = step_stack(self.concept, c_R1D, crope, cache.concept, rows, cfg.concept_schedule)
-        return self.concept_down(c_R1D) if self.concept_down is not None else c_R1D
+            c_B1D = self.concept_up(c_B1D)
+        c_B1D = step_stack(self.concept, c_B1D, crope, cache.concept, fired_B, cfg.concept_schedule)
+        return self.concept_down(c_B1D) if self.concept_down is not None else c_B1D
 
     def forward(self, batch: PackedBatch, inputs_embeds: torch.Tensor | None = None, above_BT=None,
                 force: str | torch.Tensor | None = None, output_hidden_states: bool = False) -> ModelOutput:

@@ -95,6 +95,15 @@ class ChunkConfig(ValidatedOnInit):
     # weight of that per-document term relative to the batch term's (ratio_loss_weight): inside the band it is 0, so
     # a large weight only sets how hard a document outside it is pulled back against the LM loss's pressure
     document_weight: float = 30.0
+    # Static concept capacity (the model runs without host synchronisation, DESIGN.md "On the GPU"): in training each
+    # row's concept model gets ceil(T * capacity_slack / R) positions (R the smallest target; rounded up to a
+    # multiple of 16, at most T) instead of as many as its boundaries; concepts past it are not computed, the tokens
+    # that would read them read none (their decoder input is the residual alone), and they are counted
+    # (`Chunks.overflow`, logged as chunk/overflow). null: capacity T, which never overflows.
+    capacity_slack: float | None = 1.25
+    # the same in eval mode (held-out loss, prefill, generation); null (T) keeps inference exact whatever a prompt's
+    # ratio, at the cost of computing the unused capacity's dense projections in the concept model
+    eval_capacity_slack: float | None = None
 
     @property
     def holds_documents(self) -> bool:
@@ -117,6 +126,9 @@ class ChunkConfig(ValidatedOnInit):
             check(not self.modality_target_ratios, "router 'topk' keeps n / target_ratio tokens per document; "
                                                    "modality_target_ratios needs the cosine or linear router")
             check(not self.grid_aware_boundaries, "grid_aware_boundaries needs the cosine router")
+        for name in ("capacity_slack", "eval_capacity_slack"):
+            v = getattr(self, name)
+            check(v is None or v >= 1.0, f"{name} must be >= 1 (concepts per row: T * slack / R) or null (T), got {v}")
         if self.document_slack is not None:
             check(self.document_weight > 0, f"document_weight must be > 0, got {self.document_weight}")
             check(self.document_slack >= 1.0, f"document_slack must be >= 1 (a document's ratio lies in [R/s, R*s]), "
@@ -159,8 +171,10 @@ class ModelConfig(ValidatedOnInit):
     loop_times: int = 0
     tie_embeddings: bool = False
     init_std: float = 0.02
-    # auto: flash on CUDA when installed, else SDPA with the packed T x T mask; docs: one SDPA per document (no
-    # T x T mask: memory linear in the row length, faster for long rows on CPU, see `vlm bench attention`)
+    # auto: flash-attn on CUDA when installed, else FlexAttention with a document block mask (compiled; fused,
+    # no host synchronisation); on CPU docs, one SDPA per document (no T x T mask: memory linear in the row length,
+    # faster for long rows, see `vlm bench attention`), or sdpa under torch.compile; sdpa / eager: the packed
+    # [B, 1, T, T] mask (the fallback)
     attn_backend: Literal["auto", "sdpa", "eager", "flash", "flex", "docs"] = "auto"
     # sliding-window (local) attention in the encoder and decoder layers: a token sees itself and the
     # window - 1 tokens before it in its document; 0 = the whole document. The concept model always sees all.
@@ -169,6 +183,13 @@ class ModelConfig(ValidatedOnInit):
     # the token's own EMA concept added into q, k, v) or cross_attention (DLCM eq. 12-14: a causal
     # cross-attention sublayer over every concept of the document up to the token's own; see cross_attention.py)
     decoder_mode: Literal["joint", "cross_attention"] = "joint"
+    # torch.compile each transformer block in training (vlm.model.compile, torchtitan's per-block compile);
+    # null: on for CUDA, off for CPU
+    compile: bool | None = None
+    # activation checkpointing per block in training: none; selective (keep the matmul, attention and expert
+    # outputs, recompute the elementwise work between them: torch's selective checkpointing); full (keep only the
+    # block's input, recompute the whole block)
+    activation_checkpoint: Literal["none", "selective", "full"] = "none"
 
     def validate(self) -> None:
         check(self.attention_window >= 0, f"attention_window must be >= 0 (0: whole document), got {self.attention_window}")

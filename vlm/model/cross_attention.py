@@ -47,8 +47,9 @@ FLASH_MAX_HEAD_DIM = 256   # flash-attn 2's largest head dimension
 
 def cross_backend(backend: str, head_dim: int) -> str:
     """The backend the replicated cross-attention runs on: the stack's, except that flash cannot take the extra
-    bias dimension when head_dim + 1 > 256; SDPA under the packed mask computes the same thing there."""
-    if backend == "flash" and head_dim + 1 > FLASH_MAX_HEAD_DIM:
+    bias dimension when head_dim + 1 > 256, and FlexAttention's kernels want power-of-two head dimensions; SDPA
+    under the packed mask computes the same thing there."""
+    if (backend == "flash" and head_dim + 1 > FLASH_MAX_HEAD_DIM) or backend == "flex":
         return "sdpa"
     return backend
 
@@ -65,22 +66,26 @@ class ConceptMemory:
     sdpa_mask: torch.Tensor | None = None   # the packed mask where `cross_backend` leaves flash (built once, shared)
 
     @staticmethod
-    def build(concepts_BMD, cidx_BT, b_BT, doc_BT, ctx) -> "ConceptMemory":
+    def build(concepts_BMD, cidx_BT, b_BT, doc_BT, ctx, head_dim: int) -> "ConceptMemory":
         """`ctx`: the decoder's StackContext; cross-attention sees every earlier concept even when the
         self-attention has a window, so the sdpa/eager mask is rebuilt without it (segments and the flash layout
-        carry no window)."""
+        carry no window). A boundary past the concept capacity (cidx -1) has no concept: its copy is dead too."""
         mask = ctx.mask
         if ctx.window and ctx.backend in ("sdpa", "eager"):
             mask = packed_mask(doc_BT)
-        return ConceptMemory(concepts_BMD, cidx_BT, b_BT | (doc_BT < 0), b_BT.sum(1), mask)
+        sdpa_mask = packed_mask(doc_BT) if cross_backend(ctx.backend, head_dim) != ctx.backend else None
+        first_BT = (b_BT & (cidx_BT >= 0)) | (doc_BT < 0)
+        n_concepts_B = b_BT.sum(1).clamp_max(concepts_BMD.shape[1])
+        return ConceptMemory(concepts_BMD, cidx_BT, first_BT, n_concepts_B, mask, sdpa_mask)
 
 
 @dataclass
 class ConceptStep:
-    """Decode step: the concepts that closed with this token (rows `rows`), to append to the caches."""
+    """Decode step: the concepts that closed with this token, to append to the caches (fixed shapes: every row
+    writes, the rows whose boundary fired keep the entry)."""
 
-    concepts_R1D: torch.Tensor
-    rows: torch.Tensor
+    concepts_B1D: torch.Tensor   # every row's smoothed concept after this token (new where `fired_B`)
+    fired_B: torch.Tensor        # bool: the rows whose boundary fired (the others keep their caches' lengths)
 
 
 def replicate(x_BKMd: torch.Tensor, cidx_BT: torch.Tensor) -> torch.Tensor:
@@ -96,9 +101,7 @@ def replicated_cross_attention(q_BHTd, k_BKMd, v_BKMd, mem: ConceptMemory, doc_B
     the first copies of concepts 0 .. psi(t) of its document, i.e. to each of those concepts exactly once."""
     d = q_BHTd.shape[-1]
     mask = mem.mask
-    if cross_backend(backend, d) != backend:
-        if mem.sdpa_mask is None:
-            mem.sdpa_mask = packed_mask(doc_BT)
+    if cross_backend(backend, d) != backend:   # built with the memory (ConceptMemory.build)
         backend, mask = cross_backend(backend, d), mem.sdpa_mask
     k_BKTd, v_BKTd = replicate(k_BKMd, mem.cidx_BT), replicate(v_BKMd, mem.cidx_BT)
     B, K, T, _ = k_BKTd.shape
@@ -157,6 +160,6 @@ class CrossAttention(nn.Module):
     def step(self, x_B1D, new: ConceptStep, cache: KVCache) -> torch.Tensor:
         """One new token per row: the rows whose boundary fired first append their new concept, then every row's
         query attends over its concepts (each once: the cache holds no copies)."""
-        k, v = self.concept_kv(new.concepts_R1D)
-        cache.append(new.rows, k, v)
-        return self.out(cache.attend(None, self.queries(x_B1D)))
+        k, v = self.concept_kv(new.concepts_B1D)
+        cache.append(k, v, new.fired_B)
+        return self.out(cache.attend(self.queries(x_B1D)))

@@ -37,9 +37,11 @@ def ste(x: torch.Tensor) -> torch.Tensor:
 
 
 def plug_back(concepts_BMD: torch.Tensor, cidx_BT: torch.Tensor) -> torch.Tensor:
-    """Eq. 9: token n reads concept psi(n), the last one closed at or before n."""
+    """Eq. 9: token n reads concept psi(n), the last one closed at or before n; 0 where psi(n) = -1 (padding, and
+    tokens whose concept lies past the static capacity: they read none)."""
     D = concepts_BMD.shape[-1]
-    return concepts_BMD.gather(1, cidx_BT.clamp_min(0)[..., None].expand(-1, -1, D))
+    read_BTD = concepts_BMD.gather(1, cidx_BT.clamp_min(0)[..., None].expand(-1, -1, D))
+    return torch.where(cidx_BT[..., None] >= 0, read_BTD, 0)
 
 
 # ---------------------------------------------------------------- module
@@ -47,9 +49,9 @@ class DechunkStep(NamedTuple):
     """One decode step's dechunk output."""
 
     z_B1D: torch.Tensor        # the decoder's input (eq. 10)
-    c_B1D: torch.Tensor        # the EMA concept each row's token reads (joint decoding's c, eq. 11)
-    new_R1D: torch.Tensor      # the smoothed concepts that closed with this token (rows `ChunkStep.rows`), for
-                               # the cross-attention decoder's caches
+    c_B1D: torch.Tensor        # the EMA concept each row's token reads (joint decoding's c, eq. 11); for the rows
+                               # whose boundary fired, the smoothed concept that just closed (the cross-attention
+                               # decoder's new cache entry)
 
 
 class Dechunk(nn.Module):
@@ -110,26 +112,29 @@ class Dechunk(nn.Module):
         read (and, for "delta", the same over the inputs) and the concept count."""
         rows = torch.arange(doc_BT.shape[0], device=doc_BT.device)
         last = (doc_BT >= 0).sum(1) - 1
-        return DechunkState(c_BTD[rows, last].float(), ch.b_BT.sum(1),
+        n_concepts_B = ch.b_BT.sum(1).clamp_max(ch.cdoc_BM.shape[1])   # the ones computed (within capacity)
+        return DechunkState(c_BTD[rows, last].float(), n_concepts_B,
                             None if c_in_BTD is None else c_in_BTD[rows, last].float())
 
-    def step(self, h_B1D: torch.Tensor, c_R1D: torch.Tensor, ck: ChunkStep, state: DechunkState) -> DechunkStep:
-        """`forward` for one new token per row (eval mode): the rows whose boundary fired (`ck.rows`) take in their
-        new concept, `c_R1D` (the concept model's output; its input is `ck.c_RD`), gated as `gated` does, into
+    def step(self, h_B1D: torch.Tensor, c_B1D: torch.Tensor, ck: ChunkStep, state: DechunkState) -> DechunkStep:
+        """`forward` for one new token per row (eval mode): the rows whose boundary fired (`ck.b_B`) take in their
+        new concept, `c_B1D` (the concept model's output; its input is `ck.c_BD`), gated as `gated` does, into
         eq. 8's EMA (and the concept count); every row's token then reads its EMA (eq. 9) into z (eq. 10; the STE
-        multiplier is 1 in the forward). Updates `state` in place."""
-        rows, c_in_RD = ck.rows, ck.c_RD
-        if ck.gate_R is not None:   # Synergy eq. 3-4: the concept (and its input) times its gate
-            c_R1D = c_R1D * ck.gate_R[:, None, None].to(c_R1D.dtype)
-            c_in_RD = c_in_RD * ck.gate_R[:, None].to(c_in_RD.dtype)
-        p_R = ck.p_B[rows]
-        state.ema_BD[rows] = self.ema_step(c_R1D[:, 0], p_R, state.ema_BD[rows])
-        state.n_concepts_B[rows] += 1
-        c_B1D = state.ema_BD[:, None].to(h_B1D.dtype)
+        multiplier is 1 in the forward). Fixed shapes: every row computes, the others keep their state. Updates
+        `state` in place."""
+        fired_B1 = ck.b_B[:, None]
+        c_BD, c_in_BD = c_B1D[:, 0], ck.c_BD
+        if ck.gate_B is not None:   # Synergy eq. 3-4: the concept (and its input) times its gate
+            c_BD = c_BD * ck.gate_B[:, None].to(c_BD.dtype)
+            c_in_BD = c_in_BD * ck.gate_B[:, None].to(c_in_BD.dtype)
+        state.ema_BD.copy_(torch.where(fired_B1, self.ema_step(c_BD, ck.p_B, state.ema_BD), state.ema_BD))
+        state.n_concepts_B.add_(ck.b_B.long())
+        read_B1D = state.ema_BD[:, None].to(h_B1D.dtype)
         if self.cfg.residual == "delta":   # own state + the concept model's (EMA) update
-            state.ema_in_BD[rows] = self.ema_step(c_in_RD, p_R, state.ema_in_BD[rows])
-            z_B1D = h_B1D + c_B1D - state.ema_in_BD[:, None].to(h_B1D.dtype)
+            ema_in = self.ema_step(c_in_BD, ck.p_B, state.ema_in_BD)
+            state.ema_in_BD.copy_(torch.where(fired_B1, ema_in, state.ema_in_BD))
+            z_B1D = h_B1D + read_B1D - state.ema_in_BD[:, None].to(h_B1D.dtype)
         else:
             res = self.residual(h_B1D) if self.residual is not None else h_B1D
-            z_B1D = res + c_B1D
-        return DechunkStep(z_B1D, c_B1D, state.ema_BD[rows, None].to(h_B1D.dtype))
+            z_B1D = res + read_B1D
+        return DechunkStep(z_B1D, read_B1D)

@@ -17,15 +17,16 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from vlm.model.config import MoEConfig
+from vlm.model.grouped_mm import grouped_mm
 
-Dispatch = Literal["auto", "grouped_mm", "loop"]
+DispatchMode = Literal["auto", "grouped_mm", "loop"]
 
 
 @dataclass
 class MoEStats:
     aux_loss: torch.Tensor        # balance_loss_weight * switch balance + z_loss_weight * z-loss (scalar)
     load_E: torch.Tensor          # [E] float: token->expert assignments per expert in this call (detached)
-    adjugate_per_token: float     # adjugate-expert evaluations / tokens (0 when Grove is off)
+    adjugate_per_token: torch.Tensor   # 0-d: adjugate-expert evaluations / tokens (0 when Grove is off)
 
 
 @dataclass
@@ -82,27 +83,39 @@ def route(logits_TE: torch.Tensor, cfg: MoEConfig, bias_E: torch.Tensor | None) 
 
 
 def expert_load(experts_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """Grove eq. 7 (unnormalised): number of assignments per expert, F_i * k * T. index_add avoids a host sync."""
+    """Grove eq. 7 (unnormalised): number of assignments per expert, F_i * k * T. Entries equal to `num_experts`
+    (the padding sentinel, see `MoE.forward`) are not counted. index_add avoids a host sync."""
     flat = experts_TK.reshape(-1)
-    return torch.zeros(num_experts, dtype=torch.float32, device=flat.device).index_add_(
+    counts = torch.zeros(num_experts + 1, dtype=torch.float32, device=flat.device).index_add_(
         0, flat, torch.ones(flat.shape, dtype=torch.float32, device=flat.device))
+    return counts[:num_experts]
 
 
-def switch_balance_loss(scores_TE: torch.Tensor, experts_TK: torch.Tensor, normalise_scores: bool) -> torch.Tensor:
-    """Switch Transformer balance loss E * sum_i f_i P_i (f_i: share of assignments, P_i: mean score).
+def switch_balance_loss(scores_TE: torch.Tensor, experts_TK: torch.Tensor, normalise_scores: bool,
+                        valid_T: torch.Tensor | None = None) -> torch.Tensor:
+    """Switch Transformer balance loss E * sum_i f_i P_i (f_i: share of assignments, P_i: mean score), over the
+    `valid_T` tokens (all when None; padding's sentinel assignments are not counted in f).
 
     Equals 1 for a perfectly uniform router. Sigmoid scores do not sum to 1, so they are normalised per
     token first. HF's `load_balancing_loss_func` divides f by tokens rather than assignments (k times ours).
     """
     num_experts = scores_TE.shape[-1]
     probs_TE = scores_TE / scores_TE.sum(-1, keepdim=True).clamp_min(1e-20) if normalise_scores else scores_TE
-    f_E = expert_load(experts_TK, num_experts) / max(experts_TK.numel(), 1)
-    return num_experts * (f_E * probs_TE.mean(dim=0)).sum()
+    load_E = expert_load(experts_TK, num_experts)
+    f_E = load_E / load_E.sum().clamp_min(1)
+    if valid_T is None:
+        P_E = probs_TE.mean(dim=0)
+    else:
+        P_E = (probs_TE * valid_T[:, None]).sum(0) / valid_T.sum().clamp_min(1)
+    return num_experts * (f_E * P_E).sum()
 
 
-def router_z_loss(logits_TE: torch.Tensor) -> torch.Tensor:
-    """ST-MoE router z-loss: mean over tokens of logsumexp(logits)^2."""
-    return logits_TE.float().logsumexp(dim=-1).square().mean()
+def router_z_loss(logits_TE: torch.Tensor, valid_T: torch.Tensor | None = None) -> torch.Tensor:
+    """ST-MoE router z-loss: mean over (valid) tokens of logsumexp(logits)^2."""
+    z_T = logits_TE.float().logsumexp(dim=-1).square()
+    if valid_T is None:
+        return z_T.mean()
+    return (z_T * valid_T).sum() / valid_T.sum().clamp_min(1)
 
 
 def loss_free_bias_step(bias_E: torch.Tensor, load_E: torch.Tensor, rate: float, kind: str = "sign") -> torch.Tensor:
@@ -133,46 +146,57 @@ def expert_group(experts_TK: torch.Tensor, experts_per_group: int) -> torch.Tens
 
 def group_routing_weights(groups_TK: torch.Tensor, weights_TK: torch.Tensor, num_groups: int
                           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Grove eq. 5: per token and group, the summed weights (rho_r + rho_s + ...) of its selected experts
-    in that group, and whether the group has any selected expert (its adjugate then runs once)."""
-    T = groups_TK.shape[0]
-    rho_TG = torch.zeros(T, num_groups, dtype=weights_TK.dtype, device=weights_TK.device)
-    rho_TG = rho_TG.scatter_add(1, groups_TK, weights_TK)
-    active_TG = torch.zeros(T, num_groups, dtype=torch.bool, device=groups_TK.device)
-    active_TG.scatter_(1, groups_TK, torch.ones_like(groups_TK, dtype=torch.bool))
-    return rho_TG, active_TG
+    """Grove eq. 5: per token and group, the summed weights (rho_r + rho_s + ...) of its selected experts in that
+    group, and for each of the token's K choices whether it is the first one in its group (that group's adjugate
+    then runs once, for this choice). Group ids equal to `num_groups` (padding) are neither summed nor first."""
+    T, K = groups_TK.shape
+    rho_TG = weights_TK.new_zeros(T, num_groups + 1).scatter_add(1, groups_TK, weights_TK)[:, :num_groups]
+    earlier_KK = torch.ones(K, K, dtype=torch.bool, device=groups_TK.device).tril(-1)   # k' < k
+    repeat_TK = ((groups_TK[:, :, None] == groups_TK[:, None, :]) & earlier_KK).any(-1)
+    return rho_TG, ~repeat_TK & (groups_TK < num_groups)
 
 
-def adjugate_contribution(x_TD: torch.Tensor, rho_TG: torch.Tensor, active_TG: torch.Tensor, lam: float,
-                          w_gate_GDH: torch.Tensor, w_up_GDH: torch.Tensor, w_down_GHD: torch.Tensor,
-                          use_grouped: bool) -> tuple[torch.Tensor, int]:
-    """Grove eq. 3-5: sum over active groups j of lambda * (sum of rho in G_j) * A_j(x), each A_j once.
+def adjugate_contribution(x_TD: torch.Tensor, groups_TK: torch.Tensor, weights_TK: torch.Tensor, num_groups: int,
+                          lam: float, w_gate_GDH: torch.Tensor, w_up_GDH: torch.Tensor, w_down_GHD: torch.Tensor,
+                          use_grouped: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Grove eq. 3-5: sum over the token's active groups j of lambda * (sum of rho in G_j) * A_j(x), each A_j once.
 
-    Returns the [T, D] contribution and the number of adjugate evaluations.
-    """
-    # Group-major order puts each adjugate expert's tokens on one contiguous slice.
-    g_idx, t_idx = active_TG.t().nonzero(as_tuple=True)
-    counts_G = active_TG.sum(dim=0)
-    a_MD = expert_swiglu(x_TD[t_idx], counts_G, w_gate_GDH, w_up_GDH, w_down_GHD, use_grouped)
-    scale_M = (lam * rho_TG[t_idx, g_idx]).to(a_MD.dtype)
-    out_TD = torch.zeros_like(x_TD).index_add_(0, t_idx, a_MD * scale_M[:, None])
-    return out_TD, int(t_idx.numel())
+    Static shapes: the T x K (token, choice) slots are sorted by group with repeats and padding last, and only
+    the first choice per (token, group) is computed. Returns the [T, D] contribution and the number of adjugate
+    evaluations (a 0-d tensor)."""
+    rho_TG, first_TK = group_routing_weights(groups_TK, weights_TK, num_groups)
+    disp = sort_by_group(torch.where(first_TK, groups_TK, num_groups), num_groups)
+    a_MD = expert_swiglu(x_TD, disp, w_gate_GDH, w_up_GDH, w_down_GHD, use_grouped)
+    g_M = disp.group_M.clamp_max(num_groups - 1)
+    scale_M = (lam * rho_TG[disp.tok_M, g_M]).to(a_MD.dtype)
+    out_TD = torch.zeros_like(x_TD).index_add_(0, disp.tok_M, a_MD * scale_M[:, None])
+    return out_TD, first_TK.sum()
 
 
 # ----------------------------------------------------------------------------- expert computation
 
 
-class _ContiguousGrad(torch.autograd.Function):
-    """Identity whose backward makes the incoming gradient contiguous (`_grouped_mm`'s backward needs it,
-    and e.g. `out.sum().backward()` hands in a stride-0 gradient)."""
+@dataclass
+class Slots:
+    """The T x K (token, choice) slots sorted by group (expert or adjugate group), padding last: each group reads one
+    contiguous slice of rows, [offs[g-1], offs[g]); the `live_M` rows are the ones a group computes."""
 
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
+    tok_M: torch.Tensor        # the token of each sorted slot
+    group_M: torch.Tensor      # its group (num_groups for padding / repeats)
+    live_M: torch.Tensor       # bool: a real slot (padding and repeats are not computed)
+    counts_G: torch.Tensor     # rows per group (int64)
+    order_M: torch.Tensor      # the sort: slot order_M[m] of the flattened [T, K] is row m
 
-    @staticmethod
-    def backward(ctx, g):
-        return g.contiguous()
+
+def sort_by_group(groups_TK: torch.Tensor, num_groups: int) -> Slots:
+    """Sort the slots by group id (stable); ids equal to `num_groups` mark slots nobody computes and go last."""
+    K = groups_TK.shape[1]
+    flat = groups_TK.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    group_M = flat[order]
+    counts_G = torch.zeros(num_groups + 1, dtype=torch.long, device=flat.device).index_add_(
+        0, flat, torch.ones_like(flat))[:num_groups]
+    return Slots(order // K, group_M, group_M < num_groups, counts_G, order)
 
 
 def grouped_mm_available(x_MD: torch.Tensor, *weights: torch.Tensor) -> bool:
@@ -195,25 +219,26 @@ def grouped_mm_available(x_MD: torch.Tensor, *weights: torch.Tensor) -> bool:
     return all((d * size) % 16 == 0 for d in dims)
 
 
-def _gmm(x_MK: torch.Tensor, w_EKN: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
-    return _ContiguousGrad.apply(torch._grouped_mm(x_MK, w_EKN, offs=offs_E))
-
-
-def expert_swiglu(x_MD: torch.Tensor, counts_E: torch.Tensor, w_gate_EDH: torch.Tensor, w_up_EDH: torch.Tensor,
+def expert_swiglu(x_TD: torch.Tensor, disp: Slots, w_gate_EDH: torch.Tensor, w_up_EDH: torch.Tensor,
                   w_down_EHD: torch.Tensor, use_grouped: bool) -> torch.Tensor:
-    """Run expert e's SwiGLU, down(silu(x @ gate) * (x @ up)), on rows [offs[e-1], offs[e]) of the
-    expert-sorted x_MD. `counts_E` is the number of rows per expert."""
-    dt = x_MD.dtype
+    """[M, D]: expert e's SwiGLU, down(silu(x @ gate) * (x @ up)), on the rows of its slice of the sorted slots;
+    rows that are not live are exactly 0 (and pass no gradient back to x).
+
+    grouped_mm: no host synchronisation, every shape static (the rows past the live ones are left to the kernel
+    and masked). The per-expert loop (devices without grouped_mm) reads the counts on the host."""
+    dt = x_TD.dtype
     wg, wu, wd = w_gate_EDH.to(dt), w_up_EDH.to(dt), w_down_EHD.to(dt)
+    live_M1 = disp.live_M[:, None]
+    x_MD = torch.where(live_M1, x_TD[disp.tok_M], 0)
     if use_grouped:
-        offs_E = counts_E.cumsum(0).to(torch.int32)
-        x_MD = x_MD.contiguous()
-        return _gmm(F.silu(_gmm(x_MD, wg, offs_E)) * _gmm(x_MD, wu, offs_E), wd, offs_E)
-    pieces = []
-    for e, x_ND in enumerate(x_MD.split(counts_E.tolist())):
-        if x_ND.shape[0]:
-            pieces.append((F.silu(x_ND @ wg[e]) * (x_ND @ wu[e])) @ wd[e])
-    return torch.cat(pieces) if pieces else x_MD.new_zeros(0, wd.shape[-1])
+        offs_E = disp.counts_G.cumsum(0).to(torch.int32)
+        y_MD = grouped_mm(F.silu(grouped_mm(x_MD, wg, offs_E)) * grouped_mm(x_MD, wu, offs_E), wd, offs_E)
+        return torch.where(live_M1, y_MD, 0)
+    sizes = disp.counts_G.tolist()
+    pieces = [(F.silu(x_ND @ wg[e]) * (x_ND @ wu[e])) @ wd[e]
+              for e, x_ND in enumerate(x_MD.split(sizes + [x_MD.shape[0] - sum(sizes)])[:-1]) if x_ND.shape[0]]
+    pieces.append(x_MD.new_zeros(x_MD.shape[0] - sum(sizes), wd.shape[-1]))
+    return torch.cat(pieces)
 
 
 class SwiGLU(nn.Module):
@@ -229,12 +254,6 @@ class SwiGLU(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-def _inside_backward() -> bool:
-    # Activation checkpointing re-runs forward during backward; its loads were already counted.
-    fn = getattr(torch._C, "_current_graph_task_id", None)
-    return fn is not None and fn() != -1
-
-
 # ----------------------------------------------------------------------------- the layer
 
 
@@ -248,7 +267,7 @@ class MoE(nn.Module):
             raise ValueError(f"MoE: dim must be >= 1, got {dim}")
         self.cfg, self.dim, self.num_experts = cfg, dim, cfg.num_experts
         # "auto": grouped_mm when grouped_mm_available(), else the per-expert loop. Settable for tests/benchmarks.
-        self.dispatch: Dispatch = "auto"
+        self.dispatch: DispatchMode = "auto"
         E, H = cfg.num_experts, cfg.expert_hidden
         self.router = nn.Linear(dim, E, bias=False)
         self.w_gate_EDH = nn.Parameter(torch.empty(E, dim, H))
@@ -288,50 +307,59 @@ class MoE(nn.Module):
                                f"on {x_MD.device.type} with dim={self.dim} (needs 16-byte aligned rows)")
         return ok
 
-    def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, MoEStats]:
+    def forward(self, x_TD: torch.Tensor, valid_T: torch.Tensor | None = None, accumulate_load: bool = True
+                ) -> tuple[torch.Tensor, MoEStats]:
+        """[T, D] -> [T, D] and the layer's statistics. `valid_T` (bool): the rows that are real tokens; the others
+        (padding, unused concept capacity) are routed nowhere, computed by no expert, counted in no load and no
+        loss, and come out as 0. Static shapes throughout (no host synchronisation on the grouped_mm path).
+
+        In training the loads are added to `load_accum` for the next balancing step; a transformer block passes
+        `accumulate_load=False` and its stack adds them (vlm.model.block.run_stack) outside the block, so that
+        activation checkpointing's recomputation does not count them twice."""
         if x_TD.dim() != 2 or x_TD.shape[-1] != self.dim:
             raise ValueError(f"MoE expects x_TD of shape [tokens, {self.dim}], got {tuple(x_TD.shape)}")
-        cfg, E, K = self.cfg, self.num_experts, self.cfg.top_k
-        T = x_TD.shape[0]
+        cfg, E = self.cfg, self.num_experts
         dev_type = x_TD.device.type
         with torch.autocast(dev_type, enabled=False):
             logits_TE = F.linear(x_TD.float(), self.router.weight.float())
         r = route(logits_TE, cfg, self.expert_bias)
-        load_E = expert_load(r.experts_TK, E)
-        if self.training and cfg.loss_free_balancing and not _inside_backward():
+        experts_TK = r.experts_TK if valid_T is None else torch.where(valid_T[:, None], r.experts_TK, E)
+        load_E = expert_load(experts_TK, E)
+        if accumulate_load and self.training and cfg.loss_free_balancing:
             self.load_accum.add_(load_E)
+        valid_f = None if valid_T is None else valid_T.float()
 
         aux = logits_TE.new_zeros(())
+        T = x_TD.shape[0]   # a shape: static, no synchronisation
         if cfg.balance_loss_weight and T:
-            balance = switch_balance_loss(r.scores_TE, r.experts_TK, normalise_scores=cfg.router == "sigmoid")
+            balance = switch_balance_loss(r.scores_TE, experts_TK, cfg.router == "sigmoid", valid_f)
             aux = aux + cfg.balance_loss_weight * balance
         if cfg.z_loss_weight and T:
-            aux = aux + cfg.z_loss_weight * router_z_loss(logits_TE)
+            aux = aux + cfg.z_loss_weight * router_z_loss(logits_TE, valid_f)
 
         dtype = torch.get_autocast_dtype(dev_type) if torch.is_autocast_enabled(dev_type) else x_TD.dtype
         x_c = x_TD.to(dtype)
-        # Sort assignments by expert so each expert reads one contiguous slice.
-        flat_E = r.experts_TK.reshape(-1)
-        order = torch.argsort(flat_E, stable=True)
-        tok = order // K
-        counts_E = load_E.long()
-        y = expert_swiglu(x_c[tok], counts_E, self.w_gate_EDH, self.w_up_EDH, self.w_down_EHD,
-                          self._use_grouped(x_c, self.w_gate_EDH, self.w_down_EHD))
-        y = y * r.weights_TK.reshape(-1)[order].to(dtype)[:, None]
-        out_TD = torch.zeros_like(x_c).index_add_(0, tok, y)
+        # Sort the (token, choice) slots by expert so each expert reads one contiguous slice.
+        slots = sort_by_group(experts_TK, E)
+        y_MD = expert_swiglu(x_c, slots, self.w_gate_EDH, self.w_up_EDH, self.w_down_EHD,
+                             self._use_grouped(x_c, self.w_gate_EDH, self.w_down_EHD))
+        y_MD = y_MD * r.weights_TK.reshape(-1)[slots.order_M].to(dtype)[:, None]
+        out_TD = torch.zeros_like(x_c).index_add_(0, slots.tok_M, y_MD)
 
-        adj_per_token = 0.0
+        adj_per_token = logits_TE.new_zeros(())
         if cfg.grove_groups:
-            groups_TK = expert_group(r.experts_TK, E // cfg.grove_groups)
-            rho_TG, active_TG = group_routing_weights(groups_TK, r.weights_TK, cfg.grove_groups)
+            G = cfg.grove_groups
+            groups_TK = torch.where(experts_TK < E, expert_group(experts_TK, E // G), G)
             adj_TD, evals = adjugate_contribution(
-                x_c, rho_TG, active_TG, cfg.grove_lambda, self.adj_gate_GDH, self.adj_up_GDH, self.adj_down_GHD,
-                self._use_grouped(x_c, self.adj_gate_GDH, self.adj_down_GHD))
+                x_c, groups_TK, r.weights_TK, G, cfg.grove_lambda, self.adj_gate_GDH, self.adj_up_GDH,
+                self.adj_down_GHD, self._use_grouped(x_c, self.adj_gate_GDH, self.adj_down_GHD))
             out_TD = out_TD + adj_TD
-            adj_per_token = evals / max(T, 1)
+            n = x_TD.new_tensor(x_TD.shape[0], dtype=torch.float32) if valid_f is None else valid_f.sum()
+            adj_per_token = evals.float() / n.clamp_min(1)
         if self.shared is not None:
-            out_TD = out_TD + self.shared(x_c)
-        return out_TD.to(x_TD.dtype), MoEStats(aux, load_E.detach(), adj_per_token)
+            shared_TD = self.shared(x_c)
+            out_TD = out_TD + (shared_TD if valid_T is None else torch.where(valid_T[:, None], shared_TD, 0))
+        return out_TD.to(x_TD.dtype), MoEStats(aux, load_E.detach(), adj_per_token.detach())
 
     @torch.no_grad()
     def update_bias(self, load_E: torch.Tensor | None = None) -> None:

@@ -65,5 +65,7 @@ def summarize(out, batch) -> dict[str, float]:
         if stats.pop(name + "#n") == 0:
             stats.pop(name)
     if out.moe:
-        stats["moe/adjugate_per_token"] = sum(s.adjugate_per_token for s in out.moe.values()) / len(out.moe)
+        stats["moe/adjugate_per_token"] = float(torch.stack([s.adjugate_per_token for s in out.moe.values()]).mean())
+    if out.chunks is not None:
+        stats["chunk/overflow"] = float(out.chunks.overflow)
     return stats

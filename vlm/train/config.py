@@ -257,7 +257,8 @@ MAY_CHANGE_FROM_CHECKPOINT = (
     "moe.loss_free_balancing",    # its selection bias starts at zero: the routing is the stored one at start
     "concept_moe.top_k", "concept_moe.balance_loss_weight", "concept_moe.z_loss_weight",
     "concept_moe.bias_update_rate", "concept_moe.bias_update", "concept_moe.loss_free_balancing",
-    "loop_start", "loop_end", "loop_times", "attn_backend", "init_std")
+    "loop_start", "loop_end", "loop_times", "attn_backend", "init_std", "compile", "activation_checkpoint",
+    "chunk.capacity_slack", "chunk.eval_capacity_slack")
 
 
 def load_train_config(path: str | Path | None, overrides: list[str] | None = None) -> TrainConfig:

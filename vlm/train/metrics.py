@@ -25,7 +25,7 @@ from vlm.train.tracking import WandbTracker
 MODS = ("all", "text", "image")
 # Fixed order of the summed scalars.
 FIELDS = (["n_lab", "lm_sum", "n_text_only", "text_only_sum", "n_image_text", "image_text_sum", "balance_sum",
-           "micro", "adjugate_sum", "bytes_text_only", "ratio_weight_sum"]
+           "micro", "adjugate_sum", "bytes_text_only", "ratio_weight_sum", "overflow_sum"]
           + [f"tokens/{m}" for m in MODS] + [f"boundaries/{m}" for m in MODS] + [f"psum/{m}" for m in MODS])
 IDX = {k: i for i, k in enumerate(FIELDS)}
 
@@ -62,7 +62,7 @@ class StepAccumulator:
                          batch.doc_ids, batch.modality)
         zero = out.lm_loss.new_zeros(())
         split = {k: m.detach() for k, (m, _) in out.loss_split.items()}
-        adj = sum(st.adjugate_per_token for st in out.moe.values()) / len(out.moe) if out.moe else 0.0
+        adj = torch.stack([st.adjugate_per_token for st in out.moe.values()]).mean() if out.moe else zero
         text_bytes = zero_b = torch.zeros((), device=batch.labels.device)
         if self.bytes_per_id is not None:
             labelled = (batch.labels != IGNORE_INDEX) & (batch.modality != IMAGE)
@@ -72,8 +72,9 @@ class StepAccumulator:
         values = {"n_lab": n, "lm_sum": out.lm_loss.detach() * n, "n_text_only": n_to, "bytes_text_only": text_bytes,
                   "text_only_sum": split.get("loss/text_only", zero) * n_to, "n_image_text": n_it,
                   "image_text_sum": split.get("loss/image_text", zero) * n_it,
-                  "balance_sum": out.balance_loss.detach(), "micro": torch.ones(()), "adjugate_sum": torch.tensor(adj),
-                  "ratio_weight_sum": torch.tensor(float(out.ratio_weight), dtype=torch.float64)}
+                  "balance_sum": out.balance_loss.detach(), "micro": torch.ones(()), "adjugate_sum": adj,
+                  "ratio_weight_sum": torch.tensor(float(out.ratio_weight), dtype=torch.float64),
+                  "overflow_sum": ch.overflow.detach() if ch is not None else zero}
         for m in MODS:
             values[f"tokens/{m}"] = cs[f"tokens/{m}"]
             values[f"boundaries/{m}"] = cs[f"boundaries/{m}"]
@@ -192,6 +193,9 @@ def step_record(step: int, vec: torch.Tensor, ratio_loss: float, ratio_weight: f
         "tokens/text": int(v["tokens/text"]),
         "tokens/image": int(v["tokens/image"]),
         "moe/adjugate_per_token": v["adjugate_sum"] / max(v["micro"], 1),
+        # boundaries past their row's static concept capacity (vlm.model.chunking.concept_capacity): concepts the
+        # concept model did not compute, over the step
+        "chunk/overflow": int(v["overflow_sum"]),
     }
     if vec.numel() > len(FIELDS):
         rec.update(group_record(vec, groups))

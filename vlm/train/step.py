@@ -46,12 +46,12 @@ def boundary_seed(seed: int, step: int, index: int) -> int:
     return (seed * 0x9E3779B1 + (step + 1) * 0x85EBCA77 + index * 0xC2B2AE3D) % (2 ** 63 - 1)
 
 
-def set_boundary_generator(module: torch.nn.Module, device: torch.device, seed: int) -> None:
+def seed_boundaries(module: torch.nn.Module, seed: int) -> None:
+    """The boundary noise of the next forwards (ChunkModule.seed_boundaries): a function of `seed` and the position,
+    the same on every device and under torch.compile."""
     chunker = getattr(getattr(module, "lm", module), "chunker", None)
     if chunker is not None:
-        gen = torch.Generator(device=device)
-        gen.manual_seed(seed)
-        chunker.generator = gen
+        chunker.seed_boundaries(seed)
 
 
 def prepare(batch: PackedBatch, device: torch.device, float_dtype: torch.dtype) -> PackedBatch:
@@ -104,7 +104,7 @@ def statistics_pass(model, window: list[PackedBatch], parser: GlobalParser, step
             if (buf := getattr(m, name, None)) is not None]
     parser.collect()
     for k, batch in enumerate(window):
-        set_boundary_generator(model, device, boundary_seed(seed, step, k * world_size + rank))
+        seed_boundaries(model, boundary_seed(seed, step, k * world_size + rank))
         model(prepare(batch, device, float_dtype))
     parser.settle()
     for buf, before in kept:
@@ -138,7 +138,7 @@ def train_step(engine, window: list[PackedBatch], step: int, *, seed: int, rank:
     for k, batch in enumerate(window):
         if not bad:
             batch = prepare(batch, device, float_dtype)
-            set_boundary_generator(engine.module, device, boundary_seed(seed, step, k * W + rank))
+            seed_boundaries(engine.module, boundary_seed(seed, step, k * W + rank))
             out = engine(batch)
             if loss_hook is not None:
                 out = loss_hook(out, k)
