@@ -7,6 +7,15 @@ Shared helpers are fixtures here, never imported from sibling test modules: data
 `decode_docs`, `batches_equal`, `TINY_DEFAULT`, `tiny_default`) and trainer (`ROOT`, `TINY`, `tiny_data`,
 `tiny_config`, `write_config`, `load_tiny`, `make_trainer`, `torch_globals`, `subprocess_env`, `run_train_cli`).
 A fixture that gives a helper function returns the function itself, so a test calls it by the same name.
+
+Devices: the suite is a CPU suite, on a machine with a GPU too. Every test runs on the CPU unless it is marked
+`gpu` (the CUDA instances in tests/test_gpu.py; `make test-gpu` runs them). A test that builds its own tensors and
+models gets the CPU as torch's default device; the trainer takes its device from DeepSpeed's accelerator
+(vlm.train.distributed) and `load_eval_model` from `vlm.generate.default_device`, and both follow DS_ACCELERATOR,
+which this file pins to "cpu" for the test process and for the processes the tests start (they inherit it).
+With VLM_TEST_FAKE_CUDA=1, `torch.cuda.is_available()` says True in the test process, as on a GPU machine, so
+that a CPU test which silently needs it to be False fails on a CPU-only machine too (tests/test_device_pinning.py
+runs a set of them so; `VLM_TEST_FAKE_CUDA=1 make test` runs them all).
 """
 import copy
 import io
@@ -26,6 +35,44 @@ import yaml  # noqa: E402
 torch.set_num_threads(1)
 
 _ROOT = Path(__file__).resolve().parents[1]
+
+
+# ---- devices (see the module doc) ----------------------------------------------------------------------------
+
+# DeepSpeed reads DS_ACCELERATOR once per process, at its first get_accelerator(): set before anything imports it.
+_USER_DS_ACCELERATOR = os.environ.get("DS_ACCELERATOR")
+os.environ["DS_ACCELERATOR"] = "cpu"
+
+# A GPU as the CPU tests would see one: torch.cuda.is_available() True, one device. Process-wide, so that module-
+# and session-scoped fixtures see it too. The CPU build of torch then refuses any tensor that code sends to
+# "cuda" because is_available() said so, which is the point.
+_FAKE_CUDA = os.environ.get("VLM_TEST_FAKE_CUDA") == "1"
+if _FAKE_CUDA:
+    torch.cuda.is_available = lambda: True
+    torch.cuda.device_count = lambda: 1
+
+
+def pytest_collection_modifyitems(config, items):
+    if _FAKE_CUDA:
+        skip = pytest.mark.skip(reason="VLM_TEST_FAKE_CUDA=1 fakes a GPU for the CPU tests; gpu tests need a real one")
+        for item in items:
+            if item.get_closest_marker("gpu") is not None:
+                item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _gpu_tests_see_the_machine_as_it_is(request, monkeypatch):
+    """The CPU pin is for the CPU tests: a test marked `gpu` gets the user's DS_ACCELERATOR back (unset: DeepSpeed
+    detects the GPU), and DeepSpeed detects again instead of keeping an accelerator an earlier test chose."""
+    if request.node.get_closest_marker("gpu") is None:
+        return
+    if _USER_DS_ACCELERATOR is None:
+        monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    else:
+        monkeypatch.setenv("DS_ACCELERATOR", _USER_DS_ACCELERATOR)
+    real_accelerator = sys.modules.get("deepspeed.accelerator.real_accelerator")
+    if real_accelerator is not None:
+        monkeypatch.setattr(real_accelerator, "ds_accelerator", None)
 
 
 # ---- data ------------------------------------------------------------------------------------------------

@@ -109,7 +109,7 @@ def test_expert_swiglu_grouped_backward_takes_any_gradient_layout():
     torch.manual_seed(0)
     groups_T1 = torch.tensor([0] * 3 + [2] * 5 + [3] * 2 + [4] * 2)[torch.randperm(12)][:, None]
     slots = moe_mod.sort_by_group(groups_T1, 4)
-    assert slots.counts_G.tolist() == [3, 0, 5, 2] and slots.live_M.tolist() == [True] * 10 + [False] * 2
+    assert slots.counts_G.tolist() == [3, 0, 5, 2] and slots.dead_M1[:, 0].tolist() == [False] * 10 + [True] * 2
     ws = [torch.randn(4, 8, 12), torch.randn(4, 8, 12), torch.randn(4, 12, 8)]
     x = torch.randn(12, 8)
     res = []
@@ -156,7 +156,7 @@ def test_grove_adjugate_once_per_token_per_group_and_eq4(monkeypatch):
 
     def spy(x_TD, slots, w_gate, *rest):
         if w_gate is m.adj_gate_GDH:   # the adjugate rows computed: live slots only, by group
-            calls.append((int(slots.live_M.sum()), slots.counts_G.tolist()))
+            calls.append((int((~slots.dead_M1).sum()), slots.counts_G.tolist()))
         return real(x_TD, slots, w_gate, *rest)
 
     monkeypatch.setattr(moe_mod, "expert_swiglu", spy)
@@ -426,4 +426,4 @@ def test_bad_input_and_config_errors():
     with pytest.raises(ValueError, match="load_E"):
         m.update_bias(torch.ones(3))
     y, stats = make_moe(grove_groups=2, num_shared_experts=1)(torch.randn(0, 16))  # no valid tokens
-    assert y.shape == (0, 16) and float(stats.load_E.sum()) == 0 and stats.adjugate_per_token == 0.0
+    assert y.shape == (0, 16) and float(stats.load_E.sum()) == 0 and float(stats.adjugate_per_token) == 0

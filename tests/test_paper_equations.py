@@ -29,12 +29,13 @@ def test_joint_decoding_eq11_adds_the_concept_to_q_k_and_v():
     with torch.no_grad():
         attn.concept_norm.weight.uniform_(0.5, 1.5)
     z, c = torch.randn(2, 5, 16), 3 * torch.randn(2, 5, 16)
-    q, k, v = attn.joint_qkv(z, c)
+    sizes = [attn.h * attn.hd, attn.kv * attn.hd, attn.kv * attn.hd]
+    q, k, v = attn.joint_qkv(z, c).split(sizes, -1)   # q, k and v come out of one matmul
     cn = c * torch.rsqrt(c.pow(2).mean(-1, keepdim=True) + 1e-6) * attn.concept_norm.weight
     for got, w, wc in ((q, attn.q_proj, attn.cq_proj), (k, attn.k_proj, attn.ck_proj), (v, attn.v_proj, attn.cv_proj)):
         torch.testing.assert_close(got, z @ w.weight.t() + cn @ wc.weight.t(), rtol=1e-5, atol=1e-5)
     # without a concept (layers below joint_decoding_layers) it is plain attention
-    q0, k0, v0 = attn.joint_qkv(z, None)
+    q0, k0, v0 = attn.joint_qkv(z, None).split(sizes, -1)
     torch.testing.assert_close(q0, attn.q_proj(z))
     torch.testing.assert_close(v0, attn.v_proj(z))
 

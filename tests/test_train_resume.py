@@ -39,6 +39,9 @@ def test_latest_checkpoint_ignores_partial_saves(tmp_path):
 @pytest.mark.slow
 def test_sigkill_and_resume_reproduces_metrics(tiny_data, tmp_path, tiny_config, write_config, run_train_cli, ROOT,
                                                subprocess_env):
+    """A CPU test by nature: bit-for-bit equal runs need kernels that give the same bits every time, which the CPU's
+    do (GPU kernels need not, deterministic-algorithm mode or not). The runs inherit the suite's DS_ACCELERATOR=cpu
+    (conftest); the resumed run's log says where it ran."""
     cfg = tiny_config(tiny_data, train={"max_steps": 8, "threads": 1}, checkpoint={"save_every": 2, "keep_last": 2},
                       logging={"eval_every": 3, "histogram_every": 2})
     path = write_config(cfg, tmp_path / "c.yaml")
@@ -69,7 +72,7 @@ def test_sigkill_and_resume_reproduces_metrics(tiny_data, tmp_path, tiny_config,
     assert not (killed / "final").exists()
 
     out = run_train_cli(["--config", str(path), "--out", str(killed), "--resume"], cwd=ROOT)
-    assert "resumed from" in out.stdout
+    assert "resumed from" in out.stdout and "rank(s) on cpu;" in out.stdout
     a, b = _records(ref), _records(killed)
     assert [r["step"] for r in b] == list(range(1, 9))
     for ra, rb in zip(a, b):

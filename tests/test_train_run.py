@@ -53,10 +53,14 @@ def test_train_single_process_run_dir(tiny_data, tmp_path, torch_globals, make_t
         assert not missing, missing
         assert r["tokens"] > 0 and r["tokens_per_s"] > 0 and r["compression/ratio"] >= 1
     assert all("val/lm_loss" in r for r in recs if r["step"] % 2 == 0)
-    # bits per byte of the text-only samples: the byte tokenizer's targets are bytes or 0-byte specials (eos)
+    # bits per byte of the text-only samples: the byte tokenizer's targets are bytes or 0-byte specials (eos), so
+    # bpb / (loss / ln 2) = tokens / bytes >= 1, exactly 1 when no eos is a target. The two metrics are separate
+    # float divisions of the same sums, so an exact 1 may come out a rounding below it (just under 1 was seen on a
+    # GPU machine): allowed 8 float32 roundings (8 * 2^-24 ~ 5e-7), far below the 1 / bytes (bytes: a few hundred
+    # here) that one byte too many would take off
     for r in recs:
         if r["loss/text_only"] is not None:
-            assert 1.0 <= r["bpb/text"] / (r["loss/text_only"] / math.log(2)) < 1.5
+            assert 1.0 - 8 * 2.0 ** -24 <= r["bpb/text"] / (r["loss/text_only"] / math.log(2)) < 1.5
     assert any(r.get("val/bpb/text") for r in recs)
     assert all(r["text/embed_norm"] > 0 for r in recs)
     assert any(r.get("vision/token_norm", 0) > 0 and r.get("vision/token_spread", 0) > 0 for r in recs)

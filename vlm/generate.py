@@ -8,6 +8,7 @@ step per token, batched over prompts of different lengths and image counts (left
 from __future__ import annotations
 
 import io
+import os
 from pathlib import Path
 
 import torch
@@ -278,11 +279,21 @@ class ConceptMoEChat:
         return torch.stack(steps, 1)
 
 
+def default_device() -> str:
+    """Where `load_eval_model` puts a model unless told: the GPU when there is one, else the CPU. DeepSpeed's
+    switch DS_ACCELERATOR=cpu, which pins the trainer to the CPU (vlm.train.distributed), pins evaluation there
+    too: one setting keeps a whole run, its end-of-run evaluation included, off a GPU (the CPU tests set it)."""
+    if os.environ.get("DS_ACCELERATOR", "").strip().lower() == "cpu":
+        return "cpu"
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def load_eval_model(ckpt_dir: str | Path, device: str | None = None) -> ConceptMoEChat:
-    """An exported `final/` (or converted) directory -> ConceptMoEChat with its own tokenizer."""
+    """An exported `final/` (or converted) directory -> ConceptMoEChat with its own tokenizer (on `device`, by
+    default `default_device()`)."""
 
     ckpt_dir = Path(ckpt_dir)
     if not (ckpt_dir / "config.json").is_file():
         raise FileNotFoundError(f"{ckpt_dir}: not an exported model directory (no config.json)")
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = device or default_device()
     return ConceptMoEChat(load_vlm(ckpt_dir), load_tokenizer(ckpt_dir), device=device)

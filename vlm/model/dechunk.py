@@ -88,7 +88,6 @@ class Dechunk(nn.Module):
         """(z, c, c_in): the decoder input (eq. 10), the EMA concept each token reads and, for residual "delta"
         (which needs `inputs_BMD`, the concept model's inputs), the same EMA over those inputs (else None).
         `smoothed_BMD`: `smooth(concepts_BMD, ch)` when the caller has it already."""
-        reset = doc_starts(ch.cdoc_BM)
         if smoothed_BMD is None:
             smoothed_BMD = self.smooth(concepts_BMD, ch)
         c_BTD = plug_back(smoothed_BMD, ch.cidx_BT)
@@ -99,6 +98,7 @@ class Dechunk(nn.Module):
         if self.cfg.residual == "delta":
             # the STE multiplies the whole update c - c_in: on c alone the forward is the same but p's gradient
             # would miss -c_in
+            reset = doc_starts(ch.cdoc_BM)
             c_in_BTD = plug_back(ema_scan(self.gated(inputs_BMD, ch), ch.cp_BM, reset), ch.cidx_BT)
             return h_BTD + (c_BTD - c_in_BTD) * gate, c_BTD, c_in_BTD
         res = self.residual(h_BTD) if self.residual is not None else h_BTD

@@ -17,17 +17,22 @@ def segsum(x_L: torch.Tensor) -> torch.Tensor:
     return ss.masked_fill(~strict.logical_or(torch.eye(L, dtype=torch.bool, device=x_L.device)), float("-inf"))
 
 
-def _scan(u_BMD: torch.Tensor, loga_BM: torch.Tensor, block: int) -> torch.Tensor:
-    """y_m = u_m + exp(loga_m) y_{m-1} by blocks (fp32 in, fp32 out); M a multiple of `block`."""
+def _decays(loga_BM: torch.Tensor, block: int):
+    """The scan's weights, which depend on the decays alone (shared by every scan over the same p): within-block
+    [B, C, L, L] exp(segsum), across-block [B, C, C] exp(segsum) and each position's decay since its block began."""
+    B, M = loga_BM.shape
+    loga_BCL = loga_BM.view(B, M // block, block)
+    return (torch.exp(segsum(loga_BCL)), torch.exp(segsum(loga_BCL.sum(-1))), torch.exp(loga_BCL.cumsum(-1)))
+
+
+def _scan(u_BMD: torch.Tensor, decays) -> torch.Tensor:
+    """y_m = u_m + exp(loga_m) y_{m-1} by blocks (fp32 in, fp32 out), with `_decays(loga, block)`."""
+    within_BCLL, across_BCC, decay_BCL = decays
     B, M, D = u_BMD.shape
-    nb = M // block
-    loga_BCL = loga_BM.view(B, nb, block)
-    y_BCLD = torch.exp(segsum(loga_BCL)) @ u_BMD.view(B, nb, block, D)  # within-block contributions
-    end_BCD = y_BCLD[:, :, -1]                                           # each block's final state (own inputs)
-    logA_BC = loga_BCL.sum(-1)                                           # decay across a whole block
-    state_BCD = torch.exp(segsum(logA_BC)) @ end_BCD                     # true state at the end of each block
+    nb, block = decay_BCL.shape[1:]
+    y_BCLD = within_BCLL @ u_BMD.view(B, nb, block, D)                   # within-block contributions
+    state_BCD = across_BCC @ y_BCLD[:, :, -1]                            # true state at the end of each block
     carry_BCD = F.pad(state_BCD[:, :-1], (0, 0, 1, 0))                   # state entering each block
-    decay_BCL = torch.exp(loga_BCL.cumsum(-1))
     return (y_BCLD + decay_BCL[..., None] * carry_BCD[:, :, None]).reshape(B, M, D)
 
 
@@ -51,9 +56,10 @@ def ema_scan(x_BMD: torch.Tensor, p_BM: torch.Tensor, reset_BM: torch.Tensor, bl
     open_ = (a > 0) & ~reset
     loga = torch.where(open_, torch.log(torch.where(open_, a, torch.ones_like(a))), torch.full_like(a, float("-inf")))
     u = F.pad(x_BMD.float() * p_BM.float()[..., None], (0, 0, 0, pad))
-    y = _scan(u, loga, block)
+    decays = _decays(loga, block)
+    y = _scan(u, decays)
     shut = (a == 0) & ~reset                              # p == 1 inside a document
     prev = F.pad(y[:, :-1].detach(), (0, 0, 1, 0))
     zero_u = torch.where(shut[..., None], (a - a.detach())[..., None] * prev, torch.zeros_like(prev))
-    y = y + _scan(zero_u, loga, block)
+    y = y + _scan(zero_u, decays)
     return y[:, :M].to(dtype)

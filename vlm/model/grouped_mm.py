@@ -44,7 +44,7 @@ def _setup(ctx, inputs, output):
 def _backward(ctx, g_MN):
     x_MK, w_EKN, offs_E = ctx.saved_tensors
     g_MN = g_MN.contiguous()
-    gx = _grouped_mm_op(g_MN, w_EKN.transpose(-1, -2).contiguous(), offs_E) if ctx.needs_input_grad[0] else None
+    gx = _grouped_mm_op(g_MN, w_EKN.transpose(-1, -2), offs_E) if ctx.needs_input_grad[0] else None
     gw = _weight_grad_op(x_MK, g_MN, offs_E) if ctx.needs_input_grad[1] else None
     return gx, gw, None
 

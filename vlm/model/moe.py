@@ -26,7 +26,13 @@ DispatchMode = Literal["auto", "grouped_mm", "loop"]
 class MoEStats:
     aux_loss: torch.Tensor        # balance_loss_weight * switch balance + z_loss_weight * z-loss (scalar)
     load_E: torch.Tensor          # [E] float: token->expert assignments per expert in this call (detached)
-    adjugate_per_token: torch.Tensor   # 0-d: adjugate-expert evaluations / tokens (0 when Grove is off)
+    adjugate_per_token: torch.Tensor | None   # 0-d: adjugate-expert evaluations / tokens (None: Grove is off)
+
+
+def mean_adjugate_per_token(stats: list[MoEStats]) -> torch.Tensor | float:
+    """The layers' mean adjugate evaluations per token, a layer without Grove counting 0 (a tensor, or 0.0)."""
+    on = [s.adjugate_per_token for s in stats if s.adjugate_per_token is not None]
+    return torch.stack(on).sum() / len(stats) if on else 0.0
 
 
 @dataclass
@@ -91,23 +97,22 @@ def expert_load(experts_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
     return counts[:num_experts]
 
 
-def switch_balance_loss(scores_TE: torch.Tensor, experts_TK: torch.Tensor, normalise_scores: bool,
-                        valid_T: torch.Tensor | None = None) -> torch.Tensor:
+def switch_balance_loss(scores_TE: torch.Tensor, experts_TK: torch.Tensor | None, normalise_scores: bool,
+                        valid_T: torch.Tensor | None = None, load_E: torch.Tensor | None = None) -> torch.Tensor:
     """Switch Transformer balance loss E * sum_i f_i P_i (f_i: share of assignments, P_i: mean score), over the
-    `valid_T` tokens (all when None; padding's sentinel assignments are not counted in f).
+    `valid_T` tokens (all when None; padding's sentinel assignments are not counted in f). `load_E`: the
+    assignment counts when the caller has them (else counted from `experts_TK`).
 
     Equals 1 for a perfectly uniform router. Sigmoid scores do not sum to 1, so they are normalised per
     token first. HF's `load_balancing_loss_func` divides f by tokens rather than assignments (k times ours).
     """
     num_experts = scores_TE.shape[-1]
     probs_TE = scores_TE / scores_TE.sum(-1, keepdim=True).clamp_min(1e-20) if normalise_scores else scores_TE
-    load_E = expert_load(experts_TK, num_experts)
-    f_E = load_E / load_E.sum().clamp_min(1)
-    if valid_T is None:
-        P_E = probs_TE.mean(dim=0)
-    else:
-        P_E = (probs_TE * valid_T[:, None]).sum(0) / valid_T.sum().clamp_min(1)
-    return num_experts * (f_E * P_E).sum()
+    load_E = expert_load(experts_TK, num_experts) if load_E is None else load_E
+    # sum_i f_i P_i = (load . sum over valid tokens of the scores) / (assignments * valid tokens)
+    score_sum_E = probs_TE.sum(0) if valid_T is None else torch.mv(probs_TE.t(), valid_T)
+    n = probs_TE.shape[0] if valid_T is None else valid_T.sum()
+    return num_experts * torch.dot(load_E, score_sum_E) / (load_E.sum() * n).clamp_min(1)
 
 
 def router_z_loss(logits_TE: torch.Tensor, valid_T: torch.Tensor | None = None) -> torch.Tensor:
@@ -165,7 +170,7 @@ def adjugate_contribution(x_TD: torch.Tensor, groups_TK: torch.Tensor, weights_T
     the first choice per (token, group) is computed. Returns the [T, D] contribution and the number of adjugate
     evaluations (a 0-d tensor)."""
     rho_TG, first_TK = group_routing_weights(groups_TK, weights_TK, num_groups)
-    disp = sort_by_group(torch.where(first_TK, groups_TK, num_groups), num_groups)
+    disp = sort_by_group(groups_TK.masked_fill(~first_TK, num_groups), num_groups)
     a_MD = expert_swiglu(x_TD, disp, w_gate_GDH, w_up_GDH, w_down_GHD, use_grouped)
     g_M = disp.group_M.clamp_max(num_groups - 1)
     scale_M = (lam * rho_TG[disp.tok_M, g_M]).to(a_MD.dtype)
@@ -179,11 +184,11 @@ def adjugate_contribution(x_TD: torch.Tensor, groups_TK: torch.Tensor, weights_T
 @dataclass
 class Slots:
     """The T x K (token, choice) slots sorted by group (expert or adjugate group), padding last: each group reads one
-    contiguous slice of rows, [offs[g-1], offs[g]); the `live_M` rows are the ones a group computes."""
+    contiguous slice of rows, [offs[g-1], offs[g]); the rows that are not `dead_M1` are the ones a group computes."""
 
     tok_M: torch.Tensor        # the token of each sorted slot
     group_M: torch.Tensor      # its group (num_groups for padding / repeats)
-    live_M: torch.Tensor       # bool: a real slot (padding and repeats are not computed)
+    dead_M1: torch.Tensor      # bool [M, 1]: padding or a repeat, computed by no group
     counts_G: torch.Tensor     # rows per group (int64)
     order_M: torch.Tensor      # the sort: slot order_M[m] of the flattened [T, K] is row m
 
@@ -196,7 +201,7 @@ def sort_by_group(groups_TK: torch.Tensor, num_groups: int) -> Slots:
     group_M = flat[order]
     counts_G = torch.zeros(num_groups + 1, dtype=torch.long, device=flat.device).index_add_(
         0, flat, torch.ones_like(flat))[:num_groups]
-    return Slots(order // K, group_M, group_M < num_groups, counts_G, order)
+    return Slots(order // K, group_M, (group_M == num_groups)[:, None], counts_G, order)
 
 
 def grouped_mm_available(x_MD: torch.Tensor, *weights: torch.Tensor) -> bool:
@@ -228,12 +233,11 @@ def expert_swiglu(x_TD: torch.Tensor, disp: Slots, w_gate_EDH: torch.Tensor, w_u
     and masked). The per-expert loop (devices without grouped_mm) reads the counts on the host."""
     dt = x_TD.dtype
     wg, wu, wd = w_gate_EDH.to(dt), w_up_EDH.to(dt), w_down_EHD.to(dt)
-    live_M1 = disp.live_M[:, None]
-    x_MD = torch.where(live_M1, x_TD[disp.tok_M], 0)
+    x_MD = x_TD[disp.tok_M].masked_fill(disp.dead_M1, 0)   # a fill, not a product: garbage never leaks
     if use_grouped:
-        offs_E = disp.counts_G.cumsum(0).to(torch.int32)
+        offs_E = disp.counts_G.cumsum(0, dtype=torch.int32)
         y_MD = grouped_mm(F.silu(grouped_mm(x_MD, wg, offs_E)) * grouped_mm(x_MD, wu, offs_E), wd, offs_E)
-        return torch.where(live_M1, y_MD, 0)
+        return y_MD.masked_fill(disp.dead_M1, 0)
     sizes = disp.counts_G.tolist()
     pieces = [(F.silu(x_ND @ wg[e]) * (x_ND @ wu[e])) @ wd[e]
               for e, x_ND in enumerate(x_MD.split(sizes + [x_MD.shape[0] - sum(sizes)])[:-1]) if x_ND.shape[0]]
@@ -251,7 +255,9 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(hidden, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        # gate and up in one matmul (the weights keep their names, concatenated per call)
+        gate, up = F.linear(x, torch.cat([self.gate_proj.weight, self.up_proj.weight])).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 # ----------------------------------------------------------------------------- the layer
@@ -323,33 +329,35 @@ class MoE(nn.Module):
         with torch.autocast(dev_type, enabled=False):
             logits_TE = F.linear(x_TD.float(), self.router.weight.float())
         r = route(logits_TE, cfg, self.expert_bias)
-        experts_TK = r.experts_TK if valid_T is None else torch.where(valid_T[:, None], r.experts_TK, E)
-        load_E = expert_load(experts_TK, E)
+        pad_T1 = None if valid_T is None else ~valid_T[:, None]
+        experts_TK = r.experts_TK if pad_T1 is None else r.experts_TK.masked_fill(pad_T1, E)
+        # Sort the (token, choice) slots by expert so each expert reads one contiguous slice; its counts are the loads
+        slots = sort_by_group(experts_TK, E)
+        load_E = slots.counts_G.float()
         if accumulate_load and self.training and cfg.loss_free_balancing:
             self.load_accum.add_(load_E)
         valid_f = None if valid_T is None else valid_T.float()
 
-        aux = logits_TE.new_zeros(())
         T = x_TD.shape[0]   # a shape: static, no synchronisation
+        terms = []
         if cfg.balance_loss_weight and T:
-            balance = switch_balance_loss(r.scores_TE, experts_TK, cfg.router == "sigmoid", valid_f)
-            aux = aux + cfg.balance_loss_weight * balance
+            balance = switch_balance_loss(r.scores_TE, None, cfg.router == "sigmoid", valid_f, load_E)
+            terms.append(cfg.balance_loss_weight * balance)
         if cfg.z_loss_weight and T:
-            aux = aux + cfg.z_loss_weight * router_z_loss(logits_TE, valid_f)
+            terms.append(cfg.z_loss_weight * router_z_loss(logits_TE, valid_f))
+        aux = sum(terms[1:], terms[0]) if terms else logits_TE.new_zeros(())
 
         dtype = torch.get_autocast_dtype(dev_type) if torch.is_autocast_enabled(dev_type) else x_TD.dtype
         x_c = x_TD.to(dtype)
-        # Sort the (token, choice) slots by expert so each expert reads one contiguous slice.
-        slots = sort_by_group(experts_TK, E)
         y_MD = expert_swiglu(x_c, slots, self.w_gate_EDH, self.w_up_EDH, self.w_down_EHD,
                              self._use_grouped(x_c, self.w_gate_EDH, self.w_down_EHD))
         y_MD = y_MD * r.weights_TK.reshape(-1)[slots.order_M].to(dtype)[:, None]
         out_TD = torch.zeros_like(x_c).index_add_(0, slots.tok_M, y_MD)
 
-        adj_per_token = logits_TE.new_zeros(())
+        adj_per_token = None
         if cfg.grove_groups:
             G = cfg.grove_groups
-            groups_TK = torch.where(experts_TK < E, expert_group(experts_TK, E // G), G)
+            groups_TK = expert_group(experts_TK, E // G)   # padding's sentinel E lands on group G
             adj_TD, evals = adjugate_contribution(
                 x_c, groups_TK, r.weights_TK, G, cfg.grove_lambda, self.adj_gate_GDH, self.adj_up_GDH,
                 self.adj_down_GHD, self._use_grouped(x_c, self.adj_gate_GDH, self.adj_down_GHD))
@@ -358,8 +366,9 @@ class MoE(nn.Module):
             adj_per_token = evals.float() / n.clamp_min(1)
         if self.shared is not None:
             shared_TD = self.shared(x_c)
-            out_TD = out_TD + (shared_TD if valid_T is None else torch.where(valid_T[:, None], shared_TD, 0))
-        return out_TD.to(x_TD.dtype), MoEStats(aux, load_E.detach(), adj_per_token.detach())
+            out_TD = out_TD + (shared_TD if pad_T1 is None else shared_TD.masked_fill(pad_T1, 0))
+        return out_TD.to(x_TD.dtype), MoEStats(aux, load_E.detach(),
+                                               None if adj_per_token is None else adj_per_token.detach())
 
     @torch.no_grad()
     def update_bias(self, load_E: torch.Tensor | None = None) -> None:

@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from configs.batch import IGNORE_INDEX, IMAGE, MODALITIES
+from vlm.model.moe import mean_adjugate_per_token
 
 
 def sample_has_image(doc_BT: torch.Tensor, modality_BT: torch.Tensor) -> torch.Tensor:
@@ -65,7 +66,7 @@ def summarize(out, batch) -> dict[str, float]:
         if stats.pop(name + "#n") == 0:
             stats.pop(name)
     if out.moe:
-        stats["moe/adjugate_per_token"] = float(torch.stack([s.adjugate_per_token for s in out.moe.values()]).mean())
+        stats["moe/adjugate_per_token"] = float(mean_adjugate_per_token(list(out.moe.values())))
     if out.chunks is not None:
         stats["chunk/overflow"] = float(out.chunks.overflow)
     return stats

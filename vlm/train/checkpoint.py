@@ -162,8 +162,11 @@ def _set_numpy_rng_state(st: dict[str, Any]) -> None:
 
 
 def rng_state() -> dict[str, Any]:
+    """Every generator a run draws from. CUDA's only where this process has initialised CUDA (a run on the GPU has,
+    before its first step): a CPU run on a machine with a GPU drew nothing from them, and `is_available()` says
+    that a GPU exists, not that the run uses it."""
     state = {"python": random.getstate(), "numpy": _numpy_rng_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
+    if torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
@@ -172,7 +175,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     _set_numpy_rng_state(state["numpy"])
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
+    if "cuda" in state and torch.cuda.is_initialized():   # a GPU run (its model is on the GPU by now), as above
         torch.cuda.set_rng_state_all(state["cuda"])
 
 

@@ -16,6 +16,7 @@ import torch
 from configs.batch import IGNORE_INDEX, IMAGE, KINDS, PackedBatch
 from vlm.model.doc_stats import MODS as DOC_MODS
 from vlm.model.doc_stats import NBINS, document_counts, document_labels, group_histogram, histogram_quantiles
+from vlm.model.moe import mean_adjugate_per_token
 from vlm.model.output import ModelOutput, total_loss
 from vlm.model.stats import chunk_stats, sample_has_image
 from vlm.train.config import LoggingConfig
@@ -62,7 +63,7 @@ class StepAccumulator:
                          batch.doc_ids, batch.modality)
         zero = out.lm_loss.new_zeros(())
         split = {k: m.detach() for k, (m, _) in out.loss_split.items()}
-        adj = torch.stack([st.adjugate_per_token for st in out.moe.values()]).mean() if out.moe else zero
+        adj = torch.as_tensor(mean_adjugate_per_token(list(out.moe.values())) if out.moe else 0.0)
         text_bytes = zero_b = torch.zeros((), device=batch.labels.device)
         if self.bytes_per_id is not None:
             labelled = (batch.labels != IGNORE_INDEX) & (batch.modality != IMAGE)

@@ -24,6 +24,7 @@ import yaml
 from configs.config import ConfigError, to_dict
 from data_pipelines.default_dataset import ensure_default_dataset
 from data_pipelines.schema import REASONS
+from vlm.model.compile import compile_blocks, compile_default
 from vlm.model.moe import update_moe_biases
 from vlm.train import checkpoint as ckpt_lib
 from vlm.train.config import TrainConfig
@@ -99,7 +100,8 @@ class Trainer:
                                 config_targets(cfg), self.is_main, self.step, run_config=to_dict(cfg),
                                 groups=group_names(self.source_names))
         self.log(f"model: {self.n_params:,} parameters ({self.n_trainable:,} trainable); {self.dist.world_size} "
-                 f"rank(s) on {self.dist.device}; ZeRO {cfg.deepspeed.zero_stage}{', bf16' if cfg.deepspeed.bf16 else ''}")
+                 f"rank(s) on {self.dist.device}; ZeRO {cfg.deepspeed.zero_stage}{', bf16' if cfg.deepspeed.bf16 else ''}"
+                 f"{f'; {self.compiled_blocks} blocks compiled' if self.compiled_blocks else ''}")
         for line in self.groups_desc:
             self.log(f"  group {line}")
         batches = iter(self.loader)
@@ -283,6 +285,7 @@ class Trainer:
         self.logit_scale = apply_mup(model, cfg.params, cfg.model.hidden_size, cfg.model.c_hidden, "lm" in fresh)
         groups = build_param_groups(model, cfg.optim, cfg.params, cfg.model.hidden_size, cfg.model.c_hidden)
         self.groups_desc = describe_groups(groups)
+        self.compiled_blocks = self._compile(model)
         self.optimizer, self.scheduler, self.ds_config, self.engine = build_engine(model, groups, cfg,
                                                                                    self.dist.world_size)
         self.cfg = evolve(cfg, deepspeed=effective_settings(cfg.deepspeed, self.ds_config))   # what runs
@@ -293,6 +296,21 @@ class Trainer:
             self.parser = None
         self.n_params = sum(p.numel() for p in model.parameters())
         self.n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+    def _compile(self, model: torch.nn.Module) -> int:
+        """model.compile (null: on for CUDA, off for CPU): every transformer block compiled in place, torchtitan's
+        way (vlm.model.compile). Not under ZeRO-3 unless asked for: its parameter hooks and compiled blocks are an
+        untested pair. Returns the number of compiled blocks."""
+        on = self.cfg.model.compile
+        if on is None:
+            on = compile_default(self.dist.device) and self.cfg.deepspeed.zero_stage < 3
+        if not on:
+            return 0
+        dev = self.dist.device
+        # Before Hopper the experts run as a loop that reads their counts on the host (vlm.model.moe.expert_swiglu):
+        # a graph break per MoE layer there, so the blocks compile in pieces instead of refusing
+        fullgraph = not (dev.type == "cuda" and torch.cuda.get_device_capability(dev) < (9, 0))
+        return compile_blocks(model, fullgraph=fullgraph)
 
     def _check_resume_config(self) -> None:
         """A resumed run's config (as it runs) matches the checkpointed run's, but for what may change."""
