@@ -202,3 +202,55 @@ def test_backend_choice_per_device_and_under_compile():
     assert resolve_backend("docs", cpu, compiled=True) == "sdpa"
     assert resolve_backend("auto", cuda) in ("flash", "flex")          # never the T x T mask by default on CUDA
     assert resolve_backend("sdpa", cuda) == "sdpa"                     # asked for: the fallback
+
+
+def _varlen_stand_in(q, k, v, cu_q, cu_k, max_q, max_k, window_size=(-1, -1), enable_gqa=False):
+    """torch.nn.attention.varlen.varlen_attn from its documented contract (causal is window (-1, 0), a sliding
+    window of w keys (w - 1, 0)), as SDPA per segment: the CPU check of the layout the CUDA kernel is given."""
+    assert cu_q.dtype == torch.int32 and torch.equal(cu_q, cu_k) and max_q == max_k
+    assert enable_gqa == (k.shape[1] != q.shape[1])
+    out = torch.empty_like(q)
+    for s, e in zip(cu_q[:-1].tolist(), cu_q[1:].tolist()):
+        n = e - s
+        assert n <= max_q
+        i = torch.arange(n)
+        left, right = window_size
+        allowed = (i[None] <= i[:, None] + (right if right >= 0 else n)) & (i[None] >= i[:, None] - (left if left >= 0 else n))
+        seg = lambda x: x[s:e].transpose(0, 1)[None]  # noqa: E731
+        out[s:e] = torch.nn.functional.scaled_dot_product_attention(
+            seg(q), seg(k), seg(v), attn_mask=allowed, enable_gqa=enable_gqa)[0].transpose(0, 1)
+    return out
+
+
+@pytest.mark.parametrize("window", [0, 5])
+def test_varlen_backend_layout_and_window_on_a_stand_in(monkeypatch, window):
+    """The "varlen" backend (PyTorch's own varlen flash kernel, CUDA only) is given the documents of the packed rows
+    as segments, causal, with the sliding window as (w - 1, 0) and GQA: checked on the CPU against SDPA under the
+    packed mask, with a stand-in written from the kernel's documented contract."""
+    import vlm.model.attention as attention
+
+    monkeypatch.setattr(attention, "varlen_attn", _varlen_stand_in)
+    torch.manual_seed(0)
+    doc = torch.tensor([[0] * 20 + [1] * 30 + [-1] * 6, [0] * 9 + [1] * 14 + [2] * 25 + [-1] * 8])
+    q, k, v = torch.randn(2, 4, 56, 8), torch.randn(2, 2, 56, 8), torch.randn(2, 2, 56, 8)
+    valid = doc >= 0
+    got = attention.attend(q, k, v, doc, "varlen", window=window)
+    ref = attention.attend(q, k, v, doc, "sdpa", window=window)
+    torch.testing.assert_close(got.transpose(1, 2)[valid], ref.transpose(1, 2)[valid], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch.nn.attention.varlen is a CUDA kernel")
+def test_varlen_kernel_equals_the_packed_mask_on_cuda():
+    from vlm.model.attention import attend
+
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    doc = torch.tensor([[0] * 100 + [1] * 156, [0] * 200 + [-1] * 56], device=dev)
+    q, k, v = (torch.randn(2, h, 256, 64, device=dev, dtype=torch.bfloat16) for h in (8, 2, 2))
+    valid = doc >= 0
+    for window in (0, 32):   # bf16 both ways: within 5 units of bf16's roundoff (2^-8) of outputs of size ~1
+        got = attend(q, k, v, doc, "varlen", window=window)
+        ref = attend(q, k, v, doc, "sdpa", window=window)
+        torch.testing.assert_close(got.transpose(1, 2)[valid].float(), ref.transpose(1, 2)[valid].float(),
+                                   rtol=2e-2, atol=2e-2)

@@ -19,6 +19,11 @@ try:  # optional GPU kernel
 except Exception:  # pragma: no cover - not installable on CPU machines
     flash_attn_varlen_func = None
 
+try:  # PyTorch's own varlen flash kernel (CUDA only, torch >= 2.10)
+    from torch.nn.attention.varlen import varlen_attn
+except Exception:  # pragma: no cover - older torch
+    varlen_attn = None
+
 
 def resolve_backend(requested: str, device: torch.device, compiled: bool = False) -> str:
     """The attention backend that runs: `requested`, or for "auto" flash-attn on CUDA when installed, else a
@@ -29,6 +34,9 @@ def resolve_backend(requested: str, device: torch.device, compiled: bool = False
     if requested != "auto":
         if requested == "flash" and (flash_attn_varlen_func is None or device.type != "cuda"):
             raise RuntimeError("attn_backend='flash' needs the flash-attn package and a CUDA device")
+        if requested == "varlen" and (varlen_attn is None or device.type != "cuda"):
+            raise RuntimeError("attn_backend='varlen' needs a CUDA device and torch >= 2.10 "
+                               "(torch.nn.attention.varlen)")
         return "sdpa" if requested == "docs" and compiled else requested
     if device.type == "cuda":
         return "flash" if flash_attn_varlen_func is not None else "flex"
@@ -101,12 +109,20 @@ def flash_layout(doc_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]
     return valid_N, cu, int(counts.max()) if counts.numel() else 0
 
 
-def _flash(q, k, v, layout, causal, window=0):
+def _varlen(q, k, v, layout, causal, window=0, kernel: str = "flash"):
+    """The packed rows' real tokens as one varlen batch of documents through flash-attn's kernel ("flash") or
+    PyTorch's own (`torch.nn.attention.varlen`, "varlen"); padding comes out as 0."""
     B, H, T, d = q.shape
     valid_N, cu, longest = layout
     pick = lambda x: x.transpose(1, 2).flatten(0, 1).index_select(0, valid_N)  # noqa: E731  [N, heads, d]
-    out = flash_attn_varlen_func(pick(q), pick(k), pick(v), cu, cu, longest, longest, causal=causal,
-                                 window_size=(window - 1, 0) if window else (-1, -1))
+    # both take (left, right) windows: causal is (-1, 0); a window of w keys is w - 1 to the left
+    left = window - 1 if window else -1
+    if kernel == "flash":
+        out = flash_attn_varlen_func(pick(q), pick(k), pick(v), cu, cu, longest, longest, causal=causal,
+                                     window_size=(left, 0) if window else (-1, -1))
+    else:
+        out = varlen_attn(pick(q), pick(k), pick(v), cu, cu, longest, longest,
+                          window_size=(left, 0 if causal else -1), enable_gqa=k.shape[1] != H)
     full = q.new_zeros(B * T, H, d).index_copy(0, valid_N, out)
     return full.view(B, T, H, d).transpose(1, 2)
 
@@ -152,9 +168,9 @@ def _flex():
 def attend(q_BHTd, k_BKTd, v_BKTd, doc_BT, backend: str, mask_B1TT=None, causal: bool = True, window: int = 0):
     """Packed attention; `mask_B1TT` may be passed in to share it across the layers of a stack (it then already
     holds the sliding `window`; per backend it is the flash layout, the document segments or the BlockMask)."""
-    if backend == "flash":
+    if backend in ("flash", "varlen"):
         layout = mask_B1TT if mask_B1TT is not None else flash_layout(doc_BT)
-        return _flash(q_BHTd, k_BKTd, v_BKTd, layout, causal, window)
+        return _varlen(q_BHTd, k_BKTd, v_BKTd, layout, causal, window, backend)
     if backend == "docs":
         segments = mask_B1TT if mask_B1TT is not None else doc_segments(doc_BT)
         return _per_document(q_BHTd, k_BKTd, v_BKTd, doc_BT, segments, causal, window)

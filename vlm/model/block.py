@@ -41,7 +41,7 @@ class StackContext:
             mask = document_block_mask(doc_BT, window=window)
         elif backend == "docs":
             mask = doc_segments(doc_BT)
-        else:
+        else:   # flash, varlen
             mask = flash_layout(doc_BT)
         return StackContext(doc_BT, rope, backend, mask, doc_BT >= 0, window)
 

@@ -173,9 +173,9 @@ class ModelConfig(ValidatedOnInit):
     init_std: float = 0.02
     # auto: flash-attn on CUDA when installed, else FlexAttention with a document block mask (compiled; fused,
     # no host synchronisation); on CPU docs, one SDPA per document (no T x T mask: memory linear in the row length,
-    # faster for long rows, see `vlm bench attention`), or sdpa under torch.compile; sdpa / eager: the packed
-    # [B, 1, T, T] mask (the fallback)
-    attn_backend: Literal["auto", "sdpa", "eager", "flash", "flex", "docs"] = "auto"
+    # faster for long rows, see `vlm bench attention`), or sdpa under torch.compile; varlen: PyTorch's own varlen
+    # flash kernel (CUDA); sdpa / eager: the packed [B, 1, T, T] mask (the fallback)
+    attn_backend: Literal["auto", "sdpa", "eager", "flash", "varlen", "flex", "docs"] = "auto"
     # sliding-window (local) attention in the encoder and decoder layers: a token sees itself and the
     # window - 1 tokens before it in its document; 0 = the whole document. The concept model always sees all.
     attention_window: int = 0

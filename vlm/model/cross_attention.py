@@ -49,7 +49,7 @@ def cross_backend(backend: str, head_dim: int) -> str:
     """The backend the replicated cross-attention runs on: the stack's, except that flash cannot take the extra
     bias dimension when head_dim + 1 > 256, and FlexAttention's kernels want power-of-two head dimensions; SDPA
     under the packed mask computes the same thing there."""
-    if (backend == "flash" and head_dim + 1 > FLASH_MAX_HEAD_DIM) or backend == "flex":
+    if (backend in ("flash", "varlen") and head_dim + 1 > FLASH_MAX_HEAD_DIM) or backend == "flex":
         return "sdpa"
     return backend
 
