@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip
 export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/torch_extensions
 
-.PHONY: install install-eval train test test-fast flops bench
+.PHONY: install install-eval train test test-fast test-gpu flops bench
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -37,3 +37,15 @@ test: install-eval
 # what a developer runs while working: everything but the tests marked slow
 test-fast: install-eval
 	$(BIN)/python -m pytest -n 2 -m "not slow" tests
+
+# the CUDA tests, on a machine with a GPU: tests/test_gpu.py's CUDA instances and every other test marked gpu, in one
+# process (one GPU). Refuses to run where torch sees no GPU, where every one of them would be skipped.
+test-gpu: install-eval
+	$(BIN)/python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'make test-gpu: torch sees no CUDA device')"
+	$(BIN)/python -m pytest -m gpu -rs tests
+
+# one CUDA GPU measured in bf16 in under 8 minutes (`vlm bench gpu`, docs/benchmarks.md): MFU, prefill, decode, memory,
+# kernel launches; refuses where torch sees no GPU
+.PHONY: bench-gpu
+bench-gpu: install
+	$(BIN)/vlm bench gpu --out runs/bench

@@ -4,8 +4,10 @@ measures."""
 import json
 
 import pytest
+import torch
 
 from eval.bench.cli import PARTS
+from eval.bench.common import count_operators
 from vlm.cli import main
 
 
@@ -28,6 +30,19 @@ def test_every_part_writes_rows_machine_ratios_and_a_figure(tmp_path, capsys):
             assert len(ratios) >= 2 and ratios[0] == 1.0
         assert (tmp_path / f"{part}.png").stat().st_size > 0
         assert f"== {part} ==" in printed
+    # the model part counts one eager training step's operators per candidate (issue 35: launches per step)
+    res = json.loads((tmp_path / "model.json").read_text())
+    first = res["settings"]["seq_lens"][0]
+    train = [r for r in res["rows"] if r["setting"] == {"mode": "train", "seq_len": first}]
+    assert len(train) == 4 and all(r["operators_per_step"] > 0 for r in train)
+
+
+def test_count_operators_counts_what_runs_a_kernel_not_views_or_reads():
+    x, w = torch.randn(4, 4), torch.randn(4, 4, requires_grad=True)
+    # mm and relu and sum; the transpose and the view alias storage, detach wraps it, item reads a scalar back
+    assert count_operators(lambda: (x @ w.t()).relu().view(-1).detach().sum().item()) == 3
+    # the backward's operators count too (it runs under the same dispatch mode on a CPU)
+    assert count_operators(lambda: (x @ w).sum().backward()) > 2
 
 
 def test_realized_part_times_the_checkpoints_own_boundaries_next_to_forced_ones(exported_vlm, tiny_default, tmp_path):

@@ -72,7 +72,8 @@ def check_training_step(kind: str, backend: str) -> None:
     loss_e, logits_e = train_loss(eager, batch)
     loss_e.backward()
     torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(logits_c, logits_e, rtol=1e-4, atol=1e-5)
+    valid = batch.doc_ids >= 0    # padding holds what each backend leaves there (eager: docs, compiled: sdpa)
+    torch.testing.assert_close(logits_c[valid], logits_e[valid], rtol=1e-4, atol=1e-5)
     ge, gc = grads(eager), grads(compiled)
     assert ge.keys() == gc.keys() and len(ge) > 10
     for n in ge:
@@ -101,7 +102,8 @@ def check_prefill_and_decode(kind: str, backend: str) -> None:
     prefill = torch.compile(lambda b: model.prefill(b, max_new_tokens=steps), fullgraph=True, backend=backend)
     out_c, cache_c = prefill(batch)
     out_e, cache_e = model.prefill(batch, max_new_tokens=steps)
-    torch.testing.assert_close(out_c.logits, out_e.logits, rtol=1e-4, atol=1e-5)
+    valid = batch.doc_ids >= 0
+    torch.testing.assert_close(out_c.logits[valid], out_e.logits[valid], rtol=1e-4, atol=1e-5)
     cache_c.used_tokens, cache_c.used_concepts = cache_e.used_tokens, cache_e.used_concepts
     decode = torch.compile(model.decode_step, fullgraph=True, backend=backend)
     last = (batch.doc_ids >= 0).sum(1) - 1

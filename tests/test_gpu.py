@@ -129,7 +129,8 @@ def run(backend: str, dtype: torch.dtype, batch: PackedBatch, window: int = 0, r
         out.loss.backward()
     assert choices.recorded, "vlm.model.moe.select_experts was never called: nothing to replay, nothing fixed"
     grads = {n: p.grad.float() for n, p in m.named_parameters() if p.grad is not None}
-    return out.logits.detach().float(), grads, choices
+    # the real positions' logits: what padding holds after attention is each backend's own (no one reads it)
+    return out.logits.detach().float()[batch.doc_ids >= 0], grads, choices
 
 
 def available_backends(device: str) -> list[str]:

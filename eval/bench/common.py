@@ -24,6 +24,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+OPERATORS_METRIC = "operators per step (CPU, non-view aten ops)"
+# Ops that run no kernel: they alias or wrap a tensor's storage, or read a scalar back (a sync, not a launch).
+_NO_KERNEL = (torch.ops.aten.detach, torch.ops.aten.alias, torch.ops.aten.lift_fresh,
+              torch.ops.aten._local_scalar_dense)
 
 
 def machine() -> dict:
@@ -54,6 +60,27 @@ def measure(candidates: dict[str, Callable[[], object]], repeats: int, warmup: i
         for name in names[k:] + names[:k]:
             seconds[name].append(_call(candidates[name]))
     return seconds
+
+
+class _OperatorCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view and func.overloadpacket not in _NO_KERNEL:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_operators(fn: Callable[[], object]) -> int:
+    """The operators `fn()` dispatches (its backward and optimizer step included when it runs them): the project's
+    CPU proxy for kernel launches (OPERATORS_METRIC). A dispatch mode sees the ops below autograd and past the
+    composite ops' decompositions, which is what a backend runs as kernels; views and metadata-only ops launch
+    nothing and are not counted. `fn` must run eagerly: Dynamo refuses to run compiled code under a dispatch mode."""
+    with _OperatorCounter() as counter:
+        fn()
+    return counter.count
 
 
 def summary(values: list[float]) -> dict:

@@ -99,13 +99,20 @@ def run(s: Settings, log=print) -> dict:
             secs = common.measure(fns, s.repeats, s.warmup)
             rs = common.rows(common.per_second(secs, s.rows * T), BASELINE, {"mode": mode, "seq_len": T},
                              "tokens/s", "tok/s", extra)
+            if mode == "train" and T == s.seq_lens[0]:   # one counted step per candidate: it changes little with T
+                for r in rs:
+                    r["operators_per_step"] = common.count_operators(fns[r["candidate"]])
             out += rs
             log(f"  model {mode} T={T}: " + ", ".join(f"{r['candidate']} x{r['ratio_vs_baseline']:.2f}" for r in rs))
     b = attention_bound(configs["more_experts"], base, s.ratio)
     notes = [(f"attention-bound prefill time ratio of the 1+6+1 split at R={s.ratio:g}: "
               f"(L_E + L_D + L_C/R^2)/(L_E + L_C + L_D) = {b:.2f}, i.e. at most {1 / b:.2f}x prefill tokens/s "
               "when attention dominates; flops_ratio ~ 1 is what the reallocations were matched to"),
-             "boundaries forced at exactly T/R positions per row; one document per row"]
+             "boundaries forced at exactly T/R positions per row; one document per row",
+             f"operators_per_step (train rows at T={s.seq_lens[0]}): {common.OPERATORS_METRIC} of one eager training "
+             "step (forward, backward, AdamW), eval.bench.common.count_operators, the CPU proxy for kernel launches; "
+             "no compiled count here (compiled code does not run under its dispatch mode): `vlm bench gpu` counts "
+             "the CUDA kernels of eager and compiled steps"]
     return common.result(PART, asdict(s), out, notes=notes,
                          base_config={k: v for k, v in vars(BASE).items() if isinstance(v, (int, float, str))})
 

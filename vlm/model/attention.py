@@ -49,7 +49,9 @@ def packed_mask(doc_BT: torch.Tensor, causal: bool = True, window: int = 0) -> t
     """[B, 1, T, T] bool: may query i attend key j? Same document (and j <= i when causal; with a sliding
     `window` > 0 also i - j < window: each query sees itself and the window - 1 keys before it).
 
-    Padding queries (doc -1) attend only to themselves so that no row of the softmax is empty.
+    Padding queries (doc -1) attend only to themselves so that no row of the softmax is empty. What a padding
+    position holds after attention differs between backends (the varlen kernels and the per-document loop give 0):
+    no real token and no loss reads it.
     """
     T = doc_BT.shape[1]
     same = (doc_BT[:, :, None] == doc_BT[:, None, :]) & (doc_BT[:, None, :] >= 0)
@@ -61,32 +63,44 @@ def packed_mask(doc_BT: torch.Tensor, causal: bool = True, window: int = 0) -> t
     return same[:, None]
 
 
-def doc_segments(doc_BT: torch.Tensor) -> list[tuple[int, int, int]]:
-    """(row, start, end) of every document of every row, in order (one host transfer; built once per stack)."""
+def doc_segments(doc_BT: torch.Tensor) -> list[list[tuple[int, int, bool]]]:
+    """Per row, its runs in order as (start, end, is_document): the documents and the padding between and after
+    them, covering [0, T) (one host transfer; built once per stack)."""
     B, T = doc_BT.shape
     starts_BT = torch.ones_like(doc_BT, dtype=torch.bool)
     starts_BT[:, 1:] = doc_BT[:, 1:] != doc_BT[:, :-1]
     rows, cols = starts_BT.nonzero(as_tuple=True)
-    ends = torch.cat([cols[1:], cols.new_tensor([T])])
-    ends = torch.where(F.pad(rows[1:] != rows[:-1], (0, 1), value=True), torch.full_like(ends, T), ends)
     docs = doc_BT[rows, cols]
-    return [(r, s, e) for r, s, e, d in zip(rows.tolist(), cols.tolist(), ends.tolist(), docs.tolist()) if d >= 0]
+    runs: list[list[tuple[int, int, bool]]] = [[] for _ in range(B)]
+    for r, s, d in zip(rows.tolist(), cols.tolist(), docs.tolist()):
+        if runs[r]:
+            runs[r][-1] = (runs[r][-1][0], s, runs[r][-1][2])
+        runs[r].append((s, T, d >= 0))
+    return runs
 
 
 def _per_document(q, k, v, doc_BT, segments, causal, window):
     """One SDPA call per document: no T x T mask, memory linear in the row length (a loop over documents, not
-    tokens). Padding queries read their own value, as under the packed mask."""
+    tokens). Padding comes out as 0, as from the varlen kernels (what a padding position holds is read by no real
+    token and no loss). The row is the concatenation of its runs' outputs: a cat's backward is views, where writing
+    into a buffer would cost a copy and a fill each way."""
     rep = q.shape[1] // k.shape[1]
-    out = v.repeat_interleave(rep, 1) if rep > 1 else v.clone()   # padding: attends only to itself
-    for b, s, e in segments:
-        qs, ks, vs = q[b:b + 1, :, s:e], k[b:b + 1, :, s:e], v[b:b + 1, :, s:e]
-        mask = None
-        if window and e - s > window:
-            n = e - s
-            mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril().triu(-(window - 1))
-        out[b:b + 1, :, s:e] = F.scaled_dot_product_attention(
-            qs, ks, vs, attn_mask=mask, is_causal=causal and mask is None, enable_gqa=rep > 1)
-    return out
+    rows = []
+    for b, runs in enumerate(segments):
+        parts = []
+        for s, e, is_doc in runs:
+            if not is_doc:
+                parts.append(q.new_zeros(1, q.shape[1], e - s, v.shape[-1]))
+                continue
+            qs, ks, vs = q[b:b + 1, :, s:e], k[b:b + 1, :, s:e], v[b:b + 1, :, s:e]
+            mask = None
+            if window and e - s > window:
+                n = e - s
+                mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril().triu(-(window - 1))
+            parts.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=causal and mask is None,
+                                                        enable_gqa=rep > 1))
+        rows.append(torch.cat(parts, 2) if len(parts) > 1 else parts[0])
+    return torch.cat(rows, 0) if len(rows) > 1 else rows[0]
 
 
 def _eager(q, k, v, mask_B1TT):

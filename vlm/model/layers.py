@@ -25,7 +25,7 @@ class _RMSNormFn(torch.autograd.Function):
         gf = g.to(xhat.dtype)
         gw_hat = gf * w.to(xhat.dtype)
         # d/dx of xhat * w: rstd * (g w - xhat * mean(g w xhat))
-        gx = rstd * (gw_hat - xhat * (gw_hat * xhat).mean(-1, keepdim=True))
+        gx = rstd * torch.addcmul(gw_hat, xhat, (gw_hat * xhat).mean(-1, keepdim=True), value=-1)
         gw = (gf * xhat).sum_to_size(w.shape) if ctx.needs_input_grad[1] else None
         return gx.to(g.dtype), None if gw is None else gw.to(w.dtype), None
 
