@@ -102,9 +102,11 @@ def test_merge_strategies_follow_the_causal_convention():
         mod, ch, h, doc = _hand_chunks(merge)
         assert ch.b_BT.long().tolist() == [[1, 0, 1, 0, 0, 1, 1, 0, 0]]
         assert ch.cidx_BT.tolist() == [[0, 0, 1, 1, 1, 2, 3, 3, -1]]
-        # concepts sit in a static capacity (here the whole row of 9) with the unused places marked -1
+        # concepts sit in a static capacity (here the whole row of 9), unused places marked -1; on the CPU in eager
+        # mode the columns past the largest row's count are not built (the host reads it for free there)
+        assert mod.capacity(9) == mod.capacity(9, training=True) == 9
         M = ch.cdoc_BM.shape[1]
-        assert M == mod.capacity(9) == mod.capacity(9, training=True) == 9
+        assert M == 4
         assert ch.cdoc_BM.tolist() == [[0, 0, 1, 1] + [-1] * (M - 4)]
         assert ch.cpos_BM.tolist() == [[0, 1, 0, 1] + [0] * (M - 4)]
         assert float(ch.overflow) == 0
