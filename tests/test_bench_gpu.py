@@ -58,12 +58,15 @@ def _check_every_section(res: dict, cuda: bool) -> None:
         assert (r["mfu"] is None) == (res["gpu"]["peak"] is None)
     assert train[BASELINE]["ratio_vs_baseline"] == 1.0
 
-    # prefill at every length: the baseline, and every reallocation with forced and with learned boundaries
+    # prefill at every length: the baseline, and every reallocation with forced and with learned boundaries, and
+    # forced with the training capacity in eval mode too ("tight")
     for T in s["prefill_lens"]:
         rows = {r["candidate"]: r for r in _rows(res, "prefill", seq_len=T)}
-        assert set(rows) == {BASELINE} | {f"{n} ({k})" for n in reallocs for k in ("forced", "learned")}
+        kinds = ("forced", "learned", "forced, tight")
+        assert set(rows) == {BASELINE} | {f"{n} ({k})" for n in reallocs for k in kinds}
         for n in reallocs:
             assert rows[f"{n} (forced)"]["R"] == s["ratio"]
+            assert rows[f"{n} (forced, tight)"]["eval_capacity_slack"] == 1.25
             assert rows[f"{n} (learned)"]["boundaries"] == "learned" and rows[f"{n} (learned)"]["R"] >= 1
 
     # decode at batch 1 and 8, every candidate, in ms per step

@@ -1,6 +1,12 @@
-"""The prefill section: forward tokens/s of one row at each length, with boundaries forced at T/R and learned."""
+"""The prefill section: forward tokens/s of one row at each length, with boundaries forced at T/R and learned.
+
+Eval mode sizes the concept stack by `chunk.eval_capacity_slack`, null by default: all T positions, so that
+inference is exact whatever a prompt's ratio, at the cost of the unused positions' dense projections (the experts
+and the attention skip them). A third row per ConceptMoE, "forced, tight", runs with the training capacity
+(`chunk.capacity_slack`) instead: what a deployment that sets `eval_capacity_slack` gets."""
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
@@ -43,6 +49,9 @@ def _at(r: Run, T: int) -> None:
             fns[k], of[k] = timed(dev, forward_fn(m, batch, f)), n
             extra[k] = {"boundaries": kind, "R": s.ratio} if f is not None else \
                 {"boundaries": kind, **_realized(m, batch)}
+        k = f"{n} (forced, tight)"
+        fns[k], of[k] = timed(dev, _with_eval_capacity(m, forward_fn(m, batch, force))), n
+        extra[k] = {"boundaries": "forced", "R": s.ratio, "eval_capacity_slack": m.cfg.chunk.capacity_slack}
     fns = r.warm(fns, 1, f"prefill T={T}")
     secs = common.measure(fns, s.prefill_repeats, warmup=0)
     rs = r.rows(common.per_second(secs, T), {"section": "prefill", "rows": 1, "seq_len": T},
@@ -53,6 +62,19 @@ def _at(r: Run, T: int) -> None:
     r.log(f"  prefill T={T}: " + ", ".join(f"{row['candidate']} x{row['ratio_vs_baseline']:.2f}" for row in rs))
     del batch
     dev.free()
+
+
+def _with_eval_capacity(model, fn):
+    """`fn` with the chunk module's eval capacity set to its training one for the call."""
+    def call():
+        ch = model.chunker
+        before = ch.cfg
+        ch.cfg = dataclasses.replace(before, eval_capacity_slack=before.capacity_slack)
+        try:
+            return fn()
+        finally:
+            ch.cfg = before
+    return call
 
 
 def _realized(model, batch: PackedBatch) -> dict:

@@ -115,11 +115,11 @@ def _plot(res: dict, path) -> None:
             pts = sorted((r["setting"]["seq_len"], r["median"]) for r in pre if r["candidate"] == n)
             base = n.split(" (")[0]
             ax.plot(*zip(*pts), marker="o", color=colour.get(base, "k"), label=n,
-                    ls="--" if n.endswith("(learned)") else "-")
+                    ls="--" if n.endswith("(learned)") else ":" if n.endswith("(forced, tight)") else "-")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("tokens")
         ax.set_ylabel("prefill tokens/s")
-        ax.set_title("prefill (solid: forced at T/R, dashed: learned)", fontsize=9)
+        ax.set_title("prefill (solid: forced at T/R, dotted: with the training capacity, dashed: learned)", fontsize=8)
         ax.legend(fontsize=6)
     else:
         empty(axes[1], "prefill")
