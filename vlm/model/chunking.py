@@ -123,7 +123,7 @@ class ChunkModule(nn.Module):
     def capacity(self, T: int, training: bool | None = None) -> int:
         """The static concept capacity of a T-token row (`concept_capacity` at the smallest target ratio), with the
         training or the eval slack (None: the module's mode)."""
-        R = min(list((self.cfg.modality_target_ratios or {}).values()) or [self.cfg.target_ratio])
+        R = min(list((self.cfg.modality_targets() or {}).values()) or [self.cfg.target_ratio])
         training = self.training if training is None else training
         return concept_capacity(T, self.cfg.capacity_slack if training else self.cfg.eval_capacity_slack, R)
 
@@ -197,9 +197,10 @@ class ChunkModule(nn.Module):
 
     def ratio_groups(self, valid_BT, modality_BT):
         """Token masks and targets of the ratio losses: one joint group, or one per modality."""
-        if self.cfg.modality_target_ratios:
+        targets = self.cfg.modality_targets()
+        if targets:
             names = {"text": TEXT, "image": IMAGE}
-            return [(valid_BT & (modality_BT == names[m]), r) for m, r in sorted(self.cfg.modality_target_ratios.items())]
+            return [(valid_BT & (modality_BT == names[m]), r) for m, r in sorted(targets.items())]
         return [(valid_BT, self.cfg.target_ratio)]
 
     def compute_ratio_loss(self, p_BT, b_BT, groups, doc_BT=None):

@@ -83,8 +83,9 @@ class ChunkConfig(ValidatedOnInit):
     # through DLCM's cross-attention (cross_attention); -1 = all
     joint_decoding_layers: int = -1
     joint_decoding_zero_init: bool = False   # start those reads at zero (W^c of eq. 11, or the cross-attention's W_O)
-    # Beyond the paper: one ratio loss per modality (e.g. {"text": 2.0, "image": 4.0}) instead of a joint one.
-    modality_target_ratios: dict[str, float] | None = None
+    # Beyond the paper: one ratio loss per modality (e.g. {"text": 2.0, "image": 4.0}) instead of a joint one; a
+    # modality given as null has its own loss at target_ratio ({text: null, image: null}: both follow it)
+    modality_target_ratios: dict[str, float | None] | None = None
     grid_aware_boundaries: bool = False  # image tokens also compare with the token above in the patch grid
     # How far one document's ratio may move from its target R (per ratio group). null: the paper's batch statistics
     # alone, which let the router meet R with all-or-nothing documents; s >= 1: each document's ratio may lie
@@ -104,6 +105,13 @@ class ChunkConfig(ValidatedOnInit):
     # the same in eval mode (held-out loss, prefill, generation); null (T) keeps inference exact whatever a prompt's
     # ratio, at the cost of computing the unused capacity's dense projections in the concept model
     eval_capacity_slack: float | None = None
+
+    def modality_targets(self) -> dict[str, float] | None:
+        """The target of each modality's own ratio loss (null entries follow target_ratio), or None: one joint loss
+        at target_ratio. Everything that reads a target reads it here."""
+        if not self.modality_target_ratios:
+            return None
+        return {m: self.target_ratio if r is None else r for m, r in self.modality_target_ratios.items()}
 
     @property
     def holds_documents(self) -> bool:
@@ -133,14 +141,14 @@ class ChunkConfig(ValidatedOnInit):
             check(self.document_weight > 0, f"document_weight must be > 0, got {self.document_weight}")
             check(self.document_slack >= 1.0, f"document_slack must be >= 1 (a document's ratio lies in [R/s, R*s]), "
                                               f"got {self.document_slack}")
-            low = min((self.modality_target_ratios or {}).values(), default=self.target_ratio)
+            low = min((self.modality_targets() or {}).values(), default=self.target_ratio)
             check(low / self.document_slack > 1.0,
                   f"document_slack={self.document_slack} lets a document's ratio fall to R/s = "
                   f"{low / self.document_slack:.3g} <= 1 for target {low}; use document_slack < {low}")
         if self.modality_target_ratios:
             for k, v in self.modality_target_ratios.items():
                 check(k in ("text", "image"), f"modality_target_ratios: unknown modality {k!r}; allowed: 'text', 'image'")
-                check(v > 1.0, f"modality_target_ratios.{k} must be > 1, got {v}")
+                check(v is None or v > 1.0, f"modality_target_ratios.{k} must be > 1 or null (target_ratio), got {v}")
 
 
 @dataclass

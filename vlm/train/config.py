@@ -277,9 +277,33 @@ def load_train_config(path: str | Path | None, overrides: list[str] | None = Non
         model = own.get("model") or {}
         data["model"] = model
         stated = set(flatten(model)) if isinstance(model, dict) else set()
+    check_not_shadowed(data)
     cfg = from_dict(TrainConfig, data)
     cfg.model_stated = stated
     return cfg
+
+
+def check_not_shadowed(data: dict) -> None:
+    """A key the config states must act: `model.chunk.target_ratio` does nothing where every modality has a stated
+    target of its own, so a target_ratio that is none of theirs is refused in one line naming both (a modality set
+    to null follows target_ratio; a target_ratio equal to one of theirs, as every saved config.yaml states it, is
+    taken as restating it). `data`: the merged YAML chain and overrides, before defaults."""
+    chunk = (data.get("model") or {}).get("chunk") if isinstance(data.get("model"), dict) else None
+    if not isinstance(chunk, dict) or "target_ratio" not in chunk:
+        return
+    per = chunk.get("modality_target_ratios")
+    if isinstance(per, dict) and per and all(v is not None for v in per.values()) and \
+            not any(_same_number(v, chunk["target_ratio"]) for v in per.values()):
+        raise ConfigError(f"model.chunk.target_ratio={chunk['target_ratio']} is shadowed by "
+                          f"model.chunk.modality_target_ratios={per}: every modality has its own target; set a "
+                          f"modality to null to follow target_ratio, or state only one of the two")
+
+
+def _same_number(a, b) -> bool:
+    try:
+        return float(a) == float(b)
+    except (TypeError, ValueError):
+        return False
 
 
 def _own_yaml(path: str | Path) -> dict:

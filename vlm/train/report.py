@@ -204,7 +204,8 @@ def model_card(cfg: dict, summary: list[str], title: str) -> str:
     """final/README.md: what was trained on what, how it went (the run's summary) and the report picture."""
     m, data, run = cfg["model"], cfg["data"], cfg["train"]
     chunk = m.get("chunk", {})
-    ratios = chunk.get("modality_target_ratios") or {"joint": chunk.get("target_ratio")}
+    ratios = {m: chunk.get("target_ratio") if r is None else r
+              for m, r in (chunk.get("modality_target_ratios") or {"joint": chunk.get("target_ratio")}).items()}
     sources = ", ".join(s["path"] for s in data.get("sources") or []) or f"the embedded default dataset ({data['default_dir']})"
     lines = [
         f"# {title}",

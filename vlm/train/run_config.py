@@ -25,8 +25,9 @@ def config_targets(cfg: TrainConfig) -> dict[str, float]:
     ch = cfg.model.chunk
     if not ch.enabled:
         return {}
-    if ch.modality_target_ratios:
-        return {f"ratio/{m}": r for m, r in ch.modality_target_ratios.items()}
+    targets = ch.modality_targets()
+    if targets:
+        return {f"ratio/{m}": r for m, r in targets.items()}
     return {"ratio": ch.target_ratio}
 
 
@@ -36,8 +37,16 @@ OPTIM_CHANGES = ("optim.lr", "optim.min_lr", "optim.weight_decay", "optim.betas"
                  "optim.warmup_steps", "optim.schedule", "optim.decay_fraction")
 
 
+def _resolved(flat: dict) -> dict:
+    """A flattened config with each per-modality target stated as null read as the target_ratio it follows (what
+    the run trained with), so that a run written before nulls were allowed resumes under a config using them."""
+    prefix = "model.chunk.modality_target_ratios."
+    return {k: flat.get("model.chunk.target_ratio") if k.startswith(prefix) and v is None else v
+            for k, v in flat.items()}
+
+
 def check_resume_config(saved: dict, now: dict, accept_optim_change: bool = False) -> None:
-    a, b = flatten(saved), flatten(now)
+    a, b = _resolved(flatten(saved)), _resolved(flatten(now))
     allowed = RESUMABLE_CHANGES + (OPTIM_CHANGES if accept_optim_change else ())
     for key in sorted(set(a) | set(b)):
         if a.get(key) != b.get(key) and not key.startswith(allowed):
