@@ -79,7 +79,9 @@ def run_convert(args) -> int:
         config.save_pretrained(str(out))
         from transformers import GenerationConfig
 
-        GenerationConfig.from_model_config(config).save_pretrained(str(out))
+        gen = GenerationConfig.from_model_config(config)
+        gen.eos_token_id = _source_stop_ids(src) or gen.eos_token_id   # every id the source stops at
+        gen.save_pretrained(str(out))
     for name in TOKENIZER_FILES:
         if (src / name).is_file():
             shutil.copy(src / name, out / name)
@@ -91,6 +93,16 @@ def run_convert(args) -> int:
         if diff > args.check_tol:
             return 1
     return 0
+
+
+def _source_stop_ids(src: Path) -> list[int] | None:
+    """The source's generation_config.json eos ids when it lists several (a chat model's end of turn and its
+    eos, as an export of this project states them): the converted model stops at all of them."""
+    import json
+
+    f = src / "generation_config.json"
+    ids = json.loads(f.read_text()).get("eos_token_id") if f.is_file() else None
+    return [int(i) for i in ids] if isinstance(ids, list) and len(ids) > 1 else None
 
 
 def max_logit_difference(source: Path, converted: Path, tokens: int = 48, seed: int = 0) -> float:

@@ -31,7 +31,7 @@ from vlm.model.config import ModelConfig
 from vlm.model.layers import positions_in_doc
 from vlm.model.multimodal import ConceptMoEVLM
 from vlm.model.processing import CHAT_TEMPLATE, ConceptMoEImageProcessor, ConceptMoEProcessor
-from vlm.model.weights_check import check_exported_weights, read_config
+from vlm.model.weights_check import check_exported_weights, read_config, write_checksums
 
 MODEL_TYPE = "conceptmoe_vlm"
 
@@ -99,6 +99,14 @@ class ConceptMoEForCausalLM(PreTrainedModel, GenerationMixin):
                 config = read_config(path, cls.config_class)
             check_exported_weights(path, config)
         return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """transformers' writer, then the weight files' SHA-256 in `checksums.json`, which `from_pretrained`
+        verifies (an export, `vlm convert` and a fine-tune saved with this method all get it)."""
+        out = super().save_pretrained(save_directory, *args, **kwargs)
+        if kwargs.get("is_main_process", args[0] if args else True) and Path(save_directory).is_dir():
+            write_checksums(save_directory)
+        return out
 
     def get_input_embeddings(self):
         return self.vlm.lm.embed
@@ -205,19 +213,26 @@ def save_pretrained(model: ConceptMoEVLM, out_dir: str | Path, tokenizer=None) -
     image_pad_id = getattr(tokenizer, "image_pad_id", -1) if tokenizer is not None else -1
     wrapper = ConceptMoEForCausalLM(hf_config_for(model, image_pad_id), vlm=model)
     if tokenizer is not None:
+        from transformers import GenerationConfig
+
         wrapper.config.eos_token_id = tokenizer.eos_id
         wrapper.config.pad_token_id = tokenizer.pad_id
         wrapper.config.bos_token_id = tokenizer.bos_id
-        if getattr(tokenizer, "kind", "") == "source":   # generate stops on the source's eos, as the source's does
-            from transformers import GenerationConfig
-
-            wrapper.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id,
-                                                         bos_token_id=tokenizer.bos_id)
+        wrapper.generation_config = GenerationConfig(eos_token_id=stop_token_ids(tokenizer),
+                                                     pad_token_id=tokenizer.pad_id, bos_token_id=tokenizer.bos_id)
         tokenizer.save(out_dir)
     wrapper.save_pretrained(out_dir)
     if tokenizer is not None:
         save_processor(model, out_dir)
     return out_dir
+
+
+def stop_token_ids(tokenizer) -> int | list[int]:
+    """The ids transformers' `generate` stops at: the eos, and the end of turn (`<|end|>`) that closes an answer
+    of the project's chat format (the eos first: readers of a list take the first as the tokenizer's eos). A
+    source's tokenizer (whose roles are template text) stops at its eos, as the source's own `generate` does."""
+    end = getattr(tokenizer, "end_id", None)
+    return tokenizer.eos_id if end is None or end == tokenizer.eos_id else [tokenizer.eos_id, end]
 
 
 def save_processor(model: ConceptMoEVLM, out_dir: str | Path) -> None:

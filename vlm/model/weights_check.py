@@ -7,10 +7,18 @@ at loss 6.2 million), and reports a truncated or non-safetensors file with a tra
 presence, shape and dtype with the model the config describes (built on the meta device: nothing is
 allocated), then reads each tensor once to check that it is finite. The first problem becomes one line that
 names the file and the tensor.
+
+Then the weight files are compared with the SHA-256 digests the export recorded in `checksums.json` (written by
+`ConceptMoEForCausalLM.save_pretrained`, so by every export and `vlm convert`): damage that leaves every value
+finite (flipped bytes) is caught too. A mismatch is one line naming the file and both digests; weights edited on
+purpose load with `VLM_SKIP_WEIGHT_CHECKSUM=1`. An export without `checksums.json` (written before they were
+recorded, or by other tools) loads as before.
 """
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -19,6 +27,9 @@ from configs.config import ConfigError
 
 SAFETENSORS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
+CHECKSUMS = "checksums.json"
+SKIP_CHECKSUM_ENV = "VLM_SKIP_WEIGHT_CHECKSUM"
+SKIP_HINT = f"if the weights were edited on purpose, load them with {SKIP_CHECKSUM_ENV}=1"
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
            "BOOL": torch.bool}
@@ -124,6 +135,68 @@ def check_exported_weights(path: str | Path, config) -> None:
             raise
         except Exception as e:
             raise WeightsError(f"{f}: not a readable safetensors file ({_reason(e)})") from None
+    verify_checksums(path, files)
+
+
+def sha256_file(path: Path) -> str:
+    with open(path, "rb") as fh:
+        return hashlib.file_digest(fh, "sha256").hexdigest()
+
+
+def write_checksums(path: str | Path) -> Path | None:
+    """Record the SHA-256 of the export's weight files (and its shard index) in `path/checksums.json`, the
+    `files` mapping of a checkpoint's meta.json; an export without safetensors weights gets none (a stale one
+    is removed). Returns the file written."""
+    path = Path(path)
+    out = path / CHECKSUMS
+    try:
+        files = weight_files(path)
+    except WeightsError:
+        out.unlink(missing_ok=True)
+        return None
+    if (path / INDEX).is_file():
+        files = [path / INDEX, *files]
+    record = {"algorithm": "sha256", "files": {f.name: sha256_file(f) for f in files}}
+    tmp = path / f".{CHECKSUMS}.tmp"
+    tmp.write_text(json.dumps(record, indent=2) + "\n")
+    os.replace(tmp, out)
+    return out
+
+
+def checksums_skipped() -> bool:
+    return os.environ.get(SKIP_CHECKSUM_ENV, "").strip().lower() in ("1", "true", "yes")
+
+
+def verify_checksums(path: str | Path, files: list[Path] | None = None) -> None:
+    """Raise WeightsError (one line: the file, the recorded and the actual digest, how to skip) unless every
+    weight file of the export at `path` matches `checksums.json`. Nothing to check without that file, or with
+    VLM_SKIP_WEIGHT_CHECKSUM=1."""
+    path = Path(path)
+    record_file = path / CHECKSUMS
+    if checksums_skipped() or not record_file.is_file():
+        return
+    try:
+        record = json.loads(record_file.read_text())
+        recorded = record["files"]
+        if record.get("algorithm", "sha256") != "sha256" or not isinstance(recorded, dict) or \
+                not all(isinstance(v, str) for v in recorded.values()):
+            raise ValueError("expected {\"algorithm\": \"sha256\", \"files\": {name: digest}}")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as e:
+        raise WeightsError(f"{record_file}: not a readable checksum file ({_reason(e)}); {SKIP_HINT}") from None
+    files = weight_files(path) if files is None else files
+    if (path / INDEX).is_file():
+        files = [path / INDEX, *files]
+    for f in files:
+        if f.name not in recorded:
+            raise WeightsError(f"{f}: not listed in {record_file} (written after the export); {SKIP_HINT}")
+    for name, want in recorded.items():
+        f = path / name
+        if not f.is_file() or f.resolve().parent != path.resolve():
+            raise WeightsError(f"{f}: recorded in {record_file} but missing; {SKIP_HINT}")
+        got = sha256_file(f)
+        if got != want.lower():
+            raise WeightsError(f"{f}: SHA-256 is {got}, {CHECKSUMS} recorded {want} at export (the file changed "
+                               f"since); {SKIP_HINT}")
 
 
 def read_config(path: Path, config_class):

@@ -23,7 +23,8 @@ from data_pipelines.tokenizer import Tokenizer, TokenizerError, is_source_tokeni
 from vlm.model.convert import convert_state, fit_vocab, load_source, to_conceptmoe_config
 from vlm.model.hf import MODEL_TYPE, load_vlm
 from vlm.model.multimodal import ConceptMoEVLM
-from vlm.train.checkpoint import latest_checkpoint
+from vlm.model.weights_check import SKIP_HINT, checksums_skipped
+from vlm.train.checkpoint import damaged_file, latest_checkpoint
 from vlm.train.config import MAY_CHANGE_FROM_CHECKPOINT, TrainConfig
 from vlm.train.engine import safe_load
 from vlm.train.run_config import evolve
@@ -50,6 +51,10 @@ def read_model_state(path: Path) -> dict[str, torch.Tensor]:
     if (path / "config.json").is_file():
         return load_vlm(path).state_dict()
 
+    bad = None if checksums_skipped() else damaged_file(path)
+    if bad is not None:   # the checksums the checkpoint recorded, as a resume checks them
+        raise ConfigError(f"train.init_from {path}: a damaged checkpoint, {bad} against the checksums in its "
+                          f"meta.json; {SKIP_HINT}")
     ds_dir = path / "ds"
     module_file = ds_dir / "mp_rank_00_model_states.pt"
     state = safe_load(module_file, map_location="cpu") if module_file.is_file() else {}
