@@ -22,7 +22,8 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from data_pipelines.reader import ShardError
     from data_pipelines.tokenizer import TokenizerError
 
-    return ShardError, ImporterError, TokenizerError, FileNotFoundError, FileExistsError, ValueError
+    # OSError last: a folder that cannot be written, a full disk, ... as one line (the importers name the path)
+    return ShardError, ImporterError, TokenizerError, ValueError, OSError
 
 
 def _guarded(fn):
@@ -95,7 +96,7 @@ def _run_import(args, fn, *pos, **kw) -> int:
 def _import_folder(args) -> int:
     from data_pipelines.importers import import_folder
 
-    return _run_import(args, import_folder, args.images, captions=args.captions)
+    return _run_import(args, import_folder, args.images, captions=args.captions, encoding=args.encoding)
 
 
 def _import_table(args) -> int:
@@ -183,6 +184,8 @@ def add_data_commands(subparsers) -> None:
     p = sub.add_parser("import-folder", help="a folder of images with captions (name.txt or --captions) -> shards")
     p.add_argument("images", help="folder of images (searched recursively)")
     p.add_argument("--captions", help="JSONL/CSV mapping file name -> caption, instead of sidecar .txt files")
+    p.add_argument("--encoding", default="utf-8", help="text encoding of the captions (sidecar files or the "
+                                                       "--captions table; default: utf-8)")
     _add_writer_args(p)
     p.set_defaults(func=_guarded(_import_folder))
 

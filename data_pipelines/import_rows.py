@@ -21,6 +21,7 @@ import io
 import os
 import re
 import signal
+import stat
 import warnings
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -70,6 +71,7 @@ class FileSettings:
     root: Path
     caption_exts: tuple[str, ...] = ("txt", "caption")
     confine: bool = True
+    encoding: str = "utf-8"
 
 
 def guess_column(row: dict, what: str) -> str | None:
@@ -107,6 +109,37 @@ def check_image(data: bytes) -> str:
     return ext if ext in IMAGE_EXTS else "png"
 
 
+_KINDS = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a folder"))
+
+
+def _not_regular(mode: int, what: str) -> Skip:
+    kind = next((k for test, k in _KINDS if test(mode)), "a special file")
+    return Skip("not_regular_file", f"{what} is {kind}, not a regular file")
+
+
+def check_regular(path: Path, what: str) -> None:
+    """Skip (`not_regular_file`) a FIFO, device or socket, from its stat alone: it is never opened (opening a
+    FIFO blocks until a writer comes); a link to nothing is `missing_image_file`."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise Skip("missing_image_file", f"{what} leads to nothing (a broken link?)") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise _not_regular(st.st_mode, what)
+
+
+def read_file(path: Path, what: str) -> bytes:
+    """The bytes of a regular file (others are skipped as by `check_regular`)."""
+    check_regular(path, what)
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0))
+    with open(fd, "rb") as f:            # replaced by a FIFO since the stat: O_NONBLOCK kept the open from blocking
+        mode = os.fstat(f.fileno()).st_mode
+        if not stat.S_ISREG(mode):
+            raise _not_regular(mode, what)
+        return f.read()
+
+
 @lru_cache(maxsize=64)
 def _real_root(root: str) -> str:
     return os.path.realpath(root)
@@ -137,10 +170,12 @@ def load_image(value: Any, roots: list[Path], confine: bool = True) -> bytes:
     if isinstance(value, str) and value.strip():
         p = Path(value)
         for cand in ([p] if p.is_absolute() else [r / p for r in roots]):
-            if cand.is_file():
+            if cand.exists() and not cand.is_dir():
                 if confine and not inside(cand, roots):
-                    raise Skip("outside_root", f"image {value!r} leads outside {', '.join(map(str, roots))}")
-                return cand.read_bytes()
+                    raise Skip("outside_root", f"image {value!r} leads outside {', '.join(map(str, roots))} "
+                                               "(--image-root FOLDER reads images under FOLDER, "
+                                               "--allow-outside-root reads them anywhere)")
+                return read_file(cand, f"image {value!r}")
         raise Skip("missing_image_file", f"image {value!r} not found under {', '.join(map(str, roots))}")
     raise Skip("missing_image", f"image value {str(value)[:60]!r}")
 
@@ -272,30 +307,34 @@ def file_key(name: str, index: int) -> str:
     return f"{index:08d}_" + re.sub(r"[^A-Za-z0-9_-]+", "_", name)[:80]
 
 
-def convert_file(index: int, item: tuple[str, str | bool | None], settings: FileSettings) -> Sample:
-    """(path relative to the folder, caption; None: read the sidecar file; False: not in the captions table)
-    -> an image-caption pair."""
+def convert_file(index: int, item: tuple[str, Any], settings: FileSettings) -> Sample:
+    """(path relative to the folder, caption; None: read the sidecar file; False: not in the captions table;
+    (reason, detail): its row in the table cannot be used) -> an image-caption pair."""
     rel, caption = item
     root = settings.root
     path = root / rel
     if caption is False:
         raise Skip("missing_caption", f"{rel} is not in the captions table")
+    if isinstance(caption, tuple):           # (reason, detail): its row in the captions table cannot be used
+        raise Skip(*caption)
     if settings.confine and not inside(path, [root]):
-        raise Skip("outside_root", f"{rel} leads outside {root}")
+        raise Skip("outside_root", f"{rel} leads outside {root} (a link out; --allow-outside-root follows it)")
+    check_regular(path, rel)
     if caption is None:
         side = next((path.with_suffix("." + e) for e in settings.caption_exts
                      if path.with_suffix("." + e).is_file()), None)
         if side is None:
             raise Skip("missing_caption", f"no {' or '.join('.' + e for e in settings.caption_exts)} beside {rel}")
         if settings.confine and not inside(side, [root]):
-            raise Skip("outside_root", f"{side.name} leads outside {root}")
+            raise Skip("outside_root", f"{side.name} leads outside {root} (--allow-outside-root follows it)")
         try:
-            caption = side.read_bytes().decode("utf-8")
+            caption = read_file(side, side.name).decode(settings.encoding)
         except UnicodeDecodeError as e:
-            raise Skip("non_utf8_text", f"{side.name}: not valid UTF-8 (byte {e.start})") from None
+            raise Skip("non_utf8_text", f"{side.name}: not valid {settings.encoding} (byte {e.start}; another "
+                                        "encoding? see --encoding)") from None
     if not str(caption).strip():
         raise Skip("empty_text", f"the caption of {rel} is empty")
-    data = path.read_bytes()
+    data = read_file(path, rel)
     ext = check_image(data)
     return Sample(key=file_key(rel, index), kind="pair", text=IMAGE_TOKEN + str(caption).strip(), images=[data],
                   image_exts=[ext], meta={"file": rel})

@@ -12,6 +12,9 @@
   names the first skipped rows and their reasons; skipping more than `max_skip_share` of the rows sets the
   summary's status to `too_many_skipped` (the CLI exits 1). A source that breaks part way (a JSON array cut
   short) keeps what was written and fails.
+- **Failing writes.** OUT is checked before any work (`check_out`: a file in the way, a read-only folder).
+  A write that fails later (a full disk) drops the shard being written and its temporary files and raises
+  `ImportWriteFailed` naming the file; once there is room the same command resumes at the last full shard.
 """
 from __future__ import annotations
 
@@ -28,11 +31,12 @@ from itertools import islice
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from data_pipelines.import_out import WriteFailed, check_out, os_reason, writing
 from data_pipelines.import_rows import convert_chunk, init_worker
 from data_pipelines.import_sources import ImporterError
 from data_pipelines.progress import Progress
 from data_pipelines.schema import Sample
-from data_pipelines.writer import MANIFEST, ShardWriter, read_manifest, update_manifest
+from data_pipelines.writer import ShardWriter, read_manifest, update_manifest, write_atomic
 
 STATE_VERSION = 1
 MAX_EXAMPLES = 5
@@ -50,6 +54,10 @@ class ImportFailed(ImporterError):
 
 class ImportInterrupted(ImportFailed):
     """Ctrl-C / SIGINT during an import: complete shards are kept; the same command resumes."""
+
+
+class ImportWriteFailed(ImportFailed):
+    """A write into OUT failed part way (a full disk): complete shards are kept; the same command resumes."""
 
 
 def default_workers() -> int:
@@ -83,12 +91,10 @@ def _remove_shards(out: Path, prefix: str, first: int) -> None:
     m = read_manifest(out)
     if m is None:
         return
-    keep = [e for e in m["shards"] if e.get("name") not in gone and
-            ((i := _shard_index(str(e.get("name")), prefix)) is None or i < first)]
-    if len(keep) != len(m["shards"]):
-        (out / MANIFEST).unlink()
-        if keep:
-            update_manifest(out, keep)
+    drop = {e.get("name") for e in m["shards"] if e.get("name") in gone or
+            ((i := _shard_index(str(e.get("name")), prefix)) is not None and i >= first)}
+    if drop:
+        update_manifest(out, [], drop=drop)
 
 
 class _Shards:
@@ -103,24 +109,31 @@ class _Shards:
         self.count = self.bytes = 0
         self.names: list[str] = []
 
+    def _path(self) -> Path:
+        return self.tmp / f"{self.prefix}-{self.index:06d}.tar"
+
     def write(self, sample: Sample, row: int) -> None:
         if self.writer is not None and (self.count >= self.max_count or self.bytes >= self.max_bytes):
             self.finish(next_row=row)
-        if self.writer is None:
-            self.tmp.mkdir(parents=True, exist_ok=True)
-            self.writer = ShardWriter(self.tmp, self.prefix, max_count=sys.maxsize, max_bytes=sys.maxsize,
-                                      start_index=self.index)
-            self.count = self.bytes = 0
-        self.writer.write(sample)
+        with writing(self._path()):
+            if self.writer is None:
+                self.tmp.mkdir(parents=True, exist_ok=True)
+                self.writer = ShardWriter(self.tmp, self.prefix, max_count=sys.maxsize, max_bytes=sys.maxsize,
+                                          start_index=self.index)
+                self.count = self.bytes = 0
+            self.writer.write(sample)
         self.count += 1
         self.bytes += sum(len(d) for d in sample.images) + len(sample.all_text().encode("utf-8", "replace"))
 
     def finish(self, next_row: int) -> None:
         if self.writer is not None:
-            self.writer.close()
+            with writing(self._path()):
+                self.writer.close()
             entry = self.writer.entries[0]
-            os.replace(self.tmp / entry["name"], self.out / entry["name"])
-            update_manifest(self.out, [entry])
+            with writing(self.out / entry["name"]):
+                os.replace(self.tmp / entry["name"], self.out / entry["name"])
+            with writing(self.out / "manifest.json"):
+                update_manifest(self.out, [entry])
             self.names.append(entry["name"])
             self.writer = None
             self.index += 1
@@ -129,10 +142,7 @@ class _Shards:
     def discard(self) -> None:
         """Drop the shard being written (after an interruption): the same command rewrites it."""
         if self.writer is not None:
-            try:
-                self.writer.close()
-            except OSError:
-                pass
+            self.writer.abort()
             self.writer = None
         shutil.rmtree(self.tmp, ignore_errors=True)
 
@@ -162,7 +172,11 @@ def run_import(items: Iterable[Any], convert: Callable, settings: Any, *, out: s
         raise ImporterError(f"--max-count and --max-bytes must be >= 1 and --workers >= 0, got {max_count}, "
                             f"{max_bytes}, {workers}")
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    check_out(out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ImporterError(f"--out {out}: cannot create it ({os_reason(e)})") from None
     if "." in prefix or "/" in prefix or not prefix:
         raise ImporterError(f"shard prefix {prefix!r} must be non-empty and hold no '.' or '/'")
     sp = state_path(out, prefix)
@@ -206,13 +220,16 @@ def run_import(items: Iterable[Any], convert: Callable, settings: Any, *, out: s
                 "written": written, "skipped": dict(skipped), "examples": list(examples),
                 "shards": names + shards.names, "complete": complete}
 
+    saved = [start_shard]        # the next shard of the last state saved: shards from it on are not recorded
+
     def save(next_row: int) -> None:
-        tmp = sp.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(snapshot(next_row)))
-        os.replace(tmp, sp)
+        state = snapshot(next_row)
+        with writing(sp):
+            write_atomic(sp, json.dumps(state))
+        saved[0] = state["next_shard"]
 
     shards = _Shards(out, prefix, max_count, max_bytes, start_shard, save)
-    source_error = None
+    source_error = write_error = None
     interrupted = broken = False
     pool = None
     if workers > 0:   # before any thread (the progress bar's) starts: workers are forked where that exists
@@ -257,6 +274,8 @@ def run_import(items: Iterable[Any], convert: Callable, settings: Any, *, out: s
         interrupted = True
     except BrokenProcessPool:
         broken = True
+    except WriteFailed as e:
+        write_error = e
     finally:
         bar.close()
         if pool is not None:
@@ -267,6 +286,8 @@ def run_import(items: Iterable[Any], convert: Callable, settings: Any, *, out: s
                     "resumed_at_row": start_row or None, "workers": workers,
                     "seconds": round(time.time() - t0, 3),
                     "rows_per_s": round((rows - start_row) / max(time.time() - t0, 1e-9), 1)})
+    if write_error is not None:
+        _failed_write(write_error, summary, out, prefix, saved[0], sp, source)
     if interrupted or broken:
         state_now = json.loads(sp.read_text()) if sp.is_file() else {"next_row": 0, "written": 0}
         summary["status"] = "interrupted"
@@ -275,15 +296,34 @@ def run_import(items: Iterable[Any], convert: Callable, settings: Any, *, out: s
             f"import of {source} {what} after {rows} rows; {state_now['written']} samples in complete shards are "
             f"kept; run the same command again to resume at row {state_now['next_row']}", summary)
     if source_error is None:
-        tmp = sp.with_suffix(".json.tmp")
         done = snapshot(rows, complete=True)
         done["summary"] = {k: v for k, v in summary.items() if k not in ("already_imported",)}
-        tmp.write_text(json.dumps(done))
-        os.replace(tmp, sp)
+        try:
+            with writing(sp):
+                write_atomic(sp, json.dumps(done))
+        except WriteFailed as e:     # every shard is in place: the same command finds them and writes this again
+            _failed_write(e, summary, out, prefix, saved[0], sp, source)
     else:
         summary["status"] = "source_error"
         summary["error"] = source_error
     return _finalise(summary, max_skip_share)
+
+
+def _failed_write(e: WriteFailed, summary: dict, out: Path, prefix: str, saved_shard: int, sp: Path,
+                  source: str) -> None:
+    """A write failed (the partial shard is already dropped): drop the full shards no state records (best effort:
+    the same command drops them too) and raise ImportWriteFailed, saying where the same command resumes."""
+    try:
+        _remove_shards(out, prefix, saved_shard)
+    except OSError:
+        pass
+    state = json.loads(sp.read_text()) if sp.is_file() else {"next_row": 0, "written": 0}
+    summary.update(status="write_error", shards=[str(out / n) for n in state.get("shards", [])],
+                   error=f"cannot write {e.path}: {os_reason(e.error)}")
+    raise ImportWriteFailed(
+        f"import of {source} stopped: cannot write {e.path}: {os_reason(e.error)}; {state['written']} samples in "
+        f"complete shards are kept; with room (or write access) again, run the same command to resume at row "
+        f"{state['next_row']}", summary)
 
 
 def _finalise(summary: dict[str, Any], max_skip_share: float) -> dict[str, Any]:

@@ -9,7 +9,9 @@
 | `.arrow`, or a `Dataset.save_to_disk` folder (`state.json`; `dataset_dict.json` + splits) | pyarrow IPC, mmap |
 
 Nothing is read whole into memory. A row that cannot be parsed comes as `{"__error__": (reason, detail)}` and is
-skipped and counted by the importer; a file that cannot be read at all raises `ImporterError` naming it.
+skipped and counted by the importer (a row in another text encoding also carries `"__row__"`: its values with the
+undecodable bytes as surrogates, so that a captions table can say which file it was for); a file that cannot be
+read at all raises `ImporterError` naming it.
 """
 from __future__ import annotations
 
@@ -212,8 +214,13 @@ def _jsonl_rows(path: Path, src: RowSource) -> Iterator[dict]:
             try:
                 text = line.decode(src.encoding)
             except UnicodeDecodeError as e:
-                yield {"__error__": ("non_utf8_text", f"{path.name} line {n}: not valid {src.encoding} ({e.reason} "
-                                                      f"at byte {e.start})")}
+                bad = {"__error__": ("non_utf8_text", f"{path.name} line {n}: not valid {src.encoding} ({e.reason} "
+                                                      f"at byte {e.start}; another encoding? see --encoding)")}
+                try:
+                    row = json.loads(line.decode(src.encoding, "surrogateescape"))
+                except (ValueError, RecursionError, LookupError):
+                    row = None
+                yield {**bad, "__row__": row} if isinstance(row, dict) else bad
                 continue
             try:
                 row = json.loads(text)
@@ -237,7 +244,8 @@ def _csv_rows(path: Path, src: RowSource) -> Iterator[dict]:
                             v.encode("utf-8")
                 except UnicodeEncodeError:
                     yield {"__error__": ("non_utf8_text", f"{path.name} line {reader.line_num}: not valid "
-                                                          f"{src.encoding} (another encoding? see --encoding)")}
+                                                          f"{src.encoding} (another encoding? see --encoding)"),
+                           "__row__": row}
                     continue
                 yield row
         except csv.Error as e:

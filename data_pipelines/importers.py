@@ -11,6 +11,7 @@ resumable and idempotent output, rows that cannot be used skipped and counted by
 """
 from __future__ import annotations
 
+import codecs
 import hashlib
 import os
 from pathlib import Path
@@ -18,13 +19,14 @@ from typing import Any, Iterator
 
 from data_pipelines.import_rows import COLUMN_GUESSES, FileSettings, RowSettings, convert_file, convert_row, \
     guess_column
-from data_pipelines.import_run import DEFAULT_MAX_SKIP_SHARE, ImportFailed, ImportInterrupted, run_import, \
-    summary_lines
+from data_pipelines.import_out import check_out
+from data_pipelines.import_run import DEFAULT_MAX_SKIP_SHARE, ImportFailed, ImportInterrupted, ImportWriteFailed, \
+    run_import, summary_lines
 from data_pipelines.import_sources import ImporterError, RowSource, open_source
 from data_pipelines.schema import IMAGE_EXTS
 
 __all__ = ["import_table", "import_folder", "read_table", "open_source", "ImporterError", "ImportFailed",
-           "ImportInterrupted", "summary_lines", "DEFAULT_MAX_SKIP_SHARE"]
+           "ImportInterrupted", "ImportWriteFailed", "summary_lines", "DEFAULT_MAX_SKIP_SHARE"]
 
 
 def read_table(path: str | os.PathLike, fmt: str | None = None, encoding: str = "utf-8") -> Iterator[dict[str, Any]]:
@@ -60,7 +62,9 @@ def import_table(table: str | os.PathLike, out: str | os.PathLike, image_col: st
     Image paths must lead (symlinks followed) into `image_root` or the table's folder (a dataset folder: the
     folder); others are skipped and counted (`outside_root`) unless `allow_outside_root`. Columns not named
     are guessed per row from common names (`import_rows.COLUMN_GUESSES`). Raises `ImportFailed` when nothing
-    could be imported, `ImporterError` (one line) when the input cannot be read at all."""
+    could be imported, `ImporterError` (one line) when the input cannot be read at all or `out` cannot be
+    written (checked first), `ImportWriteFailed` when a write fails part way (a full disk)."""
+    check_out(out)
     src = open_source(table, fmt, split=split, encoding=encoding)
     roots = ([Path(image_root)] if image_root else []) + [src.root]
     if image_root and not Path(image_root).is_dir():
@@ -79,45 +83,66 @@ def import_table(table: str | os.PathLike, out: str | os.PathLike, image_col: st
     return summary
 
 
-def _caption_mapping(captions: str | os.PathLike) -> dict[str, str]:
-    src = open_source(captions)
-    mapping: dict[str, str] = {}
+def _caption_mapping(captions: str | os.PathLike, encoding: str) -> tuple[dict[str, Any], int]:
+    """file name -> caption, or -> (reason, detail) for a row that names its file but cannot be used (a caption
+    not in `encoding`); and the number of rows that could not be read at all."""
+    src = open_source(captions, encoding=encoding)
+    mapping: dict[str, Any] = {}
     fcol = tcol = None
+    unread = 0
     for row in src.rows():
-        if "__error__" in row:
+        data = row.get("__row__") if "__error__" in row else row
+        if not isinstance(data, dict):
+            unread += 1
             continue
         if fcol is None:
-            fcol, tcol = guess_column(row, "image"), guess_column(row, "text")
+            fcol, tcol = guess_column(data, "image"), guess_column(data, "text")
             if fcol is None or tcol is None:
                 need = [f"a file column ({', '.join(COLUMN_GUESSES['image'])})"] if fcol is None else []
                 need += [f"a caption column ({', '.join(COLUMN_GUESSES['text'])})"] if tcol is None else []
                 raise ImporterError(f"captions {captions}: needs {' and '.join(need)}; its columns: "
-                                    f"{sorted(map(str, row))}")
-        if row.get(fcol) is not None and row.get(tcol) is not None:
-            mapping[str(row[fcol])] = str(row[tcol])
-    return mapping
+                                    f"{sorted(map(str, data))}")
+        if data.get(fcol) is not None and data.get(tcol) is not None:
+            mapping[str(data[fcol])] = tuple(row["__error__"]) if "__error__" in row else str(data[tcol])
+    return mapping, unread
+
+
+def _image_entries(root: Path, recursive: bool) -> list[str]:
+    """Names with an image extension, relative to `root`, that are not folders: regular files, and also FIFOs,
+    devices, sockets and broken links, which the import skips and counts instead of leaving out unseen."""
+    return sorted(p.relative_to(root).as_posix() for p in (root.rglob("*") if recursive else root.iterdir())
+                  if p.suffix.lower().lstrip(".") in IMAGE_EXTS and not p.is_dir())
 
 
 def import_folder(images_dir: str | os.PathLike, out: str | os.PathLike, captions: str | os.PathLike | None = None,
                   caption_exts: tuple[str, ...] = ("txt", "caption"), prefix: str = "shard", max_count: int = 10_000,
                   max_bytes: int = 1 << 30, recursive: bool = True, allow_outside_root: bool = False,
                   workers: int = 0, progress: bool = False, max_skip_share: float = DEFAULT_MAX_SKIP_SHARE,
-                  overwrite: bool = False) -> dict[str, Any]:
+                  overwrite: bool = False, encoding: str = "utf-8") -> dict[str, Any]:
     """Images with captions (sidecar `name.txt`, or a JSONL/CSV/... `captions` table mapping file -> caption)
     -> image-caption pairs. A symlink that leads out of the folder is skipped and counted (`outside_root`)
-    unless allow_outside_root. `progress`: a bar on a terminal, periodic lines in a redirected log."""
+    unless allow_outside_root; a FIFO, device or socket with an image's name is skipped and counted
+    (`not_regular_file`) without being opened. `encoding`: of the sidecar files and the captions table.
+    `progress`: a bar on a terminal, periodic lines in a redirected log."""
+    check_out(out)
     root = Path(images_dir)
     if not root.is_dir():
         raise ImporterError(f"image folder {root} does not exist or is not a folder")
-    mapping = _caption_mapping(captions) if captions is not None else None
-    files = sorted(p.relative_to(root).as_posix() for p in (root.rglob("*") if recursive else root.iterdir())
-                   if p.is_file() and p.suffix.lower().lstrip(".") in IMAGE_EXTS)
+    try:
+        utf8 = codecs.lookup(encoding).name == "utf-8"
+    except LookupError:
+        raise ImporterError(f"unknown text encoding {encoding!r} (--encoding)") from None
+    mapping, unread = _caption_mapping(captions, encoding) if captions is not None else (None, 0)
+    files = _image_entries(root, recursive)
 
     def items():
         for rel in files:
             caption = None
             if mapping is not None:
                 caption = mapping.get(rel, mapping.get(rel.rsplit("/", 1)[-1], False))   # False: not listed
+                if caption is False and unread:
+                    caption = ("missing_caption", f"{rel} is not in the captions table, {unread} of whose rows "
+                                                  "could not be read (another encoding? see --encoding)")
             yield rel, caption
 
     fp = hashlib.sha256("\n".join(files).encode("utf-8", "surrogateescape")).hexdigest()
@@ -125,10 +150,12 @@ def import_folder(images_dir: str | os.PathLike, out: str | os.PathLike, caption
     if captions is not None:
         st = Path(captions).stat()
         cap_fp = [str(Path(captions).resolve()), st.st_size, st.st_mtime_ns]
-    settings = FileSettings(root=root, caption_exts=tuple(caption_exts), confine=not allow_outside_root)
+    settings = FileSettings(root=root, caption_exts=tuple(caption_exts), confine=not allow_outside_root,
+                            encoding=encoding)
+    extra = {"caption_exts": list(caption_exts), "confine": not allow_outside_root}
+    if not utf8:
+        extra["encoding"] = encoding      # only when given: imports made before --encoding existed still resume
     return run_import(items(), convert_file, settings, out=out, source=str(root), fmt="image folder",
                       fingerprint=[fp, len(files), cap_fp], prefix=prefix, max_count=max_count, max_bytes=max_bytes,
                       workers=workers, progress=progress, total=len(files), unit="image", desc="import-folder",
-                      max_skip_share=max_skip_share, overwrite=overwrite,
-                      extra={"caption_exts": list(caption_exts), "confine": not allow_outside_root})
-
+                      max_skip_share=max_skip_share, overwrite=overwrite, extra=extra)

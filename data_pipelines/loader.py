@@ -10,6 +10,7 @@ uninterrupted sequence exactly. `iter(loader)` always continues from the current
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import signal
 import threading
@@ -27,6 +28,9 @@ from data_pipelines.packing import select_rows
 from data_pipelines.pipeline import ResolvedSource, WorkerPipeline
 from data_pipelines.reader import ShardError, listed_but_missing, resolve_shards, shard_counts, shard_name
 from data_pipelines.tokenizer import Tokenizer
+
+log = logging.getLogger("data_pipelines")
+MISSING_NAMED = 10     # a warning about deleted shards names this many, then says how many more
 
 STATE_VERSION = 1
 
@@ -46,9 +50,24 @@ def resolve_sources(cfg: DataConfig) -> list[ResolvedSource]:
         paths = resolve_shards(s.path)    # local: sorted; URLs: in webdataset's expansion order
         if missing := listed_but_missing(s.path):
             paths = sorted(paths + missing)
-        out.append(ResolvedSource(s.label, paths, shard_counts(paths), s.weight, s.kind,
-                                  s.caption_field))
+        counts = shard_counts(paths)
+        if missing:
+            gone = set(missing)
+            lost = sum(n for p, n in zip(paths, counts) if p in gone)
+            log.warning("source %s: %s", s.label, missing_shards_line(missing, lost))
+        out.append(ResolvedSource(s.label, paths, counts, s.weight, s.kind, s.caption_field))
     return out
+
+
+def missing_shards_line(missing: list, samples: int) -> str:
+    """One line naming the shards a manifest lists that are gone (the first MISSING_NAMED, then how many more);
+    the reader counts each of their samples as missing_shard."""
+    folders = {p.parent for p in missing}
+    names = sorted(p.name for p in missing) if len(folders) == 1 else sorted(map(str, missing))
+    where = f"{folders.pop() / 'manifest.json'}" if len(folders) == 1 else "their folders' manifest.json"
+    more = f" and {len(names) - MISSING_NAMED} more" if len(names) > MISSING_NAMED else ""
+    return (f"{len(names)} shard(s) listed in {where} are gone ({samples} samples, counted as missing_shard): "
+            f"{', '.join(names[:MISSING_NAMED])}{more}")
 
 
 def _single_threaded(fn):

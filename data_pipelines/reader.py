@@ -178,7 +178,7 @@ def iter_shard(path: str | os.PathLike, start: int = 0, stop: int | None = None,
     count (from the manifest, or from reading it) and lets every lost sample be counted: after the tar
     breaks, each promised sample as truncated_shard (once, unnumbered, when the count was read from the
     broken tar itself); an intact tar holding fewer or more samples than promised, as manifest_mismatch;
-    a missing file, each sample as missing_shard. Events without an index of their own come as index -1
+    a missing file, each sample as missing_shard (warned about by the loader, not here). Events without an index of their own come as index -1
     (also: unreadable_shard, the file cannot be opened as a tar) and only from the reader whose range ends
     the shard, so each is counted once per pass. Each shard warns once.
 
@@ -195,7 +195,8 @@ def iter_shard(path: str | os.PathLike, start: int = 0, stop: int | None = None,
         if expected is None:
             yield -1, BadSample(MISSING_SHARD, f"shard {path} is gone")
             return
-        log.warning("shard %s is listed in its manifest (%d samples) but is gone", path, expected)
+        # the loader names every such shard in one warning when it resolves the source (loader.resolve_sources)
+        log.debug("shard %s is listed in its manifest (%d samples) but is gone", path, expected)
         for i in range(start, stop):
             yield i, BadSample(MISSING_SHARD, f"shard {path} is listed in its manifest but gone: sample {i} lost")
         return

@@ -108,17 +108,30 @@ def read_manifest(directory: str | os.PathLike) -> dict[str, Any] | None:
     return data
 
 
-def update_manifest(directory: str | os.PathLike, entries: list[dict[str, Any]]) -> Path:
-    """Insert/replace `entries` (by shard name) in DIR/manifest.json and recompute the totals."""
+def write_atomic(path: Path, text: str) -> None:
+    """`path` holds `text` or what it held before (a full disk leaves the old file and no `.tmp` beside it)."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def update_manifest(directory: str | os.PathLike, entries: list[dict[str, Any]], drop: Any = ()) -> Path:
+    """Insert/replace `entries` (by shard name) in DIR/manifest.json, remove the entries named in `drop`, and
+    recompute the totals; replaced in one step (a manifest left with no entry is removed)."""
     directory = Path(directory)
     old = read_manifest(directory) or {"shards": []}
-    by_name = {e["name"]: e for e in old["shards"]}
+    by_name = {e["name"]: e for e in old["shards"] if e.get("name") not in drop}
     by_name.update({e["name"]: e for e in entries})
     shards = [by_name[n] for n in sorted(by_name)]
+    if not shards:
+        (directory / MANIFEST).unlink(missing_ok=True)
+        return directory / MANIFEST
     data = {"version": MANIFEST_VERSION, "shards": shards, "totals": merge_stats(shards)}
-    tmp = directory / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    os.replace(tmp, directory / MANIFEST)
+    write_atomic(directory / MANIFEST, json.dumps(data, indent=1))
     return directory / MANIFEST
 
 
@@ -174,6 +187,21 @@ class ShardWriter:
             self._open()
         nbytes = self._tar.write(members)
         self._stats.add(sample, nbytes)
+
+    def abort(self) -> None:
+        """Drop the shard being written without writing anything more (after a failed write: a full disk) and
+        delete its file; shards already finished are kept (not added to the manifest)."""
+        if self._tar is None:
+            return
+        for stream in (self._tar.tarstream, getattr(self._tar.tarstream, "fileobj", None)):
+            if stream is not None:
+                stream.closed = True     # tarfile would otherwise write its end blocks (on close or when collected)
+        try:
+            self._file.close()
+        except OSError:
+            pass
+        (self.dir / self._name).unlink(missing_ok=True)
+        self._tar = None
 
     def close(self) -> list[Path]:
         self._finish()
