@@ -86,5 +86,6 @@ def hf_vision_architecture(path: str | Path) -> tuple[dict, int] | None:
     cfg = AutoConfig.from_pretrained(str(path))
     cfg = getattr(cfg, "vision_config", cfg)
     return {"hidden_size": cfg.hidden_size, "num_layers": cfg.num_hidden_layers, "num_heads": cfg.num_attention_heads,
-            "mlp_ratio": cfg.intermediate_size / cfg.hidden_size, "stem": "linear", "layer_scale": None,
+            "mlp_ratio": cfg.intermediate_size / cfg.hidden_size, "mlp_hidden": cfg.intermediate_size,
+            "stem": "linear", "layer_scale": None,
             "norm_pre": kind.startswith("clip"), "norm_eps": cfg.layer_norm_eps, "qkv_bias": True}, cfg.patch_size

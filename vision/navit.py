@@ -28,6 +28,9 @@ class NaViTConfig(ValidatedOnInit):
     num_layers: int = 2
     num_heads: int = 4
     mlp_ratio: float = 4.0
+    # the MLP's width stated outright (a pretrained tower's intermediate size, e.g. SigLIP's 4304 at width 1152,
+    # which no float ratio reproduces exactly); null: hidden_size * mlp_ratio
+    mlp_hidden: int | None = None
     pos: Literal["learned2d", "rope2d"] = "learned2d"
     max_grid: int = 128                # rows/cols a learned2d table covers (in patches)
     rope_theta: float = 10000.0
@@ -46,12 +49,17 @@ class NaViTConfig(ValidatedOnInit):
     attn_backend: Literal["auto", "dense", "per_image", "flash"] = "auto"  # see packing.pick_backend
     grad_checkpointing: bool = False
 
+    @property
+    def mlp_width(self) -> int:
+        return self.mlp_hidden if self.mlp_hidden is not None else int(self.hidden_size * self.mlp_ratio)
+
     def validate(self) -> None:
         check(self.hidden_size >= 1 and self.num_heads >= 1, "hidden_size and num_heads must be >= 1")
         check(self.hidden_size % self.num_heads == 0,
               f"hidden_size={self.hidden_size} must be divisible by num_heads={self.num_heads}")
         check(self.num_layers >= 0, f"num_layers must be >= 0, got {self.num_layers}")
         check(self.mlp_ratio > 0, f"mlp_ratio must be > 0, got {self.mlp_ratio}")
+        check(self.mlp_hidden is None or self.mlp_hidden >= 1, f"mlp_hidden must be >= 1 or null, got {self.mlp_hidden}")
         check(self.max_grid >= 1, f"max_grid must be >= 1, got {self.max_grid}")
         check(self.stem_channels >= 1, f"stem_channels must be >= 1, got {self.stem_channels}")
         check(self.layer_scale is None or self.layer_scale > 0, f"layer_scale must be > 0 or null, got {self.layer_scale}")
@@ -191,7 +199,7 @@ class Block(nn.Module):
         self.norm1 = nn.LayerNorm(d, eps=cfg.norm_eps)
         self.attn = Attention(d, cfg.num_heads, cfg.qkv_bias)
         self.norm2 = nn.LayerNorm(d, eps=cfg.norm_eps)
-        self.mlp = Mlp(d, int(d * cfg.mlp_ratio))
+        self.mlp = Mlp(d, cfg.mlp_width)
         scale = cfg.layer_scale
         self.ls1 = LayerScale(d, scale) if scale is not None else nn.Identity()
         self.ls2 = LayerScale(d, scale) if scale is not None else nn.Identity()

@@ -40,7 +40,7 @@ def vision_params_lower_bound(vision, llm_hidden: int) -> int:
         return 0
     enc, p, m = vision.encoder, vision.processor.patch_size, vision.processor.merge
     h = enc.hidden_size
-    mlp = int(h * enc.mlp_ratio)
+    mlp = enc.mlp_width
     out_dim = enc.out_dim or h * m * m
     return enc.num_layers * (4 * h * h + 2 * h * mlp) + 3 * p * p * h + out_dim * llm_hidden
 

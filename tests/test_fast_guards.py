@@ -1,0 +1,413 @@
+"""Fast guards for what only the slow tier caught (issue 36, item 5): five planted bugs that `make test-fast`
+(`pytest -m "not slow"`) let through. Each test here fails on its bug and runs in seconds:
+
+1. the per-document ratio loss averaged over documents instead of weighted by n_d / N;
+2. the statistics pass counting MoE loads a second time (its `load_accum` not put back);
+3. a pretrained SigLIP / CLIP tower whose intermediate size is not a multiple of its width (SigLIP: 4304 / 1152);
+4. a one-image question/answer row from an importer counted as a caption instead of a chat sample;
+5. a stop signal (the flag its handler sets) that ends the run without saving, in the vision warm-up and in
+   training.
+"""
+from __future__ import annotations
+
+import base64
+import csv
+import json
+import signal
+
+import pytest
+import torch
+
+from configs.batch import KINDS, PackedBatch
+
+
+# ======================================== 1. per-document ratio loss: n_d / N weights
+def _eq4(F_: float, G: float, R: float) -> float:
+    """ConceptMoE eq. 4 written out again (plain floats), so the expectation does not reuse the code under test."""
+    return R / (R - 1) * ((R - 1) * F_ * G + (1 - F_) * (1 - G))
+
+
+# Three documents of unequal length, each with its own boundary count and p: (tokens, boundaries, p of every token)
+_DOCS = [(2, 2, 0.9),      # every token a boundary (ratio 1): below the band, target R/s
+         (6, 1, 0.2),      # ratio 6: above the band, target R*s
+         (12, 6, 0.5)]     # ratio 2: inside the band, eq. 4 is 1
+_R, _SLACK = 2.0, 1.25
+
+
+def _doc_term(docs, N: float) -> float:
+    """sum_d n_d / N * eq4(F_d, G_d, R_d), R_d the document's own ratio clamped into [R/s, R*s]."""
+    total = 0.0
+    for n, b, p in docs:
+        R_d = min(max(n / b, _R / _SLACK), _R * _SLACK)
+        total += n / N * _eq4(b / n, p, R_d)
+    return total
+
+
+def test_document_ratio_loss_weights_each_document_by_its_share_of_the_tokens():
+    from vlm.model.ratio_loss import document_ratio_loss
+
+    n = torch.tensor([float(d[0]) for d in _DOCS])
+    b = torch.tensor([float(d[1]) for d in _DOCS])
+    psum = torch.tensor([d[0] * d[2] for d in _DOCS])
+    N = float(n.sum())
+    want = _doc_term(_DOCS, N)
+    averaged = sum(_doc_term([d], d[0]) for d in _DOCS) / len(_DOCS)   # the bug: a mean over documents
+    assert abs(want - averaged) > 0.05                                  # (the fixture tells them apart)
+    got = document_ratio_loss(n, b, psum, torch.tensor(N), _R, _SLACK)
+    assert float(got) == pytest.approx(want, rel=1e-6), f"got {float(got)}, documents averaged would be {averaged}"
+    # an empty slot (padding, another row's spare) adds nothing
+    pad = document_ratio_loss(torch.cat([n, torch.zeros(2)]), torch.cat([b, torch.zeros(2)]),
+                              torch.cat([psum, torch.zeros(2)]), torch.tensor(N), _R, _SLACK)
+    assert float(pad) == pytest.approx(want, rel=1e-6)
+    # micro-batches holding parts of the documents, each weighted by the global N, sum to the whole
+    parts = [document_ratio_loss(n[s], b[s], psum[s], torch.tensor(N), _R, _SLACK) for s in (slice(0, 2), slice(2, 3))]
+    assert float(sum(parts)) == pytest.approx(want, rel=1e-6)
+
+
+def _packed_row(docs, pad: int = 2):
+    """One row holding `docs` back to back, then padding: doc ids, p and boundaries as the chunk module sees them."""
+    doc, p, bnd = [], [], []
+    for d, (n, nb, pv) in enumerate(docs):
+        doc += [d] * n
+        p += [pv] * n
+        bnd += [True] * nb + [False] * (n - nb)
+    doc += [-1] * pad
+    p += [0.0] * pad
+    bnd += [False] * pad
+    return torch.tensor([doc]), torch.tensor([p]), torch.tensor([bnd])
+
+
+def test_chunk_module_adds_the_token_weighted_document_term_and_micro_batches_sum_to_the_batch():
+    """ChunkModule.compute_ratio_loss: the band's term is document_weight * sum_d n_d / N eq4_d on top of the batch
+    term, N the group's global token count, so two micro-batches (under the global parser's sums) add up to the
+    whole batch's term."""
+    from vlm.model.chunking import ChunkModule
+    from vlm.model.config import ChunkConfig
+
+    weight = 3.0
+    band = ChunkModule(ChunkConfig(router="linear", target_ratio=_R, document_slack=_SLACK, document_weight=weight), 8)
+    plain = ChunkModule(ChunkConfig(router="linear", target_ratio=_R), 8)
+    N = float(sum(d[0] for d in _DOCS))
+
+    def doc_term(docs, hook=None):
+        doc, p, b = _packed_row(docs)
+        for m in (band, plain):
+            m.stats_hook = hook
+        groups = [(doc >= 0, _R)]
+        return float(band.compute_ratio_loss(p, b, groups, doc)[0] - plain.compute_ratio_loss(p, b, groups, doc)[0])
+
+    whole = doc_term(_DOCS)
+    assert whole == pytest.approx(weight * _doc_term(_DOCS, N), rel=1e-5), \
+        f"document term {whole}, want {weight * _doc_term(_DOCS, N)} (n_d / N weights)"
+    # two micro-batches: the global parser hands each the whole batch's sums (boundaries, sum of p, tokens)
+    glob = torch.tensor([[sum(d[1] for d in _DOCS), sum(d[0] * d[2] for d in _DOCS), N]])
+    parts = [doc_term(_DOCS[:2], lambda local: glob), doc_term(_DOCS[2:], lambda local: glob)]
+    assert sum(parts) == pytest.approx(whole, rel=1e-5), f"micro-batch shares {parts} do not sum to {whole}"
+
+
+# ======================================== 2. the statistics pass leaves the MoE loads as they were
+def _balancing_lm():
+    from vlm.model.conceptmoe import ConceptMoELM
+    from vlm.model.config import ChunkConfig, ModelConfig, MoEConfig
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8, encoder_layers=1,
+                      concept_layers=1, decoder_layers=1,
+                      moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=16, balance_loss_weight=0.0,
+                                    loss_free_balancing=True),
+                      chunk=ChunkConfig(target_ratio=2.0))
+    return ConceptMoELM(cfg).train()
+
+
+def _micro_batches(K: int, T: int = 40) -> list[PackedBatch]:
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for k in range(K):
+        lengths = [13 + 2 * k, 9, T - 24 - 2 * k]
+        out.append(PackedBatch.from_documents([torch.randint(3, 64, (n,), generator=g).tolist() for n in lengths],
+                                              row_len=T))
+    return out
+
+
+def _moe_loads(model) -> torch.Tensor:
+    from vlm.model.moe import MoE
+
+    return torch.cat([m.load_accum.clone() for m in model.modules() if isinstance(m, MoE)])
+
+
+def test_the_statistics_pass_puts_the_moe_loads_back():
+    from vlm.train.global_parser import GlobalParser, install
+    from vlm.train.step import statistics_pass
+
+    model = _balancing_lm()
+    window = _micro_batches(3)
+    with torch.no_grad():
+        model(window[0])                       # a training forward counts its loads (what the pass must undo)
+    before = _moe_loads(model)
+    assert float(before.sum()) > 0
+    parser = GlobalParser(all_reduce=lambda t: t.clone())
+    install(model, parser)
+    parser.start_step()
+    statistics_pass(model, window, parser, 0, seed=0, rank=0, world_size=1, device=torch.device("cpu"),
+                    float_dtype=torch.float32)
+    after = _moe_loads(model)
+    assert torch.equal(after, before), f"loads after the statistics pass {after.tolist()}, before {before.tolist()}"
+
+
+def test_a_step_with_the_statistics_pass_counts_each_token_once_in_the_balancing_loads():
+    """train_step with the global parser and K = 2: what the MoE layers hold for the balancing update after the step
+    is exactly the loads of the step's real passes (each routed token slot once), not twice."""
+    from vlm.train.distributed import init_distributed
+    from vlm.train.engine import initialize
+    from vlm.train.global_parser import GlobalParser, install
+    from vlm.train.step import train_step
+
+    K = 2
+    model = _balancing_lm()
+    init_distributed()
+    engine = initialize(model, torch.optim.SGD(model.parameters(), lr=0.0), {
+        "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": K, "train_batch_size": K,
+        "gradient_clipping": 0.0, "zero_optimization": {"stage": 0}, "bf16": {"enabled": False},
+        "steps_per_print": 10 ** 12, "zero_allow_untested_optimizer": True})
+    parser = GlobalParser(all_reduce=lambda t: t.clone())
+    install(model, parser)
+    window = _micro_batches(K)
+    res = train_step(engine, window, 0, seed=3, rank=0, world_size=1, parser=parser, device=torch.device("cpu"))
+    assert res.applied
+    real = float(sum(v.sum() for v in res.loads.values()))                  # the real passes' loads, all layers
+    held = float(_moe_loads(model).sum())
+    n_moe = len(res.loads)
+    tokens = sum(int((b.doc_ids >= 0).sum()) for b in window)
+    assert real > 0 and held == pytest.approx(real), \
+        f"the MoE layers hold {held} routed slots for the balancing step, the real passes routed {real}"
+    # the encoder and decoder layers route every real token top_k = 2 times (the concept layer fewer): an upper bound
+    assert held <= n_moe * 2 * tokens
+
+
+# ======================================== 3. a pretrained tower whose MLP is not a whole multiple of its width
+# (model type, width, heads, intermediate size, layers, patch): SigLIP so400m's own widths (4304 / 1152 = 3.736...,
+# one layer of it), a small SigLIP and CLIP at the same kind of ratio, and a width where width * (intermediate /
+# width) comes back one short in floating point (240 / 176: 176 * 1.3636... = 239.99999999999997)
+_TOWERS = [("siglip", 1152, 16, 4304, 1, 14), ("siglip", 32, 2, 120, 2, 8), ("clip", 32, 2, 120, 2, 8),
+           ("siglip", 176, 2, 240, 1, 8)]
+
+
+@pytest.mark.parametrize("kind,width,heads,inter,layers,patch", _TOWERS,
+                         ids=["siglip-so400m-widths", "siglip-3.75", "clip-3.75", "siglip-240-of-176"])
+def test_a_pretrained_tower_whose_mlp_is_not_a_multiple_of_its_width_loads_whole(kind, width, heads, inter, layers,
+                                                                                 patch, tmp_path):
+    """The encoder's MLP has the checkpoint's intermediate size, read as it is (not rebuilt from width * a ratio),
+    and every tower tensor lands in it."""
+    transformers = pytest.importorskip("transformers")
+    from configs.config import from_dict
+    from vision.config import VisionConfig
+
+    torch.manual_seed(0)
+    common = dict(hidden_size=width, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
+                  image_size=4 * patch, patch_size=patch)
+    if kind == "siglip":
+        hf = transformers.SiglipVisionModel(transformers.SiglipVisionConfig(**common))
+    else:
+        hf = transformers.CLIPVisionModel(transformers.CLIPVisionConfig(**common))
+    hf.save_pretrained(tmp_path)
+    src = {k.removeprefix("vision_model."): v.detach() for k, v in hf.state_dict().items()}
+    del hf
+    cfg = from_dict(VisionConfig, {   # an encoder section that says otherwise: the folder's architecture wins
+        "processor": {"patch_size": 16, "min_patches": 4, "max_patches": 64, "merge": 2},
+        "encoder": {"hidden_size": 64, "num_layers": 3, "num_heads": 4, "mlp_ratio": 4.0, "max_grid": 32,
+                    "merger": "none"},
+        "timm_checkpoint": str(tmp_path)})
+    enc = cfg.build(16).encoder          # a part that does not match raises ConfigError("the tower does not match")
+    assert not enc.load_report.mismatches(), str(enc.load_report)
+    for i in range(layers):
+        fc1, fc2 = enc.blocks[i].mlp.fc1, enc.blocks[i].mlp.fc2
+        assert tuple(fc1.weight.shape) == (inter, width), f"block {i}: fc1 {tuple(fc1.weight.shape)}, want {inter}"
+        assert torch.equal(fc1.weight, src[f"encoder.layers.{i}.mlp.fc1.weight"])
+        assert torch.equal(fc1.bias, src[f"encoder.layers.{i}.mlp.fc1.bias"])
+        assert torch.equal(fc2.weight, src[f"encoder.layers.{i}.mlp.fc2.weight"])
+    # and the tower runs: one 4 x 4-patch image
+    grid = torch.tensor([[4, 4]])
+    coords = torch.stack(torch.meshgrid(torch.arange(4), torch.arange(4), indexing="ij"), -1).reshape(-1, 2)
+    with torch.no_grad():
+        out = enc(torch.randn(16, 3 * patch * patch), coords, grid)
+    assert torch.isfinite(out).all()
+
+
+# ======================================== 4. a one-image question/answer row counts as chat
+_Q, _A = "What colour is the square?", "red"
+
+
+def _one_image_vqa_sources(root, png, fmt: str):
+    """The table file or dataset folder holding a single one-image VQA row in the importer format `fmt`."""
+    root.mkdir(parents=True, exist_ok=True)
+    image = png(28, 28)
+    (root / "img").mkdir(exist_ok=True)
+    (root / "img" / "a.png").write_bytes(image)
+    llava = {"id": "q0", "image": "img/a.png", "conversations": [{"from": "human", "value": "<image>\n" + _Q},
+                                                                   {"from": "gpt", "value": _A}]}
+    qa = {"id": "q0", "image": "img/a.png", "question": _Q, "answer": _A, "question_type": "colour"}
+    if fmt == "llava-json":                        # LLaVA / ShareGPT instruction file: one JSON array
+        (root / "llava.json").write_text(json.dumps([llava]))
+        return root / "llava.json"
+    if fmt == "openai-jsonl":                      # OpenAI-style messages, the image a part of the content
+        uri = "data:image/png;base64," + base64.b64encode(image).decode()
+        row = {"id": "q0", "image": uri, "messages": [
+            {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": _Q}]},
+            {"role": "assistant", "content": _A}]}
+        (root / "t.jsonl").write_text(json.dumps(row) + "\n")
+        return root / "t.jsonl"
+    if fmt == "qa-jsonl":
+        (root / "t.jsonl").write_text(json.dumps(qa) + "\n")
+        return root / "t.jsonl"
+    if fmt == "qa-csv":
+        with open(root / "t.csv", "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(qa))
+            w.writeheader()
+            w.writerow(qa)
+        return root / "t.csv"
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    table = pa.table({"id": ["q0"], "image": [{"bytes": image, "path": "a.png"}], "question": [_Q], "answer": [[_A]]})
+    if fmt == "qa-parquet":                        # datasets' Image feature: a {bytes, path} struct
+        pq.write_table(table, root / "t.parquet")
+        return root / "t.parquet"
+    if fmt == "hub-folder":                        # the hub's parquet layout: a dataset folder
+        (root / "ds" / "data").mkdir(parents=True)
+        pq.write_table(table, root / "ds" / "data" / "train-00000-of-00001.parquet")
+        return root / "ds"
+    if fmt == "save-to-disk-folder":               # datasets' Dataset.save_to_disk
+        datasets = pytest.importorskip("datasets")
+        ds = datasets.Dataset.from_dict({"image": [{"bytes": image, "path": "a.png"}], "question": [_Q],
+                                         "answer": [_A]},
+                                        features=datasets.Features({"image": datasets.Image(),
+                                                                    "question": datasets.Value("string"),
+                                                                    "answer": datasets.Value("string")}))
+        ds.save_to_disk(str(root / "saved"))
+        return root / "saved"
+    raise AssertionError(fmt)
+
+
+def _counted_kinds(out):
+    """How the imported shards count: the manifest's chat total (`vlm data stats`), the decoded samples' per-kind
+    statistics label, and the kind the training loader's batches carry at every position of the document."""
+    from data_pipelines.config import DataConfig, SourceConfig
+    from data_pipelines.encode import stats_kind
+    from data_pipelines.loader import build_loader
+    from data_pipelines.reader import iter_shard, resolve_shards
+    from data_pipelines.schema import decode_sample
+    from data_pipelines.tokenizer import ByteTokenizer
+    from data_pipelines.writer import read_manifest
+    from vision.image_processor import ImageProcessorConfig
+
+    samples = [decode_sample(raw) for p in resolve_shards(out) for _, raw in iter_shard(p)]
+    cfg = DataConfig(sources=[SourceConfig(path=str(out))], epochs=1, row_tokens=256, rows_per_batch=1,
+                     shuffle_buffer=0, pack_buffer=4, tokenizer="byte",
+                     processor=ImageProcessorConfig(patch_size=14, min_patches=4, max_patches=16, merge=2))
+    batch = next(iter(build_loader(cfg, ByteTokenizer())))
+    valid = batch.doc_ids >= 0
+    return (read_manifest(out)["totals"]["chat"], [stats_kind(s) for s in samples],
+            sorted({KINDS[k] for k in batch.kind[valid].tolist()}), samples)
+
+
+@pytest.mark.parametrize("fmt", ["llava-json", "openai-jsonl", "qa-jsonl", "qa-csv", "qa-parquet", "hub-folder",
+                                 "save-to-disk-folder"])
+def test_a_one_image_question_answer_row_from_every_importer_format_counts_as_chat(fmt, tmp_path, png):
+    from data_pipelines.importers import import_table
+
+    src = _one_image_vqa_sources(tmp_path / "src", png, fmt)
+    res = import_table(src, tmp_path / "out")
+    assert res["written"] == 1 and res["skipped"] == {}, res
+    chat_total, labels, batch_kinds, (sample,) = _counted_kinds(tmp_path / "out")
+    assert labels == ["chat"], f"{fmt}: a one-image VQA row counts as {labels[0]} in the per-kind statistics"
+    assert len(sample.images) == 1 and sample.turns is not None and \
+        sample.turns[-1] == {"role": "assistant", "content": _A}, f"{fmt}: imported as {sample}"
+    assert batch_kinds == ["chat"], f"{fmt}: the training batch labels the VQA document {batch_kinds}"
+    assert chat_total == 1, f"{fmt}: the import's statistics count {chat_total} chat samples"
+
+
+def test_a_one_image_caption_still_counts_as_caption(tmp_path, png):
+    """The other side of the line: an image with a caption (a table row, or a folder's image and sidecar) is a
+    caption, so the chat count above is not everything counted as chat."""
+    from data_pipelines.importers import import_folder, import_table
+
+    (tmp_path / "imgs").mkdir()
+    (tmp_path / "imgs" / "a.png").write_bytes(png(28, 28))
+    (tmp_path / "imgs" / "a.txt").write_text("a red square")
+    (tmp_path / "t.jsonl").write_text(json.dumps({"image": "imgs/a.png", "caption": "a red square"}) + "\n")
+    for name, res in (("folder", import_folder(tmp_path / "imgs", tmp_path / "folder")),
+                      ("table", import_table(tmp_path / "t.jsonl", tmp_path / "table"))):
+        assert res["written"] == 1, res
+        chat_total, labels, batch_kinds, _ = _counted_kinds(tmp_path / name)
+        assert (chat_total, labels, batch_kinds) == (0, ["caption"], ["caption"]), name
+
+
+# ======================================== 5. a stop request saves, in the warm-up and in training
+def _stop_at_poll(polls: int, signum: int = signal.SIGINT):
+    """A StopFlag raised as its signal handler raises it, seen at poll `polls` + 1 (deterministic: no real signal,
+    no timing), as tests/test_train_chain.py simulates a Ctrl-C."""
+    from vlm.train.signals import StopFlag
+
+    class StopAtPoll(StopFlag):
+        def __init__(self) -> None:
+            super().__init__()
+            self.left = polls
+
+        @property
+        def requested(self) -> bool:
+            if self.signum is None:
+                self.left -= 1
+                if self.left < 0:
+                    self.signum = signum
+            return self.signum is not None
+
+    return StopAtPoll()
+
+
+def test_a_stop_in_training_checkpoints_the_last_step_and_returns_the_signal_code(tiny_data, tmp_path, tiny_config,
+                                                                                 make_trainer, torch_globals):
+    """Stop seen after step 3 of 50, with no periodic checkpoint due (save_every 1000): the run writes step 3's
+    checkpoint, returns 128 + SIGINT, exports nothing, and the same run resumes from that step."""
+    from vlm.train.checkpoint import list_checkpoints
+
+    cfg = tiny_config(tiny_data, train={"max_steps": 50}, checkpoint={"save_every": 1000, "keep_last": 2},
+                      logging={"eval_every": 0, "histogram_every": 0})
+    run = tmp_path / "run"
+    tr = make_trainer(cfg, run, stop=_stop_at_poll(3))
+    rc = tr.train()
+    assert rc == 128 + signal.SIGINT == 130
+    n = tr.step
+    assert 0 < n < 50
+    assert [s for s, _ in list_checkpoints(run / "checkpoints")] == [n], \
+        f"stopped after step {n}; checkpoints: {list_checkpoints(run / 'checkpoints')}"
+    assert not (run / "final").exists()
+    again = make_trainer(cfg, run, resume=True)
+    assert again.resume_from == run / "checkpoints" / f"step_{n:08d}"
+    again.restore(again.resume_from)
+    assert again.step == n
+
+
+def test_a_stop_in_the_vision_warmup_saves_its_state_and_raises_preempted(tiny_data, tmp_path, tiny_config,
+                                                                         make_trainer, load_tiny, torch_globals):
+    """Stop seen after warm-up step 4 of 50 (its periodic saves come every 5 steps): the warm-up saves its state at
+    step 4 and the trainer's construction raises Preempted with 128 + SIGTERM; the next start continues from it."""
+    from vlm.train.checkpoint import load_state_dir
+    from vlm.train.signals import Preempted
+    from vlm.train.trainer import Trainer
+    from vlm.train.vision_warmup import STATE_NAME
+
+    cfg = tiny_config(tiny_data, train={"max_steps": 1}, checkpoint={"save_every": 1000},
+                      logging={"eval_every": 0, "histogram_every": 0},
+                      vision_warmup={"steps": 50, "images_per_step": 4, "min_word_count": 2, "held_out": 8})
+    run = tmp_path / "run"
+    with pytest.raises(Preempted) as info:
+        make_trainer(cfg, run, stop=_stop_at_poll(3, signal.SIGTERM))
+    assert info.value.code == 128 + signal.SIGTERM == 143
+    assert "in the vision warm-up at step 4/50" in str(info.value), str(info.value)
+    state = load_state_dir(run / "checkpoints", STATE_NAME, warn=pytest.fail)
+    assert state is not None, f"no warm-up state in {run / 'checkpoints' / STATE_NAME} after the stop"
+    assert state["step"] == 4 and len(state["losses"]) == 4
+    assert not (run / "vision_warmup.json").exists()      # the warm-up did not finish
+    lines: list[str] = []
+    Trainer(load_tiny(cfg), run, log=lines.append)
+    assert any(f"continuing from {run / 'checkpoints' / STATE_NAME} at step 4/50" in x for x in lines), lines
+    assert json.loads((run / "vision_warmup.json").read_text())["steps"] == 50
