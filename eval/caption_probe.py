@@ -94,14 +94,17 @@ def format_probes(res: dict) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """`vlm eval probe` (its arguments are declared in eval/cli.py)."""
-    from vlm.generate import load_eval_model
+    from eval.preflight import check_model_dir, check_out_file, load_model
 
+    prog = "vlm eval probe"
+    check_model_dir(args.ckpt, prog)        # before the dataset is built and the items read
+    out = check_out_file(args.out, prog)
     data = Path(args.data) if default_info(args.data) else ensure_default_dataset(args.data)
     items = probe_items(iter_samples([str(data / args.split / "caption-*.tar")]), args.limit)
     if not items:
         raise SystemExit(f"no caption samples with scenes in {data / args.split}")
-    res = run_probes(load_eval_model(args.ckpt), items)
+    res = run_probes(load_model(args.ckpt, prog), items)
     print(format_probes(res))
-    if args.out:
-        Path(args.out).write_text(json.dumps(res, indent=2))
+    if out is not None:
+        out.write_text(json.dumps(res, indent=2))
     return 0

@@ -17,6 +17,7 @@ from typing import Callable
 
 from configs.config import ConfigError, apply_overrides, from_dict, load_yaml, to_dict
 from eval.longctx.config import LongCtxConfig
+from eval.preflight import check_model_dir, check_out_dir, positive_int
 from eval.longctx.tasks import TASKS
 from vlm.cli import refuse_set_option
 
@@ -45,7 +46,7 @@ def add_eval_commands(subparsers: argparse._SubParsersAction) -> argparse._SubPa
     lc.add_argument("--tasks", nargs="+", help=f"tasks (default: RULER-like set); allowed: {', '.join(TASKS)}")
     lc.add_argument("--num-samples", type=int, help="samples per task x length x depth")
     lc.add_argument("--mode", choices=["generate", "loglik", "both"], help="scoring mode (default both)")
-    lc.add_argument("--batch-size", type=int)
+    lc.add_argument("--batch-size", type=positive_int)
     lc.add_argument("--num-distractors", type=int)
     lc.add_argument("--max-new-tokens", type=int)
     lc.add_argument("--seed", type=int)
@@ -65,7 +66,7 @@ def add_eval_commands(subparsers: argparse._SubParsersAction) -> argparse._SubPa
     ex.add_argument("--split", default="test")
     ex.add_argument("--vqa-shards", help="VQA shards (dir, glob or brace pattern) instead of --data")
     ex.add_argument("--caption-shards", help="caption shards instead of --data")
-    ex.add_argument("--limit", type=int, help="at most this many records per task")
+    ex.add_argument("--limit", type=positive_int, help="at most this many records per task (N >= 1)")
     ex.add_argument("--out", required=True, help="task directory to pass to lmms-eval --include_path")
     ex.set_defaults(func=_later("eval.export_tasks"))
 
@@ -73,8 +74,9 @@ def add_eval_commands(subparsers: argparse._SubParsersAction) -> argparse._SubPa
     p.add_argument("--ckpt", required=True, help="exported model directory (RUN_DIR/final)")
     p.add_argument("--data", default="data/default", help="default dataset directory (built if missing)")
     p.add_argument("--split", default="test", choices=["test", "val"])
-    p.add_argument("--limit", type=int, default=None)
-    p.add_argument("--batch-size", type=int, default=16)
+    # --limit 0 is refused, not read as "no limit" or "none": leave the flag out to score every question
+    p.add_argument("--limit", type=positive_int, default=None, help="score the first N questions (default: all)")
+    p.add_argument("--batch-size", type=positive_int, default=16)
     p.add_argument("--no-blind", action="store_true", help="skip the blind (no image) baseline")
     p.add_argument("--out", default=None, help="write the JSON result here")
     p.set_defaults(func=_later("eval.vqa"))
@@ -83,7 +85,7 @@ def add_eval_commands(subparsers: argparse._SubParsersAction) -> argparse._SubPa
     p.add_argument("--ckpt", required=True, help="exported model directory (RUN_DIR/final)")
     p.add_argument("--data", default="data/default", help="default dataset directory (built if missing)")
     p.add_argument("--split", default="val", choices=["train", "val", "test"])
-    p.add_argument("--limit", type=int, default=300, help="items per probe")
+    p.add_argument("--limit", type=positive_int, default=300, help="items per probe")
     p.add_argument("--out", default=None, help="write the JSON result here")
     p.set_defaults(func=_later("eval.caption_probe"))
 
@@ -93,8 +95,8 @@ def add_eval_commands(subparsers: argparse._SubParsersAction) -> argparse._SubPa
     p.add_argument("--ckpt", required=True, help="exported model directory (RUN_DIR/final)")
     p.add_argument("--data", nargs="+", help="shards (dirs, globs, files); default: the default dataset's val split")
     p.add_argument("--default-dir", default="data/default", help="the default dataset (built if missing)")
-    p.add_argument("--max-batches", type=int)
-    p.add_argument("--row-tokens", type=int, default=512)
+    p.add_argument("--max-batches", type=positive_int)
+    p.add_argument("--row-tokens", type=positive_int, default=512)
     p.add_argument("--out", help="write the result as JSON here")
     p.set_defaults(func=_later("eval.perplexity"))
 
@@ -104,7 +106,7 @@ def add_eval_commands(subparsers: argparse._SubParsersAction) -> argparse._SubPa
                                    "rate 1/R), the conversion with a zero residual, and with every boundary on.")
     p.add_argument("src", help="an exported MoE baseline (RUN_DIR/final with chunking off) or a transformers MoE")
     p.add_argument("--ratio", type=float, default=1.5, help="boundary rate 1/R (default 1.5)")
-    p.add_argument("--batches", type=int, default=8, help="validation batches scored (default 8)")
+    p.add_argument("--batches", type=positive_int, default=8, help="validation batches scored (default 8)")
     p.add_argument("--data", default="data/default", help="default dataset folder (its val split is scored)")
     p.set_defaults(func=_later("eval.ct_start"))
     return sub
@@ -148,13 +150,19 @@ def run_longctx(args: argparse.Namespace, loader: Callable | None = None) -> dic
     except ConfigError as e:
         raise SystemExit(f"vlm eval longctx: {e}") from None
     load = loader or _default_loader()
-    out = Path(args.out)
     runs = [("model", args.ckpt)] + ([("baseline", args.baseline_ckpt)] if args.baseline_ckpt else [])
-    summaries = {}
-    for label, ckpt in runs:
+    for _, ckpt in runs:   # both checkpoints and --out before the first sweep
         if not Path(ckpt).exists():
             raise SystemExit(f"vlm eval longctx: checkpoint directory {ckpt} does not exist")
-        model = load(ckpt)
+        if getattr(load, "__module__", None) == "vlm.generate":   # the real loader: an exported model folder
+            check_model_dir(ckpt, "vlm eval longctx")
+    out = check_out_dir(args.out, "vlm eval longctx")
+    summaries = {}
+    for label, ckpt in runs:
+        try:
+            model = load(ckpt)
+        except FileNotFoundError as e:   # a folder without the model's files
+            raise SystemExit(f"vlm eval longctx: {e}") from None
         records: list[dict] = []
         summary = run_sweep(model, cfg, label=label, progress=not args.no_progress, records=records)
         summary["ckpt"] = str(ckpt)

@@ -113,6 +113,15 @@ def export_tasks(out: str | Path, *, data: str | Path | None = None, split: str 
 
 def run(args: argparse.Namespace) -> int:
     """`vlm eval lmms-tasks` (its arguments are declared in eval/cli.py)."""
+    from eval.preflight import check_out_dir, fail
+
+    prog = "vlm eval lmms-tasks"
+    if args.data is None and args.vqa_shards is None and args.caption_shards is None:
+        fail(prog, "give --data DIR or --vqa-shards / --caption-shards")
+    if args.data is not None and not (Path(args.data) / args.split).is_dir():
+        fail(prog, f"--data {args.data}: no {args.split!r} split there (expected a dataset from "
+                   "`vlm data build-default`)")
+    check_out_dir(args.out, prog)            # before any shard is read
     report = export_tasks(args.out, data=args.data, split=args.split, vqa_shards=args.vqa_shards,
                           caption_shards=args.caption_shards, limit=args.limit)
     print(json.dumps(report, indent=2))

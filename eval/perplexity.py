@@ -9,7 +9,6 @@ bits by the UTF-8 bytes of the tokens they predict, so models with different tok
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import torch
 
@@ -44,9 +43,12 @@ def perplexity(chat, shards: list[str] | None, data_dir: str, max_batches: int |
 
 def run(args) -> int:
     """`vlm eval ppl` (its arguments are declared in eval/cli.py)."""
-    from vlm.generate import load_eval_model
+    from eval.preflight import check_model_dir, check_out_file, load_model
 
-    res = perplexity(load_eval_model(args.ckpt), args.data, args.default_dir, args.max_batches, args.row_tokens)
+    check_model_dir(args.ckpt, "vlm eval ppl")
+    out = check_out_file(args.out, "vlm eval ppl")     # before the model loads and the batches are scored
+    res = perplexity(load_model(args.ckpt, "vlm eval ppl"), args.data, args.default_dir, args.max_batches,
+                     args.row_tokens)
     fmt = lambda v: "n/a" if v is None else f"{v:.4f}"  # noqa: E731
     print(f"{args.ckpt}: {res['batches']} batches")
     print(f"  LM loss (all)        {fmt(res['lm_loss'])}")
@@ -54,6 +56,6 @@ def run(args) -> int:
     print(f"  image-text samples   {fmt(res['loss/image_text'])}")
     print(f"  compression (tokens per concept): text {fmt(res['compression/text'])}, "
           f"image {fmt(res['compression/image'])}")
-    if args.out:
-        Path(args.out).write_text(json.dumps(res, indent=1))
+    if out is not None:
+        out.write_text(json.dumps(res, indent=1))
     return 0

@@ -15,6 +15,7 @@ from tqdm import tqdm
 
 from data_pipelines.chat import iter_vqa_samples, normalize_answer, strip_answer, vqa_prompt
 from data_pipelines.default_dataset import default_info, ensure_default_dataset
+from eval.preflight import check_model_dir, check_out_file, load_model
 from vlm.generate import load_eval_model
 from vlm.model.doc_stats import format_distribution, summarize_documents
 
@@ -131,15 +132,20 @@ def end_of_run_vqa(final: Path, cfg, run_dir: Path, log) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    """`vlm eval vqa` (its arguments are declared in eval/cli.py)."""
+    """`vlm eval vqa` (its arguments are declared in eval/cli.py). The model folder and --out are checked, and the
+    model loaded, before the dataset is built or a question asked: a mistake costs a second, not the eval."""
+    prog = "vlm eval vqa"
+    check_model_dir(args.ckpt, prog)
+    out = check_out_file(args.out, prog)
+    model = load_model(args.ckpt, prog)
     # An existing default dataset (whatever its size settings) is used as it is; a missing one is built.
     data = Path(args.data) if default_info(args.data) else ensure_default_dataset(args.data)
     split = Path(data) / args.split
-    res = run_vqa_eval(load_eval_model(args.ckpt), str(split / "vqa-*.tar"),
+    res = run_vqa_eval(model, str(split / "vqa-*.tar"),
                        train_shards=str(Path(data) / "train" / "vqa-*.tar"), limit=args.limit,
                        batch_size=args.batch_size, blind=not args.no_blind,
                        compression_shards=held_out_shards(data, args.split))
     print(format_report(res))
-    if args.out:
-        Path(args.out).write_text(json.dumps(res, indent=2))
+    if out is not None:
+        out.write_text(json.dumps(res, indent=2))
     return 0

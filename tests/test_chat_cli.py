@@ -103,3 +103,24 @@ def test_images_are_kept_at_the_size_the_model_sees_and_bounded_per_conversation
     assert "holds 2 images already" in conv.attach(str(big)) and len(conv.pending) == 2
     conv.reset()
     assert "attached" in conv.attach(str(big))
+
+
+@pytest.mark.parametrize("flag, value, says", [
+    ("--max-new-tokens", "-1", "must be a whole number of tokens >= 1, got -1"),
+    ("--max-new-tokens", "0", "must be a whole number of tokens >= 1, got 0"),
+    ("--temperature", "nan", "must be a finite number >= 0 (0: greedy), got nan"),
+    ("--temperature", "-5", "must be a finite number >= 0 (0: greedy), got -5"),
+    ("--temperature", "inf", "must be a finite number >= 0 (0: greedy), got inf"),
+    ("--max-prompt-tokens", "0", "must be a whole number of tokens >= 1, got 0"),
+])
+def test_bad_generation_options_are_refused_at_start(flag, value, says, capsys):
+    """The probes: these were accepted, then failed turn by turn or were ignored (a negative temperature decoded
+    greedily; --max-prompt-tokens 0 skipped every line as "longer than 0 bytes"). Refused when parsed, before the
+    model is looked for; the prompt limit's message counts tokens."""
+    from vlm.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["chat", "--ckpt", "/nonexistent", flag, value])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"vlm chat: error: argument {flag}: {says}" in err
+    assert "Traceback" not in err and "bytes" not in err

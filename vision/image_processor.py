@@ -230,7 +230,7 @@ class ImageProcessor:
                     rows, cols = choose_grid(h, w, self.cfg)
                     img.draft(img.mode, (cols * self.cfg.patch_size, rows * self.cfg.patch_size))
                 img.load()
-                img = ImageOps.exif_transpose(img) or img
+                ImageOps.exif_transpose(img, in_place=True)   # a copy would double the decoded bytes
                 return to_rgb(img)
         except Exception as e:  # truncated streams, bad chunks, decoder errors, Pillow's own bomb error
             raise ImageError(f"image {name}: cannot be decoded ({type(e).__name__}: {e})") from None

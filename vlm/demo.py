@@ -6,10 +6,11 @@ boundaries marked (`|`), and the realized compression (tokens per concept) of te
 
 Safe by default: it binds 127.0.0.1 (pass `--host 0.0.0.0` to expose it), uploads are capped in bytes
 (`--max-upload-mb`, enforced by gradio's max_file_size and again here) and in pixels (the processor's
-`max_pixels`, read from the header before decoding), and a broken image or an over-long prompt gives a message
-in the page, never a traceback. Memory is bounded per session: an image is shrunk to the patch grid the model
-sees when it is attached (`Conversation.attach`), a conversation holds at most `--max-images` of them, and a
-session's conversation is dropped when its page closes or after `SESSION_TTL_S` (gradio's State lifetime).
+`max_pixels`, read from the header before decoding), and a broken image, a file that is no image or an over-long
+prompt gives a message in the page, never a traceback. Memory is bounded per session: an image is shrunk to the
+patch grid the model sees when it is attached (`Conversation.attach`, which hands the decode buffers back to the
+OS), a conversation holds at most `--max-images` of them, and a session's conversation is dropped when its page
+closes or after `SESSION_TTL_S` (gradio's State lifetime). A busy port is one line before the model loads.
 Needs the optional extra: `pip install -e ".[demo]"`.
 
 A screenshot of the page with headless Chromium, while the demo runs:
@@ -18,9 +19,13 @@ A screenshot of the page with headless Chromium, while the demo runs:
 """
 from __future__ import annotations
 
+import argparse
+import errno
 import logging
+import math
 import os
 import queue
+import socket
 import sys
 import threading
 from pathlib import Path
@@ -29,7 +34,7 @@ from PIL import Image, UnidentifiedImageError
 
 from configs.config import ConfigError
 from data_pipelines.schema import IMAGE_TOKEN
-from vlm.chat_cli import MAX_IMAGES, Conversation
+from vlm.chat_cli import MAX_IMAGES, Conversation, add_generation_options, count_of
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +42,43 @@ DEFAULT_PORT = 7860
 MAX_UPLOAD_MB = 10
 TITLE = "ConceptMoE image chat"
 SESSION_TTL_S = 3600        # a session's conversation (and its images) is dropped an hour after its last use
+
+
+def port_number(text: str) -> int:
+    """argparse type: a TCP port, 1..65535."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number 1-65535, got {text!r}") from None
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number 1-65535, got {value}")
+    return value
+
+
+def upload_mb(text: str) -> float:
+    """argparse type: a finite upload size in MB, > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a size in MB > 0, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a size in MB > 0, got {text}")
+    return value
+
+
+def port_problem(host: str, port: int) -> str | None:
+    """Why the demo cannot listen on host:port (one line naming the port and how to pick another), or None. Bound
+    as gradio binds (SO_REUSEADDR), so a port it would take is never refused here."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(addr)
+    except OSError as e:   # socket.gaierror (an unknown host) is an OSError too
+        if e.errno == errno.EADDRINUSE:
+            return f"port {port} on {host} is in use (another server?); choose another with --port N"
+        return f"cannot serve on {host}:{port}: {e.strerror or e}; choose another --host or --port"
+    return None
 
 
 def check_image(path: str, max_bytes: int, max_pixels: int) -> str | None:
@@ -99,8 +141,9 @@ def target_band(chunk, modality: str) -> dict:
     the target ratio, whether it is the modality's own or joint over text and image, and, where the per-document
     band applies (`ChunkConfig.holds_documents`), the band [R/s, R*s] a document's ratio was held in (the
     conversation is one document). A modality left out of `modality_target_ratios` had no target."""
-    if chunk.modality_target_ratios:
-        R, scope = chunk.modality_target_ratios.get(modality), modality
+    targets = chunk.modality_targets()
+    if targets:
+        R, scope = targets.get(modality), modality
     else:
         R, scope = chunk.target_ratio, "text and image together"
     if R is None:
@@ -249,8 +292,10 @@ def build_app(chat, *, max_new_tokens: int = 64, temperature: float = 0.0, max_p
         with gr.Row():
             with gr.Column(scale=3):
                 chatbot = gr.Chatbot(label="conversation", height=420)
+                # no file_types: gradio would refuse another file with a traceback in the console and a bare
+                # "Error" in the page; check_image refuses it in one line under the chat instead
                 upload = gr.File(label=f"image (attached to your next message; max {max_upload_mb:g} MB)",
-                                 file_types=["image"], type="filepath")
+                                 type="filepath")
                 msg = gr.Textbox(label="message", placeholder="Ask about the image, then press Enter",
                                  max_lines=6)
                 with gr.Row():
@@ -287,12 +332,11 @@ def add_demo_command(sub) -> None:
                        description=__doc__.split("\n\n")[0])
     p.add_argument("--ckpt", required=True, help="exported model directory (RUN_DIR/final)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT)
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--max-prompt-tokens", type=int, default=4096, help="longest conversation accepted")
-    p.add_argument("--max-upload-mb", type=float, default=MAX_UPLOAD_MB, help="largest image upload")
-    p.add_argument("--max-images", type=int, default=MAX_IMAGES, help="most images one conversation holds")
+    p.add_argument("--port", type=port_number, default=DEFAULT_PORT, help=f"port to serve on (default {DEFAULT_PORT})")
+    add_generation_options(p, max_new_tokens=128)
+    p.add_argument("--max-upload-mb", type=upload_mb, default=MAX_UPLOAD_MB, help="largest image upload")
+    p.add_argument("--max-images", type=count_of("images"), default=MAX_IMAGES,
+                   help="most images one conversation holds")
     p.add_argument("--example", nargs="+", metavar=("IMAGE", "QUESTION"),
                    help="open every page on this image and the model's answers to these questions")
     p.set_defaults(func=_run)
@@ -314,6 +358,9 @@ def _run(args) -> int:
     from vision.image_processor import ImageError
     from vlm.model.weights_check import WeightsError
 
+    if (problem := port_problem(args.host, args.port)) is not None:   # before the model loads
+        print(f"vlm demo: {problem}", file=sys.stderr)
+        return 2
     try:
         chat = load_eval_model(args.ckpt)
     except WeightsError as e:
@@ -327,5 +374,9 @@ def _run(args) -> int:
     except ImageError as e:
         raise ConfigError(str(e)) from None
     print(f"serving {args.ckpt} on http://{args.host}:{args.port} (Ctrl-C stops)")
-    launch_app(app, args.host, args.port, args.max_upload_mb)
+    try:
+        launch_app(app, args.host, args.port, args.max_upload_mb)
+    except OSError as e:   # the port was taken since the check (gradio's own message names its settings, not ours)
+        print(f"vlm demo: {port_problem(args.host, args.port) or f'cannot serve: {e}'}", file=sys.stderr)
+        return 2
     return 0

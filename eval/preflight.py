@@ -1,0 +1,108 @@
+"""What every `vlm eval` command checks before its work: one line on stderr and exit 2 for a user's mistake, found
+in a second rather than after minutes of evaluation.
+
+- `positive_int`: an argparse type for counts (`--batch-size`, `--limit`, ...): 0 or less is refused at parse time.
+- `check_model_dir`: `--ckpt` must be an exported model (RUN_DIR/final with its config.json).
+- `check_out_file` / `check_out_dir`: `--out` must be writable (its folders are made, a probe file is written and
+  removed), checked before the model loads: a result that cannot be saved is not computed.
+- `load_model`: `vlm.generate.load_eval_model` after `check_model_dir` (a damaged export is refused by the loader
+  itself, in one line, through `vlm.cli`'s ConfigError handling).
+
+Only the standard library at import: `eval/cli.py` imports this while `vlm --help` builds its parser.
+"""
+from __future__ import annotations
+
+import argparse
+import errno
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import NoReturn
+
+
+def fail(prog: str, message: str) -> NoReturn:
+    """One line on stderr, exit 2 (a user's mistake, as argparse and `config error:` exit)."""
+    print(f"{prog}: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def positive_int(text: str) -> int:
+    """argparse type: a whole number >= 1 (a count of questions, rows, batches)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def check_model_dir(ckpt: str | os.PathLike, prog: str) -> Path:
+    path = Path(ckpt)
+    if not path.is_dir():
+        fail(prog, f"--ckpt {path}: no such directory (expected an exported model, RUN_DIR/final)")
+    if not (path / "config.json").is_file():
+        fail(prog, f"--ckpt {path}: no exported model there (expected RUN_DIR/final with config.json)")
+    return path
+
+
+def _why(e: OSError) -> str:
+    return e.strerror or str(e)
+
+
+def _make_dir(folder: Path) -> None:
+    """`mkdir -p folder`, where a file in the way is named (mkdir itself only says "File exists")."""
+    for p in (folder, *folder.parents):
+        if p.exists():
+            if not p.is_dir():
+                raise NotADirectoryError(errno.ENOTDIR, f"{p} is a file, not a directory")
+            break
+    folder.mkdir(parents=True, exist_ok=True)
+
+
+def _probe(folder: Path) -> None:
+    """Create and remove a file in `folder`: the one test of writability that holds for root, read-only mounts
+    and full disks alike."""
+    with tempfile.NamedTemporaryFile(dir=folder, prefix=".vlm-eval-write-test-"):
+        pass
+
+
+def check_out_file(out: str | os.PathLike | None, prog: str) -> Path | None:
+    """`--out FILE` can be written: its folder exists or is made, and a file can be created there (an existing
+    FILE is opened for appending, which leaves it as it is)."""
+    if out is None:
+        return None
+    path = Path(out)
+    if path.is_dir():
+        fail(prog, f"--out {path} is a directory; give a file name, e.g. {path / 'result.json'}")
+    try:
+        _make_dir(path.parent)
+        if path.exists():
+            open(path, "ab").close()
+        else:
+            _probe(path.parent)
+    except OSError as e:
+        fail(prog, f"cannot write --out {path}: {_why(e)}")
+    return path
+
+
+def check_out_dir(out: str | os.PathLike, prog: str) -> Path:
+    """`--out DIR` can hold the results: it exists as a folder or is made, and a file can be created in it."""
+    path = Path(out)
+    if path.exists() and not path.is_dir():
+        fail(prog, f"--out {path} is a file; give a directory")
+    try:
+        _make_dir(path)
+        _probe(path)
+    except OSError as e:
+        fail(prog, f"cannot write --out {path}: {_why(e)}")
+    return path
+
+
+def load_model(ckpt: str | os.PathLike, prog: str):
+    """The exported model at `ckpt` as an eval.protocol.EvalModel (imports torch and the model)."""
+    check_model_dir(ckpt, prog)
+    import vlm.generate
+
+    return vlm.generate.load_eval_model(ckpt)
