@@ -14,11 +14,12 @@ A save that cannot be written (a full disk, a quota, a read-only mount) raises `
 path and the system's reason ("No space left on device"), after the `.tmp-` folder was removed; the previous
 checkpoint, untouched, stays the resume point. torch.save reports a failed write as "iostream error" or
 "unexpected pos" without the errno, so every torch.save here (DeepSpeed's included) writes through a file
-object that keeps the OSError.
+object that keeps the OSError (vlm.train.write_errors). With several ranks a failed write is held until every
+rank has written its part, then all ranks compare and all raise the same WriteError: a disk full on one rank ends
+every rank in one line instead of leaving the others in a collective.
 """
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import logging
@@ -33,71 +34,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from vlm.train.distributed import barrier, broadcast_object
-from vlm.train.engine import safe_load
+from vlm.train.distributed import broadcast_object, gather_object
+from vlm.train.engine import CheckpointRefused, safe_load
+from vlm.train.write_errors import (DISK_ERRNOS, WriteError, _KeepsWriteError, describe_write_error,  # noqa: F401
+                                    disk_full_guess, is_disk_error, torch_save)
 
 log = logging.getLogger(__name__)
 
 STEP_RE = re.compile(r"^step_(\d{8})$")
 DS_TAG = "ds"
-
-
-class WriteError(RuntimeError):
-    """A checkpoint or export that could not be written; the message is one line naming the path and why."""
-
-
-# errors that come from the machine, not from a bug: reported in one line, never as a traceback
-DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EFBIG, errno.EACCES, errno.EPERM)
-
-
-class _KeepsWriteError:
-    """A file object for torch.save that remembers the OSError its write raised (torch replaces it with
-    "iostream error" / "unexpected pos")."""
-
-    def __init__(self, fh):
-        self.fh, self.error = fh, None
-
-    def write(self, data):
-        try:
-            return self.fh.write(data)
-        except OSError as e:
-            self.error = e
-            raise
-
-    def flush(self):
-        return self.fh.flush()
-
-    def __getattr__(self, name):   # tell, seek, fileno, ...: the real file's
-        return getattr(self.fh, name)
-
-
-def torch_save(obj, path, **kwargs) -> None:
-    """torch.save that fails with the OSError (errno, path) of a failed write instead of torch's message."""
-    path = Path(path)
-    try:
-        with open(path, "wb") as fh:
-            w = _KeepsWriteError(fh)
-            try:
-                torch.save(obj, w, **kwargs)
-            except RuntimeError:
-                if w.error is not None:
-                    raise OSError(w.error.errno, w.error.strerror, str(path)) from None
-                raise
-    except OSError as e:
-        if e.filename is None:
-            raise OSError(e.errno, e.strerror, str(path)) from None
-        raise
-
-
-def describe_write_error(e: BaseException, fallback: Path) -> str:
-    """'PATH: No space left on device' for a failed write (the path the OS named, else `fallback`)."""
-    if isinstance(e, OSError):
-        return f"{e.filename or fallback}: {e.strerror or e}"
-    return f"{fallback}: {type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
-
-
-def is_disk_error(e: BaseException) -> bool:
-    return isinstance(e, OSError) and e.errno in DISK_ERRNOS
 
 
 def step_dir_name(step: int) -> str:
@@ -207,65 +152,93 @@ def clean_partial(ckpt_root: Path) -> None:
 def save_checkpoint(engine, ckpt_root: Path, step: int, trainer_state: dict, rank: int, world_size: int,
                     keep_last: int) -> Path:
     """Collective: every rank calls it. Returns the final checkpoint directory; WriteError (the `.tmp-` folder
-    removed, older checkpoints untouched) when the files cannot be written."""
+    removed, older checkpoints untouched) when the files cannot be written, on every rank when any rank's write
+    failed: a rank never leaves the save alone (the others would wait for it in the next collective forever), it
+    holds its error until all ranks have done their part and compared."""
     final = ckpt_root / step_dir_name(step)
     tmp = ckpt_root / f".tmp-{step_dir_name(step)}"
-    try:
-        if rank == 0:
-            ckpt_root.mkdir(parents=True, exist_ok=True)
-            if tmp.exists():
-                shutil.rmtree(tmp)
-            tmp.mkdir()
-        barrier()
-        ds_save = getattr(getattr(engine, "checkpoint_engine", None), "save", None)
-        if ds_save is not None:   # DeepSpeed's own torch.save, through the errno-keeping writer
-            zipfile = getattr(engine.checkpoint_engine, "zipfile_serialization", True)   # DeepSpeed's setting
-            engine.checkpoint_engine.save = lambda state_dict, path: torch_save(
-                state_dict, path, _use_new_zipfile_serialization=zipfile)
-        try:
-            engine.save_checkpoint(str(tmp), tag=DS_TAG, save_latest=False)
-        finally:
-            if ds_save is not None:
-                del engine.checkpoint_engine.save   # back to the class's method
-        torch_save(trainer_state, tmp / f"rank_{rank:05d}.pt")
-        barrier()
-        if rank == 0:
-            (tmp / "meta.json").write_text(json.dumps({"step": step, "world_size": world_size, "time": time.time(),
-                                                       "files": file_digests(tmp)}))
-            _fsync_tree(tmp)
-    except (OSError, RuntimeError) as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, RuntimeError):
-            e = _disk_full_guess(e, ckpt_root)
-            if isinstance(e, RuntimeError):
-                raise   # not the machine's doing: a bug, with its traceback
-        previous = latest_checkpoint(ckpt_root)
-        keep = previous if previous is not None else "the start of the run (no checkpoint yet)"
-        raise WriteError(f"cannot write checkpoint step {step}: {describe_write_error(e, tmp)}; removed the partial "
-                         f"{tmp.name}, the resume point stays {keep}") from None
+    held = _HeldError()
     if rank == 0:
-        if final.exists():   # same step saved twice (e.g. a final save right after a periodic one)
-            old = ckpt_root / f".del-{final.name}"
-            os.replace(final, old)
-            shutil.rmtree(old, ignore_errors=True)
-        os.replace(tmp, final)
-        _fsync_dir(ckpt_root)
-        for _, old in list_checkpoints(ckpt_root)[:-keep_last]:
-            trash = ckpt_root / f".del-{old.name}"
-            os.replace(old, trash)
-            shutil.rmtree(trash, ignore_errors=True)
-    barrier()
+        held.run(_make_tmp, ckpt_root, tmp)
+    _agree(held, step, ckpt_root, tmp, rank)
+    ds_save = getattr(getattr(engine, "checkpoint_engine", None), "save", None)
+    if ds_save is not None:   # DeepSpeed's own torch.save, through the errno-keeping writer, its error held
+        zipfile = getattr(engine.checkpoint_engine, "zipfile_serialization", True)   # DeepSpeed's setting
+        engine.checkpoint_engine.save = lambda state_dict, path: held.run(
+            torch_save, state_dict, path, _use_new_zipfile_serialization=zipfile)
+    try:
+        held.run(engine.save_checkpoint, str(tmp), tag=DS_TAG, save_latest=False)
+    finally:
+        if ds_save is not None:
+            del engine.checkpoint_engine.save   # back to the class's method
+    held.run(torch_save, trainer_state, tmp / f"rank_{rank:05d}.pt")
+    _agree(held, step, ckpt_root, tmp, rank)
+    if rank == 0:
+        held.run(_commit, ckpt_root, tmp, final, step, world_size, keep_last)
+    _agree(held, step, ckpt_root, tmp, rank)
     return final
 
 
-def _disk_full_guess(e: RuntimeError, where: Path) -> BaseException:
-    """A write error that lost its errno inside a library: when the disk has no room left, say so."""
-    try:
-        if shutil.disk_usage(where).free < 1 << 20:
-            return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), None)
-    except OSError:
-        pass
-    return e
+class _HeldError:
+    """The first error of this rank's part of a save, kept until every rank has done its part (`_agree`)."""
+
+    def __init__(self) -> None:
+        self.error: BaseException | None = None
+
+    def run(self, fn, *args, **kwargs) -> None:
+        if self.error is not None:   # the save failed here already: nothing more to write
+            return
+        try:
+            fn(*args, **kwargs)
+        except (OSError, RuntimeError) as e:
+            self.error = e
+
+
+def _make_tmp(ckpt_root: Path, tmp: Path) -> None:
+    ckpt_root.mkdir(parents=True, exist_ok=True)
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+
+
+def _commit(ckpt_root: Path, tmp: Path, final: Path, step: int, world_size: int, keep_last: int) -> None:
+    """Rank 0, once every rank wrote its files: meta.json (written last), the rename into place, the pruning."""
+    (tmp / "meta.json").write_text(json.dumps({"step": step, "world_size": world_size, "time": time.time(),
+                                               "files": file_digests(tmp)}))
+    _fsync_tree(tmp)
+    if final.exists():   # same step saved twice (e.g. a final save right after a periodic one)
+        old = ckpt_root / f".del-{final.name}"
+        os.replace(final, old)
+        shutil.rmtree(old, ignore_errors=True)
+    os.replace(tmp, final)
+    _fsync_dir(ckpt_root)
+    for _, old in list_checkpoints(ckpt_root)[:-keep_last]:
+        trash = ckpt_root / f".del-{old.name}"
+        os.replace(old, trash)
+        shutil.rmtree(trash, ignore_errors=True)
+
+
+def _agree(held: _HeldError, step: int, ckpt_root: Path, tmp: Path, rank: int) -> None:
+    """Collective: every rank learns whether any rank's part of the save failed. If one did, rank 0 removes the
+    partial folder and every rank raises: WriteError (one line) for the machine's errors, the error itself for a
+    bug on this rank."""
+    mine = held.error
+    if isinstance(mine, RuntimeError):
+        mine = disk_full_guess(mine, ckpt_root)
+    said = None if mine is None else describe_write_error(mine, tmp)
+    failed = [(r, d) for r, d in enumerate(gather_object(said)) if d is not None]
+    if not failed:
+        return
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if isinstance(mine, RuntimeError):
+        raise held.error   # not the machine's doing: a bug, with its traceback
+    r, what = next(((r, d) for r, d in failed if r == rank), failed[0])
+    previous = latest_checkpoint(ckpt_root)
+    keep = previous if previous is not None else "the start of the run (no checkpoint yet)"
+    on = f" (on rank {r})" if r != rank else ""
+    raise WriteError(f"cannot write checkpoint step {step}: {what}{on}; removed the partial {tmp.name}, the resume "
+                     f"point stays {keep}") from None
 
 
 def save_state_dir(root: Path, name: str, state: dict) -> Path:
@@ -305,19 +278,29 @@ def load_state_dir(root: Path, name: str, warn=log.warning) -> dict | None:
 
 
 def load_checkpoint(engine, ckpt: Path, rank: int, world_size: int) -> dict:
-    """Collective: restore the engine from `ckpt` and return this rank's trainer state."""
+    """Collective: restore the engine from `ckpt` and return this rank's trainer state. CheckpointRefused (one
+    line naming the file) on every rank when a rank cannot use its part."""
     meta = json.loads((ckpt / "meta.json").read_text())
     if meta["world_size"] != world_size:
-        raise RuntimeError(f"checkpoint {ckpt} was written by {meta['world_size']} ranks; resume it with the same "
-                           f"number of processes (got {world_size}) so the data order and ZeRO partitions match")
+        raise CheckpointRefused(f"checkpoint {ckpt} was written by {meta['world_size']} ranks; resume it with the "
+                                f"same number of processes (got {world_size}) so the data order and ZeRO partitions "
+                                f"match")
     load_path, _ = engine.load_checkpoint(str(ckpt), tag=DS_TAG, load_optimizer_states=True,
                                           load_lr_scheduler_states=False, load_module_strict=True)
     if load_path is None:
-        raise RuntimeError(f"DeepSpeed could not load the checkpoint in {ckpt / DS_TAG}")
+        raise CheckpointRefused(f"DeepSpeed could not load the checkpoint in {ckpt / DS_TAG}")
     state_file = ckpt / f"rank_{rank:05d}.pt"
-    if not state_file.is_file():
-        raise RuntimeError(f"checkpoint {ckpt} has no trainer state for rank {rank} ({state_file.name})")
-    return safe_load(state_file)   # tensors and plain containers only: a crafted checkpoint cannot run code
+    state, why = None, None
+    try:
+        if not state_file.is_file():
+            raise CheckpointRefused(f"checkpoint {ckpt} has no trainer state for rank {rank} ({state_file.name})")
+        state = safe_load(state_file)   # tensors and plain containers only: a crafted checkpoint cannot run code
+    except CheckpointRefused as e:
+        why = str(e)
+    refused = [w for w in gather_object(why) if w is not None]   # a rank alone with its refusal would leave the
+    if refused:                                                  # others waiting in the first step's collective
+        raise CheckpointRefused(why or refused[0])
+    return state
 
 
 def newest_intact_checkpoint(ckpt_root: Path, warn=log.warning) -> Path | None:

@@ -1,4 +1,4 @@
-"""`vlm train [--config PATH] [--out RUN_DIR] [--max-steps N] [--save-every N] [--resume] [key=value ...]`.
+"""`vlm train [--config PATH] [--out RUN_DIR] [--max-steps N] [--save-every N] [--resume | --overwrite] [key=value ...]`.
 
 The config is read and validated before anything else happens; a bad key or value prints one line
 (`config error: <dotted.key>: ...`) and exits with code 2. One process needs no launcher; for many,
@@ -9,7 +9,9 @@ subcommand's registration runs on each `vlm` call, and `vlm data ...` should not
 
 Preemption and failures the machine causes are one line each: SIGTERM / SIGINT checkpoint after the step in
 flight and exit 143 / 130 (a second signal exits at once; vlm.train.signals); a checkpoint, export or log that
-cannot be written (a full disk) names the path and the reason and exits 1.
+cannot be written (a full disk) names the path and the reason and exits 1, on every rank; a checkpoint refused on
+resume (a pickle, another world size) is one line too, exit 1. A RUN_DIR that holds an earlier run's outputs and no
+checkpoint to resume from is refused unless --overwrite (vlm.train.run_dir).
 """
 from __future__ import annotations
 
@@ -48,6 +50,10 @@ def add_train_command(subparsers) -> None:
     g.add_argument("--resume", action="store_true",
                    help="resume from RUN_DIR's latest checkpoint (a run without one yet starts from the beginning)")
     g.add_argument("--no-resume", action="store_true", help="refuse to start if RUN_DIR already has checkpoints")
+    g.add_argument("--overwrite", action="store_true",
+                   help="start from step 0 in a RUN_DIR that holds an earlier run, deleting what that run wrote there "
+                        "(checkpoints, final/, metrics, summary); without it such a RUN_DIR with nothing to resume "
+                        "from is refused")
     p.add_argument("--print-config", action="store_true", help="print the resolved config (YAML) and exit")
     p.add_argument("--accept-optim-change", action="store_true",
                    help="on resume, take this config's optim.* settings (e.g. a lower optim.lr) instead of refusing")
@@ -76,11 +82,26 @@ def train_command(args) -> int:
     from vlm.train.signals import stop_on_signals
 
     with stop_on_signals() as stop:   # from here on Ctrl-C is a flag, never a KeyboardInterrupt traceback
-        rc = _train(args, stop)
+        try:
+            rc = _train(args, stop)
+        finally:
+            _leave_process_group()
     if rc is None and stop.requested:   # stopped before training began: nothing was written
         print(f"vlm train: stopped by {stop.name} before the run started", file=sys.stderr)
         return stop.code
     return rc
+
+
+def _leave_process_group() -> None:
+    """Several ranks: tear the process group down before the interpreter exits (gloo's threads left running at exit
+    abort the process, "terminate called without an active exception", exit -6, after its one line was printed).
+    One process keeps its in-memory group (a caller in the same process may train again)."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - exiting anyway
+            pass
 
 
 def _train(args, stop) -> int | None:
@@ -94,6 +115,7 @@ def _train(args, stop) -> int | None:
     if args.local_rank is not None:
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
     from vlm.train.checkpoint import WriteError, describe_write_error, is_disk_error
+    from vlm.train.engine import CheckpointRefused
     from vlm.train.signals import Preempted
     from vlm.train.trainer import Trainer, registered_run_end
 
@@ -102,12 +124,12 @@ def _train(args, stop) -> int | None:
     resume = True if args.resume else (False if args.no_resume else None)
     try:
         trainer = Trainer(cfg, args.out, resume=resume, accept_optim_change=args.accept_optim_change,
-                          on_end=registered_run_end(), stop=stop)
+                          on_end=registered_run_end(), stop=stop, overwrite=args.overwrite)
         return trainer.train()
     except Preempted as e:
         print(e)
         return e.code
-    except WriteError as e:
+    except (WriteError, CheckpointRefused) as e:
         print(f"vlm train: {e}", file=sys.stderr)
         return 1
     except OSError as e:

@@ -140,6 +140,9 @@ class RunConfig(ValidatedOnInit):
     deterministic: bool = True        # torch deterministic algorithms (bitwise resume on CPU)
     threads: int = 0                  # torch intra-op threads; 0 = torch's default
     max_nonfinite_in_row: int = 5     # this many skipped (non-finite) steps in a row stop the run
+    # the share of the samples read that the loader may skip (bad, too long for a row, ...) before the run stops, at
+    # the first log past it once 50 samples were read (the importers' --max-skip-share); 1 = never stop
+    max_skip_share: float = 0.1
     init_from: str | None = None      # vl/text: weights (whole VLM, or LLM only) from a run dir, its final/ or a checkpoint
     convert_from: str | None = None   # ct: a pretrained MoE folder (ours, Qwen3-MoE, Mixtral) or a `vlm convert` output
     # DLCM's global parser: the ratio loss sees the statistics of the whole global batch (every micro-batch and
@@ -153,6 +156,7 @@ class RunConfig(ValidatedOnInit):
         check(self.threads >= 0, f"train.threads must be >= 0, got {self.threads}")
         check(self.max_nonfinite_in_row >= 1, f"train.max_nonfinite_in_row must be >= 1, got {self.max_nonfinite_in_row}")
         check(self.vqa_max_samples >= 1, f"train.vqa_max_samples must be >= 1, got {self.vqa_max_samples}")
+        check(0 <= self.max_skip_share <= 1, f"train.max_skip_share must be in [0, 1], got {self.max_skip_share}")
         if self.stage == "ct":
             check(bool(self.convert_from), "train.stage 'ct' needs train.convert_from (a pretrained MoE folder)")
         if self.init_from:

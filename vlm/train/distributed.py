@@ -109,6 +109,15 @@ def broadcast_object(obj, src: int = 0):
     return box[0]
 
 
+def gather_object(obj) -> list:
+    """Every rank's `obj` (picklable), by rank; also a barrier. [obj] without a process group."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def broadcast_module(module: torch.nn.Module, src: int = 0) -> None:
     """Every rank's parameters and buffers become rank `src`'s (in place)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:

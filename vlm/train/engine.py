@@ -234,6 +234,28 @@ def initialize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ds_conf
     return engine
 
 
+def compile_model(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> int:
+    """model.compile (null: on for CUDA, off for CPU): every transformer block compiled in place, torchtitan's
+    way (vlm.model.compile). Not under ZeRO-3 unless asked for: its parameter hooks and compiled blocks are an
+    untested pair. Returns the number of compiled blocks."""
+    from vlm.model.compile import compile_blocks, compile_default
+
+    on = cfg.model.compile
+    if on is None:
+        on = compile_default(device) and cfg.deepspeed.zero_stage < 3
+    if not on:
+        return 0
+    # Before Hopper the experts run as a loop that reads their counts on the host (vlm.model.moe.expert_swiglu):
+    # a graph break per MoE layer there, so the blocks compile in pieces instead of refusing
+    fullgraph = not (device.type == "cuda" and torch.cuda.get_device_capability(device) < (9, 0))
+    return compile_blocks(model, fullgraph=fullgraph)
+
+
+class CheckpointRefused(RuntimeError):
+    """A checkpoint this run will not load (a pickle of other objects than tensors, another world size, a missing
+    part); the message is one line naming the file. `vlm train` prints it without a traceback."""
+
+
 def safe_load(path, map_location=None):
     """torch.load for DeepSpeed's checkpoint files, tensors and plain containers only (a crafted checkpoint
     cannot run code); anything else is refused with the file named."""
@@ -248,7 +270,7 @@ def safe_load(path, map_location=None):
         with torch.serialization.safe_globals([LossScaler, ZeroStageEnum, fragment_address]):
             return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
-        raise RuntimeError(f"checkpoint {path}: refused, it holds objects other than tensors and plain containers "
+        raise CheckpointRefused(f"checkpoint {path}: refused, it holds objects other than tensors and plain containers "
                            f"({str(e).splitlines()[-1][:200]})") from None
 
 

@@ -9,7 +9,7 @@ from vlm.train.config import TrainConfig
 
 # Config keys a resumed run may change (everything else must match the checkpointed run).
 RESUMABLE_CHANGES = ("train.max_steps", "checkpoint.", "logging.", "train.vqa_eval", "train.vqa_max_samples",
-                     "train.threads")
+                     "train.threads", "train.max_skip_share")
 
 
 def evolve(cfg: TrainConfig, **sections) -> TrainConfig:

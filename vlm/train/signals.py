@@ -7,6 +7,11 @@ cannot corrupt a step.
 A second signal means "now": one line, and the process exits at once without saving (os._exit: no cleanup
 that could hang on a collective or a full disk).
 
+What runs after the last checkpoint (the export of final/ and the end-of-run evaluation) has no step to finish:
+there the trainer sets `StopFlag.heard` to what a signal does, and inside `StopFlag.interruptible()` (the
+evaluation) the first signal raises `Interrupted` at once, so the run stops with the signal's exit code and the
+same command finishes it from its last checkpoint.
+
 Forked data-loader workers (data.num_workers > 0) inherit the handler, which does nothing in them, so a Ctrl-C
 to the whole process group does not kill them mid-batch. A SIGTERM sent to the whole group is different: torch
 gives its workers their own SIGTERM handler, they end, and the run stops with torch's "worker killed" error
@@ -35,12 +40,23 @@ class Preempted(Exception):
         self.code = code
 
 
+class Interrupted(BaseException):
+    """Raised by the first signal inside `StopFlag.interruptible()`. A BaseException, as KeyboardInterrupt is, so
+    that an `except Exception` in the interrupted code does not swallow it."""
+
+
+STEP_IN_FLIGHT = "finishing this step and saving a checkpoint"
+
+
 class StopFlag:
-    """Set by the first SIGTERM / SIGINT; `requested` is what the loops poll."""
+    """Set by the first SIGTERM / SIGINT; `requested` is what the loops poll. `heard`: what the first signal makes
+    the run do (said on stderr when it comes)."""
 
     def __init__(self) -> None:
         self.signum: int | None = None
         self._pid = os.getpid()
+        self.heard = STEP_IN_FLIGHT
+        self._interruptible = False
 
     @property
     def requested(self) -> bool:
@@ -58,6 +74,17 @@ class StopFlag:
         """What the handler does (and what a test or a caller may do to ask for a stop)."""
         self.signum = signum
 
+    @contextmanager
+    def interruptible(self):
+        """A block that a signal ends at once (`Interrupted`), also when it came before the block began."""
+        if self.requested:
+            raise Interrupted()
+        self._interruptible = True
+        try:
+            yield
+        finally:
+            self._interruptible = False
+
     def _handle(self, signum, frame) -> None:
         if os.getpid() != self._pid:   # a forked worker: the parent decides, the worker keeps serving it
             return
@@ -68,8 +95,11 @@ class StopFlag:
         self.signum = signum
         # said at once (a step or a save can take a while): someone at a terminal knows the Ctrl-C was heard, a
         # log shows when the signal came; the outcome is one more line when the run stops
-        print(f"vlm train: {signal.Signals(signum).name} received: finishing this step and saving a checkpoint "
-              f"(send it again to exit at once)", file=sys.stderr, flush=True)
+        print(f"vlm train: {signal.Signals(signum).name} received: {self.heard} (send it again to exit at once)",
+              file=sys.stderr, flush=True)
+        if self._interruptible:
+            self._interruptible = False
+            raise Interrupted()
 
 
 @contextmanager

@@ -24,21 +24,21 @@ import yaml
 from configs.config import ConfigError, to_dict
 from data_pipelines.default_dataset import ensure_default_dataset
 from data_pipelines.schema import REASONS
-from vlm.model.compile import compile_blocks, compile_default
 from vlm.model.moe import update_moe_biases
 from vlm.train import checkpoint as ckpt_lib
 from vlm.train.config import TrainConfig
 from vlm.train.distributed import DistInfo, all_reduce_sum, barrier, init_distributed
-from vlm.train.engine import build_engine, effective_settings, optimizer_settings, resume_schedule
+from vlm.train.engine import build_engine, compile_model, effective_settings, optimizer_settings, resume_schedule
 from vlm.train.export import export_final
 from vlm.train.global_parser import GlobalParser, install
-from vlm.train.loaders import build_loaders
+from vlm.train.loaders import build_loaders, check_row_fits, skip_share_stop
 from vlm.train.metrics import MetricsLogger, group_names, load_imbalance, step_record
 from vlm.train.param_groups import apply_mup, build_param_groups, describe_groups, freeze_prefixes
 from vlm.train.probes import ActivationProbe
 from vlm.train.run_config import check_resume_config, config_targets, evolve
+from vlm.train.run_dir import check_start, clear_run, made_by_this_run
 from vlm.train.run_summary import write_summary
-from vlm.train.signals import StopFlag
+from vlm.train.signals import STEP_IN_FLIGHT, Interrupted, StopFlag
 from vlm.train.sizes import check_buildable
 from vlm.train.stages import build_stage_model, load_run_tokenizer, resolve_tokenizer, with_built_model
 from vlm.train.step import StepResult, train_step
@@ -56,8 +56,12 @@ def registered_run_end() -> list[RunEnd]:
 
 class Trainer:
     def __init__(self, cfg: TrainConfig, run_dir: str | Path, resume: bool | None = None, log=print,
-                 accept_optim_change: bool = False, on_end: list[RunEnd] = (), loss_hook=None, stop: StopFlag | None = None):
+                 accept_optim_change: bool = False, on_end: list[RunEnd] = (), loss_hook=None, stop: StopFlag | None = None,
+                 overwrite: bool | None = None):
         """resume: True = must resume; None = resume when RUN_DIR has a checkpoint; False = refuse if it has one.
+        overwrite (vlm.train.run_dir): False = a run with nothing to resume refuses a RUN_DIR holding an earlier
+        run's outputs; True = start over, deleting them (checkpoints included) first; None = no check (a caller
+        that owns the folder: vlm chain's stages).
         accept_optim_change: a resumed run takes this config's optimiser settings (learning rate, schedule, ...)
         instead of refusing them. on_end: run on rank 0 with the exported final/; their dicts go into the
         summary. loss_hook(out, k) may replace micro-batch k's output (fault injection in tests).
@@ -70,18 +74,20 @@ class Trainer:
         self.cfg, self.run_dir, self.log_fn = cfg, Path(run_dir), log
         self.on_end, self.loss_hook, self.accept_optim_change = list(on_end), loss_hook, accept_optim_change
         self.stop = stop if stop is not None else StopFlag()
+        self.stop.heard = STEP_IN_FLIGHT   # what a signal does until the last step (a chain's next stage included)
         check_buildable(cfg)   # before the run folder exists: a size that cannot be allocated leaves nothing behind
         self.dist: DistInfo = init_distributed()
         self._set_up_process()
-        self.resume_from = self._open_run_dir(resume)
-        self._prepare_data()
-        model, fresh = self._build_model()
-        warm_up_vision(model, fresh, self.cfg, resuming=self.resume_from is not None, device=self.dist.device,
-                       run_dir=self.run_dir, is_main=self.is_main, log=self.log, stop=self.stop)
-        self._build_engine(model, fresh)
-        self._check_resume_config()
-        self._reset_state()
-        self._build_loaders()
+        with made_by_this_run(self.run_dir, self.is_main):   # a config error found from here on leaves no folder
+            self.resume_from = self._open_run_dir(resume, overwrite)
+            self._prepare_data()
+            model, fresh = self._build_model()
+            warm_up_vision(model, fresh, self.cfg, resuming=self.resume_from is not None, device=self.dist.device,
+                           run_dir=self.run_dir, is_main=self.is_main, log=self.log, stop=self.stop)
+            self._build_engine(model, fresh)
+            self._check_resume_config()
+            self._reset_state()
+            self._build_loaders()
         ck = self.cfg.checkpoint
         self.checkpointer = ckpt_lib.Checkpointer(self.engine, self.ckpt_root, ck.save_every, ck.keep_last,
                                                   self.dist.rank, self.dist.world_size)
@@ -120,8 +126,11 @@ class Trainer:
             result = self.train_step(window)
             self.after_step(result)
             rec = self._step_record(result, lr, time.perf_counter() - t0)
+            data_stop = None
             if metrics.should_log(self.step, result.applied):
-                rec.update(self._skipped_samples())                       # a collective
+                skipped, read = self._skipped_samples()                   # a collective
+                rec.update({f"skipped/{r}": n for r, n in skipped.items()})
+                data_stop = skip_share_stop(skipped, read, cfg.train.max_skip_share)   # the same on every rank
             pictures = None
             if metrics.should_eval(self.step):
                 val, pictures = self.held_out.run(window[-1], draw=self.is_main)   # a collective
@@ -133,6 +142,10 @@ class Trainer:
                 self.log(f"stopping: {self.nonfinite_in_row} non-finite steps in a row (step {self.step}); nothing "
                          f"was applied for them. Checkpoint: {path}. Lower optim.lr (resume with --resume "
                          f"--accept-optim-change optim.lr=...), check the data, or raise train.max_nonfinite_in_row.")
+                rc = 1
+                break
+            if data_stop is not None:
+                self.log(f"{data_stop} (step {self.step})")
                 rc = 1
                 break
             self.checkpointer.maybe_save(self.step, self.trainer_state)
@@ -168,19 +181,41 @@ class Trainer:
         wall = self.wall_before + (time.time() - self.t_start)
         results: dict = {"vqa": None}
         if rc == 0:
+            self.stop.heard = "stopping once final/ is exported (the last step is in a checkpoint)"
             final = export_final(self.engine, self.run_dir, self.tokenizer, self.logit_scale, self.is_main, self.log)
             if final is None:
                 rc = 1
-            elif self.is_main:
-                for fn in self.on_end:
-                    results.update(fn(final, self.cfg, self.run_dir, self.log))
-            barrier()
+            elif not self._stop_requested():     # a collective
+                if self.is_main:
+                    self._run_end(final, results)
+                barrier()
+            if final is not None and self._stop_requested():   # after the export or in the evaluation: no summary
+                return self._stopped_at_the_end()
         if not self.is_main:
             return rc
         lines = write_summary(self.run_dir, self.cfg, steps=self.step, wall=wall, results=results,
                               nonfinite_total=self.nonfinite_total, data_counters=self.loader.counters, rc=rc)
         self.log("\n".join(["", "=" * 72, "summary", "=" * 72] + lines))
         return rc
+
+    def _run_end(self, final: Path, results: dict) -> None:
+        """Rank 0: the end-of-run callbacks (the VQA eval); a SIGTERM / SIGINT ends them at once."""
+        self.stop.heard = "stopping the end-of-run evaluation (the last step is in a checkpoint)"
+        try:
+            with self.stop.interruptible():
+                for fn in self.on_end:
+                    results.update(fn(final, self.cfg, self.run_dir, self.log))
+        except Interrupted:
+            pass
+
+    def _stopped_at_the_end(self) -> int:
+        """A signal after the last step: final/ is exported, no summary is written; the same command (it resumes
+        from the last checkpoint, where nothing is left to train) exports again, evaluates and summarises."""
+        signum = self.stop.signum or signal.SIGTERM   # a rank that did not see the signal itself
+        self.log(f"stopped by {signal.Signals(signum).name} after the last step ({self.step}), before the end-of-run "
+                 f"evaluation and summary; the same command finishes the run from "
+                 f"{self.ckpt_root / ckpt_lib.step_dir_name(self.step)}")
+        return 128 + int(signum)
 
     # ---------------------------------------------------------------- one step
     def current_lr(self) -> float:
@@ -220,12 +255,13 @@ class Trainer:
         rec["nonfinite_steps"] = self.nonfinite_total
         return rec
 
-    def _skipped_samples(self) -> dict[str, int]:
-        """Data-loader skip counters summed over ranks (a collective: every rank calls it)."""
+    def _skipped_samples(self) -> tuple[dict[str, int], int]:
+        """Data-loader skip counters by reason and the samples read, summed over ranks (a collective)."""
         counters = self.loader.counters
-        vec = torch.tensor([float(counters.get(r, 0)) for r in REASONS], dtype=torch.float64)
-        vec = all_reduce_sum(vec.to(self.dist.device)).cpu()
-        return {f"skipped/{r}": int(v) for r, v in zip(REASONS, vec.tolist())}
+        vec = torch.tensor([float(counters.get(r, 0)) for r in REASONS]
+                           + [float(self.loader.stats.get("samples_read", 0))], dtype=torch.float64)
+        *skipped, read = all_reduce_sum(vec.to(self.dist.device)).cpu().tolist()
+        return {r: int(v) for r, v in zip(REASONS, skipped)}, int(read)
 
     # ---------------------------------------------------------------- setup
     @property
@@ -248,14 +284,19 @@ class Trainer:
         np.random.seed(run.seed)
         torch.manual_seed(run.seed)
 
-    def _open_run_dir(self, resume: bool | None) -> Path | None:
-        """RUN_DIR exists without a partial checkpoint; the checkpoint to resume from (None: a fresh start)."""
+    def _open_run_dir(self, resume: bool | None, overwrite: bool | None) -> Path | None:
+        """RUN_DIR exists without a partial checkpoint; the checkpoint to resume from (None: a fresh start, which
+        may not replace an earlier run's outputs unless `overwrite`: vlm.train.run_dir)."""
         self.ckpt_root = self.run_dir / "checkpoints"
         if self.is_main:
+            if overwrite and (gone := clear_run(self.run_dir)):
+                self.log(f"--overwrite: deleted the earlier run's {', '.join(gone)} in {self.run_dir}")
             self.run_dir.mkdir(parents=True, exist_ok=True)
             ckpt_lib.clean_partial(self.ckpt_root)
         barrier()
-        return ckpt_lib.resume_point(self.ckpt_root, self.dist.rank, resume, log=self.log)
+        found = ckpt_lib.resume_point(self.ckpt_root, self.dist.rank, resume, log=self.log)
+        check_start(self.run_dir, resume, overwrite, found, self.is_main)   # rank 0 decides for every rank
+        return found
 
     def _prepare_data(self) -> None:
         """The default dataset (built once, by rank 0, before any rank opens it) and the run's tokenizer: a
@@ -266,6 +307,7 @@ class Trainer:
             barrier()
         self.cfg = resolve_tokenizer(self.cfg)
         self.tokenizer = load_run_tokenizer(self.cfg)
+        check_row_fits(self.cfg, self.tokenizer)   # before the model is built
         self.bytes_per_id = torch.as_tensor(self.tokenizer.bytes_per_id, device=self.dist.device)
 
     def _build_model(self) -> tuple[torch.nn.Module, set[str]]:
@@ -285,7 +327,7 @@ class Trainer:
         self.logit_scale = apply_mup(model, cfg.params, cfg.model.hidden_size, cfg.model.c_hidden, "lm" in fresh)
         groups = build_param_groups(model, cfg.optim, cfg.params, cfg.model.hidden_size, cfg.model.c_hidden)
         self.groups_desc = describe_groups(groups)
-        self.compiled_blocks = self._compile(model)
+        self.compiled_blocks = compile_model(model, self.cfg, self.dist.device)
         self.optimizer, self.scheduler, self.ds_config, self.engine = build_engine(model, groups, cfg,
                                                                                    self.dist.world_size)
         self.cfg = evolve(cfg, deepspeed=effective_settings(cfg.deepspeed, self.ds_config))   # what runs
@@ -296,21 +338,6 @@ class Trainer:
             self.parser = None
         self.n_params = sum(p.numel() for p in model.parameters())
         self.n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-
-    def _compile(self, model: torch.nn.Module) -> int:
-        """model.compile (null: on for CUDA, off for CPU): every transformer block compiled in place, torchtitan's
-        way (vlm.model.compile). Not under ZeRO-3 unless asked for: its parameter hooks and compiled blocks are an
-        untested pair. Returns the number of compiled blocks."""
-        on = self.cfg.model.compile
-        if on is None:
-            on = compile_default(self.dist.device) and self.cfg.deepspeed.zero_stage < 3
-        if not on:
-            return 0
-        dev = self.dist.device
-        # Before Hopper the experts run as a loop that reads their counts on the host (vlm.model.moe.expert_swiglu):
-        # a graph break per MoE layer there, so the blocks compile in pieces instead of refusing
-        fullgraph = not (dev.type == "cuda" and torch.cuda.get_device_capability(dev) < (9, 0))
-        return compile_blocks(model, fullgraph=fullgraph)
 
     def _check_resume_config(self) -> None:
         """A resumed run's config (as it runs) matches the checkpointed run's, but for what may change."""
