@@ -229,6 +229,17 @@ class PackedLoader:
     def stats(self) -> dict[str, int]:
         return dict(sorted(self._sum("stats").items()))
 
+    def by_source(self) -> dict[str, tuple[int, dict[str, int]]]:
+        """Per source label: (samples read, skipped by reason), over all workers of this rank."""
+        read: Counter = Counter()
+        skipped: dict[str, Counter] = {}
+        for s in self.worker_states:
+            if s is not None:
+                read.update(s.get("read_by_source", {}))
+                for label, c in s.get("skipped_by_source", {}).items():
+                    skipped.setdefault(label, Counter()).update(c)
+        return {label: (read[label], dict(skipped.get(label, {}))) for label in sorted(set(read) | set(skipped))}
+
     def packing_efficiency(self) -> float:
         st = self.stats
         return st.get("tokens", 0) / max(st.get("slots", 0), 1)

@@ -44,6 +44,9 @@ class WorkerPipeline:
         self.packer = Packer(cfg.row_tokens, cfg.pack_buffer)
         self.counters: Counter = Counter()
         self.stats: Counter = Counter()
+        # per source label (a source is one kind of sample in the default data): samples read, and skipped by reason
+        self.read_by_source: Counter = Counter()
+        self.skipped_by_source: dict[str, Counter] = {}
         self.ended = False
 
     def _encode(self, src: int, raw):
@@ -54,9 +57,10 @@ class WorkerPipeline:
             piece.source = src
         return pieces
 
-    def _skip(self, err: BadSample) -> None:
+    def _skip(self, err: BadSample, src: int) -> None:
         first = err.reason not in self.counters
         self.counters[err.reason] += err.count
+        self.skipped_by_source.setdefault(self.sources[src].label, Counter())[err.reason] += err.count
         if first:
             log.warning("skipping bad input (%s): %s", err.reason, err)
         else:
@@ -70,12 +74,13 @@ class WorkerPipeline:
                 return
             src, ref, raw = item
             self.stats["samples_read"] += 1
+            self.read_by_source[self.sources[src].label] += 1
             try:
                 if isinstance(raw, BadSample):
                     raise raw
                 pieces = self._encode(src, raw)
             except BadSample as e:
-                self._skip(e)
+                self._skip(e, src)
                 continue
             self.stats["truncated"] += pieces[0].truncated
             for k, enc in enumerate(pieces):
@@ -104,11 +109,16 @@ class WorkerPipeline:
 
     def state_dict(self) -> dict:
         return {"mixer": self.mixer.state_dict(), "pool": [list(ref) for ref, _ in self.packer.pool],
-                "counters": dict(self.counters), "stats": dict(self.stats), "ended": self.ended}
+                "counters": dict(self.counters), "stats": dict(self.stats), "ended": self.ended,
+                "read_by_source": dict(self.read_by_source),
+                "skipped_by_source": {label: dict(c) for label, c in self.skipped_by_source.items()}}
 
     def load_state_dict(self, state: dict) -> None:
         self.mixer.load_state_dict(state["mixer"])
         self.counters, self.stats = Counter(state["counters"]), Counter(state["stats"])
+        # absent from the loader states of runs saved before they were kept: those resume counting from 0
+        self.read_by_source = Counter(state.get("read_by_source", {}))
+        self.skipped_by_source = {label: Counter(c) for label, c in state.get("skipped_by_source", {}).items()}
         self.ended = state["ended"]
         refs = [tuple(r) for r in state["pool"]]
         by_source: dict[int, list[tuple[int, int]]] = {}

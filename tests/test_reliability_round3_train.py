@@ -225,3 +225,27 @@ def test_a_run_that_skips_too_much_of_its_data_stops(tiny_data, tmp_path, tiny_c
 
     cfg["train"]["max_skip_share"] = 0.5
     assert make_trainer(cfg, tmp_path / "run2").train() == 0
+
+
+def test_a_source_that_loses_too_much_stops_the_run_though_the_whole_does_not(tiny_data, tmp_path, tiny_config,
+                                                                              make_trainer, png, torch_globals):
+    """The rule holds per source (one kind of sample each in the default data): a caption source losing a third of
+    its samples stops the run, naming it, although the text source's volume keeps the whole under the limit."""
+    from data_pipelines.schema import Sample
+    from data_pipelines.writer import ShardWriter
+
+    with ShardWriter(tmp_path / "texts", "t", max_count=100) as w:
+        for i in range(600):
+            w.write(Sample(key=f"t{i:04d}", kind="text", text=f"sample {i} " + "word " * (i % 7)))
+    sources = [{"path": str(tmp_path / "texts" / "t-*.tar"), "name": "texts", "weight": 5.0},
+               _mixed_source(tmp_path / "caps", png, 80, 40)[0]]
+    said = []
+    cfg = _cfg(tiny_config, tiny_data, steps=40, data={"sources": sources, "pack_buffer": 32, "shuffle_buffer": 0})
+    tr = make_trainer(cfg, tmp_path / "run")
+    tr.log_fn = said.append
+    assert tr.train() == 1
+    stop = [m for m in said if m.startswith("stopping:")]
+    assert len(stop) == 1 and "from source mixed" in stop[0] and "corrupt_image=" in stop[0], said
+    assert "samples read from source mixed" in stop[0]
+    lost = sum(n for r, n in tr.loader.counters.items() if r != "filtered_kind")
+    assert 0 < lost < 0.1 * tr.loader.stats["samples_read"]   # the whole was within the limit: the source's rule stopped it

@@ -62,11 +62,12 @@ def check_row_fits(cfg: TrainConfig, tokenizer) -> None:
 MIN_SAMPLES_JUDGED = 50
 
 
-def skip_share_stop(skipped: dict[str, int], read: int, limit: float) -> str | None:
+def skip_share_stop(skipped: dict[str, int], read: int, limit: float, source: str | None = None) -> str | None:
     """The line that stops a run whose skipped share of the samples read so far (all ranks) is above `limit`
     (train.max_skip_share, the importers' --max-skip-share rule); None while it is not, or fewer than
     MIN_SAMPLES_JUDGED were read. `skipped`: counts by reason; `filtered_kind` (what a source's `kind` asks to
-    leave out) is no loss and counts on neither side."""
+    leave out) is no loss and counts on neither side. `source`: the counts are that source's alone (named in the
+    line); None: all the data's."""
     from data_pipelines.schema import FILTERED_KIND
 
     lost = {r: n for r, n in skipped.items() if n and r != FILTERED_KIND}
@@ -74,7 +75,8 @@ def skip_share_stop(skipped: dict[str, int], read: int, limit: float) -> str | N
     seen = max(read - skipped.get(FILTERED_KIND, 0), total)
     if seen < MIN_SAMPLES_JUDGED or total <= limit * seen:
         return None
-    return (f"stopping: {total} of the {seen} samples read were skipped ({100 * total / seen:.1f} %, more than "
+    of = "" if source is None else f" from source {source}"
+    return (f"stopping: {total} of the {seen} samples read{of} were skipped ({100 * total / seen:.1f} %, more than "
             f"train.max_skip_share={limit:g}): {', '.join(f'{r}={n}' for r, n in sorted(lost.items()))}. Fix the data "
             f"or the config (too_long: a longer data.row_tokens), then start again with --overwrite or a new --out; "
             f"or raise train.max_skip_share")

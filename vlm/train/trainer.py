@@ -128,9 +128,10 @@ class Trainer:
             rec = self._step_record(result, lr, time.perf_counter() - t0)
             data_stop = None
             if metrics.should_log(self.step, result.applied):
-                skipped, read = self._skipped_samples()                   # a collective
-                rec.update({f"skipped/{r}": n for r, n in skipped.items()})
-                data_stop = skip_share_stop(skipped, read, cfg.train.max_skip_share)   # the same on every rank
+                counts = self._skipped_samples()                          # a collective
+                rec.update({f"skipped/{r}": n for r, n in counts[None][1].items()})
+                data_stop = next((line for source, (read, skipped) in counts.items()   # the same on every rank
+                                  if (line := skip_share_stop(skipped, read, cfg.train.max_skip_share, source))), None)
             pictures = None
             if metrics.should_eval(self.step):
                 val, pictures = self.held_out.run(window[-1], draw=self.is_main)   # a collective
@@ -255,13 +256,19 @@ class Trainer:
         rec["nonfinite_steps"] = self.nonfinite_total
         return rec
 
-    def _skipped_samples(self) -> tuple[dict[str, int], int]:
-        """Data-loader skip counters by reason and the samples read, summed over ranks (a collective)."""
-        counters = self.loader.counters
-        vec = torch.tensor([float(counters.get(r, 0)) for r in REASONS]
-                           + [float(self.loader.stats.get("samples_read", 0))], dtype=torch.float64)
-        *skipped, read = all_reduce_sum(vec.to(self.dist.device)).cpu().tolist()
-        return {r: int(v) for r, v in zip(REASONS, skipped)}, int(read)
+    def _skipped_samples(self) -> dict[str | None, tuple[int, dict[str, int]]]:
+        """Samples read and skipped by reason, summed over ranks in one collective: over all the data (key None) and
+        per source (one kind of sample each in the default data), so that a source the run loses is not hidden by
+        the others' volume."""
+        by_source = self.loader.by_source()
+        groups = [(None, (int(self.loader.stats.get("samples_read", 0)), self.loader.counters))] + \
+                 [(label, by_source.get(label, (0, {}))) for label in self.source_names]
+        vec = torch.tensor([float(v) for _, (read, skipped) in groups
+                            for v in [read] + [skipped.get(r, 0) for r in REASONS]], dtype=torch.float64)
+        flat = all_reduce_sum(vec.to(self.dist.device)).cpu().tolist()
+        n = len(REASONS) + 1
+        return {label: (int(flat[i * n]), {r: int(v) for r, v in zip(REASONS, flat[i * n + 1:(i + 1) * n])})
+                for i, (label, _) in enumerate(groups)}
 
     # ---------------------------------------------------------------- setup
     @property
