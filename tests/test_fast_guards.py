@@ -154,7 +154,7 @@ def test_the_statistics_pass_puts_the_moe_loads_back():
     assert torch.equal(after, before), f"loads after the statistics pass {after.tolist()}, before {before.tolist()}"
 
 
-def test_a_step_with_the_statistics_pass_counts_each_token_once_in_the_balancing_loads():
+def test_a_step_with_the_statistics_pass_counts_each_token_once_in_the_balancing_loads(monkeypatch):
     """train_step with the global parser and K = 2: what the MoE layers hold for the balancing update after the step
     is exactly the loads of the step's real passes (each routed token slot once), not twice."""
     from vlm.train.distributed import init_distributed
@@ -172,10 +172,21 @@ def test_a_step_with_the_statistics_pass_counts_each_token_once_in_the_balancing
     parser = GlobalParser(all_reduce=lambda t: t.clone())
     install(model, parser)
     window = _micro_batches(K)
+    handed = []   # what the step hands the balancing update, across ranks (here: one)
+
+    def model_statistics(flat):
+        handed.append(flat.clone())
+        return flat
+
+    from vlm.model.moe import MoE
+    from vlm.train import collectives
+
+    monkeypatch.setattr(collectives, "model_statistics", model_statistics)
     res = train_step(engine, window, 0, seed=3, rank=0, world_size=1, parser=parser, device=torch.device("cpu"))
-    assert res.applied
+    assert res.applied and len(handed) == 1
     real = float(sum(v.sum() for v in res.loads.values()))                  # the real passes' loads, all layers
-    held = float(_moe_loads(model).sum())
+    n_loads = sum(m.num_experts for m in model.modules() if isinstance(m, MoE))
+    held = float(handed[0][:n_loads].sum())
     n_moe = len(res.loads)
     tokens = sum(int((b.doc_ids >= 0).sum()) for b in window)
     assert real > 0 and held == pytest.approx(real), \

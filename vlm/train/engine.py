@@ -157,11 +157,10 @@ class SkipNonFiniteAdamW(torch.optim.AdamW):
 
 def grads_finite(grads: list[torch.Tensor]) -> bool:
     """Every rank's gradients are finite (one host sync; a collective when distributed)."""
-    from vlm.train.distributed import all_reduce_min
+    from vlm.train.collectives import all_finite
 
     ok = torch.stack([torch.isfinite(g).all() for g in grads]).all() if grads else torch.tensor(True)
-    device = grads[0].device if grads else torch.device("cpu")
-    return float(all_reduce_min(ok.to(torch.float64).reshape(1).to(device))[0]) >= 1.0
+    return all_finite(ok, grads[0].device if grads else torch.device("cpu"))
 
 
 def build_optimizer(groups: list[dict], optim: OptimConfig, skip_nonfinite: bool = False) -> torch.optim.Optimizer:

@@ -16,14 +16,15 @@ from typing import Callable
 
 import torch
 
-from vlm.train.distributed import all_reduce_sum
+from vlm.model.training_controls import TrainingControls
+from vlm.train.collectives import ratio_statistics
 
 
 class GlobalParser:
     """Callable stats hook; `start_step()` before each optimizer step."""
 
-    def __init__(self, all_reduce: Callable[[torch.Tensor], torch.Tensor] = all_reduce_sum):
-        self.all_reduce = all_reduce
+    def __init__(self, all_reduce: Callable[[torch.Tensor], torch.Tensor] = ratio_statistics):
+        self.across_ranks = all_reduce
         self.total_K3: torch.Tensor | None = None       # the step's global sums, once known
         self.collected: list[torch.Tensor] | None = None
         self.calls = 0
@@ -37,7 +38,7 @@ class GlobalParser:
 
     def settle(self) -> torch.Tensor:
         """End of the statistics pass: the sums over this rank's micro-batches and over ranks (a collective)."""
-        self.total_K3 = self.all_reduce(torch.stack(self.collected).sum(0))
+        self.total_K3 = self.across_ranks(torch.stack(self.collected).sum(0))
         self.collected = None
         return self.total_K3
 
@@ -49,15 +50,10 @@ class GlobalParser:
             return local_K3                      # the statistics pass's own loss is never used
         self.calls += 1
         if self.total_K3 is None:                # one micro-batch: its sums over ranks are the global ones
-            return self.all_reduce(local_K3)
+            return self.across_ranks(local_K3)
         return self.total_K3
 
 
 def install(model: torch.nn.Module, parser: GlobalParser | None) -> bool:
     """Attach (or with None detach) the parser to the model's chunk module; False when the model has none."""
-    lm = getattr(model, "lm", model)
-    chunker = getattr(lm, "chunker", None)
-    if chunker is None:
-        return False
-    chunker.stats_hook = parser
-    return True
+    return TrainingControls(model).set_statistics_hook(parser)

@@ -108,14 +108,14 @@ class StepAccumulator:
                 sums[:, 1].index_add_(0, g, lab_BT.flatten().double())
                 self.group_loss[offset:offset + n] += sums[:n].to(self.device)
 
-    def reduce(self, all_reduce) -> tuple[torch.Tensor, dict[str, torch.Tensor], float]:
+    def reduce(self, across_ranks) -> tuple[torch.Tensor, dict[str, torch.Tensor], float]:
         """(summed fields followed by the per-group histograms and losses, per-layer expert loads, the last ratio
         loss), all on the host, from one all-reduce."""
         keys = sorted(self.loads)
         vec = torch.stack(self.parts).sum(0) if self.parts else torch.zeros(len(FIELDS), dtype=torch.float64,
                                                                                device=self.device)
         vec = torch.cat([vec, self.doc_hist.flatten(), self.group_loss.flatten()])
-        flat = all_reduce(torch.cat([vec] + [self.loads[k].to(self.device) for k in keys]))
+        flat = across_ranks(torch.cat([vec] + [self.loads[k].to(self.device) for k in keys]))
         flat = torch.cat([flat, self.ratio_loss.to(flat).reshape(1)]).cpu()
         vec, rest = flat[: len(vec)], flat[len(vec):-1]
         loads, i = {}, 0

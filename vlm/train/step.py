@@ -12,7 +12,9 @@ skipped step (no update, gradients cleared, counted by DeepSpeed): DeepSpeed's o
 the plain fp32 path (stage 0), where DeepSpeed checks nothing, the optimizer's (engine.SkipNonFiniteAdamW, which
 also catches a finite loss whose gradient is not). The LR schedule and the balancing biases move only
 on applied steps; so does the top-k router's inference threshold, once per step, from the statistics of the
-step's real (gradient) passes on every rank: not once per micro-batch, and never from the statistics pass.
+step's real (gradient) passes on every rank: not once per micro-batch, and never from the statistics pass. The
+step talks to the model only through vlm.model.training_controls, and to the other ranks only through
+vlm.train.collectives.
 """
 from __future__ import annotations
 
@@ -21,9 +23,8 @@ from dataclasses import dataclass
 import torch
 
 from configs.batch import PackedBatch
-from vlm.model.chunking import ChunkModule
-from vlm.model.moe import MoE
-from vlm.train.distributed import all_reduce_min, all_reduce_sum
+from vlm.model.training_controls import TrainingControls
+from vlm.train import collectives
 from vlm.train.global_parser import GlobalParser
 from vlm.train.metrics import StepAccumulator, labelled_counts
 
@@ -46,14 +47,6 @@ def boundary_seed(seed: int, step: int, index: int) -> int:
     return (seed * 0x9E3779B1 + (step + 1) * 0x85EBCA77 + index * 0xC2B2AE3D) % (2 ** 63 - 1)
 
 
-def seed_boundaries(module: torch.nn.Module, seed: int) -> None:
-    """The boundary noise of the next forwards (ChunkModule.seed_boundaries): a function of `seed` and the position,
-    the same on every device and under torch.compile."""
-    chunker = getattr(getattr(module, "lm", module), "chunker", None)
-    if chunker is not None:
-        chunker.seed_boundaries(seed)
-
-
 def prepare(batch: PackedBatch, device: torch.device, float_dtype: torch.dtype) -> PackedBatch:
     batch = batch.to(device)
     if batch.pixel_patches is not None and batch.pixel_patches.dtype != float_dtype:
@@ -68,54 +61,31 @@ def poison_backward(engine) -> None:
     engine.backward(loss)
 
 
-def zero_step_statistics(module: torch.nn.Module) -> None:
-    """A skipped step's MoE loads and top-k score quantiles are dropped: its micro-batches never happened."""
-    for m in module.modules():
-        if isinstance(m, MoE):
-            m.load_accum.zero_()
-    for m in topk_chunkers(module):
-        m.quantile_accum.zero_()
-
-
-def topk_chunkers(module: torch.nn.Module) -> list[ChunkModule]:
-    return [m for m in module.modules() if isinstance(m, ChunkModule) and hasattr(m, "quantile_accum")]
-
-
-def update_topk_thresholds(module: torch.nn.Module, all_reduce=all_reduce_sum) -> None:
-    """After an applied optimizer step: each top-k chunker's inference threshold from the step's score
-    quantiles, summed over ranks in one collective (every rank then holds the same threshold)."""
-    mods = topk_chunkers(module)
-    if mods:
-        for m, s in zip(mods, all_reduce(torch.stack([m.quantile_accum for m in mods]))):
-            m.update_threshold(s)
-
-
-# what a training forward adds up for the updates after the step; the statistics pass puts it back
-STEP_STATISTICS = ("load_accum", "quantile_accum")
-
-
 @torch.no_grad()
 def statistics_pass(model, window: list[PackedBatch], parser: GlobalParser, step: int, *, seed: int, rank: int,
-                    world_size: int, device: torch.device, float_dtype: torch.dtype) -> None:
+                    world_size: int, device: torch.device, float_dtype: torch.dtype,
+                    controls: TrainingControls | None = None) -> None:
     """Forward every micro-batch without gradients, with the boundary samples its real pass will draw, so that
     the parser knows the global batch's statistics before the first backward. The MoE loads and the top-k
     score quantiles these forwards count are put back: the step's updates must see each token once."""
-    kept = [(buf, buf.clone()) for m in model.modules() for name in STEP_STATISTICS
-            if (buf := getattr(m, name, None)) is not None]
+    controls = controls or TrainingControls(model)
+    kept = controls.save_statistics()
     parser.collect()
     for k, batch in enumerate(window):
-        seed_boundaries(model, boundary_seed(seed, step, k * world_size + rank))
+        controls.seed_boundaries(boundary_seed(seed, step, k * world_size + rank))
         model(prepare(batch, device, float_dtype))
     parser.settle()
-    for buf, before in kept:
-        buf.copy_(before)
+    controls.restore_statistics(kept)
 
 
 def train_step(engine, window: list[PackedBatch], step: int, *, seed: int, rank: int, world_size: int,
                parser: GlobalParser | None, device: torch.device,
                float_dtype: torch.dtype = torch.float32, loss_hook=None,
-               bytes_per_id: torch.Tensor | None = None, n_sources: int = 0) -> StepResult:
-    """Forward/backward every micro-batch of `window` and take (or skip) one optimizer step.
+               bytes_per_id: torch.Tensor | None = None, n_sources: int = 0,
+               controls: TrainingControls | None = None) -> StepResult:
+    """Forward/backward every micro-batch of `window` and take (or skip) one optimizer step; after an applied one
+    the model's accumulated statistics move its balancing biases and top-k thresholds (`controls`: the model's
+    training interface, built from `engine.module` when not given).
 
     `loss_hook(out, k)` may replace a micro-batch's output (used by tests to inject a non-finite loss).
     On the plain fp32 path the engine's optimizer must skip a non-finite step itself (engine.build_engine's does).
@@ -123,27 +93,26 @@ def train_step(engine, window: list[PackedBatch], step: int, *, seed: int, rank:
     K, W = len(window), world_size
     if K != engine.gradient_accumulation_steps():
         raise ValueError(f"window of {K} micro-batches but the engine accumulates {engine.gradient_accumulation_steps()}")
-    for m in topk_chunkers(engine.module):   # its threshold moves once per step (update_topk_thresholds below)
-        m.threshold_per_step = True
+    controls = controls or TrainingControls(engine.module)
+    controls.move_thresholds_per_step()
     n_local = [float(labelled_counts(b)[0]) for b in window]
-    N = float(all_reduce_sum(torch.tensor([sum(n_local)], dtype=torch.float64, device=device))[0])
+    N = collectives.labelled_tokens(sum(n_local), device)
     if parser is not None:
         parser.start_step()
         if K > 1:
             statistics_pass(engine.module, window, parser, step, seed=seed, rank=rank, world_size=W, device=device,
-                            float_dtype=float_dtype)
+                            float_dtype=float_dtype, controls=controls)
     acc = StepAccumulator(device, bytes_per_id, n_sources)
     bad = False
     chunking = None
     for k, batch in enumerate(window):
         if not bad:
             batch = prepare(batch, device, float_dtype)
-            seed_boundaries(engine.module, boundary_seed(seed, step, k * W + rank))
+            controls.seed_boundaries(boundary_seed(seed, step, k * W + rank))
             out = engine(batch)
             if loss_hook is not None:
                 out = loss_hook(out, k)
-            finite = torch.isfinite(out.loss.detach().float()).all().to(torch.float64).reshape(1)
-            bad = float(all_reduce_min(finite.to(device))[0]) < 1.0
+            bad = not collectives.all_finite(torch.isfinite(out.loss.detach().float()).all(), device)
             if not bad:
                 w = n_local[k] * K * W / max(N, 1.0)
                 # the global parser's ratio loss is this micro-batch's share of the global one (the engine
@@ -160,8 +129,8 @@ def train_step(engine, window: list[PackedBatch], step: int, *, seed: int, rank:
         engine.step()
     applied = not bad and engine.was_step_applied()
     if not applied:
-        zero_step_statistics(engine.module)
+        controls.drop_statistics()
         return StepResult(False, None, {}, float("nan"), chunking)
-    update_topk_thresholds(engine.module)
-    vec, loads, ratio_loss = acc.reduce(all_reduce_sum)
+    controls.apply_statistics(collectives.model_statistics)
+    vec, loads, ratio_loss = acc.reduce(collectives.step_metrics)
     return StepResult(True, vec, loads, ratio_loss, chunking)

@@ -24,13 +24,14 @@ import yaml
 from configs.config import ConfigError, to_dict
 from data_pipelines.default_dataset import ensure_default_dataset
 from data_pipelines.schema import REASONS
-from vlm.model.moe import update_moe_biases
+from vlm.model.training_controls import TrainingControls
+from vlm.train import collectives
 from vlm.train import checkpoint as ckpt_lib
 from vlm.train.config import TrainConfig
-from vlm.train.distributed import DistInfo, all_reduce_sum, barrier, init_distributed
+from vlm.train.distributed import DistInfo, barrier, init_distributed
 from vlm.train.engine import build_engine, compile_model, effective_settings, optimizer_settings, resume_schedule
 from vlm.train.export import export_final
-from vlm.train.global_parser import GlobalParser, install
+from vlm.train.global_parser import GlobalParser
 from vlm.train.loaders import build_loaders, check_row_fits, skip_share_stop
 from vlm.train.metrics import MetricsLogger, group_names, load_imbalance, step_record
 from vlm.train.param_groups import apply_mup, build_param_groups, describe_groups, freeze_prefixes
@@ -159,10 +160,7 @@ class Trainer:
 
     def _stop_requested(self) -> bool:
         """A SIGTERM / SIGINT on any rank stops every rank after the same step (a collective when distributed)."""
-        if self.dist.world_size == 1:
-            return self.stop.requested
-        flag = torch.tensor([float(self.stop.requested)], device=self.dist.device)
-        return bool(all_reduce_sum(flag).item() > 0)
+        return collectives.stop_requested(self.stop.requested, self.dist.device, self.dist.world_size)
 
     def _stopped(self) -> int:
         """Checkpoint the step just finished and say so in one line; the exit code of the signal."""
@@ -229,14 +227,14 @@ class Trainer:
         return train_step(self.engine, window, self.step, seed=cfg.train.seed, rank=self.dist.rank,
                           world_size=self.dist.world_size, parser=self.parser,
                           device=self.dist.device, float_dtype=self.float_dtype, loss_hook=loss_hook or self.loss_hook,
-                          bytes_per_id=self.bytes_per_id, n_sources=len(self.source_names))
+                          bytes_per_id=self.bytes_per_id, n_sources=len(self.source_names),
+                          controls=self.controls)
 
     def after_step(self, result: StepResult) -> None:
         """Schedule and loss-free balancing move only when the optimizer applied the step."""
         self.step += 1
-        if result.applied:
+        if result.applied:   # the balancing biases and top-k thresholds moved in the step (TrainingControls)
             self.scheduler.step()
-            update_moe_biases(self.engine.module, all_reduce_sum)
             self.nonfinite_in_row = 0
         else:
             self.nonfinite_total += 1
@@ -265,7 +263,7 @@ class Trainer:
                  [(label, by_source.get(label, (0, {}))) for label in self.source_names]
         vec = torch.tensor([float(v) for _, (read, skipped) in groups
                             for v in [read] + [skipped.get(r, 0) for r in REASONS]], dtype=torch.float64)
-        flat = all_reduce_sum(vec.to(self.dist.device)).cpu().tolist()
+        flat = collectives.data_counters(vec.to(self.dist.device)).cpu().tolist()
         n = len(REASONS) + 1
         return {label: (int(flat[i * n]), {r: int(v) for r, v in zip(REASONS, flat[i * n + 1:(i + 1) * n])})
                 for i, (label, _) in enumerate(groups)}
@@ -340,8 +338,9 @@ class Trainer:
         self.cfg = evolve(cfg, deepspeed=effective_settings(cfg.deepspeed, self.ds_config))   # what runs
         self.float_dtype = torch.bfloat16 if self.engine.bfloat16_enabled() else torch.float32
         self.probe = ActivationProbe(self.engine.module)
-        self.parser = GlobalParser(all_reduce_sum) if cfg.train.global_parser else None
-        if self.parser is not None and not install(self.engine.module, self.parser):
+        self.controls = TrainingControls(self.engine.module)
+        self.parser = GlobalParser(collectives.ratio_statistics) if cfg.train.global_parser else None
+        if self.parser is not None and not self.controls.set_statistics_hook(self.parser):
             self.parser = None
         self.n_params = sum(p.numel() for p in model.parameters())
         self.n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from vision.image_processor import ImageProcessor
-from vlm.train.distributed import all_reduce_sum
+from vlm.train import collectives
 from vlm.train.global_parser import install
 from vlm.train.metrics import StepAccumulator, step_record
 from vlm.train.render import image_concept_picture, text_with_boundaries
@@ -46,7 +46,7 @@ class HeldOut:
             install(engine.module, self.parser)
         val = {}
         if self.batches:
-            vec, _, ratio_loss = acc.reduce(all_reduce_sum)
+            vec, _, ratio_loss = acc.reduce(collectives.step_metrics)
             rec = step_record(0, vec, ratio_loss, 0.0, 0.0, 1.0)
             # the aggregates, and per kind of sample the documents' ratio per modality (eval mode): p10 / p50 / p90
             val = {f"val/{k}": v for k, v in rec.items() if k in EVAL_KEYS or k.startswith("doc_ratio/")}
