@@ -12,13 +12,14 @@ Only the standard library at import: `eval/cli.py` imports this while `vlm --hel
 """
 from __future__ import annotations
 
-import argparse
 import errno
 import os
 import sys
 import tempfile
 from pathlib import Path
 from typing import NoReturn
+
+from configs.arg_types import whole_number
 
 
 def fail(prog: str, message: str) -> NoReturn:
@@ -27,15 +28,7 @@ def fail(prog: str, message: str) -> NoReturn:
     raise SystemExit(2)
 
 
-def positive_int(text: str) -> int:
-    """argparse type: a whole number >= 1 (a count of questions, rows, batches)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+positive_int = whole_number(what="a count")   # argparse type: a count of questions, rows, batches: >= 1
 
 
 def check_model_dir(ckpt: str | os.PathLike, prog: str) -> Path:

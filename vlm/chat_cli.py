@@ -14,15 +14,14 @@ process (the demo) does not keep the largest uploads' memory. Numeric options ar
 """
 from __future__ import annotations
 
-import argparse
 import ctypes
 import functools
-import math
 import sys
 from pathlib import Path
 
 from PIL import Image, UnidentifiedImageError
 
+from configs.arg_types import finite_number, whole_number
 from configs.config import ConfigError
 from data_pipelines.schema import IMAGE_TOKEN
 
@@ -33,28 +32,8 @@ CHARS_PER_TOKEN = 8        # no tokenizer makes fewer tokens than characters / 8
 TRIM_PIXELS = 4_000_000    # decoding an image this large (16 MB of RGBX) is followed by release_freed_memory()
 
 
-def count_of(unit: str):
-    """argparse type: a whole number of `unit` >= 1, refused at start in one line (not turn by turn)."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a whole number of {unit} >= 1, got {text!r}") from None
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"must be a whole number of {unit} >= 1, got {value}")
-        return value
-    return parse
-
-
-def temperature(text: str) -> float:
-    """argparse type: a finite sampling temperature >= 0 (0 decodes greedily)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0 (0: greedy), got {text!r}") from None
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0 (0: greedy), got {text}")
-    return value
+count_of = whole_number   # argparse type: a whole number of `unit` >= 1, refused at start (not turn by turn)
+temperature = finite_number("a finite number", 0.0, note="(0: greedy)")   # argparse type: 0 decodes greedily
 
 
 @functools.lru_cache(maxsize=None)

@@ -19,10 +19,8 @@ A screenshot of the page with headless Chromium, while the demo runs:
 """
 from __future__ import annotations
 
-import argparse
 import errno
 import logging
-import math
 import os
 import queue
 import socket
@@ -32,6 +30,7 @@ from pathlib import Path
 
 from PIL import Image, UnidentifiedImageError
 
+from configs.arg_types import finite_number, whole_number
 from configs.config import ConfigError
 from data_pipelines.schema import IMAGE_TOKEN
 from vlm.chat_cli import MAX_IMAGES, Conversation, add_generation_options, count_of
@@ -44,26 +43,8 @@ TITLE = "ConceptMoE image chat"
 SESSION_TTL_S = 3600        # a session's conversation (and its images) is dropped an hour after its last use
 
 
-def port_number(text: str) -> int:
-    """argparse type: a TCP port, 1..65535."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number 1-65535, got {text!r}") from None
-    if not 1 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be a port number 1-65535, got {value}")
-    return value
-
-
-def upload_mb(text: str) -> float:
-    """argparse type: a finite upload size in MB, > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a size in MB > 0, got {text!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a size in MB > 0, got {text}")
-    return value
+port_number = whole_number(low=1, high=65535, what="a port number")      # argparse type: a TCP port
+upload_mb = finite_number("a size in MB", 0.0, strict=True)              # argparse type: the largest upload
 
 
 def port_problem(host: str, port: int) -> str | None:
