@@ -14,7 +14,7 @@ import torch
 
 from data_pipelines.config import DataConfig, SourceConfig
 from data_pipelines.loader import build_loader
-from vlm.train.metrics import StepAccumulator, step_record
+from vlm.train.metrics import StepAccumulator
 
 KEYS = ("lm_loss", "loss/text_only", "bpb/text", "loss/image_text", "compression/text", "compression/image")
 
@@ -36,8 +36,7 @@ def perplexity(chat, shards: list[str] | None, data_dir: str, max_batches: int |
         n += 1
     if not n:
         raise ValueError("no samples to score (empty shards?)")
-    vec, _, _ = acc.reduce(lambda x: x)
-    rec = step_record(0, vec, 0.0, 0.0, 0.0, 0.0)
+    rec = acc.record(0, lambda x: x, ratio_weight=0.0).scalars
     return {"batches": n, **{k: rec.get(k) for k in KEYS}}
 
 

@@ -8,7 +8,7 @@ from configs.batch import PackedBatch
 from vlm.model.config import ChunkConfig, ModelConfig, MoEConfig
 from vlm.model.output import ratio_weight, total_loss
 from vlm.model.stats import summarize
-from vlm.train.metrics import StepAccumulator, step_record
+from vlm.train.metrics import StepAccumulator, step_scalars
 
 V = 97
 
@@ -161,10 +161,10 @@ def test_the_total_loss_has_one_builder_that_the_step_metrics_share(chunk, seede
     for _ in range(3):   # three micro-batches: the weight is carried once per micro-batch, not summed
         acc.add(out, batch)
     vec, _, ratio = acc.reduce(lambda x: x)
-    rec = step_record(1, vec, ratio)
+    rec = step_scalars(vec, ratio)
     assert rec["loss"] == pytest.approx(total_loss(rec["lm_loss"], ratio, rec["balance_loss"], w), rel=1e-12)
     assert ratio > 0.01 or not chunk
-    assert step_record(1, vec, ratio, 0.0)["loss"] == pytest.approx(rec["lm_loss"] + rec["balance_loss"], rel=1e-12)
+    assert step_scalars(vec, ratio, 0.0)["loss"] == pytest.approx(rec["lm_loss"] + rec["balance_loss"], rel=1e-12)
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "eager", "docs"])

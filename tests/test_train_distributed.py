@@ -23,7 +23,6 @@ def _worker(rank: int, world: int, port: int, cfg, out: str) -> None:
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
     from data_pipelines.loader import build_loader
-    from vlm.train.metrics import step_record
     from vlm.train.trainer import Trainer
 
     tr = Trainer(cfg, os.path.join(out, f"run{world}"), log=lambda *_: None)
@@ -33,8 +32,8 @@ def _worker(rank: int, world: int, port: int, cfg, out: str) -> None:
     window = rows if world == 1 else [rows[rank]]
     res = tr.train_step(window)
     tr.after_step(res)
-    assert res.applied
-    rec = step_record(1, res.vec, res.ratio_loss, cfg.model.chunk.ratio_loss_weight, 0.0, 1.0)
+    assert res.applied and res.step == 1
+    rec = res.scalars
     if rank == 0:
         params = {n: p.detach().clone() for n, p in tr.engine.module.named_parameters()}
         torch.save({"rec": rec, "params": params}, os.path.join(out, f"world{world}.pt"))

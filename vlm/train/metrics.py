@@ -9,6 +9,7 @@ import json
 import math
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -125,6 +126,15 @@ class StepAccumulator:
             i += n
         return vec, loads, float(flat[-1])
 
+    def record(self, step: int, across_ranks, ratio_weight: float | None = None,
+               groups: list[str] | None = None) -> StepRecord:
+        """The step's record from one all-reduce of its sums (`across_ranks`): global means, the experts' load
+        imbalance, and the tensors the dashboard draws. `ratio_weight`, `groups`: as in `step_scalars`."""
+        vec, loads, ratio_loss = self.reduce(across_ranks)
+        scalars = step_scalars(vec, ratio_loss, ratio_weight, groups)
+        scalars.update(load_imbalance(loads))
+        return StepRecord(step, True, scalars, loads, groups=group_parts(vec))
+
 
 def group_parts(vec: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The per-group part of a reduced vector: ([G, 2, NBINS] document-ratio histograms, [G, 2] loss sums)."""
@@ -161,26 +171,22 @@ def _div(a: float, b: float) -> float | None:
     return a / b if b > 0 else None
 
 
-def step_record(step: int, vec: torch.Tensor, ratio_loss: float, ratio_weight: float | None = None, lr: float = 0.0,
-                seconds: float = 0.0, groups: list[str] | None = None) -> dict:
-    """The metrics.jsonl object of one optimizer step (global means). Absent modalities give null. `loss` is
-    `total_loss` of the logged parts, the ratio loss weighted as the model weighted it (`ModelOutput.ratio_weight`,
-    carried in `vec`) unless `ratio_weight` says otherwise (0: the LM and balance losses only)."""
+def step_scalars(vec: torch.Tensor, ratio_loss: float, ratio_weight: float | None = None,
+                 groups: list[str] | None = None) -> dict:
+    """The global means of one step's reduced sums. Absent modalities give null. `loss` is `total_loss` of the
+    logged parts, the ratio loss weighted as the model weighted it (`ModelOutput.ratio_weight`, carried in `vec`)
+    unless `ratio_weight` says otherwise (0: the LM and balance losses only)."""
     v = {k: float(vec[i]) for k, i in IDX.items()}
     lm = _div(v["lm_sum"], v["n_lab"]) or 0.0
     balance = v["balance_sum"] / max(v["micro"], 1)
     if ratio_weight is None:
         ratio_weight = v["ratio_weight_sum"] / max(v["micro"], 1)
     rec = {
-        "step": step,
         "loss": total_loss(lm, ratio_loss, balance, ratio_weight),
         "lm_loss": lm,
         "aux_loss": ratio_loss,
         "balance_loss": balance,
-        "lr": lr,
         "tokens": int(v["tokens/all"]),
-        "tokens_per_s": v["tokens/all"] / seconds if seconds > 0 else 0.0,
-        "step_time_s": seconds,
         "loss/text_only": _div(v["text_only_sum"], v["n_text_only"]),
         # bits per byte of the text-only samples: their summed loss in bits over the UTF-8 bytes they predict
         "bpb/text": _div(v["text_only_sum"] / math.log(2), v["bytes_text_only"]),
@@ -211,6 +217,32 @@ def load_imbalance(loads: dict[str, torch.Tensor]) -> dict[str, float]:
         if mean > 0:
             out[f"moe/max_over_mean/{k[len('load/'):]}"] = float(load.max()) / mean
     return out
+
+
+@dataclass
+class StepRecord:
+    """Everything one optimizer step logs, in one object from the accumulator to every sink. `scalars` is the
+    step's metrics.jsonl line and what TensorBoard and W&B plot; the tensors are what the dashboard draws. The
+    step fills it (`StepAccumulator.record`), the trainer adds what only it knows (`timed`, `scalars.update` for
+    the gradient norm, data counters and held-out eval), and `MetricsLogger.write` hands it to every sink."""
+    step: int                                  # optimizer steps done, this one included
+    applied: bool
+    scalars: dict = field(default_factory=dict)
+    loads: dict[str, torch.Tensor] = field(default_factory=dict)   # per MoE layer: routed slots per expert
+    # the last micro-batch's chunking on this rank: (p, boundary, modality), each [B, T]
+    chunking: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    groups: tuple[torch.Tensor, torch.Tensor] | None = None        # group_parts of the reduced sums
+    pictures: tuple | None = None              # (image [H, W, 3], text) of the held-out eval, when drawn
+
+    def __post_init__(self):
+        self.scalars = {"step": self.step, **({} if self.applied else {"skipped": True}), **self.scalars}
+
+    def timed(self, lr: float, seconds: float) -> StepRecord:
+        """The schedule's lr and the wall time of the step (data loading included), as tokens per second."""
+        tokens = self.scalars.get("tokens", 0)
+        self.scalars.update(lr=lr, step_time_s=seconds,
+                            **({"tokens_per_s": tokens / seconds if seconds > 0 else 0.0} if self.applied else {}))
+        return self
 
 
 TIMING_KEYS = ("tokens_per_s", "step_time_s")
@@ -283,10 +315,10 @@ class MetricsLogger:
     def should_log(self, step: int, applied: bool) -> bool:
         return step % self.cfg.log_every == 0 or step == self.max_steps or self.should_eval(step) or not applied
 
-    def write(self, rec: dict, result=None, pictures: tuple | None = None) -> None:
+    def write(self, record: StepRecord) -> None:
         """Rank 0: the step's line and scalars when due, its pictures and histograms; the progress bar always."""
-        step = rec["step"]
-        if result is not None and result.applied:
+        step, rec = record.step, record.scalars
+        if record.applied:
             self.last_applied = rec
         if self.bar is not None:
             self.bar.update(1)
@@ -298,21 +330,20 @@ class MetricsLogger:
             eta = elapsed / max(step - self.start_step, 1) * (self.max_steps - step)
             print(f"train step {step}/{self.max_steps}  " + "  ".join(f"{k} {v}" for k, v in pf.items())
                   + f"  elapsed {elapsed / 60:.1f} min  eta {eta / 60:.1f} min", file=sys.stderr, flush=True)
-        if self.file is None or not self.should_log(step, result is None or result.applied):
+        if self.file is None or not self.should_log(step, record.applied):
             return
         self.file.write(rec)
-        if self.tracker is not None:
-            self.tracker.scalars(rec)
-            if pictures is not None:
-                self.tracker.pictures(step, *pictures)
-        if self.dash is not None:
-            self.dash.scalars(rec)
-            if pictures is not None:
-                self.dash.pictures(step, *pictures)
-            if (result is not None and result.applied and self.cfg.histogram_every
-                    and step % self.cfg.histogram_every == 0):
-                self.dash.histograms(step, result.chunking, result.loads)
-                self.dash.document_histograms(step, *group_parts(result.vec), self.group_names)
+        for sink in (self.tracker, self.dash):
+            if sink is None:
+                continue
+            sink.scalars(rec)
+            if record.pictures is not None:
+                sink.pictures(step, *record.pictures)
+        if (self.dash is not None and record.applied and self.cfg.histogram_every
+                and step % self.cfg.histogram_every == 0):
+            self.dash.histograms(step, record.chunking, record.loads)
+            if record.groups is not None:
+                self.dash.document_histograms(step, *record.groups, self.group_names)
 
     def close(self) -> None:
         for part in (self.bar, self.dash, self.tracker, self.file):

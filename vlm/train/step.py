@@ -18,25 +18,13 @@ vlm.train.collectives.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from configs.batch import PackedBatch
 from vlm.model.training_controls import TrainingControls
 from vlm.train import collectives
 from vlm.train.global_parser import GlobalParser
-from vlm.train.metrics import StepAccumulator, labelled_counts
-
-
-@dataclass
-class StepResult:
-    applied: bool
-    vec: torch.Tensor | None          # globally summed metrics (None when skipped)
-    loads: dict[str, torch.Tensor]
-    ratio_loss: float
-    # The last micro-batch's chunking on this rank, for the dashboard's histograms: (p, boundary, modality) [B, T]
-    chunking: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+from vlm.train.metrics import StepAccumulator, StepRecord, group_names, labelled_counts
 
 
 def boundary_seed(seed: int, step: int, index: int) -> int:
@@ -81,12 +69,14 @@ def statistics_pass(model, window: list[PackedBatch], parser: GlobalParser, step
 def train_step(engine, window: list[PackedBatch], step: int, *, seed: int, rank: int, world_size: int,
                parser: GlobalParser | None, device: torch.device,
                float_dtype: torch.dtype = torch.float32, loss_hook=None,
-               bytes_per_id: torch.Tensor | None = None, n_sources: int = 0,
-               controls: TrainingControls | None = None) -> StepResult:
+               bytes_per_id: torch.Tensor | None = None, sources: list[str] = (),
+               controls: TrainingControls | None = None) -> StepRecord:
     """Forward/backward every micro-batch of `window` and take (or skip) one optimizer step; after an applied one
     the model's accumulated statistics move its balancing biases and top-k thresholds (`controls`: the model's
     training interface, built from `engine.module` when not given).
 
+    Returns the step's record (`StepRecord`, numbered `step + 1`): the global means of what the step saw, or
+    a skipped step's mark.
     `loss_hook(out, k)` may replace a micro-batch's output (used by tests to inject a non-finite loss).
     On the plain fp32 path the engine's optimizer must skip a non-finite step itself (engine.build_engine's does).
     """
@@ -102,7 +92,7 @@ def train_step(engine, window: list[PackedBatch], step: int, *, seed: int, rank:
         if K > 1:
             statistics_pass(engine.module, window, parser, step, seed=seed, rank=rank, world_size=W, device=device,
                             float_dtype=float_dtype, controls=controls)
-    acc = StepAccumulator(device, bytes_per_id, n_sources)
+    acc = StepAccumulator(device, bytes_per_id, len(sources))
     bad = False
     chunking = None
     for k, batch in enumerate(window):
@@ -130,7 +120,8 @@ def train_step(engine, window: list[PackedBatch], step: int, *, seed: int, rank:
     applied = not bad and engine.was_step_applied()
     if not applied:
         controls.drop_statistics()
-        return StepResult(False, None, {}, float("nan"), chunking)
+        return StepRecord(step + 1, False, chunking=chunking)
     controls.apply_statistics(collectives.model_statistics)
-    vec, loads, ratio_loss = acc.reduce(collectives.step_metrics)
-    return StepResult(True, vec, loads, ratio_loss, chunking)
+    record = acc.record(step + 1, collectives.step_metrics, groups=group_names(sources))
+    record.chunking = chunking
+    return record

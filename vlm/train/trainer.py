@@ -33,7 +33,7 @@ from vlm.train.engine import build_engine, compile_model, effective_settings, op
 from vlm.train.export import export_final
 from vlm.train.global_parser import GlobalParser
 from vlm.train.loaders import build_loaders, check_row_fits, skip_share_stop
-from vlm.train.metrics import MetricsLogger, group_names, load_imbalance, step_record
+from vlm.train.metrics import MetricsLogger, StepRecord, group_names
 from vlm.train.param_groups import apply_mup, build_param_groups, describe_groups, freeze_prefixes
 from vlm.train.probes import ActivationProbe
 from vlm.train.run_config import check_resume_config, config_targets, evolve
@@ -42,7 +42,7 @@ from vlm.train.run_summary import write_summary
 from vlm.train.signals import STEP_IN_FLIGHT, Interrupted, StopFlag
 from vlm.train.sizes import check_buildable
 from vlm.train.stages import build_stage_model, load_run_tokenizer, resolve_tokenizer, with_built_model
-from vlm.train.step import StepResult, train_step
+from vlm.train.step import train_step
 from vlm.train.validation import HeldOut
 from vlm.train.vision_warmup import warm_up_vision
 
@@ -124,21 +124,20 @@ class Trainer:
                 self.log(f"data exhausted after {self.step} steps (data.epochs={cfg.data.epochs})")
                 break
             lr = self.current_lr()
-            result = self.train_step(window)
-            self.after_step(result)
-            rec = self._step_record(result, lr, time.perf_counter() - t0)
+            record = self.train_step(window)
+            self.after_step(record)
+            self._add_step_scalars(record, lr, time.perf_counter() - t0)
             data_stop = None
-            if metrics.should_log(self.step, result.applied):
+            if metrics.should_log(self.step, record.applied):
                 counts = self._skipped_samples()                          # a collective
-                rec.update({f"skipped/{r}": n for r, n in counts[None][1].items()})
+                record.scalars.update({f"skipped/{r}": n for r, n in counts[None][1].items()})
                 data_stop = next((line for source, (read, skipped) in counts.items()   # the same on every rank
                                   if (line := skip_share_stop(skipped, read, cfg.train.max_skip_share, source))), None)
-            pictures = None
             if metrics.should_eval(self.step):
-                val, pictures = self.held_out.run(window[-1], draw=self.is_main)   # a collective
-                rec.update(val)
+                val, record.pictures = self.held_out.run(window[-1], draw=self.is_main)   # a collective
+                record.scalars.update(val)
             if self.is_main:
-                metrics.write(rec, result, pictures)
+                metrics.write(record)
             if self.nonfinite_in_row >= cfg.train.max_nonfinite_in_row:
                 path = self.checkpointer.save(self.step, self.trainer_state())
                 self.log(f"stopping: {self.nonfinite_in_row} non-finite steps in a row (step {self.step}); nothing "
@@ -221,16 +220,16 @@ class Trainer:
         """The base `optim.lr` times the schedule's multiplier at this step."""
         return self.cfg.optim.lr * self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)
 
-    def train_step(self, window, loss_hook=None) -> StepResult:
+    def train_step(self, window, loss_hook=None) -> StepRecord:
         cfg = self.cfg
         self.probe.clear()
         return train_step(self.engine, window, self.step, seed=cfg.train.seed, rank=self.dist.rank,
                           world_size=self.dist.world_size, parser=self.parser,
                           device=self.dist.device, float_dtype=self.float_dtype, loss_hook=loss_hook or self.loss_hook,
-                          bytes_per_id=self.bytes_per_id, n_sources=len(self.source_names),
+                          bytes_per_id=self.bytes_per_id, sources=self.source_names,
                           controls=self.controls)
 
-    def after_step(self, result: StepResult) -> None:
+    def after_step(self, result: StepRecord) -> None:
         """Schedule and loss-free balancing move only when the optimizer applied the step."""
         self.step += 1
         if result.applied:   # the balancing biases and top-k thresholds moved in the step (TrainingControls)
@@ -240,19 +239,15 @@ class Trainer:
             self.nonfinite_total += 1
             self.nonfinite_in_row += 1
 
-    def _step_record(self, result: StepResult, lr: float, seconds: float) -> dict:
-        if result.applied:
-            rec = step_record(self.step, result.vec, result.ratio_loss, lr=lr, seconds=seconds,
-                              groups=group_names(self.source_names))
-            rec.update(load_imbalance(result.loads))
-            rec.update(self.probe.read())
+    def _add_step_scalars(self, record: StepRecord, lr: float, seconds: float) -> None:
+        """What only the trainer knows of a step: lr, wall time, gradient norm, activation probes, skipped steps."""
+        record.timed(lr, seconds)
+        if record.applied:
+            record.scalars.update(self.probe.read())
             grad_norm = self.engine.get_global_grad_norm()
             if grad_norm is not None:
-                rec["grad_norm"] = float(grad_norm)
-        else:
-            rec = {"step": self.step, "skipped": True, "lr": lr, "step_time_s": seconds}
-        rec["nonfinite_steps"] = self.nonfinite_total
-        return rec
+                record.scalars["grad_norm"] = float(grad_norm)
+        record.scalars["nonfinite_steps"] = self.nonfinite_total
 
     def _skipped_samples(self) -> dict[str | None, tuple[int, dict[str, int]]]:
         """Samples read and skipped by reason, summed over ranks in one collective: over all the data (key None) and

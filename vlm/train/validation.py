@@ -6,7 +6,7 @@ import torch
 from vision.image_processor import ImageProcessor
 from vlm.train import collectives
 from vlm.train.global_parser import install
-from vlm.train.metrics import StepAccumulator, step_record
+from vlm.train.metrics import StepAccumulator
 from vlm.train.render import image_concept_picture, text_with_boundaries
 from vlm.train.step import prepare
 
@@ -46,8 +46,7 @@ class HeldOut:
             install(engine.module, self.parser)
         val = {}
         if self.batches:
-            vec, _, ratio_loss = acc.reduce(collectives.step_metrics)
-            rec = step_record(0, vec, ratio_loss, 0.0, 0.0, 1.0)
+            rec = acc.record(0, collectives.step_metrics, ratio_weight=0.0).scalars
             # the aggregates, and per kind of sample the documents' ratio per modality (eval mode): p10 / p50 / p90
             val = {f"val/{k}": v for k, v in rec.items() if k in EVAL_KEYS or k.startswith("doc_ratio/")}
         return val, (self._pictures(*first) if draw and first is not None else None)
