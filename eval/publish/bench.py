@@ -1,0 +1,118 @@
+"""Tables from `vlm bench` JSON (eval/bench/results/, as the bench writes it) and from
+launches.json."""
+from __future__ import annotations
+
+from typing import Any
+
+from eval.publish.markdown import num, span, table
+
+MODEL, DECODE, REALIZED = ("eval/bench/results/model.json", "eval/bench/results/decode.json",
+                           "eval/bench/results/realized.json")
+LAUNCHES = "docs/results/data/launches.json"
+CANDIDATES = {"more_experts": "more experts", "loop_more_experts": "loop + more experts",
+              "wider_concept": "wider concept model"}
+LENGTHS = {1024: "1K", 2048: "2K", 4096: "4K", 8192: "8K", 16384: "16K"}
+# the goals' headline cells
+BOLD = {("prefill", "more_experts", 16384), ("train", "more_experts", 4096)}
+
+
+def ratio(x: float) -> str:
+    return f"{x:.2f}x"
+
+
+def _rows(res: dict[str, Any], **setting: Any) -> list[dict[str, Any]]:
+    return [r for r in res["rows"] if all(r["setting"].get(k) == v for k, v in setting.items())]
+
+
+def model_ratio(res: dict[str, Any], mode: str, cand: str, seq_len: int) -> float:
+    (row,) = [r for r in _rows(res, mode=mode, seq_len=seq_len) if r["candidate"] == cand]
+    return row["ratio_vs_baseline"]
+
+
+def best(res: dict[str, Any], mode: str, seq_len: int) -> tuple[str, float]:
+    """The fastest reallocation at one length: (candidate, ratio)."""
+    return max(((c, model_ratio(res, mode, c, seq_len)) for c in CANDIDATES), key=lambda cr: cr[1])
+
+
+def attention_limit(res: dict[str, Any], cand: str = "more_experts") -> float:
+    """The attention-bound prefill time ratio of the split, as the docs state it (two decimals:
+    0.44)."""
+    row = [r for r in res["rows"] if r["candidate"] == cand][0]
+    return round(row["attn_bound_time_ratio"], 2)
+
+
+def above_limit_pct(res: dict[str, Any], seq_len: int = 16384) -> int:
+    """How far (%) the best prefill time ratio at seq_len sits above the attention-bound limit."""
+    _, r = best(res, "prefill", seq_len)
+    return round((1 / r / attention_limit(res) - 1) * 100)
+
+
+def kv_ratio(decode: dict[str, Any], cand: str) -> float:
+    return [r for r in decode["rows"] if r["candidate"] == cand][0]["kv_ratio"]
+
+
+def model_table(src: dict[str, Any]) -> str:
+    """tokens/s vs the MoE baseline, 1K-16K: prefill and training (model.json), decode at batch 1 /
+    8."""
+    model, decode = src[MODEL], src[DECODE]
+    lengths = model["settings"]["seq_lens"]
+    rows = []
+    for mode, label in (("prefill", "prefill"), ("train", "training step")):
+        for cand, name in CANDIDATES.items():
+            cells = []
+            for n in lengths:
+                c = ratio(model_ratio(model, mode, cand, n))
+                cells.append(f"**{c}**" if (mode, cand, n) in BOLD else c)
+            rows.append([f"{label}, {name}", *cells])
+    batches = decode["settings"]["batches"]
+    for cand, name in CANDIDATES.items():
+        cells = []
+        for n in lengths:
+            got = [r for r in _rows(decode, context=n) if r["candidate"] == cand]
+            by_batch = {r["setting"]["batch"]: r["ratio_vs_baseline"] for r in got}
+            cells.append(" / ".join(ratio(by_batch[b]) for b in batches) if got else "")
+        rows.append([f"decode, batch {' / '.join(map(str, batches))}, {name}", *cells])
+    return table(["tokens/s vs the MoE baseline", *(LENGTHS[n] for n in lengths)], rows)
+
+
+def realized_table(src: dict[str, Any]) -> str:
+    """Prefill with learned and forced boundaries on real prompts, more experts (realized.json)."""
+    res = src[REALIZED]
+    lengths = res["settings"]["seq_lens"]
+    rows = []
+    for kind, kind_label in (("vqa prompt", "VQA prompts"), ("caption", "captions")):
+        for how, how_label in (("learned", "learned boundaries"), ("forced R=2", "forced at T/R")):
+            got = [r for r in _rows(res, kind=kind) if r["candidate"] == f"more_experts ({how})"]
+            by_len = {r["setting"]["seq_len"]: r for r in got}
+            cells = [ratio(by_len[n]["ratio_vs_baseline"]) for n in lengths]
+            rows.append([f"{kind_label}, {how_label}", *cells, span((r["realized_R"] for r in got),
+                                                                    2)])
+    return table(["prefill tokens/s vs the MoE baseline, more experts",
+                  *(LENGTHS[n] for n in lengths),
+                  "realized R"], rows)
+
+
+LAUNCH_LABELS = {("baseline", "auto"): "MoE baseline, CPU attention (one SDPA per document)",
+                 ("more_experts", "auto"): "more experts, CPU attention",
+                 ("baseline",
+                  "sdpa"): "MoE baseline, packed-mask SDPA (the compiled and GPU layout)",
+                 ("more_experts", "sdpa"): "more experts, packed-mask SDPA"}
+
+
+def launches(src: dict[str, Any]) -> dict[tuple[str, str], dict[str, Any]]:
+    return {(r["candidate"], r["setting"]["attention"]): r for r in src[LAUNCHES]["rows"]}
+
+
+def launches_table(src: dict[str, Any]) -> str:
+    rows = [[LAUNCH_LABELS[key], str(r["before_71c293f"]), str(r["operators_per_step"]),
+             f"{num(r['before_71c293f'] / r['operators_per_step'], 2)}x fewer"]
+            for key, r in launches(src).items()]
+    return table(["operators per training step", "71c293f", "now", ""], rows)
+
+
+def launches_prose(src: dict[str, Any]) -> str:
+    """The README's sentence: now against before, baseline and more experts, CPU attention."""
+    got = launches(src)
+    b, m = got["baseline", "auto"], got["more_experts", "auto"]
+    return (f"{b['operators_per_step']} against {b['before_71c293f']} for the MoE baseline, "
+            f"{m['operators_per_step']} against {m['before_71c293f']} for more experts")
