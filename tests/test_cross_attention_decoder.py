@@ -80,8 +80,8 @@ def packed_case(seed=0):
 def reference_cross_attention(xattn: CrossAttention, x_BTD, concepts_BMD, doc, cidx, cdoc):
     """DLCM eq. 14 as written: token t attends to the concepts 0 .. j(t) of its own document through an explicit
     [L, M] mask, each concept once; no replication."""
-    q = xattn.queries(x_BTD)                                  # [B, H, T, d]
-    k, v = xattn.concept_kv(concepts_BMD)                     # [B, K, M, d]
+    q = xattn.queries(x_BTD)                                  # [B, Q, T, d]
+    k, v = xattn.concept_kv(concepts_BMD)                     # [B, J, M, d]
     rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     M = concepts_BMD.shape[1]
@@ -271,11 +271,11 @@ def test_decode_benchmark_fills_counts_and_rewinds_the_cross_caches(seeded_lm):
     to the context's concept count, its KV bytes include them, and each round starts from the same lengths."""
     from eval.bench.decode import decoder, filled_cache
     m = seeded_lm(VARIANTS["sum"])
-    B, L, R, steps = 2, 24, 2.0, 6
-    cache = filled_cache(m, B, L, R, steps, torch.Generator().manual_seed(0))
+    B, T, R, steps = 2, 24, 2.0, 6
+    cache = filled_cache(m, B, T, R, steps, torch.Generator().manual_seed(0))
     assert len(cache.cross) == m.cfg.num_joint_layers
-    assert all(torch.equal(c.len_B, torch.full((B,), L // 2)) for c in cache.cross)
-    round_, kv_bytes = decoder(m, B, L, R, steps)
+    assert all(torch.equal(c.len_B, torch.full((B,), T // 2)) for c in cache.cross)
+    round_, kv_bytes = decoder(m, B, T, R, steps)
     joint_bytes = (cache.token_bytes() + cache.concept_bytes()) / B
     assert kv_bytes == joint_bytes + cache.cross_bytes() / B and cache.cross_bytes() > 0
     assert round_() > 0 and round_() > 0   # the second round rewinds (it would overrun the room otherwise)

@@ -124,8 +124,8 @@ def _train_router(slack, steps=300, seed=0):
     kind_vec = torch.randn(2, D)
     opt = torch.optim.Adam(ch.parameters(), lr=3e-2)
     doc = torch.arange(8).repeat_interleave(L)[None]            # 8 documents of L tokens in one row
-    kind_D = torch.tensor([0, 1] * 4)
-    kind_BT = kind_D[doc]
+    kind_S = torch.tensor([0, 1] * 4)
+    kind_BT = kind_S[doc]
     for _ in range(steps):
         h = kind_vec[kind_BT] + 0.5 * torch.randn(1, 8 * L, D)
         out = ch(h, doc)

@@ -119,10 +119,10 @@ def _balancing_lm():
     return ConceptMoELM(cfg).train()
 
 
-def _micro_batches(K: int, T: int = 40) -> list[PackedBatch]:
+def _micro_batches(micro: int, T: int = 40) -> list[PackedBatch]:
     g = torch.Generator().manual_seed(1)
     out = []
-    for k in range(K):
+    for k in range(micro):
         lengths = [13 + 2 * k, 9, T - 24 - 2 * k]
         out.append(PackedBatch.from_documents([torch.randint(3, 64, (n,), generator=g).tolist() for n in lengths],
                                               row_len=T))
@@ -155,23 +155,23 @@ def test_the_statistics_pass_puts_the_moe_loads_back():
 
 
 def test_a_step_with_the_statistics_pass_counts_each_token_once_in_the_balancing_loads(monkeypatch):
-    """train_step with the global parser and K = 2: what the MoE layers hold for the balancing update after the step
+    """train_step, global parser, 2 micro-batches: what the MoE layers hold for the balancing update after the step
     is exactly the loads of the step's real passes (each routed token slot once), not twice."""
     from vlm.train.distributed import init_distributed
     from vlm.train.engine import initialize
     from vlm.train.global_parser import GlobalParser, install
     from vlm.train.step import train_step
 
-    K = 2
+    micro = 2
     model = _balancing_lm()
     init_distributed()
     engine = initialize(model, torch.optim.SGD(model.parameters(), lr=0.0), {
-        "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": K, "train_batch_size": K,
+        "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": micro, "train_batch_size": micro,
         "gradient_clipping": 0.0, "zero_optimization": {"stage": 0}, "bf16": {"enabled": False},
         "steps_per_print": 10 ** 12, "zero_allow_untested_optimizer": True})
     parser = GlobalParser(all_reduce=lambda t: t.clone())
     install(model, parser)
-    window = _micro_batches(K)
+    window = _micro_batches(micro)
     handed = []   # what the step hands the balancing update, across ranks (here: one)
 
     def model_statistics(flat):

@@ -183,7 +183,7 @@ def moe_pass(moe, x: torch.Tensor, dispatch: str):
     x.grad = None
     y = moe(x)[0]
     y.float().square().sum().backward()
-    return y.detach().float(), x.grad.float(), moe.w_gate_EDH.grad.float()
+    return y.detach().float(), x.grad.float(), moe.w_gate_EDF.grad.float()
 
 
 def moe_errors(device: str, seed: int = 0) -> dict[str, tuple[float, float, float]]:

@@ -173,14 +173,14 @@ def test_sliding_window_attention_sees_itself_and_the_window_before_it(backend):
     from vlm.model.attention import attend
 
     torch.manual_seed(0)
-    W, T = 3, 10
+    window, T = 3, 10
     doc = torch.tensor([[0] * 6 + [1] * 4])
     q, k, v = (torch.randn(1, 2, T, 8) for _ in range(3))
-    out = attend(q, k, v, doc, backend, window=W)
+    out = attend(q, k, v, doc, backend, window=window)
     for i in range(T):
-        lo = max(i - W + 1, 0 if i < 6 else 6)
-        att_HN = torch.softmax((q[0, :, i, None] @ k[0, :, lo:i + 1].transpose(-1, -2))[:, 0] / 8 ** 0.5, -1)
-        torch.testing.assert_close(out[0, :, i], (att_HN[:, None] @ v[0, :, lo:i + 1])[:, 0], rtol=1e-5, atol=1e-5)
+        lo = max(i - window + 1, 0 if i < 6 else 6)
+        att_QT = torch.softmax((q[0, :, i, None] @ k[0, :, lo:i + 1].transpose(-1, -2))[:, 0] / 8 ** 0.5, -1)
+        torch.testing.assert_close(out[0, :, i], (att_QT[:, None] @ v[0, :, lo:i + 1])[:, 0], rtol=1e-5, atol=1e-5)
 
 
 def test_per_document_backend_trains_like_the_packed_mask(seeded_lm, rand_docs):

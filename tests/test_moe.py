@@ -28,49 +28,49 @@ def make_moe(dim=16, **kw) -> MoE:
     return MoE(MoEConfig(**base), dim, init_std=0.3)
 
 
-def reference_routing(m: MoE, x_TD):
+def reference_routing(m: MoE, x_ND):
     """Routing written out from the spec, independently of vlm.model.moe."""
-    logits = x_TD.float() @ m.router.weight.float().t()
+    logits = x_ND.float() @ m.router.weight.float().t()
     if m.cfg.router == "grove":   # Grove eq. 9-10: choose by sigmoid + bias, weigh by the softmax over all experts
         biased = logits.sigmoid() + m.expert_bias if m.cfg.loss_free_balancing else logits.sigmoid()
-        sel_TK = biased.topk(m.cfg.top_k, dim=-1).indices
-        w_TK = logits.softmax(-1).gather(1, sel_TK)
+        sel_NK = biased.topk(m.cfg.top_k, dim=-1).indices
+        w_NK = logits.softmax(-1).gather(1, sel_NK)
         if m.cfg.grove_weights == "renormalised":
-            w_TK = w_TK / w_TK.sum(-1, keepdim=True)
-        return sel_TK, w_TK
+            w_NK = w_NK / w_NK.sum(-1, keepdim=True)
+        return sel_NK, w_NK
     scores = logits.softmax(-1) if m.cfg.router == "softmax" else logits.sigmoid()
     biased = scores + m.expert_bias if m.cfg.loss_free_balancing else scores
-    sel_TK = biased.topk(m.cfg.top_k, dim=-1).indices
-    w_TK = scores.gather(1, sel_TK)
+    sel_NK = biased.topk(m.cfg.top_k, dim=-1).indices
+    w_NK = scores.gather(1, sel_NK)
     if m.cfg.norm_topk_prob:
-        w_TK = w_TK / w_TK.sum(-1, keepdim=True)
-    return sel_TK, w_TK
+        w_NK = w_NK / w_NK.sum(-1, keepdim=True)
+    return sel_NK, w_NK
 
 
 def swiglu(x, wg, wu, wd):
     return (F.silu(x @ wg) * (x @ wu)) @ wd
 
 
-def dense_reference(m: MoE, x_TD):
+def dense_reference(m: MoE, x_ND):
     """Every expert (and adjugate) on every token; the selection only masks the combine weights."""
-    T, E = x_TD.shape[0], m.num_experts
-    sel_TK, w_TK = reference_routing(m, x_TD)
-    dense_TE = torch.zeros(T, E).scatter(1, sel_TK, w_TK)
-    y_ETD = torch.stack([swiglu(x_TD, m.w_gate_EDH[e], m.w_up_EDH[e], m.w_down_EHD[e]) for e in range(E)])
-    out = torch.einsum("te,etd->td", dense_TE, y_ETD)
+    T, E = x_ND.shape[0], m.num_experts
+    sel_NK, w_NK = reference_routing(m, x_ND)
+    dense_NE = torch.zeros(T, E).scatter(1, sel_NK, w_NK)
+    y_END = torch.stack([swiglu(x_ND, m.w_gate_EDF[e], m.w_up_EDF[e], m.w_down_EFD[e]) for e in range(E)])
+    out = torch.einsum("te,etd->td", dense_NE, y_END)
     if m.cfg.grove_groups:
         G = m.cfg.grove_groups
-        rho_TG = dense_TE.view(T, G, E // G).sum(-1)
-        a_GTD = torch.stack([swiglu(x_TD, m.adj_gate_GDH[g], m.adj_up_GDH[g], m.adj_down_GHD[g]) for g in range(G)])
-        out = out + m.cfg.grove_lambda * torch.einsum("tg,gtd->td", rho_TG, a_GTD)
+        rho_NG = dense_NE.view(T, G, E // G).sum(-1)
+        a_GND = torch.stack([swiglu(x_ND, m.adj_gate_GDF[g], m.adj_up_GDF[g], m.adj_down_GFD[g]) for g in range(G)])
+        out = out + m.cfg.grove_lambda * torch.einsum("tg,gtd->td", rho_NG, a_GND)
     if m.shared is not None:
-        out = out + m.shared(x_TD)
+        out = out + m.shared(x_ND)
     return out
 
 
-def run_with_grads(m: MoE, x_TD, fn):
+def run_with_grads(m: MoE, x_ND, fn):
     m.zero_grad(set_to_none=True)
-    x = x_TD.clone().requires_grad_(True)
+    x = x_ND.clone().requires_grad_(True)
     y = fn(x)
     # A non-uniform upstream gradient, then a stride-0 one (.sum()) that _grouped_mm's backward rejects raw.
     g = torch.linspace(-1, 1, y.numel()).view_as(y)
@@ -90,7 +90,7 @@ def test_grouped_mm_equals_loop_equals_dense(router, shared, grove, norm):
     ref = run_with_grads(m, x, lambda x: dense_reference(m, x))
     paths = ["loop"] + (["grouped_mm"] if HAS_GMM else [])
     if HAS_GMM:
-        assert grouped_mm_available(x, m.w_gate_EDH, m.w_down_EHD)
+        assert grouped_mm_available(x, m.w_gate_EDF, m.w_down_EFD)
     for path in paths:
         m.dispatch = path
         got = run_with_grads(m, x, lambda x: m(x)[0])
@@ -107,9 +107,9 @@ def test_expert_swiglu_grouped_backward_takes_any_gradient_layout():
     # two padding slots (group id = the expert count) that no expert computes: they come out as exactly 0 and pass
     # no gradient back, although the grouped kernel leaves their rows unwritten.
     torch.manual_seed(0)
-    groups_T1 = torch.tensor([0] * 3 + [2] * 5 + [3] * 2 + [4] * 2)[torch.randperm(12)][:, None]
-    slots = moe_mod.sort_by_group(groups_T1, 4)
-    assert slots.counts_G.tolist() == [3, 0, 5, 2] and slots.dead_M1[:, 0].tolist() == [False] * 10 + [True] * 2
+    groups_N1 = torch.tensor([0] * 3 + [2] * 5 + [3] * 2 + [4] * 2)[torch.randperm(12)][:, None]
+    slots = moe_mod.sort_by_group(groups_N1, 4)
+    assert slots.counts_G.tolist() == [3, 0, 5, 2] and slots.dead_A1[:, 0].tolist() == [False] * 10 + [True] * 2
     ws = [torch.randn(4, 8, 12), torch.randn(4, 8, 12), torch.randn(4, 12, 8)]
     x = torch.randn(12, 8)
     res = []
@@ -119,7 +119,7 @@ def test_expert_swiglu_grouped_backward_takes_any_gradient_layout():
         y = moe_mod.expert_swiglu(xl, slots, *leaves, use_grouped=grouped)
         y.sum().backward()
         assert (y[10:] == 0).all()
-        assert (xl.grad[slots.tok_M[10:]] == 0).all()
+        assert (xl.grad[slots.tok_A[10:]] == 0).all()
         res.append([y.detach(), xl.grad] + [w.grad for w in leaves])
     for a, b in zip(*res):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
@@ -129,7 +129,7 @@ def test_expert_swiglu_grouped_backward_takes_any_gradient_layout():
 def test_grouped_mm_bf16_and_fallback_on_misaligned_dims():
     m = make_moe(dim=16, expert_hidden=16, grove_groups=2, grove_hidden=16).to(torch.bfloat16)
     x = torch.randn(29, 16, dtype=torch.bfloat16)
-    assert grouped_mm_available(x, m.w_gate_EDH, m.w_down_EHD)
+    assert grouped_mm_available(x, m.w_gate_EDF, m.w_down_EFD)
     outs = {}
     for path in ["loop", "grouped_mm"]:
         m.dispatch = path
@@ -139,7 +139,7 @@ def test_grouped_mm_bf16_and_fallback_on_misaligned_dims():
     # dim=6 breaks the 16-byte row alignment: "auto" must fall back to the loop, "grouped_mm" must say why.
     m6 = make_moe(dim=6)
     x6 = torch.randn(11, 6)
-    assert not grouped_mm_available(x6, m6.w_gate_EDH, m6.w_down_EHD)
+    assert not grouped_mm_available(x6, m6.w_gate_EDF, m6.w_down_EFD)
     torch.testing.assert_close(m6(x6)[0], dense_reference(m6, x6), rtol=1e-5, atol=1e-5)
     m6.dispatch = "grouped_mm"
     with pytest.raises(RuntimeError, match="16-byte"):
@@ -154,17 +154,17 @@ def test_grove_adjugate_once_per_token_per_group_and_eq4(monkeypatch):
     calls = []
     real = moe_mod.expert_swiglu
 
-    def spy(x_TD, slots, w_gate, *rest):
-        if w_gate is m.adj_gate_GDH:   # the adjugate rows computed: live slots only, by group
-            calls.append((int((~slots.dead_M1).sum()), slots.counts_G.tolist()))
-        return real(x_TD, slots, w_gate, *rest)
+    def spy(x_ND, slots, w_gate, *rest):
+        if w_gate is m.adj_gate_GDF:   # the adjugate rows computed: live slots only, by group
+            calls.append((int((~slots.dead_A1).sum()), slots.counts_G.tolist()))
+        return real(x_ND, slots, w_gate, *rest)
 
     monkeypatch.setattr(moe_mod, "expert_swiglu", spy)
     y, stats = m(x)
 
-    sel_TK, w_TK = reference_routing(m, x)
+    sel_NK, w_NK = reference_routing(m, x)
     per_group = 8 // 2  # experts per group
-    hand_pairs = [{int(e) // per_group for e in row} for row in sel_TK]
+    hand_pairs = [{int(e) // per_group for e in row} for row in sel_NK]
     hand_total = sum(len(s) for s in hand_pairs)
     hand_per_group = [sum(g in s for s in hand_pairs) for g in range(2)]
     assert hand_total < x.shape[0] * 3
@@ -177,10 +177,10 @@ def test_grove_adjugate_once_per_token_per_group_and_eq4(monkeypatch):
     with torch.no_grad():
         y_ref = torch.zeros_like(x)
         for t in range(x.shape[0]):
-            for i, rho in zip(sel_TK[t].tolist(), w_TK[t]):
+            for i, rho in zip(sel_NK[t].tolist(), w_NK[t]):
                 j = i // per_group
-                e_i = swiglu(x[t], m.w_gate_EDH[i], m.w_up_EDH[i], m.w_down_EHD[i])
-                a_j = swiglu(x[t], m.adj_gate_GDH[j], m.adj_up_GDH[j], m.adj_down_GHD[j])
+                e_i = swiglu(x[t], m.w_gate_EDF[i], m.w_up_EDF[i], m.w_down_EFD[i])
+                a_j = swiglu(x[t], m.adj_gate_GDF[j], m.adj_up_GDF[j], m.adj_down_GFD[j])
                 y_ref[t] += rho * (e_i + lam * a_j)
     torch.testing.assert_close(y.detach(), y_ref, rtol=1e-5, atol=1e-5)
 
@@ -225,12 +225,12 @@ def test_loss_free_balancing_reduces_imbalance(router, update):
     # Weights still come from the unbiased scores: the layer equals the reference that weighs the (biased)
     # selection with unbiased scores, and not one that weighs it with biased scores.
     r = route(x @ m.router.weight.t(), m.cfg, m.expert_bias)
-    sel_TK, w_TK = reference_routing(m, x)
-    assert torch.equal(r.experts_TK, sel_TK)
-    torch.testing.assert_close(r.weights_TK, w_TK)
-    biased_w = (r.scores_TE + m.expert_bias).gather(1, sel_TK)
+    sel_NK, w_NK = reference_routing(m, x)
+    assert torch.equal(r.experts_NK, sel_NK)
+    torch.testing.assert_close(r.weights_NK, w_NK)
+    biased_w = (r.scores_NE + m.expert_bias).gather(1, sel_NK)
     biased_w = biased_w / biased_w.sum(-1, keepdim=True) if m.cfg.norm_topk_prob else biased_w
-    assert (biased_w - w_TK).abs().max() > 1e-2
+    assert (biased_w - w_NK).abs().max() > 1e-2
     torch.testing.assert_close(y, dense_reference(m, x), rtol=1e-5, atol=1e-5)
 
 
@@ -294,7 +294,7 @@ def test_load_accumulation_update_and_all_reduce():
     assert float(m_off.expert_bias.abs().sum()) == 0
     mb = make_moe().to(torch.bfloat16)
     assert mb.expert_bias.dtype == torch.float32 and mb.load_accum.dtype == torch.float32
-    assert mb.w_gate_EDH.dtype == torch.bfloat16
+    assert mb.w_gate_EDF.dtype == torch.bfloat16
 
 
 def test_softmax_router_matches_mixtral_formula_and_qwen_norm_false():
@@ -303,10 +303,10 @@ def test_softmax_router_matches_mixtral_formula_and_qwen_norm_false():
     cfg = MoEConfig(num_experts=8, top_k=2, norm_topk_prob=True, loss_free_balancing=False)
     r = route(logits, cfg, None)
     top_logits, top_idx = logits.topk(2, dim=-1)
-    assert torch.equal(r.experts_TK, top_idx)
-    torch.testing.assert_close(r.weights_TK, top_logits.softmax(-1))  # Mixtral: softmax over selected logits
+    assert torch.equal(r.experts_NK, top_idx)
+    torch.testing.assert_close(r.weights_NK, top_logits.softmax(-1))  # Mixtral: softmax over selected logits
     r_raw = route(logits, MoEConfig(num_experts=8, top_k=2, norm_topk_prob=False, loss_free_balancing=False), None)
-    torch.testing.assert_close(r_raw.weights_TK, logits.softmax(-1).gather(1, top_idx))  # Qwen norm_topk_prob=False
+    torch.testing.assert_close(r_raw.weights_NK, logits.softmax(-1).gather(1, top_idx))  # Qwen norm_topk_prob=False
 
 
 def test_grove_router_eq9_weighs_the_chosen_experts_by_the_full_softmax():
@@ -316,16 +316,16 @@ def test_grove_router_eq9_weighs_the_chosen_experts_by_the_full_softmax():
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
     bias = torch.tensor([0.0, 0.0, 0.6, 0.0])
     r = route(logits, MoEConfig(num_experts=4, top_k=2, router="grove"), bias)
-    assert r.experts_TK.tolist() == [[2, 0]]
-    torch.testing.assert_close(r.weights_TK, torch.tensor([[0.087144, 0.643914]]), rtol=0, atol=1e-6)
-    assert float(r.weights_TK.sum()) == pytest.approx(0.731058, abs=1e-6)   # < 1: eq. 9 does not renormalise
+    assert r.experts_NK.tolist() == [[2, 0]]
+    torch.testing.assert_close(r.weights_NK, torch.tensor([[0.087144, 0.643914]]), rtol=0, atol=1e-6)
+    assert float(r.weights_NK.sum()) == pytest.approx(0.731058, abs=1e-6)   # < 1: eq. 9 does not renormalise
     # the non-paper option: the same two weights rescaled to sum to 1
     r = route(logits, MoEConfig(num_experts=4, top_k=2, router="grove", grove_weights="renormalised"), bias)
-    torch.testing.assert_close(r.weights_TK, torch.tensor([[0.119203, 0.880797]]), rtol=0, atol=1e-6)
+    torch.testing.assert_close(r.weights_NK, torch.tensor([[0.119203, 0.880797]]), rtol=0, atol=1e-6)
     # the layer: every token's output is eq. 9's sum, and its chosen weights sum to less than 1
     m = make_moe(router="grove", grove_groups=0, num_shared_experts=0)
     x = torch.randn(11, 16)
-    w_sum = route(x @ m.router.weight.detach().t(), m.cfg, m.expert_bias).weights_TK.sum(-1)
+    w_sum = route(x @ m.router.weight.detach().t(), m.cfg, m.expert_bias).weights_NK.sum(-1)
     assert float(w_sum.max()) < 0.99
     torch.testing.assert_close(m(x)[0], dense_reference(m, x), rtol=1e-5, atol=1e-5)
 
@@ -359,27 +359,27 @@ def test_loss_free_bias_of_each_layer_moves_by_its_own_loads():
 @pytest.mark.parametrize("arch,norm", [("mixtral", True), ("qwen3", True), ("qwen3", False)])
 def test_matches_hf_sparse_moe_block(arch, norm):
     """Same weights -> same outputs as transformers' Mixtral / Qwen3-MoE blocks (what conversion relies on)."""
-    D, E, H, K = 16, 8, 12, 2
+    D, E, hidden, K = 16, 8, 12, 2
     if arch == "mixtral":
         from transformers import MixtralConfig
         from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock as Block
-        hf_cfg = MixtralConfig(hidden_size=D, intermediate_size=H, num_local_experts=E, num_experts_per_tok=K)
+        hf_cfg = MixtralConfig(hidden_size=D, intermediate_size=hidden, num_local_experts=E, num_experts_per_tok=K)
     else:
         from transformers import Qwen3MoeConfig
         from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock as Block
-        hf_cfg = Qwen3MoeConfig(hidden_size=D, moe_intermediate_size=H, num_experts=E, num_experts_per_tok=K,
+        hf_cfg = Qwen3MoeConfig(hidden_size=D, moe_intermediate_size=hidden, num_experts=E, num_experts_per_tok=K,
                                 norm_topk_prob=norm)
     torch.manual_seed(0)
     hf = Block(hf_cfg).eval()
-    ours = MoE(MoEConfig(num_experts=E, top_k=K, expert_hidden=H, norm_topk_prob=norm), D).eval()
+    ours = MoE(MoEConfig(num_experts=E, top_k=K, expert_hidden=hidden, norm_topk_prob=norm), D).eval()
     with torch.no_grad():
         for p in hf.parameters():
             p.normal_(0, 0.3)
         ours.router.weight.copy_(hf.gate.weight)
         gate_up = hf.experts.gate_up_proj  # [E, 2H, D], applied as x @ W^T
-        ours.w_gate_EDH.copy_(gate_up[:, :H].transpose(1, 2))
-        ours.w_up_EDH.copy_(gate_up[:, H:].transpose(1, 2))
-        ours.w_down_EHD.copy_(hf.experts.down_proj.transpose(1, 2))
+        ours.w_gate_EDF.copy_(gate_up[:, :hidden].transpose(1, 2))
+        ours.w_up_EDF.copy_(gate_up[:, hidden:].transpose(1, 2))
+        ours.w_down_EFD.copy_(hf.experts.down_proj.transpose(1, 2))
         x = torch.randn(2, 11, D)
         torch.testing.assert_close(ours(x.view(-1, D))[0], hf(x).view(-1, D), rtol=1e-5, atol=1e-5)
 
@@ -408,7 +408,7 @@ def test_balance_and_z_loss_values_and_sigmoid_router():
     logits = x @ m.router.weight.t()
     r = route(logits, m.cfg, m.expert_bias)
     top = logits.sigmoid().topk(3, dim=-1)
-    torch.testing.assert_close(r.weights_TK, top.values / top.values.sum(-1, keepdim=True))
+    torch.testing.assert_close(r.weights_NK, top.values / top.values.sum(-1, keepdim=True))
     y, stats = m(x)
     torch.testing.assert_close(y, dense_reference(m, x), rtol=1e-5, atol=1e-5)
     stats.aux_loss.backward()

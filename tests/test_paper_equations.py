@@ -118,10 +118,10 @@ def tiny_lm(**chunk) -> ConceptMoELM:
     return ConceptMoELM(cfg).train()
 
 
-def micro_batches(K: int, T: int = 48) -> list[PackedBatch]:
+def micro_batches(micro: int, T: int = 48) -> list[PackedBatch]:
     g = torch.Generator().manual_seed(1)
     out = []
-    for k in range(K):
+    for k in range(micro):
         lengths = [17 + 3 * k, 11, T - 28 - 3 * k - 2]        # three documents and two padding tokens
         docs = [torch.randint(3, 64, (n,), generator=g).tolist() for n in lengths]
         out.append(PackedBatch.from_documents(docs, row_len=T))
@@ -133,7 +133,7 @@ def cat_rows(batches: list[PackedBatch]) -> PackedBatch:
                          ("input_ids", "labels", "doc_ids", "position_ids", "modality")))
 
 
-def engine_for(model: torch.nn.Module, K: int):
+def engine_for(model: torch.nn.Module, micro: int):
     """A real DeepSpeed engine (stage 0, fp32, one process) with lr 0; `grads` holds each parameter's gradient
     as the optimizer step saw it."""
     from vlm.train.distributed import init_distributed
@@ -141,7 +141,7 @@ def engine_for(model: torch.nn.Module, K: int):
 
     init_distributed()
     engine = initialize(model, torch.optim.SGD(model.parameters(), lr=0.0), {
-        "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": K, "train_batch_size": K,
+        "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": micro, "train_batch_size": micro,
         "gradient_clipping": 0.0, "zero_optimization": {"stage": 0}, "bf16": {"enabled": False},
         "steps_per_print": 10 ** 12, "zero_allow_untested_optimizer": True})
     engine.grads = {}
@@ -157,24 +157,24 @@ def engine_for(model: torch.nn.Module, K: int):
 
 # ------------------------------------------------------------------ DLCM global parser
 def test_global_parser_with_gradient_accumulation_gives_one_big_batch_gradient():
-    """K = 3 micro-batches with the global parser and a non-zero ratio-loss weight: the summed gradient equals
+    """Three micro-batches with the global parser and a non-zero ratio-loss weight: the summed gradient equals
     that of one batch holding all rows with the same boundaries (DLCM eq. 8-10). It needs the statistics pass
     to draw each micro-batch's own boundary samples (same seeds as its real pass) and the ratio loss weighted
-    K x W (each micro-batch's part of the global loss is summed, not averaged)."""
+    micro x ranks (each micro-batch's part of the global loss is summed, not averaged)."""
     from vlm.train.global_parser import GlobalParser, install
     from vlm.train.step import train_step
 
-    K, R, weight = 3, 4.0, 0.5       # R = 4 while F starts near 1/2: the ratio loss's gradient is far from 0
+    micro, R, weight = 3, 4.0, 0.5   # R = 4 while F starts near 1/2: the ratio loss's gradient is far from 0
     model = tiny_lm(target_ratio=R, ratio_loss_weight=weight)
     reference = copy.deepcopy(model)
-    window = micro_batches(K)
-    engine = engine_for(model, K)
+    window = micro_batches(micro)
+    engine = engine_for(model, micro)
     parser = GlobalParser(all_reduce=lambda t: t.clone())
     install(model, parser)
     drawn = []
     res = train_step(engine, window, 0, seed=7, rank=0, world_size=1, parser=parser,
                      device=torch.device("cpu"), loss_hook=lambda out, k: drawn.append(out.chunks.b_BT) or out)
-    assert res.applied and len(drawn) == K
+    assert res.applied and len(drawn) == micro
     big = reference(cat_rows(window), force=torch.cat(drawn))
     F_ = float(big.chunks.b_BT.sum() / (cat_rows(window).doc_ids >= 0).sum())
     assert abs(F_ - 1 / R) > 0.1
@@ -195,7 +195,7 @@ def test_topk_threshold_moves_once_per_optimizer_step_from_the_real_passes():
     from vlm.train.global_parser import GlobalParser, install
     from vlm.train.step import train_step
 
-    K, R = 2, 3.0
+    micro, R = 2, 3.0
     model = tiny_lm(router="topk", target_ratio=R)
     chunker = model.chunker
     seen = []
@@ -207,20 +207,20 @@ def test_topk_threshold_moves_once_per_optimizer_step_from_the_real_passes():
         return real(w_BT, doc_BT)
 
     chunker.topk_boundaries = spy
-    engine = engine_for(model, K)
+    engine = engine_for(model, micro)
     parser = GlobalParser(all_reduce=lambda t: t.clone())
     install(model, parser)
     before = float(chunker.threshold)
-    train_step(engine, micro_batches(K), 0, seed=0, rank=0, world_size=1, parser=parser,
+    train_step(engine, micro_batches(micro), 0, seed=0, rank=0, world_size=1, parser=parser,
                device=torch.device("cpu"))
     real_q = [q for grad, q in seen if grad]
-    assert len(real_q) == K and len(seen) == 2 * K           # the statistics pass ran too
+    assert len(real_q) == micro and len(seen) == 2 * micro           # the statistics pass ran too
     want = 0.9 * before + 0.1 * float(torch.stack(real_q).mean())
     assert float(chunker.threshold) == pytest.approx(want, rel=1e-6, abs=1e-7)
     assert float(chunker.quantile_accum.abs().sum()) == 0
 
     # a skipped (non-finite) step moves nothing and leaves nothing behind for the next one
-    res = train_step(engine, micro_batches(K), 1, seed=0, rank=0, world_size=1, parser=parser,
+    res = train_step(engine, micro_batches(micro), 1, seed=0, rank=0, world_size=1, parser=parser,
                      device=torch.device("cpu"),
                      loss_hook=lambda out, k: dataclasses.replace(out, loss=out.loss + float("nan")))
     assert not res.applied

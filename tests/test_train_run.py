@@ -146,7 +146,7 @@ def test_global_parser_drives_the_chunker(tiny_data, load_tiny, tiny_config):
     tok = sum(s["tokens/all"] for s in stats)
     bnd = sum(s["boundaries/all"] for s in stats)
     psum = sum(s["boundary_p/all"] * s["tokens/all"] for s in stats)
-    assert parser.calls == 2 and parser.total_K3[0, 2].item() == pytest.approx(tok)
+    assert parser.calls == 2 and parser.total_Z3[0, 2].item() == pytest.approx(tok)
     expected = ratio_loss(torch.tensor(bnd / tok), torch.tensor(psum / tok), cfg.model.chunk.target_ratio)
     for out in outs:
         assert out.ratio_loss.item() == pytest.approx(expected.item(), rel=1e-5)

@@ -231,9 +231,9 @@ def test_conv_stem_is_a_convolution_over_each_whole_image():
 
     enc = _encoder(stem="conv")
     patches, coords = _images()
-    P, C, G = _packed(patches, coords, GRIDS)
+    packed, where, grids = _packed(patches, coords, GRIDS)
     with torch.no_grad():
-        got = enc.patch_embed(P, build_layout(C, G, 2))
+        got = enc.patch_embed(packed, build_layout(where, grids, 2))
         want = []
         for p, (r, c) in zip(patches, GRIDS):
             img = torch.nn.functional.pad(unpatchify(p, (r, c), 4)[None], (4, 4, 4, 4))   # [1, 3, r*4+8, c*4+8]
@@ -242,8 +242,8 @@ def test_conv_stem_is_a_convolution_over_each_whole_image():
             want.append(grid.permute(1, 2, 0).reshape(r * c, -1))
     torch.testing.assert_close(got, torch.cat(want), atol=1e-5, rtol=1e-5)
     # a border-crossing kernel: changing one patch's pixels moves its neighbour's vector too
-    changed = P.clone()
+    changed = packed.clone()
     changed[0] += 1.0
     with torch.no_grad():
-        moved = enc.patch_embed(changed, build_layout(C, G, 2))
+        moved = enc.patch_embed(changed, build_layout(where, grids, 2))
     assert not torch.allclose(moved[1], got[1])

@@ -118,12 +118,12 @@ def test_factorisation_is_the_least_squares_fit():
     g = torch.randn(3, 5, 2, generator=torch.Generator().manual_seed(0))
     row, col, err = factorise_pos_embed(g)
     # Design matrix of grid[r, c] = a[r] + b[c]; lstsq gives the optimal residual to compare with.
-    A = torch.zeros(15, 8)
+    lhs = torch.zeros(15, 8)
     for r in range(3):
         for c in range(5):
-            A[r * 5 + c, r] = A[r * 5 + c, 3 + c] = 1
-    sol = torch.linalg.lstsq(A, g.reshape(15, 2), driver="gelsd").solution
-    best = (A @ sol - g.reshape(15, 2)).norm() / g.norm()
+            lhs[r * 5 + c, r] = lhs[r * 5 + c, 3 + c] = 1
+    sol = torch.linalg.lstsq(lhs, g.reshape(15, 2), driver="gelsd").solution
+    best = (lhs @ sol - g.reshape(15, 2)).norm() / g.norm()
     assert abs(err - float(best)) < 1e-5 and err > 0.1
     assert torch.equal(resample_table(torch.arange(3.0)[:, None], 5, "copy")[:, 0], torch.tensor([0, 1, 2, 2, 2.0]))
     assert torch.allclose(resample_table(torch.arange(3.0)[:, None], 5, "interpolate")[:, 0],
@@ -191,12 +191,12 @@ class _FakeTimm:
     wrapper's own work: patch layout conversion, unpadding, raster reordering and the merge. Each patch's
     feature is a linear map of its pixels plus its image's mean, so any cross-image mixing would show."""
 
-    def __init__(self, weight_DK: torch.Tensor):
-        self.weight_DK = weight_DK    # acts on (c, ph, pw)-flattened patches
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight    # acts on (c, ph, pw)-flattened patches
 
     def create_model(self, name, pretrained=False, num_classes=0, **kw):
         assert pretrained is False
-        w, naflex = self.weight_DK, name.startswith("naflexvit")
+        w, naflex = self.weight, name.startswith("naflexvit")
 
         class Model(torch.nn.Module):
             num_prefix_tokens, num_features = 1, w.shape[0]

@@ -96,7 +96,7 @@ def test_tiny_training_lowers_loss():
         chans = x.view(len(x), 3, 16).mean(-1)
         lay = tower.encoder.layout(rc, g)
         target = torch.zeros(lay.num_tokens, 3)
-        target.index_add_(0, lay.token_index_V, chans / 4)
+        target.index_add_(0, lay.token_index_N, chans / 4)
         return (x, rc, g), target
 
     losses = []

@@ -87,24 +87,24 @@ def choose_grid(height: int, width: int, cfg: ImageProcessorConfig) -> tuple[int
     r0, c0 = max(height / unit, 1.0), max(width / unit, 1.0)
     area = min(max(r0 * c0, min_u), max_u)
     aspect = r0 / c0
-    n_U = np.arange(1, max_u + 1, dtype=np.float64)
+    u = np.arange(1, max_u + 1, dtype=np.float64)   # side lengths, in units
 
-    def fit(other_U: np.ndarray, ideal_U: np.ndarray) -> np.ndarray:
-        """Clamp a side length into what the budget allows next to `other_U` (nan where nothing fits)."""
-        lo_U, hi_U = np.maximum(np.ceil(min_u / other_U), 1.0), np.floor(max_u / other_U)
-        out_U = np.minimum(np.maximum(ideal_U, lo_U), hi_U)
-        return np.where(lo_U <= hi_U, out_U, np.nan)
+    def fit(other: np.ndarray, ideal: np.ndarray) -> np.ndarray:
+        """Clamp a side length into what the budget allows next to `other` (nan where nothing fits)."""
+        lo, hi = np.maximum(np.ceil(min_u / other), 1.0), np.floor(max_u / other)
+        out = np.minimum(np.maximum(ideal, lo), hi)
+        return np.where(lo <= hi, out, np.nan)
 
     # Candidates driven by each side in turn (floor and ceil of the ideal other side), so that the
     # choice is the same for an image and its transpose.
-    rows_K = np.concatenate([n_U, n_U, fit(n_U, np.floor(n_U * aspect)), fit(n_U, np.ceil(n_U * aspect))])
-    cols_K = np.concatenate([fit(n_U, np.floor(n_U / aspect)), fit(n_U, np.ceil(n_U / aspect)), n_U, n_U])
+    rows = np.concatenate([u, u, fit(u, np.floor(u * aspect)), fit(u, np.ceil(u * aspect))])
+    cols = np.concatenate([fit(u, np.floor(u / aspect)), fit(u, np.ceil(u / aspect)), u, u])
     # Squared log errors: with absolute values whole runs of grids tie exactly, and then which one wins
     # depends on the scan order (an image and its transpose would get different grids).
-    score_K = np.log(rows_K / cols_K / aspect) ** 2 + np.log(rows_K * cols_K / area) ** 2
-    score_K = np.round(np.where(np.isnan(score_K), np.inf, score_K), 12)
-    best = int(np.lexsort((-rows_K * cols_K, score_K))[0])   # ties: the larger grid
-    return int(rows_K[best]) * cfg.merge, int(cols_K[best]) * cfg.merge
+    score = np.log(rows / cols / aspect) ** 2 + np.log(rows * cols / area) ** 2
+    score = np.round(np.where(np.isnan(score), np.inf, score), 12)
+    best = int(np.lexsort((-rows * cols, score))[0])   # ties: the larger grid
+    return int(rows[best]) * cfg.merge, int(cols[best]) * cfg.merge
 
 
 def to_rgb(img: Image.Image) -> Image.Image:

@@ -134,23 +134,23 @@ class ConvStem(nn.Module):
 
     def forward(self, patches_PD: torch.Tensor, layout: PackLayout) -> torch.Tensor:
         p, P = self.patch_size, patches_PD.shape[0]
-        idx = layout.valid_index_V
-        img_V, rc_V2 = layout.image_ids_P[idx], layout.coords_P2[idx]
+        idx = layout.valid_index_N
+        img_N, rc_N2 = layout.image_ids_P[idx], layout.coords_P2[idx]
         # A one-patch zero margin around every image: the cells just outside it then hold the stem's response to
         # the image's edge, the same whether the image is packed with larger ones or alone. (Zeroing them instead
         # made image-text loss ~6 % worse at 600 steps: the grid conv uses the border.)
         rows, cols = layout.grid_max[0] + 2, layout.grid_max[1] + 2
-        r_V, c_V = rc_V2[:, 0] + 1, rc_V2[:, 1] + 1
+        r_N, c_N = rc_N2[:, 0] + 1, rc_N2[:, 1] + 1
         I = len(layout.sizes)
         w = self.convs[0].weight
         canvas = patches_PD.new_zeros(I, rows, cols, 3, p, p, dtype=w.dtype)
-        canvas[img_V, r_V, c_V] = patches_PD[idx].to(w.dtype).view(-1, 3, p, p)
+        canvas[img_N, r_N, c_N] = patches_PD[idx].to(w.dtype).view(-1, 3, p, p)
         pixels_I3HW = canvas.permute(0, 3, 1, 4, 2, 5).reshape(I, 3, rows * p, cols * p)
-        feats_IDRC = self.grid_conv(F.gelu(self.convs(pixels_I3HW)))
-        out_VD = feats_IDRC.permute(0, 2, 3, 1)[img_V, r_V, c_V]
+        feats_IDHW = self.grid_conv(F.gelu(self.convs(pixels_I3HW)))
+        out_ND = feats_IDHW.permute(0, 2, 3, 1)[img_N, r_N, c_N]
         if not layout.has_padding:
-            return out_VD
-        return out_VD.new_zeros(P, out_VD.shape[1]).index_copy(0, idx, out_VD)
+            return out_ND
+        return out_ND.new_zeros(P, out_ND.shape[1]).index_copy(0, idx, out_ND)
 
 
 class Attention(nn.Module):
@@ -163,12 +163,12 @@ class Attention(nn.Module):
     def forward(self, x_PD: torch.Tensor, layout: PackLayout, kernel: str, mask_PP: torch.Tensor | None,
                 rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         P, D = x_PD.shape
-        qkv_3HPd = self.qkv(x_PD).view(P, 3, self.heads, self.head_dim).permute(1, 2, 0, 3)
-        q_HPd, k_HPd, v_HPd = qkv_3HPd.unbind(0)
+        qkv_3QPd = self.qkv(x_PD).view(P, 3, self.heads, self.head_dim).permute(1, 2, 0, 3)
+        q_QPd, k_JPd, v_JPd = qkv_3QPd.unbind(0)
         if rope is not None:
-            q_HPd, k_HPd = apply_rope(q_HPd, *rope), apply_rope(k_HPd, *rope)
-        out_HPd = packed_attention(q_HPd, k_HPd, v_HPd, layout, kernel, mask_PP)
-        return self.proj(out_HPd.transpose(0, 1).reshape(P, D))
+            q_QPd, k_JPd = apply_rope(q_QPd, *rope), apply_rope(k_JPd, *rope)
+        out_QPd = packed_attention(q_QPd, k_JPd, v_JPd, layout, kernel, mask_PP)
+        return self.proj(out_QPd.transpose(0, 1).reshape(P, D))
 
 
 class Mlp(nn.Module):
@@ -220,12 +220,12 @@ class Merger(nn.Module):
         elif kind == "linear":
             self.fc = nn.Linear(in_dim, out_dim)
 
-    def forward(self, x_NM: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_ND: torch.Tensor) -> torch.Tensor:
         if self.kind == "mlp":
-            return self.fc2(F.gelu(self.fc1(x_NM)))
+            return self.fc2(F.gelu(self.fc1(x_ND)))
         if self.kind == "linear":
-            return self.fc(x_NM)
-        return x_NM
+            return self.fc(x_ND)
+        return x_ND
 
 
 class NaViTEncoder(nn.Module):

@@ -22,14 +22,14 @@ class PackLayout:
     image_ids_P: torch.Tensor    # [P] long, image index of each patch, -1 for padding
     coords_P2: torch.Tensor      # [P, 2] long, (row, col); padding rows are set to 0
     valid_P: torch.Tensor        # [P] bool
-    token_index_V: torch.Tensor  # [V] long, merged-token index of each valid patch (V = valid patches)
-    sub_index_V: torch.Tensor    # [V] long, position inside its merge x merge block (raster order)
+    token_index_N: torch.Tensor  # [N] long, merged-token index of each valid patch (N = valid patches)
+    sub_index_N: torch.Tensor    # [N] long, position inside its merge x merge block (raster order)
     cu_seqlens: torch.Tensor     # [I+1] int32, patch offsets per image when padding is absent
-    num_tokens: int              # N = sum over images of (rows//merge)*(cols//merge)
+    num_tokens: int              # sum over images of (rows//merge)*(cols//merge)
     max_patches: int             # largest image in patches (for varlen kernels)
     merge: int
     has_padding: bool
-    valid_index_V: torch.Tensor  # [V] long, positions of the valid patches (image 0's first)
+    valid_index_N: torch.Tensor  # [N] long, positions of the valid patches (image 0's first)
     sizes: list[int]             # patches per image (python ints, for splitting)
     grid_max: tuple[int, int]    # largest rows and largest cols over the images (a canvas that holds any of them)
 
@@ -59,27 +59,27 @@ def build_layout(coords_P2: torch.Tensor, image_grids_I2: torch.Tensor, merge: i
     if n_valid != int(sizes_I.sum()):
         raise ValueError(f"{n_valid} valid patches but the image grids {grids.tolist()} need {int(sizes_I.sum())}")
 
-    ids_V = torch.repeat_interleave(torch.arange(len(grids), device=device), sizes_I)
+    ids_N = torch.repeat_interleave(torch.arange(len(grids), device=device), sizes_I)
     image_ids_P = torch.full((P,), -1, dtype=torch.long, device=device)
-    image_ids_P[valid] = ids_V
+    image_ids_P[valid] = ids_N
     coords = torch.where(valid[:, None], coords_P2.to(torch.long), torch.zeros_like(coords_P2, dtype=torch.long))
 
-    rc_V2 = coords[valid]
-    g_V2 = grids[ids_V]
-    if bool((rc_V2 < 0).any()) or bool((rc_V2 >= g_V2).any()):
+    rc_N2 = coords[valid]
+    g_N2 = grids[ids_N]
+    if bool((rc_N2 < 0).any()) or bool((rc_N2 >= g_N2).any()):
         raise ValueError("a patch coordinate lies outside its image's grid")
-    cols_m_V = g_V2[:, 1] // merge
+    cols_m_N = g_N2[:, 1] // merge
     tokens_I = (grids[:, 0] // merge) * (grids[:, 1] // merge)
     tok_offset_I = torch.cumsum(tokens_I, 0) - tokens_I
-    token_index_V = tok_offset_I[ids_V] + (rc_V2[:, 0] // merge) * cols_m_V + rc_V2[:, 1] // merge
-    sub_index_V = (rc_V2[:, 0] % merge) * merge + rc_V2[:, 1] % merge
+    token_index_N = tok_offset_I[ids_N] + (rc_N2[:, 0] // merge) * cols_m_N + rc_N2[:, 1] // merge
+    sub_index_N = (rc_N2[:, 0] % merge) * merge + rc_N2[:, 1] % merge
     num_tokens = int(tokens_I.sum())
-    slot_V = token_index_V * merge * merge + sub_index_V
-    if n_valid and int(torch.bincount(slot_V, minlength=num_tokens * merge * merge).max()) != 1:
+    slot_N = token_index_N * merge * merge + sub_index_N
+    if n_valid and int(torch.bincount(slot_N, minlength=num_tokens * merge * merge).max()) != 1:
         raise ValueError("patch coordinates repeat inside an image: each (row, col) must appear exactly once")
     cu = torch.zeros(len(grids) + 1, dtype=torch.int32, device=device)
     cu[1:] = torch.cumsum(sizes_I, 0)
-    return PackLayout(image_ids_P, coords, valid, token_index_V, sub_index_V, cu, num_tokens,
+    return PackLayout(image_ids_P, coords, valid, token_index_N, sub_index_N, cu, num_tokens,
                       int(sizes_I.max()) if len(grids) else 0, merge, n_valid != P,
                       torch.nonzero(valid).squeeze(1), sizes_I.tolist(),
                       tuple(grids.max(0).values.tolist()) if len(grids) else (0, 0))
@@ -114,33 +114,33 @@ def pick_backend(x: torch.Tensor, layout: PackLayout, backend: str) -> str:
     return "dense" if x.is_cuda else "per_image"
 
 
-def packed_attention(q_HPd: torch.Tensor, k_HPd: torch.Tensor, v_HPd: torch.Tensor, layout: PackLayout,
+def packed_attention(q_QPd: torch.Tensor, k_JPd: torch.Tensor, v_JPd: torch.Tensor, layout: PackLayout,
                      kernel: str, mask_PP: torch.Tensor | None = None) -> torch.Tensor:
-    """Non-causal attention restricted to each image (block-diagonal). Returns [H, P, d].
+    """Non-causal attention restricted to each image (block-diagonal). Returns [Q, P, d].
 
     `kernel` comes from `pick_backend`; every kernel gives the same numbers on valid positions.
     """
     if kernel == "single":
-        return F.scaled_dot_product_attention(q_HPd, k_HPd, v_HPd)
+        return F.scaled_dot_product_attention(q_QPd, k_JPd, v_JPd)
     if kernel == "flash":
-        out_PHd = _flash_varlen(q_HPd.transpose(0, 1), k_HPd.transpose(0, 1), v_HPd.transpose(0, 1),
+        out_PQd = _flash_varlen(q_QPd.transpose(0, 1), k_JPd.transpose(0, 1), v_JPd.transpose(0, 1),
                                 layout.cu_seqlens, layout.cu_seqlens, layout.max_patches, layout.max_patches,
                                 causal=False)
-        return out_PHd.transpose(0, 1)
+        return out_PQd.transpose(0, 1)
     if kernel == "dense":
         if mask_PP is None:
             mask_PP = block_mask(layout.image_ids_P)
-        return F.scaled_dot_product_attention(q_HPd[None], k_HPd[None], v_HPd[None], attn_mask=mask_PP)[0]
+        return F.scaled_dot_product_attention(q_QPd[None], k_JPd[None], v_JPd[None], attn_mask=mask_PP)[0]
     # per_image: gather each image's valid positions, attend inside it, scatter back (padding -> 0).
-    idx = layout.valid_index_V
-    qs = q_HPd[:, idx].split(layout.sizes, dim=1)
-    ks = k_HPd[:, idx].split(layout.sizes, dim=1)
-    vs = v_HPd[:, idx].split(layout.sizes, dim=1)
-    out_HVd = torch.cat([F.scaled_dot_product_attention(q, k, v) for q, k, v in zip(qs, ks, vs)], dim=1)
+    idx = layout.valid_index_N
+    qs = q_QPd[:, idx].split(layout.sizes, dim=1)
+    ks = k_JPd[:, idx].split(layout.sizes, dim=1)
+    vs = v_JPd[:, idx].split(layout.sizes, dim=1)
+    out_QNd = torch.cat([F.scaled_dot_product_attention(q, k, v) for q, k, v in zip(qs, ks, vs)], dim=1)
     if not layout.has_padding:
-        return out_HVd
-    out = torch.zeros_like(q_HPd)
-    out[:, idx] = out_HVd
+        return out_QNd
+    out = torch.zeros_like(q_QPd)
+    out[:, idx] = out_QNd
     return out
 
 
@@ -152,5 +152,5 @@ def merge_patches(x_PD: torch.Tensor, layout: PackLayout) -> torch.Tensor:
     """
     m2 = layout.merge ** 2
     out = x_PD.new_zeros(layout.num_tokens, m2, x_PD.shape[1])
-    out[layout.token_index_V, layout.sub_index_V] = x_PD[layout.valid_P]
+    out[layout.token_index_N, layout.sub_index_N] = x_PD[layout.valid_P]
     return out.reshape(layout.num_tokens, m2 * x_PD.shape[1])

@@ -46,9 +46,9 @@ class Rope2D(nn.Module):
         return emb_Pd.cos(), emb_Pd.sin()
 
 
-def apply_rope(x_HPd: torch.Tensor, cos_Pd: torch.Tensor, sin_Pd: torch.Tensor) -> torch.Tensor:
+def apply_rope(x_QPd: torch.Tensor, cos_Pd: torch.Tensor, sin_Pd: torch.Tensor) -> torch.Tensor:
     """Rotate-half RoPE, computed in float32 and cast back."""
-    x = x_HPd.float()
+    x = x_QPd.float()
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
-    return (x * cos_Pd + rotated * sin_Pd).to(x_HPd.dtype)
+    return (x * cos_Pd + rotated * sin_Pd).to(x_QPd.dtype)

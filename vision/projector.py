@@ -51,12 +51,12 @@ class Projector(nn.Module):
         if cfg.frac_pos:
             self.frac_fc = nn.Linear(4 * cfg.frac_pos, out_dim, bias=False)
 
-    def forward(self, x_NV: torch.Tensor, token_grids_I2: torch.Tensor | None = None) -> torch.Tensor:
-        """x_NV: every image's tokens, image by image, each in raster order of its merged grid, whose
+    def forward(self, x_ND: torch.Tensor, token_grids_I2: torch.Tensor | None = None) -> torch.Tensor:
+        """x_ND: every image's tokens, image by image, each in raster order of its merged grid, whose
         (rows, cols) are `token_grids_I2` (needed with grid_pos and frac_pos)."""
-        if x_NV.shape[-1] != self.in_dim:
-            raise ValueError(f"projector expects {self.in_dim} features, got {x_NV.shape[-1]}")
-        y_ND = self.fc(x_NV) if self.cfg.kind == "linear" else self.fc2(F.gelu(self.fc1(x_NV)))
+        if x_ND.shape[-1] != self.in_dim:
+            raise ValueError(f"projector expects {self.in_dim} features, got {x_ND.shape[-1]}")
+        y_ND = self.fc(x_ND) if self.cfg.kind == "linear" else self.fc2(F.gelu(self.fc1(x_ND)))
         if self.cfg.grid_pos:
             row_N, col_N = token_rows_cols(token_grids_I2)
             if int(max(row_N.max(), col_N.max())) >= self.cfg.grid_pos:
@@ -75,8 +75,8 @@ def fraction_features(token_grids_I2: torch.Tensor, n_freq: int) -> torch.Tensor
     n_I = token_grids_I2[:, 0].long() * token_grids_I2[:, 1].long()
     size_N2 = torch.repeat_interleave(token_grids_I2.long(), n_I, dim=0).float()
     yx_N2 = (torch.stack([row_N, col_N], 1).float() + 0.5) / size_N2
-    angle_N2F = yx_N2[:, :, None] * (torch.pi * 2.0 ** torch.arange(n_freq, device=yx_N2.device))
-    return torch.cat([angle_N2F.sin(), angle_N2F.cos()], -1).flatten(1)
+    angle_N2f = yx_N2[:, :, None] * (torch.pi * 2.0 ** torch.arange(n_freq, device=yx_N2.device))
+    return torch.cat([angle_N2f.sin(), angle_N2f.cos()], -1).flatten(1)
 
 
 def token_rows_cols(token_grids_I2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -84,12 +84,12 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     return hf_vision_to_timm(out) if is_hf_vision_layout(out) else out
 
 
-def factorise_pos_embed(grid_hwD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
+def factorise_pos_embed(grid_HWD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
     """Least-squares additive fit grid[r, c] ~ row[r] + col[c]; returns (row, col, relative L2 error).
 
     The optimum is row = row-mean - mean/2, col = col-mean - mean/2 (the overall mean split evenly).
     """
-    g = grid_hwD.float()
+    g = grid_HWD.float()
     mu = g.mean(dim=(0, 1))
     row, col = g.mean(dim=1) - mu / 2, g.mean(dim=0) - mu / 2
     fit = row[:, None] + col[None, :]
@@ -97,21 +97,21 @@ def factorise_pos_embed(grid_hwD: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     return row, col, err
 
 
-def resample_table(table_nD: torch.Tensor, size: int, mode: str) -> torch.Tensor:
-    """Fit a 1D position table to `size` entries.
+def resample_table(table: torch.Tensor, size: int, mode: str) -> torch.Tensor:
+    """Fit a 1D position table ([n, D]) to `size` entries.
 
     copy: entries keep their absolute index (exact for images at the checkpoint's grid), the last entry
     repeats beyond it and a longer table is truncated; interpolate: linear resize of the whole table
     (positions become relative to the table length, as timm does when it resizes for a new resolution).
     """
-    n = table_nD.shape[0]
+    n = table.shape[0]
     if mode == "interpolate":
         if n == size:
-            return table_nD
-        return F.interpolate(table_nD.T[None], size=size, mode="linear", align_corners=True)[0].T
+            return table
+        return F.interpolate(table.T[None], size=size, mode="linear", align_corners=True)[0].T
     if n >= size:
-        return table_nD[:size]
-    return torch.cat([table_nD, table_nD[-1:].expand(size - n, -1)], dim=0)
+        return table[:size]
+    return torch.cat([table, table[-1:].expand(size - n, -1)], dim=0)
 
 
 def _patch_weight(w: torch.Tensor, patch: int, channels_last: bool) -> torch.Tensor | str:
@@ -279,37 +279,37 @@ class TimmBackbone(nn.Module):
     def forward(self, patches_PD, coords_P2, image_grids_I2, valid_P=None):
         layout = build_layout(coords_P2, image_grids_I2, self.merge, valid_P)
         p = self.patch_size
-        x_VD = patches_PD[layout.valid_P]
-        ids_V = layout.image_ids_P[layout.valid_P]
+        x_ND = patches_PD[layout.valid_P]
+        ids_N = layout.image_ids_P[layout.valid_P]
         grids = image_grids_I2.tolist()
         if self.naflex:
-            rank_V = torch.arange(len(ids_V), device=ids_V.device) - layout.cu_seqlens.long()[ids_V]
-            I, L = len(grids), layout.max_patches
+            rank_N = torch.arange(len(ids_N), device=ids_N.device) - layout.cu_seqlens.long()[ids_N]
+            I, P = len(grids), layout.max_patches
             if self.channels_last:
-                x_VD = x_VD.reshape(-1, 3, p, p).permute(0, 2, 3, 1).reshape(len(x_VD), -1)
-            patches = x_VD.new_zeros(I, L, x_VD.shape[1])
-            coords = torch.zeros(I, L, 2, dtype=torch.long, device=x_VD.device)
-            valid = torch.zeros(I, L, dtype=torch.bool, device=x_VD.device)
-            patches[ids_V, rank_V] = x_VD
-            coords[ids_V, rank_V] = layout.coords_P2[layout.valid_P]
-            valid[ids_V, rank_V] = True
+                x_ND = x_ND.reshape(-1, 3, p, p).permute(0, 2, 3, 1).reshape(len(x_ND), -1)
+            patches = x_ND.new_zeros(I, P, x_ND.shape[1])
+            coords = torch.zeros(I, P, 2, dtype=torch.long, device=x_ND.device)
+            valid = torch.zeros(I, P, dtype=torch.bool, device=x_ND.device)
+            patches[ids_N, rank_N] = x_ND
+            coords[ids_N, rank_N] = layout.coords_P2[layout.valid_P]
+            valid[ids_N, rank_N] = True
             feats = self.model.forward_features(patches=patches, patch_coord=coords, patch_valid=valid)
             feats = feats["patches"] if isinstance(feats, dict) else feats
-            feat_VD = feats[:, self.prefix:][ids_V, rank_V]
+            feat_ND = feats[:, self.prefix:][ids_N, rank_N]
         else:
             # Put each image's patches in raster order (inputs may come in any order), run, map back.
-            rc_V2 = layout.coords_P2[layout.valid_P]
-            g_V2 = image_grids_I2.to(rc_V2.device)[ids_V]
-            raster_V = layout.cu_seqlens.long()[ids_V] + rc_V2[:, 0] * g_V2[:, 1] + rc_V2[:, 1]
-            x_sorted = torch.empty_like(x_VD)
-            x_sorted[raster_V] = x_VD
+            rc_N2 = layout.coords_P2[layout.valid_P]
+            g_N2 = image_grids_I2.to(rc_N2.device)[ids_N]
+            raster_N = layout.cu_seqlens.long()[ids_N] + rc_N2[:, 0] * g_N2[:, 1] + rc_N2[:, 1]
+            x_sorted = torch.empty_like(x_ND)
+            x_sorted[raster_N] = x_ND
             outs, start = [], 0
             for rows, cols in grids:   # one image at a time: classic ViTs have no packed attention
                 n = rows * cols
                 img = unpatchify(x_sorted[start:start + n], (rows, cols), p)[None]
                 outs.append(self.model.forward_features(img)[0, self.prefix:])
                 start += n
-            feat_VD = torch.cat(outs)[raster_V]
-        feat_PD = feat_VD.new_zeros(patches_PD.shape[0], feat_VD.shape[1])
-        feat_PD[layout.valid_P] = feat_VD
+            feat_ND = torch.cat(outs)[raster_N]
+        feat_PD = feat_ND.new_zeros(patches_PD.shape[0], feat_ND.shape[1])
+        feat_PD[layout.valid_P] = feat_ND
         return self.merger(merge_patches(feat_PD, layout))

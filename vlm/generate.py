@@ -241,41 +241,41 @@ class ConceptMoEChat:
             raise ValueError("an empty continuation has no likelihood to score")
         images = images or [[] for _ in contexts]
         B, longest = len(contexts), max(len(c) for c in conts)
-        n_BC = torch.tensor([len(c) for c in conts], device=self.device)
-        cont_BC = torch.tensor([c + [0] * (longest - len(c)) for c in conts], device=self.device)
-        real = torch.arange(longest, device=self.device)[None] < n_BC[:, None]
+        n_B = torch.tensor([len(c) for c in conts], device=self.device)
+        cont_BT = torch.tensor([c + [0] * (longest - len(c)) for c in conts], device=self.device)
+        real = torch.arange(longest, device=self.device)[None] < n_B[:, None]
         if use_cache:
-            logits_BCV = self._continuation_logits_cached(contexts, images, cont_BC)
+            logits_BTV = self._continuation_logits_cached(contexts, images, cont_BT)
         else:
             batch = _extend(self.prompt_batch(contexts, images), longest, self.tokenizer.pad_id)
             lengths = (batch.doc_ids >= 0).sum(1)
             r, j = real.nonzero(as_tuple=True)
-            _put(batch, r, lengths[r] + j, cont_BC[r, j])
+            _put(batch, r, lengths[r] + j, cont_BT[r, j])
             out = self.model(batch)
             self._record(summarize(out, batch))
             # Token j of the continuation is predicted at position len(context) + j - 1.
-            pos_BC = (lengths[:, None] + torch.arange(longest, device=self.device)[None] - 1).clamp(
+            pos_BT = (lengths[:, None] + torch.arange(longest, device=self.device)[None] - 1).clamp(
                 max=batch.input_ids.shape[1] - 1)
-            logits_BCV = out.logits[torch.arange(B)[:, None], pos_BC]
-        logp_BCV = torch.log_softmax(logits_BCV.float(), -1)
-        tok_logp = logp_BCV.gather(-1, cont_BC[..., None]).squeeze(-1)
-        greedy = (logp_BCV.argmax(-1) == cont_BC) | ~real
+            logits_BTV = out.logits[torch.arange(B)[:, None], pos_BT]
+        logp_BTV = torch.log_softmax(logits_BTV.float(), -1)
+        tok_logp = logp_BTV.gather(-1, cont_BT[..., None]).squeeze(-1)
+        greedy = (logp_BTV.argmax(-1) == cont_BT) | ~real
         return [(float((tok_logp[i] * real[i]).sum()), bool(greedy[i].all())) for i in range(B)]
 
-    def _continuation_logits_cached(self, contexts, images, cont_BC: torch.Tensor) -> torch.Tensor:
-        """[B, C, V]: the logits predicting each continuation token, from one prefill per distinct context."""
+    def _continuation_logits_cached(self, contexts, images, cont_BT: torch.Tensor) -> torch.Tensor:
+        """[B, T, V]: the logits predicting each continuation token, from one prefill per distinct context."""
         keys = [(c, tuple(_png(im) for im in ims)) for c, ims in zip(contexts, images)]
         slot: dict = {}   # distinct context -> its row in the prefill
         of_pair = torch.tensor([slot.setdefault(k, len(slot)) for k in keys], device=self.device)
         uniq = [keys.index(k) for k in slot]
         prompt = self.prompt_batch([contexts[i] for i in uniq], [images[i] for i in uniq])
-        out, cache = self.model.prefill(prompt, cont_BC.shape[1])
+        out, cache = self.model.prefill(prompt, cont_BT.shape[1])
         self._record(summarize(out, prompt))
         last = (prompt.doc_ids >= 0).sum(1) - 1
         cache = cache.select(of_pair)
         steps = [out.logits[of_pair, last[of_pair]]]
-        for j in range(cont_BC.shape[1] - 1):
-            steps.append(self.model.step(cont_BC[:, j], cache))
+        for j in range(cont_BT.shape[1] - 1):
+            steps.append(self.model.step(cont_BT[:, j], cache))
         return torch.stack(steps, 1)
 
 

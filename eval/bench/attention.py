@@ -9,7 +9,7 @@ defaults: a compiled kernel per shape, no CPU backward) are measured by `vlm ben
 
 Memory: CPU peak memory of torch tensors is not visible to tracemalloc, so the part reports the analytic size
 of the tensors that grow as T^2, per call: the bool mask (B*T^2 bytes) plus the fp32 copy SDPA makes of it
-(aten::where, seen with torch.profiler), the fp32 scores (B*H*T^2*4) for eager, and none for
+(aten::where, seen with torch.profiler), the fp32 scores (B*Q*T^2*4) for eager, and none for
 the per-document and causal calls (CPU flash kernels work in blocks). A backend whose temporaries would
 exceed `max_quadratic_bytes` is skipped at that length and listed.
 """
@@ -46,10 +46,10 @@ SETTINGS = {"full": Settings(),
 def documents(T: int, n: int, seed: int = 0) -> torch.Tensor:
     """[1, T] document ids 0..n-1 of random lengths, each at least T / (4n)."""
     g = torch.Generator().manual_seed(seed)
-    share_N = torch.rand(n, generator=g) + 0.25
-    len_N = (share_N / share_N.sum() * T).long()
-    len_N[-1] += T - int(len_N.sum())
-    return torch.repeat_interleave(torch.arange(n), len_N)[None]
+    share_S = torch.rand(n, generator=g) + 0.25
+    len_S = (share_S / share_S.sum() * T).long()
+    len_S[-1] += T - int(len_S.sum())
+    return torch.repeat_interleave(torch.arange(n), len_S)[None]
 
 
 def per_document(q, k, v, doc_BT):
@@ -59,8 +59,8 @@ def per_document(q, k, v, doc_BT):
     return torch.cat([F.scaled_dot_product_attention(a, b, c, is_causal=True, enable_gqa=True) for a, b, c in parts], 2)
 
 
-def quadratic_bytes(name: str, B: int, H: int, T: int) -> int:
-    return {BASELINE: B * T * T * (1 + 4), "eager": B * T * T + B * H * T * T * 4}.get(name, 0)
+def quadratic_bytes(name: str, B: int, Q: int, T: int) -> int:
+    return {BASELINE: B * T * T * (1 + 4), "eager": B * T * T + B * Q * T * T * 4}.get(name, 0)
 
 
 def backends(doc_BT, mask_B1TT):
@@ -85,13 +85,13 @@ def _timed(fn, q, k, v, g, backward: bool):
 
 
 def run(s: Settings, log=print) -> dict:
-    B, H, KV, d = 1, BASE.num_heads, BASE.num_kv_heads, BASE.head_dim
+    B, Q, J, d = 1, BASE.num_heads, BASE.num_kv_heads, BASE.head_dim
     skipped, out = {}, []
     unavailable = {"flash": "flash-attn varlen kernel: needs the flash-attn package and a CUDA device"}
     for T in s.seq_lens:
         gen = torch.Generator().manual_seed(T)
-        q, g = torch.randn(B, H, T, d, generator=gen), torch.randn(B, H, T, d, generator=gen)
-        k, v = torch.randn(B, KV, T, d, generator=gen), torch.randn(B, KV, T, d, generator=gen)
+        q, g = torch.randn(B, Q, T, d, generator=gen), torch.randn(B, Q, T, d, generator=gen)
+        k, v = torch.randn(B, J, T, d, generator=gen), torch.randn(B, J, T, d, generator=gen)
         doc_BT = documents(T, s.docs_per_row)
         all_fns = backends(doc_BT, packed_mask(doc_BT))
         with torch.no_grad():
@@ -100,7 +100,7 @@ def run(s: Settings, log=print) -> dict:
             backward = mode == "forward+backward"
             fns, extra = {}, {}
             for name, fn in all_fns.items():
-                qb = quadratic_bytes(name, B, H, T)
+                qb = quadratic_bytes(name, B, Q, T)
                 if qb > s.max_quadratic_bytes:
                     skipped[f"{name} at T={T}"] = f"T x T temporaries of {qb / 2**30:.1f} GiB"
                     continue
@@ -116,7 +116,7 @@ def run(s: Settings, log=print) -> dict:
                                                           for r in rs))
     unavailable["flex"] = "FlexAttention: the CUDA default (compiled per shape, no CPU backward): vlm bench gpu"
     return common.result(
-        PART, {**asdict(s), "batch": B, "heads": H, "kv_heads": KV, "head_dim": d}, out,
+        PART, {**asdict(s), "batch": B, "heads": Q, "kv_heads": J, "head_dim": d}, out,
         unavailable={**unavailable, **skipped},
         memory_method="analytic: bytes of the tensors that grow as T^2 in one call (quadratic_temp_bytes); "
                       "tracemalloc does not see torch's CPU allocations",

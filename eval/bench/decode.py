@@ -1,11 +1,11 @@
 """Decode tokens/s and KV-cache bytes of ConceptMoE against its MoE baseline, per context length and batch size.
 
 Every model gets caches filled to the context length (random keys and values: decode cost depends on how much
-is cached, not on what) and then decodes `steps` tokens per round. ConceptMoE's caches hold the context's L/R
+is cached, not on what) and then decodes `steps` tokens per round. ConceptMoE's caches hold the context's T/R
 concepts and its boundaries fire at rate 1/R (forced, as a trained model at realized ratio R does). The step has
 fixed shapes (it can be compiled and captured as a CUDA graph): every row runs the concept model every step and
 the rows whose boundary did not fire keep their caches, so what ConceptMoE saves per step is the concept model's
-shorter attention (L/R cached concepts), not its MoE. Between rounds the caches are rewound to the context (not
+shorter attention (T/R cached concepts), not its MoE. Between rounds the caches are rewound to the context (not
 timed), so every round decodes the same positions. A round's figure is batch * steps / its total time: a
 ConceptMoE step costs more when boundaries fire, and a stream of tokens at ratio R pays the mean over steps.
 """
@@ -40,22 +40,22 @@ SETTINGS = {"full": Settings(),
             "smoke": Settings(contexts=[64], batches=[2], steps=2, repeats=2)}
 
 
-def filled_cache(model: ConceptMoELM, B: int, L: int, ratio: float | None, steps: int, gen) -> InferenceCache:
-    """Caches as a prompt of L tokens (L/R concepts) would leave them, with room for `steps` more."""
+def filled_cache(model: ConceptMoELM, B: int, T: int, ratio: float | None, steps: int, gen) -> InferenceCache:
+    """Caches as a prompt of T tokens (T/R concepts) would leave them, with room for `steps` more."""
     cfg, D = model.cfg, model.cfg.hidden_size
     like = torch.zeros((), dtype=torch.float32)
-    cache = model.allocate_inference_cache(B, L + steps, like)
-    n_concepts = L if ratio is None else max(1, round(L / ratio))
+    cache = model.allocate_inference_cache(B, T + steps, like)
+    n_concepts = T if ratio is None else max(1, round(T / ratio))
     cache.concept = model._caches(cfg.c_kv_heads, len(cfg.concept_schedule), B, n_concepts + steps, like)
     if model.cross:   # DLCM's decoder: one key/value per concept in each cross-attending layer
         cache.cross = model._caches(cfg.num_kv_heads, cfg.num_joint_layers, B, n_concepts + steps, like)
-    filled = [(c, L) for c in cache.encoder + cache.decoder] + [(c, n_concepts) for c in cache.concept + cache.cross]
+    filled = [(c, T) for c in cache.encoder + cache.decoder] + [(c, n_concepts) for c in cache.concept + cache.cross]
     for c, n in filled:
-        c.k_BKSd[:, :, :n].normal_(generator=gen)
-        c.v_BKSd[:, :, :n].normal_(generator=gen)
+        c.k_BJCd[:, :, :n].normal_(generator=gen)
+        c.v_BJCd[:, :, :n].normal_(generator=gen)
         c.len_B.fill_(n)
-    cache.len_B = torch.full((B,), L, dtype=torch.long)
-    cache.used_tokens, cache.used_concepts = L, n_concepts
+    cache.len_B = torch.full((B,), T, dtype=torch.long)
+    cache.used_tokens, cache.used_concepts = T, n_concepts
     if model.chunker is not None:
         cache.chunk = ChunkState(torch.randn(B, D, generator=gen), torch.zeros(B, D), torch.zeros(B, dtype=torch.long),
                                  torch.randn(B, D, generator=gen), torch.full((B,), n_concepts, dtype=torch.long))
@@ -82,22 +82,22 @@ def rewinder(cache: InferenceCache):
     return rewind
 
 
-def decoder(model: ConceptMoELM, B: int, L: int, ratio: float | None, steps: int, seed: int = 0):
-    """A self-timed round of `steps` decode steps from a context of L, and the KV bytes per sequence."""
+def decoder(model: ConceptMoELM, B: int, T: int, ratio: float | None, steps: int, seed: int = 0):
+    """A self-timed round of `steps` decode steps from a context of T, and the KV bytes per sequence."""
     gen = torch.Generator().manual_seed(seed)
-    cache = filled_cache(model, B, L, ratio, steps, gen)
+    cache = filled_cache(model, B, T, ratio, steps, gen)
     kv_bytes = (cache.token_bytes() + cache.concept_bytes() + cache.cross_bytes()) / B
     rewind = rewinder(cache)
-    with torch.no_grad():
-        x_SBD = model.embed(torch.randint(0, model.cfg.vocab_size, (steps, B), generator=gen))
-    fire_SB = torch.rand(steps, B, generator=gen) < (1.0 / ratio if ratio else 1.0)
+    with torch.no_grad():   # each step's input [B, D] and (ConceptMoE) boundaries [B]
+        xs = model.embed(torch.randint(0, model.cfg.vocab_size, (steps, B), generator=gen))
+    fires = torch.rand(steps, B, generator=gen) < (1.0 / ratio if ratio else 1.0)
 
     @torch.no_grad()
     def round_() -> float:
         rewind()
         t0 = time.perf_counter()
         for i in range(steps):   # one step per token is what decoding is
-            model.step(x_SBD[i], cache, force_B=fire_SB[i] if ratio else None)
+            model.step(xs[i], cache, force_B=fires[i] if ratio else None)
         return time.perf_counter() - t0
     return round_, kv_bytes
 
@@ -108,17 +108,17 @@ def run(s: Settings, log=print) -> dict:
     models = {BASELINE: (base, None), **{k: (v, s.ratio) for k, v in reallocate(base, s.ratio).items()}}
     built = {name: ConceptMoELM(cfg).eval() for name, (cfg, _) in models.items()}
     out = []
-    for L in s.contexts:
+    for T in s.contexts:
         for B in s.batches:
             fns, kv = {}, {}
             for name, (_, r) in models.items():
-                fns[name], kv[name] = decoder(built[name], B, L, r, s.steps)
+                fns[name], kv[name] = decoder(built[name], B, T, r, s.steps)
             secs = common.measure(fns, s.repeats, s.warmup)
             extra = {n: {"kv_bytes_per_seq": kv[n], "kv_ratio": kv[n] / kv[BASELINE]} for n in models}
-            rs = common.rows(common.per_second(secs, B * s.steps), BASELINE, {"context": L, "batch": B},
+            rs = common.rows(common.per_second(secs, B * s.steps), BASELINE, {"context": T, "batch": B},
                              "decode tokens/s", "tok/s", extra)
             out += rs
-            log(f"  decode L={L} B={B}: " + ", ".join(f"{r['candidate']} x{r['ratio_vs_baseline']:.2f}" for r in rs))
+            log(f"  decode T={T} B={B}: " + ", ".join(f"{r['candidate']} x{r['ratio_vs_baseline']:.2f}" for r in rs))
             del fns
     return common.result(PART, asdict(s), out,
                          notes=["KV bytes per sequence at the context length (fp32 caches); kv_ratio vs the baseline"],

@@ -49,20 +49,20 @@ class LoopReference(torch.nn.Module):
         super().__init__()
         self.top_k = ours.cfg.top_k
         self.router = torch.nn.Parameter(ours.router.weight.detach().clone())
-        self.w_gate_EDH = torch.nn.Parameter(ours.w_gate_EDH.detach().clone())
-        self.w_up_EDH = torch.nn.Parameter(ours.w_up_EDH.detach().clone())
-        self.w_down_EHD = torch.nn.Parameter(ours.w_down_EHD.detach().clone())
+        self.w_gate_EDF = torch.nn.Parameter(ours.w_gate_EDF.detach().clone())
+        self.w_up_EDF = torch.nn.Parameter(ours.w_up_EDF.detach().clone())
+        self.w_down_EFD = torch.nn.Parameter(ours.w_down_EFD.detach().clone())
 
-    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
-        w_TK, e_TK = F.linear(x_TD, self.router).softmax(-1).topk(self.top_k, dim=-1)
-        w_TK = w_TK / w_TK.sum(-1, keepdim=True)
-        out_TD = torch.zeros_like(x_TD)
-        for e in range(self.w_gate_EDH.shape[0]):   # over experts, never over tokens
-            t_N, k_N = (e_TK == e).nonzero(as_tuple=True)
-            x_ND = x_TD[t_N]
-            y_ND = (F.silu(x_ND @ self.w_gate_EDH[e]) * (x_ND @ self.w_up_EDH[e])) @ self.w_down_EHD[e]
-            out_TD = out_TD.index_add(0, t_N, y_ND * w_TK[t_N, k_N, None])
-        return out_TD
+    def forward(self, x_ND: torch.Tensor) -> torch.Tensor:
+        w_NK, e_NK = F.linear(x_ND, self.router).softmax(-1).topk(self.top_k, dim=-1)
+        w_NK = w_NK / w_NK.sum(-1, keepdim=True)
+        out_ND = torch.zeros_like(x_ND)
+        for e in range(self.w_gate_EDF.shape[0]):   # over experts, never over tokens
+            t_A, k_A = (e_NK == e).nonzero(as_tuple=True)
+            x_AD = x_ND[t_A]
+            y_AD = (F.silu(x_AD @ self.w_gate_EDF[e]) * (x_AD @ self.w_up_EDF[e])) @ self.w_down_EFD[e]
+            out_ND = out_ND.index_add(0, t_A, y_AD * w_NK[t_A, k_A, None])
+        return out_ND
 
 
 def hf_block(ours: MoE, implementation: str):
@@ -77,8 +77,8 @@ def hf_block(ours: MoE, implementation: str):
     block = Qwen3MoeSparseMoeBlock(cfg)
     with torch.no_grad():
         block.gate.weight.copy_(ours.router.weight)
-        block.experts.gate_up_proj.copy_(torch.cat([ours.w_gate_EDH, ours.w_up_EDH], dim=2).transpose(1, 2))
-        block.experts.down_proj.copy_(ours.w_down_EHD.transpose(1, 2))
+        block.experts.gate_up_proj.copy_(torch.cat([ours.w_gate_EDF, ours.w_up_EDF], dim=2).transpose(1, 2))
+        block.experts.down_proj.copy_(ours.w_down_EFD.transpose(1, 2))
     return block
 
 
@@ -91,7 +91,7 @@ def _ours(dispatch: str) -> MoE:
 
 
 def candidates() -> tuple[dict[str, callable], dict[str, str]]:
-    """name -> function of x_TD giving y_TD, for every candidate that runs here; and the ones that do not."""
+    """name -> function of x_ND giving y_TD, for every candidate that runs here; and the ones that do not."""
     ours = _ours("auto")
     loop = _ours("loop")
     loop.load_state_dict(ours.state_dict())
@@ -105,7 +105,7 @@ def candidates() -> tuple[dict[str, callable], dict[str, str]]:
     except Exception as e:  # noqa: BLE001 - an older transformers or torch without a CPU grouped_mm
         unavailable["hf experts_implementation='grouped_mm'"] = f"{type(e).__name__}: {e}"[:200]
     probe = torch.zeros(1, ours.dim)
-    auto = "grouped_mm" if grouped_mm_available(probe, ours.w_gate_EDH, ours.w_down_EHD) else "loop"
+    auto = "grouped_mm" if grouped_mm_available(probe, ours.w_gate_EDF, ours.w_down_EFD) else "loop"
     fns[f"ours MoE (dispatch auto: {auto})"] = (ours, lambda x: ours(x)[0])
     if auto != "loop":
         fns["ours MoE (dispatch loop)"] = (loop, lambda x: loop(x)[0])
@@ -114,15 +114,15 @@ def candidates() -> tuple[dict[str, callable], dict[str, str]]:
     return fns, unavailable
 
 
-def _timed(module: torch.nn.Module, fn, x_TD: torch.Tensor, g_TD: torch.Tensor, backward: bool):
+def _timed(module: torch.nn.Module, fn, x_ND: torch.Tensor, g_ND: torch.Tensor, backward: bool):
     def call():
         if not backward:
             with torch.no_grad():
-                fn(x_TD)
+                fn(x_ND)
             return
         module.zero_grad(set_to_none=True)
-        x = x_TD.detach().requires_grad_()
-        (fn(x) * g_TD).sum().backward()
+        x = x_ND.detach().requires_grad_()
+        (fn(x) * g_ND).sum().backward()
     return call
 
 
@@ -132,13 +132,13 @@ def run(s: Settings, log=print) -> dict:
     out = []
     for T in s.tokens:
         gen = torch.Generator().manual_seed(T)
-        x_TD = torch.randn(T, BASE.hidden_size, generator=gen)
-        g_TD = torch.randn(T, BASE.hidden_size, generator=gen)
+        x_ND = torch.randn(T, BASE.hidden_size, generator=gen)
+        g_ND = torch.randn(T, BASE.hidden_size, generator=gen)
         with torch.no_grad():
-            ref_TD = fns[ours_name][1](x_TD)
-            diff = {n: {"max_abs_diff_vs_ours": float((f(x_TD) - ref_TD).abs().max())} for n, (_, f) in fns.items()}
+            ref_ND = fns[ours_name][1](x_ND)
+            diff = {n: {"max_abs_diff_vs_ours": float((f(x_ND) - ref_ND).abs().max())} for n, (_, f) in fns.items()}
         for mode in s.modes:
-            timed = {n: _timed(m, f, x_TD, g_TD, mode == "forward+backward") for n, (m, f) in fns.items()}
+            timed = {n: _timed(m, f, x_ND, g_ND, mode == "forward+backward") for n, (m, f) in fns.items()}
             secs = common.measure(timed, s.repeats, s.warmup)
             rs = common.rows(common.per_second(secs, T), BASELINE, {"mode": mode, "tokens": T}, "tokens/s",
                              "tok/s", diff)

@@ -126,7 +126,7 @@ def flash_layout(doc_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]
 def _varlen(q, k, v, layout, causal, window=0, kernel: str = "flash"):
     """The packed rows' real tokens as one varlen batch of documents through flash-attn's kernel ("flash") or
     PyTorch's own (`torch.nn.attention.varlen`, "varlen"); padding comes out as 0."""
-    B, H, T, d = q.shape
+    B, Q, T, d = q.shape
     valid_N, cu, longest = layout
     pick = lambda x: x.transpose(1, 2).flatten(0, 1).index_select(0, valid_N)  # noqa: E731  [N, heads, d]
     # both take (left, right) windows: causal is (-1, 0); a window of w keys is w - 1 to the left
@@ -136,9 +136,9 @@ def _varlen(q, k, v, layout, causal, window=0, kernel: str = "flash"):
                                      window_size=(left, 0) if window else (-1, -1))
     else:
         out = varlen_attn(pick(q), pick(k), pick(v), cu, cu, longest, longest,
-                          window_size=(left, 0 if causal else -1), enable_gqa=k.shape[1] != H)
-    full = q.new_zeros(B * T, H, d).index_copy(0, valid_N, out)
-    return full.view(B, T, H, d).transpose(1, 2)
+                          window_size=(left, 0 if causal else -1), enable_gqa=k.shape[1] != Q)
+    full = q.new_zeros(B * T, Q, d).index_copy(0, valid_N, out)
+    return full.view(B, T, Q, d).transpose(1, 2)
 
 
 def document_block_mask(doc_BT: torch.Tensor, causal: bool = True, window: int = 0):
@@ -179,24 +179,24 @@ def _flex():
     return _COMPILED_FLEX
 
 
-def attend(q_BHTd, k_BKTd, v_BKTd, doc_BT, backend: str, mask_B1TT=None, causal: bool = True, window: int = 0):
+def attend(q_BQTd, k_BJTd, v_BJTd, doc_BT, backend: str, mask_B1TT=None, causal: bool = True, window: int = 0):
     """Packed attention; `mask_B1TT` may be passed in to share it across the layers of a stack (it then already
     holds the sliding `window`; per backend it is the flash layout, the document segments or the BlockMask)."""
     if backend in ("flash", "varlen"):
         layout = mask_B1TT if mask_B1TT is not None else flash_layout(doc_BT)
-        return _varlen(q_BHTd, k_BKTd, v_BKTd, layout, causal, window, backend)
+        return _varlen(q_BQTd, k_BJTd, v_BJTd, layout, causal, window, backend)
     if backend == "docs":
         segments = mask_B1TT if mask_B1TT is not None else doc_segments(doc_BT)
-        return _per_document(q_BHTd, k_BKTd, v_BKTd, doc_BT, segments, causal, window)
+        return _per_document(q_BQTd, k_BJTd, v_BJTd, doc_BT, segments, causal, window)
     if backend == "flex":
         block_mask = mask_B1TT if mask_B1TT is not None else document_block_mask(doc_BT, causal, window)
-        return _flex()(q_BHTd, k_BKTd, v_BKTd, block_mask=block_mask, enable_gqa=k_BKTd.shape[1] != q_BHTd.shape[1])
+        return _flex()(q_BQTd, k_BJTd, v_BJTd, block_mask=block_mask, enable_gqa=k_BJTd.shape[1] != q_BQTd.shape[1])
     if mask_B1TT is None:
         mask_B1TT = packed_mask(doc_BT, causal, window)
     if backend == "eager":
-        return _eager(q_BHTd, k_BKTd, v_BKTd, mask_B1TT)
-    return F.scaled_dot_product_attention(q_BHTd, k_BKTd, v_BKTd, attn_mask=mask_B1TT,
-                                          enable_gqa=k_BKTd.shape[1] != q_BHTd.shape[1])
+        return _eager(q_BQTd, k_BJTd, v_BJTd, mask_B1TT)
+    return F.scaled_dot_product_attention(q_BQTd, k_BJTd, v_BJTd, attn_mask=mask_B1TT,
+                                          enable_gqa=k_BJTd.shape[1] != q_BQTd.shape[1])
 
 
 class Attention(nn.Module):

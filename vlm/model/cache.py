@@ -19,8 +19,8 @@ import torch.nn.functional as F
 class KVCache:
     """Keys and values of one attention layer: [B, kv_heads, capacity, head_dim], `len_B` filled per row."""
 
-    k_BKSd: torch.Tensor
-    v_BKSd: torch.Tensor
+    k_BJCd: torch.Tensor
+    v_BJCd: torch.Tensor
     len_B: torch.Tensor
     window: int = 0          # sliding-window layers read only their last `window` entries
 
@@ -29,68 +29,68 @@ class KVCache:
         z = torch.zeros(B, kv_heads, capacity, head_dim, dtype=dtype, device=device)
         return KVCache(z, z.clone(), torch.zeros(B, dtype=torch.long, device=device), window)
 
-    def fill(self, k_BKTd: torch.Tensor, v_BKTd: torch.Tensor, len_B: torch.Tensor) -> None:
+    def fill(self, k_BJTd: torch.Tensor, v_BJTd: torch.Tensor, len_B: torch.Tensor) -> None:
         """Prefill: the first T positions of every row (positions past `len_B` are padding, never read)."""
-        T = k_BKTd.shape[2]
-        if T > self.k_BKSd.shape[2]:
-            raise ValueError(f"prefill of {T} positions exceeds the cache capacity {self.k_BKSd.shape[2]}")
-        self.k_BKSd[:, :, :T] = k_BKTd
-        self.v_BKSd[:, :, :T] = v_BKTd
+        T = k_BJTd.shape[2]
+        if T > self.k_BJCd.shape[2]:
+            raise ValueError(f"prefill of {T} positions exceeds the cache capacity {self.k_BJCd.shape[2]}")
+        self.k_BJCd[:, :, :T] = k_BJTd
+        self.v_BJCd[:, :, :T] = v_BJTd
         self.len_B.copy_(len_B)
 
-    def write(self, k_BK1d, v_BK1d) -> None:
+    def write(self, k_BJ1d, v_BJ1d) -> None:
         """One new key/value per row at its length, not yet counted. Fixed shapes: every row writes, no host
         synchronisation (room was made before the step: `InferenceCache.make_room`)."""
         rows = torch.arange(self.len_B.shape[0], device=self.len_B.device)
-        self.k_BKSd[rows, :, self.len_B] = k_BK1d[:, :, 0]
-        self.v_BKSd[rows, :, self.len_B] = v_BK1d[:, :, 0]
+        self.k_BJCd[rows, :, self.len_B] = k_BJ1d[:, :, 0]
+        self.v_BJCd[rows, :, self.len_B] = v_BJ1d[:, :, 0]
 
     def advance(self, advance_B: torch.Tensor | None = None) -> None:
         """Count the written entry (for the rows with `advance_B`; None: every row). A row that does not keep it
         overwrites the slot with its next entry."""
         self.len_B.add_(1 if advance_B is None else advance_B.long())
 
-    def append(self, k_BK1d, v_BK1d, advance_B: torch.Tensor | None = None) -> None:
-        self.write(k_BK1d, v_BK1d)
+    def append(self, k_BJ1d, v_BJ1d, advance_B: torch.Tensor | None = None) -> None:
+        self.write(k_BJ1d, v_BJ1d)
         self.advance(advance_B)
 
-    def attend(self, q_BH1d, extra: int = 0) -> torch.Tensor:
+    def attend(self, q_BQ1d, extra: int = 0) -> torch.Tensor:
         """One query per row over that row's filled entries plus `extra` written past them (only the last `window`
         of them if set)."""
         len_B = self.len_B + extra
-        S = self.k_BKSd.shape[2]
-        j_1S = torch.arange(S, device=len_B.device)[None]
-        mask_BS = j_1S < len_B[:, None]
+        C = self.k_BJCd.shape[2]
+        j_1C = torch.arange(C, device=len_B.device)[None]
+        mask_BC = j_1C < len_B[:, None]
         if self.window:
-            mask_BS &= j_1S >= len_B[:, None] - self.window
-        return F.scaled_dot_product_attention(q_BH1d, self.k_BKSd, self.v_BKSd, attn_mask=mask_BS[:, None, None],
-                                              enable_gqa=self.k_BKSd.shape[1] != q_BH1d.shape[1])
+            mask_BC &= j_1C >= len_B[:, None] - self.window
+        return F.scaled_dot_product_attention(q_BQ1d, self.k_BJCd, self.v_BJCd, attn_mask=mask_BC[:, None, None],
+                                              enable_gqa=self.k_BJCd.shape[1] != q_BQ1d.shape[1])
 
-    def append_and_attend(self, q_BH1d, k_BK1d, v_BK1d, advance_B: torch.Tensor | None = None) -> torch.Tensor:
+    def append_and_attend(self, q_BQ1d, k_BJ1d, v_BJ1d, advance_B: torch.Tensor | None = None) -> torch.Tensor:
         """Self-attention of one new position per row: its key/value joins the row's cache and its query attends
         over the row. Rows with `advance_B` False (a concept cache whose boundary did not fire) compute as the others
         do, with fixed shapes, but do not keep the entry; their result is not used."""
-        self.write(k_BK1d, v_BK1d)
-        out = self.attend(q_BH1d, extra=1)
+        self.write(k_BJ1d, v_BJ1d)
+        out = self.attend(q_BQ1d, extra=1)
         self.advance(advance_B)
         return out
 
     def select(self, rows: torch.Tensor) -> "KVCache":
         """A cache of the given rows (repeats allowed: one prefix continued several ways)."""
-        return KVCache(self.k_BKSd[rows], self.v_BKSd[rows], self.len_B[rows], self.window)
+        return KVCache(self.k_BJCd[rows], self.v_BJCd[rows], self.len_B[rows], self.window)
 
     def grow(self, extra: int) -> None:
         """Room for `extra` more positions per row (when a generation runs past the capacity it was given)."""
         pad = lambda t: torch.cat([t, t.new_zeros(*t.shape[:2], extra, t.shape[3])], 2)  # noqa: E731
-        self.k_BKSd, self.v_BKSd = pad(self.k_BKSd), pad(self.v_BKSd)
+        self.k_BJCd, self.v_BJCd = pad(self.k_BJCd), pad(self.v_BJCd)
 
     @property
     def capacity(self) -> int:
-        return self.k_BKSd.shape[2]
+        return self.k_BJCd.shape[2]
 
     def nbytes(self) -> int:
         """Bytes of the filled entries (what a cache of exactly the realized length would hold)."""
-        per_pos = self.k_BKSd.shape[1] * self.k_BKSd.shape[3] * self.k_BKSd.element_size() * 2
+        per_pos = self.k_BJCd.shape[1] * self.k_BJCd.shape[3] * self.k_BJCd.element_size() * 2
         return int(self.len_B.sum()) * per_pos
 
 

@@ -64,7 +64,7 @@ class Chunks(NamedTuple):
     cpos_BM: torch.Tensor      # index of the concept within its document
     cp_BM: torch.Tensor        # p at each concept's boundary
     loss: torch.Tensor         # ratio loss (eq. 4), summed over ratio groups
-    local_stats: torch.Tensor  # [K, 3] (boundaries, sum p, tokens) per ratio group
+    local_stats: torch.Tensor  # [Z, 3] (boundaries, sum p, tokens) per ratio group
     overflow: torch.Tensor     # 0-d: boundaries past their row's concept capacity (concepts not computed)
     # Synergy eq. 3's gate sigmoid(w) at each concept's boundary (topk router); None: the concepts are not gated
     # and eq. 10's STE(sel) multiplies them
@@ -101,7 +101,7 @@ class ChunkModule(nn.Module):
         # folds them in once per optimizer step; False (a module used alone): every training forward moves it
         self.threshold_per_step = False
         self.every = max(2, round(cfg.target_ratio))   # the fixed router's spacing
-        # Global parser (DLCM): maps local [K, 3] sums to global ones (ranks, micro-batches). Set by the trainer.
+        # Global parser (DLCM): maps local [Z, 3] sums to global ones (ranks, micro-batches). Set by the trainer.
         self.stats_hook: Callable[[torch.Tensor], torch.Tensor] | None = None
         # Boundary noise (vlm.model.noise): a pure function of this seed and the position. Unseeded, every
         # training forward draws a fresh seed from torch's RNG; `seed_boundaries` fixes it (a step's passes).
@@ -187,13 +187,13 @@ class ChunkModule(nn.Module):
         self.threshold.copy_(torch.where(s[1] > 0, 0.9 * self.threshold + 0.1 * mean, self.threshold))
         self.quantile_accum.zero_()
 
-    def concept_gate(self, h_RD: torch.Tensor) -> torch.Tensor | None:
+    def concept_gate(self, h_BTD: torch.Tensor) -> torch.Tensor | None:
         """Synergy eq. 3: sigma_i = sigmoid(w_i), w_i (eq. 1) the score of the token that closes the concept; None
         for the other routers (their concepts are not gated; eq. 10's STE(sel) multiplies them instead). Against
         eq. 10's STE on the top-k router: held-out loss 0.9712 vs 0.9718 at step 300, 3 seeds (docs/deviations.md)."""
         if self.cfg.router != "topk":
             return None
-        return torch.sigmoid(self.score(h_RD).squeeze(-1).float())
+        return torch.sigmoid(self.score(h_BTD).squeeze(-1).float())
 
     def ratio_groups(self, valid_BT, modality_BT):
         """Token masks and targets of the ratio losses: one joint group, or one per modality."""
@@ -205,12 +205,12 @@ class ChunkModule(nn.Module):
 
     def compute_ratio_loss(self, p_BT, b_BT, groups, doc_BT=None):
         """Eq. 4 per ratio group over the global batch (the paper), plus with `document_slack` the per-document
-        term (`document_ratio_loss`) of each group. Returns (loss, local [K, 3] sums)."""
-        masks = torch.stack([m for m, _ in groups])                            # [K, B, T]
+        term (`document_ratio_loss`) of each group. Returns (loss, local [Z, 3] sums)."""
+        masks = torch.stack([m for m, _ in groups])                            # [Z, B, T]
         pf = p_BT.float()
-        sum_p = (masks * pf).flatten(1).sum(-1)                                # [K] with grad
+        sum_p = (masks * pf).flatten(1).sum(-1)                                # [Z] with grad
         local = torch.stack([(masks & b_BT).flatten(1).sum(-1).float(), sum_p.detach(),
-                             masks.flatten(1).sum(-1).float()], -1)            # [K, 3]
+                             masks.flatten(1).sum(-1).float()], -1)            # [Z, 3]
         glob = self.stats_hook(local) if self.stats_hook is not None else local
         count = glob[:, 2].clamp_min(1)
         F_ = glob[:, 0] / count

@@ -76,9 +76,9 @@ def hf_state_dict_to_ours(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict
         out[f"{dst}ffn_norm.weight"] = sd[f"{src}post_attention_layernorm.weight"]
         out[f"{dst}moe.router.weight"] = sd[f"{src}mlp.gate.weight"]
         gate_up = sd[f"{src}mlp.experts.gate_up_proj"]            # [E, 2H, D], gate first
-        out[f"{dst}moe.w_gate_EDH"] = gate_up[:, :H].transpose(1, 2).contiguous()
-        out[f"{dst}moe.w_up_EDH"] = gate_up[:, H:].transpose(1, 2).contiguous()
-        out[f"{dst}moe.w_down_EHD"] = sd[f"{src}mlp.experts.down_proj"].transpose(1, 2).contiguous()  # [E, D, H]
+        out[f"{dst}moe.w_gate_EDF"] = gate_up[:, :H].transpose(1, 2).contiguous()
+        out[f"{dst}moe.w_up_EDF"] = gate_up[:, H:].transpose(1, 2).contiguous()
+        out[f"{dst}moe.w_down_EFD"] = sd[f"{src}mlp.experts.down_proj"].transpose(1, 2).contiguous()  # [E, D, H]
     return out
 
 

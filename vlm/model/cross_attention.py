@@ -88,28 +88,28 @@ class ConceptStep:
     fired_B: torch.Tensor        # bool: the rows whose boundary fired (the others keep their caches' lengths)
 
 
-def replicate(x_BKMd: torch.Tensor, cidx_BT: torch.Tensor) -> torch.Tensor:
-    """Eq. 17: concept m's key (or value) at every token position that reads it, [B, K, T, d] (a gather by the
+def replicate(x_BJMd: torch.Tensor, cidx_BT: torch.Tensor) -> torch.Tensor:
+    """Eq. 17: concept m's key (or value) at every token position that reads it, [B, J, T, d] (a gather by the
     dechunk's index psi; `repeat_interleave` by segment lengths in the paper)."""
-    B, K, _, d = x_BKMd.shape
-    idx = cidx_BT.clamp_min(0)[:, None, :, None].expand(B, K, -1, d)
-    return x_BKMd.gather(2, idx)
+    B, J, _, d = x_BJMd.shape
+    idx = cidx_BT.clamp_min(0)[:, None, :, None].expand(B, J, -1, d)
+    return x_BJMd.gather(2, idx)
 
 
-def replicated_cross_attention(q_BHTd, k_BKMd, v_BKMd, mem: ConceptMemory, doc_BT, backend: str) -> torch.Tensor:
+def replicated_cross_attention(q_BQTd, k_BJMd, v_BJMd, mem: ConceptMemory, doc_BT, backend: str) -> torch.Tensor:
     """Eq. 14's attention (before W_O) over replicated concepts with a causal L x L kernel: each token attends to
     the first copies of concepts 0 .. psi(t) of its document, i.e. to each of those concepts exactly once."""
-    d = q_BHTd.shape[-1]
+    d = q_BQTd.shape[-1]
     mask = mem.mask
     if cross_backend(backend, d) != backend:   # built with the memory (ConceptMemory.build)
         backend, mask = cross_backend(backend, d), mem.sdpa_mask
-    k_BKTd, v_BKTd = replicate(k_BKMd, mem.cidx_BT), replicate(v_BKMd, mem.cidx_BT)
-    B, K, T, _ = k_BKTd.shape
-    bias_BKT1 = torch.where(mem.first_BT, 0.0, COPY_SCORE).to(k_BKTd.dtype)[:, None, :, None].expand(B, K, T, 1)
+    k_BJTd, v_BJTd = replicate(k_BJMd, mem.cidx_BT), replicate(v_BJMd, mem.cidx_BT)
+    B, J, T, _ = k_BJTd.shape
+    bias_BJT1 = torch.where(mem.first_BT, 0.0, COPY_SCORE).to(k_BJTd.dtype)[:, None, :, None].expand(B, J, T, 1)
     # the kernel scales by 1 / sqrt(d + 1); this factor makes it eq. 14's 1 / sqrt(d)
-    q1 = torch.cat([q_BHTd, q_BHTd.new_ones(*q_BHTd.shape[:-1], 1)], -1) * math.sqrt((d + 1) / d)
-    k1 = torch.cat([k_BKTd, bias_BKT1], -1)
-    v1 = torch.cat([v_BKTd, v_BKTd.new_zeros(B, K, T, 1)], -1)
+    q1 = torch.cat([q_BQTd, q_BQTd.new_ones(*q_BQTd.shape[:-1], 1)], -1) * math.sqrt((d + 1) / d)
+    k1 = torch.cat([k_BJTd, bias_BJT1], -1)
+    v1 = torch.cat([v_BJTd, v_BJTd.new_zeros(B, J, T, 1)], -1)
     return attend(q1, k1, v1, doc_BT, backend, mask)[..., :d]
 
 
@@ -142,9 +142,9 @@ class CrossAttention(nn.Module):
         v = self.v_proj(c).view(B, M, self.kv, self.hd).transpose(1, 2)
         return (self.k_norm(k) if self.k_norm is not None else k), v
 
-    def out(self, o_BHTd: torch.Tensor) -> torch.Tensor:
-        B, _, T, _ = o_BHTd.shape
-        return self.o_proj(o_BHTd.transpose(1, 2).reshape(B, T, self.h * self.hd))
+    def out(self, o_BQTd: torch.Tensor) -> torch.Tensor:
+        B, _, T, _ = o_BQTd.shape
+        return self.o_proj(o_BQTd.transpose(1, 2).reshape(B, T, self.h * self.hd))
 
     def forward(self, x_BTD, mem: ConceptMemory, doc_BT, backend: str, cache: KVCache | None = None):
         """Eq. 14 without the residual. `cache` (prefill, one document per row): the concepts' keys and values."""

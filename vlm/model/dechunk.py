@@ -67,10 +67,10 @@ class Dechunk(nn.Module):
                 self.residual.weight.copy_(torch.eye(dim))
 
     @staticmethod
-    def ema_step(concept_RD: torch.Tensor, p_R: torch.Tensor, ema_RD: torch.Tensor) -> torch.Tensor:
+    def ema_step(concept_BD: torch.Tensor, p_B: torch.Tensor, ema_BD: torch.Tensor) -> torch.Tensor:
         """Eq. 8 for one new concept per row (fp32, as `ema_scan`): c_m = p_m x_m + (1 - p_m) c_{m-1}."""
-        p = p_R.float()[:, None]
-        return p * concept_RD.float() + (1 - p) * ema_RD
+        p = p_B.float()[:, None]
+        return p * concept_BD.float() + (1 - p) * ema_BD
 
     @staticmethod
     def gated(concepts_BMD: torch.Tensor, ch: Chunks) -> torch.Tensor:

@@ -64,7 +64,7 @@ def ratio_bins(counts_S22: torch.Tensor) -> torch.Tensor:
 
 
 def group_histogram(counts_S22: torch.Tensor, group_S: torch.Tensor, n_groups: int) -> torch.Tensor:
-    """[G, 2, NBINS] document counts per group, modality and ratio bin (documents of group -1 are left out)."""
+    """[Y, 2, X] document counts per kind, modality and ratio bin (documents of group -1 are left out)."""
     bins_S2 = ratio_bins(counts_S22)
     ok = (bins_S2 >= 0) & (group_S[:, None] >= 0) & (group_S[:, None] < n_groups)
     flat = (group_S[:, None].clamp(0, max(n_groups - 1, 0)) * 2 + torch.arange(2, device=group_S.device)) * NBINS \
@@ -83,10 +83,10 @@ def bin_value(i: int) -> float:
     return math.sqrt(EDGES[i] * EDGES[i + 1])
 
 
-def histogram_quantiles(hist_NB, qs=(0.1, 0.5, 0.9)) -> dict[str, float] | None:
+def histogram_quantiles(hist_X, qs=(0.1, 0.5, 0.9)) -> dict[str, float] | None:
     """Quantiles (nearest rank) of the documents a histogram counts, plus their number and the share with no
     concept; None when it counts none."""
-    counts = [float(x) for x in hist_NB]
+    counts = [float(x) for x in hist_X]
     total = sum(counts)
     if total <= 0:
         return None

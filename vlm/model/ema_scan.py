@@ -19,21 +19,21 @@ def segsum(x_L: torch.Tensor) -> torch.Tensor:
 
 def _decays(loga_BM: torch.Tensor, block: int):
     """The scan's weights, which depend on the decays alone (shared by every scan over the same p): within-block
-    [B, C, L, L] exp(segsum), across-block [B, C, C] exp(segsum) and each position's decay since its block began."""
+    [B, U, L, L] exp(segsum), across-block [B, U, U] exp(segsum) and each position's decay since its block began."""
     B, M = loga_BM.shape
-    loga_BCL = loga_BM.view(B, M // block, block)
-    return (torch.exp(segsum(loga_BCL)), torch.exp(segsum(loga_BCL.sum(-1))), torch.exp(loga_BCL.cumsum(-1)))
+    loga_BUL = loga_BM.view(B, M // block, block)
+    return (torch.exp(segsum(loga_BUL)), torch.exp(segsum(loga_BUL.sum(-1))), torch.exp(loga_BUL.cumsum(-1)))
 
 
 def _scan(u_BMD: torch.Tensor, decays) -> torch.Tensor:
     """y_m = u_m + exp(loga_m) y_{m-1} by blocks (fp32 in, fp32 out), with `_decays(loga, block)`."""
-    within_BCLL, across_BCC, decay_BCL = decays
+    within_BULL, across_BUU, decay_BUL = decays
     B, M, D = u_BMD.shape
-    nb, block = decay_BCL.shape[1:]
-    y_BCLD = within_BCLL @ u_BMD.view(B, nb, block, D)                   # within-block contributions
-    state_BCD = across_BCC @ y_BCLD[:, :, -1]                            # true state at the end of each block
-    carry_BCD = F.pad(state_BCD[:, :-1], (0, 0, 1, 0))                   # state entering each block
-    return (y_BCLD + decay_BCL[..., None] * carry_BCD[:, :, None]).reshape(B, M, D)
+    nb, block = decay_BUL.shape[1:]
+    y_BULD = within_BULL @ u_BMD.view(B, nb, block, D)                   # within-block contributions
+    state_BUD = across_BUU @ y_BULD[:, :, -1]                            # true state at the end of each block
+    carry_BUD = F.pad(state_BUD[:, :-1], (0, 0, 1, 0))                   # state entering each block
+    return (y_BULD + decay_BUL[..., None] * carry_BUD[:, :, None]).reshape(B, M, D)
 
 
 def ema_scan(x_BMD: torch.Tensor, p_BM: torch.Tensor, reset_BM: torch.Tensor, block: int = 64) -> torch.Tensor:

@@ -29,6 +29,7 @@ from vision.config import VisionConfig
 from vlm.model.cache import InferenceCache
 from vlm.model.config import ModelConfig
 from vlm.model.layers import positions_in_doc
+from vlm.model.legacy_names import KEY_MAPPING
 from vlm.model.multimodal import ConceptMoEVLM
 from vlm.model.processing import CHAT_TEMPLATE, ConceptMoEImageProcessor, ConceptMoEProcessor
 from vlm.model.weights_check import check_exported_weights, read_config, write_checksums
@@ -98,6 +99,8 @@ class ConceptMoEForCausalLM(PreTrainedModel, GenerationMixin):
             if not isinstance(config, ConceptMoEConfig):
                 config = read_config(path, cls.config_class)
             check_exported_weights(path, config)
+        # exports from before a rename (vlm.model.legacy_names): this loader skips load_state_dict
+        kwargs["key_mapping"] = {**KEY_MAPPING, **(kwargs.get("key_mapping") or {})}
         return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
 
     def save_pretrained(self, save_directory, *args, **kwargs):

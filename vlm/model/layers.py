@@ -57,16 +57,16 @@ def rope_cos_sin(positions_BT: torch.Tensor, head_dim: int, theta: float, dtype:
     """RoPE tables [B, T, head_dim] for arbitrary (per-document) positions, laid out for `apply_rope`: (cos, cos)
     and (-sin, sin) over the two halves. Built once per stack."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions_BT.device, dtype=torch.float32) / head_dim))
-    ang_BTF = positions_BT.float()[..., None] * inv_freq
-    cos, sin = ang_BTF.cos(), ang_BTF.sin()
+    ang_BTf = positions_BT.float()[..., None] * inv_freq
+    cos, sin = ang_BTf.cos(), ang_BTf.sin()
     return torch.cat([cos, cos], -1).to(dtype), torch.cat([-sin, sin], -1).to(dtype)
 
 
-def apply_rope(x_BHTd: torch.Tensor, cos_BTd: torch.Tensor, sin_BTd: torch.Tensor) -> torch.Tensor:
+def apply_rope(x_BQTd: torch.Tensor, cos_BTd: torch.Tensor, sin_BTd: torch.Tensor) -> torch.Tensor:
     """Rotate-half RoPE (the Llama/Qwen layout, so converted checkpoints keep their meaning):
     (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), as x * (cos, cos) + (x2, x1) * (-sin, sin): four kernels."""
-    x1, x2 = x_BHTd.chunk(2, dim=-1)
-    return x_BHTd * cos_BTd[:, None] + torch.cat((x2, x1), dim=-1) * sin_BTd[:, None]
+    x1, x2 = x_BQTd.chunk(2, dim=-1)
+    return x_BQTd * cos_BTd[:, None] + torch.cat((x2, x1), dim=-1) * sin_BTd[:, None]
 
 
 def doc_starts(doc_BT: torch.Tensor) -> torch.Tensor:

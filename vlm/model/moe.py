@@ -17,7 +17,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from vlm.model.config import MoEConfig
-from vlm.model.grouped_mm import grouped_mm
+from vlm.model.legacy_names import rename_legacy_keys
+from vlm.model.moe_dispatch import expert_swiglu, grouped_mm_available, sort_by_group
 
 DispatchMode = Literal["auto", "grouped_mm", "loop"]
 
@@ -37,90 +38,90 @@ def mean_adjugate_per_token(stats: list[MoEStats]) -> torch.Tensor | float:
 
 @dataclass
 class Routing:
-    logits_TE: torch.Tensor       # fp32 router logits
-    scores_TE: torch.Tensor       # unbiased scores rho (eq. 10)
-    experts_TK: torch.Tensor      # selected experts (int64), selected with the bias when enabled (eq. 6)
-    weights_TK: torch.Tensor      # fp32 combine weights, from the unbiased scores
+    logits_NE: torch.Tensor       # fp32 router logits
+    scores_NE: torch.Tensor       # unbiased scores rho (eq. 10)
+    experts_NK: torch.Tensor      # selected experts (int64), selected with the bias when enabled (eq. 6)
+    weights_NK: torch.Tensor      # fp32 combine weights, from the unbiased scores
 
 
 # ----------------------------------------------------------------------------- routing
 
 
-def router_scores(logits_TE: torch.Tensor, kind: str) -> torch.Tensor:
+def router_scores(logits_NE: torch.Tensor, kind: str) -> torch.Tensor:
     """Grove eq. 10: softmax scores rho^(h) or sigmoid scores rho^(sigma) from the router logits."""
     if kind == "softmax":
-        return logits_TE.softmax(dim=-1)
+        return logits_NE.softmax(dim=-1)
     if kind == "sigmoid":
-        return logits_TE.sigmoid()
+        return logits_NE.sigmoid()
     raise ValueError(f"MoEConfig.router: got {kind!r}, allowed values: 'softmax', 'sigmoid', 'grove'")
 
 
-def select_experts(scores_TE: torch.Tensor, bias_E: torch.Tensor | None, top_k: int) -> torch.Tensor:
+def select_experts(scores_NE: torch.Tensor, bias_E: torch.Tensor | None, top_k: int) -> torch.Tensor:
     """Grove eq. 6: argtopk(rho + b). The bias only changes which experts are chosen, never their weights."""
-    biased_TE = scores_TE if bias_E is None else scores_TE + bias_E.to(scores_TE.dtype)
-    return biased_TE.topk(top_k, dim=-1).indices
+    biased_NE = scores_NE if bias_E is None else scores_NE + bias_E.to(scores_NE.dtype)
+    return biased_NE.topk(top_k, dim=-1).indices
 
 
-def combine_weights(scores_TE: torch.Tensor, experts_TK: torch.Tensor, normalise: bool) -> torch.Tensor:
+def combine_weights(scores_NE: torch.Tensor, experts_NK: torch.Tensor, normalise: bool) -> torch.Tensor:
     """Grove eq. 4 / 6 / 9: rho_i of the selected experts, optionally renormalised to sum to 1 per token.
 
     Eq. 9 (router "grove") takes rho^(h)_i, the softmax over all n experts, as it is: the chosen weights sum
     to less than 1. Renormalised softmax weights equal Mixtral's softmax over the selected logits.
     """
-    w_TK = scores_TE.gather(1, experts_TK)
+    w_NK = scores_NE.gather(1, experts_NK)
     if normalise:
-        w_TK = w_TK / w_TK.sum(dim=-1, keepdim=True).clamp_min(1e-20)
-    return w_TK
+        w_NK = w_NK / w_NK.sum(dim=-1, keepdim=True).clamp_min(1e-20)
+    return w_NK
 
 
-def route(logits_TE: torch.Tensor, cfg: MoEConfig, bias_E: torch.Tensor | None) -> Routing:
+def route(logits_NE: torch.Tensor, cfg: MoEConfig, bias_E: torch.Tensor | None) -> Routing:
     """Which experts each token uses and with what weights. softmax / sigmoid routers: argtopk(rho + b) weighed
     by rho (Grove eq. 6). grove router, Grove eq. 9-10: argtopk(rho^(sigma) + b) weighed by rho^(h)."""
-    logits_TE = logits_TE.float()
+    logits_NE = logits_NE.float()
     grove = cfg.router == "grove"
-    scores_TE = router_scores(logits_TE, "softmax" if grove else cfg.router)
+    scores_NE = router_scores(logits_NE, "softmax" if grove else cfg.router)
     # Selection is a discrete choice: no gradient flows through it, only through the gathered scores.
     with torch.no_grad():
-        chooser_TE = router_scores(logits_TE, "sigmoid") if grove else scores_TE
-        experts_TK = select_experts(chooser_TE, bias_E if cfg.loss_free_balancing else None, cfg.top_k)
+        chooser_NE = router_scores(logits_NE, "sigmoid") if grove else scores_NE
+        experts_NK = select_experts(chooser_NE, bias_E if cfg.loss_free_balancing else None, cfg.top_k)
     normalise = cfg.grove_weights == "renormalised" if grove else cfg.norm_topk_prob
-    weights_TK = combine_weights(scores_TE, experts_TK, normalise)
-    return Routing(logits_TE, scores_TE, experts_TK, weights_TK)
+    weights_NK = combine_weights(scores_NE, experts_NK, normalise)
+    return Routing(logits_NE, scores_NE, experts_NK, weights_NK)
 
 
-def expert_load(experts_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """Grove eq. 7 (unnormalised): number of assignments per expert, F_i * k * T. Entries equal to `num_experts`
+def expert_load(experts_NK: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Grove eq. 7 (unnormalised): number of assignments per expert, F_i * k * N. Entries equal to `num_experts`
     (the padding sentinel, see `MoE.forward`) are not counted. index_add avoids a host sync."""
-    flat = experts_TK.reshape(-1)
+    flat = experts_NK.reshape(-1)
     counts = torch.zeros(num_experts + 1, dtype=torch.float32, device=flat.device).index_add_(
         0, flat, torch.ones(flat.shape, dtype=torch.float32, device=flat.device))
     return counts[:num_experts]
 
 
-def switch_balance_loss(scores_TE: torch.Tensor, experts_TK: torch.Tensor | None, normalise_scores: bool,
-                        valid_T: torch.Tensor | None = None, load_E: torch.Tensor | None = None) -> torch.Tensor:
+def switch_balance_loss(scores_NE: torch.Tensor, experts_NK: torch.Tensor | None, normalise_scores: bool,
+                        valid_N: torch.Tensor | None = None, load_E: torch.Tensor | None = None) -> torch.Tensor:
     """Switch Transformer balance loss E * sum_i f_i P_i (f_i: share of assignments, P_i: mean score), over the
-    `valid_T` tokens (all when None; padding's sentinel assignments are not counted in f). `load_E`: the
-    assignment counts when the caller has them (else counted from `experts_TK`).
+    `valid_N` tokens (all when None; padding's sentinel assignments are not counted in f). `load_E`: the
+    assignment counts when the caller has them (else counted from `experts_NK`).
 
     Equals 1 for a perfectly uniform router. Sigmoid scores do not sum to 1, so they are normalised per
     token first. HF's `load_balancing_loss_func` divides f by tokens rather than assignments (k times ours).
     """
-    num_experts = scores_TE.shape[-1]
-    probs_TE = scores_TE / scores_TE.sum(-1, keepdim=True).clamp_min(1e-20) if normalise_scores else scores_TE
-    load_E = expert_load(experts_TK, num_experts) if load_E is None else load_E
+    num_experts = scores_NE.shape[-1]
+    probs_NE = scores_NE / scores_NE.sum(-1, keepdim=True).clamp_min(1e-20) if normalise_scores else scores_NE
+    load_E = expert_load(experts_NK, num_experts) if load_E is None else load_E
     # sum_i f_i P_i = (load . sum over valid tokens of the scores) / (assignments * valid tokens)
-    score_sum_E = probs_TE.sum(0) if valid_T is None else torch.mv(probs_TE.t(), valid_T)
-    n = probs_TE.shape[0] if valid_T is None else valid_T.sum()
+    score_sum_E = probs_NE.sum(0) if valid_N is None else torch.mv(probs_NE.t(), valid_N)
+    n = probs_NE.shape[0] if valid_N is None else valid_N.sum()
     return num_experts * torch.dot(load_E, score_sum_E) / (load_E.sum() * n).clamp_min(1)
 
 
-def router_z_loss(logits_TE: torch.Tensor, valid_T: torch.Tensor | None = None) -> torch.Tensor:
+def router_z_loss(logits_NE: torch.Tensor, valid_N: torch.Tensor | None = None) -> torch.Tensor:
     """ST-MoE router z-loss: mean over (valid) tokens of logsumexp(logits)^2."""
-    z_T = logits_TE.float().logsumexp(dim=-1).square()
-    if valid_T is None:
-        return z_T.mean()
-    return (z_T * valid_T).sum() / valid_T.sum().clamp_min(1)
+    z_N = logits_NE.float().logsumexp(dim=-1).square()
+    if valid_N is None:
+        return z_N.mean()
+    return (z_N * valid_N).sum() / valid_N.sum().clamp_min(1)
 
 
 def loss_free_bias_step(bias_E: torch.Tensor, load_E: torch.Tensor, rate: float, kind: str = "sign") -> torch.Tensor:
@@ -144,105 +145,38 @@ def loss_free_bias_step(bias_E: torch.Tensor, load_E: torch.Tensor, rate: float,
 # ----------------------------------------------------------------------------- Grove adjugate experts
 
 
-def expert_group(experts_TK: torch.Tensor, experts_per_group: int) -> torch.Tensor:
+def expert_group(experts_NK: torch.Tensor, experts_per_group: int) -> torch.Tensor:
     """Grove eq. 2: expert i (0-based) belongs to group floor(i / (n/g))."""
-    return torch.div(experts_TK, experts_per_group, rounding_mode="floor")
+    return torch.div(experts_NK, experts_per_group, rounding_mode="floor")
 
 
-def group_routing_weights(groups_TK: torch.Tensor, weights_TK: torch.Tensor, num_groups: int
+def group_routing_weights(groups_NK: torch.Tensor, weights_NK: torch.Tensor, num_groups: int
                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """Grove eq. 5: per token and group, the summed weights (rho_r + rho_s + ...) of its selected experts in that
     group, and for each of the token's K choices whether it is the first one in its group (that group's adjugate
     then runs once, for this choice). Group ids equal to `num_groups` (padding) are neither summed nor first."""
-    T, K = groups_TK.shape
-    rho_TG = weights_TK.new_zeros(T, num_groups + 1).scatter_add(1, groups_TK, weights_TK)[:, :num_groups]
-    earlier_KK = torch.ones(K, K, dtype=torch.bool, device=groups_TK.device).tril(-1)   # k' < k
-    repeat_TK = ((groups_TK[:, :, None] == groups_TK[:, None, :]) & earlier_KK).any(-1)
-    return rho_TG, ~repeat_TK & (groups_TK < num_groups)
+    N, K = groups_NK.shape
+    rho_NG = weights_NK.new_zeros(N, num_groups + 1).scatter_add(1, groups_NK, weights_NK)[:, :num_groups]
+    earlier_KK = torch.ones(K, K, dtype=torch.bool, device=groups_NK.device).tril(-1)   # k' < k
+    repeat_NK = ((groups_NK[:, :, None] == groups_NK[:, None, :]) & earlier_KK).any(-1)
+    return rho_NG, ~repeat_NK & (groups_NK < num_groups)
 
 
-def adjugate_contribution(x_TD: torch.Tensor, groups_TK: torch.Tensor, weights_TK: torch.Tensor, num_groups: int,
-                          lam: float, w_gate_GDH: torch.Tensor, w_up_GDH: torch.Tensor, w_down_GHD: torch.Tensor,
+def adjugate_contribution(x_ND: torch.Tensor, groups_NK: torch.Tensor, weights_NK: torch.Tensor, num_groups: int,
+                          lam: float, w_gate_GDF: torch.Tensor, w_up_GDF: torch.Tensor, w_down_GFD: torch.Tensor,
                           use_grouped: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Grove eq. 3-5: sum over the token's active groups j of lambda * (sum of rho in G_j) * A_j(x), each A_j once.
 
-    Static shapes: the T x K (token, choice) slots are sorted by group with repeats and padding last, and only
-    the first choice per (token, group) is computed. Returns the [T, D] contribution and the number of adjugate
+    Static shapes: the N x K (token, choice) slots are sorted by group with repeats and padding last, and only
+    the first choice per (token, group) is computed. Returns the [N, D] contribution and the number of adjugate
     evaluations (a 0-d tensor)."""
-    rho_TG, first_TK = group_routing_weights(groups_TK, weights_TK, num_groups)
-    disp = sort_by_group(groups_TK.masked_fill(~first_TK, num_groups), num_groups)
-    a_MD = expert_swiglu(x_TD, disp, w_gate_GDH, w_up_GDH, w_down_GHD, use_grouped)
-    g_M = disp.group_M.clamp_max(num_groups - 1)
-    scale_M = (lam * rho_TG[disp.tok_M, g_M]).to(a_MD.dtype)
-    out_TD = torch.zeros_like(x_TD).index_add_(0, disp.tok_M, a_MD * scale_M[:, None])
-    return out_TD, first_TK.sum()
-
-
-# ----------------------------------------------------------------------------- expert computation
-
-
-@dataclass
-class Slots:
-    """The T x K (token, choice) slots sorted by group (expert or adjugate group), padding last: each group reads one
-    contiguous slice of rows, [offs[g-1], offs[g]); the rows that are not `dead_M1` are the ones a group computes."""
-
-    tok_M: torch.Tensor        # the token of each sorted slot
-    group_M: torch.Tensor      # its group (num_groups for padding / repeats)
-    dead_M1: torch.Tensor      # bool [M, 1]: padding or a repeat, computed by no group
-    counts_G: torch.Tensor     # rows per group (int64)
-    order_M: torch.Tensor      # the sort: slot order_M[m] of the flattened [T, K] is row m
-
-
-def sort_by_group(groups_TK: torch.Tensor, num_groups: int) -> Slots:
-    """Sort the slots by group id (stable); ids equal to `num_groups` mark slots nobody computes and go last."""
-    K = groups_TK.shape[1]
-    flat = groups_TK.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    group_M = flat[order]
-    counts_G = torch.zeros(num_groups + 1, dtype=torch.long, device=flat.device).index_add_(
-        0, flat, torch.ones_like(flat))[:num_groups]
-    return Slots(order // K, group_M, (group_M == num_groups)[:, None], counts_G, order)
-
-
-def grouped_mm_available(x_MD: torch.Tensor, *weights: torch.Tensor) -> bool:
-    """Whether `torch._grouped_mm` can run these operands: it exists, the dtype is supported on this device,
-    and every row stride is a multiple of 16 bytes (its alignment rule)."""
-    if not hasattr(torch, "_grouped_mm"):
-        return False
-    dev = x_MD.device.type
-    if dev == "cpu":
-        ok_dtypes = (torch.float32, torch.bfloat16, torch.float16)
-    elif dev == "cuda":
-        # The fast kernel is bf16 on Hopper and newer; elsewhere the loop is as good.
-        ok_dtypes = (torch.bfloat16,) if torch.cuda.get_device_capability(x_MD.device) >= (9, 0) else ()
-    else:
-        ok_dtypes = ()
-    if x_MD.dtype not in ok_dtypes:
-        return False
-    size = x_MD.element_size()
-    dims = [x_MD.shape[-1]] + [d for w in weights for d in w.shape[-2:]]
-    return all((d * size) % 16 == 0 for d in dims)
-
-
-def expert_swiglu(x_TD: torch.Tensor, disp: Slots, w_gate_EDH: torch.Tensor, w_up_EDH: torch.Tensor,
-                  w_down_EHD: torch.Tensor, use_grouped: bool) -> torch.Tensor:
-    """[M, D]: expert e's SwiGLU, down(silu(x @ gate) * (x @ up)), on the rows of its slice of the sorted slots;
-    rows that are not live are exactly 0 (and pass no gradient back to x).
-
-    grouped_mm: no host synchronisation, every shape static (the rows past the live ones are left to the kernel
-    and masked). The per-expert loop (devices without grouped_mm) reads the counts on the host."""
-    dt = x_TD.dtype
-    wg, wu, wd = w_gate_EDH.to(dt), w_up_EDH.to(dt), w_down_EHD.to(dt)
-    x_MD = x_TD[disp.tok_M].masked_fill(disp.dead_M1, 0)   # a fill, not a product: garbage never leaks
-    if use_grouped:
-        offs_E = disp.counts_G.cumsum(0, dtype=torch.int32)
-        y_MD = grouped_mm(F.silu(grouped_mm(x_MD, wg, offs_E)) * grouped_mm(x_MD, wu, offs_E), wd, offs_E)
-        return y_MD.masked_fill(disp.dead_M1, 0)
-    sizes = disp.counts_G.tolist()
-    pieces = [(F.silu(x_ND @ wg[e]) * (x_ND @ wu[e])) @ wd[e]
-              for e, x_ND in enumerate(x_MD.split(sizes + [x_MD.shape[0] - sum(sizes)])[:-1]) if x_ND.shape[0]]
-    pieces.append(x_MD.new_zeros(x_MD.shape[0] - sum(sizes), wd.shape[-1]))
-    return torch.cat(pieces)
+    rho_NG, first_NK = group_routing_weights(groups_NK, weights_NK, num_groups)
+    disp = sort_by_group(groups_NK.masked_fill(~first_NK, num_groups), num_groups)
+    a_AD = expert_swiglu(x_ND, disp, w_gate_GDF, w_up_GDF, w_down_GFD, use_grouped)
+    g_A = disp.group_A.clamp_max(num_groups - 1)
+    scale_A = (lam * rho_NG[disp.tok_A, g_A]).to(a_AD.dtype)
+    out_ND = torch.zeros_like(x_ND).index_add_(0, disp.tok_A, a_AD * scale_A[:, None])
+    return out_ND, first_NK.sum()
 
 
 class SwiGLU(nn.Module):
@@ -274,20 +208,21 @@ class MoE(nn.Module):
         self.cfg, self.dim, self.num_experts = cfg, dim, cfg.num_experts
         # "auto": grouped_mm when grouped_mm_available(), else the per-expert loop. Settable for tests/benchmarks.
         self.dispatch: DispatchMode = "auto"
-        E, H = cfg.num_experts, cfg.expert_hidden
+        E, hidden = cfg.num_experts, cfg.expert_hidden   # (F is torch.nn.functional here)
         self.router = nn.Linear(dim, E, bias=False)
-        self.w_gate_EDH = nn.Parameter(torch.empty(E, dim, H))
-        self.w_up_EDH = nn.Parameter(torch.empty(E, dim, H))
-        self.w_down_EHD = nn.Parameter(torch.empty(E, H, dim))
+        self.w_gate_EDF = nn.Parameter(torch.empty(E, dim, hidden))
+        self.w_up_EDF = nn.Parameter(torch.empty(E, dim, hidden))
+        self.w_down_EFD = nn.Parameter(torch.empty(E, hidden, dim))
         self.shared = SwiGLU(dim, cfg.num_shared_experts * cfg.shared_hidden) if cfg.num_shared_experts else None
         if cfg.grove_groups:
-            G, A = cfg.grove_groups, cfg.grove_hidden
-            self.adj_gate_GDH = nn.Parameter(torch.empty(G, dim, A))
-            self.adj_up_GDH = nn.Parameter(torch.empty(G, dim, A))
-            self.adj_down_GHD = nn.Parameter(torch.empty(G, A, dim))
+            G, adj_hidden = cfg.grove_groups, cfg.grove_hidden
+            self.adj_gate_GDF = nn.Parameter(torch.empty(G, dim, adj_hidden))
+            self.adj_up_GDF = nn.Parameter(torch.empty(G, dim, adj_hidden))
+            self.adj_down_GFD = nn.Parameter(torch.empty(G, adj_hidden, dim))
         self.register_buffer("expert_bias", torch.zeros(E), persistent=True)
         self.register_buffer("load_accum", torch.zeros(E), persistent=True)
         self.reset_parameters(init_std)
+        self.register_load_state_dict_pre_hook(rename_legacy_keys)   # older names (legacy_names)
 
     @torch.no_grad()
     def reset_parameters(self, init_std: float = 0.02) -> None:
@@ -304,70 +239,70 @@ class MoE(nn.Module):
         self.load_accum.data = self.load_accum.data.float()
         return self
 
-    def _use_grouped(self, x_MD: torch.Tensor, *weights: torch.Tensor) -> bool:
+    def _use_grouped(self, x_AD: torch.Tensor, *weights: torch.Tensor) -> bool:
         if self.dispatch == "loop":
             return False
-        ok = grouped_mm_available(x_MD, *weights)
+        ok = grouped_mm_available(x_AD, *weights)
         if self.dispatch == "grouped_mm" and not ok:
-            raise RuntimeError(f"MoE.dispatch='grouped_mm' but torch._grouped_mm cannot run dtype {x_MD.dtype} "
-                               f"on {x_MD.device.type} with dim={self.dim} (needs 16-byte aligned rows)")
+            raise RuntimeError(f"MoE.dispatch='grouped_mm' but torch._grouped_mm cannot run dtype {x_AD.dtype} "
+                               f"on {x_AD.device.type} with dim={self.dim} (needs 16-byte aligned rows)")
         return ok
 
-    def forward(self, x_TD: torch.Tensor, valid_T: torch.Tensor | None = None, accumulate_load: bool = True
+    def forward(self, x_ND: torch.Tensor, valid_N: torch.Tensor | None = None, accumulate_load: bool = True
                 ) -> tuple[torch.Tensor, MoEStats]:
-        """[T, D] -> [T, D] and the layer's statistics. `valid_T` (bool): the rows that are real tokens; the others
+        """[N, D] -> [N, D] and the layer's statistics. `valid_N` (bool): the rows that are real tokens; the others
         (padding, unused concept capacity) are routed nowhere, computed by no expert, counted in no load and no
         loss, and come out as 0. Static shapes throughout (no host synchronisation on the grouped_mm path).
 
         In training the loads are added to `load_accum` for the next balancing step; a transformer block passes
         `accumulate_load=False` and its stack adds them (vlm.model.block.run_stack) outside the block, so that
         activation checkpointing's recomputation does not count them twice."""
-        if x_TD.dim() != 2 or x_TD.shape[-1] != self.dim:
-            raise ValueError(f"MoE expects x_TD of shape [tokens, {self.dim}], got {tuple(x_TD.shape)}")
+        if x_ND.dim() != 2 or x_ND.shape[-1] != self.dim:
+            raise ValueError(f"MoE expects x_ND of shape [tokens, {self.dim}], got {tuple(x_ND.shape)}")
         cfg, E = self.cfg, self.num_experts
-        dev_type = x_TD.device.type
+        dev_type = x_ND.device.type
         with torch.autocast(dev_type, enabled=False):
-            logits_TE = F.linear(x_TD.float(), self.router.weight.float())
-        r = route(logits_TE, cfg, self.expert_bias)
-        pad_T1 = None if valid_T is None else ~valid_T[:, None]
-        experts_TK = r.experts_TK if pad_T1 is None else r.experts_TK.masked_fill(pad_T1, E)
+            logits_NE = F.linear(x_ND.float(), self.router.weight.float())
+        r = route(logits_NE, cfg, self.expert_bias)
+        pad_N1 = None if valid_N is None else ~valid_N[:, None]
+        experts_NK = r.experts_NK if pad_N1 is None else r.experts_NK.masked_fill(pad_N1, E)
         # Sort the (token, choice) slots by expert so each expert reads one contiguous slice; its counts are the loads
-        slots = sort_by_group(experts_TK, E)
+        slots = sort_by_group(experts_NK, E)
         load_E = slots.counts_G.float()
         if accumulate_load and self.training and cfg.loss_free_balancing:
             self.load_accum.add_(load_E)
-        valid_f = None if valid_T is None else valid_T.float()
+        valid_f = None if valid_N is None else valid_N.float()
 
-        T = x_TD.shape[0]   # a shape: static, no synchronisation
+        N = x_ND.shape[0]   # a shape: static, no synchronisation
         terms = []
-        if cfg.balance_loss_weight and T:
-            balance = switch_balance_loss(r.scores_TE, None, cfg.router == "sigmoid", valid_f, load_E)
+        if cfg.balance_loss_weight and N:
+            balance = switch_balance_loss(r.scores_NE, None, cfg.router == "sigmoid", valid_f, load_E)
             terms.append(cfg.balance_loss_weight * balance)
-        if cfg.z_loss_weight and T:
-            terms.append(cfg.z_loss_weight * router_z_loss(logits_TE, valid_f))
-        aux = sum(terms[1:], terms[0]) if terms else logits_TE.new_zeros(())
+        if cfg.z_loss_weight and N:
+            terms.append(cfg.z_loss_weight * router_z_loss(logits_NE, valid_f))
+        aux = sum(terms[1:], terms[0]) if terms else logits_NE.new_zeros(())
 
-        dtype = torch.get_autocast_dtype(dev_type) if torch.is_autocast_enabled(dev_type) else x_TD.dtype
-        x_c = x_TD.to(dtype)
-        y_MD = expert_swiglu(x_c, slots, self.w_gate_EDH, self.w_up_EDH, self.w_down_EHD,
-                             self._use_grouped(x_c, self.w_gate_EDH, self.w_down_EHD))
-        y_MD = y_MD * r.weights_TK.reshape(-1)[slots.order_M].to(dtype)[:, None]
-        out_TD = torch.zeros_like(x_c).index_add_(0, slots.tok_M, y_MD)
+        dtype = torch.get_autocast_dtype(dev_type) if torch.is_autocast_enabled(dev_type) else x_ND.dtype
+        x_c = x_ND.to(dtype)
+        y_AD = expert_swiglu(x_c, slots, self.w_gate_EDF, self.w_up_EDF, self.w_down_EFD,
+                             self._use_grouped(x_c, self.w_gate_EDF, self.w_down_EFD))
+        y_AD = y_AD * r.weights_NK.reshape(-1)[slots.order_A].to(dtype)[:, None]
+        out_ND = torch.zeros_like(x_c).index_add_(0, slots.tok_A, y_AD)
 
         adj_per_token = None
         if cfg.grove_groups:
             G = cfg.grove_groups
-            groups_TK = expert_group(experts_TK, E // G)   # padding's sentinel E lands on group G
-            adj_TD, evals = adjugate_contribution(
-                x_c, groups_TK, r.weights_TK, G, cfg.grove_lambda, self.adj_gate_GDH, self.adj_up_GDH,
-                self.adj_down_GHD, self._use_grouped(x_c, self.adj_gate_GDH, self.adj_down_GHD))
-            out_TD = out_TD + adj_TD
-            n = x_TD.new_tensor(x_TD.shape[0], dtype=torch.float32) if valid_f is None else valid_f.sum()
+            groups_NK = expert_group(experts_NK, E // G)   # padding's sentinel E lands on group G
+            adj_ND, evals = adjugate_contribution(
+                x_c, groups_NK, r.weights_NK, G, cfg.grove_lambda, self.adj_gate_GDF, self.adj_up_GDF,
+                self.adj_down_GFD, self._use_grouped(x_c, self.adj_gate_GDF, self.adj_down_GFD))
+            out_ND = out_ND + adj_ND
+            n = x_ND.new_tensor(x_ND.shape[0], dtype=torch.float32) if valid_f is None else valid_f.sum()
             adj_per_token = evals.float() / n.clamp_min(1)
         if self.shared is not None:
-            shared_TD = self.shared(x_c)
-            out_TD = out_TD + (shared_TD if pad_T1 is None else shared_TD.masked_fill(pad_T1, 0))
-        return out_TD.to(x_TD.dtype), MoEStats(aux, load_E.detach(),
+            shared_ND = self.shared(x_c)
+            out_ND = out_ND + (shared_ND if pad_N1 is None else shared_ND.masked_fill(pad_N1, 0))
+        return out_ND.to(x_ND.dtype), MoEStats(aux, load_E.detach(),
                                                None if adj_per_token is None else adj_per_token.detach())
 
     @torch.no_grad()

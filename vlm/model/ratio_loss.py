@@ -21,14 +21,14 @@ def document_ratio_target(F_: torch.Tensor, R: float, slack: float) -> torch.Ten
     return torch.where(F_ > 0, 1 / F_.clamp_min(1e-12), torch.full_like(F_, math.inf)).clamp(R / slack, R * slack)
 
 
-def document_ratio_loss(n_D: torch.Tensor, b_D: torch.Tensor, psum_D: torch.Tensor, N: torch.Tensor, R: float,
+def document_ratio_loss(n_S: torch.Tensor, b_S: torch.Tensor, psum_S: torch.Tensor, N: torch.Tensor, R: float,
                         slack: float) -> torch.Tensor:
     """Sum over documents d of (n_d / N) * eq. 4(F_d, G_d, R_d), with F_d, G_d a document's own boundary fraction
     and mean p and R_d its `document_ratio_target`. Weighted by tokens over the group's global count N, so the
     gradient on one token's p has the scale of the batch loss's, and micro-batch shares sum to the whole."""
-    has = n_D > 0
-    n = n_D.clamp_min(1)
-    F_, G = b_D / n, psum_D / n
+    has = n_S > 0
+    n = n_S.clamp_min(1)
+    F_, G = b_S / n, psum_S / n
     R_d = document_ratio_target(F_, R, slack)
     per_doc = ratio_loss(F_, G, R_d)
-    return torch.where(has, per_doc * n_D / N.clamp_min(1), torch.zeros_like(per_doc)).sum()
+    return torch.where(has, per_doc * n_S / N.clamp_min(1), torch.zeros_like(per_doc)).sum()

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from configs.config import ConfigError
+from vlm.model.legacy_names import current_key
 
 SAFETENSORS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -96,14 +97,15 @@ def check_exported_weights(path: str | Path, config) -> None:
         raise WeightsError(f"{path / 'config.json'}: describes no model that can be built ({e})") from None
     found: dict[str, Path] = {}
     headers: dict[str, tuple[tuple[int, ...], str]] = {}
+    stored: dict[str, str] = {}   # today's name -> the file's (legacy_names)
     files = weight_files(path)
     for f in files:
         try:
             with safe_open(str(f), framework="pt") as h:
-                for k in h.keys():
-                    sl = h.get_slice(k)
+                for name in h.keys():
+                    sl, k = h.get_slice(name), current_key(name)
                     headers[k] = (tuple(sl.get_shape()), sl.get_dtype())
-                    found[k] = f
+                    found[k], stored[k] = f, name
         except Exception as e:   # safetensors raises its own error types (and OSError) for unreadable files
             raise WeightsError(f"{f}: not a readable safetensors file ({_reason(e)})") from None
     for k, (shape, dtype) in expected.items():
@@ -127,7 +129,7 @@ def check_exported_weights(path: str | Path, config) -> None:
                 for k in expected:
                     if found.get(k) != f:
                         continue
-                    t = h.get_tensor(k)
+                    t = h.get_tensor(stored[k])
                     if t.is_floating_point() and not bool(torch.isfinite(t).all()):
                         bad = int((~torch.isfinite(t)).sum())
                         raise WeightsError(f"{f}: tensor {k} has {bad} non-finite values (NaN or inf) of {t.numel()}")

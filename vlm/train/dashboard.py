@@ -70,7 +70,7 @@ class Dashboard:
                 # One "sample" per expert at its load share, so the histogram shows how loads spread.
                 w.add_histogram(f"expert_load/{k[len('load/'):]}", frac, step)
 
-    def document_histograms(self, step: int, hist_GMB: torch.Tensor, loss_G2: torch.Tensor, names: list[str]) -> None:
+    def document_histograms(self, step: int, hist_Y2X: torch.Tensor, loss_Y2: torch.Tensor, names: list[str]) -> None:
         """Per kind (and source) and modality: the distribution of the step's documents' realized ratios
         (`doc_ratio_hist/KIND/MOD`, log2 of tokens per concept; documents with no concept on the modality sit at
         log2 = 8), next to the p10 / p50 / p90 scalars of metrics.jsonl."""
@@ -78,9 +78,9 @@ class Dashboard:
 
         limits = [math.log2(e) for e in EDGES[1:]] + [6.5, 8.0]   # upper edge of each bin; overflow, no concept
         mids = [math.log2(e) + 1 / 16 for e in EDGES[:-1]] + [6.25, 8.0]
-        for g in range(min(hist_GMB.shape[0], len(names))):
+        for g in range(min(hist_Y2X.shape[0], len(names))):
             for j, m in enumerate(MODS):
-                counts = hist_GMB[g, j].double()
+                counts = hist_Y2X[g, j].double()
                 n = float(counts.sum())
                 if n <= 0:
                     continue

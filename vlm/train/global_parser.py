@@ -25,12 +25,12 @@ class GlobalParser:
 
     def __init__(self, all_reduce: Callable[[torch.Tensor], torch.Tensor] = ratio_statistics):
         self.across_ranks = all_reduce
-        self.total_K3: torch.Tensor | None = None       # the step's global sums, once known
+        self.total_Z3: torch.Tensor | None = None       # the step's global sums, once known
         self.collected: list[torch.Tensor] | None = None
         self.calls = 0
 
     def start_step(self) -> None:
-        self.total_K3, self.collected, self.calls = None, None, 0
+        self.total_Z3, self.collected, self.calls = None, None, 0
 
     def collect(self) -> None:
         """Statistics pass: the following forwards only report their local sums."""
@@ -38,20 +38,20 @@ class GlobalParser:
 
     def settle(self) -> torch.Tensor:
         """End of the statistics pass: the sums over this rank's micro-batches and over ranks (a collective)."""
-        self.total_K3 = self.across_ranks(torch.stack(self.collected).sum(0))
+        self.total_Z3 = self.across_ranks(torch.stack(self.collected).sum(0))
         self.collected = None
-        return self.total_K3
+        return self.total_Z3
 
-    def __call__(self, local_K3: torch.Tensor) -> torch.Tensor:
-        """DLCM eq. 8-9 sums: local [K, 3] -> global [K, 3]."""
-        local_K3 = local_K3.detach().float()
+    def __call__(self, local_Z3: torch.Tensor) -> torch.Tensor:
+        """DLCM eq. 8-9 sums: local [Z, 3] -> global [Z, 3]."""
+        local_Z3 = local_Z3.detach().float()
         if self.collected is not None:
-            self.collected.append(local_K3)
-            return local_K3                      # the statistics pass's own loss is never used
+            self.collected.append(local_Z3)
+            return local_Z3                      # the statistics pass's own loss is never used
         self.calls += 1
-        if self.total_K3 is None:                # one micro-batch: its sums over ranks are the global ones
-            return self.across_ranks(local_K3)
-        return self.total_K3
+        if self.total_Z3 is None:                # one micro-batch: its sums over ranks are the global ones
+            return self.across_ranks(local_Z3)
+        return self.total_Z3
 
 
 def install(model: torch.nn.Module, parser: GlobalParser | None) -> bool:

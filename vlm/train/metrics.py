@@ -137,10 +137,10 @@ class StepAccumulator:
 
 
 def group_parts(vec: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The per-group part of a reduced vector: ([G, 2, NBINS] document-ratio histograms, [G, 2] loss sums)."""
+    """The per-group part of a reduced vector: ([Y, 2, NBINS] document-ratio histograms, [Y, 2] loss sums)."""
     tail = vec[len(FIELDS):]
-    G = tail.numel() // (2 * NBINS + 2)
-    return tail[:G * 2 * NBINS].view(G, 2, NBINS), tail[G * 2 * NBINS:].view(G, 2)
+    Y = tail.numel() // (2 * NBINS + 2)
+    return tail[:Y * 2 * NBINS].view(Y, 2, NBINS), tail[Y * 2 * NBINS:].view(Y, 2)
 
 
 def group_names(source_names: list[str] | None = None) -> list[str]:

@@ -22,6 +22,7 @@ from vlm.model.config import ModelConfig
 from data_pipelines.tokenizer import Tokenizer, TokenizerError, is_source_tokenizer_dir, load_tokenizer
 from vlm.model.convert import convert_state, fit_vocab, load_source, to_conceptmoe_config
 from vlm.model.hf import MODEL_TYPE, load_vlm
+from vlm.model.legacy_names import current_keys
 from vlm.model.multimodal import ConceptMoEVLM
 from vlm.model.weights_check import SKIP_HINT, checksums_skipped
 from vlm.train.checkpoint import damaged_file, latest_checkpoint
@@ -63,7 +64,7 @@ def read_model_state(path: Path) -> dict[str, torch.Tensor]:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         module = get_fp32_state_dict_from_zero_checkpoint(str(path), tag="ds")
-    return _fold_checkpoint_logit_scale(module, path.parent.parent / "config.yaml")
+    return _fold_checkpoint_logit_scale(current_keys(module), path.parent.parent / "config.yaml")
 
 
 def _fold_checkpoint_logit_scale(state: dict, run_config: Path) -> dict:

@@ -1,10 +1,10 @@
 """One optimizer step over a window of micro-batches: loss weighting, global parser, non-finite skip.
 
-Loss weighting. DeepSpeed divides each micro-batch's loss by the accumulation steps K and averages
-gradients over the W ranks. Weighting the LM loss of micro-batch (r, k) by n_rk K W / N (n labelled
+Loss weighting. DeepSpeed divides each micro-batch's loss by the accumulation steps (`micro`) and
+averages gradients over the `ranks`. Weighting the LM loss of micro-batch (r, k) by n_rk micro ranks / N (n labelled
 tokens in it, N in the whole global batch) makes the gradient that of the mean over the global batch's
 tokens, whatever the row split. The ratio loss of the global parser is a function of global F and G
-whose gradient reaches only the local p, so it is weighted by K W to sum, not average, those parts.
+whose gradient reaches only the local p, so it is weighted by micro ranks to sum, not average, those parts.
 
 Non-finite loss or gradient. Finiteness of the loss is agreed over ranks after each forward. A bad micro-batch
 makes the whole step a no-op: the optimizer receives NaN gradients, which its overflow check turns into a
@@ -80,17 +80,17 @@ def train_step(engine, window: list[PackedBatch], step: int, *, seed: int, rank:
     `loss_hook(out, k)` may replace a micro-batch's output (used by tests to inject a non-finite loss).
     On the plain fp32 path the engine's optimizer must skip a non-finite step itself (engine.build_engine's does).
     """
-    K, W = len(window), world_size
-    if K != engine.gradient_accumulation_steps():
-        raise ValueError(f"window of {K} micro-batches but the engine accumulates {engine.gradient_accumulation_steps()}")
+    micro, ranks = len(window), world_size
+    if micro != engine.gradient_accumulation_steps():
+        raise ValueError(f"window of {micro} micro-batches but the engine accumulates {engine.gradient_accumulation_steps()}")
     controls = controls or TrainingControls(engine.module)
     controls.move_thresholds_per_step()
     n_local = [float(labelled_counts(b)[0]) for b in window]
     N = collectives.labelled_tokens(sum(n_local), device)
     if parser is not None:
         parser.start_step()
-        if K > 1:
-            statistics_pass(engine.module, window, parser, step, seed=seed, rank=rank, world_size=W, device=device,
+        if micro > 1:
+            statistics_pass(engine.module, window, parser, step, seed=seed, rank=rank, world_size=ranks, device=device,
                             float_dtype=float_dtype, controls=controls)
     acc = StepAccumulator(device, bytes_per_id, len(sources))
     bad = False
@@ -98,16 +98,16 @@ def train_step(engine, window: list[PackedBatch], step: int, *, seed: int, rank:
     for k, batch in enumerate(window):
         if not bad:
             batch = prepare(batch, device, float_dtype)
-            controls.seed_boundaries(boundary_seed(seed, step, k * W + rank))
+            controls.seed_boundaries(boundary_seed(seed, step, k * ranks + rank))
             out = engine(batch)
             if loss_hook is not None:
                 out = loss_hook(out, k)
             bad = not collectives.all_finite(torch.isfinite(out.loss.detach().float()).all(), device)
             if not bad:
-                w = n_local[k] * K * W / max(N, 1.0)
+                w = n_local[k] * micro * ranks / max(N, 1.0)
                 # the global parser's ratio loss is this micro-batch's share of the global one (the engine
-                # averages K micro-batches and W ranks); without it each micro-batch's own loss is averaged
-                share = K * W if parser is not None else 1
+                # averages the micro-batches and ranks); without it each micro-batch's own loss is averaged
+                share = micro * ranks if parser is not None else 1
                 loss = out.total(lm_scale=w, ratio_scale=share)
                 engine.backward(loss)
                 acc.add(out, batch)

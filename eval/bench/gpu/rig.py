@@ -107,8 +107,8 @@ class DecodeRig:
         self.batch = make_batch(B, P, model.cfg.vocab_size, dev, seed)
         self.pristine = self.prefill()
         with torch.no_grad():
-            self.x_SBD = model.embed(torch.randint(0, model.cfg.vocab_size, (steps, B), generator=g).to(dev.device))
-        self.fire_SB = (torch.rand(steps, B, generator=g) < 1.0 / R).to(dev.device) if model.cfg.chunk.enabled \
+            self.xs = model.embed(torch.randint(0, model.cfg.vocab_size, (steps, B), generator=g).to(dev.device))
+        self.fires = (torch.rand(steps, B, generator=g) < 1.0 / R).to(dev.device) if model.cfg.chunk.enabled \
             else None
         self.copyable = True
 
@@ -128,7 +128,7 @@ class DecodeRig:
 
     def run(self, step, cache) -> None:
         for i in range(self.steps):   # one step per token is what decoding is
-            step(self.x_SBD[i], cache, force_B=None if self.fire_SB is None else self.fire_SB[i])
+            step(self.xs[i], cache, force_B=None if self.fires is None else self.fires[i])
 
     def round(self, step) -> Callable[[], float]:
         """A self-timed round: the copy of the caches is made before the clock starts."""

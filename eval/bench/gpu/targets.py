@@ -84,11 +84,11 @@ def _targets(r: Run) -> None:
     # 3. prefill at 4K (or the shortest length measured), forced boundaries; the learned row beside it
     lens = sorted({x["setting"]["seq_len"] for x in pick("prefill")})
     T = 4096 if 4096 in lens else (lens[0] if lens else None)
-    at_T = {x["candidate"]: x for x in pick("prefill", seq_len=T)} if T else {}
-    forced = {k: v["ratio_vs_baseline"] for k, v in at_T.items() if k.endswith("(forced)")}
+    at_len = {x["candidate"]: x for x in pick("prefill", seq_len=T)} if T else {}
+    forced = {k: v["ratio_vs_baseline"] for k, v in at_len.items() if k.endswith("(forced)")}
     n = max(forced, key=forced.get) if forced else None
-    learned = at_T.get(n.replace("(forced)", "(learned)")) if n else None
-    tight = at_T.get(n.replace("(forced)", "(forced, tight)")) if n else None
+    learned = at_len.get(n.replace("(forced)", "(learned)")) if n else None
+    tight = at_len.get(n.replace("(forced)", "(forced, tight)")) if n else None
     detail = "not measured" if n is None else n + \
         ("" if learned is None else f"; learned boundaries x{learned['ratio_vs_baseline']:.2f} (R {learned['R']})") + \
         ("" if tight is None else f"; with the training capacity x{tight['ratio_vs_baseline']:.2f}")
