@@ -1,6 +1,6 @@
-"""argparse types that refuse a bad value when the command line is parsed, in one line (argparse prints it and
-exits 2), instead of failing later, turn by turn or after the work: counts, temperatures, ports, sizes. Shared by
-the `vlm` commands of every layer."""
+"""argparse types that refuse a bad value when the command line is parsed, in one line (argparse
+prints it and exits 2), instead of failing later, turn by turn or after the work: counts,
+temperatures, ports, sizes. Shared by the `vlm` commands of every layer."""
 from __future__ import annotations
 
 import argparse

@@ -14,22 +14,27 @@ import torch
 TEXT, IMAGE = 0, 1
 MODALITIES = {"text": TEXT, "image": IMAGE}
 IGNORE_INDEX = -100
-# The kind of sample a document is, for per-kind statistics (compression is judged per kind: see DESIGN.md).
+# The kind of sample a document is, for per-kind statistics (compression is judged per kind: see
+# DESIGN.md).
 KINDS = ("chat", "caption", "interleaved", "text")
 
 
 @dataclass
 class PackedBatch:
     input_ids: torch.Tensor               # [B, T] long
-    labels: torch.Tensor                  # [B, T] long, next-token targets already shifted; IGNORE_INDEX = no loss
-    doc_ids: torch.Tensor                 # [B, T] long, >= 0 per document within a row, -1 for padding
+    # [B, T] long, next-token targets already shifted; IGNORE_INDEX = no loss
+    labels: torch.Tensor
+    # [B, T] long, >= 0 per document within a row, -1 for padding
+    doc_ids: torch.Tensor
     position_ids: torch.Tensor            # [B, T] long, position within the document
     modality: torch.Tensor                # [B, T] long, TEXT or IMAGE
     pixel_patches: torch.Tensor | None = None   # [P, 3*p*p] float, all images' patches concatenated
-    patch_coords: torch.Tensor | None = None    # [P, 2] long, (row, col) of each patch in its image's grid
-    image_grids: torch.Tensor | None = None     # [I, 2] long, (rows, cols) patch grid of each image, in order
-    # Statistics only (the model never reads them): per position, its document's kind (index into KINDS) and
-    # data source (index into the run's sources); -1 at padding or where unknown.
+    # [P, 2] long, (row, col) of each patch in its image's grid
+    patch_coords: torch.Tensor | None = None
+    # [I, 2] long, (rows, cols) patch grid of each image, in order
+    image_grids: torch.Tensor | None = None
+    # Statistics only (the model never reads them): per position, its document's kind (index into
+    # KINDS) and data source (index into the run's sources); -1 at padding or where unknown.
     kind: torch.Tensor | None = None            # [B, T] long
     source: torch.Tensor | None = None          # [B, T] long
 
@@ -38,7 +43,8 @@ class PackedBatch:
         return self.input_ids.shape
 
     def to(self, device: torch.device | str) -> "PackedBatch":
-        return PackedBatch(**{f.name: (None if getattr(self, f.name) is None else getattr(self, f.name).to(device))
+        return PackedBatch(**{f.name: (None if getattr(self, f.name) is None
+                                       else getattr(self, f.name).to(device))
                               for f in fields(self)})
 
     @property
@@ -46,7 +52,8 @@ class PackedBatch:
         return self.doc_ids >= 0
 
     @staticmethod
-    def from_documents(docs: list[list[int]], pad_id: int = 0, row_len: int | None = None) -> "PackedBatch":
+    def from_documents(docs: list[list[int]], pad_id: int = 0,
+                       row_len: int | None = None) -> "PackedBatch":
         """Pack text documents (token lists) into ONE row; labels are the next token within each document."""
         ids, labels, doc, pos = [], [], [], []
         for d, toks in enumerate(docs):
@@ -59,7 +66,8 @@ class PackedBatch:
         if pad < 0:
             raise ValueError(f"documents hold {len(ids)} tokens, more than row_len={n}")
         t = lambda xs, fill: torch.tensor(xs + [fill] * pad, dtype=torch.long)[None]  # noqa: E731
-        return PackedBatch(t(ids, pad_id), t(labels, IGNORE_INDEX), t(doc, -1), t(pos, 0), t([TEXT] * len(ids), TEXT))
+        return PackedBatch(t(ids, pad_id), t(labels, IGNORE_INDEX), t(doc, -1), t(pos, 0),
+                           t([TEXT] * len(ids), TEXT))
 
     @staticmethod
     def stack(rows: list["PackedBatch"]) -> "PackedBatch":

@@ -4,13 +4,15 @@ Every config in the project is a dataclass whose fields carry type hints; `from_
 recursively and rejects unknown keys, wrong types and values outside a `Literal`, naming the dotted
 path of the offending field and what would have been allowed.
 
-One validation scheme: every config dataclass subclasses `ValidatedOnInit`, which checks its fields' types (the
-same checks `from_dict` makes) and runs its `validate()` (cross-field checks raising `ConfigError`) in
-`__post_init__`, so a config is valid however it is made: `from_dict`, a direct call or `dataclasses.replace`.
-`from_dict` only builds; it refuses a dataclass with a `validate()` that is not a `ValidatedOnInit`.
+One validation scheme: every config dataclass subclasses `ValidatedOnInit`, which checks its fields'
+types (the same checks `from_dict` makes) and runs its `validate()` (cross-field checks raising
+`ConfigError`) in `__post_init__`, so a config is valid however it is made: `from_dict`, a direct
+call or `dataclasses.replace`. `from_dict` only builds; it refuses a dataclass with a `validate()`
+that is not a `ValidatedOnInit`.
 
-One source of defaults: the dataclasses' field defaults. A YAML file states only what differs from them (or, with
-`base: OTHER.yaml`, from its base); tests/test_config_base.py fails on a key that restates what it would inherit.
+One source of defaults: the dataclasses' field defaults. A YAML file states only what differs from
+them (or, with `base: OTHER.yaml`, from its base); tests/test_config_base.py fails on a key that
+restates what it would inherit.
 """
 from __future__ import annotations
 
@@ -33,11 +35,12 @@ class ConfigError(ValueError):
 
 
 class ValidatedOnInit:
-    """Base of every config dataclass: in `__post_init__`, however it is made (`from_dict`, `dataclasses.replace`
-    or a direct call), each field is checked against its type hint (as `from_dict` checks YAML values: a
-    `Literal`'s values, int / float / bool / str, finite numbers; an int becomes a float, a list a tuple, a
-    mapping for a nested config that config) and then `validate()` runs. A subclass with a `__post_init__` of its
-    own calls `super().__post_init__()` at its end."""
+    """Base of every config dataclass: in `__post_init__`, however it is made (`from_dict`,
+    `dataclasses.replace` or a direct call), each field is checked against its type hint (as
+    `from_dict` checks YAML values: a `Literal`'s values, int / float / bool / str, finite numbers;
+    an int becomes a float, a list a tuple, a mapping for a nested config that config) and then
+    `validate()` runs. A subclass with a `__post_init__` of its own calls `super().__post_init__()`
+    at its end."""
 
     def __post_init__(self) -> None:
         hints = _hints(type(self))
@@ -93,7 +96,8 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
     if origin is Literal:
         allowed = get_args(tp)
         if value not in allowed:
-            raise ConfigError(f"{path}: got {value!r}, allowed values: {', '.join(repr(a) for a in allowed)}")
+            raise ConfigError(f"{path}: got {value!r}, allowed values: "
+                              f"{', '.join(repr(a) for a in allowed)}")
         return value
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
@@ -105,9 +109,11 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{path}: expected a list, got {value!r}")
         args = get_args(tp)
-        if origin is tuple and args and args[-1] is not Ellipsis:   # tuple[X, Y]: exactly that many items
+        # tuple[X, Y]: exactly that many items
+        if origin is tuple and args and args[-1] is not Ellipsis:
             if len(value) != len(args):
-                raise ConfigError(f"{path}: expected {len(args)} items, got {len(value)}: {list(value)!r}")
+                raise ConfigError(f"{path}: expected {len(args)} items, got {len(value)}: "
+                                  f"{list(value)!r}")
             return tuple(_coerce(v, t, f"{path}[{i}]") for i, (v, t) in enumerate(zip(value, args)))
         item_tp = args[0] if args else Any
         items = [_coerce(v, item_tp, f"{path}[{i}]") for i, v in enumerate(value)]
@@ -116,7 +122,8 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(f"{path}: expected a mapping, got {value!r}")
         kt, vt = get_args(tp) or (Any, Any)
-        return {_coerce(k, kt, f"{path}.<key>"): _coerce(v, vt, f"{path}.{k}") for k, v in value.items()}
+        return {_coerce(k, kt, f"{path}.<key>"): _coerce(v, vt, f"{path}.{k}") for k,
+                v in value.items()}
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -127,7 +134,8 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
         raise ConfigError(f"{path}: got {value!r}, expected an integer")
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            if not math.isfinite(value):   # e.g. optim.lr=.inf would train to non-finite weights and exit 0
+            # e.g. optim.lr=.inf would train to non-finite weights and exit 0
+            if not math.isfinite(value):
                 raise ConfigError(f"{path}: got {value!r}, expected a finite number")
             return float(value)
         raise ConfigError(f"{path}: got {value!r}, expected a number")
@@ -143,11 +151,13 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
 
 
 def from_dict(cls: type[T], data: dict, path: str = "") -> T:
-    """Build dataclass `cls` from a (nested) mapping, checking every field (a `ValidatedOnInit` then validates
-    itself when it is made)."""
+    """Build dataclass `cls` from a (nested) mapping, checking every field (a `ValidatedOnInit` then
+    validates itself when it is made)."""
     if callable(getattr(cls, "validate", None)) and not issubclass(cls, ValidatedOnInit):
-        raise TypeError(f"{cls.__name__} has a validate() but is not a ValidatedOnInit: a config dataclass "
-                        "subclasses configs.config.ValidatedOnInit so that it is validated however it is made")
+        raise TypeError(f"{cls.__name__} has a validate() but is not a ValidatedOnInit: a config "
+                        f"dataclass "
+                        "subclasses configs.config.ValidatedOnInit so that it is validated however "
+                        "it is made")
     if data is None:
         data = {}
     hints = _hints(cls)
@@ -156,7 +166,8 @@ def from_dict(cls: type[T], data: dict, path: str = "") -> T:
     if unknown:
         where = f"{path}." if path else ""
         raise ConfigError(
-            f"unknown key {where}{unknown[0]}; allowed keys{' in ' + path if path else ''}: {', '.join(sorted(fields))}"
+            f"unknown key {where}{unknown[0]}; allowed keys{' in ' + path if path else ''}: "
+            f"{', '.join(sorted(fields))}"
         )
     kwargs = {}
     for name, value in data.items():
@@ -164,7 +175,8 @@ def from_dict(cls: type[T], data: dict, path: str = "") -> T:
     try:
         obj = cls(**kwargs)   # a ValidatedOnInit validates itself here
     except ConfigError as e:
-        raise ConfigError(f"{path}: {e}" if path and not str(e).startswith(path) else str(e)) from None
+        raise ConfigError(f"{path}: {e}" if path and not str(e).startswith(path)
+                          else str(e)) from None
     return obj
 
 
@@ -196,7 +208,8 @@ _FLOAT_RE = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 def parse_override(text: str) -> tuple[list[str], Any]:
     """`a.b.c=value` -> (['a','b','c'], value parsed as YAML scalar)."""
     if "=" not in text:
-        raise ConfigError(f"override {text!r}: expected KEY=VALUE with a dotted KEY, e.g. model.chunk.target_ratio=2")
+        raise ConfigError(f"override {text!r}: expected KEY=VALUE with a dotted KEY, e.g. "
+                          f"model.chunk.target_ratio=2")
     key, raw = text.split("=", 1)
     value = yaml.safe_load(raw) if raw.strip() else None
     if isinstance(value, str):
@@ -224,8 +237,8 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
 
 
 def parse_args_anywhere(parser, argv: list[str] | None):
-    """`parser.parse_args`, except that `key=value` overrides may also follow options
-    (`vlm train a=1 --max-steps 1 b=2`): argparse stops collecting a positional list at the first option."""
+    """`parser.parse_args`, except that `key=value` overrides may also follow options (`vlm train
+    a=1 --max-steps 1 b=2`): argparse stops collecting a positional list at the first option."""
     args, extra = parser.parse_known_args(argv)
     stray = [a for a in extra if a.startswith("-") or "=" not in a]
     if stray or (extra and vars(args).get("overrides") is None):   # a subcommand without overrides
@@ -244,8 +257,9 @@ def deep_merge(base: dict, over: dict) -> dict:
 
 
 def load_yaml(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict:
-    """A YAML mapping. A top-level `base: OTHER.yaml` (relative to this file) is loaded first and this file's
-    keys are merged over it, so that a recipe stage states only what differs from the config it builds on."""
+    """A YAML mapping. A top-level `base: OTHER.yaml` (relative to this file) is loaded first and
+    this file's keys are merged over it, so that a recipe stage states only what differs from the
+    config it builds on."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
@@ -261,9 +275,11 @@ def load_yaml(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict:
     if base is None:
         return data
     if not isinstance(base, str):
-        raise ConfigError(f"config file {path}: base must be a path to another YAML file, got {base!r}")
+        raise ConfigError(f"config file {path}: base must be a path to another YAML file, got "
+                          f"{base!r}")
     base_path = (path.parent / base).resolve()
-    chain = _chain + (path.resolve(),)      # the files whose bases are being loaded, outermost first
+    # the files whose bases are being loaded, outermost first
+    chain = _chain + (path.resolve(),)
     if base_path in chain:
         cycle = " -> ".join(str(p) for p in chain[chain.index(base_path):] + (base_path,))
         raise ConfigError(f"config file {path}: base {base} makes a cycle: {cycle}")
@@ -272,7 +288,8 @@ def load_yaml(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict:
     return deep_merge(load_yaml(base_path, chain), data)
 
 
-def load_config(cls: type[T], path: str | Path | None = None, overrides: list[str] | None = None) -> T:
+def load_config(cls: type[T], path: str | Path | None = None,
+                overrides: list[str] | None = None) -> T:
     data = load_yaml(path) if path else {}
     apply_overrides(data, overrides or [])
     return from_dict(cls, data)

@@ -4,12 +4,13 @@ Template, with no extra whitespace so that byte-level tokens are not spent on it
 
     <|user|>{user content}<|end|><|assistant|>{assistant content}<|end|>...
 
-Images are `<image>` placeholders inside user contents. In training the assistant contents plus their
-closing `<|end|>` are the targets (with `loss_on="assistant"`); a generation prompt ends with
+Images are `<image>` placeholders inside user contents. In training the assistant contents plus
+their closing `<|end|>` are the targets (with `loss_on="assistant"`); a generation prompt ends with
 `<|assistant|>` and the model answers until it writes `<|end|>`.
 
-This is the format of models trained from scratch. A model continued from a pretrained source keeps the source's
-own template (data_pipelines.tokenizer.SourceTokenizer.chat_segments); the data pipeline asks the tokenizer.
+This is the format of models trained from scratch. A model continued from a pretrained source keeps
+the source's own template (data_pipelines.tokenizer.SourceTokenizer.chat_segments); the data
+pipeline asks the tokenizer.
 """
 from __future__ import annotations
 
@@ -82,17 +83,19 @@ class VQASample:
         return vqa_prompt(self.question, len(self.images or [self.image]))
 
 
-def iter_vqa_samples(shard_paths: str | os.PathLike | list, limit: int | None = None) -> Iterator[VQASample]:
-    """One VQASample per question in the shards' `meta.qa` lists (default dataset and imported tables),
-    in shard order. Samples without `qa` or that fail to decode are skipped."""
+def iter_vqa_samples(shard_paths: str | os.PathLike | list,
+                     limit: int | None = None) -> Iterator[VQASample]:
+    """One VQASample per question in the shards' `meta.qa` lists (default dataset and imported
+    tables), in shard order. Samples without `qa` or that fail to decode are skipped."""
     n = 0
     for sample in iter_samples(shard_paths):
         if not sample.images:
             continue
         for qa in sample.meta.get("qa", []):
-            yield VQASample(image=sample.images[0], question=qa["question"], answer=str(qa["answer"]),
-                            question_type=str(qa.get("type", "unknown")), key=sample.key,
-                            heldout=bool(qa.get("heldout", False)), images=sample.images)
+            yield VQASample(image=sample.images[0], question=qa["question"],
+                            answer=str(qa["answer"]), question_type=str(qa.get("type", "unknown")),
+                            key=sample.key, heldout=bool(qa.get("heldout", False)),
+                            images=sample.images)
             n += 1
             if limit is not None and n >= limit:
                 return

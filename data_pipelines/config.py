@@ -15,14 +15,17 @@ DEFAULT_DIR = "data/default"
 
 @dataclass
 class SourceConfig(ValidatedOnInit):
-    """One source of shards. `path`: a folder of shards, a glob, a brace pattern or one .tar file, or a URL
-    webdataset understands (`pipe:CMD`, `http(s)://host/shard-{000..009}.tar`, `file:PATH`; SCHEMA.md)."""
+    """One source of shards. `path`: a folder of shards, a glob, a brace pattern or one .tar file,
+    or a URL webdataset understands (`pipe:CMD`, `http(s)://host/shard-{000..009}.tar`, `file:PATH`;
+    SCHEMA.md)."""
 
     path: str
     weight: float = 1.0
-    kind: Literal["auto", "pair", "interleaved", "text"] = "auto"   # not "auto": other kinds are skipped
+    # not "auto": other kinds are skipped
+    kind: Literal["auto", "pair", "interleaved", "text"] = "auto"
     name: str = ""
-    # img2dataset shards without a .txt member: the field of their metadata JSON that holds the caption
+    # img2dataset shards without a .txt member: the field of their metadata JSON that holds the
+    # caption
     caption_field: str = "caption"
 
     def validate(self) -> None:
@@ -45,7 +48,8 @@ class DataConfig(ValidatedOnInit):
     sources: list[SourceConfig] = field(default_factory=list)
     default_dir: str = DEFAULT_DIR
     split: str = "train"             # which split of the default dataset when `sources` is empty
-    # which parts of the default dataset to mix (vqa, caption, interleaved, text); empty: all of the split's
+    # which parts of the default dataset to mix (vqa, caption, interleaved, text); empty: all of the
+    # split's
     default_parts: list[str] = field(default_factory=list)
     row_tokens: int = 512            # T: tokens per packed row (text + image tokens)
     rows_per_batch: int = 4          # B
@@ -53,17 +57,19 @@ class DataConfig(ValidatedOnInit):
     pack_buffer: int = 64            # tokenized samples the packer chooses from when filling a row
     seed: int = 0
     num_workers: int = 0             # DataLoader worker processes per rank (0: in the main process)
-    # how ranks share the data: "samples" = each rank reads its own part of every source (no duplicated
-    # work); "rows" = every rank builds the same global batch of rows_per_batch x world_size rows and keeps
-    # its rows, so the global batch does not depend on the number of ranks (costs world_size x the CPU work)
+    # how ranks share the data: "samples" = each rank reads its own part of every source (no
+    # duplicated work); "rows" = every rank builds the same global batch of rows_per_batch x
+    # world_size rows and keeps its rows, so the global batch does not depend on the number of ranks
+    # (costs world_size x the CPU work)
     rank_split: Literal["samples", "rows"] = "samples"
     prefetch_factor: int = 2
-    epochs: int | None = None        # None: loop forever (training); N: stop after N passes over every source
-    # "byte"; "default": the BPE tokenizer built with the embedded default dataset (default_dir/tokenizer);
-    # or a tokenizer directory / tokenizer.json
+    # None: loop forever (training); N: stop after N passes over every source
+    epochs: int | None = None
+    # "byte"; "default": the BPE tokenizer built with the embedded default dataset
+    # (default_dir/tokenizer); or a tokenizer directory / tokenizer.json
     tokenizer: str = "byte"
-    # how images are patchified (validated when it is made); a training config with a vision section sets it to
-    # vision.processor, so only configs without one state it here
+    # how images are patchified (validated when it is made); a training config with a vision section
+    # sets it to vision.processor, so only configs without one state it here
     processor: ImageProcessorConfig = field(default_factory=ImageProcessorConfig)
     loss_on: Literal["all", "assistant"] = "all"   # "assistant": chat samples train on answers only
     long_text: Literal["truncate", "split"] = "truncate"  # text-only documents longer than a row
@@ -79,19 +85,26 @@ class DataConfig(ValidatedOnInit):
         check(self.shuffle_buffer >= 0, f"shuffle_buffer must be >= 0, got {self.shuffle_buffer}")
         check(self.pack_buffer >= 1, f"pack_buffer must be >= 1, got {self.pack_buffer}")
         check(self.num_workers >= 0, f"num_workers must be >= 0, got {self.num_workers}")
-        check(self.prefetch_factor >= 1, f"prefetch_factor must be >= 1, got {self.prefetch_factor}")
-        check(self.epochs is None or self.epochs >= 1, f"epochs must be >= 1 or null, got {self.epochs}")
+        check(self.prefetch_factor >= 1,
+              f"prefetch_factor must be >= 1, got {self.prefetch_factor}")
+        check(self.epochs is None or self.epochs >= 1,
+              f"epochs must be >= 1 or null, got {self.epochs}")
         check(bool(self.tokenizer), "tokenizer must be 'byte', 'default' or a path")
-        if self.tokenizer == "default":   # built with the default dataset: there only when that dataset is used or built
+        # built with the default dataset: there only when that dataset is used or built
+        if self.tokenizer == "default":
             check(not self.sources or Path(self.tokenizer_path).exists(),
-                  f"tokenizer 'default' is the default dataset's tokenizer ({self.tokenizer_path}), which does not "
+                  f"tokenizer 'default' is the default dataset's tokenizer "
+                  f"({self.tokenizer_path}), which does not "
                   "exist; with sources set, give a tokenizer directory or tokenizer.json, or 'byte'")
         elif self.tokenizer != "byte":
-            check(Path(self.tokenizer).exists(), f"tokenizer {self.tokenizer!r} does not exist; allowed: 'byte', "
-                                                 "'default' or a tokenizer directory / tokenizer.json")
+            check(Path(self.tokenizer).exists(), f"tokenizer {self.tokenizer!r} does not exist; "
+                                                 f"allowed: 'byte', "
+                                                 "'default' or a tokenizer directory / "
+                                                 "tokenizer.json")
         for p in self.default_parts:
             check(p in PARTS, f"default_parts: unknown part {p!r}; allowed: {', '.join(PARTS)}")
-        check(not (self.default_parts and self.sources), "default_parts selects parts of the default dataset; "
+        check(not (self.default_parts and self.sources),
+              "default_parts selects parts of the default dataset; "
                                                           "it cannot be combined with sources")
         names = [s.label for s in self.sources]
         check(len(set(names)) == len(names), f"source names/paths must be unique, got {names}")

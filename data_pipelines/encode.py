@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 import numpy as np
 from PIL import Image
 
-from data_pipelines.schema import (CORRUPT_IMAGE, EMPTY_TEXT, IMAGE_COUNT, IMAGE_TOO_LARGE, INVALID_FIELD, TOO_LONG,
-                                   BadSample, Sample)
+from data_pipelines.schema import (CORRUPT_IMAGE, EMPTY_TEXT, IMAGE_COUNT, IMAGE_TOO_LARGE,
+                                   INVALID_FIELD, TOO_LONG, BadSample, Sample)
 from data_pipelines.tokenizer import Tokenizer
 from vision.image_processor import ImageError, ImageProcessor, ProcessedImage
 
@@ -49,7 +49,8 @@ def _header_size(data: bytes, max_pixels: int, where: str) -> None:
     except Exception:  # noqa: BLE001 - unidentifiable: the processor reports it as corrupt
         return
     if w * h > max_pixels:
-        raise BadSample(IMAGE_TOO_LARGE, f"{where}: {w}x{h} = {w * h} pixels exceeds max_pixels={max_pixels}")
+        raise BadSample(IMAGE_TOO_LARGE, f"{where}: {w}x{h} = {w * h} pixels exceeds "
+                                         f"max_pixels={max_pixels}")
 
 
 def process_images(sample: Sample, processor: ImageProcessor) -> list[ProcessedImage]:
@@ -69,7 +70,8 @@ def expand_images(ids: np.ndarray, target: np.ndarray, num_tokens: list[int], to
     """Replace the k-th `<image>` id by start + num_tokens[k] pads + end (vectorised over tokens)."""
     pos = np.flatnonzero(ids == tok.image_id)
     if len(pos) != len(num_tokens):
-        raise BadSample(IMAGE_COUNT, f"{len(pos)} <image> tokens after tokenization but {len(num_tokens)} images")
+        raise BadSample(IMAGE_COUNT, f"{len(pos)} <image> tokens after tokenization but "
+                                     f"{len(num_tokens)} images")
     if not len(pos):
         return ids, target
     reps = np.ones(len(ids), dtype=np.int64)
@@ -85,8 +87,8 @@ def expand_images(ids: np.ndarray, target: np.ndarray, num_tokens: list[int], to
 
 
 def stats_kind(sample: Sample) -> str:
-    """The kind a sample counts as in per-kind statistics: chat (it has turns), caption (an image-text pair),
-    interleaved or text."""
+    """The kind a sample counts as in per-kind statistics: chat (it has turns), caption (an
+    image-text pair), interleaved or text."""
     if sample.turns is not None:
         return "chat"
     return {"pair": "caption", "interleaved": "interleaved"}.get(sample.kind, "text")
@@ -95,28 +97,33 @@ def stats_kind(sample: Sample) -> str:
 def encode_sample(sample: Sample, tok: Tokenizer, processor: ImageProcessor, row_tokens: int,
                   loss_on: str = "all", long_text: str = "truncate", allow_empty_text: bool = False
                   ) -> list[EncodedSample]:
-    """Tokenize, expand and check one sample; returns one EncodedSample (several with long_text="split").
+    """Tokenize, expand and check one sample; returns one EncodedSample (several with
+    long_text="split").
 
-    `allow_empty_text` is for prompts: an image-only prompt ("<image>") is valid input to generation,
-    while as training data it would teach nothing."""
+    `allow_empty_text` is for prompts: an image-only prompt ("<image>") is valid input to
+    generation, while as training data it would teach nothing."""
     if sample.turns is not None:
-        segments = tok.chat_segments(sample.turns)   # the tokenizer's chat format: ours or a source's
+        # the tokenizer's chat format: ours or a source's
+        segments = tok.chat_segments(sample.turns)
         if loss_on == "all":
             segments = [(text, True) for text, _ in segments]
     else:
         segments = [(sample.text, True)]
-    head = [] if tok.bos_id is None else [tok.bos_id]   # a source without bos (Qwen) starts with its first token
+    # a source without bos (Qwen) starts with its first token
+    head = [] if tok.bos_id is None else [tok.bos_id]
     parts = [np.array(head, dtype=np.int64)]
     flags = [np.zeros(len(head), dtype=bool)]
     for text, is_target in segments:
         ids = tok.encode_np(text)
         if tok.is_reserved[ids].any():
-            raise BadSample(INVALID_FIELD, f"sample {sample.key} in {sample.source}: text contains a reserved "
-                                           "token (<pad>, <bos>, <eos>, <image_pad>, <image_start>, <image_end>)")
+            raise BadSample(INVALID_FIELD, f"sample {sample.key} in {sample.source}: text contains "
+                                           f"a reserved "
+                                           "token (<pad>, <bos>, <eos>, <image_pad>, "
+                                           "<image_start>, <image_end>)")
         parts.append(ids)
         flags.append(np.full(len(ids), is_target, dtype=bool))
-    # A source's chat template closes each answer with its own eos (Qwen's <|im_end|>): that ends the document;
-    # our format closes turns with <|end|> and the document with <eos>.
+    # A source's chat template closes each answer with its own eos (Qwen's <|im_end|>): that ends
+    # the document; our format closes turns with <|end|> and the document with <eos>.
     if not (sample.turns is not None and len(parts) > 1 and (parts[-1] == tok.eos_id).any()):
         parts.append(np.array([tok.eos_id], dtype=np.int64))
         flags.append(np.ones(1, dtype=bool))
@@ -134,10 +141,13 @@ def encode_sample(sample: Sample, tok: Tokenizer, processor: ImageProcessor, row
     if images:
         last_end = int(np.flatnonzero(ids == tok.image_end_id)[-1])
         if last_end + 1 >= row_tokens:  # keep at least one text token after the last image
-            raise BadSample(TOO_LONG, f"sample {sample.key} in {sample.source}: {len(ids)} tokens with images "
-                                      f"ending at {last_end + 1} do not fit a row of {row_tokens}")
-        return [EncodedSample(ids[:row_tokens], target[:row_tokens], images, sample.key, truncated=True, kind=kind)]
+            raise BadSample(TOO_LONG, f"sample {sample.key} in {sample.source}: {len(ids)} tokens "
+                                      f"with images ending at {last_end + 1} do not fit a row of "
+                                      f"{row_tokens}")
+        return [EncodedSample(ids[:row_tokens], target[:row_tokens], images, sample.key,
+                              truncated=True, kind=kind)]
     if long_text == "split":
-        return [EncodedSample(ids[s:s + row_tokens], target[s:s + row_tokens], [], sample.key, truncated=True,
-                              kind=kind) for s in range(0, len(ids), row_tokens)]
-    return [EncodedSample(ids[:row_tokens], target[:row_tokens], [], sample.key, truncated=True, kind=kind)]
+        return [EncodedSample(ids[s:s + row_tokens], target[s:s + row_tokens], [], sample.key,
+                              truncated=True, kind=kind) for s in range(0, len(ids), row_tokens)]
+    return [EncodedSample(ids[:row_tokens], target[:row_tokens], [], sample.key, truncated=True,
+                          kind=kind)]

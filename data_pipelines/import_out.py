@@ -1,5 +1,5 @@
-"""The output folder of an import: checked before any work (`check_out`), and writes into it that fail part
-way (a full disk) turned into one line naming the file (`writing` -> `WriteFailed`)."""
+"""The output folder of an import: checked before any work (`check_out`), and writes into it that
+fail part way (a full disk) turned into one line naming the file (`writing` -> `WriteFailed`)."""
 from __future__ import annotations
 
 import os
@@ -32,8 +32,9 @@ def os_reason(e: OSError) -> str:
 
 
 def check_out(out: str | os.PathLike) -> None:
-    """Raise ImporterError (one line) unless shards can be written into `out` (or it can be created): checked
-    before an import reads anything, by writing and removing an empty file where OUT is or would be made."""
+    """Raise ImporterError (one line) unless shards can be written into `out` (or it can be
+    created): checked before an import reads anything, by writing and removing an empty file where
+    OUT is or would be made."""
     p = Path(out)
     here = p
     try:
@@ -46,4 +47,5 @@ def check_out(out: str | os.PathLike) -> None:
         os.close(fd)
         os.unlink(probe)
     except OSError as e:
-        raise ImporterError(f"--out {out}: cannot write in {here} ({os_reason(e)}); give a folder you can write to") from None
+        raise ImporterError(f"--out {out}: cannot write in {here} ({os_reason(e)}); give a folder "
+                            f"you can write to") from None

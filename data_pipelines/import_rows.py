@@ -1,18 +1,21 @@
 """One imported row (or image file) -> one Sample, or a `Skip(reason, detail)`.
 
-Runs in the import's worker processes, so it imports only the schema and Pillow. Columns are found by common
-names unless given. What a row may hold:
+Runs in the import's worker processes, so it imports only the schema and Pillow. Columns are found
+by common names unless given. What a row may hold:
 
-- images: a path (relative to --image-root or the table's folder; never outside them unless allowed), bytes,
-  a `{"bytes", "path"}` struct (datasets' `Image` feature), a `data:` URI, or a list of those (multi-image);
+- images: a path (relative to --image-root or the table's folder; never outside them unless
+  allowed), bytes, a `{"bytes", "path"}` struct (datasets' `Image` feature), a `data:` URI, or a
+  list of those (multi-image);
 - text: a caption or document (`text`, `caption`, ...), a question/answer pair, or a conversation:
-  LLaVA/ShareGPT `[{"from": "human"|"gpt", "value"}]`, OpenAI-style `[{"role", "content"}]` (content a string
-  or a list of `{"type": "text"|"image"}` parts), the Cauldron's `texts: [{"user", "assistant"}]`;
-- interleaved documents as OBELICS writes them: `texts` and `images` lists of the same length, each position
-  holding either a text or an image (`None` in the other list).
+  LLaVA/ShareGPT `[{"from": "human"|"gpt", "value"}]`, OpenAI-style `[{"role", "content"}]` (content
+  a string or a list of `{"type": "text"|"image"}` parts), the Cauldron's `texts: [{"user",
+  "assistant"}]`;
+- interleaved documents as OBELICS writes them: `texts` and `images` lists of the same length, each
+  position holding either a text or an image (`None` in the other list).
 
-Every image is decoded once here (a truncated file fails only when decoded), so a corrupt image is skipped and
-counted instead of reaching training. Rows rarely write `<image>` placeholders: missing ones go in front.
+Every image is decoded once here (a truncated file fails only when decoded), so a corrupt image is
+skipped and counted instead of reaching training. Rows rarely write `<image>` placeholders: missing
+ones go in front.
 """
 from __future__ import annotations
 
@@ -33,18 +36,19 @@ from PIL import Image
 from data_pipelines.schema import IMAGE_EXTS, IMAGE_TOKEN, Sample
 
 COLUMN_GUESSES = {
-    "image": ("image", "images", "image_path", "image_paths", "img", "file_name", "filename", "file", "path", "jpg",
-              "png"),
+    "image": ("image", "images", "image_path", "image_paths", "img", "file_name", "filename",
+              "file", "path", "jpg", "png"),
     "text": ("text", "caption", "captions", "txt", "content", "sentence"),
     "question": ("question", "query", "prompt", "instruction"),
     "answer": ("answer", "answers", "response", "output", "label"),
     "type": ("question_type", "type", "category"),
     "conversations": ("conversations", "messages", "turns", "conversation", "texts"),
 }
-ROLE_MAP = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "bot": "assistant",
-            "model": "assistant"}
+ROLE_MAP = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+            "bot": "assistant", "model": "assistant"}
 _ID_FIELDS = ("id", "sample_id", "uid", "key")
-MAX_PIXELS = 50_000_000     # as the loader's default processor.max_pixels: larger images would be skipped there
+# as the loader's default processor.max_pixels: larger images would be skipped there
+MAX_PIXELS = 50_000_000
 
 
 class Skip(Exception):
@@ -86,7 +90,8 @@ def row_id(row: Any) -> str | None:
     return None
 
 
-# ------------------------------------------------------------------------------------------------ images
+# ------------------------------------------------------------------------------------------------
+# images
 def check_image(data: bytes) -> str:
     """Decode the image (all of it: a truncated file fails only here); its file extension."""
     try:
@@ -94,9 +99,12 @@ def check_image(data: bytes) -> str:
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             with Image.open(io.BytesIO(data)) as im:
                 fmt = (im.format or "").lower()
-                if im.width * im.height > MAX_PIXELS:     # from the header, before anything is decoded
-                    raise Skip("image_too_large", f"{im.width}x{im.height} pixels exceeds {MAX_PIXELS}")
-                if fmt == "jpeg":   # decode at 1/8 scale: every coefficient is still read (a cut file fails)
+                # from the header, before anything is decoded
+                if im.width * im.height > MAX_PIXELS:
+                    raise Skip("image_too_large", f"{im.width}x{im.height} pixels exceeds "
+                                                  f"{MAX_PIXELS}")
+                # decode at 1/8 scale: every coefficient is still read (a cut file fails)
+                if fmt == "jpeg":
                     im.draft(im.mode, (max(1, im.width // 8), max(1, im.height // 8)))
                 im.load()
     except Skip:
@@ -104,7 +112,8 @@ def check_image(data: bytes) -> str:
     except Image.DecompressionBombError as e:
         raise Skip("image_too_large", str(e)) from None
     except Exception as e:  # noqa: BLE001 - Pillow raises many kinds for bad bytes
-        raise Skip("corrupt_image", f"{type(e).__name__}: {' '.join(str(e).split())[:200]}") from None
+        raise Skip("corrupt_image",
+                   f"{type(e).__name__}: {' '.join(str(e).split())[:200]}") from None
     ext = {"jpeg": "jpg", "tiff": "tif"}.get(fmt, fmt)
     return ext if ext in IMAGE_EXTS else "png"
 
@@ -119,8 +128,8 @@ def _not_regular(mode: int, what: str) -> Skip:
 
 
 def check_regular(path: Path, what: str) -> None:
-    """Skip (`not_regular_file`) a FIFO, device or socket, from its stat alone: it is never opened (opening a
-    FIFO blocks until a writer comes); a link to nothing is `missing_image_file`."""
+    """Skip (`not_regular_file`) a FIFO, device or socket, from its stat alone: it is never opened
+    (opening a FIFO blocks until a writer comes); a link to nothing is `missing_image_file`."""
     try:
         st = os.stat(path)
     except FileNotFoundError:
@@ -133,7 +142,8 @@ def read_file(path: Path, what: str) -> bytes:
     """The bytes of a regular file (others are skipped as by `check_regular`)."""
     check_regular(path, what)
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0))
-    with open(fd, "rb") as f:            # replaced by a FIFO since the stat: O_NONBLOCK kept the open from blocking
+    # replaced by a FIFO since the stat: O_NONBLOCK kept the open from blocking
+    with open(fd, "rb") as f:
         mode = os.fstat(f.fileno()).st_mode
         if not stat.S_ISREG(mode):
             raise _not_regular(mode, what)
@@ -172,11 +182,13 @@ def load_image(value: Any, roots: list[Path], confine: bool = True) -> bytes:
         for cand in ([p] if p.is_absolute() else [r / p for r in roots]):
             if cand.exists() and not cand.is_dir():
                 if confine and not inside(cand, roots):
-                    raise Skip("outside_root", f"image {value!r} leads outside {', '.join(map(str, roots))} "
+                    raise Skip("outside_root", f"image {value!r} leads outside "
+                                               f"{', '.join(map(str, roots))} "
                                                "(--image-root FOLDER reads images under FOLDER, "
                                                "--allow-outside-root reads them anywhere)")
                 return read_file(cand, f"image {value!r}")
-        raise Skip("missing_image_file", f"image {value!r} not found under {', '.join(map(str, roots))}")
+        raise Skip("missing_image_file", f"image {value!r} not found under "
+                                         f"{', '.join(map(str, roots))}")
     raise Skip("missing_image", f"image value {str(value)[:60]!r}")
 
 
@@ -193,7 +205,8 @@ def _as_list(value: Any, what: str) -> list:
     return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
-# ------------------------------------------------------------------------------------------------ text
+# ------------------------------------------------------------------------------------------------
+# text
 def _content(value: Any, images_in_parts: list[int]) -> str:
     """A turn's content: a string, or a list of parts ({"type": "text", "text"} / {"type": "image"})."""
     if isinstance(value, str):
@@ -254,7 +267,8 @@ def place_images(sample: Sample, missing: int) -> None:
         sample.text = IMAGE_TOKEN * missing + sample.text
 
 
-# ------------------------------------------------------------------------------------------------ rows
+# ------------------------------------------------------------------------------------------------
+# rows
 def convert_row(index: int, row: dict, settings: RowSettings) -> Sample:
     if "__error__" in row:
         raise Skip(*row["__error__"])
@@ -269,7 +283,8 @@ def convert_row(index: int, row: dict, settings: RowSettings) -> Sample:
     conv = row.get(cols["conversations"]) if cols["conversations"] else None
     if isinstance(conv, list) and conv and all(t is None or isinstance(t, str) for t in conv):
         if len(conv) != len(image_values):          # OBELICS: texts and images aligned
-            raise Skip("image_count_mismatch", f"{len(conv)} texts but {len(image_values)} image slots")
+            raise Skip("image_count_mismatch", f"{len(conv)} texts but {len(image_values)} image "
+                                               f"slots")
         text, image_values = _interleaved(conv, image_values)
     elif conv not in (None, "", []):
         turns = conversation_turns(conv)
@@ -281,25 +296,27 @@ def convert_row(index: int, row: dict, settings: RowSettings) -> Sample:
             raise Skip("empty_text", f"column {cols['answer']!r} is empty")
         turns = [{"role": "user", "content": q}, {"role": "assistant", "content": str(a)}]
         qtype = str(row.get(cols["type"])) if cols["type"] and row.get(cols["type"]) is not None else "unknown"
-        meta["qa"] = [{"question": q.replace(IMAGE_TOKEN, "").strip(), "answer": str(a), "type": qtype}]
+        meta["qa"] = [{"question": q.replace(IMAGE_TOKEN, "").strip(), "answer": str(a),
+                       "type": qtype}]
     elif cols["text"] and row.get(cols["text"]) not in (None, ""):
         value = row[cols["text"]]
         if isinstance(value, list):   # several captions: the first
             value = next((v for v in value if isinstance(v, str) and v.strip()), "")
         text = str(value)
     else:
-        raise Skip("missing_text", f"no text, caption, question/answer or conversation in {sorted(row)[:8]}")
+        raise Skip("missing_text", f"no text, caption, question/answer or conversation in "
+                                   f"{sorted(row)[:8]}")
     if not (text.replace(IMAGE_TOKEN, "").strip() or turns):
         raise Skip("empty_text", "the text is empty")
     images = [load_image(v, settings.roots, settings.confine) for v in image_values]
     exts = [check_image(d) for d in images]
     kind = "text" if not images else "pair" if len(images) == 1 else "interleaved"
-    sample = Sample(key=f"row{index:09d}", kind=kind, text=text, turns=turns, images=images, image_exts=exts,
-                    meta=meta)
+    sample = Sample(key=f"row{index:09d}", kind=kind, text=text, turns=turns, images=images,
+                    image_exts=exts, meta=meta)
     place_images(sample, len(images) - sample.placeholder_count())
     if sample.placeholder_count() != len(images):
-        raise Skip("image_count_mismatch", f"{sample.placeholder_count()} {IMAGE_TOKEN} placeholders but "
-                                           f"{len(images)} images")
+        raise Skip("image_count_mismatch", f"{sample.placeholder_count()} {IMAGE_TOKEN} "
+                                           f"placeholders but {len(images)} images")
     return sample
 
 
@@ -308,51 +325,60 @@ def file_key(name: str, index: int) -> str:
 
 
 def convert_file(index: int, item: tuple[str, Any], settings: FileSettings) -> Sample:
-    """(path relative to the folder, caption; None: read the sidecar file; False: not in the captions table;
-    (reason, detail): its row in the table cannot be used) -> an image-caption pair."""
+    """(path relative to the folder, caption; None: read the sidecar file; False: not in the
+    captions table; (reason, detail): its row in the table cannot be used) -> an image-caption
+    pair."""
     rel, caption = item
     root = settings.root
     path = root / rel
     if caption is False:
         raise Skip("missing_caption", f"{rel} is not in the captions table")
-    if isinstance(caption, tuple):           # (reason, detail): its row in the captions table cannot be used
+    # (reason, detail): its row in the captions table cannot be used
+    if isinstance(caption, tuple):
         raise Skip(*caption)
     if settings.confine and not inside(path, [root]):
-        raise Skip("outside_root", f"{rel} leads outside {root} (a link out; --allow-outside-root follows it)")
+        raise Skip("outside_root", f"{rel} leads outside {root} (a link out; --allow-outside-root "
+                                   f"follows it)")
     check_regular(path, rel)
     if caption is None:
         side = next((path.with_suffix("." + e) for e in settings.caption_exts
                      if path.with_suffix("." + e).is_file()), None)
         if side is None:
-            raise Skip("missing_caption", f"no {' or '.join('.' + e for e in settings.caption_exts)} beside {rel}")
+            raise Skip("missing_caption",
+                       f"no {' or '.join('.' + e for e in settings.caption_exts)} beside {rel}")
         if settings.confine and not inside(side, [root]):
-            raise Skip("outside_root", f"{side.name} leads outside {root} (--allow-outside-root follows it)")
+            raise Skip("outside_root", f"{side.name} leads outside {root} (--allow-outside-root "
+                                       f"follows it)")
         try:
             caption = read_file(side, side.name).decode(settings.encoding)
         except UnicodeDecodeError as e:
-            raise Skip("non_utf8_text", f"{side.name}: not valid {settings.encoding} (byte {e.start}; another "
+            raise Skip("non_utf8_text", f"{side.name}: not valid {settings.encoding} (byte "
+                                        f"{e.start}; another "
                                         "encoding? see --encoding)") from None
     if not str(caption).strip():
         raise Skip("empty_text", f"the caption of {rel} is empty")
     data = read_file(path, rel)
     ext = check_image(data)
-    return Sample(key=file_key(rel, index), kind="pair", text=IMAGE_TOKEN + str(caption).strip(), images=[data],
-                  image_exts=[ext], meta={"file": rel})
+    return Sample(key=file_key(rel, index), kind="pair", text=IMAGE_TOKEN + str(caption).strip(),
+                  images=[data], image_exts=[ext], meta={"file": rel})
 
 
-# ------------------------------------------------------------------------------------------------ workers
+# ------------------------------------------------------------------------------------------------
+# workers
 _WORKER: tuple | None = None
 
 
 def init_worker(convert, settings) -> None:
-    """A worker's set-up: what to convert with. Ctrl-C reaches the whole process group; the main process
-    handles it (keeps the complete shards, says how to resume) and stops the workers, which ignore it."""
+    """A worker's set-up: what to convert with. Ctrl-C reaches the whole process group; the main
+    process handles it (keeps the complete shards, says how to resume) and stops the workers, which
+    ignore it."""
     global _WORKER
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _WORKER = (convert, settings)
 
 
-def convert_chunk(chunk: list[tuple[int, Any]], convert=None, settings=None) -> list[tuple[int, Any]]:
+def convert_chunk(chunk: list[tuple[int, Any]], convert=None,
+                  settings=None) -> list[tuple[int, Any]]:
     """[(index, row)] -> [(index, Sample or (reason, detail, id))]. Any failure of a row skips that row only."""
     if convert is None:
         convert, settings = _WORKER
@@ -361,7 +387,12 @@ def convert_chunk(chunk: list[tuple[int, Any]], convert=None, settings=None) -> 
         try:
             out.append((i, convert(i, item, settings)))
         except Skip as s:
-            out.append((i, (s.reason, s.detail, row_id(item) or (item[0] if isinstance(item, tuple) else None))))
-        except (OSError, ValueError, TypeError, AttributeError, KeyError, IndexError, RecursionError) as e:
-            out.append((i, ("bad_row", f"{type(e).__name__}: {' '.join(str(e).split())[:200]}", row_id(item))))
+            out.append((i,
+                        (s.reason, s.detail, row_id(item)
+                         or (item[0] if isinstance(item, tuple) else None))))
+        except (OSError, ValueError, TypeError, AttributeError, KeyError, IndexError,
+                RecursionError) as e:
+            out.append((i,
+                        ("bad_row", f"{type(e).__name__}: {' '.join(str(e).split())[:200]}",
+                         row_id(item))))
     return out

@@ -1,20 +1,24 @@
-"""Running an import: rows -> worker processes (decode and check) -> shards, resumable, with a summary.
+"""Running an import: rows -> worker processes (decode and check) -> shards, resumable, with a
+summary.
 
-- **Workers.** Rows are cut into chunks and converted (`import_rows.convert_chunk`: images read, decoded and
-  checked) in `workers` spawned processes; at most a few chunks per worker are in flight, so a 1 GB input
-  is never held in memory, and results are written in row order (the output does not depend on `workers`).
-- **Resumable and idempotent.** Shards are written into `OUT/.PREFIX.partial/` and moved into OUT when full;
-  after each, `OUT/PREFIX.import.json` records the input's fingerprint (file names, sizes, modification
-  times, the options), the next row and the counts so far. The same command again resumes at the last full
-  shard (a crash at 90 % redoes at most one shard); once complete it does nothing and reports the same
-  summary. Another input or other options into the same OUT/PREFIX is refused unless `overwrite`.
-- **Failing loudly.** Nothing written (no rows, or all skipped) raises `ImportFailed` whose one-line message
-  names the first skipped rows and their reasons; skipping more than `max_skip_share` of the rows sets the
-  summary's status to `too_many_skipped` (the CLI exits 1). A source that breaks part way (a JSON array cut
-  short) keeps what was written and fails.
-- **Failing writes.** OUT is checked before any work (`check_out`: a file in the way, a read-only folder).
-  A write that fails later (a full disk) drops the shard being written and its temporary files and raises
-  `ImportWriteFailed` naming the file; once there is room the same command resumes at the last full shard.
+- **Workers.** Rows are cut into chunks and converted (`import_rows.convert_chunk`: images read,
+  decoded and checked) in `workers` spawned processes; at most a few chunks per worker are in
+  flight, so a 1 GB input is never held in memory, and results are written in row order (the output
+  does not depend on `workers`).
+- **Resumable and idempotent.** Shards are written into `OUT/.PREFIX.partial/` and moved into OUT
+  when full; after each, `OUT/PREFIX.import.json` records the input's fingerprint (file names,
+  sizes, modification times, the options), the next row and the counts so far. The same command
+  again resumes at the last full shard (a crash at 90 % redoes at most one shard); once complete it
+  does nothing and reports the same summary. Another input or other options into the same OUT/PREFIX
+  is refused unless `overwrite`.
+- **Failing loudly.** Nothing written (no rows, or all skipped) raises `ImportFailed` whose one-line
+  message names the first skipped rows and their reasons; skipping more than `max_skip_share` of the
+  rows sets the summary's status to `too_many_skipped` (the CLI exits 1). A source that breaks part
+  way (a JSON array cut short) keeps what was written and fails.
+- **Failing writes.** OUT is checked before any work (`check_out`: a file in the way, a read-only
+  folder). A write that fails later (a full disk) drops the shard being written and its temporary
+  files and raises `ImportWriteFailed` naming the file; once there is room the same command resumes
+  at the last full shard.
 """
 from __future__ import annotations
 
@@ -61,12 +65,13 @@ class ImportWriteFailed(ImportFailed):
 
 
 def default_workers() -> int:
-    return max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+    return max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                      else os.cpu_count() or 1))
 
 
 def _mp_context():
-    """fork where the platform has it (as torch's DataLoader): a spawned worker would re-import the program's
-    main module (the `vlm` CLI and everything it loads) before converting a row."""
+    """fork where the platform has it (as torch's DataLoader): a spawned worker would re-import the
+    program's main module (the `vlm` CLI and everything it loads) before converting a row."""
     methods = multiprocessing.get_all_start_methods()
     return multiprocessing.get_context("fork" if "fork" in methods else "spawn")
 
@@ -100,7 +105,8 @@ def _remove_shards(out: Path, prefix: str, first: int) -> None:
 class _Shards:
     """Shards of one import: full ones moved from the partial folder into OUT, each followed by a state save."""
 
-    def __init__(self, out: Path, prefix: str, max_count: int, max_bytes: int, start: int, save: Callable):
+    def __init__(self, out: Path, prefix: str, max_count: int, max_bytes: int, start: int,
+                 save: Callable):
         self.out, self.prefix, self.max_count, self.max_bytes = out, prefix, max_count, max_bytes
         self.tmp = out / f".{prefix}.partial"
         shutil.rmtree(self.tmp, ignore_errors=True)
@@ -113,13 +119,14 @@ class _Shards:
         return self.tmp / f"{self.prefix}-{self.index:06d}.tar"
 
     def write(self, sample: Sample, row: int) -> None:
-        if self.writer is not None and (self.count >= self.max_count or self.bytes >= self.max_bytes):
+        if self.writer is not None and (self.count >= self.max_count
+                                        or self.bytes >= self.max_bytes):
             self.finish(next_row=row)
         with writing(self._path()):
             if self.writer is None:
                 self.tmp.mkdir(parents=True, exist_ok=True)
-                self.writer = ShardWriter(self.tmp, self.prefix, max_count=sys.maxsize, max_bytes=sys.maxsize,
-                                          start_index=self.index)
+                self.writer = ShardWriter(self.tmp, self.prefix, max_count=sys.maxsize,
+                                          max_bytes=sys.maxsize, start_index=self.index)
                 self.count = self.bytes = 0
             self.writer.write(sample)
         self.count += 1
@@ -159,18 +166,21 @@ def _counts(skipped: dict) -> str:
     return ", ".join(f"{k}={v}" for k, v in sorted(skipped.items()))
 
 
-def run_import(items: Iterable[Any], convert: Callable, settings: Any, *, out: str | os.PathLike, source: str,
-               fmt: str, fingerprint: Any, prefix: str = "shard", max_count: int = 10_000, max_bytes: int = 1 << 30,
-               workers: int = 0, progress: bool = False, total: int | None = None, unit: str = "row",
-               desc: str = "import", max_skip_share: float = DEFAULT_MAX_SKIP_SHARE, overwrite: bool = False,
+def run_import(items: Iterable[Any], convert: Callable, settings: Any, *, out: str | os.PathLike,
+               source: str, fmt: str, fingerprint: Any, prefix: str = "shard",
+               max_count: int = 10_000, max_bytes: int = 1 << 30,
+               workers: int = 0, progress: bool = False, total: int | None = None,
+               unit: str = "row", desc: str = "import",
+               max_skip_share: float = DEFAULT_MAX_SKIP_SHARE, overwrite: bool = False,
                extra: dict | None = None) -> dict[str, Any]:
-    """Convert `items` with `convert(index, item, settings)` (a module-level function: it runs in workers)
-    and write the samples into shards in `out`; returns the summary (see the module docstring)."""
+    """Convert `items` with `convert(index, item, settings)` (a module-level function: it runs in
+    workers) and write the samples into shards in `out`; returns the summary (see the module
+    docstring)."""
     if not 0 <= max_skip_share <= 1:
         raise ImporterError(f"max skip share must be in [0, 1], got {max_skip_share}")
     if max_count < 1 or max_bytes < 1 or workers < 0:
-        raise ImporterError(f"--max-count and --max-bytes must be >= 1 and --workers >= 0, got {max_count}, "
-                            f"{max_bytes}, {workers}")
+        raise ImporterError(f"--max-count and --max-bytes must be >= 1 and --workers >= 0, got "
+                            f"{max_count}, {max_bytes}, {workers}")
     out = Path(out)
     check_out(out)
     try:
@@ -180,8 +190,9 @@ def run_import(items: Iterable[Any], convert: Callable, settings: Any, *, out: s
     if "." in prefix or "/" in prefix or not prefix:
         raise ImporterError(f"shard prefix {prefix!r} must be non-empty and hold no '.' or '/'")
     sp = state_path(out, prefix)
-    key = {"source": os.path.realpath(source) if os.path.exists(source) else source, "fingerprint": fingerprint,
-           "prefix": prefix, "max_count": max_count, "max_bytes": max_bytes, **(extra or {})}
+    key = {"source": os.path.realpath(source) if os.path.exists(source) else source,
+           "fingerprint": fingerprint, "prefix": prefix, "max_count": max_count,
+           "max_bytes": max_bytes, **(extra or {})}
     key = json.loads(json.dumps(key, default=str))
     state = None
     if sp.is_file():
@@ -189,14 +200,17 @@ def run_import(items: Iterable[Any], convert: Callable, settings: Any, *, out: s
             state = json.loads(sp.read_text())
         except ValueError:
             state = None
-    same = isinstance(state, dict) and state.get("version") == STATE_VERSION and state.get("key") == key
+    same = isinstance(state,
+                      dict) and state.get("version") == STATE_VERSION and state.get("key") == key
     if same and not overwrite and state.get("complete"):
         return _finalise(dict(state["summary"], already_imported=True), max_skip_share)
     if not same or overwrite:
-        theirs = state is not None or any(_shard_index(p.name, prefix) is not None for p in out.glob(f"{prefix}-*.tar"))
+        theirs = state is not None or any(_shard_index(p.name, prefix) is not None
+                                          for p in out.glob(f"{prefix}-*.tar"))
         if theirs and not overwrite:
             what = "an import of another input or with other options" if state else "shards not written by an import"
-            raise ImporterError(f"{out} already holds {prefix}-*.tar from {what}; use --overwrite, or another --out "
+            raise ImporterError(f"{out} already holds {prefix}-*.tar from {what}; use --overwrite, "
+                                f"or another --out "
                                 "or --prefix")
         _remove_shards(out, prefix, 0)
         sp.unlink(missing_ok=True)
@@ -210,17 +224,18 @@ def run_import(items: Iterable[Any], convert: Callable, settings: Any, *, out: s
     _remove_shards(out, prefix, start_shard)
     t0 = time.time()
     rows = start_row
-    summary: dict[str, Any] = {"status": "ok", "source": source, "format": fmt, "unit": unit, "out": str(out),
-                               "prefix": prefix}
+    summary: dict[str, Any] = {"status": "ok", "source": source, "format": fmt, "unit": unit,
+                               "out": str(out), "prefix": prefix}
 
     def snapshot(next_row: int, complete: bool = False) -> dict:
-        # called when a shard is full, before the row that opens the next one is counted: the counts then
-        # are those of the rows before `next_row`
-        return {"version": STATE_VERSION, "key": key, "next_row": next_row, "next_shard": shards.index,
-                "written": written, "skipped": dict(skipped), "examples": list(examples),
-                "shards": names + shards.names, "complete": complete}
+        # called when a shard is full, before the row that opens the next one is counted: the counts
+        # then are those of the rows before `next_row`
+        return {"version": STATE_VERSION, "key": key, "next_row": next_row,
+                "next_shard": shards.index, "written": written, "skipped": dict(skipped),
+                "examples": list(examples), "shards": names + shards.names, "complete": complete}
 
-    saved = [start_shard]        # the next shard of the last state saved: shards from it on are not recorded
+    # the next shard of the last state saved: shards from it on are not recorded
+    saved = [start_shard]
 
     def save(next_row: int) -> None:
         state = snapshot(next_row)
@@ -232,10 +247,12 @@ def run_import(items: Iterable[Any], convert: Callable, settings: Any, *, out: s
     source_error = write_error = None
     interrupted = broken = False
     pool = None
-    if workers > 0:   # before any thread (the progress bar's) starts: workers are forked where that exists
+    # before any thread (the progress bar's) starts: workers are forked where that exists
+    if workers > 0:
         pool = ProcessPoolExecutor(workers, mp_context=_mp_context(), initializer=init_worker,
                                    initargs=(convert, settings))
-        pool.submit(int).result()     # the workers start now (a fork pool starts all of them at its first task)
+        # the workers start now (a fork pool starts all of them at its first task)
+        pool.submit(int).result()
     bar = Progress(total, desc, progress, unit=unit)
     if start_row:
         bar.update(start_row)
@@ -293,15 +310,17 @@ def run_import(items: Iterable[Any], convert: Callable, settings: Any, *, out: s
         summary["status"] = "interrupted"
         what = "interrupted" if interrupted else "stopped: a worker process died (out of memory?)"
         raise (ImportInterrupted if interrupted else ImportFailed)(
-            f"import of {source} {what} after {rows} rows; {state_now['written']} samples in complete shards are "
-            f"kept; run the same command again to resume at row {state_now['next_row']}", summary)
+            f"import of {source} {what} after {rows} rows; {state_now['written']} samples in "
+            f"complete shards are kept; run the same command again to resume at row "
+            f"{state_now['next_row']}", summary)
     if source_error is None:
         done = snapshot(rows, complete=True)
         done["summary"] = {k: v for k, v in summary.items() if k not in ("already_imported",)}
         try:
             with writing(sp):
                 write_atomic(sp, json.dumps(done))
-        except WriteFailed as e:     # every shard is in place: the same command finds them and writes this again
+        # every shard is in place: the same command finds them and writes this again
+        except WriteFailed as e:
             _failed_write(e, summary, out, prefix, saved[0], sp, source)
     else:
         summary["status"] = "source_error"
@@ -311,8 +330,9 @@ def run_import(items: Iterable[Any], convert: Callable, settings: Any, *, out: s
 
 def _failed_write(e: WriteFailed, summary: dict, out: Path, prefix: str, saved_shard: int, sp: Path,
                   source: str) -> None:
-    """A write failed (the partial shard is already dropped): drop the full shards no state records (best effort:
-    the same command drops them too) and raise ImportWriteFailed, saying where the same command resumes."""
+    """A write failed (the partial shard is already dropped): drop the full shards no state records
+    (best effort: the same command drops them too) and raise ImportWriteFailed, saying where the
+    same command resumes."""
     try:
         _remove_shards(out, prefix, saved_shard)
     except OSError:
@@ -321,9 +341,9 @@ def _failed_write(e: WriteFailed, summary: dict, out: Path, prefix: str, saved_s
     summary.update(status="write_error", shards=[str(out / n) for n in state.get("shards", [])],
                    error=f"cannot write {e.path}: {os_reason(e.error)}")
     raise ImportWriteFailed(
-        f"import of {source} stopped: cannot write {e.path}: {os_reason(e.error)}; {state['written']} samples in "
-        f"complete shards are kept; with room (or write access) again, run the same command to resume at row "
-        f"{state['next_row']}", summary)
+        f"import of {source} stopped: cannot write {e.path}: {os_reason(e.error)}; "
+        f"{state['written']} samples in complete shards are kept; with room (or write access) "
+        f"again, run the same command to resume at row {state['next_row']}", summary)
 
 
 def _finalise(summary: dict[str, Any], max_skip_share: float) -> dict[str, Any]:
@@ -337,11 +357,12 @@ def _finalise(summary: dict[str, Any], max_skip_share: float) -> dict[str, Any]:
         raise ImportFailed(f"{summary['error']}{kept}", summary)
     if rows == 0:
         summary["status"] = "nothing_written"
-        raise ImportFailed(f"nothing imported: {src} holds no {summary.get('unit', 'row')}s", summary)
+        raise ImportFailed(f"nothing imported: {src} holds no {summary.get('unit', 'row')}s",
+                           summary)
     if written == 0:
         summary["status"] = "nothing_written"
-        raise ImportFailed(f"nothing imported from {src}: all {rows} {summary.get('unit', 'row')}s skipped "
-                           f"({_counts(skipped)}); first: "
+        raise ImportFailed(f"nothing imported from {src}: all {rows} {summary.get('unit', 'row')}s "
+                           f"skipped ({_counts(skipped)}); first: "
                            f"{_examples_line(summary['examples'])}", summary)
     summary["status"] = "too_many_skipped" if share > max_skip_share else "ok"
     return summary
@@ -351,17 +372,21 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
     """The human-readable report of an import."""
     lines = []
     if summary.get("already_imported"):
-        lines.append(f"already imported into {summary['out']} (same input and options): nothing to do")
+        lines.append(f"already imported into {summary['out']} (same input and options): nothing to "
+                     f"do")
     elif summary.get("resumed_at_row"):
         lines.append(f"resumed at row {summary['resumed_at_row']}")
-    lines.append(f"wrote {summary['written']} samples into {len(summary['shards'])} shard(s) from {summary['rows']} "
-                 f"rows ({summary['format']}, {summary.get('rows_per_s', 0):.0f} rows/s)")
+    lines.append(f"wrote {summary['written']} samples into {len(summary['shards'])} shard(s) from "
+                 f"{summary['rows']} rows ({summary['format']}, {summary.get('rows_per_s', 0):.0f} "
+                 f"rows/s)")
     if summary["skipped"]:
-        lines.append(f"skipped {summary['rows'] - summary['written']} ({100 * summary['skip_share']:.1f} %): "
-                     f"{_counts(summary['skipped'])}; first: {_examples_line(summary['examples'])}")
+        lines.append(f"skipped {summary['rows'] - summary['written']} "
+                     f"({100 * summary['skip_share']:.1f} %): {_counts(summary['skipped'])}; "
+                     f"first: {_examples_line(summary['examples'])}")
     if summary.get("columns"):
-        lines.append("columns: " + ", ".join(f"{k}={v}" for k, v in summary["columns"].items() if v))
+        lines.append("columns: " + ", ".join(f"{k}={v}" for k, v in summary["columns"].items()
+                                             if v))
     if summary["status"] == "too_many_skipped":
-        lines.append(f"warning: {100 * summary['skip_share']:.1f} % of the rows were skipped, more than the "
-                     f"allowed {100 * summary['max_skip_share']:.1f} % (--max-skip-share)")
+        lines.append(f"warning: {100 * summary['skip_share']:.1f} % of the rows were skipped, more "
+                     f"than the allowed {100 * summary['max_skip_share']:.1f} % (--max-skip-share)")
     return lines

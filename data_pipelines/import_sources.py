@@ -1,4 +1,5 @@
-"""Where an import's rows come from: one file or a folder, in the format it was written in, read streaming.
+"""Where an import's rows come from: one file or a folder, in the format it was written in, read
+streaming.
 
 | input | read with |
 |---|---|
@@ -8,10 +9,10 @@
 | `.parquet`, or a folder of them (`Dataset.to_parquet`, the hub's `data/train-*.parquet`) | pyarrow, in small batches |
 | `.arrow`, or a `Dataset.save_to_disk` folder (`state.json`; `dataset_dict.json` + splits) | pyarrow IPC, mmap |
 
-Nothing is read whole into memory. A row that cannot be parsed comes as `{"__error__": (reason, detail)}` and is
-skipped and counted by the importer (a row in another text encoding also carries `"__row__"`: its values with the
-undecodable bytes as surrogates, so that a captions table can say which file it was for); a file that cannot be
-read at all raises `ImporterError` naming it.
+Nothing is read whole into memory. A row that cannot be parsed comes as `{"__error__": (reason,
+detail)}` and is skipped and counted by the importer (a row in another text encoding also carries
+`"__row__"`: its values with the undecodable bytes as surrogates, so that a captions table can say
+which file it was for); a file that cannot be read at all raises `ImporterError` naming it.
 """
 from __future__ import annotations
 
@@ -26,11 +27,12 @@ from pathlib import Path
 from typing import Any, Iterator
 
 FORMATS = ("json", "jsonl", "csv", "tsv", "parquet", "arrow")
-_SUFFIX_FORMAT = {".json": "json", ".jsonl": "jsonl", ".ndjson": "jsonl", ".csv": "csv", ".tsv": "tsv",
-                  ".parquet": "parquet", ".pq": "parquet", ".arrow": "arrow"}
+_SUFFIX_FORMAT = {".json": "json", ".jsonl": "jsonl", ".ndjson": "jsonl", ".csv": "csv",
+                  ".tsv": "tsv", ".parquet": "parquet", ".pq": "parquet", ".arrow": "arrow"}
 _SPLIT_NAMES = ("train", "validation", "val", "dev", "test")
 _METADATA_FILES = ("dataset_info.json", "state.json", "dataset_dict.json", "manifest.json")
-_BATCH_ROWS = 64     # rows per pyarrow batch turned into Python objects (rows may carry image bytes)
+# rows per pyarrow batch turned into Python objects (rows may carry image bytes)
+_BATCH_ROWS = 64
 
 
 class ImporterError(ValueError):
@@ -39,8 +41,8 @@ class ImporterError(ValueError):
 
 @dataclass
 class RowSource:
-    """The rows of one input (a file, or the files of a dataset folder), in order. `root` is the folder that
-    relative image paths start from when no --image-root is given."""
+    """The rows of one input (a file, or the files of a dataset folder), in order. `root` is the
+    folder that relative image paths start from when no --image-root is given."""
 
     path: Path
     fmt: str
@@ -61,8 +63,8 @@ class RowSource:
         out = []
         for f in self.files:
             st = f.stat()
-            out.append([f.relative_to(self.root).as_posix() if f.is_relative_to(self.root) else str(f),
-                        st.st_size, st.st_mtime_ns])
+            out.append([f.relative_to(self.root).as_posix() if f.is_relative_to(self.root)
+                        else str(f), st.st_size, st.st_mtime_ns])
         return out
 
 
@@ -82,7 +84,8 @@ def open_source(path: str | os.PathLike, fmt: str | None = None, split: str | No
         raise ImporterError(f"table {path} does not exist")
     fmt = fmt or _SUFFIX_FORMAT.get(path.suffix.lower())
     if fmt is None:
-        raise ImporterError(f"table {path}: unknown format {path.suffix!r}; use .json, .jsonl, .csv, .tsv, .parquet "
+        raise ImporterError(f"table {path}: unknown format {path.suffix!r}; use .json, .jsonl, "
+                            f".csv, .tsv, .parquet "
                             "or .arrow (or --format), or a dataset folder")
     src = RowSource(path, fmt, [path], path.parent, encoding)
     if fmt == "json":
@@ -92,10 +95,12 @@ def open_source(path: str | os.PathLike, fmt: str | None = None, split: str | No
 
 
 def _folder_source(path: Path, fmt: str | None, split: str | None, encoding: str) -> RowSource:
-    if (path / "dataset_dict.json").is_file():          # DatasetDict.save_to_disk: one folder per split
+    # DatasetDict.save_to_disk: one folder per split
+    if (path / "dataset_dict.json").is_file():
         splits = _json_field(path / "dataset_dict.json", "splits")
         if split is None and len(splits) != 1:
-            raise ImporterError(f"dataset folder {path} holds the splits {splits}: choose one with --split")
+            raise ImporterError(f"dataset folder {path} holds the splits {splits}: choose one with "
+                                f"--split")
         split = split or splits[0]
         if split not in splits:
             raise ImporterError(f"dataset folder {path}: split {split!r} not one of {splits}")
@@ -106,20 +111,24 @@ def _folder_source(path: Path, fmt: str | None, split: str | None, encoding: str
         files = [path / n for n in names if isinstance(n, str) and "/" not in n and ".." not in n]
         missing = [f.name for f in files if not f.is_file()]
         if missing or not files:
-            raise ImporterError(f"dataset folder {path}: state.json lists data files that are not there: "
-                                f"{missing or names}")
+            raise ImporterError(f"dataset folder {path}: state.json lists data files that are not "
+                                f"there: {missing or names}")
         src = RowSource(path, "arrow", files, path, encoding)
         _count_rows(src)
         return src
     if any(path.glob("*.tar")):
-        raise ImporterError(f"folder {path} holds webdataset shards (.tar; img2dataset writes its .parquet "
-                            "metadata beside them): give the folder as a data source as it is, or to `vlm data stats`")
+        raise ImporterError(f"folder {path} holds webdataset shards (.tar; img2dataset writes its "
+                            f".parquet "
+                            "metadata beside them): give the folder as a data source as it is, or "
+                            "to `vlm data stats`")
     files = sorted(f for f in path.rglob("*") if f.is_file() and not f.name.startswith(".")
                    and f.suffix.lower() in _SUFFIX_FORMAT and f.name not in _METADATA_FILES)
     if fmt:
-        files = [f for f in files if _SUFFIX_FORMAT[f.suffix.lower()] in (fmt, "json" if fmt == "jsonl" else fmt)]
+        files = [f for f in files
+                 if _SUFFIX_FORMAT[f.suffix.lower()] in (fmt, "json" if fmt == "jsonl" else fmt)]
     elif any(_SUFFIX_FORMAT[f.suffix.lower()] in ("parquet", "arrow") for f in files):
-        files = [f for f in files if _SUFFIX_FORMAT[f.suffix.lower()] in ("parquet", "arrow")]  # JSON beside: metadata
+        # JSON beside: metadata
+        files = [f for f in files if _SUFFIX_FORMAT[f.suffix.lower()] in ("parquet", "arrow")]
     if split is not None:
         word = re.compile(rf"(^|[/_.-]){re.escape(split)}([/_.-]|$)")
         files = [f for f in files if word.search(f.relative_to(path).as_posix())]
@@ -128,12 +137,14 @@ def _folder_source(path: Path, fmt: str | None, split: str | None, encoding: str
                             + (f" of split {split!r}" if split else ""))
     fmts = sorted({_SUFFIX_FORMAT[f.suffix.lower()] for f in files})
     if len(fmts) > 1:
-        raise ImporterError(f"folder {path} mixes formats {fmts}: import one kind (--format) or one file at a time")
+        raise ImporterError(f"folder {path} mixes formats {fmts}: import one kind (--format) or "
+                            f"one file at a time")
     if split is None:
         seen = sorted({s for f in files for s in _SPLIT_NAMES
                        if re.search(rf"(^|[/_.-]){s}([/_.-]|$)", f.relative_to(path).as_posix())})
         if len(seen) > 1:
-            raise ImporterError(f"folder {path} holds files of the splits {seen}: choose one with --split")
+            raise ImporterError(f"folder {path} holds files of the splits {seen}: choose one with "
+                                f"--split")
     src = RowSource(path, fmts[0], files, path, encoding)
     if src.fmt == "json":
         kinds = {_sniff_json(f) for f in files}
@@ -164,7 +175,8 @@ def _sniff_json(path: Path) -> str:
                 return "jsonl"      # empty: no rows
             head = chunk.lstrip(b" \t\r\n")
     if head[:1] == b"{" and head.split(b"\n", 1)[0].strip() == b"{":
-        raise ImporterError(f"table {path}: one pretty-printed JSON object, not an array of rows ([{{...}}, ...]) "
+        raise ImporterError(f"table {path}: one pretty-printed JSON object, not an array of rows "
+                            f"([{{...}}, ...]) "
                             "nor JSON lines (one object per line)")
     return "json" if head[:1] == b"[" else "jsonl"
 
@@ -178,7 +190,8 @@ def _count_rows(src: RowSource) -> None:
         elif src.fmt == "arrow":
             src.total = sum(b.num_rows for f in src.files for b in _arrow_batches(f))
     except ImportError:
-        raise ImporterError(f"table {src.path}: reading {src.fmt} needs pyarrow (pip install pyarrow); JSON, "
+        raise ImporterError(f"table {src.path}: reading {src.fmt} needs pyarrow (pip install "
+                            f"pyarrow); JSON, "
                             "JSONL and CSV work without it") from None
     except ImporterError:
         raise
@@ -191,7 +204,8 @@ def _one_line(e: BaseException | str) -> str:
     return " ".join(str(e).split())[:300]
 
 
-# ------------------------------------------------------------------------------------------------ readers
+# ------------------------------------------------------------------------------------------------
+# readers
 def _json_rows(path: Path, src: RowSource) -> Iterator[dict]:
     import ijson
 
@@ -199,8 +213,10 @@ def _json_rows(path: Path, src: RowSource) -> Iterator[dict]:
     with open(path, "rb") as f:
         try:
             for item in ijson.items(f, "item", use_float=True):
-                yield item if isinstance(item, dict) else {"__error__": ("bad_row", f"item {n} is a "
-                                                                         f"{type(item).__name__}, not an object")}
+                yield item if isinstance(item, dict) else {"__error__": ("bad_row", f"item {n} is "
+                                                                                    f"a "
+                                                                         f"{type(item).__name__}, "
+                                                                         f"not an object")}
                 n += 1
         except ijson.JSONError as e:
             raise ImporterError(f"table {path}: invalid JSON after item {n} ({_one_line(e)})") from None
@@ -214,8 +230,10 @@ def _jsonl_rows(path: Path, src: RowSource) -> Iterator[dict]:
             try:
                 text = line.decode(src.encoding)
             except UnicodeDecodeError as e:
-                bad = {"__error__": ("non_utf8_text", f"{path.name} line {n}: not valid {src.encoding} ({e.reason} "
-                                                      f"at byte {e.start}; another encoding? see --encoding)")}
+                bad = {"__error__": ("non_utf8_text",
+                                     f"{path.name} line {n}: not valid {src.encoding} ({e.reason} "
+                                                      f"at byte {e.start}; another encoding? see "
+                                                      f"--encoding)")}
                 try:
                     row = json.loads(line.decode(src.encoding, "surrogateescape"))
                 except (ValueError, RecursionError, LookupError):
@@ -225,15 +243,18 @@ def _jsonl_rows(path: Path, src: RowSource) -> Iterator[dict]:
             try:
                 row = json.loads(text)
             except (ValueError, RecursionError) as e:
-                yield {"__error__": ("bad_row", f"{path.name} line {n}: invalid JSON ({_one_line(e)})")}
+                yield {"__error__": ("bad_row", f"{path.name} line {n}: invalid JSON "
+                                                f"({_one_line(e)})")}
                 continue
-            yield row if isinstance(row, dict) else {"__error__": ("bad_row", f"{path.name} line {n}: not a JSON "
+            yield row if isinstance(row, dict) else {"__error__": ("bad_row", f"{path.name} line "
+                                                                              f"{n}: not a JSON "
                                                                               "object")}
 
 
 def _csv_rows(path: Path, src: RowSource) -> Iterator[dict]:
     csv.field_size_limit(min(sys.maxsize, 2**31 - 1))
-    enc = "utf-8-sig" if src.encoding.lower().replace("_", "-") in ("utf-8", "utf8") else src.encoding
+    enc = "utf-8-sig" if src.encoding.lower().replace("_", "-") in ("utf-8",
+                                                                    "utf8") else src.encoding
     with open(path, encoding=enc, errors="surrogateescape", newline="") as f:
         reader = csv.DictReader(f, delimiter="," if src.fmt == "csv" else "\t")
         try:
@@ -243,8 +264,10 @@ def _csv_rows(path: Path, src: RowSource) -> Iterator[dict]:
                         if isinstance(v, str):
                             v.encode("utf-8")
                 except UnicodeEncodeError:
-                    yield {"__error__": ("non_utf8_text", f"{path.name} line {reader.line_num}: not valid "
-                                                          f"{src.encoding} (another encoding? see --encoding)"),
+                    yield {"__error__": ("non_utf8_text",
+                                         f"{path.name} line {reader.line_num}: not valid "
+                                                          f"{src.encoding} (another encoding? see "
+                                                          f"--encoding)"),
                            "__row__": row}
                     continue
                 yield row

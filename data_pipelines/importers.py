@@ -1,13 +1,14 @@
-"""Importers into shards: a table or dataset as researchers hold it, and a folder of images with captions.
+"""Importers into shards: a table or dataset as researchers hold it, and a folder of images with
+captions.
 
-- `import_table`: LLaVA/ShareGPT JSON arrays (streamed), JSONL, CSV/TSV, Parquet and Arrow files or folders
-  (`datasets` `save_to_disk` / `to_parquet` output, the hub's parquet layout) with `Image` features; where rows
-  come from is `import_sources`, how a row becomes a sample is `import_rows`.
+- `import_table`: LLaVA/ShareGPT JSON arrays (streamed), JSONL, CSV/TSV, Parquet and Arrow files or
+  folders (`datasets` `save_to_disk` / `to_parquet` output, the hub's parquet layout) with `Image`
+  features; where rows come from is `import_sources`, how a row becomes a sample is `import_rows`.
 - `import_folder`: images with sidecar captions (`name.txt`) or a captions table.
 
-Both run through `import_run.run_import`: images decoded and checked in worker processes, a progress bar,
-resumable and idempotent output, rows that cannot be used skipped and counted by reason, and a summary
-(`ImportFailed` when nothing could be imported).
+Both run through `import_run.run_import`: images decoded and checked in worker processes, a progress
+bar, resumable and idempotent output, rows that cannot be used skipped and counted by reason, and a
+summary (`ImportFailed` when nothing could be imported).
 """
 from __future__ import annotations
 
@@ -25,11 +26,13 @@ from data_pipelines.import_run import DEFAULT_MAX_SKIP_SHARE, ImportFailed, Impo
 from data_pipelines.import_sources import ImporterError, RowSource, open_source
 from data_pipelines.schema import IMAGE_EXTS
 
-__all__ = ["import_table", "import_folder", "read_table", "open_source", "ImporterError", "ImportFailed",
-           "ImportInterrupted", "ImportWriteFailed", "summary_lines", "DEFAULT_MAX_SKIP_SHARE"]
+__all__ = ["import_table", "import_folder", "read_table", "open_source", "ImporterError",
+           "ImportFailed", "ImportInterrupted", "ImportWriteFailed", "summary_lines",
+           "DEFAULT_MAX_SKIP_SHARE"]
 
 
-def read_table(path: str | os.PathLike, fmt: str | None = None, encoding: str = "utf-8") -> Iterator[dict[str, Any]]:
+def read_table(path: str | os.PathLike, fmt: str | None = None,
+               encoding: str = "utf-8") -> Iterator[dict[str, Any]]:
     """Rows of a table file or dataset folder as dicts (streamed; unparsable rows as {"__error__": ...})."""
     return open_source(path, fmt, encoding=encoding).rows()
 
@@ -41,29 +44,36 @@ def _check_columns(src: RowSource, given: dict[str, str | None]) -> dict[str, st
             continue
         for k, v in given.items():
             if v and v not in row:
-                raise ImporterError(f"table {src.path}: column {v!r} not found; columns: {sorted(map(str, row))}")
+                raise ImporterError(f"table {src.path}: column {v!r} not found; columns: "
+                                    f"{sorted(map(str, row))}")
         cols = {k: v or guess_column(row, k) for k, v in given.items()}
         if not (cols["text"] or cols["conversations"] or (cols["question"] and cols["answer"])):
-            raise ImporterError(f"table {src.path}: no text column found among {sorted(map(str, row))}; name one "
-                                "with --text-col, --question-col/--answer-col or --conversations-col")
+            raise ImporterError(f"table {src.path}: no text column found among "
+                                f"{sorted(map(str, row))}; name one "
+                                "with --text-col, --question-col/--answer-col or "
+                                "--conversations-col")
         return cols
     return {k: v for k, v in given.items()}
 
 
 def import_table(table: str | os.PathLike, out: str | os.PathLike, image_col: str | None = None,
-                 text_col: str | None = None, question_col: str | None = None, answer_col: str | None = None,
-                 type_col: str | None = None, conversations_col: str | None = None,
-                 image_root: str | os.PathLike | None = None, fmt: str | None = None, split: str | None = None,
-                 encoding: str = "utf-8", prefix: str = "shard", max_count: int = 10_000, max_bytes: int = 1 << 30,
-                 allow_outside_root: bool = False, workers: int = 0, progress: bool = False,
-                 max_skip_share: float = DEFAULT_MAX_SKIP_SHARE, overwrite: bool = False) -> dict[str, Any]:
-    """Rows -> shards; returns the summary (`written`, `skipped` by reason, `examples`, `shards`, `status`, ...).
+                 text_col: str | None = None, question_col: str | None = None,
+                 answer_col: str | None = None, type_col: str | None = None,
+                 conversations_col: str | None = None, image_root: str | os.PathLike | None = None,
+                 fmt: str | None = None, split: str | None = None,
+                 encoding: str = "utf-8", prefix: str = "shard", max_count: int = 10_000,
+                 max_bytes: int = 1 << 30, allow_outside_root: bool = False, workers: int = 0,
+                 progress: bool = False, max_skip_share: float = DEFAULT_MAX_SKIP_SHARE,
+                 overwrite: bool = False) -> dict[str, Any]:
+    """Rows -> shards; returns the summary (`written`, `skipped` by reason, `examples`, `shards`,
+    `status`, ...).
 
-    Image paths must lead (symlinks followed) into `image_root` or the table's folder (a dataset folder: the
-    folder); others are skipped and counted (`outside_root`) unless `allow_outside_root`. Columns not named
-    are guessed per row from common names (`import_rows.COLUMN_GUESSES`). Raises `ImportFailed` when nothing
-    could be imported, `ImporterError` (one line) when the input cannot be read at all or `out` cannot be
-    written (checked first), `ImportWriteFailed` when a write fails part way (a full disk)."""
+    Image paths must lead (symlinks followed) into `image_root` or the table's folder (a dataset
+    folder: the folder); others are skipped and counted (`outside_root`) unless
+    `allow_outside_root`. Columns not named are guessed per row from common names
+    (`import_rows.COLUMN_GUESSES`). Raises `ImportFailed` when nothing could be imported,
+    `ImporterError` (one line) when the input cannot be read at all or `out` cannot be written
+    (checked first), `ImportWriteFailed` when a write fails part way (a full disk)."""
     check_out(out)
     src = open_source(table, fmt, split=split, encoding=encoding)
     roots = ([Path(image_root)] if image_root else []) + [src.root]
@@ -73,19 +83,21 @@ def import_table(table: str | os.PathLike, out: str | os.PathLike, image_col: st
              "type": type_col, "conversations": conversations_col}
     cols = _check_columns(src, given)
     settings = RowSettings(columns=given, roots=roots, confine=not allow_outside_root)
-    summary = run_import(src.rows(), convert_row, settings, out=out, source=str(src.path), fmt=src.fmt,
-                         fingerprint=src.fingerprint(), prefix=prefix, max_count=max_count, max_bytes=max_bytes,
-                         workers=workers, progress=progress, total=src.total, unit="row", desc="import-table",
-                         max_skip_share=max_skip_share, overwrite=overwrite,
-                         extra={"columns": given, "roots": [str(r.resolve()) for r in roots], "split": split,
-                                "encoding": encoding, "confine": not allow_outside_root})
+    summary = run_import(src.rows(), convert_row, settings, out=out, source=str(src.path),
+                         fmt=src.fmt, fingerprint=src.fingerprint(), prefix=prefix,
+                         max_count=max_count, max_bytes=max_bytes,
+                         workers=workers, progress=progress, total=src.total, unit="row",
+                         desc="import-table", max_skip_share=max_skip_share, overwrite=overwrite,
+                         extra={"columns": given, "roots": [str(r.resolve()) for r in roots],
+                                "split": split, "encoding": encoding,
+                                "confine": not allow_outside_root})
     summary["columns"] = cols
     return summary
 
 
 def _caption_mapping(captions: str | os.PathLike, encoding: str) -> tuple[dict[str, Any], int]:
-    """file name -> caption, or -> (reason, detail) for a row that names its file but cannot be used (a caption
-    not in `encoding`); and the number of rows that could not be read at all."""
+    """file name -> caption, or -> (reason, detail) for a row that names its file but cannot be used
+    (a caption not in `encoding`); and the number of rows that could not be read at all."""
     src = open_source(captions, encoding=encoding)
     mapping: dict[str, Any] = {}
     fcol = tcol = None
@@ -100,30 +112,34 @@ def _caption_mapping(captions: str | os.PathLike, encoding: str) -> tuple[dict[s
             if fcol is None or tcol is None:
                 need = [f"a file column ({', '.join(COLUMN_GUESSES['image'])})"] if fcol is None else []
                 need += [f"a caption column ({', '.join(COLUMN_GUESSES['text'])})"] if tcol is None else []
-                raise ImporterError(f"captions {captions}: needs {' and '.join(need)}; its columns: "
-                                    f"{sorted(map(str, data))}")
+                raise ImporterError(f"captions {captions}: needs {' and '.join(need)}; its "
+                                    f"columns: {sorted(map(str, data))}")
         if data.get(fcol) is not None and data.get(tcol) is not None:
             mapping[str(data[fcol])] = tuple(row["__error__"]) if "__error__" in row else str(data[tcol])
     return mapping, unread
 
 
 def _image_entries(root: Path, recursive: bool) -> list[str]:
-    """Names with an image extension, relative to `root`, that are not folders: regular files, and also FIFOs,
-    devices, sockets and broken links, which the import skips and counts instead of leaving out unseen."""
-    return sorted(p.relative_to(root).as_posix() for p in (root.rglob("*") if recursive else root.iterdir())
+    """Names with an image extension, relative to `root`, that are not folders: regular files, and
+    also FIFOs, devices, sockets and broken links, which the import skips and counts instead of
+    leaving out unseen."""
+    return sorted(p.relative_to(root).as_posix()
+                  for p in (root.rglob("*") if recursive else root.iterdir())
                   if p.suffix.lower().lstrip(".") in IMAGE_EXTS and not p.is_dir())
 
 
-def import_folder(images_dir: str | os.PathLike, out: str | os.PathLike, captions: str | os.PathLike | None = None,
-                  caption_exts: tuple[str, ...] = ("txt", "caption"), prefix: str = "shard", max_count: int = 10_000,
-                  max_bytes: int = 1 << 30, recursive: bool = True, allow_outside_root: bool = False,
-                  workers: int = 0, progress: bool = False, max_skip_share: float = DEFAULT_MAX_SKIP_SHARE,
+def import_folder(images_dir: str | os.PathLike, out: str | os.PathLike,
+                  captions: str | os.PathLike | None = None,
+                  caption_exts: tuple[str, ...] = ("txt", "caption"), prefix: str = "shard",
+                  max_count: int = 10_000, max_bytes: int = 1 << 30, recursive: bool = True,
+                  allow_outside_root: bool = False, workers: int = 0, progress: bool = False,
+                  max_skip_share: float = DEFAULT_MAX_SKIP_SHARE,
                   overwrite: bool = False, encoding: str = "utf-8") -> dict[str, Any]:
-    """Images with captions (sidecar `name.txt`, or a JSONL/CSV/... `captions` table mapping file -> caption)
-    -> image-caption pairs. A symlink that leads out of the folder is skipped and counted (`outside_root`)
-    unless allow_outside_root; a FIFO, device or socket with an image's name is skipped and counted
-    (`not_regular_file`) without being opened. `encoding`: of the sidecar files and the captions table.
-    `progress`: a bar on a terminal, periodic lines in a redirected log."""
+    """Images with captions (sidecar `name.txt`, or a JSONL/CSV/... `captions` table mapping file ->
+    caption) -> image-caption pairs. A symlink that leads out of the folder is skipped and counted
+    (`outside_root`) unless allow_outside_root; a FIFO, device or socket with an image's name is
+    skipped and counted (`not_regular_file`) without being opened. `encoding`: of the sidecar files
+    and the captions table. `progress`: a bar on a terminal, periodic lines in a redirected log."""
     check_out(out)
     root = Path(images_dir)
     if not root.is_dir():
@@ -139,10 +155,13 @@ def import_folder(images_dir: str | os.PathLike, out: str | os.PathLike, caption
         for rel in files:
             caption = None
             if mapping is not None:
-                caption = mapping.get(rel, mapping.get(rel.rsplit("/", 1)[-1], False))   # False: not listed
+                # False: not listed
+                caption = mapping.get(rel, mapping.get(rel.rsplit("/", 1)[-1], False))
                 if caption is False and unread:
-                    caption = ("missing_caption", f"{rel} is not in the captions table, {unread} of whose rows "
-                                                  "could not be read (another encoding? see --encoding)")
+                    caption = ("missing_caption", f"{rel} is not in the captions table, {unread} "
+                                                  f"of whose rows "
+                                                  "could not be read (another encoding? see "
+                                                  "--encoding)")
             yield rel, caption
 
     fp = hashlib.sha256("\n".join(files).encode("utf-8", "surrogateescape")).hexdigest()
@@ -150,12 +169,15 @@ def import_folder(images_dir: str | os.PathLike, out: str | os.PathLike, caption
     if captions is not None:
         st = Path(captions).stat()
         cap_fp = [str(Path(captions).resolve()), st.st_size, st.st_mtime_ns]
-    settings = FileSettings(root=root, caption_exts=tuple(caption_exts), confine=not allow_outside_root,
-                            encoding=encoding)
+    settings = FileSettings(root=root, caption_exts=tuple(caption_exts),
+                            confine=not allow_outside_root, encoding=encoding)
     extra = {"caption_exts": list(caption_exts), "confine": not allow_outside_root}
     if not utf8:
-        extra["encoding"] = encoding      # only when given: imports made before --encoding existed still resume
-    return run_import(items(), convert_file, settings, out=out, source=str(root), fmt="image folder",
-                      fingerprint=[fp, len(files), cap_fp], prefix=prefix, max_count=max_count, max_bytes=max_bytes,
-                      workers=workers, progress=progress, total=len(files), unit="image", desc="import-folder",
-                      max_skip_share=max_skip_share, overwrite=overwrite, extra=extra)
+        # only when given: imports made before --encoding existed still resume
+        extra["encoding"] = encoding
+    return run_import(items(), convert_file, settings, out=out, source=str(root),
+                      fmt="image folder", fingerprint=[fp, len(files), cap_fp], prefix=prefix,
+                      max_count=max_count, max_bytes=max_bytes,
+                      workers=workers, progress=progress, total=len(files), unit="image",
+                      desc="import-folder", max_skip_share=max_skip_share, overwrite=overwrite,
+                      extra=extra)

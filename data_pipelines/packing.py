@@ -1,9 +1,10 @@
 """Packing encoded samples into rows of a fixed token budget and assembling PackedBatch tensors.
 
-Row filling: the oldest waiting sample opens a row (so nothing waits forever), then the subset of the
-other waiting samples (a pool of `pack_buffer`) that fills the rest of the row best is added: an exact
-0/1 knapsack over lengths, which leaves much less padding than greedy best fit when samples are long
-relative to the row. A sample is never split across rows. Labels are built for the whole batch at once from the row layout.
+Row filling: the oldest waiting sample opens a row (so nothing waits forever), then the subset of
+the other waiting samples (a pool of `pack_buffer`) that fills the rest of the row best is added: an
+exact 0/1 knapsack over lengths, which leaves much less padding than greedy best fit when samples
+are long relative to the row. A sample is never split across rows. Labels are built for the whole
+batch at once from the row layout.
 """
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ class Packer:
 
     def add(self, ref: Any, sample: EncodedSample) -> None:
         if len(sample) > self.row_tokens:
-            raise ValueError(f"sample {sample.key}: {len(sample)} tokens exceed row_tokens={self.row_tokens}")
+            raise ValueError(f"sample {sample.key}: {len(sample)} tokens exceed "
+                             f"row_tokens={self.row_tokens}")
         self.pool.append((ref, sample))
 
     def next_row(self) -> list[tuple[Any, EncodedSample]]:
@@ -48,8 +50,8 @@ class Packer:
 
 
 def best_subset(lengths: np.ndarray, room: int) -> list[int]:
-    """Indices of a subset of `lengths` with the largest sum <= `room` (0/1 knapsack over reachable sums:
-    one vector operation per candidate sample, never a loop over tokens)."""
+    """Indices of a subset of `lengths` with the largest sum <= `room` (0/1 knapsack over reachable
+    sums: one vector operation per candidate sample, never a loop over tokens)."""
     n = len(lengths)
     reach = np.zeros((n + 1, room + 1), dtype=bool)
     reach[0, 0] = True
@@ -59,7 +61,8 @@ def best_subset(lengths: np.ndarray, room: int) -> list[int]:
             reach[i + 1, length:] |= reach[i, :room + 1 - length]
     total = int(np.flatnonzero(reach[n])[-1])
     chosen = []
-    for i in range(n, 0, -1):  # walk back: item i-1 was needed iff the sum was not reachable without it
+    # walk back: item i-1 was needed iff the sum was not reachable without it
+    for i in range(n, 0, -1):
         if not reach[i - 1, total]:
             chosen.append(i - 1)
             total -= int(lengths[i - 1])
@@ -67,8 +70,8 @@ def best_subset(lengths: np.ndarray, room: int) -> list[int]:
 
 
 def assemble_batch(rows: list[list[EncodedSample]], row_tokens: int, tok: Tokenizer) -> PackedBatch:
-    """Rows of encoded samples -> PackedBatch (labels shifted, masked at document ends, padding, images
-    and non-target tokens; images concatenated row by row, left to right)."""
+    """Rows of encoded samples -> PackedBatch (labels shifted, masked at document ends, padding,
+    images and non-target tokens; images concatenated row by row, left to right)."""
     B, T = len(rows), row_tokens
     ids = np.full((B, T), tok.pad_id, dtype=np.int64)
     doc = np.full((B, T), -1, dtype=np.int64)
@@ -114,10 +117,11 @@ def select_rows(batch: PackedBatch, start: int, stop: int) -> PackedBatch:
     starts = is_img.clone()
     starts[:, 1:] &= ~is_img[:, :-1]           # an image is one run of IMAGE positions
     per_row = starts.sum(1).tolist()
-    out = PackedBatch(batch.input_ids[start:stop], batch.labels[start:stop], batch.doc_ids[start:stop],
-                      batch.position_ids[start:stop], batch.modality[start:stop],
-                      kind=None if batch.kind is None else batch.kind[start:stop],
-                      source=None if batch.source is None else batch.source[start:stop])
+    out = PackedBatch(batch.input_ids[start:stop], batch.labels[start:stop],
+                      batch.doc_ids[start:stop], batch.position_ids[start:stop],
+                      batch.modality[start:stop], kind=None if batch.kind is None
+                      else batch.kind[start:stop], source=None if batch.source is None
+                      else batch.source[start:stop])
     i0, i1 = sum(per_row[:start]), sum(per_row[:stop])
     if batch.image_grids is not None and i1 > i0:
         sizes = batch.image_grids.prod(1).tolist()
@@ -129,8 +133,8 @@ def select_rows(batch: PackedBatch, start: int, stop: int) -> PackedBatch:
 
 def make_prompt_batch(prompts: list[tuple[str, list[bytes]]], tok: Tokenizer, processor,
                       add_eos: bool = False) -> PackedBatch:
-    """One row per prompt (for generation/eval): `<bos>` + text with images expanded, right-padded to the
-    longest prompt. Labels are the usual shifted targets (useful for scoring answers)."""
+    """One row per prompt (for generation/eval): `<bos>` + text with images expanded, right-padded
+    to the longest prompt. Labels are the usual shifted targets (useful for scoring answers)."""
 
     encoded = []
     for i, (text, imgs) in enumerate(prompts):

@@ -1,7 +1,8 @@
 """One worker's pipeline: mixed sample stream -> decode -> tokenize/patchify -> pack -> PackedBatch.
 
-Everything here is deterministic given the state; `state_dict()` holds the streams' states, the packer's
-waiting samples as references, and the counters, so `load_state_dict()` reproduces the exact batches.
+Everything here is deterministic given the state; `state_dict()` holds the streams' states, the
+packer's waiting samples as references, and the counters, so `load_state_dict()` reproduces the
+exact batches.
 """
 from __future__ import annotations
 
@@ -34,25 +35,27 @@ class ResolvedSource:
 
 class WorkerPipeline:
     def __init__(self, cfg: DataConfig, sources: list[ResolvedSource], tok: Tokenizer, split: int,
-                 num_splits: int, processor: ImageProcessor | None = None, rows_per_batch: int | None = None):
+                 num_splits: int, processor: ImageProcessor | None = None,
+                 rows_per_batch: int | None = None):
         self.cfg, self.sources, self.tok = cfg, sources, tok
         self.rows_per_batch = rows_per_batch or cfg.rows_per_batch
         self.processor = processor or ImageProcessor(cfg.processor)
-        self.streams = [SourceStream(i, s.paths, s.counts, split, num_splits, cfg.seed, cfg.shuffle_buffer,
-                                     cfg.epochs) for i, s in enumerate(sources)]
+        self.streams = [SourceStream(i, s.paths, s.counts, split, num_splits, cfg.seed,
+                                     cfg.shuffle_buffer, cfg.epochs) for i, s in enumerate(sources)]
         self.mixer = Mixer(self.streams, [s.weight for s in sources], cfg.seed, split)
         self.packer = Packer(cfg.row_tokens, cfg.pack_buffer)
         self.counters: Counter = Counter()
         self.stats: Counter = Counter()
-        # per source label (a source is one kind of sample in the default data): samples read, and skipped by reason
+        # per source label (a source is one kind of sample in the default data): samples read, and
+        # skipped by reason
         self.read_by_source: Counter = Counter()
         self.skipped_by_source: dict[str, Counter] = {}
         self.ended = False
 
     def _encode(self, src: int, raw):
         sample = decode_sample(raw, self.sources[src].kind, self.sources[src].caption_field)
-        pieces = encode_sample(sample, self.tok, self.processor, self.cfg.row_tokens, self.cfg.loss_on,
-                               self.cfg.long_text)
+        pieces = encode_sample(sample, self.tok, self.processor, self.cfg.row_tokens,
+                               self.cfg.loss_on, self.cfg.long_text)
         for piece in pieces:
             piece.source = src
         return pieces
@@ -60,7 +63,8 @@ class WorkerPipeline:
     def _skip(self, err: BadSample, src: int) -> None:
         first = err.reason not in self.counters
         self.counters[err.reason] += err.count
-        self.skipped_by_source.setdefault(self.sources[src].label, Counter())[err.reason] += err.count
+        self.skipped_by_source.setdefault(self.sources[src].label,
+                                          Counter())[err.reason] += err.count
         if first:
             log.warning("skipping bad input (%s): %s", err.reason, err)
         else:
@@ -108,17 +112,21 @@ class WorkerPipeline:
         return batch
 
     def state_dict(self) -> dict:
-        return {"mixer": self.mixer.state_dict(), "pool": [list(ref) for ref, _ in self.packer.pool],
+        return {"mixer": self.mixer.state_dict(),
+                "pool": [list(ref) for ref, _ in self.packer.pool],
                 "counters": dict(self.counters), "stats": dict(self.stats), "ended": self.ended,
                 "read_by_source": dict(self.read_by_source),
-                "skipped_by_source": {label: dict(c) for label, c in self.skipped_by_source.items()}}
+                "skipped_by_source": {label: dict(c) for label,
+                                      c in self.skipped_by_source.items()}}
 
     def load_state_dict(self, state: dict) -> None:
         self.mixer.load_state_dict(state["mixer"])
         self.counters, self.stats = Counter(state["counters"]), Counter(state["stats"])
-        # absent from the loader states of runs saved before they were kept: those resume counting from 0
+        # absent from the loader states of runs saved before they were kept: those resume counting
+        # from 0
         self.read_by_source = Counter(state.get("read_by_source", {}))
-        self.skipped_by_source = {label: Counter(c) for label, c in state.get("skipped_by_source", {}).items()}
+        self.skipped_by_source = {label: Counter(c) for label,
+                                  c in state.get("skipped_by_source", {}).items()}
         self.ended = state["ended"]
         refs = [tuple(r) for r in state["pool"]]
         by_source: dict[int, list[tuple[int, int]]] = {}
@@ -127,5 +135,6 @@ class WorkerPipeline:
         raws = {src: dict(zip(rs, self.streams[src].fetch(rs))) for src, rs in by_source.items()}
         self.packer.pool = []
         for src, shard, idx, piece in refs:
-            pieces = self._encode(src, raws[src][(shard, idx)])  # deterministic: same pieces as before
+            # deterministic: same pieces as before
+            pieces = self._encode(src, raws[src][(shard, idx)])
             self.packer.pool.append(((src, shard, idx, piece), pieces[piece]))

@@ -1,7 +1,8 @@
 """Progress for long data jobs: a tqdm bar on a terminal, plain periodic lines in a redirected log.
 
-tqdm writes carriage-return updates, which fill a log file with one long line; when stderr is not a terminal
-this prints `desc: n/total` lines instead, at most every `every_s` seconds (and at the end).
+tqdm writes carriage-return updates, which fill a log file with one long line; when stderr is not a
+terminal this prints `desc: n/total` lines instead, at most every `every_s` seconds (and at the
+end).
 """
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import time
 
 
 class Progress:
-    def __init__(self, total: int | None, desc: str, enabled: bool = True, unit: str = "item", every_s: float = 10.0):
+    def __init__(self, total: int | None, desc: str, enabled: bool = True, unit: str = "item",
+                 every_s: float = 10.0):
         self.total, self.desc, self.unit, self.every_s = total, desc, unit, every_s
         self.n, self.t0 = 0, time.time()
         self.last = self.t0

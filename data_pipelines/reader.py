@@ -1,13 +1,14 @@
 """Reading shards: resolve source patterns, count samples, iterate a shard's samples by index.
 
-A shard is a local file (a Path) or a URL webdataset understands (a str: `pipe:CMD`, `http(s)://...`), opened
-with webdataset's gopen and read as a stream (urls.py); `file:` URLs are local paths. Members come from
-Python's tarfile in stream mode and are grouped into samples here, not by webdataset's `tar_file_iterator` +
-`group_by_keys` (nor its WebDataset pipeline, which resumes at shard starts at best), because exact resume
-and exact loss counting need what they do not give: a stable ordinal for every sample (bad ones included) so
-a position can be saved as (shard, index) and resumed by skipping (on a URL shard, by streaming past the
-samples before it again); knowing which sample a read error hit; and the stream offset where the members
-stop, since tarfile ends silently at a truncated or corrupt header (we then read that block ourselves).
+A shard is a local file (a Path) or a URL webdataset understands (a str: `pipe:CMD`,
+`http(s)://...`), opened with webdataset's gopen and read as a stream (urls.py); `file:` URLs are
+local paths. Members come from Python's tarfile in stream mode and are grouped into samples here,
+not by webdataset's `tar_file_iterator` + `group_by_keys` (nor its WebDataset pipeline, which
+resumes at shard starts at best), because exact resume and exact loss counting need what they do not
+give: a stable ordinal for every sample (bad ones included) so a position can be saved as (shard,
+index) and resumed by skipping (on a URL shard, by streaming past the samples before it again);
+knowing which sample a read error hit; and the stream offset where the members stop, since tarfile
+ends silently at a truncated or corrupt header (we then read that block ourselves).
 """
 from __future__ import annotations
 
@@ -50,7 +51,8 @@ from data_pipelines.writer import read_manifest
 
 log = logging.getLogger("data_pipelines")
 SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")
-SIDECAR_SUFFIXES = (".parquet", ".json")   # metadata written next to shards (img2dataset, our manifest.json)
+# metadata written next to shards (img2dataset, our manifest.json)
+SIDECAR_SUFFIXES = (".parquet", ".json")
 BLOCK = tarfile.BLOCKSIZE
 _META = re.compile(r"__[^/]*__($|/)")   # webdataset's metadata members (`__key__` and the like)
 
@@ -73,9 +75,10 @@ def local_source(pattern: str | os.PathLike) -> str | None:
 
 
 def resolve_shards(pattern: str | os.PathLike) -> list[Shard]:
-    """A directory (its shards), a glob, a brace pattern (`a-{000..009}.tar`) or one file -> sorted shard paths
-    (a `file:` URL names the same). Any other URL (`pipe:CMD`, `http(s)://...`) -> its shard URLs, expanded and
-    ordered as webdataset does; they are not fetched here (counting them does)."""
+    """A directory (its shards), a glob, a brace pattern (`a-{000..009}.tar`) or one file -> sorted
+    shard paths (a `file:` URL names the same). Any other URL (`pipe:CMD`, `http(s)://...`) -> its
+    shard URLs, expanded and ordered as webdataset does; they are not fetched here (counting them
+    does)."""
     if (local := local_source(pattern)) is None:
         shards = [as_shard(u) for u in expand_url_pattern(pattern)]
         for q in shards:
@@ -91,7 +94,8 @@ def resolve_shards(pattern: str | os.PathLike) -> list[Shard]:
         return paths
     paths: list[Path] = []
     for pat in braceexpand.braceexpand(pattern):
-        if glob.has_magic(pat):   # img2dataset's NNNNN.parquet / NNNNN_stats.json beside the tars are not shards
+        # img2dataset's NNNNN.parquet / NNNNN_stats.json beside the tars are not shards
+        if glob.has_magic(pat):
             paths += [Path(q) for q in sorted(glob.glob(pat)) if not q.endswith(SIDECAR_SUFFIXES)]
         elif Path(pat).is_file():
             paths.append(Path(pat))
@@ -106,7 +110,8 @@ def _block_at(path: Path, offset: int) -> bytes:
     """Up to one tar block of the (decompressed) tar stream at `offset`."""
     with open(path, "rb") as f:
         magic = f.read(6)
-    opener = next((o for m, o in COMPRESSED if magic.startswith(m)), open)   # as tarfile's "r|*" detects
+    # as tarfile's "r|*" detects
+    opener = next((o for m, o in COMPRESSED if magic.startswith(m)), open)
     try:
         with opener(path, "rb") as f:
             f.seek(offset)
@@ -116,14 +121,15 @@ def _block_at(path: Path, offset: int) -> bytes:
 
 
 def _groups(path: Shard, on_error: list, end: dict) -> Iterator[dict[str, Any]]:
-    """Tar members -> raw samples {"__key__", "__url__", ext: bytes}; a failed member read ends the shard
-    with one sample marked "__broken__" (the one the failing member belongs to).
+    """Tar members -> raw samples {"__key__", "__url__", ext: bytes}; a failed member read ends the
+    shard with one sample marked "__broken__" (the one the failing member belongs to).
 
-    Python's tarfile ends silently at a truncated or corrupt header, so where the members stop we look at
-    the next block ourselves: a zero block is the archive's end; anything else (a short or non-zero block)
-    means the tar breaks there, and the header's name, when readable, tells whether the last sample is
-    whole. `end["truncated"]` is set when the tar breaks. A URL shard is one gopen stream (urls.UrlStream, which
-    keeps the bytes tarfile just read); a local file is reopened to read that block.
+    Python's tarfile ends silently at a truncated or corrupt header, so where the members stop we
+    look at the next block ourselves: a zero block is the archive's end; anything else (a short or
+    non-zero block) means the tar breaks there, and the header's name, when readable, tells whether
+    the last sample is whole. `end["truncated"]` is set when the tar breaks. A URL shard is one
+    gopen stream (urls.UrlStream, which keeps the bytes tarfile just read); a local file is reopened
+    to read that block.
     """
     sample: dict[str, Any] | None = None
     seen_member, failed_name = False, None
@@ -171,21 +177,24 @@ def _groups(path: Shard, on_error: list, end: dict) -> Iterator[dict[str, Any]]:
 
 
 def iter_shard(path: str | os.PathLike, start: int = 0, stop: int | None = None,
-               expected: int | None = None, count_unreachable: bool = False) -> Iterator[tuple[int, Any]]:
+               expected: int | None = None,
+               count_unreachable: bool = False) -> Iterator[tuple[int, Any]]:
     """Yield (index, raw sample or BadSample) for samples `start <= index < stop` of one shard.
 
-    Samples before `start` are read but not yielded (resume skips this way). `expected` is the shard's
-    count (from the manifest, or from reading it) and lets every lost sample be counted: after the tar
-    breaks, each promised sample as truncated_shard (once, unnumbered, when the count was read from the
-    broken tar itself); an intact tar holding fewer or more samples than promised, as manifest_mismatch;
-    a missing file, each sample as missing_shard (warned about by the loader, not here). Events without an index of their own come as index -1
-    (also: unreadable_shard, the file cannot be opened as a tar) and only from the reader whose range ends
-    the shard, so each is counted once per pass. Each shard warns once.
+    Samples before `start` are read but not yielded (resume skips this way). `expected` is the
+    shard's count (from the manifest, or from reading it) and lets every lost sample be counted:
+    after the tar breaks, each promised sample as truncated_shard (once, unnumbered, when the count
+    was read from the broken tar itself); an intact tar holding fewer or more samples than promised,
+    as manifest_mismatch; a missing file, each sample as missing_shard (warned about by the loader,
+    not here). Events without an index of their own come as index -1 (also: unreadable_shard, the
+    file cannot be opened as a tar) and only from the reader whose range ends the shard, so each is
+    counted once per pass. Each shard warns once.
 
-    A URL shard is a stream: reaching `start` means streaming past the samples before it (the price of exact
-    resume inside a URL shard). One that cannot be fetched at all (the command fails before its first byte)
-    raises ShardError naming it, or with `count_unreachable` (the loader, mid-run) is counted as
-    unreadable_shard; a stream that breaks later is a truncated shard, as a local file cut short.
+    A URL shard is a stream: reaching `start` means streaming past the samples before it (the price
+    of exact resume inside a URL shard). One that cannot be fetched at all (the command fails before
+    its first byte) raises ShardError naming it, or with `count_unreachable` (the loader, mid-run)
+    is counted as unreadable_shard; a stream that breaks later is a truncated shard, as a local file
+    cut short.
     """
     path = as_shard(path)
     at_end = stop is None or expected is None or stop >= expected
@@ -195,10 +204,12 @@ def iter_shard(path: str | os.PathLike, start: int = 0, stop: int | None = None,
         if expected is None:
             yield -1, BadSample(MISSING_SHARD, f"shard {path} is gone")
             return
-        # the loader names every such shard in one warning when it resolves the source (loader.resolve_sources)
+        # the loader names every such shard in one warning when it resolves the source
+        # (loader.resolve_sources)
         log.debug("shard %s is listed in its manifest (%d samples) but is gone", path, expected)
         for i in range(start, stop):
-            yield i, BadSample(MISSING_SHARD, f"shard {path} is listed in its manifest but gone: sample {i} lost")
+            yield i, BadSample(MISSING_SHARD, f"shard {path} is listed in its manifest but gone: "
+                                              f"sample {i} lost")
         return
     errors: list = []
     end: dict = {}
@@ -218,12 +229,14 @@ def iter_shard(path: str | os.PathLike, start: int = 0, stop: int | None = None,
                 extra += 1      # beyond the promised count: counted, not read
                 continue
             held, n = (n, raw), n + 1
-    except Exception as e:  # noqa: BLE001 - OSError, tarfile.ReadError on a file that is no tar, ...
+    # noqa: BLE001 - OSError, tarfile.ReadError on a file that is no tar, ...
+    except Exception as e:
         if n == 0:
             if isinstance(e, ShardError) and not count_unreachable:
                 raise
             yield -1, BadSample(UNREADABLE_SHARD, str(e) if isinstance(e, ShardError) else
-                                f"shard {path} cannot be opened or read as a tar file: {type(e).__name__}: {e}")
+                                f"shard {path} cannot be opened or read as a tar file: "
+                                f"{type(e).__name__}: {e}")
             return
         errors.append((None, e))
         end["truncated"] = True
@@ -233,7 +246,8 @@ def iter_shard(path: str | os.PathLike, start: int = 0, stop: int | None = None,
         if raw.get("__broken__"):
             name, exn = errors[0] if errors else (None, "the tar breaks after it")
             what = f"member {name}" if name else "a member"
-            held = (i, BadSample(UNREADABLE_MEMBER, f"shard {path}: {what} of sample {raw['__key__']} cannot be "
+            held = (i, BadSample(UNREADABLE_MEMBER,
+                                 f"shard {path}: {what} of sample {raw['__key__']} cannot be "
                                                     f"read ({type(exn).__name__ + ': ' if errors else ''}{exn})"))
         else:
             raw.pop("__broken__", None)
@@ -241,22 +255,27 @@ def iter_shard(path: str | os.PathLike, start: int = 0, stop: int | None = None,
             yield o
     if expected is not None and n < expected:
         reason = TRUNCATED_SHARD if truncated else MANIFEST_MISMATCH
-        why = ("the tar breaks" if truncated else "the tar is intact but its manifest entry promises more: "
+        why = ("the tar breaks" if truncated else "the tar is intact but its manifest entry "
+                                                  "promises more: "
                "rewrite it with `vlm data stats --scan --write-manifest`")
         if at_end:
             log.warning("shard %s: read %d of %d samples (%s)", path, n, expected, why)
         for i in range(max(n, start), stop):
-            yield i, BadSample(reason, f"shard {path}: sample {i} lost ({why} after {n} of {expected} samples)")
+            yield i, BadSample(reason, f"shard {path}: sample {i} lost ({why} after {n} of "
+                                       f"{expected} samples)")
     elif at_end and truncated:
-        log.warning("shard %s: the tar breaks after %d samples; an unknown number after them is lost "
-                    "(a manifest entry would count them)", path, n)
-        yield -1, BadSample(TRUNCATED_SHARD, f"shard {path}: the tar breaks after {n} samples; the samples after "
-                                             "them are lost (their number is unknown without a manifest entry)")
+        log.warning("shard %s: the tar breaks after %d samples; an unknown number after them is "
+                    "lost (a manifest entry would count them)", path, n)
+        yield -1, BadSample(TRUNCATED_SHARD, f"shard {path}: the tar breaks after {n} samples; the "
+                                             f"samples after "
+                                             "them are lost (their number is unknown without a "
+                                             "manifest entry)")
     if extra:
-        log.warning("shard %s holds %d samples more than its manifest entry (%d); they are not read: rewrite it "
-                    "with `vlm data stats --scan --write-manifest`", path, extra, expected)
-        yield -1, BadSample(MANIFEST_MISMATCH, f"shard {path}: {extra} samples beyond its manifest entry's "
-                                               f"{expected} are not read", count=extra)
+        log.warning("shard %s holds %d samples more than its manifest entry (%d); they are not "
+                    "read: rewrite it with `vlm data stats --scan --write-manifest`", path, extra,
+                    expected)
+        yield -1, BadSample(MANIFEST_MISMATCH, f"shard {path}: {extra} samples beyond its manifest "
+                                               f"entry's {expected} are not read", count=extra)
 
 
 def count_samples(path: str | os.PathLike) -> int:
@@ -272,9 +291,9 @@ def _count(path: Shard) -> tuple[int, bool]:
 
 
 def listed_but_missing(pattern: str | os.PathLike) -> list[Path]:
-    """Shards a folder's manifest lists under a directory or glob source that are no longer on disk: the
-    loader keeps them (each of their samples is counted as missing_shard) instead of dropping them silently.
-    A URL source has no folder to list: none."""
+    """Shards a folder's manifest lists under a directory or glob source that are no longer on disk:
+    the loader keeps them (each of their samples is counted as missing_shard) instead of dropping
+    them silently. A URL source has no folder to list: none."""
     if (pattern := local_source(pattern)) is None:
         return []
     folders = [Path(pattern)] if Path(pattern).is_dir() else \
@@ -291,8 +310,9 @@ def listed_but_missing(pattern: str | os.PathLike) -> list[Path]:
 
 
 class ManifestEntries:
-    """A shard's entry in its folder's manifest.json (each folder's manifest read once), or None. A URL
-    shard's folder manifest is fetched with gopen (`http://host/dir/manifest.json`); a `pipe:` shard has none."""
+    """A shard's entry in its folder's manifest.json (each folder's manifest read once), or None. A
+    URL shard's folder manifest is fetched with gopen (`http://host/dir/manifest.json`); a `pipe:`
+    shard has none."""
 
     def __init__(self):
         self._by_dir: dict[Path | str, dict[str, dict]] = {}
@@ -308,23 +328,25 @@ class ManifestEntries:
 
 
 def shard_counts(paths: list[Shard]) -> list[int]:
-    """Per-shard sample counts: from each folder's manifest.json, else (or when the entry's `file_bytes`
-    disagrees with the file: the shard was rewritten) by reading the shard (a URL shard: streaming it once).
-    A URL shard that cannot be fetched raises ShardError naming it."""
+    """Per-shard sample counts: from each folder's manifest.json, else (or when the entry's
+    `file_bytes` disagrees with the file: the shard was rewritten) by reading the shard (a URL
+    shard: streaming it once). A URL shard that cannot be fetched raises ShardError naming it."""
     manifest_entry = ManifestEntries()
     counts = []
     for p in paths:
         entry = manifest_entry(p)
         if entry is not None and isinstance(p, Path) and p.exists() and \
                 entry.get("file_bytes") not in (None, p.stat().st_size):
-            # Rewritten since the manifest was made, or truncated: an intact tar is counted as it is now; a
-            # broken one keeps the manifest's count, so that every promised sample it lost is counted.
+            # Rewritten since the manifest was made, or truncated: an intact tar is counted as it is
+            # now; a broken one keeps the manifest's count, so that every promised sample it lost is
+            # counted.
             try:
                 n, broken = _count(p)
-            except Exception:  # noqa: BLE001 - no longer a tar: its reader counts it as unreadable_shard
+            # noqa: BLE001 - no longer a tar: its reader counts it as unreadable_shard
+            except Exception:
                 n, broken = 0, True
-            log.warning("shard %s: its manifest entry says %s bytes and %s samples, the file has %d bytes%s",
-                        p, entry["file_bytes"], entry["count"], p.stat().st_size,
+            log.warning("shard %s: its manifest entry says %s bytes and %s samples, the file has "
+                        "%d bytes%s", p, entry["file_bytes"], entry["count"], p.stat().st_size,
                         " and breaks" if broken else f" and {n} samples; using {n}")
             counts.append(int(entry["count"]) if broken else n)
             continue
@@ -336,16 +358,20 @@ def shard_counts(paths: list[Shard]) -> list[int]:
         try:
             counts.append(count_samples(p))
         except ShardError:
-            raise    # a URL that cannot be fetched: a wrong source, as a local path that does not exist
+            # a URL that cannot be fetched: a wrong source, as a local path that does not exist
+            raise
         except Exception as e:  # noqa: BLE001
-            # One slot: the worker that owns it tries to read it and counts it once as an unreadable shard
-            # (as for a manifest-listed shard that no longer reads), instead of stopping the run.
-            log.warning("shard %s cannot be read (%s: %s); it is skipped and counted", p, type(e).__name__, e)
+            # One slot: the worker that owns it tries to read it and counts it once as an unreadable
+            # shard (as for a manifest-listed shard that no longer reads), instead of stopping the
+            # run.
+            log.warning("shard %s cannot be read (%s: %s); it is skipped and counted", p,
+                        type(e).__name__, e)
             counts.append(1)
     return counts
 
 
-def fetch_samples(path: str | os.PathLike, indices: set[int], expected: int | None = None) -> dict[int, Any]:
+def fetch_samples(path: str | os.PathLike, indices: set[int],
+                  expected: int | None = None) -> dict[int, Any]:
     """Raw samples at `indices` of one shard (restoring buffered samples after a resume)."""
     if not indices:
         return {}
@@ -356,5 +382,6 @@ def fetch_samples(path: str | os.PathLike, indices: set[int], expected: int | No
     return out
 
 
-__all__ = ["Shard", "as_shard", "local_source", "shard_name", "resolve_shards", "listed_but_missing",
-           "ManifestEntries", "iter_shard", "count_samples", "shard_counts", "fetch_samples", "ShardError"]
+__all__ = ["Shard", "as_shard", "local_source", "shard_name", "resolve_shards",
+           "listed_but_missing", "ManifestEntries", "iter_shard", "count_samples", "shard_counts",
+           "fetch_samples", "ShardError"]

@@ -1,6 +1,6 @@
-"""Decoded samples of shards, for the tools that read shards outside the loader (VQA and caption export,
-tokenizer training, `vlm data stats --scan`): resolve the source patterns, read each shard, count the bad
-samples by reason and skip them, decode the rest."""
+"""Decoded samples of shards, for the tools that read shards outside the loader (VQA and caption
+export, tokenizer training, `vlm data stats --scan`): resolve the source patterns, read each shard,
+count the bad samples by reason and skip them, decode the rest."""
 from __future__ import annotations
 
 import os
@@ -12,10 +12,12 @@ from data_pipelines.reader import iter_shard, resolve_shards, shard_counts
 from data_pipelines.schema import BadSample, Sample, decode_sample
 
 
-def iter_decoded(path: str | os.PathLike, expected: int | None = None, counters: Counter | None = None
+def iter_decoded(path: str | os.PathLike, expected: int | None = None,
+                 counters: Counter | None = None
                  ) -> Iterator[tuple[dict[str, Any], Sample]]:
-    """(raw sample, decoded Sample) for every good sample of one shard, in order. A sample that cannot be
-    read or decoded is skipped and, with `counters`, counted under its reason (`expected` as in `iter_shard`)."""
+    """(raw sample, decoded Sample) for every good sample of one shard, in order. A sample that
+    cannot be read or decoded is skipped and, with `counters`, counted under its reason (`expected`
+    as in `iter_shard`)."""
     for _, raw in iter_shard(path, expected=expected):
         if isinstance(raw, BadSample):
             if counters is not None:
@@ -30,13 +32,15 @@ def iter_decoded(path: str | os.PathLike, expected: int | None = None, counters:
         yield raw, sample
 
 
-def iter_samples(patterns: str | os.PathLike | Iterable[str | os.PathLike], *, manifest_counts: bool = True,
-                 counters: Counter | None = None) -> Iterator[Sample]:
-    """Decoded samples of the shards that `patterns` (one or a list of directories, globs, brace patterns or
-    files) resolve to, in shard order; bad samples are skipped and counted as in `iter_decoded`.
+def iter_samples(patterns: str | os.PathLike | Iterable[str | os.PathLike], *,
+                 manifest_counts: bool = True, counters: Counter | None = None) -> Iterator[Sample]:
+    """Decoded samples of the shards that `patterns` (one or a list of directories, globs, brace
+    patterns or files) resolve to, in shard order; bad samples are skipped and counted as in
+    `iter_decoded`.
 
-    With `manifest_counts` (as the loader) each shard is read up to its manifest count (or the count found
-    by reading it first) and every sample it lost is counted; without, each shard is read once to its end."""
+    With `manifest_counts` (as the loader) each shard is read up to its manifest count (or the count
+    found by reading it first) and every sample it lost is counted; without, each shard is read once
+    to its end."""
     paths: list[Path] = []
     for p in ([patterns] if isinstance(patterns, (str, os.PathLike)) else patterns):
         paths += resolve_shards(p)

@@ -1,8 +1,10 @@
-"""Synthetic scenes for the embedded default dataset: objects with shape, colour, size and a 3x3 position.
+"""Synthetic scenes for the embedded default dataset: objects with shape, colour, size and a 3x3
+position.
 
 Every scene comes from its own `random.Random(f"{seed}:{split}:{index}")`, so a scene's bytes depend
-only on (seed, split, index), never on what else was generated. The held-out split uses (colour, shape)
-combinations that train and val never show, so answering about them needs attributes learnt apart.
+only on (seed, split, index), never on what else was generated. The held-out split uses (colour,
+shape) combinations that train and val never show, so answering about them needs attributes learnt
+apart.
 """
 from __future__ import annotations
 
@@ -12,12 +14,13 @@ from dataclasses import dataclass
 
 from PIL import Image, ImageDraw
 
-COLOURS = {"red": (220, 40, 40), "green": (30, 160, 60), "blue": (40, 80, 225), "yellow": (240, 205, 20),
-           "purple": (140, 55, 185), "orange": (250, 130, 20)}
+COLOURS = {"red": (220, 40, 40), "green": (30, 160, 60), "blue": (40, 80, 225),
+           "yellow": (240, 205, 20), "purple": (140, 55, 185), "orange": (250, 130, 20)}
 SHAPES = ("circle", "square", "triangle", "diamond")
 SIZES = ("small", "large")
 # one colour per shape never appears outside the test split
-HELD_OUT = frozenset({("green", "circle"), ("blue", "square"), ("red", "triangle"), ("yellow", "diamond")})
+HELD_OUT = frozenset({("green", "circle"), ("blue", "square"), ("red", "triangle"),
+                      ("yellow", "diamond")})
 ALL_COMBOS = tuple((c, s) for c in COLOURS for s in SHAPES)
 SEEN_COMBOS = tuple(cs for cs in ALL_COMBOS if cs not in HELD_OUT)
 CELL_PHRASE = {(0, 0): "at the top left", (0, 1): "at the top", (0, 2): "at the top right",
@@ -53,11 +56,13 @@ class Scene:
 
     def to_meta(self) -> dict:
         return {"width": self.width, "height": self.height,
-                "objects": [{"shape": o.shape, "colour": o.colour, "size": o.size, "row": o.row, "col": o.col}
+                "objects": [{"shape": o.shape, "colour": o.colour, "size": o.size, "row": o.row,
+                             "col": o.col}
                             for o in self.objects]}
 
 
-def sample_scene(rng: random.Random, min_size: int, max_size: int, max_objects: int, heldout: bool) -> Scene:
+def sample_scene(rng: random.Random, min_size: int, max_size: int, max_objects: int,
+                 heldout: bool) -> Scene:
     """Random scene; `heldout` scenes contain at least one held-out (colour, shape) object, others none."""
     width, height = rng.randint(min_size, max_size), rng.randint(min_size, max_size)
     background = tuple(rng.randint(215, 250) for _ in range(3))
@@ -78,7 +83,8 @@ def sample_scene(rng: random.Random, min_size: int, max_size: int, max_objects: 
         slack_x, slack_y = max(cw / 2 - radius, 0) * 0.6, max(ch / 2 - radius, 0) * 0.6
         cx = (col + 0.5) * cw + rng.uniform(-slack_x, slack_x)
         cy = (row + 0.5) * ch + rng.uniform(-slack_y, slack_y)
-        objects.append(SceneObject(shape, colour, size, row, col, round(cx, 2), round(cy, 2), round(radius, 2)))
+        objects.append(SceneObject(shape, colour, size, row, col, round(cx, 2), round(cy, 2),
+                                   round(radius, 2)))
     return Scene(width, height, background, objects)
 
 
@@ -94,7 +100,8 @@ def render_scene(scene: Scene) -> bytes:
             s = r * 0.85
             draw.rectangle((x - s, y - s, x + s, y + s), fill=fill)
         elif o.shape == "triangle":
-            draw.polygon([(x, y - r), (x + r * 0.95, y + r * 0.75), (x - r * 0.95, y + r * 0.75)], fill=fill)
+            draw.polygon([(x, y - r), (x + r * 0.95, y + r * 0.75), (x - r * 0.95, y + r * 0.75)],
+                         fill=fill)
         else:  # diamond
             draw.polygon([(x, y - r), (x + r * 0.8, y), (x, y + r), (x - r * 0.8, y)], fill=fill)
     buf = io.BytesIO()
@@ -110,10 +117,11 @@ def caption(scene: Scene) -> str:
 
 
 def relations(rng: random.Random, scene: Scene) -> str:
-    """One sentence per pair of objects that share a row or a column, each pair in a random direction:
-    "Relative to the yellow diamond, the red triangle is to the left." Both objects are named before the
-    relation, as in the position questions: "The red triangle is left of the ..." would ask for the relation
-    before saying which object it is relative to, which no model can know."""
+    """One sentence per pair of objects that share a row or a column, each pair in a random
+    direction: "Relative to the yellow diamond, the red triangle is to the left." Both objects are
+    named before the relation, as in the position questions: "The red triangle is left of the ..."
+    would ask for the relation before saying which object it is relative to, which no model can
+    know."""
     out = []
     for i, first in enumerate(scene.objects):
         for second in scene.objects[i + 1:]:
@@ -130,7 +138,8 @@ def _unique(objs: list[SceneObject], o: SceneObject, attrs: tuple[str, ...]) -> 
     return sum(all(getattr(p, a) == getattr(o, a) for a in attrs) for p in objs) == 1
 
 
-def _ref(objs: list[SceneObject], o: SceneObject, options: tuple[tuple[str, ...], ...]) -> str | None:
+def _ref(objs: list[SceneObject], o: SceneObject,
+         options: tuple[tuple[str, ...], ...]) -> str | None:
     """Shortest description of `o` (attributes in `options` order) that no other object shares."""
     for attrs in options:
         if _unique(objs, o, attrs):
@@ -163,12 +172,14 @@ def q_count(rng, scene, combos):
         return f"How many {s}s are there?", str(sum(o.shape == s for o in scene.objects)), None
     if mode == "colour":
         c = rng.choice(sorted(COLOURS))
-        return f"How many {c} objects are there?", str(sum(o.colour == c for o in scene.objects)), None
+        return f"How many {c} objects are there?", str(sum(o.colour == c
+                                                           for o in scene.objects)), None
     return "How many objects are there?", str(len(scene.objects)), None
 
 
 def q_position(rng, scene, combos):
-    pairs = [(a, b) for a in scene.objects for b in scene.objects if a is not b and (a.row == b.row or a.col == b.col)]
+    pairs = [(a, b) for a in scene.objects for b in scene.objects if a is not b
+             and (a.row == b.row or a.col == b.col)]
     if not pairs:
         return None
     a, b = rng.choice(pairs)
@@ -187,7 +198,8 @@ def q_yesno(rng, scene, combos):
     return f"Is there a {colour} {shape}?", "no", None
 
 
-QUESTION_TYPES = {"colour": q_colour, "shape": q_shape, "count": q_count, "position": q_position, "yesno": q_yesno}
+QUESTION_TYPES = {"colour": q_colour, "shape": q_shape, "count": q_count, "position": q_position,
+                  "yesno": q_yesno}
 
 
 def questions(rng: random.Random, scene: Scene, k: int, heldout: bool) -> list[dict]:

@@ -1,9 +1,10 @@
 """The one sample schema of the shards (see SCHEMA.md), its encoder and its validating decoder.
 
 A tar sample is the set of members sharing a key (webdataset convention, the key holds no dot):
-`KEY.json` (metadata and text), `KEY.{i}.{ext}` (image i, in placeholder order). A foreign webdataset
-with `KEY.jpg` + `KEY.txt` reads as an image-caption pair. Decoding checks everything that does not need
-the image decoder and raises `BadSample(reason, message)`; reasons are the loader's counter names.
+`KEY.json` (metadata and text), `KEY.{i}.{ext}` (image i, in placeholder order). A foreign
+webdataset with `KEY.jpg` + `KEY.txt` reads as an image-caption pair. Decoding checks everything
+that does not need the image decoder and raises `BadSample(reason, message)`; reasons are the
+loader's counter names.
 """
 from __future__ import annotations
 
@@ -36,17 +37,21 @@ CORRUPT_IMAGE = "corrupt_image"
 IMAGE_TOO_LARGE = "image_too_large"
 TOO_LONG = "too_long"
 FILTERED_KIND = "filtered_kind"
-REASONS = (UNREADABLE_SHARD, UNREADABLE_MEMBER, TRUNCATED_SHARD, MANIFEST_MISMATCH, MISSING_SHARD, BAD_JSON, NON_UTF8,
-           MISSING_FIELD, INVALID_FIELD, EMPTY_TEXT, IMAGE_COUNT, CORRUPT_IMAGE, IMAGE_TOO_LARGE, TOO_LONG, FILTERED_KIND)
+REASONS = (UNREADABLE_SHARD, UNREADABLE_MEMBER, TRUNCATED_SHARD, MANIFEST_MISMATCH, MISSING_SHARD,
+           BAD_JSON, NON_UTF8, MISSING_FIELD, INVALID_FIELD, EMPTY_TEXT, IMAGE_COUNT, CORRUPT_IMAGE,
+           IMAGE_TOO_LARGE, TOO_LONG, FILTERED_KIND)
 
-SCHEMA_FIELDS = ("text", "turns", "kind")          # a KEY.json holding one of these is the sample's schema
-METADATA_KEPT = ("key", "url", "status", "width", "height", "original_width", "original_height")  # img2dataset
+# a KEY.json holding one of these is the sample's schema
+SCHEMA_FIELDS = ("text", "turns", "kind")
+# img2dataset
+METADATA_KEPT = ("key", "url", "status", "width", "height", "original_width", "original_height")
 _IMAGE_MEMBER = re.compile(r"^(?:(\d+)\.)?(" + "|".join(IMAGE_EXTS) + r")$")
 
 
 class ShardError(ConfigError):
-    """A source pattern or shard that cannot be used (no match, missing file, a URL that cannot be fetched);
-    names the path or URL. A config problem: the commands report it in one line, without a traceback."""
+    """A source pattern or shard that cannot be used (no match, missing file, a URL that cannot be
+    fetched); names the path or URL. A config problem: the commands report it in one line, without a
+    traceback."""
 
 
 class BadSample(ValueError):
@@ -59,8 +64,9 @@ class BadSample(ValueError):
 
 @dataclass
 class Sample:
-    """One training sample. `text` holds `<image>` placeholders (one per image, in order); chat samples keep
-    the conversation in `turns` ([{role, content}], placeholders in the contents) and `text` is then unused."""
+    """One training sample. `text` holds `<image>` placeholders (one per image, in order); chat
+    samples keep the conversation in `turns` ([{role, content}], placeholders in the contents) and
+    `text` is then unused."""
 
     key: str
     kind: str
@@ -106,7 +112,8 @@ def encode_sample(sample: Sample) -> dict[str, Any]:
     if sample.meta:
         meta["meta"] = sample.meta
     out: dict[str, Any] = {"__key__": sample.key,
-                           "json": json.dumps(meta, ensure_ascii=False, sort_keys=True).encode("utf-8")}
+                           "json": json.dumps(meta, ensure_ascii=False,
+                                              sort_keys=True).encode("utf-8")}
     for i, data in enumerate(sample.images):
         ext = (sample.image_exts[i] if i < len(sample.image_exts) else "png").lower().lstrip(".")
         if ext not in IMAGE_EXTS:
@@ -124,7 +131,8 @@ def _utf8(data: bytes, what: str) -> str:
 
 def _check_turns(turns: Any, where: str) -> list[dict]:
     if not isinstance(turns, list) or not turns:
-        raise BadSample(INVALID_FIELD, f"{where}: 'turns' must be a non-empty list of {{role, content}}")
+        raise BadSample(INVALID_FIELD, f"{where}: 'turns' must be a non-empty list of {{role, "
+                                       f"content}}")
     out = []
     for i, t in enumerate(turns):
         if not isinstance(t, dict) or "role" not in t or "content" not in t:
@@ -151,17 +159,20 @@ def _parse_json(data: bytes, where: str) -> dict:
 
 
 def is_metadata_json(meta: dict, raw: dict[str, Any]) -> bool:
-    """A `KEY.json` that describes the sample instead of being it (img2dataset's url, caption, status, width,
-    height, ...): it holds none of `text`, `turns`, `kind`, or the sample has a caption member (.txt), which
-    this project's writer never writes next to its schema JSON."""
+    """A `KEY.json` that describes the sample instead of being it (img2dataset's url, caption,
+    status, width, height, ...): it holds none of `text`, `turns`, `kind`, or the sample has a
+    caption member (.txt), which this project's writer never writes next to its schema JSON."""
     return not any(k in meta for k in SCHEMA_FIELDS) or any(e in raw for e in TEXT_EXTS)
 
 
-def decode_sample(raw: dict[str, Any], kind_filter: str = "auto", caption_field: str = "caption") -> Sample:
-    """Raw tar members {"__key__", "__url__", ext: bytes} -> validated Sample (images still undecoded).
+def decode_sample(raw: dict[str, Any], kind_filter: str = "auto",
+                  caption_field: str = "caption") -> Sample:
+    """Raw tar members {"__key__", "__url__", ext: bytes} -> validated Sample (images still
+    undecoded).
 
-    A metadata JSON (see `is_metadata_json`) is not the schema: the caption comes from the `.txt` member, else
-    from the metadata's `caption_field`, and the metadata's `METADATA_KEPT` fields go into `meta`."""
+    A metadata JSON (see `is_metadata_json`) is not the schema: the caption comes from the `.txt`
+    member, else from the metadata's `caption_field`, and the metadata's `METADATA_KEPT` fields go
+    into `meta`."""
     key, url = raw.get("__key__", "?"), raw.get("__url__", "")
     where = f"sample {key} in {url}"
     images: dict[int, tuple[str, bytes]] = {}
@@ -171,10 +182,12 @@ def decode_sample(raw: dict[str, Any], kind_filter: str = "auto", caption_field:
             images[int(m.group(1) or 0)] = (m.group(2), value)
     ordered = [images[i] for i in sorted(images)]
     if sorted(images) != list(range(len(images))):
-        raise BadSample(IMAGE_COUNT, f"{where}: image members are not numbered 0..n-1: {sorted(images)}")
+        raise BadSample(IMAGE_COUNT, f"{where}: image members are not numbered 0..n-1: "
+                                     f"{sorted(images)}")
     meta = _parse_json(raw["json"], where) if "json" in raw else None
     if meta is not None and not is_metadata_json(meta, raw):
-        kind = meta.get("kind") or ("text" if not ordered else "pair" if len(ordered) == 1 else "interleaved")
+        kind = meta.get("kind") or ("text" if not ordered else "pair" if len(ordered) == 1
+                                    else "interleaved")
         if kind not in KINDS:
             raise BadSample(INVALID_FIELD, f"{where}: kind {kind!r} not one of {KINDS}")
         turns = _check_turns(meta["turns"], where) if meta.get("turns") is not None else None
@@ -198,17 +211,20 @@ def decode_sample(raw: dict[str, Any], kind_filter: str = "auto", caption_field:
         elif meta is not None and isinstance(meta.get(caption_field), str):
             text = meta[caption_field]
         elif meta is not None:
-            raise BadSample(MISSING_FIELD, f"{where}: no .txt member, and its .json is metadata (no "
-                                           f"{'/'.join(SCHEMA_FIELDS)}) without a string {caption_field!r}")
+            raise BadSample(MISSING_FIELD, f"{where}: no .txt member, and its .json is metadata "
+                                           f"(no {'/'.join(SCHEMA_FIELDS)}) without a string "
+                                           f"{caption_field!r}")
         else:
             raise BadSample(MISSING_FIELD, f"{where}: no .json and no .txt member (members: "
                                            f"{sorted(k for k in raw if not k.startswith('__'))})")
         turns = None
         kind = "text" if not ordered else "pair" if len(ordered) == 1 else "interleaved"
-    sample = Sample(key=key, kind=kind, text=text or "", turns=turns, images=[d for _, d in ordered],
-                    image_exts=[e for e, _ in ordered], meta=extra, source=url)
+    sample = Sample(key=key, kind=kind, text=text or "", turns=turns,
+                    images=[d for _, d in ordered], image_exts=[e for e, _ in ordered], meta=extra,
+                    source=url)
     if kind_filter != "auto" and kind != kind_filter:
-        raise BadSample(FILTERED_KIND, f"{where}: kind {kind!r} filtered out (source kind {kind_filter!r})")
+        raise BadSample(FILTERED_KIND, f"{where}: kind {kind!r} filtered out (source kind "
+                                       f"{kind_filter!r})")
     if kind == "text" and ordered:
         raise BadSample(INVALID_FIELD, f"{where}: kind 'text' but {len(ordered)} image members")
     if kind != "text" and not ordered:
@@ -219,9 +235,10 @@ def decode_sample(raw: dict[str, Any], kind_filter: str = "auto", caption_field:
     try:   # JSON may escape a lone surrogate (\ud800), which no tokenizer can encode
         text_all.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise BadSample(NON_UTF8, f"{where}: text holds a lone surrogate at character {e.start}") from None
+        raise BadSample(NON_UTF8,
+                        f"{where}: text holds a lone surrogate at character {e.start}") from None
     normalize_placeholders(sample)
     if sample.placeholder_count() != len(sample.images):
-        raise BadSample(IMAGE_COUNT, f"{where}: {sample.placeholder_count()} {IMAGE_TOKEN} placeholders "
-                                     f"but {len(sample.images)} images")
+        raise BadSample(IMAGE_COUNT, f"{where}: {sample.placeholder_count()} {IMAGE_TOKEN} "
+                                     f"placeholders but {len(sample.images)} images")
     return sample

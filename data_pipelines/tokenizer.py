@@ -1,13 +1,14 @@
-"""Tokenizers: byte-level (no files, Synergy-style) and BPE (the `tokenizers` library), one protocol.
+"""Tokenizers: byte-level (no files, Synergy-style) and BPE (the `tokenizers` library), one
+protocol.
 
-Both recognise the special tokens when they are written literally in the text, so the chat template and
-the `<image>` placeholder are plain strings everywhere else in the code. Byte-level ids 0..255 are the
-UTF-8 bytes and the specials follow; a BPE tokenizer puts the specials first (ids 0..9) when we train it,
-and wherever an imported `tokenizer.json` has them (missing ones are appended).
+Both recognise the special tokens when they are written literally in the text, so the chat template
+and the `<image>` placeholder are plain strings everywhere else in the code. Byte-level ids 0..255
+are the UTF-8 bytes and the specials follow; a BPE tokenizer puts the specials first (ids 0..9) when
+we train it, and wherever an imported `tokenizer.json` has them (missing ones are appended).
 
-A pretrained model's own tokenizer folder (tokenizer.json with a chat template, as transformers saves it) loads as
-a SourceTokenizer instead: its ids, special tokens and chat template stay the source's, and only the image tokens
-are added; the project's role tokens never are.
+A pretrained model's own tokenizer folder (tokenizer.json with a chat template, as transformers
+saves it) loads as a SourceTokenizer instead: its ids, special tokens and chat template stay the
+source's, and only the image tokens are added; the project's role tokens never are.
 """
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ from typing import Iterable
 
 import numpy as np
 
-SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<image>", "<image_pad>", "<image_start>", "<image_end>",
-                  "<|user|>", "<|assistant|>", "<|end|>"]
+SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<image>", "<image_pad>", "<image_start>",
+                  "<image_end>", "<|user|>", "<|assistant|>", "<|end|>"]
 META_FILE = "vlm_tokenizer.json"   # written next to tokenizer.json; says which kind to load
 _SPECIAL_RE = re.compile("(" + "|".join(re.escape(s) for s in SPECIAL_TOKENS) + ")")
 
@@ -47,23 +48,25 @@ class Tokenizer:
         self.is_special = np.zeros(self.vocab_size, dtype=bool)
         self.is_special[list(self.special_ids)] = True
         self.is_reserved = np.zeros(self.vocab_size, dtype=bool)   # never legal inside sample text
-        self.is_reserved[[self.pad_id, self.bos_id, self.eos_id, self.image_pad_id, self.image_start_id,
-                          self.image_end_id]] = True
+        self.is_reserved[[self.pad_id, self.bos_id, self.eos_id, self.image_pad_id,
+                          self.image_start_id, self.image_end_id]] = True
 
     def token_id(self, special: str) -> int:
         return self._special_ids[special]
 
-    chat_template = None   # the project's own format (data_pipelines/chat.py); a source's tokenizer has its own
+    # the project's own format (data_pipelines/chat.py); a source's tokenizer has its own
+    chat_template = None
 
-    def chat_segments(self, turns: list[dict], add_generation_prompt: bool = False) -> list[tuple[str, bool]]:
+    def chat_segments(self, turns: list[dict],
+                      add_generation_prompt: bool = False) -> list[tuple[str, bool]]:
         """A conversation as (text, is_target) pieces in this tokenizer's chat format."""
         from data_pipelines.chat import chat_segments
 
         return chat_segments(turns, add_generation_prompt)
 
     def format_chat(self, turns: list[dict], add_generation_prompt: bool = False) -> str:
-        """The conversation as one string in this tokenizer's chat format (what chat, the demo and lmms-eval prompt
-        the model with)."""
+        """The conversation as one string in this tokenizer's chat format (what chat, the demo and
+        lmms-eval prompt the model with)."""
         return "".join(text for text, _ in self.chat_segments(turns, add_generation_prompt))
 
     @property
@@ -105,7 +108,8 @@ class ByteTokenizer(Tokenizer):
         self._init_special_attrs()
 
     def _count_bytes(self) -> np.ndarray:
-        return np.ones(self.vocab_size, dtype=np.int64)   # ids 0..255 are bytes; specials are zeroed
+        # ids 0..255 are bytes; specials are zeroed
+        return np.ones(self.vocab_size, dtype=np.int64)
 
     def encode_np(self, text: str) -> np.ndarray:
         parts = []
@@ -137,11 +141,13 @@ class ByteTokenizer(Tokenizer):
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
         _save_for_transformers(self.as_tokenizers(), d)
-        (d / META_FILE).write_text(json.dumps({"kind": "byte", "special_tokens": SPECIAL_TOKENS}, indent=1))
+        (d / META_FILE).write_text(json.dumps({"kind": "byte", "special_tokens": SPECIAL_TOKENS},
+                                              indent=1))
 
     def as_tokenizers(self):
-        """An equivalent `tokenizers.Tokenizer`: byte-level BPE without merges (one token per UTF-8 byte, id = the
-        byte's value), the special tokens at 256.., so that `AutoTokenizer` encodes and decodes as we do."""
+        """An equivalent `tokenizers.Tokenizer`: byte-level BPE without merges (one token per UTF-8
+        byte, id = the byte's value), the special tokens at 256.., so that `AutoTokenizer` encodes
+        and decodes as we do."""
         from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
 
         mapping = _bytes_to_unicode()
@@ -149,13 +155,15 @@ class ByteTokenizer(Tokenizer):
         tok = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
         tok.decoder = decoders.ByteLevel()
-        tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in SPECIAL_TOKENS])
+        tok.add_special_tokens([AddedToken(s, special=True, normalized=False)
+                                for s in SPECIAL_TOKENS])
         return tok
 
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character table, the one `tokenizers`' ByteLevel uses."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+          + list(range(ord("®"), ord("ÿ") + 1)))
     cs, n = bs[:], 0
     for b in range(256):
         if b not in bs:
@@ -198,8 +206,8 @@ class BPETokenizer(Tokenizer):
         return self.tok.encode(text, add_special_tokens=False).ids
 
     def _count_bytes(self) -> np.ndarray:
-        """A byte-level BPE token's string has one character per byte (GPT-2's table); other vocabularies are
-        measured by decoding each token alone."""
+        """A byte-level BPE token's string has one character per byte (GPT-2's table); other
+        vocabularies are measured by decoding each token alone."""
         byte_of = set(_bytes_to_unicode().values())
         out = np.zeros(self.vocab_size, dtype=np.int64)
         for i in range(self.vocab_size):
@@ -232,14 +240,16 @@ def _load_tokenizer_json(path: Path) -> BPETokenizer:
         raise TokenizerError(f"tokenizer file {path} cannot be loaded: {e}") from None
 
 
-# What a pretrained model's chat format needs from the project: the image placeholder `encode` expands and the
-# three tokens it expands into. Role tokens never: the source's chat template says how turns are written.
+# What a pretrained model's chat format needs from the project: the image placeholder `encode`
+# expands and the three tokens it expands into. Role tokens never: the source's chat template says
+# how turns are written.
 IMAGE_TOKENS = ["<image>", "<image_pad>", "<image_start>", "<image_end>"]
 
 
 def is_source_tokenizer_dir(path: Path) -> bool:
-    """A pretrained model's own tokenizer files (tokenizer.json with a chat template, as transformers saves them),
-    or a final/ that carries one on: the chat format is the source's, not the project's."""
+    """A pretrained model's own tokenizer files (tokenizer.json with a chat template, as
+    transformers saves them), or a final/ that carries one on: the chat format is the source's, not
+    the project's."""
     path = Path(path)
     meta = path / META_FILE
     if meta.is_file():
@@ -252,12 +262,14 @@ def is_source_tokenizer_dir(path: Path) -> bool:
 
 
 class SourceTokenizer(Tokenizer):
-    """A pretrained model's tokenizer, loaded with transformers from its own files, in its own chat format.
+    """A pretrained model's tokenizer, loaded with transformers from its own files, in its own chat
+    format.
 
-    Its ids, special tokens, eos (which ends answers and documents), pad and chat template stay as they are;
-    the only change is IMAGE_TOKENS appended with `add_tokens(..., special_tokens=True)`, the transformers way,
-    at the first free ids (the model's embedding grows to fit them; see vlm.model.convert.fit_vocab). A source
-    without a bos token (Qwen) starts documents with nothing, as its own tokenization does."""
+    Its ids, special tokens, eos (which ends answers and documents), pad and chat template stay as
+    they are; the only change is IMAGE_TOKENS appended with `add_tokens(..., special_tokens=True)`,
+    the transformers way, at the first free ids (the model's embedding grows to fit them; see
+    vlm.model.convert.fit_vocab). A source without a bos token (Qwen) starts documents with nothing,
+    as its own tokenization does."""
 
     kind = "source"
 
@@ -271,18 +283,22 @@ class SourceTokenizer(Tokenizer):
         except Exception as e:  # transformers raises many types for unreadable files
             raise TokenizerError(f"tokenizer directory {d} cannot be loaded with transformers: {e}") from None
         if not getattr(hf, "chat_template", None):
-            raise TokenizerError(f"tokenizer directory {d} has no chat template (tokenizer_config.json "
+            raise TokenizerError(f"tokenizer directory {d} has no chat template "
+                                 f"(tokenizer_config.json "
                                  "chat_template or chat_template.jinja)")
         if hf.eos_token_id is None:
-            raise TokenizerError(f"tokenizer directory {d} names no eos_token: nothing would end an answer")
-        hf.add_tokens([AddedToken(s, special=True, normalized=False) for s in IMAGE_TOKENS], special_tokens=True)
+            raise TokenizerError(f"tokenizer directory {d} names no eos_token: nothing would end "
+                                 f"an answer")
+        hf.add_tokens([AddedToken(s, special=True, normalized=False) for s in IMAGE_TOKENS],
+                      special_tokens=True)
         self.hf, self.chat_template = hf, hf.chat_template
         self.vocab_size = len(hf)
         vocab = hf.get_vocab()
         self._special_ids = {s: vocab[s] for s in IMAGE_TOKENS}
         s = self._special_ids
         self.eos_id = hf.eos_token_id
-        self.bos_id = hf.bos_token_id                      # None: documents start with their first token
+        # None: documents start with their first token
+        self.bos_id = hf.bos_token_id
         self.pad_id = hf.pad_token_id if hf.pad_token_id is not None else self.eos_id
         self.image_id, self.image_pad_id = s["<image>"], s["<image_pad>"]
         self.image_start_id, self.image_end_id = s["<image_start>"], s["<image_end>"]
@@ -292,8 +308,8 @@ class SourceTokenizer(Tokenizer):
         self.special_ids = frozenset(special)
         self.is_special = np.zeros(self.vocab_size, dtype=bool)
         self.is_special[list(self.special_ids)] = True
-        # the eos may sit inside a rendered chat (Qwen closes every turn with it): only what the data pipeline
-        # writes itself is reserved
+        # the eos may sit inside a rendered chat (Qwen closes every turn with it): only what the
+        # data pipeline writes itself is reserved
         self.is_reserved = np.zeros(self.vocab_size, dtype=bool)
         self.is_reserved[[self.image_pad_id, self.image_start_id, self.image_end_id]] = True
 
@@ -301,7 +317,8 @@ class SourceTokenizer(Tokenizer):
         return self.hf.backend_tokenizer.encode(text, add_special_tokens=False).ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self.hf.backend_tokenizer.encode_batch(texts, add_special_tokens=False)]
+        return [e.ids for e in self.hf.backend_tokenizer.encode_batch(texts,
+                                                                      add_special_tokens=False)]
 
     def decode(self, ids, skip_special: bool = True) -> str:
         return self.hf.decode([int(i) for i in ids], skip_special_tokens=skip_special)
@@ -311,25 +328,30 @@ class SourceTokenizer(Tokenizer):
                          for i in range(self.vocab_size)], dtype=np.int64)
 
     def render(self, turns: list[dict], add_generation_prompt: bool = False) -> str:
-        return self.hf.apply_chat_template(turns, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return self.hf.apply_chat_template(turns, tokenize=False,
+                                           add_generation_prompt=add_generation_prompt)
 
-    def chat_segments(self, turns: list[dict], add_generation_prompt: bool = False) -> list[tuple[str, bool]]:
-        """The source's template rendered turn by turn: (text, is_target), the targets being what the template
-        writes after the generation prompt for each assistant turn (its content and closing eos)."""
+    def chat_segments(self, turns: list[dict],
+                      add_generation_prompt: bool = False) -> list[tuple[str, bool]]:
+        """The source's template rendered turn by turn: (text, is_target), the targets being what
+        the template writes after the generation prompt for each assistant turn (its content and
+        closing eos)."""
         segs, done = [], ""
         for i, t in enumerate(turns):
             if t.get("role") == "assistant":
                 prompt = self.render(turns[:i], add_generation_prompt=True)
                 full = self.render(turns[:i + 1])
                 if not (prompt.startswith(done) and full.startswith(prompt)):
-                    raise TokenizerError("the source's chat template does not render a conversation as the "
-                                         "prefix of its continuation; it cannot be split into prompt and answer")
+                    raise TokenizerError("the source's chat template does not render a "
+                                         "conversation as the prefix of its continuation; it "
+                                         "cannot be split into prompt and answer")
                 segs += [(prompt[len(done):], False), (full[len(prompt):], True)]
             else:
                 full = self.render(turns[:i + 1])
                 if not full.startswith(done):
-                    raise TokenizerError("the source's chat template does not render a conversation as the "
-                                         "prefix of its continuation; it cannot be split into turns")
+                    raise TokenizerError("the source's chat template does not render a "
+                                         "conversation as the prefix of its continuation; it "
+                                         "cannot be split into turns")
                 segs.append((full[len(done):], False))
             done = full
         if add_generation_prompt:
@@ -337,12 +359,14 @@ class SourceTokenizer(Tokenizer):
         return [(text, target) for text, target in segs if text]
 
     def save(self, directory) -> None:
-        """The source's files as transformers writes them (its template included, IMAGE_TOKENS added), and the
-        marker that keeps the source's chat format when this directory is read back."""
+        """The source's files as transformers writes them (its template included, IMAGE_TOKENS
+        added), and the marker that keeps the source's chat format when this directory is read
+        back."""
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
         self.hf.save_pretrained(str(d))
-        (d / META_FILE).write_text(json.dumps({"kind": "source", "image_tokens": IMAGE_TOKENS}, indent=1))
+        (d / META_FILE).write_text(json.dumps({"kind": "source", "image_tokens": IMAGE_TOKENS},
+                                              indent=1))
 
 
 def load_tokenizer(path_or_kind: str | os.PathLike) -> Tokenizer:
@@ -368,7 +392,8 @@ def load_tokenizer(path_or_kind: str | os.PathLike) -> Tokenizer:
         if (p / "tokenizer.json").is_file():
             return _load_tokenizer_json(p / "tokenizer.json")
         raise TokenizerError(f"tokenizer directory {p} holds neither {META_FILE} nor tokenizer.json")
-    raise TokenizerError(f"tokenizer {str(path_or_kind)!r}: expected 'byte', a directory or a tokenizer.json file "
+    raise TokenizerError(f"tokenizer {str(path_or_kind)!r}: expected 'byte', a directory or a "
+                         f"tokenizer.json file "
                          "(path does not exist)")
 
 
@@ -379,12 +404,13 @@ def train_bpe(texts_iter: Iterable[str], vocab_size: int, min_frequency: int = 2
 
     floor = len(SPECIAL_TOKENS) + 256
     if vocab_size < floor:
-        raise TokenizerError(f"vocab_size={vocab_size} is too small for byte-level BPE: need >= {floor} "
-                             f"({len(SPECIAL_TOKENS)} special tokens + 256 bytes)")
+        raise TokenizerError(f"vocab_size={vocab_size} is too small for byte-level BPE: need >= "
+                             f"{floor} ({len(SPECIAL_TOKENS)} special tokens + 256 bytes)")
     tok = HFTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=SPECIAL_TOKENS,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
+                                  special_tokens=SPECIAL_TOKENS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=show_progress)
     # special tokens written in the corpus must not be learnt as merges of their characters

@@ -1,11 +1,12 @@
-"""Shard sources given as URLs that webdataset understands: `pipe:CMD`, `http(s)://...` (and webdataset's
-other gopen schemes but `hf:`), and `file:PATH`.
+"""Shard sources given as URLs that webdataset understands: `pipe:CMD`, `http(s)://...` (and
+webdataset's other gopen schemes but `hf:`), and `file:PATH`.
 
-A `file:` URL names local files (a folder, glob, brace pattern or file) and is read as a local path. Every other
-URL is opened with webdataset's `gopen` and read once, front to back: a stream has no random access, so resuming
-at sample k of such a shard streams past its first k samples again, and counting one without a manifest entry
-streams it once (nothing is copied to disk). URL sources expand as webdataset expands them (its `expand_urls`:
-`::`-separated lists, `${VAR}` from the environment variable `WDS_VAR`, braces: `shard-{000..009}.tar`).
+A `file:` URL names local files (a folder, glob, brace pattern or file) and is read as a local path.
+Every other URL is opened with webdataset's `gopen` and read once, front to back: a stream has no
+random access, so resuming at sample k of such a shard streams past its first k samples again, and
+counting one without a manifest entry streams it once (nothing is copied to disk). URL sources
+expand as webdataset expands them (its `expand_urls`: `::`-separated lists, `${VAR}` from the
+environment variable `WDS_VAR`, braces: `shard-{000..009}.tar`).
 """
 from __future__ import annotations
 
@@ -36,22 +37,23 @@ COMPRESSED = ((b"\x1f\x8b", gzip.open), (b"BZh", bz2.open), (b"\xfd7zXZ\x00", lz
 # what reading a broken stream raises (truncated or corrupt data, a failed command)
 READ_ERRORS = (tarfile.TarError, OSError, EOFError, zlib.error, lzma.LZMAError, ShardError)
 _SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):")
-_REFUSED = {"hf": "hf: URLs download from the Hugging Face hub, which nothing here does at run time; download "
-                  "the shards and give their local path (or serve them over http)"}
+_REFUSED = {"hf": "hf: URLs download from the Hugging Face hub, which nothing here does at run "
+                  "time; download the shards and give their local path (or serve them over http)"}
 _COMMAND_EXIT = {126: "the command cannot be executed", 127: "command not found"}
 _CURL_EXIT = {6: "could not resolve the host", 7: "could not connect to the server",
               22: "the server answered with an HTTP error: not found (404) or another code >= 400",
-              28: "the transfer timed out", 35: "the TLS handshake failed", 52: "the server sent nothing",
-              56: "the connection broke"}
+              28: "the transfer timed out", 35: "the TLS handshake failed",
+              52: "the server sent nothing", 56: "the connection broke"}
 _WAIT_S = 10   # for a command to end once its output is closed (it gets SIGPIPE on its next write)
 
 
 def url_scheme(source: Any) -> str | None:
-    """The scheme of a source or shard name that is a URL webdataset opens (`file` included), else None: a
-    local path (a Path object always is one)."""
+    """The scheme of a source or shard name that is a URL webdataset opens (`file` included), else
+    None: a local path (a Path object always is one)."""
     m = _SCHEME.match(source) if isinstance(source, str) else None
     scheme = m.group(1).lower() if m else None
-    return scheme if scheme == "file" or (scheme in gopen_schemes and scheme != "__default__") else None
+    return scheme if scheme == "file" or (scheme in gopen_schemes
+                                          and scheme != "__default__") else None
 
 
 def is_stream_url(source: Any) -> bool:
@@ -60,13 +62,14 @@ def is_stream_url(source: Any) -> bool:
 
 
 def file_url_path(url: str) -> str:
-    """The local path a `file:` URL names: `file:/abs`, `file:///abs`, `file://localhost/abs` or `file:rel`
-    (percent escapes decoded, as gopen does)."""
+    """The local path a `file:` URL names: `file:/abs`, `file:///abs`, `file://localhost/abs` or
+    `file:rel` (percent escapes decoded, as gopen does)."""
     rest = url[len("file:"):]
     if rest.startswith("//"):
         host, _, path = rest[2:].partition("/")
         if host not in ("", "localhost"):
-            raise ShardError(f"{url}: a file: URL names a file on this machine; host {host!r} is not supported")
+            raise ShardError(f"{url}: a file: URL names a file on this machine; host {host!r} is "
+                             f"not supported")
         rest = "/" + path
     return url2pathname(rest)
 
@@ -100,15 +103,18 @@ def fetch_manifest(folder: str) -> dict | None:
     url = f"{folder}/{MANIFEST}"
     try:
         with UrlStream(url) as s:
-            data = json.loads(b"".join(iter(lambda: s.read(1 << 16), b"")))   # to the end: the exit status
+            # to the end: the exit status
+            data = json.loads(b"".join(iter(lambda: s.read(1 << 16), b"")))
     except (*READ_ERRORS, ValueError) as e:   # a 404 (no manifest), or a page that is no JSON
         log.info("no manifest at %s (%s); shards under it are counted by streaming them", url, e)
         return None
     if not isinstance(data, dict) or not isinstance(data.get("shards"), list):
-        log.warning("%s is not a shard manifest (an object with a 'shards' list); it is not used", url)
+        log.warning("%s is not a shard manifest (an object with a 'shards' list); it is not used",
+                    url)
         return None
     # entries this reader can use; a shard without one is counted by streaming it
-    data["shards"] = [e for e in data["shards"] if isinstance(e, dict) and isinstance(e.get("name"), str)
+    data["shards"] = [e for e in data["shards"] if isinstance(e, dict)
+                      and isinstance(e.get("name"), str)
                       and isinstance(e.get("count"), int) and e["count"] >= 0]
     return data
 
@@ -130,16 +136,19 @@ class _Joined:
 
 
 class UrlStream:
-    """One URL opened with webdataset's `gopen`, as a forward-only stream of its bytes (decompressed).
+    """One URL opened with webdataset's `gopen`, as a forward-only stream of its bytes
+    (decompressed).
 
-    Decompressed here (gzip, bzip2, xz, by magic bytes) rather than by tarfile's "r|*", so that the last
-    bytes read stay at hand: tarfile ends silently at a truncated or corrupt header and the reader looks at
-    the block where it stopped (`block_at`), which a stream cannot seek back to. When the output of a
-    `pipe:` command (or of curl, for http) ends and the command failed, reading raises ShardError naming the
-    URL and the exit status. A stream closed before its end stops its command (SIGPIPE, as with webdataset).
+    Decompressed here (gzip, bzip2, xz, by magic bytes) rather than by tarfile's "r|*", so that the
+    last bytes read stay at hand: tarfile ends silently at a truncated or corrupt header and the
+    reader looks at the block where it stopped (`block_at`), which a stream cannot seek back to.
+    When the output of a `pipe:` command (or of curl, for http) ends and the command failed, reading
+    raises ShardError naming the URL and the exit status. A stream closed before its end stops its
+    command (SIGPIPE, as with webdataset).
     """
 
-    KEEP = 4 * tarfile.RECORDSIZE   # tarfile reads at most one record past the header block it looks at
+    # tarfile reads at most one record past the header block it looks at
+    KEEP = 4 * tarfile.RECORDSIZE
 
     def __init__(self, url: str):
         self.url, self.pos = url, 0
@@ -149,15 +158,16 @@ class UrlStream:
             self._src = gopen(url, "rb")
         except (OSError, ValueError) as e:   # curl not installed, WDS_SECURE refusing pipe:, ...
             raise ShardError(f"shard {url} cannot be opened: {type(e).__name__}: {e}") from None
-        # Pipe.read raises a bare IOError when it happens to see the command's exit; read its stdout instead
-        # and report the exit status ourselves, with the URL
+        # Pipe.read raises a bare IOError when it happens to see the command's exit; read its stdout
+        # instead and report the exit status ourselves, with the URL
         self._raw = self._src.stream if isinstance(self._src, Pipe) else self._src
         try:
             head = self._read_raw(6)
             opener = next((o for m, o in COMPRESSED if head.startswith(m)), None)
             joined = _Joined(head, self._read_raw)
             self._data = opener(joined, "rb") if opener else joined
-            # read1: what was decompressed before a truncated stream's end comes out before its EOFError
+            # read1: what was decompressed before a truncated stream's end comes out before its
+            # EOFError
             self._read_data = self._data.read1 if opener else self._data.read
         except BaseException:
             self.close()
@@ -213,8 +223,8 @@ class UrlStream:
         return data
 
     def block_at(self, offset: int) -> bytes:
-        """Up to one tar block of the stream at `offset`, a position tarfile has just read past (reading on
-        as far as the block needs; a read error ends it there)."""
+        """Up to one tar block of the stream at `offset`, a position tarfile has just read past
+        (reading on as far as the block needs; a read error ends it there)."""
         try:
             while self.pos < offset + tarfile.BLOCKSIZE and self.read(tarfile.BLOCKSIZE):
                 pass
@@ -222,7 +232,8 @@ class UrlStream:
             pass
         start = offset - (self.pos - self._held)
         if start < 0:
-            raise RuntimeError(f"{self.url}: tar offset {offset} is no longer held (stream at {self.pos})")
+            raise RuntimeError(f"{self.url}: tar offset {offset} is no longer held (stream at "
+                               f"{self.pos})")
         return b"".join(self._tail)[start:start + tarfile.BLOCKSIZE]
 
     def close(self) -> None:

@@ -1,9 +1,9 @@
 """Shard writer (webdataset TarWriter underneath) with size/count rollover and a manifest of counts.
 
 Tar headers get a fixed mtime/owner so the same samples always give the same bytes. On `close()` the
-writer merges its shards' entries into `manifest.json` in the output folder; the loader takes per-shard
-sample counts from there (to split ranks and workers without reading the data) and `vlm data stats`
-prints the modality statistics.
+writer merges its shards' entries into `manifest.json` in the output folder; the loader takes
+per-shard sample counts from there (to split ranks and workers without reading the data) and `vlm
+data stats` prints the modality statistics.
 """
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ MANIFEST_VERSION = 1
 
 def image_size(data: bytes) -> tuple[int, int] | None:
     """(width, height) from the header only; None when Pillow cannot identify it."""
-    if data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR":  # fast path: IHDR is the first chunk
+    # fast path: IHDR is the first chunk
+    if data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR":
         return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
     try:
         with Image.open(io.BytesIO(data)) as im:
@@ -71,15 +72,18 @@ class ShardStats:
     def to_dict(self) -> dict[str, Any]:
         return {"count": self.count, "bytes": self.bytes, "kinds": dict(sorted(self.kinds.items())),
                 "chat": self.chat, "images": self.images,
-                "images_per_sample": dict(sorted(self.images_per_sample.items(), key=lambda kv: int(kv[0]))),
-                "image_pixels": self.image_pixels, "min_image_side": self.min_side, "max_image_side": self.max_side,
-                "text_bytes": self.text_bytes, "qa_types": dict(sorted(self.qa.items()))}
+                "images_per_sample": dict(sorted(self.images_per_sample.items(),
+                                                 key=lambda kv: int(kv[0]))),
+                "image_pixels": self.image_pixels, "min_image_side": self.min_side,
+                "max_image_side": self.max_side, "text_bytes": self.text_bytes,
+                "qa_types": dict(sorted(self.qa.items()))}
 
 
 def merge_stats(entries: list[dict[str, Any]]) -> dict[str, Any]:
     """Sum per-shard stat dicts into totals."""
-    tot: dict[str, Any] = {"shards": len(entries), "count": 0, "bytes": 0, "kinds": Counter(), "chat": 0,
-                           "images": 0, "images_per_sample": Counter(), "image_pixels": 0, "min_image_side": None,
+    tot: dict[str, Any] = {"shards": len(entries), "count": 0, "bytes": 0, "kinds": Counter(),
+                           "chat": 0, "images": 0, "images_per_sample": Counter(),
+                           "image_pixels": 0, "min_image_side": None,
                            "max_image_side": 0, "text_bytes": 0, "qa_types": Counter()}
     for e in entries:
         for k in ("count", "bytes", "chat", "images", "image_pixels", "text_bytes"):
@@ -119,9 +123,11 @@ def write_atomic(path: Path, text: str) -> None:
         raise
 
 
-def update_manifest(directory: str | os.PathLike, entries: list[dict[str, Any]], drop: Any = ()) -> Path:
-    """Insert/replace `entries` (by shard name) in DIR/manifest.json, remove the entries named in `drop`, and
-    recompute the totals; replaced in one step (a manifest left with no entry is removed)."""
+def update_manifest(directory: str | os.PathLike, entries: list[dict[str, Any]],
+                    drop: Any = ()) -> Path:
+    """Insert/replace `entries` (by shard name) in DIR/manifest.json, remove the entries named in
+    `drop`, and recompute the totals; replaced in one step (a manifest left with no entry is
+    removed)."""
     directory = Path(directory)
     old = read_manifest(directory) or {"shards": []}
     by_name = {e["name"]: e for e in old["shards"] if e.get("name") not in drop}
@@ -136,8 +142,8 @@ def update_manifest(directory: str | os.PathLike, entries: list[dict[str, Any]],
 
 
 class ShardWriter:
-    """Write Samples into `DIR/{prefix}-{000000}.tar`, starting a new shard at `max_count` samples or
-    `max_bytes` bytes, and record every shard in DIR/manifest.json on close."""
+    """Write Samples into `DIR/{prefix}-{000000}.tar`, starting a new shard at `max_count` samples
+    or `max_bytes` bytes, and record every shard in DIR/manifest.json on close."""
 
     def __init__(self, directory: str | os.PathLike, prefix: str = "shard", max_count: int = 10_000,
                  max_bytes: int = 1 << 30, start_index: int = 0):
@@ -162,7 +168,8 @@ class ShardWriter:
         name = f"{self.prefix}-{self.index:06d}.tar"
         self._name = name
         self._file = open(self.dir / name, "wb")
-        self._tar = wds.TarWriter(self._file, encoder=False, mtime=0, user="vlm", group="vlm", mode=0o444)
+        self._tar = wds.TarWriter(self._file, encoder=False, mtime=0, user="vlm", group="vlm",
+                                  mode=0o444)
         self._stats = ShardStats()
         self.index += 1
 
@@ -181,7 +188,8 @@ class ShardWriter:
             raise ValueError(f"duplicate sample key {sample.key!r} in {self.dir}")
         self._keys.add(sample.key)
         members = encode_sample(sample)
-        if self._tar is not None and (self._stats.count >= self.max_count or self._stats.bytes >= self.max_bytes):
+        if self._tar is not None and (self._stats.count >= self.max_count
+                                      or self._stats.bytes >= self.max_bytes):
             self._finish()
         if self._tar is None:
             self._open()
@@ -189,13 +197,14 @@ class ShardWriter:
         self._stats.add(sample, nbytes)
 
     def abort(self) -> None:
-        """Drop the shard being written without writing anything more (after a failed write: a full disk) and
-        delete its file; shards already finished are kept (not added to the manifest)."""
+        """Drop the shard being written without writing anything more (after a failed write: a full
+        disk) and delete its file; shards already finished are kept (not added to the manifest)."""
         if self._tar is None:
             return
         for stream in (self._tar.tarstream, getattr(self._tar.tarstream, "fileobj", None)):
             if stream is not None:
-                stream.closed = True     # tarfile would otherwise write its end blocks (on close or when collected)
+                # tarfile would otherwise write its end blocks (on close or when collected)
+                stream.closed = True
         try:
             self._file.close()
         except OSError:

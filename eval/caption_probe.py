@@ -1,15 +1,20 @@
-"""Caption probes: does the model read where a named object is, and can it compare where two objects are?
+"""Caption probes: does the model read where a named object is, and can it compare where two objects
+are?
 
-Position questions ("Where is the red triangle relative to the yellow diamond?") need two steps: find each
-named object's place, then compare the two. These probes score each step apart, teacher-forced on the default
-dataset's caption samples (the first greedy words of the continuation must match):
+Position questions ("Where is the red triangle relative to the yellow diamond?") need two steps:
+find each named object's place, then compare the two. These probes score each step apart,
+teacher-forced on the default dataset's caption samples (the first greedy words of the continuation
+must match):
 
-- cell: the caption up to an object's description ("A large red circle") -> its cell phrase ("at the top left").
-- relation: the caption and its relation sentences up to "Relative to the blue square, the red circle is" -> the
-  relation ("to the left"). The caption before it already names both objects' cells, so this step needs no image.
+- cell: the caption up to an object's description ("A large red circle") -> its cell phrase ("at the
+  top left").
+- relation: the caption and its relation sentences up to "Relative to the blue square, the red
+  circle is" -> the relation ("to the left"). The caption before it already names both objects'
+  cells, so this step needs no image.
 
-Each probe runs with the image and blind (the same text, no image): the captions list objects in reading order,
-so part of the cell phrase is guessable from the text, and the blind score says how much.
+Each probe runs with the image and blind (the same text, no image): the captions list objects in
+reading order, so part of the cell phrase is guessable from the text, and the blind score says how
+much.
 
     vlm eval probe --ckpt RUN/final [--split val] [--limit 300]
 """
@@ -28,7 +33,8 @@ from data_pipelines.samples import iter_samples
 from data_pipelines.scenes import CELL_PHRASE
 from data_pipelines.schema import IMAGE_TOKEN
 
-RELATION = re.compile(r"Relative to the \w+ \w+, the \w+ \w+ is (to the left|to the right|above|below)\.")
+RELATION = re.compile(r"Relative to the \w+ \w+, the \w+ \w+ is (to the left|to the "
+                      r"right|above|below)\.")
 
 
 @dataclass
@@ -55,7 +61,8 @@ def probe_items(samples, limit: int) -> list[ProbeItem]:
                 items["cell"].append(ProbeItem("cell", text[:at + len(desc)], cell, s.images[0]))
         for m in RELATION.finditer(text):
             if len(items["relation"]) < limit:
-                items["relation"].append(ProbeItem("relation", text[:m.start(1)].rstrip(), m.group(1), s.images[0]))
+                items["relation"].append(ProbeItem("relation", text[:m.start(1)].rstrip(),
+                                                   m.group(1), s.images[0]))
         if all(len(v) >= limit for v in items.values()):
             break
     return items["cell"] + items["relation"]

@@ -1,10 +1,11 @@
-"""Export a split of the default dataset (or any VQA/caption shards) for lmms-eval's local JSON tasks.
+"""Export a split of the default dataset (or any VQA/caption shards) for lmms-eval's local JSON
+tasks.
 
     vlm eval lmms-tasks --data DATA_DIR [--split test] --out TASK_DIR [--limit N]
 
 writes TASK_DIR/{vqa_test.jsonl, caption_test.jsonl} and the task YAMLs of `eval/tasks/` with their
-`__DATA_DIR__` replaced by the absolute TASK_DIR (lmms-eval resolves relative `data_files` against the
-working directory, so the YAMLs must name absolute paths). Then:
+`__DATA_DIR__` replaced by the absolute TASK_DIR (lmms-eval resolves relative `data_files` against
+the working directory, so the YAMLs must name absolute paths). Then:
 
     lmms-eval eval --model conceptmoe --model_args pretrained=RUN/final \
         --tasks conceptmoe_vqa,conceptmoe_vqa_mc,conceptmoe_caption --include_path TASK_DIR --output_path OUT
@@ -24,7 +25,8 @@ from data_pipelines.samples import iter_samples
 from data_pipelines.schema import IMAGE_TOKEN
 
 TEMPLATE_DIR = Path(__file__).with_name("tasks")
-TEMPLATES = {"vqa": ["conceptmoe_vqa.yaml", "conceptmoe_vqa_mc.yaml"], "caption": ["conceptmoe_caption.yaml"]}
+TEMPLATES = {"vqa": ["conceptmoe_vqa.yaml", "conceptmoe_vqa_mc.yaml"],
+             "caption": ["conceptmoe_caption.yaml"]}
 DATA_TOKEN = "__DATA_DIR__"
 
 
@@ -89,8 +91,8 @@ def export_tasks(out: str | Path, *, data: str | Path | None = None, split: str 
     if data is not None:
         root = Path(data) / split
         if not root.is_dir():
-            raise FileNotFoundError(f"{root} does not exist: expected a dataset from `vlm data build-default` "
-                                    f"with a {split!r} split")
+            raise FileNotFoundError(f"{root} does not exist: expected a dataset from `vlm data "
+                                    f"build-default` with a {split!r} split")
         vqa_shards = vqa_shards or str(root / "vqa-*.tar")
         caption_shards = caption_shards or str(root / "caption-*.tar")
     if vqa_shards is None and caption_shards is None:

@@ -8,4 +8,5 @@ is imported only when `--model conceptmoe` is used. pyproject.toml:
 """
 from lmms_eval.models.registry_v2 import ModelManifest
 
-MANIFEST = ModelManifest(model_id="conceptmoe", simple_class_path="eval.lmms_adapter.ConceptMoELMMS")
+MANIFEST = ModelManifest(model_id="conceptmoe",
+                         simple_class_path="eval.lmms_adapter.ConceptMoELMMS")

@@ -28,7 +28,8 @@ def sanitize_model_name(name: str) -> str:
         return _lmms_sanitize(name)
     except ImportError:  # pragma: no cover - same rule, kept for use without lmms-eval
         parts = name.split("/")
-        return re.sub(r"[\"<>:/\|\\?\*\[\]]+", "__", "/".join(parts[-2:]) if len(parts) > 1 else parts[-1])
+        return re.sub(r"[\"<>:/\|\\?\*\[\]]+", "__", "/".join(parts[-2:]) if len(parts) > 1
+                      else parts[-1])
 
 
 def _datetime_str() -> str:
@@ -52,8 +53,8 @@ def output_path_from_argv(argv: list[str]) -> str | None:
 class CompressionLog:
     def __init__(self, pretrained: str, stats_dir: str | None = None, stats_path: str | None = None,
                  argv: list[str] | None = None, rank: int = 0, world_size: int = 1) -> None:
-        """With several processes each writes its own share (`..._compression.rankR.json`): lmms-eval hands every
-        rank different requests, so the shares add up to the whole run."""
+        """With several processes each writes its own share (`..._compression.rankR.json`):
+        lmms-eval hands every rank different requests, so the shares add up to the whole run."""
         self.pretrained = pretrained
         self.tasks: dict[str, dict[str, dict]] = {}
         stamp = _datetime_str()
@@ -62,7 +63,8 @@ class CompressionLog:
             self.path: Path | None = Path(stats_path)
         elif out_dir:
             base = Path(out_dir)
-            if base.suffix in (".json", ".jsonl"):  # lmms-eval accepts a file path and uses its folder
+            # lmms-eval accepts a file path and uses its folder
+            if base.suffix in (".json", ".jsonl"):
                 base = base.parent
             self.path = base / sanitize_model_name(pretrained) / f"{stamp}_compression.json"
         else:
@@ -79,7 +81,8 @@ class CompressionLog:
 
     def write(self) -> Path | None:
         if self.path is None:
-            logger.warning("conceptmoe: no --output_path, stats_dir or stats_path; compression stats not saved")
+            logger.warning("conceptmoe: no --output_path, stats_dir or stats_path; compression "
+                           "stats not saved")
             return None
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.write_text(json.dumps(self.summary(), indent=2))

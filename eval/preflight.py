@@ -1,14 +1,17 @@
-"""What every `vlm eval` command checks before its work: one line on stderr and exit 2 for a user's mistake, found
-in a second rather than after minutes of evaluation.
+"""What every `vlm eval` command checks before its work: one line on stderr and exit 2 for a user's
+mistake, found in a second rather than after minutes of evaluation.
 
-- `positive_int`: an argparse type for counts (`--batch-size`, `--limit`, ...): 0 or less is refused at parse time.
+- `positive_int`: an argparse type for counts (`--batch-size`, `--limit`, ...): 0 or less is refused
+  at parse time.
 - `check_model_dir`: `--ckpt` must be an exported model (RUN_DIR/final with its config.json).
-- `check_out_file` / `check_out_dir`: `--out` must be writable (its folders are made, a probe file is written and
-  removed), checked before the model loads: a result that cannot be saved is not computed.
-- `load_model`: `vlm.generate.load_eval_model` after `check_model_dir` (a damaged export is refused by the loader
-  itself, in one line, through `vlm.cli`'s ConfigError handling).
+- `check_out_file` / `check_out_dir`: `--out` must be writable (its folders are made, a probe file
+  is written and removed), checked before the model loads: a result that cannot be saved is not
+  computed.
+- `load_model`: `vlm.generate.load_eval_model` after `check_model_dir` (a damaged export is refused
+  by the loader itself, in one line, through `vlm.cli`'s ConfigError handling).
 
-Only the standard library at import: `eval/cli.py` imports this while `vlm --help` builds its parser.
+Only the standard library at import: `eval/cli.py` imports this while `vlm --help` builds its
+parser.
 """
 from __future__ import annotations
 
@@ -28,7 +31,8 @@ def fail(prog: str, message: str) -> NoReturn:
     raise SystemExit(2)
 
 
-positive_int = whole_number(what="a count")   # argparse type: a count of questions, rows, batches: >= 1
+# argparse type: a count of questions, rows, batches: >= 1
+positive_int = whole_number(what="a count")
 
 
 def check_model_dir(ckpt: str | os.PathLike, prog: str) -> Path:
@@ -36,7 +40,8 @@ def check_model_dir(ckpt: str | os.PathLike, prog: str) -> Path:
     if not path.is_dir():
         fail(prog, f"--ckpt {path}: no such directory (expected an exported model, RUN_DIR/final)")
     if not (path / "config.json").is_file():
-        fail(prog, f"--ckpt {path}: no exported model there (expected RUN_DIR/final with config.json)")
+        fail(prog, f"--ckpt {path}: no exported model there (expected RUN_DIR/final with "
+                   f"config.json)")
     return path
 
 
@@ -55,15 +60,15 @@ def _make_dir(folder: Path) -> None:
 
 
 def _probe(folder: Path) -> None:
-    """Create and remove a file in `folder`: the one test of writability that holds for root, read-only mounts
-    and full disks alike."""
+    """Create and remove a file in `folder`: the one test of writability that holds for root,
+    read-only mounts and full disks alike."""
     with tempfile.NamedTemporaryFile(dir=folder, prefix=".vlm-eval-write-test-"):
         pass
 
 
 def check_out_file(out: str | os.PathLike | None, prog: str) -> Path | None:
-    """`--out FILE` can be written: its folder exists or is made, and a file can be created there (an existing
-    FILE is opened for appending, which leaves it as it is)."""
+    """`--out FILE` can be written: its folder exists or is made, and a file can be created there
+    (an existing FILE is opened for appending, which leaves it as it is)."""
     if out is None:
         return None
     path = Path(out)

@@ -32,8 +32,9 @@ class EvalTokenizer(Protocol):
 class EvalModel(Protocol):
     tokenizer: object  # an EvalTokenizer
 
-    def generate(self, prompts: list[str], images: list[list["Image"]] | None = None, *, max_new_tokens: int = 32,
-                 temperature: float = 0.0, top_p: float = 1.0, stop: list[str] | None = None) -> list[str]: ...
+    def generate(self, prompts: list[str], images: list[list["Image"]] | None = None, *,
+                 max_new_tokens: int = 32, temperature: float = 0.0, top_p: float = 1.0,
+                 stop: list[str] | None = None) -> list[str]: ...
 
     def loglikelihood(self, contexts: list[str], continuations: list[str],
                       images: list[list["Image"]] | None = None) -> list[tuple[float, bool]]:

@@ -57,7 +57,8 @@ class WordTokenizer:
 # ---- prompt solvers (one per long-context task family) ------------------------------------------
 
 def _solve_niah(prompt: str) -> list[str] | None:
-    m = re.search(r"The special magic \w+ for ([^?]+?) mentioned in the provided text (?:is|are)$", prompt)
+    m = re.search(r"The special magic \w+ for ([^?]+?) mentioned in the provided text (?:is|are)$",
+                  prompt)
     if not m:
         return None
     keys = [k.strip() for k in re.split(r",\s*(?:and\s+)?|\s+and\s+", m.group(1)) if k.strip()]
@@ -116,7 +117,8 @@ def dominant_colour(image) -> str:
 class OracleEvalModel:
     """Reads answers out of the prompt (and colours out of images); optionally near-sighted."""
 
-    def __init__(self, tokenizer=None, window_chars: int | None = None, silent: bool = False) -> None:
+    def __init__(self, tokenizer=None, window_chars: int | None = None,
+                 silent: bool = False) -> None:
         self.tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
         self.window_chars = window_chars
         self.silent = silent
@@ -134,15 +136,16 @@ class OracleEvalModel:
             return [dominant_colour(images[-1])]
         if prompt not in self._solved:  # loglik asks about one prompt many times
             visible = self._visible(prompt)
-            self._solved = {prompt: next((out for solve in SOLVERS if (out := solve(visible)) is not None), [])}
+            self._solved = {prompt: next((out for solve in SOLVERS
+                                          if (out := solve(visible)) is not None), [])}
         return self._solved[prompt]
 
     def _account(self, prompts: list[str], images: list[list] | None) -> None:
         for i, p in enumerate(prompts):
             imgs = images[i] if images else []
             if p.count(IMAGE_TOKEN) != len(imgs):
-                raise ValueError(f"prompt {i} has {p.count(IMAGE_TOKEN)} {IMAGE_TOKEN} placeholders "
-                                 f"for {len(imgs)} images")
+                raise ValueError(f"prompt {i} has {p.count(IMAGE_TOKEN)} {IMAGE_TOKEN} "
+                                 f"placeholders for {len(imgs)} images")
             if p not in self._lengths:
                 self._lengths = {p: len(self.tokenizer.encode(p))}
             n = self._lengths[p]
@@ -153,14 +156,17 @@ class OracleEvalModel:
                 self._concepts["image"] += 4 * len(imgs)
 
     # -- EvalModel protocol
-    def generate(self, prompts, images=None, *, max_new_tokens=32, temperature=0.0, top_p=1.0, stop=None):
+    def generate(self, prompts, images=None, *, max_new_tokens=32, temperature=0.0, top_p=1.0,
+                 stop=None):
         self._account(prompts, images)
         self.calls.append({"kind": "generate", "n": len(prompts), "max_new_tokens": max_new_tokens,
-                           "temperature": temperature, "top_p": top_p, "stop": stop, "prompts": list(prompts),
-                           "images": [len(x) for x in images] if images else None})
+                           "temperature": temperature, "top_p": top_p, "stop": stop,
+                           "prompts": list(prompts), "images": [len(x) for x in images] if images
+                           else None})
         outs = []
         for i, p in enumerate(prompts):
-            text = "" if self.silent else " " + ", ".join(self.answer(p, images[i] if images else None))
+            text = "" if self.silent else " " + ", ".join(self.answer(p, images[i] if images
+                                                                      else None))
             for s in stop or []:
                 if s and s in text:
                     text = text[:text.index(s)]
@@ -180,7 +186,8 @@ class OracleEvalModel:
 
     def compression_stats(self) -> dict[str, float]:
         """Same keys as the real model's (`vlm.generate`): compression/{mod}, tokens/{mod}, compression/ratio."""
-        out = {f"compression/{m}": self._tokens[m] / self._concepts[m] for m in self._tokens if self._concepts[m]}
+        out = {f"compression/{m}": self._tokens[m] / self._concepts[m] for m in self._tokens
+               if self._concepts[m]}
         out.update({f"tokens/{m}": float(n) for m, n in self._tokens.items()})
         if self._concepts:
             out["compression/ratio"] = sum(self._tokens.values()) / sum(self._concepts.values())

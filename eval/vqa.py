@@ -1,8 +1,10 @@
-"""Built-in VQA eval: exact-match accuracy per question type on the default dataset's held-out split.
+"""Built-in VQA eval: exact-match accuracy per question type on the default dataset's held-out
+split.
 
-Two baselines put the accuracy in context: the majority answer per question type (taken from the train
-split when it is there, else from the evaluated split itself) and the same model asked blind (the
-question without its image). Per-modality compression ratios of the evaluated samples are reported too.
+Two baselines put the accuracy in context: the majority answer per question type (taken from the
+train split when it is there, else from the evaluated split itself) and the same model asked blind
+(the question without its image). Per-modality compression ratios of the evaluated samples are
+reported too.
 """
 from __future__ import annotations
 
@@ -39,9 +41,10 @@ def run_vqa_eval(model, shards, train_shards=None, limit: int | None = None, bat
                  compression_shards: list[str] | None = None) -> dict:
     """`model` is an eval.protocol.EvalModel; `shards` the split to score (paths or globs).
 
-    `compression_shards`: whole samples of the held-out split on which to measure the realized compression
-    per document, kind and modality in eval mode (a ConceptMoEChat's `held_out_compression`). The prompts' own
-    prefill compression (one document per prompt) is `prompt_compression`: what decides a user's speed."""
+    `compression_shards`: whole samples of the held-out split on which to measure the realized
+    compression per document, kind and modality in eval mode (a ConceptMoEChat's
+    `held_out_compression`). The prompts' own prefill compression (one document per prompt) is
+    `prompt_compression`: what decides a user's speed."""
     import io
 
     from PIL import Image
@@ -57,34 +60,40 @@ def run_vqa_eval(model, shards, train_shards=None, limit: int | None = None, bat
     for i in bar:
         chunk = samples[i: i + batch_size]
         imgs = [[Image.open(io.BytesIO(b)) for b in (s.images or [s.image])] for s in chunk]
-        answers = model.generate([s.prompt for s in chunk], imgs, max_new_tokens=max_new_tokens, stop=["<|end|>"])
+        answers = model.generate([s.prompt for s in chunk], imgs, max_new_tokens=max_new_tokens,
+                                 stop=["<|end|>"])
         for s, a in zip(chunk, answers):
             ok = normalize_answer(strip_answer(a)) == normalize_answer(s.answer)
             hits[s.question_type].append(ok)
             major_hits[s.question_type].append(majority.get(s.question_type) == normalize_answer(s.answer))
             if len(examples) < 8:
-                examples.append({"question": s.question, "answer": s.answer, "predicted": strip_answer(a)})
+                examples.append({"question": s.question, "answer": s.answer,
+                                 "predicted": strip_answer(a)})
     compression = model.compression_stats()
     prompt_docs = model.prompt_documents() if hasattr(model, "prompt_documents") else []
     if blind:
-        for i in tqdm(range(0, len(samples), batch_size), desc="vqa (blind)", disable=None if progress else True):
+        for i in tqdm(range(0, len(samples), batch_size), desc="vqa (blind)", disable=None
+                      if progress else True):
             chunk = samples[i: i + batch_size]
-            answers = model.generate([vqa_prompt(s.question, 0) for s in chunk], None, max_new_tokens=max_new_tokens,
-                                     stop=["<|end|>"])
+            answers = model.generate([vqa_prompt(s.question, 0) for s in chunk], None,
+                                     max_new_tokens=max_new_tokens, stop=["<|end|>"])
             for s, a in zip(chunk, answers):
                 blind_hits[s.question_type].append(normalize_answer(strip_answer(a)) == normalize_answer(s.answer))
     held_out = None
     if compression_shards:
         held_out = model.held_out_compression(compression_shards)
-    return {"n": len(samples), "accuracy": _accuracy(hits), "majority_baseline": _accuracy(major_hits),
+    return {"n": len(samples), "accuracy": _accuracy(hits),
+            "majority_baseline": _accuracy(major_hits),
             "blind_baseline": _accuracy(blind_hits) if blind else None, "compression": compression,
-            "prompt_compression": summarize_documents(prompt_docs).get("chat") if prompt_docs else None,
-            "held_out_compression": held_out, "majority_answers": majority, "examples": examples}
+            "prompt_compression": summarize_documents(prompt_docs).get("chat") if prompt_docs
+            else None, "held_out_compression": held_out, "majority_answers": majority,
+            "examples": examples}
 
 
 def format_report(res: dict) -> str:
     types = [t for t in res["accuracy"] if t != "all"] + ["all"]
-    lines = [f"VQA exact match on {res['n']} questions (%)", f"{'type':<12}{'model':>8}{'majority':>10}{'blind':>8}"]
+    lines = [f"VQA exact match on {res['n']} questions (%)",
+             f"{'type':<12}{'model':>8}{'majority':>10}{'blind':>8}"]
     for t in types:
         blind = res["blind_baseline"][t] if res.get("blind_baseline") else float("nan")
         lines.append(f"{t:<12}{res['accuracy'][t]:>8.1f}{res['majority_baseline'][t]:>10.1f}{blind:>8.1f}")
@@ -98,8 +107,8 @@ def format_report(res: dict) -> str:
 
 
 def held_out_shards(data: Path, split: str = "test") -> list[str]:
-    """Every kind of the default dataset, held out: the split's VQA and captions, and the val split's text and
-    interleaved documents (the test split has none)."""
+    """Every kind of the default dataset, held out: the split's VQA and captions, and the val
+    split's text and interleaved documents (the test split has none)."""
     data = Path(data)
     out = [str(data / split / "vqa-*.tar"), str(data / split / "caption-*.tar")]
     info = default_info(data) or {}
@@ -110,21 +119,23 @@ def held_out_shards(data: Path, split: str = "test") -> list[str]:
 
 
 def end_of_run_vqa(final: Path, cfg, run_dir: Path, log) -> dict:
-    """`vlm train`'s end-of-run check (registered under the `vlm.run_end` entry points): exact-match accuracy on
-    the default dataset's held-out split against the majority answer and the blind model, written to
-    RUN_DIR/vqa.json. Returns {"vqa": result or None} for the run's summary."""
+    """`vlm train`'s end-of-run check (registered under the `vlm.run_end` entry points): exact-match
+    accuracy on the default dataset's held-out split against the majority answer and the blind
+    model, written to RUN_DIR/vqa.json. Returns {"vqa": result or None} for the run's summary."""
 
     if not cfg.train.vqa_eval:
         return {"vqa": None}
     if cfg.data.sources:
-        log("VQA eval skipped: it runs on the embedded default dataset and this run uses its own sources")
+        log("VQA eval skipped: it runs on the embedded default dataset and this run uses its own "
+            "sources")
         return {"vqa": None}
     if cfg.vision is None:
         return {"vqa": None}   # a text-only model
     data = Path(cfg.data.default_dir)
     res = run_vqa_eval(load_eval_model(final), str(data / "test" / "vqa-*.tar"),
-                       train_shards=str(data / "train" / "vqa-*.tar"), limit=cfg.train.vqa_max_samples,
-                       progress=cfg.logging.progress, compression_shards=held_out_shards(data))
+                       train_shards=str(data / "train" / "vqa-*.tar"),
+                       limit=cfg.train.vqa_max_samples, progress=cfg.logging.progress,
+                       compression_shards=held_out_shards(data))
     res["split"] = "test"
     (Path(run_dir) / "vqa.json").write_text(json.dumps(res, indent=2))
     log(format_report(res))
@@ -132,13 +143,15 @@ def end_of_run_vqa(final: Path, cfg, run_dir: Path, log) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    """`vlm eval vqa` (its arguments are declared in eval/cli.py). The model folder and --out are checked, and the
-    model loaded, before the dataset is built or a question asked: a mistake costs a second, not the eval."""
+    """`vlm eval vqa` (its arguments are declared in eval/cli.py). The model folder and --out are
+    checked, and the model loaded, before the dataset is built or a question asked: a mistake costs
+    a second, not the eval."""
     prog = "vlm eval vqa"
     check_model_dir(args.ckpt, prog)
     out = check_out_file(args.out, prog)
     model = load_model(args.ckpt, prog)
-    # An existing default dataset (whatever its size settings) is used as it is; a missing one is built.
+    # An existing default dataset (whatever its size settings) is used as it is; a missing one is
+    # built.
     data = Path(args.data) if default_info(args.data) else ensure_default_dataset(args.data)
     split = Path(data) / args.split
     res = run_vqa_eval(model, str(split / "vqa-*.tar"),

@@ -1,20 +1,22 @@
 """Suite-wide settings and the fixtures shared by several test modules.
 
-`make test` runs two pytest workers on two cores, so each uses one torch thread (more threads than cores
-makes torch's pool thrash and tests slow down by orders of magnitude).
+`make test` runs two pytest workers on two cores, so each uses one torch thread (more threads than
+cores makes torch's pool thrash and tests slow down by orders of magnitude).
 
-Shared helpers are fixtures here, never imported from sibling test modules: data (`png`, `write_text_shards`,
-`decode_docs`, `batches_equal`, `TINY_DEFAULT`, `tiny_default`) and trainer (`ROOT`, `TINY`, `tiny_data`,
-`tiny_config`, `write_config`, `load_tiny`, `make_trainer`, `torch_globals`, `subprocess_env`, `run_train_cli`).
-A fixture that gives a helper function returns the function itself, so a test calls it by the same name.
+Shared helpers are fixtures here, never imported from sibling test modules: data (`png`,
+`write_text_shards`, `decode_docs`, `batches_equal`, `TINY_DEFAULT`, `tiny_default`) and trainer
+(`ROOT`, `TINY`, `tiny_data`, `tiny_config`, `write_config`, `load_tiny`, `make_trainer`,
+`torch_globals`, `subprocess_env`, `run_train_cli`). A fixture that gives a helper function returns
+the function itself, so a test calls it by the same name.
 
-Devices: the suite is a CPU suite, on a machine with a GPU too. Every test runs on the CPU unless it is marked
-`gpu` (the CUDA instances in tests/test_gpu.py; `make test-gpu` runs them). A test that builds its own tensors and
-models gets the CPU as torch's default device; the trainer takes its device from DeepSpeed's accelerator
-(vlm.train.distributed) and `load_eval_model` from `vlm.generate.default_device`, and both follow DS_ACCELERATOR,
-which this file pins to "cpu" for the test process and for the processes the tests start (they inherit it).
-With VLM_TEST_FAKE_CUDA=1, `torch.cuda.is_available()` says True in the test process, as on a GPU machine, so
-that a CPU test which silently needs it to be False fails on a CPU-only machine too (tests/test_device_pinning.py
+Devices: the suite is a CPU suite, on a machine with a GPU too. Every test runs on the CPU unless it
+is marked `gpu` (the CUDA instances in tests/test_gpu.py; `make test-gpu` runs them). A test that
+builds its own tensors and models gets the CPU as torch's default device; the trainer takes its
+device from DeepSpeed's accelerator (vlm.train.distributed) and `load_eval_model` from
+`vlm.generate.default_device`, and both follow DS_ACCELERATOR, which this file pins to "cpu" for the
+test process and for the processes the tests start (they inherit it). With VLM_TEST_FAKE_CUDA=1,
+`torch.cuda.is_available()` says True in the test process, as on a GPU machine, so that a CPU test
+which silently needs it to be False fails on a CPU-only machine too (tests/test_device_pinning.py
 runs a set of them so; `VLM_TEST_FAKE_CUDA=1 make test` runs them all).
 """
 import copy
@@ -37,15 +39,17 @@ torch.set_num_threads(1)
 _ROOT = Path(__file__).resolve().parents[1]
 
 
-# ---- devices (see the module doc) ----------------------------------------------------------------------------
+# ---- devices (see the module doc)
+# ----------------------------------------------------------------------------
 
-# DeepSpeed reads DS_ACCELERATOR once per process, at its first get_accelerator(): set before anything imports it.
+# DeepSpeed reads DS_ACCELERATOR once per process, at its first get_accelerator(): set before
+# anything imports it.
 _USER_DS_ACCELERATOR = os.environ.get("DS_ACCELERATOR")
 os.environ["DS_ACCELERATOR"] = "cpu"
 
-# A GPU as the CPU tests would see one: torch.cuda.is_available() True, one device. Process-wide, so that module-
-# and session-scoped fixtures see it too. The CPU build of torch then refuses any tensor that code sends to
-# "cuda" because is_available() said so, which is the point.
+# A GPU as the CPU tests would see one: torch.cuda.is_available() True, one device. Process-wide, so
+# that module- and session-scoped fixtures see it too. The CPU build of torch then refuses any
+# tensor that code sends to "cuda" because is_available() said so, which is the point.
 _FAKE_CUDA = os.environ.get("VLM_TEST_FAKE_CUDA") == "1"
 if _FAKE_CUDA:
     torch.cuda.is_available = lambda: True
@@ -54,7 +58,8 @@ if _FAKE_CUDA:
 
 def pytest_collection_modifyitems(config, items):
     if _FAKE_CUDA:
-        skip = pytest.mark.skip(reason="VLM_TEST_FAKE_CUDA=1 fakes a GPU for the CPU tests; gpu tests need a real one")
+        skip = pytest.mark.skip(reason="VLM_TEST_FAKE_CUDA=1 fakes a GPU for the CPU tests; gpu "
+                                       "tests need a real one")
         for item in items:
             if item.get_closest_marker("gpu") is not None:
                 item.add_marker(skip)
@@ -62,8 +67,9 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def _gpu_tests_see_the_machine_as_it_is(request, monkeypatch):
-    """The CPU pin is for the CPU tests: a test marked `gpu` gets the user's DS_ACCELERATOR back (unset: DeepSpeed
-    detects the GPU), and DeepSpeed detects again instead of keeping an accelerator an earlier test chose."""
+    """The CPU pin is for the CPU tests: a test marked `gpu` gets the user's DS_ACCELERATOR back
+    (unset: DeepSpeed detects the GPU), and DeepSpeed detects again instead of keeping an
+    accelerator an earlier test chose."""
     if request.node.get_closest_marker("gpu") is None:
         return
     if _USER_DS_ACCELERATOR is None:
@@ -75,16 +81,18 @@ def _gpu_tests_see_the_machine_as_it_is(request, monkeypatch):
         monkeypatch.setattr(real_accelerator, "ds_accelerator", None)
 
 
-# ---- data ------------------------------------------------------------------------------------------------
+# ---- data
+# ------------------------------------------------------------------------------------------------
 
 def _tiny_default_config():
     from data_pipelines.default_dataset import DefaultDatasetConfig
 
-    return DefaultDatasetConfig(train_scenes=120, val_scenes=20, test_scenes=20, interleaved_docs=16,
-                                text_docs=60, shard_max_count=50)
+    return DefaultDatasetConfig(train_scenes=120, val_scenes=20, test_scenes=20,
+                                interleaved_docs=16, text_docs=60, shard_max_count=50)
 
 
-def _png(w: int = 40, h: int = 30, colour=(255, 0, 0), fmt: str = "PNG", mode: str = "RGB") -> bytes:
+def _png(w: int = 40, h: int = 30, colour=(255, 0, 0), fmt: str = "PNG",
+         mode: str = "RGB") -> bytes:
     from PIL import Image
 
     buf = io.BytesIO()
@@ -182,10 +190,12 @@ def tiny_default(tmp_path_factory) -> Path:
     """The default dataset built with TINY_DEFAULT, shared by the tests of the session."""
     from data_pipelines.default_dataset import build_default
 
-    return build_default(tmp_path_factory.mktemp("data") / "default", _tiny_default_config(), progress=False)
+    return build_default(tmp_path_factory.mktemp("data") / "default", _tiny_default_config(),
+                         progress=False)
 
 
-# ---- trainer ---------------------------------------------------------------------------------------------
+# ---- trainer
+# ---------------------------------------------------------------------------------------------
 
 _TINY = {
     "model": {
@@ -199,17 +209,20 @@ _TINY = {
         "encoder": {"hidden_size": 16, "num_layers": 1, "num_heads": 2, "max_grid": 16},
         "projector": {"kind": "linear"},
     },
-    "data": {"tokenizer": "byte", "row_tokens": 128, "rows_per_batch": 2, "shuffle_buffer": 16, "pack_buffer": 8,
-             "num_workers": 0},
-    "optim": {"lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 2, "schedule": "cosine", "clip": 1.0, "grad_accum": 1},
+    "data": {"tokenizer": "byte", "row_tokens": 128, "rows_per_batch": 2, "shuffle_buffer": 16,
+             "pack_buffer": 8, "num_workers": 0},
+    "optim": {"lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 2, "schedule": "cosine", "clip": 1.0,
+              "grad_accum": 1},
     "deepspeed": {"zero_stage": 0},
-    "logging": {"log_every": 1, "eval_every": 2, "eval_batches": 1, "histogram_every": 2, "progress": False},
+    "logging": {"log_every": 1, "eval_every": 2, "eval_batches": 1, "histogram_every": 2,
+                "progress": False},
     "checkpoint": {"save_every": 2, "keep_last": 2},
-    # the default run warms its fresh tower up for 1000 steps and trains it at half the LLM's rate: the tiny runs
-    # test the trainer, not the recipe
+    # the default run warms its fresh tower up for 1000 steps and trains it at half the LLM's rate:
+    # the tiny runs test the trainer, not the recipe
     "vision_warmup": {"steps": 0},
     "params": {"vision_lr_mult": 1.0, "projector_lr_mult": 1.0},
-    "train": {"stage": "vl", "max_steps": 4, "seed": 0, "deterministic": True, "vqa_eval": False, "threads": 1},
+    "train": {"stage": "vl", "max_steps": 4, "seed": 0, "deterministic": True, "vqa_eval": False,
+              "threads": 1},
 }
 
 
@@ -259,11 +272,13 @@ def _subprocess_env() -> dict:
     return env
 
 
-def _run_train_cli(args: list[str], cwd: Path, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "vlm.train", *args], cwd=cwd, env=_subprocess_env(),
-                          capture_output=True, text=True, timeout=timeout)
+def _run_train_cli(args: list[str], cwd: Path, timeout: float = 600,
+                   check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "vlm.train", *args], cwd=cwd,
+                          env=_subprocess_env(), capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
-        raise AssertionError(f"vlm train failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        raise AssertionError(f"vlm train failed "
+                             f"({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return proc
 
 
@@ -285,8 +300,9 @@ def tiny_data(tmp_path_factory) -> Path:
     from data_pipelines.default_dataset import DefaultDatasetConfig, build_default
 
     out = tmp_path_factory.mktemp("train_data") / "default"
-    build_default(out, DefaultDatasetConfig(train_scenes=48, val_scenes=12, test_scenes=12, interleaved_docs=8,
-                                            text_docs=48, shard_max_count=16), progress=False)
+    build_default(out, DefaultDatasetConfig(train_scenes=48, val_scenes=12, test_scenes=12,
+                                            interleaved_docs=8, text_docs=48, shard_max_count=16),
+                  progress=False)
     return out
 
 
@@ -335,7 +351,8 @@ def torch_globals():
     torch.set_num_threads(threads)
 
 
-# ---------------------------------------------------------------- a tiny VLM with the byte tokenizer
+# ---------------------------------------------------------------- a tiny VLM with the byte
+# tokenizer
 def _tiny_vlm():
     """(ConceptMoEVLM, byte tokenizer): the small vision + ConceptMoE model the generation tests share."""
     from data_pipelines.tokenizer import load_tokenizer
@@ -346,11 +363,13 @@ def _tiny_vlm():
     from vlm.model.multimodal import ConceptMoEVLM
 
     tok = load_tokenizer("byte")
-    vc = VisionConfig(processor=ImageProcessorConfig(patch_size=4, min_patches=4, max_patches=16, merge=2),
+    vc = VisionConfig(processor=ImageProcessorConfig(patch_size=4, min_patches=4, max_patches=16,
+                                                     merge=2),
                       encoder=NaViTConfig(hidden_size=16, num_layers=1, num_heads=2, max_grid=16))
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=tok.vocab_size, hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8,
-                      moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=32), init_std=0.2)
+    cfg = ModelConfig(vocab_size=tok.vocab_size, hidden_size=32, num_heads=4, num_kv_heads=2,
+                      head_dim=8, moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=32),
+                      init_std=0.2)
     return ConceptMoEVLM(cfg, vc), tok
 
 
@@ -371,6 +390,7 @@ def exported_vlm(tmp_path_factory):
     model, tok = _tiny_vlm()
     out = tmp_path_factory.mktemp("run") / "final"
     save_pretrained(model, out, tokenizer=tok)
-    Image.fromarray(np.random.default_rng(0).integers(0, 255, (16, 16, 3), dtype=np.uint8)).save(out.parent / "a.png")
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (16, 16, 3),
+                                                      dtype=np.uint8)).save(out.parent / "a.png")
     (out.parent / "broken.png").write_bytes(b"\x89PNG not really")
     return out

@@ -1,8 +1,9 @@
-"""`vlm bench gpu`: the GPU measurement command, checked on the CPU with `--smoke` (toy shapes, every section:
-training step and MFU, kernel launches, prefill with forced and learned boundaries, decode at batch 1 and 8,
-memory per token with and without selective checkpointing, compiled training and decoding). It checks what the
-command writes, never the speed it measures. Without CUDA and without --smoke it refuses in one line (exit 2).
-The CUDA instance (marked gpu) runs the same smoke on the GPU, where the memory and kernel counts are real."""
+"""`vlm bench gpu`: the GPU measurement command, checked on the CPU with `--smoke` (toy shapes,
+every section: training step and MFU, kernel launches, prefill with forced and learned boundaries,
+decode at batch 1 and 8, memory per token with and without selective checkpointing, compiled
+training and decoding). It checks what the command writes, never the speed it measures. Without CUDA
+and without --smoke it refuses in one line (exit 2). The CUDA instance (marked gpu) runs the same
+smoke on the GPU, where the memory and kernel counts are real."""
 import contextlib
 import io
 import json
@@ -21,7 +22,8 @@ from vlm.cli import main
 def _smoke(out, cuda: bool) -> tuple[int, dict, str]:
     printed = io.StringIO()
     with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(printed):
-        if not cuda:   # a CPU test on every machine (a GPU one, or one that fakes a GPU) runs the CPU path
+        # a CPU test on every machine (a GPU one, or one that fakes a GPU) runs the CPU path
+        if not cuda:
             mp.setattr(torch.cuda, "is_available", lambda: False)
         rc = main(["bench", "gpu", "--smoke", "--out", str(out)])
     return rc, json.loads((out / "gpu.json").read_text()), printed.getvalue()
@@ -42,14 +44,16 @@ def _rows(res, section, **setting):
 def _check_every_section(res: dict, cuda: bool) -> None:
     names = list(res["configs"])
     reallocs = [n for n in names if n != BASELINE]
-    assert names[0] == BASELINE and set(reallocs) == {"more_experts", "loop_more_experts", "wider_concept"}
+    assert names[0] == BASELINE and set(reallocs) == {"more_experts", "loop_more_experts",
+                                                      "wider_concept"}
     assert res["part"] == "gpu" and res["mode"] == "smoke" and res["complete"]
     assert res["errors"] == {}, res["errors"]
     assert {k: v["status"] for k, v in res["sections"].items()} == {k: "done" for k in gpu.SECTIONS}
     assert {"name", "device", "torch", "cuda", "peak", "peak_note"} <= set(res["gpu"])
     s = res["settings"]
 
-    # training step: a row per candidate, the baseline included, with its model FLOPs and MFU (null without a peak)
+    # training step: a row per candidate, the baseline included, with its model FLOPs and MFU (null
+    # without a peak)
     train = {r["candidate"]: r for r in _rows(res, "train", mode="eager")}
     assert list(train) == names
     for r in train.values():
@@ -58,8 +62,8 @@ def _check_every_section(res: dict, cuda: bool) -> None:
         assert (r["mfu"] is None) == (res["gpu"]["peak"] is None)
     assert train[BASELINE]["ratio_vs_baseline"] == 1.0
 
-    # prefill at every length: the baseline, and every reallocation with forced and with learned boundaries, and
-    # forced with the training capacity in eval mode too ("tight")
+    # prefill at every length: the baseline, and every reallocation with forced and with learned
+    # boundaries, and forced with the training capacity in eval mode too ("tight")
     for T in s["prefill_lens"]:
         rows = {r["candidate"]: r for r in _rows(res, "prefill", seq_len=T)}
         kinds = ("forced", "learned", "forced, tight")
@@ -72,9 +76,11 @@ def _check_every_section(res: dict, cuda: bool) -> None:
     # decode at batch 1 and 8, every candidate, in ms per step
     for B in (1, 8):
         rows = _rows(res, "decode", mode="eager", batch=B)
-        assert [r["candidate"] for r in rows] == names and all(r["unit"] == "ms" and r["median"] > 0 for r in rows)
+        assert [r["candidate"] for r in rows] == names and all(r["unit"] == "ms" and r["median"] > 0
+                                                               for r in rows)
 
-    # memory per token, with and without selective checkpointing: a figure on CUDA, null with the reason on a CPU
+    # memory per token, with and without selective checkpointing: a figure on CUDA, null with the
+    # reason on a CPU
     mem = {(m["candidate"], m["activation_checkpoint"]): m for m in res["memory"]}
     assert set(mem) == {(n, ac) for n in names for ac in ("none", "selective")}
     for m in mem.values():
@@ -92,7 +98,8 @@ def _check_every_section(res: dict, cuda: bool) -> None:
     if cuda:
         assert all(launches[(n, "eager", "train")]["host_syncs_per_step"] >= 0 for n in names)
 
-    # compiled: each candidate's training step compiled (with its launches and a row) or unavailable with a reason
+    # compiled: each candidate's training step compiled (with its launches and a row) or unavailable
+    # with a reason
     compiled = {r["candidate"]: r for r in _rows(res, "train", mode="compiled")}
     for n in names:
         x = launches[(n, "compiled", "train")]
@@ -152,16 +159,21 @@ def test_launch_counts_read_the_profilers_events():
     from torch.autograd import DeviceType
 
     def ev(name, device, activity=None, children=()):
-        return SimpleNamespace(name=name, device_type=device, activity_type=activity, cpu_children=list(children))
+        return SimpleNamespace(name=name, device_type=device, activity_type=activity,
+                               cpu_children=list(children))
 
     mm = ev("aten::mm", DeviceType.CPU, "cpu_op")
-    events = [ev("aten::linear", DeviceType.CPU, "cpu_op", [mm]), mm, ev("aten::add", DeviceType.CPU, "cpu_op"),
+    events = [ev("aten::linear", DeviceType.CPU, "cpu_op", [mm]), mm,
+              ev("aten::add", DeviceType.CPU, "cpu_op"),
               ev("cudaLaunchKernel", DeviceType.CPU, "cuda_runtime"),
               ev("cudaStreamSynchronize", DeviceType.CPU, "cuda_runtime"),
-              ev("cudaDeviceSynchronize", DeviceType.CPU, "cuda_runtime"),   # the one that ends the profile
-              ev("ampere_bf16_gemm", DeviceType.CUDA, "kernel"), ev("elementwise_kernel", DeviceType.CUDA, "kernel"),
+              # the one that ends the profile
+              ev("cudaDeviceSynchronize", DeviceType.CPU, "cuda_runtime"),
+              ev("ampere_bf16_gemm", DeviceType.CUDA, "kernel"),
+              ev("elementwise_kernel", DeviceType.CUDA, "kernel"),
               ev("Memcpy DtoH (Device -> Pinned)", DeviceType.CUDA, "gpu_memcpy"),
-              ev("triton_poi_fused_0", DeviceType.CUDA, None)]   # an older profiler: no activity type
+              # an older profiler: no activity type
+              ev("triton_poi_fused_0", DeviceType.CUDA, None)]
     got = gpu.launch_counts(events, cuda=True, steps=2)
     assert got["per_step"] == 1.5 and got["memcpy_per_step"] == 0.5 and got["host_syncs_per_step"] == 0.5
     got = gpu.launch_counts(events, cuda=False, steps=1)

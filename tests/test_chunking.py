@@ -34,7 +34,8 @@ def test_ema_scan_matches_appendix_b_loop_with_gradients():
     gx_ref, gp_ref = torch.autograd.grad((ref * w).sum(), (x, p))
     gx, gp = torch.autograd.grad((got * w).sum(), (x, p))
     torch.testing.assert_close(gx, gx_ref, rtol=1e-4, atol=1e-5)
-    # p_0 is the constant 1 forced at a document start (the loop never reads it), so compare from 1 on.
+    # p_0 is the constant 1 forced at a document start (the loop never reads it), so compare from 1
+    # on.
     torch.testing.assert_close(gp[1:], gp_ref[1:], rtol=1e-4, atol=1e-5)
 
 
@@ -75,7 +76,8 @@ def test_cosine_router_eq2_and_sharpen_eq5():
     # p_0 = 1; p_1 = (1 - cos(q_1, k_0))/2 = 0; p_2 = (1 - cos(q_2, k_1))/2 = 0.5
     torch.testing.assert_close(p, torch.tensor([[1.0, 0.0, 0.5]]))
     s = sharpen(torch.tensor([0.2, 0.5, 0.9]), 6.0)
-    torch.testing.assert_close(s, torch.tensor([1 - 0.8 ** (1 / 6), 0.5 ** (1 / 6), 0.9 ** (1 / 6)]))
+    torch.testing.assert_close(s,
+                               torch.tensor([1 - 0.8 ** (1 / 6), 0.5 ** (1 / 6), 0.9 ** (1 / 6)]))
 
 
 def test_ste_forward_one_backward_identity():
@@ -98,12 +100,14 @@ def _hand_chunks(merge):
 
 
 def test_merge_strategies_follow_the_causal_convention():
-    for merge, expected in (("last", [1, 3, 6, 7]), ("sum", [1, 2 + 3, 6, 7]), ("mean", [1, 2.5, 6, 7])):
+    for merge, expected in (("last", [1, 3, 6, 7]), ("sum", [1, 2 + 3, 6, 7]),
+                            ("mean", [1, 2.5, 6, 7])):
         mod, ch, h, doc = _hand_chunks(merge)
         assert ch.b_BT.long().tolist() == [[1, 0, 1, 0, 0, 1, 1, 0, 0]]
         assert ch.cidx_BT.tolist() == [[0, 0, 1, 1, 1, 2, 3, 3, -1]]
-        # concepts sit in a static capacity (here the whole row of 9), unused places marked -1; on the CPU in eager
-        # mode the columns past the largest row's count are not built (the host reads it for free there)
+        # concepts sit in a static capacity (here the whole row of 9), unused places marked -1; on
+        # the CPU in eager mode the columns past the largest row's count are not built (the host
+        # reads it for free there)
         assert mod.capacity(9) == mod.capacity(9, training=True) == 9
         M = ch.cdoc_BM.shape[1]
         assert M == 4
@@ -112,13 +116,15 @@ def test_merge_strategies_follow_the_causal_convention():
         assert float(ch.overflow) == 0
         c = mod.merge(h, doc, ch)[0, :, 0]
         # tokens 3,4 (doc 0 tail) and 7 (doc 1 tail) join no concept; nothing crosses documents
-        torch.testing.assert_close(c, torch.tensor(expected + [0] * (M - 4), dtype=torch.float32), msg=merge)
+        torch.testing.assert_close(c, torch.tensor(expected + [0] * (M - 4), dtype=torch.float32),
+                                   msg=merge)
 
 
 def test_concepts_past_the_static_capacity_are_counted_and_read_by_no_token():
-    """A row with more boundaries than its capacity (ceil(T slack / R) rounded up to 16): the concepts past it are
-    not computed, counted in `overflow`, and the tokens that would read them read nothing (z = h); the concepts
-    within capacity are exactly those of an unlimited capacity."""
+    """A row with more boundaries than its capacity (ceil(T slack / R) rounded up to 16): the
+    concepts past it are not computed, counted in `overflow`, and the tokens that would read them
+    read nothing (z = h); the concepts within capacity are exactly those of an unlimited
+    capacity."""
     T = 40
     doc = torch.zeros(1, T, dtype=torch.long)
     force = torch.ones(1, T, dtype=torch.bool)            # 40 boundaries
@@ -146,7 +152,8 @@ def test_dechunk_plug_back_and_ste():
     concepts = torch.randn(1, M, 2)
     z, c_read, _ = de(h, concepts, ch)
     reset = torch.tensor([[True, False, True, False] + [True] * (M - 4)])
-    torch.testing.assert_close(c_read[0, :8], plug_back(ema_scan(concepts, ch.cp_BM, reset), ch.cidx_BT)[0, :8])
+    torch.testing.assert_close(c_read[0, :8],
+                               plug_back(ema_scan(concepts, ch.cp_BM, reset), ch.cidx_BT)[0, :8])
     torch.testing.assert_close(z, h + c_read)  # identity residual, STE forward = 1
 
 
@@ -156,7 +163,8 @@ def test_ema_scan_gradient_is_exact_where_p_is_one_inside_a_document():
     M, D = 70, 4
     x = torch.randn(M, D, dtype=torch.float64, requires_grad=True)
     p = torch.rand(M, dtype=torch.float64).clamp(0.05, 0.95)
-    p[0] = p[5] = p[33] = p[64] = 1.0                   # 64: the first position of the second scan block
+    # 64: the first position of the second scan block
+    p[0] = p[5] = p[33] = p[64] = 1.0
     p.requires_grad_(True)
     reset = torch.zeros(1, M, dtype=torch.bool)
     reset[0, 0] = True
@@ -171,9 +179,9 @@ def test_ema_scan_gradient_is_exact_where_p_is_one_inside_a_document():
 
 
 def test_train_mode_samples_boundaries_at_the_papers_flip_rate(monkeypatch):
-    """Eq. 5-6: in training boundaries are drawn from sharpened p, not thresholded. With p spread evenly over
-    [0, 1] and tau = 6 the expected share of tokens whose boundary differs from p >= 0.5 is
-    1 - (12/7)(1 - 0.5^(7/6)) = 4.9 % (the paper reports ~4 %); in eval mode it is 0."""
+    """Eq. 5-6: in training boundaries are drawn from sharpened p, not thresholded. With p spread
+    evenly over [0, 1] and tau = 6 the expected share of tokens whose boundary differs from p >= 0.5
+    is 1 - (12/7)(1 - 0.5^(7/6)) = 4.9 % (the paper reports ~4 %); in eval mode it is 0."""
     T = 50_000
     p = torch.linspace(0, 1, T)[None]
     mod = ChunkModule(ChunkConfig(tau=6.0), 2)
@@ -187,14 +195,15 @@ def test_train_mode_samples_boundaries_at_the_papers_flip_rate(monkeypatch):
 
 
 def test_joint_decoding_reads_the_concepts():
-    """Eq. 11: the decoder's q, k, v add projections of the EMA concept; changing those projections must change
-    the logits (a decoder that ignored its concept read would not notice)."""
+    """Eq. 11: the decoder's q, k, v add projections of the EMA concept; changing those projections
+    must change the logits (a decoder that ignored its concept read would not notice)."""
     from configs.batch import PackedBatch
     from vlm.model.conceptmoe import ConceptMoELM
     from vlm.model.config import ModelConfig, MoEConfig
 
-    cfg = ModelConfig(vocab_size=50, hidden_size=16, num_heads=2, num_kv_heads=1, head_dim=8, encoder_layers=1,
-                      concept_layers=1, decoder_layers=1, moe=MoEConfig(num_experts=2, top_k=1, expert_hidden=16),
+    cfg = ModelConfig(vocab_size=50, hidden_size=16, num_heads=2, num_kv_heads=1, head_dim=8,
+                      encoder_layers=1, concept_layers=1, decoder_layers=1,
+                      moe=MoEConfig(num_experts=2, top_k=1, expert_hidden=16),
                       chunk=ChunkConfig())
     torch.manual_seed(0)
     model = ConceptMoELM(cfg).eval()
@@ -224,12 +233,14 @@ def test_boundary_noise_options(noise, monkeypatch):
     T = 20_000
     p = torch.linspace(0, 1, T)[None]
     mod = ChunkModule(ChunkConfig(boundary_noise=noise, noise_sigma=0.1), 2).train()
-    monkeypatch.setattr(mod, "boundary_prob", lambda h, doc, above=None: (p, torch.zeros(1, T, dtype=torch.bool)))
+    monkeypatch.setattr(mod, "boundary_prob", lambda h, doc,
+                        above=None: (p, torch.zeros(1, T, dtype=torch.bool)))
     torch.manual_seed(0)
     flip = mod(torch.zeros(1, T, 2), torch.zeros(1, T, dtype=torch.long)).b_BT != (p >= 0.5)
     if noise == "none":
         assert not flip.any()
-    else:   # E|flip| = E over p of P(N(0, 0.1) crosses 0.5 - p) = 0.1 * sqrt(2/pi) = 0.080 for p uniform
+    # E|flip| = E over p of P(N(0, 0.1) crosses 0.5 - p) = 0.1 * sqrt(2/pi) = 0.080 for p uniform
+    else:
         assert flip.float().mean().item() == pytest.approx(0.1 * (2 / torch.pi) ** 0.5, abs=0.01)
         assert not flip[0, (p[0] - 0.5).abs() > 0.45].any()
 
@@ -238,15 +249,17 @@ def test_fixed_router_refuses_settings_it_cannot_honour():
     from configs.config import ConfigError, from_dict
 
     with pytest.raises(ConfigError, match="modality_target_ratios needs a learned router"):
-        from_dict(ChunkConfig, {"router": "fixed", "modality_target_ratios": {"text": 2.0, "image": 2.0}})
+        from_dict(ChunkConfig,
+                  {"router": "fixed", "modality_target_ratios": {"text": 2.0, "image": 2.0}})
     with pytest.raises(ConfigError, match="rounds below 2"):
         from_dict(ChunkConfig, {"router": "fixed", "target_ratio": 1.4})
 
 
 def test_topk_router_keeps_the_best_n_over_R_tokens_per_document_and_a_causal_threshold_at_inference():
-    """Synergy eq. 1-2: in training each n-token document keeps its ceil(n / R) best-scoring tokens (plus its
-    first); the threshold that inference uses instead follows the scores' (1 - 1/R) quantile, so eval-mode
-    boundaries come at about 1/R of the tokens and depend on each token alone (a prefix never changes)."""
+    """Synergy eq. 1-2: in training each n-token document keeps its ceil(n / R) best-scoring tokens
+    (plus its first); the threshold that inference uses instead follows the scores' (1 - 1/R)
+    quantile, so eval-mode boundaries come at about 1/R of the tokens and depend on each token alone
+    (a prefix never changes)."""
     torch.manual_seed(0)
     mod = ChunkModule(ChunkConfig(router="topk", target_ratio=4.0), 8).train()
     doc = torch.tensor([[0] * 20 + [1] * 9 + [-1] * 3, [2] * 32])
@@ -263,7 +276,8 @@ def test_topk_router_keeps_the_best_n_over_R_tokens_per_document_and_a_causal_th
     mod.eval()
     big_doc = torch.arange(64).repeat_interleave(64).view(8, 512)  # 64 documents of 64 tokens
     rate = mod(torch.randn(8, 512, 8), big_doc).b_BT.float().mean().item()
-    assert 0.2 < rate < 0.33                                      # about 1/R (+ 1/64 document starts)
+    # about 1/R (+ 1/64 document starts)
+    assert 0.2 < rate < 0.33
     h = torch.randn(2, 32, 8)
     full = mod(h, doc).b_BT
     assert torch.equal(mod(h[:, :12], doc[:, :12]).b_BT, full[:, :12])   # a prefix decides alone
@@ -271,15 +285,17 @@ def test_topk_router_keeps_the_best_n_over_R_tokens_per_document_and_a_causal_th
 
 # ---------------------------------------------------------------- the modules' single-token steps
 def _step_setup(router, merge="sum", residual="identity", T=12, t0=4, B=2, D=16):
-    """A chunk module and a dechunk (eval mode), rows of one document each, the whole-sequence forward, and the
-    state a prompt of the first t0 tokens leaves (as ConceptMoELM.prefill builds it)."""
+    """A chunk module and a dechunk (eval mode), rows of one document each, the whole-sequence
+    forward, and the state a prompt of the first t0 tokens leaves (as ConceptMoELM.prefill builds
+    it)."""
     torch.manual_seed(0)
     cfg = ChunkConfig(router=router, merge=merge, residual=residual, target_ratio=3.0)
     chunker, de = ChunkModule(cfg, D).eval(), Dechunk(cfg, D)
     with torch.no_grad():
         if de.residual is not None:   # not the identity: the step must apply the projection
             de.residual.weight.add_(torch.randn(D, D) * 0.1)
-    concept_model = lambda c: torch.tanh(c) * 1.5 - 0.2  # noqa: E731  (stands in for the concept layers)
+    # noqa: E731  (stands in for the concept layers)
+    concept_model = lambda c: torch.tanh(c) * 1.5 - 0.2
     h = torch.randn(B, T, D)
     doc = torch.zeros(B, T, dtype=torch.long)
 
@@ -299,9 +315,10 @@ def _step_setup(router, merge="sum", residual="identity", T=12, t0=4, B=2, D=16)
 @pytest.mark.parametrize("merge", ["last", "sum", "mean"])
 @pytest.mark.parametrize("router", ["cosine", "linear", "fixed", "topk"])
 def test_chunk_step_token_by_token_equals_the_forward_and_merge(router, merge):
-    """ChunkModule.step on one token at a time after a prompt: the boundary probability and decision `forward`
-    gives that position, and for the rows that fired their concept as `merge` builds it and its gate (topk). Every
-    row is computed (fixed shapes); the rows that did not fire are not read."""
+    """ChunkModule.step on one token at a time after a prompt: the boundary probability and decision
+    `forward` gives that position, and for the rows that fired their concept as `merge` builds it
+    and its gate (topk). Every row is computed (fixed shapes); the rows that did not fire are not
+    read."""
     chunker, _, _, h, (ch, c_in, *_), state = _step_setup(router, merge)
     t0, T = 4, h.shape[1]
     fired = 0
@@ -314,7 +331,8 @@ def test_chunk_step_token_by_token_equals_the_forward_and_merge(router, merge):
         idx = ch.cidx_BT[rows, t]
         torch.testing.assert_close(ck.c_BD[rows], c_in[rows, idx], rtol=1e-5, atol=1e-5)
         if router == "topk":
-            torch.testing.assert_close(ck.gate_B[rows], ch.cgate_BM[rows, idx], rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(ck.gate_B[rows], ch.cgate_BM[rows, idx], rtol=1e-5,
+                                       atol=1e-6)
         else:
             assert ck.gate_B is None
         fired += rows.numel()
@@ -324,11 +342,12 @@ def test_chunk_step_token_by_token_equals_the_forward_and_merge(router, merge):
 @pytest.mark.parametrize("residual", ["identity", "linear", "delta"])
 @pytest.mark.parametrize("router", ["cosine", "topk"])
 def test_dechunk_step_token_by_token_equals_the_forward(router, residual):
-    """Dechunk.step after a prompt, fed the chunk module's step and the concept model's output (every row computes;
-    the rows that did not fire must ignore it): every later position's z (eq. 10), the EMA concept it reads
-    (eq. 8-9), the concept count, and for the rows that fired the smoothed new concept the cross-attention decoder
-    appends, as `forward` / `smooth` give them for the whole sequence (Synergy's gate with the topk router; the EMA
-    over the inputs with "delta")."""
+    """Dechunk.step after a prompt, fed the chunk module's step and the concept model's output
+    (every row computes; the rows that did not fire must ignore it): every later position's z (eq.
+    10), the EMA concept it reads (eq. 8-9), the concept count, and for the rows that fired the
+    smoothed new concept the cross-attention decoder appends, as `forward` / `smooth` give them for
+    the whole sequence (Synergy's gate with the topk router; the EMA over the inputs with
+    "delta")."""
     chunker, de, concept_model, h, (ch, _, c_out, z, c, _), state = _step_setup(router, "sum", residual)
     smoothed = de.smooth(c_out, ch)
     t0, T = 4, h.shape[1]
@@ -341,5 +360,6 @@ def test_dechunk_step_token_by_token_equals_the_forward(router, residual):
         torch.testing.assert_close(d.z_B1D[:, 0], z[:, t], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(d.c_B1D[:, 0], c[:, t], rtol=1e-5, atol=1e-5)
         assert torch.equal(state.n_concepts_B, ch.b_BT[:, :t + 1].sum(1))
-        torch.testing.assert_close(d.c_B1D[rows, 0], smoothed[rows, ch.cidx_BT[rows, t]], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(d.c_B1D[rows, 0], smoothed[rows, ch.cidx_BT[rows, t]], rtol=1e-5,
+                                   atol=1e-5)
     assert 0 < fired < (T - t0) * h.shape[0]

@@ -1,11 +1,12 @@
 """Every model path is one graph: no host synchronisation, no graph break (DESIGN.md "On the GPU").
 
-On the CPU, `torch.compile(..., fullgraph=True)` is the proof: an `.item()`, `int(tensor)`, `.tolist()`, `nonzero`,
-boolean-mask indexing or a Python branch on a tensor's value inside the path is a graph break, which fullgraph
-turns into an error. The fast tier traces with the `aot_eager` backend (dynamo and AOT autograd see the whole
-forward and backward, as inductor does, without generating code); the slow tier compiles with inductor, the GPU's
-compiler, and checks the compiled code against eager. Per-block compilation (what the trainer does,
-vlm.model.compile) is checked over steps: the same numbers as eager, and no recompilation.
+On the CPU, `torch.compile(..., fullgraph=True)` is the proof: an `.item()`, `int(tensor)`,
+`.tolist()`, `nonzero`, boolean-mask indexing or a Python branch on a tensor's value inside the path
+is a graph break, which fullgraph turns into an error. The fast tier traces with the `aot_eager`
+backend (dynamo and AOT autograd see the whole forward and backward, as inductor does, without
+generating code); the slow tier compiles with inductor, the GPU's compiler, and checks the compiled
+code against eager. Per-block compilation (what the trainer does, vlm.model.compile) is checked over
+steps: the same numbers as eager, and no recompilation.
 """
 from __future__ import annotations
 
@@ -26,21 +27,24 @@ V = 97
 
 def config(kind: str, **chunk) -> ModelConfig:
     """A tiny model with every feature on the path: GQA, QK-norm, shared and routed experts, balancing losses."""
-    cfg = ModelConfig(vocab_size=V, hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8, encoder_layers=1,
-                      concept_layers=1, decoder_layers=1, attn_backend="auto",
-                      moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=16, num_shared_experts=1, shared_hidden=16,
-                                    z_loss_weight=1e-3),
+    cfg = ModelConfig(vocab_size=V, hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8,
+                      encoder_layers=1, concept_layers=1, decoder_layers=1, attn_backend="auto",
+                      moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=16, num_shared_experts=1,
+                                    shared_hidden=16, z_loss_weight=1e-3),
                       chunk=ChunkConfig(**chunk))
     return cfg.baseline() if kind == "baseline" else cfg
 
 
-MODELS = {"baseline": {}, "conceptmoe": {},                      # the learned cosine router, Bernoulli noise
-          "topk_grove": {"router": "topk", "residual": "delta"}}  # the other router family and eq. 3's gate
+# the learned cosine router, Bernoulli noise
+MODELS = {"baseline": {}, "conceptmoe": {},
+          # the other router family and eq. 3's gate
+          "topk_grove": {"router": "topk", "residual": "delta"}}
 
 
 def packed_batch(seed: int = 0) -> PackedBatch:
     g = torch.Generator().manual_seed(seed)
-    rows = [[torch.randint(3, V, (n,), generator=g).tolist() for n in lens] for lens in ((30, 50, 20), (64, 30))]
+    rows = [[torch.randint(3, V, (n,), generator=g).tolist() for n in lens]
+    for lens in ((30, 50, 20), (64, 30))]
     return PackedBatch.stack([PackedBatch.from_documents(r, row_len=112) for r in rows])
 
 
@@ -56,15 +60,19 @@ def grads(model) -> dict[str, torch.Tensor]:
 def check_training_step(kind: str, backend: str) -> None:
     torch.manual_seed(0)
     cfg = config(kind, **MODELS.get(kind, {}))
-    if kind == "topk_grove":   # Grove's adjugate experts: once per (token, group), in static shapes too
-        cfg = dataclasses.replace(cfg, moe=MoEConfig(num_experts=4, top_k=3, expert_hidden=16, grove_groups=2,
+    # Grove's adjugate experts: once per (token, group), in static shapes too
+    if kind == "topk_grove":
+        cfg = dataclasses.replace(cfg,
+                                  moe=MoEConfig(num_experts=4, top_k=3, expert_hidden=16,
+                                                grove_groups=2,
                                                      grove_lambda=0.05))
     eager = ConceptMoELM(cfg).train()
     compiled = copy.deepcopy(eager)
     batch = packed_batch()
     for m in (eager, compiled):
         if m.chunker is not None:
-            m.chunker.seed_boundaries(7)     # the same boundary noise in both (a tensor seed: no recompilation)
+            # the same boundary noise in both (a tensor seed: no recompilation)
+            m.chunker.seed_boundaries(7)
     torch._dynamo.reset()
     fn = torch.compile(train_loss, fullgraph=True, backend=backend)
     loss_c, logits_c = fn(compiled, batch)
@@ -72,13 +80,15 @@ def check_training_step(kind: str, backend: str) -> None:
     loss_e, logits_e = train_loss(eager, batch)
     loss_e.backward()
     torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-6)
-    valid = batch.doc_ids >= 0    # padding holds what each backend leaves there (eager: docs, compiled: sdpa)
+    # padding holds what each backend leaves there (eager: docs, compiled: sdpa)
+    valid = batch.doc_ids >= 0
     torch.testing.assert_close(logits_c[valid], logits_e[valid], rtol=1e-4, atol=1e-5)
     ge, gc = grads(eager), grads(compiled)
     assert ge.keys() == gc.keys() and len(ge) > 10
     for n in ge:
         torch.testing.assert_close(gc[n], ge[n], rtol=1e-4, atol=1e-6, msg=lambda m: f"{n}: {m}")
-    # the statistics the trainer reads after the step moved alike (expert loads; the top-k router's quantiles)
+    # the statistics the trainer reads after the step moved alike (expert loads; the top-k router's
+    # quantiles)
     for (n, b_e), b_c in zip(eager.named_buffers(), compiled.buffers()):
         torch.testing.assert_close(b_c, b_e, rtol=1e-5, atol=1e-6, msg=lambda m: f"buffer {n}: {m}")
 
@@ -99,7 +109,8 @@ def check_prefill_and_decode(kind: str, backend: str) -> None:
     model = ConceptMoELM(config(kind, **MODELS.get(kind, {}))).eval()
     batch, steps = prompts(), 6
     torch._dynamo.reset()
-    prefill = torch.compile(lambda b: model.prefill(b, max_new_tokens=steps), fullgraph=True, backend=backend)
+    prefill = torch.compile(lambda b: model.prefill(b, max_new_tokens=steps), fullgraph=True,
+                            backend=backend)
     out_c, cache_c = prefill(batch)
     out_e, cache_e = model.prefill(batch, max_new_tokens=steps)
     valid = batch.doc_ids >= 0
@@ -122,7 +133,8 @@ def check_prefill_and_decode(kind: str, backend: str) -> None:
     if cache_e.chunk is not None:   # rows whose boundary fired and rows whose did not both occurred
         assert torch.equal(cache_c.chunk.n_concepts_B, cache_e.chunk.n_concepts_B)
         assert set(fired) == {0, 1}
-    for a, b in zip(cache_c.encoder + cache_c.concept + cache_c.decoder, cache_e.encoder + cache_e.concept +
+    for a, b in zip(cache_c.encoder + cache_c.concept + cache_c.decoder,
+                    cache_e.encoder + cache_e.concept +
                     cache_e.decoder):
         assert torch.equal(a.len_B, b.len_B)
 
@@ -150,10 +162,10 @@ def test_prefill_and_decode_step_compile_with_inductor_and_match_eager():
 
 @pytest.mark.slow
 def test_per_block_compilation_matches_eager_over_steps_without_recompiling():
-    """What the trainer runs (model.compile): each block compiled in place (fullgraph), the glue in eager. Three
-    optimizer steps on different batches and boundary seeds give eager's losses, gradients and parameters (SGD:
-    Adam's normalisation would magnify float noise in near-zero gradients), and the second and third steps compile
-    nothing new."""
+    """What the trainer runs (model.compile): each block compiled in place (fullgraph), the glue in
+    eager. Three optimizer steps on different batches and boundary seeds give eager's losses,
+    gradients and parameters (SGD: Adam's normalisation would magnify float noise in near-zero
+    gradients), and the second and third steps compile nothing new."""
     torch.manual_seed(0)
     eager = ConceptMoELM(config("conceptmoe")).train()
     compiled = copy.deepcopy(eager)
@@ -175,15 +187,18 @@ def test_per_block_compilation_matches_eager_over_steps_without_recompiling():
         torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
         graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
         for (n, a), b in zip(eager.named_parameters(), compiled.parameters()):
-            torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"step {step} grad {n}: {m}")
-            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=lambda m: f"step {step} {n}: {m}")
+            torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6,
+                                       msg=lambda m: f"step {step} grad {n}: {m}")
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"step {step} {n}: {m}")
     assert graphs[0] > 0 and graphs[1] == graphs[0] and graphs[2] == graphs[0]
     assert not torch._dynamo.utils.counters["graph_break"]
 
 
 def test_flex_attention_document_mask_equals_the_packed_mask_forward():
-    """FlexAttention (the CUDA default without flash-attn) with the document block mask computes what SDPA under
-    the packed T x T mask does, sliding window included; on the CPU it has a compiled forward only."""
+    """FlexAttention (the CUDA default without flash-attn) with the document block mask computes
+    what SDPA under the packed T x T mask does, sliding window included; on the CPU it has a
+    compiled forward only."""
     from vlm.model.attention import attend, document_block_mask
 
     torch.manual_seed(0)
@@ -199,16 +214,20 @@ def test_backend_choice_per_device_and_under_compile():
     from vlm.model.attention import resolve_backend
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert resolve_backend("auto", cpu) == "docs"                      # eager CPU: one SDPA per document
-    assert resolve_backend("auto", cpu, compiled=True) == "sdpa"       # compiled: no host loop over documents
+    # eager CPU: one SDPA per document
+    assert resolve_backend("auto", cpu) == "docs"
+    # compiled: no host loop over documents
+    assert resolve_backend("auto", cpu, compiled=True) == "sdpa"
     assert resolve_backend("docs", cpu, compiled=True) == "sdpa"
-    assert resolve_backend("auto", cuda) in ("flash", "flex")          # never the T x T mask by default on CUDA
+    # never the T x T mask by default on CUDA
+    assert resolve_backend("auto", cuda) in ("flash", "flex")
     assert resolve_backend("sdpa", cuda) == "sdpa"                     # asked for: the fallback
 
 
 def _varlen_stand_in(q, k, v, cu_q, cu_k, max_q, max_k, window_size=(-1, -1), enable_gqa=False):
-    """torch.nn.attention.varlen.varlen_attn from its documented contract (causal is window (-1, 0), a sliding
-    window of w keys (w - 1, 0)), as SDPA per segment: the CPU check of the layout the CUDA kernel is given."""
+    """torch.nn.attention.varlen.varlen_attn from its documented contract (causal is window (-1, 0),
+    a sliding window of w keys (w - 1, 0)), as SDPA per segment: the CPU check of the layout the
+    CUDA kernel is given."""
     assert cu_q.dtype == torch.int32 and torch.equal(cu_q, cu_k) and max_q == max_k
     assert enable_gqa == (k.shape[1] != q.shape[1])
     out = torch.empty_like(q)
@@ -217,7 +236,8 @@ def _varlen_stand_in(q, k, v, cu_q, cu_k, max_q, max_k, window_size=(-1, -1), en
         assert n <= max_q
         i = torch.arange(n)
         left, right = window_size
-        allowed = (i[None] <= i[:, None] + (right if right >= 0 else n)) & (i[None] >= i[:, None] - (left if left >= 0 else n))
+        allowed = ((i[None] <= i[:, None] + (right if right >= 0 else n))
+                   & (i[None] >= i[:, None] - (left if left >= 0 else n)))
         seg = lambda x: x[s:e].transpose(0, 1)[None]  # noqa: E731
         out[s:e] = torch.nn.functional.scaled_dot_product_attention(
             seg(q), seg(k), seg(v), attn_mask=allowed, enable_gqa=enable_gqa)[0].transpose(0, 1)
@@ -226,9 +246,10 @@ def _varlen_stand_in(q, k, v, cu_q, cu_k, max_q, max_k, window_size=(-1, -1), en
 
 @pytest.mark.parametrize("window", [0, 5])
 def test_varlen_backend_layout_and_window_on_a_stand_in(monkeypatch, window):
-    """The "varlen" backend (PyTorch's own varlen flash kernel, CUDA only) is given the documents of the packed rows
-    as segments, causal, with the sliding window as (w - 1, 0) and GQA: checked on the CPU against SDPA under the
-    packed mask, with a stand-in written from the kernel's documented contract."""
+    """The "varlen" backend (PyTorch's own varlen flash kernel, CUDA only) is given the documents of
+    the packed rows as segments, causal, with the sliding window as (w - 1, 0) and GQA: checked on
+    the CPU against SDPA under the packed mask, with a stand-in written from the kernel's documented
+    contract."""
     import vlm.model.attention as attention
 
     monkeypatch.setattr(attention, "varlen_attn", _varlen_stand_in)
@@ -238,11 +259,13 @@ def test_varlen_backend_layout_and_window_on_a_stand_in(monkeypatch, window):
     valid = doc >= 0
     got = attention.attend(q, k, v, doc, "varlen", window=window)
     ref = attention.attend(q, k, v, doc, "sdpa", window=window)
-    torch.testing.assert_close(got.transpose(1, 2)[valid], ref.transpose(1, 2)[valid], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.transpose(1, 2)[valid], ref.transpose(1, 2)[valid], rtol=1e-5,
+                               atol=1e-5)
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch.nn.attention.varlen is a CUDA kernel")
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="torch.nn.attention.varlen is a CUDA kernel")
 def test_varlen_kernel_equals_the_packed_mask_on_cuda():
     from vlm.model.attention import attend
 
@@ -251,8 +274,9 @@ def test_varlen_kernel_equals_the_packed_mask_on_cuda():
     doc = torch.tensor([[0] * 100 + [1] * 156, [0] * 200 + [-1] * 56], device=dev)
     q, k, v = (torch.randn(2, h, 256, 64, device=dev, dtype=torch.bfloat16) for h in (8, 2, 2))
     valid = doc >= 0
-    for window in (0, 32):   # bf16 both ways: within 5 units of bf16's roundoff (2^-8) of outputs of size ~1
+    # bf16 both ways: within 5 units of bf16's roundoff (2^-8) of outputs of size ~1
+    for window in (0, 32):
         got = attend(q, k, v, doc, "varlen", window=window)
         ref = attend(q, k, v, doc, "sdpa", window=window)
-        torch.testing.assert_close(got.transpose(1, 2)[valid].float(), ref.transpose(1, 2)[valid].float(),
-                                   rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(got.transpose(1, 2)[valid].float(),
+                                   ref.transpose(1, 2)[valid].float(), rtol=2e-2, atol=2e-2)

@@ -1,8 +1,10 @@
-"""Config inheritance: a YAML file with a top-level `base: OTHER.yaml` states only what differs from OTHER.
+"""Config inheritance: a YAML file with a top-level `base: OTHER.yaml` states only what differs from
+OTHER.
 
-Mappings merge key by key (the child wins, the rest of the base stays), anything else (lists, scalars, null)
-replaces; `base` is relative to the file naming it; cycles and missing bases are one clear ConfigError.
-And each config dataclass is validated exactly once, whether from_dict or Python code made it.
+Mappings merge key by key (the child wins, the rest of the base stays), anything else (lists,
+scalars, null) replaces; `base` is relative to the file naming it; cycles and missing bases are one
+clear ConfigError. And each config dataclass is validated exactly once, whether from_dict or Python
+code made it.
 """
 from __future__ import annotations
 
@@ -15,8 +17,8 @@ from typing import Literal
 import pytest
 import yaml
 
-from configs.config import (ConfigError, ValidatedOnInit, _coerce, check, deep_merge, flatten, from_dict, load_yaml,
-                            to_dict)
+from configs.config import (ConfigError, ValidatedOnInit, _coerce, check, deep_merge, flatten,
+                            from_dict, load_yaml, to_dict)
 
 
 def _write(path, data: dict):
@@ -27,7 +29,8 @@ def _write(path, data: dict):
 
 def test_child_overrides_nested_keys_and_keeps_the_rest(tmp_path):
     _write(tmp_path / "base.yaml", {
-        "model": {"hidden_size": 32, "moe": {"num_experts": 4, "top_k": 2}, "chunk": {"enabled": True}},
+        "model": {"hidden_size": 32, "moe": {"num_experts": 4, "top_k": 2},
+                  "chunk": {"enabled": True}},
         "optim": {"lr": 0.1, "betas": [0.9, 0.95]},
         "vision": {"encoder": {"hidden_size": 16}},
         "train": {"max_steps": 10},
@@ -41,8 +44,8 @@ def test_child_overrides_nested_keys_and_keeps_the_rest(tmp_path):
     })
     got = load_yaml(child)
     assert got == {
-        "model": {"hidden_size": 32, "moe": {"num_experts": 4, "top_k": 1}, "chunk": {"enabled": True}},
-        "optim": {"lr": 0.1, "betas": [0.8]},
+        "model": {"hidden_size": 32, "moe": {"num_experts": 4, "top_k": 1},
+        "chunk": {"enabled": True}}, "optim": {"lr": 0.1, "betas": [0.8]},
         "vision": None,
         "train": {"max_steps": 10},
         "logging": {"log_every": 5},
@@ -70,7 +73,8 @@ def test_base_path_is_relative_to_the_child_file_not_the_cwd(tmp_path, monkeypat
     child = _write(tmp_path / "recipes" / "stages" / "s1.yaml",
                    {"base": "../common/base.yaml", "train": {"max_steps": 3}})
     # a decoy next to the cwd with the same relative name must not be read
-    _write(tmp_path / "elsewhere" / "common" / "base.yaml", {"train": {"max_steps": 99, "seed": 99}})
+    _write(tmp_path / "elsewhere" / "common" / "base.yaml",
+           {"train": {"max_steps": 99, "seed": 99}})
     (tmp_path / "elsewhere" / "sub").mkdir()
     monkeypatch.chdir(tmp_path / "elsewhere" / "sub")
     assert load_yaml(child) == {"train": {"max_steps": 3, "seed": 5}}
@@ -103,7 +107,8 @@ def test_diamond_is_not_a_cycle(tmp_path):
 
 
 def test_missing_base_is_a_clear_config_error(tmp_path):
-    child = _write(tmp_path / "child.yaml", {"base": "nope/missing.yaml", "train": {"max_steps": 1}})
+    child = _write(tmp_path / "child.yaml",
+                   {"base": "nope/missing.yaml", "train": {"max_steps": 1}})
     with pytest.raises(ConfigError) as e:
         load_yaml(child)
     msg = str(e.value)
@@ -135,7 +140,8 @@ def test_train_config_loader_reads_bases_and_validates_the_merge(tmp_path, TINY)
 def test_llava_recipe_configs_load_and_validate(tmp_path, monkeypatch, ROOT):
     from vlm.train.config import load_train_config
 
-    monkeypatch.chdir(tmp_path)   # `base: default.yaml` is found next to the stage file, wherever we run from
+    # `base: default.yaml` is found next to the stage file, wherever we run from
+    monkeypatch.chdir(tmp_path)
     default = load_train_config(ROOT / "configs" / "default.yaml")
     text = load_train_config(ROOT / "configs" / "llava_text.yaml")
     align = load_train_config(ROOT / "configs" / "llava_align.yaml")
@@ -152,13 +158,15 @@ def test_llava_recipe_configs_load_and_validate(tmp_path, monkeypatch, ROOT):
     assert full.train.stage == "vl" and full.data.default_parts == [] and full.params.freeze == []
     assert full.vision_warmup.freeze_after == default.vision_warmup.freeze_after
     for cfg in (text, align, full):
-        assert cfg.model == default.model           # inherited, so every stage can load the previous one's LLM
+        # inherited, so every stage can load the previous one's LLM
+        assert cfg.model == default.model
         assert cfg.train.init_from is None          # the chain sets it
         assert cfg.train.max_steps != default.train.max_steps
     assert align.vision == full.vision == default.vision
 
 
-# ---- validation runs once per config, however it is made ----------------------------------------------------
+# ---- validation runs once per config, however it is made
+# ----------------------------------------------------
 
 _CALLS: list[str] = []
 
@@ -188,9 +196,9 @@ class _Outer(ValidatedOnInit):
 
 
 def test_each_config_is_validated_once_however_it_is_made():
-    """One scheme: a ValidatedOnInit checks its types and validates itself when it is made (through from_dict, a
-    direct call or dataclasses.replace), once; from_dict adds no second path and refuses a plain dataclass with a
-    validate(). Errors name the field."""
+    """One scheme: a ValidatedOnInit checks its types and validates itself when it is made (through
+    from_dict, a direct call or dataclasses.replace), once; from_dict adds no second path and
+    refuses a plain dataclass with a validate(). Errors name the field."""
     _CALLS.clear()
     cfg = from_dict(_Outer, {"own": {"n": 3}})
     assert cfg.own.n == 3 and _CALLS == ["self"]
@@ -200,10 +208,12 @@ def test_each_config_is_validated_once_however_it_is_made():
     with pytest.raises(ConfigError, match="n must be >= 1, got 0"):
         _SelfChecked(n=0)                                   # made in Python: still checked
     with pytest.raises(ConfigError, match=r"^mode: got 'c', allowed values: 'a', 'b'$"):
-        _SelfChecked(mode="c")                              # and its types too, as from_dict checks them
+        # and its types too, as from_dict checks them
+        _SelfChecked(mode="c")
     with pytest.raises(ConfigError, match=r"^n: got '2', expected an integer$"):
         _SelfChecked(n="2")
-    assert _Outer(own={"n": 2}).own == _SelfChecked(n=2)   # a mapping for a nested config becomes that config
+    # a mapping for a nested config becomes that config
+    assert _Outer(own={"n": 2}).own == _SelfChecked(n=2)
     with pytest.raises(ConfigError, match=r"^own: n must be >= 1, got 0$"):
         from_dict(_Outer, {"own": {"n": 0}})
     with pytest.raises(TypeError, match="not a ValidatedOnInit"):
@@ -221,7 +231,8 @@ def test_byte_level_recipe_loads_on_the_byte_tokenizer(ROOT):
     assert cfg.data.row_tokens * cfg.data.rows_per_batch == 2048 and cfg.vision_warmup.steps == 1000
 
 
-# --- one source of defaults -------------------------------------------------------------------------------------
+# --- one source of defaults
+# -------------------------------------------------------------------------------------
 
 
 def _dataclass_of(tp):
@@ -235,8 +246,9 @@ def _dataclass_of(tp):
 
 
 def _restated(own: dict, ref, cls, path: str = "") -> list[str]:
-    """Keys of the YAML mapping `own` whose value equals what `ref` (an instance of config class `cls`, the value the
-    file would inherit: its base's effective config, or the dataclass default) already has there."""
+    """Keys of the YAML mapping `own` whose value equals what `ref` (an instance of config class
+    `cls`, the value the file would inherit: its base's effective config, or the dataclass default)
+    already has there."""
     hints = typing.get_type_hints(cls)
     out = []
     for key, value in own.items():
@@ -257,8 +269,9 @@ def _yaml_files():
 
 @pytest.mark.parametrize("path", _yaml_files(), ids=lambda p: p.name)
 def test_no_yaml_key_states_what_it_inherits(path):
-    """The dataclasses hold the defaults; a YAML states only what differs from them (or, with `base:`, from its
-    base's effective config). A key that restates its inherited value is a second source of that default."""
+    """The dataclasses hold the defaults; a YAML states only what differs from them (or, with
+    `base:`, from its base's effective config). A key that restates its inherited value is a second
+    source of that default."""
     from vlm.train.config import TrainConfig
 
     own = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
@@ -271,13 +284,16 @@ def test_default_yaml_is_the_dataclass_defaults_where_it_says_nothing(ROOT):
     """`vlm train` (configs/default.yaml) and TrainConfig() differ only in the keys default.yaml states."""
     from vlm.train.config import TrainConfig
 
-    stated = flatten(yaml.safe_load((ROOT / "configs" / "default.yaml").read_text(encoding="utf-8")) or {})
+    stated = flatten(yaml.safe_load((ROOT / "configs" / "default.yaml").read_text(encoding="utf-8"))
+                     or {})
     run = flatten(to_dict(from_dict(TrainConfig, load_yaml(ROOT / "configs" / "default.yaml"))))
     default = flatten(to_dict(TrainConfig()))
     # data.processor follows vision.processor (TrainConfig.__post_init__), stated once under vision
-    differ = {k for k in set(run) | set(default) if run.get(k, "<absent>") != default.get(k, "<absent>")}
+    differ = {k for k in set(run) | set(default)
+              if run.get(k, "<absent>") != default.get(k, "<absent>")}
     unexplained = sorted(k for k in differ if not k.startswith("data.processor.") and
-                         not any(k == s or k.startswith(s + ".") or s.startswith(k + ".") for s in stated))
+                         not any(k == s or k.startswith(s + ".") or s.startswith(k + ".")
+                                 for s in stated))
     assert unexplained == []
 
 
@@ -305,9 +321,11 @@ def test_configuration_docs_list_the_dataclass_defaults(ROOT):
     assert wrong == []
 
 
-# --- one validation scheme ---------------------------------------------------------------------------------------
+# --- one validation scheme
+# ---------------------------------------------------------------------------------------
 
-# One value each class's validate() refuses, given to a direct call (the nested ones through TrainConfig too).
+# One value each class's validate() refuses, given to a direct call (the nested ones through
+# TrainConfig too).
 _INVALID = {
     "MoEConfig": {"top_k": 9},
     "ChunkConfig": {"target_ratio": 0.5},
@@ -341,12 +359,14 @@ def _config_classes() -> dict[str, type]:
     found = {}
     for pkg in ("configs", "vlm", "vision", "data_pipelines", "eval"):
         for info in pkgutil.walk_packages([str(root / pkg)], prefix=f"{pkg}."):
-            text = (root / (info.name.replace(".", "/") + ("/__init__.py" if info.ispkg else ".py"))).read_text()
+            text = (root / (info.name.replace(".", "/") + ("/__init__.py" if info.ispkg
+                                                           else ".py"))).read_text()
             if "Config" not in text or "@dataclass" not in text:
                 continue
             module = importlib.import_module(info.name)
             for name, obj in vars(module).items():
-                if (name.endswith("Config") and dataclasses.is_dataclass(obj) and isinstance(obj, type)
+                if (name.endswith("Config") and dataclasses.is_dataclass(obj)
+                    and isinstance(obj, type)
                         and obj.__module__ == info.name):
                     found[name] = obj
     return found
@@ -367,7 +387,8 @@ def test_a_config_built_in_python_with_a_bad_value_is_refused(name):
     with pytest.raises(ConfigError):
         cls(**{**kwargs, **_INVALID[name]})
     if name not in ("SourceConfig",):
-        with pytest.raises(ConfigError):                 # dataclasses.replace makes it again: checked again
+        # dataclasses.replace makes it again: checked again
+        with pytest.raises(ConfigError):
             dataclasses.replace(cls(), **_INVALID[name])
 
 

@@ -1,9 +1,10 @@
 """Every setting does what it says (issue 36 item 1).
 
-The override examples the README, docs/ and `vlm train --help` give, applied to the default config, change the value
-the code acts on (not only the config field): the chunk module's ratio-loss targets and the dashboard's, the
-optimizer's learning rate, the boundary sampler's seed. A key that another would silently shadow is refused in one
-line naming both. The allow-lists of keys a continued or resumed run may change name real config fields.
+The override examples the README, docs/ and `vlm train --help` give, applied to the default config,
+change the value the code acts on (not only the config field): the chunk module's ratio-loss targets
+and the dashboard's, the optimizer's learning rate, the boundary sampler's seed. A key that another
+would silently shadow is refused in one line naming both. The allow-lists of keys a continued or
+resumed run may change name real config fields.
 """
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ def optimizer_lr(cfg: TrainConfig) -> float:
     from vlm.train.param_groups import build_param_groups
 
     model = ConceptMoELM(cfg.model)
-    groups = build_param_groups(model, cfg.optim, cfg.params, cfg.model.hidden_size, cfg.model.c_hidden)
+    groups = build_param_groups(model, cfg.optim, cfg.params, cfg.model.hidden_size,
+                                cfg.model.c_hidden)
     opt = build_optimizer(groups, cfg.optim)
     return max(g["lr"] for g in opt.param_groups)
 
@@ -58,7 +60,8 @@ def documented_overrides(ROOT) -> list[str]:
     """`key=value` overrides on the `vlm train` / `vlm chain` lines of README.md, docs/*.md and `vlm train --help`."""
     from vlm.train import cli
 
-    texts = [(ROOT / "README.md").read_text()] + [p.read_text() for p in sorted((ROOT / "docs").glob("*.md"))]
+    texts = [(ROOT / "README.md").read_text()] + [p.read_text()
+                                                  for p in sorted((ROOT / "docs").glob("*.md"))]
     texts.append(open(cli.__file__).read())
     found = []
     for text in texts:
@@ -80,12 +83,15 @@ def test_every_documented_override_changes_what_the_code_acts_on(ROOT):
 
 
 def test_target_ratio_moves_the_default_configs_per_modality_targets():
-    """default.yaml gives each modality its own ratio loss following target_ratio, so the README's example acts
-    on both modalities (it once did nothing: the per-modality targets were stated as numbers and won)."""
+    """default.yaml gives each modality its own ratio loss following target_ratio, so the README's
+    example acts on both modalities (it once did nothing: the per-modality targets were stated as
+    numbers and won)."""
     cfg = load_train_config(DEFAULT, ["model.chunk.target_ratio=3"])
     assert sorted(chunk_targets(cfg).values()) == [3.0, 3.0]
     assert config_targets(cfg) == {"ratio/text": 3.0, "ratio/image": 3.0}
-    own = load_train_config(DEFAULT, ["model.chunk.target_ratio=3", "model.chunk.modality_target_ratios.image=4"])
+    own = load_train_config(DEFAULT,
+                            ["model.chunk.target_ratio=3",
+                             "model.chunk.modality_target_ratios.image=4"])
     assert config_targets(own) == {"ratio/text": 3.0, "ratio/image": 4.0}
 
 
@@ -93,7 +99,8 @@ def test_a_shadowed_target_ratio_is_refused_naming_both():
     with pytest.raises(ConfigError, match=r"model\.chunk\.target_ratio=3 is shadowed by "
                                           r"model\.chunk\.modality_target_ratios"):
         load_train_config("configs/byte_level.yaml", ["model.chunk.target_ratio=3"])
-    # a saved config.yaml states every key: a target_ratio equal to one of the modalities' restates it
+    # a saved config.yaml states every key: a target_ratio equal to one of the modalities' restates
+    # it
     saved = flatten(to_dict(load_train_config("configs/byte_level.yaml")))
     assert saved["model.chunk.target_ratio"] == 2.0 and saved["model.chunk.modality_target_ratios.image"] == 2.0
     load_train_config("configs/byte_level.yaml", ["model.chunk.target_ratio=2"])
@@ -104,7 +111,8 @@ def test_a_run_written_with_numeric_targets_resumes_under_null_ones():
 
     now = to_dict(load_train_config(DEFAULT))
     assert now["model"]["chunk"]["modality_target_ratios"] == {"text": None, "image": None}
-    saved = to_dict(load_train_config(DEFAULT, ["model.chunk.modality_target_ratios={text: 2.0, image: 2.0}"]))
+    saved = to_dict(load_train_config(DEFAULT, ["model.chunk.modality_target_ratios={text: 2.0, "
+                                                "image: 2.0}"]))
     check_resume_config(saved, now)
     moved = to_dict(load_train_config(DEFAULT, ["model.chunk.target_ratio=3"]))
     with pytest.raises(ConfigError, match="modality_target_ratios"):
@@ -115,14 +123,16 @@ def test_a_run_written_with_numeric_targets_resumes_under_null_ones():
                                            ("RESUMABLE_CHANGES", RESUMABLE_CHANGES),
                                            ("OPTIM_CHANGES", OPTIM_CHANGES)])
 def test_allow_list_entries_name_real_config_fields(name, entries):
-    """The allow-lists are prefixes of dotted keys: each must still name a field (or a section, with a trailing
-    dot), so a renamed field cannot leave a dead entry that lets nothing through."""
+    """The allow-lists are prefixes of dotted keys: each must still name a field (or a section, with
+    a trailing dot), so a renamed field cannot leave a dead entry that lets nothing through."""
     from vlm.model.config import MoEConfig
 
     keys = set(flatten(to_dict(TrainConfig())))
-    # model keys are written relative to the model section; concept_moe is null by default: its keys are MoE's
+    # model keys are written relative to the model section; concept_moe is null by default: its keys
+    # are MoE's
     model_keys = {k[len("model."):] for k in keys if k.startswith("model.")}
     model_keys |= {f"concept_moe.{k}" for k in flatten(to_dict(MoEConfig()))}
     pool = model_keys if name == "MAY_CHANGE_FROM_CHECKPOINT" else keys
-    dead = [e for e in entries if not any(k == e or (e.endswith(".") and k.startswith(e)) for k in pool)]
+    dead = [e for e in entries
+            if not any(k == e or (e.endswith(".") and k.startswith(e)) for k in pool)]
     assert dead == []

@@ -1,6 +1,6 @@
-"""DLCM's causal cross-attention decoder (`model.decoder_mode: cross_attention`, DLCM eq. 12-14 by concept
-replication, eq. 17): equal to the L x M masked form of eq. 14, causal, packing-safe, cached decoding equal to
-full recompute, counted by `vlm flops`, trainable, convertible, exportable."""
+"""DLCM's causal cross-attention decoder (`model.decoder_mode: cross_attention`, DLCM eq. 12-14 by
+concept replication, eq. 17): equal to the L x M masked form of eq. 14, causal, packing-safe, cached
+decoding equal to full recompute, counted by `vlm flops`, trainable, convertible, exportable."""
 from __future__ import annotations
 
 import dataclasses
@@ -24,16 +24,19 @@ V = 97
 def tiny(decoder_layers=2, **chunk) -> ModelConfig:
     return ModelConfig(vocab_size=V, hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8,
                        encoder_layers=1, concept_layers=2, decoder_layers=decoder_layers,
-                       moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=32), chunk=ChunkConfig(**chunk),
-                       decoder_mode="cross_attention")
+                       moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=32),
+                       chunk=ChunkConfig(**chunk), decoder_mode="cross_attention")
 
 
 VARIANTS = {
     "sum": tiny(merge="sum"),
     "last_delta_one_layer": tiny(merge="last", residual="delta", joint_decoding_layers=1),
-    "mean_window_docs": dataclasses.replace(tiny(merge="mean"), attention_window=4, attn_backend="docs"),
-    "wider_concept": dataclasses.replace(tiny(), concept_hidden_size=48, concept_num_heads=6, concept_num_kv_heads=3),
-    "topk_delta": tiny(router="topk", merge="last", residual="delta"),   # Synergy's gated concepts and inputs
+    "mean_window_docs": dataclasses.replace(tiny(merge="mean"), attention_window=4,
+                                            attn_backend="docs"),
+    "wider_concept": dataclasses.replace(tiny(), concept_hidden_size=48, concept_num_heads=6,
+                                         concept_num_kv_heads=3),
+    # Synergy's gated concepts and inputs
+    "topk_delta": tiny(router="topk", merge="last", residual="delta"),
 }
 
 
@@ -49,14 +52,17 @@ def test_config_names_the_modes_and_refuses_meaningless_combinations():
         tiny(joint_decoding_layers=0).validate()
     with pytest.raises(ConfigError, match="no decoder layer a cross-attention"):
         tiny(decoder_layers=0).validate()
-    with pytest.raises(ConfigError, match="decoder_mode: got 'cross', allowed values: 'joint', 'cross_attention'"):
+    with pytest.raises(ConfigError, match="decoder_mode: got 'cross', allowed values: 'joint', "
+                                          "'cross_attention'"):
         ConvertConfig(decoder_mode="cross")   # built in Python, it validates itself too
     with pytest.raises(ConfigError, match="convert.decoder_mode: got 'cross'"):
         from_dict(ConvertConfig, {"decoder_mode": "cross"}, "convert")
-    base = tiny().baseline()   # the MoE twin has no concepts: it falls back to the (inert) joint mode
+    # the MoE twin has no concepts: it falls back to the (inert) joint mode
+    base = tiny().baseline()
     base.validate()
     assert base.decoder_mode == "joint" and not base.chunk.enabled
-    assert from_dict(ModelConfig, {"decoder_mode": "cross_attention"}).decoder_mode == "cross_attention"
+    assert from_dict(ModelConfig,
+                     {"decoder_mode": "cross_attention"}).decoder_mode == "cross_attention"
     assert ModelConfig().decoder_mode == "joint"
 
 
@@ -78,22 +84,24 @@ def packed_case(seed=0):
 
 
 def reference_cross_attention(xattn: CrossAttention, x_BTD, concepts_BMD, doc, cidx, cdoc):
-    """DLCM eq. 14 as written: token t attends to the concepts 0 .. j(t) of its own document through an explicit
-    [L, M] mask, each concept once; no replication."""
+    """DLCM eq. 14 as written: token t attends to the concepts 0 .. j(t) of its own document through
+    an explicit [L, M] mask, each concept once; no replication."""
     q = xattn.queries(x_BTD)                                  # [B, Q, T, d]
     k, v = xattn.concept_kv(concepts_BMD)                     # [B, J, M, d]
     rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     M = concepts_BMD.shape[1]
     m = torch.arange(M)
-    allowed_BTM = (cdoc[:, None, :] == doc[:, :, None]) & (m[None, None, :] <= cidx[:, :, None]) & (doc[:, :, None] >= 0)
+    allowed_BTM = ((cdoc[:, None, :] == doc[:, :, None]) & (m[None, None, :] <= cidx[:, :, None])
+                   & (doc[:, :, None] >= 0))
     scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
     scores = scores.masked_fill(~allowed_BTM[:, None], float("-inf"))
     att = torch.nan_to_num(scores.softmax(-1))               # padding queries: no concept at all
     return xattn.out(att @ v)
 
 
-@pytest.mark.parametrize("backend,window", [("eager", 0), ("sdpa", 0), ("docs", 0), ("sdpa", 3), ("docs", 3)])
+@pytest.mark.parametrize("backend,window",
+                         [("eager", 0), ("sdpa", 0), ("docs", 0), ("sdpa", 3), ("docs", 3)])
 def test_replicated_cross_attention_equals_the_L_by_M_masked_form(backend, window):
     torch.manual_seed(0)
     doc, b, cidx, cdoc = packed_case()
@@ -134,8 +142,9 @@ def _varlen_by_segment(q, k, v, cu_q):
 
 
 def test_replication_needs_only_a_causal_kernel(monkeypatch):
-    """The flash path (CUDA) gets no mask at all, only causal varlen segments; checked on CPU with a stand-in for
-    flash_attn_varlen_func written from its documented contract: still eq. 14's L x M form."""
+    """The flash path (CUDA) gets no mask at all, only causal varlen segments; checked on CPU with a
+    stand-in for flash_attn_varlen_func written from its documented contract: still eq. 14's L x M
+    form."""
     import vlm.model.attention as attention
     import vlm.model.block as block
 
@@ -147,7 +156,8 @@ def test_replication_needs_only_a_causal_kernel(monkeypatch):
     monkeypatch.setattr(block, "resolve_backend", lambda b, d, compiled=False: b)
     torch.manual_seed(1)
     doc, b, cidx, cdoc = packed_case(seed=1)
-    xattn = CrossAttention(16, num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=False, norm_eps=1e-6)
+    xattn = CrossAttention(16, num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=False,
+                           norm_eps=1e-6)
     x, concepts = torch.randn(*doc.shape, 16), torch.randn(2, cdoc.shape[1], 16)
     ctx = StackContext.build(doc, torch.zeros_like(doc), 8, 1e4, x.dtype, "flash", window=3)
     got = xattn(x, ConceptMemory.build(concepts, cidx, b, doc, ctx, xattn.hd), doc, ctx.backend)
@@ -157,9 +167,9 @@ def test_replication_needs_only_a_causal_kernel(monkeypatch):
 
 
 def test_a_256_wide_head_leaves_flash_for_sdpa(monkeypatch):
-    """The replication's extra bias dimension makes a 256-wide head 257 wide, beyond flash-attn 2's limit of 256:
-    that cross-attention runs on SDPA under the packed mask (the stand-in kernel refuses > 256 as flash does),
-    still eq. 14, while a 128-wide head stays on flash."""
+    """The replication's extra bias dimension makes a 256-wide head 257 wide, beyond flash-attn 2's
+    limit of 256: that cross-attention runs on SDPA under the packed mask (the stand-in kernel
+    refuses > 256 as flash does), still eq. 14, while a 128-wide head stays on flash."""
     import vlm.model.attention as attention
     import vlm.model.block as block
     from vlm.model.cross_attention import cross_backend
@@ -179,7 +189,8 @@ def test_a_256_wide_head_leaves_flash_for_sdpa(monkeypatch):
     doc, b, cidx, cdoc = packed_case(seed=2)
     for head_dim, used in ((256, []), (128, [129])):
         calls.clear()
-        xattn = CrossAttention(16, num_heads=2, num_kv_heads=1, head_dim=head_dim, qk_norm=True, norm_eps=1e-6)
+        xattn = CrossAttention(16, num_heads=2, num_kv_heads=1, head_dim=head_dim, qk_norm=True,
+                               norm_eps=1e-6)
         x, concepts = torch.randn(*doc.shape, 16), torch.randn(2, cdoc.shape[1], 16)
         ctx = StackContext.build(doc, torch.zeros_like(doc), head_dim, 1e4, x.dtype, "flash")
         got = xattn(x, ConceptMemory.build(concepts, cidx, b, doc, ctx, xattn.hd), doc, ctx.backend)
@@ -189,8 +200,8 @@ def test_a_256_wide_head_leaves_flash_for_sdpa(monkeypatch):
         assert calls == used
 
 
-# ---------------------------------------------------------------- the model
-# causality in eval mode and packing isolation of these variants: tests/test_model_core.py's VARIANTS
+# ---------------------------------------------------------------- the model causality in eval mode
+# and packing isolation of these variants: tests/test_model_core.py's VARIANTS
 
 
 def test_causal_train_mode_with_fixed_boundaries(seeded_lm, rand_docs):
@@ -218,13 +229,16 @@ def test_packing_isolation(name, seeded_lm, rand_docs):
 
 
 def test_backends_agree_and_the_cross_attention_matters(seeded_lm, rand_docs):
-    batch = PackedBatch.stack([PackedBatch.from_documents(rand_docs(V, [20, 30], 11), row_len=56)] * 2)
+    batch = PackedBatch.stack([PackedBatch.from_documents(rand_docs(V, [20, 30], 11),
+                                                          row_len=56)] * 2)
     valid = batch.doc_ids >= 0
-    outs = {be: seeded_lm(dataclasses.replace(tiny(), attn_backend=be, attention_window=5))(batch).logits[valid]
+    outs = {be: seeded_lm(dataclasses.replace(tiny(), attn_backend=be,
+                                              attention_window=5))(batch).logits[valid]
             for be in ("eager", "sdpa", "docs")}
     torch.testing.assert_close(outs["eager"], outs["sdpa"], rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(outs["docs"], outs["sdpa"], rtol=1e-4, atol=1e-5)
-    # the concept read is live: silencing the cross-attention (W_O = 0, the conversion's start) changes the logits
+    # the concept read is live: silencing the cross-attention (W_O = 0, the conversion's start)
+    # changes the logits
     m = seeded_lm(dataclasses.replace(tiny(), attention_window=5))
     m.zero_joint_projections()
     assert not torch.allclose(m(batch).logits[valid], outs["sdpa"], atol=1e-3)
@@ -241,8 +255,9 @@ def _rows_batch(rows: list[list[int]]) -> PackedBatch:
 
 @pytest.mark.parametrize("name", ["sum", "last_delta_one_layer", "wider_concept", "topk_delta"])
 def test_cached_decoding_equals_full_recompute(name, seeded_lm, rand_docs):
-    """prefill + step (one concept key/value per realized concept, appended when a boundary fires) gives the
-    logits of a full forward over the same tokens, for ragged rows, past the allocated capacity."""
+    """prefill + step (one concept key/value per realized concept, appended when a boundary fires)
+    gives the logits of a full forward over the same tokens, for ragged rows, past the allocated
+    capacity."""
     m = seeded_lm(VARIANTS[name])
     rows = [list(r) for r in rand_docs(V, [9, 4, 15, 1], 21)]
     B, steps = len(rows), 30
@@ -250,7 +265,8 @@ def test_cached_decoding_equals_full_recompute(name, seeded_lm, rand_docs):
     logits = out.logits[torch.arange(B), torch.tensor([len(r) - 1 for r in rows])]
     fired = []
     for _ in range(steps):
-        full = m(_rows_batch(rows)).logits[torch.arange(B), torch.tensor([len(r) - 1 for r in rows])]
+        full = m(_rows_batch(rows)).logits[torch.arange(B),
+                                           torch.tensor([len(r) - 1 for r in rows])]
         torch.testing.assert_close(logits, full, rtol=1e-4, atol=1e-4)
         tok = logits.argmax(-1)
         for r, t in zip(rows, tok.tolist()):
@@ -259,16 +275,19 @@ def test_cached_decoding_equals_full_recompute(name, seeded_lm, rand_docs):
         logits = m.step(m.embed(tok), cache)
         fired.append(cache.chunk.n_concepts_B - before)
     fired = torch.stack(fired)
-    assert 0 < int(fired.sum()) < fired.numel()   # boundaries both fired and did not: both paths ran
+    # boundaries both fired and did not: both paths ran
+    assert 0 < int(fired.sum()) < fired.numel()
     assert len(cache.cross) == m.cfg.num_joint_layers
-    assert all(torch.equal(c.len_B, cache.chunk.n_concepts_B) for c in cache.cross)   # one entry per concept
+    # one entry per concept
+    assert all(torch.equal(c.len_B, cache.chunk.n_concepts_B) for c in cache.cross)
     assert cache.cross_bytes() > 0
 
 
 
 def test_decode_benchmark_fills_counts_and_rewinds_the_cross_caches(seeded_lm):
-    """`python -m eval.bench decode` on a cross-attention model: its synthetic context fills the cross caches
-    to the context's concept count, its KV bytes include them, and each round starts from the same lengths."""
+    """`python -m eval.bench decode` on a cross-attention model: its synthetic context fills the
+    cross caches to the context's concept count, its KV bytes include them, and each round starts
+    from the same lengths."""
     from eval.bench.decode import decoder, filled_cache
     m = seeded_lm(VARIANTS["sum"])
     B, T, R, steps = 2, 24, 2.0, 6
@@ -278,26 +297,31 @@ def test_decode_benchmark_fills_counts_and_rewinds_the_cross_caches(seeded_lm):
     round_, kv_bytes = decoder(m, B, T, R, steps)
     joint_bytes = (cache.token_bytes() + cache.concept_bytes()) / B
     assert kv_bytes == joint_bytes + cache.cross_bytes() / B and cache.cross_bytes() > 0
-    assert round_() > 0 and round_() > 0   # the second round rewinds (it would overrun the room otherwise)
+    # the second round rewinds (it would overrun the room otherwise)
+    assert round_() > 0 and round_() > 0
 
 
 # ---------------------------------------------------------------- accounting
 def test_flops_count_the_cross_attention():
-    cfg = ModelConfig(vocab_size=10, hidden_size=8, num_heads=2, num_kv_heads=1, head_dim=4, qk_norm=True,
-                      encoder_layers=1, concept_layers=1, decoder_layers=2,
+    cfg = ModelConfig(vocab_size=10, hidden_size=8, num_heads=2, num_kv_heads=1, head_dim=4,
+                      qk_norm=True, encoder_layers=1, concept_layers=1, decoder_layers=2,
                       moe=MoEConfig(num_experts=2, top_k=1, expert_hidden=4),
-                      chunk=ChunkConfig(target_ratio=2.0, joint_decoding_layers=1), decoder_mode="cross_attention")
+                      chunk=ChunkConfig(target_ratio=2.0, joint_decoding_layers=1),
+                      decoder_mode="cross_attention")
     joint = dataclasses.replace(cfg, decoder_mode="joint")
     p, pj = count_params(cfg), count_params(joint)
-    # one layer: 2 RMSNorms (block pre-norm, concepts) 16 | q 8*2*4=64, k 8*1*4=32, v 32, o 64 | q/k norms 8
+    # one layer: 2 RMSNorms (block pre-norm, concepts) 16 | q 8*2*4=64, k 8*1*4=32, v 32, o 64 | q/k
+    # norms 8
     assert p["cross_attention"] == 16 + 64 + 32 + 32 + 64 + 8 and p["joint_decoding"] == 0
     assert p["total"] == pj["total"] - pj["joint_decoding"] + 216
-    # MACs per token: W_Q 64 and W_O 64 per token, W_K and W_V 64 per concept = 32 per token at R = 2
+    # MACs per token: W_Q 64 and W_O 64 per token, W_K and W_V 64 per concept = 32 per token at R =
+    # 2
     f, fj = flops_per_token(cfg), flops_per_token(joint)
     assert f["cross_attention"] == 2 * (64 + 64 + 64 / 2) and f["joint_decoding"] == 0
     assert flops_per_token(cfg, ratio=4.0)["cross_attention"] == 2 * (64 + 64 + 64 / 4)
     assert f["total"] == pytest.approx(fj["total"] - fj["joint_decoding"] + 320)
-    # attention map: the replicated L x L causal kernel, 4 * Hq * hd per pair, 8 * 9 / 2 pairs, 1 layer
+    # attention map: the replicated L x L causal kernel, 4 * Hq * hd per pair, 8 * 9 / 2 pairs, 1
+    # layer
     a, aj = attention_map_flops(cfg, 8), attention_map_flops(joint, 8)
     assert a["cross_attention"] == 4 * 2 * 4 * 36 and aj["cross_attention"] == 0
     assert a["total"] == aj["total"] + 4 * 2 * 4 * 36
@@ -305,7 +329,8 @@ def test_flops_count_the_cross_attention():
     kv = kv_cache_bytes(cfg, 8, bytes_per_el=2)
     assert kv["cross_attention"] == 2 * 1 * 4 * 2 * 4 and kv["total"] == kv_cache_bytes(joint, 8)["total"] + 64
     # and the analytic parameter count is the real model's
-    for c in (cfg, dataclasses.replace(cfg, qk_norm=False), VARIANTS["wider_concept"], VARIANTS["sum"]):
+    for c in (cfg, dataclasses.replace(cfg, qk_norm=False), VARIANTS["wider_concept"],
+              VARIANTS["sum"]):
         assert count_params(c)["total"] == sum(q.numel() for q in ConceptMoELM(c).parameters())
 
 
@@ -337,7 +362,8 @@ def test_training_lowers_the_loss():
     w0 = m.decoder[0].cross.o_proj.weight.detach().clone()
     losses = []
     for _ in range(30):
-        docs = [(pattern * 4)[int(s): int(s) + n] for s, n in zip(torch.randint(0, 12, (4,), generator=g), (30, 17, 25, 22))]
+        docs = [(pattern * 4)[int(s): int(s) + n] for s,
+                n in zip(torch.randint(0, 12, (4,), generator=g), (30, 17, 25, 22))]
         batch = PackedBatch.stack([PackedBatch.from_documents(docs[:2], row_len=48),
                                    PackedBatch.from_documents(docs[2:], row_len=48)])
         out = m(batch)
@@ -347,7 +373,8 @@ def test_training_lowers_the_loss():
         losses.append(out.lm_loss.item())
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
     assert last < first - 1.0, (first, last)
-    assert not torch.equal(m.decoder[0].cross.o_proj.weight, w0)   # the cross-attention itself learns
+    # the cross-attention itself learns
+    assert not torch.equal(m.decoder[0].cross.o_proj.weight, w0)
 
 
 def test_conversion_to_cross_attention_is_lossless(tmp_path, rand_docs):
@@ -362,17 +389,19 @@ def test_conversion_to_cross_attention_is_lossless(tmp_path, rand_docs):
     model, _ = convert(tmp_path / "base", ConvertConfig(encoder_layers=1, decoder_layers=1,
                                                         decoder_mode="cross_attention"))
     assert model.model_cfg.decoder_mode == "cross_attention" and model.lm.decoder[0].cross is not None
-    batch = PackedBatch.stack([PackedBatch.from_documents(rand_docs(V, [20, 30], 9), row_len=56)] * 2)
+    batch = PackedBatch.stack([PackedBatch.from_documents(rand_docs(V, [20, 30], 9),
+                                                          row_len=56)] * 2)
     valid = batch.doc_ids >= 0
     with torch.no_grad():
-        torch.testing.assert_close(model.eval()(batch, force="all").logits[valid], src(batch).logits[valid],
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(model.eval()(batch, force="all").logits[valid],
+                                   src(batch).logits[valid], rtol=1e-5, atol=1e-5)
     # the same through the CLI
     from vlm.cli import main
     from vlm.model.hf import load_vlm
 
-    assert main(["convert", str(tmp_path / "base"), "--out", str(tmp_path / "ct"), "--encoder-layers", "1",
-                 "--decoder-layers", "1", "--decoder-mode", "cross_attention"]) == 0
+    assert main(["convert", str(tmp_path / "base"), "--out", str(tmp_path / "ct"),
+                 "--encoder-layers", "1", "--decoder-layers", "1", "--decoder-mode",
+                 "cross_attention"]) == 0
     assert load_vlm(tmp_path / "ct").model_cfg.decoder_mode == "cross_attention"
 
 

@@ -1,7 +1,9 @@
-"""`data.default_parts`: which parts of the embedded default dataset (vqa, caption, interleaved, text) a run mixes.
+"""`data.default_parts`: which parts of the embedded default dataset (vqa, caption, interleaved,
+text) a run mixes.
 
-Empty means all of the split's parts; a subset keeps only those sources (e.g. [text] for a text-only stage,
-[caption] for an alignment stage). Unknown names and combining it with `data.sources` are config errors.
+Empty means all of the split's parts; a subset keeps only those sources (e.g. [text] for a text-only
+stage, [caption] for an alignment stage). Unknown names and combining it with `data.sources` are
+config errors.
 """
 from __future__ import annotations
 
@@ -18,8 +20,8 @@ TOK = ByteTokenizer()
 
 
 def _cfg(data_dir, **kw) -> DataConfig:
-    base = dict(default_dir=str(data_dir), row_tokens=256, rows_per_batch=2, shuffle_buffer=8, pack_buffer=8,
-                num_workers=0)
+    base = dict(default_dir=str(data_dir), row_tokens=256, rows_per_batch=2, shuffle_buffer=8,
+                pack_buffer=8, num_workers=0)
     return DataConfig(**{**base, **kw})
 
 
@@ -32,11 +34,13 @@ def test_resolve_sources_keeps_only_the_named_parts(tiny_data):
     def labels(cfg):
         return sorted(s.label for s in resolve_sources(cfg))
 
-    assert labels(_cfg(tiny_data)) == ["train/caption", "train/interleaved", "train/text", "train/vqa"]
+    assert labels(_cfg(tiny_data)) == ["train/caption", "train/interleaved", "train/text",
+                                       "train/vqa"]
     assert labels(_cfg(tiny_data, default_parts=["text"])) == ["train/text"]
     assert labels(_cfg(tiny_data, default_parts=["vqa", "caption"])) == ["train/caption", "train/vqa"]
     # the split still applies: val has no interleaved part, so only its captions remain
-    assert labels(_cfg(tiny_data, split="val", default_parts=["caption", "interleaved"])) == ["val/caption"]
+    assert labels(_cfg(tiny_data, split="val",
+                       default_parts=["caption", "interleaved"])) == ["val/caption"]
 
 
 def test_text_part_gives_text_only_batches(tiny_data):
@@ -85,5 +89,6 @@ def test_train_config_reports_the_dotted_key(tmp_path, TINY, write_config):
     from vlm.train.config import load_train_config
 
     cfg = dict(TINY, data={**TINY["data"], "default_parts": ["pictures"]})
-    with pytest.raises(ConfigError, match=r"data.*default_parts.*'pictures'.*allowed: vqa, caption, interleaved, text"):
+    with pytest.raises(ConfigError, match=r"data.*default_parts.*'pictures'.*allowed: vqa, "
+                                          r"caption, interleaved, text"):
         load_train_config(write_config(cfg, tmp_path / "c.yaml"))

@@ -1,6 +1,7 @@
-"""Imports that lose data say so (issues 26 and 31): nothing written exits non-zero with one line naming the
-first skipped rows; too many skipped exits 1 after writing; `--json` gives a summary a script can read; an
-interrupted import resumes where its last full shard ended and a finished one is not redone."""
+"""Imports that lose data say so (issues 26 and 31): nothing written exits non-zero with one line
+naming the first skipped rows; too many skipped exits 1 after writing; `--json` gives a summary a
+script can read; an interrupted import resumes where its last full shard ended and a finished one is
+not redone."""
 from __future__ import annotations
 
 import argparse
@@ -33,7 +34,8 @@ def _nothing_cases(tmp, png):
     (tmp / "bad.jsonl").write_text("{oops\nnot json either\n")
     (tmp / "latin1.csv").write_bytes("caption\ncaf\xe9 cr\xe8me\n".encode("latin-1"))
     rows = [{"id": f"r{i}", "image": f"coco/{i}.jpg", "conversations": [
-        {"from": "human", "value": "<image>\nwhat?"}, {"from": "gpt", "value": "that"}]} for i in range(4)]
+        {"from": "human", "value": "<image>\nwhat?"}, {"from": "gpt", "value": "that"}]}
+            for i in range(4)]
     (tmp / "llava.json").write_text(json.dumps(rows))
     (tmp / "truncated.json").write_text(json.dumps(rows)[:50])
     (tmp / "object.json").write_text(json.dumps({"data": rows}, indent=1))
@@ -53,7 +55,8 @@ def _nothing_cases(tmp, png):
 def test_an_import_that_writes_nothing_fails_in_one_line(tmp_path, png, capsys):
     reasons = {}
     for name, argv in _nothing_cases(tmp_path, png):
-        rc, out, err = _cli(argv + ["--out", str(tmp_path / f"out_{name}"), "--workers", "0", "--quiet"], capsys)
+        rc, out, err = _cli(argv + ["--out", str(tmp_path / f"out_{name}"), "--workers", "0",
+                                    "--quiet"], capsys)
         assert rc == 2, (name, rc, out, err)
         lines = err.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err, (name, err)
@@ -67,14 +70,16 @@ def test_an_import_that_writes_nothing_fails_in_one_line(tmp_path, png, capsys):
     assert "missing_caption" in reasons["no_captions"] and "holds no" in reasons["empty_table_folder"]
     assert "holds no images" in reasons["empty_image_folder"] and "pretty-printed JSON object" in reasons["json_object"]
     # --encoding reads the latin-1 file
-    rc, out, _ = _cli(["data", "import-table", str(tmp_path / "latin1.csv"), "--out", str(tmp_path / "o_l1"),
-                       "--encoding", "latin-1", "--workers", "0", "--json"], capsys)
+    rc, out, _ = _cli(["data", "import-table", str(tmp_path / "latin1.csv"), "--out",
+                       str(tmp_path / "o_l1"), "--encoding", "latin-1", "--workers", "0", "--json"],
+                      capsys)
     assert rc == 0 and json.loads(out)["written"] == 1
 
 
 def test_json_summary_and_max_skip_share(tmp_path, png, capsys):
     (tmp_path / "ok.png").write_bytes(png())
-    rows = [{"id": i, "image": "ok.png" if i < 7 else "gone.png", "caption": f"picture {i}"} for i in range(10)]
+    rows = [{"id": i, "image": "ok.png" if i < 7 else "gone.png", "caption": f"picture {i}"}
+            for i in range(10)]
     (tmp_path / "t.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     argv = ["data", "import-table", str(tmp_path / "t.jsonl"), "--workers", "0", "--json"]
     rc, out, err = _cli(argv + ["--out", str(tmp_path / "a")], capsys)
@@ -85,24 +90,27 @@ def test_json_summary_and_max_skip_share(tmp_path, png, capsys):
     assert "more than the allowed 10.0 %" in err
     rc, out, _ = _cli(argv + ["--out", str(tmp_path / "b"), "--max-skip-share", "0.5"], capsys)
     assert rc == 0 and json.loads(out)["status"] == "ok"
-    rc, out, err = _cli(argv[:-1] + ["--out", str(tmp_path / "c"), "--max-skip-share", "0.5"], capsys)
+    rc, out, err = _cli(argv[:-1] + ["--out", str(tmp_path / "c"), "--max-skip-share", "0.5"],
+                        capsys)
     assert rc == 0 and "wrote 7 samples" in out and "skipped 3 (30.0 %): missing_image_file=3; first: row 7 (7)" in out
     with pytest.raises(SystemExit):
         _cli(argv + ["--out", str(tmp_path / "d"), "--max-skip-share", "2"], capsys)
     assert "is not a share between 0 and 1" in capsys.readouterr().err
     # nothing written: the summary still comes on stdout, the one line on stderr
     (tmp_path / "none.jsonl").write_text(json.dumps({"image": "gone.png", "caption": "x"}) + "\n")
-    rc, out, err = _cli(["data", "import-table", str(tmp_path / "none.jsonl"), "--workers", "0", "--json", "--quiet",
-                         "--out", str(tmp_path / "e")], capsys)
+    rc, out, err = _cli(["data", "import-table", str(tmp_path / "none.jsonl"), "--workers", "0",
+                         "--json", "--quiet", "--out", str(tmp_path / "e")], capsys)
     assert rc == 2 and json.loads(out)["status"] == "nothing_written" and len(err.strip().splitlines()) == 1
 
 
 def test_captions_table_without_known_columns_is_one_line(tmp_path, png, capsys):
     (tmp_path / "imgs").mkdir()
     (tmp_path / "imgs" / "a.png").write_bytes(png())
-    (tmp_path / "caps.jsonl").write_text(json.dumps({"fname": "a.png", "desc": "a red thing"}) + "\n")
-    rc, out, err = _cli(["data", "import-folder", str(tmp_path / "imgs"), "--captions", str(tmp_path / "caps.jsonl"),
-                         "--out", str(tmp_path / "out"), "--workers", "0"], capsys)
+    (tmp_path / "caps.jsonl").write_text(json.dumps({"fname": "a.png",
+                                                     "desc": "a red thing"}) + "\n")
+    rc, out, err = _cli(["data", "import-folder", str(tmp_path / "imgs"), "--captions",
+                         str(tmp_path / "caps.jsonl"), "--out", str(tmp_path / "out"), "--workers",
+                         "0"], capsys)
     assert rc == 2 and len(err.strip().splitlines()) == 1 and "KeyError" not in err
     assert "needs a file column (image, images" in err and "a caption column" in err and "'desc', 'fname'" in err
 
@@ -110,7 +118,8 @@ def test_captions_table_without_known_columns_is_one_line(tmp_path, png, capsys)
 def _table(tmp_path, png, n=100):
     (tmp_path / "img").mkdir(exist_ok=True)
     (tmp_path / "img" / "p.png").write_bytes(png(12, 12))
-    rows = [{"id": f"{i:04d}", "image": "img/p.png" if i % 9 else "img/none.png", "caption": f"picture {i}"}
+    rows = [{"id": f"{i:04d}", "image": "img/p.png" if i % 9 else "img/none.png",
+             "caption": f"picture {i}"}
             for i in range(n)]
     (tmp_path / "t.json").write_text(json.dumps(rows))
     return tmp_path / "t.json"
@@ -131,21 +140,25 @@ def test_interrupted_import_resumes_and_a_finished_one_is_not_redone(tmp_path, p
         return real(index, row, settings)
 
     monkeypatch.setattr(importers, "convert_row", crash_at_90)
-    # rows are converted 32 at a time: the crash at row 90 stops the chunk of rows 64-95; the rows before it
-    # filled 5 shards of 10 (the sample that opened the 6th is at row 57)
-    with pytest.raises(ImportInterrupted, match=r"interrupted after 64 rows; 50 samples in complete shards are kept;"
-                                                r" run the same command again to resume at row 57"):
+    # rows are converted 32 at a time: the crash at row 90 stops the chunk of rows 64-95; the rows
+    # before it filled 5 shards of 10 (the sample that opened the 6th is at row 57)
+    with pytest.raises(ImportInterrupted, match=r"interrupted after 64 rows; 50 samples in "
+                                                r"complete shards are kept; run the same command "
+                                                r"again to resume at row 57"):
         import_table(table, tmp_path / "out", **kw)
-    assert not list((tmp_path / "out").glob(".*partial/*.tar"))     # no partial shard left in the output
+    # no partial shard left in the output
+    assert not list((tmp_path / "out").glob(".*partial/*.tar"))
     assert len(list((tmp_path / "out").glob("*.tar"))) == 5
-    # what a SIGKILL can leave besides: the shard being written, and a full shard moved out before its state save
+    # what a SIGKILL can leave besides: the shard being written, and a full shard moved out before
+    # its state save
     (tmp_path / "out" / ".shard.partial").mkdir()
     (tmp_path / "out" / ".shard.partial" / "shard-000005.tar").write_bytes(b"half a shard")
     (tmp_path / "out" / "shard-000006.tar").write_bytes(b"a shard the state does not know")
     seen.clear()
     monkeypatch.setattr(importers, "convert_row", lambda i, r, s: seen.append(i) or real(i, r, s))
     res = import_table(table, tmp_path / "out", **kw)
-    assert res["resumed_at_row"] == 57 and seen[0] == 57 and len(seen) == 43     # only the rest is converted
+    # only the rest is converted
+    assert res["resumed_at_row"] == 57 and seen[0] == 57 and len(seen) == 43
     assert {k: res[k] for k in ("written", "skipped", "rows")} == {k: ref[k] for k in ("written", "skipped", "rows")}
     assert res["examples"] == ref["examples"]
     names = sorted(p.name for p in (tmp_path / "ref").glob("*.tar"))
@@ -162,19 +175,21 @@ def test_interrupted_import_resumes_and_a_finished_one_is_not_redone(tmp_path, p
 def test_an_output_folder_is_not_mixed_up_with_another_import(tmp_path, png):
     table = _table(tmp_path, png, n=20)
     import_table(table, tmp_path / "out", max_skip_share=0.2)
-    with pytest.raises(ImporterError, match="already holds shard-\\*.tar from an import of another input or with other "
-                                            "options; use --overwrite"):
+    with pytest.raises(ImporterError, match="already holds shard-\\*.tar from an import of another "
+                                            "input or with other options; use --overwrite"):
         import_table(table, tmp_path / "out", max_count=5, max_skip_share=0.2)
     res = import_table(table, tmp_path / "out", max_count=5, max_skip_share=0.2, overwrite=True)
     assert len(res["shards"]) == 4 and len(list((tmp_path / "out").glob("*.tar"))) == 4
-    assert import_table(table, tmp_path / "out", prefix="other", max_skip_share=0.2)["written"] == 17
+    assert import_table(table, tmp_path / "out", prefix="other",
+                        max_skip_share=0.2)["written"] == 17
     with pytest.raises(ImportFailed):
-        import_folder(tmp_path / "img", tmp_path / "out3")       # no captions: nothing written, raises
+        # no captions: nothing written, raises
+        import_folder(tmp_path / "img", tmp_path / "out3")
 
 
 def test_bad_images_are_skipped_and_counted_not_decoded_whole(tmp_path, png):
-    """A decompression bomb (8000 x 8000, a few kB) is refused from its header; bytes that are no image are
-    corrupt_image; the good row is written."""
+    """A decompression bomb (8000 x 8000, a few kB) is refused from its header; bytes that are no
+    image are corrupt_image; the good row is written."""
     from PIL import Image
 
     Image.new("1", (8000, 8000)).save(tmp_path / "bomb.png")

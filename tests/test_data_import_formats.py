@@ -1,5 +1,6 @@
-"""The formats researchers hold import whole (issue 26): each test fails when its format is not recognised
-(the old importer wrote 0 samples from a LLaVA JSON array and ignored `Image` bytes and the Cauldron's `texts`)."""
+"""The formats researchers hold import whole (issue 26): each test fails when its format is not
+recognised (the old importer wrote 0 samples from a LLaVA JSON array and ignored `Image` bytes and
+the Cauldron's `texts`)."""
 from __future__ import annotations
 
 import io
@@ -22,13 +23,18 @@ def _llava_rows(png):
     """LLaVA-1.5 mix rows: single image, a text-only ShareGPT row, a multi-image (LLaVA-Interleave) row."""
     return [
         {"id": "000000033471", "image": "coco/train2017/000000033471.jpg",
-         "conversations": [{"from": "human", "value": "<image>\nWhat are the colors of the bus in the image?"},
+         "conversations": [{"from": "human", "value": "<image>\nWhat are the colors of the bus in "
+                                                      "the image?"},
                            {"from": "gpt", "value": "The bus in the image is white and red."},
-                           {"from": "human", "value": "What feature can be seen on the back of the bus?"},
-                           {"from": "gpt", "value": "The back of the bus features an advertisement."}]},
+                           {"from": "human", "value": "What feature can be seen on the back of the "
+                                                      "bus?"},
+                           {"from": "gpt",
+                            "value": "The back of the bus features an advertisement."}]},
         {"id": "i6IyJda_0", "model": "",
-         "conversations": [{"from": "human", "value": "How to tell if a customer segment is well segmented?"},
-                           {"from": "gpt", "value": "1. Homogeneity 2. Distinctiveness 3. Stability"}]},
+         "conversations": [{"from": "human", "value": "How to tell if a customer segment is well "
+                                                      "segmented?"},
+                           {"from": "gpt",
+                            "value": "1. Homogeneity 2. Distinctiveness 3. Stability"}]},
         {"id": "multi_1", "image": ["coco/train2017/a.jpg", "coco/train2017/b.jpg"],
          "conversations": [{"from": "human", "value": "<image> <image>\nWhat differs?"},
                            {"from": "gpt", "value": "The second one is bigger."}]},
@@ -69,8 +75,10 @@ def _hf_llava(png, n=4, with_bytes=True):
                                "conversations": [{"from": datasets.Value("string"),
                                                   "value": datasets.Value("string")}]})
     rows = {"id": [f"ov{i}" for i in range(n)],
-            # bytes with the path the file had when the dataset was made (not on disk here): the bytes count
-            "image": [{"bytes": png(10 + i, 12), "path": f"coco/{i}.png"} if with_bytes else f"pics/{i}.png"
+            # bytes with the path the file had when the dataset was made (not on disk here): the
+            # bytes count
+            "image": [{"bytes": png(10 + i, 12), "path": f"coco/{i}.png"} if with_bytes
+                      else f"pics/{i}.png"
                       for i in range(n)],
             "conversations": [[{"from": "human", "value": f"<image>\nHow wide is picture {i}?"},
                                {"from": "gpt", "value": f"{10 + i} pixels"}] for i in range(n)]}
@@ -86,8 +94,8 @@ def _check_ov(samples, png, n=4):
 
 
 def test_parquet_with_image_bytes_and_paths(tmp_path, png):
-    """`to_parquet` of an `Image` feature: bytes when the images were given as bytes, paths (relative to the
-    file's folder) when given as files."""
+    """`to_parquet` of an `Image` feature: bytes when the images were given as bytes, paths
+    (relative to the file's folder) when given as files."""
     _hf_llava(png).to_parquet(str(tmp_path / "ov.parquet"))
     res = import_table(tmp_path / "ov.parquet", tmp_path / "out")
     assert res["written"] == 4 and res["skipped"] == {} and res["format"] == "parquet"
@@ -117,7 +125,8 @@ def test_save_to_disk_folders_and_arrow_files(tmp_path, png):
     _check_ov(_read(tmp_path / "out"), png)
     arrow = next((tmp_path / "saved").glob("*.arrow"))
     assert import_table(arrow, tmp_path / "out_file")["written"] == 4
-    datasets.DatasetDict({"train": ds, "test": ds.select(range(2))}).save_to_disk(str(tmp_path / "dd"))
+    datasets.DatasetDict({"train": ds,
+                          "test": ds.select(range(2))}).save_to_disk(str(tmp_path / "dd"))
     from data_pipelines.importers import ImporterError
 
     with pytest.raises(ImporterError, match=r"splits \['train', 'test'\]: choose one with --split"):
@@ -144,14 +153,17 @@ def test_hub_parquet_folder_with_splits(tmp_path, png):
 
 def test_the_cauldron_texts_and_images(tmp_path, png):
     feats = datasets.Features({"images": datasets.Sequence(datasets.Image()),
-                               "texts": [{"user": datasets.Value("string"), "assistant": datasets.Value("string"),
+                               "texts": [{"user": datasets.Value("string"),
+                                          "assistant": datasets.Value("string"),
                                           "source": datasets.Value("string")}]})
     ds = datasets.Dataset.from_dict({
         "images": [[{"bytes": png(20, 20), "path": None}], [{"bytes": png(8, 8), "path": None},
                                                             {"bytes": png(9, 9), "path": None}]],
-        "texts": [[{"user": "Question: what is shown?", "assistant": "A red square.", "source": "vqav2"},
+        "texts": [[{"user": "Question: what is shown?", "assistant": "A red square.",
+                    "source": "vqav2"},
                    {"user": "And its colour?", "assistant": "Red.", "source": "vqav2"}],
-                  [{"user": "Compare the two.", "assistant": "The second is larger.", "source": "mimic"}]]},
+                  [{"user": "Compare the two.", "assistant": "The second is larger.",
+                    "source": "mimic"}]]},
         features=feats)
     ds.to_parquet(str(tmp_path / "cauldron.parquet"))
     res = import_table(tmp_path / "cauldron.parquet", tmp_path / "out")
@@ -170,7 +182,8 @@ def test_interleaved_documents_and_message_parts(tmp_path, png):
     feats = datasets.Features({"images": datasets.Sequence(datasets.Image()),
                                "texts": datasets.Sequence(datasets.Value("string"))})
     ds = datasets.Dataset.from_dict({"images": [[None, {"bytes": png(12, 12), "path": None}, None]],
-                                     "texts": [["A page about shapes.", None, "The square above is red."]]},
+                                     "texts": [["A page about shapes.", None,
+                                                "The square above is red."]]},
                                     features=feats)
     ds.to_parquet(str(tmp_path / "obelics.parquet"))
     res = import_table(tmp_path / "obelics.parquet", tmp_path / "out")
@@ -205,8 +218,9 @@ def test_workers_write_the_same_shards(tmp_path, png):
     (tmp_path / "t.json").write_text(json.dumps(rows))
     outs = []
     for w in (0, 2):
-        res = import_table(tmp_path / "t.json", tmp_path / f"w{w}", image_root=tmp_path / "images", workers=w,
-                           max_count=25)
-        assert res["written"] == 88 and res["skipped"] == {"corrupt_image": 1, "missing_image_file": 1}
+        res = import_table(tmp_path / "t.json", tmp_path / f"w{w}", image_root=tmp_path / "images",
+                           workers=w, max_count=25)
+        assert res["written"] == 88 and res["skipped"] == {"corrupt_image": 1,
+                                                           "missing_image_file": 1}
         outs.append([p.read_bytes() for p in sorted((tmp_path / f"w{w}").glob("*.tar"))])
     assert len(outs[0]) == 4 and outs[0] == outs[1]

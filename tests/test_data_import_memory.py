@@ -1,5 +1,5 @@
-"""A LLaVA JSON array is imported streaming (issue 26): the import's peak memory does not grow with the file.
-Measured (each size in a fresh process, its resident-set high-water mark), not timed."""
+"""A LLaVA JSON array is imported streaming (issue 26): the import's peak memory does not grow with
+the file. Measured (each size in a fresh process, its resident-set high-water mark), not timed."""
 from __future__ import annotations
 
 import json
@@ -16,7 +16,8 @@ def _peak_mb(table, out, env) -> tuple[float, int]:
             "from data_pipelines.import_bench import peak_rss_mb; "
             f"s = import_table({str(table)!r}, {str(out)!r}, workers=0, max_count=2000); "
             "print(json.dumps({'written': s['written'], 'peak': peak_rss_mb()['self']}))")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                          timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     return res["peak"], res["written"]
@@ -32,6 +33,7 @@ def test_streaming_import_memory_stays_flat(tmp_path, subprocess_env):
     peak_small, n_small = _peak_mb(small, tmp_path / "o_small", env)
     peak_big, n_big = _peak_mb(big, tmp_path / "o_big", env)
     assert (n_small, n_big) == (4_000, 20_000)
-    # json.load of the big file alone would add several times its size; streaming adds (almost) nothing (what
-    # grows is bounded by the shard size: the writer's set of keys; both runs write shards of 2000)
+    # json.load of the big file alone would add several times its size; streaming adds (almost)
+    # nothing (what grows is bounded by the shard size: the writer's set of keys; both runs write
+    # shards of 2000)
     assert peak_big - peak_small < 0.1 * grew_mb, (peak_small, peak_big, grew_mb)

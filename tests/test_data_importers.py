@@ -36,7 +36,8 @@ def test_import_folder_with_sidecars(tmp_path, png):
     assert res["written"] == 2 and len(res["shards"]) == 2
     assert res["skipped"] == {"missing_caption": 1, "corrupt_image": 1, "non_utf8_text": 1}
     got = _read(tmp_path / "out")
-    assert [(s.kind, s.text, s.image_exts) for s in got] == [("pair", "<image>a red square", ["png"]),
+    assert [(s.kind, s.text, s.image_exts)
+            for s in got] == [("pair", "<image>a red square", ["png"]),
                                                            ("pair", "<image>a photo", ["jpg"])]
     assert got[1].images[0] == (src / "sub" / "b.jpg").read_bytes()
     assert read_manifest(tmp_path / "out")["totals"]["count"] == 2
@@ -58,11 +59,13 @@ def test_import_jsonl_table_vqa_chat_interleaved_text(tmp_path, png):
     (tmp_path / "img" / "1.png").write_bytes(png(16, 16))
     uri = "data:image/png;base64," + base64.b64encode(png(9, 9)).decode()
     rows = [
-        {"image": "img/1.png", "question": "What colour?", "answer": "red", "question_type": "colour"},
+        {"image": "img/1.png", "question": "What colour?", "answer": "red",
+         "question_type": "colour"},
         {"image": uri, "conversations": [{"from": "system", "value": "be nice"},
                                          {"from": "human", "value": "<image>\nDescribe."},
                                          {"from": "gpt", "value": "A dot."}]},
-        {"images": None, "image": ["img/1.png", {"bytes": None, "path": "img/1.png"}], "text": "two pictures"},
+        {"images": None, "image": ["img/1.png", {"bytes": None, "path": "img/1.png"}],
+         "text": "two pictures"},
         {"image": "", "text": "just a document"},
         {"image": "img/missing.png", "text": "gone"},
         {"image": "img/1.png", "question": "empty answer?", "answer": ""},
@@ -78,12 +81,14 @@ def test_import_jsonl_table_vqa_chat_interleaved_text(tmp_path, png):
     assert a.kind == "pair" and a.turns == [{"role": "user", "content": "<image>\nWhat colour?"},
                                             {"role": "assistant", "content": "red"}]
     assert a.meta["qa"] == [{"question": "What colour?", "answer": "red", "type": "colour"}]
-    assert b.turns == [{"role": "user", "content": "<image>\nDescribe."}, {"role": "assistant", "content": "A dot."}]
+    assert b.turns == [{"role": "user", "content": "<image>\nDescribe."},
+                       {"role": "assistant", "content": "A dot."}]
     assert b.images[0] == png(9, 9)
     assert c.kind == "interleaved" and c.text == "<image><image>two pictures" and len(c.images) == 2
     assert d.kind == "text" and d.text == "just a document"
     vqa = list(iter_vqa_samples(tmp_path / "out"))
-    assert [(v.question, v.answer, v.question_type) for v in vqa] == [("What colour?", "red", "colour")]
+    assert [(v.question, v.answer, v.question_type)
+            for v in vqa] == [("What colour?", "red", "colour")]
 
 
 def test_import_csv_with_named_columns_and_errors(tmp_path, png):
@@ -118,10 +123,11 @@ def _cli(argv):
 
 def test_data_cli_build_stats_import(tmp_path, capsys):
     out = tmp_path / "dd"
-    assert _cli(["data", "build-default", "--out", str(out), "--train-scenes", "30", "--val-scenes", "5",
-                 "--test-scenes", "5", "--text-docs", "10", "--interleaved-docs", "4"]) == 0
+    assert _cli(["data", "build-default", "--out", str(out), "--train-scenes", "30", "--val-scenes",
+                 "5", "--test-scenes", "5", "--text-docs", "10", "--interleaved-docs", "4"]) == 0
     text = capsys.readouterr().out
-    assert "== train" in text and "samples:           74" in text   # 30 vqa + 30 caption + 4 interleaved + 10 text
+    # 30 vqa + 30 caption + 4 interleaved + 10 text
+    assert "== train" in text and "samples:           74" in text
     assert _cli(["data", "stats", str(out / "test"), "--json"]) == 0
     stats = json.loads(capsys.readouterr().out)
     assert stats["totals"]["count"] == 10 and stats["totals"]["kinds"] == {"pair": 10}
@@ -129,18 +135,21 @@ def test_data_cli_build_stats_import(tmp_path, capsys):
     for split in ("train", "val", "test"):
         assert _cli(["data", "stats", str(out / split), "--json"]) == 0
         split_counts.append(json.loads(capsys.readouterr().out)["totals"]["count"])
-    assert _cli(["data", "stats", str(out), "--json"]) == 0           # the dataset folder: its split subfolders
+    # the dataset folder: its split subfolders
+    assert _cli(["data", "stats", str(out), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["totals"]["count"] == sum(split_counts) > 74
     assert _cli(["data", "stats", str(out / "val" / "*.tar"), "--scan"]) == 0
     assert "problems: -" in capsys.readouterr().out
     assert _cli(["data", "stats", str(tmp_path / "missing.tar")]) == 2
     assert "does not exist" in capsys.readouterr().err
     (tmp_path / "t.jsonl").write_text(json.dumps({"text": "hello there"}) + "\n")
-    assert _cli(["data", "import-table", str(tmp_path / "t.jsonl"), "--out", str(tmp_path / "imp")]) == 0
+    assert _cli(["data", "import-table", str(tmp_path / "t.jsonl"), "--out",
+                 str(tmp_path / "imp")]) == 0
     assert "wrote 1 samples" in capsys.readouterr().out
     # a text-only build (no scenes: its image splits are empty) is fine too
-    assert _cli(["data", "build-default", "--out", str(tmp_path / "text"), "--train-scenes", "0", "--val-scenes", "0",
-                 "--test-scenes", "0", "--text-docs", "20", "--interleaved-docs", "0"]) == 0
+    assert _cli(["data", "build-default", "--out", str(tmp_path / "text"), "--train-scenes", "0",
+                 "--val-scenes", "0", "--test-scenes", "0", "--text-docs", "20",
+                 "--interleaved-docs", "0"]) == 0
     assert "== train" in capsys.readouterr().out
     assert _cli(["data", "train-tokenizer", str(out / "train"), "--vocab-size", "300", "--out",
                  str(tmp_path / "tok")]) == 0
@@ -148,8 +157,8 @@ def test_data_cli_build_stats_import(tmp_path, capsys):
 
 
 def test_importers_stay_inside_their_root(tmp_path, png):
-    """A table's `../x` or absolute path and a symlink out of the image folder are not read (skipped and
-    counted as outside_root) unless --allow-outside-root says so."""
+    """A table's `../x` or absolute path and a symlink out of the image folder are not read (skipped
+    and counted as outside_root) unless --allow-outside-root says so."""
     secret = tmp_path / "secret.png"
     secret.write_bytes(png(20, 20))
     root = tmp_path / "data"
@@ -157,7 +166,8 @@ def test_importers_stay_inside_their_root(tmp_path, png):
     (root / "img" / "ok.png").write_bytes(png(20, 20))
     table = root / "t.jsonl"
     table.write_text("\n".join(json.dumps({"image": p, "text": t}) for p, t in
-                               [("img/ok.png", "inside"), ("../secret.png", "dotdot"), (str(secret), "absolute")]))
+                               [("img/ok.png", "inside"), ("../secret.png", "dotdot"),
+                                (str(secret), "absolute")]))
     res = import_table(table, tmp_path / "out1")
     assert res["written"] == 1 and res["skipped"] == {"outside_root": 2}
     assert import_table(table, tmp_path / "out2", allow_outside_root=True)["written"] == 3

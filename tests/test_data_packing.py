@@ -23,7 +23,8 @@ TEXT_DOC = Sample(key="t", kind="text", text="hi")
 
 def _row(loss_on, png):
     chat = Sample(key="c", kind="pair", images=[png(56, 28)],
-                  turns=[{"role": "user", "content": "<image>\nQ"}, {"role": "assistant", "content": "a"}])
+                  turns=[{"role": "user", "content": "<image>\nQ"},
+                         {"role": "assistant", "content": "a"}])
     encs = [encode_sample(s, TOK, PROC, 64, loss_on)[0] for s in (chat, TEXT_DOC)]
     return encs, assemble_batch([encs], 24, TOK)
 
@@ -31,8 +32,9 @@ def _row(loss_on, png):
 def test_layout_of_a_packed_row(png):
     encs, b = _row("assistant", png)
     t = TOK
-    ids = [t.bos_id, t.user_id, t.image_start_id, t.image_pad_id, t.image_pad_id, t.image_end_id, 10, ord("Q"),
-           t.end_id, t.assistant_id, ord("a"), t.end_id, t.eos_id, t.bos_id, ord("h"), ord("i"), t.eos_id]
+    ids = [t.bos_id, t.user_id, t.image_start_id, t.image_pad_id, t.image_pad_id, t.image_end_id,
+           10, ord("Q"), t.end_id, t.assistant_id, ord("a"), t.end_id, t.eos_id, t.bos_id, ord("h"),
+           ord("i"), t.eos_id]
     assert PROC(png(56, 28)).grid == (2, 4) and PROC(png(56, 28)).num_tokens == 2
     assert b.input_ids[0, :17].tolist() == ids and (b.input_ids[0, 17:] == t.pad_id).all()
     assert b.doc_ids[0].tolist() == [0] * 13 + [1] * 4 + [-1] * 7
@@ -41,7 +43,8 @@ def test_layout_of_a_packed_row(png):
     assert b.image_grids.tolist() == [[2, 4]] and b.pixel_patches.shape == (8, 3 * 14 * 14)
     assert b.patch_coords.tolist()[:5] == [[0, 0], [0, 1], [0, 2], [0, 3], [1, 0]]
     X = IGNORE_INDEX
-    # loss only on the answer ("a", <|end|>) and the final <eos> of the chat; the text doc is all target
+    # loss only on the answer ("a", <|end|>) and the final <eos> of the chat; the text doc is all
+    # target
     assert b.labels[0].tolist() == [X, X, X, X, X, X, X, X, X, ord("a"), t.end_id, t.eos_id, X,
                                     ord("h"), ord("i"), t.eos_id, X] + [X] * 7
 
@@ -50,7 +53,8 @@ def test_labels_with_loss_on_all(png):
     _, b = _row("all", png)
     t, X = TOK, IGNORE_INDEX
     lab = b.labels[0].tolist()
-    # bos -> <|user|> -> <image_start>; nothing is predicted into or out of the image, <image_end> -> "\n"
+    # bos -> <|user|> -> <image_start>; nothing is predicted into or out of the image, <image_end>
+    # -> "\n"
     assert lab[:7] == [t.user_id, t.image_start_id, X, X, X, 10, ord("Q")]
     assert lab[12] == X and lab[16] == X   # document ends
     shifted = b.input_ids[0, 1:][b.labels[0, :-1] != X]
@@ -81,18 +85,21 @@ def test_packer_fills_rows_exactly_and_keeps_fifo_opener():
         rows.append([ref for ref, _ in row])
     # the oldest opens each row, the rest is the best-filling subset: 6+4 | 5+3 | 3
     assert rows == [[0, 2], [1, 3], [4]]
-    # greedy best fit would take 5 after the opener (3+5=8, then nothing fits); the subset search finds 3+4+4
+    # greedy best fit would take 5 after the opener (3+5=8, then nothing fits); the subset search
+    # finds 3+4+4
     p = Packer(row_tokens=11, pack_buffer=8)
     for i, n in enumerate([3, 5, 4, 4]):
         p.add(i, _text_of_len(n))
     assert [ref for ref, _ in p.next_row()] == [0, 2, 3]
     lens = np.array([7, 3, 9, 5, 2])
-    assert sum(lens[best_subset(lens, 13)]) == 12 and sum(lens[best_subset(lens, 14)]) == 14 and sum(lens[best_subset(lens, 1)]) == 0
+    assert sum(lens[best_subset(lens, 13)]) == 12 and sum(lens[best_subset(lens, 14)]) == 14
+    assert sum(lens[best_subset(lens, 1)]) == 0
     assert best_subset(np.array([11, 12]), 10) == []
     rng = np.random.default_rng(0)
     for _ in range(40):   # optimal against brute force
         lens, room = rng.integers(1, 30, size=int(rng.integers(1, 9))), int(rng.integers(1, 60))
-        best = max(sum(c) for k in range(len(lens) + 1) for c in itertools.combinations(lens.tolist(), k)
+        best = max(sum(c) for k in range(len(lens) + 1)
+                   for c in itertools.combinations(lens.tolist(), k)
                    if sum(c) <= room)
         pick = best_subset(lens, room)
         assert sum(lens[pick]) == best and len(set(pick)) == len(pick)
@@ -116,11 +123,13 @@ def test_long_samples(png):
 
 
 def test_prompt_batch_for_generation(png):
-    b = make_prompt_batch([("<|user|><image>\nWhat?<|end|><|assistant|>", [png(28, 28)]), ("<|user|>hi<|end|>", [])],
+    b = make_prompt_batch([("<|user|><image>\nWhat?<|end|><|assistant|>", [png(28, 28)]),
+                           ("<|user|>hi<|end|>", [])],
                           TOK, PROC)
     assert b.input_ids.shape[0] == 2 and b.image_grids.tolist() == [[2, 2]]
     n0 = int((b.doc_ids[0] >= 0).sum())
-    assert b.input_ids[0, n0 - 1].item() == TOK.assistant_id   # ends with the generation prompt, no <eos>
+    # ends with the generation prompt, no <eos>
+    assert b.input_ids[0, n0 - 1].item() == TOK.assistant_id
 
 
 def test_data_config_validation(tmp_path):
@@ -131,7 +140,8 @@ def test_data_config_validation(tmp_path):
                                  "processor": {"max_patches": 64}})
     assert isinstance(cfg.sources[0], SourceConfig) and cfg.processor.max_patches == 64
     for bad, msg in [({"row_tokens": 2}, "row_tokens"), ({"loss_on": "user"}, "loss_on"),
-                     ({"sources": [{"path": x, "weight": 0}]}, "weight"), ({"shufle_buffer": 3}, "unknown key"),
+                     ({"sources": [{"path": x, "weight": 0}]}, "weight"),
+                     ({"shufle_buffer": 3}, "unknown key"),
                      ({"sources": [{"path": x}, {"path": x}]}, "unique"),
                      ({"sources": [{"path": str(tmp_path / "b" / "*.tar")}]}, "matches no files")]:
         with pytest.raises(ConfigError, match=msg):

@@ -1,7 +1,8 @@
-"""Issue 37, the data side: an output folder that cannot be written is one line, before any work; a full disk during
-an import is one line and the same command resumes once there is room; FIFOs, devices and broken links among the
-images are skipped and counted, never opened; captions in another encoding say so (`--encoding`); a refused image
-path names the flags that allow it; deleted shards are named in one warning."""
+"""Issue 37, the data side: an output folder that cannot be written is one line, before any work; a
+full disk during an import is one line and the same command resumes once there is room; FIFOs,
+devices and broken links among the images are skipped and counted, never opened; captions in another
+encoding say so (`--encoding`); a refused image path names the flags that allow it; deleted shards
+are named in one warning."""
 from __future__ import annotations
 
 import argparse
@@ -46,7 +47,8 @@ def _one_line(err: str) -> str:
 def _noise_png(seed: int, side: int = 24) -> bytes:
     """An incompressible image (a shard's size is then about its images' size)."""
     rnd = random.Random(seed)
-    im = Image.frombytes("RGB", (side, side), bytes(rnd.randrange(256) for _ in range(side * side * 3)))
+    im = Image.frombytes("RGB", (side, side),
+                         bytes(rnd.randrange(256) for _ in range(side * side * 3)))
     buf = io.BytesIO()
     im.save(buf, "PNG")
     return buf.getvalue()
@@ -56,26 +58,31 @@ def _table(tmp_path, n=60, side=24):
     (tmp_path / "img").mkdir(exist_ok=True)
     for i in range(n):
         (tmp_path / "img" / f"{i}.png").write_bytes(_noise_png(i, side))
-    rows = [{"id": f"r{i}", "image": f"img/{i}.png" if i % 7 else "img/none.png", "caption": f"picture {i}"}
+    rows = [{"id": f"r{i}", "image": f"img/{i}.png" if i % 7 else "img/none.png",
+             "caption": f"picture {i}"}
             for i in range(n)]
     (tmp_path / "t.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return tmp_path / "t.jsonl"
 
 
 def _outputs(d):
-    return {p.name: p.read_bytes() for p in sorted(d.iterdir()) if p.suffix == ".tar" or p.name == "manifest.json"}
+    return {p.name: p.read_bytes() for p in sorted(d.iterdir()) if p.suffix == ".tar"
+    or p.name == "manifest.json"}
 
 
 def _leftovers(d):
-    return sorted(p.name for p in d.iterdir() if p.name.endswith(".tmp") or p.name.endswith(".partial")
+    return sorted(p.name for p in d.iterdir() if p.name.endswith(".tmp")
+    or p.name.endswith(".partial")
                   or p.name.startswith(".vlm-write-check-"))
 
 
-# ------------------------------------------------------------------------------------------------ unwritable --out
+# ------------------------------------------------------------------------------------------------
+# unwritable --out
 @pytest.fixture
 def read_only_dir(tmp_path):
-    """A folder nothing can be written into: chmod 555 for a user; as root (whom chmod does not stop) a read-only
-    tmpfs where mounting is allowed; skipped elsewhere. Checked by trying to write into it."""
+    """A folder nothing can be written into: chmod 555 for a user; as root (whom chmod does not
+    stop) a read-only tmpfs where mounting is allowed; skipped elsewhere. Checked by trying to write
+    into it."""
     d = tmp_path / "ro"
     d.mkdir()
     mounted = False
@@ -85,8 +92,8 @@ def read_only_dir(tmp_path):
                         capture_output=True).returncode == 0:
         mounted = True
     else:
-        pytest.skip("running as root (chmod does not stop root) and mounting a read-only tmpfs is not allowed; "
-                    "test_a_file_in_the_way_of_out_is_one_line covers the same check")
+        pytest.skip("running as root (chmod does not stop root) and mounting a read-only tmpfs is "
+                    "not allowed; test_a_file_in_the_way_of_out_is_one_line covers the same check")
     try:
         try:
             (d / "probe").write_bytes(b"x")
@@ -106,7 +113,8 @@ def _commands(tmp_path, png):
     (tmp_path / "imgs").mkdir(exist_ok=True)
     (tmp_path / "imgs" / "a.png").write_bytes(png())
     (tmp_path / "imgs" / "a.txt").write_text("a red thing")
-    (tmp_path / "t.jsonl").write_text(json.dumps({"image": "imgs/a.png", "caption": "a red thing"}) + "\n")
+    (tmp_path / "t.jsonl").write_text(json.dumps({"image": "imgs/a.png",
+                                                  "caption": "a red thing"}) + "\n")
     return {"import-table": ["data", "import-table", str(tmp_path / "t.jsonl")],
             "import-folder": ["data", "import-folder", str(tmp_path / "imgs")]}
 
@@ -115,16 +123,20 @@ def _no_work(monkeypatch):
     """Record whether an import started reading its input (it must not, when OUT cannot be written)."""
     calls = []
     real_open, real_run = importers.open_source, importers.run_import
-    monkeypatch.setattr(importers, "open_source", lambda *a, **k: calls.append("open_source") or real_open(*a, **k))
-    monkeypatch.setattr(importers, "run_import", lambda *a, **k: calls.append("run_import") or real_run(*a, **k))
+    monkeypatch.setattr(importers, "open_source", lambda *a, **k: calls.append("open_source")
+                        or real_open(*a, **k))
+    monkeypatch.setattr(importers, "run_import", lambda *a, **k: calls.append("run_import")
+                        or real_run(*a, **k))
     return calls
 
 
 @pytest.mark.parametrize("command", ["import-table", "import-folder"])
-def test_a_read_only_out_is_one_line_before_any_work(command, read_only_dir, tmp_path, png, capsys, monkeypatch):
+def test_a_read_only_out_is_one_line_before_any_work(command, read_only_dir, tmp_path, png, capsys,
+                                                     monkeypatch):
     argv = _commands(tmp_path, png)[command]
     calls = _no_work(monkeypatch)
-    for out in (read_only_dir, read_only_dir / "new" / "deeper"):     # the folder itself, and one to be made in it
+    # the folder itself, and one to be made in it
+    for out in (read_only_dir, read_only_dir / "new" / "deeper"):
         rc, _, err = _cli(argv + ["--out", str(out), "--workers", "0", "--quiet"], capsys)
         line = _one_line(err)
         assert rc == 2 and f"--out {out}: cannot write in {read_only_dir}" in line, line
@@ -143,11 +155,12 @@ def test_a_file_in_the_way_of_out_is_one_line(command, tmp_path, png, capsys, mo
     assert calls == [] and not _leftovers(tmp_path)
 
 
-# ------------------------------------------------------------------------------------------------ full disk
+# ------------------------------------------------------------------------------------------------
+# full disk
 class _Disk:
-    """An injected full disk: shard files accept `budget` bytes in all, then every write raises ENOSPC; or the
-    `nth` write of the file `name` (OUT's manifest, the import state; both written as NAME.tmp, then renamed)
-    raises it."""
+    """An injected full disk: shard files accept `budget` bytes in all, then every write raises
+    ENOSPC; or the `nth` write of the file `name` (OUT's manifest, the import state; both written as
+    NAME.tmp, then renamed) raises it."""
 
     def __init__(self, budget=None, name=None, nth=0):
         self.budget, self.name, self.nth, self.hits = budget, name, nth, 0
@@ -177,7 +190,8 @@ class _Disk:
                 disk.nth -= 1
                 if disk.nth == 0:
                     disk.hits += 1
-                    path.write_bytes(data[:len(data) // 2].encode())    # a half-written file, then no room
+                    # a half-written file, then no room
+                    path.write_bytes(data[:len(data) // 2].encode())
                     raise OSError(errno.ENOSPC, NO_SPACE)
             return real(path, data, *a, **k)
         return write_text
@@ -187,8 +201,8 @@ class _Disk:
 def test_a_full_disk_during_import_table_is_one_line_and_the_same_command_resumes(where, tmp_path, capsys,
                                                                                   monkeypatch):
     table = _table(tmp_path)
-    argv = ["data", "import-table", str(table), "--max-count", "10", "--max-skip-share", "0.2", "--workers", "0",
-            "--quiet", "--json"]
+    argv = ["data", "import-table", str(table), "--max-count", "10", "--max-skip-share", "0.2",
+            "--workers", "0", "--quiet", "--json"]
     rc, out, _ = _cli(argv + ["--out", str(tmp_path / "ref")], capsys)
     ref = json.loads(out)
     assert rc == 0 and len(ref["shards"]) == 6
@@ -208,7 +222,8 @@ def test_a_full_disk_during_import_table_is_one_line_and_the_same_command_resume
             "state": dst / "shard.import.json"}[where]
     assert f"cannot write {what}: {NO_SPACE}; 20 samples in complete shards are kept; with room (or write " \
            "access) again, run the same command to resume at row 24" in line, line
-    assert _leftovers(dst) == [] and sorted(p.name for p in dst.glob("*.tar")) == ["shard-000000.tar",
+    assert _leftovers(dst) == [] and sorted(p.name
+                                            for p in dst.glob("*.tar")) == ["shard-000000.tar",
                                                                                    "shard-000001.tar"]
     assert json.loads((dst / "manifest.json").read_text())["totals"]["count"] == 20
     monkeypatch.undo()       # room again
@@ -225,9 +240,11 @@ def small_disk(tmp_path):
     """A 1 MB tmpfs (skipped where mounting is not allowed)."""
     mnt = tmp_path / "disk"
     mnt.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)],
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs",
+                                            str(mnt)],
                                            capture_output=True).returncode != 0:
-        pytest.skip("cannot mount a tmpfs here (needs root); the injected ENOSPC test covers the same writes")
+        pytest.skip("cannot mount a tmpfs here (needs root); the injected ENOSPC test covers the "
+                    "same writes")
     try:
         yield mnt
     finally:
@@ -236,8 +253,8 @@ def small_disk(tmp_path):
 
 def test_a_real_full_disk_during_import_table(small_disk, tmp_path, capsys):
     table = _table(tmp_path, n=80, side=48)          # about 7 kB an image: 0.6 MB of shards
-    argv = ["data", "import-table", str(table), "--max-count", "10", "--max-skip-share", "0.2", "--workers", "0",
-            "--quiet", "--json"]
+    argv = ["data", "import-table", str(table), "--max-count", "10", "--max-skip-share", "0.2",
+            "--workers", "0", "--quiet", "--json"]
     rc, out, _ = _cli(argv + ["--out", str(tmp_path / "ref")], capsys)
     assert rc == 0
     ref = json.loads(out)
@@ -257,10 +274,12 @@ def test_a_real_full_disk_during_import_table(small_disk, tmp_path, capsys):
     assert _outputs(dst) == _outputs(tmp_path / "ref") and _leftovers(dst) == []
 
 
-# ------------------------------------------------------------------------------------------------ not regular files
+# ------------------------------------------------------------------------------------------------
+# not regular files
 class _FifoWatch:
-    """Polls a FIFO for a reader: opening it for writing without blocking succeeds only while someone has it open
-    for reading (and then also frees that reader, so a test of broken code ends instead of hanging)."""
+    """Polls a FIFO for a reader: opening it for writing without blocking succeeds only while
+    someone has it open for reading (and then also frees that reader, so a test of broken code ends
+    instead of hanging)."""
 
     def __init__(self, path):
         self.path, self.opened, self.stop = path, False, False
@@ -291,29 +310,33 @@ def test_fifos_devices_and_broken_links_among_images_are_counted_never_opened(tm
     os.mkfifo(imgs / "pipe.png")
     (imgs / "null.png").symlink_to("/dev/null")          # a character device
     (imgs / "gone.png").symlink_to(imgs / "deleted.png")  # a link to nothing
-    (tmp_path / "t.jsonl").write_text("".join(json.dumps({"image": f"imgs/{n}.png", "caption": n}) + "\n"
+    (tmp_path / "t.jsonl").write_text("".join(json.dumps({"image": f"imgs/{n}.png",
+                                                          "caption": n}) + "\n"
                                               for n in ("a", "pipe")))
     watch = _FifoWatch(imgs / "pipe.png")
     try:
         res = import_folder(imgs, tmp_path / "o1", allow_outside_root=True, max_skip_share=1)
-        rc, out, _ = _cli(["data", "import-folder", str(imgs), "--out", str(tmp_path / "o2"), "--workers", "0",
-                           "--quiet", "--max-skip-share", "1"], capsys)
+        rc, out, _ = _cli(["data", "import-folder", str(imgs), "--out", str(tmp_path / "o2"),
+                           "--workers", "0", "--quiet", "--max-skip-share", "1"], capsys)
         tab = import_table(tmp_path / "t.jsonl", tmp_path / "o3", max_skip_share=1)
     finally:
         watch.close()
     assert not watch.opened, "the importer opened the FIFO"
-    assert res["written"] == 3 and res["skipped"] == {"missing_image_file": 1, "not_regular_file": 2}
+    assert res["written"] == 3 and res["skipped"] == {"missing_image_file": 1,
+                                                      "not_regular_file": 2}
     details = {e["id"]: e["detail"] for e in res["examples"]}
     assert details == {"gone.png": "gone.png leads to nothing (a broken link?)",
                        "null.png": "null.png is a character device, not a regular file",
                        "pipe.png": "pipe.png is a FIFO (named pipe), not a regular file"}
-    # without --allow-outside-root the link to /dev/null is refused first; the summary names the new reason
+    # without --allow-outside-root the link to /dev/null is refused first; the summary names the new
+    # reason
     assert rc == 0 and "not_regular_file=1" in out and "outside_root=1" in out and "missing_image_file=1" in out
     assert tab["written"] == 1 and tab["skipped"] == {"not_regular_file": 1}
     assert "is a FIFO (named pipe), not a regular file" in tab["examples"][0]["detail"]
 
 
-# ------------------------------------------------------------------------------------------------ encodings
+# ------------------------------------------------------------------------------------------------
+# encodings
 def test_latin1_captions_say_encoding_and_import_folder_takes_it(tmp_path, png, capsys):
     side, table = tmp_path / "side", tmp_path / "table"
     for d in (side, table):
@@ -326,24 +349,30 @@ def test_latin1_captions_say_encoding_and_import_folder_takes_it(tmp_path, png, 
         base = ["data", "import-folder", str(folder), *extra, "--workers", "0", "--quiet", "--json"]
         rc, out, err = _cli(base + ["--out", str(tmp_path / f"u8_{folder.name}")], capsys)
         res = json.loads(out)
-        assert rc == 2 and res["skipped"] == {"non_utf8_text": 1}, (folder.name, res)     # not missing_caption
+        # not missing_caption
+        assert rc == 2 and res["skipped"] == {"non_utf8_text": 1}, (folder.name, res)
         assert "another encoding? see --encoding" in res["examples"][0]["detail"], res["examples"]
-        rc, out, err = _cli(base + ["--out", str(tmp_path / f"l1_{folder.name}"), "--encoding", "latin-1"], capsys)
+        rc, out, err = _cli(base + ["--out", str(tmp_path / f"l1_{folder.name}"), "--encoding",
+                                    "latin-1"], capsys)
         assert rc == 0 and json.loads(out)["written"] == 1, err
         tar = next((tmp_path / f"l1_{folder.name}").glob("*.tar"))
         from data_pipelines.samples import iter_samples
         assert [s.text for s in iter_samples([str(tar)])] == ["<image>caf\xe9 cr\xe8me"]
-    # a captions table with a row that cannot be read at all: the images it leaves without a caption say so
+    # a captions table with a row that cannot be read at all: the images it leaves without a caption
+    # say so
     (tmp_path / "caps.jsonl").write_bytes(b'{"file_name": "a.png", "caption": "caf\xe9 \n')
-    with pytest.raises(importers.ImportFailed, match=r"missing_caption \(a.png is not in the captions table, 1 of "
-                                                     r"whose rows could not be read \(another encoding\? see "
+    with pytest.raises(importers.ImportFailed, match=r"missing_caption \(a.png is not in the "
+                                                     r"captions table, 1 of whose rows could not "
+                                                     r"be read \(another encoding\? see "
                                                      r"--encoding\)\)"):
         import_folder(table, tmp_path / "broken", captions=tmp_path / "caps.jsonl")
-    rc, _, err = _cli(["data", "import-folder", str(side), "--out", str(tmp_path / "x"), "--encoding", "nope"], capsys)
+    rc, _, err = _cli(["data", "import-folder", str(side), "--out", str(tmp_path / "x"),
+                       "--encoding", "nope"], capsys)
     assert rc == 2 and "unknown text encoding 'nope'" in _one_line(err)
 
 
-# ------------------------------------------------------------------------------------------------ refused paths
+# ------------------------------------------------------------------------------------------------
+# refused paths
 def test_a_refused_image_path_names_the_flags_that_allow_it(tmp_path, png):
     (tmp_path / "outside").mkdir()
     (tmp_path / "outside" / "x.png").write_bytes(png())
@@ -353,10 +382,11 @@ def test_a_refused_image_path_names_the_flags_that_allow_it(tmp_path, png):
         json.dumps({"image": str(tmp_path / "outside" / "x.png"), "caption": "y"}) + "\n")
     with pytest.raises(importers.ImportFailed) as e:
         import_table(tmp_path / "data" / "t.jsonl", tmp_path / "o1")
-    assert str(e.value).count("--image-root FOLDER reads images under FOLDER, --allow-outside-root reads them "
-                              "anywhere") == 2, str(e.value)
-    assert import_table(tmp_path / "data" / "t.jsonl", tmp_path / "o2", image_root=tmp_path / "outside",
-                        allow_outside_root=False)["written"] == 2     # both lead into it
+    assert str(e.value).count("--image-root FOLDER reads images under FOLDER, --allow-outside-root "
+                              "reads them anywhere") == 2, str(e.value)
+    assert import_table(tmp_path / "data" / "t.jsonl", tmp_path / "o2",
+                        # both lead into it
+                        image_root=tmp_path / "outside", allow_outside_root=False)["written"] == 2
     (tmp_path / "imgs").mkdir()
     (tmp_path / "imgs" / "x.png").symlink_to(tmp_path / "outside" / "x.png")
     (tmp_path / "imgs" / "x.txt").write_text("x")
@@ -365,9 +395,11 @@ def test_a_refused_image_path_names_the_flags_that_allow_it(tmp_path, png):
         import_folder(tmp_path / "imgs", tmp_path / "o3")
 
 
-# ------------------------------------------------------------------------------------------------ deleted shards
+# ------------------------------------------------------------------------------------------------
+# deleted shards
 @pytest.mark.parametrize("deleted, named, more", [(25, 10, " and 15 more"), (3, 3, "")])
-def test_deleted_shards_are_named_in_one_warning(deleted, named, more, tmp_path, write_text_shards, caplog):
+def test_deleted_shards_are_named_in_one_warning(deleted, named, more, tmp_path, write_text_shards,
+                                                 caplog):
     from data_pipelines.config import DataConfig, SourceConfig
     from data_pipelines.loader import build_loader
     from data_pipelines.tokenizer import ByteTokenizer
@@ -376,13 +408,15 @@ def test_deleted_shards_are_named_in_one_warning(deleted, named, more, tmp_path,
     gone = [f"t-{i:06d}.tar" for i in range(3, 3 + deleted)]
     for name in gone:
         (tmp_path / name).unlink()
-    cfg = DataConfig(sources=[SourceConfig(path=str(tmp_path), name="mine")], row_tokens=64, rows_per_batch=1,
-                     epochs=1, shuffle_buffer=0, num_workers=0)
+    cfg = DataConfig(sources=[SourceConfig(path=str(tmp_path), name="mine")], row_tokens=64,
+                     rows_per_batch=1, epochs=1, shuffle_buffer=0, num_workers=0)
     with caplog.at_level(logging.WARNING, logger="data_pipelines"):
         loader = build_loader(cfg, ByteTokenizer())
         batches = sum(1 for _ in loader)
     assert loader.counters == {"missing_shard": 2 * deleted} and batches > 0
-    about = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and ".tar" in r.getMessage()
+    about = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING
+             and ".tar" in r.getMessage()
              and "skipping bad input" not in r.getMessage()]
-    assert about == [f"source mine: {deleted} shard(s) listed in {tmp_path / 'manifest.json'} are gone "
-                     f"({2 * deleted} samples, counted as missing_shard): {', '.join(gone[:named])}{more}"], about
+    assert about == [f"source mine: {deleted} shard(s) listed in {tmp_path / 'manifest.json'} are "
+                     f"gone ({2 * deleted} samples, counted as missing_shard): "
+                     f"{', '.join(gone[:named])}{more}"], about

@@ -8,8 +8,8 @@ import tarfile
 import pytest
 
 from data_pipelines.reader import iter_shard, resolve_shards, shard_counts
-from data_pipelines.schema import (BAD_JSON, EMPTY_TEXT, FILTERED_KIND, IMAGE_COUNT, INVALID_FIELD, MISSING_FIELD,
-                                   NON_UTF8, BadSample, Sample, decode_sample)
+from data_pipelines.schema import (BAD_JSON, EMPTY_TEXT, FILTERED_KIND, IMAGE_COUNT, INVALID_FIELD,
+                                   MISSING_FIELD, NON_UTF8, BadSample, Sample, decode_sample)
 from data_pipelines.stats import collect_stats
 from data_pipelines.writer import ShardWriter, read_manifest
 
@@ -20,8 +20,10 @@ def _samples(png):
         Sample(key="pair0", kind="pair", text="<image>A red box.", images=[a], image_exts=["png"]),
         Sample(key="chat0", kind="pair", turns=[{"role": "user", "content": "<image>\nColour?"},
                                                 {"role": "assistant", "content": "red"}],
-               images=[a], image_exts=["png"], meta={"qa": [{"question": "Colour?", "answer": "red", "type": "colour"}]}),
-        Sample(key="inter0", kind="interleaved", text="First <image> then <image> and <image>. Done.",
+               images=[a], image_exts=["png"],
+               meta={"qa": [{"question": "Colour?", "answer": "red", "type": "colour"}]}),
+        Sample(key="inter0", kind="interleaved", text="First <image> then <image> and <image>. "
+                                                      "Done.",
                images=[a, b, c], image_exts=["png", "jpg", "png"]),
         Sample(key="text0", kind="text", text="Only text, ünïcödé ✓."),
     ]
@@ -75,12 +77,15 @@ def _tar(path, members: dict[str, bytes]):
 
 
 def test_foreign_webdataset_jpg_txt(tmp_path, png):
-    _tar(tmp_path / "f.tar", {"a.jpg": png(fmt="JPEG"), "a.txt": b"a caption", "b.txt": b"just text"})
+    _tar(tmp_path / "f.tar",
+         {"a.jpg": png(fmt="JPEG"), "a.txt": b"a caption", "b.txt": b"just text"})
     got = [decode_sample(raw) for _, raw in iter_shard(tmp_path / "f.tar")]
-    assert [(g.kind, g.text, len(g.images)) for g in got] == [("pair", "<image>a caption", 1), ("text", "just text", 0)]
+    assert [(g.kind, g.text, len(g.images)) for g in got] == [("pair", "<image>a caption", 1),
+                                                              ("text", "just text", 0)]
 
 
-PNG = object()   # stands for png() in the parameters below (the `png` fixture cannot run at collection)
+# stands for png() in the parameters below (the `png` fixture cannot run at collection)
+PNG = object()
 
 
 @pytest.mark.parametrize("members,reason", [
@@ -95,14 +100,18 @@ PNG = object()   # stands for png() in the parameters below (the `png` fixture c
     ({"json": b'{"kind": "text", "text": 3}'}, INVALID_FIELD),
     ({"json": b'{"turns": [{"role": "system", "content": "x"}]}'}, INVALID_FIELD),
     ({"json": b'{"turns": [{"role": "user"}]}'}, MISSING_FIELD),
-    ({"json": b'{"turns": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": " "}]}'}, EMPTY_TEXT),
+    ({"json": b'{"turns": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": " '
+              b'"}]}'}, EMPTY_TEXT),
     ({"json": b'{"kind": "text", "text": "   "}'}, EMPTY_TEXT),
     ({"json": b'{"kind": "pair", "text": "<image>"}', "0.png": PNG}, EMPTY_TEXT),
-    ({"json": b'{"kind": "interleaved", "text": "a <image> b"}', "0.png": PNG, "1.png": PNG}, IMAGE_COUNT),
-    ({"json": b'{"kind": "interleaved", "text": "a <image> b <image>"}', "0.png": PNG, "2.png": PNG}, IMAGE_COUNT),
+    ({"json": b'{"kind": "interleaved", "text": "a <image> b"}', "0.png": PNG, "1.png": PNG},
+     IMAGE_COUNT),
+    ({"json": b'{"kind": "interleaved", "text": "a <image> b <image>"}', "0.png": PNG,
+      "2.png": PNG}, IMAGE_COUNT),
 ])
 def test_decode_reasons(members, reason, png):
-    raw = {"__key__": "k", "__url__": "shard.tar", **{k: png() if v is PNG else v for k, v in members.items()}}
+    raw = {"__key__": "k", "__url__": "shard.tar",
+           **{k: png() if v is PNG else v for k, v in members.items()}}
     with pytest.raises(BadSample) as e:
         decode_sample(raw)
     assert e.value.reason == reason
@@ -110,7 +119,8 @@ def test_decode_reasons(members, reason, png):
 
 
 def test_kind_filter():
-    raw = {"__key__": "k", "__url__": "u", "json": json.dumps({"kind": "text", "text": "hello"}).encode()}
+    raw = {"__key__": "k", "__url__": "u",
+           "json": json.dumps({"kind": "text", "text": "hello"}).encode()}
     assert decode_sample(raw, "text").kind == "text"
     with pytest.raises(BadSample) as e:
         decode_sample(raw, "pair")

@@ -19,7 +19,8 @@ TOK = ByteTokenizer()
 
 
 def _outcome(path, expected=None):
-    return [(i, r.reason if isinstance(r, BadSample) else r["__key__"]) for i, r in iter_shard(path, expected=expected)]
+    return [(i, r.reason if isinstance(r, BadSample) else r["__key__"]) for i,
+            r in iter_shard(path, expected=expected)]
 
 
 @pytest.fixture
@@ -36,8 +37,8 @@ def text_shard(write_text_shards):
 def load_all(decode_docs):
     """load_all(tmp_path, workers=0) -> (documents seen, loader counters) of one epoch over the folder."""
     def load(tmp_path, workers=0):
-        cfg = DataConfig(sources=[SourceConfig(path=str(tmp_path))], row_tokens=64, rows_per_batch=1, epochs=1,
-                         shuffle_buffer=0, num_workers=workers)
+        cfg = DataConfig(sources=[SourceConfig(path=str(tmp_path))], row_tokens=64,
+                         rows_per_batch=1, epochs=1, shuffle_buffer=0, num_workers=workers)
         loader = build_loader(cfg, TOK)
         seen = Counter()
         for batch in loader:
@@ -54,22 +55,27 @@ def _set_manifest(tmp_path, **changes):
 
 def test_a_cut_inside_a_header_keeps_the_whole_sample_before_it(tmp_path, text_shard):
     path, data, members = text_shard(tmp_path)
-    path.write_bytes(data[:members[2].offset + 100])           # inside sample 2's header, its name readable
+    # inside sample 2's header, its name readable
+    path.write_bytes(data[:members[2].offset + 100])
     assert _outcome(path, expected=5) == [(0, "t00000"), (1, "t00001"), (2, "unreadable_member"),
                                           (3, "truncated_shard"), (4, "truncated_shard")]
-    assert _outcome(path) == [(0, "t00000"), (1, "t00001"), (2, "unreadable_member"), (-1, "truncated_shard")]
+    assert _outcome(path) == [(0, "t00000"), (1, "t00001"), (2, "unreadable_member"),
+                              (-1, "truncated_shard")]
 
 
 def test_a_cut_at_a_member_boundary_is_not_mistaken_for_the_end(tmp_path, text_shard):
     path, data, members = text_shard(tmp_path)
-    path.write_bytes(data[:members[3].offset])                 # no header after sample 2: it may be partial
-    assert _outcome(path) == [(0, "t00000"), (1, "t00001"), (2, "unreadable_member"), (-1, "truncated_shard")]
+    # no header after sample 2: it may be partial
+    path.write_bytes(data[:members[3].offset])
+    assert _outcome(path) == [(0, "t00000"), (1, "t00001"), (2, "unreadable_member"),
+                              (-1, "truncated_shard")]
 
 
 def test_a_compressed_shard_cut_short_is_counted(tmp_path, text_shard):
     path, data, members = text_shard(tmp_path)
     gz = tmp_path / "t-000000.tar.gz"
-    gz.write_bytes(gzip.compress(data[:members[3].offset]))    # a gzip stream that is whole, of a broken tar
+    # a gzip stream that is whole, of a broken tar
+    gz.write_bytes(gzip.compress(data[:members[3].offset]))
     path.unlink()
     assert _outcome(gz)[-1] == (-1, "truncated_shard")
     gz.write_bytes(gzip.compress(data))
@@ -97,7 +103,8 @@ def test_truncated_shard_without_manifest_is_counted_once(tmp_path, workers, tex
 def test_a_manifest_count_that_disagrees_with_an_intact_shard_is_counted(tmp_path, promised, read, lost, text_shard,
                                                                          load_all):
     text_shard(tmp_path)
-    _set_manifest(tmp_path, count=promised)                    # file_bytes still matches: the count is believed
+    # file_bytes still matches: the count is believed
+    _set_manifest(tmp_path, count=promised)
     seen, counters = load_all(tmp_path)
     assert sum(seen.values()) == read and counters == {"manifest_mismatch": lost}
 
@@ -109,7 +116,8 @@ def test_a_rewritten_shard_is_recounted_not_believed(tmp_path, text_shard, load_
     assert sum(seen.values()) == 5 and counters == {}
 
 
-def test_a_deleted_shard_listed_in_the_manifest_is_counted_per_sample(tmp_path, load_all, write_text_shards):
+def test_a_deleted_shard_listed_in_the_manifest_is_counted_per_sample(tmp_path, load_all,
+                                                                      write_text_shards):
     write_text_shards(tmp_path, 9, per_shard=3)
     (tmp_path / "t-000001.tar").unlink()
     seen, counters = load_all(tmp_path)

@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 
 from data_pipelines.chat import format_chat, normalize_answer, strip_answer, vqa_prompt
-from data_pipelines.tokenizer import (SPECIAL_TOKENS, ByteTokenizer, TokenizerError, load_tokenizer, train_bpe)
+from data_pipelines.tokenizer import (SPECIAL_TOKENS, ByteTokenizer, TokenizerError, load_tokenizer,
+                                      train_bpe)
 
 TEXT = "<|user|><image>\nWhat colour is the circle? ünï ✓<|end|><|assistant|>red<|end|>"
 
@@ -27,7 +28,8 @@ def test_byte_tokenizer_ids_and_round_trip(tmp_path):
 
 def _corpus():
     return [f"the {c} {s} is {w} of the {c2} square. <image> {i} plus {i} is {2 * i}."
-            for i in range(60) for c, s, w, c2 in [("red", "circle", "left", "blue"), ("green", "diamond", "above", "red")]]
+            for i in range(60) for c, s, w,
+            c2 in [("red", "circle", "left", "blue"), ("green", "diamond", "above", "red")]]
 
 
 def test_bpe_train_save_load_and_transformers(tmp_path):
@@ -36,7 +38,9 @@ def test_bpe_train_save_load_and_transformers(tmp_path):
     assert tok.vocab_size <= 400
     ids = tok.encode(TEXT)
     assert ids[0] == tok.user_id and ids[1] == tok.image_id and ids[-1] == tok.end_id
-    assert len(tok.encode("the red circle is left of the blue square")) < len("the red circle is left")  # merges learnt
+    # merges learnt
+    assert len(tok.encode("the red circle is left of the blue square")) < len("the red circle is "
+                                                                              "left")
     assert tok.decode(ids, skip_special=False) == TEXT
     assert tok.decode(tok.encode("\x00\x7f 漢字")) == "\x00\x7f 漢字"   # any byte stays encodable
     tok.save(tmp_path)
@@ -49,7 +53,8 @@ def test_bpe_train_save_load_and_transformers(tmp_path):
 
     hf = AutoTokenizer.from_pretrained(str(tmp_path))
     assert hf(TEXT, add_special_tokens=False)["input_ids"] == ids
-    assert (hf.pad_token_id, hf.bos_token_id, hf.eos_token_id) == (tok.pad_id, tok.bos_id, tok.eos_id)
+    assert (hf.pad_token_id, hf.bos_token_id, hf.eos_token_id) == (tok.pad_id, tok.bos_id,
+                                                                   tok.eos_id)
     assert hf.convert_tokens_to_ids("<image>") == tok.image_id
 
 
@@ -79,7 +84,8 @@ def test_tokenizer_errors(tmp_path):
 def test_chat_template():
     turns = [{"role": "user", "content": "<image>\nQ1"}, {"role": "assistant", "content": "a1"},
              {"role": "user", "content": "Q2"}, {"role": "assistant", "content": "a2"}]
-    assert format_chat(turns) == "<|user|><image>\nQ1<|end|><|assistant|>a1<|end|><|user|>Q2<|end|><|assistant|>a2<|end|>"
+    assert format_chat(turns) == ("<|user|><image>\nQ1<|end|><|assistant|>a1<|end|>"
+                                  "<|user|>Q2<|end|><|assistant|>a2<|end|>")
     assert vqa_prompt("What shape?") == "<|user|><image>\nWhat shape?<|end|><|assistant|>"
     # the first turn of a training conversation is exactly the evaluation prompt
     assert format_chat(turns).startswith(vqa_prompt("Q1").replace("What shape?", ""))

@@ -1,15 +1,17 @@
 """The CPU tests do not silently depend on `torch.cuda.is_available()` being False.
 
-On a machine with a GPU, code that picks "cuda" because it is available sends a CPU test's model there, where it
-meets references made on the CPU: a device mismatch, or other numerics under tolerances and bit-for-bit checks made
-for the CPU. So every CPU test pins its device: tensors and models it builds itself are on torch's default device,
-the CPU; the trainer and `load_eval_model` follow DS_ACCELERATOR, which tests/conftest.py pins to "cpu".
+On a machine with a GPU, code that picks "cuda" because it is available sends a CPU test's model
+there, where it meets references made on the CPU: a device mismatch, or other numerics under
+tolerances and bit-for-bit checks made for the CPU. So every CPU test pins its device: tensors and
+models it builds itself are on torch's default device, the CPU; the trainer and `load_eval_model`
+follow DS_ACCELERATOR, which tests/conftest.py pins to "cpu".
 
-Here a GPU is faked on a CPU-only machine (`torch.cuda.is_available()` True, one device), as it would look to the
-tests on a GPU machine: the places that choose a device must still choose the CPU, and a set of CPU tests that
-cross them must still pass (run again with VLM_TEST_FAKE_CUDA=1, conftest's switch). A line such as
-`device = "cuda" if torch.cuda.is_available() else "cpu"` on their path fails them: the CPU build of torch refuses
-the CUDA tensor. On a machine with a GPU the fake changes nothing and the same checks hold for real.
+Here a GPU is faked on a CPU-only machine (`torch.cuda.is_available()` True, one device), as it
+would look to the tests on a GPU machine: the places that choose a device must still choose the CPU,
+and a set of CPU tests that cross them must still pass (run again with VLM_TEST_FAKE_CUDA=1,
+conftest's switch). A line such as `device = "cuda" if torch.cuda.is_available() else "cpu"` on
+their path fails them: the CPU build of torch refuses the CUDA tensor. On a machine with a GPU the
+fake changes nothing and the same checks hold for real.
 """
 from __future__ import annotations
 
@@ -76,15 +78,16 @@ def test_attention_backends_for_cpu_tensors_are_cpu_backends(fake_cuda):
     assert resolve_backend("auto", CPU) == "docs"
     with pytest.raises(RuntimeError, match="flash-attn"):
         resolve_backend("flash", CPU)
-    layout = build_layout(torch.cat([grid_coords(2, 2)] * 2), torch.tensor([[2, 2], [2, 2]]), 1)   # two images
+    # two images
+    layout = build_layout(torch.cat([grid_coords(2, 2)] * 2), torch.tensor([[2, 2], [2, 2]]), 1)
     assert pick_backend(torch.zeros(8, 4), layout, "auto") == "per_image"
     with pytest.raises(RuntimeError, match="flash-attn"):
         pick_backend(torch.zeros(8, 4, dtype=torch.bfloat16), layout, "flash")
 
 
 def test_rng_state_round_trips_without_touching_cuda(fake_cuda):
-    """A CPU run's checkpoint holds no CUDA generator states (it drew nothing from them), and saving or restoring
-    one does not call into CUDA because a GPU is said to be there."""
+    """A CPU run's checkpoint holds no CUDA generator states (it drew nothing from them), and saving
+    or restoring one does not call into CUDA because a GPU is said to be there."""
     from vlm.train.checkpoint import rng_state, set_rng_state
 
     state = rng_state()
@@ -95,9 +98,10 @@ def test_rng_state_round_trips_without_touching_cuda(fake_cuda):
     assert torch.equal(torch.rand(3), want)
 
 
-# Each crosses a place that chooses a device (or that would, written carelessly): the trainer through DeepSpeed's
-# accelerator and export; the trainer's RNG state; ConceptMoEChat and load_eval_model (lmms-eval's adapter);
-# model-level cached decoding; the attention and NaViT backend choice; the precision checks' CPU instances.
+# Each crosses a place that chooses a device (or that would, written carelessly): the trainer
+# through DeepSpeed's accelerator and export; the trainer's RNG state; ConceptMoEChat and
+# load_eval_model (lmms-eval's adapter); model-level cached decoding; the attention and NaViT
+# backend choice; the precision checks' CPU instances.
 REPRESENTATIVE = [
     "tests/test_train_run.py::test_train_single_process_run_dir",
     "tests/test_train_resume.py::test_trainer_state_loads_tensors_only",
@@ -116,8 +120,9 @@ def test_cpu_tests_pass_with_a_faked_gpu(ROOT, subprocess_env, tmp_path):
     env = {k: v for k, v in subprocess_env().items() if not k.startswith(("PYTEST_", "VLM_TEST_"))}
     env["VLM_TEST_FAKE_CUDA"] = "1"
     report = tmp_path / "report.xml"
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", f"--junitxml={report}",
-                           *REPRESENTATIVE], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider",
+                           f"--junitxml={report}", *REPRESENTATIVE], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     cases = ET.parse(report).getroot().iter("testcase")
     ran = {f"{c.get('classname')}.{c.get('name')}": c.find("skipped") for c in cases}

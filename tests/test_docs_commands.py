@@ -1,8 +1,9 @@
-"""Every command the README and docs/ show is one the tools accept as written: each `vlm ...` line in a fenced
-block parses with the `vlm` parser (options, subcommands and key=value overrides), each `make TARGET` names a
-Makefile target and each `python -m MODULE` names an importable module. Usage synopses (`[--opt N]`, `...`) are
-not commands and are skipped. The commands that do work (training, evaluation, conversion) run in the tests that
-exercise them; this test catches the drift between what the pages say and what the parser takes."""
+"""Every command the README and docs/ show is one the tools accept as written: each `vlm ...` line
+in a fenced block parses with the `vlm` parser (options, subcommands and key=value overrides), each
+`make TARGET` names a Makefile target and each `python -m MODULE` names an importable module. Usage
+synopses (`[--opt N]`, `...`) are not commands and are skipped. The commands that do work (training,
+evaluation, conversion) run in the tests that exercise them; this test catches the drift between
+what the pages say and what the parser takes."""
 from __future__ import annotations
 
 import importlib.util
@@ -78,14 +79,16 @@ def test_vlm_command_parses_as_written(argv, capsys):
     try:
         args = parse_args_anywhere(build_parser(), argv)
     except SystemExit:
-        pytest.fail(f"`vlm {' '.join(argv)}` is refused by the parser: {capsys.readouterr().err.strip().splitlines()[-1:]}")
+        pytest.fail(f"`vlm {' '.join(argv)}` is refused by the parser: "
+                    f"{capsys.readouterr().err.strip().splitlines()[-1:]}")
     assert callable(getattr(args, "func", None))
 
 
 @pytest.mark.parametrize("target", shown("make"))
 def test_make_target_exists(target):
     makefile = (ROOT / "Makefile").read_text()
-    assert re.search(rf"^{re.escape(target)}\s*:", makefile, re.M), f"the Makefile has no target {target!r}"
+    assert re.search(rf"^{re.escape(target)}\s*:", makefile,
+                     re.M), f"the Makefile has no target {target!r}"
 
 
 @pytest.mark.parametrize("module", shown("python"))

@@ -28,9 +28,11 @@ def _strip(text: str, inserted: list[str]) -> str:
     return " ".join(text.split())
 
 
-# ---- sizing ---------------------------------------------------------------------------------------
+# ---- sizing
+# ---------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("tok_cls,lengths", [(ByteTokenizer, [2048, 6000]), (WordTokenizer, [1024, 3000])])
+@pytest.mark.parametrize("tok_cls,lengths",
+                         [(ByteTokenizer, [2048, 6000]), (WordTokenizer, [1024, 3000])])
 @pytest.mark.parametrize("task", ALL_TASKS)
 def test_samples_hit_target_length(task, tok_cls, lengths):
     tok = tok_cls()
@@ -60,7 +62,8 @@ def test_samples_hit_target_length_bpe(task, bpe):
     if TASKS[task].has_depth:
         ins = s.meta["inserted"]
         (c0, c1), (n0, _) = s.context_span, s.needle_span
-        depth = 100.0 * len(bpe.encode(_strip(s.prompt[c0:n0], ins))) / len(bpe.encode(_strip(s.prompt[c0:c1], ins)))
+        depth = 100.0 * len(bpe.encode(_strip(s.prompt[c0:n0],
+                                              ins))) / len(bpe.encode(_strip(s.prompt[c0:c1], ins)))
         assert abs(depth - 70.0) <= 2.0, (task, depth)
 
 
@@ -70,7 +73,8 @@ def test_sizing_binary_search_and_errors():
     assert fitted.length == 1000 - (1000 - 10) % 3 and fitted.n == (1000 - 10) // 3
     with pytest.raises(SizingError, match="already 50 tokens"):
         fit_to_length(lambda n: "y" * 50 + "a" * n, len, 40)
-    with pytest.raises(SizingError, match="tolerance"):  # 100-token steps cannot land within 2 % of 150
+    # 100-token steps cannot land within 2 % of 150
+    with pytest.raises(SizingError, match="tolerance"):
         fit_to_length(lambda n: "a" * (100 * n), len, 150)
     with pytest.raises(SizingError):
         generate_sample("vt", tok, 300, depth=50.0)
@@ -85,10 +89,14 @@ def test_generation_is_seeded():
     assert c.answers != a.answers
 
 
-# ---- depth ------------------------------------------------------------------------------------------
+# ---- depth
+# ------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("task", ["niah_single_repeat", "niah_single_essay", "niah_multikey", "niah_multivalue", "vt"])
-@pytest.mark.parametrize("tok_cls,length,tol", [(ByteTokenizer, 8192, 1.5), (WordTokenizer, 2048, 1.0)])
+@pytest.mark.parametrize("task",
+                         ["niah_single_repeat", "niah_single_essay", "niah_multikey",
+                          "niah_multivalue", "vt"])
+@pytest.mark.parametrize("tok_cls,length,tol",
+                         [(ByteTokenizer, 8192, 1.5), (WordTokenizer, 2048, 1.0)])
 def test_needle_at_requested_depth(task, tok_cls, length, tol):
     """Depth = share of the filler's tokens before the needle (other needles excluded), as in RULER."""
     tok = tok_cls()
@@ -99,7 +107,8 @@ def test_needle_at_requested_depth(task, tok_cls, length, tol):
         before = len(tok.encode(_strip(s.prompt[c0:n0], ins)))
         filler = len(tok.encode(_strip(s.prompt[c0:c1], ins)))
         assert abs(100.0 * before / filler - depth) <= tol, (task, depth, 100.0 * before / filler)
-    assert s.prompt[n0:].startswith(s.meta["chains"][0][0] if task == "vt" else "One of the special magic")
+    assert s.prompt[n0:].startswith(s.meta["chains"][0][0] if task == "vt"
+                                    else "One of the special magic")
 
 
 def test_insertion_snaps_to_nearest_sentence_boundary():
@@ -115,7 +124,8 @@ def test_insertion_snaps_to_nearest_sentence_boundary():
     assert abs(i - n / 2) == min(abs(b - n / 2) for b in bounds)
 
 
-# ---- scoring ----------------------------------------------------------------------------------------
+# ---- scoring
+# ----------------------------------------------------------------------------------------
 
 def test_string_match_scores_hand_computed():
     preds = ["The numbers are 123 and 456.", "nothing here", "ABC\x00def"]
@@ -134,11 +144,12 @@ def test_rank_credit_ties_share():
     assert rank_credit([2.0] * 5) == pytest.approx(0.2)
 
 
-# ---- sweep with model doubles -----------------------------------------------------------------------
+# ---- sweep with model doubles
+# -----------------------------------------------------------------------
 
 def _cfg(**kw) -> LongCtxConfig:
-    base = dict(lengths=[1024, 2048], depths=[0.0, 50.0, 100.0], tasks=ALL_TASKS, num_samples=2, mode="both",
-                batch_size=3, num_distractors=4)
+    base = dict(lengths=[1024, 2048], depths=[0.0, 50.0, 100.0], tasks=ALL_TASKS, num_samples=2,
+                mode="both", batch_size=3, num_distractors=4)
     base.update(kw)
     return LongCtxConfig(**base)
 
@@ -152,15 +163,20 @@ def test_oracle_scores_100_and_silent_scores_0():
         cells = [c for by_d in summary["results"][task].values() for c in by_d.values()]
         assert len(cells) == 2 * (3 if TASKS[task].has_depth else 1)
         assert all(c["string_match_all"] == 100.0 and c["loglik_acc"] == 100.0 for c in cells), task
-        assert all(0.98 * 1024 <= c["min_length"] for c in summary["results"][task]["1024"].values())
-    silent = run_sweep(OracleEvalModel(WordTokenizer(), silent=True), _cfg(mode="generate"), progress=False)
+        assert all(0.98 * 1024 <= c["min_length"]
+                   for c in summary["results"][task]["1024"].values())
+    silent = run_sweep(OracleEvalModel(WordTokenizer(), silent=True), _cfg(mode="generate"),
+                       progress=False)
     assert all(c["string_match_all"] == 0.0 and c["string_match_part"] == 0.0
-               for by_len in silent["results"].values() for by_d in by_len.values() for c in by_d.values())
+               for by_len in silent["results"].values() for by_d in by_len.values()
+               for c in by_d.values())
 
 
 def test_compression_recorded_per_length_and_budgets_passed():
     model = OracleEvalModel(ByteTokenizer())
-    summary = run_sweep(model, _cfg(lengths=[2048, 4096], tasks=["niah_single_essay", "fwe"], mode="generate"),
+    summary = run_sweep(model,
+                        _cfg(lengths=[2048, 4096], tasks=["niah_single_essay", "fwe"],
+                             mode="generate"),
                         progress=False)
     comp = summary["compression"]
     assert set(comp) == {"2048", "4096"} and all(comp[n]["compression/text"] > 1.0 for n in comp)
@@ -172,7 +188,8 @@ def test_compression_recorded_per_length_and_budgets_passed():
 def test_near_sighted_model_gives_depth_gradient_and_loglik_is_graded():
     # sees only the last 3000 characters: late needles are found, early ones are not
     model = OracleEvalModel(WordTokenizer(), window_chars=3000)
-    summary = run_sweep(model, _cfg(lengths=[2048], tasks=["niah_single_essay"], num_samples=3), progress=False)
+    summary = run_sweep(model, _cfg(lengths=[2048], tasks=["niah_single_essay"], num_samples=3),
+                        progress=False)
     cells = summary["results"]["niah_single_essay"]["2048"]
     assert cells["0"]["string_match_all"] == 0.0 and cells["100"]["string_match_all"] == 100.0
     # not found -> constant log-likelihoods -> exactly chance (1 / (1 + distractors))
@@ -188,11 +205,13 @@ class _ShortestWins(OracleEvalModel):
 
 def test_loglik_ranking_uses_the_models_scores():
     tok = WordTokenizer()
-    summary = run_sweep(_ShortestWins(tok), _cfg(lengths=[1024], depths=[50.0], tasks=["cwe"], mode="loglik"),
+    summary = run_sweep(_ShortestWins(tok),
+                        _cfg(lengths=[1024], depths=[50.0], tasks=["cwe"], mode="loglik"),
                         progress=False)
     cell = summary["results"]["cwe"]["1024"]["all"]
     samples = [generate_sample("cwe", tok, 1024, None, 0, i) for i in range(2)]
-    expected = np.mean([np.mean([rank_credit([-len(" " + c) for c in [r] + s.distractors[:4]]) for r in s.answers])
+    expected = np.mean([np.mean([rank_credit([-len(" " + c) for c in [r] + s.distractors[:4]])
+                                 for r in s.answers])
                         for s in samples])
     assert cell["loglik_acc"] == pytest.approx(100 * expected) and "string_match_all" not in cell
 
@@ -204,7 +223,8 @@ def test_config_validation_names_the_problem():
         _cfg(depths=[120.0]).validate()
 
 
-# ---- CLI ---------------------------------------------------------------------------------------------
+# ---- CLI
+# ---------------------------------------------------------------------------------------------
 
 def test_cli_writes_summaries_and_plots(tmp_path, monkeypatch):
     loaded = []
@@ -213,13 +233,15 @@ def test_cli_writes_summaries_and_plots(tmp_path, monkeypatch):
         loaded.append(str(ckpt))
         return OracleEvalModel(WordTokenizer(), window_chars=None if "main" in str(ckpt) else 2500)
 
-    monkeypatch.setitem(sys.modules, "vlm.generate", types.SimpleNamespace(load_eval_model=load_eval_model))
+    monkeypatch.setitem(sys.modules, "vlm.generate",
+                        types.SimpleNamespace(load_eval_model=load_eval_model))
     (tmp_path / "main").mkdir()
     (tmp_path / "base").mkdir()
     from vlm.cli import main
-    main(["eval", "longctx", "--ckpt", str(tmp_path / "main"), "--baseline-ckpt", str(tmp_path / "base"),
-          "--lengths", "1024", "2048", "--depths", "0", "100", "--tasks", "niah_single_repeat", "vt",
-          "--num-samples", "1", "--mode", "both", "--out", str(tmp_path / "out"), "--no-progress"])
+    main(["eval", "longctx", "--ckpt", str(tmp_path / "main"), "--baseline-ckpt",
+          str(tmp_path / "base"), "--lengths", "1024", "2048", "--depths", "0", "100", "--tasks",
+          "niah_single_repeat", "vt", "--num-samples", "1", "--mode", "both", "--out",
+          str(tmp_path / "out"), "--no-progress"])
     out = tmp_path / "out"
     assert loaded == [str(tmp_path / "main"), str(tmp_path / "base")]
     a = json.loads((out / "model" / "summary.json").read_text())
@@ -227,9 +249,10 @@ def test_cli_writes_summaries_and_plots(tmp_path, monkeypatch):
     assert a["results"]["niah_single_repeat"]["2048"]["0"]["score"] == 100.0
     assert b["results"]["niah_single_repeat"]["2048"]["0"]["score"] == 0.0
     assert set(a["compression"]) == {"1024", "2048"}
-    for f in ["model/heatmap.png", "model/heatmap_loglik_acc.png", "baseline/heatmap.png", "comparison.png",
-              "comparison.json", "compression.png", "model/samples.jsonl"]:
+    for f in ["model/heatmap.png", "model/heatmap_loglik_acc.png", "baseline/heatmap.png",
+              "comparison.png", "comparison.json", "compression.png", "model/samples.jsonl"]:
         assert (out / f).stat().st_size > 0, f
     assert len((out / "model" / "samples.jsonl").read_text().splitlines()) == 2 * 2 * 2
     with pytest.raises(SystemExit, match="allowed"):
-        main(["eval", "longctx", "--ckpt", str(tmp_path / "main"), "--tasks", "bogus", "--out", str(out)])
+        main(["eval", "longctx", "--ckpt", str(tmp_path / "main"), "--tasks", "bogus", "--out",
+              str(out)])

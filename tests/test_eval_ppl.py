@@ -7,7 +7,8 @@ from vlm.generate import load_eval_model
 
 def test_ppl_reports_loss_and_bits_per_byte_per_kind(exported_vlm, tiny_default):
     chat = load_eval_model(exported_vlm, device="cpu")
-    res = perplexity(chat, [str(tiny_default / "val")], str(tiny_default), max_batches=8, row_tokens=256)
+    res = perplexity(chat, [str(tiny_default / "val")], str(tiny_default), max_batches=8,
+                     row_tokens=256)
     assert res["batches"] >= 1 and res["lm_loss"] > 0
     assert res["loss/text_only"] > 0 and res["loss/image_text"] > 0
     # byte tokenizer: every predicted text token is one byte or a 0-byte special (eos)

@@ -1,8 +1,9 @@
 """`vlm experiment`: recipes that reproduce the papers' findings.
 
-Every variant of every recipe is a valid `vlm train` config that differs from its siblings only where the recipe
-says; the FLOPs-matched comparisons are matched; the verdict follows the seed spreads (holds / does not hold /
-inconclusive); one tiny recipe runs end to end and writes its results, table, plot and the claims table."""
+Every variant of every recipe is a valid `vlm train` config that differs from its siblings only
+where the recipe says; the FLOPs-matched comparisons are matched; the verdict follows the seed
+spreads (holds / does not hold / inconclusive); one tiny recipe runs end to end and writes its
+results, table, plot and the claims table."""
 from __future__ import annotations
 
 import json
@@ -33,7 +34,8 @@ def _configs(name: str, tmp_path: Path) -> dict:
     recipe = RECIPES[name]()
     out = {}
     for job in plan(recipe, tmp_path, seeds=1):
-        (tmp_path / job.name / "final").mkdir(parents=True, exist_ok=True)   # what `after` runs leave behind
+        # what `after` runs leave behind
+        (tmp_path / job.name / "final").mkdir(parents=True, exist_ok=True)
         cfg, overrides = _overrides(job)
         out[job.variant.name] = load_train_config(cfg, overrides)
     return out
@@ -47,16 +49,20 @@ def test_every_variant_is_a_valid_config_differing_only_where_the_recipe_says(na
     configs = _configs(name, tmp_path)
     flat = {v: flatten(to_dict(c)) for v, c in configs.items()}
     stated = {o.split("=", 1)[0] for v in recipe.variants for o in v.overrides}
-    if len({v.steps_mult for v in recipe.variants}) > 1:   # e.g. pretraining before continual training
+    # e.g. pretraining before continual training
+    if len({v.steps_mult for v in recipe.variants}) > 1:
         stated |= {"train.max_steps", "logging.eval_every"}
     keys = set().union(*flat.values())
     if any(c.model_stated is not None for c in configs.values()):
-        # a variant that continues a checkpoint takes its model section from it when the model is built
-        # (vlm.train.stages.merge_model_section, where a stated difference is refused): compare the rest
+        # a variant that continues a checkpoint takes its model section from it when the model is
+        # built (vlm.train.stages.merge_model_section, where a stated difference is refused):
+        # compare the rest
         keys = {k for k in keys if not k.startswith("model.")}
-    differing = {k for k in keys if len({json.dumps(f.get(k), default=str) for f in flat.values()}) > 1}
+    differing = {k for k in keys
+                 if len({json.dumps(f.get(k), default=str) for f in flat.values()}) > 1}
     assert differing, name
-    for k in differing:   # everything else equal: each difference comes from a variant's own overrides
+    # everything else equal: each difference comes from a variant's own overrides
+    for k in differing:
         assert any(k == s or k.startswith(s + ".") for s in stated), (name, k)
     # the seed is the only thing that changes between the seeds of one variant
     two = plan(recipe, tmp_path, seeds=2)
@@ -71,7 +77,8 @@ def test_every_recipe_fits_thirty_minutes_on_two_jobs():
     for name, make in RECIPES.items():
         recipe = make()
         assert estimate_s(recipe, 2) <= 30 * 60, (name, estimate_s(recipe, 2) / 60)
-        assert estimate_s(recipe, 1) > estimate_s(recipe, 2) * 1.3, name   # two slots do run side by side
+        # two slots do run side by side
+        assert estimate_s(recipe, 1) > estimate_s(recipe, 2) * 1.3, name
 
 
 def test_the_global_parser_recipe_splits_one_global_batch_three_ways(tmp_path):
@@ -103,7 +110,8 @@ def test_matched_flops_comparisons_are_matched(tmp_path):
     assert c["convert"].train.max_steps == 1 and c["convert"].convert.concept_top_k is None
     for v in ("topk", "loop"):
         conv = c[v].convert
-        opt = ConvertConfig(target_ratio=conv.target_ratio, concept_top_k=conv.concept_top_k, loop=conv.loop)
+        opt = ConvertConfig(target_ratio=conv.target_ratio, concept_top_k=conv.concept_top_k,
+                            loop=conv.loop)
         f[v] = flops_per_token(to_conceptmoe_config(src, opt), conv.target_ratio)["total"] / f_src
         assert abs(f[v] - 1) < 0.05, (v, f[v])
     assert abs(f["topk"] - f["loop"]) < 0.01 and c["loop"].convert.loop and not c["topk"].convert.loop
@@ -117,11 +125,13 @@ def test_checks_follow_the_seed_spreads():
     assert better("c", "a", lo, "b", mid).status == UNSURE
     assert better("c", "a", hi, "b", lo, lower=False).status == HOLDS
     assert better("c", "a", lo, "b", hi, lower=False).status == FAILS
-    assert better("c", "a", mid, "b", lo, lower=False).status == UNSURE      # overlapping spreads, either way
+    # overlapping spreads, either way
+    assert better("c", "a", mid, "b", lo, lower=False).status == UNSURE
     assert better("c", "a", hi, "b", mid, lower=False).status == UNSURE
     assert better("c", "a", Stat([1.0]), "b", Stat([2.0])).status == ONE_SEED
     assert "no numbers" in better("c", "a", None, "b", lo).status
-    assert no_worse("c", "a", Stat([1.0, 1.3]), "b", Stat([1.1, 1.2])).status == HOLDS      # overlapping, mean equal
+    # overlapping, mean equal
+    assert no_worse("c", "a", Stat([1.0, 1.3]), "b", Stat([1.1, 1.2])).status == HOLDS
     assert no_worse("c", "a", Stat([1.1, 1.4]), "b", Stat([1.0, 1.2])).status == UNSURE
     assert no_worse("c", "a", hi, "b", lo).status == FAILS
     assert at_most("c", "g", Stat([0.01, 0.02]), 0.05).status == HOLDS
@@ -151,15 +161,18 @@ def _verdict(name: str, values: dict) -> tuple[str, list]:
 
 def test_recipe_verdicts_on_synthetic_rows():
     # router: cosine clearly lower held out -> holds (the train-loss context does not vote)
-    v, checks = _verdict("router", {"cosine": {"val_loss": [1.00, 1.01], "train_loss": [0.90, 0.91]},
-                                    "linear": {"val_loss": [1.05, 1.06], "train_loss": [0.88, 0.89]}})
+    v, checks = _verdict("router",
+                         {"cosine": {"val_loss": [1.00, 1.01], "train_loss": [0.90, 0.91]},
+                                    "linear": {"val_loss": [1.05, 1.06],
+                                               "train_loss": [0.88, 0.89]}})
     assert v == HOLDS and [c.status for c in checks] == [HOLDS, HOLDS]
     # dynamic-vs-fixed: dynamic worse than both -> does not hold
-    v, _ = _verdict("dynamic-vs-fixed", {"moe": {"val_loss": [1.0, 1.01]}, "fixed": {"val_loss": [1.02, 1.03]},
+    v, _ = _verdict("dynamic-vs-fixed",
+                    {"moe": {"val_loss": [1.0, 1.01]}, "fixed": {"val_loss": [1.02, 1.03]},
                                          "dynamic": {"val_loss": [1.10, 1.12]}})
     assert v == FAILS
-    # flip-noise: tau 6's median document drifts less but its p gap overlaps no noise's -> inconclusive; the
-    # aggregate drift (the other way here) is context and does not vote
+    # flip-noise: tau 6's median document drifts less but its p gap overlaps no noise's ->
+    # inconclusive; the aggregate drift (the other way here) is context and does not vote
     v, checks = _verdict("flip-noise", {
         "none": {"R_drift_doc": [0.3, 0.4], "R_drift": [0.01, 0.02], "p_gap": [0.10, 0.20]},
         "tau6": {"R_drift_doc": [0.05, 0.1], "R_drift": [0.3, 0.4], "p_gap": [0.05, 0.15]},
@@ -168,15 +181,18 @@ def test_recipe_verdicts_on_synthetic_rows():
     assert v == UNSURE and [c.status for c in checks if c.core] == [HOLDS, UNSURE]
     assert checks[1].status == FAILS and not checks[1].core
     # global-parser: judged on the median document's distance to R = 4, not on the aggregate
-    near, far = {"R_gap_doc": [0.1, 0.2], "R_gap": [2.0, 2.1]}, {"R_gap_doc": [1.0, 1.2], "R_gap": [0.1, 0.2]}
+    near, far = {"R_gap_doc": [0.1, 0.2], "R_gap": [2.0, 2.1]}, {"R_gap_doc": [1.0, 1.2],
+                                                                 "R_gap": [0.1, 0.2]}
     v, _ = _verdict("global-parser", {"global-4mb": near, "local-4mb": far, "global-2ranks": near,
                                       "local-2ranks": far})
     assert v == HOLDS
     # image-compression: images more compressed than text in the median chat and caption documents
-    row = {"chat_image_p50": [3.0, 3.2], "chat_text_p50": [1.5, 1.6], "caption_image_p50": [4.0, 4.1],
-           "caption_text_p50": [2.0, 2.1], "eval_R_image": [1.0, 1.1], "eval_R_text": [2.0, 2.1],
+    row = {"chat_image_p50": [3.0, 3.2], "chat_text_p50": [1.5, 1.6],
+           "caption_image_p50": [4.0, 4.1], "caption_text_p50": [2.0, 2.1],
+           "eval_R_image": [1.0, 1.1], "eval_R_text": [2.0, 2.1],
            "vqa": [40.0, 41.0], "blind": [30.0, 31.0]}
-    v, checks = _verdict("image-compression", {"trained-joint-grid_off": row, "trained-per_modality-grid_off": row,
+    v, checks = _verdict("image-compression",
+                         {"trained-joint-grid_off": row, "trained-per_modality-grid_off": row,
                                                "frozen-per_modality-grid_off": row})
     assert v == HOLDS and [c.status for c in checks][:3] == [HOLDS, HOLDS, FAILS]
     # ct-conversion: three claims, one row each in claims.md
@@ -185,8 +201,9 @@ def test_recipe_verdicts_on_synthetic_rows():
         "topk": {"step0_gap": [0.5, 0.6], "val_loss": [1.00, 1.02]},
         "loop": {"val_loss": [0.95, 0.96]}})
     assert [c.status for c in checks] == [FAILS, FAILS, HOLDS, UNSURE] and v == FAILS
-    md = claims_markdown([{"recipe": "ct-conversion", "source": "ConceptMoE 4.3", "steps": 10, "seeds": 2,
-                           "checks": [c.to_json() for c in checks]}], {"global-parser": "no switch"})
+    md = claims_markdown([{"recipe": "ct-conversion", "source": "ConceptMoE 4.3", "steps": 10,
+                           "seeds": 2, "checks": [c.to_json() for c in checks]}],
+                         {"global-parser": "no switch"})
     assert md.count("\n| **ct-conversion**") == 3 and "| **global-parser** | not run: no switch | - |" in md
     # a recipe run with --only: the checks on variants it did not run say so instead of failing
     v, checks = _verdict("image-compression", {"trained-joint-grid_off": {
@@ -231,8 +248,10 @@ def test_a_tiny_recipe_runs_end_to_end(tiny_data, tmp_path, monkeypatch, capsys)
     printed = capsys.readouterr().out
     d = out / "joint-decoding"
     result = json.loads((d / "results.json").read_text())
-    assert result["verdict"] in (HOLDS, FAILS, UNSURE) and result["steps"] == 2 and result["seeds"] == 2
-    assert [(r["variant"], r["seed"]) for r in result["rows"]] == [("joint", 0), ("none", 0), ("joint", 1),
+    assert result["verdict"] in (HOLDS, FAILS,
+                                 UNSURE) and result["steps"] == 2 and result["seeds"] == 2
+    assert [(r["variant"], r["seed"]) for r in result["rows"]] == [("joint", 0), ("none", 0),
+                                                                   ("joint", 1),
                                                                   ("none", 1)]
     for r in result["rows"]:   # every number comes from its own run directory, trained as asked
         assert r["steps"] == 2 and r["val_loss"] > 0 and Path(r["run"]).is_dir()
@@ -245,7 +264,8 @@ def test_a_tiny_recipe_runs_end_to_end(tiny_data, tmp_path, monkeypatch, capsys)
     assert table == format_table(result) + "\n" and table in printed and "verdict: " in table
     claims = (out / "claims.md").read_text()
     assert claims.startswith("| claim | measured | holds? |") and "**joint-decoding**" in claims
-    # again: the finished runs are reused (no training), and other settings for the same runs are refused
+    # again: the finished runs are reused (no training), and other settings for the same runs are
+    # refused
     assert main(args) == 0
     assert "reusing 4 finished run(s)" in capsys.readouterr().out
     assert main([*args[:-1], "logging.eval_batches=2"]) == 1

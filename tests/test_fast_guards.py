@@ -1,12 +1,14 @@
-"""Fast guards for what only the slow tier caught (issue 36, item 5): five planted bugs that `make test-fast`
-(`pytest -m "not slow"`) let through. Each test here fails on its bug and runs in seconds:
+"""Fast guards for what only the slow tier caught (issue 36, item 5): five planted bugs that `make
+test-fast` (`pytest -m "not slow"`) let through. Each test here fails on its bug and runs in
+seconds:
 
 1. the per-document ratio loss averaged over documents instead of weighted by n_d / N;
 2. the statistics pass counting MoE loads a second time (its `load_accum` not put back);
-3. a pretrained SigLIP / CLIP tower whose intermediate size is not a multiple of its width (SigLIP: 4304 / 1152);
+3. a pretrained SigLIP / CLIP tower whose intermediate size is not a multiple of its width (SigLIP:
+   4304 / 1152);
 4. a one-image question/answer row from an importer counted as a caption instead of a chat sample;
-5. a stop signal (the flag its handler sets) that ends the run without saving, in the vision warm-up and in
-   training.
+5. a stop signal (the flag its handler sets) that ends the run without saving, in the vision warm-up
+   and in training.
 """
 from __future__ import annotations
 
@@ -27,7 +29,8 @@ def _eq4(F_: float, G: float, R: float) -> float:
     return R / (R - 1) * ((R - 1) * F_ * G + (1 - F_) * (1 - G))
 
 
-# Three documents of unequal length, each with its own boundary count and p: (tokens, boundaries, p of every token)
+# Three documents of unequal length, each with its own boundary count and p: (tokens, boundaries, p
+# of every token)
 _DOCS = [(2, 2, 0.9),      # every token a boundary (ratio 1): below the band, target R/s
          (6, 1, 0.2),      # ratio 6: above the band, target R*s
          (12, 6, 0.5)]     # ratio 2: inside the band, eq. 4 is 1
@@ -51,8 +54,10 @@ def test_document_ratio_loss_weights_each_document_by_its_share_of_the_tokens():
     psum = torch.tensor([d[0] * d[2] for d in _DOCS])
     N = float(n.sum())
     want = _doc_term(_DOCS, N)
-    averaged = sum(_doc_term([d], d[0]) for d in _DOCS) / len(_DOCS)   # the bug: a mean over documents
-    assert abs(want - averaged) > 0.05                                  # (the fixture tells them apart)
+    # the bug: a mean over documents
+    averaged = sum(_doc_term([d], d[0]) for d in _DOCS) / len(_DOCS)
+    # (the fixture tells them apart)
+    assert abs(want - averaged) > 0.05
     got = document_ratio_loss(n, b, psum, torch.tensor(N), _R, _SLACK)
     assert float(got) == pytest.approx(want, rel=1e-6), f"got {float(got)}, documents averaged would be {averaged}"
     # an empty slot (padding, another row's spare) adds nothing
@@ -60,7 +65,8 @@ def test_document_ratio_loss_weights_each_document_by_its_share_of_the_tokens():
                               torch.cat([psum, torch.zeros(2)]), torch.tensor(N), _R, _SLACK)
     assert float(pad) == pytest.approx(want, rel=1e-6)
     # micro-batches holding parts of the documents, each weighted by the global N, sum to the whole
-    parts = [document_ratio_loss(n[s], b[s], psum[s], torch.tensor(N), _R, _SLACK) for s in (slice(0, 2), slice(2, 3))]
+    parts = [document_ratio_loss(n[s], b[s], psum[s], torch.tensor(N), _R, _SLACK)
+             for s in (slice(0, 2), slice(2, 3))]
     assert float(sum(parts)) == pytest.approx(want, rel=1e-6)
 
 
@@ -78,14 +84,15 @@ def _packed_row(docs, pad: int = 2):
 
 
 def test_chunk_module_adds_the_token_weighted_document_term_and_micro_batches_sum_to_the_batch():
-    """ChunkModule.compute_ratio_loss: the band's term is document_weight * sum_d n_d / N eq4_d on top of the batch
-    term, N the group's global token count, so two micro-batches (under the global parser's sums) add up to the
-    whole batch's term."""
+    """ChunkModule.compute_ratio_loss: the band's term is document_weight * sum_d n_d / N eq4_d on
+    top of the batch term, N the group's global token count, so two micro-batches (under the global
+    parser's sums) add up to the whole batch's term."""
     from vlm.model.chunking import ChunkModule
     from vlm.model.config import ChunkConfig
 
     weight = 3.0
-    band = ChunkModule(ChunkConfig(router="linear", target_ratio=_R, document_slack=_SLACK, document_weight=weight), 8)
+    band = ChunkModule(ChunkConfig(router="linear", target_ratio=_R, document_slack=_SLACK,
+                                   document_weight=weight), 8)
     plain = ChunkModule(ChunkConfig(router="linear", target_ratio=_R), 8)
     N = float(sum(d[0] for d in _DOCS))
 
@@ -99,7 +106,8 @@ def test_chunk_module_adds_the_token_weighted_document_term_and_micro_batches_su
     whole = doc_term(_DOCS)
     assert whole == pytest.approx(weight * _doc_term(_DOCS, N), rel=1e-5), \
         f"document term {whole}, want {weight * _doc_term(_DOCS, N)} (n_d / N weights)"
-    # two micro-batches: the global parser hands each the whole batch's sums (boundaries, sum of p, tokens)
+    # two micro-batches: the global parser hands each the whole batch's sums (boundaries, sum of p,
+    # tokens)
     glob = torch.tensor([[sum(d[1] for d in _DOCS), sum(d[0] * d[2] for d in _DOCS), N]])
     parts = [doc_term(_DOCS[:2], lambda local: glob), doc_term(_DOCS[2:], lambda local: glob)]
     assert sum(parts) == pytest.approx(whole, rel=1e-5), f"micro-batch shares {parts} do not sum to {whole}"
@@ -111,10 +119,10 @@ def _balancing_lm():
     from vlm.model.config import ChunkConfig, ModelConfig, MoEConfig
 
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=64, hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8, encoder_layers=1,
-                      concept_layers=1, decoder_layers=1,
-                      moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=16, balance_loss_weight=0.0,
-                                    loss_free_balancing=True),
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8,
+                      encoder_layers=1, concept_layers=1, decoder_layers=1,
+                      moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=16,
+                                    balance_loss_weight=0.0, loss_free_balancing=True),
                       chunk=ChunkConfig(target_ratio=2.0))
     return ConceptMoELM(cfg).train()
 
@@ -124,7 +132,8 @@ def _micro_batches(micro: int, T: int = 40) -> list[PackedBatch]:
     out = []
     for k in range(micro):
         lengths = [13 + 2 * k, 9, T - 24 - 2 * k]
-        out.append(PackedBatch.from_documents([torch.randint(3, 64, (n,), generator=g).tolist() for n in lengths],
+        out.append(PackedBatch.from_documents([torch.randint(3, 64, (n,), generator=g).tolist()
+                                               for n in lengths],
                                               row_len=T))
     return out
 
@@ -142,21 +151,23 @@ def test_the_statistics_pass_puts_the_moe_loads_back():
     model = _balancing_lm()
     window = _micro_batches(3)
     with torch.no_grad():
-        model(window[0])                       # a training forward counts its loads (what the pass must undo)
+        # a training forward counts its loads (what the pass must undo)
+        model(window[0])
     before = _moe_loads(model)
     assert float(before.sum()) > 0
     parser = GlobalParser(all_reduce=lambda t: t.clone())
     install(model, parser)
     parser.start_step()
-    statistics_pass(model, window, parser, 0, seed=0, rank=0, world_size=1, device=torch.device("cpu"),
-                    float_dtype=torch.float32)
+    statistics_pass(model, window, parser, 0, seed=0, rank=0, world_size=1,
+                    device=torch.device("cpu"), float_dtype=torch.float32)
     after = _moe_loads(model)
     assert torch.equal(after, before), f"loads after the statistics pass {after.tolist()}, before {before.tolist()}"
 
 
 def test_a_step_with_the_statistics_pass_counts_each_token_once_in_the_balancing_loads(monkeypatch):
-    """train_step, global parser, 2 micro-batches: what the MoE layers hold for the balancing update after the step
-    is exactly the loads of the step's real passes (each routed token slot once), not twice."""
+    """train_step, global parser, 2 micro-batches: what the MoE layers hold for the balancing update
+    after the step is exactly the loads of the step's real passes (each routed token slot once), not
+    twice."""
     from vlm.train.distributed import init_distributed
     from vlm.train.engine import initialize
     from vlm.train.global_parser import GlobalParser, install
@@ -166,9 +177,10 @@ def test_a_step_with_the_statistics_pass_counts_each_token_once_in_the_balancing
     model = _balancing_lm()
     init_distributed()
     engine = initialize(model, torch.optim.SGD(model.parameters(), lr=0.0), {
-        "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": micro, "train_batch_size": micro,
-        "gradient_clipping": 0.0, "zero_optimization": {"stage": 0}, "bf16": {"enabled": False},
-        "steps_per_print": 10 ** 12, "zero_allow_untested_optimizer": True})
+        "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": micro,
+        "train_batch_size": micro, "gradient_clipping": 0.0, "zero_optimization": {"stage": 0},
+        "bf16": {"enabled": False}, "steps_per_print": 10 ** 12,
+        "zero_allow_untested_optimizer": True})
     parser = GlobalParser(all_reduce=lambda t: t.clone())
     install(model, parser)
     window = _micro_batches(micro)
@@ -182,40 +194,45 @@ def test_a_step_with_the_statistics_pass_counts_each_token_once_in_the_balancing
     from vlm.train import collectives
 
     monkeypatch.setattr(collectives, "model_statistics", model_statistics)
-    res = train_step(engine, window, 0, seed=3, rank=0, world_size=1, parser=parser, device=torch.device("cpu"))
+    res = train_step(engine, window, 0, seed=3, rank=0, world_size=1, parser=parser,
+                     device=torch.device("cpu"))
     assert res.applied and len(handed) == 1
-    real = float(sum(v.sum() for v in res.loads.values()))                  # the real passes' loads, all layers
+    # the real passes' loads, all layers
+    real = float(sum(v.sum() for v in res.loads.values()))
     n_loads = sum(m.num_experts for m in model.modules() if isinstance(m, MoE))
     held = float(handed[0][:n_loads].sum())
     n_moe = len(res.loads)
     tokens = sum(int((b.doc_ids >= 0).sum()) for b in window)
     assert real > 0 and held == pytest.approx(real), \
         f"the MoE layers hold {held} routed slots for the balancing step, the real passes routed {real}"
-    # the encoder and decoder layers route every real token top_k = 2 times (the concept layer fewer): an upper bound
+    # the encoder and decoder layers route every real token top_k = 2 times (the concept layer
+    # fewer): an upper bound
     assert held <= n_moe * 2 * tokens
 
 
-# ======================================== 3. a pretrained tower whose MLP is not a whole multiple of its width
-# (model type, width, heads, intermediate size, layers, patch): SigLIP so400m's own widths (4304 / 1152 = 3.736...,
-# one layer of it), a small SigLIP and CLIP at the same kind of ratio, and a width where width * (intermediate /
-# width) comes back one short in floating point (240 / 176: 176 * 1.3636... = 239.99999999999997)
-_TOWERS = [("siglip", 1152, 16, 4304, 1, 14), ("siglip", 32, 2, 120, 2, 8), ("clip", 32, 2, 120, 2, 8),
-           ("siglip", 176, 2, 240, 1, 8)]
+# ======================================== 3. a pretrained tower whose MLP is not a whole multiple
+# of its width (model type, width, heads, intermediate size, layers, patch): SigLIP so400m's own
+# widths (4304 / 1152 = 3.736..., one layer of it), a small SigLIP and CLIP at the same kind of
+# ratio, and a width where width * (intermediate / width) comes back one short in floating point
+# (240 / 176: 176 * 1.3636... = 239.99999999999997)
+_TOWERS = [("siglip", 1152, 16, 4304, 1, 14), ("siglip", 32, 2, 120, 2, 8),
+           ("clip", 32, 2, 120, 2, 8), ("siglip", 176, 2, 240, 1, 8)]
 
 
 @pytest.mark.parametrize("kind,width,heads,inter,layers,patch", _TOWERS,
-                         ids=["siglip-so400m-widths", "siglip-3.75", "clip-3.75", "siglip-240-of-176"])
+                         ids=["siglip-so400m-widths", "siglip-3.75", "clip-3.75",
+                              "siglip-240-of-176"])
 def test_a_pretrained_tower_whose_mlp_is_not_a_multiple_of_its_width_loads_whole(kind, width, heads, inter, layers,
                                                                                  patch, tmp_path):
-    """The encoder's MLP has the checkpoint's intermediate size, read as it is (not rebuilt from width * a ratio),
-    and every tower tensor lands in it."""
+    """The encoder's MLP has the checkpoint's intermediate size, read as it is (not rebuilt from
+    width * a ratio), and every tower tensor lands in it."""
     transformers = pytest.importorskip("transformers")
     from configs.config import from_dict
     from vision.config import VisionConfig
 
     torch.manual_seed(0)
-    common = dict(hidden_size=width, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
-                  image_size=4 * patch, patch_size=patch)
+    common = dict(hidden_size=width, intermediate_size=inter, num_hidden_layers=layers,
+                  num_attention_heads=heads, image_size=4 * patch, patch_size=patch)
     if kind == "siglip":
         hf = transformers.SiglipVisionModel(transformers.SiglipVisionConfig(**common))
     else:
@@ -223,12 +240,14 @@ def test_a_pretrained_tower_whose_mlp_is_not_a_multiple_of_its_width_loads_whole
     hf.save_pretrained(tmp_path)
     src = {k.removeprefix("vision_model."): v.detach() for k, v in hf.state_dict().items()}
     del hf
-    cfg = from_dict(VisionConfig, {   # an encoder section that says otherwise: the folder's architecture wins
+    # an encoder section that says otherwise: the folder's architecture wins
+    cfg = from_dict(VisionConfig, {
         "processor": {"patch_size": 16, "min_patches": 4, "max_patches": 64, "merge": 2},
-        "encoder": {"hidden_size": 64, "num_layers": 3, "num_heads": 4, "mlp_ratio": 4.0, "max_grid": 32,
-                    "merger": "none"},
+        "encoder": {"hidden_size": 64, "num_layers": 3, "num_heads": 4, "mlp_ratio": 4.0,
+                    "max_grid": 32, "merger": "none"},
         "timm_checkpoint": str(tmp_path)})
-    enc = cfg.build(16).encoder          # a part that does not match raises ConfigError("the tower does not match")
+    # a part that does not match raises ConfigError("the tower does not match")
+    enc = cfg.build(16).encoder
     assert not enc.load_report.mismatches(), str(enc.load_report)
     for i in range(layers):
         fc1, fc2 = enc.blocks[i].mlp.fc1, enc.blocks[i].mlp.fc2
@@ -238,7 +257,8 @@ def test_a_pretrained_tower_whose_mlp_is_not_a_multiple_of_its_width_loads_whole
         assert torch.equal(fc2.weight, src[f"encoder.layers.{i}.mlp.fc2.weight"])
     # and the tower runs: one 4 x 4-patch image
     grid = torch.tensor([[4, 4]])
-    coords = torch.stack(torch.meshgrid(torch.arange(4), torch.arange(4), indexing="ij"), -1).reshape(-1, 2)
+    coords = torch.stack(torch.meshgrid(torch.arange(4), torch.arange(4), indexing="ij"),
+                         -1).reshape(-1, 2)
     with torch.no_grad():
         out = enc(torch.randn(16, 3 * patch * patch), coords, grid)
     assert torch.isfinite(out).all()
@@ -254,13 +274,16 @@ def _one_image_vqa_sources(root, png, fmt: str):
     image = png(28, 28)
     (root / "img").mkdir(exist_ok=True)
     (root / "img" / "a.png").write_bytes(image)
-    llava = {"id": "q0", "image": "img/a.png", "conversations": [{"from": "human", "value": "<image>\n" + _Q},
+    llava = {"id": "q0", "image": "img/a.png",
+             "conversations": [{"from": "human", "value": "<image>\n" + _Q},
                                                                    {"from": "gpt", "value": _A}]}
     qa = {"id": "q0", "image": "img/a.png", "question": _Q, "answer": _A, "question_type": "colour"}
-    if fmt == "llava-json":                        # LLaVA / ShareGPT instruction file: one JSON array
+    # LLaVA / ShareGPT instruction file: one JSON array
+    if fmt == "llava-json":
         (root / "llava.json").write_text(json.dumps([llava]))
         return root / "llava.json"
-    if fmt == "openai-jsonl":                      # OpenAI-style messages, the image a part of the content
+    # OpenAI-style messages, the image a part of the content
+    if fmt == "openai-jsonl":
         uri = "data:image/png;base64," + base64.b64encode(image).decode()
         row = {"id": "q0", "image": uri, "messages": [
             {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": _Q}]},
@@ -278,7 +301,8 @@ def _one_image_vqa_sources(root, png, fmt: str):
         return root / "t.csv"
     pa = pytest.importorskip("pyarrow")
     pq = pytest.importorskip("pyarrow.parquet")
-    table = pa.table({"id": ["q0"], "image": [{"bytes": image, "path": "a.png"}], "question": [_Q], "answer": [[_A]]})
+    table = pa.table({"id": ["q0"], "image": [{"bytes": image, "path": "a.png"}], "question": [_Q],
+                      "answer": [[_A]]})
     if fmt == "qa-parquet":                        # datasets' Image feature: a {bytes, path} struct
         pq.write_table(table, root / "t.parquet")
         return root / "t.parquet"
@@ -288,8 +312,8 @@ def _one_image_vqa_sources(root, png, fmt: str):
         return root / "ds"
     if fmt == "save-to-disk-folder":               # datasets' Dataset.save_to_disk
         datasets = pytest.importorskip("datasets")
-        ds = datasets.Dataset.from_dict({"image": [{"bytes": image, "path": "a.png"}], "question": [_Q],
-                                         "answer": [_A]},
+        ds = datasets.Dataset.from_dict({"image": [{"bytes": image, "path": "a.png"}],
+                                         "question": [_Q], "answer": [_A]},
                                         features=datasets.Features({"image": datasets.Image(),
                                                                     "question": datasets.Value("string"),
                                                                     "answer": datasets.Value("string")}))
@@ -299,8 +323,9 @@ def _one_image_vqa_sources(root, png, fmt: str):
 
 
 def _counted_kinds(out):
-    """How the imported shards count: the manifest's chat total (`vlm data stats`), the decoded samples' per-kind
-    statistics label, and the kind the training loader's batches carry at every position of the document."""
+    """How the imported shards count: the manifest's chat total (`vlm data stats`), the decoded
+    samples' per-kind statistics label, and the kind the training loader's batches carry at every
+    position of the document."""
     from data_pipelines.config import DataConfig, SourceConfig
     from data_pipelines.encode import stats_kind
     from data_pipelines.loader import build_loader
@@ -311,16 +336,19 @@ def _counted_kinds(out):
     from vision.image_processor import ImageProcessorConfig
 
     samples = [decode_sample(raw) for p in resolve_shards(out) for _, raw in iter_shard(p)]
-    cfg = DataConfig(sources=[SourceConfig(path=str(out))], epochs=1, row_tokens=256, rows_per_batch=1,
-                     shuffle_buffer=0, pack_buffer=4, tokenizer="byte",
-                     processor=ImageProcessorConfig(patch_size=14, min_patches=4, max_patches=16, merge=2))
+    cfg = DataConfig(sources=[SourceConfig(path=str(out))], epochs=1, row_tokens=256,
+                     rows_per_batch=1, shuffle_buffer=0, pack_buffer=4, tokenizer="byte",
+                     processor=ImageProcessorConfig(patch_size=14, min_patches=4, max_patches=16,
+                                                    merge=2))
     batch = next(iter(build_loader(cfg, ByteTokenizer())))
     valid = batch.doc_ids >= 0
     return (read_manifest(out)["totals"]["chat"], [stats_kind(s) for s in samples],
             sorted({KINDS[k] for k in batch.kind[valid].tolist()}), samples)
 
 
-@pytest.mark.parametrize("fmt", ["llava-json", "openai-jsonl", "qa-jsonl", "qa-csv", "qa-parquet", "hub-folder",
+@pytest.mark.parametrize("fmt",
+                         ["llava-json", "openai-jsonl", "qa-jsonl", "qa-csv", "qa-parquet",
+                          "hub-folder",
                                  "save-to-disk-folder"])
 def test_a_one_image_question_answer_row_from_every_importer_format_counts_as_chat(fmt, tmp_path, png):
     from data_pipelines.importers import import_table
@@ -337,14 +365,15 @@ def test_a_one_image_question_answer_row_from_every_importer_format_counts_as_ch
 
 
 def test_a_one_image_caption_still_counts_as_caption(tmp_path, png):
-    """The other side of the line: an image with a caption (a table row, or a folder's image and sidecar) is a
-    caption, so the chat count above is not everything counted as chat."""
+    """The other side of the line: an image with a caption (a table row, or a folder's image and
+    sidecar) is a caption, so the chat count above is not everything counted as chat."""
     from data_pipelines.importers import import_folder, import_table
 
     (tmp_path / "imgs").mkdir()
     (tmp_path / "imgs" / "a.png").write_bytes(png(28, 28))
     (tmp_path / "imgs" / "a.txt").write_text("a red square")
-    (tmp_path / "t.jsonl").write_text(json.dumps({"image": "imgs/a.png", "caption": "a red square"}) + "\n")
+    (tmp_path / "t.jsonl").write_text(json.dumps({"image": "imgs/a.png",
+                                                  "caption": "a red square"}) + "\n")
     for name, res in (("folder", import_folder(tmp_path / "imgs", tmp_path / "folder")),
                       ("table", import_table(tmp_path / "t.jsonl", tmp_path / "table"))):
         assert res["written"] == 1, res
@@ -354,8 +383,8 @@ def test_a_one_image_caption_still_counts_as_caption(tmp_path, png):
 
 # ======================================== 5. a stop request saves, in the warm-up and in training
 def _stop_at_poll(polls: int, signum: int = signal.SIGINT):
-    """A StopFlag raised as its signal handler raises it, seen at poll `polls` + 1 (deterministic: no real signal,
-    no timing), as tests/test_train_chain.py simulates a Ctrl-C."""
+    """A StopFlag raised as its signal handler raises it, seen at poll `polls` + 1 (deterministic:
+    no real signal, no timing), as tests/test_train_chain.py simulates a Ctrl-C."""
     from vlm.train.signals import StopFlag
 
     class StopAtPoll(StopFlag):
@@ -376,11 +405,13 @@ def _stop_at_poll(polls: int, signum: int = signal.SIGINT):
 
 def test_a_stop_in_training_checkpoints_the_last_step_and_returns_the_signal_code(tiny_data, tmp_path, tiny_config,
                                                                                  make_trainer, torch_globals):
-    """Stop seen after step 3 of 50, with no periodic checkpoint due (save_every 1000): the run writes step 3's
-    checkpoint, returns 128 + SIGINT, exports nothing, and the same run resumes from that step."""
+    """Stop seen after step 3 of 50, with no periodic checkpoint due (save_every 1000): the run
+    writes step 3's checkpoint, returns 128 + SIGINT, exports nothing, and the same run resumes from
+    that step."""
     from vlm.train.checkpoint import list_checkpoints
 
-    cfg = tiny_config(tiny_data, train={"max_steps": 50}, checkpoint={"save_every": 1000, "keep_last": 2},
+    cfg = tiny_config(tiny_data, train={"max_steps": 50},
+                      checkpoint={"save_every": 1000, "keep_last": 2},
                       logging={"eval_every": 0, "histogram_every": 0})
     run = tmp_path / "run"
     tr = make_trainer(cfg, run, stop=_stop_at_poll(3))
@@ -399,8 +430,9 @@ def test_a_stop_in_training_checkpoints_the_last_step_and_returns_the_signal_cod
 
 def test_a_stop_in_the_vision_warmup_saves_its_state_and_raises_preempted(tiny_data, tmp_path, tiny_config,
                                                                          make_trainer, load_tiny, torch_globals):
-    """Stop seen after warm-up step 4 of 50 (its periodic saves come every 5 steps): the warm-up saves its state at
-    step 4 and the trainer's construction raises Preempted with 128 + SIGTERM; the next start continues from it."""
+    """Stop seen after warm-up step 4 of 50 (its periodic saves come every 5 steps): the warm-up
+    saves its state at step 4 and the trainer's construction raises Preempted with 128 + SIGTERM;
+    the next start continues from it."""
     from vlm.train.checkpoint import load_state_dir
     from vlm.train.signals import Preempted
     from vlm.train.trainer import Trainer
@@ -408,7 +440,8 @@ def test_a_stop_in_the_vision_warmup_saves_its_state_and_raises_preempted(tiny_d
 
     cfg = tiny_config(tiny_data, train={"max_steps": 1}, checkpoint={"save_every": 1000},
                       logging={"eval_every": 0, "histogram_every": 0},
-                      vision_warmup={"steps": 50, "images_per_step": 4, "min_word_count": 2, "held_out": 8})
+                      vision_warmup={"steps": 50, "images_per_step": 4, "min_word_count": 2,
+                                     "held_out": 8})
     run = tmp_path / "run"
     with pytest.raises(Preempted) as info:
         make_trainer(cfg, run, stop=_stop_at_poll(3, signal.SIGTERM))
@@ -420,5 +453,6 @@ def test_a_stop_in_the_vision_warmup_saves_its_state_and_raises_preempted(tiny_d
     assert not (run / "vision_warmup.json").exists()      # the warm-up did not finish
     lines: list[str] = []
     Trainer(load_tiny(cfg), run, log=lines.append)
-    assert any(f"continuing from {run / 'checkpoints' / STATE_NAME} at step 4/50" in x for x in lines), lines
+    assert any(f"continuing from {run / 'checkpoints' / STATE_NAME} at step 4/50" in x
+               for x in lines), lines
     assert json.loads((run / "vision_warmup.json").read_text())["steps"] == 50

@@ -20,13 +20,13 @@ CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
 def tiny() -> ModelConfig:
-    """Every counted feature on: GQA + qk-norm, shared + Grove experts, wider concept model with its own
-    MoE, loops, linear residual, one joint-decoding layer."""
+    """Every counted feature on: GQA + qk-norm, shared + Grove experts, wider concept model with its
+    own MoE, loops, linear residual, one joint-decoding layer."""
     return ModelConfig(
         vocab_size=10, hidden_size=8, num_heads=2, num_kv_heads=1, head_dim=4, qk_norm=True,
         encoder_layers=1, concept_layers=2, decoder_layers=1,
-        moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=6, num_shared_experts=1, shared_hidden=5,
-                      grove_groups=2, grove_hidden=3),
+        moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=6, num_shared_experts=1,
+                      shared_hidden=5, grove_groups=2, grove_hidden=3),
         chunk=ChunkConfig(enabled=True, router="cosine", target_ratio=2.0, residual="linear",
                           joint_decoding_layers=1),
         concept_hidden_size=12, concept_num_heads=3, concept_num_kv_heads=1,
@@ -52,7 +52,8 @@ def test_params_by_hand():
     assert p["chunk"] == 2 * 8 * 8 and p["residual"] == 8 * 8
     assert p["final_norm"] == 8 and p["lm_head"] == 80
     assert p["total"] == 80 + 1088 + 128 + 64 + 192 + 1456 + 1088 + 136 + 8 + 80 == 4320
-    # inactive: token layers (4-2)*144 experts + (2 - 5/3)*72 adjugates = 312 each; concept (2-1)*144 each
+    # inactive: token layers (4-2)*144 experts + (2 - 5/3)*72 adjugates = 312 each; concept
+    # (2-1)*144 each
     assert p["activated"] == pytest.approx(4320 - 2 * 312 - 2 * 144)
     assert p["activated_non_embedding"] == pytest.approx(3408 - 80 - 80)
     assert count_params(replace(tiny(), tie_embeddings=True))["total"] == 4320 - 80
@@ -62,8 +63,9 @@ def test_params_by_hand():
 
 def test_flops_by_hand():
     f = flops_per_token(tiny())            # R = 2 from the config
-    # token layer MACs: attn 64+32+32+64=192; router 32 + 2 experts 2*144 + shared 120 + grove 5/3*72=120 -> 752
-    # concept layer MACs: attn 144+48+48+144=384; router 24 + 1 expert 144 -> 552; 4 passes / R=2
+    # token layer MACs: attn 64+32+32+64=192; router 32 + 2 experts 2*144 + shared 120 + grove
+    # 5/3*72=120 -> 752 concept layer MACs: attn 144+48+48+144=384; router 24 + 1 expert 144 -> 552;
+    # 4 passes / R=2
     assert f["encoder"] == 2 * 752
     assert f["decoder"] == 2 * 752 and f["joint_decoding"] == 2 * 128
     assert f["concept"] == pytest.approx(2 * 4 * 552 / 2)
@@ -82,7 +84,8 @@ def test_flops_by_hand():
 def test_attention_map_and_kv_by_hand():
     cfg = tiny()
     a = attention_map_flops(cfg, seq_len=8)
-    # 4 * Hq * hd FLOPs per (query, key) pair; causal 8*9/2 = 36 pairs; concept: 4 passes, 3 heads, M = 4 -> 10
+    # 4 * Hq * hd FLOPs per (query, key) pair; causal 8*9/2 = 36 pairs; concept: 4 passes, 3 heads,
+    # M = 4 -> 10
     assert a["encoder"] == a["decoder"] == 4 * 2 * 4 * 36
     assert a["concept"] == 4 * (4 * 3 * 4) * 10
     full = attention_map_flops(cfg, seq_len=8, causal=False)
@@ -130,18 +133,21 @@ def _check_matched(base: ModelConfig, found: dict, tol=0.02):
 
 
 @pytest.mark.parametrize("ratio", [1.5, 2.0, 3.0])
-@pytest.mark.parametrize("moe", [{}, {"grove_groups": 4, "grove_hidden": 8}, {"num_shared_experts": 1}])
+@pytest.mark.parametrize("moe",
+                         [{}, {"grove_groups": 4, "grove_hidden": 8}, {"num_shared_experts": 1}])
 def test_three_strategies_match_small_baseline(ratio, moe):
     base = small_baseline(**moe)
     found = search_reallocations(base, ratio)
     _check_matched(base, found)
-    if ratio >= 2:   # width ~ sqrt(R) reachable (6 heads for 4): the concept model trades experts for width
+    # width ~ sqrt(R) reachable (6 heads for 4): the concept model trades experts for width
+    if ratio >= 2:
         assert found["wider_concept"].config.c_moe.num_experts < base.c_moe.num_experts
 
 
 def test_coarse_granularity_is_flagged():
     # 2 experts, 1 concept layer: no integer choice can spend the freed FLOPs within 2 %
-    base = replace(small_baseline(num_experts=2, top_k=1), encoder_layers=0, decoder_layers=0, concept_layers=1)
+    base = replace(small_baseline(num_experts=2, top_k=1), encoder_layers=0, decoder_layers=0,
+                   concept_layers=1)
     r = search_reallocations(base, 4.0)["more_experts"]
     assert not r.within_tol and "exceeds 2%" in r.note and r.mismatch > 0.02
     with pytest.raises(ValueError, match="chunk.enabled"):
@@ -191,7 +197,8 @@ def test_paper_configs_parse_and_sizes(name):
     assert abs(p["total"] / total - 1) < 0.02, p["total"]
     if active:   # "A2.5B": we read it as activated parameters without the embedding tables
         assert abs(p["activated_non_embedding"] / active - 1) < 0.05, p["activated_non_embedding"]
-    # one balancing method, as the configs' comments say: loss-free alone (the paper does not state its own)
+    # one balancing method, as the configs' comments say: loss-free alone (the paper does not state
+    # its own)
     for moe in (cfg.moe, cfg.concept_moe or cfg.moe):
         assert moe.loss_free_balancing and moe.balance_loss_weight == 0.0
 
@@ -216,25 +223,34 @@ def test_reallocate_reproduces_paper_ct_settings():
     assert (s2.moe.top_k, s2.c_moe.top_k, s2.loop_end - s2.loop_start) == (8, 11, 8)   # top11-loop8
     ct = load_model_config(CONFIGS / "paper_ct_90b_top11_loop8.yaml")
     assert (ct.loop_start, ct.loop_end, ct.c_moe) == (s2.loop_start, s2.loop_end, s2.c_moe)
-    vlm = search_reallocations(load_model_config(CONFIGS / "paper_moe_60b.yaml"), 2.0, concept_heads=48)
+    vlm = search_reallocations(load_model_config(CONFIGS / "paper_moe_60b.yaml"), 2.0,
+                               concept_heads=48)
     _check_matched(load_model_config(CONFIGS / "paper_moe_60b.yaml"), vlm)
-    assert vlm["wider_concept"].config.c_hidden == 3840                      # paper 4.2: 1.5x hidden
+    # paper 4.2: 1.5x hidden
+    assert vlm["wider_concept"].config.c_hidden == 3840
 
 
 def test_cli_reads_only_model_section(tmp_path, capsys):
-    data = {"model": _model_section("paper_moe_60b.yaml"), "trainer": {"lr": 1e-3}, "data": {"anything": [1, 2]}}
+    data = {"model": _model_section("paper_moe_60b.yaml"), "trainer": {"lr": 1e-3},
+            "data": {"anything": [1, 2]}}
     path = tmp_path / "cfg.yaml"
     path.write_text(yaml.safe_dump(data))
-    assert main(["flops", "--config", str(path), "--plain", "--ratio", "2", "--seq-len", "4096"]) == 0
+    assert main(["flops", "--config", str(path), "--plain", "--ratio", "2", "--seq-len",
+                 "4096"]) == 0
     out = capsys.readouterr().out
-    for method in ("Baseline (MoE)", "Increasing C_moe", "Increasing L_C and C_moe", "Increasing C_attn and C_moe"):
+    for method in ("Baseline (MoE)", "Increasing C_moe", "Increasing L_C and C_moe",
+                   "Increasing C_attn and C_moe"):
         assert method in out
-    assert main(["flops", "--config", str(path), "--json", "--ratio", "2", "--seq-len", "4096"]) == 0
+    assert main(["flops", "--config", str(path), "--json", "--ratio", "2", "--seq-len",
+                 "4096"]) == 0
     rows = json.loads(capsys.readouterr().out)
     expect = comparison_table(from_dict(ModelConfig, data["model"]), 2.0, 4096)
-    assert [r["flops_per_token"] for r in rows] == pytest.approx([r["flops_per_token"] for r in expect])
-    # overrides as `vlm train` takes them (plain key=value, anywhere): the same table wherever they stand
-    assert main(["flops", "--config", str(path), "model.moe.top_k=4", "--json", "--ratio", "2", "--seq-len", "4096"]) == 0
+    assert [r["flops_per_token"]
+            for r in rows] == pytest.approx([r["flops_per_token"] for r in expect])
+    # overrides as `vlm train` takes them (plain key=value, anywhere): the same table wherever they
+    # stand
+    assert main(["flops", "--config", str(path), "model.moe.top_k=4", "--json", "--ratio", "2",
+                 "--seq-len", "4096"]) == 0
     plain = json.loads(capsys.readouterr().out)
     assert main(["flops", "--config", str(path), "--json", "--ratio", "2", "--seq-len", "4096",
                  "model.moe.top_k=4"]) == 0
@@ -271,11 +287,14 @@ def test_analytic_params_equal_the_real_model():
 
     base = ModelConfig(vocab_size=101, hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8,
                        encoder_layers=1, concept_layers=3, decoder_layers=2,
-                       moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=16, num_shared_experts=1, shared_hidden=8,
-                                     grove_groups=2, grove_hidden=4))
+                       moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=16, num_shared_experts=1,
+                                     shared_hidden=8, grove_groups=2, grove_hidden=4))
     variants = [base, base.baseline(), dataclasses.replace(base, tie_embeddings=True),
-                dataclasses.replace(base, chunk=ChunkConfig(router="linear", residual="linear", joint_decoding_layers=1)),
-                dataclasses.replace(base, concept_hidden_size=48, concept_num_heads=6, concept_num_kv_heads=3,
+                dataclasses.replace(base,
+                                    chunk=ChunkConfig(router="linear", residual="linear",
+                                                      joint_decoding_layers=1)),
+                dataclasses.replace(base, concept_hidden_size=48, concept_num_heads=6,
+                                    concept_num_kv_heads=3,
                                     concept_moe=MoEConfig(num_experts=6, top_k=3, expert_hidden=8),
                                     loop_start=1, loop_end=3, loop_times=2)]
     for cfg in variants:
@@ -285,11 +304,13 @@ def test_analytic_params_equal_the_real_model():
 
 
 def test_sliding_window_caps_the_token_stacks_attention_map():
-    base = ModelConfig(vocab_size=64, hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16, encoder_layers=1,
-                       concept_layers=1, decoder_layers=1, moe=MoEConfig(num_experts=2, top_k=1, expert_hidden=16))
+    base = ModelConfig(vocab_size=64, hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16,
+                       encoder_layers=1, concept_layers=1, decoder_layers=1,
+                       moe=MoEConfig(num_experts=2, top_k=1, expert_hidden=16))
     local = replace(base, attention_window=128)
     full, win = attention_map_flops(base, 4096, 2.0), attention_map_flops(local, 4096, 2.0)
-    assert win["concept"] == full["concept"]                             # the concept model sees everything
+    # the concept model sees everything
+    assert win["concept"] == full["concept"]
     per_head = 4.0 * base.num_heads * base.head_dim
     assert win["encoder"] == per_head * (128 * 129 / 2 + (4096 - 128) * 128)
     assert attention_map_flops(local, 100)["encoder"] == attention_map_flops(base, 100)["encoder"]

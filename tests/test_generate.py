@@ -16,7 +16,8 @@ def chat(tiny_vlm):
 
 
 def img(seed):
-    return Image.fromarray(np.random.default_rng(seed).integers(0, 255, (16, 16, 3), dtype=np.uint8))
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 255, (16, 16, 3),
+                                                                dtype=np.uint8))
 
 
 def test_batched_generation_equals_one_prompt_at_a_time(chat):
@@ -37,7 +38,8 @@ def test_loglikelihood_matches_the_full_forward(chat):
     logp = torch.log_softmax(logits, -1)
     ref = sum(logp[n - len(ids) - 1 + j, t].item() for j, t in enumerate(ids))
     assert ll == pytest.approx(ref, abs=1e-4)
-    assert greedy == all(logits[n - len(ids) - 1 + j].argmax().item() == t for j, t in enumerate(ids))
+    assert greedy == all(logits[n - len(ids) - 1 + j].argmax().item() == t for j,
+                         t in enumerate(ids))
     # batched with another context of a different length: same score
     (ll2, _), _ = chat.loglikelihood([ctx, "short"], [cont, " x"], [[img(3)], []])
     assert ll2 == pytest.approx(ll, abs=1e-4)
@@ -45,7 +47,8 @@ def test_loglikelihood_matches_the_full_forward(chat):
 
 def test_stop_strings_and_compression_stats(chat):
     chat.reset_stats()
-    out = chat.generate(["hello"], None, max_new_tokens=8, stop=[chat.tokenizer.decode(chat.tokenizer.encode("e"))])
+    out = chat.generate(["hello"], None, max_new_tokens=8,
+                        stop=[chat.tokenizer.decode(chat.tokenizer.encode("e"))])
     assert "e" not in out[0]
     stats = chat.compression_stats()
     assert stats["tokens/text"] > 0 and stats["compression/ratio"] >= 1.0
@@ -102,15 +105,17 @@ def test_stop_on_a_special_token_string(chat, monkeypatch):
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_cached_generation_equals_recompute(chat, temperature):
     """The default (prefill once, one cached step per token) against re-running the whole prefix each token."""
-    prompts = ["<image>\nwhat is this?", "a", "<image> and <image> compared over a longer prompt", "no image here"]
+    prompts = ["<image>\nwhat is this?", "a", "<image> and <image> compared over a longer prompt",
+               "no image here"]
     images = [[img(1)], [], [img(2), img(3)], []]
     kw = dict(max_new_tokens=40, temperature=temperature, seed=3)
-    assert chat.generate(prompts, images, **kw) == chat.generate(prompts, images, use_cache=False, **kw)
+    assert chat.generate(prompts, images, **kw) == chat.generate(prompts, images, use_cache=False,
+                                                                 **kw)
 
 
 def test_transformers_generate_uses_the_concept_cache_with_left_padding(chat, tmp_path):
-    """A left-padded batch through `generate(use_cache=True)`: the same tokens as without the cache and as the
-    project's own decoding, and the cache it carries is the project's InferenceCache."""
+    """A left-padded batch through `generate(use_cache=True)`: the same tokens as without the cache
+    and as the project's own decoding, and the cache it carries is the project's InferenceCache."""
     from vlm.model.cache import InferenceCache
 
     save_pretrained(chat.model, tmp_path, chat.tokenizer)
@@ -134,8 +139,10 @@ def test_transformers_generate_uses_the_concept_cache_with_left_padding(chat, tm
 
 def test_cached_loglikelihood_equals_one_forward_per_pair(chat):
     """Shared contexts encoded once and continued from their caches score as full forwards do."""
-    contexts = ["<image>\nwhat colour?", "<image>\nwhat colour?", "plain question", "<image>\nwhat colour?"]
-    images = [[img(1)], [img(1)], [], [img(2)]]          # the last one shares the text, not the image
+    contexts = ["<image>\nwhat colour?", "<image>\nwhat colour?", "plain question",
+                "<image>\nwhat colour?"]
+    # the last one shares the text, not the image
+    images = [[img(1)], [img(1)], [], [img(2)]]
     conts = ["red", "a longer answer", "x", "blue"]
     cached = chat.loglikelihood(contexts, conts, images)
     full = chat.loglikelihood(contexts, conts, images, use_cache=False)
@@ -164,10 +171,13 @@ def test_transformers_options_hidden_states_checkpointing_and_clear_refusals(cha
         hf.zero_grad()
         torch.manual_seed(0)                                # the same sampled boundaries both times
         hf(ids, labels=ids).loss.backward()
-        grads.append(torch.cat([p.grad.flatten() for p in hf.vlm.lm.parameters() if p.grad is not None]))
+        grads.append(torch.cat([p.grad.flatten() for p in hf.vlm.lm.parameters()
+                                if p.grad is not None]))
     assert hf.is_gradient_checkpointing
-    assert len(calls) == 3                                  # once without, twice (forward + recompute) with
-    torch.testing.assert_close(grads[0], grads[1])          # the same gradients, activations recomputed
+    # once without, twice (forward + recompute) with
+    assert len(calls) == 3
+    # the same gradients, activations recomputed
+    torch.testing.assert_close(grads[0], grads[1])
     with pytest.raises(ValueError, match="does not support output_attentions"):
         hf(ids, output_attentions=True)
 
@@ -175,7 +185,8 @@ def test_transformers_options_hidden_states_checkpointing_and_clear_refusals(cha
 def test_on_tokens_streams_every_rows_tokens_as_they_grow(chat):
     prompts, images = ["<image>\nwhat is this?", "a longer text prompt"], [[img(4)], []]
     seen = []
-    out = chat.generate(prompts, images, max_new_tokens=7, on_tokens=lambda rows: seen.append([list(r) for r in rows]))
+    out = chat.generate(prompts, images, max_new_tokens=7,
+                        on_tokens=lambda rows: seen.append([list(r) for r in rows]))
     assert 1 <= len(seen) <= 7
     for earlier, later in zip(seen, seen[1:]):   # each row only grows, by at most one token a step
         assert all(l[:len(e)] == e and len(l) - len(e) <= 1 for e, l in zip(earlier, later))

@@ -1,11 +1,11 @@
-"""The CUDA paths: every attention backend gives the logits and gradients of the fp32 reference in bf16 (flash-attn
-varlen included when installed), grouped_mm expert dispatch equals the per-expert loop, and cached decoding equals
-a full forward.
+"""The CUDA paths: every attention backend gives the logits and gradients of the fp32 reference in
+bf16 (flash-attn varlen included when installed), grouped_mm expert dispatch equals the per-expert
+loop, and cached decoding equals a full forward.
 
-Run the CUDA instances on a machine with a GPU with `make test-gpu` (`pytest -m gpu tests`); they are marked `gpu` and
-skipped, with the reason, where there is none. Each check but flash-attn's also has a CPU instance, which runs in
-the ordinary suite: the tolerances were measured on the CPU (below), and that instance keeps them honest anywhere.
-`vlm bench all` on a GPU gives the speed.
+Run the CUDA instances on a machine with a GPU with `make test-gpu` (`pytest -m gpu tests`); they
+are marked `gpu` and skipped, with the reason, where there is none. Each check but flash-attn's also
+has a CPU instance, which runs in the ordinary suite: the tolerances were measured on the CPU
+(below), and that instance keeps them honest anywhere. `vlm bench all` on a GPU gives the speed.
 
 Tolerances. Every bound is (measured growth) x (margin) x (unit roundoff u of the dtype: 2^-8 for bf16, 2^-11 for
 fp16, 2^-24 for fp32), on a relative error: max |x - ref| / max |ref| for logits and activations, and
@@ -17,11 +17,12 @@ grouped GEMM; all accumulate in fp32, as the CPU's do), which draws rounding err
 not larger ones. The fp32 reference is exact at these bounds: fp32 against fp64, on the same computation, differed
 by at most 1.6e-6 (0.0004 u of bf16).
 
-Discrete choices are fixed, not tolerated: a boundary or an expert selection that flips between two dtypes changes
-the function, not its rounding. The boundaries are forced; the expert selections (Grove eq. 6, the router's top-k)
-are the fp32 reference's, replayed in every low-precision run. Left free, up to 12 of 1372 (1664 after the
-rewrite) tokens' selections flipped in bf16 on the CPU and moved single parameters' gradients by up to 91 u (0.36);
-on an H100 they moved a router weight's gradient by 0.104 (27 u), failing the guessed bound of 0.1 used before.
+Discrete choices are fixed, not tolerated: a boundary or an expert selection that flips between two
+dtypes changes the function, not its rounding. The boundaries are forced; the expert selections
+(Grove eq. 6, the router's top-k) are the fp32 reference's, replayed in every low-precision run.
+Left free, up to 12 of 1372 (1664 after the rewrite) tokens' selections flipped in bf16 on the CPU
+and moved single parameters' gradients by up to 91 u (0.36); on an H100 they moved a router weight's
+gradient by 0.104 (27 u), failing the guessed bound of 0.1 used before.
 """
 from __future__ import annotations
 
@@ -38,13 +39,18 @@ from vlm.model.config import ChunkConfig, ModelConfig, MoEConfig
 
 V = 97
 
-# Worst relative error / u seen on the CPU (see the module doc), and the margin for the GPU's kernels.
-LOGITS_GROWTH = 2.81   # bf16 and fp16 logits vs fp32 (bf16 2.74, fp16 2.81): 4 seeds x 2 batches x windows 0, 16 x
+# Worst relative error / u seen on the CPU (see the module doc), and the margin for the GPU's
+# kernels.
+# bf16 and fp16 logits vs fp32 (bf16 2.74, fp16 2.81): 4 seeds x 2 batches x windows 0, 16 x
+LOGITS_GROWTH = 2.81
 #                        eager/sdpa/docs
-GRAD_GROWTH = 7.05     # bf16 parameter gradients vs fp32, the worst parameter, the same 48 cases (6.84 at 71c293f);
+# bf16 parameter gradients vs fp32, the worst parameter, the same 48 cases (6.84 at 71c293f);
+GRAD_GROWTH = 7.05
 #                        the worst are attention q/k norms and router weights
-CACHE_GROWTH = 13.22   # fp32 cached decoding vs full forward, logits: 10 seeds x 8 steps x auto/sdpa/docs/eager
-MOE_GROWTH = 4.13      # bf16 MoE layer (output, input gradient, gate-weight gradient) vs fp32, grouped_mm and loop
+# fp32 cached decoding vs full forward, logits: 10 seeds x 8 steps x auto/sdpa/docs/eager
+CACHE_GROWTH = 13.22
+# bf16 MoE layer (output, input gradient, gate-weight gradient) vs fp32, grouped_mm and loop
+MOE_GROWTH = 4.13
 #                        (bitwise equal on the CPU): 5 seeds
 MARGIN = 2.0
 
@@ -67,15 +73,18 @@ def rel_norm(x: torch.Tensor, ref: torch.Tensor) -> float:
 
 CUDA_REASON = "no CUDA device on this machine"
 DEVICES = ["cpu", pytest.param("cuda", id="cuda",
-                               marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                               marks=[pytest.mark.gpu,
+                                      pytest.mark.skipif(not torch.cuda.is_available(),
                                                                           reason=CUDA_REASON)])]
 
 
 def cfg(**kw) -> ModelConfig:
-    # head_dim 64: flash-attn's kernels want head dims that are multiples of 8 and expert rows 16-byte aligned
+    # head_dim 64: flash-attn's kernels want head dims that are multiples of 8 and expert rows
+    # 16-byte aligned
     return ModelConfig(vocab_size=V, hidden_size=128, num_heads=2, num_kv_heads=1, head_dim=64,
                        encoder_layers=1, concept_layers=2, decoder_layers=1,
-                       moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=64), chunk=ChunkConfig(), **kw)
+                       moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=64), chunk=ChunkConfig(),
+                       **kw)
 
 
 def docs_batch(lengths, row_len, device, seed=0) -> PackedBatch:
@@ -85,8 +94,9 @@ def docs_batch(lengths, row_len, device, seed=0) -> PackedBatch:
 
 
 class ExpertChoices:
-    """`vlm.model.moe.select_experts` recording its choices (`replay=None`) or returning recorded ones, in call
-    order, instead of choosing; `flips` counts the replayed rows whose own choice would have differed."""
+    """`vlm.model.moe.select_experts` recording its choices (`replay=None`) or returning recorded
+    ones, in call order, instead of choosing; `flips` counts the replayed rows whose own choice
+    would have differed."""
 
     def __init__(self, replay: list[torch.Tensor] | None = None):
         self.replay, self.recorded, self.flips = replay, [], 0
@@ -116,20 +126,25 @@ class ExpertChoices:
             assert len(self.recorded) == len(self.replay), "the replayed run called the router another number of times"
 
 
-def run(backend: str, dtype: torch.dtype, batch: PackedBatch, window: int = 0, replay=None, seed: int = 0):
-    """Logits, parameter gradients and expert choices of one training-mode forward. The boundaries are forced
-    (every third token) and, given `replay`, so are the expert selections (see the module doc)."""
+def run(backend: str, dtype: torch.dtype, batch: PackedBatch, window: int = 0, replay=None,
+        seed: int = 0):
+    """Logits, parameter gradients and expert choices of one training-mode forward. The boundaries
+    are forced (every third token) and, given `replay`, so are the expert selections (see the module
+    doc)."""
     torch.manual_seed(seed)
     device = batch.input_ids.device
-    m = ConceptMoELM(dataclasses.replace(cfg(attention_window=window), attn_backend=backend)).to(device, dtype).train()
+    m = ConceptMoELM(dataclasses.replace(cfg(attention_window=window),
+                                         attn_backend=backend)).to(device, dtype).train()
     force = torch.zeros_like(batch.input_ids, dtype=torch.bool)
     force[:, ::3] = True
-    with ExpertChoices(replay) as choices:   # the backward too: it may recompute (activation checkpointing)
+    # the backward too: it may recompute (activation checkpointing)
+    with ExpertChoices(replay) as choices:
         out = m(batch, force=force)
         out.loss.backward()
     assert choices.recorded, "vlm.model.moe.select_experts was never called: nothing to replay, nothing fixed"
     grads = {n: p.grad.float() for n, p in m.named_parameters() if p.grad is not None}
-    # the real positions' logits: what padding holds after attention is each backend's own (no one reads it)
+    # the real positions' logits: what padding holds after attention is each backend's own (no one
+    # reads it)
     return out.logits.detach().float()[batch.doc_ids >= 0], grads, choices
 
 
@@ -142,9 +157,10 @@ def available_backends(device: str) -> list[str]:
 @pytest.mark.parametrize("window", [0, 16])
 @pytest.mark.parametrize("device", DEVICES)
 def test_backends_agree_in_bf16_against_fp32(device, window):
-    """Each parameter's gradient on its own, with the reference's expert selections: a gradient moved by a flipped
-    selection is a different function's gradient, which no rounding bound should admit; and a per-layer or
-    whole-model norm would let one parameter's error hide under another's larger gradient."""
+    """Each parameter's gradient on its own, with the reference's expert selections: a gradient
+    moved by a flipped selection is a different function's gradient, which no rounding bound should
+    admit; and a per-layer or whole-model norm would let one parameter's error hide under another's
+    larger gradient."""
     batch = docs_batch([70, 130, 50], row_len=256, device=device)
     ref_logits, ref_grads, ref = run("eager", torch.float32, batch, window)
     logits_bound, grad_bound = bound(LOGITS_GROWTH, torch.bfloat16), bound(GRAD_GROWTH, torch.bfloat16)
@@ -152,11 +168,13 @@ def test_backends_agree_in_bf16_against_fp32(device, window):
         logits, grads, choices = run(backend, torch.bfloat16, batch, window, replay=ref.recorded)
         assert torch.isfinite(logits).all(), backend
         err = rel_max(logits, ref_logits)
-        assert err <= logits_bound, (backend, err, logits_bound, f"{choices.flips} selections replayed")
+        assert err <= logits_bound, (backend, err, logits_bound,
+                                     f"{choices.flips} selections replayed")
         assert grads.keys() == ref_grads.keys(), backend
         for n, g in ref_grads.items():
             rel = rel_norm(grads[n], g)
-            assert rel <= grad_bound, (backend, n, rel, grad_bound, f"{choices.flips} selections replayed")
+            assert rel <= grad_bound, (backend, n, rel, grad_bound,
+                                       f"{choices.flips} selections replayed")
 
 
 @pytest.mark.gpu
@@ -187,10 +205,10 @@ def moe_pass(moe, x: torch.Tensor, dispatch: str):
 
 
 def moe_errors(device: str, seed: int = 0) -> dict[str, tuple[float, float, float]]:
-    """For the output, the input gradient and the gate-weight gradient of a bf16 MoE layer: the relative errors of
-    grouped_mm and of the per-expert loop against an fp32 reference, and their gap (relative to the reference).
-    The reference is the loop on the same bf16 weights and input, upcast: it routes exactly as they do, since the
-    router runs in fp32 on the same values."""
+    """For the output, the input gradient and the gate-weight gradient of a bf16 MoE layer: the
+    relative errors of grouped_mm and of the per-expert loop against an fp32 reference, and their
+    gap (relative to the reference). The reference is the loop on the same bf16 weights and input,
+    upcast: it routes exactly as they do, since the router runs in fp32 on the same values."""
     from vlm.model.moe import MoE
 
     torch.manual_seed(seed)
@@ -199,7 +217,8 @@ def moe_errors(device: str, seed: int = 0) -> dict[str, tuple[float, float, floa
     ref = moe_pass(copy.deepcopy(moe).float(), x.detach().float().requires_grad_(), "loop")
     outs = {dispatch: moe_pass(moe, x, dispatch) for dispatch in ("grouped_mm", "loop")}
     return {what: (rel_max(a, r), rel_max(b, r), float((a - b).abs().max() / r.abs().max()))
-            for what, r, a, b in zip(("output", "input grad", "gate grad"), ref, outs["grouped_mm"], outs["loop"])}
+            for what, r, a,
+            b in zip(("output", "input grad", "gate grad"), ref, outs["grouped_mm"], outs["loop"])}
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -214,8 +233,8 @@ def test_grouped_mm_dispatch_equals_the_expert_loop_in_bf16(device):
 
 
 def decode_gaps(device: str, seed: int = 0, backend: str = "auto", steps: int = 8) -> list[float]:
-    """Cached decoding of two ragged rows next to full forwards, in fp32: each step's max |cached - full| logit
-    gap over max |full logit|."""
+    """Cached decoding of two ragged rows next to full forwards, in fp32: each step's max |cached -
+    full| logit gap over max |full logit|."""
     torch.manual_seed(seed)
     m = ConceptMoELM(dataclasses.replace(cfg(), attn_backend=backend)).to(device).eval()
     g = torch.Generator().manual_seed(seed + 1)
@@ -226,7 +245,8 @@ def decode_gaps(device: str, seed: int = 0, backend: str = "auto", steps: int = 
         ids = torch.tensor([r + [0] * (T - len(r)) for r in rows])
         doc = torch.tensor([[0] * len(r) + [-1] * (T - len(r)) for r in rows])
         pos = torch.tensor([list(range(len(r))) + [0] * (T - len(r)) for r in rows])
-        return PackedBatch(ids, torch.full_like(ids, -100), doc, pos, torch.zeros_like(ids)).to(device)
+        return PackedBatch(ids, torch.full_like(ids, -100), doc, pos,
+                           torch.zeros_like(ids)).to(device)
 
     last = lambda rows: torch.tensor([len(r) - 1 for r in rows], device=device)  # noqa: E731
     gaps = []
@@ -245,7 +265,8 @@ def decode_gaps(device: str, seed: int = 0, backend: str = "auto", steps: int = 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_cached_decoding_equals_full_forward(device):
-    # the bound is fp32's: matmuls in full fp32 (PyTorch's default; "high" would let CUDA use TF32, u = 2^-11)
+    # the bound is fp32's: matmuls in full fp32 (PyTorch's default; "high" would let CUDA use TF32,
+    # u = 2^-11)
     assert torch.get_float32_matmul_precision() == "highest"
     gaps = decode_gaps(device)
     tol = bound(CACHE_GROWTH, torch.float32)
@@ -255,8 +276,8 @@ def test_cached_decoding_equals_full_forward(device):
 def measure(device: str) -> None:
     """The growth factors above, measured again on `device` over the cases their comments name."""
     bf16, fp16 = torch.bfloat16, torch.float16
-    worst = dict.fromkeys(["LOGITS_GROWTH bf16", "LOGITS_GROWTH fp16", "GRAD_GROWTH", "grads, selections left free",
-                           "CACHE_GROWTH", "MOE_GROWTH"], 0.0)
+    worst = dict.fromkeys(["LOGITS_GROWTH bf16", "LOGITS_GROWTH fp16", "GRAD_GROWTH",
+                           "grads, selections left free", "CACHE_GROWTH", "MOE_GROWTH"], 0.0)
     flips, selections = 0, 0
     for seed in range(4):
         for lengths in ([70, 130, 50], [33, 200, 7, 16]):
@@ -265,27 +286,35 @@ def measure(device: str) -> None:
                 ref_logits, ref_grads, ref = run("eager", torch.float32, batch, window, seed=seed)
                 selections = sum(len(c) for c in ref.recorded)
                 for backend in available_backends(device):
-                    logits, grads, choices = run(backend, bf16, batch, window, replay=ref.recorded, seed=seed)
+                    logits, grads, choices = run(backend, bf16, batch, window, replay=ref.recorded,
+                                                 seed=seed)
                     flips = max(flips, choices.flips)
                     worst["LOGITS_GROWTH bf16"] = max(worst["LOGITS_GROWTH bf16"],
-                                                      rel_max(logits, ref_logits) / unit_roundoff(bf16))
-                    worst["GRAD_GROWTH"] = max(worst["GRAD_GROWTH"], *(rel_norm(grads[n], g) / unit_roundoff(bf16)
-                                                                       for n, g in ref_grads.items()))
+                                                      rel_max(logits,
+                                                              ref_logits) / unit_roundoff(bf16))
+                    worst["GRAD_GROWTH"] = max(worst["GRAD_GROWTH"],
+                                               *(rel_norm(grads[n], g) / unit_roundoff(bf16)
+                                                                       for n,
+                                                 g in ref_grads.items()))
                     _, free, _ = run(backend, bf16, batch, window, seed=seed)
                     worst["grads, selections left free"] = max(
                         worst["grads, selections left free"],
                         *(rel_norm(free[n], g) / unit_roundoff(bf16) for n, g in ref_grads.items()))
                     half, _, _ = run(backend, fp16, batch, window, replay=ref.recorded, seed=seed)
                     worst["LOGITS_GROWTH fp16"] = max(worst["LOGITS_GROWTH fp16"],
-                                                      rel_max(half, ref_logits) / unit_roundoff(fp16))
+                                                      rel_max(half,
+                                                              ref_logits) / unit_roundoff(fp16))
     worst["CACHE_GROWTH"] = max(max(decode_gaps(device, seed, backend)) for seed in range(10)
-                                for backend in ("auto", "sdpa", "docs", "eager")) / unit_roundoff(torch.float32)
-    worst["MOE_GROWTH"] = max(max(e[:2]) for seed in range(5) for e in moe_errors(device, seed).values()
+                                for backend in ("auto", "sdpa", "docs",
+                                                "eager")) / unit_roundoff(torch.float32)
+    worst["MOE_GROWTH"] = max(max(e[:2]) for seed in range(5)
+                              for e in moe_errors(device, seed).values()
                               ) / unit_roundoff(bf16)
     print(f"on {device}, worst relative error / u:")
     for k, v in worst.items():
         print(f"  {k}: {v:.2f}")
-    print(f"  (bf16 flipped up to {flips} of {selections} tokens' expert selections where left free)")
+    print(f"  (bf16 flipped up to {flips} of {selections} tokens' expert selections where left "
+          f"free)")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""The transformers processor of an exported model: AutoTokenizer / AutoProcessor, the chat template, and the
-standard `apply_chat_template` -> `processor(...)` -> `generate` -> `batch_decode` path."""
+"""The transformers processor of an exported model: AutoTokenizer / AutoProcessor, the chat
+template, and the standard `apply_chat_template` -> `processor(...)` -> `generate` -> `batch_decode`
+path."""
 import numpy as np
 import pytest
 import torch
@@ -12,7 +13,8 @@ from vlm.generate import ConceptMoEChat
 
 
 def picture(seed, size=(16, 24)):
-    return Image.fromarray(np.random.default_rng(seed).integers(0, 255, (size[1], size[0], 3), dtype=np.uint8))
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 255, (size[1], size[0], 3),
+                                                                dtype=np.uint8))
 
 
 @pytest.fixture(scope="module")
@@ -33,28 +35,34 @@ def test_auto_classes_load_the_processor_and_the_tokenizer_with_the_chat_templat
     tok = AutoTokenizer.from_pretrained(exported_vlm)
     assert tok.chat_template and tok.padding_side == "left"
     turns = [{"role": "user", "content": "hi"}]
-    assert tok.apply_chat_template(turns, tokenize=False, add_generation_prompt=True) == format_chat(turns, True)
+    assert tok.apply_chat_template(turns, tokenize=False,
+                                   add_generation_prompt=True) == format_chat(turns, True)
 
 
 def test_chat_template_renders_content_lists_as_the_trainer_formats_chats(proc):
     """`{"type": "image"}` then text is the trained `<image>\\n<question>`; string contents work too."""
-    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour?"}]},
+    messages = [{"role": "user",
+                 "content": [{"type": "image"}, {"type": "text", "text": "What colour?"}]},
                 {"role": "assistant", "content": [{"type": "text", "text": "red"}]},
                 {"role": "user", "content": "And the shape?"}]
-    trained = [{"role": "user", "content": "<image>\nWhat colour?"}, {"role": "assistant", "content": "red"},
+    trained = [{"role": "user", "content": "<image>\nWhat colour?"},
+               {"role": "assistant", "content": "red"},
                {"role": "user", "content": "And the shape?"}]
     assert proc.apply_chat_template(messages, add_generation_prompt=True) == format_chat(trained, True)
     assert proc.apply_chat_template(messages[:2]) == format_chat(trained[:2])
 
 
 def test_a_system_message_opens_the_next_user_turn(proc):
-    messages = [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "Colour?"}]
+    messages = [{"role": "system", "content": "Answer in one word."},
+                {"role": "user", "content": "Colour?"}]
     assert proc.apply_chat_template(messages, add_generation_prompt=True) == \
         "<|user|>Answer in one word.\nColour?<|end|><|assistant|>"
 
 
 def test_processor_builds_the_same_prompt_as_the_project(proc, ours):
-    text = proc.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "q?"}]}],
+    text = proc.apply_chat_template([{"role": "user",
+                                      "content": [{"type": "image"},
+                                                  {"type": "text", "text": "q?"}]}],
                                     add_generation_prompt=True)
     img = picture(1)
     inputs = proc(images=[img], text=[text], return_tensors="pt")
@@ -68,9 +76,12 @@ def test_processor_builds_the_same_prompt_as_the_project(proc, ours):
 def test_generate_on_processor_inputs_gives_the_projects_answers(exported_vlm, proc, ours):
     """A left-padded batch of two prompts with different image sizes, through AutoModelForCausalLM.generate."""
     model = AutoModelForCausalLM.from_pretrained(exported_vlm).eval()
-    convs = [[{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is it?"}]}],
+    convs = [[{"role": "user",
+               "content": [{"type": "image"}, {"type": "text", "text": "what is it?"}]}],
              [{"role": "system", "content": "Be brief."},
-              {"role": "user", "content": [{"type": "text", "text": "compare"}, {"type": "image"}, {"type": "image"}]}]]
+              {"role": "user",
+               "content": [{"type": "text", "text": "compare"}, {"type": "image"},
+                           {"type": "image"}]}]]
     texts = [proc.apply_chat_template(c, add_generation_prompt=True) for c in convs]
     images = [[picture(2)], [picture(3, (32, 16)), picture(4)]]
     inputs = proc(images=images, text=texts, return_tensors="pt")
@@ -92,7 +103,8 @@ def test_a_text_only_export_gets_a_tokenizer_with_the_template(tmp_path, tiny_vl
     vlm_model, tok = tiny_vlm()
     save_pretrained(ConceptMoEVLM(vlm_model.model_cfg, None), tmp_path, tok)
     hf_tok = AutoTokenizer.from_pretrained(tmp_path)
-    assert hf_tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "<|user|>hi<|end|>"
+    assert hf_tok.apply_chat_template([{"role": "user", "content": "hi"}],
+                                      tokenize=False) == "<|user|>hi<|end|>"
     assert not (tmp_path / "processor_config.json").exists()
 
 

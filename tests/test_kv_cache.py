@@ -1,5 +1,6 @@
-"""Concept-level KV-cache decoding equals full recompute: same tokens, logits within 1e-4, for a ragged batch of
-mixed text and image prompts, for every reallocation of the concept model and for the MoE baseline."""
+"""Concept-level KV-cache decoding equals full recompute: same tokens, logits within 1e-4, for a
+ragged batch of mixed text and image prompts, for every reallocation of the concept model and for
+the MoE baseline."""
 from __future__ import annotations
 
 import dataclasses
@@ -20,34 +21,43 @@ V, PAD_IMG, STEPS = 64, 1, 64
 
 
 def vision_cfg():
-    return VisionConfig(processor=ImageProcessorConfig(patch_size=4, min_patches=4, max_patches=16, merge=2),
+    return VisionConfig(processor=ImageProcessorConfig(patch_size=4, min_patches=4, max_patches=16,
+                                                       merge=2),
                         encoder=NaViTConfig(hidden_size=16, num_layers=1, num_heads=2, max_grid=16))
 
 
 def lm(**chunk) -> ModelConfig:
     return ModelConfig(vocab_size=V, hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8,
                        encoder_layers=1, concept_layers=2, decoder_layers=2,
-                       moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=32), chunk=ChunkConfig(**chunk))
+                       moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=32),
+                       chunk=ChunkConfig(**chunk))
 
 
 VARIANTS = {
-    "conceptmoe": lm(merge="sum"),                               # as configs/default.yaml; joint decoding everywhere
+    # as configs/default.yaml; joint decoding everywhere
+    "conceptmoe": lm(merge="sum"),
     "last_merge_one_joint_layer": lm(merge="last", joint_decoding_layers=1),
     "linear_router_mean": lm(merge="mean", router="linear", residual="linear"),
     "fixed_router_last": lm(merge="last", router="fixed", target_ratio=3.0),
     "delta_residual_last": lm(merge="last", residual="delta"),     # the conversion's dechunk
     "local_window": dataclasses.replace(lm(merge="sum"), attention_window=3),
     "topk_router": lm(merge="sum", router="topk"),
-    "topk_router_delta": lm(merge="last", router="topk", residual="delta"),   # eq. 3's gate on c and c_in
-    "loop_more_experts": dataclasses.replace(lm(), loop_start=0, loop_end=2, loop_times=1, concept_pos="none"),
-    "more_experts": dataclasses.replace(lm(), concept_moe=MoEConfig(num_experts=8, top_k=3, expert_hidden=32)),
-    "wider_concept": dataclasses.replace(lm(), concept_hidden_size=48, concept_num_heads=6, concept_num_kv_heads=3),
+    # eq. 3's gate on c and c_in
+    "topk_router_delta": lm(merge="last", router="topk", residual="delta"),
+    "loop_more_experts": dataclasses.replace(lm(), loop_start=0, loop_end=2, loop_times=1,
+                                             concept_pos="none"),
+    "more_experts": dataclasses.replace(lm(),
+                                        concept_moe=MoEConfig(num_experts=8, top_k=3,
+                                                              expert_hidden=32)),
+    "wider_concept": dataclasses.replace(lm(), concept_hidden_size=48, concept_num_heads=6,
+                                         concept_num_kv_heads=3),
     "moe_baseline": lm(enabled=False),
 }
 
 
 def picture(seed, size):
-    return Image.fromarray(np.random.default_rng(seed).integers(0, 255, (size[1], size[0], 3), dtype=np.uint8))
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 255, (size[1], size[0], 3),
+                                                                dtype=np.uint8))
 
 
 def prompts(proc, rng):
@@ -128,9 +138,9 @@ def test_cached_decoding_equals_full_recompute(name, sample):
 
 
 def test_topk_decoding_reads_the_learned_threshold():
-    """The top-k router's inference rule is score >= threshold, in the full forward and in `step` alike. Every
-    model above has threshold 0 (never trained); a non-zero one must move the boundaries and leave cached
-    decoding equal to recompute."""
+    """The top-k router's inference rule is score >= threshold, in the full forward and in `step`
+    alike. Every model above has threshold 0 (never trained); a non-zero one must move the
+    boundaries and leave cached decoding equal to recompute."""
     torch.manual_seed(0)
     vc = vision_cfg()
     model = ConceptMoEVLM(VARIANTS["topk_router"], vc).eval()
@@ -149,13 +159,15 @@ def test_concept_cache_holds_one_entry_per_realized_concept():
     model = ConceptMoEVLM(VARIANTS["conceptmoe"], vc).eval()
     rows = prompts(vc.build_processor(), np.random.default_rng(0))
     _, cache = decode_both(model, rows, sample=False)
-    full = model(batch_of(rows, [[0] * STEPS for _ in rows]))   # the boundaries of the same tokens, recomputed
+    # the boundaries of the same tokens, recomputed
+    full = model(batch_of(rows, [[0] * STEPS for _ in rows]))
     concepts_B = cache.chunk.n_concepts_B
     assert all(torch.equal(c.len_B, concepts_B) for c in cache.concept)
     assert 0 < int(concepts_B.sum()) < int(cache.len_B.sum())
     per_concept = cache.concept_bytes() / int(concepts_B.sum()) / len(cache.concept)
     per_token = cache.token_bytes() / int(cache.len_B.sum()) / (len(cache.encoder) + len(cache.decoder))
-    assert per_concept == per_token            # same width here: the concept cache is 1/R of a token cache
+    # same width here: the concept cache is 1/R of a token cache
+    assert per_concept == per_token
     del full
 
 
@@ -167,7 +179,9 @@ def test_decode_benchmark_runs_and_writes_its_table(tmp_path):
 
     assert main(["decode", "--smoke", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "decode.json").read_text())["rows"]
-    assert {r["candidate"] for r in rows} == {"baseline (MoE)", "more_experts", "loop_more_experts", "wider_concept"}
+    assert {r["candidate"] for r in rows} == {"baseline (MoE)", "more_experts", "loop_more_experts",
+                                              "wider_concept"}
     base = next(r for r in rows if r["candidate"] == "baseline (MoE)")
-    assert all(r["kv_bytes_per_seq"] < base["kv_bytes_per_seq"] for r in rows if r is not base)   # L/R concepts
+    # L/R concepts
+    assert all(r["kv_bytes_per_seq"] < base["kv_bytes_per_seq"] for r in rows if r is not base)
     assert (tmp_path / "decode.png").stat().st_size > 0

@@ -1,9 +1,10 @@
-"""Launches per training step (issue 35 item 5): one eager training step of configs/gpu.yaml's LLM layout, at width
-128 so it runs on a CPU, dispatches at most half the operators the code did before the GPU work (71c293f, measured
-with the same counter, eval.bench.common.count_operators: every aten op but views; AdamW was unfused then), for the
-MoE baseline and the more_experts reallocation at R = 2, with the CPU's attention (auto: one SDPA per document) and
-with the packed-mask SDPA the compiled and GPU paths share. Each dispatched operator is a kernel launch on a GPU in
-eager mode, so the count is the launch count's proxy on a machine without one."""
+"""Launches per training step (issue 35 item 5): one eager training step of configs/gpu.yaml's LLM
+layout, at width 128 so it runs on a CPU, dispatches at most half the operators the code did before
+the GPU work (71c293f, measured with the same counter, eval.bench.common.count_operators: every aten
+op but views; AdamW was unfused then), for the MoE baseline and the more_experts reallocation at R =
+2, with the CPU's attention (auto: one SDPA per document) and with the packed-mask SDPA the compiled
+and GPU paths share. Each dispatched operator is a kernel launch on a GPU in eager mode, so the
+count is the launch count's proxy on a machine without one."""
 from __future__ import annotations
 
 import pytest
@@ -26,8 +27,9 @@ def gpu_layout_at_width_128(backend: str) -> ModelConfig:
     """gpu.yaml's LLM layout (2 + 12 + 2 layers, 32 experts top-4 plus a shared one, GQA 2:1) at width 128."""
     return ModelConfig(vocab_size=1024, hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32,
                        encoder_layers=2, concept_layers=12, decoder_layers=2,
-                       moe=MoEConfig(num_experts=32, top_k=4, expert_hidden=64, num_shared_experts=1,
-                                     shared_hidden=128), attn_backend=backend).baseline()
+                       moe=MoEConfig(num_experts=32, top_k=4, expert_hidden=64,
+                                     num_shared_experts=1, shared_hidden=128),
+                       attn_backend=backend).baseline()
 
 
 @pytest.mark.parametrize("backend", ["auto", "sdpa"])
@@ -37,7 +39,8 @@ def test_one_training_step_launches_at_most_half_what_it_did(name, backend):
     cfg = base if name == "baseline" else reallocate(base, 2.0)[name]
     torch.manual_seed(0)
     model = ConceptMoELM(cfg).train()
-    opt = build_optimizer([{"params": list(model.parameters())}], OptimConfig())   # what the trainer builds
+    # what the trainer builds
+    opt = build_optimizer([{"params": list(model.parameters())}], OptimConfig())
     T = 512
     ids = torch.randint(0, cfg.vocab_size, (2, T))
     batch = PackedBatch.stack([PackedBatch.from_documents([r.tolist()]) for r in ids])
@@ -52,5 +55,6 @@ def test_one_training_step_launches_at_most_half_what_it_did(name, backend):
     step()   # the optimizer's state exists from here on, as in every later step
     n = count_operators(step)
     before = BEFORE[name, backend]
-    print(f"{name}, {backend}: {n} operators per step, {before / n:.2f}x fewer than before ({before})")
+    print(f"{name}, {backend}: {n} operators per step, {before / n:.2f}x fewer than before "
+          f"({before})")
     assert n <= before / 2

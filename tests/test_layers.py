@@ -1,5 +1,6 @@
-"""The packages are layers: a module imports only its own layer or lower ones (deferred imports included),
-and no two modules import each other, directly or round a longer cycle, a package's `__init__` included."""
+"""The packages are layers: a module imports only its own layer or lower ones (deferred imports
+included), and no two modules import each other, directly or round a longer cycle, a package's
+`__init__` included."""
 from __future__ import annotations
 
 import ast
@@ -15,7 +16,8 @@ def layer(module: str) -> int:
     """Lowest first: the config system; data and vision; the model; the trainer and the CLI; eval."""
     if module.startswith("vlm.model"):
         return 2
-    return {"configs": 0, "vision": 1, "data_pipelines": 1, "vlm": 3, "eval": 4}[module.split(".")[0]]
+    return {"configs": 0, "vision": 1, "data_pipelines": 1, "vlm": 3,
+    "eval": 4}[module.split(".")[0]]
 
 
 def modules() -> dict[str, Path]:
@@ -29,8 +31,9 @@ def modules() -> dict[str, Path]:
 
 def imports(module: str, path: Path, known: dict[str, Path]) -> list[tuple[str, int]]:
     """(project module, line) for every import statement anywhere in the file, functions included.
-    `from P import n` reads P's namespace, so it depends on P itself (a package: its `__init__`) as well as on
-    P.n when that is a module: `from eval.experiments import registry` runs and reads `eval/experiments/__init__`."""
+    `from P import n` reads P's namespace, so it depends on P itself (a package: its `__init__`) as
+    well as on P.n when that is a module: `from eval.experiments import registry` runs and reads
+    `eval/experiments/__init__`."""
     def resolve(name: str) -> str | None:
         while name and name not in known:
             name = name.rpartition(".")[0]
@@ -44,7 +47,8 @@ def imports(module: str, path: Path, known: dict[str, Path]) -> list[tuple[str, 
             base = node.module or ""
             if node.level:
                 pkg = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
-                base = ".".join(pkg[:len(pkg) - node.level + 1] + ([node.module] if node.module else []))
+                base = ".".join(pkg[:len(pkg) - node.level + 1] + ([node.module] if node.module
+                                                                   else []))
             names = [base] + [f"{base}.{a.name}" for a in node.names]
         else:
             continue
@@ -61,7 +65,8 @@ def graph() -> dict[str, list[tuple[str, int]]]:
 
 
 def test_no_module_imports_a_higher_layer(graph):
-    upward = [f"{m}:{line} imports {t}" for m, deps in graph.items() for t, line in deps if layer(t) > layer(m)]
+    upward = [f"{m}:{line} imports {t}" for m, deps in graph.items() for t, line in deps
+              if layer(t) > layer(m)]
     assert not upward, "upward imports:\n" + "\n".join(upward)
 
 
@@ -71,8 +76,8 @@ def test_vision_and_data_pipelines_do_not_import_each_other_both_ways(graph):
 
 
 def import_cycles(graph: dict[str, list[tuple[str, int]]]) -> list[list[str]]:
-    """Every set of modules that import each other (directly or round a longer cycle), each cycle's modules
-    sorted and written with the import lines that close it (`a:12 -> b`)."""
+    """Every set of modules that import each other (directly or round a longer cycle), each cycle's
+    modules sorted and written with the import lines that close it (`a:12 -> b`)."""
     index, low, stack, on_stack, found = {}, {}, [], set(), []
 
     def visit(v):   # Tarjan's strongly connected components
@@ -95,7 +100,8 @@ def import_cycles(graph: dict[str, list[tuple[str, int]]]) -> list[list[str]]:
                     break
             if len(comp) > 1:
                 members = set(comp)
-                found.append(sorted(f"{m}:{line} -> {t}" for m in comp for t, line in graph[m] if t in members))
+                found.append(sorted(f"{m}:{line} -> {t}" for m in comp for t, line in graph[m]
+                                    if t in members))
 
     for v in graph:
         if v not in index:
@@ -109,8 +115,8 @@ def test_no_import_cycles(graph):
 
 
 def test_a_cycle_through_a_package_init_is_seen(tmp_path):
-    """The shape `eval.experiments` had: its `__init__` imported its `cli`, whose command did
-    `from eval.experiments import registry` (deferred): the two import each other through the package."""
+    """The shape `eval.experiments` had: its `__init__` imported its `cli`, whose command did `from
+    eval.experiments import registry` (deferred): the two import each other through the package."""
     pkg = tmp_path / "eval" / "experiments"
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text("from eval.experiments.cli import add_command\n"
@@ -122,7 +128,8 @@ def test_a_cycle_through_a_package_init_is_seen(tmp_path):
     graph = {m: imports(m, p, known) for m, p in known.items()}
     assert import_cycles(graph) == [["eval.experiments.cli:2 -> eval.experiments",
                                      "eval.experiments:1 -> eval.experiments.cli"]]
-    # the fix: the command lives in cli (the entry point names it there) and __init__ imports nothing from it
+    # the fix: the command lives in cli (the entry point names it there) and __init__ imports
+    # nothing from it
     (pkg / "__init__.py").write_text("from eval.experiments.registry import RECIPES\n")
     graph = {m: imports(m, p, known) for m, p in known.items()}
     assert import_cycles(graph) == []
@@ -133,7 +140,8 @@ def test_the_checker_sees_deferred_and_relative_imports(tmp_path):
     pkg = tmp_path / "data_pipelines"
     pkg.mkdir()
     (pkg / "x.py").write_text("def f():\n    from vlm.train import trainer\nfrom . import y\n")
-    known = {"data_pipelines.x": pkg / "x.py", "data_pipelines.y": pkg / "y.py", "vlm.train.trainer": Path("t.py"),
-             "vlm.train": Path("i.py")}
-    assert sorted(imports("data_pipelines.x", pkg / "x.py", known)) == [("data_pipelines.y", 3), ("vlm.train", 2),
+    known = {"data_pipelines.x": pkg / "x.py", "data_pipelines.y": pkg / "y.py",
+             "vlm.train.trainer": Path("t.py"), "vlm.train": Path("i.py")}
+    assert sorted(imports("data_pipelines.x", pkg / "x.py", known)) == [("data_pipelines.y", 3),
+                                                                        ("vlm.train", 2),
                                                                        ("vlm.train.trainer", 2)]

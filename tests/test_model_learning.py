@@ -26,7 +26,8 @@ def batches(data: bytes, rows: int, T: int, seed: int):
         out = []
         for s in starts.tolist():  # two documents per row, split at a random point
             cut = int(torch.randint(T // 4, 3 * T // 4, (1,), generator=g))
-            out.append(PackedBatch.from_documents([ids[s: s + cut].tolist(), ids[s + T: s + 2 * T - cut].tolist()]))
+            out.append(PackedBatch.from_documents([ids[s: s + cut].tolist(),
+                                                   ids[s + T: s + 2 * T - cut].tolist()]))
         yield PackedBatch.stack(out)
 
 

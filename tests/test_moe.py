@@ -20,18 +20,20 @@ HAS_GMM = hasattr(torch, "_grouped_mm")
 
 def make_moe(dim=16, **kw) -> MoE:
     base = dict(num_experts=8, top_k=3, expert_hidden=12, shared_hidden=8, balance_loss_weight=0.01,
-                z_loss_weight=1e-3, grove_hidden=8, grove_lambda=0.25)   # Grove's bound g/n for 2 groups of 8
+                # Grove's bound g/n for 2 groups of 8
+                z_loss_weight=1e-3, grove_hidden=8, grove_lambda=0.25)
     base.update(kw)
     torch.manual_seed(0)
-    # A larger init than the default makes expert outputs and router scores far from zero, so a wrong
-    # weight or a wrong selection shows up well above float noise.
+    # A larger init than the default makes expert outputs and router scores far from zero, so a
+    # wrong weight or a wrong selection shows up well above float noise.
     return MoE(MoEConfig(**base), dim, init_std=0.3)
 
 
 def reference_routing(m: MoE, x_ND):
     """Routing written out from the spec, independently of vlm.model.moe."""
     logits = x_ND.float() @ m.router.weight.float().t()
-    if m.cfg.router == "grove":   # Grove eq. 9-10: choose by sigmoid + bias, weigh by the softmax over all experts
+    # Grove eq. 9-10: choose by sigmoid + bias, weigh by the softmax over all experts
+    if m.cfg.router == "grove":
         biased = logits.sigmoid() + m.expert_bias if m.cfg.loss_free_balancing else logits.sigmoid()
         sel_NK = biased.topk(m.cfg.top_k, dim=-1).indices
         w_NK = logits.softmax(-1).gather(1, sel_NK)
@@ -56,12 +58,14 @@ def dense_reference(m: MoE, x_ND):
     T, E = x_ND.shape[0], m.num_experts
     sel_NK, w_NK = reference_routing(m, x_ND)
     dense_NE = torch.zeros(T, E).scatter(1, sel_NK, w_NK)
-    y_END = torch.stack([swiglu(x_ND, m.w_gate_EDF[e], m.w_up_EDF[e], m.w_down_EFD[e]) for e in range(E)])
+    y_END = torch.stack([swiglu(x_ND, m.w_gate_EDF[e], m.w_up_EDF[e], m.w_down_EFD[e])
+                         for e in range(E)])
     out = torch.einsum("te,etd->td", dense_NE, y_END)
     if m.cfg.grove_groups:
         G = m.cfg.grove_groups
         rho_NG = dense_NE.view(T, G, E // G).sum(-1)
-        a_GND = torch.stack([swiglu(x_ND, m.adj_gate_GDF[g], m.adj_up_GDF[g], m.adj_down_GFD[g]) for g in range(G)])
+        a_GND = torch.stack([swiglu(x_ND, m.adj_gate_GDF[g], m.adj_up_GDF[g], m.adj_down_GFD[g])
+                             for g in range(G)])
         out = out + m.cfg.grove_lambda * torch.einsum("tg,gtd->td", rho_NG, a_GND)
     if m.shared is not None:
         out = out + m.shared(x_ND)
@@ -72,7 +76,8 @@ def run_with_grads(m: MoE, x_ND, fn):
     m.zero_grad(set_to_none=True)
     x = x_ND.clone().requires_grad_(True)
     y = fn(x)
-    # A non-uniform upstream gradient, then a stride-0 one (.sum()) that _grouped_mm's backward rejects raw.
+    # A non-uniform upstream gradient, then a stride-0 one (.sum()) that _grouped_mm's backward
+    # rejects raw.
     g = torch.linspace(-1, 1, y.numel()).view_as(y)
     ((y * g).sum() + y.sum()).backward()
     grads = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
@@ -80,8 +85,8 @@ def run_with_grads(m: MoE, x_ND, fn):
 
 
 @pytest.mark.parametrize("router,shared,grove,norm", [
-    ("softmax", 0, 0, True), ("softmax", 2, 4, True), ("sigmoid", 1, 2, False), ("softmax", 0, 4, False),
-    ("grove", 0, 4, False)])
+    ("softmax", 0, 0, True), ("softmax", 2, 4, True), ("sigmoid", 1, 2, False),
+    ("softmax", 0, 4, False), ("grove", 0, 4, False)])
 def test_grouped_mm_equals_loop_equals_dense(router, shared, grove, norm):
     m = make_moe(router=router, num_shared_experts=shared, grove_groups=grove, norm_topk_prob=norm,
                  balance_loss_weight=0.0, z_loss_weight=0.0)
@@ -98,14 +103,16 @@ def test_grouped_mm_equals_loop_equals_dense(router, shared, grove, norm):
         torch.testing.assert_close(got[1], ref[1], rtol=1e-5, atol=1e-5, msg=f"{path} grad x")
         assert got[2].keys() - {"router.weight"} == ref[2].keys() - {"router.weight"}
         for name, g in ref[2].items():
-            torch.testing.assert_close(got[2][name], g, rtol=1e-4, atol=1e-5, msg=f"{path} grad {name}")
+            torch.testing.assert_close(got[2][name], g, rtol=1e-4, atol=1e-5,
+                                       msg=f"{path} grad {name}")
 
 
 @pytest.mark.skipif(not HAS_GMM, reason="torch._grouped_mm not in this torch")
 def test_expert_swiglu_grouped_backward_takes_any_gradient_layout():
-    # .sum().backward() feeds a stride-0 gradient straight into the last grouped matmul; an empty expert too; and
-    # two padding slots (group id = the expert count) that no expert computes: they come out as exactly 0 and pass
-    # no gradient back, although the grouped kernel leaves their rows unwritten.
+    # .sum().backward() feeds a stride-0 gradient straight into the last grouped matmul; an empty
+    # expert too; and two padding slots (group id = the expert count) that no expert computes: they
+    # come out as exactly 0 and pass no gradient back, although the grouped kernel leaves their rows
+    # unwritten.
     torch.manual_seed(0)
     groups_N1 = torch.tensor([0] * 3 + [2] * 5 + [3] * 2 + [4] * 2)[torch.randperm(12)][:, None]
     slots = moe_mod.sort_by_group(groups_N1, 4)
@@ -136,7 +143,8 @@ def test_grouped_mm_bf16_and_fallback_on_misaligned_dims():
         outs[path] = run_with_grads(m, x, lambda x: m(x)[0])
     torch.testing.assert_close(outs["grouped_mm"][0], outs["loop"][0], rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(outs["grouped_mm"][1], outs["loop"][1], rtol=2e-2, atol=2e-2)
-    # dim=6 breaks the 16-byte row alignment: "auto" must fall back to the loop, "grouped_mm" must say why.
+    # dim=6 breaks the 16-byte row alignment: "auto" must fall back to the loop, "grouped_mm" must
+    # say why.
     m6 = make_moe(dim=6)
     x6 = torch.randn(11, 6)
     assert not grouped_mm_available(x6, m6.w_gate_EDF, m6.w_down_EFD)
@@ -147,8 +155,8 @@ def test_grouped_mm_bf16_and_fallback_on_misaligned_dims():
 
 
 def test_grove_adjugate_once_per_token_per_group_and_eq4(monkeypatch):
-    # 8 experts in 2 groups with top-3: every token has >= 2 selected experts in one group (pigeonhole),
-    # so a per-expert adjugate would run more often than a per-group one.
+    # 8 experts in 2 groups with top-3: every token has >= 2 selected experts in one group
+    # (pigeonhole), so a per-expert adjugate would run more often than a per-group one.
     m = make_moe(num_experts=8, top_k=3, grove_groups=2, balance_loss_weight=0.0, z_loss_weight=0.0)
     x = torch.randn(23, 16)
     calls = []
@@ -170,7 +178,8 @@ def test_grove_adjugate_once_per_token_per_group_and_eq4(monkeypatch):
     assert hand_total < x.shape[0] * 3
     assert calls == [(hand_total, hand_per_group)]
     assert float(stats.adjugate_per_token) == pytest.approx(hand_total / x.shape[0])
-    assert all(math.ceil(3 / per_group) <= len(s) <= 3 for s in hand_pairs)  # Grove's range per token
+    # Grove's range per token
+    assert all(math.ceil(3 / per_group) <= len(s) <= 3 for s in hand_pairs)
 
     # Eq. 4 evaluated directly: y = sum_i rho_i (E_i(x) + lambda A_j(x)), token by token.
     lam = m.cfg.grove_lambda
@@ -190,7 +199,8 @@ def imbalance(load_E: torch.Tensor) -> tuple[float, float]:
     return float(load_E.max() / load_E.mean()), float(load_E.std(unbiased=False) / load_E.mean())
 
 
-@pytest.mark.parametrize("router,update", [("softmax", "sign"), ("sigmoid", "sign"), ("grove", "rms")])
+@pytest.mark.parametrize("router,update",
+                         [("softmax", "sign"), ("sigmoid", "sign"), ("grove", "rms")])
 def test_loss_free_balancing_reduces_imbalance(router, update):
     m = make_moe(router=router, top_k=2, bias_update_rate=0.003, grove_groups=0, bias_update=update)
     D = m.dim
@@ -215,15 +225,16 @@ def test_loss_free_balancing_reduces_imbalance(router, update):
     x = batch(4096)
     y, stats = m(x)
     after = imbalance(stats.load_E)
-    print(f"\n[{router}] max/mean load {before[0]:.2f} -> {after[0]:.2f}, CV {before[1]:.2f} -> {after[1]:.2f}")
+    print(f"\n[{router}] max/mean load {before[0]:.2f} -> {after[0]:.2f}, CV {before[1]:.2f} -> "
+          f"{after[1]:.2f}")
     assert before[0] > 2.5 and before[1] > 0.8
     assert after[1] < before[1] / 3 and after[0] < 0.6 * before[0]
     if router in ("sigmoid", "grove"):  # sigmoid selection balances tightly (Grove eq. 9-10)
         assert after[0] < 1.25
     assert abs(float(m.expert_bias.mean())) < 1e-6 and float(m.expert_bias.abs().max()) > 0.05
 
-    # Weights still come from the unbiased scores: the layer equals the reference that weighs the (biased)
-    # selection with unbiased scores, and not one that weighs it with biased scores.
+    # Weights still come from the unbiased scores: the layer equals the reference that weighs the
+    # (biased) selection with unbiased scores, and not one that weighs it with biased scores.
     r = route(x @ m.router.weight.t(), m.cfg, m.expert_bias)
     sel_NK, w_NK = reference_routing(m, x)
     assert torch.equal(r.experts_NK, sel_NK)
@@ -241,8 +252,10 @@ def test_grove_eq8_rms_bias_step():
     F_, Q = load / load.sum(), 0.25
     step = (F_ - Q) / ((F_ - Q) ** 2).mean().sqrt()
     expected = -0.01 * step
-    torch.testing.assert_close(loss_free_bias_step(torch.zeros(4), load, 0.01, "rms"), expected - expected.mean())
-    assert torch.equal(loss_free_bias_step(torch.zeros(4), torch.full((4,), 5.0), 0.01, "rms"), torch.zeros(4))
+    torch.testing.assert_close(loss_free_bias_step(torch.zeros(4), load, 0.01, "rms"),
+                               expected - expected.mean())
+    assert torch.equal(loss_free_bias_step(torch.zeros(4), torch.full((4,), 5.0), 0.01, "rms"),
+                       torch.zeros(4))
 
 
 def test_load_accumulation_update_and_all_reduce():
@@ -256,14 +269,16 @@ def test_load_accumulation_update_and_all_reduce():
     m(x1)
     torch.testing.assert_close(m.load_accum, l1 + l2)  # eval does not count
     m.train()
-    # Activation checkpointing re-runs forward inside backward; that run must not be counted again: a stack counts
-    # its blocks' loads outside them (block.run_stack), with every checkpointing mode.
+    # Activation checkpointing re-runs forward inside backward; that run must not be counted again:
+    # a stack counts its blocks' loads outside them (block.run_stack), with every checkpointing
+    # mode.
     from configs.batch import PackedBatch
     from vlm.model.config import ModelConfig
     from vlm.model.conceptmoe import ConceptMoELM
 
-    cfg = ModelConfig(vocab_size=50, hidden_size=16, num_heads=2, num_kv_heads=1, head_dim=8, encoder_layers=1,
-                      concept_layers=1, decoder_layers=1, moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=16)).baseline()
+    cfg = ModelConfig(vocab_size=50, hidden_size=16, num_heads=2, num_kv_heads=1, head_dim=8,
+                      encoder_layers=1, concept_layers=1, decoder_layers=1,
+                      moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=16)).baseline()
     batch = PackedBatch.from_documents([list(range(3, 20)), list(range(5, 14))], row_len=32)
     accums = {}
     for mode in ("none", "full", "selective"):
@@ -272,10 +287,13 @@ def test_load_accumulation_update_and_all_reduce():
         lm.activation_checkpoint = mode
         lm(batch).loss.backward()
         accums[mode] = torch.cat([moe.load_accum for moe in lm.modules() if isinstance(moe, MoE)])
-    assert float(accums["none"].sum()) == 3 * 2 * 26          # 3 layers x top-2 x 26 real tokens: padding unseen
-    assert torch.equal(accums["full"], accums["none"]) and torch.equal(accums["selective"], accums["none"])
+    # 3 layers x top-2 x 26 real tokens: padding unseen
+    assert float(accums["none"].sum()) == 3 * 2 * 26
+    assert torch.equal(accums["full"], accums["none"]) and torch.equal(accums["selective"],
+                                                                       accums["none"])
 
-    # update_moe_biases: one all-reduce (here: 2 identical ranks) then the sign step, recentred, accumulator reset.
+    # update_moe_biases: one all-reduce (here: 2 identical ranks) then the sign step, recentred,
+    # accumulator reset.
     m.load_accum.copy_(l1 + l2)
     expected = m.expert_bias + 1e-3 * torch.sign(2 * (l1 + l2).mean() - 2 * (l1 + l2))
     expected -= expected.mean()
@@ -304,24 +322,33 @@ def test_softmax_router_matches_mixtral_formula_and_qwen_norm_false():
     r = route(logits, cfg, None)
     top_logits, top_idx = logits.topk(2, dim=-1)
     assert torch.equal(r.experts_NK, top_idx)
-    torch.testing.assert_close(r.weights_NK, top_logits.softmax(-1))  # Mixtral: softmax over selected logits
-    r_raw = route(logits, MoEConfig(num_experts=8, top_k=2, norm_topk_prob=False, loss_free_balancing=False), None)
-    torch.testing.assert_close(r_raw.weights_NK, logits.softmax(-1).gather(1, top_idx))  # Qwen norm_topk_prob=False
+    # Mixtral: softmax over selected logits
+    torch.testing.assert_close(r.weights_NK, top_logits.softmax(-1))
+    r_raw = route(logits,
+                  MoEConfig(num_experts=8, top_k=2, norm_topk_prob=False,
+                            loss_free_balancing=False), None)
+    # Qwen norm_topk_prob=False
+    torch.testing.assert_close(r_raw.weights_NK, logits.softmax(-1).gather(1, top_idx))
 
 
 def test_grove_router_eq9_weighs_the_chosen_experts_by_the_full_softmax():
-    """Grove eq. 9-10: y = sum over argtopk(rho^(sigma) + b) of rho^(h)_i e_i, rho^(h) the softmax over all n
-    experts, not renormalised over the chosen ones. One token, logits (2, 1, 0, -1), bias 0.6 on expert 2:
-    sigmoid + b = (0.881, 0.731, 1.1, 0.269) chooses experts 2 and 0; rho^(h) = e^x / 11.475217."""
+    """Grove eq. 9-10: y = sum over argtopk(rho^(sigma) + b) of rho^(h)_i e_i, rho^(h) the softmax
+    over all n experts, not renormalised over the chosen ones. One token, logits (2, 1, 0, -1), bias
+    0.6 on expert 2: sigmoid + b = (0.881, 0.731, 1.1, 0.269) chooses experts 2 and 0; rho^(h) = e^x
+    / 11.475217."""
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
     bias = torch.tensor([0.0, 0.0, 0.6, 0.0])
     r = route(logits, MoEConfig(num_experts=4, top_k=2, router="grove"), bias)
     assert r.experts_NK.tolist() == [[2, 0]]
-    torch.testing.assert_close(r.weights_NK, torch.tensor([[0.087144, 0.643914]]), rtol=0, atol=1e-6)
-    assert float(r.weights_NK.sum()) == pytest.approx(0.731058, abs=1e-6)   # < 1: eq. 9 does not renormalise
+    torch.testing.assert_close(r.weights_NK, torch.tensor([[0.087144, 0.643914]]), rtol=0,
+                               atol=1e-6)
+    # < 1: eq. 9 does not renormalise
+    assert float(r.weights_NK.sum()) == pytest.approx(0.731058, abs=1e-6)
     # the non-paper option: the same two weights rescaled to sum to 1
-    r = route(logits, MoEConfig(num_experts=4, top_k=2, router="grove", grove_weights="renormalised"), bias)
-    torch.testing.assert_close(r.weights_NK, torch.tensor([[0.119203, 0.880797]]), rtol=0, atol=1e-6)
+    r = route(logits, MoEConfig(num_experts=4, top_k=2, router="grove",
+                                grove_weights="renormalised"), bias)
+    torch.testing.assert_close(r.weights_NK, torch.tensor([[0.119203, 0.880797]]), rtol=0,
+                               atol=1e-6)
     # the layer: every token's output is eq. 9's sum, and its chosen weights sum to less than 1
     m = make_moe(router="grove", grove_groups=0, num_shared_experts=0)
     x = torch.randn(11, 16)
@@ -337,13 +364,16 @@ def test_grove_lambda_bound_is_part_of_the_config():
         from_dict(MoEConfig, {"num_experts": 8, "grove_groups": 2, "grove_lambda": 0.9})
     with pytest.raises(ConfigError, match="grove_lambda=0.26"):
         MoE(MoEConfig(num_experts=8, grove_groups=2, grove_lambda=0.26), 16)
-    from_dict(MoEConfig, {"num_experts": 8, "grove_groups": 2, "grove_lambda": 0.25})          # at the bound
-    from_dict(MoEConfig, {"num_experts": 8, "grove_groups": 0, "grove_lambda": 0.9})           # no adjugates
+    # at the bound
+    from_dict(MoEConfig, {"num_experts": 8, "grove_groups": 2, "grove_lambda": 0.25})
+    # no adjugates
+    from_dict(MoEConfig, {"num_experts": 8, "grove_groups": 0, "grove_lambda": 0.9})
 
 
 def test_loss_free_bias_of_each_layer_moves_by_its_own_loads():
-    """Two MoE layers with opposite loads: after update_moe_biases each layer's bias is the step of its own
-    loads (one all-reduce for all layers, split back in module order), with and without an all-reduce."""
+    """Two MoE layers with opposite loads: after update_moe_biases each layer's bias is the step of
+    its own loads (one all-reduce for all layers, split back in module order), with and without an
+    all-reduce."""
     for all_reduce in (lambda t: t.clone(), None):
         a, b = make_moe(num_experts=4, top_k=1), make_moe(num_experts=4, top_k=1, bias_update="rms")
         a.load_accum.copy_(torch.tensor([9.0, 1.0, 1.0, 1.0]))
@@ -353,7 +383,8 @@ def test_loss_free_bias_of_each_layer_moves_by_its_own_loads():
         update_moe_biases(torch.nn.ModuleList([a, b]), all_reduce)
         torch.testing.assert_close(a.expert_bias, want_a)
         torch.testing.assert_close(b.expert_bias, want_b)
-        assert float(a.expert_bias[0]) < 0 and float(b.expert_bias[3]) < 0   # the over-loaded expert goes down
+        # the over-loaded expert goes down
+        assert float(a.expert_bias[0]) < 0 and float(b.expert_bias[3]) < 0
 
 
 @pytest.mark.parametrize("arch,norm", [("mixtral", True), ("qwen3", True), ("qwen3", False)])
@@ -363,15 +394,17 @@ def test_matches_hf_sparse_moe_block(arch, norm):
     if arch == "mixtral":
         from transformers import MixtralConfig
         from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock as Block
-        hf_cfg = MixtralConfig(hidden_size=D, intermediate_size=hidden, num_local_experts=E, num_experts_per_tok=K)
+        hf_cfg = MixtralConfig(hidden_size=D, intermediate_size=hidden, num_local_experts=E,
+                               num_experts_per_tok=K)
     else:
         from transformers import Qwen3MoeConfig
         from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock as Block
-        hf_cfg = Qwen3MoeConfig(hidden_size=D, moe_intermediate_size=hidden, num_experts=E, num_experts_per_tok=K,
-                                norm_topk_prob=norm)
+        hf_cfg = Qwen3MoeConfig(hidden_size=D, moe_intermediate_size=hidden, num_experts=E,
+                                num_experts_per_tok=K, norm_topk_prob=norm)
     torch.manual_seed(0)
     hf = Block(hf_cfg).eval()
-    ours = MoE(MoEConfig(num_experts=E, top_k=K, expert_hidden=hidden, norm_topk_prob=norm), D).eval()
+    ours = MoE(MoEConfig(num_experts=E, top_k=K, expert_hidden=hidden, norm_topk_prob=norm),
+               D).eval()
     with torch.no_grad():
         for p in hf.parameters():
             p.normal_(0, 0.3)
@@ -385,24 +418,27 @@ def test_matches_hf_sparse_moe_block(arch, norm):
 
 
 def test_balance_and_z_loss_values_and_sigmoid_router():
-    # Hand-made: 2 tokens, 4 experts, top-1 picks experts 0 and 1 -> f = [.5, .5, 0, 0], P = [.4, .4, .1, .1].
+    # Hand-made: 2 tokens, 4 experts, top-1 picks experts 0 and 1 -> f = [.5, .5, 0, 0], P = [.4,
+    # .4, .1, .1].
     scores = torch.tensor([[0.7, 0.1, 0.1, 0.1], [0.1, 0.7, 0.1, 0.1]])
     sel = torch.tensor([[0], [1]])
-    assert float(switch_balance_loss(scores, sel, False)) == pytest.approx(4 * (0.5 * 0.4 + 0.5 * 0.4))
+    assert float(switch_balance_loss(scores, sel,
+                                     False)) == pytest.approx(4 * (0.5 * 0.4 + 0.5 * 0.4))
     # Sigmoid scores are normalised per token first: doubling them changes nothing.
     assert float(switch_balance_loss(2 * scores, sel, True)) == pytest.approx(1.6)
     assert float(router_z_loss(torch.tensor([[0.0, 0.0], [math.log(3.0), 0.0]]))) == pytest.approx(
         (math.log(2.0) ** 2 + math.log(4.0) ** 2) / 2)
 
-    # A uniform router (zero weights): balance loss is exactly 1 whatever the tie-break, z-loss log(E)^2.
+    # A uniform router (zero weights): balance loss is exactly 1 whatever the tie-break, z-loss
+    # log(E)^2.
     m = make_moe(balance_loss_weight=0.5, z_loss_weight=0.25, loss_free_balancing=False)
     with torch.no_grad():
         m.router.weight.zero_()
     aux = m(torch.randn(12, 16))[1].aux_loss.detach()
     assert float(aux) == pytest.approx(0.5 * 1.0 + 0.25 * math.log(8) ** 2, rel=1e-5)
 
-    # Sigmoid router: weights are sigmoid(selected logits) renormalised, output matches the dense reference,
-    # and the aux loss trains the router.
+    # Sigmoid router: weights are sigmoid(selected logits) renormalised, output matches the dense
+    # reference, and the aux loss trains the router.
     m = make_moe(router="sigmoid", norm_topk_prob=True, balance_loss_weight=0.1, z_loss_weight=0.01)
     x = torch.randn(20, 16)
     logits = x @ m.router.weight.t()

@@ -16,14 +16,16 @@ V, PAD_IMG = 64, 1
 
 
 def vision_cfg():
-    return VisionConfig(processor=ImageProcessorConfig(patch_size=4, min_patches=4, max_patches=16, merge=2),
+    return VisionConfig(processor=ImageProcessorConfig(patch_size=4, min_patches=4, max_patches=16,
+                                                       merge=2),
                         encoder=NaViTConfig(hidden_size=16, num_layers=1, num_heads=2, max_grid=16))
 
 
 def lm_cfg(**chunk):
     return ModelConfig(vocab_size=V, hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8,
                        encoder_layers=1, concept_layers=1, decoder_layers=1,
-                       moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=32), chunk=ChunkConfig(**chunk))
+                       moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=32),
+                       chunk=ChunkConfig(**chunk))
 
 
 def image(seed, size=(12, 8)):
@@ -46,7 +48,8 @@ def row(docs, proc, row_len):
                 mod += [TEXT] * len(seg)
         doc += [d] * (len(ids) - len(doc))
     n = len(ids)
-    labels = [ids[i + 1] if i + 1 < n and doc[i + 1] == doc[i] and mod[i + 1] == TEXT and mod[i] == TEXT
+    labels = [ids[i + 1] if i + 1 < n and doc[i + 1] == doc[i] and mod[i + 1] == TEXT
+              and mod[i] == TEXT
               else IGNORE_INDEX for i in range(n)]
     pos = [0] * n
     for i in range(1, n):
@@ -54,8 +57,8 @@ def row(docs, proc, row_len):
     pad = row_len - n
     t = lambda xs, fill: torch.tensor(xs + [fill] * pad)[None]  # noqa: E731
     return PackedBatch(t(ids, 0), t(labels, IGNORE_INDEX), t(doc, -1), t(pos, 0), t(mod, TEXT),
-                       torch.cat(patches) if patches else None, torch.cat(coords) if coords else None,
-                       torch.tensor(grids) if grids else None)
+                       torch.cat(patches) if patches else None, torch.cat(coords) if coords
+                       else None, torch.tensor(grids) if grids else None)
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +70,8 @@ def setup():
 
 def test_mixed_packing_isolation(setup):
     m, proc = setup
-    docs = [[[5, 6, 7], image(0), [8, 9, 10, 11]], [[12, 13], image(1, (8, 16)), [14], image(2, (16, 8)), [15, 16]],
+    docs = [[[5, 6, 7], image(0), [8, 9, 10, 11]],
+            [[12, 13], image(1, (8, 16)), [14], image(2, (16, 8)), [15, 16]],
             [[20, 21, 22, 23, 24]]]
     alone = [m(row([d], proc, 0 + len(row([d], proc, 64).input_ids[0]))).logits[0] for d in docs]
     packed = m(row(docs, proc, 96)).logits[0]
@@ -98,20 +102,23 @@ def test_mixed_causality(setup):
 def test_per_modality_statistics_hand_counted(setup):
     m, proc = setup
     b = row([[[5, 6, 7], image(0, (16, 16)), [8, 9]], [[10, 11, 12, 13]]], proc, 24)
-    assert (b.modality[0] == IMAGE).nonzero().flatten().tolist() == [3, 4, 5, 6]  # 4x4 patches, 2x2 merged
+    # 4x4 patches, 2x2 merged
+    assert (b.modality[0] == IMAGE).nonzero().flatten().tolist() == [3, 4, 5, 6]
     # Boundaries by hand: doc starts (0 and 9) plus position 2 (text), 3 and 5 (image), 11 (text)
     force = torch.zeros_like(b.doc_ids, dtype=torch.bool)
     force[0, [2, 3, 5, 11]] = True
     out = m(b, force=force)
     s = summarize(out, b)
-    # text: 3 + 2 + 4 = 9 tokens, boundaries at 0, 2, 9, 11 -> 4; image: 4 tokens, boundaries at 3, 5 -> 2
+    # text: 3 + 2 + 4 = 9 tokens, boundaries at 0, 2, 9, 11 -> 4; image: 4 tokens, boundaries at 3,
+    # 5 -> 2
     assert s["tokens/text"] == 9 and s["boundaries/text"] == 4 and s["compression/text"] == pytest.approx(9 / 4)
     assert s["tokens/image"] == 4 and s["boundaries/image"] == 2 and s["compression/image"] == pytest.approx(2.0)
     assert s["compression/ratio"] == pytest.approx(13 / 6)
     p = out.chunks.p_BT[0]
     img = b.modality[0] == IMAGE
     assert s["boundary_p/image"] == pytest.approx(p[img].mean().item(), rel=1e-5)
-    assert s["boundary_p/text"] == pytest.approx(p[(b.doc_ids[0] >= 0) & ~img].mean().item(), rel=1e-5)
+    assert s["boundary_p/text"] == pytest.approx(p[(b.doc_ids[0] >= 0) & ~img].mean().item(),
+                                                 rel=1e-5)
     assert "loss/image_text" in s and "loss/text_only" in s
 
 
@@ -122,7 +129,8 @@ def test_grid_aware_boundaries_compare_with_the_token_above():
     proc = vc.build_processor()
     b = row([[[5], image(3, (16, 16))]], proc, 24)
     above = m.above_index(b)[0]
-    img_pos = (b.modality[0] == IMAGE).nonzero().flatten().tolist()   # 2x2 merged grid at positions 1..4
+    # 2x2 merged grid at positions 1..4
+    img_pos = (b.modality[0] == IMAGE).nonzero().flatten().tolist()
     assert [above[i].item() for i in img_pos] == [-1, -1, img_pos[0], img_pos[1]]
     base = ConceptMoEVLM(lm_cfg(), vc).eval()
     base.load_state_dict(m.state_dict())
@@ -159,7 +167,8 @@ def test_caption_training_lowers_loss_and_reports_both_ratios():
             for _ in range(2):
                 tok = int(rng.choice(list(colours)))
                 img = Image.new("RGB", (12, 12), colours[tok])
-                docs.append([[2], img, [40, 41, tok, 3]])  # "<bos> <image> a photo of <colour> <eos>"
+                # "<bos> <image> a photo of <colour> <eos>"
+                docs.append([[2], img, [40, 41, tok, 3]])
             rows.append(row(docs, proc, 40))
         batch = PackedBatch.stack(rows)
         out = m(batch)
@@ -175,8 +184,8 @@ def test_caption_training_lowers_loss_and_reports_both_ratios():
 
 
 def test_export_round_trips_the_vision_config(tmp_path):
-    """The vision config travels in the transformers config.json; exports written while the encoder still
-    repeated the processor's patch_size and merge load too."""
+    """The vision config travels in the transformers config.json; exports written while the encoder
+    still repeated the processor's patch_size and merge load too."""
     import json
 
     from vlm.model.hf import load_vlm, save_pretrained

@@ -1,7 +1,7 @@
-"""The papers' equations where a one-line slip keeps every other test green (issue 28's planted bugs): joint
-decoding (ConceptMoE eq. 11), the delta residual's straight-through gradient (eq. 10), Synergy's gate (eq. 3-4),
-the top-k router's inference threshold (moved once per optimizer step), and DLCM's global parser under gradient
-accumulation (one big batch's gradient)."""
+"""The papers' equations where a one-line slip keeps every other test green (issue 28's planted
+bugs): joint decoding (ConceptMoE eq. 11), the delta residual's straight-through gradient (eq. 10),
+Synergy's gate (eq. 3-4), the top-k router's inference threshold (moved once per optimizer step),
+and DLCM's global parser under gradient accumulation (one big batch's gradient)."""
 from __future__ import annotations
 
 import copy
@@ -22,8 +22,8 @@ from vlm.model.layers import doc_starts
 
 # ------------------------------------------------------------------ ConceptMoE eq. 11
 def test_joint_decoding_eq11_adds_the_concept_to_q_k_and_v():
-    """q = z W_q + c W^c_q, k = z W_k + c W^c_k, v = z W_v + c W^c_v: the concept enters all three, with c the
-    RMS-normed EMA concept (the one deviation from eq. 11, docs/deviations.md)."""
+    """q = z W_q + c W^c_q, k = z W_k + c W^c_k, v = z W_v + c W^c_v: the concept enters all three,
+    with c the RMS-normed EMA concept (the one deviation from eq. 11, docs/deviations.md)."""
     torch.manual_seed(0)
     attn = Attention(16, 4, 2, 8, qk_norm=False, norm_eps=1e-6, joint=True)
     with torch.no_grad():
@@ -32,7 +32,8 @@ def test_joint_decoding_eq11_adds_the_concept_to_q_k_and_v():
     sizes = [attn.h * attn.hd, attn.kv * attn.hd, attn.kv * attn.hd]
     q, k, v = attn.joint_qkv(z, c).split(sizes, -1)   # q, k and v come out of one matmul
     cn = c * torch.rsqrt(c.pow(2).mean(-1, keepdim=True) + 1e-6) * attn.concept_norm.weight
-    for got, w, wc in ((q, attn.q_proj, attn.cq_proj), (k, attn.k_proj, attn.ck_proj), (v, attn.v_proj, attn.cv_proj)):
+    for got, w, wc in ((q, attn.q_proj, attn.cq_proj), (k, attn.k_proj, attn.ck_proj),
+                       (v, attn.v_proj, attn.cv_proj)):
         torch.testing.assert_close(got, z @ w.weight.t() + cn @ wc.weight.t(), rtol=1e-5, atol=1e-5)
     # without a concept (layers below joint_decoding_layers) it is plain attention
     q0, k0, v0 = attn.joint_qkv(z, None).split(sizes, -1)
@@ -40,15 +41,16 @@ def test_joint_decoding_eq11_adds_the_concept_to_q_k_and_v():
     torch.testing.assert_close(v0, attn.v_proj(z))
 
 
-# ------------------------------------------------------------------ ConceptMoE eq. 10 with residual "delta"
+# ------------------------------------------------------------------ ConceptMoE eq. 10 with residual
+# "delta"
 def forced_chunks(mod: ChunkModule, h, doc, b):
     ch = mod(h, doc, force=b)
     return ch._replace(sel_BT=ch.sel_BT.detach().requires_grad_(True), cp_BM=ch.cp_BM.detach())
 
 
 def test_delta_residual_straight_through_gradient_reaches_p_through_the_whole_update():
-    """z = h + (c - c_in) STE(sel): the forward is h + c - c_in, and d z / d sel = c - c_in (the STE multiplies
-    the concept model's whole update, not c alone)."""
+    """z = h + (c - c_in) STE(sel): the forward is h + c - c_in, and d z / d sel = c - c_in (the STE
+    multiplies the concept model's whole update, not c alone)."""
     torch.manual_seed(0)
     D = 8
     mod = ChunkModule(ChunkConfig(residual="delta"), D)
@@ -70,10 +72,10 @@ def test_delta_residual_straight_through_gradient_reaches_p_through_the_whole_up
 
 # ------------------------------------------------------------------ Synergy eq. 3-4
 def test_topk_router_gates_each_concept_by_sigmoid_of_its_score_eq3():
-    """y_i = x_i + m_i sigma_i Middle(x_i), sigma_i = sigmoid(w_i) (eq. 3-4). With every token a boundary (p = 1,
-    the EMA is the identity) the decoder input is exactly eq. 4; otherwise a token reads the gated EMA concept
-    of its chunk. The router learns through the gate (not eq. 10's straight-through factor), and only the top-k
-    router gates."""
+    """y_i = x_i + m_i sigma_i Middle(x_i), sigma_i = sigmoid(w_i) (eq. 3-4). With every token a
+    boundary (p = 1, the EMA is the identity) the decoder input is exactly eq. 4; otherwise a token
+    reads the gated EMA concept of its chunk. The router learns through the gate (not eq. 10's
+    straight-through factor), and only the top-k router gates."""
     torch.manual_seed(0)
     D = 8
     mod = ChunkModule(ChunkConfig(router="topk", target_ratio=2.0), D)
@@ -84,7 +86,8 @@ def test_topk_router_gates_each_concept_by_sigmoid_of_its_score_eq3():
     h = torch.randn(1, 8, D)
     sigma = torch.sigmoid(mod.score(h).squeeze(-1))                          # eq. 1, 3
     ch = mod(h, doc, force="all")
-    middle = torch.randn(1, ch.cdoc_BM.shape[1], D)                          # concept m = token m (7 real tokens)
+    # concept m = token m (7 real tokens)
+    middle = torch.randn(1, ch.cdoc_BM.shape[1], D)
     z, _, _ = dech(h, middle, ch)
     torch.testing.assert_close(z[:, :7], h[:, :7] + sigma[:, :7, None] * middle[:, :7])      # eq. 4
     assert float((sigma[0, :7] - 0.5).abs().min().detach()) > 0.05
@@ -92,7 +95,8 @@ def test_topk_router_gates_each_concept_by_sigmoid_of_its_score_eq3():
     b = torch.tensor([[1, 0, 1, 0, 1, 1, 0, 0]]).bool()
     ch = mod(h, doc, force=b)
     n = int(b.sum())
-    torch.testing.assert_close(ch.cgate_BM[:, :n], sigma[b][None])           # the boundary token's gate
+    # the boundary token's gate
+    torch.testing.assert_close(ch.cgate_BM[:, :n], sigma[b][None])
     assert (ch.cgate_BM[:, n:] == 0).all()                                   # unused capacity
     middle = torch.randn(1, ch.cdoc_BM.shape[1], D)
     z, c, _ = dech(h, middle, ch)
@@ -100,7 +104,8 @@ def test_topk_router_gates_each_concept_by_sigmoid_of_its_score_eq3():
     torch.testing.assert_close(c, plug_back(gated, ch.cidx_BT))
     torch.testing.assert_close(z, h + c)
     mod.zero_grad()
-    z, _, _ = dech(h, middle, ch._replace(cp_BM=ch.cp_BM.detach()))          # the gate is the only path left
+    # the gate is the only path left
+    z, _, _ = dech(h, middle, ch._replace(cp_BM=ch.cp_BM.detach()))
     (z * torch.randn_like(z)).sum().backward()
     assert float(mod.score.weight.grad.abs().sum()) > 0
 
@@ -110,10 +115,10 @@ def test_topk_router_gates_each_concept_by_sigmoid_of_its_score_eq3():
 # ------------------------------------------------------------------ engine and data for train_step
 def tiny_lm(**chunk) -> ConceptMoELM:
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=64, hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8, encoder_layers=1,
-                      concept_layers=1, decoder_layers=1,
-                      moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=16, balance_loss_weight=0.0,
-                                    loss_free_balancing=False),
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8,
+                      encoder_layers=1, concept_layers=1, decoder_layers=1,
+                      moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=16,
+                                    balance_loss_weight=0.0, loss_free_balancing=False),
                       chunk=ChunkConfig(**chunk))
     return ConceptMoELM(cfg).train()
 
@@ -122,7 +127,8 @@ def micro_batches(micro: int, T: int = 48) -> list[PackedBatch]:
     g = torch.Generator().manual_seed(1)
     out = []
     for k in range(micro):
-        lengths = [17 + 3 * k, 11, T - 28 - 3 * k - 2]        # three documents and two padding tokens
+        # three documents and two padding tokens
+        lengths = [17 + 3 * k, 11, T - 28 - 3 * k - 2]
         docs = [torch.randint(3, 64, (n,), generator=g).tolist() for n in lengths]
         out.append(PackedBatch.from_documents(docs, row_len=T))
     return out
@@ -134,21 +140,24 @@ def cat_rows(batches: list[PackedBatch]) -> PackedBatch:
 
 
 def engine_for(model: torch.nn.Module, micro: int):
-    """A real DeepSpeed engine (stage 0, fp32, one process) with lr 0; `grads` holds each parameter's gradient
-    as the optimizer step saw it."""
+    """A real DeepSpeed engine (stage 0, fp32, one process) with lr 0; `grads` holds each
+    parameter's gradient as the optimizer step saw it."""
     from vlm.train.distributed import init_distributed
     from vlm.train.engine import initialize
 
     init_distributed()
     engine = initialize(model, torch.optim.SGD(model.parameters(), lr=0.0), {
-        "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": micro, "train_batch_size": micro,
-        "gradient_clipping": 0.0, "zero_optimization": {"stage": 0}, "bf16": {"enabled": False},
-        "steps_per_print": 10 ** 12, "zero_allow_untested_optimizer": True})
+        "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": micro,
+        "train_batch_size": micro, "gradient_clipping": 0.0, "zero_optimization": {"stage": 0},
+        "bf16": {"enabled": False}, "steps_per_print": 10 ** 12,
+        "zero_allow_untested_optimizer": True})
     engine.grads = {}
     real_step = engine.step
 
-    def step():   # the last call is the accumulation boundary, before the optimizer zeroes the gradients
-        engine.grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    # the last call is the accumulation boundary, before the optimizer zeroes the gradients
+    def step():
+        engine.grads = {n: p.grad.clone() for n, p in model.named_parameters()
+                        if p.grad is not None}
         real_step()
 
     engine.step = step
@@ -157,14 +166,16 @@ def engine_for(model: torch.nn.Module, micro: int):
 
 # ------------------------------------------------------------------ DLCM global parser
 def test_global_parser_with_gradient_accumulation_gives_one_big_batch_gradient():
-    """Three micro-batches with the global parser and a non-zero ratio-loss weight: the summed gradient equals
-    that of one batch holding all rows with the same boundaries (DLCM eq. 8-10). It needs the statistics pass
-    to draw each micro-batch's own boundary samples (same seeds as its real pass) and the ratio loss weighted
-    micro x ranks (each micro-batch's part of the global loss is summed, not averaged)."""
+    """Three micro-batches with the global parser and a non-zero ratio-loss weight: the summed
+    gradient equals that of one batch holding all rows with the same boundaries (DLCM eq. 8-10). It
+    needs the statistics pass to draw each micro-batch's own boundary samples (same seeds as its
+    real pass) and the ratio loss weighted micro x ranks (each micro-batch's part of the global loss
+    is summed, not averaged)."""
     from vlm.train.global_parser import GlobalParser, install
     from vlm.train.step import train_step
 
-    micro, R, weight = 3, 4.0, 0.5   # R = 4 while F starts near 1/2: the ratio loss's gradient is far from 0
+    # R = 4 while F starts near 1/2: the ratio loss's gradient is far from 0
+    micro, R, weight = 3, 4.0, 0.5
     model = tiny_lm(target_ratio=R, ratio_loss_weight=weight)
     reference = copy.deepcopy(model)
     window = micro_batches(micro)
@@ -173,7 +184,8 @@ def test_global_parser_with_gradient_accumulation_gives_one_big_batch_gradient()
     install(model, parser)
     drawn = []
     res = train_step(engine, window, 0, seed=7, rank=0, world_size=1, parser=parser,
-                     device=torch.device("cpu"), loss_hook=lambda out, k: drawn.append(out.chunks.b_BT) or out)
+                     device=torch.device("cpu"), loss_hook=lambda out,
+                     k: drawn.append(out.chunks.b_BT) or out)
     assert res.applied and len(drawn) == micro
     big = reference(cat_rows(window), force=torch.cat(drawn))
     F_ = float(big.chunks.b_BT.sum() / (cat_rows(window).doc_ids >= 0).sum())
@@ -183,15 +195,17 @@ def test_global_parser_with_gradient_accumulation_gives_one_big_batch_gradient()
     want = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
     assert engine.grads.keys() == want.keys()
     for n, g in want.items():
-        torch.testing.assert_close(engine.grads[n], g, rtol=1e-4, atol=1e-7, msg=lambda m: f"{n}: {m}")
+        torch.testing.assert_close(engine.grads[n], g, rtol=1e-4, atol=1e-7,
+                                   msg=lambda m: f"{n}: {m}")
 
 
-# ------------------------------------------------------------------ the top-k router's inference threshold
+# ------------------------------------------------------------------ the top-k router's inference
+# threshold
 def test_topk_threshold_moves_once_per_optimizer_step_from_the_real_passes():
-    """Training forwards only accumulate the batches' (1 - 1/R) score quantiles; after the optimizer step the
-    threshold takes one step, threshold <- 0.9 threshold + 0.1 mean(quantiles of the step's real passes), so
-    its rate does not depend on gradient accumulation, and the global parser's no-gradient statistics pass
-    (which sees the same micro-batches again) leaves no trace."""
+    """Training forwards only accumulate the batches' (1 - 1/R) score quantiles; after the optimizer
+    step the threshold takes one step, threshold <- 0.9 threshold + 0.1 mean(quantiles of the step's
+    real passes), so its rate does not depend on gradient accumulation, and the global parser's
+    no-gradient statistics pass (which sees the same micro-batches again) leaves no trace."""
     from vlm.train.global_parser import GlobalParser, install
     from vlm.train.step import train_step
 
@@ -222,7 +236,8 @@ def test_topk_threshold_moves_once_per_optimizer_step_from_the_real_passes():
     # a skipped (non-finite) step moves nothing and leaves nothing behind for the next one
     res = train_step(engine, micro_batches(micro), 1, seed=0, rank=0, world_size=1, parser=parser,
                      device=torch.device("cpu"),
-                     loss_hook=lambda out, k: dataclasses.replace(out, loss=out.loss + float("nan")))
+                     loss_hook=lambda out,
+                     k: dataclasses.replace(out, loss=out.loss + float("nan")))
     assert not res.applied
     assert float(chunker.threshold) == pytest.approx(want, rel=1e-6, abs=1e-7)
     assert float(chunker.quantile_accum.abs().sum()) == 0

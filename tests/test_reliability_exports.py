@@ -1,8 +1,9 @@
-"""Exported models are not trusted blindly (issue 37 item 2): an export records the SHA-256 of its weight files in
-`checksums.json`, every loader (from_pretrained / AutoModel, vlm chat, vlm eval vqa, train.init_from,
-train.convert_from, vlm convert's source) refuses weights that no longer match in one line naming the file and both
-digests and saying how to skip the check; and transformers' own `generate` on an export stops at the end of the
-answer (`<|end|>`) or the eos, which its generation_config.json states."""
+"""Exported models are not trusted blindly (issue 37 item 2): an export records the SHA-256 of its
+weight files in `checksums.json`, every loader (from_pretrained / AutoModel, vlm chat, vlm eval vqa,
+train.init_from, train.convert_from, vlm convert's source) refuses weights that no longer match in
+one line naming the file and both digests and saying how to skip the check; and transformers' own
+`generate` on an export stops at the end of the answer (`<|end|>`) or the eos, which its
+generation_config.json states."""
 from __future__ import annotations
 
 import hashlib
@@ -27,8 +28,9 @@ def _sha(path) -> str:
 
 
 def _flip(f, tensor: str = EMBED, nbytes: int = 4096, mask: int = 0x20) -> None:
-    """XOR `nbytes` of `tensor`'s data in the safetensors file `f` with `mask` (in place): every value stays finite
-    (0x20 flips one exponent bit: 2**64 times smaller or larger), as in the damaged final/ of the issue."""
+    """XOR `nbytes` of `tensor`'s data in the safetensors file `f` with `mask` (in place): every
+    value stays finite (0x20 flips one exponent bit: 2**64 times smaller or larger), as in the
+    damaged final/ of the issue."""
     data = bytearray(f.read_bytes())
     n = struct.unpack("<Q", data[:8])[0]
     start = 8 + n + json.loads(data[8:8 + n])[tensor]["data_offsets"][0]
@@ -38,8 +40,8 @@ def _flip(f, tensor: str = EMBED, nbytes: int = 4096, mask: int = 0x20) -> None:
 
 
 def _flipped_copy(src, dst):
-    """A copy of the export `src` at `dst` whose weights had 4 KB XOR-flipped after export; (dst, the digest the
-    export recorded, the digest the file has now)."""
+    """A copy of the export `src` at `dst` whose weights had 4 KB XOR-flipped after export; (dst,
+    the digest the export recorded, the digest the file has now)."""
     shutil.copytree(src, dst)
     f = dst / "model.safetensors"
     want = _sha(f)
@@ -54,7 +56,8 @@ def _assert_one_line(msg: str, bad, want: str, got: str) -> None:
 
 def test_an_export_records_the_sha256_of_its_weight_files(exported_vlm):
     record = json.loads((exported_vlm / CHECKSUMS).read_text())
-    assert record == {"algorithm": "sha256", "files": {"model.safetensors": _sha(exported_vlm / "model.safetensors")}}
+    assert record == {"algorithm": "sha256",
+                      "files": {"model.safetensors": _sha(exported_vlm / "model.safetensors")}}
 
 
 def test_the_trainers_export_records_checksums_and_stop_ids(tiny_vlm, tmp_path):
@@ -69,9 +72,11 @@ def test_the_trainers_export_records_checksums_and_stop_ids(tiny_vlm, tmp_path):
     assert json.loads((final / "generation_config.json").read_text())["eos_token_id"] == [tok.eos_id, tok.end_id]
 
 
-@pytest.mark.parametrize("loader", ["load_vlm", "AutoModelForCausalLM", "load_eval_model", "init_from",
+@pytest.mark.parametrize("loader",
+                         ["load_vlm", "AutoModelForCausalLM", "load_eval_model", "init_from",
                                     "convert_from", "convert_source"])
-def test_flipped_bytes_are_refused_by_every_loader_in_one_line(exported_vlm, tiny_vlm, tmp_path, loader):
+def test_flipped_bytes_are_refused_by_every_loader_in_one_line(exported_vlm, tiny_vlm, tmp_path,
+                                                               loader):
     from transformers import AutoModelForCausalLM
 
     from vlm.generate import load_eval_model
@@ -82,16 +87,19 @@ def test_flipped_bytes_are_refused_by_every_loader_in_one_line(exported_vlm, tin
     from vlm.train.stages import convert_pretrained, load_pretrained_weights
 
     src = exported_vlm
-    if loader == "convert_source":   # `vlm convert` reads a baseline (chunking off) through load_vlm
+    # `vlm convert` reads a baseline (chunking off) through load_vlm
+    if loader == "convert_source":
         model, tok = tiny_vlm()
-        src = save_pretrained(type(model)(model.model_cfg.baseline(), model.vision_cfg), tmp_path / "base", tok)
+        src = save_pretrained(type(model)(model.model_cfg.baseline(), model.vision_cfg),
+                              tmp_path / "base", tok)
     bad, want, got = _flipped_copy(src, tmp_path / "final")
     calls = {
         "load_vlm": lambda: load_vlm(bad),
         "AutoModelForCausalLM": lambda: AutoModelForCausalLM.from_pretrained(str(bad)),
         "load_eval_model": lambda: load_eval_model(bad, device="cpu"),
         "init_from": lambda: load_pretrained_weights(
-            ConceptMoEVLM(*ConceptMoEConfig.from_pretrained(str(exported_vlm)).build_configs()), bad),
+            ConceptMoEVLM(*ConceptMoEConfig.from_pretrained(str(exported_vlm)).build_configs()),
+            bad),
         "convert_from": lambda: convert_pretrained(SimpleNamespace(train=SimpleNamespace(convert_from=str(bad)))),
         "convert_source": lambda: load_source(bad, ConvertConfig()),
     }
@@ -157,25 +165,29 @@ def test_a_damaged_checkpoint_is_refused_by_init_from(tiny_vlm, tmp_path, monkey
     with pytest.raises(ConfigError) as e:
         read_model_state(ckpt)
     msg = str(e.value)
-    assert msg.startswith(f"train.init_from {ckpt}: a damaged checkpoint, ds/mp_rank_00_model_states.pt (checksum "
-                          f"mismatch)") and f"{SKIP_CHECKSUM_ENV}=1" in msg and "\n" not in msg, msg
+    assert msg.startswith(f"train.init_from {ckpt}: a damaged checkpoint, "
+                          f"ds/mp_rank_00_model_states.pt (checksum mismatch)"), msg
+    assert f"{SKIP_CHECKSUM_ENV}=1" in msg and "\n" not in msg, msg
     monkeypatch.setenv(SKIP_CHECKSUM_ENV, "1")
     assert torch.equal(read_model_state(ckpt)["lm.embed.weight"], edited["lm.embed.weight"])
 
 
-def test_vlm_chat_and_eval_vqa_refuse_flipped_bytes(exported_vlm, tmp_path, subprocess_env, tiny_default, capsys):
+def test_vlm_chat_and_eval_vqa_refuse_flipped_bytes(exported_vlm, tmp_path, subprocess_env,
+                                                    tiny_default, capsys):
     from vlm.cli import main
 
     bad, want, got = _flipped_copy(exported_vlm, tmp_path / "final")
     cmd = [sys.executable, "-m", "vlm.cli", "chat", "--ckpt", str(bad), "--max-new-tokens", "4"]
-    proc = subprocess.run(cmd, input="hello\n", capture_output=True, text=True, env=subprocess_env(), timeout=300)
+    proc = subprocess.run(cmd, input="hello\n", capture_output=True, text=True,
+                          env=subprocess_env(), timeout=300)
     lines = [ln for ln in proc.stderr.splitlines() if "WARNING" not in ln and ln.strip()]
     assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("vlm chat: "), proc.stderr[-2000:]
     _assert_one_line(lines[0], bad, want, got)
     assert "Traceback" not in proc.stderr and proc.stdout == ""
     proc = subprocess.run(cmd, input="hello\n", capture_output=True, text=True,
                           env={**subprocess_env(), SKIP_CHECKSUM_ENV: "1"}, timeout=300)
-    assert proc.returncode == 0 and proc.stdout.strip(), proc.stderr[-2000:]   # edited on purpose: it answers
+    # edited on purpose: it answers
+    assert proc.returncode == 0 and proc.stdout.strip(), proc.stderr[-2000:]
 
     capsys.readouterr()
     rc = main(["eval", "vqa", "--ckpt", str(bad), "--data", str(tiny_default), "--limit", "2"])
@@ -185,16 +197,17 @@ def test_vlm_chat_and_eval_vqa_refuse_flipped_bytes(exported_vlm, tmp_path, subp
 
 
 def test_vlm_convert_writes_checksums_and_keeps_the_stop_ids(tiny_vlm, tmp_path):
-    """`vlm convert` of a project baseline: the converted folder verifies (its config.json, rewritten after the
-    weights, is not a weight file) and stops where the source's generate stops."""
+    """`vlm convert` of a project baseline: the converted folder verifies (its config.json,
+    rewritten after the weights, is not a weight file) and stops where the source's generate
+    stops."""
     from vlm.cli import main
     from vlm.model.hf import load_vlm, save_pretrained
 
     vlm_model, tok = tiny_vlm()
     src = type(vlm_model)(vlm_model.model_cfg.baseline(), None).eval()
     save_pretrained(src, tmp_path / "base", tok)
-    assert main(["convert", str(tmp_path / "base"), "--out", str(tmp_path / "ct"), "--encoder-layers", "1",
-                 "--decoder-layers", "1"]) == 0
+    assert main(["convert", str(tmp_path / "base"), "--out", str(tmp_path / "ct"),
+                 "--encoder-layers", "1", "--decoder-layers", "1"]) == 0
     ct = tmp_path / "ct"
     assert json.loads((ct / CHECKSUMS).read_text())["files"] == {"model.safetensors": _sha(ct / "model.safetensors")}
     assert json.loads((ct / "generation_config.json").read_text())["eos_token_id"] == [tok.eos_id, tok.end_id]
@@ -205,11 +218,13 @@ def test_vlm_convert_writes_checksums_and_keeps_the_stop_ids(tiny_vlm, tmp_path)
     _assert_one_line(str(e.value), bad, want, got)
 
 
-# ---------------------------------------------------------------- transformers' generate stops at the answer's end
+# ---------------------------------------------------------------- transformers' generate stops at
+# the answer's end
 @pytest.fixture(scope="module")
 def answering_export(tmp_path_factory, tiny_vlm):
-    """The tiny VLM taught one answer ('What colour is the square?' about a red square -> 'red<|end|>') through
-    the transformers wrapper, exported as a run's final/ is; (final, tokenizer, image, prompt)."""
+    """The tiny VLM taught one answer ('What colour is the square?' about a red square ->
+    'red<|end|>') through the transformers wrapper, exported as a run's final/ is; (final,
+    tokenizer, image, prompt)."""
     from PIL import Image
     from transformers import AutoModelForCausalLM, AutoProcessor
 
@@ -220,7 +235,9 @@ def answering_export(tmp_path_factory, tiny_vlm):
     save_pretrained(model, root / "init", tokenizer=tok)
     proc = AutoProcessor.from_pretrained(root / "init")
     image = Image.new("RGB", (16, 16), (255, 0, 0))
-    conv = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is the square?"}]}]
+    conv = [{"role": "user",
+             "content": [{"type": "image"},
+                         {"type": "text", "text": "What colour is the square?"}]}]
     prompt = proc.apply_chat_template(conv, add_generation_prompt=True)
     full = proc.apply_chat_template(conv + [{"role": "assistant", "content": "red"}])
     inputs = proc(images=[image], text=[full], return_tensors="pt")
@@ -240,8 +257,9 @@ def answering_export(tmp_path_factory, tiny_vlm):
 
 
 def test_transformers_generate_stops_at_the_end_of_the_answer(answering_export):
-    """AutoModelForCausalLM + AutoProcessor + model.generate with the export's own generation config: the answer
-    ends at `<|end|>`, where it ran on into `<eos> objects3<|end|> left, ...` before the stop ids were stated."""
+    """AutoModelForCausalLM + AutoProcessor + model.generate with the export's own generation
+    config: the answer ends at `<|end|>`, where it ran on into `<eos> objects3<|end|> left, ...`
+    before the stop ids were stated."""
     from transformers import AutoModelForCausalLM, AutoProcessor
 
     final, tok, image, prompt = answering_export
@@ -266,7 +284,8 @@ def test_a_sharded_export_records_and_verifies_every_shard(tiny_vlm, tmp_path):
     ConceptMoEForCausalLM(hf_config_for(model), vlm=model).save_pretrained(out, max_shard_size="40KB")
     shards = sorted(p.name for p in out.glob("model-*.safetensors"))
     recorded = json.loads((out / CHECKSUMS).read_text())["files"]
-    assert len(shards) > 1 and recorded == {n: _sha(out / n) for n in ["model.safetensors.index.json", *shards]}
+    assert len(shards) > 1 and recorded == {n: _sha(out / n)
+                                            for n in ["model.safetensors.index.json", *shards]}
     load_vlm(out)
     f = out / shards[-1]
     want = _sha(f)

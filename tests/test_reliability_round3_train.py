@@ -1,7 +1,8 @@
-"""Issue 37, the trainer's part (1/2): a finished run is never trained over by accident (`--overwrite` or a new
---out), while a run with checkpoints still resumes; a row too short for the largest image is a config error, and a
-run that skips too much of its data stops. The faults (a pickle, SIGTERM at the end, config errors, a full disk on
-one rank): test_reliability_round3_train_faults.py."""
+"""Issue 37, the trainer's part (1/2): a finished run is never trained over by accident
+(`--overwrite` or a new --out), while a run with checkpoints still resumes; a row too short for the
+largest image is a config error, and a run that skips too much of its data stops. The faults (a
+pickle, SIGTERM at the end, config errors, a full disk on one rank):
+test_reliability_round3_train_faults.py."""
 from __future__ import annotations
 
 import hashlib
@@ -14,7 +15,8 @@ import pytest
 
 
 def _cfg(tiny_config, tiny_data, steps=2, **sections):
-    return tiny_config(tiny_data, train={"max_steps": steps}, checkpoint={"save_every": steps, "keep_last": 2},
+    return tiny_config(tiny_data, train={"max_steps": steps},
+                       checkpoint={"save_every": steps, "keep_last": 2},
                        logging={"eval_every": 0}, **sections)
 
 
@@ -24,8 +26,8 @@ def _digests(root: Path) -> dict[str, str]:
 
 
 def _cli(args, ROOT, env, timeout=300):
-    return subprocess.run([sys.executable, "-m", "vlm.train", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "vlm.train", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
 
 
 def _errors(stderr: str, prefix: str) -> list[str]:
@@ -34,8 +36,8 @@ def _errors(stderr: str, prefix: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def finished_run(tiny_data, tmp_path_factory, tiny_config, make_trainer):
-    """A finished 2-step run whose checkpoints were deleted to save space (final/, summary.json, metrics.jsonl,
-    config.yaml kept), and its config."""
+    """A finished 2-step run whose checkpoints were deleted to save space (final/, summary.json,
+    metrics.jsonl, config.yaml kept), and its config."""
     import shutil
 
     import torch
@@ -50,11 +52,13 @@ def finished_run(tiny_data, tmp_path_factory, tiny_config, make_trainer):
     return run, cfg
 
 
-# ---------------------------------------------------------------- item 1: a finished run is not overwritten
-def test_a_finished_run_is_refused_unless_overwrite(finished_run, tmp_path, tiny_config, tiny_data, write_config,
-                                                    ROOT, subprocess_env):
-    """The issue's case: checkpoints/ deleted, final/ kept; `vlm train --out RUN` with another config (64 wide
-    instead of 32) exits 2 with one line and leaves every file as it was; --overwrite trains the new model there."""
+# ---------------------------------------------------------------- item 1: a finished run is not
+# overwritten
+def test_a_finished_run_is_refused_unless_overwrite(finished_run, tmp_path, tiny_config, tiny_data,
+                                                    write_config, ROOT, subprocess_env):
+    """The issue's case: checkpoints/ deleted, final/ kept; `vlm train --out RUN` with another
+    config (64 wide instead of 32) exits 2 with one line and leaves every file as it was;
+    --overwrite trains the new model there."""
     import shutil
 
     run = tmp_path / "run"
@@ -83,8 +87,9 @@ def test_a_finished_run_is_refused_unless_overwrite(finished_run, tmp_path, tiny
 
 @pytest.mark.parametrize("kept", ["final", "summary.json", "metrics.jsonl"])
 def test_each_output_alone_is_protected(finished_run, tmp_path, kept, make_trainer, torch_globals):
-    """Each of a run's outputs alone (final/, summary.json, metrics.jsonl with a step) makes a folder that a run
-    with nothing to resume refuses (overwrite=False, what `vlm train` passes); nothing in it changes."""
+    """Each of a run's outputs alone (final/, summary.json, metrics.jsonl with a step) makes a
+    folder that a run with nothing to resume refuses (overwrite=False, what `vlm train` passes);
+    nothing in it changes."""
     import shutil
 
     from configs.config import ConfigError
@@ -103,11 +108,12 @@ def test_each_output_alone_is_protected(finished_run, tmp_path, kept, make_train
     assert _digests(run) == before
 
 
-def test_what_is_not_an_output_and_what_resume_may_start_over(finished_run, tmp_path, make_trainer, load_tiny,
-                                                              torch_globals):
-    """config.yaml with an empty metrics.jsonl (what a run stopped before its first step leaves) is no output: the
-    same command starts the run. metrics.jsonl with steps and no final/ (a run killed before its first checkpoint)
-    is refused by default and started over with --resume (resume=True), as a requeue does."""
+def test_what_is_not_an_output_and_what_resume_may_start_over(finished_run, tmp_path, make_trainer,
+                                                              load_tiny, torch_globals):
+    """config.yaml with an empty metrics.jsonl (what a run stopped before its first step leaves) is
+    no output: the same command starts the run. metrics.jsonl with steps and no final/ (a run killed
+    before its first checkpoint) is refused by default and started over with --resume (resume=True),
+    as a requeue does."""
     import shutil
 
     from configs.config import ConfigError
@@ -132,8 +138,8 @@ def test_what_is_not_an_output_and_what_resume_may_start_over(finished_run, tmp_
     assert any("starting the run from the beginning" in m for m in said)
 
 
-def test_a_run_with_checkpoints_still_resumes_by_default(tiny_data, tmp_path, tiny_config, make_trainer,
-                                                         torch_globals):
+def test_a_run_with_checkpoints_still_resumes_by_default(tiny_data, tmp_path, tiny_config,
+                                                         make_trainer, torch_globals):
     """A folder with a checkpoint continues as before (the same command resumes it), outputs or not."""
     cfg = _cfg(tiny_config, tiny_data)
     run = tmp_path / "run"
@@ -143,12 +149,14 @@ def test_a_run_with_checkpoints_still_resumes_by_default(tiny_data, tmp_path, ti
     assert tr.resume_from is not None and tr.train() == 0 and tr.step == 3
 
 
-# ---------------------------------------------------------------- item 3: rows that drop images, skipped data
-def test_a_row_too_short_for_the_largest_image_is_a_config_error(tiny_data, tmp_path, tiny_config, write_config,
-                                                                 ROOT, subprocess_env, png):
-    """data.row_tokens=8 with 16-patch images merged 2x2 (4 tokens): <bos><|user|>, start, 4 pads, end and a text
-    token need 9. Refused before any work, one line naming data.row_tokens and 9, no run folder; 9 does hold
-    such an image in a chat sample (the loader keeps it), 8 does not."""
+# ---------------------------------------------------------------- item 3: rows that drop images,
+# skipped data
+def test_a_row_too_short_for_the_largest_image_is_a_config_error(tiny_data, tmp_path, tiny_config,
+                                                                 write_config, ROOT, subprocess_env,
+                                                                 png):
+    """data.row_tokens=8 with 16-patch images merged 2x2 (4 tokens): <bos><|user|>, start, 4 pads,
+    end and a text token need 9. Refused before any work, one line naming data.row_tokens and 9, no
+    run folder; 9 does hold such an image in a chat sample (the loader keeps it), 8 does not."""
     import numpy as np
 
     from data_pipelines.encode import encode_sample
@@ -158,7 +166,8 @@ def test_a_row_too_short_for_the_largest_image_is_a_config_error(tiny_data, tmp_
 
     path = write_config(_cfg(tiny_config, tiny_data), tmp_path / "c.yaml")
     run = tmp_path / "run"
-    proc = _cli(["--config", str(path), "--out", str(run), "data.row_tokens=8"], ROOT, subprocess_env())
+    proc = _cli(["--config", str(path), "--out", str(run), "data.row_tokens=8"], ROOT,
+                subprocess_env())
     assert proc.returncode == 2, proc.stderr[-3000:]
     errors = _errors(proc.stderr, "config error:")
     assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
@@ -181,12 +190,15 @@ def test_skip_share_rule():
     from vlm.train.loaders import MIN_SAMPLES_JUDGED, skip_share_stop
 
     assert MIN_SAMPLES_JUDGED == 50
-    assert skip_share_stop({"too_long": 20}, 49, 0.1) is None                       # too few read to judge
-    assert skip_share_stop({"too_long": 5}, 50, 0.1) is None                        # 10 %: not above
+    # too few read to judge
+    assert skip_share_stop({"too_long": 20}, 49, 0.1) is None
+    # 10 %: not above
+    assert skip_share_stop({"too_long": 5}, 50, 0.1) is None
     line = skip_share_stop({"too_long": 4, "corrupt_image": 2, "bad_json": 0}, 50, 0.1)
     assert line.startswith("stopping: 6 of the 50 samples read were skipped (12.0 %, more than "
                            "train.max_skip_share=0.1): corrupt_image=2, too_long=4.")
-    assert skip_share_stop({"filtered_kind": 40, "too_long": 5}, 100, 0.1) is None  # a filter is no loss
+    # a filter is no loss
+    assert skip_share_stop({"filtered_kind": 40, "too_long": 5}, 100, 0.1) is None
     assert skip_share_stop({"corrupt_image": 60}, 60, 1.0) is None                  # 1 = never stop
 
 
@@ -199,20 +211,23 @@ def _mixed_source(directory: Path, png, good: int, bad: int) -> list[dict]:
         for i in range(good + bad):
             if i % 3 == 0 and bad:
                 bad -= 1
-                w.write(Sample(key=f"b{i:04d}", kind="pair", text="<image>a picture", images=[b"not an image"],
-                               image_exts=["png"]))
+                w.write(Sample(key=f"b{i:04d}", kind="pair", text="<image>a picture",
+                               images=[b"not an image"], image_exts=["png"]))
             else:
-                w.write(Sample(key=f"g{i:04d}", kind="text", text=f"sample {i} " + "word " * (i % 7)))
+                w.write(Sample(key=f"g{i:04d}", kind="text",
+                               text=f"sample {i} " + "word " * (i % 7)))
     return [{"path": str(directory / "m-*.tar"), "name": "mixed"}]
 
 
-def test_a_run_that_skips_too_much_of_its_data_stops(tiny_data, tmp_path, tiny_config, make_trainer, png,
-                                                     torch_globals):
-    """A third of the samples have broken images: the run stops at the first log once 50 samples were read, with
-    one line naming the counters, exit code 1, no final/; with train.max_skip_share=0.5 the same data trains."""
+def test_a_run_that_skips_too_much_of_its_data_stops(tiny_data, tmp_path, tiny_config, make_trainer,
+                                                     png, torch_globals):
+    """A third of the samples have broken images: the run stops at the first log once 50 samples
+    were read, with one line naming the counters, exit code 1, no final/; with
+    train.max_skip_share=0.5 the same data trains."""
     sources = _mixed_source(tmp_path / "data", png, 80, 40)
     said = []
-    cfg = _cfg(tiny_config, tiny_data, steps=30, data={"sources": sources, "pack_buffer": 32, "shuffle_buffer": 0})
+    cfg = _cfg(tiny_config, tiny_data, steps=30,
+               data={"sources": sources, "pack_buffer": 32, "shuffle_buffer": 0})
     run = tmp_path / "run"
     tr = make_trainer(cfg, run)
     tr.log_fn = said.append
@@ -229,8 +244,9 @@ def test_a_run_that_skips_too_much_of_its_data_stops(tiny_data, tmp_path, tiny_c
 
 def test_a_source_that_loses_too_much_stops_the_run_though_the_whole_does_not(tiny_data, tmp_path, tiny_config,
                                                                               make_trainer, png, torch_globals):
-    """The rule holds per source (one kind of sample each in the default data): a caption source losing a third of
-    its samples stops the run, naming it, although the text source's volume keeps the whole under the limit."""
+    """The rule holds per source (one kind of sample each in the default data): a caption source
+    losing a third of its samples stops the run, naming it, although the text source's volume keeps
+    the whole under the limit."""
     from data_pipelines.schema import Sample
     from data_pipelines.writer import ShardWriter
 
@@ -240,7 +256,8 @@ def test_a_source_that_loses_too_much_stops_the_run_though_the_whole_does_not(ti
     sources = [{"path": str(tmp_path / "texts" / "t-*.tar"), "name": "texts", "weight": 5.0},
                _mixed_source(tmp_path / "caps", png, 80, 40)[0]]
     said = []
-    cfg = _cfg(tiny_config, tiny_data, steps=40, data={"sources": sources, "pack_buffer": 32, "shuffle_buffer": 0})
+    cfg = _cfg(tiny_config, tiny_data, steps=40,
+               data={"sources": sources, "pack_buffer": 32, "shuffle_buffer": 0})
     tr = make_trainer(cfg, tmp_path / "run")
     tr.log_fn = said.append
     assert tr.train() == 1
@@ -248,4 +265,5 @@ def test_a_source_that_loses_too_much_stops_the_run_though_the_whole_does_not(ti
     assert len(stop) == 1 and "from source mixed" in stop[0] and "corrupt_image=" in stop[0], said
     assert "samples read from source mixed" in stop[0]
     lost = sum(n for r, n in tr.loader.counters.items() if r != "filtered_kind")
-    assert 0 < lost < 0.1 * tr.loader.stats["samples_read"]   # the whole was within the limit: the source's rule stopped it
+    # the whole was within the limit: the source's rule stopped it
+    assert 0 < lost < 0.1 * tr.loader.stats["samples_read"]

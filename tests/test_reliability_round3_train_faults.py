@@ -1,6 +1,6 @@
-"""Issue 37, the trainer's part (2/2): a pickle in a checkpoint and a full disk on one rank of two end in one line
-on every rank; SIGTERM in the end-of-run evaluation stops it and the same command finishes the run; a config error
-found after the run folder was made removes it."""
+"""Issue 37, the trainer's part (2/2): a pickle in a checkpoint and a full disk on one rank of two
+end in one line on every rank; SIGTERM in the end-of-run evaluation stops it and the same command
+finishes the run; a config error found after the run folder was made removes it."""
 from __future__ import annotations
 
 import json
@@ -15,13 +15,14 @@ import pytest
 
 
 def _cfg(tiny_config, tiny_data, steps=2, **sections):
-    return tiny_config(tiny_data, train={"max_steps": steps}, checkpoint={"save_every": steps, "keep_last": 2},
+    return tiny_config(tiny_data, train={"max_steps": steps},
+                       checkpoint={"save_every": steps, "keep_last": 2},
                        logging={"eval_every": 0}, **sections)
 
 
 def _cli(args, ROOT, env, timeout=300):
-    return subprocess.run([sys.executable, "-m", "vlm.train", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "vlm.train", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
 
 
 def _errors(stderr: str, prefix: str) -> list[str]:
@@ -37,10 +38,12 @@ class _RunsCode:
         return (os.system, (f"touch {self.marker}",))
 
 
-def test_a_pickle_in_a_checkpoint_is_refused_in_one_line(tiny_data, tmp_path, tiny_config, make_trainer,
-                                                         write_config, torch_globals, ROOT, subprocess_env):
-    """The trainer state of the latest checkpoint replaced by a pickle that runs code, its checksum updated to
-    match: `vlm train --resume` refuses it in one line naming the file (exit 1, no traceback), the code never runs."""
+def test_a_pickle_in_a_checkpoint_is_refused_in_one_line(tiny_data, tmp_path, tiny_config,
+                                                         make_trainer, write_config, torch_globals,
+                                                         ROOT, subprocess_env):
+    """The trainer state of the latest checkpoint replaced by a pickle that runs code, its checksum
+    updated to match: `vlm train --resume` refuses it in one line naming the file (exit 1, no
+    traceback), the code never runs."""
     import torch
 
     from vlm.train.checkpoint import file_digests
@@ -59,16 +62,19 @@ def test_a_pickle_in_a_checkpoint_is_refused_in_one_line(tiny_data, tmp_path, ti
     assert proc.returncode == 1, proc.stderr[-3000:]
     errors = _errors(proc.stderr, "vlm train:")
     assert "Traceback" not in proc.stderr + proc.stdout and "[rank0]" not in proc.stderr, proc.stderr[-3000:]
-    assert len(errors) == 1 and errors[0].startswith(f"vlm train: checkpoint {ckpt / 'rank_00000.pt'}: refused")
+    assert len(errors) == 1 and errors[0].startswith(f"vlm train: checkpoint "
+                                                     f"{ckpt / 'rank_00000.pt'}: refused")
     assert not marker.exists()
 
 
-# ---------------------------------------------------------------- item 5: SIGTERM in the end-of-run evaluation
+# ---------------------------------------------------------------- item 5: SIGTERM in the end-of-run
+# evaluation
 def test_sigterm_in_the_end_of_run_evaluation_stops_it_and_the_same_command_finishes(
         tiny_data, tmp_path, tiny_config, make_trainer, torch_globals, capfd):
-    """A SIGTERM while the end-of-run callbacks run (the VQA eval) ends them at once: exit 143, final/ exported, no
-    summary; stderr says the evaluation stops (not "saving a checkpoint"). The same command then resumes at the last
-    step, trains nothing, runs the evaluation and writes the summary (exit code 0)."""
+    """A SIGTERM while the end-of-run callbacks run (the VQA eval) ends them at once: exit 143,
+    final/ exported, no summary; stderr says the evaluation stops (not "saving a checkpoint"). The
+    same command then resumes at the last step, trains nothing, runs the evaluation and writes the
+    summary (exit code 0)."""
     from vlm.train.signals import stop_on_signals
 
     cfg = _cfg(tiny_config, tiny_data)
@@ -98,8 +104,8 @@ def test_sigterm_in_the_end_of_run_evaluation_stops_it_and_the_same_command_fini
     assert rc == 143 and calls == ["started"] and time.time() - t0 < 10
     err = capfd.readouterr().err
     assert "SIGTERM received: stopping the end-of-run evaluation" in err and "saving a checkpoint" not in err, err
-    assert said[-1].startswith("stopped by SIGTERM after the last step (2), before the end-of-run evaluation and "
-                               "summary; the same command finishes the run"), said[-3:]
+    assert said[-1].startswith("stopped by SIGTERM after the last step (2), before the end-of-run "
+                               "evaluation and summary; the same command finishes the run"), said[-3:]
     assert (run / "final" / "model.safetensors").is_file() and not (run / "summary.json").exists()
 
     done = []
@@ -112,15 +118,19 @@ def test_sigterm_in_the_end_of_run_evaluation_stops_it_and_the_same_command_fini
     assert summary["exit_code"] == 0 and summary["eval_done"] is True and summary["steps"] == 2
 
 
-# ---------------------------------------------------------------- item 7: config errors, a full disk on one rank
+# ---------------------------------------------------------------- item 7: config errors, a full
+# disk on one rank
 @pytest.mark.parametrize("section,value,match", [
     ("params", {"freeze": ["lm.nope"]}, "params.freeze entry 'lm.nope' matches no parameter"),
     ("model", {"vocab_size": 100}, "model.vocab_size=100 is smaller than the tokenizer's"),
 ])
-def test_a_config_error_found_after_the_folder_was_made_leaves_none(tiny_data, tmp_path, tiny_config, make_trainer,
-                                                                    torch_globals, section, value, match):
-    """Errors only the built model shows (a freeze prefix matching nothing, a vocabulary smaller than the
-    tokenizer's): the folders that making RUN_DIR created (parents included) are gone again."""
+def test_a_config_error_found_after_the_folder_was_made_leaves_none(tiny_data, tmp_path,
+                                                                    tiny_config, make_trainer,
+                                                                    torch_globals, section, value,
+                                                                    match):
+    """Errors only the built model shows (a freeze prefix matching nothing, a vocabulary smaller
+    than the tokenizer's): the folders that making RUN_DIR created (parents included) are gone
+    again."""
     from configs.config import ConfigError
 
     cfg = _cfg(tiny_config, tiny_data)
@@ -134,15 +144,16 @@ def test_a_config_error_found_after_the_folder_was_made_leaves_none(tiny_data, t
     assert (tmp_path / "mine").is_dir()
 
 
-def test_a_config_error_after_the_folder_through_the_cli(tiny_data, tmp_path, tiny_config, write_config, ROOT,
-                                                         subprocess_env):
+def test_a_config_error_after_the_folder_through_the_cli(tiny_data, tmp_path, tiny_config,
+                                                         write_config, ROOT, subprocess_env):
     path = write_config(_cfg(tiny_config, tiny_data), tmp_path / "c.yaml")
-    proc = _cli(["--config", str(path), "--out", str(tmp_path / "run"), "params.freeze=[lm.nope]"], ROOT,
-                subprocess_env())
+    proc = _cli(["--config", str(path), "--out", str(tmp_path / "run"), "params.freeze=[lm.nope]"],
+                ROOT, subprocess_env())
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     errors = _errors(proc.stderr, "config error:")
-    assert len(errors) == 1 and errors[0].startswith("config error: params.freeze entry 'lm.nope' matches no "
-                                                     "parameter; module prefixes: lm.chunker, "), errors
+    assert len(errors) == 1 and errors[0].startswith("config error: params.freeze entry 'lm.nope' "
+                                                     "matches no parameter; module prefixes: "
+                                                     "lm.chunker, "), errors
     assert not (tmp_path / "run").exists()
 
 
@@ -168,23 +179,24 @@ def _free_port() -> int:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("zero,victim", [(0, "rank_00001.pt"), (2, "zero_pp_rank_1_")])
-def test_a_full_disk_on_one_rank_ends_every_rank(tiny_data, tmp_path, tiny_config, write_config, ROOT,
-                                                 subprocess_env, zero, victim):
-    """Two gloo ranks; rank 1 cannot write its part of the checkpoint at step 2 (OSError ENOSPC): its trainer
-    state, or under ZeRO-2 its optimizer partition inside DeepSpeed's save. Both ranks end within the timeout (none
-    waits for the other in a collective), each with exit code 1 and one line naming rank 1's file and "No space left
-    on device"; no partial checkpoint is left."""
+def test_a_full_disk_on_one_rank_ends_every_rank(tiny_data, tmp_path, tiny_config, write_config,
+                                                 ROOT, subprocess_env, zero, victim):
+    """Two gloo ranks; rank 1 cannot write its part of the checkpoint at step 2 (OSError ENOSPC):
+    its trainer state, or under ZeRO-2 its optimizer partition inside DeepSpeed's save. Both ranks
+    end within the timeout (none waits for the other in a collective), each with exit code 1 and one
+    line naming rank 1's file and "No space left on device"; no partial checkpoint is left."""
     cfg = _cfg(tiny_config, tiny_data, deepspeed={"zero_stage": zero})
     path = write_config(cfg, tmp_path / "c.yaml")
     run = tmp_path / "run"
     port = _free_port()
     procs = []
     for rank in (0, 1):
-        env = dict(subprocess_env(), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), ENOSPC_FILE=victim)
-        procs.append(subprocess.Popen([sys.executable, "-c", _ENOSPC_ON_RANK_1, "--config", str(path), "--out",
-                                       str(run)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
+        env = dict(subprocess_env(), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+                   LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   ENOSPC_FILE=victim)
+        procs.append(subprocess.Popen([sys.executable, "-c", _ENOSPC_ON_RANK_1, "--config",
+                                       str(path), "--out", str(run)], cwd=ROOT, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     deadline = time.time() + 300
     outs = []
     try:
@@ -200,6 +212,8 @@ def test_a_full_disk_on_one_rank_ends_every_rank(tiny_data, tmp_path, tiny_confi
     for rank, (p, (out, err)) in enumerate(zip(procs, outs)):
         errors = _errors(err, "vlm train:")
         assert p.returncode == 1 and "Traceback" not in err, (rank, err[-3000:])
-        assert len(errors) == 1 and errors[0].startswith("vlm train: cannot write checkpoint step 2: ") \
+        assert len(errors) == 1 and errors[0].startswith("vlm train: cannot write checkpoint step "
+                                                         "2: ") \
                and f"/{victim}" in errors[0] and "No space left on device" in errors[0], (rank, errors)
-    assert not (run / "checkpoints").exists() or not [p.name for p in (run / "checkpoints").iterdir()]
+    assert not (run / "checkpoints").exists() or not [p.name
+                                                      for p in (run / "checkpoints").iterdir()]

@@ -7,14 +7,18 @@ import sys
 import pytest
 
 
-@pytest.mark.parametrize("override", ["model.hidden_size=99999999999999999999", "model.hidden_size=4000000",
+@pytest.mark.parametrize("override",
+                         ["model.hidden_size=99999999999999999999", "model.hidden_size=4000000",
                                       "model.moe.num_experts=50000000"])
-def test_vlm_train_refuses_a_model_that_cannot_be_allocated(tiny_data, tmp_path, tiny_config, write_config, ROOT,
-                                                            subprocess_env, override):
+def test_vlm_train_refuses_a_model_that_cannot_be_allocated(tiny_data, tmp_path, tiny_config,
+                                                            write_config, ROOT, subprocess_env,
+                                                            override):
     path = write_config(tiny_config(tiny_data), tmp_path / "c.yaml")
     run = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "vlm.train", "--config", str(path), "--out", str(run), override],
-                          cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "vlm.train", "--config", str(path), "--out",
+                           str(run), override],
+                          cwd=ROOT, env=subprocess_env(), capture_output=True, text=True,
+                          timeout=300)
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and "WARNING" not in ln]
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
     assert lines[0].startswith("config error: model: ") and "to build in float32, more than this machine's" in lines[0]
@@ -22,8 +26,8 @@ def test_vlm_train_refuses_a_model_that_cannot_be_allocated(tiny_data, tmp_path,
 
 
 def test_the_estimate_is_a_lower_bound_close_to_the_real_count(tiny_data, tiny_config, load_tiny):
-    """The refusal never hits a model that could be built (the estimate is at most the real count), and it is
-    tight enough to matter (within 10 % on the tiny VLM)."""
+    """The refusal never hits a model that could be built (the estimate is at most the real count),
+    and it is tight enough to matter (within 10 % on the tiny VLM)."""
     from configs.config import ConfigError
     from vlm.model.multimodal import ConceptMoEVLM
     from vlm.train.sizes import check_buildable

@@ -1,6 +1,7 @@
-"""Exported weights are checked before they are trusted: every way in (from_pretrained, AutoModel, train.init_from,
-vlm chat, vlm demo, the lmms-eval adapter) refuses a bad export in one line naming the file and the first bad
-tensor; a missing tensor never comes from uninitialised memory, and a pickle is never unpickled."""
+"""Exported weights are checked before they are trusted: every way in (from_pretrained, AutoModel,
+train.init_from, vlm chat, vlm demo, the lmms-eval adapter) refuses a bad export in one line naming
+the file and the first bad tensor; a missing tensor never comes from uninitialised memory, and a
+pickle is never unpickled."""
 from __future__ import annotations
 
 import pickle
@@ -64,7 +65,8 @@ def _damaged(src, dst, how):
     raise AssertionError(how)
 
 
-KINDS = ["float16", "int64", "bool", "nan", "half_missing", "shape", "extra", "truncated", "pickle", "bin_only"]
+KINDS = ["float16", "int64", "bool", "nan", "half_missing", "shape", "extra", "truncated", "pickle",
+         "bin_only"]
 
 
 @pytest.mark.parametrize("how", KINDS)
@@ -93,8 +95,8 @@ def test_a_good_export_still_loads(exported_vlm):
 
 
 def test_a_bfloat16_export_loads_with_its_float32_expert_bias(tiny_vlm, tmp_path):
-    """A bf16 run exports bf16 weights, but the MoE keeps its expert bias in float32: the check expects each
-    tensor in the dtype the model itself gives it, not one dtype for all."""
+    """A bf16 run exports bf16 weights, but the MoE keeps its expert bias in float32: the check
+    expects each tensor in the dtype the model itself gives it, not one dtype for all."""
     from vlm.model.hf import load_vlm, save_pretrained
 
     model, tok = tiny_vlm()
@@ -119,15 +121,18 @@ def test_init_from_refuses_int64_weights(exported_vlm, tmp_path):
 
 
 @pytest.mark.parametrize("command", ["chat", "demo"])
-def test_chat_and_demo_refuse_bad_weights_in_one_line(exported_vlm, tmp_path, subprocess_env, command):
+def test_chat_and_demo_refuse_bad_weights_in_one_line(exported_vlm, tmp_path, subprocess_env,
+                                                      command):
     if command == "demo":
         pytest.importorskip("gradio")
     bad, says = _damaged(exported_vlm, tmp_path / "final", "half_missing")
-    proc = subprocess.run([sys.executable, "-m", "vlm.cli", command, "--ckpt", str(bad)], input="hello\n",
-                          capture_output=True, text=True, env=subprocess_env(), timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "vlm.cli", command, "--ckpt", str(bad)],
+                          input="hello\n", capture_output=True, text=True, env=subprocess_env(),
+                          timeout=300)
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = [ln for ln in proc.stderr.splitlines() if "WARNING" not in ln and ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith(f"vlm {command}: {bad / 'model.safetensors'}: tensor ")
+    assert len(lines) == 1 and lines[0].startswith(f"vlm {command}: {bad / 'model.safetensors'}: "
+                                                   f"tensor ")
     assert says in lines[0], lines
     assert "Traceback" not in proc.stderr and "serving" not in proc.stdout
 

@@ -1,6 +1,6 @@
-"""A value logged per step travels through one record: the step's `StepRecord`, from the accumulator's sums to
-metrics.jsonl, TensorBoard and W&B alike. A value added where the step's means are made reaches every sink, and
-every sink receives the same line."""
+"""A value logged per step travels through one record: the step's `StepRecord`, from the
+accumulator's sums to metrics.jsonl, TensorBoard and W&B alike. A value added where the step's means
+are made reaches every sink, and every sink receives the same line."""
 import json
 
 import pytest
@@ -24,7 +24,8 @@ class Recorder:
         pass
 
     def histograms(self, step, chunking, loads):
-        Recorder.seen[self.name + "/histograms"] = Recorder.seen.get(self.name + "/histograms", []) + [step]
+        Recorder.seen[self.name + "/histograms"] = Recorder.seen.get(self.name + "/histograms",
+                                                                     []) + [step]
 
     def document_histograms(self, step, hist, loss, names):
         pass
@@ -33,12 +34,15 @@ class Recorder:
         pass
 
 
-def test_a_value_made_with_the_step_means_reaches_every_sink_unchanged(tiny_data, tiny_config, make_trainer,
-                                                                      tmp_path, torch_globals, monkeypatch):
+def test_a_value_made_with_the_step_means_reaches_every_sink_unchanged(tiny_data, tiny_config,
+                                                                       make_trainer,
+                                                                      tmp_path, torch_globals,
+                                                                       monkeypatch):
     made = metrics.step_scalars
 
     def planted(vec, *args, **kwargs):   # the one place a step's means are made
-        return {**made(vec, *args, **kwargs), "planted/tokens_twice": 2 * int(vec[metrics.IDX["tokens/all"]])}
+        return {**made(vec, *args, **kwargs),
+                "planted/tokens_twice": 2 * int(vec[metrics.IDX["tokens/all"]])}
 
     monkeypatch.setattr(metrics, "step_scalars", planted)
     monkeypatch.setattr(metrics, "Dashboard", lambda *a, **k: Recorder("tensorboard"))

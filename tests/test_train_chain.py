@@ -1,7 +1,9 @@
-"""`vlm chain CONFIG... [K=V ...] --out DIR`: training stages in order, each from the previous stage's final/.
+"""`vlm chain CONFIG... [K=V ...] --out DIR`: training stages in order, each from the previous
+stage's final/.
 
-Stage k trains into DIR/<k>_<config stem> with train.init_from = the previous stage's final/; a finished stage is
-skipped when the same command runs again; every stage config is validated before any stage starts.
+Stage k trains into DIR/<k>_<config stem> with train.init_from = the previous stage's final/; a
+finished stage is skipped when the same command runs again; every stage config is validated before
+any stage starts.
 """
 from __future__ import annotations
 
@@ -23,8 +25,9 @@ def _write(path, data: dict):
 
 
 def _stage_files(root, data_dir, tiny: dict) -> dict[str, str]:
-    """A tiny base config on the default dataset and three stages that state only what differs from it:
-    text (LLM alone, text part) -> align (captions, LLM frozen) -> full (everything trains, all parts)."""
+    """A tiny base config on the default dataset and three stages that state only what differs from
+    it: text (LLM alone, text part) -> align (captions, LLM frozen) -> full (everything trains, all
+    parts)."""
     base = copy.deepcopy(tiny)
     base["data"].update(sources=[], default_dir=str(data_dir))
     base["logging"].update(eval_every=0, histogram_every=0, eval_sources=[])
@@ -33,10 +36,13 @@ def _stage_files(root, data_dir, tiny: dict) -> dict[str, str]:
     root.mkdir(parents=True, exist_ok=True)
     _write(root / "base.yaml", base)
     return {
-        # vqa_eval on: the end-of-run VQA check must skip a model without vision rather than fail the stage
-        "text": _write(root / "text.yaml", {"base": "base.yaml", "vision": None, "data": {"default_parts": ["text"]},
+        # vqa_eval on: the end-of-run VQA check must skip a model without vision rather than fail
+        # the stage
+        "text": _write(root / "text.yaml",
+                       {"base": "base.yaml", "vision": None, "data": {"default_parts": ["text"]},
                                             "train": {"stage": "text", "vqa_eval": True}}),
-        "align": _write(root / "align.yaml", {"base": "base.yaml", "data": {"default_parts": ["caption"]},
+        "align": _write(root / "align.yaml",
+                        {"base": "base.yaml", "data": {"default_parts": ["caption"]},
                                               "params": {"freeze": ["lm"]}}),
         "full": _write(root / "full.yaml", {"base": "base.yaml"}),
     }
@@ -58,7 +64,8 @@ def _lm_params(path) -> dict[str, torch.Tensor]:
 
 
 def _mtimes(d) -> dict[str, int]:
-    return {str(p.relative_to(d)): p.stat().st_mtime_ns for p in sorted(d.rglob("*")) if p.is_file()}
+    return {str(p.relative_to(d)): p.stat().st_mtime_ns for p in sorted(d.rglob("*"))
+            if p.is_file()}
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +89,8 @@ def test_stages_run_in_order_each_from_the_previous_final(chain):
     assert sorted(p.name for p in out.iterdir()) == ["0_text", "1_align"]
     for d in (text_dir, align_dir):
         summary = json.loads((d / "summary.json").read_text())
-        assert summary["exit_code"] == 0 and summary["steps"] == 2      # the override reached every stage
+        # the override reached every stage
+        assert summary["exit_code"] == 0 and summary["steps"] == 2
         assert (d / "final" / "config.json").is_file()
 
     assert json.loads((text_dir / "summary.json").read_text())["vqa"] is None
@@ -95,7 +103,8 @@ def test_stages_run_in_order_each_from_the_previous_final(chain):
     assert align_cfg["train"]["init_from"] == str(text_dir / "final")
     assert align_cfg["data"]["default_parts"] == ["caption"] and align_cfg["params"]["freeze"] == ["lm"]
 
-    # the align stage froze the LLM, so its exported LLM is stage 1's exactly, and not a fresh initialisation
+    # the align stage froze the LLM, so its exported LLM is stage 1's exactly, and not a fresh
+    # initialisation
     from vlm.model.multimodal import ConceptMoEVLM
     from vlm.train.config import load_train_config
 
@@ -104,7 +113,8 @@ def test_stages_run_in_order_each_from_the_previous_final(chain):
     for k in text_lm:
         assert torch.equal(text_lm[k], align_lm[k]), k
     torch.manual_seed(load_train_config(chain["files"]["align"]).train.seed)
-    fresh = dict(ConceptMoEVLM(load_train_config(chain["files"]["align"]).model, None).lm.named_parameters())
+    fresh = dict(ConceptMoEVLM(load_train_config(chain["files"]["align"]).model,
+                               None).lm.named_parameters())
     assert any(not torch.equal(fresh[k], text_lm[k]) for k in text_lm)
 
     # the text stage saw no images, the align stage did
@@ -122,14 +132,15 @@ def test_rerun_skips_finished_stages_and_runs_the_rest(chain, tmp_path):
     assert stdout.count("done earlier") == 2, stdout
     assert {d.name: _mtimes(d) for d in out.iterdir()} == before       # nothing was touched
 
-    # a third stage appended to the same command: the first two are skipped, the new one starts from stage 2
+    # a third stage appended to the same command: the first two are skipped, the new one starts from
+    # stage 2
     import shutil
 
     out3 = tmp_path / "out"
     shutil.copytree(out, out3)
     before = {d.name: _mtimes(d) for d in out3.iterdir()}
-    rc, stdout, _ = _chain_cli([chain["files"]["text"], chain["files"]["align"], chain["files"]["full"],
-                                "--out", str(out3), "train.max_steps=2"])
+    rc, stdout, _ = _chain_cli([chain["files"]["text"], chain["files"]["align"],
+                                chain["files"]["full"], "--out", str(out3), "train.max_steps=2"])
     assert rc == 0
     assert stdout.count("done earlier") == 2, stdout
     for name, mt in before.items():
@@ -150,13 +161,15 @@ def test_an_unfinished_stage_resumes_instead_of_restarting(chain, tmp_path):
     align = out / "1_align"
     (align / "summary.json").unlink()
     shutil.rmtree(align / "final")
-    # the run directory of stage 2 still holds stage 1's path in its config: the copy must point at its own
+    # the run directory of stage 2 still holds stage 1's path in its config: the copy must point at
+    # its own
     cfg = yaml.safe_load((align / "config.yaml").read_text())
     cfg["train"]["init_from"] = str(out / "0_text" / "final")
     (align / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
     metrics_before = (align / "metrics.jsonl").read_text()
     logs: list[str] = []
-    rc = run_chain([chain["files"]["text"], chain["files"]["align"]], out, ["train.max_steps=2"], log=logs.append)
+    rc = run_chain([chain["files"]["text"], chain["files"]["align"]], out, ["train.max_steps=2"],
+                   log=logs.append)
     assert rc == 0
     assert any("done earlier" in x and "0_text" in x for x in logs), logs
     assert (align / "final" / "config.json").is_file()
@@ -177,7 +190,8 @@ def test_bad_stage_config_stops_before_any_work(tiny_data, tmp_path, capsys, TIN
     assert not out.exists(), "a bad later stage must stop the chain before the first stage trains"
 
     # a later stage may not choose its own starting point: the chain sets it
-    own = _write(tmp_path / "cfg" / "own.yaml", {"base": "base.yaml", "train": {"init_from": str(tmp_path)}})
+    own = _write(tmp_path / "cfg" / "own.yaml",
+                 {"base": "base.yaml", "train": {"init_from": str(tmp_path)}})
     from vlm.train.chain import run_chain
 
     with pytest.raises(ConfigError, match="init_from is set by the chain"):
@@ -200,7 +214,8 @@ def test_finished_needs_a_clean_summary_and_an_export(tmp_path):
     (run / "summary.json").write_text('{"steps": 3, "exit_c')   # cut short mid-write
     assert not finished(run)
     (run / "summary.json").write_text(json.dumps({"exit_code": 1}))
-    assert not finished(run)                                   # stopped early (e.g. too many non-finite steps)
+    # stopped early (e.g. too many non-finite steps)
+    assert not finished(run)
     (run / "summary.json").write_text(json.dumps({"exit_code": 0}))
     assert finished(run)
     (run / "final" / "config.json").unlink()
@@ -208,9 +223,9 @@ def test_finished_needs_a_clean_summary_and_an_export(tmp_path):
 
 
 def test_ctrl_c_stops_the_stage_in_flight_and_the_same_command_continues(chain, tmp_path):
-    """SIGINT during stage 0: the stage saves and returns 130, stage 1 never starts, nothing raises; the same
-    command then finishes both stages. The signal is simulated as the flag the handler sets, seen at the
-    n-th poll (deterministic: no real signal, no timing)."""
+    """SIGINT during stage 0: the stage saves and returns 130, stage 1 never starts, nothing raises;
+    the same command then finishes both stages. The signal is simulated as the flag the handler
+    sets, seen at the n-th poll (deterministic: no real signal, no timing)."""
     import signal
 
     from vlm.train.chain import finished, run_chain, stage_dirs
@@ -241,4 +256,5 @@ def test_ctrl_c_stops_the_stage_in_flight_and_the_same_command_continues(chain, 
     assert rc == 0 and finished(first) and finished(second)
     steps = [json.loads(x)["step"] for x in (first / "metrics.jsonl").read_text().splitlines()
              if "loss" in json.loads(x)]
-    assert steps == sorted(set(steps)) and steps[-1] == 4      # stage 0 resumed: no step trained twice
+    # stage 0 resumed: no step trained twice
+    assert steps == sorted(set(steps)) and steps[-1] == 4

@@ -23,16 +23,22 @@ BAD = [
     (["params.freeze=[decoder]"], "params.freeze entry 'decoder'"),
     (["model.init_std=-1"], "init_std must be > 0"),
     (["data.tokenizer=/nonexistent/tok"], "tokenizer '/nonexistent/tok' does not exist"),
-    (["data.sources=[{path: /nonexistent/*.tar}]"], "data.sources[0]: source /nonexistent/*.tar: shard pattern"),
+    (["data.sources=[{path: /nonexistent/*.tar}]"],
+     "data.sources[0]: source /nonexistent/*.tar: shard pattern"),
     (["optim.betas=[0.9]"], "optim.betas: expected 2 items, got 1"),
     (["optim.lr=.inf"], "optim.lr: got inf, expected a finite number"),
     (["optim.betas=[0.9, .nan]"], "optim.betas[1]: got nan, expected a finite number"),
     (["deepspeed.extra=5"], "deepspeed.extra: expected a mapping"),
-    (['deepspeed.extra={"zero_optimization": {"stage": 7}}'], "DeepSpeedZeroConfig | stage | Input should be 0, 1"),
-    (['deepspeed.extra={"zero_optimization": {"stagee": 2}}'], "stagee | Extra inputs are not permitted"),
-    (['deepspeed.extra={"gradient_clipping": "abc"}'], "gradient_clipping='abc' (from deepspeed.extra"),
-    (['deepspeed.extra={"bf16": {"enabled": "maybe"}}'], "bf16.enabled='maybe' (from deepspeed.extra"),
-    (["deepspeed.config_file=pyproject.toml"], "deepspeed.config_file pyproject.toml cannot be read as JSON"),
+    (['deepspeed.extra={"zero_optimization": {"stage": 7}}'],
+     "DeepSpeedZeroConfig | stage | Input should be 0, 1"),
+    (['deepspeed.extra={"zero_optimization": {"stagee": 2}}'],
+     "stagee | Extra inputs are not permitted"),
+    (['deepspeed.extra={"gradient_clipping": "abc"}'],
+     "gradient_clipping='abc' (from deepspeed.extra"),
+    (['deepspeed.extra={"bf16": {"enabled": "maybe"}}'],
+     "bf16.enabled='maybe' (from deepspeed.extra"),
+    (["deepspeed.config_file=pyproject.toml"], "deepspeed.config_file pyproject.toml cannot be "
+                                               "read as JSON"),
 ]
 
 
@@ -51,10 +57,13 @@ def test_bad_config_cli_subprocess(tmp_path, TINY, write_config, ROOT, subproces
     """The real entry point: exit code 2 and exactly one line on stderr, before DeepSpeed starts."""
     cfg = dict(TINY, optim={**TINY["optim"], "betas": "fast"})
     path = write_config(cfg, tmp_path / "bad.yaml")
-    proc = subprocess.run([sys.executable, "-m", "vlm.train", "--config", str(path), "--out", str(tmp_path / "r")],
-                          cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "vlm.train", "--config", str(path), "--out",
+                           str(tmp_path / "r")],
+                          cwd=ROOT, env=subprocess_env(), capture_output=True, text=True,
+                          timeout=300)
     assert proc.returncode == 2
-    lines = [line for line in proc.stderr.splitlines() if line.strip() and "real_accelerator" not in line]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()
+             and "real_accelerator" not in line]
     assert lines == [lines[0]] and "optim.betas" in lines[0], proc.stderr
 
 
@@ -77,16 +86,20 @@ def test_lr_schedules():
 
     def multipliers(schedule, steps=111, **kw):
         opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
-        sched = build_scheduler(opt, schedule=schedule, warmup=10, total=110, lr=1.0, min_lr=0.1, **kw)
+        sched = build_scheduler(opt, schedule=schedule, warmup=10, total=110, lr=1.0, min_lr=0.1,
+                                **kw)
         return [sched.lr_lambdas[0](s) for s in range(steps)]
 
     cos = multipliers("cosine", decay_fraction=0.2)
-    assert cos[0] == pytest.approx(0.1) and cos[9] == pytest.approx(1.0)      # linear warm-up, never 0
-    assert cos[59] == pytest.approx(0.55) and cos[109] == pytest.approx(0.1)   # cosine to the floor at the last step
+    # linear warm-up, never 0
+    assert cos[0] == pytest.approx(0.1) and cos[9] == pytest.approx(1.0)
+    # cosine to the floor at the last step
+    assert cos[59] == pytest.approx(0.55) and cos[109] == pytest.approx(0.1)
     assert all(a >= b for a, b in zip(cos[10:110], cos[11:110]))
     wsd = multipliers("wsd", decay_fraction=0.2)
     assert wsd[10:90] == [1.0] * 80                                           # stable phase
-    assert wsd[100] == pytest.approx(0.55) and wsd[110] == pytest.approx(0.1)  # linear decay over the last 20 %
+    # linear decay over the last 20 %
+    assert wsd[100] == pytest.approx(0.55) and wsd[110] == pytest.approx(0.1)
     assert multipliers("constant", decay_fraction=0.2)[50] == 1.0
 
 
@@ -105,7 +118,8 @@ def test_param_groups_mup_and_multipliers(_tiny_model, TINY):
     from vlm.train.param_groups import apply_mup_init, build_param_groups, mup_width_multipliers, part_of
 
     model_cfg = dict(TINY["model"], hidden_size=64, concept_hidden_size=128, head_dim=16)
-    cfg, model = _tiny_model(model=model_cfg, params={"mup": True, "mup_base_width": 32, "vision_lr_mult": 0.1,
+    cfg, model = _tiny_model(model=model_cfg,
+                             params={"mup": True, "mup_base_width": 32, "vision_lr_mult": 0.1,
                                                       "projector_lr_mult": 2.0})
     s_tok, s_con = mup_width_multipliers(64, 128, 32)
     assert (s_tok, s_con) == (2.0, 4.0)
@@ -121,7 +135,8 @@ def test_param_groups_mup_and_multipliers(_tiny_model, TINY):
     assert by_name["head/matrix"][0]["lr"] == lr
     assert by_name["vision/matrix"][0]["lr"] == pytest.approx(0.1 * lr)
     assert by_name["projector/matrix"][0]["lr"] == pytest.approx(2 * lr)
-    assert all(g["weight_decay"] == 0 for n, gs in by_name.items() if n.endswith("vector") for g in gs)
+    assert all(g["weight_decay"] == 0 for n, gs in by_name.items() if n.endswith("vector")
+               for g in gs)
     # every trainable tensor in exactly one group
     ids = [id(p) for g in groups for p in g["params"]]
     assert len(ids) == len(set(ids)) == sum(1 for p in model.parameters() if p.requires_grad)
@@ -168,19 +183,21 @@ def test_deepspeed_config_generation(tmp_path):
 
 
 LLAVA_ZERO2 = {   # LLaVA's scripts/zero2.json, as users bring it
-    "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
-             "hysteresis": 2, "min_loss_scale": 1},
+    "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000,
+             "initial_scale_power": 16, "hysteresis": 2, "min_loss_scale": 1},
     "bf16": {"enabled": "auto"},
-    "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto", "gradient_accumulation_steps": "auto",
-    "zero_optimization": {"stage": 2, "overlap_comm": True, "contiguous_gradients": True, "sub_group_size": 1e9,
-                          "reduce_bucket_size": "auto"},
-    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+    "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
+    "gradient_accumulation_steps": "auto",
+    "zero_optimization": {"stage": 2, "overlap_comm": True, "contiguous_gradients": True,
+                          "sub_group_size": 1e9, "reduce_bucket_size": "auto"},
+    "optimizer": {"type": "AdamW",
+                  "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
 }
 
 
 def test_a_users_deepspeed_json_with_auto_values(tmp_path):
-    """"auto" takes the run's own values (as transformers' Trainer fills them); the optimizer section gives way to
-    optim.*; the stage the file sets is what the run reports."""
+    """"auto" takes the run's own values (as transformers' Trainer fills them); the optimizer
+    section gives way to optim.*; the stage the file sets is what the run reports."""
     import json
 
     from vlm.train.config import DeepSpeedConfig, OptimConfig
@@ -199,7 +216,8 @@ def test_a_users_deepspeed_json_with_auto_values(tmp_path):
     assert ran.zero_stage == 2 and ran.bf16 is False
 
 
-def test_the_run_records_the_stage_its_deepspeed_json_set(tiny_data, tmp_path, torch_globals, tiny_config,
+def test_the_run_records_the_stage_its_deepspeed_json_set(tiny_data, tmp_path, torch_globals,
+                                                          tiny_config,
                                                            make_trainer):
     import json
 
@@ -225,7 +243,8 @@ def test_overrides_may_follow_options(capsys):
     from vlm.cli import build_parser
     from configs.config import parse_args_anywhere
 
-    args = parse_args_anywhere(build_parser(), ["train", "train.seed=1", "--max-steps", "3", "optim.lr=0.01"])
+    args = parse_args_anywhere(build_parser(),
+                               ["train", "train.seed=1", "--max-steps", "3", "optim.lr=0.01"])
     assert args.overrides == ["train.seed=1", "optim.lr=0.01"] and args.max_steps == 3
     for argv in (["train", "--bogus", "3"], ["train", "a=1", "--max-steps", "3", "notakeyvalue"]):
         with pytest.raises(SystemExit):
@@ -245,9 +264,10 @@ def test_non_utf8_config_is_one_line(tmp_path, capsys):
 
 
 def test_the_data_processor_is_the_vision_processor():
-    """The patch geometry is stated once, under vision.processor: with a vision section the loader patchifies
-    with that same config. data.processor serves configs without vision; next to a vision section a copy is
-    accepted only where it is the same (a saved run config writes both), anything else is one clear error."""
+    """The patch geometry is stated once, under vision.processor: with a vision section the loader
+    patchifies with that same config. data.processor serves configs without vision; next to a vision
+    section a copy is accepted only where it is the same (a saved run config writes both), anything
+    else is one clear error."""
     from configs.config import from_dict, to_dict
     from vision.config import VisionConfig
     from vlm.train.config import TrainConfig
@@ -258,33 +278,39 @@ def test_the_data_processor_is_the_vision_processor():
     assert cfg.data.processor is cfg.vision.processor and cfg.data.processor.patch_size == 7
     again = from_dict(TrainConfig, to_dict(cfg))
     assert again == cfg and again.data.processor is again.vision.processor
-    direct = TrainConfig(vision=from_dict(VisionConfig, vision))           # made in Python: derived as well
+    # made in Python: derived as well
+    direct = TrainConfig(vision=from_dict(VisionConfig, vision))
     assert direct.data.processor is direct.vision.processor
     with pytest.raises(ConfigError, match="data.processor is set, but with a vision section"):
         from_dict(TrainConfig, {"vision": vision, "data": {"processor": {"patch_size": 4}}})
     text = from_dict(TrainConfig, {"vision": None, "train": {"stage": "text"},
-                                   "data": {"processor": {"patch_size": 4}, "default_parts": ["text"]}})
+                                   "data": {"processor": {"patch_size": 4},
+                                            "default_parts": ["text"]}})
     assert text.data.processor.patch_size == 4
     with pytest.raises(ConfigError, match="unknown key vision.encoder.patch_size"):
-        from_dict(TrainConfig, {"vision": dict(vision, encoder=dict(vision["encoder"], patch_size=7))})
+        from_dict(TrainConfig,
+                  {"vision": dict(vision, encoder=dict(vision["encoder"], patch_size=7))})
 
 
-def test_no_vision_tower_refuses_image_data_in_one_line(tmp_path, capsys, tiny_data, tiny_config, write_config):
-    """vision: null on the default dataset's image parts is a config error at load time; on sources that turn
-    out to carry images it is one line at the first batch, not a traceback."""
+def test_no_vision_tower_refuses_image_data_in_one_line(tmp_path, capsys, tiny_data, tiny_config,
+                                                        write_config):
+    """vision: null on the default dataset's image parts is a config error at load time; on sources
+    that turn out to carry images it is one line at the first batch, not a traceback."""
     from configs.config import from_dict
     from vlm.train.config import TrainConfig
 
     text_only = {"vision": None, "train": {"stage": "text"}, "vision_warmup": {"steps": 0}}
     for parts in ([], ["vqa"], ["text", "caption"]):
-        with pytest.raises(ConfigError, match=r"vision: null, but the default dataset's parts \[.*\] carry images"):
+        with pytest.raises(ConfigError, match=r"vision: null, but the default dataset's parts "
+                                              r"\[.*\] carry images"):
             from_dict(TrainConfig, dict(text_only, data={"default_parts": parts}))
     assert from_dict(TrainConfig, dict(text_only, data={"default_parts": ["text"]})).vision is None
 
     cfg = tiny_config(tiny_data, vision=None, vision_warmup={"steps": 0},
                       train={"stage": "text", "max_steps": 2, "vqa_eval": False},
                       params={"vision_lr_mult": 1.0, "projector_lr_mult": 1.0})
-    rc = train_main(["--config", str(write_config(cfg, tmp_path / "c.yaml")), "--out", str(tmp_path / "run")])
+    rc = train_main(["--config", str(write_config(cfg, tmp_path / "c.yaml")), "--out",
+                     str(tmp_path / "run")])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and len(err.splitlines()) == 1, err
     assert "the data carries images but the config has no vision tower" in err
@@ -294,7 +320,8 @@ def test_print_config_shows_the_resolved_config_and_exits(tmp_path, capsys, writ
     import yaml
 
     path = write_config(TINY, tmp_path / "c.yaml")
-    assert train_main(["--config", str(path), "--print-config", "optim.lr=0.02", "--out", str(tmp_path / "run")]) == 0
+    assert train_main(["--config", str(path), "--print-config", "optim.lr=0.02", "--out",
+                       str(tmp_path / "run")]) == 0
     printed = yaml.safe_load(capsys.readouterr().out)
     assert printed["optim"]["lr"] == 0.02 and printed["model"]["hidden_size"] == TINY["model"]["hidden_size"]
     assert not (tmp_path / "run").exists()

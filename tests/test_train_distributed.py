@@ -19,14 +19,15 @@ def _free_port() -> int:
 
 
 def _worker(rank: int, world: int, port: int, cfg, out: str) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     from data_pipelines.loader import build_loader
     from vlm.train.trainer import Trainer
 
     tr = Trainer(cfg, os.path.join(out, f"run{world}"), log=lambda *_: None)
-    # The same two one-row batches everywhere: one process takes both as micro-batches, two take one each.
+    # The same two one-row batches everywhere: one process takes both as micro-batches, two take one
+    # each.
     it = iter(build_loader(cfg.data, tr.tokenizer, 0, 1))
     rows = [next(it), next(it)]
     window = rows if world == 1 else [rows[rank]]
@@ -42,9 +43,9 @@ def _worker(rank: int, world: int, port: int, cfg, out: str) -> None:
 
 @pytest.mark.slow
 def test_two_ranks_match_one_rank_first_step(tiny_data, tmp_path, tiny_config, load_tiny):
-    # ratio_loss_weight 0: the ratio loss is still computed (and compared) but the parameter update is then
-    # exactly the global-batch gradient in both layouts (with a weight, micro-batch k of one process only sees
-    # the running sums of micro-batches <= k, as in DLCM's accumulation).
+    # ratio_loss_weight 0: the ratio loss is still computed (and compared) but the parameter update
+    # is then exactly the global-batch gradient in both layouts (with a weight, micro-batch k of one
+    # process only sees the running sums of micro-batches <= k, as in DLCM's accumulation).
     base = tiny_config(tiny_data, data={"rows_per_batch": 1}, logging={"eval_every": 0})
     base["model"]["chunk"]["ratio_loss_weight"] = 0.0
     one = dict(base, optim={**base["optim"], "grad_accum": 2})
@@ -54,7 +55,8 @@ def test_two_ranks_match_one_rank_first_step(tiny_data, tmp_path, tiny_config, l
     a, b = torch.load(tmp_path / "world1.pt"), torch.load(tmp_path / "world2.pt")
     ra, rb = a["rec"], b["rec"]
     assert ra["tokens"] == rb["tokens"] and ra["tokens/image"] == rb["tokens/image"]
-    for key in ("compression/ratio", "compression/text", "compression/image"):   # same sampled boundaries
+    # same sampled boundaries
+    for key in ("compression/ratio", "compression/text", "compression/image"):
         assert ra[key] == rb[key], key
     for key in ("loss", "lm_loss", "aux_loss", "balance_loss", "loss/text_only", "loss/image_text",
                 "boundary_p/text", "boundary_p/image"):
@@ -64,20 +66,23 @@ def test_two_ranks_match_one_rank_first_step(tiny_data, tmp_path, tiny_config, l
         assert rb[key] == pytest.approx(ra[key], rel=1e-6, abs=1e-7), key
     # and the same update
     for n, p in a["params"].items():
-        torch.testing.assert_close(b["params"][n], p, rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
+        torch.testing.assert_close(b["params"][n], p, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"{n}: {m}")
 
 
 @pytest.mark.slow
-def test_torchrun_two_processes_cli(tiny_data, tmp_path, tiny_config, write_config, subprocess_env, ROOT):
-    cfg = tiny_config(tiny_data, train={"max_steps": 2}, checkpoint={"save_every": 2}, logging={"eval_every": 2},
-                      deepspeed={"zero_stage": 2})
+def test_torchrun_two_processes_cli(tiny_data, tmp_path, tiny_config, write_config, subprocess_env,
+                                    ROOT):
+    cfg = tiny_config(tiny_data, train={"max_steps": 2}, checkpoint={"save_every": 2},
+                      logging={"eval_every": 2}, deepspeed={"zero_stage": 2})
     path = write_config(cfg, tmp_path / "c.yaml")
     run_dir = tmp_path / "run"
     env = subprocess_env()
     env["OMP_NUM_THREADS"] = "1"
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                           "--master_port", str(_free_port()), "-m", "vlm.train", "--config", str(path),
-                           "--out", str(run_dir)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+                           "--master_port", str(_free_port()), "-m", "vlm.train", "--config",
+                           str(path), "--out", str(run_dir)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs] == [1, 2] and all(r["lm_loss"] > 0 for r in recs)

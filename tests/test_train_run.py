@@ -11,15 +11,16 @@ import torch
 import yaml
 
 
-REQUIRED = ["step", "loss", "lm_loss", "aux_loss", "lr", "tokens_per_s", "compression/ratio", "compression/text",
-            "compression/image", "boundary_p/text", "boundary_p/image", "loss/text_only", "loss/image_text",
-            "nonfinite_steps", "skipped/corrupt_image"]
+REQUIRED = ["step", "loss", "lm_loss", "aux_loss", "lr", "tokens_per_s", "compression/ratio",
+            "compression/text", "compression/image", "boundary_p/text", "boundary_p/image",
+            "loss/text_only", "loss/image_text", "nonfinite_steps", "skipped/corrupt_image"]
 
 
 def _tb(run_dir):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    ea = EventAccumulator(str(run_dir / "tb"), size_guidance={"images": 0, "tensors": 0, "histograms": 0})
+    ea = EventAccumulator(str(run_dir / "tb"),
+                          size_guidance={"images": 0, "tensors": 0, "histograms": 0})
     ea.Reload()
     return ea
 
@@ -41,7 +42,8 @@ def _hf_logits_match(run_dir, module, tokenizer):
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
-def test_train_single_process_run_dir(tiny_data, tmp_path, torch_globals, make_trainer, tiny_config):
+def test_train_single_process_run_dir(tiny_data, tmp_path, torch_globals, make_trainer,
+                                      tiny_config):
 
     run_dir = tmp_path / "run"
     tr = make_trainer(tiny_config(tiny_data), run_dir)
@@ -53,17 +55,19 @@ def test_train_single_process_run_dir(tiny_data, tmp_path, torch_globals, make_t
         assert not missing, missing
         assert r["tokens"] > 0 and r["tokens_per_s"] > 0 and r["compression/ratio"] >= 1
     assert all("val/lm_loss" in r for r in recs if r["step"] % 2 == 0)
-    # bits per byte of the text-only samples: the byte tokenizer's targets are bytes or 0-byte specials (eos), so
-    # bpb / (loss / ln 2) = tokens / bytes >= 1, exactly 1 when no eos is a target. The two metrics are separate
-    # float divisions of the same sums, so an exact 1 may come out a rounding below it (just under 1 was seen on a
-    # GPU machine): allowed 8 float32 roundings (8 * 2^-24 ~ 5e-7), far below the 1 / bytes (bytes: a few hundred
-    # here) that one byte too many would take off
+    # bits per byte of the text-only samples: the byte tokenizer's targets are bytes or 0-byte
+    # specials (eos), so bpb / (loss / ln 2) = tokens / bytes >= 1, exactly 1 when no eos is a
+    # target. The two metrics are separate float divisions of the same sums, so an exact 1 may come
+    # out a rounding below it (just under 1 was seen on a GPU machine): allowed 8 float32 roundings
+    # (8 * 2^-24 ~ 5e-7), far below the 1 / bytes (bytes: a few hundred here) that one byte too many
+    # would take off
     for r in recs:
         if r["loss/text_only"] is not None:
             assert 1.0 - 8 * 2.0 ** -24 <= r["bpb/text"] / (r["loss/text_only"] / math.log(2)) < 1.5
     assert any(r.get("val/bpb/text") for r in recs)
     assert all(r["text/embed_norm"] > 0 for r in recs)
-    assert any(r.get("vision/token_norm", 0) > 0 and r.get("vision/token_spread", 0) > 0 for r in recs)
+    assert any(r.get("vision/token_norm", 0) > 0 and r.get("vision/token_spread", 0) > 0
+               for r in recs)
     assert recs[0]["lr"] < recs[1]["lr"]                      # warm-up
     saved = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert saved["model"]["hidden_size"] == 32 and saved["train"]["max_steps"] == 4
@@ -73,8 +77,8 @@ def test_train_single_process_run_dir(tiny_data, tmp_path, torch_globals, make_t
     assert summary["steps"] == 4 and summary["exit_code"] == 0
     ea = _tb(run_dir)
     tags = ea.Tags()
-    for t in ("compression/text", "compression/image", "boundary_p/image", "loss/image_text", "target/ratio",
-              "throughput/tokens_per_s", "val/lm_loss"):
+    for t in ("compression/text", "compression/image", "boundary_p/image", "loss/image_text",
+              "target/ratio", "throughput/tokens_per_s", "val/lm_loss"):
         assert t in tags["scalars"], t
     assert "concepts/image" in tags["images"]
     assert any(h.startswith("boundary_p_hist/") for h in tags["histograms"])
@@ -91,8 +95,9 @@ def test_train_single_process_run_dir(tiny_data, tmp_path, torch_globals, make_t
 def test_mup_zero1_grad_accum_export(tiny_data, tmp_path, torch_globals, tiny_config, make_trainer):
     """muP (logit scale folded into the export), ZeRO-1 and two micro-batches per step."""
 
-    cfg = tiny_config(tiny_data, params={"mup": True, "mup_base_width": 16}, deepspeed={"zero_stage": 1},
-                      optim={"grad_accum": 2}, train={"max_steps": 2}, logging={"eval_every": 0})
+    cfg = tiny_config(tiny_data, params={"mup": True, "mup_base_width": 16},
+                      deepspeed={"zero_stage": 1}, optim={"grad_accum": 2}, train={"max_steps": 2},
+                      logging={"eval_every": 0})
     run_dir = tmp_path / "run"
     tr = make_trainer(cfg, run_dir)
     assert tr.logit_scale == pytest.approx(0.5)
@@ -111,7 +116,8 @@ def test_global_parser_sums_ranks_and_micro_batches():
     two_ranks.start_step()
     assert torch.equal(two_ranks(a), 2 * a)                  # one micro-batch: summed over ranks
     two_ranks.start_step()
-    two_ranks.collect()                                      # two micro-batches: the statistics pass first
+    # two micro-batches: the statistics pass first
+    two_ranks.collect()
     two_ranks(a), two_ranks(b)
     assert torch.equal(two_ranks.settle(), 2 * (a + b))
     assert torch.equal(two_ranks(a), 2 * (a + b)) and torch.equal(two_ranks(b), 2 * (a + b))
@@ -124,7 +130,8 @@ def _two_micro_batches(tiny_data, load_tiny, tiny_config):
 
     cfg = load_tiny(tiny_config(tiny_data))
     torch.manual_seed(0)
-    model = ConceptMoEVLM(cfg.model, cfg.vision).eval()      # eval: threshold boundaries, same in every pass
+    # eval: threshold boundaries, same in every pass
+    model = ConceptMoEVLM(cfg.model, cfg.vision).eval()
     it = iter(build_loader(cfg.data, load_tokenizer("byte")))
     return cfg, model, [next(it) for _ in range(2)]
 
@@ -147,21 +154,24 @@ def test_global_parser_drives_the_chunker(tiny_data, load_tiny, tiny_config):
     bnd = sum(s["boundaries/all"] for s in stats)
     psum = sum(s["boundary_p/all"] * s["tokens/all"] for s in stats)
     assert parser.calls == 2 and parser.total_Z3[0, 2].item() == pytest.approx(tok)
-    expected = ratio_loss(torch.tensor(bnd / tok), torch.tensor(psum / tok), cfg.model.chunk.target_ratio)
+    expected = ratio_loss(torch.tensor(bnd / tok), torch.tensor(psum / tok),
+                          cfg.model.chunk.target_ratio)
     for out in outs:
         assert out.ratio_loss.item() == pytest.approx(expected.item(), rel=1e-5)
 
 
 def test_accumulated_ratio_loss_gradient_equals_the_one_big_batch_gradient(tiny_data, load_tiny, tiny_config):
-    """DLCM's global parser with gradient accumulation: the micro-batches' ratio-loss gradients, summed, are the
-    gradient of the ratio loss of both micro-batches as one batch (early micro-batches see late ones' sums)."""
+    """DLCM's global parser with gradient accumulation: the micro-batches' ratio-loss gradients,
+    summed, are the gradient of the ratio loss of both micro-batches as one batch (early
+    micro-batches see late ones' sums)."""
     from configs.batch import PackedBatch
     from vlm.train.global_parser import GlobalParser, install
 
     cfg, model, batches = _two_micro_batches(tiny_data, load_tiny, tiny_config)
     params = [p for p in model.lm.chunker.parameters() if p.requires_grad]
     install(model, None)
-    big = model(PackedBatch.stack(batches))                  # both micro-batches as one batch (same T)
+    # both micro-batches as one batch (same T)
+    big = model(PackedBatch.stack(batches))
     g_big = torch.autograd.grad(big.ratio_loss, params)
     parser = GlobalParser(all_reduce=lambda x: x.clone())
     install(model, parser)
@@ -179,14 +189,16 @@ def test_accumulated_ratio_loss_gradient_equals_the_one_big_batch_gradient(tiny_
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
 
 
-def test_per_micro_batch_statistics_when_the_global_parser_is_off(tiny_data, tmp_path, torch_globals, tiny_config,
+def test_per_micro_batch_statistics_when_the_global_parser_is_off(tiny_data, tmp_path,
+                                                                  torch_globals, tiny_config,
                                                                    make_trainer):
-    """train.global_parser=false (DLCM Table 4's ablation): no parser on the chunker, so each micro-batch's ratio
-    loss is eq. 4 at its own F, G; training runs."""
+    """train.global_parser=false (DLCM Table 4's ablation): no parser on the chunker, so each
+    micro-batch's ratio loss is eq. 4 at its own F, G; training runs."""
     from vlm.model.ratio_loss import ratio_loss
     from vlm.model.stats import summarize
 
-    cfg = tiny_config(tiny_data, optim={"grad_accum": 2}, train={"max_steps": 2, "global_parser": False},
+    cfg = tiny_config(tiny_data, optim={"grad_accum": 2},
+                      train={"max_steps": 2, "global_parser": False},
                       logging={"eval_every": 0})
     tr = make_trainer(cfg, tmp_path / "run")
     assert tr.parser is None and tr.engine.module.lm.chunker.stats_hook is None
@@ -195,8 +207,8 @@ def test_per_micro_batch_statistics_when_the_global_parser_is_off(tiny_data, tmp
     batch = next(iter(tr.loader))
     out = model(batch)
     s = summarize(out, batch)
-    local = ratio_loss(torch.tensor(s["boundaries/all"] / s["tokens/all"]), torch.tensor(s["boundary_p/all"]),
-                       tr.cfg.model.chunk.target_ratio)
+    local = ratio_loss(torch.tensor(s["boundaries/all"] / s["tokens/all"]),
+                       torch.tensor(s["boundary_p/all"]), tr.cfg.model.chunk.target_ratio)
     assert out.ratio_loss.item() == pytest.approx(local.item(), rel=1e-5)
 
 
@@ -212,13 +224,15 @@ def _nan_grad_hook(out, k):
 
 def _snapshot(tr):
     return {n: p.detach().clone() for n, p in tr.engine.module.named_parameters()} | {
-        n: b.detach().clone() for n, b in tr.engine.module.named_buffers() if n.endswith("expert_bias")}
+        n: b.detach().clone() for n, b in tr.engine.module.named_buffers()
+        if n.endswith("expert_bias")}
 
 
 @pytest.mark.parametrize("zero_stage,grad_accum,bad_micro", [(0, 1, 0), (0, 2, 1), (1, 2, 0)])
-def test_nonfinite_step_is_skipped(tiny_data, tmp_path, torch_globals, zero_stage, grad_accum, bad_micro, tiny_config,
-                                   make_trainer):
-    cfg = tiny_config(tiny_data, deepspeed={"zero_stage": zero_stage}, optim={"grad_accum": grad_accum})
+def test_nonfinite_step_is_skipped(tiny_data, tmp_path, torch_globals, zero_stage, grad_accum,
+                                   bad_micro, tiny_config, make_trainer):
+    cfg = tiny_config(tiny_data, deepspeed={"zero_stage": zero_stage},
+                      optim={"grad_accum": grad_accum})
     tr = make_trainer(cfg, tmp_path / "run")
     it = iter(tr.loader)
     window = lambda: [next(it) for _ in range(grad_accum)]  # noqa: E731
@@ -226,30 +240,35 @@ def test_nonfinite_step_is_skipped(tiny_data, tmp_path, torch_globals, zero_stag
     before = _snapshot(tr)
     opt_before = copy.deepcopy(tr.optimizer.state_dict()["state"])
     epoch = tr.scheduler.last_epoch
-    res = tr.train_step(window(), loss_hook=lambda out, k: _nan_hook(out, k) if k == bad_micro else out)
+    res = tr.train_step(window(), loss_hook=lambda out, k: _nan_hook(out, k) if k == bad_micro
+                        else out)
     tr.after_step(res)
     assert not res.applied and tr.nonfinite_total == 1 and tr.nonfinite_in_row == 1
     after = _snapshot(tr)
     assert all(torch.equal(before[n], after[n]) for n in before), "a skipped step changed the model"
     assert tr.scheduler.last_epoch == epoch
-    # DeepSpeed counts the skipped step itself (on the plain fp32 path the optimizer reports it as an overflow)
+    # DeepSpeed counts the skipped step itself (on the plain fp32 path the optimizer reports it as
+    # an overflow)
     assert tr.engine.skipped_steps == 1 and tr.engine.global_steps == tr.step == 2 and not tr.engine.was_step_applied()
     # no stale gradient of the skipped window survives into the next step
     assert all(p.grad is None or not p.grad.any() for p in tr.engine.module.parameters())
     opt_after = tr.optimizer.state_dict()["state"]
-    assert all(torch.equal(a, b) for k in opt_before for a, b in zip(opt_before[k].values(), opt_after[k].values())
+    assert all(torch.equal(a, b) for k in opt_before for a,
+               b in zip(opt_before[k].values(), opt_after[k].values())
                if torch.is_tensor(a))
-    assert all(float(m.load_accum.abs().sum()) == 0 for m in tr.engine.module.modules() if hasattr(m, "load_accum"))
+    assert all(float(m.load_accum.abs().sum()) == 0 for m in tr.engine.module.modules()
+               if hasattr(m, "load_accum"))
     res = tr.train_step(window())
     tr.after_step(res)
     assert res.applied and tr.nonfinite_in_row == 0
     after2 = _snapshot(tr)
-    assert any(not torch.equal(after[n], after2[n]) for n in after) and all(torch.isfinite(v).all() for v in after2.values())
+    assert any(not torch.equal(after[n], after2[n]) for n in after)
+    assert all(torch.isfinite(v).all() for v in after2.values())
 
 
 @pytest.mark.parametrize("zero_stage", [0, 1])
-def test_finite_loss_with_nonfinite_gradient_is_skipped(tiny_data, tmp_path, torch_globals, zero_stage, tiny_config,
-                                                        make_trainer):
+def test_finite_loss_with_nonfinite_gradient_is_skipped(tiny_data, tmp_path, torch_globals,
+                                                        zero_stage, tiny_config, make_trainer):
     cfg = tiny_config(tiny_data, deepspeed={"zero_stage": zero_stage})
     tr = make_trainer(cfg, tmp_path / "run")
     it = iter(tr.loader)
@@ -259,18 +278,21 @@ def test_finite_loss_with_nonfinite_gradient_is_skipped(tiny_data, tmp_path, tor
     tr.after_step(res)
     assert not res.applied and tr.nonfinite_total == 1
     after = _snapshot(tr)
-    assert all(torch.equal(before[n], after[n]) for n in before), "a NaN gradient reached the weights"
+    assert all(torch.equal(before[n], after[n])
+               for n in before), "a NaN gradient reached the weights"
     res = tr.train_step([next(it)])
     assert res.applied and all(torch.isfinite(p).all() for p in tr.engine.module.parameters())
 
 
-def test_nonfinite_in_a_row_stops_with_checkpoint(tiny_data, tmp_path, torch_globals, tiny_config, make_trainer):
+def test_nonfinite_in_a_row_stops_with_checkpoint(tiny_data, tmp_path, torch_globals, tiny_config,
+                                                  make_trainer):
 
-    cfg = tiny_config(tiny_data, train={"max_steps": 10, "max_nonfinite_in_row": 2}, checkpoint={"save_every": 0},
-                      logging={"eval_every": 0})
+    cfg = tiny_config(tiny_data, train={"max_steps": 10, "max_nonfinite_in_row": 2},
+                      checkpoint={"save_every": 0}, logging={"eval_every": 0})
     run_dir = tmp_path / "run"
     trainer = {}   # from the second step on, every micro-batch's loss is NaN
-    tr = make_trainer(cfg, run_dir, loss_hook=lambda out, k: _nan_hook(out, k) if trainer["it"].step >= 1 else out)
+    tr = make_trainer(cfg, run_dir, loss_hook=lambda out, k: _nan_hook(out, k)
+                      if trainer["it"].step >= 1 else out)
     trainer["it"] = tr
     assert tr.train() == 1
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -280,17 +302,19 @@ def test_nonfinite_in_a_row_stops_with_checkpoint(tiny_data, tmp_path, torch_glo
     assert not (run_dir / "final").exists()
 
 
-def test_loss_weighting_gives_the_global_token_mean(tiny_data, tmp_path, torch_globals, tiny_config, make_trainer):
-    """Two one-row micro-batches update the model exactly like one two-row batch: each micro-batch's LM loss
-    is weighted by its share of the step's labelled tokens (chunking and balance loss off so that nothing
-    else depends on how rows are grouped)."""
+def test_loss_weighting_gives_the_global_token_mean(tiny_data, tmp_path, torch_globals, tiny_config,
+                                                    make_trainer):
+    """Two one-row micro-batches update the model exactly like one two-row batch: each micro-batch's
+    LM loss is weighted by its share of the step's labelled tokens (chunking and balance loss off so
+    that nothing else depends on how rows are grouped)."""
     from data_pipelines.loader import build_loader
 
     from configs.batch import PackedBatch
     from vlm.train.metrics import labelled_counts
 
     def trainer(rows, ga, name):
-        cfg = tiny_config(tiny_data, data={"rows_per_batch": rows}, optim={"grad_accum": ga}, logging={"eval_every": 0})
+        cfg = tiny_config(tiny_data, data={"rows_per_batch": rows}, optim={"grad_accum": ga},
+                          logging={"eval_every": 0})
         cfg["model"]["chunk"]["enabled"] = False
         cfg["model"]["moe"]["balance_loss_weight"] = 0.0
         return make_trainer(cfg, tmp_path / name)
@@ -310,7 +334,8 @@ def test_loss_weighting_gives_the_global_token_mean(tiny_data, tmp_path, torch_g
 def test_zero3_trains_and_exports(tiny_data, tmp_path, torch_globals, tiny_config, make_trainer):
     """ZeRO-3 partitions parameters; the chunker's outputs must stay traceable through module outputs."""
 
-    cfg = tiny_config(tiny_data, deepspeed={"zero_stage": 3}, train={"max_steps": 2}, logging={"eval_every": 0})
+    cfg = tiny_config(tiny_data, deepspeed={"zero_stage": 3}, train={"max_steps": 2},
+                      logging={"eval_every": 0})
     run_dir = tmp_path / "run"
     tr = make_trainer(cfg, run_dir)
     assert tr.train() == 0
@@ -319,14 +344,16 @@ def test_zero3_trains_and_exports(tiny_data, tmp_path, torch_globals, tiny_confi
     assert (run_dir / "final" / "config.json").is_file()
 
 
-def test_nonfinite_weights_are_never_exported(tiny_data, tmp_path, torch_globals, make_trainer, tiny_config):
+def test_nonfinite_weights_are_never_exported(tiny_data, tmp_path, torch_globals, make_trainer,
+                                              tiny_config):
     from vlm.train.export import export_final
     from vlm.train.report import summary_lines
 
     tr = make_trainer(tiny_config(tiny_data), tmp_path / "run")
     with torch.no_grad():
         next(tr.engine.module.parameters())[0].fill_(float("nan"))
-    assert export_final(tr.engine, tr.run_dir, tr.tokenizer, tr.logit_scale, tr.is_main, tr.log) is None
+    assert export_final(tr.engine, tr.run_dir, tr.tokenizer, tr.logit_scale, tr.is_main,
+                        tr.log) is None
     assert not (tmp_path / "run" / "final").exists() and not (tmp_path / "run" / ".tmp-final").exists()
     lines = summary_lines([{"step": 1, "lm_loss": 1.0}], {}, None, tmp_path / "run", 1.0, 0, {})
     assert "no final/ exported" in lines[-1] and "final" not in lines[-1].replace("no final/ exported", "")
@@ -354,19 +381,23 @@ def _listening_addresses() -> list[str]:
     return out
 
 
-@pytest.mark.skipif(not __import__("pathlib").Path("/proc/net/tcp").exists(), reason="needs Linux /proc")
-def test_one_process_run_listens_on_loopback_only(tiny_data, tmp_path, torch_globals, make_trainer, tiny_config):
+@pytest.mark.skipif(not __import__("pathlib").Path("/proc/net/tcp").exists(),
+                    reason="needs Linux /proc")
+def test_one_process_run_listens_on_loopback_only(tiny_data, tmp_path, torch_globals, make_trainer,
+                                                  tiny_config):
     make_trainer(tiny_config(tiny_data), tmp_path / "run")
     addrs = _listening_addresses()
     everywhere = {"00000000", "00000000000000000000000000000000"}
     assert not everywhere & set(addrs), f"a listener on all interfaces: {addrs}"
 
 
-def test_a_redirected_log_gets_plain_progress_lines(tiny_data, tmp_path, tiny_config, write_config, run_train_cli,
-                                                    ROOT):
+def test_a_redirected_log_gets_plain_progress_lines(tiny_data, tmp_path, tiny_config, write_config,
+                                                    run_train_cli, ROOT):
     """No carriage-return progress bars when stderr is not a terminal: periodic `train step k/N` lines instead."""
-    cfg = tiny_config(tiny_data, train={"max_steps": 4}, logging={"progress": True, "eval_every": 0})
-    proc = run_train_cli(["--config", str(write_config(cfg, tmp_path / "c.yaml")), "--out", str(tmp_path / "run")],
+    cfg = tiny_config(tiny_data, train={"max_steps": 4},
+                      logging={"progress": True, "eval_every": 0})
+    proc = run_train_cli(["--config", str(write_config(cfg, tmp_path / "c.yaml")), "--out",
+                          str(tmp_path / "run")],
                          cwd=ROOT)
     assert "\r" not in proc.stderr and "\r" not in proc.stdout
     assert "train step 4/4" in proc.stderr

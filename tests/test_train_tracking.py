@@ -20,7 +20,8 @@ def test_a_run_logs_to_wandb_offline_and_a_resume_continues_the_same_run(tiny_da
     cfg["train"]["max_steps"] = 6
     assert make_trainer(cfg, run, resume=True).train() == 0
     assert (run / "wandb_id").read_text() == run_id        # the same wandb run continues
-    # wandb names an offline run's folder offline-run-<time>-<id>, adding -1, -2 when two start in one second
+    # wandb names an offline run's folder offline-run-<time>-<id>, adding -1, -2 when two start in
+    # one second
     names = [p.name for p in (run / "wandb").glob("offline-run-*")]
     same_run = re.compile(rf"offline-run-\d{{8}}_\d{{6}}-{run_id}(-\d+)?")
     assert len(names) == 2 and all(same_run.fullmatch(n) for n in names), names

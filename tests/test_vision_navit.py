@@ -14,13 +14,15 @@ PD = 3 * 4 * 4   # patch_size 4 keeps the tests tiny
 
 def _encoder(pos="learned2d", merge=2, **kw):
     torch.manual_seed(0)
-    return NaViTEncoder(NaViTConfig(hidden_size=32, num_heads=4, num_layers=2, pos=pos, max_grid=16, **kw),
+    return NaViTEncoder(NaViTConfig(hidden_size=32, num_heads=4, num_layers=2, pos=pos, max_grid=16,
+                                    **kw),
                         patch_size=4, merge=merge).eval()
 
 
 def _images(grids=GRIDS, seed=1):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(r * c, PD, generator=g) for r, c in grids], [grid_coords(r, c) for r, c in grids]
+    return [torch.randn(r * c, PD, generator=g) for r, c in grids], [grid_coords(r, c) for r,
+                                                                     c in grids]
 
 
 def _packed(patches, coords, grids):
@@ -71,11 +73,13 @@ def test_padding_never_changes_outputs(pos, merge, stem):
     P = len(x) + 37
     valid = torch.ones(P, dtype=torch.bool)
     valid[torch.randperm(P, generator=g)[:37]] = False        # padding scattered anywhere
-    xp = torch.randn(P, PD, generator=g) * 1e4                # huge, nan and inf garbage in the pads
+    # huge, nan and inf garbage in the pads
+    xp = torch.randn(P, PD, generator=g) * 1e4
     xp[~valid][:3] = float("nan")
     xp[torch.nonzero(~valid)[:3, 0]] = float("nan")
     xp[torch.nonzero(~valid)[3:6, 0]] = float("inf")
-    rcp = torch.randint(0, 99, (P, 2), generator=g)           # out-of-range coords in pads are ignored
+    # out-of-range coords in pads are ignored
+    rcp = torch.randint(0, 99, (P, 2), generator=g)
     xp[valid], rcp[valid] = x, rc
     with torch.no_grad():
         out = enc(xp, rcp, grids, valid_P=valid)
@@ -91,7 +95,8 @@ def test_patch_order_inside_an_image_does_not_matter(pos, stem):
     perm = torch.cat([torch.randperm(r * c) + off for (r, c), off in
                       zip(GRIDS, torch.tensor([0] + [r * c for r, c in GRIDS]).cumsum(0).tolist())])
     with torch.no_grad():
-        torch.testing.assert_close(enc(x[perm], rc[perm], grids), enc(x, rc, grids), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(enc(x[perm], rc[perm], grids), enc(x, rc, grids), atol=1e-5,
+                                   rtol=1e-5)
 
 
 def test_merge_concatenates_2x2_blocks_in_raster_order():
@@ -113,14 +118,15 @@ def test_merge_concatenates_2x2_blocks_in_raster_order():
 
 
 def test_position_information_is_used():
-    # Without positions attention is permutation-equivariant: swapping two patches' contents would just
-    # swap their outputs. With either scheme, the outputs must depend on where each patch sits.
+    # Without positions attention is permutation-equivariant: swapping two patches' contents would
+    # just swap their outputs. With either scheme, the outputs must depend on where each patch sits.
     x = torch.randn(4, PD, generator=torch.Generator().manual_seed(3))
     swapped = x[[3, 1, 2, 0]]
     for pos in ["learned2d", "rope2d"]:
         enc = _encoder(pos, merge=1)
         with torch.no_grad():
-            for blk in enc.blocks:   # sharpen attention: at init scores are ~0 and RoPE has nothing to rotate
+            # sharpen attention: at init scores are ~0 and RoPE has nothing to rotate
+            for blk in enc.blocks:
                 blk.attn.qkv.weight.mul_(20)
             out = enc(x, grid_coords(2, 2), torch.tensor([[2, 2]]))
             out_swapped = enc(swapped, grid_coords(2, 2), torch.tensor([[2, 2]]))
@@ -129,7 +135,8 @@ def test_position_information_is_used():
 
 def test_out_dim_and_mergers():
     patches, coords = _images()
-    for merger, out_dim, expect in [("mlp", None, 128), ("linear", 48, 48), ("mlp", 24, 24), ("none", None, 128)]:
+    for merger, out_dim, expect in [("mlp", None, 128), ("linear", 48, 48), ("mlp", 24, 24),
+                                    ("none", None, 128)]:
         enc = _encoder(merger=merger, out_dim=out_dim)
         assert enc.out_dim == expect
         assert enc(*_packed(patches, coords, GRIDS)).shape[1] == expect
@@ -166,10 +173,12 @@ def test_config_validation():
         from_dict(NaViTConfig, {"pos": "sincos"})
     with pytest.raises(ConfigError, match="encoder.merger='none'"):  # needs the processor's merge
         from_dict(VisionConfig, {"encoder": {"merger": "none", "out_dim": 10}}, "vision")
-    for key in ("patch_size", "merge"):   # the patch geometry is the processor's: no second copy here
+    # the patch geometry is the processor's: no second copy here
+    for key in ("patch_size", "merge"):
         with pytest.raises(ConfigError, match=f"unknown key {key}"):
             from_dict(NaViTConfig, {key: 2})
-    with pytest.raises(ConfigError, match="divisible by num_heads"):   # checked however the config is made
+    # checked however the config is made
+    with pytest.raises(ConfigError, match="divisible by num_heads"):
         NaViTConfig(hidden_size=30, num_heads=4)
 
 
@@ -198,16 +207,19 @@ def test_attention_backends_agree(pos):
         for backend in ["auto", "dense", "per_image"]:
             enc.cfg.attn_backend = backend
             outs[backend] = enc(x, rc, grids)
-            torch.testing.assert_close(enc(xp, rcp, grids, valid_P=valid), outs[backend], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(enc(xp, rcp, grids, valid_P=valid), outs[backend], atol=1e-5,
+                                       rtol=1e-5)
     torch.testing.assert_close(outs["dense"], outs["per_image"], atol=1e-5, rtol=1e-5)
     enc.cfg.attn_backend = "flash"
-    with pytest.raises(RuntimeError, match="flash-attn"):   # CPU tensors in fp32: never flash, GPU or not
+    # CPU tensors in fp32: never flash, GPU or not
+    with pytest.raises(RuntimeError, match="flash-attn"):
         enc(x, rc, grids)
 
 
 def test_no_images_gives_no_tokens():
     enc = _encoder()
-    out = enc(torch.zeros(0, PD), torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2, dtype=torch.long))
+    out = enc(torch.zeros(0, PD), torch.zeros(0, 2, dtype=torch.long),
+              torch.zeros(0, 2, dtype=torch.long))
     assert out.shape == (0, enc.out_dim)
     pads = torch.randn(3, PD)
     out = enc(pads, torch.zeros(3, 2, dtype=torch.long), torch.zeros(0, 2, dtype=torch.long),
@@ -215,7 +227,8 @@ def test_no_images_gives_no_tokens():
     assert out.shape == (0, enc.out_dim)
 
 
-@pytest.mark.parametrize("patch,strides", [(4, [2, 2]), (8, [2, 2, 2]), (14, [2, 7]), (6, [2, 3]), (1, [])])
+@pytest.mark.parametrize("patch,strides",
+                         [(4, [2, 2]), (8, [2, 2, 2]), (14, [2, 7]), (6, [2, 3]), (1, [])])
 def test_conv_stem_strides_multiply_to_the_patch_size(patch, strides):
     from vision.navit import stem_strides
 
@@ -223,9 +236,9 @@ def test_conv_stem_strides_multiply_to_the_patch_size(patch, strides):
 
 
 def test_conv_stem_is_a_convolution_over_each_whole_image():
-    """Each patch's vector is the stem's conv stack applied to its image's pixels with a one-patch zero margin
-    (kernels cross patch borders), read at the patch's grid cell: the same as running the convs on that image
-    alone, whatever else is packed with it."""
+    """Each patch's vector is the stem's conv stack applied to its image's pixels with a one-patch
+    zero margin (kernels cross patch borders), read at the patch's grid cell: the same as running
+    the convs on that image alone, whatever else is packed with it."""
     from vision.image_processor import unpatchify
     from vision.packing import build_layout
 
@@ -236,7 +249,8 @@ def test_conv_stem_is_a_convolution_over_each_whole_image():
         got = enc.patch_embed(packed, build_layout(where, grids, 2))
         want = []
         for p, (r, c) in zip(patches, GRIDS):
-            img = torch.nn.functional.pad(unpatchify(p, (r, c), 4)[None], (4, 4, 4, 4))   # [1, 3, r*4+8, c*4+8]
+            # [1, 3, r*4+8, c*4+8]
+            img = torch.nn.functional.pad(unpatchify(p, (r, c), 4)[None], (4, 4, 4, 4))
             stem = enc.patch_embed
             grid = stem.grid_conv(torch.nn.functional.gelu(stem.convs(img)))[0, :, 1:-1, 1:-1]
             want.append(grid.permute(1, 2, 0).reshape(r * c, -1))

@@ -9,8 +9,8 @@ import pytest
 import torch
 from PIL import Image
 
-from vision.image_processor import (ImageError, ImageProcessor, ImageProcessorConfig, choose_grid, patchify,
-                                    unpatchify)
+from vision.image_processor import (ImageError, ImageProcessor, ImageProcessorConfig, choose_grid,
+                                    patchify, unpatchify)
 from configs.config import ConfigError, from_dict
 
 
@@ -28,7 +28,9 @@ def _check_valid(out, cfg):
 
 
 @pytest.mark.parametrize("merge", [1, 2])
-@pytest.mark.parametrize("size", [(1, 1000), (1000, 1), (1, 1), (1, 100000), (100000, 1), (3, 5), (4000, 3000)])
+@pytest.mark.parametrize("size",
+                         [(1, 1000), (1000, 1), (1, 1), (1, 100000), (100000, 1), (3, 5),
+                          (4000, 3000)])
 def test_extreme_sizes_give_valid_grid(size, merge):
     cfg = ImageProcessorConfig(merge=merge, max_patches=64, min_patches=4)
     out = ImageProcessor(cfg)(Image.new("RGB", size, (200, 30, 90)), "x")
@@ -46,20 +48,25 @@ def test_grid_keeps_aspect_and_respects_budget_everywhere():
         merge = rng.choice([1, 2])
         lo = rng.randint(1, 40)
         hi = rng.randint(max(lo, merge * merge, 4 * ((lo + 3) // 4)), 400)
-        cfg = ImageProcessorConfig(merge=merge, min_patches=lo, max_patches=hi, patch_size=rng.choice([8, 14, 16]))
+        cfg = ImageProcessorConfig(merge=merge, min_patches=lo, max_patches=hi,
+                                   patch_size=rng.choice([8, 14, 16]))
         h, w = rng.randint(1, 5000), rng.randint(1, 5000)
         rows, cols = choose_grid(h, w, cfg)
         assert rows % merge == 0 and cols % merge == 0 and rows >= merge and cols >= merge
         assert lo <= rows * cols <= hi, (h, w, rows, cols, cfg)
-        assert choose_grid(w, h, cfg) == (cols, rows)   # an image and its transpose get transposed grids
+        # an image and its transpose get transposed grids
+        assert choose_grid(w, h, cfg) == (cols, rows)
     cfg = ImageProcessorConfig(max_patches=256, merge=2)
     rows, cols = choose_grid(480, 640, cfg)   # big image: fills the budget, keeps 3:4
     assert rows * cols > 0.9 * 256 and abs(cols / rows - 4 / 3) < 0.1
-    assert choose_grid(56, 56, cfg) == (4, 4)  # small image keeps its natural size (no needless upscaling)
+    # small image keeps its natural size (no needless upscaling)
+    assert choose_grid(56, 56, cfg) == (4, 4)
     assert choose_grid(56, 112, cfg) == (4, 8)
 
 
-@pytest.mark.parametrize("mode", ["1", "L", "LA", "RGBA", "P", "PA", "CMYK", "I;16", "I", "F", "YCbCr", "RGB"])
+@pytest.mark.parametrize("mode",
+                         ["1", "L", "LA", "RGBA", "P", "PA", "CMYK", "I;16", "I", "F", "YCbCr",
+                          "RGB"])
 def test_odd_modes_become_rgb(mode):
     cfg = ImageProcessorConfig(max_patches=16)
     out = ImageProcessor(cfg)(Image.new(mode, (37, 23)), mode)
@@ -72,11 +79,13 @@ def _rgb_of(img):
 
 
 def test_mode_conversion_values():
-    assert _rgb_of(Image.new("RGBA", (4, 4), (255, 0, 0, 0))) == (255, 255, 255)   # transparent -> white
+    # transparent -> white
+    assert _rgb_of(Image.new("RGBA", (4, 4), (255, 0, 0, 0))) == (255, 255, 255)
     assert _rgb_of(Image.new("RGBA", (4, 4), (255, 0, 0, 255))) == (255, 0, 0)
     assert _rgb_of(Image.new("LA", (4, 4), (0, 0))) == (255, 255, 255)
     assert _rgb_of(Image.new("L", (4, 4), 77)) == (77, 77, 77)
-    assert _rgb_of(Image.new("I;16", (4, 4), 65535)) == (255, 255, 255)          # 16 bit scales, not clips
+    # 16 bit scales, not clips
+    assert _rgb_of(Image.new("I;16", (4, 4), 65535)) == (255, 255, 255)
     assert _rgb_of(Image.new("I;16", (4, 4), 257 * 100)) == (100, 100, 100)
     assert _rgb_of(Image.new("1", (4, 4), 1)) == (255, 255, 255)
     pal = Image.new("P", (4, 4), 1)
@@ -109,19 +118,23 @@ def test_round_trip_reproduces_resized_image():
     proc = ImageProcessor(cfg)
     out = proc(img)
     rows, cols = out.grid
-    expected = np.asarray(img.resize((cols * 7, rows * 7), Image.Resampling.BICUBIC), dtype=np.float32) / 255
+    expected = np.asarray(img.resize((cols * 7, rows * 7), Image.Resampling.BICUBIC),
+                          dtype=np.float32) / 255
     back_3HW = unpatchify(proc.denormalize(out.patches_PD), out.grid, 7)
     assert back_3HW.shape == (3, rows * 7, cols * 7)
     assert torch.allclose(back_3HW.permute(1, 2, 0), torch.from_numpy(expected), atol=1e-5)
-    x = torch.randn(3, 4 * 5, 6 * 5)                      # patchify is the exact inverse of unpatchify
+    # patchify is the exact inverse of unpatchify
+    x = torch.randn(3, 4 * 5, 6 * 5)
     assert torch.equal(unpatchify(patchify(x, 5), (4, 6), 5), x)
-    assert torch.equal(patchify(x, 5)[7], x[:, 5:10, 5:10].reshape(-1))  # patch 7 = row 1, col 1; (c, ph, pw)
+    # patch 7 = row 1, col 1; (c, ph, pw)
+    assert torch.equal(patchify(x, 5)[7], x[:, 5:10, 5:10].reshape(-1))
 
 
 def _fake_png_header(width, height):
     """A PNG whose header claims width x height RGB pixels but holds no pixel data (a bomb's header)."""
     ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    chunk = lambda t, d: struct.pack(">I", len(d)) + t + d + struct.pack(">I", zlib.crc32(t + d))  # noqa: E731
+    # noqa: E731
+    chunk = lambda t, d: struct.pack(">I", len(d)) + t + d + struct.pack(">I", zlib.crc32(t + d))
     return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IEND", b"")
 
 
@@ -141,7 +154,8 @@ def test_corrupt_inputs_raise_image_error_naming_source(tmp_path):
     for key, data in cases.items():
         with pytest.raises(ImageError, match=f"shard-3/{key}") as info:
             proc(data, source=f"shard-3/{key}")
-        assert info.value.__context__ is None or info.value.__suppress_context__  # no chained Pillow traceback
+        # no chained Pillow traceback
+        assert info.value.__context__ is None or info.value.__suppress_context__
         if "bomb" in key:
             assert "max_pixels" in str(info.value)
     path = tmp_path / "broken.jpg"

@@ -1,5 +1,6 @@
-"""timm interop without timm: hand-built timm-layout checkpoints load into the packed encoder and give the
-same features as a hand-written timm ViT forward; the wrapper is tested only where timm imports."""
+"""timm interop without timm: hand-built timm-layout checkpoints load into the packed encoder and
+give the same features as a hand-written timm ViT forward; the wrapper is tested only where timm
+imports."""
 import importlib.util
 
 import pytest
@@ -14,7 +15,8 @@ from vision.timm_backbone import factorise_pos_embed, load_timm_vit_state_dict, 
 from configs.config import ConfigError, from_dict
 
 
-D, HEADS, LAYERS, P, GRID = 32, 4, 2, 4, 4   # hidden, heads, layers, patch size, checkpoint grid side
+# hidden, heads, layers, patch size, checkpoint grid side
+D, HEADS, LAYERS, P, GRID = 32, 4, 2, 4, 4
 
 
 def _timm_state_dict(cls_token: bool, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -30,10 +32,12 @@ def _timm_state_dict(cls_token: bool, seed: int = 0) -> dict[str, torch.Tensor]:
     sd["pos_embed"] = pos
     for i in range(LAYERS):
         b = f"blocks.{i}."
-        sd.update({b + "norm1.weight": 1 + r(D), b + "norm1.bias": r(D), b + "attn.qkv.weight": r(3 * D, D, scale=0.3),
-                   b + "attn.qkv.bias": r(3 * D), b + "attn.proj.weight": r(D, D), b + "attn.proj.bias": r(D),
-                   b + "norm2.weight": 1 + r(D), b + "norm2.bias": r(D), b + "mlp.fc1.weight": r(4 * D, D),
-                   b + "mlp.fc1.bias": r(4 * D), b + "mlp.fc2.weight": r(D, 4 * D), b + "mlp.fc2.bias": r(D)})
+        sd.update({b + "norm1.weight": 1 + r(D), b + "norm1.bias": r(D),
+                   b + "attn.qkv.weight": r(3 * D, D, scale=0.3),
+                   b + "attn.qkv.bias": r(3 * D), b + "attn.proj.weight": r(D, D),
+                   b + "attn.proj.bias": r(D), b + "norm2.weight": 1 + r(D), b + "norm2.bias": r(D),
+                   b + "mlp.fc1.weight": r(4 * D, D), b + "mlp.fc1.bias": r(4 * D),
+                   b + "mlp.fc2.weight": r(D, 4 * D), b + "mlp.fc2.bias": r(D)})
     return sd
 
 
@@ -57,7 +61,8 @@ def _reference_vit(sd: dict, img_13HW: torch.Tensor) -> torch.Tensor:
 
 def _encoder(**kw) -> NaViTEncoder:
     torch.manual_seed(1)
-    return NaViTEncoder(NaViTConfig(hidden_size=D, num_heads=HEADS, num_layers=LAYERS, max_grid=8, **kw),
+    return NaViTEncoder(NaViTConfig(hidden_size=D, num_heads=HEADS, num_layers=LAYERS, max_grid=8,
+                                    **kw),
                         patch_size=P, merge=2).eval()
 
 
@@ -74,7 +79,8 @@ def test_safetensors_checkpoint_matches_reference_vit(tmp_path):
     enc = _encoder()
     report = load_timm_vit_state_dict(enc, tmp_path / "vit.safetensors")
     assert "pos_embed" in report.loaded and "patch_embed.proj.weight" in report.loaded
-    assert len(report.loaded) == 4 + 1 + LAYERS * 12          # patch w/b, norm w/b, pos, 12 per block
+    # patch w/b, norm w/b, pos, 12 per block
+    assert len(report.loaded) == 4 + 1 + LAYERS * 12
     assert {k for k, _ in report.skipped} == {"head.weight", "head.bias"}
     assert report.untouched == []
     torch.testing.assert_close(enc.blocks[1].mlp.fc1.weight, sd["blocks.1.mlp.fc1.weight"])
@@ -84,7 +90,8 @@ def test_safetensors_checkpoint_matches_reference_vit(tmp_path):
 
 def test_pth_checkpoint_with_class_token_and_wrappers(tmp_path):
     sd = _timm_state_dict(cls_token=True)
-    torch.save({"state_dict": {"module." + k: v for k, v in sd.items()}, "epoch": 3}, tmp_path / "vit.pth")
+    torch.save({"state_dict": {"module." + k: v for k, v in sd.items()}, "epoch": 3},
+               tmp_path / "vit.pth")
     enc = _encoder()
     report = load_timm_vit_state_dict(enc, tmp_path / "vit.pth")
     reasons = dict(report.skipped)
@@ -93,13 +100,16 @@ def test_pth_checkpoint_with_class_token_and_wrappers(tmp_path):
     rows, cols = torch.meshgrid(torch.arange(GRID), torch.arange(GRID), indexing="ij")
     table = enc.pos_embed.row[rows] + enc.pos_embed.col[cols]
     torch.testing.assert_close(table, grid, atol=1e-6, rtol=1e-5)
-    assert torch.equal(enc.pos_embed.row[GRID:], enc.pos_embed.row[GRID - 1:GRID].expand(8 - GRID, -1))  # "copy"
+    # "copy"
+    assert torch.equal(enc.pos_embed.row[GRID:],
+                       enc.pos_embed.row[GRID - 1:GRID].expand(8 - GRID, -1))
 
 
 def test_naflex_layout_linear_patch_embed_and_factorised_pos(tmp_path):
     sd = _timm_state_dict(cls_token=False)
     conv = sd.pop("patch_embed.proj.weight")
-    sd["embeds.proj.weight"] = conv.permute(0, 2, 3, 1).reshape(D, -1)    # naflex (ph, pw, C) flattening
+    # naflex (ph, pw, C) flattening
+    sd["embeds.proj.weight"] = conv.permute(0, 2, 3, 1).reshape(D, -1)
     sd["embeds.proj.bias"] = sd.pop("patch_embed.proj.bias")
     pos = sd.pop("pos_embed")[0].reshape(GRID, GRID, D)
     row, col, err = factorise_pos_embed(pos)
@@ -108,10 +118,12 @@ def test_naflex_layout_linear_patch_embed_and_factorised_pos(tmp_path):
     enc = _encoder()
     report = load_timm_vit_state_dict(enc, tmp_path / "naflex.safetensors")
     assert {"embeds.proj.weight", "embeds.pos_embed_y", "embeds.pos_embed_x"} <= set(report.loaded)
-    ref_sd = dict(sd, **{"patch_embed.proj.weight": conv, "patch_embed.proj.bias": sd["embeds.proj.bias"],
+    ref_sd = dict(sd, **{"patch_embed.proj.weight": conv,
+    "patch_embed.proj.bias": sd["embeds.proj.bias"],
                          "pos_embed": (row[:, None] + col[None]).reshape(1, -1, D)})
     img = torch.randn(1, 3, GRID * P, GRID * P)
-    torch.testing.assert_close(_features(enc, img), _reference_vit(ref_sd, img), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(_features(enc, img), _reference_vit(ref_sd, img), atol=1e-4,
+                               rtol=1e-4)
 
 
 def test_factorisation_is_the_least_squares_fit():
@@ -125,7 +137,8 @@ def test_factorisation_is_the_least_squares_fit():
     sol = torch.linalg.lstsq(lhs, g.reshape(15, 2), driver="gelsd").solution
     best = (lhs @ sol - g.reshape(15, 2)).norm() / g.norm()
     assert abs(err - float(best)) < 1e-5 and err > 0.1
-    assert torch.equal(resample_table(torch.arange(3.0)[:, None], 5, "copy")[:, 0], torch.tensor([0, 1, 2, 2, 2.0]))
+    assert torch.equal(resample_table(torch.arange(3.0)[:, None], 5, "copy")[:, 0],
+                       torch.tensor([0, 1, 2, 2, 2.0]))
     assert torch.allclose(resample_table(torch.arange(3.0)[:, None], 5, "interpolate")[:, 0],
                           torch.tensor([0, 0.5, 1, 1.5, 2]))
 
@@ -134,12 +147,14 @@ def test_mismatches_are_skipped_with_reasons(tmp_path):
     sd = _timm_state_dict(cls_token=False)
     sd["blocks.0.ls1.gamma"] = torch.ones(D)
     save_file(sd, str(tmp_path / "vit.safetensors"))
-    enc = NaViTEncoder(NaViTConfig(hidden_size=D, num_heads=HEADS, num_layers=1, pos="rope2d"), patch_size=P, merge=2)
+    enc = NaViTEncoder(NaViTConfig(hidden_size=D, num_heads=HEADS, num_layers=1, pos="rope2d"),
+                       patch_size=P, merge=2)
     reasons = dict(load_timm_vit_state_dict(enc, tmp_path / "vit.safetensors").skipped)
     assert "rope2d" in reasons["pos_embed"]
     assert "layer scale" in reasons["blocks.0.ls1.gamma"]
     assert "blocks.1.attn.qkv.weight" in reasons
-    enc8 = NaViTEncoder(NaViTConfig(hidden_size=D, num_heads=HEADS, num_layers=1), patch_size=8, merge=2)
+    enc8 = NaViTEncoder(NaViTConfig(hidden_size=D, num_heads=HEADS, num_layers=1), patch_size=8,
+                        merge=2)
     assert "patch" in dict(load_timm_vit_state_dict(enc8, tmp_path / "vit.safetensors").skipped)[
         "patch_embed.proj.weight"]
     with pytest.raises(FileNotFoundError, match="nothing is downloaded"):
@@ -151,9 +166,12 @@ def test_vision_config_loads_checkpoint_into_navit(tmp_path):
     save_file(sd, str(tmp_path / "vit.safetensors"))
     base = {"processor": {"patch_size": P, "max_patches": 16},
             "encoder": {"hidden_size": D, "num_heads": HEADS, "num_layers": LAYERS, "max_grid": 16}}
-    tower = from_dict(VisionConfig, dict(base, timm_checkpoint=str(tmp_path / "vit.safetensors"))).build(24)
-    torch.testing.assert_close(tower.encoder.blocks[0].attn.qkv.weight, sd["blocks.0.attn.qkv.weight"])
-    wide = dict(base, encoder=dict(base["encoder"], hidden_size=64), timm_checkpoint=str(tmp_path / "vit.safetensors"))
+    tower = from_dict(VisionConfig,
+                      dict(base, timm_checkpoint=str(tmp_path / "vit.safetensors"))).build(24)
+    torch.testing.assert_close(tower.encoder.blocks[0].attn.qkv.weight,
+                               sd["blocks.0.attn.qkv.weight"])
+    wide = dict(base, encoder=dict(base["encoder"], hidden_size=64),
+                timm_checkpoint=str(tmp_path / "vit.safetensors"))
     with pytest.raises(ConfigError, match="no tensor matched"):
         from_dict(VisionConfig, wide).build(24)
 
@@ -172,8 +190,8 @@ def test_timm_backbone_without_timm_says_how_to_install():
 def test_timm_naflex_backbone_packed_equals_alone():
     from vision.timm_backbone import TimmBackbone
     try:
-        bb = TimmBackbone("naflexvit_base_patch16_gap", merge=2, patch_size=16, depth=1, embed_dim=64,
-                          num_heads=2).eval()
+        bb = TimmBackbone("naflexvit_base_patch16_gap", merge=2, patch_size=16, depth=1,
+                          embed_dim=64, num_heads=2).eval()
     except ImportError as e:  # timm present but torchvision broken on CPU torch
         pytest.skip(str(e))
     grids = [(2, 4), (4, 2)]
@@ -187,9 +205,10 @@ def test_timm_naflex_backbone_packed_equals_alone():
 
 
 class _FakeTimm:
-    """Just enough of timm's API (create_model, NaFlex dict-free forward_features, prefix tokens) to check the
-    wrapper's own work: patch layout conversion, unpadding, raster reordering and the merge. Each patch's
-    feature is a linear map of its pixels plus its image's mean, so any cross-image mixing would show."""
+    """Just enough of timm's API (create_model, NaFlex dict-free forward_features, prefix tokens) to
+    check the wrapper's own work: patch layout conversion, unpadding, raster reordering and the
+    merge. Each patch's feature is a linear map of its pixels plus its image's mean, so any
+    cross-image mixing would show."""
 
     def __init__(self, weight: torch.Tensor):
         self.weight = weight    # acts on (c, ph, pw)-flattened patches
@@ -215,7 +234,8 @@ class _FakeTimm:
                     f = patches @ self.w_naflex.T                                   # [I, L, D]
                     m = (f * patch_valid[..., None]).sum(1, keepdim=True) / patch_valid.sum(1)[:, None, None]
                     f = f + m
-                    return {"patches": torch.cat([torch.zeros_like(f[:, :1]), f], 1), "patch_valid": patch_valid}
+                    return {"patches": torch.cat([torch.zeros_like(f[:, :1]), f], 1),
+                            "patch_valid": patch_valid}
                 f = F.conv2d(img, w.view(-1, 3, P, P), stride=P).flatten(2).transpose(1, 2)
                 f = f + f.mean(1, keepdim=True)
                 return torch.cat([torch.zeros_like(f[:, :1]), f], 1)
@@ -235,7 +255,8 @@ def test_timm_backbone_wrapper_logic_with_a_stand_in_timm(monkeypatch, name):
     xs = [torch.randn(r * c, 3 * P * P) for r, c in grids]
     cs = [grid_coords(r, c) for r, c in grids]
     expected = [x @ w.T + (x @ w.T).mean(0) for x in xs]
-    perm = torch.randperm(sum(len(x) for x in xs))   # shuffle patches inside images: order must not matter
+    # shuffle patches inside images: order must not matter
+    perm = torch.randperm(sum(len(x) for x in xs))
     x, rc, g = torch.cat(xs), torch.cat(cs), torch.tensor(grids)
     layout = build_layout(rc, g, 2)
     ref = merge_patches(torch.cat(expected), layout)

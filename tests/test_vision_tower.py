@@ -14,7 +14,8 @@ TINY = {"processor": {"patch_size": 4, "max_patches": 64, "min_patches": 4},
 
 
 def _cfg(**overrides) -> VisionConfig:
-    data = apply_overrides(to_dict(from_dict(VisionConfig, TINY)), [f"{k}={v}" for k, v in overrides.items()])
+    data = apply_overrides(to_dict(from_dict(VisionConfig, TINY)),
+                           [f"{k}={v}" for k, v in overrides.items()])
     return from_dict(VisionConfig, data)
 
 
@@ -27,11 +28,13 @@ def _batch(grids, seed=0):
 def test_config_round_trip_and_cross_checks():
     cfg = _cfg()
     assert from_dict(VisionConfig, to_dict(cfg)) == cfg
-    for key in ("merge", "patch_size"):   # stated once, by the processor: the encoder has no copy to disagree
+    # stated once, by the processor: the encoder has no copy to disagree
+    for key in ("merge", "patch_size"):
         with pytest.raises(ConfigError, match=f"unknown key encoder.{key}"):
             _cfg(**{f"encoder.{key}": 1})
     tower = _cfg(**{"processor.patch_size": 2, "processor.merge": 1}).build(llm_hidden=8)
-    assert (tower.merge, tower.encoder.merge, tower.encoder.patch_size, tower.encoder.patch_dim) == (1, 1, 2, 12)
+    assert (tower.merge, tower.encoder.merge, tower.encoder.patch_size,
+    tower.encoder.patch_dim) == (1, 1, 2, 12)
     with pytest.raises(ConfigError, match="max_grid"):
         _cfg(**{"encoder.max_grid": 16})
     with pytest.raises(ConfigError, match="timm_model"):
@@ -91,7 +94,8 @@ def test_tiny_training_lowers_loss():
 
     def batch(seed):
         x, rc, g = _batch(grids, seed)
-        x = x + torch.randn(len(x), 3, generator=torch.Generator().manual_seed(seed)).repeat_interleave(16, 1)
+        x = x + torch.randn(len(x), 3,
+                            generator=torch.Generator().manual_seed(seed)).repeat_interleave(16, 1)
         # target per merged token: mean over its 4 patches of each channel's mean
         chans = x.view(len(x), 3, 16).mean(-1)
         lay = tower.encoder.layout(rc, g)
@@ -115,7 +119,8 @@ def test_tiny_training_lowers_loss():
 def test_processor_output_feeds_the_tower():
     cfg = _cfg()
     proc, tower = ImageProcessor(cfg.processor), cfg.build(llm_hidden=8)
-    imgs = [proc(Image.new("RGB", s, (i * 40, 100, 200)), f"k{i}") for i, s in enumerate([(1, 300), (50, 40), (1, 1)])]
+    imgs = [proc(Image.new("RGB", s, (i * 40, 100, 200)), f"k{i}") for i,
+    s in enumerate([(1, 300), (50, 40), (1, 1)])]
     out = tower(torch.cat([p.patches_PD for p in imgs]), torch.cat([p.coords_P2 for p in imgs]),
                 torch.tensor([p.grid for p in imgs]))
     assert out.shape == (sum(p.num_tokens for p in imgs), 8) and torch.isfinite(out).all()
@@ -136,14 +141,16 @@ def test_grid_pos_tells_the_llm_where_each_token_is():
     y = proj(x, torch.tensor([[2, 3]]))
     assert not torch.allclose(y[0], y[4])
     plain = proj.fc(x)
-    torch.testing.assert_close(y[4] - plain[4], proj.row_pos[1] + proj.col_pos[1])   # float32 tolerance
+    # float32 tolerance
+    torch.testing.assert_close(y[4] - plain[4], proj.row_pos[1] + proj.col_pos[1])
     with pytest.raises(ValueError, match="grid_pos=4"):
         proj(torch.ones(5, 8), torch.tensor([[1, 5]]))
 
 
 def test_frac_pos_means_the_same_place_in_every_image_size():
-    """frac_pos encodes a token's centre as a fraction of its image: the centre token of a 3x3 and of a 5x5 grid
-    get the same added vector, its left and right neighbours different ones; tokens are told apart by place."""
+    """frac_pos encodes a token's centre as a fraction of its image: the centre token of a 3x3 and
+    of a 5x5 grid get the same added vector, its left and right neighbours different ones; tokens
+    are told apart by place."""
     from vision.projector import fraction_features
 
     torch.manual_seed(0)

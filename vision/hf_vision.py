@@ -1,11 +1,13 @@
-"""Hugging Face SigLIP / CLIP vision checkpoints in timm's key layout, so that one loader serves both.
+"""Hugging Face SigLIP / CLIP vision checkpoints in timm's key layout, so that one loader serves
+both.
 
-`SiglipVisionModel` / `CLIPVisionModel` (and the vision half of their full models) name the ViT's parts
-`vision_model.embeddings.*`, `vision_model.encoder.layers.i.*` with separate q/k/v projections; timm names
-them `patch_embed`, `pos_embed`, `blocks.i.attn.qkv` (q, k, v stacked). The mapping is exact for the weights;
-what differs is only outside the weights: SigLIP's tanh-approximated GELU and CLIP's quick-GELU against the
-encoder's exact GELU, and a full 2D position table fitted into learned2d's row and column tables
-(see timm_backbone.load_timm_vit_state_dict, which reports how well it fits).
+`SiglipVisionModel` / `CLIPVisionModel` (and the vision half of their full models) name the ViT's
+parts `vision_model.embeddings.*`, `vision_model.encoder.layers.i.*` with separate q/k/v
+projections; timm names them `patch_embed`, `pos_embed`, `blocks.i.attn.qkv` (q, k, v stacked). The
+mapping is exact for the weights; what differs is only outside the weights: SigLIP's
+tanh-approximated GELU and CLIP's quick-GELU against the encoder's exact GELU, and a full 2D
+position table fitted into learned2d's row and column tables (see
+timm_backbone.load_timm_vit_state_dict, which reports how well it fits).
 """
 from __future__ import annotations
 
@@ -57,7 +59,8 @@ def hf_vision_to_timm(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             else:
                 out[f"blocks.{i}.{rest}"] = v      # reported as unsupported by the loader
         else:
-            out[k] = v                              # heads and the like: the loader reports them skipped
+            # heads and the like: the loader reports them skipped
+            out[k] = v
     if "patch_embed.proj.weight" in out and "patch_embed.proj.bias" not in out:   # CLIP's has none
         w = out["patch_embed.proj.weight"]
         out["patch_embed.proj.bias"] = w.new_zeros(w.shape[0])
@@ -68,9 +71,10 @@ def hf_vision_to_timm(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def hf_vision_architecture(path: str | Path) -> tuple[dict, int] | None:
-    """(NaViTConfig fields, patch size) of the ViT a Hugging Face SigLIP / CLIP folder holds, read from its
-    config.json; None for anything else (a timm weights file states no architecture). A packed encoder built
-    with them has a place for every tower tensor: linear patch embedding (a stride-p conv), no layer scale."""
+    """(NaViTConfig fields, patch size) of the ViT a Hugging Face SigLIP / CLIP folder holds, read
+    from its config.json; None for anything else (a timm weights file states no architecture). A
+    packed encoder built with them has a place for every tower tensor: linear patch embedding (a
+    stride-p conv), no layer scale."""
     path = Path(path)
     if not (path.is_dir() and (path / "config.json").is_file()):
         return None
@@ -85,7 +89,9 @@ def hf_vision_architecture(path: str | Path) -> tuple[dict, int] | None:
 
     cfg = AutoConfig.from_pretrained(str(path))
     cfg = getattr(cfg, "vision_config", cfg)
-    return {"hidden_size": cfg.hidden_size, "num_layers": cfg.num_hidden_layers, "num_heads": cfg.num_attention_heads,
-            "mlp_ratio": cfg.intermediate_size / cfg.hidden_size, "mlp_hidden": cfg.intermediate_size,
-            "stem": "linear", "layer_scale": None,
-            "norm_pre": kind.startswith("clip"), "norm_eps": cfg.layer_norm_eps, "qkv_bias": True}, cfg.patch_size
+    return {"hidden_size": cfg.hidden_size, "num_layers": cfg.num_hidden_layers,
+            "num_heads": cfg.num_attention_heads,
+            "mlp_ratio": cfg.intermediate_size / cfg.hidden_size,
+            "mlp_hidden": cfg.intermediate_size, "stem": "linear", "layer_scale": None,
+            "norm_pre": kind.startswith("clip"), "norm_eps": cfg.layer_norm_eps,
+            "qkv_bias": True}, cfg.patch_size

@@ -1,4 +1,5 @@
-"""Image processor: decode any image safely, resize to a patch budget keeping the aspect ratio, patchify.
+"""Image processor: decode any image safely, resize to a patch budget keeping the aspect ratio,
+patchify.
 
 Pillow only (torchvision does not import on a CPU-only torch). The output is what the packed NaViT
 encoder consumes: one row per patch, channel-major inside a patch (c, ph, pw), so that a timm ViT's
@@ -29,15 +30,16 @@ class ImageError(ValueError):
 
 @dataclass
 class ImageProcessorConfig(ValidatedOnInit):
-    """How images become patches. The patch geometry (`patch_size`, `merge`) is stated here only: the vision
-    encoder gets it from the processor config next to it (VisionConfig), and a training run's loader
-    patchifies with that same processor config."""
+    """How images become patches. The patch geometry (`patch_size`, `merge`) is stated here only:
+    the vision encoder gets it from the processor config next to it (VisionConfig), and a training
+    run's loader patchifies with that same processor config."""
 
     patch_size: int = 14
     min_patches: int = 4          # per image, before merge
     max_patches: int = 256        # per image, before merge
     merge: Literal[1, 2] = 2      # 2: 2x2 patches are merged into one LLM token, so grids are even
-    max_pixels: int = 50_000_000  # decompression-bomb guard, checked on the header's size before decoding
+    # decompression-bomb guard, checked on the header's size before decoding
+    max_pixels: int = 50_000_000
     mean: tuple[float, float, float] = CLIP_MEAN
     std: tuple[float, float, float] = CLIP_STD
 
@@ -51,8 +53,9 @@ class ImageProcessorConfig(ValidatedOnInit):
         check(self.min_patches <= self.max_patches,
               f"min_patches={self.min_patches} must be <= max_patches={self.max_patches}")
         check(math.ceil(self.min_patches / m2) <= self.max_patches // m2,
-              f"no grid of {self.merge}x{self.merge} blocks has between min_patches={self.min_patches} and "
-              f"max_patches={self.max_patches} patches; widen the range")
+              f"no grid of {self.merge}x{self.merge} blocks has between "
+              f"min_patches={self.min_patches} and max_patches={self.max_patches} patches; widen "
+              f"the range")
         check(self.max_pixels >= 1, f"max_pixels must be >= 1, got {self.max_pixels}")
         check(len(self.mean) == 3 and len(self.std) == 3,
               f"mean and std need 3 values (R, G, B), got {list(self.mean)} and {list(self.std)}")
@@ -61,7 +64,8 @@ class ImageProcessorConfig(ValidatedOnInit):
 
 @dataclass
 class ProcessedImage:
-    patches_PD: torch.Tensor   # [P, 3*patch*patch] float32, normalised, raster order, (c, ph, pw) inside a patch
+    # [P, 3*patch*patch] float32, normalised, raster order, (c, ph, pw) inside a patch
+    patches_PD: torch.Tensor
     coords_P2: torch.Tensor    # [P, 2] long, (row, col) in the patch grid
     grid: tuple[int, int]      # (rows, cols) in patches, both multiples of `merge`
     merge: int = 1
@@ -75,11 +79,11 @@ class ProcessedImage:
 def choose_grid(height: int, width: int, cfg: ImageProcessorConfig) -> tuple[int, int]:
     """(rows, cols) in patches for an image of `height` x `width` pixels.
 
-    Works in merge-units (merge x merge patch blocks). The target is the image's natural size in units,
-    each side raised to at least one unit (so a 1x1000 strip aims for 1 x 36 units, not for an
-    aspect ratio no grid can show), with the area clamped into the budget. Every feasible row count (and
-    column count) is scored at once by the squared log errors in aspect ratio and in area, and the best one
-    wins.
+    Works in merge-units (merge x merge patch blocks). The target is the image's natural size in
+    units, each side raised to at least one unit (so a 1x1000 strip aims for 1 x 36 units, not for
+    an aspect ratio no grid can show), with the area clamped into the budget. Every feasible row
+    count (and column count) is scored at once by the squared log errors in aspect ratio and in
+    area, and the best one wins.
     """
     unit = cfg.patch_size * cfg.merge
     m2 = cfg.merge ** 2
@@ -99,8 +103,8 @@ def choose_grid(height: int, width: int, cfg: ImageProcessorConfig) -> tuple[int
     # choice is the same for an image and its transpose.
     rows = np.concatenate([u, u, fit(u, np.floor(u * aspect)), fit(u, np.ceil(u * aspect))])
     cols = np.concatenate([fit(u, np.floor(u / aspect)), fit(u, np.ceil(u / aspect)), u, u])
-    # Squared log errors: with absolute values whole runs of grids tie exactly, and then which one wins
-    # depends on the scan order (an image and its transpose would get different grids).
+    # Squared log errors: with absolute values whole runs of grids tie exactly, and then which one
+    # wins depends on the scan order (an image and its transpose would get different grids).
     score = np.log(rows / cols / aspect) ** 2 + np.log(rows * cols / area) ** 2
     score = np.round(np.where(np.isnan(score), np.inf, score), 12)
     best = int(np.lexsort((-rows * cols, score))[0])   # ties: the larger grid
@@ -113,7 +117,8 @@ def to_rgb(img: Image.Image) -> Image.Image:
         return img
     if img.mode in ("I;16", "I;16L", "I;16B", "I;16N", "I", "F"):
         arr = np.asarray(img, dtype=np.float64)
-        # 16-bit data spans 0..65535; 32-bit int/float data has no fixed range, so stretch it if it leaves 0..255.
+        # 16-bit data spans 0..65535; 32-bit int/float data has no fixed range, so stretch it if it
+        # leaves 0..255.
         if img.mode.startswith("I;16"):
             arr = arr / 257.0
         elif arr.size and (arr.max() > 255 or arr.min() < 0):
@@ -157,17 +162,19 @@ class ImageProcessor:
         self._mean_3 = np.asarray(self.cfg.mean, dtype=np.float32)
         self._std_3 = np.asarray(self.cfg.std, dtype=np.float32)
 
-    def __call__(self, image: "Image.Image | bytes | str | os.PathLike", source: str = "") -> ProcessedImage:
+    def __call__(self, image: "Image.Image | bytes | str | os.PathLike",
+                 source: str = "") -> ProcessedImage:
         img = self.load(image, source, for_patches=True)
         rows, cols = choose_grid(img.height, img.width, self.cfg)
         p = self.cfg.patch_size
         img = img.resize((cols * p, rows * p), Image.Resampling.BICUBIC)
-        # numpy, not torch: single-threaded and cheap in data-loader workers (torch's OpenMP pool stalls
-        # on busy machines for arrays this small).
-        x_HW3 = (np.asarray(img, dtype=np.float32) * np.float32(1 / 255.0) - self._mean_3) / self._std_3
+        # numpy, not torch: single-threaded and cheap in data-loader workers (torch's OpenMP pool
+        # stalls on busy machines for arrays this small).
+        x_HW3 = (np.asarray(img,
+                            dtype=np.float32) * np.float32(1 / 255.0) - self._mean_3) / self._std_3
         patches = x_HW3.reshape(rows, p, cols, p, 3).transpose(0, 2, 4, 1, 3).reshape(rows * cols, 3 * p * p)
-        return ProcessedImage(torch.from_numpy(np.ascontiguousarray(patches)), grid_coords(rows, cols),
-                              (rows, cols), self.cfg.merge)
+        return ProcessedImage(torch.from_numpy(np.ascontiguousarray(patches)),
+                              grid_coords(rows, cols), (rows, cols), self.cfg.merge)
 
     def tokens_for_size(self, height: int, width: int) -> int:
         """LLM tokens an image of this pixel size will take (without decoding it)."""
@@ -185,8 +192,8 @@ class ImageProcessor:
              for_patches: bool = False) -> Image.Image:
         """Decode to an RGB Pillow image; every failure becomes an ImageError naming the source.
 
-        for_patches: the image will be resized to its patch grid, so a JPEG may be decoded at a reduced
-        DCT scale (libjpeg's draft mode) that is still at least the grid's pixel size.
+        for_patches: the image will be resized to its patch grid, so a JPEG may be decoded at a
+        reduced DCT scale (libjpeg's draft mode) that is still at least the grid's pixel size.
         """
         if isinstance(image, (str, os.PathLike)):
             name = source or os.fspath(image)
@@ -207,12 +214,14 @@ class ImageProcessor:
             raise ImageError(f"image {name}: empty data (0 bytes)")
         try:
             img = Image.open(io.BytesIO(data))
-        except Image.DecompressionBombError as e:  # Pillow's own guard fires in open() for absurd headers
-            raise ImageError(f"image {name}: exceeds the pixel limit, max_pixels={self.cfg.max_pixels} "
-                             f"(decompression-bomb guard: {e})") from None
+        # Pillow's own guard fires in open() for absurd headers
+        except Image.DecompressionBombError as e:
+            raise ImageError(f"image {name}: exceeds the pixel limit, "
+                             f"max_pixels={self.cfg.max_pixels} (decompression-bomb guard: {e})") from None
         except UnidentifiedImageError:
             raise ImageError(f"image {name}: not a recognised image format ({len(data)} bytes)") from None
-        except Exception as e:  # Pillow raises many types (SyntaxError, struct.error, ...) on broken headers
+        # Pillow raises many types (SyntaxError, struct.error, ...) on broken headers
+        except Exception as e:
             raise ImageError(f"image {name}: cannot be read ({type(e).__name__}: {e})") from None
         return self._finish(img, name, for_patches)
 
@@ -221,16 +230,20 @@ class ImageProcessor:
         if w < 1 or h < 1:
             raise ImageError(f"image {name}: has no pixels ({w}x{h})")
         if w * h > self.cfg.max_pixels:  # read from the header: nothing has been decoded yet
-            raise ImageError(f"image {name}: {w}x{h} = {w * h} pixels exceeds max_pixels={self.cfg.max_pixels} "
+            raise ImageError(f"image {name}: {w}x{h} = {w * h} pixels exceeds "
+                             f"max_pixels={self.cfg.max_pixels} "
                              "(decompression-bomb guard)")
         try:
             with warnings.catch_warnings():
-                warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # our own guard is above
+                # our own guard is above
+                warnings.simplefilter("ignore", Image.DecompressionBombWarning)
                 if for_patches and img.format == "JPEG" and img.mode in ("RGB", "L", "YCbCr"):
                     rows, cols = choose_grid(h, w, self.cfg)
                     img.draft(img.mode, (cols * self.cfg.patch_size, rows * self.cfg.patch_size))
                 img.load()
-                ImageOps.exif_transpose(img, in_place=True)   # a copy would double the decoded bytes
+                # a copy would double the decoded bytes
+                ImageOps.exif_transpose(img, in_place=True)
                 return to_rgb(img)
-        except Exception as e:  # truncated streams, bad chunks, decoder errors, Pillow's own bomb error
+        # truncated streams, bad chunks, decoder errors, Pillow's own bomb error
+        except Exception as e:
             raise ImageError(f"image {name}: cannot be decoded ({type(e).__name__}: {e})") from None

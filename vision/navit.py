@@ -1,8 +1,9 @@
 """Packed NaViT encoder ("Patch n' Pack"): images of any resolution share one sequence.
 
 Pre-norm ViT blocks whose parameter names follow timm's VisionTransformer (patch_embed.proj,
-blocks.i.norm1 / attn.qkv / attn.proj / norm2 / mlp.fc1 / mlp.fc2, norm), so timm weights load by name.
-Attention is block-diagonal over images; an optional 2x2 merge (Qwen2-VL) turns patches into tokens.
+blocks.i.norm1 / attn.qkv / attn.proj / norm2 / mlp.fc1 / mlp.fc2, norm), so timm weights load by
+name. Attention is block-diagonal over images; an optional 2x2 merge (Qwen2-VL) turns patches into
+tokens.
 """
 from __future__ import annotations
 
@@ -21,32 +22,38 @@ from configs.config import ValidatedOnInit, check
 
 @dataclass
 class NaViTConfig(ValidatedOnInit):
-    """The encoder's own settings. Its patch geometry (patch_size, merge) is not stated here: it is the image
-    processor's, which VisionConfig passes to NaViTEncoder."""
+    """The encoder's own settings. Its patch geometry (patch_size, merge) is not stated here: it is
+    the image processor's, which VisionConfig passes to NaViTEncoder."""
 
     hidden_size: int = 64
     num_layers: int = 2
     num_heads: int = 4
     mlp_ratio: float = 4.0
-    # the MLP's width stated outright (a pretrained tower's intermediate size, e.g. SigLIP's 4304 at width 1152,
-    # which no float ratio reproduces exactly); null: hidden_size * mlp_ratio
+    # the MLP's width stated outright (a pretrained tower's intermediate size, e.g. SigLIP's 4304 at
+    # width 1152, which no float ratio reproduces exactly); null: hidden_size * mlp_ratio
     mlp_hidden: int | None = None
     pos: Literal["learned2d", "rope2d"] = "learned2d"
     max_grid: int = 128                # rows/cols a learned2d table covers (in patches)
     rope_theta: float = 10000.0
-    # "linear": ViT's patch embedding (timm weights load into it); "conv": a stack of overlapping 3x3 convs
-    # over each image's pixels down to one vector per patch (see ConvStem) for encoders trained from scratch.
+    # "linear": ViT's patch embedding (timm weights load into it); "conv": a stack of overlapping
+    # 3x3 convs over each image's pixels down to one vector per patch (see ConvStem) for encoders
+    # trained from scratch.
     stem: Literal["linear", "conv"] = "linear"
-    stem_channels: int = 32            # conv stem: channels of the first conv (doubling per stride-2 step)
+    # conv stem: channels of the first conv (doubling per stride-2 step)
+    stem_channels: int = 32
     merger: Literal["mlp", "linear", "none"] = "mlp"  # how merged features map to out_dim
-    out_dim: int | None = None         # default hidden_size * merge**2 (the merged patch features as they are)
+    # default hidden_size * merge**2 (the merged patch features as they are)
+    out_dim: int | None = None
     norm_eps: float = 1e-6
     qkv_bias: bool = True
-    # LayerScale (CaiT; timm's `init_values`): each block's residual branches start scaled by this, so that
-    # a block trained from scratch starts near the identity instead of averaging every patch into every other
+    # LayerScale (CaiT; timm's `init_values`): each block's residual branches start scaled by this,
+    # so that a block trained from scratch starts near the identity instead of averaging every patch
+    # into every other
     layer_scale: float | None = None
-    norm_pre: bool = False             # CLIP-style LayerNorm after the embedding (for CLIP timm weights)
-    attn_backend: Literal["auto", "dense", "per_image", "flash"] = "auto"  # see packing.pick_backend
+    # CLIP-style LayerNorm after the embedding (for CLIP timm weights)
+    norm_pre: bool = False
+    # see packing.pick_backend
+    attn_backend: Literal["auto", "dense", "per_image", "flash"] = "auto"
     grad_checkpointing: bool = False
 
     @property
@@ -54,20 +61,25 @@ class NaViTConfig(ValidatedOnInit):
         return self.mlp_hidden if self.mlp_hidden is not None else int(self.hidden_size * self.mlp_ratio)
 
     def validate(self) -> None:
-        check(self.hidden_size >= 1 and self.num_heads >= 1, "hidden_size and num_heads must be >= 1")
+        check(self.hidden_size >= 1 and self.num_heads >= 1,
+              "hidden_size and num_heads must be >= 1")
         check(self.hidden_size % self.num_heads == 0,
               f"hidden_size={self.hidden_size} must be divisible by num_heads={self.num_heads}")
         check(self.num_layers >= 0, f"num_layers must be >= 0, got {self.num_layers}")
         check(self.mlp_ratio > 0, f"mlp_ratio must be > 0, got {self.mlp_ratio}")
-        check(self.mlp_hidden is None or self.mlp_hidden >= 1, f"mlp_hidden must be >= 1 or null, got {self.mlp_hidden}")
+        check(self.mlp_hidden is None or self.mlp_hidden >= 1,
+              f"mlp_hidden must be >= 1 or null, got {self.mlp_hidden}")
         check(self.max_grid >= 1, f"max_grid must be >= 1, got {self.max_grid}")
         check(self.stem_channels >= 1, f"stem_channels must be >= 1, got {self.stem_channels}")
-        check(self.layer_scale is None or self.layer_scale > 0, f"layer_scale must be > 0 or null, got {self.layer_scale}")
+        check(self.layer_scale is None or self.layer_scale > 0,
+              f"layer_scale must be > 0 or null, got {self.layer_scale}")
         if self.pos == "rope2d":
             check((self.hidden_size // self.num_heads) % 4 == 0,
-                  f"pos='rope2d' needs head dim (hidden_size/num_heads = {self.hidden_size // self.num_heads}) "
+                  f"pos='rope2d' needs head dim (hidden_size/num_heads = "
+                  f"{self.hidden_size // self.num_heads}) "
                   "divisible by 4")
-        check(self.out_dim is None or self.out_dim >= 1, f"out_dim must be >= 1, got {self.out_dim}")
+        check(self.out_dim is None or self.out_dim >= 1,
+              f"out_dim must be >= 1, got {self.out_dim}")
 
     def out_dim_for(self, merge: int) -> int:
         """Features of one merged token: `out_dim`, by default the merge x merge patch features as they are."""
@@ -91,8 +103,9 @@ class PatchEmbed(nn.Module):
 
 
 def stem_strides(patch_size: int) -> list[int]:
-    """Strides of the conv stem's layers: a 3x3 stride-2 conv per factor of two in the patch size, then one
-    conv whose kernel and stride are what is left (patch 8: [2, 2, 2]; patch 14: [2, 7]; patch 16: [2, 2, 2, 2])."""
+    """Strides of the conv stem's layers: a 3x3 stride-2 conv per factor of two in the patch size,
+    then one conv whose kernel and stride are what is left (patch 8: [2, 2, 2]; patch 14: [2, 7];
+    patch 16: [2, 2, 2, 2])."""
     strides, rest = [], patch_size
     while rest % 2 == 0 and rest > 1:
         strides.append(2)
@@ -101,15 +114,15 @@ def stem_strides(patch_size: int) -> list[int]:
 
 
 class ConvStem(nn.Module):
-    """Overlapping convolutions over each image's pixels, one output vector per patch ("Early convolutions
-    help transformers see better", Xiao et al. 2021): stride-2 3x3 convs down to the patch grid, then a 3x3
-    conv on that grid.
+    """Overlapping convolutions over each image's pixels, one output vector per patch ("Early
+    convolutions help transformers see better", Xiao et al. 2021): stride-2 3x3 convs down to the
+    patch grid, then a 3x3 conv on that grid.
 
-    A linear patch embedding sees each patch alone, so a shape cut by a patch border must be pieced together
-    by attention, which a small ViT trained from scratch learns slowly. The stem's 3x3 kernels overlap
-    patch borders from the first layer. Packed images are placed on a zero canvas of the batch's largest
-    grid plus a one-patch margin (one canvas per image, nothing shared between images), and each patch's
-    vector is read back at its coordinates."""
+    A linear patch embedding sees each patch alone, so a shape cut by a patch border must be pieced
+    together by attention, which a small ViT trained from scratch learns slowly. The stem's 3x3
+    kernels overlap patch borders from the first layer. Packed images are placed on a zero canvas of
+    the batch's largest grid plus a one-patch margin (one canvas per image, nothing shared between
+    images), and each patch's vector is read back at its coordinates."""
 
     def __init__(self, patch_size: int, dim: int, channels: int):
         super().__init__()
@@ -128,17 +141,19 @@ class ConvStem(nn.Module):
         if not strides:  # patch size 1: a pointwise projection
             layers.append(nn.Conv2d(3, dim, 1))
         self.convs = nn.Sequential(*layers)
-        # One more 3x3 conv on the patch grid: each patch vector then sees its neighbours, so an object cut by
-        # patch borders is whole in its vector (without it shape is learnt several times slower).
+        # One more 3x3 conv on the patch grid: each patch vector then sees its neighbours, so an
+        # object cut by patch borders is whole in its vector (without it shape is learnt several
+        # times slower).
         self.grid_conv = nn.Conv2d(dim, dim, 3, padding=1)
 
     def forward(self, patches_PD: torch.Tensor, layout: PackLayout) -> torch.Tensor:
         p, P = self.patch_size, patches_PD.shape[0]
         idx = layout.valid_index_N
         img_N, rc_N2 = layout.image_ids_P[idx], layout.coords_P2[idx]
-        # A one-patch zero margin around every image: the cells just outside it then hold the stem's response to
-        # the image's edge, the same whether the image is packed with larger ones or alone. (Zeroing them instead
-        # made image-text loss ~6 % worse at 600 steps: the grid conv uses the border.)
+        # A one-patch zero margin around every image: the cells just outside it then hold the stem's
+        # response to the image's edge, the same whether the image is packed with larger ones or
+        # alone. (Zeroing them instead made image-text loss ~6 % worse at 600 steps: the grid conv
+        # uses the border.)
         rows, cols = layout.grid_max[0] + 2, layout.grid_max[1] + 2
         r_N, c_N = rc_N2[:, 0] + 1, rc_N2[:, 1] + 1
         I = len(layout.sizes)
@@ -160,7 +175,8 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias)
         self.proj = nn.Linear(dim, dim)
 
-    def forward(self, x_PD: torch.Tensor, layout: PackLayout, kernel: str, mask_PP: torch.Tensor | None,
+    def forward(self, x_PD: torch.Tensor, layout: PackLayout, kernel: str,
+                mask_PP: torch.Tensor | None,
                 rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         P, D = x_PD.shape
         qkv_3QPd = self.qkv(x_PD).view(P, 3, self.heads, self.head_dim).permute(1, 2, 0, 3)
@@ -254,8 +270,10 @@ class NaViTEncoder(nn.Module):
     def encode_patches(self, patches_PD: torch.Tensor, layout: PackLayout) -> torch.Tensor:
         """Per-patch features after the final norm, [P, hidden] (padding rows are meaningless)."""
         if patches_PD.ndim != 2 or patches_PD.shape[1] != self.patch_dim:
-            raise ValueError(f"patches must be [P, 3*patch*patch={self.patch_dim}], got {tuple(patches_PD.shape)}")
-        # Zero padding first: masked attention multiplies padded values by 0, and 0 * nan/inf is nan.
+            raise ValueError(f"patches must be [P, 3*patch*patch={self.patch_dim}], got "
+                             f"{tuple(patches_PD.shape)}")
+        # Zero padding first: masked attention multiplies padded values by 0, and 0 * nan/inf is
+        # nan.
         x = torch.where(layout.valid_P[:, None], patches_PD, torch.zeros((), dtype=patches_PD.dtype,
                                                                          device=patches_PD.device))
         x_PD = self.patch_embed(x, layout)
@@ -264,7 +282,8 @@ class NaViTEncoder(nn.Module):
         rope = self.rope.cos_sin(layout.coords_P2) if self.rope is not None else None
         x_PD = self.norm_pre(x_PD)
         kernel = pick_backend(x_PD, layout, self.cfg.attn_backend)
-        mask_PP = block_mask(layout.image_ids_P) if kernel == "dense" else None  # built once, shared by layers
+        # built once, shared by layers
+        mask_PP = block_mask(layout.image_ids_P) if kernel == "dense" else None
         for blk in self.blocks:
             if self.cfg.grad_checkpointing and self.training and torch.is_grad_enabled():
                 x_PD = torch.utils.checkpoint.checkpoint(blk, x_PD, layout, kernel, mask_PP, rope,
@@ -273,11 +292,12 @@ class NaViTEncoder(nn.Module):
                 x_PD = blk(x_PD, layout, kernel, mask_PP, rope)
         return self.norm(x_PD)
 
-    def forward(self, patches_PD: torch.Tensor, coords_P2: torch.Tensor, image_grids_I2: torch.Tensor,
-                valid_P: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, patches_PD: torch.Tensor, coords_P2: torch.Tensor,
+                image_grids_I2: torch.Tensor, valid_P: torch.Tensor | None = None) -> torch.Tensor:
         """Packed patches of all images -> [N, out_dim] tokens, image by image, raster order of merged grids."""
         layout = self.layout(coords_P2, image_grids_I2, valid_P)
-        if layout.num_tokens == 0:   # a batch without images (the zero-size result keeps the graph simple)
+        # a batch without images (the zero-size result keeps the graph simple)
+        if layout.num_tokens == 0:
             w = next(self.patch_embed.parameters())
             return w.new_zeros(0, self.out_dim)
         return self.merger(merge_patches(self.encode_patches(patches_PD, layout), layout))

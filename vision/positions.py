@@ -1,6 +1,7 @@
 """2D position information for packed patches: factorised learned embeddings or 2D RoPE.
 
-Both read only a patch's own (row, col), so an image's encoding does not depend on what it is packed with.
+Both read only a patch's own (row, col), so an image's encoding does not depend on what it is packed
+with.
 """
 from __future__ import annotations
 
@@ -21,14 +22,15 @@ class FactorisedPosEmbed(nn.Module):
 
     def forward(self, coords_P2: torch.Tensor) -> torch.Tensor:
         if coords_P2.numel() and int(coords_P2.max()) >= self.max_grid:
-            raise ValueError(f"a patch coordinate {int(coords_P2.max())} is >= encoder.max_grid={self.max_grid}; "
+            raise ValueError(f"a patch coordinate {int(coords_P2.max())} is >= "
+                             f"encoder.max_grid={self.max_grid}; "
                              "raise max_grid or lower the processor's max_patches")
         return self.row[coords_P2[:, 0]] + self.col[coords_P2[:, 1]]
 
 
 class Rope2D(nn.Module):
-    """Axial 2D rotary embedding (Qwen2-VL's vision RoPE): half of each head's channels rotate with the
-    row index, the other half with the column index."""
+    """Axial 2D rotary embedding (Qwen2-VL's vision RoPE): half of each head's channels rotate with
+    the row index, the other half with the column index."""
 
     def __init__(self, head_dim: int, theta: float = 10000.0):
         super().__init__()

@@ -29,16 +29,20 @@ _PREFIXES = ("module.", "model.")
 class LoadReport:
     loaded: list[str] = field(default_factory=list)                 # checkpoint keys that landed
     skipped: list[tuple[str, str]] = field(default_factory=list)    # (checkpoint key, why not)
-    untouched: list[str] = field(default_factory=list)              # encoder params left at their init
-    notes: list[str] = field(default_factory=list)                  # e.g. pos-embed factorisation error
+    # encoder params left at their init
+    untouched: list[str] = field(default_factory=list)
+    # e.g. pos-embed factorisation error
+    notes: list[str] = field(default_factory=list)
 
-    # skip reasons for checkpoint parts a packed encoder has no use for; every other skip is a mismatch
+    # skip reasons for checkpoint parts a packed encoder has no use for; every other skip is a
+    # mismatch
     _NOT_USED = ("the packed encoder has no prefix tokens", "not part of the packed encoder")
 
     def mismatches(self) -> list[str]:
         """What keeps a checkpoint from loading whole: a tensor that did not fit, an encoder param at its init."""
         out = [f"{k}: {why}" for k, why in self.skipped if not why.startswith(self._NOT_USED)]
-        return out + [f"encoder param {n} is not in the checkpoint (kept at init)" for n in self.untouched]
+        return out + [f"encoder param {n} is not in the checkpoint (kept at init)"
+                      for n in self.untouched]
 
     def __str__(self) -> str:
         lines = [f"loaded {len(self.loaded)} tensors, skipped {len(self.skipped)}, "
@@ -49,16 +53,20 @@ class LoadReport:
 
 
 def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
-    """Tensors from a local .safetensors / .pth / .pt / .bin file, or a Hugging Face model folder holding
-    model.safetensors (common wrapper keys and prefixes removed; SigLIP / CLIP names mapped to timm's)."""
+    """Tensors from a local .safetensors / .pth / .pt / .bin file, or a Hugging Face model folder
+    holding model.safetensors (common wrapper keys and prefixes removed; SigLIP / CLIP names mapped
+    to timm's)."""
     path = Path(path)
     if path.is_dir():
         if not (path / "model.safetensors").is_file():
-            raise FileNotFoundError(f"vision checkpoint folder {path} has no model.safetensors (a Hugging Face "
-                                    "SigLIP / CLIP folder saved with save_pretrained, or give a weights file)")
+            raise FileNotFoundError(f"vision checkpoint folder {path} has no model.safetensors (a "
+                                    f"Hugging Face "
+                                    "SigLIP / CLIP folder saved with save_pretrained, or give a "
+                                    "weights file)")
         path = path / "model.safetensors"
     if not path.is_file():
-        raise FileNotFoundError(f"timm checkpoint {path} does not exist (only local files are read, nothing is "
+        raise FileNotFoundError(f"timm checkpoint {path} does not exist (only local files are "
+                                f"read, nothing is "
                                 "downloaded)")
     if path.suffix == ".safetensors":
         from safetensors.torch import load_file
@@ -72,7 +80,8 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
         if isinstance(sd, dict) and isinstance(sd.get(key), dict):
             sd = sd[key]
     if not isinstance(sd, dict):
-        raise ValueError(f"timm checkpoint {path}: expected a dict of tensors, got {type(sd).__name__}")
+        raise ValueError(f"timm checkpoint {path}: expected a dict of tensors, got "
+                         f"{type(sd).__name__}")
     out = {}
     for k, v in sd.items():
         if not isinstance(v, torch.Tensor):
@@ -85,7 +94,8 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
 
 
 def factorise_pos_embed(grid_HWD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """Least-squares additive fit grid[r, c] ~ row[r] + col[c]; returns (row, col, relative L2 error).
+    """Least-squares additive fit grid[r, c] ~ row[r] + col[c]; returns (row, col, relative L2
+    error).
 
     The optimum is row = row-mean - mean/2, col = col-mean - mean/2 (the overall mean split evenly).
     """
@@ -100,9 +110,10 @@ def factorise_pos_embed(grid_HWD: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 def resample_table(table: torch.Tensor, size: int, mode: str) -> torch.Tensor:
     """Fit a 1D position table ([n, D]) to `size` entries.
 
-    copy: entries keep their absolute index (exact for images at the checkpoint's grid), the last entry
-    repeats beyond it and a longer table is truncated; interpolate: linear resize of the whole table
-    (positions become relative to the table length, as timm does when it resizes for a new resolution).
+    copy: entries keep their absolute index (exact for images at the checkpoint's grid), the last
+    entry repeats beyond it and a longer table is truncated; interpolate: linear resize of the whole
+    table (positions become relative to the table length, as timm does when it resizes for a new
+    resolution).
     """
     n = table.shape[0]
     if mode == "interpolate":
@@ -133,10 +144,11 @@ def load_timm_vit_state_dict(encoder: NaViTEncoder, path: str | Path, pos_resamp
                              naflex_channels_last: bool = True) -> LoadReport:
     """Copy a timm ViT / NaFlexViT checkpoint's weights into `encoder` where names and shapes allow.
 
-    Handles: patch_embed.proj (conv) or embeds.proj (naflex linear), blocks.i.{norm1, attn.qkv, attn.proj,
-    norm2, mlp.fc1, mlp.fc2}, norm, norm_pre, and position embeddings (1D `pos_embed` with or without
-    prefix tokens, naflex 2D `embeds.pos_embed`, factorised `embeds.pos_embed_y/x`) fitted into the
-    learned2d row/col tables. Class/register tokens, heads and pooling have no place in a packed encoder.
+    Handles: patch_embed.proj (conv) or embeds.proj (naflex linear), blocks.i.{norm1, attn.qkv,
+    attn.proj, norm2, mlp.fc1, mlp.fc2}, norm, norm_pre, and position embeddings (1D `pos_embed`
+    with or without prefix tokens, naflex 2D `embeds.pos_embed`, factorised `embeds.pos_embed_y/x`)
+    fitted into the learned2d row/col tables. Class/register tokens, heads and pooling have no place
+    in a packed encoder.
     """
     if pos_resample not in ("copy", "interpolate"):
         raise ValueError(f"pos_resample must be 'copy' or 'interpolate', got {pos_resample!r}")
@@ -150,9 +162,11 @@ def load_timm_vit_state_dict(encoder: NaViTEncoder, path: str | Path, pos_resamp
         target = params.get(dst)
         if target is None:
             report.skipped.append((src, f"encoder has no {dst}" + (" (set encoder.norm_pre=true)"
-                                                                  if dst.startswith("norm_pre") else "")))
+                                                                  if dst.startswith("norm_pre")
+                                                                   else "")))
         elif tuple(value.shape) != tuple(target.shape):
-            report.skipped.append((src, f"shape {tuple(value.shape)} != encoder {dst} {tuple(target.shape)}"))
+            report.skipped.append((src, f"shape {tuple(value.shape)} != encoder {dst} "
+                                        f"{tuple(target.shape)}"))
         else:
             with torch.no_grad():
                 target.copy_(value.to(target.dtype))
@@ -160,7 +174,8 @@ def load_timm_vit_state_dict(encoder: NaViTEncoder, path: str | Path, pos_resamp
             assigned.add(dst)
 
     # Class and register tokens may own leading entries of a classic 1D pos_embed.
-    prefix_tokens = sum(sd[k].shape[1] for k in ("cls_token", "reg_token", "embeds.cls_token", "embeds.reg_token")
+    prefix_tokens = sum(sd[k].shape[1]
+                        for k in ("cls_token", "reg_token", "embeds.cls_token", "embeds.reg_token")
                         if k in sd and sd[k].ndim == 3)
     for key, value in sd.items():
         if _DIRECT.match(key):
@@ -176,13 +191,14 @@ def load_timm_vit_state_dict(encoder: NaViTEncoder, path: str | Path, pos_resamp
         elif key in ("pos_embed", "embeds.pos_embed", "embeds.pos_embed_y", "embeds.pos_embed_x"):
             _load_pos(encoder, key, value, sd, prefix_tokens, pos_resample, report, assigned)
         elif key.endswith(("cls_token", "reg_token")):
-            report.skipped.append((key, "the packed encoder has no prefix tokens (patch features no longer "
-                                        "attend to them, so they differ from timm's)"))
+            report.skipped.append((key, "the packed encoder has no prefix tokens (patch features "
+                                        "no longer attend to them, so they differ from timm's)"))
         elif re.match(r"^blocks\.\d+\.", key):
-            report.skipped.append((key, "unsupported block part (layer scale, qk-norm, ...) or a layer the "
-                                        "encoder does not have"))
+            report.skipped.append((key, "unsupported block part (layer scale, qk-norm, ...) or a "
+                                        "layer the encoder does not have"))
         else:
-            report.skipped.append((key, "not part of the packed encoder (head / pooling / fc_norm / other)"))
+            report.skipped.append((key, "not part of the packed encoder (head / pooling / fc_norm "
+                                        "/ other)"))
     for name in params:
         if name not in assigned and not name.startswith("merger."):
             report.untouched.append(name)
@@ -214,8 +230,8 @@ def _load_pos(encoder, key, value, sd, prefix_tokens, mode, report, assigned) ->
                 if prefix_tokens and side * side == n - prefix_tokens:
                     value = value[:, prefix_tokens:]
                 else:
-                    report.skipped.append((key, f"{n} positions are not a square grid (with or without "
-                                                f"{prefix_tokens} prefix tokens)"))
+                    report.skipped.append((key, f"{n} positions are not a square grid (with or "
+                                                f"without {prefix_tokens} prefix tokens)"))
                     return
             grid = value[0].reshape(side, side, -1)
         row, col, err = factorise_pos_embed(grid)
@@ -236,8 +252,10 @@ def _load_pos(encoder, key, value, sd, prefix_tokens, mode, report, assigned) ->
 def require_timm():
     try:
         import timm  # noqa: F401
-    except Exception as e:  # noqa: BLE001 - ImportError, or torchvision failing to import on CPU torch
-        raise ImportError("vision backbone 'timm' needs the optional timm package: install the project's "
+    # noqa: BLE001 - ImportError, or torchvision failing to import on CPU torch
+    except Exception as e:
+        raise ImportError("vision backbone 'timm' needs the optional timm package: install the "
+                          "project's "
                           f"`timm` extra (pip install -e '.[timm]') ({type(e).__name__}: {e})") from None
     return timm
 
@@ -245,12 +263,14 @@ def require_timm():
 class TimmBackbone(nn.Module):
     """Runs a timm ViT on the packed inputs and returns merged tokens like NaViTEncoder.
 
-    `naflexvit_*` models take all images at once, padded one image per row (timm's own NaFlex layout);
-    other ViTs are created with dynamic_img_size and run image by image. Prefix tokens are dropped.
+    `naflexvit_*` models take all images at once, padded one image per row (timm's own NaFlex
+    layout); other ViTs are created with dynamic_img_size and run image by image. Prefix tokens are
+    dropped.
     """
 
-    def __init__(self, model_name: str, merge: int = 2, patch_size: int = 16, checkpoint: str | None = None,
-                 merger: str = "mlp", out_dim: int | None = None, **timm_kwargs):
+    def __init__(self, model_name: str, merge: int = 2, patch_size: int = 16,
+                 checkpoint: str | None = None, merger: str = "mlp", out_dim: int | None = None,
+                 **timm_kwargs):
         super().__init__()
         timm = require_timm()
         self.naflex = model_name.startswith("naflexvit")
@@ -259,15 +279,19 @@ class TimmBackbone(nn.Module):
         self.model = timm.create_model(model_name, pretrained=False, num_classes=0, **timm_kwargs)
         self.report = None
         if checkpoint:
-            missing, unexpected = self.model.load_state_dict(read_state_dict(checkpoint), strict=False)
-            self.report = LoadReport(untouched=list(missing), skipped=[(k, "unexpected") for k in unexpected])
+            missing, unexpected = self.model.load_state_dict(read_state_dict(checkpoint),
+                                                             strict=False)
+            self.report = LoadReport(untouched=list(missing),
+                                     skipped=[(k, "unexpected") for k in unexpected])
         self.merge, self.patch_size = merge, patch_size
-        model_patch = getattr(getattr(self.model, "embeds", None) or getattr(self.model, "patch_embed", None),
+        model_patch = getattr(getattr(self.model, "embeds", None)
+                              or getattr(self.model, "patch_embed", None),
                               "patch_size", None)
         model_patch = model_patch[0] if isinstance(model_patch, (tuple, list)) else model_patch
         if model_patch is not None and int(model_patch) != patch_size:
-            raise ValueError(f"timm model {model_name} uses patch size {model_patch}, but the image processor "
-                             f"makes {patch_size}-pixel patches; set processor.patch_size={model_patch}")
+            raise ValueError(f"timm model {model_name} uses patch size {model_patch}, but the "
+                             f"image processor makes {patch_size}-pixel patches; set "
+                             f"processor.patch_size={model_patch}")
         self.prefix = int(getattr(self.model, "num_prefix_tokens", 0))
         dim = int(self.model.num_features)
         merged = dim * merge * merge
@@ -293,11 +317,13 @@ class TimmBackbone(nn.Module):
             patches[ids_N, rank_N] = x_ND
             coords[ids_N, rank_N] = layout.coords_P2[layout.valid_P]
             valid[ids_N, rank_N] = True
-            feats = self.model.forward_features(patches=patches, patch_coord=coords, patch_valid=valid)
+            feats = self.model.forward_features(patches=patches, patch_coord=coords,
+                                                patch_valid=valid)
             feats = feats["patches"] if isinstance(feats, dict) else feats
             feat_ND = feats[:, self.prefix:][ids_N, rank_N]
         else:
-            # Put each image's patches in raster order (inputs may come in any order), run, map back.
+            # Put each image's patches in raster order (inputs may come in any order), run, map
+            # back.
             rc_N2 = layout.coords_P2[layout.valid_P]
             g_N2 = image_grids_I2.to(rc_N2.device)[ids_N]
             raster_N = layout.cu_seqlens.long()[ids_N] + rc_N2[:, 0] * g_N2[:, 1] + rc_N2[:, 1]

@@ -1,16 +1,19 @@
-"""`vlm chat --ckpt DIR [--image PATH ...]`: multi-turn image chat in the terminal, answers streamed token by token.
+"""`vlm chat --ckpt DIR [--image PATH ...]`: multi-turn image chat in the terminal, answers streamed
+token by token.
 
-Each line is a user turn; `/image PATH` attaches an image to the next turn, `/reset` starts over, `/quit` (or end
-of input) leaves. When standard input is not a terminal it reads one turn per line, prints each answer and exits
-0 at the end of input. Every turn prefills the conversation once and decodes with the concept-level caches.
+Each line is a user turn; `/image PATH` attaches an image to the next turn, `/reset` starts over,
+`/quit` (or end of input) leaves. When standard input is not a terminal it reads one turn per line,
+prints each answer and exits 0 at the end of input. Every turn prefills the conversation once and
+decodes with the concept-level caches.
 
-Inputs are bounded as in the demo: a turn whose conversation would exceed `--max-prompt-tokens` is refused
-before the model sees it (a cheap character bound first, so a 5 MB line is never tokenized), a line that is
-not UTF-8 is skipped with a message, a conversation holds at most `MAX_IMAGES` images, and each image is
-shrunk to the patch grid the model sees when it is attached (its pixel count checked from the header before
-anything is decoded): a conversation keeps kilobytes per image, not the upload's decoded size. The decode buffers
-of a large image are handed back to the operating system at once (`release_freed_memory`), so that a long-running
-process (the demo) does not keep the largest uploads' memory. Numeric options are checked when they are parsed.
+Inputs are bounded as in the demo: a turn whose conversation would exceed `--max-prompt-tokens` is
+refused before the model sees it (a cheap character bound first, so a 5 MB line is never tokenized),
+a line that is not UTF-8 is skipped with a message, a conversation holds at most `MAX_IMAGES`
+images, and each image is shrunk to the patch grid the model sees when it is attached (its pixel
+count checked from the header before anything is decoded): a conversation keeps kilobytes per image,
+not the upload's decoded size. The decode buffers of a large image are handed back to the operating
+system at once (`release_freed_memory`), so that a long-running process (the demo) does not keep the
+largest uploads' memory. Numeric options are checked when they are parsed.
 """
 from __future__ import annotations
 
@@ -28,12 +31,16 @@ from data_pipelines.schema import IMAGE_TOKEN
 HELP = "commands: /image PATH (attach to the next turn), /reset, /quit"
 MAX_PROMPT_TOKENS = 4096   # the longest conversation accepted (the demo's default too)
 MAX_IMAGES = 8             # images one conversation may hold
-CHARS_PER_TOKEN = 8        # no tokenizer makes fewer tokens than characters / 8: a bound before tokenizing
-TRIM_PIXELS = 4_000_000    # decoding an image this large (16 MB of RGBX) is followed by release_freed_memory()
+# no tokenizer makes fewer tokens than characters / 8: a bound before tokenizing
+CHARS_PER_TOKEN = 8
+# decoding an image this large (16 MB of RGBX) is followed by release_freed_memory()
+TRIM_PIXELS = 4_000_000
 
 
-count_of = whole_number   # argparse type: a whole number of `unit` >= 1, refused at start (not turn by turn)
-temperature = finite_number("a finite number", 0.0, note="(0: greedy)")   # argparse type: 0 decodes greedily
+# argparse type: a whole number of `unit` >= 1, refused at start (not turn by turn)
+count_of = whole_number
+# argparse type: 0 decodes greedily
+temperature = finite_number("a finite number", 0.0, note="(0: greedy)")
 
 
 @functools.lru_cache(maxsize=None)
@@ -45,11 +52,13 @@ def _malloc_trim():
 
 
 def release_freed_memory() -> None:
-    """Hand the heap's free pages back to the operating system (glibc's `malloc_trim`; elsewhere nothing).
+    """Hand the heap's free pages back to the operating system (glibc's `malloc_trim`; elsewhere
+    nothing).
 
-    Pillow decodes an image into 16 MB blocks. Once glibc has freed one mapped block it raises its mmap threshold
-    past that size, so later decodes come from the heap arenas (one per thread), and freeing them keeps the pages:
-    10 sessions of 7000 x 7000 uploads left the demo 1.7x its starting size with nothing alive in them."""
+    Pillow decodes an image into 16 MB blocks. Once glibc has freed one mapped block it raises its
+    mmap threshold past that size, so later decodes come from the heap arenas (one per thread), and
+    freeing them keeps the pages: 10 sessions of 7000 x 7000 uploads left the demo 1.7x its starting
+    size with nothing alive in them."""
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
@@ -67,10 +76,12 @@ class Conversation:
         self.pending: list[Image.Image] = []
 
     def attach(self, path: str) -> str:
-        from vision.image_processor import ImageError   # torch: imported when a conversation runs, not by `vlm --help`
+        # torch: imported when a conversation runs, not by `vlm --help`
+        from vision.image_processor import ImageError
 
         if len(self.images) + len(self.pending) >= self.max_images:
-            return (f"cannot use image {path}: this conversation holds {self.max_images} images already "
+            return (f"cannot use image {path}: this conversation holds {self.max_images} images "
+                    f"already "
                     "(the most it takes); start a new one")
         try:
             im = self._load(path)
@@ -80,20 +91,23 @@ class Conversation:
         return f"image {Path(path).name} attached to your next message"
 
     def _load(self, path: str) -> Image.Image:
-        """The image as the model will see it: decoded by the model's processor (pixel limit checked on the
-        header, JPEGs decoded at a reduced scale) and resized to its patch grid at once, so that the
-        conversation never holds the upload's full decoded size (7000 x 7000 RGB is 147 MB)."""
+        """The image as the model will see it: decoded by the model's processor (pixel limit checked
+        on the header, JPEGs decoded at a reduced scale) and resized to its patch grid at once, so
+        that the conversation never holds the upload's full decoded size (7000 x 7000 RGB is 147
+        MB)."""
         from vision.image_processor import choose_grid
 
         processor = getattr(self.chat, "processor", None)
-        if processor is None:   # a text-only model: the image is refused later, with the model's own message
+        # a text-only model: the image is refused later, with the model's own message
+        if processor is None:
             with Image.open(path) as im:
                 im.load()
                 return im.copy()
         img = processor.load(path, source=Path(path).name, for_patches=True)
         cfg = processor.cfg
         rows, cols = choose_grid(img.height, img.width, cfg)
-        # the processor's own resize (same size, same filter), done once here; on this image it is then a no-op
+        # the processor's own resize (same size, same filter), done once here; on this image it is
+        # then a no-op
         small = img.resize((cols * cfg.patch_size, rows * cfg.patch_size), Image.Resampling.BICUBIC)
         large = img.width * img.height >= TRIM_PIXELS
         del img
@@ -104,7 +118,8 @@ class Conversation:
     def prompt_problem(self, text: str) -> str | None:
         """Why `text` cannot be the next turn (the conversation would exceed max_prompt_tokens), or None."""
         if len(text) > self.max_prompt_tokens * CHARS_PER_TOKEN or self.prompt_tokens(text) > self.max_prompt_tokens:
-            return (f"the conversation would exceed {self.max_prompt_tokens} tokens; shorten the message or start "
+            return (f"the conversation would exceed {self.max_prompt_tokens} tokens; shorten the "
+                    f"message or start "
                     "a new conversation")
         return None
 
@@ -140,8 +155,9 @@ class Conversation:
                 shown[0] = now
 
         answer = self.chat.generate([self.prompt(turns)], [images],
-                                    max_new_tokens=self.max_new_tokens, temperature=self.temperature,
-                                    stop=[END], on_tokens=lambda ids: stream(ids[0]))[0]
+                                    max_new_tokens=self.max_new_tokens,
+                                    temperature=self.temperature, stop=[END],
+                                    on_tokens=lambda ids: stream(ids[0]))[0]
         if on_text is not None and answer.startswith(shown[0]) and answer != shown[0]:
             on_text(answer[len(shown[0]):])
         self.turns = turns + [{"role": "assistant", "content": answer}]
@@ -150,8 +166,9 @@ class Conversation:
 
 
 def input_lines(stream, max_bytes: int):
-    """Lines of a binary stream as (text, None), or (None, why) for a line that cannot be a turn: not UTF-8,
-    or longer than `max_bytes` (the rest of such a line is read and dropped in pieces, never held whole)."""
+    """Lines of a binary stream as (text, None), or (None, why) for a line that cannot be a turn:
+    not UTF-8, or longer than `max_bytes` (the rest of such a line is read and dropped in pieces,
+    never held whole)."""
     while True:
         line = stream.readline(max_bytes + 1)
         if not line:
@@ -168,14 +185,16 @@ def input_lines(stream, max_bytes: int):
 
 
 def run_chat(chat, lines, out=sys.stdout, interactive: bool = False, max_new_tokens: int = 64,
-             temperature: float = 0.0, images: list[str] = (), max_prompt_tokens: int = MAX_PROMPT_TOKENS) -> int:
+             temperature: float = 0.0, images: list[str] = (),
+             max_prompt_tokens: int = MAX_PROMPT_TOKENS) -> int:
     """`lines`: strings, or (text, None) / (None, why) pairs from `input_lines`."""
     from vision.image_processor import ImageError
 
     conv = Conversation(chat, max_new_tokens, temperature, max_prompt_tokens=max_prompt_tokens)
     for path in images:
         print(conv.attach(path), file=out)
-    prompt = lambda: print("you> ", end="", file=out, flush=True) if interactive else None  # noqa: E731
+    # noqa: E731
+    prompt = lambda: print("you> ", end="", file=out, flush=True) if interactive else None
     prompt()
     for line in lines:
         line, why = line if isinstance(line, tuple) else (line, None)
@@ -200,7 +219,8 @@ def run_chat(chat, lines, out=sys.stdout, interactive: bool = False, max_new_tok
                 if problem is not None:
                     raise ValueError(f"prompt too long: {problem}")
                 conv.ask(text, on_text=lambda piece: print(piece, end="", file=out, flush=True))
-            except (ImageError, ValueError) as e:   # an image over the limits, a prompt too long, ...
+            # an image over the limits, a prompt too long, ...
+            except (ImageError, ValueError) as e:
                 conv.pending = []
                 print(f"[cannot answer: {e}]", end="", file=out)
             print(file=out, flush=True)
@@ -212,7 +232,8 @@ def add_chat_command(sub) -> None:
     p = sub.add_parser("chat", help="multi-turn image chat in the terminal (streamed answers)",
                        description=__doc__.split("\n\n")[0])
     p.add_argument("--ckpt", required=True, help="exported model directory (RUN_DIR/final)")
-    p.add_argument("--image", action="append", default=[], metavar="PATH", help="attach to the first turn")
+    p.add_argument("--image", action="append", default=[], metavar="PATH",
+                   help="attach to the first turn")
     add_generation_options(p, max_new_tokens=64)
     p.set_defaults(func=_run)
 
@@ -221,7 +242,8 @@ def add_generation_options(p, max_new_tokens: int) -> None:
     """--max-new-tokens, --temperature, --max-prompt-tokens (chat and demo), each checked when parsed."""
     p.add_argument("--max-new-tokens", type=count_of("tokens"), default=max_new_tokens,
                    help=f"longest answer (default {max_new_tokens})")
-    p.add_argument("--temperature", type=temperature, default=0.0, help="sampling temperature (default 0: greedy)")
+    p.add_argument("--temperature", type=temperature, default=0.0,
+                   help="sampling temperature (default 0: greedy)")
     p.add_argument("--max-prompt-tokens", type=count_of("tokens"), default=MAX_PROMPT_TOKENS,
                    help=f"longest conversation accepted, in tokens (default {MAX_PROMPT_TOKENS})")
 
@@ -230,7 +252,8 @@ def _run(args) -> int:
     from vlm.generate import load_eval_model  # torch and the model load when the command runs
 
     if not (Path(args.ckpt) / "config.json").is_file():
-        raise ConfigError(f"--ckpt {args.ckpt}: no exported model there (expected RUN_DIR/final with config.json)")
+        raise ConfigError(f"--ckpt {args.ckpt}: no exported model there (expected RUN_DIR/final "
+                          f"with config.json)")
     from vlm.model.weights_check import WeightsError
 
     try:
@@ -243,5 +266,5 @@ def _run(args) -> int:
         print(f"chatting with {args.ckpt}; {HELP}")
     max_bytes = args.max_prompt_tokens * CHARS_PER_TOKEN * 4   # UTF-8: at most 4 bytes a character
     return run_chat(chat, input_lines(sys.stdin.buffer, max_bytes), interactive=interactive,
-                    max_new_tokens=args.max_new_tokens, temperature=args.temperature, images=args.image,
-                    max_prompt_tokens=args.max_prompt_tokens)
+                    max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                    images=args.image, max_prompt_tokens=args.max_prompt_tokens)

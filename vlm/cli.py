@@ -1,8 +1,8 @@
-"""`vlm` command line. Each package registers its subcommands (train, chain, data, flops, convert, chat, demo,
-eval, experiment, scaling, bench) under the `vlm.commands` entry-point group in pyproject.toml, so this module
-imports none of them. A registration function only builds argparse; torch, transformers and the model are
-imported inside the command that runs, so `vlm --help` and `vlm data ...` start in well under a second
-(`tests/test_cli.py` checks what they import)."""
+"""`vlm` command line. Each package registers its subcommands (train, chain, data, flops, convert,
+chat, demo, eval, experiment, scaling, bench) under the `vlm.commands` entry-point group in
+pyproject.toml, so this module imports none of them. A registration function only builds argparse;
+torch, transformers and the model are imported inside the command that runs, so `vlm --help` and
+`vlm data ...` start in well under a second (`tests/test_cli.py` checks what they import)."""
 from __future__ import annotations
 
 import argparse
@@ -19,7 +19,8 @@ class _RemovedSet(argparse.Action):
     """`--set KEY=VALUE` (the old override syntax of chain, flops and eval longctx): one line, exit 2."""
 
     def __call__(self, parser, namespace, values, option_string=None):
-        parser.exit(2, f"{parser.prog}: --set was removed; write overrides as KEY=VALUE after the config\n")
+        parser.exit(2, f"{parser.prog}: --set was removed; write overrides as KEY=VALUE after the "
+                       f"config\n")
 
 
 def refuse_set_option(parser: argparse.ArgumentParser) -> None:
@@ -28,7 +29,8 @@ def refuse_set_option(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="vlm", description="ConceptMoE vision-language training system")
+    parser = argparse.ArgumentParser(prog="vlm", description="ConceptMoE vision-language training "
+                                                             "system")
     sub = parser.add_subparsers(dest="command", required=True)
     found = entry_points(group=COMMANDS)
     if not found:
@@ -39,9 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def quiet_progress_bars() -> None:
-    """A redirected log gets no carriage-return progress bars from transformers or the hub. Set through the
-    environment (read when huggingface_hub is first imported), so the CLI does not import transformers to say it;
-    a command that already imported it is switched directly."""
+    """A redirected log gets no carriage-return progress bars from transformers or the hub. Set
+    through the environment (read when huggingface_hub is first imported), so the CLI does not
+    import transformers to say it; a command that already imported it is switched directly."""
     if sys.stderr.isatty():
         return
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")

@@ -1,6 +1,7 @@
 """`vlm convert SRC --out DIR`: turn a pretrained MoE into a ConceptMoE for continual training.
 
-The model code is imported when the command runs, not when `vlm` registers it (as for `vlm train`)."""
+The model code is imported when the command runs, not when `vlm` registers it (as for `vlm
+train`)."""
 from __future__ import annotations
 
 import argparse
@@ -20,7 +21,8 @@ def _loop(text: str) -> tuple[int, int, int]:
 
 
 def add_convert_command(sub) -> None:
-    p = sub.add_parser("convert", help="convert a pretrained MoE (ours, Qwen3-MoE, Mixtral) into a ConceptMoE")
+    p = sub.add_parser("convert", help="convert a pretrained MoE (ours, Qwen3-MoE, Mixtral) into a "
+                                       "ConceptMoE")
     p.add_argument("source", help="local checkpoint directory (config.json + safetensors)")
     p.add_argument("--out", required=True, help="output directory (transformers format)")
     d = ConvertConfig   # its defaults are the options' defaults
@@ -31,18 +33,26 @@ def add_convert_command(sub) -> None:
     p.add_argument("--ratio", type=float, default=d.target_ratio, help="target compression ratio R")
     p.add_argument("--concept-top-k", type=int, default=d.concept_top_k,
                    help="strategy 1: activated experts in the concept model")
-    p.add_argument("--loop", type=_loop, default=d.loop, help="strategy 2: START:END:TIMES concept-layer loops")
+    p.add_argument("--loop", type=_loop, default=d.loop,
+                   help="strategy 2: START:END:TIMES concept-layer loops")
     p.add_argument("--grove-groups", type=int, default=d.grove_groups,
-                   help="Grove upcycling: adjugate experts per MoE layer (0: none); the source's logits are kept")
-    p.add_argument("--grove-hidden", type=int, default=d.grove_hidden, help="intermediate size of an adjugate expert")
-    p.add_argument("--grove-lambda", type=float, default=d.grove_lambda, help="adjugate scale, at most groups/experts")
+                   help="Grove upcycling: adjugate experts per MoE layer (0: none); the source's "
+                        "logits are kept")
+    p.add_argument("--grove-hidden", type=int, default=d.grove_hidden,
+                   help="intermediate size of an adjugate expert")
+    p.add_argument("--grove-lambda", type=float, default=d.grove_lambda,
+                   help="adjugate scale, at most groups/experts")
     p.add_argument("--decoder-mode", choices=("joint", "cross_attention"), default=d.decoder_mode,
-                   help="how decoder layers read concepts: ConceptMoE joint decoding or DLCM cross-attention")
-    p.add_argument("--tol", type=float, default=0.02, help="allowed per-token FLOPs mismatch vs the source")
+                   help="how decoder layers read concepts: ConceptMoE joint decoding or DLCM "
+                        "cross-attention")
+    p.add_argument("--tol", type=float, default=0.02,
+                   help="allowed per-token FLOPs mismatch vs the source")
     p.add_argument("--check", action="store_true",
-                   help="after writing, print the largest logit difference between the written model (every "
-                        "boundary forced on) and the source on random token ids; exit 1 above --check-tol")
-    p.add_argument("--check-tol", type=float, default=1e-3, help="largest logit difference --check accepts")
+                   help="after writing, print the largest logit difference between the written "
+                        "model (every boundary forced on) and the source on random token ids; exit "
+                        "1 above --check-tol")
+    p.add_argument("--check-tol", type=float, default=1e-3,
+                   help="largest logit difference --check accepts")
     p.set_defaults(func=run_convert)
 
 
@@ -53,9 +63,10 @@ def run_convert(args) -> int:
 
     opt = ConvertConfig(encoder_layers=args.encoder_layers, decoder_layers=args.decoder_layers,
                         joint_decoding_layers=args.joint_layers, target_ratio=args.ratio,
-                        concept_top_k=args.concept_top_k, loop=args.loop, grove_groups=args.grove_groups,
-                        grove_hidden=args.grove_hidden, grove_lambda=args.grove_lambda,
-                        decoder_mode=args.decoder_mode)   # validated: a bad option stops
+                        concept_top_k=args.concept_top_k, loop=args.loop,
+                        grove_groups=args.grove_groups, grove_hidden=args.grove_hidden,
+                        # validated: a bad option stops
+                        grove_lambda=args.grove_lambda, decoder_mode=args.decoder_mode)
     model, base = convert(args.source, opt)
     cfg = model.model_cfg
     f_base, f_new = flops_per_token(base)["total"], flops_per_token(cfg, args.ratio)["total"]
@@ -64,13 +75,15 @@ def run_convert(args) -> int:
     print(f"converted (R={args.ratio}): {p_new / 1e6:.2f}M params ({p_new / p_base:.4f}x), "
           f"{f_new / 1e6:.2f} MFLOPs/token ({f_new / f_base:.4f}x)")
     if abs(f_new / f_base - 1) > args.tol:
-        print(f"warning: per-token FLOPs differ from the source by {100 * abs(f_new / f_base - 1):.1f}% "
-              f"(> {100 * args.tol:.0f}%); adjust --concept-top-k / --loop (see `vlm flops`)")
+        print(f"warning: per-token FLOPs differ from the source by "
+              f"{100 * abs(f_new / f_base - 1):.1f}% (> {100 * args.tol:.0f}%); adjust "
+              f"--concept-top-k / --loop (see `vlm flops`)")
     out = Path(args.out)
     src = Path(args.source)
     save_pretrained(model, out)
     ids = source_token_ids(src)
-    if ids:   # generate from the converted folder stops on the source's eos, as the source's own does
+    # generate from the converted folder stops on the source's eos, as the source's own does
+    if ids:
         from vlm.model.hf import ConceptMoEConfig, read_config
 
         config = read_config(out, ConceptMoEConfig)
@@ -80,7 +93,8 @@ def run_convert(args) -> int:
         from transformers import GenerationConfig
 
         gen = GenerationConfig.from_model_config(config)
-        gen.eos_token_id = _source_stop_ids(src) or gen.eos_token_id   # every id the source stops at
+        # every id the source stops at
+        gen.eos_token_id = _source_stop_ids(src) or gen.eos_token_id
         gen.save_pretrained(str(out))
     for name in TOKENIZER_FILES:
         if (src / name).is_file():
@@ -96,8 +110,9 @@ def run_convert(args) -> int:
 
 
 def _source_stop_ids(src: Path) -> list[int] | None:
-    """The source's generation_config.json eos ids when it lists several (a chat model's end of turn and its
-    eos, as an export of this project states them): the converted model stops at all of them."""
+    """The source's generation_config.json eos ids when it lists several (a chat model's end of turn
+    and its eos, as an export of this project states them): the converted model stops at all of
+    them."""
     import json
 
     f = src / "generation_config.json"
@@ -106,8 +121,9 @@ def _source_stop_ids(src: Path) -> list[int] | None:
 
 
 def max_logit_difference(source: Path, converted: Path, tokens: int = 48, seed: int = 0) -> float:
-    """max |logit| difference between `converted` (read back from disk, every boundary forced on) and `source`
-    over the source's vocabulary, on one document of random token ids (float32, CPU)."""
+    """max |logit| difference between `converted` (read back from disk, every boundary forced on)
+    and `source` over the source's vocabulary, on one document of random token ids (float32,
+    CPU)."""
     import json
 
     import torch

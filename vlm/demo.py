@@ -1,17 +1,20 @@
-"""`vlm demo --ckpt DIR [--host 127.0.0.1] [--port 7860]`: image chat in the browser (gradio), answers streamed.
+"""`vlm demo --ckpt DIR [--host 127.0.0.1] [--port 7860]`: image chat in the browser (gradio),
+answers streamed.
 
-Upload an image, ask about it over several turns; beside the answer the demo shows what makes ConceptMoE
-different: the image with its merged patches outlined by concept, the conversation text with its concept
-boundaries marked (`|`), and the realized compression (tokens per concept) of text and image so far.
+Upload an image, ask about it over several turns; beside the answer the demo shows what makes
+ConceptMoE different: the image with its merged patches outlined by concept, the conversation text
+with its concept boundaries marked (`|`), and the realized compression (tokens per concept) of text
+and image so far.
 
-Safe by default: it binds 127.0.0.1 (pass `--host 0.0.0.0` to expose it), uploads are capped in bytes
-(`--max-upload-mb`, enforced by gradio's max_file_size and again here) and in pixels (the processor's
-`max_pixels`, read from the header before decoding), and a broken image, a file that is no image or an over-long
-prompt gives a message in the page, never a traceback. Memory is bounded per session: an image is shrunk to the
-patch grid the model sees when it is attached (`Conversation.attach`, which hands the decode buffers back to the
-OS), a conversation holds at most `--max-images` of them, and a session's conversation is dropped when its page
-closes or after `SESSION_TTL_S` (gradio's State lifetime). A busy port is one line before the model loads.
-Needs the optional extra: `pip install -e ".[demo]"`.
+Safe by default: it binds 127.0.0.1 (pass `--host 0.0.0.0` to expose it), uploads are capped in
+bytes (`--max-upload-mb`, enforced by gradio's max_file_size and again here) and in pixels (the
+processor's `max_pixels`, read from the header before decoding), and a broken image, a file that is
+no image or an over-long prompt gives a message in the page, never a traceback. Memory is bounded
+per session: an image is shrunk to the patch grid the model sees when it is attached
+(`Conversation.attach`, which hands the decode buffers back to the OS), a conversation holds at most
+`--max-images` of them, and a session's conversation is dropped when its page closes or after
+`SESSION_TTL_S` (gradio's State lifetime). A busy port is one line before the model loads. Needs the
+optional extra: `pip install -e ".[demo]"`.
 
 A screenshot of the page with headless Chromium, while the demo runs:
 
@@ -40,16 +43,18 @@ log = logging.getLogger(__name__)
 DEFAULT_PORT = 7860
 MAX_UPLOAD_MB = 10
 TITLE = "ConceptMoE image chat"
-SESSION_TTL_S = 3600        # a session's conversation (and its images) is dropped an hour after its last use
+# a session's conversation (and its images) is dropped an hour after its last use
+SESSION_TTL_S = 3600
 
 
 port_number = whole_number(low=1, high=65535, what="a port number")      # argparse type: a TCP port
-upload_mb = finite_number("a size in MB", 0.0, strict=True)              # argparse type: the largest upload
+# argparse type: the largest upload
+upload_mb = finite_number("a size in MB", 0.0, strict=True)
 
 
 def port_problem(host: str, port: int) -> str | None:
-    """Why the demo cannot listen on host:port (one line naming the port and how to pick another), or None. Bound
-    as gradio binds (SO_REUSEADDR), so a port it would take is never refused here."""
+    """Why the demo cannot listen on host:port (one line naming the port and how to pick another),
+    or None. Bound as gradio binds (SO_REUSEADDR), so a port it would take is never refused here."""
     try:
         family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
         with socket.socket(family, kind, proto) as s:
@@ -63,8 +68,9 @@ def port_problem(host: str, port: int) -> str | None:
 
 
 def check_image(path: str, max_bytes: int, max_pixels: int) -> str | None:
-    """Why the uploaded file at `path` cannot be used (one line), or None when it is a readable image within the
-    byte and pixel limits. The size comes from the header: nothing is decoded before the check."""
+    """Why the uploaded file at `path` cannot be used (one line), or None when it is a readable
+    image within the byte and pixel limits. The size comes from the header: nothing is decoded
+    before the check."""
     name = Path(path).name
     try:
         size = os.path.getsize(path)
@@ -90,13 +96,14 @@ class Session:
 
 
 def _history_of(conv: Conversation) -> list[dict]:
-    return [{"role": t["role"], "content": t["content"].replace(IMAGE_TOKEN, "[image] ").replace("] \n", "] ")}
+    return [{"role": t["role"],
+             "content": t["content"].replace(IMAGE_TOKEN, "[image] ").replace("] \n", "] ")}
             for t in conv.turns]
 
 
 def _stream_answer(conv: Conversation, text: str):
-    """Yields the pieces of the answer to `text` as `conv.ask` produces them (it runs in a worker thread);
-    re-raises its error at the end."""
+    """Yields the pieces of the answer to `text` as `conv.ask` produces them (it runs in a worker
+    thread); re-raises its error at the end."""
     pieces: queue.Queue = queue.Queue()
     failed: list[BaseException] = []
 
@@ -118,10 +125,11 @@ def _stream_answer(conv: Conversation, text: str):
 
 
 def target_band(chunk, modality: str) -> dict:
-    """What training held this conversation's `modality` tokens to (the ratio groups of ChunkModule.ratio_groups):
-    the target ratio, whether it is the modality's own or joint over text and image, and, where the per-document
-    band applies (`ChunkConfig.holds_documents`), the band [R/s, R*s] a document's ratio was held in (the
-    conversation is one document). A modality left out of `modality_target_ratios` had no target."""
+    """What training held this conversation's `modality` tokens to (the ratio groups of
+    ChunkModule.ratio_groups): the target ratio, whether it is the modality's own or joint over text
+    and image, and, where the per-document band applies (`ChunkConfig.holds_documents`), the band
+    [R/s, R*s] a document's ratio was held in (the conversation is one document). A modality left
+    out of `modality_target_ratios` had no target."""
     targets = chunk.modality_targets()
     if targets:
         R, scope = targets.get(modality), modality
@@ -136,8 +144,9 @@ def target_band(chunk, modality: str) -> dict:
 
 
 def concept_panel(chat, turns: list[dict], images: list) -> tuple:
-    """(picture of the first image with its concepts outlined or None, the conversation text with concept
-    boundaries marked, per-modality compression) of the whole conversation, from one prefill."""
+    """(picture of the first image with its concepts outlined or None, the conversation text with
+    concept boundaries marked, per-modality compression) of the whole conversation, from one
+    prefill."""
     from vision.image_processor import ImageProcessor
     from vlm.model.stats import summarize
     from vlm.train.render import image_concept_picture, text_with_boundaries
@@ -159,17 +168,21 @@ def concept_panel(chat, turns: list[dict], images: list) -> tuple:
     picture = None
     if chat.processor is not None and images:
         cfg = chat.processor.cfg
-        picture = image_concept_picture(batch, b_BT, cfg.patch_size, cfg.merge, ImageProcessor(cfg).denormalize)
-    text = text_with_boundaries(batch, b_BT, lambda ids: chat.tokenizer.decode(ids, skip_special=False),
+        picture = image_concept_picture(batch, b_BT, cfg.patch_size, cfg.merge,
+        ImageProcessor(cfg).denormalize)
+    text = text_with_boundaries(batch, b_BT,
+                                lambda ids: chat.tokenizer.decode(ids, skip_special=False),
                                 max_tokens=4096)
     return picture, text, compression
 
 
-def build_app(chat, *, max_new_tokens: int = 64, temperature: float = 0.0, max_prompt_tokens: int = 4096,
-              max_upload_mb: float = MAX_UPLOAD_MB, example: tuple[str, list[str]] | None = None,
+def build_app(chat, *, max_new_tokens: int = 64, temperature: float = 0.0,
+              max_prompt_tokens: int = 4096, max_upload_mb: float = MAX_UPLOAD_MB,
+              example: tuple[str, list[str]] | None = None,
               max_images: int = MAX_IMAGES):
     """The gradio Blocks of the demo around a loaded `ConceptMoEChat` (launch it with `launch_app`).
-    `example` = (image path, questions): every page opens on that conversation, answered once here."""
+    `example` = (image path, questions): every page opens on that conversation, answered once
+    here."""
     import gradio as gr
 
     from vision.image_processor import ImageError
@@ -192,7 +205,8 @@ def build_app(chat, *, max_new_tokens: int = 64, temperature: float = 0.0, max_p
             return (list(history), session) + keep + (status, gr.skip(), None)
 
         if upload:
-            path = upload if isinstance(upload, str) else getattr(upload, "path", None) or upload.get("path")
+            path = upload if isinstance(upload, str) else getattr(upload, "path",
+                                                                  None) or upload.get("path")
             problem = check_image(path, max_bytes, max_pixels)
             if problem is None:
                 note = conv.attach(path)
@@ -201,12 +215,14 @@ def build_app(chat, *, max_new_tokens: int = 64, temperature: float = 0.0, max_p
                 yield say(f"**Image not used:** {problem}")
                 return
         if not text:
-            yield say("Image attached: ask something about it." if upload else "Type a message first.")
+            yield say("Image attached: ask something about it." if upload
+                      else "Type a message first.")
             return
         try:
             if conv.prompt_problem(text) is not None:
                 conv.pending = []
-                yield say(f"**Prompt too long:** the conversation would exceed {max_prompt_tokens} tokens; "
+                yield say(f"**Prompt too long:** the conversation would exceed {max_prompt_tokens} "
+                          f"tokens; "
                           "shorten the message or press *New conversation*.")
                 return
             n = conv.prompt_tokens(text)
@@ -220,13 +236,15 @@ def build_app(chat, *, max_new_tokens: int = 64, temperature: float = 0.0, max_p
                 history[-1] = {"role": "assistant", "content": answer}
                 yield (list(history), session) + keep + (gr.skip(), gr.skip(), gr.skip())
             picture, boundaries, compression = concept_panel(chat, conv.turns, conv.images)
-        except (ImageError, ValueError) as e:   # an image over the limits, a prompt the model cannot take, ...
+        # an image over the limits, a prompt the model cannot take, ...
+        except (ImageError, ValueError) as e:
             failed = f"**Cannot answer:** {e}"
         except Exception as e:   # the page shows one line, the server log has the traceback
             log.exception("demo: answering failed")
             failed = f"**Internal error:** {type(e).__name__}: {e}"
         else:
-            yield (list(history), session, picture, boundaries, compression, "", gr.skip(), gr.skip())
+            yield (list(history), session, picture, boundaries, compression, "", gr.skip(),
+                   gr.skip())
             return
         conv.pending = []
         session.history = history = _history_of(conv)   # back to the turns that were answered
@@ -250,8 +268,8 @@ def build_app(chat, *, max_new_tokens: int = 64, temperature: float = 0.0, max_p
         opening = (conv.turns, conv.images, concept_panel(chat, conv.turns, conv.images))
 
     def end_session(session) -> None:
-        """The page closed (or the session expired): its conversation's images go now, not when gradio's state
-        holder is next swept."""
+        """The page closed (or the session expired): its conversation's images go now, not when
+        gradio's state holder is next swept."""
         if session is not None:
             session.conv.reset()
             session.history = []
@@ -264,20 +282,26 @@ def build_app(chat, *, max_new_tokens: int = 64, temperature: float = 0.0, max_p
         session = Session(conv)
         return list(session.history), session, picture, text, compression, "", "", None
 
-    # uploads are copied into gradio's cache folder: files older than the session lifetime are deleted
+    # uploads are copied into gradio's cache folder: files older than the session lifetime are
+    # deleted
     with gr.Blocks(title=TITLE, analytics_enabled=False,   # nothing leaves the machine
                    delete_cache=(SESSION_TTL_S // 4, SESSION_TTL_S)) as app:
-        gr.Markdown(f"## {TITLE}\nUpload an image and ask about it; the right side shows how the model groups "
-                    "image patches and text tokens into concepts (tokens per concept = compression).")
+        gr.Markdown(f"## {TITLE}\nUpload an image and ask about it; the right side shows how the "
+                    f"model groups "
+                    "image patches and text tokens into concepts (tokens per concept = "
+                    "compression).")
         state = gr.State(None, time_to_live=SESSION_TTL_S, delete_callback=end_session)
         with gr.Row():
             with gr.Column(scale=3):
                 chatbot = gr.Chatbot(label="conversation", height=420)
-                # no file_types: gradio would refuse another file with a traceback in the console and a bare
-                # "Error" in the page; check_image refuses it in one line under the chat instead
-                upload = gr.File(label=f"image (attached to your next message; max {max_upload_mb:g} MB)",
+                # no file_types: gradio would refuse another file with a traceback in the console
+                # and a bare "Error" in the page; check_image refuses it in one line under the chat
+                # instead
+                upload = gr.File(label=f"image (attached to your next message; max "
+                                       f"{max_upload_mb:g} MB)",
                                  type="filepath")
-                msg = gr.Textbox(label="message", placeholder="Ask about the image, then press Enter",
+                msg = gr.Textbox(label="message", placeholder="Ask about the image, then press "
+                                                              "Enter",
                                  max_lines=6)
                 with gr.Row():
                     send = gr.Button("Send", variant="primary")
@@ -286,8 +310,9 @@ def build_app(chat, *, max_new_tokens: int = 64, temperature: float = 0.0, max_p
             with gr.Column(scale=2):
                 picture = gr.Image(label="image concepts (merged patches outlined by concept)",
                                    type="numpy", interactive=False)
-                compression = gr.JSON(label="compression of this conversation (tokens per concept), with the target "
-                                            "and the band training held each document in")
+                compression = gr.JSON(label="compression of this conversation (tokens per "
+                                            "concept), with the target and the band training held "
+                                            "each document in")
                 boundaries = gr.Textbox(label="conversation with concept boundaries (|)", lines=10,
                                         interactive=False)
         outputs = [chatbot, state, picture, boundaries, compression, status, msg, upload]
@@ -304,7 +329,8 @@ def launch_app(app, host: str = "127.0.0.1", port: int | None = DEFAULT_PORT,
                max_upload_mb: float = MAX_UPLOAD_MB, block: bool = True):
     """Serve `app` (one answer at a time: the model is shared); `block=False` returns once it listens."""
     app.queue(default_concurrency_limit=1)
-    return app.launch(server_name=host, server_port=port, max_file_size=f"{int(max_upload_mb * 1e6)}b",
+    return app.launch(server_name=host, server_port=port,
+                      max_file_size=f"{int(max_upload_mb * 1e6)}b",
                       share=False, show_error=False, prevent_thread_lock=not block, quiet=not block)
 
 
@@ -312,10 +338,13 @@ def add_demo_command(sub) -> None:
     p = sub.add_parser("demo", help="image chat in the browser (gradio) with the concept view",
                        description=__doc__.split("\n\n")[0])
     p.add_argument("--ckpt", required=True, help="exported model directory (RUN_DIR/final)")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=port_number, default=DEFAULT_PORT, help=f"port to serve on (default {DEFAULT_PORT})")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this "
+                                                       "machine only)")
+    p.add_argument("--port", type=port_number, default=DEFAULT_PORT,
+                   help=f"port to serve on (default {DEFAULT_PORT})")
     add_generation_options(p, max_new_tokens=128)
-    p.add_argument("--max-upload-mb", type=upload_mb, default=MAX_UPLOAD_MB, help="largest image upload")
+    p.add_argument("--max-upload-mb", type=upload_mb, default=MAX_UPLOAD_MB,
+                   help="largest image upload")
     p.add_argument("--max-images", type=count_of("images"), default=MAX_IMAGES,
                    help="most images one conversation holds")
     p.add_argument("--example", nargs="+", metavar=("IMAGE", "QUESTION"),
@@ -325,7 +354,8 @@ def add_demo_command(sub) -> None:
 
 def _run(args) -> int:
     if not (Path(args.ckpt) / "config.json").is_file():
-        raise ConfigError(f"--ckpt {args.ckpt}: no exported model there (expected RUN_DIR/final with config.json)")
+        raise ConfigError(f"--ckpt {args.ckpt}: no exported model there (expected RUN_DIR/final "
+                          f"with config.json)")
     try:
         import gradio  # noqa: F401  (the optional `demo` extra)
     except ImportError:
@@ -333,7 +363,8 @@ def _run(args) -> int:
     from vlm.generate import load_eval_model  # torch and the model load when the command runs
 
     if args.example and len(args.example) < 2:
-        raise ConfigError("--example needs an image and at least one question: --example IMAGE QUESTION ...")
+        raise ConfigError("--example needs an image and at least one question: --example IMAGE "
+                          "QUESTION ...")
     if args.example and not Path(args.example[0]).is_file():
         raise ConfigError(f"--example: image {args.example[0]} not found")
     from vision.image_processor import ImageError
@@ -350,14 +381,16 @@ def _run(args) -> int:
     example = (args.example[0], args.example[1:]) if args.example else None
     try:
         app = build_app(chat, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                        max_prompt_tokens=args.max_prompt_tokens, max_upload_mb=args.max_upload_mb, example=example,
-                        max_images=args.max_images)
+                        max_prompt_tokens=args.max_prompt_tokens, max_upload_mb=args.max_upload_mb,
+                        example=example, max_images=args.max_images)
     except ImageError as e:
         raise ConfigError(str(e)) from None
     print(f"serving {args.ckpt} on http://{args.host}:{args.port} (Ctrl-C stops)")
     try:
         launch_app(app, args.host, args.port, args.max_upload_mb)
-    except OSError as e:   # the port was taken since the check (gradio's own message names its settings, not ours)
-        print(f"vlm demo: {port_problem(args.host, args.port) or f'cannot serve: {e}'}", file=sys.stderr)
+    # the port was taken since the check (gradio's own message names its settings, not ours)
+    except OSError as e:
+        print(f"vlm demo: {port_problem(args.host, args.port) or f'cannot serve: {e}'}",
+              file=sys.stderr)
         return 2
     return 0

@@ -1,12 +1,13 @@
-"""`vlm flops`: parameters, per-token FLOPs, attention map and KV cache, and the fair-comparison table.
+"""`vlm flops`: parameters, per-token FLOPs, attention map and KV cache, and the fair-comparison
+table.
 
     vlm flops --config configs/paper_moe_90b.yaml --ratio 1.5 --seq-len 32768
     vlm flops --config configs/paper_ct_90b_top15.yaml --baseline configs/paper_moe_90b.yaml
 
-A config file is a trainer config; only its top-level `model:` section (a ModelConfig) is read. If the
-model has chunking off it is the MoE baseline and the three section-3.5 strategies are derived from it at
-ratio R. If chunking is on, it is shown next to `--baseline` (and the strategies derived from that), or,
-without one, next to its own chunk-off twin (same weights; not FLOPs-matched).
+A config file is a trainer config; only its top-level `model:` section (a ModelConfig) is read. If
+the model has chunking off it is the MoE baseline and the three section-3.5 strategies are derived
+from it at ratio R. If chunking is on, it is shown next to `--baseline` (and the strategies derived
+from that), or, without one, next to its own chunk-off twin (same weights; not FLOPs-matched).
 """
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ def load_model_config(path: str | Path, overrides: list[str] | None = None) -> M
     """The `model:` section of a trainer config file as a validated ModelConfig (other sections ignored)."""
     data = apply_overrides(load_yaml(path), overrides or [])
     if "model" not in data:
-        raise ConfigError(f"config file {path} has no top-level 'model:' section (a ModelConfig mapping)")
+        raise ConfigError(f"config file {path} has no top-level 'model:' section (a ModelConfig "
+                          f"mapping)")
     model = data["model"] or {}
     if not isinstance(model, dict):
         raise ConfigError(f"config file {path}: 'model' must be a mapping, got {model!r}")
@@ -51,14 +53,16 @@ def _params(x: float) -> str:
     return f"{x / 1e9:.3f}B" if x >= 1e8 else f"{x / 1e6:.3f}M"
 
 
-def format_tables(rows: list[dict]) -> tuple[list[str], list[list[str]], list[str], list[list[str]]]:
+def format_tables(rows: list[dict]) -> tuple[list[str], list[list[str]], list[str],
+                                             list[list[str]]]:
     """(header, rows) of the matching table and of Table 1 with numbers."""
-    h1 = ["method", "changes", "total params", "x base", "activated", "FLOPs/token", "x base", "match"]
+    h1 = ["method", "changes", "total params", "x base", "activated", "FLOPs/token", "x base",
+          "match"]
     t1 = [[r["method"], r["changes"], _params(r["total_params"]), f"{r['params_ratio']:.4f}",
            _params(r["activated_params"]), _si(r["flops_per_token"]), f"{r['flops_ratio']:.4f}",
            "ok" if r["within_tol"] else "NO"] for r in rows]
-    h2 = ["method", "attn map C", "reduction", "KV cache C", "reduction", "attn map all", "reduction",
-          "KV cache all", "reduction"]
+    h2 = ["method", "attn map C", "reduction", "KV cache C", "reduction", "attn map all",
+          "reduction", "KV cache all", "reduction"]
     t2 = [[r["method"], _si(r["attn_map_flops_concept"]), f"{r['attn_reduction_concept']:.3f}x",
            _bytes(r["kv_cache_bytes_concept"]), f"{r['kv_reduction_concept']:.3f}x",
            _si(r["attn_map_flops"]), f"{r['attn_reduction']:.3f}x",
@@ -94,7 +98,8 @@ def print_tables(rows: list[dict], title: str, plain: bool = False, file=None) -
         print(_plain(titles[0], h1, t1) + "\n\n" + _plain(titles[1], h2, t2), file=file)
     for r in rows:
         if r["note"] or not r["within_tol"]:
-            print(f"note [{r['method']}]: {r['note'] or 'not within tolerance of the baseline'}", file=file)
+            print(f"note [{r['method']}]: {r['note'] or 'not within tolerance of the baseline'}",
+                  file=file)
 
 
 def plot_scaling(rows_by_len: dict[int, list[dict]], path: str | Path) -> None:
@@ -110,7 +115,8 @@ def plot_scaling(rows_by_len: dict[int, list[dict]], path: str | Path) -> None:
         for n in lens:
             rows = {r["name"]: r for r in rows_by_len[n]}
             b, r = rows["baseline"], rows[name]
-            pf.append((b["flops_per_token"] * n + b["attn_map_flops"]) / (r["flops_per_token"] * n + r["attn_map_flops"]))
+            pf.append((b["flops_per_token"] * n + b["attn_map_flops"])
+                      / (r["flops_per_token"] * n + r["attn_map_flops"]))
             kv.append(r["kv_reduction"])
         a1.plot(lens, pf, marker="o", label=r0["method"])
         a2.plot(lens, kv, marker="o", label=r0["method"])
@@ -142,13 +148,13 @@ def run_flops(args: argparse.Namespace) -> int:
         extra = {"this config": cfg}
         if base is None:
             base = cfg.baseline()
-            print("note: no --baseline given; comparing with this config's chunk-off twin (same weights, "
-                  "not FLOPs-matched).", file=sys.stderr)
+            print("note: no --baseline given; comparing with this config's chunk-off twin (same "
+                  "weights, not FLOPs-matched).", file=sys.stderr)
     else:
         base = cfg
     if base.chunk.enabled:
-        print(f"error: --baseline {args.baseline} has chunk.enabled: true; a baseline is a plain MoE",
-              file=sys.stderr)
+        print(f"error: --baseline {args.baseline} has chunk.enabled: true; a baseline is a plain "
+              f"MoE", file=sys.stderr)
         return 2
     ratio = cfg.chunk.target_ratio
     options = dict(loop_layers=args.loop_layers, concept_heads=args.concept_heads)
@@ -168,13 +174,14 @@ def run_flops(args: argparse.Namespace) -> int:
         print(json.dumps(rows, indent=2))
     else:
         kind = "ConceptMoE" if cfg.chunk.enabled else "baseline MoE"
-        title = (f"{args.config or 'default ModelConfig'} ({kind}; R = {ratio:g}, N = {args.seq_len}, "
-                 f"{'causal' if not args.full_attention else 'full'} attention, KV {args.bytes_per_el} B/el)")
+        title = (f"{args.config or 'default ModelConfig'} ({kind}; R = {ratio:g}, N = "
+                 f"{args.seq_len}, {'causal' if not args.full_attention else 'full'} attention, KV "
+                 f"{args.bytes_per_el} B/el)")
         print_tables(rows, title, plain=args.plain)
     if args.plot:
         lens = [2 ** k for k in range(12, 21)]
-        by_len = {n: comparison_table(base, ratio, n, args.bytes_per_el, not args.full_attention, args.tol,
-                                      extra, found) for n in lens}
+        by_len = {n: comparison_table(base, ratio, n, args.bytes_per_el, not args.full_attention,
+                                      args.tol, extra, found) for n in lens}
         plot_scaling(by_len, args.plot)
         print(f"wrote {args.plot}", file=sys.stderr)
     return 0
@@ -182,22 +189,34 @@ def run_flops(args: argparse.Namespace) -> int:
 
 def add_flops_command(subparsers) -> argparse.ArgumentParser:
     """Register `flops` on an argparse subparsers object; the handler is `args.func(args) -> int`."""
-    p = subparsers.add_parser("flops", help="parameters, FLOPs, attention map, KV cache; fair-comparison table",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = subparsers.add_parser("flops", help="parameters, FLOPs, attention map, KV cache; "
+                                            "fair-comparison table",
+                              description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="trainer config YAML; only its `model:` section is read")
-    p.add_argument("--baseline", help="baseline MoE config YAML (its `model:`) for a ConceptMoE --config")
-    p.add_argument("--ratio", type=float, help="compression ratio R (default: model.chunk.target_ratio)")
-    p.add_argument("--seq-len", type=int, default=32768, help="sequence length N for attention map and KV cache")
-    p.add_argument("--bytes-per-el", type=int, default=2, help="bytes per KV-cache element (2 = bf16)")
-    p.add_argument("--full-attention", action="store_true", help="count N^2 attention pairs, not causal N(N+1)/2")
-    p.add_argument("--tol", type=float, default=0.02, help="matching tolerance on FLOPs and parameters")
-    p.add_argument("--loop-layers", type=int, help="strategy 2: target number of looped concept layers")
-    p.add_argument("--concept-heads", type=int, help="strategy 3: concept head count (default ~ sqrt(R) x heads)")
+    p.add_argument("--baseline", help="baseline MoE config YAML (its `model:`) for a ConceptMoE "
+                                      "--config")
+    p.add_argument("--ratio", type=float, help="compression ratio R (default: "
+                                               "model.chunk.target_ratio)")
+    p.add_argument("--seq-len", type=int, default=32768,
+                   help="sequence length N for attention map and KV cache")
+    p.add_argument("--bytes-per-el", type=int, default=2,
+                   help="bytes per KV-cache element (2 = bf16)")
+    p.add_argument("--full-attention", action="store_true",
+                   help="count N^2 attention pairs, not causal N(N+1)/2")
+    p.add_argument("--tol", type=float, default=0.02,
+                   help="matching tolerance on FLOPs and parameters")
+    p.add_argument("--loop-layers", type=int, help="strategy 2: target number of looped concept "
+                                                   "layers")
+    p.add_argument("--concept-heads", type=int, help="strategy 3: concept head count (default ~ "
+                                                     "sqrt(R) x heads)")
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
     p.add_argument("--plain", action="store_true", help="plain-text tables instead of rich")
-    p.add_argument("--plot", help="write a PNG of prefill-FLOPs and KV-cache reduction vs sequence length")
+    p.add_argument("--plot", help="write a PNG of prefill-FLOPs and KV-cache reduction vs sequence "
+                                  "length")
     p.add_argument("overrides", nargs="*", metavar="key=value",
-                   help="dotted overrides from the file's top level, e.g. model.moe.top_k=4 (as for `vlm train`)")
+                   help="dotted overrides from the file's top level, e.g. model.moe.top_k=4 (as "
+                        "for `vlm train`)")
     refuse_set_option(p)
     p.set_defaults(func=run_flops)
     return p

@@ -1,9 +1,11 @@
-"""Batched generation and scoring for prompts with images: the model behind every evaluator and the chat demo.
+"""Batched generation and scoring for prompts with images: the model behind every evaluator and the
+chat demo.
 
-`ConceptMoEChat` satisfies `eval.protocol.EvalModel`. There is one decode loop: transformers' `generate` on
-the model's wrapper (vlm/model/hf.py), which prefills the concept-level caches once and then runs one cached
-step per token, batched over prompts of different lengths and image counts (left-padded rows). Scoring
-(`loglikelihood`) encodes each distinct context once and teacher-forces the candidates through cached steps.
+`ConceptMoEChat` satisfies `eval.protocol.EvalModel`. There is one decode loop: transformers'
+`generate` on the model's wrapper (vlm/model/hf.py), which prefills the concept-level caches once
+and then runs one cached step per token, batched over prompts of different lengths and image counts
+(left-padded rows). Scoring (`loglikelihood`) encodes each distinct context once and teacher-forces
+the candidates through cached steps.
 """
 from __future__ import annotations
 
@@ -45,8 +47,9 @@ def _left_padded(batch: PackedBatch, pad_id: int) -> tuple[torch.Tensor, torch.T
 
 
 class _RowStreamer(BaseStreamer):
-    """transformers' streamer protocol for a batch: collects each live row's new tokens and hands the rows to
-    `on_tokens` after every step (generate puts the prompt first, then one token per row per step)."""
+    """transformers' streamer protocol for a batch: collects each live row's new tokens and hands
+    the rows to `on_tokens` after every step (generate puts the prompt first, then one token per row
+    per step)."""
 
     def __init__(self, B: int, eos_id: int, done_B: torch.Tensor, on_tokens):
         self.rows: list[list[int]] = [[] for _ in range(B)]
@@ -87,9 +90,10 @@ def _extend(batch: PackedBatch, extra: int, pad_id: int) -> PackedBatch:
     """Room for `extra` more tokens per row (as padding)."""
     B = batch.input_ids.shape[0]
     pad = lambda t, v: torch.cat([t, t.new_full((B, extra), v)], 1)  # noqa: E731
-    return PackedBatch(pad(batch.input_ids, pad_id), pad(batch.labels, IGNORE_INDEX), pad(batch.doc_ids, -1),
-                       pad(batch.position_ids, 0), pad(batch.modality, TEXT),
-                       batch.pixel_patches, batch.patch_coords, batch.image_grids)
+    return PackedBatch(pad(batch.input_ids, pad_id), pad(batch.labels, IGNORE_INDEX),
+                       pad(batch.doc_ids, -1), pad(batch.position_ids, 0),
+                       pad(batch.modality, TEXT), batch.pixel_patches, batch.patch_coords,
+                       batch.image_grids)
 
 
 def _put(batch: PackedBatch, rows: torch.Tensor, cols: torch.Tensor, tokens: torch.Tensor) -> None:
@@ -103,9 +107,12 @@ def _put(batch: PackedBatch, rows: torch.Tensor, cols: torch.Tensor, tokens: tor
 class ConceptMoEChat:
     """An exported or in-memory model with its tokenizer and image processor."""
 
-    def __init__(self, model: ConceptMoEVLM, tokenizer, processor=None, device: str | torch.device = "cpu"):
+    def __init__(self, model: ConceptMoEVLM, tokenizer, processor=None,
+                 device: str | torch.device = "cpu"):
         self.model = model.eval().to(device)
-        self.hf = ConceptMoEForCausalLM(hf_config_for(model, getattr(tokenizer, "image_pad_id", -1)), vlm=self.model)
+        self.hf = ConceptMoEForCausalLM(hf_config_for(model,
+                                                      getattr(tokenizer, "image_pad_id", -1)),
+                                        vlm=self.model)
         self.tokenizer = tokenizer
         if processor is None and model.vision_cfg is not None:
             processor = model.vision_cfg.build_processor()
@@ -115,12 +122,14 @@ class ConceptMoEChat:
 
     # ------------------------------------------------------------ statistics
     def reset_stats(self) -> None:
-        self._counts = {"tokens/text": 0.0, "boundaries/text": 0.0, "tokens/image": 0.0, "boundaries/image": 0.0}
+        self._counts = {"tokens/text": 0.0, "boundaries/text": 0.0, "tokens/image": 0.0,
+                        "boundaries/image": 0.0}
         self._prompt_docs: list[dict] = []
 
     def prompt_documents(self) -> list[dict]:
-        """Each prompt's realized compression at prefill since `reset_stats` (`doc_stats.document_ratios`; one
-        document per prompt, kind "chat"): what decides the speed a user gets."""
+        """Each prompt's realized compression at prefill since `reset_stats`
+        (`doc_stats.document_ratios`; one document per prompt, kind "chat"): what decides the speed
+        a user gets."""
         return list(self._prompt_docs)
 
     def _record(self, stats: dict) -> None:
@@ -140,14 +149,17 @@ class ConceptMoEChat:
         return out
 
     @torch.no_grad()
-    def held_out_compression(self, shards: list[str], row_tokens: int = 1024, max_batches: int | None = None) -> dict:
-        """Realized compression (eval mode: p >= 0.5) of whole samples of `shards` (teacher forced, packed as in
-        training), per document: `doc_stats.summarize_documents` ({"all" | kind: {modality: {p10, p50, p90,
-        aggregate, docs, no_concept}}}), the like-for-like counterpart of the training ratios."""
+    def held_out_compression(self, shards: list[str], row_tokens: int = 1024,
+                             max_batches: int | None = None) -> dict:
+        """Realized compression (eval mode: p >= 0.5) of whole samples of `shards` (teacher forced,
+        packed as in training), per document: `doc_stats.summarize_documents` ({"all" | kind:
+        {modality: {p10, p50, p90, aggregate, docs, no_concept}}}), the like-for-like counterpart of
+        the training ratios."""
 
         if self.processor is None:
             raise ValueError("held-out compression needs a model with a vision tower")
-        cfg = DataConfig(sources=[SourceConfig(path=str(p), name=f"s{i}") for i, p in enumerate(shards)],
+        cfg = DataConfig(sources=[SourceConfig(path=str(p), name=f"s{i}") for i,
+                                  p in enumerate(shards)],
                          row_tokens=row_tokens, rows_per_batch=4, epochs=1, shuffle_buffer=0,
                          processor=self.processor.cfg)
         docs: list[dict] = []
@@ -169,15 +181,16 @@ class ConceptMoEChat:
         return make_prompt_batch(pairs, self.tokenizer, self.processor).to(self.device)
 
     @torch.no_grad()
-    def generate(self, prompts: list[str], images=None, *, max_new_tokens: int = 32, temperature: float = 0.0,
-                 top_p: float = 1.0, stop: list[str] | None = None, seed: int | None = None,
-                 use_cache: bool = True, on_tokens=None) -> list[str]:
-        """Continuations of a batch of prompts (ragged lengths and image counts), decoded by transformers'
-        `generate` on the model's wrapper: left-padded rows, greedy at temperature 0, else nucleus sampling
-        (torch's RNG seeded with `seed`, the caller's RNG state left alone). `use_cache`: prefill the
-        concept-level caches once, then one cached step per token; False re-runs the whole prefix every step
-        (the reference the cache is tested against). `stop`: strings that end a row (special tokens such as
-        `<|end|>` included), cut from the text. `on_tokens(ids per row)` after every step streams them."""
+    def generate(self, prompts: list[str], images=None, *, max_new_tokens: int = 32,
+                 temperature: float = 0.0, top_p: float = 1.0, stop: list[str] | None = None,
+                 seed: int | None = None, use_cache: bool = True, on_tokens=None) -> list[str]:
+        """Continuations of a batch of prompts (ragged lengths and image counts), decoded by
+        transformers' `generate` on the model's wrapper: left-padded rows, greedy at temperature 0,
+        else nucleus sampling (torch's RNG seeded with `seed`, the caller's RNG state left alone).
+        `use_cache`: prefill the concept-level caches once, then one cached step per token; False
+        re-runs the whole prefix every step (the reference the cache is tested against). `stop`:
+        strings that end a row (special tokens such as `<|end|>` included), cut from the text.
+        `on_tokens(ids per row)` after every step streams them."""
         if not prompts:
             return []
         prompt = self.prompt_batch(prompts, images)
@@ -189,19 +202,22 @@ class ConceptMoEChat:
         criteria = StoppingCriteriaList([_StopStrings(stop, T, tok, done_B)] if stop else [])
         config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=temperature > 0,
                                   temperature=temperature if temperature > 0 else None,
-                                  top_p=top_p if temperature > 0 and top_p < 1 else None, top_k=None,
-                                  use_cache=use_cache, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id,
-                                  bos_token_id=tok.bos_id)
+                                  top_p=top_p if temperature > 0 and top_p < 1 else None,
+                                  top_k=None, use_cache=use_cache, eos_token_id=tok.eos_id,
+                                  pad_token_id=tok.pad_id, bos_token_id=tok.bos_id)
         inputs = dict(input_ids=ids_BT, attention_mask=mask_BT, pixel_patches=prompt.pixel_patches,
                       patch_coords=prompt.patch_coords, image_grids=prompt.image_grids)
         self.hf.on_prefill = self._record_once()
         try:
             if seed is None:
-                self.hf.generate(**inputs, generation_config=config, stopping_criteria=criteria, streamer=streamer)
+                self.hf.generate(**inputs, generation_config=config, stopping_criteria=criteria,
+                                 streamer=streamer)
             else:
-                with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+                with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda"
+                                           else []):
                     torch.manual_seed(seed)
-                    self.hf.generate(**inputs, generation_config=config, stopping_criteria=criteria, streamer=streamer)
+                    self.hf.generate(**inputs, generation_config=config, stopping_criteria=criteria,
+                                     streamer=streamer)
         finally:
             self.hf.on_prefill = None
         texts = []
@@ -230,10 +246,10 @@ class ConceptMoEChat:
     @torch.no_grad()
     def loglikelihood(self, contexts: list[str], continuations: list[str], images=None,
                       use_cache: bool = True) -> list[tuple[float, bool]]:
-        """(sum of log p of each continuation given its context, whether greedy decoding would produce it).
-        `use_cache`: every distinct context (with its images) is encoded once, its caches repeated for each of
-        its candidates, and the continuations are teacher-forced through cached steps; False scores each pair with
-        one full forward (the reference)."""
+        """(sum of log p of each continuation given its context, whether greedy decoding would
+        produce it). `use_cache`: every distinct context (with its images) is encoded once, its
+        caches repeated for each of its candidates, and the continuations are teacher-forced through
+        cached steps; False scores each pair with one full forward (the reference)."""
         if not contexts:
             return []
         conts = [self.tokenizer.encode(c) for c in continuations]
@@ -280,17 +296,18 @@ class ConceptMoEChat:
 
 
 def default_device() -> str:
-    """Where `load_eval_model` puts a model unless told: the GPU when there is one, else the CPU. DeepSpeed's
-    switch DS_ACCELERATOR=cpu, which pins the trainer to the CPU (vlm.train.distributed), pins evaluation there
-    too: one setting keeps a whole run, its end-of-run evaluation included, off a GPU (the CPU tests set it)."""
+    """Where `load_eval_model` puts a model unless told: the GPU when there is one, else the CPU.
+    DeepSpeed's switch DS_ACCELERATOR=cpu, which pins the trainer to the CPU
+    (vlm.train.distributed), pins evaluation there too: one setting keeps a whole run, its
+    end-of-run evaluation included, off a GPU (the CPU tests set it)."""
     if os.environ.get("DS_ACCELERATOR", "").strip().lower() == "cpu":
         return "cpu"
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def load_eval_model(ckpt_dir: str | Path, device: str | None = None) -> ConceptMoEChat:
-    """An exported `final/` (or converted) directory -> ConceptMoEChat with its own tokenizer (on `device`, by
-    default `default_device()`)."""
+    """An exported `final/` (or converted) directory -> ConceptMoEChat with its own tokenizer (on
+    `device`, by default `default_device()`)."""
 
     ckpt_dir = Path(ckpt_dir)
     if not (ckpt_dir / "config.json").is_file():

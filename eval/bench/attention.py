@@ -1,17 +1,19 @@
-"""Attention over packed rows (several documents per row): time and the size of the T x T temporaries, per backend.
+"""Attention over packed rows (several documents per row): time and the size of the T x T
+temporaries, per backend.
 
-Backends (vlm.model.attention): `sdpa` with the dense packed mask (the fallback, and the CPU path under
-torch.compile; the mask is built once per stack, so it is built outside the timed call here), `eager` (scores
-materialised in fp32), per-document SDPA (one causal call per document: the CPU default `docs`, and what a varlen
-kernel does in one launch; the same output), and for reference plain causal SDPA over the whole row (ignores
-document borders, so a different output: the cost of the mask alone). `flash` and FlexAttention (the CUDA
-defaults: a compiled kernel per shape, no CPU backward) are measured by `vlm bench gpu`.
+Backends (vlm.model.attention): `sdpa` with the dense packed mask (the fallback, and the CPU path
+under torch.compile; the mask is built once per stack, so it is built outside the timed call here),
+`eager` (scores materialised in fp32), per-document SDPA (one causal call per document: the CPU
+default `docs`, and what a varlen kernel does in one launch; the same output), and for reference
+plain causal SDPA over the whole row (ignores document borders, so a different output: the cost of
+the mask alone). `flash` and FlexAttention (the CUDA defaults: a compiled kernel per shape, no CPU
+backward) are measured by `vlm bench gpu`.
 
-Memory: CPU peak memory of torch tensors is not visible to tracemalloc, so the part reports the analytic size
-of the tensors that grow as T^2, per call: the bool mask (B*T^2 bytes) plus the fp32 copy SDPA makes of it
-(aten::where, seen with torch.profiler), the fp32 scores (B*Q*T^2*4) for eager, and none for
-the per-document and causal calls (CPU flash kernels work in blocks). A backend whose temporaries would
-exceed `max_quadratic_bytes` is skipped at that length and listed.
+Memory: CPU peak memory of torch tensors is not visible to tracemalloc, so the part reports the
+analytic size of the tensors that grow as T^2, per call: the bool mask (B*T^2 bytes) plus the fp32
+copy SDPA makes of it (aten::where, seen with torch.profiler), the fp32 scores (B*Q*T^2*4) for
+eager, and none for the per-document and causal calls (CPU flash kernels work in blocks). A backend
+whose temporaries would exceed `max_quadratic_bytes` is skipped at that length and listed.
 """
 from __future__ import annotations
 
@@ -56,7 +58,8 @@ def per_document(q, k, v, doc_BT):
     """One causal SDPA per document of the (single) row: a loop over documents, not tokens."""
     counts = torch.unique_consecutive(doc_BT[0], return_counts=True)[1].tolist()
     parts = zip(q.split(counts, 2), k.split(counts, 2), v.split(counts, 2))
-    return torch.cat([F.scaled_dot_product_attention(a, b, c, is_causal=True, enable_gqa=True) for a, b, c in parts], 2)
+    return torch.cat([F.scaled_dot_product_attention(a, b, c, is_causal=True, enable_gqa=True)
+                      for a, b, c in parts], 2)
 
 
 def quadratic_bytes(name: str, B: int, Q: int, T: int) -> int:
@@ -68,7 +71,8 @@ def backends(doc_BT, mask_B1TT):
         BASELINE: lambda q, k, v: attend(q, k, v, doc_BT, "sdpa", mask_B1TT),
         "eager": lambda q, k, v: attend(q, k, v, doc_BT, "eager", mask_B1TT),
         "per-document sdpa (varlen-style)": lambda q, k, v: per_document(q, k, v, doc_BT),
-        "causal sdpa, no document mask": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True,
+        "causal sdpa, no document mask": lambda q, k,
+        v: F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                                                                         enable_gqa=True),
     }
 
@@ -87,7 +91,8 @@ def _timed(fn, q, k, v, g, backward: bool):
 def run(s: Settings, log=print) -> dict:
     B, Q, J, d = 1, BASE.num_heads, BASE.num_kv_heads, BASE.head_dim
     skipped, out = {}, []
-    unavailable = {"flash": "flash-attn varlen kernel: needs the flash-attn package and a CUDA device"}
+    unavailable = {"flash": "flash-attn varlen kernel: needs the flash-attn package and a CUDA "
+                            "device"}
     for T in s.seq_lens:
         gen = torch.Generator().manual_seed(T)
         q, g = torch.randn(B, Q, T, d, generator=gen), torch.randn(B, Q, T, d, generator=gen)
@@ -112,22 +117,27 @@ def run(s: Settings, log=print) -> dict:
             ms = {n: [1000 * t for t in ts] for n, ts in secs.items()}
             rs = common.rows(ms, BASELINE, {"mode": mode, "seq_len": T}, "time", "ms", extra)
             out += rs
-            log(f"  attention {mode} T={T}: " + ", ".join(f"{r['candidate']} x{r['ratio_vs_baseline']:.2f}"
+            log(f"  attention {mode} T={T}: " + ", ".join(f"{r['candidate']} "
+                                                          f"x{r['ratio_vs_baseline']:.2f}"
                                                           for r in rs))
     unavailable["flex"] = "FlexAttention: the CUDA default (compiled per shape, no CPU backward): vlm bench gpu"
     return common.result(
         PART, {**asdict(s), "batch": B, "heads": Q, "kv_heads": J, "head_dim": d}, out,
         unavailable={**unavailable, **skipped},
-        memory_method="analytic: bytes of the tensors that grow as T^2 in one call (quadratic_temp_bytes); "
-                      "tracemalloc does not see torch's CPU allocations",
+        memory_method="analytic: bytes of the tensors that grow as T^2 in one call "
+                      "(quadratic_temp_bytes); tracemalloc does not see torch's CPU allocations",
         notes=["time ratio = median ms / sdpa's (below 1: faster)",
-               "causal sdpa without the document mask computes a different function (cost of the mask alone)"])
+               "causal sdpa without the document mask computes a different function (cost of the "
+               "mask alone)"])
 
 
 def plot(res: dict, path) -> None:
-    # The analytic memory goes in as rows of its own panel; backends without T x T temporaries have no line.
-    mem = [{**r, "metric": "T x T temporaries", "unit": "MiB", "median": r["quadratic_temp_bytes"] / 2 ** 20,
+    # The analytic memory goes in as rows of its own panel; backends without T x T temporaries have
+    # no line.
+    mem = [{**r, "metric": "T x T temporaries", "unit": "MiB",
+            "median": r["quadratic_temp_bytes"] / 2 ** 20,
             "spread": None, "setting": {**r["setting"], "mode": "per call"}}
            for r in res["rows"] if r["setting"]["mode"] == "forward" and r["quadratic_temp_bytes"]]
-    common.plot({**res, "rows": res["rows"] + mem}, path, x="seq_len", panels=("metric", "mode"), y="median",
-                logy=True, title=f"packed attention, {res['settings']['docs_per_row']} documents per row")
+    common.plot({**res, "rows": res["rows"] + mem}, path, x="seq_len", panels=("metric", "mode"),
+                y="median", logy=True, title=f"packed attention, {res['settings']['docs_per_row']} "
+                                             f"documents per row")

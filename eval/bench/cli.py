@@ -1,13 +1,16 @@
-"""`vlm bench`: run benchmark parts and write DIR/<part>.json and DIR/<part>.png; prints each part's table.
+"""`vlm bench`: run benchmark parts and write DIR/<part>.json and DIR/<part>.png; prints each part's
+table.
 
     vlm bench [model|decode|moe|loader|attention|vision|realized|gpu|all] [--quick] [--out DIR] [--ckpt DIR]
 
-`realized` (prefill with the boundaries a trained router draws on real prompts) needs a checkpoint: `all` runs it
-when --ckpt is given. `gpu` (MFU, prefill, decode, memory and kernel launches of configs/gpu.yaml's LLM on one CUDA
-device, in under 8 minutes) runs only when named, and refuses without CUDA unless --smoke.
+`realized` (prefill with the boundaries a trained router draws on real prompts) needs a checkpoint:
+`all` runs it when --ckpt is given. `gpu` (MFU, prefill, decode, memory and kernel launches of
+configs/gpu.yaml's LLM on one CUDA device, in under 8 minutes) runs only when named, and refuses
+without CUDA unless --smoke.
 
---quick: fewer lengths and rounds (`all` in under 5 minutes on 2 CPU cores). --smoke (not in --help): tiny
-shapes and two rounds, for tests of one part's plumbing; its figures say nothing about speed.
+--quick: fewer lengths and rounds (`all` in under 5 minutes on 2 CPU cores). --smoke (not in
+--help): tiny shapes and two rounds, for tests of one part's plumbing; its figures say nothing about
+speed.
 """
 from __future__ import annotations
 
@@ -25,15 +28,19 @@ GPU_PARTS = ("gpu",)            # parts that measure a CUDA device: never in `al
 
 def add_bench_command(subparsers) -> None:
     ap = subparsers.add_parser("bench", help="speed and memory benchmarks against the MoE baseline",
-                               description=__doc__.split("\n")[0])
-    ap.add_argument("part", nargs="?", default="all", choices=PARTS + CKPT_PARTS + GPU_PARTS + ("all",))
-    ap.add_argument("--quick", action="store_true", help="fewer lengths and rounds (all parts: < 5 min on 2 cores)")
+                               description=__doc__.split("\n\n")[0])
+    ap.add_argument("part", nargs="?", default="all",
+                    choices=PARTS + CKPT_PARTS + GPU_PARTS + ("all",))
+    ap.add_argument("--quick", action="store_true",
+                    help="fewer lengths and rounds (all parts: < 5 min on 2 cores)")
     ap.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--out", default="runs/bench", help="folder for <part>.json and <part>.png (default runs/bench)")
-    ap.add_argument("--data", help="loader part, full mode: default dataset folder (built there if missing); "
-                                   "realized part: the checkpoint's default dataset (default data/default)")
-    ap.add_argument("--ckpt", help="realized part: a trained checkpoint (RUN_DIR/final) whose router's boundaries "
-                                   "on its own held-out prompts are timed")
+    ap.add_argument("--out", default="runs/bench",
+                    help="folder for <part>.json and <part>.png (default runs/bench)")
+    ap.add_argument("--data", help="loader part, full mode: default dataset folder (built there if "
+                                   "missing); realized part: the checkpoint's default dataset "
+                                   "(default data/default)")
+    ap.add_argument("--ckpt", help="realized part: a trained checkpoint (RUN_DIR/final) whose "
+                                   "router's boundaries on its own held-out prompts are timed")
     ap.set_defaults(func=run)
 
 
@@ -45,8 +52,10 @@ def run(args: argparse.Namespace) -> int:
     mode = "smoke" if args.smoke else "quick" if args.quick else "full"
     out = Path(args.out)
     if args.part in GPU_PARTS and not args.smoke and not torch.cuda.is_available():
-        print(f"vlm bench {args.part}: no CUDA device here (torch {torch.__version__}, torch.cuda.is_available() is "
-              "False); run it on a GPU machine, or add --smoke for the CPU plumbing check", file=sys.stderr)
+        print(f"vlm bench {args.part}: no CUDA device here (torch {torch.__version__}, "
+              f"torch.cuda.is_available() is "
+              "False); run it on a GPU machine, or add --smoke for the CPU plumbing check",
+              file=sys.stderr)
         return 2
     rc = 0
     t_all = time.perf_counter()
@@ -57,8 +66,10 @@ def run(args: argparse.Namespace) -> int:
         if part == "loader" and args.data:
             settings = replace(settings, data=args.data)
         if part == "realized":
-            settings = replace(settings, ckpt=args.ckpt, **({"data": args.data} if args.data else {}))
-        if part in GPU_PARTS:   # it writes its JSON after every section, so a run stopped from outside leaves results
+            settings = replace(settings, ckpt=args.ckpt,
+                               **({"data": args.data} if args.data else {}))
+        # it writes its JSON after every section, so a run stopped from outside leaves results
+        if part in GPU_PARTS:
             settings = replace(settings, out=str(out))
         t0 = time.perf_counter()
         res = mod.run(settings, log=lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -68,7 +79,8 @@ def run(args: argparse.Namespace) -> int:
         print(getattr(mod, "table", common.table)(res))
         print(f"  wrote {path} and {out / f'{part}.png'} ({res['wall_seconds']} s)\n", flush=True)
         if res.get("errors"):
-            print(f"vlm bench {part}: {len(res['errors'])} error(s): {', '.join(res['errors'])}", file=sys.stderr)
+            print(f"vlm bench {part}: {len(res['errors'])} error(s): {', '.join(res['errors'])}",
+                  file=sys.stderr)
             rc = 1
     print(f"total {time.perf_counter() - t_all:.1f} s")
     return rc

@@ -1,9 +1,11 @@
-"""Loader throughput (samples/s, non-padding tokens/s) and packing efficiency per number of DataLoader workers.
+"""Loader throughput (samples/s, non-padding tokens/s) and packing efficiency per number of
+DataLoader workers.
 
-Each round builds a fresh loader per worker count and reads `batches` batches after the first batch of every
-worker, so process start-up is not timed. Packing efficiency is the share of non-padding positions (target >=
-97 %); it does not depend on the round. Baseline: in-process loading (0 workers). The full setting reads the
-default dataset (`--data`, built there if missing); quick and smoke build a small one into a temp folder.
+Each round builds a fresh loader per worker count and reads `batches` batches after the first batch
+of every worker, so process start-up is not timed. Packing efficiency is the share of non-padding
+positions (target >= 97 %); it does not depend on the round. Baseline: in-process loading (0
+workers). The full setting reads the default dataset (`--data`, built there if missing); quick and
+smoke build a small one into a temp folder.
 """
 from __future__ import annotations
 
@@ -35,20 +37,23 @@ class Settings:
     pack_buffer: int = 64
     tokenizer: str = "byte"
     repeats: int = 3
-    warmup: int = 0               # every round starts fresh processes; their start-up is excluded anyway
+    # every round starts fresh processes; their start-up is excluded anyway
+    warmup: int = 0
     data: str | None = DEFAULT_DIR  # None: a small default dataset in a temp folder,
-    temp_scenes: int = 200          # with this many training scenes (a tenth as many text documents)
+    # with this many training scenes (a tenth as many text documents)
+    temp_scenes: int = 200
 
 
 SETTINGS = {"full": Settings(),
             "quick": Settings(batches=40, data=None),
-            "smoke": Settings(workers=[0, 1], batches=3, row_tokens=256, rows=2, repeats=2, data=None, temp_scenes=40)}
+            "smoke": Settings(workers=[0, 1], batches=3, row_tokens=256, rows=2, repeats=2,
+                              data=None, temp_scenes=40)}
 
 
 def reader(s: Settings, data_dir: str, workers: int, counts: list):
     """A self-timed pass over `s.batches` batches; appends (samples, tokens, slots, image tokens) to `counts`."""
-    cfg = DataConfig(default_dir=data_dir, row_tokens=s.row_tokens, rows_per_batch=s.rows, num_workers=workers,
-                     pack_buffer=s.pack_buffer, seed=0, tokenizer=s.tokenizer)
+    cfg = DataConfig(default_dir=data_dir, row_tokens=s.row_tokens, rows_per_batch=s.rows,
+                     num_workers=workers, pack_buffer=s.pack_buffer, seed=0, tokenizer=s.tokenizer)
     tok = load_tokenizer(s.tokenizer)
 
     def read() -> float:
@@ -77,7 +82,8 @@ def run(s: Settings, log=print) -> dict:
         t0 = time.perf_counter()
         if tmp:
             small = DefaultDatasetConfig(train_scenes=s.temp_scenes, val_scenes=4, test_scenes=4,
-                                         interleaved_docs=max(1, s.temp_scenes // 12), text_docs=s.temp_scenes // 10)
+                                         interleaved_docs=max(1, s.temp_scenes // 12),
+                                         text_docs=s.temp_scenes // 10)
             build_default(data_dir, small, progress=False)
         else:
             ensure_default_dataset(data_dir, progress=False)
@@ -102,12 +108,14 @@ def run(s: Settings, log=print) -> dict:
     log("  loader: " + ", ".join(f"{r['candidate']} {r['median']:.0f} {r['metric']}" for r in out))
     return common.result(PART, asdict(s), out, dataset_build_seconds=round(build_s, 2),
                          dataset="small default (temp)" if tmp else data_dir,
-                         notes=["tokens/s counts non-padding tokens; 'per worker' = value / max(workers, 1)"])
+                         notes=["tokens/s counts non-padding tokens; 'per worker' = value / "
+                                "max(workers, 1)"])
 
 
 def plot(res: dict, path) -> None:
     # Candidates are worker counts: one point each, against the worker count.
-    rows = [{**r, "setting": {**r["setting"], "workers": int(r["candidate"].split("=")[1])}, "candidate": r["metric"]}
+    rows = [{**r, "setting": {**r["setting"], "workers": int(r["candidate"].split("=")[1])},
+             "candidate": r["metric"]}
             for r in res["rows"]]
-    common.plot({**res, "rows": rows}, path, x="workers", panels=("metric",), y="median", logx=False,
-                title="loader throughput vs DataLoader workers (0 = in process)")
+    common.plot({**res, "rows": rows}, path, x="workers", panels=("metric",), y="median",
+                logx=False, title="loader throughput vs DataLoader workers (0 = in process)")

@@ -1,14 +1,16 @@
 """Prefill and training tokens/s of the three FLOPs-matched reallocations against the MoE baseline.
 
-The baseline is a small MoE (`BASE`: hidden 256, 1 + 6 + 1 layers, 16 experts top-2) with chunking off; the
-candidates are ConceptMoE section 3.5's reallocations of it (vlm.model.reallocate). Their boundaries are forced
-at exactly T/R positions per row (the row's start included), which is what a trained model at realized ratio R
-does; the router still runs. A training step is forward, backward and an AdamW step.
+The baseline is a small MoE (`BASE`: hidden 256, 1 + 6 + 1 layers, 16 experts top-2) with chunking
+off; the candidates are ConceptMoE section 3.5's reallocations of it (vlm.model.reallocate). Their
+boundaries are forced at exactly T/R positions per row (the row's start included), which is what a
+trained model at realized ratio R does; the router still runs. A training step is forward, backward
+and an AdamW step.
 
-Next to the measured prefill ratio the part reports two limits: the FLOPs ratio (vlm.model.flops, attention map
-excluded, so ~1 by construction) and the attention-bound time ratio of the layer split, (L_E + L_D + L_C / R^2) /
-(L_E + L_C + L_D): at long contexts attention dominates and the concept model attends over T/R concepts, so
-prefill time can fall to that share of the baseline's (0.44 for 1 + 6 + 1 at R = 2, a 2.3x speedup) and no lower.
+Next to the measured prefill ratio the part reports two limits: the FLOPs ratio (vlm.model.flops,
+attention map excluded, so ~1 by construction) and the attention-bound time ratio of the layer
+split, (L_E + L_D + L_C / R^2) / (L_E + L_C + L_D): at long contexts attention dominates and the
+concept model attends over T/R concepts, so prefill time can fall to that share of the baseline's
+(0.44 for 1 + 6 + 1 at R = 2, a 2.3x speedup) and no lower.
 """
 from __future__ import annotations
 
@@ -81,8 +83,10 @@ def run(s: Settings, log=print) -> dict:
     models = {n: ConceptMoELM(c) for n, c in configs.items()}
     opts = {n: torch.optim.AdamW(m.parameters(), lr=1e-4) for n, m in models.items()}
     f0 = flops_per_token(base)["total"]
-    limits = {n: {"flops_ratio": flops_per_token(c, s.ratio if c.chunk.enabled else None)["total"] / f0,
-                  "attn_bound_time_ratio": attention_bound(c, base, s.ratio) if c.chunk.enabled else 1.0}
+    limits = {n: {"flops_ratio": flops_per_token(c, s.ratio if c.chunk.enabled
+                                                 else None)["total"] / f0,
+                  "attn_bound_time_ratio": attention_bound(c, base, s.ratio) if c.chunk.enabled
+                  else 1.0}
               for n, c in configs.items()}
     out = []
     for T in s.seq_lens:
@@ -91,30 +95,37 @@ def run(s: Settings, log=print) -> dict:
         force = boundaries_at_ratio(s.rows, T, s.ratio)
         a0 = attention_map_flops(base, T)["total"]
         extra = {n: {**{k: round(v, 3) for k, v in limits[n].items()},
-                     "attn_map_flops_ratio": round(attention_map_flops(c, T, s.ratio if c.chunk.enabled else None)
+                     "attn_map_flops_ratio": round(attention_map_flops(c, T, s.ratio
+                                                                       if c.chunk.enabled else None)
                                                    ["total"] / a0, 3)} for n, c in configs.items()}
         for mode in s.modes:
-            fns = {n: _step(m, opts[n], batch, force if configs[n].chunk.enabled else None, mode == "train")
+            fns = {n: _step(m, opts[n], batch, force if configs[n].chunk.enabled else None,
+                            mode == "train")
                    for n, m in models.items()}
             secs = common.measure(fns, s.repeats, s.warmup)
-            rs = common.rows(common.per_second(secs, s.rows * T), BASELINE, {"mode": mode, "seq_len": T},
-                             "tokens/s", "tok/s", extra)
-            if mode == "train" and T == s.seq_lens[0]:   # one counted step per candidate: it changes little with T
+            rs = common.rows(common.per_second(secs, s.rows * T), BASELINE,
+                             {"mode": mode, "seq_len": T}, "tokens/s", "tok/s", extra)
+            # one counted step per candidate: it changes little with T
+            if mode == "train" and T == s.seq_lens[0]:
                 for r in rs:
                     r["operators_per_step"] = common.count_operators(fns[r["candidate"]])
             out += rs
-            log(f"  model {mode} T={T}: " + ", ".join(f"{r['candidate']} x{r['ratio_vs_baseline']:.2f}" for r in rs))
+            log(f"  model {mode} T={T}: " + ", ".join(f"{r['candidate']} "
+                                                      f"x{r['ratio_vs_baseline']:.2f}" for r in rs))
     b = attention_bound(configs["more_experts"], base, s.ratio)
     notes = [(f"attention-bound prefill time ratio of the 1+6+1 split at R={s.ratio:g}: "
-              f"(L_E + L_D + L_C/R^2)/(L_E + L_C + L_D) = {b:.2f}, i.e. at most {1 / b:.2f}x prefill tokens/s "
+              f"(L_E + L_D + L_C/R^2)/(L_E + L_C + L_D) = {b:.2f}, i.e. at most {1 / b:.2f}x "
+              f"prefill tokens/s "
               "when attention dominates; flops_ratio ~ 1 is what the reallocations were matched to"),
              "boundaries forced at exactly T/R positions per row; one document per row",
-             f"operators_per_step (train rows at T={s.seq_lens[0]}): {common.OPERATORS_METRIC} of one eager training "
-             "step (forward, backward, AdamW), eval.bench.common.count_operators, the CPU proxy for kernel launches; "
-             "no compiled count here (compiled code does not run under its dispatch mode): `vlm bench gpu` counts "
-             "the CUDA kernels of eager and compiled steps"]
+             f"operators_per_step (train rows at T={s.seq_lens[0]}): {common.OPERATORS_METRIC} of "
+             f"one eager training "
+             "step (forward, backward, AdamW), eval.bench.common.count_operators, the CPU proxy "
+             "for kernel launches; no compiled count here (compiled code does not run under its "
+             "dispatch mode): `vlm bench gpu` counts the CUDA kernels of eager and compiled steps"]
     return common.result(PART, asdict(s), out, notes=notes,
-                         base_config={k: v for k, v in vars(BASE).items() if isinstance(v, (int, float, str))})
+                         base_config={k: v for k, v in vars(BASE).items()
+                                      if isinstance(v, (int, float, str))})
 
 
 def plot(res: dict, path) -> None:

@@ -1,11 +1,12 @@
-"""Our MoE layer (vlm.model.moe.MoE) against transformers' Qwen3MoeSparseMoeBlock and a plain per-expert loop.
+"""Our MoE layer (vlm.model.moe.MoE) against transformers' Qwen3MoeSparseMoeBlock and a plain
+per-expert loop.
 
-All candidates compute the same function at the same shapes (hidden, expert hidden, experts and top-k of the
-model part's BASE): the transformers block and the reference loop get a copy of our weights, and the JSON
-records each one's largest output difference from ours. Our layer runs with its auxiliary losses and the
-loss-free balancing bias off, so that it computes only what the others do (softmax router, top-k, renormalised
-weights, SwiGLU experts). Forward runs under no_grad; forward+backward also computes the weight and input
-gradients of sum(out * g).
+All candidates compute the same function at the same shapes (hidden, expert hidden, experts and
+top-k of the model part's BASE): the transformers block and the reference loop get a copy of our
+weights, and the JSON records each one's largest output difference from ours. Our layer runs with
+its auxiliary losses and the loss-free balancing bias off, so that it computes only what the others
+do (softmax router, top-k, renormalised weights, SwiGLU experts). Forward runs under no_grad;
+forward+backward also computes the weight and input gradients of sum(out * g).
 """
 from __future__ import annotations
 
@@ -22,8 +23,9 @@ PART = "moe"
 BASELINE = "hf Qwen3MoeSparseMoeBlock (eager)"
 # transformers' other experts implementations, and why they are not timed here.
 NOT_TIMED = {
-    "hf experts_implementation='batched_mm'": "gathers a copy of the expert weights for every (token, expert) "
-                                              "pair (T*k x 2H x D floats: 0.5 GB at 1K tokens, 8 GB at 16K), not timed",
+    "hf experts_implementation='batched_mm'": "gathers a copy of the expert weights for every "
+                                              "(token, expert) pair (T*k x 2H x D floats: 0.5 GB "
+                                              "at 1K tokens, 8 GB at 16K), not timed",
     "hf experts_implementation='deepgemm'": "CUDA only (DeepGEMM bf16 kernels)",
     "hf experts_implementation='sonicmoe'": "CUDA only (SonicMoE kernels)",
 }
@@ -71,13 +73,15 @@ def hf_block(ours: MoE, implementation: str):
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
     c = ours.cfg
-    cfg = Qwen3MoeConfig(hidden_size=ours.dim, moe_intermediate_size=c.expert_hidden, num_experts=c.num_experts,
-                         num_experts_per_tok=c.top_k, norm_topk_prob=c.norm_topk_prob, hidden_act="silu")
+    cfg = Qwen3MoeConfig(hidden_size=ours.dim, moe_intermediate_size=c.expert_hidden,
+                         num_experts=c.num_experts, num_experts_per_tok=c.top_k,
+                         norm_topk_prob=c.norm_topk_prob, hidden_act="silu")
     cfg._experts_implementation = implementation
     block = Qwen3MoeSparseMoeBlock(cfg)
     with torch.no_grad():
         block.gate.weight.copy_(ours.router.weight)
-        block.experts.gate_up_proj.copy_(torch.cat([ours.w_gate_EDF, ours.w_up_EDF], dim=2).transpose(1, 2))
+        block.experts.gate_up_proj.copy_(torch.cat([ours.w_gate_EDF, ours.w_up_EDF],
+                                                   dim=2).transpose(1, 2))
         block.experts.down_proj.copy_(ours.w_down_EFD.transpose(1, 2))
     return block
 
@@ -136,19 +140,22 @@ def run(s: Settings, log=print) -> dict:
         g_ND = torch.randn(T, BASE.hidden_size, generator=gen)
         with torch.no_grad():
             ref_ND = fns[ours_name][1](x_ND)
-            diff = {n: {"max_abs_diff_vs_ours": float((f(x_ND) - ref_ND).abs().max())} for n, (_, f) in fns.items()}
+            diff = {n: {"max_abs_diff_vs_ours": float((f(x_ND) - ref_ND).abs().max())} for n,
+                    (_, f) in fns.items()}
         for mode in s.modes:
-            timed = {n: _timed(m, f, x_ND, g_ND, mode == "forward+backward") for n, (m, f) in fns.items()}
+            timed = {n: _timed(m, f, x_ND, g_ND, mode == "forward+backward") for n,
+                     (m, f) in fns.items()}
             secs = common.measure(timed, s.repeats, s.warmup)
-            rs = common.rows(common.per_second(secs, T), BASELINE, {"mode": mode, "tokens": T}, "tokens/s",
-                             "tok/s", diff)
+            rs = common.rows(common.per_second(secs, T), BASELINE, {"mode": mode, "tokens": T},
+                             "tokens/s", "tok/s", diff)
             out += rs
-            log(f"  moe {mode} T={T}: " + ", ".join(f"{r['candidate']} x{r['ratio_vs_baseline']:.2f}" for r in rs))
-    shape = {"hidden": BASE.hidden_size, "expert_hidden": BASE.moe.expert_hidden, "experts": BASE.moe.num_experts,
-             "top_k": BASE.moe.top_k, "dtype": "float32"}
+            log(f"  moe {mode} T={T}: " + ", ".join(f"{r['candidate']} "
+                                                    f"x{r['ratio_vs_baseline']:.2f}" for r in rs))
+    shape = {"hidden": BASE.hidden_size, "expert_hidden": BASE.moe.expert_hidden,
+             "experts": BASE.moe.num_experts, "top_k": BASE.moe.top_k, "dtype": "float32"}
     return common.result(PART, {**asdict(s), "shape": shape}, out, unavailable=unavailable,
-                         notes=[("same weights in every candidate (max_abs_diff_vs_ours); our aux losses and "
-                                 "balancing bias off")])
+                         notes=[("same weights in every candidate (max_abs_diff_vs_ours); our aux "
+                                 "losses and balancing bias off")])
 
 
 def plot(res: dict, path) -> None:

@@ -1,13 +1,16 @@
-"""Prefill tokens/s with the boundaries a trained router really draws on real prompts, against the MoE baseline.
+"""Prefill tokens/s with the boundaries a trained router really draws on real prompts, against the
+MoE baseline.
 
-The `model` part forces exactly T/R boundaries per row: the speed a user gets if the router realizes the design
-ratio R on their inputs. This part reads the boundaries instead from a checkpoint (`--ckpt RUN_DIR/final`): its
-router, in eval mode (p >= 0.5), on that checkpoint's own held-out VQA prompts (with their images, as `vlm chat`,
-the demo and every VQA eval prefill them) and captions of the default dataset. Each kind's documents are packed
-whole into rows of T tokens with their realized boundaries, and the `model` part's FLOPs-matched reallocations
-(matched at the design R) prefill those rows against the MoE baseline, next to the same rows with boundaries
-forced at exactly T/R. The realized ratio per kind is reported with each row; a realized ratio below R means the
-concept model sees more concepts than it was sized for, and the reallocation runs slower than the baseline.
+The `model` part forces exactly T/R boundaries per row: the speed a user gets if the router realizes
+the design ratio R on their inputs. This part reads the boundaries instead from a checkpoint
+(`--ckpt RUN_DIR/final`): its router, in eval mode (p >= 0.5), on that checkpoint's own held-out VQA
+prompts (with their images, as `vlm chat`, the demo and every VQA eval prefill them) and captions of
+the default dataset. Each kind's documents are packed whole into rows of T tokens with their
+realized boundaries, and the `model` part's FLOPs-matched reallocations (matched at the design R)
+prefill those rows against the MoE baseline, next to the same rows with boundaries forced at exactly
+T/R. The realized ratio per kind is reported with each row; a realized ratio below R means the
+concept model sees more concepts than it was sized for, and the reallocation runs slower than the
+baseline.
 """
 from __future__ import annotations
 
@@ -28,7 +31,8 @@ PART = "realized"
 
 @dataclass
 class Settings:
-    ckpt: str | None = None           # RUN_DIR/final; without one the part reports itself unavailable
+    # RUN_DIR/final; without one the part reports itself unavailable
+    ckpt: str | None = None
     data: str = "data/default"        # the checkpoint's default dataset (its held-out test split)
     documents: int = 96               # prompts (and captions) read per kind
     seq_lens: list[int] = field(default_factory=lambda: [1024, 4096])
@@ -44,8 +48,9 @@ SETTINGS = {"full": Settings(documents=256, seq_lens=[1024, 4096, 16384]),
 
 @torch.no_grad()
 def realized_documents(ckpt: str, data: str, n: int) -> dict[str, list[torch.Tensor]]:
-    """{kind: one [L] bool boundary mask per document}: the checkpoint's router in eval mode on its held-out VQA
-    prompts (prefilled as generation does: one prompt per row) and whole held-out captions (teacher forced)."""
+    """{kind: one [L] bool boundary mask per document}: the checkpoint's router in eval mode on its
+    held-out VQA prompts (prefilled as generation does: one prompt per row) and whole held-out
+    captions (teacher forced)."""
     from PIL import Image
 
     from data_pipelines.chat import iter_vqa_samples
@@ -57,16 +62,19 @@ def realized_documents(ckpt: str, data: str, n: int) -> dict[str, list[torch.Ten
     test = Path(data) / "test"
     samples = list(iter_vqa_samples(str(test / "vqa-*.tar"), limit=n))
     if not samples:
-        raise FileNotFoundError(f"no VQA samples in {test}/vqa-*.tar (the checkpoint's default dataset?)")
+        raise FileNotFoundError(f"no VQA samples in {test}/vqa-*.tar (the checkpoint's default "
+                                f"dataset?)")
     out: dict[str, list[torch.Tensor]] = {"vqa prompt": [], "caption": []}
     for i in range(0, len(samples), 16):
         chunk = samples[i:i + 16]
         batch = chat.prompt_batch([s.prompt for s in chunk],
-                                  [[Image.open(io.BytesIO(b)) for b in (s.images or [s.image])] for s in chunk])
+                                  [[Image.open(io.BytesIO(b)) for b in (s.images or [s.image])]
+                                   for s in chunk])
         b_BT = chat.model(batch).chunks.b_BT
         out["vqa prompt"] += [b_BT[r][batch.doc_ids[r] >= 0].cpu() for r in range(b_BT.shape[0])]
-    cfg = DataConfig(sources=[SourceConfig(path=str(test / "caption-*.tar"), name="caption")], row_tokens=1024,
-                     rows_per_batch=4, epochs=1, shuffle_buffer=0, processor=chat.processor.cfg)
+    cfg = DataConfig(sources=[SourceConfig(path=str(test / "caption-*.tar"), name="caption")],
+                     row_tokens=1024, rows_per_batch=4, epochs=1, shuffle_buffer=0,
+                     processor=chat.processor.cfg)
     for batch in build_loader(cfg, chat.tokenizer):
         b_BT = chat.model(batch.to(chat.device)).chunks.b_BT.cpu()
         for r in range(b_BT.shape[0]):
@@ -79,8 +87,8 @@ def realized_documents(ckpt: str, data: str, n: int) -> dict[str, list[torch.Ten
 
 
 def pack(masks: list[torch.Tensor], T: int, vocab: int) -> tuple[PackedBatch, torch.Tensor]:
-    """Whole documents, in order and cycling through them, into one row of T tokens (the rest is padding): the
-    batch and its boundary mask. A document longer than the row is cut to it."""
+    """Whole documents, in order and cycling through them, into one row of T tokens (the rest is
+    padding): the batch and its boundary mask. A document longer than the row is cut to it."""
     lengths = [min(len(m), T) for m in masks]
     picked, used = [], 0
     while used + lengths[len(picked) % len(masks)] <= T:
@@ -89,11 +97,15 @@ def pack(masks: list[torch.Tensor], T: int, vocab: int) -> tuple[PackedBatch, to
     if not picked:   # the first document alone is longer than the row
         picked, used = [0], T
     pad = T - used
-    doc_T = torch.cat([torch.full((lengths[k],), d) for d, k in enumerate(picked)] + [torch.full((pad,), -1)])
-    pos_T = torch.cat([torch.arange(lengths[k]) for k in picked] + [torch.zeros(pad, dtype=torch.long)])
-    force_T = torch.cat([masks[k][:lengths[k]] for k in picked] + [torch.zeros(pad, dtype=torch.bool)])
+    doc_T = torch.cat([torch.full((lengths[k],), d) for d,
+                       k in enumerate(picked)] + [torch.full((pad,), -1)])
+    pos_T = torch.cat([torch.arange(lengths[k])
+                       for k in picked] + [torch.zeros(pad, dtype=torch.long)])
+    force_T = torch.cat([masks[k][:lengths[k]]
+                         for k in picked] + [torch.zeros(pad, dtype=torch.bool)])
     ids = torch.randint(0, vocab, (1, T))
-    batch = PackedBatch(ids, torch.full_like(ids, -100), doc_T[None].long(), pos_T[None], torch.zeros_like(ids))
+    batch = PackedBatch(ids, torch.full_like(ids, -100), doc_T[None].long(), pos_T[None],
+                        torch.zeros_like(ids))
     return batch, force_T[None]
 
 
@@ -101,7 +113,8 @@ def run(s: Settings, log=print) -> dict:
     if s.ckpt is None:
         return common.result(PART, asdict(s), [], unavailable={
             "learned boundaries": "no checkpoint given: `vlm bench realized --ckpt RUN_DIR/final` "
-                                  "(a run on the default dataset; its held-out prompts are read from --data)"})
+                                  "(a run on the default dataset; its held-out prompts are read "
+                                  "from --data)"})
     torch.manual_seed(0)
     docs = realized_documents(s.ckpt, s.data, s.documents)
     base = BASE.baseline()
@@ -137,9 +150,11 @@ def run(s: Settings, log=print) -> dict:
             out += rs
             log(f"  realized {kind} T={T} (R {r_learned:.2f}): "
                 + ", ".join(f"{r['candidate']} x{r['ratio_vs_baseline']:.2f}" for r in rs))
-    notes = [f"boundaries from {s.ckpt} (eval mode, p >= 0.5) on its held-out {', '.join(docs)}; realized ratio "
+    notes = [f"boundaries from {s.ckpt} (eval mode, p >= 0.5) on its held-out {', '.join(docs)}; "
+             f"realized ratio "
              "over all documents: " + ", ".join(f"{k} {v:.2f}" for k, v in realized.items()),
-             f"the reallocations are matched to the baseline's FLOPs at R = {s.ratio:g}; '(forced R=...)' rows are the "
+             f"the reallocations are matched to the baseline's FLOPs at R = {s.ratio:g}; '(forced "
+             f"R=...)' rows are the "
              "same documents with exactly T/R boundaries (every document's first token among them)"]
     return common.result(PART, asdict(s), out, notes=notes, realized_ratio=realized)
 

@@ -1,8 +1,9 @@
 """The packed NaViT encoder against encoding the same images one at a time (images/s).
 
-Images of random sizes go through the real image processor; the encoder then runs packed (one sequence of all
-images' patches) with per-image attention or with one dense block-diagonal mask, and image by image (the
-baseline). The JSON records each packed output's largest difference from the one-at-a-time output.
+Images of random sizes go through the real image processor; the encoder then runs packed (one
+sequence of all images' patches) with per-image attention or with one dense block-diagonal mask, and
+image by image (the baseline). The JSON records each packed output's largest difference from the
+one-at-a-time output.
 """
 from __future__ import annotations
 
@@ -41,7 +42,8 @@ def processed_images(n: int, max_patches: int, seed: int = 0):
     rng = np.random.default_rng(seed)
     proc = ImageProcessor(ImageProcessorConfig(max_patches=max_patches))
     sizes = rng.integers(32, 640, (n, 2))
-    return proc, [proc(Image.fromarray(rng.integers(0, 255, (int(h), int(w), 3), dtype=np.uint8)), f"bench{i}")
+    return proc, [proc(Image.fromarray(rng.integers(0, 255, (int(h), int(w), 3), dtype=np.uint8)),
+                       f"bench{i}")
                   for i, (h, w) in enumerate(sizes)]
 
 
@@ -70,21 +72,26 @@ def run(s: Settings, log=print) -> dict:
     out = []
     for n in s.images:
         proc, imgs = processed_images(n, s.max_patches)
-        enc = NaViTEncoder(NaViTConfig(hidden_size=s.hidden, num_layers=s.layers, num_heads=s.heads, pos=s.pos),
+        enc = NaViTEncoder(NaViTConfig(hidden_size=s.hidden, num_layers=s.layers, num_heads=s.heads,
+                                       pos=s.pos),
                            patch_size=proc.cfg.patch_size, merge=proc.cfg.merge).eval()
         fns = candidates(enc, imgs)
         patches = sum(int(p.patches_PD.shape[0]) for p in imgs)
         with torch.inference_mode():
             alone = fns[BASELINE]()
-            extra = {name: {"max_abs_diff_vs_alone": float((fn() - alone).abs().max()), "patches": patches,
-                            "tokens": int(alone.shape[0])} for name, fn in fns.items()}
+            extra = {name: {"max_abs_diff_vs_alone": float((fn() - alone).abs().max()),
+                            "patches": patches, "tokens": int(alone.shape[0])} for name,
+                     fn in fns.items()}
             secs = common.measure(fns, s.repeats, s.warmup)
-        rs = common.rows(common.per_second(secs, n), BASELINE, {"images": n}, "images/s", "img/s", extra)
+        rs = common.rows(common.per_second(secs, n), BASELINE, {"images": n}, "images/s", "img/s",
+                         extra)
         out += rs
-        log(f"  vision images={n}: " + ", ".join(f"{r['candidate']} x{r['ratio_vs_baseline']:.2f}" for r in rs))
+        log(f"  vision images={n}: " + ", ".join(f"{r['candidate']} x{r['ratio_vs_baseline']:.2f}"
+                                                 for r in rs))
     return common.result(PART, asdict(s), out)
 
 
 def plot(res: dict, path) -> None:
     common.plot(res, path, x="images", panels=(), ylabel="images/s vs one image at a time",
-                title=f"packed NaViT (hidden {res['settings']['hidden']}, {res['settings']['layers']} layers)")
+                title=f"packed NaViT (hidden {res['settings']['hidden']}, "
+                      f"{res['settings']['layers']} layers)")

@@ -1,9 +1,11 @@
-"""What a recipe is made of: variants (ordinary `vlm train` runs), the metrics read from each finished run, the
-statistics over seeds, and the checks that turn those statistics into a verdict on the paper's claim.
+"""What a recipe is made of: variants (ordinary `vlm train` runs), the metrics read from each
+finished run, the statistics over seeds, and the checks that turn those statistics into a verdict on
+the paper's claim.
 
-A check compares seed spreads (min..max over seeds), never single runs: "holds" needs the spreads to be apart
-in the claimed direction, "does not hold" needs them apart the other way, and anything in between (or a single
-seed) is "inconclusive". A claim that does not hold is reported as such, with its numbers.
+A check compares seed spreads (min..max over seeds), never single runs: "holds" needs the spreads to
+be apart in the claimed direction, "does not hold" needs them apart the other way, and anything in
+between (or a single seed) is "inconclusive". A claim that does not hold is reported as such, with
+its numbers.
 """
 from __future__ import annotations
 
@@ -31,11 +33,11 @@ class Metric:
 class Variant:
     """One `vlm train` run per seed: the recipe's config + the recipe's common overrides + these.
 
-    `after`: a variant of the same seed that must finish first; "{run:NAME}" in an override is that variant's run
-    directory (same seed). `ranks` > 1 launches through torch.distributed.run and takes that many job slots.
-    `steps_mult` scales the recipe's steps for this variant (e.g. a pretraining source before continual training).
-    `cost` scales the calibrated seconds per step in the time estimate (loops, a statistics pass), `extra_s` adds
-    seconds outside the steps."""
+    `after`: a variant of the same seed that must finish first; "{run:NAME}" in an override is that
+    variant's run directory (same seed). `ranks` > 1 launches through torch.distributed.run and
+    takes that many job slots. `steps_mult` scales the recipe's steps for this variant (e.g. a
+    pretraining source before continual training). `cost` scales the calibrated seconds per step in
+    the time estimate (loops, a statistics pass), `extra_s` adds seconds outside the steps."""
 
     name: str
     overrides: list[str]
@@ -75,8 +77,10 @@ class Stat:
         return f"{self.mean:.{digits}f} ({self.lo:.{digits}f}-{self.hi:.{digits}f})"
 
     def to_json(self) -> dict:
-        std = (sum((v - self.mean) ** 2 for v in self.values) / (self.n - 1)) ** 0.5 if self.n > 1 else 0.0
-        return {"mean": self.mean, "min": self.lo, "max": self.hi, "std": std, "n": self.n, "values": self.values}
+        std = (sum((v - self.mean) ** 2
+                   for v in self.values) / (self.n - 1)) ** 0.5 if self.n > 1 else 0.0
+        return {"mean": self.mean, "min": self.lo, "max": self.hi, "std": std, "n": self.n,
+                "values": self.values}
 
 
 class _Metrics(dict):
@@ -85,8 +89,8 @@ class _Metrics(dict):
 
 
 class Table(dict):
-    """variant -> metric key -> Stat. A variant that was not run (`--only`) or a metric no run reported reads as
-    None, so that a check on it says "no numbers" instead of failing."""
+    """variant -> metric key -> Stat. A variant that was not run (`--only`) or a metric no run
+    reported reads as None, so that a check on it says "no numbers" instead of failing."""
 
     def __missing__(self, key):
         return _Metrics()
@@ -99,7 +103,8 @@ def stats_table(rows: list[dict], metrics: list[Metric], variants: list[str]) ->
         mine = [r for r in rows if r["variant"] == v]
         table[v] = _Metrics()
         for m in metrics:
-            vals = [float(r[m.key]) for r in mine if r.get(m.key) is not None and math.isfinite(float(r[m.key]))]
+            vals = [float(r[m.key]) for r in mine if r.get(m.key) is not None
+                    and math.isfinite(float(r[m.key]))]
             table[v][m.key] = Stat(vals) if vals else None
     return table
 
@@ -114,22 +119,24 @@ class Check:
     core: bool = True
 
     def to_json(self) -> dict:
-        return {"claim": self.claim, "status": self.status, "measured": self.measured, "core": self.core}
+        return {"claim": self.claim, "status": self.status, "measured": self.measured,
+                "core": self.core}
 
 
 def _missing(claim: str, core: bool, *names: str) -> Check:
     return Check(claim, f"inconclusive (no numbers for {', '.join(names)})", "-", core)
 
 
-def better(claim: str, a: str, sa: Stat | None, b: str, sb: Stat | None, lower: bool = True, digits: int = 3,
-           core: bool = True, what: str = "") -> Check:
-    """`a` beats `b` (lower, or higher with lower=False): holds when the seed spreads are apart in a's favour,
-    does not hold when they are apart the other way, inconclusive when they overlap."""
+def better(claim: str, a: str, sa: Stat | None, b: str, sb: Stat | None, lower: bool = True,
+           digits: int = 3, core: bool = True, what: str = "") -> Check:
+    """`a` beats `b` (lower, or higher with lower=False): holds when the seed spreads are apart in
+    a's favour, does not hold when they are apart the other way, inconclusive when they overlap."""
     if sa is None or sb is None:
         return _missing(claim, core, *(n for n, s in ((a, sa), (b, sb)) if s is None))
     if min(sa.n, sb.n) < 2:
         status = ONE_SEED
-    elif (sa.hi < sb.lo) if lower else (sa.lo > sb.hi):      # a's whole spread on the better side of b's
+    # a's whole spread on the better side of b's
+    elif (sa.hi < sb.lo) if lower else (sa.lo > sb.hi):
         status = HOLDS
     elif (sa.lo > sb.hi) if lower else (sa.hi < sb.lo):      # ... on the worse side
         status = FAILS
@@ -140,10 +147,10 @@ def better(claim: str, a: str, sa: Stat | None, b: str, sb: Stat | None, lower: 
     return Check(claim, status, f"{what}{a} {sa.fmt(digits)} {op} {b} {sb.fmt(digits)}", core)
 
 
-def no_worse(claim: str, a: str, sa: Stat | None, b: str, sb: Stat | None, lower: bool = True, digits: int = 3,
-             core: bool = True, what: str = "") -> Check:
-    """`a` is no worse than `b`: does not hold when the spreads are apart against a; holds when a's mean is at
-    least as good; inconclusive when a's mean is worse but the spreads overlap."""
+def no_worse(claim: str, a: str, sa: Stat | None, b: str, sb: Stat | None, lower: bool = True,
+             digits: int = 3, core: bool = True, what: str = "") -> Check:
+    """`a` is no worse than `b`: does not hold when the spreads are apart against a; holds when a's
+    mean is at least as good; inconclusive when a's mean is worse but the spreads overlap."""
     c = better(claim, a, sa, b, sb, lower, digits, core, what)
     if sa is None or sb is None or c.status in (FAILS, ONE_SEED):
         return c
@@ -178,7 +185,8 @@ class Run:
     def __init__(self, path: Path):
         self.path = Path(path)
         self.summary = json.loads((self.path / "summary.json").read_text())
-        self.records = [json.loads(line) for line in (self.path / "metrics.jsonl").read_text().splitlines()
+        self.records = [json.loads(line)
+                        for line in (self.path / "metrics.jsonl").read_text().splitlines()
                         if line.strip()]
 
     def values(self, key: str) -> list[float]:
@@ -208,7 +216,8 @@ class Run:
         return yaml.safe_load((self.path / "config.yaml").read_text())
 
 
-MetricsFn = Callable[[Run, dict[str, Run]], dict]      # (this run, the same seed's runs by variant) -> row
+# (this run, the same seed's runs by variant) -> row
+MetricsFn = Callable[[Run, dict[str, Run]], dict]
 VerdictFn = Callable[[Table], list[Check]]
 
 
@@ -224,13 +233,15 @@ class Recipe:
     metrics: list[Metric]
     read: MetricsFn                # one table row from a finished run
     verdict: VerdictFn
-    steps: int                     # default optimizer steps per variant (times the variant's steps_mult)
+    # default optimizer steps per variant (times the variant's steps_mult)
+    steps: int
     held_out: str                  # what "held-out" means in this recipe's table
     seeds: int = 2
     common: list[str] = field(default_factory=list)
     evals: int = 4                 # held-out evaluations per run (the last is at the final step)
-    # calibrated on the 2-core machine (text config, two runs side by side, other work present): seconds per step
-    # of one run, and per run outside the steps (process start, DeepSpeed, data, final export, summary)
+    # calibrated on the 2-core machine (text config, two runs side by side, other work present):
+    # seconds per step of one run, and per run outside the steps (process start, DeepSpeed, data,
+    # final export, summary)
     step_s: float = 0.13
     startup_s: float = 20.0
     note: str = ""                  # printed under the table

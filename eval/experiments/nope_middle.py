@@ -19,8 +19,8 @@ def verdict(t):
 def recipe() -> Recipe:
     return Recipe(
         "nope-middle", "Synergy 3.3",
-        "no positional encoding in the concept (middle) model beats RoPE there (encoder/decoder keep RoPE)",
-        TEXT_CONFIG,
+        "no positional encoding in the concept (middle) model beats RoPE there (encoder/decoder "
+        "keep RoPE)", TEXT_CONFIG,
         [Variant("rope", ["model.concept_pos=rope"], {"concept positions": "RoPE"}),
          Variant("none", ["model.concept_pos=none"], {"concept positions": "none"})],
         [BPB, VAL_LOSS, TRAIN_LOSS, VAL_R], read, verdict, steps=1500, held_out=HELD_OUT, seeds=4,

@@ -73,20 +73,23 @@ def plot(result: dict, path: Path) -> Path:
         if m.get("ref") is not None:
             ax.axhline(m["ref"], color="tab:red", lw=1, ls="--")
             finite.append(m["ref"])
-        if finite and min(finite) > 0 and max(finite) / min(finite) > 20:   # e.g. compression ratios 1.3 to 500
+        # e.g. compression ratios 1.3 to 500
+        if finite and min(finite) > 0 and max(finite) / min(finite) > 20:
             ax.set_yscale("log")
-        elif finite:   # zoom on the spread: differences between variants are often small next to the values
+        # zoom on the spread: differences between variants are often small next to the values
+        elif finite:
             lo, hi = min(finite), max(finite)
             pad = (hi - lo) * 0.3 or abs(hi) * 0.05 or 0.1
             ax.set_ylim(lo - pad if lo - pad > 0 or lo < 0 else 0, hi + pad)
-        tilt = max(map(len, names)) > 12 and len(names) > 4   # long names side by side would overlap
-        ax.set_xticks(x, [nm.replace("-", "\n", 1) if len(nm) > 12 else nm for nm in names], fontsize=7,
-                      rotation=35 if tilt else 0, ha="right" if tilt else "center")
+        # long names side by side would overlap
+        tilt = max(map(len, names)) > 12 and len(names) > 4
+        ax.set_xticks(x, [nm.replace("-", "\n", 1) if len(nm) > 12 else nm for nm in names],
+                      fontsize=7, rotation=35 if tilt else 0, ha="right" if tilt else "center")
         ax.set_title(m["label"], fontsize=9)
     for ax in list(axes.flat)[n:]:
         ax.axis("off")
-    fig.suptitle(f"{result['recipe']} ({result['steps']} steps, {result['seeds']} seeds; bars: mean, "
-                 f"whiskers: min-max): {result['verdict']}", fontsize=9)
+    fig.suptitle(f"{result['recipe']} ({result['steps']} steps, {result['seeds']} seeds; bars: "
+                 f"mean, whiskers: min-max): {result['verdict']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -100,8 +103,9 @@ def claims_markdown(results: list[dict], skipped: dict[str, str] | None = None) 
     for r in results:
         for c in r["checks"]:
             if c["core"]:
-                lines.append(f"| **{r['recipe']}** ({r['source']}): {esc(c['claim'])} | {esc(c['measured'])} "
-                             f"({r['steps']} steps x {r['seeds']} seeds) | {esc(c['status'])} |")
+                lines.append(f"| **{r['recipe']}** ({r['source']}): {esc(c['claim'])} | "
+                             f"{esc(c['measured'])} ({r['steps']} steps x {r['seeds']} seeds) | "
+                             f"{esc(c['status'])} |")
     for name, why in (skipped or {}).items():
         lines.append(f"| **{name}** | not run: {esc(why)} | - |")
     return "\n".join(lines) + "\n"

@@ -1,4 +1,5 @@
-"""Aggregation tasks (after RULER): common-words extraction (CWE) and frequent-words extraction (FWE).
+"""Aggregation tasks (after RULER): common-words extraction (CWE) and frequent-words extraction
+(FWE).
 
 Neither has a needle, so they have no depth; the haystack size is the number of list entries (CWE)
 or the Zipf sample size (FWE).
@@ -14,13 +15,14 @@ from eval.longctx import words as W
 from eval.longctx.sample import Sample, Tokenizer, answer_budget, sample_rng, token_length
 from eval.longctx.sizing import SizingError, fit_to_length
 
-CWE_TEMPLATE = ("Below is a numbered list of words. In these words, some appear more often than others. "
-                "Memorize the ones that appear most often.\n{context}\n"
+CWE_TEMPLATE = ("Below is a numbered list of words. In these words, some appear more often than "
+                "others. Memorize the ones that appear most often.\n{context}\n"
                 "Question: What are the {k} most common words in the above list?")
 CWE_PREFIX = " Answer: The top {k} words that appear most often in the list are:"
-FWE_TEMPLATE = ("Read the following coded text and track the frequency of each coded word. Find the three most "
-                "frequently appeared coded words. {context}\nQuestion: Do not provide any explanation. Please "
-                "ignore the dots '....'. What are the three most frequently appeared words in the above coded text?")
+FWE_TEMPLATE = ("Read the following coded text and track the frequency of each coded word. Find "
+                "the three most frequently appeared coded words. {context}\nQuestion: Do not "
+                "provide any explanation. Please ignore the dots '....'. What are the three most "
+                "frequently appeared words in the above coded text?")
 FWE_PREFIX = " Answer: According to the coded text above, the three most frequently appeared words are:"
 DISTRACTOR_POOL = 16
 
@@ -30,7 +32,8 @@ class CWESpec:
     num_common: int = 10
     freq_common: int = 30
     freq_uncommon: int = 3
-    # RULER uses sparser lists below 4k tokens so that short prompts still hold enough distinct words
+    # RULER uses sparser lists below 4k tokens so that short prompts still hold enough distinct
+    # words
     short_below: int = 4096
     short_freq_common: int = 6
     short_freq_uncommon: int = 1
@@ -60,7 +63,8 @@ def _numbered(entries: list[str]) -> str:
     return " ".join(f"{i + 1}. {w}" for i, w in enumerate(entries))
 
 
-def _cwe_list(common: list[str], uncommon: list[str], fc: int, fu: int, n: int, rng_seed: str) -> list[str]:
+def _cwe_list(common: list[str], uncommon: list[str], fc: int, fu: int, n: int,
+              rng_seed: str) -> list[str]:
     """All common words `fc` times, then `n` uncommon entries (each uncommon word at most `fu` times)."""
     extra = [uncommon[j // fu] for j in range(n)]
     entries = common * fc + extra
@@ -68,12 +72,14 @@ def _cwe_list(common: list[str], uncommon: list[str], fc: int, fu: int, n: int, 
     return entries
 
 
-def generate_cwe(name: str, spec: CWESpec, tokenizer: Tokenizer, target_length: int, depth: float | None,
-                 seed: int, index: int) -> Sample:
+def generate_cwe(name: str, spec: CWESpec, tokenizer: Tokenizer, target_length: int,
+                 depth: float | None, seed: int, index: int) -> Sample:
     rng = sample_rng(seed, name, target_length, None, index)
-    for fc, fu in ((spec.freq_common, spec.freq_uncommon), (spec.short_freq_common, spec.short_freq_uncommon)):
+    for fc, fu in ((spec.freq_common, spec.freq_uncommon),
+                   (spec.short_freq_common, spec.short_freq_uncommon)):
         if fu >= fc:
-            raise ValueError(f"{name}: uncommon frequency {fu} must be below the common frequency {fc}")
+            raise ValueError(f"{name}: uncommon frequency {fu} must be below the common frequency "
+                             f"{fc}")
     pool = _word_pool(rng)
     k = spec.num_common
     # answers must not be substrings of other list words, or naming those would score as a hit
@@ -87,16 +93,19 @@ def generate_cwe(name: str, spec: CWESpec, tokenizer: Tokenizer, target_length: 
     head, tail = CWE_TEMPLATE.split("{context}")
     tail = tail.format(k=k) + CWE_PREFIX.format(k=k)
     # one-shot worked example on words the task list does not use: k common x3, k uncommon x1
-    ex_entries = _cwe_list(ex_pool[:k], ex_pool[k:], 3, 1, len(ex_pool) - k, f"{seed}/{index}/example")
+    ex_entries = _cwe_list(ex_pool[:k], ex_pool[k:], 3, 1, len(ex_pool) - k,
+                           f"{seed}/{index}/example")
     example = head + _numbered(ex_entries) + tail + " " + _numbered(ex_pool[:k]) + "\n"
     base = f"{seed}/{name}/{target_length}/{index}/n="
 
     def builder(fc: int, fu: int):
-        return lambda n: example + head + _numbered(_cwe_list(common, uncommon, fc, fu, n, base + str(n))) + tail
+        return lambda n: example + head + _numbered(_cwe_list(common, uncommon, fc, fu, n,
+                                                              base + str(n))) + tail
 
     # dense lists (many repeats) only where the repeated common words leave room for the rest
     fc, fu = spec.freq_common, spec.freq_uncommon
-    if target_length < spec.short_below or token_length(tokenizer, builder(fc, fu)(0)) > target_length // 2:
+    if target_length < spec.short_below or token_length(tokenizer,
+                                                        builder(fc, fu)(0)) > target_length // 2:
         fc, fu = spec.short_freq_common, spec.short_freq_uncommon
     build = builder(fc, fu)
     n_max = len(uncommon) * fu
@@ -126,8 +135,8 @@ def zipf_counts(n: int, vocab_size: int, alpha: float) -> list[int]:
     return [int(n * k ** -alpha / z) for k in range(1, vocab_size + 1)]
 
 
-def generate_fwe(name: str, spec: FWESpec, tokenizer: Tokenizer, target_length: int, depth: float | None,
-                 seed: int, index: int) -> Sample:
+def generate_fwe(name: str, spec: FWESpec, tokenizer: Tokenizer, target_length: int,
+                 depth: float | None, seed: int, index: int) -> Sample:
     rng = sample_rng(seed, name, target_length, None, index)
     vocab_size = max(8, target_length // spec.vocab_per_tokens)
     vocab = W.distinct(lambda r: W.random_coded_word(r, spec.word_len), vocab_size, rng)
@@ -140,12 +149,15 @@ def generate_fwe(name: str, spec: FWESpec, tokenizer: Tokenizer, target_length: 
         random.Random(base + str(n)).shuffle(text)
         return head + " ".join(text) + tail + FWE_PREFIX
 
-    fitted = fit_to_length(build, lambda p: token_length(tokenizer, p), target_length, what=f"{name}@{target_length}")
+    fitted = fit_to_length(build, lambda p: token_length(tokenizer, p), target_length,
+                           what=f"{name}@{target_length}")
     counts = zipf_counts(fitted.n, vocab_size, spec.alpha)
     if not counts[1] > counts[2] > counts[3] > counts[4]:
-        raise SizingError(f"{name}@{target_length}: too short for distinct top-3 word counts {counts[:5]}")
+        raise SizingError(f"{name}@{target_length}: too short for distinct top-3 word counts "
+                          f"{counts[:5]}")
     prompt = fitted.item
-    return Sample(task=name, prompt=prompt, answers=vocab[1:4], distractors=vocab[4:4 + DISTRACTOR_POOL],
+    return Sample(task=name, prompt=prompt, answers=vocab[1:4],
+                  distractors=vocab[4:4 + DISTRACTOR_POOL],
                   target_length=target_length, length=fitted.length, depth=None,
                   max_new_tokens=answer_budget(tokenizer, spec.max_new_tokens, vocab[1:4]),
                   context_span=(len(head), len(prompt) - len(tail) - len(FWE_PREFIX)),

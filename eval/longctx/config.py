@@ -19,7 +19,8 @@ class LongCtxConfig(ValidatedOnInit):
     mode: Literal["generate", "loglik", "both"] = "both"
     batch_size: int = 1
     num_distractors: int = 4             # log-likelihood mode: wrong candidates per reference
-    max_new_tokens: int | None = None    # None: each task's RULER budget (grown for byte-level tokenizers)
+    # None: each task's RULER budget (grown for byte-level tokenizers)
+    max_new_tokens: int | None = None
 
     def validate(self) -> None:
         check(len(self.lengths) > 0 and all(n > 0 for n in self.lengths),
@@ -31,6 +32,7 @@ class LongCtxConfig(ValidatedOnInit):
               f"tasks: unknown {unknown or '(none given)'}; allowed: {', '.join(TASKS)}")
         check(self.num_samples >= 1, f"num_samples: must be >= 1, got {self.num_samples}")
         check(self.batch_size >= 1, f"batch_size: must be >= 1, got {self.batch_size}")
-        check(1 <= self.num_distractors <= 16, f"num_distractors: must be in [1, 16], got {self.num_distractors}")
+        check(1 <= self.num_distractors <= 16, f"num_distractors: must be in [1, 16], got "
+                                               f"{self.num_distractors}")
         check(self.max_new_tokens is None or self.max_new_tokens >= 1,
               f"max_new_tokens: must be >= 1 or null, got {self.max_new_tokens}")

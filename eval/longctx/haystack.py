@@ -61,7 +61,8 @@ def token_cost(tokenizer) -> Callable[[str], int]:
 class Haystack:
     """The first n words of a cyclic source text from `offset`, with needles placed by token depth."""
 
-    def __init__(self, kind: HaystackKind, offset: int = 0, cost: Callable[[str], int] | None = None) -> None:
+    def __init__(self, kind: HaystackKind, offset: int = 0,
+                 cost: Callable[[str], int] | None = None) -> None:
         src = source_words(kind)
         self.kind = kind
         self.offset = offset % len(src)
@@ -76,7 +77,8 @@ class Haystack:
     def boundaries(self, n: int) -> tuple[np.ndarray, np.ndarray]:
         """Sentence-start word indices (with 0 and n) and the filler token offset of each."""
         ends = np.resize(self._ends, n)
-        bounds = np.unique(np.concatenate([[0], np.nonzero(ends[:-1])[0] + 1, [n]])) if n else np.zeros(1, np.int64)
+        bounds = np.unique(np.concatenate([[0], np.nonzero(ends[:-1])[0] + 1,
+                                           [n]])) if n else np.zeros(1, np.int64)
         cum = np.concatenate([[0], np.cumsum(np.resize(self._cost, n))])
         return bounds, cum[bounds]
 

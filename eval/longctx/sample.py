@@ -21,15 +21,19 @@ class Sample:
     depth: float | None            # requested depth (%) of the first answer needle; None: no needle
     max_new_tokens: int
     context_span: tuple[int, int] = (0, 0)            # char span of the haystack region in `prompt`
-    needle_span: tuple[int, int] | None = None        # char span of the first answer needle in `prompt`
+    # char span of the first answer needle in `prompt`
+    needle_span: tuple[int, int] | None = None
     meta: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
-        return {k: getattr(self, k) for k in ("task", "prompt", "answers", "distractors", "target_length",
-                                              "length", "depth", "max_new_tokens", "context_span", "needle_span")}
+        return {k: getattr(self, k)
+                for k in ("task", "prompt", "answers", "distractors", "target_length",
+                                              "length", "depth", "max_new_tokens", "context_span",
+                          "needle_span")}
 
 
-def sample_rng(seed: int, task: str, target_length: int, depth: float | None, index: int) -> random.Random:
+def sample_rng(seed: int, task: str, target_length: int, depth: float | None,
+               index: int) -> random.Random:
     """Independent, reproducible stream per sample (str seeds hash with SHA-512: stable across runs)."""
     return random.Random(f"{seed}/{task}/{target_length}/{depth}/{index}")
 
@@ -39,6 +43,6 @@ def token_length(tokenizer: Tokenizer, text: str) -> int:
 
 
 def answer_budget(tokenizer: Tokenizer, default: int, answers: list[str]) -> int:
-    """RULER's generation budgets are in BPE tokens; a byte-level tokenizer needs more room for the same
-    answer, so the budget is at least 1.5x the reference answer list's own token count (+8)."""
+    """RULER's generation budgets are in BPE tokens; a byte-level tokenizer needs more room for the
+    same answer, so the budget is at least 1.5x the reference answer list's own token count (+8)."""
     return max(default, (3 * token_length(tokenizer, " " + ", ".join(answers))) // 2 + 8)

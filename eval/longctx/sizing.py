@@ -26,7 +26,8 @@ class Fitted(Generic[T]):
 
 
 def fit_to_length(build: Callable[[int], T], measure: Callable[[T], int], target: int, *,
-                  what: str = "sample", n_max: int | None = None, tol: float = LENGTH_TOLERANCE) -> Fitted[T]:
+                  what: str = "sample", n_max: int | None = None,
+                  tol: float = LENGTH_TOLERANCE) -> Fitted[T]:
     """Largest haystack size n with measure(build(n)) <= target; error unless >= (1 - tol) * target."""
     if target <= 0:
         raise SizingError(f"{what}: target length must be positive, got {target}")
@@ -64,5 +65,6 @@ def fit_to_length(build: Callable[[int], T], measure: Callable[[T], int], target
     if length < (1.0 - tol) * target:
         limit = f" (haystack capped at {n_max} units)" if n_max is not None and lo >= n_max else ""
         raise SizingError(f"{what}: best fit is {length} tokens for target {target}{limit}; "
-                          f"outside the {tol:.0%} tolerance (one haystack unit adds ~{per_unit} tokens)")
+                          f"outside the {tol:.0%} tolerance (one haystack unit adds ~{per_unit} "
+                          f"tokens)")
     return Fitted(item=item, n=lo, length=length)

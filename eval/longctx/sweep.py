@@ -40,7 +40,8 @@ def generate_predictions(model: EvalModel, samples: list[Sample], cfg: LongCtxCo
     preds: list[str] = []
     for batch in _chunks(samples, cfg.batch_size):
         budget = cfg.max_new_tokens or max(s.max_new_tokens for s in batch)
-        preds += model.generate([s.prompt for s in batch], None, max_new_tokens=budget, temperature=0.0)
+        preds += model.generate([s.prompt for s in batch], None, max_new_tokens=budget,
+                                temperature=0.0)
     return preds
 
 
@@ -50,7 +51,8 @@ def loglik_credits(model: EvalModel, samples: list[Sample], cfg: LongCtxConfig) 
     requests: list[tuple[int, int, str, str]] = []  # (sample, reference, context, continuation)
     for si, s in enumerate(samples):
         if len(s.distractors) < k:
-            raise ValueError(f"{s.task}: only {len(s.distractors)} distractors for num_distractors={k}")
+            raise ValueError(f"{s.task}: only {len(s.distractors)} distractors for "
+                             f"num_distractors={k}")
         for ri, ref in enumerate(s.answers):
             for cand in [ref] + s.distractors[:k]:
                 requests.append((si, ri, s.prompt, " " + cand))
@@ -65,11 +67,13 @@ def loglik_credits(model: EvalModel, samples: list[Sample], cfg: LongCtxConfig) 
     return [mean(c) for c in credits]
 
 
-def run_cell(model: EvalModel, samples: list[Sample], cfg: LongCtxConfig, records: list[dict]) -> dict:
+def run_cell(model: EvalModel, samples: list[Sample], cfg: LongCtxConfig,
+             records: list[dict]) -> dict:
     metric = task_def(samples[0].task).metric
     cell: dict = {"n": len(samples), "metric": metric,
                   "mean_length": mean(s.length for s in samples),
-                  "min_length": min(s.length for s in samples), "max_length": max(s.length for s in samples)}
+                  "min_length": min(s.length for s in samples),
+                  "max_length": max(s.length for s in samples)}
     preds: list[str | None] = [None] * len(samples)
     credits: list[float | None] = [None] * len(samples)
     if cfg.mode in ("generate", "both"):
@@ -84,8 +88,9 @@ def run_cell(model: EvalModel, samples: list[Sample], cfg: LongCtxConfig, record
         cell["loglik_chance"] = 100.0 / (cfg.num_distractors + 1)
         cell.setdefault("score", cell["loglik_acc"])
     for s, p, c in zip(samples, preds, credits):
-        records.append({"task": s.task, "target_length": s.target_length, "length": s.length, "depth": s.depth,
-                        "answers": s.answers, "prediction": p, "loglik_credit": c})
+        records.append({"task": s.task, "target_length": s.target_length, "length": s.length,
+                        "depth": s.depth, "answers": s.answers, "prediction": p,
+                        "loglik_credit": c})
     return cell
 
 
@@ -106,7 +111,8 @@ def run_sweep(model: EvalModel, cfg: LongCtxConfig, *, label: str = "model", pro
         for task, depth in [(t, d) for L, t, d in cells if L == length]:
             bar.set_postfix_str(f"{task} L={length} d={depth_key(depth)}")
             try:
-                samples = [generate_sample(task, tokenizer, length, depth, cfg.seed, i) for i in range(cfg.num_samples)]
+                samples = [generate_sample(task, tokenizer, length, depth, cfg.seed, i)
+                           for i in range(cfg.num_samples)]
             except SizingError as e:
                 skipped.append({"task": task, "length": length, "depth": depth, "reason": str(e)})
                 bar.update(1)
@@ -133,7 +139,8 @@ def task_means(results: dict) -> dict:
         for length, by_depth in by_len.items():
             cells = list(by_depth.values())
             out.setdefault(task, {})[length] = {
-                k: mean(c[k] for c in cells) for k in ("score", "string_match_all", "string_match_part", "loglik_acc")
+                k: mean(c[k] for c in cells)
+                for k in ("score", "string_match_all", "string_match_part", "loglik_acc")
                 if all(k in c for c in cells)}
     return out
 

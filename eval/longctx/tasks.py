@@ -19,13 +19,18 @@ class TaskDef:
 
 
 TASKS: dict[str, TaskDef] = {
-    "niah_single_repeat": TaskDef(generate_niah, NiahSpec(haystack="repeat"), "string_match_all", True),
-    "niah_single_essay": TaskDef(generate_niah, NiahSpec(haystack="essay"), "string_match_all", True),
+    "niah_single_repeat": TaskDef(generate_niah, NiahSpec(haystack="repeat"), "string_match_all",
+                                  True),
+    "niah_single_essay": TaskDef(generate_niah, NiahSpec(haystack="essay"), "string_match_all",
+                                 True),
     "niah_single_uuid": TaskDef(generate_niah, NiahSpec(haystack="essay", value_kind="uuids"),
                                 "string_match_all", True),
-    "niah_multikey": TaskDef(generate_niah, NiahSpec(haystack="essay", num_keys=4), "string_match_all", True),
-    "niah_multikey_repeat": TaskDef(generate_niah, NiahSpec(haystack="repeat", num_keys=4), "string_match_all", True),
-    "niah_multivalue": TaskDef(generate_niah, NiahSpec(haystack="essay", num_values=4), "string_match_all", True),
+    "niah_multikey": TaskDef(generate_niah, NiahSpec(haystack="essay", num_keys=4),
+                             "string_match_all", True),
+    "niah_multikey_repeat": TaskDef(generate_niah, NiahSpec(haystack="repeat", num_keys=4),
+                                    "string_match_all", True),
+    "niah_multivalue": TaskDef(generate_niah, NiahSpec(haystack="essay", num_values=4),
+                               "string_match_all", True),
     "niah_multiquery": TaskDef(generate_niah, NiahSpec(haystack="essay", num_keys=4, num_queries=4),
                                "string_match_all", True),
     "vt": TaskDef(generate_vt, VTSpec(), "string_match_all", True),
@@ -48,5 +53,5 @@ def generate_sample(name: str, tokenizer: Tokenizer, target_length: int, depth: 
     td = task_def(name)
     if td.has_depth and depth is None:
         raise ValueError(f"task {name} places a needle: give a depth in [0, 100]")
-    return td.generator(name, td.spec, tokenizer, target_length, None if not td.has_depth else float(depth),
-                        seed, index)
+    return td.generator(name, td.spec, tokenizer, target_length, None if not td.has_depth
+                        else float(depth), seed, index)

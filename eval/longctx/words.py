@@ -85,5 +85,6 @@ def distinct(draw, n: int, rng: random.Random, exclude: set[str] | None = None) 
             seen.add(v)
             out.append(v)
     if len(out) != n:
-        raise ValueError(f"could not draw {n} distinct values with {getattr(draw, '__name__', draw)}")
+        raise ValueError(f"could not draw {n} distinct values with "
+                         f"{getattr(draw, '__name__', draw)}")
     return out

@@ -1,8 +1,10 @@
-"""lmms-eval task functions for the default dataset's exported test split (see `eval/export_tasks.py`).
+"""lmms-eval task functions for the default dataset's exported test split (see
+`eval/export_tasks.py`).
 
 The task YAMLs reference these as `!function eval.tasks.conceptmoe_utils.NAME` (lmms-eval falls back
 to an absolute import when no file sits next to the YAML). Documents are JSON Lines records with
-base64 PNG `images`, plus `question`/`answer`/`question_type`/`heldout`/`choices` (VQA) or `caption`.
+base64 PNG `images`, plus `question`/`answer`/`question_type`/`heldout`/`choices` (VQA) or
+`caption`.
 """
 from __future__ import annotations
 
@@ -29,7 +31,8 @@ def _prompted(doc: dict, kwargs: dict | None) -> str:
     return f"{kwargs.get('pre_prompt', '')}{doc['question']}{kwargs.get('post_prompt', '')}"
 
 
-# ---- VQA (generation, exact match per question type) --------------------------------------------------
+# ---- VQA (generation, exact match per question type)
+# --------------------------------------------------
 
 def vqa_doc_to_text(doc: dict, lmms_eval_specific_kwargs: dict | None = None) -> str:
     return _prompted(doc, lmms_eval_specific_kwargs)
@@ -44,7 +47,8 @@ def vqa_process_results(doc: dict, results: list[str]) -> dict:
     return out
 
 
-# ---- VQA as multiple choice (log-likelihood) ----------------------------------------------------------
+# ---- VQA as multiple choice (log-likelihood)
+# ----------------------------------------------------------
 
 def mc_doc_to_text(doc: dict, lmms_eval_specific_kwargs: dict | None = None) -> str:
     return _prompted(doc, lmms_eval_specific_kwargs)
@@ -58,11 +62,13 @@ def mc_doc_to_target(doc: dict) -> int:
     return list(doc["choices"]).index(str(doc["answer"]))
 
 
-# ---- captions (generation; exact match, BLEU-4, CIDEr-D) ----------------------------------------------
+# ---- captions (generation; exact match, BLEU-4, CIDEr-D)
+# ----------------------------------------------
 
 def caption_doc_to_text(doc: dict, lmms_eval_specific_kwargs: dict | None = None) -> str:
     # Captions are trained as plain image-text pairs ("<image>A small red ..."), not as chat turns:
-    # giving the placeholder ourselves keeps the adapter from wrapping the prompt in the chat template.
+    # giving the placeholder ourselves keeps the adapter from wrapping the prompt in the chat
+    # template.
     kwargs = lmms_eval_specific_kwargs or {}
     return IMAGE_TOKEN * len(doc["images"]) + kwargs.get("prompt", "")
 

@@ -1,4 +1,5 @@
-"""Attention over packed rows: backends, and the GQA self-attention layer with joint decoding (eq. 11).
+"""Attention over packed rows: backends, and the GQA self-attention layer with joint decoding (eq.
+11).
 
 Every backend computes the same thing: causal attention restricted to the query's own document.
 The choice is one function (`resolve_backend`), picked at run time; tests compare them on one input.
@@ -26,10 +27,11 @@ except Exception:  # pragma: no cover - older torch
 
 
 def resolve_backend(requested: str, device: torch.device, compiled: bool = False) -> str:
-    """The attention backend that runs: `requested`, or for "auto" flash-attn on CUDA when installed, else a
-    compiled FlexAttention document mask (fused, no T x T mask, no host synchronisation), and on CPU one SDPA per
-    document. `compiled` (the blocks are compiled, or this runs under torch.compile): the per-document loop, which
-    reads the documents on the host, becomes SDPA under the packed mask."""
+    """The attention backend that runs: `requested`, or for "auto" flash-attn on CUDA when
+    installed, else a compiled FlexAttention document mask (fused, no T x T mask, no host
+    synchronisation), and on CPU one SDPA per document. `compiled` (the blocks are compiled, or this
+    runs under torch.compile): the per-document loop, which reads the documents on the host, becomes
+    SDPA under the packed mask."""
     compiled = compiled or torch.compiler.is_compiling()
     if requested != "auto":
         if requested == "flash" and (flash_attn_varlen_func is None or device.type != "cuda"):
@@ -40,18 +42,19 @@ def resolve_backend(requested: str, device: torch.device, compiled: bool = False
         return "sdpa" if requested == "docs" and compiled else requested
     if device.type == "cuda":
         return "flash" if flash_attn_varlen_func is not None else "flex"
-    # On CPU one SDPA call per document beats SDPA under the packed [B, 1, T, T] mask (prefill 0.57x at 2K,
-    # 0.23x at 8K; `vlm bench attention`) and keeps memory linear in T.
+    # On CPU one SDPA call per document beats SDPA under the packed [B, 1, T, T] mask (prefill 0.57x
+    # at 2K, 0.23x at 8K; `vlm bench attention`) and keeps memory linear in T.
     return "sdpa" if compiled else "docs"
 
 
 def packed_mask(doc_BT: torch.Tensor, causal: bool = True, window: int = 0) -> torch.Tensor:
-    """[B, 1, T, T] bool: may query i attend key j? Same document (and j <= i when causal; with a sliding
-    `window` > 0 also i - j < window: each query sees itself and the window - 1 keys before it).
+    """[B, 1, T, T] bool: may query i attend key j? Same document (and j <= i when causal; with a
+    sliding `window` > 0 also i - j < window: each query sees itself and the window - 1 keys before
+    it).
 
-    Padding queries (doc -1) attend only to themselves so that no row of the softmax is empty. What a padding
-    position holds after attention differs between backends (the varlen kernels and the per-document loop give 0):
-    no real token and no loss reads it.
+    Padding queries (doc -1) attend only to themselves so that no row of the softmax is empty. What
+    a padding position holds after attention differs between backends (the varlen kernels and the
+    per-document loop give 0): no real token and no loss reads it.
     """
     T = doc_BT.shape[1]
     same = (doc_BT[:, :, None] == doc_BT[:, None, :]) & (doc_BT[:, None, :] >= 0)
@@ -64,8 +67,8 @@ def packed_mask(doc_BT: torch.Tensor, causal: bool = True, window: int = 0) -> t
 
 
 def doc_segments(doc_BT: torch.Tensor) -> list[list[tuple[int, int, bool]]]:
-    """Per row, its runs in order as (start, end, is_document): the documents and the padding between and after
-    them, covering [0, T) (one host transfer; built once per stack)."""
+    """Per row, its runs in order as (start, end, is_document): the documents and the padding
+    between and after them, covering [0, T) (one host transfer; built once per stack)."""
     B, T = doc_BT.shape
     starts_BT = torch.ones_like(doc_BT, dtype=torch.bool)
     starts_BT[:, 1:] = doc_BT[:, 1:] != doc_BT[:, :-1]
@@ -80,10 +83,11 @@ def doc_segments(doc_BT: torch.Tensor) -> list[list[tuple[int, int, bool]]]:
 
 
 def _per_document(q, k, v, doc_BT, segments, causal, window):
-    """One SDPA call per document: no T x T mask, memory linear in the row length (a loop over documents, not
-    tokens). Padding comes out as 0, as from the varlen kernels (what a padding position holds is read by no real
-    token and no loss). The row is the concatenation of its runs' outputs: a cat's backward is views, where writing
-    into a buffer would cost a copy and a fill each way."""
+    """One SDPA call per document: no T x T mask, memory linear in the row length (a loop over
+    documents, not tokens). Padding comes out as 0, as from the varlen kernels (what a padding
+    position holds is read by no real token and no loss). The row is the concatenation of its runs'
+    outputs: a cat's backward is views, where writing into a buffer would cost a copy and a fill
+    each way."""
     rep = q.shape[1] // k.shape[1]
     rows = []
     for b, runs in enumerate(segments):
@@ -96,9 +100,10 @@ def _per_document(q, k, v, doc_BT, segments, causal, window):
             mask = None
             if window and e - s > window:
                 n = e - s
-                mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril().triu(-(window - 1))
-            parts.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=causal and mask is None,
-                                                        enable_gqa=rep > 1))
+                mask = torch.ones(n, n, dtype=torch.bool,
+                                  device=q.device).tril().triu(-(window - 1))
+            parts.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=causal
+                                                        and mask is None, enable_gqa=rep > 1))
         rows.append(torch.cat(parts, 2) if len(parts) > 1 else parts[0])
     return torch.cat(rows, 0) if len(rows) > 1 else rows[0]
 
@@ -112,8 +117,9 @@ def _eager(q, k, v, mask_B1TT):
 
 
 def flash_layout(doc_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """The varlen layout of packed rows, built once per stack so no layer syncs with the host: flat indices of
-    the real tokens, cumulative segment lengths (one segment per (row, document)) and the longest segment."""
+    """The varlen layout of packed rows, built once per stack so no layer syncs with the host: flat
+    indices of the real tokens, cumulative segment lengths (one segment per (row, document)) and the
+    longest segment."""
     B, T = doc_BT.shape
     valid_N = (doc_BT >= 0).flatten().nonzero().squeeze(1)
     # offset doc ids by row so that segments of two rows never merge
@@ -124,16 +130,17 @@ def flash_layout(doc_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]
 
 
 def _varlen(q, k, v, layout, causal, window=0, kernel: str = "flash"):
-    """The packed rows' real tokens as one varlen batch of documents through flash-attn's kernel ("flash") or
-    PyTorch's own (`torch.nn.attention.varlen`, "varlen"); padding comes out as 0."""
+    """The packed rows' real tokens as one varlen batch of documents through flash-attn's kernel
+    ("flash") or PyTorch's own (`torch.nn.attention.varlen`, "varlen"); padding comes out as 0."""
     B, Q, T, d = q.shape
     valid_N, cu, longest = layout
-    pick = lambda x: x.transpose(1, 2).flatten(0, 1).index_select(0, valid_N)  # noqa: E731  [N, heads, d]
+    # noqa: E731  [N, heads, d]
+    pick = lambda x: x.transpose(1, 2).flatten(0, 1).index_select(0, valid_N)
     # both take (left, right) windows: causal is (-1, 0); a window of w keys is w - 1 to the left
     left = window - 1 if window else -1
     if kernel == "flash":
-        out = flash_attn_varlen_func(pick(q), pick(k), pick(v), cu, cu, longest, longest, causal=causal,
-                                     window_size=(left, 0) if window else (-1, -1))
+        out = flash_attn_varlen_func(pick(q), pick(k), pick(v), cu, cu, longest, longest,
+                                     causal=causal, window_size=(left, 0) if window else (-1, -1))
     else:
         out = varlen_attn(pick(q), pick(k), pick(v), cu, cu, longest, longest,
                           window_size=(left, 0 if causal else -1), enable_gqa=k.shape[1] != Q)
@@ -142,9 +149,10 @@ def _varlen(q, k, v, layout, causal, window=0, kernel: str = "flash"):
 
 
 def document_block_mask(doc_BT: torch.Tensor, causal: bool = True, window: int = 0):
-    """FlexAttention's BlockMask for packed rows: the same rule as `packed_mask` (same document, causal, the
-    sliding window; padding attends to itself), evaluated blockwise so that fully masked blocks (other documents,
-    the future, padding) are skipped. Built once per stack; compiled when built outside torch.compile."""
+    """FlexAttention's BlockMask for packed rows: the same rule as `packed_mask` (same document,
+    causal, the sliding window; padding attends to itself), evaluated blockwise so that fully masked
+    blocks (other documents, the future, padding) are skipped. Built once per stack; compiled when
+    built outside torch.compile."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     B, T = doc_BT.shape
@@ -165,10 +173,10 @@ _COMPILED_FLEX = None
 
 
 def _flex():
-    """flex_attention, compiled when called from eager code (uncompiled, it materialises the scores); under
-    torch.compile the surrounding graph compiles it. Shapes are automatically dynamic after the first new one
-    (generation and evaluation meet many lengths: one graph each would soon pass dynamo's recompile limit, past
-    which flex would run uncompiled)."""
+    """flex_attention, compiled when called from eager code (uncompiled, it materialises the
+    scores); under torch.compile the surrounding graph compiles it. Shapes are automatically dynamic
+    after the first new one (generation and evaluation meet many lengths: one graph each would soon
+    pass dynamo's recompile limit, past which flex would run uncompiled)."""
     global _COMPILED_FLEX
     from torch.nn.attention.flex_attention import flex_attention
 
@@ -179,9 +187,11 @@ def _flex():
     return _COMPILED_FLEX
 
 
-def attend(q_BQTd, k_BJTd, v_BJTd, doc_BT, backend: str, mask_B1TT=None, causal: bool = True, window: int = 0):
-    """Packed attention; `mask_B1TT` may be passed in to share it across the layers of a stack (it then already
-    holds the sliding `window`; per backend it is the flash layout, the document segments or the BlockMask)."""
+def attend(q_BQTd, k_BJTd, v_BJTd, doc_BT, backend: str, mask_B1TT=None, causal: bool = True,
+           window: int = 0):
+    """Packed attention; `mask_B1TT` may be passed in to share it across the layers of a stack (it
+    then already holds the sliding `window`; per backend it is the flash layout, the document
+    segments or the BlockMask)."""
     if backend in ("flash", "varlen"):
         layout = mask_B1TT if mask_B1TT is not None else flash_layout(doc_BT)
         return _varlen(q_BQTd, k_BJTd, v_BJTd, layout, causal, window, backend)
@@ -190,7 +200,8 @@ def attend(q_BQTd, k_BJTd, v_BJTd, doc_BT, backend: str, mask_B1TT=None, causal:
         return _per_document(q_BQTd, k_BJTd, v_BJTd, doc_BT, segments, causal, window)
     if backend == "flex":
         block_mask = mask_B1TT if mask_B1TT is not None else document_block_mask(doc_BT, causal, window)
-        return _flex()(q_BQTd, k_BJTd, v_BJTd, block_mask=block_mask, enable_gqa=k_BJTd.shape[1] != q_BQTd.shape[1])
+        return _flex()(q_BQTd, k_BJTd, v_BJTd, block_mask=block_mask,
+                       enable_gqa=k_BJTd.shape[1] != q_BQTd.shape[1])
     if mask_B1TT is None:
         mask_B1TT = packed_mask(doc_BT, causal, window)
     if backend == "eager":
@@ -222,37 +233,42 @@ class Attention(nn.Module):
     def joint_qkv(self, x_BTD, c_BTD):
         """Eq. 11: q = z W_q + c W^c_q (same for k, v), c the EMA concept each token reads.
 
-        One deviation (docs/deviations.md): c is RMS-normed first. In a pre-norm layer the token side of eq. 11
-        is the normed z (the block's attn_norm) while c is the concept model's raw residual stream, whose scale
-        is set by the concept stack's depth and width: 0.09-0.13 of the normed z's RMS in the 300-step
-        experiment_text runs, and larger in deep models. The norm puts both sums on one scale, and the gradient
-        of W^c (zero when converting a pretrained MoE) independent of that stream's. It costs nothing measurable:
-        held-out loss at step 300, 3 seeds, 0.9799 with it and 0.9799 without.
+        One deviation (docs/deviations.md): c is RMS-normed first. In a pre-norm layer the token
+        side of eq. 11 is the normed z (the block's attn_norm) while c is the concept model's raw
+        residual stream, whose scale is set by the concept stack's depth and width: 0.09-0.13 of the
+        normed z's RMS in the 300-step experiment_text runs, and larger in deep models. The norm
+        puts both sums on one scale, and the gradient of W^c (zero when converting a pretrained MoE)
+        independent of that stream's. It costs nothing measurable: held-out loss at step 300, 3
+        seeds, 0.9799 with it and 0.9799 without.
 
-        Returned fused, [B, T, (heads + 2 kv_heads) * head_dim]: one matmul for q, k and v (the weights keep their
-        transformers names and are concatenated per call)."""
-        qkv = F.linear(x_BTD, torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]))
+        Returned fused, [B, T, (heads + 2 kv_heads) * head_dim]: one matmul for q, k and v (the
+        weights keep their transformers names and are concatenated per call)."""
+        qkv = F.linear(x_BTD,
+                       torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]))
         if self.joint and c_BTD is not None:
             c = self.concept_norm(c_BTD)
-            qkv = qkv + F.linear(c, torch.cat([self.cq_proj.weight, self.ck_proj.weight, self.cv_proj.weight]))
+            qkv = qkv + F.linear(c,
+                                 torch.cat([self.cq_proj.weight, self.ck_proj.weight,
+                                            self.cv_proj.weight]))
         return qkv
 
     def _heads(self, x_BTD, c_BTD, rope):
-        """q [B, heads, T, d], k and v [B, kv_heads, T, d]: QK-norm and RoPE applied to queries and keys together
-        (one kernel chain for both; the norm's weight per head)."""
+        """q [B, heads, T, d], k and v [B, kv_heads, T, d]: QK-norm and RoPE applied to queries and
+        keys together (one kernel chain for both; the norm's weight per head)."""
         B, T, _ = x_BTD.shape
         qkv = self.joint_qkv(x_BTD, c_BTD).view(B, T, self.h + 2 * self.kv, self.hd).transpose(1, 2)
         qk, v = qkv.split([self.h + self.kv, self.kv], 1)
         if self.q_norm is not None:
-            w = torch.cat([self.q_norm.weight.expand(self.h, -1), self.k_norm.weight.expand(self.kv, -1)])
+            w = torch.cat([self.q_norm.weight.expand(self.h, -1),
+                           self.k_norm.weight.expand(self.kv, -1)])
             qk = rms_norm(qk, w[:, None], self.q_norm.eps)
         if rope is not None:
             qk = apply_rope(qk, *rope)
         q, k = qk.split([self.h, self.kv], 1)
         return q, k, v
 
-    def forward(self, x_BTD, doc_BT, rope, backend: str, mask=None, c_BTD=None, cache: KVCache | None = None,
-                window: int = 0):
+    def forward(self, x_BTD, doc_BT, rope, backend: str, mask=None, c_BTD=None,
+                cache: KVCache | None = None, window: int = 0):
         """`cache` (prefill): each row is one document; its keys and values are kept for `step`."""
         B, T, _ = x_BTD.shape
         q, k, v = self._heads(x_BTD, c_BTD, rope)
@@ -262,8 +278,8 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.h * self.hd))
 
     def step(self, x_B1D, rope, cache: KVCache, advance_B: torch.Tensor | None = None, c_B1D=None):
-        """One new token (or concept) per row, attending over its row's cache; rows with `advance_B` False do not
-        keep it (a concept that did not close)."""
+        """One new token (or concept) per row, attending over its row's cache; rows with `advance_B`
+        False do not keep it (a concept that did not close)."""
         B = x_B1D.shape[0]
         q, k, v = self._heads(x_B1D, c_B1D, rope)
         out = cache.append_and_attend(q, k, v, advance_B)

@@ -1,9 +1,9 @@
 """Chunk (ConceptMoE section 3.2) over packed rows; the dechunk (3.3) is in dechunk.py.
 
-Convention (DESIGN.md): a boundary at n closes a concept made of the tokens after the previous boundary
-(within the same document) up to and including n; tokens n .. next boundary - 1 read that concept.
-The first token of every document is a boundary (p = 1), so no token reads a concept of another
-document or one built from later tokens.
+Convention (DESIGN.md): a boundary at n closes a concept made of the tokens after the previous
+boundary (within the same document) up to and including n; tokens n .. next boundary - 1 read that
+concept. The first token of every document is a boundary (p = 1), so no token reads a concept of
+another document or one built from later tokens.
 """
 from __future__ import annotations
 
@@ -41,9 +41,9 @@ def sample_boundaries(p_sharp: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 def concept_capacity(T: int, slack: float | None, R: float) -> int:
-    """Concept positions per row: ceil(T * slack / R) rounded up to a multiple of 16 (kernel tiles), at most T;
-    T when `slack` is None. A static function of the row length, so the concept model's shapes never depend on
-    the data (no host synchronisation)."""
+    """Concept positions per row: ceil(T * slack / R) rounded up to a multiple of 16 (kernel tiles),
+    at most T; T when `slack` is None. A static function of the row length, so the concept model's
+    shapes never depend on the data (no host synchronisation)."""
     if slack is None:
         return T
     return min(T, -(-math.ceil(T * slack / R) // 16) * 16)
@@ -53,32 +53,38 @@ def concept_capacity(T: int, slack: float | None, R: float) -> int:
 class Chunks(NamedTuple):
     """Everything the rest of the model needs to know about one chunking of a batch.
 
-    A NamedTuple rather than a dataclass: DeepSpeed ZeRO-3 follows tensors through module outputs only
-    inside tuples, lists and dicts."""
+    A NamedTuple rather than a dataclass: DeepSpeed ZeRO-3 follows tensors through module outputs
+    only inside tuples, lists and dicts."""
 
     p_BT: torch.Tensor         # boundary probability (0 at padding)
     b_BT: torch.Tensor         # bool boundaries (the router's, capacity overflow included)
     sel_BT: torch.Tensor       # probability of the selected outcome (p if boundary else 1-p)
-    cidx_BT: torch.Tensor      # psi(n): concept read by token n (-1 at padding and past the concept capacity)
-    cdoc_BM: torch.Tensor      # document of each concept (-1 at padding); M is the static concept capacity
+    # psi(n): concept read by token n (-1 at padding and past the concept capacity)
+    cidx_BT: torch.Tensor
+    # document of each concept (-1 at padding); M is the static concept capacity
+    cdoc_BM: torch.Tensor
     cpos_BM: torch.Tensor      # index of the concept within its document
     cp_BM: torch.Tensor        # p at each concept's boundary
     loss: torch.Tensor         # ratio loss (eq. 4), summed over ratio groups
     local_stats: torch.Tensor  # [Z, 3] (boundaries, sum p, tokens) per ratio group
-    overflow: torch.Tensor     # 0-d: boundaries past their row's concept capacity (concepts not computed)
-    # Synergy eq. 3's gate sigmoid(w) at each concept's boundary (topk router); None: the concepts are not gated
-    # and eq. 10's STE(sel) multiplies them
+    # 0-d: boundaries past their row's concept capacity (concepts not computed)
+    overflow: torch.Tensor
+    # Synergy eq. 3's gate sigmoid(w) at each concept's boundary (topk router); None: the concepts
+    # are not gated and eq. 10's STE(sel) multiplies them
     cgate_BM: torch.Tensor | None = None
 
 
 class ChunkStep(NamedTuple):
-    """One decode step's chunking (`ChunkModule.step`): `forward` and `merge` for one new token per row. Every
-    row is present (fixed shapes); only the rows with `b_B` close a concept, the others' values are not used."""
+    """One decode step's chunking (`ChunkModule.step`): `forward` and `merge` for one new token per
+    row. Every row is present (fixed shapes); only the rows with `b_B` close a concept, the others'
+    values are not used."""
 
     p_B: torch.Tensor          # boundary probability
     b_B: torch.Tensor          # bool: the token closes a concept
-    c_BD: torch.Tensor         # the concept each row closes, as `merge` builds it (the concept model's input)
-    gate_B: torch.Tensor | None = None   # Synergy eq. 3's gate of that concept (topk router), as Chunks.cgate_BM
+    # the concept each row closes, as `merge` builds it (the concept model's input)
+    c_BD: torch.Tensor
+    # Synergy eq. 3's gate of that concept (topk router), as Chunks.cgate_BM
+    gate_B: torch.Tensor | None = None
 
 
 class ChunkModule(nn.Module):
@@ -95,22 +101,26 @@ class ChunkModule(nn.Module):
         elif cfg.router == "topk":   # Synergy eq. 1: one score per token from its own state
             self.score = nn.Linear(dim, 1)
             self.register_buffer("threshold", torch.zeros(()))
-            # (sum of batch quantiles, batches) since the last `update_threshold`; not saved: a step's partial sums
+            # (sum of batch quantiles, batches) since the last `update_threshold`; not saved: a
+            # step's partial sums
             self.register_buffer("quantile_accum", torch.zeros(2), persistent=False)
-        # True (set by train_step): training forwards only accumulate the threshold statistics and the trainer
-        # folds them in once per optimizer step; False (a module used alone): every training forward moves it
+        # True (set by train_step): training forwards only accumulate the threshold statistics and
+        # the trainer folds them in once per optimizer step; False (a module used alone): every
+        # training forward moves it
         self.threshold_per_step = False
         self.every = max(2, round(cfg.target_ratio))   # the fixed router's spacing
-        # Global parser (DLCM): maps local [Z, 3] sums to global ones (ranks, micro-batches). Set by the trainer.
+        # Global parser (DLCM): maps local [Z, 3] sums to global ones (ranks, micro-batches). Set by
+        # the trainer.
         self.stats_hook: Callable[[torch.Tensor], torch.Tensor] | None = None
-        # Boundary noise (vlm.model.noise): a pure function of this seed and the position. Unseeded, every
-        # training forward draws a fresh seed from torch's RNG; `seed_boundaries` fixes it (a step's passes).
+        # Boundary noise (vlm.model.noise): a pure function of this seed and the position. Unseeded,
+        # every training forward draws a fresh seed from torch's RNG; `seed_boundaries` fixes it (a
+        # step's passes).
         self.register_buffer("noise_seed", torch.zeros((), dtype=torch.long), persistent=False)
         self.seeded = False
 
     def seed_boundaries(self, seed: int | None) -> None:
-        """The seed of the next forwards' boundary noise (None: a fresh one per forward). Held in a tensor, so a
-        new seed is no new compilation."""
+        """The seed of the next forwards' boundary noise (None: a fresh one per forward). Held in a
+        tensor, so a new seed is no new compilation."""
         self.seeded = seed is not None
         if seed is not None:
             self.noise_seed.fill_(seed % (2 ** 63 - 1))
@@ -121,11 +131,12 @@ class ChunkModule(nn.Module):
         return torch.randint(0, 2 ** 62, (), device=self.noise_seed.device)
 
     def capacity(self, T: int, training: bool | None = None) -> int:
-        """The static concept capacity of a T-token row (`concept_capacity` at the smallest target ratio), with the
-        training or the eval slack (None: the module's mode)."""
+        """The static concept capacity of a T-token row (`concept_capacity` at the smallest target
+        ratio), with the training or the eval slack (None: the module's mode)."""
         R = min(list((self.cfg.modality_targets() or {}).values()) or [self.cfg.target_ratio])
         training = self.training if training is None else training
-        return concept_capacity(T, self.cfg.capacity_slack if training else self.cfg.eval_capacity_slack, R)
+        return concept_capacity(T, self.cfg.capacity_slack if training
+                                else self.cfg.eval_capacity_slack, R)
 
     def boundary_prob(self, h_BTD, doc_BT, above_BT=None):
         if self.cfg.router == "cosine":
@@ -140,7 +151,8 @@ class ChunkModule(nn.Module):
         elif self.cfg.router == "fixed":
             p = (positions_in_doc(doc_BT) % self.every == 0).to(h_BTD.dtype)
         elif self.cfg.router == "topk":
-            # p = sigmoid(w - tau): p >= 0.5 is w >= tau, the causal rule inference uses (see topk_boundaries)
+            # p = sigmoid(w - tau): p >= 0.5 is w >= tau, the causal rule inference uses (see
+            # topk_boundaries)
             p = torch.sigmoid(self.score(h_BTD).squeeze(-1).float() - self.threshold)
         else:
             prev = F.pad(h_BTD[:, :-1], (0, 0, 1, 0))
@@ -150,22 +162,28 @@ class ChunkModule(nn.Module):
         return torch.where(doc_BT >= 0, p, torch.zeros_like(p)), start
 
     def topk_boundaries(self, w_BT: torch.Tensor, doc_BT: torch.Tensor) -> torch.Tensor:
-        """Synergy eq. 2 in training: the ceil(n / R) highest-scoring tokens of each n-token document.
+        """Synergy eq. 2 in training: the ceil(n / R) highest-scoring tokens of each n-token
+        document.
 
-        A top-k over a document looks ahead, so inference cannot use it. Synergy leaves the inference rule open
-        (MoD trains a causal predictor); here a token is a boundary when its score clears `threshold`, a running
-        average of the batches' (1 - 1/R) score quantile (see `update_threshold`). Each decision then depends on
-        the token's own score alone, and a prefix's boundaries never change as tokens arrive; the rate matches
-        1/R over the batch, not per document (docs/deviations.md has the measured agreement with the top-k)."""
+        A top-k over a document looks ahead, so inference cannot use it. Synergy leaves the
+        inference rule open (MoD trains a causal predictor); here a token is a boundary when its
+        score clears `threshold`, a running average of the batches' (1 - 1/R) score quantile (see
+        `update_threshold`). Each decision then depends on the token's own score alone, and a
+        prefix's boundaries never change as tokens arrive; the rate matches 1/R over the batch, not
+        per document (docs/deviations.md has the measured agreement with the top-k)."""
         B, T = w_BT.shape
         valid = doc_BT >= 0
         R = self.cfg.target_ratio
-        by_score = torch.argsort(torch.where(valid, w_BT, float("-inf")), dim=1, descending=True, stable=True)
-        order = by_score.gather(1, torch.argsort(doc_BT.gather(1, by_score), dim=1, stable=True))  # doc, then score
+        by_score = torch.argsort(torch.where(valid, w_BT, float("-inf")), dim=1, descending=True,
+                                 stable=True)
+        # doc, then score
+        order = by_score.gather(1, torch.argsort(doc_BT.gather(1, by_score), dim=1, stable=True))
         doc_s = doc_BT.gather(1, order)
         t = torch.arange(T, device=w_BT.device).expand(B, T)
-        first = torch.where(F.pad(doc_s[:, 1:] != doc_s[:, :-1], (1, 0), value=True), t, 0).cummax(1).values
-        n_doc = torch.zeros(B, T + 1, device=w_BT.device).scatter_add_(1, (doc_BT + 1).clamp(0, T), valid.float())
+        first = torch.where(F.pad(doc_s[:, 1:] != doc_s[:, :-1], (1, 0), value=True), t,
+                            0).cummax(1).values
+        n_doc = torch.zeros(B, T + 1, device=w_BT.device).scatter_add_(1, (doc_BT + 1).clamp(0, T),
+                                                                       valid.float())
         k_s = torch.ceil(n_doc.gather(1, (doc_s + 1).clamp(0, T)) / R)
         b = torch.zeros_like(valid).scatter(1, order, (t - first) < k_s) & valid
         # the batch's (1 - 1/R) score quantile, padding as NaN (no boolean indexing: no host sync)
@@ -179,18 +197,21 @@ class ChunkModule(nn.Module):
 
     @torch.no_grad()
     def update_threshold(self, accum: torch.Tensor | None = None) -> None:
-        """threshold <- 0.9 threshold + 0.1 (mean batch quantile since the last update), then the statistics are
-        reset. The trainer calls it once per applied optimizer step with `accum` summed over ranks, so the rate
-        does not depend on gradient accumulation or on no-gradient statistics passes."""
+        """threshold <- 0.9 threshold + 0.1 (mean batch quantile since the last update), then the
+        statistics are reset. The trainer calls it once per applied optimizer step with `accum`
+        summed over ranks, so the rate does not depend on gradient accumulation or on no-gradient
+        statistics passes."""
         s = self.quantile_accum if accum is None else accum.to(self.quantile_accum)
         mean = s[0] / s[1].clamp_min(1)
-        self.threshold.copy_(torch.where(s[1] > 0, 0.9 * self.threshold + 0.1 * mean, self.threshold))
+        self.threshold.copy_(torch.where(s[1] > 0, 0.9 * self.threshold + 0.1 * mean,
+                                         self.threshold))
         self.quantile_accum.zero_()
 
     def concept_gate(self, h_BTD: torch.Tensor) -> torch.Tensor | None:
-        """Synergy eq. 3: sigma_i = sigmoid(w_i), w_i (eq. 1) the score of the token that closes the concept; None
-        for the other routers (their concepts are not gated; eq. 10's STE(sel) multiplies them instead). Against
-        eq. 10's STE on the top-k router: held-out loss 0.9712 vs 0.9718 at step 300, 3 seeds (docs/deviations.md)."""
+        """Synergy eq. 3: sigma_i = sigmoid(w_i), w_i (eq. 1) the score of the token that closes the
+        concept; None for the other routers (their concepts are not gated; eq. 10's STE(sel)
+        multiplies them instead). Against eq. 10's STE on the top-k router: held-out loss 0.9712 vs
+        0.9718 at step 300, 3 seeds (docs/deviations.md)."""
         if self.cfg.router != "topk":
             return None
         return torch.sigmoid(self.score(h_BTD).squeeze(-1).float())
@@ -204,8 +225,9 @@ class ChunkModule(nn.Module):
         return [(valid_BT, self.cfg.target_ratio)]
 
     def compute_ratio_loss(self, p_BT, b_BT, groups, doc_BT=None):
-        """Eq. 4 per ratio group over the global batch (the paper), plus with `document_slack` the per-document
-        term (`document_ratio_loss`) of each group. Returns (loss, local [Z, 3] sums)."""
+        """Eq. 4 per ratio group over the global batch (the paper), plus with `document_slack` the
+        per-document term (`document_ratio_loss`) of each group. Returns (loss, local [Z, 3]
+        sums)."""
         masks = torch.stack([m for m, _ in groups])                            # [Z, B, T]
         pf = p_BT.float()
         sum_p = (masks * pf).flatten(1).sum(-1)                                # [Z] with grad
@@ -215,13 +237,15 @@ class ChunkModule(nn.Module):
         count = glob[:, 2].clamp_min(1)
         F_ = glob[:, 0] / count
         G = (sum_p + (glob[:, 1] - local[:, 1])) / count
-        # A group with no tokens anywhere contributes nothing (masked on device: no host sync per group).
+        # A group with no tokens anywhere contributes nothing (masked on device: no host sync per
+        # group).
         losses = torch.stack([ratio_loss(F_[k], G[k], r) for k, (_, r) in enumerate(groups)])
         loss = torch.where(glob[:, 2] > 0, losses, torch.zeros_like(losses)).sum()
         if self.cfg.holds_documents and doc_BT is not None:
             slot_BT, S = document_slots(doc_BT)
             idx = slot_BT.flatten()
-            for k, (mask, r) in enumerate(groups):   # one or two groups: a loop over modalities, not tokens
+            # one or two groups: a loop over modalities, not tokens
+            for k, (mask, r) in enumerate(groups):
                 m = mask.flatten().float()
                 n_S = pf.new_zeros(S).index_add(0, idx, m)
                 b_S = pf.new_zeros(S).index_add(0, idx, m * b_BT.flatten().float())
@@ -230,13 +254,15 @@ class ChunkModule(nn.Module):
                                                                              self.cfg.document_slack)
         return loss, local
 
-    def forward(self, h_BTD, doc_BT, modality_BT=None, above_BT=None, force: str | torch.Tensor | None = None) -> Chunks:
+    def forward(self, h_BTD, doc_BT, modality_BT=None, above_BT=None,
+                force: str | torch.Tensor | None = None) -> Chunks:
         valid = doc_BT >= 0
         modality_BT = torch.zeros_like(doc_BT) if modality_BT is None else modality_BT
         p, start = self.boundary_prob(h_BTD, doc_BT, above_BT)
         if isinstance(force, torch.Tensor):
             b = force.bool() | start
-        elif force == "all":  # every token its own concept, p = 1: the lossless-conversion starting point
+        # every token its own concept, p = 1: the lossless-conversion starting point
+        elif force == "all":
             p = torch.where(valid, torch.ones_like(p), p)
             b = valid.clone()
         elif self.training and self.cfg.router == "topk":
@@ -253,14 +279,16 @@ class ChunkModule(nn.Module):
         b = b & valid
         sel = torch.where(b, p, 1 - p)
         loss, local = self.compute_ratio_loss(p, b, self.ratio_groups(valid, modality_BT), doc_BT)
-        # Concepts go into a static capacity of M per row (no host synchronisation): everything scatters into a
-        # spill column M (non-boundary tokens, and boundaries past the capacity) that is dropped. Tokens whose
-        # concept lies past the capacity read none (cidx -1); those concepts are counted, not hidden.
+        # Concepts go into a static capacity of M per row (no host synchronisation): everything
+        # scatters into a spill column M (non-boundary tokens, and boundaries past the capacity)
+        # that is dropped. Tokens whose concept lies past the capacity read none (cidx -1); those
+        # concepts are counted, not hidden.
         M = doc_BT.shape[1] if force == "all" else self.capacity(doc_BT.shape[1])
         count_BT = b.long().cumsum(1) - 1
         if doc_BT.device.type == "cpu" and not torch.compiler.is_compiling():
-            # The CPU's host is its device: reading the largest count costs nothing there, and the capacity's unused
-            # columns (read by no token) need not be computed. Same numbers, less work; GPUs keep the static shape.
+            # The CPU's host is its device: reading the largest count costs nothing there, and the
+            # capacity's unused columns (read by no token) need not be computed. Same numbers, less
+            # work; GPUs keep the static shape.
             M = min(M, int(count_BT[:, -1].max()) + 1) if b.numel() else 0
         fits = count_BT < M
         cidx = torch.where(valid & fits, count_BT, torch.full_like(doc_BT, -1))
@@ -271,44 +299,52 @@ class ChunkModule(nn.Module):
         cp = p.new_zeros(doc_BT.shape[0], M + 1).scatter(1, slot_BT, p)[:, :M]
         gate_BT = self.concept_gate(h_BTD)
         cgate = None
-        if gate_BT is not None:   # each concept keeps its boundary token's gate (the spill column M is dropped)
+        # each concept keeps its boundary token's gate (the spill column M is dropped)
+        if gate_BT is not None:
             cgate = gate_BT.new_zeros(doc_BT.shape[0], M + 1).scatter(1, slot_BT, gate_BT)[:, :M]
-        return Chunks(p, b, sel, cidx, cdoc, positions_in_doc(cdoc), cp, loss, local, overflow, cgate)
+        return Chunks(p, b, sel, cidx, cdoc, positions_in_doc(cdoc), cp, loss, local, overflow,
+                      cgate)
 
     def merge(self, h_BTD: torch.Tensor, doc_BT: torch.Tensor, ch: Chunks) -> torch.Tensor:
-        """Concepts [B, M, D] from token states: `last` takes h at the boundary, `sum`/`mean` pool the concept's tokens."""
+        """Concepts [B, M, D] from token states: `last` takes h at the boundary, `sum`/`mean` pool
+        the concept's tokens."""
         B, M = ch.cdoc_BM.shape
         if self.cfg.merge == "last":
             slot_BT = torch.where(ch.b_BT & (ch.cidx_BT >= 0), ch.cidx_BT, M)
         else:
-            # Token n belongs to the concept closed by the first boundary at or after n, if that boundary is in
-            # n's own document (a document's tail after its last boundary forms no concept) and within capacity.
+            # Token n belongs to the concept closed by the first boundary at or after n, if that
+            # boundary is in n's own document (a document's tail after its last boundary forms no
+            # concept) and within capacity.
             seg_BT = ch.b_BT.long().cumsum(1) - ch.b_BT.long()
             member = (doc_BT >= 0) & (seg_BT < M) & (ch.cdoc_BM.gather(1, seg_BT.clamp(0, max(M - 1, 0))) == doc_BT)
             slot_BT = torch.where(member, seg_BT, M)
-        # a spill slot M per row takes every non-member token and is dropped: no boolean indexing, no host sync
+        # a spill slot M per row takes every non-member token and is dropped: no boolean indexing,
+        # no host sync
         flat_N = (slot_BT + torch.arange(B, device=slot_BT.device)[:, None] * (M + 1)).flatten()
         D = h_BTD.shape[-1]
         out = h_BTD.new_zeros(B * (M + 1), D).index_add(0, flat_N, h_BTD.reshape(-1, D))
         out = out.view(B, M + 1, D)[:, :M]
         if self.cfg.merge == "mean":
-            n_BM = h_BTD.new_zeros(B * (M + 1)).index_add(0, flat_N, h_BTD.new_ones(flat_N.shape[0]))
+            n_BM = h_BTD.new_zeros(B * (M + 1)).index_add(0, flat_N,
+                                                          h_BTD.new_ones(flat_N.shape[0]))
             out = out / n_BM.view(B, M + 1)[:, :M].clamp_min(1)[..., None]
         return out
 
     # ---------------------------------------------------------------- inference
-    def step(self, h_BD: torch.Tensor, state: RouterState, force_B: torch.Tensor | None = None) -> ChunkStep:
-        """`forward` and `merge` for one new token per row (eval mode): whether it closes a concept and, for the
-        rows where it does, that concept (and its gate). `force_B` sets the boundaries instead of the router (as
-        `forward`'s `force`). Updates `state` in place; fixed shapes, no host synchronisation."""
+    def step(self, h_BD: torch.Tensor, state: RouterState,
+             force_B: torch.Tensor | None = None) -> ChunkStep:
+        """`forward` and `merge` for one new token per row (eval mode): whether it closes a concept
+        and, for the rows where it does, that concept (and its gate). `force_B` sets the boundaries
+        instead of the router (as `forward`'s `force`). Updates `state` in place; fixed shapes, no
+        host synchronisation."""
         p_B, b_B = self.boundary_step(h_BD, state)
         b_B = b_B if force_B is None else force_B.bool()
         concept_BD = self.merge_step(h_BD, b_B, state)
         return ChunkStep(p_B, b_B, concept_BD, self.concept_gate(h_BD))
 
     def boundary_step(self, h_BD: torch.Tensor, state: RouterState) -> tuple[torch.Tensor, torch.Tensor]:
-        """One new token per row (eval mode): its boundary probability (eq. 2 against the previous token) and
-        whether it closes a concept (p >= 0.5). Updates the state's last key."""
+        """One new token per row (eval mode): its boundary probability (eq. 2 against the previous
+        token) and whether it closes a concept (p >= 0.5). Updates the state's last key."""
         if self.cfg.router == "cosine":
             q, key = self.q_proj(h_BD), self.k_proj(h_BD)
             cos = F.cosine_similarity(q.float(), state.last_key_BD.float(), dim=-1, eps=1e-6)
@@ -321,16 +357,19 @@ class ChunkModule(nn.Module):
             p = torch.sigmoid(self.score(h_BD).squeeze(-1).float() - self.threshold)
         else:
             key = h_BD
-            p = torch.sigmoid(self.score(torch.cat([h_BD, state.last_key_BD], -1)).squeeze(-1).float())
+            p = torch.sigmoid(self.score(torch.cat([h_BD, state.last_key_BD],
+                                                   -1)).squeeze(-1).float())
         state.last_key_BD.copy_(key)   # in place: a captured (CUDA graph) step keeps its buffers
         return p, p >= 0.5
 
     def merge_step(self, h_BD: torch.Tensor, b_B: torch.Tensor, state: RouterState) -> torch.Tensor:
-        """The concept each row would close with this token ([B, D]; meaningful where `b_B`), as `merge` builds
-        it; rows that close one start a new pending concept."""
+        """The concept each row would close with this token ([B, D]; meaningful where `b_B`), as
+        `merge` builds it; rows that close one start a new pending concept."""
         n_B = state.pending_n_B + 1
-        state.pending_n_B.copy_(torch.where(b_B, torch.zeros_like(n_B), n_B))   # in place, as every state update
-        if self.cfg.merge == "last":   # only the count of pending tokens is kept (the fixed router reads it)
+        # in place, as every state update
+        state.pending_n_B.copy_(torch.where(b_B, torch.zeros_like(n_B), n_B))
+        # only the count of pending tokens is kept (the fixed router reads it)
+        if self.cfg.merge == "last":
             return h_BD
         concept = state.pending_BD + h_BD
         state.pending_BD.copy_(torch.where(b_B[:, None], torch.zeros_like(concept), concept))
@@ -339,8 +378,8 @@ class ChunkModule(nn.Module):
         return concept
 
     def prefill_state(self, h_BTD: torch.Tensor, doc_BT: torch.Tensor, ch: Chunks) -> RouterState:
-        """The state after a prompt (one document per row): the last token's key and the tokens after the last
-        boundary (no concept yet)."""
+        """The state after a prompt (one document per row): the last token's key and the tokens
+        after the last boundary (no concept yet)."""
         B, T, _ = h_BTD.shape
         valid = doc_BT >= 0
         rows = torch.arange(B, device=h_BTD.device)

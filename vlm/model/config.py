@@ -16,21 +16,25 @@ class MoEConfig(ValidatedOnInit):
     expert_hidden: int = 96           # intermediate size of one routed expert
     num_shared_experts: int = 0       # always-on experts (DeepSeek style)
     shared_hidden: int = 128          # intermediate size of one shared expert
-    # softmax / sigmoid: one score per expert chooses (with the balancing bias) and weighs; grove (Grove eq. 9):
-    # sigmoid scores plus the bias choose, the softmax scores rho^(h) weigh (see grove_weights)
+    # softmax / sigmoid: one score per expert chooses (with the balancing bias) and weighs; grove
+    # (Grove eq. 9): sigmoid scores plus the bias choose, the softmax scores rho^(h) weigh (see
+    # grove_weights)
     router: Literal["softmax", "sigmoid", "grove"] = "softmax"
-    norm_topk_prob: bool = True        # softmax / sigmoid routers: renormalise the chosen weights (Qwen3-MoE, Mixtral)
-    # grove router's combine weights: "softmax" is eq. 9-10's rho^(h) over all n experts (the chosen ones sum to
-    # less than 1); "renormalised" rescales them to sum to 1 (= a softmax over the chosen logits; not the paper)
+    # softmax / sigmoid routers: renormalise the chosen weights (Qwen3-MoE, Mixtral)
+    norm_topk_prob: bool = True
+    # grove router's combine weights: "softmax" is eq. 9-10's rho^(h) over all n experts (the chosen
+    # ones sum to less than 1); "renormalised" rescales them to sum to 1 (= a softmax over the
+    # chosen logits; not the paper)
     grove_weights: Literal["softmax", "renormalised"] = "softmax"
     balance_loss_weight: float = 0.01  # Switch-style; 0 disables
     z_loss_weight: float = 0.0
     loss_free_balancing: bool = True   # Grove eq. 6-10 / DeepSeek-V3 bias, selection only
     bias_update_rate: float = 1e-3
-    # loss-free bias step: "sign" (DeepSeek-V3, torchtitan: rate * sign(mean load - load)) or "rms" (Grove eq. 8:
-    # rate * (Q - F) / RMS(F - Q), the imbalance normalised by its root mean square)
+    # loss-free bias step: "sign" (DeepSeek-V3, torchtitan: rate * sign(mean load - load)) or "rms"
+    # (Grove eq. 8: rate * (Q - F) / RMS(F - Q), the imbalance normalised by its root mean square)
     bias_update: Literal["sign", "rms"] = "sign"
-    grove_groups: int = 0             # 0: no adjugate experts; else experts split into this many groups
+    # 0: no adjugate experts; else experts split into this many groups
+    grove_groups: int = 0
     grove_hidden: int = 32            # intermediate size of an adjugate expert
     grove_lambda: float = 0.05
 
@@ -44,12 +48,13 @@ class MoEConfig(ValidatedOnInit):
         check(self.router in ("softmax", "sigmoid", "grove"),
               f"router: got {self.router!r}, allowed values: 'softmax', 'sigmoid', 'grove'")
         check(self.grove_weights in ("softmax", "renormalised"),
-              f"grove_weights: got {self.grove_weights!r}, allowed values: 'softmax', 'renormalised'")
+              f"grove_weights: got {self.grove_weights!r}, allowed values: 'softmax', "
+              f"'renormalised'")
         if self.grove_groups:
             check(self.num_experts % self.grove_groups == 0,
                   f"grove_groups={self.grove_groups} must divide num_experts={self.num_experts}")
-            # Grove 3.2: an adjugate's weight lambda * (sum of its group's chosen rho) must not exceed the
-            # experts' own, which holds for every routing only when lambda <= 1 / (n / g)
+            # Grove 3.2: an adjugate's weight lambda * (sum of its group's chosen rho) must not
+            # exceed the experts' own, which holds for every routing only when lambda <= 1 / (n / g)
             bound = self.grove_groups / self.num_experts
             check(0 < self.grove_lambda <= bound,
                   f"grove_lambda={self.grove_lambda} must be in (0, grove_groups / num_experts = "
@@ -61,94 +66,112 @@ class ChunkConfig(ValidatedOnInit):
     """Chunk / dechunk / joint decoding (ConceptMoE sections 3.2-3.4)."""
 
     enabled: bool = True              # False: the plain MoE baseline (same code path otherwise)
-    # cosine (eq. 2) or linear learn the boundaries; fixed puts one every round(target_ratio) tokens of each
-    # document (ConceptMoE 4.5.2's fixed-chunking ablation; nothing to learn, the ratio loss is a constant);
-    # topk (Synergy eq. 1-2, MoD): the n/R best-scoring tokens of each document in training, a learned score
-    # threshold at inference (causal)
+    # cosine (eq. 2) or linear learn the boundaries; fixed puts one every round(target_ratio) tokens
+    # of each document (ConceptMoE 4.5.2's fixed-chunking ablation; nothing to learn, the ratio loss
+    # is a constant); topk (Synergy eq. 1-2, MoD): the n/R best-scoring tokens of each document in
+    # training, a learned score threshold at inference (causal)
     router: Literal["cosine", "linear", "fixed", "topk"] = "cosine"
     target_ratio: float = 2.0         # R in eq. 4
     ratio_loss_weight: float = 0.03   # lambda
     tau: float = 6.0                  # sharpening temperature, eq. 5
-    # how training draws boundaries from p (section 4.6): eq. 5-6's Bernoulli on the sharpened p; p plus
-    # N(0, noise_sigma) thresholded at 0.5; or none (the eval-mode threshold in training too)
+    # how training draws boundaries from p (section 4.6): eq. 5-6's Bernoulli on the sharpened p; p
+    # plus N(0, noise_sigma) thresholded at 0.5; or none (the eval-mode threshold in training too)
     boundary_noise: Literal["bernoulli", "gaussian", "none"] = "bernoulli"
     noise_sigma: float = 0.1
     merge: Literal["last", "sum", "mean"] = "sum"
-    # eq. 10's z = h + c STE(sel) ("identity"), H-Net's projection of h ("linear"), or "delta":
-    # z = h + (c - c_in) STE(sel) with c_in the same EMA over the concept model's inputs, i.e. each token's own
-    # state plus the concept model's update; exactly the concept model's output when every token is a boundary
-    # (MoE -> ConceptMoE conversion is lossless with it, and a chunk's tokens still see themselves)
+    # eq. 10's z = h + c STE(sel) ("identity"), H-Net's projection of h ("linear"), or "delta": z =
+    # h + (c - c_in) STE(sel) with c_in the same EMA over the concept model's inputs, i.e. each
+    # token's own state plus the concept model's update; exactly the concept model's output when
+    # every token is a boundary (MoE -> ConceptMoE conversion is lossless with it, and a chunk's
+    # tokens still see themselves)
     residual: Literal["identity", "linear", "delta"] = "identity"
-    # decoder layers (counted from the last) that read the concepts: with eq. 11 (model.decoder_mode joint) or
-    # through DLCM's cross-attention (cross_attention); -1 = all
+    # decoder layers (counted from the last) that read the concepts: with eq. 11 (model.decoder_mode
+    # joint) or through DLCM's cross-attention (cross_attention); -1 = all
     joint_decoding_layers: int = -1
-    joint_decoding_zero_init: bool = False   # start those reads at zero (W^c of eq. 11, or the cross-attention's W_O)
-    # Beyond the paper: one ratio loss per modality (e.g. {"text": 2.0, "image": 4.0}) instead of a joint one; a
-    # modality given as null has its own loss at target_ratio ({text: null, image: null}: both follow it)
+    # start those reads at zero (W^c of eq. 11, or the cross-attention's W_O)
+    joint_decoding_zero_init: bool = False
+    # Beyond the paper: one ratio loss per modality (e.g. {"text": 2.0, "image": 4.0}) instead of a
+    # joint one; a modality given as null has its own loss at target_ratio ({text: null, image:
+    # null}: both follow it)
     modality_target_ratios: dict[str, float | None] | None = None
-    grid_aware_boundaries: bool = False  # image tokens also compare with the token above in the patch grid
-    # How far one document's ratio may move from its target R (per ratio group). null: the paper's batch statistics
-    # alone, which let the router meet R with all-or-nothing documents; s >= 1: each document's ratio may lie
-    # anywhere in [R/s, R*s] (content-adaptive allocation within that band) and a per-document ratio loss pulls
-    # it back from outside (s = 1: every document at R). See `document_ratio_loss`. The fixed and topk routers place
-    # R-spaced / n/R boundaries in every document themselves: the band holds by construction and adds nothing.
+    # image tokens also compare with the token above in the patch grid
+    grid_aware_boundaries: bool = False
+    # How far one document's ratio may move from its target R (per ratio group). null: the paper's
+    # batch statistics alone, which let the router meet R with all-or-nothing documents; s >= 1:
+    # each document's ratio may lie anywhere in [R/s, R*s] (content-adaptive allocation within that
+    # band) and a per-document ratio loss pulls it back from outside (s = 1: every document at R).
+    # See `document_ratio_loss`. The fixed and topk routers place R-spaced / n/R boundaries in every
+    # document themselves: the band holds by construction and adds nothing.
     document_slack: float | None = None
-    # weight of that per-document term relative to the batch term's (ratio_loss_weight): inside the band it is 0, so
-    # a large weight only sets how hard a document outside it is pulled back against the LM loss's pressure
+    # weight of that per-document term relative to the batch term's (ratio_loss_weight): inside the
+    # band it is 0, so a large weight only sets how hard a document outside it is pulled back
+    # against the LM loss's pressure
     document_weight: float = 30.0
-    # Static concept capacity (the model runs without host synchronisation, DESIGN.md "On the GPU"): in training each
-    # row's concept model gets ceil(T * capacity_slack / R) positions (R the smallest target; rounded up to a
-    # multiple of 16, at most T) instead of as many as its boundaries; concepts past it are not computed, the tokens
-    # that would read them read none (their decoder input is the residual alone), and they are counted
-    # (`Chunks.overflow`, logged as chunk/overflow). null: capacity T, which never overflows.
+    # Static concept capacity (the model runs without host synchronisation, DESIGN.md "On the GPU"):
+    # in training each row's concept model gets ceil(T * capacity_slack / R) positions (R the
+    # smallest target; rounded up to a multiple of 16, at most T) instead of as many as its
+    # boundaries; concepts past it are not computed, the tokens that would read them read none
+    # (their decoder input is the residual alone), and they are counted (`Chunks.overflow`, logged
+    # as chunk/overflow). null: capacity T, which never overflows.
     capacity_slack: float | None = 1.25
-    # the same in eval mode (held-out loss, prefill, generation); null (T) keeps inference exact whatever a prompt's
-    # ratio, at the cost of computing the unused capacity's dense projections in the concept model
+    # the same in eval mode (held-out loss, prefill, generation); null (T) keeps inference exact
+    # whatever a prompt's ratio, at the cost of computing the unused capacity's dense projections in
+    # the concept model
     eval_capacity_slack: float | None = None
 
     def modality_targets(self) -> dict[str, float] | None:
-        """The target of each modality's own ratio loss (null entries follow target_ratio), or None: one joint loss
-        at target_ratio. Everything that reads a target reads it here."""
+        """The target of each modality's own ratio loss (null entries follow target_ratio), or None:
+        one joint loss at target_ratio. Everything that reads a target reads it here."""
         if not self.modality_target_ratios:
             return None
-        return {m: self.target_ratio if r is None else r for m, r in self.modality_target_ratios.items()}
+        return {m: self.target_ratio if r is None else r for m,
+                r in self.modality_target_ratios.items()}
 
     @property
     def holds_documents(self) -> bool:
-        """The per-document band applies: `document_slack` set and a learned router (fixed and top-k place their
-        boundaries per document already)."""
+        """The per-document band applies: `document_slack` set and a learned router (fixed and top-k
+        place their boundaries per document already)."""
         return self.document_slack is not None and self.router in ("cosine", "linear")
 
     def validate(self) -> None:
-        check(self.target_ratio > 1.0, f"target_ratio must be > 1 (R = N/M), got {self.target_ratio}")
+        check(self.target_ratio > 1.0, f"target_ratio must be > 1 (R = N/M), got "
+                                       f"{self.target_ratio}")
         check(self.ratio_loss_weight >= 0, "ratio_loss_weight must be >= 0")
         check(self.tau >= 1.0, f"tau must be >= 1, got {self.tau}")
         check(self.noise_sigma > 0, f"noise_sigma must be > 0, got {self.noise_sigma}")
         if self.router == "fixed":
-            check(round(self.target_ratio) >= 2, f"router 'fixed' puts a boundary every round(target_ratio) tokens; "
+            check(round(self.target_ratio) >= 2, f"router 'fixed' puts a boundary every "
+                                                 f"round(target_ratio) tokens; "
                                                  f"target_ratio={self.target_ratio} rounds below 2")
             check(not self.modality_target_ratios, "router 'fixed' has one spacing (target_ratio); "
                                                    "modality_target_ratios needs a learned router")
             check(not self.grid_aware_boundaries, "grid_aware_boundaries needs the cosine router")
         if self.router == "topk":
-            check(not self.modality_target_ratios, "router 'topk' keeps n / target_ratio tokens per document; "
-                                                   "modality_target_ratios needs the cosine or linear router")
+            check(not self.modality_target_ratios,
+                  "router 'topk' keeps n / target_ratio tokens per document; "
+                                                   "modality_target_ratios needs the cosine or "
+                                                   "linear router")
             check(not self.grid_aware_boundaries, "grid_aware_boundaries needs the cosine router")
         for name in ("capacity_slack", "eval_capacity_slack"):
             v = getattr(self, name)
-            check(v is None or v >= 1.0, f"{name} must be >= 1 (concepts per row: T * slack / R) or null (T), got {v}")
+            check(v is None or v >= 1.0, f"{name} must be >= 1 (concepts per row: T * slack / R) "
+                                         f"or null (T), got {v}")
         if self.document_slack is not None:
-            check(self.document_weight > 0, f"document_weight must be > 0, got {self.document_weight}")
-            check(self.document_slack >= 1.0, f"document_slack must be >= 1 (a document's ratio lies in [R/s, R*s]), "
-                                              f"got {self.document_slack}")
+            check(self.document_weight > 0, f"document_weight must be > 0, got "
+                                            f"{self.document_weight}")
+            check(self.document_slack >= 1.0, f"document_slack must be >= 1 (a document's ratio "
+                                              f"lies in [R/s, R*s]), got {self.document_slack}")
             low = min((self.modality_targets() or {}).values(), default=self.target_ratio)
             check(low / self.document_slack > 1.0,
                   f"document_slack={self.document_slack} lets a document's ratio fall to R/s = "
-                  f"{low / self.document_slack:.3g} <= 1 for target {low}; use document_slack < {low}")
+                  f"{low / self.document_slack:.3g} <= 1 for target {low}; use document_slack < "
+                  f"{low}")
         if self.modality_target_ratios:
             for k, v in self.modality_target_ratios.items():
-                check(k in ("text", "image"), f"modality_target_ratios: unknown modality {k!r}; allowed: 'text', 'image'")
-                check(v is None or v > 1.0, f"modality_target_ratios.{k} must be > 1 or null (target_ratio), got {v}")
+                check(k in ("text", "image"), f"modality_target_ratios: unknown modality {k!r}; "
+                                              f"allowed: 'text', 'image'")
+                check(v is None or v > 1.0, f"modality_target_ratios.{k} must be > 1 or null "
+                                            f"(target_ratio), got {v}")
 
 
 @dataclass
@@ -174,33 +197,38 @@ class ModelConfig(ValidatedOnInit):
     concept_num_kv_heads: int | None = None
     concept_moe: MoEConfig | None = None
     concept_pos: Literal["rope", "none"] = "rope"
-    loop_start: int = 0               # concept layers [loop_start, loop_end) are repeated loop_times extra times
+    # concept layers [loop_start, loop_end) are repeated loop_times extra times
+    loop_start: int = 0
     loop_end: int = 0
     loop_times: int = 0
     tie_embeddings: bool = False
     init_std: float = 0.02
-    # auto: flash-attn on CUDA when installed, else FlexAttention with a document block mask (compiled; fused,
-    # no host synchronisation); on CPU docs, one SDPA per document (no T x T mask: memory linear in the row length,
-    # faster for long rows, see `vlm bench attention`), or sdpa under torch.compile; varlen: PyTorch's own varlen
-    # flash kernel (CUDA); sdpa / eager: the packed [B, 1, T, T] mask (the fallback)
+    # auto: flash-attn on CUDA when installed, else FlexAttention with a document block mask
+    # (compiled; fused, no host synchronisation); on CPU docs, one SDPA per document (no T x T mask:
+    # memory linear in the row length, faster for long rows, see `vlm bench attention`), or sdpa
+    # under torch.compile; varlen: PyTorch's own varlen flash kernel (CUDA); sdpa / eager: the
+    # packed [B, 1, T, T] mask (the fallback)
     attn_backend: Literal["auto", "sdpa", "eager", "flash", "varlen", "flex", "docs"] = "auto"
-    # sliding-window (local) attention in the encoder and decoder layers: a token sees itself and the
-    # window - 1 tokens before it in its document; 0 = the whole document. The concept model always sees all.
+    # sliding-window (local) attention in the encoder and decoder layers: a token sees itself and
+    # the window - 1 tokens before it in its document; 0 = the whole document. The concept model
+    # always sees all.
     attention_window: int = 0
-    # How the decoder layers chosen by chunk.joint_decoding_layers read the concepts: joint (ConceptMoE eq. 11,
-    # the token's own EMA concept added into q, k, v) or cross_attention (DLCM eq. 12-14: a causal
-    # cross-attention sublayer over every concept of the document up to the token's own; see cross_attention.py)
+    # How the decoder layers chosen by chunk.joint_decoding_layers read the concepts: joint
+    # (ConceptMoE eq. 11, the token's own EMA concept added into q, k, v) or cross_attention (DLCM
+    # eq. 12-14: a causal cross-attention sublayer over every concept of the document up to the
+    # token's own; see cross_attention.py)
     decoder_mode: Literal["joint", "cross_attention"] = "joint"
-    # torch.compile each transformer block in training (vlm.model.compile, torchtitan's per-block compile);
-    # null: on for CUDA, off for CPU
+    # torch.compile each transformer block in training (vlm.model.compile, torchtitan's per-block
+    # compile); null: on for CUDA, off for CPU
     compile: bool | None = None
-    # activation checkpointing per block in training: none; selective (keep the matmul, attention and expert
-    # outputs, recompute the elementwise work between them: torch's selective checkpointing); full (keep only the
-    # block's input, recompute the whole block)
+    # activation checkpointing per block in training: none; selective (keep the matmul, attention
+    # and expert outputs, recompute the elementwise work between them: torch's selective
+    # checkpointing); full (keep only the block's input, recompute the whole block)
     activation_checkpoint: Literal["none", "selective", "full"] = "none"
 
     def validate(self) -> None:
-        check(self.attention_window >= 0, f"attention_window must be >= 0 (0: whole document), got {self.attention_window}")
+        check(self.attention_window >= 0, f"attention_window must be >= 0 (0: whole document), got "
+                                          f"{self.attention_window}")
         check(self.vocab_size >= 2, "vocab_size must be >= 2")
         check(self.init_std > 0, f"init_std must be > 0, got {self.init_std}")
         check(self.num_heads % self.num_kv_heads == 0,
@@ -211,19 +239,23 @@ class ModelConfig(ValidatedOnInit):
         if self.chunk.enabled:
             check(self.decoder_layers >= 0, "decoder_layers must be >= 0")
         ch, cq, ckv = self.c_hidden, self.c_heads, self.c_kv_heads
-        check(cq % ckv == 0, f"concept_num_heads={cq} must be a multiple of concept_num_kv_heads={ckv}")
+        check(cq % ckv == 0, f"concept_num_heads={cq} must be a multiple of "
+                             f"concept_num_kv_heads={ckv}")
         check(ch >= 1, "concept_hidden_size must be >= 1")
         if self.loop_times:
             check(0 <= self.loop_start < self.loop_end <= self.concept_layers,
-                  f"loop range [{self.loop_start}, {self.loop_end}) must lie within the {self.concept_layers} concept layers")
+                  f"loop range [{self.loop_start}, {self.loop_end}) must lie within the "
+                  f"{self.concept_layers} concept layers")
         jd = self.chunk.joint_decoding_layers
         check(jd == -1 or 0 <= jd <= self.decoder_layers,
-              f"chunk.joint_decoding_layers must be -1 or in [0, decoder_layers={self.decoder_layers}], got {jd}")
+              f"chunk.joint_decoding_layers must be -1 or in [0, "
+              f"decoder_layers={self.decoder_layers}], got {jd}")
         check(self.decoder_mode in ("joint", "cross_attention"),
               f"decoder_mode: got {self.decoder_mode!r}, allowed values: 'joint', 'cross_attention'")
         if self.decoder_mode == "cross_attention":
-            check(self.chunk.enabled, "decoder_mode 'cross_attention' attends over concepts: it needs chunking "
-                                      "(chunk.enabled: true); the MoE baseline has none (use decoder_mode 'joint')")
+            check(self.chunk.enabled, "decoder_mode 'cross_attention' attends over concepts: it "
+                                      "needs chunking (chunk.enabled: true); the MoE baseline has "
+                                      "none (use decoder_mode 'joint')")
             check(self.num_joint_layers >= 1,
                   f"decoder_mode 'cross_attention' with decoder_layers={self.decoder_layers} and "
                   f"chunk.joint_decoding_layers={jd} gives no decoder layer a cross-attention; "
@@ -270,41 +302,49 @@ class ModelConfig(ValidatedOnInit):
 
 @dataclass
 class ConvertConfig(ValidatedOnInit):
-    """How a pretrained MoE becomes a ConceptMoE (vlm.model.convert): the options of `vlm convert` and the
-    training config's `convert` section (stage 'ct'). The source checkpoint defines the LLM architecture."""
+    """How a pretrained MoE becomes a ConceptMoE (vlm.model.convert): the options of `vlm convert`
+    and the training config's `convert` section (stage 'ct'). The source checkpoint defines the LLM
+    architecture."""
 
     encoder_layers: int = 2
     decoder_layers: int = 2
     joint_decoding_layers: int = -1
-    # how the converted decoder reads the concepts (model.decoder_mode); either way the new read starts at zero
-    # (eq. 11's W^c, or the cross-attention's W_O), so the conversion stays lossless with all boundaries on
+    # how the converted decoder reads the concepts (model.decoder_mode); either way the new read
+    # starts at zero (eq. 11's W^c, or the cross-attention's W_O), so the conversion stays lossless
+    # with all boundaries on
     decoder_mode: Literal["joint", "cross_attention"] = "joint"
     target_ratio: float = 2.0
-    concept_top_k: int | None = None       # reallocation strategy 1: more activated experts in the concept model
+    # reallocation strategy 1: more activated experts in the concept model
+    concept_top_k: int | None = None
     loop: tuple[int, int, int] | None = None  # strategy 2: (start, end, times) concept-layer loops
-    # Grove upcycling (section 3.4): every MoE layer gets this many adjugate experts, down-projections at zero so
-    # the converted model still computes the source; 0 keeps the source's experts as they are
+    # Grove upcycling (section 3.4): every MoE layer gets this many adjugate experts,
+    # down-projections at zero so the converted model still computes the source; 0 keeps the
+    # source's experts as they are
     grove_groups: int = 0
     grove_hidden: int = 128
     grove_lambda: float = 0.05
 
     def validate(self) -> None:
         check(self.encoder_layers >= 1 and self.decoder_layers >= 1,
-              f"convert.encoder_layers and convert.decoder_layers must be >= 1, got {self.encoder_layers}, "
-              f"{self.decoder_layers}")
+              f"convert.encoder_layers and convert.decoder_layers must be >= 1, got "
+              f"{self.encoder_layers}, {self.decoder_layers}")
         check(self.target_ratio > 1, f"convert.target_ratio must be > 1, got {self.target_ratio}")
         check(self.decoder_mode in ("joint", "cross_attention"),
-              f"convert.decoder_mode: got {self.decoder_mode!r}, allowed values: 'joint', 'cross_attention'")
+              f"convert.decoder_mode: got {self.decoder_mode!r}, allowed values: 'joint', "
+              f"'cross_attention'")
         check(self.decoder_mode == "joint" or self.joint_decoding_layers != 0,
-              "convert.decoder_mode 'cross_attention' with joint_decoding_layers=0 gives no decoder layer a "
-              "cross-attention; use -1 (all) or >= 1")
-        check(self.loop is None or len(self.loop) == 3, f"convert.loop must be [start, end, times], got {self.loop}")
-        check(self.concept_top_k is None or self.concept_top_k >= 1, "convert.concept_top_k must be >= 1 or null")
-        check(self.grove_groups >= 0 and self.grove_hidden >= 1, "convert.grove_groups must be >= 0 and "
+              "convert.decoder_mode 'cross_attention' with joint_decoding_layers=0 gives no "
+              "decoder layer a cross-attention; use -1 (all) or >= 1")
+        check(self.loop is None or len(self.loop) == 3,
+              f"convert.loop must be [start, end, times], got {self.loop}")
+        check(self.concept_top_k is None or self.concept_top_k >= 1,
+              "convert.concept_top_k must be >= 1 or null")
+        check(self.grove_groups >= 0 and self.grove_hidden >= 1,
+              "convert.grove_groups must be >= 0 and "
                                                                   "convert.grove_hidden >= 1")
 
     def check_split(self, total_layers: int) -> None:
         """The source's layers must leave at least one concept layer between the encoder and the decoder."""
         check(self.encoder_layers + self.decoder_layers < total_layers,
-              f"encoder_layers={self.encoder_layers} + decoder_layers={self.decoder_layers} must leave at "
-              f"least one concept layer of the source's {total_layers}")
+              f"encoder_layers={self.encoder_layers} + decoder_layers={self.decoder_layers} must "
+              f"leave at least one concept layer of the source's {total_layers}")

@@ -1,6 +1,6 @@
-"""Dechunk (ConceptMoE section 3.3): EMA over concepts (eq. 8), plug-back (eq. 9) and the decoder input z (eq. 10)
-with STE, over a whole sequence (`forward`) and for one new token per row (`step`, with the state `prefill_state`
-builds after a prompt).
+"""Dechunk (ConceptMoE section 3.3): EMA over concepts (eq. 8), plug-back (eq. 9) and the decoder
+input z (eq. 10) with STE, over a whole sequence (`forward`) and for one new token per row (`step`,
+with the state `prefill_state` builds after a prompt).
 
 Convention (DESIGN.md): token n reads the EMA at concept psi(n), the last one closed at or before n.
 """
@@ -37,8 +37,8 @@ def ste(x: torch.Tensor) -> torch.Tensor:
 
 
 def plug_back(concepts_BMD: torch.Tensor, cidx_BT: torch.Tensor) -> torch.Tensor:
-    """Eq. 9: token n reads concept psi(n), the last one closed at or before n; 0 where psi(n) = -1 (padding, and
-    tokens whose concept lies past the static capacity: they read none)."""
+    """Eq. 9: token n reads concept psi(n), the last one closed at or before n; 0 where psi(n) = -1
+    (padding, and tokens whose concept lies past the static capacity: they read none)."""
     D = concepts_BMD.shape[-1]
     read_BTD = concepts_BMD.gather(1, cidx_BT.clamp_min(0)[..., None].expand(-1, -1, D))
     return torch.where(cidx_BT[..., None] >= 0, read_BTD, 0)
@@ -49,9 +49,10 @@ class DechunkStep(NamedTuple):
     """One decode step's dechunk output."""
 
     z_B1D: torch.Tensor        # the decoder's input (eq. 10)
-    c_B1D: torch.Tensor        # the EMA concept each row's token reads (joint decoding's c, eq. 11); for the rows
-                               # whose boundary fired, the smoothed concept that just closed (the cross-attention
-                               # decoder's new cache entry)
+    # the EMA concept each row's token reads (joint decoding's c, eq. 11); for the rows
+    c_B1D: torch.Tensor
+                               # whose boundary fired, the smoothed concept that just closed (the
+                               # cross-attention decoder's new cache entry)
 
 
 class Dechunk(nn.Module):
@@ -60,7 +61,8 @@ class Dechunk(nn.Module):
     def __init__(self, cfg: ChunkConfig, dim: int):
         super().__init__()
         self.cfg = cfg
-        # H-Net's residual projection; identity at init reproduces eq. 10, conversion starts it at zero.
+        # H-Net's residual projection; identity at init reproduces eq. 10, conversion starts it at
+        # zero.
         self.residual = nn.Linear(dim, dim, bias=False) if cfg.residual == "linear" else None
         if self.residual is not None:
             with torch.no_grad():
@@ -79,25 +81,27 @@ class Dechunk(nn.Module):
 
     @staticmethod
     def smooth(concepts_BMD: torch.Tensor, ch: Chunks) -> torch.Tensor:
-        """Eq. 8 at concept level, [B, M, D], restarted at each document (DLCM's concept smoothing S, eq. 11
-        there: what the cross-attention decoder attends over), over the gated concepts."""
+        """Eq. 8 at concept level, [B, M, D], restarted at each document (DLCM's concept smoothing
+        S, eq. 11 there: what the cross-attention decoder attends over), over the gated concepts."""
         return ema_scan(Dechunk.gated(concepts_BMD, ch), ch.cp_BM, doc_starts(ch.cdoc_BM))
 
     def forward(self, h_BTD: torch.Tensor, concepts_BMD: torch.Tensor, ch: Chunks,
                 inputs_BMD: torch.Tensor | None = None, smoothed_BMD: torch.Tensor | None = None):
-        """(z, c, c_in): the decoder input (eq. 10), the EMA concept each token reads and, for residual "delta"
-        (which needs `inputs_BMD`, the concept model's inputs), the same EMA over those inputs (else None).
-        `smoothed_BMD`: `smooth(concepts_BMD, ch)` when the caller has it already."""
+        """(z, c, c_in): the decoder input (eq. 10), the EMA concept each token reads and, for
+        residual "delta" (which needs `inputs_BMD`, the concept model's inputs), the same EMA over
+        those inputs (else None). `smoothed_BMD`: `smooth(concepts_BMD, ch)` when the caller has it
+        already."""
         if smoothed_BMD is None:
             smoothed_BMD = self.smooth(concepts_BMD, ch)
         c_BTD = plug_back(smoothed_BMD, ch.cidx_BT)
         if ch.cgate_BM is None:
             gate = ste(ch.sel_BT)[..., None].to(c_BTD.dtype)
-        else:   # Synergy eq. 4: the router's gradient comes through the gate in the concepts, not an STE
+        # Synergy eq. 4: the router's gradient comes through the gate in the concepts, not an STE
+        else:
             gate = torch.ones_like(ch.sel_BT)[..., None].to(c_BTD.dtype)
         if self.cfg.residual == "delta":
-            # the STE multiplies the whole update c - c_in: on c alone the forward is the same but p's gradient
-            # would miss -c_in
+            # the STE multiplies the whole update c - c_in: on c alone the forward is the same but
+            # p's gradient would miss -c_in
             reset = doc_starts(ch.cdoc_BM)
             c_in_BTD = plug_back(ema_scan(self.gated(inputs_BMD, ch), ch.cp_BM, reset), ch.cidx_BT)
             return h_BTD + (c_BTD - c_in_BTD) * gate, c_BTD, c_in_BTD
@@ -108,26 +112,29 @@ class Dechunk(nn.Module):
     @staticmethod
     def prefill_state(doc_BT: torch.Tensor, ch: Chunks, c_BTD: torch.Tensor,
                       c_in_BTD: torch.Tensor | None = None) -> DechunkState:
-        """The state after a prompt (one document per row), from `forward`'s c and c_in: the EMA the last token
-        read (and, for "delta", the same over the inputs) and the concept count."""
+        """The state after a prompt (one document per row), from `forward`'s c and c_in: the EMA the
+        last token read (and, for "delta", the same over the inputs) and the concept count."""
         rows = torch.arange(doc_BT.shape[0], device=doc_BT.device)
         last = (doc_BT >= 0).sum(1) - 1
-        n_concepts_B = ch.b_BT.sum(1).clamp_max(ch.cdoc_BM.shape[1])   # the ones computed (within capacity)
+        # the ones computed (within capacity)
+        n_concepts_B = ch.b_BT.sum(1).clamp_max(ch.cdoc_BM.shape[1])
         return DechunkState(c_BTD[rows, last].float(), n_concepts_B,
                             None if c_in_BTD is None else c_in_BTD[rows, last].float())
 
-    def step(self, h_B1D: torch.Tensor, c_B1D: torch.Tensor, ck: ChunkStep, state: DechunkState) -> DechunkStep:
-        """`forward` for one new token per row (eval mode): the rows whose boundary fired (`ck.b_B`) take in their
-        new concept, `c_B1D` (the concept model's output; its input is `ck.c_BD`), gated as `gated` does, into
-        eq. 8's EMA (and the concept count); every row's token then reads its EMA (eq. 9) into z (eq. 10; the STE
-        multiplier is 1 in the forward). Fixed shapes: every row computes, the others keep their state. Updates
-        `state` in place."""
+    def step(self, h_B1D: torch.Tensor, c_B1D: torch.Tensor, ck: ChunkStep,
+             state: DechunkState) -> DechunkStep:
+        """`forward` for one new token per row (eval mode): the rows whose boundary fired (`ck.b_B`)
+        take in their new concept, `c_B1D` (the concept model's output; its input is `ck.c_BD`),
+        gated as `gated` does, into eq. 8's EMA (and the concept count); every row's token then
+        reads its EMA (eq. 9) into z (eq. 10; the STE multiplier is 1 in the forward). Fixed shapes:
+        every row computes, the others keep their state. Updates `state` in place."""
         fired_B1 = ck.b_B[:, None]
         c_BD, c_in_BD = c_B1D[:, 0], ck.c_BD
         if ck.gate_B is not None:   # Synergy eq. 3-4: the concept (and its input) times its gate
             c_BD = c_BD * ck.gate_B[:, None].to(c_BD.dtype)
             c_in_BD = c_in_BD * ck.gate_B[:, None].to(c_in_BD.dtype)
-        state.ema_BD.copy_(torch.where(fired_B1, self.ema_step(c_BD, ck.p_B, state.ema_BD), state.ema_BD))
+        state.ema_BD.copy_(torch.where(fired_B1, self.ema_step(c_BD, ck.p_B, state.ema_BD),
+                                       state.ema_BD))
         state.n_concepts_B.add_(ck.b_B.long())
         read_B1D = state.ema_BD[:, None].to(h_B1D.dtype)
         if self.cfg.residual == "delta":   # own state + the concept model's (EMA) update

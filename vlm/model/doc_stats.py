@@ -1,11 +1,13 @@
-"""Per-document compression: each document's realized ratio per modality, and its distribution per group.
+"""Per-document compression: each document's realized ratio per modality, and its distribution per
+group.
 
-A batch aggregate (all tokens / all concepts) lets the router meet its target with all-or-nothing documents: a
-caption merged into one concept and a chat prompt left unmerged average to R = 2. So compression is judged per
-document: a document's ratio for a modality is its tokens of that modality over its concepts that end on one of
-them (infinite when none does: every such token sits in a concept that closes elsewhere). Distributions are kept
-per group (the kind of sample, the data source) as fixed log-spaced histograms, which sum over micro-batches and
-ranks in the step's one all-reduce; exact per-document values are for evaluation (`document_ratios`).
+A batch aggregate (all tokens / all concepts) lets the router meet its target with all-or-nothing
+documents: a caption merged into one concept and a chat prompt left unmerged average to R = 2. So
+compression is judged per document: a document's ratio for a modality is its tokens of that modality
+over its concepts that end on one of them (infinite when none does: every such token sits in a
+concept that closes elsewhere). Distributions are kept per group (the kind of sample, the data
+source) as fixed log-spaced histograms, which sum over micro-batches and ranks in the step's one
+all-reduce; exact per-document values are for evaluation (`document_ratios`).
 """
 from __future__ import annotations
 
@@ -16,22 +18,24 @@ import torch
 from configs.batch import IMAGE, KINDS, TEXT
 
 MODS = ("text", "image")
-# Histogram bins over a document's ratio: [2^(i/8), 2^((i+1)/8)) for i < 48 (1 to 64, 9 % wide), [64, inf),
-# and a last bin for documents with tokens of the modality but no concept ending on one (ratio infinite).
+# Histogram bins over a document's ratio: [2^(i/8), 2^((i+1)/8)) for i < 48 (1 to 64, 9 % wide),
+# [64, inf), and a last bin for documents with tokens of the modality but no concept ending on one
+# (ratio infinite).
 EDGES = [2 ** (i / 8) for i in range(49)]
 NBINS = len(EDGES) + 1
 OVERFLOW, NO_CONCEPT = len(EDGES) - 1, len(EDGES)
 
 
 def document_slots(doc_BT: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """A slot per (row, document): [B, T] slot index (row * (T + 1) + doc; padding goes to the row's spare slot
-    T) and the number of slots."""
+    """A slot per (row, document): [B, T] slot index (row * (T + 1) + doc; padding goes to the row's
+    spare slot T) and the number of slots."""
     B, T = doc_BT.shape
     rows = torch.arange(B, device=doc_BT.device)[:, None] * (T + 1)
     return rows + torch.where(doc_BT >= 0, doc_BT, torch.full_like(doc_BT, T)), B * (T + 1)
 
 
-def document_counts(b_BT: torch.Tensor, doc_BT: torch.Tensor, modality_BT: torch.Tensor) -> torch.Tensor:
+def document_counts(b_BT: torch.Tensor, doc_BT: torch.Tensor,
+                    modality_BT: torch.Tensor) -> torch.Tensor:
     """[S, 2, 2]: per document slot and modality (text, image), (tokens, concepts ending on them)."""
     slot_BT, S = document_slots(doc_BT)
     valid = doc_BT >= 0
@@ -84,8 +88,8 @@ def bin_value(i: int) -> float:
 
 
 def histogram_quantiles(hist_X, qs=(0.1, 0.5, 0.9)) -> dict[str, float] | None:
-    """Quantiles (nearest rank) of the documents a histogram counts, plus their number and the share with no
-    concept; None when it counts none."""
+    """Quantiles (nearest rank) of the documents a histogram counts, plus their number and the share
+    with no concept; None when it counts none."""
     counts = [float(x) for x in hist_X]
     total = sum(counts)
     if total <= 0:
@@ -105,8 +109,9 @@ def histogram_quantiles(hist_X, qs=(0.1, 0.5, 0.9)) -> dict[str, float] | None:
 
 def document_ratios(b_BT: torch.Tensor, doc_BT: torch.Tensor, modality_BT: torch.Tensor,
                     kind_BT: torch.Tensor | None = None) -> list[dict]:
-    """Exact per-document figures (host side, for evaluation): one dict per document with its kind and, per
-    modality it has, tokens, concepts and ratio (inf when no concept ends on that modality)."""
+    """Exact per-document figures (host side, for evaluation): one dict per document with its kind
+    and, per modality it has, tokens, concepts and ratio (inf when no concept ends on that
+    modality)."""
     counts = document_counts(b_BT, doc_BT, modality_BT).cpu()
     kinds = document_labels(kind_BT, doc_BT).cpu()
     present = counts[..., 0].sum(1) > 0
@@ -122,9 +127,9 @@ def document_ratios(b_BT: torch.Tensor, doc_BT: torch.Tensor, modality_BT: torch
 
 
 def summarize_documents(docs: list[dict], qs=(0.1, 0.5, 0.9)) -> dict:
-    """{kind: {modality: {p10, p50, p90, mean, docs, no_concept}}} over exact per-document figures, plus "all"
-    (every kind). "mean" is the aggregate (tokens / concepts over the group): shown next to the distribution,
-    never alone."""
+    """{kind: {modality: {p10, p50, p90, mean, docs, no_concept}}} over exact per-document figures,
+    plus "all" (every kind). "mean" is the aggregate (tokens / concepts over the group): shown next
+    to the distribution, never alone."""
     out: dict = {}
     groups: dict[str, list[dict]] = {"all": docs}
     for d in docs:
@@ -135,7 +140,8 @@ def summarize_documents(docs: list[dict], qs=(0.1, 0.5, 0.9)) -> dict:
             vals = sorted(d[m]["ratio"] for d in ds if m in d)
             if not vals:
                 continue
-            rec = {f"p{round(q * 100)}": vals[min(max(math.ceil(q * len(vals)), 1), len(vals)) - 1] for q in qs}
+            rec = {f"p{round(q * 100)}": vals[min(max(math.ceil(q * len(vals)), 1), len(vals)) - 1]
+                   for q in qs}
             tokens = sum(d[m]["tokens"] for d in ds if m in d)
             concepts = sum(d[m]["concepts"] for d in ds if m in d)
             rec["aggregate"] = tokens / concepts if concepts else math.inf

@@ -1,29 +1,33 @@
 """Analytic accounting of a ConceptMoE config: parameters, per-token FLOPs, attention map, KV cache.
 
-Everything is computed from `ModelConfig` alone (no model is built), so it works for 300B configs on a
-laptop. The counts follow the model's structure exactly (see `count_params` for the list of tensors);
-FLOPs follow the paper's convention (section 3.5): 2 x multiply-accumulates of every matmul a token goes
-through with its activated parameters, attention map excluded. Norms, activations, softmaxes, the
-cosine similarity and the dechunk EMA are elementwise (O(D) per token) and not counted.
+Everything is computed from `ModelConfig` alone (no model is built), so it works for 300B configs on
+a laptop. The counts follow the model's structure exactly (see `count_params` for the list of
+tensors); FLOPs follow the paper's convention (section 3.5): 2 x multiply-accumulates of every
+matmul a token goes through with its activated parameters, attention map excluded. Norms,
+activations, softmaxes, the cosine similarity and the dechunk EMA are elementwise (O(D) per token)
+and not counted.
 
 Compression. With ratio R the concept model sees N/R positions on average, so everything it does per
 position (its layers, every loop pass, the up/down projections) costs 1/R per token. A config with
 chunking disabled is the MoE baseline: R = 1 whatever is passed.
 
 Assumptions worth knowing:
-- Grove adjugate experts run once per token per *hit* group. We count the expected number of distinct
-  groups hit by `top_k` picks drawn uniformly without replacement from `num_experts` experts in
-  `grove_groups` equal groups: g * (1 - C(E - E/g, k) / C(E, k)). Balanced routing makes the marginal
-  loads uniform; the within-token correlation of picks is what the uniform draw assumes away.
-- Joint decoding's concept projections (c W^c_q, c W^c_k, c W^c_v, eq. 11) are counted per token, as a
-  straightforward implementation computes them; computing them once per concept would divide them by R.
-- DLCM's cross-attention decoder (`decoder_mode: cross_attention`, part `cross_attention`): W_Q and W_O per
-  token, W_K and W_V once per concept (1/R per token), as the model computes them. Its attention map is counted
-  as the replicated L x L causal kernel computes it (DLCM eq. 17: every token pair of the sequence, R times the
-  L x M pairs an irregular kernel would visit, never windowed); its KV cache holds one entry per concept.
-- Attention map (QK^T and AV): 2 MACs x heads x head_dim per (query, key) pair, i.e. 4 Hq hd FLOPs per pair.
-  `causal=True` counts the N(N+1)/2 pairs a causal kernel visits, `causal=False` all N^2. A sequence is one
-  document; packed rows of several documents cost less (block-diagonal).
+- Grove adjugate experts run once per token per *hit* group. We count the expected number of
+  distinct groups hit by `top_k` picks drawn uniformly without replacement from `num_experts`
+  experts in `grove_groups` equal groups: g * (1 - C(E - E/g, k) / C(E, k)). Balanced routing makes
+  the marginal loads uniform; the within-token correlation of picks is what the uniform draw assumes
+  away.
+- Joint decoding's concept projections (c W^c_q, c W^c_k, c W^c_v, eq. 11) are counted per token, as
+  a straightforward implementation computes them; computing them once per concept would divide them
+  by R.
+- DLCM's cross-attention decoder (`decoder_mode: cross_attention`, part `cross_attention`): W_Q and
+  W_O per token, W_K and W_V once per concept (1/R per token), as the model computes them. Its
+  attention map is counted as the replicated L x L causal kernel computes it (DLCM eq. 17: every
+  token pair of the sequence, R times the L x M pairs an irregular kernel would visit, never
+  windowed); its KV cache holds one entry per concept.
+- Attention map (QK^T and AV): 2 MACs x heads x head_dim per (query, key) pair, i.e. 4 Hq hd FLOPs
+  per pair. `causal=True` counts the N(N+1)/2 pairs a causal kernel visits, `causal=False` all N^2.
+  A sequence is one document; packed rows of several documents cost less (block-diagonal).
 """
 from __future__ import annotations
 
@@ -154,8 +158,8 @@ def cross_layers(cfg: ModelConfig) -> int:
 
 
 def cross_layer_params(cfg: ModelConfig) -> int:
-    """One cross-attention sublayer: its pre-norm, the concepts' RMSNorm, W_Q, W_K, W_V, W_O (eq. 12-14) and
-    the optional per-head q/k RMSNorms (eq. 16)."""
+    """One cross-attention sublayer: its pre-norm, the concepts' RMSNorm, W_Q, W_K, W_V, W_O (eq.
+    12-14) and the optional per-head q/k RMSNorms (eq. 16)."""
     d = cfg.hidden_size
     return 2 * d + attn_params(d, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.qk_norm)
 
@@ -189,9 +193,10 @@ def concept_proj_params(cfg: ModelConfig) -> int:
 def count_params(cfg: ModelConfig) -> dict[str, float]:
     """Parameter counts by part, `total`, `activated` and `activated_non_embedding`.
 
-    `total` equals `sum(p.numel() for p in model.parameters())` (buffers such as the expert bias excluded).
-    `activated` counts what one token's forward touches: all but the unselected routed experts (and the
-    expected unhit Grove adjugates); the embedding table is included whole, as usual for "A..B" names.
+    `total` equals `sum(p.numel() for p in model.parameters())` (buffers such as the expert bias
+    excluded). `activated` counts what one token's forward touches: all but the unselected routed
+    experts (and the expected unhit Grove adjugates); the embedding table is included whole, as
+    usual for "A..B" names.
     """
     d, v = cfg.hidden_size, cfg.vocab_size
     enc, con, dec = stages(cfg)
@@ -209,7 +214,8 @@ def count_params(cfg: ModelConfig) -> dict[str, float]:
         "lm_head": 0 if cfg.tie_embeddings else d * v,
     }
     total = sum(parts.values())
-    inactive = sum(s.layers * (layer_params(s) - layer_activated_params(s)) for s in (enc, con, dec))
+    inactive = sum(s.layers * (layer_params(s) - layer_activated_params(s))
+                   for s in (enc, con, dec))
     out: dict[str, float] = dict(parts)
     out["total"] = total
     out["activated"] = total - inactive
@@ -255,9 +261,10 @@ def attention_map_flops(cfg: ModelConfig, seq_len: int, ratio: float | None = No
                         causal: bool = True) -> dict[str, float]:
     """FLOPs of QK^T and AV for one sequence of `seq_len` tokens, by stage and `total`.
 
-    The concept model attends over seq_len / R concepts, once per pass (loops included); encoder and decoder
-    layers over at most `model.attention_window` keys per query when it is set. `cross_attention`: the decoder's
-    cross-attention layers over the replicated concepts (every pair of the sequence, see the module doc).
+    The concept model attends over seq_len / R concepts, once per pass (loops included); encoder and
+    decoder layers over at most `model.attention_window` keys per query when it is set.
+    `cross_attention`: the decoder's cross-attention layers over the replicated concepts (every pair
+    of the sequence, see the module doc).
     """
     if seq_len < 1:
         raise ValueError(f"seq_len must be >= 1, got {seq_len}")
@@ -274,9 +281,10 @@ def kv_cache_bytes(cfg: ModelConfig, seq_len: int, ratio: float | None = None,
                    bytes_per_el: int = 2) -> dict[str, float]:
     """KV-cache bytes after `seq_len` tokens, by stage and `total`.
 
-    Per layer application 2 * Hkv * hd * bytes per cached position; the concept model caches seq_len / R
-    positions, and each loop pass keeps its own cache (its inputs differ), as in Table 1. `cross_attention`: the
-    decoder's cross-attention layers cache the seq_len / R concepts' keys and values.
+    Per layer application 2 * Hkv * hd * bytes per cached position; the concept model caches seq_len
+    / R positions, and each loop pass keeps its own cache (its inputs differ), as in Table 1.
+    `cross_attention`: the decoder's cross-attention layers cache the seq_len / R concepts' keys and
+    values.
     """
     if seq_len < 1:
         raise ValueError(f"seq_len must be >= 1, got {seq_len}")

@@ -1,14 +1,15 @@
-"""Grouped matmul that torch.compile can trace in every dtype: `torch._grouped_mm` as a custom operator.
+"""Grouped matmul that torch.compile can trace in every dtype: `torch._grouped_mm` as a custom
+operator.
 
-`torch._grouped_mm(x_AD, w_EDF, offs=offs_E)` multiplies rows [offs[e-1], offs[e]) of x by w[e], with no host
-synchronisation (the offsets stay on the device). Its compile-time (meta) kernel accepts bf16 only, as the CUDA
-kernel does, so in fp32 (CPU training, tests) torch.compile cannot trace it. Here it is an opaque custom operator
-with its own shape function and backward (two more grouped matmuls), which compiles in any dtype; bf16 calls the
-native operator, which inductor knows.
+`torch._grouped_mm(x_AD, w_EDF, offs=offs_E)` multiplies rows [offs[e-1], offs[e]) of x by w[e],
+with no host synchronisation (the offsets stay on the device). Its compile-time (meta) kernel
+accepts bf16 only, as the CUDA kernel does, so in fp32 (CPU training, tests) torch.compile cannot
+trace it. Here it is an opaque custom operator with its own shape function and backward (two more
+grouped matmuls), which compiles in any dtype; bf16 calls the native operator, which inductor knows.
 
-Rows past the last offset are left unwritten by the kernel (garbage): callers mask them (`torch.where`, not a
-multiplication, so that garbage NaNs do not leak), on the way in and on the way out, and the backward's rows
-there are masked the same way by the caller's `where`.
+Rows past the last offset are left unwritten by the kernel (garbage): callers mask them
+(`torch.where`, not a multiplication, so that garbage NaNs do not leak), on the way in and on the
+way out, and the backward's rows there are masked the same way by the caller's `where`.
 
 Shapes are named as in the experts' gate and up projections, [A, D] x [E, D, F] -> [A, F]; the down
 projection passes [A, F] and [E, F, D].
@@ -56,8 +57,8 @@ _grouped_mm_op.register_autograd(_backward, setup_context=_setup)
 
 
 class _ContiguousGrad(torch.autograd.Function):
-    """Identity whose backward makes the incoming gradient contiguous (the native `_grouped_mm` backward needs it,
-    and e.g. `out.sum().backward()` hands in a stride-0 gradient)."""
+    """Identity whose backward makes the incoming gradient contiguous (the native `_grouped_mm`
+    backward needs it, and e.g. `out.sum().backward()` hands in a stride-0 gradient)."""
 
     @staticmethod
     def forward(ctx, x):

@@ -1,9 +1,10 @@
 """transformers integration: a PreTrainedModel wrapper, AutoModel registration and export.
 
-`final/` directories written by `save_pretrained` load with `AutoModelForCausalLM.from_pretrained(dir)` after
-`import vlm.model.hf` (importing this module registers the Auto classes; every loader here imports it). The
-wrapper's forward takes ordinary (left- or right-padded) `input_ids`/`attention_mask`; each row is one document.
-`generate(..., use_cache=True)` (the default) runs the model's own prefill and cached steps: the concept-level
+`final/` directories written by `save_pretrained` load with
+`AutoModelForCausalLM.from_pretrained(dir)` after `import vlm.model.hf` (importing this module
+registers the Auto classes; every loader here imports it). The wrapper's forward takes ordinary
+(left- or right-padded) `input_ids`/`attention_mask`; each row is one document. `generate(...,
+use_cache=True)` (the default) runs the model's own prefill and cached steps: the concept-level
 `InferenceCache` travels as generate's `cache`; `use_cache=False` re-runs the prefix.
 """
 from __future__ import annotations
@@ -40,7 +41,8 @@ MODEL_TYPE = "conceptmoe_vlm"
 class ConceptMoEConfig(PretrainedConfig):
     model_type = MODEL_TYPE
 
-    def __init__(self, model: dict | None = None, vision: dict | None = None, image_pad_id: int = -1, **kwargs):
+    def __init__(self, model: dict | None = None, vision: dict | None = None,
+                 image_pad_id: int = -1, **kwargs):
         self.model = model or {}
         self.vision = vision
         self.image_pad_id = image_pad_id
@@ -48,7 +50,8 @@ class ConceptMoEConfig(PretrainedConfig):
         # transformers' generate/save read these standard names.
         kwargs.setdefault("vocab_size", mc.vocab_size)
         kwargs.setdefault("hidden_size", mc.hidden_size)
-        kwargs.setdefault("num_hidden_layers", mc.encoder_layers + mc.concept_layers + mc.decoder_layers)
+        kwargs.setdefault("num_hidden_layers",
+                          mc.encoder_layers + mc.concept_layers + mc.decoder_layers)
         kwargs.setdefault("num_attention_heads", mc.num_heads)
         kwargs["tie_word_embeddings"] = mc.tie_embeddings
         super().__init__(**kwargs)
@@ -62,8 +65,9 @@ class ConceptMoEConfig(PretrainedConfig):
 
 
 def _drop_legacy_vision_keys(vision: dict) -> dict:
-    """Exports written before vision.processor alone stated the patch geometry also carry encoder.patch_size and
-    encoder.merge, which were then checked equal to the processor's: drop them so that those exports still load."""
+    """Exports written before vision.processor alone stated the patch geometry also carry
+    encoder.patch_size and encoder.merge, which were then checked equal to the processor's: drop
+    them so that those exports still load."""
     enc = vision.get("encoder")
     if not isinstance(enc, dict) or not {"patch_size", "merge"} & enc.keys():
         return vision
@@ -79,8 +83,9 @@ class ConceptMoEForCausalLM(PreTrainedModel, GenerationMixin):
     def __init__(self, config: ConceptMoEConfig, vlm: ConceptMoEVLM | None = None):
         super().__init__(config)
         self.vlm = vlm if vlm is not None else ConceptMoEVLM(*config.build_configs())
-        # on_prefill(model output, batch): called with every forward over whole prompts (not with cached steps);
-        # the project's evaluators read the prompts' compression statistics through it
+        # on_prefill(model output, batch): called with every forward over whole prompts (not with
+        # cached steps); the project's evaluators read the prompts' compression statistics through
+        # it
         self.on_prefill = None
         if config.tie_word_embeddings:
             self._tied_weights_keys = {"vlm.lm.lm_head.weight": "vlm.lm.embed.weight"}
@@ -91,8 +96,9 @@ class ConceptMoEForCausalLM(PreTrainedModel, GenerationMixin):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
-        """transformers' loader, after every tensor of a local export was checked against its config (a missing
-        one would otherwise come from uninitialised memory, a wrong dtype would be cast silently)."""
+        """transformers' loader, after every tensor of a local export was checked against its config
+        (a missing one would otherwise come from uninitialised memory, a wrong dtype would be cast
+        silently)."""
         path = Path(pretrained_model_name_or_path)
         if path.is_dir():
             config = kwargs.get("config")
@@ -104,10 +110,12 @@ class ConceptMoEForCausalLM(PreTrainedModel, GenerationMixin):
         return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
 
     def save_pretrained(self, save_directory, *args, **kwargs):
-        """transformers' writer, then the weight files' SHA-256 in `checksums.json`, which `from_pretrained`
-        verifies (an export, `vlm convert` and a fine-tune saved with this method all get it)."""
+        """transformers' writer, then the weight files' SHA-256 in `checksums.json`, which
+        `from_pretrained` verifies (an export, `vlm convert` and a fine-tune saved with this method
+        all get it)."""
         out = super().save_pretrained(save_directory, *args, **kwargs)
-        if kwargs.get("is_main_process", args[0] if args else True) and Path(save_directory).is_dir():
+        if kwargs.get("is_main_process", args[0] if args
+                      else True) and Path(save_directory).is_dir():
             write_checksums(save_directory)
         return out
 
@@ -117,8 +125,8 @@ class ConceptMoEForCausalLM(PreTrainedModel, GenerationMixin):
     def get_output_embeddings(self):
         return self.vlm.lm.lm_head
 
-    def to_batch(self, input_ids, attention_mask=None, pixel_patches=None, patch_coords=None, image_grids=None,
-                 labels=None) -> PackedBatch:
+    def to_batch(self, input_ids, attention_mask=None, pixel_patches=None, patch_coords=None,
+                 image_grids=None, labels=None) -> PackedBatch:
         """One document per row; padding (attention_mask 0) becomes doc id -1 wherever it sits."""
         mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
         doc = torch.where(mask, torch.zeros_like(input_ids), torch.full_like(input_ids, -1))
@@ -134,13 +142,14 @@ class ConceptMoEForCausalLM(PreTrainedModel, GenerationMixin):
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
-        return False   # generate must not make a DynamicCache: the first forward returns our InferenceCache
+        # generate must not make a DynamicCache: the first forward returns our InferenceCache
+        return False
 
     supports_gradient_checkpointing = True
 
     def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None, **kwargs) -> None:
-        """Recompute the LLM blocks' activations in the backward (token and concept stacks; the vision encoder
-        has its own switch, `vision.encoder.grad_checkpointing`)."""
+        """Recompute the LLM blocks' activations in the backward (token and concept stacks; the
+        vision encoder has its own switch, `vision.encoder.grad_checkpointing`)."""
         self.vlm.lm.gradient_checkpointing = True
 
     def gradient_checkpointing_disable(self) -> None:
@@ -150,28 +159,38 @@ class ConceptMoEForCausalLM(PreTrainedModel, GenerationMixin):
     def is_gradient_checkpointing(self) -> bool:
         return self.vlm.lm.gradient_checkpointing
 
-    def forward(self, input_ids=None, attention_mask=None, pixel_patches=None, patch_coords=None, image_grids=None,
-                labels=None, return_dict=True, cache: InferenceCache | None = None, use_cache: bool | None = None,
+    def forward(self, input_ids=None, attention_mask=None, pixel_patches=None, patch_coords=None,
+                image_grids=None, labels=None, return_dict=True,
+                cache: InferenceCache | None = None, use_cache: bool | None = None,
                 output_hidden_states: bool | None = None, **kwargs):
-        """`output_hidden_states`: token-level states (embeddings, each encoder layer, the decoder input, each
-        decoder layer, the last one normed); the concept layers run on concepts and are not among them."""
-        unsupported = [k for k in ("output_attentions", "inputs_embeds", "past_key_values", "position_ids")
+        """`output_hidden_states`: token-level states (embeddings, each encoder layer, the decoder
+        input, each decoder layer, the last one normed); the concept layers run on concepts and are
+        not among them."""
+        unsupported = [k
+                       for k in ("output_attentions", "inputs_embeds", "past_key_values",
+                                 "position_ids")
                        if kwargs.get(k) not in (None, False)]
         if unsupported or return_dict is False:
-            raise ValueError(f"ConceptMoEForCausalLM does not support {', '.join(unsupported or ['return_dict=False'])}"
-                             f" (attention maps are per stack and concept-level; the cache is `cache`, built by "
+            raise ValueError(f"ConceptMoEForCausalLM does not support "
+                             f"{', '.join(unsupported or ['return_dict=False'])} (attention maps "
+                             f"are per stack and concept-level; the cache is `cache`, built by "
                              f"`generate`; positions follow `attention_mask`)")
         if cache is not None:   # a decode step: one new token per row
-            return CausalLMOutputWithPast(logits=self.vlm.step(input_ids[:, -1], cache)[:, None], cache=cache)
-        batch = self.to_batch(input_ids, attention_mask, pixel_patches, patch_coords, image_grids, labels)
+            return CausalLMOutputWithPast(logits=self.vlm.step(input_ids[:, -1], cache)[:, None],
+                                          cache=cache)
+        batch = self.to_batch(input_ids, attention_mask, pixel_patches, patch_coords, image_grids,
+                              labels)
         if use_cache and labels is None:
-            # Prefill right-aligned rows (the caches fill from position 0), then put the logits back in place.
+            # Prefill right-aligned rows (the caches fill from position 0), then put the logits back
+            # in place.
             shift_B = (batch.doc_ids < 0).long().cumprod(1).sum(1)       # left padding per row
             T = input_ids.shape[1]
             to_right = (torch.arange(T, device=input_ids.device)[None] + shift_B[:, None]) % T
-            right = PackedBatch(*(t.gather(1, to_right) for t in (batch.input_ids, batch.labels, batch.doc_ids)),
-                                positions_in_doc(batch.doc_ids.gather(1, to_right)), batch.modality.gather(1, to_right),
-                                batch.pixel_patches, batch.patch_coords, batch.image_grids)
+            right = PackedBatch(*(t.gather(1, to_right)
+                                  for t in (batch.input_ids, batch.labels, batch.doc_ids)),
+                                positions_in_doc(batch.doc_ids.gather(1, to_right)),
+                                batch.modality.gather(1, to_right), batch.pixel_patches,
+                                batch.patch_coords, batch.image_grids)
             out, new_cache = self.vlm.prefill(right)
             if self.on_prefill is not None:
                 self.on_prefill(out, right)
@@ -181,20 +200,23 @@ class ConceptMoEForCausalLM(PreTrainedModel, GenerationMixin):
         out = self.vlm(batch, output_hidden_states=bool(output_hidden_states))
         if self.on_prefill is not None:
             self.on_prefill(out, batch)
-        return CausalLMOutputWithPast(loss=out.lm_loss if labels is not None else None, logits=out.logits,
-                                      hidden_states=out.hidden_states)
+        return CausalLMOutputWithPast(loss=out.lm_loss if labels is not None else None,
+                                      logits=out.logits, hidden_states=out.hidden_states)
 
-    def prepare_inputs_for_generation(self, input_ids, attention_mask=None, pixel_patches=None, patch_coords=None,
-                                      image_grids=None, cache=None, use_cache=None, **kwargs):
+    def prepare_inputs_for_generation(self, input_ids, attention_mask=None, pixel_patches=None,
+                                      patch_coords=None, image_grids=None, cache=None,
+                                      use_cache=None, **kwargs):
         if cache is not None:   # the images were encoded at prefill; only the newest token goes in
             return {"input_ids": input_ids[:, -1:], "cache": cache}
-        return {"input_ids": input_ids, "attention_mask": attention_mask, "pixel_patches": pixel_patches,
-                "patch_coords": patch_coords, "image_grids": image_grids, "use_cache": use_cache}
+        return {"input_ids": input_ids, "attention_mask": attention_mask,
+                "pixel_patches": pixel_patches, "patch_coords": patch_coords,
+                "image_grids": image_grids, "use_cache": use_cache}
 
 
 def register() -> None:
-    """Register the config, model, image processor and processor with transformers' Auto classes (idempotent;
-    run when this module is imported, so every loader in the project, which imports it, finds them)."""
+    """Register the config, model, image processor and processor with transformers' Auto classes
+    (idempotent; run when this module is imported, so every loader in the project, which imports it,
+    finds them)."""
     for auto, args in ((AutoConfig, (MODEL_TYPE, ConceptMoEConfig)),
                        (AutoModelForCausalLM, (ConceptMoEConfig, ConceptMoEForCausalLM)),
                        (AutoImageProcessor, (ConceptMoEConfig, ConceptMoEImageProcessor)),
@@ -207,7 +229,8 @@ def register() -> None:
 
 def hf_config_for(model: ConceptMoEVLM, image_pad_id: int = -1) -> ConceptMoEConfig:
     vision = to_dict(model.vision_cfg) if model.vision_cfg is not None else None
-    return ConceptMoEConfig(model=to_dict(model.model_cfg), vision=vision, image_pad_id=image_pad_id)
+    return ConceptMoEConfig(model=to_dict(model.model_cfg), vision=vision,
+                            image_pad_id=image_pad_id)
 
 
 def save_pretrained(model: ConceptMoEVLM, out_dir: str | Path, tokenizer=None) -> Path:
@@ -222,7 +245,8 @@ def save_pretrained(model: ConceptMoEVLM, out_dir: str | Path, tokenizer=None) -
         wrapper.config.pad_token_id = tokenizer.pad_id
         wrapper.config.bos_token_id = tokenizer.bos_id
         wrapper.generation_config = GenerationConfig(eos_token_id=stop_token_ids(tokenizer),
-                                                     pad_token_id=tokenizer.pad_id, bos_token_id=tokenizer.bos_id)
+                                                     pad_token_id=tokenizer.pad_id,
+                                                     bos_token_id=tokenizer.bos_id)
         tokenizer.save(out_dir)
     wrapper.save_pretrained(out_dir)
     if tokenizer is not None:
@@ -231,24 +255,29 @@ def save_pretrained(model: ConceptMoEVLM, out_dir: str | Path, tokenizer=None) -
 
 
 def stop_token_ids(tokenizer) -> int | list[int]:
-    """The ids transformers' `generate` stops at: the eos, and the end of turn (`<|end|>`) that closes an answer
-    of the project's chat format (the eos first: readers of a list take the first as the tokenizer's eos). A
-    source's tokenizer (whose roles are template text) stops at its eos, as the source's own `generate` does."""
+    """The ids transformers' `generate` stops at: the eos, and the end of turn (`<|end|>`) that
+    closes an answer of the project's chat format (the eos first: readers of a list take the first
+    as the tokenizer's eos). A source's tokenizer (whose roles are template text) stops at its eos,
+    as the source's own `generate` does."""
     end = getattr(tokenizer, "end_id", None)
     return tokenizer.eos_id if end is None or end == tokenizer.eos_id else [tokenizer.eos_id, end]
 
 
 def save_processor(model: ConceptMoEVLM, out_dir: str | Path) -> None:
-    """The files `AutoTokenizer` / `AutoProcessor.from_pretrained(out_dir)` read: the tokenizer gets the chat
-    template and left padding (rows are generated from their right end); a VLM also gets its image processor."""
-    tok = AutoTokenizer.from_pretrained(str(out_dir), padding_side="left")   # an init argument: it is saved
-    # a source's tokenizer (data_pipelines.tokenizer.SourceTokenizer) wrote its own template: it stays
+    """The files `AutoTokenizer` / `AutoProcessor.from_pretrained(out_dir)` read: the tokenizer gets
+    the chat template and left padding (rows are generated from their right end); a VLM also gets
+    its image processor."""
+    # an init argument: it is saved
+    tok = AutoTokenizer.from_pretrained(str(out_dir), padding_side="left")
+    # a source's tokenizer (data_pipelines.tokenizer.SourceTokenizer) wrote its own template: it
+    # stays
     tok.chat_template = tok.chat_template if _keeps_source_format(out_dir) else CHAT_TEMPLATE
     if model.vision_cfg is None:
         tok.save_pretrained(str(out_dir))
         return
     image_processor = ConceptMoEImageProcessor(**to_dict(model.vision_cfg.processor))
-    ConceptMoEProcessor(image_processor=image_processor, tokenizer=tok).save_pretrained(str(out_dir))
+    ConceptMoEProcessor(image_processor=image_processor,
+                        tokenizer=tok).save_pretrained(str(out_dir))
 
 
 def _keeps_source_format(out_dir: str | Path) -> bool:

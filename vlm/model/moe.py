@@ -3,9 +3,10 @@
 Top-k router (softmax or sigmoid scores, routing in fp32), SwiGLU experts dispatched by sorting the
 token->expert assignments by expert and running each expert on its contiguous slice (one
 `torch._grouped_mm` per projection where it is available, else a loop over experts), optional
-always-on shared experts, Grove MoE adjugate experts computed once per token per group (Grove eq. 2-5),
-a Switch balance loss, a router z-loss and auxiliary-loss-free balancing: a per-expert bias used only to
-select experts (Grove eq. 6), moved after each optimizer step from the accumulated expert loads.
+always-on shared experts, Grove MoE adjugate experts computed once per token per group (Grove eq.
+2-5), a Switch balance loss, a router z-loss and auxiliary-loss-free balancing: a per-expert bias
+used only to select experts (Grove eq. 6), moved after each optimizer step from the accumulated
+expert loads.
 """
 from __future__ import annotations
 
@@ -25,9 +26,12 @@ DispatchMode = Literal["auto", "grouped_mm", "loop"]
 
 @dataclass
 class MoEStats:
-    aux_loss: torch.Tensor        # balance_loss_weight * switch balance + z_loss_weight * z-loss (scalar)
-    load_E: torch.Tensor          # [E] float: token->expert assignments per expert in this call (detached)
-    adjugate_per_token: torch.Tensor | None   # 0-d: adjugate-expert evaluations / tokens (None: Grove is off)
+    # balance_loss_weight * switch balance + z_loss_weight * z-loss (scalar)
+    aux_loss: torch.Tensor
+    # [E] float: token->expert assignments per expert in this call (detached)
+    load_E: torch.Tensor
+    # 0-d: adjugate-expert evaluations / tokens (None: Grove is off)
+    adjugate_per_token: torch.Tensor | None
 
 
 def mean_adjugate_per_token(stats: list[MoEStats]) -> torch.Tensor | float:
@@ -40,7 +44,8 @@ def mean_adjugate_per_token(stats: list[MoEStats]) -> torch.Tensor | float:
 class Routing:
     logits_NE: torch.Tensor       # fp32 router logits
     scores_NE: torch.Tensor       # unbiased scores rho (eq. 10)
-    experts_NK: torch.Tensor      # selected experts (int64), selected with the bias when enabled (eq. 6)
+    # selected experts (int64), selected with the bias when enabled (eq. 6)
+    experts_NK: torch.Tensor
     weights_NK: torch.Tensor      # fp32 combine weights, from the unbiased scores
 
 
@@ -53,20 +58,25 @@ def router_scores(logits_NE: torch.Tensor, kind: str) -> torch.Tensor:
         return logits_NE.softmax(dim=-1)
     if kind == "sigmoid":
         return logits_NE.sigmoid()
-    raise ValueError(f"MoEConfig.router: got {kind!r}, allowed values: 'softmax', 'sigmoid', 'grove'")
+    raise ValueError(f"MoEConfig.router: got {kind!r}, allowed values: 'softmax', 'sigmoid', "
+                     f"'grove'")
 
 
-def select_experts(scores_NE: torch.Tensor, bias_E: torch.Tensor | None, top_k: int) -> torch.Tensor:
+def select_experts(scores_NE: torch.Tensor, bias_E: torch.Tensor | None,
+                   top_k: int) -> torch.Tensor:
     """Grove eq. 6: argtopk(rho + b). The bias only changes which experts are chosen, never their weights."""
     biased_NE = scores_NE if bias_E is None else scores_NE + bias_E.to(scores_NE.dtype)
     return biased_NE.topk(top_k, dim=-1).indices
 
 
-def combine_weights(scores_NE: torch.Tensor, experts_NK: torch.Tensor, normalise: bool) -> torch.Tensor:
-    """Grove eq. 4 / 6 / 9: rho_i of the selected experts, optionally renormalised to sum to 1 per token.
+def combine_weights(scores_NE: torch.Tensor, experts_NK: torch.Tensor,
+                    normalise: bool) -> torch.Tensor:
+    """Grove eq. 4 / 6 / 9: rho_i of the selected experts, optionally renormalised to sum to 1 per
+    token.
 
-    Eq. 9 (router "grove") takes rho^(h)_i, the softmax over all n experts, as it is: the chosen weights sum
-    to less than 1. Renormalised softmax weights equal Mixtral's softmax over the selected logits.
+    Eq. 9 (router "grove") takes rho^(h)_i, the softmax over all n experts, as it is: the chosen
+    weights sum to less than 1. Renormalised softmax weights equal Mixtral's softmax over the
+    selected logits.
     """
     w_NK = scores_NE.gather(1, experts_NK)
     if normalise:
@@ -75,37 +85,44 @@ def combine_weights(scores_NE: torch.Tensor, experts_NK: torch.Tensor, normalise
 
 
 def route(logits_NE: torch.Tensor, cfg: MoEConfig, bias_E: torch.Tensor | None) -> Routing:
-    """Which experts each token uses and with what weights. softmax / sigmoid routers: argtopk(rho + b) weighed
-    by rho (Grove eq. 6). grove router, Grove eq. 9-10: argtopk(rho^(sigma) + b) weighed by rho^(h)."""
+    """Which experts each token uses and with what weights. softmax / sigmoid routers: argtopk(rho +
+    b) weighed by rho (Grove eq. 6). grove router, Grove eq. 9-10: argtopk(rho^(sigma) + b) weighed
+    by rho^(h)."""
     logits_NE = logits_NE.float()
     grove = cfg.router == "grove"
     scores_NE = router_scores(logits_NE, "softmax" if grove else cfg.router)
-    # Selection is a discrete choice: no gradient flows through it, only through the gathered scores.
+    # Selection is a discrete choice: no gradient flows through it, only through the gathered
+    # scores.
     with torch.no_grad():
         chooser_NE = router_scores(logits_NE, "sigmoid") if grove else scores_NE
-        experts_NK = select_experts(chooser_NE, bias_E if cfg.loss_free_balancing else None, cfg.top_k)
+        experts_NK = select_experts(chooser_NE, bias_E if cfg.loss_free_balancing else None,
+                                    cfg.top_k)
     normalise = cfg.grove_weights == "renormalised" if grove else cfg.norm_topk_prob
     weights_NK = combine_weights(scores_NE, experts_NK, normalise)
     return Routing(logits_NE, scores_NE, experts_NK, weights_NK)
 
 
 def expert_load(experts_NK: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """Grove eq. 7 (unnormalised): number of assignments per expert, F_i * k * N. Entries equal to `num_experts`
-    (the padding sentinel, see `MoE.forward`) are not counted. index_add avoids a host sync."""
+    """Grove eq. 7 (unnormalised): number of assignments per expert, F_i * k * N. Entries equal to
+    `num_experts` (the padding sentinel, see `MoE.forward`) are not counted. index_add avoids a host
+    sync."""
     flat = experts_NK.reshape(-1)
     counts = torch.zeros(num_experts + 1, dtype=torch.float32, device=flat.device).index_add_(
         0, flat, torch.ones(flat.shape, dtype=torch.float32, device=flat.device))
     return counts[:num_experts]
 
 
-def switch_balance_loss(scores_NE: torch.Tensor, experts_NK: torch.Tensor | None, normalise_scores: bool,
-                        valid_N: torch.Tensor | None = None, load_E: torch.Tensor | None = None) -> torch.Tensor:
-    """Switch Transformer balance loss E * sum_i f_i P_i (f_i: share of assignments, P_i: mean score), over the
-    `valid_N` tokens (all when None; padding's sentinel assignments are not counted in f). `load_E`: the
-    assignment counts when the caller has them (else counted from `experts_NK`).
+def switch_balance_loss(scores_NE: torch.Tensor, experts_NK: torch.Tensor | None,
+                        normalise_scores: bool, valid_N: torch.Tensor | None = None,
+                        load_E: torch.Tensor | None = None) -> torch.Tensor:
+    """Switch Transformer balance loss E * sum_i f_i P_i (f_i: share of assignments, P_i: mean
+    score), over the `valid_N` tokens (all when None; padding's sentinel assignments are not counted
+    in f). `load_E`: the assignment counts when the caller has them (else counted from
+    `experts_NK`).
 
-    Equals 1 for a perfectly uniform router. Sigmoid scores do not sum to 1, so they are normalised per
-    token first. HF's `load_balancing_loss_func` divides f by tokens rather than assignments (k times ours).
+    Equals 1 for a perfectly uniform router. Sigmoid scores do not sum to 1, so they are normalised
+    per token first. HF's `load_balancing_loss_func` divides f by tokens rather than assignments (k
+    times ours).
     """
     num_experts = scores_NE.shape[-1]
     probs_NE = scores_NE / scores_NE.sum(-1, keepdim=True).clamp_min(1e-20) if normalise_scores else scores_NE
@@ -124,12 +141,16 @@ def router_z_loss(logits_NE: torch.Tensor, valid_N: torch.Tensor | None = None) 
     return (z_N * valid_N).sum() / valid_N.sum().clamp_min(1)
 
 
-def loss_free_bias_step(bias_E: torch.Tensor, load_E: torch.Tensor, rate: float, kind: str = "sign") -> torch.Tensor:
-    """One loss-free balancing step from the loads (assignment counts) since the last one, recentred to mean 0.
+def loss_free_bias_step(bias_E: torch.Tensor, load_E: torch.Tensor, rate: float,
+                        kind: str = "sign") -> torch.Tensor:
+    """One loss-free balancing step from the loads (assignment counts) since the last one, recentred
+    to mean 0.
 
     - "sign" (DeepSeek-V3 / torchtitan): b <- b + rate * sign(mean load - load);
-    - "rms" (Grove eq. 8): b <- b - rate * (F - Q) / sqrt(mean((F - Q)^2)), F the load shares, Q = 1/n.
-    Both move every over-loaded expert down and every under-loaded one up; "rms" in proportion to the imbalance.
+    - "rms" (Grove eq. 8): b <- b - rate * (F - Q) / sqrt(mean((F - Q)^2)), F the load shares, Q =
+      1/n.
+    Both move every over-loaded expert down and every under-loaded one up; "rms" in proportion to
+    the imbalance.
     """
     load_E = load_E.to(bias_E.dtype)
     if kind == "rms":
@@ -142,7 +163,8 @@ def loss_free_bias_step(bias_E: torch.Tensor, load_E: torch.Tensor, rate: float,
     return new_E - new_E.mean()
 
 
-# ----------------------------------------------------------------------------- Grove adjugate experts
+# ----------------------------------------------------------------------------- Grove adjugate
+# experts
 
 
 def expert_group(experts_NK: torch.Tensor, experts_per_group: int) -> torch.Tensor:
@@ -152,9 +174,10 @@ def expert_group(experts_NK: torch.Tensor, experts_per_group: int) -> torch.Tens
 
 def group_routing_weights(groups_NK: torch.Tensor, weights_NK: torch.Tensor, num_groups: int
                           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Grove eq. 5: per token and group, the summed weights (rho_r + rho_s + ...) of its selected experts in that
-    group, and for each of the token's K choices whether it is the first one in its group (that group's adjugate
-    then runs once, for this choice). Group ids equal to `num_groups` (padding) are neither summed nor first."""
+    """Grove eq. 5: per token and group, the summed weights (rho_r + rho_s + ...) of its selected
+    experts in that group, and for each of the token's K choices whether it is the first one in its
+    group (that group's adjugate then runs once, for this choice). Group ids equal to `num_groups`
+    (padding) are neither summed nor first."""
     N, K = groups_NK.shape
     rho_NG = weights_NK.new_zeros(N, num_groups + 1).scatter_add(1, groups_NK, weights_NK)[:, :num_groups]
     earlier_KK = torch.ones(K, K, dtype=torch.bool, device=groups_NK.device).tril(-1)   # k' < k
@@ -162,14 +185,16 @@ def group_routing_weights(groups_NK: torch.Tensor, weights_NK: torch.Tensor, num
     return rho_NG, ~repeat_NK & (groups_NK < num_groups)
 
 
-def adjugate_contribution(x_ND: torch.Tensor, groups_NK: torch.Tensor, weights_NK: torch.Tensor, num_groups: int,
-                          lam: float, w_gate_GDF: torch.Tensor, w_up_GDF: torch.Tensor, w_down_GFD: torch.Tensor,
+def adjugate_contribution(x_ND: torch.Tensor, groups_NK: torch.Tensor, weights_NK: torch.Tensor,
+                          num_groups: int, lam: float, w_gate_GDF: torch.Tensor,
+                          w_up_GDF: torch.Tensor, w_down_GFD: torch.Tensor,
                           use_grouped: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Grove eq. 3-5: sum over the token's active groups j of lambda * (sum of rho in G_j) * A_j(x), each A_j once.
+    """Grove eq. 3-5: sum over the token's active groups j of lambda * (sum of rho in G_j) * A_j(x),
+    each A_j once.
 
-    Static shapes: the N x K (token, choice) slots are sorted by group with repeats and padding last, and only
-    the first choice per (token, group) is computed. Returns the [N, D] contribution and the number of adjugate
-    evaluations (a 0-d tensor)."""
+    Static shapes: the N x K (token, choice) slots are sorted by group with repeats and padding
+    last, and only the first choice per (token, group) is computed. Returns the [N, D] contribution
+    and the number of adjugate evaluations (a 0-d tensor)."""
     rho_NG, first_NK = group_routing_weights(groups_NK, weights_NK, num_groups)
     disp = sort_by_group(groups_NK.masked_fill(~first_NK, num_groups), num_groups)
     a_AD = expert_swiglu(x_ND, disp, w_gate_GDF, w_up_GDF, w_down_GFD, use_grouped)
@@ -206,7 +231,8 @@ class MoE(nn.Module):
         if dim < 1:
             raise ValueError(f"MoE: dim must be >= 1, got {dim}")
         self.cfg, self.dim, self.num_experts = cfg, dim, cfg.num_experts
-        # "auto": grouped_mm when grouped_mm_available(), else the per-expert loop. Settable for tests/benchmarks.
+        # "auto": grouped_mm when grouped_mm_available(), else the per-expert loop. Settable for
+        # tests/benchmarks.
         self.dispatch: DispatchMode = "auto"
         E, hidden = cfg.num_experts, cfg.expert_hidden   # (F is torch.nn.functional here)
         self.router = nn.Linear(dim, E, bias=False)
@@ -232,8 +258,8 @@ class MoE(nn.Module):
         self.load_accum.zero_()
 
     def _apply(self, fn, recurse=True):
-        # Keep the balancing state in fp32 when the model is cast to bf16: 1e-3 bias steps and token counts
-        # are not representable there.
+        # Keep the balancing state in fp32 when the model is cast to bf16: 1e-3 bias steps and token
+        # counts are not representable there.
         super()._apply(fn, recurse)
         self.expert_bias.data = self.expert_bias.data.float()
         self.load_accum.data = self.load_accum.data.float()
@@ -244,21 +270,26 @@ class MoE(nn.Module):
             return False
         ok = grouped_mm_available(x_AD, *weights)
         if self.dispatch == "grouped_mm" and not ok:
-            raise RuntimeError(f"MoE.dispatch='grouped_mm' but torch._grouped_mm cannot run dtype {x_AD.dtype} "
-                               f"on {x_AD.device.type} with dim={self.dim} (needs 16-byte aligned rows)")
+            raise RuntimeError(f"MoE.dispatch='grouped_mm' but torch._grouped_mm cannot run dtype "
+                               f"{x_AD.dtype} on {x_AD.device.type} with dim={self.dim} (needs "
+                               f"16-byte aligned rows)")
         return ok
 
-    def forward(self, x_ND: torch.Tensor, valid_N: torch.Tensor | None = None, accumulate_load: bool = True
+    def forward(self, x_ND: torch.Tensor, valid_N: torch.Tensor | None = None,
+                accumulate_load: bool = True
                 ) -> tuple[torch.Tensor, MoEStats]:
-        """[N, D] -> [N, D] and the layer's statistics. `valid_N` (bool): the rows that are real tokens; the others
-        (padding, unused concept capacity) are routed nowhere, computed by no expert, counted in no load and no
-        loss, and come out as 0. Static shapes throughout (no host synchronisation on the grouped_mm path).
+        """[N, D] -> [N, D] and the layer's statistics. `valid_N` (bool): the rows that are real
+        tokens; the others (padding, unused concept capacity) are routed nowhere, computed by no
+        expert, counted in no load and no loss, and come out as 0. Static shapes throughout (no host
+        synchronisation on the grouped_mm path).
 
-        In training the loads are added to `load_accum` for the next balancing step; a transformer block passes
-        `accumulate_load=False` and its stack adds them (vlm.model.block.run_stack) outside the block, so that
-        activation checkpointing's recomputation does not count them twice."""
+        In training the loads are added to `load_accum` for the next balancing step; a transformer
+        block passes `accumulate_load=False` and its stack adds them (vlm.model.block.run_stack)
+        outside the block, so that activation checkpointing's recomputation does not count them
+        twice."""
         if x_ND.dim() != 2 or x_ND.shape[-1] != self.dim:
-            raise ValueError(f"MoE expects x_ND of shape [tokens, {self.dim}], got {tuple(x_ND.shape)}")
+            raise ValueError(f"MoE expects x_ND of shape [tokens, {self.dim}], got "
+                             f"{tuple(x_ND.shape)}")
         cfg, E = self.cfg, self.num_experts
         dev_type = x_ND.device.type
         with torch.autocast(dev_type, enabled=False):
@@ -266,7 +297,8 @@ class MoE(nn.Module):
         r = route(logits_NE, cfg, self.expert_bias)
         pad_N1 = None if valid_N is None else ~valid_N[:, None]
         experts_NK = r.experts_NK if pad_N1 is None else r.experts_NK.masked_fill(pad_N1, E)
-        # Sort the (token, choice) slots by expert so each expert reads one contiguous slice; its counts are the loads
+        # Sort the (token, choice) slots by expert so each expert reads one contiguous slice; its
+        # counts are the loads
         slots = sort_by_group(experts_NK, E)
         load_E = slots.counts_G.float()
         if accumulate_load and self.training and cfg.loss_free_balancing:
@@ -276,7 +308,8 @@ class MoE(nn.Module):
         N = x_ND.shape[0]   # a shape: static, no synchronisation
         terms = []
         if cfg.balance_loss_weight and N:
-            balance = switch_balance_loss(r.scores_NE, None, cfg.router == "sigmoid", valid_f, load_E)
+            balance = switch_balance_loss(r.scores_NE, None, cfg.router == "sigmoid", valid_f,
+                                          load_E)
             terms.append(cfg.balance_loss_weight * balance)
         if cfg.z_loss_weight and N:
             terms.append(cfg.z_loss_weight * router_z_loss(logits_NE, valid_f))
@@ -294,39 +327,47 @@ class MoE(nn.Module):
             G = cfg.grove_groups
             groups_NK = expert_group(experts_NK, E // G)   # padding's sentinel E lands on group G
             adj_ND, evals = adjugate_contribution(
-                x_c, groups_NK, r.weights_NK, G, cfg.grove_lambda, self.adj_gate_GDF, self.adj_up_GDF,
-                self.adj_down_GFD, self._use_grouped(x_c, self.adj_gate_GDF, self.adj_down_GFD))
+                x_c, groups_NK, r.weights_NK, G, cfg.grove_lambda, self.adj_gate_GDF,
+                self.adj_up_GDF, self.adj_down_GFD,
+                self._use_grouped(x_c, self.adj_gate_GDF, self.adj_down_GFD))
             out_ND = out_ND + adj_ND
-            n = x_ND.new_tensor(x_ND.shape[0], dtype=torch.float32) if valid_f is None else valid_f.sum()
+            n = x_ND.new_tensor(x_ND.shape[0],
+                                dtype=torch.float32) if valid_f is None else valid_f.sum()
             adj_per_token = evals.float() / n.clamp_min(1)
         if self.shared is not None:
             shared_ND = self.shared(x_c)
             out_ND = out_ND + (shared_ND if pad_N1 is None else shared_ND.masked_fill(pad_N1, 0))
         return out_ND.to(x_ND.dtype), MoEStats(aux, load_E.detach(),
-                                               None if adj_per_token is None else adj_per_token.detach())
+                                               None if adj_per_token is None
+                                               else adj_per_token.detach())
 
     @torch.no_grad()
     def update_bias(self, load_E: torch.Tensor | None = None) -> None:
-        """One loss-free balancing step (after an optimizer step) from `load_E` or the loads accumulated since
-        the last step; resets the accumulator. No-op on the bias when loss_free_balancing is off."""
+        """One loss-free balancing step (after an optimizer step) from `load_E` or the loads
+        accumulated since the last step; resets the accumulator. No-op on the bias when
+        loss_free_balancing is off."""
         load = self.load_accum if load_E is None else load_E.to(self.load_accum)
         if load.shape != (self.num_experts,):
-            raise ValueError(f"update_bias: load_E must have shape [{self.num_experts}], got {tuple(load.shape)}")
+            raise ValueError(f"update_bias: load_E must have shape [{self.num_experts}], got "
+                             f"{tuple(load.shape)}")
         if self.cfg.loss_free_balancing:
-            self.expert_bias.copy_(loss_free_bias_step(self.expert_bias, load, self.cfg.bias_update_rate,
+            self.expert_bias.copy_(loss_free_bias_step(self.expert_bias, load,
+                                                       self.cfg.bias_update_rate,
                                                        self.cfg.bias_update))
         self.load_accum.zero_()
 
     def extra_repr(self) -> str:
         c = self.cfg
-        return (f"dim={self.dim}, experts={c.num_experts}, top_k={c.top_k}, hidden={c.expert_hidden}, "
-                f"router={c.router}, shared={c.num_shared_experts}x{c.shared_hidden}, grove_groups={c.grove_groups}")
+        return (f"dim={self.dim}, experts={c.num_experts}, top_k={c.top_k}, "
+                f"hidden={c.expert_hidden}, router={c.router}, "
+                f"shared={c.num_shared_experts}x{c.shared_hidden}, grove_groups={c.grove_groups}")
 
 
-def update_moe_biases(model: nn.Module, all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+def update_moe_biases(model: nn.Module,
+                      all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
     """Loss-free balancing step for every MoE in `model`: sum the accumulated loads over ranks with
-    `all_reduce` (one call for all layers; an in-place all-reduce that returns None also works), then
-    update each layer's bias. Call after each optimizer step, not each micro-batch."""
+    `all_reduce` (one call for all layers; an in-place all-reduce that returns None also works),
+    then update each layer's bias. Call after each optimizer step, not each micro-batch."""
     moes = [m for m in model.modules() if isinstance(m, MoE)]
     if not moes:
         return

@@ -1,6 +1,6 @@
 """How the experts (and Grove's adjugate groups) see their tokens: the (token, choice) slots sorted
-by group, so that each group reads one contiguous slice of rows, and the SwiGLU those rows go through
-(one `torch._grouped_mm` per projection where it can run, else a loop over the groups)."""
+by group, so that each group reads one contiguous slice of rows, and the SwiGLU those rows go
+through (one `torch._grouped_mm` per projection where it can run, else a loop over the groups)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -13,8 +13,9 @@ from vlm.model.grouped_mm import grouped_mm
 
 @dataclass
 class Slots:
-    """The N x K (token, choice) slots sorted by group (expert or adjugate group), padding last: each group reads one
-    contiguous slice of rows, [offs[g-1], offs[g]); the rows that are not `dead_A1` are the ones a group computes."""
+    """The N x K (token, choice) slots sorted by group (expert or adjugate group), padding last:
+    each group reads one contiguous slice of rows, [offs[g-1], offs[g]); the rows that are not
+    `dead_A1` are the ones a group computes."""
 
     tok_A: torch.Tensor        # the token of each sorted slot
     group_A: torch.Tensor      # its group (num_groups for padding / repeats)
@@ -35,8 +36,8 @@ def sort_by_group(groups_NK: torch.Tensor, num_groups: int) -> Slots:
 
 
 def grouped_mm_available(x_AD: torch.Tensor, *weights: torch.Tensor) -> bool:
-    """Whether `torch._grouped_mm` can run these operands: it exists, the dtype is supported on this device,
-    and every row stride is a multiple of 16 bytes (its alignment rule)."""
+    """Whether `torch._grouped_mm` can run these operands: it exists, the dtype is supported on this
+    device, and every row stride is a multiple of 16 bytes (its alignment rule)."""
     if not hasattr(torch, "_grouped_mm"):
         return False
     dev = x_AD.device.type
@@ -56,20 +57,24 @@ def grouped_mm_available(x_AD: torch.Tensor, *weights: torch.Tensor) -> bool:
 
 def expert_swiglu(x_ND: torch.Tensor, disp: Slots, w_gate_EDF: torch.Tensor, w_up_EDF: torch.Tensor,
                   w_down_EFD: torch.Tensor, use_grouped: bool) -> torch.Tensor:
-    """[A, D]: expert e's SwiGLU, down(silu(x @ gate) * (x @ up)), on the rows of its slice of the sorted slots;
-    rows that are not live are exactly 0 (and pass no gradient back to x).
+    """[A, D]: expert e's SwiGLU, down(silu(x @ gate) * (x @ up)), on the rows of its slice of the
+    sorted slots; rows that are not live are exactly 0 (and pass no gradient back to x).
 
-    grouped_mm: no host synchronisation, every shape static (the rows past the live ones are left to the kernel
-    and masked). The per-expert loop (devices without grouped_mm) reads the counts on the host."""
+    grouped_mm: no host synchronisation, every shape static (the rows past the live ones are left to
+    the kernel and masked). The per-expert loop (devices without grouped_mm) reads the counts on the
+    host."""
     dt = x_ND.dtype
     wg, wu, wd = w_gate_EDF.to(dt), w_up_EDF.to(dt), w_down_EFD.to(dt)
-    x_AD = x_ND[disp.tok_A].masked_fill(disp.dead_A1, 0)   # a fill, not a product: garbage never leaks
+    # a fill, not a product: garbage never leaks
+    x_AD = x_ND[disp.tok_A].masked_fill(disp.dead_A1, 0)
     if use_grouped:
         offs_E = disp.counts_G.cumsum(0, dtype=torch.int32)
-        y_AD = grouped_mm(F.silu(grouped_mm(x_AD, wg, offs_E)) * grouped_mm(x_AD, wu, offs_E), wd, offs_E)
+        y_AD = grouped_mm(F.silu(grouped_mm(x_AD, wg, offs_E)) * grouped_mm(x_AD, wu, offs_E), wd,
+                          offs_E)
         return y_AD.masked_fill(disp.dead_A1, 0)
     sizes = disp.counts_G.tolist()
     pieces = [(F.silu(r_AD @ wg[e]) * (r_AD @ wu[e])) @ wd[e]
-              for e, r_AD in enumerate(x_AD.split(sizes + [x_AD.shape[0] - sum(sizes)])[:-1]) if r_AD.shape[0]]
+              for e, r_AD in enumerate(x_AD.split(sizes + [x_AD.shape[0] - sum(sizes)])[:-1])
+              if r_AD.shape[0]]
     pieces.append(x_AD.new_zeros(x_AD.shape[0] - sum(sizes), wd.shape[-1]))
     return torch.cat(pieces)

@@ -1,7 +1,8 @@
-"""The vision-language model: vision tower + projector splice image tokens into the ConceptMoE LM's sequence.
+"""The vision-language model: vision tower + projector splice image tokens into the ConceptMoE LM's
+sequence.
 
-The chunk module then compresses both modalities jointly (ConceptMoE section 4.2); every statistic is kept
-per modality (see vlm/model/stats.py).
+The chunk module then compresses both modalities jointly (ConceptMoE section 4.2); every statistic
+is kept per modality (see vlm/model/stats.py).
 """
 from __future__ import annotations
 
@@ -34,8 +35,8 @@ class ConceptMoEVLM(nn.Module):
                 raise ValueError(f"batch has {int(image_BT.sum())} image positions but no images")
             return x_BTD
         if self.vision is None:
-            raise ConfigError("the data carries images but the config has no vision tower (vision: null): give it a "
-                              "vision section, or train on text-only sources")
+            raise ConfigError("the data carries images but the config has no vision tower (vision: "
+                              "null): give it a vision section, or train on text-only sources")
         feats_ND = self.vision(batch.pixel_patches, batch.patch_coords, batch.image_grids)
         if feats_ND.shape[0] != int(image_BT.sum()):
             raise ValueError(f"images give {feats_ND.shape[0]} vision tokens but the batch has "
@@ -59,9 +60,11 @@ class ConceptMoEVLM(nn.Module):
     def forward(self, batch: PackedBatch, force: str | torch.Tensor | None = None,
                 output_hidden_states: bool = False) -> ModelOutput:
         # Images are never predicted, whatever the data says.
-        batch = dataclasses.replace(batch, labels=batch.labels.masked_fill(batch.modality == IMAGE, IGNORE_INDEX))
-        return self.lm(batch, inputs_embeds=self.embed(batch), above_BT=self.above_index(batch), force=force,
-                       output_hidden_states=output_hidden_states)
+        batch = dataclasses.replace(batch,
+                                    labels=batch.labels.masked_fill(batch.modality == IMAGE,
+                                                                    IGNORE_INDEX))
+        return self.lm(batch, inputs_embeds=self.embed(batch), above_BT=self.above_index(batch),
+                       force=force, output_hidden_states=output_hidden_states)
 
     @torch.no_grad()
     def prefill(self, batch: PackedBatch, max_new_tokens: int = 0):

@@ -1,12 +1,14 @@
-"""Counter-based random numbers for boundary sampling: a pure function of (seed, position), no generator object.
+"""Counter-based random numbers for boundary sampling: a pure function of (seed, position), no
+generator object.
 
-Training draws boundaries from noise (eq. 6's Bernoulli, or Gaussian flip noise). A `torch.Generator` cannot be
-traced by torch.compile, and the statistics pass and the real pass of a step must draw the same boundaries, so
-the noise is a hash of each position's flat index and a seed held in a tensor (a new seed is a new value in the
-same tensor: no recompilation). The same seed gives the same noise on every device and under compile.
+Training draws boundaries from noise (eq. 6's Bernoulli, or Gaussian flip noise). A
+`torch.Generator` cannot be traced by torch.compile, and the statistics pass and the real pass of a
+step must draw the same boundaries, so the noise is a hash of each position's flat index and a seed
+held in a tensor (a new seed is a new value in the same tensor: no recompilation). The same seed
+gives the same noise on every device and under compile.
 
-The hash is Chris Wellons' "lowbias32" integer mixer with both multipliers below 2^31, so that every product
-of a 32-bit value fits in a signed int64 (no overflow in any backend).
+The hash is Chris Wellons' "lowbias32" integer mixer with both multipliers below 2^31, so that every
+product of a 32-bit value fits in a signed int64 (no overflow in any backend).
 """
 from __future__ import annotations
 
@@ -27,8 +29,8 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 
 
 def uniform(seed: torch.Tensor, shape: tuple[int, ...], device: torch.device, stream: int = 0) -> torch.Tensor:
-    """float32 in [0, 1) of `shape`, one value per flat position, from a 0-d int64 `seed`; `stream` picks an
-    independent sequence for the same seed (e.g. the two uniforms of Box-Muller)."""
+    """float32 in [0, 1) of `shape`, one value per flat position, from a 0-d int64 `seed`; `stream`
+    picks an independent sequence for the same seed (e.g. the two uniforms of Box-Muller)."""
     n = math.prod(shape)
     i = torch.arange(n, device=device, dtype=torch.int64) * 2 + stream
     s = seed.to(device=device, dtype=torch.int64)

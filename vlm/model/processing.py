@@ -1,4 +1,5 @@
-"""transformers processors for exported models: `AutoProcessor.from_pretrained(final)` after `import vlm.model.hf`.
+"""transformers processors for exported models: `AutoProcessor.from_pretrained(final)` after `import
+vlm.model.hf`.
 
 The standard multimodal calls work as for LLaVA or Qwen2-VL:
 
@@ -8,8 +9,8 @@ The standard multimodal calls work as for LLaVA or Qwen2-VL:
     proc.batch_decode(out[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
 
 The prompt the processor builds is token for token the one the trainer and `ConceptMoEChat` build
-(`<bos>`, the chat template of data_pipelines/chat.py, each `<image>` expanded to its image's tokens):
-tests/test_hf_processor.py checks it against `make_prompt_batch`.
+(`<bos>`, the chat template of data_pipelines/chat.py, each `<image>` expanded to its image's
+tokens): tests/test_hf_processor.py checks it against `make_prompt_batch`.
 """
 from __future__ import annotations
 
@@ -24,9 +25,9 @@ from data_pipelines.schema import IMAGE_TOKEN
 from vision.image_processor import ImageProcessor, ImageProcessorConfig
 
 # data_pipelines/chat.py's template in Jinja, for messages whose content is a string or a list of
-# {"type": "image"} / {"type": "text", "text": ...} parts. An image part is `<image>`, and text right after an
-# image starts on a new line (the trained `<image>\nquestion`). System messages have no turn of their own in
-# training: their text opens the next user turn, on its own line.
+# {"type": "image"} / {"type": "text", "text": ...} parts. An image part is `<image>`, and text
+# right after an image starts on a new line (the trained `<image>\nquestion`). System messages have
+# no turn of their own in training: their text opens the next user turn, on its own line.
 CHAT_TEMPLATE = (
     "{%- set ns = namespace(system='') -%}"
     "{%- for message in messages -%}"
@@ -34,24 +35,26 @@ CHAT_TEMPLATE = (
     "{%- if message['content'] is string -%}{%- set part_ns.text = message['content'] -%}"
     "{%- else -%}{%- for part in message['content'] -%}"
     "{%- if part['type'] == 'image' -%}"
-    "{%- set part_ns.text = part_ns.text + '" + IMAGE_TOKEN + "' -%}{%- set part_ns.after_image = true -%}"
+    "{%- set part_ns.text = part_ns.text + '" + IMAGE_TOKEN + "' -%}{%- set part_ns.after_image = "
+                                                              "true -%}"
     "{%- elif part['type'] == 'text' -%}"
-    "{%- set part_ns.text = part_ns.text + ('\\n' if part_ns.after_image else '') + part['text'] -%}"
-    "{%- set part_ns.after_image = false -%}"
+    "{%- set part_ns.text = part_ns.text + ('\\n' if part_ns.after_image else '') + part['text'] "
+    "-%}{%- set part_ns.after_image = false -%}"
     "{%- endif -%}{%- endfor -%}{%- endif -%}"
     "{%- if message['role'] == 'system' -%}{%- set ns.system = ns.system + part_ns.text + '\\n' -%}"
     "{%- elif message['role'] == 'user' -%}{{ '<|user|>' + ns.system + part_ns.text + '<|end|>' }}"
     "{%- set ns.system = '' -%}"
     "{%- elif message['role'] == 'assistant' -%}{{ '<|assistant|>' + part_ns.text + '<|end|>' }}"
-    "{%- else -%}{{ raise_exception('role must be system, user or assistant, got ' + message['role']) }}"
-    "{%- endif -%}{%- endfor -%}"
+    "{%- else -%}{{ raise_exception('role must be system, user or assistant, got ' + "
+    "message['role']) }}{%- endif -%}{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{ '<|assistant|>' }}{%- endif -%}"
 )
 
 
 class ConceptMoEImageProcessor(BaseImageProcessor):
-    """The project's NaViT image processor (vision/image_processor.py) behind transformers' interface: any
-    number of images of any size -> packed patches, their grid coordinates and each image's grid."""
+    """The project's NaViT image processor (vision/image_processor.py) behind transformers'
+    interface: any number of images of any size -> packed patches, their grid coordinates and each
+    image's grid."""
 
     model_input_names = ["pixel_patches", "patch_coords", "image_grids"]
 
@@ -71,8 +74,9 @@ class ConceptMoEImageProcessor(BaseImageProcessor):
     def preprocess(self, images, return_tensors=None, **kwargs) -> BatchFeature:
         flat = _flatten(images)
         done = [self._processor(im) for im in flat]
-        data = {"pixel_patches": torch.cat([d.patches_PD for d in done]) if done else torch.zeros(0, 0),
-                "patch_coords": torch.cat([d.coords_P2 for d in done]) if done else torch.zeros(0, 2, dtype=torch.long),
+        data = {"pixel_patches": torch.cat([d.patches_PD for d in done]) if done
+                else torch.zeros(0, 0), "patch_coords": torch.cat([d.coords_P2 for d in done])
+                if done else torch.zeros(0, 2, dtype=torch.long),
                 "image_grids": torch.tensor([d.grid for d in done], dtype=torch.long).reshape(-1, 2)}
         return BatchFeature(data=data, tensor_type=None)
 
@@ -92,23 +96,27 @@ def _flatten(images) -> list:
 
 
 class ConceptMoEProcessor(ProcessorMixin):
-    """Image processor + tokenizer with the chat template; `__call__` expands every `<image>` of the text into
-    `<image_start>` + one `<image_pad>` per image token + `<image_end>` and puts `<bos>` in front."""
+    """Image processor + tokenizer with the chat template; `__call__` expands every `<image>` of the
+    text into `<image_start>` + one `<image_pad>` per image token + `<image_end>` and puts `<bos>`
+    in front."""
 
     def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
-        # a model continued from a pretrained source speaks the source's template (its tokenizer carries it)
+        # a model continued from a pretrained source speaks the source's template (its tokenizer
+        # carries it)
         chat_template = chat_template or getattr(tokenizer, "chat_template", None) or CHAT_TEMPLATE
         super().__init__(image_processor, tokenizer, chat_template=chat_template, **kwargs)
 
-    def __call__(self, images=None, text=None, return_tensors=None, padding=True, **kwargs) -> BatchFeature:
+    def __call__(self, images=None, text=None, return_tensors=None, padding=True,
+                 **kwargs) -> BatchFeature:
         if text is None:
-            raise ValueError("ConceptMoEProcessor needs text (with one <image> per image, e.g. from "
-                             "apply_chat_template)")
+            raise ValueError("ConceptMoEProcessor needs text (with one <image> per image, e.g. "
+                             "from apply_chat_template)")
         texts = [text] if isinstance(text, str) else list(text)
         flat = _flatten(images)
         wanted = sum(t.count(IMAGE_TOKEN) for t in texts)
         if wanted != len(flat):
-            raise ValueError(f"the text has {wanted} {IMAGE_TOKEN} placeholder(s) but {len(flat)} image(s) were "
+            raise ValueError(f"the text has {wanted} {IMAGE_TOKEN} placeholder(s) but {len(flat)} "
+                             f"image(s) were "
                              "given: one image per placeholder, in order")
         vision = self.image_processor.preprocess(flat) if flat else None
         grids = vision["image_grids"].tolist() if vision is not None else []
@@ -120,10 +128,11 @@ class ConceptMoEProcessor(ProcessorMixin):
                 n = self.image_processor.tokens_per_image(grids[k])
                 out += "<image_start>" + "<image_pad>" * n + "<image_end>" + piece
                 k += 1
-            bos = self.tokenizer.bos_token   # None for a source without one (Qwen): trained without it too
+            # None for a source without one (Qwen): trained without it too
+            bos = self.tokenizer.bos_token
             expanded.append(out if not bos or out.startswith(bos) else bos + out)
-        enc = self.tokenizer(expanded, add_special_tokens=False, padding=padding, return_tensors=return_tensors,
-                             **kwargs)
+        enc = self.tokenizer(expanded, add_special_tokens=False, padding=padding,
+                             return_tensors=return_tensors, **kwargs)
         data = dict(enc)
         if vision is not None:
             data.update(vision)

@@ -1,21 +1,25 @@
 """Compute reallocation for fair comparison (ConceptMoE section 3.5, Table 1).
 
-Given a MoE baseline and a compression ratio R, the concept model costs 1/R per token; the freed FLOPs go
-back in one of three ways, each matched to the baseline's per-token FLOPs and total parameters:
+Given a MoE baseline and a compression ratio R, the concept model costs 1/R per token; the freed
+FLOPs go back in one of three ways, each matched to the baseline's per-token FLOPs and total
+parameters:
 
-1. `more_experts`       more activated experts (concept `top_k`, fine-tuned by the token stacks' `top_k`);
-2. `loop_more_experts`  loop a middle range of concept layers (no parameters) plus more activated experts;
-3. `wider_concept`      a wider concept model (hidden, heads ~ sqrt(R) as Table 1 assumes) with fewer,
+1. `more_experts`       more activated experts (concept `top_k`, fine-tuned by the token stacks'
+   `top_k`);
+2. `loop_more_experts`  loop a middle range of concept layers (no parameters) plus more activated
+   experts;
+3. `wider_concept`      a wider concept model (hidden, heads ~ sqrt(R) as Table 1 assumes) with
+   fewer,
                         re-sized experts so that total parameters stay.
 
-The chunk module and the joint-decoding projections add parameters and FLOPs of their own; strategies 1
-and 2 may drop a few concept experts to give those parameters back. Each strategy is a small search over
-integer knobs: the FLOPs-matching `top_k` / expert size and the parameter-matching expert count are
-solved in closed form (they are affine in those knobs) and their integer neighbours evaluated exactly.
-Among candidates within tol/4, then within tol, the one closest to the strategy's intent wins (fewest
-structural changes; for loops the target loop count; for width sqrt(R)), ties broken by mismatch. When
-no candidate is within tol (granularity too coarse, e.g. 2 experts), the best mismatch is returned with
-`within_tol = False` and a note.
+The chunk module and the joint-decoding projections add parameters and FLOPs of their own;
+strategies 1 and 2 may drop a few concept experts to give those parameters back. Each strategy is a
+small search over integer knobs: the FLOPs-matching `top_k` / expert size and the parameter-matching
+expert count are solved in closed form (they are affine in those knobs) and their integer neighbours
+evaluated exactly. Among candidates within tol/4, then within tol, the one closest to the strategy's
+intent wins (fewest structural changes; for loops the target loop count; for width sqrt(R)), ties
+broken by mismatch. When no candidate is within tol (granularity too coarse, e.g. 2 experts), the
+best mismatch is returned with `within_tol = False` and a note.
 """
 from __future__ import annotations
 
@@ -77,10 +81,11 @@ def _concept_start(base: ModelConfig, ratio: float) -> ModelConfig:
 
 
 def _with(cfg: ModelConfig, k_tok: int | None = None, **concept_moe) -> ModelConfig:
-    """`cfg` with the token top-k and concept-MoE knobs changed. Configs validate when built, and the search
-    evaluates FLOPs and parameters at expert counts where the baseline's Grove lambda is out of bounds
-    (lambda <= groups / experts): there lambda, which changes neither, is clamped, and `_Search.offer` refuses
-    the result (a reallocation keeps the baseline's lambda). Every config built is valid: configs validate when made."""
+    """`cfg` with the token top-k and concept-MoE knobs changed. Configs validate when built, and
+    the search evaluates FLOPs and parameters at expert counts where the baseline's Grove lambda is
+    out of bounds (lambda <= groups / experts): there lambda, which changes neither, is clamped, and
+    `_Search.offer` refuses the result (a reallocation keeps the baseline's lambda). Every config
+    built is valid: configs validate when made."""
     moe = cfg.moe if k_tok is None else replace(cfg.moe, top_k=k_tok)
     c = cfg.c_moe
     groups, experts = c.grove_groups, concept_moe.get("num_experts", c.num_experts)
@@ -100,7 +105,8 @@ class _Search:
 
     def offer(self, cfg: ModelConfig, dev: float, off_intent: bool = False) -> None:
         """`off_intent`: the candidate misses what the strategy is about; used only if nothing else fits."""
-        if cfg.c_moe.grove_lambda != self.grove_lambda:   # clamped by _with: not the baseline's lambda
+        # clamped by _with: not the baseline's lambda
+        if cfg.c_moe.grove_lambda != self.grove_lambda:
             return
         f, p = _totals(cfg)
         err = max(abs(f / self.f0 - 1), abs(p / self.p0 - 1))
@@ -116,8 +122,10 @@ class _Search:
         ok = key[0] == 0
         notes = [note] if note else []
         if not ok:
-            notes.append(f"best mismatch {max(abs(fr - 1), abs(pr - 1)):.1%} exceeds {self.tol:.0%}: no integer "
-                         "choice of this strategy's knobs gets closer (granularity, or top_k capped by num_experts)")
+            notes.append(f"best mismatch {max(abs(fr - 1), abs(pr - 1)):.1%} exceeds "
+                         f"{self.tol:.0%}: no integer "
+                         "choice of this strategy's knobs gets closer (granularity, or top_k "
+                         "capped by num_experts)")
         elif key[1] and off_intent_note:
             notes.append(off_intent_note)
         return Reallocation(name, cfg, fr, pr, ok, "; ".join(notes))
@@ -125,8 +133,10 @@ class _Search:
 
 def _expert_counts(s: _Search, cfg: ModelConfig, e0: int, step: int) -> list[int]:
     """Concept expert counts to try: the baseline's and those giving back the chunk/joint parameters."""
-    # top_k capped at the count so that every count tried is a valid config (parameters do not depend on top_k)
-    fn = lambda e: count_params(_with(cfg, num_experts=e, top_k=min(cfg.c_moe.top_k, e)))["total"]  # noqa: E731
+    # top_k capped at the count so that every count tried is a valid config (parameters do not
+    # depend on top_k)
+    # noqa: E731
+    fn = lambda e: count_params(_with(cfg, num_experts=e, top_k=min(cfg.c_moe.top_k, e)))["total"]
     cands = _int_candidates(fn, e0, s.p0, step, e0, step)
     return sorted(set(cands) | {e0}, reverse=True)
 
@@ -137,15 +147,16 @@ def _fit_topk(s: _Search, cfg: ModelConfig, lo: int, hi: int) -> list[int]:
 
 
 def _search_setup(base: ModelConfig, ratio: float, tol: float, extra_tok_k: int):
-    """The search, the concept model at the target ratio, and the token-level top-k values to try (raising the
-    token top-k pays FLOPs back when there are token layers)."""
+    """The search, the concept model at the target ratio, and the token-level top-k values to try
+    (raising the token top-k pays FLOPs back when there are token layers)."""
     k0 = base.moe.top_k
     tok_range = range(k0, min(base.moe.num_experts, k0 + extra_tok_k) + 1) \
         if base.encoder_layers + base.decoder_layers else [k0]
     return _Search(base, tol), _concept_start(base, ratio), tok_range
 
 
-def _more_experts(base: ModelConfig, ratio: float, tol: float, extra_tok_k: int = 2) -> Reallocation:
+def _more_experts(base: ModelConfig, ratio: float, tol: float,
+                  extra_tok_k: int = 2) -> Reallocation:
     s, start, tok_range = _search_setup(base, ratio, tol, extra_tok_k)
     k0, kc0, e0 = base.moe.top_k, base.c_moe.top_k, base.c_moe.num_experts
     step = base.c_moe.grove_groups or 1
@@ -154,8 +165,10 @@ def _more_experts(base: ModelConfig, ratio: float, tol: float, extra_tok_k: int 
         for e_c in _expert_counts(s, cfg_t, e0, step):
             cfg_e = _with(cfg_t, num_experts=e_c, top_k=min(kc0, e_c))
             for k_c in _fit_topk(s, cfg_e, min(kc0, e_c), e_c):
-                s.offer(_with(cfg_e, top_k=k_c), dev=(k_tok - k0) + (e0 - e_c) / step, off_intent=k_c <= kc0)
-    return s.result("more_experts", off_intent_note="matched only without raising the concept top_k")
+                s.offer(_with(cfg_e, top_k=k_c), dev=(k_tok - k0) + (e0 - e_c) / step,
+                        off_intent=k_c <= kc0)
+    return s.result("more_experts",
+                    off_intent_note="matched only without raising the concept top_k")
 
 
 def _loop_more_experts(base: ModelConfig, ratio: float, tol: float, loop_fraction: float = 0.25,
@@ -178,7 +191,8 @@ def _loop_more_experts(base: ModelConfig, ratio: float, tol: float, loop_fractio
                     dev = abs(ell - target) + (k_tok - k0) + (e0 - e_c) / step
                     s.offer(_with(cfg_e, top_k=k_c), dev, off_intent=k_c <= kc0)
     return s.result("loop_more_experts", note=f"target loop layers {target}",
-                    off_intent_note="the loops alone spend the freed FLOPs: concept top_k not raised")
+                    off_intent_note="the loops alone spend the freed FLOPs: concept top_k not "
+                                    "raised")
 
 
 def _wider_concept(base: ModelConfig, ratio: float, tol: float, concept_heads: int | None = None,
@@ -195,27 +209,32 @@ def _wider_concept(base: ModelConfig, ratio: float, tol: float, concept_heads: i
     heads = sorted(heads, key=lambda h: abs(h / hq - want))[:max_heads]
     if concept_heads is not None:
         if concept_heads % group or concept_heads <= hq:
-            raise ValueError(f"concept_heads must be a multiple of {group} (num_heads / num_kv_heads) "
-                             f"above num_heads={hq}, got {concept_heads}")
+            raise ValueError(f"concept_heads must be a multiple of {group} (num_heads / "
+                             f"num_kv_heads) above num_heads={hq}, got {concept_heads}")
         heads = [concept_heads]
     for h_c in heads:
         d_c = round(d * h_c / hq)
-        wide = replace(start, concept_hidden_size=d_c, concept_num_heads=h_c, concept_num_kv_heads=h_c // group)
+        wide = replace(start, concept_hidden_size=d_c, concept_num_heads=h_c,
+                       concept_num_kv_heads=h_c // group)
         for k_c in range(max(1, kc0 - 2), kc0 + 3):
             e_c, he, slope = e0, he0, 0.0
-            for _ in range(3):   # alternate the FLOPs-matching expert size and the params-matching count
+            # alternate the FLOPs-matching expert size and the params-matching count
+            for _ in range(3):
                 cfg = _with(wide, top_k=min(k_c, e_c), num_experts=e_c, expert_hidden=he)
                 f_a = flops_per_token(cfg)["total"]
                 slope = max(flops_per_token(_with(cfg, expert_hidden=he + 1))["total"] - f_a, 1e-9)
                 he = max(1, round(he + (s.f0 - f_a) / slope))
-                p_fn = lambda e: count_params(_with(cfg, expert_hidden=he, num_experts=e))["total"]  # noqa: E731
+                # noqa: E731
+                p_fn = lambda e: count_params(_with(cfg, expert_hidden=he, num_experts=e))["total"]
                 e_cands = _int_candidates(p_fn, e_c, s.p0, max(k_c, step), 1 << 20, step)
                 e_c = e_cands[len(e_cands) // 2] if e_cands else e_c
             q_k = q    # round expert sizes to multiples of q unless one step moves FLOPs by > tol/4
             while q_k > 1 and slope * q_k > s.tol / 4 * s.f0:
                 q_k //= 2
             for he_r in {max(q_k, he // q_k * q_k + j * q_k) for j in (-1, 0, 1, 2)}:
-                p_fn = lambda e: count_params(_with(wide, top_k=k_c, expert_hidden=he_r, num_experts=e))["total"]  # noqa: E731
+                # noqa: E731
+                p_fn = lambda e: count_params(_with(wide, top_k=k_c, expert_hidden=he_r,
+                                                    num_experts=e))["total"]
                 for e_r in _int_candidates(p_fn, e_c, s.p0, max(k_c, step), 1 << 20, step):
                     dev = 10 * abs(h_c / hq - want) / want + abs(k_c - kc0)
                     s.offer(_with(wide, top_k=k_c, expert_hidden=he_r, num_experts=e_r), dev)
@@ -225,10 +244,12 @@ def _wider_concept(base: ModelConfig, ratio: float, tol: float, concept_heads: i
 def search_reallocations(baseline_cfg: ModelConfig, ratio: float, tol: float = 0.02,
                          loop_fraction: float = 0.25, loop_layers: int | None = None,
                          concept_heads: int | None = None) -> dict[str, Reallocation]:
-    """The three section-3.5 strategies for `baseline_cfg` at compression ratio `ratio`, with match info.
+    """The three section-3.5 strategies for `baseline_cfg` at compression ratio `ratio`, with match
+    info.
 
-    Strategy 2 aims at `loop_layers` looped concept layers (default: `loop_fraction` of them); strategy 3
-    at the concept head count nearest sqrt(R) x heads unless `concept_heads` fixes it (paper 4.2: 1.5x).
+    Strategy 2 aims at `loop_layers` looped concept layers (default: `loop_fraction` of them);
+    strategy 3 at the concept head count nearest sqrt(R) x heads unless `concept_heads` fixes it
+    (paper 4.2: 1.5x).
     """
     if baseline_cfg.chunk.enabled:
         raise ValueError("reallocate expects the MoE baseline (chunk.enabled: false); "
@@ -236,10 +257,12 @@ def search_reallocations(baseline_cfg: ModelConfig, ratio: float, tol: float = 0
     if not ratio > 1.0:
         raise ValueError(f"compression ratio R must be > 1, got {ratio}")
     if baseline_cfg.concept_layers < 1:
-        raise ValueError("the baseline has no concept layers (concept_layers = 0): nothing to compress")
+        raise ValueError("the baseline has no concept layers (concept_layers = 0): nothing to "
+                         "compress")
     return {
         "more_experts": _more_experts(baseline_cfg, ratio, tol),
-        "loop_more_experts": _loop_more_experts(baseline_cfg, ratio, tol, loop_fraction, loop_layers),
+        "loop_more_experts": _loop_more_experts(baseline_cfg, ratio, tol, loop_fraction,
+                                                loop_layers),
         "wider_concept": _wider_concept(baseline_cfg, ratio, tol, concept_heads),
     }
 
@@ -249,7 +272,8 @@ def reallocate(baseline_cfg: ModelConfig, ratio: float, tol: float = 0.02, **opt
 
     `options` go to `search_reallocations` (loop_fraction, loop_layers, concept_heads).
     """
-    return {k: r.config for k, r in search_reallocations(baseline_cfg, ratio, tol, **options).items()}
+    return {k: r.config for k,
+            r in search_reallocations(baseline_cfg, ratio, tol, **options).items()}
 
 
 def describe_changes(base: ModelConfig, cfg: ModelConfig) -> str:
@@ -260,19 +284,20 @@ def describe_changes(base: ModelConfig, cfg: ModelConfig) -> str:
     if cfg.moe.top_k != base.moe.top_k:
         out.append(f"E/D top_k {base.moe.top_k}->{cfg.moe.top_k}")
     bm, cm = base.c_moe, cfg.c_moe
-    for field, label in (("top_k", "C top_k"), ("num_experts", "C experts"), ("expert_hidden", "C expert_hidden")):
+    for field, label in (("top_k", "C top_k"), ("num_experts", "C experts"),
+                         ("expert_hidden", "C expert_hidden")):
         if getattr(cm, field) != getattr(bm, field):
             out.append(f"{label} {getattr(bm, field)}->{getattr(cm, field)}")
     if cfg.c_hidden != base.c_hidden or cfg.c_heads != base.c_heads:
-        out.append(f"C hidden {base.c_hidden}->{cfg.c_hidden}, heads {base.c_heads}/{base.c_kv_heads}"
-                   f"->{cfg.c_heads}/{cfg.c_kv_heads}")
+        out.append(f"C hidden {base.c_hidden}->{cfg.c_hidden}, heads "
+                   f"{base.c_heads}/{base.c_kv_heads}->{cfg.c_heads}/{cfg.c_kv_heads}")
     if len(cfg.concept_schedule) != len(base.concept_schedule):
         out.append(f"loop layers [{cfg.loop_start},{cfg.loop_end})x{cfg.loop_times}")
     return "; ".join(out) or "-"
 
 
-def comparison_table(baseline_cfg: ModelConfig, ratio: float, seq_len: int = 32768, bytes_per_el: int = 2,
-                     causal: bool = True, tol: float = 0.02,
+def comparison_table(baseline_cfg: ModelConfig, ratio: float, seq_len: int = 32768,
+                     bytes_per_el: int = 2, causal: bool = True, tol: float = 0.02,
                      extra: dict[str, ModelConfig] | None = None,
                      found: dict[str, Reallocation] | None = None, **options) -> list[dict]:
     """Rows of Table 1 with numbers: the baseline, the three strategies and any `extra` configs.
@@ -281,8 +306,10 @@ def comparison_table(baseline_cfg: ModelConfig, ratio: float, seq_len: int = 327
     `found` reuses a `search_reallocations` result (e.g. when tabulating several sequence lengths).
     """
     base = summary(baseline_cfg, None, seq_len, bytes_per_el, causal)
-    rows = [dict(name="baseline", method="Baseline (MoE)", changes="-", within_tol=True, note="", **base)]
-    found = found if found is not None else search_reallocations(baseline_cfg, ratio, tol, **options)
+    rows = [dict(name="baseline", method="Baseline (MoE)", changes="-", within_tol=True, note="",
+                 **base)]
+    found = found if found is not None else search_reallocations(baseline_cfg, ratio, tol,
+                                                                 **options)
     items = [(k, STRATEGIES[k], r.config, r.within_tol, r.note) for k, r in found.items()]
     for k, cfg in (extra or {}).items():
         items.append((k, k, cfg, None, ""))

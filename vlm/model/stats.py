@@ -18,8 +18,9 @@ def sample_has_image(doc_BT: torch.Tensor, modality_BT: torch.Tensor) -> torch.T
 
 
 def lm_losses(logits_BTV: torch.Tensor, labels_BT: torch.Tensor, doc_BT, modality_BT):
-    """Mean next-token loss, the same split into image-text and text-only samples (the paper's mmloss/textloss),
-    and the detached per-position loss [B, T] (0 where unlabelled) for statistics by kind and source."""
+    """Mean next-token loss, the same split into image-text and text-only samples (the paper's
+    mmloss/textloss), and the detached per-position loss [B, T] (0 where unlabelled) for statistics
+    by kind and source."""
     labelled = labels_BT != IGNORE_INDEX
     tok_loss = F.cross_entropy(logits_BTV.float().flatten(0, 1), labels_BT.flatten().clamp_min(0),
                                reduction="none").view_as(labels_BT) * labelled
@@ -42,7 +43,8 @@ def chunk_stats(p_BT, b_BT, doc_BT, modality_BT) -> dict[str, torch.Tensor]:
         nb = (b_BT & sel).sum()
         suffix = "ratio" if name == "all" else name
         out[f"compression/{suffix}"] = n.float() / nb.clamp_min(1).float() if name == "all" else \
-            torch.where(nb > 0, n.float() / nb.clamp_min(1).float(), torch.zeros((), device=n.device))
+            torch.where(nb > 0, n.float() / nb.clamp_min(1).float(),
+                        torch.zeros((), device=n.device))
         out[f"tokens/{name}"] = n.float()
         out[f"boundaries/{name}"] = nb.float()
         out[f"boundary_p/{name}"] = (p_BT.detach().float() * sel).sum() / n.clamp_min(1)
@@ -50,9 +52,10 @@ def chunk_stats(p_BT, b_BT, doc_BT, modality_BT) -> dict[str, torch.Tensor]:
 
 
 def summarize(out, batch) -> dict[str, float]:
-    """The scalar statistics of one forward as Python floats, in one host transfer: losses, the loss split
-    (a sample kind absent from the batch is absent here), and tokens / boundaries / realized ratio / mean p
-    overall and per modality (eval mode gives the realized compression at p >= 0.5)."""
+    """The scalar statistics of one forward as Python floats, in one host transfer: losses, the loss
+    split (a sample kind absent from the batch is absent here), and tokens / boundaries / realized
+    ratio / mean p overall and per modality (eval mode gives the realized compression at p >=
+    0.5)."""
     valid = batch.doc_ids >= 0
     b_BT = out.chunks.b_BT if out.chunks is not None else valid
     p_BT = out.chunks.p_BT if out.chunks is not None else valid.float()

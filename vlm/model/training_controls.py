@@ -1,12 +1,16 @@
-"""What a training step needs from a model, as one small typed interface. The trainer and the step call this and
-reach into no module: no attribute set on a chunk module from outside, no buffer found by its name.
+"""What a training step needs from a model, as one small typed interface. The trainer and the step
+call this and reach into no module: no attribute set on a chunk module from outside, no buffer found
+by its name.
 
-- the boundary noise's seed (one per micro-batch, so that a step's statistics pass and real pass draw alike);
-- the chunk module's statistics hook (DLCM's global parser: ratio-loss sums over the whole global batch);
-- when the top-k router's inference threshold moves: once per applied optimizer step, not per forward;
-- the statistics training forwards accumulate for the updates after a step (the MoE layers' expert loads, the
-  top-k router's score quantiles): to set aside around a pass that must not count, to drop for a skipped step, and
-  to apply after an applied one, summed over ranks in one collective.
+- the boundary noise's seed (one per micro-batch, so that a step's statistics pass and real pass
+  draw alike);
+- the chunk module's statistics hook (DLCM's global parser: ratio-loss sums over the whole global
+  batch);
+- when the top-k router's inference threshold moves: once per applied optimizer step, not per
+  forward;
+- the statistics training forwards accumulate for the updates after a step (the MoE layers' expert
+  loads, the top-k router's score quantiles): to set aside around a pass that must not count, to
+  drop for a skipped step, and to apply after an applied one, summed over ranks in one collective.
 """
 from __future__ import annotations
 
@@ -61,9 +65,9 @@ class TrainingControls:
 
     @torch.no_grad()
     def apply_statistics(self, all_reduce: AllReduce | None = None) -> None:
-        """After an applied optimizer step: the statistics summed over ranks in one collective (every rank then
-        holds the same biases and thresholds), each MoE layer's loss-free balancing step, each top-k threshold's
-        move; the accumulators start again from zero."""
+        """After an applied optimizer step: the statistics summed over ranks in one collective
+        (every rank then holds the same biases and thresholds), each MoE layer's loss-free balancing
+        step, each top-k threshold's move; the accumulators start again from zero."""
         stats = self.statistics()
         if not stats:
             return

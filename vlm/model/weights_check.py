@@ -1,18 +1,18 @@
 """Exported weights are checked against their config before anything loads them.
 
-transformers' `from_pretrained` fills a tensor that the file lacks from uninitialised memory (this model
-initialises itself, so its `_init_weights` does nothing), casts a wrong dtype silently (int64 weights trained
-at loss 6.2 million), and reports a truncated or non-safetensors file with a traceback that does not name it.
-`check_exported_weights` reads only safetensors headers and tensors (never a pickle), compares every tensor's
-presence, shape and dtype with the model the config describes (built on the meta device: nothing is
-allocated), then reads each tensor once to check that it is finite. The first problem becomes one line that
-names the file and the tensor.
+transformers' `from_pretrained` fills a tensor that the file lacks from uninitialised memory (this
+model initialises itself, so its `_init_weights` does nothing), casts a wrong dtype silently (int64
+weights trained at loss 6.2 million), and reports a truncated or non-safetensors file with a
+traceback that does not name it. `check_exported_weights` reads only safetensors headers and tensors
+(never a pickle), compares every tensor's presence, shape and dtype with the model the config
+describes (built on the meta device: nothing is allocated), then reads each tensor once to check
+that it is finite. The first problem becomes one line that names the file and the tensor.
 
-Then the weight files are compared with the SHA-256 digests the export recorded in `checksums.json` (written by
-`ConceptMoEForCausalLM.save_pretrained`, so by every export and `vlm convert`): damage that leaves every value
-finite (flipped bytes) is caught too. A mismatch is one line naming the file and both digests; weights edited on
-purpose load with `VLM_SKIP_WEIGHT_CHECKSUM=1`. An export without `checksums.json` (written before they were
-recorded, or by other tools) loads as before.
+Then the weight files are compared with the SHA-256 digests the export recorded in `checksums.json`
+(written by `ConceptMoEForCausalLM.save_pretrained`, so by every export and `vlm convert`): damage
+that leaves every value finite (flipped bytes) is caught too. A mismatch is one line naming the file
+and both digests; weights edited on purpose load with `VLM_SKIP_WEIGHT_CHECKSUM=1`. An export
+without `checksums.json` (written before they were recorded, or by other tools) loads as before.
 """
 from __future__ import annotations
 
@@ -32,8 +32,8 @@ CHECKSUMS = "checksums.json"
 SKIP_CHECKSUM_ENV = "VLM_SKIP_WEIGHT_CHECKSUM"
 SKIP_HINT = f"if the weights were edited on purpose, load them with {SKIP_CHECKSUM_ENV}=1"
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-           "BOOL": torch.bool}
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+           "U8": torch.uint8, "BOOL": torch.bool}
 
 
 class WeightsError(ConfigError):
@@ -61,20 +61,23 @@ def weight_files(path: Path) -> list[Path]:
 
 
 def expected_tensors(config) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """name -> (shape, dtype) of every tensor an export of this `ConceptMoEConfig` must hold: the model cast to
-    the dtype the export recorded (`dtype`, float32 when absent) the way the export was, so that what the model
-    keeps in float32 whatever its dtype (the MoE expert bias) is expected in float32."""
+    """name -> (shape, dtype) of every tensor an export of this `ConceptMoEConfig` must hold: the
+    model cast to the dtype the export recorded (`dtype`, float32 when absent) the way the export
+    was, so that what the model keeps in float32 whatever its dtype (the MoE expert bias) is
+    expected in float32."""
     from vlm.model.multimodal import ConceptMoEVLM
 
     want = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
     if isinstance(want, str):
         want = getattr(torch, want.removeprefix("torch."), None)
     if not isinstance(want, torch.dtype) or not want.is_floating_point:
-        raise WeightsError(f"config dtype {getattr(config, 'dtype', None)!r} is not a floating-point torch dtype")
+        raise WeightsError(f"config dtype {getattr(config, 'dtype', None)!r} is not a "
+                           f"floating-point torch dtype")
     with torch.device("meta"):
         model = ConceptMoEVLM(*config.build_configs()).to(want)
     out = {f"vlm.{k}": (tuple(t.shape), t.dtype) for k, t in model.state_dict().items()}
-    if config.tie_word_embeddings:   # transformers stores a tied head once, under the embedding's name
+    # transformers stores a tied head once, under the embedding's name
+    if config.tie_word_embeddings:
         out.pop("vlm.lm.lm_head.weight", None)
     return out
 
@@ -84,8 +87,9 @@ def _name(dtype: torch.dtype) -> str:
 
 
 def check_exported_weights(path: str | Path, config) -> None:
-    """Raise WeightsError (one line) unless every tensor of the export at `path` is present, of the shape and
-    dtype its `config` (a ConceptMoEConfig) gives, finite, and no other tensor is there."""
+    """Raise WeightsError (one line) unless every tensor of the export at `path` is present, of the
+    shape and dtype its `config` (a ConceptMoEConfig) gives, finite, and no other tensor is
+    there."""
     from safetensors import safe_open
 
     path = Path(path)
@@ -106,22 +110,26 @@ def check_exported_weights(path: str | Path, config) -> None:
                     sl, k = h.get_slice(name), current_key(name)
                     headers[k] = (tuple(sl.get_shape()), sl.get_dtype())
                     found[k], stored[k] = f, name
-        except Exception as e:   # safetensors raises its own error types (and OSError) for unreadable files
+        # safetensors raises its own error types (and OSError) for unreadable files
+        except Exception as e:
             raise WeightsError(f"{f}: not a readable safetensors file ({_reason(e)})") from None
     for k, (shape, dtype) in expected.items():
         if k not in headers:
-            raise WeightsError(f"{_where(path, files)}: tensor {k} is missing (the config needs {list(shape)} "
-                               f"{_name(dtype)})")
+            raise WeightsError(f"{_where(path, files)}: tensor {k} is missing (the config needs "
+                               f"{list(shape)} {_name(dtype)})")
         got_shape, got_dtype = headers[k]
         if got_shape != shape:
-            raise WeightsError(f"{found[k]}: tensor {k} has shape {list(got_shape)}, the config needs {list(shape)}")
+            raise WeightsError(f"{found[k]}: tensor {k} has shape {list(got_shape)}, the config "
+                               f"needs {list(shape)}")
         got = _DTYPES.get(got_dtype)
         if got != dtype:
-            raise WeightsError(f"{found[k]}: tensor {k} has dtype {_name(got) if got else got_dtype}, the config "
-                               f"needs {_name(dtype)}")
+            raise WeightsError(f"{found[k]}: tensor {k} has dtype "
+                               f"{_name(got) if got else got_dtype}, the config needs "
+                               f"{_name(dtype)}")
     extra = [k for k in headers if k not in expected]
     if extra:
-        raise WeightsError(f"{found[extra[0]]}: tensor {extra[0]} is not part of the model its config describes"
+        raise WeightsError(f"{found[extra[0]]}: tensor {extra[0]} is not part of the model its "
+                           f"config describes"
                            + (f" ({len(extra) - 1} more)" if len(extra) > 1 else ""))
     for f in files:
         try:
@@ -132,7 +140,8 @@ def check_exported_weights(path: str | Path, config) -> None:
                     t = h.get_tensor(stored[k])
                     if t.is_floating_point() and not bool(torch.isfinite(t).all()):
                         bad = int((~torch.isfinite(t)).sum())
-                        raise WeightsError(f"{f}: tensor {k} has {bad} non-finite values (NaN or inf) of {t.numel()}")
+                        raise WeightsError(f"{f}: tensor {k} has {bad} non-finite values (NaN or "
+                                           f"inf) of {t.numel()}")
         except WeightsError:
             raise
         except Exception as e:
@@ -146,9 +155,9 @@ def sha256_file(path: Path) -> str:
 
 
 def write_checksums(path: str | Path) -> Path | None:
-    """Record the SHA-256 of the export's weight files (and its shard index) in `path/checksums.json`, the
-    `files` mapping of a checkpoint's meta.json; an export without safetensors weights gets none (a stale one
-    is removed). Returns the file written."""
+    """Record the SHA-256 of the export's weight files (and its shard index) in
+    `path/checksums.json`, the `files` mapping of a checkpoint's meta.json; an export without
+    safetensors weights gets none (a stale one is removed). Returns the file written."""
     path = Path(path)
     out = path / CHECKSUMS
     try:
@@ -170,9 +179,9 @@ def checksums_skipped() -> bool:
 
 
 def verify_checksums(path: str | Path, files: list[Path] | None = None) -> None:
-    """Raise WeightsError (one line: the file, the recorded and the actual digest, how to skip) unless every
-    weight file of the export at `path` matches `checksums.json`. Nothing to check without that file, or with
-    VLM_SKIP_WEIGHT_CHECKSUM=1."""
+    """Raise WeightsError (one line: the file, the recorded and the actual digest, how to skip)
+    unless every weight file of the export at `path` matches `checksums.json`. Nothing to check
+    without that file, or with VLM_SKIP_WEIGHT_CHECKSUM=1."""
     path = Path(path)
     record_file = path / CHECKSUMS
     if checksums_skipped() or not record_file.is_file():
@@ -184,21 +193,23 @@ def verify_checksums(path: str | Path, files: list[Path] | None = None) -> None:
                 not all(isinstance(v, str) for v in recorded.values()):
             raise ValueError("expected {\"algorithm\": \"sha256\", \"files\": {name: digest}}")
     except (OSError, ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as e:
-        raise WeightsError(f"{record_file}: not a readable checksum file ({_reason(e)}); {SKIP_HINT}") from None
+        raise WeightsError(f"{record_file}: not a readable checksum file ({_reason(e)}); "
+                           f"{SKIP_HINT}") from None
     files = weight_files(path) if files is None else files
     if (path / INDEX).is_file():
         files = [path / INDEX, *files]
     for f in files:
         if f.name not in recorded:
-            raise WeightsError(f"{f}: not listed in {record_file} (written after the export); {SKIP_HINT}")
+            raise WeightsError(f"{f}: not listed in {record_file} (written after the export); "
+                               f"{SKIP_HINT}")
     for name, want in recorded.items():
         f = path / name
         if not f.is_file() or f.resolve().parent != path.resolve():
             raise WeightsError(f"{f}: recorded in {record_file} but missing; {SKIP_HINT}")
         got = sha256_file(f)
         if got != want.lower():
-            raise WeightsError(f"{f}: SHA-256 is {got}, {CHECKSUMS} recorded {want} at export (the file changed "
-                               f"since); {SKIP_HINT}")
+            raise WeightsError(f"{f}: SHA-256 is {got}, {CHECKSUMS} recorded {want} at export (the "
+                               f"file changed since); {SKIP_HINT}")
 
 
 def read_config(path: Path, config_class):

@@ -1,15 +1,16 @@
-"""`vlm chain CONFIG... [key=value ...] --out DIR`: training stages run in order, each one starting from
-the previous stage's exported model (`train.init_from`), e.g. LLaVA's recipe:
+"""`vlm chain CONFIG... [key=value ...] --out DIR`: training stages run in order, each one starting
+from the previous stage's exported model (`train.init_from`), e.g. LLaVA's recipe:
 
     vlm chain configs/llava_text.yaml configs/llava_align.yaml configs/llava_full.yaml --out runs/llava
 
 `key=value` overrides (dotted, as for `vlm train`) apply to every stage.
 
-Stage k trains into DIR/<k>_<config name>. A finished stage (its summary says exit code 0 and final/ is there) is
-not run again, and an interrupted one resumes from its last checkpoint, so the same command continues a chain.
-SIGTERM / Ctrl-C stops the chain as it stops `vlm train`: the stage in flight saves a checkpoint after its step,
-no later stage starts, and the exit code is 128 + the signal (a second signal exits at once).
-The trainer is imported when the command runs (as for `vlm train`).
+Stage k trains into DIR/<k>_<config name>. A finished stage (its summary says exit code 0 and final/
+is there) is not run again, and an interrupted one resumes from its last checkpoint, so the same
+command continues a chain. SIGTERM / Ctrl-C stops the chain as it stops `vlm train`: the stage in
+flight saves a checkpoint after its step, no later stage starts, and the exit code is 128 + the
+signal (a second signal exits at once). The trainer is imported when the command runs (as for `vlm
+train`).
 """
 from __future__ import annotations
 
@@ -36,8 +37,9 @@ def finished(run_dir: Path) -> bool:
 
 
 def run_chain(configs: list[str], out: Path, overrides: list[str], log=print, stop=None) -> int:
-    """0 when every stage is done; else the exit code of the stage that stopped. `stop`: the StopFlag that
-    SIGTERM / SIGINT set (vlm.train.signals), polled by each stage's trainer and between stages."""
+    """0 when every stage is done; else the exit code of the stage that stopped. `stop`: the
+    StopFlag that SIGTERM / SIGINT set (vlm.train.signals), polled by each stage's trainer and
+    between stages."""
     from vlm.train.config import load_train_config
     from vlm.train.engine import check_deepspeed_config
     from vlm.train.signals import Preempted, StopFlag
@@ -51,14 +53,16 @@ def run_chain(configs: list[str], out: Path, overrides: list[str], log=print, st
     for k, cfg in enumerate(stage_cfgs):
         check_deepspeed_config(cfg.deepspeed, cfg.optim, int(os.environ.get("WORLD_SIZE", "1")))
         if k and cfg.train.init_from:
-            raise ConfigError(f"{configs[k]}: train.init_from is set by the chain (the previous stage's final/); "
+            raise ConfigError(f"{configs[k]}: train.init_from is set by the chain (the previous "
+                              f"stage's final/); "
                               "remove it from the stage config")
     for k, (path, run_dir) in enumerate(zip(configs, dirs)):
         if finished(run_dir):
             log(f"stage {k} ({path}): done earlier, {run_dir / 'final'}")
             continue
         if stop.requested:
-            log(f"stopped by {stop.name} before stage {k} ({path}); run the same command again to continue")
+            log(f"stopped by {stop.name} before stage {k} ({path}); run the same command again to "
+                f"continue")
             return stop.code
         extra = [f"train.init_from={dirs[k - 1] / 'final'}"] if k else []
         cfg = load_train_config(path, overrides + extra)
@@ -87,12 +91,14 @@ def _chain_command(args) -> int:
     from vlm.train.signals import stop_on_signals
 
     configs, overrides = split_configs(args.configs)
-    with stop_on_signals() as stop:   # Ctrl-C is a flag the stages poll, never a KeyboardInterrupt traceback
+    # Ctrl-C is a flag the stages poll, never a KeyboardInterrupt traceback
+    with stop_on_signals() as stop:
         return run_chain(configs, Path(args.out), [*overrides, *args.overrides], stop=stop)
 
 
 def add_chain_command(subparsers) -> None:
-    p = subparsers.add_parser("chain", help="run training stages in order, each from the previous stage's final/",
+    p = subparsers.add_parser("chain", help="run training stages in order, each from the previous "
+                                            "stage's final/",
                               description=__doc__.split("\n\n")[0])
     p.add_argument("configs", nargs="+", metavar="CONFIG [key=value]",
                    help="stage configs, in order; then dotted overrides applied to every stage")

@@ -7,16 +7,18 @@ Layout of RUN_DIR/checkpoints/step_00000100/:
 
 Everything is written into `.tmp-step_...`, fsynced, then renamed; a crash mid-save leaves only a
 `.tmp-` folder that `latest_checkpoint` never picks (and the next run deletes). Old checkpoints are
-renamed to `.del-` before removal for the same reason. A checkpoint damaged after it was written (a truncated
-file, a flipped bit) fails its checksums on resume, and the newest intact one is used instead, with a warning.
+renamed to `.del-` before removal for the same reason. A checkpoint damaged after it was written (a
+truncated file, a flipped bit) fails its checksums on resume, and the newest intact one is used
+instead, with a warning.
 
-A save that cannot be written (a full disk, a quota, a read-only mount) raises `WriteError`: one line with the
-path and the system's reason ("No space left on device"), after the `.tmp-` folder was removed; the previous
-checkpoint, untouched, stays the resume point. torch.save reports a failed write as "iostream error" or
-"unexpected pos" without the errno, so every torch.save here (DeepSpeed's included) writes through a file
-object that keeps the OSError (vlm.train.write_errors). With several ranks a failed write is held until every
-rank has written its part, then all ranks compare and all raise the same WriteError: a disk full on one rank ends
-every rank in one line instead of leaving the others in a collective.
+A save that cannot be written (a full disk, a quota, a read-only mount) raises `WriteError`: one
+line with the path and the system's reason ("No space left on device"), after the `.tmp-` folder was
+removed; the previous checkpoint, untouched, stays the resume point. torch.save reports a failed
+write as "iostream error" or "unexpected pos" without the errno, so every torch.save here
+(DeepSpeed's included) writes through a file object that keeps the OSError (vlm.train.write_errors).
+With several ranks a failed write is held until every rank has written its part, then all ranks
+compare and all raise the same WriteError: a disk full on one rank ends every rank in one line
+instead of leaving the others in a collective.
 """
 from __future__ import annotations
 
@@ -36,7 +38,8 @@ import torch
 
 from vlm.train.distributed import broadcast_object, gather_object
 from vlm.train.engine import CheckpointRefused, safe_load
-from vlm.train.write_errors import (DISK_ERRNOS, WriteError, _KeepsWriteError, describe_write_error,  # noqa: F401
+# noqa: F401
+from vlm.train.write_errors import (DISK_ERRNOS, WriteError, _KeepsWriteError, describe_write_error,
                                     disk_full_guess, is_disk_error, torch_save)
 
 log = logging.getLogger(__name__)
@@ -80,8 +83,8 @@ def file_digests(root: Path) -> dict[str, str]:
 
 
 def damaged_file(ckpt: Path) -> str | None:
-    """The first file of `ckpt` that is missing or differs from its recorded checksum (None: intact, or a
-    checkpoint written before checksums were recorded)."""
+    """The first file of `ckpt` that is missing or differs from its recorded checksum (None: intact,
+    or a checkpoint written before checksums were recorded)."""
     recorded = json.loads((ckpt / "meta.json").read_text()).get("files")
     if recorded is None:
         return None
@@ -98,7 +101,8 @@ def damaged_file(ckpt: Path) -> str | None:
 def _numpy_rng_state() -> dict[str, Any]:
     """numpy's global RNG state with its key array as a tensor: loadable with torch.load(weights_only=True)."""
     st = np.random.get_state(legacy=False)
-    return {**st, "state": {"key": torch.from_numpy(st["state"]["key"].astype(np.int64)), "pos": st["state"]["pos"]}}
+    return {**st, "state": {"key": torch.from_numpy(st["state"]["key"].astype(np.int64)),
+                            "pos": st["state"]["pos"]}}
 
 
 def _set_numpy_rng_state(st: dict[str, Any]) -> None:
@@ -107,10 +111,11 @@ def _set_numpy_rng_state(st: dict[str, Any]) -> None:
 
 
 def rng_state() -> dict[str, Any]:
-    """Every generator a run draws from. CUDA's only where this process has initialised CUDA (a run on the GPU has,
-    before its first step): a CPU run on a machine with a GPU drew nothing from them, and `is_available()` says
-    that a GPU exists, not that the run uses it."""
-    state = {"python": random.getstate(), "numpy": _numpy_rng_state(), "torch": torch.get_rng_state()}
+    """Every generator a run draws from. CUDA's only where this process has initialised CUDA (a run
+    on the GPU has, before its first step): a CPU run on a machine with a GPU drew nothing from
+    them, and `is_available()` says that a GPU exists, not that the run uses it."""
+    state = {"python": random.getstate(), "numpy": _numpy_rng_state(),
+             "torch": torch.get_rng_state()}
     if torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -120,7 +125,8 @@ def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     _set_numpy_rng_state(state["numpy"])
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_initialized():   # a GPU run (its model is on the GPU by now), as above
+    # a GPU run (its model is on the GPU by now), as above
+    if "cuda" in state and torch.cuda.is_initialized():
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
@@ -149,12 +155,13 @@ def clean_partial(ckpt_root: Path) -> None:
                 shutil.rmtree(p, ignore_errors=True)
 
 
-def save_checkpoint(engine, ckpt_root: Path, step: int, trainer_state: dict, rank: int, world_size: int,
-                    keep_last: int) -> Path:
-    """Collective: every rank calls it. Returns the final checkpoint directory; WriteError (the `.tmp-` folder
-    removed, older checkpoints untouched) when the files cannot be written, on every rank when any rank's write
-    failed: a rank never leaves the save alone (the others would wait for it in the next collective forever), it
-    holds its error until all ranks have done their part and compared."""
+def save_checkpoint(engine, ckpt_root: Path, step: int, trainer_state: dict, rank: int,
+                    world_size: int, keep_last: int) -> Path:
+    """Collective: every rank calls it. Returns the final checkpoint directory; WriteError (the
+    `.tmp-` folder removed, older checkpoints untouched) when the files cannot be written, on every
+    rank when any rank's write failed: a rank never leaves the save alone (the others would wait for
+    it in the next collective forever), it holds its error until all ranks have done their part and
+    compared."""
     final = ckpt_root / step_dir_name(step)
     tmp = ckpt_root / f".tmp-{step_dir_name(step)}"
     held = _HeldError()
@@ -162,8 +169,10 @@ def save_checkpoint(engine, ckpt_root: Path, step: int, trainer_state: dict, ran
         held.run(_make_tmp, ckpt_root, tmp)
     _agree(held, step, ckpt_root, tmp, rank)
     ds_save = getattr(getattr(engine, "checkpoint_engine", None), "save", None)
-    if ds_save is not None:   # DeepSpeed's own torch.save, through the errno-keeping writer, its error held
-        zipfile = getattr(engine.checkpoint_engine, "zipfile_serialization", True)   # DeepSpeed's setting
+    # DeepSpeed's own torch.save, through the errno-keeping writer, its error held
+    if ds_save is not None:
+        # DeepSpeed's setting
+        zipfile = getattr(engine.checkpoint_engine, "zipfile_serialization", True)
         engine.checkpoint_engine.save = lambda state_dict, path: held.run(
             torch_save, state_dict, path, _use_new_zipfile_serialization=zipfile)
     try:
@@ -201,9 +210,11 @@ def _make_tmp(ckpt_root: Path, tmp: Path) -> None:
     tmp.mkdir()
 
 
-def _commit(ckpt_root: Path, tmp: Path, final: Path, step: int, world_size: int, keep_last: int) -> None:
+def _commit(ckpt_root: Path, tmp: Path, final: Path, step: int, world_size: int,
+            keep_last: int) -> None:
     """Rank 0, once every rank wrote its files: meta.json (written last), the rename into place, the pruning."""
-    (tmp / "meta.json").write_text(json.dumps({"step": step, "world_size": world_size, "time": time.time(),
+    (tmp / "meta.json").write_text(json.dumps({"step": step, "world_size": world_size,
+    "time": time.time(),
                                                "files": file_digests(tmp)}))
     _fsync_tree(tmp)
     if final.exists():   # same step saved twice (e.g. a final save right after a periodic one)
@@ -219,9 +230,9 @@ def _commit(ckpt_root: Path, tmp: Path, final: Path, step: int, world_size: int,
 
 
 def _agree(held: _HeldError, step: int, ckpt_root: Path, tmp: Path, rank: int) -> None:
-    """Collective: every rank learns whether any rank's part of the save failed. If one did, rank 0 removes the
-    partial folder and every rank raises: WriteError (one line) for the machine's errors, the error itself for a
-    bug on this rank."""
+    """Collective: every rank learns whether any rank's part of the save failed. If one did, rank 0
+    removes the partial folder and every rank raises: WriteError (one line) for the machine's
+    errors, the error itself for a bug on this rank."""
     mine = held.error
     if isinstance(mine, RuntimeError):
         mine = disk_full_guess(mine, ckpt_root)
@@ -237,24 +248,27 @@ def _agree(held: _HeldError, step: int, ckpt_root: Path, tmp: Path, rank: int) -
     previous = latest_checkpoint(ckpt_root)
     keep = previous if previous is not None else "the start of the run (no checkpoint yet)"
     on = f" (on rank {r})" if r != rank else ""
-    raise WriteError(f"cannot write checkpoint step {step}: {what}{on}; removed the partial {tmp.name}, the resume "
-                     f"point stays {keep}") from None
+    raise WriteError(f"cannot write checkpoint step {step}: {what}{on}; removed the partial "
+                     f"{tmp.name}, the resume point stays {keep}") from None
 
 
 def save_state_dir(root: Path, name: str, state: dict) -> Path:
-    """One process's state (tensors and plain containers) as root/name/state.pt with its checksum, written into
-    `.tmp-name` and renamed: an interrupted write leaves the previous one in place. WriteError on a failed write."""
+    """One process's state (tensors and plain containers) as root/name/state.pt with its checksum,
+    written into `.tmp-name` and renamed: an interrupted write leaves the previous one in place.
+    WriteError on a failed write."""
     final, tmp = root / name, root / f".tmp-{name}"
     try:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         torch_save(state, tmp / "state.pt")
-        (tmp / "meta.json").write_text(json.dumps({"time": time.time(), "files": file_digests(tmp)}))
+        (tmp / "meta.json").write_text(json.dumps({"time": time.time(),
+                                                   "files": file_digests(tmp)}))
         _fsync_tree(tmp)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise WriteError(f"cannot write {final}: {describe_write_error(e, tmp)}; removed the partial {tmp.name}") \
+        raise WriteError(f"cannot write {final}: {describe_write_error(e, tmp)}; removed the "
+                         f"partial {tmp.name}") \
             from None
     if final.exists():
         old = root / f".del-{name}"
@@ -278,13 +292,13 @@ def load_state_dir(root: Path, name: str, warn=log.warning) -> dict | None:
 
 
 def load_checkpoint(engine, ckpt: Path, rank: int, world_size: int) -> dict:
-    """Collective: restore the engine from `ckpt` and return this rank's trainer state. CheckpointRefused (one
-    line naming the file) on every rank when a rank cannot use its part."""
+    """Collective: restore the engine from `ckpt` and return this rank's trainer state.
+    CheckpointRefused (one line naming the file) on every rank when a rank cannot use its part."""
     meta = json.loads((ckpt / "meta.json").read_text())
     if meta["world_size"] != world_size:
-        raise CheckpointRefused(f"checkpoint {ckpt} was written by {meta['world_size']} ranks; resume it with the "
-                                f"same number of processes (got {world_size}) so the data order and ZeRO partitions "
-                                f"match")
+        raise CheckpointRefused(f"checkpoint {ckpt} was written by {meta['world_size']} ranks; "
+                                f"resume it with the same number of processes (got {world_size}) "
+                                f"so the data order and ZeRO partitions match")
     load_path, _ = engine.load_checkpoint(str(ckpt), tag=DS_TAG, load_optimizer_states=True,
                                           load_lr_scheduler_states=False, load_module_strict=True)
     if load_path is None:
@@ -293,12 +307,16 @@ def load_checkpoint(engine, ckpt: Path, rank: int, world_size: int) -> dict:
     state, why = None, None
     try:
         if not state_file.is_file():
-            raise CheckpointRefused(f"checkpoint {ckpt} has no trainer state for rank {rank} ({state_file.name})")
-        state = safe_load(state_file)   # tensors and plain containers only: a crafted checkpoint cannot run code
+            raise CheckpointRefused(f"checkpoint {ckpt} has no trainer state for rank {rank} "
+                                    f"({state_file.name})")
+        # tensors and plain containers only: a crafted checkpoint cannot run code
+        state = safe_load(state_file)
     except CheckpointRefused as e:
         why = str(e)
-    refused = [w for w in gather_object(why) if w is not None]   # a rank alone with its refusal would leave the
-    if refused:                                                  # others waiting in the first step's collective
+    # a rank alone with its refusal would leave the
+    refused = [w for w in gather_object(why) if w is not None]
+    # others waiting in the first step's collective
+    if refused:
         raise CheckpointRefused(why or refused[0])
     return state
 
@@ -321,26 +339,30 @@ def find_resume_point(ckpt_root: Path, rank: int, warn=log.warning) -> Path | No
 
 
 def resume_point(ckpt_root: Path, rank: int, resume: bool | None, log=log.info) -> Path | None:
-    """The checkpoint a run resumes from (None: it starts from the beginning). resume: True = it must (a run
-    preempted before its first checkpoint starts over, with a line saying so); None = when there is one;
-    False = there must be none. Damaged checkpoints are skipped with a warning, all damaged is an error."""
+    """The checkpoint a run resumes from (None: it starts from the beginning). resume: True = it
+    must (a run preempted before its first checkpoint starts over, with a line saying so); None =
+    when there is one; False = there must be none. Damaged checkpoints are skipped with a warning,
+    all damaged is an error."""
     from configs.config import ConfigError
 
     found = find_resume_point(ckpt_root, rank, warn=lambda m: log(f"warning: {m}"))
     if resume is True and found is None:
         if list_checkpoints(ckpt_root):   # there are some, all damaged: starting over would hide it
             raise ConfigError(f"--resume: no intact checkpoint in {ckpt_root}")
-        # a requeue script can always pass --resume: a run preempted before its first checkpoint starts over
+        # a requeue script can always pass --resume: a run preempted before its first checkpoint
+        # starts over
         log(f"--resume: no checkpoint in {ckpt_root} yet: starting the run from the beginning")
     if resume is False and found is not None:
-        raise ConfigError(f"{ckpt_root.parent} already has checkpoints ({found.name}); resume it or use a new --out")
+        raise ConfigError(f"{ckpt_root.parent} already has checkpoints ({found.name}); resume it "
+                          f"or use a new --out")
     return found
 
 
 class Checkpointer:
     """Writes the run's checkpoints and decides by itself when (`maybe_save`: every `save_every` steps)."""
 
-    def __init__(self, engine, root: Path, save_every: int, keep_last: int, rank: int, world_size: int):
+    def __init__(self, engine, root: Path, save_every: int, keep_last: int, rank: int,
+                 world_size: int):
         self.engine, self.root = engine, root
         self.save_every, self.keep_last = save_every, keep_last
         self.rank, self.world_size = rank, world_size
@@ -348,7 +370,8 @@ class Checkpointer:
 
     def save(self, step: int, state: dict) -> Path:
         """Collective: every rank calls it."""
-        path = save_checkpoint(self.engine, self.root, step, state, self.rank, self.world_size, self.keep_last)
+        path = save_checkpoint(self.engine, self.root, step, state, self.rank, self.world_size,
+                               self.keep_last)
         self.last_saved = step
         return path
 

@@ -1,4 +1,5 @@
-"""`vlm train [--config PATH] [--out RUN_DIR] [--max-steps N] [--save-every N] [--resume | --overwrite] [key=value ...]`.
+"""`vlm train [--config PATH] [--out RUN_DIR] [--max-steps N] [--save-every N] [--resume |
+--overwrite] [key=value ...]`.
 
 The config is read and validated before anything else happens; a bad key or value prints one line
 (`config error: <dotted.key>: ...`) and exits with code 2. One process needs no launcher; for many,
@@ -7,11 +8,12 @@ The config is read and validated before anything else happens; a bad key or valu
 The trainer (torch, DeepSpeed) is imported when the command runs, not when `vlm` registers it: every
 subcommand's registration runs on each `vlm` call, and `vlm data ...` should not wait for DeepSpeed.
 
-Preemption and failures the machine causes are one line each: SIGTERM / SIGINT checkpoint after the step in
-flight and exit 143 / 130 (a second signal exits at once; vlm.train.signals); a checkpoint, export or log that
-cannot be written (a full disk) names the path and the reason and exits 1, on every rank; a checkpoint refused on
-resume (a pickle, another world size) is one line too, exit 1. A RUN_DIR that holds an earlier run's outputs and no
-checkpoint to resume from is refused unless --overwrite (vlm.train.run_dir).
+Preemption and failures the machine causes are one line each: SIGTERM / SIGINT checkpoint after the
+step in flight and exit 143 / 130 (a second signal exits at once; vlm.train.signals); a checkpoint,
+export or log that cannot be written (a full disk) names the path and the reason and exits 1, on
+every rank; a checkpoint refused on resume (a pickle, another world size) is one line too, exit 1. A
+RUN_DIR that holds an earlier run's outputs and no checkpoint to resume from is refused unless
+--overwrite (vlm.train.run_dir).
 """
 from __future__ import annotations
 
@@ -40,24 +42,30 @@ def default_config_path() -> Path:
 
 def add_train_command(subparsers) -> None:
     p = subparsers.add_parser("train", help="train a ConceptMoE VLM (the main job)",
-                              description="Train with DeepSpeed on CPU or GPU. Overrides are dotted keys, e.g. "
-                                          "optim.lr=0.001 model.chunk.target_ratio=3")
+                              description="Train with DeepSpeed on CPU or GPU. Overrides are "
+                                          "dotted keys, e.g. optim.lr=0.001 "
+                                          "model.chunk.target_ratio=3")
     p.add_argument("--config", default=None, help="YAML config (default: configs/default.yaml)")
     p.add_argument("--out", default="runs/default", help="run directory (default: runs/default)")
     p.add_argument("--max-steps", type=int, default=None, help="override train.max_steps")
     p.add_argument("--save-every", type=int, default=None, help="override checkpoint.save_every")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--resume", action="store_true",
-                   help="resume from RUN_DIR's latest checkpoint (a run without one yet starts from the beginning)")
-    g.add_argument("--no-resume", action="store_true", help="refuse to start if RUN_DIR already has checkpoints")
+                   help="resume from RUN_DIR's latest checkpoint (a run without one yet starts "
+                        "from the beginning)")
+    g.add_argument("--no-resume", action="store_true",
+                   help="refuse to start if RUN_DIR already has checkpoints")
     g.add_argument("--overwrite", action="store_true",
-                   help="start from step 0 in a RUN_DIR that holds an earlier run, deleting what that run wrote there "
-                        "(checkpoints, final/, metrics, summary); without it such a RUN_DIR with nothing to resume "
-                        "from is refused")
-    p.add_argument("--print-config", action="store_true", help="print the resolved config (YAML) and exit")
+                   help="start from step 0 in a RUN_DIR that holds an earlier run, deleting what "
+                        "that run wrote there (checkpoints, final/, metrics, summary); without it "
+                        "such a RUN_DIR with nothing to resume from is refused")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the resolved config (YAML) and exit")
     p.add_argument("--accept-optim-change", action="store_true",
-                   help="on resume, take this config's optim.* settings (e.g. a lower optim.lr) instead of refusing")
-    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
+                   help="on resume, take this config's optim.* settings (e.g. a lower optim.lr) "
+                        "instead of refusing")
+    # deepspeed launcher
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
     p.set_defaults(func=train_command)
 
@@ -69,7 +77,8 @@ def resolve_config(args):
     overrides = list(args.overrides)
     for text in overrides:
         if "=" not in text:
-            raise ConfigError(f"argument {text!r}: expected a dotted override KEY=VALUE (e.g. optim.lr=0.001)")
+            raise ConfigError(f"argument {text!r}: expected a dotted override KEY=VALUE (e.g. "
+                              f"optim.lr=0.001)")
     if args.max_steps is not None:
         overrides.append(f"train.max_steps={args.max_steps}")
     if args.save_every is not None:
@@ -81,7 +90,8 @@ def resolve_config(args):
 def train_command(args) -> int:
     from vlm.train.signals import stop_on_signals
 
-    with stop_on_signals() as stop:   # from here on Ctrl-C is a flag, never a KeyboardInterrupt traceback
+    # from here on Ctrl-C is a flag, never a KeyboardInterrupt traceback
+    with stop_on_signals() as stop:
         try:
             rc = _train(args, stop)
         finally:
@@ -93,9 +103,10 @@ def train_command(args) -> int:
 
 
 def _leave_process_group() -> None:
-    """Several ranks: tear the process group down before the interpreter exits (gloo's threads left running at exit
-    abort the process, "terminate called without an active exception", exit -6, after its one line was printed).
-    One process keeps its in-memory group (a caller in the same process may train again)."""
+    """Several ranks: tear the process group down before the interpreter exits (gloo's threads left
+    running at exit abort the process, "terminate called without an active exception", exit -6,
+    after its one line was printed). One process keeps its in-memory group (a caller in the same
+    process may train again)."""
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         try:
@@ -123,7 +134,8 @@ def _train(args, stop) -> int | None:
         return None
     resume = True if args.resume else (False if args.no_resume else None)
     try:
-        trainer = Trainer(cfg, args.out, resume=resume, accept_optim_change=args.accept_optim_change,
+        trainer = Trainer(cfg, args.out, resume=resume,
+                          accept_optim_change=args.accept_optim_change,
                           on_end=registered_run_end(), stop=stop, overwrite=args.overwrite)
         return trainer.train()
     except Preempted as e:

@@ -1,7 +1,8 @@
-"""Every collective a training run makes, named here: all ranks call each one, in the same order, so each is a
-function called from one place in the step or the trainer (a call that only rank 0 makes would hang the others:
-keeping them here makes that visible). `tests/test_layers.py`-style check: `tests/test_collectives.py` fails when a
-module of vlm/train/ other than this one and distributed.py calls an all-reduce."""
+"""Every collective a training run makes, named here: all ranks call each one, in the same order, so
+each is a function called from one place in the step or the trainer (a call that only rank 0 makes
+would hang the others: keeping them here makes that visible). `tests/test_layers.py`-style check:
+`tests/test_collectives.py` fails when a module of vlm/train/ other than this one and distributed.py
+calls an all-reduce."""
 from __future__ import annotations
 
 import torch
@@ -25,14 +26,14 @@ def ratio_statistics(sums: torch.Tensor) -> torch.Tensor:
 
 
 def step_metrics(vec: torch.Tensor) -> torch.Tensor:
-    """A step's logged sums, histograms and expert loads (vlm.train.metrics.StepAccumulator.reduce), and the
-    held-out evaluation's."""
+    """A step's logged sums, histograms and expert loads (vlm.train.metrics.StepAccumulator.reduce),
+    and the held-out evaluation's."""
     return all_reduce_sum(vec)
 
 
 def model_statistics(flat: torch.Tensor) -> torch.Tensor:
-    """The statistics the model's forwards accumulated for the updates after an applied step (expert loads, top-k
-    quantiles: vlm.model.training_controls.TrainingControls.apply_statistics)."""
+    """The statistics the model's forwards accumulated for the updates after an applied step (expert
+    loads, top-k quantiles: vlm.model.training_controls.TrainingControls.apply_statistics)."""
     return all_reduce_sum(flat)
 
 

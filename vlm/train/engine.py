@@ -1,8 +1,9 @@
-"""The DeepSpeed engine: config dict from TrainConfig, a torch AdamW (torch's fused kernel; no DeepSpeed FusedAdam
-build), initialise.
+"""The DeepSpeed engine: config dict from TrainConfig, a torch AdamW (torch's fused kernel; no
+DeepSpeed FusedAdam build), initialise.
 
 The learning-rate schedule is a torch LambdaLR that the trainer steps itself after every applied
-optimizer step (a skipped, non-finite step must not advance it); its state travels in our checkpoint.
+optimizer step (a skipped, non-finite step must not advance it); its state travels in our
+checkpoint.
 """
 from __future__ import annotations
 
@@ -50,7 +51,8 @@ def _generated(ds: DeepSpeedConfig, optim: OptimConfig, world_size: int) -> dict
         "steps_per_print": 10 ** 12,
         "wall_clock_breakdown": False,
         "zero_allow_untested_optimizer": True,
-        "zero_force_ds_cpu_optimizer": False,   # offload with our torch AdamW (no DeepSpeedCPUAdam build)
+        # offload with our torch AdamW (no DeepSpeedCPUAdam build)
+        "zero_force_ds_cpu_optimizer": False,
     }
 
 
@@ -63,17 +65,21 @@ def _read_user_json(ds: DeepSpeedConfig) -> dict:
         raise ConfigError(f"deepspeed.config_file {ds.config_file}: expected a JSON object")
     for section in ("optimizer", "scheduler"):
         if user.pop(section, None) is not None:
-            log.warning("deepspeed.config_file %s: its %r section is ignored; the run's optimizer (torch AdamW) "
-                        "and learning-rate schedule come from optim.*", ds.config_file, section)
+            log.warning("deepspeed.config_file %s: its %r section is ignored; the run's optimizer "
+                        "(torch AdamW) and learning-rate schedule come from optim.*",
+                        ds.config_file, section)
     return user
 
 
 def deepspeed_config(ds: DeepSpeedConfig, optim: OptimConfig, world_size: int) -> dict:
-    """The DeepSpeed JSON for this run (written next to config.yaml for reference): generated from `deepspeed.*`
-    and `optim.*`, then the user's JSON file and `deepspeed.extra` on top, their "auto" values filled in."""
+    """The DeepSpeed JSON for this run (written next to config.yaml for reference): generated from
+    `deepspeed.*` and `optim.*`, then the user's JSON file and `deepspeed.extra` on top, their
+    "auto" values filled in."""
     user = _read_user_json(ds) if ds.config_file else {}
-    stage = user.get("zero_optimization", {}).get("stage") if isinstance(user.get("zero_optimization"), dict) else None
-    if isinstance(stage, int) and stage in (0, 1, 2, 3):   # generate the defaults of the stage that will run
+    stage = user.get("zero_optimization",
+                     {}).get("stage") if isinstance(user.get("zero_optimization"), dict) else None
+    # generate the defaults of the stage that will run
+    if isinstance(stage, int) and stage in (0, 1, 2, 3):
         ds = replace(ds, zero_stage=stage)
     cfg = _generated(ds, optim, world_size)
     cfg = _merge(cfg, fill_auto(user, cfg))
@@ -81,9 +87,9 @@ def deepspeed_config(ds: DeepSpeedConfig, optim: OptimConfig, world_size: int) -
 
 
 def fill_auto(user: dict, ours: dict) -> dict:
-    """The transformers Trainer's convention for DeepSpeed JSON files (e.g. LLaVA's zero2.json / zero3.json):
-    a value "auto" takes what this run computes from its config; one the run does not compute is left out,
-    so DeepSpeed uses its default."""
+    """The transformers Trainer's convention for DeepSpeed JSON files (e.g. LLaVA's zero2.json /
+    zero3.json): a value "auto" takes what this run computes from its config; one the run does not
+    compute is left out, so DeepSpeed uses its default."""
     out = {}
     for k, v in user.items():
         if isinstance(v, dict):
@@ -97,53 +103,62 @@ def fill_auto(user: dict, ours: dict) -> dict:
 
 
 def effective_settings(ds: DeepSpeedConfig, ds_json: dict) -> DeepSpeedConfig:
-    """`deepspeed.*` as the merged JSON actually runs it (a config file may set the stage or precision): what the
-    banner prints and config.yaml records."""
+    """`deepspeed.*` as the merged JSON actually runs it (a config file may set the stage or
+    precision): what the banner prints and config.yaml records."""
     zero = ds_json.get("zero_optimization", {})
-    offload = {k: zero.get(k, {}).get("device", getattr(ds, k)) for k in ("offload_optimizer", "offload_param")}
+    offload = {k: zero.get(k, {}).get("device", getattr(ds, k))
+               for k in ("offload_optimizer", "offload_param")}
     return replace(ds, zero_stage=int(zero.get("stage", ds.zero_stage)),
                    bf16=bool(ds_json.get("bf16", {}).get("enabled", ds.bf16)),
                    **{k: v for k, v in offload.items() if v in ("none", "cpu")})
 
 
 def _same_kinds(ours: dict, merged: dict, where: str = "") -> None:
-    """A value the user's JSON or `deepspeed.extra` puts where we generate one keeps its kind (object,
-    boolean, number): DeepSpeed accepts e.g. `gradient_clipping: "abc"` and fails steps later."""
+    """A value the user's JSON or `deepspeed.extra` puts where we generate one keeps its kind
+    (object, boolean, number): DeepSpeed accepts e.g. `gradient_clipping: "abc"` and fails steps
+    later."""
     for k, a in ours.items():
         b, key = merged.get(k), f"{where}{k}"
         kind = (dict if isinstance(a, dict) else bool if isinstance(a, bool) else
                 (int, float) if isinstance(a, (int, float)) else None)
         ok = kind is None or (isinstance(b, kind) and not (kind != bool and isinstance(b, bool)))
         if not ok:
-            raise ConfigError(f"deepspeed config key {key}={b!r} (from deepspeed.extra or deepspeed.config_file): "
-                              f"expected {'an object' if kind is dict else 'true/false' if kind is bool else 'a number'}")
+            expected = "an object" if kind is dict else "true/false" if kind is bool else "a number"
+            raise ConfigError(f"deepspeed config key {key}={b!r} (from deepspeed.extra or "
+                              f"deepspeed.config_file): expected {expected}")
         if kind is dict:
             _same_kinds(a, b, key + ".")
 
 
 def check_deepspeed_config(ds: DeepSpeedConfig, optim: OptimConfig, world_size: int) -> dict:
-    """The merged DeepSpeed JSON, checked by DeepSpeed's own parser before any work, so a bad value in
-    `deepspeed.extra` or the config file stops the run with one line instead of a traceback mid-start-up."""
+    """The merged DeepSpeed JSON, checked by DeepSpeed's own parser before any work, so a bad value
+    in `deepspeed.extra` or the config file stops the run with one line instead of a traceback
+    mid-start-up."""
     from deepspeed.runtime.config import DeepSpeedConfig as DeepSpeedJSON
 
     cfg = deepspeed_config(ds, optim, world_size)
     _same_kinds(deepspeed_config(DeepSpeedConfig(zero_stage=ds.zero_stage), optim, world_size), cfg)
-    probe = {k: v for k, v in cfg.items() if k != "train_batch_size"}   # needs the real world size: checked at init
+    # needs the real world size: checked at init
+    probe = {k: v for k, v in cfg.items() if k != "train_batch_size"}
     try:
         DeepSpeedJSON(probe)
-    except Exception as e:  # noqa: BLE001 - pydantic ValidationError, AssertionError, TypeError, ...
-        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip() and "errors.pydantic.dev" not in ln]
-        raise ConfigError("deepspeed config (from deepspeed.* / deepspeed.extra / deepspeed.config_file) is "
+    # noqa: BLE001 - pydantic ValidationError, AssertionError, TypeError, ...
+    except Exception as e:
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()
+                 and "errors.pydantic.dev" not in ln]
+        raise ConfigError("deepspeed config (from deepspeed.* / deepspeed.extra / "
+                          "deepspeed.config_file) is "
                           f"invalid: {' | '.join(lines) or type(e).__name__}") from None
     return cfg
 
 
 class SkipNonFiniteAdamW(torch.optim.AdamW):
-    """torch AdamW that leaves everything as it is when a gradient is not finite on some rank, and says so in
-    `overflow`: the attribute DeepSpeed's engine reads after every optimizer step (as from its own fp16 / bf16 /
-    ZeRO optimizers) to count the step as skipped (`skipped_steps`) and answer `was_step_applied()` with False.
-    For the plain fp32 stage-0 path, where DeepSpeed steps this optimizer directly and checks nothing itself: a
-    skipped step then advances DeepSpeed's counters as on every other path, through DeepSpeed's own code."""
+    """torch AdamW that leaves everything as it is when a gradient is not finite on some rank, and
+    says so in `overflow`: the attribute DeepSpeed's engine reads after every optimizer step (as
+    from its own fp16 / bf16 / ZeRO optimizers) to count the step as skipped (`skipped_steps`) and
+    answer `was_step_applied()` with False. For the plain fp32 stage-0 path, where DeepSpeed steps
+    this optimizer directly and checks nothing itself: a skipped step then advances DeepSpeed's
+    counters as on every other path, through DeepSpeed's own code."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -159,26 +174,30 @@ def grads_finite(grads: list[torch.Tensor]) -> bool:
     """Every rank's gradients are finite (one host sync; a collective when distributed)."""
     from vlm.train.collectives import all_finite
 
-    ok = torch.stack([torch.isfinite(g).all() for g in grads]).all() if grads else torch.tensor(True)
+    ok = torch.stack([torch.isfinite(g).all()
+                      for g in grads]).all() if grads else torch.tensor(True)
     return all_finite(ok, grads[0].device if grads else torch.device("cpu"))
 
 
-def build_optimizer(groups: list[dict], optim: OptimConfig, skip_nonfinite: bool = False) -> torch.optim.Optimizer:
-    """torch AdamW over the groups (per-group lr / weight decay / eps already set); with `skip_nonfinite` one that
-    skips a step with a non-finite gradient itself (for the plain fp32 path: `plain_fp32`).
+def build_optimizer(groups: list[dict], optim: OptimConfig,
+                    skip_nonfinite: bool = False) -> torch.optim.Optimizer:
+    """torch AdamW over the groups (per-group lr / weight decay / eps already set); with
+    `skip_nonfinite` one that skips a step with a non-finite gradient itself (for the plain fp32
+    path: `plain_fp32`).
 
-    Fused (one kernel per parameter group and step, on CUDA and CPU alike, instead of about ten per parameter
-    tensor: the unfused AdamW took 11-14 % of an H100 step) wherever every parameter is a float tensor on a
-    device the fused kernel supports."""
+    Fused (one kernel per parameter group and step, on CUDA and CPU alike, instead of about ten per
+    parameter tensor: the unfused AdamW took 11-14 % of an H100 step) wherever every parameter is a
+    float tensor on a device the fused kernel supports."""
     cls = SkipNonFiniteAdamW if skip_nonfinite else torch.optim.AdamW
     params = [p for g in groups for p in g["params"]]
-    fused = bool(params) and all(p.is_floating_point() and p.device.type in ("cuda", "cpu") for p in params)
-    return cls(groups, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps, weight_decay=optim.weight_decay,
-               fused=fused)
+    fused = bool(params) and all(p.is_floating_point() and p.device.type in ("cuda", "cpu")
+                                 for p in params)
+    return cls(groups, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps,
+               weight_decay=optim.weight_decay, fused=fused)
 
 
-# The optimizer settings a resumed run takes from its config with --accept-optim-change (the checkpoint's
-# optimizer state brings the old ones back with the Adam moments).
+# The optimizer settings a resumed run takes from its config with --accept-optim-change (the
+# checkpoint's optimizer state brings the old ones back with the Adam moments).
 OPTIM_SETTINGS = ("initial_lr", "betas", "weight_decay", "eps")
 
 
@@ -188,10 +207,11 @@ def optimizer_settings(optimizer: torch.optim.Optimizer) -> list[dict]:
 
 def resume_schedule(optimizer: torch.optim.Optimizer, scheduler, saved: dict,
                     settings: list[dict] | None = None) -> None:
-    """The schedule at the checkpoint's step (`saved`: its state dict), and every group's rate from it. With
-    `settings` (optimizer_settings taken before the checkpoint was loaded): those settings, and the schedule
-    continuing from the saved step with their base rates; one public `step()` from the step before recomputes
-    every rate as base x multiplier(step), so that `get_last_lr()` says the same."""
+    """The schedule at the checkpoint's step (`saved`: its state dict), and every group's rate from
+    it. With `settings` (optimizer_settings taken before the checkpoint was loaded): those settings,
+    and the schedule continuing from the saved step with their base rates; one public `step()` from
+    the step before recomputes every rate as base x multiplier(step), so that `get_last_lr()` says
+    the same."""
     if settings is None:
         scheduler.load_state_dict(saved)
     else:
@@ -199,7 +219,8 @@ def resume_schedule(optimizer: torch.optim.Optimizer, scheduler, saved: dict,
             group.update(values)
         scheduler.load_state_dict(dict(saved, base_lrs=[v["initial_lr"] for v in settings],
                                        last_epoch=saved["last_epoch"] - 1))
-        with warnings.catch_warnings():   # "lr_scheduler.step() before optimizer.step()": a resume, not a mistake
+        # "lr_scheduler.step() before optimizer.step()": a resume, not a mistake
+        with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             scheduler.step()
     for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
@@ -207,20 +228,22 @@ def resume_schedule(optimizer: torch.optim.Optimizer, scheduler, saved: dict,
 
 
 def build_engine(model: torch.nn.Module, groups: list[dict], cfg: TrainConfig, world_size: int):
-    """The run's optimizer over `groups` (on the plain fp32 path one that skips a non-finite step itself), its
-    learning-rate schedule, the DeepSpeed JSON (deepspeed_config) and the engine: (optimizer, scheduler, json,
-    engine)."""
+    """The run's optimizer over `groups` (on the plain fp32 path one that skips a non-finite step
+    itself), its learning-rate schedule, the DeepSpeed JSON (deepspeed_config) and the engine:
+    (optimizer, scheduler, json, engine)."""
     from vlm.train.schedule import build_scheduler
 
     ds_json = deepspeed_config(cfg.deepspeed, cfg.optim, world_size)
     o = cfg.optim
     optimizer = build_optimizer(groups, o, skip_nonfinite=plain_fp32(ds_json))
-    scheduler = build_scheduler(optimizer, schedule=o.schedule, warmup=o.warmup_steps, total=cfg.train.max_steps,
-                                lr=o.lr, min_lr=o.min_lr, decay_fraction=o.decay_fraction)
+    scheduler = build_scheduler(optimizer, schedule=o.schedule, warmup=o.warmup_steps,
+                                total=cfg.train.max_steps, lr=o.lr, min_lr=o.min_lr,
+                                decay_fraction=o.decay_fraction)
     engine = initialize(model, optimizer, ds_json)
-    if is_plain_fp32(engine) and not isinstance(engine.optimizer, SkipNonFiniteAdamW):   # plain_fp32 misjudged it
-        raise RuntimeError("DeepSpeed steps the optimizer directly (stage 0, fp32) but it does not skip non-finite "
-                           "steps")
+    # plain_fp32 misjudged it
+    if is_plain_fp32(engine) and not isinstance(engine.optimizer, SkipNonFiniteAdamW):
+        raise RuntimeError("DeepSpeed steps the optimizer directly (stage 0, fp32) but it does not "
+                           "skip non-finite steps")
     return optimizer, scheduler, ds_json, engine
 
 
@@ -234,9 +257,9 @@ def initialize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ds_conf
 
 
 def compile_model(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> int:
-    """model.compile (null: on for CUDA, off for CPU): every transformer block compiled in place, torchtitan's
-    way (vlm.model.compile). Not under ZeRO-3 unless asked for: its parameter hooks and compiled blocks are an
-    untested pair. Returns the number of compiled blocks."""
+    """model.compile (null: on for CUDA, off for CPU): every transformer block compiled in place,
+    torchtitan's way (vlm.model.compile). Not under ZeRO-3 unless asked for: its parameter hooks and
+    compiled blocks are an untested pair. Returns the number of compiled blocks."""
     from vlm.model.compile import compile_blocks, compile_default
 
     on = cfg.model.compile
@@ -244,39 +267,44 @@ def compile_model(model: torch.nn.Module, cfg: TrainConfig, device: torch.device
         on = compile_default(device) and cfg.deepspeed.zero_stage < 3
     if not on:
         return 0
-    # Before Hopper the experts run as a loop that reads their counts on the host (vlm.model.moe.expert_swiglu):
-    # a graph break per MoE layer there, so the blocks compile in pieces instead of refusing
+    # Before Hopper the experts run as a loop that reads their counts on the host
+    # (vlm.model.moe.expert_swiglu): a graph break per MoE layer there, so the blocks compile in
+    # pieces instead of refusing
     fullgraph = not (device.type == "cuda" and torch.cuda.get_device_capability(device) < (9, 0))
     return compile_blocks(model, fullgraph=fullgraph)
 
 
 class CheckpointRefused(RuntimeError):
-    """A checkpoint this run will not load (a pickle of other objects than tensors, another world size, a missing
-    part); the message is one line naming the file. `vlm train` prints it without a traceback."""
+    """A checkpoint this run will not load (a pickle of other objects than tensors, another world
+    size, a missing part); the message is one line naming the file. `vlm train` prints it without a
+    traceback."""
 
 
 def safe_load(path, map_location=None):
-    """torch.load for DeepSpeed's checkpoint files, tensors and plain containers only (a crafted checkpoint
-    cannot run code); anything else is refused with the file named."""
+    """torch.load for DeepSpeed's checkpoint files, tensors and plain containers only (a crafted
+    checkpoint cannot run code); anything else is refused with the file named."""
     import pickle
 
     from deepspeed.runtime.fp16.loss_scaler import LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address
 
-    # the few plain-data classes ZeRO's optimizer files hold (rebuilt from their fields, no code is called)
+    # the few plain-data classes ZeRO's optimizer files hold (rebuilt from their fields, no code is
+    # called)
     try:
         with torch.serialization.safe_globals([LossScaler, ZeroStageEnum, fragment_address]):
             return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
-        raise CheckpointRefused(f"checkpoint {path}: refused, it holds objects other than tensors and plain containers "
+        raise CheckpointRefused(f"checkpoint {path}: refused, it holds objects other than tensors "
+                                f"and plain containers "
                            f"({str(e).splitlines()[-1][:200]})") from None
 
 
 def plain_fp32(ds_json: dict) -> bool:
     """The DeepSpeed JSON runs stage 0 without bf16 / fp16 (what `is_plain_fp32` says of the engine it makes)."""
     enabled = lambda k: bool((ds_json.get(k) or {}).get("enabled", False))  # noqa: E731
-    return int((ds_json.get("zero_optimization") or {}).get("stage", 0)) == 0 and not enabled("bf16") \
+    return int((ds_json.get("zero_optimization") or {}).get("stage",
+                                                            0)) == 0 and not enabled("bf16") \
         and not enabled("fp16")
 
 

@@ -1,8 +1,9 @@
 """RUN_DIR/final: the transformers export of the trained model, only when every weight is finite.
 
-It is written into RUN_DIR/.tmp-final and renamed into place only when every file is complete, so a final/
-that exists is always whole. A write that fails (a full disk) removes the partial folder and raises
-WriteError: one line naming the file and the reason; an earlier final/ and the checkpoints stay as they were.
+It is written into RUN_DIR/.tmp-final and renamed into place only when every file is complete, so a
+final/ that exists is always whole. A write that fails (a full disk) removes the partial folder and
+raises WriteError: one line naming the file and the reason; an earlier final/ and the checkpoints
+stay as they were.
 """
 from __future__ import annotations
 
@@ -38,9 +39,10 @@ def _as_os_error(e: Exception, path: Path) -> OSError | None:
     return None
 
 
-def export_final(engine, run_dir: Path, tokenizer, logit_scale: float, is_main: bool, log) -> Path | None:
-    """Collective. Written to a temp dir and renamed into place; None (nothing written) when a weight is not
-    finite: a final/ must always be usable."""
+def export_final(engine, run_dir: Path, tokenizer, logit_scale: float, is_main: bool,
+                 log) -> Path | None:
+    """Collective. Written to a temp dir and renamed into place; None (nothing written) when a
+    weight is not finite: a final/ must always be usable."""
     final, tmp = run_dir / "final", run_dir / ".tmp-final"
     module = engine.module
     ctx = contextlib.nullcontext()
@@ -50,8 +52,9 @@ def export_final(engine, run_dir: Path, tokenizer, logit_scale: float, is_main: 
     with ctx:
         bad = nonfinite_tensors(module)
         if bad:
-            log(f"not exporting final/: non-finite values in {len(bad)} tensors ({', '.join(bad[:3])}"
-                f"{', ...' if len(bad) > 3 else ''}); the last finite checkpoint is in {run_dir / 'checkpoints'}")
+            log(f"not exporting final/: non-finite values in {len(bad)} tensors "
+                f"({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}); the last finite "
+                f"checkpoint is in {run_dir / 'checkpoints'}")
             return None
         if is_main:
             if tmp.exists():
@@ -64,9 +67,9 @@ def export_final(engine, run_dir: Path, tokenizer, logit_scale: float, is_main: 
                 err = _as_os_error(e, tmp / "model.safetensors")
                 if err is None or err.errno not in DISK_ERRNOS + (errno.ENOSPC,):
                     raise
-                raise WriteError(f"cannot export {final}: {describe_write_error(err, tmp)}; removed the partial "
-                                 f"{tmp.name}; the trained weights are in the last checkpoint in "
-                                 f"{run_dir / 'checkpoints'}") from None
+                raise WriteError(f"cannot export {final}: {describe_write_error(err, tmp)}; "
+                                 f"removed the partial {tmp.name}; the trained weights are in the "
+                                 f"last checkpoint in {run_dir / 'checkpoints'}") from None
             if final.exists():   # the old final/ goes only once the new one is complete
                 old = run_dir / ".del-final"
                 shutil.rmtree(old, ignore_errors=True)
@@ -80,8 +83,9 @@ def export_final(engine, run_dir: Path, tokenizer, logit_scale: float, is_main: 
 
 
 def write_extras(final: Path, files: dict[str, "Path | str | None"]) -> None:
-    """Files added to a complete final/ (the model card, the report picture): a path is copied, a string written.
-    A failed write removes its partial file and raises WriteError; the model in final/ stays whole."""
+    """Files added to a complete final/ (the model card, the report picture): a path is copied, a
+    string written. A failed write removes its partial file and raises WriteError; the model in
+    final/ stays whole."""
     for name, content in files.items():
         if content is None:
             continue
@@ -93,5 +97,5 @@ def write_extras(final: Path, files: dict[str, "Path | str | None"]) -> None:
                 dest.write_text(content)
         except OSError as e:
             dest.unlink(missing_ok=True)
-            raise WriteError(f"cannot write {describe_write_error(e, dest)}; removed the partial {name} (the model "
-                             f"in {final} is complete)") from None
+            raise WriteError(f"cannot write {describe_write_error(e, dest)}; removed the partial "
+                             f"{name} (the model in {final} is complete)") from None

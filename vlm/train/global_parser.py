@@ -1,14 +1,17 @@
-"""DLCM's Global Parser: ratio-loss statistics over the whole global batch (DLCM eq. 8-10, section 8.2).
+"""DLCM's Global Parser: ratio-loss statistics over the whole global batch (DLCM eq. 8-10, section
+8.2).
 
-The chunk module hands its local sums (boundaries, sum of p, tokens) for each ratio loss to `stats_hook`;
-this object answers with the sums over the whole global batch: every data-parallel rank and every
-micro-batch of the optimizer step. The chunk module forms F and G from them, and gradients still reach only
-the local p, so summing the micro-batches' gradients gives exactly the one-big-batch gradient.
+The chunk module hands its local sums (boundaries, sum of p, tokens) for each ratio loss to
+`stats_hook`; this object answers with the sums over the whole global batch: every data-parallel
+rank and every micro-batch of the optimizer step. The chunk module forms F and G from them, and
+gradients still reach only the local p, so summing the micro-batches' gradients gives exactly the
+one-big-batch gradient.
 
-With gradient accumulation the later micro-batches are not known when the first one runs backward, so
-`train_step` makes a statistics pass first: each micro-batch runs forward without gradients (same boundary
-samples, seeded per micro-batch) while the parser `collect`s their sums; `settle()` sums them over ranks,
-and every real micro-batch then sees those totals. One micro-batch per step needs no extra pass.
+With gradient accumulation the later micro-batches are not known when the first one runs backward,
+so `train_step` makes a statistics pass first: each micro-batch runs forward without gradients (same
+boundary samples, seeded per micro-batch) while the parser `collect`s their sums; `settle()` sums
+them over ranks, and every real micro-batch then sees those totals. One micro-batch per step needs
+no extra pass.
 """
 from __future__ import annotations
 
@@ -49,7 +52,8 @@ class GlobalParser:
             self.collected.append(local_Z3)
             return local_Z3                      # the statistics pass's own loss is never used
         self.calls += 1
-        if self.total_Z3 is None:                # one micro-batch: its sums over ranks are the global ones
+        # one micro-batch: its sums over ranks are the global ones
+        if self.total_Z3 is None:
             return self.across_ranks(local_Z3)
         return self.total_Z3
 

@@ -1,10 +1,14 @@
-"""Optimizer parameter groups: DLCM's decoupled muP, per-part learning rates, freezing by module prefix.
+"""Optimizer parameter groups: DLCM's decoupled muP, per-part learning rates, freezing by module
+prefix.
 
 Parts of the VLM (module names of ConceptMoEVLM):
-- token stacks: lm.encoder, lm.chunker, lm.concept_up, lm.dechunk, lm.decoder, lm.norm  (width d_token)
-- concept model: lm.concept, lm.concept_down                                           (width d_concept)
+- token stacks: lm.encoder, lm.chunker, lm.concept_up, lm.dechunk, lm.decoder, lm.norm  (width
+  d_token)
+- concept model: lm.concept, lm.concept_down                                           (width
+  d_concept)
 - embeddings: lm.embed; output layer: lm.lm_head
-- vision encoder: vision.encoder (except its merger); projector: vision.projector and vision.encoder.merger
+- vision encoder: vision.encoder (except its merger); projector: vision.projector and
+  vision.encoder.merger
 
 With muP (DLCM section 6.1) hidden matrices of the token stacks and the concept model get
 lr = eta_base / s and AdamW eps = eps / s, with s = width / d_base (eq. 18-20) and init variance
@@ -23,7 +27,8 @@ from torch import nn
 from configs.config import ConfigError
 
 CONCEPT_PREFIXES = ("lm.concept.", "lm.concept_down.")
-TOKEN_PREFIXES = ("lm.encoder.", "lm.chunker.", "lm.concept_up.", "lm.dechunk.", "lm.decoder.", "lm.norm.")
+TOKEN_PREFIXES = ("lm.encoder.", "lm.chunker.", "lm.concept_up.", "lm.dechunk.", "lm.decoder.",
+                  "lm.norm.")
 PROJECTOR_PREFIXES = ("vision.projector.", "vision.encoder.merger.")
 
 
@@ -50,7 +55,8 @@ def mup_width_multipliers(hidden: int, concept_hidden: int, base: int) -> tuple[
 
 
 def mup_hidden_lr(base_lr: float, s: float) -> float:
-    """DLCM eq. 19-20: hidden-layer rate eta = eta_base * s^-1 (token stacks with s_token, concept model with s_concept)."""
+    """DLCM eq. 19-20: hidden-layer rate eta = eta_base * s^-1 (token stacks with s_token, concept
+    model with s_concept)."""
     return base_lr / s
 
 
@@ -67,7 +73,8 @@ def freeze_prefixes(model: nn.Module, prefixes: list[str]) -> int:
         hits = [n for n in names if n == prefix or n.startswith(prefix.rstrip(".") + ".")]
         if not hits:
             tops = sorted({".".join(n.split(".")[:2]) for n in names})
-            raise ConfigError(f"params.freeze entry {prefix!r} matches no parameter; module prefixes: {', '.join(tops)}")
+            raise ConfigError(f"params.freeze entry {prefix!r} matches no parameter; module "
+                              f"prefixes: {', '.join(tops)}")
         params = dict(model.named_parameters())
         for n in hits:
             params[n].requires_grad_(False)
@@ -85,7 +92,8 @@ class GroupSpec:
 
 @torch.no_grad()
 def apply_mup_init(model: nn.Module, s_token: float, s_concept: float) -> None:
-    """Hidden matrices of the token stacks / concept model: variance sigma^2 -> sigma^2 / s (DLCM 6.1.1).
+    """Hidden matrices of the token stacks / concept model: variance sigma^2 -> sigma^2 / s (DLCM
+    6.1.1).
 
     Scales the existing initialisation so zero-initialised projections stay zero; the dechunk's
     identity-initialised residual projection is left alone.
@@ -98,10 +106,11 @@ def apply_mup_init(model: nn.Module, s_token: float, s_concept: float) -> None:
             p.mul_(1.0 / math.sqrt(s_token if part == "token" else s_concept))
 
 
-def apply_mup(model: nn.Module, params_cfg, hidden: int, concept_hidden: int, fresh_lm: bool) -> float:
-    """params.mup: a fresh LLM gets muP's initialisation; a pretrained one, which computes plain logits, has lm_head
-    divided by the logit multiplier so that hook x weights is the same function. Installs the multiplier's forward
-    hook and returns it (1.0, and nothing done, without muP)."""
+def apply_mup(model: nn.Module, params_cfg, hidden: int, concept_hidden: int,
+              fresh_lm: bool) -> float:
+    """params.mup: a fresh LLM gets muP's initialisation; a pretrained one, which computes plain
+    logits, has lm_head divided by the logit multiplier so that hook x weights is the same function.
+    Installs the multiplier's forward hook and returns it (1.0, and nothing done, without muP)."""
     if not params_cfg.mup:
         return 1.0
     s_tok, s_con = mup_width_multipliers(hidden, concept_hidden, params_cfg.mup_base_width)
@@ -115,7 +124,8 @@ def apply_mup(model: nn.Module, params_cfg, hidden: int, concept_hidden: int, fr
     return scale
 
 
-def build_param_groups(model: nn.Module, optim, params_cfg, hidden: int, concept_hidden: int) -> list[dict]:
+def build_param_groups(model: nn.Module, optim, params_cfg, hidden: int,
+                       concept_hidden: int) -> list[dict]:
     """AdamW groups (only trainable tensors), each with a `name`, its own lr, weight decay and eps."""
     s_tok, s_con = mup_width_multipliers(hidden, concept_hidden, params_cfg.mup_base_width)
     groups: dict[tuple, dict] = {}
@@ -131,18 +141,20 @@ def build_param_groups(model: nn.Module, optim, params_cfg, hidden: int, concept
             lr *= params_cfg.projector_lr_mult
         elif params_cfg.mup and matrix and part in ("token", "concept"):
             s = s_tok if part == "token" else s_con
-            base = (params_cfg.mup_token_lr if part == "token" else params_cfg.mup_concept_lr) or optim.lr
+            base = (params_cfg.mup_token_lr if part == "token"
+                    else params_cfg.mup_concept_lr) or optim.lr
             lr, eps = mup_hidden_lr(base, s), eps / s
         elif part == "concept" and not params_cfg.mup:
             lr *= params_cfg.concept_lr_mult
         decay = optim.weight_decay if matrix and part != "embed" else 0.0
         key = (part, matrix, lr, decay, eps)
         if key not in groups:
-            groups[key] = {"name": f"{part}/{'matrix' if matrix else 'vector'}", "params": [], "lr": lr,
-                           "weight_decay": decay, "eps": eps}
+            groups[key] = {"name": f"{part}/{'matrix' if matrix else 'vector'}", "params": [],
+                           "lr": lr, "weight_decay": decay, "eps": eps}
         groups[key]["params"].append(p)
     if not groups:
-        raise ConfigError("no trainable parameters: params.freeze (or vision.freeze_encoder) froze everything")
+        raise ConfigError("no trainable parameters: params.freeze (or vision.freeze_encoder) froze "
+                          "everything")
     return list(groups.values())
 
 

@@ -1,5 +1,5 @@
-"""Pictures of what the chunk module did: an image with its merged patches outlined by concept, and a
-text sample with its concept boundaries marked. Used by the TensorBoard dashboard at eval steps.
+"""Pictures of what the chunk module did: an image with its merged patches outlined by concept, and
+a text sample with its concept boundaries marked. Used by the TensorBoard dashboard at eval steps.
 """
 from __future__ import annotations
 
@@ -23,13 +23,15 @@ def _palette(n: int) -> list[tuple[int, int, int]]:
 
 
 def concept_ids(boundary_BT: torch.Tensor) -> torch.Tensor:
-    """Concept index of every position in its row: a boundary closes a concept, so the concept of token n
-    is the number of boundaries strictly before n (the token at a boundary belongs to the concept it closes)."""
+    """Concept index of every position in its row: a boundary closes a concept, so the concept of
+    token n is the number of boundaries strictly before n (the token at a boundary belongs to the
+    concept it closes)."""
     b = boundary_BT.long()
     return b.cumsum(1) - b
 
 
-def first_image(batch: PackedBatch, patch_size: int, merge: int, denormalize) -> tuple[np.ndarray, int, int, tuple[int, int]] | None:
+def first_image(batch: PackedBatch, patch_size: int, merge: int,
+                denormalize) -> tuple[np.ndarray, int, int, tuple[int, int]] | None:
     """(pixels HxWx3 uint8, row, first token position, merged grid) of the batch's first image, or None."""
     if batch.image_grids is None or batch.image_grids.numel() == 0:
         return None
@@ -77,8 +79,8 @@ def render_image_concepts(pixels: np.ndarray, concept_of_token: np.ndarray, grid
     return np.asarray(Image.alpha_composite(img.convert("RGBA"), overlay).convert("RGB"))
 
 
-def image_concept_picture(batch: PackedBatch, boundary_BT: torch.Tensor, patch_size: int, merge: int,
-                          denormalize) -> np.ndarray | None:
+def image_concept_picture(batch: PackedBatch, boundary_BT: torch.Tensor, patch_size: int,
+                          merge: int, denormalize) -> np.ndarray | None:
     found = first_image(batch, patch_size, merge, denormalize)
     if found is None:
         return None
@@ -90,8 +92,8 @@ def image_concept_picture(batch: PackedBatch, boundary_BT: torch.Tensor, patch_s
     return render_image_concepts(pixels, cid, grid)
 
 
-def text_with_boundaries(batch: PackedBatch, boundary_BT: torch.Tensor, decode, max_tokens: int = 400,
-                         sep: str = "|") -> str:
+def text_with_boundaries(batch: PackedBatch, boundary_BT: torch.Tensor, decode,
+                         max_tokens: int = 400, sep: str = "|") -> str:
     """The first document of the batch with `sep` after every concept (runs of image tokens collapsed)."""
     row = 0
     doc = batch.doc_ids[row].cpu()

@@ -1,16 +1,17 @@
 """What a run folder holds, and what a new run may do with it.
 
-A run's outputs are what it is read by afterwards: `final/` (the model), `summary.json`, and `metrics.jsonl` once
-it holds a step. A run that has a checkpoint to resume from continues (the same command resumes it); one that does
-not starts from step 0, and then must not silently replace an earlier run's outputs: `vlm train` refuses, in one
-line, unless told `--overwrite` (start over: the earlier run's files, checkpoints included, are deleted first) or
-given a new `--out`. `--resume` may start a run over that never saved a checkpoint and never finished (no
-`final/`, no `summary.json`: it was stopped before its first save), as the requeue of a preempted job does.
-`config.yaml` (and an empty `metrics.jsonl`) alone are not outputs: a run stopped before its first step leaves
-them, and the same command then starts it.
+A run's outputs are what it is read by afterwards: `final/` (the model), `summary.json`, and
+`metrics.jsonl` once it holds a step. A run that has a checkpoint to resume from continues (the same
+command resumes it); one that does not starts from step 0, and then must not silently replace an
+earlier run's outputs: `vlm train` refuses, in one line, unless told `--overwrite` (start over: the
+earlier run's files, checkpoints included, are deleted first) or given a new `--out`. `--resume` may
+start a run over that never saved a checkpoint and never finished (no `final/`, no `summary.json`:
+it was stopped before its first save), as the requeue of a preempted job does. `config.yaml` (and an
+empty `metrics.jsonl`) alone are not outputs: a run stopped before its first step leaves them, and
+the same command then starts it.
 
-A config error found once the run folder exists removes the folder when this run made it (`made_by_this_run`),
-so that a bad config leaves nothing behind.
+A config error found once the run folder exists removes the folder when this run made it
+(`made_by_this_run`), so that a bad config leaves nothing behind.
 """
 from __future__ import annotations
 
@@ -21,11 +22,11 @@ from pathlib import Path
 
 from configs.config import ConfigError
 
-# what a run writes into its folder (vlm.train.trainer, metrics, tracking, vision_warmup, run_summary): what
-# --overwrite deletes; anything else in the folder is left alone
-RUN_FILES = ("checkpoints", "final", ".tmp-final", ".del-final", "summary.json", "metrics.jsonl", "report.png",
-             "config.yaml", "deepspeed_config.json", "tb", "vision_warmup.json", "vision_load_report.txt",
-             "wandb_id", "wandb")
+# what a run writes into its folder (vlm.train.trainer, metrics, tracking, vision_warmup,
+# run_summary): what --overwrite deletes; anything else in the folder is left alone
+RUN_FILES = ("checkpoints", "final", ".tmp-final", ".del-final", "summary.json", "metrics.jsonl",
+             "report.png", "config.yaml", "deepspeed_config.json", "tb", "vision_warmup.json",
+             "vision_load_report.txt", "wandb_id", "wandb")
 
 
 def logged_steps(metrics: Path) -> int:
@@ -62,11 +63,13 @@ def refusal(run_dir: Path, resume: bool | None) -> str | None:
     if not found:
         return None
     finished = any(f in ("final/", "summary.json") for f in found)
-    if resume is True and not finished:   # a requeued run that was stopped before its first checkpoint
+    # a requeued run that was stopped before its first checkpoint
+    if resume is True and not finished:
         return None
     again = "" if finished else ", --resume to start this unfinished run over from step 0"
-    return (f"{run_dir} holds the outputs of an earlier run ({', '.join(found)}) and no checkpoint to resume from: "
-            f"training here would replace them. Give a new --out{again}, or --overwrite to delete them and start over")
+    return (f"{run_dir} holds the outputs of an earlier run ({', '.join(found)}) and no checkpoint "
+            f"to resume from: training here would replace them. Give a new --out{again}, or "
+            f"--overwrite to delete them and start over")
 
 
 def clear_run(run_dir: Path) -> list[str]:
@@ -106,10 +109,11 @@ def made_by_this_run(run_dir: Path, is_main: bool):
         raise
 
 
-def check_start(run_dir: Path, resume: bool | None, overwrite: bool | None, resume_from, is_main: bool) -> None:
-    """Collective when distributed. ConfigError on every rank when a run that found nothing to resume
-    (`resume_from` None) would replace an earlier run's outputs (rank 0 looks); overwrite None (a caller that owns
-    the folder, as `vlm chain` does its stages') skips the check."""
+def check_start(run_dir: Path, resume: bool | None, overwrite: bool | None, resume_from,
+                is_main: bool) -> None:
+    """Collective when distributed. ConfigError on every rank when a run that found nothing to
+    resume (`resume_from` None) would replace an earlier run's outputs (rank 0 looks); overwrite
+    None (a caller that owns the folder, as `vlm chain` does its stages') skips the check."""
     from vlm.train.distributed import broadcast_object
 
     if overwrite is not False or resume_from is not None:

@@ -1,11 +1,11 @@
 """Sizes that cannot be allocated are refused from the config, before anything is built or written.
 
-Every rank builds the whole model in float32 before DeepSpeed shards anything, so 4 bytes a parameter must fit
-in this machine's memory (physical RAM, or a smaller cgroup limit). The count is exact for the LLM
-(vlm.model.flops.count_params, in Python integers: `model.hidden_size=99999999999999999999` is a number, not an
-overflow) and a lower bound for the vision tower, so the check never refuses a model that could be built.
-Without it such a config fails inside torch with a traceback (or is killed by the OOM killer) after the run
-folder was made.
+Every rank builds the whole model in float32 before DeepSpeed shards anything, so 4 bytes a
+parameter must fit in this machine's memory (physical RAM, or a smaller cgroup limit). The count is
+exact for the LLM (vlm.model.flops.count_params, in Python integers:
+`model.hidden_size=99999999999999999999` is a number, not an overflow) and a lower bound for the
+vision tower, so the check never refuses a model that could be built. Without it such a config fails
+inside torch with a traceback (or is killed by the OOM killer) after the run folder was made.
 """
 from __future__ import annotations
 
@@ -34,8 +34,8 @@ def memory_limit_bytes() -> int | None:
 
 
 def vision_params_lower_bound(vision, llm_hidden: int) -> int:
-    """Parameters the vision tower has at least (NaViT: attention and MLP weights, patch embedding, the
-    projection into the LLM); 0 for a timm backbone, whose size the config does not state."""
+    """Parameters the vision tower has at least (NaViT: attention and MLP weights, patch embedding,
+    the projection into the LLM); 0 for a timm backbone, whose size the config does not state."""
     if vision is None or vision.backbone != "navit":
         return 0
     enc, p, m = vision.encoder, vision.processor.patch_size, vision.processor.merge
@@ -58,9 +58,10 @@ def check_buildable(cfg, limit: int | None = None) -> None:
     limit = memory_limit_bytes() if limit is None else limit
     if limit is not None and need > limit:
         m = cfg.model
-        raise ConfigError(f"model: {_num(n)} parameters need {_bytes(need)} to build in float32, more than this "
-                          f"machine's {_bytes(limit)} of memory (model.hidden_size={m.hidden_size}, "
-                          f"model.vocab_size={m.vocab_size}, model.moe.num_experts={m.moe.num_experts}, "
+        raise ConfigError(f"model: {_num(n)} parameters need {_bytes(need)} to build in float32, "
+                          f"more than this machine's {_bytes(limit)} of memory "
+                          f"(model.hidden_size={m.hidden_size}, model.vocab_size={m.vocab_size}, "
+                          f"model.moe.num_experts={m.moe.num_experts}, "
                           f"model.moe.expert_hidden={m.moe.expert_hidden}); choose smaller sizes")
 
 

@@ -1,7 +1,8 @@
 """Training stages: what model a run starts from.
 
 - text: a fresh ConceptMoE LLM (no vision tower), trained on text.
-- vl:   the VLM: a vision tower and a projector in front of the LLM, fresh or, with `train.init_from`, carried
+- vl:   the VLM: a vision tower and a projector in front of the LLM, fresh or, with
+  `train.init_from`, carried
         over from an earlier run (its final/ export, a checkpoint, or the run directory itself: its final/
         when present, else its latest checkpoint). Whatever the source holds is carried: the whole VLM
         (vision encoder, projector, LLM) from a VL run, the LLM alone from a text run.
@@ -42,8 +43,8 @@ def resolve_weights_path(path: Path) -> Path:
     ckpt = latest_checkpoint(path / "checkpoints")
     if ckpt is not None:
         return ckpt
-    raise ConfigError(f"train.init_from {path}: not an exported model (config.json), a checkpoint (meta.json) "
-                      f"or a run directory with final/ or checkpoints/")
+    raise ConfigError(f"train.init_from {path}: not an exported model (config.json), a checkpoint "
+                      f"(meta.json) or a run directory with final/ or checkpoints/")
 
 
 def read_model_state(path: Path) -> dict[str, torch.Tensor]:
@@ -54,8 +55,8 @@ def read_model_state(path: Path) -> dict[str, torch.Tensor]:
 
     bad = None if checksums_skipped() else damaged_file(path)
     if bad is not None:   # the checksums the checkpoint recorded, as a resume checks them
-        raise ConfigError(f"train.init_from {path}: a damaged checkpoint, {bad} against the checksums in its "
-                          f"meta.json; {SKIP_HINT}")
+        raise ConfigError(f"train.init_from {path}: a damaged checkpoint, {bad} against the "
+                          f"checksums in its meta.json; {SKIP_HINT}")
     ds_dir = path / "ds"
     module_file = ds_dir / "mp_rank_00_model_states.pt"
     state = safe_load(module_file, map_location="cpu") if module_file.is_file() else {}
@@ -68,8 +69,8 @@ def read_model_state(path: Path) -> dict[str, torch.Tensor]:
 
 
 def _fold_checkpoint_logit_scale(state: dict, run_config: Path) -> dict:
-    """A muP run's checkpoint holds lm_head without its logit multiplier (a forward hook applies it); fold it
-    in so that every source reads as the function it computes, like an export does."""
+    """A muP run's checkpoint holds lm_head without its logit multiplier (a forward hook applies
+    it); fold it in so that every source reads as the function it computes, like an export does."""
     if not run_config.is_file() or "lm.lm_head.weight" not in state:
         return state
     import yaml
@@ -83,8 +84,9 @@ def _fold_checkpoint_logit_scale(state: dict, run_config: Path) -> dict:
 
 
 def load_pretrained_weights(model: ConceptMoEVLM, path: Path) -> dict[str, int]:
-    """Copy a stored model's tensors into `model`: the LLM (`lm.*`, required) and, when the source has them, the
-    vision encoder and projector (`vision.*`). Returns how many tensors each part received."""
+    """Copy a stored model's tensors into `model`: the LLM (`lm.*`, required) and, when the source
+    has them, the vision encoder and projector (`vision.*`). Returns how many tensors each part
+    received."""
     state = read_model_state(Path(path))
     parts = {"lm": model.lm, "vision": model.vision}
     loaded: dict[str, int] = {}
@@ -92,7 +94,8 @@ def load_pretrained_weights(model: ConceptMoEVLM, path: Path) -> dict[str, int]:
         src = {k[len(part) + 1:]: v for k, v in state.items() if k.startswith(part + ".")}
         if not src:
             if part == "lm":
-                raise ConfigError(f"train.init_from {path}: the stored model has no LLM weights (no 'lm.' tensors)")
+                raise ConfigError(f"train.init_from {path}: the stored model has no LLM weights "
+                                  f"(no 'lm.' tensors)")
             continue   # a text-stage source: the vision tower starts fresh
         if module is None:
             continue   # a text stage started from a VL run keeps only the LLM
@@ -106,16 +109,16 @@ def load_pretrained_weights(model: ConceptMoEVLM, path: Path) -> dict[str, int]:
                 f"has shape {tuple(src[k].shape)}, the config needs {tuple(mine[k].shape)}" if shape_bad else \
                 "is stored but has no place in the model"
             section = "model" if part == "lm" else "vision"
-            raise ConfigError(f"train.init_from {path}: tensor {part}.{k} {what}; the {section} section must match "
-                              f"the stored model's")
+            raise ConfigError(f"train.init_from {path}: tensor {part}.{k} {what}; the {section} "
+                              f"section must match the stored model's")
         module.load_state_dict({k: src[k] for k in mine}, strict=True)
         loaded[part] = len(mine)
     return loaded
 
 
 def _model_dict(mc: ModelConfig) -> dict:
-    """to_dict with the concept model's MoE spelled out (null there means "as moe"), so that a config that sets
-    concept_moe.top_k compares with what the stored model runs."""
+    """to_dict with the concept model's MoE spelled out (null there means "as moe"), so that a
+    config that sets concept_moe.top_k compares with what the stored model runs."""
     d = to_dict(mc)
     d["concept_moe"] = to_dict(mc.c_moe)
     return d
@@ -131,10 +134,11 @@ def _set(d: dict, key: str, value) -> None:
 
 
 def merge_model_section(stored: ModelConfig, cfg: TrainConfig, where: Path) -> ModelConfig:
-    """The checkpoint's model section with the config's permitted changes (MAY_CHANGE_FROM_CHECKPOINT) on top.
-    A stated key whose value differs from the stored one and may not change is refused in one line. The keys
-    stated are those the config file and overrides name (load_train_config); a config built otherwise states
-    every key whose value is not the project default."""
+    """The checkpoint's model section with the config's permitted changes
+    (MAY_CHANGE_FROM_CHECKPOINT) on top. A stated key whose value differs from the stored one and
+    may not change is refused in one line. The keys stated are those the config file and overrides
+    name (load_train_config); a config built otherwise states every key whose value is not the
+    project default."""
     mine, base = flatten(_model_dict(cfg.model)), flatten(_model_dict(stored))
     stated = getattr(cfg, "model_stated", None)
     if stated is None:
@@ -153,8 +157,9 @@ def merge_model_section(stored: ModelConfig, cfg: TrainConfig, where: Path) -> M
         if key.startswith(MAY_CHANGE_FROM_CHECKPOINT):
             _set(out, key, value)
             continue
-        raise ConfigError(f"model.{key}: the checkpoint {where} has {old!r}, this config {value!r}; it may not "
-                          f"change when continuing a checkpoint (drop it to keep the stored value)")
+        raise ConfigError(f"model.{key}: the checkpoint {where} has {old!r}, this config "
+                          f"{value!r}; it may not change when continuing a checkpoint (drop it to "
+                          f"keep the stored value)")
     if out["concept_moe"] == to_dict(stored.moe) and stored.concept_moe is None:
         out["concept_moe"] = None
     vocab = out.pop("vocab_size")
@@ -162,14 +167,15 @@ def merge_model_section(stored: ModelConfig, cfg: TrainConfig, where: Path) -> M
     return dataclasses.replace(merged, vocab_size=vocab) if vocab != stored.vocab_size else merged
 
 
-# Tensors a model built from a merged config may lack that the stored one has no counterpart for: fresh balancing
-# state (a stored model that balanced without the loss-free bias).
+# Tensors a model built from a merged config may lack that the stored one has no counterpart for:
+# fresh balancing state (a stored model that balanced without the loss-free bias).
 _FRESH_STATE = (".moe.expert_bias", ".moe.load_accum")
 
 
 def rebuild(model: ConceptMoEVLM, mc: ModelConfig, where: Path) -> ConceptMoEVLM:
-    """`model`'s tensors in a model built from `mc` (a merged model section). A stored tensor the new model has
-    no place for, or a tensor of the new model the stored one lacks, is an error: nothing is dropped silently."""
+    """`model`'s tensors in a model built from `mc` (a merged model section). A stored tensor the
+    new model has no place for, or a tensor of the new model the stored one lacks, is an error:
+    nothing is dropped silently."""
     if mc == model.model_cfg:
         return model
     grow = mc.vocab_size
@@ -180,15 +186,15 @@ def rebuild(model: ConceptMoEVLM, mc: ModelConfig, where: Path) -> ConceptMoEVLM
         lost = [k for k in missing if not any(p in k for p in _FRESH_STATE)]
         if unexpected or lost:
             what = f"stored tensor {unexpected[0]} has no place" if unexpected else f"tensor {lost[0]} is not stored"
-            raise ConfigError(f"{where}: {what} in the model this config describes; its model section must match "
-                              f"the stored model's")
+            raise ConfigError(f"{where}: {what} in the model this config describes; its model "
+                              f"section must match the stored model's")
     fit_vocab(new, grow)
     return new
 
 
 def stored_model_config(path: Path) -> ModelConfig | None:
-    """The model section a checkpoint was made with: an export's config.json, or the run config a checkpoint's
-    run directory holds (RUN_DIR/config.yaml); None when neither says."""
+    """The model section a checkpoint was made with: an export's config.json, or the run config a
+    checkpoint's run directory holds (RUN_DIR/config.yaml); None when neither says."""
     path = resolve_weights_path(path)
     import json
 
@@ -207,8 +213,9 @@ def stored_model_config(path: Path) -> ModelConfig | None:
 
 
 def convert_pretrained(cfg: TrainConfig) -> ConceptMoEVLM:
-    """Stage 'ct': a pretrained MoE converted by vlm.model.convert (or an already converted export), with a
-    fresh vision tower + projector attached when the config has a vision section and the source has none."""
+    """Stage 'ct': a pretrained MoE converted by vlm.model.convert (or an already converted export),
+    with a fresh vision tower + projector attached when the config has a vision section and the
+    source has none."""
     import json
 
     path = Path(cfg.train.convert_from)
@@ -228,8 +235,9 @@ def convert_pretrained(cfg: TrainConfig) -> ConceptMoEVLM:
 
 
 def source_tokenizer_dir(cfg: TrainConfig) -> Path | None:
-    """The folder of the pretrained model this run continues, when it carries its own tokenizer and chat template
-    (a transformers checkpoint, its `vlm convert` output, or a final/ of a run that continued one)."""
+    """The folder of the pretrained model this run continues, when it carries its own tokenizer and
+    chat template (a transformers checkpoint, its `vlm convert` output, or a final/ of a run that
+    continued one)."""
     if cfg.train.stage == "ct":
         where = Path(cfg.train.convert_from)
     elif cfg.train.init_from:
@@ -240,39 +248,44 @@ def source_tokenizer_dir(cfg: TrainConfig) -> Path | None:
 
 
 def resolve_tokenizer(cfg: TrainConfig) -> TrainConfig:
-    """`cfg` naming the tokenizer the run uses (a new object; `cfg` stays as it is). A run that continues a pretrained
-    model with its own tokenizer files keeps them, and with them its chat format, special tokens and ids:
-    `data.tokenizer` then names that folder (the saved run config says which tokenizer trained); a path to a
-    tokenizer of the project's own format is refused. Otherwise `data.tokenizer` as it is."""
+    """`cfg` naming the tokenizer the run uses (a new object; `cfg` stays as it is). A run that
+    continues a pretrained model with its own tokenizer files keeps them, and with them its chat
+    format, special tokens and ids: `data.tokenizer` then names that folder (the saved run config
+    says which tokenizer trained); a path to a tokenizer of the project's own format is refused.
+    Otherwise `data.tokenizer` as it is."""
     src = source_tokenizer_dir(cfg)
     if src is None:
         return cfg
-    # "byte" and "default" (the dataclass's and configs/default.yaml's choice) are the project's own tokenizers,
-    # which the source never saw: the source's wins over them; a path to another tokenizer is a conflict
+    # "byte" and "default" (the dataclass's and configs/default.yaml's choice) are the project's own
+    # tokenizers, which the source never saw: the source's wins over them; a path to another
+    # tokenizer is a conflict
     if cfg.data.tokenizer in ("byte", "default"):
         return evolve(cfg, data=replace(cfg.data, tokenizer=str(src)))
     if not is_source_tokenizer_dir(Path(cfg.data.tokenizer_path)):
-        raise ConfigError(f"data.tokenizer {cfg.data.tokenizer!r}: the model from {src} keeps its own tokenizer and "
-                          f"chat format; drop data.tokenizer (or set it to {src})")
+        raise ConfigError(f"data.tokenizer {cfg.data.tokenizer!r}: the model from {src} keeps its "
+                          f"own tokenizer and chat format; drop data.tokenizer (or set it to {src})")
     return cfg
 
 
 def load_run_tokenizer(cfg: TrainConfig) -> Tokenizer:
-    """The tokenizer a resolved config (resolve_tokenizer) names; a source's chat template must split a
-    conversation into prompt and answer (checked now rather than by the data loader mid-run)."""
+    """The tokenizer a resolved config (resolve_tokenizer) names; a source's chat template must
+    split a conversation into prompt and answer (checked now rather than by the data loader
+    mid-run)."""
     if source_tokenizer_dir(cfg) is None:
         return load_tokenizer(cfg.data.tokenizer_path)
     try:
         tok = load_tokenizer(cfg.data.tokenizer_path)
-        tok.chat_segments([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}] * 2)
+        tok.chat_segments([{"role": "user", "content": "hi"},
+                           {"role": "assistant", "content": "hello"}] * 2)
     except TokenizerError as e:
         raise ConfigError(str(e)) from None
     return tok
 
 
 def pretrained_tower(cfg: TrainConfig) -> bool:
-    """The vision encoder comes from a pretrained checkpoint (vision.timm_checkpoint): no warm-up for a fresh
-    encoder runs on it, and nothing freezes it but the config's own vision.freeze_encoder / params.freeze."""
+    """The vision encoder comes from a pretrained checkpoint (vision.timm_checkpoint): no warm-up
+    for a fresh encoder runs on it, and nothing freezes it but the config's own
+    vision.freeze_encoder / params.freeze."""
     return cfg.vision is not None and bool(cfg.vision.timm_checkpoint)
 
 
@@ -284,10 +297,11 @@ def vision_load_report(model: nn.Module) -> str | None:
 
 
 def build_stage_model(cfg: TrainConfig, tokenizer: Tokenizer | None = None) -> tuple[nn.Module, set[str]]:
-    """The model this stage trains, and which of its parts ("lm", "vision") start from fresh weights (muP init
-    applies to a fresh LLM, the vision warm-up to a fresh vision tower). A pretrained model whose vocabulary is
-    smaller than `tokenizer` (the image tokens a source's tokenizer gets) grows to fit it (convert.fit_vocab).
-    `cfg` is left as it is: `with_built_model` says what the model runs."""
+    """The model this stage trains, and which of its parts ("lm", "vision") start from fresh weights
+    (muP init applies to a fresh LLM, the vision warm-up to a fresh vision tower). A pretrained
+    model whose vocabulary is smaller than `tokenizer` (the image tokens a source's tokenizer gets)
+    grows to fit it (convert.fit_vocab). `cfg` is left as it is: `with_built_model` says what the
+    model runs."""
     stage = cfg.train.stage
     if stage == "ct":
         model = convert_pretrained(cfg)
@@ -295,25 +309,28 @@ def build_stage_model(cfg: TrainConfig, tokenizer: Tokenizer | None = None) -> t
             fit_vocab(model, tokenizer.vocab_size)
         return model, set()
     grow, mc = 0, cfg.model
-    if cfg.train.init_from:   # the model section is the checkpoint's, with the config's permitted changes
+    # the model section is the checkpoint's, with the config's permitted changes
+    if cfg.train.init_from:
         where = Path(cfg.train.init_from)
         stored = stored_model_config(where)
         if stored is not None:
             mc = merge_model_section(stored, cfg, where)
             grow, mc = mc.vocab_size, dataclasses.replace(mc, vocab_size=stored.vocab_size)
     model = ConceptMoEVLM(mc, cfg.vision if stage == "vl" else None)
-    parts = {"lm"} | ({"vision"} if model.vision is not None and not pretrained_tower(cfg) else set())
+    parts = {"lm"} | ({"vision"} if model.vision is not None and not pretrained_tower(cfg)
+                      else set())
     if cfg.train.init_from:
         loaded = load_pretrained_weights(model, Path(cfg.train.init_from))
-        fit_vocab(model, max(grow, tokenizer.vocab_size if getattr(tokenizer, "kind", "") == "source" else 0))
+        fit_vocab(model, max(grow, tokenizer.vocab_size if getattr(tokenizer, "kind",
+                                                                   "") == "source" else 0))
         return model, parts - set(loaded)
     return model, parts
 
 
 def with_built_model(cfg: TrainConfig, model: ConceptMoEVLM) -> TrainConfig:
-    """`cfg` naming the model build_stage_model built (a new object; `cfg` stays as it is): a converted model's
-    model and vision sections (stage ct), a continued checkpoint's model section (train.init_from); a fresh
-    model is `cfg`'s own."""
+    """`cfg` naming the model build_stage_model built (a new object; `cfg` stays as it is): a
+    converted model's model and vision sections (stage ct), a continued checkpoint's model section
+    (train.init_from); a fresh model is `cfg`'s own."""
     if cfg.train.stage == "ct":
         vision = model.vision_cfg   # a converted VLM's own tower patchifies with its own processor
         data = cfg.data if vision is None else replace(cfg.data, processor=vision.processor)

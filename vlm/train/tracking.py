@@ -1,7 +1,9 @@
-"""Weights & Biases next to TensorBoard: the same scalars and pictures, offline unless told otherwise.
+"""Weights & Biases next to TensorBoard: the same scalars and pictures, offline unless told
+otherwise.
 
-The run's id is kept in RUN_DIR/wandb_id, so a resumed run continues the same wandb run (`resume="allow"`);
-steps it already logged before the checkpoint it resumed from are sent again and wandb keeps the later values.
+The run's id is kept in RUN_DIR/wandb_id, so a resumed run continues the same wandb run
+(`resume="allow"`); steps it already logged before the checkpoint it resumed from are sent again and
+wandb keeps the later values.
 """
 from __future__ import annotations
 
@@ -25,11 +27,12 @@ class WandbTracker:
         run_id = id_file.read_text().strip() if id_file.is_file() else wandb.util.generate_id()
         id_file.write_text(run_id)
         os.environ.setdefault("WANDB_SILENT", "true")
-        self.run = wandb.init(project=project, dir=str(run_dir), mode=mode, id=run_id, name=run_dir.name,
-                              resume="allow", config=config)
+        self.run = wandb.init(project=project, dir=str(run_dir), mode=mode, id=run_id,
+                              name=run_dir.name, resume="allow", config=config)
 
     def scalars(self, rec: dict) -> None:
-        values = {k: v for k, v in rec.items() if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)
+        values = {k: v for k, v in rec.items() if k != "step" and isinstance(v, (int, float))
+                  and not isinstance(v, bool)
                   and np.isfinite(v)}
         self.run.log(values, step=int(rec["step"]))
 
@@ -38,7 +41,8 @@ class WandbTracker:
         if image_HW3 is not None:
             logged["concepts/image"] = self.wandb.Image(image_HW3)
         if text is not None:
-            logged["concepts/text"] = self.wandb.Html("<pre>" + text.replace("&", "&amp;").replace("<", "&lt;") + "</pre>")
+            escaped = text.replace("&", "&amp;").replace("<", "&lt;")
+            logged["concepts/text"] = self.wandb.Html("<pre>" + escaped + "</pre>")
         if logged:
             self.run.log(logged, step=step)
 

@@ -1,9 +1,10 @@
-"""The training run: `Trainer(cfg, run_dir).train()` sets up, loops, checkpoints, exports, evaluates, summarises.
+"""The training run: `Trainer(cfg, run_dir).train()` sets up, loops, checkpoints, exports,
+evaluates, summarises.
 
-`train()` reads top to bottom; each component decides for itself when it acts (the metrics logger which steps
-it logs, evaluates and draws; the checkpointer which steps it saves). What runs on the exported model at the
-end (the built-in VQA check) is handed in as `on_end` callbacks, registered under the `vlm.run_end` entry
-points, so the trainer imports nothing above it.
+`train()` reads top to bottom; each component decides for itself when it acts (the metrics logger
+which steps it logs, evaluates and draws; the checkpointer which steps it saves). What runs on the
+exported model at the end (the built-in VQA check) is handed in as `on_end` callbacks, registered
+under the `vlm.run_end` entry points, so the trainer imports nothing above it.
 """
 from __future__ import annotations
 
@@ -57,41 +58,47 @@ def registered_run_end() -> list[RunEnd]:
 
 class Trainer:
     def __init__(self, cfg: TrainConfig, run_dir: str | Path, resume: bool | None = None, log=print,
-                 accept_optim_change: bool = False, on_end: list[RunEnd] = (), loss_hook=None, stop: StopFlag | None = None,
-                 overwrite: bool | None = None):
-        """resume: True = must resume; None = resume when RUN_DIR has a checkpoint; False = refuse if it has one.
-        overwrite (vlm.train.run_dir): False = a run with nothing to resume refuses a RUN_DIR holding an earlier
-        run's outputs; True = start over, deleting them (checkpoints included) first; None = no check (a caller
-        that owns the folder: vlm chain's stages).
-        accept_optim_change: a resumed run takes this config's optimiser settings (learning rate, schedule, ...)
-        instead of refusing them. on_end: run on rank 0 with the exported final/; their dicts go into the
-        summary. loss_hook(out, k) may replace micro-batch k's output (fault injection in tests).
-        stop: raised by SIGTERM / SIGINT (vlm.train.signals): the run checkpoints after the step in flight and
-        `train` returns 128 + the signal number; the vision warm-up raises Preempted after saving its state.
+                 accept_optim_change: bool = False, on_end: list[RunEnd] = (), loss_hook=None,
+                 stop: StopFlag | None = None, overwrite: bool | None = None):
+        """resume: True = must resume; None = resume when RUN_DIR has a checkpoint; False = refuse
+        if it has one. overwrite (vlm.train.run_dir): False = a run with nothing to resume refuses a
+        RUN_DIR holding an earlier run's outputs; True = start over, deleting them (checkpoints
+        included) first; None = no check (a caller that owns the folder: vlm chain's stages).
+        accept_optim_change: a resumed run takes this config's optimiser settings (learning rate,
+        schedule, ...) instead of refusing them. on_end: run on rank 0 with the exported final/;
+        their dicts go into the summary. loss_hook(out, k) may replace micro-batch k's output (fault
+        injection in tests). stop: raised by SIGTERM / SIGINT (vlm.train.signals): the run
+        checkpoints after the step in flight and `train` returns 128 + the signal number; the vision
+        warm-up raises Preempted after saving its state.
 
-        `cfg` is never changed. `self.cfg` is what runs, a new object where setup learns more than `cfg` says (a
-        continued model's tokenizer and model section, the DeepSpeed settings the merged JSON runs): config.yaml,
-        the banner and the summary show it."""
+        `cfg` is never changed. `self.cfg` is what runs, a new object where setup learns more than
+        `cfg` says (a continued model's tokenizer and model section, the DeepSpeed settings the
+        merged JSON runs): config.yaml, the banner and the summary show it."""
         self.cfg, self.run_dir, self.log_fn = cfg, Path(run_dir), log
         self.on_end, self.loss_hook, self.accept_optim_change = list(on_end), loss_hook, accept_optim_change
         self.stop = stop if stop is not None else StopFlag()
-        self.stop.heard = STEP_IN_FLIGHT   # what a signal does until the last step (a chain's next stage included)
-        check_buildable(cfg)   # before the run folder exists: a size that cannot be allocated leaves nothing behind
+        # what a signal does until the last step (a chain's next stage included)
+        self.stop.heard = STEP_IN_FLIGHT
+        # before the run folder exists: a size that cannot be allocated leaves nothing behind
+        check_buildable(cfg)
         self.dist: DistInfo = init_distributed()
         self._set_up_process()
-        with made_by_this_run(self.run_dir, self.is_main):   # a config error found from here on leaves no folder
+        # a config error found from here on leaves no folder
+        with made_by_this_run(self.run_dir, self.is_main):
             self.resume_from = self._open_run_dir(resume, overwrite)
             self._prepare_data()
             model, fresh = self._build_model()
-            warm_up_vision(model, fresh, self.cfg, resuming=self.resume_from is not None, device=self.dist.device,
-                           run_dir=self.run_dir, is_main=self.is_main, log=self.log, stop=self.stop)
+            warm_up_vision(model, fresh, self.cfg, resuming=self.resume_from is not None,
+                           device=self.dist.device, run_dir=self.run_dir, is_main=self.is_main,
+                           log=self.log, stop=self.stop)
             self._build_engine(model, fresh)
             self._check_resume_config()
             self._reset_state()
             self._build_loaders()
         ck = self.cfg.checkpoint
-        self.checkpointer = ckpt_lib.Checkpointer(self.engine, self.ckpt_root, ck.save_every, ck.keep_last,
-                                                  self.dist.rank, self.dist.world_size)
+        self.checkpointer = ckpt_lib.Checkpointer(self.engine, self.ckpt_root, ck.save_every,
+                                                  ck.keep_last, self.dist.rank,
+                                                  self.dist.world_size)
 
     # ---------------------------------------------------------------- the run
     def train(self) -> int:
@@ -104,10 +111,11 @@ class Trainer:
         self._write_run_files()
         resume_step = self.step if self.resume_from is not None else None
         metrics = MetricsLogger(cfg.logging, cfg.train.max_steps, self.run_dir, resume_step,
-                                config_targets(cfg), self.is_main, self.step, run_config=to_dict(cfg),
-                                groups=group_names(self.source_names))
-        self.log(f"model: {self.n_params:,} parameters ({self.n_trainable:,} trainable); {self.dist.world_size} "
-                 f"rank(s) on {self.dist.device}; ZeRO {cfg.deepspeed.zero_stage}{', bf16' if cfg.deepspeed.bf16 else ''}"
+                                config_targets(cfg), self.is_main, self.step,
+                                run_config=to_dict(cfg), groups=group_names(self.source_names))
+        self.log(f"model: {self.n_params:,} parameters ({self.n_trainable:,} trainable); "
+                 f"{self.dist.world_size} rank(s) on {self.dist.device}; ZeRO "
+                 f"{cfg.deepspeed.zero_stage}{', bf16' if cfg.deepspeed.bf16 else ''}"
                  f"{f'; {self.compiled_blocks} blocks compiled' if self.compiled_blocks else ''}")
         for line in self.groups_desc:
             self.log(f"  group {line}")
@@ -131,18 +139,23 @@ class Trainer:
             if metrics.should_log(self.step, record.applied):
                 counts = self._skipped_samples()                          # a collective
                 record.scalars.update({f"skipped/{r}": n for r, n in counts[None][1].items()})
-                data_stop = next((line for source, (read, skipped) in counts.items()   # the same on every rank
-                                  if (line := skip_share_stop(skipped, read, cfg.train.max_skip_share, source))), None)
+                # the same on every rank
+                data_stop = next((line for source, (read, skipped) in counts.items()
+                                  if (line := skip_share_stop(skipped, read,
+                                                              cfg.train.max_skip_share, source))),
+                                 None)
             if metrics.should_eval(self.step):
-                val, record.pictures = self.held_out.run(window[-1], draw=self.is_main)   # a collective
+                # a collective
+                val, record.pictures = self.held_out.run(window[-1], draw=self.is_main)
                 record.scalars.update(val)
             if self.is_main:
                 metrics.write(record)
             if self.nonfinite_in_row >= cfg.train.max_nonfinite_in_row:
                 path = self.checkpointer.save(self.step, self.trainer_state())
-                self.log(f"stopping: {self.nonfinite_in_row} non-finite steps in a row (step {self.step}); nothing "
-                         f"was applied for them. Checkpoint: {path}. Lower optim.lr (resume with --resume "
-                         f"--accept-optim-change optim.lr=...), check the data, or raise train.max_nonfinite_in_row.")
+                self.log(f"stopping: {self.nonfinite_in_row} non-finite steps in a row (step "
+                         f"{self.step}); nothing was applied for them. Checkpoint: {path}. Lower "
+                         f"optim.lr (resume with --resume --accept-optim-change optim.lr=...), "
+                         f"check the data, or raise train.max_nonfinite_in_row.")
                 rc = 1
                 break
             if data_stop is not None:
@@ -153,25 +166,29 @@ class Trainer:
         if rc == 0:
             self.checkpointer.save_unless_saved(self.step, self.trainer_state)
         metrics.close()
-        if rc == 0 and self._stop_requested():   # asked to stop during the last step: no export, no evaluation
+        # asked to stop during the last step: no export, no evaluation
+        if rc == 0 and self._stop_requested():
             return self._stopped()
         return self._finish(rc)
 
     def _stop_requested(self) -> bool:
         """A SIGTERM / SIGINT on any rank stops every rank after the same step (a collective when distributed)."""
-        return collectives.stop_requested(self.stop.requested, self.dist.device, self.dist.world_size)
+        return collectives.stop_requested(self.stop.requested, self.dist.device,
+                                          self.dist.world_size)
 
     def _stopped(self) -> int:
         """Checkpoint the step just finished and say so in one line; the exit code of the signal."""
         signum = self.stop.signum or signal.SIGTERM   # a rank that did not see the signal itself
         name = signal.Signals(signum).name
         if self.step == 0 and self.resume_from is None:
-            self.log(f"stopped by {name} before the first step: nothing to save; the same command starts the run "
-                     f"(--resume included)")
+            self.log(f"stopped by {name} before the first step: nothing to save; the same command "
+                     f"starts the run (--resume included)")
         else:
-            self.checkpointer.save_unless_saved(self.step, self.trainer_state)   # WriteError: reported by the CLI
+            # WriteError: reported by the CLI
+            self.checkpointer.save_unless_saved(self.step, self.trainer_state)
             self.log(f"stopped by {name} after step {self.step}: checkpoint "
-                     f"{self.ckpt_root / ckpt_lib.step_dir_name(self.step)}; continue with the same command and --resume")
+                     f"{self.ckpt_root / ckpt_lib.step_dir_name(self.step)}; continue with the "
+                     f"same command and --resume")
         return 128 + int(signum)
 
     def _finish(self, rc: int) -> int:
@@ -180,19 +197,22 @@ class Trainer:
         results: dict = {"vqa": None}
         if rc == 0:
             self.stop.heard = "stopping once final/ is exported (the last step is in a checkpoint)"
-            final = export_final(self.engine, self.run_dir, self.tokenizer, self.logit_scale, self.is_main, self.log)
+            final = export_final(self.engine, self.run_dir, self.tokenizer, self.logit_scale,
+                                 self.is_main, self.log)
             if final is None:
                 rc = 1
             elif not self._stop_requested():     # a collective
                 if self.is_main:
                     self._run_end(final, results)
                 barrier()
-            if final is not None and self._stop_requested():   # after the export or in the evaluation: no summary
+            # after the export or in the evaluation: no summary
+            if final is not None and self._stop_requested():
                 return self._stopped_at_the_end()
         if not self.is_main:
             return rc
         lines = write_summary(self.run_dir, self.cfg, steps=self.step, wall=wall, results=results,
-                              nonfinite_total=self.nonfinite_total, data_counters=self.loader.counters, rc=rc)
+                              nonfinite_total=self.nonfinite_total,
+                              data_counters=self.loader.counters, rc=rc)
         self.log("\n".join(["", "=" * 72, "summary", "=" * 72] + lines))
         return rc
 
@@ -207,12 +227,13 @@ class Trainer:
             pass
 
     def _stopped_at_the_end(self) -> int:
-        """A signal after the last step: final/ is exported, no summary is written; the same command (it resumes
-        from the last checkpoint, where nothing is left to train) exports again, evaluates and summarises."""
+        """A signal after the last step: final/ is exported, no summary is written; the same command
+        (it resumes from the last checkpoint, where nothing is left to train) exports again,
+        evaluates and summarises."""
         signum = self.stop.signum or signal.SIGTERM   # a rank that did not see the signal itself
-        self.log(f"stopped by {signal.Signals(signum).name} after the last step ({self.step}), before the end-of-run "
-                 f"evaluation and summary; the same command finishes the run from "
-                 f"{self.ckpt_root / ckpt_lib.step_dir_name(self.step)}")
+        self.log(f"stopped by {signal.Signals(signum).name} after the last step ({self.step}), "
+                 f"before the end-of-run evaluation and summary; the same command finishes the run "
+                 f"from {self.ckpt_root / ckpt_lib.step_dir_name(self.step)}")
         return 128 + int(signum)
 
     # ---------------------------------------------------------------- one step
@@ -225,14 +246,15 @@ class Trainer:
         self.probe.clear()
         return train_step(self.engine, window, self.step, seed=cfg.train.seed, rank=self.dist.rank,
                           world_size=self.dist.world_size, parser=self.parser,
-                          device=self.dist.device, float_dtype=self.float_dtype, loss_hook=loss_hook or self.loss_hook,
-                          bytes_per_id=self.bytes_per_id, sources=self.source_names,
-                          controls=self.controls)
+                          device=self.dist.device, float_dtype=self.float_dtype, loss_hook=loss_hook
+                          or self.loss_hook, bytes_per_id=self.bytes_per_id,
+                          sources=self.source_names, controls=self.controls)
 
     def after_step(self, result: StepRecord) -> None:
         """Schedule and loss-free balancing move only when the optimizer applied the step."""
         self.step += 1
-        if result.applied:   # the balancing biases and top-k thresholds moved in the step (TrainingControls)
+        # the balancing biases and top-k thresholds moved in the step (TrainingControls)
+        if result.applied:
             self.scheduler.step()
             self.nonfinite_in_row = 0
         else:
@@ -250,17 +272,19 @@ class Trainer:
         record.scalars["nonfinite_steps"] = self.nonfinite_total
 
     def _skipped_samples(self) -> dict[str | None, tuple[int, dict[str, int]]]:
-        """Samples read and skipped by reason, summed over ranks in one collective: over all the data (key None) and
-        per source (one kind of sample each in the default data), so that a source the run loses is not hidden by
-        the others' volume."""
+        """Samples read and skipped by reason, summed over ranks in one collective: over all the
+        data (key None) and per source (one kind of sample each in the default data), so that a
+        source the run loses is not hidden by the others' volume."""
         by_source = self.loader.by_source()
         groups = [(None, (int(self.loader.stats.get("samples_read", 0)), self.loader.counters))] + \
                  [(label, by_source.get(label, (0, {}))) for label in self.source_names]
         vec = torch.tensor([float(v) for _, (read, skipped) in groups
-                            for v in [read] + [skipped.get(r, 0) for r in REASONS]], dtype=torch.float64)
+                            for v in [read] + [skipped.get(r, 0) for r in REASONS]],
+                           dtype=torch.float64)
         flat = collectives.data_counters(vec.to(self.dist.device)).cpu().tolist()
         n = len(REASONS) + 1
-        return {label: (int(flat[i * n]), {r: int(v) for r, v in zip(REASONS, flat[i * n + 1:(i + 1) * n])})
+        return {label: (int(flat[i * n]),
+                        {r: int(v) for r, v in zip(REASONS, flat[i * n + 1:(i + 1) * n])})
                 for i, (label, _) in enumerate(groups)}
 
     # ---------------------------------------------------------------- setup
@@ -278,29 +302,33 @@ class Trainer:
         if run.threads:
             torch.set_num_threads(run.threads)
         if run.deterministic:
-            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")   # deterministic cuBLAS on GPU
+            # deterministic cuBLAS on GPU
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True, warn_only=True)
         random.seed(run.seed)
         np.random.seed(run.seed)
         torch.manual_seed(run.seed)
 
     def _open_run_dir(self, resume: bool | None, overwrite: bool | None) -> Path | None:
-        """RUN_DIR exists without a partial checkpoint; the checkpoint to resume from (None: a fresh start, which
-        may not replace an earlier run's outputs unless `overwrite`: vlm.train.run_dir)."""
+        """RUN_DIR exists without a partial checkpoint; the checkpoint to resume from (None: a fresh
+        start, which may not replace an earlier run's outputs unless `overwrite`:
+        vlm.train.run_dir)."""
         self.ckpt_root = self.run_dir / "checkpoints"
         if self.is_main:
             if overwrite and (gone := clear_run(self.run_dir)):
-                self.log(f"--overwrite: deleted the earlier run's {', '.join(gone)} in {self.run_dir}")
+                self.log(f"--overwrite: deleted the earlier run's {', '.join(gone)} in "
+                         f"{self.run_dir}")
             self.run_dir.mkdir(parents=True, exist_ok=True)
             ckpt_lib.clean_partial(self.ckpt_root)
         barrier()
         found = ckpt_lib.resume_point(self.ckpt_root, self.dist.rank, resume, log=self.log)
-        check_start(self.run_dir, resume, overwrite, found, self.is_main)   # rank 0 decides for every rank
+        # rank 0 decides for every rank
+        check_start(self.run_dir, resume, overwrite, found, self.is_main)
         return found
 
     def _prepare_data(self) -> None:
-        """The default dataset (built once, by rank 0, before any rank opens it) and the run's tokenizer: a
-        continued pretrained model keeps its own (stages.resolve_tokenizer)."""
+        """The default dataset (built once, by rank 0, before any rank opens it) and the run's
+        tokenizer: a continued pretrained model keeps its own (stages.resolve_tokenizer)."""
         if not self.cfg.data.sources:
             if self.is_main:
                 ensure_default_dataset(self.cfg.data.default_dir)
@@ -315,8 +343,9 @@ class Trainer:
         model, fresh = build_stage_model(self.cfg, self.tokenizer)
         self.cfg = cfg = with_built_model(self.cfg, model)
         if cfg.model.vocab_size < self.tokenizer.vocab_size:
-            raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
-                              f"{self.tokenizer.vocab_size} ids ({cfg.data.tokenizer_path}); raise model.vocab_size")
+            raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the "
+                              f"tokenizer's {self.tokenizer.vocab_size} ids "
+                              f"({cfg.data.tokenizer_path}); raise model.vocab_size")
         if cfg.params.freeze:
             freeze_prefixes(model, cfg.params.freeze)
         return model, fresh
@@ -324,13 +353,16 @@ class Trainer:
     def _build_engine(self, model: torch.nn.Module, fresh: set[str]) -> None:
         """muP, the parameter groups, optimizer, schedule and DeepSpeed engine, and what hooks into its module."""
         cfg = self.cfg
-        self.logit_scale = apply_mup(model, cfg.params, cfg.model.hidden_size, cfg.model.c_hidden, "lm" in fresh)
-        groups = build_param_groups(model, cfg.optim, cfg.params, cfg.model.hidden_size, cfg.model.c_hidden)
+        self.logit_scale = apply_mup(model, cfg.params, cfg.model.hidden_size, cfg.model.c_hidden,
+                                     "lm" in fresh)
+        groups = build_param_groups(model, cfg.optim, cfg.params, cfg.model.hidden_size,
+                                    cfg.model.c_hidden)
         self.groups_desc = describe_groups(groups)
         self.compiled_blocks = compile_model(model, self.cfg, self.dist.device)
         self.optimizer, self.scheduler, self.ds_config, self.engine = build_engine(model, groups, cfg,
                                                                                    self.dist.world_size)
-        self.cfg = evolve(cfg, deepspeed=effective_settings(cfg.deepspeed, self.ds_config))   # what runs
+        # what runs
+        self.cfg = evolve(cfg, deepspeed=effective_settings(cfg.deepspeed, self.ds_config))
         self.float_dtype = torch.bfloat16 if self.engine.bfloat16_enabled() else torch.float32
         self.probe = ActivationProbe(self.engine.module)
         self.controls = TrainingControls(self.engine.module)
@@ -343,8 +375,8 @@ class Trainer:
     def _check_resume_config(self) -> None:
         """A resumed run's config (as it runs) matches the checkpointed run's, but for what may change."""
         if self.resume_from is not None and (self.run_dir / "config.yaml").is_file():
-            check_resume_config(yaml.safe_load((self.run_dir / "config.yaml").read_text()), to_dict(self.cfg),
-                                self.accept_optim_change)
+            check_resume_config(yaml.safe_load((self.run_dir / "config.yaml").read_text()),
+                                to_dict(self.cfg), self.accept_optim_change)
 
     def _reset_state(self) -> None:
         self.step = 0
@@ -363,13 +395,14 @@ class Trainer:
 
     # ---------------------------------------------------------------- state
     def trainer_state(self) -> dict:
-        return {"step": self.step, "scheduler": self.scheduler.state_dict(), "rng": ckpt_lib.rng_state(),
-                "loader": self.loader.state_dict(),
+        return {"step": self.step, "scheduler": self.scheduler.state_dict(),
+                "rng": ckpt_lib.rng_state(), "loader": self.loader.state_dict(),
                 "nonfinite_total": self.nonfinite_total, "nonfinite_in_row": self.nonfinite_in_row,
                 "wall_s": self.wall_before + (time.time() - self.t_start)}
 
     def restore(self, path: Path) -> None:
-        settings = optimizer_settings(self.optimizer)   # this config's: the checkpoint's come back with its state
+        # this config's: the checkpoint's come back with its state
+        settings = optimizer_settings(self.optimizer)
         state = ckpt_lib.load_checkpoint(self.engine, path, self.dist.rank, self.dist.world_size)
         resume_schedule(self.optimizer, self.scheduler, state["scheduler"],
                         settings if self.accept_optim_change else None)
@@ -382,5 +415,6 @@ class Trainer:
 
     def _write_run_files(self) -> None:
         if self.is_main:
-            (self.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(self.cfg), sort_keys=False))
+            (self.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(self.cfg),
+                                                                     sort_keys=False))
             (self.run_dir / "deepspeed_config.json").write_text(json.dumps(self.ds_config, indent=2))

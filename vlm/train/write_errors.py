@@ -1,7 +1,7 @@
-"""Writes that fail because of the machine (a full disk, a quota, a read-only mount): one line naming the path and
-the system's reason, never a traceback. torch.save reports a failed write as "iostream error" or "unexpected pos"
-without the errno, so every torch.save of a checkpoint (DeepSpeed's included) writes through a file object that
-keeps the OSError."""
+"""Writes that fail because of the machine (a full disk, a quota, a read-only mount): one line
+naming the path and the system's reason, never a traceback. torch.save reports a failed write as
+"iostream error" or "unexpected pos" without the errno, so every torch.save of a checkpoint
+(DeepSpeed's included) writes through a file object that keeps the OSError."""
 from __future__ import annotations
 
 import errno
@@ -17,12 +17,13 @@ class WriteError(RuntimeError):
 
 
 # errors that come from the machine, not from a bug: reported in one line, never as a traceback
-DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EFBIG, errno.EACCES, errno.EPERM)
+DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EFBIG, errno.EACCES,
+               errno.EPERM)
 
 
 class _KeepsWriteError:
-    """A file object for torch.save that remembers the OSError its write raised (torch replaces it with
-    "iostream error" / "unexpected pos")."""
+    """A file object for torch.save that remembers the OSError its write raised (torch replaces it
+    with "iostream error" / "unexpected pos")."""
 
     def __init__(self, fh):
         self.fh, self.error = fh, None

@@ -1,5 +1,5 @@
-"""The decode sections: ms per step after a prompt, eager (`model.step`) and compiled (`model.decode_step`), and the
-launches per step at the largest batch."""
+"""The decode sections: ms per step after a prompt, eager (`model.step`) and compiled
+(`model.decode_step`), and the launches per step at the largest batch."""
 from __future__ import annotations
 
 import math
@@ -27,29 +27,34 @@ def eager(r: Run) -> str | None:
                 rigs[n] = DecodeRig(m, B, s.decode_context, s.decode_steps, s.ratio, dev)
             except Exception as e:  # noqa: BLE001
                 r.error(f"decode eager B={B}: {n} (prefill)", e)
-        fns = r.warm({n: rig.round(r.models[n].step) for n, rig in rigs.items()}, 1, f"decode eager B={B}")
+        fns = r.warm({n: rig.round(r.models[n].step) for n, rig in rigs.items()}, 1,
+                     f"decode eager B={B}")
         if fns:
             _rows(r, "eager", B, common.measure(fns, s.decode_repeats, warmup=0))
         if B == max(s.decode_batches):
-            r.launches("eager", f"decode B={B}", {n: _counted(rigs[n], r.models[n].step) for n in fns})
+            r.launches("eager", f"decode B={B}",
+                       {n: _counted(rigs[n], r.models[n].step) for n in fns})
         del rigs, fns
         dev.free()
     return f"time budget: batch sizes {skipped} not measured" if skipped else None
 
 
 def compiled(r: Run) -> str | None:
-    """The decode step compiled for the fastest ConceptMoE at the largest batch, then the baseline (as many as
-    `compile_decode` allows), largest batch first: a step that does not compile is unavailable at every batch."""
+    """The decode step compiled for the fastest ConceptMoE at the largest batch, then the baseline
+    (as many as `compile_decode` allows), largest batch first: a step that does not compile is
+    unavailable at every batch."""
     s, dev = r.s, r.dev
     B8 = max(s.decode_batches)
-    eager_ms = {x["candidate"]: x["median"] for x in r.res["rows"] if x["setting"].get("section") == "decode"
+    eager_ms = {x["candidate"]: x["median"] for x in r.res["rows"]
+                if x["setting"].get("section") == "decode"
                 and x["setting"].get("mode") == "eager" and x["setting"].get("batch") == B8}
     concept = sorted(r.reallocs, key=lambda n: eager_ms.get(n, math.inf))
     order = (concept[:1] + [BASELINE] + concept[1:])[:s.compile_decode]
     for n in r.cfgs:
         if n not in order:
             r.res["unavailable"][f"{n} (compiled decode)"] = (
-                f"not compiled: the {s.name} settings compile the decode step of {s.compile_decode} candidates")
+                f"not compiled: the {s.name} settings compile the decode step of "
+                f"{s.compile_decode} candidates")
     models, steps, skipped = {}, {}, []   # steps[n] None: n's decode step did not compile
     for n, B in [(n, B) for B in sorted(s.decode_batches, reverse=True) for n in order]:
         key = f"{n} (compiled decode B={B})"
@@ -90,10 +95,12 @@ def compiled(r: Run) -> str | None:
 def _rows(r: Run, mode: str, B: int, secs: dict[str, list[float]]) -> list[dict]:
     s = r.s
     ms = {n: [1000 * t / s.decode_steps for t in ts] for n, ts in secs.items()}
-    extra = {n: {"tokens_per_s": round(B * s.decode_steps / statistics.median(ts), 1)} for n, ts in secs.items()}
+    extra = {n: {"tokens_per_s": round(B * s.decode_steps / statistics.median(ts), 1)} for n,
+             ts in secs.items()}
     rs = r.rows(ms, {"section": "decode", "mode": mode, "batch": B, "context": s.decode_context},
                 "decode ms per step", "ms", extra)
-    r.log(f"  decode {mode} B={B}: " + ", ".join(f"{x['candidate']} {x['median']:.2f} ms" for x in rs))
+    r.log(f"  decode {mode} B={B}: " + ", ".join(f"{x['candidate']} {x['median']:.2f} ms"
+                                                 for x in rs))
     return rs
 
 

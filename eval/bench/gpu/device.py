@@ -42,15 +42,18 @@ class Device:
                 "triton": importlib.util.find_spec("triton") is not None,
                 "flash_attn": importlib.util.find_spec("flash_attn") is not None}
         if not self.cuda:
-            return {**base, "device": "cpu", "name": platform.processor() or platform.machine(), "peak": None,
-                    "peak_note": "no bf16 peak for a CPU: MFU is null"}
+            return {**base, "device": "cpu", "name": platform.processor() or platform.machine(),
+                    "peak": None, "peak_note": "no bf16 peak for a CPU: MFU is null"}
         i = self.device.index
         name = torch.cuda.get_device_name(i)
         props = torch.cuda.get_device_properties(i)
         peak = peak_bf16(name)
-        note = (f"peak: {peak['device']} {peak['tflops']:g} TFLOP/s dense bf16 (eval/bench/gpu/devices.py"
-                f"{', approximate' if peak['approximate'] else ''})" if peak else
+        note = (f"peak: {peak['device']} {peak['tflops']:g} TFLOP/s dense bf16 "
+                f"(eval/bench/gpu/devices.py{', approximate' if peak['approximate'] else ''})"
+                if peak else
                 f"device {name!r} is not in eval/bench/gpu/devices.py's table: MFU is null")
-        return {**base, "device": "cuda", "name": name, "capability": list(torch.cuda.get_device_capability(i)),
-                "memory_GiB": round(props.total_memory / 2 ** 30, 1), "sm_count": props.multi_processor_count,
+        return {**base, "device": "cuda", "name": name,
+                "capability": list(torch.cuda.get_device_capability(i)),
+                "memory_GiB": round(props.total_memory / 2 ** 30, 1),
+                "sm_count": props.multi_processor_count,
                 "cudnn": torch.backends.cudnn.version(), "peak": peak, "peak_note": note}

@@ -1,7 +1,8 @@
-"""Kernel launches per step. CUDA: the device kernels torch.profiler records, and the host synchronisations. CPU
-(--smoke): eager steps count the operators they dispatch (eval.bench.common.count_operators, the project's one
-definition); a compiled step cannot run under that dispatch mode, so it counts the profiler's aten leaf ops, which
-include views: on a CPU the two are not comparable (eager against compiled is a CUDA figure)."""
+"""Kernel launches per step. CUDA: the device kernels torch.profiler records, and the host
+synchronisations. CPU (--smoke): eager steps count the operators they dispatch
+(eval.bench.common.count_operators, the project's one definition); a compiled step cannot run under
+that dispatch mode, so it counts the profiler's aten leaf ops, which include views: on a CPU the two
+are not comparable (eager against compiled is a CUDA figure)."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -15,22 +16,25 @@ HOST_SYNCS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchr
 
 
 def launch_counts(events, cuda: bool, steps: int) -> dict:
-    """Per-step counts from torch.profiler events. CUDA: kernels (device activities of type kernel), memcpys,
-    and host synchronisations (HOST_SYNCS calls, less the one that ends the profiled region). CPU: aten ops with no
-    aten op inside them (the ops that run a kernel)."""
+    """Per-step counts from torch.profiler events. CUDA: kernels (device activities of type kernel),
+    memcpys, and host synchronisations (HOST_SYNCS calls, less the one that ends the profiled
+    region). CPU: aten ops with no aten op inside them (the ops that run a kernel)."""
     from torch.autograd import DeviceType
 
     if not cuda:
-        aten = [e for e in events if e.device_type == DeviceType.CPU and e.name.startswith("aten::")]
+        aten = [e for e in events if e.device_type == DeviceType.CPU
+                and e.name.startswith("aten::")]
         leaves = sum(not any(c.name.startswith("aten::") for c in e.cpu_children) for e in aten)
         return {"metric": ATEN_LEAVES, "per_step": leaves / steps}
     kinds = [_kind(e) for e in events if e.device_type == DeviceType.CUDA]
     kernels = kinds.count("kernel")
     syncs = sum(e.device_type == DeviceType.CPU and e.name in HOST_SYNCS for e in events)
-    out = {"metric": KERNELS, "per_step": kernels / steps, "memcpy_per_step": kinds.count("gpu_memcpy") / steps,
+    out = {"metric": KERNELS, "per_step": kernels / steps,
+           "memcpy_per_step": kinds.count("gpu_memcpy") / steps,
            "host_syncs_per_step": max(0, syncs - 1) / steps}
     if not kernels:
-        out.update(per_step=None, reason="the profiler recorded no CUDA kernel (CUPTI activity tracing unavailable?)")
+        out.update(per_step=None, reason="the profiler recorded no CUDA kernel (CUPTI activity "
+                                         "tracing unavailable?)")
     return out
 
 

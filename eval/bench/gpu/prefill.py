@@ -1,9 +1,11 @@
-"""The prefill section: forward tokens/s of one row at each length, with boundaries forced at T/R and learned.
+"""The prefill section: forward tokens/s of one row at each length, with boundaries forced at T/R
+and learned.
 
-Eval mode sizes the concept stack by `chunk.eval_capacity_slack`, null by default: all T positions, so that
-inference is exact whatever a prompt's ratio, at the cost of the unused positions' dense projections (the experts
-and the attention skip them). A third row per ConceptMoE, "forced, tight", runs with the training capacity
-(`chunk.capacity_slack`) instead: what a deployment that sets `eval_capacity_slack` gets."""
+Eval mode sizes the concept stack by `chunk.eval_capacity_slack`, null by default: all T positions,
+so that inference is exact whatever a prompt's ratio, at the cost of the unused positions' dense
+projections (the experts and the attention skip them). A third row per ConceptMoE, "forced, tight",
+runs with the training capacity (`chunk.capacity_slack`) instead: what a deployment that sets
+`eval_capacity_slack` gets."""
 from __future__ import annotations
 
 import dataclasses
@@ -19,8 +21,9 @@ from eval.bench.model import BASELINE
 
 
 def prefill(r: Run) -> str | None:
-    """Lengths from the shortest up, while the budget (and the section's own limit) leaves room for the next one:
-    a length takes about twice the one before it, and compiles (FlexAttention's graph per shape) need time."""
+    """Lengths from the shortest up, while the budget (and the section's own limit) leaves room for
+    the next one: a length takes about twice the one before it, and compiles (FlexAttention's graph
+    per shape) need time."""
     s = r.s
     last, skipped, t_start = 0.0, [], time.perf_counter()
     for T in s.prefill_lens:
@@ -51,7 +54,8 @@ def _at(r: Run, T: int) -> None:
                 {"boundaries": kind, **_realized(m, batch)}
         k = f"{n} (forced, tight)"
         fns[k], of[k] = timed(dev, _with_eval_capacity(m, forward_fn(m, batch, force))), n
-        extra[k] = {"boundaries": "forced", "R": s.ratio, "eval_capacity_slack": m.cfg.chunk.capacity_slack}
+        extra[k] = {"boundaries": "forced", "R": s.ratio,
+                    "eval_capacity_slack": m.cfg.chunk.capacity_slack}
     fns = r.warm(fns, 1, f"prefill T={T}")
     secs = common.measure(fns, s.prefill_repeats, warmup=0)
     rs = r.rows(common.per_second(secs, T), {"section": "prefill", "rows": 1, "seq_len": T},
@@ -59,7 +63,8 @@ def _at(r: Run, T: int) -> None:
     for row in rs:   # learned rows: the model FLOPs at the router's own ratio
         f, a = model_flops(r.cfgs[of[row["candidate"]]], row["R"], T)
         row["mfu"], row["mfu_incl_attn_map"] = r.mfu(f * row["median"]), r.mfu((f + a) * row["median"])
-    r.log(f"  prefill T={T}: " + ", ".join(f"{row['candidate']} x{row['ratio_vs_baseline']:.2f}" for row in rs))
+    r.log(f"  prefill T={T}: " + ", ".join(f"{row['candidate']} x{row['ratio_vs_baseline']:.2f}"
+                                           for row in rs))
     del batch
     dev.free()
 

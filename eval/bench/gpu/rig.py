@@ -1,5 +1,5 @@
-"""The models, batches and steps `vlm bench gpu` times: gpu.yaml's LLM and its reallocations, a training step, a
-forward, and decode rounds from a prefilled prompt."""
+"""The models, batches and steps `vlm bench gpu` times: gpu.yaml's LLM and its reallocations, a
+training step, a forward, and decode rounds from a prefilled prompt."""
 from __future__ import annotations
 
 import copy
@@ -25,10 +25,13 @@ def llm_config(s: Settings) -> ModelConfig:
     from vlm.train.config import load_train_config
 
     cfg = load_train_config(ROOT / s.config).model   # an absolute s.config replaces ROOT
-    if s.tiny:   # the smallest widths whose reallocations keep grouped_mm's 16-byte rows (wider_concept's experts)
-        cfg = replace(cfg, vocab_size=512, hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32,
-                      encoder_layers=1, concept_layers=2, decoder_layers=1,
-                      moe=replace(cfg.moe, num_experts=16, top_k=2, expert_hidden=32, shared_hidden=64))
+    # the smallest widths whose reallocations keep grouped_mm's 16-byte rows (wider_concept's
+    # experts)
+    if s.tiny:
+        cfg = replace(cfg, vocab_size=512, hidden_size=128, num_heads=4, num_kv_heads=2,
+                      head_dim=32, encoder_layers=1, concept_layers=2, decoder_layers=1,
+                      moe=replace(cfg.moe, num_experts=16, top_k=2, expert_hidden=32,
+                                  shared_hidden=64))
     return cfg
 
 
@@ -38,8 +41,9 @@ def candidates(s: Settings) -> dict[str, ModelConfig]:
 
 
 def model_flops(cfg: ModelConfig, R: float | None, seq_len: int) -> tuple[float, float]:
-    """Forward model FLOPs per token: (attention map excluded, the attention map's share per token of a causal row
-    of seq_len). R applies to a ConceptMoE only: the baseline has no concept model to shorten."""
+    """Forward model FLOPs per token: (attention map excluded, the attention map's share per token
+    of a causal row of seq_len). R applies to a ConceptMoE only: the baseline has no concept model
+    to shorten."""
     r = R if cfg.chunk.enabled else None
     return flops_per_token(cfg, r)["total"], attention_map_flops(cfg, seq_len, r)["total"] / seq_len
 
@@ -64,7 +68,8 @@ def optimizer(model: torch.nn.Module, dev: Device) -> torch.optim.Optimizer:
 def make_batch(B: int, T: int, vocab: int, dev: Device, seed: int) -> PackedBatch:
     g = torch.Generator().manual_seed(seed)
     ids_BT = torch.randint(0, vocab, (B, T), generator=g)
-    return PackedBatch.stack([PackedBatch.from_documents([r.tolist()], row_len=T) for r in ids_BT]).to(dev.device)
+    return PackedBatch.stack([PackedBatch.from_documents([r.tolist()], row_len=T)
+                              for r in ids_BT]).to(dev.device)
 
 
 def train_step(model, opt, batch: PackedBatch, force) -> Callable[[], None]:
@@ -86,8 +91,8 @@ def forward_fn(model, batch: PackedBatch, force) -> Callable[[], None]:
 
 
 def timed(dev: Device, fn: Callable[[], object]) -> Callable[[], float]:
-    """A self-timed call (common.measure takes a returned float as the call's time) with the device synchronised
-    on both sides: a CUDA call returns before its kernels end."""
+    """A self-timed call (common.measure takes a returned float as the call's time) with the device
+    synchronised on both sides: a CUDA call returns before its kernels end."""
     def run() -> float:
         dev.sync()
         t0 = time.perf_counter()
@@ -98,17 +103,21 @@ def timed(dev: Device, fn: Callable[[], object]) -> Callable[[], float]:
 
 
 class DecodeRig:
-    """A prompt of B x P tokens prefilled once; every round decodes `steps` tokens from a copy of its caches, so
-    every round decodes the same positions. Boundaries fire at rate 1/R (the same pattern every round)."""
+    """A prompt of B x P tokens prefilled once; every round decodes `steps` tokens from a copy of
+    its caches, so every round decodes the same positions. Boundaries fire at rate 1/R (the same
+    pattern every round)."""
 
-    def __init__(self, model: ConceptMoELM, B: int, P: int, steps: int, R: float, dev: Device, seed: int = 0):
+    def __init__(self, model: ConceptMoELM, B: int, P: int, steps: int, R: float, dev: Device,
+                 seed: int = 0):
         self.model, self.steps, self.dev = model, steps, dev
         g = torch.Generator().manual_seed(seed)
         self.batch = make_batch(B, P, model.cfg.vocab_size, dev, seed)
         self.pristine = self.prefill()
         with torch.no_grad():
-            self.xs = model.embed(torch.randint(0, model.cfg.vocab_size, (steps, B), generator=g).to(dev.device))
-        self.fires = (torch.rand(steps, B, generator=g) < 1.0 / R).to(dev.device) if model.cfg.chunk.enabled \
+            self.xs = model.embed(torch.randint(0, model.cfg.vocab_size, (steps, B),
+                                                generator=g).to(dev.device))
+        self.fires = (torch.rand(steps, B,
+                                 generator=g) < 1.0 / R).to(dev.device) if model.cfg.chunk.enabled \
             else None
         self.copyable = True
 

@@ -10,9 +10,11 @@ PART = "gpu"
 @dataclass
 class Settings:
     name: str = "full"
-    config: str = "configs/gpu.yaml"     # its `model` section is the LLM measured (relative to the project root)
+    # its `model` section is the LLM measured (relative to the project root)
+    config: str = "configs/gpu.yaml"
     tiny: bool = False                   # smoke: the same structure at toy width
-    ratio: float = 2.0                   # R the reallocations are matched at and boundaries are forced at
+    # R the reallocations are matched at and boundaries are forced at
+    ratio: float = 2.0
     dtype: str = "bfloat16"
     train_rows: int = 2
     train_len: int = 4096
@@ -20,7 +22,8 @@ class Settings:
     warmup: int = 2
     prefill_lens: list[int] = field(default_factory=lambda: [4096, 8192, 16384, 32768])
     prefill_repeats: int = 3
-    prefill_max_s: float = 90.0          # no new length starts after this long in the section (compiles need time)
+    # no new length starts after this long in the section (compiles need time)
+    prefill_max_s: float = 90.0
     decode_context: int = 2048
     decode_batches: list[int] = field(default_factory=lambda: [1, 8])
     decode_steps: int = 16               # decode steps per timed round
@@ -29,27 +32,35 @@ class Settings:
     memory_ac: tuple[str, ...] = ("none", "selective")
     launch_steps: int = 1                # steps profiled for kernel counts
     compile_backend: str = "inductor"
-    compile_train: int = 2               # training steps compiled first: the baseline, then by eager speed
-    compile_train_rest: bool = True      # the others compiled after the decode step's compile, if time is left
-    compile_decode: int = 2              # candidates whose decode step is compiled: the fastest ConceptMoE, baseline
-    budget_s: float = 400.0              # the sections' time budget (the whole command stays under 8 minutes)
-    hard_stop_s: float | None = 450.0    # CUDA: past this (a compile that does not end), write the JSON and exit 3
+    # training steps compiled first: the baseline, then by eager speed
+    compile_train: int = 2
+    # the others compiled after the decode step's compile, if time is left
+    compile_train_rest: bool = True
+    # candidates whose decode step is compiled: the fastest ConceptMoE, baseline
+    compile_decode: int = 2
+    # the sections' time budget (the whole command stays under 8 minutes)
+    budget_s: float = 400.0
+    # CUDA: past this (a compile that does not end), write the JSON and exit 3
+    hard_stop_s: float | None = 450.0
     compile_reserve_s: float = 90.0      # a training compile starts only with this much budget left
     decode_compile_reserve_s: float = 120.0
-    out: str | None = None               # where the JSON is written after every section (the CLI sets it)
+    # where the JSON is written after every section (the CLI sets it)
+    out: str | None = None
 
 
 SETTINGS = {
     "full": Settings(),
-    "quick": Settings(name="quick", train_repeats=3, prefill_lens=[4096, 16384], decode_steps=8, decode_repeats=2,
-                      compile_train=1, compile_train_rest=False, compile_decode=1, budget_s=240.0,
-                      hard_stop_s=270.0),
-    # aot_eager: Dynamo's tracing, fullgraph checks and AOT autograd without inductor's code generation, which takes
-    # minutes on 2 CPU cores
-    "smoke": Settings(name="smoke", tiny=True, train_len=128, train_repeats=2, warmup=1, prefill_lens=[64, 128],
-                      prefill_repeats=2, decode_context=32, decode_steps=3, decode_repeats=2, launch_steps=1,
-                      compile_backend="aot_eager", compile_train=2, compile_train_rest=False, compile_decode=1,
-                      budget_s=300.0, hard_stop_s=None, compile_reserve_s=0.0, decode_compile_reserve_s=0.0),
+    "quick": Settings(name="quick", train_repeats=3, prefill_lens=[4096, 16384], decode_steps=8,
+                      decode_repeats=2, compile_train=1, compile_train_rest=False, compile_decode=1,
+                      budget_s=240.0, hard_stop_s=270.0),
+    # aot_eager: Dynamo's tracing, fullgraph checks and AOT autograd without inductor's code
+    # generation, which takes minutes on 2 CPU cores
+    "smoke": Settings(name="smoke", tiny=True, train_len=128, train_repeats=2, warmup=1,
+                      prefill_lens=[64, 128], prefill_repeats=2, decode_context=32, decode_steps=3,
+                      decode_repeats=2, launch_steps=1, compile_backend="aot_eager",
+                      compile_train=2, compile_train_rest=False, compile_decode=1,
+                      budget_s=300.0, hard_stop_s=None, compile_reserve_s=0.0,
+                      decode_compile_reserve_s=0.0),
 }
 
 

@@ -1,5 +1,6 @@
-"""What the sections of `vlm bench gpu` share: the result (written after every section), the models, the budget,
-and the rules every section follows (a failure is recorded and the run goes on; a step that never ends is stopped)."""
+"""What the sections of `vlm bench gpu` share: the result (written after every section), the models,
+the budget, and the rules every section follows (a failure is recorded and the run goes on; a step
+that never ends is stopped)."""
 from __future__ import annotations
 
 import os
@@ -37,19 +38,22 @@ class Run:
         self.reallocs = [n for n in self.cfgs if n != BASELINE]
         self.models: dict[str, ConceptMoELM] = {}
         self.opts: dict[str, torch.optim.Optimizer] = {}
-        self.train_batch = self.train_force = None   # train_eager's, shared by the memory and compiled sections
+        # train_eager's, shared by the memory and compiled sections
+        self.train_batch = self.train_force = None
         self.compile_s: dict[str, float] = {}
         info = self.dev.info()
         self.peak = info["peak"]["flops"] if info.get("peak") else None
         base_cfg = self.cfgs[BASELINE]
         self.res = common.result(
-            PART, asdict(s), [], mode=s.name, complete=False, gpu=info, sections={}, errors={}, unavailable={},
-            notes=[], memory=[], launches=[], eager_vs_compiled=[], targets=[],
-            configs={n: {"params": count_params(c)["total"], "flops_per_token": model_flops(c, s.ratio, 4096)[0],
+            PART, asdict(s), [], mode=s.name, complete=False, gpu=info, sections={}, errors={},
+            unavailable={}, notes=[], memory=[], launches=[], eager_vs_compiled=[], targets=[],
+            configs={n: {"params": count_params(c)["total"],
+                         "flops_per_token": model_flops(c, s.ratio, 4096)[0],
                          "changes": describe_changes(base_cfg, c)} for n, c in self.cfgs.items()})
         self.res["machine"]["device"] = f"cuda: {info['name']}" if self.dev.cuda else "cpu"
         self.current = "device"
-        self.dynamo_limits = raise_recompile_limits()   # before any compile: the model's FlexAttention's too
+        # before any compile: the model's FlexAttention's too
+        self.dynamo_limits = raise_recompile_limits()
         self.watchdog = None
         if self.dev.cuda and s.hard_stop_s:
             self.watchdog = threading.Timer(s.hard_stop_s, self.hard_stop)
@@ -57,18 +61,22 @@ class Run:
             self.watchdog.start()
 
     def hard_stop(self) -> None:
-        """The budget is checked between steps; a step that does not end (a compile) is stopped here: what was
-        measured is written, the section is marked, and the process exits with 3."""
-        self.res["sections"][self.current] = {"status": "killed", "why": f"still running {self.s.hard_stop_s:g} s "
-                                                                         "after the start (hard stop)"}
-        self.res["notes"].append(f"hard stop at {self.s.hard_stop_s:g} s in section {self.current}: the sections "
+        """The budget is checked between steps; a step that does not end (a compile) is stopped
+        here: what was measured is written, the section is marked, and the process exits with 3."""
+        self.res["sections"][self.current] = {"status": "killed",
+                                              "why": f"still running {self.s.hard_stop_s:g} s "
+                                                                         "after the start (hard "
+                                                                         "stop)"}
+        self.res["notes"].append(f"hard stop at {self.s.hard_stop_s:g} s in section "
+                                 f"{self.current}: the sections "
                                  "after it did not run")
         try:
             self.save()
             print(table(self.res), flush=True)
         finally:
-            print(f"vlm bench gpu: stopped after {self.s.hard_stop_s:g} s in section {self.current}; what was "
-                  f"measured is in {self.s.out}/gpu.json", file=sys.stderr, flush=True)
+            print(f"vlm bench gpu: stopped after {self.s.hard_stop_s:g} s in section "
+                  f"{self.current}; what was measured is in {self.s.out}/gpu.json", file=sys.stderr,
+                  flush=True)
             os._exit(3)
 
     def save(self) -> None:
@@ -81,11 +89,13 @@ class Run:
         self.dev.free()
 
     def section(self, name: str, fn: Callable[["Run"], str | None], budgeted: bool = True) -> None:
-        """Run one section: skipped when the budget is spent, never fatal (an exception is its error), and the JSON
-        written after it. `fn` returns why it measured only part of what it should (None: all of it)."""
+        """Run one section: skipped when the budget is spent, never fatal (an exception is its
+        error), and the JSON written after it. `fn` returns why it measured only part of what it
+        should (None: all of it)."""
         left = self.budget.left()
         if budgeted and left <= 0:
-            self.res["sections"][name] = {"status": "skipped", "why": f"time budget: {max(left, 0):.0f} s left of "
+            self.res["sections"][name] = {"status": "skipped",
+                                          "why": f"time budget: {max(left, 0):.0f} s left of "
                                                                       f"{self.s.budget_s:.0f} s"}
             self.log(f"  gpu {name}: skipped (budget)")
             self.save()
@@ -99,7 +109,8 @@ class Run:
             self.error(name, e)
             why = None
         status = "error" if len(self.res["errors"]) > n_err else "partial" if why else "done"
-        self.res["sections"][name] = {"status": status, "seconds": round(time.perf_counter() - t0, 1),
+        self.res["sections"][name] = {"status": status,
+                                      "seconds": round(time.perf_counter() - t0, 1),
                                       **({"why": why} if why else {})}
         self.save()
 
@@ -114,8 +125,9 @@ class Run:
 
     def warm(self, fns: dict[str, Callable], times: int, label: str, compiled: str | None = None
              ) -> dict[str, Callable]:
-        """The candidates whose first `times` calls run. The others are errors, or, for a compiled step (`compiled`
-        names it), unavailable: a compiled step that fails after its first call is still a compile failure."""
+        """The candidates whose first `times` calls run. The others are errors, or, for a compiled
+        step (`compiled` names it), unavailable: a compiled step that fails after its first call is
+        still a compile failure."""
         ok = {}
         for name, fn in fns.items():
             try:
@@ -132,8 +144,8 @@ class Run:
 
     def rows(self, values: dict[str, list[float]], setting: dict, metric: str, unit: str,
              extra: dict[str, dict] | None = None) -> list[dict]:
-        """common.rows, added to the result; without the baseline (a compiled step of one candidate) the ratio is
-        nan rather than a ratio to some other candidate."""
+        """common.rows, added to the result; without the baseline (a compiled step of one candidate)
+        the ratio is nan rather than a ratio to some other candidate."""
         if not values:
             return []
         baseline = BASELINE if BASELINE in values else next(iter(values))
@@ -144,9 +156,10 @@ class Run:
         self.res["rows"] += rs
         return rs
 
-    def launches(self, mode: str, step: str, jobs: dict[str, Callable[[], tuple[Callable, int]]]) -> None:
-        """Launches per step of each candidate. A job does its setup (not counted) and returns what to count: a
-        call and the steps it runs."""
+    def launches(self, mode: str, step: str,
+                 jobs: dict[str, Callable[[], tuple[Callable, int]]]) -> None:
+        """Launches per step of each candidate. A job does its setup (not counted) and returns what
+        to count: a call and the steps it runs."""
         for n, job in jobs.items():
             try:
                 fn, steps = job()
@@ -156,11 +169,12 @@ class Run:
             self.res["launches"].append({"candidate": n, "mode": mode, "step": step, **got})
 
     def check_recompiles(self, before: int | None, what: str) -> None:
-        """A compiled step that compiles again while it is timed (a guard that fails every step) is slower than it
-        should be, and its figure includes compile time: say so."""
+        """A compiled step that compiles again while it is timed (a guard that fails every step) is
+        slower than it should be, and its figure includes compile time: say so."""
         after = graphs_compiled()
         if before is not None and after is not None and after > before:
-            self.res["notes"].append(f"{what}: {after - before} graph(s) compiled while timed (recompiles: the "
+            self.res["notes"].append(f"{what}: {after - before} graph(s) compiled while timed "
+                                     f"(recompiles: the "
                                      "figure includes compile time)")
 
     def mfu(self, flops_per_s: float) -> float | None:

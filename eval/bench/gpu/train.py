@@ -20,7 +20,8 @@ def eager(r: Run) -> None:
             r.opts[n] = optimizer(r.models[n], r.dev)
         except Exception as e:  # noqa: BLE001
             r.error(f"build: {n}", e)
-    r.train_batch = make_batch(s.train_rows, s.train_len, r.cfgs[BASELINE].vocab_size, r.dev, seed=1)
+    r.train_batch = make_batch(s.train_rows, s.train_len, r.cfgs[BASELINE].vocab_size, r.dev,
+                               seed=1)
     r.train_force = r.force(s.train_rows, s.train_len)
     time_train(r, "eager", list(r.models), s.warmup)
 
@@ -42,7 +43,8 @@ def compiled_rest(r: Run) -> str | None:
     if not r.s.compile_train_rest:
         for n in names:
             r.res["unavailable"][f"{n} (compiled train)"] = (
-                f"not compiled: the {r.s.name} settings compile the first {r.s.compile_train} candidates only")
+                f"not compiled: the {r.s.name} settings compile the first {r.s.compile_train} "
+                f"candidates only")
         return None
     return _compile_and_time(r, names, again=[BASELINE] if BASELINE in r.compile_s else [])
 
@@ -58,12 +60,16 @@ def time_train(r: Run, mode: str, names: list[str], warmup: int) -> list[dict]:
     secs = common.measure(fns, s.train_repeats, warmup=0)
     r.check_recompiles(g0, f"train {mode}")
     flops = {n: model_flops(r.cfgs[n], s.ratio, s.train_len) for n in fns}
-    extra = {n: {"R": s.ratio if r.cfgs[n].chunk.enabled else 1.0, "step_ms": None,   # filled in from the row
+    # filled in from the row
+    extra = {n: {"R": s.ratio if r.cfgs[n].chunk.enabled else 1.0, "step_ms": None,
                  "train_flops_per_token": 3 * flops[n][0], "mfu": None, "mfu_incl_attn_map": None,
-                 **({"compile_s": round(r.compile_s[n], 1)} if mode == "compiled" and n in r.compile_s else {})}
+                 **({"compile_s": round(r.compile_s[n], 1)} if mode == "compiled"
+                    and n in r.compile_s else {})}
              for n in fns}
-    rs = r.rows(common.per_second(secs, tokens), {"section": "train", "mode": mode, "rows": s.train_rows,
-                                                  "seq_len": s.train_len}, "train tokens/s", "tok/s", extra)
+    rs = r.rows(common.per_second(secs, tokens),
+                {"section": "train", "mode": mode, "rows": s.train_rows,
+                                                  "seq_len": s.train_len}, "train tokens/s",
+                "tok/s", extra)
     for row in rs:
         f, a = flops[row["candidate"]]
         row["step_ms"] = round(1000 * tokens / row["median"], 2)
@@ -89,13 +95,15 @@ def _counted(r: Run, n: str):
 def _compile_order(r: Run) -> list[str]:
     """The baseline (the MFU target), then the reallocations by their eager training speed."""
     eager_tps = {row["candidate"]: row["median"] for row in r.res["rows"]
-                 if row["setting"].get("section") == "train" and row["setting"].get("mode") == "eager"}
+                 if row["setting"].get("section") == "train"
+                 and row["setting"].get("mode") == "eager"}
     return [BASELINE] + sorted(r.reallocs, key=lambda n: -eager_tps.get(n, 0.0))
 
 
 def _compile_and_time(r: Run, names: list[str], again: list[str]) -> str | None:
-    """Compile each candidate's blocks while the budget allows, then time the ones that compiled, interleaved with
-    `again` (already compiled: its row from this pass is dropped, the earlier pass's stays)."""
+    """Compile each candidate's blocks while the budget allows, then time the ones that compiled,
+    interleaved with `again` (already compiled: its row from this pass is dropped, the earlier
+    pass's stays)."""
     from vlm.model.compile import compile_blocks
 
     s = r.s
@@ -104,8 +112,9 @@ def _compile_and_time(r: Run, names: list[str], again: list[str]) -> str | None:
         reserve = max(s.compile_reserve_s, 1.2 * max(r.compile_s.values(), default=0.0))
         if r.budget.left() < reserve:
             skipped.append(n)
-            r.res["unavailable"][f"{n} (compiled train)"] = (f"skipped: time budget ({r.budget.left():.0f} s left, "
-                                                             f"a compile needs ~{reserve:.0f} s)")
+            r.res["unavailable"][f"{n} (compiled train)"] = (f"skipped: time budget "
+                                                             f"({r.budget.left():.0f} s left, a "
+                                                             f"compile needs ~{reserve:.0f} s)")
             continue
         t0 = time.perf_counter()
         try:
