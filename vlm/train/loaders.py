@@ -5,8 +5,12 @@ from __future__ import annotations
 import itertools
 from dataclasses import replace
 
+import torch
+
 from configs.config import ConfigError
 from data_pipelines.loader import build_loader
+from data_pipelines.schema import REASONS
+from vlm.train import collectives
 from vlm.train.config import TrainConfig
 
 
@@ -91,3 +95,23 @@ def skip_share_stop(skipped: dict[str, int], read: int, limit: float,
             f"{', '.join(f'{r}={n}' for r, n in sorted(lost.items()))}. Fix the data "
             f"or the config (too_long: a longer data.row_tokens), then start again with "
             f"--overwrite or a new --out; or raise train.max_skip_share")
+
+
+def skipped_samples(loader, sources: list[str], limit: float,
+                    device) -> tuple[dict[str, int], str | None]:
+    """The samples skipped so far, by reason (`skipped/REASON`, summed over ranks in one collective),
+    and the line that stops the run when the skipped share passes `limit` over all the data or in
+    one source (one kind of sample each in the default data): a source the run loses is not hidden
+    by the others' volume. None while neither does."""
+    by_source = loader.by_source()
+    groups = [(None, (int(loader.stats.get("samples_read", 0)), loader.counters))]
+    groups += [(label, by_source.get(label, (0, {}))) for label in sources]
+    vec = torch.tensor([float(v) for _, (read, skipped) in groups
+                        for v in [read] + [skipped.get(r, 0) for r in REASONS]], dtype=torch.float64)
+    flat = collectives.data_counters(vec.to(device)).cpu().tolist()
+    n = len(REASONS) + 1
+    counts = [(label, int(flat[i * n]), dict(zip(REASONS, map(int, flat[i * n + 1:(i + 1) * n]))))
+              for i, (label, _) in enumerate(groups)]
+    stop = next((line for label, read, skipped in counts
+                 if (line := skip_share_stop(skipped, read, limit, label))), None)
+    return {f"skipped/{r}": k for r, k in counts[0][2].items()}, stop

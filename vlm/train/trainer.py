@@ -24,7 +24,6 @@ import yaml
 
 from configs.config import ConfigError, to_dict
 from data_pipelines.default_dataset import ensure_default_dataset
-from data_pipelines.schema import REASONS
 from vlm.model.training_controls import TrainingControls
 from vlm.train import collectives
 from vlm.train import checkpoint as ckpt_lib
@@ -33,7 +32,7 @@ from vlm.train.distributed import DistInfo, barrier, init_distributed
 from vlm.train.engine import build_engine, compile_model, effective_settings, optimizer_settings, resume_schedule
 from vlm.train.export import export_final
 from vlm.train.global_parser import GlobalParser
-from vlm.train.loaders import build_loaders, check_row_fits, skip_share_stop
+from vlm.train.loaders import build_loaders, check_row_fits, skipped_samples
 from vlm.train.metrics import MetricsLogger, StepRecord, group_names
 from vlm.train.param_groups import apply_mup, build_param_groups, describe_groups, freeze_prefixes
 from vlm.train.probes import ActivationProbe
@@ -137,13 +136,10 @@ class Trainer:
             self._add_step_scalars(record, lr, time.perf_counter() - t0)
             data_stop = None
             if metrics.should_log(self.step, record.applied):
-                counts = self._skipped_samples()                          # a collective
-                record.scalars.update({f"skipped/{r}": n for r, n in counts[None][1].items()})
-                # the same on every rank
-                data_stop = next((line for source, (read, skipped) in counts.items()
-                                  if (line := skip_share_stop(skipped, read,
-                                                              cfg.train.max_skip_share, source))),
-                                 None)
+                # a collective; the same answer on every rank
+                skipped, data_stop = skipped_samples(self.loader, self.source_names,
+                                                     cfg.train.max_skip_share, self.dist.device)
+                record.scalars.update(skipped)
             if metrics.should_eval(self.step):
                 # a collective
                 val, record.pictures = self.held_out.run(window[-1], draw=self.is_main)
@@ -270,22 +266,6 @@ class Trainer:
             if grad_norm is not None:
                 record.scalars["grad_norm"] = float(grad_norm)
         record.scalars["nonfinite_steps"] = self.nonfinite_total
-
-    def _skipped_samples(self) -> dict[str | None, tuple[int, dict[str, int]]]:
-        """Samples read and skipped by reason, summed over ranks in one collective: over all the
-        data (key None) and per source (one kind of sample each in the default data), so that a
-        source the run loses is not hidden by the others' volume."""
-        by_source = self.loader.by_source()
-        groups = [(None, (int(self.loader.stats.get("samples_read", 0)), self.loader.counters))] + \
-                 [(label, by_source.get(label, (0, {}))) for label in self.source_names]
-        vec = torch.tensor([float(v) for _, (read, skipped) in groups
-                            for v in [read] + [skipped.get(r, 0) for r in REASONS]],
-                           dtype=torch.float64)
-        flat = collectives.data_counters(vec.to(self.dist.device)).cpu().tolist()
-        n = len(REASONS) + 1
-        return {label: (int(flat[i * n]),
-                        {r: int(v) for r, v in zip(REASONS, flat[i * n + 1:(i + 1) * n])})
-                for i, (label, _) in enumerate(groups)}
 
     # ---------------------------------------------------------------- setup
     @property
