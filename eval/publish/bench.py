@@ -116,3 +116,18 @@ def launches_prose(src: dict[str, Any]) -> str:
     b, m = got["baseline", "auto"], got["more_experts", "auto"]
     return (f"{b['operators_per_step']} against {b['before_71c293f']} for the MoE baseline, "
             f"{m['operators_per_step']} against {m['before_71c293f']} for more experts")
+
+
+SERVE = "vlm/serve/results/serve_bench.json"
+SERVE_MODELS = {"conceptmoe": "ConceptMoE", "baseline": "MoE baseline"}
+SERVE_ENGINES = {"vllm": "vLLM", "vlm chat": "`vlm chat`"}
+
+
+def serve_table(src: dict[str, Any]) -> str:
+    """`python -m vlm.serve.bench`: tokens/s and time to first token, through vLLM and `vlm chat`,
+    for the ConceptMoE and its MoE baseline, at batch 1 and 8."""
+    res = src[SERVE]
+    rows = [[SERVE_MODELS[m], SERVE_ENGINES[e], num(r["b1_tok_s"], 1), num(r["b8_tok_s"], 1),
+             num(1000 * r["b1_ttft_s"], 0), num(1000 * r["b8_ttft_s"], 0)]
+            for m in SERVE_MODELS for e in SERVE_ENGINES for r in [res[m][e]]]
+    return table(["model", "engine", "tok/s b1", "tok/s b8", "TTFT b1 (ms)", "TTFT b8 (ms)"], rows)

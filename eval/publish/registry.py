@@ -52,6 +52,7 @@ TABLES = (
     Table("bench-launches", BENCH, (bench.LAUNCHES,), bench.launches_table,
           note="its 71c293f column is recorded there (`before_provenance`): that code cannot be "
                "re-counted here;\n`vlm results --rerun launches` re-counts the rest"),
+    Table("bench-serve", BENCH, (bench.SERVE,), bench.serve_table),
     _rec("compression-batch-loss", COMPRESSION, "batch_loss_default.json"),
     _rec("compression-band-pilots", COMPRESSION, "band_pilots.json"),
     Table("compression-seeds", COMPRESSION, (runs.SEEDS,), runs.seeds_compression),
