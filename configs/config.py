@@ -122,8 +122,8 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(f"{path}: expected a mapping, got {value!r}")
         kt, vt = get_args(tp) or (Any, Any)
-        return {_coerce(k, kt, f"{path}.<key>"): _coerce(v, vt, f"{path}.{k}") for k,
-                v in value.items()}
+        return {_coerce(k, kt, f"{path}.<key>"): _coerce(v, vt, f"{path}.{k}")
+                for k, v in value.items()}
     if tp is bool:
         if isinstance(value, bool):
             return value

@@ -116,8 +116,8 @@ class WorkerPipeline:
                 "pool": [list(ref) for ref, _ in self.packer.pool],
                 "counters": dict(self.counters), "stats": dict(self.stats), "ended": self.ended,
                 "read_by_source": dict(self.read_by_source),
-                "skipped_by_source": {label: dict(c) for label,
-                                      c in self.skipped_by_source.items()}}
+                "skipped_by_source": {label: dict(c)
+                                      for label, c in self.skipped_by_source.items()}}
 
     def load_state_dict(self, state: dict) -> None:
         self.mixer.load_state_dict(state["mixer"])
@@ -125,8 +125,8 @@ class WorkerPipeline:
         # absent from the loader states of runs saved before they were kept: those resume counting
         # from 0
         self.read_by_source = Counter(state.get("read_by_source", {}))
-        self.skipped_by_source = {label: Counter(c) for label,
-                                  c in state.get("skipped_by_source", {}).items()}
+        self.skipped_by_source = {label: Counter(c)
+                                  for label, c in state.get("skipped_by_source", {}).items()}
         self.ended = state["ended"]
         refs = [tuple(r) for r in state["pool"]]
         by_source: dict[int, list[tuple[int, int]]] = {}

@@ -224,8 +224,8 @@ def _sweep(args: argparse.Namespace) -> int:
         points = [run_point(r) for r in runs]
     except (OSError, ValueError, KeyError) as e:
         raise ConfigError(f"vlm scaling sweep: {e}") from None
-    (Path(args.out) / "points.json").write_text(json.dumps({r.name: asdict(p) for r,
-                                                            p in zip(runs, points)},
+    (Path(args.out) / "points.json").write_text(json.dumps({r.name: asdict(p)
+                                                            for r, p in zip(runs, points)},
                                                            indent=1))
     budget, tokens = (args.budget, None) if args.budget else median_budget(points)
     report(points, args.out, budget, tokens, what="vlm scaling sweep")

@@ -119,7 +119,8 @@ def test_a_run_written_with_numeric_targets_resumes_under_null_ones():
         check_resume_config(saved, moved)
 
 
-@pytest.mark.parametrize("name, entries", [("MAY_CHANGE_FROM_CHECKPOINT", MAY_CHANGE_FROM_CHECKPOINT),
+@pytest.mark.parametrize("name, entries",
+                         [("MAY_CHANGE_FROM_CHECKPOINT", MAY_CHANGE_FROM_CHECKPOINT),
                                            ("RESUMABLE_CHANGES", RESUMABLE_CHANGES),
                                            ("OPTIM_CHANGES", OPTIM_CHANGES)])
 def test_allow_list_entries_name_real_config_fields(name, entries):

@@ -226,8 +226,8 @@ def test_training_lowers_the_loss():
     w0 = m.decoder[0].cross.o_proj.weight.detach().clone()
     losses = []
     for _ in range(30):
-        docs = [(pattern * 4)[int(s): int(s) + n] for s,
-                n in zip(torch.randint(0, 12, (4,), generator=g), (30, 17, 25, 22))]
+        docs = [(pattern * 4)[int(s): int(s) + n]
+                for s, n in zip(torch.randint(0, 12, (4,), generator=g), (30, 17, 25, 22))]
         batch = PackedBatch.stack([PackedBatch.from_documents(docs[:2], row_len=48),
                                    PackedBatch.from_documents(docs[2:], row_len=48)])
         out = m(batch)

@@ -72,8 +72,8 @@ def test_resume_across_epoch_boundaries_and_with_split_text(tmp_path, batches_eq
         # the data folder may move between runs
         again = build_loader(moved if k == 19 else cfg, TOK)
         again.load_state_dict(st)
-        assert all(batches_equal(a, b) for a,
-                   b in zip(full[k:], [b for _, b in zip(range(30 - k), again)]))
+        assert all(batches_equal(a, b)
+                   for a, b in zip(full[k:], [b for _, b in zip(range(30 - k), again)]))
 
 
 def test_state_from_another_config_is_refused(tiny_default):

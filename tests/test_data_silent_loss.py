@@ -19,8 +19,8 @@ TOK = ByteTokenizer()
 
 
 def _outcome(path, expected=None):
-    return [(i, r.reason if isinstance(r, BadSample) else r["__key__"]) for i,
-            r in iter_shard(path, expected=expected)]
+    return [(i, r.reason if isinstance(r, BadSample) else r["__key__"])
+            for i, r in iter_shard(path, expected=expected)]
 
 
 @pytest.fixture

@@ -186,8 +186,8 @@ def test_unreachable_urls_and_failing_commands_give_a_clear_error(shards, http_s
 
 
 def _outcome(path, expected=None):
-    return [(i, r.reason if isinstance(r, BadSample) else r["__key__"]) for i,
-            r in iter_shard(path, expected=expected)]
+    return [(i, r.reason if isinstance(r, BadSample) else r["__key__"])
+            for i, r in iter_shard(path, expected=expected)]
 
 
 def test_a_broken_stream_is_counted_as_a_broken_local_file(tmp_path, write_text_shards):

@@ -97,8 +97,7 @@ def test_batches_go_longest_prompt_first_and_answers_keep_request_order(tmp_path
     gk = {"max_new_tokens": 4}
     contexts = ["Colour?", "What colour is this one, please?", "What colour?", "What colour is it?"]
     out = [unwrap_generation_output(x)[0] for x in lm.generate_until([_gen_instance(i, c, gk)
-                                                                       for i,
-                                                                      c in enumerate(contexts)])]
+                                                                       for i, c in enumerate(contexts)])]
     assert [o.strip() for o in out] == ["red", "green", "blue", "yellow"]
     firsts = [c["prompts"] for c in lm.model.calls]
     assert [len(p) for batch in firsts

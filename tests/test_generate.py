@@ -38,8 +38,8 @@ def test_loglikelihood_matches_the_full_forward(chat):
     logp = torch.log_softmax(logits, -1)
     ref = sum(logp[n - len(ids) - 1 + j, t].item() for j, t in enumerate(ids))
     assert ll == pytest.approx(ref, abs=1e-4)
-    assert greedy == all(logits[n - len(ids) - 1 + j].argmax().item() == t for j,
-                         t in enumerate(ids))
+    assert greedy == all(logits[n - len(ids) - 1 + j].argmax().item() == t
+                         for j, t in enumerate(ids))
     # batched with another context of a different length: same score
     (ll2, _), _ = chat.loglikelihood([ctx, "short"], [cont, " x"], [[img(3)], []])
     assert ll2 == pytest.approx(ll, abs=1e-4)

@@ -217,8 +217,8 @@ def moe_errors(device: str, seed: int = 0) -> dict[str, tuple[float, float, floa
     ref = moe_pass(copy.deepcopy(moe).float(), x.detach().float().requires_grad_(), "loop")
     outs = {dispatch: moe_pass(moe, x, dispatch) for dispatch in ("grouped_mm", "loop")}
     return {what: (rel_max(a, r), rel_max(b, r), float((a - b).abs().max() / r.abs().max()))
-            for what, r, a,
-            b in zip(("output", "input grad", "gate grad"), ref, outs["grouped_mm"], outs["loop"])}
+            for what, r, a, b in zip(("output", "input grad", "gate grad"), ref, outs["grouped_mm"],
+                                     outs["loop"])}
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -294,8 +294,7 @@ def measure(device: str) -> None:
                                                               ref_logits) / unit_roundoff(bf16))
                     worst["GRAD_GROWTH"] = max(worst["GRAD_GROWTH"],
                                                *(rel_norm(grads[n], g) / unit_roundoff(bf16)
-                                                                       for n,
-                                                 g in ref_grads.items()))
+                                                                       for n, g in ref_grads.items()))
                     _, free, _ = run(backend, bf16, batch, window, seed=seed)
                     worst["grads, selections left free"] = max(
                         worst["grads, selections left free"],

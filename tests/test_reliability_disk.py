@@ -89,8 +89,8 @@ def test_disk_full_on_a_real_tmpfs(small_disk, tiny_data, tmp_path, tiny_config,
     assert "Traceback" not in proc.stderr and len(errors) == 1, proc.stderr[-3000:]
     assert errors[0].startswith("vlm train: cannot write checkpoint step 4: ") and NO_SPACE in errors[0]
     assert f"the resume point stays {step2}" in errors[0]
-    assert [s for s,
-            _ in list_checkpoints(run / "checkpoints")] == [2] and _digests(step2) == before
+    assert [s
+            for s, _ in list_checkpoints(run / "checkpoints")] == [2] and _digests(step2) == before
     assert damaged_file(step2) is None and _leftovers(run) == []
 
     (small_disk / "filler").unlink()   # room again: the same command goes on from step 2

@@ -13,7 +13,8 @@ MAX_SHARE_OVER_WIDTH = 0.03
 
 def python_files() -> list[Path]:
     # tracked and new files alike (what git does not ignore)
-    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "*.py"],
+    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard",
+                             "*.py"],
                             cwd=ROOT, capture_output=True, text=True)
     names = listed.stdout.split() if listed.returncode == 0 and listed.stdout.strip() else \
         [str(p.relative_to(ROOT)) for p in ROOT.rglob("*.py") if ".venv" not in p.parts]

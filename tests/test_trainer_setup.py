@@ -69,7 +69,8 @@ def test_a_vl_run_leaves_its_config_alone(tiny_data, tmp_path, torch_globals, ti
     assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["deepspeed"]["zero_stage"] == 1
 
 
-def test_a_ct_run_leaves_its_config_alone(tiny_data, tmp_path, torch_globals, tiny_config, load_tiny):
+def test_a_ct_run_leaves_its_config_alone(tiny_data, tmp_path, torch_globals, tiny_config,
+                                          load_tiny):
     """Stage ct on a source with its own tokenizer: the model section (empty here), the vision
     section and data.tokenizer the run uses are the source's; they are the trainer's, not written
     into the caller's config."""

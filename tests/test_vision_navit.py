@@ -21,8 +21,8 @@ def _encoder(pos="learned2d", merge=2, **kw):
 
 def _images(grids=GRIDS, seed=1):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(r * c, PD, generator=g) for r, c in grids], [grid_coords(r, c) for r,
-                                                                     c in grids]
+    return [torch.randn(r * c, PD, generator=g) for r, c in grids], [grid_coords(r, c)
+                                                                     for r, c in grids]
 
 
 def _packed(patches, coords, grids):

@@ -119,8 +119,8 @@ def test_tiny_training_lowers_loss():
 def test_processor_output_feeds_the_tower():
     cfg = _cfg()
     proc, tower = ImageProcessor(cfg.processor), cfg.build(llm_hidden=8)
-    imgs = [proc(Image.new("RGB", s, (i * 40, 100, 200)), f"k{i}") for i,
-    s in enumerate([(1, 300), (50, 40), (1, 1)])]
+    imgs = [proc(Image.new("RGB", s, (i * 40, 100, 200)), f"k{i}")
+            for i, s in enumerate([(1, 300), (50, 40), (1, 1)])]
     out = tower(torch.cat([p.patches_PD for p in imgs]), torch.cat([p.coords_P2 for p in imgs]),
                 torch.tensor([p.grid for p in imgs]))
     assert out.shape == (sum(p.num_tokens for p in imgs), 8) and torch.isfinite(out).all()

@@ -148,7 +148,7 @@ def test_freeze_after_keeps_the_warmed_encoder_for_the_run_and_its_resumes(tiny_
     proj = {k: v.clone() for k, v in t.engine.module.vision.projector.state_dict().items()}
     assert t.train() == 0
     assert all(torch.equal(v, enc.state_dict()[k]) for k, v in warmed.items())
-    assert not all(torch.equal(v, t.engine.module.vision.projector.state_dict()[k]) for k,
-                   v in proj.items())
+    assert not all(torch.equal(v, t.engine.module.vision.projector.state_dict()[k])
+                   for k, v in proj.items())
     resumed = make_trainer(cfg, run, resume=True)
     assert not any(p.requires_grad for p in resumed.engine.module.vision.encoder.parameters())

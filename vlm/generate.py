@@ -158,8 +158,8 @@ class ConceptMoEChat:
 
         if self.processor is None:
             raise ValueError("held-out compression needs a model with a vision tower")
-        cfg = DataConfig(sources=[SourceConfig(path=str(p), name=f"s{i}") for i,
-                                  p in enumerate(shards)],
+        cfg = DataConfig(sources=[SourceConfig(path=str(p), name=f"s{i}")
+                                  for i, p in enumerate(shards)],
                          row_tokens=row_tokens, rows_per_batch=4, epochs=1, shuffle_buffer=0,
                          processor=self.processor.cfg)
         docs: list[dict] = []

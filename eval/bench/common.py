@@ -110,8 +110,8 @@ def rows(values: dict[str, list[float]], baseline: str, setting: dict, metric: s
 
 def per_second(seconds: dict[str, list[float]], work: float | dict[str, float]) -> dict[str, list[float]]:
     """Throughput (work units per second) of every round: `work` per call, one figure or one per candidate."""
-    return {n: [(work[n] if isinstance(work, dict) else work) / t for t in ts] for n,
-            ts in seconds.items()}
+    return {n: [(work[n] if isinstance(work, dict) else work) / t for t in ts]
+            for n, ts in seconds.items()}
 
 
 def result(part: str, settings: dict, rows_: list[dict], **more) -> dict:
@@ -149,8 +149,8 @@ def table(res: dict) -> str:
     for r in res["rows"]:
         key = (tuple(sorted(r["setting"].items())), r["metric"])
         if key != last:
-            lines.append("  " + ", ".join(f"{k}={v}" for k,
-                                          v in r["setting"].items()) + f"  [{r['metric']}]")
+            lines.append("  " + ", ".join(f"{k}={v}"
+                                          for k, v in r["setting"].items()) + f"  [{r['metric']}]")
             last = key
         sp = r["spread"]
         rng = f"[{_fmt(sp['min'])}-{_fmt(sp['max'])}]" if sp else ""
@@ -183,8 +183,8 @@ def plot(res: dict, path: str | Path, x: str, panels: tuple[str, ...] = (),
         return r["metric"] if k == "metric" else r["setting"][k]
 
     groups = list(dict.fromkeys(tuple(field(r, k) for k in panels) for r in res["rows"]))
-    colour = {n: f"C{i % 10}" for i,
-              n in enumerate(dict.fromkeys(r["candidate"] for r in res["rows"]))}
+    colour = {n: f"C{i % 10}"
+              for i, n in enumerate(dict.fromkeys(r["candidate"] for r in res["rows"]))}
     fig, axes = plt.subplots(1, len(groups), figsize=(4.8 * len(groups), 3.6), squeeze=False)
     for ax, g in zip(axes[0], groups):
         rs = [r for r in res["rows"] if tuple(field(r, k) for k in panels) == g]

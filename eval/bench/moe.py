@@ -140,11 +140,11 @@ def run(s: Settings, log=print) -> dict:
         g_ND = torch.randn(T, BASE.hidden_size, generator=gen)
         with torch.no_grad():
             ref_ND = fns[ours_name][1](x_ND)
-            diff = {n: {"max_abs_diff_vs_ours": float((f(x_ND) - ref_ND).abs().max())} for n,
-                    (_, f) in fns.items()}
+            diff = {n: {"max_abs_diff_vs_ours": float((f(x_ND) - ref_ND).abs().max())}
+                    for n, (_, f) in fns.items()}
         for mode in s.modes:
-            timed = {n: _timed(m, f, x_ND, g_ND, mode == "forward+backward") for n,
-                     (m, f) in fns.items()}
+            timed = {n: _timed(m, f, x_ND, g_ND, mode == "forward+backward")
+                     for n, (m, f) in fns.items()}
             secs = common.measure(timed, s.repeats, s.warmup)
             rs = common.rows(common.per_second(secs, T), BASELINE, {"mode": mode, "tokens": T},
                              "tokens/s", "tok/s", diff)

@@ -97,8 +97,8 @@ def pack(masks: list[torch.Tensor], T: int, vocab: int) -> tuple[PackedBatch, to
     if not picked:   # the first document alone is longer than the row
         picked, used = [0], T
     pad = T - used
-    doc_T = torch.cat([torch.full((lengths[k],), d) for d,
-                       k in enumerate(picked)] + [torch.full((pad,), -1)])
+    doc_T = torch.cat([torch.full((lengths[k],), d)
+                       for d, k in enumerate(picked)] + [torch.full((pad,), -1)])
     pos_T = torch.cat([torch.arange(lengths[k])
                        for k in picked] + [torch.zeros(pad, dtype=torch.long)])
     force_T = torch.cat([masks[k][:lengths[k]]

@@ -80,8 +80,8 @@ def run(s: Settings, log=print) -> dict:
         with torch.inference_mode():
             alone = fns[BASELINE]()
             extra = {name: {"max_abs_diff_vs_alone": float((fn() - alone).abs().max()),
-                            "patches": patches, "tokens": int(alone.shape[0])} for name,
-                     fn in fns.items()}
+                            "patches": patches, "tokens": int(alone.shape[0])}
+                     for name, fn in fns.items()}
             secs = common.measure(fns, s.repeats, s.warmup)
         rs = common.rows(common.per_second(secs, n), BASELINE, {"images": n}, "images/s", "img/s",
                          extra)

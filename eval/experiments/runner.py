@@ -280,6 +280,6 @@ def collect(recipe: Recipe, out: Path, jobs: list[Job], steps: int, seeds: int) 
                           "ranks": v.ranks, "steps_mult": v.steps_mult} for v in recipe.variants
                          if v.name in variants],
             "common": recipe.common, "rows": rows,
-            "table": {v: {k: (s.to_json() if s else None) for k, s in ms.items()} for v,
-                      ms in table.items()},
+            "table": {v: {k: (s.to_json() if s else None) for k, s in ms.items()}
+                      for v, ms in table.items()},
             "checks": [c.to_json() for c in checks], "verdict": overall(checks)}

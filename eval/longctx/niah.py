@@ -64,8 +64,8 @@ def generate_niah(name: str, spec: NiahSpec, tokenizer: Tokenizer, target_length
     needles = [(i, v, NEEDLE.format(kind=many, key=keys[i], value=v)) for i in range(spec.num_keys)
                for v in values[i]]
     first_answer = NEEDLE.format(kind=many, key=keys[queried[0]], value=values[queried[0]][0])
-    inserts = [(float(depth) if text == first_answer else rng.uniform(0.0, 100.0), text) for _, _,
-               text in needles]
+    inserts = [(float(depth) if text == first_answer else rng.uniform(0.0, 100.0), text)
+               for _, _, text in needles]
     inserts.sort(key=lambda t: t[0])
     query = _query_text([keys[i] for i in queried])
     template, prefix = (TEMPLATE_ONE, ANSWER_PREFIX_ONE) if len(answers) == 1 else (TEMPLATE, ANSWER_PREFIX)

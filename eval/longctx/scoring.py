@@ -27,8 +27,8 @@ def string_match_all(preds: list[str], refs: list[list[str]]) -> float:
     _check(preds, refs)
     if not preds:
         return 0.0
-    per = [sum(r.lower() in clean_prediction(p).lower() for r in ref) / len(ref) for p,
-           ref in zip(preds, refs)]
+    per = [sum(r.lower() in clean_prediction(p).lower() for r in ref) / len(ref)
+           for p, ref in zip(preds, refs)]
     return 100.0 * sum(per) / len(per)
 
 

@@ -173,8 +173,9 @@ def allocate_cross_caches(blocks: nn.ModuleList, B: int, capacity: int,
     return [blk.cross.allocate_cache(B, capacity, like) for blk in blocks if blk.cross is not None]
 
 
-def step_stack(blocks: nn.ModuleList, x_B1D, rope, caches: list[KVCache], advance_B: torch.Tensor | None = None,
-               schedule: list[int] | None = None, c_B1D=None, joint_from: int | None = None,
+def step_stack(blocks: nn.ModuleList, x_B1D, rope, caches: list[KVCache],
+               advance_B: torch.Tensor | None = None, schedule: list[int] | None = None, c_B1D=None,
+               joint_from: int | None = None,
                cross_caches: list[KVCache] | None = None) -> torch.Tensor:
     """`run_stack` for one new position per row, reading and extending the caches (one per pass);
     rows with `advance_B` False do not keep their entries (see `Block.step`)."""

@@ -124,8 +124,8 @@ class ChunkConfig(ValidatedOnInit):
         one joint loss at target_ratio. Everything that reads a target reads it here."""
         if not self.modality_target_ratios:
             return None
-        return {m: self.target_ratio if r is None else r for m,
-                r in self.modality_target_ratios.items()}
+        return {m: self.target_ratio if r is None else r
+                for m, r in self.modality_target_ratios.items()}
 
     @property
     def holds_documents(self) -> bool:

@@ -28,7 +28,8 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def uniform(seed: torch.Tensor, shape: tuple[int, ...], device: torch.device, stream: int = 0) -> torch.Tensor:
+def uniform(seed: torch.Tensor, shape: tuple[int, ...], device: torch.device,
+            stream: int = 0) -> torch.Tensor:
     """float32 in [0, 1) of `shape`, one value per flat position, from a 0-d int64 `seed`; `stream`
     picks an independent sequence for the same seed (e.g. the two uniforms of Box-Muller)."""
     n = math.prod(shape)

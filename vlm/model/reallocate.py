@@ -272,8 +272,8 @@ def reallocate(baseline_cfg: ModelConfig, ratio: float, tol: float = 0.02, **opt
 
     `options` go to `search_reallocations` (loop_fraction, loop_layers, concept_heads).
     """
-    return {k: r.config for k,
-            r in search_reallocations(baseline_cfg, ratio, tol, **options).items()}
+    return {k: r.config for k, r in search_reallocations(baseline_cfg, ratio, tol,
+                                                         **options).items()}
 
 
 def describe_changes(base: ModelConfig, cfg: ModelConfig) -> str:

@@ -107,7 +107,8 @@ def skipped_samples(loader, sources: list[str], limit: float,
     groups = [(None, (int(loader.stats.get("samples_read", 0)), loader.counters))]
     groups += [(label, by_source.get(label, (0, {}))) for label in sources]
     vec = torch.tensor([float(v) for _, (read, skipped) in groups
-                        for v in [read] + [skipped.get(r, 0) for r in REASONS]], dtype=torch.float64)
+                        for v in [read] + [skipped.get(r, 0) for r in REASONS]],
+                       dtype=torch.float64)
     flat = collectives.data_counters(vec.to(device)).cpu().tolist()
     n = len(REASONS) + 1
     counts = [(label, int(flat[i * n]), dict(zip(REASONS, map(int, flat[i * n + 1:(i + 1) * n]))))

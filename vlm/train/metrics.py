@@ -266,8 +266,8 @@ TIMING_KEYS = ("tokens_per_s", "step_time_s")
 
 def finite_or_none(rec: dict) -> dict:
     """JSON has no NaN/inf: write them as null (a skipped step still gets its line)."""
-    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k,
-            v in rec.items()}
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+            for k, v in rec.items()}
 
 
 class MetricsFile:
@@ -350,8 +350,8 @@ class MetricsLogger:
             pf = _postfix(self.last_applied or {})
             elapsed = time.time() - self.t0
             eta = elapsed / max(step - self.start_step, 1) * (self.max_steps - step)
-            print(f"train step {step}/{self.max_steps}  " + "  ".join(f"{k} {v}" for k,
-                                                                      v in pf.items())
+            print(f"train step {step}/{self.max_steps}  " + "  ".join(f"{k} {v}"
+                                                                      for k, v in pf.items())
                   + f"  elapsed {elapsed / 60:.1f} min  eta {eta / 60:.1f} min", file=sys.stderr,
                   flush=True)
         if self.file is None or not self.should_log(step, record.applied):

@@ -214,8 +214,8 @@ def summary_lines(records: list[dict], targets: dict[str, float], vqa: dict | No
     if data_counters:
         bad = {k: v for k, v in data_counters.items() if v}
         if bad:
-            lines.append("data: skipped samples " + ", ".join(f"{k}={v}" for k,
-                                                              v in sorted(bad.items())))
+            lines.append("data: skipped samples " + ", ".join(f"{k}={v}"
+                                                              for k, v in sorted(bad.items())))
     final = f", {run_dir / 'final'}" if (run_dir / "final").is_dir() else " (no final/ exported)"
     lines.append(f"outputs: {run_dir / 'metrics.jsonl'}, {run_dir / 'report.png'}, "
                  f"{run_dir / 'tb'} (tensorboard){final}")

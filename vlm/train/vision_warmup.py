@@ -233,8 +233,8 @@ def run_vision_warmup(encoder: nn.Module, processor: ImageProcessor, cfg, data_c
         with torch.no_grad():
             accs, labels = [], []
             for i in range(0, len(held.images), 64):
-                imgs = [_process(processor, d, n) for d,
-                        n in zip(held.images[i:i + 64], held.names[i:i + 64])]
+                imgs = [_process(processor, d, n)
+                        for d, n in zip(held.images[i:i + 64], held.names[i:i + 64])]
                 patches, coords, grids, tokens, y_IV = _batch(imgs, held.words[i:i + 64], index)
                 logits_IV = readout(encoder(patches.to(device), coords.to(device),
                                             grids.to(device)), tokens)
@@ -243,11 +243,11 @@ def run_vision_warmup(encoder: nn.Module, processor: ImageProcessor, cfg, data_c
             right_IV = torch.cat(accs)
             rate_V = torch.cat(labels).mean(0)
         result["held_out_captions"] = right_IV.shape[0]
-        result["held_out_word_accuracy"] = {w: round(float(right_IV[:, j].mean()), 4) for j,
-                                            w in enumerate(vocab)}
+        result["held_out_word_accuracy"] = {w: round(float(right_IV[:, j].mean()), 4)
+                                            for j, w in enumerate(vocab)}
         # what always guessing a word's more common state scores: the accuracy to beat
-        result["held_out_word_base_rate"] = {w: round(float(max(r, 1 - r)), 4) for w,
-                                             r in zip(vocab, rate_V.tolist())}
+        result["held_out_word_base_rate"] = {w: round(float(max(r, 1 - r)), 4)
+                                             for w, r in zip(vocab, rate_V.tolist())}
         result["held_out_all_words_right"] = round(float(right_IV.all(1).float().mean()), 4)
         log(f"vision warm-up: {result['held_out_all_words_right']:.1%} of {right_IV.shape[0]} "
             f"held-out captions have every word right; per word "

@@ -95,8 +95,8 @@ def compiled(r: Run) -> str | None:
 def _rows(r: Run, mode: str, B: int, secs: dict[str, list[float]]) -> list[dict]:
     s = r.s
     ms = {n: [1000 * t / s.decode_steps for t in ts] for n, ts in secs.items()}
-    extra = {n: {"tokens_per_s": round(B * s.decode_steps / statistics.median(ts), 1)} for n,
-             ts in secs.items()}
+    extra = {n: {"tokens_per_s": round(B * s.decode_steps / statistics.median(ts), 1)}
+             for n, ts in secs.items()}
     rs = r.rows(ms, {"section": "decode", "mode": mode, "batch": B, "context": s.decode_context},
                 "decode ms per step", "ms", extra)
     r.log(f"  decode {mode} B={B}: " + ", ".join(f"{x['candidate']} {x['median']:.2f} ms"
