@@ -200,8 +200,8 @@ def run_import(items: Iterable[Any], convert: Callable, settings: Any, *, out: s
             state = json.loads(sp.read_text())
         except ValueError:
             state = None
-    same = isinstance(state,
-                      dict) and state.get("version") == STATE_VERSION and state.get("key") == key
+    same = (isinstance(state, dict) and state.get("version") == STATE_VERSION
+            and state.get("key") == key)
     if same and not overwrite and state.get("complete"):
         return _finalise(dict(state["summary"], already_imported=True), max_skip_share)
     if not same or overwrite:

@@ -28,8 +28,8 @@ from vlm.model.multimodal import ConceptMoEVLM
 
 def random_boundaries(doc_BT: torch.Tensor, ratio: float, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    return ((torch.rand(doc_BT.shape,
-                        generator=g) < 1.0 / ratio) | doc_starts(doc_BT)) & (doc_BT >= 0)
+    drawn_BT = torch.rand(doc_BT.shape, generator=g) < 1.0 / ratio
+    return (drawn_BT | doc_starts(doc_BT)) & (doc_BT >= 0)
 
 
 @torch.no_grad()

@@ -47,7 +47,7 @@ def _unpack(theta: np.ndarray) -> dict[str, float]:
     """Fit space -> constants: amplitudes and offsets as logs (positive), exponents as they are."""
     e0, la_t, lt_t, d1, la_c, g, lt_c, d2, la_d, lt_d, a = theta
     return {"E0": e0, "A_tok": np.exp(la_t), "t_tok": np.exp(lt_t), "d1": d1, "A_con": np.exp(la_c),
-    "gamma": g,
+            "gamma": g,
             "t_con": np.exp(lt_c), "d2": d2, "A_dat": np.exp(la_d), "t_dat": np.exp(lt_d),
             "alpha": a}
 

@@ -44,7 +44,7 @@ MODELS = {"baseline": {}, "conceptmoe": {},
 def packed_batch(seed: int = 0) -> PackedBatch:
     g = torch.Generator().manual_seed(seed)
     rows = [[torch.randint(3, V, (n,), generator=g).tolist() for n in lens]
-    for lens in ((30, 50, 20), (64, 30))]
+            for lens in ((30, 50, 20), (64, 30))]
     return PackedBatch.stack([PackedBatch.from_documents(r, row_len=112) for r in rows])
 
 

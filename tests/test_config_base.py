@@ -45,7 +45,7 @@ def test_child_overrides_nested_keys_and_keeps_the_rest(tmp_path):
     got = load_yaml(child)
     assert got == {
         "model": {"hidden_size": 32, "moe": {"num_experts": 4, "top_k": 1},
-        "chunk": {"enabled": True}}, "optim": {"lr": 0.1, "betas": [0.8]},
+                  "chunk": {"enabled": True}}, "optim": {"lr": 0.1, "betas": [0.8]},
         "vision": None,
         "train": {"max_steps": 10},
         "logging": {"log_every": 5},

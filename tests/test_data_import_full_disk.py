@@ -63,12 +63,12 @@ def _table(tmp_path, n=60, side=24):
 
 def _outputs(d):
     return {p.name: p.read_bytes() for p in sorted(d.iterdir()) if p.suffix == ".tar"
-    or p.name == "manifest.json"}
+            or p.name == "manifest.json"}
 
 
 def _leftovers(d):
     return sorted(p.name for p in d.iterdir() if p.name.endswith(".tmp")
-    or p.name.endswith(".partial")
+                  or p.name.endswith(".partial")
                   or p.name.startswith(".vlm-write-check-"))
 
 

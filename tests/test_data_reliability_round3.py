@@ -37,7 +37,7 @@ def _one_line(err: str) -> str:
 
 def _leftovers(d):
     return sorted(p.name for p in d.iterdir() if p.name.endswith(".tmp")
-    or p.name.endswith(".partial")
+                  or p.name.endswith(".partial")
                   or p.name.startswith(".vlm-write-check-"))
 
 

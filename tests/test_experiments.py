@@ -248,8 +248,8 @@ def test_a_tiny_recipe_runs_end_to_end(tiny_data, tmp_path, monkeypatch, capsys)
     printed = capsys.readouterr().out
     d = out / "joint-decoding"
     result = json.loads((d / "results.json").read_text())
-    assert result["verdict"] in (HOLDS, FAILS,
-                                 UNSURE) and result["steps"] == 2 and result["seeds"] == 2
+    assert result["verdict"] in (HOLDS, FAILS, UNSURE)
+    assert result["steps"] == 2 and result["seeds"] == 2
     assert [(r["variant"], r["seed"]) for r in result["rows"]] == [("joint", 0), ("none", 0),
                                                                    ("joint", 1),
                                                                   ("none", 1)]

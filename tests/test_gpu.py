@@ -290,8 +290,8 @@ def measure(device: str) -> None:
                                                  seed=seed)
                     flips = max(flips, choices.flips)
                     worst["LOGITS_GROWTH bf16"] = max(worst["LOGITS_GROWTH bf16"],
-                                                      rel_max(logits,
-                                                              ref_logits) / unit_roundoff(bf16))
+                                                      rel_max(logits, ref_logits)
+                                                      / unit_roundoff(bf16))
                     worst["GRAD_GROWTH"] = max(worst["GRAD_GROWTH"],
                                                *(rel_norm(grads[n], g) / unit_roundoff(bf16)
                                                                        for n, g in ref_grads.items()))
@@ -301,8 +301,8 @@ def measure(device: str) -> None:
                         *(rel_norm(free[n], g) / unit_roundoff(bf16) for n, g in ref_grads.items()))
                     half, _, _ = run(backend, fp16, batch, window, replay=ref.recorded, seed=seed)
                     worst["LOGITS_GROWTH fp16"] = max(worst["LOGITS_GROWTH fp16"],
-                                                      rel_max(half,
-                                                              ref_logits) / unit_roundoff(fp16))
+                                                      rel_max(half, ref_logits)
+                                                      / unit_roundoff(fp16))
     worst["CACHE_GROWTH"] = max(max(decode_gaps(device, seed, backend)) for seed in range(10)
                                 for backend in ("auto", "sdpa", "docs",
                                                 "eager")) / unit_roundoff(torch.float32)

@@ -35,8 +35,8 @@ def test_auto_classes_load_the_processor_and_the_tokenizer_with_the_chat_templat
     tok = AutoTokenizer.from_pretrained(exported_vlm)
     assert tok.chat_template and tok.padding_side == "left"
     turns = [{"role": "user", "content": "hi"}]
-    assert tok.apply_chat_template(turns, tokenize=False,
-                                   add_generation_prompt=True) == format_chat(turns, True)
+    rendered = tok.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+    assert rendered == format_chat(turns, True)
 
 
 def test_chat_template_renders_content_lists_as_the_trainer_formats_chats(proc):
@@ -103,8 +103,8 @@ def test_a_text_only_export_gets_a_tokenizer_with_the_template(tmp_path, tiny_vl
     vlm_model, tok = tiny_vlm()
     save_pretrained(ConceptMoEVLM(vlm_model.model_cfg, None), tmp_path, tok)
     hf_tok = AutoTokenizer.from_pretrained(tmp_path)
-    assert hf_tok.apply_chat_template([{"role": "user", "content": "hi"}],
-                                      tokenize=False) == "<|user|>hi<|end|>"
+    rendered = hf_tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    assert rendered == "<|user|>hi<|end|>"
     assert not (tmp_path / "processor_config.json").exists()
 
 

@@ -17,7 +17,7 @@ def layer(module: str) -> int:
     if module.startswith("vlm.model"):
         return 2
     return {"configs": 0, "vision": 1, "data_pipelines": 1, "vlm": 3,
-    "eval": 4}[module.split(".")[0]]
+            "eval": 4}[module.split(".")[0]]
 
 
 def modules() -> dict[str, Path]:

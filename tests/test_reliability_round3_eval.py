@@ -116,7 +116,7 @@ def test_an_unwritable_out_is_refused_before_the_model_loads(command, blocked, e
         out, why = a_file, "is a file; give a directory"
     ckpt, data = ["--ckpt", str(exported_vlm)], ["--data", str(tiny_default)]
     args = {"vqa": ckpt + data, "probe": ckpt + data,
-    "ppl": ckpt + ["--default-dir", str(tiny_default)],
+            "ppl": ckpt + ["--default-dir", str(tiny_default)],
             "lmms-tasks": data, "longctx": ckpt + ["--no-progress"]}[command]
     code, err = _refused(["eval", command, *args, "--out", str(out)], capsys)
     line = _one_line(err)

@@ -118,8 +118,8 @@ def test_round_trip_reproduces_resized_image():
     proc = ImageProcessor(cfg)
     out = proc(img)
     rows, cols = out.grid
-    expected = np.asarray(img.resize((cols * 7, rows * 7), Image.Resampling.BICUBIC),
-                          dtype=np.float32) / 255
+    resized = img.resize((cols * 7, rows * 7), Image.Resampling.BICUBIC)
+    expected = np.asarray(resized, dtype=np.float32) / 255
     back_3HW = unpatchify(proc.denormalize(out.patches_PD), out.grid, 7)
     assert back_3HW.shape == (3, rows * 7, cols * 7)
     assert torch.allclose(back_3HW.permute(1, 2, 0), torch.from_numpy(expected), atol=1e-5)

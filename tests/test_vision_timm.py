@@ -119,7 +119,7 @@ def test_naflex_layout_linear_patch_embed_and_factorised_pos(tmp_path):
     report = load_timm_vit_state_dict(enc, tmp_path / "naflex.safetensors")
     assert {"embeds.proj.weight", "embeds.pos_embed_y", "embeds.pos_embed_x"} <= set(report.loaded)
     ref_sd = dict(sd, **{"patch_embed.proj.weight": conv,
-    "patch_embed.proj.bias": sd["embeds.proj.bias"],
+                         "patch_embed.proj.bias": sd["embeds.proj.bias"],
                          "pos_embed": (row[:, None] + col[None]).reshape(1, -1, D)})
     img = torch.randn(1, 3, GRID * P, GRID * P)
     torch.testing.assert_close(_features(enc, img), _reference_vit(ref_sd, img), atol=1e-4,

@@ -34,7 +34,7 @@ def test_config_round_trip_and_cross_checks():
             _cfg(**{f"encoder.{key}": 1})
     tower = _cfg(**{"processor.patch_size": 2, "processor.merge": 1}).build(llm_hidden=8)
     assert (tower.merge, tower.encoder.merge, tower.encoder.patch_size,
-    tower.encoder.patch_dim) == (1, 1, 2, 12)
+            tower.encoder.patch_dim) == (1, 1, 2, 12)
     with pytest.raises(ConfigError, match="max_grid"):
         _cfg(**{"encoder.max_grid": 16})
     with pytest.raises(ConfigError, match="timm_model"):

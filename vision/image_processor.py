@@ -170,8 +170,8 @@ class ImageProcessor:
         img = img.resize((cols * p, rows * p), Image.Resampling.BICUBIC)
         # numpy, not torch: single-threaded and cheap in data-loader workers (torch's OpenMP pool
         # stalls on busy machines for arrays this small).
-        x_HW3 = (np.asarray(img,
-                            dtype=np.float32) * np.float32(1 / 255.0) - self._mean_3) / self._std_3
+        x_HW3 = np.asarray(img, dtype=np.float32) * np.float32(1 / 255.0)
+        x_HW3 = (x_HW3 - self._mean_3) / self._std_3
         patches = x_HW3.reshape(rows, p, cols, p, 3).transpose(0, 2, 4, 1, 3).reshape(rows * cols, 3 * p * p)
         return ProcessedImage(torch.from_numpy(np.ascontiguousarray(patches)),
                               grid_coords(rows, cols), (rows, cols), self.cfg.merge)

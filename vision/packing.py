@@ -55,8 +55,8 @@ def build_layout(coords_P2: torch.Tensor, image_grids_I2: torch.Tensor, merge: i
     if bool((grids < merge).any()) or bool((grids % merge != 0).any()):
         raise ValueError(f"every image grid must have rows and cols that are positive multiples of "
                          f"merge={merge}, got {grids.tolist()}")
-    valid = torch.ones(P, dtype=torch.bool,
-                       device=device) if valid_P is None else valid_P.to(device, torch.bool)
+    valid = (torch.ones(P, dtype=torch.bool, device=device) if valid_P is None
+             else valid_P.to(device, torch.bool))
     if valid.shape != (P,):
         raise ValueError(f"valid_P must be [P]={P} booleans, got shape {tuple(valid.shape)}")
     sizes_I = grids[:, 0] * grids[:, 1]

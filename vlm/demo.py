@@ -169,7 +169,7 @@ def concept_panel(chat, turns: list[dict], images: list) -> tuple:
     if chat.processor is not None and images:
         cfg = chat.processor.cfg
         picture = image_concept_picture(batch, b_BT, cfg.patch_size, cfg.merge,
-        ImageProcessor(cfg).denormalize)
+                                        ImageProcessor(cfg).denormalize)
     text = text_with_boundaries(batch, b_BT,
                                 lambda ids: chat.tokenizer.decode(ids, skip_special=False),
                                 max_tokens=4096)
@@ -205,8 +205,8 @@ def build_app(chat, *, max_new_tokens: int = 64, temperature: float = 0.0,
             return (list(history), session) + keep + (status, gr.skip(), None)
 
         if upload:
-            path = upload if isinstance(upload, str) else getattr(upload, "path",
-                                                                  None) or upload.get("path")
+            path = (upload if isinstance(upload, str)
+                    else getattr(upload, "path", None) or upload.get("path"))
             problem = check_image(path, max_bytes, max_pixels)
             if problem is None:
                 note = conv.attach(path)

@@ -134,7 +134,7 @@ def check(root: Path) -> list[str]:
             if have[name] != want[name]:
                 diff = difflib.unified_diff(have[name].splitlines(), want[name].splitlines(),
                                             f"{doc} (as written)", f"{doc} (from its JSON)",
-                lineterm="", n=0)
+                                            lineterm="", n=0)
                 problems.append(f"{doc}: results:{name} differs from its JSON\n" + "\n".join(diff))
     return problems
 

@@ -59,8 +59,8 @@ class Block(nn.Module):
         self.attn = Attention(dim, num_heads, num_kv_heads, head_dim, qk_norm, norm_eps,
                               joint=joint)
         self.cross_norm = RMSNorm(dim, norm_eps) if cross else None
-        self.cross = CrossAttention(dim, num_heads, num_kv_heads, head_dim, qk_norm,
-                                    norm_eps) if cross else None
+        self.cross = (CrossAttention(dim, num_heads, num_kv_heads, head_dim, qk_norm, norm_eps)
+                      if cross else None)
         self.ffn_norm = RMSNorm(dim, norm_eps)
         self.moe = MoE(moe, dim, init_std)
 

@@ -181,10 +181,10 @@ class InferenceCache:
 
     def room(self) -> int:
         """Decode steps every cache has a free slot for (from the host-side bounds)."""
-        tok = min((c.capacity for c in self.encoder + self.decoder),
-                  default=1 << 62) - self.used_tokens
-        con = min((c.capacity for c in self.concept + self.cross),
-                  default=1 << 62) - self.used_concepts
+        tok = min((c.capacity for c in self.encoder + self.decoder), default=1 << 62)
+        tok -= self.used_tokens
+        con = min((c.capacity for c in self.concept + self.cross), default=1 << 62)
+        con -= self.used_concepts
         return min(tok, con)
 
     def token_bytes(self) -> int:

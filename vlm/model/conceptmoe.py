@@ -167,8 +167,8 @@ class ConceptMoELM(nn.Module):
         B = cache.len_B.shape[0]
         cache.concept = allocate_stack_caches(self.concept, B, capacity, like,
                                               self.cfg.concept_schedule)
-        cache.cross = allocate_cross_caches(self.decoder, B, capacity,
-        like) if self.chunker is not None else []
+        cache.cross = (allocate_cross_caches(self.decoder, B, capacity, like)
+                       if self.chunker is not None else [])
 
     @torch.no_grad()
     def prefill(self, batch: PackedBatch, inputs_embeds: torch.Tensor | None = None, above_BT=None,

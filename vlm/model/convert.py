@@ -39,8 +39,8 @@ def hf_model_config(hf_cfg, opt: ConvertConfig) -> ModelConfig:
     n = hf_cfg.num_hidden_layers
     opt.check_split(n)
     if mt == "qwen3_moe":
-        if getattr(hf_cfg, "mlp_only_layers", None) or getattr(hf_cfg, "decoder_sparse_step",
-                                                               1) != 1:
+        if (getattr(hf_cfg, "mlp_only_layers", None)
+                or getattr(hf_cfg, "decoder_sparse_step", 1) != 1):
             raise ConfigError("qwen3_moe with dense (mlp_only) layers is not supported: every "
                               "layer must be MoE")
         moe = MoEConfig(num_experts=hf_cfg.num_experts, top_k=hf_cfg.num_experts_per_tok,

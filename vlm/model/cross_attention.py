@@ -80,8 +80,8 @@ class ConceptMemory:
         mask = ctx.mask
         if ctx.window and ctx.backend in ("sdpa", "eager"):
             mask = packed_mask(doc_BT)
-        sdpa_mask = packed_mask(doc_BT) if cross_backend(ctx.backend,
-                                                         head_dim) != ctx.backend else None
+        sdpa_mask = (packed_mask(doc_BT) if cross_backend(ctx.backend, head_dim) != ctx.backend
+                     else None)
         first_BT = (b_BT & (cidx_BT >= 0)) | (doc_BT < 0)
         n_concepts_B = b_BT.sum(1).clamp_max(concepts_BMD.shape[1])
         return ConceptMemory(concepts_BMD, cidx_BT, first_BT, n_concepts_B, mask, sdpa_mask)

@@ -57,8 +57,8 @@ class RMSNorm(nn.Module):
 def rope_cos_sin(positions_BT: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
     """RoPE tables [B, T, head_dim] for arbitrary (per-document) positions, laid out for
     `apply_rope`: (cos, cos) and (-sin, sin) over the two halves. Built once per stack."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions_BT.device,
-                                             dtype=torch.float32) / head_dim))
+    even = torch.arange(0, head_dim, 2, device=positions_BT.device, dtype=torch.float32)
+    inv_freq = 1.0 / (theta ** (even / head_dim))
     ang_BTf = positions_BT.float()[..., None] * inv_freq
     cos, sin = ang_BTf.cos(), ang_BTf.sin()
     return torch.cat([cos, cos], -1).to(dtype), torch.cat([-sin, sin], -1).to(dtype)

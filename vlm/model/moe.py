@@ -331,8 +331,8 @@ class MoE(nn.Module):
                 self.adj_up_GDF, self.adj_down_GFD,
                 self._use_grouped(x_c, self.adj_gate_GDF, self.adj_down_GFD))
             out_ND = out_ND + adj_ND
-            n = x_ND.new_tensor(x_ND.shape[0],
-                                dtype=torch.float32) if valid_f is None else valid_f.sum()
+            n = (x_ND.new_tensor(x_ND.shape[0], dtype=torch.float32) if valid_f is None
+                 else valid_f.sum())
             adj_per_token = evals.float() / n.clamp_min(1)
         if self.shared is not None:
             shared_ND = self.shared(x_c)

@@ -214,7 +214,7 @@ def _commit(ckpt_root: Path, tmp: Path, final: Path, step: int, world_size: int,
             keep_last: int) -> None:
     """Rank 0, once every rank wrote its files: meta.json (written last), the rename into place, the pruning."""
     (tmp / "meta.json").write_text(json.dumps({"step": step, "world_size": world_size,
-    "time": time.time(),
+                                               "time": time.time(),
                                                "files": file_digests(tmp)}))
     _fsync_tree(tmp)
     if final.exists():   # same step saved twice (e.g. a final save right after a periodic one)

@@ -73,7 +73,7 @@ class DeepSpeedConfig(ValidatedOnInit):
         check(self.reduce_bucket_size >= 1, "deepspeed.reduce_bucket_size must be >= 1")
         if self.config_file:
             check(Path(self.config_file).is_file(),
-            f"deepspeed.config_file {self.config_file} does not exist")
+                  f"deepspeed.config_file {self.config_file} does not exist")
 
 
 @dataclass

@@ -45,7 +45,7 @@ class Dashboard:
                 continue
             tag = SCALAR_GROUPS.get(key)
             if tag is None and key.startswith(("val/", "moe/max_over_mean/", "skipped/", "vqa/",
-            "vision/", "text/",
+                                               "vision/", "text/",
                                                "doc_ratio/", "loss/kind/", "loss/source/")):
                 tag = key
             if tag is None and key == "nonfinite_steps":

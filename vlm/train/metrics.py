@@ -76,7 +76,7 @@ class StepAccumulator:
             per_pos = self.bytes_per_id.to(batch.labels.device)[batch.labels.clamp(0, len(self.bytes_per_id) - 1)]
             text_bytes = torch.where(text_only, per_pos, zero_b.long()).sum()
         values = {"n_lab": n, "lm_sum": out.lm_loss.detach() * n, "n_text_only": n_to,
-        "bytes_text_only": text_bytes,
+                  "bytes_text_only": text_bytes,
                   "text_only_sum": split.get("loss/text_only", zero) * n_to, "n_image_text": n_it,
                   "image_text_sum": split.get("loss/image_text", zero) * n_it,
                   "balance_sum": out.balance_loss.detach(), "micro": torch.ones(()),
@@ -325,8 +325,8 @@ class MetricsLogger:
             # instead)
             self.bar = tqdm(total=max_steps, initial=start_step, desc="train", unit="step",
                             dynamic_ncols=True, disable=None)
-        self.plain_every = max(1,
-                               max_steps // 20) if self.bar is not None and self.bar.disable else 0
+        plain = self.bar is not None and self.bar.disable
+        self.plain_every = max(1, max_steps // 20) if plain else 0
         self.t0, self.start_step = time.time(), start_step
         self.last_applied: dict | None = None
 

@@ -116,9 +116,9 @@ class DecodeRig:
         with torch.no_grad():
             self.xs = model.embed(torch.randint(0, model.cfg.vocab_size, (steps, B),
                                                 generator=g).to(dev.device))
-        self.fires = (torch.rand(steps, B,
-                                 generator=g) < 1.0 / R).to(dev.device) if model.cfg.chunk.enabled \
-            else None
+        self.fires = None
+        if model.cfg.chunk.enabled:
+            self.fires = (torch.rand(steps, B, generator=g) < 1.0 / R).to(dev.device)
         self.copyable = True
 
     def prefill(self):
