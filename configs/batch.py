@@ -14,8 +14,8 @@ import torch
 TEXT, IMAGE = 0, 1
 MODALITIES = {"text": TEXT, "image": IMAGE}
 IGNORE_INDEX = -100
-# The kind of sample a document is, for per-kind statistics (compression is judged per kind: see
-# DESIGN.md).
+# The kind of sample a document is, for per-kind statistics (compression is judged per kind:
+# see DESIGN.md).
 KINDS = ("chat", "caption", "interleaved", "text")
 
 

@@ -15,17 +15,17 @@ DEFAULT_DIR = "data/default"
 
 @dataclass
 class SourceConfig(ValidatedOnInit):
-    """One source of shards. `path`: a folder of shards, a glob, a brace pattern or one .tar file,
-    or a URL webdataset understands (`pipe:CMD`, `http(s)://host/shard-{000..009}.tar`, `file:PATH`;
-    SCHEMA.md)."""
+    """One source of shards. `path`: a folder of shards, a glob, a brace pattern or one .tar
+    file, or a URL webdataset understands (`pipe:CMD`,
+    `http(s)://host/shard-{000..009}.tar`, `file:PATH`; SCHEMA.md)."""
 
     path: str
     weight: float = 1.0
     # not "auto": other kinds are skipped
     kind: Literal["auto", "pair", "interleaved", "text"] = "auto"
     name: str = ""
-    # img2dataset shards without a .txt member: the field of their metadata JSON that holds the
-    # caption
+    # img2dataset shards without a .txt member: the field of their metadata JSON that holds
+    # the caption
     caption_field: str = "caption"
 
     def validate(self) -> None:
@@ -48,8 +48,8 @@ class DataConfig(ValidatedOnInit):
     sources: list[SourceConfig] = field(default_factory=list)
     default_dir: str = DEFAULT_DIR
     split: str = "train"             # which split of the default dataset when `sources` is empty
-    # which parts of the default dataset to mix (vqa, caption, interleaved, text); empty: all of the
-    # split's
+    # which parts of the default dataset to mix (vqa, caption, interleaved, text); empty: all of
+    # the split's
     default_parts: list[str] = field(default_factory=list)
     row_tokens: int = 512            # T: tokens per packed row (text + image tokens)
     rows_per_batch: int = 4          # B

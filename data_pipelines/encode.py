@@ -97,8 +97,8 @@ def stats_kind(sample: Sample) -> str:
 def encode_sample(sample: Sample, tok: Tokenizer, processor: ImageProcessor, row_tokens: int,
                   loss_on: str = "all", long_text: str = "truncate", allow_empty_text: bool = False
                   ) -> list[EncodedSample]:
-    """Tokenize, expand and check one sample; returns one EncodedSample (several with
-    long_text="split").
+    """Tokenize, expand and check one sample; returns one EncodedSample
+    (several with long_text="split").
 
     `allow_empty_text` is for prompts: an image-only prompt ("<image>") is valid input to
     generation, while as training data it would teach nothing."""

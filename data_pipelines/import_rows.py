@@ -6,10 +6,10 @@ by common names unless given. What a row may hold:
 - images: a path (relative to --image-root or the table's folder; never outside them unless
   allowed), bytes, a `{"bytes", "path"}` struct (datasets' `Image` feature), a `data:` URI, or a
   list of those (multi-image);
-- text: a caption or document (`text`, `caption`, ...), a question/answer pair, or a conversation:
-  LLaVA/ShareGPT `[{"from": "human"|"gpt", "value"}]`, OpenAI-style `[{"role", "content"}]` (content
-  a string or a list of `{"type": "text"|"image"}` parts), the Cauldron's `texts: [{"user",
-  "assistant"}]`;
+- text: a caption or document (`text`, `caption`, ...), a question/answer pair, or a
+  conversation: LLaVA/ShareGPT `[{"from": "human"|"gpt", "value"}]`, OpenAI-style `[{"role",
+  "content"}]` (content a string or a list of `{"type": "text"|"image"}` parts), the Cauldron's
+  `texts: [{"user", "assistant"}]`;
 - interleaved documents as OBELICS writes them: `texts` and `images` lists of the same length, each
   position holding either a text or an image (`None` in the other list).
 
@@ -325,9 +325,9 @@ def file_key(name: str, index: int) -> str:
 
 
 def convert_file(index: int, item: tuple[str, Any], settings: FileSettings) -> Sample:
-    """(path relative to the folder, caption; None: read the sidecar file; False: not in the
-    captions table; (reason, detail): its row in the table cannot be used) -> an image-caption
-    pair."""
+    """(path relative to the folder, caption; None: read the sidecar file; False: not
+    in the captions table; (reason, detail): its row in the table cannot be used) ->
+    an image-caption pair."""
     rel, caption = item
     root = settings.root
     path = root / rel

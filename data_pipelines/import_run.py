@@ -1,5 +1,5 @@
-"""Running an import: rows -> worker processes (decode and check) -> shards, resumable, with a
-summary.
+"""Running an import: rows -> worker processes (decode and check) -> shards, resumable,
+with a summary.
 
 - **Workers.** Rows are cut into chunks and converted (`import_rows.convert_chunk`: images read,
   decoded and checked) in `workers` spawned processes; at most a few chunks per worker are in
@@ -173,9 +173,9 @@ def run_import(items: Iterable[Any], convert: Callable, settings: Any, *, out: s
                unit: str = "row", desc: str = "import",
                max_skip_share: float = DEFAULT_MAX_SKIP_SHARE, overwrite: bool = False,
                extra: dict | None = None) -> dict[str, Any]:
-    """Convert `items` with `convert(index, item, settings)` (a module-level function: it runs in
-    workers) and write the samples into shards in `out`; returns the summary (see the module
-    docstring)."""
+    """Convert `items` with `convert(index, item, settings)` (a module-level function: it
+    runs in workers) and write the samples into shards in `out`; returns the summary (see
+    the module docstring)."""
     if not 0 <= max_skip_share <= 1:
         raise ImporterError(f"max skip share must be in [0, 1], got {max_skip_share}")
     if max_count < 1 or max_bytes < 1 or workers < 0:

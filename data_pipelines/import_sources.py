@@ -1,5 +1,5 @@
-"""Where an import's rows come from: one file or a folder, in the format it was written in, read
-streaming.
+"""Where an import's rows come from: one file or a folder, in the format it was written
+in, read streaming.
 
 | input | read with |
 |---|---|

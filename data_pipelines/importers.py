@@ -1,5 +1,5 @@
-"""Importers into shards: a table or dataset as researchers hold it, and a folder of images with
-captions.
+"""Importers into shards: a table or dataset as researchers hold it, and a folder of
+images with captions.
 
 - `import_table`: LLaVA/ShareGPT JSON arrays (streamed), JSONL, CSV/TSV, Parquet and Arrow files or
   folders (`datasets` `save_to_disk` / `to_parquet` output, the hub's parquet layout) with `Image`

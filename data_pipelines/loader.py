@@ -1,5 +1,5 @@
-"""The packed loader: `build_loader(cfg, tokenizer, rank, world_size) -> PackedLoader` (iterable of
-PackedBatch).
+"""The packed loader: `build_loader(cfg, tokenizer, rank, world_size) -> PackedLoader`
+(iterable of PackedBatch).
 
 With `num_workers = W > 0` each rank runs W logical workers in torch DataLoader processes; each
 worker packs whole batches from its own split of every source. torch hands out batches strictly

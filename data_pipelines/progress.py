@@ -1,8 +1,8 @@
 """Progress for long data jobs: a tqdm bar on a terminal, plain periodic lines in a redirected log.
 
-tqdm writes carriage-return updates, which fill a log file with one long line; when stderr is not a
-terminal this prints `desc: n/total` lines instead, at most every `every_s` seconds (and at the
-end).
+tqdm writes carriage-return updates, which fill a log file with one long line; when stderr is
+not a terminal this prints `desc: n/total` lines instead, at most every `every_s` seconds (and
+at the end).
 """
 from __future__ import annotations
 

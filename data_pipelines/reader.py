@@ -75,10 +75,10 @@ def local_source(pattern: str | os.PathLike) -> str | None:
 
 
 def resolve_shards(pattern: str | os.PathLike) -> list[Shard]:
-    """A directory (its shards), a glob, a brace pattern (`a-{000..009}.tar`) or one file -> sorted
-    shard paths (a `file:` URL names the same). Any other URL (`pipe:CMD`, `http(s)://...`) -> its
-    shard URLs, expanded and ordered as webdataset does; they are not fetched here (counting them
-    does)."""
+    """A directory (its shards), a glob, a brace pattern (`a-{000..009}.tar`) or one file ->
+    sorted shard paths (a `file:` URL names the same). Any other URL (`pipe:CMD`, `http(s)://...`)
+    -> its shard URLs, expanded and ordered as webdataset does; they are not fetched here
+    (counting them does)."""
     if (local := local_source(pattern)) is None:
         shards = [as_shard(u) for u in expand_url_pattern(pattern)]
         for q in shards:
@@ -204,8 +204,8 @@ def iter_shard(path: str | os.PathLike, start: int = 0, stop: int | None = None,
         if expected is None:
             yield -1, BadSample(MISSING_SHARD, f"shard {path} is gone")
             return
-        # the loader names every such shard in one warning when it resolves the source
-        # (loader.resolve_sources)
+        # the loader names every such shard in one warning when it resolves the
+        # source (loader.resolve_sources)
         log.debug("shard %s is listed in its manifest (%d samples) but is gone", path, expected)
         for i in range(start, stop):
             yield i, BadSample(MISSING_SHARD, f"shard {path} is listed in its manifest but gone: "
@@ -337,9 +337,9 @@ def shard_counts(paths: list[Shard]) -> list[int]:
         entry = manifest_entry(p)
         if entry is not None and isinstance(p, Path) and p.exists() and \
                 entry.get("file_bytes") not in (None, p.stat().st_size):
-            # Rewritten since the manifest was made, or truncated: an intact tar is counted as it is
-            # now; a broken one keeps the manifest's count, so that every promised sample it lost is
-            # counted.
+            # Rewritten since the manifest was made, or truncated: an intact tar is counted as it
+            # is now; a broken one keeps the manifest's count, so that every promised sample it
+            # lost is counted.
             try:
                 n, broken = _count(p)
             # noqa: BLE001 - no longer a tar: its reader counts it as unreadable_shard
@@ -361,9 +361,9 @@ def shard_counts(paths: list[Shard]) -> list[int]:
             # a URL that cannot be fetched: a wrong source, as a local path that does not exist
             raise
         except Exception as e:  # noqa: BLE001
-            # One slot: the worker that owns it tries to read it and counts it once as an unreadable
-            # shard (as for a manifest-listed shard that no longer reads), instead of stopping the
-            # run.
+            # One slot: the worker that owns it tries to read it and counts it once as an
+            # unreadable shard (as for a manifest-listed shard that no longer reads), instead of
+            # stopping the run.
             log.warning("shard %s cannot be read (%s: %s); it is skipped and counted", p,
                         type(e).__name__, e)
             counts.append(1)

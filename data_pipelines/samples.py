@@ -34,9 +34,9 @@ def iter_decoded(path: str | os.PathLike, expected: int | None = None,
 
 def iter_samples(patterns: str | os.PathLike | Iterable[str | os.PathLike], *,
                  manifest_counts: bool = True, counters: Counter | None = None) -> Iterator[Sample]:
-    """Decoded samples of the shards that `patterns` (one or a list of directories, globs, brace
-    patterns or files) resolve to, in shard order; bad samples are skipped and counted as in
-    `iter_decoded`.
+    """Decoded samples of the shards that `patterns` (one or a list of directories, globs,
+    brace patterns or files) resolve to, in shard order; bad samples are skipped and counted
+    as in `iter_decoded`.
 
     With `manifest_counts` (as the loader) each shard is read up to its manifest count (or the count
     found by reading it first) and every sample it lost is counted; without, each shard is read once

@@ -1,10 +1,10 @@
-"""Synthetic scenes for the embedded default dataset: objects with shape, colour, size and a 3x3
-position.
+"""Synthetic scenes for the embedded default dataset: objects with shape, colour, size and
+a 3x3 position.
 
-Every scene comes from its own `random.Random(f"{seed}:{split}:{index}")`, so a scene's bytes depend
-only on (seed, split, index), never on what else was generated. The held-out split uses (colour,
-shape) combinations that train and val never show, so answering about them needs attributes learnt
-apart.
+Every scene comes from its own `random.Random(f"{seed}:{split}:{index}")`, so a scene's bytes
+depend only on (seed, split, index), never on what else was generated. The held-out split uses
+(colour, shape) combinations that train and val never show, so answering about them needs
+attributes learnt apart.
 """
 from __future__ import annotations
 
@@ -118,10 +118,10 @@ def caption(scene: Scene) -> str:
 
 def relations(rng: random.Random, scene: Scene) -> str:
     """One sentence per pair of objects that share a row or a column, each pair in a random
-    direction: "Relative to the yellow diamond, the red triangle is to the left." Both objects are
-    named before the relation, as in the position questions: "The red triangle is left of the ..."
-    would ask for the relation before saying which object it is relative to, which no model can
-    know."""
+    direction: "Relative to the yellow diamond, the red triangle is to the left." Both objects
+    are named before the relation, as in the position questions: "The red triangle is left of
+    the ..." would ask for the relation before saying which object it is relative to, which no
+    model can know."""
     out = []
     for i, first in enumerate(scene.objects):
         for second in scene.objects[i + 1:]:

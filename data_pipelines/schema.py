@@ -49,9 +49,9 @@ _IMAGE_MEMBER = re.compile(r"^(?:(\d+)\.)?(" + "|".join(IMAGE_EXTS) + r")$")
 
 
 class ShardError(ConfigError):
-    """A source pattern or shard that cannot be used (no match, missing file, a URL that cannot be
-    fetched); names the path or URL. A config problem: the commands report it in one line, without a
-    traceback."""
+    """A source pattern or shard that cannot be used (no match, missing file, a URL that cannot
+    be fetched); names the path or URL. A config problem: the commands report it in one line,
+    without a traceback."""
 
 
 class BadSample(ValueError):
@@ -167,8 +167,8 @@ def is_metadata_json(meta: dict, raw: dict[str, Any]) -> bool:
 
 def decode_sample(raw: dict[str, Any], kind_filter: str = "auto",
                   caption_field: str = "caption") -> Sample:
-    """Raw tar members {"__key__", "__url__", ext: bytes} -> validated Sample (images still
-    undecoded).
+    """Raw tar members {"__key__", "__url__", ext: bytes} -> validated Sample
+    (images still undecoded).
 
     A metadata JSON (see `is_metadata_json`) is not the schema: the caption comes from the `.txt`
     member, else from the metadata's `caption_field`, and the metadata's `METADATA_KEPT` fields go

@@ -1,15 +1,15 @@
-"""Per-worker sample streams: split a source over ranks x workers, loop epochs, shuffle, mix
-sources.
+"""Per-worker sample streams: split a source over ranks x workers, loop epochs,
+shuffle, mix sources.
 
-Splitting: the source's samples, numbered over its shards in sorted order, are cut into `num_splits`
-contiguous ranges (sizes differ by at most one); split `rank * workers + worker` reads only its
-range, as (shard, start, stop) segments, so every sample is read by exactly one worker per epoch.
-Shuffling: segment order is permuted per epoch, then a shuffle buffer (webdataset-style) draws
-samples at random. All randomness is numpy PCG64 seeded from (seed, source, split[, epoch]); the
-state is the reading position, the buffered samples as (shard, index) references and the generator
-state, all plain Python values, so a restored stream re-reads its buffered samples and continues bit
-for bit (a URL shard has no random access: re-reading sample k of one streams through the k before
-it).
+Splitting: the source's samples, numbered over its shards in sorted order, are cut into
+`num_splits` contiguous ranges (sizes differ by at most one); split `rank * workers + worker` reads
+only its range, as (shard, start, stop) segments, so every sample is read by exactly one worker per
+epoch. Shuffling: segment order is permuted per epoch, then a shuffle buffer (webdataset-style)
+draws samples at random. All randomness is numpy PCG64 seeded from (seed, source, split[, epoch]);
+the state is the reading position, the buffered samples as (shard, index) references and the
+generator state, all plain Python values, so a restored stream re-reads its buffered samples and
+continues bit for bit (a URL shard has no random access: re-reading sample k of one streams through
+the k before it).
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """A small generated text-only corpus for the text side of the default dataset.
 
-Sentences from a few templates with learnable regularities (shape facts consistent with the scenes,
-arithmetic, counting, a toy story grammar), so text loss falls measurably within minutes of CPU
-training.
+Sentences from a few templates with learnable regularities (shape facts consistent with the
+scenes, arithmetic, counting, a toy story grammar), so text loss falls measurably within minutes
+of CPU training.
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Tokenizers: byte-level (no files, Synergy-style) and BPE (the `tokenizers` library), one
-protocol.
+"""Tokenizers: byte-level (no files, Synergy-style) and BPE (the `tokenizers`
+library), one protocol.
 
 Both recognise the special tokens when they are written literally in the text, so the chat template
 and the `<image>` placeholder are plain strings everywhere else in the code. Byte-level ids 0..255
@@ -189,8 +189,8 @@ def is_source_tokenizer_dir(path: Path) -> bool:
 
 
 class SourceTokenizer(Tokenizer):
-    """A pretrained model's tokenizer, loaded with transformers from its own files, in its own chat
-    format.
+    """A pretrained model's tokenizer, loaded with transformers from its own files, in its
+    own chat format.
 
     Its ids, special tokens, eos (which ends answers and documents), pad and chat template stay as
     they are; the only change is IMAGE_TOKENS appended with `add_tokens(..., special_tokens=True)`,
@@ -286,9 +286,9 @@ class SourceTokenizer(Tokenizer):
         return [(text, target) for text, target in segs if text]
 
     def save(self, directory) -> None:
-        """The source's files as transformers writes them (its template included, IMAGE_TOKENS
-        added), and the marker that keeps the source's chat format when this directory is read
-        back."""
+        """The source's files as transformers writes them (its template included,
+        IMAGE_TOKENS added), and the marker that keeps the source's chat format when this
+        directory is read back."""
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
         self.hf.save_pretrained(str(d))

@@ -136,8 +136,8 @@ class _Joined:
 
 
 class UrlStream:
-    """One URL opened with webdataset's `gopen`, as a forward-only stream of its bytes
-    (decompressed).
+    """One URL opened with webdataset's `gopen`, as a forward-only stream of
+    its bytes (decompressed).
 
     Decompressed here (gzip, bzip2, xz, by magic bytes) rather than by tarfile's "r|*", so that the
     last bytes read stay at hand: tarfile ends silently at a truncated or corrupt header and the
@@ -166,8 +166,8 @@ class UrlStream:
             opener = next((o for m, o in COMPRESSED if head.startswith(m)), None)
             joined = _Joined(head, self._read_raw)
             self._data = opener(joined, "rb") if opener else joined
-            # read1: what was decompressed before a truncated stream's end comes out before its
-            # EOFError
+            # read1: what was decompressed before a truncated stream's end comes out before
+            # its EOFError
             self._read_data = self._data.read1 if opener else self._data.read
         except BaseException:
             self.close()

@@ -125,9 +125,9 @@ def write_atomic(path: Path, text: str) -> None:
 
 def update_manifest(directory: str | os.PathLike, entries: list[dict[str, Any]],
                     drop: Any = ()) -> Path:
-    """Insert/replace `entries` (by shard name) in DIR/manifest.json, remove the entries named in
-    `drop`, and recompute the totals; replaced in one step (a manifest left with no entry is
-    removed)."""
+    """Insert/replace `entries` (by shard name) in DIR/manifest.json, remove the entries
+    named in `drop`, and recompute the totals; replaced in one step (a manifest left with no
+    entry is removed)."""
     directory = Path(directory)
     old = read_manifest(directory) or {"shards": []}
     by_name = {e["name"]: e for e in old["shards"] if e.get("name") not in drop}

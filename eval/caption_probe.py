@@ -1,5 +1,5 @@
-"""Caption probes: does the model read where a named object is, and can it compare where two objects
-are?
+"""Caption probes: does the model read where a named object is, and can it compare where
+two objects are?
 
 Position questions ("Where is the red triangle relative to the yellow diamond?") need two steps:
 find each named object's place, then compare the two. These probes score each step apart,
@@ -12,9 +12,9 @@ must match):
   circle is" -> the relation ("to the left"). The caption before it already names both objects'
   cells, so this step needs no image.
 
-Each probe runs with the image and blind (the same text, no image): the captions list objects in
-reading order, so part of the cell phrase is guessable from the text, and the blind score says how
-much.
+Each probe runs with the image and blind (the same text, no image): the captions list objects
+in reading order, so part of the cell phrase is guessable from the text, and the blind score
+says how much.
 
     vlm eval probe --ckpt RUN/final [--split val] [--limit 300]
 """

@@ -92,8 +92,8 @@ def add_eval_commands(subparsers: argparse._SubParsersAction) -> argparse._SubPa
     p.add_argument("--data", default="data/default",
                    help="default dataset directory (built if missing)")
     p.add_argument("--split", default="test", choices=["test", "val"])
-    # --limit 0 is refused, not read as "no limit" or "none": leave the flag out to score every
-    # question
+    # --limit 0 is refused, not read as "no limit" or "none": leave the flag out to score
+    # every question
     p.add_argument("--limit", type=positive_int, default=None,
                    help="score the first N questions (default: all)")
     p.add_argument("--batch-size", type=positive_int, default=16)

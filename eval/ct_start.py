@@ -45,8 +45,8 @@ def start_losses(src_dir: str, ratio: float, batches: int, data_dir: str,
                                    chunk=dataclasses.replace(zero_cfg.chunk, residual="linear"))
     zero = convert_state(sd, zero_cfg, vision_cfg)
     zero.lm.dechunk.residual.weight.zero_()
-    # scored as the default run trains: answers of chats, every token of captions and text, rows of
-    # 512
+    # scored as the default run trains: answers of chats, every token of captions and text, rows
+    # of 512
     cfg = DataConfig(default_dir=data_dir, split="val", tokenizer=str(src_dir), epochs=1,
                      shuffle_buffer=0, loss_on="assistant", row_tokens=512,
                      processor=vision_cfg.processor if vision_cfg else DataConfig().processor)

@@ -1,5 +1,5 @@
-"""Export a split of the default dataset (or any VQA/caption shards) for lmms-eval's local JSON
-tasks.
+"""Export a split of the default dataset (or any VQA/caption shards) for lmms-eval's
+local JSON tasks.
 
     vlm eval lmms-tasks --data DATA_DIR [--split test] --out TASK_DIR [--limit N]
 

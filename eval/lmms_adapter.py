@@ -1,5 +1,5 @@
-"""lmms-eval model `conceptmoe`: wraps any `eval.protocol.EvalModel` (checked against lmms-eval
-0.7.3).
+"""lmms-eval model `conceptmoe`: wraps any `eval.protocol.EvalModel` (checked
+against lmms-eval 0.7.3).
 
     lmms-eval eval --model conceptmoe --model_args pretrained=RUN/final --tasks conceptmoe_vqa \
         --include_path TASKS_DIR --output_path OUT
@@ -12,9 +12,9 @@ tokens), `max_new_tokens` (when a task sets none), `stats_dir` / `stats_path` (w
 statistics go; see `CompressionLog`).
 
 What lmms-eval 0.7.3 hands a model (read from its source):
-- generate_until: `Instance.args == (context, gen_kwargs, doc_to_visual, doc_id, task, split)`; the
-  document is `self.task_dict[task][split][doc_id]`; `doc_to_visual(doc)` returns a list of PIL
-  images.
+- generate_until: `Instance.args == (context, gen_kwargs, doc_to_visual, doc_id, task,
+  split)`; the document is `self.task_dict[task][split][doc_id]`; `doc_to_visual(doc)` returns
+  a list of PIL images.
 - loglikelihood: `(context, continuation, doc_to_visual, doc_id, task, split)` where `continuation`
   is the choice text (multiple choice) or the task's `doc_to_target` method (output_type
   loglikelihood); `acc_mutual_info` adds bare `(context, continuation)` pairs.
@@ -173,8 +173,8 @@ class ConceptMoELMMS(lmms):
                                                                    else "") + context
         templated = USER in context or ASSISTANT in context
         if self.chat == "true" or (self.chat == "auto" and not templated):
-            # the model's own chat format: ours, or a CT source's (test doubles without one get
-            # ours)
+            # the model's own chat format: ours, or a CT source's (test doubles without one
+            # get ours)
             fmt = getattr(getattr(self.model, "tokenizer", None), "format_chat", format_chat)
             return fmt([{"role": "user", "content": body}], add_generation_prompt=True), True
         return body, False
@@ -199,8 +199,8 @@ class ConceptMoELMMS(lmms):
                 gen_kwargs = dict(requests[idx[0]].args[1] or {})
                 until = gen_kwargs.get("until") or []
                 until = [until] if isinstance(until, str) else list(until)
-                # lmms-eval's own models sample iff temperature > 0; an explicit do_sample=false
-                # wins
+                # lmms-eval's own models sample iff temperature > 0; an explicit
+                # do_sample=false wins
                 sample = float(gen_kwargs.get("temperature", 0)
                                or 0) > 0 and gen_kwargs.get("do_sample") is not False
                 temperature = float(gen_kwargs.get("temperature", 0) or 0) if sample else 0.0

@@ -4,14 +4,14 @@ mistake, found in a second rather than after minutes of evaluation.
 - `positive_int`: an argparse type for counts (`--batch-size`, `--limit`, ...): 0 or less is refused
   at parse time.
 - `check_model_dir`: `--ckpt` must be an exported model (RUN_DIR/final with its config.json).
-- `check_out_file` / `check_out_dir`: `--out` must be writable (its folders are made, a probe file
-  is written and removed), checked before the model loads: a result that cannot be saved is not
-  computed.
+- `check_out_file` / `check_out_dir`: `--out` must be writable (its folders are made, a probe
+  file is written and removed), checked before the model loads: a result that cannot be saved
+  is not computed.
 - `load_model`: `vlm.generate.load_eval_model` after `check_model_dir` (a damaged export is refused
   by the loader itself, in one line, through `vlm.cli`'s ConfigError handling).
 
-Only the standard library at import: `eval/cli.py` imports this while `vlm --help` builds its
-parser.
+Only the standard library at import: `eval/cli.py` imports this while `vlm --help`
+builds its parser.
 """
 from __future__ import annotations
 

@@ -11,8 +11,8 @@ metrics, R its realized training ratio, L its last held-out LM loss). The fit pr
 with R^2 and RMSE, draws predicted against observed loss, and, under a FLOPs budget C = 6 D N (1 - P
 + P / R) (the concept model runs on D / R positions), the R and P that minimise the predicted loss.
 
-`vlm scaling sweep` (eval/scaling_sweep.py) trains the grid of small runs this fit needs, then fits
-it.
+`vlm scaling sweep` (eval/scaling_sweep.py) trains the grid of small runs this fit needs,
+then fits it.
 """
 from __future__ import annotations
 

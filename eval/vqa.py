@@ -1,5 +1,5 @@
-"""Built-in VQA eval: exact-match accuracy per question type on the default dataset's held-out
-split.
+"""Built-in VQA eval: exact-match accuracy per question type on the default
+dataset's held-out split.
 
 Two baselines put the accuracy in context: the majority answer per question type (taken from the
 train split when it is there, else from the evaluated split itself) and the same model asked blind
@@ -150,8 +150,8 @@ def run(args: argparse.Namespace) -> int:
     check_model_dir(args.ckpt, prog)
     out = check_out_file(args.out, prog)
     model = load_model(args.ckpt, prog)
-    # An existing default dataset (whatever its size settings) is used as it is; a missing one is
-    # built.
+    # An existing default dataset (whatever its size settings) is used as it is; a missing one
+    # is built.
     data = Path(args.data) if default_info(args.data) else ensure_default_dataset(args.data)
     split = Path(data) / args.split
     res = run_vqa_eval(model, str(split / "vqa-*.tar"),

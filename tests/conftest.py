@@ -351,8 +351,8 @@ def torch_globals():
     torch.set_num_threads(threads)
 
 
-# ---------------------------------------------------------------- a tiny VLM with the byte
-# tokenizer
+# ---------------------------------------------------------------- a tiny VLM with the
+# byte tokenizer
 def _tiny_vlm():
     """(ConceptMoEVLM, byte tokenizer): the small vision + ConceptMoE model the generation tests share."""
     from data_pipelines.tokenizer import load_tokenizer

@@ -120,10 +120,10 @@ def test_images_are_kept_at_the_size_the_model_sees_and_bounded_per_conversation
     ("--max-prompt-tokens", "0", "must be a whole number of tokens >= 1, got 0"),
 ])
 def test_bad_generation_options_are_refused_at_start(flag, value, says, capsys):
-    """The probes: these were accepted, then failed turn by turn or were ignored (a negative
-    temperature decoded greedily; --max-prompt-tokens 0 skipped every line as "longer than 0
-    bytes"). Refused when parsed, before the model is looked for; the prompt limit's message counts
-    tokens."""
+    """The probes: these were accepted, then failed turn by turn or were ignored (a
+    negative temperature decoded greedily; --max-prompt-tokens 0 skipped every line as
+    "longer than 0 bytes"). Refused when parsed, before the model is looked for; the prompt
+    limit's message counts tokens."""
     from vlm.cli import main
 
     with pytest.raises(SystemExit) as e:

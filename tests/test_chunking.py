@@ -34,8 +34,8 @@ def test_ema_scan_matches_appendix_b_loop_with_gradients():
     gx_ref, gp_ref = torch.autograd.grad((ref * w).sum(), (x, p))
     gx, gp = torch.autograd.grad((got * w).sum(), (x, p))
     torch.testing.assert_close(gx, gx_ref, rtol=1e-4, atol=1e-5)
-    # p_0 is the constant 1 forced at a document start (the loop never reads it), so compare from 1
-    # on.
+    # p_0 is the constant 1 forced at a document start (the loop never reads it), so compare from
+    # 1 on.
     torch.testing.assert_close(gp[1:], gp_ref[1:], rtol=1e-4, atol=1e-5)
 
 
@@ -121,10 +121,10 @@ def test_merge_strategies_follow_the_causal_convention():
 
 
 def test_concepts_past_the_static_capacity_are_counted_and_read_by_no_token():
-    """A row with more boundaries than its capacity (ceil(T slack / R) rounded up to 16): the
-    concepts past it are not computed, counted in `overflow`, and the tokens that would read them
-    read nothing (z = h); the concepts within capacity are exactly those of an unlimited
-    capacity."""
+    """A row with more boundaries than its capacity (ceil(T slack / R) rounded up to 16):
+    the concepts past it are not computed, counted in `overflow`, and the tokens that
+    would read them read nothing (z = h); the concepts within capacity are exactly those
+    of an unlimited capacity."""
     T = 40
     doc = torch.zeros(1, T, dtype=torch.long)
     force = torch.ones(1, T, dtype=torch.bool)            # 40 boundaries
@@ -285,9 +285,9 @@ def test_topk_router_keeps_the_best_n_over_R_tokens_per_document_and_a_causal_th
 
 # ---------------------------------------------------------------- the modules' single-token steps
 def _step_setup(router, merge="sum", residual="identity", T=12, t0=4, B=2, D=16):
-    """A chunk module and a dechunk (eval mode), rows of one document each, the whole-sequence
-    forward, and the state a prompt of the first t0 tokens leaves (as ConceptMoELM.prefill builds
-    it)."""
+    """A chunk module and a dechunk (eval mode), rows of one document each, the
+    whole-sequence forward, and the state a prompt of the first t0 tokens leaves (as
+    ConceptMoELM.prefill builds it)."""
     torch.manual_seed(0)
     cfg = ChunkConfig(router=router, merge=merge, residual=residual, target_ratio=3.0)
     chunker, de = ChunkModule(cfg, D).eval(), Dechunk(cfg, D)
@@ -315,10 +315,10 @@ def _step_setup(router, merge="sum", residual="identity", T=12, t0=4, B=2, D=16)
 @pytest.mark.parametrize("merge", ["last", "sum", "mean"])
 @pytest.mark.parametrize("router", ["cosine", "linear", "fixed", "topk"])
 def test_chunk_step_token_by_token_equals_the_forward_and_merge(router, merge):
-    """ChunkModule.step on one token at a time after a prompt: the boundary probability and decision
-    `forward` gives that position, and for the rows that fired their concept as `merge` builds it
-    and its gate (topk). Every row is computed (fixed shapes); the rows that did not fire are not
-    read."""
+    """ChunkModule.step on one token at a time after a prompt: the boundary probability and
+    decision `forward` gives that position, and for the rows that fired their concept as `merge`
+    builds it and its gate (topk). Every row is computed (fixed shapes); the rows that did not fire
+    are not read."""
     chunker, _, _, h, (ch, c_in, *_), state = _step_setup(router, merge)
     t0, T = 4, h.shape[1]
     fired = 0
@@ -343,11 +343,11 @@ def test_chunk_step_token_by_token_equals_the_forward_and_merge(router, merge):
 @pytest.mark.parametrize("router", ["cosine", "topk"])
 def test_dechunk_step_token_by_token_equals_the_forward(router, residual):
     """Dechunk.step after a prompt, fed the chunk module's step and the concept model's output
-    (every row computes; the rows that did not fire must ignore it): every later position's z (eq.
-    10), the EMA concept it reads (eq. 8-9), the concept count, and for the rows that fired the
-    smoothed new concept the cross-attention decoder appends, as `forward` / `smooth` give them for
-    the whole sequence (Synergy's gate with the topk router; the EMA over the inputs with
-    "delta")."""
+    (every row computes; the rows that did not fire must ignore it): every later position's z
+    (eq. 10), the EMA concept it reads (eq. 8-9), the concept count, and for the rows that
+    fired the smoothed new concept the cross-attention decoder appends, as `forward` / `smooth`
+    give them for the whole sequence (Synergy's gate with the topk router; the EMA over the
+    inputs with "delta")."""
     chunker, de, concept_model, h, (ch, _, c_out, z, c, _), state = _step_setup(router, "sum", residual)
     smoothed = de.smooth(c_out, ch)
     t0, T = 4, h.shape[1]

@@ -87,8 +87,8 @@ def check_training_step(kind: str, backend: str) -> None:
     assert ge.keys() == gc.keys() and len(ge) > 10
     for n in ge:
         torch.testing.assert_close(gc[n], ge[n], rtol=1e-4, atol=1e-6, msg=lambda m: f"{n}: {m}")
-    # the statistics the trainer reads after the step moved alike (expert loads; the top-k router's
-    # quantiles)
+    # the statistics the trainer reads after the step moved alike (expert loads; the top-k
+    # router's quantiles)
     for (n, b_e), b_c in zip(eager.named_buffers(), compiled.buffers()):
         torch.testing.assert_close(b_c, b_e, rtol=1e-5, atol=1e-6, msg=lambda m: f"buffer {n}: {m}")
 
@@ -246,10 +246,10 @@ def _varlen_stand_in(q, k, v, cu_q, cu_k, max_q, max_k, window_size=(-1, -1), en
 
 @pytest.mark.parametrize("window", [0, 5])
 def test_varlen_backend_layout_and_window_on_a_stand_in(monkeypatch, window):
-    """The "varlen" backend (PyTorch's own varlen flash kernel, CUDA only) is given the documents of
-    the packed rows as segments, causal, with the sliding window as (w - 1, 0) and GQA: checked on
-    the CPU against SDPA under the packed mask, with a stand-in written from the kernel's documented
-    contract."""
+    """The "varlen" backend (PyTorch's own varlen flash kernel, CUDA only) is given the documents
+    of the packed rows as segments, causal, with the sliding window as (w - 1, 0) and GQA:
+    checked on the CPU against SDPA under the packed mask, with a stand-in written from the
+    kernel's documented contract."""
     import vlm.model.attention as attention
 
     monkeypatch.setattr(attention, "varlen_attn", _varlen_stand_in)

@@ -1,5 +1,5 @@
-"""Config inheritance: a YAML file with a top-level `base: OTHER.yaml` states only what differs from
-OTHER.
+"""Config inheritance: a YAML file with a top-level `base: OTHER.yaml` states only what
+differs from OTHER.
 
 Mappings merge key by key (the child wins, the rest of the base stays), anything else (lists,
 scalars, null) replaces; `base` is relative to the file naming it; cycles and missing bases are one

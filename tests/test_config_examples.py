@@ -99,8 +99,8 @@ def test_a_shadowed_target_ratio_is_refused_naming_both():
     with pytest.raises(ConfigError, match=r"model\.chunk\.target_ratio=3 is shadowed by "
                                           r"model\.chunk\.modality_target_ratios"):
         load_train_config("configs/byte_level.yaml", ["model.chunk.target_ratio=3"])
-    # a saved config.yaml states every key: a target_ratio equal to one of the modalities' restates
-    # it
+    # a saved config.yaml states every key: a target_ratio equal to one of the modalities'
+    # restates it
     saved = flatten(to_dict(load_train_config("configs/byte_level.yaml")))
     assert saved["model.chunk.target_ratio"] == 2.0 and saved["model.chunk.modality_target_ratios.image"] == 2.0
     load_train_config("configs/byte_level.yaml", ["model.chunk.target_ratio=2"])

@@ -119,9 +119,9 @@ def _rows_batch(rows: list[list[int]]) -> PackedBatch:
 
 @pytest.mark.parametrize("name", ["sum", "last_delta_one_layer", "wider_concept", "topk_delta"])
 def test_cached_decoding_equals_full_recompute(name, seeded_lm, rand_docs):
-    """prefill + step (one concept key/value per realized concept, appended when a boundary fires)
-    gives the logits of a full forward over the same tokens, for ragged rows, past the allocated
-    capacity."""
+    """prefill + step (one concept key/value per realized concept, appended when a boundary
+    fires) gives the logits of a full forward over the same tokens, for ragged rows, past
+    the allocated capacity."""
     m = seeded_lm(VARIANTS[name])
     rows = [list(r) for r in rand_docs(V, [9, 4, 15, 1], 21)]
     B, steps = len(rows), 30
@@ -178,14 +178,14 @@ def test_flops_count_the_cross_attention():
     # norms 8
     assert p["cross_attention"] == 16 + 64 + 32 + 32 + 64 + 8 and p["joint_decoding"] == 0
     assert p["total"] == pj["total"] - pj["joint_decoding"] + 216
-    # MACs per token: W_Q 64 and W_O 64 per token, W_K and W_V 64 per concept = 32 per token at R =
-    # 2
+    # MACs per token: W_Q 64 and W_O 64 per token, W_K and W_V 64 per concept = 32 per token at R
+    # = 2
     f, fj = flops_per_token(cfg), flops_per_token(joint)
     assert f["cross_attention"] == 2 * (64 + 64 + 64 / 2) and f["joint_decoding"] == 0
     assert flops_per_token(cfg, ratio=4.0)["cross_attention"] == 2 * (64 + 64 + 64 / 4)
     assert f["total"] == pytest.approx(fj["total"] - fj["joint_decoding"] + 320)
-    # attention map: the replicated L x L causal kernel, 4 * Hq * hd per pair, 8 * 9 / 2 pairs, 1
-    # layer
+    # attention map: the replicated L x L causal kernel, 4 * Hq * hd per pair, 8 * 9 / 2 pairs,
+    # 1 layer
     a, aj = attention_map_flops(cfg, 8), attention_map_flops(joint, 8)
     assert a["cross_attention"] == 4 * 2 * 4 * 36 and aj["cross_attention"] == 0
     assert a["total"] == aj["total"] + 4 * 2 * 4 * 36

@@ -91,9 +91,9 @@ def _varlen_by_segment(q, k, v, cu_q):
 
 
 def test_replication_needs_only_a_causal_kernel(monkeypatch):
-    """The flash path (CUDA) gets no mask at all, only causal varlen segments; checked on CPU with a
-    stand-in for flash_attn_varlen_func written from its documented contract: still eq. 14's L x M
-    form."""
+    """The flash path (CUDA) gets no mask at all, only causal varlen segments; checked on CPU
+    with a stand-in for flash_attn_varlen_func written from its documented contract: still eq.
+    14's L x M form."""
     import vlm.model.attention as attention
     import vlm.model.block as block
 

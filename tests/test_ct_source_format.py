@@ -9,8 +9,8 @@ import json
 import pytest
 import torch
 
-# Qwen's layout, and not the project's (<|user|> ... <|end|>): the test's proof that final/ kept the
-# source's
+# Qwen's layout, and not the project's (<|user|> ... <|end|>): the test's proof that final/ kept
+# the source's
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% "
             "endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 SOURCE_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -112,8 +112,8 @@ def test_ct_keeps_the_source_chat_format(pad_vocab, how, tiny_data, tmp_path, to
     assert torch.equal(emb[:src.config.vocab_size], src.model.embed_tokens.weight)
     if not pad_vocab:   # the stated initialisation: the mean of the source's rows
         torch.testing.assert_close(emb[n_src:], src.model.embed_tokens.weight.mean(0).expand(4, -1))
-    # a chat sample trains in the source's template: its answer and closing <|im_end|> are the
-    # targets
+    # a chat sample trains in the source's template: its answer and closing <|im_end|> are
+    # the targets
     segs = tok.chat_segments(CHAT)
     assert "".join(t for t, _ in segs) == rendered
     assert [t for t, target in segs if target] == ["hi, how are you<|im_end|>\n"]

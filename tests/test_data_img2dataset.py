@@ -76,8 +76,8 @@ def test_metadata_json_is_told_apart_from_the_sample_schema():
                                                                           "width": 3,
                                                 "exif": "{}"}).encode()})
     assert theirs.text == "<image>from txt" and theirs.meta == {"status": "success", "width": 3}
-    # a .txt beside a JSON that looks like the schema: the JSON is metadata (our writer never writes
-    # .txt)
+    # a .txt beside a JSON that looks like the schema: the JSON is metadata (our writer never
+    # writes .txt)
     assert decode_sample({**img, "txt": b"t", "json": b'{"text": "other"}'}).text == "<image>t"
     assert decode_sample({**img, "json": b'{"text_en": "x", "caption_en": "y"}'},
                          caption_field="caption_en").text \

@@ -102,8 +102,8 @@ def test_import_finetune_from_final_and_evaluate(tmp_path, png, tiny_data, TINY,
     assert train and not any(k.startswith("skipped/") and v for r in lines for k, v in r.items()
                              if isinstance(v, (int, float))), lines[-1]
 
-    # 4. evaluate the fine-tuned model on the imported data, and export the captions as an lmms-eval
-    #    task
+    # 4. evaluate the fine-tuned model on the imported data, and export the captions as an
+    #    lmms-eval task
     rc, out, err = _main(["eval", "ppl", "--ckpt", str(tmp_path / "runs/mine/final"), "--data",
                           str(tmp_path / "data" / "llava"), str(cc), "--max-batches", "2",
                           "--row-tokens", "128", "--out", str(tmp_path / "ppl.json")])

@@ -43,8 +43,8 @@ def test_layout_of_a_packed_row(png):
     assert b.image_grids.tolist() == [[2, 4]] and b.pixel_patches.shape == (8, 3 * 14 * 14)
     assert b.patch_coords.tolist()[:5] == [[0, 0], [0, 1], [0, 2], [0, 3], [1, 0]]
     X = IGNORE_INDEX
-    # loss only on the answer ("a", <|end|>) and the final <eos> of the chat; the text doc is all
-    # target
+    # loss only on the answer ("a", <|end|>) and the final <eos> of the chat; the text doc is
+    # all target
     assert b.labels[0].tolist() == [X, X, X, X, X, X, X, X, X, ord("a"), t.end_id, t.eos_id, X,
                                     ord("h"), ord("i"), t.eos_id, X] + [X] * 7
 

@@ -174,8 +174,8 @@ def test_fifos_devices_and_broken_links_among_images_are_counted_never_opened(tm
     assert details == {"gone.png": "gone.png leads to nothing (a broken link?)",
                        "null.png": "null.png is a character device, not a regular file",
                        "pipe.png": "pipe.png is a FIFO (named pipe), not a regular file"}
-    # without --allow-outside-root the link to /dev/null is refused first; the summary names the new
-    # reason
+    # without --allow-outside-root the link to /dev/null is refused first; the summary names the
+    # new reason
     assert rc == 0 and "not_regular_file=1" in out and "outside_root=1" in out and "missing_image_file=1" in out
     assert tab["written"] == 1 and tab["skipped"] == {"not_regular_file": 1}
     assert "is a FIFO (named pipe), not a regular file" in tab["examples"][0]["detail"]

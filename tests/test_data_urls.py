@@ -131,8 +131,8 @@ def test_exact_resume_on_a_url_source(shards, http_server, workers, batches_equa
     assert _same_batches(head + rest, full, batches_equal)
     seen = Counter(t for b in head + rest for t in decode_docs(b, TOK))
     assert seen == Counter(texts)                      # each sample once: none repeated, none lost
-    # the same state resumes on the same shards served over http (positions name shards by file
-    # name)
+    # the same state resumes on the same shards served over http (positions name shards by
+    # file name)
     base, _ = http_server(d)
     moved = build_loader(_cfg(f"{base}/{BRACES}", num_workers=workers), TOK)
     moved.load_state_dict(state)

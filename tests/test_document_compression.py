@@ -17,9 +17,9 @@ from vlm.train.metrics import FIELDS, StepAccumulator, group_names, group_record
 
 
 def _two_kind_row():
-    """One packed row: a caption merged whole (8 image + 4 text tokens, one concept at its last
-    token) and a chat sample left unmerged (4 image + 6 text tokens, every token a boundary), then
-    padding."""
+    """One packed row: a caption merged whole (8 image + 4 text tokens, one concept at its
+    last token) and a chat sample left unmerged (4 image + 6 text tokens, every token a
+    boundary), then padding."""
     doc = [0] * 12 + [1] * 10 + [-1] * 2
     mod = [IMAGE] * 8 + [TEXT] * 4 + [IMAGE] * 4 + [TEXT] * 6 + [TEXT] * 2
     b = [False] * 11 + [True] + [True] * 10 + [False] * 2

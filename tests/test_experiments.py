@@ -264,8 +264,8 @@ def test_a_tiny_recipe_runs_end_to_end(tiny_data, tmp_path, monkeypatch, capsys)
     assert table == format_table(result) + "\n" and table in printed and "verdict: " in table
     claims = (out / "claims.md").read_text()
     assert claims.startswith("| claim | measured | holds? |") and "**joint-decoding**" in claims
-    # again: the finished runs are reused (no training), and other settings for the same runs are
-    # refused
+    # again: the finished runs are reused (no training), and other settings for the same runs
+    # are refused
     assert main(args) == 0
     assert "reusing 4 finished run(s)" in capsys.readouterr().out
     assert main([*args[:-1], "logging.eval_batches=2"]) == 1

@@ -1,6 +1,6 @@
-"""Fast guards for what only the slow tier caught (issue 36, item 5): five planted bugs that `make
-test-fast` (`pytest -m "not slow"`) let through. Each test here fails on its bug and runs in
-seconds:
+"""Fast guards for what only the slow tier caught (issue 36, item 5): five planted bugs that
+`make test-fast` (`pytest -m "not slow"`) let through. Each test here fails on its bug and
+runs in seconds:
 
 1. the per-document ratio loss averaged over documents instead of weighted by n_d / N;
 2. the statistics pass counting MoE loads a second time (its `load_accum` not put back);
@@ -105,8 +105,8 @@ def test_chunk_module_adds_the_token_weighted_document_term_and_micro_batches_su
     whole = doc_term(_DOCS)
     assert whole == pytest.approx(weight * _doc_term(_DOCS, N), rel=1e-5), \
         f"document term {whole}, want {weight * _doc_term(_DOCS, N)} (n_d / N weights)"
-    # two micro-batches: the global parser hands each the whole batch's sums (boundaries, sum of p,
-    # tokens)
+    # two micro-batches: the global parser hands each the whole batch's sums (boundaries, sum of
+    # p, tokens)
     glob = torch.tensor([[sum(d[1] for d in _DOCS), sum(d[0] * d[2] for d in _DOCS), N]])
     parts = [doc_term(_DOCS[:2], lambda local: glob), doc_term(_DOCS[2:], lambda local: glob)]
     assert sum(parts) == pytest.approx(whole, rel=1e-5), f"micro-batch shares {parts} do not sum to {whole}"
@@ -164,9 +164,9 @@ def test_the_statistics_pass_puts_the_moe_loads_back():
 
 
 def test_a_step_with_the_statistics_pass_counts_each_token_once_in_the_balancing_loads(monkeypatch):
-    """train_step, global parser, 2 micro-batches: what the MoE layers hold for the balancing update
-    after the step is exactly the loads of the step's real passes (each routed token slot once), not
-    twice."""
+    """train_step, global parser, 2 micro-batches: what the MoE layers hold for the balancing
+    update after the step is exactly the loads of the step's real passes (each routed token slot
+    once), not twice."""
     from vlm.train.distributed import init_distributed
     from vlm.train.engine import initialize
     from vlm.train.global_parser import GlobalParser, install

@@ -247,8 +247,8 @@ def test_cli_reads_only_model_section(tmp_path, capsys):
     expect = comparison_table(from_dict(ModelConfig, data["model"]), 2.0, 4096)
     assert [r["flops_per_token"]
             for r in rows] == pytest.approx([r["flops_per_token"] for r in expect])
-    # overrides as `vlm train` takes them (plain key=value, anywhere): the same table wherever they
-    # stand
+    # overrides as `vlm train` takes them (plain key=value, anywhere): the same table wherever
+    # they stand
     assert main(["flops", "--config", str(path), "model.moe.top_k=4", "--json", "--ratio", "2",
                  "--seq-len", "4096"]) == 0
     plain = json.loads(capsys.readouterr().out)

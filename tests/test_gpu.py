@@ -128,9 +128,9 @@ class ExpertChoices:
 
 def run(backend: str, dtype: torch.dtype, batch: PackedBatch, window: int = 0, replay=None,
         seed: int = 0):
-    """Logits, parameter gradients and expert choices of one training-mode forward. The boundaries
-    are forced (every third token) and, given `replay`, so are the expert selections (see the module
-    doc)."""
+    """Logits, parameter gradients and expert choices of one training-mode forward. The
+    boundaries are forced (every third token) and, given `replay`, so are the expert selections
+    (see the module doc)."""
     torch.manual_seed(seed)
     device = batch.input_ids.device
     m = ConceptMoELM(dataclasses.replace(cfg(attention_window=window),

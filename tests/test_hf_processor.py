@@ -1,6 +1,6 @@
-"""The transformers processor of an exported model: AutoTokenizer / AutoProcessor, the chat
-template, and the standard `apply_chat_template` -> `processor(...)` -> `generate` -> `batch_decode`
-path."""
+"""The transformers processor of an exported model: AutoTokenizer / AutoProcessor, the
+chat template, and the standard `apply_chat_template` -> `processor(...)` -> `generate`
+-> `batch_decode` path."""
 import numpy as np
 import pytest
 import torch

@@ -30,10 +30,10 @@ def modules() -> dict[str, Path]:
 
 
 def imports(module: str, path: Path, known: dict[str, Path]) -> list[tuple[str, int]]:
-    """(project module, line) for every import statement anywhere in the file, functions included.
-    `from P import n` reads P's namespace, so it depends on P itself (a package: its `__init__`) as
-    well as on P.n when that is a module: `from eval.experiments import registry` runs and reads
-    `eval/experiments/__init__`."""
+    """(project module, line) for every import statement anywhere in the file, functions
+    included. `from P import n` reads P's namespace, so it depends on P itself (a package: its
+    `__init__`) as well as on P.n when that is a module: `from eval.experiments import registry`
+    runs and reads `eval/experiments/__init__`."""
     def resolve(name: str) -> str | None:
         while name and name not in known:
             name = name.rpartition(".")[0]

@@ -109,8 +109,8 @@ def test_grouped_mm_equals_loop_equals_dense(router, shared, grove, norm):
 def test_expert_swiglu_grouped_backward_takes_any_gradient_layout():
     # .sum().backward() feeds a stride-0 gradient straight into the last grouped matmul; an empty
     # expert too; and two padding slots (group id = the expert count) that no expert computes: they
-    # come out as exactly 0 and pass no gradient back, although the grouped kernel leaves their rows
-    # unwritten.
+    # come out as exactly 0 and pass no gradient back, although the grouped kernel leaves their
+    # rows unwritten.
     torch.manual_seed(0)
     groups_N1 = torch.tensor([0] * 3 + [2] * 5 + [3] * 2 + [4] * 2)[torch.randperm(12)][:, None]
     slots = moe_mod.sort_by_group(groups_N1, 4)
@@ -340,8 +340,8 @@ def test_balance_and_z_loss_values_and_sigmoid_router():
     assert float(router_z_loss(torch.tensor([[0.0, 0.0], [math.log(3.0), 0.0]]))) == pytest.approx(
         (math.log(2.0) ** 2 + math.log(4.0) ** 2) / 2)
 
-    # A uniform router (zero weights): balance loss is exactly 1 whatever the tie-break, z-loss
-    # log(E)^2.
+    # A uniform router (zero weights): balance loss is exactly 1 whatever the tie-break,
+    # z-loss log(E)^2.
     m = make_moe(balance_loss_weight=0.5, z_loss_weight=0.25, loss_free_balancing=False)
     with torch.no_grad():
         m.router.weight.zero_()

@@ -48,9 +48,9 @@ def test_load_accumulation_update_and_all_reduce():
     m(x1)
     torch.testing.assert_close(m.load_accum, l1 + l2)  # eval does not count
     m.train()
-    # Activation checkpointing re-runs forward inside backward; that run must not be counted again:
-    # a stack counts its blocks' loads outside them (block.run_stack), with every checkpointing
-    # mode.
+    # Activation checkpointing re-runs forward inside backward; that run must not be counted
+    # again: a stack counts its blocks' loads outside them (block.run_stack), with every
+    # checkpointing mode.
     from configs.batch import PackedBatch
     from vlm.model.config import ModelConfig
     from vlm.model.conceptmoe import ConceptMoELM
@@ -95,9 +95,9 @@ def test_load_accumulation_update_and_all_reduce():
 
 
 def test_loss_free_bias_of_each_layer_moves_by_its_own_loads():
-    """Two MoE layers with opposite loads: after update_moe_biases each layer's bias is the step of
-    its own loads (one all-reduce for all layers, split back in module order), with and without an
-    all-reduce."""
+    """Two MoE layers with opposite loads: after update_moe_biases each layer's bias is the step
+    of its own loads (one all-reduce for all layers, split back in module order), with and
+    without an all-reduce."""
     for all_reduce in (lambda t: t.clone(), None):
         a, b = make_moe(num_experts=4, top_k=1), make_moe(num_experts=4, top_k=1, bias_update="rms")
         a.load_accum.copy_(torch.tensor([9.0, 1.0, 1.0, 1.0]))

@@ -41,8 +41,8 @@ def test_joint_decoding_eq11_adds_the_concept_to_q_k_and_v():
     torch.testing.assert_close(v0, attn.v_proj(z))
 
 
-# ------------------------------------------------------------------ ConceptMoE eq. 10 with residual
-# "delta"
+# ------------------------------------------------------------------ ConceptMoE eq. 10 with
+# residual "delta"
 def forced_chunks(mod: ChunkModule, h, doc, b):
     ch = mod(h, doc, force=b)
     return ch._replace(sel_BT=ch.sel_BT.detach().requires_grad_(True), cp_BM=ch.cp_BM.detach())
@@ -199,8 +199,8 @@ def test_global_parser_with_gradient_accumulation_gives_one_big_batch_gradient()
                                    msg=lambda m: f"{n}: {m}")
 
 
-# ------------------------------------------------------------------ the top-k router's inference
-# threshold
+# ------------------------------------------------------------------ the top-k router's
+# inference threshold
 def test_topk_threshold_moves_once_per_optimizer_step_from_the_real_passes():
     """Training forwards only accumulate the batches' (1 - 1/R) score quantiles; after the optimizer
     step the threshold takes one step, threshold <- 0.9 threshold + 0.1 mean(quantiles of the step's

@@ -197,9 +197,9 @@ def test_vlm_chat_and_eval_vqa_refuse_flipped_bytes(exported_vlm, tmp_path, subp
 
 
 def test_vlm_convert_writes_checksums_and_keeps_the_stop_ids(tiny_vlm, tmp_path):
-    """`vlm convert` of a project baseline: the converted folder verifies (its config.json,
-    rewritten after the weights, is not a weight file) and stops where the source's generate
-    stops."""
+    """`vlm convert` of a project baseline: the converted folder verifies (its
+    config.json, rewritten after the weights, is not a weight file) and stops where the
+    source's generate stops."""
     from vlm.cli import main
     from vlm.model.hf import load_vlm, save_pretrained
 

@@ -1,5 +1,5 @@
-"""Issue 37, `vlm eval ...`: a user's mistake is one line on stderr and exit 2, found before the
-work.
+"""Issue 37, `vlm eval ...`: a user's mistake is one line on stderr and exit 2, found
+before the work.
 
 The probes: `vlm eval vqa` on a folder that is not a model, `--batch-size 0`, an unwritable `--out`
 (found after 37 s of evaluation) each ended in a traceback; `--limit 0` scored one question. Every

@@ -52,8 +52,8 @@ def finished_run(tiny_data, tmp_path_factory, tiny_config, make_trainer):
     return run, cfg
 
 
-# ---------------------------------------------------------------- item 1: a finished run is not
-# overwritten
+# ---------------------------------------------------------------- item 1: a finished run is
+# not overwritten
 def test_a_finished_run_is_refused_unless_overwrite(finished_run, tmp_path, tiny_config, tiny_data,
                                                     write_config, ROOT, subprocess_env):
     """The issue's case: checkpoints/ deleted, final/ kept; `vlm train --out RUN` with another

@@ -67,8 +67,8 @@ def test_a_pickle_in_a_checkpoint_is_refused_in_one_line(tiny_data, tmp_path, ti
     assert not marker.exists()
 
 
-# ---------------------------------------------------------------- item 5: SIGTERM in the end-of-run
-# evaluation
+# ---------------------------------------------------------------- item 5: SIGTERM in the
+# end-of-run evaluation
 def test_sigterm_in_the_end_of_run_evaluation_stops_it_and_the_same_command_finishes(
         tiny_data, tmp_path, tiny_config, make_trainer, torch_globals, capfd):
     """A SIGTERM while the end-of-run callbacks run (the VQA eval) ends them at once: exit 143,
@@ -128,9 +128,9 @@ def test_a_config_error_found_after_the_folder_was_made_leaves_none(tiny_data, t
                                                                     tiny_config, make_trainer,
                                                                     torch_globals, section, value,
                                                                     match):
-    """Errors only the built model shows (a freeze prefix matching nothing, a vocabulary smaller
-    than the tokenizer's): the folders that making RUN_DIR created (parents included) are gone
-    again."""
+    """Errors only the built model shows (a freeze prefix matching nothing, a vocabulary
+    smaller than the tokenizer's): the folders that making RUN_DIR created (parents included)
+    are gone again."""
     from configs.config import ConfigError
 
     cfg = _cfg(tiny_config, tiny_data)

@@ -121,9 +121,9 @@ def test_concept_model_through_vllm_equals_vlm_chat(exported_vlm, tmp_path):
 
 
 def test_concept_capacity_overflow_is_counted_not_fatal(exported_vlm, tmp_path):
-    """A request that closes more concepts than its slot holds: the engine keeps serving (the
-    concepts past the capacity are dropped, as the model's static capacity drops them, and
-    logged)."""
+    """A request that closes more concepts than its slot holds: the engine keeps serving
+    (the concepts past the capacity are dropped, as the model's static capacity drops
+    them, and logged)."""
     p = _prompts(str(exported_vlm.parent / "a.png"))
     log: list = []
     got = _through_vllm(exported_vlm, [[p[4], p[1]]], tmp_path, log=log, max_model_len=256,

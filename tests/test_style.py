@@ -1,7 +1,8 @@
-"""What keeps the code readable without scrolling: small files, and lines a reader need not scroll sideways for.
+"""What keeps the code readable without scrolling: small files, and lines a reader need not scroll
+sideways for.
 
-Prose (comments, docstrings) and code are wrapped at 100 characters; a few code lines may pass it where breaking
-would hurt more than it helps (a long literal, a URL), but none passes 120."""
+Prose (comments, docstrings) and code are wrapped at 100 characters; a few code lines may pass it
+where breaking would hurt more than it helps (a long literal, a URL), but none passes 120."""
 import subprocess
 from pathlib import Path
 

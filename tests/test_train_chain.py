@@ -25,9 +25,9 @@ def _write(path, data: dict):
 
 
 def _stage_files(root, data_dir, tiny: dict) -> dict[str, str]:
-    """A tiny base config on the default dataset and three stages that state only what differs from
-    it: text (LLM alone, text part) -> align (captions, LLM frozen) -> full (everything trains, all
-    parts)."""
+    """A tiny base config on the default dataset and three stages that state only what differs
+    from it: text (LLM alone, text part) -> align (captions, LLM frozen) -> full (everything
+    trains, all parts)."""
     base = copy.deepcopy(tiny)
     base["data"].update(sources=[], default_dir=str(data_dir))
     base["logging"].update(eval_every=0, histogram_every=0, eval_sources=[])
@@ -103,8 +103,8 @@ def test_stages_run_in_order_each_from_the_previous_final(chain):
     assert align_cfg["train"]["init_from"] == str(text_dir / "final")
     assert align_cfg["data"]["default_parts"] == ["caption"] and align_cfg["params"]["freeze"] == ["lm"]
 
-    # the align stage froze the LLM, so its exported LLM is stage 1's exactly, and not a fresh
-    # initialisation
+    # the align stage froze the LLM, so its exported LLM is stage 1's exactly, and not a
+    # fresh initialisation
     from vlm.model.multimodal import ConceptMoEVLM
     from vlm.train.config import load_train_config
 

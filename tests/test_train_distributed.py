@@ -26,8 +26,8 @@ def _worker(rank: int, world: int, port: int, cfg, out: str) -> None:
     from vlm.train.trainer import Trainer
 
     tr = Trainer(cfg, os.path.join(out, f"run{world}"), log=lambda *_: None)
-    # The same two one-row batches everywhere: one process takes both as micro-batches, two take one
-    # each.
+    # The same two one-row batches everywhere: one process takes both as micro-batches, two take
+    # one each.
     it = iter(build_loader(cfg.data, tr.tokenizer, 0, 1))
     rows = [next(it), next(it)]
     window = rows if world == 1 else [rows[rank]]

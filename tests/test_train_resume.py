@@ -112,8 +112,8 @@ def test_resume_refuses_a_changed_config(tiny_data, tmp_path, torch_globals, tin
     with pytest.raises(ConfigError, match="cannot resume: optim.lr was 0.003 in the checkpointed "
                                           "run, now 0.1"):
         make_trainer(cfg, run_dir)
-    # --resume on a run with no checkpoint yet (preempted before its first save) starts it, saying
-    # so
+    # --resume on a run with no checkpoint yet (preempted before its first save) starts it,
+    # saying so
     said = []
     from vlm.train.trainer import Trainer
 
@@ -227,9 +227,9 @@ def test_deepspeed_files_load_tensors_only(tmp_path):
 
 def test_accept_optim_change_resumes_with_the_new_rates(tiny_data, tmp_path, torch_globals,
                                                         tiny_config, make_trainer, load_tiny):
-    """The documented fix after non-finite steps: resume with a lower optim.lr. The checkpoint's
-    optimizer and scheduler state come back, but the rates (and other optimiser settings) are this
-    config's."""
+    """The documented fix after non-finite steps: resume with a lower optim.lr. The
+    checkpoint's optimizer and scheduler state come back, but the rates (and other optimiser
+    settings) are this config's."""
     from configs.config import ConfigError
     from vlm.train.trainer import Trainer
 

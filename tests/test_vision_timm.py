@@ -1,6 +1,6 @@
-"""timm interop without timm: hand-built timm-layout checkpoints load into the packed encoder and
-give the same features as a hand-written timm ViT forward; the wrapper is tested only where timm
-imports."""
+"""timm interop without timm: hand-built timm-layout checkpoints load into the packed encoder
+and give the same features as a hand-written timm ViT forward; the wrapper is tested only
+where timm imports."""
 import importlib.util
 
 import pytest

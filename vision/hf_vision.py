@@ -1,5 +1,5 @@
-"""Hugging Face SigLIP / CLIP vision checkpoints in timm's key layout, so that one loader serves
-both.
+"""Hugging Face SigLIP / CLIP vision checkpoints in timm's key layout, so that one
+loader serves both.
 
 `SiglipVisionModel` / `CLIPVisionModel` (and the vision half of their full models) name the ViT's
 parts `vision_model.embeddings.*`, `vision_model.encoder.layers.i.*` with separate q/k/v

@@ -1,5 +1,5 @@
-"""Image processor: decode any image safely, resize to a patch budget keeping the aspect ratio,
-patchify.
+"""Image processor: decode any image safely, resize to a patch budget keeping the
+aspect ratio, patchify.
 
 Pillow only (torchvision does not import on a CPU-only torch). The output is what the packed NaViT
 encoder consumes: one row per patch, channel-major inside a patch (c, ph, pw), so that a timm ViT's

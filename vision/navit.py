@@ -1,9 +1,9 @@
 """Packed NaViT encoder ("Patch n' Pack"): images of any resolution share one sequence.
 
 Pre-norm ViT blocks whose parameter names follow timm's VisionTransformer (patch_embed.proj,
-blocks.i.norm1 / attn.qkv / attn.proj / norm2 / mlp.fc1 / mlp.fc2, norm), so timm weights load by
-name. Attention is block-diagonal over images; an optional 2x2 merge (Qwen2-VL) turns patches into
-tokens.
+blocks.i.norm1 / attn.qkv / attn.proj / norm2 / mlp.fc1 / mlp.fc2, norm), so timm weights load
+by name. Attention is block-diagonal over images; an optional 2x2 merge (Qwen2-VL) turns
+patches into tokens.
 """
 from __future__ import annotations
 
@@ -272,8 +272,8 @@ class NaViTEncoder(nn.Module):
         if patches_PD.ndim != 2 or patches_PD.shape[1] != self.patch_dim:
             raise ValueError(f"patches must be [P, 3*patch*patch={self.patch_dim}], got "
                              f"{tuple(patches_PD.shape)}")
-        # Zero padding first: masked attention multiplies padded values by 0, and 0 * nan/inf is
-        # nan.
+        # Zero padding first: masked attention multiplies padded values by 0, and 0 * nan/inf
+        # is nan.
         x = torch.where(layout.valid_P[:, None], patches_PD, torch.zeros((), dtype=patches_PD.dtype,
                                                                          device=patches_PD.device))
         x_PD = self.patch_embed(x, layout)

@@ -103,9 +103,9 @@ def pick_backend(x: torch.Tensor, layout: PackLayout, backend: str) -> str:
 
     flash: flash-attn varlen (CUDA, fp16/bf16, no padding). dense: one SDPA call over the whole
     sequence, needed only when there is more than one image or padding, with the P x P block mask
-    (good on GPU for moderate P). per_image: one SDPA call per image, O(sum n_i^2) work instead of
-    O(P^2); on CPU this is the fast choice because the dense mask computes every masked-out score as
-    well.
+    (good on GPU for moderate P). per_image: one SDPA call per image, O(sum n_i^2) work instead
+    of O(P^2); on CPU this is the fast choice because the dense mask computes every masked-out
+    score as well.
     """
     flash_ok = (_flash_varlen is not None and x.is_cuda
                 and x.dtype in (torch.float16, torch.bfloat16)

@@ -1,7 +1,7 @@
 """2D position information for packed patches: factorised learned embeddings or 2D RoPE.
 
-Both read only a patch's own (row, col), so an image's encoding does not depend on what it is packed
-with.
+Both read only a patch's own (row, col), so an image's encoding does not depend on what it
+is packed with.
 """
 from __future__ import annotations
 

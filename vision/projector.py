@@ -76,9 +76,9 @@ class Projector(nn.Module):
 
 
 def fraction_features(token_grids_I2: torch.Tensor, n_freq: int) -> torch.Tensor:
-    """[N, 4 * n_freq]: sin and cos of pi * 2^k * (y, x), k < n_freq, where (y, x) in (0, 1) is each
-    token's centre as a fraction of its image's height and width (images in order, each in raster
-    order)."""
+    """[N, 4 * n_freq]: sin and cos of pi * 2^k * (y, x), k < n_freq, where (y, x) in (0, 1)
+    is each token's centre as a fraction of its image's height and width (images in order,
+    each in raster order)."""
     row_N, col_N = token_rows_cols(token_grids_I2)
     n_I = token_grids_I2[:, 0].long() * token_grids_I2[:, 1].long()
     size_N2 = torch.repeat_interleave(token_grids_I2.long(), n_I, dim=0).float()

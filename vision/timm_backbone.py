@@ -34,8 +34,8 @@ class LoadReport:
     # e.g. pos-embed factorisation error
     notes: list[str] = field(default_factory=list)
 
-    # skip reasons for checkpoint parts a packed encoder has no use for; every other skip is a
-    # mismatch
+    # skip reasons for checkpoint parts a packed encoder has no use for; every other skip is
+    # a mismatch
     _NOT_USED = ("the packed encoder has no prefix tokens", "not part of the packed encoder")
 
     def mismatches(self) -> list[str]:
@@ -94,8 +94,8 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
 
 
 def factorise_pos_embed(grid_HWD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """Least-squares additive fit grid[r, c] ~ row[r] + col[c]; returns (row, col, relative L2
-    error).
+    """Least-squares additive fit grid[r, c] ~ row[r] + col[c]; returns (row, col,
+    relative L2 error).
 
     The optimum is row = row-mean - mean/2, col = col-mean - mean/2 (the overall mean split evenly).
     """
@@ -111,9 +111,9 @@ def resample_table(table: torch.Tensor, size: int, mode: str) -> torch.Tensor:
     """Fit a 1D position table ([n, D]) to `size` entries.
 
     copy: entries keep their absolute index (exact for images at the checkpoint's grid), the last
-    entry repeats beyond it and a longer table is truncated; interpolate: linear resize of the whole
-    table (positions become relative to the table length, as timm does when it resizes for a new
-    resolution).
+    entry repeats beyond it and a longer table is truncated; interpolate: linear resize of the
+    whole table (positions become relative to the table length, as timm does when it resizes for
+    a new resolution).
     """
     n = table.shape[0]
     if mode == "interpolate":
@@ -264,8 +264,8 @@ class TimmBackbone(nn.Module):
     """Runs a timm ViT on the packed inputs and returns merged tokens like NaViTEncoder.
 
     `naflexvit_*` models take all images at once, padded one image per row (timm's own NaFlex
-    layout); other ViTs are created with dynamic_img_size and run image by image. Prefix tokens are
-    dropped.
+    layout); other ViTs are created with dynamic_img_size and run image by image. Prefix
+    tokens are dropped.
     """
 
     def __init__(self, model_name: str, merge: int = 2, patch_size: int = 16,
@@ -322,8 +322,8 @@ class TimmBackbone(nn.Module):
             feats = feats["patches"] if isinstance(feats, dict) else feats
             feat_ND = feats[:, self.prefix:][ids_N, rank_N]
         else:
-            # Put each image's patches in raster order (inputs may come in any order), run, map
-            # back.
+            # Put each image's patches in raster order (inputs may come in any order), run,
+            # map back.
             rc_N2 = layout.coords_P2[layout.valid_P]
             g_N2 = image_grids_I2.to(rc_N2.device)[ids_N]
             raster_N = layout.cu_seqlens.long()[ids_N] + rc_N2[:, 0] * g_N2[:, 1] + rc_N2[:, 1]

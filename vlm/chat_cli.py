@@ -52,8 +52,8 @@ def _malloc_trim():
 
 
 def release_freed_memory() -> None:
-    """Hand the heap's free pages back to the operating system (glibc's `malloc_trim`; elsewhere
-    nothing).
+    """Hand the heap's free pages back to the operating system (glibc's
+    `malloc_trim`; elsewhere nothing).
 
     Pillow decodes an image into 16 MB blocks. Once glibc has freed one mapped block it raises its
     mmap threshold past that size, so later decodes come from the heap arenas (one per thread), and
@@ -91,10 +91,10 @@ class Conversation:
         return f"image {Path(path).name} attached to your next message"
 
     def _load(self, path: str) -> Image.Image:
-        """The image as the model will see it: decoded by the model's processor (pixel limit checked
-        on the header, JPEGs decoded at a reduced scale) and resized to its patch grid at once, so
-        that the conversation never holds the upload's full decoded size (7000 x 7000 RGB is 147
-        MB)."""
+        """The image as the model will see it: decoded by the model's processor (pixel limit
+        checked on the header, JPEGs decoded at a reduced scale) and resized to its patch grid at
+        once, so that the conversation never holds the upload's full decoded size (7000 x 7000 RGB
+        is 147 MB)."""
         from vision.image_processor import choose_grid
 
         processor = getattr(self.chat, "processor", None)

@@ -1,7 +1,7 @@
 """`vlm convert SRC --out DIR`: turn a pretrained MoE into a ConceptMoE for continual training.
 
-The model code is imported when the command runs, not when `vlm` registers it (as for `vlm
-train`)."""
+The model code is imported when the command runs, not when `vlm` registers it (as
+for `vlm train`)."""
 from __future__ import annotations
 
 import argparse
@@ -110,9 +110,9 @@ def run_convert(args) -> int:
 
 
 def _source_stop_ids(src: Path) -> list[int] | None:
-    """The source's generation_config.json eos ids when it lists several (a chat model's end of turn
-    and its eos, as an export of this project states them): the converted model stops at all of
-    them."""
+    """The source's generation_config.json eos ids when it lists several (a chat model's end of
+    turn and its eos, as an export of this project states them): the converted model stops at
+    all of them."""
     import json
 
     f = src / "generation_config.json"
@@ -121,9 +121,9 @@ def _source_stop_ids(src: Path) -> list[int] | None:
 
 
 def max_logit_difference(source: Path, converted: Path, tokens: int = 48, seed: int = 0) -> float:
-    """max |logit| difference between `converted` (read back from disk, every boundary forced on)
-    and `source` over the source's vocabulary, on one document of random token ids (float32,
-    CPU)."""
+    """max |logit| difference between `converted` (read back from disk, every boundary
+    forced on) and `source` over the source's vocabulary, on one document of random token
+    ids (float32, CPU)."""
     import json
 
     import torch

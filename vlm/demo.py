@@ -144,9 +144,9 @@ def target_band(chunk, modality: str) -> dict:
 
 
 def concept_panel(chat, turns: list[dict], images: list) -> tuple:
-    """(picture of the first image with its concepts outlined or None, the conversation text with
-    concept boundaries marked, per-modality compression) of the whole conversation, from one
-    prefill."""
+    """(picture of the first image with its concepts outlined or None, the conversation text
+    with concept boundaries marked, per-modality compression) of the whole conversation,
+    from one prefill."""
     from vision.image_processor import ImageProcessor
     from vlm.model.stats import summarize
     from vlm.train.render import image_concept_picture, text_with_boundaries
@@ -180,9 +180,9 @@ def build_app(chat, *, max_new_tokens: int = 64, temperature: float = 0.0,
               max_prompt_tokens: int = 4096, max_upload_mb: float = MAX_UPLOAD_MB,
               example: tuple[str, list[str]] | None = None,
               max_images: int = MAX_IMAGES):
-    """The gradio Blocks of the demo around a loaded `ConceptMoEChat` (launch it with `launch_app`).
-    `example` = (image path, questions): every page opens on that conversation, answered once
-    here."""
+    """The gradio Blocks of the demo around a loaded `ConceptMoEChat` (launch it with
+    `launch_app`). `example` = (image path, questions): every page opens on that conversation,
+    answered once here."""
     import gradio as gr
 
     from vision.image_processor import ImageError
@@ -282,8 +282,8 @@ def build_app(chat, *, max_new_tokens: int = 64, temperature: float = 0.0,
         session = Session(conv)
         return list(session.history), session, picture, text, compression, "", "", None
 
-    # uploads are copied into gradio's cache folder: files older than the session lifetime are
-    # deleted
+    # uploads are copied into gradio's cache folder: files older than the session lifetime
+    # are deleted
     with gr.Blocks(title=TITLE, analytics_enabled=False,   # nothing leaves the machine
                    delete_cache=(SESSION_TTL_S // 4, SESSION_TTL_S)) as app:
         gr.Markdown(f"## {TITLE}\nUpload an image and ask about it; the right side shows how the "
@@ -295,8 +295,8 @@ def build_app(chat, *, max_new_tokens: int = 64, temperature: float = 0.0,
             with gr.Column(scale=3):
                 chatbot = gr.Chatbot(label="conversation", height=420)
                 # no file_types: gradio would refuse another file with a traceback in the console
-                # and a bare "Error" in the page; check_image refuses it in one line under the chat
-                # instead
+                # and a bare "Error" in the page; check_image refuses it in one line under the
+                # chat instead
                 upload = gr.File(label=f"image (attached to your next message; max "
                                        f"{max_upload_mb:g} MB)",
                                  type="filepath")

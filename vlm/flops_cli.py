@@ -1,5 +1,5 @@
-"""`vlm flops`: parameters, per-token FLOPs, attention map and KV cache, and the fair-comparison
-table.
+"""`vlm flops`: parameters, per-token FLOPs, attention map and KV cache, and
+the fair-comparison table.
 
     vlm flops --config configs/paper_moe_90b.yaml --ratio 1.5 --seq-len 32768
     vlm flops --config configs/paper_ct_90b_top15.yaml --baseline configs/paper_moe_90b.yaml

@@ -1,5 +1,5 @@
-"""`vlm bench`: run benchmark parts and write DIR/<part>.json and DIR/<part>.png; prints each part's
-table.
+"""`vlm bench`: run benchmark parts and write DIR/<part>.json and DIR/<part>.png; prints
+each part's table.
 
     vlm bench [model|decode|moe|loader|attention|vision|realized|gpu|all] [--quick] [--out DIR] [--ckpt DIR]
 
@@ -9,8 +9,8 @@ configs/gpu.yaml's LLM on one CUDA device, in under 8 minutes) runs only when na
 without CUDA unless --smoke.
 
 --quick: fewer lengths and rounds (`all` in under 5 minutes on 2 CPU cores). --smoke (not in
---help): tiny shapes and two rounds, for tests of one part's plumbing; its figures say nothing about
-speed.
+--help): tiny shapes and two rounds, for tests of one part's plumbing; its figures say
+nothing about speed.
 """
 from __future__ import annotations
 

@@ -1,16 +1,16 @@
 """Prefill tokens/s with the boundaries a trained router really draws on real prompts, against the
 MoE baseline.
 
-The `model` part forces exactly T/R boundaries per row: the speed a user gets if the router realizes
-the design ratio R on their inputs. This part reads the boundaries instead from a checkpoint
-(`--ckpt RUN_DIR/final`): its router, in eval mode (p >= 0.5), on that checkpoint's own held-out VQA
-prompts (with their images, as `vlm chat`, the demo and every VQA eval prefill them) and captions of
-the default dataset. Each kind's documents are packed whole into rows of T tokens with their
-realized boundaries, and the `model` part's FLOPs-matched reallocations (matched at the design R)
-prefill those rows against the MoE baseline, next to the same rows with boundaries forced at exactly
-T/R. The realized ratio per kind is reported with each row; a realized ratio below R means the
-concept model sees more concepts than it was sized for, and the reallocation runs slower than the
-baseline.
+The `model` part forces exactly T/R boundaries per row: the speed a user gets if the router
+realizes the design ratio R on their inputs. This part reads the boundaries instead from a
+checkpoint (`--ckpt RUN_DIR/final`): its router, in eval mode (p >= 0.5), on that checkpoint's own
+held-out VQA prompts (with their images, as `vlm chat`, the demo and every VQA eval prefill them)
+and captions of the default dataset. Each kind's documents are packed whole into rows of T tokens
+with their realized boundaries, and the `model` part's FLOPs-matched reallocations (matched at the
+design R) prefill those rows against the MoE baseline, next to the same rows with boundaries forced
+at exactly T/R. The realized ratio per kind is reported with each row; a realized ratio below R
+means the concept model sees more concepts than it was sized for, and the reallocation runs slower
+than the baseline.
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""`vlm experiment`: recipes that reproduce the papers' findings at CPU scale, one recipe per
-finding.
+"""`vlm experiment`: recipes that reproduce the papers' findings at CPU scale, one
+recipe per finding.
 
 Each recipe trains small variants side by side with everything else equal, over several seeds, as
 ordinary `vlm train` runs with dotted overrides (so every number can be reproduced and inspected

@@ -125,9 +125,9 @@ def _steps_done(run_dir: Path) -> int:
 
 
 def run_jobs(jobs: list[Job], out: Path, slots: int, log=print) -> list[str]:
-    """Launch every job not already finished, `slots` processes at a time (a 2-rank run takes 2; one
-    wider than `slots` runs alone); returns the names of the failed runs (their dependents are not
-    started)."""
+    """Launch every job not already finished, `slots` processes at a time (a 2-rank run takes 2;
+    one wider than `slots` runs alone); returns the names of the failed runs (their dependents
+    are not started)."""
     out.mkdir(parents=True, exist_ok=True)
     pool = _Pool(jobs, out, slots, log)
     try:

@@ -14,8 +14,8 @@ HELD_OUT = ("the run's last val/lm_loss (eval mode: boundaries where p >= 0.5) o
 VAL_LOSS = Metric("val_loss", "held-out loss")
 TRAIN_LOSS = Metric("train_loss", "train loss (last 10 %)")
 VAL_R = Metric("val_R", "held-out R (aggregate)", 2)
-# the same held-out text documents one by one: the median document, and the 10th / 90th percentile
-# ones
+# the same held-out text documents one by one: the median document, and the 10th / 90th
+# percentile ones
 VAL_R_DOC = [Metric("val_R_p50", "held-out R, median document", 2),
              Metric("val_R_p10", "held-out R, p10 document", 2),
              Metric("val_R_p90", "held-out R, p90 document", 2)]

@@ -1,5 +1,5 @@
-"""Aggregation tasks (after RULER): common-words extraction (CWE) and frequent-words extraction
-(FWE).
+"""Aggregation tasks (after RULER): common-words extraction (CWE) and
+frequent-words extraction (FWE).
 
 Neither has a needle, so they have no depth; the haystack size is the number of list entries (CWE)
 or the Zipf sample size (FWE).
@@ -32,8 +32,8 @@ class CWESpec:
     num_common: int = 10
     freq_common: int = 30
     freq_uncommon: int = 3
-    # RULER uses sparser lists below 4k tokens so that short prompts still hold enough distinct
-    # words
+    # RULER uses sparser lists below 4k tokens so that short prompts still hold enough
+    # distinct words
     short_below: int = 4096
     short_freq_common: int = 6
     short_freq_uncommon: int = 1

@@ -1,6 +1,6 @@
-"""Published numbers are generated, not typed: every table of measured figures in README.md and
-docs/ is rendered from the JSON the bench, the recipes and the runs leave (`vlm results`, `make
-results`).
+"""Published numbers are generated, not typed: every table of measured figures in README.md
+and docs/ is rendered from the JSON the bench, the recipes and the runs leave (`vlm
+results`, `make results`).
 
 - `regions`: the `<!-- results:NAME -->` ... `<!-- /results:NAME -->` markers a document holds its
   tables in.

@@ -1,5 +1,5 @@
-"""Tables from `vlm bench` JSON (eval/bench/results/, as the bench writes it) and from
-launches.json."""
+"""Tables from `vlm bench` JSON (eval/bench/results/, as the bench writes it)
+and from launches.json."""
 from __future__ import annotations
 
 from typing import Any
@@ -35,8 +35,8 @@ def best(res: dict[str, Any], mode: str, seq_len: int) -> tuple[str, float]:
 
 
 def attention_limit(res: dict[str, Any], cand: str = "more_experts") -> float:
-    """The attention-bound prefill time ratio of the split, as the docs state it (two decimals:
-    0.44)."""
+    """The attention-bound prefill time ratio of the split, as the docs state it
+    (two decimals: 0.44)."""
     row = [r for r in res["rows"] if r["candidate"] == cand][0]
     return round(row["attn_bound_time_ratio"], 2)
 
@@ -52,8 +52,8 @@ def kv_ratio(decode: dict[str, Any], cand: str) -> float:
 
 
 def model_table(src: dict[str, Any]) -> str:
-    """tokens/s vs the MoE baseline, 1K-16K: prefill and training (model.json), decode at batch 1 /
-    8."""
+    """tokens/s vs the MoE baseline, 1K-16K: prefill and training (model.json), decode at batch
+    1 / 8."""
     model, decode = src[MODEL], src[DECODE]
     lengths = model["settings"]["seq_lens"]
     rows = []

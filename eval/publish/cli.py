@@ -1,5 +1,5 @@
-"""`vlm results`: render every table of measured figures in README.md and docs/ from the committed
-JSON.
+"""`vlm results`: render every table of measured figures in README.md and docs/ from
+the committed JSON.
 
     vlm results            rewrite the tables between <!-- results:NAME --> markers (prose
     untouched)

@@ -35,8 +35,8 @@ def _commit(root: Path) -> str | None:
 
 
 def count(name: str, backend: str) -> int:
-    """Operators per eager training step of one candidate (after one step, so the optimizer state
-    exists)."""
+    """Operators per eager training step of one candidate (after one step, so the
+    optimizer state exists)."""
     import torch
 
     from configs.batch import PackedBatch

@@ -5,8 +5,8 @@ rendered like every other.
     {"provenance": {"command": ..., "commit": ..., "outputs": ...},
      "decimals": 1, "columns": [...], "rows": [[cell, ...], ...]}
 
-A cell is a string (written as it is), a number (at `decimals`) or a list of numbers (joined by ' /
-')."""
+A cell is a string (written as it is), a number (at `decimals`) or a list of numbers (joined by
+' / ')."""
 from __future__ import annotations
 
 from typing import Any

@@ -18,8 +18,8 @@ class RegionError(ValueError):
 
 
 def regions(text: str) -> dict[str, str]:
-    """NAME -> the text between its markers. Every marker must belong to exactly one pair, each name
-    once."""
+    """NAME -> the text between its markers. Every marker must belong to exactly one pair,
+    each name once."""
     found: dict[str, str] = {}
     for m in REGION.finditer(text):
         if m["name"] in found:
@@ -38,8 +38,8 @@ def block(body: str) -> str:
 
 
 def replace(text: str, rendered: dict[str, str]) -> str:
-    """`text` with each region NAME in `rendered` holding rendered[NAME]; a region not in it is an
-    error."""
+    """`text` with each region NAME in `rendered` holding rendered[NAME]; a region not in it
+    is an error."""
     regions(text)   # validate first
 
     def sub(m: re.Match) -> str:

@@ -67,8 +67,8 @@ BY_NAME = {t.name: t for t in TABLES}
 
 
 def load(root: Path, path: str) -> Any:
-    """A source JSON; one that records figures instead of holding a producer's output needs its
-    provenance."""
+    """A source JSON; one that records figures instead of holding a producer's output
+    needs its provenance."""
     data = json.loads((root / path).read_text())
     if path.startswith(REC):
         recorded.check_provenance(data, path)
@@ -76,8 +76,8 @@ def load(root: Path, path: str) -> Any:
 
 
 def caption(t: Table, root: Path, src: dict[str, Any]) -> str:
-    """The line under a table: the JSON it comes from, and which of it is recorded rather than
-    produced."""
+    """The line under a table: the JSON it comes from, and which of it is recorded
+    rather than produced."""
     def link(path: str) -> str:
         rel = os.path.relpath(root / path, (root / t.doc).parent)
         return f"[`{Path(path).name}`]({rel})"
@@ -109,9 +109,9 @@ def documents() -> list[str]:
 
 
 def render_doc(root: Path, doc: str) -> tuple[str, str]:
-    """(the document as it is, the document with every region rendered). Every table registered for
-    the document must have its markers there, and every marker a registered table of that
-    document."""
+    """(the document as it is, the document with every region rendered). Every table
+    registered for the document must have its markers there, and every marker a registered
+    table of that document."""
     text = (root / doc).read_text()
     have = regions.regions(text)
     want = {t.name for t in TABLES if t.doc == doc}

@@ -65,8 +65,8 @@ def readme_compression(src: dict[str, Any]) -> str:
 
 
 def seeds_compression(src: dict[str, Any]) -> str:
-    """compression.md: median (p10-p90) per kind and modality, one column per seed, and the
-    aggregates."""
+    """compression.md: median (p10-p90) per kind and modality, one column per seed,
+    and the aggregates."""
     runs = seeds(src)
     rows = []
     for kind, label in KINDS:
@@ -87,8 +87,8 @@ def seeds_compression(src: dict[str, Any]) -> str:
 
 
 def seeds_vqa(src: dict[str, Any]) -> str:
-    """compression.md: held-out VQA per question type, model / majority answer / blind model, per
-    seed."""
+    """compression.md: held-out VQA per question type, model / majority answer / blind
+    model, per seed."""
     runs = seeds(src)
     rows = []
     for key, label in VQA_TYPES:
@@ -115,8 +115,8 @@ def seeds_vqa_prose(src: dict[str, Any]) -> str:
 
 
 def readme_results(src: dict[str, Any]) -> str:
-    """Results at a glance: one row per headline, each figure from the JSON its page's table
-    reads."""
+    """Results at a glance: one row per headline, each figure from the JSON its
+    page's table reads."""
     runs = seeds(src)
     vqa = [run["vqa"] for run in runs]
     run_vqa, run_s = src[RUN_VQA], src[RUN_SUMMARY]

@@ -1,10 +1,10 @@
 """lmms-eval task functions for the default dataset's exported test split (see
 `eval/export_tasks.py`).
 
-The task YAMLs reference these as `!function eval.tasks.conceptmoe_utils.NAME` (lmms-eval falls back
-to an absolute import when no file sits next to the YAML). Documents are JSON Lines records with
-base64 PNG `images`, plus `question`/`answer`/`question_type`/`heldout`/`choices` (VQA) or
-`caption`.
+The task YAMLs reference these as `!function eval.tasks.conceptmoe_utils.NAME` (lmms-eval falls
+back to an absolute import when no file sits next to the YAML). Documents are JSON Lines
+records with base64 PNG `images`, plus `question`/`answer`/`question_type`/`heldout`/`choices`
+(VQA) or `caption`.
 """
 from __future__ import annotations
 
@@ -66,9 +66,9 @@ def mc_doc_to_target(doc: dict) -> int:
 # ----------------------------------------------
 
 def caption_doc_to_text(doc: dict, lmms_eval_specific_kwargs: dict | None = None) -> str:
-    # Captions are trained as plain image-text pairs ("<image>A small red ..."), not as chat turns:
-    # giving the placeholder ourselves keeps the adapter from wrapping the prompt in the chat
-    # template.
+    # Captions are trained as plain image-text pairs ("<image>A small red ..."), not as chat
+    # turns: giving the placeholder ourselves keeps the adapter from wrapping the prompt in the
+    # chat template.
     kwargs = lmms_eval_specific_kwargs or {}
     return IMAGE_TOKEN * len(doc["images"]) + kwargs.get("prompt", "")
 

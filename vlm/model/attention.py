@@ -1,5 +1,5 @@
-"""Attention over packed rows: backends, and the GQA self-attention layer with joint decoding (eq.
-11).
+"""Attention over packed rows: backends, and the GQA self-attention layer with joint
+decoding (eq. 11).
 
 Every backend computes the same thing: causal attention restricted to the query's own document.
 The choice is one function (`resolve_backend`), picked at run time; tests compare them on one input.
@@ -48,9 +48,9 @@ def resolve_backend(requested: str, device: torch.device, compiled: bool = False
 
 
 def packed_mask(doc_BT: torch.Tensor, causal: bool = True, window: int = 0) -> torch.Tensor:
-    """[B, 1, T, T] bool: may query i attend key j? Same document (and j <= i when causal; with a
-    sliding `window` > 0 also i - j < window: each query sees itself and the window - 1 keys before
-    it).
+    """[B, 1, T, T] bool: may query i attend key j? Same document (and j <= i when causal;
+    with a sliding `window` > 0 also i - j < window: each query sees itself and the window - 1
+    keys before it).
 
     Padding queries (doc -1) attend only to themselves so that no row of the softmax is empty. What
     a padding position holds after attention differs between backends (the varlen kernels and the

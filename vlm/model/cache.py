@@ -1,5 +1,5 @@
-"""Inference caches: token-level KV for encoder and decoder layers, concept-level KV for the concept
-model.
+"""Inference caches: token-level KV for encoder and decoder layers, concept-level KV for
+the concept model.
 
 Rows are ragged: each has its own length (tokens, or concepts for a concept cache: the concept
 model's, and the cross-attention decoder's, which keeps one key/value per concept). A cache is one
@@ -126,9 +126,9 @@ class DechunkState:
 
 @dataclass
 class ChunkState(DechunkState, RouterState):
-    """The chunk module's and the dechunk's state in one object (each module reads and writes its
-    own fields); fields in the order last_key_BD, pending_BD, pending_n_B, ema_BD, n_concepts_B,
-    ema_in_BD."""
+    """The chunk module's and the dechunk's state in one object (each module reads and
+    writes its own fields); fields in the order last_key_BD, pending_BD, pending_n_B,
+    ema_BD, n_concepts_B, ema_in_BD."""
 
     @staticmethod
     def join(router: RouterState, dechunk: DechunkState) -> "ChunkState":
@@ -148,9 +148,9 @@ class InferenceCache:
     chunk: ChunkState | None = None  # None for the MoE baseline (every token is a concept)
     # token positions each row can hold at allocation (caches grow past it)
     capacity: int = 0
-    # decoder_mode cross_attention: the concept keys/values of each cross-attending decoder layer,
-    # one entry per realized concept (DLCM eq. 13), filled at prefill and extended when a boundary
-    # fires
+    # decoder_mode cross_attention: the concept keys/values of each cross-attending decoder
+    # layer, one entry per realized concept (DLCM eq. 13), filled at prefill and extended when a
+    # boundary fires
     cross: list[KVCache] = field(default_factory=list)
     # host-side bounds on the entries any row has used in the token caches (the prompt's padded
     # length plus one per step) and in the concept caches (the prompt's concept capacity plus one

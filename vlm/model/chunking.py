@@ -151,8 +151,8 @@ class ChunkModule(nn.Module):
         elif self.cfg.router == "fixed":
             p = (positions_in_doc(doc_BT) % self.every == 0).to(h_BTD.dtype)
         elif self.cfg.router == "topk":
-            # p = sigmoid(w - tau): p >= 0.5 is w >= tau, the causal rule inference uses (see
-            # topk_boundaries)
+            # p = sigmoid(w - tau): p >= 0.5 is w >= tau, the causal rule inference uses
+            # (see topk_boundaries)
             p = torch.sigmoid(self.score(h_BTD).squeeze(-1).float() - self.threshold)
         else:
             prev = F.pad(h_BTD[:, :-1], (0, 0, 1, 0))
@@ -162,8 +162,8 @@ class ChunkModule(nn.Module):
         return torch.where(doc_BT >= 0, p, torch.zeros_like(p)), start
 
     def topk_boundaries(self, w_BT: torch.Tensor, doc_BT: torch.Tensor) -> torch.Tensor:
-        """Synergy eq. 2 in training: the ceil(n / R) highest-scoring tokens of each n-token
-        document.
+        """Synergy eq. 2 in training: the ceil(n / R) highest-scoring tokens of
+        each n-token document.
 
         A top-k over a document looks ahead, so inference cannot use it. Synergy leaves the
         inference rule open (MoD trains a causal predictor); here a token is a boundary when its
@@ -225,9 +225,9 @@ class ChunkModule(nn.Module):
         return [(valid_BT, self.cfg.target_ratio)]
 
     def compute_ratio_loss(self, p_BT, b_BT, groups, doc_BT=None):
-        """Eq. 4 per ratio group over the global batch (the paper), plus with `document_slack` the
-        per-document term (`document_ratio_loss`) of each group. Returns (loss, local [Z, 3]
-        sums)."""
+        """Eq. 4 per ratio group over the global batch (the paper), plus with
+        `document_slack` the per-document term (`document_ratio_loss`) of each group. Returns
+        (loss, local [Z, 3] sums)."""
         masks = torch.stack([m for m, _ in groups])                            # [Z, B, T]
         pf = p_BT.float()
         sum_p = (masks * pf).flatten(1).sum(-1)                                # [Z] with grad
@@ -237,8 +237,8 @@ class ChunkModule(nn.Module):
         count = glob[:, 2].clamp_min(1)
         F_ = glob[:, 0] / count
         G = (sum_p + (glob[:, 1] - local[:, 1])) / count
-        # A group with no tokens anywhere contributes nothing (masked on device: no host sync per
-        # group).
+        # A group with no tokens anywhere contributes nothing (masked on device: no host sync
+        # per group).
         losses = torch.stack([ratio_loss(F_[k], G[k], r) for k, (_, r) in enumerate(groups)])
         loss = torch.where(glob[:, 2] > 0, losses, torch.zeros_like(losses)).sum()
         if self.cfg.holds_documents and doc_BT is not None:

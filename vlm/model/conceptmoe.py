@@ -39,8 +39,8 @@ class ConceptMoELM(nn.Module):
             for _ in range(cfg.concept_layers))
         self.concept_down = nn.Linear(Dc, D, bias=False) if Dc != D else None
         self.dechunk = Dechunk(cfg.chunk, D) if cfg.chunk.enabled else None
-        # the last num_joint_layers decoder layers read the concepts: eq. 11 (joint) or DLCM's
-        # cross-attention
+        # the last num_joint_layers decoder layers read the concepts: eq. 11 (joint) or
+        # DLCM's cross-attention
         self.joint_from = cfg.decoder_layers - cfg.num_joint_layers
         self.cross = cfg.decoder_mode == "cross_attention"
         self.decoder = nn.ModuleList(Block(D, moe=cfg.moe, joint=i >= self.joint_from
@@ -186,9 +186,9 @@ class ConceptMoELM(nn.Module):
     @torch.no_grad()
     def step(self, x_BD: torch.Tensor, cache: InferenceCache,
              force_B: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [B, V] of one new token per row (embedded: [B, D]), extending every cache: makes
-        room for it (host-side bookkeeping: the caches grow, rarely, between steps) and runs
-        `decode_step`."""
+        """Logits [B, V] of one new token per row (embedded: [B, D]), extending every cache:
+        makes room for it (host-side bookkeeping: the caches grow, rarely, between steps)
+        and runs `decode_step`."""
         cache.make_room(1)
         return self.decode_step(x_BD, cache, force_B)
 

@@ -16,9 +16,9 @@ class MoEConfig(ValidatedOnInit):
     expert_hidden: int = 96           # intermediate size of one routed expert
     num_shared_experts: int = 0       # always-on experts (DeepSeek style)
     shared_hidden: int = 128          # intermediate size of one shared expert
-    # softmax / sigmoid: one score per expert chooses (with the balancing bias) and weighs; grove
-    # (Grove eq. 9): sigmoid scores plus the bias choose, the softmax scores rho^(h) weigh (see
-    # grove_weights)
+    # softmax / sigmoid: one score per expert chooses (with the balancing bias) and weighs;
+    # grove (Grove eq. 9): sigmoid scores plus the bias choose, the softmax scores rho^(h) weigh
+    # (see grove_weights)
     router: Literal["softmax", "sigmoid", "grove"] = "softmax"
     # softmax / sigmoid routers: renormalise the chosen weights (Qwen3-MoE, Mixtral)
     norm_topk_prob: bool = True
@@ -302,9 +302,9 @@ class ModelConfig(ValidatedOnInit):
 
 @dataclass
 class ConvertConfig(ValidatedOnInit):
-    """How a pretrained MoE becomes a ConceptMoE (vlm.model.convert): the options of `vlm convert`
-    and the training config's `convert` section (stage 'ct'). The source checkpoint defines the LLM
-    architecture."""
+    """How a pretrained MoE becomes a ConceptMoE (vlm.model.convert): the options of `vlm
+    convert` and the training config's `convert` section (stage 'ct'). The source checkpoint
+    defines the LLM architecture."""
 
     encoder_layers: int = 2
     decoder_layers: int = 2

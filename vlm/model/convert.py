@@ -154,10 +154,10 @@ def fit_vocab(model: ConceptMoEVLM, vocab_size: int) -> int:
     resize_token_embeddings does for tokens added to a pretrained tokenizer; returns how many rows
     were added (0: it already fits).
 
-    Every new row starts at the mean of the source's rows (embedding and output alike): a new token
-    reads as an average token and its logit as the average logit, so the source's own tokens are
-    predicted as before up to the softmax's one extra term per new row. The source's rows are not
-    touched."""
+    Every new row starts at the mean of the source's rows (embedding and output alike): a new
+    token reads as an average token and its logit as the average logit, so the source's own
+    tokens are predicted as before up to the softmax's one extra term per new row. The source's
+    rows are not touched."""
     lm, old = model.lm, model.lm.embed.weight.shape[0]
     if vocab_size <= old:
         return 0

@@ -1,5 +1,5 @@
-"""DLCM's causal cross-attention decoder (DLCM 3.5.2, eq. 12-14) by concept replication (4.1, eq.
-17).
+"""DLCM's causal cross-attention decoder (DLCM 3.5.2, eq. 12-14) by concept replication
+(4.1, eq. 17).
 
 `model.decoder_mode: cross_attention` gives every concept-reading decoder layer (the same layers
 joint decoding, ConceptMoE eq. 11, would use) a cross-attention sublayer between its self-attention
@@ -138,8 +138,8 @@ class CrossAttention(nn.Module):
         self.k_proj = nn.Linear(dim, num_kv_heads * head_dim, bias=False)
         self.v_proj = nn.Linear(dim, num_kv_heads * head_dim, bias=False)
         self.o_proj = nn.Linear(num_heads * head_dim, dim, bias=False)
-        # DLCM eq. 16: RMSNorm on queries and keys, where the self-attention has it too
-        # (model.qk_norm)
+        # DLCM eq. 16: RMSNorm on queries and keys, where the self-attention has it
+        # too (model.qk_norm)
         self.q_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
 

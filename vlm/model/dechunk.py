@@ -61,8 +61,8 @@ class Dechunk(nn.Module):
     def __init__(self, cfg: ChunkConfig, dim: int):
         super().__init__()
         self.cfg = cfg
-        # H-Net's residual projection; identity at init reproduces eq. 10, conversion starts it at
-        # zero.
+        # H-Net's residual projection; identity at init reproduces eq. 10, conversion starts it
+        # at zero.
         self.residual = nn.Linear(dim, dim, bias=False) if cfg.residual == "linear" else None
         if self.residual is not None:
             with torch.no_grad():
@@ -88,9 +88,9 @@ class Dechunk(nn.Module):
     def forward(self, h_BTD: torch.Tensor, concepts_BMD: torch.Tensor, ch: Chunks,
                 inputs_BMD: torch.Tensor | None = None, smoothed_BMD: torch.Tensor | None = None):
         """(z, c, c_in): the decoder input (eq. 10), the EMA concept each token reads and, for
-        residual "delta" (which needs `inputs_BMD`, the concept model's inputs), the same EMA over
-        those inputs (else None). `smoothed_BMD`: `smooth(concepts_BMD, ch)` when the caller has it
-        already."""
+        residual "delta" (which needs `inputs_BMD`, the concept model's inputs), the same EMA
+        over those inputs (else None). `smoothed_BMD`: `smooth(concepts_BMD, ch)` when the caller
+        has it already."""
         if smoothed_BMD is None:
             smoothed_BMD = self.smooth(concepts_BMD, ch)
         c_BTD = plug_back(smoothed_BMD, ch.cidx_BT)

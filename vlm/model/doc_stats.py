@@ -1,5 +1,5 @@
-"""Per-document compression: each document's realized ratio per modality, and its distribution per
-group.
+"""Per-document compression: each document's realized ratio per modality, and its
+distribution per group.
 
 A batch aggregate (all tokens / all concepts) lets the router meet its target with all-or-nothing
 documents: a caption merged into one concept and a chat prompt left unmerged average to R = 2. So
@@ -109,9 +109,9 @@ def histogram_quantiles(hist_X, qs=(0.1, 0.5, 0.9)) -> dict[str, float] | None:
 
 def document_ratios(b_BT: torch.Tensor, doc_BT: torch.Tensor, modality_BT: torch.Tensor,
                     kind_BT: torch.Tensor | None = None) -> list[dict]:
-    """Exact per-document figures (host side, for evaluation): one dict per document with its kind
-    and, per modality it has, tokens, concepts and ratio (inf when no concept ends on that
-    modality)."""
+    """Exact per-document figures (host side, for evaluation): one dict per document with
+    its kind and, per modality it has, tokens, concepts and ratio (inf when no concept ends
+    on that modality)."""
     counts = document_counts(b_BT, doc_BT, modality_BT).cpu()
     kinds = document_labels(kind_BT, doc_BT).cpu()
     present = counts[..., 0].sum(1) > 0

@@ -8,8 +8,8 @@ import torch.nn.functional as F
 def segsum(x_L: torch.Tensor) -> torch.Tensor:
     """[..., L] -> [..., L, L] with out[i, j] = sum_{j < k <= i} x[k] (and -inf above the diagonal).
 
-    Built by a masked cumsum rather than differences of cumsums so that -inf entries (restarts) stay
-    exact.
+    Built by a masked cumsum rather than differences of cumsums so that -inf entries
+    (restarts) stay exact.
     """
     L = x_L.shape[-1]
     xx = x_L[..., None].expand(*x_L.shape, L)
@@ -44,8 +44,8 @@ def _scan(u_BMD: torch.Tensor, decays) -> torch.Tensor:
 
 def ema_scan(x_BMD: torch.Tensor, p_BM: torch.Tensor, reset_BM: torch.Tensor,
              block: int = 64) -> torch.Tensor:
-    """Eq. 8 by a blocked parallel scan: c_m = p_m x_m + (1 - p_m) c_{m-1}, restarted where
-    reset_BM.
+    """Eq. 8 by a blocked parallel scan: c_m = p_m x_m + (1 - p_m) c_{m-1},
+    restarted where reset_BM.
 
     Within blocks of `block` concepts the recurrence is a lower-triangular matmul with weights
     exp(segsum(log(1 - p))); the states carried between blocks use the same identity one level up.

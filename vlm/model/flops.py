@@ -14,9 +14,9 @@ chunking disabled is the MoE baseline: R = 1 whatever is passed.
 Assumptions worth knowing:
 - Grove adjugate experts run once per token per *hit* group. We count the expected number of
   distinct groups hit by `top_k` picks drawn uniformly without replacement from `num_experts`
-  experts in `grove_groups` equal groups: g * (1 - C(E - E/g, k) / C(E, k)). Balanced routing makes
-  the marginal loads uniform; the within-token correlation of picks is what the uniform draw assumes
-  away.
+  experts in `grove_groups` equal groups: g * (1 - C(E - E/g, k) / C(E, k)). Balanced routing
+  makes the marginal loads uniform; the within-token correlation of picks is what the uniform
+  draw assumes away.
 - Joint decoding's concept projections (c W^c_q, c W^c_k, c W^c_v, eq. 11) are counted per token, as
   a straightforward implementation computes them; computing them once per concept would divide them
   by R.
@@ -281,10 +281,10 @@ def kv_cache_bytes(cfg: ModelConfig, seq_len: int, ratio: float | None = None,
                    bytes_per_el: int = 2) -> dict[str, float]:
     """KV-cache bytes after `seq_len` tokens, by stage and `total`.
 
-    Per layer application 2 * Hkv * hd * bytes per cached position; the concept model caches seq_len
-    / R positions, and each loop pass keeps its own cache (its inputs differ), as in Table 1.
-    `cross_attention`: the decoder's cross-attention layers cache the seq_len / R concepts' keys and
-    values.
+    Per layer application 2 * Hkv * hd * bytes per cached position; the concept model caches
+    seq_len / R positions, and each loop pass keeps its own cache (its inputs differ), as in Table
+    1. `cross_attention`: the decoder's cross-attention layers cache the seq_len / R concepts'
+    keys and values.
     """
     if seq_len < 1:
         raise ValueError(f"seq_len must be >= 1, got {seq_len}")

@@ -1,5 +1,5 @@
-"""Grouped matmul that torch.compile can trace in every dtype: `torch._grouped_mm` as a custom
-operator.
+"""Grouped matmul that torch.compile can trace in every dtype: `torch._grouped_mm` as
+a custom operator.
 
 `torch._grouped_mm(x_AD, w_EDF, offs=offs_E)` multiplies rows [offs[e-1], offs[e]) of x by w[e],
 with no host synchronisation (the offsets stay on the device). Its compile-time (meta) kernel

@@ -84,8 +84,8 @@ class ConceptMoEForCausalLM(PreTrainedModel, GenerationMixin):
         super().__init__(config)
         self.vlm = vlm if vlm is not None else ConceptMoEVLM(*config.build_configs())
         # on_prefill(model output, batch): called with every forward over whole prompts (not with
-        # cached steps); the project's evaluators read the prompts' compression statistics through
-        # it
+        # cached steps); the project's evaluators read the prompts' compression statistics
+        # through it
         self.on_prefill = None
         if config.tie_word_embeddings:
             self._tied_weights_keys = {"vlm.lm.lm_head.weight": "vlm.lm.embed.weight"}
@@ -96,9 +96,9 @@ class ConceptMoEForCausalLM(PreTrainedModel, GenerationMixin):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
-        """transformers' loader, after every tensor of a local export was checked against its config
-        (a missing one would otherwise come from uninitialised memory, a wrong dtype would be cast
-        silently)."""
+        """transformers' loader, after every tensor of a local export was checked against its
+        config (a missing one would otherwise come from uninitialised memory, a wrong dtype would
+        be cast silently)."""
         path = Path(pretrained_model_name_or_path)
         if path.is_dir():
             config = kwargs.get("config")
@@ -269,8 +269,8 @@ def save_processor(model: ConceptMoEVLM, out_dir: str | Path) -> None:
     its image processor."""
     # an init argument: it is saved
     tok = AutoTokenizer.from_pretrained(str(out_dir), padding_side="left")
-    # a source's tokenizer (data_pipelines.tokenizer.SourceTokenizer) wrote its own template: it
-    # stays
+    # a source's tokenizer (data_pipelines.tokenizer.SourceTokenizer) wrote its own template:
+    # it stays
     tok.chat_template = tok.chat_template if _keeps_source_format(out_dir) else CHAT_TEMPLATE
     if model.vision_cfg is None:
         tok.save_pretrained(str(out_dir))

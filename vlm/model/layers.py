@@ -7,10 +7,10 @@ from torch import nn
 
 
 class _RMSNormFn(torch.autograd.Function):
-    """y = x * rsqrt(mean(x^2) + eps) * w in fp32 with a hand-written backward: half the kernels
-    autograd's derivative of the composite takes (the norm runs several times per layer, so this
-    shows in launches per step). `w` broadcasts against x (e.g. one weight per head: [heads, 1,
-    head_dim])."""
+    """y = x * rsqrt(mean(x^2) + eps) * w in fp32 with a hand-written backward: half the
+    kernels autograd's derivative of the composite takes (the norm runs several times per
+    layer, so this shows in launches per step). `w` broadcasts against x (e.g. one weight per
+    head: [heads, 1, head_dim])."""
 
     @staticmethod
     def forward(ctx, x, w, eps):
@@ -65,9 +65,9 @@ def rope_cos_sin(positions_BT: torch.Tensor, head_dim: int, theta: float, dtype:
 
 
 def apply_rope(x_BQTd: torch.Tensor, cos_BTd: torch.Tensor, sin_BTd: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE (the Llama/Qwen layout, so converted checkpoints keep their meaning): (x1,
-    x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), as x * (cos, cos) + (x2, x1) * (-sin, sin): four
-    kernels."""
+    """Rotate-half RoPE (the Llama/Qwen layout, so converted checkpoints keep their meaning):
+    (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), as x * (cos, cos) + (x2, x1) * (-sin,
+    sin): four kernels."""
     x1, x2 = x_BQTd.chunk(2, dim=-1)
     return x_BQTd * cos_BTd[:, None] + torch.cat((x2, x1), dim=-1) * sin_BTd[:, None]
 

@@ -71,8 +71,8 @@ def select_experts(scores_NE: torch.Tensor, bias_E: torch.Tensor | None,
 
 def combine_weights(scores_NE: torch.Tensor, experts_NK: torch.Tensor,
                     normalise: bool) -> torch.Tensor:
-    """Grove eq. 4 / 6 / 9: rho_i of the selected experts, optionally renormalised to sum to 1 per
-    token.
+    """Grove eq. 4 / 6 / 9: rho_i of the selected experts, optionally renormalised to sum to
+    1 per token.
 
     Eq. 9 (router "grove") takes rho^(h)_i, the softmax over all n experts, as it is: the chosen
     weights sum to less than 1. Renormalised softmax weights equal Mixtral's softmax over the
@@ -91,8 +91,8 @@ def route(logits_NE: torch.Tensor, cfg: MoEConfig, bias_E: torch.Tensor | None) 
     logits_NE = logits_NE.float()
     grove = cfg.router == "grove"
     scores_NE = router_scores(logits_NE, "softmax" if grove else cfg.router)
-    # Selection is a discrete choice: no gradient flows through it, only through the gathered
-    # scores.
+    # Selection is a discrete choice: no gradient flows through it, only through the
+    # gathered scores.
     with torch.no_grad():
         chooser_NE = router_scores(logits_NE, "sigmoid") if grove else scores_NE
         experts_NK = select_experts(chooser_NE, bias_E if cfg.loss_free_balancing else None,
@@ -103,9 +103,9 @@ def route(logits_NE: torch.Tensor, cfg: MoEConfig, bias_E: torch.Tensor | None) 
 
 
 def expert_load(experts_NK: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """Grove eq. 7 (unnormalised): number of assignments per expert, F_i * k * N. Entries equal to
-    `num_experts` (the padding sentinel, see `MoE.forward`) are not counted. index_add avoids a host
-    sync."""
+    """Grove eq. 7 (unnormalised): number of assignments per expert, F_i * k * N. Entries equal
+    to `num_experts` (the padding sentinel, see `MoE.forward`) are not counted. index_add avoids
+    a host sync."""
     flat = experts_NK.reshape(-1)
     counts = torch.zeros(num_experts + 1, dtype=torch.float32, device=flat.device).index_add_(
         0, flat, torch.ones(flat.shape, dtype=torch.float32, device=flat.device))
@@ -115,10 +115,10 @@ def expert_load(experts_NK: torch.Tensor, num_experts: int) -> torch.Tensor:
 def switch_balance_loss(scores_NE: torch.Tensor, experts_NK: torch.Tensor | None,
                         normalise_scores: bool, valid_N: torch.Tensor | None = None,
                         load_E: torch.Tensor | None = None) -> torch.Tensor:
-    """Switch Transformer balance loss E * sum_i f_i P_i (f_i: share of assignments, P_i: mean
-    score), over the `valid_N` tokens (all when None; padding's sentinel assignments are not counted
-    in f). `load_E`: the assignment counts when the caller has them (else counted from
-    `experts_NK`).
+    """Switch Transformer balance loss E * sum_i f_i P_i (f_i: share of assignments, P_i:
+    mean score), over the `valid_N` tokens (all when None; padding's sentinel assignments
+    are not counted in f). `load_E`: the assignment counts when the caller has them (else
+    counted from `experts_NK`).
 
     Equals 1 for a perfectly uniform router. Sigmoid scores do not sum to 1, so they are normalised
     per token first. HF's `load_balancing_loss_func` divides f by tokens rather than assignments (k
@@ -147,8 +147,8 @@ def loss_free_bias_step(bias_E: torch.Tensor, load_E: torch.Tensor, rate: float,
     to mean 0.
 
     - "sign" (DeepSeek-V3 / torchtitan): b <- b + rate * sign(mean load - load);
-    - "rms" (Grove eq. 8): b <- b - rate * (F - Q) / sqrt(mean((F - Q)^2)), F the load shares, Q =
-      1/n.
+    - "rms" (Grove eq. 8): b <- b - rate * (F - Q) / sqrt(mean((F - Q)^2)), F the load shares,
+      Q = 1/n.
     Both move every over-loaded expert down and every under-loaded one up; "rms" in proportion to
     the imbalance.
     """
@@ -163,8 +163,8 @@ def loss_free_bias_step(bias_E: torch.Tensor, load_E: torch.Tensor, rate: float,
     return new_E - new_E.mean()
 
 
-# ----------------------------------------------------------------------------- Grove adjugate
-# experts
+# ----------------------------------------------------------------------------- Grove
+# adjugate experts
 
 
 def expert_group(experts_NK: torch.Tensor, experts_per_group: int) -> torch.Tensor:
@@ -231,8 +231,8 @@ class MoE(nn.Module):
         if dim < 1:
             raise ValueError(f"MoE: dim must be >= 1, got {dim}")
         self.cfg, self.dim, self.num_experts = cfg, dim, cfg.num_experts
-        # "auto": grouped_mm when grouped_mm_available(), else the per-expert loop. Settable for
-        # tests/benchmarks.
+        # "auto": grouped_mm when grouped_mm_available(), else the per-expert loop. Settable
+        # for tests/benchmarks.
         self.dispatch: DispatchMode = "auto"
         E, hidden = cfg.num_experts, cfg.expert_hidden   # (F is torch.nn.functional here)
         self.router = nn.Linear(dim, E, bias=False)
@@ -283,10 +283,10 @@ class MoE(nn.Module):
         expert, counted in no load and no loss, and come out as 0. Static shapes throughout (no host
         synchronisation on the grouped_mm path).
 
-        In training the loads are added to `load_accum` for the next balancing step; a transformer
-        block passes `accumulate_load=False` and its stack adds them (vlm.model.block.run_stack)
-        outside the block, so that activation checkpointing's recomputation does not count them
-        twice."""
+        In training the loads are added to `load_accum` for the next balancing step; a
+        transformer block passes `accumulate_load=False` and its stack adds them
+        (vlm.model.block.run_stack) outside the block, so that activation checkpointing's
+        recomputation does not count them twice."""
         if x_ND.dim() != 2 or x_ND.shape[-1] != self.dim:
             raise ValueError(f"MoE expects x_ND of shape [tokens, {self.dim}], got "
                              f"{tuple(x_ND.shape)}")

@@ -60,9 +60,9 @@ def expert_swiglu(x_ND: torch.Tensor, disp: Slots, w_gate_EDF: torch.Tensor, w_u
     """[A, D]: expert e's SwiGLU, down(silu(x @ gate) * (x @ up)), on the rows of its slice of the
     sorted slots; rows that are not live are exactly 0 (and pass no gradient back to x).
 
-    grouped_mm: no host synchronisation, every shape static (the rows past the live ones are left to
-    the kernel and masked). The per-expert loop (devices without grouped_mm) reads the counts on the
-    host."""
+    grouped_mm: no host synchronisation, every shape static (the rows past the live ones are left
+    to the kernel and masked). The per-expert loop (devices without grouped_mm) reads the counts
+    on the host."""
     dt = x_ND.dtype
     wg, wu, wd = w_gate_EDF.to(dt), w_up_EDF.to(dt), w_down_EFD.to(dt)
     # a fill, not a product: garbage never leaks

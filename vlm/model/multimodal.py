@@ -1,5 +1,5 @@
-"""The vision-language model: vision tower + projector splice image tokens into the ConceptMoE LM's
-sequence.
+"""The vision-language model: vision tower + projector splice image tokens into the
+ConceptMoE LM's sequence.
 
 The chunk module then compresses both modalities jointly (ConceptMoE section 4.2); every statistic
 is kept per modality (see vlm/model/stats.py).

@@ -1,5 +1,5 @@
-"""What the model's forward returns: losses and the raw chunking and MoE outcomes, all on the
-device.
+"""What the model's forward returns: losses and the raw chunking and MoE outcomes, all
+on the device.
 
 Turning them into logged statistics (per-modality ratios, histograms, expert loads; one host
 transfer per step) is the reader's job: `vlm.model.stats.summarize` for one output, the trainer's
@@ -37,8 +37,8 @@ class ModelOutput:
     ratio_loss: torch.Tensor                # eq. 4 (unweighted; 0 when chunking is off)
     # MoE balance + z losses, already weighted by their coefficients
     balance_loss: torch.Tensor
-    # The LM loss split by sample kind: "loss/text_only", "loss/image_text" -> (mean, labelled
-    # positions).
+    # The LM loss split by sample kind: "loss/text_only", "loss/image_text" -> (mean,
+    # labelled positions).
     loss_split: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     # the chunking (p, boundaries, ...); None without a chunk module
     chunks: Chunks | None = None

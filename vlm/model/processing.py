@@ -1,5 +1,5 @@
-"""transformers processors for exported models: `AutoProcessor.from_pretrained(final)` after `import
-vlm.model.hf`.
+"""transformers processors for exported models: `AutoProcessor.from_pretrained(final)`
+after `import vlm.model.hf`.
 
 The standard multimodal calls work as for LLaVA or Qwen2-VL:
 

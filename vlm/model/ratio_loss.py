@@ -14,8 +14,8 @@ def ratio_loss(F_: torch.Tensor, G: torch.Tensor, R: float) -> torch.Tensor:
 
 
 def document_ratio_target(F_: torch.Tensor, R: float, slack: float) -> torch.Tensor:
-    """A document's own target ratio (beyond the paper): its realized ratio 1/F clamped into [R/s,
-    R*s].
+    """A document's own target ratio (beyond the paper): its realized ratio 1/F clamped
+    into [R/s, R*s].
 
     Inside the band eq. 4 at R_d = 1/F is 1 with zero gradient in G, so the document is free;
     outside, the document is pulled towards the nearest edge. F = 0 (no boundary) reads as an

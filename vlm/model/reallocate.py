@@ -1,15 +1,15 @@
 """Compute reallocation for fair comparison (ConceptMoE section 3.5, Table 1).
 
-Given a MoE baseline and a compression ratio R, the concept model costs 1/R per token; the freed
-FLOPs go back in one of three ways, each matched to the baseline's per-token FLOPs and total
-parameters:
+Given a MoE baseline and a compression ratio R, the concept model costs 1/R per token; the
+freed FLOPs go back in one of three ways, each matched to the baseline's per-token FLOPs
+and total parameters:
 
-1. `more_experts`       more activated experts (concept `top_k`, fine-tuned by the token stacks'
-   `top_k`);
-2. `loop_more_experts`  loop a middle range of concept layers (no parameters) plus more activated
-   experts;
-3. `wider_concept`      a wider concept model (hidden, heads ~ sqrt(R) as Table 1 assumes) with
-   fewer,
+1. `more_experts`       more activated experts (concept `top_k`, fine-tuned by the
+   token stacks' `top_k`);
+2. `loop_more_experts`  loop a middle range of concept layers (no parameters) plus
+   more activated experts;
+3. `wider_concept`      a wider concept model (hidden, heads ~ sqrt(R) as Table 1
+   assumes) with fewer,
                         re-sized experts so that total parameters stay.
 
 The chunk module and the joint-decoding projections add parameters and FLOPs of their own;
@@ -244,8 +244,8 @@ def _wider_concept(base: ModelConfig, ratio: float, tol: float, concept_heads: i
 def search_reallocations(baseline_cfg: ModelConfig, ratio: float, tol: float = 0.02,
                          loop_fraction: float = 0.25, loop_layers: int | None = None,
                          concept_heads: int | None = None) -> dict[str, Reallocation]:
-    """The three section-3.5 strategies for `baseline_cfg` at compression ratio `ratio`, with match
-    info.
+    """The three section-3.5 strategies for `baseline_cfg` at compression ratio `ratio`,
+    with match info.
 
     Strategy 2 aims at `loop_layers` looped concept layers (default: `loop_fraction` of them);
     strategy 3 at the concept head count nearest sqrt(R) x heads unless `concept_heads` fixes it

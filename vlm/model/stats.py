@@ -52,10 +52,10 @@ def chunk_stats(p_BT, b_BT, doc_BT, modality_BT) -> dict[str, torch.Tensor]:
 
 
 def summarize(out, batch) -> dict[str, float]:
-    """The scalar statistics of one forward as Python floats, in one host transfer: losses, the loss
-    split (a sample kind absent from the batch is absent here), and tokens / boundaries / realized
-    ratio / mean p overall and per modality (eval mode gives the realized compression at p >=
-    0.5)."""
+    """The scalar statistics of one forward as Python floats, in one host transfer: losses, the
+    loss split (a sample kind absent from the batch is absent here), and tokens / boundaries /
+    realized ratio / mean p overall and per modality (eval mode gives the realized compression at
+    p >= 0.5)."""
     valid = batch.doc_ids >= 0
     b_BT = out.chunks.b_BT if out.chunks is not None else valid
     p_BT = out.chunks.p_BT if out.chunks is not None else valid.float()

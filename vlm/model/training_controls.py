@@ -4,10 +4,10 @@ by its name.
 
 - the boundary noise's seed (one per micro-batch, so that a step's statistics pass and real pass
   draw alike);
-- the chunk module's statistics hook (DLCM's global parser: ratio-loss sums over the whole global
-  batch);
-- when the top-k router's inference threshold moves: once per applied optimizer step, not per
-  forward;
+- the chunk module's statistics hook (DLCM's global parser: ratio-loss sums over the
+  whole global batch);
+- when the top-k router's inference threshold moves: once per applied optimizer step,
+  not per forward;
 - the statistics training forwards accumulate for the updates after a step (the MoE layers' expert
   loads, the top-k router's score quantiles): to set aside around a pass that must not count, to
   drop for a skipped step, and to apply after an applied one, summed over ranks in one collective.

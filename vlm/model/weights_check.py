@@ -87,9 +87,9 @@ def _name(dtype: torch.dtype) -> str:
 
 
 def check_exported_weights(path: str | Path, config) -> None:
-    """Raise WeightsError (one line) unless every tensor of the export at `path` is present, of the
-    shape and dtype its `config` (a ConceptMoEConfig) gives, finite, and no other tensor is
-    there."""
+    """Raise WeightsError (one line) unless every tensor of the export at `path` is present,
+    of the shape and dtype its `config` (a ConceptMoEConfig) gives, finite, and no other
+    tensor is there."""
     from safetensors import safe_open
 
     path = Path(path)

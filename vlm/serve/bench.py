@@ -29,9 +29,9 @@ SERVE_PY = Path(__file__).resolve().parents[2] / ".venv-serve" / "bin" / "python
 
 
 def build_exports(out: Path, seed: int = 0) -> dict[str, Path]:
-    """A small ConceptMoE VLM (byte tokenizer; head_dim 64, a head size vLLM's CPU kernels take as
-    it is) and its MoE baseline, exported to out/{conceptmoe,baseline}/final; an image at
-    out/image.png."""
+    """A small ConceptMoE VLM (byte tokenizer; head_dim 64, a head size vLLM's CPU kernels
+    take as it is) and its MoE baseline, exported to out/{conceptmoe,baseline}/final; an
+    image at out/image.png."""
     from PIL import Image
 
     from data_pipelines.tokenizer import load_tokenizer
@@ -66,8 +66,8 @@ def build_exports(out: Path, seed: int = 0) -> dict[str, Path]:
 
 
 def prompts(image: Path, n: int = 8, words: int = 24) -> list[dict]:
-    """n chat prompts (113-208 tokens with the byte tokenizer); every other one asks about the
-    image."""
+    """n chat prompts (113-208 tokens with the byte tokenizer); every other one asks
+    about the image."""
     out = []
     for i in range(n):
         text = " ".join(WORDS[(i + j) % len(WORDS)] for j in range(words + 2 * i))

@@ -1,11 +1,11 @@
 """Chunk module, concept model and dechunk of a vLLM batch, on the per-request concept state.
 
-The project's own modules do the work (`ChunkModule`, `Dechunk`, the concept blocks with `KVCache`),
-so that the numbers are the ones `vlm chat` computes: a request's first prefill runs their parallel
-`forward` and fills its slot, as `ConceptMoELM.prefill` does; decode tokens (and a prefill chunk
-that continues a prompt) run their one-token `step`, as `ConceptMoELM.decode_step` does. Between
-steps the state lives in vLLM's slots (state.py); a step gathers its rows and writes back what
-changed.
+The project's own modules do the work (`ChunkModule`, `Dechunk`, the concept blocks with
+`KVCache`), so that the numbers are the ones `vlm chat` computes: a request's first prefill runs
+their parallel `forward` and fills its slot, as `ConceptMoELM.prefill` does; decode tokens (and a
+prefill chunk that continues a prompt) run their one-token `step`, as `ConceptMoELM.decode_step`
+does. Between steps the state lives in vLLM's slots (state.py); a step gathers its rows and writes
+back what changed.
 """
 from __future__ import annotations
 

@@ -1,11 +1,11 @@
 """The project's model as a vLLM model: token-level layers on vLLM's paged attention, the concept
 model on a per-request concept-only state (state.py, middle.py).
 
-`ConceptMoEForVllm` serves a ConceptMoE export (`IsHybrid`: vLLM's hybrid KV cache manager keeps the
-paged token cache and the concept state side by side); `MoEBaselineForVllm` serves the plain MoE
-baseline (`model.chunk.enabled: false`), whose concept layers run on every token and so are token
-layers on the paged cache. `vlm.serve.engine.engine_kwargs` picks the class from the export's
-config.
+`ConceptMoEForVllm` serves a ConceptMoE export (`IsHybrid`: vLLM's hybrid KV cache manager
+keeps the paged token cache and the concept state side by side); `MoEBaselineForVllm` serves
+the plain MoE baseline (`model.chunk.enabled: false`), whose concept layers run on every token
+and so are token layers on the paged cache. `vlm.serve.engine.engine_kwargs` picks the class
+from the export's config.
 """
 from __future__ import annotations
 
@@ -80,8 +80,8 @@ class _ServedModel(nn.Module, SupportsMultiModal):
         raise ValueError(f"only images are supported, not {modality}")
 
     def embed_multimodal(self, **kwargs):
-        """Each image's vision tokens ([tokens of image i, D]), as `ConceptMoEVLM.embed` makes
-        them."""
+        """Each image's vision tokens ([tokens of image i, D]), as
+        `ConceptMoEVLM.embed` makes them."""
         grids = kwargs.get("image_grids")
         if grids is None or self.vlm.vision is None:
             return []
@@ -190,8 +190,8 @@ class ConceptMoEForVllm(_ServedModel, HasInnerState, IsHybrid):
         if self.vlm.lm.chunker is None:
             raise ConfigError("this export is the MoE baseline (no chunking): serve it as "
                               "ConceptMoEBaselineForCausalLM (`vlm serve` picks it)")
-        # both would hand the model states it does not keep (docs/serving.md): refused, not served
-        # wrong
+        # both would hand the model states it does not keep (docs/serving.md): refused, not
+        # served wrong
         if vllm_config.speculative_config is not None:
             raise ConfigError("speculative decoding is not supported for ConceptMoE "
                               "(docs/serving.md)")

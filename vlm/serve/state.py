@@ -28,9 +28,9 @@ def copy_funcs(mc: ModelConfig) -> tuple:
 
 
 class ConceptState(MambaBase):
-    """Holds no weights: it declares the state and receives vLLM's views of it (`kv_cache`). The
-    SHORT_CONV backend builds the metadata this needs (slots, prefill/decode split, initial
-    states)."""
+    """Holds no weights: it declares the state and receives vLLM's views of it
+    (`kv_cache`). The SHORT_CONV backend builds the metadata this needs (slots,
+    prefill/decode split, initial states)."""
 
     def __init__(self, mc: ModelConfig, capacity: int, dtype: torch.dtype, prefix: str):
         super().__init__()

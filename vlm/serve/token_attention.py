@@ -23,8 +23,8 @@ def padded_head_size(head_dim: int) -> int:
 
 
 class PagedBlock(nn.Module):
-    """`Block.forward` for the flattened tokens of a vLLM batch (one row of N tokens, every
-    request's)."""
+    """`Block.forward` for the flattened tokens of a vLLM batch (one row of N
+    tokens, every request's)."""
 
     def __init__(self, block: Block, cache_config, window: int, prefix: str):
         super().__init__()

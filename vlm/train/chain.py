@@ -5,12 +5,12 @@ from the previous stage's exported model (`train.init_from`), e.g. LLaVA's recip
 
 `key=value` overrides (dotted, as for `vlm train`) apply to every stage.
 
-Stage k trains into DIR/<k>_<config name>. A finished stage (its summary says exit code 0 and final/
-is there) is not run again, and an interrupted one resumes from its last checkpoint, so the same
-command continues a chain. SIGTERM / Ctrl-C stops the chain as it stops `vlm train`: the stage in
-flight saves a checkpoint after its step, no later stage starts, and the exit code is 128 + the
-signal (a second signal exits at once). The trainer is imported when the command runs (as for `vlm
-train`).
+Stage k trains into DIR/<k>_<config name>. A finished stage (its summary says exit code 0 and
+final/ is there) is not run again, and an interrupted one resumes from its last checkpoint, so the
+same command continues a chain. SIGTERM / Ctrl-C stops the chain as it stops `vlm train`: the
+stage in flight saves a checkpoint after its step, no later stage starts, and the exit code is 128
++ the signal (a second signal exits at once). The trainer is imported when the command runs (as
+for `vlm train`).
 """
 from __future__ import annotations
 

@@ -158,10 +158,10 @@ def clean_partial(ckpt_root: Path) -> None:
 def save_checkpoint(engine, ckpt_root: Path, step: int, trainer_state: dict, rank: int,
                     world_size: int, keep_last: int) -> Path:
     """Collective: every rank calls it. Returns the final checkpoint directory; WriteError (the
-    `.tmp-` folder removed, older checkpoints untouched) when the files cannot be written, on every
-    rank when any rank's write failed: a rank never leaves the save alone (the others would wait for
-    it in the next collective forever), it holds its error until all ranks have done their part and
-    compared."""
+    `.tmp-` folder removed, older checkpoints untouched) when the files cannot be written, on
+    every rank when any rank's write failed: a rank never leaves the save alone (the others would
+    wait for it in the next collective forever), it holds its error until all ranks have done
+    their part and compared."""
     final = ckpt_root / step_dir_name(step)
     tmp = ckpt_root / f".tmp-{step_dir_name(step)}"
     held = _HeldError()

@@ -1,5 +1,5 @@
-"""TrainConfig: the one YAML of a training run (model, vision, data, optimisation, DeepSpeed,
-logging).
+"""TrainConfig: the one YAML of a training run (model, vision, data,
+optimisation, DeepSpeed, logging).
 
 Every section is a validated dataclass (configs/config.py): a wrong key or value stops the run at
 once with one line naming the dotted field and what is allowed.
@@ -309,13 +309,13 @@ MAY_CHANGE_FROM_CHECKPOINT = (
 
 
 def load_train_config(path: str | Path | None, overrides: list[str] | None = None) -> TrainConfig:
-    """Read a YAML file (or none: the defaults), apply dotted overrides, validate. Raises
-    ConfigError.
+    """Read a YAML file (or none: the defaults), apply dotted overrides,
+    validate. Raises ConfigError.
 
     A config that continues a checkpoint (train.init_from / train.convert_from) takes its model
-    section from the checkpoint: only the model keys this file itself and the overrides state count
-    (its `base:` files' model section describes another model), and `model_stated` records them for
-    vlm.train.stages.merge_model_section."""
+    section from the checkpoint: only the model keys this file itself and the overrides state
+    count (its `base:` files' model section describes another model), and `model_stated` records
+    them for vlm.train.stages.merge_model_section."""
     data = migrate_run_config(load_yaml(path) if path else {})
     apply_overrides(data, overrides or [])
     run = data.get("train") or {}

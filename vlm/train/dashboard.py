@@ -72,8 +72,8 @@ class Dashboard:
             total = float(load.sum())
             if total > 0:
                 frac = (load / total).numpy()
-                # One "sample" per expert at its load share, so the histogram shows how loads
-                # spread.
+                # One "sample" per expert at its load share, so the histogram shows how
+                # loads spread.
                 w.add_histogram(f"expert_load/{k[len('load/'):]}", frac, step)
 
     def document_histograms(self, step: int, hist_Y2X: torch.Tensor, loss_Y2: torch.Tensor,

@@ -1,8 +1,8 @@
 """Process-group setup for the DeepSpeed engine, with or without a launcher, and small collectives.
 
-A single `vlm train` needs no launcher: the rendezvous variables a launcher would set are filled in
-(rank 0 of 1, a free local port). Under `deepspeed`/`torchrun` they are already set and used as they
-are.
+A single `vlm train` needs no launcher: the rendezvous variables a launcher would set are filled
+in (rank 0 of 1, a free local port). Under `deepspeed`/`torchrun` they are already set and used
+as they are.
 """
 from __future__ import annotations
 
@@ -60,16 +60,16 @@ def init_distributed() -> DistInfo:
     quiet_deepspeed()
     if os.environ.get("WORLD_SIZE") == "1":
         # One process has nothing to all-reduce: skip JIT-compiling DeepSpeed's CPU shared-memory
-        # collective (about a minute on a fresh machine, before the first step of the README's main
-        # job).
+        # collective (about a minute on a fresh machine, before the first step of the README's
+        # main job).
         import importlib
 
         # (by module path: the attribute deepspeed.comm.torch is the torch package itself)
         importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     backend = get_accelerator().communication_backend_name()
     if os.environ.get("WORLD_SIZE") == "1" and not dist.is_initialized():
-        # one process: an in-memory store instead of a TCP rendezvous store listening on every
-        # interface
+        # one process: an in-memory store instead of a TCP rendezvous store listening on
+        # every interface
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     deepspeed.init_distributed(dist_backend=backend, verbose=False)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))

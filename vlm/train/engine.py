@@ -1,9 +1,9 @@
 """The DeepSpeed engine: config dict from TrainConfig, a torch AdamW (torch's fused kernel; no
 DeepSpeed FusedAdam build), initialise.
 
-The learning-rate schedule is a torch LambdaLR that the trainer steps itself after every applied
-optimizer step (a skipped, non-finite step must not advance it); its state travels in our
-checkpoint.
+The learning-rate schedule is a torch LambdaLR that the trainer steps itself after every
+applied optimizer step (a skipped, non-finite step must not advance it); its state travels
+in our checkpoint.
 """
 from __future__ import annotations
 
@@ -114,9 +114,9 @@ def effective_settings(ds: DeepSpeedConfig, ds_json: dict) -> DeepSpeedConfig:
 
 
 def _same_kinds(ours: dict, merged: dict, where: str = "") -> None:
-    """A value the user's JSON or `deepspeed.extra` puts where we generate one keeps its kind
-    (object, boolean, number): DeepSpeed accepts e.g. `gradient_clipping: "abc"` and fails steps
-    later."""
+    """A value the user's JSON or `deepspeed.extra` puts where we generate one keeps its
+    kind (object, boolean, number): DeepSpeed accepts e.g. `gradient_clipping: "abc"` and
+    fails steps later."""
     for k, a in ours.items():
         b, key = merged.get(k), f"{where}{k}"
         kind = (dict if isinstance(a, dict) else bool if isinstance(a, bool) else
@@ -131,9 +131,9 @@ def _same_kinds(ours: dict, merged: dict, where: str = "") -> None:
 
 
 def check_deepspeed_config(ds: DeepSpeedConfig, optim: OptimConfig, world_size: int) -> dict:
-    """The merged DeepSpeed JSON, checked by DeepSpeed's own parser before any work, so a bad value
-    in `deepspeed.extra` or the config file stops the run with one line instead of a traceback
-    mid-start-up."""
+    """The merged DeepSpeed JSON, checked by DeepSpeed's own parser before any work, so a
+    bad value in `deepspeed.extra` or the config file stops the run with one line instead of
+    a traceback mid-start-up."""
     from deepspeed.runtime.config import DeepSpeedConfig as DeepSpeedJSON
 
     cfg = deepspeed_config(ds, optim, world_size)
@@ -275,9 +275,9 @@ def compile_model(model: torch.nn.Module, cfg: TrainConfig, device: torch.device
 
 
 class CheckpointRefused(RuntimeError):
-    """A checkpoint this run will not load (a pickle of other objects than tensors, another world
-    size, a missing part); the message is one line naming the file. `vlm train` prints it without a
-    traceback."""
+    """A checkpoint this run will not load (a pickle of other objects than tensors, another
+    world size, a missing part); the message is one line naming the file. `vlm train` prints it
+    without a traceback."""
 
 
 def safe_load(path, map_location=None):
@@ -289,8 +289,8 @@ def safe_load(path, map_location=None):
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address
 
-    # the few plain-data classes ZeRO's optimizer files hold (rebuilt from their fields, no code is
-    # called)
+    # the few plain-data classes ZeRO's optimizer files hold (rebuilt from their fields, no code
+    # is called)
     try:
         with torch.serialization.safe_globals([LossScaler, ZeroStageEnum, fragment_address]):
             return torch.load(path, map_location=map_location, weights_only=True)

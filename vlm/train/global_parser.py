@@ -1,5 +1,5 @@
-"""DLCM's Global Parser: ratio-loss statistics over the whole global batch (DLCM eq. 8-10, section
-8.2).
+"""DLCM's Global Parser: ratio-loss statistics over the whole global batch (DLCM eq.
+8-10, section 8.2).
 
 The chunk module hands its local sums (boundaries, sum of p, tokens) for each ratio loss to
 `stats_hook`; this object answers with the sums over the whole global batch: every data-parallel

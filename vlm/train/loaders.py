@@ -99,10 +99,10 @@ def skip_share_stop(skipped: dict[str, int], read: int, limit: float,
 
 def skipped_samples(loader, sources: list[str], limit: float,
                     device) -> tuple[dict[str, int], str | None]:
-    """The samples skipped so far, by reason (`skipped/REASON`, summed over ranks in one collective),
-    and the line that stops the run when the skipped share passes `limit` over all the data or in
-    one source (one kind of sample each in the default data): a source the run loses is not hidden
-    by the others' volume. None while neither does."""
+    """The samples skipped so far, by reason (`skipped/REASON`, summed over ranks in one
+    collective), and the line that stops the run when the skipped share passes `limit` over all the
+    data or in one source (one kind of sample each in the default data): a source the run loses is
+    not hidden by the others' volume. None while neither does."""
     by_source = loader.by_source()
     groups = [(None, (int(loader.stats.get("samples_read", 0)), loader.counters))]
     groups += [(label, by_source.get(label, (0, {}))) for label in sources]

@@ -1,5 +1,5 @@
-"""Step metrics: per-micro-batch sums, one all-reduce per optimizer step, one JSON line per logged
-step.
+"""Step metrics: per-micro-batch sums, one all-reduce per optimizer step, one JSON line
+per logged step.
 
 Everything that is a mean over tokens is carried as (sum, count) so that the logged value is the
 mean over the GLOBAL batch (all ranks, all micro-batches), whatever the split of rows across ranks.
@@ -52,8 +52,8 @@ class StepAccumulator:
         self.device = device
         self.bytes_per_id = bytes_per_id
         self.n_groups = len(KINDS) + n_sources
-        # per group (kinds, then sources): document-ratio histograms per modality, and (LM loss sum,
-        # labelled)
+        # per group (kinds, then sources): document-ratio histograms per modality, and (LM loss
+        # sum, labelled)
         self.doc_hist = torch.zeros(self.n_groups, 2, NBINS, dtype=torch.float64, device=device)
         self.group_loss = torch.zeros(self.n_groups, 2, dtype=torch.float64, device=device)
         self.parts: list[torch.Tensor] = []
@@ -89,8 +89,8 @@ class StepAccumulator:
             values[f"psum/{m}"] = cs[f"boundary_p/{m}"] * cs[f"tokens/{m}"]
         self.parts.append(torch.stack([values[k].to(self.device, torch.float64) for k in FIELDS]))
         self.add_groups(out, batch, valid)
-        # The last micro-batch's ratio loss is computed on the step's global F and G (global
-        # parser).
+        # The last micro-batch's ratio loss is computed on the step's global F and G
+        # (global parser).
         self.ratio_loss = out.ratio_loss.detach()
         for k, st in out.moe.items():
             load = st.load_E.detach().double()
@@ -321,8 +321,8 @@ class MetricsLogger:
         if is_main and cfg.progress:
             from tqdm.auto import tqdm
 
-            # disable=None: no bar when stderr is not a terminal (a redirected log gets plain lines
-            # instead)
+            # disable=None: no bar when stderr is not a terminal (a redirected log gets plain
+            # lines instead)
             self.bar = tqdm(total=max_steps, initial=start_step, desc="train", unit="step",
                             dynamic_ncols=True, disable=None)
         plain = self.bar is not None and self.bar.disable

@@ -1,14 +1,14 @@
-"""Optimizer parameter groups: DLCM's decoupled muP, per-part learning rates, freezing by module
-prefix.
+"""Optimizer parameter groups: DLCM's decoupled muP, per-part learning rates, freezing
+by module prefix.
 
 Parts of the VLM (module names of ConceptMoEVLM):
-- token stacks: lm.encoder, lm.chunker, lm.concept_up, lm.dechunk, lm.decoder, lm.norm  (width
-  d_token)
+- token stacks: lm.encoder, lm.chunker, lm.concept_up, lm.dechunk, lm.decoder,
+  lm.norm  (width d_token)
 - concept model: lm.concept, lm.concept_down                                           (width
   d_concept)
 - embeddings: lm.embed; output layer: lm.lm_head
-- vision encoder: vision.encoder (except its merger); projector: vision.projector and
-  vision.encoder.merger
+- vision encoder: vision.encoder (except its merger); projector:
+  vision.projector and vision.encoder.merger
 
 With muP (DLCM section 6.1) hidden matrices of the token stacks and the concept model get
 lr = eta_base / s and AdamW eps = eps / s, with s = width / d_base (eq. 18-20) and init variance
@@ -92,8 +92,8 @@ class GroupSpec:
 
 @torch.no_grad()
 def apply_mup_init(model: nn.Module, s_token: float, s_concept: float) -> None:
-    """Hidden matrices of the token stacks / concept model: variance sigma^2 -> sigma^2 / s (DLCM
-    6.1.1).
+    """Hidden matrices of the token stacks / concept model: variance sigma^2 -> sigma^2 /
+    s (DLCM 6.1.1).
 
     Scales the existing initialisation so zero-initialised projections stay zero; the dechunk's
     identity-initialised residual projection is left alone.

@@ -1,5 +1,5 @@
-"""Activation probes for the dashboard: how large and how varied the vision tokens are next to the
-text.
+"""Activation probes for the dashboard: how large and how varied the vision tokens are next
+to the text.
 
 A vision tower that collapses (every image token the same vector) or explodes (norms far above the
 text embeddings) leaves the LLM blind while the losses still fall on text; these scalars show it
@@ -24,8 +24,8 @@ class ActivationProbe:
         with torch.no_grad():
             o = out_ND.detach().float()
             self.values["vision/token_norm"] = o.norm(dim=-1).mean()
-            # spread across tokens relative to their size: 0 means every image token is the same
-            # vector
+            # spread across tokens relative to their size: 0 means every image token is the
+            # same vector
             if o.shape[0] > 1:
                 self.values["vision/token_spread"] = o.std(0).norm() / o.norm(dim=-1).mean().clamp_min(1e-12)
 

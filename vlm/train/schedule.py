@@ -1,5 +1,5 @@
-"""Learning-rate schedules: transformers' own (linear warm-up, then cosine to a floor, WSD or
-constant).
+"""Learning-rate schedules: transformers' own (linear warm-up, then cosine to a floor,
+WSD or constant).
 
 Each is a LambdaLR whose multiplier is a pure function of the optimizer step, so resuming needs only
 the step (kept in the scheduler's state dict); the same multiplier scales every parameter group, so
@@ -18,8 +18,8 @@ from transformers.optimization import (
 def build_scheduler(optimizer: torch.optim.Optimizer, *, schedule: str, warmup: int, total: int,
                     lr: float, min_lr: float,
                     decay_fraction: float) -> torch.optim.lr_scheduler.LambdaLR:
-    """- cosine: linear warm-up from 1/warmup (step 0 already learns), then cosine down to min_lr at
-      `total`;
+    """- cosine: linear warm-up from 1/warmup (step 0 already learns), then cosine down to
+      min_lr at `total`;
     - wsd (MiniCPM): warm-up, stable at lr, then linear down to min_lr over the last
       `decay_fraction` of the post-warm-up steps;
     - constant: lr after the warm-up."""

@@ -34,9 +34,9 @@ def exit_code(signum: int) -> int:
 
 
 class Preempted(Exception):
-    """Raised where a stop cannot be a return value (the vision warm-up runs while the trainer is
-    being built): its state was saved; `code` is the exit code, the message the one line to
-    print."""
+    """Raised where a stop cannot be a return value (the vision warm-up runs while the
+    trainer is being built): its state was saved; `code` is the exit code, the message the
+    one line to print."""
 
     def __init__(self, code: int, message: str):
         super().__init__(message)
@@ -44,9 +44,9 @@ class Preempted(Exception):
 
 
 class Interrupted(BaseException):
-    """Raised by the first signal inside `StopFlag.interruptible()`. A BaseException, as
-    KeyboardInterrupt is, so that an `except Exception` in the interrupted code does not swallow
-    it."""
+    """Raised by the first signal inside `StopFlag.interruptible()`. A BaseException,
+    as KeyboardInterrupt is, so that an `except Exception` in the interrupted code does
+    not swallow it."""
 
 
 STEP_IN_FLIGHT = "finishing this step and saving a checkpoint"
@@ -98,9 +98,9 @@ class StopFlag:
                   f"checkpoint", file=sys.stderr, flush=True)
             os._exit(exit_code(signum))
         self.signum = signum
-        # said at once (a step or a save can take a while): someone at a terminal knows the Ctrl-C
-        # was heard, a log shows when the signal came; the outcome is one more line when the run
-        # stops
+        # said at once (a step or a save can take a while): someone at a terminal knows the
+        # Ctrl-C was heard, a log shows when the signal came; the outcome is one more line when
+        # the run stops
         print(f"vlm train: {signal.Signals(signum).name} received: {self.heard} (send it again to "
               f"exit at once)", file=sys.stderr, flush=True)
         if self._interruptible:

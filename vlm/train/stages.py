@@ -84,9 +84,9 @@ def _fold_checkpoint_logit_scale(state: dict, run_config: Path) -> dict:
 
 
 def load_pretrained_weights(model: ConceptMoEVLM, path: Path) -> dict[str, int]:
-    """Copy a stored model's tensors into `model`: the LLM (`lm.*`, required) and, when the source
-    has them, the vision encoder and projector (`vision.*`). Returns how many tensors each part
-    received."""
+    """Copy a stored model's tensors into `model`: the LLM (`lm.*`, required) and, when the
+    source has them, the vision encoder and projector (`vision.*`). Returns how many tensors
+    each part received."""
     state = read_model_state(Path(path))
     parts = {"lm": model.lm, "vision": model.vision}
     loaded: dict[str, int] = {}
@@ -268,9 +268,9 @@ def resolve_tokenizer(cfg: TrainConfig) -> TrainConfig:
 
 
 def load_run_tokenizer(cfg: TrainConfig) -> Tokenizer:
-    """The tokenizer a resolved config (resolve_tokenizer) names; a source's chat template must
-    split a conversation into prompt and answer (checked now rather than by the data loader
-    mid-run)."""
+    """The tokenizer a resolved config (resolve_tokenizer) names; a source's chat
+    template must split a conversation into prompt and answer (checked now rather than by
+    the data loader mid-run)."""
     if source_tokenizer_dir(cfg) is None:
         return load_tokenizer(cfg.data.tokenizer_path)
     try:

@@ -1,5 +1,5 @@
-"""One optimizer step over a window of micro-batches: loss weighting, global parser, non-finite
-skip.
+"""One optimizer step over a window of micro-batches: loss weighting, global
+parser, non-finite skip.
 
 Loss weighting. DeepSpeed divides each micro-batch's loss by the accumulation steps (`micro`) and
 averages gradients over the `ranks`. Weighting the LM loss of micro-batch (r, k) by n_rk micro ranks

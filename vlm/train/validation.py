@@ -16,9 +16,9 @@ EVAL_KEYS = ("lm_loss", "loss/text_only", "bpb/text", "loss/image_text", "compre
 
 
 class HeldOut:
-    """Held-out batches read once at start-up (eval mode: p >= 0.5 boundaries, no sampling); without
-    any, the pictures come from the current training batch. `run` is a collective: every rank calls
-    it."""
+    """Held-out batches read once at start-up (eval mode: p >= 0.5 boundaries, no sampling);
+    without any, the pictures come from the current training batch. `run` is a collective: every
+    rank calls it."""
 
     def __init__(self, engine, batches: list, parser, device: torch.device,
                  float_dtype: torch.dtype, processor_cfg, tokenizer):

@@ -1,5 +1,5 @@
-"""Vision warm-up before step 0: the encoder learns to name what its images show from their
-captions.
+"""Vision warm-up before step 0: the encoder learns to name what its images show
+from their captions.
 
 CatLIP-style (Mehta et al., 2024): every caption becomes the set of its words, and the encoder is
 trained to predict that set (multi-label binary cross-entropy) from its image. The image-level score
@@ -126,15 +126,15 @@ def _batch(images: list[ProcessedImage | None], words: list[set[str]], index: di
 def run_vision_warmup(encoder: nn.Module, processor: ImageProcessor, cfg, data_cfg, *, seed: int,
                       device: torch.device, run_dir: Path | None, log: Callable[[str], None],
                       state_dir: Path | None = None, fingerprint: str = "", stop=None) -> dict:
-    """Train `encoder` in place for cfg.steps steps on caption words; returns (and writes) what it
-    learnt.
+    """Train `encoder` in place for cfg.steps steps on caption words; returns (and writes)
+    what it learnt.
 
-    cfg: VisionWarmupConfig; data_cfg: the run's DataConfig (its sources are read for captions; the
-    default dataset's val split, when that is the data, gives the held-out captions). state_dir:
-    where its checkpoint lives (None: no checkpoints); one written under another `fingerprint` (the
-    settings that decide the warm-up) is not resumed. stop: a StopFlag; when it is raised the
-    warm-up saves and returns {"stopped": True, "step": ..., "checkpoint": ...} after the step in
-    flight."""
+    cfg: VisionWarmupConfig; data_cfg: the run's DataConfig (its sources are read for captions;
+    the default dataset's val split, when that is the data, gives the held-out captions).
+    state_dir: where its checkpoint lives (None: no checkpoints); one written under another
+    `fingerprint` (the settings that decide the warm-up) is not resumed. stop: a StopFlag; when it
+    is raised the warm-up saves and returns {"stopped": True, "step": ..., "checkpoint": ...}
+    after the step in flight."""
     t0 = time.time()
     train_patterns = [p for s in resolve_sources(data_cfg) for p in map(str, s.paths)]
     caps = collect_captions(train_patterns, cfg.max_captions)

@@ -1,5 +1,5 @@
-"""`vlm bench gpu`: one command that measures a GPU on `configs/gpu.yaml`'s LLM, in bf16, in under 8
-minutes.
+"""`vlm bench gpu`: one command that measures a GPU on `configs/gpu.yaml`'s LLM, in bf16, in
+under 8 minutes.
 
 What it measures (the MoE baseline, gpu.yaml's LLM with chunking off, against the FLOPs-matched
 reallocations of `vlm.model.reallocate` at R = 2):
@@ -11,9 +11,9 @@ reallocations of `vlm.model.reallocate` at R = 2):
 - prefill: forward tokens/s under no_grad in eval mode at 4K-32K tokens (one row), boundaries forced
   at T/R and learned (the router's own p >= 0.5 on these random tokens; its realized ratio is
   reported with the row).
-- decode_eager: ms per `model.step` at batch 1 and 8 after a 2K-token prompt (`model.prefill`),
-  boundaries firing at rate 1/R (forced, as eval/bench/decode.py does); and the kernels per decode
-  step.
+- decode_eager: ms per `model.step` at batch 1 and 8 after a 2K-token prompt
+  (`model.prefill`), boundaries firing at rate 1/R (forced, as eval/bench/decode.py does); and
+  the kernels per decode step.
 - memory: the peak memory a training step adds (torch.cuda.max_memory_allocated over the step, minus
   what was allocated before it: activations, gradients, temporaries), per token, with
   `activation_checkpoint` none and selective. CPU: null, with the reason.

@@ -6,20 +6,20 @@ Every figure is the vendor's *dense* BF16 tensor-core peak (FP32 accumulate) in 
   Tensor Core 1,979 / 1,513 / 1,671 TFLOPS with sparsity -> 989.4 / 756.5 / 835.5 dense; H200 as
   H100 SXM, H200 NVL as H100 NVL). H800 / H800 PCIe: the H100 SXM / PCIe silicon and clocks (export
   variants with reduced NVLink).
-- GH200: NVIDIA GH200 Grace Hopper Superchip datasheet (its Hopper GPU: 989 dense, 1,979 with
-  sparsity).
-- A100 (SXM4 and PCIe, 40 and 80 GB) and A800: NVIDIA A100 datasheet (BF16 Tensor Core 312, 624 with
-  sparsity).
+- GH200: NVIDIA GH200 Grace Hopper Superchip datasheet (its Hopper GPU: 989 dense,
+  1,979 with sparsity).
+- A100 (SXM4 and PCIe, 40 and 80 GB) and A800: NVIDIA A100 datasheet (BF16 Tensor Core 312,
+  624 with sparsity).
 - L40S: NVIDIA L40S datasheet (BF16 Tensor Core 362.05, 733 with sparsity). L40: NVIDIA L40
   datasheet (181.05, 362.1 with sparsity). L4: NVIDIA L4 datasheet (121, 242 with sparsity).
-- A10: NVIDIA A10 datasheet (BF16 Tensor Core 125, 250 with sparsity). A10G (AWS g5): AWS publishes
-  no datasheet; the figure is the A10's, marked approximate (the A10G's clocks differ from the
-  A10's).
+- A10: NVIDIA A10 datasheet (BF16 Tensor Core 125, 250 with sparsity). A10G (AWS g5): AWS
+  publishes no datasheet; the figure is the A10's, marked approximate (the A10G's clocks differ
+  from the A10's).
 - RTX 4090: NVIDIA Ada Lovelace architecture whitepaper, appendix (Peak BF16 Tensor TFLOPS with FP32
   Accumulate 165.2, 330.4 with sparsity; the 330 figure without sparsity is FP16 with FP16
   accumulate, not what bf16 training runs).
-- B200: NVIDIA HGX B200 datasheet (FP16/BF16 Tensor Core 4.5 PFLOPS per GPU with sparsity -> 2,250
-  dense).
+- B200: NVIDIA HGX B200 datasheet (FP16/BF16 Tensor Core 4.5 PFLOPS per GPU with sparsity
+  -> 2,250 dense).
 
 A device is matched by a table key found in `torch.cuda.get_device_name()` as a whole word (so
 "H200" does not match "GH200", "L4" not "L40S", "A100" not "RTX A1000"); the first match wins, so

@@ -25,8 +25,8 @@ def llm_config(s: Settings) -> ModelConfig:
     from vlm.train.config import load_train_config
 
     cfg = load_train_config(ROOT / s.config).model   # an absolute s.config replaces ROOT
-    # the smallest widths whose reallocations keep grouped_mm's 16-byte rows (wider_concept's
-    # experts)
+    # the smallest widths whose reallocations keep grouped_mm's 16-byte rows
+    # (wider_concept's experts)
     if s.tiny:
         cfg = replace(cfg, vocab_size=512, hidden_size=128, num_heads=4, num_kv_heads=2,
                       head_dim=32, encoder_layers=1, concept_layers=2, decoder_layers=1,

@@ -16,9 +16,9 @@ def summarise(r: Run) -> None:
 
 
 def _fill_unreached(r: Run) -> None:
-    """Every candidate's compiled training and decode steps are measured or unavailable with a
-    reason (a section the budget skipped names none); every compiled training step has a launches
-    record."""
+    """Every candidate's compiled training and decode steps are measured or unavailable
+    with a reason (a section the budget skipped names none); every compiled training step
+    has a launches record."""
     measured = {(x["candidate"], x["setting"]["section"], x["setting"].get("batch"))
                 for x in r.res["rows"]
                 if x["setting"].get("mode") == "compiled"}
@@ -89,8 +89,8 @@ def _targets(r: Run) -> None:
             break
     target(f"ConceptMoE training step >= 1.0x the baseline's tokens/s at {s.train_len}",
            TRAIN_RATIO_TARGET, best and best[0], best[1] if best else "not measured")
-    # 3. prefill at 4K (or the shortest length measured), forced boundaries; the learned row beside
-    #    it
+    # 3. prefill at 4K (or the shortest length measured), forced boundaries; the learned row
+    #    beside it
     lens = sorted({x["setting"]["seq_len"] for x in pick("prefill")})
     T = 4096 if 4096 in lens else (lens[0] if lens else None)
     at_len = {x["candidate"]: x for x in pick("prefill", seq_len=T)} if T else {}
@@ -104,8 +104,8 @@ def _targets(r: Run) -> None:
         ("" if tight is None else f"; with the training capacity x{tight['ratio_vs_baseline']:.2f}")
     target(f"ConceptMoE prefill >= 1.25x the baseline's tokens/s at {T or 4096} (forced boundaries)",
            PREFILL_RATIO_TARGET, round(forced[n], 3) if n else None, detail)
-    # 4. decode at batch 8: the fastest ConceptMoE, eager or compiled; the baseline's figure beside
-    #    it
+    # 4. decode at batch 8: the fastest ConceptMoE, eager or compiled; the baseline's figure
+    #    beside it
     B8 = max(s.decode_batches)
     dec = pick("decode", batch=B8)
     b = min((x for x in dec if x["candidate"] != BASELINE), key=lambda x: x["median"], default=None)
