@@ -11,6 +11,7 @@ OUT/comparison*.png and OUT/comparison.json when a baseline is given) and OUT/co
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import json
 from pathlib import Path
@@ -18,15 +19,28 @@ from typing import Callable
 
 from configs.config import ConfigError, apply_overrides, from_dict, load_yaml, to_dict
 from eval.longctx.config import LongCtxConfig
-from eval.preflight import check_model_dir, check_out_dir, positive_int
+from eval.preflight import check_model_dir, check_out_dir, fail, positive_int
 from eval.longctx.tasks import TASKS
 from vlm.cli import refuse_set_option
 
 
+# a write that fails for lack of room or rights after the work: the user's to fix, not a traceback
+WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
+
+
 def _later(module: str, name: str = "run") -> Callable[[argparse.Namespace], int]:
-    """`module.name(args)`, imported when the command runs: registering `vlm eval` imports no model (nor torch)."""
+    """`module.name(args)`, imported when the command runs: registering `vlm eval` imports no
+    model (nor torch). `--out` is checked before the work; a write that still fails at the end (the
+    disk filled meanwhile) is one line naming the file."""
     def run(args: argparse.Namespace) -> int:
-        return getattr(importlib.import_module(module), name)(args)
+        try:
+            return getattr(importlib.import_module(module), name)(args)
+        except OSError as e:
+            if e.errno not in WRITE_ERRNOS:
+                raise
+            fail(f"vlm eval {args.eval_command}", f"writing {e.filename or 'the results'} failed "
+                 f"({e.strerror}); the results were computed but not all written: free the space "
+                 f"or give another --out, and run again")
     return run
 
 

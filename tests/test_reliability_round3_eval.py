@@ -138,3 +138,28 @@ def test_lmms_tasks_without_a_dataset_is_one_line(tmp_path, capsys):
                           str(tmp_path / "t")],
                          capsys)
     assert code == 2 and "no 'test' split there" in _one_line(err) and not (tmp_path / "t").exists()
+
+
+def test_a_disk_that_fills_during_the_evaluation_is_one_line(exported_vlm, tiny_default, tmp_path,
+                                                             monkeypatch, capsys):
+    """`--out` passed its check, then the disk filled while the model answered: the final write
+    fails as one line naming the file, not a traceback."""
+    import errno
+    import os
+    from pathlib import Path
+
+    out = tmp_path / "vqa.json"
+    real_write = Path.write_text
+
+    def full_disk(self, *args, **kwargs):
+        if self == out:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self))
+        return real_write(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", full_disk)
+    code, err = _refused(["eval", "vqa", "--ckpt", str(exported_vlm), "--data", str(tiny_default),
+                          "--limit", "2", "--batch-size", "2", "--no-blind", "--out", str(out)],
+                         capsys)
+    line = _one_line(err)
+    assert code == 2 and line.startswith("vlm eval vqa: ") and f"writing {out} failed" in line
+    assert os.strerror(errno.ENOSPC) in line and not out.exists()
