@@ -24,8 +24,9 @@ from eval.longctx.tasks import TASKS
 from vlm.cli import refuse_set_option
 
 
-# a write that fails for lack of room or rights after the work: the user's to fix, not a traceback
-WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
+# a write that fails for lack of room after the work: the user's to fix, not a traceback. Only
+# errors no read raises: a denied write to --out is found before the work (check_out_*)
+WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
 
 
 def _later(module: str, name: str = "run") -> Callable[[argparse.Namespace], int]:
