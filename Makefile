@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip
 export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/torch_extensions
 
-.PHONY: install install-eval train test test-fast test-gpu flops bench
+.PHONY: install install-eval train test test-fast test-gpu flops bench format lint
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -37,11 +37,20 @@ bench: install
 results: install
 	$(BIN)/vlm results $(foreach r,$(RERUN),--rerun $(r))
 
-test: install-eval
+# the layout and lint rules (pyproject.toml's [tool.ruff]) first: they take a second
+lint: install
+	$(BIN)/ruff format --check .
+	$(BIN)/ruff check .
+
+format: install
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+test: install-eval lint
 	$(BIN)/python -m pytest -n 2 tests
 
 # what a developer runs while working: everything but the tests marked slow
-test-fast: install-eval
+test-fast: install-eval lint
 	$(BIN)/python -m pytest -n 2 -m "not slow" tests
 
 # the CUDA tests, on a machine with a GPU: tests/test_gpu.py's CUDA instances and every other test marked gpu, in one

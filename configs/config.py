@@ -14,6 +14,7 @@ One source of defaults: the dataclasses' field defaults. A YAML file states only
 them (or, with `base: OTHER.yaml`, from its base); tests/test_config_base.py fails on a key that
 restates what it would inherit.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -96,8 +97,9 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
     if origin is Literal:
         allowed = get_args(tp)
         if value not in allowed:
-            raise ConfigError(f"{path}: got {value!r}, allowed values: "
-                              f"{', '.join(repr(a) for a in allowed)}")
+            raise ConfigError(
+                f"{path}: got {value!r}, allowed values: {', '.join(repr(a) for a in allowed)}"
+            )
         return value
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
@@ -112,8 +114,9 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
         # tuple[X, Y]: exactly that many items
         if origin is tuple and args and args[-1] is not Ellipsis:
             if len(value) != len(args):
-                raise ConfigError(f"{path}: expected {len(args)} items, got {len(value)}: "
-                                  f"{list(value)!r}")
+                raise ConfigError(
+                    f"{path}: expected {len(args)} items, got {len(value)}: {list(value)!r}"
+                )
             return tuple(_coerce(v, t, f"{path}[{i}]") for i, (v, t) in enumerate(zip(value, args)))
         item_tp = args[0] if args else Any
         items = [_coerce(v, item_tp, f"{path}[{i}]") for i, v in enumerate(value)]
@@ -122,8 +125,9 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(f"{path}: expected a mapping, got {value!r}")
         kt, vt = get_args(tp) or (Any, Any)
-        return {_coerce(k, kt, f"{path}.<key>"): _coerce(v, vt, f"{path}.{k}")
-                for k, v in value.items()}
+        return {
+            _coerce(k, kt, f"{path}.<key>"): _coerce(v, vt, f"{path}.{k}") for k, v in value.items()
+        }
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -142,7 +146,7 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
     if tp is str:
         if isinstance(value, str):
             return value
-        if isinstance(value, os.PathLike):   # a Path given in Python
+        if isinstance(value, os.PathLike):  # a Path given in Python
             return os.fspath(value)
         raise ConfigError(f"{path}: got {value!r}, expected a string")
     if isinstance(tp, type) and isinstance(value, tp):
@@ -154,10 +158,10 @@ def from_dict(cls: type[T], data: dict, path: str = "") -> T:
     """Build dataclass `cls` from a (nested) mapping, checking every field (a `ValidatedOnInit` then
     validates itself when it is made)."""
     if callable(getattr(cls, "validate", None)) and not issubclass(cls, ValidatedOnInit):
-        raise TypeError(f"{cls.__name__} has a validate() but is not a ValidatedOnInit: a config "
-                        f"dataclass "
-                        "subclasses configs.config.ValidatedOnInit so that it is validated however "
-                        "it is made")
+        raise TypeError(
+            f"{cls.__name__} has a validate() but is not a ValidatedOnInit: a config dataclass "
+            "subclasses configs.config.ValidatedOnInit so that it is validated however it is made"
+        )
     if data is None:
         data = {}
     hints = _hints(cls)
@@ -166,17 +170,18 @@ def from_dict(cls: type[T], data: dict, path: str = "") -> T:
     if unknown:
         where = f"{path}." if path else ""
         raise ConfigError(
-            f"unknown key {where}{unknown[0]}; allowed keys{' in ' + path if path else ''}: "
-            f"{', '.join(sorted(fields))}"
+            f"unknown key {where}{unknown[0]}; allowed "
+            f"keys{' in ' + path if path else ''}: {', '.join(sorted(fields))}"
         )
     kwargs = {}
     for name, value in data.items():
         kwargs[name] = _coerce(value, hints[name], f"{path}.{name}" if path else name)
     try:
-        obj = cls(**kwargs)   # a ValidatedOnInit validates itself here
+        obj = cls(**kwargs)  # a ValidatedOnInit validates itself here
     except ConfigError as e:
-        raise ConfigError(f"{path}: {e}" if path and not str(e).startswith(path)
-                          else str(e)) from None
+        raise ConfigError(
+            f"{path}: {e}" if path and not str(e).startswith(path) else str(e)
+        ) from None
     return obj
 
 
@@ -208,8 +213,10 @@ _FLOAT_RE = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 def parse_override(text: str) -> tuple[list[str], Any]:
     """`a.b.c=value` -> (['a','b','c'], value parsed as YAML scalar)."""
     if "=" not in text:
-        raise ConfigError(f"override {text!r}: expected KEY=VALUE with a dotted KEY, e.g. "
-                          f"model.chunk.target_ratio=2")
+        raise ConfigError(
+            f"override {text!r}: expected KEY=VALUE with a "
+            "dotted KEY, e.g. model.chunk.target_ratio=2"
+        )
     key, raw = text.split("=", 1)
     value = yaml.safe_load(raw) if raw.strip() else None
     if isinstance(value, str):
@@ -241,7 +248,7 @@ def parse_args_anywhere(parser, argv: list[str] | None):
     a=1 --max-steps 1 b=2`): argparse stops collecting a positional list at the first option."""
     args, extra = parser.parse_known_args(argv)
     stray = [a for a in extra if a.startswith("-") or "=" not in a]
-    if stray or (extra and vars(args).get("overrides") is None):   # a subcommand without overrides
+    if stray or (extra and vars(args).get("overrides") is None):  # a subcommand without overrides
         parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
     if extra:
         args.overrides = [*args.overrides, *extra]
@@ -252,7 +259,9 @@ def deep_merge(base: dict, over: dict) -> dict:
     """`over` on top of `base`: mappings merge key by key, anything else (lists, scalars, null) replaces."""
     out = dict(base)
     for k, v in over.items():
-        out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        out[k] = (
+            deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        )
     return out
 
 
@@ -268,28 +277,34 @@ def load_yaml(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict:
     except yaml.YAMLError as e:
         raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
     except UnicodeDecodeError as e:
-        raise ConfigError(f"config file {path} is not UTF-8 text (byte {e.start}: {e.reason})") from None
+        raise ConfigError(
+            f"config file {path} is not UTF-8 text (byte {e.start}: {e.reason})"
+        ) from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path}: top level must be a mapping")
     base = data.pop("base", None)
     if base is None:
         return data
     if not isinstance(base, str):
-        raise ConfigError(f"config file {path}: base must be a path to another YAML file, got "
-                          f"{base!r}")
+        raise ConfigError(
+            f"config file {path}: base must be a path to another YAML file, got {base!r}"
+        )
     base_path = (path.parent / base).resolve()
     # the files whose bases are being loaded, outermost first
     chain = _chain + (path.resolve(),)
     if base_path in chain:
-        cycle = " -> ".join(str(p) for p in chain[chain.index(base_path):] + (base_path,))
+        cycle = " -> ".join(str(p) for p in chain[chain.index(base_path) :] + (base_path,))
         raise ConfigError(f"config file {path}: base {base} makes a cycle: {cycle}")
     if not base_path.is_file():
-        raise ConfigError(f"config file {path}: base {base} does not exist (looked for {base_path})")
+        raise ConfigError(
+            f"config file {path}: base {base} does not exist (looked for {base_path})"
+        )
     return deep_merge(load_yaml(base_path, chain), data)
 
 
-def load_config(cls: type[T], path: str | Path | None = None,
-                overrides: list[str] | None = None) -> T:
+def load_config(
+    cls: type[T], path: str | Path | None = None, overrides: list[str] | None = None
+) -> T:
     data = load_yaml(path) if path else {}
     apply_overrides(data, overrides or [])
     return from_dict(cls, data)

@@ -12,6 +12,7 @@ This is the format of models trained from scratch. A model continued from a pret
 the source's own template (data_pipelines.tokenizer.SourceTokenizer.chat_segments); the data
 pipeline asks the tokenizer.
 """
+
 from __future__ import annotations
 
 import os
@@ -50,8 +51,10 @@ def format_chat(turns: list[dict], add_generation_prompt: bool = False) -> str:
 
 def vqa_prompt(question: str, num_images: int = 1) -> str:
     """The generation prompt for a question about image(s): user turn with placeholders, then <|assistant|>."""
-    return format_chat([{"role": "user", "content": IMAGE_TOKEN * num_images + "\n" + question}],
-                       add_generation_prompt=True)
+    return format_chat(
+        [{"role": "user", "content": IMAGE_TOKEN * num_images + "\n" + question}],
+        add_generation_prompt=True,
+    )
 
 
 def strip_answer(generated: str) -> str:
@@ -76,15 +79,16 @@ class VQASample:
     question_type: str
     key: str
     heldout: bool = False
-    images: list[bytes] | None = None   # all images of the sample (image == images[0])
+    images: list[bytes] | None = None  # all images of the sample (image == images[0])
 
     @property
     def prompt(self) -> str:
         return vqa_prompt(self.question, len(self.images or [self.image]))
 
 
-def iter_vqa_samples(shard_paths: str | os.PathLike | list,
-                     limit: int | None = None) -> Iterator[VQASample]:
+def iter_vqa_samples(
+    shard_paths: str | os.PathLike | list, limit: int | None = None
+) -> Iterator[VQASample]:
     """One VQASample per question in the shards' `meta.qa` lists (default dataset and imported
     tables), in shard order. Samples without `qa` or that fail to decode are skipped."""
     n = 0
@@ -92,10 +96,15 @@ def iter_vqa_samples(shard_paths: str | os.PathLike | list,
         if not sample.images:
             continue
         for qa in sample.meta.get("qa", []):
-            yield VQASample(image=sample.images[0], question=qa["question"],
-                            answer=str(qa["answer"]), question_type=str(qa.get("type", "unknown")),
-                            key=sample.key, heldout=bool(qa.get("heldout", False)),
-                            images=sample.images)
+            yield VQASample(
+                image=sample.images[0],
+                question=qa["question"],
+                answer=str(qa["answer"]),
+                question_type=str(qa.get("type", "unknown")),
+                key=sample.key,
+                heldout=bool(qa.get("heldout", False)),
+                images=sample.images,
+            )
             n += 1
             if limit is not None and n >= limit:
                 return

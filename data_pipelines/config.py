@@ -1,4 +1,5 @@
 """Data configuration: sources and their mixture, packing budget, shuffling, workers, tokenizer, images."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -32,7 +33,7 @@ class SourceConfig(ValidatedOnInit):
         check(bool(self.path), "source path must not be empty")
         check(self.weight > 0, f"source {self.path}: weight must be > 0, got {self.weight}")
 
-        try:   # a typo in a path stops here, before any model is built or run directory made
+        try:  # a typo in a path stops here, before any model is built or run directory made
             resolve_shards(self.path)
         except ShardError as e:
             check(False, f"source {self.path}: {e}")
@@ -47,16 +48,16 @@ class DataConfig(ValidatedOnInit):
     # empty: the embedded default dataset's train split (built into default_dir when missing)
     sources: list[SourceConfig] = field(default_factory=list)
     default_dir: str = DEFAULT_DIR
-    split: str = "train"             # which split of the default dataset when `sources` is empty
+    split: str = "train"  # which split of the default dataset when `sources` is empty
     # which parts of the default dataset to mix (vqa, caption, interleaved, text); empty: all of
     # the split's
     default_parts: list[str] = field(default_factory=list)
-    row_tokens: int = 512            # T: tokens per packed row (text + image tokens)
-    rows_per_batch: int = 4          # B
-    shuffle_buffer: int = 512        # samples per source held for shuffling (0: stream order)
-    pack_buffer: int = 64            # tokenized samples the packer chooses from when filling a row
+    row_tokens: int = 512  # T: tokens per packed row (text + image tokens)
+    rows_per_batch: int = 4  # B
+    shuffle_buffer: int = 512  # samples per source held for shuffling (0: stream order)
+    pack_buffer: int = 64  # tokenized samples the packer chooses from when filling a row
     seed: int = 0
-    num_workers: int = 0             # DataLoader worker processes per rank (0: in the main process)
+    num_workers: int = 0  # DataLoader worker processes per rank (0: in the main process)
     # how ranks share the data: "samples" = each rank reads its own part of every source (no
     # duplicated work); "rows" = every rank builds the same global batch of rows_per_batch x
     # world_size rows and keeps its rows, so the global batch does not depend on the number of ranks
@@ -71,13 +72,17 @@ class DataConfig(ValidatedOnInit):
     # how images are patchified (validated when it is made); a training config with a vision section
     # sets it to vision.processor, so only configs without one state it here
     processor: ImageProcessorConfig = field(default_factory=ImageProcessorConfig)
-    loss_on: Literal["all", "assistant"] = "all"   # "assistant": chat samples train on answers only
+    loss_on: Literal["all", "assistant"] = "all"  # "assistant": chat samples train on answers only
     long_text: Literal["truncate", "split"] = "truncate"  # text-only documents longer than a row
 
     @property
     def tokenizer_path(self) -> str:
         """What `load_tokenizer` takes: "byte", or the directory / file the `tokenizer` setting names."""
-        return str(Path(self.default_dir) / "tokenizer") if self.tokenizer == "default" else self.tokenizer
+        return (
+            str(Path(self.default_dir) / "tokenizer")
+            if self.tokenizer == "default"
+            else self.tokenizer
+        )
 
     def validate(self) -> None:
         check(self.row_tokens >= 8, f"row_tokens must be >= 8, got {self.row_tokens}")
@@ -85,26 +90,33 @@ class DataConfig(ValidatedOnInit):
         check(self.shuffle_buffer >= 0, f"shuffle_buffer must be >= 0, got {self.shuffle_buffer}")
         check(self.pack_buffer >= 1, f"pack_buffer must be >= 1, got {self.pack_buffer}")
         check(self.num_workers >= 0, f"num_workers must be >= 0, got {self.num_workers}")
-        check(self.prefetch_factor >= 1,
-              f"prefetch_factor must be >= 1, got {self.prefetch_factor}")
-        check(self.epochs is None or self.epochs >= 1,
-              f"epochs must be >= 1 or null, got {self.epochs}")
+        check(
+            self.prefetch_factor >= 1, f"prefetch_factor must be >= 1, got {self.prefetch_factor}"
+        )
+        check(
+            self.epochs is None or self.epochs >= 1,
+            f"epochs must be >= 1 or null, got {self.epochs}",
+        )
         check(bool(self.tokenizer), "tokenizer must be 'byte', 'default' or a path")
         # built with the default dataset: there only when that dataset is used or built
         if self.tokenizer == "default":
-            check(not self.sources or Path(self.tokenizer_path).exists(),
-                  f"tokenizer 'default' is the default dataset's tokenizer "
-                  f"({self.tokenizer_path}), which does not "
-                  "exist; with sources set, give a tokenizer directory or tokenizer.json, or 'byte'")
+            check(
+                not self.sources or Path(self.tokenizer_path).exists(),
+                "tokenizer 'default' is the default dataset's tokenizer "
+                f"({self.tokenizer_path}), which does not exist; with sources "
+                "set, give a tokenizer directory or tokenizer.json, or 'byte'",
+            )
         elif self.tokenizer != "byte":
-            check(Path(self.tokenizer).exists(), f"tokenizer {self.tokenizer!r} does not exist; "
-                                                 f"allowed: 'byte', "
-                                                 "'default' or a tokenizer directory / "
-                                                 "tokenizer.json")
+            check(
+                Path(self.tokenizer).exists(),
+                f"tokenizer {self.tokenizer!r} does not exist; allowed: "
+                "'byte', 'default' or a tokenizer directory / tokenizer.json",
+            )
         for p in self.default_parts:
             check(p in PARTS, f"default_parts: unknown part {p!r}; allowed: {', '.join(PARTS)}")
-        check(not (self.default_parts and self.sources),
-              "default_parts selects parts of the default dataset; "
-                                                          "it cannot be combined with sources")
+        check(
+            not (self.default_parts and self.sources),
+            "default_parts selects parts of the default dataset; it cannot be combined with sources",
+        )
         names = [s.label for s in self.sources]
         check(len(set(names)) == len(names), f"source names/paths must be unique, got {names}")

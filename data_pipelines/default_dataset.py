@@ -14,6 +14,7 @@ A VQA sample is one scene with a few questions as a multi-turn chat (first turn
 type, heldout}. A caption sample is the same image with its caption. Interleaved documents show 2-3
 scenes with captions and a comparison.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,19 +26,19 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from configs.config import ValidatedOnInit, check, to_dict
 from data_pipelines.progress import Progress
 from data_pipelines.scenes import caption, questions, relations, render_scene, sample_scene
 from data_pipelines.schema import IMAGE_TOKEN, Sample
 from data_pipelines.text_corpus import document
 from data_pipelines.tokenizer import train_bpe
 from data_pipelines.writer import ShardWriter
-from configs.config import ValidatedOnInit, check, to_dict
 
 GENERATOR_VERSION = 5
 INFO_FILE = "default.json"
 # default mixture for training (weights are normalised by the loader)
 DEFAULT_WEIGHTS = {"vqa": 0.5, "caption": 0.25, "interleaved": 0.1, "text": 0.15}
-PARTS = tuple(DEFAULT_WEIGHTS)                  # what data.default_parts may name
+PARTS = tuple(DEFAULT_WEIGHTS)  # what data.default_parts may name
 IMAGE_PARTS = ("vqa", "caption", "interleaved")  # the parts whose samples carry images
 SPLIT_IDS = {"train": 0, "val": 1, "test": 2, "interleaved": 3, "text": 4}
 
@@ -50,28 +51,36 @@ class DefaultDatasetConfig(ValidatedOnInit):
     test_scenes: int = 200
     # train; val gets a tenth more (held out, for per-kind compression)
     interleaved_docs: int = 300
-    text_docs: int = 2000             # train; val gets a tenth
+    text_docs: int = 2000  # train; val gets a tenth
     min_size: int = 64
     max_size: int = 112
     max_objects: int = 4
-    questions_per_scene: int = 5      # one per question type the scene allows
+    questions_per_scene: int = 5  # one per question type the scene allows
     # caption samples add "Relative to the B, the A is to the left." per row/column pair
     relation_captions: bool = True
     shard_max_count: int = 2000
-    tokenizer_vocab: int = 768        # upper bound; the corpus may need fewer merges
+    tokenizer_vocab: int = 768  # upper bound; the corpus may need fewer merges
 
     def validate(self) -> None:
-        check(8 <= self.min_size <= self.max_size,
-              f"need 8 <= min_size <= max_size, got {self.min_size}, {self.max_size}")
-        check(1 <= self.max_objects <= 9, f"max_objects must be in 1..9 (a 3x3 grid), got "
-                                          f"{self.max_objects}")
-        check(1 <= self.questions_per_scene <= 5, f"questions_per_scene must be in 1..5, got "
-                                                  f"{self.questions_per_scene}")
+        check(
+            8 <= self.min_size <= self.max_size,
+            f"need 8 <= min_size <= max_size, got {self.min_size}, {self.max_size}",
+        )
+        check(
+            1 <= self.max_objects <= 9,
+            f"max_objects must be in 1..9 (a 3x3 grid), got {self.max_objects}",
+        )
+        check(
+            1 <= self.questions_per_scene <= 5,
+            f"questions_per_scene must be in 1..5, got {self.questions_per_scene}",
+        )
         for name in ("train_scenes", "val_scenes", "test_scenes", "interleaved_docs", "text_docs"):
             check(getattr(self, name) >= 0, f"{name} must be >= 0")
         check(self.shard_max_count >= 1, "shard_max_count must be >= 1")
-        check(self.tokenizer_vocab >= 266, f"tokenizer_vocab must be >= 266 (specials + bytes), "
-                                           f"got {self.tokenizer_vocab}")
+        check(
+            self.tokenizer_vocab >= 266,
+            f"tokenizer_vocab must be >= 266 (specials + bytes), got {self.tokenizer_vocab}",
+        )
 
 
 def _rng(cfg: DefaultDatasetConfig, split: str, index: int) -> random.Random:
@@ -90,15 +99,22 @@ def _vqa_and_caption(cfg: DefaultDatasetConfig, split: str, index: int) -> tuple
     qa = questions(rng, scene, cfg.questions_per_scene, heldout)
     turns = []
     for j, q in enumerate(qa):
-        turns.append({"role": "user",
-                      "content": (IMAGE_TOKEN + "\n" if j == 0 else "") + q["question"]})
+        turns.append(
+            {"role": "user", "content": (IMAGE_TOKEN + "\n" if j == 0 else "") + q["question"]}
+        )
         turns.append({"role": "assistant", "content": q["answer"]})
     meta = {"qa": qa, "scene": scene.to_meta(), "split": split}
     key = f"{split}{index:06d}"
     vqa = Sample(key=key, kind="pair", turns=turns, images=[png], image_exts=["png"], meta=meta)
     text = caption(scene) + (" " + relations(rng, scene) if cfg.relation_captions else "")
-    cap = Sample(key=key, kind="pair", text=IMAGE_TOKEN + text.rstrip(), images=[png],
-                 image_exts=["png"], meta={"scene": scene.to_meta(), "split": split})
+    cap = Sample(
+        key=key,
+        kind="pair",
+        text=IMAGE_TOKEN + text.rstrip(),
+        images=[png],
+        image_exts=["png"],
+        meta={"scene": scene.to_meta(), "split": split},
+    )
     return vqa, cap
 
 
@@ -116,8 +132,13 @@ def _interleaved(cfg: DefaultDatasetConfig, index: int) -> Sample:
         summary = f"Several pictures have {counts[most]} objects."
     else:
         summary = f"Picture {most + 1} has the most objects."
-    return Sample(key=f"doc{index:06d}", kind="interleaved", text=" ".join(parts) + " " + summary,
-                  images=images, image_exts=["png"] * n)
+    return Sample(
+        key=f"doc{index:06d}",
+        kind="interleaved",
+        text=" ".join(parts) + " " + summary,
+        images=images,
+        image_exts=["png"] * n,
+    )
 
 
 def _text(cfg: DefaultDatasetConfig, split: str, index: int) -> Sample:
@@ -125,23 +146,32 @@ def _text(cfg: DefaultDatasetConfig, split: str, index: int) -> Sample:
     return Sample(key=f"text{index:06d}", kind="text", text=document(rng))
 
 
-def build_default(out: str | os.PathLike, cfg: DefaultDatasetConfig | None = None,
-                  progress: bool = True) -> Path:
+def build_default(
+    out: str | os.PathLike, cfg: DefaultDatasetConfig | None = None, progress: bool = True
+) -> Path:
     """Write the default dataset into `out` (replaced if present) and return it."""
     cfg = cfg or DefaultDatasetConfig()
     cfg.validate()
     out = Path(out)
-    if out.exists() and (not out.is_dir()
-                         or (any(out.iterdir()) and not (out / INFO_FILE).exists())):
-        raise FileExistsError(f"{out} exists and is not a default-dataset folder (no {INFO_FILE}); "
-                              "refusing to replace it: choose an empty or new folder")
+    if out.exists() and (
+        not out.is_dir() or (any(out.iterdir()) and not (out / INFO_FILE).exists())
+    ):
+        raise FileExistsError(
+            f"{out} exists and is not a default-dataset folder (no {INFO_FILE}); "
+            "refusing to replace it: choose an empty or new folder"
+        )
     t0 = time.time()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         counts: dict[str, dict[str, int]] = {}
         plan = [("train", cfg.train_scenes), ("val", cfg.val_scenes), ("test", cfg.test_scenes)]
-        total = sum(n for _, n in plan) + cfg.interleaved_docs * 11 // 10 + cfg.text_docs + cfg.text_docs // 10
+        total = (
+            sum(n for _, n in plan)
+            + cfg.interleaved_docs * 11 // 10
+            + cfg.text_docs
+            + cfg.text_docs // 10
+        )
         # plain lines in redirected logs
         bar = Progress(total, "default dataset", progress, unit="sample")
         train_texts: list[str] = []
@@ -159,8 +189,10 @@ def build_default(out: str | os.PathLike, cfg: DefaultDatasetConfig | None = Non
             counts[split] = {"vqa": n, "caption": n}
         # val's documents continue the train documents' index: the train split is what it was before
         n_val = cfg.interleaved_docs // 10
-        for split, first, n in (("train", 0, cfg.interleaved_docs),
-                                ("val", cfg.interleaved_docs, n_val)):
+        for split, first, n in (
+            ("train", 0, cfg.interleaved_docs),
+            ("val", cfg.interleaved_docs, n_val),
+        ):
             with ShardWriter(tmp / split, "interleaved", max_count=cfg.shard_max_count) as w:
                 for i in range(first, first + n):
                     doc = _interleaved(cfg, i)
@@ -181,11 +213,17 @@ def build_default(out: str | os.PathLike, cfg: DefaultDatasetConfig | None = Non
         bar.close()
         # The chat template's role tokens are special tokens of every tokenizer; placeholders are
         # not text.
-        train_bpe((t.replace(IMAGE_TOKEN, " ") for t in train_texts),
-                  cfg.tokenizer_vocab).save(tmp / "tokenizer")
+        train_bpe((t.replace(IMAGE_TOKEN, " ") for t in train_texts), cfg.tokenizer_vocab).save(
+            tmp / "tokenizer"
+        )
         counts = {s: {k: v for k, v in c.items() if v} for s, c in counts.items()}
-        info = {"version": GENERATOR_VERSION, "config": to_dict(cfg), "counts": counts,
-                "weights": DEFAULT_WEIGHTS, "build_seconds": round(time.time() - t0, 3)}
+        info = {
+            "version": GENERATOR_VERSION,
+            "config": to_dict(cfg),
+            "counts": counts,
+            "weights": DEFAULT_WEIGHTS,
+            "build_seconds": round(time.time() - t0, 3),
+        }
         (tmp / INFO_FILE).write_text(json.dumps(info, indent=1))
         if out.exists():
             shutil.rmtree(out)
@@ -204,8 +242,9 @@ def default_info(directory: str | os.PathLike) -> dict | None:
         return None
 
 
-def ensure_default_dataset(directory: str | os.PathLike, cfg: DefaultDatasetConfig | None = None,
-                           progress: bool = True) -> Path:
+def ensure_default_dataset(
+    directory: str | os.PathLike, cfg: DefaultDatasetConfig | None = None, progress: bool = True
+) -> Path:
     """Build the default dataset into `directory` unless a complete build is there already.
 
     With `cfg=None` any complete build of this generator version is accepted (so a custom
@@ -215,8 +254,11 @@ def ensure_default_dataset(directory: str | os.PathLike, cfg: DefaultDatasetConf
 
     def ok() -> bool:
         info = default_info(directory)
-        return bool(info) and info.get("version") == GENERATOR_VERSION and (
-            cfg is None or info.get("config") == to_dict(cfg))
+        return (
+            bool(info)
+            and info.get("version") == GENERATOR_VERSION
+            and (cfg is None or info.get("config") == to_dict(cfg))
+        )
 
     if ok():
         return directory
@@ -232,12 +274,19 @@ def default_sources(directory: str | os.PathLike, split: str = "train") -> list[
     """Source specs (path, weight, kind) of one split of the default dataset, for DataConfig.sources."""
     info = default_info(directory)
     if info is None:
-        raise FileNotFoundError(f"no default dataset in {directory} (missing {INFO_FILE}); "
-                                "run `vlm data build-default --out DIR`")
+        raise FileNotFoundError(
+            f"no default dataset in {directory} (missing "
+            f"{INFO_FILE}); run `vlm data build-default --out DIR`"
+        )
     if split not in info["counts"]:
         raise ValueError(f"default dataset split {split!r} not one of {sorted(info['counts'])}")
     weights = info.get("weights", DEFAULT_WEIGHTS)
-    return [{"path": str(Path(directory) / split / f"{name}-*.tar"),
-             "weight": float(weights.get(name, 1.0)),
-             "kind": "auto", "name": f"{split}/{name}"}
-            for name in sorted(info["counts"][split])]
+    return [
+        {
+            "path": str(Path(directory) / split / f"{name}-*.tar"),
+            "weight": float(weights.get(name, 1.0)),
+            "kind": "auto",
+            "name": f"{split}/{name}",
+        }
+        for name in sorted(info["counts"][split])
+    ]

@@ -4,6 +4,7 @@ Each `<image>` placeholder becomes `<image_start>` + num_tokens x `<image_pad>` 
 document is framed by `<bos>` ... `<eos>`. `target[t]` says whether token t may be a training target
 (whether the position before it gets a label); images, padding and document ends are masked later.
 """
+
 from __future__ import annotations
 
 import io
@@ -13,21 +14,29 @@ from dataclasses import dataclass, field
 import numpy as np
 from PIL import Image
 
-from data_pipelines.schema import (CORRUPT_IMAGE, EMPTY_TEXT, IMAGE_COUNT, IMAGE_TOO_LARGE,
-                                   INVALID_FIELD, TOO_LONG, BadSample, Sample)
+from data_pipelines.schema import (
+    CORRUPT_IMAGE,
+    EMPTY_TEXT,
+    IMAGE_COUNT,
+    IMAGE_TOO_LARGE,
+    INVALID_FIELD,
+    TOO_LONG,
+    BadSample,
+    Sample,
+)
 from data_pipelines.tokenizer import Tokenizer
 from vision.image_processor import ImageError, ImageProcessor, ProcessedImage
 
 
 @dataclass
 class EncodedSample:
-    ids: np.ndarray                  # [L] int64
-    target: np.ndarray               # [L] bool
+    ids: np.ndarray  # [L] int64
+    target: np.ndarray  # [L] bool
     images: list[ProcessedImage] = field(default_factory=list)
     key: str = ""
     truncated: bool = False
-    kind: str = "text"               # one of configs.batch.KINDS (statistics only)
-    source: int = -1                 # index of the data source it came from (statistics only)
+    kind: str = "text"  # one of configs.batch.KINDS (statistics only)
+    source: int = -1  # index of the data source it came from (statistics only)
 
     def __len__(self) -> int:
         return int(self.ids.shape[0])
@@ -49,8 +58,9 @@ def _header_size(data: bytes, max_pixels: int, where: str) -> None:
     except Exception:  # noqa: BLE001 - unidentifiable: the processor reports it as corrupt
         return
     if w * h > max_pixels:
-        raise BadSample(IMAGE_TOO_LARGE, f"{where}: {w}x{h} = {w * h} pixels exceeds "
-                                         f"max_pixels={max_pixels}")
+        raise BadSample(
+            IMAGE_TOO_LARGE, f"{where}: {w}x{h} = {w * h} pixels exceeds max_pixels={max_pixels}"
+        )
 
 
 def process_images(sample: Sample, processor: ImageProcessor) -> list[ProcessedImage]:
@@ -65,23 +75,26 @@ def process_images(sample: Sample, processor: ImageProcessor) -> list[ProcessedI
     return out
 
 
-def expand_images(ids: np.ndarray, target: np.ndarray, num_tokens: list[int], tok: Tokenizer
-                  ) -> tuple[np.ndarray, np.ndarray]:
+def expand_images(
+    ids: np.ndarray, target: np.ndarray, num_tokens: list[int], tok: Tokenizer
+) -> tuple[np.ndarray, np.ndarray]:
     """Replace the k-th `<image>` id by start + num_tokens[k] pads + end (vectorised over tokens)."""
     pos = np.flatnonzero(ids == tok.image_id)
     if len(pos) != len(num_tokens):
-        raise BadSample(IMAGE_COUNT, f"{len(pos)} <image> tokens after tokenization but "
-                                     f"{len(num_tokens)} images")
+        raise BadSample(
+            IMAGE_COUNT,
+            f"{len(pos)} <image> tokens after tokenization but {len(num_tokens)} images",
+        )
     if not len(pos):
         return ids, target
     reps = np.ones(len(ids), dtype=np.int64)
     reps[pos] = np.asarray(num_tokens, dtype=np.int64) + 2
     out_ids = np.repeat(ids, reps)
     out_target = np.repeat(target, reps)
-    starts = np.cumsum(reps)[pos] - reps[pos]       # where each expanded image begins
+    starts = np.cumsum(reps)[pos] - reps[pos]  # where each expanded image begins
     out_ids[starts] = tok.image_start_id
-    for s, n in zip(starts.tolist(), num_tokens):   # one slice assignment per image
-        out_ids[s + 1:s + 1 + n] = tok.image_pad_id
+    for s, n in zip(starts.tolist(), num_tokens):  # one slice assignment per image
+        out_ids[s + 1 : s + 1 + n] = tok.image_pad_id
         out_ids[s + 1 + n] = tok.image_end_id
     return out_ids, out_target
 
@@ -94,9 +107,15 @@ def stats_kind(sample: Sample) -> str:
     return {"pair": "caption", "interleaved": "interleaved"}.get(sample.kind, "text")
 
 
-def encode_sample(sample: Sample, tok: Tokenizer, processor: ImageProcessor, row_tokens: int,
-                  loss_on: str = "all", long_text: str = "truncate", allow_empty_text: bool = False
-                  ) -> list[EncodedSample]:
+def encode_sample(
+    sample: Sample,
+    tok: Tokenizer,
+    processor: ImageProcessor,
+    row_tokens: int,
+    loss_on: str = "all",
+    long_text: str = "truncate",
+    allow_empty_text: bool = False,
+) -> list[EncodedSample]:
     """Tokenize, expand and check one sample; returns one EncodedSample
     (several with long_text="split").
 
@@ -116,10 +135,11 @@ def encode_sample(sample: Sample, tok: Tokenizer, processor: ImageProcessor, row
     for text, is_target in segments:
         ids = tok.encode_np(text)
         if tok.is_reserved[ids].any():
-            raise BadSample(INVALID_FIELD, f"sample {sample.key} in {sample.source}: text contains "
-                                           f"a reserved "
-                                           "token (<pad>, <bos>, <eos>, <image_pad>, "
-                                           "<image_start>, <image_end>)")
+            raise BadSample(
+                INVALID_FIELD,
+                f"sample {sample.key} in {sample.source}: text contains a reserved "
+                "token (<pad>, <bos>, <eos>, <image_pad>, <image_start>, <image_end>)",
+            )
         parts.append(ids)
         flags.append(np.full(len(ids), is_target, dtype=bool))
     # A source's chat template closes each answer with its own eos (Qwen's <|im_end|>): that ends
@@ -141,13 +161,30 @@ def encode_sample(sample: Sample, tok: Tokenizer, processor: ImageProcessor, row
     if images:
         last_end = int(np.flatnonzero(ids == tok.image_end_id)[-1])
         if last_end + 1 >= row_tokens:  # keep at least one text token after the last image
-            raise BadSample(TOO_LONG, f"sample {sample.key} in {sample.source}: {len(ids)} tokens "
-                                      f"with images ending at {last_end + 1} do not fit a row of "
-                                      f"{row_tokens}")
-        return [EncodedSample(ids[:row_tokens], target[:row_tokens], images, sample.key,
-                              truncated=True, kind=kind)]
+            raise BadSample(
+                TOO_LONG,
+                f"sample {sample.key} in {sample.source}: {len(ids)} tokens with "
+                f"images ending at {last_end + 1} do not fit a row of {row_tokens}",
+            )
+        return [
+            EncodedSample(
+                ids[:row_tokens], target[:row_tokens], images, sample.key, truncated=True, kind=kind
+            )
+        ]
     if long_text == "split":
-        return [EncodedSample(ids[s:s + row_tokens], target[s:s + row_tokens], [], sample.key,
-                              truncated=True, kind=kind) for s in range(0, len(ids), row_tokens)]
-    return [EncodedSample(ids[:row_tokens], target[:row_tokens], [], sample.key, truncated=True,
-                          kind=kind)]
+        return [
+            EncodedSample(
+                ids[s : s + row_tokens],
+                target[s : s + row_tokens],
+                [],
+                sample.key,
+                truncated=True,
+                kind=kind,
+            )
+            for s in range(0, len(ids), row_tokens)
+        ]
+    return [
+        EncodedSample(
+            ids[:row_tokens], target[:row_tokens], [], sample.key, truncated=True, kind=kind
+        )
+    ]

@@ -1,5 +1,6 @@
 """The output folder of an import: checked before any work (`check_out`), and writes into it that
 fail part way (a full disk) turned into one line naming the file (`writing` -> `WriteFailed`)."""
+
 from __future__ import annotations
 
 import os
@@ -47,5 +48,6 @@ def check_out(out: str | os.PathLike) -> None:
         os.close(fd)
         os.unlink(probe)
     except OSError as e:
-        raise ImporterError(f"--out {out}: cannot write in {here} ({os_reason(e)}); give a folder "
-                            f"you can write to") from None
+        raise ImporterError(
+            f"--out {out}: cannot write in {here} ({os_reason(e)}); give a folder you can write to"
+        ) from None

@@ -17,6 +17,7 @@ Every image is decoded once here (a truncated file fails only when decoded), so 
 skipped and counted instead of reaching training. Rows rarely write `<image>` placeholders: missing
 ones go in front.
 """
+
 from __future__ import annotations
 
 import base64
@@ -36,16 +37,33 @@ from PIL import Image
 from data_pipelines.schema import IMAGE_EXTS, IMAGE_TOKEN, Sample
 
 COLUMN_GUESSES = {
-    "image": ("image", "images", "image_path", "image_paths", "img", "file_name", "filename",
-              "file", "path", "jpg", "png"),
+    "image": (
+        "image",
+        "images",
+        "image_path",
+        "image_paths",
+        "img",
+        "file_name",
+        "filename",
+        "file",
+        "path",
+        "jpg",
+        "png",
+    ),
     "text": ("text", "caption", "captions", "txt", "content", "sentence"),
     "question": ("question", "query", "prompt", "instruction"),
     "answer": ("answer", "answers", "response", "output", "label"),
     "type": ("question_type", "type", "category"),
     "conversations": ("conversations", "messages", "turns", "conversation", "texts"),
 }
-ROLE_MAP = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-            "bot": "assistant", "model": "assistant"}
+ROLE_MAP = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "bot": "assistant",
+    "model": "assistant",
+}
 _ID_FIELDS = ("id", "sample_id", "uid", "key")
 # as the loader's default processor.max_pixels: larger images would be skipped there
 MAX_PIXELS = 50_000_000
@@ -101,8 +119,9 @@ def check_image(data: bytes) -> str:
                 fmt = (im.format or "").lower()
                 # from the header, before anything is decoded
                 if im.width * im.height > MAX_PIXELS:
-                    raise Skip("image_too_large", f"{im.width}x{im.height} pixels exceeds "
-                                                  f"{MAX_PIXELS}")
+                    raise Skip(
+                        "image_too_large", f"{im.width}x{im.height} pixels exceeds {MAX_PIXELS}"
+                    )
                 # decode at 1/8 scale: every coefficient is still read (a cut file fails)
                 if fmt == "jpeg":
                     im.draft(im.mode, (max(1, im.width // 8), max(1, im.height // 8)))
@@ -112,14 +131,20 @@ def check_image(data: bytes) -> str:
     except Image.DecompressionBombError as e:
         raise Skip("image_too_large", str(e)) from None
     except Exception as e:  # noqa: BLE001 - Pillow raises many kinds for bad bytes
-        raise Skip("corrupt_image",
-                   f"{type(e).__name__}: {' '.join(str(e).split())[:200]}") from None
+        raise Skip(
+            "corrupt_image", f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+        ) from None
     ext = {"jpeg": "jpg", "tiff": "tif"}.get(fmt, fmt)
     return ext if ext in IMAGE_EXTS else "png"
 
 
-_KINDS = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
-          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a folder"))
+_KINDS = (
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISDIR, "a folder"),
+)
 
 
 def _not_regular(mode: int, what: str) -> Skip:
@@ -179,16 +204,19 @@ def load_image(value: Any, roots: list[Path], confine: bool = True) -> bytes:
             raise Skip("bad_image_data", "a data: URI that is not base64") from None
     if isinstance(value, str) and value.strip():
         p = Path(value)
-        for cand in ([p] if p.is_absolute() else [r / p for r in roots]):
+        for cand in [p] if p.is_absolute() else [r / p for r in roots]:
             if cand.exists() and not cand.is_dir():
                 if confine and not inside(cand, roots):
-                    raise Skip("outside_root", f"image {value!r} leads outside "
-                                               f"{', '.join(map(str, roots))} "
-                                               "(--image-root FOLDER reads images under FOLDER, "
-                                               "--allow-outside-root reads them anywhere)")
+                    raise Skip(
+                        "outside_root",
+                        f"image {value!r} leads outside {', '.join(map(str, roots))} "
+                        "(--image-root FOLDER reads images under FOLDER, "
+                        "--allow-outside-root reads them anywhere)",
+                    )
                 return read_file(cand, f"image {value!r}")
-        raise Skip("missing_image_file", f"image {value!r} not found under "
-                                         f"{', '.join(map(str, roots))}")
+        raise Skip(
+            "missing_image_file", f"image {value!r} not found under {', '.join(map(str, roots))}"
+        )
     raise Skip("missing_image", f"image value {str(value)[:60]!r}")
 
 
@@ -230,7 +258,7 @@ def conversation_turns(conv: Any) -> list[dict]:
     for t in conv:
         if not isinstance(t, dict):
             raise Skip("bad_conversations", f"a turn is a {type(t).__name__}, not an object")
-        if "user" in t or "assistant" in t:          # the Cauldron: {"user", "assistant", "source"}
+        if "user" in t or "assistant" in t:  # the Cauldron: {"user", "assistant", "source"}
             for role in ("user", "assistant"):
                 if isinstance(t.get(role), str):
                     turns.append({"role": role, "content": t[role]})
@@ -282,9 +310,10 @@ def convert_row(index: int, row: dict, settings: RowSettings) -> Sample:
     turns, text = None, ""
     conv = row.get(cols["conversations"]) if cols["conversations"] else None
     if isinstance(conv, list) and conv and all(t is None or isinstance(t, str) for t in conv):
-        if len(conv) != len(image_values):          # OBELICS: texts and images aligned
-            raise Skip("image_count_mismatch", f"{len(conv)} texts but {len(image_values)} image "
-                                               f"slots")
+        if len(conv) != len(image_values):  # OBELICS: texts and images aligned
+            raise Skip(
+                "image_count_mismatch", f"{len(conv)} texts but {len(image_values)} image slots"
+            )
         text, image_values = _interleaved(conv, image_values)
     elif conv not in (None, "", []):
         turns = conversation_turns(conv)
@@ -295,28 +324,44 @@ def convert_row(index: int, row: dict, settings: RowSettings) -> Sample:
         if a is None or not str(a).strip():
             raise Skip("empty_text", f"column {cols['answer']!r} is empty")
         turns = [{"role": "user", "content": q}, {"role": "assistant", "content": str(a)}]
-        qtype = str(row.get(cols["type"])) if cols["type"] and row.get(cols["type"]) is not None else "unknown"
-        meta["qa"] = [{"question": q.replace(IMAGE_TOKEN, "").strip(), "answer": str(a),
-                       "type": qtype}]
+        qtype = (
+            str(row.get(cols["type"]))
+            if cols["type"] and row.get(cols["type"]) is not None
+            else "unknown"
+        )
+        meta["qa"] = [
+            {"question": q.replace(IMAGE_TOKEN, "").strip(), "answer": str(a), "type": qtype}
+        ]
     elif cols["text"] and row.get(cols["text"]) not in (None, ""):
         value = row[cols["text"]]
-        if isinstance(value, list):   # several captions: the first
+        if isinstance(value, list):  # several captions: the first
             value = next((v for v in value if isinstance(v, str) and v.strip()), "")
         text = str(value)
     else:
-        raise Skip("missing_text", f"no text, caption, question/answer or conversation in "
-                                   f"{sorted(row)[:8]}")
+        raise Skip(
+            "missing_text",
+            f"no text, caption, question/answer or conversation in {sorted(row)[:8]}",
+        )
     if not (text.replace(IMAGE_TOKEN, "").strip() or turns):
         raise Skip("empty_text", "the text is empty")
     images = [load_image(v, settings.roots, settings.confine) for v in image_values]
     exts = [check_image(d) for d in images]
     kind = "text" if not images else "pair" if len(images) == 1 else "interleaved"
-    sample = Sample(key=f"row{index:09d}", kind=kind, text=text, turns=turns, images=images,
-                    image_exts=exts, meta=meta)
+    sample = Sample(
+        key=f"row{index:09d}",
+        kind=kind,
+        text=text,
+        turns=turns,
+        images=images,
+        image_exts=exts,
+        meta=meta,
+    )
     place_images(sample, len(images) - sample.placeholder_count())
     if sample.placeholder_count() != len(images):
-        raise Skip("image_count_mismatch", f"{sample.placeholder_count()} {IMAGE_TOKEN} "
-                                           f"placeholders but {len(images)} images")
+        raise Skip(
+            "image_count_mismatch",
+            f"{sample.placeholder_count()} {IMAGE_TOKEN} placeholders but {len(images)} images",
+        )
     return sample
 
 
@@ -337,30 +382,50 @@ def convert_file(index: int, item: tuple[str, Any], settings: FileSettings) -> S
     if isinstance(caption, tuple):
         raise Skip(*caption)
     if settings.confine and not inside(path, [root]):
-        raise Skip("outside_root", f"{rel} leads outside {root} (a link out; --allow-outside-root "
-                                   f"follows it)")
+        raise Skip(
+            "outside_root",
+            f"{rel} leads outside {root} (a link out; --allow-outside-root follows it)",
+        )
     check_regular(path, rel)
     if caption is None:
-        side = next((path.with_suffix("." + e) for e in settings.caption_exts
-                     if path.with_suffix("." + e).is_file()), None)
+        side = next(
+            (
+                path.with_suffix("." + e)
+                for e in settings.caption_exts
+                if path.with_suffix("." + e).is_file()
+            ),
+            None,
+        )
         if side is None:
-            raise Skip("missing_caption",
-                       f"no {' or '.join('.' + e for e in settings.caption_exts)} beside {rel}")
+            raise Skip(
+                "missing_caption",
+                f"no {' or '.join('.' + e for e in settings.caption_exts)} beside {rel}",
+            )
         if settings.confine and not inside(side, [root]):
-            raise Skip("outside_root", f"{side.name} leads outside {root} (--allow-outside-root "
-                                       f"follows it)")
+            raise Skip(
+                "outside_root",
+                f"{side.name} leads outside {root} (--allow-outside-root follows it)",
+            )
         try:
             caption = read_file(side, side.name).decode(settings.encoding)
         except UnicodeDecodeError as e:
-            raise Skip("non_utf8_text", f"{side.name}: not valid {settings.encoding} (byte "
-                                        f"{e.start}; another "
-                                        "encoding? see --encoding)") from None
+            raise Skip(
+                "non_utf8_text",
+                f"{side.name}: not valid {settings.encoding} (byte "
+                f"{e.start}; another encoding? see --encoding)",
+            ) from None
     if not str(caption).strip():
         raise Skip("empty_text", f"the caption of {rel} is empty")
     data = read_file(path, rel)
     ext = check_image(data)
-    return Sample(key=file_key(rel, index), kind="pair", text=IMAGE_TOKEN + str(caption).strip(),
-                  images=[data], image_exts=[ext], meta={"file": rel})
+    return Sample(
+        key=file_key(rel, index),
+        kind="pair",
+        text=IMAGE_TOKEN + str(caption).strip(),
+        images=[data],
+        image_exts=[ext],
+        meta={"file": rel},
+    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -377,8 +442,9 @@ def init_worker(convert, settings) -> None:
     _WORKER = (convert, settings)
 
 
-def convert_chunk(chunk: list[tuple[int, Any]], convert=None,
-                  settings=None) -> list[tuple[int, Any]]:
+def convert_chunk(
+    chunk: list[tuple[int, Any]], convert=None, settings=None
+) -> list[tuple[int, Any]]:
     """[(index, row)] -> [(index, Sample or (reason, detail, id))]. Any failure of a row skips that row only."""
     if convert is None:
         convert, settings = _WORKER
@@ -387,12 +453,33 @@ def convert_chunk(chunk: list[tuple[int, Any]], convert=None,
         try:
             out.append((i, convert(i, item, settings)))
         except Skip as s:
-            out.append((i,
-                        (s.reason, s.detail, row_id(item)
-                         or (item[0] if isinstance(item, tuple) else None))))
-        except (OSError, ValueError, TypeError, AttributeError, KeyError, IndexError,
-                RecursionError) as e:
-            out.append((i,
-                        ("bad_row", f"{type(e).__name__}: {' '.join(str(e).split())[:200]}",
-                         row_id(item))))
+            out.append(
+                (
+                    i,
+                    (
+                        s.reason,
+                        s.detail,
+                        row_id(item) or (item[0] if isinstance(item, tuple) else None),
+                    ),
+                )
+            )
+        except (
+            OSError,
+            ValueError,
+            TypeError,
+            AttributeError,
+            KeyError,
+            IndexError,
+            RecursionError,
+        ) as e:
+            out.append(
+                (
+                    i,
+                    (
+                        "bad_row",
+                        f"{type(e).__name__}: {' '.join(str(e).split())[:200]}",
+                        row_id(item),
+                    ),
+                )
+            )
     return out

@@ -20,6 +20,7 @@ with a summary.
   files and raises `ImportWriteFailed` naming the file; once there is room the same command resumes
   at the last full shard.
 """
+
 from __future__ import annotations
 
 import json
@@ -65,8 +66,15 @@ class ImportWriteFailed(ImportFailed):
 
 
 def default_workers() -> int:
-    return max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                      else os.cpu_count() or 1))
+    return max(
+        1,
+        min(
+            8,
+            len(os.sched_getaffinity(0))
+            if hasattr(os, "sched_getaffinity")
+            else os.cpu_count() or 1,
+        ),
+    )
 
 
 def _mp_context():
@@ -81,7 +89,11 @@ def state_path(out: Path, prefix: str) -> Path:
 
 
 def _shard_index(name: str, prefix: str) -> int | None:
-    stem = name[len(prefix) + 1:-len(".tar")] if name.startswith(prefix + "-") and name.endswith(".tar") else ""
+    stem = (
+        name[len(prefix) + 1 : -len(".tar")]
+        if name.startswith(prefix + "-") and name.endswith(".tar")
+        else ""
+    )
     return int(stem) if stem.isdigit() else None
 
 
@@ -96,8 +108,12 @@ def _remove_shards(out: Path, prefix: str, first: int) -> None:
     m = read_manifest(out)
     if m is None:
         return
-    drop = {e.get("name") for e in m["shards"] if e.get("name") in gone or
-            ((i := _shard_index(str(e.get("name")), prefix)) is not None and i >= first)}
+    drop = {
+        e.get("name")
+        for e in m["shards"]
+        if e.get("name") in gone
+        or ((i := _shard_index(str(e.get("name")), prefix)) is not None and i >= first)
+    }
     if drop:
         update_manifest(out, [], drop=drop)
 
@@ -105,8 +121,9 @@ def _remove_shards(out: Path, prefix: str, first: int) -> None:
 class _Shards:
     """Shards of one import: full ones moved from the partial folder into OUT, each followed by a state save."""
 
-    def __init__(self, out: Path, prefix: str, max_count: int, max_bytes: int, start: int,
-                 save: Callable):
+    def __init__(
+        self, out: Path, prefix: str, max_count: int, max_bytes: int, start: int, save: Callable
+    ):
         self.out, self.prefix, self.max_count, self.max_bytes = out, prefix, max_count, max_bytes
         self.tmp = out / f".{prefix}.partial"
         shutil.rmtree(self.tmp, ignore_errors=True)
@@ -119,18 +136,26 @@ class _Shards:
         return self.tmp / f"{self.prefix}-{self.index:06d}.tar"
 
     def write(self, sample: Sample, row: int) -> None:
-        if self.writer is not None and (self.count >= self.max_count
-                                        or self.bytes >= self.max_bytes):
+        if self.writer is not None and (
+            self.count >= self.max_count or self.bytes >= self.max_bytes
+        ):
             self.finish(next_row=row)
         with writing(self._path()):
             if self.writer is None:
                 self.tmp.mkdir(parents=True, exist_ok=True)
-                self.writer = ShardWriter(self.tmp, self.prefix, max_count=sys.maxsize,
-                                          max_bytes=sys.maxsize, start_index=self.index)
+                self.writer = ShardWriter(
+                    self.tmp,
+                    self.prefix,
+                    max_count=sys.maxsize,
+                    max_bytes=sys.maxsize,
+                    start_index=self.index,
+                )
                 self.count = self.bytes = 0
             self.writer.write(sample)
         self.count += 1
-        self.bytes += sum(len(d) for d in sample.images) + len(sample.all_text().encode("utf-8", "replace"))
+        self.bytes += sum(len(d) for d in sample.images) + len(
+            sample.all_text().encode("utf-8", "replace")
+        )
 
     def finish(self, next_row: int) -> None:
         if self.writer is not None:
@@ -166,21 +191,37 @@ def _counts(skipped: dict) -> str:
     return ", ".join(f"{k}={v}" for k, v in sorted(skipped.items()))
 
 
-def run_import(items: Iterable[Any], convert: Callable, settings: Any, *, out: str | os.PathLike,
-               source: str, fmt: str, fingerprint: Any, prefix: str = "shard",
-               max_count: int = 10_000, max_bytes: int = 1 << 30,
-               workers: int = 0, progress: bool = False, total: int | None = None,
-               unit: str = "row", desc: str = "import",
-               max_skip_share: float = DEFAULT_MAX_SKIP_SHARE, overwrite: bool = False,
-               extra: dict | None = None) -> dict[str, Any]:
+def run_import(
+    items: Iterable[Any],
+    convert: Callable,
+    settings: Any,
+    *,
+    out: str | os.PathLike,
+    source: str,
+    fmt: str,
+    fingerprint: Any,
+    prefix: str = "shard",
+    max_count: int = 10_000,
+    max_bytes: int = 1 << 30,
+    workers: int = 0,
+    progress: bool = False,
+    total: int | None = None,
+    unit: str = "row",
+    desc: str = "import",
+    max_skip_share: float = DEFAULT_MAX_SKIP_SHARE,
+    overwrite: bool = False,
+    extra: dict | None = None,
+) -> dict[str, Any]:
     """Convert `items` with `convert(index, item, settings)` (a module-level function: it
     runs in workers) and write the samples into shards in `out`; returns the summary (see
     the module docstring)."""
     if not 0 <= max_skip_share <= 1:
         raise ImporterError(f"max skip share must be in [0, 1], got {max_skip_share}")
     if max_count < 1 or max_bytes < 1 or workers < 0:
-        raise ImporterError(f"--max-count and --max-bytes must be >= 1 and --workers >= 0, got "
-                            f"{max_count}, {max_bytes}, {workers}")
+        raise ImporterError(
+            "--max-count and --max-bytes must be >= 1 and --workers "
+            f">= 0, got {max_count}, {max_bytes}, {workers}"
+        )
     out = Path(out)
     check_out(out)
     try:
@@ -190,9 +231,14 @@ def run_import(items: Iterable[Any], convert: Callable, settings: Any, *, out: s
     if "." in prefix or "/" in prefix or not prefix:
         raise ImporterError(f"shard prefix {prefix!r} must be non-empty and hold no '.' or '/'")
     sp = state_path(out, prefix)
-    key = {"source": os.path.realpath(source) if os.path.exists(source) else source,
-           "fingerprint": fingerprint, "prefix": prefix, "max_count": max_count,
-           "max_bytes": max_bytes, **(extra or {})}
+    key = {
+        "source": os.path.realpath(source) if os.path.exists(source) else source,
+        "fingerprint": fingerprint,
+        "prefix": prefix,
+        "max_count": max_count,
+        "max_bytes": max_bytes,
+        **(extra or {}),
+    }
     key = json.loads(json.dumps(key, default=str))
     state = None
     if sp.is_file():
@@ -200,18 +246,27 @@ def run_import(items: Iterable[Any], convert: Callable, settings: Any, *, out: s
             state = json.loads(sp.read_text())
         except ValueError:
             state = None
-    same = (isinstance(state, dict) and state.get("version") == STATE_VERSION
-            and state.get("key") == key)
+    same = (
+        isinstance(state, dict)
+        and state.get("version") == STATE_VERSION
+        and state.get("key") == key
+    )
     if same and not overwrite and state.get("complete"):
         return _finalise(dict(state["summary"], already_imported=True), max_skip_share)
     if not same or overwrite:
-        theirs = state is not None or any(_shard_index(p.name, prefix) is not None
-                                          for p in out.glob(f"{prefix}-*.tar"))
+        theirs = state is not None or any(
+            _shard_index(p.name, prefix) is not None for p in out.glob(f"{prefix}-*.tar")
+        )
         if theirs and not overwrite:
-            what = "an import of another input or with other options" if state else "shards not written by an import"
-            raise ImporterError(f"{out} already holds {prefix}-*.tar from {what}; use --overwrite, "
-                                f"or another --out "
-                                "or --prefix")
+            what = (
+                "an import of another input or with other options"
+                if state
+                else "shards not written by an import"
+            )
+            raise ImporterError(
+                f"{out} already holds {prefix}-*.tar from {what}; "
+                "use --overwrite, or another --out or --prefix"
+            )
         _remove_shards(out, prefix, 0)
         sp.unlink(missing_ok=True)
         state = None
@@ -224,15 +279,29 @@ def run_import(items: Iterable[Any], convert: Callable, settings: Any, *, out: s
     _remove_shards(out, prefix, start_shard)
     t0 = time.time()
     rows = start_row
-    summary: dict[str, Any] = {"status": "ok", "source": source, "format": fmt, "unit": unit,
-                               "out": str(out), "prefix": prefix}
+    summary: dict[str, Any] = {
+        "status": "ok",
+        "source": source,
+        "format": fmt,
+        "unit": unit,
+        "out": str(out),
+        "prefix": prefix,
+    }
 
     def snapshot(next_row: int, complete: bool = False) -> dict:
         # called when a shard is full, before the row that opens the next one is counted: the counts
         # then are those of the rows before `next_row`
-        return {"version": STATE_VERSION, "key": key, "next_row": next_row,
-                "next_shard": shards.index, "written": written, "skipped": dict(skipped),
-                "examples": list(examples), "shards": names + shards.names, "complete": complete}
+        return {
+            "version": STATE_VERSION,
+            "key": key,
+            "next_row": next_row,
+            "next_shard": shards.index,
+            "written": written,
+            "skipped": dict(skipped),
+            "examples": list(examples),
+            "shards": names + shards.names,
+            "complete": complete,
+        }
 
     # the next shard of the last state saved: shards from it on are not recorded
     saved = [start_shard]
@@ -249,8 +318,9 @@ def run_import(items: Iterable[Any], convert: Callable, settings: Any, *, out: s
     pool = None
     # before any thread (the progress bar's) starts: workers are forked where that exists
     if workers > 0:
-        pool = ProcessPoolExecutor(workers, mp_context=_mp_context(), initializer=init_worker,
-                                   initargs=(convert, settings))
+        pool = ProcessPoolExecutor(
+            workers, mp_context=_mp_context(), initializer=init_worker, initargs=(convert, settings)
+        )
         # the workers start now (a fork pool starts all of them at its first task)
         pool.submit(int).result()
     bar = Progress(total, desc, progress, unit=unit)
@@ -258,7 +328,7 @@ def run_import(items: Iterable[Any], convert: Callable, settings: Any, *, out: s
         bar.update(start_row)
     try:
         it = enumerate(items)
-        for _ in islice(it, start_row):      # resume: rows before the last full shard were imported
+        for _ in islice(it, start_row):  # resume: rows before the last full shard were imported
             pass
         in_flight: deque = deque()
         exhausted = False
@@ -266,7 +336,7 @@ def run_import(items: Iterable[Any], convert: Callable, settings: Any, *, out: s
             while not exhausted and len(in_flight) < max(2, 3 * workers):
                 try:
                     chunk = list(islice(it, CHUNK_ROWS))
-                except ImporterError as e:   # the source broke part way: keep what came before
+                except ImporterError as e:  # the source broke part way: keep what came before
                     source_error, chunk, exhausted = str(e), [], True
                 if not chunk:
                     exhausted = True
@@ -275,7 +345,7 @@ def run_import(items: Iterable[Any], convert: Callable, settings: Any, *, out: s
             if not in_flight:
                 break
             head = in_flight.popleft()
-            for i, res in (head.result() if pool else convert_chunk(head, convert, settings)):
+            for i, res in head.result() if pool else convert_chunk(head, convert, settings):
                 rows = i + 1
                 bar.update()
                 if isinstance(res, Sample):
@@ -298,11 +368,19 @@ def run_import(items: Iterable[Any], convert: Callable, settings: Any, *, out: s
         if pool is not None:
             pool.shutdown(wait=not (interrupted or broken), cancel_futures=True)
     shards.discard()
-    summary.update({"rows": rows, "written": written, "skipped": dict(sorted(skipped.items())),
-                    "examples": examples, "shards": [str(out / n) for n in names + shards.names],
-                    "resumed_at_row": start_row or None, "workers": workers,
-                    "seconds": round(time.time() - t0, 3),
-                    "rows_per_s": round((rows - start_row) / max(time.time() - t0, 1e-9), 1)})
+    summary.update(
+        {
+            "rows": rows,
+            "written": written,
+            "skipped": dict(sorted(skipped.items())),
+            "examples": examples,
+            "shards": [str(out / n) for n in names + shards.names],
+            "resumed_at_row": start_row or None,
+            "workers": workers,
+            "seconds": round(time.time() - t0, 3),
+            "rows_per_s": round((rows - start_row) / max(time.time() - t0, 1e-9), 1),
+        }
+    )
     if write_error is not None:
         _failed_write(write_error, summary, out, prefix, saved[0], sp, source)
     if interrupted or broken:
@@ -310,17 +388,19 @@ def run_import(items: Iterable[Any], convert: Callable, settings: Any, *, out: s
         summary["status"] = "interrupted"
         what = "interrupted" if interrupted else "stopped: a worker process died (out of memory?)"
         raise (ImportInterrupted if interrupted else ImportFailed)(
-            f"import of {source} {what} after {rows} rows; {state_now['written']} samples in "
-            f"complete shards are kept; run the same command again to resume at row "
-            f"{state_now['next_row']}", summary)
+            f"import of {source} {what} after {rows} rows; "
+            f"{state_now['written']} samples in complete shards are kept; run "
+            f"the same command again to resume at row {state_now['next_row']}",
+            summary,
+        )
     if source_error is None:
         done = snapshot(rows, complete=True)
         done["summary"] = {k: v for k, v in summary.items() if k not in ("already_imported",)}
         try:
             with writing(sp):
                 write_atomic(sp, json.dumps(done))
-        # every shard is in place: the same command finds them and writes this again
         except WriteFailed as e:
+            # every shard is in place: the same command finds them and writes this again
             _failed_write(e, summary, out, prefix, saved[0], sp, source)
     else:
         summary["status"] = "source_error"
@@ -328,8 +408,9 @@ def run_import(items: Iterable[Any], convert: Callable, settings: Any, *, out: s
     return _finalise(summary, max_skip_share)
 
 
-def _failed_write(e: WriteFailed, summary: dict, out: Path, prefix: str, saved_shard: int, sp: Path,
-                  source: str) -> None:
+def _failed_write(
+    e: WriteFailed, summary: dict, out: Path, prefix: str, saved_shard: int, sp: Path, source: str
+) -> None:
     """A write failed (the partial shard is already dropped): drop the full shards no state records
     (best effort: the same command drops them too) and raise ImportWriteFailed, saying where the
     same command resumes."""
@@ -338,12 +419,17 @@ def _failed_write(e: WriteFailed, summary: dict, out: Path, prefix: str, saved_s
     except OSError:
         pass
     state = json.loads(sp.read_text()) if sp.is_file() else {"next_row": 0, "written": 0}
-    summary.update(status="write_error", shards=[str(out / n) for n in state.get("shards", [])],
-                   error=f"cannot write {e.path}: {os_reason(e.error)}")
+    summary.update(
+        status="write_error",
+        shards=[str(out / n) for n in state.get("shards", [])],
+        error=f"cannot write {e.path}: {os_reason(e.error)}",
+    )
     raise ImportWriteFailed(
         f"import of {source} stopped: cannot write {e.path}: {os_reason(e.error)}; "
-        f"{state['written']} samples in complete shards are kept; with room (or write access) "
-        f"again, run the same command to resume at row {state['next_row']}", summary)
+        f"{state['written']} samples in complete shards are kept; with room (or write "
+        f"access) again, run the same command to resume at row {state['next_row']}",
+        summary,
+    )
 
 
 def _finalise(summary: dict[str, Any], max_skip_share: float) -> dict[str, Any]:
@@ -357,13 +443,16 @@ def _finalise(summary: dict[str, Any], max_skip_share: float) -> dict[str, Any]:
         raise ImportFailed(f"{summary['error']}{kept}", summary)
     if rows == 0:
         summary["status"] = "nothing_written"
-        raise ImportFailed(f"nothing imported: {src} holds no {summary.get('unit', 'row')}s",
-                           summary)
+        raise ImportFailed(
+            f"nothing imported: {src} holds no {summary.get('unit', 'row')}s", summary
+        )
     if written == 0:
         summary["status"] = "nothing_written"
-        raise ImportFailed(f"nothing imported from {src}: all {rows} {summary.get('unit', 'row')}s "
-                           f"skipped ({_counts(skipped)}); first: "
-                           f"{_examples_line(summary['examples'])}", summary)
+        raise ImportFailed(
+            f"nothing imported from {src}: all {rows} {summary.get('unit', 'row')}s "
+            f"skipped ({_counts(skipped)}); first: {_examples_line(summary['examples'])}",
+            summary,
+        )
     summary["status"] = "too_many_skipped" if share > max_skip_share else "ok"
     return summary
 
@@ -372,21 +461,27 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
     """The human-readable report of an import."""
     lines = []
     if summary.get("already_imported"):
-        lines.append(f"already imported into {summary['out']} (same input and options): nothing to "
-                     f"do")
+        lines.append(
+            f"already imported into {summary['out']} (same input and options): nothing to do"
+        )
     elif summary.get("resumed_at_row"):
         lines.append(f"resumed at row {summary['resumed_at_row']}")
-    lines.append(f"wrote {summary['written']} samples into {len(summary['shards'])} shard(s) from "
-                 f"{summary['rows']} rows ({summary['format']}, {summary.get('rows_per_s', 0):.0f} "
-                 f"rows/s)")
+    lines.append(
+        f"wrote {summary['written']} samples into {len(summary['shards'])} shard(s) from "
+        f"{summary['rows']} rows ({summary['format']}, {summary.get('rows_per_s', 0):.0f} rows/s)"
+    )
     if summary["skipped"]:
-        lines.append(f"skipped {summary['rows'] - summary['written']} "
-                     f"({100 * summary['skip_share']:.1f} %): {_counts(summary['skipped'])}; "
-                     f"first: {_examples_line(summary['examples'])}")
+        lines.append(
+            f"skipped {summary['rows'] - summary['written']} ({100 * summary['skip_share']:.1f} "
+            f"%): {_counts(summary['skipped'])}; first: {_examples_line(summary['examples'])}"
+        )
     if summary.get("columns"):
-        lines.append("columns: " + ", ".join(f"{k}={v}" for k, v in summary["columns"].items()
-                                             if v))
+        lines.append(
+            "columns: " + ", ".join(f"{k}={v}" for k, v in summary["columns"].items() if v)
+        )
     if summary["status"] == "too_many_skipped":
-        lines.append(f"warning: {100 * summary['skip_share']:.1f} % of the rows were skipped, more "
-                     f"than the allowed {100 * summary['max_skip_share']:.1f} % (--max-skip-share)")
+        lines.append(
+            f"warning: {100 * summary['skip_share']:.1f} % of the rows were skipped, more "
+            f"than the allowed {100 * summary['max_skip_share']:.1f} % (--max-skip-share)"
+        )
     return lines

@@ -14,6 +14,7 @@ detail)}` and is skipped and counted by the importer (a row in another text enco
 `"__row__"`: its values with the undecodable bytes as surrogates, so that a captions table can say
 which file it was for); a file that cannot be read at all raises `ImporterError` naming it.
 """
+
 from __future__ import annotations
 
 import codecs
@@ -27,8 +28,16 @@ from pathlib import Path
 from typing import Any, Iterator
 
 FORMATS = ("json", "jsonl", "csv", "tsv", "parquet", "arrow")
-_SUFFIX_FORMAT = {".json": "json", ".jsonl": "jsonl", ".ndjson": "jsonl", ".csv": "csv",
-                  ".tsv": "tsv", ".parquet": "parquet", ".pq": "parquet", ".arrow": "arrow"}
+_SUFFIX_FORMAT = {
+    ".json": "json",
+    ".jsonl": "jsonl",
+    ".ndjson": "jsonl",
+    ".csv": "csv",
+    ".tsv": "tsv",
+    ".parquet": "parquet",
+    ".pq": "parquet",
+    ".arrow": "arrow",
+}
 _SPLIT_NAMES = ("train", "validation", "val", "dev", "test")
 _METADATA_FILES = ("dataset_info.json", "state.json", "dataset_dict.json", "manifest.json")
 # rows per pyarrow batch turned into Python objects (rows may carry image bytes)
@@ -49,12 +58,18 @@ class RowSource:
     files: list[Path]
     root: Path
     encoding: str = "utf-8"
-    total: int | None = None            # rows, when the format says so without reading them
+    total: int | None = None  # rows, when the format says so without reading them
     notes: list[str] = field(default_factory=list)
 
     def rows(self) -> Iterator[dict[str, Any]]:
-        reader = {"json": _json_rows, "jsonl": _jsonl_rows, "csv": _csv_rows, "tsv": _csv_rows,
-                  "parquet": _parquet_rows, "arrow": _arrow_rows}[self.fmt]
+        reader = {
+            "json": _json_rows,
+            "jsonl": _jsonl_rows,
+            "csv": _csv_rows,
+            "tsv": _csv_rows,
+            "parquet": _parquet_rows,
+            "arrow": _arrow_rows,
+        }[self.fmt]
         for f in self.files:
             yield from reader(f, self)
 
@@ -63,13 +78,22 @@ class RowSource:
         out = []
         for f in self.files:
             st = f.stat()
-            out.append([f.relative_to(self.root).as_posix() if f.is_relative_to(self.root)
-                        else str(f), st.st_size, st.st_mtime_ns])
+            out.append(
+                [
+                    f.relative_to(self.root).as_posix() if f.is_relative_to(self.root) else str(f),
+                    st.st_size,
+                    st.st_mtime_ns,
+                ]
+            )
         return out
 
 
-def open_source(path: str | os.PathLike, fmt: str | None = None, split: str | None = None,
-                encoding: str = "utf-8") -> RowSource:
+def open_source(
+    path: str | os.PathLike,
+    fmt: str | None = None,
+    split: str | None = None,
+    encoding: str = "utf-8",
+) -> RowSource:
     """The input at `path` (file or folder) as a RowSource; `fmt` overrides what the name says."""
     path = Path(path)
     try:
@@ -84,9 +108,10 @@ def open_source(path: str | os.PathLike, fmt: str | None = None, split: str | No
         raise ImporterError(f"table {path} does not exist")
     fmt = fmt or _SUFFIX_FORMAT.get(path.suffix.lower())
     if fmt is None:
-        raise ImporterError(f"table {path}: unknown format {path.suffix!r}; use .json, .jsonl, "
-                            f".csv, .tsv, .parquet "
-                            "or .arrow (or --format), or a dataset folder")
+        raise ImporterError(
+            f"table {path}: unknown format {path.suffix!r}; use .json, .jsonl, "
+            ".csv, .tsv, .parquet or .arrow (or --format), or a dataset folder"
+        )
     src = RowSource(path, fmt, [path], path.parent, encoding)
     if fmt == "json":
         src.fmt = _sniff_json(path)
@@ -99,33 +124,48 @@ def _folder_source(path: Path, fmt: str | None, split: str | None, encoding: str
     if (path / "dataset_dict.json").is_file():
         splits = _json_field(path / "dataset_dict.json", "splits")
         if split is None and len(splits) != 1:
-            raise ImporterError(f"dataset folder {path} holds the splits {splits}: choose one with "
-                                f"--split")
+            raise ImporterError(
+                f"dataset folder {path} holds the splits {splits}: choose one with --split"
+            )
         split = split or splits[0]
         if split not in splits:
             raise ImporterError(f"dataset folder {path}: split {split!r} not one of {splits}")
         path, split = path / split, None
-    if (path / "state.json").is_file():                  # Dataset.save_to_disk
-        names = [d.get("filename") for d in _json_field(path / "state.json", "_data_files")
-                 if isinstance(d, dict)]
+    if (path / "state.json").is_file():  # Dataset.save_to_disk
+        names = [
+            d.get("filename")
+            for d in _json_field(path / "state.json", "_data_files")
+            if isinstance(d, dict)
+        ]
         files = [path / n for n in names if isinstance(n, str) and "/" not in n and ".." not in n]
         missing = [f.name for f in files if not f.is_file()]
         if missing or not files:
-            raise ImporterError(f"dataset folder {path}: state.json lists data files that are not "
-                                f"there: {missing or names}")
+            raise ImporterError(
+                f"dataset folder {path}: state.json lists data "
+                f"files that are not there: {missing or names}"
+            )
         src = RowSource(path, "arrow", files, path, encoding)
         _count_rows(src)
         return src
     if any(path.glob("*.tar")):
-        raise ImporterError(f"folder {path} holds webdataset shards (.tar; img2dataset writes its "
-                            f".parquet "
-                            "metadata beside them): give the folder as a data source as it is, or "
-                            "to `vlm data stats`")
-    files = sorted(f for f in path.rglob("*") if f.is_file() and not f.name.startswith(".")
-                   and f.suffix.lower() in _SUFFIX_FORMAT and f.name not in _METADATA_FILES)
+        raise ImporterError(
+            f"folder {path} holds webdataset shards (.tar; img2dataset writes its .parquet metadata "
+            "beside them): give the folder as a data source as it is, or to `vlm data stats`"
+        )
+    files = sorted(
+        f
+        for f in path.rglob("*")
+        if f.is_file()
+        and not f.name.startswith(".")
+        and f.suffix.lower() in _SUFFIX_FORMAT
+        and f.name not in _METADATA_FILES
+    )
     if fmt:
-        files = [f for f in files
-                 if _SUFFIX_FORMAT[f.suffix.lower()] in (fmt, "json" if fmt == "jsonl" else fmt)]
+        files = [
+            f
+            for f in files
+            if _SUFFIX_FORMAT[f.suffix.lower()] in (fmt, "json" if fmt == "jsonl" else fmt)
+        ]
     elif any(_SUFFIX_FORMAT[f.suffix.lower()] in ("parquet", "arrow") for f in files):
         # JSON beside: metadata
         files = [f for f in files if _SUFFIX_FORMAT[f.suffix.lower()] in ("parquet", "arrow")]
@@ -133,18 +173,28 @@ def _folder_source(path: Path, fmt: str | None, split: str | None, encoding: str
         word = re.compile(rf"(^|[/_.-]){re.escape(split)}([/_.-]|$)")
         files = [f for f in files if word.search(f.relative_to(path).as_posix())]
     if not files:
-        raise ImporterError(f"folder {path} holds no {'/'.join(sorted(set(_SUFFIX_FORMAT)))} files"
-                            + (f" of split {split!r}" if split else ""))
+        raise ImporterError(
+            f"folder {path} holds no {'/'.join(sorted(set(_SUFFIX_FORMAT)))} files"
+            + (f" of split {split!r}" if split else "")
+        )
     fmts = sorted({_SUFFIX_FORMAT[f.suffix.lower()] for f in files})
     if len(fmts) > 1:
-        raise ImporterError(f"folder {path} mixes formats {fmts}: import one kind (--format) or "
-                            f"one file at a time")
+        raise ImporterError(
+            f"folder {path} mixes formats {fmts}: import one kind (--format) or one file at a time"
+        )
     if split is None:
-        seen = sorted({s for f in files for s in _SPLIT_NAMES
-                       if re.search(rf"(^|[/_.-]){s}([/_.-]|$)", f.relative_to(path).as_posix())})
+        seen = sorted(
+            {
+                s
+                for f in files
+                for s in _SPLIT_NAMES
+                if re.search(rf"(^|[/_.-]){s}([/_.-]|$)", f.relative_to(path).as_posix())
+            }
+        )
         if len(seen) > 1:
-            raise ImporterError(f"folder {path} holds files of the splits {seen}: choose one with "
-                                f"--split")
+            raise ImporterError(
+                f"folder {path} holds files of the splits {seen}: choose one with --split"
+            )
     src = RowSource(path, fmts[0], files, path, encoding)
     if src.fmt == "json":
         kinds = {_sniff_json(f) for f in files}
@@ -172,12 +222,13 @@ def _sniff_json(path: Path) -> str:
         while not head:
             chunk = f.read(1 << 16)
             if not chunk:
-                return "jsonl"      # empty: no rows
+                return "jsonl"  # empty: no rows
             head = chunk.lstrip(b" \t\r\n")
     if head[:1] == b"{" and head.split(b"\n", 1)[0].strip() == b"{":
-        raise ImporterError(f"table {path}: one pretty-printed JSON object, not an array of rows "
-                            f"([{{...}}, ...]) "
-                            "nor JSON lines (one object per line)")
+        raise ImporterError(
+            f"table {path}: one pretty-printed JSON object, not an array of "
+            f"rows ([{{...}}, ...]) nor JSON lines (one object per line)"
+        )
     return "json" if head[:1] == b"[" else "jsonl"
 
 
@@ -190,14 +241,16 @@ def _count_rows(src: RowSource) -> None:
         elif src.fmt == "arrow":
             src.total = sum(b.num_rows for f in src.files for b in _arrow_batches(f))
     except ImportError:
-        raise ImporterError(f"table {src.path}: reading {src.fmt} needs pyarrow (pip install "
-                            f"pyarrow); JSON, "
-                            "JSONL and CSV work without it") from None
+        raise ImporterError(
+            f"table {src.path}: reading {src.fmt} needs pyarrow (pip "
+            "install pyarrow); JSON, JSONL and CSV work without it"
+        ) from None
     except ImporterError:
         raise
     except Exception as e:  # noqa: BLE001 - pyarrow raises ArrowInvalid, OSError, ...
-        raise ImporterError(f"table {src.path}: not a readable {src.fmt} file ({type(e).__name__}: "
-                            f"{_one_line(e)})") from None
+        raise ImporterError(
+            f"table {src.path}: not a readable {src.fmt} file ({type(e).__name__}: {_one_line(e)})"
+        ) from None
 
 
 def _one_line(e: BaseException | str) -> str:
@@ -213,13 +266,21 @@ def _json_rows(path: Path, src: RowSource) -> Iterator[dict]:
     with open(path, "rb") as f:
         try:
             for item in ijson.items(f, "item", use_float=True):
-                yield item if isinstance(item, dict) else {"__error__": ("bad_row", f"item {n} is "
-                                                                                    f"a "
-                                                                         f"{type(item).__name__}, "
-                                                                         f"not an object")}
+                yield (
+                    item
+                    if isinstance(item, dict)
+                    else {
+                        "__error__": (
+                            "bad_row",
+                            f"item {n} is a {type(item).__name__}, not an object",
+                        )
+                    }
+                )
                 n += 1
         except ijson.JSONError as e:
-            raise ImporterError(f"table {path}: invalid JSON after item {n} ({_one_line(e)})") from None
+            raise ImporterError(
+                f"table {path}: invalid JSON after item {n} ({_one_line(e)})"
+            ) from None
 
 
 def _jsonl_rows(path: Path, src: RowSource) -> Iterator[dict]:
@@ -230,10 +291,15 @@ def _jsonl_rows(path: Path, src: RowSource) -> Iterator[dict]:
             try:
                 text = line.decode(src.encoding)
             except UnicodeDecodeError as e:
-                bad = {"__error__": ("non_utf8_text",
-                                     f"{path.name} line {n}: not valid {src.encoding} ({e.reason} "
-                                                      f"at byte {e.start}; another encoding? see "
-                                                      f"--encoding)")}
+                bad = {
+                    "__error__": (
+                        "non_utf8_text",
+                        (
+                            f"{path.name} line {n}: not valid {src.encoding} ({e.reason} "
+                            f"at byte {e.start}; another encoding? see --encoding)"
+                        ),
+                    )
+                }
                 try:
                     row = json.loads(line.decode(src.encoding, "surrogateescape"))
                 except (ValueError, RecursionError, LookupError):
@@ -243,18 +309,22 @@ def _jsonl_rows(path: Path, src: RowSource) -> Iterator[dict]:
             try:
                 row = json.loads(text)
             except (ValueError, RecursionError) as e:
-                yield {"__error__": ("bad_row", f"{path.name} line {n}: invalid JSON "
-                                                f"({_one_line(e)})")}
+                yield {
+                    "__error__": ("bad_row", f"{path.name} line {n}: invalid JSON ({_one_line(e)})")
+                }
                 continue
-            yield row if isinstance(row, dict) else {"__error__": ("bad_row", f"{path.name} line "
-                                                                              f"{n}: not a JSON "
-                                                                              "object")}
+            yield (
+                row
+                if isinstance(row, dict)
+                else {"__error__": ("bad_row", f"{path.name} line {n}: not a JSON object")}
+            )
 
 
 def _csv_rows(path: Path, src: RowSource) -> Iterator[dict]:
     csv.field_size_limit(min(sys.maxsize, 2**31 - 1))
-    enc = "utf-8-sig" if src.encoding.lower().replace("_", "-") in ("utf-8",
-                                                                    "utf8") else src.encoding
+    enc = (
+        "utf-8-sig" if src.encoding.lower().replace("_", "-") in ("utf-8", "utf8") else src.encoding
+    )
     with open(path, encoding=enc, errors="surrogateescape", newline="") as f:
         reader = csv.DictReader(f, delimiter="," if src.fmt == "csv" else "\t")
         try:
@@ -264,11 +334,16 @@ def _csv_rows(path: Path, src: RowSource) -> Iterator[dict]:
                         if isinstance(v, str):
                             v.encode("utf-8")
                 except UnicodeEncodeError:
-                    yield {"__error__": ("non_utf8_text",
-                                         f"{path.name} line {reader.line_num}: not valid "
-                                                          f"{src.encoding} (another encoding? see "
-                                                          f"--encoding)"),
-                           "__row__": row}
+                    yield {
+                        "__error__": (
+                            "non_utf8_text",
+                            (
+                                f"{path.name} line {reader.line_num}: not valid "
+                                f"{src.encoding} (another encoding? see --encoding)"
+                            ),
+                        ),
+                        "__row__": row,
+                    }
                     continue
                 yield row
         except csv.Error as e:
@@ -282,7 +357,9 @@ def _parquet_rows(path: Path, src: RowSource) -> Iterator[dict]:
         for batch in pq.ParquetFile(path).iter_batches(batch_size=_BATCH_ROWS):
             yield from batch.to_pylist()
     except Exception as e:  # noqa: BLE001 - a corrupt page or row group
-        raise ImporterError(f"table {path}: cannot read on ({type(e).__name__}: {_one_line(e)})") from None
+        raise ImporterError(
+            f"table {path}: cannot read on ({type(e).__name__}: {_one_line(e)})"
+        ) from None
 
 
 def _arrow_batches(path: Path):
@@ -290,7 +367,7 @@ def _arrow_batches(path: Path):
 
     source = pa.memory_map(str(path))
     try:
-        reader = pa.ipc.open_stream(source)     # what datasets writes
+        reader = pa.ipc.open_stream(source)  # what datasets writes
         yield from reader
     except pa.ArrowInvalid:
         reader = pa.ipc.open_file(source)
@@ -304,4 +381,6 @@ def _arrow_rows(path: Path, src: RowSource) -> Iterator[dict]:
             for start in range(0, batch.num_rows, _BATCH_ROWS):
                 yield from batch.slice(start, _BATCH_ROWS).to_pylist()
     except Exception as e:  # noqa: BLE001
-        raise ImporterError(f"table {path}: cannot read on ({type(e).__name__}: {_one_line(e)})") from None
+        raise ImporterError(
+            f"table {path}: cannot read on ({type(e).__name__}: {_one_line(e)})"
+        ) from None

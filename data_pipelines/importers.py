@@ -10,6 +10,7 @@ Both run through `import_run.run_import`: images decoded and checked in worker p
 bar, resumable and idempotent output, rows that cannot be used skipped and counted by reason, and a
 summary (`ImportFailed` when nothing could be imported).
 """
+
 from __future__ import annotations
 
 import codecs
@@ -18,21 +19,43 @@ import os
 from pathlib import Path
 from typing import Any, Iterator
 
-from data_pipelines.import_rows import COLUMN_GUESSES, FileSettings, RowSettings, convert_file, convert_row, \
-    guess_column
 from data_pipelines.import_out import check_out
-from data_pipelines.import_run import DEFAULT_MAX_SKIP_SHARE, ImportFailed, ImportInterrupted, ImportWriteFailed, \
-    run_import, summary_lines
+from data_pipelines.import_rows import (
+    COLUMN_GUESSES,
+    FileSettings,
+    RowSettings,
+    convert_file,
+    convert_row,
+    guess_column,
+)
+from data_pipelines.import_run import (
+    DEFAULT_MAX_SKIP_SHARE,
+    ImportFailed,
+    ImportInterrupted,
+    ImportWriteFailed,
+    run_import,
+    summary_lines,
+)
 from data_pipelines.import_sources import ImporterError, RowSource, open_source
 from data_pipelines.schema import IMAGE_EXTS
 
-__all__ = ["import_table", "import_folder", "read_table", "open_source", "ImporterError",
-           "ImportFailed", "ImportInterrupted", "ImportWriteFailed", "summary_lines",
-           "DEFAULT_MAX_SKIP_SHARE"]
+__all__ = [
+    "import_table",
+    "import_folder",
+    "read_table",
+    "open_source",
+    "ImporterError",
+    "ImportFailed",
+    "ImportInterrupted",
+    "ImportWriteFailed",
+    "summary_lines",
+    "DEFAULT_MAX_SKIP_SHARE",
+]
 
 
-def read_table(path: str | os.PathLike, fmt: str | None = None,
-               encoding: str = "utf-8") -> Iterator[dict[str, Any]]:
+def read_table(
+    path: str | os.PathLike, fmt: str | None = None, encoding: str = "utf-8"
+) -> Iterator[dict[str, Any]]:
     """Rows of a table file or dataset folder as dicts (streamed; unparsable rows as {"__error__": ...})."""
     return open_source(path, fmt, encoding=encoding).rows()
 
@@ -44,27 +67,41 @@ def _check_columns(src: RowSource, given: dict[str, str | None]) -> dict[str, st
             continue
         for k, v in given.items():
             if v and v not in row:
-                raise ImporterError(f"table {src.path}: column {v!r} not found; columns: "
-                                    f"{sorted(map(str, row))}")
+                raise ImporterError(
+                    f"table {src.path}: column {v!r} not found; columns: {sorted(map(str, row))}"
+                )
         cols = {k: v or guess_column(row, k) for k, v in given.items()}
         if not (cols["text"] or cols["conversations"] or (cols["question"] and cols["answer"])):
-            raise ImporterError(f"table {src.path}: no text column found among "
-                                f"{sorted(map(str, row))}; name one "
-                                "with --text-col, --question-col/--answer-col or "
-                                "--conversations-col")
+            raise ImporterError(
+                f"table {src.path}: no text column found among {sorted(map(str, row))}; name "
+                "one with --text-col, --question-col/--answer-col or --conversations-col"
+            )
         return cols
     return {k: v for k, v in given.items()}
 
 
-def import_table(table: str | os.PathLike, out: str | os.PathLike, image_col: str | None = None,
-                 text_col: str | None = None, question_col: str | None = None,
-                 answer_col: str | None = None, type_col: str | None = None,
-                 conversations_col: str | None = None, image_root: str | os.PathLike | None = None,
-                 fmt: str | None = None, split: str | None = None,
-                 encoding: str = "utf-8", prefix: str = "shard", max_count: int = 10_000,
-                 max_bytes: int = 1 << 30, allow_outside_root: bool = False, workers: int = 0,
-                 progress: bool = False, max_skip_share: float = DEFAULT_MAX_SKIP_SHARE,
-                 overwrite: bool = False) -> dict[str, Any]:
+def import_table(
+    table: str | os.PathLike,
+    out: str | os.PathLike,
+    image_col: str | None = None,
+    text_col: str | None = None,
+    question_col: str | None = None,
+    answer_col: str | None = None,
+    type_col: str | None = None,
+    conversations_col: str | None = None,
+    image_root: str | os.PathLike | None = None,
+    fmt: str | None = None,
+    split: str | None = None,
+    encoding: str = "utf-8",
+    prefix: str = "shard",
+    max_count: int = 10_000,
+    max_bytes: int = 1 << 30,
+    allow_outside_root: bool = False,
+    workers: int = 0,
+    progress: bool = False,
+    max_skip_share: float = DEFAULT_MAX_SKIP_SHARE,
+    overwrite: bool = False,
+) -> dict[str, Any]:
     """Rows -> shards; returns the summary (`written`, `skipped` by reason, `examples`, `shards`,
     `status`, ...).
 
@@ -79,18 +116,42 @@ def import_table(table: str | os.PathLike, out: str | os.PathLike, image_col: st
     roots = ([Path(image_root)] if image_root else []) + [src.root]
     if image_root and not Path(image_root).is_dir():
         raise ImporterError(f"--image-root {image_root} does not exist or is not a folder")
-    given = {"image": image_col, "text": text_col, "question": question_col, "answer": answer_col,
-             "type": type_col, "conversations": conversations_col}
+    given = {
+        "image": image_col,
+        "text": text_col,
+        "question": question_col,
+        "answer": answer_col,
+        "type": type_col,
+        "conversations": conversations_col,
+    }
     cols = _check_columns(src, given)
     settings = RowSettings(columns=given, roots=roots, confine=not allow_outside_root)
-    summary = run_import(src.rows(), convert_row, settings, out=out, source=str(src.path),
-                         fmt=src.fmt, fingerprint=src.fingerprint(), prefix=prefix,
-                         max_count=max_count, max_bytes=max_bytes,
-                         workers=workers, progress=progress, total=src.total, unit="row",
-                         desc="import-table", max_skip_share=max_skip_share, overwrite=overwrite,
-                         extra={"columns": given, "roots": [str(r.resolve()) for r in roots],
-                                "split": split, "encoding": encoding,
-                                "confine": not allow_outside_root})
+    summary = run_import(
+        src.rows(),
+        convert_row,
+        settings,
+        out=out,
+        source=str(src.path),
+        fmt=src.fmt,
+        fingerprint=src.fingerprint(),
+        prefix=prefix,
+        max_count=max_count,
+        max_bytes=max_bytes,
+        workers=workers,
+        progress=progress,
+        total=src.total,
+        unit="row",
+        desc="import-table",
+        max_skip_share=max_skip_share,
+        overwrite=overwrite,
+        extra={
+            "columns": given,
+            "roots": [str(r.resolve()) for r in roots],
+            "split": split,
+            "encoding": encoding,
+            "confine": not allow_outside_root,
+        },
+    )
     summary["columns"] = cols
     return summary
 
@@ -110,12 +171,24 @@ def _caption_mapping(captions: str | os.PathLike, encoding: str) -> tuple[dict[s
         if fcol is None:
             fcol, tcol = guess_column(data, "image"), guess_column(data, "text")
             if fcol is None or tcol is None:
-                need = [f"a file column ({', '.join(COLUMN_GUESSES['image'])})"] if fcol is None else []
-                need += [f"a caption column ({', '.join(COLUMN_GUESSES['text'])})"] if tcol is None else []
-                raise ImporterError(f"captions {captions}: needs {' and '.join(need)}; its "
-                                    f"columns: {sorted(map(str, data))}")
+                need = (
+                    [f"a file column ({', '.join(COLUMN_GUESSES['image'])})"]
+                    if fcol is None
+                    else []
+                )
+                need += (
+                    [f"a caption column ({', '.join(COLUMN_GUESSES['text'])})"]
+                    if tcol is None
+                    else []
+                )
+                raise ImporterError(
+                    f"captions {captions}: needs {' and '.join(need)}; "
+                    f"its columns: {sorted(map(str, data))}"
+                )
         if data.get(fcol) is not None and data.get(tcol) is not None:
-            mapping[str(data[fcol])] = tuple(row["__error__"]) if "__error__" in row else str(data[tcol])
+            mapping[str(data[fcol])] = (
+                tuple(row["__error__"]) if "__error__" in row else str(data[tcol])
+            )
     return mapping, unread
 
 
@@ -123,18 +196,29 @@ def _image_entries(root: Path, recursive: bool) -> list[str]:
     """Names with an image extension, relative to `root`, that are not folders: regular files, and
     also FIFOs, devices, sockets and broken links, which the import skips and counts instead of
     leaving out unseen."""
-    return sorted(p.relative_to(root).as_posix()
-                  for p in (root.rglob("*") if recursive else root.iterdir())
-                  if p.suffix.lower().lstrip(".") in IMAGE_EXTS and not p.is_dir())
+    return sorted(
+        p.relative_to(root).as_posix()
+        for p in (root.rglob("*") if recursive else root.iterdir())
+        if p.suffix.lower().lstrip(".") in IMAGE_EXTS and not p.is_dir()
+    )
 
 
-def import_folder(images_dir: str | os.PathLike, out: str | os.PathLike,
-                  captions: str | os.PathLike | None = None,
-                  caption_exts: tuple[str, ...] = ("txt", "caption"), prefix: str = "shard",
-                  max_count: int = 10_000, max_bytes: int = 1 << 30, recursive: bool = True,
-                  allow_outside_root: bool = False, workers: int = 0, progress: bool = False,
-                  max_skip_share: float = DEFAULT_MAX_SKIP_SHARE,
-                  overwrite: bool = False, encoding: str = "utf-8") -> dict[str, Any]:
+def import_folder(
+    images_dir: str | os.PathLike,
+    out: str | os.PathLike,
+    captions: str | os.PathLike | None = None,
+    caption_exts: tuple[str, ...] = ("txt", "caption"),
+    prefix: str = "shard",
+    max_count: int = 10_000,
+    max_bytes: int = 1 << 30,
+    recursive: bool = True,
+    allow_outside_root: bool = False,
+    workers: int = 0,
+    progress: bool = False,
+    max_skip_share: float = DEFAULT_MAX_SKIP_SHARE,
+    overwrite: bool = False,
+    encoding: str = "utf-8",
+) -> dict[str, Any]:
     """Images with captions (sidecar `name.txt`, or a JSONL/CSV/... `captions` table mapping file ->
     caption) -> image-caption pairs. A symlink that leads out of the folder is skipped and counted
     (`outside_root`) unless allow_outside_root; a FIFO, device or socket with an image's name is
@@ -158,10 +242,13 @@ def import_folder(images_dir: str | os.PathLike, out: str | os.PathLike,
                 # False: not listed
                 caption = mapping.get(rel, mapping.get(rel.rsplit("/", 1)[-1], False))
                 if caption is False and unread:
-                    caption = ("missing_caption", f"{rel} is not in the captions table, {unread} "
-                                                  f"of whose rows "
-                                                  "could not be read (another encoding? see "
-                                                  "--encoding)")
+                    caption = (
+                        "missing_caption",
+                        (
+                            f"{rel} is not in the captions table, {unread} of whose "
+                            "rows could not be read (another encoding? see --encoding)"
+                        ),
+                    )
             yield rel, caption
 
     fp = hashlib.sha256("\n".join(files).encode("utf-8", "surrogateescape")).hexdigest()
@@ -169,15 +256,33 @@ def import_folder(images_dir: str | os.PathLike, out: str | os.PathLike,
     if captions is not None:
         st = Path(captions).stat()
         cap_fp = [str(Path(captions).resolve()), st.st_size, st.st_mtime_ns]
-    settings = FileSettings(root=root, caption_exts=tuple(caption_exts),
-                            confine=not allow_outside_root, encoding=encoding)
+    settings = FileSettings(
+        root=root,
+        caption_exts=tuple(caption_exts),
+        confine=not allow_outside_root,
+        encoding=encoding,
+    )
     extra = {"caption_exts": list(caption_exts), "confine": not allow_outside_root}
     if not utf8:
         # only when given: imports made before --encoding existed still resume
         extra["encoding"] = encoding
-    return run_import(items(), convert_file, settings, out=out, source=str(root),
-                      fmt="image folder", fingerprint=[fp, len(files), cap_fp], prefix=prefix,
-                      max_count=max_count, max_bytes=max_bytes,
-                      workers=workers, progress=progress, total=len(files), unit="image",
-                      desc="import-folder", max_skip_share=max_skip_share, overwrite=overwrite,
-                      extra=extra)
+    return run_import(
+        items(),
+        convert_file,
+        settings,
+        out=out,
+        source=str(root),
+        fmt="image folder",
+        fingerprint=[fp, len(files), cap_fp],
+        prefix=prefix,
+        max_count=max_count,
+        max_bytes=max_bytes,
+        workers=workers,
+        progress=progress,
+        total=len(files),
+        unit="image",
+        desc="import-folder",
+        max_skip_share=max_skip_share,
+        overwrite=overwrite,
+        extra=extra,
+    )

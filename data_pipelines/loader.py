@@ -9,6 +9,7 @@ per worker and which worker is next; restoring starts the DataLoader rotated so 
 first, which reproduces the uninterrupted sequence exactly. `iter(loader)` always continues from the
 current state.
 """
+
 from __future__ import annotations
 
 import copy
@@ -28,11 +29,17 @@ from data_pipelines.config import DataConfig, SourceConfig
 from data_pipelines.default_dataset import default_sources, ensure_default_dataset
 from data_pipelines.packing import select_rows
 from data_pipelines.pipeline import ResolvedSource, WorkerPipeline
-from data_pipelines.reader import ShardError, listed_but_missing, resolve_shards, shard_counts, shard_name
+from data_pipelines.reader import (
+    ShardError,
+    listed_but_missing,
+    resolve_shards,
+    shard_counts,
+    shard_name,
+)
 from data_pipelines.tokenizer import Tokenizer
 
 log = logging.getLogger("data_pipelines")
-MISSING_NAMED = 10     # a warning about deleted shards names this many, then says how many more
+MISSING_NAMED = 10  # a warning about deleted shards names this many, then says how many more
 
 STATE_VERSION = 1
 
@@ -42,14 +49,19 @@ def resolve_sources(cfg: DataConfig) -> list[ResolvedSource]:
     sources = cfg.sources
     if not sources:
         ensure_default_dataset(cfg.default_dir)
-        sources = [SourceConfig(**s) for s in default_sources(cfg.default_dir, cfg.split)
-                   if not cfg.default_parts or s["name"].split("/")[-1] in cfg.default_parts]
+        sources = [
+            SourceConfig(**s)
+            for s in default_sources(cfg.default_dir, cfg.split)
+            if not cfg.default_parts or s["name"].split("/")[-1] in cfg.default_parts
+        ]
         if not sources:
-            raise ShardError(f"the default dataset's {cfg.split} split has none of "
-                             f"data.default_parts={cfg.default_parts}")
+            raise ShardError(
+                f"the default dataset's {cfg.split} split has "
+                f"none of data.default_parts={cfg.default_parts}"
+            )
     out = []
     for s in sources:
-        paths = resolve_shards(s.path)    # local: sorted; URLs: in webdataset's expansion order
+        paths = resolve_shards(s.path)  # local: sorted; URLs: in webdataset's expansion order
         if missing := listed_but_missing(s.path):
             paths = sorted(paths + missing)
         counts = shard_counts(paths)
@@ -66,10 +78,16 @@ def missing_shards_line(missing: list, samples: int) -> str:
     many more); the reader counts each of their samples as missing_shard."""
     folders = {p.parent for p in missing}
     names = sorted(p.name for p in missing) if len(folders) == 1 else sorted(map(str, missing))
-    where = f"{folders.pop() / 'manifest.json'}" if len(folders) == 1 else "their folders' manifest.json"
+    where = (
+        f"{folders.pop() / 'manifest.json'}"
+        if len(folders) == 1
+        else "their folders' manifest.json"
+    )
     more = f" and {len(names) - MISSING_NAMED} more" if len(names) > MISSING_NAMED else ""
-    return (f"{len(names)} shard(s) listed in {where} are gone ({samples} samples, counted as "
-            f"missing_shard): {', '.join(names[:MISSING_NAMED])}{more}")
+    return (
+        f"{len(names)} shard(s) listed in {where} are gone ({samples} samples, "
+        f"counted as missing_shard): {', '.join(names[:MISSING_NAMED])}{more}"
+    )
 
 
 def _single_threaded(fn):
@@ -120,8 +138,14 @@ class _WorkerDataset(IterableDataset):
 
 
 class PackedLoader:
-    def __init__(self, cfg: DataConfig, tokenizer: Tokenizer, sources: list[ResolvedSource],
-                 rank: int = 0, world_size: int = 1):
+    def __init__(
+        self,
+        cfg: DataConfig,
+        tokenizer: Tokenizer,
+        sources: list[ResolvedSource],
+        rank: int = 0,
+        world_size: int = 1,
+    ):
         self.cfg, self.tok, self.sources = cfg, tokenizer, sources
         self.rank, self.world_size = rank, world_size
         self.num_logical = max(cfg.num_workers, 1)
@@ -130,8 +154,10 @@ class PackedLoader:
         for s in sources:
             total = sum(s.counts)
             if total < self.num_splits:
-                raise ShardError(f"source {s.label} has {total} samples, fewer than world_size x "
-                                 f"workers = {self.num_splits}: some workers would get none")
+                raise ShardError(
+                    f"source {s.label} has {total} samples, fewer than world_size "
+                    f"x workers = {self.num_splits}: some workers would get none"
+                )
         self.worker_states: list[dict | None] = [None] * self.num_logical
         self.next_worker = 0
         self.batches = 0
@@ -141,19 +167,34 @@ class PackedLoader:
         c = self.cfg
         # shard file names, not paths: a dataset folder may move (or be served over http) between
         # the checkpoint and the resume
-        return {"sources": [[[shard_name(p) for p in s.paths], s.counts, s.weight, s.kind]
-                            for s in self.sources],
-                "seed": c.seed, "row_tokens": c.row_tokens, "rows_per_batch": c.rows_per_batch,
-                "shuffle_buffer": c.shuffle_buffer, "pack_buffer": c.pack_buffer,
-                "workers": self.num_logical, "rank": self.rank, "world_size": self.world_size,
-                "epochs": c.epochs, "loss_on": c.loss_on,
-                "long_text": c.long_text, "rank_split": c.rank_split,
-                "vocab_size": self.tok.vocab_size, "processor": to_dict(c.processor)}
+        return {
+            "sources": [
+                [[shard_name(p) for p in s.paths], s.counts, s.weight, s.kind] for s in self.sources
+            ],
+            "seed": c.seed,
+            "row_tokens": c.row_tokens,
+            "rows_per_batch": c.rows_per_batch,
+            "shuffle_buffer": c.shuffle_buffer,
+            "pack_buffer": c.pack_buffer,
+            "workers": self.num_logical,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "epochs": c.epochs,
+            "loss_on": c.loss_on,
+            "long_text": c.long_text,
+            "rank_split": c.rank_split,
+            "vocab_size": self.tok.vocab_size,
+            "processor": to_dict(c.processor),
+        }
 
     def state_dict(self) -> dict:
-        return {"version": STATE_VERSION, "fingerprint": self.fingerprint(),
-                "batches": self.batches, "next_worker": self.next_worker,
-                "workers": copy.deepcopy(self.worker_states)}
+        return {
+            "version": STATE_VERSION,
+            "fingerprint": self.fingerprint(),
+            "batches": self.batches,
+            "next_worker": self.next_worker,
+            "workers": copy.deepcopy(self.worker_states),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("version") != STATE_VERSION:
@@ -162,20 +203,28 @@ class PackedLoader:
         diff = [k for k in mine if to_dict(mine[k]) != to_dict(theirs.get(k))]
         if diff:
             k = diff[0]
-            raise ValueError(f"loader state does not match this data config: {k} was "
-                             f"{theirs.get(k)!r}, now {mine[k]!r} (resume needs the same sources, "
-                             f"seed, sizes, workers and ranks)")
+            raise ValueError(
+                f"loader state does not match this data config: {k} was {theirs.get(k)!r}, now "
+                f"{mine[k]!r} (resume needs the same sources, seed, sizes, workers and ranks)"
+            )
         self.batches, self.next_worker = state["batches"], state["next_worker"]
         self.worker_states = copy.deepcopy(state["workers"])
 
     # ---------------------------------------------------------------- iteration
     def _pipeline(self, w: int) -> WorkerPipeline:
         if self.by_rows:  # every rank runs the same global pipeline and keeps its rows
-            pipe = WorkerPipeline(self.cfg, self.sources, self.tok, w, self.num_splits,
-                                  rows_per_batch=self.cfg.rows_per_batch * self.world_size)
+            pipe = WorkerPipeline(
+                self.cfg,
+                self.sources,
+                self.tok,
+                w,
+                self.num_splits,
+                rows_per_batch=self.cfg.rows_per_batch * self.world_size,
+            )
         else:
-            pipe = WorkerPipeline(self.cfg, self.sources, self.tok,
-                                  self.rank * self.num_logical + w, self.num_splits)
+            pipe = WorkerPipeline(
+                self.cfg, self.sources, self.tok, self.rank * self.num_logical + w, self.num_splits
+            )
         if self.worker_states[w] is not None:
             pipe.load_state_dict(self.worker_states[w])
         return pipe
@@ -203,14 +252,22 @@ class PackedLoader:
             self._record(0, pipe.state_dict())
             return
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        done = {w for w, s in enumerate(self.worker_states) if s is not None and s["ended"]
-                and not s["pool"]}
+        done = {
+            w
+            for w, s in enumerate(self.worker_states)
+            if s is not None and s["ended"] and not s["pool"]
+        }
         if len(done) == self.num_logical:
             return
-        dl = DataLoader(_WorkerDataset(self, self.next_worker), batch_size=None,
-                        num_workers=self.cfg.num_workers, collate_fn=_identity,
-                        prefetch_factor=self.cfg.prefetch_factor, persistent_workers=False,
-                        worker_init_fn=_leave_stop_signals_to_the_trainer)
+        dl = DataLoader(
+            _WorkerDataset(self, self.next_worker),
+            batch_size=None,
+            num_workers=self.cfg.num_workers,
+            collate_fn=_identity,
+            prefetch_factor=self.cfg.prefetch_factor,
+            persistent_workers=False,
+            worker_init_fn=_leave_stop_signals_to_the_trainer,
+        )
         for w, batch, state in dl:
             self._record(w, state)
             batch = self._mine(batch)
@@ -248,8 +305,10 @@ class PackedLoader:
                 read.update(s.get("read_by_source", {}))
                 for label, c in s.get("skipped_by_source", {}).items():
                     skipped.setdefault(label, Counter()).update(c)
-        return {label: (read[label], dict(skipped.get(label, {})))
-                for label in sorted(set(read) | set(skipped))}
+        return {
+            label: (read[label], dict(skipped.get(label, {})))
+            for label in sorted(set(read) | set(skipped))
+        }
 
     def packing_efficiency(self) -> float:
         st = self.stats
@@ -257,19 +316,23 @@ class PackedLoader:
 
     def report(self) -> str:
         st, bad = self.stats, self.counters
-        line = (f"data: {st.get('batches', 0)} batches, {st.get('samples_packed', 0)} samples "
-                f"packed, packing efficiency {100 * self.packing_efficiency():.1f}%")
+        line = (
+            f"data: {st.get('batches', 0)} batches, {st.get('samples_packed', 0)} "
+            f"samples packed, packing efficiency {100 * self.packing_efficiency():.1f}%"
+        )
         if bad:
             line += "; skipped " + ", ".join(f"{k}={v}" for k, v in bad.items())
         return line
 
 
-def build_loader(cfg: DataConfig, tokenizer: Tokenizer, rank: int = 0,
-                 world_size: int = 1) -> PackedLoader:
+def build_loader(
+    cfg: DataConfig, tokenizer: Tokenizer, rank: int = 0, world_size: int = 1
+) -> PackedLoader:
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
     cfg.validate()
     if tokenizer.vocab_size <= max(tokenizer.special_ids):
-        raise ValueError(f"tokenizer vocab_size={tokenizer.vocab_size} does not cover its special "
-                         f"ids")
+        raise ValueError(
+            f"tokenizer vocab_size={tokenizer.vocab_size} does not cover its special ids"
+        )
     return PackedLoader(cfg, tokenizer, resolve_sources(cfg), rank, world_size)

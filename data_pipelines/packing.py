@@ -6,6 +6,7 @@ exact 0/1 knapsack over lengths, which leaves much less padding than greedy best
 are long relative to the row. A sample is never split across rows. Labels are built for the whole
 batch at once from the row layout.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -33,8 +34,9 @@ class Packer:
 
     def add(self, ref: Any, sample: EncodedSample) -> None:
         if len(sample) > self.row_tokens:
-            raise ValueError(f"sample {sample.key}: {len(sample)} tokens exceed "
-                             f"row_tokens={self.row_tokens}")
+            raise ValueError(
+                f"sample {sample.key}: {len(sample)} tokens exceed row_tokens={self.row_tokens}"
+            )
         self.pool.append((ref, sample))
 
     def next_row(self) -> list[tuple[Any, EncodedSample]]:
@@ -58,7 +60,7 @@ def best_subset(lengths: np.ndarray, room: int) -> list[int]:
     for i, length in enumerate(lengths.tolist()):
         reach[i + 1] = reach[i]
         if length <= room:
-            reach[i + 1, length:] |= reach[i, :room + 1 - length]
+            reach[i + 1, length:] |= reach[i, : room + 1 - length]
     total = int(np.flatnonzero(reach[n])[-1])
     chosen = []
     # walk back: item i-1 was needed iff the sum was not reachable without it
@@ -86,24 +88,34 @@ def assemble_batch(rows: list[list[EncodedSample]], row_tokens: int, tok: Tokeni
             n = len(s)
             if o + n > T:
                 raise ValueError(f"row {r} overflows: {o + n} > {T} tokens")
-            ids[r, o:o + n] = s.ids
-            doc[r, o:o + n] = d
-            pos[r, o:o + n] = np.arange(n)
-            target[r, o:o + n] = s.target
-            kind[r, o:o + n] = KINDS.index(s.kind)
-            source[r, o:o + n] = s.source
+            ids[r, o : o + n] = s.ids
+            doc[r, o : o + n] = d
+            pos[r, o : o + n] = np.arange(n)
+            target[r, o : o + n] = s.target
+            kind[r, o : o + n] = KINDS.index(s.kind)
+            source[r, o : o + n] = s.source
             images += s.images
             o += n
     is_image = (ids == tok.image_pad_id) & (doc >= 0)
     labels = np.full((B, T), IGNORE_INDEX, dtype=np.int64)
-    keep = ((doc[:, 1:] == doc[:, :-1]) & (doc[:, :-1] >= 0) & target[:, 1:]
-            & ~is_image[:, 1:] & ~is_image[:, :-1])
+    keep = (
+        (doc[:, 1:] == doc[:, :-1])
+        & (doc[:, :-1] >= 0)
+        & target[:, 1:]
+        & ~is_image[:, 1:]
+        & ~is_image[:, :-1]
+    )
     labels[:, :-1] = np.where(keep, ids[:, 1:], IGNORE_INDEX)
     modality = np.where(is_image, IMAGE, TEXT)
-    batch = PackedBatch(input_ids=torch.from_numpy(ids), labels=torch.from_numpy(labels),
-                        doc_ids=torch.from_numpy(doc), position_ids=torch.from_numpy(pos),
-                        modality=torch.from_numpy(modality), kind=torch.from_numpy(kind),
-                        source=torch.from_numpy(source))
+    batch = PackedBatch(
+        input_ids=torch.from_numpy(ids),
+        labels=torch.from_numpy(labels),
+        doc_ids=torch.from_numpy(doc),
+        position_ids=torch.from_numpy(pos),
+        modality=torch.from_numpy(modality),
+        kind=torch.from_numpy(kind),
+        source=torch.from_numpy(source),
+    )
     if images:
         batch.pixel_patches = torch.cat([im.patches_PD for im in images], 0)
         batch.patch_coords = torch.cat([im.coords_P2 for im in images], 0)
@@ -115,13 +127,17 @@ def select_rows(batch: PackedBatch, start: int, stop: int) -> PackedBatch:
     """Rows [start, stop) of a batch with exactly their images (images are stored row by row)."""
     is_img = batch.modality == IMAGE
     starts = is_img.clone()
-    starts[:, 1:] &= ~is_img[:, :-1]           # an image is one run of IMAGE positions
+    starts[:, 1:] &= ~is_img[:, :-1]  # an image is one run of IMAGE positions
     per_row = starts.sum(1).tolist()
-    out = PackedBatch(batch.input_ids[start:stop], batch.labels[start:stop],
-                      batch.doc_ids[start:stop], batch.position_ids[start:stop],
-                      batch.modality[start:stop], kind=None if batch.kind is None
-                      else batch.kind[start:stop], source=None if batch.source is None
-                      else batch.source[start:stop])
+    out = PackedBatch(
+        batch.input_ids[start:stop],
+        batch.labels[start:stop],
+        batch.doc_ids[start:stop],
+        batch.position_ids[start:stop],
+        batch.modality[start:stop],
+        kind=None if batch.kind is None else batch.kind[start:stop],
+        source=None if batch.source is None else batch.source[start:stop],
+    )
     i0, i1 = sum(per_row[:start]), sum(per_row[:stop])
     if batch.image_grids is not None and i1 > i0:
         sizes = batch.image_grids.prod(1).tolist()
@@ -131,8 +147,9 @@ def select_rows(batch: PackedBatch, start: int, stop: int) -> PackedBatch:
     return out
 
 
-def make_prompt_batch(prompts: list[tuple[str, list[bytes]]], tok: Tokenizer, processor,
-                      add_eos: bool = False) -> PackedBatch:
+def make_prompt_batch(
+    prompts: list[tuple[str, list[bytes]]], tok: Tokenizer, processor, add_eos: bool = False
+) -> PackedBatch:
     """One row per prompt (for generation/eval): `<bos>` + text with images expanded, right-padded
     to the longest prompt. Labels are the usual shifted targets (useful for scoring answers)."""
 
@@ -143,7 +160,7 @@ def make_prompt_batch(prompts: list[tuple[str, list[bytes]]], tok: Tokenizer, pr
         e = encode_sample(s, tok, processor, row_tokens=1 << 30, allow_empty_text=True)[0]
         if not add_eos:
             e = EncodedSample(e.ids[:-1], e.target[:-1], e.images, e.key)
-        e.kind = "chat"   # a prompt to the model is a chat turn, whatever its text is
+        e.kind = "chat"  # a prompt to the model is a chat turn, whatever its text is
         encoded.append(e)
     T = max(len(e) for e in encoded)
     return assemble_batch([[e] for e in encoded], T, tok)

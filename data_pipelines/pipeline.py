@@ -4,6 +4,7 @@ Everything here is deterministic given the state; `state_dict()` holds the strea
 packer's waiting samples as references, and the counters, so `load_state_dict()` reproduces the
 exact batches.
 """
+
 from __future__ import annotations
 
 import logging
@@ -11,6 +12,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from configs.batch import IMAGE, PackedBatch
 from data_pipelines.config import DataConfig
 from data_pipelines.encode import encode_sample
 from data_pipelines.packing import Packer, assemble_batch
@@ -18,7 +20,6 @@ from data_pipelines.schema import BadSample, decode_sample
 from data_pipelines.stream import Mixer, SourceStream
 from data_pipelines.tokenizer import Tokenizer
 from vision.image_processor import ImageProcessor
-from configs.batch import IMAGE, PackedBatch
 
 log = logging.getLogger("data_pipelines")
 
@@ -26,7 +27,7 @@ log = logging.getLogger("data_pipelines")
 @dataclass
 class ResolvedSource:
     label: str
-    paths: list[Path | str]   # local shard files, or shard URLs (reader.Shard)
+    paths: list[Path | str]  # local shard files, or shard URLs (reader.Shard)
     counts: list[int]
     weight: float
     kind: str
@@ -34,14 +35,25 @@ class ResolvedSource:
 
 
 class WorkerPipeline:
-    def __init__(self, cfg: DataConfig, sources: list[ResolvedSource], tok: Tokenizer, split: int,
-                 num_splits: int, processor: ImageProcessor | None = None,
-                 rows_per_batch: int | None = None):
+    def __init__(
+        self,
+        cfg: DataConfig,
+        sources: list[ResolvedSource],
+        tok: Tokenizer,
+        split: int,
+        num_splits: int,
+        processor: ImageProcessor | None = None,
+        rows_per_batch: int | None = None,
+    ):
         self.cfg, self.sources, self.tok = cfg, sources, tok
         self.rows_per_batch = rows_per_batch or cfg.rows_per_batch
         self.processor = processor or ImageProcessor(cfg.processor)
-        self.streams = [SourceStream(i, s.paths, s.counts, split, num_splits, cfg.seed,
-                                     cfg.shuffle_buffer, cfg.epochs) for i, s in enumerate(sources)]
+        self.streams = [
+            SourceStream(
+                i, s.paths, s.counts, split, num_splits, cfg.seed, cfg.shuffle_buffer, cfg.epochs
+            )
+            for i, s in enumerate(sources)
+        ]
         self.mixer = Mixer(self.streams, [s.weight for s in sources], cfg.seed, split)
         self.packer = Packer(cfg.row_tokens, cfg.pack_buffer)
         self.counters: Counter = Counter()
@@ -54,8 +66,14 @@ class WorkerPipeline:
 
     def _encode(self, src: int, raw):
         sample = decode_sample(raw, self.sources[src].kind, self.sources[src].caption_field)
-        pieces = encode_sample(sample, self.tok, self.processor, self.cfg.row_tokens,
-                               self.cfg.loss_on, self.cfg.long_text)
+        pieces = encode_sample(
+            sample,
+            self.tok,
+            self.processor,
+            self.cfg.row_tokens,
+            self.cfg.loss_on,
+            self.cfg.long_text,
+        )
         for piece in pieces:
             piece.source = src
         return pieces
@@ -63,8 +81,9 @@ class WorkerPipeline:
     def _skip(self, err: BadSample, src: int) -> None:
         first = err.reason not in self.counters
         self.counters[err.reason] += err.count
-        self.skipped_by_source.setdefault(self.sources[src].label,
-                                          Counter())[err.reason] += err.count
+        self.skipped_by_source.setdefault(self.sources[src].label, Counter())[err.reason] += (
+            err.count
+        )
         if first:
             log.warning("skipping bad input (%s): %s", err.reason, err)
         else:
@@ -112,12 +131,15 @@ class WorkerPipeline:
         return batch
 
     def state_dict(self) -> dict:
-        return {"mixer": self.mixer.state_dict(),
-                "pool": [list(ref) for ref, _ in self.packer.pool],
-                "counters": dict(self.counters), "stats": dict(self.stats), "ended": self.ended,
-                "read_by_source": dict(self.read_by_source),
-                "skipped_by_source": {label: dict(c)
-                                      for label, c in self.skipped_by_source.items()}}
+        return {
+            "mixer": self.mixer.state_dict(),
+            "pool": [list(ref) for ref, _ in self.packer.pool],
+            "counters": dict(self.counters),
+            "stats": dict(self.stats),
+            "ended": self.ended,
+            "read_by_source": dict(self.read_by_source),
+            "skipped_by_source": {label: dict(c) for label, c in self.skipped_by_source.items()},
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.mixer.load_state_dict(state["mixer"])
@@ -125,8 +147,9 @@ class WorkerPipeline:
         # absent from the loader states of runs saved before they were kept: those resume counting
         # from 0
         self.read_by_source = Counter(state.get("read_by_source", {}))
-        self.skipped_by_source = {label: Counter(c)
-                                  for label, c in state.get("skipped_by_source", {}).items()}
+        self.skipped_by_source = {
+            label: Counter(c) for label, c in state.get("skipped_by_source", {}).items()
+        }
         self.ended = state["ended"]
         refs = [tuple(r) for r in state["pool"]]
         by_source: dict[int, list[tuple[int, int]]] = {}

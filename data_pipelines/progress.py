@@ -4,6 +4,7 @@ tqdm writes carriage-return updates, which fill a log file with one long line; w
 not a terminal this prints `desc: n/total` lines instead, at most every `every_s` seconds (and
 at the end).
 """
+
 from __future__ import annotations
 
 import sys
@@ -11,8 +12,14 @@ import time
 
 
 class Progress:
-    def __init__(self, total: int | None, desc: str, enabled: bool = True, unit: str = "item",
-                 every_s: float = 10.0):
+    def __init__(
+        self,
+        total: int | None,
+        desc: str,
+        enabled: bool = True,
+        unit: str = "item",
+        every_s: float = 10.0,
+    ):
         self.total, self.desc, self.unit, self.every_s = total, desc, unit, every_s
         self.n, self.t0 = 0, time.time()
         self.last = self.t0

@@ -10,6 +10,7 @@ index) and resumed by skipping (on a URL shard, by streaming past the samples be
 knowing which sample a read error hit; and the stream offset where the members stop, since tarfile
 ends silently at a truncated or corrupt header (we then read that block ourselves).
 """
+
 from __future__ import annotations
 
 import fnmatch
@@ -54,10 +55,10 @@ SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")
 # metadata written next to shards (img2dataset, our manifest.json)
 SIDECAR_SUFFIXES = (".parquet", ".json")
 BLOCK = tarfile.BLOCKSIZE
-_META = re.compile(r"__[^/]*__($|/)")   # webdataset's metadata members (`__key__` and the like)
+_META = re.compile(r"__[^/]*__($|/)")  # webdataset's metadata members (`__key__` and the like)
 
 
-Shard = Path | str   # a local file, or a URL read through gopen
+Shard = Path | str  # a local file, or a URL read through gopen
 
 
 def as_shard(name: str | os.PathLike) -> Shard:
@@ -157,12 +158,14 @@ def _groups(path: Shard, on_error: list, end: dict) -> Iterator[dict[str, Any]]:
         except READ_ERRORS as e:
             if not seen_member:
                 raise
-            on_error.append((failed_name, e))   # the stream position is lost after a failed read
+            on_error.append((failed_name, e))  # the stream position is lost after a failed read
         if not on_error and tf is not None:
             block = f.block_at(tf.offset) if url else _block_at(path, tf.offset)
             if len(block) < BLOCK or any(block):
                 name = block[:100].split(b"\0")[0].decode("utf-8", "replace") or None
-                on_error.append((name, "the tar breaks at byte %d (truncated, or a corrupt header)" % tf.offset))
+                on_error.append(
+                    (name, "the tar breaks at byte %d (truncated, or a corrupt header)" % tf.offset)
+                )
     end["truncated"] = bool(on_error)
     if on_error:
         failed_key = base_plus_ext(on_error[0][0] or "")[0]
@@ -176,9 +179,13 @@ def _groups(path: Shard, on_error: list, end: dict) -> Iterator[dict[str, Any]]:
         yield sample
 
 
-def iter_shard(path: str | os.PathLike, start: int = 0, stop: int | None = None,
-               expected: int | None = None,
-               count_unreachable: bool = False) -> Iterator[tuple[int, Any]]:
+def iter_shard(
+    path: str | os.PathLike,
+    start: int = 0,
+    stop: int | None = None,
+    expected: int | None = None,
+    count_unreachable: bool = False,
+) -> Iterator[tuple[int, Any]]:
     """Yield (index, raw sample or BadSample) for samples `start <= index < stop` of one shard.
 
     Samples before `start` are read but not yielded (resume skips this way). `expected` is the
@@ -208,8 +215,13 @@ def iter_shard(path: str | os.PathLike, start: int = 0, stop: int | None = None,
         # source (loader.resolve_sources)
         log.debug("shard %s is listed in its manifest (%d samples) but is gone", path, expected)
         for i in range(start, stop):
-            yield i, BadSample(MISSING_SHARD, f"shard {path} is listed in its manifest but gone: "
-                                              f"sample {i} lost")
+            yield (
+                i,
+                BadSample(
+                    MISSING_SHARD,
+                    f"shard {path} is listed in its manifest but gone: sample {i} lost",
+                ),
+            )
         return
     errors: list = []
     end: dict = {}
@@ -225,18 +237,24 @@ def iter_shard(path: str | os.PathLike, start: int = 0, stop: int | None = None,
             held = None
             if stop is not None and n >= stop:
                 if not (at_end and expected is not None):
-                    return      # the sample at stop-1 was followed by another: it is whole
-                extra += 1      # beyond the promised count: counted, not read
+                    return  # the sample at stop-1 was followed by another: it is whole
+                extra += 1  # beyond the promised count: counted, not read
                 continue
             held, n = (n, raw), n + 1
-    # noqa: BLE001 - OSError, tarfile.ReadError on a file that is no tar, ...
     except Exception as e:
         if n == 0:
             if isinstance(e, ShardError) and not count_unreachable:
                 raise
-            yield -1, BadSample(UNREADABLE_SHARD, str(e) if isinstance(e, ShardError) else
-                                f"shard {path} cannot be opened or read as a tar file: "
-                                f"{type(e).__name__}: {e}")
+            yield (
+                -1,
+                BadSample(
+                    UNREADABLE_SHARD,
+                    str(e)
+                    if isinstance(e, ShardError)
+                    else f"shard {path} cannot be opened or read "
+                    f"as a tar file: {type(e).__name__}: {e}",
+                ),
+            )
             return
         errors.append((None, e))
         end["truncated"] = True
@@ -246,36 +264,66 @@ def iter_shard(path: str | os.PathLike, start: int = 0, stop: int | None = None,
         if raw.get("__broken__"):
             name, exn = errors[0] if errors else (None, "the tar breaks after it")
             what = f"member {name}" if name else "a member"
-            held = (i, BadSample(UNREADABLE_MEMBER,
-                                 f"shard {path}: {what} of sample {raw['__key__']} cannot be "
-                                                    f"read ({type(exn).__name__ + ': ' if errors else ''}{exn})"))
+            held = (
+                i,
+                BadSample(
+                    UNREADABLE_MEMBER,
+                    f"shard {path}: {what} of sample {raw['__key__']} cannot be "
+                    f"read ({type(exn).__name__ + ': ' if errors else ''}{exn})",
+                ),
+            )
         else:
             raw.pop("__broken__", None)
         if o := out(*held):
             yield o
     if expected is not None and n < expected:
         reason = TRUNCATED_SHARD if truncated else MANIFEST_MISMATCH
-        why = ("the tar breaks" if truncated else "the tar is intact but its manifest entry "
-                                                  "promises more: "
-               "rewrite it with `vlm data stats --scan --write-manifest`")
+        why = (
+            "the tar breaks"
+            if truncated
+            else "the tar is intact but its manifest entry promises more: "
+            "rewrite it with `vlm data stats --scan --write-manifest`"
+        )
         if at_end:
             log.warning("shard %s: read %d of %d samples (%s)", path, n, expected, why)
         for i in range(max(n, start), stop):
-            yield i, BadSample(reason, f"shard {path}: sample {i} lost ({why} after {n} of "
-                                       f"{expected} samples)")
+            yield (
+                i,
+                BadSample(
+                    reason, f"shard {path}: sample {i} lost ({why} after {n} of {expected} samples)"
+                ),
+            )
     elif at_end and truncated:
-        log.warning("shard %s: the tar breaks after %d samples; an unknown number after them is "
-                    "lost (a manifest entry would count them)", path, n)
-        yield -1, BadSample(TRUNCATED_SHARD, f"shard {path}: the tar breaks after {n} samples; the "
-                                             f"samples after "
-                                             "them are lost (their number is unknown without a "
-                                             "manifest entry)")
+        log.warning(
+            "shard %s: the tar breaks after %d samples; an unknown number "
+            "after them is lost (a manifest entry would count them)",
+            path,
+            n,
+        )
+        yield (
+            -1,
+            BadSample(
+                TRUNCATED_SHARD,
+                f"shard {path}: the tar breaks after {n} samples; the samples after "
+                "them are lost (their number is unknown without a manifest entry)",
+            ),
+        )
     if extra:
-        log.warning("shard %s holds %d samples more than its manifest entry (%d); they are not "
-                    "read: rewrite it with `vlm data stats --scan --write-manifest`", path, extra,
-                    expected)
-        yield -1, BadSample(MANIFEST_MISMATCH, f"shard {path}: {extra} samples beyond its manifest "
-                                               f"entry's {expected} are not read", count=extra)
+        log.warning(
+            "shard %s holds %d samples more than its manifest entry (%d); they are "
+            "not read: rewrite it with `vlm data stats --scan --write-manifest`",
+            path,
+            extra,
+            expected,
+        )
+        yield (
+            -1,
+            BadSample(
+                MANIFEST_MISMATCH,
+                f"shard {path}: {extra} samples beyond its manifest entry's {expected} are not read",
+                count=extra,
+            ),
+        )
 
 
 def count_samples(path: str | os.PathLike) -> int:
@@ -296,15 +344,24 @@ def listed_but_missing(pattern: str | os.PathLike) -> list[Path]:
     them silently. A URL source has no folder to list: none."""
     if (pattern := local_source(pattern)) is None:
         return []
-    folders = [Path(pattern)] if Path(pattern).is_dir() else \
-        sorted({Path(q).parent for q in braceexpand.braceexpand(pattern) if glob.has_magic(q)})
+    folders = (
+        [Path(pattern)]
+        if Path(pattern).is_dir()
+        else sorted({Path(q).parent for q in braceexpand.braceexpand(pattern) if glob.has_magic(q)})
+    )
     out = []
     for d in folders:
         m = read_manifest(d) if d.is_dir() else None
         for e in (m or {"shards": []})["shards"]:
             q = d / str(e.get("name", ""))
-            if q.name and not q.exists() and (d == Path(pattern) or any(
-                    fnmatch.fnmatch(str(q), pat) for pat in braceexpand.braceexpand(pattern))):
+            if (
+                q.name
+                and not q.exists()
+                and (
+                    d == Path(pattern)
+                    or any(fnmatch.fnmatch(str(q), pat) for pat in braceexpand.braceexpand(pattern))
+                )
+            ):
                 out.append(q)
     return out
 
@@ -335,26 +392,37 @@ def shard_counts(paths: list[Shard]) -> list[int]:
     counts = []
     for p in paths:
         entry = manifest_entry(p)
-        if entry is not None and isinstance(p, Path) and p.exists() and \
-                entry.get("file_bytes") not in (None, p.stat().st_size):
+        if (
+            entry is not None
+            and isinstance(p, Path)
+            and p.exists()
+            and entry.get("file_bytes") not in (None, p.stat().st_size)
+        ):
             # Rewritten since the manifest was made, or truncated: an intact tar is counted as it
             # is now; a broken one keeps the manifest's count, so that every promised sample it
             # lost is counted.
             try:
                 n, broken = _count(p)
-            # noqa: BLE001 - no longer a tar: its reader counts it as unreadable_shard
-            except Exception:
+            except Exception:  # noqa: BLE001 - no longer a tar: its reader counts it as unreadable_shard
                 n, broken = 0, True
-            log.warning("shard %s: its manifest entry says %s bytes and %s samples, the file has "
-                        "%d bytes%s", p, entry["file_bytes"], entry["count"], p.stat().st_size,
-                        " and breaks" if broken else f" and {n} samples; using {n}")
+            log.warning(
+                "shard %s: its manifest entry says %s bytes and %s samples, the file has %d bytes%s",
+                p,
+                entry["file_bytes"],
+                entry["count"],
+                p.stat().st_size,
+                " and breaks" if broken else f" and {n} samples; using {n}",
+            )
             counts.append(int(entry["count"]) if broken else n)
             continue
         if entry is not None:
             counts.append(int(entry["count"]))
             continue
-        log.warning("shard %s has no manifest entry; counting its samples by %s it", p,
-                    "streaming" if isinstance(p, str) else "reading")
+        log.warning(
+            "shard %s has no manifest entry; counting its samples by %s it",
+            p,
+            "streaming" if isinstance(p, str) else "reading",
+        )
         try:
             counts.append(count_samples(p))
         except ShardError:
@@ -364,14 +432,19 @@ def shard_counts(paths: list[Shard]) -> list[int]:
             # One slot: the worker that owns it tries to read it and counts it once as an
             # unreadable shard (as for a manifest-listed shard that no longer reads), instead of
             # stopping the run.
-            log.warning("shard %s cannot be read (%s: %s); it is skipped and counted", p,
-                        type(e).__name__, e)
+            log.warning(
+                "shard %s cannot be read (%s: %s); it is skipped and counted",
+                p,
+                type(e).__name__,
+                e,
+            )
             counts.append(1)
     return counts
 
 
-def fetch_samples(path: str | os.PathLike, indices: set[int],
-                  expected: int | None = None) -> dict[int, Any]:
+def fetch_samples(
+    path: str | os.PathLike, indices: set[int], expected: int | None = None
+) -> dict[int, Any]:
     """Raw samples at `indices` of one shard (restoring buffered samples after a resume)."""
     if not indices:
         return {}
@@ -382,6 +455,17 @@ def fetch_samples(path: str | os.PathLike, indices: set[int],
     return out
 
 
-__all__ = ["Shard", "as_shard", "local_source", "shard_name", "resolve_shards",
-           "listed_but_missing", "ManifestEntries", "iter_shard", "count_samples", "shard_counts",
-           "fetch_samples", "ShardError"]
+__all__ = [
+    "Shard",
+    "as_shard",
+    "local_source",
+    "shard_name",
+    "resolve_shards",
+    "listed_but_missing",
+    "ManifestEntries",
+    "iter_shard",
+    "count_samples",
+    "shard_counts",
+    "fetch_samples",
+    "ShardError",
+]

@@ -6,6 +6,7 @@ depend only on (seed, split, index), never on what else was generated. The held-
 (colour, shape) combinations that train and val never show, so answering about them needs
 attributes learnt apart.
 """
+
 from __future__ import annotations
 
 import io
@@ -14,18 +15,33 @@ from dataclasses import dataclass
 
 from PIL import Image, ImageDraw
 
-COLOURS = {"red": (220, 40, 40), "green": (30, 160, 60), "blue": (40, 80, 225),
-           "yellow": (240, 205, 20), "purple": (140, 55, 185), "orange": (250, 130, 20)}
+COLOURS = {
+    "red": (220, 40, 40),
+    "green": (30, 160, 60),
+    "blue": (40, 80, 225),
+    "yellow": (240, 205, 20),
+    "purple": (140, 55, 185),
+    "orange": (250, 130, 20),
+}
 SHAPES = ("circle", "square", "triangle", "diamond")
 SIZES = ("small", "large")
 # one colour per shape never appears outside the test split
-HELD_OUT = frozenset({("green", "circle"), ("blue", "square"), ("red", "triangle"),
-                      ("yellow", "diamond")})
+HELD_OUT = frozenset(
+    {("green", "circle"), ("blue", "square"), ("red", "triangle"), ("yellow", "diamond")}
+)
 ALL_COMBOS = tuple((c, s) for c in COLOURS for s in SHAPES)
 SEEN_COMBOS = tuple(cs for cs in ALL_COMBOS if cs not in HELD_OUT)
-CELL_PHRASE = {(0, 0): "at the top left", (0, 1): "at the top", (0, 2): "at the top right",
-               (1, 0): "on the left", (1, 1): "in the center", (1, 2): "on the right",
-               (2, 0): "at the bottom left", (2, 1): "at the bottom", (2, 2): "at the bottom right"}
+CELL_PHRASE = {
+    (0, 0): "at the top left",
+    (0, 1): "at the top",
+    (0, 2): "at the top right",
+    (1, 0): "on the left",
+    (1, 1): "in the center",
+    (1, 2): "on the right",
+    (2, 0): "at the bottom left",
+    (2, 1): "at the bottom",
+    (2, 2): "at the bottom right",
+}
 
 
 @dataclass
@@ -33,9 +49,9 @@ class SceneObject:
     shape: str
     colour: str
     size: str
-    row: int     # 3x3 cell
+    row: int  # 3x3 cell
     col: int
-    cx: float    # pixel centre
+    cx: float  # pixel centre
     cy: float
     radius: float
 
@@ -55,14 +71,19 @@ class Scene:
     objects: list[SceneObject]
 
     def to_meta(self) -> dict:
-        return {"width": self.width, "height": self.height,
-                "objects": [{"shape": o.shape, "colour": o.colour, "size": o.size, "row": o.row,
-                             "col": o.col}
-                            for o in self.objects]}
+        return {
+            "width": self.width,
+            "height": self.height,
+            "objects": [
+                {"shape": o.shape, "colour": o.colour, "size": o.size, "row": o.row, "col": o.col}
+                for o in self.objects
+            ],
+        }
 
 
-def sample_scene(rng: random.Random, min_size: int, max_size: int, max_objects: int,
-                 heldout: bool) -> Scene:
+def sample_scene(
+    rng: random.Random, min_size: int, max_size: int, max_objects: int, heldout: bool
+) -> Scene:
     """Random scene; `heldout` scenes contain at least one held-out (colour, shape) object, others none."""
     width, height = rng.randint(min_size, max_size), rng.randint(min_size, max_size)
     background = tuple(rng.randint(215, 250) for _ in range(3))
@@ -83,8 +104,9 @@ def sample_scene(rng: random.Random, min_size: int, max_size: int, max_objects: 
         slack_x, slack_y = max(cw / 2 - radius, 0) * 0.6, max(ch / 2 - radius, 0) * 0.6
         cx = (col + 0.5) * cw + rng.uniform(-slack_x, slack_x)
         cy = (row + 0.5) * ch + rng.uniform(-slack_y, slack_y)
-        objects.append(SceneObject(shape, colour, size, row, col, round(cx, 2), round(cy, 2),
-                                   round(radius, 2)))
+        objects.append(
+            SceneObject(shape, colour, size, row, col, round(cx, 2), round(cy, 2), round(radius, 2))
+        )
     return Scene(width, height, background, objects)
 
 
@@ -100,8 +122,9 @@ def render_scene(scene: Scene) -> bytes:
             s = r * 0.85
             draw.rectangle((x - s, y - s, x + s, y + s), fill=fill)
         elif o.shape == "triangle":
-            draw.polygon([(x, y - r), (x + r * 0.95, y + r * 0.75), (x - r * 0.95, y + r * 0.75)],
-                         fill=fill)
+            draw.polygon(
+                [(x, y - r), (x + r * 0.95, y + r * 0.75), (x - r * 0.95, y + r * 0.75)], fill=fill
+            )
         else:  # diamond
             draw.polygon([(x, y - r), (x + r * 0.8, y), (x, y + r), (x - r * 0.8, y)], fill=fill)
     buf = io.BytesIO()
@@ -124,12 +147,15 @@ def relations(rng: random.Random, scene: Scene) -> str:
     model can know."""
     out = []
     for i, first in enumerate(scene.objects):
-        for second in scene.objects[i + 1:]:
+        for second in scene.objects[i + 1 :]:
             if first.row != second.row and first.col != second.col:
                 continue
             a, b = (second, first) if rng.random() < 0.5 else (first, second)
-            rel = ("to the left" if a.col < b.col else "to the right") if a.row == b.row else \
-                ("above" if a.row < b.row else "below")
+            rel = (
+                ("to the left" if a.col < b.col else "to the right")
+                if a.row == b.row
+                else ("above" if a.row < b.row else "below")
+            )
             out.append(f"Relative to the {b.colour} {b.shape}, the {a.colour} {a.shape} is {rel}.")
     return " ".join(out)
 
@@ -138,8 +164,9 @@ def _unique(objs: list[SceneObject], o: SceneObject, attrs: tuple[str, ...]) -> 
     return sum(all(getattr(p, a) == getattr(o, a) for a in attrs) for p in objs) == 1
 
 
-def _ref(objs: list[SceneObject], o: SceneObject,
-         options: tuple[tuple[str, ...], ...]) -> str | None:
+def _ref(
+    objs: list[SceneObject], o: SceneObject, options: tuple[tuple[str, ...], ...]
+) -> str | None:
     """Shortest description of `o` (attributes in `options` order) that no other object shares."""
     for attrs in options:
         if _unique(objs, o, attrs):
@@ -172,20 +199,34 @@ def q_count(rng, scene, combos):
         return f"How many {s}s are there?", str(sum(o.shape == s for o in scene.objects)), None
     if mode == "colour":
         c = rng.choice(sorted(COLOURS))
-        return f"How many {c} objects are there?", str(sum(o.colour == c
-                                                           for o in scene.objects)), None
+        return (
+            f"How many {c} objects are there?",
+            str(sum(o.colour == c for o in scene.objects)),
+            None,
+        )
     return "How many objects are there?", str(len(scene.objects)), None
 
 
 def q_position(rng, scene, combos):
-    pairs = [(a, b) for a in scene.objects for b in scene.objects if a is not b
-             and (a.row == b.row or a.col == b.col)]
+    pairs = [
+        (a, b)
+        for a in scene.objects
+        for b in scene.objects
+        if a is not b and (a.row == b.row or a.col == b.col)
+    ]
     if not pairs:
         return None
     a, b = rng.choice(pairs)
-    ans = ("left" if a.col < b.col else "right") if a.row == b.row else ("above" if a.row < b.row else "below")
-    return (f"Where is the {a.colour} {a.shape} relative to the {b.colour} {b.shape}?", ans,
-            a if a.combo in HELD_OUT else b)
+    ans = (
+        ("left" if a.col < b.col else "right")
+        if a.row == b.row
+        else ("above" if a.row < b.row else "below")
+    )
+    return (
+        f"Where is the {a.colour} {a.shape} relative to the {b.colour} {b.shape}?",
+        ans,
+        a if a.combo in HELD_OUT else b,
+    )
 
 
 def q_yesno(rng, scene, combos):
@@ -198,8 +239,13 @@ def q_yesno(rng, scene, combos):
     return f"Is there a {colour} {shape}?", "no", None
 
 
-QUESTION_TYPES = {"colour": q_colour, "shape": q_shape, "count": q_count, "position": q_position,
-                  "yesno": q_yesno}
+QUESTION_TYPES = {
+    "colour": q_colour,
+    "shape": q_shape,
+    "count": q_count,
+    "position": q_position,
+    "yesno": q_yesno,
+}
 
 
 def questions(rng: random.Random, scene: Scene, k: int, heldout: bool) -> list[dict]:
@@ -215,6 +261,12 @@ def questions(rng: random.Random, scene: Scene, k: int, heldout: bool) -> list[d
         if q is None:
             continue
         question, answer, about = q
-        out.append({"question": question, "answer": answer, "type": t,
-                    "heldout": bool(about is not None and about.combo in HELD_OUT)})
+        out.append(
+            {
+                "question": question,
+                "answer": answer,
+                "type": t,
+                "heldout": bool(about is not None and about.combo in HELD_OUT),
+            }
+        )
     return out

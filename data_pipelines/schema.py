@@ -6,6 +6,7 @@ webdataset with `KEY.jpg` + `KEY.txt` reads as an image-caption pair. Decoding c
 that does not need the image decoder and raises `BadSample(reason, message)`; reasons are the
 loader's counter names.
 """
+
 from __future__ import annotations
 
 import json
@@ -37,9 +38,23 @@ CORRUPT_IMAGE = "corrupt_image"
 IMAGE_TOO_LARGE = "image_too_large"
 TOO_LONG = "too_long"
 FILTERED_KIND = "filtered_kind"
-REASONS = (UNREADABLE_SHARD, UNREADABLE_MEMBER, TRUNCATED_SHARD, MANIFEST_MISMATCH, MISSING_SHARD,
-           BAD_JSON, NON_UTF8, MISSING_FIELD, INVALID_FIELD, EMPTY_TEXT, IMAGE_COUNT, CORRUPT_IMAGE,
-           IMAGE_TOO_LARGE, TOO_LONG, FILTERED_KIND)
+REASONS = (
+    UNREADABLE_SHARD,
+    UNREADABLE_MEMBER,
+    TRUNCATED_SHARD,
+    MANIFEST_MISMATCH,
+    MISSING_SHARD,
+    BAD_JSON,
+    NON_UTF8,
+    MISSING_FIELD,
+    INVALID_FIELD,
+    EMPTY_TEXT,
+    IMAGE_COUNT,
+    CORRUPT_IMAGE,
+    IMAGE_TOO_LARGE,
+    TOO_LONG,
+    FILTERED_KIND,
+)
 
 # a KEY.json holding one of these is the sample's schema
 SCHEMA_FIELDS = ("text", "turns", "kind")
@@ -75,7 +90,7 @@ class Sample:
     images: list[bytes] = field(default_factory=list)
     image_exts: list[str] = field(default_factory=list)
     meta: dict[str, Any] = field(default_factory=dict)
-    source: str = ""    # shard path, for messages
+    source: str = ""  # shard path, for messages
 
     def placeholder_count(self) -> int:
         if self.turns is not None:
@@ -111,13 +126,16 @@ def encode_sample(sample: Sample) -> dict[str, Any]:
         meta["text"] = sample.text
     if sample.meta:
         meta["meta"] = sample.meta
-    out: dict[str, Any] = {"__key__": sample.key,
-                           "json": json.dumps(meta, ensure_ascii=False,
-                                              sort_keys=True).encode("utf-8")}
+    out: dict[str, Any] = {
+        "__key__": sample.key,
+        "json": json.dumps(meta, ensure_ascii=False, sort_keys=True).encode("utf-8"),
+    }
     for i, data in enumerate(sample.images):
         ext = (sample.image_exts[i] if i < len(sample.image_exts) else "png").lower().lstrip(".")
         if ext not in IMAGE_EXTS:
-            raise ValueError(f"sample {sample.key}: image extension {ext!r} not one of {IMAGE_EXTS}")
+            raise ValueError(
+                f"sample {sample.key}: image extension {ext!r} not one of {IMAGE_EXTS}"
+            )
         out[f"{i}.{ext}"] = bytes(data)
     return out
 
@@ -131,15 +149,19 @@ def _utf8(data: bytes, what: str) -> str:
 
 def _check_turns(turns: Any, where: str) -> list[dict]:
     if not isinstance(turns, list) or not turns:
-        raise BadSample(INVALID_FIELD, f"{where}: 'turns' must be a non-empty list of {{role, "
-                                       f"content}}")
+        raise BadSample(
+            INVALID_FIELD, f"{where}: 'turns' must be a non-empty list of {{role, content}}"
+        )
     out = []
     for i, t in enumerate(turns):
         if not isinstance(t, dict) or "role" not in t or "content" not in t:
             raise BadSample(MISSING_FIELD, f"{where}: turns[{i}] needs 'role' and 'content'")
         if t["role"] not in ROLES or not isinstance(t["content"], str):
-            raise BadSample(INVALID_FIELD, f"{where}: turns[{i}] role must be one of {ROLES} "
-                                           f"and content a string, got {t['role']!r}")
+            raise BadSample(
+                INVALID_FIELD,
+                f"{where}: turns[{i}] role must be one of {ROLES} "
+                f"and content a string, got {t['role']!r}",
+            )
         out.append({"role": t["role"], "content": t["content"]})
     if not any(t["role"] == "assistant" and t["content"].strip() for t in out):
         raise BadSample(EMPTY_TEXT, f"{where}: no non-empty assistant turn")
@@ -165,8 +187,9 @@ def is_metadata_json(meta: dict, raw: dict[str, Any]) -> bool:
     return not any(k in meta for k in SCHEMA_FIELDS) or any(e in raw for e in TEXT_EXTS)
 
 
-def decode_sample(raw: dict[str, Any], kind_filter: str = "auto",
-                  caption_field: str = "caption") -> Sample:
+def decode_sample(
+    raw: dict[str, Any], kind_filter: str = "auto", caption_field: str = "caption"
+) -> Sample:
     """Raw tar members {"__key__", "__url__", ext: bytes} -> validated Sample
     (images still undecoded).
 
@@ -182,12 +205,14 @@ def decode_sample(raw: dict[str, Any], kind_filter: str = "auto",
             images[int(m.group(1) or 0)] = (m.group(2), value)
     ordered = [images[i] for i in sorted(images)]
     if sorted(images) != list(range(len(images))):
-        raise BadSample(IMAGE_COUNT, f"{where}: image members are not numbered 0..n-1: "
-                                     f"{sorted(images)}")
+        raise BadSample(
+            IMAGE_COUNT, f"{where}: image members are not numbered 0..n-1: {sorted(images)}"
+        )
     meta = _parse_json(raw["json"], where) if "json" in raw else None
     if meta is not None and not is_metadata_json(meta, raw):
-        kind = meta.get("kind") or ("text" if not ordered else "pair" if len(ordered) == 1
-                                    else "interleaved")
+        kind = meta.get("kind") or (
+            "text" if not ordered else "pair" if len(ordered) == 1 else "interleaved"
+        )
         if kind not in KINDS:
             raise BadSample(INVALID_FIELD, f"{where}: kind {kind!r} not one of {KINDS}")
         turns = _check_turns(meta["turns"], where) if meta.get("turns") is not None else None
@@ -211,20 +236,33 @@ def decode_sample(raw: dict[str, Any], kind_filter: str = "auto",
         elif meta is not None and isinstance(meta.get(caption_field), str):
             text = meta[caption_field]
         elif meta is not None:
-            raise BadSample(MISSING_FIELD, f"{where}: no .txt member, and its .json is metadata "
-                                           f"(no {'/'.join(SCHEMA_FIELDS)}) without a string "
-                                           f"{caption_field!r}")
+            raise BadSample(
+                MISSING_FIELD,
+                f"{where}: no .txt member, and its .json is metadata (no "
+                f"{'/'.join(SCHEMA_FIELDS)}) without a string {caption_field!r}",
+            )
         else:
-            raise BadSample(MISSING_FIELD, f"{where}: no .json and no .txt member (members: "
-                                           f"{sorted(k for k in raw if not k.startswith('__'))})")
+            raise BadSample(
+                MISSING_FIELD,
+                f"{where}: no .json and no .txt member (members: "
+                f"{sorted(k for k in raw if not k.startswith('__'))})",
+            )
         turns = None
         kind = "text" if not ordered else "pair" if len(ordered) == 1 else "interleaved"
-    sample = Sample(key=key, kind=kind, text=text or "", turns=turns,
-                    images=[d for _, d in ordered], image_exts=[e for e, _ in ordered], meta=extra,
-                    source=url)
+    sample = Sample(
+        key=key,
+        kind=kind,
+        text=text or "",
+        turns=turns,
+        images=[d for _, d in ordered],
+        image_exts=[e for e, _ in ordered],
+        meta=extra,
+        source=url,
+    )
     if kind_filter != "auto" and kind != kind_filter:
-        raise BadSample(FILTERED_KIND, f"{where}: kind {kind!r} filtered out (source kind "
-                                       f"{kind_filter!r})")
+        raise BadSample(
+            FILTERED_KIND, f"{where}: kind {kind!r} filtered out (source kind {kind_filter!r})"
+        )
     if kind == "text" and ordered:
         raise BadSample(INVALID_FIELD, f"{where}: kind 'text' but {len(ordered)} image members")
     if kind != "text" and not ordered:
@@ -232,13 +270,17 @@ def decode_sample(raw: dict[str, Any], kind_filter: str = "auto",
     text_all = sample.all_text()
     if not text_all.replace(IMAGE_TOKEN, "").strip():
         raise BadSample(EMPTY_TEXT, f"{where}: empty text")
-    try:   # JSON may escape a lone surrogate (\ud800), which no tokenizer can encode
+    try:  # JSON may escape a lone surrogate (\ud800), which no tokenizer can encode
         text_all.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise BadSample(NON_UTF8,
-                        f"{where}: text holds a lone surrogate at character {e.start}") from None
+        raise BadSample(
+            NON_UTF8, f"{where}: text holds a lone surrogate at character {e.start}"
+        ) from None
     normalize_placeholders(sample)
     if sample.placeholder_count() != len(sample.images):
-        raise BadSample(IMAGE_COUNT, f"{where}: {sample.placeholder_count()} {IMAGE_TOKEN} "
-                                     f"placeholders but {len(sample.images)} images")
+        raise BadSample(
+            IMAGE_COUNT,
+            f"{where}: {sample.placeholder_count()} {IMAGE_TOKEN} "
+            f"placeholders but {len(sample.images)} images",
+        )
     return sample

@@ -11,6 +11,7 @@ generator state, all plain Python values, so a restored stream re-reads its buff
 continues bit for bit (a URL shard has no random access: re-reading sample k of one streams through
 the k before it).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -50,8 +51,17 @@ def _rng(*seed: int) -> np.random.Generator:
 class SourceStream:
     """The samples of one source for one split: (ref, raw sample | BadSample), epoch after epoch."""
 
-    def __init__(self, index: int, paths: list[Path | str], counts: list[int], split: int,
-                 num_splits: int, seed: int, shuffle_buffer: int, epochs: int | None):
+    def __init__(
+        self,
+        index: int,
+        paths: list[Path | str],
+        counts: list[int],
+        split: int,
+        num_splits: int,
+        seed: int,
+        shuffle_buffer: int,
+        epochs: int | None,
+    ):
         self.index, self.paths, self.counts = index, paths, counts
         self.split, self.seed = split, seed
         self.segments = split_range(counts, split, num_splits)
@@ -68,8 +78,11 @@ class SourceStream:
     def _epoch_order(self) -> list[int]:
         if not self.shuffle:
             return list(range(len(self.segments)))
-        return _rng(self.seed, self.index, self.split, 2,
-                    self.epoch).permutation(len(self.segments)).tolist()
+        return (
+            _rng(self.seed, self.index, self.split, 2, self.epoch)
+            .permutation(len(self.segments))
+            .tolist()
+        )
 
     def _read_one(self):
         """Next (ref, raw | BadSample) in reading order, or None at the end of the epoch's segments."""
@@ -77,11 +90,15 @@ class SourceStream:
             seg = self.segments[self._order[self.seg_pos]]
             if self._reader is None:
                 # mid-run, a URL that no longer answers is counted (unreadable_shard), not fatal
-                self._reader = iter_shard(self.paths[seg.shard], start=seg.start + self.offset,
-                                          stop=seg.stop, expected=self.counts[seg.shard],
-                                          count_unreachable=True)
+                self._reader = iter_shard(
+                    self.paths[seg.shard],
+                    start=seg.start + self.offset,
+                    stop=seg.stop,
+                    expected=self.counts[seg.shard],
+                    count_unreachable=True,
+                )
             item = next(self._reader, None)
-            if item is None or item[0] < 0:   # segment done, or the shard cannot be opened at all
+            if item is None or item[0] < 0:  # segment done, or the shard cannot be opened at all
                 self.seg_pos, self.offset, self._reader = self.seg_pos + 1, 0, None
                 if item is None:
                     continue
@@ -98,7 +115,7 @@ class SourceStream:
                 if item is None:
                     self.epoch_read = True
                 elif isinstance(item[1], BadSample):
-                    return item          # bad samples bypass the buffer (nothing to shuffle)
+                    return item  # bad samples bypass the buffer (nothing to shuffle)
                 else:
                     self.buffer.append(item)
             if self.buffer:
@@ -112,10 +129,15 @@ class SourceStream:
         return None
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "seg_pos": self.seg_pos, "offset": self.offset,
-                "epoch_read": self.epoch_read, "exhausted": self.exhausted,
-                "buffer": [list(ref) for ref, _ in self.buffer],
-                "rng": self.rng.bit_generator.state}
+        return {
+            "epoch": self.epoch,
+            "seg_pos": self.seg_pos,
+            "offset": self.offset,
+            "epoch_read": self.epoch_read,
+            "exhausted": self.exhausted,
+            "buffer": [list(ref) for ref, _ in self.buffer],
+            "rng": self.rng.bit_generator.state,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.seg_pos, self.offset = state["epoch"], state["seg_pos"], state["offset"]
@@ -134,9 +156,10 @@ class SourceStream:
         missing = [(s, i) for s, i in refs if i not in got[s]]
         if missing:
             s, i = missing[0]
-            raise RuntimeError(f"cannot restore the data position: sample {i} of shard "
-                               f"{self.paths[s]} is gone "
-                               "(shards changed since the checkpoint?)")
+            raise RuntimeError(
+                f"cannot restore the data position: sample {i} of shard "
+                f"{self.paths[s]} is gone (shards changed since the checkpoint?)"
+            )
         return [got[s][i] for s, i in refs]
 
 
@@ -158,16 +181,22 @@ class Mixer:
                 i = 0
             else:
                 w = self.weights[active]
-                i = active[int(np.searchsorted(np.cumsum(w / w.sum()), self.rng.random(),
-                                               side="right").clip(
-                    max=len(active) - 1))]
+                i = active[
+                    int(
+                        np.searchsorted(
+                            np.cumsum(w / w.sum()), self.rng.random(), side="right"
+                        ).clip(max=len(active) - 1)
+                    )
+                ]
             item = self.streams[i].next()
             if item is not None:
                 return (i, *item)
 
     def state_dict(self) -> dict:
-        return {"rng": self.rng.bit_generator.state,
-                "streams": [s.state_dict() for s in self.streams]}
+        return {
+            "rng": self.rng.bit_generator.state,
+            "streams": [s.state_dict() for s in self.streams],
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.rng.bit_generator.state = state["rng"]

@@ -10,6 +10,7 @@ A pretrained model's own tokenizer folder (tokenizer.json with a chat template, 
 saves it) loads as a SourceTokenizer instead: its ids, special tokens and chat template stay the
 source's, and only the image tokens are added; the project's role tokens never are.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,8 +20,13 @@ from typing import Iterable
 
 import numpy as np
 
-from data_pipelines.tokenizer_base import (  # noqa: F401  (the protocol, re-exported)
-    _SPECIAL_RE, META_FILE, SPECIAL_TOKENS, Tokenizer, TokenizerError)
+from data_pipelines.tokenizer_base import (
+    _SPECIAL_RE,
+    META_FILE,
+    SPECIAL_TOKENS,
+    Tokenizer,
+    TokenizerError,
+)
 
 
 class ByteTokenizer(Tokenizer):
@@ -41,7 +47,7 @@ class ByteTokenizer(Tokenizer):
     def encode_np(self, text: str) -> np.ndarray:
         parts = []
         for i, piece in enumerate(_SPECIAL_RE.split(text)):
-            if i % 2:   # odd pieces are the captured special tokens
+            if i % 2:  # odd pieces are the captured special tokens
                 parts.append(np.array([self._special_ids[piece]], dtype=np.int64))
             elif piece:
                 parts.append(np.frombuffer(piece.encode("utf-8"), dtype=np.uint8).astype(np.int64))
@@ -68,29 +74,42 @@ class ByteTokenizer(Tokenizer):
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
         _save_for_transformers(self.as_tokenizers(), d)
-        (d / META_FILE).write_text(json.dumps({"kind": "byte", "special_tokens": SPECIAL_TOKENS},
-                                              indent=1))
+        (d / META_FILE).write_text(
+            json.dumps({"kind": "byte", "special_tokens": SPECIAL_TOKENS}, indent=1)
+        )
 
     def as_tokenizers(self):
         """An equivalent `tokenizers.Tokenizer`: byte-level BPE without merges (one token per UTF-8
         byte, id = the byte's value), the special tokens at 256.., so that `AutoTokenizer` encodes
         and decodes as we do."""
-        from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+        from tokenizers import (
+            AddedToken,
+            decoders,
+            models,
+            pre_tokenizers,
+        )
+        from tokenizers import (
+            Tokenizer as HFTokenizer,
+        )
 
         mapping = _bytes_to_unicode()
         vocab = {mapping[b]: b for b in range(256)}
         tok = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
         tok.decoder = decoders.ByteLevel()
-        tok.add_special_tokens([AddedToken(s, special=True, normalized=False)
-                                for s in SPECIAL_TOKENS])
+        tok.add_special_tokens(
+            [AddedToken(s, special=True, normalized=False) for s in SPECIAL_TOKENS]
+        )
         return tok
 
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character table, the one `tokenizers`' ByteLevel uses."""
-    bs = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-          + list(range(ord("®"), ord("ÿ") + 1)))
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
     cs, n = bs[:], 0
     for b in range(256):
         if b not in bs:
@@ -105,12 +124,21 @@ def _save_for_transformers(tok, d: Path) -> None:
     tok.save(str(d / "tokenizer.json"))
     extra = [s for s in SPECIAL_TOKENS if s not in ("<pad>", "<bos>", "<eos>")]
     specials = {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": None}
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", **specials,
-              "additional_special_tokens": extra, "extra_special_tokens": {},
-              "model_max_length": 1_000_000_000, "clean_up_tokenization_spaces": False}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        **specials,
+        "additional_special_tokens": extra,
+        "extra_special_tokens": {},
+        "model_max_length": 1_000_000_000,
+        "clean_up_tokenization_spaces": False,
+    }
     (d / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
-    (d / "special_tokens_map.json").write_text(json.dumps(
-        {**{k: v for k, v in specials.items() if v}, "additional_special_tokens": extra}, indent=1))
+    (d / "special_tokens_map.json").write_text(
+        json.dumps(
+            {**{k: v for k, v in specials.items() if v}, "additional_special_tokens": extra},
+            indent=1,
+        )
+    )
 
 
 class BPETokenizer(Tokenizer):
@@ -139,8 +167,11 @@ class BPETokenizer(Tokenizer):
         out = np.zeros(self.vocab_size, dtype=np.int64)
         for i in range(self.vocab_size):
             piece = self.tok.id_to_token(i) or ""
-            out[i] = len(piece) if piece and all(c in byte_of for c in piece) else \
-                len(self.tok.decode([i], skip_special_tokens=False).encode("utf-8"))
+            out[i] = (
+                len(piece)
+                if piece and all(c in byte_of for c in piece)
+                else len(self.tok.decode([i], skip_special_tokens=False).encode("utf-8"))
+            )
         return out
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
@@ -154,8 +185,12 @@ class BPETokenizer(Tokenizer):
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
         _save_for_transformers(self.tok, d)
-        (d / META_FILE).write_text(json.dumps({"kind": "bpe", "file": "tokenizer.json",
-                                               "special_tokens": SPECIAL_TOKENS}, indent=1))
+        (d / META_FILE).write_text(
+            json.dumps(
+                {"kind": "bpe", "file": "tokenizer.json", "special_tokens": SPECIAL_TOKENS},
+                indent=1,
+            )
+        )
 
 
 def _load_tokenizer_json(path: Path) -> BPETokenizer:
@@ -163,7 +198,7 @@ def _load_tokenizer_json(path: Path) -> BPETokenizer:
 
     try:
         return BPETokenizer(HFTokenizer.from_file(str(path)))
-    except Exception as e:  # the tokenizers library raises a bare Exception for malformed files
+    except Exception as e:  # noqa: BLE001 - the tokenizers library raises a bare Exception for malformed files
         raise TokenizerError(f"tokenizer file {path} cannot be loaded: {e}") from None
 
 
@@ -207,17 +242,23 @@ class SourceTokenizer(Tokenizer):
         d = Path(directory)
         try:
             hf = AutoTokenizer.from_pretrained(str(d))
-        except Exception as e:  # transformers raises many types for unreadable files
-            raise TokenizerError(f"tokenizer directory {d} cannot be loaded with transformers: {e}") from None
+        except Exception as e:  # noqa: BLE001 - transformers raises many types for unreadable files
+            raise TokenizerError(
+                f"tokenizer directory {d} cannot be loaded with transformers: {e}"
+            ) from None
         if not getattr(hf, "chat_template", None):
-            raise TokenizerError(f"tokenizer directory {d} has no chat template "
-                                 f"(tokenizer_config.json "
-                                 "chat_template or chat_template.jinja)")
+            raise TokenizerError(
+                f"tokenizer directory {d} has no chat template "
+                "(tokenizer_config.json chat_template or chat_template.jinja)"
+            )
         if hf.eos_token_id is None:
-            raise TokenizerError(f"tokenizer directory {d} names no eos_token: nothing would end "
-                                 f"an answer")
-        hf.add_tokens([AddedToken(s, special=True, normalized=False) for s in IMAGE_TOKENS],
-                      special_tokens=True)
+            raise TokenizerError(
+                f"tokenizer directory {d} names no eos_token: nothing would end an answer"
+            )
+        hf.add_tokens(
+            [AddedToken(s, special=True, normalized=False) for s in IMAGE_TOKENS],
+            special_tokens=True,
+        )
         self.hf, self.chat_template = hf, hf.chat_template
         self.vocab_size = len(hf)
         vocab = hf.get_vocab()
@@ -229,9 +270,12 @@ class SourceTokenizer(Tokenizer):
         self.pad_id = hf.pad_token_id if hf.pad_token_id is not None else self.eos_id
         self.image_id, self.image_pad_id = s["<image>"], s["<image_pad>"]
         self.image_start_id, self.image_end_id = s["<image_start>"], s["<image_end>"]
-        self.user_id = self.assistant_id = self.end_id = None   # the roles are the template's text
-        special = {i for i, t in hf.added_tokens_decoder.items() if t.special} | set(s.values()) | \
-            {i for i in (self.eos_id, self.bos_id, self.pad_id) if i is not None}
+        self.user_id = self.assistant_id = self.end_id = None  # the roles are the template's text
+        special = (
+            {i for i, t in hf.added_tokens_decoder.items() if t.special}
+            | set(s.values())
+            | {i for i in (self.eos_id, self.bos_id, self.pad_id) if i is not None}
+        )
         self.special_ids = frozenset(special)
         self.is_special = np.zeros(self.vocab_size, dtype=bool)
         self.is_special[list(self.special_ids)] = True
@@ -244,22 +288,30 @@ class SourceTokenizer(Tokenizer):
         return self.hf.backend_tokenizer.encode(text, add_special_tokens=False).ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self.hf.backend_tokenizer.encode_batch(texts,
-                                                                      add_special_tokens=False)]
+        return [
+            e.ids for e in self.hf.backend_tokenizer.encode_batch(texts, add_special_tokens=False)
+        ]
 
     def decode(self, ids, skip_special: bool = True) -> str:
         return self.hf.decode([int(i) for i in ids], skip_special_tokens=skip_special)
 
     def _count_bytes(self) -> np.ndarray:
-        return np.array([len(self.hf.decode([i], skip_special_tokens=False).encode("utf-8"))
-                         for i in range(self.vocab_size)], dtype=np.int64)
+        return np.array(
+            [
+                len(self.hf.decode([i], skip_special_tokens=False).encode("utf-8"))
+                for i in range(self.vocab_size)
+            ],
+            dtype=np.int64,
+        )
 
     def render(self, turns: list[dict], add_generation_prompt: bool = False) -> str:
-        return self.hf.apply_chat_template(turns, tokenize=False,
-                                           add_generation_prompt=add_generation_prompt)
+        return self.hf.apply_chat_template(
+            turns, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
 
-    def chat_segments(self, turns: list[dict],
-                      add_generation_prompt: bool = False) -> list[tuple[str, bool]]:
+    def chat_segments(
+        self, turns: list[dict], add_generation_prompt: bool = False
+    ) -> list[tuple[str, bool]]:
         """The source's template rendered turn by turn: (text, is_target), the targets being what
         the template writes after the generation prompt for each assistant turn (its content and
         closing eos)."""
@@ -267,22 +319,24 @@ class SourceTokenizer(Tokenizer):
         for i, t in enumerate(turns):
             if t.get("role") == "assistant":
                 prompt = self.render(turns[:i], add_generation_prompt=True)
-                full = self.render(turns[:i + 1])
+                full = self.render(turns[: i + 1])
                 if not (prompt.startswith(done) and full.startswith(prompt)):
-                    raise TokenizerError("the source's chat template does not render a "
-                                         "conversation as the prefix of its continuation; it "
-                                         "cannot be split into prompt and answer")
-                segs += [(prompt[len(done):], False), (full[len(prompt):], True)]
+                    raise TokenizerError(
+                        "the source's chat template does not render a conversation as the "
+                        "prefix of its continuation; it cannot be split into prompt and answer"
+                    )
+                segs += [(prompt[len(done) :], False), (full[len(prompt) :], True)]
             else:
-                full = self.render(turns[:i + 1])
+                full = self.render(turns[: i + 1])
                 if not full.startswith(done):
-                    raise TokenizerError("the source's chat template does not render a "
-                                         "conversation as the prefix of its continuation; it "
-                                         "cannot be split into turns")
-                segs.append((full[len(done):], False))
+                    raise TokenizerError(
+                        "the source's chat template does not render a conversation as "
+                        "the prefix of its continuation; it cannot be split into turns"
+                    )
+                segs.append((full[len(done) :], False))
             done = full
         if add_generation_prompt:
-            segs.append((self.render(turns, add_generation_prompt=True)[len(done):], False))
+            segs.append((self.render(turns, add_generation_prompt=True)[len(done) :], False))
         return [(text, target) for text, target in segs if text]
 
     def save(self, directory) -> None:
@@ -292,8 +346,9 @@ class SourceTokenizer(Tokenizer):
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
         self.hf.save_pretrained(str(d))
-        (d / META_FILE).write_text(json.dumps({"kind": "source", "image_tokens": IMAGE_TOKENS},
-                                              indent=1))
+        (d / META_FILE).write_text(
+            json.dumps({"kind": "source", "image_tokens": IMAGE_TOKENS}, indent=1)
+        )
 
 
 def load_tokenizer(path_or_kind: str | os.PathLike) -> Tokenizer:
@@ -318,28 +373,38 @@ def load_tokenizer(path_or_kind: str | os.PathLike) -> Tokenizer:
             return SourceTokenizer(p)
         if (p / "tokenizer.json").is_file():
             return _load_tokenizer_json(p / "tokenizer.json")
-        raise TokenizerError(f"tokenizer directory {p} holds neither {META_FILE} nor tokenizer.json")
-    raise TokenizerError(f"tokenizer {str(path_or_kind)!r}: expected 'byte', a directory or a "
-                         f"tokenizer.json file "
-                         "(path does not exist)")
+        raise TokenizerError(
+            f"tokenizer directory {p} holds neither {META_FILE} nor tokenizer.json"
+        )
+    raise TokenizerError(
+        f"tokenizer {str(path_or_kind)!r}: expected 'byte', a "
+        "directory or a tokenizer.json file (path does not exist)"
+    )
 
 
-def train_bpe(texts_iter: Iterable[str], vocab_size: int, min_frequency: int = 2,
-              show_progress: bool = False) -> BPETokenizer:
+def train_bpe(
+    texts_iter: Iterable[str], vocab_size: int, min_frequency: int = 2, show_progress: bool = False
+) -> BPETokenizer:
     """Train a byte-level BPE on `texts_iter`; the special tokens take ids 0..9 and every byte stays encodable."""
-    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
 
     floor = len(SPECIAL_TOKENS) + 256
     if vocab_size < floor:
-        raise TokenizerError(f"vocab_size={vocab_size} is too small for byte-level BPE: need >= "
-                             f"{floor} ({len(SPECIAL_TOKENS)} special tokens + 256 bytes)")
+        raise TokenizerError(
+            f"vocab_size={vocab_size} is too small for byte-level BPE: need "
+            f">= {floor} ({len(SPECIAL_TOKENS)} special tokens + 256 bytes)"
+        )
     tok = HFTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
-                                  special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=show_progress)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=show_progress,
+    )
     # special tokens written in the corpus must not be learnt as merges of their characters
     tok.train_from_iterator((_SPECIAL_RE.sub(" ", t) for t in texts_iter), trainer=trainer)
     return BPETokenizer(tok)

@@ -1,6 +1,7 @@
 """The tokenizer protocol every tokenizer keeps (data_pipelines/tokenizer.py has the byte-level, BPE
 and source tokenizers): the project's special tokens, their ids as attributes, lookup tables, the
 chat format and bits-per-byte counts."""
+
 from __future__ import annotations
 
 import os
@@ -8,9 +9,19 @@ import re
 
 import numpy as np
 
-SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<image>", "<image_pad>", "<image_start>",
-                  "<image_end>", "<|user|>", "<|assistant|>", "<|end|>"]
-META_FILE = "vlm_tokenizer.json"   # written next to tokenizer.json; says which kind to load
+SPECIAL_TOKENS = [
+    "<pad>",
+    "<bos>",
+    "<eos>",
+    "<image>",
+    "<image_pad>",
+    "<image_start>",
+    "<image_end>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|end|>",
+]
+META_FILE = "vlm_tokenizer.json"  # written next to tokenizer.json; says which kind to load
 _SPECIAL_RE = re.compile("(" + "|".join(re.escape(s) for s in SPECIAL_TOKENS) + ")")
 
 
@@ -30,14 +41,26 @@ class Tokenizer:
         self.pad_id, self.bos_id, self.eos_id = s["<pad>"], s["<bos>"], s["<eos>"]
         self.image_id, self.image_pad_id = s["<image>"], s["<image_pad>"]
         self.image_start_id, self.image_end_id = s["<image_start>"], s["<image_end>"]
-        self.user_id, self.assistant_id, self.end_id = s["<|user|>"], s["<|assistant|>"], s["<|end|>"]
+        self.user_id, self.assistant_id, self.end_id = (
+            s["<|user|>"],
+            s["<|assistant|>"],
+            s["<|end|>"],
+        )
         self.special_ids = frozenset(s.values())
         # lookup tables: checking token arrays with them costs one gather, not a set search
         self.is_special = np.zeros(self.vocab_size, dtype=bool)
         self.is_special[list(self.special_ids)] = True
-        self.is_reserved = np.zeros(self.vocab_size, dtype=bool)   # never legal inside sample text
-        self.is_reserved[[self.pad_id, self.bos_id, self.eos_id, self.image_pad_id,
-                          self.image_start_id, self.image_end_id]] = True
+        self.is_reserved = np.zeros(self.vocab_size, dtype=bool)  # never legal inside sample text
+        self.is_reserved[
+            [
+                self.pad_id,
+                self.bos_id,
+                self.eos_id,
+                self.image_pad_id,
+                self.image_start_id,
+                self.image_end_id,
+            ]
+        ] = True
 
     def token_id(self, special: str) -> int:
         return self._special_ids[special]
@@ -45,8 +68,9 @@ class Tokenizer:
     # the project's own format (data_pipelines/chat.py); a source's tokenizer has its own
     chat_template = None
 
-    def chat_segments(self, turns: list[dict],
-                      add_generation_prompt: bool = False) -> list[tuple[str, bool]]:
+    def chat_segments(
+        self, turns: list[dict], add_generation_prompt: bool = False
+    ) -> list[tuple[str, bool]]:
         """A conversation as (text, is_target) pieces in this tokenizer's chat format."""
         from data_pipelines.chat import chat_segments
 

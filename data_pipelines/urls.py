@@ -8,6 +8,7 @@ counting one without a manifest entry streams it once (nothing is copied to disk
 expand as webdataset expands them (its `expand_urls`: `::`-separated lists, `${VAR}` from the
 environment variable `WDS_VAR`, braces: `shard-{000..009}.tar`).
 """
+
 from __future__ import annotations
 
 import bz2
@@ -37,14 +38,21 @@ COMPRESSED = ((b"\x1f\x8b", gzip.open), (b"BZh", bz2.open), (b"\xfd7zXZ\x00", lz
 # what reading a broken stream raises (truncated or corrupt data, a failed command)
 READ_ERRORS = (tarfile.TarError, OSError, EOFError, zlib.error, lzma.LZMAError, ShardError)
 _SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):")
-_REFUSED = {"hf": "hf: URLs download from the Hugging Face hub, which nothing here does at run "
-                  "time; download the shards and give their local path (or serve them over http)"}
+_REFUSED = {
+    "hf": "hf: URLs download from the Hugging Face hub, which nothing here does at run "
+    "time; download the shards and give their local path (or serve them over http)"
+}
 _COMMAND_EXIT = {126: "the command cannot be executed", 127: "command not found"}
-_CURL_EXIT = {6: "could not resolve the host", 7: "could not connect to the server",
-              22: "the server answered with an HTTP error: not found (404) or another code >= 400",
-              28: "the transfer timed out", 35: "the TLS handshake failed",
-              52: "the server sent nothing", 56: "the connection broke"}
-_WAIT_S = 10   # for a command to end once its output is closed (it gets SIGPIPE on its next write)
+_CURL_EXIT = {
+    6: "could not resolve the host",
+    7: "could not connect to the server",
+    22: "the server answered with an HTTP error: not found (404) or another code >= 400",
+    28: "the transfer timed out",
+    35: "the TLS handshake failed",
+    52: "the server sent nothing",
+    56: "the connection broke",
+}
+_WAIT_S = 10  # for a command to end once its output is closed (it gets SIGPIPE on its next write)
 
 
 def url_scheme(source: Any) -> str | None:
@@ -52,8 +60,11 @@ def url_scheme(source: Any) -> str | None:
     None: a local path (a Path object always is one)."""
     m = _SCHEME.match(source) if isinstance(source, str) else None
     scheme = m.group(1).lower() if m else None
-    return scheme if scheme == "file" or (scheme in gopen_schemes
-                                          and scheme != "__default__") else None
+    return (
+        scheme
+        if scheme == "file" or (scheme in gopen_schemes and scheme != "__default__")
+        else None
+    )
 
 
 def is_stream_url(source: Any) -> bool:
@@ -64,12 +75,13 @@ def is_stream_url(source: Any) -> bool:
 def file_url_path(url: str) -> str:
     """The local path a `file:` URL names: `file:/abs`, `file:///abs`, `file://localhost/abs` or
     `file:rel` (percent escapes decoded, as gopen does)."""
-    rest = url[len("file:"):]
+    rest = url[len("file:") :]
     if rest.startswith("//"):
         host, _, path = rest[2:].partition("/")
         if host not in ("", "localhost"):
-            raise ShardError(f"{url}: a file: URL names a file on this machine; host {host!r} is "
-                             f"not supported")
+            raise ShardError(
+                f"{url}: a file: URL names a file on this machine; host {host!r} is not supported"
+            )
         rest = "/" + path
     return url2pathname(rest)
 
@@ -78,7 +90,7 @@ def expand_url_pattern(pattern: str) -> list[str]:
     """A URL source -> its shard URLs in webdataset's order (its `expand_urls`), without repeats."""
     try:
         urls = expand_urls(pattern)
-    except AssertionError as e:   # webdataset's ${VAR} lookup asserts that WDS_VAR is set
+    except AssertionError as e:  # webdataset's ${VAR} lookup asserts that WDS_VAR is set
         raise ShardError(f"source {pattern}: {e}") from None
     for u in urls:
         if url_scheme(u) in _REFUSED:
@@ -105,17 +117,23 @@ def fetch_manifest(folder: str) -> dict | None:
         with UrlStream(url) as s:
             # to the end: the exit status
             data = json.loads(b"".join(iter(lambda: s.read(1 << 16), b"")))
-    except (*READ_ERRORS, ValueError) as e:   # a 404 (no manifest), or a page that is no JSON
+    except (*READ_ERRORS, ValueError) as e:  # a 404 (no manifest), or a page that is no JSON
         log.info("no manifest at %s (%s); shards under it are counted by streaming them", url, e)
         return None
     if not isinstance(data, dict) or not isinstance(data.get("shards"), list):
-        log.warning("%s is not a shard manifest (an object with a 'shards' list); it is not used",
-                    url)
+        log.warning(
+            "%s is not a shard manifest (an object with a 'shards' list); it is not used", url
+        )
         return None
     # entries this reader can use; a shard without one is counted by streaming it
-    data["shards"] = [e for e in data["shards"] if isinstance(e, dict)
-                      and isinstance(e.get("name"), str)
-                      and isinstance(e.get("count"), int) and e["count"] >= 0]
+    data["shards"] = [
+        e
+        for e in data["shards"]
+        if isinstance(e, dict)
+        and isinstance(e.get("name"), str)
+        and isinstance(e.get("count"), int)
+        and e["count"] >= 0
+    ]
     return data
 
 
@@ -156,7 +174,7 @@ class UrlStream:
         self._held, self._ended, self._closed = 0, False, False
         try:
             self._src = gopen(url, "rb")
-        except (OSError, ValueError) as e:   # curl not installed, WDS_SECURE refusing pipe:, ...
+        except (OSError, ValueError) as e:  # curl not installed, WDS_SECURE refusing pipe:, ...
             raise ShardError(f"shard {url} cannot be opened: {type(e).__name__}: {e}") from None
         # Pipe.read raises a bare IOError when it happens to see the command's exit; read its stdout
         # instead and report the exit status ourselves, with the URL
@@ -232,9 +250,10 @@ class UrlStream:
             pass
         start = offset - (self.pos - self._held)
         if start < 0:
-            raise RuntimeError(f"{self.url}: tar offset {offset} is no longer held (stream at "
-                               f"{self.pos})")
-        return b"".join(self._tail)[start:start + tarfile.BLOCKSIZE]
+            raise RuntimeError(
+                f"{self.url}: tar offset {offset} is no longer held (stream at {self.pos})"
+            )
+        return b"".join(self._tail)[start : start + tarfile.BLOCKSIZE]
 
     def close(self) -> None:
         if self._closed:
@@ -243,7 +262,11 @@ class UrlStream:
         if self._ended:
             return
         status, killed = self._stop()
-        if isinstance(self._src, Pipe) and not killed and status not in (*self._src.ignore_status, -signal.SIGPIPE):
+        if (
+            isinstance(self._src, Pipe)
+            and not killed
+            and status not in (*self._src.ignore_status, -signal.SIGPIPE)
+        ):
             # every sample read was whole; the command failed on its own before we stopped reading
             log.warning("shard %s: %s", self.url, self._why(status))
 
@@ -254,5 +277,15 @@ class UrlStream:
         self.close()
 
 
-__all__ = ["COMPRESSED", "READ_ERRORS", "UrlStream", "url_scheme", "is_stream_url", "file_url_path",
-           "expand_url_pattern", "shard_name", "url_folder", "fetch_manifest"]
+__all__ = [
+    "COMPRESSED",
+    "READ_ERRORS",
+    "UrlStream",
+    "url_scheme",
+    "is_stream_url",
+    "file_url_path",
+    "expand_url_pattern",
+    "shard_name",
+    "url_folder",
+    "fetch_manifest",
+]

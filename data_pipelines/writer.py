@@ -5,6 +5,7 @@ writer merges its shards' entries into `manifest.json` in the output folder; the
 per-shard sample counts from there (to split ranks and workers without reading the data) and `vlm
 data stats` prints the modality statistics.
 """
+
 from __future__ import annotations
 
 import io
@@ -70,21 +71,39 @@ class ShardStats:
             self.qa[str(qa.get("type", "unknown"))] += 1
 
     def to_dict(self) -> dict[str, Any]:
-        return {"count": self.count, "bytes": self.bytes, "kinds": dict(sorted(self.kinds.items())),
-                "chat": self.chat, "images": self.images,
-                "images_per_sample": dict(sorted(self.images_per_sample.items(),
-                                                 key=lambda kv: int(kv[0]))),
-                "image_pixels": self.image_pixels, "min_image_side": self.min_side,
-                "max_image_side": self.max_side, "text_bytes": self.text_bytes,
-                "qa_types": dict(sorted(self.qa.items()))}
+        return {
+            "count": self.count,
+            "bytes": self.bytes,
+            "kinds": dict(sorted(self.kinds.items())),
+            "chat": self.chat,
+            "images": self.images,
+            "images_per_sample": dict(
+                sorted(self.images_per_sample.items(), key=lambda kv: int(kv[0]))
+            ),
+            "image_pixels": self.image_pixels,
+            "min_image_side": self.min_side,
+            "max_image_side": self.max_side,
+            "text_bytes": self.text_bytes,
+            "qa_types": dict(sorted(self.qa.items())),
+        }
 
 
 def merge_stats(entries: list[dict[str, Any]]) -> dict[str, Any]:
     """Sum per-shard stat dicts into totals."""
-    tot: dict[str, Any] = {"shards": len(entries), "count": 0, "bytes": 0, "kinds": Counter(),
-                           "chat": 0, "images": 0, "images_per_sample": Counter(),
-                           "image_pixels": 0, "min_image_side": None,
-                           "max_image_side": 0, "text_bytes": 0, "qa_types": Counter()}
+    tot: dict[str, Any] = {
+        "shards": len(entries),
+        "count": 0,
+        "bytes": 0,
+        "kinds": Counter(),
+        "chat": 0,
+        "images": 0,
+        "images_per_sample": Counter(),
+        "image_pixels": 0,
+        "min_image_side": None,
+        "max_image_side": 0,
+        "text_bytes": 0,
+        "qa_types": Counter(),
+    }
     for e in entries:
         for k in ("count", "bytes", "chat", "images", "image_pixels", "text_bytes"):
             tot[k] += e.get(k, 0)
@@ -92,7 +111,9 @@ def merge_stats(entries: list[dict[str, Any]]) -> dict[str, Any]:
             tot[k].update(e.get(k, {}))
         if e.get("min_image_side") is not None:
             lo = tot["min_image_side"]
-            tot["min_image_side"] = e["min_image_side"] if lo is None else min(lo, e["min_image_side"])
+            tot["min_image_side"] = (
+                e["min_image_side"] if lo is None else min(lo, e["min_image_side"])
+            )
         tot["max_image_side"] = max(tot["max_image_side"], e.get("max_image_side") or 0)
     for k in ("kinds", "images_per_sample", "qa_types"):
         tot[k] = dict(sorted(tot[k].items()))
@@ -123,8 +144,9 @@ def write_atomic(path: Path, text: str) -> None:
         raise
 
 
-def update_manifest(directory: str | os.PathLike, entries: list[dict[str, Any]],
-                    drop: Any = ()) -> Path:
+def update_manifest(
+    directory: str | os.PathLike, entries: list[dict[str, Any]], drop: Any = ()
+) -> Path:
     """Insert/replace `entries` (by shard name) in DIR/manifest.json, remove the entries
     named in `drop`, and recompute the totals; replaced in one step (a manifest left with no
     entry is removed)."""
@@ -145,8 +167,14 @@ class ShardWriter:
     """Write Samples into `DIR/{prefix}-{000000}.tar`, starting a new shard at `max_count` samples
     or `max_bytes` bytes, and record every shard in DIR/manifest.json on close."""
 
-    def __init__(self, directory: str | os.PathLike, prefix: str = "shard", max_count: int = 10_000,
-                 max_bytes: int = 1 << 30, start_index: int = 0):
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        prefix: str = "shard",
+        max_count: int = 10_000,
+        max_bytes: int = 1 << 30,
+        start_index: int = 0,
+    ):
         if max_count < 1 or max_bytes < 1:
             raise ValueError(f"max_count and max_bytes must be >= 1, got {max_count}, {max_bytes}")
         if "." in prefix or "/" in prefix:
@@ -168,8 +196,9 @@ class ShardWriter:
         name = f"{self.prefix}-{self.index:06d}.tar"
         self._name = name
         self._file = open(self.dir / name, "wb")
-        self._tar = wds.TarWriter(self._file, encoder=False, mtime=0, user="vlm", group="vlm",
-                                  mode=0o444)
+        self._tar = wds.TarWriter(
+            self._file, encoder=False, mtime=0, user="vlm", group="vlm", mode=0o444
+        )
         self._stats = ShardStats()
         self.index += 1
 
@@ -188,8 +217,9 @@ class ShardWriter:
             raise ValueError(f"duplicate sample key {sample.key!r} in {self.dir}")
         self._keys.add(sample.key)
         members = encode_sample(sample)
-        if self._tar is not None and (self._stats.count >= self.max_count
-                                      or self._stats.bytes >= self.max_bytes):
+        if self._tar is not None and (
+            self._stats.count >= self.max_count or self._stats.bytes >= self.max_bytes
+        ):
             self._finish()
         if self._tar is None:
             self._open()

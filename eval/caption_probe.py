@@ -18,6 +18,7 @@ says how much.
 
     vlm eval probe --ckpt RUN/final [--split val] [--limit 300]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,14 +34,15 @@ from data_pipelines.samples import iter_samples
 from data_pipelines.scenes import CELL_PHRASE
 from data_pipelines.schema import IMAGE_TOKEN
 
-RELATION = re.compile(r"Relative to the \w+ \w+, the \w+ \w+ is (to the left|to the "
-                      r"right|above|below)\.")
+RELATION = re.compile(
+    r"Relative to the \w+ \w+, the \w+ \w+ is (to the left|to the right|above|below)\."
+)
 
 
 @dataclass
 class ProbeItem:
-    kind: str        # "cell" or "relation"
-    prefix: str      # caption text the model continues (no image placeholder)
+    kind: str  # "cell" or "relation"
+    prefix: str  # caption text the model continues (no image placeholder)
     answer: str
     image: bytes
 
@@ -58,11 +60,12 @@ def probe_items(samples, limit: int) -> list[ProbeItem]:
             at = text.lower().find(desc)
             if at >= 0 and len(items["cell"]) < limit:
                 cell = CELL_PHRASE[(o["row"], o["col"])]
-                items["cell"].append(ProbeItem("cell", text[:at + len(desc)], cell, s.images[0]))
+                items["cell"].append(ProbeItem("cell", text[: at + len(desc)], cell, s.images[0]))
         for m in RELATION.finditer(text):
             if len(items["relation"]) < limit:
-                items["relation"].append(ProbeItem("relation", text[:m.start(1)].rstrip(),
-                                                   m.group(1), s.images[0]))
+                items["relation"].append(
+                    ProbeItem("relation", text[: m.start(1)].rstrip(), m.group(1), s.images[0])
+                )
         if all(len(v) >= limit for v in items.values()):
             break
     return items["cell"] + items["relation"]
@@ -81,7 +84,7 @@ def run_probes(model, items: list[ProbeItem], batch_size: int = 32) -> dict:
         for blind in (False, True):
             hits = []
             for i in range(0, len(group), batch_size):
-                chunk = group[i: i + batch_size]
+                chunk = group[i : i + batch_size]
                 prompts = [("" if blind else IMAGE_TOKEN) + it.prefix for it in chunk]
                 images = None if blind else [[Image.open(io.BytesIO(it.image))] for it in chunk]
                 conts = model.generate(prompts, images, max_new_tokens=4)
@@ -95,7 +98,9 @@ def run_probes(model, items: list[ProbeItem], batch_size: int = 32) -> dict:
 def format_probes(res: dict) -> str:
     lines = [f"{'probe':<10}{'n':>5}{'image':>8}{'blind':>8}{'majority':>10}"]
     for kind, r in res.items():
-        lines.append(f"{kind:<10}{r['n']:>5}{r['image']:>8.1f}{r['blind']:>8.1f}{r['majority']:>10.1f}")
+        lines.append(
+            f"{kind:<10}{r['n']:>5}{r['image']:>8.1f}{r['blind']:>8.1f}{r['majority']:>10.1f}"
+        )
     return "\n".join(lines)
 
 
@@ -104,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
     from eval.preflight import check_model_dir, check_out_file, load_model
 
     prog = "vlm eval probe"
-    check_model_dir(args.ckpt, prog)        # before the dataset is built and the items read
+    check_model_dir(args.ckpt, prog)  # before the dataset is built and the items read
     out = check_out_file(args.out, prog)
     data = Path(args.data) if default_info(args.data) else ensure_default_dataset(args.data)
     items = probe_items(iter_samples([str(data / args.split / "caption-*.tar")]), args.limit)

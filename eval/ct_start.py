@@ -9,6 +9,7 @@ nothing yet). Printed for the source MoE, the conversion as it is ("delta": each
 state and adds the concept model's update) and the earlier conversion (a zero residual projection: a
 chunk's tokens all get the same decoder input).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,29 +34,45 @@ def random_boundaries(doc_BT: torch.Tensor, ratio: float, seed: int) -> torch.Te
 
 
 @torch.no_grad()
-def start_losses(src_dir: str, ratio: float, batches: int, data_dir: str,
-                 seed: int = 0) -> dict[str, float]:
+def start_losses(
+    src_dir: str, ratio: float, batches: int, data_dir: str, seed: int = 0
+) -> dict[str, float]:
     opt = ConvertConfig(target_ratio=ratio)
     sd, base, vision_cfg = load_source(src_dir, opt)
     source = ConceptMoEVLM(base, vision_cfg)
     source.load_state_dict(sd)
     model = convert_state(sd, to_conceptmoe_config(base, opt), vision_cfg)
     zero_cfg = to_conceptmoe_config(base, opt)
-    zero_cfg = dataclasses.replace(zero_cfg,
-                                   chunk=dataclasses.replace(zero_cfg.chunk, residual="linear"))
+    zero_cfg = dataclasses.replace(
+        zero_cfg, chunk=dataclasses.replace(zero_cfg.chunk, residual="linear")
+    )
     zero = convert_state(sd, zero_cfg, vision_cfg)
     zero.lm.dechunk.residual.weight.zero_()
     # scored as the default run trains: answers of chats, every token of captions and text, rows
     # of 512
-    cfg = DataConfig(default_dir=data_dir, split="val", tokenizer=str(src_dir), epochs=1,
-                     shuffle_buffer=0, loss_on="assistant", row_tokens=512,
-                     processor=vision_cfg.processor if vision_cfg else DataConfig().processor)
-    sums = dict.fromkeys(("source MoE", "converted (delta)", "converted (zero residual)",
-                          "converted, all boundaries"),
-                         0.0)
+    cfg = DataConfig(
+        default_dir=data_dir,
+        split="val",
+        tokenizer=str(src_dir),
+        epochs=1,
+        shuffle_buffer=0,
+        loss_on="assistant",
+        row_tokens=512,
+        processor=vision_cfg.processor if vision_cfg else DataConfig().processor,
+    )
+    sums = dict.fromkeys(
+        (
+            "source MoE",
+            "converted (delta)",
+            "converted (zero residual)",
+            "converted, all boundaries",
+        ),
+        0.0,
+    )
     n = 0
-    for i, batch in enumerate(itertools.islice(build_loader(cfg, load_tokenizer(src_dir)),
-                                               batches)):
+    for i, batch in enumerate(
+        itertools.islice(build_loader(cfg, load_tokenizer(src_dir)), batches)
+    ):
         force = random_boundaries(batch.doc_ids, ratio, seed + i)
         sums["source MoE"] += float(source.eval()(batch).lm_loss)
         sums["converted (delta)"] += float(model.eval()(batch, force=force).lm_loss)
@@ -68,8 +85,10 @@ def start_losses(src_dir: str, ratio: float, batches: int, data_dir: str,
 def run(args: argparse.Namespace) -> int:
     """`vlm eval ct-start` (its arguments are declared in eval/cli.py)."""
     losses = start_losses(args.src, args.ratio, args.batches, args.data)
-    print(f"LM loss at the start of continual training, boundaries at R = {args.ratio:g} "
-          f"({args.batches} val batches):")
+    print(
+        "LM loss at the start of continual training, boundaries "
+        f"at R = {args.ratio:g} ({args.batches} val batches):"
+    )
     for k, v in losses.items():
         print(f"  {k:<28} {v:.4f}")
     return 0

@@ -12,6 +12,7 @@ the working directory, so the YAMLs must name absolute paths). Then:
 
 Records are JSON Lines with images as base64 PNG/JPEG bytes (exactly the shard's bytes).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,8 +26,10 @@ from data_pipelines.samples import iter_samples
 from data_pipelines.schema import IMAGE_TOKEN
 
 TEMPLATE_DIR = Path(__file__).with_name("tasks")
-TEMPLATES = {"vqa": ["conceptmoe_vqa.yaml", "conceptmoe_vqa_mc.yaml"],
-             "caption": ["conceptmoe_caption.yaml"]}
+TEMPLATES = {
+    "vqa": ["conceptmoe_vqa.yaml", "conceptmoe_vqa_mc.yaml"],
+    "caption": ["conceptmoe_caption.yaml"],
+}
 DATA_TOKEN = "__DATA_DIR__"
 
 
@@ -39,9 +42,16 @@ def vqa_records(shards, limit: int | None = None) -> list[dict]:
 
     recs = []
     for i, s in enumerate(iter_vqa_samples(shards, limit=limit)):
-        recs.append({"id": f"{s.key}/{i}", "question": s.question, "answer": s.answer,
-                     "question_type": s.question_type, "heldout": bool(s.heldout),
-                     "images": [_b64(b) for b in (s.images or [s.image])]})
+        recs.append(
+            {
+                "id": f"{s.key}/{i}",
+                "question": s.question,
+                "answer": s.answer,
+                "question_type": s.question_type,
+                "heldout": bool(s.heldout),
+                "images": [_b64(b) for b in (s.images or [s.image])],
+            }
+        )
     answers: dict[str, set[str]] = defaultdict(set)
     for r in recs:
         answers[r["question_type"]].add(r["answer"])
@@ -84,15 +94,24 @@ def instantiate_templates(out_dir: Path, kinds: list[str]) -> list[Path]:
     return written
 
 
-def export_tasks(out: str | Path, *, data: str | Path | None = None, split: str = "test",
-                 vqa_shards=None, caption_shards=None, limit: int | None = None) -> dict:
+def export_tasks(
+    out: str | Path,
+    *,
+    data: str | Path | None = None,
+    split: str = "test",
+    vqa_shards=None,
+    caption_shards=None,
+    limit: int | None = None,
+) -> dict:
     """Write the JSONL files and instantiated YAMLs; returns {"vqa": n, "caption": n, "yamls": [...]}."""
     out = Path(out)
     if data is not None:
         root = Path(data) / split
         if not root.is_dir():
-            raise FileNotFoundError(f"{root} does not exist: expected a dataset from `vlm data "
-                                    f"build-default` with a {split!r} split")
+            raise FileNotFoundError(
+                f"{root} does not exist: expected a dataset from "
+                f"`vlm data build-default` with a {split!r} split"
+            )
         vqa_shards = vqa_shards or str(root / "vqa-*.tar")
         caption_shards = caption_shards or str(root / "caption-*.tar")
     if vqa_shards is None and caption_shards is None:
@@ -121,10 +140,19 @@ def run(args: argparse.Namespace) -> int:
     if args.data is None and args.vqa_shards is None and args.caption_shards is None:
         fail(prog, "give --data DIR or --vqa-shards / --caption-shards")
     if args.data is not None and not (Path(args.data) / args.split).is_dir():
-        fail(prog, f"--data {args.data}: no {args.split!r} split there (expected a dataset from "
-                   "`vlm data build-default`)")
-    check_out_dir(args.out, prog)            # before any shard is read
-    report = export_tasks(args.out, data=args.data, split=args.split, vqa_shards=args.vqa_shards,
-                          caption_shards=args.caption_shards, limit=args.limit)
+        fail(
+            prog,
+            f"--data {args.data}: no {args.split!r} split there "
+            "(expected a dataset from `vlm data build-default`)",
+        )
+    check_out_dir(args.out, prog)  # before any shard is read
+    report = export_tasks(
+        args.out,
+        data=args.data,
+        split=args.split,
+        vqa_shards=args.vqa_shards,
+        caption_shards=args.caption_shards,
+        limit=args.limit,
+    )
     print(json.dumps(report, indent=2))
     return 0

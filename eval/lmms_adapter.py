@@ -25,6 +25,7 @@ What lmms-eval 0.7.3 hands a model (read from its source):
   log-likelihood for `doc_to_target` continuations (the perplexity aggregation computes exp(-mean)).
   `acc_mutual_info` cannot be right under both conventions and is not supported.
 """
+
 from __future__ import annotations
 
 import json
@@ -88,8 +89,9 @@ def _images_of(visuals: Any, where: str) -> list:
         elif isinstance(v, Image.Image):
             out.append(v.convert("RGB"))
         else:
-            raise ValueError(f"{where}: conceptmoe takes images only, doc_to_visual gave "
-                             f"{type(v).__name__}")
+            raise ValueError(
+                f"{where}: conceptmoe takes images only, doc_to_visual gave {type(v).__name__}"
+            )
     return out
 
 
@@ -118,14 +120,24 @@ def _longest_first(idx: list[int], lengths: list[int], batch_size: int) -> list[
 class ConceptMoELMMS(lmms):
     is_simple = True
 
-    def __init__(self, pretrained: str | None = None, batch_size: int | str = 1, chat: str = "auto",
-                 max_new_tokens: int | str = 128, stats_dir: str | None = None,
-                 stats_path: str | None = None, device: str | None = None,
-                 max_batch_size: int | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        pretrained: str | None = None,
+        batch_size: int | str = 1,
+        chat: str = "auto",
+        max_new_tokens: int | str = 128,
+        stats_dir: str | None = None,
+        stats_path: str | None = None,
+        device: str | None = None,
+        max_batch_size: int | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__()
         if kwargs:
-            raise ValueError(f"conceptmoe: unknown model args {sorted(kwargs)}; allowed: "
-                             f"pretrained, batch_size, chat, max_new_tokens, stats_dir, stats_path")
+            raise ValueError(
+                f"conceptmoe: unknown model args {sorted(kwargs)}; allowed: "
+                "pretrained, batch_size, chat, max_new_tokens, stats_dir, stats_path"
+            )
         if pretrained is None:
             raise ValueError("conceptmoe: model arg pretrained=CHECKPOINT_DIR is required")
         if str(batch_size).startswith("auto"):
@@ -139,8 +151,13 @@ class ConceptMoELMMS(lmms):
         self._rank, self._world_size = _rank_and_world_size()
         self.device = device
         self.model: EvalModel = self._load_model(self.pretrained)
-        self.stats = CompressionLog(self.pretrained, stats_dir=stats_dir, stats_path=stats_path,
-                                    rank=self._rank, world_size=self._world_size)
+        self.stats = CompressionLog(
+            self.pretrained,
+            stats_dir=stats_dir,
+            stats_path=stats_path,
+            rank=self._rank,
+            world_size=self._world_size,
+        )
 
     # ---- model loading (subclasses and tests override)
     # ------------------------------------------------
@@ -150,8 +167,8 @@ class ConceptMoELMMS(lmms):
 
         try:
             return load_eval_model(pretrained)
-        # lmms-eval prints a traceback for any Exception; refused weights are one line
         except WeightsError as e:
+            # lmms-eval prints a traceback for any Exception; refused weights are one line
             raise SystemExit(f"conceptmoe: {e}") from None
 
     # ---- prompt layout
@@ -167,10 +184,13 @@ class ConceptMoELMMS(lmms):
 
         has_slots = IMAGE_TOKEN in context
         if has_slots and context.count(IMAGE_TOKEN) != n_images:
-            raise ValueError(f"context has {context.count(IMAGE_TOKEN)} {IMAGE_TOKEN} placeholders "
-                             f"for {n_images} images: {context[:80]!r}")
-        body = context if has_slots else IMAGE_TOKEN * n_images + ("\n" if n_images
-                                                                   else "") + context
+            raise ValueError(
+                f"context has {context.count(IMAGE_TOKEN)} {IMAGE_TOKEN} "
+                f"placeholders for {n_images} images: {context[:80]!r}"
+            )
+        body = (
+            context if has_slots else IMAGE_TOKEN * n_images + ("\n" if n_images else "") + context
+        )
         templated = USER in context or ASSISTANT in context
         if self.chat == "true" or (self.chat == "auto" and not templated):
             # the model's own chat format: ours, or a CT source's (test doubles without one
@@ -190,8 +210,9 @@ class ConceptMoELMMS(lmms):
         for i, req in enumerate(requests):
             context, gen_kwargs, doc_to_visual, doc_id, task, split = req.args
             groups[(task, json.dumps(gen_kwargs, sort_keys=True, default=str))].append(i)
-        bar = tqdm(total=len(requests), desc="conceptmoe generate", disable=True if self.rank
-                   else None)
+        bar = tqdm(
+            total=len(requests), desc="conceptmoe generate", disable=True if self.rank else None
+        )
         for task, keys in self._by_task(groups):
             self.model.reset_stats()
             for key in keys:
@@ -201,23 +222,35 @@ class ConceptMoELMMS(lmms):
                 until = [until] if isinstance(until, str) else list(until)
                 # lmms-eval's own models sample iff temperature > 0; an explicit
                 # do_sample=false wins
-                sample = float(gen_kwargs.get("temperature", 0)
-                               or 0) > 0 and gen_kwargs.get("do_sample") is not False
+                sample = (
+                    float(gen_kwargs.get("temperature", 0) or 0) > 0
+                    and gen_kwargs.get("do_sample") is not False
+                )
                 temperature = float(gen_kwargs.get("temperature", 0) or 0) if sample else 0.0
                 top_p = float(gen_kwargs.get("top_p") or 1.0) if sample else 1.0
                 max_new = int(gen_kwargs.get("max_new_tokens") or self.max_new_tokens)
-                for batch in _longest_first(idx, [len(requests[i].args[0]) for i in idx],
-                                            self.batch_size):
+                for batch in _longest_first(
+                    idx, [len(requests[i].args[0]) for i in idx], self.batch_size
+                ):
                     prompts, images, chatted = self._prepare([requests[i] for i in batch])
                     stop = until + ([END] if any(chatted) else [])
-                    outs = self.model.generate(prompts, images if any(images) else None,
-                                               max_new_tokens=max_new, temperature=temperature,
-                                               top_p=top_p, stop=stop or None)
+                    outs = self.model.generate(
+                        prompts,
+                        images if any(images) else None,
+                        max_new_tokens=max_new,
+                        temperature=temperature,
+                        top_p=top_p,
+                        stop=stop or None,
+                    )
                     for i, text in zip(batch, outs):
                         results[i] = _cut(text, stop)
                     bar.update(len(batch))
-            self.stats.record(task, "generate_until", sum(len(groups[k]) for k in keys),
-                              self.model.compression_stats())
+            self.stats.record(
+                task,
+                "generate_until",
+                sum(len(groups[k]) for k in keys),
+                self.model.compression_stats(),
+            )
         bar.close()
         self.stats.write()
         return results
@@ -228,8 +261,11 @@ class ConceptMoELMMS(lmms):
         for i, req in enumerate(requests):
             task = req.args[4] if len(req.args) >= 6 else req.task_name
             groups[(task,)].append(i)
-        bar = tqdm(total=len(requests), desc="conceptmoe loglikelihood", disable=True if self.rank
-                   else None)
+        bar = tqdm(
+            total=len(requests),
+            desc="conceptmoe loglikelihood",
+            disable=True if self.rank else None,
+        )
         for task, keys in self._by_task(groups):
             self.model.reset_stats()
             idx = [i for k in keys for i in groups[k]]
@@ -267,9 +303,13 @@ class ConceptMoELMMS(lmms):
         prompts, images, chatted = [], [], []
         for req in reqs:
             context, _, doc_to_visual, doc_id, task, split = req.args
-            imgs = _images_of(doc_to_visual(self._doc(task, split, doc_id)),
-                              f"{task}/{split}/{doc_id}") \
-                if doc_to_visual is not None else []
+            imgs = (
+                _images_of(
+                    doc_to_visual(self._doc(task, split, doc_id)), f"{task}/{split}/{doc_id}"
+                )
+                if doc_to_visual is not None
+                else []
+            )
             prompt, chat = self._format(context, len(imgs))
             prompts.append(prompt)
             images.append(imgs)
@@ -289,12 +329,15 @@ class ConceptMoELMMS(lmms):
             if isinstance(continuation, list):
                 continuation = continuation[0]
             continuation = str(continuation)
-        imgs = _images_of(doc_to_visual(doc),
-                          f"{task}/{split}/{doc_id}") if doc_to_visual is not None else []
+        imgs = (
+            _images_of(doc_to_visual(doc), f"{task}/{split}/{doc_id}")
+            if doc_to_visual is not None
+            else []
+        )
         return self._format(context, len(imgs))[0], continuation, imgs, target
 
 
 def _cut(text: str, stops: list[str]) -> str:
     """Truncate at the first stop string: `until` holds even if the model ran past it."""
     hits = [j for j in (text.find(s) for s in stops if s) if j != -1]
-    return text[:min(hits)] if hits else text
+    return text[: min(hits)] if hits else text

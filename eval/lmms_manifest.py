@@ -6,7 +6,9 @@ is imported only when `--model conceptmoe` is used. pyproject.toml:
     [project.entry-points."lmms_eval.models"]
     conceptmoe = "eval.lmms_manifest:MANIFEST"
 """
+
 from lmms_eval.models.registry_v2 import ModelManifest
 
-MANIFEST = ModelManifest(model_id="conceptmoe",
-                         simple_class_path="eval.lmms_adapter.ConceptMoELMMS")
+MANIFEST = ModelManifest(
+    model_id="conceptmoe", simple_class_path="eval.lmms_adapter.ConceptMoELMMS"
+)

@@ -10,6 +10,7 @@ model arg, or the `--output_path` of the running lmms-eval command line. The fil
 
 with the model's `compression_stats()` of exactly that task's requests (reset before each task).
 """
+
 from __future__ import annotations
 
 import datetime
@@ -25,19 +26,22 @@ def sanitize_model_name(name: str) -> str:
     """lmms-eval's directory name for a model (`lmms_eval.utils.sanitize_model_name`, full_path=False)."""
     try:
         from lmms_eval.utils import sanitize_model_name as _lmms_sanitize
+
         return _lmms_sanitize(name)
     except ImportError:  # pragma: no cover - same rule, kept for use without lmms-eval
         parts = name.split("/")
-        return re.sub(r"[\"<>:/\|\\?\*\[\]]+", "__", "/".join(parts[-2:]) if len(parts) > 1
-                      else parts[-1])
+        return re.sub(
+            r"[\"<>:/\|\\?\*\[\]]+", "__", "/".join(parts[-2:]) if len(parts) > 1 else parts[-1]
+        )
 
 
 def _datetime_str() -> str:
     """lmms-eval's timestamp format (and default time zone), so our file sorts beside its results."""
     try:
         from lmms_eval.utils import get_datetime_str
+
         return get_datetime_str()
-    except Exception:  # pragma: no cover
+    except Exception:  # noqa: BLE001 - pragma: no cover
         return datetime.datetime.now().strftime("%Y%m%d_%H%M%S")
 
 
@@ -51,8 +55,15 @@ def output_path_from_argv(argv: list[str]) -> str | None:
 
 
 class CompressionLog:
-    def __init__(self, pretrained: str, stats_dir: str | None = None, stats_path: str | None = None,
-                 argv: list[str] | None = None, rank: int = 0, world_size: int = 1) -> None:
+    def __init__(
+        self,
+        pretrained: str,
+        stats_dir: str | None = None,
+        stats_path: str | None = None,
+        argv: list[str] | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
         """With several processes each writes its own share (`..._compression.rankR.json`):
         lmms-eval hands every rank different requests, so the shares add up to the whole run."""
         self.pretrained = pretrained
@@ -74,15 +85,18 @@ class CompressionLog:
 
     def record(self, task: str, request_type: str, requests: int, stats: dict[str, float]) -> None:
         self.tasks.setdefault(task, {})[request_type] = {
-            "requests": int(requests), "compression": {k: float(v) for k, v in stats.items()}}
+            "requests": int(requests),
+            "compression": {k: float(v) for k, v in stats.items()},
+        }
 
     def summary(self) -> dict:
         return {"model": self.pretrained, "tasks": self.tasks}
 
     def write(self) -> Path | None:
         if self.path is None:
-            logger.warning("conceptmoe: no --output_path, stats_dir or stats_path; compression "
-                           "stats not saved")
+            logger.warning(
+                "conceptmoe: no --output_path, stats_dir or stats_path; compression stats not saved"
+            )
             return None
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.write_text(json.dumps(self.summary(), indent=2))

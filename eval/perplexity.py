@@ -7,6 +7,7 @@ Without --data: the default dataset's validation split. Samples are packed and s
 text-only samples' summed loss in bits by the UTF-8 bytes of the tokens they predict, so models with
 different tokenizers compare on one scale.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,20 +18,37 @@ from data_pipelines.config import DataConfig, SourceConfig
 from data_pipelines.loader import build_loader
 from vlm.train.metrics import StepAccumulator
 
-KEYS = ("lm_loss", "loss/text_only", "bpb/text", "loss/image_text", "compression/text",
-        "compression/image")
+KEYS = (
+    "lm_loss",
+    "loss/text_only",
+    "bpb/text",
+    "loss/image_text",
+    "compression/text",
+    "compression/image",
+)
 
 
 @torch.no_grad()
-def perplexity(chat, shards: list[str] | None, data_dir: str, max_batches: int | None,
-               row_tokens: int = 512) -> dict:
+def perplexity(
+    chat, shards: list[str] | None, data_dir: str, max_batches: int | None, row_tokens: int = 512
+) -> dict:
     """`chat`: a ConceptMoEChat (model, tokenizer, processor)."""
     proc = chat.processor.cfg if chat.processor is not None else DataConfig().processor
     sources = [SourceConfig(path=str(p), name=f"s{i}") for i, p in enumerate(shards or [])]
-    cfg = DataConfig(sources=sources, default_dir=data_dir, split="val", epochs=1, shuffle_buffer=0,
-                     row_tokens=row_tokens, rows_per_batch=4, loss_on="assistant", processor=proc)
-    acc = StepAccumulator(chat.device,
-                          torch.as_tensor(chat.tokenizer.bytes_per_id, device=chat.device))
+    cfg = DataConfig(
+        sources=sources,
+        default_dir=data_dir,
+        split="val",
+        epochs=1,
+        shuffle_buffer=0,
+        row_tokens=row_tokens,
+        rows_per_batch=4,
+        loss_on="assistant",
+        processor=proc,
+    )
+    acc = StepAccumulator(
+        chat.device, torch.as_tensor(chat.tokenizer.bytes_per_id, device=chat.device)
+    )
     n = 0
     for batch in build_loader(cfg, chat.tokenizer):
         if max_batches is not None and n >= max_batches:
@@ -51,16 +69,25 @@ def run(args) -> int:
     check_model_dir(args.ckpt, "vlm eval ppl")
     # before the model loads and the batches are scored
     out = check_out_file(args.out, "vlm eval ppl")
-    res = perplexity(load_model(args.ckpt, "vlm eval ppl"), args.data, args.default_dir,
-                     args.max_batches, args.row_tokens)
+    res = perplexity(
+        load_model(args.ckpt, "vlm eval ppl"),
+        args.data,
+        args.default_dir,
+        args.max_batches,
+        args.row_tokens,
+    )
     fmt = lambda v: "n/a" if v is None else f"{v:.4f}"  # noqa: E731
     print(f"{args.ckpt}: {res['batches']} batches")
     print(f"  LM loss (all)        {fmt(res['lm_loss'])}")
-    print(f"  text-only samples    {fmt(res['loss/text_only'])}   ({fmt(res['bpb/text'])} bits per "
-          f"byte)")
+    print(
+        f"  text-only samples    {fmt(res['loss/text_only'])}   "
+        f"({fmt(res['bpb/text'])} bits per byte)"
+    )
     print(f"  image-text samples   {fmt(res['loss/image_text'])}")
-    print(f"  compression (tokens per concept): text {fmt(res['compression/text'])}, "
-          f"image {fmt(res['compression/image'])}")
+    print(
+        "  compression (tokens per concept): text "
+        f"{fmt(res['compression/text'])}, image {fmt(res['compression/image'])}"
+    )
     if out is not None:
         out.write_text(json.dumps(res, indent=1))
     return 0

@@ -13,6 +13,7 @@ mistake, found in a second rather than after minutes of evaluation.
 Only the standard library at import: `eval/cli.py` imports this while `vlm --help`
 builds its parser.
 """
+
 from __future__ import annotations
 
 import errno
@@ -40,8 +41,10 @@ def check_model_dir(ckpt: str | os.PathLike, prog: str) -> Path:
     if not path.is_dir():
         fail(prog, f"--ckpt {path}: no such directory (expected an exported model, RUN_DIR/final)")
     if not (path / "config.json").is_file():
-        fail(prog, f"--ckpt {path}: no exported model there (expected RUN_DIR/final with "
-                   f"config.json)")
+        fail(
+            prog,
+            f"--ckpt {path}: no exported model there (expected RUN_DIR/final with config.json)",
+        )
     return path
 
 

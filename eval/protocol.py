@@ -7,6 +7,7 @@ stay testable without a checkpoint.
 Prompts carry one `<image>` placeholder per image, in order; `images[i]` lists the PIL images of
 prompt `i` (or `images` is None for text-only batches).
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
@@ -32,12 +33,23 @@ class EvalTokenizer(Protocol):
 class EvalModel(Protocol):
     tokenizer: object  # an EvalTokenizer
 
-    def generate(self, prompts: list[str], images: list[list["Image"]] | None = None, *,
-                 max_new_tokens: int = 32, temperature: float = 0.0, top_p: float = 1.0,
-                 stop: list[str] | None = None) -> list[str]: ...
+    def generate(
+        self,
+        prompts: list[str],
+        images: list[list["Image"]] | None = None,
+        *,
+        max_new_tokens: int = 32,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        stop: list[str] | None = None,
+    ) -> list[str]: ...
 
-    def loglikelihood(self, contexts: list[str], continuations: list[str],
-                      images: list[list["Image"]] | None = None) -> list[tuple[float, bool]]:
+    def loglikelihood(
+        self,
+        contexts: list[str],
+        continuations: list[str],
+        images: list[list["Image"]] | None = None,
+    ) -> list[tuple[float, bool]]:
         """(sum of log p over the continuation's tokens, whether greedy decoding would produce it)."""
         ...
 

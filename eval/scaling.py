@@ -14,6 +14,7 @@ with R^2 and RMSE, draws predicted against observed loss, and, under a FLOPs bud
 `vlm scaling sweep` (eval/scaling_sweep.py) trains the grid of small runs this fit needs,
 then fits it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,18 +39,30 @@ class Point:
 def law(c: dict[str, float], N, D, R, P):
     """DLCM eq. 22."""
     N, D, R, P = (np.asarray(v, dtype=float) for v in (N, D, R, P))
-    return (c["E0"] + c["A_tok"] / (N * (1 - P) + c["t_tok"]) ** c["d1"]
-            + c["A_con"] * R ** c["gamma"] / (N * P + c["t_con"]) ** c["d2"]
-            + c["A_dat"] / (D + c["t_dat"]) ** c["alpha"])
+    return (
+        c["E0"]
+        + c["A_tok"] / (N * (1 - P) + c["t_tok"]) ** c["d1"]
+        + c["A_con"] * R ** c["gamma"] / (N * P + c["t_con"]) ** c["d2"]
+        + c["A_dat"] / (D + c["t_dat"]) ** c["alpha"]
+    )
 
 
 def _unpack(theta: np.ndarray) -> dict[str, float]:
     """Fit space -> constants: amplitudes and offsets as logs (positive), exponents as they are."""
     e0, la_t, lt_t, d1, la_c, g, lt_c, d2, la_d, lt_d, a = theta
-    return {"E0": e0, "A_tok": np.exp(la_t), "t_tok": np.exp(lt_t), "d1": d1, "A_con": np.exp(la_c),
-            "gamma": g,
-            "t_con": np.exp(lt_c), "d2": d2, "A_dat": np.exp(la_d), "t_dat": np.exp(lt_d),
-            "alpha": a}
+    return {
+        "E0": e0,
+        "A_tok": np.exp(la_t),
+        "t_tok": np.exp(lt_t),
+        "d1": d1,
+        "A_con": np.exp(la_c),
+        "gamma": g,
+        "t_con": np.exp(lt_c),
+        "d2": d2,
+        "A_dat": np.exp(la_d),
+        "t_dat": np.exp(lt_d),
+        "alpha": a,
+    }
 
 
 def fit(points: list[Point], starts: int = 24, seed: int = 0) -> dict:
@@ -57,8 +70,10 @@ def fit(points: list[Point], starts: int = 24, seed: int = 0) -> dict:
     from scipy.optimize import least_squares
 
     if len(points) < len(NAMES):
-        raise ValueError(f"the law has {len(NAMES)} constants: fit it to at least {len(NAMES)} "
-                         f"runs, got {len(points)}")
+        raise ValueError(
+            f"the law has {len(NAMES)} constants: fit it to "
+            f"at least {len(NAMES)} runs, got {len(points)}"
+        )
     arr = {k: np.array([getattr(p, k) for p in points], dtype=float) for k in "NDRPL"}
     rng = np.random.default_rng(seed)
     lo = np.array([0.0, -5, -5, 0.05, -5, -1.0, -5, 0.05, -5, -5, 0.05])
@@ -77,8 +92,12 @@ def fit(points: list[Point], starts: int = 24, seed: int = 0) -> dict:
     pred = law(c, arr["N"], arr["D"], arr["R"], arr["P"])
     ss_res = float(((pred - arr["L"]) ** 2).sum())
     ss_tot = float(((arr["L"] - arr["L"].mean()) ** 2).sum())
-    return {"constants": {k: float(v) for k, v in c.items()}, "r2": 1 - ss_res / ss_tot
-            if ss_tot > 0 else 1.0, "rmse": (ss_res / len(points)) ** 0.5, "points": len(points)}
+    return {
+        "constants": {k: float(v) for k, v in c.items()},
+        "r2": 1 - ss_res / ss_tot if ss_tot > 0 else 1.0,
+        "rmse": (ss_res / len(points)) ** 0.5,
+        "points": len(points),
+    }
 
 
 def train_flops(N, D, R, P):
@@ -87,8 +106,13 @@ def train_flops(N, D, R, P):
     return 6.0 * D * N * (1 - P + P / R)
 
 
-def best_allocation(c: dict[str, float], budget: float, tokens: float,
-                    ratios=np.linspace(1.25, 8, 55), shares=np.linspace(0.05, 0.95, 91)) -> dict:
+def best_allocation(
+    c: dict[str, float],
+    budget: float,
+    tokens: float,
+    ratios=np.linspace(1.25, 8, 55),
+    shares=np.linspace(0.05, 0.95, 91),
+) -> dict:
     """The (R, P) with the lowest predicted loss when C = 6 D N (1 - P + P / R) is fixed (N follows)."""
     R, P = np.meshgrid(ratios, shares, indexing="ij")
     N = budget / train_flops(1.0, tokens, R, P)
@@ -105,28 +129,39 @@ def run_point(run_dir: str | Path) -> Point:
     run_dir = Path(run_dir)
     cfg = load_train_config(run_dir / "config.yaml").model
     counts = count_params(cfg)
-    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()
-            if x.strip()]
+    recs = [
+        json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()
+    ]
     if not recs:
         raise ValueError(f"{run_dir}: no metrics")
-    tail = recs[-max(len(recs) // 10, 1):]
+    tail = recs[-max(len(recs) // 10, 1) :]
     ratios = [r["compression/ratio"] for r in tail if r.get("compression/ratio")]
     val = [r["val/lm_loss"] for r in recs if r.get("val/lm_loss") is not None]
     N = float(counts["total"] - counts.get("embedding", 0))
     concept = float(counts.get("concept", 0))
-    return Point(N=N, D=float(sum(r.get("tokens", 0) for r in recs)), R=float(np.mean(ratios))
-                 if ratios else 1.0, P=concept / N if N else 0.0,
-                 L=float(val[-1] if val else tail[-1]["lm_loss"]))
+    return Point(
+        N=N,
+        D=float(sum(r.get("tokens", 0) for r in recs)),
+        R=float(np.mean(ratios)) if ratios else 1.0,
+        P=concept / N if N else 0.0,
+        L=float(val[-1] if val else tail[-1]["lm_loss"]),
+    )
 
 
 def plot(points: list[Point], c: dict[str, float], path: Path) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     obs = np.array([p.L for p in points])
-    pred = law(c, [p.N for p in points], [p.D for p in points], [p.R for p in points],
-               [p.P for p in points])
+    pred = law(
+        c,
+        [p.N for p in points],
+        [p.D for p in points],
+        [p.R for p in points],
+        [p.P for p in points],
+    )
     fig, ax = plt.subplots(figsize=(4.6, 4.2))
     sc = ax.scatter(obs, pred, c=[p.R for p in points], cmap="viridis")
     lims = [min(obs.min(), pred.min()), max(obs.max(), pred.max())]
@@ -149,25 +184,38 @@ def add_scaling_command(sub) -> None:
 
     p = sub.add_parser("scaling", help="DLCM's compression-aware scaling law over finished runs")
     s = p.add_subparsers(dest="scaling_command", required=True)
-    f = s.add_parser("fit", help="fit L(N, D, R, P) (DLCM eq. 22) to the runs; best R, P under a "
-                                 "FLOPs budget")
+    f = s.add_parser(
+        "fit", help="fit L(N, D, R, P) (DLCM eq. 22) to the runs; best R, P under a FLOPs budget"
+    )
     f.add_argument("runs", nargs="+", help="finished run directories (config.yaml + metrics.jsonl)")
     f.add_argument("--out", default=None, help="write fit.json and fit.png here")
-    f.add_argument("--budget", type=float, default=None,
-                   help="training FLOPs budget for the best (R, P)")
-    f.add_argument("--tokens", type=float, default=None,
-                   help="training tokens D for the budget (default: the "
-                                                                "runs' largest)")
+    f.add_argument(
+        "--budget", type=float, default=None, help="training FLOPs budget for the best (R, P)"
+    )
+    f.add_argument(
+        "--tokens",
+        type=float,
+        default=None,
+        help="training tokens D for the budget (default: the runs' largest)",
+    )
     f.set_defaults(func=_run)
-    w = s.add_parser("sweep", help="train the grid of small text runs the law needs (N, D, R, P "
-                                   "varied), then fit",
-                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    w = s.add_parser(
+        "sweep",
+        help="train the grid of small text runs the law needs (N, D, R, P varied), then fit",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_sweep_arguments(w)
     w.set_defaults(func=_sweep)
 
 
-def report(points: list[Point], out: Path | None, budget: float | None, tokens: float | None,
-           what: str = "vlm scaling fit", log=print) -> dict:
+def report(
+    points: list[Point],
+    out: Path | None,
+    budget: float | None,
+    tokens: float | None,
+    what: str = "vlm scaling fit",
+    log=print,
+) -> dict:
     """Fit the points, print the constants with R^2 and RMSE (and the best R, P under `budget` at
     `tokens`, default: the runs' largest D), write OUT/fit.json and OUT/fit.png; too few points are
     a one-line error."""
@@ -177,21 +225,29 @@ def report(points: list[Point], out: Path | None, budget: float | None, tokens: 
         res = fit(points)
     except ValueError as e:
         raise ConfigError(f"{what}: {e}") from None
-    log(f"DLCM eq. 22 fitted to {res['points']} runs: R^2 = {res['r2']:.4f}, RMSE = "
-        f"{res['rmse']:.4f}")
+    log(
+        f"DLCM eq. 22 fitted to {res['points']} runs: R^2 "
+        f"= {res['r2']:.4f}, RMSE = {res['rmse']:.4f}"
+    )
     for k, v in res["constants"].items():
         log(f"  {k:<6} {v:.5g}")
     if budget:
         tokens = tokens or max(p.D for p in points)
-        res["best"] = b = {**best_allocation(res["constants"], budget, tokens), "budget": budget,
-                           "tokens": tokens}
-        log(f"under {budget:.3g} FLOPs at {tokens:.3g} tokens: R = {b['R']:.2f}, P = {b['P']:.2f} "
-            f"(N = {b['N']:.3g}), predicted loss {b['loss']:.4f}")
+        res["best"] = b = {
+            **best_allocation(res["constants"], budget, tokens),
+            "budget": budget,
+            "tokens": tokens,
+        }
+        log(
+            f"under {budget:.3g} FLOPs at {tokens:.3g} tokens: R = {b['R']:.2f}, "
+            f"P = {b['P']:.2f} (N = {b['N']:.3g}), predicted loss {b['loss']:.4f}"
+        )
     if out:
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "fit.json").write_text(json.dumps({**res, "runs": [asdict(p) for p in points]},
-                                                 indent=1))
+        (out / "fit.json").write_text(
+            json.dumps({**res, "runs": [asdict(p) for p in points]}, indent=1)
+        )
         plot(points, res["constants"], out / "fit.png")
         log(f"wrote {out / 'fit.json'} and {out / 'fit.png'}")
     return res
@@ -202,7 +258,7 @@ def _run(args: argparse.Namespace) -> int:
 
     try:
         points = [run_point(r) for r in args.runs]
-    except (OSError, ValueError, KeyError) as e:   # a run that is not finished: one line
+    except (OSError, ValueError, KeyError) as e:  # a run that is not finished: one line
         raise ConfigError(f"vlm scaling fit: {e}") from None
     report(points, args.out, args.budget, args.tokens)
     return 0
@@ -214,7 +270,7 @@ def _sweep(args: argparse.Namespace) -> int:
     from eval.scaling_sweep import train_sweep
 
     trained = train_sweep(args)
-    if trained is None:   # --dry-run
+    if trained is None:  # --dry-run
         return 0
     runs, failed = trained
     if failed:
@@ -224,9 +280,9 @@ def _sweep(args: argparse.Namespace) -> int:
         points = [run_point(r) for r in runs]
     except (OSError, ValueError, KeyError) as e:
         raise ConfigError(f"vlm scaling sweep: {e}") from None
-    (Path(args.out) / "points.json").write_text(json.dumps({r.name: asdict(p)
-                                                            for r, p in zip(runs, points)},
-                                                           indent=1))
+    (Path(args.out) / "points.json").write_text(
+        json.dumps({r.name: asdict(p) for r, p in zip(runs, points)}, indent=1)
+    )
     budget, tokens = (args.budget, None) if args.budget else median_budget(points)
     report(points, args.out, budget, tokens, what="vlm scaling sweep")
     return 0

@@ -17,6 +17,7 @@ correlated, so the fit can tell the variables apart (N itself grows with the con
 P are correlated at about 0.5). The time estimate is the runner's: its calibrated seconds per step
 of the text config, two runs side by side, times step_cost(width, depth).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,8 +39,10 @@ def step_cost(width: int, concept_layers: int) -> float:
     fitted to 40-step runs of all nine (width, depth) pairs (R = 2, one thread, 2-core machine): t =
     0.0355 + 0.0083 (2 + c) (w / 64)^1.45 s, which gives 0.052 s at (48, 1), 0.069 at (64, 2), 0.125
     at (96, 4)."""
+
     def t(w: int, c: int) -> float:
         return 0.0355 + 0.0083 * (2 + c) * (w / 64) ** 1.45
+
     return t(width, concept_layers) / t(64, 2)
 
 
@@ -52,22 +55,47 @@ def grid() -> list[Variant]:
                 mult = STEPS_MULT[(i + j + k) % 3]
                 ratio = RATIOS[(i + 2 * j + 3 * k) % 4]
                 heads = width // 16
-                overrides = [f"model.hidden_size={width}", f"model.num_heads={heads}",
-                             f"model.num_kv_heads={2 if heads % 2 == 0 else 1}",
-                             f"model.moe.expert_hidden={width}", f"model.concept_layers={layers}",
-                             f"model.chunk.target_ratio={ratio:g}"]
-                runs.append(Variant(f"w{width}-c{layers}-r{ratio:g}-x{mult}", overrides,
-                                    {"width": str(width), "concept_layers": str(layers),
-                                     "R": f"{ratio:g}", "steps": f"{mult}S"}, steps_mult=mult,
-                                    cost=step_cost(width, layers)))
+                overrides = [
+                    f"model.hidden_size={width}",
+                    f"model.num_heads={heads}",
+                    f"model.num_kv_heads={2 if heads % 2 == 0 else 1}",
+                    f"model.moe.expert_hidden={width}",
+                    f"model.concept_layers={layers}",
+                    f"model.chunk.target_ratio={ratio:g}",
+                ]
+                runs.append(
+                    Variant(
+                        f"w{width}-c{layers}-r{ratio:g}-x{mult}",
+                        overrides,
+                        {
+                            "width": str(width),
+                            "concept_layers": str(layers),
+                            "R": f"{ratio:g}",
+                            "steps": f"{mult}S",
+                        },
+                        steps_mult=mult,
+                        cost=step_cost(width, layers),
+                    )
+                )
     return sorted(runs, key=lambda v: -v.steps_mult * v.cost)
 
 
 def recipe(steps: int, runs: int | None = None) -> Recipe:
     """The sweep as an experiment-runner recipe: one seed, S = `steps`; `runs` keeps the first runs (tests)."""
-    return Recipe("scaling-sweep", "DLCM 6.2", "L(N, D, R, P) follows eq. 22", TEXT_CONFIG,
-                  grid()[:runs], [], lambda run, same_seed: {}, lambda table: [], steps=steps,
-                  held_out=HELD_OUT, seeds=1, common=list(COMMON))
+    return Recipe(
+        "scaling-sweep",
+        "DLCM 6.2",
+        "L(N, D, R, P) follows eq. 22",
+        TEXT_CONFIG,
+        grid()[:runs],
+        [],
+        lambda run, same_seed: {},
+        lambda table: [],
+        steps=steps,
+        held_out=HELD_OUT,
+        seeds=1,
+        common=list(COMMON),
+    )
 
 
 def base_steps(budget_s: float, jobs: int) -> int:
@@ -78,9 +106,10 @@ def base_steps(budget_s: float, jobs: int) -> int:
         return estimate_s(recipe(s), jobs) <= budget_s
 
     if not fits(1):
-        raise ConfigError(f"--budget-minutes {budget_s / 60:g}: even 1-step runs need "
-                          f"~{estimate_s(recipe(1), jobs) / 60:.1f} min with --jobs {jobs} "
-                          f"({len(grid())} runs)")
+        raise ConfigError(
+            f"--budget-minutes {budget_s / 60:g}: even 1-step runs need "
+            f"~{estimate_s(recipe(1), jobs) / 60:.1f} min with --jobs {jobs} ({len(grid())} runs)"
+        )
     lo, hi = 1, 2
     while fits(hi):
         lo, hi = hi, hi * 2
@@ -97,21 +126,35 @@ def describe(jobs, extra: list[str]) -> list[dict]:
 
     rows = []
     for job in jobs:
-        cfg = load_train_config(configs_dir() / TEXT_CONFIG,
-                                [*COMMON, *job.variant.overrides, *extra])
+        cfg = load_train_config(
+            configs_dir() / TEXT_CONFIG, [*COMMON, *job.variant.overrides, *extra]
+        )
         counts = count_params(cfg.model)
         n = counts["total"] - counts["embedding"]
-        rows.append({"name": job.name, "N": n, "P": counts["concept"] / n, "steps": job.steps,
-                     "D": job.steps * cfg.data.rows_per_batch * cfg.data.row_tokens * cfg.optim.grad_accum,
-                     "R": cfg.model.chunk.target_ratio, "overrides": job.variant.overrides})
+        rows.append(
+            {
+                "name": job.name,
+                "N": n,
+                "P": counts["concept"] / n,
+                "steps": job.steps,
+                "D": job.steps
+                * cfg.data.rows_per_batch
+                * cfg.data.row_tokens
+                * cfg.optim.grad_accum,
+                "R": cfg.model.chunk.target_ratio,
+                "overrides": job.variant.overrides,
+            }
+        )
     return rows
 
 
 def format_plan(rows: list[dict]) -> str:
     lines = [f"{'run':<20} {'N':>9} {'P':>5} {'D':>9} {'R':>4}  overrides"]
     for r in rows:
-        lines.append(f"{r['name']:<20} {r['N']:>9.3g} {r['P']:>5.2f} {r['D']:>9.3g} {r['R']:>4g}  "
-                     f"{' '.join(o.removeprefix('model.') for o in r['overrides'])}")
+        lines.append(
+            f"{r['name']:<20} {r['N']:>9.3g} {r['P']:>5.2f} {r['D']:>9.3g} {r['R']:>4g}  "
+            f"{' '.join(o.removeprefix('model.') for o in r['overrides'])}"
+        )
     return "\n".join(lines)
 
 
@@ -120,26 +163,37 @@ DEFAULT_BUDGET_MIN = 50.0
 
 def add_sweep_arguments(p) -> None:
     p.description = __doc__.split("\n\n")[1]
-    p.add_argument("--out", default="runs/scaling",
-                   help="runs, points.json, fit.json and fit.png (default: "
-                                                         "runs/scaling)")
-    p.add_argument("--jobs", type=int, default=2, help="job slots, one torch thread each (default "
-                                                       "2)")
-    p.add_argument("--budget-minutes", type=float, default=DEFAULT_BUDGET_MIN,
-                   help=f"wall-clock budget; S is the most steps whose estimated sweep fits it "
-                        f"(default {DEFAULT_BUDGET_MIN:g}: the hour with a margin for the "
-                        f"estimate's error)")
-    p.add_argument("--budget", type=float, default=None,
-                   help="FLOPs budget for the best (R, P) (default: the "
-                                                              "median run's training FLOPs, at its "
-                                                              "tokens)")
-    p.add_argument("--dry-run", action="store_true",
-                   help="print the planned runs and the time estimate only")
-    p.add_argument("--steps", type=int, default=None, help=argparse.SUPPRESS)   # tests: S itself
+    p.add_argument(
+        "--out",
+        default="runs/scaling",
+        help="runs, points.json, fit.json and fit.png (default: runs/scaling)",
+    )
+    p.add_argument(
+        "--jobs", type=int, default=2, help="job slots, one torch thread each (default 2)"
+    )
+    p.add_argument(
+        "--budget-minutes",
+        type=float,
+        default=DEFAULT_BUDGET_MIN,
+        help="wall-clock budget; S is the most steps whose estimated sweep fits it "
+        f"(default {DEFAULT_BUDGET_MIN:g}: the hour with a margin for the estimate's error)",
+    )
+    p.add_argument(
+        "--budget",
+        type=float,
+        default=None,
+        help="FLOPs budget for the best (R, P) (default: "
+        "the median run's training FLOPs, at its tokens)",
+    )
+    p.add_argument(
+        "--dry-run", action="store_true", help="print the planned runs and the time estimate only"
+    )
+    p.add_argument("--steps", type=int, default=None, help=argparse.SUPPRESS)  # tests: S itself
     # tests: the first runs only
     p.add_argument("--runs", type=int, default=None, help=argparse.SUPPRESS)
-    p.add_argument("overrides", nargs="*", metavar="key=value",
-                   help="dotted overrides applied to every run")
+    p.add_argument(
+        "overrides", nargs="*", metavar="key=value", help="dotted overrides applied to every run"
+    )
 
 
 def train_sweep(args: argparse.Namespace) -> tuple[list[Path], list[str]] | None:
@@ -157,29 +211,35 @@ def train_sweep(args: argparse.Namespace) -> tuple[list[Path], list[str]] | None
     rec = recipe(steps, args.runs)
     out = Path(args.out)
     jobs = plan(rec, out, extra=list(args.overrides))
-    rows = describe(jobs, list(args.overrides))   # validates every run's config once
+    rows = describe(jobs, list(args.overrides))  # validates every run's config once
     print(format_plan(rows))
     mults = sorted({v.steps_mult for v in rec.variants})
-    print(f"{len(jobs)} runs of {' / '.join(f'{round(steps * m)}' for m in mults)} steps (S = "
-          f"{steps}); estimated {estimate_s(rec, args.jobs) / 60:.0f} min with --jobs {args.jobs} "
-          f"(from the runner's step timings)")
-    own_data = not any(o.split("=", 1)[0] in ("data.default_dir", "data.sources")
-                       for o in args.overrides)
+    print(
+        f"{len(jobs)} runs of {' / '.join(f'{round(steps * m)}' for m in mults)} "
+        f"steps (S = {steps}); estimated {estimate_s(rec, args.jobs) / 60:.0f} "
+        f"min with --jobs {args.jobs} (from the runner's step timings)"
+    )
+    own_data = not any(
+        o.split("=", 1)[0] in ("data.default_dir", "data.sources") for o in args.overrides
+    )
     docs = text_docs_for(max(r["D"] for r in rows))
     if own_data:
-        print(f"data: {docs} fresh text documents in {out / 'data'}, so that the longest run reads "
-              f"each token at "
-              "most once (eq. 22's data term assumes fresh tokens; the embedded text split is "
-              "~156k tokens)")
+        print(
+            f"data: {docs} fresh text documents in {out / 'data'}, so that the "
+            "longest run reads each token at most once (eq. 22's data term "
+            "assumes fresh tokens; the embedded text split is ~156k tokens)"
+        )
     if args.dry_run:
         return None
     if own_data:
         from data_pipelines.default_dataset import DefaultDatasetConfig, ensure_default_dataset
 
-        ensure_default_dataset(out / "data",
-                               DefaultDatasetConfig(train_scenes=0, val_scenes=0, test_scenes=0,
-                                                                  interleaved_docs=0,
-                                                    text_docs=docs))
+        ensure_default_dataset(
+            out / "data",
+            DefaultDatasetConfig(
+                train_scenes=0, val_scenes=0, test_scenes=0, interleaved_docs=0, text_docs=docs
+            ),
+        )
         jobs = plan(rec, out, extra=[*args.overrides, f"data.default_dir={out / 'data'}"])
     failed = run_jobs(jobs, out, args.jobs)
     return [out / j.name for j in jobs], failed

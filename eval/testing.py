@@ -6,6 +6,7 @@ with regular expressions (optionally only its last `window_chars` characters, to
 context), answers image questions with the image's dominant colour name, and reports
 compression statistics from the text it was given.
 """
+
 from __future__ import annotations
 
 import re
@@ -56,9 +57,11 @@ class WordTokenizer:
 
 # ---- prompt solvers (one per long-context task family) ------------------------------------------
 
+
 def _solve_niah(prompt: str) -> list[str] | None:
-    m = re.search(r"The special magic \w+ for ([^?]+?) mentioned in the provided text (?:is|are)$",
-                  prompt)
+    m = re.search(
+        r"The special magic \w+ for ([^?]+?) mentioned in the provided text (?:is|are)$", prompt
+    )
     if not m:
         return None
     keys = [k.strip() for k in re.split(r",\s*(?:and\s+)?|\s+and\s+", m.group(1)) if k.strip()]
@@ -70,7 +73,7 @@ def _solve_vt(prompt: str) -> list[str] | None:
     m = re.search(r"assigned the value (\d+), they are:$", prompt)
     if not m:
         return None
-    task = prompt[prompt.rfind("Memorize and track"):]
+    task = prompt[prompt.rfind("Memorize and track") :]
     known = {}
     for name, src in re.findall(r"VAR ([A-Z]+) = (VAR [A-Z]+|\d+)\.", task):
         known[name] = src
@@ -89,8 +92,8 @@ def _solve_cwe(prompt: str) -> list[str] | None:
     m = re.search(r"What are the (\d+) most common words in the above list\?", prompt[-400:])
     if not m:
         return None
-    task = prompt[prompt.rfind("Below is a numbered list"):]
-    body = task[:task.rfind("Question:")]
+    task = prompt[prompt.rfind("Below is a numbered list") :]
+    body = task[: task.rfind("Question:")]
     counts = Counter(re.findall(r"\d+\. (\S+)", body))
     return [w for w, _ in counts.most_common(int(m.group(1)))]
 
@@ -99,14 +102,20 @@ def _solve_fwe(prompt: str) -> list[str] | None:
     if not prompt.endswith("the three most frequently appeared words are:"):
         return None
     start = prompt.find("coded words. ") + len("coded words. ")
-    counts = Counter(w for w in prompt[start:prompt.rfind("\nQuestion:")].split() if w != "...")
+    counts = Counter(w for w in prompt[start : prompt.rfind("\nQuestion:")].split() if w != "...")
     return [w for w, _ in counts.most_common(3)]
 
 
 SOLVERS = (_solve_niah, _solve_vt, _solve_cwe, _solve_fwe)
 
-COLOURS = {"red": (255, 0, 0), "green": (0, 255, 0), "blue": (0, 0, 255), "yellow": (255, 255, 0),
-           "white": (255, 255, 255), "black": (0, 0, 0)}
+COLOURS = {
+    "red": (255, 0, 0),
+    "green": (0, 255, 0),
+    "blue": (0, 0, 255),
+    "yellow": (255, 255, 0),
+    "white": (255, 255, 255),
+    "black": (0, 0, 0),
+}
 
 
 def dominant_colour(image) -> str:
@@ -117,8 +126,9 @@ def dominant_colour(image) -> str:
 class OracleEvalModel:
     """Reads answers out of the prompt (and colours out of images); optionally near-sighted."""
 
-    def __init__(self, tokenizer=None, window_chars: int | None = None,
-                 silent: bool = False) -> None:
+    def __init__(
+        self, tokenizer=None, window_chars: int | None = None, silent: bool = False
+    ) -> None:
         self.tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
         self.window_chars = window_chars
         self.silent = silent
@@ -129,23 +139,26 @@ class OracleEvalModel:
 
     # -- helpers
     def _visible(self, prompt: str) -> str:
-        return prompt if self.window_chars is None else prompt[-self.window_chars:]
+        return prompt if self.window_chars is None else prompt[-self.window_chars :]
 
     def answer(self, prompt: str, images: list | None = None) -> list[str]:
         if images:
             return [dominant_colour(images[-1])]
         if prompt not in self._solved:  # loglik asks about one prompt many times
             visible = self._visible(prompt)
-            self._solved = {prompt: next((out for solve in SOLVERS
-                                          if (out := solve(visible)) is not None), [])}
+            self._solved = {
+                prompt: next((out for solve in SOLVERS if (out := solve(visible)) is not None), [])
+            }
         return self._solved[prompt]
 
     def _account(self, prompts: list[str], images: list[list] | None) -> None:
         for i, p in enumerate(prompts):
             imgs = images[i] if images else []
             if p.count(IMAGE_TOKEN) != len(imgs):
-                raise ValueError(f"prompt {i} has {p.count(IMAGE_TOKEN)} {IMAGE_TOKEN} "
-                                 f"placeholders for {len(imgs)} images")
+                raise ValueError(
+                    f"prompt {i} has {p.count(IMAGE_TOKEN)} "
+                    f"{IMAGE_TOKEN} placeholders for {len(imgs)} images"
+                )
             if p not in self._lengths:
                 self._lengths = {p: len(self.tokenizer.encode(p))}
             n = self._lengths[p]
@@ -156,28 +169,46 @@ class OracleEvalModel:
                 self._concepts["image"] += 4 * len(imgs)
 
     # -- EvalModel protocol
-    def generate(self, prompts, images=None, *, max_new_tokens=32, temperature=0.0, top_p=1.0,
-                 stop=None):
+    def generate(
+        self, prompts, images=None, *, max_new_tokens=32, temperature=0.0, top_p=1.0, stop=None
+    ):
         self._account(prompts, images)
-        self.calls.append({"kind": "generate", "n": len(prompts), "max_new_tokens": max_new_tokens,
-                           "temperature": temperature, "top_p": top_p, "stop": stop,
-                           "prompts": list(prompts), "images": [len(x) for x in images] if images
-                           else None})
+        self.calls.append(
+            {
+                "kind": "generate",
+                "n": len(prompts),
+                "max_new_tokens": max_new_tokens,
+                "temperature": temperature,
+                "top_p": top_p,
+                "stop": stop,
+                "prompts": list(prompts),
+                "images": [len(x) for x in images] if images else None,
+            }
+        )
         outs = []
         for i, p in enumerate(prompts):
-            text = "" if self.silent else " " + ", ".join(self.answer(p, images[i] if images
-                                                                      else None))
+            text = (
+                ""
+                if self.silent
+                else " " + ", ".join(self.answer(p, images[i] if images else None))
+            )
             for s in stop or []:
                 if s and s in text:
-                    text = text[:text.index(s)]
+                    text = text[: text.index(s)]
             outs.append(self.tokenizer.decode(self.tokenizer.encode(text)[:max_new_tokens]))
         return outs
 
     def loglikelihood(self, contexts, continuations, images=None):
         self._account(contexts, images)
-        self.calls.append({"kind": "loglikelihood", "n": len(contexts), "contexts": list(contexts),
-                           "continuations": list(continuations),
-                           "images": [len(x) for x in images] if images else None})
+        self.calls.append(
+            {
+                "kind": "loglikelihood",
+                "n": len(contexts),
+                "contexts": list(contexts),
+                "continuations": list(continuations),
+                "images": [len(x) for x in images] if images else None,
+            }
+        )
         out = []
         for i, (c, cont) in enumerate(zip(contexts, continuations)):
             hit = cont.strip() in self.answer(c, images[i] if images else None)
@@ -186,8 +217,11 @@ class OracleEvalModel:
 
     def compression_stats(self) -> dict[str, float]:
         """Same keys as the real model's (`vlm.generate`): compression/{mod}, tokens/{mod}, compression/ratio."""
-        out = {f"compression/{m}": self._tokens[m] / self._concepts[m] for m in self._tokens
-               if self._concepts[m]}
+        out = {
+            f"compression/{m}": self._tokens[m] / self._concepts[m]
+            for m in self._tokens
+            if self._concepts[m]
+        }
         out.update({f"tokens/{m}": float(n) for m, n in self._tokens.items()})
         if self._concepts:
             out["compression/ratio"] = sum(self._tokens.values()) / sum(self._concepts.values())

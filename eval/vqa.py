@@ -6,6 +6,7 @@ train split when it is there, else from the evaluated split itself) and the same
 (the question without its image). Per-modality compression ratios of the evaluated samples are
 reported too.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,9 +37,17 @@ def _accuracy(hits: dict[str, list[bool]]) -> dict[str, float]:
     return out
 
 
-def run_vqa_eval(model, shards, train_shards=None, limit: int | None = None, batch_size: int = 16,
-                 max_new_tokens: int = 8, blind: bool = True, progress: bool = True,
-                 compression_shards: list[str] | None = None) -> dict:
+def run_vqa_eval(
+    model,
+    shards,
+    train_shards=None,
+    limit: int | None = None,
+    batch_size: int = 16,
+    max_new_tokens: int = 8,
+    blind: bool = True,
+    progress: bool = True,
+    compression_shards: list[str] | None = None,
+) -> dict:
     """`model` is an eval.protocol.EvalModel; `shards` the split to score (paths or globs).
 
     `compression_shards`: whole samples of the held-out split on which to measure the realized
@@ -58,45 +67,67 @@ def run_vqa_eval(model, shards, train_shards=None, limit: int | None = None, bat
     examples = []
     bar = tqdm(range(0, len(samples), batch_size), desc="vqa", disable=None if progress else True)
     for i in bar:
-        chunk = samples[i: i + batch_size]
+        chunk = samples[i : i + batch_size]
         imgs = [[Image.open(io.BytesIO(b)) for b in (s.images or [s.image])] for s in chunk]
-        answers = model.generate([s.prompt for s in chunk], imgs, max_new_tokens=max_new_tokens,
-                                 stop=["<|end|>"])
+        answers = model.generate(
+            [s.prompt for s in chunk], imgs, max_new_tokens=max_new_tokens, stop=["<|end|>"]
+        )
         for s, a in zip(chunk, answers):
             ok = normalize_answer(strip_answer(a)) == normalize_answer(s.answer)
             hits[s.question_type].append(ok)
-            major_hits[s.question_type].append(majority.get(s.question_type) == normalize_answer(s.answer))
+            major_hits[s.question_type].append(
+                majority.get(s.question_type) == normalize_answer(s.answer)
+            )
             if len(examples) < 8:
-                examples.append({"question": s.question, "answer": s.answer,
-                                 "predicted": strip_answer(a)})
+                examples.append(
+                    {"question": s.question, "answer": s.answer, "predicted": strip_answer(a)}
+                )
     compression = model.compression_stats()
     prompt_docs = model.prompt_documents() if hasattr(model, "prompt_documents") else []
     if blind:
-        for i in tqdm(range(0, len(samples), batch_size), desc="vqa (blind)", disable=None
-                      if progress else True):
-            chunk = samples[i: i + batch_size]
-            answers = model.generate([vqa_prompt(s.question, 0) for s in chunk], None,
-                                     max_new_tokens=max_new_tokens, stop=["<|end|>"])
+        for i in tqdm(
+            range(0, len(samples), batch_size),
+            desc="vqa (blind)",
+            disable=None if progress else True,
+        ):
+            chunk = samples[i : i + batch_size]
+            answers = model.generate(
+                [vqa_prompt(s.question, 0) for s in chunk],
+                None,
+                max_new_tokens=max_new_tokens,
+                stop=["<|end|>"],
+            )
             for s, a in zip(chunk, answers):
-                blind_hits[s.question_type].append(normalize_answer(strip_answer(a)) == normalize_answer(s.answer))
+                blind_hits[s.question_type].append(
+                    normalize_answer(strip_answer(a)) == normalize_answer(s.answer)
+                )
     held_out = None
     if compression_shards:
         held_out = model.held_out_compression(compression_shards)
-    return {"n": len(samples), "accuracy": _accuracy(hits),
-            "majority_baseline": _accuracy(major_hits),
-            "blind_baseline": _accuracy(blind_hits) if blind else None, "compression": compression,
-            "prompt_compression": summarize_documents(prompt_docs).get("chat") if prompt_docs
-            else None, "held_out_compression": held_out, "majority_answers": majority,
-            "examples": examples}
+    return {
+        "n": len(samples),
+        "accuracy": _accuracy(hits),
+        "majority_baseline": _accuracy(major_hits),
+        "blind_baseline": _accuracy(blind_hits) if blind else None,
+        "compression": compression,
+        "prompt_compression": summarize_documents(prompt_docs).get("chat") if prompt_docs else None,
+        "held_out_compression": held_out,
+        "majority_answers": majority,
+        "examples": examples,
+    }
 
 
 def format_report(res: dict) -> str:
     types = [t for t in res["accuracy"] if t != "all"] + ["all"]
-    lines = [f"VQA exact match on {res['n']} questions (%)",
-             f"{'type':<12}{'model':>8}{'majority':>10}{'blind':>8}"]
+    lines = [
+        f"VQA exact match on {res['n']} questions (%)",
+        f"{'type':<12}{'model':>8}{'majority':>10}{'blind':>8}",
+    ]
     for t in types:
         blind = res["blind_baseline"][t] if res.get("blind_baseline") else float("nan")
-        lines.append(f"{t:<12}{res['accuracy'][t]:>8.1f}{res['majority_baseline'][t]:>10.1f}{blind:>8.1f}")
+        lines.append(
+            f"{t:<12}{res['accuracy'][t]:>8.1f}{res['majority_baseline'][t]:>10.1f}{blind:>8.1f}"
+        )
     if res.get("prompt_compression"):
         lines.append("prefill compression of the VQA prompts, per prompt (tokens per concept):")
         lines += format_distribution({"vqa prompt": res["prompt_compression"]})
@@ -126,16 +157,22 @@ def end_of_run_vqa(final: Path, cfg, run_dir: Path, log) -> dict:
     if not cfg.train.vqa_eval:
         return {"vqa": None}
     if cfg.data.sources:
-        log("VQA eval skipped: it runs on the embedded default dataset and this run uses its own "
-            "sources")
+        log(
+            "VQA eval skipped: it runs on the embedded default "
+            "dataset and this run uses its own sources"
+        )
         return {"vqa": None}
     if cfg.vision is None:
-        return {"vqa": None}   # a text-only model
+        return {"vqa": None}  # a text-only model
     data = Path(cfg.data.default_dir)
-    res = run_vqa_eval(load_eval_model(final), str(data / "test" / "vqa-*.tar"),
-                       train_shards=str(data / "train" / "vqa-*.tar"),
-                       limit=cfg.train.vqa_max_samples, progress=cfg.logging.progress,
-                       compression_shards=held_out_shards(data))
+    res = run_vqa_eval(
+        load_eval_model(final),
+        str(data / "test" / "vqa-*.tar"),
+        train_shards=str(data / "train" / "vqa-*.tar"),
+        limit=cfg.train.vqa_max_samples,
+        progress=cfg.logging.progress,
+        compression_shards=held_out_shards(data),
+    )
     res["split"] = "test"
     (Path(run_dir) / "vqa.json").write_text(json.dumps(res, indent=2))
     log(format_report(res))
@@ -154,10 +191,15 @@ def run(args: argparse.Namespace) -> int:
     # is built.
     data = Path(args.data) if default_info(args.data) else ensure_default_dataset(args.data)
     split = Path(data) / args.split
-    res = run_vqa_eval(model, str(split / "vqa-*.tar"),
-                       train_shards=str(Path(data) / "train" / "vqa-*.tar"), limit=args.limit,
-                       batch_size=args.batch_size, blind=not args.no_blind,
-                       compression_shards=held_out_shards(data, args.split))
+    res = run_vqa_eval(
+        model,
+        str(split / "vqa-*.tar"),
+        train_shards=str(Path(data) / "train" / "vqa-*.tar"),
+        limit=args.limit,
+        batch_size=args.batch_size,
+        blind=not args.no_blind,
+        compression_shards=held_out_shards(data, args.split),
+    )
     print(format_report(res))
     if out is not None:
         out.write_text(json.dumps(res, indent=2))

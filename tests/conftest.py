@@ -19,6 +19,7 @@ test process and for the processes the tests start (they inherit it). With VLM_T
 which silently needs it to be False fails on a CPU-only machine too (tests/test_device_pinning.py
 runs a set of them so; `VLM_TEST_FAKE_CUDA=1 make test` runs them all).
 """
+
 import copy
 import io
 import os
@@ -30,9 +31,9 @@ from pathlib import Path
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/torch_extensions"))
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import yaml  # noqa: E402
+import pytest
+import torch
+import yaml
 
 torch.set_num_threads(1)
 
@@ -58,8 +59,9 @@ if _FAKE_CUDA:
 
 def pytest_collection_modifyitems(config, items):
     if _FAKE_CUDA:
-        skip = pytest.mark.skip(reason="VLM_TEST_FAKE_CUDA=1 fakes a GPU for the CPU tests; gpu "
-                                       "tests need a real one")
+        skip = pytest.mark.skip(
+            reason="VLM_TEST_FAKE_CUDA=1 fakes a GPU for the CPU tests; gpu tests need a real one"
+        )
         for item in items:
             if item.get_closest_marker("gpu") is not None:
                 item.add_marker(skip)
@@ -84,15 +86,23 @@ def _gpu_tests_see_the_machine_as_it_is(request, monkeypatch):
 # ---- data
 # ------------------------------------------------------------------------------------------------
 
+
 def _tiny_default_config():
     from data_pipelines.default_dataset import DefaultDatasetConfig
 
-    return DefaultDatasetConfig(train_scenes=120, val_scenes=20, test_scenes=20,
-                                interleaved_docs=16, text_docs=60, shard_max_count=50)
+    return DefaultDatasetConfig(
+        train_scenes=120,
+        val_scenes=20,
+        test_scenes=20,
+        interleaved_docs=16,
+        text_docs=60,
+        shard_max_count=50,
+    )
 
 
-def _png(w: int = 40, h: int = 30, colour=(255, 0, 0), fmt: str = "PNG",
-         mode: str = "RGB") -> bytes:
+def _png(
+    w: int = 40, h: int = 30, colour=(255, 0, 0), fmt: str = "PNG", mode: str = "RGB"
+) -> bytes:
     from PIL import Image
 
     buf = io.BytesIO()
@@ -180,7 +190,7 @@ def rand_docs():
 
 
 @pytest.fixture(scope="session")
-def TINY_DEFAULT():  # noqa: N802 - named as the constant it stands for
+def TINY_DEFAULT():
     """A small default-dataset config (seconds to build)."""
     return _tiny_default_config()
 
@@ -190,8 +200,9 @@ def tiny_default(tmp_path_factory) -> Path:
     """The default dataset built with TINY_DEFAULT, shared by the tests of the session."""
     from data_pipelines.default_dataset import build_default
 
-    return build_default(tmp_path_factory.mktemp("data") / "default", _tiny_default_config(),
-                         progress=False)
+    return build_default(
+        tmp_path_factory.mktemp("data") / "default", _tiny_default_config(), progress=False
+    )
 
 
 # ---- trainer
@@ -199,8 +210,14 @@ def tiny_default(tmp_path_factory) -> Path:
 
 _TINY = {
     "model": {
-        "vocab_size": 272, "hidden_size": 32, "num_heads": 2, "num_kv_heads": 1, "head_dim": 16,
-        "encoder_layers": 1, "concept_layers": 1, "decoder_layers": 1,
+        "vocab_size": 272,
+        "hidden_size": 32,
+        "num_heads": 2,
+        "num_kv_heads": 1,
+        "head_dim": 16,
+        "encoder_layers": 1,
+        "concept_layers": 1,
+        "decoder_layers": 1,
         "moe": {"num_experts": 4, "top_k": 2, "expert_hidden": 32, "balance_loss_weight": 0.01},
         "chunk": {"enabled": True, "target_ratio": 2.0, "ratio_loss_weight": 0.03, "merge": "sum"},
     },
@@ -209,20 +226,43 @@ _TINY = {
         "encoder": {"hidden_size": 16, "num_layers": 1, "num_heads": 2, "max_grid": 16},
         "projector": {"kind": "linear"},
     },
-    "data": {"tokenizer": "byte", "row_tokens": 128, "rows_per_batch": 2, "shuffle_buffer": 16,
-             "pack_buffer": 8, "num_workers": 0},
-    "optim": {"lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 2, "schedule": "cosine", "clip": 1.0,
-              "grad_accum": 1},
+    "data": {
+        "tokenizer": "byte",
+        "row_tokens": 128,
+        "rows_per_batch": 2,
+        "shuffle_buffer": 16,
+        "pack_buffer": 8,
+        "num_workers": 0,
+    },
+    "optim": {
+        "lr": 3e-3,
+        "min_lr": 3e-4,
+        "warmup_steps": 2,
+        "schedule": "cosine",
+        "clip": 1.0,
+        "grad_accum": 1,
+    },
     "deepspeed": {"zero_stage": 0},
-    "logging": {"log_every": 1, "eval_every": 2, "eval_batches": 1, "histogram_every": 2,
-                "progress": False},
+    "logging": {
+        "log_every": 1,
+        "eval_every": 2,
+        "eval_batches": 1,
+        "histogram_every": 2,
+        "progress": False,
+    },
     "checkpoint": {"save_every": 2, "keep_last": 2},
     # the default run warms its fresh tower up for 1000 steps and trains it at half the LLM's rate:
     # the tiny runs test the trainer, not the recipe
     "vision_warmup": {"steps": 0},
     "params": {"vision_lr_mult": 1.0, "projector_lr_mult": 1.0},
-    "train": {"stage": "vl", "max_steps": 4, "seed": 0, "deterministic": True, "vqa_eval": False,
-              "threads": 1},
+    "train": {
+        "stage": "vl",
+        "max_steps": 4,
+        "seed": 0,
+        "deterministic": True,
+        "vqa_eval": False,
+        "threads": 1,
+    },
 }
 
 
@@ -272,24 +312,32 @@ def _subprocess_env() -> dict:
     return env
 
 
-def _run_train_cli(args: list[str], cwd: Path, timeout: float = 600,
-                   check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "vlm.train", *args], cwd=cwd,
-                          env=_subprocess_env(), capture_output=True, text=True, timeout=timeout)
+def _run_train_cli(
+    args: list[str], cwd: Path, timeout: float = 600, check: bool = True
+) -> subprocess.CompletedProcess:
+    proc = subprocess.run(
+        [sys.executable, "-m", "vlm.train", *args],
+        cwd=cwd,
+        env=_subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     if check and proc.returncode != 0:
-        raise AssertionError(f"vlm train failed "
-                             f"({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        raise AssertionError(
+            f"vlm train failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        )
     return proc
 
 
 @pytest.fixture(scope="session")
-def ROOT() -> Path:  # noqa: N802 - named as the constant it stands for
+def ROOT() -> Path:
     """The repository root."""
     return _ROOT
 
 
 @pytest.fixture(scope="session")
-def TINY() -> dict:  # noqa: N802 - named as the constant it stands for
+def TINY() -> dict:
     """The tiny training config as a dict (shared: copy before changing it)."""
     return _TINY
 
@@ -300,9 +348,18 @@ def tiny_data(tmp_path_factory) -> Path:
     from data_pipelines.default_dataset import DefaultDatasetConfig, build_default
 
     out = tmp_path_factory.mktemp("train_data") / "default"
-    build_default(out, DefaultDatasetConfig(train_scenes=48, val_scenes=12, test_scenes=12,
-                                            interleaved_docs=8, text_docs=48, shard_max_count=16),
-                  progress=False)
+    build_default(
+        out,
+        DefaultDatasetConfig(
+            train_scenes=48,
+            val_scenes=12,
+            test_scenes=12,
+            interleaved_docs=8,
+            text_docs=48,
+            shard_max_count=16,
+        ),
+        progress=False,
+    )
     return out
 
 
@@ -363,13 +420,20 @@ def _tiny_vlm():
     from vlm.model.multimodal import ConceptMoEVLM
 
     tok = load_tokenizer("byte")
-    vc = VisionConfig(processor=ImageProcessorConfig(patch_size=4, min_patches=4, max_patches=16,
-                                                     merge=2),
-                      encoder=NaViTConfig(hidden_size=16, num_layers=1, num_heads=2, max_grid=16))
+    vc = VisionConfig(
+        processor=ImageProcessorConfig(patch_size=4, min_patches=4, max_patches=16, merge=2),
+        encoder=NaViTConfig(hidden_size=16, num_layers=1, num_heads=2, max_grid=16),
+    )
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=tok.vocab_size, hidden_size=32, num_heads=4, num_kv_heads=2,
-                      head_dim=8, moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=32),
-                      init_std=0.2)
+    cfg = ModelConfig(
+        vocab_size=tok.vocab_size,
+        hidden_size=32,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=32),
+        init_std=0.2,
+    )
     return ConceptMoEVLM(cfg, vc), tok
 
 
@@ -390,7 +454,8 @@ def exported_vlm(tmp_path_factory):
     model, tok = _tiny_vlm()
     out = tmp_path_factory.mktemp("run") / "final"
     save_pretrained(model, out, tokenizer=tok)
-    Image.fromarray(np.random.default_rng(0).integers(0, 255, (16, 16, 3),
-                                                      dtype=np.uint8)).save(out.parent / "a.png")
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (16, 16, 3), dtype=np.uint8)).save(
+        out.parent / "a.png"
+    )
     (out.parent / "broken.png").write_bytes(b"\x89PNG not really")
     return out

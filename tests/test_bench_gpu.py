@@ -4,6 +4,7 @@ decode at batch 1 and 8, memory per token with and without selective checkpointi
 training and decoding). It checks what the command writes, never the speed it measures. Without CUDA
 and without --smoke it refuses in one line (exit 2). The CUDA instance (marked gpu) runs the same
 smoke on the GPU, where the memory and kernel counts are real."""
+
 import contextlib
 import io
 import json
@@ -37,15 +38,22 @@ def smoke(tmp_path_factory):
 
 
 def _rows(res, section, **setting):
-    return [r for r in res["rows"] if r["setting"].get("section") == section
-            and all(r["setting"].get(k) == v for k, v in setting.items())]
+    return [
+        r
+        for r in res["rows"]
+        if r["setting"].get("section") == section
+        and all(r["setting"].get(k) == v for k, v in setting.items())
+    ]
 
 
 def _check_every_section(res: dict, cuda: bool) -> None:
     names = list(res["configs"])
     reallocs = [n for n in names if n != BASELINE]
-    assert names[0] == BASELINE and set(reallocs) == {"more_experts", "loop_more_experts",
-                                                      "wider_concept"}
+    assert names[0] == BASELINE and set(reallocs) == {
+        "more_experts",
+        "loop_more_experts",
+        "wider_concept",
+    }
     assert res["part"] == "gpu" and res["mode"] == "smoke" and res["complete"]
     assert res["errors"] == {}, res["errors"]
     assert {k: v["status"] for k, v in res["sections"].items()} == {k: "done" for k in gpu.SECTIONS}
@@ -71,13 +79,17 @@ def _check_every_section(res: dict, cuda: bool) -> None:
         for n in reallocs:
             assert rows[f"{n} (forced)"]["R"] == s["ratio"]
             assert rows[f"{n} (forced, tight)"]["eval_capacity_slack"] == 1.25
-            assert rows[f"{n} (learned)"]["boundaries"] == "learned" and rows[f"{n} (learned)"]["R"] >= 1
+            assert (
+                rows[f"{n} (learned)"]["boundaries"] == "learned"
+                and rows[f"{n} (learned)"]["R"] >= 1
+            )
 
     # decode at batch 1 and 8, every candidate, in ms per step
     for B in (1, 8):
         rows = _rows(res, "decode", mode="eager", batch=B)
-        assert [r["candidate"] for r in rows] == names and all(r["unit"] == "ms" and r["median"] > 0
-                                                               for r in rows)
+        assert [r["candidate"] for r in rows] == names and all(
+            r["unit"] == "ms" and r["median"] > 0 for r in rows
+        )
 
     # memory per token, with and without selective checkpointing: a figure on CUDA, null with the
     # reason on a CPU
@@ -94,7 +106,10 @@ def _check_every_section(res: dict, cuda: bool) -> None:
     metric = "CUDA kernels per step" if cuda else "operators per step (CPU, non-view aten ops)"
     for n in names:
         for step in ("train", "decode B=8"):
-            assert launches[(n, "eager", step)]["per_step"] > 0 and launches[(n, "eager", step)]["metric"] == metric
+            assert (
+                launches[(n, "eager", step)]["per_step"] > 0
+                and launches[(n, "eager", step)]["metric"] == metric
+            )
     if cuda:
         assert all(launches[(n, "eager", "train")]["host_syncs_per_step"] >= 0 for n in names)
 
@@ -106,13 +121,20 @@ def _check_every_section(res: dict, cuda: bool) -> None:
         if n in compiled:
             assert x["per_step"] > 0 and compiled[n]["compile_s"] >= 0
         else:
-            assert x["per_step"] is None and res["unavailable"][f"{n} (compiled train)"] and x["reason"]
+            assert (
+                x["per_step"] is None
+                and res["unavailable"][f"{n} (compiled train)"]
+                and x["reason"]
+            )
     # ... and each candidate's decode step compiled at both batch sizes or unavailable with a reason
     for n in names:
         for B in (1, 8):
             row = [r for r in _rows(res, "decode", mode="compiled", batch=B) if r["candidate"] == n]
-            assert row or res["unavailable"].get(f"{n} (compiled decode B={B})") \
-                or res["unavailable"].get(f"{n} (compiled decode)"), (n, B)
+            assert (
+                row
+                or res["unavailable"].get(f"{n} (compiled decode B={B})")
+                or res["unavailable"].get(f"{n} (compiled decode)")
+            ), (n, B)
     for x in res["eager_vs_compiled"]:
         assert x["compiled_speedup"] > 0 and x["section"] in ("train", "decode")
 
@@ -128,7 +150,9 @@ def test_smoke_writes_every_section(smoke):
     _check_every_section(smoke.res, cuda=False)
     assert (smoke.out / "gpu.png").stat().st_size > 0
     assert "== gpu ==" in smoke.printed
-    verdicts = smoke.printed.split("targets (smoke: toy shapes, not meaningful):\n")[1].splitlines()[:4]
+    verdicts = smoke.printed.split("targets (smoke: toy shapes, not meaningful):\n")[
+        1
+    ].splitlines()[:4]
     assert all(v.split()[0] in ("PASS", "FAIL", "n/a") for v in verdicts), verdicts
 
 
@@ -136,7 +160,12 @@ def test_without_cuda_it_refuses_in_one_line(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert main(["bench", "gpu", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
-    assert len(err.strip().splitlines()) == 1 and "CUDA" in err and "--smoke" in err and "Traceback" not in err
+    assert (
+        len(err.strip().splitlines()) == 1
+        and "CUDA" in err
+        and "--smoke" in err
+        and "Traceback" not in err
+    )
     assert not (tmp_path / "gpu.json").exists()
 
 
@@ -151,7 +180,10 @@ def test_device_peaks_are_dense_bf16_and_an_unknown_device_has_none():
     assert peak_bf16("NVIDIA GH200 480GB")["match"] == "GH200"
     assert peak_bf16("NVIDIA A100-SXM4-80GB")["tflops"] == 312.0
     assert peak_bf16("NVIDIA A10G")["approximate"] and peak_bf16("NVIDIA L40S")["tflops"] == 362.05
-    assert peak_bf16("NVIDIA L4")["tflops"] == 121.0 and peak_bf16("NVIDIA GeForce RTX 4090")["tflops"] == 165.2
+    assert (
+        peak_bf16("NVIDIA L4")["tflops"] == 121.0
+        and peak_bf16("NVIDIA GeForce RTX 4090")["tflops"] == 165.2
+    )
     assert peak_bf16("NVIDIA RTX A1000") is None and peak_bf16("Tesla T4") is None
 
 
@@ -159,25 +191,33 @@ def test_launch_counts_read_the_profilers_events():
     from torch.autograd import DeviceType
 
     def ev(name, device, activity=None, children=()):
-        return SimpleNamespace(name=name, device_type=device, activity_type=activity,
-                               cpu_children=list(children))
+        return SimpleNamespace(
+            name=name, device_type=device, activity_type=activity, cpu_children=list(children)
+        )
 
     mm = ev("aten::mm", DeviceType.CPU, "cpu_op")
-    events = [ev("aten::linear", DeviceType.CPU, "cpu_op", [mm]), mm,
-              ev("aten::add", DeviceType.CPU, "cpu_op"),
-              ev("cudaLaunchKernel", DeviceType.CPU, "cuda_runtime"),
-              ev("cudaStreamSynchronize", DeviceType.CPU, "cuda_runtime"),
-              # the one that ends the profile
-              ev("cudaDeviceSynchronize", DeviceType.CPU, "cuda_runtime"),
-              ev("ampere_bf16_gemm", DeviceType.CUDA, "kernel"),
-              ev("elementwise_kernel", DeviceType.CUDA, "kernel"),
-              ev("Memcpy DtoH (Device -> Pinned)", DeviceType.CUDA, "gpu_memcpy"),
-              # an older profiler: no activity type
-              ev("triton_poi_fused_0", DeviceType.CUDA, None)]
+    events = [
+        ev("aten::linear", DeviceType.CPU, "cpu_op", [mm]),
+        mm,
+        ev("aten::add", DeviceType.CPU, "cpu_op"),
+        ev("cudaLaunchKernel", DeviceType.CPU, "cuda_runtime"),
+        ev("cudaStreamSynchronize", DeviceType.CPU, "cuda_runtime"),
+        # the one that ends the profile
+        ev("cudaDeviceSynchronize", DeviceType.CPU, "cuda_runtime"),
+        ev("ampere_bf16_gemm", DeviceType.CUDA, "kernel"),
+        ev("elementwise_kernel", DeviceType.CUDA, "kernel"),
+        ev("Memcpy DtoH (Device -> Pinned)", DeviceType.CUDA, "gpu_memcpy"),
+        # an older profiler: no activity type
+        ev("triton_poi_fused_0", DeviceType.CUDA, None),
+    ]
     got = gpu.launch_counts(events, cuda=True, steps=2)
-    assert got["per_step"] == 1.5 and got["memcpy_per_step"] == 0.5 and got["host_syncs_per_step"] == 0.5
+    assert (
+        got["per_step"] == 1.5
+        and got["memcpy_per_step"] == 0.5
+        and got["host_syncs_per_step"] == 0.5
+    )
     got = gpu.launch_counts(events, cuda=False, steps=1)
-    assert got["per_step"] == 2   # aten::mm and aten::add: aten::linear runs no kernel of its own
+    assert got["per_step"] == 2  # aten::mm and aten::add: aten::linear runs no kernel of its own
 
 
 def test_cuda_memory_probe_measures_what_the_step_adds(monkeypatch):

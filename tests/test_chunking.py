@@ -1,13 +1,14 @@
 """Chunk / dechunk equations against the paper (eq. 2-10, Appendix B)."""
+
 import pytest
 import torch
 
 from vlm.model.cache import ChunkState
 from vlm.model.chunking import ChunkModule, cosine_boundary_prob, sharpen
+from vlm.model.config import ChunkConfig
 from vlm.model.dechunk import Dechunk, plug_back, ste
 from vlm.model.ema_scan import ema_scan
 from vlm.model.ratio_loss import ratio_loss
-from vlm.model.config import ChunkConfig
 
 
 def ema_loop_reference(concept_MD, prob_M):
@@ -76,8 +77,9 @@ def test_cosine_router_eq2_and_sharpen_eq5():
     # p_0 = 1; p_1 = (1 - cos(q_1, k_0))/2 = 0; p_2 = (1 - cos(q_2, k_1))/2 = 0.5
     torch.testing.assert_close(p, torch.tensor([[1.0, 0.0, 0.5]]))
     s = sharpen(torch.tensor([0.2, 0.5, 0.9]), 6.0)
-    torch.testing.assert_close(s,
-                               torch.tensor([1 - 0.8 ** (1 / 6), 0.5 ** (1 / 6), 0.9 ** (1 / 6)]))
+    torch.testing.assert_close(
+        s, torch.tensor([1 - 0.8 ** (1 / 6), 0.5 ** (1 / 6), 0.9 ** (1 / 6)])
+    )
 
 
 def test_ste_forward_one_backward_identity():
@@ -100,8 +102,11 @@ def _hand_chunks(merge):
 
 
 def test_merge_strategies_follow_the_causal_convention():
-    for merge, expected in (("last", [1, 3, 6, 7]), ("sum", [1, 2 + 3, 6, 7]),
-                            ("mean", [1, 2.5, 6, 7])):
+    for merge, expected in (
+        ("last", [1, 3, 6, 7]),
+        ("sum", [1, 2 + 3, 6, 7]),
+        ("mean", [1, 2.5, 6, 7]),
+    ):
         mod, ch, h, doc = _hand_chunks(merge)
         assert ch.b_BT.long().tolist() == [[1, 0, 1, 0, 0, 1, 1, 0, 0]]
         assert ch.cidx_BT.tolist() == [[0, 0, 1, 1, 1, 2, 3, 3, -1]]
@@ -116,8 +121,9 @@ def test_merge_strategies_follow_the_causal_convention():
         assert float(ch.overflow) == 0
         c = mod.merge(h, doc, ch)[0, :, 0]
         # tokens 3,4 (doc 0 tail) and 7 (doc 1 tail) join no concept; nothing crosses documents
-        torch.testing.assert_close(c, torch.tensor(expected + [0] * (M - 4), dtype=torch.float32),
-                                   msg=merge)
+        torch.testing.assert_close(
+            c, torch.tensor(expected + [0] * (M - 4), dtype=torch.float32), msg=merge
+        )
 
 
 def test_concepts_past_the_static_capacity_are_counted_and_read_by_no_token():
@@ -127,15 +133,15 @@ def test_concepts_past_the_static_capacity_are_counted_and_read_by_no_token():
     of an unlimited capacity."""
     T = 40
     doc = torch.zeros(1, T, dtype=torch.long)
-    force = torch.ones(1, T, dtype=torch.bool)            # 40 boundaries
+    force = torch.ones(1, T, dtype=torch.bool)  # 40 boundaries
     h = torch.randn(1, T, 3)
     tight = ChunkModule(ChunkConfig(eval_capacity_slack=1.0, target_ratio=4.0), 3).eval()
-    assert tight.capacity(T) == 16                         # ceil(40 / 4) = 10 -> 16
-    assert tight.capacity(T, training=True) == 16          # ceil(40 * 1.25 / 4) = 13 -> 16
+    assert tight.capacity(T) == 16  # ceil(40 / 4) = 10 -> 16
+    assert tight.capacity(T, training=True) == 16  # ceil(40 * 1.25 / 4) = 13 -> 16
     ch = tight(h, doc, force=force)
     assert ch.cdoc_BM.shape == (1, 16) and float(ch.overflow) == T - 16
     assert ch.cidx_BT[0, :16].tolist() == list(range(16)) and (ch.cidx_BT[0, 16:] == -1).all()
-    free = ChunkModule(ChunkConfig(target_ratio=4.0), 3).eval()   # eval capacity: T by default
+    free = ChunkModule(ChunkConfig(target_ratio=4.0), 3).eval()  # eval capacity: T by default
     ch_free = free(h, doc, force=force)
     assert ch_free.cdoc_BM.shape == (1, T) and float(ch_free.overflow) == 0
     torch.testing.assert_close(tight.merge(h, doc, ch), free.merge(h, doc, ch_free)[:, :16])
@@ -152,8 +158,9 @@ def test_dechunk_plug_back_and_ste():
     concepts = torch.randn(1, M, 2)
     z, c_read, _ = de(h, concepts, ch)
     reset = torch.tensor([[True, False, True, False] + [True] * (M - 4)])
-    torch.testing.assert_close(c_read[0, :8],
-                               plug_back(ema_scan(concepts, ch.cp_BM, reset), ch.cidx_BT)[0, :8])
+    torch.testing.assert_close(
+        c_read[0, :8], plug_back(ema_scan(concepts, ch.cp_BM, reset), ch.cidx_BT)[0, :8]
+    )
     torch.testing.assert_close(z, h + c_read)  # identity residual, STE forward = 1
 
 
@@ -172,10 +179,10 @@ def test_ema_scan_gradient_is_exact_where_p_is_one_inside_a_document():
     got = ema_scan(x[None], p[None], reset, block=32)[0]
     torch.testing.assert_close(got, ref.to(got.dtype), rtol=1e-5, atol=1e-5)
     w = torch.randn(M, D, dtype=torch.float64)
-    gp_ref, = torch.autograd.grad((ref * w).sum(), p)
-    gp, = torch.autograd.grad((got * w).sum(), p)
+    (gp_ref,) = torch.autograd.grad((ref * w).sum(), p)
+    (gp,) = torch.autograd.grad((got * w).sum(), p)
     torch.testing.assert_close(gp[1:], gp_ref[1:], rtol=1e-4, atol=1e-5)
-    assert gp[5].abs() > 1e-3 and gp[33].abs() > 1e-3   # not cut to x_m's share alone
+    assert gp[5].abs() > 1e-3 and gp[33].abs() > 1e-3  # not cut to x_m's share alone
 
 
 def test_train_mode_samples_boundaries_at_the_papers_flip_rate(monkeypatch):
@@ -201,10 +208,18 @@ def test_joint_decoding_reads_the_concepts():
     from vlm.model.conceptmoe import ConceptMoELM
     from vlm.model.config import ModelConfig, MoEConfig
 
-    cfg = ModelConfig(vocab_size=50, hidden_size=16, num_heads=2, num_kv_heads=1, head_dim=8,
-                      encoder_layers=1, concept_layers=1, decoder_layers=1,
-                      moe=MoEConfig(num_experts=2, top_k=1, expert_hidden=16),
-                      chunk=ChunkConfig())
+    cfg = ModelConfig(
+        vocab_size=50,
+        hidden_size=16,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=8,
+        encoder_layers=1,
+        concept_layers=1,
+        decoder_layers=1,
+        moe=MoEConfig(num_experts=2, top_k=1, expert_hidden=16),
+        chunk=ChunkConfig(),
+    )
     torch.manual_seed(0)
     model = ConceptMoELM(cfg).eval()
     joint = [m for m in model.modules() if getattr(m, "joint", False)]
@@ -220,7 +235,7 @@ def test_joint_decoding_reads_the_concepts():
 
 def test_fixed_router_puts_a_boundary_every_R_tokens_of_each_document():
     mod = ChunkModule(ChunkConfig(router="fixed", target_ratio=3.0), 2)
-    assert not list(mod.parameters())                       # nothing to learn
+    assert not list(mod.parameters())  # nothing to learn
     doc = torch.tensor([[0] * 7 + [1] * 4 + [-1]])
     for m in (mod.train(), mod.eval()):
         b = m(torch.randn(1, 12, 2), doc).b_BT[0].tolist()
@@ -233,14 +248,15 @@ def test_boundary_noise_options(noise, monkeypatch):
     T = 20_000
     p = torch.linspace(0, 1, T)[None]
     mod = ChunkModule(ChunkConfig(boundary_noise=noise, noise_sigma=0.1), 2).train()
-    monkeypatch.setattr(mod, "boundary_prob", lambda h, doc,
-                        above=None: (p, torch.zeros(1, T, dtype=torch.bool)))
+    monkeypatch.setattr(
+        mod, "boundary_prob", lambda h, doc, above=None: (p, torch.zeros(1, T, dtype=torch.bool))
+    )
     torch.manual_seed(0)
     flip = mod(torch.zeros(1, T, 2), torch.zeros(1, T, dtype=torch.long)).b_BT != (p >= 0.5)
     if noise == "none":
         assert not flip.any()
-    # E|flip| = E over p of P(N(0, 0.1) crosses 0.5 - p) = 0.1 * sqrt(2/pi) = 0.080 for p uniform
     else:
+        # E|flip| = E over p of P(N(0, 0.1) crosses 0.5 - p) = 0.1 * sqrt(2/pi) = 0.080 for p uniform
         assert flip.float().mean().item() == pytest.approx(0.1 * (2 / torch.pi) ** 0.5, abs=0.01)
         assert not flip[0, (p[0] - 0.5).abs() > 0.45].any()
 
@@ -249,8 +265,9 @@ def test_fixed_router_refuses_settings_it_cannot_honour():
     from configs.config import ConfigError, from_dict
 
     with pytest.raises(ConfigError, match="modality_target_ratios needs a learned router"):
-        from_dict(ChunkConfig,
-                  {"router": "fixed", "modality_target_ratios": {"text": 2.0, "image": 2.0}})
+        from_dict(
+            ChunkConfig, {"router": "fixed", "modality_target_ratios": {"text": 2.0, "image": 2.0}}
+        )
     with pytest.raises(ConfigError, match="rounds below 2"):
         from_dict(ChunkConfig, {"router": "fixed", "target_ratio": 1.4})
 
@@ -272,7 +289,7 @@ def test_topk_router_keeps_the_best_n_over_R_tokens_per_document_and_a_causal_th
             k = -(-(hi - lo) // 4)
             best = set(w[row, lo:hi].topk(k).indices.tolist())
             assert set(b.nonzero().squeeze(1).tolist()) - {0} == best - {0} and b[0]
-        assert not ch.b_BT[0, 29:].any()                         # padding
+        assert not ch.b_BT[0, 29:].any()  # padding
     mod.eval()
     big_doc = torch.arange(64).repeat_interleave(64).view(8, 512)  # 64 documents of 64 tokens
     rate = mod(torch.randn(8, 512, 8), big_doc).b_BT.float().mean().item()
@@ -280,7 +297,7 @@ def test_topk_router_keeps_the_best_n_over_R_tokens_per_document_and_a_causal_th
     assert 0.2 < rate < 0.33
     h = torch.randn(2, 32, 8)
     full = mod(h, doc).b_BT
-    assert torch.equal(mod(h[:, :12], doc[:, :12]).b_BT, full[:, :12])   # a prefix decides alone
+    assert torch.equal(mod(h[:, :12], doc[:, :12]).b_BT, full[:, :12])  # a prefix decides alone
 
 
 # ---------------------------------------------------------------- the modules' single-token steps
@@ -292,10 +309,9 @@ def _step_setup(router, merge="sum", residual="identity", T=12, t0=4, B=2, D=16)
     cfg = ChunkConfig(router=router, merge=merge, residual=residual, target_ratio=3.0)
     chunker, de = ChunkModule(cfg, D).eval(), Dechunk(cfg, D)
     with torch.no_grad():
-        if de.residual is not None:   # not the identity: the step must apply the projection
+        if de.residual is not None:  # not the identity: the step must apply the projection
             de.residual.weight.add_(torch.randn(D, D) * 0.1)
-    # noqa: E731  (stands in for the concept layers)
-    concept_model = lambda c: torch.tanh(c) * 1.5 - 0.2
+    concept_model = lambda c: torch.tanh(c) * 1.5 - 0.2  # noqa: E731  (stands in for the concept layers)
     h = torch.randn(B, T, D)
     doc = torch.zeros(B, T, dtype=torch.long)
 
@@ -307,8 +323,10 @@ def _step_setup(router, merge="sum", residual="identity", T=12, t0=4, B=2, D=16)
         return ch, c_in, c_out, z, c, c_in_read
 
     ch0, _, _, _, c0, c_in0 = run(h[:, :t0], doc[:, :t0])
-    state = ChunkState.join(chunker.prefill_state(h[:, :t0], doc[:, :t0], ch0),
-                            de.prefill_state(doc[:, :t0], ch0, c0, c_in0))
+    state = ChunkState.join(
+        chunker.prefill_state(h[:, :t0], doc[:, :t0], ch0),
+        de.prefill_state(doc[:, :t0], ch0, c0, c_in0),
+    )
     return chunker, de, concept_model, h, run(h, doc), state
 
 
@@ -331,12 +349,13 @@ def test_chunk_step_token_by_token_equals_the_forward_and_merge(router, merge):
         idx = ch.cidx_BT[rows, t]
         torch.testing.assert_close(ck.c_BD[rows], c_in[rows, idx], rtol=1e-5, atol=1e-5)
         if router == "topk":
-            torch.testing.assert_close(ck.gate_B[rows], ch.cgate_BM[rows, idx], rtol=1e-5,
-                                       atol=1e-6)
+            torch.testing.assert_close(
+                ck.gate_B[rows], ch.cgate_BM[rows, idx], rtol=1e-5, atol=1e-6
+            )
         else:
             assert ck.gate_B is None
         fired += rows.numel()
-    assert 0 < fired < (T - t0) * h.shape[0]   # both cases met: the check is not vacuous
+    assert 0 < fired < (T - t0) * h.shape[0]  # both cases met: the check is not vacuous
 
 
 @pytest.mark.parametrize("residual", ["identity", "linear", "delta"])
@@ -348,7 +367,9 @@ def test_dechunk_step_token_by_token_equals_the_forward(router, residual):
     fired the smoothed new concept the cross-attention decoder appends, as `forward` / `smooth`
     give them for the whole sequence (Synergy's gate with the topk router; the EMA over the
     inputs with "delta")."""
-    chunker, de, concept_model, h, (ch, _, c_out, z, c, _), state = _step_setup(router, "sum", residual)
+    chunker, de, concept_model, h, (ch, _, c_out, z, c, _), state = _step_setup(
+        router, "sum", residual
+    )
     smoothed = de.smooth(c_out, ch)
     t0, T = 4, h.shape[1]
     fired = 0
@@ -359,7 +380,8 @@ def test_dechunk_step_token_by_token_equals_the_forward(router, residual):
         d = de.step(h[:, t, None], concept_model(ck.c_BD)[:, None], ck, state)
         torch.testing.assert_close(d.z_B1D[:, 0], z[:, t], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(d.c_B1D[:, 0], c[:, t], rtol=1e-5, atol=1e-5)
-        assert torch.equal(state.n_concepts_B, ch.b_BT[:, :t + 1].sum(1))
-        torch.testing.assert_close(d.c_B1D[rows, 0], smoothed[rows, ch.cidx_BT[rows, t]], rtol=1e-5,
-                                   atol=1e-5)
+        assert torch.equal(state.n_concepts_B, ch.b_BT[:, : t + 1].sum(1))
+        torch.testing.assert_close(
+            d.c_B1D[rows, 0], smoothed[rows, ch.cidx_BT[rows, t]], rtol=1e-5, atol=1e-5
+        )
     assert 0 < fired < (T - t0) * h.shape[0]

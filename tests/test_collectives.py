@@ -9,6 +9,7 @@
 - After an applied step the model's statistics (expert loads, top-k quantiles) cross the ranks in
   one collective.
 """
+
 from __future__ import annotations
 
 import ast
@@ -23,8 +24,14 @@ from vlm.model.training_controls import TrainingControls
 
 TRAIN = Path(__file__).resolve().parents[1] / "vlm" / "train"
 COLLECTIVE_CALLS = {"all_reduce_sum", "all_reduce_min", "all_reduce"}
-MODULE_INTERNALS = {"stats_hook", "threshold_per_step", "generator", "load_accum", "quantile_accum",
-                    "noise_seed"}
+MODULE_INTERNALS = {
+    "stats_hook",
+    "threshold_per_step",
+    "generator",
+    "load_accum",
+    "quantile_accum",
+    "noise_seed",
+}
 
 
 def _calls_and_attributes(path: Path):
@@ -32,7 +39,13 @@ def _calls_and_attributes(path: Path):
     for node in ast.walk(tree):
         if isinstance(node, ast.Call):
             f = node.func
-            name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
+            name = (
+                f.attr
+                if isinstance(f, ast.Attribute)
+                else f.id
+                if isinstance(f, ast.Name)
+                else None
+            )
             yield "call", name, node.lineno
         elif isinstance(node, ast.Attribute):
             yield "attr", node.attr, node.lineno
@@ -41,25 +54,34 @@ def _calls_and_attributes(path: Path):
 
 
 def test_no_module_of_the_trainer_calls_an_all_reduce_but_collectives():
-    found = [f"{p.name}:{line} {name}" for p in sorted(TRAIN.glob("*.py"))
-             if p.name not in ("collectives.py",
-                                                                                              "distributed.py")
-             for kind, name, line in _calls_and_attributes(p) if kind == "call"
-             and name in COLLECTIVE_CALLS]
+    found = [
+        f"{p.name}:{line} {name}"
+        for p in sorted(TRAIN.glob("*.py"))
+        if p.name not in ("collectives.py", "distributed.py")
+        for kind, name, line in _calls_and_attributes(p)
+        if kind == "call" and name in COLLECTIVE_CALLS
+    ]
     assert found == []
 
 
 def test_the_trainer_reaches_into_no_module():
-    found = [f"{p.name}:{line} {name}" for p in sorted(TRAIN.glob("*.py"))
-             for kind, name, line in _calls_and_attributes(p) if kind in ("attr", "str")
-             and name in MODULE_INTERNALS]
+    found = [
+        f"{p.name}:{line} {name}"
+        for p in sorted(TRAIN.glob("*.py"))
+        for kind, name, line in _calls_and_attributes(p)
+        if kind in ("attr", "str") and name in MODULE_INTERNALS
+    ]
     assert found == []
 
 
 def test_statistics_cross_the_ranks_in_one_collective_and_move_biases_and_thresholds():
-    model = torch.nn.ModuleDict({"a": MoE(MoEConfig(num_experts=4, top_k=2, expert_hidden=8), 8),
-                                 "b": MoE(MoEConfig(num_experts=4, top_k=2, expert_hidden=8), 8),
-                                 "chunk": ChunkModule(ChunkConfig(router="topk"), 8)})
+    model = torch.nn.ModuleDict(
+        {
+            "a": MoE(MoEConfig(num_experts=4, top_k=2, expert_hidden=8), 8),
+            "b": MoE(MoEConfig(num_experts=4, top_k=2, expert_hidden=8), 8),
+            "chunk": ChunkModule(ChunkConfig(router="topk"), 8),
+        }
+    )
     ctl = TrainingControls(model)
     model["a"].load_accum.copy_(torch.tensor([4.0, 0, 0, 0]))
     model["b"].load_accum.copy_(torch.tensor([0.0, 0, 0, 4]))

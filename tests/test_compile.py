@@ -8,6 +8,7 @@ generating code); the slow tier compiles with inductor, the GPU's compiler, and 
 code against eager. Per-block compilation (what the trainer does, vlm.model.compile) is checked over
 steps: the same numbers as eager, and no recompilation.
 """
+
 from __future__ import annotations
 
 import copy
@@ -27,24 +28,44 @@ V = 97
 
 def config(kind: str, **chunk) -> ModelConfig:
     """A tiny model with every feature on the path: GQA, QK-norm, shared and routed experts, balancing losses."""
-    cfg = ModelConfig(vocab_size=V, hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8,
-                      encoder_layers=1, concept_layers=1, decoder_layers=1, attn_backend="auto",
-                      moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=16, num_shared_experts=1,
-                                    shared_hidden=16, z_loss_weight=1e-3),
-                      chunk=ChunkConfig(**chunk))
+    cfg = ModelConfig(
+        vocab_size=V,
+        hidden_size=32,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        encoder_layers=1,
+        concept_layers=1,
+        decoder_layers=1,
+        attn_backend="auto",
+        moe=MoEConfig(
+            num_experts=4,
+            top_k=2,
+            expert_hidden=16,
+            num_shared_experts=1,
+            shared_hidden=16,
+            z_loss_weight=1e-3,
+        ),
+        chunk=ChunkConfig(**chunk),
+    )
     return cfg.baseline() if kind == "baseline" else cfg
 
 
 # the learned cosine router, Bernoulli noise
-MODELS = {"baseline": {}, "conceptmoe": {},
-          # the other router family and eq. 3's gate
-          "topk_grove": {"router": "topk", "residual": "delta"}}
+MODELS = {
+    "baseline": {},
+    "conceptmoe": {},
+    # the other router family and eq. 3's gate
+    "topk_grove": {"router": "topk", "residual": "delta"},
+}
 
 
 def packed_batch(seed: int = 0) -> PackedBatch:
     g = torch.Generator().manual_seed(seed)
-    rows = [[torch.randint(3, V, (n,), generator=g).tolist() for n in lens]
-            for lens in ((30, 50, 20), (64, 30))]
+    rows = [
+        [torch.randint(3, V, (n,), generator=g).tolist() for n in lens]
+        for lens in ((30, 50, 20), (64, 30))
+    ]
     return PackedBatch.stack([PackedBatch.from_documents(r, row_len=112) for r in rows])
 
 
@@ -62,10 +83,12 @@ def check_training_step(kind: str, backend: str) -> None:
     cfg = config(kind, **MODELS.get(kind, {}))
     # Grove's adjugate experts: once per (token, group), in static shapes too
     if kind == "topk_grove":
-        cfg = dataclasses.replace(cfg,
-                                  moe=MoEConfig(num_experts=4, top_k=3, expert_hidden=16,
-                                                grove_groups=2,
-                                                     grove_lambda=0.05))
+        cfg = dataclasses.replace(
+            cfg,
+            moe=MoEConfig(
+                num_experts=4, top_k=3, expert_hidden=16, grove_groups=2, grove_lambda=0.05
+            ),
+        )
     eager = ConceptMoELM(cfg).train()
     compiled = copy.deepcopy(eager)
     batch = packed_batch()
@@ -109,8 +132,9 @@ def check_prefill_and_decode(kind: str, backend: str) -> None:
     model = ConceptMoELM(config(kind, **MODELS.get(kind, {}))).eval()
     batch, steps = prompts(), 6
     torch._dynamo.reset()
-    prefill = torch.compile(lambda b: model.prefill(b, max_new_tokens=steps), fullgraph=True,
-                            backend=backend)
+    prefill = torch.compile(
+        lambda b: model.prefill(b, max_new_tokens=steps), fullgraph=True, backend=backend
+    )
     out_c, cache_c = prefill(batch)
     out_e, cache_e = model.prefill(batch, max_new_tokens=steps)
     valid = batch.doc_ids >= 0
@@ -120,7 +144,7 @@ def check_prefill_and_decode(kind: str, backend: str) -> None:
     last = (batch.doc_ids >= 0).sum(1) - 1
     tok = out_e.logits[torch.arange(2), last].argmax(-1)
     fired = []
-    for _ in range(steps):   # one graph for every step: fixed shapes whatever fires
+    for _ in range(steps):  # one graph for every step: fixed shapes whatever fires
         for cache in (cache_c, cache_e):
             cache.make_room(1)
         before = cache_e.chunk.n_concepts_B.clone() if cache_e.chunk is not None else None
@@ -130,12 +154,13 @@ def check_prefill_and_decode(kind: str, backend: str) -> None:
         tok = logits_e.argmax(-1)
         if before is not None:
             fired += (cache_e.chunk.n_concepts_B - before).tolist()
-    if cache_e.chunk is not None:   # rows whose boundary fired and rows whose did not both occurred
+    if cache_e.chunk is not None:  # rows whose boundary fired and rows whose did not both occurred
         assert torch.equal(cache_c.chunk.n_concepts_B, cache_e.chunk.n_concepts_B)
         assert set(fired) == {0, 1}
-    for a, b in zip(cache_c.encoder + cache_c.concept + cache_c.decoder,
-                    cache_e.encoder + cache_e.concept +
-                    cache_e.decoder):
+    for a, b in zip(
+        cache_c.encoder + cache_c.concept + cache_c.decoder,
+        cache_e.encoder + cache_e.concept + cache_e.decoder,
+    ):
         assert torch.equal(a.len_B, b.len_B)
 
 
@@ -187,10 +212,12 @@ def test_per_block_compilation_matches_eager_over_steps_without_recompiling():
         torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
         graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
         for (n, a), b in zip(eager.named_parameters(), compiled.parameters()):
-            torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6,
-                                       msg=lambda m: f"step {step} grad {n}: {m}")
-            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6,
-                                       msg=lambda m: f"step {step} {n}: {m}")
+            torch.testing.assert_close(
+                b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"step {step} grad {n}: {m}"
+            )
+            torch.testing.assert_close(
+                b, a, rtol=1e-5, atol=1e-6, msg=lambda m: f"step {step} {n}: {m}"
+            )
     assert graphs[0] > 0 and graphs[1] == graphs[0] and graphs[2] == graphs[0]
     assert not torch._dynamo.utils.counters["graph_break"]
 
@@ -221,7 +248,7 @@ def test_backend_choice_per_device_and_under_compile():
     assert resolve_backend("docs", cpu, compiled=True) == "sdpa"
     # never the T x T mask by default on CUDA
     assert resolve_backend("auto", cuda) in ("flash", "flex")
-    assert resolve_backend("sdpa", cuda) == "sdpa"                     # asked for: the fallback
+    assert resolve_backend("sdpa", cuda) == "sdpa"  # asked for: the fallback
 
 
 def _varlen_stand_in(q, k, v, cu_q, cu_k, max_q, max_k, window_size=(-1, -1), enable_gqa=False):
@@ -236,11 +263,13 @@ def _varlen_stand_in(q, k, v, cu_q, cu_k, max_q, max_k, window_size=(-1, -1), en
         assert n <= max_q
         i = torch.arange(n)
         left, right = window_size
-        allowed = ((i[None] <= i[:, None] + (right if right >= 0 else n))
-                   & (i[None] >= i[:, None] - (left if left >= 0 else n)))
+        allowed = (i[None] <= i[:, None] + (right if right >= 0 else n)) & (
+            i[None] >= i[:, None] - (left if left >= 0 else n)
+        )
         seg = lambda x: x[s:e].transpose(0, 1)[None]  # noqa: E731
         out[s:e] = torch.nn.functional.scaled_dot_product_attention(
-            seg(q), seg(k), seg(v), attn_mask=allowed, enable_gqa=enable_gqa)[0].transpose(0, 1)
+            seg(q), seg(k), seg(v), attn_mask=allowed, enable_gqa=enable_gqa
+        )[0].transpose(0, 1)
     return out
 
 
@@ -259,13 +288,15 @@ def test_varlen_backend_layout_and_window_on_a_stand_in(monkeypatch, window):
     valid = doc >= 0
     got = attention.attend(q, k, v, doc, "varlen", window=window)
     ref = attention.attend(q, k, v, doc, "sdpa", window=window)
-    torch.testing.assert_close(got.transpose(1, 2)[valid], ref.transpose(1, 2)[valid], rtol=1e-5,
-                               atol=1e-5)
+    torch.testing.assert_close(
+        got.transpose(1, 2)[valid], ref.transpose(1, 2)[valid], rtol=1e-5, atol=1e-5
+    )
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(),
-                    reason="torch.nn.attention.varlen is a CUDA kernel")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="torch.nn.attention.varlen is a CUDA kernel"
+)
 def test_varlen_kernel_equals_the_packed_mask_on_cuda():
     from vlm.model.attention import attend
 
@@ -278,5 +309,9 @@ def test_varlen_kernel_equals_the_packed_mask_on_cuda():
     for window in (0, 32):
         got = attend(q, k, v, doc, "varlen", window=window)
         ref = attend(q, k, v, doc, "sdpa", window=window)
-        torch.testing.assert_close(got.transpose(1, 2)[valid].float(),
-                                   ref.transpose(1, 2)[valid].float(), rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(
+            got.transpose(1, 2)[valid].float(),
+            ref.transpose(1, 2)[valid].float(),
+            rtol=2e-2,
+            atol=2e-2,
+        )

@@ -7,6 +7,7 @@ clear ConfigError. And the dataclasses are the one source of defaults: no YAML k
 it inherits, and docs/configuration.md lists the dataclass defaults. How each config dataclass is
 validated (once, however it is made): tests/test_config_validation.py.
 """
+
 from __future__ import annotations
 
 import copy
@@ -17,8 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from configs.config import (ConfigError, _coerce, deep_merge, flatten, from_dict, load_yaml,
-                            to_dict)
+from configs.config import ConfigError, _coerce, deep_merge, flatten, from_dict, load_yaml, to_dict
 
 
 def _write(path, data: dict):
@@ -28,24 +28,37 @@ def _write(path, data: dict):
 
 
 def test_child_overrides_nested_keys_and_keeps_the_rest(tmp_path):
-    _write(tmp_path / "base.yaml", {
-        "model": {"hidden_size": 32, "moe": {"num_experts": 4, "top_k": 2},
-                  "chunk": {"enabled": True}},
-        "optim": {"lr": 0.1, "betas": [0.9, 0.95]},
-        "vision": {"encoder": {"hidden_size": 16}},
-        "train": {"max_steps": 10},
-    })
-    child = _write(tmp_path / "child.yaml", {
-        "base": "base.yaml",
-        "model": {"moe": {"top_k": 1}},        # one nested key
-        "optim": {"betas": [0.8]},              # a list replaces the base's list
-        "vision": None,                         # null replaces a whole section
-        "logging": {"log_every": 5},            # a section the base lacks
-    })
+    _write(
+        tmp_path / "base.yaml",
+        {
+            "model": {
+                "hidden_size": 32,
+                "moe": {"num_experts": 4, "top_k": 2},
+                "chunk": {"enabled": True},
+            },
+            "optim": {"lr": 0.1, "betas": [0.9, 0.95]},
+            "vision": {"encoder": {"hidden_size": 16}},
+            "train": {"max_steps": 10},
+        },
+    )
+    child = _write(
+        tmp_path / "child.yaml",
+        {
+            "base": "base.yaml",
+            "model": {"moe": {"top_k": 1}},  # one nested key
+            "optim": {"betas": [0.8]},  # a list replaces the base's list
+            "vision": None,  # null replaces a whole section
+            "logging": {"log_every": 5},  # a section the base lacks
+        },
+    )
     got = load_yaml(child)
     assert got == {
-        "model": {"hidden_size": 32, "moe": {"num_experts": 4, "top_k": 1},
-                  "chunk": {"enabled": True}}, "optim": {"lr": 0.1, "betas": [0.8]},
+        "model": {
+            "hidden_size": 32,
+            "moe": {"num_experts": 4, "top_k": 1},
+            "chunk": {"enabled": True},
+        },
+        "optim": {"lr": 0.1, "betas": [0.8]},
         "vision": None,
         "train": {"max_steps": 10},
         "logging": {"log_every": 5},
@@ -70,11 +83,14 @@ def test_deep_merge_leaves_its_inputs_alone():
 
 def test_base_path_is_relative_to_the_child_file_not_the_cwd(tmp_path, monkeypatch):
     _write(tmp_path / "recipes" / "common" / "base.yaml", {"train": {"max_steps": 7, "seed": 5}})
-    child = _write(tmp_path / "recipes" / "stages" / "s1.yaml",
-                   {"base": "../common/base.yaml", "train": {"max_steps": 3}})
+    child = _write(
+        tmp_path / "recipes" / "stages" / "s1.yaml",
+        {"base": "../common/base.yaml", "train": {"max_steps": 3}},
+    )
     # a decoy next to the cwd with the same relative name must not be read
-    _write(tmp_path / "elsewhere" / "common" / "base.yaml",
-           {"train": {"max_steps": 99, "seed": 99}})
+    _write(
+        tmp_path / "elsewhere" / "common" / "base.yaml", {"train": {"max_steps": 99, "seed": 99}}
+    )
     (tmp_path / "elsewhere" / "sub").mkdir()
     monkeypatch.chdir(tmp_path / "elsewhere" / "sub")
     assert load_yaml(child) == {"train": {"max_steps": 3, "seed": 5}}
@@ -107,8 +123,9 @@ def test_diamond_is_not_a_cycle(tmp_path):
 
 
 def test_missing_base_is_a_clear_config_error(tmp_path):
-    child = _write(tmp_path / "child.yaml",
-                   {"base": "nope/missing.yaml", "train": {"max_steps": 1}})
+    child = _write(
+        tmp_path / "child.yaml", {"base": "nope/missing.yaml", "train": {"max_steps": 1}}
+    )
     with pytest.raises(ConfigError) as e:
         load_yaml(child)
     msg = str(e.value)
@@ -126,12 +143,21 @@ def test_train_config_loader_reads_bases_and_validates_the_merge(tmp_path, TINY)
     from vlm.train.config import load_train_config
 
     _write(tmp_path / "tiny.yaml", TINY)
-    child = _write(tmp_path / "child.yaml", {"base": "tiny.yaml", "model": {"moe": {"top_k": 1}},
-                                             "train": {"max_steps": 3}})
+    child = _write(
+        tmp_path / "child.yaml",
+        {"base": "tiny.yaml", "model": {"moe": {"top_k": 1}}, "train": {"max_steps": 3}},
+    )
     cfg = load_train_config(child, ["train.seed=4"])
-    assert cfg.model.moe.top_k == 1 and cfg.model.moe.num_experts == TINY["model"]["moe"]["num_experts"]
+    assert (
+        cfg.model.moe.top_k == 1
+        and cfg.model.moe.num_experts == TINY["model"]["moe"]["num_experts"]
+    )
     assert cfg.model.hidden_size == TINY["model"]["hidden_size"]
-    assert cfg.train.max_steps == 3 and cfg.train.seed == 4 and cfg.train.stage == TINY["train"]["stage"]
+    assert (
+        cfg.train.max_steps == 3
+        and cfg.train.seed == 4
+        and cfg.train.stage == TINY["train"]["stage"]
+    )
     bad = _write(tmp_path / "bad.yaml", {"base": "tiny.yaml", "model": {"moe": {"top_k": 9}}})
     with pytest.raises(ConfigError, match="top_k"):
         load_train_config(bad)
@@ -160,7 +186,7 @@ def test_llava_recipe_configs_load_and_validate(tmp_path, monkeypatch, ROOT):
     for cfg in (text, align, full):
         # inherited, so every stage can load the previous one's LLM
         assert cfg.model == default.model
-        assert cfg.train.init_from is None          # the chain sets it
+        assert cfg.train.init_from is None  # the chain sets it
         assert cfg.train.max_steps != default.train.max_steps
     assert align.vision == full.vision == default.vision
 
@@ -170,7 +196,9 @@ def test_byte_level_recipe_loads_on_the_byte_tokenizer(ROOT):
     from vlm.train.config import load_train_config
 
     cfg = load_train_config(ROOT / "configs" / "byte_level.yaml")
-    assert cfg.data.tokenizer == "byte" and cfg.model.vocab_size >= load_tokenizer("byte").vocab_size
+    assert (
+        cfg.data.tokenizer == "byte" and cfg.model.vocab_size >= load_tokenizer("byte").vocab_size
+    )
     assert cfg.model.chunk.modality_target_ratios == {"text": 4.0, "image": 2.0}
     assert cfg.data.row_tokens * cfg.data.rows_per_batch == 2048 and cfg.vision_warmup.steps == 1000
 
@@ -228,16 +256,21 @@ def test_default_yaml_is_the_dataclass_defaults_where_it_says_nothing(ROOT):
     """`vlm train` (configs/default.yaml) and TrainConfig() differ only in the keys default.yaml states."""
     from vlm.train.config import TrainConfig
 
-    stated = flatten(yaml.safe_load((ROOT / "configs" / "default.yaml").read_text(encoding="utf-8"))
-                     or {})
+    stated = flatten(
+        yaml.safe_load((ROOT / "configs" / "default.yaml").read_text(encoding="utf-8")) or {}
+    )
     run = flatten(to_dict(from_dict(TrainConfig, load_yaml(ROOT / "configs" / "default.yaml"))))
     default = flatten(to_dict(TrainConfig()))
     # data.processor follows vision.processor (TrainConfig.__post_init__), stated once under vision
-    differ = {k for k in set(run) | set(default)
-              if run.get(k, "<absent>") != default.get(k, "<absent>")}
-    unexplained = sorted(k for k in differ if not k.startswith("data.processor.") and
-                         not any(k == s or k.startswith(s + ".") or s.startswith(k + ".")
-                                 for s in stated))
+    differ = {
+        k for k in set(run) | set(default) if run.get(k, "<absent>") != default.get(k, "<absent>")
+    }
+    unexplained = sorted(
+        k
+        for k in differ
+        if not k.startswith("data.processor.")
+        and not any(k == s or k.startswith(s + ".") or s.startswith(k + ".") for s in stated)
+    )
     assert unexplained == []
 
 
@@ -249,8 +282,11 @@ def test_configuration_docs_list_the_dataclass_defaults(ROOT):
     from vlm.train.config import TrainConfig
 
     tree = to_dict(TrainConfig())
-    rows = re.findall(r"^\| `([a-z_]+\.[a-z_.]+)` \| [^|]* \| `?([^|]*?)`? \| ",
-                      (ROOT / "docs" / "configuration.md").read_text(encoding="utf-8"), re.M)
+    rows = re.findall(
+        r"^\| `([a-z_]+\.[a-z_.]+)` \| [^|]* \| `?([^|]*?)`? \| ",
+        (ROOT / "docs" / "configuration.md").read_text(encoding="utf-8"),
+        re.M,
+    )
     assert len(rows) > 100
     wrong = []
     for key, cell in rows:

@@ -6,6 +6,7 @@ and the dashboard's, the optimizer's learning rate, the boundary sampler's seed.
 would silently shadow is refused in one line naming both. The allow-lists of keys a continued or
 resumed run may change name real config fields.
 """
+
 from __future__ import annotations
 
 import re
@@ -36,8 +37,9 @@ def optimizer_lr(cfg: TrainConfig) -> float:
     from vlm.train.param_groups import build_param_groups
 
     model = ConceptMoELM(cfg.model)
-    groups = build_param_groups(model, cfg.optim, cfg.params, cfg.model.hidden_size,
-                                cfg.model.c_hidden)
+    groups = build_param_groups(
+        model, cfg.optim, cfg.params, cfg.model.hidden_size, cfg.model.c_hidden
+    )
     opt = build_optimizer(groups, cfg.optim)
     return max(g["lr"] for g in opt.param_groups)
 
@@ -60,12 +62,15 @@ def documented_overrides(ROOT) -> list[str]:
     """`key=value` overrides on the `vlm train` / `vlm chain` lines of README.md, docs/*.md and `vlm train --help`."""
     from vlm.train import cli
 
-    texts = [(ROOT / "README.md").read_text()] + [p.read_text()
-                                                  for p in sorted((ROOT / "docs").glob("*.md"))]
+    texts = [(ROOT / "README.md").read_text()] + [
+        p.read_text() for p in sorted((ROOT / "docs").glob("*.md"))
+    ]
     texts.append(open(cli.__file__).read())
     found = []
     for text in texts:
-        for line in re.findall(r"(?:vlm (?:train|chain)|Overrides are dotted keys, e\.g\.)[^\n`\"]*", text):
+        for line in re.findall(
+            r"(?:vlm (?:train|chain)|Overrides are dotted keys, e\.g\.)[^\n`\"]*", text
+        ):
             found += re.findall(r"\b([a-z_]+(?:\.[a-z_]+)+=[^\s`\"]+)", line)
     return sorted(set(found))
 
@@ -73,13 +78,17 @@ def documented_overrides(ROOT) -> list[str]:
 def test_every_documented_override_changes_what_the_code_acts_on(ROOT):
     examples = documented_overrides(ROOT)
     keys = {ov.split("=", 1)[0] for ov in examples}
-    assert {"model.chunk.target_ratio", "optim.lr"} <= keys   # the README's own example is found
-    assert keys <= ACTS_ON.keys(), f"give these documented keys a probe of what they act on: {keys - ACTS_ON.keys()}"
+    assert {"model.chunk.target_ratio", "optim.lr"} <= keys  # the README's own example is found
+    assert keys <= ACTS_ON.keys(), (
+        f"give these documented keys a probe of what they act on: {keys - ACTS_ON.keys()}"
+    )
     base = load_train_config(DEFAULT)
     for ov in examples:
         key = ov.split("=", 1)[0]
         changed = load_train_config(DEFAULT, [ov])
-        assert ACTS_ON[key](changed) != ACTS_ON[key](base), f"{ov} is accepted but changes nothing the code uses"
+        assert ACTS_ON[key](changed) != ACTS_ON[key](base), (
+            f"{ov} is accepted but changes nothing the code uses"
+        )
 
 
 def test_target_ratio_moves_the_default_configs_per_modality_targets():
@@ -89,20 +98,25 @@ def test_target_ratio_moves_the_default_configs_per_modality_targets():
     cfg = load_train_config(DEFAULT, ["model.chunk.target_ratio=3"])
     assert sorted(chunk_targets(cfg).values()) == [3.0, 3.0]
     assert config_targets(cfg) == {"ratio/text": 3.0, "ratio/image": 3.0}
-    own = load_train_config(DEFAULT,
-                            ["model.chunk.target_ratio=3",
-                             "model.chunk.modality_target_ratios.image=4"])
+    own = load_train_config(
+        DEFAULT, ["model.chunk.target_ratio=3", "model.chunk.modality_target_ratios.image=4"]
+    )
     assert config_targets(own) == {"ratio/text": 3.0, "ratio/image": 4.0}
 
 
 def test_a_shadowed_target_ratio_is_refused_naming_both():
-    with pytest.raises(ConfigError, match=r"model\.chunk\.target_ratio=3 is shadowed by "
-                                          r"model\.chunk\.modality_target_ratios"):
+    with pytest.raises(
+        ConfigError,
+        match=r"model\.chunk\.target_ratio=3 is shadowed by model\.chunk\.modality_target_ratios",
+    ):
         load_train_config("configs/byte_level.yaml", ["model.chunk.target_ratio=3"])
     # a saved config.yaml states every key: a target_ratio equal to one of the modalities'
     # restates it
     saved = flatten(to_dict(load_train_config("configs/byte_level.yaml")))
-    assert saved["model.chunk.target_ratio"] == 2.0 and saved["model.chunk.modality_target_ratios.image"] == 2.0
+    assert (
+        saved["model.chunk.target_ratio"] == 2.0
+        and saved["model.chunk.modality_target_ratios.image"] == 2.0
+    )
     load_train_config("configs/byte_level.yaml", ["model.chunk.target_ratio=2"])
 
 
@@ -111,18 +125,23 @@ def test_a_run_written_with_numeric_targets_resumes_under_null_ones():
 
     now = to_dict(load_train_config(DEFAULT))
     assert now["model"]["chunk"]["modality_target_ratios"] == {"text": None, "image": None}
-    saved = to_dict(load_train_config(DEFAULT, ["model.chunk.modality_target_ratios={text: 2.0, "
-                                                "image: 2.0}"]))
+    saved = to_dict(
+        load_train_config(DEFAULT, ["model.chunk.modality_target_ratios={text: 2.0, image: 2.0}"])
+    )
     check_resume_config(saved, now)
     moved = to_dict(load_train_config(DEFAULT, ["model.chunk.target_ratio=3"]))
     with pytest.raises(ConfigError, match="modality_target_ratios"):
         check_resume_config(saved, moved)
 
 
-@pytest.mark.parametrize("name, entries",
-                         [("MAY_CHANGE_FROM_CHECKPOINT", MAY_CHANGE_FROM_CHECKPOINT),
-                                           ("RESUMABLE_CHANGES", RESUMABLE_CHANGES),
-                                           ("OPTIM_CHANGES", OPTIM_CHANGES)])
+@pytest.mark.parametrize(
+    "name, entries",
+    [
+        ("MAY_CHANGE_FROM_CHECKPOINT", MAY_CHANGE_FROM_CHECKPOINT),
+        ("RESUMABLE_CHANGES", RESUMABLE_CHANGES),
+        ("OPTIM_CHANGES", OPTIM_CHANGES),
+    ],
+)
 def test_allow_list_entries_name_real_config_fields(name, entries):
     """The allow-lists are prefixes of dotted keys: each must still name a field (or a section, with
     a trailing dot), so a renamed field cannot leave a dead entry that lets nothing through."""
@@ -131,9 +150,10 @@ def test_allow_list_entries_name_real_config_fields(name, entries):
     keys = set(flatten(to_dict(TrainConfig())))
     # model keys are written relative to the model section; concept_moe is null by default: its keys
     # are MoE's
-    model_keys = {k[len("model."):] for k in keys if k.startswith("model.")}
+    model_keys = {k[len("model.") :] for k in keys if k.startswith("model.")}
     model_keys |= {f"concept_moe.{k}" for k in flatten(to_dict(MoEConfig()))}
     pool = model_keys if name == "MAY_CHANGE_FROM_CHECKPOINT" else keys
-    dead = [e for e in entries
-            if not any(k == e or (e.endswith(".") and k.startswith(e)) for k in pool)]
+    dead = [
+        e for e in entries if not any(k == e or (e.endswith(".") and k.startswith(e)) for k in pool)
+    ]
     assert dead == []

@@ -4,6 +4,7 @@ in Python or dataclasses.replace made it; from_dict adds no second path. Every *
 project is listed here with one value it refuses, and refuses it however it is built (nested ones
 through TrainConfig too). YAML inheritance and the defaults' single source:
 tests/test_config_base.py."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -13,7 +14,6 @@ from typing import Literal
 import pytest
 
 from configs.config import ConfigError, ValidatedOnInit, check, from_dict
-
 
 # ---- validation runs once per config, however it is made
 # ----------------------------------------------------
@@ -56,7 +56,7 @@ def test_each_config_is_validated_once_however_it_is_made():
     dataclasses.replace(_SelfChecked(n=4), n=5)
     assert _CALLS == ["self", "self"]
     with pytest.raises(ConfigError, match="n must be >= 1, got 0"):
-        _SelfChecked(n=0)                                   # made in Python: still checked
+        _SelfChecked(n=0)  # made in Python: still checked
     with pytest.raises(ConfigError, match=r"^mode: got 'c', allowed values: 'a', 'b'$"):
         # and its types too, as from_dict checks them
         _SelfChecked(mode="c")
@@ -67,7 +67,7 @@ def test_each_config_is_validated_once_however_it_is_made():
     with pytest.raises(ConfigError, match=r"^own: n must be >= 1, got 0$"):
         from_dict(_Outer, {"own": {"n": 0}})
     with pytest.raises(TypeError, match="not a ValidatedOnInit"):
-        from_dict(_Plain, {"n": 2})                         # a second validation path is refused
+        from_dict(_Plain, {"n": 2})  # a second validation path is refused
     assert _CALLS.count("plain") == 0
 
 
@@ -88,12 +88,12 @@ _INVALID = {
     "CheckpointConfig": {"keep_last": 0},
     "RunConfig": {"max_steps": 0},
     "VisionWarmupConfig": {"lr": 0.0},
-    "TrainConfig": {"vision": None},                  # stage 'vl' needs a vision section
+    "TrainConfig": {"vision": None},  # stage 'vl' needs a vision section
     "SourceConfig": {"path": "/nonexistent/shards-*.tar"},
     "DataConfig": {"row_tokens": 4},
     "DefaultDatasetConfig": {"max_objects": 10},
     "LongCtxConfig": {"num_samples": 0},
-    "VisionConfig": {"backbone": "timm"},             # needs timm_model
+    "VisionConfig": {"backbone": "timm"},  # needs timm_model
     "ProjectorConfig": {"hidden_mult": 0.0},
     "NaViTConfig": {"num_heads": 5},
     "ImageProcessorConfig": {"min_patches": 0},
@@ -109,15 +109,19 @@ def _config_classes() -> dict[str, type]:
     found = {}
     for pkg in ("configs", "vlm", "vision", "data_pipelines", "eval"):
         for info in pkgutil.walk_packages([str(root / pkg)], prefix=f"{pkg}."):
-            text = (root / (info.name.replace(".", "/") + ("/__init__.py" if info.ispkg
-                                                           else ".py"))).read_text()
+            text = (
+                root / (info.name.replace(".", "/") + ("/__init__.py" if info.ispkg else ".py"))
+            ).read_text()
             if "Config" not in text or "@dataclass" not in text:
                 continue
             module = importlib.import_module(info.name)
             for name, obj in vars(module).items():
-                if (name.endswith("Config") and dataclasses.is_dataclass(obj)
+                if (
+                    name.endswith("Config")
+                    and dataclasses.is_dataclass(obj)
                     and isinstance(obj, type)
-                        and obj.__module__ == info.name):
+                    and obj.__module__ == info.name
+                ):
                     found[name] = obj
     return found
 
@@ -133,7 +137,7 @@ def test_a_config_built_in_python_with_a_bad_value_is_refused(name):
     cls = _config_classes()[name]
     kwargs = {"path": "/nonexistent"} if name == "SourceConfig" else {}
     if name != "SourceConfig":
-        cls(**kwargs)                                    # its defaults are valid
+        cls(**kwargs)  # its defaults are valid
     with pytest.raises(ConfigError):
         cls(**{**kwargs, **_INVALID[name]})
     if name not in ("SourceConfig",):

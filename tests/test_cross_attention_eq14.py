@@ -4,6 +4,7 @@ eq. 14 written out (each token attends to the concepts 0 .. j(t) of its own docu
 once), forward and backward, on every attention backend, with a sliding window that does not limit
 the concepts, on a flash kernel that gets only causal varlen segments, and with a 256-wide head that
 leaves flash for SDPA. The decoder in the model: tests/test_cross_attention_decoder.py."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,15 +20,14 @@ from vlm.model.cross_attention import ConceptMemory, CrossAttention
 def packed_case(seed=0):
     """Two packed rows of several documents (and padding) with random boundaries; every document starts one."""
     g = torch.Generator().manual_seed(seed)
-    doc = torch.tensor([[0] * 7 + [1] * 12 + [2] * 5 + [-1] * 6,
-                        [0] * 3 + [1] * 18 + [2] * 9])
+    doc = torch.tensor([[0] * 7 + [1] * 12 + [2] * 5 + [-1] * 6, [0] * 3 + [1] * 18 + [2] * 9])
     valid = doc >= 0
     start = valid & torch.cat([torch.ones(2, 1, dtype=torch.bool), doc[:, 1:] != doc[:, :-1]], 1)
     b = ((torch.rand(doc.shape, generator=g) < 0.35) | start) & valid
     cidx = torch.where(valid, b.long().cumsum(1) - 1, -1)
     M = int(b.sum(1).max())
     cdoc = torch.full((2, M), -1)
-    for r in range(2):   # the document of each concept: that of its closing boundary
+    for r in range(2):  # the document of each concept: that of its closing boundary
         cdoc[r, : int(b[r].sum())] = doc[r][b[r]]
     return doc, b, cidx, cdoc
 
@@ -35,22 +35,26 @@ def packed_case(seed=0):
 def reference_cross_attention(xattn: CrossAttention, x_BTD, concepts_BMD, doc, cidx, cdoc):
     """DLCM eq. 14 as written: token t attends to the concepts 0 .. j(t) of its own document through
     an explicit [L, M] mask, each concept once; no replication."""
-    q = xattn.queries(x_BTD)                                  # [B, Q, T, d]
-    k, v = xattn.concept_kv(concepts_BMD)                     # [B, J, M, d]
+    q = xattn.queries(x_BTD)  # [B, Q, T, d]
+    k, v = xattn.concept_kv(concepts_BMD)  # [B, J, M, d]
     rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     M = concepts_BMD.shape[1]
     m = torch.arange(M)
-    allowed_BTM = ((cdoc[:, None, :] == doc[:, :, None]) & (m[None, None, :] <= cidx[:, :, None])
-                   & (doc[:, :, None] >= 0))
+    allowed_BTM = (
+        (cdoc[:, None, :] == doc[:, :, None])
+        & (m[None, None, :] <= cidx[:, :, None])
+        & (doc[:, :, None] >= 0)
+    )
     scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
     scores = scores.masked_fill(~allowed_BTM[:, None], float("-inf"))
-    att = torch.nan_to_num(scores.softmax(-1))               # padding queries: no concept at all
+    att = torch.nan_to_num(scores.softmax(-1))  # padding queries: no concept at all
     return xattn.out(att @ v)
 
 
-@pytest.mark.parametrize("backend,window",
-                         [("eager", 0), ("sdpa", 0), ("docs", 0), ("sdpa", 3), ("docs", 3)])
+@pytest.mark.parametrize(
+    "backend,window", [("eager", 0), ("sdpa", 0), ("docs", 0), ("sdpa", 3), ("docs", 3)]
+)
 def test_replicated_cross_attention_equals_the_L_by_M_masked_form(backend, window):
     torch.manual_seed(0)
     doc, b, cidx, cdoc = packed_case()
@@ -86,7 +90,8 @@ def _varlen_by_segment(q, k, v, cu_q):
     for s, e in zip(cu_q[:-1].tolist(), cu_q[1:].tolist()):
         seg = lambda x: x[s:e].transpose(0, 1)[None]  # noqa: E731
         out[s:e] = torch.nn.functional.scaled_dot_product_attention(
-            seg(q), seg(k), seg(v), is_causal=True, enable_gqa=True)[0].transpose(0, 1)
+            seg(q), seg(k), seg(v), is_causal=True, enable_gqa=True
+        )[0].transpose(0, 1)
     return out
 
 
@@ -98,15 +103,16 @@ def test_replication_needs_only_a_causal_kernel(monkeypatch):
     import vlm.model.block as block
 
     def varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, window_size):
-        assert causal and window_size == (-1, -1)   # cross-attention is never windowed
+        assert causal and window_size == (-1, -1)  # cross-attention is never windowed
         return _varlen_by_segment(q, k, v, cu_q)
 
     monkeypatch.setattr(attention, "flash_attn_varlen_func", varlen)
     monkeypatch.setattr(block, "resolve_backend", lambda b, d, compiled=False: b)
     torch.manual_seed(1)
     doc, b, cidx, cdoc = packed_case(seed=1)
-    xattn = CrossAttention(16, num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=False,
-                           norm_eps=1e-6)
+    xattn = CrossAttention(
+        16, num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=False, norm_eps=1e-6
+    )
     x, concepts = torch.randn(*doc.shape, 16), torch.randn(2, cdoc.shape[1], 16)
     ctx = StackContext.build(doc, torch.zeros_like(doc), 8, 1e4, x.dtype, "flash", window=3)
     got = xattn(x, ConceptMemory.build(concepts, cidx, b, doc, ctx, xattn.hd), doc, ctx.backend)
@@ -138,8 +144,9 @@ def test_a_256_wide_head_leaves_flash_for_sdpa(monkeypatch):
     doc, b, cidx, cdoc = packed_case(seed=2)
     for head_dim, used in ((256, []), (128, [129])):
         calls.clear()
-        xattn = CrossAttention(16, num_heads=2, num_kv_heads=1, head_dim=head_dim, qk_norm=True,
-                               norm_eps=1e-6)
+        xattn = CrossAttention(
+            16, num_heads=2, num_kv_heads=1, head_dim=head_dim, qk_norm=True, norm_eps=1e-6
+        )
         x, concepts = torch.randn(*doc.shape, 16), torch.randn(2, cdoc.shape[1], 16)
         ctx = StackContext.build(doc, torch.zeros_like(doc), head_dim, 1e4, x.dtype, "flash")
         got = xattn(x, ConceptMemory.build(concepts, cidx, b, doc, ctx, xattn.hd), doc, ctx.backend)

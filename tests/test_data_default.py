@@ -1,4 +1,5 @@
 """The embedded default dataset: determinism, held-out combinations, answers consistent with scenes."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -9,10 +10,23 @@ import pytest
 from PIL import Image
 
 from data_pipelines.chat import iter_vqa_samples
-from data_pipelines.default_dataset import build_default, default_info, default_sources, ensure_default_dataset
+from data_pipelines.default_dataset import (
+    build_default,
+    default_info,
+    default_sources,
+    ensure_default_dataset,
+)
 from data_pipelines.reader import iter_shard, resolve_shards
-from data_pipelines.scenes import (COLOURS, HELD_OUT, QUESTION_TYPES, SHAPES, caption, questions,
-                                   relations, sample_scene)
+from data_pipelines.scenes import (
+    COLOURS,
+    HELD_OUT,
+    QUESTION_TYPES,
+    SHAPES,
+    caption,
+    questions,
+    relations,
+    sample_scene,
+)
 from data_pipelines.schema import decode_sample
 
 
@@ -26,8 +40,11 @@ def built(tmp_path_factory, TINY_DEFAULT):
 
 
 def _files(d):
-    return {p.relative_to(d).as_posix(): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()
-            and p.name != "default.json"}
+    return {
+        p.relative_to(d).as_posix(): p.read_bytes()
+        for p in sorted(d.rglob("*"))
+        if p.is_file() and p.name != "default.json"
+    }
 
 
 def test_same_seed_same_bytes_other_seed_other_bytes(built):
@@ -50,12 +67,17 @@ def test_layout_counts_and_sources(built):
     assert info["counts"]["train"] == {"vqa": 120, "caption": 120, "interleaved": 16, "text": 60}
     assert info["counts"]["test"] == {"vqa": 20, "caption": 20}
     srcs = default_sources(a, "train")
-    assert sorted(s["name"] for s in srcs) == ["train/caption", "train/interleaved", "train/text",
-                                               "train/vqa"]
+    assert sorted(s["name"] for s in srcs) == [
+        "train/caption",
+        "train/interleaved",
+        "train/text",
+        "train/vqa",
+    ]
     assert len(_samples(a, "train/vqa-*.tar")) == 120
     inter = _samples(a, "train/interleaved-*.tar")
-    assert all(s.kind == "interleaved" and s.placeholder_count() == len(s.images) >= 2
-               for s in inter)
+    assert all(
+        s.kind == "interleaved" and s.placeholder_count() == len(s.images) >= 2 for s in inter
+    )
     texts = _samples(a, "train/text-*.tar")
     assert all(s.kind == "text" and len(s.text) > 20 for s in texts)
 
@@ -67,8 +89,9 @@ def test_held_out_combinations_only_in_test(built):
             combos = {(o["colour"], o["shape"]) for o in s.meta["scene"]["objects"]}
             assert not combos & HELD_OUT, (split, s.key)
     test = _samples(a, "test/vqa-*.tar")
-    assert all({(o["colour"], o["shape"]) for o in s.meta["scene"]["objects"]} & HELD_OUT
-               for s in test)
+    assert all(
+        {(o["colour"], o["shape"]) for o in s.meta["scene"]["objects"]} & HELD_OUT for s in test
+    )
     assert any(q["heldout"] for s in test for q in s.meta["qa"])
 
 
@@ -77,7 +100,9 @@ def test_answers_agree_with_scene_and_chat_layout(built):
     types = set()
     for s in _samples(a, "train/vqa-*.tar"):
         objs = s.meta["scene"]["objects"]
-        assert s.turns[0]["content"].startswith("<image>\n") and len(s.turns) == 2 * len(s.meta["qa"])
+        assert s.turns[0]["content"].startswith("<image>\n") and len(s.turns) == 2 * len(
+            s.meta["qa"]
+        )
         for j, qa in enumerate(s.meta["qa"]):
             types.add(qa["type"])
             assert s.turns[2 * j + 1]["content"] == qa["answer"]
@@ -88,10 +113,10 @@ def test_answers_agree_with_scene_and_chat_layout(built):
             if qa["type"] == "shape":
                 assert qa["answer"] in SHAPES
             if qa["type"] == "yesno":
-                c, sh = qa["question"][len("Is there a "):-1].split()
-                assert qa["answer"] == ("yes"
-                                        if any((o["colour"], o["shape"]) == (c, sh) for o in objs)
-                                        else "no")
+                c, sh = qa["question"][len("Is there a ") : -1].split()
+                assert qa["answer"] == (
+                    "yes" if any((o["colour"], o["shape"]) == (c, sh) for o in objs) else "no"
+                )
     assert types == set(QUESTION_TYPES)
 
 
@@ -104,42 +129,58 @@ def test_relation_sentences_agree_with_the_scene():
         scene = sample_scene(rng, 64, 96, 4, heldout=False)
         cell = {(o.colour, o.shape): (o.row, o.col) for o in scene.objects}
         if len(cell) < len(scene.objects):
-            continue   # two objects of one colour and shape: a sentence could name either
+            continue  # two objects of one colour and shape: a sentence could name either
         sentences = [x for x in relations(rng, scene).split(".") if x.strip()]
-        pairs = sum(a.row == b.row or a.col == b.col for k, a in enumerate(scene.objects)
-                    for b in scene.objects[k + 1:])
+        pairs = sum(
+            a.row == b.row or a.col == b.col
+            for k, a in enumerate(scene.objects)
+            for b in scene.objects[k + 1 :]
+        )
         assert len(sentences) == pairs
         for x in sentences:
-            w = x.replace(",", "").split()   # Relative to the C2 S2 the C1 S1 is REL
+            w = x.replace(",", "").split()  # Relative to the C2 S2 the C1 S1 is REL
             (r2, c2), (r1, c1) = cell[w[3], w[4]], cell[w[6], w[7]]
             rel = " ".join(w[9:])
             seen.add(rel)
-            assert {"to the left": r1 == r2 and c1 < c2, "to the right": r1 == r2 and c1 > c2,
-                    "above": c1 == c2 and r1 < r2, "below": c1 == c2 and r1 > r2}[rel], x
+            assert {
+                "to the left": r1 == r2 and c1 < c2,
+                "to the right": r1 == r2 and c1 > c2,
+                "above": c1 == c2 and r1 < r2,
+                "below": c1 == c2 and r1 > r2,
+            }[rel], x
     assert seen == {"to the left", "to the right", "above", "below"}
 
 
-def test_caption_samples_carry_one_relation_sentence_per_row_or_column_pair(built, tmp_path, TINY_DEFAULT):
+def test_caption_samples_carry_one_relation_sentence_per_row_or_column_pair(
+    built, tmp_path, TINY_DEFAULT
+):
     """relation_captions (on by default): each caption sample is the scene's caption and then one
     sentence per pair of objects sharing a row or a column; off, the caption alone."""
+
     def pairs(objs):
-        return sum(a["row"] == b["row"] or a["col"] == b["col"] for k, a in enumerate(objs)
-                   for b in objs[k + 1:])
+        return sum(
+            a["row"] == b["row"] or a["col"] == b["col"]
+            for k, a in enumerate(objs)
+            for b in objs[k + 1 :]
+        )
 
     caps = _samples(built[0], "train/caption-*.tar")
     assert sum(pairs(c.meta["scene"]["objects"]) for c in caps) > 0
     for c in caps:
         assert c.text.count(".") == 1 + pairs(c.meta["scene"]["objects"]), c.text
-    plain = build_default(tmp_path / "plain",
-                          dataclasses.replace(TINY_DEFAULT, relation_captions=False),
-                          progress=False)
+    plain = build_default(
+        tmp_path / "plain",
+        dataclasses.replace(TINY_DEFAULT, relation_captions=False),
+        progress=False,
+    )
     assert all(c.text.count(".") == 1 for c in _samples(plain, "train/caption-*.tar"))
 
 
 def test_scene_rendering_matches_description():
     rng = random.Random(5)
     scene = sample_scene(rng, 96, 96, 3, heldout=False)
-    from data_pipelines.scenes import COLOURS as C, render_scene
+    from data_pipelines.scenes import COLOURS as C
+    from data_pipelines.scenes import render_scene
 
     img = Image.open(io.BytesIO(render_scene(scene))).convert("RGB")
     assert img.size == (96, 96)

@@ -5,23 +5,30 @@ Empty means all of the split's parts; a subset keeps only those sources (e.g. [t
 stage, [caption] for an alignment stage). Unknown names and combining it with `data.sources` are
 config errors.
 """
+
 from __future__ import annotations
 
 import pytest
 
+from configs.batch import IMAGE, TEXT
+from configs.config import ConfigError, from_dict
 from data_pipelines.config import DataConfig
 from data_pipelines.loader import build_loader, resolve_sources
 from data_pipelines.reader import ShardError
 from data_pipelines.tokenizer import ByteTokenizer
-from configs.batch import IMAGE, TEXT
-from configs.config import ConfigError, from_dict
 
 TOK = ByteTokenizer()
 
 
 def _cfg(data_dir, **kw) -> DataConfig:
-    base = dict(default_dir=str(data_dir), row_tokens=256, rows_per_batch=2, shuffle_buffer=8,
-                pack_buffer=8, num_workers=0)
+    base = dict(
+        default_dir=str(data_dir),
+        row_tokens=256,
+        rows_per_batch=2,
+        shuffle_buffer=8,
+        pack_buffer=8,
+        num_workers=0,
+    )
     return DataConfig(**{**base, **kw})
 
 
@@ -34,13 +41,21 @@ def test_resolve_sources_keeps_only_the_named_parts(tiny_data):
     def labels(cfg):
         return sorted(s.label for s in resolve_sources(cfg))
 
-    assert labels(_cfg(tiny_data)) == ["train/caption", "train/interleaved", "train/text",
-                                       "train/vqa"]
+    assert labels(_cfg(tiny_data)) == [
+        "train/caption",
+        "train/interleaved",
+        "train/text",
+        "train/vqa",
+    ]
     assert labels(_cfg(tiny_data, default_parts=["text"])) == ["train/text"]
-    assert labels(_cfg(tiny_data, default_parts=["vqa", "caption"])) == ["train/caption", "train/vqa"]
+    assert labels(_cfg(tiny_data, default_parts=["vqa", "caption"])) == [
+        "train/caption",
+        "train/vqa",
+    ]
     # the split still applies: val has no interleaved part, so only its captions remain
-    assert labels(_cfg(tiny_data, split="val",
-                       default_parts=["caption", "interleaved"])) == ["val/caption"]
+    assert labels(_cfg(tiny_data, split="val", default_parts=["caption", "interleaved"])) == [
+        "val/caption"
+    ]
 
 
 def test_text_part_gives_text_only_batches(tiny_data):
@@ -59,7 +74,7 @@ def test_all_parts_by_default_include_images(tiny_data):
 
 def test_caption_part_gives_image_batches(tiny_data):
     batches = _batches(_cfg(tiny_data, default_parts=["caption"]), 3)
-    for b in batches:   # every caption sample has an image
+    for b in batches:  # every caption sample has an image
         assert b.pixel_patches is not None and b.image_grids.shape[0] >= 1
         assert bool((b.modality[b.valid] == IMAGE).any())
 
@@ -81,7 +96,7 @@ def test_default_parts_with_sources_is_an_error(tiny_data):
     src = {"path": str(tiny_data / "train" / "text-*.tar"), "name": "mine"}
     with pytest.raises(ConfigError, match="default_parts.*sources"):
         from_dict(DataConfig, {"sources": [src], "default_parts": ["text"]})
-    from_dict(DataConfig, {"sources": [src]}).validate()          # each alone is fine
+    from_dict(DataConfig, {"sources": [src]}).validate()  # each alone is fine
     from_dict(DataConfig, {"default_parts": ["text"]}).validate()
 
 
@@ -89,6 +104,8 @@ def test_train_config_reports_the_dotted_key(tmp_path, TINY, write_config):
     from vlm.train.config import load_train_config
 
     cfg = dict(TINY, data={**TINY["data"], "default_parts": ["pictures"]})
-    with pytest.raises(ConfigError, match=r"data.*default_parts.*'pictures'.*allowed: vqa, "
-                                          r"caption, interleaved, text"):
+    with pytest.raises(
+        ConfigError,
+        match=r"data.*default_parts.*'pictures'.*allowed: vqa, caption, interleaved, text",
+    ):
         load_train_config(write_config(cfg, tmp_path / "c.yaml"))

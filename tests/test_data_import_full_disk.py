@@ -4,6 +4,7 @@ OUT's manifest update or in the import-state save (an injected ENOSPC) or for re
 where mounting is allowed); the complete shards are kept, nothing half-written is left behind, and
 the same command, once there is room, resumes and ends with the shards of an import that never
 stopped. The rest of issue 37's data side: tests/test_data_reliability_round3.py."""
+
 from __future__ import annotations
 
 import argparse
@@ -22,7 +23,7 @@ from PIL import Image
 import data_pipelines.writer as writer
 from data_pipelines.cli import add_data_commands
 
-NO_SPACE = os.strerror(errno.ENOSPC)   # "No space left on device"
+NO_SPACE = os.strerror(errno.ENOSPC)  # "No space left on device"
 
 
 def _cli(argv, capsys):
@@ -43,8 +44,9 @@ def _one_line(err: str) -> str:
 def _noise_png(seed: int, side: int = 24) -> bytes:
     """An incompressible image (a shard's size is then about its images' size)."""
     rnd = random.Random(seed)
-    im = Image.frombytes("RGB", (side, side),
-                         bytes(rnd.randrange(256) for _ in range(side * side * 3)))
+    im = Image.frombytes(
+        "RGB", (side, side), bytes(rnd.randrange(256) for _ in range(side * side * 3))
+    )
     buf = io.BytesIO()
     im.save(buf, "PNG")
     return buf.getvalue()
@@ -54,22 +56,34 @@ def _table(tmp_path, n=60, side=24):
     (tmp_path / "img").mkdir(exist_ok=True)
     for i in range(n):
         (tmp_path / "img" / f"{i}.png").write_bytes(_noise_png(i, side))
-    rows = [{"id": f"r{i}", "image": f"img/{i}.png" if i % 7 else "img/none.png",
-             "caption": f"picture {i}"}
-            for i in range(n)]
+    rows = [
+        {
+            "id": f"r{i}",
+            "image": f"img/{i}.png" if i % 7 else "img/none.png",
+            "caption": f"picture {i}",
+        }
+        for i in range(n)
+    ]
     (tmp_path / "t.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return tmp_path / "t.jsonl"
 
 
 def _outputs(d):
-    return {p.name: p.read_bytes() for p in sorted(d.iterdir()) if p.suffix == ".tar"
-            or p.name == "manifest.json"}
+    return {
+        p.name: p.read_bytes()
+        for p in sorted(d.iterdir())
+        if p.suffix == ".tar" or p.name == "manifest.json"
+    }
 
 
 def _leftovers(d):
-    return sorted(p.name for p in d.iterdir() if p.name.endswith(".tmp")
-                  or p.name.endswith(".partial")
-                  or p.name.startswith(".vlm-write-check-"))
+    return sorted(
+        p.name
+        for p in d.iterdir()
+        if p.name.endswith(".tmp")
+        or p.name.endswith(".partial")
+        or p.name.startswith(".vlm-write-check-")
+    )
 
 
 class _Disk:
@@ -95,6 +109,7 @@ class _Disk:
 
             def __getattr__(self, name):
                 return getattr(f, name)
+
         return Limited()
 
     def write_text(self, real):
@@ -106,26 +121,39 @@ class _Disk:
                 if disk.nth == 0:
                     disk.hits += 1
                     # a half-written file, then no room
-                    path.write_bytes(data[:len(data) // 2].encode())
+                    path.write_bytes(data[: len(data) // 2].encode())
                     raise OSError(errno.ENOSPC, NO_SPACE)
             return real(path, data, *a, **k)
+
         return write_text
 
 
 @pytest.mark.parametrize("where", ["shard", "manifest", "state"])
-def test_a_full_disk_during_import_table_is_one_line_and_the_same_command_resumes(where, tmp_path, capsys,
-                                                                                  monkeypatch):
+def test_a_full_disk_during_import_table_is_one_line_and_the_same_command_resumes(
+    where, tmp_path, capsys, monkeypatch
+):
     table = _table(tmp_path)
-    argv = ["data", "import-table", str(table), "--max-count", "10", "--max-skip-share", "0.2",
-            "--workers", "0", "--quiet", "--json"]
+    argv = [
+        "data",
+        "import-table",
+        str(table),
+        "--max-count",
+        "10",
+        "--max-skip-share",
+        "0.2",
+        "--workers",
+        "0",
+        "--quiet",
+        "--json",
+    ]
     rc, out, _ = _cli(argv + ["--out", str(tmp_path / "ref")], capsys)
     ref = json.loads(out)
     assert rc == 0 and len(ref["shards"]) == 6
     sizes = [(tmp_path / "ref" / f"shard-{i:06d}.tar").stat().st_size for i in range(2)]
-    if where == "shard":     # room for two shards and half the third
+    if where == "shard":  # room for two shards and half the third
         disk = _Disk(budget=sum(sizes) + sizes[0] // 2)
         monkeypatch.setattr(writer, "open", disk.open, raising=False)
-    else:                    # the third shard's manifest update or state save
+    else:  # the third shard's manifest update or state save
         name = {"manifest": "manifest.json.tmp", "state": "shard.import.json.tmp"}[where]
         disk = _Disk(name=tmp_path / "out" / name, nth=3)
         monkeypatch.setattr(pathlib.Path, "write_text", disk.write_text(pathlib.Path.write_text))
@@ -133,20 +161,27 @@ def test_a_full_disk_during_import_table_is_one_line_and_the_same_command_resume
     rc, out, err = _cli(argv + ["--out", str(dst)], capsys)
     line = _one_line(err)
     assert rc == 2 and disk.hits == 1 and json.loads(out)["status"] == "write_error", (rc, out, err)
-    what = {"shard": dst / ".shard.partial" / "shard-000002.tar", "manifest": dst / "manifest.json",
-            "state": dst / "shard.import.json"}[where]
-    assert f"cannot write {what}: {NO_SPACE}; 20 samples in complete shards are kept; with room (or write " \
-           "access) again, run the same command to resume at row 24" in line, line
-    assert _leftovers(dst) == [] and sorted(p.name
-                                            for p in dst.glob("*.tar")) == ["shard-000000.tar",
-                                                                                   "shard-000001.tar"]
+    what = {
+        "shard": dst / ".shard.partial" / "shard-000002.tar",
+        "manifest": dst / "manifest.json",
+        "state": dst / "shard.import.json",
+    }[where]
+    assert (
+        f"cannot write {what}: {NO_SPACE}; 20 samples in complete shards are kept; "
+        "with room (or write access) again, run the same command to resume at row 24" in line
+    ), line
+    assert _leftovers(dst) == [] and sorted(p.name for p in dst.glob("*.tar")) == [
+        "shard-000000.tar",
+        "shard-000001.tar",
+    ]
     assert json.loads((dst / "manifest.json").read_text())["totals"]["count"] == 20
-    monkeypatch.undo()       # room again
+    monkeypatch.undo()  # room again
     rc, out, _ = _cli(argv + ["--out", str(dst)], capsys)
     res = json.loads(out)
     assert rc == 0 and res["resumed_at_row"] == 24
-    assert {k: res[k] for k in ("written", "skipped", "rows", "examples")} == \
-        {k: ref[k] for k in ("written", "skipped", "rows", "examples")}
+    assert {k: res[k] for k in ("written", "skipped", "rows", "examples")} == {
+        k: ref[k] for k in ("written", "skipped", "rows", "examples")
+    }
     assert _outputs(dst) == _outputs(tmp_path / "ref") and _leftovers(dst) == []
 
 
@@ -155,11 +190,17 @@ def small_disk(tmp_path):
     """A 1 MB tmpfs (skipped where mounting is not allowed)."""
     mnt = tmp_path / "disk"
     mnt.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs",
-                                            str(mnt)],
-                                           capture_output=True).returncode != 0:
-        pytest.skip("cannot mount a tmpfs here (needs root); the injected ENOSPC test covers the "
-                    "same writes")
+    if (
+        os.geteuid() != 0
+        or subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True
+        ).returncode
+        != 0
+    ):
+        pytest.skip(
+            "cannot mount a tmpfs here (needs root); the "
+            "injected ENOSPC test covers the same writes"
+        )
     try:
         yield mnt
     finally:
@@ -167,9 +208,20 @@ def small_disk(tmp_path):
 
 
 def test_a_real_full_disk_during_import_table(small_disk, tmp_path, capsys):
-    table = _table(tmp_path, n=80, side=48)          # about 7 kB an image: 0.6 MB of shards
-    argv = ["data", "import-table", str(table), "--max-count", "10", "--max-skip-share", "0.2",
-            "--workers", "0", "--quiet", "--json"]
+    table = _table(tmp_path, n=80, side=48)  # about 7 kB an image: 0.6 MB of shards
+    argv = [
+        "data",
+        "import-table",
+        str(table),
+        "--max-count",
+        "10",
+        "--max-skip-share",
+        "0.2",
+        "--workers",
+        "0",
+        "--quiet",
+        "--json",
+    ]
     rc, out, _ = _cli(argv + ["--out", str(tmp_path / "ref")], capsys)
     assert rc == 0
     ref = json.loads(out)
@@ -178,7 +230,9 @@ def test_a_real_full_disk_during_import_table(small_disk, tmp_path, capsys):
     dst = small_disk / "out"
     rc, out, err = _cli(argv + ["--out", str(dst)], capsys)
     line = _one_line(err)
-    assert rc == 2 and f"{NO_SPACE}; " in line and "run the same command to resume at row" in line, line
+    assert (
+        rc == 2 and f"{NO_SPACE}; " in line and "run the same command to resume at row" in line
+    ), line
     assert _leftovers(dst) == [] and "write to closed file" not in err
     kept = sorted(p.name for p in dst.glob("*.tar"))
     assert 0 < len(kept) < len(ref["shards"])

@@ -1,4 +1,5 @@
 """Importers (folder + captions, JSONL/CSV tables) and the `vlm data` commands on small fixtures."""
+
 from __future__ import annotations
 
 import argparse
@@ -36,9 +37,10 @@ def test_import_folder_with_sidecars(tmp_path, png):
     assert res["written"] == 2 and len(res["shards"]) == 2
     assert res["skipped"] == {"missing_caption": 1, "corrupt_image": 1, "non_utf8_text": 1}
     got = _read(tmp_path / "out")
-    assert [(s.kind, s.text, s.image_exts)
-            for s in got] == [("pair", "<image>a red square", ["png"]),
-                                                           ("pair", "<image>a photo", ["jpg"])]
+    assert [(s.kind, s.text, s.image_exts) for s in got] == [
+        ("pair", "<image>a red square", ["png"]),
+        ("pair", "<image>a photo", ["jpg"]),
+    ]
     assert got[1].images[0] == (src / "sub" / "b.jpg").read_bytes()
     assert read_manifest(tmp_path / "out")["totals"]["count"] == 2
 
@@ -51,7 +53,10 @@ def test_import_folder_with_caption_file(tmp_path, png):
     with open(tmp_path / "caps.csv", "w", newline="") as f:
         csv.writer(f).writerows([["file_name", "caption"], ["x.png", "ex"], ["y.png", "why"]])
     res = import_folder(src, tmp_path / "out", captions=tmp_path / "caps.csv")
-    assert res["written"] == 2 and [s.text for s in _read(tmp_path / "out")] == ["<image>ex", "<image>why"]
+    assert res["written"] == 2 and [s.text for s in _read(tmp_path / "out")] == [
+        "<image>ex",
+        "<image>why",
+    ]
 
 
 def test_import_jsonl_table_vqa_chat_interleaved_text(tmp_path, png):
@@ -59,13 +64,25 @@ def test_import_jsonl_table_vqa_chat_interleaved_text(tmp_path, png):
     (tmp_path / "img" / "1.png").write_bytes(png(16, 16))
     uri = "data:image/png;base64," + base64.b64encode(png(9, 9)).decode()
     rows = [
-        {"image": "img/1.png", "question": "What colour?", "answer": "red",
-         "question_type": "colour"},
-        {"image": uri, "conversations": [{"from": "system", "value": "be nice"},
-                                         {"from": "human", "value": "<image>\nDescribe."},
-                                         {"from": "gpt", "value": "A dot."}]},
-        {"images": None, "image": ["img/1.png", {"bytes": None, "path": "img/1.png"}],
-         "text": "two pictures"},
+        {
+            "image": "img/1.png",
+            "question": "What colour?",
+            "answer": "red",
+            "question_type": "colour",
+        },
+        {
+            "image": uri,
+            "conversations": [
+                {"from": "system", "value": "be nice"},
+                {"from": "human", "value": "<image>\nDescribe."},
+                {"from": "gpt", "value": "A dot."},
+            ],
+        },
+        {
+            "images": None,
+            "image": ["img/1.png", {"bytes": None, "path": "img/1.png"}],
+            "text": "two pictures",
+        },
         {"image": "", "text": "just a document"},
         {"image": "img/missing.png", "text": "gone"},
         {"image": "img/1.png", "question": "empty answer?", "answer": ""},
@@ -78,17 +95,22 @@ def test_import_jsonl_table_vqa_chat_interleaved_text(tmp_path, png):
     assert res["written"] == 4
     assert res["skipped"] == {"missing_image_file": 1, "empty_text": 1, "bad_row": 1}
     a, b, c, d = _read(tmp_path / "out")
-    assert a.kind == "pair" and a.turns == [{"role": "user", "content": "<image>\nWhat colour?"},
-                                            {"role": "assistant", "content": "red"}]
+    assert a.kind == "pair" and a.turns == [
+        {"role": "user", "content": "<image>\nWhat colour?"},
+        {"role": "assistant", "content": "red"},
+    ]
     assert a.meta["qa"] == [{"question": "What colour?", "answer": "red", "type": "colour"}]
-    assert b.turns == [{"role": "user", "content": "<image>\nDescribe."},
-                       {"role": "assistant", "content": "A dot."}]
+    assert b.turns == [
+        {"role": "user", "content": "<image>\nDescribe."},
+        {"role": "assistant", "content": "A dot."},
+    ]
     assert b.images[0] == png(9, 9)
     assert c.kind == "interleaved" and c.text == "<image><image>two pictures" and len(c.images) == 2
     assert d.kind == "text" and d.text == "just a document"
     vqa = list(iter_vqa_samples(tmp_path / "out"))
-    assert [(v.question, v.answer, v.question_type)
-            for v in vqa] == [("What colour?", "red", "colour")]
+    assert [(v.question, v.answer, v.question_type) for v in vqa] == [
+        ("What colour?", "red", "colour")
+    ]
 
 
 def test_import_csv_with_named_columns_and_errors(tmp_path, png):
@@ -99,8 +121,13 @@ def test_import_csv_with_named_columns_and_errors(tmp_path, png):
         w.writerow(["pic", "desc"])
         w.writerow(["p.png", "a caption"])
         w.writerow(["", "text only row"])
-    res = import_table(tmp_path / "t.csv", tmp_path / "out", image_col="pic", text_col="desc",
-                       image_root=tmp_path / "pics")
+    res = import_table(
+        tmp_path / "t.csv",
+        tmp_path / "out",
+        image_col="pic",
+        text_col="desc",
+        image_root=tmp_path / "pics",
+    )
     assert res["written"] == 2 and [s.kind for s in _read(tmp_path / "out")] == ["pair", "text"]
     with pytest.raises(ImporterError, match="column 'nope' not found"):
         import_table(tmp_path / "t.csv", tmp_path / "o2", text_col="nope")
@@ -123,8 +150,27 @@ def _cli(argv):
 
 def test_data_cli_build_stats_import(tmp_path, capsys):
     out = tmp_path / "dd"
-    assert _cli(["data", "build-default", "--out", str(out), "--train-scenes", "30", "--val-scenes",
-                 "5", "--test-scenes", "5", "--text-docs", "10", "--interleaved-docs", "4"]) == 0
+    assert (
+        _cli(
+            [
+                "data",
+                "build-default",
+                "--out",
+                str(out),
+                "--train-scenes",
+                "30",
+                "--val-scenes",
+                "5",
+                "--test-scenes",
+                "5",
+                "--text-docs",
+                "10",
+                "--interleaved-docs",
+                "4",
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     # 30 vqa + 30 caption + 4 interleaved + 10 text
     assert "== train" in text and "samples:           74" in text
@@ -143,16 +189,48 @@ def test_data_cli_build_stats_import(tmp_path, capsys):
     assert _cli(["data", "stats", str(tmp_path / "missing.tar")]) == 2
     assert "does not exist" in capsys.readouterr().err
     (tmp_path / "t.jsonl").write_text(json.dumps({"text": "hello there"}) + "\n")
-    assert _cli(["data", "import-table", str(tmp_path / "t.jsonl"), "--out",
-                 str(tmp_path / "imp")]) == 0
+    assert (
+        _cli(["data", "import-table", str(tmp_path / "t.jsonl"), "--out", str(tmp_path / "imp")])
+        == 0
+    )
     assert "wrote 1 samples" in capsys.readouterr().out
     # a text-only build (no scenes: its image splits are empty) is fine too
-    assert _cli(["data", "build-default", "--out", str(tmp_path / "text"), "--train-scenes", "0",
-                 "--val-scenes", "0", "--test-scenes", "0", "--text-docs", "20",
-                 "--interleaved-docs", "0"]) == 0
+    assert (
+        _cli(
+            [
+                "data",
+                "build-default",
+                "--out",
+                str(tmp_path / "text"),
+                "--train-scenes",
+                "0",
+                "--val-scenes",
+                "0",
+                "--test-scenes",
+                "0",
+                "--text-docs",
+                "20",
+                "--interleaved-docs",
+                "0",
+            ]
+        )
+        == 0
+    )
     assert "== train" in capsys.readouterr().out
-    assert _cli(["data", "train-tokenizer", str(out / "train"), "--vocab-size", "300", "--out",
-                 str(tmp_path / "tok")]) == 0
+    assert (
+        _cli(
+            [
+                "data",
+                "train-tokenizer",
+                str(out / "train"),
+                "--vocab-size",
+                "300",
+                "--out",
+                str(tmp_path / "tok"),
+            ]
+        )
+        == 0
+    )
     assert (tmp_path / "tok" / "tokenizer.json").is_file()
 
 
@@ -165,9 +243,16 @@ def test_importers_stay_inside_their_root(tmp_path, png):
     (root / "img").mkdir(parents=True)
     (root / "img" / "ok.png").write_bytes(png(20, 20))
     table = root / "t.jsonl"
-    table.write_text("\n".join(json.dumps({"image": p, "text": t}) for p, t in
-                               [("img/ok.png", "inside"), ("../secret.png", "dotdot"),
-                                (str(secret), "absolute")]))
+    table.write_text(
+        "\n".join(
+            json.dumps({"image": p, "text": t})
+            for p, t in [
+                ("img/ok.png", "inside"),
+                ("../secret.png", "dotdot"),
+                (str(secret), "absolute"),
+            ]
+        )
+    )
     res = import_table(table, tmp_path / "out1")
     assert res["written"] == 1 and res["skipped"] == {"outside_root": 2}
     assert import_table(table, tmp_path / "out2", allow_outside_root=True)["written"] == 3

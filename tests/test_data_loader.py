@@ -1,4 +1,5 @@
 """The packed loader: exact resume, rank/worker splitting, source mixing, packing efficiency."""
+
 from __future__ import annotations
 
 import io
@@ -10,6 +11,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from configs.batch import PackedBatch
 from data_pipelines.config import DataConfig, SourceConfig
 from data_pipelines.loader import build_loader
 from data_pipelines.packing import select_rows
@@ -18,14 +20,18 @@ from data_pipelines.schema import Sample
 from data_pipelines.stream import Mixer, SourceStream, split_range
 from data_pipelines.tokenizer import ByteTokenizer
 from data_pipelines.writer import ShardWriter
-from configs.batch import PackedBatch
 
 TOK = ByteTokenizer()
 
 
 def _cfg(default_dir, **kw):
-    base = dict(default_dir=str(default_dir), row_tokens=512, rows_per_batch=2, shuffle_buffer=32,
-                pack_buffer=16)
+    base = dict(
+        default_dir=str(default_dir),
+        row_tokens=512,
+        rows_per_batch=2,
+        shuffle_buffer=32,
+        pack_buffer=16,
+    )
     return DataConfig(**{**base, **kw})
 
 
@@ -57,11 +63,18 @@ def test_resume_gives_the_uninterrupted_batches(tiny_default, workers, batches_e
     assert batches_equal(more[0], stream[5]) and batches_equal(more[1], stream[6])
 
 
-def test_resume_across_epoch_boundaries_and_with_split_text(tmp_path, batches_equal,
-                                                            write_text_shards):
+def test_resume_across_epoch_boundaries_and_with_split_text(
+    tmp_path, batches_equal, write_text_shards
+):
     write_text_shards(tmp_path / "a", 23, per_shard=5)
-    cfg = DataConfig(sources=[SourceConfig(path=str(tmp_path / "a"))], row_tokens=16,
-                     rows_per_batch=3, shuffle_buffer=4, pack_buffer=3, long_text="split")
+    cfg = DataConfig(
+        sources=[SourceConfig(path=str(tmp_path / "a"))],
+        row_tokens=16,
+        rows_per_batch=3,
+        shuffle_buffer=4,
+        pack_buffer=3,
+        long_text="split",
+    )
     full = [b for _, b in zip(range(30), build_loader(cfg, TOK))]
     shutil.copytree(tmp_path / "a", tmp_path / "moved")
     moved = replace(cfg, sources=[SourceConfig(path=str(tmp_path / "moved"))])
@@ -72,8 +85,9 @@ def test_resume_across_epoch_boundaries_and_with_split_text(tmp_path, batches_eq
         # the data folder may move between runs
         again = build_loader(moved if k == 19 else cfg, TOK)
         again.load_state_dict(st)
-        assert all(batches_equal(a, b)
-                   for a, b in zip(full[k:], [b for _, b in zip(range(30 - k), again)]))
+        assert all(
+            batches_equal(a, b) for a, b in zip(full[k:], [b for _, b in zip(range(30 - k), again)])
+        )
 
 
 def test_state_from_another_config_is_refused(tiny_default):
@@ -111,8 +125,15 @@ def test_streams_cover_every_sample_once_per_epoch(tmp_path, write_text_shards):
 
 def test_loader_ranks_and_workers_cover_every_sample_once(tmp_path, write_text_shards, decode_docs):
     texts = write_text_shards(tmp_path / "s", 40, per_shard=9)
-    cfg = DataConfig(sources=[SourceConfig(path=str(tmp_path / "s"))], row_tokens=64,
-                     rows_per_batch=2, shuffle_buffer=5, pack_buffer=4, num_workers=2, epochs=1)
+    cfg = DataConfig(
+        sources=[SourceConfig(path=str(tmp_path / "s"))],
+        row_tokens=64,
+        rows_per_batch=2,
+        shuffle_buffer=5,
+        pack_buffer=4,
+        num_workers=2,
+        epochs=1,
+    )
     seen = Counter()
     for rank in range(2):
         for batch in build_loader(cfg, TOK, rank=rank, world_size=2):
@@ -120,12 +141,15 @@ def test_loader_ranks_and_workers_cover_every_sample_once(tmp_path, write_text_s
     assert seen == Counter(texts)
 
 
-def test_rank_split_rows_gives_the_same_global_batch_for_any_world_size(tiny_default,
-                                                                        batches_equal):
+def test_rank_split_rows_gives_the_same_global_batch_for_any_world_size(
+    tiny_default, batches_equal
+):
     cfg = _cfg(tiny_default, rank_split="rows", rows_per_batch=2)
     single = [b for _, b in zip(range(3), build_loader(replace(cfg, rows_per_batch=4), TOK))]
-    per_rank = [[b for _, b in zip(range(3), build_loader(cfg, TOK, rank=r, world_size=2))]
-                for r in range(2)]
+    per_rank = [
+        [b for _, b in zip(range(3), build_loader(cfg, TOK, rank=r, world_size=2))]
+        for r in range(2)
+    ]
     for k in range(3):
         joined = PackedBatch.stack([per_rank[0][k], per_rank[1][k]])
         assert batches_equal(joined, single[k])
@@ -146,8 +170,10 @@ def test_mixing_follows_weights_deterministically(tmp_path, write_text_shards):
     write_text_shards(tmp_path / "b", 30, per_shard=10, prefix="b")
 
     def picks(seed):
-        streams = [SourceStream(i, resolve_shards(tmp_path / n), [10, 10, 10], 0, 1, seed, 8, None)
-                   for i, n in enumerate("ab")]
+        streams = [
+            SourceStream(i, resolve_shards(tmp_path / n), [10, 10, 10], 0, 1, seed, 8, None)
+            for i, n in enumerate("ab")
+        ]
         mixer = Mixer(streams, [3.0, 1.0], seed, 0)
         return [mixer.next()[0] for _ in range(2000)]
 

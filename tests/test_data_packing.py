@@ -1,4 +1,5 @@
 """Tokenizing, image expansion, packing and labels on hand-built samples (values counted by hand)."""
+
 from __future__ import annotations
 
 import itertools
@@ -7,14 +8,14 @@ import numpy as np
 import pytest
 import torch
 
+from configs.batch import IGNORE_INDEX, IMAGE, TEXT
+from configs.config import ConfigError, from_dict
 from data_pipelines.config import DataConfig, SourceConfig
 from data_pipelines.encode import encode_sample
 from data_pipelines.packing import Packer, assemble_batch, best_subset, make_prompt_batch
 from data_pipelines.schema import TOO_LONG, BadSample, Sample
 from data_pipelines.tokenizer import ByteTokenizer
 from vision.image_processor import ImageProcessor, ImageProcessorConfig
-from configs.batch import IGNORE_INDEX, IMAGE, TEXT
-from configs.config import ConfigError, from_dict
 
 TOK = ByteTokenizer()
 PROC = ImageProcessor(ImageProcessorConfig(patch_size=14, min_patches=4, max_patches=256, merge=2))
@@ -22,9 +23,12 @@ TEXT_DOC = Sample(key="t", kind="text", text="hi")
 
 
 def _row(loss_on, png):
-    chat = Sample(key="c", kind="pair", images=[png(56, 28)],
-                  turns=[{"role": "user", "content": "<image>\nQ"},
-                         {"role": "assistant", "content": "a"}])
+    chat = Sample(
+        key="c",
+        kind="pair",
+        images=[png(56, 28)],
+        turns=[{"role": "user", "content": "<image>\nQ"}, {"role": "assistant", "content": "a"}],
+    )
     encs = [encode_sample(s, TOK, PROC, 64, loss_on)[0] for s in (chat, TEXT_DOC)]
     return encs, assemble_batch([encs], 24, TOK)
 
@@ -32,9 +36,25 @@ def _row(loss_on, png):
 def test_layout_of_a_packed_row(png):
     encs, b = _row("assistant", png)
     t = TOK
-    ids = [t.bos_id, t.user_id, t.image_start_id, t.image_pad_id, t.image_pad_id, t.image_end_id,
-           10, ord("Q"), t.end_id, t.assistant_id, ord("a"), t.end_id, t.eos_id, t.bos_id, ord("h"),
-           ord("i"), t.eos_id]
+    ids = [
+        t.bos_id,
+        t.user_id,
+        t.image_start_id,
+        t.image_pad_id,
+        t.image_pad_id,
+        t.image_end_id,
+        10,
+        ord("Q"),
+        t.end_id,
+        t.assistant_id,
+        ord("a"),
+        t.end_id,
+        t.eos_id,
+        t.bos_id,
+        ord("h"),
+        ord("i"),
+        t.eos_id,
+    ]
     assert PROC(png(56, 28)).grid == (2, 4) and PROC(png(56, 28)).num_tokens == 2
     assert b.input_ids[0, :17].tolist() == ids and (b.input_ids[0, 17:] == t.pad_id).all()
     assert b.doc_ids[0].tolist() == [0] * 13 + [1] * 4 + [-1] * 7
@@ -45,8 +65,29 @@ def test_layout_of_a_packed_row(png):
     X = IGNORE_INDEX
     # loss only on the answer ("a", <|end|>) and the final <eos> of the chat; the text doc is
     # all target
-    assert b.labels[0].tolist() == [X, X, X, X, X, X, X, X, X, ord("a"), t.end_id, t.eos_id, X,
-                                    ord("h"), ord("i"), t.eos_id, X] + [X] * 7
+    assert (
+        b.labels[0].tolist()
+        == [
+            X,
+            X,
+            X,
+            X,
+            X,
+            X,
+            X,
+            X,
+            X,
+            ord("a"),
+            t.end_id,
+            t.eos_id,
+            X,
+            ord("h"),
+            ord("i"),
+            t.eos_id,
+            X,
+        ]
+        + [X] * 7
+    )
 
 
 def test_labels_with_loss_on_all(png):
@@ -56,7 +97,7 @@ def test_labels_with_loss_on_all(png):
     # bos -> <|user|> -> <image_start>; nothing is predicted into or out of the image, <image_end>
     # -> "\n"
     assert lab[:7] == [t.user_id, t.image_start_id, X, X, X, 10, ord("Q")]
-    assert lab[12] == X and lab[16] == X   # document ends
+    assert lab[12] == X and lab[16] == X  # document ends
     shifted = b.input_ids[0, 1:][b.labels[0, :-1] != X]
     assert torch.equal(shifted, b.labels[0, :-1][b.labels[0, :-1] != X])
 
@@ -96,11 +137,14 @@ def test_packer_fills_rows_exactly_and_keeps_fifo_opener():
     assert sum(lens[best_subset(lens, 1)]) == 0
     assert best_subset(np.array([11, 12]), 10) == []
     rng = np.random.default_rng(0)
-    for _ in range(40):   # optimal against brute force
+    for _ in range(40):  # optimal against brute force
         lens, room = rng.integers(1, 30, size=int(rng.integers(1, 9))), int(rng.integers(1, 60))
-        best = max(sum(c) for k in range(len(lens) + 1)
-                   for c in itertools.combinations(lens.tolist(), k)
-                   if sum(c) <= room)
+        best = max(
+            sum(c)
+            for k in range(len(lens) + 1)
+            for c in itertools.combinations(lens.tolist(), k)
+            if sum(c) <= room
+        )
         pick = best_subset(lens, room)
         assert sum(lens[pick]) == best and len(set(pick)) == len(pick)
     with pytest.raises(ValueError, match="exceed"):
@@ -118,14 +162,18 @@ def test_long_samples(png):
         encode_sample(big, TOK, PROC, 32)
     assert e.value.reason == TOO_LONG
     # images fit but the caption does not: the caption is cut
-    (s,) = encode_sample(Sample(key="c", kind="pair", text="<image>" + "z" * 40, images=[png(28, 28)]), TOK, PROC, 16)
+    (s,) = encode_sample(
+        Sample(key="c", kind="pair", text="<image>" + "z" * 40, images=[png(28, 28)]), TOK, PROC, 16
+    )
     assert len(s) == 16 and s.truncated
 
 
 def test_prompt_batch_for_generation(png):
-    b = make_prompt_batch([("<|user|><image>\nWhat?<|end|><|assistant|>", [png(28, 28)]),
-                           ("<|user|>hi<|end|>", [])],
-                          TOK, PROC)
+    b = make_prompt_batch(
+        [("<|user|><image>\nWhat?<|end|><|assistant|>", [png(28, 28)]), ("<|user|>hi<|end|>", [])],
+        TOK,
+        PROC,
+    )
     assert b.input_ids.shape[0] == 2 and b.image_grids.tolist() == [[2, 2]]
     n0 = int((b.doc_ids[0] >= 0).sum())
     # ends with the generation prompt, no <eos>
@@ -136,13 +184,22 @@ def test_data_config_validation(tmp_path):
     (tmp_path / "a").mkdir()
     (tmp_path / "a" / "s-0.tar").touch()
     shards, x = str(tmp_path / "a" / "*.tar"), str(tmp_path / "a" / "s-0.tar")
-    cfg = from_dict(DataConfig, {"sources": [{"path": shards, "weight": 2}], "row_tokens": 512,
-                                 "processor": {"max_patches": 64}})
+    cfg = from_dict(
+        DataConfig,
+        {
+            "sources": [{"path": shards, "weight": 2}],
+            "row_tokens": 512,
+            "processor": {"max_patches": 64},
+        },
+    )
     assert isinstance(cfg.sources[0], SourceConfig) and cfg.processor.max_patches == 64
-    for bad, msg in [({"row_tokens": 2}, "row_tokens"), ({"loss_on": "user"}, "loss_on"),
-                     ({"sources": [{"path": x, "weight": 0}]}, "weight"),
-                     ({"shufle_buffer": 3}, "unknown key"),
-                     ({"sources": [{"path": x}, {"path": x}]}, "unique"),
-                     ({"sources": [{"path": str(tmp_path / "b" / "*.tar")}]}, "matches no files")]:
+    for bad, msg in [
+        ({"row_tokens": 2}, "row_tokens"),
+        ({"loss_on": "user"}, "loss_on"),
+        ({"sources": [{"path": x, "weight": 0}]}, "weight"),
+        ({"shufle_buffer": 3}, "unknown key"),
+        ({"sources": [{"path": x}, {"path": x}]}, "unique"),
+        ({"sources": [{"path": str(tmp_path / "b" / "*.tar")}]}, "matches no files"),
+    ]:
         with pytest.raises(ConfigError, match=msg):
             from_dict(DataConfig, bad)

@@ -1,4 +1,5 @@
 """Shard schema: round trips of the three sample kinds, manifests, foreign shards, decode errors."""
+
 from __future__ import annotations
 
 import io
@@ -8,8 +9,18 @@ import tarfile
 import pytest
 
 from data_pipelines.reader import iter_shard, resolve_shards, shard_counts
-from data_pipelines.schema import (BAD_JSON, EMPTY_TEXT, FILTERED_KIND, IMAGE_COUNT, INVALID_FIELD,
-                                   MISSING_FIELD, NON_UTF8, BadSample, Sample, decode_sample)
+from data_pipelines.schema import (
+    BAD_JSON,
+    EMPTY_TEXT,
+    FILTERED_KIND,
+    IMAGE_COUNT,
+    INVALID_FIELD,
+    MISSING_FIELD,
+    NON_UTF8,
+    BadSample,
+    Sample,
+    decode_sample,
+)
 from data_pipelines.stats import collect_stats
 from data_pipelines.writer import ShardWriter, read_manifest
 
@@ -18,13 +29,24 @@ def _samples(png):
     a, b, c = png(20, 10, (255, 0, 0)), png(8, 33, (0, 255, 0), fmt="JPEG"), png(5, 5, (0, 0, 255))
     return [
         Sample(key="pair0", kind="pair", text="<image>A red box.", images=[a], image_exts=["png"]),
-        Sample(key="chat0", kind="pair", turns=[{"role": "user", "content": "<image>\nColour?"},
-                                                {"role": "assistant", "content": "red"}],
-               images=[a], image_exts=["png"],
-               meta={"qa": [{"question": "Colour?", "answer": "red", "type": "colour"}]}),
-        Sample(key="inter0", kind="interleaved", text="First <image> then <image> and <image>. "
-                                                      "Done.",
-               images=[a, b, c], image_exts=["png", "jpg", "png"]),
+        Sample(
+            key="chat0",
+            kind="pair",
+            turns=[
+                {"role": "user", "content": "<image>\nColour?"},
+                {"role": "assistant", "content": "red"},
+            ],
+            images=[a],
+            image_exts=["png"],
+            meta={"qa": [{"question": "Colour?", "answer": "red", "type": "colour"}]},
+        ),
+        Sample(
+            key="inter0",
+            kind="interleaved",
+            text="First <image> then <image> and <image>. Done.",
+            images=[a, b, c],
+            image_exts=["png", "jpg", "png"],
+        ),
         Sample(key="text0", kind="text", text="Only text, ünïcödé ✓."),
     ]
 
@@ -39,8 +61,15 @@ def test_round_trip_all_kinds_and_manifest(tmp_path, png):
     assert shard_counts(paths) == [3, 1]
     got = [decode_sample(raw) for p in paths for _, raw in iter_shard(p)]
     for s, g in zip(samples, got):
-        assert (g.key, g.kind, g.text, g.turns, g.images, g.image_exts, g.meta) == \
-               (s.key, s.kind, s.text, s.turns, s.images, s.image_exts, s.meta)
+        assert (g.key, g.kind, g.text, g.turns, g.images, g.image_exts, g.meta) == (
+            s.key,
+            s.kind,
+            s.text,
+            s.turns,
+            s.images,
+            s.image_exts,
+            s.meta,
+        )
     m = read_manifest(tmp_path)
     assert m["totals"]["count"] == 4
     assert m["totals"]["kinds"] == {"interleaved": 1, "pair": 2, "text": 1}
@@ -77,41 +106,63 @@ def _tar(path, members: dict[str, bytes]):
 
 
 def test_foreign_webdataset_jpg_txt(tmp_path, png):
-    _tar(tmp_path / "f.tar",
-         {"a.jpg": png(fmt="JPEG"), "a.txt": b"a caption", "b.txt": b"just text"})
+    _tar(
+        tmp_path / "f.tar", {"a.jpg": png(fmt="JPEG"), "a.txt": b"a caption", "b.txt": b"just text"}
+    )
     got = [decode_sample(raw) for _, raw in iter_shard(tmp_path / "f.tar")]
-    assert [(g.kind, g.text, len(g.images)) for g in got] == [("pair", "<image>a caption", 1),
-                                                              ("text", "just text", 0)]
+    assert [(g.kind, g.text, len(g.images)) for g in got] == [
+        ("pair", "<image>a caption", 1),
+        ("text", "just text", 0),
+    ]
 
 
 # stands for png() in the parameters below (the `png` fixture cannot run at collection)
 PNG = object()
 
 
-@pytest.mark.parametrize("members,reason", [
-    ({"json": b"{not json"}, BAD_JSON),
-    ({"json": b"[1, 2]"}, BAD_JSON),
-    ({"json": b'{"text": "caf\xe9"}'}, NON_UTF8),
-    ({"txt": b"\xff\xfe bad"}, NON_UTF8),
-    ({"cls": b"3"}, MISSING_FIELD),
-    ({"json": b'{"kind": "pair"}', "0.png": PNG}, MISSING_FIELD),
-    ({"json": b'{"kind": "pair", "text": "x"}'}, MISSING_FIELD),
-    ({"json": b'{"kind": "video", "text": "x"}'}, INVALID_FIELD),
-    ({"json": b'{"kind": "text", "text": 3}'}, INVALID_FIELD),
-    ({"json": b'{"turns": [{"role": "system", "content": "x"}]}'}, INVALID_FIELD),
-    ({"json": b'{"turns": [{"role": "user"}]}'}, MISSING_FIELD),
-    ({"json": b'{"turns": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": " '
-              b'"}]}'}, EMPTY_TEXT),
-    ({"json": b'{"kind": "text", "text": "   "}'}, EMPTY_TEXT),
-    ({"json": b'{"kind": "pair", "text": "<image>"}', "0.png": PNG}, EMPTY_TEXT),
-    ({"json": b'{"kind": "interleaved", "text": "a <image> b"}', "0.png": PNG, "1.png": PNG},
-     IMAGE_COUNT),
-    ({"json": b'{"kind": "interleaved", "text": "a <image> b <image>"}', "0.png": PNG,
-      "2.png": PNG}, IMAGE_COUNT),
-])
+@pytest.mark.parametrize(
+    "members,reason",
+    [
+        ({"json": b"{not json"}, BAD_JSON),
+        ({"json": b"[1, 2]"}, BAD_JSON),
+        ({"json": b'{"text": "caf\xe9"}'}, NON_UTF8),
+        ({"txt": b"\xff\xfe bad"}, NON_UTF8),
+        ({"cls": b"3"}, MISSING_FIELD),
+        ({"json": b'{"kind": "pair"}', "0.png": PNG}, MISSING_FIELD),
+        ({"json": b'{"kind": "pair", "text": "x"}'}, MISSING_FIELD),
+        ({"json": b'{"kind": "video", "text": "x"}'}, INVALID_FIELD),
+        ({"json": b'{"kind": "text", "text": 3}'}, INVALID_FIELD),
+        ({"json": b'{"turns": [{"role": "system", "content": "x"}]}'}, INVALID_FIELD),
+        ({"json": b'{"turns": [{"role": "user"}]}'}, MISSING_FIELD),
+        (
+            {
+                "json": b'{"turns": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": " '
+                b'"}]}'
+            },
+            EMPTY_TEXT,
+        ),
+        ({"json": b'{"kind": "text", "text": "   "}'}, EMPTY_TEXT),
+        ({"json": b'{"kind": "pair", "text": "<image>"}', "0.png": PNG}, EMPTY_TEXT),
+        (
+            {"json": b'{"kind": "interleaved", "text": "a <image> b"}', "0.png": PNG, "1.png": PNG},
+            IMAGE_COUNT,
+        ),
+        (
+            {
+                "json": b'{"kind": "interleaved", "text": "a <image> b <image>"}',
+                "0.png": PNG,
+                "2.png": PNG,
+            },
+            IMAGE_COUNT,
+        ),
+    ],
+)
 def test_decode_reasons(members, reason, png):
-    raw = {"__key__": "k", "__url__": "shard.tar",
-           **{k: png() if v is PNG else v for k, v in members.items()}}
+    raw = {
+        "__key__": "k",
+        "__url__": "shard.tar",
+        **{k: png() if v is PNG else v for k, v in members.items()},
+    }
     with pytest.raises(BadSample) as e:
         decode_sample(raw)
     assert e.value.reason == reason
@@ -119,8 +170,11 @@ def test_decode_reasons(members, reason, png):
 
 
 def test_kind_filter():
-    raw = {"__key__": "k", "__url__": "u",
-           "json": json.dumps({"kind": "text", "text": "hello"}).encode()}
+    raw = {
+        "__key__": "k",
+        "__url__": "u",
+        "json": json.dumps({"kind": "text", "text": "hello"}).encode(),
+    }
     assert decode_sample(raw, "text").kind == "text"
     with pytest.raises(BadSample) as e:
         decode_sample(raw, "pair")

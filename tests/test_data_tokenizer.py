@@ -1,11 +1,17 @@
 """Tokenizers: byte-level ids, BPE training/saving/loading (ours and transformers'), any tokenizer.json."""
+
 from __future__ import annotations
 
 import pytest
 
 from data_pipelines.chat import format_chat, normalize_answer, strip_answer, vqa_prompt
-from data_pipelines.tokenizer import (SPECIAL_TOKENS, ByteTokenizer, TokenizerError, load_tokenizer,
-                                      train_bpe)
+from data_pipelines.tokenizer import (
+    SPECIAL_TOKENS,
+    ByteTokenizer,
+    TokenizerError,
+    load_tokenizer,
+    train_bpe,
+)
 
 TEXT = "<|user|><image>\nWhat colour is the circle? ünï ✓<|end|><|assistant|>red<|end|>"
 
@@ -27,9 +33,11 @@ def test_byte_tokenizer_ids_and_round_trip(tmp_path):
 
 
 def _corpus():
-    return [f"the {c} {s} is {w} of the {c2} square. <image> {i} plus {i} is {2 * i}."
-            for i in range(60) for c, s, w,
-            c2 in [("red", "circle", "left", "blue"), ("green", "diamond", "above", "red")]]
+    return [
+        f"the {c} {s} is {w} of the {c2} square. <image> {i} plus {i} is {2 * i}."
+        for i in range(60)
+        for c, s, w, c2 in [("red", "circle", "left", "blue"), ("green", "diamond", "above", "red")]
+    ]
 
 
 def test_bpe_train_save_load_and_transformers(tmp_path):
@@ -39,10 +47,11 @@ def test_bpe_train_save_load_and_transformers(tmp_path):
     ids = tok.encode(TEXT)
     assert ids[0] == tok.user_id and ids[1] == tok.image_id and ids[-1] == tok.end_id
     # merges learnt
-    assert len(tok.encode("the red circle is left of the blue square")) < len("the red circle is "
-                                                                              "left")
+    assert len(tok.encode("the red circle is left of the blue square")) < len(
+        "the red circle is left"
+    )
     assert tok.decode(ids, skip_special=False) == TEXT
-    assert tok.decode(tok.encode("\x00\x7f 漢字")) == "\x00\x7f 漢字"   # any byte stays encodable
+    assert tok.decode(tok.encode("\x00\x7f 漢字")) == "\x00\x7f 漢字"  # any byte stays encodable
     tok.save(tmp_path)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         assert (tmp_path / name).is_file()
@@ -53,8 +62,11 @@ def test_bpe_train_save_load_and_transformers(tmp_path):
 
     hf = AutoTokenizer.from_pretrained(str(tmp_path))
     assert hf(TEXT, add_special_tokens=False)["input_ids"] == ids
-    assert (hf.pad_token_id, hf.bos_token_id, hf.eos_token_id) == (tok.pad_id, tok.bos_id,
-                                                                   tok.eos_id)
+    assert (hf.pad_token_id, hf.bos_token_id, hf.eos_token_id) == (
+        tok.pad_id,
+        tok.bos_id,
+        tok.eos_id,
+    )
     assert hf.convert_tokens_to_ids("<image>") == tok.image_id
 
 
@@ -82,10 +94,15 @@ def test_tokenizer_errors(tmp_path):
 
 
 def test_chat_template():
-    turns = [{"role": "user", "content": "<image>\nQ1"}, {"role": "assistant", "content": "a1"},
-             {"role": "user", "content": "Q2"}, {"role": "assistant", "content": "a2"}]
-    assert format_chat(turns) == ("<|user|><image>\nQ1<|end|><|assistant|>a1<|end|>"
-                                  "<|user|>Q2<|end|><|assistant|>a2<|end|>")
+    turns = [
+        {"role": "user", "content": "<image>\nQ1"},
+        {"role": "assistant", "content": "a1"},
+        {"role": "user", "content": "Q2"},
+        {"role": "assistant", "content": "a2"},
+    ]
+    assert format_chat(turns) == (
+        "<|user|><image>\nQ1<|end|><|assistant|>a1<|end|><|user|>Q2<|end|><|assistant|>a2<|end|>"
+    )
     assert vqa_prompt("What shape?") == "<|user|><image>\nWhat shape?<|end|><|assistant|>"
     # the first turn of a training conversation is exactly the evaluation prompt
     assert format_chat(turns).startswith(vqa_prompt("Q1").replace("What shape?", ""))
@@ -106,7 +123,9 @@ def test_the_byte_tokenizer_saves_a_file_transformers_reads_the_same(tmp_path, t
     theirs = AutoTokenizer.from_pretrained(tmp_path)
     ids = theirs(text, add_special_tokens=False).input_ids
     assert ids == ours.encode(text)
-    assert theirs.decode(ids) == text and theirs.decode(ids, skip_special_tokens=True) == ours.decode(ids)
+    assert theirs.decode(ids) == text and theirs.decode(
+        ids, skip_special_tokens=True
+    ) == ours.decode(ids)
     assert type(load_tokenizer(tmp_path)).__name__ == "ByteTokenizer"
 
 
@@ -114,7 +133,11 @@ def test_bytes_per_id_counts_the_utf8_bytes_each_token_stands_for(tmp_path):
     """The denominator of bits per byte: summed over a text's tokens it is the text's UTF-8 length."""
     byte = ByteTokenizer()
     assert byte.bytes_per_id[:256].tolist() == [1] * 256 and not byte.bytes_per_id[256:].any()
-    texts = ["a red circle at the top left", "zwölf Boxkämpfer jagen Viktor", "日本語のテキスト"] * 20
+    texts = [
+        "a red circle at the top left",
+        "zwölf Boxkämpfer jagen Viktor",
+        "日本語のテキスト",
+    ] * 20
     bpe = train_bpe(texts, 300)
     for text in texts[:3] + ["<|user|>hi<|end|>"]:
         ids = bpe.encode(text)

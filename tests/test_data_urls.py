@@ -1,6 +1,7 @@
 """Shard sources as URLs webdataset understands (`pipe:CMD`, `http://...`, `file:PATH`): the same
 samples in the same order as the local files, exact resume, counting by streaming, clear errors,
 breaks counted as locally."""
+
 from __future__ import annotations
 
 import argparse
@@ -28,7 +29,7 @@ from data_pipelines.tokenizer import ByteTokenizer
 from data_pipelines.writer import MANIFEST
 
 TOK = ByteTokenizer()
-N, PER_SHARD = 23, 8          # shard-000000.tar (8), -000001 (8), -000002 (7)
+N, PER_SHARD = 23, 8  # shard-000000.tar (8), -000001 (8), -000002 (7)
 BRACES = "shard-{000000..000002}.tar"
 
 
@@ -45,12 +46,13 @@ def http_server():
     servers, log = [], []
 
     class Handler(SimpleHTTPRequestHandler):
-        def log_message(self, *args):   # quiet; remember what was asked for
+        def log_message(self, *args):  # quiet; remember what was asked for
             log.append((self.command, self.path))
 
     def serve(folder):
-        srv = ThreadingHTTPServer(("127.0.0.1", 0),
-                                  functools.partial(Handler, directory=str(folder)))
+        srv = ThreadingHTTPServer(
+            ("127.0.0.1", 0), functools.partial(Handler, directory=str(folder))
+        )
         threading.Thread(target=srv.serve_forever, args=(0.05,), daemon=True).start()
         servers.append(srv)
         return f"http://127.0.0.1:{srv.server_address[1]}", log
@@ -62,15 +64,25 @@ def http_server():
 
 
 def _cfg(path, **kw):
-    base = dict(sources=[SourceConfig(path=str(path))], row_tokens=64, rows_per_batch=2,
-                shuffle_buffer=5, pack_buffer=3, epochs=1, seed=7)
+    base = dict(
+        sources=[SourceConfig(path=str(path))],
+        row_tokens=64,
+        rows_per_batch=2,
+        shuffle_buffer=5,
+        pack_buffer=3,
+        epochs=1,
+        seed=7,
+    )
     return DataConfig(**{**base, **kw})
 
 
 def _raw(pattern):
     """Every raw sample of a source, in order, without the `__url__` member (which names where it came from)."""
-    return [{k: v for k, v in raw.items() if k != "__url__"}
-            for p in resolve_shards(pattern) for _, raw in iter_shard(p)]
+    return [
+        {k: v for k, v in raw.items() if k != "__url__"}
+        for p in resolve_shards(pattern)
+        for _, raw in iter_shard(p)
+    ]
 
 
 def _same_batches(a, b, batches_equal):
@@ -90,8 +102,9 @@ def test_pipe_urls_give_the_local_samples_in_the_same_order(shards, batches_equa
     assert _same_batches(list(build_loader(_cfg(url), TOK)), local, batches_equal)
 
 
-def test_http_urls_give_the_local_samples_and_use_the_served_manifest(shards, http_server,
-                                                                      batches_equal):
+def test_http_urls_give_the_local_samples_and_use_the_served_manifest(
+    shards, http_server, batches_equal
+):
     d, _ = shards
     base, log = http_server(d)
     url = f"{base}/{BRACES}"
@@ -130,7 +143,7 @@ def test_exact_resume_on_a_url_source(shards, http_server, workers, batches_equa
     rest = list(resumed)
     assert _same_batches(head + rest, full, batches_equal)
     seen = Counter(t for b in head + rest for t in decode_docs(b, TOK))
-    assert seen == Counter(texts)                      # each sample once: none repeated, none lost
+    assert seen == Counter(texts)  # each sample once: none repeated, none lost
     # the same state resumes on the same shards served over http (positions name shards by
     # file name)
     base, _ = http_server(d)
@@ -144,8 +157,9 @@ def test_file_urls_name_local_files(shards, batches_equal):
     local = resolve_shards(d)
     for url in (f"file://{d}/{BRACES}", f"file:{d}", f"file://localhost{d}/shard-*.tar"):
         assert resolve_shards(url) == local
-    assert _same_batches(list(build_loader(_cfg(f"file:{d}"), TOK)),
-                         list(build_loader(_cfg(d), TOK)), batches_equal)
+    assert _same_batches(
+        list(build_loader(_cfg(f"file:{d}"), TOK)), list(build_loader(_cfg(d), TOK)), batches_equal
+    )
     with pytest.raises(ConfigError, match="does not exist"):
         SourceConfig(path=f"file:{d}/nope.tar").validate()
 
@@ -160,14 +174,18 @@ def test_unreachable_urls_and_failing_commands_give_a_clear_error(shards, http_s
     d, _ = shards
     base, _ = http_server(d)
     port = _free_port()
-    cases = {"pipe:false": r"the command `false` exited with status 1",
-             f"pipe:cat {d}/missing.tar": r"the command `cat .*missing.tar` exited with status 1",
-             f"{base}/missing.tar": r"curl exited with status 22 \(.*HTTP error",
-             f"http://127.0.0.1:{port}/shard-000000.tar": r"curl exited with status 7 \(could not "
-                                                          r"connect"}
+    cases = {
+        "pipe:false": r"the command `false` exited with status 1",
+        f"pipe:cat {d}/missing.tar": r"the command `cat .*missing.tar` exited with status 1",
+        f"{base}/missing.tar": r"curl exited with status 22 \(.*HTTP error",
+        f"http://127.0.0.1:{port}/shard-000000.tar": (
+            r"curl exited with status 7 \(could not connect"
+        ),
+    }
     for url, why in cases.items():
-        with pytest.raises(ShardError,
-                           match=f"shard {re.escape(url)} cannot be read: {why}") as err:
+        with pytest.raises(
+            ShardError, match=f"shard {re.escape(url)} cannot be read: {why}"
+        ) as err:
             build_loader(_cfg(url), TOK)
         # `vlm train` prints it in one line, no traceback
         assert isinstance(err.value, ConfigError)
@@ -186,17 +204,22 @@ def test_unreachable_urls_and_failing_commands_give_a_clear_error(shards, http_s
 
 
 def _outcome(path, expected=None):
-    return [(i, r.reason if isinstance(r, BadSample) else r["__key__"])
-            for i, r in iter_shard(path, expected=expected)]
+    return [
+        (i, r.reason if isinstance(r, BadSample) else r["__key__"])
+        for i, r in iter_shard(path, expected=expected)
+    ]
 
 
 def test_a_broken_stream_is_counted_as_a_broken_local_file(tmp_path, write_text_shards):
     write_text_shards(tmp_path, 5, per_shard=5)
     data = (tmp_path / "t-000000.tar").read_bytes()
     members = tarfile.open(tmp_path / "t-000000.tar").getmembers()
-    cut = {"inside_a_header.tar": data[:members[2].offset + 100],
-           "member_boundary.tar": data[:members[3].offset],
-           "gzip_cut.tar.gz": gzip.compress(data)[:-30], "not_a_tar.tar": b"garbage" * 50}
+    cut = {
+        "inside_a_header.tar": data[: members[2].offset + 100],
+        "member_boundary.tar": data[: members[3].offset],
+        "gzip_cut.tar.gz": gzip.compress(data)[:-30],
+        "not_a_tar.tar": b"garbage" * 50,
+    }
     for name, b in cut.items():
         (tmp_path / name).write_bytes(b)
         for expected in (None, 5):

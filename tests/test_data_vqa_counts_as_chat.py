@@ -4,6 +4,7 @@ instead of a chat sample. In every importer format (LLaVA JSON, OpenAI-style mes
 answer JSONL, CSV and parquet, a hub dataset folder, `save_to_disk`), such a row counts as chat in
 the manifest's totals, the per-kind statistics and the training batches' kinds; an image with a
 caption still counts as a caption."""
+
 from __future__ import annotations
 
 import base64
@@ -14,7 +15,6 @@ import pytest
 
 from configs.batch import KINDS
 
-
 _Q, _A = "What colour is the square?", "red"
 
 
@@ -24,9 +24,14 @@ def _one_image_vqa_sources(root, png, fmt: str):
     image = png(28, 28)
     (root / "img").mkdir(exist_ok=True)
     (root / "img" / "a.png").write_bytes(image)
-    llava = {"id": "q0", "image": "img/a.png",
-             "conversations": [{"from": "human", "value": "<image>\n" + _Q},
-                                                                   {"from": "gpt", "value": _A}]}
+    llava = {
+        "id": "q0",
+        "image": "img/a.png",
+        "conversations": [
+            {"from": "human", "value": "<image>\n" + _Q},
+            {"from": "gpt", "value": _A},
+        ],
+    }
     qa = {"id": "q0", "image": "img/a.png", "question": _Q, "answer": _A, "question_type": "colour"}
     # LLaVA / ShareGPT instruction file: one JSON array
     if fmt == "llava-json":
@@ -35,9 +40,14 @@ def _one_image_vqa_sources(root, png, fmt: str):
     # OpenAI-style messages, the image a part of the content
     if fmt == "openai-jsonl":
         uri = "data:image/png;base64," + base64.b64encode(image).decode()
-        row = {"id": "q0", "image": uri, "messages": [
-            {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": _Q}]},
-            {"role": "assistant", "content": _A}]}
+        row = {
+            "id": "q0",
+            "image": uri,
+            "messages": [
+                {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": _Q}]},
+                {"role": "assistant", "content": _A},
+            ],
+        }
         (root / "t.jsonl").write_text(json.dumps(row) + "\n")
         return root / "t.jsonl"
     if fmt == "qa-jsonl":
@@ -51,22 +61,33 @@ def _one_image_vqa_sources(root, png, fmt: str):
         return root / "t.csv"
     pa = pytest.importorskip("pyarrow")
     pq = pytest.importorskip("pyarrow.parquet")
-    table = pa.table({"id": ["q0"], "image": [{"bytes": image, "path": "a.png"}], "question": [_Q],
-                      "answer": [[_A]]})
-    if fmt == "qa-parquet":                        # datasets' Image feature: a {bytes, path} struct
+    table = pa.table(
+        {
+            "id": ["q0"],
+            "image": [{"bytes": image, "path": "a.png"}],
+            "question": [_Q],
+            "answer": [[_A]],
+        }
+    )
+    if fmt == "qa-parquet":  # datasets' Image feature: a {bytes, path} struct
         pq.write_table(table, root / "t.parquet")
         return root / "t.parquet"
-    if fmt == "hub-folder":                        # the hub's parquet layout: a dataset folder
+    if fmt == "hub-folder":  # the hub's parquet layout: a dataset folder
         (root / "ds" / "data").mkdir(parents=True)
         pq.write_table(table, root / "ds" / "data" / "train-00000-of-00001.parquet")
         return root / "ds"
-    if fmt == "save-to-disk-folder":               # datasets' Dataset.save_to_disk
+    if fmt == "save-to-disk-folder":  # datasets' Dataset.save_to_disk
         datasets = pytest.importorskip("datasets")
-        ds = datasets.Dataset.from_dict({"image": [{"bytes": image, "path": "a.png"}],
-                                         "question": [_Q], "answer": [_A]},
-                                        features=datasets.Features({"image": datasets.Image(),
-                                                                    "question": datasets.Value("string"),
-                                                                    "answer": datasets.Value("string")}))
+        ds = datasets.Dataset.from_dict(
+            {"image": [{"bytes": image, "path": "a.png"}], "question": [_Q], "answer": [_A]},
+            features=datasets.Features(
+                {
+                    "image": datasets.Image(),
+                    "question": datasets.Value("string"),
+                    "answer": datasets.Value("string"),
+                }
+            ),
+        )
         ds.save_to_disk(str(root / "saved"))
         return root / "saved"
     raise AssertionError(fmt)
@@ -86,31 +107,58 @@ def _counted_kinds(out):
     from vision.image_processor import ImageProcessorConfig
 
     samples = [decode_sample(raw) for p in resolve_shards(out) for _, raw in iter_shard(p)]
-    cfg = DataConfig(sources=[SourceConfig(path=str(out))], epochs=1, row_tokens=256,
-                     rows_per_batch=1, shuffle_buffer=0, pack_buffer=4, tokenizer="byte",
-                     processor=ImageProcessorConfig(patch_size=14, min_patches=4, max_patches=16,
-                                                    merge=2))
+    cfg = DataConfig(
+        sources=[SourceConfig(path=str(out))],
+        epochs=1,
+        row_tokens=256,
+        rows_per_batch=1,
+        shuffle_buffer=0,
+        pack_buffer=4,
+        tokenizer="byte",
+        processor=ImageProcessorConfig(patch_size=14, min_patches=4, max_patches=16, merge=2),
+    )
     batch = next(iter(build_loader(cfg, ByteTokenizer())))
     valid = batch.doc_ids >= 0
-    return (read_manifest(out)["totals"]["chat"], [stats_kind(s) for s in samples],
-            sorted({KINDS[k] for k in batch.kind[valid].tolist()}), samples)
+    return (
+        read_manifest(out)["totals"]["chat"],
+        [stats_kind(s) for s in samples],
+        sorted({KINDS[k] for k in batch.kind[valid].tolist()}),
+        samples,
+    )
 
 
-@pytest.mark.parametrize("fmt",
-                         ["llava-json", "openai-jsonl", "qa-jsonl", "qa-csv", "qa-parquet",
-                          "hub-folder",
-                                 "save-to-disk-folder"])
-def test_a_one_image_question_answer_row_from_every_importer_format_counts_as_chat(fmt, tmp_path, png):
+@pytest.mark.parametrize(
+    "fmt",
+    [
+        "llava-json",
+        "openai-jsonl",
+        "qa-jsonl",
+        "qa-csv",
+        "qa-parquet",
+        "hub-folder",
+        "save-to-disk-folder",
+    ],
+)
+def test_a_one_image_question_answer_row_from_every_importer_format_counts_as_chat(
+    fmt, tmp_path, png
+):
     from data_pipelines.importers import import_table
 
     src = _one_image_vqa_sources(tmp_path / "src", png, fmt)
     res = import_table(src, tmp_path / "out")
     assert res["written"] == 1 and res["skipped"] == {}, res
     chat_total, labels, batch_kinds, (sample,) = _counted_kinds(tmp_path / "out")
-    assert labels == ["chat"], f"{fmt}: a one-image VQA row counts as {labels[0]} in the per-kind statistics"
-    assert len(sample.images) == 1 and sample.turns is not None and \
-        sample.turns[-1] == {"role": "assistant", "content": _A}, f"{fmt}: imported as {sample}"
-    assert batch_kinds == ["chat"], f"{fmt}: the training batch labels the VQA document {batch_kinds}"
+    assert labels == ["chat"], (
+        f"{fmt}: a one-image VQA row counts as {labels[0]} in the per-kind statistics"
+    )
+    assert (
+        len(sample.images) == 1
+        and sample.turns is not None
+        and sample.turns[-1] == {"role": "assistant", "content": _A}
+    ), f"{fmt}: imported as {sample}"
+    assert batch_kinds == ["chat"], (
+        f"{fmt}: the training batch labels the VQA document {batch_kinds}"
+    )
     assert chat_total == 1, f"{fmt}: the import's statistics count {chat_total} chat samples"
 
 
@@ -122,10 +170,13 @@ def test_a_one_image_caption_still_counts_as_caption(tmp_path, png):
     (tmp_path / "imgs").mkdir()
     (tmp_path / "imgs" / "a.png").write_bytes(png(28, 28))
     (tmp_path / "imgs" / "a.txt").write_text("a red square")
-    (tmp_path / "t.jsonl").write_text(json.dumps({"image": "imgs/a.png",
-                                                  "caption": "a red square"}) + "\n")
-    for name, res in (("folder", import_folder(tmp_path / "imgs", tmp_path / "folder")),
-                      ("table", import_table(tmp_path / "t.jsonl", tmp_path / "table"))):
+    (tmp_path / "t.jsonl").write_text(
+        json.dumps({"image": "imgs/a.png", "caption": "a red square"}) + "\n"
+    )
+    for name, res in (
+        ("folder", import_folder(tmp_path / "imgs", tmp_path / "folder")),
+        ("table", import_table(tmp_path / "t.jsonl", tmp_path / "table")),
+    ):
         assert res["written"] == 1, res
         chat_total, labels, batch_kinds, _ = _counted_kinds(tmp_path / name)
         assert (chat_total, labels, batch_kinds) == (0, ["caption"], ["caption"]), name

@@ -1,4 +1,5 @@
 """`vlm demo`: the gradio image chat, served in-process on a free local port and driven with gradio_client."""
+
 from __future__ import annotations
 
 import socket
@@ -12,9 +13,9 @@ from PIL import Image
 gr = pytest.importorskip("gradio")
 gradio_client = pytest.importorskip("gradio_client")
 
-from vlm.demo import build_app, check_image, launch_app
+from vlm.demo import build_app, check_image, launch_app  # noqa: E402 - after the importorskip
 
-UPLOAD_MB = 0.05   # 50 kB: the oversized upload below stays small
+UPLOAD_MB = 0.05  # 50 kB: the oversized upload below stays small
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +33,9 @@ def _free_port() -> int:
 def served(exported):
     from vlm.generate import load_eval_model
 
-    app = build_app(load_eval_model(exported), max_new_tokens=6, max_prompt_tokens=300,
-                    max_upload_mb=UPLOAD_MB)
+    app = build_app(
+        load_eval_model(exported), max_new_tokens=6, max_prompt_tokens=300, max_upload_mb=UPLOAD_MB
+    )
     port = _free_port()
     launch_app(app, "127.0.0.1", port, max_upload_mb=UPLOAD_MB, block=False)
     try:
@@ -45,8 +47,11 @@ def served(exported):
 def _text(message: dict) -> str:
     """The text of a chat message as the client returns it (a string, or a list of content blocks)."""
     c = message["content"]
-    return c if isinstance(c, str) else "".join(part.get("text", "") for part in c
-                                                if isinstance(part, dict))
+    return (
+        c
+        if isinstance(c, str)
+        else "".join(part.get("text", "") for part in c if isinstance(part, dict))
+    )
 
 
 def _client(url):
@@ -55,13 +60,15 @@ def _client(url):
 
 def test_multi_turn_chat_with_an_image_streams_and_shows_the_concepts(served, exported):
     client = _client(served)
-    job = client.submit("what is this?", gradio_client.handle_file(str(exported.parent / "a.png")),
-                        api_name="/chat")
-    updates = list(job)                                   # every streamed update
+    job = client.submit(
+        "what is this?", gradio_client.handle_file(str(exported.parent / "a.png")), api_name="/chat"
+    )
+    updates = list(job)  # every streamed update
     history, picture, boundaries, compression, status = job.result()[:5]
     assert len(updates) >= 2 and status == ""
-    assert [m["role"] for m in history] == ["user",
-                                            "assistant"] and _text(history[0]).startswith("[image]")
+    assert [m["role"] for m in history] == ["user", "assistant"] and _text(history[0]).startswith(
+        "[image]"
+    )
     first = _text(history[1])
     assert compression["text"]["tokens"] > 0 and compression["text"]["compression"] >= 1
     assert compression["image"]["tokens"] > 0 and compression["image"]["compression"] >= 1
@@ -69,8 +76,9 @@ def test_multi_turn_chat_with_an_image_streams_and_shows_the_concepts(served, ex
     assert compression["text"]["target"] > 1 and compression["image"]["target"] > 1
     assert picture is not None and "|" in boundaries and "image tokens]" in boundaries
 
-    history, picture, boundaries, compression, status = client.predict("and now?", None,
-                                                                       api_name="/chat")[:5]
+    history, picture, boundaries, compression, status = client.predict(
+        "and now?", None, api_name="/chat"
+    )[:5]
     assert [m["role"] for m in history] == ["user", "assistant"] * 2 and _text(history[1]) == first
     # the image stays in the conversation
     assert compression["image"]["tokens"] > 0 and picture is not None
@@ -82,12 +90,14 @@ def test_multi_turn_chat_with_an_image_streams_and_shows_the_concepts(served, ex
 
 def test_a_broken_image_gives_a_message_and_the_server_lives_on(served, exported):
     client = _client(served)
-    out = client.predict("what is this?",
-                         gradio_client.handle_file(str(exported.parent / "broken.png")),
-                         api_name="/chat")
+    out = client.predict(
+        "what is this?",
+        gradio_client.handle_file(str(exported.parent / "broken.png")),
+        api_name="/chat",
+    )
     history, status = out[0], out[4]
     assert "Image not used" in status and "not an image" in status and history == []
-    history = client.predict("hello", None, api_name="/chat")[0]          # still answering
+    history = client.predict("hello", None, api_name="/chat")[0]  # still answering
     assert [m["role"] for m in history] == ["user", "assistant"]
 
 
@@ -99,13 +109,15 @@ def test_an_oversized_upload_is_rejected_with_a_message(served, tmp_path):
     assert big.stat().st_size > UPLOAD_MB * 1e6
     # gradio's max_file_size stops it at the upload
     with pytest.raises(Exception, match="(?i)size"):
-        _client(served).predict("what is this?", gradio_client.handle_file(str(big)),
-                                api_name="/chat")
+        _client(served).predict(
+            "what is this?", gradio_client.handle_file(str(big)), api_name="/chat"
+        )
     import httpx  # and the server refuses it too, whatever the client checks
 
     with big.open("rb") as f:
-        r = httpx.post(served + "gradio_api/upload", files={"files": ("big.png", f, "image/png")},
-                       timeout=30)
+        r = httpx.post(
+            served + "gradio_api/upload", files={"files": ("big.png", f, "image/png")}, timeout=30
+        )
     assert r.status_code == 413 and "size" in r.text
     # and the demo's own check says so in the page if a file gets past the upload limit
     assert "upload limit" in check_image(str(big), int(UPLOAD_MB * 1e6), 10**6)
@@ -124,24 +136,38 @@ def test_an_example_conversation_opens_every_page(exported):
     """`--example IMAGE QUESTION`: the page loads with the answered question and the image's concepts."""
     from vlm.generate import load_eval_model
 
-    app = build_app(load_eval_model(exported), max_new_tokens=6,
-                    example=(str(exported.parent / "a.png"), ["what is this?"]))
+    app = build_app(
+        load_eval_model(exported),
+        max_new_tokens=6,
+        example=(str(exported.parent / "a.png"), ["what is this?"]),
+    )
     port = _free_port()
     launch_app(app, "127.0.0.1", port, block=False)
     try:
         history, picture, boundaries, compression = _client(f"http://127.0.0.1:{port}/").predict(
-            api_name="/example")[:4]
+            api_name="/example"
+        )[:4]
     finally:
         app.close()
-    assert [m["role"] for m in history] == ["user",
-                                            "assistant"] and "what is this?" in _text(history[0])
+    assert [m["role"] for m in history] == ["user", "assistant"] and "what is this?" in _text(
+        history[0]
+    )
     assert picture is not None and "|" in boundaries and compression["image"]["tokens"] > 0
 
 
 def test_vlm_demo_without_a_model_is_a_one_line_error(subprocess_env):
-    bad = subprocess.run([sys.executable, "-m", "vlm.cli", "demo", "--ckpt", "/nonexistent"],
-                         capture_output=True, text=True, env=subprocess_env(), timeout=300)
-    assert bad.returncode == 2 and "no exported model there" in bad.stderr and "Traceback" not in bad.stderr
+    bad = subprocess.run(
+        [sys.executable, "-m", "vlm.cli", "demo", "--ckpt", "/nonexistent"],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        timeout=300,
+    )
+    assert (
+        bad.returncode == 2
+        and "no exported model there" in bad.stderr
+        and "Traceback" not in bad.stderr
+    )
 
 
 def _rss_bytes() -> int:
@@ -163,11 +189,12 @@ def test_memory_after_20_sessions_of_large_uploads_stays_within_1_5x(exported, t
     from vlm.generate import load_eval_model
 
     big = tmp_path / "big.png"
-    Image.new("RGB", (4000, 4000), (200, 40, 40)).save(big)   # a small file that decodes to 48 MB
+    Image.new("RGB", (4000, 4000), (200, 40, 40)).save(big)  # a small file that decodes to 48 MB
     small = tmp_path / "small.png"
     Image.new("RGB", (32, 32), (0, 90, 200)).save(small)
-    app = build_app(load_eval_model(exported), max_new_tokens=2, max_prompt_tokens=300,
-                    max_upload_mb=5)
+    app = build_app(
+        load_eval_model(exported), max_new_tokens=2, max_prompt_tokens=300, max_upload_mb=5
+    )
     port = _free_port()
     launch_app(app, "127.0.0.1", port, max_upload_mb=5, block=False)
     url = f"http://127.0.0.1:{port}/"
@@ -177,21 +204,24 @@ def test_memory_after_20_sessions_of_large_uploads_stays_within_1_5x(exported, t
         gc.collect()
         start = _rss_bytes()
         for _ in range(20):
-            history = _client(url).predict("what is this?", gradio_client.handle_file(str(big)),
-                                           api_name="/chat")[0]
+            history = _client(url).predict(
+                "what is this?", gradio_client.handle_file(str(big)), api_name="/chat"
+            )[0]
             assert [m["role"] for m in history] == ["user", "assistant"]
         gc.collect()
         end = _rss_bytes()
     finally:
         app.close()
-    print(f"demo RSS after 20 sessions of 4000x4000 uploads: {start / 1e6:.0f} MB -> "
-          f"{end / 1e6:.0f} MB")
+    print(
+        "demo RSS after 20 sessions of 4000x4000 uploads: "
+        f"{start / 1e6:.0f} MB -> {end / 1e6:.0f} MB"
+    )
     assert end <= 1.5 * start, f"RSS {start / 1e6:.0f} MB -> {end / 1e6:.0f} MB"
 
 
 def test_a_session_that_ends_drops_its_images(exported):
-    from vlm.demo import Session
     from vlm.chat_cli import Conversation
+    from vlm.demo import Session
     from vlm.generate import load_eval_model
 
     app = build_app(load_eval_model(exported), max_new_tokens=2)
@@ -209,11 +239,12 @@ def test_the_band_shown_is_the_one_training_held_documents_in():
     from vlm.demo import target_band
     from vlm.model.config import ChunkConfig
 
-    band = ChunkConfig(target_ratio=2.0, modality_target_ratios={"text": 2.0, "image": 4.0},
-                       document_slack=1.25)
+    band = ChunkConfig(
+        target_ratio=2.0, modality_target_ratios={"text": 2.0, "image": 4.0}, document_slack=1.25
+    )
     assert target_band(band, "image") == {"target": 4.0, "target_of": "image", "band": [3.2, 5.0]}
     assert target_band(band, "text") == {"target": 2.0, "target_of": "text", "band": [1.6, 2.5]}
-    joint = ChunkConfig(target_ratio=3.0)   # one joint target, batch statistics only: no band
+    joint = ChunkConfig(target_ratio=3.0)  # one joint target, batch statistics only: no band
     assert target_band(joint, "image") == {"target": 3.0, "target_of": "text and image together"}
     text_only = ChunkConfig(modality_target_ratios={"text": 2.0}, document_slack=1.25)
     # no ratio loss held the image tokens
@@ -223,15 +254,18 @@ def test_the_band_shown_is_the_one_training_held_documents_in():
     assert "band" not in target_band(fixed, "text")
 
 
-@pytest.mark.parametrize("flag, value, says", [
-    ("--port", "0", "must be a port number 1-65535, got 0"),
-    ("--port", "70000", "1-65535, got 70000"),
-    ("--max-new-tokens", "-1", "whole number of tokens >= 1, got -1"),
-    ("--temperature", "nan", "finite number >= 0 (0: greedy), got nan"),
-    ("--max-prompt-tokens", "0", "whole number of tokens >= 1, got 0"),
-    ("--max-images", "0", "whole number of images >= 1, got 0"),
-    ("--max-upload-mb", "nan", "size in MB > 0"),
-])
+@pytest.mark.parametrize(
+    "flag, value, says",
+    [
+        ("--port", "0", "must be a port number 1-65535, got 0"),
+        ("--port", "70000", "1-65535, got 70000"),
+        ("--max-new-tokens", "-1", "whole number of tokens >= 1, got -1"),
+        ("--temperature", "nan", "finite number >= 0 (0: greedy), got nan"),
+        ("--max-prompt-tokens", "0", "whole number of tokens >= 1, got 0"),
+        ("--max-images", "0", "whole number of images >= 1, got 0"),
+        ("--max-upload-mb", "nan", "size in MB > 0"),
+    ],
+)
 def test_bad_options_are_refused_when_parsed(flag, value, says, capsys):
     from vlm.cli import main
 
@@ -250,8 +284,9 @@ def test_a_busy_port_is_one_line_naming_it_before_the_model_loads(exported, monk
 
     loads = []
     real_load = vlm.generate.load_eval_model
-    monkeypatch.setattr(vlm.generate, "load_eval_model", lambda *a, **k: loads.append(a)
-                        or real_load(*a, **k))
+    monkeypatch.setattr(
+        vlm.generate, "load_eval_model", lambda *a, **k: loads.append(a) or real_load(*a, **k)
+    )
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
@@ -259,34 +294,47 @@ def test_a_busy_port_is_one_line_naming_it_before_the_model_loads(exported, monk
         rc = main(["demo", "--ckpt", str(exported), "--port", str(port)])
         err = capsys.readouterr().err
         assert rc == 2 and loads == [] and "Traceback" not in err
-        assert err.strip() == f"vlm demo: port {port} on 127.0.0.1 is in use (another server?); choose another with " \
-                              "--port N"
+        assert (
+            err.strip() == f"vlm demo: port {port} on 127.0.0.1 is "
+            "in use (another server?); choose another with --port N"
+        )
         # taken between the check and gradio's own bind: the same line, from gradio's error
         checks, real_check = [], vlm.demo.port_problem
-        monkeypatch.setattr(vlm.demo, "port_problem",
-                            lambda h, p: None if not checks.append(1) and len(checks) == 1
-                            else real_check(h, p))
+        monkeypatch.setattr(
+            vlm.demo,
+            "port_problem",
+            lambda h, p: None if not checks.append(1) and len(checks) == 1 else real_check(h, p),
+        )
         rc = main(["demo", "--ckpt", str(exported), "--port", str(port)])
         err = capsys.readouterr().err
     assert rc == 2 and len(loads) == 1 and "Traceback" not in err
-    assert err.strip() == f"vlm demo: port {port} on 127.0.0.1 is in use (another server?); choose another with " \
-                          "--port N"
+    assert (
+        err.strip() == f"vlm demo: port {port} on 127.0.0.1 is "
+        "in use (another server?); choose another with --port N"
+    )
 
 
-def test_a_file_that_is_no_image_is_one_line_in_the_page_and_nothing_in_the_console(served, tmp_path, capfd):
+def test_a_file_that_is_no_image_is_one_line_in_the_page_and_nothing_in_the_console(
+    served, tmp_path, capfd
+):
     """The probe: a text file uploaded as the image printed gradio's traceback in the server console
     (and the page showed a bare "Error")."""
     notes = tmp_path / "notes.txt"
     notes.write_text("meeting at 10\n")
-    out = _client(served).predict("what is this?", gradio_client.handle_file(str(notes)),
-                                  api_name="/chat")
-    assert out[0] == [] and out[4] == "**Image not used:** notes.txt is not an image that can be read"
+    out = _client(served).predict(
+        "what is this?", gradio_client.handle_file(str(notes)), api_name="/chat"
+    )
+    assert (
+        out[0] == [] and out[4] == "**Image not used:** notes.txt is not an image that can be read"
+    )
     console = capfd.readouterr()
     assert "Traceback" not in console.err + console.out and "notes.txt" not in console.err
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
-def test_memory_after_7000x7000_uploads_from_4_concurrent_clients_stays_within_1_5x(exported, tmp_path):
+def test_memory_after_7000x7000_uploads_from_4_concurrent_clients_stays_within_1_5x(
+    exported, tmp_path
+):
     """The probe: 10 sessions each uploading a 7000 x 7000 PNG (just under the 50 Mpx guard) took
     the demo from 587 to 1378 MB, 1792 MB under 4 concurrent clients, though each image is held at
     its patch grid: the freed decode buffers stayed with the process (glibc's heap arenas). Here 4
@@ -300,11 +348,12 @@ def test_memory_after_7000x7000_uploads_from_4_concurrent_clients_stays_within_1
     from vlm.generate import load_eval_model
 
     big = tmp_path / "big.png"
-    Image.new("RGB", (7000, 7000), (30, 160, 60)).save(big)   # a small file that decodes to 196 MB
+    Image.new("RGB", (7000, 7000), (30, 160, 60)).save(big)  # a small file that decodes to 196 MB
     small = tmp_path / "small.png"
     Image.new("RGB", (32, 32), (0, 90, 200)).save(small)
-    app = build_app(load_eval_model(exported), max_new_tokens=2, max_prompt_tokens=300,
-                    max_upload_mb=5)
+    app = build_app(
+        load_eval_model(exported), max_new_tokens=2, max_prompt_tokens=300, max_upload_mb=5
+    )
     port = _free_port()
     launch_app(app, "127.0.0.1", port, max_upload_mb=5, block=False)
     url = f"http://127.0.0.1:{port}/"
@@ -312,8 +361,9 @@ def test_memory_after_7000x7000_uploads_from_4_concurrent_clients_stays_within_1
 
     def client():
         for _ in range(3):
-            history = _client(url).predict("what is this?", gradio_client.handle_file(str(big)),
-                                           api_name="/chat")[0]
+            history = _client(url).predict(
+                "what is this?", gradio_client.handle_file(str(big)), api_name="/chat"
+            )[0]
             answered.append([m["role"] for m in history] == ["user", "assistant"])
 
     def watch():
@@ -326,8 +376,9 @@ def test_memory_after_7000x7000_uploads_from_4_concurrent_clients_stays_within_1
         _client(url).predict("warm up", gradio_client.handle_file(str(small)), api_name="/chat")
         gc.collect()
         start = _rss_bytes()
-        threads = [threading.Thread(target=client)
-                   for _ in range(4)] + [threading.Thread(target=watch)]
+        threads = [threading.Thread(target=client) for _ in range(4)] + [
+            threading.Thread(target=watch)
+        ]
         for t in threads:
             t.start()
         for t in threads[:4]:
@@ -339,7 +390,11 @@ def test_memory_after_7000x7000_uploads_from_4_concurrent_clients_stays_within_1
     finally:
         done.set()
         app.close()
-    print(f"demo RSS, 12 sessions of 7000x7000 uploads from 4 clients: {start / 1e6:.0f} MB -> "
-          f"{end / 1e6:.0f} MB (peak {peak[0] / 1e6:.0f} MB)")
+    print(
+        "demo RSS, 12 sessions of 7000x7000 uploads from 4 clients: "
+        f"{start / 1e6:.0f} MB -> {end / 1e6:.0f} MB (peak {peak[0] / 1e6:.0f} MB)"
+    )
     assert answered == [True] * 12
-    assert end <= 1.5 * start and end - start < 7000 * 7000 * 4, f"RSS {start / 1e6:.0f} MB -> {end / 1e6:.0f} MB"
+    assert end <= 1.5 * start and end - start < 7000 * 7000 * 4, (
+        f"RSS {start / 1e6:.0f} MB -> {end / 1e6:.0f} MB"
+    )

@@ -13,10 +13,10 @@ conftest's switch). A line such as `device = "cuda" if torch.cuda.is_available()
 their path fails them: the CPU build of torch refuses the CUDA tensor. On a machine with a GPU the
 fake changes nothing and the same checks hold for real.
 """
+
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 
@@ -120,9 +120,22 @@ def test_cpu_tests_pass_with_a_faked_gpu(ROOT, subprocess_env, tmp_path):
     env = {k: v for k, v in subprocess_env().items() if not k.startswith(("PYTEST_", "VLM_TEST_"))}
     env["VLM_TEST_FAKE_CUDA"] = "1"
     report = tmp_path / "report.xml"
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider",
-                           f"--junitxml={report}", *REPRESENTATIVE], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "no:cacheprovider",
+            f"--junitxml={report}",
+            *REPRESENTATIVE,
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     cases = ET.parse(report).getroot().iter("testcase")
     ran = {f"{c.get('classname')}.{c.get('name')}": c.find("skipped") for c in cases}

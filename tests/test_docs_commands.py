@@ -4,6 +4,7 @@ in a fenced block parses with the `vlm` parser (options, subcommands and key=val
 synopses (`[--opt N]`, `...`) are not commands and are skipped. The commands that do work (training,
 evaluation, conversion) run in the tests that exercise them; this test catches the drift between
 what the pages say and what the parser takes."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -36,7 +37,7 @@ def commands(page: Path) -> list[tuple[int, list[str]]]:
         text, pending = pending + text, ""
         try:
             words = shlex.split(text, comments=True)
-        except ValueError:   # not shell (a Python or YAML block)
+        except ValueError:  # not shell (a Python or YAML block)
             continue
         cmd: list[str] = []
         for w in [*words, "&&"]:
@@ -53,22 +54,25 @@ def shown(kind: str) -> list:
     found = []
     for page in PAGES:
         for n, argv in commands(page):
-            while argv and re.fullmatch(r"[A-Z_]+=\S*", argv[0]):   # VAR=value before the command
+            while argv and re.fullmatch(r"[A-Z_]+=\S*", argv[0]):  # VAR=value before the command
                 argv = argv[1:]
             if kind == "vlm" and argv[:1] == ["vlm"]:
                 if any(w.startswith("[") or w in ("...", "…") or w.endswith("...") for w in argv):
-                    continue   # a usage synopsis, not a command
+                    continue  # a usage synopsis, not a command
                 found.append(pytest.param(argv[1:], id=f"{page.relative_to(ROOT)}:{n}"))
             elif kind == "make" and argv[:1] == ["make"]:
-                found += [pytest.param(t, id=f"{page.relative_to(ROOT)}:{n}:{t}") for t in argv[1:]
-                          if not t.startswith("-") and "=" not in t]
+                found += [
+                    pytest.param(t, id=f"{page.relative_to(ROOT)}:{n}:{t}")
+                    for t in argv[1:]
+                    if not t.startswith("-") and "=" not in t
+                ]
             elif kind == "python" and argv[:2] in (["python", "-m"], ["python3", "-m"]):
                 found.append(pytest.param(argv[2], id=f"{page.relative_to(ROOT)}:{n}"))
     return found
 
 
 def test_the_pages_show_commands():
-    assert len(shown("vlm")) >= 30 and shown("make")   # the extraction itself works
+    assert len(shown("vlm")) >= 30 and shown("make")  # the extraction itself works
 
 
 @pytest.mark.parametrize("argv", shown("vlm"))
@@ -79,16 +83,19 @@ def test_vlm_command_parses_as_written(argv, capsys):
     try:
         args = parse_args_anywhere(build_parser(), argv)
     except SystemExit:
-        pytest.fail(f"`vlm {' '.join(argv)}` is refused by the parser: "
-                    f"{capsys.readouterr().err.strip().splitlines()[-1:]}")
+        pytest.fail(
+            f"`vlm {' '.join(argv)}` is refused by the parser: "
+            f"{capsys.readouterr().err.strip().splitlines()[-1:]}"
+        )
     assert callable(getattr(args, "func", None))
 
 
 @pytest.mark.parametrize("target", shown("make"))
 def test_make_target_exists(target):
     makefile = (ROOT / "Makefile").read_text()
-    assert re.search(rf"^{re.escape(target)}\s*:", makefile,
-                     re.M), f"the Makefile has no target {target!r}"
+    assert re.search(rf"^{re.escape(target)}\s*:", makefile, re.M), (
+        f"the Makefile has no target {target!r}"
+    )
 
 
 @pytest.mark.parametrize("module", shown("python"))

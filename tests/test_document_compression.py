@@ -1,6 +1,7 @@
 """Compression is judged per document and per kind of sample, and the per-document ratio loss holds
 every kind near its target where the batch loss alone lets the router split all-or-nothing by kind
 (DESIGN.md, Modalities)."""
+
 import math
 
 import pytest
@@ -9,10 +10,16 @@ import torch
 from configs.batch import IMAGE, KINDS, TEXT
 from configs.config import ConfigError
 from vlm.model.chunking import ChunkModule
-from vlm.model.ratio_loss import document_ratio_loss, document_ratio_target, ratio_loss
 from vlm.model.config import ChunkConfig
-from vlm.model.doc_stats import (document_counts, document_labels, document_ratios, group_histogram,
-                                 histogram_quantiles, summarize_documents)
+from vlm.model.doc_stats import (
+    document_counts,
+    document_labels,
+    document_ratios,
+    group_histogram,
+    histogram_quantiles,
+    summarize_documents,
+)
+from vlm.model.ratio_loss import document_ratio_loss, document_ratio_target, ratio_loss
 from vlm.train.metrics import FIELDS, StepAccumulator, group_names, group_record
 
 
@@ -23,7 +30,7 @@ def _two_kind_row():
     doc = [0] * 12 + [1] * 10 + [-1] * 2
     mod = [IMAGE] * 8 + [TEXT] * 4 + [IMAGE] * 4 + [TEXT] * 6 + [TEXT] * 2
     b = [False] * 11 + [True] + [True] * 10 + [False] * 2
-    b[0] = True   # a document's first token always closes a concept (p = 1)
+    b[0] = True  # a document's first token always closes a concept (p = 1)
     kind = [KINDS.index("caption")] * 12 + [KINDS.index("chat")] * 10 + [-1] * 2
     t = lambda xs, dt=torch.long: torch.tensor([xs], dtype=dt)  # noqa: E731
     return t(b, torch.bool), t(doc), t(mod), t(kind)
@@ -80,12 +87,18 @@ def test_training_histograms_give_the_per_kind_quantiles_and_sum_over_micro_batc
         labels = torch.tensor([[1] * 22 + [-100] * 2])
         doc_ids, modality = doc, mod
         source = torch.tensor([[0] * 12 + [1] * 10 + [-1] * 2])
+
     Batch.kind = kind
     acc = StepAccumulator(torch.device("cpu"), n_sources=2)
     for _ in range(2):
         acc.add_groups(Out(), Batch(), doc >= 0)
-    vec = torch.cat([torch.zeros(len(FIELDS), dtype=torch.float64), acc.doc_hist.flatten(),
-                     acc.group_loss.flatten()])
+    vec = torch.cat(
+        [
+            torch.zeros(len(FIELDS), dtype=torch.float64),
+            acc.doc_hist.flatten(),
+            acc.group_loss.flatten(),
+        ]
+    )
     rec = group_record(vec, group_names(["captions", "vqa"]))
     assert rec["doc_ratio/caption/image/docs"] == 2 and rec["doc_ratio/source:vqa/text/docs"] == 2
     # each source holds its own document: the caption (source 0) merged whole, the chat sample
@@ -106,9 +119,13 @@ def test_document_target_is_the_documents_own_ratio_clamped_into_the_band():
         loss = ratio_loss(torch.tensor(f), G, r)
         (g,) = torch.autograd.grad(loss, G)
         assert loss.item() == pytest.approx(1.0) and abs(g.item()) < 1e-6
-    G = torch.tensor(0.9, requires_grad=True)   # every token a boundary: push p down
-    (g,) = torch.autograd.grad(document_ratio_loss(torch.tensor([10.0]), torch.tensor([10.0]),
-                                                   G[None] * 10, torch.tensor(10.0), 2.0, 1.5), G)
+    G = torch.tensor(0.9, requires_grad=True)  # every token a boundary: push p down
+    (g,) = torch.autograd.grad(
+        document_ratio_loss(
+            torch.tensor([10.0]), torch.tensor([10.0]), G[None] * 10, torch.tensor(10.0), 2.0, 1.5
+        ),
+        G,
+    )
     assert g.item() > 0
 
 
@@ -135,7 +152,7 @@ def _train_router(slack, steps=300, seed=0):
     ch.seed_boundaries(seed)
     kind_vec = torch.randn(2, D)
     opt = torch.optim.Adam(ch.parameters(), lr=3e-2)
-    doc = torch.arange(8).repeat_interleave(L)[None]            # 8 documents of L tokens in one row
+    doc = torch.arange(8).repeat_interleave(L)[None]  # 8 documents of L tokens in one row
     kind_S = torch.tensor([0, 1] * 4)
     kind_BT = kind_S[doc]
     for _ in range(steps):
@@ -147,14 +164,15 @@ def _train_router(slack, steps=300, seed=0):
         loss.backward()
         opt.step()
     with torch.no_grad():
-        b = torch.cat([ch(kind_vec[kind_BT] + 0.5 * torch.randn(1, 8 * L, D), doc).b_BT
-                       for _ in range(10)])
+        b = torch.cat(
+            [ch(kind_vec[kind_BT] + 0.5 * torch.randn(1, 8 * L, D), doc).b_BT for _ in range(10)]
+        )
     kind_BT = kind_BT.expand_as(b)
     return [float((kind_BT == k).sum() / (b & (kind_BT == k)).sum().clamp_min(1)) for k in (0, 1)]
 
 
 def test_batch_loss_alone_splits_by_kind_and_the_document_band_holds_both_kinds_near_the_target():
     chat, caption = _train_router(slack=None)
-    assert chat < 1.2 and caption > 6       # the split: the average meets R = 2, neither kind does
-    chat, caption = _train_router(slack=1.3)   # the default's band [1.54, 2.6] and document_weight
+    assert chat < 1.2 and caption > 6  # the split: the average meets R = 2, neither kind does
+    chat, caption = _train_router(slack=1.3)  # the default's band [1.54, 2.6] and document_weight
     assert 4 / 3 <= chat <= 3 and 4 / 3 <= caption <= 3

@@ -1,4 +1,5 @@
 """lmms-eval adapter: requests built as lmms-eval 0.7.3 builds them, and a real `lmms-eval eval` CLI run."""
+
 from __future__ import annotations
 
 import base64
@@ -17,13 +18,13 @@ import pytest
 # also needs lmms-eval's small runtime deps (see eval/README.md)
 pytest.importorskip("lmms_eval.api.model")
 
-from lmms_eval.api.instance import Instance, unwrap_generation_output  # noqa: E402
-from PIL import Image  # noqa: E402
+from lmms_eval.api.instance import Instance, unwrap_generation_output
+from PIL import Image
 
-from data_pipelines.chat import vqa_prompt  # noqa: E402
-from eval.export_tasks import instantiate_templates, write_jsonl  # noqa: E402
-from eval.lmms_adapter import ConceptMoELMMS, LoglikResult  # noqa: E402
-from eval.testing import COLOURS, OracleEvalModel, WordTokenizer  # noqa: E402
+from data_pipelines.chat import vqa_prompt
+from eval.export_tasks import instantiate_templates, write_jsonl
+from eval.lmms_adapter import ConceptMoELMMS, LoglikResult
+from eval.testing import COLOURS, OracleEvalModel, WordTokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 TASK = "colours"
@@ -37,10 +38,19 @@ def _png(colour: str) -> str:
 
 def _docs() -> list[dict]:
     names = ["red", "green", "blue", "yellow"]
-    return [{"id": str(i), "question": "What colour is this?", "answer": c,
-             "question_type": "colour", "heldout": i == 0, "images": [_png(c)],
-             "choices": sorted(names), "caption": c}
-            for i, c in enumerate(names)]
+    return [
+        {
+            "id": str(i),
+            "question": "What colour is this?",
+            "answer": c,
+            "question_type": "colour",
+            "heldout": i == 0,
+            "images": [_png(c)],
+            "choices": sorted(names),
+            "caption": c,
+        }
+        for i, c in enumerate(names)
+    ]
 
 
 def doc_to_visual(doc):
@@ -60,15 +70,21 @@ def _adapter(tmp_path, **kw) -> ConceptMoELMMS:
 
 def _gen_instance(doc_id: int, context: str, gen_kwargs: dict) -> Instance:
     # exactly ConfigurableTask.construct_requests' shape for output_type generate_until
-    return Instance(request_type="generate_until", idx=0,
-                    metadata={"task": TASK, "doc_id": doc_id, "repeats": 1},
-                    arguments=(context, dict(gen_kwargs), doc_to_visual, doc_id, TASK, "test"))
+    return Instance(
+        request_type="generate_until",
+        idx=0,
+        metadata={"task": TASK, "doc_id": doc_id, "repeats": 1},
+        arguments=(context, dict(gen_kwargs), doc_to_visual, doc_id, TASK, "test"),
+    )
 
 
 def _ll_instance(doc_id: int, context: str, continuation, idx: int = 0) -> Instance:
-    return Instance(request_type="loglikelihood", idx=idx,
-                    metadata={"task": TASK, "doc_id": doc_id, "repeats": 1},
-                    arguments=(context, continuation, doc_to_visual, doc_id, TASK, "test"))
+    return Instance(
+        request_type="loglikelihood",
+        idx=idx,
+        metadata={"task": TASK, "doc_id": doc_id, "repeats": 1},
+        arguments=(context, continuation, doc_to_visual, doc_id, TASK, "test"),
+    )
 
 
 def test_generate_until_images_until_and_budget(tmp_path):
@@ -78,7 +94,7 @@ def test_generate_until_images_until_and_budget(tmp_path):
     out = [unwrap_generation_output(x)[0] for x in lm.generate_until(reqs)]
     assert [o.strip() for o in out] == ["red", "green", "blue", "yellow"]
     calls = lm.model.calls
-    assert [c["n"] for c in calls] == [3, 1]                       # batched by batch_size
+    assert [c["n"] for c in calls] == [3, 1]  # batched by batch_size
     assert all(c["max_new_tokens"] == 7 and c["temperature"] == 0.0 for c in calls)
     # one image per doc reached the model
     assert all(c["images"] == [1] * c["n"] for c in calls)
@@ -96,13 +112,15 @@ def test_batches_go_longest_prompt_first_and_answers_keep_request_order(tmp_path
     lm = _adapter(tmp_path, batch_size=2)
     gk = {"max_new_tokens": 4}
     contexts = ["Colour?", "What colour is this one, please?", "What colour?", "What colour is it?"]
-    out = [unwrap_generation_output(x)[0] for x in lm.generate_until([_gen_instance(i, c, gk)
-                                                                       for i, c in enumerate(contexts)])]
+    out = [
+        unwrap_generation_output(x)[0]
+        for x in lm.generate_until([_gen_instance(i, c, gk) for i, c in enumerate(contexts)])
+    ]
     assert [o.strip() for o in out] == ["red", "green", "blue", "yellow"]
     firsts = [c["prompts"] for c in lm.model.calls]
-    assert [len(p) for batch in firsts
-            for p in batch] == sorted((len(p) for batch in firsts for p in batch),
-                                                                  reverse=True)
+    assert [len(p) for batch in firsts for p in batch] == sorted(
+        (len(p) for batch in firsts for p in batch), reverse=True
+    )
 
 
 def test_rank_and_world_size_come_from_the_launcher(tmp_path, monkeypatch):
@@ -127,13 +145,20 @@ class _Rambler(OracleEvalModel):
 def test_until_is_enforced_and_sampling_args_pass(tmp_path):
     lm = _adapter(tmp_path)
     lm.model = _Rambler(WordTokenizer())
-    gk = {"until": ". Then", "max_new_tokens": 3, "temperature": 0.7, "top_p": 0.9,
-          "do_sample": True}
+    gk = {
+        "until": ". Then",
+        "max_new_tokens": 3,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "do_sample": True,
+    }
     assert lm.generate_until([_gen_instance(0, "Colour?", gk)]) == ["red"]
     call = lm.model.calls[-1]
     assert call["temperature"] == 0.7 and call["top_p"] == 0.9 and call["max_new_tokens"] == 3
     # no `until` given: the chat template's end token still stops the answer
-    assert lm.generate_until([_gen_instance(0, "Colour?", {"max_new_tokens": 3})]) == ["red. Then more\nand more "]
+    assert lm.generate_until([_gen_instance(0, "Colour?", {"max_new_tokens": 3})]) == [
+        "red. Then more\nand more "
+    ]
 
 
 def test_context_layouts(tmp_path):
@@ -157,12 +182,20 @@ def test_loglikelihood_multiple_choice_and_target(tmp_path):
     lm = _adapter(tmp_path, batch_size=2)
     choices = ["blue", "green", "red", "yellow"]
     gold = {0: 2, 1: 1}  # doc 0 is red, doc 1 is green
-    reqs = [_ll_instance(d, "What colour is this?", c, idx=i) for d in gold for i,
-            c in enumerate(choices)]
-    reqs.append(Instance(request_type="loglikelihood", idx=0,
-                         metadata={"task": TASK, "doc_id": 2, "repeats": 1},
-                         # acc_mutual_info's unconditional pair
-                         arguments=("", "blue")))
+    reqs = [
+        _ll_instance(d, "What colour is this?", c, idx=i)
+        for d in gold
+        for i, c in enumerate(choices)
+    ]
+    reqs.append(
+        Instance(
+            request_type="loglikelihood",
+            idx=0,
+            metadata={"task": TASK, "doc_id": 2, "repeats": 1},
+            # acc_mutual_info's unconditional pair
+            arguments=("", "blue"),
+        )
+    )
     res = lm.loglikelihood(reqs)
     assert all(isinstance(r, LoglikResult) and isinstance(r, tuple) for r in res)
     # what lmms-eval stores as the response
@@ -170,15 +203,22 @@ def test_loglikelihood_multiple_choice_and_target(tmp_path):
     assert all(isinstance(v, tuple) and len(v) == 2 for v in values)
     for k, g in enumerate(gold.values()):
         # MultipleChoice's `zip(*results)`
-        lls, greedy = zip(*values[4 * k:4 * k + 4])
-        assert int(np.argmin(lls)) == g and greedy[g] and not any(greedy[i] for i in range(4)
-                                                                  if i != g)
+        lls, greedy = zip(*values[4 * k : 4 * k + 4])
+        assert (
+            int(np.argmin(lls)) == g
+            and greedy[g]
+            and not any(greedy[i] for i in range(4) if i != g)
+        )
     assert values[-1][0] > 0  # negative log-likelihood of a wrong choice
     # output_type loglikelihood: continuation is doc_to_target (callable) -> log-likelihood itself
-    tgt = lm.loglikelihood([_ll_instance(3, "What colour is this?", lambda doc: doc["answer"]),
-                            _ll_instance(3, "What colour is this?", lambda doc: "red")])
+    tgt = lm.loglikelihood(
+        [
+            _ll_instance(3, "What colour is this?", lambda doc: doc["answer"]),
+            _ll_instance(3, "What colour is this?", lambda doc: "red"),
+        ]
+    )
     assert tgt[0][0] == 0.0 and tgt[0][1] is True and tgt[1][0] < 0 and tgt[1][1] is False
-    first = lm.model.calls[0]     # the longest requests go first
+    first = lm.model.calls[0]  # the longest requests go first
     assert first["images"] == [1, 1] and first["continuations"] == ["yellow", "yellow"]
     saved = json.loads(next((tmp_path / "out").glob("*/*_compression.json")).read_text())
     assert saved["tasks"][TASK]["loglikelihood"]["requests"] == 2
@@ -223,15 +263,23 @@ def _double_plugin(tmp_path):
     info = plugin / "cmoe_double_plugin-0.0.dist-info"
     info.mkdir(parents=True)
     (plugin / "cmoe_double_plugin.py").write_text(PLUGIN)
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: cmoe-double-plugin\nVersion: 0.0\n")
-    (info / "entry_points.txt").write_text("[lmms_eval.models]\nconceptmoe_double = "
-                                           "cmoe_double_plugin:MANIFEST\n")
+    (info / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: cmoe-double-plugin\nVersion: 0.0\n"
+    )
+    (info / "entry_points.txt").write_text(
+        "[lmms_eval.models]\nconceptmoe_double = cmoe_double_plugin:MANIFEST\n"
+    )
     return plugin
 
 
 def _offline_env(plugin, tmp_path) -> dict:
-    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(plugin), str(REPO)]),
-                HF_HOME=str(tmp_path / "hf"), HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
+    return dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(plugin), str(REPO)]),
+        HF_HOME=str(tmp_path / "hf"),
+        HF_DATASETS_OFFLINE="1",
+        HF_HUB_OFFLINE="1",
+    )
 
 
 @pytest.mark.slow
@@ -246,11 +294,24 @@ def test_lmms_eval_cli_run_on_local_tasks(tmp_path):
     ckpt = tmp_path / "run" / "final"
     ckpt.mkdir(parents=True)
     env = _offline_env(plugin, tmp_path)
-    cmd = [sys.executable, "-c", "import sys; from lmms_eval.cli.dispatch import main; "
-                                 "sys.exit(main())",
-           "eval", "--model", "conceptmoe_double", "--model_args", f"pretrained={ckpt}",
-           "--tasks", "conceptmoe_vqa,conceptmoe_vqa_mc,conceptmoe_caption", "--include_path",
-           str(tasks), "--output_path", str(tmp_path / "out"), "--batch_size", "2"]
+    cmd = [
+        sys.executable,
+        "-c",
+        "import sys; from lmms_eval.cli.dispatch import main; sys.exit(main())",
+        "eval",
+        "--model",
+        "conceptmoe_double",
+        "--model_args",
+        f"pretrained={ckpt}",
+        "--tasks",
+        "conceptmoe_vqa,conceptmoe_vqa_mc,conceptmoe_caption",
+        "--include_path",
+        str(tasks),
+        "--output_path",
+        str(tmp_path / "out"),
+        "--batch_size",
+        "2",
+    ]
     proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     log = proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.returncode == 0, log
@@ -268,7 +329,9 @@ def test_lmms_eval_cli_run_on_local_tasks(tmp_path):
     comp = json.loads(next((tmp_path / "out").glob("run__final/*_compression.json")).read_text())
     assert set(comp["tasks"]) == {"conceptmoe_vqa", "conceptmoe_vqa_mc", "conceptmoe_caption"}
     assert comp["tasks"]["conceptmoe_vqa_mc"]["loglikelihood"]["requests"] == 16
-    assert comp["tasks"]["conceptmoe_vqa"]["generate_until"]["compression"]["compression/image"] == 4.0
+    assert (
+        comp["tasks"]["conceptmoe_vqa"]["generate_until"]["compression"]["compression/image"] == 4.0
+    )
 
 
 @pytest.mark.slow
@@ -288,20 +351,46 @@ def test_two_processes_answer_each_request_once(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
-           "127.0.0.1", "--master_port", str(port), "-m", "lmms_eval", "eval", "--model",
-           "conceptmoe_double", "--model_args", f"pretrained={ckpt}", "--tasks",
-           "conceptmoe_vqa,conceptmoe_vqa_mc", "--include_path", str(tasks), "--output_path",
-           str(tmp_path / "out"), "--batch_size", "2"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(port),
+        "-m",
+        "lmms_eval",
+        "eval",
+        "--model",
+        "conceptmoe_double",
+        "--model_args",
+        f"pretrained={ckpt}",
+        "--tasks",
+        "conceptmoe_vqa,conceptmoe_vqa_mc",
+        "--include_path",
+        str(tasks),
+        "--output_path",
+        str(tmp_path / "out"),
+        "--batch_size",
+        "2",
+    ]
     proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     log = proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.returncode == 0, log
     found = list((tmp_path / "out").glob("run__final/*_results.json"))
     assert found, log
     res = json.loads(found[0].read_text())["results"]
-    assert res["conceptmoe_vqa"]["exact_match,none"] == 1.0 and res["conceptmoe_vqa_mc"]["acc,none"] == 1.0
-    shares = [json.loads(p.read_text())["tasks"]
-              for p in (tmp_path / "out").glob("run__final/*_compression.rank*.json")]
+    assert (
+        res["conceptmoe_vqa"]["exact_match,none"] == 1.0
+        and res["conceptmoe_vqa_mc"]["acc,none"] == 1.0
+    )
+    shares = [
+        json.loads(p.read_text())["tasks"]
+        for p in (tmp_path / "out").glob("run__final/*_compression.rank*.json")
+    ]
     assert len(shares) == 2
     # 4 docs x 4 choices
     assert sum(t["conceptmoe_vqa_mc"]["loglikelihood"]["requests"] for t in shares) == 16
@@ -316,16 +405,26 @@ def test_raw_image_context_is_wrapped_exactly_as_the_trainer_encodes_vqa(tmp_pat
     from data_pipelines.tokenizer import load_tokenizer
     from vision.image_processor import ImageProcessor, ImageProcessorConfig
 
-    tok, proc = load_tokenizer("byte"), ImageProcessor(ImageProcessorConfig(patch_size=8, max_patches=64))
+    tok, proc = (
+        load_tokenizer("byte"),
+        ImageProcessor(ImageProcessorConfig(patch_size=8, max_patches=64)),
+    )
     png = base64.b64decode(_png("red"))
     question, answer = "What colour is the circle?", "red"
-    turns = [{"role": "user", "content": "<image>\n" + question},
-             {"role": "assistant", "content": answer}]
-    train = encode_sample(Sample(key="k", kind="pair", turns=turns, images=[png]), tok, proc,
-                          row_tokens=4096, loss_on="assistant")[0]
+    turns = [
+        {"role": "user", "content": "<image>\n" + question},
+        {"role": "assistant", "content": answer},
+    ]
+    train = encode_sample(
+        Sample(key="k", kind="pair", turns=turns, images=[png]),
+        tok,
+        proc,
+        row_tokens=4096,
+        loss_on="assistant",
+    )[0]
     prompt, chatted = _adapter(tmp_path)._format("<image>\n" + question, 1)
     assert chatted
     ids = make_prompt_batch([(prompt, [png])], tok, proc).input_ids[0].tolist()
     first_target = int(np.flatnonzero(train.target)[0])
-    assert ids == train.ids[:first_target].tolist()      # everything up to the first answer token
-    assert tok.decode(train.ids[first_target:first_target + len(answer)].tolist()) == answer
+    assert ids == train.ids[:first_target].tolist()  # everything up to the first answer token
+    assert tok.decode(train.ids[first_target : first_target + len(answer)].tolist()) == answer

@@ -1,4 +1,5 @@
 """Long-context harness: sizing, depth, scoring, sweep, CLI (all with test doubles; no checkpoint)."""
+
 from __future__ import annotations
 
 import json
@@ -8,6 +9,7 @@ import types
 import numpy as np
 import pytest
 
+from configs.config import ConfigError
 from eval.longctx.config import LongCtxConfig
 from eval.longctx.haystack import Haystack
 from eval.longctx.scoring import rank_credit, string_match_all, string_match_part
@@ -16,7 +18,6 @@ from eval.longctx.sweep import run_sweep
 from eval.longctx.tasks import TASKS, generate_sample
 from eval.protocol import EvalModel
 from eval.testing import ByteTokenizer, OracleEvalModel, WordTokenizer
-from configs.config import ConfigError
 
 ALL_TASKS = list(TASKS)
 NEEDLE_TASKS = [t for t, d in TASKS.items() if d.has_depth]
@@ -31,8 +32,10 @@ def _strip(text: str, inserted: list[str]) -> str:
 # ---- sizing
 # ---------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("tok_cls,lengths",
-                         [(ByteTokenizer, [2048, 6000]), (WordTokenizer, [1024, 3000])])
+
+@pytest.mark.parametrize(
+    "tok_cls,lengths", [(ByteTokenizer, [2048, 6000]), (WordTokenizer, [1024, 3000])]
+)
 @pytest.mark.parametrize("task", ALL_TASKS)
 def test_samples_hit_target_length(task, tok_cls, lengths):
     tok = tok_cls()
@@ -41,7 +44,7 @@ def test_samples_hit_target_length(task, tok_cls, lengths):
         measured = len(tok.encode(s.prompt))
         assert measured == s.length
         assert 0.98 * target <= measured <= target, (task, target, measured)
-        assert s.prompt.endswith(s.prompt[s.context_span[1]:])  # answer prefix closes the prompt
+        assert s.prompt.endswith(s.prompt[s.context_span[1] :])  # answer prefix closes the prompt
         assert s.max_new_tokens >= len(tok.encode(" " + ", ".join(s.answers)))
 
 
@@ -58,12 +61,19 @@ def bpe():
 def test_samples_hit_target_length_bpe(task, bpe):
     for target in (1500, 6000):
         s = generate_sample(task, bpe, target, depth=70.0, seed=5, index=0)
-        assert 0.98 * target <= len(bpe.encode(s.prompt)) == s.length <= target, (task, target, s.length)
+        assert 0.98 * target <= len(bpe.encode(s.prompt)) == s.length <= target, (
+            task,
+            target,
+            s.length,
+        )
     if TASKS[task].has_depth:
         ins = s.meta["inserted"]
         (c0, c1), (n0, _) = s.context_span, s.needle_span
-        depth = 100.0 * len(bpe.encode(_strip(s.prompt[c0:n0],
-                                              ins))) / len(bpe.encode(_strip(s.prompt[c0:c1], ins)))
+        depth = (
+            100.0
+            * len(bpe.encode(_strip(s.prompt[c0:n0], ins)))
+            / len(bpe.encode(_strip(s.prompt[c0:c1], ins)))
+        )
         assert abs(depth - 70.0) <= 2.0, (task, depth)
 
 
@@ -92,11 +102,13 @@ def test_generation_is_seeded():
 # ---- depth
 # ------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("task",
-                         ["niah_single_repeat", "niah_single_essay", "niah_multikey",
-                          "niah_multivalue", "vt"])
-@pytest.mark.parametrize("tok_cls,length,tol",
-                         [(ByteTokenizer, 8192, 1.5), (WordTokenizer, 2048, 1.0)])
+
+@pytest.mark.parametrize(
+    "task", ["niah_single_repeat", "niah_single_essay", "niah_multikey", "niah_multivalue", "vt"]
+)
+@pytest.mark.parametrize(
+    "tok_cls,length,tol", [(ByteTokenizer, 8192, 1.5), (WordTokenizer, 2048, 1.0)]
+)
 def test_needle_at_requested_depth(task, tok_cls, length, tol):
     """Depth = share of the filler's tokens before the needle (other needles excluded), as in RULER."""
     tok = tok_cls()
@@ -107,8 +119,9 @@ def test_needle_at_requested_depth(task, tok_cls, length, tol):
         before = len(tok.encode(_strip(s.prompt[c0:n0], ins)))
         filler = len(tok.encode(_strip(s.prompt[c0:c1], ins)))
         assert abs(100.0 * before / filler - depth) <= tol, (task, depth, 100.0 * before / filler)
-    assert s.prompt[n0:].startswith(s.meta["chains"][0][0] if task == "vt"
-                                    else "One of the special magic")
+    assert s.prompt[n0:].startswith(
+        s.meta["chains"][0][0] if task == "vt" else "One of the special magic"
+    )
 
 
 def test_insertion_snaps_to_nearest_sentence_boundary():
@@ -126,6 +139,7 @@ def test_insertion_snaps_to_nearest_sentence_boundary():
 
 # ---- scoring
 # ----------------------------------------------------------------------------------------
+
 
 def test_string_match_scores_hand_computed():
     preds = ["The numbers are 123 and 456.", "nothing here", "ABC\x00def"]
@@ -147,9 +161,17 @@ def test_rank_credit_ties_share():
 # ---- sweep with model doubles
 # -----------------------------------------------------------------------
 
+
 def _cfg(**kw) -> LongCtxConfig:
-    base = dict(lengths=[1024, 2048], depths=[0.0, 50.0, 100.0], tasks=ALL_TASKS, num_samples=2,
-                mode="both", batch_size=3, num_distractors=4)
+    base = dict(
+        lengths=[1024, 2048],
+        depths=[0.0, 50.0, 100.0],
+        tasks=ALL_TASKS,
+        num_samples=2,
+        mode="both",
+        batch_size=3,
+        num_distractors=4,
+    )
     base.update(kw)
     return LongCtxConfig(**base)
 
@@ -163,21 +185,27 @@ def test_oracle_scores_100_and_silent_scores_0():
         cells = [c for by_d in summary["results"][task].values() for c in by_d.values()]
         assert len(cells) == 2 * (3 if TASKS[task].has_depth else 1)
         assert all(c["string_match_all"] == 100.0 and c["loglik_acc"] == 100.0 for c in cells), task
-        assert all(0.98 * 1024 <= c["min_length"]
-                   for c in summary["results"][task]["1024"].values())
-    silent = run_sweep(OracleEvalModel(WordTokenizer(), silent=True), _cfg(mode="generate"),
-                       progress=False)
-    assert all(c["string_match_all"] == 0.0 and c["string_match_part"] == 0.0
-               for by_len in silent["results"].values() for by_d in by_len.values()
-               for c in by_d.values())
+        assert all(
+            0.98 * 1024 <= c["min_length"] for c in summary["results"][task]["1024"].values()
+        )
+    silent = run_sweep(
+        OracleEvalModel(WordTokenizer(), silent=True), _cfg(mode="generate"), progress=False
+    )
+    assert all(
+        c["string_match_all"] == 0.0 and c["string_match_part"] == 0.0
+        for by_len in silent["results"].values()
+        for by_d in by_len.values()
+        for c in by_d.values()
+    )
 
 
 def test_compression_recorded_per_length_and_budgets_passed():
     model = OracleEvalModel(ByteTokenizer())
-    summary = run_sweep(model,
-                        _cfg(lengths=[2048, 4096], tasks=["niah_single_essay", "fwe"],
-                             mode="generate"),
-                        progress=False)
+    summary = run_sweep(
+        model,
+        _cfg(lengths=[2048, 4096], tasks=["niah_single_essay", "fwe"], mode="generate"),
+        progress=False,
+    )
     comp = summary["compression"]
     assert set(comp) == {"2048", "4096"} and all(comp[n]["compression/text"] > 1.0 for n in comp)
     assert comp["2048"] != comp["4096"]  # reset between lengths: each length reports its own calls
@@ -188,12 +216,15 @@ def test_compression_recorded_per_length_and_budgets_passed():
 def test_near_sighted_model_gives_depth_gradient_and_loglik_is_graded():
     # sees only the last 3000 characters: late needles are found, early ones are not
     model = OracleEvalModel(WordTokenizer(), window_chars=3000)
-    summary = run_sweep(model, _cfg(lengths=[2048], tasks=["niah_single_essay"], num_samples=3),
-                        progress=False)
+    summary = run_sweep(
+        model, _cfg(lengths=[2048], tasks=["niah_single_essay"], num_samples=3), progress=False
+    )
     cells = summary["results"]["niah_single_essay"]["2048"]
     assert cells["0"]["string_match_all"] == 0.0 and cells["100"]["string_match_all"] == 100.0
     # not found -> constant log-likelihoods -> exactly chance (1 / (1 + distractors))
-    assert cells["0"]["loglik_acc"] == pytest.approx(100.0 / 5) and cells["100"]["loglik_acc"] == 100.0
+    assert (
+        cells["0"]["loglik_acc"] == pytest.approx(100.0 / 5) and cells["100"]["loglik_acc"] == 100.0
+    )
 
 
 class _ShortestWins(OracleEvalModel):
@@ -205,14 +236,21 @@ class _ShortestWins(OracleEvalModel):
 
 def test_loglik_ranking_uses_the_models_scores():
     tok = WordTokenizer()
-    summary = run_sweep(_ShortestWins(tok),
-                        _cfg(lengths=[1024], depths=[50.0], tasks=["cwe"], mode="loglik"),
-                        progress=False)
+    summary = run_sweep(
+        _ShortestWins(tok),
+        _cfg(lengths=[1024], depths=[50.0], tasks=["cwe"], mode="loglik"),
+        progress=False,
+    )
     cell = summary["results"]["cwe"]["1024"]["all"]
     samples = [generate_sample("cwe", tok, 1024, None, 0, i) for i in range(2)]
-    expected = np.mean([np.mean([rank_credit([-len(" " + c) for c in [r] + s.distractors[:4]])
-                                 for r in s.answers])
-                        for s in samples])
+    expected = np.mean(
+        [
+            np.mean(
+                [rank_credit([-len(" " + c) for c in [r] + s.distractors[:4]]) for r in s.answers]
+            )
+            for s in samples
+        ]
+    )
     assert cell["loglik_acc"] == pytest.approx(100 * expected) and "string_match_all" not in cell
 
 
@@ -226,6 +264,7 @@ def test_config_validation_names_the_problem():
 # ---- CLI
 # ---------------------------------------------------------------------------------------------
 
+
 def test_cli_writes_summaries_and_plots(tmp_path, monkeypatch):
     loaded = []
 
@@ -233,15 +272,39 @@ def test_cli_writes_summaries_and_plots(tmp_path, monkeypatch):
         loaded.append(str(ckpt))
         return OracleEvalModel(WordTokenizer(), window_chars=None if "main" in str(ckpt) else 2500)
 
-    monkeypatch.setitem(sys.modules, "vlm.generate",
-                        types.SimpleNamespace(load_eval_model=load_eval_model))
+    monkeypatch.setitem(
+        sys.modules, "vlm.generate", types.SimpleNamespace(load_eval_model=load_eval_model)
+    )
     (tmp_path / "main").mkdir()
     (tmp_path / "base").mkdir()
     from vlm.cli import main
-    main(["eval", "longctx", "--ckpt", str(tmp_path / "main"), "--baseline-ckpt",
-          str(tmp_path / "base"), "--lengths", "1024", "2048", "--depths", "0", "100", "--tasks",
-          "niah_single_repeat", "vt", "--num-samples", "1", "--mode", "both", "--out",
-          str(tmp_path / "out"), "--no-progress"])
+
+    main(
+        [
+            "eval",
+            "longctx",
+            "--ckpt",
+            str(tmp_path / "main"),
+            "--baseline-ckpt",
+            str(tmp_path / "base"),
+            "--lengths",
+            "1024",
+            "2048",
+            "--depths",
+            "0",
+            "100",
+            "--tasks",
+            "niah_single_repeat",
+            "vt",
+            "--num-samples",
+            "1",
+            "--mode",
+            "both",
+            "--out",
+            str(tmp_path / "out"),
+            "--no-progress",
+        ]
+    )
     out = tmp_path / "out"
     assert loaded == [str(tmp_path / "main"), str(tmp_path / "base")]
     a = json.loads((out / "model" / "summary.json").read_text())
@@ -249,10 +312,27 @@ def test_cli_writes_summaries_and_plots(tmp_path, monkeypatch):
     assert a["results"]["niah_single_repeat"]["2048"]["0"]["score"] == 100.0
     assert b["results"]["niah_single_repeat"]["2048"]["0"]["score"] == 0.0
     assert set(a["compression"]) == {"1024", "2048"}
-    for f in ["model/heatmap.png", "model/heatmap_loglik_acc.png", "baseline/heatmap.png",
-              "comparison.png", "comparison.json", "compression.png", "model/samples.jsonl"]:
+    for f in [
+        "model/heatmap.png",
+        "model/heatmap_loglik_acc.png",
+        "baseline/heatmap.png",
+        "comparison.png",
+        "comparison.json",
+        "compression.png",
+        "model/samples.jsonl",
+    ]:
         assert (out / f).stat().st_size > 0, f
     assert len((out / "model" / "samples.jsonl").read_text().splitlines()) == 2 * 2 * 2
     with pytest.raises(SystemExit, match="allowed"):
-        main(["eval", "longctx", "--ckpt", str(tmp_path / "main"), "--tasks", "bogus", "--out",
-              str(out)])
+        main(
+            [
+                "eval",
+                "longctx",
+                "--ckpt",
+                str(tmp_path / "main"),
+                "--tasks",
+                "bogus",
+                "--out",
+                str(out),
+            ]
+        )

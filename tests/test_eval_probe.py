@@ -1,4 +1,5 @@
 """`vlm eval probe`: an object's cell and two objects' relation, each continued from the caption before it."""
+
 import io
 import json
 
@@ -32,9 +33,12 @@ def test_each_item_stops_where_its_answer_starts(tiny_default):
     assert {it.answer for it in rels} <= {"to the left", "to the right", "above", "below"}
     # both objects named before the relation, which the full caption continues with
     for it in rels:
-        assert it.prefix.split(". ")[-1].startswith("Relative to the ") and it.prefix.endswith(" is")
-    caps = {s.images[0]: s.text
-            for s in iter_samples([str(tiny_default / "train" / "caption-*.tar")])}
+        assert it.prefix.split(". ")[-1].startswith("Relative to the ") and it.prefix.endswith(
+            " is"
+        )
+    caps = {
+        s.images[0]: s.text for s in iter_samples([str(tiny_default / "train" / "caption-*.tar")])
+    }
     for it in items:
         assert caps[it.image].replace("<image>", "").startswith(f"{it.prefix} {it.answer}")
     assert len(_items(tiny_default, limit=2)) == 4
@@ -45,14 +49,17 @@ class _Oracle:
 
     # the first object's prefix ("A small red circle") recurs: the image tells them apart
     def __init__(self, items):
-        self.answers = {(it.prefix, Image.open(io.BytesIO(it.image)).tobytes()): it.answer
-                        for it in items}
+        self.answers = {
+            (it.prefix, Image.open(io.BytesIO(it.image)).tobytes()): it.answer for it in items
+        }
 
     def generate(self, prompts, images, max_new_tokens):
         if not images:
             return [" nothing"] * len(prompts)
-        return [" " + self.answers[p.replace("<image>", ""), im[0].tobytes()] + " and"
-                for p, im in zip(prompts, images)]
+        return [
+            " " + self.answers[p.replace("<image>", ""), im[0].tobytes()] + " and"
+            for p, im in zip(prompts, images)
+        ]
 
 
 class _Constant:
@@ -66,31 +73,58 @@ class _Constant:
 def test_scores_tell_reading_from_guessing(tiny_default):
     items = _items(tiny_default)
     res = run_probes(_Oracle(items), items, batch_size=5)
-    assert {k: (r["image"], r["blind"]) for k, r in res.items()} == {"cell": (100.0, 0.0),
-                                                                     "relation": (100.0, 0.0)}
+    assert {k: (r["image"], r["blind"]) for k, r in res.items()} == {
+        "cell": (100.0, 0.0),
+        "relation": (100.0, 0.0),
+    }
     rels = [it for it in items if it.kind == "relation"]
     share = 100.0 * sum(it.answer == "above" for it in rels) / len(rels)
     assert run_probes(_Constant(" above the"), rels)["relation"]["image"] == share
 
 
 def test_probe_cli_on_a_tiny_checkpoint(tmp_path):
-    data = build_default(tmp_path / "data",
-                         DefaultDatasetConfig(train_scenes=4, val_scenes=12, test_scenes=2,
-                                                                 interleaved_docs=1, text_docs=2),
-                         progress=False)
+    data = build_default(
+        tmp_path / "data",
+        DefaultDatasetConfig(
+            train_scenes=4, val_scenes=12, test_scenes=2, interleaved_docs=1, text_docs=2
+        ),
+        progress=False,
+    )
     tok = load_tokenizer("byte")
     proc = ImageProcessorConfig(patch_size=8, min_patches=4, max_patches=16, merge=2)
     torch.manual_seed(0)
-    model = ConceptMoEVLM(ModelConfig(vocab_size=tok.vocab_size, hidden_size=32, num_heads=4,
-                                      num_kv_heads=2, head_dim=8,
-                                      moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=32)),
-                          VisionConfig(processor=proc,
-                                       encoder=NaViTConfig(hidden_size=16, num_layers=1,
-                                                           num_heads=2,
-                                                                           max_grid=16)))
+    model = ConceptMoEVLM(
+        ModelConfig(
+            vocab_size=tok.vocab_size,
+            hidden_size=32,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=8,
+            moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=32),
+        ),
+        VisionConfig(
+            processor=proc,
+            encoder=NaViTConfig(hidden_size=16, num_layers=1, num_heads=2, max_grid=16),
+        ),
+    )
     save_pretrained(model, tmp_path / "final", tok)
-    assert main(["eval", "probe", "--ckpt", str(tmp_path / "final"), "--data", str(data), "--limit",
-                 "6", "--out", str(tmp_path / "probe.json")]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "probe",
+                "--ckpt",
+                str(tmp_path / "final"),
+                "--data",
+                str(data),
+                "--limit",
+                "6",
+                "--out",
+                str(tmp_path / "probe.json"),
+            ]
+        )
+        == 0
+    )
     res = json.loads((tmp_path / "probe.json").read_text())
     assert res["cell"]["n"] == 6 and 0 < res["relation"]["n"] <= 6
     assert all(0 <= r[k] <= 100 for r in res.values() for k in ("image", "blind", "majority"))

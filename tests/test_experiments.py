@@ -4,6 +4,7 @@ Every variant of every recipe is a valid `vlm train` config that differs from it
 where the recipe says; the FLOPs-matched comparisons are matched; the verdict follows the seed
 spreads (holds / does not hold / inconclusive); one tiny recipe runs end to end and writes its
 results, table, plot and the claims table."""
+
 from __future__ import annotations
 
 import json
@@ -14,8 +15,18 @@ import pytest
 
 from configs.config import flatten, to_dict
 from eval.experiments import RECIPES, global_parser
-from eval.experiments.core import FAILS, HOLDS, ONE_SEED, UNSURE, Stat, at_most, better, no_worse, overall, \
-    stats_table
+from eval.experiments.core import (
+    FAILS,
+    HOLDS,
+    ONE_SEED,
+    UNSURE,
+    Stat,
+    at_most,
+    better,
+    no_worse,
+    overall,
+    stats_table,
+)
 from eval.experiments.report import claims_markdown, format_table
 from eval.experiments.runner import estimate_s, plan
 
@@ -58,8 +69,9 @@ def test_every_variant_is_a_valid_config_differing_only_where_the_recipe_says(na
         # built (vlm.train.stages.merge_model_section, where a stated difference is refused):
         # compare the rest
         keys = {k for k in keys if not k.startswith("model.")}
-    differing = {k for k in keys
-                 if len({json.dumps(f.get(k), default=str) for f in flat.values()}) > 1}
+    differing = {
+        k for k in keys if len({json.dumps(f.get(k), default=str) for f in flat.values()}) > 1
+    }
     assert differing, name
     # everything else equal: each difference comes from a variant's own overrides
     for k in differing:
@@ -85,9 +97,16 @@ def test_the_global_parser_recipe_splits_one_global_batch_three_ways(tmp_path):
     """Same global batch as 1 micro-batch, 4 micro-batches or 2 ranks; global vs per-micro-batch statistics."""
     recipe = RECIPES["global-parser"]()
     configs = _configs("global-parser", tmp_path)
-    assert configs["global-4mb"].optim.grad_accum == 4 and configs["global-2ranks"].data.rows_per_batch == 2
-    assert configs["global-4mb"].train.global_parser and not configs["local-4mb"].train.global_parser
-    assert not configs["local-2ranks"].train.global_parser and global_parser.PER_BATCH.startswith("train.")
+    assert (
+        configs["global-4mb"].optim.grad_accum == 4
+        and configs["global-2ranks"].data.rows_per_batch == 2
+    )
+    assert (
+        configs["global-4mb"].train.global_parser and not configs["local-4mb"].train.global_parser
+    )
+    assert not configs["local-2ranks"].train.global_parser and global_parser.PER_BATCH.startswith(
+        "train."
+    )
     assert [v.ranks for v in recipe.variants if "2ranks" in v.name] == [2, 2]
 
 
@@ -101,7 +120,10 @@ def test_matched_flops_comparisons_are_matched(tmp_path):
     for v in ("fixed", "dynamic"):
         assert c[v].model.chunk.enabled and c[v].model.chunk.target_ratio == 2
         assert abs(flops_per_token(c[v].model, 2.0)["total"] / f_moe - 1) < 0.03, v
-    assert c["fixed"].model.c_moe == c["dynamic"].model.c_moe and c["fixed"].model.chunk.router == "fixed"
+    assert (
+        c["fixed"].model.c_moe == c["dynamic"].model.c_moe
+        and c["fixed"].model.chunk.router == "fixed"
+    )
     # continual training: both conversions within a few percent of the source and of each other
     c = _configs("ct-conversion", tmp_path / "ct")
     src = c["source"].model
@@ -110,11 +132,14 @@ def test_matched_flops_comparisons_are_matched(tmp_path):
     assert c["convert"].train.max_steps == 1 and c["convert"].convert.concept_top_k is None
     for v in ("topk", "loop"):
         conv = c[v].convert
-        opt = ConvertConfig(target_ratio=conv.target_ratio, concept_top_k=conv.concept_top_k,
-                            loop=conv.loop)
+        opt = ConvertConfig(
+            target_ratio=conv.target_ratio, concept_top_k=conv.concept_top_k, loop=conv.loop
+        )
         f[v] = flops_per_token(to_conceptmoe_config(src, opt), conv.target_ratio)["total"] / f_src
         assert abs(f[v] - 1) < 0.05, (v, f[v])
-    assert abs(f["topk"] - f["loop"]) < 0.01 and c["loop"].convert.loop and not c["topk"].convert.loop
+    assert (
+        abs(f["topk"] - f["loop"]) < 0.01 and c["loop"].convert.loop and not c["topk"].convert.loop
+    )
 
 
 # ---------------------------------------------------------------- verdicts
@@ -137,10 +162,14 @@ def test_checks_follow_the_seed_spreads():
     assert at_most("c", "g", Stat([0.01, 0.02]), 0.05).status == HOLDS
     assert at_most("c", "g", Stat([0.5, 0.6]), 0.05).status == FAILS
     assert at_most("c", "g", Stat([0.01, 0.6]), 0.05).status == UNSURE
-    h, f, u = better("c", "a", lo, "b", hi), better("c", "a", hi, "b", lo), better("c", "a", lo, "b", mid)
+    h, f, u = (
+        better("c", "a", lo, "b", hi),
+        better("c", "a", hi, "b", lo),
+        better("c", "a", lo, "b", mid),
+    )
     assert overall([h, h]) == HOLDS and overall([h, f]) == FAILS and overall([h, u]) == UNSURE
     f.core = False
-    assert overall([h, f]) == HOLDS   # context checks do not vote
+    assert overall([h, f]) == HOLDS  # context checks do not vote
 
 
 def _rows(values: dict[str, dict[str, list[float]]]) -> list[dict]:
@@ -161,54 +190,106 @@ def _verdict(name: str, values: dict) -> tuple[str, list]:
 
 def test_recipe_verdicts_on_synthetic_rows():
     # router: cosine clearly lower held out -> holds (the train-loss context does not vote)
-    v, checks = _verdict("router",
-                         {"cosine": {"val_loss": [1.00, 1.01], "train_loss": [0.90, 0.91]},
-                                    "linear": {"val_loss": [1.05, 1.06],
-                                               "train_loss": [0.88, 0.89]}})
+    v, checks = _verdict(
+        "router",
+        {
+            "cosine": {"val_loss": [1.00, 1.01], "train_loss": [0.90, 0.91]},
+            "linear": {"val_loss": [1.05, 1.06], "train_loss": [0.88, 0.89]},
+        },
+    )
     assert v == HOLDS and [c.status for c in checks] == [HOLDS, HOLDS]
     # dynamic-vs-fixed: dynamic worse than both -> does not hold
-    v, _ = _verdict("dynamic-vs-fixed",
-                    {"moe": {"val_loss": [1.0, 1.01]}, "fixed": {"val_loss": [1.02, 1.03]},
-                                         "dynamic": {"val_loss": [1.10, 1.12]}})
+    v, _ = _verdict(
+        "dynamic-vs-fixed",
+        {
+            "moe": {"val_loss": [1.0, 1.01]},
+            "fixed": {"val_loss": [1.02, 1.03]},
+            "dynamic": {"val_loss": [1.10, 1.12]},
+        },
+    )
     assert v == FAILS
     # flip-noise: tau 6's median document drifts less but its p gap overlaps no noise's ->
     # inconclusive; the aggregate drift (the other way here) is context and does not vote
-    v, checks = _verdict("flip-noise", {
-        "none": {"R_drift_doc": [0.3, 0.4], "R_drift": [0.01, 0.02], "p_gap": [0.10, 0.20]},
-        "tau6": {"R_drift_doc": [0.05, 0.1], "R_drift": [0.3, 0.4], "p_gap": [0.05, 0.15]},
-        "gaussian": {"R_drift_doc": [0.3, 0.4], "R_drift": [0.3, 0.4], "p_gap": [0.1, 0.2]},
-        "tau4": {"R_drift_doc": [0.3, 0.4], "R_drift": [0.3, 0.4], "p_gap": [0.1, 0.2]}})
+    v, checks = _verdict(
+        "flip-noise",
+        {
+            "none": {"R_drift_doc": [0.3, 0.4], "R_drift": [0.01, 0.02], "p_gap": [0.10, 0.20]},
+            "tau6": {"R_drift_doc": [0.05, 0.1], "R_drift": [0.3, 0.4], "p_gap": [0.05, 0.15]},
+            "gaussian": {"R_drift_doc": [0.3, 0.4], "R_drift": [0.3, 0.4], "p_gap": [0.1, 0.2]},
+            "tau4": {"R_drift_doc": [0.3, 0.4], "R_drift": [0.3, 0.4], "p_gap": [0.1, 0.2]},
+        },
+    )
     assert v == UNSURE and [c.status for c in checks if c.core] == [HOLDS, UNSURE]
     assert checks[1].status == FAILS and not checks[1].core
     # global-parser: judged on the median document's distance to R = 4, not on the aggregate
-    near, far = {"R_gap_doc": [0.1, 0.2], "R_gap": [2.0, 2.1]}, {"R_gap_doc": [1.0, 1.2],
-                                                                 "R_gap": [0.1, 0.2]}
-    v, _ = _verdict("global-parser", {"global-4mb": near, "local-4mb": far, "global-2ranks": near,
-                                      "local-2ranks": far})
+    near, far = (
+        {"R_gap_doc": [0.1, 0.2], "R_gap": [2.0, 2.1]},
+        {"R_gap_doc": [1.0, 1.2], "R_gap": [0.1, 0.2]},
+    )
+    v, _ = _verdict(
+        "global-parser",
+        {"global-4mb": near, "local-4mb": far, "global-2ranks": near, "local-2ranks": far},
+    )
     assert v == HOLDS
     # image-compression: images more compressed than text in the median chat and caption documents
-    row = {"chat_image_p50": [3.0, 3.2], "chat_text_p50": [1.5, 1.6],
-           "caption_image_p50": [4.0, 4.1], "caption_text_p50": [2.0, 2.1],
-           "eval_R_image": [1.0, 1.1], "eval_R_text": [2.0, 2.1],
-           "vqa": [40.0, 41.0], "blind": [30.0, 31.0]}
-    v, checks = _verdict("image-compression",
-                         {"trained-joint-grid_off": row, "trained-per_modality-grid_off": row,
-                                               "frozen-per_modality-grid_off": row})
+    row = {
+        "chat_image_p50": [3.0, 3.2],
+        "chat_text_p50": [1.5, 1.6],
+        "caption_image_p50": [4.0, 4.1],
+        "caption_text_p50": [2.0, 2.1],
+        "eval_R_image": [1.0, 1.1],
+        "eval_R_text": [2.0, 2.1],
+        "vqa": [40.0, 41.0],
+        "blind": [30.0, 31.0],
+    }
+    v, checks = _verdict(
+        "image-compression",
+        {
+            "trained-joint-grid_off": row,
+            "trained-per_modality-grid_off": row,
+            "frozen-per_modality-grid_off": row,
+        },
+    )
     assert v == HOLDS and [c.status for c in checks][:3] == [HOLDS, HOLDS, FAILS]
     # ct-conversion: three claims, one row each in claims.md
-    v, checks = _verdict("ct-conversion", {
-        "moe": {"val_loss": [1.00, 1.01]}, "convert": {"step0_gap": [0.5, 0.6]},
-        "topk": {"step0_gap": [0.5, 0.6], "val_loss": [1.00, 1.02]},
-        "loop": {"val_loss": [0.95, 0.96]}})
+    v, checks = _verdict(
+        "ct-conversion",
+        {
+            "moe": {"val_loss": [1.00, 1.01]},
+            "convert": {"step0_gap": [0.5, 0.6]},
+            "topk": {"step0_gap": [0.5, 0.6], "val_loss": [1.00, 1.02]},
+            "loop": {"val_loss": [0.95, 0.96]},
+        },
+    )
     assert [c.status for c in checks] == [FAILS, FAILS, HOLDS, UNSURE] and v == FAILS
-    md = claims_markdown([{"recipe": "ct-conversion", "source": "ConceptMoE 4.3", "steps": 10,
-                           "seeds": 2, "checks": [c.to_json() for c in checks]}],
-                         {"global-parser": "no switch"})
-    assert md.count("\n| **ct-conversion**") == 3 and "| **global-parser** | not run: no switch | - |" in md
+    md = claims_markdown(
+        [
+            {
+                "recipe": "ct-conversion",
+                "source": "ConceptMoE 4.3",
+                "steps": 10,
+                "seeds": 2,
+                "checks": [c.to_json() for c in checks],
+            }
+        ],
+        {"global-parser": "no switch"},
+    )
+    assert (
+        md.count("\n| **ct-conversion**") == 3
+        and "| **global-parser** | not run: no switch | - |" in md
+    )
     # a recipe run with --only: the checks on variants it did not run say so instead of failing
-    v, checks = _verdict("image-compression", {"trained-joint-grid_off": {
-        "chat_image_p50": [3.0, 3.2], "chat_text_p50": [1.9, 2.0], "caption_image_p50": [3.0, 3.2],
-        "caption_text_p50": [1.9, 2.0]}})
+    v, checks = _verdict(
+        "image-compression",
+        {
+            "trained-joint-grid_off": {
+                "chat_image_p50": [3.0, 3.2],
+                "chat_text_p50": [1.9, 2.0],
+                "caption_image_p50": [3.0, 3.2],
+                "caption_text_p50": [1.9, 2.0],
+            }
+        },
+    )
     assert checks[0].status == HOLDS and "no numbers" in checks[3].status and v == checks[3].status
 
 
@@ -242,18 +323,33 @@ def test_a_tiny_recipe_runs_end_to_end(tiny_data, tmp_path, monkeypatch, capsys)
 
     monkeypatch.setattr(registry, "RECIPES", {"joint-decoding": RECIPES["joint-decoding"]})
     out = tmp_path / "exp"
-    args = ["experiment", "--all", "--out", str(out), "--steps", "2", "--seeds", "2", "--jobs", "2",
-            f"data.default_dir={tiny_data}", "logging.eval_batches=1"]
+    args = [
+        "experiment",
+        "--all",
+        "--out",
+        str(out),
+        "--steps",
+        "2",
+        "--seeds",
+        "2",
+        "--jobs",
+        "2",
+        f"data.default_dir={tiny_data}",
+        "logging.eval_batches=1",
+    ]
     assert main(args) == 0
     printed = capsys.readouterr().out
     d = out / "joint-decoding"
     result = json.loads((d / "results.json").read_text())
     assert result["verdict"] in (HOLDS, FAILS, UNSURE)
     assert result["steps"] == 2 and result["seeds"] == 2
-    assert [(r["variant"], r["seed"]) for r in result["rows"]] == [("joint", 0), ("none", 0),
-                                                                   ("joint", 1),
-                                                                  ("none", 1)]
-    for r in result["rows"]:   # every number comes from its own run directory, trained as asked
+    assert [(r["variant"], r["seed"]) for r in result["rows"]] == [
+        ("joint", 0),
+        ("none", 0),
+        ("joint", 1),
+        ("none", 1),
+    ]
+    for r in result["rows"]:  # every number comes from its own run directory, trained as asked
         assert r["steps"] == 2 and r["val_loss"] > 0 and Path(r["run"]).is_dir()
         cmd = json.loads((d / f"{r['variant']}-s{r['seed']}.json").read_text())["command"]
         assert f"train.seed={r['seed']}" in cmd and "train.max_steps=2" in cmd

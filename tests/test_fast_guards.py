@@ -11,6 +11,7 @@ runs in seconds:
 5. a stop signal (the flag its handler sets) that ends the run without saving, in the vision warm-up
    and in training.
 """
+
 from __future__ import annotations
 
 import json
@@ -30,9 +31,11 @@ def _eq4(F_: float, G: float, R: float) -> float:
 
 # Three documents of unequal length, each with its own boundary count and p: (tokens, boundaries, p
 # of every token)
-_DOCS = [(2, 2, 0.9),      # every token a boundary (ratio 1): below the band, target R/s
-         (6, 1, 0.2),      # ratio 6: above the band, target R*s
-         (12, 6, 0.5)]     # ratio 2: inside the band, eq. 4 is 1
+_DOCS = [
+    (2, 2, 0.9),  # every token a boundary (ratio 1): below the band, target R/s
+    (6, 1, 0.2),  # ratio 6: above the band, target R*s
+    (12, 6, 0.5),
+]  # ratio 2: inside the band, eq. 4 is 1
 _R, _SLACK = 2.0, 1.25
 
 
@@ -58,14 +61,24 @@ def test_document_ratio_loss_weights_each_document_by_its_share_of_the_tokens():
     # (the fixture tells them apart)
     assert abs(want - averaged) > 0.05
     got = document_ratio_loss(n, b, psum, torch.tensor(N), _R, _SLACK)
-    assert float(got) == pytest.approx(want, rel=1e-6), f"got {float(got)}, documents averaged would be {averaged}"
+    assert float(got) == pytest.approx(want, rel=1e-6), (
+        f"got {float(got)}, documents averaged would be {averaged}"
+    )
     # an empty slot (padding, another row's spare) adds nothing
-    pad = document_ratio_loss(torch.cat([n, torch.zeros(2)]), torch.cat([b, torch.zeros(2)]),
-                              torch.cat([psum, torch.zeros(2)]), torch.tensor(N), _R, _SLACK)
+    pad = document_ratio_loss(
+        torch.cat([n, torch.zeros(2)]),
+        torch.cat([b, torch.zeros(2)]),
+        torch.cat([psum, torch.zeros(2)]),
+        torch.tensor(N),
+        _R,
+        _SLACK,
+    )
     assert float(pad) == pytest.approx(want, rel=1e-6)
     # micro-batches holding parts of the documents, each weighted by the global N, sum to the whole
-    parts = [document_ratio_loss(n[s], b[s], psum[s], torch.tensor(N), _R, _SLACK)
-             for s in (slice(0, 2), slice(2, 3))]
+    parts = [
+        document_ratio_loss(n[s], b[s], psum[s], torch.tensor(N), _R, _SLACK)
+        for s in (slice(0, 2), slice(2, 3))
+    ]
     assert float(sum(parts)) == pytest.approx(want, rel=1e-6)
 
 
@@ -90,8 +103,12 @@ def test_chunk_module_adds_the_token_weighted_document_term_and_micro_batches_su
     from vlm.model.config import ChunkConfig
 
     weight = 3.0
-    band = ChunkModule(ChunkConfig(router="linear", target_ratio=_R, document_slack=_SLACK,
-                                   document_weight=weight), 8)
+    band = ChunkModule(
+        ChunkConfig(
+            router="linear", target_ratio=_R, document_slack=_SLACK, document_weight=weight
+        ),
+        8,
+    )
     plain = ChunkModule(ChunkConfig(router="linear", target_ratio=_R), 8)
     N = float(sum(d[0] for d in _DOCS))
 
@@ -100,16 +117,22 @@ def test_chunk_module_adds_the_token_weighted_document_term_and_micro_batches_su
         for m in (band, plain):
             m.stats_hook = hook
         groups = [(doc >= 0, _R)]
-        return float(band.compute_ratio_loss(p, b, groups, doc)[0] - plain.compute_ratio_loss(p, b, groups, doc)[0])
+        return float(
+            band.compute_ratio_loss(p, b, groups, doc)[0]
+            - plain.compute_ratio_loss(p, b, groups, doc)[0]
+        )
 
     whole = doc_term(_DOCS)
-    assert whole == pytest.approx(weight * _doc_term(_DOCS, N), rel=1e-5), \
+    assert whole == pytest.approx(weight * _doc_term(_DOCS, N), rel=1e-5), (
         f"document term {whole}, want {weight * _doc_term(_DOCS, N)} (n_d / N weights)"
+    )
     # two micro-batches: the global parser hands each the whole batch's sums (boundaries, sum of
     # p, tokens)
     glob = torch.tensor([[sum(d[1] for d in _DOCS), sum(d[0] * d[2] for d in _DOCS), N]])
     parts = [doc_term(_DOCS[:2], lambda local: glob), doc_term(_DOCS[2:], lambda local: glob)]
-    assert sum(parts) == pytest.approx(whole, rel=1e-5), f"micro-batch shares {parts} do not sum to {whole}"
+    assert sum(parts) == pytest.approx(whole, rel=1e-5), (
+        f"micro-batch shares {parts} do not sum to {whole}"
+    )
 
 
 # ======================================== 2. the statistics pass leaves the MoE loads as they were
@@ -118,11 +141,24 @@ def _balancing_lm():
     from vlm.model.config import ChunkConfig, ModelConfig, MoEConfig
 
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=64, hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8,
-                      encoder_layers=1, concept_layers=1, decoder_layers=1,
-                      moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=16,
-                                    balance_loss_weight=0.0, loss_free_balancing=True),
-                      chunk=ChunkConfig(target_ratio=2.0))
+    cfg = ModelConfig(
+        vocab_size=64,
+        hidden_size=32,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        encoder_layers=1,
+        concept_layers=1,
+        decoder_layers=1,
+        moe=MoEConfig(
+            num_experts=4,
+            top_k=2,
+            expert_hidden=16,
+            balance_loss_weight=0.0,
+            loss_free_balancing=True,
+        ),
+        chunk=ChunkConfig(target_ratio=2.0),
+    )
     return ConceptMoELM(cfg).train()
 
 
@@ -131,9 +167,11 @@ def _micro_batches(micro: int, T: int = 40) -> list[PackedBatch]:
     out = []
     for k in range(micro):
         lengths = [13 + 2 * k, 9, T - 24 - 2 * k]
-        out.append(PackedBatch.from_documents([torch.randint(3, 64, (n,), generator=g).tolist()
-                                               for n in lengths],
-                                              row_len=T))
+        out.append(
+            PackedBatch.from_documents(
+                [torch.randint(3, 64, (n,), generator=g).tolist() for n in lengths], row_len=T
+            )
+        )
     return out
 
 
@@ -157,10 +195,21 @@ def test_the_statistics_pass_puts_the_moe_loads_back():
     parser = GlobalParser(all_reduce=lambda t: t.clone())
     install(model, parser)
     parser.start_step()
-    statistics_pass(model, window, parser, 0, seed=0, rank=0, world_size=1,
-                    device=torch.device("cpu"), float_dtype=torch.float32)
+    statistics_pass(
+        model,
+        window,
+        parser,
+        0,
+        seed=0,
+        rank=0,
+        world_size=1,
+        device=torch.device("cpu"),
+        float_dtype=torch.float32,
+    )
     after = _moe_loads(model)
-    assert torch.equal(after, before), f"loads after the statistics pass {after.tolist()}, before {before.tolist()}"
+    assert torch.equal(after, before), (
+        f"loads after the statistics pass {after.tolist()}, before {before.tolist()}"
+    )
 
 
 def test_a_step_with_the_statistics_pass_counts_each_token_once_in_the_balancing_loads(monkeypatch):
@@ -175,15 +224,24 @@ def test_a_step_with_the_statistics_pass_counts_each_token_once_in_the_balancing
     micro = 2
     model = _balancing_lm()
     init_distributed()
-    engine = initialize(model, torch.optim.SGD(model.parameters(), lr=0.0), {
-        "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": micro,
-        "train_batch_size": micro, "gradient_clipping": 0.0, "zero_optimization": {"stage": 0},
-        "bf16": {"enabled": False}, "steps_per_print": 10 ** 12,
-        "zero_allow_untested_optimizer": True})
+    engine = initialize(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.0),
+        {
+            "train_micro_batch_size_per_gpu": 1,
+            "gradient_accumulation_steps": micro,
+            "train_batch_size": micro,
+            "gradient_clipping": 0.0,
+            "zero_optimization": {"stage": 0},
+            "bf16": {"enabled": False},
+            "steps_per_print": 10**12,
+            "zero_allow_untested_optimizer": True,
+        },
+    )
     parser = GlobalParser(all_reduce=lambda t: t.clone())
     install(model, parser)
     window = _micro_batches(micro)
-    handed = []   # what the step hands the balancing update, across ranks (here: one)
+    handed = []  # what the step hands the balancing update, across ranks (here: one)
 
     def model_statistics(flat):
         handed.append(flat.clone())
@@ -193,8 +251,9 @@ def test_a_step_with_the_statistics_pass_counts_each_token_once_in_the_balancing
     from vlm.train import collectives
 
     monkeypatch.setattr(collectives, "model_statistics", model_statistics)
-    res = train_step(engine, window, 0, seed=3, rank=0, world_size=1, parser=parser,
-                     device=torch.device("cpu"))
+    res = train_step(
+        engine, window, 0, seed=3, rank=0, world_size=1, parser=parser, device=torch.device("cpu")
+    )
     assert res.applied and len(handed) == 1
     # the real passes' loads, all layers
     real = float(sum(v.sum() for v in res.loads.values()))
@@ -202,8 +261,9 @@ def test_a_step_with_the_statistics_pass_counts_each_token_once_in_the_balancing
     held = float(handed[0][:n_loads].sum())
     n_moe = len(res.loads)
     tokens = sum(int((b.doc_ids >= 0).sum()) for b in window)
-    assert real > 0 and held == pytest.approx(real), \
+    assert real > 0 and held == pytest.approx(real), (
         f"the MoE layers hold {held} routed slots for the balancing step, the real passes routed {real}"
+    )
     # the encoder and decoder layers route every real token top_k = 2 times (the concept layer
     # fewer): an upper bound
     assert held <= n_moe * 2 * tokens
@@ -214,15 +274,22 @@ def test_a_step_with_the_statistics_pass_counts_each_token_once_in_the_balancing
 # widths (4304 / 1152 = 3.736..., one layer of it), a small SigLIP and CLIP at the same kind of
 # ratio, and a width where width * (intermediate / width) comes back one short in floating point
 # (240 / 176: 176 * 1.3636... = 239.99999999999997)
-_TOWERS = [("siglip", 1152, 16, 4304, 1, 14), ("siglip", 32, 2, 120, 2, 8),
-           ("clip", 32, 2, 120, 2, 8), ("siglip", 176, 2, 240, 1, 8)]
+_TOWERS = [
+    ("siglip", 1152, 16, 4304, 1, 14),
+    ("siglip", 32, 2, 120, 2, 8),
+    ("clip", 32, 2, 120, 2, 8),
+    ("siglip", 176, 2, 240, 1, 8),
+]
 
 
-@pytest.mark.parametrize("kind,width,heads,inter,layers,patch", _TOWERS,
-                         ids=["siglip-so400m-widths", "siglip-3.75", "clip-3.75",
-                              "siglip-240-of-176"])
-def test_a_pretrained_tower_whose_mlp_is_not_a_multiple_of_its_width_loads_whole(kind, width, heads, inter, layers,
-                                                                                 patch, tmp_path):
+@pytest.mark.parametrize(
+    "kind,width,heads,inter,layers,patch",
+    _TOWERS,
+    ids=["siglip-so400m-widths", "siglip-3.75", "clip-3.75", "siglip-240-of-176"],
+)
+def test_a_pretrained_tower_whose_mlp_is_not_a_multiple_of_its_width_loads_whole(
+    kind, width, heads, inter, layers, patch, tmp_path
+):
     """The encoder's MLP has the checkpoint's intermediate size, read as it is (not rebuilt from
     width * a ratio), and every tower tensor lands in it."""
     transformers = pytest.importorskip("transformers")
@@ -230,8 +297,14 @@ def test_a_pretrained_tower_whose_mlp_is_not_a_multiple_of_its_width_loads_whole
     from vision.config import VisionConfig
 
     torch.manual_seed(0)
-    common = dict(hidden_size=width, intermediate_size=inter, num_hidden_layers=layers,
-                  num_attention_heads=heads, image_size=4 * patch, patch_size=patch)
+    common = dict(
+        hidden_size=width,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        image_size=4 * patch,
+        patch_size=patch,
+    )
     if kind == "siglip":
         hf = transformers.SiglipVisionModel(transformers.SiglipVisionConfig(**common))
     else:
@@ -240,24 +313,37 @@ def test_a_pretrained_tower_whose_mlp_is_not_a_multiple_of_its_width_loads_whole
     src = {k.removeprefix("vision_model."): v.detach() for k, v in hf.state_dict().items()}
     del hf
     # an encoder section that says otherwise: the folder's architecture wins
-    cfg = from_dict(VisionConfig, {
-        "processor": {"patch_size": 16, "min_patches": 4, "max_patches": 64, "merge": 2},
-        "encoder": {"hidden_size": 64, "num_layers": 3, "num_heads": 4, "mlp_ratio": 4.0,
-                    "max_grid": 32, "merger": "none"},
-        "timm_checkpoint": str(tmp_path)})
+    cfg = from_dict(
+        VisionConfig,
+        {
+            "processor": {"patch_size": 16, "min_patches": 4, "max_patches": 64, "merge": 2},
+            "encoder": {
+                "hidden_size": 64,
+                "num_layers": 3,
+                "num_heads": 4,
+                "mlp_ratio": 4.0,
+                "max_grid": 32,
+                "merger": "none",
+            },
+            "timm_checkpoint": str(tmp_path),
+        },
+    )
     # a part that does not match raises ConfigError("the tower does not match")
     enc = cfg.build(16).encoder
     assert not enc.load_report.mismatches(), str(enc.load_report)
     for i in range(layers):
         fc1, fc2 = enc.blocks[i].mlp.fc1, enc.blocks[i].mlp.fc2
-        assert tuple(fc1.weight.shape) == (inter, width), f"block {i}: fc1 {tuple(fc1.weight.shape)}, want {inter}"
+        assert tuple(fc1.weight.shape) == (inter, width), (
+            f"block {i}: fc1 {tuple(fc1.weight.shape)}, want {inter}"
+        )
         assert torch.equal(fc1.weight, src[f"encoder.layers.{i}.mlp.fc1.weight"])
         assert torch.equal(fc1.bias, src[f"encoder.layers.{i}.mlp.fc1.bias"])
         assert torch.equal(fc2.weight, src[f"encoder.layers.{i}.mlp.fc2.weight"])
     # and the tower runs: one 4 x 4-patch image
     grid = torch.tensor([[4, 4]])
-    coords = torch.stack(torch.meshgrid(torch.arange(4), torch.arange(4), indexing="ij"),
-                         -1).reshape(-1, 2)
+    coords = torch.stack(
+        torch.meshgrid(torch.arange(4), torch.arange(4), indexing="ij"), -1
+    ).reshape(-1, 2)
     with torch.no_grad():
         out = enc(torch.randn(16, 3 * patch * patch), coords, grid)
     assert torch.isfinite(out).all()
@@ -285,24 +371,29 @@ def _stop_at_poll(polls: int, signum: int = signal.SIGINT):
     return StopAtPoll()
 
 
-def test_a_stop_in_training_checkpoints_the_last_step_and_returns_the_signal_code(tiny_data, tmp_path, tiny_config,
-                                                                                 make_trainer, torch_globals):
+def test_a_stop_in_training_checkpoints_the_last_step_and_returns_the_signal_code(
+    tiny_data, tmp_path, tiny_config, make_trainer, torch_globals
+):
     """Stop seen after step 3 of 50, with no periodic checkpoint due (save_every 1000): the run
     writes step 3's checkpoint, returns 128 + SIGINT, exports nothing, and the same run resumes from
     that step."""
     from vlm.train.checkpoint import list_checkpoints
 
-    cfg = tiny_config(tiny_data, train={"max_steps": 50},
-                      checkpoint={"save_every": 1000, "keep_last": 2},
-                      logging={"eval_every": 0, "histogram_every": 0})
+    cfg = tiny_config(
+        tiny_data,
+        train={"max_steps": 50},
+        checkpoint={"save_every": 1000, "keep_last": 2},
+        logging={"eval_every": 0, "histogram_every": 0},
+    )
     run = tmp_path / "run"
     tr = make_trainer(cfg, run, stop=_stop_at_poll(3))
     rc = tr.train()
     assert rc == 128 + signal.SIGINT == 130
     n = tr.step
     assert 0 < n < 50
-    assert [s for s, _ in list_checkpoints(run / "checkpoints")] == [n], \
+    assert [s for s, _ in list_checkpoints(run / "checkpoints")] == [n], (
         f"stopped after step {n}; checkpoints: {list_checkpoints(run / 'checkpoints')}"
+    )
     assert not (run / "final").exists()
     again = make_trainer(cfg, run, resume=True)
     assert again.resume_from == run / "checkpoints" / f"step_{n:08d}"
@@ -310,8 +401,9 @@ def test_a_stop_in_training_checkpoints_the_last_step_and_returns_the_signal_cod
     assert again.step == n
 
 
-def test_a_stop_in_the_vision_warmup_saves_its_state_and_raises_preempted(tiny_data, tmp_path, tiny_config,
-                                                                         make_trainer, load_tiny, torch_globals):
+def test_a_stop_in_the_vision_warmup_saves_its_state_and_raises_preempted(
+    tiny_data, tmp_path, tiny_config, make_trainer, load_tiny, torch_globals
+):
     """Stop seen after warm-up step 4 of 50 (its periodic saves come every 5 steps): the warm-up
     saves its state at step 4 and the trainer's construction raises Preempted with 128 + SIGTERM;
     the next start continues from it."""
@@ -320,21 +412,27 @@ def test_a_stop_in_the_vision_warmup_saves_its_state_and_raises_preempted(tiny_d
     from vlm.train.trainer import Trainer
     from vlm.train.vision_warmup import STATE_NAME
 
-    cfg = tiny_config(tiny_data, train={"max_steps": 1}, checkpoint={"save_every": 1000},
-                      logging={"eval_every": 0, "histogram_every": 0},
-                      vision_warmup={"steps": 50, "images_per_step": 4, "min_word_count": 2,
-                                     "held_out": 8})
+    cfg = tiny_config(
+        tiny_data,
+        train={"max_steps": 1},
+        checkpoint={"save_every": 1000},
+        logging={"eval_every": 0, "histogram_every": 0},
+        vision_warmup={"steps": 50, "images_per_step": 4, "min_word_count": 2, "held_out": 8},
+    )
     run = tmp_path / "run"
     with pytest.raises(Preempted) as info:
         make_trainer(cfg, run, stop=_stop_at_poll(3, signal.SIGTERM))
     assert info.value.code == 128 + signal.SIGTERM == 143
     assert "in the vision warm-up at step 4/50" in str(info.value), str(info.value)
     state = load_state_dir(run / "checkpoints", STATE_NAME, warn=pytest.fail)
-    assert state is not None, f"no warm-up state in {run / 'checkpoints' / STATE_NAME} after the stop"
+    assert state is not None, (
+        f"no warm-up state in {run / 'checkpoints' / STATE_NAME} after the stop"
+    )
     assert state["step"] == 4 and len(state["losses"]) == 4
-    assert not (run / "vision_warmup.json").exists()      # the warm-up did not finish
+    assert not (run / "vision_warmup.json").exists()  # the warm-up did not finish
     lines: list[str] = []
     Trainer(load_tiny(cfg), run, log=lines.append)
-    assert any(f"continuing from {run / 'checkpoints' / STATE_NAME} at step 4/50" in x
-               for x in lines), lines
+    assert any(
+        f"continuing from {run / 'checkpoints' / STATE_NAME} at step 4/50" in x for x in lines
+    ), lines
     assert json.loads((run / "vision_warmup.json").read_text())["steps"] == 50

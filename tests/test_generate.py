@@ -1,4 +1,5 @@
 """Batched generation and scoring (ConceptMoEChat) and transformers' generate on the exported model."""
+
 import numpy as np
 import pytest
 import torch
@@ -16,8 +17,9 @@ def chat(tiny_vlm):
 
 
 def img(seed):
-    return Image.fromarray(np.random.default_rng(seed).integers(0, 255, (16, 16, 3),
-                                                                dtype=np.uint8))
+    return Image.fromarray(
+        np.random.default_rng(seed).integers(0, 255, (16, 16, 3), dtype=np.uint8)
+    )
 
 
 def test_batched_generation_equals_one_prompt_at_a_time(chat):
@@ -30,7 +32,7 @@ def test_batched_generation_equals_one_prompt_at_a_time(chat):
 
 def test_loglikelihood_matches_the_full_forward(chat):
     ctx, cont = "<image>the answer is", " red"
-    (ll, greedy), = chat.loglikelihood([ctx], [cont], [[img(3)]])
+    ((ll, greedy),) = chat.loglikelihood([ctx], [cont], [[img(3)]])
     batch = chat.prompt_batch([ctx + cont], [[img(3)]])
     n = int((batch.doc_ids >= 0).sum())
     ids = chat.tokenizer.encode(cont)
@@ -38,8 +40,9 @@ def test_loglikelihood_matches_the_full_forward(chat):
     logp = torch.log_softmax(logits, -1)
     ref = sum(logp[n - len(ids) - 1 + j, t].item() for j, t in enumerate(ids))
     assert ll == pytest.approx(ref, abs=1e-4)
-    assert greedy == all(logits[n - len(ids) - 1 + j].argmax().item() == t
-                         for j, t in enumerate(ids))
+    assert greedy == all(
+        logits[n - len(ids) - 1 + j].argmax().item() == t for j, t in enumerate(ids)
+    )
     # batched with another context of a different length: same score
     (ll2, _), _ = chat.loglikelihood([ctx, "short"], [cont, " x"], [[img(3)], []])
     assert ll2 == pytest.approx(ll, abs=1e-4)
@@ -47,8 +50,9 @@ def test_loglikelihood_matches_the_full_forward(chat):
 
 def test_stop_strings_and_compression_stats(chat):
     chat.reset_stats()
-    out = chat.generate(["hello"], None, max_new_tokens=8,
-                        stop=[chat.tokenizer.decode(chat.tokenizer.encode("e"))])
+    out = chat.generate(
+        ["hello"], None, max_new_tokens=8, stop=[chat.tokenizer.decode(chat.tokenizer.encode("e"))]
+    )
     assert "e" not in out[0]
     stats = chat.compression_stats()
     assert stats["tokens/text"] > 0 and stats["compression/ratio"] >= 1.0
@@ -61,7 +65,7 @@ def test_sampling_is_reproducible_with_a_seed_and_leaves_the_callers_rng_alone(c
     torch.manual_seed(123)
     kw = dict(max_new_tokens=12, temperature=1.5, top_p=0.9)
     a = chat.generate(prompts, images, seed=7, **kw)
-    assert torch.equal(torch.rand(1), before)                     # the global RNG did not move
+    assert torch.equal(torch.rand(1), before)  # the global RNG did not move
     assert chat.generate(prompts, images, seed=7, **kw) == a
     assert any(chat.generate(prompts, images, seed=s, **kw) != a for s in (8, 9, 10))
 
@@ -73,9 +77,14 @@ def test_transformers_generate_on_the_exported_model(chat, tmp_path):
     ours = chat.generate([prompt], None, max_new_tokens=5)[0]
     batch = chat.prompt_batch([prompt])
     ids = batch.input_ids[:, : int((batch.doc_ids >= 0).sum())]
-    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False,
-                      eos_token_id=None)
-    assert chat.tokenizer.decode(out[0, ids.shape[1]:].tolist()) == ours
+    out = hf.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=5,
+        do_sample=False,
+        eos_token_id=None,
+    )
+    assert chat.tokenizer.decode(out[0, ids.shape[1] :].tolist()) == ours
 
 
 def test_image_only_prompt_generates(chat):
@@ -90,7 +99,7 @@ def test_stop_on_a_special_token_string(chat, monkeypatch):
     script = tok.encode("yes") + [tok.end_id] + tok.encode("What")
     calls = {"n": 0}
 
-    def scripted(input_ids=None, **kw):   # the model "says" the script, one token per forward
+    def scripted(input_ids=None, **kw):  # the model "says" the script, one token per forward
         t = script[min(calls["n"], len(script) - 1)]
         calls["n"] += 1
         logits = torch.zeros(*input_ids.shape, chat.model.model_cfg.vocab_size)
@@ -105,12 +114,17 @@ def test_stop_on_a_special_token_string(chat, monkeypatch):
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_cached_generation_equals_recompute(chat, temperature):
     """The default (prefill once, one cached step per token) against re-running the whole prefix each token."""
-    prompts = ["<image>\nwhat is this?", "a", "<image> and <image> compared over a longer prompt",
-               "no image here"]
+    prompts = [
+        "<image>\nwhat is this?",
+        "a",
+        "<image> and <image> compared over a longer prompt",
+        "no image here",
+    ]
     images = [[img(1)], [], [img(2), img(3)], []]
     kw = dict(max_new_tokens=40, temperature=temperature, seed=3)
-    assert chat.generate(prompts, images, **kw) == chat.generate(prompts, images, use_cache=False,
-                                                                 **kw)
+    assert chat.generate(prompts, images, **kw) == chat.generate(
+        prompts, images, use_cache=False, **kw
+    )
 
 
 def test_transformers_generate_uses_the_concept_cache_with_left_padding(chat, tmp_path):
@@ -134,13 +148,17 @@ def test_transformers_generate_uses_the_concept_cache_with_left_padding(chat, tm
     cached, full = hf.generate(ids, use_cache=True, **kw), hf.generate(ids, use_cache=False, **kw)
     assert torch.equal(cached, full)
     assert [chat.tokenizer.decode(r[T:].tolist()) for r in cached] == ours
-    assert seen and set(seen) == {InferenceCache}     # the cached steps ran
+    assert seen and set(seen) == {InferenceCache}  # the cached steps ran
 
 
 def test_cached_loglikelihood_equals_one_forward_per_pair(chat):
     """Shared contexts encoded once and continued from their caches score as full forwards do."""
-    contexts = ["<image>\nwhat colour?", "<image>\nwhat colour?", "plain question",
-                "<image>\nwhat colour?"]
+    contexts = [
+        "<image>\nwhat colour?",
+        "<image>\nwhat colour?",
+        "plain question",
+        "<image>\nwhat colour?",
+    ]
     # the last one shares the text, not the image
     images = [[img(1)], [img(1)], [], [img(2)]]
     conts = ["red", "a longer answer", "x", "blue"]
@@ -148,7 +166,7 @@ def test_cached_loglikelihood_equals_one_forward_per_pair(chat):
     full = chat.loglikelihood(contexts, conts, images, use_cache=False)
     assert [g for _, g in cached] == [g for _, g in full]
     assert all(abs(a - b) < 1e-4 for (a, _), (b, _) in zip(cached, full))
-    assert len({round(a, 4) for a, _ in cached}) == 4                 # four different scores
+    assert len({round(a, 4) for a, _ in cached}) == 4  # four different scores
 
 
 def test_transformers_options_hidden_states_checkpointing_and_clear_refusals(chat, tmp_path):
@@ -169,10 +187,11 @@ def test_transformers_options_hidden_states_checkpointing_and_clear_refusals(cha
     for enable in (False, True):
         (hf.gradient_checkpointing_enable if enable else hf.gradient_checkpointing_disable)()
         hf.zero_grad()
-        torch.manual_seed(0)                                # the same sampled boundaries both times
+        torch.manual_seed(0)  # the same sampled boundaries both times
         hf(ids, labels=ids).loss.backward()
-        grads.append(torch.cat([p.grad.flatten() for p in hf.vlm.lm.parameters()
-                                if p.grad is not None]))
+        grads.append(
+            torch.cat([p.grad.flatten() for p in hf.vlm.lm.parameters() if p.grad is not None])
+        )
     assert hf.is_gradient_checkpointing
     # once without, twice (forward + recompute) with
     assert len(calls) == 3
@@ -185,9 +204,17 @@ def test_transformers_options_hidden_states_checkpointing_and_clear_refusals(cha
 def test_on_tokens_streams_every_rows_tokens_as_they_grow(chat):
     prompts, images = ["<image>\nwhat is this?", "a longer text prompt"], [[img(4)], []]
     seen = []
-    out = chat.generate(prompts, images, max_new_tokens=7,
-                        on_tokens=lambda rows: seen.append([list(r) for r in rows]))
+    out = chat.generate(
+        prompts,
+        images,
+        max_new_tokens=7,
+        on_tokens=lambda rows: seen.append([list(r) for r in rows]),
+    )
     assert 1 <= len(seen) <= 7
-    for earlier, later in zip(seen, seen[1:]):   # each row only grows, by at most one token a step
-        assert all(l[:len(e)] == e and len(l) - len(e) <= 1 for e, l in zip(earlier, later))
-    assert [chat.tokenizer.decode(r) for r in seen[-1]] == out == chat.generate(prompts, images, max_new_tokens=7)
+    for earlier, later in zip(seen, seen[1:]):  # each row only grows, by at most one token a step
+        assert all(l[: len(e)] == e and len(l) - len(e) <= 1 for e, l in zip(earlier, later))
+    assert (
+        [chat.tokenizer.decode(r) for r in seen[-1]]
+        == out
+        == chat.generate(prompts, images, max_new_tokens=7)
+    )

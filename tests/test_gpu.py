@@ -24,6 +24,7 @@ Left free, up to 12 of 1372 (1664 after the rewrite) tokens' selections flipped 
 and moved single parameters' gradients by up to 91 u (0.36); on an H100 they moved a router weight's
 gradient by 0.104 (27 u), failing the guessed bound of 0.1 used before.
 """
+
 from __future__ import annotations
 
 import copy
@@ -72,19 +73,35 @@ def rel_norm(x: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 CUDA_REASON = "no CUDA device on this machine"
-DEVICES = ["cpu", pytest.param("cuda", id="cuda",
-                               marks=[pytest.mark.gpu,
-                                      pytest.mark.skipif(not torch.cuda.is_available(),
-                                                                          reason=CUDA_REASON)])]
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        id="cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason=CUDA_REASON),
+        ],
+    ),
+]
 
 
 def cfg(**kw) -> ModelConfig:
     # head_dim 64: flash-attn's kernels want head dims that are multiples of 8 and expert rows
     # 16-byte aligned
-    return ModelConfig(vocab_size=V, hidden_size=128, num_heads=2, num_kv_heads=1, head_dim=64,
-                       encoder_layers=1, concept_layers=2, decoder_layers=1,
-                       moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=64), chunk=ChunkConfig(),
-                       **kw)
+    return ModelConfig(
+        vocab_size=V,
+        hidden_size=128,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=64,
+        encoder_layers=1,
+        concept_layers=2,
+        decoder_layers=1,
+        moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=64),
+        chunk=ChunkConfig(),
+        **kw,
+    )
 
 
 def docs_batch(lengths, row_len, device, seed=0) -> PackedBatch:
@@ -112,7 +129,9 @@ class ExpertChoices:
                 self.recorded.append(own)
                 return own
             given = self.replay[len(self.recorded)]
-            assert given.shape == own.shape, "the replayed run routes other tokens than the recorded one"
+            assert given.shape == own.shape, (
+                "the replayed run routes other tokens than the recorded one"
+            )
             self.recorded.append(given)
             self.flips += int((own.sort(-1).values != given.sort(-1).values).any(-1).sum())
             return given
@@ -123,25 +142,38 @@ class ExpertChoices:
     def __exit__(self, *exc):
         self._moe.select_experts = self._select
         if exc[0] is None and self.replay is not None:
-            assert len(self.recorded) == len(self.replay), "the replayed run called the router another number of times"
+            assert len(self.recorded) == len(self.replay), (
+                "the replayed run called the router another number of times"
+            )
 
 
-def run(backend: str, dtype: torch.dtype, batch: PackedBatch, window: int = 0, replay=None,
-        seed: int = 0):
+def run(
+    backend: str,
+    dtype: torch.dtype,
+    batch: PackedBatch,
+    window: int = 0,
+    replay=None,
+    seed: int = 0,
+):
     """Logits, parameter gradients and expert choices of one training-mode forward. The
     boundaries are forced (every third token) and, given `replay`, so are the expert selections
     (see the module doc)."""
     torch.manual_seed(seed)
     device = batch.input_ids.device
-    m = ConceptMoELM(dataclasses.replace(cfg(attention_window=window),
-                                         attn_backend=backend)).to(device, dtype).train()
+    m = (
+        ConceptMoELM(dataclasses.replace(cfg(attention_window=window), attn_backend=backend))
+        .to(device, dtype)
+        .train()
+    )
     force = torch.zeros_like(batch.input_ids, dtype=torch.bool)
     force[:, ::3] = True
     # the backward too: it may recompute (activation checkpointing)
     with ExpertChoices(replay) as choices:
         out = m(batch, force=force)
         out.loss.backward()
-    assert choices.recorded, "vlm.model.moe.select_experts was never called: nothing to replay, nothing fixed"
+    assert choices.recorded, (
+        "vlm.model.moe.select_experts was never called: nothing to replay, nothing fixed"
+    )
     grads = {n: p.grad.float() for n, p in m.named_parameters() if p.grad is not None}
     # the real positions' logits: what padding holds after attention is each backend's own (no one
     # reads it)
@@ -150,6 +182,7 @@ def run(backend: str, dtype: torch.dtype, batch: PackedBatch, window: int = 0, r
 
 def available_backends(device: str) -> list[str]:
     from vlm.model.attention import flash_attn_varlen_func
+
     flash = device == "cuda" and flash_attn_varlen_func is not None
     return ["eager", "sdpa", "docs"] + (["flash"] if flash else [])
 
@@ -163,23 +196,37 @@ def test_backends_agree_in_bf16_against_fp32(device, window):
     larger gradient."""
     batch = docs_batch([70, 130, 50], row_len=256, device=device)
     ref_logits, ref_grads, ref = run("eager", torch.float32, batch, window)
-    logits_bound, grad_bound = bound(LOGITS_GROWTH, torch.bfloat16), bound(GRAD_GROWTH, torch.bfloat16)
+    logits_bound, grad_bound = (
+        bound(LOGITS_GROWTH, torch.bfloat16),
+        bound(GRAD_GROWTH, torch.bfloat16),
+    )
     for backend in available_backends(device):
         logits, grads, choices = run(backend, torch.bfloat16, batch, window, replay=ref.recorded)
         assert torch.isfinite(logits).all(), backend
         err = rel_max(logits, ref_logits)
-        assert err <= logits_bound, (backend, err, logits_bound,
-                                     f"{choices.flips} selections replayed")
+        assert err <= logits_bound, (
+            backend,
+            err,
+            logits_bound,
+            f"{choices.flips} selections replayed",
+        )
         assert grads.keys() == ref_grads.keys(), backend
         for n, g in ref_grads.items():
             rel = rel_norm(grads[n], g)
-            assert rel <= grad_bound, (backend, n, rel, grad_bound,
-                                       f"{choices.flips} selections replayed")
+            assert rel <= grad_bound, (
+                backend,
+                n,
+                rel,
+                grad_bound,
+                f"{choices.flips} selections replayed",
+            )
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or "flash" not in available_backends("cuda"),
-                    reason="no CUDA device, or flash-attn is not installed")
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or "flash" not in available_backends("cuda"),
+    reason="no CUDA device, or flash-attn is not installed",
+)
 def test_flash_varlen_equals_sdpa_in_fp16_and_bf16():
     """Both kernels within the measured bound of the fp32 reference, so within twice it of each other."""
     batch = docs_batch([33, 200, 7, 16], row_len=256, device="cuda", seed=3)
@@ -188,8 +235,12 @@ def test_flash_varlen_equals_sdpa_in_fp16_and_bf16():
         a, _, _ = run("flash", dtype, batch, replay=ref.recorded)
         b, _, _ = run("sdpa", dtype, batch, replay=ref.recorded)
         tol = bound(LOGITS_GROWTH, dtype)
-        assert rel_max(a, ref_logits) <= tol and rel_max(b, ref_logits) <= tol, (dtype, rel_max(a, ref_logits),
-                                                                                 rel_max(b, ref_logits), tol)
+        assert rel_max(a, ref_logits) <= tol and rel_max(b, ref_logits) <= tol, (
+            dtype,
+            rel_max(a, ref_logits),
+            rel_max(b, ref_logits),
+            tol,
+        )
         gap = float((a - b).abs().max() / ref_logits.abs().max())
         assert gap <= 2 * tol, (dtype, gap, 2 * tol)
 
@@ -216,9 +267,12 @@ def moe_errors(device: str, seed: int = 0) -> dict[str, tuple[float, float, floa
     x = torch.randn(1000, 256, device=device, dtype=torch.bfloat16, requires_grad=True)
     ref = moe_pass(copy.deepcopy(moe).float(), x.detach().float().requires_grad_(), "loop")
     outs = {dispatch: moe_pass(moe, x, dispatch) for dispatch in ("grouped_mm", "loop")}
-    return {what: (rel_max(a, r), rel_max(b, r), float((a - b).abs().max() / r.abs().max()))
-            for what, r, a, b in zip(("output", "input grad", "gate grad"), ref, outs["grouped_mm"],
-                                     outs["loop"])}
+    return {
+        what: (rel_max(a, r), rel_max(b, r), float((a - b).abs().max() / r.abs().max()))
+        for what, r, a, b in zip(
+            ("output", "input grad", "gate grad"), ref, outs["grouped_mm"], outs["loop"]
+        )
+    }
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -245,8 +299,9 @@ def decode_gaps(device: str, seed: int = 0, backend: str = "auto", steps: int = 
         ids = torch.tensor([r + [0] * (T - len(r)) for r in rows])
         doc = torch.tensor([[0] * len(r) + [-1] * (T - len(r)) for r in rows])
         pos = torch.tensor([list(range(len(r))) + [0] * (T - len(r)) for r in rows])
-        return PackedBatch(ids, torch.full_like(ids, -100), doc, pos,
-                           torch.zeros_like(ids)).to(device)
+        return PackedBatch(ids, torch.full_like(ids, -100), doc, pos, torch.zeros_like(ids)).to(
+            device
+        )
 
     last = lambda rows: torch.tensor([len(r) - 1 for r in rows], device=device)  # noqa: E731
     gaps = []
@@ -276,8 +331,17 @@ def test_cached_decoding_equals_full_forward(device):
 def measure(device: str) -> None:
     """The growth factors above, measured again on `device` over the cases their comments name."""
     bf16, fp16 = torch.bfloat16, torch.float16
-    worst = dict.fromkeys(["LOGITS_GROWTH bf16", "LOGITS_GROWTH fp16", "GRAD_GROWTH",
-                           "grads, selections left free", "CACHE_GROWTH", "MOE_GROWTH"], 0.0)
+    worst = dict.fromkeys(
+        [
+            "LOGITS_GROWTH bf16",
+            "LOGITS_GROWTH fp16",
+            "GRAD_GROWTH",
+            "grads, selections left free",
+            "CACHE_GROWTH",
+            "MOE_GROWTH",
+        ],
+        0.0,
+    )
     flips, selections = 0, 0
     for seed in range(4):
         for lengths in ([70, 130, 50], [33, 200, 7, 16]):
@@ -286,34 +350,44 @@ def measure(device: str) -> None:
                 ref_logits, ref_grads, ref = run("eager", torch.float32, batch, window, seed=seed)
                 selections = sum(len(c) for c in ref.recorded)
                 for backend in available_backends(device):
-                    logits, grads, choices = run(backend, bf16, batch, window, replay=ref.recorded,
-                                                 seed=seed)
+                    logits, grads, choices = run(
+                        backend, bf16, batch, window, replay=ref.recorded, seed=seed
+                    )
                     flips = max(flips, choices.flips)
-                    worst["LOGITS_GROWTH bf16"] = max(worst["LOGITS_GROWTH bf16"],
-                                                      rel_max(logits, ref_logits)
-                                                      / unit_roundoff(bf16))
-                    worst["GRAD_GROWTH"] = max(worst["GRAD_GROWTH"],
-                                               *(rel_norm(grads[n], g) / unit_roundoff(bf16)
-                                                                       for n, g in ref_grads.items()))
+                    worst["LOGITS_GROWTH bf16"] = max(
+                        worst["LOGITS_GROWTH bf16"],
+                        rel_max(logits, ref_logits) / unit_roundoff(bf16),
+                    )
+                    worst["GRAD_GROWTH"] = max(
+                        worst["GRAD_GROWTH"],
+                        *(
+                            rel_norm(grads[n], g) / unit_roundoff(bf16)
+                            for n, g in ref_grads.items()
+                        ),
+                    )
                     _, free, _ = run(backend, bf16, batch, window, seed=seed)
                     worst["grads, selections left free"] = max(
                         worst["grads, selections left free"],
-                        *(rel_norm(free[n], g) / unit_roundoff(bf16) for n, g in ref_grads.items()))
+                        *(rel_norm(free[n], g) / unit_roundoff(bf16) for n, g in ref_grads.items()),
+                    )
                     half, _, _ = run(backend, fp16, batch, window, replay=ref.recorded, seed=seed)
-                    worst["LOGITS_GROWTH fp16"] = max(worst["LOGITS_GROWTH fp16"],
-                                                      rel_max(half, ref_logits)
-                                                      / unit_roundoff(fp16))
-    worst["CACHE_GROWTH"] = max(max(decode_gaps(device, seed, backend)) for seed in range(10)
-                                for backend in ("auto", "sdpa", "docs",
-                                                "eager")) / unit_roundoff(torch.float32)
-    worst["MOE_GROWTH"] = max(max(e[:2]) for seed in range(5)
-                              for e in moe_errors(device, seed).values()
-                              ) / unit_roundoff(bf16)
+                    worst["LOGITS_GROWTH fp16"] = max(
+                        worst["LOGITS_GROWTH fp16"], rel_max(half, ref_logits) / unit_roundoff(fp16)
+                    )
+    worst["CACHE_GROWTH"] = max(
+        max(decode_gaps(device, seed, backend))
+        for seed in range(10)
+        for backend in ("auto", "sdpa", "docs", "eager")
+    ) / unit_roundoff(torch.float32)
+    worst["MOE_GROWTH"] = max(
+        max(e[:2]) for seed in range(5) for e in moe_errors(device, seed).values()
+    ) / unit_roundoff(bf16)
     print(f"on {device}, worst relative error / u:")
     for k, v in worst.items():
         print(f"  {k}: {v:.2f}")
-    print(f"  (bf16 flipped up to {flips} of {selections} tokens' expert selections where left "
-          f"free)")
+    print(
+        f"  (bf16 flipped up to {flips} of {selections} tokens' expert selections where left free)"
+    )
 
 
 if __name__ == "__main__":

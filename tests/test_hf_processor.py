@@ -1,6 +1,7 @@
 """The transformers processor of an exported model: AutoTokenizer / AutoProcessor, the
 chat template, and the standard `apply_chat_template` -> `processor(...)` -> `generate`
 -> `batch_decode` path."""
+
 import numpy as np
 import pytest
 import torch
@@ -13,8 +14,9 @@ from vlm.generate import ConceptMoEChat
 
 
 def picture(seed, size=(16, 24)):
-    return Image.fromarray(np.random.default_rng(seed).integers(0, 255, (size[1], size[0], 3),
-                                                                dtype=np.uint8))
+    return Image.fromarray(
+        np.random.default_rng(seed).integers(0, 255, (size[1], size[0], 3), dtype=np.uint8)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +31,9 @@ def ours(exported_vlm):
     return load_eval_model(exported_vlm, device="cpu")
 
 
-def test_auto_classes_load_the_processor_and_the_tokenizer_with_the_chat_template(exported_vlm, proc):
+def test_auto_classes_load_the_processor_and_the_tokenizer_with_the_chat_template(
+    exported_vlm, proc
+):
     assert type(proc).__name__ == "ConceptMoEProcessor"
     assert type(proc.image_processor).__name__ == "ConceptMoEImageProcessor"
     tok = AutoTokenizer.from_pretrained(exported_vlm)
@@ -41,29 +45,38 @@ def test_auto_classes_load_the_processor_and_the_tokenizer_with_the_chat_templat
 
 def test_chat_template_renders_content_lists_as_the_trainer_formats_chats(proc):
     """`{"type": "image"}` then text is the trained `<image>\\n<question>`; string contents work too."""
-    messages = [{"role": "user",
-                 "content": [{"type": "image"}, {"type": "text", "text": "What colour?"}]},
-                {"role": "assistant", "content": [{"type": "text", "text": "red"}]},
-                {"role": "user", "content": "And the shape?"}]
-    trained = [{"role": "user", "content": "<image>\nWhat colour?"},
-               {"role": "assistant", "content": "red"},
-               {"role": "user", "content": "And the shape?"}]
-    assert proc.apply_chat_template(messages, add_generation_prompt=True) == format_chat(trained, True)
+    messages = [
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour?"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "red"}]},
+        {"role": "user", "content": "And the shape?"},
+    ]
+    trained = [
+        {"role": "user", "content": "<image>\nWhat colour?"},
+        {"role": "assistant", "content": "red"},
+        {"role": "user", "content": "And the shape?"},
+    ]
+    assert proc.apply_chat_template(messages, add_generation_prompt=True) == format_chat(
+        trained, True
+    )
     assert proc.apply_chat_template(messages[:2]) == format_chat(trained[:2])
 
 
 def test_a_system_message_opens_the_next_user_turn(proc):
-    messages = [{"role": "system", "content": "Answer in one word."},
-                {"role": "user", "content": "Colour?"}]
-    assert proc.apply_chat_template(messages, add_generation_prompt=True) == \
-        "<|user|>Answer in one word.\nColour?<|end|><|assistant|>"
+    messages = [
+        {"role": "system", "content": "Answer in one word."},
+        {"role": "user", "content": "Colour?"},
+    ]
+    assert (
+        proc.apply_chat_template(messages, add_generation_prompt=True)
+        == "<|user|>Answer in one word.\nColour?<|end|><|assistant|>"
+    )
 
 
 def test_processor_builds_the_same_prompt_as_the_project(proc, ours):
-    text = proc.apply_chat_template([{"role": "user",
-                                      "content": [{"type": "image"},
-                                                  {"type": "text", "text": "q?"}]}],
-                                    add_generation_prompt=True)
+    text = proc.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "q?"}]}],
+        add_generation_prompt=True,
+    )
     img = picture(1)
     inputs = proc(images=[img], text=[text], return_tensors="pt")
     batch = ours.prompt_batch([text], [[img]])
@@ -76,18 +89,26 @@ def test_processor_builds_the_same_prompt_as_the_project(proc, ours):
 def test_generate_on_processor_inputs_gives_the_projects_answers(exported_vlm, proc, ours):
     """A left-padded batch of two prompts with different image sizes, through AutoModelForCausalLM.generate."""
     model = AutoModelForCausalLM.from_pretrained(exported_vlm).eval()
-    convs = [[{"role": "user",
-               "content": [{"type": "image"}, {"type": "text", "text": "what is it?"}]}],
-             [{"role": "system", "content": "Be brief."},
-              {"role": "user",
-               "content": [{"type": "text", "text": "compare"}, {"type": "image"},
-                           {"type": "image"}]}]]
+    convs = [
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is it?"}]}],
+        [
+            {"role": "system", "content": "Be brief."},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "compare"},
+                    {"type": "image"},
+                    {"type": "image"},
+                ],
+            },
+        ],
+    ]
     texts = [proc.apply_chat_template(c, add_generation_prompt=True) for c in convs]
     images = [[picture(2)], [picture(3, (32, 16)), picture(4)]]
     inputs = proc(images=images, text=texts, return_tensors="pt")
-    assert inputs["attention_mask"][0, 0] == 0          # the shorter row is padded on the left
+    assert inputs["attention_mask"][0, 0] == 0  # the shorter row is padded on the left
     out = model.generate(**inputs, max_new_tokens=6, do_sample=False)
-    answers = proc.batch_decode(out[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    answers = proc.batch_decode(out[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
     assert answers == ours.generate(texts, images, max_new_tokens=6)
 
 

@@ -1,6 +1,7 @@
 """Concept-level KV-cache decoding equals full recompute: same tokens, logits within 1e-4, for a
 ragged batch of mixed text and image prompts, for every reallocation of the concept model and for
 the MoE baseline."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -21,16 +22,25 @@ V, PAD_IMG, STEPS = 64, 1, 64
 
 
 def vision_cfg():
-    return VisionConfig(processor=ImageProcessorConfig(patch_size=4, min_patches=4, max_patches=16,
-                                                       merge=2),
-                        encoder=NaViTConfig(hidden_size=16, num_layers=1, num_heads=2, max_grid=16))
+    return VisionConfig(
+        processor=ImageProcessorConfig(patch_size=4, min_patches=4, max_patches=16, merge=2),
+        encoder=NaViTConfig(hidden_size=16, num_layers=1, num_heads=2, max_grid=16),
+    )
 
 
 def lm(**chunk) -> ModelConfig:
-    return ModelConfig(vocab_size=V, hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8,
-                       encoder_layers=1, concept_layers=2, decoder_layers=2,
-                       moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=32),
-                       chunk=ChunkConfig(**chunk))
+    return ModelConfig(
+        vocab_size=V,
+        hidden_size=32,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        encoder_layers=1,
+        concept_layers=2,
+        decoder_layers=2,
+        moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=32),
+        chunk=ChunkConfig(**chunk),
+    )
 
 
 VARIANTS = {
@@ -39,33 +49,38 @@ VARIANTS = {
     "last_merge_one_joint_layer": lm(merge="last", joint_decoding_layers=1),
     "linear_router_mean": lm(merge="mean", router="linear", residual="linear"),
     "fixed_router_last": lm(merge="last", router="fixed", target_ratio=3.0),
-    "delta_residual_last": lm(merge="last", residual="delta"),     # the conversion's dechunk
+    "delta_residual_last": lm(merge="last", residual="delta"),  # the conversion's dechunk
     "local_window": dataclasses.replace(lm(merge="sum"), attention_window=3),
     "topk_router": lm(merge="sum", router="topk"),
     # eq. 3's gate on c and c_in
     "topk_router_delta": lm(merge="last", router="topk", residual="delta"),
-    "loop_more_experts": dataclasses.replace(lm(), loop_start=0, loop_end=2, loop_times=1,
-                                             concept_pos="none"),
-    "more_experts": dataclasses.replace(lm(),
-                                        concept_moe=MoEConfig(num_experts=8, top_k=3,
-                                                              expert_hidden=32)),
-    "wider_concept": dataclasses.replace(lm(), concept_hidden_size=48, concept_num_heads=6,
-                                         concept_num_kv_heads=3),
+    "loop_more_experts": dataclasses.replace(
+        lm(), loop_start=0, loop_end=2, loop_times=1, concept_pos="none"
+    ),
+    "more_experts": dataclasses.replace(
+        lm(), concept_moe=MoEConfig(num_experts=8, top_k=3, expert_hidden=32)
+    ),
+    "wider_concept": dataclasses.replace(
+        lm(), concept_hidden_size=48, concept_num_heads=6, concept_num_kv_heads=3
+    ),
     "moe_baseline": lm(enabled=False),
 }
 
 
 def picture(seed, size):
-    return Image.fromarray(np.random.default_rng(seed).integers(0, 255, (size[1], size[0], 3),
-                                                                dtype=np.uint8))
+    return Image.fromarray(
+        np.random.default_rng(seed).integers(0, 255, (size[1], size[0], 3), dtype=np.uint8)
+    )
 
 
 def prompts(proc, rng):
     """Four one-document rows of different lengths: text only, one image, two images, text + image + text."""
-    specs = [[list(rng.integers(2, V, 9))],
-             [[2], picture(1, (12, 8)), list(rng.integers(2, V, 3))],
-             [[2, 5], picture(2, (8, 8)), [7], picture(3, (16, 12)), list(rng.integers(2, V, 4))],
-             [list(rng.integers(2, V, 20)), picture(4, (8, 12)), list(rng.integers(2, V, 2))]]
+    specs = [
+        [list(rng.integers(2, V, 9))],
+        [[2], picture(1, (12, 8)), list(rng.integers(2, V, 3))],
+        [[2, 5], picture(2, (8, 8)), [7], picture(3, (16, 12)), list(rng.integers(2, V, 4))],
+        [list(rng.integers(2, V, 20)), picture(4, (8, 12)), list(rng.integers(2, V, 2))],
+    ]
     rows = []
     for segs in specs:
         ids, mod, patches, coords, grids = [], [], [], [], []
@@ -94,9 +109,16 @@ def batch_of(rows, generated: list[list[int]]) -> PackedBatch:
         cols["mod"].append(mod + [TEXT] * (len(g) + pad))
     t = {k: torch.tensor(v) for k, v in cols.items()}
     patches = [p for r in rows for p in r[2]]
-    return PackedBatch(t["ids"], torch.full_like(t["ids"], -100), t["doc"], t["pos"], t["mod"],
-                       torch.cat(patches), torch.cat([c for r in rows for c in r[3]]),
-                       torch.tensor([g for r in rows for g in r[4]]))
+    return PackedBatch(
+        t["ids"],
+        torch.full_like(t["ids"], -100),
+        t["doc"],
+        t["pos"],
+        t["mod"],
+        torch.cat(patches),
+        torch.cat([c for r in rows for c in r[3]]),
+        torch.tensor([g for r in rows for g in r[4]]),
+    )
 
 
 def decode_both(model, rows, sample: bool):
@@ -165,7 +187,9 @@ def test_concept_cache_holds_one_entry_per_realized_concept():
     assert all(torch.equal(c.len_B, concepts_B) for c in cache.concept)
     assert 0 < int(concepts_B.sum()) < int(cache.len_B.sum())
     per_concept = cache.concept_bytes() / int(concepts_B.sum()) / len(cache.concept)
-    per_token = cache.token_bytes() / int(cache.len_B.sum()) / (len(cache.encoder) + len(cache.decoder))
+    per_token = (
+        cache.token_bytes() / int(cache.len_B.sum()) / (len(cache.encoder) + len(cache.decoder))
+    )
     # same width here: the concept cache is 1/R of a token cache
     assert per_concept == per_token
     del full
@@ -179,8 +203,12 @@ def test_decode_benchmark_runs_and_writes_its_table(tmp_path):
 
     assert main(["decode", "--smoke", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "decode.json").read_text())["rows"]
-    assert {r["candidate"] for r in rows} == {"baseline (MoE)", "more_experts", "loop_more_experts",
-                                              "wider_concept"}
+    assert {r["candidate"] for r in rows} == {
+        "baseline (MoE)",
+        "more_experts",
+        "loop_more_experts",
+        "wider_concept",
+    }
     base = next(r for r in rows if r["candidate"] == "baseline (MoE)")
     # L/R concepts
     assert all(r["kv_bytes_per_seq"] < base["kv_bytes_per_seq"] for r in rows if r is not base)

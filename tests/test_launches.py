@@ -5,6 +5,7 @@ op but views; AdamW was unfused then), for the MoE baseline and the more_experts
 2, with the CPU's attention (auto: one SDPA per document) and with the packed-mask SDPA the compiled
 and GPU paths share. Each dispatched operator is a kernel launch on a GPU in eager mode, so the
 count is the launch count's proxy on a machine without one."""
+
 from __future__ import annotations
 
 import pytest
@@ -19,17 +20,30 @@ from vlm.model.reallocate import reallocate
 from vlm.train.config import OptimConfig
 from vlm.train.engine import build_optimizer
 
-BEFORE = {("baseline", "auto"): 6595, ("more_experts", "auto"): 7119,
-          ("baseline", "sdpa"): 6159, ("more_experts", "sdpa"): 6683}
+BEFORE = {
+    ("baseline", "auto"): 6595,
+    ("more_experts", "auto"): 7119,
+    ("baseline", "sdpa"): 6159,
+    ("more_experts", "sdpa"): 6683,
+}
 
 
 def gpu_layout_at_width_128(backend: str) -> ModelConfig:
     """gpu.yaml's LLM layout (2 + 12 + 2 layers, 32 experts top-4 plus a shared one, GQA 2:1) at width 128."""
-    return ModelConfig(vocab_size=1024, hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32,
-                       encoder_layers=2, concept_layers=12, decoder_layers=2,
-                       moe=MoEConfig(num_experts=32, top_k=4, expert_hidden=64,
-                                     num_shared_experts=1, shared_hidden=128),
-                       attn_backend=backend).baseline()
+    return ModelConfig(
+        vocab_size=1024,
+        hidden_size=128,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        encoder_layers=2,
+        concept_layers=12,
+        decoder_layers=2,
+        moe=MoEConfig(
+            num_experts=32, top_k=4, expert_hidden=64, num_shared_experts=1, shared_hidden=128
+        ),
+        attn_backend=backend,
+    ).baseline()
 
 
 @pytest.mark.parametrize("backend", ["auto", "sdpa"])
@@ -52,9 +66,10 @@ def test_one_training_step_launches_at_most_half_what_it_did(name, backend):
         out.loss.backward()
         opt.step()
 
-    step()   # the optimizer's state exists from here on, as in every later step
+    step()  # the optimizer's state exists from here on, as in every later step
     n = count_operators(step)
     before = BEFORE[name, backend]
-    print(f"{name}, {backend}: {n} operators per step, {before / n:.2f}x fewer than before "
-          f"({before})")
+    print(
+        f"{name}, {backend}: {n} operators per step, {before / n:.2f}x fewer than before ({before})"
+    )
     assert n <= before / 2

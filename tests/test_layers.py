@@ -1,6 +1,7 @@
 """The packages are layers: a module imports only its own layer or lower ones (deferred imports
 included), and no two modules import each other, directly or round a longer cycle, a package's
 `__init__` included."""
+
 from __future__ import annotations
 
 import ast
@@ -16,8 +17,9 @@ def layer(module: str) -> int:
     """Lowest first: the config system; data and vision; the model; the trainer and the CLI; eval."""
     if module.startswith("vlm.model"):
         return 2
-    return {"configs": 0, "vision": 1, "data_pipelines": 1, "vlm": 3,
-            "eval": 4}[module.split(".")[0]]
+    return {"configs": 0, "vision": 1, "data_pipelines": 1, "vlm": 3, "eval": 4}[
+        module.split(".")[0]
+    ]
 
 
 def modules() -> dict[str, Path]:
@@ -34,6 +36,7 @@ def imports(module: str, path: Path, known: dict[str, Path]) -> list[tuple[str, 
     included. `from P import n` reads P's namespace, so it depends on P itself (a package: its
     `__init__`) as well as on P.n when that is a module: `from eval.experiments import registry`
     runs and reads `eval/experiments/__init__`."""
+
     def resolve(name: str) -> str | None:
         while name and name not in known:
             name = name.rpartition(".")[0]
@@ -47,8 +50,9 @@ def imports(module: str, path: Path, known: dict[str, Path]) -> list[tuple[str, 
             base = node.module or ""
             if node.level:
                 pkg = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
-                base = ".".join(pkg[:len(pkg) - node.level + 1] + ([node.module] if node.module
-                                                                   else []))
+                base = ".".join(
+                    pkg[: len(pkg) - node.level + 1] + ([node.module] if node.module else [])
+                )
             names = [base] + [f"{base}.{a.name}" for a in node.names]
         else:
             continue
@@ -65,8 +69,12 @@ def graph() -> dict[str, list[tuple[str, int]]]:
 
 
 def test_no_module_imports_a_higher_layer(graph):
-    upward = [f"{m}:{line} imports {t}" for m, deps in graph.items() for t, line in deps
-              if layer(t) > layer(m)]
+    upward = [
+        f"{m}:{line} imports {t}"
+        for m, deps in graph.items()
+        for t, line in deps
+        if layer(t) > layer(m)
+    ]
     assert not upward, "upward imports:\n" + "\n".join(upward)
 
 
@@ -80,7 +88,7 @@ def import_cycles(graph: dict[str, list[tuple[str, int]]]) -> list[list[str]]:
     modules sorted and written with the import lines that close it (`a:12 -> b`)."""
     index, low, stack, on_stack, found = {}, {}, [], set(), []
 
-    def visit(v):   # Tarjan's strongly connected components
+    def visit(v):  # Tarjan's strongly connected components
         index[v] = low[v] = len(index)
         stack.append(v)
         on_stack.add(v)
@@ -100,8 +108,11 @@ def import_cycles(graph: dict[str, list[tuple[str, int]]]) -> list[list[str]]:
                     break
             if len(comp) > 1:
                 members = set(comp)
-                found.append(sorted(f"{m}:{line} -> {t}" for m in comp for t, line in graph[m]
-                                    if t in members))
+                found.append(
+                    sorted(
+                        f"{m}:{line} -> {t}" for m in comp for t, line in graph[m] if t in members
+                    )
+                )
 
     for v in graph:
         if v not in index:
@@ -119,15 +130,23 @@ def test_a_cycle_through_a_package_init_is_seen(tmp_path):
     eval.experiments import registry` (deferred): the two import each other through the package."""
     pkg = tmp_path / "eval" / "experiments"
     pkg.mkdir(parents=True)
-    (pkg / "__init__.py").write_text("from eval.experiments.cli import add_command\n"
-                                     "from eval.experiments.registry import RECIPES\n")
-    (pkg / "cli.py").write_text("def add_command(sub):\n    from eval.experiments import registry\n")
+    (pkg / "__init__.py").write_text(
+        "from eval.experiments.cli import add_command\nfrom "
+        "eval.experiments.registry import RECIPES\n"
+    )
+    (pkg / "cli.py").write_text(
+        "def add_command(sub):\n    from eval.experiments import registry\n"
+    )
     (pkg / "registry.py").write_text("RECIPES = {}\n")
-    known = {"eval.experiments": pkg / "__init__.py", "eval.experiments.cli": pkg / "cli.py",
-             "eval.experiments.registry": pkg / "registry.py"}
+    known = {
+        "eval.experiments": pkg / "__init__.py",
+        "eval.experiments.cli": pkg / "cli.py",
+        "eval.experiments.registry": pkg / "registry.py",
+    }
     graph = {m: imports(m, p, known) for m, p in known.items()}
-    assert import_cycles(graph) == [["eval.experiments.cli:2 -> eval.experiments",
-                                     "eval.experiments:1 -> eval.experiments.cli"]]
+    assert import_cycles(graph) == [
+        ["eval.experiments.cli:2 -> eval.experiments", "eval.experiments:1 -> eval.experiments.cli"]
+    ]
     # the fix: the command lives in cli (the entry point names it there) and __init__ imports
     # nothing from it
     (pkg / "__init__.py").write_text("from eval.experiments.registry import RECIPES\n")
@@ -140,8 +159,14 @@ def test_the_checker_sees_deferred_and_relative_imports(tmp_path):
     pkg = tmp_path / "data_pipelines"
     pkg.mkdir()
     (pkg / "x.py").write_text("def f():\n    from vlm.train import trainer\nfrom . import y\n")
-    known = {"data_pipelines.x": pkg / "x.py", "data_pipelines.y": pkg / "y.py",
-             "vlm.train.trainer": Path("t.py"), "vlm.train": Path("i.py")}
-    assert sorted(imports("data_pipelines.x", pkg / "x.py", known)) == [("data_pipelines.y", 3),
-                                                                        ("vlm.train", 2),
-                                                                       ("vlm.train.trainer", 2)]
+    known = {
+        "data_pipelines.x": pkg / "x.py",
+        "data_pipelines.y": pkg / "y.py",
+        "vlm.train.trainer": Path("t.py"),
+        "vlm.train": Path("i.py"),
+    }
+    assert sorted(imports("data_pipelines.x", pkg / "x.py", known)) == [
+        ("data_pipelines.y", 3),
+        ("vlm.train", 2),
+        ("vlm.train.trainer", 2),
+    ]

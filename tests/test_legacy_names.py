@@ -2,6 +2,7 @@
 width went from H to F, `w_gate_EDH` -> `w_gate_EDF`) still load and give the same logits: through
 `load_state_dict` (DeepSpeed resume, `init_from`, `convert_from`), through transformers'
 `from_pretrained` of a `final/` export and its weight check, and through `init_from`'s reader."""
+
 from __future__ import annotations
 
 import torch
@@ -17,10 +18,18 @@ OLD = {new: old for old, new in RENAMED.items()}
 
 def _tiny() -> ConceptMoEVLM:
     torch.manual_seed(0)
-    moe = MoEConfig(num_experts=4, top_k=2, expert_hidden=16, grove_groups=2, grove_hidden=8,
-                    grove_lambda=0.25)
-    cfg = ModelConfig(vocab_size=64, hidden_size=16, num_heads=2, num_kv_heads=1, head_dim=8,
-                      moe=moe, init_std=0.2)
+    moe = MoEConfig(
+        num_experts=4, top_k=2, expert_hidden=16, grove_groups=2, grove_hidden=8, grove_lambda=0.25
+    )
+    cfg = ModelConfig(
+        vocab_size=64,
+        hidden_size=16,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=8,
+        moe=moe,
+        init_std=0.2,
+    )
     return ConceptMoEVLM(cfg, None).eval()
 
 
@@ -53,7 +62,7 @@ def test_an_old_state_dict_loads_with_load_state_dict():
     assert any(k.endswith("moe.w_gate_EDH") for k in old)
     assert any(k.endswith("moe.adj_down_GHD") for k in old)
     dst = ConceptMoEVLM(src.model_cfg, None).eval()
-    torch.nn.init.zeros_(dst.lm.embed.weight)     # not a copy of src by construction
+    torch.nn.init.zeros_(dst.lm.embed.weight)  # not a copy of src by construction
     dst.load_state_dict(old, strict=True)
     torch.testing.assert_close(_logits(dst), _logits(src), rtol=0, atol=0)
 
@@ -67,9 +76,9 @@ def test_an_old_export_loads_with_from_pretrained_and_init_from(tmp_path):
     out = save_pretrained(src, tmp_path / "final")
     f = out / "model.safetensors"
     tensors = load_file(str(f))
-    assert any(k.endswith("moe.w_gate_EDF") for k in tensors)   # today's export: today's names
+    assert any(k.endswith("moe.w_gate_EDF") for k in tensors)  # today's export: today's names
     save_file(_as_stored_before(tensors), str(f), metadata={"format": "pt"})
-    write_checksums(out)   # as the old export recorded its own file
+    write_checksums(out)  # as the old export recorded its own file
     assert any(k.endswith("w_down_EHD") for k in load_file(str(f)))
     loaded = load_vlm(out).eval()
     torch.testing.assert_close(_logits(loaded), _logits(src), rtol=0, atol=0)

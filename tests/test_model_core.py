@@ -1,4 +1,5 @@
 """The ConceptMoE LM: causality, packing isolation, lossless start from the baseline, backends, learning."""
+
 import dataclasses
 
 import pytest
@@ -14,32 +15,49 @@ V = 97
 
 
 def tiny(**chunk) -> ModelConfig:
-    return ModelConfig(vocab_size=V, hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8,
-                       encoder_layers=1, concept_layers=2, decoder_layers=1,
-                       moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=32),
-                       chunk=ChunkConfig(**chunk))
+    return ModelConfig(
+        vocab_size=V,
+        hidden_size=32,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        encoder_layers=1,
+        concept_layers=2,
+        decoder_layers=1,
+        moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=32),
+        chunk=ChunkConfig(**chunk),
+    )
 
 
 VARIANTS = {
     "default": tiny(),
     "sum_linear_router": tiny(merge="sum", router="linear", residual="linear"),
-    "mean_nope_loop": dataclasses.replace(tiny(merge="mean"), concept_pos="none", loop_start=0,
-                                          loop_end=2, loop_times=1),
-    "wider_concept": dataclasses.replace(tiny(), concept_hidden_size=48, concept_num_heads=6,
-                                         concept_num_kv_heads=3),
-    "grove_sigmoid": dataclasses.replace(tiny(),
-                                         moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=32,
-                                                       router="sigmoid",
-                                                               grove_groups=2, num_shared_experts=1,
-                                                       shared_hidden=16)),
+    "mean_nope_loop": dataclasses.replace(
+        tiny(merge="mean"), concept_pos="none", loop_start=0, loop_end=2, loop_times=1
+    ),
+    "wider_concept": dataclasses.replace(
+        tiny(), concept_hidden_size=48, concept_num_heads=6, concept_num_kv_heads=3
+    ),
+    "grove_sigmoid": dataclasses.replace(
+        tiny(),
+        moe=MoEConfig(
+            num_experts=4,
+            top_k=2,
+            expert_hidden=32,
+            router="sigmoid",
+            grove_groups=2,
+            num_shared_experts=1,
+            shared_hidden=16,
+        ),
+    ),
     "fixed_router": tiny(router="fixed", target_ratio=3.0),
     "delta_residual": tiny(merge="last", residual="delta"),
     "local_window": dataclasses.replace(tiny(), attention_window=4),
     "topk_router": tiny(router="topk", target_ratio=3.0),
     "cross_attention": dataclasses.replace(tiny(merge="sum"), decoder_mode="cross_attention"),
-    "cross_attention_window_docs": dataclasses.replace(tiny(merge="mean"),
-                                                       decoder_mode="cross_attention",
-                                                       attention_window=4, attn_backend="docs"),
+    "cross_attention_window_docs": dataclasses.replace(
+        tiny(merge="mean"), decoder_mode="cross_attention", attention_window=4, attn_backend="docs"
+    ),
     "baseline": tiny(enabled=False),
 }
 
@@ -53,7 +71,7 @@ def test_causal_eval_mode(name, seeded_lm, rand_docs):
     a = m(PackedBatch.from_documents(docs)).logits
     b = m(PackedBatch.from_documents(changed)).logits
     torch.testing.assert_close(a[:, : t + 1], b[:, : t + 1], rtol=1e-5, atol=1e-5)
-    assert not torch.allclose(a[:, t + 1:], b[:, t + 1:])
+    assert not torch.allclose(a[:, t + 1 :], b[:, t + 1 :])
 
 
 @pytest.mark.parametrize("name", ["default", "sum_linear_router", "grove_sigmoid"])
@@ -74,11 +92,17 @@ def test_packing_isolation(name, seeded_lm, rand_docs):
     m = seeded_lm(VARIANTS[name])
     docs = rand_docs(V, [23, 31, 9, 17], 7)
     alone = [m(PackedBatch.from_documents([d])).logits[0] for d in docs]
-    packed = m(PackedBatch.stack([PackedBatch.from_documents(docs[:2], row_len=64),
-                                  PackedBatch.from_documents(docs[2:], row_len=64)])).logits
+    packed = m(
+        PackedBatch.stack(
+            [
+                PackedBatch.from_documents(docs[:2], row_len=64),
+                PackedBatch.from_documents(docs[2:], row_len=64),
+            ]
+        )
+    ).logits
     offsets = [(0, 0), (0, 23), (1, 0), (1, 9)]
     for d, (row, off), ref in zip(docs, offsets, alone):
-        torch.testing.assert_close(packed[row, off: off + len(d)], ref, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(packed[row, off : off + len(d)], ref, rtol=1e-4, atol=1e-5)
 
 
 def test_all_boundaries_reproduce_the_baseline(seeded_lm, rand_docs):
@@ -88,12 +112,15 @@ def test_all_boundaries_reproduce_the_baseline(seeded_lm, rand_docs):
     concept = seeded_lm(cfg, seed=4)
     missing, unexpected = concept.load_state_dict(base.state_dict(), strict=False)
     assert not unexpected
-    assert all(k.startswith(("chunker.", "dechunk.")) or ".attn.c" in k or "concept_norm" in k
-               for k in missing)
+    assert all(
+        k.startswith(("chunker.", "dechunk.")) or ".attn.c" in k or "concept_norm" in k
+        for k in missing
+    )
     with torch.no_grad():
         concept.dechunk.residual.weight.zero_()
-    batch = PackedBatch.stack([PackedBatch.from_documents(rand_docs(V, [20, 30], 9),
-                                                          row_len=56)] * 2)
+    batch = PackedBatch.stack(
+        [PackedBatch.from_documents(rand_docs(V, [20, 30], 9), row_len=56)] * 2
+    )
     valid = batch.doc_ids >= 0  # padding outputs are meaningless and differ
     ref = base(batch).logits[valid]
     got = concept(batch, force="all").logits[valid]
@@ -103,8 +130,9 @@ def test_all_boundaries_reproduce_the_baseline(seeded_lm, rand_docs):
 
 
 def test_attention_backends_agree(seeded_lm, rand_docs):
-    batch = PackedBatch.stack([PackedBatch.from_documents(rand_docs(V, [20, 30], 11),
-                                                          row_len=56)] * 2)
+    batch = PackedBatch.stack(
+        [PackedBatch.from_documents(rand_docs(V, [20, 30], 11), row_len=56)] * 2
+    )
     outs = {}
     for backend in ("eager", "sdpa", "docs"):
         for window in (0, 7):
@@ -113,10 +141,12 @@ def test_attention_backends_agree(seeded_lm, rand_docs):
     # what padding holds after attention is each backend's own (no one reads it)
     valid = batch.doc_ids >= 0
     for window in (0, 7):
-        torch.testing.assert_close(outs["eager", window][valid], outs["sdpa", window][valid],
-                                   rtol=1e-4, atol=1e-5)
-        torch.testing.assert_close(outs["docs", window][valid], outs["sdpa", window][valid],
-                                   rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(
+            outs["eager", window][valid], outs["sdpa", window][valid], rtol=1e-4, atol=1e-5
+        )
+        torch.testing.assert_close(
+            outs["docs", window][valid], outs["sdpa", window][valid], rtol=1e-4, atol=1e-5
+        )
 
 
 def test_flash_varlen_layout_matches_the_packed_mask(monkeypatch, seeded_lm, rand_docs):
@@ -131,16 +161,20 @@ def test_flash_varlen_layout_matches_the_packed_mask(monkeypatch, seeded_lm, ran
         out = torch.empty_like(q)
         for s, e in zip(cu_q[:-1].tolist(), cu_q[1:].tolist()):
             seg = lambda x: x[s:e].transpose(0, 1)[None]  # noqa: E731
-            o = torch.nn.functional.scaled_dot_product_attention(seg(q), seg(k), seg(v),
-                                                                 is_causal=causal, enable_gqa=True)
+            o = torch.nn.functional.scaled_dot_product_attention(
+                seg(q), seg(k), seg(v), is_causal=causal, enable_gqa=True
+            )
             out[s:e] = o[0].transpose(0, 1)
         return out
 
     monkeypatch.setattr(attention, "flash_attn_varlen_func", varlen)
     monkeypatch.setattr(block, "resolve_backend", lambda b, d, compiled=False: b)
-    batch = PackedBatch.stack([PackedBatch.from_documents(rand_docs(V, [20, 30], 11), row_len=56),
-                               PackedBatch.from_documents(rand_docs(V, [9, 14, 25], 4),
-                                                          row_len=56)])
+    batch = PackedBatch.stack(
+        [
+            PackedBatch.from_documents(rand_docs(V, [20, 30], 11), row_len=56),
+            PackedBatch.from_documents(rand_docs(V, [9, 14, 25], 4), row_len=56),
+        ]
+    )
     valid = batch.doc_ids >= 0
     got = seeded_lm(dataclasses.replace(tiny(), attn_backend="flash"))(batch).logits[valid]
     ref = seeded_lm(dataclasses.replace(tiny(), attn_backend="sdpa"))(batch).logits[valid]
@@ -170,8 +204,10 @@ def test_the_total_loss_has_one_builder_that_the_step_metrics_share(chunk, seede
     assert out.ratio_weight == w == (0.25 if chunk else 0.0)
     assert torch.equal(out.loss, total_loss(out.lm_loss, out.ratio_loss, out.balance_loss, w))
     assert torch.equal(out.total(), out.loss)
-    assert torch.equal(out.total(lm_scale=0.5, ratio_scale=4),
-                       out.lm_loss * 0.5 + w * 4 * out.ratio_loss + out.balance_loss)
+    assert torch.equal(
+        out.total(lm_scale=0.5, ratio_scale=4),
+        out.lm_loss * 0.5 + w * 4 * out.ratio_loss + out.balance_loss,
+    )
     acc = StepAccumulator(torch.device("cpu"))
     batch = PackedBatch.from_documents(rand_docs(V, [30, 20], 12), row_len=64)
     # three micro-batches: the weight is carried once per micro-batch, not summed
@@ -179,12 +215,13 @@ def test_the_total_loss_has_one_builder_that_the_step_metrics_share(chunk, seede
         acc.add(out, batch)
     vec, _, ratio = acc.reduce(lambda x: x)
     rec = step_scalars(vec, ratio)
-    assert rec["loss"] == pytest.approx(total_loss(rec["lm_loss"], ratio, rec["balance_loss"], w),
-                                        rel=1e-12)
+    assert rec["loss"] == pytest.approx(
+        total_loss(rec["lm_loss"], ratio, rec["balance_loss"], w), rel=1e-12
+    )
     assert ratio > 0.01 or not chunk
-    assert step_scalars(vec, ratio,
-                        0.0)["loss"] == pytest.approx(rec["lm_loss"] + rec["balance_loss"],
-                                                      rel=1e-12)
+    assert step_scalars(vec, ratio, 0.0)["loss"] == pytest.approx(
+        rec["lm_loss"] + rec["balance_loss"], rel=1e-12
+    )
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "eager", "docs"])
@@ -199,15 +236,19 @@ def test_sliding_window_attention_sees_itself_and_the_window_before_it(backend):
     out = attend(q, k, v, doc, backend, window=window)
     for i in range(T):
         lo = max(i - window + 1, 0 if i < 6 else 6)
-        att_QT = torch.softmax((q[0, :, i, None] @ k[0, :, lo:i + 1].transpose(-1, -2))[:, 0] / 8 ** 0.5, -1)
-        torch.testing.assert_close(out[0, :, i], (att_QT[:, None] @ v[0, :, lo:i + 1])[:, 0],
-                                   rtol=1e-5, atol=1e-5)
+        att_QT = torch.softmax(
+            (q[0, :, i, None] @ k[0, :, lo : i + 1].transpose(-1, -2))[:, 0] / 8**0.5, -1
+        )
+        torch.testing.assert_close(
+            out[0, :, i], (att_QT[:, None] @ v[0, :, lo : i + 1])[:, 0], rtol=1e-5, atol=1e-5
+        )
 
 
 def test_per_document_backend_trains_like_the_packed_mask(seeded_lm, rand_docs):
     """attn_backend docs (one SDPA per document, no T x T mask): same loss and gradients as SDPA + mask."""
-    batch = PackedBatch.stack([PackedBatch.from_documents(rand_docs(V, [12, 25, 9], 5),
-                                                          row_len=50)] * 2)
+    batch = PackedBatch.stack(
+        [PackedBatch.from_documents(rand_docs(V, [12, 25, 9], 5), row_len=50)] * 2
+    )
     grads = {}
     for backend in ("sdpa", "docs"):
         m = seeded_lm(dataclasses.replace(tiny(), attn_backend=backend)).train()

@@ -1,4 +1,5 @@
 """A few hundred CPU steps: the realized compression reaches the target ratio while the LM loss falls."""
+
 import argparse
 import collections
 import json
@@ -26,17 +27,28 @@ def batches(data: bytes, rows: int, T: int, seed: int):
         out = []
         for s in starts.tolist():  # two documents per row, split at a random point
             cut = int(torch.randint(T // 4, 3 * T // 4, (1,), generator=g))
-            out.append(PackedBatch.from_documents([ids[s: s + cut].tolist(),
-                                                   ids[s + T: s + 2 * T - cut].tolist()]))
+            out.append(
+                PackedBatch.from_documents(
+                    [ids[s : s + cut].tolist(), ids[s + T : s + 2 * T - cut].tolist()]
+                )
+            )
         yield PackedBatch.stack(out)
 
 
 def test_compression_reaches_target_while_lm_loss_falls():
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=256, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
-                      encoder_layers=1, concept_layers=1, decoder_layers=1,
-                      moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=64),
-                      chunk=ChunkConfig(target_ratio=2.0, ratio_loss_weight=0.1, merge="last"))
+    cfg = ModelConfig(
+        vocab_size=256,
+        hidden_size=64,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        encoder_layers=1,
+        concept_layers=1,
+        decoder_layers=1,
+        moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=64),
+        chunk=ChunkConfig(target_ratio=2.0, ratio_loss_weight=0.1, merge="last"),
+    )
     m = ConceptMoELM(cfg).train()
     opt = torch.optim.AdamW(m.parameters(), lr=3e-3)
     stream = batches(corpus_bytes(), rows=8, T=96, seed=0)

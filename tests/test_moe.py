@@ -1,5 +1,6 @@
 """MoE layer: dispatch paths vs a dense reference, Grove adjugate experts, loss-free balancing,
 routers. The balancing's bookkeeping (loads counted, bias steps): tests/test_moe_bias_update.py."""
+
 from __future__ import annotations
 
 import math
@@ -17,9 +18,17 @@ HAS_GMM = hasattr(torch, "_grouped_mm")
 
 
 def make_moe(dim=16, **kw) -> MoE:
-    base = dict(num_experts=8, top_k=3, expert_hidden=12, shared_hidden=8, balance_loss_weight=0.01,
-                # Grove's bound g/n for 2 groups of 8
-                z_loss_weight=1e-3, grove_hidden=8, grove_lambda=0.25)
+    base = dict(
+        num_experts=8,
+        top_k=3,
+        expert_hidden=12,
+        shared_hidden=8,
+        balance_loss_weight=0.01,
+        # Grove's bound g/n for 2 groups of 8
+        z_loss_weight=1e-3,
+        grove_hidden=8,
+        grove_lambda=0.25,
+    )
     base.update(kw)
     torch.manual_seed(0)
     # A larger init than the default makes expert outputs and router scores far from zero, so a
@@ -56,14 +65,16 @@ def dense_reference(m: MoE, x_ND):
     T, E = x_ND.shape[0], m.num_experts
     sel_NK, w_NK = reference_routing(m, x_ND)
     dense_NE = torch.zeros(T, E).scatter(1, sel_NK, w_NK)
-    y_END = torch.stack([swiglu(x_ND, m.w_gate_EDF[e], m.w_up_EDF[e], m.w_down_EFD[e])
-                         for e in range(E)])
+    y_END = torch.stack(
+        [swiglu(x_ND, m.w_gate_EDF[e], m.w_up_EDF[e], m.w_down_EFD[e]) for e in range(E)]
+    )
     out = torch.einsum("te,etd->td", dense_NE, y_END)
     if m.cfg.grove_groups:
         G = m.cfg.grove_groups
         rho_NG = dense_NE.view(T, G, E // G).sum(-1)
-        a_GND = torch.stack([swiglu(x_ND, m.adj_gate_GDF[g], m.adj_up_GDF[g], m.adj_down_GFD[g])
-                             for g in range(G)])
+        a_GND = torch.stack(
+            [swiglu(x_ND, m.adj_gate_GDF[g], m.adj_up_GDF[g], m.adj_down_GFD[g]) for g in range(G)]
+        )
         out = out + m.cfg.grove_lambda * torch.einsum("tg,gtd->td", rho_NG, a_GND)
     if m.shared is not None:
         out = out + m.shared(x_ND)
@@ -82,12 +93,25 @@ def run_with_grads(m: MoE, x_ND, fn):
     return y.detach(), x.grad.clone(), grads
 
 
-@pytest.mark.parametrize("router,shared,grove,norm", [
-    ("softmax", 0, 0, True), ("softmax", 2, 4, True), ("sigmoid", 1, 2, False),
-    ("softmax", 0, 4, False), ("grove", 0, 4, False)])
+@pytest.mark.parametrize(
+    "router,shared,grove,norm",
+    [
+        ("softmax", 0, 0, True),
+        ("softmax", 2, 4, True),
+        ("sigmoid", 1, 2, False),
+        ("softmax", 0, 4, False),
+        ("grove", 0, 4, False),
+    ],
+)
 def test_grouped_mm_equals_loop_equals_dense(router, shared, grove, norm):
-    m = make_moe(router=router, num_shared_experts=shared, grove_groups=grove, norm_topk_prob=norm,
-                 balance_loss_weight=0.0, z_loss_weight=0.0)
+    m = make_moe(
+        router=router,
+        num_shared_experts=shared,
+        grove_groups=grove,
+        norm_topk_prob=norm,
+        balance_loss_weight=0.0,
+        z_loss_weight=0.0,
+    )
     m.expert_bias.copy_(torch.linspace(-0.05, 0.05, 8))  # the bias must change selection only
     x = torch.randn(37, 16)
     ref = run_with_grads(m, x, lambda x: dense_reference(m, x))
@@ -101,8 +125,9 @@ def test_grouped_mm_equals_loop_equals_dense(router, shared, grove, norm):
         torch.testing.assert_close(got[1], ref[1], rtol=1e-5, atol=1e-5, msg=f"{path} grad x")
         assert got[2].keys() - {"router.weight"} == ref[2].keys() - {"router.weight"}
         for name, g in ref[2].items():
-            torch.testing.assert_close(got[2][name], g, rtol=1e-4, atol=1e-5,
-                                       msg=f"{path} grad {name}")
+            torch.testing.assert_close(
+                got[2][name], g, rtol=1e-4, atol=1e-5, msg=f"{path} grad {name}"
+            )
 
 
 @pytest.mark.skipif(not HAS_GMM, reason="torch._grouped_mm not in this torch")
@@ -114,7 +139,10 @@ def test_expert_swiglu_grouped_backward_takes_any_gradient_layout():
     torch.manual_seed(0)
     groups_N1 = torch.tensor([0] * 3 + [2] * 5 + [3] * 2 + [4] * 2)[torch.randperm(12)][:, None]
     slots = moe_mod.sort_by_group(groups_N1, 4)
-    assert slots.counts_G.tolist() == [3, 0, 5, 2] and slots.dead_A1[:, 0].tolist() == [False] * 10 + [True] * 2
+    assert (
+        slots.counts_G.tolist() == [3, 0, 5, 2]
+        and slots.dead_A1[:, 0].tolist() == [False] * 10 + [True] * 2
+    )
     ws = [torch.randn(4, 8, 12), torch.randn(4, 8, 12), torch.randn(4, 12, 8)]
     x = torch.randn(12, 8)
     res = []
@@ -161,7 +189,7 @@ def test_grove_adjugate_once_per_token_per_group_and_eq4(monkeypatch):
     real = moe_mod.expert_swiglu
 
     def spy(x_ND, slots, w_gate, *rest):
-        if w_gate is m.adj_gate_GDF:   # the adjugate rows computed: live slots only, by group
+        if w_gate is m.adj_gate_GDF:  # the adjugate rows computed: live slots only, by group
             calls.append((int((~slots.dead_A1).sum()), slots.counts_G.tolist()))
         return real(x_ND, slots, w_gate, *rest)
 
@@ -197,8 +225,9 @@ def imbalance(load_E: torch.Tensor) -> tuple[float, float]:
     return float(load_E.max() / load_E.mean()), float(load_E.std(unbiased=False) / load_E.mean())
 
 
-@pytest.mark.parametrize("router,update",
-                         [("softmax", "sign"), ("sigmoid", "sign"), ("grove", "rms")])
+@pytest.mark.parametrize(
+    "router,update", [("softmax", "sign"), ("sigmoid", "sign"), ("grove", "rms")]
+)
 def test_loss_free_balancing_reduces_imbalance(router, update):
     m = make_moe(router=router, top_k=2, bias_update_rate=0.003, grove_groups=0, bias_update=update)
     D = m.dim
@@ -223,8 +252,10 @@ def test_loss_free_balancing_reduces_imbalance(router, update):
     x = batch(4096)
     y, stats = m(x)
     after = imbalance(stats.load_E)
-    print(f"\n[{router}] max/mean load {before[0]:.2f} -> {after[0]:.2f}, CV {before[1]:.2f} -> "
-          f"{after[1]:.2f}")
+    print(
+        f"\n[{router}] max/mean load {before[0]:.2f} -> "
+        f"{after[0]:.2f}, CV {before[1]:.2f} -> {after[1]:.2f}"
+    )
     assert before[0] > 2.5 and before[1] > 0.8
     assert after[1] < before[1] / 3 and after[0] < 0.6 * before[0]
     if router in ("sigmoid", "grove"):  # sigmoid selection balances tightly (Grove eq. 9-10)
@@ -252,9 +283,11 @@ def test_softmax_router_matches_mixtral_formula_and_qwen_norm_false():
     assert torch.equal(r.experts_NK, top_idx)
     # Mixtral: softmax over selected logits
     torch.testing.assert_close(r.weights_NK, top_logits.softmax(-1))
-    r_raw = route(logits,
-                  MoEConfig(num_experts=8, top_k=2, norm_topk_prob=False,
-                            loss_free_balancing=False), None)
+    r_raw = route(
+        logits,
+        MoEConfig(num_experts=8, top_k=2, norm_topk_prob=False, loss_free_balancing=False),
+        None,
+    )
     # Qwen norm_topk_prob=False
     torch.testing.assert_close(r_raw.weights_NK, logits.softmax(-1).gather(1, top_idx))
 
@@ -268,15 +301,20 @@ def test_grove_router_eq9_weighs_the_chosen_experts_by_the_full_softmax():
     bias = torch.tensor([0.0, 0.0, 0.6, 0.0])
     r = route(logits, MoEConfig(num_experts=4, top_k=2, router="grove"), bias)
     assert r.experts_NK.tolist() == [[2, 0]]
-    torch.testing.assert_close(r.weights_NK, torch.tensor([[0.087144, 0.643914]]), rtol=0,
-                               atol=1e-6)
+    torch.testing.assert_close(
+        r.weights_NK, torch.tensor([[0.087144, 0.643914]]), rtol=0, atol=1e-6
+    )
     # < 1: eq. 9 does not renormalise
     assert float(r.weights_NK.sum()) == pytest.approx(0.731058, abs=1e-6)
     # the non-paper option: the same two weights rescaled to sum to 1
-    r = route(logits, MoEConfig(num_experts=4, top_k=2, router="grove",
-                                grove_weights="renormalised"), bias)
-    torch.testing.assert_close(r.weights_NK, torch.tensor([[0.119203, 0.880797]]), rtol=0,
-                               atol=1e-6)
+    r = route(
+        logits,
+        MoEConfig(num_experts=4, top_k=2, router="grove", grove_weights="renormalised"),
+        bias,
+    )
+    torch.testing.assert_close(
+        r.weights_NK, torch.tensor([[0.119203, 0.880797]]), rtol=0, atol=1e-6
+    )
     # the layer: every token's output is eq. 9's sum, and its chosen weights sum to less than 1
     m = make_moe(router="grove", grove_groups=0, num_shared_experts=0)
     x = torch.randn(11, 16)
@@ -305,17 +343,26 @@ def test_matches_hf_sparse_moe_block(arch, norm):
     if arch == "mixtral":
         from transformers import MixtralConfig
         from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock as Block
-        hf_cfg = MixtralConfig(hidden_size=D, intermediate_size=hidden, num_local_experts=E,
-                               num_experts_per_tok=K)
+
+        hf_cfg = MixtralConfig(
+            hidden_size=D, intermediate_size=hidden, num_local_experts=E, num_experts_per_tok=K
+        )
     else:
         from transformers import Qwen3MoeConfig
         from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock as Block
-        hf_cfg = Qwen3MoeConfig(hidden_size=D, moe_intermediate_size=hidden, num_experts=E,
-                                num_experts_per_tok=K, norm_topk_prob=norm)
+
+        hf_cfg = Qwen3MoeConfig(
+            hidden_size=D,
+            moe_intermediate_size=hidden,
+            num_experts=E,
+            num_experts_per_tok=K,
+            norm_topk_prob=norm,
+        )
     torch.manual_seed(0)
     hf = Block(hf_cfg).eval()
-    ours = MoE(MoEConfig(num_experts=E, top_k=K, expert_hidden=hidden, norm_topk_prob=norm),
-               D).eval()
+    ours = MoE(
+        MoEConfig(num_experts=E, top_k=K, expert_hidden=hidden, norm_topk_prob=norm), D
+    ).eval()
     with torch.no_grad():
         for p in hf.parameters():
             p.normal_(0, 0.3)
@@ -333,12 +380,14 @@ def test_balance_and_z_loss_values_and_sigmoid_router():
     # .4, .1, .1].
     scores = torch.tensor([[0.7, 0.1, 0.1, 0.1], [0.1, 0.7, 0.1, 0.1]])
     sel = torch.tensor([[0], [1]])
-    assert float(switch_balance_loss(scores, sel,
-                                     False)) == pytest.approx(4 * (0.5 * 0.4 + 0.5 * 0.4))
+    assert float(switch_balance_loss(scores, sel, False)) == pytest.approx(
+        4 * (0.5 * 0.4 + 0.5 * 0.4)
+    )
     # Sigmoid scores are normalised per token first: doubling them changes nothing.
     assert float(switch_balance_loss(2 * scores, sel, True)) == pytest.approx(1.6)
     assert float(router_z_loss(torch.tensor([[0.0, 0.0], [math.log(3.0), 0.0]]))) == pytest.approx(
-        (math.log(2.0) ** 2 + math.log(4.0) ** 2) / 2)
+        (math.log(2.0) ** 2 + math.log(4.0) ** 2) / 2
+    )
 
     # A uniform router (zero weights): balance loss is exactly 1 whatever the tie-break,
     # z-loss log(E)^2.
@@ -373,4 +422,8 @@ def test_bad_input_and_config_errors():
     with pytest.raises(ValueError, match="load_E"):
         m.update_bias(torch.ones(3))
     y, stats = make_moe(grove_groups=2, num_shared_experts=1)(torch.randn(0, 16))  # no valid tokens
-    assert y.shape == (0, 16) and float(stats.load_E.sum()) == 0 and float(stats.adjugate_per_token) == 0
+    assert (
+        y.shape == (0, 16)
+        and float(stats.load_E.sum()) == 0
+        and float(stats.adjugate_per_token) == 0
+    )

@@ -4,6 +4,7 @@ update_moe_biases all-reduces every layer's loads in one call, moves each layer'
 loads (the sign step, or Grove eq. 8's RMS-normalised step), recentres it and resets the counts;
 with balancing off the bias never moves; the balancing state stays fp32 in a bf16 layer. That the
 bias evens the loads out: tests/test_moe.py."""
+
 from __future__ import annotations
 
 import torch
@@ -14,9 +15,17 @@ from vlm.model.moe import MoE, loss_free_bias_step, update_moe_biases
 
 # the layer tests/test_moe.py's tests build (test modules share no imported helpers)
 def make_moe(dim=16, **kw) -> MoE:
-    base = dict(num_experts=8, top_k=3, expert_hidden=12, shared_hidden=8, balance_loss_weight=0.01,
-                # Grove's bound g/n for 2 groups of 8
-                z_loss_weight=1e-3, grove_hidden=8, grove_lambda=0.25)
+    base = dict(
+        num_experts=8,
+        top_k=3,
+        expert_hidden=12,
+        shared_hidden=8,
+        balance_loss_weight=0.01,
+        # Grove's bound g/n for 2 groups of 8
+        z_loss_weight=1e-3,
+        grove_hidden=8,
+        grove_lambda=0.25,
+    )
     base.update(kw)
     torch.manual_seed(0)
     # A larger init than the default makes expert outputs and router scores far from zero, so a
@@ -31,10 +40,12 @@ def test_grove_eq8_rms_bias_step():
     F_, Q = load / load.sum(), 0.25
     step = (F_ - Q) / ((F_ - Q) ** 2).mean().sqrt()
     expected = -0.01 * step
-    torch.testing.assert_close(loss_free_bias_step(torch.zeros(4), load, 0.01, "rms"),
-                               expected - expected.mean())
-    assert torch.equal(loss_free_bias_step(torch.zeros(4), torch.full((4,), 5.0), 0.01, "rms"),
-                       torch.zeros(4))
+    torch.testing.assert_close(
+        loss_free_bias_step(torch.zeros(4), load, 0.01, "rms"), expected - expected.mean()
+    )
+    assert torch.equal(
+        loss_free_bias_step(torch.zeros(4), torch.full((4,), 5.0), 0.01, "rms"), torch.zeros(4)
+    )
 
 
 def test_load_accumulation_update_and_all_reduce():
@@ -52,12 +63,20 @@ def test_load_accumulation_update_and_all_reduce():
     # again: a stack counts its blocks' loads outside them (block.run_stack), with every
     # checkpointing mode.
     from configs.batch import PackedBatch
-    from vlm.model.config import ModelConfig
     from vlm.model.conceptmoe import ConceptMoELM
+    from vlm.model.config import ModelConfig
 
-    cfg = ModelConfig(vocab_size=50, hidden_size=16, num_heads=2, num_kv_heads=1, head_dim=8,
-                      encoder_layers=1, concept_layers=1, decoder_layers=1,
-                      moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=16)).baseline()
+    cfg = ModelConfig(
+        vocab_size=50,
+        hidden_size=16,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=8,
+        encoder_layers=1,
+        concept_layers=1,
+        decoder_layers=1,
+        moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=16),
+    ).baseline()
     batch = PackedBatch.from_documents([list(range(3, 20)), list(range(5, 14))], row_len=32)
     accums = {}
     for mode in ("none", "full", "selective"):
@@ -68,8 +87,9 @@ def test_load_accumulation_update_and_all_reduce():
         accums[mode] = torch.cat([moe.load_accum for moe in lm.modules() if isinstance(moe, MoE)])
     # 3 layers x top-2 x 26 real tokens: padding unseen
     assert float(accums["none"].sum()) == 3 * 2 * 26
-    assert torch.equal(accums["full"], accums["none"]) and torch.equal(accums["selective"],
-                                                                       accums["none"])
+    assert torch.equal(accums["full"], accums["none"]) and torch.equal(
+        accums["selective"], accums["none"]
+    )
 
     # update_moe_biases: one all-reduce (here: 2 identical ranks) then the sign step, recentred,
     # accumulator reset.

@@ -1,13 +1,14 @@
 """Vision + ConceptMoE: interleaving, joint compression, per-modality statistics, isolation, learning."""
+
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
+from configs.batch import IGNORE_INDEX, IMAGE, TEXT, PackedBatch
 from vision.config import VisionConfig
 from vision.image_processor import ImageProcessorConfig
 from vision.navit import NaViTConfig
-from configs.batch import IGNORE_INDEX, IMAGE, TEXT, PackedBatch
 from vlm.model.config import ChunkConfig, ModelConfig, MoEConfig
 from vlm.model.multimodal import ConceptMoEVLM
 from vlm.model.stats import summarize
@@ -16,16 +17,25 @@ V, PAD_IMG = 64, 1
 
 
 def vision_cfg():
-    return VisionConfig(processor=ImageProcessorConfig(patch_size=4, min_patches=4, max_patches=16,
-                                                       merge=2),
-                        encoder=NaViTConfig(hidden_size=16, num_layers=1, num_heads=2, max_grid=16))
+    return VisionConfig(
+        processor=ImageProcessorConfig(patch_size=4, min_patches=4, max_patches=16, merge=2),
+        encoder=NaViTConfig(hidden_size=16, num_layers=1, num_heads=2, max_grid=16),
+    )
 
 
 def lm_cfg(**chunk):
-    return ModelConfig(vocab_size=V, hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8,
-                       encoder_layers=1, concept_layers=1, decoder_layers=1,
-                       moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=32),
-                       chunk=ChunkConfig(**chunk))
+    return ModelConfig(
+        vocab_size=V,
+        hidden_size=32,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        encoder_layers=1,
+        concept_layers=1,
+        decoder_layers=1,
+        moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=32),
+        chunk=ChunkConfig(**chunk),
+    )
 
 
 def image(seed, size=(12, 8)):
@@ -48,17 +58,27 @@ def row(docs, proc, row_len):
                 mod += [TEXT] * len(seg)
         doc += [d] * (len(ids) - len(doc))
     n = len(ids)
-    labels = [ids[i + 1] if i + 1 < n and doc[i + 1] == doc[i] and mod[i + 1] == TEXT
-              and mod[i] == TEXT
-              else IGNORE_INDEX for i in range(n)]
+    labels = [
+        ids[i + 1]
+        if i + 1 < n and doc[i + 1] == doc[i] and mod[i + 1] == TEXT and mod[i] == TEXT
+        else IGNORE_INDEX
+        for i in range(n)
+    ]
     pos = [0] * n
     for i in range(1, n):
         pos[i] = pos[i - 1] + 1 if doc[i] == doc[i - 1] else 0
     pad = row_len - n
     t = lambda xs, fill: torch.tensor(xs + [fill] * pad)[None]  # noqa: E731
-    return PackedBatch(t(ids, 0), t(labels, IGNORE_INDEX), t(doc, -1), t(pos, 0), t(mod, TEXT),
-                       torch.cat(patches) if patches else None, torch.cat(coords) if coords
-                       else None, torch.tensor(grids) if grids else None)
+    return PackedBatch(
+        t(ids, 0),
+        t(labels, IGNORE_INDEX),
+        t(doc, -1),
+        t(pos, 0),
+        t(mod, TEXT),
+        torch.cat(patches) if patches else None,
+        torch.cat(coords) if coords else None,
+        torch.tensor(grids) if grids else None,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -70,9 +90,11 @@ def setup():
 
 def test_mixed_packing_isolation(setup):
     m, proc = setup
-    docs = [[[5, 6, 7], image(0), [8, 9, 10, 11]],
-            [[12, 13], image(1, (8, 16)), [14], image(2, (16, 8)), [15, 16]],
-            [[20, 21, 22, 23, 24]]]
+    docs = [
+        [[5, 6, 7], image(0), [8, 9, 10, 11]],
+        [[12, 13], image(1, (8, 16)), [14], image(2, (16, 8)), [15, 16]],
+        [[20, 21, 22, 23, 24]],
+    ]
     alone = [m(row([d], proc, 0 + len(row([d], proc, 64).input_ids[0]))).logits[0] for d in docs]
     packed = m(row(docs, proc, 96)).logits[0]
     off = 0
@@ -80,7 +102,7 @@ def test_mixed_packing_isolation(setup):
         n = ref.shape[0]
         trimmed = row([d], proc, 96)
         n = int((trimmed.doc_ids >= 0).sum())
-        torch.testing.assert_close(packed[off: off + n], ref[:n], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(packed[off : off + n], ref[:n], rtol=1e-4, atol=1e-5)
         off += n
 
 
@@ -111,14 +133,23 @@ def test_per_modality_statistics_hand_counted(setup):
     s = summarize(out, b)
     # text: 3 + 2 + 4 = 9 tokens, boundaries at 0, 2, 9, 11 -> 4; image: 4 tokens, boundaries at 3,
     # 5 -> 2
-    assert s["tokens/text"] == 9 and s["boundaries/text"] == 4 and s["compression/text"] == pytest.approx(9 / 4)
-    assert s["tokens/image"] == 4 and s["boundaries/image"] == 2 and s["compression/image"] == pytest.approx(2.0)
+    assert (
+        s["tokens/text"] == 9
+        and s["boundaries/text"] == 4
+        and s["compression/text"] == pytest.approx(9 / 4)
+    )
+    assert (
+        s["tokens/image"] == 4
+        and s["boundaries/image"] == 2
+        and s["compression/image"] == pytest.approx(2.0)
+    )
     assert s["compression/ratio"] == pytest.approx(13 / 6)
     p = out.chunks.p_BT[0]
     img = b.modality[0] == IMAGE
     assert s["boundary_p/image"] == pytest.approx(p[img].mean().item(), rel=1e-5)
-    assert s["boundary_p/text"] == pytest.approx(p[(b.doc_ids[0] >= 0) & ~img].mean().item(),
-                                                 rel=1e-5)
+    assert s["boundary_p/text"] == pytest.approx(
+        p[(b.doc_ids[0] >= 0) & ~img].mean().item(), rel=1e-5
+    )
     assert "loss/image_text" in s and "loss/text_only" in s
 
 
@@ -144,7 +175,11 @@ def test_separate_ratio_targets_per_modality(setup):
     b = row([[[5, 6, 7], image(0, (16, 16)), [8, 9]]], proc, 24)
     ch = m.lm.chunker
     groups = ch.ratio_groups(b.doc_ids >= 0, b.modality)
-    assert [r for _, r in groups] == [4.0, 2.0] and int(groups[0][0].sum()) == 4 and int(groups[1][0].sum()) == 5
+    assert (
+        [r for _, r in groups] == [4.0, 2.0]
+        and int(groups[0][0].sum()) == 4
+        and int(groups[1][0].sum()) == 5
+    )
     out = m.train()(b)
     out.loss.backward()
     assert m.lm.chunker.q_proj.weight.grad.abs().sum() > 0
@@ -195,11 +230,18 @@ def test_export_round_trips_the_vision_config(tmp_path):
     model = ConceptMoEVLM(lm_cfg(), vc)
     save_pretrained(model, tmp_path)
     info = json.loads((tmp_path / "config.json").read_text())
-    assert "patch_size" not in info["vision"]["encoder"] and info["vision"]["processor"]["patch_size"] == 4
+    assert (
+        "patch_size" not in info["vision"]["encoder"]
+        and info["vision"]["processor"]["patch_size"] == 4
+    )
     loaded = load_vlm(tmp_path)
-    assert loaded.vision_cfg == vc and loaded.vision.merge == 2 and loaded.vision.encoder.patch_size == 4
+    assert (
+        loaded.vision_cfg == vc
+        and loaded.vision.merge == 2
+        and loaded.vision.encoder.patch_size == 4
+    )
     sd = model.state_dict()
     assert all(torch.equal(t, sd[k]) for k, t in loaded.state_dict().items())
-    info["vision"]["encoder"].update(patch_size=4, merge=2)   # an export from before
+    info["vision"]["encoder"].update(patch_size=4, merge=2)  # an export from before
     (tmp_path / "config.json").write_text(json.dumps(info))
     assert load_vlm(tmp_path).vision_cfg == vc

@@ -6,6 +6,7 @@ file (names only: strings and comments are not code). It keeps the alphabet clos
 goes into the table, with its meaning, before the code uses it. It cannot check that a letter is
 used in its meaning; review does that.
 """
+
 from __future__ import annotations
 
 import io
@@ -17,7 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 # a lowercase-led name whose last part holds a capital: `x_BTD`, `k_BJCd`, `coords_P2`, `img_13HW`
 SUFFIXED = re.compile(r"^[a-z][a-z0-9]*(?:_[a-z0-9]+)*_(?P<suffix>[A-Za-z0-9]*[A-Z][A-Za-z0-9]*)$")
-SHAPE = re.compile(r"^[A-Z0-9]+[a-z]?$")   # capitals and digits, then at most one per-head size
+SHAPE = re.compile(r"^[A-Z0-9]+[a-z]?$")  # capitals and digits, then at most one per-head size
 
 
 def documented_letters() -> dict[str, str]:
@@ -52,7 +53,7 @@ def test_the_table_gives_each_letter_one_meaning():
     letters = documented_letters()
     fixed = {"B", "T", "D", "V", "M", "E", "K", "F", "G", "H", "W", "I", "P"}
     assert fixed <= set(letters), sorted(letters)
-    assert "R" not in letters   # the compression ratio is a value, never a dimension
+    assert "R" not in letters  # the compression ratio is a value, never a dimension
 
 
 def test_every_suffix_letter_is_in_the_table():

@@ -2,6 +2,7 @@
 bugs): joint decoding (ConceptMoE eq. 11), the delta residual's straight-through gradient (eq. 10),
 Synergy's gate (eq. 3-4), the top-k router's inference threshold (moved once per optimizer step),
 and DLCM's global parser under gradient accumulation (one big batch's gradient)."""
+
 from __future__ import annotations
 
 import copy
@@ -13,10 +14,10 @@ import torch
 from configs.batch import PackedBatch
 from vlm.model.attention import Attention
 from vlm.model.chunking import ChunkModule
+from vlm.model.conceptmoe import ConceptMoELM
+from vlm.model.config import ChunkConfig, ModelConfig, MoEConfig
 from vlm.model.dechunk import Dechunk, plug_back
 from vlm.model.ema_scan import ema_scan
-from vlm.model.config import ChunkConfig, ModelConfig, MoEConfig
-from vlm.model.conceptmoe import ConceptMoELM
 from vlm.model.layers import doc_starts
 
 
@@ -30,10 +31,13 @@ def test_joint_decoding_eq11_adds_the_concept_to_q_k_and_v():
         attn.concept_norm.weight.uniform_(0.5, 1.5)
     z, c = torch.randn(2, 5, 16), 3 * torch.randn(2, 5, 16)
     sizes = [attn.h * attn.hd, attn.kv * attn.hd, attn.kv * attn.hd]
-    q, k, v = attn.joint_qkv(z, c).split(sizes, -1)   # q, k and v come out of one matmul
+    q, k, v = attn.joint_qkv(z, c).split(sizes, -1)  # q, k and v come out of one matmul
     cn = c * torch.rsqrt(c.pow(2).mean(-1, keepdim=True) + 1e-6) * attn.concept_norm.weight
-    for got, w, wc in ((q, attn.q_proj, attn.cq_proj), (k, attn.k_proj, attn.ck_proj),
-                       (v, attn.v_proj, attn.cv_proj)):
+    for got, w, wc in (
+        (q, attn.q_proj, attn.cq_proj),
+        (k, attn.k_proj, attn.ck_proj),
+        (v, attn.v_proj, attn.cv_proj),
+    ):
         torch.testing.assert_close(got, z @ w.weight.t() + cn @ wc.weight.t(), rtol=1e-5, atol=1e-5)
     # without a concept (layers below joint_decoding_layers) it is plain attention
     q0, k0, v0 = attn.joint_qkv(z, None).split(sizes, -1)
@@ -80,16 +84,16 @@ def test_topk_router_gates_each_concept_by_sigmoid_of_its_score_eq3():
     D = 8
     mod = ChunkModule(ChunkConfig(router="topk", target_ratio=2.0), D)
     with torch.no_grad():
-        mod.score.weight.mul_(20)   # gates well away from 1/2
+        mod.score.weight.mul_(20)  # gates well away from 1/2
     dech = Dechunk(mod.cfg, D)
     doc = torch.tensor([[0, 0, 0, 0, 1, 1, 1, -1]])
     h = torch.randn(1, 8, D)
-    sigma = torch.sigmoid(mod.score(h).squeeze(-1))                          # eq. 1, 3
+    sigma = torch.sigmoid(mod.score(h).squeeze(-1))  # eq. 1, 3
     ch = mod(h, doc, force="all")
     # concept m = token m (7 real tokens)
     middle = torch.randn(1, ch.cdoc_BM.shape[1], D)
     z, _, _ = dech(h, middle, ch)
-    torch.testing.assert_close(z[:, :7], h[:, :7] + sigma[:, :7, None] * middle[:, :7])      # eq. 4
+    torch.testing.assert_close(z[:, :7], h[:, :7] + sigma[:, :7, None] * middle[:, :7])  # eq. 4
     assert float((sigma[0, :7] - 0.5).abs().min().detach()) > 0.05
 
     b = torch.tensor([[1, 0, 1, 0, 1, 1, 0, 0]]).bool()
@@ -97,7 +101,7 @@ def test_topk_router_gates_each_concept_by_sigmoid_of_its_score_eq3():
     n = int(b.sum())
     # the boundary token's gate
     torch.testing.assert_close(ch.cgate_BM[:, :n], sigma[b][None])
-    assert (ch.cgate_BM[:, n:] == 0).all()                                   # unused capacity
+    assert (ch.cgate_BM[:, n:] == 0).all()  # unused capacity
     middle = torch.randn(1, ch.cdoc_BM.shape[1], D)
     z, c, _ = dech(h, middle, ch)
     gated = ema_scan(middle * ch.cgate_BM[..., None], ch.cp_BM, doc_starts(ch.cdoc_BM))
@@ -115,11 +119,24 @@ def test_topk_router_gates_each_concept_by_sigmoid_of_its_score_eq3():
 # ------------------------------------------------------------------ engine and data for train_step
 def tiny_lm(**chunk) -> ConceptMoELM:
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=64, hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8,
-                      encoder_layers=1, concept_layers=1, decoder_layers=1,
-                      moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=16,
-                                    balance_loss_weight=0.0, loss_free_balancing=False),
-                      chunk=ChunkConfig(**chunk))
+    cfg = ModelConfig(
+        vocab_size=64,
+        hidden_size=32,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        encoder_layers=1,
+        concept_layers=1,
+        decoder_layers=1,
+        moe=MoEConfig(
+            num_experts=4,
+            top_k=2,
+            expert_hidden=16,
+            balance_loss_weight=0.0,
+            loss_free_balancing=False,
+        ),
+        chunk=ChunkConfig(**chunk),
+    )
     return ConceptMoELM(cfg).train()
 
 
@@ -135,8 +152,12 @@ def micro_batches(micro: int, T: int = 48) -> list[PackedBatch]:
 
 
 def cat_rows(batches: list[PackedBatch]) -> PackedBatch:
-    return PackedBatch(*(torch.cat([getattr(b, f) for b in batches]) for f in
-                         ("input_ids", "labels", "doc_ids", "position_ids", "modality")))
+    return PackedBatch(
+        *(
+            torch.cat([getattr(b, f) for b in batches])
+            for f in ("input_ids", "labels", "doc_ids", "position_ids", "modality")
+        )
+    )
 
 
 def engine_for(model: torch.nn.Module, micro: int):
@@ -146,18 +167,28 @@ def engine_for(model: torch.nn.Module, micro: int):
     from vlm.train.engine import initialize
 
     init_distributed()
-    engine = initialize(model, torch.optim.SGD(model.parameters(), lr=0.0), {
-        "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": micro,
-        "train_batch_size": micro, "gradient_clipping": 0.0, "zero_optimization": {"stage": 0},
-        "bf16": {"enabled": False}, "steps_per_print": 10 ** 12,
-        "zero_allow_untested_optimizer": True})
+    engine = initialize(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.0),
+        {
+            "train_micro_batch_size_per_gpu": 1,
+            "gradient_accumulation_steps": micro,
+            "train_batch_size": micro,
+            "gradient_clipping": 0.0,
+            "zero_optimization": {"stage": 0},
+            "bf16": {"enabled": False},
+            "steps_per_print": 10**12,
+            "zero_allow_untested_optimizer": True,
+        },
+    )
     engine.grads = {}
     real_step = engine.step
 
     # the last call is the accumulation boundary, before the optimizer zeroes the gradients
     def step():
-        engine.grads = {n: p.grad.clone() for n, p in model.named_parameters()
-                        if p.grad is not None}
+        engine.grads = {
+            n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None
+        }
         real_step()
 
     engine.step = step
@@ -183,9 +214,17 @@ def test_global_parser_with_gradient_accumulation_gives_one_big_batch_gradient()
     parser = GlobalParser(all_reduce=lambda t: t.clone())
     install(model, parser)
     drawn = []
-    res = train_step(engine, window, 0, seed=7, rank=0, world_size=1, parser=parser,
-                     device=torch.device("cpu"), loss_hook=lambda out,
-                     k: drawn.append(out.chunks.b_BT) or out)
+    res = train_step(
+        engine,
+        window,
+        0,
+        seed=7,
+        rank=0,
+        world_size=1,
+        parser=parser,
+        device=torch.device("cpu"),
+        loss_hook=lambda out, k: drawn.append(out.chunks.b_BT) or out,
+    )
     assert res.applied and len(drawn) == micro
     big = reference(cat_rows(window), force=torch.cat(drawn))
     F_ = float(big.chunks.b_BT.sum() / (cat_rows(window).doc_ids >= 0).sum())
@@ -195,8 +234,9 @@ def test_global_parser_with_gradient_accumulation_gives_one_big_batch_gradient()
     want = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
     assert engine.grads.keys() == want.keys()
     for n, g in want.items():
-        torch.testing.assert_close(engine.grads[n], g, rtol=1e-4, atol=1e-7,
-                                   msg=lambda m: f"{n}: {m}")
+        torch.testing.assert_close(
+            engine.grads[n], g, rtol=1e-4, atol=1e-7, msg=lambda m: f"{n}: {m}"
+        )
 
 
 # ------------------------------------------------------------------ the top-k router's
@@ -216,8 +256,14 @@ def test_topk_threshold_moves_once_per_optimizer_step_from_the_real_passes():
     real = chunker.topk_boundaries
 
     def spy(w_BT, doc_BT):
-        seen.append((torch.is_grad_enabled(), torch.nanquantile(
-            torch.where(doc_BT >= 0, w_BT, float("nan")).flatten(), 1 - 1 / R)))
+        seen.append(
+            (
+                torch.is_grad_enabled(),
+                torch.nanquantile(
+                    torch.where(doc_BT >= 0, w_BT, float("nan")).flatten(), 1 - 1 / R
+                ),
+            )
+        )
         return real(w_BT, doc_BT)
 
     chunker.topk_boundaries = spy
@@ -225,19 +271,34 @@ def test_topk_threshold_moves_once_per_optimizer_step_from_the_real_passes():
     parser = GlobalParser(all_reduce=lambda t: t.clone())
     install(model, parser)
     before = float(chunker.threshold)
-    train_step(engine, micro_batches(micro), 0, seed=0, rank=0, world_size=1, parser=parser,
-               device=torch.device("cpu"))
+    train_step(
+        engine,
+        micro_batches(micro),
+        0,
+        seed=0,
+        rank=0,
+        world_size=1,
+        parser=parser,
+        device=torch.device("cpu"),
+    )
     real_q = [q for grad, q in seen if grad]
-    assert len(real_q) == micro and len(seen) == 2 * micro           # the statistics pass ran too
+    assert len(real_q) == micro and len(seen) == 2 * micro  # the statistics pass ran too
     want = 0.9 * before + 0.1 * float(torch.stack(real_q).mean())
     assert float(chunker.threshold) == pytest.approx(want, rel=1e-6, abs=1e-7)
     assert float(chunker.quantile_accum.abs().sum()) == 0
 
     # a skipped (non-finite) step moves nothing and leaves nothing behind for the next one
-    res = train_step(engine, micro_batches(micro), 1, seed=0, rank=0, world_size=1, parser=parser,
-                     device=torch.device("cpu"),
-                     loss_hook=lambda out,
-                     k: dataclasses.replace(out, loss=out.loss + float("nan")))
+    res = train_step(
+        engine,
+        micro_batches(micro),
+        1,
+        seed=0,
+        rank=0,
+        world_size=1,
+        parser=parser,
+        device=torch.device("cpu"),
+        loss_hook=lambda out, k: dataclasses.replace(out, loss=out.loss + float("nan")),
+    )
     assert not res.applied
     assert float(chunker.threshold) == pytest.approx(want, rel=1e-6, abs=1e-7)
     assert float(chunker.quantile_accum.abs().sum()) == 0

@@ -2,6 +2,7 @@
 one line (the path and "No space left on device"), removes its partial files, keeps the previous
 checkpoint (and final/) as they were, and `vlm train` exits 1. On a real, small tmpfs where mounting
 is allowed (root), else by an injected OSError(ENOSPC) at the same writes."""
+
 from __future__ import annotations
 
 import errno
@@ -13,17 +14,23 @@ import sys
 
 import pytest
 
-NO_SPACE = os.strerror(errno.ENOSPC)   # "No space left on device"
+NO_SPACE = os.strerror(errno.ENOSPC)  # "No space left on device"
 
 
 def _digests(d):
-    return {p.relative_to(d).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(d.rglob("*")) if p.is_file()}
+    return {
+        p.relative_to(d).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(d.rglob("*"))
+        if p.is_file()
+    }
 
 
 def _leftovers(run):
-    return sorted(p.name for p in [*run.iterdir(), *(run / "checkpoints").iterdir()]
-                  if p.name.startswith((".tmp-", ".del-")))
+    return sorted(
+        p.name
+        for p in [*run.iterdir(), *(run / "checkpoints").iterdir()]
+        if p.name.startswith((".tmp-", ".del-"))
+    )
 
 
 @pytest.fixture
@@ -31,9 +38,13 @@ def small_disk(tmp_path):
     """A 16 MB tmpfs (skipped where mounting is not allowed)."""
     mnt = tmp_path / "disk"
     mnt.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs",
-                                            str(mnt)],
-                                           capture_output=True).returncode != 0:
+    if (
+        os.geteuid() != 0
+        or subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mnt)], capture_output=True
+        ).returncode
+        != 0
+    ):
         pytest.skip("cannot mount a tmpfs here (needs root); test_injected_* cover the same paths")
     try:
         yield mnt
@@ -49,13 +60,25 @@ def _fill(disk, leave: int):
 
 
 def _cfg(tiny_config, tiny_data, steps):
-    return tiny_config(tiny_data, train={"max_steps": steps},
-                       checkpoint={"save_every": 2, "keep_last": 2},
-                       logging={"eval_every": 0, "report_to": [], "histogram_every": 0})
+    return tiny_config(
+        tiny_data,
+        train={"max_steps": steps},
+        checkpoint={"save_every": 2, "keep_last": 2},
+        logging={"eval_every": 0, "report_to": [], "histogram_every": 0},
+    )
 
 
-def test_disk_full_on_a_real_tmpfs(small_disk, tiny_data, tmp_path, tiny_config, write_config,
-                                   make_trainer, torch_globals, ROOT, subprocess_env):
+def test_disk_full_on_a_real_tmpfs(
+    small_disk,
+    tiny_data,
+    tmp_path,
+    tiny_config,
+    write_config,
+    make_trainer,
+    torch_globals,
+    ROOT,
+    subprocess_env,
+):
     from vlm.train.checkpoint import WriteError, damaged_file, list_checkpoints
     from vlm.train.export import export_final
 
@@ -68,11 +91,16 @@ def test_disk_full_on_a_real_tmpfs(small_disk, tiny_data, tmp_path, tiny_config,
     # room for log lines, not for a checkpoint (1.2 MB) or an export
     _fill(small_disk, leave=64 * 1024)
 
-    with pytest.raises(WriteError) as e:   # the save, in-process
+    with pytest.raises(WriteError) as e:  # the save, in-process
         tr.checkpointer.save(3, tr.trainer_state())
     msg = str(e.value)
-    assert NO_SPACE in msg and str(run / "checkpoints") in msg and str(step2) in msg and "\n" not in msg, msg
-    with pytest.raises(WriteError) as e:   # the export
+    assert (
+        NO_SPACE in msg
+        and str(run / "checkpoints") in msg
+        and str(step2) in msg
+        and "\n" not in msg
+    ), msg
+    with pytest.raises(WriteError) as e:  # the export
         export_final(tr.engine, run, tr.tokenizer, 1.0, True, print)
     assert NO_SPACE in str(e.value) and str(run / ".tmp-final") in str(e.value)
     assert _leftovers(run) == [] and _digests(run / "final") == final_before
@@ -80,30 +108,43 @@ def test_disk_full_on_a_real_tmpfs(small_disk, tiny_data, tmp_path, tiny_config,
     # the command line: two more steps, the save at step 4 cannot be written
     cfg["train"]["max_steps"] = 4
     path = write_config(cfg, tmp_path / "c.yaml")
-    proc = subprocess.run([sys.executable, "-m", "vlm.train", "--config", str(path), "--out",
-                           str(run), "--resume"],
-                          cwd=ROOT, env=subprocess_env(), capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "vlm.train", "--config", str(path), "--out", str(run), "--resume"],
+        cwd=ROOT,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 1, proc.stderr[-3000:]
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("vlm train:")]
     assert "Traceback" not in proc.stderr and len(errors) == 1, proc.stderr[-3000:]
-    assert errors[0].startswith("vlm train: cannot write checkpoint step 4: ") and NO_SPACE in errors[0]
+    assert (
+        errors[0].startswith("vlm train: cannot write checkpoint step 4: ")
+        and NO_SPACE in errors[0]
+    )
     assert f"the resume point stays {step2}" in errors[0]
-    assert [s
-            for s, _ in list_checkpoints(run / "checkpoints")] == [2] and _digests(step2) == before
+    assert [s for s, _ in list_checkpoints(run / "checkpoints")] == [2] and _digests(
+        step2
+    ) == before
     assert damaged_file(step2) is None and _leftovers(run) == []
 
-    (small_disk / "filler").unlink()   # room again: the same command goes on from step 2
-    proc = subprocess.run([sys.executable, "-m", "vlm.train", "--config", str(path), "--out",
-                           str(run), "--resume"],
-                          cwd=ROOT, env=subprocess_env(), capture_output=True, text=True,
-                          timeout=300)
+    (small_disk / "filler").unlink()  # room again: the same command goes on from step 2
+    proc = subprocess.run(
+        [sys.executable, "-m", "vlm.train", "--config", str(path), "--out", str(run), "--resume"],
+        cwd=ROOT,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0 and "at step 2" in proc.stdout, proc.stderr[-3000:]
 
 
-def test_injected_enospc_in_a_checkpoint_save(tiny_data, tmp_path, tiny_config, make_trainer,
-                                              torch_globals, monkeypatch):
-    from vlm.train import checkpoint as ckpt_lib
+def test_injected_enospc_in_a_checkpoint_save(
+    tiny_data, tmp_path, tiny_config, make_trainer, torch_globals, monkeypatch
+):
+    from vlm.train import write_errors as ckpt_lib
 
     run = tmp_path / "run"
     tr = make_trainer(_cfg(tiny_config, tiny_data, 2), run)
@@ -113,7 +154,7 @@ def test_injected_enospc_in_a_checkpoint_save(tiny_data, tmp_path, tiny_config, 
     written = [0]
     real_write = ckpt_lib._KeepsWriteError.write
 
-    def write(self, data):   # the disk fills 100 kB into the save (inside DeepSpeed's torch.save)
+    def write(self, data):  # the disk fills 100 kB into the save (inside DeepSpeed's torch.save)
         written[0] += len(data)
         if written[0] > 100_000:
             self.error = OSError(errno.ENOSPC, NO_SPACE)
@@ -124,15 +165,19 @@ def test_injected_enospc_in_a_checkpoint_save(tiny_data, tmp_path, tiny_config, 
     with pytest.raises(ckpt_lib.WriteError) as e:
         tr.checkpointer.save(3, tr.trainer_state())
     msg = str(e.value)
-    assert msg.startswith(f"cannot write checkpoint step 3: "
-                          f"{run / 'checkpoints' / '.tmp-step_00000003'}/")
-    assert f": {NO_SPACE}; removed the partial .tmp-step_00000003, the resume point stays {step2}" in msg
+    assert msg.startswith(
+        f"cannot write checkpoint step 3: {run / 'checkpoints' / '.tmp-step_00000003'}/"
+    )
+    assert (
+        f": {NO_SPACE}; removed the partial .tmp-step_00000003, the resume point stays {step2}"
+        in msg
+    )
     assert _leftovers(run) == [] and _digests(step2) == before
 
 
-def test_injected_enospc_in_the_export_leaves_no_partial_final(tiny_data, tmp_path, tiny_config,
-                                                               make_trainer, torch_globals,
-                                                               monkeypatch):
+def test_injected_enospc_in_the_export_leaves_no_partial_final(
+    tiny_data, tmp_path, tiny_config, make_trainer, torch_globals, monkeypatch
+):
     from vlm.train import export as export_lib
     from vlm.train.checkpoint import WriteError
 
@@ -148,8 +193,10 @@ def test_injected_enospc_in_the_export_leaves_no_partial_final(tiny_data, tmp_pa
         raise OSError(errno.ENOSPC, NO_SPACE, str(out_dir / "tokenizer.json"))
 
     monkeypatch.setattr(export_lib, "save_pretrained", half_then_full)
-    with pytest.raises(WriteError, match=f"cannot export {run / 'final'}: "
-                                         f"{run / '.tmp-final' / 'tokenizer.json'}: {NO_SPACE}; "
-                                         f"removed the partial .tmp-final"):
+    with pytest.raises(
+        WriteError,
+        match=f"cannot export {run / 'final'}: {run / '.tmp-final' / 'tokenizer.json'}: "
+        f"{NO_SPACE}; removed the partial .tmp-final",
+    ):
         export_lib.export_final(tr.engine, run, tr.tokenizer, 1.0, True, print)
     assert _leftovers(run) == [] and _digests(run / "final") == final_before

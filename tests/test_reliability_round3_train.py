@@ -3,6 +3,7 @@
 largest image is a config error, and a run that skips too much of its data stops. The faults (a
 pickle, SIGTERM at the end, config errors, a full disk on one rank):
 test_reliability_round3_train_faults.py."""
+
 from __future__ import annotations
 
 import hashlib
@@ -15,19 +16,32 @@ import pytest
 
 
 def _cfg(tiny_config, tiny_data, steps=2, **sections):
-    return tiny_config(tiny_data, train={"max_steps": steps},
-                       checkpoint={"save_every": steps, "keep_last": 2},
-                       logging={"eval_every": 0}, **sections)
+    return tiny_config(
+        tiny_data,
+        train={"max_steps": steps},
+        checkpoint={"save_every": steps, "keep_last": 2},
+        logging={"eval_every": 0},
+        **sections,
+    )
 
 
 def _digests(root: Path) -> dict[str, str]:
-    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 def _cli(args, ROOT, env, timeout=300):
-    return subprocess.run([sys.executable, "-m", "vlm.train", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "vlm.train", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def _errors(stderr: str, prefix: str) -> list[str]:
@@ -54,8 +68,9 @@ def finished_run(tiny_data, tmp_path_factory, tiny_config, make_trainer):
 
 # ---------------------------------------------------------------- item 1: a finished run is
 # not overwritten
-def test_a_finished_run_is_refused_unless_overwrite(finished_run, tmp_path, tiny_config, tiny_data,
-                                                    write_config, ROOT, subprocess_env):
+def test_a_finished_run_is_refused_unless_overwrite(
+    finished_run, tmp_path, tiny_config, tiny_data, write_config, ROOT, subprocess_env
+):
     """The issue's case: checkpoints/ deleted, final/ kept; `vlm train --out RUN` with another
     config (64 wide instead of 32) exits 2 with one line and leaves every file as it was;
     --overwrite trains the new model there."""
@@ -71,18 +86,31 @@ def test_a_finished_run_is_refused_unless_overwrite(finished_run, tmp_path, tiny
     assert proc.returncode == 2, proc.stderr[-3000:]
     errors = _errors(proc.stderr, "config error:")
     assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert f"{run} holds the outputs of an earlier run (final/, summary.json, metrics.jsonl with 2 logged steps)" \
-           in errors[0] and "--overwrite" in errors[0] and "new --out" in errors[0], errors
+    assert (
+        f"{run} holds the outputs of an earlier run (final/, summary.json, metrics.jsonl with 2 logged steps)"
+        in errors[0]
+        and "--overwrite" in errors[0]
+        and "new --out" in errors[0]
+    ), errors
     assert _digests(run) == before
     # --resume finds no checkpoint: a finished run is not started over either
     proc = _cli(["--config", str(path), "--out", str(run), "--resume"], ROOT, subprocess_env())
-    assert proc.returncode == 2 and "holds the outputs of an earlier run" in proc.stderr and _digests(run) == before
+    assert (
+        proc.returncode == 2
+        and "holds the outputs of an earlier run" in proc.stderr
+        and _digests(run) == before
+    )
 
     proc = _cli(["--config", str(path), "--out", str(run), "--overwrite"], ROOT, subprocess_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "--overwrite: deleted the earlier run's final, summary.json, metrics.jsonl" in proc.stdout
+    assert (
+        "--overwrite: deleted the earlier run's final, summary.json, metrics.jsonl" in proc.stdout
+    )
     assert json.loads((run / "final" / "config.json").read_text())["hidden_size"] == 64
-    assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [
+        1,
+        2,
+    ]
 
 
 @pytest.mark.parametrize("kept", ["final", "summary.json", "metrics.jsonl"])
@@ -108,8 +136,9 @@ def test_each_output_alone_is_protected(finished_run, tmp_path, kept, make_train
     assert _digests(run) == before
 
 
-def test_what_is_not_an_output_and_what_resume_may_start_over(finished_run, tmp_path, make_trainer,
-                                                              load_tiny, torch_globals):
+def test_what_is_not_an_output_and_what_resume_may_start_over(
+    finished_run, tmp_path, make_trainer, load_tiny, torch_globals
+):
     """config.yaml with an empty metrics.jsonl (what a run stopped before its first step leaves) is
     no output: the same command starts the run. metrics.jsonl with steps and no final/ (a run killed
     before its first checkpoint) is refused by default and started over with --resume (resume=True),
@@ -138,8 +167,9 @@ def test_what_is_not_an_output_and_what_resume_may_start_over(finished_run, tmp_
     assert any("starting the run from the beginning" in m for m in said)
 
 
-def test_a_run_with_checkpoints_still_resumes_by_default(tiny_data, tmp_path, tiny_config,
-                                                         make_trainer, torch_globals):
+def test_a_run_with_checkpoints_still_resumes_by_default(
+    tiny_data, tmp_path, tiny_config, make_trainer, torch_globals
+):
     """A folder with a checkpoint continues as before (the same command resumes it), outputs or not."""
     cfg = _cfg(tiny_config, tiny_data)
     run = tmp_path / "run"
@@ -151,9 +181,9 @@ def test_a_run_with_checkpoints_still_resumes_by_default(tiny_data, tmp_path, ti
 
 # ---------------------------------------------------------------- item 3: rows that drop images,
 # skipped data
-def test_a_row_too_short_for_the_largest_image_is_a_config_error(tiny_data, tmp_path, tiny_config,
-                                                                 write_config, ROOT, subprocess_env,
-                                                                 png):
+def test_a_row_too_short_for_the_largest_image_is_a_config_error(
+    tiny_data, tmp_path, tiny_config, write_config, ROOT, subprocess_env, png
+):
     """data.row_tokens=8 with 16-patch images merged 2x2 (4 tokens): <bos><|user|>, start, 4 pads,
     end and a text token need 9. Refused before any work, one line naming data.row_tokens and 9, no
     run folder; 9 does hold such an image in a chat sample (the loader keeps it), 8 does not."""
@@ -166,20 +196,30 @@ def test_a_row_too_short_for_the_largest_image_is_a_config_error(tiny_data, tmp_
 
     path = write_config(_cfg(tiny_config, tiny_data), tmp_path / "c.yaml")
     run = tmp_path / "run"
-    proc = _cli(["--config", str(path), "--out", str(run), "data.row_tokens=8"], ROOT,
-                subprocess_env())
+    proc = _cli(
+        ["--config", str(path), "--out", str(run), "data.row_tokens=8"], ROOT, subprocess_env()
+    )
     assert proc.returncode == 2, proc.stderr[-3000:]
     errors = _errors(proc.stderr, "config error:")
     assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert errors[0].startswith("config error: data.row_tokens=8 cannot hold the largest image") \
-           and "at least 9" in errors[0] and "max_patches=16" in errors[0], errors
+    assert (
+        errors[0].startswith("config error: data.row_tokens=8 cannot hold the largest image")
+        and "at least 9" in errors[0]
+        and "max_patches=16" in errors[0]
+    ), errors
     assert not run.exists()
 
     tok = load_tokenizer("byte")
     proc_cfg = ImageProcessorConfig(patch_size=14, min_patches=4, max_patches=16, merge=2)
-    big = Sample(key="k", kind="pair", turns=[{"role": "user", "content": "<image>"},
-                                              {"role": "assistant", "content": "a red square"}],
-                 images=[png(400, 400)])
+    big = Sample(
+        key="k",
+        kind="pair",
+        turns=[
+            {"role": "user", "content": "<image>"},
+            {"role": "assistant", "content": "a red square"},
+        ],
+        images=[png(400, 400)],
+    )
     [enc] = encode_sample(big, tok, ImageProcessor(proc_cfg), 9)
     assert len(enc) == 9 and int(np.sum(enc.ids == tok.image_pad_id)) == 4
     with pytest.raises(BadSample, match="do not fit a row of 8"):
@@ -195,11 +235,13 @@ def test_skip_share_rule():
     # 10 %: not above
     assert skip_share_stop({"too_long": 5}, 50, 0.1) is None
     line = skip_share_stop({"too_long": 4, "corrupt_image": 2, "bad_json": 0}, 50, 0.1)
-    assert line.startswith("stopping: 6 of the 50 samples read were skipped (12.0 %, more than "
-                           "train.max_skip_share=0.1): corrupt_image=2, too_long=4.")
+    assert line.startswith(
+        "stopping: 6 of the 50 samples read were skipped (12.0 %, more "
+        "than train.max_skip_share=0.1): corrupt_image=2, too_long=4."
+    )
     # a filter is no loss
     assert skip_share_stop({"filtered_kind": 40, "too_long": 5}, 100, 0.1) is None
-    assert skip_share_stop({"corrupt_image": 60}, 60, 1.0) is None                  # 1 = never stop
+    assert skip_share_stop({"corrupt_image": 60}, 60, 1.0) is None  # 1 = never stop
 
 
 def _mixed_source(directory: Path, png, good: int, bad: int) -> list[dict]:
@@ -211,39 +253,58 @@ def _mixed_source(directory: Path, png, good: int, bad: int) -> list[dict]:
         for i in range(good + bad):
             if i % 3 == 0 and bad:
                 bad -= 1
-                w.write(Sample(key=f"b{i:04d}", kind="pair", text="<image>a picture",
-                               images=[b"not an image"], image_exts=["png"]))
+                w.write(
+                    Sample(
+                        key=f"b{i:04d}",
+                        kind="pair",
+                        text="<image>a picture",
+                        images=[b"not an image"],
+                        image_exts=["png"],
+                    )
+                )
             else:
-                w.write(Sample(key=f"g{i:04d}", kind="text",
-                               text=f"sample {i} " + "word " * (i % 7)))
+                w.write(
+                    Sample(key=f"g{i:04d}", kind="text", text=f"sample {i} " + "word " * (i % 7))
+                )
     return [{"path": str(directory / "m-*.tar"), "name": "mixed"}]
 
 
-def test_a_run_that_skips_too_much_of_its_data_stops(tiny_data, tmp_path, tiny_config, make_trainer,
-                                                     png, torch_globals):
+def test_a_run_that_skips_too_much_of_its_data_stops(
+    tiny_data, tmp_path, tiny_config, make_trainer, png, torch_globals
+):
     """A third of the samples have broken images: the run stops at the first log once 50 samples
     were read, with one line naming the counters, exit code 1, no final/; with
     train.max_skip_share=0.5 the same data trains."""
     sources = _mixed_source(tmp_path / "data", png, 80, 40)
     said = []
-    cfg = _cfg(tiny_config, tiny_data, steps=30,
-               data={"sources": sources, "pack_buffer": 32, "shuffle_buffer": 0})
+    cfg = _cfg(
+        tiny_config,
+        tiny_data,
+        steps=30,
+        data={"sources": sources, "pack_buffer": 32, "shuffle_buffer": 0},
+    )
     run = tmp_path / "run"
     tr = make_trainer(cfg, run)
     tr.log_fn = said.append
     assert tr.train() == 1
     stop = [m for m in said if m.startswith("stopping:")]
-    assert len(stop) == 1 and "corrupt_image=" in stop[0] and "train.max_skip_share=0.1" in stop[0], said
+    assert (
+        len(stop) == 1 and "corrupt_image=" in stop[0] and "train.max_skip_share=0.1" in stop[0]
+    ), said
     steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps and steps[-1] < 30 and f"(step {steps[-1]})" in stop[0]
-    assert not (run / "final").exists() and json.loads((run / "summary.json").read_text())["exit_code"] == 1
+    assert (
+        not (run / "final").exists()
+        and json.loads((run / "summary.json").read_text())["exit_code"] == 1
+    )
 
     cfg["train"]["max_skip_share"] = 0.5
     assert make_trainer(cfg, tmp_path / "run2").train() == 0
 
 
-def test_a_source_that_loses_too_much_stops_the_run_though_the_whole_does_not(tiny_data, tmp_path, tiny_config,
-                                                                              make_trainer, png, torch_globals):
+def test_a_source_that_loses_too_much_stops_the_run_though_the_whole_does_not(
+    tiny_data, tmp_path, tiny_config, make_trainer, png, torch_globals
+):
     """The rule holds per source (one kind of sample each in the default data): a caption source
     losing a third of its samples stops the run, naming it, although the text source's volume keeps
     the whole under the limit."""
@@ -253,11 +314,17 @@ def test_a_source_that_loses_too_much_stops_the_run_though_the_whole_does_not(ti
     with ShardWriter(tmp_path / "texts", "t", max_count=100) as w:
         for i in range(600):
             w.write(Sample(key=f"t{i:04d}", kind="text", text=f"sample {i} " + "word " * (i % 7)))
-    sources = [{"path": str(tmp_path / "texts" / "t-*.tar"), "name": "texts", "weight": 5.0},
-               _mixed_source(tmp_path / "caps", png, 80, 40)[0]]
+    sources = [
+        {"path": str(tmp_path / "texts" / "t-*.tar"), "name": "texts", "weight": 5.0},
+        _mixed_source(tmp_path / "caps", png, 80, 40)[0],
+    ]
     said = []
-    cfg = _cfg(tiny_config, tiny_data, steps=40,
-               data={"sources": sources, "pack_buffer": 32, "shuffle_buffer": 0})
+    cfg = _cfg(
+        tiny_config,
+        tiny_data,
+        steps=40,
+        data={"sources": sources, "pack_buffer": 32, "shuffle_buffer": 0},
+    )
     tr = make_trainer(cfg, tmp_path / "run")
     tr.log_fn = said.append
     assert tr.train() == 1

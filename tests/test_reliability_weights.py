@@ -2,6 +2,7 @@
 train.init_from, vlm chat, vlm demo, the lmms-eval adapter) refuses a bad export in one line naming
 the file and the first bad tensor; a missing tensor never comes from uninitialised memory, and a
 pickle is never unpickled."""
+
 from __future__ import annotations
 
 import pickle
@@ -23,7 +24,7 @@ class _RunsCode:
         self.marker = marker
 
     def __reduce__(self):
-        return (open, (self.marker, "w"))   # unpickling would create the marker file
+        return (open, (self.marker, "w"))  # unpickling would create the marker file
 
 
 def _damaged(src, dst, how):
@@ -65,8 +66,18 @@ def _damaged(src, dst, how):
     raise AssertionError(how)
 
 
-KINDS = ["float16", "int64", "bool", "nan", "half_missing", "shape", "extra", "truncated", "pickle",
-         "bin_only"]
+KINDS = [
+    "float16",
+    "int64",
+    "bool",
+    "nan",
+    "half_missing",
+    "shape",
+    "extra",
+    "truncated",
+    "pickle",
+    "bin_only",
+]
 
 
 @pytest.mark.parametrize("how", KINDS)
@@ -81,7 +92,7 @@ def test_from_pretrained_refuses_bad_weights_in_one_line(exported_vlm, tmp_path,
     msg = str(e.value)
     assert says in msg and str(bad) in msg and "\n" not in msg, msg
     with pytest.raises(WeightsError, match="tensor|safetensors"):
-        AutoModelForCausalLM.from_pretrained(str(bad))   # the Auto class reaches the same check
+        AutoModelForCausalLM.from_pretrained(str(bad))  # the Auto class reaches the same check
     assert not (bad / "pwned").exists()
 
 
@@ -109,10 +120,9 @@ def test_a_bfloat16_export_loads_with_its_float32_expert_bias(tiny_vlm, tmp_path
 def test_init_from_refuses_int64_weights(exported_vlm, tmp_path):
     """The probe that trained at loss 6.2 million: int64 weights through train.init_from."""
     from configs.config import ConfigError
-    from vlm.train.stages import load_pretrained_weights
-
     from vlm.model.hf import ConceptMoEConfig
     from vlm.model.multimodal import ConceptMoEVLM
+    from vlm.train.stages import load_pretrained_weights
 
     bad, says = _damaged(exported_vlm, tmp_path / "final", "int64")
     model = ConceptMoEVLM(*ConceptMoEConfig.from_pretrained(str(exported_vlm)).build_configs())
@@ -121,18 +131,25 @@ def test_init_from_refuses_int64_weights(exported_vlm, tmp_path):
 
 
 @pytest.mark.parametrize("command", ["chat", "demo"])
-def test_chat_and_demo_refuse_bad_weights_in_one_line(exported_vlm, tmp_path, subprocess_env,
-                                                      command):
+def test_chat_and_demo_refuse_bad_weights_in_one_line(
+    exported_vlm, tmp_path, subprocess_env, command
+):
     if command == "demo":
         pytest.importorskip("gradio")
     bad, says = _damaged(exported_vlm, tmp_path / "final", "half_missing")
-    proc = subprocess.run([sys.executable, "-m", "vlm.cli", command, "--ckpt", str(bad)],
-                          input="hello\n", capture_output=True, text=True, env=subprocess_env(),
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "vlm.cli", command, "--ckpt", str(bad)],
+        input="hello\n",
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        timeout=300,
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = [ln for ln in proc.stderr.splitlines() if "WARNING" not in ln and ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith(f"vlm {command}: {bad / 'model.safetensors'}: "
-                                                   f"tensor ")
+    assert len(lines) == 1 and lines[0].startswith(
+        f"vlm {command}: {bad / 'model.safetensors'}: tensor "
+    )
     assert says in lines[0], lines
     assert "Traceback" not in proc.stderr and "serving" not in proc.stdout
 
@@ -144,4 +161,8 @@ def test_lmms_adapter_refuses_bad_weights_in_one_line(exported_vlm, tmp_path):
     bad, says = _damaged(exported_vlm, tmp_path / "final", "nan")
     with pytest.raises(SystemExit) as e:
         ConceptMoELMMS(pretrained=str(bad))
-    assert says in str(e.value.code) and str(bad) in str(e.value.code) and "\n" not in str(e.value.code)
+    assert (
+        says in str(e.value.code)
+        and str(bad) in str(e.value.code)
+        and "\n" not in str(e.value.code)
+    )

@@ -2,6 +2,7 @@
 README.md and docs/ is rendered by `vlm results` (`make results`) from the JSON the bench, the
 recipes and the runs leave, and these tests fail when a table, or a figure the prose repeats,
 disagrees with its JSON. Fast: no training."""
+
 from __future__ import annotations
 
 import argparse
@@ -43,7 +44,7 @@ def test_every_json_a_table_names_exists_and_parses():
     named = {p for t in registry.TABLES for p in t.sources}
     for rel in sorted(named):
         assert (ROOT / rel).is_file(), f"{rel} is named by a table but missing"
-        data = registry.load(ROOT, rel)   # parses; a recorded file must carry its provenance
+        data = registry.load(ROOT, rel)  # parses; a recorded file must carry its provenance
         assert data, rel
     recorded = {str(p.relative_to(ROOT)) for p in (ROOT / registry.REC).glob("*.json")}
     assert recorded <= named, f"recorded files no table reads: {sorted(recorded - named)}"
@@ -59,26 +60,43 @@ def test_every_table_has_its_markers_once():
         assert set(found) == {t.name for t in registry.TABLES if t.doc == doc}, doc
 
 
-@pytest.mark.parametrize("doc, old, new, table", [
-    ("docs/benchmarks.md", "| prefill, more experts | 1.29x |", "| prefill, more experts | 1.30x |",
-     "bench-model"),
-    ("README.md", "| caption | 2.33 / 2.50 / 2.40", "| caption | 2.33 / 2.55 / 2.40",
-     "readme-compression"),
-    ("docs/results/claims.md", "dynamic 0.922 (0.921-0.923) < fixed 0.939",
-     "dynamic 0.922 (0.921-0.923) < "
-     "fixed 0.949", "claims"),
-    ("docs/results/compression.md", "| all | **56.5** / 29.4 / 30.8",
-     "| all | **57.5** / 29.4 / 30.8",
-     "compression-seeds-vqa"),
-])
+@pytest.mark.parametrize(
+    "doc, old, new, table",
+    [
+        (
+            "docs/benchmarks.md",
+            "| prefill, more experts | 1.29x |",
+            "| prefill, more experts | 1.30x |",
+            "bench-model",
+        ),
+        (
+            "README.md",
+            "| caption | 2.33 / 2.50 / 2.40",
+            "| caption | 2.33 / 2.55 / 2.40",
+            "readme-compression",
+        ),
+        (
+            "docs/results/claims.md",
+            "dynamic 0.922 (0.921-0.923) < fixed 0.939",
+            "dynamic 0.922 (0.921-0.923) < fixed 0.949",
+            "claims",
+        ),
+        (
+            "docs/results/compression.md",
+            "| all | **56.5** / 29.4 / 30.8",
+            "| all | **57.5** / 29.4 / 30.8",
+            "compression-seeds-vqa",
+        ),
+    ],
+)
 def test_a_hand_edited_number_fails_the_check(tmp_path, doc, old, new, table):
     root = scratch_copy(tmp_path)
     assert registry.check(root) == []
     edit(root / doc, old, new)
     problems = registry.check(root)
     assert len(problems) == 1 and f"results:{table} differs" in problems[0], problems
-    assert old in problems[0]                          # the diff shows the JSON's figure
-    registry.write(root)                               # `make results` puts the JSON's figure back
+    assert old in problems[0]  # the diff shows the JSON's figure
+    registry.write(root)  # `make results` puts the JSON's figure back
     assert registry.check(root) == [] and old in (root / doc).read_text()
 
 
@@ -98,8 +116,11 @@ def test_the_command_exits_1_on_a_hand_edit(tmp_path, capsys):
     root = scratch_copy(tmp_path)
     args = argparse.Namespace(check=True, rerun=[], root=str(root))
     assert results_cli(args) == 0
-    edit(root / "docs/benchmarks.md", "| captions, learned boundaries | 1.13x |",
-         "| captions, learned boundaries | 1.31x |")
+    edit(
+        root / "docs/benchmarks.md",
+        "| captions, learned boundaries | 1.13x |",
+        "| captions, learned boundaries | 1.31x |",
+    )
     assert results_cli(args) == 1
     assert "results:bench-realized differs" in capsys.readouterr().err
 
@@ -138,14 +159,19 @@ def test_figures_the_prose_repeats_agree_with_the_json():
     assert f"{pct(vqa['blind_baseline']['all'])} % blind" in row
 
     realized = json.loads((ROOT / bench.REALIZED).read_text())
-    learned = [r for r in realized["rows"] if r["candidate"] == "more_experts (learned)"
-               and r["setting"]["kind"] == "vqa prompt"]
+    learned = [
+        r
+        for r in realized["rows"]
+        if r["candidate"] == "more_experts (learned)" and r["setting"]["kind"] == "vqa prompt"
+    ]
     got = [r["ratio_vs_baseline"] for r in learned]
     lo, hi = min(got), max(got)
     assert f"{lo:.2f}-{hi:.2f}x the MoE baseline's tokens/s on VQA prompts" in readme
 
     seeds = runs.seeds({runs.SEEDS: registry.load(ROOT, runs.SEEDS)})
-    margins = [v["accuracy"]["all"] - max(v["majority_baseline"]["all"], v["blind_baseline"]["all"])
-               for v in (s["vqa"] for s in seeds)]
+    margins = [
+        v["accuracy"]["all"] - max(v["majority_baseline"]["all"], v["blind_baseline"]["all"])
+        for v in (s["vqa"] for s in seeds)
+    ]
     text = re.sub(r"\s+", " ", (ROOT / "docs/results/compression.md").read_text())
     assert "better baseline is " + " / ".join(pct(m) for m in margins) + " points" in text

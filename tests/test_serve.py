@@ -6,6 +6,7 @@ vLLM lives in its own venv (`make serve-venv`, .venv-serve): the tests run it in
 compare with the project's own generation in this process; they are skipped where that venv is
 absent. One engine per test (about 25 s to start).
 """
+
 from __future__ import annotations
 
 import base64
@@ -22,28 +23,43 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVE_BIN = ROOT / ".venv-serve" / "bin"
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not (SERVE_BIN / "python").is_file(),
-                                 reason="no serve venv (.venv-serve): `make serve-venv` installs "
-                                        "vLLM there")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not (SERVE_BIN / "python").is_file(),
+        reason="no serve venv (.venv-serve): `make serve-venv` installs vLLM there",
+    ),
+]
 
 MAX_TOKENS = 16
-QUESTIONS = ["What is in the image?", "Describe the colours.", "Is it a cat?", "Count the shapes.",
-             "Where was it taken?", "What time is it?", "Name one object.", "Anything red?"]
+QUESTIONS = [
+    "What is in the image?",
+    "Describe the colours.",
+    "Is it a cat?",
+    "Count the shapes.",
+    "Where was it taken?",
+    "What time is it?",
+    "Name one object.",
+    "Anything red?",
+]
 
 
 def _prompts(image: str) -> list[dict]:
     """8 prompts: images (one, two) and text, chat turns and raw text, of different lengths."""
     u = lambda text: f"<|user|>{text}<|end|><|assistant|>"  # noqa: E731
-    return [{"prompt": u("<image>\nWhat is in the image?"), "images": [image]},
-            {"prompt": u("hello there")},
-            {"prompt": "<image><image> two of them", "images": [image, image]},
-            {"prompt": "x"},
-            {"prompt": "The quick brown fox jumps over the lazy dog. " * 3},
-            {"prompt": u("<image>\nDescribe it in detail, every part of it, left to right."),
-             "images": [image]},
-            {"prompt": u("what is 2+2?")},
-            {"prompt": "1 2 3 4 5 6 7 8 9 10 11 12"}]
+    return [
+        {"prompt": u("<image>\nWhat is in the image?"), "images": [image]},
+        {"prompt": u("hello there")},
+        {"prompt": "<image><image> two of them", "images": [image, image]},
+        {"prompt": "x"},
+        {"prompt": "The quick brown fox jumps over the lazy dog. " * 3},
+        {
+            "prompt": u("<image>\nDescribe it in detail, every part of it, left to right."),
+            "images": [image],
+        },
+        {"prompt": u("what is 2+2?")},
+        {"prompt": "1 2 3 4 5 6 7 8 9 10 11 12"},
+    ]
 
 
 def _reference(final: Path, batches: list[list[dict]]) -> list[list[dict]]:
@@ -57,21 +73,38 @@ def _reference(final: Path, batches: list[list[dict]]) -> list[list[dict]]:
         images = [[Path(i).read_bytes() for i in r.get("images", [])] for r in batch]
         pb = chat.prompt_batch(prompts, images)
         rows: dict = {}
-        chat.generate(prompts, images, max_new_tokens=MAX_TOKENS,
-                      on_tokens=lambda r: rows.update(r=r))
-        out.append([{"token_ids": r,
-                     "prompt_token_ids": pb.input_ids[i][pb.doc_ids[i] >= 0].tolist()}
-                    for i, r in enumerate(rows["r"])])
+        chat.generate(
+            prompts, images, max_new_tokens=MAX_TOKENS, on_tokens=lambda r: rows.update(r=r)
+        )
+        out.append(
+            [
+                {"token_ids": r, "prompt_token_ids": pb.input_ids[i][pb.doc_ids[i] >= 0].tolist()}
+                for i, r in enumerate(rows["r"])
+            ]
+        )
     return out
 
 
-def _through_vllm(final: Path, batches: list[list[dict]], tmp: Path, log: list | None = None,
-                  **engine) -> list[list[dict]]:
+def _through_vllm(
+    final: Path, batches: list[list[dict]], tmp: Path, log: list | None = None, **engine
+) -> list[list[dict]]:
     req, dst = tmp / "requests.json", tmp / "vllm_out.json"
     req.write_text(json.dumps({"max_tokens": MAX_TOKENS, "batches": batches}))
-    proc = subprocess.run([str(SERVE_BIN / "python"), "-m", "vlm.serve.offline", str(final),
-                           str(req), str(dst), json.dumps(engine)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            str(SERVE_BIN / "python"),
+            "-m",
+            "vlm.serve.offline",
+            str(final),
+            str(req),
+            str(dst),
+            json.dumps(engine),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     if log is not None:
         log.append(proc.stdout + proc.stderr)
@@ -83,7 +116,7 @@ def _assert_equal(ref: list[list[dict]], got: list[list[dict]]) -> None:
         for i, (r, g) in enumerate(zip(rb, gb, strict=True)):
             assert g["prompt_token_ids"] == r["prompt_token_ids"], f"batch {b} row {i}: prompt"
             # vlm chat stops at <eos>; vLLM ran on (ignore_eos)
-            assert g["token_ids"][:len(r["token_ids"])] == r["token_ids"], f"batch {b} row {i}"
+            assert g["token_ids"][: len(r["token_ids"])] == r["token_ids"], f"batch {b} row {i}"
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +140,7 @@ def baseline_export(tmp_path_factory, tiny_vlm) -> Path:
 
 def _batches(final: Path) -> list[list[dict]]:
     p = _prompts(str(final.parent / "a.png"))
-    return [[p[0]], [p[1]], p]   # batch 1 image, batch 1 text, batch 8 mixed
+    return [[p[0]], [p[1]], p]  # batch 1 image, batch 1 text, batch 8 mixed
 
 
 def test_concept_model_through_vllm_equals_vlm_chat(exported_vlm, tmp_path):
@@ -115,8 +148,15 @@ def test_concept_model_through_vllm_equals_vlm_chat(exported_vlm, tmp_path):
     token capacity and prompts longer than the batch budget (chunked prefill continues a request's
     concept state token by token)."""
     batches = _batches(exported_vlm)
-    got = _through_vllm(exported_vlm, batches, tmp_path, max_model_len=256, concept_capacity=128,
-                        max_num_batched_tokens=64, enable_chunked_prefill=True)
+    got = _through_vllm(
+        exported_vlm,
+        batches,
+        tmp_path,
+        max_model_len=256,
+        concept_capacity=128,
+        max_num_batched_tokens=64,
+        enable_chunked_prefill=True,
+    )
     _assert_equal(_reference(exported_vlm, batches), got)
 
 
@@ -126,8 +166,9 @@ def test_concept_capacity_overflow_is_counted_not_fatal(exported_vlm, tmp_path):
     them, and logged)."""
     p = _prompts(str(exported_vlm.parent / "a.png"))
     log: list = []
-    got = _through_vllm(exported_vlm, [[p[4], p[1]]], tmp_path, log=log, max_model_len=256,
-                        concept_capacity=16)
+    got = _through_vllm(
+        exported_vlm, [[p[4], p[1]]], tmp_path, log=log, max_model_len=256, concept_capacity=16
+    )
     assert [len(r["token_ids"]) for r in got[0]] == [MAX_TOKENS, MAX_TOKENS]
     assert "concept capacity 16 reached" in log[0]
 
@@ -146,8 +187,11 @@ def _free_port() -> int:
 
 
 def _post(port: int, body: dict) -> dict:
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions",
-                                 json.dumps(body).encode(), {"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/chat/completions",
+        json.dumps(body).encode(),
+        {"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(req, timeout=120) as r:
         return json.loads(r.read())
 
@@ -164,9 +208,21 @@ def test_vlm_serve_answers_8_concurrent_chats_as_vlm_chat(exported_vlm, tmp_path
     url = "data:image/png;base64," + base64.b64encode(png).decode()
     port = _free_port()
     log = (tmp_path / "server.log").open("w")
-    server = subprocess.Popen([str(SERVE_BIN / "vlm"), "serve", str(exported_vlm), "--port",
-                               str(port), "--max-model-len", "256"], cwd=ROOT, stdout=log,
-                              stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    server = subprocess.Popen(
+        [
+            str(SERVE_BIN / "vlm"),
+            "serve",
+            str(exported_vlm),
+            "--port",
+            str(port),
+            "--max-model-len",
+            "256",
+        ],
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     try:
         chat = load_eval_model(exported_vlm, device="cpu")
         with_image = [i not in (3, 6) for i in range(8)]
@@ -177,8 +233,13 @@ def test_vlm_serve_answers_8_concurrent_chats_as_vlm_chat(exported_vlm, tmp_path
             rows: dict = {}
             turns = [{"role": "user", "content": (IMAGE_TOKEN + "\n" if img else "") + q}]
             prompt = chat.tokenizer.format_chat(turns, add_generation_prompt=True)
-            text = chat.generate([prompt], [[png] if img else []], max_new_tokens=MAX_TOKENS,
-                                 stop=[END], on_tokens=lambda r: rows.update(r=r))[0]
+            text = chat.generate(
+                [prompt],
+                [[png] if img else []],
+                max_new_tokens=MAX_TOKENS,
+                stop=[END],
+                on_tokens=lambda r: rows.update(r=r),
+            )[0]
             expected.append((strip(rows["r"][0]), text))
         deadline = time.time() + 150
         while True:
@@ -193,8 +254,13 @@ def test_vlm_serve_answers_8_concurrent_chats_as_vlm_chat(exported_vlm, tmp_path
         def ask(i: int) -> tuple[list[int], str]:
             image = [{"type": "image_url", "image_url": {"url": url}}] if with_image[i] else []
             content = image + [{"type": "text", "text": QUESTIONS[i]}]
-            body = {"model": str(exported_vlm), "temperature": 0, "max_tokens": MAX_TOKENS,
-                    "messages": [{"role": "user", "content": content}], "return_token_ids": True}
+            body = {
+                "model": str(exported_vlm),
+                "temperature": 0,
+                "max_tokens": MAX_TOKENS,
+                "messages": [{"role": "user", "content": content}],
+                "return_token_ids": True,
+            }
             choice = _post(port, body)["choices"][0]
             return strip(choice["token_ids"]), choice["message"]["content"]
 

@@ -1,6 +1,7 @@
 """`vlm serve` where vLLM is not installed (the project's own venv): one line naming
 `make serve-venv`, no traceback; and the server arguments it builds (127.0.0.1 unless told, the
 export's engine settings). Runs everywhere; the serving itself is tests/test_serve.py."""
+
 from __future__ import annotations
 
 import argparse
@@ -42,7 +43,7 @@ def test_server_binds_localhost_with_the_exports_settings(exported_vlm):
     assert json.loads(value("--hf-overrides")) == {"concept_capacity": 64}
     assert "--no-enable-prefix-caching" in argv and "--enforce-eager" in argv
     template = open(value("--chat-template")).read()
-    assert template.startswith("{{ bos_token }}")   # the project's prompts start with <bos>
+    assert template.startswith("{{ bos_token }}")  # the project's prompts start with <bos>
     argv = server_argv(_args(str(exported_vlm), "--host", "0.0.0.0"))
     assert argv[argv.index("--host") + 1] == "0.0.0.0"
 

@@ -1,6 +1,7 @@
 """A value logged per step travels through one record: the step's `StepRecord`, from the
 accumulator's sums to metrics.jsonl, TensorBoard and W&B alike. A value added where the step's means
 are made reaches every sink, and every sink receives the same line."""
+
 import json
 
 import pytest
@@ -11,6 +12,7 @@ from vlm.train import metrics
 
 class Recorder:
     """Stands in for a sink (the dashboard, the W&B tracker) and keeps what it was handed."""
+
     seen: dict[str, list] = {}
 
     def __init__(self, name):
@@ -24,8 +26,9 @@ class Recorder:
         pass
 
     def histograms(self, step, chunking, loads):
-        Recorder.seen[self.name + "/histograms"] = Recorder.seen.get(self.name + "/histograms",
-                                                                     []) + [step]
+        Recorder.seen[self.name + "/histograms"] = Recorder.seen.get(
+            self.name + "/histograms", []
+        ) + [step]
 
     def document_histograms(self, step, hist, loss, names):
         pass
@@ -34,21 +37,24 @@ class Recorder:
         pass
 
 
-def test_a_value_made_with_the_step_means_reaches_every_sink_unchanged(tiny_data, tiny_config,
-                                                                       make_trainer,
-                                                                      tmp_path, torch_globals,
-                                                                       monkeypatch):
+def test_a_value_made_with_the_step_means_reaches_every_sink_unchanged(
+    tiny_data, tiny_config, make_trainer, tmp_path, torch_globals, monkeypatch
+):
     made = metrics.step_scalars
 
-    def planted(vec, *args, **kwargs):   # the one place a step's means are made
-        return {**made(vec, *args, **kwargs),
-                "planted/tokens_twice": 2 * int(vec[metrics.IDX["tokens/all"]])}
+    def planted(vec, *args, **kwargs):  # the one place a step's means are made
+        return {
+            **made(vec, *args, **kwargs),
+            "planted/tokens_twice": 2 * int(vec[metrics.IDX["tokens/all"]]),
+        }
 
     monkeypatch.setattr(metrics, "step_scalars", planted)
     monkeypatch.setattr(metrics, "Dashboard", lambda *a, **k: Recorder("tensorboard"))
     monkeypatch.setattr(metrics, "WandbTracker", lambda *a, **k: Recorder("wandb"))
-    cfg = tiny_config(tiny_data, logging={"report_to": ["tensorboard", "wandb"], "log_every": 1,
-                                          "histogram_every": 1})
+    cfg = tiny_config(
+        tiny_data,
+        logging={"report_to": ["tensorboard", "wandb"], "log_every": 1, "histogram_every": 1},
+    )
     run = tmp_path / "run"
     assert make_trainer(cfg, run).train() == 0
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -69,11 +75,14 @@ def test_a_skipped_step_is_a_record_too():
 
 def test_the_record_of_an_accumulator_holds_its_global_means_and_the_tensors_drawn():
     acc = metrics.StepAccumulator(torch.device("cpu"))
-    acc.parts.append(torch.zeros(len(metrics.FIELDS), dtype=torch.float64).index_fill(
-        0, torch.tensor([metrics.IDX["n_lab"], metrics.IDX["tokens/all"]]), 10.0))
+    acc.parts.append(
+        torch.zeros(len(metrics.FIELDS), dtype=torch.float64).index_fill(
+            0, torch.tensor([metrics.IDX["n_lab"], metrics.IDX["tokens/all"]]), 10.0
+        )
+    )
     acc.parts[0][metrics.IDX["lm_sum"]] = 25.0
     acc.loads["layer0"] = torch.tensor([3.0, 1.0])
-    doubled = acc.record(7, lambda flat: 2 * flat)   # two ranks holding the same sums
+    doubled = acc.record(7, lambda flat: 2 * flat)  # two ranks holding the same sums
     assert doubled.step == 7 and doubled.applied
     assert doubled.scalars["lm_loss"] == pytest.approx(2.5) and doubled.scalars["tokens"] == 20
     assert doubled.scalars["moe/max_over_mean/layer0"] == pytest.approx(1.5)

@@ -5,6 +5,7 @@ Stage k trains into DIR/<k>_<config stem> with train.init_from = the previous st
 finished stage is skipped when the same command runs again; every stage config is validated before
 any stage starts.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -32,18 +33,29 @@ def _stage_files(root, data_dir, tiny: dict) -> dict[str, str]:
     base["data"].update(sources=[], default_dir=str(data_dir))
     base["logging"].update(eval_every=0, histogram_every=0, eval_sources=[])
     base["checkpoint"].update(save_every=1, keep_last=2)
-    base["train"].update(max_steps=5)        # the chain's override brings every stage down to 2
+    base["train"].update(max_steps=5)  # the chain's override brings every stage down to 2
     root.mkdir(parents=True, exist_ok=True)
     _write(root / "base.yaml", base)
     return {
         # vqa_eval on: the end-of-run VQA check must skip a model without vision rather than fail
         # the stage
-        "text": _write(root / "text.yaml",
-                       {"base": "base.yaml", "vision": None, "data": {"default_parts": ["text"]},
-                                            "train": {"stage": "text", "vqa_eval": True}}),
-        "align": _write(root / "align.yaml",
-                        {"base": "base.yaml", "data": {"default_parts": ["caption"]},
-                                              "params": {"freeze": ["lm"]}}),
+        "text": _write(
+            root / "text.yaml",
+            {
+                "base": "base.yaml",
+                "vision": None,
+                "data": {"default_parts": ["text"]},
+                "train": {"stage": "text", "vqa_eval": True},
+            },
+        ),
+        "align": _write(
+            root / "align.yaml",
+            {
+                "base": "base.yaml",
+                "data": {"default_parts": ["caption"]},
+                "params": {"freeze": ["lm"]},
+            },
+        ),
         "full": _write(root / "full.yaml", {"base": "base.yaml"}),
     }
 
@@ -64,8 +76,9 @@ def _lm_params(path) -> dict[str, torch.Tensor]:
 
 
 def _mtimes(d) -> dict[str, int]:
-    return {str(p.relative_to(d)): p.stat().st_mtime_ns for p in sorted(d.rglob("*"))
-            if p.is_file()}
+    return {
+        str(p.relative_to(d)): p.stat().st_mtime_ns for p in sorted(d.rglob("*")) if p.is_file()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +114,9 @@ def test_stages_run_in_order_each_from_the_previous_final(chain):
     assert text_cfg["train"]["init_from"] is None and text_cfg["train"]["stage"] == "text"
     assert text_cfg["vision"] is None and text_cfg["data"]["default_parts"] == ["text"]
     assert align_cfg["train"]["init_from"] == str(text_dir / "final")
-    assert align_cfg["data"]["default_parts"] == ["caption"] and align_cfg["params"]["freeze"] == ["lm"]
+    assert align_cfg["data"]["default_parts"] == ["caption"] and align_cfg["params"]["freeze"] == [
+        "lm"
+    ]
 
     # the align stage froze the LLM, so its exported LLM is stage 1's exactly, and not a
     # fresh initialisation
@@ -113,8 +128,9 @@ def test_stages_run_in_order_each_from_the_previous_final(chain):
     for k in text_lm:
         assert torch.equal(text_lm[k], align_lm[k]), k
     torch.manual_seed(load_train_config(chain["files"]["align"]).train.seed)
-    fresh = dict(ConceptMoEVLM(load_train_config(chain["files"]["align"]).model,
-                               None).lm.named_parameters())
+    fresh = dict(
+        ConceptMoEVLM(load_train_config(chain["files"]["align"]).model, None).lm.named_parameters()
+    )
     assert any(not torch.equal(fresh[k], text_lm[k]) for k in text_lm)
 
     # the text stage saw no images, the align stage did
@@ -130,7 +146,7 @@ def test_rerun_skips_finished_stages_and_runs_the_rest(chain, tmp_path):
     rc, stdout, _ = _chain_cli(args)
     assert rc == 0
     assert stdout.count("done earlier") == 2, stdout
-    assert {d.name: _mtimes(d) for d in out.iterdir()} == before       # nothing was touched
+    assert {d.name: _mtimes(d) for d in out.iterdir()} == before  # nothing was touched
 
     # a third stage appended to the same command: the first two are skipped, the new one starts from
     # stage 2
@@ -139,8 +155,16 @@ def test_rerun_skips_finished_stages_and_runs_the_rest(chain, tmp_path):
     out3 = tmp_path / "out"
     shutil.copytree(out, out3)
     before = {d.name: _mtimes(d) for d in out3.iterdir()}
-    rc, stdout, _ = _chain_cli([chain["files"]["text"], chain["files"]["align"],
-                                chain["files"]["full"], "--out", str(out3), "train.max_steps=2"])
+    rc, stdout, _ = _chain_cli(
+        [
+            chain["files"]["text"],
+            chain["files"]["align"],
+            chain["files"]["full"],
+            "--out",
+            str(out3),
+            "train.max_steps=2",
+        ]
+    )
     assert rc == 0
     assert stdout.count("done earlier") == 2, stdout
     for name, mt in before.items():
@@ -168,13 +192,17 @@ def test_an_unfinished_stage_resumes_instead_of_restarting(chain, tmp_path):
     (align / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
     metrics_before = (align / "metrics.jsonl").read_text()
     logs: list[str] = []
-    rc = run_chain([chain["files"]["text"], chain["files"]["align"]], out, ["train.max_steps=2"],
-                   log=logs.append)
+    rc = run_chain(
+        [chain["files"]["text"], chain["files"]["align"]],
+        out,
+        ["train.max_steps=2"],
+        log=logs.append,
+    )
     assert rc == 0
     assert any("done earlier" in x and "0_text" in x for x in logs), logs
     assert (align / "final" / "config.json").is_file()
     assert json.loads((align / "summary.json").read_text())["steps"] == 2
-    assert (align / "metrics.jsonl").read_text() == metrics_before      # no step was trained again
+    assert (align / "metrics.jsonl").read_text() == metrics_before  # no step was trained again
 
 
 def test_bad_stage_config_stops_before_any_work(tiny_data, tmp_path, capsys, TINY):
@@ -186,12 +214,15 @@ def test_bad_stage_config_stops_before_any_work(tiny_data, tmp_path, capsys, TIN
     rc = main(["chain", files["text"], bad, "--out", str(out)])
     err = capsys.readouterr().err.strip()
     assert rc == 2
-    assert err.startswith("config error: ") and "optim.lrr" in err and len(err.splitlines()) == 1, err
+    assert err.startswith("config error: ") and "optim.lrr" in err and len(err.splitlines()) == 1, (
+        err
+    )
     assert not out.exists(), "a bad later stage must stop the chain before the first stage trains"
 
     # a later stage may not choose its own starting point: the chain sets it
-    own = _write(tmp_path / "cfg" / "own.yaml",
-                 {"base": "base.yaml", "train": {"init_from": str(tmp_path)}})
+    own = _write(
+        tmp_path / "cfg" / "own.yaml", {"base": "base.yaml", "train": {"init_from": str(tmp_path)}}
+    )
     from vlm.train.chain import run_chain
 
     with pytest.raises(ConfigError, match="init_from is set by the chain"):
@@ -210,8 +241,8 @@ def test_finished_needs_a_clean_summary_and_an_export(tmp_path):
     run = tmp_path / "run"
     (run / "final").mkdir(parents=True)
     (run / "final" / "config.json").write_text("{}")
-    assert not finished(run)                                   # no summary yet
-    (run / "summary.json").write_text('{"steps": 3, "exit_c')   # cut short mid-write
+    assert not finished(run)  # no summary yet
+    (run / "summary.json").write_text('{"steps": 3, "exit_c')  # cut short mid-write
     assert not finished(run)
     (run / "summary.json").write_text(json.dumps({"exit_code": 1}))
     # stopped early (e.g. too many non-finite steps)
@@ -219,7 +250,7 @@ def test_finished_needs_a_clean_summary_and_an_export(tmp_path):
     (run / "summary.json").write_text(json.dumps({"exit_code": 0}))
     assert finished(run)
     (run / "final" / "config.json").unlink()
-    assert not finished(run)                                   # export missing
+    assert not finished(run)  # export missing
 
 
 def test_ctrl_c_stops_the_stage_in_flight_and_the_same_command_continues(chain, tmp_path):
@@ -254,7 +285,10 @@ def test_ctrl_c_stops_the_stage_in_flight_and_the_same_command_continues(chain, 
     assert any("stopped with exit code 130" in x for x in logs), logs
     rc = run_chain(files, out, ["train.max_steps=4"], log=logs.append)
     assert rc == 0 and finished(first) and finished(second)
-    steps = [json.loads(x)["step"] for x in (first / "metrics.jsonl").read_text().splitlines()
-             if "loss" in json.loads(x)]
+    steps = [
+        json.loads(x)["step"]
+        for x in (first / "metrics.jsonl").read_text().splitlines()
+        if "loss" in json.loads(x)
+    ]
     # stage 0 resumed: no step trained twice
     assert steps == sorted(set(steps)) and steps[-1] == 4

@@ -1,4 +1,5 @@
 """Two data-parallel processes (gloo): same first step as one process on the same global batch; torchrun CLI."""
+
 from __future__ import annotations
 
 import json
@@ -19,8 +20,13 @@ def _free_port() -> int:
 
 
 def _worker(rank: int, world: int, port: int, cfg, out: str) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     torch.set_num_threads(1)
     from data_pipelines.loader import build_loader
     from vlm.train.trainer import Trainer
@@ -58,35 +64,68 @@ def test_two_ranks_match_one_rank_first_step(tiny_data, tmp_path, tiny_config, l
     # same sampled boundaries
     for key in ("compression/ratio", "compression/text", "compression/image"):
         assert ra[key] == rb[key], key
-    for key in ("loss", "lm_loss", "aux_loss", "balance_loss", "loss/text_only", "loss/image_text",
-                "boundary_p/text", "boundary_p/image"):
+    for key in (
+        "loss",
+        "lm_loss",
+        "aux_loss",
+        "balance_loss",
+        "loss/text_only",
+        "loss/image_text",
+        "boundary_p/text",
+        "boundary_p/image",
+    ):
         if ra[key] is None:
             assert rb[key] is None
             continue
         assert rb[key] == pytest.approx(ra[key], rel=1e-6, abs=1e-7), key
     # and the same update
     for n, p in a["params"].items():
-        torch.testing.assert_close(b["params"][n], p, rtol=1e-5, atol=1e-6,
-                                   msg=lambda m: f"{n}: {m}")
+        torch.testing.assert_close(
+            b["params"][n], p, rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}"
+        )
 
 
 @pytest.mark.slow
-def test_torchrun_two_processes_cli(tiny_data, tmp_path, tiny_config, write_config, subprocess_env,
-                                    ROOT):
-    cfg = tiny_config(tiny_data, train={"max_steps": 2}, checkpoint={"save_every": 2},
-                      logging={"eval_every": 2}, deepspeed={"zero_stage": 2})
+def test_torchrun_two_processes_cli(
+    tiny_data, tmp_path, tiny_config, write_config, subprocess_env, ROOT
+):
+    cfg = tiny_config(
+        tiny_data,
+        train={"max_steps": 2},
+        checkpoint={"save_every": 2},
+        logging={"eval_every": 2},
+        deepspeed={"zero_stage": 2},
+    )
     path = write_config(cfg, tmp_path / "c.yaml")
     run_dir = tmp_path / "run"
     env = subprocess_env()
     env["OMP_NUM_THREADS"] = "1"
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                           "--master_port", str(_free_port()), "-m", "vlm.train", "--config",
-                           str(path), "--out", str(run_dir)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(_free_port()),
+            "-m",
+            "vlm.train",
+            "--config",
+            str(path),
+            "--out",
+            str(run_dir),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs] == [1, 2] and all(r["lm_loss"] > 0 for r in recs)
     ckpt = run_dir / "checkpoints" / "step_00000002"
     assert (ckpt / "rank_00000.pt").is_file() and (ckpt / "rank_00001.pt").is_file()
     assert (run_dir / "final" / "config.json").is_file()
-    assert proc.stdout.count("summary") == 1      # only rank 0 reports
+    assert proc.stdout.count("summary") == 1  # only rank 0 reports

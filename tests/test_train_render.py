@@ -1,4 +1,5 @@
 """Dashboard pictures: concept outlines over merged image patches, '|' at text concept boundaries, report.png."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -41,31 +42,69 @@ def test_text_with_boundaries_marks_concepts_and_collapses_images():
 def test_report_png_and_summary(tmp_path):
     from vlm.train.report import summary_lines, write_report
 
-    recs = [{"step": s, "lm_loss": 5 - s * 0.1, "loss/text_only": 5 - s * 0.05,
-             "loss/image_text": 4.8 - s * 0.1, "compression/ratio": 2 + 0.01 * s,
-             "compression/text": 2.1, "compression/image": 3.0 + 0.1 * s,
-             "boundary_p/all": 0.5, "boundary_p/text": 0.48, "boundary_p/image": 0.3,
-             "tokens_per_s": 1000.0}
-            for s in range(1, 21)]
+    recs = [
+        {
+            "step": s,
+            "lm_loss": 5 - s * 0.1,
+            "loss/text_only": 5 - s * 0.05,
+            "loss/image_text": 4.8 - s * 0.1,
+            "compression/ratio": 2 + 0.01 * s,
+            "compression/text": 2.1,
+            "compression/image": 3.0 + 0.1 * s,
+            "boundary_p/all": 0.5,
+            "boundary_p/text": 0.48,
+            "boundary_p/image": 0.3,
+            "tokens_per_s": 1000.0,
+        }
+        for s in range(1, 21)
+    ]
     recs[-1]["val/lm_loss"] = 3.1
     # the last step's per-document figures: chat prompts unmerged, captions merged whole (no concept
     # on the image)
-    recs[-1].update({"doc_ratio/chat/text/p10": 1.0, "doc_ratio/chat/text/p50": 1.03,
-                     "doc_ratio/chat/text/p90": 1.2, "doc_ratio/chat/text/docs": 8,
-                     "doc_ratio/chat/text/no_concept": 0.0, "doc_ratio/caption/image/p10": 12.0,
-                     "doc_ratio/caption/image/p50": None, "doc_ratio/caption/image/p90": None,
-                     "doc_ratio/caption/image/docs": 9, "doc_ratio/caption/image/no_concept": 0.8})
+    recs[-1].update(
+        {
+            "doc_ratio/chat/text/p10": 1.0,
+            "doc_ratio/chat/text/p50": 1.03,
+            "doc_ratio/chat/text/p90": 1.2,
+            "doc_ratio/chat/text/docs": 8,
+            "doc_ratio/chat/text/no_concept": 0.0,
+            "doc_ratio/caption/image/p10": 12.0,
+            "doc_ratio/caption/image/p50": None,
+            "doc_ratio/caption/image/p90": None,
+            "doc_ratio/caption/image/docs": 9,
+            "doc_ratio/caption/image/no_concept": 0.8,
+        }
+    )
     out = write_report(recs, tmp_path / "report.png", {"ratio": 2.0})
     assert out.read_bytes()[:4] == b"\x89PNG"
-    held = {"chat": {"image": {"p10": 1.0, "p50": 1.03, "p90": 1.1, "aggregate": 1.03, "docs": 200,
-                               "no_concept": 0}}}
-    vqa = {"n": 10, "split": "test", "accuracy": {"colour": 80.0, "all": 70.0},
-           "majority_baseline": {"colour": 20.0, "all": 40.0},
-           "blind_baseline": {"colour": 15.0, "all": 35.0},
-           "held_out_compression": held, "prompt_compression": held["chat"]}
-    text = "\n".join(summary_lines(recs, {"ratio": 2.0}, vqa, tmp_path, 60.0, 0,
-                                   {"corrupt_image": 2}))
-    assert "  colour        80.0      20.0    15.0" in text and "  all           70.0      40.0    35.0" in text
+    held = {
+        "chat": {
+            "image": {
+                "p10": 1.0,
+                "p50": 1.03,
+                "p90": 1.1,
+                "aggregate": 1.03,
+                "docs": 200,
+                "no_concept": 0,
+            }
+        }
+    }
+    vqa = {
+        "n": 10,
+        "split": "test",
+        "accuracy": {"colour": 80.0, "all": 70.0},
+        "majority_baseline": {"colour": 20.0, "all": 40.0},
+        "blind_baseline": {"colour": 15.0, "all": 35.0},
+        "held_out_compression": held,
+        "prompt_compression": held["chat"],
+    }
+    text = "\n".join(
+        summary_lines(recs, {"ratio": 2.0}, vqa, tmp_path, 60.0, 0, {"corrupt_image": 2})
+    )
+    assert (
+        "  colour        80.0      20.0    15.0" in text
+        and "  all           70.0      40.0    35.0" in text
+    )
     # the aggregate is never shown alone: the per-kind distribution stands under it
     assert "image  batch aggregate N/M = 4.95" in text
     assert "chat        text          8    1.00    1.03    1.20" in text

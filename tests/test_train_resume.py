@@ -1,4 +1,5 @@
 """Checkpoints: atomic saves, and a SIGKILLed + resumed run equal to an uninterrupted one, step by step."""
+
 from __future__ import annotations
 
 import json
@@ -14,8 +15,11 @@ from vlm.train.metrics import TIMING_KEYS
 
 
 def _records(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-            if line.strip()]
+    return [
+        json.loads(line)
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+        if line.strip()
+    ]
 
 
 def _strip(rec):
@@ -29,37 +33,47 @@ def test_latest_checkpoint_ignores_partial_saves(tmp_path):
     good = root / step_dir_name(4)
     good.mkdir(parents=True)
     (good / "meta.json").write_text('{"step": 4, "world_size": 1}')
-    (root / f".tmp-{step_dir_name(6)}" / "ds").mkdir(parents=True)         # crashed mid-save
+    (root / f".tmp-{step_dir_name(6)}" / "ds").mkdir(parents=True)  # crashed mid-save
     # no meta.json: never complete
     (root / step_dir_name(8)).mkdir()
-    (root / f".del-{step_dir_name(2)}").mkdir()                            # crashed mid-delete
+    (root / f".del-{step_dir_name(2)}").mkdir()  # crashed mid-delete
     assert latest_checkpoint(root) == good
     clean_partial(root)
     assert sorted(p.name for p in root.iterdir()) == [step_dir_name(4), step_dir_name(8)]
 
 
 @pytest.mark.slow
-def test_sigkill_and_resume_reproduces_metrics(tiny_data, tmp_path, tiny_config, write_config,
-                                               run_train_cli, ROOT, subprocess_env):
+def test_sigkill_and_resume_reproduces_metrics(
+    tiny_data, tmp_path, tiny_config, write_config, run_train_cli, ROOT, subprocess_env
+):
     """A CPU test by nature: bit-for-bit equal runs need kernels that give the same bits every time,
     which the CPU's do (GPU kernels need not, deterministic-algorithm mode or not). The runs inherit
     the suite's DS_ACCELERATOR=cpu (conftest); the resumed run's log says where it ran."""
-    cfg = tiny_config(tiny_data, train={"max_steps": 8, "threads": 1},
-                      checkpoint={"save_every": 2, "keep_last": 2},
-                      logging={"eval_every": 3, "histogram_every": 2})
+    cfg = tiny_config(
+        tiny_data,
+        train={"max_steps": 8, "threads": 1},
+        checkpoint={"save_every": 2, "keep_last": 2},
+        logging={"eval_every": 3, "histogram_every": 2},
+    )
     path = write_config(cfg, tmp_path / "c.yaml")
     ref, killed = tmp_path / "ref", tmp_path / "killed"
 
     # the uninterrupted run, side by side with the one to kill
     ref_err = open(tmp_path / "ref.err", "w")
-    ref_proc = subprocess.Popen([sys.executable, "-m", "vlm.train", "--config", str(path), "--out",
-                                 str(ref)],
-                                cwd=ROOT, env=subprocess_env(), stdout=subprocess.DEVNULL,
-                                stderr=ref_err)
-    proc = subprocess.Popen([sys.executable, "-m", "vlm.train", "--config", str(path), "--out",
-                             str(killed)],
-                            cwd=ROOT, env=subprocess_env(), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    ref_proc = subprocess.Popen(
+        [sys.executable, "-m", "vlm.train", "--config", str(path), "--out", str(ref)],
+        cwd=ROOT,
+        env=subprocess_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=ref_err,
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vlm.train", "--config", str(path), "--out", str(killed)],
+        cwd=ROOT,
+        env=subprocess_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.time() + 600
     try:
         while time.time() < deadline and proc.poll() is None:
@@ -88,16 +102,21 @@ def test_sigkill_and_resume_reproduces_metrics(tiny_data, tmp_path, tiny_config,
     # same final weights, bit for bit
     from safetensors.torch import load_file
 
-    wa, wb = load_file(ref / "final" / "model.safetensors"), load_file(killed / "final" / "model.safetensors")
+    wa, wb = (
+        load_file(ref / "final" / "model.safetensors"),
+        load_file(killed / "final" / "model.safetensors"),
+    )
     assert wa.keys() == wb.keys() and all((wa[k] == wb[k]).all() for k in wa)
 
 
-def test_resume_refuses_a_changed_config(tiny_data, tmp_path, torch_globals, tiny_config,
-                                         make_trainer, load_tiny):
+def test_resume_refuses_a_changed_config(
+    tiny_data, tmp_path, torch_globals, tiny_config, make_trainer, load_tiny
+):
     from configs.config import ConfigError
 
-    cfg = tiny_config(tiny_data, train={"max_steps": 2}, checkpoint={"save_every": 2},
-                      logging={"eval_every": 0})
+    cfg = tiny_config(
+        tiny_data, train={"max_steps": 2}, checkpoint={"save_every": 2}, logging={"eval_every": 0}
+    )
     run_dir = tmp_path / "run"
     assert make_trainer(cfg, run_dir).train() == 0
     with pytest.raises(ConfigError, match="already has checkpoints"):
@@ -109,8 +128,9 @@ def test_resume_refuses_a_changed_config(tiny_data, tmp_path, torch_globals, tin
     assert [r["step"] for r in _records(run_dir)] == [1, 2, 3]
     # ... a different learning rate is not.
     cfg["optim"]["lr"] = 0.1
-    with pytest.raises(ConfigError, match="cannot resume: optim.lr was 0.003 in the checkpointed "
-                                          "run, now 0.1"):
+    with pytest.raises(
+        ConfigError, match="cannot resume: optim.lr was 0.003 in the checkpointed run, now 0.1"
+    ):
         make_trainer(cfg, run_dir)
     # --resume on a run with no checkpoint yet (preempted before its first save) starts it,
     # saying so
@@ -118,8 +138,9 @@ def test_resume_refuses_a_changed_config(tiny_data, tmp_path, torch_globals, tin
     from vlm.train.trainer import Trainer
 
     fresh = Trainer(load_tiny(cfg), tmp_path / "empty", resume=True, log=said.append)
-    assert fresh.resume_from is None and any("no checkpoint in" in m and "from the beginning" in m
-                                             for m in said)
+    assert fresh.resume_from is None and any(
+        "no checkpoint in" in m and "from the beginning" in m for m in said
+    )
     # ... but checkpoints that are all damaged are not silently trained over
     for ckpt in (run_dir / "checkpoints").iterdir():
         if (ckpt / "rank_00000.pt").is_file():
@@ -130,22 +151,26 @@ def test_resume_refuses_a_changed_config(tiny_data, tmp_path, torch_globals, tin
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
-def test_damaged_latest_checkpoint_falls_back_to_an_intact_one(tiny_data, tmp_path, torch_globals,
-                                                               damage, tiny_config, load_tiny,
-                                                               make_trainer):
+def test_damaged_latest_checkpoint_falls_back_to_an_intact_one(
+    tiny_data, tmp_path, torch_globals, damage, tiny_config, load_tiny, make_trainer
+):
     """Every checkpoint file's SHA-256 is recorded at save; a resume skips a checkpoint whose files
     no longer match, with a warning naming the file, and continues from the newest intact one."""
     from vlm.train.trainer import Trainer
 
-    cfg = tiny_config(tiny_data, train={"max_steps": 4},
-                      checkpoint={"save_every": 2, "keep_last": 2},
-                      logging={"eval_every": 0})
+    cfg = tiny_config(
+        tiny_data,
+        train={"max_steps": 4},
+        checkpoint={"save_every": 2, "keep_last": 2},
+        logging={"eval_every": 0},
+    )
     run_dir = tmp_path / "run"
     assert make_trainer(cfg, run_dir).train() == 0
     ckpts = sorted((run_dir / "checkpoints").iterdir())
     assert [p.name for p in ckpts] == ["step_00000002", "step_00000004"]
-    victim = max((p for p in (ckpts[1] / "ds").rglob("*") if p.is_file()),
-                 key=lambda p: p.stat().st_size)
+    victim = max(
+        (p for p in (ckpts[1] / "ds").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size
+    )
     data = victim.read_bytes()
     if damage == "flip":
         victim.write_bytes(data[:100] + bytes([data[100] ^ 1]) + data[101:])
@@ -175,7 +200,7 @@ class _RunsCode:
         self.marker = marker
 
     def __reduce__(self):
-        return (open, (self.marker, "w"))   # unpickling would create the marker file
+        return (open, (self.marker, "w"))  # unpickling would create the marker file
 
 
 def test_trainer_state_loads_tensors_only(tmp_path):
@@ -201,12 +226,18 @@ def test_trainer_state_loads_tensors_only(tmp_path):
 
 
 @pytest.mark.parametrize("zero_stage", [1, 2, 3])
-def test_zero_checkpoints_resume_through_the_safe_loader(tiny_data, tmp_path, torch_globals,
-                                                         zero_stage, tiny_config, make_trainer):
+def test_zero_checkpoints_resume_through_the_safe_loader(
+    tiny_data, tmp_path, torch_globals, zero_stage, tiny_config, make_trainer
+):
     """DeepSpeed's own checkpoint files (ZeRO partitions included) load with tensors-only unpickling."""
 
-    cfg = tiny_config(tiny_data, train={"max_steps": 2}, deepspeed={"zero_stage": zero_stage},
-                      checkpoint={"save_every": 2}, logging={"eval_every": 0})
+    cfg = tiny_config(
+        tiny_data,
+        train={"max_steps": 2},
+        deepspeed={"zero_stage": zero_stage},
+        checkpoint={"save_every": 2},
+        logging={"eval_every": 0},
+    )
     assert make_trainer(cfg, tmp_path / "run").train() == 0
     cfg["train"]["max_steps"] = 3
     tr = make_trainer(cfg, tmp_path / "run", resume=True)
@@ -225,17 +256,22 @@ def test_deepspeed_files_load_tensors_only(tmp_path):
     assert not marker.exists()
 
 
-def test_accept_optim_change_resumes_with_the_new_rates(tiny_data, tmp_path, torch_globals,
-                                                        tiny_config, make_trainer, load_tiny):
+def test_accept_optim_change_resumes_with_the_new_rates(
+    tiny_data, tmp_path, torch_globals, tiny_config, make_trainer, load_tiny
+):
     """The documented fix after non-finite steps: resume with a lower optim.lr. The
     checkpoint's optimizer and scheduler state come back, but the rates (and other optimiser
     settings) are this config's."""
     from configs.config import ConfigError
     from vlm.train.trainer import Trainer
 
-    cfg = tiny_config(tiny_data, train={"max_steps": 4}, checkpoint={"save_every": 2},
-                      logging={"eval_every": 0},
-                      optim={"lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 0, "schedule": "constant"})
+    cfg = tiny_config(
+        tiny_data,
+        train={"max_steps": 4},
+        checkpoint={"save_every": 2},
+        logging={"eval_every": 0},
+        optim={"lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 0, "schedule": "constant"},
+    )
     run_dir = tmp_path / "run"
     assert make_trainer(cfg, run_dir).train() == 0
     cfg["train"]["max_steps"] = 6
@@ -246,22 +282,29 @@ def test_accept_optim_change_resumes_with_the_new_rates(tiny_data, tmp_path, tor
     tr.restore(tr.resume_from)
     assert tr.step == 4
     groups = tr.optimizer.param_groups
-    assert max(g["lr"] for g in groups) == pytest.approx(1e-4) and all(g["weight_decay"] == 0.0
-                                                                       for g in groups)
-    assert tr.optimizer.state   # Adam moments came back from the checkpoint
+    assert max(g["lr"] for g in groups) == pytest.approx(1e-4) and all(
+        g["weight_decay"] == 0.0 for g in groups
+    )
+    assert tr.optimizer.state  # Adam moments came back from the checkpoint
 
 
-def test_accept_optim_change_continues_the_schedule_from_the_new_base_rates(tiny_data, tmp_path, torch_globals,
-                                                                            tiny_config, load_tiny, make_trainer):
+def test_accept_optim_change_continues_the_schedule_from_the_new_base_rates(
+    tiny_data, tmp_path, torch_globals, tiny_config, load_tiny, make_trainer
+):
     """Mid-cosine, with per-group rates (muP-free multipliers): every group's rate, and
     get_last_lr(), is the new config's base rate times the schedule's multiplier at the checkpoint's
     step; stepping on continues from there."""
     from vlm.train.trainer import Trainer
 
-    cfg = tiny_config(tiny_data, train={"max_steps": 4}, checkpoint={"save_every": 2},
-                      logging={"eval_every": 0},
-                      optim={"lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 1, "schedule": "cosine"},
-                      params={"projector_lr_mult": 4.0}, vision_warmup={"steps": 0})
+    cfg = tiny_config(
+        tiny_data,
+        train={"max_steps": 4},
+        checkpoint={"save_every": 2},
+        logging={"eval_every": 0},
+        optim={"lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 1, "schedule": "cosine"},
+        params={"projector_lr_mult": 4.0},
+        vision_warmup={"steps": 0},
+    )
     run_dir = tmp_path / "run"
     assert make_trainer(cfg, run_dir).train() == 0
     cfg["train"]["max_steps"] = 8

@@ -1,5 +1,6 @@
 """`vlm train` in one process: run directory, dashboard, export, non-finite steps. The global
 parser in training: tests/test_train_global_parser.py."""
+
 from __future__ import annotations
 
 import copy
@@ -11,25 +12,39 @@ import pytest
 import torch
 import yaml
 
-
-REQUIRED = ["step", "loss", "lm_loss", "aux_loss", "lr", "tokens_per_s", "compression/ratio",
-            "compression/text", "compression/image", "boundary_p/text", "boundary_p/image",
-            "loss/text_only", "loss/image_text", "nonfinite_steps", "skipped/corrupt_image"]
+REQUIRED = [
+    "step",
+    "loss",
+    "lm_loss",
+    "aux_loss",
+    "lr",
+    "tokens_per_s",
+    "compression/ratio",
+    "compression/text",
+    "compression/image",
+    "boundary_p/text",
+    "boundary_p/image",
+    "loss/text_only",
+    "loss/image_text",
+    "nonfinite_steps",
+    "skipped/corrupt_image",
+]
 
 
 def _tb(run_dir):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    ea = EventAccumulator(str(run_dir / "tb"),
-                          size_guidance={"images": 0, "tensors": 0, "histograms": 0})
+    ea = EventAccumulator(
+        str(run_dir / "tb"), size_guidance={"images": 0, "tensors": 0, "histograms": 0}
+    )
     ea.Reload()
     return ea
 
 
 def _hf_logits_match(run_dir, module, tokenizer):
-    import vlm.model.hf  # noqa: F401  (registers the architecture)
     from transformers import AutoModelForCausalLM
 
+    import vlm.model.hf  # noqa: F401  (registers the architecture)
     from configs.batch import PackedBatch
 
     hf = AutoModelForCausalLM.from_pretrained(str(run_dir / "final")).eval()
@@ -43,8 +58,9 @@ def _hf_logits_match(run_dir, module, tokenizer):
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
-def test_train_single_process_run_dir(tiny_data, tmp_path, torch_globals, make_trainer,
-                                      tiny_config):
+def test_train_single_process_run_dir(
+    tiny_data, tmp_path, torch_globals, make_trainer, tiny_config
+):
 
     run_dir = tmp_path / "run"
     tr = make_trainer(tiny_config(tiny_data), run_dir)
@@ -64,41 +80,66 @@ def test_train_single_process_run_dir(tiny_data, tmp_path, torch_globals, make_t
     # would take off
     for r in recs:
         if r["loss/text_only"] is not None:
-            assert 1.0 - 8 * 2.0 ** -24 <= r["bpb/text"] / (r["loss/text_only"] / math.log(2)) < 1.5
+            assert 1.0 - 8 * 2.0**-24 <= r["bpb/text"] / (r["loss/text_only"] / math.log(2)) < 1.5
     assert any(r.get("val/bpb/text") for r in recs)
     assert all(r["text/embed_norm"] > 0 for r in recs)
-    assert any(r.get("vision/token_norm", 0) > 0 and r.get("vision/token_spread", 0) > 0
-               for r in recs)
-    assert recs[0]["lr"] < recs[1]["lr"]                      # warm-up
+    assert any(
+        r.get("vision/token_norm", 0) > 0 and r.get("vision/token_spread", 0) > 0 for r in recs
+    )
+    assert recs[0]["lr"] < recs[1]["lr"]  # warm-up
     saved = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert saved["model"]["hidden_size"] == 32 and saved["train"]["max_steps"] == 4
-    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_00000002", "step_00000004"]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [
+        "step_00000002",
+        "step_00000004",
+    ]
     assert (run_dir / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 4 and summary["exit_code"] == 0
     ea = _tb(run_dir)
     tags = ea.Tags()
-    for t in ("compression/text", "compression/image", "boundary_p/image", "loss/image_text",
-              "target/ratio", "throughput/tokens_per_s", "val/lm_loss"):
+    for t in (
+        "compression/text",
+        "compression/image",
+        "boundary_p/image",
+        "loss/image_text",
+        "target/ratio",
+        "throughput/tokens_per_s",
+        "val/lm_loss",
+    ):
         assert t in tags["scalars"], t
     assert "concepts/image" in tags["images"]
     assert any(h.startswith("boundary_p_hist/") for h in tags["histograms"])
     assert any(h.startswith("expert_load/") for h in tags["histograms"])
     from tensorboard.util import tensor_util
-    text = tensor_util.make_ndarray(ea.Tensors("concepts/text/text_summary")[-1].tensor_proto).item().decode()
+
+    text = (
+        tensor_util.make_ndarray(ea.Tensors("concepts/text/text_summary")[-1].tensor_proto)
+        .item()
+        .decode()
+    )
     assert "|" in text and len(text) > 20
     _hf_logits_match(run_dir, tr.engine.module, tr.tokenizer)
-    card = (run_dir / "final" / "README.md").read_text()          # the model card written at export
-    assert "compression" in card and "![training report](report.png)" in card and "| hidden size |" in card
+    card = (run_dir / "final" / "README.md").read_text()  # the model card written at export
+    assert (
+        "compression" in card
+        and "![training report](report.png)" in card
+        and "| hidden size |" in card
+    )
     assert (run_dir / "final" / "report.png").stat().st_size > 0
 
 
 def test_mup_zero1_grad_accum_export(tiny_data, tmp_path, torch_globals, tiny_config, make_trainer):
     """muP (logit scale folded into the export), ZeRO-1 and two micro-batches per step."""
 
-    cfg = tiny_config(tiny_data, params={"mup": True, "mup_base_width": 16},
-                      deepspeed={"zero_stage": 1}, optim={"grad_accum": 2}, train={"max_steps": 2},
-                      logging={"eval_every": 0})
+    cfg = tiny_config(
+        tiny_data,
+        params={"mup": True, "mup_base_width": 16},
+        deepspeed={"zero_stage": 1},
+        optim={"grad_accum": 2},
+        train={"max_steps": 2},
+        logging={"eval_every": 0},
+    )
     run_dir = tmp_path / "run"
     tr = make_trainer(cfg, run_dir)
     assert tr.logit_scale == pytest.approx(0.5)
@@ -120,15 +161,19 @@ def _nan_grad_hook(out, k):
 
 def _snapshot(tr):
     return {n: p.detach().clone() for n, p in tr.engine.module.named_parameters()} | {
-        n: b.detach().clone() for n, b in tr.engine.module.named_buffers()
-        if n.endswith("expert_bias")}
+        n: b.detach().clone()
+        for n, b in tr.engine.module.named_buffers()
+        if n.endswith("expert_bias")
+    }
 
 
 @pytest.mark.parametrize("zero_stage,grad_accum,bad_micro", [(0, 1, 0), (0, 2, 1), (1, 2, 0)])
-def test_nonfinite_step_is_skipped(tiny_data, tmp_path, torch_globals, zero_stage, grad_accum,
-                                   bad_micro, tiny_config, make_trainer):
-    cfg = tiny_config(tiny_data, deepspeed={"zero_stage": zero_stage},
-                      optim={"grad_accum": grad_accum})
+def test_nonfinite_step_is_skipped(
+    tiny_data, tmp_path, torch_globals, zero_stage, grad_accum, bad_micro, tiny_config, make_trainer
+):
+    cfg = tiny_config(
+        tiny_data, deepspeed={"zero_stage": zero_stage}, optim={"grad_accum": grad_accum}
+    )
     tr = make_trainer(cfg, tmp_path / "run")
     it = iter(tr.loader)
     window = lambda: [next(it) for _ in range(grad_accum)]  # noqa: E731
@@ -136,8 +181,9 @@ def test_nonfinite_step_is_skipped(tiny_data, tmp_path, torch_globals, zero_stag
     before = _snapshot(tr)
     opt_before = copy.deepcopy(tr.optimizer.state_dict()["state"])
     epoch = tr.scheduler.last_epoch
-    res = tr.train_step(window(), loss_hook=lambda out, k: _nan_hook(out, k) if k == bad_micro
-                        else out)
+    res = tr.train_step(
+        window(), loss_hook=lambda out, k: _nan_hook(out, k) if k == bad_micro else out
+    )
     tr.after_step(res)
     assert not res.applied and tr.nonfinite_total == 1 and tr.nonfinite_in_row == 1
     after = _snapshot(tr)
@@ -145,15 +191,25 @@ def test_nonfinite_step_is_skipped(tiny_data, tmp_path, torch_globals, zero_stag
     assert tr.scheduler.last_epoch == epoch
     # DeepSpeed counts the skipped step itself (on the plain fp32 path the optimizer reports it as
     # an overflow)
-    assert tr.engine.skipped_steps == 1 and tr.engine.global_steps == tr.step == 2 and not tr.engine.was_step_applied()
+    assert (
+        tr.engine.skipped_steps == 1
+        and tr.engine.global_steps == tr.step == 2
+        and not tr.engine.was_step_applied()
+    )
     # no stale gradient of the skipped window survives into the next step
     assert all(p.grad is None or not p.grad.any() for p in tr.engine.module.parameters())
     opt_after = tr.optimizer.state_dict()["state"]
-    assert all(torch.equal(a, b) for k in opt_before for a,
-               b in zip(opt_before[k].values(), opt_after[k].values())
-               if torch.is_tensor(a))
-    assert all(float(m.load_accum.abs().sum()) == 0 for m in tr.engine.module.modules()
-               if hasattr(m, "load_accum"))
+    assert all(
+        torch.equal(a, b)
+        for k in opt_before
+        for a, b in zip(opt_before[k].values(), opt_after[k].values())
+        if torch.is_tensor(a)
+    )
+    assert all(
+        float(m.load_accum.abs().sum()) == 0
+        for m in tr.engine.module.modules()
+        if hasattr(m, "load_accum")
+    )
     res = tr.train_step(window())
     tr.after_step(res)
     assert res.applied and tr.nonfinite_in_row == 0
@@ -163,8 +219,9 @@ def test_nonfinite_step_is_skipped(tiny_data, tmp_path, torch_globals, zero_stag
 
 
 @pytest.mark.parametrize("zero_stage", [0, 1])
-def test_finite_loss_with_nonfinite_gradient_is_skipped(tiny_data, tmp_path, torch_globals,
-                                                        zero_stage, tiny_config, make_trainer):
+def test_finite_loss_with_nonfinite_gradient_is_skipped(
+    tiny_data, tmp_path, torch_globals, zero_stage, tiny_config, make_trainer
+):
     cfg = tiny_config(tiny_data, deepspeed={"zero_stage": zero_stage})
     tr = make_trainer(cfg, tmp_path / "run")
     it = iter(tr.loader)
@@ -174,21 +231,28 @@ def test_finite_loss_with_nonfinite_gradient_is_skipped(tiny_data, tmp_path, tor
     tr.after_step(res)
     assert not res.applied and tr.nonfinite_total == 1
     after = _snapshot(tr)
-    assert all(torch.equal(before[n], after[n])
-               for n in before), "a NaN gradient reached the weights"
+    assert all(torch.equal(before[n], after[n]) for n in before), (
+        "a NaN gradient reached the weights"
+    )
     res = tr.train_step([next(it)])
     assert res.applied and all(torch.isfinite(p).all() for p in tr.engine.module.parameters())
 
 
-def test_nonfinite_in_a_row_stops_with_checkpoint(tiny_data, tmp_path, torch_globals, tiny_config,
-                                                  make_trainer):
+def test_nonfinite_in_a_row_stops_with_checkpoint(
+    tiny_data, tmp_path, torch_globals, tiny_config, make_trainer
+):
 
-    cfg = tiny_config(tiny_data, train={"max_steps": 10, "max_nonfinite_in_row": 2},
-                      checkpoint={"save_every": 0}, logging={"eval_every": 0})
+    cfg = tiny_config(
+        tiny_data,
+        train={"max_steps": 10, "max_nonfinite_in_row": 2},
+        checkpoint={"save_every": 0},
+        logging={"eval_every": 0},
+    )
     run_dir = tmp_path / "run"
-    trainer = {}   # from the second step on, every micro-batch's loss is NaN
-    tr = make_trainer(cfg, run_dir, loss_hook=lambda out, k: _nan_hook(out, k)
-                      if trainer["it"].step >= 1 else out)
+    trainer = {}  # from the second step on, every micro-batch's loss is NaN
+    tr = make_trainer(
+        cfg, run_dir, loss_hook=lambda out, k: _nan_hook(out, k) if trainer["it"].step >= 1 else out
+    )
     trainer["it"] = tr
     assert tr.train() == 1
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -198,19 +262,23 @@ def test_nonfinite_in_a_row_stops_with_checkpoint(tiny_data, tmp_path, torch_glo
     assert not (run_dir / "final").exists()
 
 
-def test_loss_weighting_gives_the_global_token_mean(tiny_data, tmp_path, torch_globals, tiny_config,
-                                                    make_trainer):
+def test_loss_weighting_gives_the_global_token_mean(
+    tiny_data, tmp_path, torch_globals, tiny_config, make_trainer
+):
     """Two one-row micro-batches update the model exactly like one two-row batch: each micro-batch's
     LM loss is weighted by its share of the step's labelled tokens (chunking and balance loss off so
     that nothing else depends on how rows are grouped)."""
-    from data_pipelines.loader import build_loader
-
     from configs.batch import PackedBatch
+    from data_pipelines.loader import build_loader
     from vlm.train.metrics import labelled_counts
 
     def trainer(rows, ga, name):
-        cfg = tiny_config(tiny_data, data={"rows_per_batch": rows}, optim={"grad_accum": ga},
-                          logging={"eval_every": 0})
+        cfg = tiny_config(
+            tiny_data,
+            data={"rows_per_batch": rows},
+            optim={"grad_accum": ga},
+            logging={"eval_every": 0},
+        )
         cfg["model"]["chunk"]["enabled"] = False
         cfg["model"]["moe"]["balance_loss_weight"] = 0.0
         return make_trainer(cfg, tmp_path / name)
@@ -222,7 +290,10 @@ def test_loss_weighting_gives_the_global_token_mean(tiny_data, tmp_path, torch_g
     assert na != nb, "pick rows with different label counts so the weighting matters"
     whole.after_step(whole.train_step([PackedBatch.stack([a, b])]))
     split.after_step(split.train_step([a, b]))
-    pw, ps = dict(whole.engine.module.named_parameters()), dict(split.engine.module.named_parameters())
+    pw, ps = (
+        dict(whole.engine.module.named_parameters()),
+        dict(split.engine.module.named_parameters()),
+    )
     for n in pw:
         torch.testing.assert_close(ps[n], pw[n], rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
 
@@ -230,8 +301,9 @@ def test_loss_weighting_gives_the_global_token_mean(tiny_data, tmp_path, torch_g
 def test_zero3_trains_and_exports(tiny_data, tmp_path, torch_globals, tiny_config, make_trainer):
     """ZeRO-3 partitions parameters; the chunker's outputs must stay traceable through module outputs."""
 
-    cfg = tiny_config(tiny_data, deepspeed={"zero_stage": 3}, train={"max_steps": 2},
-                      logging={"eval_every": 0})
+    cfg = tiny_config(
+        tiny_data, deepspeed={"zero_stage": 3}, train={"max_steps": 2}, logging={"eval_every": 0}
+    )
     run_dir = tmp_path / "run"
     tr = make_trainer(cfg, run_dir)
     assert tr.train() == 0
@@ -240,19 +312,26 @@ def test_zero3_trains_and_exports(tiny_data, tmp_path, torch_globals, tiny_confi
     assert (run_dir / "final" / "config.json").is_file()
 
 
-def test_nonfinite_weights_are_never_exported(tiny_data, tmp_path, torch_globals, make_trainer,
-                                              tiny_config):
+def test_nonfinite_weights_are_never_exported(
+    tiny_data, tmp_path, torch_globals, make_trainer, tiny_config
+):
     from vlm.train.export import export_final
     from vlm.train.report import summary_lines
 
     tr = make_trainer(tiny_config(tiny_data), tmp_path / "run")
     with torch.no_grad():
         next(tr.engine.module.parameters())[0].fill_(float("nan"))
-    assert export_final(tr.engine, tr.run_dir, tr.tokenizer, tr.logit_scale, tr.is_main,
-                        tr.log) is None
-    assert not (tmp_path / "run" / "final").exists() and not (tmp_path / "run" / ".tmp-final").exists()
+    assert (
+        export_final(tr.engine, tr.run_dir, tr.tokenizer, tr.logit_scale, tr.is_main, tr.log)
+        is None
+    )
+    assert (
+        not (tmp_path / "run" / "final").exists() and not (tmp_path / "run" / ".tmp-final").exists()
+    )
     lines = summary_lines([{"step": 1, "lm_loss": 1.0}], {}, None, tmp_path / "run", 1.0, 0, {})
-    assert "no final/ exported" in lines[-1] and "final" not in lines[-1].replace("no final/ exported", "")
+    assert "no final/ exported" in lines[-1] and "final" not in lines[-1].replace(
+        "no final/ exported", ""
+    )
 
 
 def _listening_addresses() -> list[str]:
@@ -272,28 +351,33 @@ def _listening_addresses() -> list[str]:
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         for line in Path(table).read_text().splitlines()[1:]:
             cols = line.split()
-            if cols[3] == "0A" and cols[9] in inodes:   # state LISTEN, one of ours
+            if cols[3] == "0A" and cols[9] in inodes:  # state LISTEN, one of ours
                 out.append(cols[1].split(":")[0])
     return out
 
 
-@pytest.mark.skipif(not __import__("pathlib").Path("/proc/net/tcp").exists(),
-                    reason="needs Linux /proc")
-def test_one_process_run_listens_on_loopback_only(tiny_data, tmp_path, torch_globals, make_trainer,
-                                                  tiny_config):
+@pytest.mark.skipif(
+    not __import__("pathlib").Path("/proc/net/tcp").exists(), reason="needs Linux /proc"
+)
+def test_one_process_run_listens_on_loopback_only(
+    tiny_data, tmp_path, torch_globals, make_trainer, tiny_config
+):
     make_trainer(tiny_config(tiny_data), tmp_path / "run")
     addrs = _listening_addresses()
     everywhere = {"00000000", "00000000000000000000000000000000"}
     assert not everywhere & set(addrs), f"a listener on all interfaces: {addrs}"
 
 
-def test_a_redirected_log_gets_plain_progress_lines(tiny_data, tmp_path, tiny_config, write_config,
-                                                    run_train_cli, ROOT):
+def test_a_redirected_log_gets_plain_progress_lines(
+    tiny_data, tmp_path, tiny_config, write_config, run_train_cli, ROOT
+):
     """No carriage-return progress bars when stderr is not a terminal: periodic `train step k/N` lines instead."""
-    cfg = tiny_config(tiny_data, train={"max_steps": 4},
-                      logging={"progress": True, "eval_every": 0})
-    proc = run_train_cli(["--config", str(write_config(cfg, tmp_path / "c.yaml")), "--out",
-                          str(tmp_path / "run")],
-                         cwd=ROOT)
+    cfg = tiny_config(
+        tiny_data, train={"max_steps": 4}, logging={"progress": True, "eval_every": 0}
+    )
+    proc = run_train_cli(
+        ["--config", str(write_config(cfg, tmp_path / "c.yaml")), "--out", str(tmp_path / "run")],
+        cwd=ROOT,
+    )
     assert "\r" not in proc.stderr and "\r" not in proc.stdout
     assert "train step 4/4" in proc.stderr

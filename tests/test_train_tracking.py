@@ -1,4 +1,5 @@
 """`logging.report_to`: metrics go to TensorBoard and/or Weights & Biases (offline, no network)."""
+
 import re
 
 import pytest
@@ -6,8 +7,9 @@ import pytest
 wandb = pytest.importorskip("wandb")
 
 
-def test_a_run_logs_to_wandb_offline_and_a_resume_continues_the_same_run(tiny_data, tiny_config, make_trainer,
-                                                                       tmp_path, torch_globals, monkeypatch):
+def test_a_run_logs_to_wandb_offline_and_a_resume_continues_the_same_run(
+    tiny_data, tiny_config, make_trainer, tmp_path, torch_globals, monkeypatch
+):
     monkeypatch.setenv("WANDB_MODE", "offline")
     cfg = tiny_config(tiny_data, logging={"report_to": ["wandb"], "wandb_project": "test"})
     run = tmp_path / "run"
@@ -16,10 +18,10 @@ def test_a_run_logs_to_wandb_offline_and_a_resume_continues_the_same_run(tiny_da
     assert len(runs) == 1 and any(runs[0].glob("*.wandb"))
     run_id = (run / "wandb_id").read_text()
     assert runs[0].name.endswith(run_id)
-    assert not (run / "tb").exists()                       # TensorBoard was not asked for
+    assert not (run / "tb").exists()  # TensorBoard was not asked for
     cfg["train"]["max_steps"] = 6
     assert make_trainer(cfg, run, resume=True).train() == 0
-    assert (run / "wandb_id").read_text() == run_id        # the same wandb run continues
+    assert (run / "wandb_id").read_text() == run_id  # the same wandb run continues
     # wandb names an offline run's folder offline-run-<time>-<id>, adding -1, -2 when two start in
     # one second
     names = [p.name for p in (run / "wandb").glob("offline-run-*")]

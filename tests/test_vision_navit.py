@@ -1,28 +1,31 @@
 """Packed NaViT encoder: block-diagonal isolation, padding invariance, merge order, both position schemes."""
+
 import pytest
 import torch
 
+from configs.config import ConfigError, from_dict
 from vision.config import VisionConfig
 from vision.image_processor import grid_coords
 from vision.navit import NaViTConfig, NaViTEncoder
-from configs.config import ConfigError, from_dict
-
 
 GRIDS = [(4, 6), (2, 2), (8, 4), (6, 2)]
-PD = 3 * 4 * 4   # patch_size 4 keeps the tests tiny
+PD = 3 * 4 * 4  # patch_size 4 keeps the tests tiny
 
 
 def _encoder(pos="learned2d", merge=2, **kw):
     torch.manual_seed(0)
-    return NaViTEncoder(NaViTConfig(hidden_size=32, num_heads=4, num_layers=2, pos=pos, max_grid=16,
-                                    **kw),
-                        patch_size=4, merge=merge).eval()
+    return NaViTEncoder(
+        NaViTConfig(hidden_size=32, num_heads=4, num_layers=2, pos=pos, max_grid=16, **kw),
+        patch_size=4,
+        merge=merge,
+    ).eval()
 
 
 def _images(grids=GRIDS, seed=1):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(r * c, PD, generator=g) for r, c in grids], [grid_coords(r, c)
-                                                                     for r, c in grids]
+    return [torch.randn(r * c, PD, generator=g) for r, c in grids], [
+        grid_coords(r, c) for r, c in grids
+    ]
 
 
 def _packed(patches, coords, grids):
@@ -39,7 +42,7 @@ def test_packed_equals_alone(pos, merge, stem):
         packed = enc(*_packed(patches, coords, GRIDS))
         alone = torch.cat([enc(p, c, torch.tensor([g])) for p, c, g in zip(patches, coords, GRIDS)])
     n_tokens = sum((r // merge) * (c // merge) for r, c in GRIDS)
-    assert packed.shape == (n_tokens, enc.out_dim) and enc.out_dim == 32 * merge ** 2
+    assert packed.shape == (n_tokens, enc.out_dim) and enc.out_dim == 32 * merge**2
     torch.testing.assert_close(packed, alone, atol=1e-5, rtol=1e-5)
 
 
@@ -54,10 +57,10 @@ def test_images_never_see_each_other(pos, stem):
         a, b = enc(*_packed(patches, coords, GRIDS)), enc(*_packed(changed, coords, GRIDS))
     t = [(r // 2) * (c // 2) for r, c in GRIDS]
     img1 = slice(t[0], t[0] + t[1])
-    assert not torch.allclose(a[img1], b[img1])               # image 1 did change ...
+    assert not torch.allclose(a[img1], b[img1])  # image 1 did change ...
     keep = torch.ones(len(a), dtype=torch.bool)
     keep[img1] = False
-    torch.testing.assert_close(a[keep], b[keep], atol=1e-6, rtol=0)   # ... and nobody else noticed
+    torch.testing.assert_close(a[keep], b[keep], atol=1e-6, rtol=0)  # ... and nobody else noticed
 
 
 @pytest.mark.parametrize("stem", ["linear", "conv"])
@@ -72,7 +75,7 @@ def test_padding_never_changes_outputs(pos, merge, stem):
     g = torch.Generator().manual_seed(5)
     P = len(x) + 37
     valid = torch.ones(P, dtype=torch.bool)
-    valid[torch.randperm(P, generator=g)[:37]] = False        # padding scattered anywhere
+    valid[torch.randperm(P, generator=g)[:37]] = False  # padding scattered anywhere
     # huge, nan and inf garbage in the pads
     xp = torch.randn(P, PD, generator=g) * 1e4
     xp[~valid][:3] = float("nan")
@@ -92,11 +95,18 @@ def test_patch_order_inside_an_image_does_not_matter(pos, stem):
     enc = _encoder(pos, stem=stem)
     patches, coords = _images()
     x, rc, grids = _packed(patches, coords, GRIDS)
-    perm = torch.cat([torch.randperm(r * c) + off for (r, c), off in
-                      zip(GRIDS, torch.tensor([0] + [r * c for r, c in GRIDS]).cumsum(0).tolist())])
+    perm = torch.cat(
+        [
+            torch.randperm(r * c) + off
+            for (r, c), off in zip(
+                GRIDS, torch.tensor([0] + [r * c for r, c in GRIDS]).cumsum(0).tolist()
+            )
+        ]
+    )
     with torch.no_grad():
-        torch.testing.assert_close(enc(x[perm], rc[perm], grids), enc(x, rc, grids), atol=1e-5,
-                                   rtol=1e-5)
+        torch.testing.assert_close(
+            enc(x[perm], rc[perm], grids), enc(x, rc, grids), atol=1e-5, rtol=1e-5
+        )
 
 
 def test_merge_concatenates_2x2_blocks_in_raster_order():
@@ -135,8 +145,12 @@ def test_position_information_is_used():
 
 def test_out_dim_and_mergers():
     patches, coords = _images()
-    for merger, out_dim, expect in [("mlp", None, 128), ("linear", 48, 48), ("mlp", 24, 24),
-                                    ("none", None, 128)]:
+    for merger, out_dim, expect in [
+        ("mlp", None, 128),
+        ("linear", 48, 48),
+        ("mlp", 24, 24),
+        ("none", None, 128),
+    ]:
         enc = _encoder(merger=merger, out_dim=out_dim)
         assert enc.out_dim == expect
         assert enc(*_packed(patches, coords, GRIDS)).shape[1] == expect
@@ -207,8 +221,9 @@ def test_attention_backends_agree(pos):
         for backend in ["auto", "dense", "per_image"]:
             enc.cfg.attn_backend = backend
             outs[backend] = enc(x, rc, grids)
-            torch.testing.assert_close(enc(xp, rcp, grids, valid_P=valid), outs[backend], atol=1e-5,
-                                       rtol=1e-5)
+            torch.testing.assert_close(
+                enc(xp, rcp, grids, valid_P=valid), outs[backend], atol=1e-5, rtol=1e-5
+            )
     torch.testing.assert_close(outs["dense"], outs["per_image"], atol=1e-5, rtol=1e-5)
     enc.cfg.attn_backend = "flash"
     # CPU tensors in fp32: never flash, GPU or not
@@ -218,17 +233,23 @@ def test_attention_backends_agree(pos):
 
 def test_no_images_gives_no_tokens():
     enc = _encoder()
-    out = enc(torch.zeros(0, PD), torch.zeros(0, 2, dtype=torch.long),
-              torch.zeros(0, 2, dtype=torch.long))
+    out = enc(
+        torch.zeros(0, PD), torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2, dtype=torch.long)
+    )
     assert out.shape == (0, enc.out_dim)
     pads = torch.randn(3, PD)
-    out = enc(pads, torch.zeros(3, 2, dtype=torch.long), torch.zeros(0, 2, dtype=torch.long),
-              valid_P=torch.zeros(3, dtype=torch.bool))
+    out = enc(
+        pads,
+        torch.zeros(3, 2, dtype=torch.long),
+        torch.zeros(0, 2, dtype=torch.long),
+        valid_P=torch.zeros(3, dtype=torch.bool),
+    )
     assert out.shape == (0, enc.out_dim)
 
 
-@pytest.mark.parametrize("patch,strides",
-                         [(4, [2, 2]), (8, [2, 2, 2]), (14, [2, 7]), (6, [2, 3]), (1, [])])
+@pytest.mark.parametrize(
+    "patch,strides", [(4, [2, 2]), (8, [2, 2, 2]), (14, [2, 7]), (6, [2, 3]), (1, [])]
+)
 def test_conv_stem_strides_multiply_to_the_patch_size(patch, strides):
     from vision.navit import stem_strides
 

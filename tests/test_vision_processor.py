@@ -1,4 +1,5 @@
 """Image processor: budgets, aspect ratio, every mode to RGB, safe decoding, exact patchify round trip."""
+
 import io
 import random
 import struct
@@ -9,17 +10,27 @@ import pytest
 import torch
 from PIL import Image
 
-from vision.image_processor import (ImageError, ImageProcessor, ImageProcessorConfig, choose_grid,
-                                    patchify, unpatchify)
 from configs.config import ConfigError, from_dict
+from vision.image_processor import (
+    ImageError,
+    ImageProcessor,
+    ImageProcessorConfig,
+    choose_grid,
+    patchify,
+    unpatchify,
+)
 
 
 def _check_valid(out, cfg):
     rows, cols = out.grid
     P = rows * cols
-    assert rows % cfg.merge == 0 and cols % cfg.merge == 0 and rows >= cfg.merge and cols >= cfg.merge
+    assert (
+        rows % cfg.merge == 0 and cols % cfg.merge == 0 and rows >= cfg.merge and cols >= cfg.merge
+    )
     assert cfg.min_patches <= P <= cfg.max_patches
-    assert out.patches_PD.shape == (P, 3 * cfg.patch_size ** 2) and out.patches_PD.dtype == torch.float32
+    assert (
+        out.patches_PD.shape == (P, 3 * cfg.patch_size**2) and out.patches_PD.dtype == torch.float32
+    )
     assert torch.isfinite(out.patches_PD).all()
     assert out.coords_P2.dtype == torch.long
     r, c = torch.meshgrid(torch.arange(rows), torch.arange(cols), indexing="ij")
@@ -28,15 +39,15 @@ def _check_valid(out, cfg):
 
 
 @pytest.mark.parametrize("merge", [1, 2])
-@pytest.mark.parametrize("size",
-                         [(1, 1000), (1000, 1), (1, 1), (1, 100000), (100000, 1), (3, 5),
-                          (4000, 3000)])
+@pytest.mark.parametrize(
+    "size", [(1, 1000), (1000, 1), (1, 1), (1, 100000), (100000, 1), (3, 5), (4000, 3000)]
+)
 def test_extreme_sizes_give_valid_grid(size, merge):
     cfg = ImageProcessorConfig(merge=merge, max_patches=64, min_patches=4)
     out = ImageProcessor(cfg)(Image.new("RGB", size, (200, 30, 90)), "x")
     _check_valid(out, cfg)
     w, h = size
-    if w > 50 * h:      # wide strip stays wide, tall strip stays tall
+    if w > 50 * h:  # wide strip stays wide, tall strip stays tall
         assert out.grid[1] > out.grid[0]
     if h > 50 * w:
         assert out.grid[0] > out.grid[1]
@@ -48,8 +59,9 @@ def test_grid_keeps_aspect_and_respects_budget_everywhere():
         merge = rng.choice([1, 2])
         lo = rng.randint(1, 40)
         hi = rng.randint(max(lo, merge * merge, 4 * ((lo + 3) // 4)), 400)
-        cfg = ImageProcessorConfig(merge=merge, min_patches=lo, max_patches=hi,
-                                   patch_size=rng.choice([8, 14, 16]))
+        cfg = ImageProcessorConfig(
+            merge=merge, min_patches=lo, max_patches=hi, patch_size=rng.choice([8, 14, 16])
+        )
         h, w = rng.randint(1, 5000), rng.randint(1, 5000)
         rows, cols = choose_grid(h, w, cfg)
         assert rows % merge == 0 and cols % merge == 0 and rows >= merge and cols >= merge
@@ -57,16 +69,16 @@ def test_grid_keeps_aspect_and_respects_budget_everywhere():
         # an image and its transpose get transposed grids
         assert choose_grid(w, h, cfg) == (cols, rows)
     cfg = ImageProcessorConfig(max_patches=256, merge=2)
-    rows, cols = choose_grid(480, 640, cfg)   # big image: fills the budget, keeps 3:4
+    rows, cols = choose_grid(480, 640, cfg)  # big image: fills the budget, keeps 3:4
     assert rows * cols > 0.9 * 256 and abs(cols / rows - 4 / 3) < 0.1
     # small image keeps its natural size (no needless upscaling)
     assert choose_grid(56, 56, cfg) == (4, 4)
     assert choose_grid(56, 112, cfg) == (4, 8)
 
 
-@pytest.mark.parametrize("mode",
-                         ["1", "L", "LA", "RGBA", "P", "PA", "CMYK", "I;16", "I", "F", "YCbCr",
-                          "RGB"])
+@pytest.mark.parametrize(
+    "mode", ["1", "L", "LA", "RGBA", "P", "PA", "CMYK", "I;16", "I", "F", "YCbCr", "RGB"]
+)
 def test_odd_modes_become_rgb(mode):
     cfg = ImageProcessorConfig(max_patches=16)
     out = ImageProcessor(cfg)(Image.new(mode, (37, 23)), mode)
@@ -133,22 +145,23 @@ def test_round_trip_reproduces_resized_image():
 def _fake_png_header(width, height):
     """A PNG whose header claims width x height RGB pixels but holds no pixel data (a bomb's header)."""
     ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    # noqa: E731
-    chunk = lambda t, d: struct.pack(">I", len(d)) + t + d + struct.pack(">I", zlib.crc32(t + d))
+    chunk = lambda t, d: struct.pack(">I", len(d)) + t + d + struct.pack(">I", zlib.crc32(t + d))  # noqa: E731
     return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IEND", b"")
 
 
 def test_corrupt_inputs_raise_image_error_naming_source(tmp_path):
     proc = ImageProcessor(ImageProcessorConfig())
     good_jpg = _encode(Image.new("RGB", (300, 200), (10, 200, 30)), "JPEG")
-    good_png = _encode(Image.fromarray(np.random.default_rng(0).integers(0, 255, (200, 300, 3), np.uint8)), "PNG")
+    good_png = _encode(
+        Image.fromarray(np.random.default_rng(0).integers(0, 255, (200, 300, 3), np.uint8)), "PNG"
+    )
     cases = {
         "empty": b"",
         "garbage": bytes(random.Random(0).randrange(256) for _ in range(500)),
         "truncated_jpeg": good_jpg[: len(good_jpg) // 2],
         "truncated_png": good_png[: len(good_png) // 2],
         "header_only": good_png[:40],
-        "bomb_header": _fake_png_header(8000, 8000),          # 64M px > max_pixels, nothing decoded
+        "bomb_header": _fake_png_header(8000, 8000),  # 64M px > max_pixels, nothing decoded
         "huge_bomb_header": _fake_png_header(100000, 100000),  # Pillow's own guard fires in open()
     }
     for key, data in cases.items():
@@ -170,7 +183,7 @@ def test_corrupt_inputs_raise_image_error_naming_source(tmp_path):
 
 def test_decoded_size_limit_is_configurable():
     proc = ImageProcessor(ImageProcessorConfig(max_pixels=10_000))
-    data = _encode(Image.new("RGB", (200, 200)), "PNG")   # small file, 40k pixels when decoded
+    data = _encode(Image.new("RGB", (200, 200)), "PNG")  # small file, 40k pixels when decoded
     with pytest.raises(ImageError, match="max_pixels=10000"):
         proc(data, "s/bomb")
     with pytest.raises(ImageError, match="max_pixels"):
@@ -191,7 +204,7 @@ def test_config_validation():
         from_dict(ImageProcessorConfig, {"std": [0.5, 0.0, 0.5]})
     cfg = from_dict(ImageProcessorConfig, {"mean": [0.5, 0.5, 0.5], "std": [0.5, 0.5, 0.5]})
     out = ImageProcessor(cfg)(Image.new("RGB", (28, 28), (255, 255, 255)))
-    assert torch.allclose(out.patches_PD, torch.ones_like(out.patches_PD))   # (1 - 0.5) / 0.5
+    assert torch.allclose(out.patches_PD, torch.ones_like(out.patches_PD))  # (1 - 0.5) / 0.5
 
 
 def test_jpeg_draft_decode_matches_full_decode():
@@ -201,7 +214,7 @@ def test_jpeg_draft_decode_matches_full_decode():
     data = _encode(small.resize((1600, 1200), Image.Resampling.BILINEAR), "JPEG")
     proc = ImageProcessor(ImageProcessorConfig(max_patches=64))
     fast = proc(data, "big.jpg")
-    full = proc(proc.load(data))            # already-decoded RGB image: no draft
+    full = proc(proc.load(data))  # already-decoded RGB image: no draft
     assert fast.grid == full.grid
     diff = (proc.denormalize(fast.patches_PD) - proc.denormalize(full.patches_PD)).abs()
     assert diff.mean() < 0.01 and diff.max() < 0.2, (float(diff.mean()), float(diff.max()))

@@ -1,21 +1,24 @@
 """Vision tower = encoder + projector: config round trip, gradients, a tiny training run, processor -> tower."""
+
 import pytest
 import torch
 from PIL import Image
 
+from configs.config import ConfigError, apply_overrides, from_dict, to_dict
 from vision.config import VisionConfig
 from vision.image_processor import ImageProcessor, grid_coords
 from vision.projector import Projector, ProjectorConfig
-from configs.config import ConfigError, apply_overrides, from_dict, to_dict
 
-
-TINY = {"processor": {"patch_size": 4, "max_patches": 64, "min_patches": 4},
-        "encoder": {"hidden_size": 32, "num_heads": 4, "num_layers": 2, "max_grid": 64}}
+TINY = {
+    "processor": {"patch_size": 4, "max_patches": 64, "min_patches": 4},
+    "encoder": {"hidden_size": 32, "num_heads": 4, "num_layers": 2, "max_grid": 64},
+}
 
 
 def _cfg(**overrides) -> VisionConfig:
-    data = apply_overrides(to_dict(from_dict(VisionConfig, TINY)),
-                           [f"{k}={v}" for k, v in overrides.items()])
+    data = apply_overrides(
+        to_dict(from_dict(VisionConfig, TINY)), [f"{k}={v}" for k, v in overrides.items()]
+    )
     return from_dict(VisionConfig, data)
 
 
@@ -33,8 +36,12 @@ def test_config_round_trip_and_cross_checks():
         with pytest.raises(ConfigError, match=f"unknown key encoder.{key}"):
             _cfg(**{f"encoder.{key}": 1})
     tower = _cfg(**{"processor.patch_size": 2, "processor.merge": 1}).build(llm_hidden=8)
-    assert (tower.merge, tower.encoder.merge, tower.encoder.patch_size,
-            tower.encoder.patch_dim) == (1, 1, 2, 12)
+    assert (
+        tower.merge,
+        tower.encoder.merge,
+        tower.encoder.patch_size,
+        tower.encoder.patch_dim,
+    ) == (1, 1, 2, 12)
     with pytest.raises(ConfigError, match="max_grid"):
         _cfg(**{"encoder.max_grid": 16})
     with pytest.raises(ConfigError, match="timm_model"):
@@ -94,8 +101,9 @@ def test_tiny_training_lowers_loss():
 
     def batch(seed):
         x, rc, g = _batch(grids, seed)
-        x = x + torch.randn(len(x), 3,
-                            generator=torch.Generator().manual_seed(seed)).repeat_interleave(16, 1)
+        x = x + torch.randn(
+            len(x), 3, generator=torch.Generator().manual_seed(seed)
+        ).repeat_interleave(16, 1)
         # target per merged token: mean over its 4 patches of each channel's mean
         chans = x.view(len(x), 3, 16).mean(-1)
         lay = tower.encoder.layout(rc, g)
@@ -119,10 +127,15 @@ def test_tiny_training_lowers_loss():
 def test_processor_output_feeds_the_tower():
     cfg = _cfg()
     proc, tower = ImageProcessor(cfg.processor), cfg.build(llm_hidden=8)
-    imgs = [proc(Image.new("RGB", s, (i * 40, 100, 200)), f"k{i}")
-            for i, s in enumerate([(1, 300), (50, 40), (1, 1)])]
-    out = tower(torch.cat([p.patches_PD for p in imgs]), torch.cat([p.coords_P2 for p in imgs]),
-                torch.tensor([p.grid for p in imgs]))
+    imgs = [
+        proc(Image.new("RGB", s, (i * 40, 100, 200)), f"k{i}")
+        for i, s in enumerate([(1, 300), (50, 40), (1, 1)])
+    ]
+    out = tower(
+        torch.cat([p.patches_PD for p in imgs]),
+        torch.cat([p.coords_P2 for p in imgs]),
+        torch.tensor([p.grid for p in imgs]),
+    )
     assert out.shape == (sum(p.num_tokens for p in imgs), 8) and torch.isfinite(out).all()
 
 
@@ -160,7 +173,7 @@ def test_frac_pos_means_the_same_place_in_every_image_size():
     added = proj(x, grids) - proj.fc(x)
     centre_small, centre_large = 4, 9 + 12
     torch.testing.assert_close(added[centre_small], added[centre_large])
-    assert not torch.allclose(added[3], added[5])                    # left vs right of the centre
+    assert not torch.allclose(added[3], added[5])  # left vs right of the centre
     feats = fraction_features(grids, 1)
     # the lowest frequency's cos is monotone in x: further right, smaller cos x
     cos_x = feats[:9, 3].view(3, 3)

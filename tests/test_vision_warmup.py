@@ -1,4 +1,5 @@
 """The vision warm-up: a fresh encoder learns the words of its images' captions before step 0 of a VL run."""
+
 import json
 
 import pytest
@@ -16,19 +17,36 @@ from vlm.train.vision_warmup import (
 
 def test_caption_words_are_lower_cased_letter_runs_without_the_placeholder():
     assert caption_words("<image>A large red circle at the top left, 2 of them.") == {
-        "large", "red", "circle", "at", "the", "top", "left", "of", "them"}
+        "large",
+        "red",
+        "circle",
+        "at",
+        "the",
+        "top",
+        "left",
+        "of",
+        "them",
+    }
 
 
 def test_only_single_image_plain_text_samples_are_captions():
     from data_pipelines.schema import Sample
 
     assert is_caption(Sample(key="a", kind="pair", text="<image>A red circle.", images=[b"x"]))
-    assert not is_caption(Sample(key="b", kind="pair",
-                                 turns=[{"role": "user", "content": "<image>\nWhat?"},
-                                                              {"role": "assistant",
-                                                               "content": "red"}], images=[b"x"]))
-    assert not is_caption(Sample(key="c", kind="interleaved", text="<image>a <image>b",
-                                 images=[b"x", b"y"]))
+    assert not is_caption(
+        Sample(
+            key="b",
+            kind="pair",
+            turns=[
+                {"role": "user", "content": "<image>\nWhat?"},
+                {"role": "assistant", "content": "red"},
+            ],
+            images=[b"x"],
+        )
+    )
+    assert not is_caption(
+        Sample(key="c", kind="interleaved", text="<image>a <image>b", images=[b"x", b"y"])
+    )
     assert not is_caption(Sample(key="d", kind="text", text="no image"))
 
 
@@ -39,8 +57,9 @@ def test_vocabulary_keeps_words_in_enough_captions():
 def test_max_pool_is_the_max_over_each_images_own_tokens():
     x_ND = torch.randn(9, 5)
     out = max_pool_per_image(x_ND, [2, 4, 3])
-    expected = torch.stack([x_ND[:2].max(0).values, x_ND[2:6].max(0).values,
-                            x_ND[6:].max(0).values])
+    expected = torch.stack(
+        [x_ND[:2].max(0).values, x_ND[2:6].max(0).values, x_ND[6:].max(0).values]
+    )
     assert torch.equal(out, expected)
 
 
@@ -54,10 +73,22 @@ def _encoder_and_processor():
     from configs.config import from_dict
     from vision.config import VisionConfig
 
-    vcfg = from_dict(VisionConfig, {
-        "processor": {"patch_size": 8, "min_patches": 4, "max_patches": 64, "merge": 2},
-        "encoder": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "max_grid": 32,
-                    "stem": "conv", "stem_channels": 8, "merger": "none", "layer_scale": 0.01}})
+    vcfg = from_dict(
+        VisionConfig,
+        {
+            "processor": {"patch_size": 8, "min_patches": 4, "max_patches": 64, "merge": 2},
+            "encoder": {
+                "hidden_size": 32,
+                "num_layers": 1,
+                "num_heads": 2,
+                "max_grid": 32,
+                "stem": "conv",
+                "stem_channels": 8,
+                "merger": "none",
+                "layer_scale": 0.01,
+            },
+        },
+    )
     return vcfg.build(32).encoder, vcfg.build_processor()
 
 
@@ -70,11 +101,20 @@ def test_warmup_teaches_the_encoder_colour_words_from_captions(tiny_default, tmp
     torch.manual_seed(0)
     encoder, processor = _encoder_and_processor()
     before = {k: v.clone() for k, v in encoder.state_dict().items()}
-    cfg = VisionWarmupConfig(steps=300, images_per_step=16, lr=1e-2, min_word_count=3,
-                             max_captions=200, held_out=20)
+    cfg = VisionWarmupConfig(
+        steps=300, images_per_step=16, lr=1e-2, min_word_count=3, max_captions=200, held_out=20
+    )
     data = DataConfig(default_dir=str(tiny_default), tokenizer="byte")
-    result = run_vision_warmup(encoder, processor, cfg, data, seed=0, device=torch.device("cpu"),
-                               run_dir=tmp_path, log=lambda *_: None)
+    result = run_vision_warmup(
+        encoder,
+        processor,
+        cfg,
+        data,
+        seed=0,
+        device=torch.device("cpu"),
+        run_dir=tmp_path,
+        log=lambda *_: None,
+    )
     assert any(not torch.equal(before[k], v) for k, v in encoder.state_dict().items())
     assert json.loads((tmp_path / "vision_warmup.json").read_text())["steps"] == 300
     assert result["held_out_captions"] == 20 and result["loss_last"] < result["loss_first"]
@@ -90,17 +130,26 @@ def test_warmup_refuses_data_without_captions(tmp_path, write_text_shards):
     from vlm.train.config import VisionWarmupConfig
 
     write_text_shards(tmp_path / "text", 20, 10)
-    data = from_dict(DataConfig,
-                     {"sources": [{"path": str(tmp_path / "text" / "t-*.tar")}],
-                      "tokenizer": "byte"})
+    data = from_dict(
+        DataConfig, {"sources": [{"path": str(tmp_path / "text" / "t-*.tar")}], "tokenizer": "byte"}
+    )
     encoder, processor = _encoder_and_processor()
     with pytest.raises(ValueError, match="caption samples"):
-        run_vision_warmup(encoder, processor, VisionWarmupConfig(steps=5), data, seed=0,
-                          device=torch.device("cpu"), run_dir=None, log=lambda *_: None)
+        run_vision_warmup(
+            encoder,
+            processor,
+            VisionWarmupConfig(steps=5),
+            data,
+            seed=0,
+            device=torch.device("cpu"),
+            run_dir=None,
+            log=lambda *_: None,
+        )
 
 
-def test_config_refuses_a_warmup_for_a_frozen_or_missing_encoder(TINY, load_tiny, tiny_data,
-                                                                 tiny_config):
+def test_config_refuses_a_warmup_for_a_frozen_or_missing_encoder(
+    TINY, load_tiny, tiny_data, tiny_config
+):
     from configs.config import ConfigError
 
     cfg = tiny_config(tiny_data, vision_warmup={"steps": 10})
@@ -111,11 +160,19 @@ def test_config_refuses_a_warmup_for_a_frozen_or_missing_encoder(TINY, load_tiny
         load_tiny(tiny_config(tiny_data, vision_warmup={"steps": -1}))
 
 
-def test_a_vl_run_warms_up_a_fresh_encoder_but_not_one_it_resumes_or_inherits(tiny_data, tiny_config, make_trainer,
-                                                                              tmp_path, torch_globals):
-    cfg = tiny_config(tiny_data,
-                      vision_warmup={"steps": 3, "images_per_step": 4, "min_word_count": 2,
-                                                "max_captions": 40, "held_out": 4})
+def test_a_vl_run_warms_up_a_fresh_encoder_but_not_one_it_resumes_or_inherits(
+    tiny_data, tiny_config, make_trainer, tmp_path, torch_globals
+):
+    cfg = tiny_config(
+        tiny_data,
+        vision_warmup={
+            "steps": 3,
+            "images_per_step": 4,
+            "min_word_count": 2,
+            "max_captions": 40,
+            "held_out": 4,
+        },
+    )
     run = tmp_path / "run"
     t = make_trainer(cfg, run)
     assert (run / "vision_warmup.json").is_file()
@@ -125,21 +182,30 @@ def test_a_vl_run_warms_up_a_fresh_encoder_but_not_one_it_resumes_or_inherits(ti
     make_trainer(cfg, run, resume=True)
     assert not (run / "vision_warmup.json").exists()
     child = tmp_path / "child"
-    cfg2 = tiny_config(tiny_data, vision_warmup=cfg["vision_warmup"],
-                       train={"init_from": str(run / "final")})
+    cfg2 = tiny_config(
+        tiny_data, vision_warmup=cfg["vision_warmup"], train={"init_from": str(run / "final")}
+    )
     # inherited: init_from carries the encoder
     make_trainer(cfg2, child)
     assert not (child / "vision_warmup.json").exists()
 
 
-def test_freeze_after_keeps_the_warmed_encoder_for_the_run_and_its_resumes(tiny_data, tiny_config, make_trainer,
-                                                                          tmp_path, torch_globals):
+def test_freeze_after_keeps_the_warmed_encoder_for_the_run_and_its_resumes(
+    tiny_data, tiny_config, make_trainer, tmp_path, torch_globals
+):
     """vision_warmup.freeze_after: the encoder trains in the warm-up, then not at all (nor after a
     resume); the projector and the LLM still train."""
-    cfg = tiny_config(tiny_data,
-                      vision_warmup={"steps": 3, "images_per_step": 4, "min_word_count": 2,
-                                                "max_captions": 40, "held_out": 4,
-                                     "freeze_after": True})
+    cfg = tiny_config(
+        tiny_data,
+        vision_warmup={
+            "steps": 3,
+            "images_per_step": 4,
+            "min_word_count": 2,
+            "max_captions": 40,
+            "held_out": 4,
+            "freeze_after": True,
+        },
+    )
     run = tmp_path / "run"
     t = make_trainer(cfg, run)
     enc = t.engine.module.vision.encoder
@@ -148,7 +214,8 @@ def test_freeze_after_keeps_the_warmed_encoder_for_the_run_and_its_resumes(tiny_
     proj = {k: v.clone() for k, v in t.engine.module.vision.projector.state_dict().items()}
     assert t.train() == 0
     assert all(torch.equal(v, enc.state_dict()[k]) for k, v in warmed.items())
-    assert not all(torch.equal(v, t.engine.module.vision.projector.state_dict()[k])
-                   for k, v in proj.items())
+    assert not all(
+        torch.equal(v, t.engine.module.vision.projector.state_dict()[k]) for k, v in proj.items()
+    )
     resumed = make_trainer(cfg, run, resume=True)
     assert not any(p.requires_grad for p in resumed.engine.module.vision.encoder.parameters())

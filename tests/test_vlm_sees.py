@@ -1,6 +1,7 @@
 """The VLM answers from the image: a tiny model trained here (through the real trainer) on a
 question whose answer only the picture holds gives different answers for pictures that differ only
 in that attribute, and other answers again when the picture is blanked."""
+
 from __future__ import annotations
 
 import io
@@ -8,9 +9,12 @@ import io
 import pytest
 from PIL import Image
 
-
-COLOURS = {"red": (220, 40, 40), "green": (30, 160, 60), "blue": (40, 80, 225),
-           "yellow": (240, 205, 20)}
+COLOURS = {
+    "red": (220, 40, 40),
+    "green": (30, 160, 60),
+    "blue": (40, 80, 225),
+    "yellow": (240, 205, 20),
+}
 QUESTION = "What colour is the square?"
 
 
@@ -41,17 +45,27 @@ def colour_vlm(tmp_path_factory, tiny_data, tiny_config, make_trainer):
         with ShardWriter(root / split, "vqa", max_count=1000) as w:
             for i in range(n):
                 name = list(COLOURS)[i % len(COLOURS)]
-                turns = [{"role": "user", "content": "<image>\n" + QUESTION},
-                         {"role": "assistant", "content": name}]
-                w.write(Sample(key=f"{split}{i:05d}", kind="pair", turns=turns,
-                               images=[_picture(COLOURS[name], i)], image_exts=["png"]))
+                turns = [
+                    {"role": "user", "content": "<image>\n" + QUESTION},
+                    {"role": "assistant", "content": name},
+                ]
+                w.write(
+                    Sample(
+                        key=f"{split}{i:05d}",
+                        kind="pair",
+                        turns=turns,
+                        images=[_picture(COLOURS[name], i)],
+                        image_exts=["png"],
+                    )
+                )
     src = lambda split: [{"path": str(root / split / "vqa-*.tar"), "name": split}]  # noqa: E731
-    cfg = tiny_config(tiny_data,
-                      train={"stage": "vl", "max_steps": 250, "seed": 0, "vqa_eval": False,
-                             "threads": 1},
-                      data={"sources": src("train")},
-                      logging={"eval_every": 0, "eval_sources": src("val")},
-                      checkpoint={"save_every": 0})
+    cfg = tiny_config(
+        tiny_data,
+        train={"stage": "vl", "max_steps": 250, "seed": 0, "vqa_eval": False, "threads": 1},
+        data={"sources": src("train")},
+        logging={"eval_every": 0, "eval_sources": src("val")},
+        checkpoint={"save_every": 0},
+    )
     cfg["data"]["loss_on"] = "assistant"
     cfg["vision"]["freeze_encoder"] = False
     threads = torch.get_num_threads()
@@ -63,11 +77,11 @@ def colour_vlm(tmp_path_factory, tiny_data, tiny_config, make_trainer):
 
 
 def test_answers_follow_the_asked_about_attribute_and_blanking_changes_them(colour_vlm):
-    from vlm.generate import load_eval_model
     from data_pipelines.chat import vqa_prompt
+    from vlm.generate import load_eval_model
 
     chat = load_eval_model(colour_vlm, device="cpu")
-    seeds = range(1000, 1008)                       # square positions never seen in training
+    seeds = range(1000, 1008)  # square positions never seen in training
     prompts = [vqa_prompt(QUESTION)] * len(seeds)
 
     def answers(fill):
@@ -106,7 +120,7 @@ metadata:
   version: 0.1
 """
 
-TASK_UTILS = '''
+TASK_UTILS = """
 import base64, io
 from PIL import Image
 
@@ -116,17 +130,19 @@ def doc_to_visual(doc):
 def doc_to_text(doc):
     # the raw context most lmms-eval VQA tasks hand over: a placeholder, a newline, the question
     return "<image>\\n" + doc["question"]
-'''
+"""
 
 
 @pytest.mark.slow
-def test_a_standard_lmms_eval_vqa_task_is_answered_in_the_trained_format(colour_vlm, tmp_path, subprocess_env):
+def test_a_standard_lmms_eval_vqa_task_is_answered_in_the_trained_format(
+    colour_vlm, tmp_path, subprocess_env
+):
     """`lmms-eval eval` on a task in lmms-eval's own YAML format whose context is raw
     `<image>\\n<question>`: the adapter puts it into the chat template, so the answers are colours
     and beat the majority answer."""
     import base64
     import json
-    import os  # noqa: F401
+    import os
     import subprocess
     import sys
     from pathlib import Path
@@ -135,24 +151,47 @@ def test_a_standard_lmms_eval_vqa_task_is_answered_in_the_trained_format(colour_
     tasks = tmp_path / "tasks"
     tasks.mkdir()
     names = list(COLOURS)
-    docs = [{"question": QUESTION, "answer": names[i % 4],
-             "image": base64.b64encode(_picture(COLOURS[names[i % 4]], 2000 + i)).decode()}
-            for i in range(16)]
+    docs = [
+        {
+            "question": QUESTION,
+            "answer": names[i % 4],
+            "image": base64.b64encode(_picture(COLOURS[names[i % 4]], 2000 + i)).decode(),
+        }
+        for i in range(16)
+    ]
     (tasks / "colour.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
     (tasks / "colour_square.yaml").write_text(TASK_YAML.format(data=tasks / "colour.jsonl"))
     (tasks / "colour_utils.py").write_text(TASK_UTILS)
     repo = Path(__file__).resolve().parents[1]
-    env = dict(subprocess_env(), PYTHONPATH=os.pathsep.join([str(tasks), str(repo)]),
-               # without the fixture trainer's rendezvous settings
-               HF_HOME=str(tmp_path / "hf"), HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
-    cmd = [sys.executable, "-c", "import sys; from lmms_eval.cli.dispatch import main; "
-                                 "sys.exit(main())",
-           "eval", "--model", "conceptmoe", "--model_args", f"pretrained={colour_vlm}",
-           "--batch_size", "8", "--tasks", "colour_square", "--include_path", str(tasks),
-           "--output_path", str(tmp_path / "out")]
+    env = dict(
+        subprocess_env(),
+        PYTHONPATH=os.pathsep.join([str(tasks), str(repo)]),
+        # without the fixture trainer's rendezvous settings
+        HF_HOME=str(tmp_path / "hf"),
+        HF_DATASETS_OFFLINE="1",
+        HF_HUB_OFFLINE="1",
+    )
+    cmd = [
+        sys.executable,
+        "-c",
+        "import sys; from lmms_eval.cli.dispatch import main; sys.exit(main())",
+        "eval",
+        "--model",
+        "conceptmoe",
+        "--model_args",
+        f"pretrained={colour_vlm}",
+        "--batch_size",
+        "8",
+        "--tasks",
+        "colour_square",
+        "--include_path",
+        str(tasks),
+        "--output_path",
+        str(tmp_path / "out"),
+    ]
     proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     log = proc.stdout[-3000:] + proc.stderr[-3000:]
-    found = list((tmp_path / "out").rglob("*_results.json"))     # lmms-eval exits 0 even on errors
+    found = list((tmp_path / "out").rglob("*_results.json"))  # lmms-eval exits 0 even on errors
     assert proc.returncode == 0 and found, log
     score = json.loads(found[0].read_text())["results"]["colour_square"]["exact_match,none"]
     # majority answer: 0.25 (4 balanced colours)

@@ -1,4 +1,5 @@
 """VisionConfig: the one config for the vision side (processor, encoder, projector) and its builder."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
@@ -23,7 +24,7 @@ class VisionConfig(ValidatedOnInit):
     encoder: NaViTConfig = field(default_factory=NaViTConfig)
     projector: ProjectorConfig = field(default_factory=ProjectorConfig)
     backbone: Literal["navit", "timm"] = "navit"
-    timm_model: str | None = None         # e.g. "naflexvit_base_patch16_gap" (backbone: timm)
+    timm_model: str | None = None  # e.g. "naflexvit_base_patch16_gap" (backbone: timm)
     # LOCAL timm weights file or HF SigLIP / CLIP folder; navit: loaded by name
     timm_checkpoint: str | None = None
     # how a checkpoint's pos table fits max_grid
@@ -54,16 +55,20 @@ class VisionConfig(ValidatedOnInit):
         except ConfigError as e:
             raise ConfigError(f"encoder.{e}") from None
         if self.backbone == "timm":
-            check(bool(self.timm_model), "backbone 'timm' needs timm_model (e.g. "
-                                         "naflexvit_base_patch16_gap)")
+            check(
+                bool(self.timm_model),
+                "backbone 'timm' needs timm_model (e.g. naflexvit_base_patch16_gap)",
+            )
         if self.encoder.pos == "learned2d" and self.backbone == "navit":
             m = self.processor.merge
             # a thin strip: one merge unit wide
             longest = (self.processor.max_patches // (m * m)) * m
-            check(self.encoder.max_grid >= longest,
-                  f"encoder.max_grid={self.encoder.max_grid} is smaller than the longest grid side "
-                  f"the processor can make ({longest} patches, for a thin strip); raise max_grid "
-                  f"or use pos=rope2d")
+            check(
+                self.encoder.max_grid >= longest,
+                f"encoder.max_grid={self.encoder.max_grid} is smaller than the "
+                f"longest grid side the processor can make ({longest} patches, "
+                "for a thin strip); raise max_grid or use pos=rope2d",
+            )
 
     def build_processor(self) -> ImageProcessor:
         return ImageProcessor(self.processor)
@@ -72,30 +77,43 @@ class VisionConfig(ValidatedOnInit):
         """Encoder (+ optional local checkpoint) and projector to `llm_hidden`."""
         patch_size, merge = self.processor.patch_size, self.processor.merge
         if self.backbone == "timm":
-            enc = TimmBackbone(self.timm_model, merge=merge, patch_size=patch_size,
-                               checkpoint=self.timm_checkpoint, merger=self.encoder.merger,
-                               out_dim=self.encoder.out_dim)
+            enc = TimmBackbone(
+                self.timm_model,
+                merge=merge,
+                patch_size=patch_size,
+                checkpoint=self.timm_checkpoint,
+                merger=self.encoder.merger,
+                out_dim=self.encoder.out_dim,
+            )
         else:
             enc = NaViTEncoder(self.encoder, patch_size=patch_size, merge=merge)
             if self.timm_checkpoint:
-                report = enc.load_report = load_timm_vit_state_dict(enc, self.timm_checkpoint,
-                                                                    self.pos_resample)
+                report = enc.load_report = load_timm_vit_state_dict(
+                    enc, self.timm_checkpoint, self.pos_resample
+                )
                 if not report.loaded:
-                    raise ConfigError(f"timm_checkpoint {self.timm_checkpoint}: no tensor matched "
-                                      f"the encoder (check encoder.hidden_size and "
-                                      f"processor.patch_size):\n{report}")
+                    raise ConfigError(
+                        f"timm_checkpoint {self.timm_checkpoint}: no tensor matched the encoder "
+                        f"(check encoder.hidden_size and processor.patch_size):\n{report}"
+                    )
                 if self.checkpoint_architecture() is not None:
-                    report.notes.append("architecture read from the checkpoint's config.json: " + ", ".join(
-                        f"{k}={getattr(self.encoder, k)}"
-                        for k in self.checkpoint_architecture()[0]) +
-                        f", patch_size={patch_size}")
+                    report.notes.append(
+                        "architecture read from the checkpoint's config.json: "
+                        + ", ".join(
+                            f"{k}={getattr(self.encoder, k)}"
+                            for k in self.checkpoint_architecture()[0]
+                        )
+                        + f", patch_size={patch_size}"
+                    )
                 bad = report.mismatches()
                 # a pretrained tower is loaded whole: a part left at its init is not what was
                 # asked for
                 if bad:
                     more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
-                    raise ConfigError(f"timm_checkpoint {self.timm_checkpoint}: the tower does not "
-                                      f"match the checkpoint: {bad[0]}{more}")
+                    raise ConfigError(
+                        f"timm_checkpoint {self.timm_checkpoint}: the tower "
+                        f"does not match the checkpoint: {bad[0]}{more}"
+                    )
         # the merger stays trainable: it is part of the adapter, like the projector
         if self.freeze_encoder:
             for name, p in enc.named_parameters():

@@ -9,6 +9,7 @@ tanh-approximated GELU and CLIP's quick-GELU against the encoder's exact GELU, a
 position table fitted into learned2d's row and column tables (see
 timm_backbone.load_timm_vit_state_dict, which reports how well it fits).
 """
+
 from __future__ import annotations
 
 import re
@@ -18,13 +19,20 @@ import torch
 
 _PREFIX = re.compile(r"^(?:vision_model\.|model\.vision_model\.|siglip\.vision_model\.)")
 _LAYER = re.compile(r"^encoder\.layers\.(\d+)\.(.+)$")
-_LAYER_PARTS = {"layer_norm1": "norm1", "layer_norm2": "norm2", "self_attn.out_proj": "attn.proj",
-                "mlp.fc1": "mlp.fc1", "mlp.fc2": "mlp.fc2"}
+_LAYER_PARTS = {
+    "layer_norm1": "norm1",
+    "layer_norm2": "norm2",
+    "self_attn.out_proj": "attn.proj",
+    "mlp.fc1": "mlp.fc1",
+    "mlp.fc2": "mlp.fc2",
+}
 
 
 def is_hf_vision_layout(sd: dict[str, torch.Tensor]) -> bool:
-    return any(_PREFIX.match(k) and ".embeddings.patch_embedding." in k for k in sd) or \
-        "embeddings.patch_embedding.weight" in sd
+    return (
+        any(_PREFIX.match(k) and ".embeddings.patch_embedding." in k for k in sd)
+        or "embeddings.patch_embedding.weight" in sd
+    )
 
 
 def hf_vision_to_timm(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -33,9 +41,9 @@ def hf_vision_to_timm(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     for k, v in sd.items():
         m = _PREFIX.match(k)
         if m:
-            vis[k[m.end():]] = v
+            vis[k[m.end() :]] = v
         elif k.startswith(("embeddings.", "encoder.", "post_layernorm.", "pre_layrnorm.")):
-            vis[k] = v     # a bare vision model saved without the vision_model prefix
+            vis[k] = v  # a bare vision model saved without the vision_model prefix
     out: dict[str, torch.Tensor] = {}
     qkv: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for k, v in vis.items():
@@ -43,11 +51,11 @@ def hf_vision_to_timm(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             out["patch_embed.proj." + k.rsplit(".", 1)[1]] = v
         elif k == "embeddings.position_embedding.weight":
             out["pos_embed"] = v[None]
-        elif k == "embeddings.class_embedding":     # CLIP: its position-table entry comes first
+        elif k == "embeddings.class_embedding":  # CLIP: its position-table entry comes first
             out["cls_token"] = v.reshape(1, 1, -1)
         elif k.startswith("post_layernorm."):
             out["norm." + k.rsplit(".", 1)[1]] = v
-        elif k.startswith("pre_layrnorm."):         # (sic: CLIP's name)
+        elif k.startswith("pre_layrnorm."):  # (sic: CLIP's name)
             out["norm_pre." + k.rsplit(".", 1)[1]] = v
         elif m := _LAYER.match(k):
             i, rest = int(m.group(1)), m.group(2)
@@ -57,11 +65,11 @@ def hf_vision_to_timm(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             elif part in _LAYER_PARTS:
                 out[f"blocks.{i}.{_LAYER_PARTS[part]}.{kind}"] = v
             else:
-                out[f"blocks.{i}.{rest}"] = v      # reported as unsupported by the loader
+                out[f"blocks.{i}.{rest}"] = v  # reported as unsupported by the loader
         else:
             # heads and the like: the loader reports them skipped
             out[k] = v
-    if "patch_embed.proj.weight" in out and "patch_embed.proj.bias" not in out:   # CLIP's has none
+    if "patch_embed.proj.weight" in out and "patch_embed.proj.bias" not in out:  # CLIP's has none
         w = out["patch_embed.proj.weight"]
         out["patch_embed.proj.bias"] = w.new_zeros(w.shape[0])
     for (i, kind), parts in qkv.items():
@@ -89,9 +97,15 @@ def hf_vision_architecture(path: str | Path) -> tuple[dict, int] | None:
 
     cfg = AutoConfig.from_pretrained(str(path))
     cfg = getattr(cfg, "vision_config", cfg)
-    return {"hidden_size": cfg.hidden_size, "num_layers": cfg.num_hidden_layers,
-            "num_heads": cfg.num_attention_heads,
-            "mlp_ratio": cfg.intermediate_size / cfg.hidden_size,
-            "mlp_hidden": cfg.intermediate_size, "stem": "linear", "layer_scale": None,
-            "norm_pre": kind.startswith("clip"), "norm_eps": cfg.layer_norm_eps,
-            "qkv_bias": True}, cfg.patch_size
+    return {
+        "hidden_size": cfg.hidden_size,
+        "num_layers": cfg.num_hidden_layers,
+        "num_heads": cfg.num_attention_heads,
+        "mlp_ratio": cfg.intermediate_size / cfg.hidden_size,
+        "mlp_hidden": cfg.intermediate_size,
+        "stem": "linear",
+        "layer_scale": None,
+        "norm_pre": kind.startswith("clip"),
+        "norm_eps": cfg.layer_norm_eps,
+        "qkv_bias": True,
+    }, cfg.patch_size

@@ -5,6 +5,7 @@ Pillow only (torchvision does not import on a CPU-only torch). The output is wha
 encoder consumes: one row per patch, channel-major inside a patch (c, ph, pw), so that a timm ViT's
 conv patch embedding flattens onto it directly, plus each patch's (row, col) in its image's grid.
 """
+
 from __future__ import annotations
 
 import io
@@ -35,9 +36,9 @@ class ImageProcessorConfig(ValidatedOnInit):
     run's loader patchifies with that same processor config."""
 
     patch_size: int = 14
-    min_patches: int = 4          # per image, before merge
-    max_patches: int = 256        # per image, before merge
-    merge: Literal[1, 2] = 2      # 2: 2x2 patches are merged into one LLM token, so grids are even
+    min_patches: int = 4  # per image, before merge
+    max_patches: int = 256  # per image, before merge
+    merge: Literal[1, 2] = 2  # 2: 2x2 patches are merged into one LLM token, so grids are even
     # decompression-bomb guard, checked on the header's size before decoding
     max_pixels: int = 50_000_000
     mean: tuple[float, float, float] = CLIP_MEAN
@@ -46,19 +47,27 @@ class ImageProcessorConfig(ValidatedOnInit):
     def validate(self) -> None:
         check(self.patch_size >= 1, f"patch_size must be >= 1, got {self.patch_size}")
         check(self.merge in (1, 2), f"merge must be 1 or 2, got {self.merge}")
-        m2 = self.merge ** 2
+        m2 = self.merge**2
         check(self.min_patches >= 1, f"min_patches must be >= 1, got {self.min_patches}")
-        check(self.max_patches >= m2,
-              f"max_patches must be >= merge**2 = {m2} (one merged token), got {self.max_patches}")
-        check(self.min_patches <= self.max_patches,
-              f"min_patches={self.min_patches} must be <= max_patches={self.max_patches}")
-        check(math.ceil(self.min_patches / m2) <= self.max_patches // m2,
-              f"no grid of {self.merge}x{self.merge} blocks has between "
-              f"min_patches={self.min_patches} and max_patches={self.max_patches} patches; widen "
-              f"the range")
+        check(
+            self.max_patches >= m2,
+            f"max_patches must be >= merge**2 = {m2} (one merged token), got {self.max_patches}",
+        )
+        check(
+            self.min_patches <= self.max_patches,
+            f"min_patches={self.min_patches} must be <= max_patches={self.max_patches}",
+        )
+        check(
+            math.ceil(self.min_patches / m2) <= self.max_patches // m2,
+            f"no grid of {self.merge}x{self.merge} blocks has between "
+            f"min_patches={self.min_patches} and "
+            f"max_patches={self.max_patches} patches; widen the range",
+        )
         check(self.max_pixels >= 1, f"max_pixels must be >= 1, got {self.max_pixels}")
-        check(len(self.mean) == 3 and len(self.std) == 3,
-              f"mean and std need 3 values (R, G, B), got {list(self.mean)} and {list(self.std)}")
+        check(
+            len(self.mean) == 3 and len(self.std) == 3,
+            f"mean and std need 3 values (R, G, B), got {list(self.mean)} and {list(self.std)}",
+        )
         check(all(s > 0 for s in self.std), f"std values must be > 0, got {list(self.std)}")
 
 
@@ -66,8 +75,8 @@ class ImageProcessorConfig(ValidatedOnInit):
 class ProcessedImage:
     # [P, 3*patch*patch] float32, normalised, raster order, (c, ph, pw) inside a patch
     patches_PD: torch.Tensor
-    coords_P2: torch.Tensor    # [P, 2] long, (row, col) in the patch grid
-    grid: tuple[int, int]      # (rows, cols) in patches, both multiples of `merge`
+    coords_P2: torch.Tensor  # [P, 2] long, (row, col) in the patch grid
+    grid: tuple[int, int]  # (rows, cols) in patches, both multiples of `merge`
     merge: int = 1
 
     @property
@@ -86,12 +95,12 @@ def choose_grid(height: int, width: int, cfg: ImageProcessorConfig) -> tuple[int
     area, and the best one wins.
     """
     unit = cfg.patch_size * cfg.merge
-    m2 = cfg.merge ** 2
+    m2 = cfg.merge**2
     min_u, max_u = math.ceil(cfg.min_patches / m2), cfg.max_patches // m2
     r0, c0 = max(height / unit, 1.0), max(width / unit, 1.0)
     area = min(max(r0 * c0, min_u), max_u)
     aspect = r0 / c0
-    u = np.arange(1, max_u + 1, dtype=np.float64)   # side lengths, in units
+    u = np.arange(1, max_u + 1, dtype=np.float64)  # side lengths, in units
 
     def fit(other: np.ndarray, ideal: np.ndarray) -> np.ndarray:
         """Clamp a side length into what the budget allows next to `other` (nan where nothing fits)."""
@@ -107,7 +116,7 @@ def choose_grid(height: int, width: int, cfg: ImageProcessorConfig) -> tuple[int
     # wins depends on the scan order (an image and its transpose would get different grids).
     score = np.log(rows / cols / aspect) ** 2 + np.log(rows * cols / area) ** 2
     score = np.round(np.where(np.isnan(score), np.inf, score), 12)
-    best = int(np.lexsort((-rows * cols, score))[0])   # ties: the larger grid
+    best = int(np.lexsort((-rows * cols, score))[0])  # ties: the larger grid
     return int(rows[best]) * cfg.merge, int(cols[best]) * cfg.merge
 
 
@@ -158,12 +167,13 @@ def grid_coords(rows: int, cols: int) -> torch.Tensor:
 
 class ImageProcessor:
     def __init__(self, cfg: ImageProcessorConfig | None = None):
-        self.cfg = cfg or ImageProcessorConfig()   # validated when it was made
+        self.cfg = cfg or ImageProcessorConfig()  # validated when it was made
         self._mean_3 = np.asarray(self.cfg.mean, dtype=np.float32)
         self._std_3 = np.asarray(self.cfg.std, dtype=np.float32)
 
-    def __call__(self, image: "Image.Image | bytes | str | os.PathLike",
-                 source: str = "") -> ProcessedImage:
+    def __call__(
+        self, image: "Image.Image | bytes | str | os.PathLike", source: str = ""
+    ) -> ProcessedImage:
         img = self.load(image, source, for_patches=True)
         rows, cols = choose_grid(img.height, img.width, self.cfg)
         p = self.cfg.patch_size
@@ -172,9 +182,17 @@ class ImageProcessor:
         # stalls on busy machines for arrays this small).
         x_HW3 = np.asarray(img, dtype=np.float32) * np.float32(1 / 255.0)
         x_HW3 = (x_HW3 - self._mean_3) / self._std_3
-        patches = x_HW3.reshape(rows, p, cols, p, 3).transpose(0, 2, 4, 1, 3).reshape(rows * cols, 3 * p * p)
-        return ProcessedImage(torch.from_numpy(np.ascontiguousarray(patches)),
-                              grid_coords(rows, cols), (rows, cols), self.cfg.merge)
+        patches = (
+            x_HW3.reshape(rows, p, cols, p, 3)
+            .transpose(0, 2, 4, 1, 3)
+            .reshape(rows * cols, 3 * p * p)
+        )
+        return ProcessedImage(
+            torch.from_numpy(np.ascontiguousarray(patches)),
+            grid_coords(rows, cols),
+            (rows, cols),
+            self.cfg.merge,
+        )
 
     def tokens_for_size(self, height: int, width: int) -> int:
         """LLM tokens an image of this pixel size will take (without decoding it)."""
@@ -183,13 +201,17 @@ class ImageProcessor:
 
     def denormalize(self, patches_PD: torch.Tensor) -> torch.Tensor:
         """Undo the mean/std normalisation of patches (values back in 0..1)."""
-        p2 = self.cfg.patch_size ** 2
+        p2 = self.cfg.patch_size**2
         mean = torch.from_numpy(self._mean_3).repeat_interleave(p2).to(patches_PD)
         std = torch.from_numpy(self._std_3).repeat_interleave(p2).to(patches_PD)
         return patches_PD * std + mean
 
-    def load(self, image: "Image.Image | bytes | str | os.PathLike", source: str = "",
-             for_patches: bool = False) -> Image.Image:
+    def load(
+        self,
+        image: "Image.Image | bytes | str | os.PathLike",
+        source: str = "",
+        for_patches: bool = False,
+    ) -> Image.Image:
         """Decode to an RGB Pillow image; every failure becomes an ImageError naming the source.
 
         for_patches: the image will be resized to its patch grid, so a JPEG may be decoded at a
@@ -206,22 +228,27 @@ class ImageProcessor:
             return self._decode(bytes(image), source or "<bytes>", for_patches)
         if isinstance(image, Image.Image):
             return self._finish(image, source or "<PIL image>")
-        raise ImageError(f"image {source or '<unknown>'}: expected a PIL image, bytes or a path, "
-                         f"got {type(image).__name__}")
+        raise ImageError(
+            f"image {source or '<unknown>'}: expected a PIL "
+            f"image, bytes or a path, got {type(image).__name__}"
+        )
 
     def _decode(self, data: bytes, name: str, for_patches: bool = False) -> Image.Image:
         if not data:
             raise ImageError(f"image {name}: empty data (0 bytes)")
         try:
             img = Image.open(io.BytesIO(data))
-        # Pillow's own guard fires in open() for absurd headers
         except Image.DecompressionBombError as e:
-            raise ImageError(f"image {name}: exceeds the pixel limit, "
-                             f"max_pixels={self.cfg.max_pixels} (decompression-bomb guard: {e})") from None
+            # Pillow's own guard fires in open() for absurd headers
+            raise ImageError(
+                f"image {name}: exceeds the pixel limit, "
+                f"max_pixels={self.cfg.max_pixels} (decompression-bomb guard: {e})"
+            ) from None
         except UnidentifiedImageError:
-            raise ImageError(f"image {name}: not a recognised image format ({len(data)} bytes)") from None
-        # Pillow raises many types (SyntaxError, struct.error, ...) on broken headers
-        except Exception as e:
+            raise ImageError(
+                f"image {name}: not a recognised image format ({len(data)} bytes)"
+            ) from None
+        except Exception as e:  # noqa: BLE001 - Pillow raises many types (SyntaxError, struct.error, ...) on broken headers
             raise ImageError(f"image {name}: cannot be read ({type(e).__name__}: {e})") from None
         return self._finish(img, name, for_patches)
 
@@ -230,9 +257,10 @@ class ImageProcessor:
         if w < 1 or h < 1:
             raise ImageError(f"image {name}: has no pixels ({w}x{h})")
         if w * h > self.cfg.max_pixels:  # read from the header: nothing has been decoded yet
-            raise ImageError(f"image {name}: {w}x{h} = {w * h} pixels exceeds "
-                             f"max_pixels={self.cfg.max_pixels} "
-                             "(decompression-bomb guard)")
+            raise ImageError(
+                f"image {name}: {w}x{h} = {w * h} pixels exceeds "
+                f"max_pixels={self.cfg.max_pixels} (decompression-bomb guard)"
+            )
         try:
             with warnings.catch_warnings():
                 # our own guard is above
@@ -244,6 +272,5 @@ class ImageProcessor:
                 # a copy would double the decoded bytes
                 ImageOps.exif_transpose(img, in_place=True)
                 return to_rgb(img)
-        # truncated streams, bad chunks, decoder errors, Pillow's own bomb error
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - truncated streams, bad chunks, decoder errors, Pillow's own bomb error
             raise ImageError(f"image {name}: cannot be decoded ({type(e).__name__}: {e})") from None

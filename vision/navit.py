@@ -5,6 +5,7 @@ blocks.i.norm1 / attn.qkv / attn.proj / norm2 / mlp.fc1 / mlp.fc2, norm), so tim
 by name. Attention is block-diagonal over images; an optional 2x2 merge (Qwen2-VL) turns
 patches into tokens.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -15,9 +16,16 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
-from vision.packing import PackLayout, block_mask, build_layout, merge_patches, packed_attention, pick_backend
-from vision.positions import FactorisedPosEmbed, Rope2D, apply_rope
 from configs.config import ValidatedOnInit, check
+from vision.packing import (
+    PackLayout,
+    block_mask,
+    build_layout,
+    merge_patches,
+    packed_attention,
+    pick_backend,
+)
+from vision.positions import FactorisedPosEmbed, Rope2D, apply_rope
 
 
 @dataclass
@@ -33,7 +41,7 @@ class NaViTConfig(ValidatedOnInit):
     # width 1152, which no float ratio reproduces exactly); null: hidden_size * mlp_ratio
     mlp_hidden: int | None = None
     pos: Literal["learned2d", "rope2d"] = "learned2d"
-    max_grid: int = 128                # rows/cols a learned2d table covers (in patches)
+    max_grid: int = 128  # rows/cols a learned2d table covers (in patches)
     rope_theta: float = 10000.0
     # "linear": ViT's patch embedding (timm weights load into it); "conv": a stack of overlapping
     # 3x3 convs over each image's pixels down to one vector per patch (see ConvStem) for encoders
@@ -58,36 +66,51 @@ class NaViTConfig(ValidatedOnInit):
 
     @property
     def mlp_width(self) -> int:
-        return self.mlp_hidden if self.mlp_hidden is not None else int(self.hidden_size * self.mlp_ratio)
+        return (
+            self.mlp_hidden
+            if self.mlp_hidden is not None
+            else int(self.hidden_size * self.mlp_ratio)
+        )
 
     def validate(self) -> None:
-        check(self.hidden_size >= 1 and self.num_heads >= 1,
-              "hidden_size and num_heads must be >= 1")
-        check(self.hidden_size % self.num_heads == 0,
-              f"hidden_size={self.hidden_size} must be divisible by num_heads={self.num_heads}")
+        check(
+            self.hidden_size >= 1 and self.num_heads >= 1, "hidden_size and num_heads must be >= 1"
+        )
+        check(
+            self.hidden_size % self.num_heads == 0,
+            f"hidden_size={self.hidden_size} must be divisible by num_heads={self.num_heads}",
+        )
         check(self.num_layers >= 0, f"num_layers must be >= 0, got {self.num_layers}")
         check(self.mlp_ratio > 0, f"mlp_ratio must be > 0, got {self.mlp_ratio}")
-        check(self.mlp_hidden is None or self.mlp_hidden >= 1,
-              f"mlp_hidden must be >= 1 or null, got {self.mlp_hidden}")
+        check(
+            self.mlp_hidden is None or self.mlp_hidden >= 1,
+            f"mlp_hidden must be >= 1 or null, got {self.mlp_hidden}",
+        )
         check(self.max_grid >= 1, f"max_grid must be >= 1, got {self.max_grid}")
         check(self.stem_channels >= 1, f"stem_channels must be >= 1, got {self.stem_channels}")
-        check(self.layer_scale is None or self.layer_scale > 0,
-              f"layer_scale must be > 0 or null, got {self.layer_scale}")
+        check(
+            self.layer_scale is None or self.layer_scale > 0,
+            f"layer_scale must be > 0 or null, got {self.layer_scale}",
+        )
         if self.pos == "rope2d":
-            check((self.hidden_size // self.num_heads) % 4 == 0,
-                  f"pos='rope2d' needs head dim (hidden_size/num_heads = "
-                  f"{self.hidden_size // self.num_heads}) "
-                  "divisible by 4")
-        check(self.out_dim is None or self.out_dim >= 1,
-              f"out_dim must be >= 1, got {self.out_dim}")
+            check(
+                (self.hidden_size // self.num_heads) % 4 == 0,
+                "pos='rope2d' needs head dim (hidden_size/num_heads = "
+                f"{self.hidden_size // self.num_heads}) divisible by 4",
+            )
+        check(
+            self.out_dim is None or self.out_dim >= 1, f"out_dim must be >= 1, got {self.out_dim}"
+        )
 
     def out_dim_for(self, merge: int) -> int:
         """Features of one merged token: `out_dim`, by default the merge x merge patch features as they are."""
-        merged = self.hidden_size * merge ** 2
+        merged = self.hidden_size * merge**2
         if self.merger == "none":
-            check(self.out_dim is None or self.out_dim == merged,
-                  f"merger='none' outputs hidden_size*merge**2 = {merged} features; "
-                  f"out_dim={self.out_dim} needs merger 'mlp' or 'linear'")
+            check(
+                self.out_dim is None or self.out_dim == merged,
+                f"merger='none' outputs hidden_size*merge**2 = {merged} features; "
+                f"out_dim={self.out_dim} needs merger 'mlp' or 'linear'",
+            )
         return self.out_dim or merged
 
 
@@ -175,9 +198,14 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias)
         self.proj = nn.Linear(dim, dim)
 
-    def forward(self, x_PD: torch.Tensor, layout: PackLayout, kernel: str,
-                mask_PP: torch.Tensor | None,
-                rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    def forward(
+        self,
+        x_PD: torch.Tensor,
+        layout: PackLayout,
+        kernel: str,
+        mask_PP: torch.Tensor | None,
+        rope: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> torch.Tensor:
         P, D = x_PD.shape
         qkv_3QPd = self.qkv(x_PD).view(P, 3, self.heads, self.head_dim).permute(1, 2, 0, 3)
         q_QPd, k_JPd, v_JPd = qkv_3QPd.unbind(0)
@@ -249,19 +277,22 @@ class NaViTEncoder(nn.Module):
 
     def __init__(self, cfg: NaViTConfig, *, patch_size: int, merge: int):
         super().__init__()
-        self.cfg = cfg   # validated when it was made
+        self.cfg = cfg  # validated when it was made
         self.patch_size, self.merge = patch_size, merge
         self.out_dim = cfg.out_dim_for(merge)
         d = cfg.hidden_size
-        self.patch_dim = 3 * patch_size ** 2
-        self.patch_embed = PatchEmbed(self.patch_dim, d) if cfg.stem == "linear" else \
-            ConvStem(patch_size, d, cfg.stem_channels)
+        self.patch_dim = 3 * patch_size**2
+        self.patch_embed = (
+            PatchEmbed(self.patch_dim, d)
+            if cfg.stem == "linear"
+            else ConvStem(patch_size, d, cfg.stem_channels)
+        )
         self.pos_embed = FactorisedPosEmbed(cfg.max_grid, d) if cfg.pos == "learned2d" else None
         self.rope = Rope2D(d // cfg.num_heads, cfg.rope_theta) if cfg.pos == "rope2d" else None
         self.norm_pre = nn.LayerNorm(d, eps=cfg.norm_eps) if cfg.norm_pre else nn.Identity()
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
         self.norm = nn.LayerNorm(d, eps=cfg.norm_eps)
-        self.merger = Merger(cfg.merger, d * merge ** 2, self.out_dim)
+        self.merger = Merger(cfg.merger, d * merge**2, self.out_dim)
         self.apply(_init_weights)
 
     def layout(self, coords_P2, image_grids_I2, valid_P=None) -> PackLayout:
@@ -270,12 +301,17 @@ class NaViTEncoder(nn.Module):
     def encode_patches(self, patches_PD: torch.Tensor, layout: PackLayout) -> torch.Tensor:
         """Per-patch features after the final norm, [P, hidden] (padding rows are meaningless)."""
         if patches_PD.ndim != 2 or patches_PD.shape[1] != self.patch_dim:
-            raise ValueError(f"patches must be [P, 3*patch*patch={self.patch_dim}], got "
-                             f"{tuple(patches_PD.shape)}")
+            raise ValueError(
+                f"patches must be [P, 3*patch*patch={self.patch_dim}], "
+                f"got {tuple(patches_PD.shape)}"
+            )
         # Zero padding first: masked attention multiplies padded values by 0, and 0 * nan/inf
         # is nan.
-        x = torch.where(layout.valid_P[:, None], patches_PD, torch.zeros((), dtype=patches_PD.dtype,
-                                                                         device=patches_PD.device))
+        x = torch.where(
+            layout.valid_P[:, None],
+            patches_PD,
+            torch.zeros((), dtype=patches_PD.dtype, device=patches_PD.device),
+        )
         x_PD = self.patch_embed(x, layout)
         if self.pos_embed is not None:
             x_PD = x_PD + self.pos_embed(layout.coords_P2).to(x_PD.dtype)
@@ -286,14 +322,20 @@ class NaViTEncoder(nn.Module):
         mask_PP = block_mask(layout.image_ids_P) if kernel == "dense" else None
         for blk in self.blocks:
             if self.cfg.grad_checkpointing and self.training and torch.is_grad_enabled():
-                x_PD = torch.utils.checkpoint.checkpoint(blk, x_PD, layout, kernel, mask_PP, rope,
-                                                         use_reentrant=False)
+                x_PD = torch.utils.checkpoint.checkpoint(
+                    blk, x_PD, layout, kernel, mask_PP, rope, use_reentrant=False
+                )
             else:
                 x_PD = blk(x_PD, layout, kernel, mask_PP, rope)
         return self.norm(x_PD)
 
-    def forward(self, patches_PD: torch.Tensor, coords_P2: torch.Tensor,
-                image_grids_I2: torch.Tensor, valid_P: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        patches_PD: torch.Tensor,
+        coords_P2: torch.Tensor,
+        image_grids_I2: torch.Tensor,
+        valid_P: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Packed patches of all images -> [N, out_dim] tokens, image by image, raster order of merged grids."""
         layout = self.layout(coords_P2, image_grids_I2, valid_P)
         # a batch without images (the zero-size result keeps the graph simple)

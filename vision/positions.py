@@ -3,6 +3,7 @@
 Both read only a patch's own (row, col), so an image's encoding does not depend on what it
 is packed with.
 """
+
 from __future__ import annotations
 
 import torch
@@ -22,9 +23,10 @@ class FactorisedPosEmbed(nn.Module):
 
     def forward(self, coords_P2: torch.Tensor) -> torch.Tensor:
         if coords_P2.numel() and int(coords_P2.max()) >= self.max_grid:
-            raise ValueError(f"a patch coordinate {int(coords_P2.max())} is >= "
-                             f"encoder.max_grid={self.max_grid}; "
-                             "raise max_grid or lower the processor's max_patches")
+            raise ValueError(
+                f"a patch coordinate {int(coords_P2.max())} is >= encoder.max_grid={self.max_grid}; "
+                "raise max_grid or lower the processor's max_patches"
+            )
         return self.row[coords_P2[:, 0]] + self.col[coords_P2[:, 1]]
 
 

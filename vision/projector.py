@@ -1,4 +1,5 @@
 """Projector from vision tokens to the LLM's hidden size (ConceptMoE sec. 4.2 uses a linear one)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -14,7 +15,7 @@ from configs.config import ValidatedOnInit, check
 @dataclass
 class ProjectorConfig(ValidatedOnInit):
     kind: Literal["linear", "mlp"] = "linear"
-    hidden_mult: float = 1.0   # mlp: hidden width = hidden_mult * out_dim
+    hidden_mult: float = 1.0  # mlp: hidden width = hidden_mult * out_dim
     bias: bool = True
     # Learned row and column embeddings of each image token's place in its merged grid, added after
     # the projection (Pix2Struct-style absolute 2D positions): the LLM reads where a token is from
@@ -30,10 +31,13 @@ class ProjectorConfig(ValidatedOnInit):
 
     def validate(self) -> None:
         check(self.hidden_mult > 0, f"projector.hidden_mult must be > 0, got {self.hidden_mult}")
-        check(self.grid_pos >= 0, f"projector.grid_pos must be >= 0 (0 disables), got "
-                                  f"{self.grid_pos}")
-        check(0 <= self.frac_pos <= 16, f"projector.frac_pos must be in 0..16 (0 disables), got "
-                                        f"{self.frac_pos}")
+        check(
+            self.grid_pos >= 0, f"projector.grid_pos must be >= 0 (0 disables), got {self.grid_pos}"
+        )
+        check(
+            0 <= self.frac_pos <= 16,
+            f"projector.frac_pos must be in 0..16 (0 disables), got {self.frac_pos}",
+        )
 
 
 class Projector(nn.Module):
@@ -55,8 +59,9 @@ class Projector(nn.Module):
         if cfg.frac_pos:
             self.frac_fc = nn.Linear(4 * cfg.frac_pos, out_dim, bias=False)
 
-    def forward(self, x_ND: torch.Tensor,
-                token_grids_I2: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x_ND: torch.Tensor, token_grids_I2: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """x_ND: every image's tokens, image by image, each in raster order of its merged grid,
         whose (rows, cols) are `token_grids_I2` (needed with grid_pos and frac_pos)."""
         if x_ND.shape[-1] != self.in_dim:
@@ -65,13 +70,15 @@ class Projector(nn.Module):
         if self.cfg.grid_pos:
             row_N, col_N = token_rows_cols(token_grids_I2)
             if int(max(row_N.max(), col_N.max())) >= self.cfg.grid_pos:
-                raise ValueError(f"an image has {int(max(row_N.max(), col_N.max())) + 1} tokens on "
-                                 f"a side; projector.grid_pos={self.cfg.grid_pos} covers fewer: "
-                                 f"raise it")
+                raise ValueError(
+                    f"an image has {int(max(row_N.max(), col_N.max())) + 1} tokens on a "
+                    f"side; projector.grid_pos={self.cfg.grid_pos} covers fewer: raise it"
+                )
             y_ND = y_ND + self.row_pos[row_N] + self.col_pos[col_N]
         if self.cfg.frac_pos:
-            y_ND = y_ND + self.frac_fc(fraction_features(token_grids_I2,
-                                                         self.cfg.frac_pos).to(y_ND.dtype))
+            y_ND = y_ND + self.frac_fc(
+                fraction_features(token_grids_I2, self.cfg.frac_pos).to(y_ND.dtype)
+            )
         return y_ND
 
 

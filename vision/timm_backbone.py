@@ -3,6 +3,7 @@ optional wrapper that runs a timm ViT (incl. `naflexvit_*`) as the tower's encod
 
 Loading needs no timm: it maps timm's key names and shapes by hand. Nothing here downloads anything.
 """
+
 from __future__ import annotations
 
 import math
@@ -14,21 +15,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vision.image_processor import unpatchify
 from vision.hf_vision import hf_vision_to_timm, is_hf_vision_layout
+from vision.image_processor import unpatchify
 from vision.navit import Merger, NaViTEncoder
 from vision.packing import build_layout, merge_patches
 
-_DIRECT = re.compile(r"^(blocks\.\d+\.(norm1|norm2|attn\.qkv|attn\.proj|mlp\.fc1|mlp\.fc2)\.(weight|bias)"
-                     r"|norm\.(weight|bias)|norm_pre\.(weight|bias))$")
+_DIRECT = re.compile(
+    r"^(blocks\.\d+\.(norm1|norm2|attn\.qkv|attn\.proj|mlp\.fc1|mlp\.fc2)\.(weight|bias)|norm\.(weight|bias)|norm_pre\.(weight|bias))$"
+)
 _WRAPPERS = ("state_dict", "model", "module", "state_dict_ema")
 _PREFIXES = ("module.", "model.")
 
 
 @dataclass
 class LoadReport:
-    loaded: list[str] = field(default_factory=list)                 # checkpoint keys that landed
-    skipped: list[tuple[str, str]] = field(default_factory=list)    # (checkpoint key, why not)
+    loaded: list[str] = field(default_factory=list)  # checkpoint keys that landed
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # (checkpoint key, why not)
     # encoder params left at their init
     untouched: list[str] = field(default_factory=list)
     # e.g. pos-embed factorisation error
@@ -41,12 +43,17 @@ class LoadReport:
     def mismatches(self) -> list[str]:
         """What keeps a checkpoint from loading whole: a tensor that did not fit, an encoder param at its init."""
         out = [f"{k}: {why}" for k, why in self.skipped if not why.startswith(self._NOT_USED)]
-        return out + [f"encoder param {n} is not in the checkpoint (kept at init)"
-                      for n in self.untouched]
+        return out + [
+            f"encoder param {n} is not in the checkpoint (kept at init)" for n in self.untouched
+        ]
 
     def __str__(self) -> str:
-        lines = [f"loaded {len(self.loaded)} tensors, skipped {len(self.skipped)}, "
-                 f"{len(self.untouched)} encoder params kept at init"]
+        lines = [
+            (
+                f"loaded {len(self.loaded)} tensors, skipped {len(self.skipped)}, "
+                f"{len(self.untouched)} encoder params kept at init"
+            )
+        ]
         lines += [f"  skipped {k}: {why}" for k, why in self.skipped]
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
@@ -59,36 +66,41 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     path = Path(path)
     if path.is_dir():
         if not (path / "model.safetensors").is_file():
-            raise FileNotFoundError(f"vision checkpoint folder {path} has no model.safetensors (a "
-                                    f"Hugging Face "
-                                    "SigLIP / CLIP folder saved with save_pretrained, or give a "
-                                    "weights file)")
+            raise FileNotFoundError(
+                f"vision checkpoint folder {path} has no model.safetensors (a Hugging Face "
+                "SigLIP / CLIP folder saved with save_pretrained, or give a weights file)"
+            )
         path = path / "model.safetensors"
     if not path.is_file():
-        raise FileNotFoundError(f"timm checkpoint {path} does not exist (only local files are "
-                                f"read, nothing is "
-                                "downloaded)")
+        raise FileNotFoundError(
+            f"timm checkpoint {path} does not exist (only "
+            "local files are read, nothing is downloaded)"
+        )
     if path.suffix == ".safetensors":
         from safetensors.torch import load_file
+
         sd = load_file(str(path), device="cpu")
     elif path.suffix in (".pth", ".pt", ".bin", ".ckpt"):
         sd = torch.load(str(path), map_location="cpu", weights_only=True)
     else:
-        raise ValueError(f"timm checkpoint {path}: unsupported extension {path.suffix!r}; "
-                         "allowed: .safetensors, .pth, .pt, .bin, .ckpt")
+        raise ValueError(
+            f"timm checkpoint {path}: unsupported extension {path.suffix!r}; "
+            "allowed: .safetensors, .pth, .pt, .bin, .ckpt"
+        )
     for key in _WRAPPERS:
         if isinstance(sd, dict) and isinstance(sd.get(key), dict):
             sd = sd[key]
     if not isinstance(sd, dict):
-        raise ValueError(f"timm checkpoint {path}: expected a dict of tensors, got "
-                         f"{type(sd).__name__}")
+        raise ValueError(
+            f"timm checkpoint {path}: expected a dict of tensors, got {type(sd).__name__}"
+        )
     out = {}
     for k, v in sd.items():
         if not isinstance(v, torch.Tensor):
             continue
         for p in _PREFIXES:
             if k.startswith(p):
-                k = k[len(p):]
+                k = k[len(p) :]
         out[k] = v
     return hf_vision_to_timm(out) if is_hf_vision_layout(out) else out
 
@@ -127,21 +139,27 @@ def resample_table(table: torch.Tensor, size: int, mode: str) -> torch.Tensor:
 
 def _patch_weight(w: torch.Tensor, patch: int, channels_last: bool) -> torch.Tensor | str:
     """timm patch-embedding weight -> [D, 3*p*p] in our (c, ph, pw) order, or a reason string."""
-    if w.ndim == 4:   # conv [D, C, p, p]
+    if w.ndim == 4:  # conv [D, C, p, p]
         if w.shape[1:] != (3, patch, patch):
             return f"conv weight {tuple(w.shape)} does not match 3 channels x patch {patch}"
         return w.reshape(w.shape[0], -1)
-    if w.ndim == 2:   # naflex linear [D, p*p*C]
+    if w.ndim == 2:  # naflex linear [D, p*p*C]
         if w.shape[1] != 3 * patch * patch:
             return f"linear weight {tuple(w.shape)} does not take 3*{patch}*{patch} inputs"
         if channels_last:  # (ph, pw, C) -> (C, ph, pw)
-            return w.reshape(w.shape[0], patch, patch, 3).permute(0, 3, 1, 2).reshape(w.shape[0], -1)
+            return (
+                w.reshape(w.shape[0], patch, patch, 3).permute(0, 3, 1, 2).reshape(w.shape[0], -1)
+            )
         return w
     return f"unexpected patch weight rank {w.ndim}"
 
 
-def load_timm_vit_state_dict(encoder: NaViTEncoder, path: str | Path, pos_resample: str = "copy",
-                             naflex_channels_last: bool = True) -> LoadReport:
+def load_timm_vit_state_dict(
+    encoder: NaViTEncoder,
+    path: str | Path,
+    pos_resample: str = "copy",
+    naflex_channels_last: bool = True,
+) -> LoadReport:
     """Copy a timm ViT / NaFlexViT checkpoint's weights into `encoder` where names and shapes allow.
 
     Handles: patch_embed.proj (conv) or embeds.proj (naflex linear), blocks.i.{norm1, attn.qkv,
@@ -161,12 +179,17 @@ def load_timm_vit_state_dict(encoder: NaViTEncoder, path: str | Path, pos_resamp
     def put(src: str, dst: str, value: torch.Tensor) -> None:
         target = params.get(dst)
         if target is None:
-            report.skipped.append((src, f"encoder has no {dst}" + (" (set encoder.norm_pre=true)"
-                                                                  if dst.startswith("norm_pre")
-                                                                   else "")))
+            report.skipped.append(
+                (
+                    src,
+                    f"encoder has no {dst}"
+                    + (" (set encoder.norm_pre=true)" if dst.startswith("norm_pre") else ""),
+                )
+            )
         elif tuple(value.shape) != tuple(target.shape):
-            report.skipped.append((src, f"shape {tuple(value.shape)} != encoder {dst} "
-                                        f"{tuple(target.shape)}"))
+            report.skipped.append(
+                (src, f"shape {tuple(value.shape)} != encoder {dst} {tuple(target.shape)}")
+            )
         else:
             with torch.no_grad():
                 target.copy_(value.to(target.dtype))
@@ -174,9 +197,11 @@ def load_timm_vit_state_dict(encoder: NaViTEncoder, path: str | Path, pos_resamp
             assigned.add(dst)
 
     # Class and register tokens may own leading entries of a classic 1D pos_embed.
-    prefix_tokens = sum(sd[k].shape[1]
-                        for k in ("cls_token", "reg_token", "embeds.cls_token", "embeds.reg_token")
-                        if k in sd and sd[k].ndim == 3)
+    prefix_tokens = sum(
+        sd[k].shape[1]
+        for k in ("cls_token", "reg_token", "embeds.cls_token", "embeds.reg_token")
+        if k in sd and sd[k].ndim == 3
+    )
     for key, value in sd.items():
         if _DIRECT.match(key):
             put(key, key, value)
@@ -191,14 +216,29 @@ def load_timm_vit_state_dict(encoder: NaViTEncoder, path: str | Path, pos_resamp
         elif key in ("pos_embed", "embeds.pos_embed", "embeds.pos_embed_y", "embeds.pos_embed_x"):
             _load_pos(encoder, key, value, sd, prefix_tokens, pos_resample, report, assigned)
         elif key.endswith(("cls_token", "reg_token")):
-            report.skipped.append((key, "the packed encoder has no prefix tokens (patch features "
-                                        "no longer attend to them, so they differ from timm's)"))
+            report.skipped.append(
+                (
+                    key,
+                    (
+                        "the packed encoder has no prefix tokens (patch features "
+                        "no longer attend to them, so they differ from timm's)"
+                    ),
+                )
+            )
         elif re.match(r"^blocks\.\d+\.", key):
-            report.skipped.append((key, "unsupported block part (layer scale, qk-norm, ...) or a "
-                                        "layer the encoder does not have"))
+            report.skipped.append(
+                (
+                    key,
+                    (
+                        "unsupported block part (layer scale, qk-norm, "
+                        "...) or a layer the encoder does not have"
+                    ),
+                )
+            )
         else:
-            report.skipped.append((key, "not part of the packed encoder (head / pooling / fc_norm "
-                                        "/ other)"))
+            report.skipped.append(
+                (key, "not part of the packed encoder (head / pooling / fc_norm / other)")
+            )
     for name in params:
         if name not in assigned and not name.startswith("merger."):
             report.untouched.append(name)
@@ -216,13 +256,16 @@ def _load_pos(encoder, key, value, sd, prefix_tokens, mode, report, assigned) ->
         if "embeds.pos_embed_x" not in sd:
             report.skipped.append((key, "factorised embedding without embeds.pos_embed_x"))
             return
-        row, col = value.reshape(-1, value.shape[-1]), sd["embeds.pos_embed_x"].reshape(-1, value.shape[-1])
+        row, col = (
+            value.reshape(-1, value.shape[-1]),
+            sd["embeds.pos_embed_x"].reshape(-1, value.shape[-1]),
+        )
         srcs = [key, "embeds.pos_embed_x"]
         err = 0.0
     else:
-        if value.ndim == 4:      # naflex [1, H, W, D]
+        if value.ndim == 4:  # naflex [1, H, W, D]
             grid = value[0]
-        else:                    # classic [1, (prefix +) N, D]
+        else:  # classic [1, (prefix +) N, D]
             n = value.shape[1]
             side = math.isqrt(n)
             if side * side != n:
@@ -230,8 +273,15 @@ def _load_pos(encoder, key, value, sd, prefix_tokens, mode, report, assigned) ->
                 if prefix_tokens and side * side == n - prefix_tokens:
                     value = value[:, prefix_tokens:]
                 else:
-                    report.skipped.append((key, f"{n} positions are not a square grid (with or "
-                                                f"without {prefix_tokens} prefix tokens)"))
+                    report.skipped.append(
+                        (
+                            key,
+                            (
+                                f"{n} positions are not a square grid (with "
+                                f"or without {prefix_tokens} prefix tokens)"
+                            ),
+                        )
+                    )
                     return
             grid = value[0].reshape(side, side, -1)
         row, col, err = factorise_pos_embed(grid)
@@ -245,18 +295,20 @@ def _load_pos(encoder, key, value, sd, prefix_tokens, mode, report, assigned) ->
         encoder.pos_embed.col.copy_(resample_table(col, size, mode).to(encoder.pos_embed.col.dtype))
     report.loaded += srcs
     assigned.update({"pos_embed.row", "pos_embed.col"})
-    report.notes.append(f"{key}: {row.shape[0]}x{col.shape[0]} grid fitted as row+col tables "
-                        f"(relative L2 error {err:.3g}), resampled to max_grid={size} by {mode!r}")
+    report.notes.append(
+        f"{key}: {row.shape[0]}x{col.shape[0]} grid fitted as row+col tables "
+        f"(relative L2 error {err:.3g}), resampled to max_grid={size} by {mode!r}"
+    )
 
 
 def require_timm():
     try:
-        import timm  # noqa: F401
-    # noqa: BLE001 - ImportError, or torchvision failing to import on CPU torch
-    except Exception as e:
-        raise ImportError("vision backbone 'timm' needs the optional timm package: install the "
-                          "project's "
-                          f"`timm` extra (pip install -e '.[timm]') ({type(e).__name__}: {e})") from None
+        import timm
+    except Exception as e:  # noqa: BLE001 - ImportError, or torchvision failing to import on CPU torch
+        raise ImportError(
+            "vision backbone 'timm' needs the optional timm package: install the "
+            f"project's `timm` extra (pip install -e '.[timm]') ({type(e).__name__}: {e})"
+        ) from None
     return timm
 
 
@@ -268,9 +320,16 @@ class TimmBackbone(nn.Module):
     tokens are dropped.
     """
 
-    def __init__(self, model_name: str, merge: int = 2, patch_size: int = 16,
-                 checkpoint: str | None = None, merger: str = "mlp", out_dim: int | None = None,
-                 **timm_kwargs):
+    def __init__(
+        self,
+        model_name: str,
+        merge: int = 2,
+        patch_size: int = 16,
+        checkpoint: str | None = None,
+        merger: str = "mlp",
+        out_dim: int | None = None,
+        **timm_kwargs,
+    ):
         super().__init__()
         timm = require_timm()
         self.naflex = model_name.startswith("naflexvit")
@@ -279,19 +338,24 @@ class TimmBackbone(nn.Module):
         self.model = timm.create_model(model_name, pretrained=False, num_classes=0, **timm_kwargs)
         self.report = None
         if checkpoint:
-            missing, unexpected = self.model.load_state_dict(read_state_dict(checkpoint),
-                                                             strict=False)
-            self.report = LoadReport(untouched=list(missing),
-                                     skipped=[(k, "unexpected") for k in unexpected])
+            missing, unexpected = self.model.load_state_dict(
+                read_state_dict(checkpoint), strict=False
+            )
+            self.report = LoadReport(
+                untouched=list(missing), skipped=[(k, "unexpected") for k in unexpected]
+            )
         self.merge, self.patch_size = merge, patch_size
-        model_patch = getattr(getattr(self.model, "embeds", None)
-                              or getattr(self.model, "patch_embed", None),
-                              "patch_size", None)
+        model_patch = getattr(
+            getattr(self.model, "embeds", None) or getattr(self.model, "patch_embed", None),
+            "patch_size",
+            None,
+        )
         model_patch = model_patch[0] if isinstance(model_patch, (tuple, list)) else model_patch
         if model_patch is not None and int(model_patch) != patch_size:
-            raise ValueError(f"timm model {model_name} uses patch size {model_patch}, but the "
-                             f"image processor makes {patch_size}-pixel patches; set "
-                             f"processor.patch_size={model_patch}")
+            raise ValueError(
+                f"timm model {model_name} uses patch size {model_patch}, but the image processor "
+                f"makes {patch_size}-pixel patches; set processor.patch_size={model_patch}"
+            )
         self.prefix = int(getattr(self.model, "num_prefix_tokens", 0))
         dim = int(self.model.num_features)
         merged = dim * merge * merge
@@ -317,10 +381,11 @@ class TimmBackbone(nn.Module):
             patches[ids_N, rank_N] = x_ND
             coords[ids_N, rank_N] = layout.coords_P2[layout.valid_P]
             valid[ids_N, rank_N] = True
-            feats = self.model.forward_features(patches=patches, patch_coord=coords,
-                                                patch_valid=valid)
+            feats = self.model.forward_features(
+                patches=patches, patch_coord=coords, patch_valid=valid
+            )
             feats = feats["patches"] if isinstance(feats, dict) else feats
-            feat_ND = feats[:, self.prefix:][ids_N, rank_N]
+            feat_ND = feats[:, self.prefix :][ids_N, rank_N]
         else:
             # Put each image's patches in raster order (inputs may come in any order), run,
             # map back.
@@ -330,10 +395,10 @@ class TimmBackbone(nn.Module):
             x_sorted = torch.empty_like(x_ND)
             x_sorted[raster_N] = x_ND
             outs, start = [], 0
-            for rows, cols in grids:   # one image at a time: classic ViTs have no packed attention
+            for rows, cols in grids:  # one image at a time: classic ViTs have no packed attention
                 n = rows * cols
-                img = unpatchify(x_sorted[start:start + n], (rows, cols), p)[None]
-                outs.append(self.model.forward_features(img)[0, self.prefix:])
+                img = unpatchify(x_sorted[start : start + n], (rows, cols), p)[None]
+                outs.append(self.model.forward_features(img)[0, self.prefix :])
                 start += n
             feat_ND = torch.cat(outs)[raster_N]
         feat_PD = feat_ND.new_zeros(patches_PD.shape[0], feat_ND.shape[1])

@@ -15,6 +15,7 @@ not the upload's decoded size. The decode buffers of a large image are handed ba
 system at once (`release_freed_memory`), so that a long-running process (the demo) does not keep the
 largest uploads' memory. Numeric options are checked when they are parsed.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -29,8 +30,8 @@ from configs.config import ConfigError
 from data_pipelines.schema import IMAGE_TOKEN
 
 HELP = "commands: /image PATH (attach to the next turn), /reset, /quit"
-MAX_PROMPT_TOKENS = 4096   # the longest conversation accepted (the demo's default too)
-MAX_IMAGES = 8             # images one conversation may hold
+MAX_PROMPT_TOKENS = 4096  # the longest conversation accepted (the demo's default too)
+MAX_IMAGES = 8  # images one conversation may hold
 # no tokenizer makes fewer tokens than characters / 8: a bound before tokenizing
 CHARS_PER_TOKEN = 8
 # decoding an image this large (16 MB of RGBX) is followed by release_freed_memory()
@@ -46,7 +47,7 @@ temperature = finite_number("a finite number", 0.0, note="(0: greedy)")
 @functools.lru_cache(maxsize=None)
 def _malloc_trim():
     try:
-        return ctypes.CDLL(None).malloc_trim   # glibc
+        return ctypes.CDLL(None).malloc_trim  # glibc
     except (OSError, AttributeError, TypeError):
         return None
 
@@ -67,8 +68,14 @@ def release_freed_memory() -> None:
 class Conversation:
     """The turns so far and their images, in the order their placeholders appear."""
 
-    def __init__(self, chat, max_new_tokens: int = 64, temperature: float = 0.0,
-                 max_prompt_tokens: int = MAX_PROMPT_TOKENS, max_images: int = MAX_IMAGES):
+    def __init__(
+        self,
+        chat,
+        max_new_tokens: int = 64,
+        temperature: float = 0.0,
+        max_prompt_tokens: int = MAX_PROMPT_TOKENS,
+        max_images: int = MAX_IMAGES,
+    ):
         self.chat, self.max_new_tokens, self.temperature = chat, max_new_tokens, temperature
         self.max_prompt_tokens, self.max_images = max_prompt_tokens, max_images
         self.turns: list[dict] = []
@@ -80,9 +87,10 @@ class Conversation:
         from vision.image_processor import ImageError
 
         if len(self.images) + len(self.pending) >= self.max_images:
-            return (f"cannot use image {path}: this conversation holds {self.max_images} images "
-                    f"already "
-                    "(the most it takes); start a new one")
+            return (
+                f"cannot use image {path}: this conversation holds {self.max_images} "
+                "images already (the most it takes); start a new one"
+            )
         try:
             im = self._load(path)
         except (OSError, UnidentifiedImageError, Image.DecompressionBombError, ImageError) as e:
@@ -111,16 +119,20 @@ class Conversation:
         small = img.resize((cols * cfg.patch_size, rows * cfg.patch_size), Image.Resampling.BICUBIC)
         large = img.width * img.height >= TRIM_PIXELS
         del img
-        if large:   # the decoded pixels are freed now: give their pages back rather than keep them
+        if large:  # the decoded pixels are freed now: give their pages back rather than keep them
             release_freed_memory()
         return small
 
     def prompt_problem(self, text: str) -> str | None:
         """Why `text` cannot be the next turn (the conversation would exceed max_prompt_tokens), or None."""
-        if len(text) > self.max_prompt_tokens * CHARS_PER_TOKEN or self.prompt_tokens(text) > self.max_prompt_tokens:
-            return (f"the conversation would exceed {self.max_prompt_tokens} tokens; shorten the "
-                    f"message or start "
-                    "a new conversation")
+        if (
+            len(text) > self.max_prompt_tokens * CHARS_PER_TOKEN
+            or self.prompt_tokens(text) > self.max_prompt_tokens
+        ):
+            return (
+                f"the conversation would exceed {self.max_prompt_tokens} "
+                "tokens; shorten the message or start a new conversation"
+            )
         return None
 
     def prompt(self, turns: list[dict]) -> str:
@@ -151,15 +163,19 @@ class Conversation:
         def stream(ids: list[int]) -> None:
             now = self.chat.tokenizer.decode(ids)
             if on_text is not None and not now.endswith("\ufffd") and now.startswith(shown[0]):
-                on_text(now[len(shown[0]):])
+                on_text(now[len(shown[0]) :])
                 shown[0] = now
 
-        answer = self.chat.generate([self.prompt(turns)], [images],
-                                    max_new_tokens=self.max_new_tokens,
-                                    temperature=self.temperature, stop=[END],
-                                    on_tokens=lambda ids: stream(ids[0]))[0]
+        answer = self.chat.generate(
+            [self.prompt(turns)],
+            [images],
+            max_new_tokens=self.max_new_tokens,
+            temperature=self.temperature,
+            stop=[END],
+            on_tokens=lambda ids: stream(ids[0]),
+        )[0]
         if on_text is not None and answer.startswith(shown[0]) and answer != shown[0]:
-            on_text(answer[len(shown[0]):])
+            on_text(answer[len(shown[0]) :])
         self.turns = turns + [{"role": "assistant", "content": answer}]
         self.images, self.pending = images, []
         return answer
@@ -181,20 +197,29 @@ def input_lines(stream, max_bytes: int):
         try:
             yield line.decode("utf-8"), None
         except UnicodeDecodeError as e:
-            yield None, f"line skipped: not UTF-8 text (byte {line[e.start]:#04x} at position {e.start})"
+            yield (
+                None,
+                f"line skipped: not UTF-8 text (byte {line[e.start]:#04x} at position {e.start})",
+            )
 
 
-def run_chat(chat, lines, out=sys.stdout, interactive: bool = False, max_new_tokens: int = 64,
-             temperature: float = 0.0, images: list[str] = (),
-             max_prompt_tokens: int = MAX_PROMPT_TOKENS) -> int:
+def run_chat(
+    chat,
+    lines,
+    out=sys.stdout,
+    interactive: bool = False,
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    images: list[str] = (),
+    max_prompt_tokens: int = MAX_PROMPT_TOKENS,
+) -> int:
     """`lines`: strings, or (text, None) / (None, why) pairs from `input_lines`."""
     from vision.image_processor import ImageError
 
     conv = Conversation(chat, max_new_tokens, temperature, max_prompt_tokens=max_prompt_tokens)
     for path in images:
         print(conv.attach(path), file=out)
-    # noqa: E731
-    prompt = lambda: print("you> ", end="", file=out, flush=True) if interactive else None
+    prompt = lambda: print("you> ", end="", file=out, flush=True) if interactive else None  # noqa: E731
     prompt()
     for line in lines:
         line, why = line if isinstance(line, tuple) else (line, None)
@@ -206,7 +231,7 @@ def run_chat(chat, lines, out=sys.stdout, interactive: bool = False, max_new_tok
         if text in ("/quit", "/exit"):
             break
         if text.startswith("/image"):
-            print(conv.attach(text[len("/image"):].strip()), file=out)
+            print(conv.attach(text[len("/image") :].strip()), file=out)
         elif text == "/reset":
             conv.reset()
             print("conversation cleared", file=out)
@@ -219,8 +244,8 @@ def run_chat(chat, lines, out=sys.stdout, interactive: bool = False, max_new_tok
                 if problem is not None:
                     raise ValueError(f"prompt too long: {problem}")
                 conv.ask(text, on_text=lambda piece: print(piece, end="", file=out, flush=True))
-            # an image over the limits, a prompt too long, ...
             except (ImageError, ValueError) as e:
+                # an image over the limits, a prompt too long, ...
                 conv.pending = []
                 print(f"[cannot answer: {e}]", end="", file=out)
             print(file=out, flush=True)
@@ -229,31 +254,48 @@ def run_chat(chat, lines, out=sys.stdout, interactive: bool = False, max_new_tok
 
 
 def add_chat_command(sub) -> None:
-    p = sub.add_parser("chat", help="multi-turn image chat in the terminal (streamed answers)",
-                       description=__doc__.split("\n\n")[0])
+    p = sub.add_parser(
+        "chat",
+        help="multi-turn image chat in the terminal (streamed answers)",
+        description=__doc__.split("\n\n")[0],
+    )
     p.add_argument("--ckpt", required=True, help="exported model directory (RUN_DIR/final)")
-    p.add_argument("--image", action="append", default=[], metavar="PATH",
-                   help="attach to the first turn")
+    p.add_argument(
+        "--image", action="append", default=[], metavar="PATH", help="attach to the first turn"
+    )
     add_generation_options(p, max_new_tokens=64)
     p.set_defaults(func=_run)
 
 
 def add_generation_options(p, max_new_tokens: int) -> None:
     """--max-new-tokens, --temperature, --max-prompt-tokens (chat and demo), each checked when parsed."""
-    p.add_argument("--max-new-tokens", type=count_of("tokens"), default=max_new_tokens,
-                   help=f"longest answer (default {max_new_tokens})")
-    p.add_argument("--temperature", type=temperature, default=0.0,
-                   help="sampling temperature (default 0: greedy)")
-    p.add_argument("--max-prompt-tokens", type=count_of("tokens"), default=MAX_PROMPT_TOKENS,
-                   help=f"longest conversation accepted, in tokens (default {MAX_PROMPT_TOKENS})")
+    p.add_argument(
+        "--max-new-tokens",
+        type=count_of("tokens"),
+        default=max_new_tokens,
+        help=f"longest answer (default {max_new_tokens})",
+    )
+    p.add_argument(
+        "--temperature",
+        type=temperature,
+        default=0.0,
+        help="sampling temperature (default 0: greedy)",
+    )
+    p.add_argument(
+        "--max-prompt-tokens",
+        type=count_of("tokens"),
+        default=MAX_PROMPT_TOKENS,
+        help=f"longest conversation accepted, in tokens (default {MAX_PROMPT_TOKENS})",
+    )
 
 
 def _run(args) -> int:
     from vlm.generate import load_eval_model  # torch and the model load when the command runs
 
     if not (Path(args.ckpt) / "config.json").is_file():
-        raise ConfigError(f"--ckpt {args.ckpt}: no exported model there (expected RUN_DIR/final "
-                          f"with config.json)")
+        raise ConfigError(
+            f"--ckpt {args.ckpt}: no exported model there (expected RUN_DIR/final with config.json)"
+        )
     from vlm.model.weights_check import WeightsError
 
     try:
@@ -264,7 +306,13 @@ def _run(args) -> int:
     interactive = sys.stdin.isatty()
     if interactive:
         print(f"chatting with {args.ckpt}; {HELP}")
-    max_bytes = args.max_prompt_tokens * CHARS_PER_TOKEN * 4   # UTF-8: at most 4 bytes a character
-    return run_chat(chat, input_lines(sys.stdin.buffer, max_bytes), interactive=interactive,
-                    max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                    images=args.image, max_prompt_tokens=args.max_prompt_tokens)
+    max_bytes = args.max_prompt_tokens * CHARS_PER_TOKEN * 4  # UTF-8: at most 4 bytes a character
+    return run_chat(
+        chat,
+        input_lines(sys.stdin.buffer, max_bytes),
+        interactive=interactive,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        images=args.image,
+        max_prompt_tokens=args.max_prompt_tokens,
+    )

@@ -3,6 +3,7 @@ chat, demo, eval, experiment, scaling, bench) under the `vlm.commands` entry-poi
 pyproject.toml, so this module imports none of them. A registration function only builds argparse;
 torch, transformers and the model are imported inside the command that runs, so `vlm --help` and
 `vlm data ...` start in well under a second (`tests/test_cli.py` checks what they import)."""
+
 from __future__ import annotations
 
 import argparse
@@ -19,8 +20,9 @@ class _RemovedSet(argparse.Action):
     """`--set KEY=VALUE` (the old override syntax of chain, flops and eval longctx): one line, exit 2."""
 
     def __call__(self, parser, namespace, values, option_string=None):
-        parser.exit(2, f"{parser.prog}: --set was removed; write overrides as KEY=VALUE after the "
-                       f"config\n")
+        parser.exit(
+            2, f"{parser.prog}: --set was removed; write overrides as KEY=VALUE after the config\n"
+        )
 
 
 def refuse_set_option(parser: argparse.ArgumentParser) -> None:
@@ -29,8 +31,9 @@ def refuse_set_option(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="vlm", description="ConceptMoE vision-language training "
-                                                             "system")
+    parser = argparse.ArgumentParser(
+        prog="vlm", description="ConceptMoE vision-language training system"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     found = entry_points(group=COMMANDS)
     if not found:

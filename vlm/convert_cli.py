@@ -2,6 +2,7 @@
 
 The model code is imported when the command runs, not when `vlm` registers it (as
 for `vlm train`)."""
+
 from __future__ import annotations
 
 import argparse
@@ -16,43 +17,74 @@ def _loop(text: str) -> tuple[int, int, int]:
     try:
         s, e, t = (int(v) for v in text.split(":"))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--loop {text!r}: expected START:END:TIMES, e.g. 4:12:1") from None
+        raise argparse.ArgumentTypeError(
+            f"--loop {text!r}: expected START:END:TIMES, e.g. 4:12:1"
+        ) from None
     return s, e, t
 
 
 def add_convert_command(sub) -> None:
-    p = sub.add_parser("convert", help="convert a pretrained MoE (ours, Qwen3-MoE, Mixtral) into a "
-                                       "ConceptMoE")
+    p = sub.add_parser(
+        "convert", help="convert a pretrained MoE (ours, Qwen3-MoE, Mixtral) into a ConceptMoE"
+    )
     p.add_argument("source", help="local checkpoint directory (config.json + safetensors)")
     p.add_argument("--out", required=True, help="output directory (transformers format)")
-    d = ConvertConfig   # its defaults are the options' defaults
+    d = ConvertConfig  # its defaults are the options' defaults
     p.add_argument("--encoder-layers", type=int, default=d.encoder_layers)
     p.add_argument("--decoder-layers", type=int, default=d.decoder_layers)
-    p.add_argument("--joint-layers", type=int, default=d.joint_decoding_layers,
-                   help="decoder layers with joint decoding (-1 = all)")
+    p.add_argument(
+        "--joint-layers",
+        type=int,
+        default=d.joint_decoding_layers,
+        help="decoder layers with joint decoding (-1 = all)",
+    )
     p.add_argument("--ratio", type=float, default=d.target_ratio, help="target compression ratio R")
-    p.add_argument("--concept-top-k", type=int, default=d.concept_top_k,
-                   help="strategy 1: activated experts in the concept model")
-    p.add_argument("--loop", type=_loop, default=d.loop,
-                   help="strategy 2: START:END:TIMES concept-layer loops")
-    p.add_argument("--grove-groups", type=int, default=d.grove_groups,
-                   help="Grove upcycling: adjugate experts per MoE layer (0: none); the source's "
-                        "logits are kept")
-    p.add_argument("--grove-hidden", type=int, default=d.grove_hidden,
-                   help="intermediate size of an adjugate expert")
-    p.add_argument("--grove-lambda", type=float, default=d.grove_lambda,
-                   help="adjugate scale, at most groups/experts")
-    p.add_argument("--decoder-mode", choices=("joint", "cross_attention"), default=d.decoder_mode,
-                   help="how decoder layers read concepts: ConceptMoE joint decoding or DLCM "
-                        "cross-attention")
-    p.add_argument("--tol", type=float, default=0.02,
-                   help="allowed per-token FLOPs mismatch vs the source")
-    p.add_argument("--check", action="store_true",
-                   help="after writing, print the largest logit difference between the written "
-                        "model (every boundary forced on) and the source on random token ids; exit "
-                        "1 above --check-tol")
-    p.add_argument("--check-tol", type=float, default=1e-3,
-                   help="largest logit difference --check accepts")
+    p.add_argument(
+        "--concept-top-k",
+        type=int,
+        default=d.concept_top_k,
+        help="strategy 1: activated experts in the concept model",
+    )
+    p.add_argument(
+        "--loop", type=_loop, default=d.loop, help="strategy 2: START:END:TIMES concept-layer loops"
+    )
+    p.add_argument(
+        "--grove-groups",
+        type=int,
+        default=d.grove_groups,
+        help="Grove upcycling: adjugate experts per MoE "
+        "layer (0: none); the source's logits are kept",
+    )
+    p.add_argument(
+        "--grove-hidden",
+        type=int,
+        default=d.grove_hidden,
+        help="intermediate size of an adjugate expert",
+    )
+    p.add_argument(
+        "--grove-lambda",
+        type=float,
+        default=d.grove_lambda,
+        help="adjugate scale, at most groups/experts",
+    )
+    p.add_argument(
+        "--decoder-mode",
+        choices=("joint", "cross_attention"),
+        default=d.decoder_mode,
+        help="how decoder layers read concepts: ConceptMoE joint decoding or DLCM cross-attention",
+    )
+    p.add_argument(
+        "--tol", type=float, default=0.02, help="allowed per-token FLOPs mismatch vs the source"
+    )
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="after writing, print the largest logit difference between the written model (every "
+        "boundary forced on) and the source on random token ids; exit 1 above --check-tol",
+    )
+    p.add_argument(
+        "--check-tol", type=float, default=1e-3, help="largest logit difference --check accepts"
+    )
     p.set_defaults(func=run_convert)
 
 
@@ -61,23 +93,34 @@ def run_convert(args) -> int:
     from vlm.model.flops import count_params, flops_per_token
     from vlm.model.hf import save_pretrained
 
-    opt = ConvertConfig(encoder_layers=args.encoder_layers, decoder_layers=args.decoder_layers,
-                        joint_decoding_layers=args.joint_layers, target_ratio=args.ratio,
-                        concept_top_k=args.concept_top_k, loop=args.loop,
-                        grove_groups=args.grove_groups, grove_hidden=args.grove_hidden,
-                        # validated: a bad option stops
-                        grove_lambda=args.grove_lambda, decoder_mode=args.decoder_mode)
+    opt = ConvertConfig(
+        encoder_layers=args.encoder_layers,
+        decoder_layers=args.decoder_layers,
+        joint_decoding_layers=args.joint_layers,
+        target_ratio=args.ratio,
+        concept_top_k=args.concept_top_k,
+        loop=args.loop,
+        grove_groups=args.grove_groups,
+        grove_hidden=args.grove_hidden,
+        # validated: a bad option stops
+        grove_lambda=args.grove_lambda,
+        decoder_mode=args.decoder_mode,
+    )
     model, base = convert(args.source, opt)
     cfg = model.model_cfg
     f_base, f_new = flops_per_token(base)["total"], flops_per_token(cfg, args.ratio)["total"]
     p_base, p_new = count_params(base)["total"], count_params(cfg)["total"]
     print(f"source: {p_base / 1e6:.2f}M params, {f_base / 1e6:.2f} MFLOPs/token")
-    print(f"converted (R={args.ratio}): {p_new / 1e6:.2f}M params ({p_new / p_base:.4f}x), "
-          f"{f_new / 1e6:.2f} MFLOPs/token ({f_new / f_base:.4f}x)")
+    print(
+        f"converted (R={args.ratio}): {p_new / 1e6:.2f}M params ({p_new / p_base:.4f}x), "
+        f"{f_new / 1e6:.2f} MFLOPs/token ({f_new / f_base:.4f}x)"
+    )
     if abs(f_new / f_base - 1) > args.tol:
-        print(f"warning: per-token FLOPs differ from the source by "
-              f"{100 * abs(f_new / f_base - 1):.1f}% (> {100 * args.tol:.0f}%); adjust "
-              f"--concept-top-k / --loop (see `vlm flops`)")
+        print(
+            "warning: per-token FLOPs differ from the source by "
+            f"{100 * abs(f_new / f_base - 1):.1f}% (> {100 * args.tol:.0f}%); "
+            "adjust --concept-top-k / --loop (see `vlm flops`)"
+        )
     out = Path(args.out)
     src = Path(args.source)
     save_pretrained(model, out)
@@ -102,8 +145,10 @@ def run_convert(args) -> int:
     print(f"wrote {out}")
     if args.check:
         diff = max_logit_difference(src, out)
-        print(f"check: largest logit difference vs the source, every boundary on: {diff:.3g} "
-              f"({'ok' if diff <= args.check_tol else 'FAILED'}, tolerance {args.check_tol:g})")
+        print(
+            f"check: largest logit difference vs the source, every boundary on: {diff:.3g} "
+            f"({'ok' if diff <= args.check_tol else 'FAILED'}, tolerance {args.check_tol:g})"
+        )
         if diff > args.check_tol:
             return 1
     return 0
@@ -134,13 +179,13 @@ def max_logit_difference(source: Path, converted: Path, tokens: int = 48, seed: 
     new = load_vlm(converted).eval()
     if json.loads((source / "config.json").read_text()).get("model_type") == MODEL_TYPE:
         old = load_vlm(source).eval()
-        ref = lambda ids: old(PackedBatch.from_documents([ids.tolist()])).logits   # noqa: E731
+        ref = lambda ids: old(PackedBatch.from_documents([ids.tolist()])).logits  # noqa: E731
         vocab = old.model_cfg.vocab_size
     else:
         from transformers import AutoModelForCausalLM
 
         hf = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32).eval()
-        ref = lambda ids: hf(input_ids=ids[None]).logits   # noqa: E731
+        ref = lambda ids: hf(input_ids=ids[None]).logits  # noqa: E731
         vocab = hf.config.vocab_size
     ids = torch.randint(0, vocab, (tokens,), generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():

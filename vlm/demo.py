@@ -20,6 +20,7 @@ A screenshot of the page with headless Chromium, while the demo runs:
 
     chromium --headless --no-sandbox --screenshot=demo.png --window-size=1280,900 http://127.0.0.1:7860
 """
+
 from __future__ import annotations
 
 import errno
@@ -47,7 +48,7 @@ TITLE = "ConceptMoE image chat"
 SESSION_TTL_S = 3600
 
 
-port_number = whole_number(low=1, high=65535, what="a port number")      # argparse type: a TCP port
+port_number = whole_number(low=1, high=65535, what="a port number")  # argparse type: a TCP port
 # argparse type: the largest upload
 upload_mb = finite_number("a size in MB", 0.0, strict=True)
 
@@ -60,9 +61,11 @@ def port_problem(host: str, port: int) -> str | None:
         with socket.socket(family, kind, proto) as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind(addr)
-    except OSError as e:   # socket.gaierror (an unknown host) is an OSError too
+    except OSError as e:  # socket.gaierror (an unknown host) is an OSError too
         if e.errno == errno.EADDRINUSE:
-            return f"port {port} on {host} is in use (another server?); choose another with --port N"
+            return (
+                f"port {port} on {host} is in use (another server?); choose another with --port N"
+            )
         return f"cannot serve on {host}:{port}: {e.strerror or e}; choose another --host or --port"
     return None
 
@@ -96,9 +99,13 @@ class Session:
 
 
 def _history_of(conv: Conversation) -> list[dict]:
-    return [{"role": t["role"],
-             "content": t["content"].replace(IMAGE_TOKEN, "[image] ").replace("] \n", "] ")}
-            for t in conv.turns]
+    return [
+        {
+            "role": t["role"],
+            "content": t["content"].replace(IMAGE_TOKEN, "[image] ").replace("] \n", "] "),
+        }
+        for t in conv.turns
+    ]
 
 
 def _stream_answer(conv: Conversation, text: str):
@@ -110,7 +117,7 @@ def _stream_answer(conv: Conversation, text: str):
     def work() -> None:
         try:
             conv.ask(text, on_text=pieces.put)
-        except BaseException as e:   # noqa: BLE001 - re-raised in the caller's thread below
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread below
             failed.append(e)
         finally:
             pieces.put(None)
@@ -162,24 +169,34 @@ def concept_panel(chat, turns: list[dict], images: list) -> tuple:
     for m in ("text", "image"):
         tokens = int(stats.get(f"tokens/{m}", 0))
         concepts = int(stats.get(f"boundaries/{m}", 0))
-        compression[m] = {"tokens": tokens, "concepts": concepts,
-                          "compression": round(tokens / concepts, 3) if concepts else None,
-                          **target_band(chunk, m)}
+        compression[m] = {
+            "tokens": tokens,
+            "concepts": concepts,
+            "compression": round(tokens / concepts, 3) if concepts else None,
+            **target_band(chunk, m),
+        }
     picture = None
     if chat.processor is not None and images:
         cfg = chat.processor.cfg
-        picture = image_concept_picture(batch, b_BT, cfg.patch_size, cfg.merge,
-                                        ImageProcessor(cfg).denormalize)
-    text = text_with_boundaries(batch, b_BT,
-                                lambda ids: chat.tokenizer.decode(ids, skip_special=False),
-                                max_tokens=4096)
+        picture = image_concept_picture(
+            batch, b_BT, cfg.patch_size, cfg.merge, ImageProcessor(cfg).denormalize
+        )
+    text = text_with_boundaries(
+        batch, b_BT, lambda ids: chat.tokenizer.decode(ids, skip_special=False), max_tokens=4096
+    )
     return picture, text, compression
 
 
-def build_app(chat, *, max_new_tokens: int = 64, temperature: float = 0.0,
-              max_prompt_tokens: int = 4096, max_upload_mb: float = MAX_UPLOAD_MB,
-              example: tuple[str, list[str]] | None = None,
-              max_images: int = MAX_IMAGES):
+def build_app(
+    chat,
+    *,
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    max_prompt_tokens: int = 4096,
+    max_upload_mb: float = MAX_UPLOAD_MB,
+    example: tuple[str, list[str]] | None = None,
+    max_images: int = MAX_IMAGES,
+):
     """The gradio Blocks of the demo around a loaded `ConceptMoEChat` (launch it with
     `launch_app`). `example` = (image path, questions): every page opens on that conversation,
     answered once here."""
@@ -188,11 +205,18 @@ def build_app(chat, *, max_new_tokens: int = 64, temperature: float = 0.0,
     from vision.image_processor import ImageError
 
     max_bytes = int(max_upload_mb * 1e6)
-    max_pixels = chat.processor.cfg.max_pixels if chat.processor is not None else Image.MAX_IMAGE_PIXELS
+    max_pixels = (
+        chat.processor.cfg.max_pixels if chat.processor is not None else Image.MAX_IMAGE_PIXELS
+    )
 
     def new_conversation() -> Conversation:
-        return Conversation(chat, max_new_tokens=max_new_tokens, temperature=temperature,
-                            max_prompt_tokens=max_prompt_tokens, max_images=max_images)
+        return Conversation(
+            chat,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            max_prompt_tokens=max_prompt_tokens,
+            max_images=max_images,
+        )
 
     def respond(message, upload, session):
         """Streams (chat history, session, picture, text, compression, status, message box, upload)."""
@@ -201,12 +225,15 @@ def build_app(chat, *, max_new_tokens: int = 64, temperature: float = 0.0,
         text = (message or "").strip()
         keep = (gr.skip(), gr.skip(), gr.skip())
 
-        def say(status):   # a message under the chat; the upload box is emptied, the message kept
+        def say(status):  # a message under the chat; the upload box is emptied, the message kept
             return (list(history), session) + keep + (status, gr.skip(), None)
 
         if upload:
-            path = (upload if isinstance(upload, str)
-                    else getattr(upload, "path", None) or upload.get("path"))
+            path = (
+                upload
+                if isinstance(upload, str)
+                else getattr(upload, "path", None) or upload.get("path")
+            )
             problem = check_image(path, max_bytes, max_pixels)
             if problem is None:
                 note = conv.attach(path)
@@ -215,15 +242,17 @@ def build_app(chat, *, max_new_tokens: int = 64, temperature: float = 0.0,
                 yield say(f"**Image not used:** {problem}")
                 return
         if not text:
-            yield say("Image attached: ask something about it." if upload
-                      else "Type a message first.")
+            yield say(
+                "Image attached: ask something about it." if upload else "Type a message first."
+            )
             return
         try:
             if conv.prompt_problem(text) is not None:
                 conv.pending = []
-                yield say(f"**Prompt too long:** the conversation would exceed {max_prompt_tokens} "
-                          f"tokens; "
-                          "shorten the message or press *New conversation*.")
+                yield say(
+                    f"**Prompt too long:** the conversation would exceed {max_prompt_tokens} "
+                    "tokens; shorten the message or press *New conversation*."
+                )
                 return
             n = conv.prompt_tokens(text)
             shown = ("[image] " * len(conv.pending)) + text
@@ -236,18 +265,26 @@ def build_app(chat, *, max_new_tokens: int = 64, temperature: float = 0.0,
                 history[-1] = {"role": "assistant", "content": answer}
                 yield (list(history), session) + keep + (gr.skip(), gr.skip(), gr.skip())
             picture, boundaries, compression = concept_panel(chat, conv.turns, conv.images)
-        # an image over the limits, a prompt the model cannot take, ...
         except (ImageError, ValueError) as e:
+            # an image over the limits, a prompt the model cannot take, ...
             failed = f"**Cannot answer:** {e}"
-        except Exception as e:   # the page shows one line, the server log has the traceback
+        except Exception as e:  # the page shows one line, the server log has the traceback
             log.exception("demo: answering failed")
             failed = f"**Internal error:** {type(e).__name__}: {e}"
         else:
-            yield (list(history), session, picture, boundaries, compression, "", gr.skip(),
-                   gr.skip())
+            yield (
+                list(history),
+                session,
+                picture,
+                boundaries,
+                compression,
+                "",
+                gr.skip(),
+                gr.skip(),
+            )
             return
         conv.pending = []
-        session.history = history = _history_of(conv)   # back to the turns that were answered
+        session.history = history = _history_of(conv)  # back to the turns that were answered
         yield say(failed)
 
     def reset(session):
@@ -284,12 +321,16 @@ def build_app(chat, *, max_new_tokens: int = 64, temperature: float = 0.0,
 
     # uploads are copied into gradio's cache folder: files older than the session lifetime
     # are deleted
-    with gr.Blocks(title=TITLE, analytics_enabled=False,   # nothing leaves the machine
-                   delete_cache=(SESSION_TTL_S // 4, SESSION_TTL_S)) as app:
-        gr.Markdown(f"## {TITLE}\nUpload an image and ask about it; the right side shows how the "
-                    f"model groups "
-                    "image patches and text tokens into concepts (tokens per concept = "
-                    "compression).")
+    with gr.Blocks(
+        title=TITLE,
+        analytics_enabled=False,  # nothing leaves the machine
+        delete_cache=(SESSION_TTL_S // 4, SESSION_TTL_S),
+    ) as app:
+        gr.Markdown(
+            f"## {TITLE}\nUpload an image and ask about it; the right "
+            "side shows how the model groups image patches and text "
+            "tokens into concepts (tokens per concept = compression)."
+        )
         state = gr.State(None, time_to_live=SESSION_TTL_S, delete_callback=end_session)
         with gr.Row():
             with gr.Column(scale=3):
@@ -297,24 +338,32 @@ def build_app(chat, *, max_new_tokens: int = 64, temperature: float = 0.0,
                 # no file_types: gradio would refuse another file with a traceback in the console
                 # and a bare "Error" in the page; check_image refuses it in one line under the
                 # chat instead
-                upload = gr.File(label=f"image (attached to your next message; max "
-                                       f"{max_upload_mb:g} MB)",
-                                 type="filepath")
-                msg = gr.Textbox(label="message", placeholder="Ask about the image, then press "
-                                                              "Enter",
-                                 max_lines=6)
+                upload = gr.File(
+                    label=f"image (attached to your next message; max {max_upload_mb:g} MB)",
+                    type="filepath",
+                )
+                msg = gr.Textbox(
+                    label="message",
+                    placeholder="Ask about the image, then press Enter",
+                    max_lines=6,
+                )
                 with gr.Row():
                     send = gr.Button("Send", variant="primary")
                     clear = gr.Button("New conversation")
                 status = gr.Markdown("")
             with gr.Column(scale=2):
-                picture = gr.Image(label="image concepts (merged patches outlined by concept)",
-                                   type="numpy", interactive=False)
-                compression = gr.JSON(label="compression of this conversation (tokens per "
-                                            "concept), with the target and the band training held "
-                                            "each document in")
-                boundaries = gr.Textbox(label="conversation with concept boundaries (|)", lines=10,
-                                        interactive=False)
+                picture = gr.Image(
+                    label="image concepts (merged patches outlined by concept)",
+                    type="numpy",
+                    interactive=False,
+                )
+                compression = gr.JSON(
+                    label="compression of this conversation (tokens per concept), "
+                    "with the target and the band training held each document in"
+                )
+                boundaries = gr.Textbox(
+                    label="conversation with concept boundaries (|)", lines=10, interactive=False
+                )
         outputs = [chatbot, state, picture, boundaries, compression, status, msg, upload]
         inputs = [msg, upload, state]
         msg.submit(respond, inputs, outputs, api_visibility="private", concurrency_id="model")
@@ -325,52 +374,82 @@ def build_app(chat, *, max_new_tokens: int = 64, temperature: float = 0.0,
     return app
 
 
-def launch_app(app, host: str = "127.0.0.1", port: int | None = DEFAULT_PORT,
-               max_upload_mb: float = MAX_UPLOAD_MB, block: bool = True):
+def launch_app(
+    app,
+    host: str = "127.0.0.1",
+    port: int | None = DEFAULT_PORT,
+    max_upload_mb: float = MAX_UPLOAD_MB,
+    block: bool = True,
+):
     """Serve `app` (one answer at a time: the model is shared); `block=False` returns once it listens."""
     app.queue(default_concurrency_limit=1)
-    return app.launch(server_name=host, server_port=port,
-                      max_file_size=f"{int(max_upload_mb * 1e6)}b",
-                      share=False, show_error=False, prevent_thread_lock=not block, quiet=not block)
+    return app.launch(
+        server_name=host,
+        server_port=port,
+        max_file_size=f"{int(max_upload_mb * 1e6)}b",
+        share=False,
+        show_error=False,
+        prevent_thread_lock=not block,
+        quiet=not block,
+    )
 
 
 def add_demo_command(sub) -> None:
-    p = sub.add_parser("demo", help="image chat in the browser (gradio) with the concept view",
-                       description=__doc__.split("\n\n")[0])
+    p = sub.add_parser(
+        "demo",
+        help="image chat in the browser (gradio) with the concept view",
+        description=__doc__.split("\n\n")[0],
+    )
     p.add_argument("--ckpt", required=True, help="exported model directory (RUN_DIR/final)")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this "
-                                                       "machine only)")
-    p.add_argument("--port", type=port_number, default=DEFAULT_PORT,
-                   help=f"port to serve on (default {DEFAULT_PORT})")
+    p.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)"
+    )
+    p.add_argument(
+        "--port",
+        type=port_number,
+        default=DEFAULT_PORT,
+        help=f"port to serve on (default {DEFAULT_PORT})",
+    )
     add_generation_options(p, max_new_tokens=128)
-    p.add_argument("--max-upload-mb", type=upload_mb, default=MAX_UPLOAD_MB,
-                   help="largest image upload")
-    p.add_argument("--max-images", type=count_of("images"), default=MAX_IMAGES,
-                   help="most images one conversation holds")
-    p.add_argument("--example", nargs="+", metavar=("IMAGE", "QUESTION"),
-                   help="open every page on this image and the model's answers to these questions")
+    p.add_argument(
+        "--max-upload-mb", type=upload_mb, default=MAX_UPLOAD_MB, help="largest image upload"
+    )
+    p.add_argument(
+        "--max-images",
+        type=count_of("images"),
+        default=MAX_IMAGES,
+        help="most images one conversation holds",
+    )
+    p.add_argument(
+        "--example",
+        nargs="+",
+        metavar=("IMAGE", "QUESTION"),
+        help="open every page on this image and the model's answers to these questions",
+    )
     p.set_defaults(func=_run)
 
 
 def _run(args) -> int:
     if not (Path(args.ckpt) / "config.json").is_file():
-        raise ConfigError(f"--ckpt {args.ckpt}: no exported model there (expected RUN_DIR/final "
-                          f"with config.json)")
+        raise ConfigError(
+            f"--ckpt {args.ckpt}: no exported model there (expected RUN_DIR/final with config.json)"
+        )
     try:
         import gradio  # noqa: F401  (the optional `demo` extra)
     except ImportError:
-        raise ConfigError("vlm demo needs gradio: pip install -e \".[demo]\"") from None
+        raise ConfigError('vlm demo needs gradio: pip install -e ".[demo]"') from None
     from vlm.generate import load_eval_model  # torch and the model load when the command runs
 
     if args.example and len(args.example) < 2:
-        raise ConfigError("--example needs an image and at least one question: --example IMAGE "
-                          "QUESTION ...")
+        raise ConfigError(
+            "--example needs an image and at least one question: --example IMAGE QUESTION ..."
+        )
     if args.example and not Path(args.example[0]).is_file():
         raise ConfigError(f"--example: image {args.example[0]} not found")
     from vision.image_processor import ImageError
     from vlm.model.weights_check import WeightsError
 
-    if (problem := port_problem(args.host, args.port)) is not None:   # before the model loads
+    if (problem := port_problem(args.host, args.port)) is not None:  # before the model loads
         print(f"vlm demo: {problem}", file=sys.stderr)
         return 2
     try:
@@ -380,17 +459,25 @@ def _run(args) -> int:
         return 2
     example = (args.example[0], args.example[1:]) if args.example else None
     try:
-        app = build_app(chat, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                        max_prompt_tokens=args.max_prompt_tokens, max_upload_mb=args.max_upload_mb,
-                        example=example, max_images=args.max_images)
+        app = build_app(
+            chat,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            max_prompt_tokens=args.max_prompt_tokens,
+            max_upload_mb=args.max_upload_mb,
+            example=example,
+            max_images=args.max_images,
+        )
     except ImageError as e:
         raise ConfigError(str(e)) from None
     print(f"serving {args.ckpt} on http://{args.host}:{args.port} (Ctrl-C stops)")
     try:
         launch_app(app, args.host, args.port, args.max_upload_mb)
-    # the port was taken since the check (gradio's own message names its settings, not ours)
     except OSError as e:
-        print(f"vlm demo: {port_problem(args.host, args.port) or f'cannot serve: {e}'}",
-              file=sys.stderr)
+        # the port was taken since the check (gradio's own message names its settings, not ours)
+        print(
+            f"vlm demo: {port_problem(args.host, args.port) or f'cannot serve: {e}'}",
+            file=sys.stderr,
+        )
         return 2
     return 0

@@ -9,6 +9,7 @@ the model has chunking off it is the MoE baseline and the three section-3.5 stra
 from it at ratio R. If chunking is on, it is shown next to `--baseline` (and the strategies derived
 from that), or, without one, next to its own chunk-off twin (same weights; not FLOPs-matched).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,9 @@ def load_model_config(path: str | Path, overrides: list[str] | None = None) -> M
     """The `model:` section of a trainer config file as a validated ModelConfig (other sections ignored)."""
     data = apply_overrides(load_yaml(path), overrides or [])
     if "model" not in data:
-        raise ConfigError(f"config file {path} has no top-level 'model:' section (a ModelConfig "
-                          f"mapping)")
+        raise ConfigError(
+            f"config file {path} has no top-level 'model:' section (a ModelConfig mapping)"
+        )
     model = data["model"] or {}
     if not isinstance(model, dict):
         raise ConfigError(f"config file {path}: 'model' must be a mapping, got {model!r}")
@@ -43,7 +45,7 @@ def _si(x: float, unit: str = "") -> str:
 
 
 def _bytes(x: float) -> str:
-    for div, p in ((2 ** 40, "TiB"), (2 ** 30, "GiB"), (2 ** 20, "MiB"), (2 ** 10, "KiB")):
+    for div, p in ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
         if x >= div:
             return f"{x / div:.3g} {p}"
     return f"{x:.0f} B"
@@ -53,39 +55,82 @@ def _params(x: float) -> str:
     return f"{x / 1e9:.3f}B" if x >= 1e8 else f"{x / 1e6:.3f}M"
 
 
-def format_tables(rows: list[dict]) -> tuple[list[str], list[list[str]], list[str],
-                                             list[list[str]]]:
+def format_tables(
+    rows: list[dict],
+) -> tuple[list[str], list[list[str]], list[str], list[list[str]]]:
     """(header, rows) of the matching table and of Table 1 with numbers."""
-    h1 = ["method", "changes", "total params", "x base", "activated", "FLOPs/token", "x base",
-          "match"]
-    t1 = [[r["method"], r["changes"], _params(r["total_params"]), f"{r['params_ratio']:.4f}",
-           _params(r["activated_params"]), _si(r["flops_per_token"]), f"{r['flops_ratio']:.4f}",
-           "ok" if r["within_tol"] else "NO"] for r in rows]
-    h2 = ["method", "attn map C", "reduction", "KV cache C", "reduction", "attn map all",
-          "reduction", "KV cache all", "reduction"]
-    t2 = [[r["method"], _si(r["attn_map_flops_concept"]), f"{r['attn_reduction_concept']:.3f}x",
-           _bytes(r["kv_cache_bytes_concept"]), f"{r['kv_reduction_concept']:.3f}x",
-           _si(r["attn_map_flops"]), f"{r['attn_reduction']:.3f}x",
-           _bytes(r["kv_cache_bytes"]), f"{r['kv_reduction']:.3f}x"] for r in rows]
+    h1 = [
+        "method",
+        "changes",
+        "total params",
+        "x base",
+        "activated",
+        "FLOPs/token",
+        "x base",
+        "match",
+    ]
+    t1 = [
+        [
+            r["method"],
+            r["changes"],
+            _params(r["total_params"]),
+            f"{r['params_ratio']:.4f}",
+            _params(r["activated_params"]),
+            _si(r["flops_per_token"]),
+            f"{r['flops_ratio']:.4f}",
+            "ok" if r["within_tol"] else "NO",
+        ]
+        for r in rows
+    ]
+    h2 = [
+        "method",
+        "attn map C",
+        "reduction",
+        "KV cache C",
+        "reduction",
+        "attn map all",
+        "reduction",
+        "KV cache all",
+        "reduction",
+    ]
+    t2 = [
+        [
+            r["method"],
+            _si(r["attn_map_flops_concept"]),
+            f"{r['attn_reduction_concept']:.3f}x",
+            _bytes(r["kv_cache_bytes_concept"]),
+            f"{r['kv_reduction_concept']:.3f}x",
+            _si(r["attn_map_flops"]),
+            f"{r['attn_reduction']:.3f}x",
+            _bytes(r["kv_cache_bytes"]),
+            f"{r['kv_reduction']:.3f}x",
+        ]
+        for r in rows
+    ]
     return h1, t1, h2, t2
 
 
 def _plain(title: str, header: list[str], body: list[list[str]]) -> str:
     widths = [max(len(x) for x in col) for col in zip(header, *body)]
     line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths))  # noqa: E731
-    return "\n".join([title, line(header), line(["-" * w for w in widths])] + [line(r) for r in body])
+    return "\n".join(
+        [title, line(header), line(["-" * w for w in widths])] + [line(r) for r in body]
+    )
 
 
 def print_tables(rows: list[dict], title: str, plain: bool = False, file=None) -> None:
     file = file or sys.stdout
     h1, t1, h2, t2 = format_tables(rows)
-    titles = (f"{title}: parameters and per-token FLOPs (attention map excluded)",
-              "Table 1 with numbers (C = concept model; reduction = baseline / this)")
+    titles = (
+        f"{title}: parameters and per-token FLOPs (attention map excluded)",
+        "Table 1 with numbers (C = concept model; reduction = baseline / this)",
+    )
     try:
         if plain:
             raise ImportError
         from rich.console import Console
         from rich.table import Table
+
         console = Console(file=file, width=max(120, Console(file=file).width))
         for t, h, body in ((titles[0], h1, t1), (titles[1], h2, t2)):
             table = Table(title=t, title_justify="left")
@@ -98,15 +143,19 @@ def print_tables(rows: list[dict], title: str, plain: bool = False, file=None) -
         print(_plain(titles[0], h1, t1) + "\n\n" + _plain(titles[1], h2, t2), file=file)
     for r in rows:
         if r["note"] or not r["within_tol"]:
-            print(f"note [{r['method']}]: {r['note'] or 'not within tolerance of the baseline'}",
-                  file=file)
+            print(
+                f"note [{r['method']}]: {r['note'] or 'not within tolerance of the baseline'}",
+                file=file,
+            )
 
 
 def plot_scaling(rows_by_len: dict[int, list[dict]], path: str | Path) -> None:
     """Prefill compute (per-token FLOPs x N + attention map) and KV cache relative to the baseline vs N."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     lens = sorted(rows_by_len)
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
     for r0 in rows_by_len[lens[0]]:
@@ -115,8 +164,10 @@ def plot_scaling(rows_by_len: dict[int, list[dict]], path: str | Path) -> None:
         for n in lens:
             rows = {r["name"]: r for r in rows_by_len[n]}
             b, r = rows["baseline"], rows[name]
-            pf.append((b["flops_per_token"] * n + b["attn_map_flops"])
-                      / (r["flops_per_token"] * n + r["attn_map_flops"]))
+            pf.append(
+                (b["flops_per_token"] * n + b["attn_map_flops"])
+                / (r["flops_per_token"] * n + r["attn_map_flops"])
+            )
             kv.append(r["kv_reduction"])
         a1.plot(lens, pf, marker="o", label=r0["method"])
         a2.plot(lens, kv, marker="o", label=r0["method"])
@@ -148,17 +199,22 @@ def run_flops(args: argparse.Namespace) -> int:
         extra = {"this config": cfg}
         if base is None:
             base = cfg.baseline()
-            print("note: no --baseline given; comparing with this config's chunk-off twin (same "
-                  "weights, not FLOPs-matched).", file=sys.stderr)
+            print(
+                "note: no --baseline given; comparing with this config's "
+                "chunk-off twin (same weights, not FLOPs-matched).",
+                file=sys.stderr,
+            )
     else:
         base = cfg
     if base.chunk.enabled:
-        print(f"error: --baseline {args.baseline} has chunk.enabled: true; a baseline is a plain "
-              f"MoE", file=sys.stderr)
+        print(
+            f"error: --baseline {args.baseline} has chunk.enabled: true; a baseline is a plain MoE",
+            file=sys.stderr,
+        )
         return 2
     ratio = cfg.chunk.target_ratio
     options = dict(loop_layers=args.loop_layers, concept_heads=args.concept_heads)
-    if extra:   # let strategies 2 and 3 aim at the given config's loop count and width
+    if extra:  # let strategies 2 and 3 aim at the given config's loop count and width
         if options["loop_layers"] is None and cfg.loop_times == 1:
             options["loop_layers"] = cfg.loop_end - cfg.loop_start
         if options["concept_heads"] is None and cfg.c_heads > base.c_heads:
@@ -168,20 +224,34 @@ def run_flops(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    rows = comparison_table(base, ratio, args.seq_len, args.bytes_per_el, not args.full_attention,
-                            args.tol, extra, found)
+    rows = comparison_table(
+        base,
+        ratio,
+        args.seq_len,
+        args.bytes_per_el,
+        not args.full_attention,
+        args.tol,
+        extra,
+        found,
+    )
     if args.json:
         print(json.dumps(rows, indent=2))
     else:
         kind = "ConceptMoE" if cfg.chunk.enabled else "baseline MoE"
-        title = (f"{args.config or 'default ModelConfig'} ({kind}; R = {ratio:g}, N = "
-                 f"{args.seq_len}, {'causal' if not args.full_attention else 'full'} attention, KV "
-                 f"{args.bytes_per_el} B/el)")
+        title = (
+            f"{args.config or 'default ModelConfig'} ({kind}; R = {ratio:g}, N = "
+            f"{args.seq_len}, {'causal' if not args.full_attention else 'full'} "
+            f"attention, KV {args.bytes_per_el} B/el)"
+        )
         print_tables(rows, title, plain=args.plain)
     if args.plot:
-        lens = [2 ** k for k in range(12, 21)]
-        by_len = {n: comparison_table(base, ratio, n, args.bytes_per_el, not args.full_attention,
-                                      args.tol, extra, found) for n in lens}
+        lens = [2**k for k in range(12, 21)]
+        by_len = {
+            n: comparison_table(
+                base, ratio, n, args.bytes_per_el, not args.full_attention, args.tol, extra, found
+            )
+            for n in lens
+        }
         plot_scaling(by_len, args.plot)
         print(f"wrote {args.plot}", file=sys.stderr)
     return 0
@@ -189,34 +259,56 @@ def run_flops(args: argparse.Namespace) -> int:
 
 def add_flops_command(subparsers) -> argparse.ArgumentParser:
     """Register `flops` on an argparse subparsers object; the handler is `args.func(args) -> int`."""
-    p = subparsers.add_parser("flops", help="parameters, FLOPs, attention map, KV cache; "
-                                            "fair-comparison table",
-                              description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = subparsers.add_parser(
+        "flops",
+        help="parameters, FLOPs, attention map, KV cache; fair-comparison table",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--config", help="trainer config YAML; only its `model:` section is read")
-    p.add_argument("--baseline", help="baseline MoE config YAML (its `model:`) for a ConceptMoE "
-                                      "--config")
-    p.add_argument("--ratio", type=float, help="compression ratio R (default: "
-                                               "model.chunk.target_ratio)")
-    p.add_argument("--seq-len", type=int, default=32768,
-                   help="sequence length N for attention map and KV cache")
-    p.add_argument("--bytes-per-el", type=int, default=2,
-                   help="bytes per KV-cache element (2 = bf16)")
-    p.add_argument("--full-attention", action="store_true",
-                   help="count N^2 attention pairs, not causal N(N+1)/2")
-    p.add_argument("--tol", type=float, default=0.02,
-                   help="matching tolerance on FLOPs and parameters")
-    p.add_argument("--loop-layers", type=int, help="strategy 2: target number of looped concept "
-                                                   "layers")
-    p.add_argument("--concept-heads", type=int, help="strategy 3: concept head count (default ~ "
-                                                     "sqrt(R) x heads)")
+    p.add_argument(
+        "--baseline", help="baseline MoE config YAML (its `model:`) for a ConceptMoE --config"
+    )
+    p.add_argument(
+        "--ratio", type=float, help="compression ratio R (default: model.chunk.target_ratio)"
+    )
+    p.add_argument(
+        "--seq-len",
+        type=int,
+        default=32768,
+        help="sequence length N for attention map and KV cache",
+    )
+    p.add_argument(
+        "--bytes-per-el", type=int, default=2, help="bytes per KV-cache element (2 = bf16)"
+    )
+    p.add_argument(
+        "--full-attention",
+        action="store_true",
+        help="count N^2 attention pairs, not causal N(N+1)/2",
+    )
+    p.add_argument(
+        "--tol", type=float, default=0.02, help="matching tolerance on FLOPs and parameters"
+    )
+    p.add_argument(
+        "--loop-layers", type=int, help="strategy 2: target number of looped concept layers"
+    )
+    p.add_argument(
+        "--concept-heads",
+        type=int,
+        help="strategy 3: concept head count (default ~ sqrt(R) x heads)",
+    )
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
     p.add_argument("--plain", action="store_true", help="plain-text tables instead of rich")
-    p.add_argument("--plot", help="write a PNG of prefill-FLOPs and KV-cache reduction vs sequence "
-                                  "length")
-    p.add_argument("overrides", nargs="*", metavar="key=value",
-                   help="dotted overrides from the file's top level, e.g. model.moe.top_k=4 (as "
-                        "for `vlm train`)")
+    p.add_argument(
+        "--plot", help="write a PNG of prefill-FLOPs and KV-cache reduction vs sequence length"
+    )
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="key=value",
+        help="dotted overrides from the file's top level, "
+        "e.g. model.moe.top_k=4 (as for `vlm train`)",
+    )
     refuse_set_option(p)
     p.set_defaults(func=run_flops)
     return p

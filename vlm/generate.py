@@ -7,6 +7,7 @@ and then runs one cached step per token, batched over prompts of different lengt
 (left-padded rows). Scoring (`loglikelihood`) encodes each distinct context once and teacher-forces
 the candidates through cached steps.
 """
+
 from __future__ import annotations
 
 import io
@@ -22,9 +23,9 @@ from data_pipelines.config import DataConfig, SourceConfig
 from data_pipelines.loader import build_loader
 from data_pipelines.packing import make_prompt_batch
 from data_pipelines.tokenizer import load_tokenizer
+from vlm.model.doc_stats import document_ratios, summarize_documents
 from vlm.model.hf import ConceptMoEForCausalLM, hf_config_for, load_vlm
 from vlm.model.multimodal import ConceptMoEVLM
-from vlm.model.doc_stats import document_ratios, summarize_documents
 from vlm.model.stats import summarize
 
 
@@ -53,7 +54,12 @@ class _RowStreamer(BaseStreamer):
 
     def __init__(self, B: int, eos_id: int, done_B: torch.Tensor, on_tokens):
         self.rows: list[list[int]] = [[] for _ in range(B)]
-        self.eos_id, self.done_B, self.on_tokens, self.prompt_seen = eos_id, done_B, on_tokens, False
+        self.eos_id, self.done_B, self.on_tokens, self.prompt_seen = (
+            eos_id,
+            done_B,
+            on_tokens,
+            False,
+        )
 
     def put(self, value: torch.Tensor) -> None:
         if not self.prompt_seen:
@@ -75,12 +81,12 @@ class _StopStrings(StoppingCriteria):
 
     def __init__(self, stops: list[str], prompt_len: int, tok, done_B: torch.Tensor):
         self.stops, self.prompt_len, self.tok, self.done_B = stops, prompt_len, tok, done_B
-        self.window = max(len(s) for s in stops) + 1   # every token decodes to >= 1 character
+        self.window = max(len(s) for s in stops) + 1  # every token decodes to >= 1 character
 
     def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
         hit_B = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
         for i in range(input_ids.shape[0]):
-            new = input_ids[i, self.prompt_len:][-self.window:].tolist()
+            new = input_ids[i, self.prompt_len :][-self.window :].tolist()
             hit_B[i] = any(s in self.tok.decode(new, skip_special=False) for s in self.stops)
         self.done_B |= hit_B.cpu()
         return hit_B
@@ -90,10 +96,16 @@ def _extend(batch: PackedBatch, extra: int, pad_id: int) -> PackedBatch:
     """Room for `extra` more tokens per row (as padding)."""
     B = batch.input_ids.shape[0]
     pad = lambda t, v: torch.cat([t, t.new_full((B, extra), v)], 1)  # noqa: E731
-    return PackedBatch(pad(batch.input_ids, pad_id), pad(batch.labels, IGNORE_INDEX),
-                       pad(batch.doc_ids, -1), pad(batch.position_ids, 0),
-                       pad(batch.modality, TEXT), batch.pixel_patches, batch.patch_coords,
-                       batch.image_grids)
+    return PackedBatch(
+        pad(batch.input_ids, pad_id),
+        pad(batch.labels, IGNORE_INDEX),
+        pad(batch.doc_ids, -1),
+        pad(batch.position_ids, 0),
+        pad(batch.modality, TEXT),
+        batch.pixel_patches,
+        batch.patch_coords,
+        batch.image_grids,
+    )
 
 
 def _put(batch: PackedBatch, rows: torch.Tensor, cols: torch.Tensor, tokens: torch.Tensor) -> None:
@@ -107,12 +119,13 @@ def _put(batch: PackedBatch, rows: torch.Tensor, cols: torch.Tensor, tokens: tor
 class ConceptMoEChat:
     """An exported or in-memory model with its tokenizer and image processor."""
 
-    def __init__(self, model: ConceptMoEVLM, tokenizer, processor=None,
-                 device: str | torch.device = "cpu"):
+    def __init__(
+        self, model: ConceptMoEVLM, tokenizer, processor=None, device: str | torch.device = "cpu"
+    ):
         self.model = model.eval().to(device)
-        self.hf = ConceptMoEForCausalLM(hf_config_for(model,
-                                                      getattr(tokenizer, "image_pad_id", -1)),
-                                        vlm=self.model)
+        self.hf = ConceptMoEForCausalLM(
+            hf_config_for(model, getattr(tokenizer, "image_pad_id", -1)), vlm=self.model
+        )
         self.tokenizer = tokenizer
         if processor is None and model.vision_cfg is not None:
             processor = model.vision_cfg.build_processor()
@@ -122,8 +135,12 @@ class ConceptMoEChat:
 
     # ------------------------------------------------------------ statistics
     def reset_stats(self) -> None:
-        self._counts = {"tokens/text": 0.0, "boundaries/text": 0.0, "tokens/image": 0.0,
-                        "boundaries/image": 0.0}
+        self._counts = {
+            "tokens/text": 0.0,
+            "boundaries/text": 0.0,
+            "tokens/image": 0.0,
+            "boundaries/image": 0.0,
+        }
         self._prompt_docs: list[dict] = []
 
     def prompt_documents(self) -> list[dict]:
@@ -149,8 +166,9 @@ class ConceptMoEChat:
         return out
 
     @torch.no_grad()
-    def held_out_compression(self, shards: list[str], row_tokens: int = 1024,
-                             max_batches: int | None = None) -> dict:
+    def held_out_compression(
+        self, shards: list[str], row_tokens: int = 1024, max_batches: int | None = None
+    ) -> dict:
         """Realized compression (eval mode: p >= 0.5) of whole samples of `shards` (teacher forced,
         packed as in training), per document: `doc_stats.summarize_documents` ({"all" | kind:
         {modality: {p10, p50, p90, aggregate, docs, no_concept}}}), the like-for-like counterpart of
@@ -158,10 +176,14 @@ class ConceptMoEChat:
 
         if self.processor is None:
             raise ValueError("held-out compression needs a model with a vision tower")
-        cfg = DataConfig(sources=[SourceConfig(path=str(p), name=f"s{i}")
-                                  for i, p in enumerate(shards)],
-                         row_tokens=row_tokens, rows_per_batch=4, epochs=1, shuffle_buffer=0,
-                         processor=self.processor.cfg)
+        cfg = DataConfig(
+            sources=[SourceConfig(path=str(p), name=f"s{i}") for i, p in enumerate(shards)],
+            row_tokens=row_tokens,
+            rows_per_batch=4,
+            epochs=1,
+            shuffle_buffer=0,
+            processor=self.processor.cfg,
+        )
         docs: list[dict] = []
         for i, batch in enumerate(build_loader(cfg, self.tokenizer)):
             if max_batches is not None and i >= max_batches:
@@ -181,9 +203,19 @@ class ConceptMoEChat:
         return make_prompt_batch(pairs, self.tokenizer, self.processor).to(self.device)
 
     @torch.no_grad()
-    def generate(self, prompts: list[str], images=None, *, max_new_tokens: int = 32,
-                 temperature: float = 0.0, top_p: float = 1.0, stop: list[str] | None = None,
-                 seed: int | None = None, use_cache: bool = True, on_tokens=None) -> list[str]:
+    def generate(
+        self,
+        prompts: list[str],
+        images=None,
+        *,
+        max_new_tokens: int = 32,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        stop: list[str] | None = None,
+        seed: int | None = None,
+        use_cache: bool = True,
+        on_tokens=None,
+    ) -> list[str]:
         """Continuations of a batch of prompts (ragged lengths and image counts), decoded by
         transformers' `generate` on the model's wrapper: left-padded rows, greedy at temperature 0,
         else nucleus sampling (torch's RNG seeded with `seed`, the caller's RNG state left alone).
@@ -200,29 +232,49 @@ class ConceptMoEChat:
         done_B = torch.zeros(B, dtype=torch.bool)
         streamer = _RowStreamer(B, tok.eos_id, done_B, on_tokens)
         criteria = StoppingCriteriaList([_StopStrings(stop, T, tok, done_B)] if stop else [])
-        config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=temperature > 0,
-                                  temperature=temperature if temperature > 0 else None,
-                                  top_p=top_p if temperature > 0 and top_p < 1 else None,
-                                  top_k=None, use_cache=use_cache, eos_token_id=tok.eos_id,
-                                  pad_token_id=tok.pad_id, bos_token_id=tok.bos_id)
-        inputs = dict(input_ids=ids_BT, attention_mask=mask_BT, pixel_patches=prompt.pixel_patches,
-                      patch_coords=prompt.patch_coords, image_grids=prompt.image_grids)
+        config = GenerationConfig(
+            max_new_tokens=max_new_tokens,
+            do_sample=temperature > 0,
+            temperature=temperature if temperature > 0 else None,
+            top_p=top_p if temperature > 0 and top_p < 1 else None,
+            top_k=None,
+            use_cache=use_cache,
+            eos_token_id=tok.eos_id,
+            pad_token_id=tok.pad_id,
+            bos_token_id=tok.bos_id,
+        )
+        inputs = dict(
+            input_ids=ids_BT,
+            attention_mask=mask_BT,
+            pixel_patches=prompt.pixel_patches,
+            patch_coords=prompt.patch_coords,
+            image_grids=prompt.image_grids,
+        )
         self.hf.on_prefill = self._record_once()
         try:
             if seed is None:
-                self.hf.generate(**inputs, generation_config=config, stopping_criteria=criteria,
-                                 streamer=streamer)
+                self.hf.generate(
+                    **inputs,
+                    generation_config=config,
+                    stopping_criteria=criteria,
+                    streamer=streamer,
+                )
             else:
-                with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda"
-                                           else []):
+                with torch.random.fork_rng(
+                    devices=[self.device] if self.device.type == "cuda" else []
+                ):
                     torch.manual_seed(seed)
-                    self.hf.generate(**inputs, generation_config=config, stopping_criteria=criteria,
-                                     streamer=streamer)
+                    self.hf.generate(
+                        **inputs,
+                        generation_config=config,
+                        stopping_criteria=criteria,
+                        streamer=streamer,
+                    )
         finally:
             self.hf.on_prefill = None
         texts = []
         for i in range(B):
-            ids = streamer.rows[i]   # the row's tokens up to its end (generate pads finished rows)
+            ids = streamer.rows[i]  # the row's tokens up to its end (generate pads finished rows)
             if stop:  # cut at the first stop string, then drop any special tokens before it
                 full = tok.decode(ids, skip_special=False)
                 cut = min((full.index(s) for s in stop if s in full), default=len(full))
@@ -241,11 +293,13 @@ class ConceptMoEChat:
                 if out.chunks is not None:
                     docs = document_ratios(out.chunks.b_BT, batch.doc_ids, batch.modality)
                     self._prompt_docs += [{**d, "kind": "chat"} for d in docs]
+
         return record
 
     @torch.no_grad()
-    def loglikelihood(self, contexts: list[str], continuations: list[str], images=None,
-                      use_cache: bool = True) -> list[tuple[float, bool]]:
+    def loglikelihood(
+        self, contexts: list[str], continuations: list[str], images=None, use_cache: bool = True
+    ) -> list[tuple[float, bool]]:
         """(sum of log p of each continuation given its context, whether greedy decoding would
         produce it). `use_cache`: every distinct context (with its images) is encoded once, its
         caches repeated for each of its candidates, and the continuations are teacher-forced through
@@ -271,7 +325,8 @@ class ConceptMoEChat:
             self._record(summarize(out, batch))
             # Token j of the continuation is predicted at position len(context) + j - 1.
             pos_BT = (lengths[:, None] + torch.arange(longest, device=self.device)[None] - 1).clamp(
-                max=batch.input_ids.shape[1] - 1)
+                max=batch.input_ids.shape[1] - 1
+            )
             logits_BTV = out.logits[torch.arange(B)[:, None], pos_BT]
         logp_BTV = torch.log_softmax(logits_BTV.float(), -1)
         tok_logp = logp_BTV.gather(-1, cont_BT[..., None]).squeeze(-1)
@@ -281,7 +336,7 @@ class ConceptMoEChat:
     def _continuation_logits_cached(self, contexts, images, cont_BT: torch.Tensor) -> torch.Tensor:
         """[B, T, V]: the logits predicting each continuation token, from one prefill per distinct context."""
         keys = [(c, tuple(_png(im) for im in ims)) for c, ims in zip(contexts, images)]
-        slot: dict = {}   # distinct context -> its row in the prefill
+        slot: dict = {}  # distinct context -> its row in the prefill
         of_pair = torch.tensor([slot.setdefault(k, len(slot)) for k in keys], device=self.device)
         uniq = [keys.index(k) for k in slot]
         prompt = self.prompt_batch([contexts[i] for i in uniq], [images[i] for i in uniq])

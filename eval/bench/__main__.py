@@ -1,4 +1,5 @@
 """`python -m eval.bench ...` is `vlm bench ...` (eval/bench/cli.py)."""
+
 from eval.bench.cli import main
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ copy SDPA makes of it (aten::where, seen with torch.profiler), the fp32 scores (
 eager, and none for the per-document and causal calls (CPU flash kernels work in blocks). A backend
 whose temporaries would exceed `max_quadratic_bytes` is skipped at that length and listed.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
@@ -37,12 +38,14 @@ class Settings:
     repeats: int = 5
     warmup: int = 1
     modes: tuple[str, ...] = ("forward", "forward+backward")
-    max_quadratic_bytes: int = 2 * 2 ** 30
+    max_quadratic_bytes: int = 2 * 2**30
 
 
-SETTINGS = {"full": Settings(),
-            "quick": Settings(seq_lens=[1024, 2048, 4096]),
-            "smoke": Settings(seq_lens=[128], repeats=2)}
+SETTINGS = {
+    "full": Settings(),
+    "quick": Settings(seq_lens=[1024, 2048, 4096]),
+    "smoke": Settings(seq_lens=[128], repeats=2),
+}
 
 
 def documents(T: int, n: int, seed: int = 0) -> torch.Tensor:
@@ -58,8 +61,13 @@ def per_document(q, k, v, doc_BT):
     """One causal SDPA per document of the (single) row: a loop over documents, not tokens."""
     counts = torch.unique_consecutive(doc_BT[0], return_counts=True)[1].tolist()
     parts = zip(q.split(counts, 2), k.split(counts, 2), v.split(counts, 2))
-    return torch.cat([F.scaled_dot_product_attention(a, b, c, is_causal=True, enable_gqa=True)
-                      for a, b, c in parts], 2)
+    return torch.cat(
+        [
+            F.scaled_dot_product_attention(a, b, c, is_causal=True, enable_gqa=True)
+            for a, b, c in parts
+        ],
+        2,
+    )
 
 
 def quadratic_bytes(name: str, B: int, Q: int, T: int) -> int:
@@ -71,9 +79,9 @@ def backends(doc_BT, mask_B1TT):
         BASELINE: lambda q, k, v: attend(q, k, v, doc_BT, "sdpa", mask_B1TT),
         "eager": lambda q, k, v: attend(q, k, v, doc_BT, "eager", mask_B1TT),
         "per-document sdpa (varlen-style)": lambda q, k, v: per_document(q, k, v, doc_BT),
-        "causal sdpa, no document mask": lambda q, k,
-        v: F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                                                                        enable_gqa=True),
+        "causal sdpa, no document mask": lambda q, k, v: F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=True
+        ),
     }
 
 
@@ -85,14 +93,16 @@ def _timed(fn, q, k, v, g, backward: bool):
             return
         qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
         (fn(qq, kk, vv) * g).sum().backward()
+
     return call
 
 
 def run(s: Settings, log=print) -> dict:
     B, Q, J, d = 1, BASE.num_heads, BASE.num_kv_heads, BASE.head_dim
     skipped, out = {}, []
-    unavailable = {"flash": "flash-attn varlen kernel: needs the flash-attn package and a CUDA "
-                            "device"}
+    unavailable = {
+        "flash": "flash-attn varlen kernel: needs the flash-attn package and a CUDA device"
+    }
     for T in s.seq_lens:
         gen = torch.Generator().manual_seed(T)
         q, g = torch.randn(B, Q, T, d, generator=gen), torch.randn(B, Q, T, d, generator=gen)
@@ -117,27 +127,51 @@ def run(s: Settings, log=print) -> dict:
             ms = {n: [1000 * t for t in ts] for n, ts in secs.items()}
             rs = common.rows(ms, BASELINE, {"mode": mode, "seq_len": T}, "time", "ms", extra)
             out += rs
-            log(f"  attention {mode} T={T}: " + ", ".join(f"{r['candidate']} "
-                                                          f"x{r['ratio_vs_baseline']:.2f}"
-                                                          for r in rs))
-    unavailable["flex"] = "FlexAttention: the CUDA default (compiled per shape, no CPU backward): vlm bench gpu"
+            log(
+                f"  attention {mode} T={T}: "
+                + ", ".join(f"{r['candidate']} x{r['ratio_vs_baseline']:.2f}" for r in rs)
+            )
+    unavailable["flex"] = (
+        "FlexAttention: the CUDA default (compiled per shape, no CPU backward): vlm bench gpu"
+    )
     return common.result(
-        PART, {**asdict(s), "batch": B, "heads": Q, "kv_heads": J, "head_dim": d}, out,
+        PART,
+        {**asdict(s), "batch": B, "heads": Q, "kv_heads": J, "head_dim": d},
+        out,
         unavailable={**unavailable, **skipped},
         memory_method="analytic: bytes of the tensors that grow as T^2 in one call "
-                      "(quadratic_temp_bytes); tracemalloc does not see torch's CPU allocations",
-        notes=["time ratio = median ms / sdpa's (below 1: faster)",
-               "causal sdpa without the document mask computes a different function (cost of the "
-               "mask alone)"])
+        "(quadratic_temp_bytes); tracemalloc does not see torch's CPU allocations",
+        notes=[
+            "time ratio = median ms / sdpa's (below 1: faster)",
+            (
+                "causal sdpa without the document mask computes "
+                "a different function (cost of the mask alone)"
+            ),
+        ],
+    )
 
 
 def plot(res: dict, path) -> None:
     # The analytic memory goes in as rows of its own panel; backends without T x T temporaries have
     # no line.
-    mem = [{**r, "metric": "T x T temporaries", "unit": "MiB",
-            "median": r["quadratic_temp_bytes"] / 2 ** 20,
-            "spread": None, "setting": {**r["setting"], "mode": "per call"}}
-           for r in res["rows"] if r["setting"]["mode"] == "forward" and r["quadratic_temp_bytes"]]
-    common.plot({**res, "rows": res["rows"] + mem}, path, x="seq_len", panels=("metric", "mode"),
-                y="median", logy=True, title=f"packed attention, {res['settings']['docs_per_row']} "
-                                             f"documents per row")
+    mem = [
+        {
+            **r,
+            "metric": "T x T temporaries",
+            "unit": "MiB",
+            "median": r["quadratic_temp_bytes"] / 2**20,
+            "spread": None,
+            "setting": {**r["setting"], "mode": "per call"},
+        }
+        for r in res["rows"]
+        if r["setting"]["mode"] == "forward" and r["quadratic_temp_bytes"]
+    ]
+    common.plot(
+        {**res, "rows": res["rows"] + mem},
+        path,
+        x="seq_len",
+        panels=("metric", "mode"),
+        y="median",
+        logy=True,
+        title=f"packed attention, {res['settings']['docs_per_row']} documents per row",
+    )

@@ -12,6 +12,7 @@ without CUDA unless --smoke.
 --help): tiny shapes and two rounds, for tests of one part's plumbing; its figures say
 nothing about speed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,40 +23,57 @@ from dataclasses import replace
 from pathlib import Path
 
 PARTS = ("model", "decode", "moe", "loader", "attention", "vision")
-CKPT_PARTS = ("realized",)      # parts that measure a trained checkpoint (--ckpt)
-GPU_PARTS = ("gpu",)            # parts that measure a CUDA device: never in `all`, only when named
+CKPT_PARTS = ("realized",)  # parts that measure a trained checkpoint (--ckpt)
+GPU_PARTS = ("gpu",)  # parts that measure a CUDA device: never in `all`, only when named
 
 
 def add_bench_command(subparsers) -> None:
-    ap = subparsers.add_parser("bench", help="speed and memory benchmarks against the MoE baseline",
-                               description=__doc__.split("\n\n")[0])
-    ap.add_argument("part", nargs="?", default="all",
-                    choices=PARTS + CKPT_PARTS + GPU_PARTS + ("all",))
-    ap.add_argument("--quick", action="store_true",
-                    help="fewer lengths and rounds (all parts: < 5 min on 2 cores)")
+    ap = subparsers.add_parser(
+        "bench",
+        help="speed and memory benchmarks against the MoE baseline",
+        description=__doc__.split("\n\n")[0],
+    )
+    ap.add_argument(
+        "part", nargs="?", default="all", choices=PARTS + CKPT_PARTS + GPU_PARTS + ("all",)
+    )
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="fewer lengths and rounds (all parts: < 5 min on 2 cores)",
+    )
     ap.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--out", default="runs/bench",
-                    help="folder for <part>.json and <part>.png (default runs/bench)")
-    ap.add_argument("--data", help="loader part, full mode: default dataset folder (built there if "
-                                   "missing); realized part: the checkpoint's default dataset "
-                                   "(default data/default)")
-    ap.add_argument("--ckpt", help="realized part: a trained checkpoint (RUN_DIR/final) whose "
-                                   "router's boundaries on its own held-out prompts are timed")
+    ap.add_argument(
+        "--out",
+        default="runs/bench",
+        help="folder for <part>.json and <part>.png (default runs/bench)",
+    )
+    ap.add_argument(
+        "--data",
+        help="loader part, full mode: default dataset folder (built there if missing); "
+        "realized part: the checkpoint's default dataset (default data/default)",
+    )
+    ap.add_argument(
+        "--ckpt",
+        help="realized part: a trained checkpoint (RUN_DIR/final) whose "
+        "router's boundaries on its own held-out prompts are timed",
+    )
     ap.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from eval.bench import common   # torch and the model: imported when a benchmark runs
+    from eval.bench import common  # torch and the model: imported when a benchmark runs
 
     mode = "smoke" if args.smoke else "quick" if args.quick else "full"
     out = Path(args.out)
     if args.part in GPU_PARTS and not args.smoke and not torch.cuda.is_available():
-        print(f"vlm bench {args.part}: no CUDA device here (torch {torch.__version__}, "
-              f"torch.cuda.is_available() is "
-              "False); run it on a GPU machine, or add --smoke for the CPU plumbing check",
-              file=sys.stderr)
+        print(
+            f"vlm bench {args.part}: no CUDA device here (torch "
+            f"{torch.__version__}, torch.cuda.is_available() is False); run "
+            "it on a GPU machine, or add --smoke for the CPU plumbing check",
+            file=sys.stderr,
+        )
         return 2
     rc = 0
     t_all = time.perf_counter()
@@ -66,8 +84,9 @@ def run(args: argparse.Namespace) -> int:
         if part == "loader" and args.data:
             settings = replace(settings, data=args.data)
         if part == "realized":
-            settings = replace(settings, ckpt=args.ckpt,
-                               **({"data": args.data} if args.data else {}))
+            settings = replace(
+                settings, ckpt=args.ckpt, **({"data": args.data} if args.data else {})
+            )
         # it writes its JSON after every section, so a run stopped from outside leaves results
         if part in GPU_PARTS:
             settings = replace(settings, out=str(out))
@@ -79,8 +98,10 @@ def run(args: argparse.Namespace) -> int:
         print(getattr(mod, "table", common.table)(res))
         print(f"  wrote {path} and {out / f'{part}.png'} ({res['wall_seconds']} s)\n", flush=True)
         if res.get("errors"):
-            print(f"vlm bench {part}: {len(res['errors'])} error(s): {', '.join(res['errors'])}",
-                  file=sys.stderr)
+            print(
+                f"vlm bench {part}: {len(res['errors'])} error(s): {', '.join(res['errors'])}",
+                file=sys.stderr,
+            )
             rc = 1
     print(f"total {time.perf_counter() - t_all:.1f} s")
     return rc

@@ -12,6 +12,7 @@ A result is a dict: `part`, `machine`, `settings`, `rows` (one per candidate and
 part's own fields) and optional `notes` (printed under the table) and `unavailable` (candidates that
 could not run here, and why).
 """
+
 from __future__ import annotations
 
 import json
@@ -30,16 +31,26 @@ from torch.utils._python_dispatch import TorchDispatchMode
 OPERATORS_METRIC = "operators per step (CPU, non-view aten ops)"
 # Ops that run no kernel: they alias or wrap a tensor's storage, or read a scalar back (a sync, not
 # a launch).
-_NO_KERNEL = (torch.ops.aten.detach, torch.ops.aten.alias, torch.ops.aten.lift_fresh,
-              torch.ops.aten._local_scalar_dense)
+_NO_KERNEL = (
+    torch.ops.aten.detach,
+    torch.ops.aten.alias,
+    torch.ops.aten.lift_fresh,
+    torch.ops.aten._local_scalar_dense,
+)
 
 
 def machine() -> dict:
     """What the figures were measured on: they mean nothing without it. Every part runs on CPU tensors."""
-    return {"platform": platform.platform(), "processor": platform.processor()
-            or platform.machine(), "python": sys.version.split()[0], "torch": torch.__version__,
-            "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "device": "cpu",
-            "cuda_available": torch.cuda.is_available()}
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "device": "cpu",
+        "cuda_available": torch.cuda.is_available(),
+    }
 
 
 def _call(fn: Callable[[], object]) -> float:
@@ -51,7 +62,9 @@ def _call(fn: Callable[[], object]) -> float:
     return got if isinstance(got, float) else elapsed
 
 
-def measure(candidates: dict[str, Callable[[], object]], repeats: int, warmup: int = 1) -> dict[str, list[float]]:
+def measure(
+    candidates: dict[str, Callable[[], object]], repeats: int, warmup: int = 1
+) -> dict[str, list[float]]:
     """Seconds per call of every candidate over `repeats` interleaved rounds (the first name is the baseline)."""
     names = list(candidates)
     for _ in range(warmup):
@@ -90,28 +103,51 @@ def count_operators(fn: Callable[[], object]) -> int:
 def summary(values: list[float]) -> dict:
     """Median, spread and count of one candidate's per-round values."""
     v = sorted(values)
-    q1, _, q3 = statistics.quantiles(v, n=4, method="inclusive") if len(v) > 1 else (v[0], v[0], v[0])
-    return {"median": statistics.median(v),
-            "spread": {"min": v[0], "max": v[-1], "q1": q1, "q3": q3}, "n": len(v)}
+    q1, _, q3 = (
+        statistics.quantiles(v, n=4, method="inclusive") if len(v) > 1 else (v[0], v[0], v[0])
+    )
+    return {
+        "median": statistics.median(v),
+        "spread": {"min": v[0], "max": v[-1], "q1": q1, "q3": q3},
+        "n": len(v),
+    }
 
 
-def rows(values: dict[str, list[float]], baseline: str, setting: dict, metric: str, unit: str,
-         extra: dict[str, dict] | None = None) -> list[dict]:
+def rows(
+    values: dict[str, list[float]],
+    baseline: str,
+    setting: dict,
+    metric: str,
+    unit: str,
+    extra: dict[str, dict] | None = None,
+) -> list[dict]:
     """One row per candidate from its per-round values (already in the metric's unit)."""
     base = statistics.median(values[baseline])
     out = []
     for name, v in values.items():
         s = summary(v)
-        out.append({"candidate": name, "setting": dict(setting), "metric": metric, "unit": unit,
-                    **s, "ratio_vs_baseline": s["median"] / base if base else float("nan"),
-                    **(extra or {}).get(name, {})})
+        out.append(
+            {
+                "candidate": name,
+                "setting": dict(setting),
+                "metric": metric,
+                "unit": unit,
+                **s,
+                "ratio_vs_baseline": s["median"] / base if base else float("nan"),
+                **(extra or {}).get(name, {}),
+            }
+        )
     return out
 
 
-def per_second(seconds: dict[str, list[float]], work: float | dict[str, float]) -> dict[str, list[float]]:
+def per_second(
+    seconds: dict[str, list[float]], work: float | dict[str, float]
+) -> dict[str, list[float]]:
     """Throughput (work units per second) of every round: `work` per call, one figure or one per candidate."""
-    return {n: [(work[n] if isinstance(work, dict) else work) / t for t in ts]
-            for n, ts in seconds.items()}
+    return {
+        n: [(work[n] if isinstance(work, dict) else work) / t for t in ts]
+        for n, ts in seconds.items()
+    }
 
 
 def result(part: str, settings: dict, rows_: list[dict], **more) -> dict:
@@ -142,21 +178,28 @@ def table(res: dict) -> str:
     """The rows as text, grouped by setting, with each row's own extra fields after the fixed columns."""
     fixed = {"candidate", "setting", "metric", "unit", "median", "spread", "n", "ratio_vs_baseline"}
     m = res["machine"]
-    lines = [(f"== {res['part']} ==  ({m['device']}, {m['threads']} threads, torch {m['torch']}; "
-              "median [min-max] over interleaved rounds; ratio = median / baseline's median)")]
+    lines = [
+        (
+            f"== {res['part']} ==  ({m['device']}, {m['threads']} threads, torch {m['torch']}; "
+            "median [min-max] over interleaved rounds; ratio = median / baseline's median)"
+        )
+    ]
     width = max([len(r["candidate"]) for r in res["rows"]] + [9])
     last = None
     for r in res["rows"]:
         key = (tuple(sorted(r["setting"].items())), r["metric"])
         if key != last:
-            lines.append("  " + ", ".join(f"{k}={v}"
-                                          for k, v in r["setting"].items()) + f"  [{r['metric']}]")
+            lines.append(
+                "  " + ", ".join(f"{k}={v}" for k, v in r["setting"].items()) + f"  [{r['metric']}]"
+            )
             last = key
         sp = r["spread"]
         rng = f"[{_fmt(sp['min'])}-{_fmt(sp['max'])}]" if sp else ""
         extra = "  ".join(f"{k}={_fmt(v)}" for k, v in r.items() if k not in fixed)
-        lines.append(f"    {r['candidate']:<{width}} {_fmt(r['median']):>9} {r['unit']:<8} {rng:<22}"
-                     f" x{r['ratio_vs_baseline']:.2f}  {extra}".rstrip())
+        lines.append(
+            f"    {r['candidate']:<{width}} {_fmt(r['median']):>9} "
+            f"{r['unit']:<8} {rng:<22} x{r['ratio_vs_baseline']:.2f}  {extra}".rstrip()
+        )
     for note in res.get("notes", []):
         lines.append(f"  note: {note}")
     for name, why in res.get("unavailable", {}).items():
@@ -167,10 +210,18 @@ def table(res: dict) -> str:
 # ----------------------------------------------------------------------------- the figure
 
 
-def plot(res: dict, path: str | Path, x: str, panels: tuple[str, ...] = (),
-         y: str = "ratio_vs_baseline", ylabel: str = "ratio to the baseline's median",
-         logx: bool = True, logy: bool = False, title: str = "",
-         hlines: list[tuple[float, str]] = ()) -> Path:
+def plot(
+    res: dict,
+    path: str | Path,
+    x: str,
+    panels: tuple[str, ...] = (),
+    y: str = "ratio_vs_baseline",
+    ylabel: str = "ratio to the baseline's median",
+    logx: bool = True,
+    logy: bool = False,
+    title: str = "",
+    hlines: list[tuple[float, str]] = (),
+) -> Path:
     """One panel per distinct value of the `panels` keys (setting fields or `metric`), one line per
     candidate: `y` (a row field) against the setting field `x`, with the min-max spread as a band
     when y is the median; `hlines` are (y, label) reference lines drawn in every panel."""
@@ -183,19 +234,26 @@ def plot(res: dict, path: str | Path, x: str, panels: tuple[str, ...] = (),
         return r["metric"] if k == "metric" else r["setting"][k]
 
     groups = list(dict.fromkeys(tuple(field(r, k) for k in panels) for r in res["rows"]))
-    colour = {n: f"C{i % 10}"
-              for i, n in enumerate(dict.fromkeys(r["candidate"] for r in res["rows"]))}
+    colour = {
+        n: f"C{i % 10}" for i, n in enumerate(dict.fromkeys(r["candidate"] for r in res["rows"]))
+    }
     fig, axes = plt.subplots(1, len(groups), figsize=(4.8 * len(groups), 3.6), squeeze=False)
     for ax, g in zip(axes[0], groups):
         rs = [r for r in res["rows"] if tuple(field(r, k) for k in panels) == g]
         for name in dict.fromkeys(r["candidate"] for r in rs):
-            pts = sorted(((r["setting"][x], r) for r in rs if r["candidate"] == name),
-                         key=lambda p: p[0])
+            pts = sorted(
+                ((r["setting"][x], r) for r in rs if r["candidate"] == name), key=lambda p: p[0]
+            )
             xs = [p[0] for p in pts]
             ax.plot(xs, [p[1][y] for p in pts], marker="o", label=name, color=colour[name])
             if y == "median" and all(p[1]["spread"] for p in pts):
-                ax.fill_between(xs, [p[1]["spread"]["min"] for p in pts],
-                                [p[1]["spread"]["max"] for p in pts], color=colour[name], alpha=0.2)
+                ax.fill_between(
+                    xs,
+                    [p[1]["spread"]["min"] for p in pts],
+                    [p[1]["spread"]["max"] for p in pts],
+                    color=colour[name],
+                    alpha=0.2,
+                )
         if logx and len({r["setting"][x] for r in rs}) > 1:
             ax.set_xscale("log", base=2)
         if logy:

@@ -8,6 +8,7 @@ its auxiliary losses and the loss-free balancing bias off, so that it computes o
 do (softmax router, top-k, renormalised weights, SwiGLU experts). Forward runs under no_grad;
 forward+backward also computes the weight and input gradients of sum(out * g).
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
@@ -24,8 +25,7 @@ BASELINE = "hf Qwen3MoeSparseMoeBlock (eager)"
 # transformers' other experts implementations, and why they are not timed here.
 NOT_TIMED = {
     "hf experts_implementation='batched_mm'": "gathers a copy of the expert weights for every "
-                                              "(token, expert) pair (T*k x 2H x D floats: 0.5 GB "
-                                              "at 1K tokens, 8 GB at 16K), not timed",
+    "(token, expert) pair (T*k x 2H x D floats: 0.5 GB at 1K tokens, 8 GB at 16K), not timed",
     "hf experts_implementation='deepgemm'": "CUDA only (DeepGEMM bf16 kernels)",
     "hf experts_implementation='sonicmoe'": "CUDA only (SonicMoE kernels)",
 }
@@ -39,9 +39,11 @@ class Settings:
     modes: tuple[str, ...] = ("forward", "forward+backward")
 
 
-SETTINGS = {"full": Settings(),
-            "quick": Settings(tokens=[1024, 4096, 16384]),
-            "smoke": Settings(tokens=[64], repeats=2)}
+SETTINGS = {
+    "full": Settings(),
+    "quick": Settings(tokens=[1024, 4096, 16384]),
+    "smoke": Settings(tokens=[64], repeats=2),
+}
 
 
 class LoopReference(torch.nn.Module):
@@ -59,10 +61,12 @@ class LoopReference(torch.nn.Module):
         w_NK, e_NK = F.linear(x_ND, self.router).softmax(-1).topk(self.top_k, dim=-1)
         w_NK = w_NK / w_NK.sum(-1, keepdim=True)
         out_ND = torch.zeros_like(x_ND)
-        for e in range(self.w_gate_EDF.shape[0]):   # over experts, never over tokens
+        for e in range(self.w_gate_EDF.shape[0]):  # over experts, never over tokens
             t_A, k_A = (e_NK == e).nonzero(as_tuple=True)
             x_AD = x_ND[t_A]
-            y_AD = (F.silu(x_AD @ self.w_gate_EDF[e]) * (x_AD @ self.w_up_EDF[e])) @ self.w_down_EFD[e]
+            y_AD = (
+                F.silu(x_AD @ self.w_gate_EDF[e]) * (x_AD @ self.w_up_EDF[e])
+            ) @ self.w_down_EFD[e]
             out_ND = out_ND.index_add(0, t_A, y_AD * w_NK[t_A, k_A, None])
         return out_ND
 
@@ -73,15 +77,21 @@ def hf_block(ours: MoE, implementation: str):
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
     c = ours.cfg
-    cfg = Qwen3MoeConfig(hidden_size=ours.dim, moe_intermediate_size=c.expert_hidden,
-                         num_experts=c.num_experts, num_experts_per_tok=c.top_k,
-                         norm_topk_prob=c.norm_topk_prob, hidden_act="silu")
+    cfg = Qwen3MoeConfig(
+        hidden_size=ours.dim,
+        moe_intermediate_size=c.expert_hidden,
+        num_experts=c.num_experts,
+        num_experts_per_tok=c.top_k,
+        norm_topk_prob=c.norm_topk_prob,
+        hidden_act="silu",
+    )
     cfg._experts_implementation = implementation
     block = Qwen3MoeSparseMoeBlock(cfg)
     with torch.no_grad():
         block.gate.weight.copy_(ours.router.weight)
-        block.experts.gate_up_proj.copy_(torch.cat([ours.w_gate_EDF, ours.w_up_EDF],
-                                                   dim=2).transpose(1, 2))
+        block.experts.gate_up_proj.copy_(
+            torch.cat([ours.w_gate_EDF, ours.w_up_EDF], dim=2).transpose(1, 2)
+        )
         block.experts.down_proj.copy_(ours.w_down_EFD.transpose(1, 2))
     return block
 
@@ -127,6 +137,7 @@ def _timed(module: torch.nn.Module, fn, x_ND: torch.Tensor, g_ND: torch.Tensor, 
         module.zero_grad(set_to_none=True)
         x = x_ND.detach().requires_grad_()
         (fn(x) * g_ND).sum().backward()
+
     return call
 
 
@@ -140,24 +151,55 @@ def run(s: Settings, log=print) -> dict:
         g_ND = torch.randn(T, BASE.hidden_size, generator=gen)
         with torch.no_grad():
             ref_ND = fns[ours_name][1](x_ND)
-            diff = {n: {"max_abs_diff_vs_ours": float((f(x_ND) - ref_ND).abs().max())}
-                    for n, (_, f) in fns.items()}
+            diff = {
+                n: {"max_abs_diff_vs_ours": float((f(x_ND) - ref_ND).abs().max())}
+                for n, (_, f) in fns.items()
+            }
         for mode in s.modes:
-            timed = {n: _timed(m, f, x_ND, g_ND, mode == "forward+backward")
-                     for n, (m, f) in fns.items()}
+            timed = {
+                n: _timed(m, f, x_ND, g_ND, mode == "forward+backward") for n, (m, f) in fns.items()
+            }
             secs = common.measure(timed, s.repeats, s.warmup)
-            rs = common.rows(common.per_second(secs, T), BASELINE, {"mode": mode, "tokens": T},
-                             "tokens/s", "tok/s", diff)
+            rs = common.rows(
+                common.per_second(secs, T),
+                BASELINE,
+                {"mode": mode, "tokens": T},
+                "tokens/s",
+                "tok/s",
+                diff,
+            )
             out += rs
-            log(f"  moe {mode} T={T}: " + ", ".join(f"{r['candidate']} "
-                                                    f"x{r['ratio_vs_baseline']:.2f}" for r in rs))
-    shape = {"hidden": BASE.hidden_size, "expert_hidden": BASE.moe.expert_hidden,
-             "experts": BASE.moe.num_experts, "top_k": BASE.moe.top_k, "dtype": "float32"}
-    return common.result(PART, {**asdict(s), "shape": shape}, out, unavailable=unavailable,
-                         notes=[("same weights in every candidate (max_abs_diff_vs_ours); our aux "
-                                 "losses and balancing bias off")])
+            log(
+                f"  moe {mode} T={T}: "
+                + ", ".join(f"{r['candidate']} x{r['ratio_vs_baseline']:.2f}" for r in rs)
+            )
+    shape = {
+        "hidden": BASE.hidden_size,
+        "expert_hidden": BASE.moe.expert_hidden,
+        "experts": BASE.moe.num_experts,
+        "top_k": BASE.moe.top_k,
+        "dtype": "float32",
+    }
+    return common.result(
+        PART,
+        {**asdict(s), "shape": shape},
+        out,
+        unavailable=unavailable,
+        notes=[
+            (
+                "same weights in every candidate (max_abs_diff_vs_ours); "
+                "our aux losses and balancing bias off"
+            )
+        ],
+    )
 
 
 def plot(res: dict, path) -> None:
-    common.plot(res, path, x="tokens", panels=("mode",), ylabel="tokens/s vs transformers eager",
-                title="MoE layer: ours vs transformers Qwen3-MoE vs a per-expert loop")
+    common.plot(
+        res,
+        path,
+        x="tokens",
+        panels=("mode",),
+        ylabel="tokens/s vs transformers eager",
+        title="MoE layer: ours vs transformers Qwen3-MoE vs a per-expert loop",
+    )

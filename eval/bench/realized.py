@@ -12,6 +12,7 @@ at exactly T/R. The realized ratio per kind is reported with each row; a realize
 means the concept model sees more concepts than it was sized for, and the reallocation runs slower
 than the baseline.
 """
+
 from __future__ import annotations
 
 import io
@@ -33,17 +34,19 @@ PART = "realized"
 class Settings:
     # RUN_DIR/final; without one the part reports itself unavailable
     ckpt: str | None = None
-    data: str = "data/default"        # the checkpoint's default dataset (its held-out test split)
-    documents: int = 96               # prompts (and captions) read per kind
+    data: str = "data/default"  # the checkpoint's default dataset (its held-out test split)
+    documents: int = 96  # prompts (and captions) read per kind
     seq_lens: list[int] = field(default_factory=lambda: [1024, 4096])
-    ratio: float = 2.0                # the design ratio the reallocations are matched at
+    ratio: float = 2.0  # the design ratio the reallocations are matched at
     repeats: int = 5
     warmup: int = 1
 
 
-SETTINGS = {"full": Settings(documents=256, seq_lens=[1024, 4096, 16384]),
-            "quick": Settings(),
-            "smoke": Settings(documents=8, seq_lens=[128], repeats=2)}
+SETTINGS = {
+    "full": Settings(documents=256, seq_lens=[1024, 4096, 16384]),
+    "quick": Settings(),
+    "smoke": Settings(documents=8, seq_lens=[128], repeats=2),
+}
 
 
 @torch.no_grad()
@@ -62,19 +65,26 @@ def realized_documents(ckpt: str, data: str, n: int) -> dict[str, list[torch.Ten
     test = Path(data) / "test"
     samples = list(iter_vqa_samples(str(test / "vqa-*.tar"), limit=n))
     if not samples:
-        raise FileNotFoundError(f"no VQA samples in {test}/vqa-*.tar (the checkpoint's default "
-                                f"dataset?)")
+        raise FileNotFoundError(
+            f"no VQA samples in {test}/vqa-*.tar (the checkpoint's default dataset?)"
+        )
     out: dict[str, list[torch.Tensor]] = {"vqa prompt": [], "caption": []}
     for i in range(0, len(samples), 16):
-        chunk = samples[i:i + 16]
-        batch = chat.prompt_batch([s.prompt for s in chunk],
-                                  [[Image.open(io.BytesIO(b)) for b in (s.images or [s.image])]
-                                   for s in chunk])
+        chunk = samples[i : i + 16]
+        batch = chat.prompt_batch(
+            [s.prompt for s in chunk],
+            [[Image.open(io.BytesIO(b)) for b in (s.images or [s.image])] for s in chunk],
+        )
         b_BT = chat.model(batch).chunks.b_BT
         out["vqa prompt"] += [b_BT[r][batch.doc_ids[r] >= 0].cpu() for r in range(b_BT.shape[0])]
-    cfg = DataConfig(sources=[SourceConfig(path=str(test / "caption-*.tar"), name="caption")],
-                     row_tokens=1024, rows_per_batch=4, epochs=1, shuffle_buffer=0,
-                     processor=chat.processor.cfg)
+    cfg = DataConfig(
+        sources=[SourceConfig(path=str(test / "caption-*.tar"), name="caption")],
+        row_tokens=1024,
+        rows_per_batch=4,
+        epochs=1,
+        shuffle_buffer=0,
+        processor=chat.processor.cfg,
+    )
     for batch in build_loader(cfg, chat.tokenizer):
         b_BT = chat.model(batch.to(chat.device)).chunks.b_BT.cpu()
         for r in range(b_BT.shape[0]):
@@ -94,27 +104,37 @@ def pack(masks: list[torch.Tensor], T: int, vocab: int) -> tuple[PackedBatch, to
     while used + lengths[len(picked) % len(masks)] <= T:
         picked.append(len(picked) % len(masks))
         used += lengths[picked[-1]]
-    if not picked:   # the first document alone is longer than the row
+    if not picked:  # the first document alone is longer than the row
         picked, used = [0], T
     pad = T - used
-    doc_T = torch.cat([torch.full((lengths[k],), d)
-                       for d, k in enumerate(picked)] + [torch.full((pad,), -1)])
-    pos_T = torch.cat([torch.arange(lengths[k])
-                       for k in picked] + [torch.zeros(pad, dtype=torch.long)])
-    force_T = torch.cat([masks[k][:lengths[k]]
-                         for k in picked] + [torch.zeros(pad, dtype=torch.bool)])
+    doc_T = torch.cat(
+        [torch.full((lengths[k],), d) for d, k in enumerate(picked)] + [torch.full((pad,), -1)]
+    )
+    pos_T = torch.cat(
+        [torch.arange(lengths[k]) for k in picked] + [torch.zeros(pad, dtype=torch.long)]
+    )
+    force_T = torch.cat(
+        [masks[k][: lengths[k]] for k in picked] + [torch.zeros(pad, dtype=torch.bool)]
+    )
     ids = torch.randint(0, vocab, (1, T))
-    batch = PackedBatch(ids, torch.full_like(ids, -100), doc_T[None].long(), pos_T[None],
-                        torch.zeros_like(ids))
+    batch = PackedBatch(
+        ids, torch.full_like(ids, -100), doc_T[None].long(), pos_T[None], torch.zeros_like(ids)
+    )
     return batch, force_T[None]
 
 
 def run(s: Settings, log=print) -> dict:
     if s.ckpt is None:
-        return common.result(PART, asdict(s), [], unavailable={
-            "learned boundaries": "no checkpoint given: `vlm bench realized --ckpt RUN_DIR/final` "
-                                  "(a run on the default dataset; its held-out prompts are read "
-                                  "from --data)"})
+        return common.result(
+            PART,
+            asdict(s),
+            [],
+            unavailable={
+                "learned boundaries": "no checkpoint given: `vlm bench "
+                "realized --ckpt RUN_DIR/final` (a run on the default "
+                "dataset; its held-out prompts are read from --data)"
+            },
+        )
     torch.manual_seed(0)
     docs = realized_documents(s.ckpt, s.data, s.documents)
     base = BASE.baseline()
@@ -131,7 +151,7 @@ def run(s: Settings, log=print) -> dict:
             batch, learned = pack(masks, T, base.vocab_size)
             valid = batch.doc_ids >= 0
             forced = boundaries_at_ratio(1, T, s.ratio) & valid
-            forced |= valid & (batch.position_ids == 0)       # every document starts a concept
+            forced |= valid & (batch.position_ids == 0)  # every document starts a concept
             r_learned = float(valid.sum() / learned.sum())
             r_forced = float(valid.sum() / forced.sum())
             fns, extra = {}, {}
@@ -145,17 +165,29 @@ def run(s: Settings, log=print) -> dict:
                 fns[f"{n} (forced R={s.ratio:g})"] = _prefill(m, batch, forced)
                 extra[f"{n} (forced R={s.ratio:g})"] = {"realized_R": round(r_forced, 3)}
             secs = common.measure(fns, s.repeats, s.warmup)
-            rs = common.rows(common.per_second(secs, float(valid.sum())), BASELINE,
-                             {"kind": kind, "seq_len": T}, "prefill tokens/s", "tok/s", extra)
+            rs = common.rows(
+                common.per_second(secs, float(valid.sum())),
+                BASELINE,
+                {"kind": kind, "seq_len": T},
+                "prefill tokens/s",
+                "tok/s",
+                extra,
+            )
             out += rs
-            log(f"  realized {kind} T={T} (R {r_learned:.2f}): "
-                + ", ".join(f"{r['candidate']} x{r['ratio_vs_baseline']:.2f}" for r in rs))
-    notes = [f"boundaries from {s.ckpt} (eval mode, p >= 0.5) on its held-out {', '.join(docs)}; "
-             f"realized ratio "
-             "over all documents: " + ", ".join(f"{k} {v:.2f}" for k, v in realized.items()),
-             f"the reallocations are matched to the baseline's FLOPs at R = {s.ratio:g}; '(forced "
-             f"R=...)' rows are the "
-             "same documents with exactly T/R boundaries (every document's first token among them)"]
+            log(
+                f"  realized {kind} T={T} (R {r_learned:.2f}): "
+                + ", ".join(f"{r['candidate']} x{r['ratio_vs_baseline']:.2f}" for r in rs)
+            )
+    notes = [
+        f"boundaries from {s.ckpt} (eval mode, p >= 0.5) on its held-out "
+        f"{', '.join(docs)}; realized ratio over all documents: "
+        + ", ".join(f"{k} {v:.2f}" for k, v in realized.items()),
+        (
+            "the reallocations are matched to the baseline's FLOPs at R = "
+            f"{s.ratio:g}; '(forced R=...)' rows are the same documents with "
+            "exactly T/R boundaries (every document's first token among them)"
+        ),
+    ]
     return common.result(PART, asdict(s), out, notes=notes, realized_ratio=realized)
 
 
@@ -163,6 +195,7 @@ def _prefill(model: ConceptMoELM, batch: PackedBatch, force):
     def call():
         with torch.no_grad():
             model(batch, force=force)
+
     return call
 
 
@@ -179,5 +212,11 @@ def plot(res: dict, path) -> None:
         fig.savefig(path, dpi=80)
         plt.close(fig)
         return
-    common.plot(res, path, x="seq_len", panels=("kind",), ylabel="prefill tokens/s vs MoE baseline",
-                title="learned vs forced boundaries (FLOPs matched at the design R)")
+    common.plot(
+        res,
+        path,
+        x="seq_len",
+        panels=("kind",),
+        ylabel="prefill tokens/s vs MoE baseline",
+        title="learned vs forced boundaries (FLOPs matched at the design R)",
+    )

@@ -5,6 +5,7 @@ sequence of all images' patches) with per-image attention or with one dense bloc
 image by image (the baseline). The JSON records each packed output's largest difference from the
 one-at-a-time output.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
@@ -33,18 +34,23 @@ class Settings:
     warmup: int = 1
 
 
-SETTINGS = {"full": Settings(),
-            "quick": Settings(images=[8, 16], hidden=64, layers=2, heads=4),
-            "smoke": Settings(images=[2], hidden=32, layers=1, heads=2, max_patches=64, repeats=2)}
+SETTINGS = {
+    "full": Settings(),
+    "quick": Settings(images=[8, 16], hidden=64, layers=2, heads=4),
+    "smoke": Settings(images=[2], hidden=32, layers=1, heads=2, max_patches=64, repeats=2),
+}
 
 
 def processed_images(n: int, max_patches: int, seed: int = 0):
     rng = np.random.default_rng(seed)
     proc = ImageProcessor(ImageProcessorConfig(max_patches=max_patches))
     sizes = rng.integers(32, 640, (n, 2))
-    return proc, [proc(Image.fromarray(rng.integers(0, 255, (int(h), int(w), 3), dtype=np.uint8)),
-                       f"bench{i}")
-                  for i, (h, w) in enumerate(sizes)]
+    return proc, [
+        proc(
+            Image.fromarray(rng.integers(0, 255, (int(h), int(w), 3), dtype=np.uint8)), f"bench{i}"
+        )
+        for i, (h, w) in enumerate(sizes)
+    ]
 
 
 def candidates(enc: NaViTEncoder, imgs) -> dict:
@@ -57,14 +63,18 @@ def candidates(enc: NaViTEncoder, imgs) -> dict:
         def call():
             enc.cfg.attn_backend = backend
             return enc(x_PD, rc_P2, grids)
+
         return call
 
-    def one_at_a_time():   # a loop over images is the thing measured
+    def one_at_a_time():  # a loop over images is the thing measured
         enc.cfg.attn_backend = "auto"
         return torch.cat([enc(p.patches_PD, p.coords_P2, torch.tensor([p.grid])) for p in imgs])
 
-    return {BASELINE: one_at_a_time, "packed, per-image attention": packed("per_image"),
-            "packed, dense block mask": packed("dense")}
+    return {
+        BASELINE: one_at_a_time,
+        "packed, per-image attention": packed("per_image"),
+        "packed, dense block mask": packed("dense"),
+    }
 
 
 def run(s: Settings, log=print) -> dict:
@@ -72,26 +82,42 @@ def run(s: Settings, log=print) -> dict:
     out = []
     for n in s.images:
         proc, imgs = processed_images(n, s.max_patches)
-        enc = NaViTEncoder(NaViTConfig(hidden_size=s.hidden, num_layers=s.layers, num_heads=s.heads,
-                                       pos=s.pos),
-                           patch_size=proc.cfg.patch_size, merge=proc.cfg.merge).eval()
+        enc = NaViTEncoder(
+            NaViTConfig(hidden_size=s.hidden, num_layers=s.layers, num_heads=s.heads, pos=s.pos),
+            patch_size=proc.cfg.patch_size,
+            merge=proc.cfg.merge,
+        ).eval()
         fns = candidates(enc, imgs)
         patches = sum(int(p.patches_PD.shape[0]) for p in imgs)
         with torch.inference_mode():
             alone = fns[BASELINE]()
-            extra = {name: {"max_abs_diff_vs_alone": float((fn() - alone).abs().max()),
-                            "patches": patches, "tokens": int(alone.shape[0])}
-                     for name, fn in fns.items()}
+            extra = {
+                name: {
+                    "max_abs_diff_vs_alone": float((fn() - alone).abs().max()),
+                    "patches": patches,
+                    "tokens": int(alone.shape[0]),
+                }
+                for name, fn in fns.items()
+            }
             secs = common.measure(fns, s.repeats, s.warmup)
-        rs = common.rows(common.per_second(secs, n), BASELINE, {"images": n}, "images/s", "img/s",
-                         extra)
+        rs = common.rows(
+            common.per_second(secs, n), BASELINE, {"images": n}, "images/s", "img/s", extra
+        )
         out += rs
-        log(f"  vision images={n}: " + ", ".join(f"{r['candidate']} x{r['ratio_vs_baseline']:.2f}"
-                                                 for r in rs))
+        log(
+            f"  vision images={n}: "
+            + ", ".join(f"{r['candidate']} x{r['ratio_vs_baseline']:.2f}" for r in rs)
+        )
     return common.result(PART, asdict(s), out)
 
 
 def plot(res: dict, path) -> None:
-    common.plot(res, path, x="images", panels=(), ylabel="images/s vs one image at a time",
-                title=f"packed NaViT (hidden {res['settings']['hidden']}, "
-                      f"{res['settings']['layers']} layers)")
+    common.plot(
+        res,
+        path,
+        x="images",
+        panels=(),
+        ylabel="images/s vs one image at a time",
+        title=f"packed NaViT (hidden {res['settings']['hidden']}, "
+        f"{res['settings']['layers']} layers)",
+    )

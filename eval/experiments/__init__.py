@@ -14,11 +14,22 @@ spreads overlap.
 The command itself is `eval.experiments.cli` (registered there in pyproject.toml); this package
 imports nothing from it, so the two never import each other.
 """
+
 from __future__ import annotations
 
 from eval.experiments.core import Check, Metric, Recipe, Run, Stat, Variant
 from eval.experiments.registry import RECIPES
 from eval.experiments.runner import estimate_s, plan, run_recipe
 
-__all__ = ["RECIPES", "Recipe", "Variant", "Metric", "Stat", "Check", "Run", "plan", "run_recipe",
-           "estimate_s"]
+__all__ = [
+    "RECIPES",
+    "Recipe",
+    "Variant",
+    "Metric",
+    "Stat",
+    "Check",
+    "Run",
+    "plan",
+    "run_recipe",
+    "estimate_s",
+]

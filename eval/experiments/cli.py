@@ -1,4 +1,5 @@
 """The `vlm experiment` subcommand (registered in pyproject.toml's `vlm.commands`)."""
+
 from __future__ import annotations
 
 import argparse
@@ -15,32 +16,54 @@ def _recipes() -> dict:
 
 def add_experiment_command(subparsers) -> None:
     p = subparsers.add_parser(
-        "experiment", help="reproduce a paper finding: train variants side by side over seeds, "
-                           "judge the claim",
-        description="Recipes reproducing the papers' findings at CPU scale (`--list` names them). "
-                    "Each trains its variants as ordinary `vlm train` runs under OUT, then writes "
-                    "results.json, results.txt and results.png with the verdict on the claim.")
+        "experiment",
+        help="reproduce a paper finding: train variants side by side over seeds, judge the claim",
+        description="Recipes reproducing the papers' findings at CPU scale (`--list` names "
+        "them). Each trains its variants as ordinary `vlm train` runs under OUT, then "
+        "writes results.json, results.txt and results.png with the verdict on the claim.",
+    )
     p.add_argument("name", nargs="?", default=None, help="recipe to run (see --list)")
-    p.add_argument("--list", action="store_true", help="list the recipes: claim, runs x steps, "
-                                                       "estimated time")
-    p.add_argument("--all", action="store_true", help="run every recipe under OUT/NAME and write "
-                                                      "OUT/claims.md")
-    p.add_argument("--out", default=None, help="output directory (default: runs/experiments/NAME, "
-                                               "or runs/experiments with --all)")
-    p.add_argument("--seeds", type=int, default=None,
-                   help="seeds per variant (train.seed = 0..N-1; default: the "
-                                                           "recipe's, at least 2)")
-    p.add_argument("--steps", type=int, default=None,
-                   help="optimizer steps per variant (default: the recipe's)")
-    p.add_argument("--jobs", type=int, default=2, help="job slots, one torch thread each (default "
-                                                       "2)")
-    p.add_argument("--vqa-limit", type=int, default=None,
-                   help="held-out VQA questions per run (image-compression; same as "
-                        "train.vqa_max_samples=N)")
-    p.add_argument("--only", nargs="+", default=None,
-                   help="run only these variants (and what they need)")
-    p.add_argument("overrides", nargs="*", metavar="key=value",
-                   help="dotted overrides applied to every variant")
+    p.add_argument(
+        "--list", action="store_true", help="list the recipes: claim, runs x steps, estimated time"
+    )
+    p.add_argument(
+        "--all", action="store_true", help="run every recipe under OUT/NAME and write OUT/claims.md"
+    )
+    p.add_argument(
+        "--out",
+        default=None,
+        help="output directory (default: runs/experiments/NAME, or runs/experiments with --all)",
+    )
+    p.add_argument(
+        "--seeds",
+        type=int,
+        default=None,
+        help="seeds per variant (train.seed = 0..N-1; default: the recipe's, at least 2)",
+    )
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="optimizer steps per variant (default: the recipe's)",
+    )
+    p.add_argument(
+        "--jobs", type=int, default=2, help="job slots, one torch thread each (default 2)"
+    )
+    p.add_argument(
+        "--vqa-limit",
+        type=int,
+        default=None,
+        help="held-out VQA questions per run (image-compression; same as train.vqa_max_samples=N)",
+    )
+    p.add_argument(
+        "--only", nargs="+", default=None, help="run only these variants (and what they need)"
+    )
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="key=value",
+        help="dotted overrides applied to every variant",
+    )
     p.set_defaults(func=_command)
 
 
@@ -63,9 +86,10 @@ def list_recipes(jobs: int = 2, steps: int | None = None, seeds: int | None = No
         r = make()
         n_var = len(r.variants)
         lines.append(f"{name} ({r.source}): {r.claim}")
-        lines.append(f"    {n_var} variants x {seeds or r.seeds} seeds: "
-                     f"{_steps_text(r, steps, seeds)}; "
-                     f"~{estimate_s(r, jobs, steps, seeds) / 60:.0f} min with --jobs {jobs}")
+        lines.append(
+            f"    {n_var} variants x {seeds or r.seeds} seeds: {_steps_text(r, steps, seeds)}; "
+            f"~{estimate_s(r, jobs, steps, seeds) / 60:.0f} min with --jobs {jobs}"
+        )
     return "\n".join(lines)
 
 
@@ -84,12 +108,14 @@ def _command(args: argparse.Namespace) -> int:
         raise ConfigError("give a recipe NAME or --all, not both")
     if args.name and args.name not in recipes:
         raise ConfigError(f"unknown recipe {args.name!r}; recipes: {', '.join(recipes)}")
-    extra = list(args.overrides) + ([f"train.vqa_max_samples={args.vqa_limit}"] if args.vqa_limit
-                                    else [])
+    extra = list(args.overrides) + (
+        [f"train.vqa_max_samples={args.vqa_limit}"] if args.vqa_limit else []
+    )
     if args.name:
         out = Path(args.out or f"runs/experiments/{args.name}")
-        result = run_recipe(recipes[args.name](), out, args.steps, args.seeds, args.jobs, extra,
-                            args.only)
+        result = run_recipe(
+            recipes[args.name](), out, args.steps, args.seeds, args.jobs, extra, args.only
+        )
         print(format_table(result))
         print(f"results: {out / 'results.json'}, {out / 'results.txt'}, {out / 'results.png'}")
         return 0
@@ -101,7 +127,7 @@ def _command(args: argparse.Namespace) -> int:
         recipe = make()
         try:
             result = run_recipe(recipe, root / name, args.steps, args.seeds, args.jobs, extra)
-        except (RuntimeError, ConfigError) as e:   # one failed recipe does not stop the others
+        except (RuntimeError, ConfigError) as e:  # one failed recipe does not stop the others
             skipped[name] = str(e)
             print(f"{name}: {e}")
             continue

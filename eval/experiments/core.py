@@ -7,6 +7,7 @@ be apart in the claimed direction, "does not hold" needs them apart the other wa
 between (or a single seed) is "inconclusive". A claim that does not hold is reported as such, with
 its numbers.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,7 +27,7 @@ class Metric:
     key: str
     label: str
     digits: int = 3
-    ref: float | None = None      # a reference value drawn across the panel (a target ratio, 1/R)
+    ref: float | None = None  # a reference value drawn across the panel (a target ratio, 1/R)
 
 
 @dataclass
@@ -77,14 +78,23 @@ class Stat:
         return f"{self.mean:.{digits}f} ({self.lo:.{digits}f}-{self.hi:.{digits}f})"
 
     def to_json(self) -> dict:
-        std = (sum((v - self.mean) ** 2
-                   for v in self.values) / (self.n - 1)) ** 0.5 if self.n > 1 else 0.0
-        return {"mean": self.mean, "min": self.lo, "max": self.hi, "std": std, "n": self.n,
-                "values": self.values}
+        std = (
+            (sum((v - self.mean) ** 2 for v in self.values) / (self.n - 1)) ** 0.5
+            if self.n > 1
+            else 0.0
+        )
+        return {
+            "mean": self.mean,
+            "min": self.lo,
+            "max": self.hi,
+            "std": std,
+            "n": self.n,
+            "values": self.values,
+        }
 
 
 class _Metrics(dict):
-    def __missing__(self, key):   # a metric no run reported
+    def __missing__(self, key):  # a metric no run reported
         return None
 
 
@@ -103,8 +113,11 @@ def stats_table(rows: list[dict], metrics: list[Metric], variants: list[str]) ->
         mine = [r for r in rows if r["variant"] == v]
         table[v] = _Metrics()
         for m in metrics:
-            vals = [float(r[m.key]) for r in mine if r.get(m.key) is not None
-                    and math.isfinite(float(r[m.key]))]
+            vals = [
+                float(r[m.key])
+                for r in mine
+                if r.get(m.key) is not None and math.isfinite(float(r[m.key]))
+            ]
             table[v][m.key] = Stat(vals) if vals else None
     return table
 
@@ -119,26 +132,39 @@ class Check:
     core: bool = True
 
     def to_json(self) -> dict:
-        return {"claim": self.claim, "status": self.status, "measured": self.measured,
-                "core": self.core}
+        return {
+            "claim": self.claim,
+            "status": self.status,
+            "measured": self.measured,
+            "core": self.core,
+        }
 
 
 def _missing(claim: str, core: bool, *names: str) -> Check:
     return Check(claim, f"inconclusive (no numbers for {', '.join(names)})", "-", core)
 
 
-def better(claim: str, a: str, sa: Stat | None, b: str, sb: Stat | None, lower: bool = True,
-           digits: int = 3, core: bool = True, what: str = "") -> Check:
+def better(
+    claim: str,
+    a: str,
+    sa: Stat | None,
+    b: str,
+    sb: Stat | None,
+    lower: bool = True,
+    digits: int = 3,
+    core: bool = True,
+    what: str = "",
+) -> Check:
     """`a` beats `b` (lower, or higher with lower=False): holds when the seed spreads are apart in
     a's favour, does not hold when they are apart the other way, inconclusive when they overlap."""
     if sa is None or sb is None:
         return _missing(claim, core, *(n for n, s in ((a, sa), (b, sb)) if s is None))
     if min(sa.n, sb.n) < 2:
         status = ONE_SEED
-    # a's whole spread on the better side of b's
     elif (sa.hi < sb.lo) if lower else (sa.lo > sb.hi):
+        # a's whole spread on the better side of b's
         status = HOLDS
-    elif (sa.lo > sb.hi) if lower else (sa.hi < sb.lo):      # ... on the worse side
+    elif (sa.lo > sb.hi) if lower else (sa.hi < sb.lo):  # ... on the worse side
         status = FAILS
     else:
         status = UNSURE
@@ -147,8 +173,17 @@ def better(claim: str, a: str, sa: Stat | None, b: str, sb: Stat | None, lower: 
     return Check(claim, status, f"{what}{a} {sa.fmt(digits)} {op} {b} {sb.fmt(digits)}", core)
 
 
-def no_worse(claim: str, a: str, sa: Stat | None, b: str, sb: Stat | None, lower: bool = True,
-             digits: int = 3, core: bool = True, what: str = "") -> Check:
+def no_worse(
+    claim: str,
+    a: str,
+    sa: Stat | None,
+    b: str,
+    sb: Stat | None,
+    lower: bool = True,
+    digits: int = 3,
+    core: bool = True,
+    what: str = "",
+) -> Check:
     """`a` is no worse than `b`: does not hold when the spreads are apart against a; holds when a's
     mean is at least as good; inconclusive when a's mean is worse but the spreads overlap."""
     c = better(claim, a, sa, b, sb, lower, digits, core, what)
@@ -159,8 +194,15 @@ def no_worse(claim: str, a: str, sa: Stat | None, b: str, sb: Stat | None, lower
     return c
 
 
-def at_most(claim: str, name: str, s: Stat | None, bound: float, digits: int = 3, core: bool = True,
-            what: str = "") -> Check:
+def at_most(
+    claim: str,
+    name: str,
+    s: Stat | None,
+    bound: float,
+    digits: int = 3,
+    core: bool = True,
+    what: str = "",
+) -> Check:
     """Every seed at or below `bound` holds; every seed above it does not; a spread across it is inconclusive."""
     if s is None:
         return _missing(claim, core, name)
@@ -176,7 +218,7 @@ def overall(checks: list[Check]) -> str:
         return HOLDS
     if any(s == FAILS for s in core):
         return FAILS
-    return next((s for s in core if s != HOLDS), UNSURE)   # the first open check says why
+    return next((s for s in core if s != HOLDS), UNSURE)  # the first open check says why
 
 
 class Run:
@@ -185,9 +227,11 @@ class Run:
     def __init__(self, path: Path):
         self.path = Path(path)
         self.summary = json.loads((self.path / "summary.json").read_text())
-        self.records = [json.loads(line)
-                        for line in (self.path / "metrics.jsonl").read_text().splitlines()
-                        if line.strip()]
+        self.records = [
+            json.loads(line)
+            for line in (self.path / "metrics.jsonl").read_text().splitlines()
+            if line.strip()
+        ]
 
     def values(self, key: str) -> list[float]:
         return [r[key] for r in self.records if r.get(key) is not None]
@@ -226,29 +270,28 @@ class Recipe:
     """Variants trained side by side with everything else equal, over seeds, and how to judge the claim."""
 
     name: str
-    source: str                    # where the claim is made, e.g. "ConceptMoE 4.5.2"
-    claim: str                     # the claim, as this recipe tests it
-    config: str                    # base YAML under configs/
+    source: str  # where the claim is made, e.g. "ConceptMoE 4.5.2"
+    claim: str  # the claim, as this recipe tests it
+    config: str  # base YAML under configs/
     variants: list[Variant]
     metrics: list[Metric]
-    read: MetricsFn                # one table row from a finished run
+    read: MetricsFn  # one table row from a finished run
     verdict: VerdictFn
     # default optimizer steps per variant (times the variant's steps_mult)
     steps: int
-    held_out: str                  # what "held-out" means in this recipe's table
+    held_out: str  # what "held-out" means in this recipe's table
     seeds: int = 2
     common: list[str] = field(default_factory=list)
-    evals: int = 4                 # held-out evaluations per run (the last is at the final step)
+    evals: int = 4  # held-out evaluations per run (the last is at the final step)
     # calibrated on the 2-core machine (text config, two runs side by side, other work present):
     # seconds per step of one run, and per run outside the steps (process start, DeepSpeed, data,
     # final export, summary)
     step_s: float = 0.13
     startup_s: float = 20.0
-    note: str = ""                  # printed under the table
+    note: str = ""  # printed under the table
 
 
 def configs_dir() -> Path:
     import configs
 
     return Path(configs.__file__).resolve().parent
-

@@ -1,4 +1,5 @@
 """The recipes `vlm experiment` knows, by name (each module has one `recipe()`)."""
+
 from __future__ import annotations
 
 import eval.experiments.compression_allocation as compression_allocation

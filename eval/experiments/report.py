@@ -1,4 +1,5 @@
 """One table printer, one plot and the claims table for every recipe (they read results.json's content only)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -33,10 +34,15 @@ def format_table(result: dict) -> str:
     widths = [max(len(r[i]) for r in [header] + body) for i in range(len(header))]
     line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
     n_seeds = result["seeds"]
-    out = [f"{result['recipe']} ({result['source']}): {result['claim']}",
-           f"({result['steps']} steps per run, {n_seeds} seed(s) each: mean (min-max) over seeds; "
-           f"held-out = {result['held_out']})",
-           line(header), line(["-" * w for w in widths])] + [line(r) for r in body]
+    out = [
+        f"{result['recipe']} ({result['source']}): {result['claim']}",
+        (
+            f"({result['steps']} steps per run, {n_seeds} seed(s) each: "
+            f"mean (min-max) over seeds; held-out = {result['held_out']})"
+        ),
+        line(header),
+        line(["-" * w for w in widths]),
+    ] + [line(r) for r in body]
     if result.get("note"):
         out.append(result["note"])
     out.append("")
@@ -50,6 +56,7 @@ def format_table(result: dict) -> str:
 def plot(result: dict, path: Path) -> Path:
     """One panel per metric: a bar per variant at the mean over seeds, min-max whiskers, one dot per seed."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
@@ -76,20 +83,28 @@ def plot(result: dict, path: Path) -> Path:
         # e.g. compression ratios 1.3 to 500
         if finite and min(finite) > 0 and max(finite) / min(finite) > 20:
             ax.set_yscale("log")
-        # zoom on the spread: differences between variants are often small next to the values
         elif finite:
+            # zoom on the spread: differences between variants are often small next to the values
             lo, hi = min(finite), max(finite)
             pad = (hi - lo) * 0.3 or abs(hi) * 0.05 or 0.1
             ax.set_ylim(lo - pad if lo - pad > 0 or lo < 0 else 0, hi + pad)
         # long names side by side would overlap
         tilt = max(map(len, names)) > 12 and len(names) > 4
-        ax.set_xticks(x, [nm.replace("-", "\n", 1) if len(nm) > 12 else nm for nm in names],
-                      fontsize=7, rotation=35 if tilt else 0, ha="right" if tilt else "center")
+        ax.set_xticks(
+            x,
+            [nm.replace("-", "\n", 1) if len(nm) > 12 else nm for nm in names],
+            fontsize=7,
+            rotation=35 if tilt else 0,
+            ha="right" if tilt else "center",
+        )
         ax.set_title(m["label"], fontsize=9)
     for ax in list(axes.flat)[n:]:
         ax.axis("off")
-    fig.suptitle(f"{result['recipe']} ({result['steps']} steps, {result['seeds']} seeds; bars: "
-                 f"mean, whiskers: min-max): {result['verdict']}", fontsize=9)
+    fig.suptitle(
+        f"{result['recipe']} ({result['steps']} steps, {result['seeds']} "
+        f"seeds; bars: mean, whiskers: min-max): {result['verdict']}",
+        fontsize=9,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -103,9 +118,10 @@ def claims_markdown(results: list[dict], skipped: dict[str, str] | None = None) 
     for r in results:
         for c in r["checks"]:
             if c["core"]:
-                lines.append(f"| **{r['recipe']}** ({r['source']}): {esc(c['claim'])} | "
-                             f"{esc(c['measured'])} ({r['steps']} steps x {r['seeds']} seeds) | "
-                             f"{esc(c['status'])} |")
+                lines.append(
+                    f"| **{r['recipe']}** ({r['source']}): {esc(c['claim'])} | {esc(c['measured'])} "
+                    f"({r['steps']} steps x {r['seeds']} seeds) | {esc(c['status'])} |"
+                )
     for name, why in (skipped or {}).items():
         lines.append(f"| **{name}** | not run: {esc(why)} | - |")
     return "\n".join(lines) + "\n"

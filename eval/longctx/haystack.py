@@ -9,6 +9,7 @@ Depth is measured like RULER, over the filler alone (other needles do not count)
 model's tokens: each word is weighted by its token count, and a needle goes to the sentence
 boundary whose token offset is nearest to `depth/100 x filler tokens`.
 """
+
 from __future__ import annotations
 
 from functools import lru_cache
@@ -19,7 +20,9 @@ import numpy as np
 
 HaystackKind = Literal["repeat", "essay"]
 
-REPEAT_NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+REPEAT_NOISE = (
+    "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+)
 ESSAY_PATH = Path(__file__).with_name("essay.txt")
 _SENTENCE_END = (".", "!", "?")
 
@@ -55,18 +58,20 @@ def token_cost(tokenizer) -> Callable[[str], int]:
         if word not in cache:
             cache[word] = len(tokenizer.encode(" " + word))
         return cache[word]
+
     return cost
 
 
 class Haystack:
     """The first n words of a cyclic source text from `offset`, with needles placed by token depth."""
 
-    def __init__(self, kind: HaystackKind, offset: int = 0,
-                 cost: Callable[[str], int] | None = None) -> None:
+    def __init__(
+        self, kind: HaystackKind, offset: int = 0, cost: Callable[[str], int] | None = None
+    ) -> None:
         src = source_words(kind)
         self.kind = kind
         self.offset = offset % len(src)
-        self._src = src[self.offset:] + src[:self.offset]
+        self._src = src[self.offset :] + src[: self.offset]
         self._cost = np.array([cost(w) if cost else 1 for w in self._src], dtype=np.int64)
         self._ends = np.array([w.endswith(_SENTENCE_END) for w in self._src], dtype=bool)
 
@@ -77,8 +82,11 @@ class Haystack:
     def boundaries(self, n: int) -> tuple[np.ndarray, np.ndarray]:
         """Sentence-start word indices (with 0 and n) and the filler token offset of each."""
         ends = np.resize(self._ends, n)
-        bounds = np.unique(np.concatenate([[0], np.nonzero(ends[:-1])[0] + 1,
-                                           [n]])) if n else np.zeros(1, np.int64)
+        bounds = (
+            np.unique(np.concatenate([[0], np.nonzero(ends[:-1])[0] + 1, [n]]))
+            if n
+            else np.zeros(1, np.int64)
+        )
         cum = np.concatenate([[0], np.cumsum(np.resize(self._cost, n))])
         return bounds, cum[bounds]
 

@@ -4,6 +4,7 @@ Both string metrics are case-insensitive substring tests of each reference in th
 averaged over samples and reported x100: `string_match_all` credits the fraction of references
 found, `string_match_part` credits a sample fully if any reference is found.
 """
+
 from __future__ import annotations
 
 import re
@@ -27,8 +28,10 @@ def string_match_all(preds: list[str], refs: list[list[str]]) -> float:
     _check(preds, refs)
     if not preds:
         return 0.0
-    per = [sum(r.lower() in clean_prediction(p).lower() for r in ref) / len(ref)
-           for p, ref in zip(preds, refs)]
+    per = [
+        sum(r.lower() in clean_prediction(p).lower() for r in ref) / len(ref)
+        for p, ref in zip(preds, refs)
+    ]
     return 100.0 * sum(per) / len(per)
 
 
@@ -36,8 +39,10 @@ def string_match_part(preds: list[str], refs: list[list[str]]) -> float:
     _check(preds, refs)
     if not preds:
         return 0.0
-    per = [max(float(r.lower() in clean_prediction(p).lower()) for r in ref) for p,
-           ref in zip(preds, refs)]
+    per = [
+        max(float(r.lower() in clean_prediction(p).lower()) for r in ref)
+        for p, ref in zip(preds, refs)
+    ]
     return 100.0 * sum(per) / len(per)
 
 

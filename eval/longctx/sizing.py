@@ -4,6 +4,7 @@
 beforehand), and its token count must not shrink as `n` grows. We search for the largest `n` whose
 prompt fits in `target` tokens, then require the result to be within `tol` below the target.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -25,9 +26,15 @@ class Fitted(Generic[T]):
     length: int
 
 
-def fit_to_length(build: Callable[[int], T], measure: Callable[[T], int], target: int, *,
-                  what: str = "sample", n_max: int | None = None,
-                  tol: float = LENGTH_TOLERANCE) -> Fitted[T]:
+def fit_to_length(
+    build: Callable[[int], T],
+    measure: Callable[[T], int],
+    target: int,
+    *,
+    what: str = "sample",
+    n_max: int | None = None,
+    tol: float = LENGTH_TOLERANCE,
+) -> Fitted[T]:
     """Largest haystack size n with measure(build(n)) <= target; error unless >= (1 - tol) * target."""
     if target <= 0:
         raise SizingError(f"{what}: target length must be positive, got {target}")
@@ -41,8 +48,10 @@ def fit_to_length(build: Callable[[int], T], measure: Callable[[T], int], target
 
     base = length_of(0)
     if base > target:
-        raise SizingError(f"{what}: the prompt without any haystack is already {base} tokens, "
-                          f"longer than the target {target}")
+        raise SizingError(
+            f"{what}: the prompt without any haystack is already "
+            f"{base} tokens, longer than the target {target}"
+        )
     # exponential search for an upper bound, starting from a per-token guess
     lo = 0
     per_unit = max(1, length_of(1) - base)
@@ -64,7 +73,8 @@ def fit_to_length(build: Callable[[int], T], measure: Callable[[T], int], target
     item, length = cache[lo]
     if length < (1.0 - tol) * target:
         limit = f" (haystack capped at {n_max} units)" if n_max is not None and lo >= n_max else ""
-        raise SizingError(f"{what}: best fit is {length} tokens for target {target}{limit}; "
-                          f"outside the {tol:.0%} tolerance (one haystack unit adds ~{per_unit} "
-                          f"tokens)")
+        raise SizingError(
+            f"{what}: best fit is {length} tokens for target {target}{limit}; outside "
+            f"the {tol:.0%} tolerance (one haystack unit adds ~{per_unit} tokens)"
+        )
     return Fitted(item=item, n=lo, length=length)

@@ -7,6 +7,7 @@ statistics are reset at the start of each length and read at its end, giving the
 length. Cells whose target length the task cannot meet (too short for its fixed text) are listed
 under "skipped" with the reason instead of aborting the sweep.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,7 +19,6 @@ from typing import Iterator
 from tqdm import tqdm
 
 from configs.config import to_dict
-
 from eval.longctx.config import LongCtxConfig
 from eval.longctx.sample import Sample
 from eval.longctx.scoring import METRICS, rank_credit, string_match_all, string_match_part
@@ -33,15 +33,16 @@ def depth_key(depth: float | None) -> str:
 
 def _chunks(items: list, size: int) -> Iterator[list]:
     for i in range(0, len(items), size):
-        yield items[i:i + size]
+        yield items[i : i + size]
 
 
 def generate_predictions(model: EvalModel, samples: list[Sample], cfg: LongCtxConfig) -> list[str]:
     preds: list[str] = []
     for batch in _chunks(samples, cfg.batch_size):
         budget = cfg.max_new_tokens or max(s.max_new_tokens for s in batch)
-        preds += model.generate([s.prompt for s in batch], None, max_new_tokens=budget,
-                                temperature=0.0)
+        preds += model.generate(
+            [s.prompt for s in batch], None, max_new_tokens=budget, temperature=0.0
+        )
     return preds
 
 
@@ -51,8 +52,9 @@ def loglik_credits(model: EvalModel, samples: list[Sample], cfg: LongCtxConfig) 
     requests: list[tuple[int, int, str, str]] = []  # (sample, reference, context, continuation)
     for si, s in enumerate(samples):
         if len(s.distractors) < k:
-            raise ValueError(f"{s.task}: only {len(s.distractors)} distractors for "
-                             f"num_distractors={k}")
+            raise ValueError(
+                f"{s.task}: only {len(s.distractors)} distractors for num_distractors={k}"
+            )
         for ri, ref in enumerate(s.answers):
             for cand in [ref] + s.distractors[:k]:
                 requests.append((si, ri, s.prompt, " " + cand))
@@ -63,17 +65,21 @@ def loglik_credits(model: EvalModel, samples: list[Sample], cfg: LongCtxConfig) 
     credits: list[list[float]] = [[] for _ in samples]
     for start in range(0, len(requests), k + 1):
         si = requests[start][0]
-        credits[si].append(rank_credit(scores[start:start + k + 1], correct=0))
+        credits[si].append(rank_credit(scores[start : start + k + 1], correct=0))
     return [mean(c) for c in credits]
 
 
-def run_cell(model: EvalModel, samples: list[Sample], cfg: LongCtxConfig,
-             records: list[dict]) -> dict:
+def run_cell(
+    model: EvalModel, samples: list[Sample], cfg: LongCtxConfig, records: list[dict]
+) -> dict:
     metric = task_def(samples[0].task).metric
-    cell: dict = {"n": len(samples), "metric": metric,
-                  "mean_length": mean(s.length for s in samples),
-                  "min_length": min(s.length for s in samples),
-                  "max_length": max(s.length for s in samples)}
+    cell: dict = {
+        "n": len(samples),
+        "metric": metric,
+        "mean_length": mean(s.length for s in samples),
+        "min_length": min(s.length for s in samples),
+        "max_length": max(s.length for s in samples),
+    }
     preds: list[str | None] = [None] * len(samples)
     credits: list[float | None] = [None] * len(samples)
     if cfg.mode in ("generate", "both"):
@@ -88,22 +94,40 @@ def run_cell(model: EvalModel, samples: list[Sample], cfg: LongCtxConfig,
         cell["loglik_chance"] = 100.0 / (cfg.num_distractors + 1)
         cell.setdefault("score", cell["loglik_acc"])
     for s, p, c in zip(samples, preds, credits):
-        records.append({"task": s.task, "target_length": s.target_length, "length": s.length,
-                        "depth": s.depth, "answers": s.answers, "prediction": p,
-                        "loglik_credit": c})
+        records.append(
+            {
+                "task": s.task,
+                "target_length": s.target_length,
+                "length": s.length,
+                "depth": s.depth,
+                "answers": s.answers,
+                "prediction": p,
+                "loglik_credit": c,
+            }
+        )
     return cell
 
 
-def run_sweep(model: EvalModel, cfg: LongCtxConfig, *, label: str = "model", progress: bool = True,
-              records: list[dict] | None = None) -> dict:
+def run_sweep(
+    model: EvalModel,
+    cfg: LongCtxConfig,
+    *,
+    label: str = "model",
+    progress: bool = True,
+    records: list[dict] | None = None,
+) -> dict:
     cfg.validate()
     records = [] if records is None else records
     tokenizer = model.tokenizer
     results: dict = {t: {} for t in cfg.tasks}
     skipped: list[dict] = []
     compression: dict = {}
-    cells = [(L, t, d) for L in cfg.lengths for t in cfg.tasks
-             for d in (cfg.depths if task_def(t).has_depth else [None])]
+    cells = [
+        (L, t, d)
+        for L in cfg.lengths
+        for t in cfg.tasks
+        for d in (cfg.depths if task_def(t).has_depth else [None])
+    ]
     t0 = time.time()
     bar = tqdm(total=len(cells), desc=f"longctx[{label}]", disable=None if progress else True)
     for length in cfg.lengths:
@@ -111,13 +135,17 @@ def run_sweep(model: EvalModel, cfg: LongCtxConfig, *, label: str = "model", pro
         for task, depth in [(t, d) for L, t, d in cells if L == length]:
             bar.set_postfix_str(f"{task} L={length} d={depth_key(depth)}")
             try:
-                samples = [generate_sample(task, tokenizer, length, depth, cfg.seed, i)
-                           for i in range(cfg.num_samples)]
+                samples = [
+                    generate_sample(task, tokenizer, length, depth, cfg.seed, i)
+                    for i in range(cfg.num_samples)
+                ]
             except SizingError as e:
                 skipped.append({"task": task, "length": length, "depth": depth, "reason": str(e)})
                 bar.update(1)
                 continue
-            results[task].setdefault(str(length), {})[depth_key(depth)] = run_cell(model, samples, cfg, records)
+            results[task].setdefault(str(length), {})[depth_key(depth)] = run_cell(
+                model, samples, cfg, records
+            )
             bar.update(1)
         compression[str(length)] = dict(model.compression_stats())
     bar.close()
@@ -141,7 +169,8 @@ def task_means(results: dict) -> dict:
             out.setdefault(task, {})[length] = {
                 k: mean(c[k] for c in cells)
                 for k in ("score", "string_match_all", "string_match_part", "loglik_acc")
-                if all(k in c for c in cells)}
+                if all(k in c for c in cells)
+            }
     return out
 
 

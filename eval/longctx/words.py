@@ -3,6 +3,7 @@
 RULER draws keys as adjective-noun pairs from large word lists; a few hundred common words give
 ~30k distinct pairs, plenty for a few needles per sample, with no download.
 """
+
 from __future__ import annotations
 
 import random
@@ -49,7 +50,7 @@ def random_key(rng: random.Random) -> str:
 
 
 def random_number(rng: random.Random, digits: int = 7) -> str:
-    return str(rng.randint(10 ** (digits - 1), 10 ** digits - 1))
+    return str(rng.randint(10 ** (digits - 1), 10**digits - 1))
 
 
 def random_uuid(rng: random.Random) -> str:
@@ -85,6 +86,7 @@ def distinct(draw, n: int, rng: random.Random, exclude: set[str] | None = None) 
             seen.add(v)
             out.append(v)
     if len(out) != n:
-        raise ValueError(f"could not draw {n} distinct values with "
-                         f"{getattr(draw, '__name__', draw)}")
+        raise ValueError(
+            f"could not draw {n} distinct values with {getattr(draw, '__name__', draw)}"
+        )
     return out

@@ -1,16 +1,23 @@
 """Tables from `vlm bench` JSON (eval/bench/results/, as the bench writes it)
 and from launches.json."""
+
 from __future__ import annotations
 
 from typing import Any
 
 from eval.publish.markdown import num, span, table
 
-MODEL, DECODE, REALIZED = ("eval/bench/results/model.json", "eval/bench/results/decode.json",
-                           "eval/bench/results/realized.json")
+MODEL, DECODE, REALIZED = (
+    "eval/bench/results/model.json",
+    "eval/bench/results/decode.json",
+    "eval/bench/results/realized.json",
+)
 LAUNCHES = "docs/results/data/launches.json"
-CANDIDATES = {"more_experts": "more experts", "loop_more_experts": "loop + more experts",
-              "wider_concept": "wider concept model"}
+CANDIDATES = {
+    "more_experts": "more experts",
+    "loop_more_experts": "loop + more experts",
+    "wider_concept": "wider concept model",
+}
 LENGTHS = {1024: "1K", 2048: "2K", 4096: "4K", 8192: "8K", 16384: "16K"}
 # the goals' headline cells
 BOLD = {("prefill", "more_experts", 16384), ("train", "more_experts", 4096)}
@@ -85,18 +92,25 @@ def realized_table(src: dict[str, Any]) -> str:
             got = [r for r in _rows(res, kind=kind) if r["candidate"] == f"more_experts ({how})"]
             by_len = {r["setting"]["seq_len"]: r for r in got}
             cells = [ratio(by_len[n]["ratio_vs_baseline"]) for n in lengths]
-            rows.append([f"{kind_label}, {how_label}", *cells, span((r["realized_R"] for r in got),
-                                                                    2)])
-    return table(["prefill tokens/s vs the MoE baseline, more experts",
-                  *(LENGTHS[n] for n in lengths),
-                  "realized R"], rows)
+            rows.append(
+                [f"{kind_label}, {how_label}", *cells, span((r["realized_R"] for r in got), 2)]
+            )
+    return table(
+        [
+            "prefill tokens/s vs the MoE baseline, more experts",
+            *(LENGTHS[n] for n in lengths),
+            "realized R",
+        ],
+        rows,
+    )
 
 
-LAUNCH_LABELS = {("baseline", "auto"): "MoE baseline, CPU attention (one SDPA per document)",
-                 ("more_experts", "auto"): "more experts, CPU attention",
-                 ("baseline",
-                  "sdpa"): "MoE baseline, packed-mask SDPA (the compiled and GPU layout)",
-                 ("more_experts", "sdpa"): "more experts, packed-mask SDPA"}
+LAUNCH_LABELS = {
+    ("baseline", "auto"): "MoE baseline, CPU attention (one SDPA per document)",
+    ("more_experts", "auto"): "more experts, CPU attention",
+    ("baseline", "sdpa"): "MoE baseline, packed-mask SDPA (the compiled and GPU layout)",
+    ("more_experts", "sdpa"): "more experts, packed-mask SDPA",
+}
 
 
 def launches(src: dict[str, Any]) -> dict[tuple[str, str], dict[str, Any]]:
@@ -104,9 +118,15 @@ def launches(src: dict[str, Any]) -> dict[tuple[str, str], dict[str, Any]]:
 
 
 def launches_table(src: dict[str, Any]) -> str:
-    rows = [[LAUNCH_LABELS[key], str(r["before_71c293f"]), str(r["operators_per_step"]),
-             f"{num(r['before_71c293f'] / r['operators_per_step'], 2)}x fewer"]
-            for key, r in launches(src).items()]
+    rows = [
+        [
+            LAUNCH_LABELS[key],
+            str(r["before_71c293f"]),
+            str(r["operators_per_step"]),
+            f"{num(r['before_71c293f'] / r['operators_per_step'], 2)}x fewer",
+        ]
+        for key, r in launches(src).items()
+    ]
     return table(["operators per training step", "71c293f", "now", ""], rows)
 
 
@@ -114,8 +134,10 @@ def launches_prose(src: dict[str, Any]) -> str:
     """The README's sentence: now against before, baseline and more experts, CPU attention."""
     got = launches(src)
     b, m = got["baseline", "auto"], got["more_experts", "auto"]
-    return (f"{b['operators_per_step']} against {b['before_71c293f']} for the MoE baseline, "
-            f"{m['operators_per_step']} against {m['before_71c293f']} for more experts")
+    return (
+        f"{b['operators_per_step']} against {b['before_71c293f']} for the MoE baseline, "
+        f"{m['operators_per_step']} against {m['before_71c293f']} for more experts"
+    )
 
 
 SERVE = "vlm/serve/results/serve_bench.json"
@@ -127,7 +149,17 @@ def serve_table(src: dict[str, Any]) -> str:
     """`python -m vlm.serve.bench`: tokens/s and time to first token, through vLLM and `vlm chat`,
     for the ConceptMoE and its MoE baseline, at batch 1 and 8."""
     res = src[SERVE]
-    rows = [[SERVE_MODELS[m], SERVE_ENGINES[e], num(r["b1_tok_s"], 1), num(r["b8_tok_s"], 1),
-             num(1000 * r["b1_ttft_s"], 0), num(1000 * r["b8_ttft_s"], 0)]
-            for m in SERVE_MODELS for e in SERVE_ENGINES for r in [res[m][e]]]
+    rows = [
+        [
+            SERVE_MODELS[m],
+            SERVE_ENGINES[e],
+            num(r["b1_tok_s"], 1),
+            num(r["b8_tok_s"], 1),
+            num(1000 * r["b1_ttft_s"], 0),
+            num(1000 * r["b8_ttft_s"], 0),
+        ]
+        for m in SERVE_MODELS
+        for e in SERVE_ENGINES
+        for r in [res[m][e]]
+    ]
     return table(["model", "engine", "tok/s b1", "tok/s b8", "TTFT b1 (ms)", "TTFT b8 (ms)"], rows)

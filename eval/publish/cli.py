@@ -10,7 +10,8 @@ The JSON: eval/bench/results/ (`vlm bench ... --out eval/bench/results`),
 docs/results/data/default_run/ (a run's summary.json and vqa.json), docs/results/data/launches.json,
 and docs/results/data/recorded/ (figures of runs whose outputs were not kept, each file with its
 provenance). Training runs and the full bench take minutes to hours on a 2-core CPU, so they are
-never re-run here: run them, copy their JSON in, then `vlm results`. """
+never re-run here: run them, copy their JSON in, then `vlm results`."""
+
 from __future__ import annotations
 
 import argparse
@@ -23,14 +24,21 @@ RERUN = ("launches",)
 
 
 def add_results_command(subparsers) -> None:
-    ap = subparsers.add_parser("results",
-                               help="render the docs' tables of measured figures from their JSON",
-                               description=__doc__.split("\n")[0])
-    ap.add_argument("--check", action="store_true",
-                    help="only compare: exit 1 where a table differs")
-    ap.add_argument("--rerun", action="append", default=[], choices=RERUN,
-                    help="re-run a cheap producer first "
-                         "(launches: operators per training step, seconds)")
+    ap = subparsers.add_parser(
+        "results",
+        help="render the docs' tables of measured figures from their JSON",
+        description=__doc__.split("\n")[0],
+    )
+    ap.add_argument(
+        "--check", action="store_true", help="only compare: exit 1 where a table differs"
+    )
+    ap.add_argument(
+        "--rerun",
+        action="append",
+        default=[],
+        choices=RERUN,
+        help="re-run a cheap producer first (launches: operators per training step, seconds)",
+    )
     ap.add_argument("--root", default=str(ROOT), help=argparse.SUPPRESS)
     ap.set_defaults(func=run)
 
@@ -52,13 +60,17 @@ def run(args: argparse.Namespace) -> int:
         for p in problems:
             print(p, file=sys.stderr)
         if problems:
-            print(f"vlm results --check: {len(problems)} table(s) differ from their JSON; "
-                  "run `make results`",
-                  file=sys.stderr)
+            print(
+                f"vlm results --check: {len(problems)} table(s) "
+                "differ from their JSON; run `make results`",
+                file=sys.stderr,
+            )
             return 1
         print(f"vlm results --check: {len(registry.TABLES)} tables agree with their JSON")
         return 0
     changed = registry.write(root)
-    print(f"vlm results: {len(registry.TABLES)} tables rendered; "
-          + (f"rewrote {', '.join(changed)}" if changed else "every document already up to date"))
+    print(
+        f"vlm results: {len(registry.TABLES)} tables rendered; "
+        + (f"rewrote {', '.join(changed)}" if changed else "every document already up to date")
+    )
     return 0

@@ -8,27 +8,38 @@ bench-style result to docs/results/data/launches.json.
 The counts at 71c293f (before the GPU work; AdamW unfused then) are recorded figures: that code is
 not this code, so they cannot be re-counted here; they are the ones tests/test_launches.py holds the
 count against."""
+
 from __future__ import annotations
 
 import subprocess
 from pathlib import Path
 
-BEFORE = {("baseline", "auto"): 6595, ("more_experts", "auto"): 7119,
-          ("baseline", "sdpa"): 6159, ("more_experts", "sdpa"): 6683}
+BEFORE = {
+    ("baseline", "auto"): 6595,
+    ("more_experts", "auto"): 7119,
+    ("baseline", "sdpa"): 6159,
+    ("more_experts", "sdpa"): 6683,
+}
 BEFORE_PROVENANCE = {
-    "command": "eval.bench.common.count_operators over one eager training step of this layout, "
-               "at 71c293f",
+    "command": "eval.bench.common.count_operators over "
+    "one eager training step of this layout, at 71c293f",
     "commit": "71c293f (measured), 2b95f5a (published)",
-    "outputs": "the counts were kept only as tests/test_launches.py's BEFORE; recorded here once"}
-SETTINGS = {"layout": "configs/gpu.yaml's LLM at width 128", "rows": 2, "seq_len": 512,
-            "ratio": 2.0,
-            "optimizer": "the trainer's (vlm.train.engine.build_optimizer)"}
+    "outputs": "the counts were kept only as tests/test_launches.py's BEFORE; recorded here once",
+}
+SETTINGS = {
+    "layout": "configs/gpu.yaml's LLM at width 128",
+    "rows": 2,
+    "seq_len": 512,
+    "ratio": 2.0,
+    "optimizer": "the trainer's (vlm.train.engine.build_optimizer)",
+}
 
 
 def _commit(root: Path) -> str | None:
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
-                             text=True)
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True
+        )
     except OSError:
         return None
     return out.stdout.strip() or None
@@ -48,11 +59,20 @@ def count(name: str, backend: str) -> int:
     from vlm.train.config import OptimConfig
     from vlm.train.engine import build_optimizer
 
-    base = ModelConfig(vocab_size=1024, hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32,
-                       encoder_layers=2, concept_layers=12, decoder_layers=2,
-                       moe=MoEConfig(num_experts=32, top_k=4, expert_hidden=64,
-                                     num_shared_experts=1,
-                                     shared_hidden=128), attn_backend=backend).baseline()
+    base = ModelConfig(
+        vocab_size=1024,
+        hidden_size=128,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        encoder_layers=2,
+        concept_layers=12,
+        decoder_layers=2,
+        moe=MoEConfig(
+            num_experts=32, top_k=4, expert_hidden=64, num_shared_experts=1, shared_hidden=128
+        ),
+        attn_backend=backend,
+    ).baseline()
     cfg = base if name == "baseline" else reallocate(base, 2.0)[name]
     torch.manual_seed(0)
     model = ConceptMoELM(cfg).train()
@@ -60,8 +80,9 @@ def count(name: str, backend: str) -> int:
     T = SETTINGS["seq_len"]
     ids = torch.randint(0, cfg.vocab_size, (SETTINGS["rows"], T))
     batch = PackedBatch.stack([PackedBatch.from_documents([r.tolist()]) for r in ids])
-    force = boundaries_at_ratio(SETTINGS["rows"], T,
-                                SETTINGS["ratio"]) if cfg.chunk.enabled else None
+    force = (
+        boundaries_at_ratio(SETTINGS["rows"], T, SETTINGS["ratio"]) if cfg.chunk.enabled else None
+    )
 
     def step():
         out = model(batch, force=force)
@@ -82,8 +103,20 @@ def run(root: Path, log=print) -> dict:
         for name in ("baseline", "more_experts"):
             n = count(name, backend)
             log(f"launches: {name}, attention {backend}: {n} operators per step")
-            rows.append({"candidate": name, "setting": {"attention": backend},
-                         "metric": OPERATORS_METRIC,
-                         "operators_per_step": n, "before_71c293f": BEFORE[name, backend]})
-    return {"part": "launches", "machine": machine(), "settings": SETTINGS, "commit": _commit(root),
-            "rows": rows, "before_provenance": BEFORE_PROVENANCE}
+            rows.append(
+                {
+                    "candidate": name,
+                    "setting": {"attention": backend},
+                    "metric": OPERATORS_METRIC,
+                    "operators_per_step": n,
+                    "before_71c293f": BEFORE[name, backend],
+                }
+            )
+    return {
+        "part": "launches",
+        "machine": machine(),
+        "settings": SETTINGS,
+        "commit": _commit(root),
+        "rows": rows,
+        "before_provenance": BEFORE_PROVENANCE,
+    }

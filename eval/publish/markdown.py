@@ -1,4 +1,5 @@
 """Markdown tables and number formats shared by the renderers."""
+
 from __future__ import annotations
 
 from typing import Any, Iterable, Sequence
@@ -6,6 +7,7 @@ from typing import Any, Iterable, Sequence
 
 def table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
     """A GitHub table: the header, `| --- |` separators, one line per row."""
+
     def line(cells: Sequence[str]) -> str:
         return "|" + "|".join(f" {c} " if c else " " for c in cells) + "|"
 

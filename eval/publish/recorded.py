@@ -7,6 +7,7 @@ rendered like every other.
 
 A cell is a string (written as it is), a number (at `decimals`) or a list of numbers (joined by
 ' / ')."""
+
 from __future__ import annotations
 
 from typing import Any

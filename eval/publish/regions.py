@@ -3,13 +3,15 @@
 
 A block region holds a table and the caption line naming its JSON; an inline region (both markers on
 one line) holds a figure inside prose. Everything outside the markers is left as it is."""
+
 from __future__ import annotations
 
 import re
 
 OPEN, CLOSE = "<!-- results:{} -->", "<!-- /results:{} -->"
-REGION = re.compile(r"<!-- results:(?P<name>[\w.-]+) -->(?P<body>.*?)<!-- /results:(?P=name) -->",
-                    re.S)
+REGION = re.compile(
+    r"<!-- results:(?P<name>[\w.-]+) -->(?P<body>.*?)<!-- /results:(?P=name) -->", re.S
+)
 MARKER = re.compile(r"<!-- (/?)results:([\w.-]+) -->")
 
 
@@ -40,7 +42,7 @@ def block(body: str) -> str:
 def replace(text: str, rendered: dict[str, str]) -> str:
     """`text` with each region NAME in `rendered` holding rendered[NAME]; a region not in it
     is an error."""
-    regions(text)   # validate first
+    regions(text)  # validate first
 
     def sub(m: re.Match) -> str:
         name = m["name"]

@@ -3,6 +3,7 @@
 `render_docs(root)` renders every document's regions from the JSON under `root`; `check(root)` names
 every region whose text differs from what its JSON gives (a hand-edited number, or JSON changed
 without `vlm results`)."""
+
 from __future__ import annotations
 
 import difflib
@@ -22,11 +23,11 @@ NOT_KEPT = "the runs' outputs were not kept; the command and commit are in each 
 @dataclass(frozen=True)
 class Table:
     name: str
-    doc: str                                    # the markdown file, relative to the repository root
-    sources: tuple[str, ...]                    # the JSON it reads, relative to the root
-    render: Callable[[dict[str, Any]], str]     # {source: parsed JSON} -> markdown
-    inline: bool = False                        # a figure inside prose: no caption, no line breaks
-    note: str = ""                               # what else the caption must say about the sources
+    doc: str  # the markdown file, relative to the repository root
+    sources: tuple[str, ...]  # the JSON it reads, relative to the root
+    render: Callable[[dict[str, Any]], str]  # {source: parsed JSON} -> markdown
+    inline: bool = False  # a figure inside prose: no caption, no line breaks
+    note: str = ""  # what else the caption must say about the sources
 
 
 def _recorded(name: str, src: dict[str, Any]) -> str:
@@ -42,16 +43,33 @@ IMAGES, CLAIMS = "docs/results/images.md", "docs/results/claims.md"
 TABLES = (
     Table("readme-compression", README, (runs.SEEDS,), runs.readme_compression),
     Table("readme-seeds-vqa", README, (runs.SEEDS,), runs.seeds_vqa_prose, inline=True),
-    Table("readme-results", README, (runs.RUN_SUMMARY, runs.RUN_VQA, runs.SEEDS, runs.IMAGE_RUNS,
-                                     runs.BATCH_LOSS, bench.MODEL, bench.DECODE, runs.CLAIMS,
-          runs.SCALING),
-          runs.readme_results),
+    Table(
+        "readme-results",
+        README,
+        (
+            runs.RUN_SUMMARY,
+            runs.RUN_VQA,
+            runs.SEEDS,
+            runs.IMAGE_RUNS,
+            runs.BATCH_LOSS,
+            bench.MODEL,
+            bench.DECODE,
+            runs.CLAIMS,
+            runs.SCALING,
+        ),
+        runs.readme_results,
+    ),
     Table("readme-launches", README, (bench.LAUNCHES,), bench.launches_prose, inline=True),
     Table("bench-model", BENCH, (bench.MODEL, bench.DECODE), bench.model_table),
     Table("bench-realized", BENCH, (bench.REALIZED,), bench.realized_table),
-    Table("bench-launches", BENCH, (bench.LAUNCHES,), bench.launches_table,
-          note="its 71c293f column is recorded there (`before_provenance`): that code cannot be "
-               "re-counted here;\n`vlm results --rerun launches` re-counts the rest"),
+    Table(
+        "bench-launches",
+        BENCH,
+        (bench.LAUNCHES,),
+        bench.launches_table,
+        note="its 71c293f column is recorded there (`before_provenance`): that code "
+        "cannot be re-counted here;\n`vlm results --rerun launches` re-counts the rest",
+    ),
     Table("bench-serve", BENCH, (bench.SERVE,), bench.serve_table),
     _rec("compression-batch-loss", COMPRESSION, "batch_loss_default.json"),
     _rec("compression-band-pilots", COMPRESSION, "band_pilots.json"),
@@ -78,6 +96,7 @@ def load(root: Path, path: str) -> Any:
 def caption(t: Table, root: Path, src: dict[str, Any]) -> str:
     """The line under a table: the JSON it comes from, and which of it is recorded
     rather than produced."""
+
     def link(path: str) -> str:
         rel = os.path.relpath(root / path, (root / t.doc).parent)
         return f"[`{Path(path).name}`]({rel})"
@@ -116,8 +135,10 @@ def render_doc(root: Path, doc: str) -> tuple[str, str]:
     have = regions.regions(text)
     want = {t.name for t in TABLES if t.doc == doc}
     if set(have) != want:
-        raise regions.RegionError(f"{doc}: missing results markers {sorted(want - set(have))}, "
-                                  f"unknown {sorted(set(have) - want)}")
+        raise regions.RegionError(
+            f"{doc}: missing results markers {sorted(want - set(have))}, "
+            f"unknown {sorted(set(have) - want)}"
+        )
     return text, regions.replace(text, {name: render_table(BY_NAME[name], root) for name in want})
 
 
@@ -132,9 +153,14 @@ def check(root: Path) -> list[str]:
         have, want = regions.regions(text), regions.regions(new)
         for name in want:
             if have[name] != want[name]:
-                diff = difflib.unified_diff(have[name].splitlines(), want[name].splitlines(),
-                                            f"{doc} (as written)", f"{doc} (from its JSON)",
-                                            lineterm="", n=0)
+                diff = difflib.unified_diff(
+                    have[name].splitlines(),
+                    want[name].splitlines(),
+                    f"{doc} (as written)",
+                    f"{doc} (from its JSON)",
+                    lineterm="",
+                    n=0,
+                )
                 problems.append(f"{doc}: results:{name} differs from its JSON\n" + "\n".join(diff))
     return problems
 

@@ -6,6 +6,7 @@ back to an absolute import when no file sits next to the YAML). Documents are JS
 records with base64 PNG `images`, plus `question`/`answer`/`question_type`/`heldout`/`choices`
 (VQA) or `caption`.
 """
+
 from __future__ import annotations
 
 import base64
@@ -34,6 +35,7 @@ def _prompted(doc: dict, kwargs: dict | None) -> str:
 # ---- VQA (generation, exact match per question type)
 # --------------------------------------------------
 
+
 def vqa_doc_to_text(doc: dict, lmms_eval_specific_kwargs: dict | None = None) -> str:
     return _prompted(doc, lmms_eval_specific_kwargs)
 
@@ -50,6 +52,7 @@ def vqa_process_results(doc: dict, results: list[str]) -> dict:
 # ---- VQA as multiple choice (log-likelihood)
 # ----------------------------------------------------------
 
+
 def mc_doc_to_text(doc: dict, lmms_eval_specific_kwargs: dict | None = None) -> str:
     return _prompted(doc, lmms_eval_specific_kwargs)
 
@@ -65,6 +68,7 @@ def mc_doc_to_target(doc: dict) -> int:
 # ---- captions (generation; exact match, BLEU-4, CIDEr-D)
 # ----------------------------------------------
 
+
 def caption_doc_to_text(doc: dict, lmms_eval_specific_kwargs: dict | None = None) -> str:
     # Captions are trained as plain image-text pairs ("<image>A small red ..."), not as chat
     # turns: giving the placeholder ourselves keeps the adapter from wrapping the prompt in the
@@ -76,8 +80,11 @@ def caption_doc_to_text(doc: dict, lmms_eval_specific_kwargs: dict | None = None
 def caption_process_results(doc: dict, results: list[str]) -> dict:
     pred = (results[0] if results else "").strip()
     item = {"pred": pred, "refs": [doc["caption"]]}
-    return {"exact_match": float(normalize_answer(pred) == normalize_answer(doc["caption"])),
-            "bleu4": item, "cider": item}
+    return {
+        "exact_match": float(normalize_answer(pred) == normalize_answer(doc["caption"])),
+        "bleu4": item,
+        "cider": item,
+    }
 
 
 def _words(text: str) -> list[str]:
@@ -94,7 +101,7 @@ def bleu4_aggregate(items: list[dict]) -> float:
 
 
 def _ngrams(words: list[str], n: int) -> Counter:
-    return Counter(tuple(words[i:i + n]) for i in range(len(words) - n + 1))
+    return Counter(tuple(words[i : i + n]) for i in range(len(words) - n + 1))
 
 
 def cider_d(preds: list[str], refs: list[list[str]], sigma: float = 6.0, max_n: int = 4) -> float:
@@ -125,7 +132,7 @@ def cider_d(preds: list[str], refs: list[list[str]], sigma: float = 6.0, max_n: 
                 if hn == 0 or rn == 0:
                     continue
                 dot = sum(min(hv[g], rv[g]) * rv[g] for g in hv if g in rv)
-                score += dot / (hn * rn) * math.exp(-(delta ** 2) / (2 * sigma ** 2))
+                score += dot / (hn * rn) * math.exp(-(delta**2) / (2 * sigma**2))
         total += 10.0 * score / (max_n * len(rs))
     return total / max(1, n_docs)
 

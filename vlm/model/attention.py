@@ -4,6 +4,7 @@ decoding (eq. 11).
 Every backend computes the same thing: causal attention restricted to the query's own document.
 The choice is one function (`resolve_backend`), picked at run time; tests compare them on one input.
 """
+
 from __future__ import annotations
 
 import math
@@ -17,12 +18,12 @@ from vlm.model.layers import RMSNorm, apply_rope, rms_norm
 
 try:  # optional GPU kernel
     from flash_attn import flash_attn_varlen_func  # type: ignore
-except Exception:  # pragma: no cover - not installable on CPU machines
+except Exception:  # noqa: BLE001 - pragma: no cover - not installable on CPU machines
     flash_attn_varlen_func = None
 
 try:  # PyTorch's own varlen flash kernel (CUDA only, torch >= 2.10)
     from torch.nn.attention.varlen import varlen_attn
-except Exception:  # pragma: no cover - older torch
+except Exception:  # noqa: BLE001 - pragma: no cover - older torch
     varlen_attn = None
 
 
@@ -35,10 +36,14 @@ def resolve_backend(requested: str, device: torch.device, compiled: bool = False
     compiled = compiled or torch.compiler.is_compiling()
     if requested != "auto":
         if requested == "flash" and (flash_attn_varlen_func is None or device.type != "cuda"):
-            raise RuntimeError("attn_backend='flash' needs the flash-attn package and a CUDA device")
+            raise RuntimeError(
+                "attn_backend='flash' needs the flash-attn package and a CUDA device"
+            )
         if requested == "varlen" and (varlen_attn is None or device.type != "cuda"):
-            raise RuntimeError("attn_backend='varlen' needs a CUDA device and torch >= 2.10 "
-                               "(torch.nn.attention.varlen)")
+            raise RuntimeError(
+                "attn_backend='varlen' needs a CUDA device and "
+                "torch >= 2.10 (torch.nn.attention.varlen)"
+            )
         return "sdpa" if requested == "docs" and compiled else requested
     if device.type == "cuda":
         return "flash" if flash_attn_varlen_func is not None else "flex"
@@ -96,14 +101,23 @@ def _per_document(q, k, v, doc_BT, segments, causal, window):
             if not is_doc:
                 parts.append(q.new_zeros(1, q.shape[1], e - s, v.shape[-1]))
                 continue
-            qs, ks, vs = q[b:b + 1, :, s:e], k[b:b + 1, :, s:e], v[b:b + 1, :, s:e]
+            qs, ks, vs = q[b : b + 1, :, s:e], k[b : b + 1, :, s:e], v[b : b + 1, :, s:e]
             mask = None
             if window and e - s > window:
                 n = e - s
-                mask = torch.ones(n, n, dtype=torch.bool,
-                                  device=q.device).tril().triu(-(window - 1))
-            parts.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=causal
-                                                        and mask is None, enable_gqa=rep > 1))
+                mask = (
+                    torch.ones(n, n, dtype=torch.bool, device=q.device).tril().triu(-(window - 1))
+                )
+            parts.append(
+                F.scaled_dot_product_attention(
+                    qs,
+                    ks,
+                    vs,
+                    attn_mask=mask,
+                    is_causal=causal and mask is None,
+                    enable_gqa=rep > 1,
+                )
+            )
         rows.append(torch.cat(parts, 2) if len(parts) > 1 else parts[0])
     return torch.cat(rows, 0) if len(rows) > 1 else rows[0]
 
@@ -134,16 +148,33 @@ def _varlen(q, k, v, layout, causal, window=0, kernel: str = "flash"):
     ("flash") or PyTorch's own (`torch.nn.attention.varlen`, "varlen"); padding comes out as 0."""
     B, Q, T, d = q.shape
     valid_N, cu, longest = layout
-    # noqa: E731  [N, heads, d]
-    pick = lambda x: x.transpose(1, 2).flatten(0, 1).index_select(0, valid_N)
+    pick = lambda x: x.transpose(1, 2).flatten(0, 1).index_select(0, valid_N)  # noqa: E731  [N, heads, d]
     # both take (left, right) windows: causal is (-1, 0); a window of w keys is w - 1 to the left
     left = window - 1 if window else -1
     if kernel == "flash":
-        out = flash_attn_varlen_func(pick(q), pick(k), pick(v), cu, cu, longest, longest,
-                                     causal=causal, window_size=(left, 0) if window else (-1, -1))
+        out = flash_attn_varlen_func(
+            pick(q),
+            pick(k),
+            pick(v),
+            cu,
+            cu,
+            longest,
+            longest,
+            causal=causal,
+            window_size=(left, 0) if window else (-1, -1),
+        )
     else:
-        out = varlen_attn(pick(q), pick(k), pick(v), cu, cu, longest, longest,
-                          window_size=(left, 0 if causal else -1), enable_gqa=k.shape[1] != Q)
+        out = varlen_attn(
+            pick(q),
+            pick(k),
+            pick(v),
+            cu,
+            cu,
+            longest,
+            longest,
+            window_size=(left, 0 if causal else -1),
+            enable_gqa=k.shape[1] != Q,
+        )
     full = q.new_zeros(B * T, Q, d).index_copy(0, valid_N, out)
     return full.view(B, T, Q, d).transpose(1, 2)
 
@@ -165,8 +196,9 @@ def document_block_mask(doc_BT: torch.Tensor, causal: bool = True, window: int =
             same = same & (ki <= qi)
         return same | (qi == ki)
 
-    return create_block_mask(mask_mod, B, None, T, T, device=doc_BT.device,
-                             _compile=not torch.compiler.is_compiling())
+    return create_block_mask(
+        mask_mod, B, None, T, T, device=doc_BT.device, _compile=not torch.compiler.is_compiling()
+    )
 
 
 _COMPILED_FLEX = None
@@ -187,8 +219,16 @@ def _flex():
     return _COMPILED_FLEX
 
 
-def attend(q_BQTd, k_BJTd, v_BJTd, doc_BT, backend: str, mask_B1TT=None, causal: bool = True,
-           window: int = 0):
+def attend(
+    q_BQTd,
+    k_BJTd,
+    v_BJTd,
+    doc_BT,
+    backend: str,
+    mask_B1TT=None,
+    causal: bool = True,
+    window: int = 0,
+):
     """Packed attention; `mask_B1TT` may be passed in to share it across the layers of a stack (it
     then already holds the sliding `window`; per backend it is the flash layout, the document
     segments or the BlockMask)."""
@@ -199,22 +239,38 @@ def attend(q_BQTd, k_BJTd, v_BJTd, doc_BT, backend: str, mask_B1TT=None, causal:
         segments = mask_B1TT if mask_B1TT is not None else doc_segments(doc_BT)
         return _per_document(q_BQTd, k_BJTd, v_BJTd, doc_BT, segments, causal, window)
     if backend == "flex":
-        block_mask = mask_B1TT if mask_B1TT is not None else document_block_mask(doc_BT, causal, window)
-        return _flex()(q_BQTd, k_BJTd, v_BJTd, block_mask=block_mask,
-                       enable_gqa=k_BJTd.shape[1] != q_BQTd.shape[1])
+        block_mask = (
+            mask_B1TT if mask_B1TT is not None else document_block_mask(doc_BT, causal, window)
+        )
+        return _flex()(
+            q_BQTd,
+            k_BJTd,
+            v_BJTd,
+            block_mask=block_mask,
+            enable_gqa=k_BJTd.shape[1] != q_BQTd.shape[1],
+        )
     if mask_B1TT is None:
         mask_B1TT = packed_mask(doc_BT, causal, window)
     if backend == "eager":
         return _eager(q_BQTd, k_BJTd, v_BJTd, mask_B1TT)
-    return F.scaled_dot_product_attention(q_BQTd, k_BJTd, v_BJTd, attn_mask=mask_B1TT,
-                                          enable_gqa=k_BJTd.shape[1] != q_BQTd.shape[1])
+    return F.scaled_dot_product_attention(
+        q_BQTd, k_BJTd, v_BJTd, attn_mask=mask_B1TT, enable_gqa=k_BJTd.shape[1] != q_BQTd.shape[1]
+    )
 
 
 class Attention(nn.Module):
     """GQA self-attention with RoPE, optional QK-norm and optional joint decoding (ConceptMoE eq. 11)."""
 
-    def __init__(self, dim: int, num_heads: int, num_kv_heads: int, head_dim: int, qk_norm: bool,
-                 norm_eps: float, joint: bool = False):
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        qk_norm: bool,
+        norm_eps: float,
+        joint: bool = False,
+    ):
         super().__init__()
         self.h, self.kv, self.hd = num_heads, num_kv_heads, head_dim
         self.q_proj = nn.Linear(dim, num_heads * head_dim, bias=False)
@@ -243,13 +299,14 @@ class Attention(nn.Module):
 
         Returned fused, [B, T, (heads + 2 kv_heads) * head_dim]: one matmul for q, k and v (the
         weights keep their transformers names and are concatenated per call)."""
-        qkv = F.linear(x_BTD,
-                       torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]))
+        qkv = F.linear(
+            x_BTD, torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
+        )
         if self.joint and c_BTD is not None:
             c = self.concept_norm(c_BTD)
-            qkv = qkv + F.linear(c,
-                                 torch.cat([self.cq_proj.weight, self.ck_proj.weight,
-                                            self.cv_proj.weight]))
+            qkv = qkv + F.linear(
+                c, torch.cat([self.cq_proj.weight, self.ck_proj.weight, self.cv_proj.weight])
+            )
         return qkv
 
     def _heads(self, x_BTD, c_BTD, rope):
@@ -259,16 +316,26 @@ class Attention(nn.Module):
         qkv = self.joint_qkv(x_BTD, c_BTD).view(B, T, self.h + 2 * self.kv, self.hd).transpose(1, 2)
         qk, v = qkv.split([self.h + self.kv, self.kv], 1)
         if self.q_norm is not None:
-            w = torch.cat([self.q_norm.weight.expand(self.h, -1),
-                           self.k_norm.weight.expand(self.kv, -1)])
+            w = torch.cat(
+                [self.q_norm.weight.expand(self.h, -1), self.k_norm.weight.expand(self.kv, -1)]
+            )
             qk = rms_norm(qk, w[:, None], self.q_norm.eps)
         if rope is not None:
             qk = apply_rope(qk, *rope)
         q, k = qk.split([self.h, self.kv], 1)
         return q, k, v
 
-    def forward(self, x_BTD, doc_BT, rope, backend: str, mask=None, c_BTD=None,
-                cache: KVCache | None = None, window: int = 0):
+    def forward(
+        self,
+        x_BTD,
+        doc_BT,
+        rope,
+        backend: str,
+        mask=None,
+        c_BTD=None,
+        cache: KVCache | None = None,
+        window: int = 0,
+    ):
         """`cache` (prefill): each row is one document; its keys and values are kept for `step`."""
         B, T, _ = x_BTD.shape
         q, k, v = self._heads(x_BTD, c_BTD, rope)

@@ -8,6 +8,7 @@ past it. In a decode step every row computes (fixed shapes, so the step can be c
 as a CUDA graph); a concept cache keeps the new entry only for the rows whose boundary fired
 (`advance_B`): no Python loop over rows or tokens, no host synchronisation.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
@@ -23,11 +24,12 @@ class KVCache:
     k_BJCd: torch.Tensor
     v_BJCd: torch.Tensor
     len_B: torch.Tensor
-    window: int = 0          # sliding-window layers read only their last `window` entries
+    window: int = 0  # sliding-window layers read only their last `window` entries
 
     @staticmethod
-    def allocate(B: int, kv_heads: int, capacity: int, head_dim: int, dtype, device,
-                 window: int = 0) -> "KVCache":
+    def allocate(
+        B: int, kv_heads: int, capacity: int, head_dim: int, dtype, device, window: int = 0
+    ) -> "KVCache":
         z = torch.zeros(B, kv_heads, capacity, head_dim, dtype=dtype, device=device)
         return KVCache(z, z.clone(), torch.zeros(B, dtype=torch.long, device=device), window)
 
@@ -35,8 +37,9 @@ class KVCache:
         """Prefill: the first T positions of every row (positions past `len_B` are padding, never read)."""
         T = k_BJTd.shape[2]
         if T > self.k_BJCd.shape[2]:
-            raise ValueError(f"prefill of {T} positions exceeds the cache capacity "
-                             f"{self.k_BJCd.shape[2]}")
+            raise ValueError(
+                f"prefill of {T} positions exceeds the cache capacity {self.k_BJCd.shape[2]}"
+            )
         self.k_BJCd[:, :, :T] = k_BJTd
         self.v_BJCd[:, :, :T] = v_BJTd
         self.len_B.copy_(len_B)
@@ -66,12 +69,17 @@ class KVCache:
         mask_BC = j_1C < len_B[:, None]
         if self.window:
             mask_BC &= j_1C >= len_B[:, None] - self.window
-        return F.scaled_dot_product_attention(q_BQ1d, self.k_BJCd, self.v_BJCd,
-                                              attn_mask=mask_BC[:, None, None],
-                                              enable_gqa=self.k_BJCd.shape[1] != q_BQ1d.shape[1])
+        return F.scaled_dot_product_attention(
+            q_BQ1d,
+            self.k_BJCd,
+            self.v_BJCd,
+            attn_mask=mask_BC[:, None, None],
+            enable_gqa=self.k_BJCd.shape[1] != q_BQ1d.shape[1],
+        )
 
-    def append_and_attend(self, q_BQ1d, k_BJ1d, v_BJ1d,
-                          advance_B: torch.Tensor | None = None) -> torch.Tensor:
+    def append_and_attend(
+        self, q_BQ1d, k_BJ1d, v_BJ1d, advance_B: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Self-attention of one new position per row: its key/value joins the row's cache and its
         query attends over the row. Rows with `advance_B` False (a concept cache whose boundary did
         not fire) compute as the others do, with fixed shapes, but do not keep the entry; their
@@ -87,8 +95,7 @@ class KVCache:
 
     def grow(self, extra: int) -> None:
         """Room for `extra` more positions per row (when a generation runs past the capacity it was given)."""
-        # noqa: E731
-        pad = lambda t: torch.cat([t, t.new_zeros(*t.shape[:2], extra, t.shape[3])], 2)
+        pad = lambda t: torch.cat([t, t.new_zeros(*t.shape[:2], extra, t.shape[3])], 2)  # noqa: E731
         self.k_BJCd, self.v_BJCd = pad(self.k_BJCd), pad(self.v_BJCd)
 
     @property
@@ -119,7 +126,7 @@ class DechunkState:
 
     # eq. 8's EMA at the last closed concept: what the next token reads (fp32)
     ema_BD: torch.Tensor
-    n_concepts_B: torch.Tensor       # concepts closed so far (the next concept's position)
+    n_concepts_B: torch.Tensor  # concepts closed so far (the next concept's position)
     # residual "delta": the same EMA over the concept model's inputs
     ema_in_BD: torch.Tensor | None = None
 
@@ -132,8 +139,14 @@ class ChunkState(DechunkState, RouterState):
 
     @staticmethod
     def join(router: RouterState, dechunk: DechunkState) -> "ChunkState":
-        return ChunkState(router.last_key_BD, router.pending_BD, router.pending_n_B, dechunk.ema_BD,
-                          dechunk.n_concepts_B, dechunk.ema_in_BD)
+        return ChunkState(
+            router.last_key_BD,
+            router.pending_BD,
+            router.pending_n_B,
+            dechunk.ema_BD,
+            dechunk.n_concepts_B,
+            dechunk.ema_in_BD,
+        )
 
 
 @dataclass
@@ -144,7 +157,7 @@ class InferenceCache:
     # one per pass of the concept schedule (a looped layer has one per pass)
     concept: list[KVCache]
     decoder: list[KVCache]
-    len_B: torch.Tensor              # tokens per row so far (the next token's position)
+    len_B: torch.Tensor  # tokens per row so far (the next token's position)
     chunk: ChunkState | None = None  # None for the MoE baseline (every token is a concept)
     # token positions each row can hold at allocation (caches grow past it)
     capacity: int = 0
@@ -161,13 +174,28 @@ class InferenceCache:
     def select(self, rows: torch.Tensor) -> "InferenceCache":
         """The caches of the given rows, e.g. each prompt repeated once per candidate continuation."""
         ch = self.chunk
-        chunk = None if ch is None else ChunkState(*(None if (t := getattr(ch, f.name)) is None
-                                                     else t[rows]
-                                                      for f in fields(ChunkState)))
+        chunk = (
+            None
+            if ch is None
+            else ChunkState(
+                *(
+                    None if (t := getattr(ch, f.name)) is None else t[rows]
+                    for f in fields(ChunkState)
+                )
+            )
+        )
         pick = lambda caches: [c.select(rows) for c in caches]  # noqa: E731
-        return InferenceCache(pick(self.encoder), pick(self.concept), pick(self.decoder),
-                              self.len_B[rows], chunk, self.capacity, pick(self.cross),
-                              self.used_tokens, self.used_concepts)
+        return InferenceCache(
+            pick(self.encoder),
+            pick(self.concept),
+            pick(self.decoder),
+            self.len_B[rows],
+            chunk,
+            self.capacity,
+            pick(self.cross),
+            self.used_tokens,
+            self.used_concepts,
+        )
 
     def make_room(self, steps: int = 1) -> None:
         """Before `steps` decode steps: grow every cache (doubling) that they could overflow.

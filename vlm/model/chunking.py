@@ -5,6 +5,7 @@ boundary (within the same document) up to and including n; tokens n .. next boun
 concept. The first token of every document is a boundary (p = 1), so no token reads a concept of
 another document or one built from later tokens.
 """
+
 from __future__ import annotations
 
 import math
@@ -18,9 +19,9 @@ from configs.batch import IMAGE, TEXT
 from vlm.model.cache import RouterState
 from vlm.model.config import ChunkConfig
 from vlm.model.doc_stats import document_slots
-from vlm.model.ratio_loss import document_ratio_loss, ratio_loss
 from vlm.model.layers import doc_starts, positions_in_doc
 from vlm.model.noise import normal, uniform
+from vlm.model.ratio_loss import document_ratio_loss, ratio_loss
 
 
 # ---------------------------------------------------------------- equations
@@ -56,16 +57,16 @@ class Chunks(NamedTuple):
     A NamedTuple rather than a dataclass: DeepSpeed ZeRO-3 follows tensors through module outputs
     only inside tuples, lists and dicts."""
 
-    p_BT: torch.Tensor         # boundary probability (0 at padding)
-    b_BT: torch.Tensor         # bool boundaries (the router's, capacity overflow included)
-    sel_BT: torch.Tensor       # probability of the selected outcome (p if boundary else 1-p)
+    p_BT: torch.Tensor  # boundary probability (0 at padding)
+    b_BT: torch.Tensor  # bool boundaries (the router's, capacity overflow included)
+    sel_BT: torch.Tensor  # probability of the selected outcome (p if boundary else 1-p)
     # psi(n): concept read by token n (-1 at padding and past the concept capacity)
     cidx_BT: torch.Tensor
     # document of each concept (-1 at padding); M is the static concept capacity
     cdoc_BM: torch.Tensor
-    cpos_BM: torch.Tensor      # index of the concept within its document
-    cp_BM: torch.Tensor        # p at each concept's boundary
-    loss: torch.Tensor         # ratio loss (eq. 4), summed over ratio groups
+    cpos_BM: torch.Tensor  # index of the concept within its document
+    cp_BM: torch.Tensor  # p at each concept's boundary
+    loss: torch.Tensor  # ratio loss (eq. 4), summed over ratio groups
     local_stats: torch.Tensor  # [Z, 3] (boundaries, sum p, tokens) per ratio group
     # 0-d: boundaries past their row's concept capacity (concepts not computed)
     overflow: torch.Tensor
@@ -79,8 +80,8 @@ class ChunkStep(NamedTuple):
     row. Every row is present (fixed shapes); only the rows with `b_B` close a concept, the others'
     values are not used."""
 
-    p_B: torch.Tensor          # boundary probability
-    b_B: torch.Tensor          # bool: the token closes a concept
+    p_B: torch.Tensor  # boundary probability
+    b_B: torch.Tensor  # bool: the token closes a concept
     # the concept each row closes, as `merge` builds it (the concept model's input)
     c_BD: torch.Tensor
     # Synergy eq. 3's gate of that concept (topk router), as Chunks.cgate_BM
@@ -98,7 +99,7 @@ class ChunkModule(nn.Module):
             self.k_proj = nn.Linear(dim, dim, bias=False)
         elif cfg.router == "linear":
             self.score = nn.Linear(2 * dim, 1)
-        elif cfg.router == "topk":   # Synergy eq. 1: one score per token from its own state
+        elif cfg.router == "topk":  # Synergy eq. 1: one score per token from its own state
             self.score = nn.Linear(dim, 1)
             self.register_buffer("threshold", torch.zeros(()))
             # (sum of batch quantiles, batches) since the last `update_threshold`; not saved: a
@@ -108,7 +109,7 @@ class ChunkModule(nn.Module):
         # the trainer folds them in once per optimizer step; False (a module used alone): every
         # training forward moves it
         self.threshold_per_step = False
-        self.every = max(2, round(cfg.target_ratio))   # the fixed router's spacing
+        self.every = max(2, round(cfg.target_ratio))  # the fixed router's spacing
         # Global parser (DLCM): maps local [Z, 3] sums to global ones (ranks, micro-batches). Set by
         # the trainer.
         self.stats_hook: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -123,20 +124,21 @@ class ChunkModule(nn.Module):
         tensor, so a new seed is no new compilation."""
         self.seeded = seed is not None
         if seed is not None:
-            self.noise_seed.fill_(seed % (2 ** 63 - 1))
+            self.noise_seed.fill_(seed % (2**63 - 1))
 
     def _noise_seed(self) -> torch.Tensor:
         if self.seeded:
             return self.noise_seed
-        return torch.randint(0, 2 ** 62, (), device=self.noise_seed.device)
+        return torch.randint(0, 2**62, (), device=self.noise_seed.device)
 
     def capacity(self, T: int, training: bool | None = None) -> int:
         """The static concept capacity of a T-token row (`concept_capacity` at the smallest target
         ratio), with the training or the eval slack (None: the module's mode)."""
         R = min(list((self.cfg.modality_targets() or {}).values()) or [self.cfg.target_ratio])
         training = self.training if training is None else training
-        return concept_capacity(T, self.cfg.capacity_slack if training
-                                else self.cfg.eval_capacity_slack, R)
+        return concept_capacity(
+            T, self.cfg.capacity_slack if training else self.cfg.eval_capacity_slack, R
+        )
 
     def boundary_prob(self, h_BTD, doc_BT, above_BT=None):
         if self.cfg.router == "cosine":
@@ -174,16 +176,21 @@ class ChunkModule(nn.Module):
         B, T = w_BT.shape
         valid = doc_BT >= 0
         R = self.cfg.target_ratio
-        by_score = torch.argsort(torch.where(valid, w_BT, float("-inf")), dim=1, descending=True,
-                                 stable=True)
+        by_score = torch.argsort(
+            torch.where(valid, w_BT, float("-inf")), dim=1, descending=True, stable=True
+        )
         # doc, then score
         order = by_score.gather(1, torch.argsort(doc_BT.gather(1, by_score), dim=1, stable=True))
         doc_s = doc_BT.gather(1, order)
         t = torch.arange(T, device=w_BT.device).expand(B, T)
-        first = torch.where(F.pad(doc_s[:, 1:] != doc_s[:, :-1], (1, 0), value=True), t,
-                            0).cummax(1).values
-        n_doc = torch.zeros(B, T + 1, device=w_BT.device).scatter_add_(1, (doc_BT + 1).clamp(0, T),
-                                                                       valid.float())
+        first = (
+            torch.where(F.pad(doc_s[:, 1:] != doc_s[:, :-1], (1, 0), value=True), t, 0)
+            .cummax(1)
+            .values
+        )
+        n_doc = torch.zeros(B, T + 1, device=w_BT.device).scatter_add_(
+            1, (doc_BT + 1).clamp(0, T), valid.float()
+        )
         k_s = torch.ceil(n_doc.gather(1, (doc_s + 1).clamp(0, T)) / R)
         b = torch.zeros_like(valid).scatter(1, order, (t - first) < k_s) & valid
         # the batch's (1 - 1/R) score quantile, padding as NaN (no boolean indexing: no host sync)
@@ -203,8 +210,9 @@ class ChunkModule(nn.Module):
         statistics passes."""
         s = self.quantile_accum if accum is None else accum.to(self.quantile_accum)
         mean = s[0] / s[1].clamp_min(1)
-        self.threshold.copy_(torch.where(s[1] > 0, 0.9 * self.threshold + 0.1 * mean,
-                                         self.threshold))
+        self.threshold.copy_(
+            torch.where(s[1] > 0, 0.9 * self.threshold + 0.1 * mean, self.threshold)
+        )
         self.quantile_accum.zero_()
 
     def concept_gate(self, h_BTD: torch.Tensor) -> torch.Tensor | None:
@@ -228,11 +236,17 @@ class ChunkModule(nn.Module):
         """Eq. 4 per ratio group over the global batch (the paper), plus with
         `document_slack` the per-document term (`document_ratio_loss`) of each group. Returns
         (loss, local [Z, 3] sums)."""
-        masks = torch.stack([m for m, _ in groups])                            # [Z, B, T]
+        masks = torch.stack([m for m, _ in groups])  # [Z, B, T]
         pf = p_BT.float()
-        sum_p = (masks * pf).flatten(1).sum(-1)                                # [Z] with grad
-        local = torch.stack([(masks & b_BT).flatten(1).sum(-1).float(), sum_p.detach(),
-                             masks.flatten(1).sum(-1).float()], -1)            # [Z, 3]
+        sum_p = (masks * pf).flatten(1).sum(-1)  # [Z] with grad
+        local = torch.stack(
+            [
+                (masks & b_BT).flatten(1).sum(-1).float(),
+                sum_p.detach(),
+                masks.flatten(1).sum(-1).float(),
+            ],
+            -1,
+        )  # [Z, 3]
         glob = self.stats_hook(local) if self.stats_hook is not None else local
         count = glob[:, 2].clamp_min(1)
         F_ = glob[:, 0] / count
@@ -250,19 +264,26 @@ class ChunkModule(nn.Module):
                 n_S = pf.new_zeros(S).index_add(0, idx, m)
                 b_S = pf.new_zeros(S).index_add(0, idx, m * b_BT.flatten().float())
                 p_S = pf.new_zeros(S).index_add(0, idx, m * pf.flatten())
-                loss = loss + self.cfg.document_weight * document_ratio_loss(n_S, b_S, p_S, glob[k, 2], r,
-                                                                             self.cfg.document_slack)
+                loss = loss + self.cfg.document_weight * document_ratio_loss(
+                    n_S, b_S, p_S, glob[k, 2], r, self.cfg.document_slack
+                )
         return loss, local
 
-    def forward(self, h_BTD, doc_BT, modality_BT=None, above_BT=None,
-                force: str | torch.Tensor | None = None) -> Chunks:
+    def forward(
+        self,
+        h_BTD,
+        doc_BT,
+        modality_BT=None,
+        above_BT=None,
+        force: str | torch.Tensor | None = None,
+    ) -> Chunks:
         valid = doc_BT >= 0
         modality_BT = torch.zeros_like(doc_BT) if modality_BT is None else modality_BT
         p, start = self.boundary_prob(h_BTD, doc_BT, above_BT)
         if isinstance(force, torch.Tensor):
             b = force.bool() | start
-        # every token its own concept, p = 1: the lossless-conversion starting point
         elif force == "all":
+            # every token its own concept, p = 1: the lossless-conversion starting point
             p = torch.where(valid, torch.ones_like(p), p)
             b = valid.clone()
         elif self.training and self.cfg.router == "topk":
@@ -302,8 +323,9 @@ class ChunkModule(nn.Module):
         # each concept keeps its boundary token's gate (the spill column M is dropped)
         if gate_BT is not None:
             cgate = gate_BT.new_zeros(doc_BT.shape[0], M + 1).scatter(1, slot_BT, gate_BT)[:, :M]
-        return Chunks(p, b, sel, cidx, cdoc, positions_in_doc(cdoc), cp, loss, local, overflow,
-                      cgate)
+        return Chunks(
+            p, b, sel, cidx, cdoc, positions_in_doc(cdoc), cp, loss, local, overflow, cgate
+        )
 
     def merge(self, h_BTD: torch.Tensor, doc_BT: torch.Tensor, ch: Chunks) -> torch.Tensor:
         """Concepts [B, M, D] from token states: `last` takes h at the boundary, `sum`/`mean` pool
@@ -316,7 +338,11 @@ class ChunkModule(nn.Module):
             # boundary is in n's own document (a document's tail after its last boundary forms no
             # concept) and within capacity.
             seg_BT = ch.b_BT.long().cumsum(1) - ch.b_BT.long()
-            member = (doc_BT >= 0) & (seg_BT < M) & (ch.cdoc_BM.gather(1, seg_BT.clamp(0, max(M - 1, 0))) == doc_BT)
+            member = (
+                (doc_BT >= 0)
+                & (seg_BT < M)
+                & (ch.cdoc_BM.gather(1, seg_BT.clamp(0, max(M - 1, 0))) == doc_BT)
+            )
             slot_BT = torch.where(member, seg_BT, M)
         # a spill slot M per row takes every non-member token and is dropped: no boolean indexing,
         # no host sync
@@ -325,14 +351,16 @@ class ChunkModule(nn.Module):
         out = h_BTD.new_zeros(B * (M + 1), D).index_add(0, flat_N, h_BTD.reshape(-1, D))
         out = out.view(B, M + 1, D)[:, :M]
         if self.cfg.merge == "mean":
-            n_BM = h_BTD.new_zeros(B * (M + 1)).index_add(0, flat_N,
-                                                          h_BTD.new_ones(flat_N.shape[0]))
+            n_BM = h_BTD.new_zeros(B * (M + 1)).index_add(
+                0, flat_N, h_BTD.new_ones(flat_N.shape[0])
+            )
             out = out / n_BM.view(B, M + 1)[:, :M].clamp_min(1)[..., None]
         return out
 
     # ---------------------------------------------------------------- inference
-    def step(self, h_BD: torch.Tensor, state: RouterState,
-             force_B: torch.Tensor | None = None) -> ChunkStep:
+    def step(
+        self, h_BD: torch.Tensor, state: RouterState, force_B: torch.Tensor | None = None
+    ) -> ChunkStep:
         """`forward` and `merge` for one new token per row (eval mode): whether it closes a concept
         and, for the rows where it does, that concept (and its gate). `force_B` sets the boundaries
         instead of the router (as `forward`'s `force`). Updates `state` in place; fixed shapes, no
@@ -342,14 +370,16 @@ class ChunkModule(nn.Module):
         concept_BD = self.merge_step(h_BD, b_B, state)
         return ChunkStep(p_B, b_B, concept_BD, self.concept_gate(h_BD))
 
-    def boundary_step(self, h_BD: torch.Tensor, state: RouterState) -> tuple[torch.Tensor, torch.Tensor]:
+    def boundary_step(
+        self, h_BD: torch.Tensor, state: RouterState
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One new token per row (eval mode): its boundary probability (eq. 2 against the previous
         token) and whether it closes a concept (p >= 0.5). Updates the state's last key."""
         if self.cfg.router == "cosine":
             q, key = self.q_proj(h_BD), self.k_proj(h_BD)
             cos = F.cosine_similarity(q.float(), state.last_key_BD.float(), dim=-1, eps=1e-6)
             p = ((1 - cos) / 2).clamp(0, 1)
-        elif self.cfg.router == "fixed":   # this token's place in its document: pending tokens + 1
+        elif self.cfg.router == "fixed":  # this token's place in its document: pending tokens + 1
             key = h_BD
             p = ((state.pending_n_B + 1) % self.every == 0).float()
         elif self.cfg.router == "topk":
@@ -357,9 +387,10 @@ class ChunkModule(nn.Module):
             p = torch.sigmoid(self.score(h_BD).squeeze(-1).float() - self.threshold)
         else:
             key = h_BD
-            p = torch.sigmoid(self.score(torch.cat([h_BD, state.last_key_BD],
-                                                   -1)).squeeze(-1).float())
-        state.last_key_BD.copy_(key)   # in place: a captured (CUDA graph) step keeps its buffers
+            p = torch.sigmoid(
+                self.score(torch.cat([h_BD, state.last_key_BD], -1)).squeeze(-1).float()
+            )
+        state.last_key_BD.copy_(key)  # in place: a captured (CUDA graph) step keeps its buffers
         return p, p >= 0.5
 
     def merge_step(self, h_BD: torch.Tensor, b_B: torch.Tensor, state: RouterState) -> torch.Tensor:

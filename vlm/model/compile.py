@@ -6,6 +6,7 @@ distributed statistics hook) in eager, and keeps parameter names unchanged (`nn.
 wraps `forward`, not the module), so checkpoints and exports read the same whether a model was
 compiled or not.
 """
+
 from __future__ import annotations
 
 import torch

@@ -4,13 +4,21 @@ decoder D -> logits.
 With `chunk.enabled = False` the same code is the plain MoE baseline: the concept layers run on
 every token and the decoder reads their output directly.
 """
+
 from __future__ import annotations
 
 import torch
 from torch import nn
 
 from configs.batch import PackedBatch
-from vlm.model.block import Block, StackContext, allocate_cross_caches, allocate_stack_caches, run_stack, step_stack
+from vlm.model.block import (
+    Block,
+    StackContext,
+    allocate_cross_caches,
+    allocate_stack_caches,
+    run_stack,
+    step_stack,
+)
 from vlm.model.cache import ChunkState, InferenceCache, KVCache
 from vlm.model.chunking import ChunkModule, Chunks, ChunkStep
 from vlm.model.config import ModelConfig
@@ -26,27 +34,49 @@ class ConceptMoELM(nn.Module):
         super().__init__()
         self.cfg = cfg
         D, Dc = cfg.hidden_size, cfg.c_hidden
-        tok = dict(num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                   qk_norm=cfg.qk_norm, norm_eps=cfg.norm_eps, init_std=cfg.init_std)
+        tok = dict(
+            num_heads=cfg.num_heads,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            qk_norm=cfg.qk_norm,
+            norm_eps=cfg.norm_eps,
+            init_std=cfg.init_std,
+        )
         self.embed = nn.Embedding(cfg.vocab_size, D)
-        self.encoder = nn.ModuleList(Block(D, moe=cfg.moe, **tok)
-                                     for _ in range(cfg.encoder_layers))
+        self.encoder = nn.ModuleList(
+            Block(D, moe=cfg.moe, **tok) for _ in range(cfg.encoder_layers)
+        )
         self.chunker = ChunkModule(cfg.chunk, D) if cfg.chunk.enabled else None
         self.concept_up = nn.Linear(D, Dc, bias=False) if Dc != D else None
         self.concept = nn.ModuleList(
-            Block(Dc, cfg.c_heads, cfg.c_kv_heads, cfg.head_dim, cfg.qk_norm, cfg.norm_eps,
-                  cfg.c_moe, cfg.init_std)
-            for _ in range(cfg.concept_layers))
+            Block(
+                Dc,
+                cfg.c_heads,
+                cfg.c_kv_heads,
+                cfg.head_dim,
+                cfg.qk_norm,
+                cfg.norm_eps,
+                cfg.c_moe,
+                cfg.init_std,
+            )
+            for _ in range(cfg.concept_layers)
+        )
         self.concept_down = nn.Linear(Dc, D, bias=False) if Dc != D else None
         self.dechunk = Dechunk(cfg.chunk, D) if cfg.chunk.enabled else None
         # the last num_joint_layers decoder layers read the concepts: eq. 11 (joint) or
         # DLCM's cross-attention
         self.joint_from = cfg.decoder_layers - cfg.num_joint_layers
         self.cross = cfg.decoder_mode == "cross_attention"
-        self.decoder = nn.ModuleList(Block(D, moe=cfg.moe, joint=i >= self.joint_from
-                                           and not self.cross, cross=i >= self.joint_from
-                                           and self.cross, **tok)
-                                     for i in range(cfg.decoder_layers))
+        self.decoder = nn.ModuleList(
+            Block(
+                D,
+                moe=cfg.moe,
+                joint=i >= self.joint_from and not self.cross,
+                cross=i >= self.joint_from and self.cross,
+                **tok,
+            )
+            for i in range(cfg.decoder_layers)
+        )
         self.norm = RMSNorm(D, cfg.norm_eps)
         # activation checkpointing per block in training (cfg.activation_checkpoint;
         # `gradient_checkpointing` switches it to "full" the transformers way); `compiled`: the
@@ -66,13 +96,16 @@ class ConceptMoELM(nn.Module):
 
     @gradient_checkpointing.setter
     def gradient_checkpointing(self, on: bool) -> None:
-        self.activation_checkpoint = ("full" if self.activation_checkpoint == "none"
-                                      else self.activation_checkpoint) \
-            if on else "none"
+        self.activation_checkpoint = (
+            ("full" if self.activation_checkpoint == "none" else self.activation_checkpoint)
+            if on
+            else "none"
+        )
 
     def _init(self, m: nn.Module) -> None:
-        if isinstance(m, (nn.Linear, nn.Embedding)) and not (self.dechunk is not None
-                                                             and m is self.dechunk.residual):
+        if isinstance(m, (nn.Linear, nn.Embedding)) and not (
+            self.dechunk is not None and m is self.dechunk.residual
+        ):
             nn.init.normal_(m.weight, std=self.cfg.init_std)
             if getattr(m, "bias", None) is not None:
                 nn.init.zeros_(m.bias)
@@ -88,18 +121,40 @@ class ConceptMoELM(nn.Module):
             if blk.cross is not None:
                 blk.cross.o_proj.weight.zero_()
 
-    def hidden(self, x_BTD, doc_BT, pos_BT, modality_BT, above_BT=None, force=None,
-               cache: InferenceCache | None = None, states: list | None = None):
+    def hidden(
+        self,
+        x_BTD,
+        doc_BT,
+        pos_BT,
+        modality_BT,
+        above_BT=None,
+        force=None,
+        cache: InferenceCache | None = None,
+        states: list | None = None,
+    ):
         """Final hidden states [B, T, D] (before the norm), the chunking, and the MoE stats of every
         layer. With `cache` (prefill: one document per row) every layer's keys and values and the
         chunk state are kept."""
         cfg = self.cfg
-        ctx = StackContext.build(doc_BT, pos_BT, cfg.head_dim, cfg.rope_theta, x_BTD.dtype,
-                                 cfg.attn_backend, window=cfg.attention_window,
-                                 compiled=self.compiled)
+        ctx = StackContext.build(
+            doc_BT,
+            pos_BT,
+            cfg.head_dim,
+            cfg.rope_theta,
+            x_BTD.dtype,
+            cfg.attn_backend,
+            window=cfg.attention_window,
+            compiled=self.compiled,
+        )
         ckpt = self.activation_checkpoint
-        h_BTD, moe_stats = run_stack(self.encoder, x_BTD, ctx, caches=cache.encoder if cache
-                                     else None, checkpoint=ckpt, states=states)
+        h_BTD, moe_stats = run_stack(
+            self.encoder,
+            x_BTD,
+            ctx,
+            caches=cache.encoder if cache else None,
+            checkpoint=ckpt,
+            states=states,
+        )
         ch: Chunks | None = None
         if self.chunker is None:
             c_BMD, cdoc_BM, cpos_BM = h_BTD, doc_BT, pos_BT
@@ -107,16 +162,30 @@ class ConceptMoELM(nn.Module):
             ch = self.chunker(h_BTD, doc_BT, modality_BT, above_BT, force)
             c_BMD, cdoc_BM, cpos_BM = self.chunker.merge(h_BTD, doc_BT, ch), ch.cdoc_BM, ch.cpos_BM
         concept_in_BMD = c_BMD
-        if cache is not None:   # capacity: the prompt's concepts plus one per token still to come
-            self.allocate_concept_caches(cache, c_BMD.shape[1] + cache.capacity - x_BTD.shape[1],
-                                         x_BTD)
+        if cache is not None:  # capacity: the prompt's concepts plus one per token still to come
+            self.allocate_concept_caches(
+                cache, c_BMD.shape[1] + cache.capacity - x_BTD.shape[1], x_BTD
+            )
         if self.concept_up is not None:
             c_BMD = self.concept_up(c_BMD)
-        cctx = StackContext.build(cdoc_BM, cpos_BM, cfg.head_dim, cfg.rope_theta, c_BMD.dtype,
-                                  cfg.attn_backend, use_rope=cfg.concept_pos == "rope",
-                                  compiled=self.compiled)
-        c_BMD, s = run_stack(self.concept, c_BMD, cctx, cfg.concept_schedule, caches=cache.concept
-                             if cache else None, checkpoint=ckpt)
+        cctx = StackContext.build(
+            cdoc_BM,
+            cpos_BM,
+            cfg.head_dim,
+            cfg.rope_theta,
+            c_BMD.dtype,
+            cfg.attn_backend,
+            use_rope=cfg.concept_pos == "rope",
+            compiled=self.compiled,
+        )
+        c_BMD, s = run_stack(
+            self.concept,
+            c_BMD,
+            cctx,
+            cfg.concept_schedule,
+            caches=cache.concept if cache else None,
+            checkpoint=ckpt,
+        )
         moe_stats += s
         if self.concept_down is not None:
             c_BMD = self.concept_down(c_BMD)
@@ -124,68 +193,96 @@ class ConceptMoELM(nn.Module):
             z_BTD, cread_BTD = c_BMD, None
         else:
             smoothed_BMD = self.dechunk.smooth(c_BMD, ch)
-            z_BTD, cread_BTD, cread_in_BTD = self.dechunk(h_BTD, c_BMD, ch, concept_in_BMD,
-                                                          smoothed_BMD)
+            z_BTD, cread_BTD, cread_in_BTD = self.dechunk(
+                h_BTD, c_BMD, ch, concept_in_BMD, smoothed_BMD
+            )
             if cache is not None:
-                cache.chunk = ChunkState.join(self.chunker.prefill_state(h_BTD, doc_BT, ch),
-                                              self.dechunk.prefill_state(doc_BT, ch, cread_BTD, cread_in_BTD))
+                cache.chunk = ChunkState.join(
+                    self.chunker.prefill_state(h_BTD, doc_BT, ch),
+                    self.dechunk.prefill_state(doc_BT, ch, cread_BTD, cread_in_BTD),
+                )
             # the decoder attends over the smoothed concepts instead of adding its own (eq. 11)
             if self.cross:
-                cread_BTD = ConceptMemory.build(smoothed_BMD, ch.cidx_BT, ch.b_BT, doc_BT, ctx,
-                                                cfg.head_dim)
+                cread_BTD = ConceptMemory.build(
+                    smoothed_BMD, ch.cidx_BT, ch.b_BT, doc_BT, ctx, cfg.head_dim
+                )
         if states is not None:
             states.append(z_BTD)
-        out_BTD, s = run_stack(self.decoder, z_BTD, ctx, c_BTD=cread_BTD,
-                               joint_from=self.joint_from, caches=cache.decoder if cache else None,
-                               checkpoint=ckpt, states=states, cross_caches=cache.cross if cache
-                               else None)
+        out_BTD, s = run_stack(
+            self.decoder,
+            z_BTD,
+            ctx,
+            c_BTD=cread_BTD,
+            joint_from=self.joint_from,
+            caches=cache.decoder if cache else None,
+            checkpoint=ckpt,
+            states=states,
+            cross_caches=cache.cross if cache else None,
+        )
         return out_BTD, ch, moe_stats + s
 
     # ---------------------------------------------------------------- inference with caches
-    def _caches(self, kv_heads: int, n: int, B: int, capacity: int, like: torch.Tensor,
-                window: int = 0
-                ) -> list[KVCache]:
+    def _caches(
+        self, kv_heads: int, n: int, B: int, capacity: int, like: torch.Tensor, window: int = 0
+    ) -> list[KVCache]:
         """`n` bare caches (eval/bench/decode.py builds synthetic ones with it; the model allocates per module)."""
-        return [KVCache.allocate(B, kv_heads, capacity, self.cfg.head_dim, like.dtype, like.device,
-                                 window)
-                for _ in range(n)]
+        return [
+            KVCache.allocate(
+                B, kv_heads, capacity, self.cfg.head_dim, like.dtype, like.device, window
+            )
+            for _ in range(n)
+        ]
 
     def allocate_inference_cache(self, B: int, capacity: int, like: torch.Tensor) -> InferenceCache:
         """Token caches for `capacity` positions per row; the concept caches are sized at prefill,
         once the prompt's concepts are known (`allocate_concept_caches`)."""
         w = self.cfg.attention_window
-        return InferenceCache(allocate_stack_caches(self.encoder, B, capacity, like, window=w), [],
-                              allocate_stack_caches(self.decoder, B, capacity, like, window=w),
-                              torch.zeros(B, dtype=torch.long, device=like.device),
-                              capacity=capacity)
+        return InferenceCache(
+            allocate_stack_caches(self.encoder, B, capacity, like, window=w),
+            [],
+            allocate_stack_caches(self.decoder, B, capacity, like, window=w),
+            torch.zeros(B, dtype=torch.long, device=like.device),
+            capacity=capacity,
+        )
 
-
-    def allocate_concept_caches(self, cache: InferenceCache, capacity: int,
-                                like: torch.Tensor) -> None:
+    def allocate_concept_caches(
+        self, cache: InferenceCache, capacity: int, like: torch.Tensor
+    ) -> None:
         """The concept model's caches (one per pass of its schedule) and the cross-attention
         decoder's concept caches, `capacity` concepts per row."""
         B = cache.len_B.shape[0]
-        cache.concept = allocate_stack_caches(self.concept, B, capacity, like,
-                                              self.cfg.concept_schedule)
-        cache.cross = (allocate_cross_caches(self.decoder, B, capacity, like)
-                       if self.chunker is not None else [])
+        cache.concept = allocate_stack_caches(
+            self.concept, B, capacity, like, self.cfg.concept_schedule
+        )
+        cache.cross = (
+            allocate_cross_caches(self.decoder, B, capacity, like)
+            if self.chunker is not None
+            else []
+        )
 
     @torch.no_grad()
-    def prefill(self, batch: PackedBatch, inputs_embeds: torch.Tensor | None = None, above_BT=None,
-                max_new_tokens: int = 0) -> tuple[ModelOutput, InferenceCache]:
+    def prefill(
+        self,
+        batch: PackedBatch,
+        inputs_embeds: torch.Tensor | None = None,
+        above_BT=None,
+        max_new_tokens: int = 0,
+    ) -> tuple[ModelOutput, InferenceCache]:
         """The prompts' output (one document per row, right-padded) and the caches `step` continues from."""
         x_BTD = self.embed(batch.input_ids) if inputs_embeds is None else inputs_embeds
         B, T, _ = x_BTD.shape
         cache = self.allocate_inference_cache(B, T + max_new_tokens, x_BTD)
-        out_BTD, ch, moe_stats = self.hidden(x_BTD, batch.doc_ids, batch.position_ids,
-                                             batch.modality, above_BT, cache=cache)
+        out_BTD, ch, moe_stats = self.hidden(
+            x_BTD, batch.doc_ids, batch.position_ids, batch.modality, above_BT, cache=cache
+        )
         cache.len_B = (batch.doc_ids >= 0).sum(1)
         cache.used_tokens, cache.used_concepts = T, ch.cdoc_BM.shape[1] if ch is not None else T
         return self.assemble(self.lm_head(self.norm(out_BTD)), batch, ch, moe_stats), cache
 
     @torch.no_grad()
-    def step(self, x_BD: torch.Tensor, cache: InferenceCache,
-             force_B: torch.Tensor | None = None) -> torch.Tensor:
+    def step(
+        self, x_BD: torch.Tensor, cache: InferenceCache, force_B: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Logits [B, V] of one new token per row (embedded: [B, D]), extending every cache:
         makes room for it (host-side bookkeeping: the caches grow, rarely, between steps)
         and runs `decode_step`."""
@@ -193,9 +290,9 @@ class ConceptMoELM(nn.Module):
         return self.decode_step(x_BD, cache, force_B)
 
     @torch.no_grad()
-    def decode_step(self, x_BD: torch.Tensor, cache: InferenceCache,
-                    force_B: torch.Tensor | None = None
-                    ) -> torch.Tensor:
+    def decode_step(
+        self, x_BD: torch.Tensor, cache: InferenceCache, force_B: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """One decode step with fixed shapes and no host synchronisation, so it can be compiled
         (`torch.compile(model.decode_step, fullgraph=True)`) and captured as a CUDA graph: every row
         runs every stack, the concept model included; the rows whose boundary did not fire keep
@@ -205,13 +302,17 @@ class ConceptMoELM(nn.Module):
         cfg = self.cfg
         rope = rope_cos_sin(cache.len_B[:, None], cfg.head_dim, cfg.rope_theta, x_BD.dtype)
         h_B1D = step_stack(self.encoder, x_BD[:, None], rope, cache.encoder)
-        if self.chunker is None:   # every token is a concept
+        if self.chunker is None:  # every token is a concept
             z_B1D = self.concept_step(h_B1D, cache.len_B, None, cache)
             cread_B1D = None
         else:
             ck: ChunkStep = self.chunker.step(h_B1D[:, 0], cache.chunk, force_B)
-            pos_B = cache.chunk.n_concepts_B   # the new concept's place: the concepts closed so far
-            if x_BD.device.type == "cpu" and not torch.compiler.is_compiling() and not bool(ck.b_B.any()):
+            pos_B = cache.chunk.n_concepts_B  # the new concept's place: the concepts closed so far
+            if (
+                x_BD.device.type == "cpu"
+                and not torch.compiler.is_compiling()
+                and not bool(ck.b_B.any())
+            ):
                 # The CPU's host is its device: when no row closed a concept (half the steps at R =
                 # 2, batch 1), the concept model's results would all be dropped, so it is not run.
                 # Same numbers, less work.
@@ -223,31 +324,52 @@ class ConceptMoELM(nn.Module):
             # the cross-attention decoder appends the new (smoothed) concepts to its caches; joint
             # decoding reads c
             cread_B1D = ConceptStep(d.c_B1D, ck.b_B) if self.cross else d.c_B1D
-        out_B1D = step_stack(self.decoder, z_B1D, rope, cache.decoder, c_B1D=cread_B1D,
-                             joint_from=self.joint_from, cross_caches=cache.cross)
+        out_B1D = step_stack(
+            self.decoder,
+            z_B1D,
+            rope,
+            cache.decoder,
+            c_B1D=cread_B1D,
+            joint_from=self.joint_from,
+            cross_caches=cache.cross,
+        )
         cache.len_B.add_(1)
         return self.lm_head(self.norm(out_B1D))[:, 0]
 
-    def concept_step(self, c_B1D: torch.Tensor, pos_B: torch.Tensor, fired_B: torch.Tensor | None,
-                     cache: InferenceCache) -> torch.Tensor:
+    def concept_step(
+        self,
+        c_B1D: torch.Tensor,
+        pos_B: torch.Tensor,
+        fired_B: torch.Tensor | None,
+        cache: InferenceCache,
+    ) -> torch.Tensor:
         """The concept model (with its width projections) on one new concept per row at concept
         positions `pos_B`; rows with `fired_B` False (None: every row fired) compute too but keep
         their caches as they were."""
         cfg = self.cfg
-        crope = rope_cos_sin(pos_B[:, None], cfg.head_dim, cfg.rope_theta, c_B1D.dtype) \
-            if cfg.concept_pos == "rope" else None
+        crope = (
+            rope_cos_sin(pos_B[:, None], cfg.head_dim, cfg.rope_theta, c_B1D.dtype)
+            if cfg.concept_pos == "rope"
+            else None
+        )
         if self.concept_up is not None:
             c_B1D = self.concept_up(c_B1D)
         c_B1D = step_stack(self.concept, c_B1D, crope, cache.concept, fired_B, cfg.concept_schedule)
         return self.concept_down(c_B1D) if self.concept_down is not None else c_B1D
 
-    def forward(self, batch: PackedBatch, inputs_embeds: torch.Tensor | None = None, above_BT=None,
-                force: str | torch.Tensor | None = None,
-                output_hidden_states: bool = False) -> ModelOutput:
+    def forward(
+        self,
+        batch: PackedBatch,
+        inputs_embeds: torch.Tensor | None = None,
+        above_BT=None,
+        force: str | torch.Tensor | None = None,
+        output_hidden_states: bool = False,
+    ) -> ModelOutput:
         x_BTD = self.embed(batch.input_ids) if inputs_embeds is None else inputs_embeds
         states = [] if output_hidden_states else None
-        out_BTD, ch, moe_stats = self.hidden(x_BTD, batch.doc_ids, batch.position_ids,
-                                             batch.modality, above_BT, force, states=states)
+        out_BTD, ch, moe_stats = self.hidden(
+            x_BTD, batch.doc_ids, batch.position_ids, batch.modality, above_BT, force, states=states
+        )
         normed_BTD = self.norm(out_BTD)
         out = self.assemble(self.lm_head(normed_BTD), batch, ch, moe_stats)
         if states is not None:
@@ -262,10 +384,23 @@ class ConceptMoELM(nn.Module):
         balance = torch.stack([s.aux_loss for s in moe_stats]).mean() if moe_stats else zero
         weight = ratio_weight(self.cfg)
         loss = total_loss(lm, ratio, balance, weight)
-        names = [f"encoder.{i}" for i in range(len(self.encoder))] + \
-                [f"concept.{i}" for i in self.cfg.concept_schedule] + [f"decoder.{i}" for i in range(len(self.decoder))]
+        names = (
+            [f"encoder.{i}" for i in range(len(self.encoder))]
+            + [f"concept.{i}" for i in self.cfg.concept_schedule]
+            + [f"decoder.{i}" for i in range(len(self.decoder))]
+        )
         moe = {}
         for name, s in zip(names, moe_stats):
-            moe.setdefault(name, s)   # a looped concept layer reports its first pass
-        return ModelOutput(logits_BTV, loss, lm, ratio, balance, split, ch, moe,
-                           token_loss_BT=token_loss, ratio_weight=weight)
+            moe.setdefault(name, s)  # a looped concept layer reports its first pass
+        return ModelOutput(
+            logits_BTV,
+            loss,
+            lm,
+            ratio,
+            balance,
+            split,
+            ch,
+            moe,
+            token_loss_BT=token_loss,
+            ratio_weight=weight,
+        )

@@ -1,4 +1,5 @@
 """Model configuration dataclasses (each validates itself when made; see configs/config.py)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
@@ -13,9 +14,9 @@ class MoEConfig(ValidatedOnInit):
 
     num_experts: int = 8
     top_k: int = 2
-    expert_hidden: int = 96           # intermediate size of one routed expert
-    num_shared_experts: int = 0       # always-on experts (DeepSeek style)
-    shared_hidden: int = 128          # intermediate size of one shared expert
+    expert_hidden: int = 96  # intermediate size of one routed expert
+    num_shared_experts: int = 0  # always-on experts (DeepSeek style)
+    shared_hidden: int = 128  # intermediate size of one shared expert
     # softmax / sigmoid: one score per expert chooses (with the balancing bias) and weighs;
     # grove (Grove eq. 9): sigmoid scores plus the bias choose, the softmax scores rho^(h) weigh
     # (see grove_weights)
@@ -28,52 +29,61 @@ class MoEConfig(ValidatedOnInit):
     grove_weights: Literal["softmax", "renormalised"] = "softmax"
     balance_loss_weight: float = 0.01  # Switch-style; 0 disables
     z_loss_weight: float = 0.0
-    loss_free_balancing: bool = True   # Grove eq. 6-10 / DeepSeek-V3 bias, selection only
+    loss_free_balancing: bool = True  # Grove eq. 6-10 / DeepSeek-V3 bias, selection only
     bias_update_rate: float = 1e-3
     # loss-free bias step: "sign" (DeepSeek-V3, torchtitan: rate * sign(mean load - load)) or "rms"
     # (Grove eq. 8: rate * (Q - F) / RMS(F - Q), the imbalance normalised by its root mean square)
     bias_update: Literal["sign", "rms"] = "sign"
     # 0: no adjugate experts; else experts split into this many groups
     grove_groups: int = 0
-    grove_hidden: int = 32            # intermediate size of an adjugate expert
+    grove_hidden: int = 32  # intermediate size of an adjugate expert
     grove_lambda: float = 0.05
 
     def validate(self) -> None:
         check(self.num_experts >= 1, f"num_experts must be >= 1, got {self.num_experts}")
-        check(1 <= self.top_k <= self.num_experts,
-              f"top_k must be in [1, num_experts={self.num_experts}], got {self.top_k}")
+        check(
+            1 <= self.top_k <= self.num_experts,
+            f"top_k must be in [1, num_experts={self.num_experts}], got {self.top_k}",
+        )
         check(self.expert_hidden >= 1, f"expert_hidden must be >= 1, got {self.expert_hidden}")
         check(self.num_shared_experts >= 0, "num_shared_experts must be >= 0")
         check(self.bias_update_rate >= 0, "bias_update_rate must be >= 0")
-        check(self.router in ("softmax", "sigmoid", "grove"),
-              f"router: got {self.router!r}, allowed values: 'softmax', 'sigmoid', 'grove'")
-        check(self.grove_weights in ("softmax", "renormalised"),
-              f"grove_weights: got {self.grove_weights!r}, allowed values: 'softmax', "
-              f"'renormalised'")
+        check(
+            self.router in ("softmax", "sigmoid", "grove"),
+            f"router: got {self.router!r}, allowed values: 'softmax', 'sigmoid', 'grove'",
+        )
+        check(
+            self.grove_weights in ("softmax", "renormalised"),
+            f"grove_weights: got {self.grove_weights!r}, allowed values: 'softmax', 'renormalised'",
+        )
         if self.grove_groups:
-            check(self.num_experts % self.grove_groups == 0,
-                  f"grove_groups={self.grove_groups} must divide num_experts={self.num_experts}")
+            check(
+                self.num_experts % self.grove_groups == 0,
+                f"grove_groups={self.grove_groups} must divide num_experts={self.num_experts}",
+            )
             # Grove 3.2: an adjugate's weight lambda * (sum of its group's chosen rho) must not
             # exceed the experts' own, which holds for every routing only when lambda <= 1 / (n / g)
             bound = self.grove_groups / self.num_experts
-            check(0 < self.grove_lambda <= bound,
-                  f"grove_lambda={self.grove_lambda} must be in (0, grove_groups / num_experts = "
-                  f"{self.grove_groups}/{self.num_experts} = {bound:g}] (Grove 3.2)")
+            check(
+                0 < self.grove_lambda <= bound,
+                f"grove_lambda={self.grove_lambda} must be in (0, grove_groups / num_experts "
+                f"= {self.grove_groups}/{self.num_experts} = {bound:g}] (Grove 3.2)",
+            )
 
 
 @dataclass
 class ChunkConfig(ValidatedOnInit):
     """Chunk / dechunk / joint decoding (ConceptMoE sections 3.2-3.4)."""
 
-    enabled: bool = True              # False: the plain MoE baseline (same code path otherwise)
+    enabled: bool = True  # False: the plain MoE baseline (same code path otherwise)
     # cosine (eq. 2) or linear learn the boundaries; fixed puts one every round(target_ratio) tokens
     # of each document (ConceptMoE 4.5.2's fixed-chunking ablation; nothing to learn, the ratio loss
     # is a constant); topk (Synergy eq. 1-2, MoD): the n/R best-scoring tokens of each document in
     # training, a learned score threshold at inference (causal)
     router: Literal["cosine", "linear", "fixed", "topk"] = "cosine"
-    target_ratio: float = 2.0         # R in eq. 4
-    ratio_loss_weight: float = 0.03   # lambda
-    tau: float = 6.0                  # sharpening temperature, eq. 5
+    target_ratio: float = 2.0  # R in eq. 4
+    ratio_loss_weight: float = 0.03  # lambda
+    tau: float = 6.0  # sharpening temperature, eq. 5
     # how training draws boundaries from p (section 4.6): eq. 5-6's Bernoulli on the sharpened p; p
     # plus N(0, noise_sigma) thresholded at 0.5; or none (the eval-mode threshold in training too)
     boundary_noise: Literal["bernoulli", "gaussian", "none"] = "bernoulli"
@@ -124,8 +134,9 @@ class ChunkConfig(ValidatedOnInit):
         one joint loss at target_ratio. Everything that reads a target reads it here."""
         if not self.modality_target_ratios:
             return None
-        return {m: self.target_ratio if r is None else r
-                for m, r in self.modality_target_ratios.items()}
+        return {
+            m: self.target_ratio if r is None else r for m, r in self.modality_target_ratios.items()
+        }
 
     @property
     def holds_documents(self) -> bool:
@@ -134,51 +145,69 @@ class ChunkConfig(ValidatedOnInit):
         return self.document_slack is not None and self.router in ("cosine", "linear")
 
     def validate(self) -> None:
-        check(self.target_ratio > 1.0, f"target_ratio must be > 1 (R = N/M), got "
-                                       f"{self.target_ratio}")
+        check(
+            self.target_ratio > 1.0, f"target_ratio must be > 1 (R = N/M), got {self.target_ratio}"
+        )
         check(self.ratio_loss_weight >= 0, "ratio_loss_weight must be >= 0")
         check(self.tau >= 1.0, f"tau must be >= 1, got {self.tau}")
         check(self.noise_sigma > 0, f"noise_sigma must be > 0, got {self.noise_sigma}")
         if self.router == "fixed":
-            check(round(self.target_ratio) >= 2, f"router 'fixed' puts a boundary every "
-                                                 f"round(target_ratio) tokens; "
-                                                 f"target_ratio={self.target_ratio} rounds below 2")
-            check(not self.modality_target_ratios, "router 'fixed' has one spacing (target_ratio); "
-                                                   "modality_target_ratios needs a learned router")
+            check(
+                round(self.target_ratio) >= 2,
+                "router 'fixed' puts a boundary every round(target_ratio) "
+                f"tokens; target_ratio={self.target_ratio} rounds below 2",
+            )
+            check(
+                not self.modality_target_ratios,
+                "router 'fixed' has one spacing (target_ratio); "
+                "modality_target_ratios needs a learned router",
+            )
             check(not self.grid_aware_boundaries, "grid_aware_boundaries needs the cosine router")
         if self.router == "topk":
-            check(not self.modality_target_ratios,
-                  "router 'topk' keeps n / target_ratio tokens per document; "
-                                                   "modality_target_ratios needs the cosine or "
-                                                   "linear router")
+            check(
+                not self.modality_target_ratios,
+                "router 'topk' keeps n / target_ratio tokens per document; "
+                "modality_target_ratios needs the cosine or linear router",
+            )
             check(not self.grid_aware_boundaries, "grid_aware_boundaries needs the cosine router")
         for name in ("capacity_slack", "eval_capacity_slack"):
             v = getattr(self, name)
-            check(v is None or v >= 1.0, f"{name} must be >= 1 (concepts per row: T * slack / R) "
-                                         f"or null (T), got {v}")
+            check(
+                v is None or v >= 1.0,
+                f"{name} must be >= 1 (concepts per row: T * slack / R) or null (T), got {v}",
+            )
         if self.document_slack is not None:
-            check(self.document_weight > 0, f"document_weight must be > 0, got "
-                                            f"{self.document_weight}")
-            check(self.document_slack >= 1.0, f"document_slack must be >= 1 (a document's ratio "
-                                              f"lies in [R/s, R*s]), got {self.document_slack}")
+            check(
+                self.document_weight > 0, f"document_weight must be > 0, got {self.document_weight}"
+            )
+            check(
+                self.document_slack >= 1.0,
+                "document_slack must be >= 1 (a document's ratio "
+                f"lies in [R/s, R*s]), got {self.document_slack}",
+            )
             low = min((self.modality_targets() or {}).values(), default=self.target_ratio)
-            check(low / self.document_slack > 1.0,
-                  f"document_slack={self.document_slack} lets a document's ratio fall to R/s = "
-                  f"{low / self.document_slack:.3g} <= 1 for target {low}; use document_slack < "
-                  f"{low}")
+            check(
+                low / self.document_slack > 1.0,
+                f"document_slack={self.document_slack} lets a document's ratio fall to R/s = "
+                f"{low / self.document_slack:.3g} <= 1 for target {low}; use document_slack < {low}",
+            )
         if self.modality_target_ratios:
             for k, v in self.modality_target_ratios.items():
-                check(k in ("text", "image"), f"modality_target_ratios: unknown modality {k!r}; "
-                                              f"allowed: 'text', 'image'")
-                check(v is None or v > 1.0, f"modality_target_ratios.{k} must be > 1 or null "
-                                            f"(target_ratio), got {v}")
+                check(
+                    k in ("text", "image"),
+                    f"modality_target_ratios: unknown modality {k!r}; allowed: 'text', 'image'",
+                )
+                check(
+                    v is None or v > 1.0,
+                    f"modality_target_ratios.{k} must be > 1 or null (target_ratio), got {v}",
+                )
 
 
 @dataclass
 class ModelConfig(ValidatedOnInit):
     """A ConceptMoE language model: encoder E, chunk, concept model C, dechunk, decoder D."""
 
-    vocab_size: int = 768             # the default dataset's BPE tokenizer (686 ids) fits
+    vocab_size: int = 768  # the default dataset's BPE tokenizer (686 ids) fits
     hidden_size: int = 96
     num_heads: int = 4
     num_kv_heads: int = 2
@@ -227,39 +256,57 @@ class ModelConfig(ValidatedOnInit):
     activation_checkpoint: Literal["none", "selective", "full"] = "none"
 
     def validate(self) -> None:
-        check(self.attention_window >= 0, f"attention_window must be >= 0 (0: whole document), got "
-                                          f"{self.attention_window}")
+        check(
+            self.attention_window >= 0,
+            f"attention_window must be >= 0 (0: whole document), got {self.attention_window}",
+        )
         check(self.vocab_size >= 2, "vocab_size must be >= 2")
         check(self.init_std > 0, f"init_std must be > 0, got {self.init_std}")
-        check(self.num_heads % self.num_kv_heads == 0,
-              f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
+        check(
+            self.num_heads % self.num_kv_heads == 0,
+            f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}",
+        )
         check(self.head_dim % 2 == 0, "head_dim must be even (RoPE)")
-        check(self.encoder_layers >= 0 and self.decoder_layers >= 0 and self.concept_layers >= 0,
-              "layer counts must be >= 0")
+        check(
+            self.encoder_layers >= 0 and self.decoder_layers >= 0 and self.concept_layers >= 0,
+            "layer counts must be >= 0",
+        )
         if self.chunk.enabled:
             check(self.decoder_layers >= 0, "decoder_layers must be >= 0")
         ch, cq, ckv = self.c_hidden, self.c_heads, self.c_kv_heads
-        check(cq % ckv == 0, f"concept_num_heads={cq} must be a multiple of "
-                             f"concept_num_kv_heads={ckv}")
+        check(
+            cq % ckv == 0,
+            f"concept_num_heads={cq} must be a multiple of concept_num_kv_heads={ckv}",
+        )
         check(ch >= 1, "concept_hidden_size must be >= 1")
         if self.loop_times:
-            check(0 <= self.loop_start < self.loop_end <= self.concept_layers,
-                  f"loop range [{self.loop_start}, {self.loop_end}) must lie within the "
-                  f"{self.concept_layers} concept layers")
+            check(
+                0 <= self.loop_start < self.loop_end <= self.concept_layers,
+                f"loop range [{self.loop_start}, {self.loop_end}) must "
+                f"lie within the {self.concept_layers} concept layers",
+            )
         jd = self.chunk.joint_decoding_layers
-        check(jd == -1 or 0 <= jd <= self.decoder_layers,
-              f"chunk.joint_decoding_layers must be -1 or in [0, "
-              f"decoder_layers={self.decoder_layers}], got {jd}")
-        check(self.decoder_mode in ("joint", "cross_attention"),
-              f"decoder_mode: got {self.decoder_mode!r}, allowed values: 'joint', 'cross_attention'")
+        check(
+            jd == -1 or 0 <= jd <= self.decoder_layers,
+            "chunk.joint_decoding_layers must be -1 or in [0, "
+            f"decoder_layers={self.decoder_layers}], got {jd}",
+        )
+        check(
+            self.decoder_mode in ("joint", "cross_attention"),
+            f"decoder_mode: got {self.decoder_mode!r}, allowed values: 'joint', 'cross_attention'",
+        )
         if self.decoder_mode == "cross_attention":
-            check(self.chunk.enabled, "decoder_mode 'cross_attention' attends over concepts: it "
-                                      "needs chunking (chunk.enabled: true); the MoE baseline has "
-                                      "none (use decoder_mode 'joint')")
-            check(self.num_joint_layers >= 1,
-                  f"decoder_mode 'cross_attention' with decoder_layers={self.decoder_layers} and "
-                  f"chunk.joint_decoding_layers={jd} gives no decoder layer a cross-attention; "
-                  f"use decoder_layers >= 1 and joint_decoding_layers -1 (all) or >= 1")
+            check(
+                self.chunk.enabled,
+                "decoder_mode 'cross_attention' attends over concepts: it needs chunking "
+                "(chunk.enabled: true); the MoE baseline has none (use decoder_mode 'joint')",
+            )
+            check(
+                self.num_joint_layers >= 1,
+                f"decoder_mode 'cross_attention' with decoder_layers={self.decoder_layers} and "
+                f"chunk.joint_decoding_layers={jd} gives no decoder layer a cross-attention; "
+                "use decoder_layers >= 1 and joint_decoding_layers -1 (all) or >= 1",
+            )
 
     # Resolved concept-model sizes.
     @property
@@ -284,7 +331,7 @@ class ModelConfig(ValidatedOnInit):
         order = list(range(self.concept_layers))
         if self.loop_times:
             loop = list(range(self.loop_start, self.loop_end))
-            order = order[: self.loop_end] + loop * self.loop_times + order[self.loop_end:]
+            order = order[: self.loop_end] + loop * self.loop_times + order[self.loop_end :]
         return order
 
     @property
@@ -325,26 +372,39 @@ class ConvertConfig(ValidatedOnInit):
     grove_lambda: float = 0.05
 
     def validate(self) -> None:
-        check(self.encoder_layers >= 1 and self.decoder_layers >= 1,
-              f"convert.encoder_layers and convert.decoder_layers must be >= 1, got "
-              f"{self.encoder_layers}, {self.decoder_layers}")
+        check(
+            self.encoder_layers >= 1 and self.decoder_layers >= 1,
+            "convert.encoder_layers and convert.decoder_layers must be "
+            f">= 1, got {self.encoder_layers}, {self.decoder_layers}",
+        )
         check(self.target_ratio > 1, f"convert.target_ratio must be > 1, got {self.target_ratio}")
-        check(self.decoder_mode in ("joint", "cross_attention"),
-              f"convert.decoder_mode: got {self.decoder_mode!r}, allowed values: 'joint', "
-              f"'cross_attention'")
-        check(self.decoder_mode == "joint" or self.joint_decoding_layers != 0,
-              "convert.decoder_mode 'cross_attention' with joint_decoding_layers=0 gives no "
-              "decoder layer a cross-attention; use -1 (all) or >= 1")
-        check(self.loop is None or len(self.loop) == 3,
-              f"convert.loop must be [start, end, times], got {self.loop}")
-        check(self.concept_top_k is None or self.concept_top_k >= 1,
-              "convert.concept_top_k must be >= 1 or null")
-        check(self.grove_groups >= 0 and self.grove_hidden >= 1,
-              "convert.grove_groups must be >= 0 and "
-                                                                  "convert.grove_hidden >= 1")
+        check(
+            self.decoder_mode in ("joint", "cross_attention"),
+            f"convert.decoder_mode: got {self.decoder_mode!r}, "
+            "allowed values: 'joint', 'cross_attention'",
+        )
+        check(
+            self.decoder_mode == "joint" or self.joint_decoding_layers != 0,
+            "convert.decoder_mode 'cross_attention' with joint_decoding_layers=0 "
+            "gives no decoder layer a cross-attention; use -1 (all) or >= 1",
+        )
+        check(
+            self.loop is None or len(self.loop) == 3,
+            f"convert.loop must be [start, end, times], got {self.loop}",
+        )
+        check(
+            self.concept_top_k is None or self.concept_top_k >= 1,
+            "convert.concept_top_k must be >= 1 or null",
+        )
+        check(
+            self.grove_groups >= 0 and self.grove_hidden >= 1,
+            "convert.grove_groups must be >= 0 and convert.grove_hidden >= 1",
+        )
 
     def check_split(self, total_layers: int) -> None:
         """The source's layers must leave at least one concept layer between the encoder and the decoder."""
-        check(self.encoder_layers + self.decoder_layers < total_layers,
-              f"encoder_layers={self.encoder_layers} + decoder_layers={self.decoder_layers} must "
-              f"leave at least one concept layer of the source's {total_layers}")
+        check(
+            self.encoder_layers + self.decoder_layers < total_layers,
+            f"encoder_layers={self.encoder_layers} + decoder_layers={self.decoder_layers} "
+            f"must leave at least one concept layer of the source's {total_layers}",
+        )

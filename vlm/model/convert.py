@@ -9,6 +9,7 @@ starts at zero, so they add nothing yet). With every boundary forced on (p = 1) 
 reproduces the source logits exactly; reallocation (more active experts, concept-layer loops) is
 applied on top and checked with the FLOPs accounting.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -34,47 +35,71 @@ def hf_model_config(hf_cfg, opt: ConvertConfig) -> ModelConfig:
     """Our ModelConfig (chunking off) that is the same network as a transformers Qwen3-MoE / Mixtral config."""
     mt = hf_cfg.model_type
     if mt not in SUPPORTED:
-        raise ConfigError(f"model_type {mt!r} is not supported for conversion; supported: "
-                          f"{', '.join(SUPPORTED)}")
+        raise ConfigError(
+            f"model_type {mt!r} is not supported for conversion; supported: {', '.join(SUPPORTED)}"
+        )
     n = hf_cfg.num_hidden_layers
     opt.check_split(n)
     if mt == "qwen3_moe":
-        if (getattr(hf_cfg, "mlp_only_layers", None)
-                or getattr(hf_cfg, "decoder_sparse_step", 1) != 1):
-            raise ConfigError("qwen3_moe with dense (mlp_only) layers is not supported: every "
-                              "layer must be MoE")
-        moe = MoEConfig(num_experts=hf_cfg.num_experts, top_k=hf_cfg.num_experts_per_tok,
-                        expert_hidden=hf_cfg.moe_intermediate_size,
-                        norm_topk_prob=hf_cfg.norm_topk_prob, loss_free_balancing=False)
+        if (
+            getattr(hf_cfg, "mlp_only_layers", None)
+            or getattr(hf_cfg, "decoder_sparse_step", 1) != 1
+        ):
+            raise ConfigError(
+                "qwen3_moe with dense (mlp_only) layers is not supported: every layer must be MoE"
+            )
+        moe = MoEConfig(
+            num_experts=hf_cfg.num_experts,
+            top_k=hf_cfg.num_experts_per_tok,
+            expert_hidden=hf_cfg.moe_intermediate_size,
+            norm_topk_prob=hf_cfg.norm_topk_prob,
+            loss_free_balancing=False,
+        )
         qk_norm = True
     else:
-        moe = MoEConfig(num_experts=hf_cfg.num_local_experts, top_k=hf_cfg.num_experts_per_tok,
-                        expert_hidden=hf_cfg.intermediate_size, norm_topk_prob=True,
-                        loss_free_balancing=False)
+        moe = MoEConfig(
+            num_experts=hf_cfg.num_local_experts,
+            top_k=hf_cfg.num_experts_per_tok,
+            expert_hidden=hf_cfg.intermediate_size,
+            norm_topk_prob=True,
+            loss_free_balancing=False,
+        )
         qk_norm = False
     rope = getattr(hf_cfg, "rope_parameters", None) or {}
     theta = rope.get("rope_theta", getattr(hf_cfg, "rope_theta", 10000.0))
     head_dim = getattr(hf_cfg, "head_dim", None) or hf_cfg.hidden_size // hf_cfg.num_attention_heads
     enc, con, dec = _split(n, opt)
-    return ModelConfig(vocab_size=hf_cfg.vocab_size, hidden_size=hf_cfg.hidden_size,
-                       num_heads=hf_cfg.num_attention_heads,
-                       num_kv_heads=hf_cfg.num_key_value_heads,
-                       head_dim=head_dim, qk_norm=qk_norm, rope_theta=float(theta),
-                       norm_eps=hf_cfg.rms_norm_eps, encoder_layers=len(enc),
-                       concept_layers=len(con), decoder_layers=len(dec), moe=moe,
-                       chunk=ChunkConfig(enabled=False),
-                       tie_embeddings=bool(hf_cfg.tie_word_embeddings))
+    return ModelConfig(
+        vocab_size=hf_cfg.vocab_size,
+        hidden_size=hf_cfg.hidden_size,
+        num_heads=hf_cfg.num_attention_heads,
+        num_kv_heads=hf_cfg.num_key_value_heads,
+        head_dim=head_dim,
+        qk_norm=qk_norm,
+        rope_theta=float(theta),
+        norm_eps=hf_cfg.rms_norm_eps,
+        encoder_layers=len(enc),
+        concept_layers=len(con),
+        decoder_layers=len(dec),
+        moe=moe,
+        chunk=ChunkConfig(enabled=False),
+        tie_embeddings=bool(hf_cfg.tie_word_embeddings),
+    )
 
 
 def hf_state_dict_to_ours(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Rename/reshape a transformers MoE state dict into ConceptMoEVLM keys (`lm.` prefix)."""
     n = cfg.encoder_layers + cfg.concept_layers + cfg.decoder_layers
-    stacks = ([("encoder", i) for i in range(cfg.encoder_layers)]
-              + [("concept", i) for i in range(cfg.concept_layers)]
-              + [("decoder", i) for i in range(cfg.decoder_layers)])
-    out = {"lm.embed.weight": sd["model.embed_tokens.weight"],
-           "lm.norm.weight": sd["model.norm.weight"],
-           "lm.lm_head.weight": sd.get("lm_head.weight", sd["model.embed_tokens.weight"])}
+    stacks = (
+        [("encoder", i) for i in range(cfg.encoder_layers)]
+        + [("concept", i) for i in range(cfg.concept_layers)]
+        + [("decoder", i) for i in range(cfg.decoder_layers)]
+    )
+    out = {
+        "lm.embed.weight": sd["model.embed_tokens.weight"],
+        "lm.norm.weight": sd["model.norm.weight"],
+        "lm.lm_head.weight": sd.get("lm_head.weight", sd["model.embed_tokens.weight"]),
+    }
     H = cfg.moe.expert_hidden
     for j in range(n):
         stack, i = stacks[j]
@@ -85,7 +110,7 @@ def hf_state_dict_to_ours(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict
         out[f"{dst}attn_norm.weight"] = sd[f"{src}input_layernorm.weight"]
         out[f"{dst}ffn_norm.weight"] = sd[f"{src}post_attention_layernorm.weight"]
         out[f"{dst}moe.router.weight"] = sd[f"{src}mlp.gate.weight"]
-        gate_up = sd[f"{src}mlp.experts.gate_up_proj"]            # [E, 2H, D], gate first
+        gate_up = sd[f"{src}mlp.experts.gate_up_proj"]  # [E, 2H, D], gate first
         out[f"{dst}moe.w_gate_EDF"] = gate_up[:, :H].transpose(1, 2).contiguous()
         out[f"{dst}moe.w_up_EDF"] = gate_up[:, H:].transpose(1, 2).contiguous()
         # [E, D, H]
@@ -95,9 +120,14 @@ def hf_state_dict_to_ours(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict
 
 def to_conceptmoe_config(base: ModelConfig, opt: ConvertConfig) -> ModelConfig:
     """Enable chunking the conversion way ("delta" residual, zero joint decoding) and apply reallocation."""
-    chunk = ChunkConfig(enabled=True, target_ratio=opt.target_ratio, merge="last", residual="delta",
-                        joint_decoding_layers=opt.joint_decoding_layers,
-                        joint_decoding_zero_init=True)
+    chunk = ChunkConfig(
+        enabled=True,
+        target_ratio=opt.target_ratio,
+        merge="last",
+        residual="delta",
+        joint_decoding_layers=opt.joint_decoding_layers,
+        joint_decoding_zero_init=True,
+    )
     cfg = dataclasses.replace(base, chunk=chunk, decoder_mode=opt.decoder_mode)
     # upcycling: every MoE layer (token and concept stacks) gets adjugate experts
     if opt.grove_groups:
@@ -105,36 +135,53 @@ def to_conceptmoe_config(base: ModelConfig, opt: ConvertConfig) -> ModelConfig:
         # lambda) should not exceed an expert's own: lambda <= g / n
         bound = opt.grove_groups / base.moe.num_experts
         if not 0 < opt.grove_lambda <= bound:
-            raise ConfigError(f"grove_lambda={opt.grove_lambda} must be in (0, grove_groups / "
-                              f"num_experts = {opt.grove_groups}/{base.moe.num_experts} = "
-                              f"{bound:g}] when upcycling (Grove 3.3)")
-        grove = dict(grove_groups=opt.grove_groups, grove_hidden=opt.grove_hidden,
-                     grove_lambda=opt.grove_lambda)
-        cfg = dataclasses.replace(cfg, moe=dataclasses.replace(base.moe, **grove),
-                                  concept_moe=dataclasses.replace(base.c_moe, **grove))
+            raise ConfigError(
+                f"grove_lambda={opt.grove_lambda} must be in (0, grove_groups / num_experts = "
+                f"{opt.grove_groups}/{base.moe.num_experts} = {bound:g}] when upcycling (Grove 3.3)"
+            )
+        grove = dict(
+            grove_groups=opt.grove_groups,
+            grove_hidden=opt.grove_hidden,
+            grove_lambda=opt.grove_lambda,
+        )
+        cfg = dataclasses.replace(
+            cfg,
+            moe=dataclasses.replace(base.moe, **grove),
+            concept_moe=dataclasses.replace(base.c_moe, **grove),
+        )
     if opt.concept_top_k is not None:
-        cfg = dataclasses.replace(cfg,
-                                  concept_moe=dataclasses.replace(base.c_moe,
-                                                                  top_k=opt.concept_top_k))
+        cfg = dataclasses.replace(
+            cfg, concept_moe=dataclasses.replace(base.c_moe, top_k=opt.concept_top_k)
+        )
     if opt.loop is not None:
         s, e, t = opt.loop
         cfg = dataclasses.replace(cfg, loop_start=s, loop_end=e, loop_times=t)
     return cfg
 
 
-def convert_state(source: ConceptMoEVLM | dict[str, torch.Tensor], cfg: ModelConfig,
-                  vision_cfg=None) -> ConceptMoEVLM:
+def convert_state(
+    source: ConceptMoEVLM | dict[str, torch.Tensor], cfg: ModelConfig, vision_cfg=None
+) -> ConceptMoEVLM:
     """Build the ConceptMoE and load every pretrained tensor; new parts get their conversion init."""
     model = ConceptMoEVLM(cfg, vision_cfg)
     sd = source.state_dict() if isinstance(source, torch.nn.Module) else source
     missing, unexpected = model.load_state_dict(sd, strict=False)
     if unexpected:
         raise ValueError(f"source tensors with no place in the ConceptMoE: {unexpected[:5]}")
-    new_parts = ("lm.chunker.", "lm.dechunk.", ".attn.cq_proj", ".attn.ck_proj", ".attn.cv_proj",
-                 # cross-attention decoder layers (W_O zeroed below)
-                 ".attn.concept_norm", ".cross.", ".cross_norm.",
-                 ".moe.expert_bias", ".moe.load_accum",   # balancing state starts fresh
-                 ".moe.adj_")                            # Grove upcycling's adjugate experts
+    new_parts = (
+        "lm.chunker.",
+        "lm.dechunk.",
+        ".attn.cq_proj",
+        ".attn.ck_proj",
+        ".attn.cv_proj",
+        # cross-attention decoder layers (W_O zeroed below)
+        ".attn.concept_norm",
+        ".cross.",
+        ".cross_norm.",
+        ".moe.expert_bias",
+        ".moe.load_accum",  # balancing state starts fresh
+        ".moe.adj_",
+    )  # Grove upcycling's adjugate experts
     lost = [k for k in missing if not any(p in k for p in new_parts)]
     if lost:
         raise ValueError(f"pretrained tensors missing from the source: {lost[:5]}")
@@ -162,6 +209,7 @@ def fit_vocab(model: ConceptMoEVLM, vocab_size: int) -> int:
     if vocab_size <= old:
         return 0
     with torch.no_grad():
+
         def grown(w: torch.Tensor) -> torch.nn.Parameter:
             extra = w.mean(0, keepdim=True).expand(vocab_size - old, -1)
             return torch.nn.Parameter(torch.cat([w, extra]), requires_grad=w.requires_grad)
@@ -181,9 +229,19 @@ def fit_vocab(model: ConceptMoEVLM, vocab_size: int) -> int:
 # The tokenizer and chat-format files a transformers checkpoint may carry: `vlm convert` copies them
 # as they are, so that the converted model speaks the source's chat format (see
 # data_pipelines.tokenizer.SourceTokenizer).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "chat_template.jinja", "chat_template.json", "added_tokens.json", "vocab.json",
-                   "merges.txt", "tokenizer.model", "byte_tokenizer.json", "vlm_tokenizer.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "byte_tokenizer.json",
+    "vlm_tokenizer.json",
+)
 
 
 def source_token_ids(path: str | Path) -> dict[str, int]:
@@ -217,6 +275,7 @@ def load_source(path: str | Path, opt: ConvertConfig):
             raise ConfigError(f"{path} is already a ConceptMoE (chunk.enabled=true)")
         return src.state_dict(), src.model_cfg, src.vision_cfg
     from transformers import AutoConfig, AutoModelForCausalLM
+
     hf_cfg = AutoConfig.from_pretrained(str(path))
     base = hf_model_config(hf_cfg, opt)
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)

@@ -28,6 +28,7 @@ runs on SDPA under the packed mask instead (`cross_backend`; T x T mask memory p
 Inference needs no replication: the cache keeps one key/value per realized concept (appended when a
 boundary fires) and each new token attends over its row's concepts, eq. 14 for one query.
 """
+
 from __future__ import annotations
 
 import math
@@ -45,7 +46,7 @@ from vlm.model.layers import RMSNorm
 # long as a row's real scores span less than ~1700 (RMS-normed q, k: at most d times the norm gains)
 # exp underflows to exactly 0 (fp32 < e^-104).
 COPY_SCORE = -3.0e4
-FLASH_MAX_HEAD_DIM = 256   # flash-attn 2's largest head dimension
+FLASH_MAX_HEAD_DIM = 256  # flash-attn 2's largest head dimension
 
 
 def cross_backend(backend: str, head_dim: int) -> str:
@@ -61,13 +62,13 @@ def cross_backend(backend: str, head_dim: int) -> str:
 class ConceptMemory:
     """What the cross-attention layers of one decoder forward read (built once per forward, shared by layers)."""
 
-    concepts_BMD: torch.Tensor   # the smoothed concepts Z~ (eq. 8's EMA at concept level)
+    concepts_BMD: torch.Tensor  # the smoothed concepts Z~ (eq. 8's EMA at concept level)
     # psi(n): the concept token n reads (-1 at padding), the dechunk's index
     cidx_BT: torch.Tensor
     # bool: n is the first position that reads its concept (its boundary) or padding
     first_BT: torch.Tensor
-    n_concepts_B: torch.Tensor   # concepts per row (the prefill's cache lengths)
-    mask: object                 # what `attend` takes for this stack, without any sliding window
+    n_concepts_B: torch.Tensor  # concepts per row (the prefill's cache lengths)
+    mask: object  # what `attend` takes for this stack, without any sliding window
     # the packed mask where `cross_backend` leaves flash (built once, shared)
     sdpa_mask: torch.Tensor | None = None
 
@@ -80,8 +81,9 @@ class ConceptMemory:
         mask = ctx.mask
         if ctx.window and ctx.backend in ("sdpa", "eager"):
             mask = packed_mask(doc_BT)
-        sdpa_mask = (packed_mask(doc_BT) if cross_backend(ctx.backend, head_dim) != ctx.backend
-                     else None)
+        sdpa_mask = (
+            packed_mask(doc_BT) if cross_backend(ctx.backend, head_dim) != ctx.backend else None
+        )
         first_BT = (b_BT & (cidx_BT >= 0)) | (doc_BT < 0)
         n_concepts_B = b_BT.sum(1).clamp_max(concepts_BMD.shape[1])
         return ConceptMemory(concepts_BMD, cidx_BT, first_BT, n_concepts_B, mask, sdpa_mask)
@@ -106,18 +108,23 @@ def replicate(x_BJMd: torch.Tensor, cidx_BT: torch.Tensor) -> torch.Tensor:
     return x_BJMd.gather(2, idx)
 
 
-def replicated_cross_attention(q_BQTd, k_BJMd, v_BJMd, mem: ConceptMemory, doc_BT,
-                               backend: str) -> torch.Tensor:
+def replicated_cross_attention(
+    q_BQTd, k_BJMd, v_BJMd, mem: ConceptMemory, doc_BT, backend: str
+) -> torch.Tensor:
     """Eq. 14's attention (before W_O) over replicated concepts with a causal L x L kernel: each
     token attends to the first copies of concepts 0 .. psi(t) of its document, i.e. to each of those
     concepts exactly once."""
     d = q_BQTd.shape[-1]
     mask = mem.mask
-    if cross_backend(backend, d) != backend:   # built with the memory (ConceptMemory.build)
+    if cross_backend(backend, d) != backend:  # built with the memory (ConceptMemory.build)
         backend, mask = cross_backend(backend, d), mem.sdpa_mask
     k_BJTd, v_BJTd = replicate(k_BJMd, mem.cidx_BT), replicate(v_BJMd, mem.cidx_BT)
     B, J, T, _ = k_BJTd.shape
-    bias_BJT1 = torch.where(mem.first_BT, 0.0, COPY_SCORE).to(k_BJTd.dtype)[:, None, :, None].expand(B, J, T, 1)
+    bias_BJT1 = (
+        torch.where(mem.first_BT, 0.0, COPY_SCORE)
+        .to(k_BJTd.dtype)[:, None, :, None]
+        .expand(B, J, T, 1)
+    )
     # the kernel scales by 1 / sqrt(d + 1); this factor makes it eq. 14's 1 / sqrt(d)
     q1 = torch.cat([q_BQTd, q_BQTd.new_ones(*q_BQTd.shape[:-1], 1)], -1) * math.sqrt((d + 1) / d)
     k1 = torch.cat([k_BJTd, bias_BJT1], -1)
@@ -128,8 +135,15 @@ def replicated_cross_attention(q_BQTd, k_BJMd, v_BJMd, mem: ConceptMemory, doc_B
 class CrossAttention(nn.Module):
     """Causal cross-attention from tokens to concepts, DLCM eq. 12-14 (the residual `+ H` is the block's)."""
 
-    def __init__(self, dim: int, num_heads: int, num_kv_heads: int, head_dim: int, qk_norm: bool,
-                 norm_eps: float):
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        qk_norm: bool,
+        norm_eps: float,
+    ):
         super().__init__()
         self.h, self.kv, self.hd = num_heads, num_kv_heads, head_dim
         # the concepts come from another stack (pre-norm, as eq. 11's c)
@@ -161,8 +175,9 @@ class CrossAttention(nn.Module):
         B, _, T, _ = o_BQTd.shape
         return self.o_proj(o_BQTd.transpose(1, 2).reshape(B, T, self.h * self.hd))
 
-    def forward(self, x_BTD, mem: ConceptMemory, doc_BT, backend: str,
-                cache: KVCache | None = None):
+    def forward(
+        self, x_BTD, mem: ConceptMemory, doc_BT, backend: str, cache: KVCache | None = None
+    ):
         """Eq. 14 without the residual. `cache` (prefill, one document per row): the concepts' keys and values."""
         k, v = self.concept_kv(mem.concepts_BMD)
         if cache is not None:

@@ -4,6 +4,7 @@ with the state `prefill_state` builds after a prompt).
 
 Convention (DESIGN.md): token n reads the EMA at concept psi(n), the last one closed at or before n.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, NamedTuple
@@ -16,7 +17,7 @@ from vlm.model.config import ChunkConfig
 from vlm.model.ema_scan import ema_scan
 from vlm.model.layers import doc_starts
 
-if TYPE_CHECKING:   # chunking.py re-exports this module's names: no import back at run time
+if TYPE_CHECKING:  # chunking.py re-exports this module's names: no import back at run time
     from vlm.model.chunking import Chunks, ChunkStep
 
 
@@ -48,11 +49,11 @@ def plug_back(concepts_BMD: torch.Tensor, cidx_BT: torch.Tensor) -> torch.Tensor
 class DechunkStep(NamedTuple):
     """One decode step's dechunk output."""
 
-    z_B1D: torch.Tensor        # the decoder's input (eq. 10)
+    z_B1D: torch.Tensor  # the decoder's input (eq. 10)
     # the EMA concept each row's token reads (joint decoding's c, eq. 11); for the rows
     c_B1D: torch.Tensor
-                               # whose boundary fired, the smoothed concept that just closed (the
-                               # cross-attention decoder's new cache entry)
+    # whose boundary fired, the smoothed concept that just closed (the
+    # cross-attention decoder's new cache entry)
 
 
 class Dechunk(nn.Module):
@@ -77,7 +78,11 @@ class Dechunk(nn.Module):
     @staticmethod
     def gated(concepts_BMD: torch.Tensor, ch: Chunks) -> torch.Tensor:
         """Synergy eq. 4's m_i sigma_i Middle(x_i): each concept times its gate (eq. 3), when the chunking has one."""
-        return concepts_BMD if ch.cgate_BM is None else concepts_BMD * ch.cgate_BM[..., None].to(concepts_BMD.dtype)
+        return (
+            concepts_BMD
+            if ch.cgate_BM is None
+            else concepts_BMD * ch.cgate_BM[..., None].to(concepts_BMD.dtype)
+        )
 
     @staticmethod
     def smooth(concepts_BMD: torch.Tensor, ch: Chunks) -> torch.Tensor:
@@ -85,8 +90,14 @@ class Dechunk(nn.Module):
         S, eq. 11 there: what the cross-attention decoder attends over), over the gated concepts."""
         return ema_scan(Dechunk.gated(concepts_BMD, ch), ch.cp_BM, doc_starts(ch.cdoc_BM))
 
-    def forward(self, h_BTD: torch.Tensor, concepts_BMD: torch.Tensor, ch: Chunks,
-                inputs_BMD: torch.Tensor | None = None, smoothed_BMD: torch.Tensor | None = None):
+    def forward(
+        self,
+        h_BTD: torch.Tensor,
+        concepts_BMD: torch.Tensor,
+        ch: Chunks,
+        inputs_BMD: torch.Tensor | None = None,
+        smoothed_BMD: torch.Tensor | None = None,
+    ):
         """(z, c, c_in): the decoder input (eq. 10), the EMA concept each token reads and, for
         residual "delta" (which needs `inputs_BMD`, the concept model's inputs), the same EMA
         over those inputs (else None). `smoothed_BMD`: `smooth(concepts_BMD, ch)` when the caller
@@ -96,8 +107,8 @@ class Dechunk(nn.Module):
         c_BTD = plug_back(smoothed_BMD, ch.cidx_BT)
         if ch.cgate_BM is None:
             gate = ste(ch.sel_BT)[..., None].to(c_BTD.dtype)
-        # Synergy eq. 4: the router's gradient comes through the gate in the concepts, not an STE
         else:
+            # Synergy eq. 4: the router's gradient comes through the gate in the concepts, not an STE
             gate = torch.ones_like(ch.sel_BT)[..., None].to(c_BTD.dtype)
         if self.cfg.residual == "delta":
             # the STE multiplies the whole update c - c_in: on c alone the forward is the same but
@@ -110,19 +121,24 @@ class Dechunk(nn.Module):
 
     # ---------------------------------------------------------------- inference
     @staticmethod
-    def prefill_state(doc_BT: torch.Tensor, ch: Chunks, c_BTD: torch.Tensor,
-                      c_in_BTD: torch.Tensor | None = None) -> DechunkState:
+    def prefill_state(
+        doc_BT: torch.Tensor, ch: Chunks, c_BTD: torch.Tensor, c_in_BTD: torch.Tensor | None = None
+    ) -> DechunkState:
         """The state after a prompt (one document per row), from `forward`'s c and c_in: the EMA the
         last token read (and, for "delta", the same over the inputs) and the concept count."""
         rows = torch.arange(doc_BT.shape[0], device=doc_BT.device)
         last = (doc_BT >= 0).sum(1) - 1
         # the ones computed (within capacity)
         n_concepts_B = ch.b_BT.sum(1).clamp_max(ch.cdoc_BM.shape[1])
-        return DechunkState(c_BTD[rows, last].float(), n_concepts_B,
-                            None if c_in_BTD is None else c_in_BTD[rows, last].float())
+        return DechunkState(
+            c_BTD[rows, last].float(),
+            n_concepts_B,
+            None if c_in_BTD is None else c_in_BTD[rows, last].float(),
+        )
 
-    def step(self, h_B1D: torch.Tensor, c_B1D: torch.Tensor, ck: ChunkStep,
-             state: DechunkState) -> DechunkStep:
+    def step(
+        self, h_B1D: torch.Tensor, c_B1D: torch.Tensor, ck: ChunkStep, state: DechunkState
+    ) -> DechunkStep:
         """`forward` for one new token per row (eval mode): the rows whose boundary fired (`ck.b_B`)
         take in their new concept, `c_B1D` (the concept model's output; its input is `ck.c_BD`),
         gated as `gated` does, into eq. 8's EMA (and the concept count); every row's token then
@@ -130,14 +146,15 @@ class Dechunk(nn.Module):
         every row computes, the others keep their state. Updates `state` in place."""
         fired_B1 = ck.b_B[:, None]
         c_BD, c_in_BD = c_B1D[:, 0], ck.c_BD
-        if ck.gate_B is not None:   # Synergy eq. 3-4: the concept (and its input) times its gate
+        if ck.gate_B is not None:  # Synergy eq. 3-4: the concept (and its input) times its gate
             c_BD = c_BD * ck.gate_B[:, None].to(c_BD.dtype)
             c_in_BD = c_in_BD * ck.gate_B[:, None].to(c_in_BD.dtype)
-        state.ema_BD.copy_(torch.where(fired_B1, self.ema_step(c_BD, ck.p_B, state.ema_BD),
-                                       state.ema_BD))
+        state.ema_BD.copy_(
+            torch.where(fired_B1, self.ema_step(c_BD, ck.p_B, state.ema_BD), state.ema_BD)
+        )
         state.n_concepts_B.add_(ck.b_B.long())
         read_B1D = state.ema_BD[:, None].to(h_B1D.dtype)
-        if self.cfg.residual == "delta":   # own state + the concept model's (EMA) update
+        if self.cfg.residual == "delta":  # own state + the concept model's (EMA) update
             ema_in = self.ema_step(c_in_BD, ck.p_B, state.ema_in_BD)
             state.ema_in_BD.copy_(torch.where(fired_B1, ema_in, state.ema_in_BD))
             z_B1D = h_B1D + read_B1D - state.ema_in_BD[:, None].to(h_B1D.dtype)

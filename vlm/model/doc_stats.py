@@ -9,6 +9,7 @@ concept that closes elsewhere). Distributions are kept per group (the kind of sa
 source) as fixed log-spaced histograms, which sum over micro-batches and ranks in the step's one
 all-reduce; exact per-document values are for evaluation (`document_ratios`).
 """
+
 from __future__ import annotations
 
 import math
@@ -34,8 +35,9 @@ def document_slots(doc_BT: torch.Tensor) -> tuple[torch.Tensor, int]:
     return rows + torch.where(doc_BT >= 0, doc_BT, torch.full_like(doc_BT, T)), B * (T + 1)
 
 
-def document_counts(b_BT: torch.Tensor, doc_BT: torch.Tensor,
-                    modality_BT: torch.Tensor) -> torch.Tensor:
+def document_counts(
+    b_BT: torch.Tensor, doc_BT: torch.Tensor, modality_BT: torch.Tensor
+) -> torch.Tensor:
     """[S, 2, 2]: per document slot and modality (text, image), (tokens, concepts ending on them)."""
     slot_BT, S = document_slots(doc_BT)
     valid = doc_BT >= 0
@@ -71,8 +73,9 @@ def group_histogram(counts_S22: torch.Tensor, group_S: torch.Tensor, n_groups: i
     """[Y, 2, X] document counts per kind, modality and ratio bin (documents of group -1 are left out)."""
     bins_S2 = ratio_bins(counts_S22)
     ok = (bins_S2 >= 0) & (group_S[:, None] >= 0) & (group_S[:, None] < n_groups)
-    flat = (group_S[:, None].clamp(0, max(n_groups - 1, 0)) * 2 + torch.arange(2, device=group_S.device)) * NBINS \
-        + bins_S2.clamp_min(0)
+    flat = (
+        group_S[:, None].clamp(0, max(n_groups - 1, 0)) * 2 + torch.arange(2, device=group_S.device)
+    ) * NBINS + bins_S2.clamp_min(0)
     hist = torch.zeros(max(n_groups, 1) * 2 * NBINS, device=counts_S22.device, dtype=torch.float64)
     hist.index_add_(0, flat.flatten(), ok.flatten().to(torch.float64))
     return hist.view(max(n_groups, 1), 2, NBINS)[:n_groups]
@@ -107,8 +110,12 @@ def histogram_quantiles(hist_X, qs=(0.1, 0.5, 0.9)) -> dict[str, float] | None:
     return out
 
 
-def document_ratios(b_BT: torch.Tensor, doc_BT: torch.Tensor, modality_BT: torch.Tensor,
-                    kind_BT: torch.Tensor | None = None) -> list[dict]:
+def document_ratios(
+    b_BT: torch.Tensor,
+    doc_BT: torch.Tensor,
+    modality_BT: torch.Tensor,
+    kind_BT: torch.Tensor | None = None,
+) -> list[dict]:
     """Exact per-document figures (host side, for evaluation): one dict per document with
     its kind and, per modality it has, tokens, concepts and ratio (inf when no concept ends
     on that modality)."""
@@ -140,8 +147,10 @@ def summarize_documents(docs: list[dict], qs=(0.1, 0.5, 0.9)) -> dict:
             vals = sorted(d[m]["ratio"] for d in ds if m in d)
             if not vals:
                 continue
-            rec = {f"p{round(q * 100)}": vals[min(max(math.ceil(q * len(vals)), 1), len(vals)) - 1]
-                   for q in qs}
+            rec = {
+                f"p{round(q * 100)}": vals[min(max(math.ceil(q * len(vals)), 1), len(vals)) - 1]
+                for q in qs
+            }
             tokens = sum(d[m]["tokens"] for d in ds if m in d)
             concepts = sum(d[m]["concepts"] for d in ds if m in d)
             rec["aggregate"] = tokens / concepts if concepts else math.inf
@@ -157,11 +166,14 @@ def format_distribution(summary: dict, indent: str = "  ") -> list[str]:
     """Lines of a per-kind table: p10 / median / p90 of the documents' ratios next to the aggregate."""
     f = lambda v: "inf" if math.isinf(v) else f"{v:.2f}"  # noqa: E731
     w = max([12] + [len(g) + 2 for g in summary])
-    lines = [f"{indent}{'kind':<{w}}{'modality':<9}{'docs':>6}{'p10':>8}{'median':>8}{'p90':>8}{'aggregate':>10}"
-             f"{'no concept':>12}"]
+    head = f"{'kind':<{w}}{'modality':<9}{'docs':>6}{'p10':>8}{'median':>8}{'p90':>8}"
+    lines = [f"{indent}{head}{'aggregate':>10}{'no concept':>12}"]
     for g, per in summary.items():
         for m, r in per.items():
-            lines.append(f"{indent}{g:<{w}}{m:<9}{int(r['docs']):>6}{f(r['p10']):>8}{f(r['p50']):>8}{f(r['p90']):>8}"
-                         f"{f(r.get('aggregate', math.nan)) if 'aggregate' in r else '-':>10}"
-                         f"{100 * r['no_concept']:>11.0f}%")
+            agg = f(r["aggregate"]) if "aggregate" in r else "-"
+            quantiles = f"{f(r['p10']):>8}{f(r['p50']):>8}{f(r['p90']):>8}"
+            lines.append(
+                f"{indent}{g:<{w}}{m:<9}{int(r['docs']):>6}{quantiles}{agg:>10}"
+                f"{100 * r['no_concept']:>11.0f}%"
+            )
     return lines

@@ -1,4 +1,5 @@
 """Eq. 8's EMA over concepts, c_m = p_m x_m + (1 - p_m) c_{m-1}, as a blocked parallel scan (no loop over concepts)."""
+
 from __future__ import annotations
 
 import torch
@@ -15,8 +16,9 @@ def segsum(x_L: torch.Tensor) -> torch.Tensor:
     xx = x_L[..., None].expand(*x_L.shape, L)
     strict = torch.ones(L, L, dtype=torch.bool, device=x_L.device).tril(-1)
     ss = xx.masked_fill(~strict, 0).cumsum(-2)
-    return ss.masked_fill(~strict.logical_or(torch.eye(L, dtype=torch.bool, device=x_L.device)),
-                          float("-inf"))
+    return ss.masked_fill(
+        ~strict.logical_or(torch.eye(L, dtype=torch.bool, device=x_L.device)), float("-inf")
+    )
 
 
 def _decays(loga_BM: torch.Tensor, block: int):
@@ -25,8 +27,11 @@ def _decays(loga_BM: torch.Tensor, block: int):
     decay since its block began."""
     B, M = loga_BM.shape
     loga_BUL = loga_BM.view(B, M // block, block)
-    return (torch.exp(segsum(loga_BUL)), torch.exp(segsum(loga_BUL.sum(-1))),
-            torch.exp(loga_BUL.cumsum(-1)))
+    return (
+        torch.exp(segsum(loga_BUL)),
+        torch.exp(segsum(loga_BUL.sum(-1))),
+        torch.exp(loga_BUL.cumsum(-1)),
+    )
 
 
 def _scan(u_BMD: torch.Tensor, decays) -> torch.Tensor:
@@ -38,12 +43,13 @@ def _scan(u_BMD: torch.Tensor, decays) -> torch.Tensor:
     y_BULD = within_BULL @ u_BMD.view(B, nb, block, D)
     # true state at the end of each block
     state_BUD = across_BUU @ y_BULD[:, :, -1]
-    carry_BUD = F.pad(state_BUD[:, :-1], (0, 0, 1, 0))                   # state entering each block
+    carry_BUD = F.pad(state_BUD[:, :-1], (0, 0, 1, 0))  # state entering each block
     return (y_BULD + decay_BUL[..., None] * carry_BUD[:, :, None]).reshape(B, M, D)
 
 
-def ema_scan(x_BMD: torch.Tensor, p_BM: torch.Tensor, reset_BM: torch.Tensor,
-             block: int = 64) -> torch.Tensor:
+def ema_scan(
+    x_BMD: torch.Tensor, p_BM: torch.Tensor, reset_BM: torch.Tensor, block: int = 64
+) -> torch.Tensor:
     """Eq. 8 by a blocked parallel scan: c_m = p_m x_m + (1 - p_m) c_{m-1},
     restarted where reset_BM.
 
@@ -63,14 +69,18 @@ def ema_scan(x_BMD: torch.Tensor, p_BM: torch.Tensor, reset_BM: torch.Tensor,
     reset = F.pad(reset_BM, (0, pad), value=True)
     a = 1 - p
     open_ = (a > 0) & ~reset
-    loga = torch.where(open_, torch.log(torch.where(open_, a, torch.ones_like(a))),
-                       torch.full_like(a, float("-inf")))
+    loga = torch.where(
+        open_,
+        torch.log(torch.where(open_, a, torch.ones_like(a))),
+        torch.full_like(a, float("-inf")),
+    )
     u = F.pad(x_BMD.float() * p_BM.float()[..., None], (0, 0, 0, pad))
     decays = _decays(loga, block)
     y = _scan(u, decays)
-    shut = (a == 0) & ~reset                              # p == 1 inside a document
+    shut = (a == 0) & ~reset  # p == 1 inside a document
     prev = F.pad(y[:, :-1].detach(), (0, 0, 1, 0))
-    zero_u = torch.where(shut[..., None], (a - a.detach())[..., None] * prev,
-                         torch.zeros_like(prev))
+    zero_u = torch.where(
+        shut[..., None], (a - a.detach())[..., None] * prev, torch.zeros_like(prev)
+    )
     y = y + _scan(zero_u, decays)
     return y[:, :M].to(dtype)

@@ -29,6 +29,7 @@ Assumptions worth knowing:
   per pair. `causal=True` counts the N(N+1)/2 pairs a causal kernel visits, `causal=False` all N^2.
   A sequence is one document; packed rows of several documents cost less (block-diagonal).
 """
+
 from __future__ import annotations
 
 import math
@@ -36,10 +37,30 @@ from dataclasses import dataclass
 
 from vlm.model.config import ModelConfig, MoEConfig
 
-PARAM_PARTS = ("embedding", "encoder", "chunk", "residual", "concept_proj", "concept",
-               "decoder", "joint_decoding", "cross_attention", "final_norm", "lm_head")
-FLOP_PARTS = ("encoder", "chunk", "residual", "concept_proj", "concept", "decoder",
-              "joint_decoding", "cross_attention", "lm_head")
+PARAM_PARTS = (
+    "embedding",
+    "encoder",
+    "chunk",
+    "residual",
+    "concept_proj",
+    "concept",
+    "decoder",
+    "joint_decoding",
+    "cross_attention",
+    "final_norm",
+    "lm_head",
+)
+FLOP_PARTS = (
+    "encoder",
+    "chunk",
+    "residual",
+    "concept_proj",
+    "concept",
+    "decoder",
+    "joint_decoding",
+    "cross_attention",
+    "lm_head",
+)
 STAGES = ("encoder", "concept", "decoder")
 
 
@@ -54,9 +75,9 @@ class Stage:
     head_dim: int
     qk_norm: bool
     moe: MoEConfig
-    layers: int        # distinct layers (parameters)
-    passes: int        # layer applications per position (loops included)
-    positions: float   # positions per token: 1 for E and D, 1/R for the concept model
+    layers: int  # distinct layers (parameters)
+    passes: int  # layer applications per position (loops included)
+    positions: float  # positions per token: 1 for E and D, 1/R for the concept model
 
 
 def effective_ratio(cfg: ModelConfig, ratio: float | None = None) -> float:
@@ -74,16 +95,47 @@ def stages(cfg: ModelConfig, ratio: float | None = None) -> list[Stage]:
     r = effective_ratio(cfg, ratio)
     hd, qkn = cfg.head_dim, cfg.qk_norm
     return [
-        Stage("encoder", cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, hd, qkn, cfg.moe,
-              cfg.encoder_layers, cfg.encoder_layers, 1.0),
-        Stage("concept", cfg.c_hidden, cfg.c_heads, cfg.c_kv_heads, hd, qkn, cfg.c_moe,
-              cfg.concept_layers, len(cfg.concept_schedule), 1.0 / r),
-        Stage("decoder", cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, hd, qkn, cfg.moe,
-              cfg.decoder_layers, cfg.decoder_layers, 1.0),
+        Stage(
+            "encoder",
+            cfg.hidden_size,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            hd,
+            qkn,
+            cfg.moe,
+            cfg.encoder_layers,
+            cfg.encoder_layers,
+            1.0,
+        ),
+        Stage(
+            "concept",
+            cfg.c_hidden,
+            cfg.c_heads,
+            cfg.c_kv_heads,
+            hd,
+            qkn,
+            cfg.c_moe,
+            cfg.concept_layers,
+            len(cfg.concept_schedule),
+            1.0 / r,
+        ),
+        Stage(
+            "decoder",
+            cfg.hidden_size,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            hd,
+            qkn,
+            cfg.moe,
+            cfg.decoder_layers,
+            cfg.decoder_layers,
+            1.0,
+        ),
     ]
 
 
 # ---------------------------------------------------------------- per-layer building blocks
+
 
 def attn_params(hidden: int, heads: int, kv_heads: int, head_dim: int, qk_norm: bool) -> int:
     """q, k, v, o projections (no biases) and the optional per-head q/k RMSNorms."""
@@ -101,7 +153,7 @@ def expected_groups_hit(moe: MoEConfig) -> float:
     g, e, k = moe.grove_groups, moe.num_experts, moe.top_k
     if g <= 0:
         return 0.0
-    miss = math.comb(e - e // g, k) / math.comb(e, k)   # all k picks avoid one given group
+    miss = math.comb(e - e // g, k) / math.comb(e, k)  # all k picks avoid one given group
     return g * (1.0 - miss)
 
 
@@ -116,25 +168,34 @@ def moe_params(hidden: int, moe: MoEConfig) -> int:
 
 def moe_activated_params(hidden: int, moe: MoEConfig) -> float:
     """Parameters one token touches in a MoE layer (expected, for Grove)."""
-    return (hidden * moe.num_experts + moe.top_k * 3 * hidden * moe.expert_hidden
-            + 3 * hidden * moe.num_shared_experts * moe.shared_hidden
-            + expected_groups_hit(moe) * 3 * hidden * moe.grove_hidden)
+    return (
+        hidden * moe.num_experts
+        + moe.top_k * 3 * hidden * moe.expert_hidden
+        + 3 * hidden * moe.num_shared_experts * moe.shared_hidden
+        + expected_groups_hit(moe) * 3 * hidden * moe.grove_hidden
+    )
 
 
 def moe_macs(hidden: int, moe: MoEConfig) -> float:
     """MACs of one position through a MoE layer: router, top_k experts, shared, expected adjugates."""
-    return moe_activated_params(hidden, moe)   # every activated weight is one MAC per position
+    return moe_activated_params(hidden, moe)  # every activated weight is one MAC per position
 
 
 def layer_params(st: Stage) -> int:
     """One transformer layer: attention RMSNorm + attention + FFN RMSNorm + MoE."""
-    return 2 * st.hidden + attn_params(st.hidden, st.heads, st.kv_heads, st.head_dim, st.qk_norm) \
+    return (
+        2 * st.hidden
+        + attn_params(st.hidden, st.heads, st.kv_heads, st.head_dim, st.qk_norm)
         + moe_params(st.hidden, st.moe)
+    )
 
 
 def layer_activated_params(st: Stage) -> float:
-    return 2 * st.hidden + attn_params(st.hidden, st.heads, st.kv_heads, st.head_dim, st.qk_norm) \
+    return (
+        2 * st.hidden
+        + attn_params(st.hidden, st.heads, st.kv_heads, st.head_dim, st.qk_norm)
         + moe_activated_params(st.hidden, st.moe)
+    )
 
 
 def layer_macs(st: Stage) -> float:
@@ -180,7 +241,7 @@ def chunk_params(cfg: ModelConfig) -> int:
 
 def residual_params(cfg: ModelConfig) -> int:
     """H-Net's residual projection of eq. 10's h-hat (identity: none)."""
-    return cfg.hidden_size ** 2 if cfg.chunk.enabled and cfg.chunk.residual == "linear" else 0
+    return cfg.hidden_size**2 if cfg.chunk.enabled and cfg.chunk.residual == "linear" else 0
 
 
 def concept_proj_params(cfg: ModelConfig) -> int:
@@ -189,6 +250,7 @@ def concept_proj_params(cfg: ModelConfig) -> int:
 
 
 # ---------------------------------------------------------------- public API
+
 
 def count_params(cfg: ModelConfig) -> dict[str, float]:
     """Parameter counts by part, `total`, `activated` and `activated_non_embedding`.
@@ -214,8 +276,9 @@ def count_params(cfg: ModelConfig) -> dict[str, float]:
         "lm_head": 0 if cfg.tie_embeddings else d * v,
     }
     total = sum(parts.values())
-    inactive = sum(s.layers * (layer_params(s) - layer_activated_params(s))
-                   for s in (enc, con, dec))
+    inactive = sum(
+        s.layers * (layer_params(s) - layer_activated_params(s)) for s in (enc, con, dec)
+    )
     out: dict[str, float] = dict(parts)
     out["total"] = total
     out["activated"] = total - inactive
@@ -257,8 +320,9 @@ def _pairs(n: float, causal: bool, window: int = 0) -> float:
     return n * (n + 1) / 2 if causal else n * n
 
 
-def attention_map_flops(cfg: ModelConfig, seq_len: int, ratio: float | None = None,
-                        causal: bool = True) -> dict[str, float]:
+def attention_map_flops(
+    cfg: ModelConfig, seq_len: int, ratio: float | None = None, causal: bool = True
+) -> dict[str, float]:
     """FLOPs of QK^T and AV for one sequence of `seq_len` tokens, by stage and `total`.
 
     The concept model attends over seq_len / R concepts, once per pass (loops included); encoder and
@@ -271,14 +335,23 @@ def attention_map_flops(cfg: ModelConfig, seq_len: int, ratio: float | None = No
     out = {}
     for st in stages(cfg, ratio):
         window = 0 if st.name == "concept" else cfg.attention_window
-        out[st.name] = st.passes * 4.0 * st.heads * st.head_dim * _pairs(seq_len * st.positions, causal, window)
-    out["cross_attention"] = cross_layers(cfg) * 4.0 * cfg.num_heads * cfg.head_dim * _pairs(seq_len, causal)
+        out[st.name] = (
+            st.passes
+            * 4.0
+            * st.heads
+            * st.head_dim
+            * _pairs(seq_len * st.positions, causal, window)
+        )
+    out["cross_attention"] = (
+        cross_layers(cfg) * 4.0 * cfg.num_heads * cfg.head_dim * _pairs(seq_len, causal)
+    )
     out["total"] = sum(out[s] for s in STAGES) + out["cross_attention"]
     return out
 
 
-def kv_cache_bytes(cfg: ModelConfig, seq_len: int, ratio: float | None = None,
-                   bytes_per_el: int = 2) -> dict[str, float]:
+def kv_cache_bytes(
+    cfg: ModelConfig, seq_len: int, ratio: float | None = None, bytes_per_el: int = 2
+) -> dict[str, float]:
     """KV-cache bytes after `seq_len` tokens, by stage and `total`.
 
     Per layer application 2 * Hkv * hd * bytes per cached position; the concept model caches
@@ -290,15 +363,24 @@ def kv_cache_bytes(cfg: ModelConfig, seq_len: int, ratio: float | None = None,
         raise ValueError(f"seq_len must be >= 1, got {seq_len}")
     out = {}
     for st in stages(cfg, ratio):
-        out[st.name] = st.passes * 2.0 * st.kv_heads * st.head_dim * bytes_per_el * seq_len * st.positions
+        out[st.name] = (
+            st.passes * 2.0 * st.kv_heads * st.head_dim * bytes_per_el * seq_len * st.positions
+        )
     r = effective_ratio(cfg, ratio)
-    out["cross_attention"] = cross_layers(cfg) * 2.0 * cfg.num_kv_heads * cfg.head_dim * bytes_per_el * seq_len / r
+    out["cross_attention"] = (
+        cross_layers(cfg) * 2.0 * cfg.num_kv_heads * cfg.head_dim * bytes_per_el * seq_len / r
+    )
     out["total"] = sum(out[s] for s in STAGES) + out["cross_attention"]
     return out
 
 
-def summary(cfg: ModelConfig, ratio: float | None = None, seq_len: int = 32768,
-            bytes_per_el: int = 2, causal: bool = True) -> dict[str, float]:
+def summary(
+    cfg: ModelConfig,
+    ratio: float | None = None,
+    seq_len: int = 32768,
+    bytes_per_el: int = 2,
+    causal: bool = True,
+) -> dict[str, float]:
     """The headline numbers of one config in one flat dict."""
     p = count_params(cfg)
     f = flops_per_token(cfg, ratio)
@@ -318,6 +400,16 @@ def summary(cfg: ModelConfig, ratio: float | None = None, seq_len: int = 32768,
 
 
 __all__ = [
-    "PARAM_PARTS", "FLOP_PARTS", "STAGES", "Stage", "effective_ratio", "stages", "count_params",
-    "flops_per_token", "attention_map_flops", "kv_cache_bytes", "summary", "expected_groups_hit",
+    "PARAM_PARTS",
+    "FLOP_PARTS",
+    "STAGES",
+    "Stage",
+    "effective_ratio",
+    "stages",
+    "count_params",
+    "flops_per_token",
+    "attention_map_flops",
+    "kv_cache_bytes",
+    "summary",
+    "expected_groups_hit",
 ]

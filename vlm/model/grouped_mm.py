@@ -14,6 +14,7 @@ way out, and the backward's rows there are masked the same way by the caller's `
 Shapes are named as in the experts' gate and up projections, [A, D] x [E, D, F] -> [A, F]; the down
 projection passes [A, F] and [E, F, D].
 """
+
 from __future__ import annotations
 
 import torch

@@ -7,6 +7,7 @@ registers the Auto classes; every loader here imports it). The wrapper's forward
 use_cache=True)` (the default) runs the model's own prefill and cached steps: the concept-level
 `InferenceCache` travels as generate's `cache`; `use_cache=False` re-runs the prefix.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -41,8 +42,13 @@ MODEL_TYPE = "conceptmoe_vlm"
 class ConceptMoEConfig(PretrainedConfig):
     model_type = MODEL_TYPE
 
-    def __init__(self, model: dict | None = None, vision: dict | None = None,
-                 image_pad_id: int = -1, **kwargs):
+    def __init__(
+        self,
+        model: dict | None = None,
+        vision: dict | None = None,
+        image_pad_id: int = -1,
+        **kwargs,
+    ):
         self.model = model or {}
         self.vision = vision
         self.image_pad_id = image_pad_id
@@ -50,8 +56,9 @@ class ConceptMoEConfig(PretrainedConfig):
         # transformers' generate/save read these standard names.
         kwargs.setdefault("vocab_size", mc.vocab_size)
         kwargs.setdefault("hidden_size", mc.hidden_size)
-        kwargs.setdefault("num_hidden_layers",
-                          mc.encoder_layers + mc.concept_layers + mc.decoder_layers)
+        kwargs.setdefault(
+            "num_hidden_layers", mc.encoder_layers + mc.concept_layers + mc.decoder_layers
+        )
         kwargs.setdefault("num_attention_heads", mc.num_heads)
         kwargs["tie_word_embeddings"] = mc.tie_embeddings
         super().__init__(**kwargs)
@@ -114,8 +121,10 @@ class ConceptMoEForCausalLM(PreTrainedModel, GenerationMixin):
         `from_pretrained` verifies (an export, `vlm convert` and a fine-tune saved with this method
         all get it)."""
         out = super().save_pretrained(save_directory, *args, **kwargs)
-        if kwargs.get("is_main_process", args[0] if args
-                      else True) and Path(save_directory).is_dir():
+        if (
+            kwargs.get("is_main_process", args[0] if args else True)
+            and Path(save_directory).is_dir()
+        ):
             write_checksums(save_directory)
         return out
 
@@ -125,10 +134,21 @@ class ConceptMoEForCausalLM(PreTrainedModel, GenerationMixin):
     def get_output_embeddings(self):
         return self.vlm.lm.lm_head
 
-    def to_batch(self, input_ids, attention_mask=None, pixel_patches=None, patch_coords=None,
-                 image_grids=None, labels=None) -> PackedBatch:
+    def to_batch(
+        self,
+        input_ids,
+        attention_mask=None,
+        pixel_patches=None,
+        patch_coords=None,
+        image_grids=None,
+        labels=None,
+    ) -> PackedBatch:
         """One document per row; padding (attention_mask 0) becomes doc id -1 wherever it sits."""
-        mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+        mask = (
+            torch.ones_like(input_ids, dtype=torch.bool)
+            if attention_mask is None
+            else attention_mask.bool()
+        )
         doc = torch.where(mask, torch.zeros_like(input_ids), torch.full_like(input_ids, -1))
         modality = torch.full_like(input_ids, TEXT)
         if self.config.image_pad_id >= 0:
@@ -137,8 +157,16 @@ class ConceptMoEForCausalLM(PreTrainedModel, GenerationMixin):
             labels = torch.full_like(input_ids, IGNORE_INDEX)
         else:  # HF convention: labels aligned with inputs; ours are already shifted
             labels = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE_INDEX)], 1)
-        return PackedBatch(input_ids, labels, doc, positions_in_doc(doc), modality,
-                           pixel_patches, patch_coords, image_grids)
+        return PackedBatch(
+            input_ids,
+            labels,
+            doc,
+            positions_in_doc(doc),
+            modality,
+            pixel_patches,
+            patch_coords,
+            image_grids,
+        )
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
@@ -159,38 +187,56 @@ class ConceptMoEForCausalLM(PreTrainedModel, GenerationMixin):
     def is_gradient_checkpointing(self) -> bool:
         return self.vlm.lm.gradient_checkpointing
 
-    def forward(self, input_ids=None, attention_mask=None, pixel_patches=None, patch_coords=None,
-                image_grids=None, labels=None, return_dict=True,
-                cache: InferenceCache | None = None, use_cache: bool | None = None,
-                output_hidden_states: bool | None = None, **kwargs):
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        pixel_patches=None,
+        patch_coords=None,
+        image_grids=None,
+        labels=None,
+        return_dict=True,
+        cache: InferenceCache | None = None,
+        use_cache: bool | None = None,
+        output_hidden_states: bool | None = None,
+        **kwargs,
+    ):
         """`output_hidden_states`: token-level states (embeddings, each encoder layer, the decoder
         input, each decoder layer, the last one normed); the concept layers run on concepts and are
         not among them."""
-        unsupported = [k
-                       for k in ("output_attentions", "inputs_embeds", "past_key_values",
-                                 "position_ids")
-                       if kwargs.get(k) not in (None, False)]
+        unsupported = [
+            k
+            for k in ("output_attentions", "inputs_embeds", "past_key_values", "position_ids")
+            if kwargs.get(k) not in (None, False)
+        ]
         if unsupported or return_dict is False:
-            raise ValueError(f"ConceptMoEForCausalLM does not support "
-                             f"{', '.join(unsupported or ['return_dict=False'])} (attention maps "
-                             f"are per stack and concept-level; the cache is `cache`, built by "
-                             f"`generate`; positions follow `attention_mask`)")
-        if cache is not None:   # a decode step: one new token per row
-            return CausalLMOutputWithPast(logits=self.vlm.step(input_ids[:, -1], cache)[:, None],
-                                          cache=cache)
-        batch = self.to_batch(input_ids, attention_mask, pixel_patches, patch_coords, image_grids,
-                              labels)
+            raise ValueError(
+                "ConceptMoEForCausalLM does not support "
+                f"{', '.join(unsupported or ['return_dict=False'])} (attention "
+                "maps are per stack and concept-level; the cache is `cache`, "
+                "built by `generate`; positions follow `attention_mask`)"
+            )
+        if cache is not None:  # a decode step: one new token per row
+            return CausalLMOutputWithPast(
+                logits=self.vlm.step(input_ids[:, -1], cache)[:, None], cache=cache
+            )
+        batch = self.to_batch(
+            input_ids, attention_mask, pixel_patches, patch_coords, image_grids, labels
+        )
         if use_cache and labels is None:
             # Prefill right-aligned rows (the caches fill from position 0), then put the logits back
             # in place.
-            shift_B = (batch.doc_ids < 0).long().cumprod(1).sum(1)       # left padding per row
+            shift_B = (batch.doc_ids < 0).long().cumprod(1).sum(1)  # left padding per row
             T = input_ids.shape[1]
             to_right = (torch.arange(T, device=input_ids.device)[None] + shift_B[:, None]) % T
-            right = PackedBatch(*(t.gather(1, to_right)
-                                  for t in (batch.input_ids, batch.labels, batch.doc_ids)),
-                                positions_in_doc(batch.doc_ids.gather(1, to_right)),
-                                batch.modality.gather(1, to_right), batch.pixel_patches,
-                                batch.patch_coords, batch.image_grids)
+            right = PackedBatch(
+                *(t.gather(1, to_right) for t in (batch.input_ids, batch.labels, batch.doc_ids)),
+                positions_in_doc(batch.doc_ids.gather(1, to_right)),
+                batch.modality.gather(1, to_right),
+                batch.pixel_patches,
+                batch.patch_coords,
+                batch.image_grids,
+            )
             out, new_cache = self.vlm.prefill(right)
             if self.on_prefill is not None:
                 self.on_prefill(out, right)
@@ -200,27 +246,45 @@ class ConceptMoEForCausalLM(PreTrainedModel, GenerationMixin):
         out = self.vlm(batch, output_hidden_states=bool(output_hidden_states))
         if self.on_prefill is not None:
             self.on_prefill(out, batch)
-        return CausalLMOutputWithPast(loss=out.lm_loss if labels is not None else None,
-                                      logits=out.logits, hidden_states=out.hidden_states)
+        return CausalLMOutputWithPast(
+            loss=out.lm_loss if labels is not None else None,
+            logits=out.logits,
+            hidden_states=out.hidden_states,
+        )
 
-    def prepare_inputs_for_generation(self, input_ids, attention_mask=None, pixel_patches=None,
-                                      patch_coords=None, image_grids=None, cache=None,
-                                      use_cache=None, **kwargs):
-        if cache is not None:   # the images were encoded at prefill; only the newest token goes in
+    def prepare_inputs_for_generation(
+        self,
+        input_ids,
+        attention_mask=None,
+        pixel_patches=None,
+        patch_coords=None,
+        image_grids=None,
+        cache=None,
+        use_cache=None,
+        **kwargs,
+    ):
+        if cache is not None:  # the images were encoded at prefill; only the newest token goes in
             return {"input_ids": input_ids[:, -1:], "cache": cache}
-        return {"input_ids": input_ids, "attention_mask": attention_mask,
-                "pixel_patches": pixel_patches, "patch_coords": patch_coords,
-                "image_grids": image_grids, "use_cache": use_cache}
+        return {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "pixel_patches": pixel_patches,
+            "patch_coords": patch_coords,
+            "image_grids": image_grids,
+            "use_cache": use_cache,
+        }
 
 
 def register() -> None:
     """Register the config, model, image processor and processor with transformers' Auto classes
     (idempotent; run when this module is imported, so every loader in the project, which imports it,
     finds them)."""
-    for auto, args in ((AutoConfig, (MODEL_TYPE, ConceptMoEConfig)),
-                       (AutoModelForCausalLM, (ConceptMoEConfig, ConceptMoEForCausalLM)),
-                       (AutoImageProcessor, (ConceptMoEConfig, ConceptMoEImageProcessor)),
-                       (AutoProcessor, (ConceptMoEConfig, ConceptMoEProcessor))):
+    for auto, args in (
+        (AutoConfig, (MODEL_TYPE, ConceptMoEConfig)),
+        (AutoModelForCausalLM, (ConceptMoEConfig, ConceptMoEForCausalLM)),
+        (AutoImageProcessor, (ConceptMoEConfig, ConceptMoEImageProcessor)),
+        (AutoProcessor, (ConceptMoEConfig, ConceptMoEProcessor)),
+    ):
         try:
             auto.register(*args)
         except ValueError:  # already registered
@@ -229,8 +293,9 @@ def register() -> None:
 
 def hf_config_for(model: ConceptMoEVLM, image_pad_id: int = -1) -> ConceptMoEConfig:
     vision = to_dict(model.vision_cfg) if model.vision_cfg is not None else None
-    return ConceptMoEConfig(model=to_dict(model.model_cfg), vision=vision,
-                            image_pad_id=image_pad_id)
+    return ConceptMoEConfig(
+        model=to_dict(model.model_cfg), vision=vision, image_pad_id=image_pad_id
+    )
 
 
 def save_pretrained(model: ConceptMoEVLM, out_dir: str | Path, tokenizer=None) -> Path:
@@ -244,9 +309,11 @@ def save_pretrained(model: ConceptMoEVLM, out_dir: str | Path, tokenizer=None) -
         wrapper.config.eos_token_id = tokenizer.eos_id
         wrapper.config.pad_token_id = tokenizer.pad_id
         wrapper.config.bos_token_id = tokenizer.bos_id
-        wrapper.generation_config = GenerationConfig(eos_token_id=stop_token_ids(tokenizer),
-                                                     pad_token_id=tokenizer.pad_id,
-                                                     bos_token_id=tokenizer.bos_id)
+        wrapper.generation_config = GenerationConfig(
+            eos_token_id=stop_token_ids(tokenizer),
+            pad_token_id=tokenizer.pad_id,
+            bos_token_id=tokenizer.bos_id,
+        )
         tokenizer.save(out_dir)
     wrapper.save_pretrained(out_dir)
     if tokenizer is not None:
@@ -276,8 +343,9 @@ def save_processor(model: ConceptMoEVLM, out_dir: str | Path) -> None:
         tok.save_pretrained(str(out_dir))
         return
     image_processor = ConceptMoEImageProcessor(**to_dict(model.vision_cfg.processor))
-    ConceptMoEProcessor(image_processor=image_processor,
-                        tokenizer=tok).save_pretrained(str(out_dir))
+    ConceptMoEProcessor(image_processor=image_processor, tokenizer=tok).save_pretrained(
+        str(out_dir)
+    )
 
 
 def _keeps_source_format(out_dir: str | Path) -> bool:

@@ -1,4 +1,5 @@
 """Small building blocks shared by every stack: RMSNorm, rotary embeddings, packed-row positions."""
+
 from __future__ import annotations
 
 import torch
@@ -83,6 +84,9 @@ def positions_in_doc(doc_BT: torch.Tensor) -> torch.Tensor:
     """Index of each position within its (contiguous) document; padding gets 0."""
     T = doc_BT.shape[1]
     idx = torch.arange(T, device=doc_BT.device).expand_as(doc_BT)
-    first = torch.where(doc_starts(doc_BT) | (doc_BT < 0), idx,
-                        torch.zeros_like(idx)).cummax(dim=1).values
+    first = (
+        torch.where(doc_starts(doc_BT) | (doc_BT < 0), idx, torch.zeros_like(idx))
+        .cummax(dim=1)
+        .values
+    )
     return torch.where(doc_BT >= 0, idx - first, torch.zeros_like(idx))

@@ -8,12 +8,17 @@ before still load: `torch.nn.Module.load_state_dict` through the MoE's pre-hook
 without `load_state_dict`), and the readers that see the stored names (the export check,
 `init_from`'s checkpoint reader) through `current_key`.
 """
+
 from __future__ import annotations
 
 # stored name of a parameter (the last part of its key) -> its name today
 RENAMED = {
-    "w_gate_EDH": "w_gate_EDF", "w_up_EDH": "w_up_EDF", "w_down_EHD": "w_down_EFD",
-    "adj_gate_GDH": "adj_gate_GDF", "adj_up_GDH": "adj_up_GDF", "adj_down_GHD": "adj_down_GFD",
+    "w_gate_EDH": "w_gate_EDF",
+    "w_up_EDH": "w_up_EDF",
+    "w_down_EHD": "w_down_EFD",
+    "adj_gate_GDH": "adj_gate_GDF",
+    "adj_up_GDH": "adj_up_GDF",
+    "adj_down_GHD": "adj_down_GFD",
 }
 
 # transformers' `from_pretrained(key_mapping=...)`: regular expressions over the stored keys

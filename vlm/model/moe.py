@@ -8,6 +8,7 @@ always-on shared experts, Grove MoE adjugate experts computed once per token per
 used only to select experts (Grove eq. 6), moved after each optimizer step from the accumulated
 expert loads.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -42,11 +43,11 @@ def mean_adjugate_per_token(stats: list[MoEStats]) -> torch.Tensor | float:
 
 @dataclass
 class Routing:
-    logits_NE: torch.Tensor       # fp32 router logits
-    scores_NE: torch.Tensor       # unbiased scores rho (eq. 10)
+    logits_NE: torch.Tensor  # fp32 router logits
+    scores_NE: torch.Tensor  # unbiased scores rho (eq. 10)
     # selected experts (int64), selected with the bias when enabled (eq. 6)
     experts_NK: torch.Tensor
-    weights_NK: torch.Tensor      # fp32 combine weights, from the unbiased scores
+    weights_NK: torch.Tensor  # fp32 combine weights, from the unbiased scores
 
 
 # ----------------------------------------------------------------------------- routing
@@ -58,19 +59,22 @@ def router_scores(logits_NE: torch.Tensor, kind: str) -> torch.Tensor:
         return logits_NE.softmax(dim=-1)
     if kind == "sigmoid":
         return logits_NE.sigmoid()
-    raise ValueError(f"MoEConfig.router: got {kind!r}, allowed values: 'softmax', 'sigmoid', "
-                     f"'grove'")
+    raise ValueError(
+        f"MoEConfig.router: got {kind!r}, allowed values: 'softmax', 'sigmoid', 'grove'"
+    )
 
 
-def select_experts(scores_NE: torch.Tensor, bias_E: torch.Tensor | None,
-                   top_k: int) -> torch.Tensor:
+def select_experts(
+    scores_NE: torch.Tensor, bias_E: torch.Tensor | None, top_k: int
+) -> torch.Tensor:
     """Grove eq. 6: argtopk(rho + b). The bias only changes which experts are chosen, never their weights."""
     biased_NE = scores_NE if bias_E is None else scores_NE + bias_E.to(scores_NE.dtype)
     return biased_NE.topk(top_k, dim=-1).indices
 
 
-def combine_weights(scores_NE: torch.Tensor, experts_NK: torch.Tensor,
-                    normalise: bool) -> torch.Tensor:
+def combine_weights(
+    scores_NE: torch.Tensor, experts_NK: torch.Tensor, normalise: bool
+) -> torch.Tensor:
     """Grove eq. 4 / 6 / 9: rho_i of the selected experts, optionally renormalised to sum to
     1 per token.
 
@@ -95,8 +99,9 @@ def route(logits_NE: torch.Tensor, cfg: MoEConfig, bias_E: torch.Tensor | None) 
     # gathered scores.
     with torch.no_grad():
         chooser_NE = router_scores(logits_NE, "sigmoid") if grove else scores_NE
-        experts_NK = select_experts(chooser_NE, bias_E if cfg.loss_free_balancing else None,
-                                    cfg.top_k)
+        experts_NK = select_experts(
+            chooser_NE, bias_E if cfg.loss_free_balancing else None, cfg.top_k
+        )
     normalise = cfg.grove_weights == "renormalised" if grove else cfg.norm_topk_prob
     weights_NK = combine_weights(scores_NE, experts_NK, normalise)
     return Routing(logits_NE, scores_NE, experts_NK, weights_NK)
@@ -108,13 +113,18 @@ def expert_load(experts_NK: torch.Tensor, num_experts: int) -> torch.Tensor:
     a host sync."""
     flat = experts_NK.reshape(-1)
     counts = torch.zeros(num_experts + 1, dtype=torch.float32, device=flat.device).index_add_(
-        0, flat, torch.ones(flat.shape, dtype=torch.float32, device=flat.device))
+        0, flat, torch.ones(flat.shape, dtype=torch.float32, device=flat.device)
+    )
     return counts[:num_experts]
 
 
-def switch_balance_loss(scores_NE: torch.Tensor, experts_NK: torch.Tensor | None,
-                        normalise_scores: bool, valid_N: torch.Tensor | None = None,
-                        load_E: torch.Tensor | None = None) -> torch.Tensor:
+def switch_balance_loss(
+    scores_NE: torch.Tensor,
+    experts_NK: torch.Tensor | None,
+    normalise_scores: bool,
+    valid_N: torch.Tensor | None = None,
+    load_E: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Switch Transformer balance loss E * sum_i f_i P_i (f_i: share of assignments, P_i:
     mean score), over the `valid_N` tokens (all when None; padding's sentinel assignments
     are not counted in f). `load_E`: the assignment counts when the caller has them (else
@@ -125,7 +135,11 @@ def switch_balance_loss(scores_NE: torch.Tensor, experts_NK: torch.Tensor | None
     times ours).
     """
     num_experts = scores_NE.shape[-1]
-    probs_NE = scores_NE / scores_NE.sum(-1, keepdim=True).clamp_min(1e-20) if normalise_scores else scores_NE
+    probs_NE = (
+        scores_NE / scores_NE.sum(-1, keepdim=True).clamp_min(1e-20)
+        if normalise_scores
+        else scores_NE
+    )
     load_E = expert_load(experts_NK, num_experts) if load_E is None else load_E
     # sum_i f_i P_i = (load . sum over valid tokens of the scores) / (assignments * valid tokens)
     score_sum_E = probs_NE.sum(0) if valid_N is None else torch.mv(probs_NE.t(), valid_N)
@@ -141,8 +155,9 @@ def router_z_loss(logits_NE: torch.Tensor, valid_N: torch.Tensor | None = None) 
     return (z_N * valid_N).sum() / valid_N.sum().clamp_min(1)
 
 
-def loss_free_bias_step(bias_E: torch.Tensor, load_E: torch.Tensor, rate: float,
-                        kind: str = "sign") -> torch.Tensor:
+def loss_free_bias_step(
+    bias_E: torch.Tensor, load_E: torch.Tensor, rate: float, kind: str = "sign"
+) -> torch.Tensor:
     """One loss-free balancing step from the loads (assignment counts) since the last one, recentred
     to mean 0.
 
@@ -172,23 +187,33 @@ def expert_group(experts_NK: torch.Tensor, experts_per_group: int) -> torch.Tens
     return torch.div(experts_NK, experts_per_group, rounding_mode="floor")
 
 
-def group_routing_weights(groups_NK: torch.Tensor, weights_NK: torch.Tensor, num_groups: int
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
+def group_routing_weights(
+    groups_NK: torch.Tensor, weights_NK: torch.Tensor, num_groups: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Grove eq. 5: per token and group, the summed weights (rho_r + rho_s + ...) of its selected
     experts in that group, and for each of the token's K choices whether it is the first one in its
     group (that group's adjugate then runs once, for this choice). Group ids equal to `num_groups`
     (padding) are neither summed nor first."""
     N, K = groups_NK.shape
-    rho_NG = weights_NK.new_zeros(N, num_groups + 1).scatter_add(1, groups_NK, weights_NK)[:, :num_groups]
-    earlier_KK = torch.ones(K, K, dtype=torch.bool, device=groups_NK.device).tril(-1)   # k' < k
+    rho_NG = weights_NK.new_zeros(N, num_groups + 1).scatter_add(1, groups_NK, weights_NK)[
+        :, :num_groups
+    ]
+    earlier_KK = torch.ones(K, K, dtype=torch.bool, device=groups_NK.device).tril(-1)  # k' < k
     repeat_NK = ((groups_NK[:, :, None] == groups_NK[:, None, :]) & earlier_KK).any(-1)
     return rho_NG, ~repeat_NK & (groups_NK < num_groups)
 
 
-def adjugate_contribution(x_ND: torch.Tensor, groups_NK: torch.Tensor, weights_NK: torch.Tensor,
-                          num_groups: int, lam: float, w_gate_GDF: torch.Tensor,
-                          w_up_GDF: torch.Tensor, w_down_GFD: torch.Tensor,
-                          use_grouped: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def adjugate_contribution(
+    x_ND: torch.Tensor,
+    groups_NK: torch.Tensor,
+    weights_NK: torch.Tensor,
+    num_groups: int,
+    lam: float,
+    w_gate_GDF: torch.Tensor,
+    w_up_GDF: torch.Tensor,
+    w_down_GFD: torch.Tensor,
+    use_grouped: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Grove eq. 3-5: sum over the token's active groups j of lambda * (sum of rho in G_j) * A_j(x),
     each A_j once.
 
@@ -215,7 +240,9 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # gate and up in one matmul (the weights keep their names, concatenated per call)
-        gate, up = F.linear(x, torch.cat([self.gate_proj.weight, self.up_proj.weight])).chunk(2, dim=-1)
+        gate, up = F.linear(x, torch.cat([self.gate_proj.weight, self.up_proj.weight])).chunk(
+            2, dim=-1
+        )
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -234,12 +261,16 @@ class MoE(nn.Module):
         # "auto": grouped_mm when grouped_mm_available(), else the per-expert loop. Settable
         # for tests/benchmarks.
         self.dispatch: DispatchMode = "auto"
-        E, hidden = cfg.num_experts, cfg.expert_hidden   # (F is torch.nn.functional here)
+        E, hidden = cfg.num_experts, cfg.expert_hidden  # (F is torch.nn.functional here)
         self.router = nn.Linear(dim, E, bias=False)
         self.w_gate_EDF = nn.Parameter(torch.empty(E, dim, hidden))
         self.w_up_EDF = nn.Parameter(torch.empty(E, dim, hidden))
         self.w_down_EFD = nn.Parameter(torch.empty(E, hidden, dim))
-        self.shared = SwiGLU(dim, cfg.num_shared_experts * cfg.shared_hidden) if cfg.num_shared_experts else None
+        self.shared = (
+            SwiGLU(dim, cfg.num_shared_experts * cfg.shared_hidden)
+            if cfg.num_shared_experts
+            else None
+        )
         if cfg.grove_groups:
             G, adj_hidden = cfg.grove_groups, cfg.grove_hidden
             self.adj_gate_GDF = nn.Parameter(torch.empty(G, dim, adj_hidden))
@@ -248,7 +279,7 @@ class MoE(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(E), persistent=True)
         self.register_buffer("load_accum", torch.zeros(E), persistent=True)
         self.reset_parameters(init_std)
-        self.register_load_state_dict_pre_hook(rename_legacy_keys)   # older names (legacy_names)
+        self.register_load_state_dict_pre_hook(rename_legacy_keys)  # older names (legacy_names)
 
     @torch.no_grad()
     def reset_parameters(self, init_std: float = 0.02) -> None:
@@ -270,14 +301,15 @@ class MoE(nn.Module):
             return False
         ok = grouped_mm_available(x_AD, *weights)
         if self.dispatch == "grouped_mm" and not ok:
-            raise RuntimeError(f"MoE.dispatch='grouped_mm' but torch._grouped_mm cannot run dtype "
-                               f"{x_AD.dtype} on {x_AD.device.type} with dim={self.dim} (needs "
-                               f"16-byte aligned rows)")
+            raise RuntimeError(
+                f"MoE.dispatch='grouped_mm' but torch._grouped_mm cannot run dtype {x_AD.dtype} "
+                f"on {x_AD.device.type} with dim={self.dim} (needs 16-byte aligned rows)"
+            )
         return ok
 
-    def forward(self, x_ND: torch.Tensor, valid_N: torch.Tensor | None = None,
-                accumulate_load: bool = True
-                ) -> tuple[torch.Tensor, MoEStats]:
+    def forward(
+        self, x_ND: torch.Tensor, valid_N: torch.Tensor | None = None, accumulate_load: bool = True
+    ) -> tuple[torch.Tensor, MoEStats]:
         """[N, D] -> [N, D] and the layer's statistics. `valid_N` (bool): the rows that are real
         tokens; the others (padding, unused concept capacity) are routed nowhere, computed by no
         expert, counted in no load and no loss, and come out as 0. Static shapes throughout (no host
@@ -288,8 +320,9 @@ class MoE(nn.Module):
         (vlm.model.block.run_stack) outside the block, so that activation checkpointing's
         recomputation does not count them twice."""
         if x_ND.dim() != 2 or x_ND.shape[-1] != self.dim:
-            raise ValueError(f"MoE expects x_ND of shape [tokens, {self.dim}], got "
-                             f"{tuple(x_ND.shape)}")
+            raise ValueError(
+                f"MoE expects x_ND of shape [tokens, {self.dim}], got {tuple(x_ND.shape)}"
+            )
         cfg, E = self.cfg, self.num_experts
         dev_type = x_ND.device.type
         with torch.autocast(dev_type, enabled=False):
@@ -305,41 +338,62 @@ class MoE(nn.Module):
             self.load_accum.add_(load_E)
         valid_f = None if valid_N is None else valid_N.float()
 
-        N = x_ND.shape[0]   # a shape: static, no synchronisation
+        N = x_ND.shape[0]  # a shape: static, no synchronisation
         terms = []
         if cfg.balance_loss_weight and N:
-            balance = switch_balance_loss(r.scores_NE, None, cfg.router == "sigmoid", valid_f,
-                                          load_E)
+            balance = switch_balance_loss(
+                r.scores_NE, None, cfg.router == "sigmoid", valid_f, load_E
+            )
             terms.append(cfg.balance_loss_weight * balance)
         if cfg.z_loss_weight and N:
             terms.append(cfg.z_loss_weight * router_z_loss(logits_NE, valid_f))
         aux = sum(terms[1:], terms[0]) if terms else logits_NE.new_zeros(())
 
-        dtype = torch.get_autocast_dtype(dev_type) if torch.is_autocast_enabled(dev_type) else x_ND.dtype
+        dtype = (
+            torch.get_autocast_dtype(dev_type)
+            if torch.is_autocast_enabled(dev_type)
+            else x_ND.dtype
+        )
         x_c = x_ND.to(dtype)
-        y_AD = expert_swiglu(x_c, slots, self.w_gate_EDF, self.w_up_EDF, self.w_down_EFD,
-                             self._use_grouped(x_c, self.w_gate_EDF, self.w_down_EFD))
+        y_AD = expert_swiglu(
+            x_c,
+            slots,
+            self.w_gate_EDF,
+            self.w_up_EDF,
+            self.w_down_EFD,
+            self._use_grouped(x_c, self.w_gate_EDF, self.w_down_EFD),
+        )
         y_AD = y_AD * r.weights_NK.reshape(-1)[slots.order_A].to(dtype)[:, None]
         out_ND = torch.zeros_like(x_c).index_add_(0, slots.tok_A, y_AD)
 
         adj_per_token = None
         if cfg.grove_groups:
             G = cfg.grove_groups
-            groups_NK = expert_group(experts_NK, E // G)   # padding's sentinel E lands on group G
+            groups_NK = expert_group(experts_NK, E // G)  # padding's sentinel E lands on group G
             adj_ND, evals = adjugate_contribution(
-                x_c, groups_NK, r.weights_NK, G, cfg.grove_lambda, self.adj_gate_GDF,
-                self.adj_up_GDF, self.adj_down_GFD,
-                self._use_grouped(x_c, self.adj_gate_GDF, self.adj_down_GFD))
+                x_c,
+                groups_NK,
+                r.weights_NK,
+                G,
+                cfg.grove_lambda,
+                self.adj_gate_GDF,
+                self.adj_up_GDF,
+                self.adj_down_GFD,
+                self._use_grouped(x_c, self.adj_gate_GDF, self.adj_down_GFD),
+            )
             out_ND = out_ND + adj_ND
-            n = (x_ND.new_tensor(x_ND.shape[0], dtype=torch.float32) if valid_f is None
-                 else valid_f.sum())
+            n = (
+                x_ND.new_tensor(x_ND.shape[0], dtype=torch.float32)
+                if valid_f is None
+                else valid_f.sum()
+            )
             adj_per_token = evals.float() / n.clamp_min(1)
         if self.shared is not None:
             shared_ND = self.shared(x_c)
             out_ND = out_ND + (shared_ND if pad_N1 is None else shared_ND.masked_fill(pad_N1, 0))
-        return out_ND.to(x_ND.dtype), MoEStats(aux, load_E.detach(),
-                                               None if adj_per_token is None
-                                               else adj_per_token.detach())
+        return out_ND.to(x_ND.dtype), MoEStats(
+            aux, load_E.detach(), None if adj_per_token is None else adj_per_token.detach()
+        )
 
     @torch.no_grad()
     def update_bias(self, load_E: torch.Tensor | None = None) -> None:
@@ -348,23 +402,29 @@ class MoE(nn.Module):
         loss_free_balancing is off."""
         load = self.load_accum if load_E is None else load_E.to(self.load_accum)
         if load.shape != (self.num_experts,):
-            raise ValueError(f"update_bias: load_E must have shape [{self.num_experts}], got "
-                             f"{tuple(load.shape)}")
+            raise ValueError(
+                f"update_bias: load_E must have shape [{self.num_experts}], got {tuple(load.shape)}"
+            )
         if self.cfg.loss_free_balancing:
-            self.expert_bias.copy_(loss_free_bias_step(self.expert_bias, load,
-                                                       self.cfg.bias_update_rate,
-                                                       self.cfg.bias_update))
+            self.expert_bias.copy_(
+                loss_free_bias_step(
+                    self.expert_bias, load, self.cfg.bias_update_rate, self.cfg.bias_update
+                )
+            )
         self.load_accum.zero_()
 
     def extra_repr(self) -> str:
         c = self.cfg
-        return (f"dim={self.dim}, experts={c.num_experts}, top_k={c.top_k}, "
-                f"hidden={c.expert_hidden}, router={c.router}, "
-                f"shared={c.num_shared_experts}x{c.shared_hidden}, grove_groups={c.grove_groups}")
+        return (
+            f"dim={self.dim}, experts={c.num_experts}, top_k={c.top_k}, "
+            f"hidden={c.expert_hidden}, router={c.router}, "
+            f"shared={c.num_shared_experts}x{c.shared_hidden}, grove_groups={c.grove_groups}"
+        )
 
 
-def update_moe_biases(model: nn.Module,
-                      all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+def update_moe_biases(
+    model: nn.Module, all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+) -> None:
     """Loss-free balancing step for every MoE in `model`: sum the accumulated loads over ranks with
     `all_reduce` (one call for all layers; an in-place all-reduce that returns None also works),
     then update each layer's bias. Call after each optimizer step, not each micro-batch."""

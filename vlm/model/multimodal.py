@@ -4,6 +4,7 @@ ConceptMoE LM's sequence.
 The chunk module then compresses both modalities jointly (ConceptMoE section 4.2); every statistic
 is kept per modality (see vlm/model/stats.py).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -35,36 +36,53 @@ class ConceptMoEVLM(nn.Module):
                 raise ValueError(f"batch has {int(image_BT.sum())} image positions but no images")
             return x_BTD
         if self.vision is None:
-            raise ConfigError("the data carries images but the config has no vision tower (vision: "
-                              "null): give it a vision section, or train on text-only sources")
+            raise ConfigError(
+                "the data carries images but the config has no vision tower (vision: "
+                "null): give it a vision section, or train on text-only sources"
+            )
         feats_ND = self.vision(batch.pixel_patches, batch.patch_coords, batch.image_grids)
         if feats_ND.shape[0] != int(image_BT.sum()):
-            raise ValueError(f"images give {feats_ND.shape[0]} vision tokens but the batch has "
-                             f"{int(image_BT.sum())} image positions")
+            raise ValueError(
+                f"images give {feats_ND.shape[0]} vision tokens but "
+                f"the batch has {int(image_BT.sum())} image positions"
+            )
         x_BTD = x_BTD.clone()
         x_BTD[image_BT] = feats_ND.to(x_BTD.dtype)
         return x_BTD
 
     def above_index(self, batch: PackedBatch) -> torch.Tensor | None:
         """For 2D-aware boundaries: the row position of the token above each image token in its grid, else -1."""
-        if not self.model_cfg.chunk.grid_aware_boundaries or batch.image_grids is None or self.vision is None:
+        if (
+            not self.model_cfg.chunk.grid_aware_boundaries
+            or batch.image_grids is None
+            or self.vision is None
+        ):
             return None
         token_grids_I2 = torch.div(batch.image_grids, self.vision.merge, rounding_mode="floor")
-        bi, ti = (batch.modality == IMAGE).nonzero(as_tuple=True)   # row-major = image order
+        bi, ti = (batch.modality == IMAGE).nonzero(as_tuple=True)  # row-major = image order
         row_N, _ = token_rows_cols(token_grids_I2)
         w_N = torch.repeat_interleave(token_grids_I2[:, 1], token_grids_I2.prod(1))
         above = torch.full_like(batch.doc_ids, -1)
         above[bi, ti] = torch.where(row_N > 0, ti - w_N, torch.full_like(ti, -1))
         return above
 
-    def forward(self, batch: PackedBatch, force: str | torch.Tensor | None = None,
-                output_hidden_states: bool = False) -> ModelOutput:
+    def forward(
+        self,
+        batch: PackedBatch,
+        force: str | torch.Tensor | None = None,
+        output_hidden_states: bool = False,
+    ) -> ModelOutput:
         # Images are never predicted, whatever the data says.
-        batch = dataclasses.replace(batch,
-                                    labels=batch.labels.masked_fill(batch.modality == IMAGE,
-                                                                    IGNORE_INDEX))
-        return self.lm(batch, inputs_embeds=self.embed(batch), above_BT=self.above_index(batch),
-                       force=force, output_hidden_states=output_hidden_states)
+        batch = dataclasses.replace(
+            batch, labels=batch.labels.masked_fill(batch.modality == IMAGE, IGNORE_INDEX)
+        )
+        return self.lm(
+            batch,
+            inputs_embeds=self.embed(batch),
+            above_BT=self.above_index(batch),
+            force=force,
+            output_hidden_states=output_hidden_states,
+        )
 
     @torch.no_grad()
     def prefill(self, batch: PackedBatch, max_new_tokens: int = 0):

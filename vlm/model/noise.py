@@ -10,6 +10,7 @@ gives the same noise on every device and under compile.
 The hash is Chris Wellons' "lowbias32" integer mixer with both multipliers below 2^31, so that every
 product of a 32-bit value fits in a signed int64 (no overflow in any backend).
 """
+
 from __future__ import annotations
 
 import math
@@ -28,8 +29,9 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def uniform(seed: torch.Tensor, shape: tuple[int, ...], device: torch.device,
-            stream: int = 0) -> torch.Tensor:
+def uniform(
+    seed: torch.Tensor, shape: tuple[int, ...], device: torch.device, stream: int = 0
+) -> torch.Tensor:
     """float32 in [0, 1) of `shape`, one value per flat position, from a 0-d int64 `seed`; `stream`
     picks an independent sequence for the same seed (e.g. the two uniforms of Box-Muller)."""
     n = math.prod(shape)
@@ -37,11 +39,11 @@ def uniform(seed: torch.Tensor, shape: tuple[int, ...], device: torch.device,
     s = seed.to(device=device, dtype=torch.int64)
     x = _mix32((i ^ (s & _M32)) & _M32)
     x = _mix32(x ^ ((s >> 32) & _M32))
-    return ((x >> 8).to(torch.float32) * 2.0 ** -24).view(shape)
+    return ((x >> 8).to(torch.float32) * 2.0**-24).view(shape)
 
 
 def normal(seed: torch.Tensor, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
     """Standard normal noise of `shape` (Box-Muller on two independent uniform streams)."""
-    u1 = 1.0 - uniform(seed, shape, device, 0)   # (0, 1]: log is finite
+    u1 = 1.0 - uniform(seed, shape, device, 0)  # (0, 1]: log is finite
     u2 = uniform(seed, shape, device, 1)
     return torch.sqrt(-2.0 * torch.log(u1)) * torch.cos(2 * math.pi * u2)

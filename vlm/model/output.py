@@ -5,6 +5,7 @@ Turning them into logged statistics (per-modality ratios, histograms, expert loa
 transfer per step) is the reader's job: `vlm.model.stats.summarize` for one output, the trainer's
 metrics for a step.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -30,11 +31,11 @@ def total_loss(lm, ratio, balance, weight: float):
 
 @dataclass
 class ModelOutput:
-    logits: torch.Tensor                    # [B, T, V]
+    logits: torch.Tensor  # [B, T, V]
     # total_loss(lm_loss, ratio_loss, balance_loss, ratio_weight)
     loss: torch.Tensor
-    lm_loss: torch.Tensor                   # mean next-token loss over labelled positions
-    ratio_loss: torch.Tensor                # eq. 4 (unweighted; 0 when chunking is off)
+    lm_loss: torch.Tensor  # mean next-token loss over labelled positions
+    ratio_loss: torch.Tensor  # eq. 4 (unweighted; 0 when chunking is off)
     # MoE balance + z losses, already weighted by their coefficients
     balance_loss: torch.Tensor
     # The LM loss split by sample kind: "loss/text_only", "loss/image_text" -> (mean,
@@ -57,5 +58,9 @@ class ModelOutput:
         """`loss` with the LM part scaled by `lm_scale` (a micro-batch's share of the global batch's
         labelled tokens) and the ratio part by `ratio_scale` (the global parser's K W): what a
         training step back-propagates. `total()` is `loss`."""
-        return total_loss(self.lm_loss * lm_scale, self.ratio_loss, self.balance_loss,
-                          self.ratio_weight * ratio_scale)
+        return total_loss(
+            self.lm_loss * lm_scale,
+            self.ratio_loss,
+            self.balance_loss,
+            self.ratio_weight * ratio_scale,
+        )

@@ -12,6 +12,7 @@ The prompt the processor builds is token for token the one the trainer and `Conc
 (`<bos>`, the chat template of data_pipelines/chat.py, each `<image>` expanded to its image's
 tokens): tests/test_hf_processor.py checks it against `make_prompt_batch`.
 """
+
 from __future__ import annotations
 
 from dataclasses import fields
@@ -32,21 +33,30 @@ CHAT_TEMPLATE = (
     "{%- set ns = namespace(system='') -%}"
     "{%- for message in messages -%}"
     "{%- set part_ns = namespace(text='', after_image=false) -%}"
-    "{%- if message['content'] is string -%}{%- set part_ns.text = message['content'] -%}"
-    "{%- else -%}{%- for part in message['content'] -%}"
+    "{%- if message['content'] is string -%}"
+    "{%- set part_ns.text = message['content'] -%}"
+    "{%- else -%}"
+    "{%- for part in message['content'] -%}"
     "{%- if part['type'] == 'image' -%}"
-    "{%- set part_ns.text = part_ns.text + '" + IMAGE_TOKEN + "' -%}{%- set part_ns.after_image = "
-                                                              "true -%}"
+    "{%- set part_ns.text = part_ns.text + '" + IMAGE_TOKEN + "' -%}"
+    "{%- set part_ns.after_image = true -%}"
     "{%- elif part['type'] == 'text' -%}"
-    "{%- set part_ns.text = part_ns.text + ('\\n' if part_ns.after_image else '') + part['text'] "
-    "-%}{%- set part_ns.after_image = false -%}"
-    "{%- endif -%}{%- endfor -%}{%- endif -%}"
-    "{%- if message['role'] == 'system' -%}{%- set ns.system = ns.system + part_ns.text + '\\n' -%}"
-    "{%- elif message['role'] == 'user' -%}{{ '<|user|>' + ns.system + part_ns.text + '<|end|>' }}"
+    "{%- set part_ns.text = part_ns.text + ('\\n' if part_ns.after_image else '') + part['text'] -%}"
+    "{%- set part_ns.after_image = false -%}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- endif -%}"
+    "{%- if message['role'] == 'system' -%}"
+    "{%- set ns.system = ns.system + part_ns.text + '\\n' -%}"
+    "{%- elif message['role'] == 'user' -%}"
+    "{{ '<|user|>' + ns.system + part_ns.text + '<|end|>' }}"
     "{%- set ns.system = '' -%}"
-    "{%- elif message['role'] == 'assistant' -%}{{ '<|assistant|>' + part_ns.text + '<|end|>' }}"
-    "{%- else -%}{{ raise_exception('role must be system, user or assistant, got ' + "
-    "message['role']) }}{%- endif -%}{%- endfor -%}"
+    "{%- elif message['role'] == 'assistant' -%}"
+    "{{ '<|assistant|>' + part_ns.text + '<|end|>' }}"
+    "{%- else -%}"
+    "{{ raise_exception('role must be system, user or assistant, got ' + message['role']) }}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{ '<|assistant|>' }}{%- endif -%}"
 )
 
@@ -64,7 +74,7 @@ class ConceptMoEImageProcessor(BaseImageProcessor):
         super().__init__(**kwargs)
         self.processor_config = from_dict(ImageProcessorConfig, mine)
         for k, v in to_dict(self.processor_config).items():
-            setattr(self, k, v)   # so that save_pretrained writes them to preprocessor_config.json
+            setattr(self, k, v)  # so that save_pretrained writes them to preprocessor_config.json
         self._processor = ImageProcessor(self.processor_config)
 
     def tokens_per_image(self, grid: tuple[int, int]) -> int:
@@ -74,10 +84,13 @@ class ConceptMoEImageProcessor(BaseImageProcessor):
     def preprocess(self, images, return_tensors=None, **kwargs) -> BatchFeature:
         flat = _flatten(images)
         done = [self._processor(im) for im in flat]
-        data = {"pixel_patches": torch.cat([d.patches_PD for d in done]) if done
-                else torch.zeros(0, 0), "patch_coords": torch.cat([d.coords_P2 for d in done])
-                if done else torch.zeros(0, 2, dtype=torch.long),
-                "image_grids": torch.tensor([d.grid for d in done], dtype=torch.long).reshape(-1, 2)}
+        data = {
+            "pixel_patches": torch.cat([d.patches_PD for d in done]) if done else torch.zeros(0, 0),
+            "patch_coords": torch.cat([d.coords_P2 for d in done])
+            if done
+            else torch.zeros(0, 2, dtype=torch.long),
+            "image_grids": torch.tensor([d.grid for d in done], dtype=torch.long).reshape(-1, 2),
+        }
         return BatchFeature(data=data, tensor_type=None)
 
     def to_dict(self):
@@ -106,18 +119,22 @@ class ConceptMoEProcessor(ProcessorMixin):
         chat_template = chat_template or getattr(tokenizer, "chat_template", None) or CHAT_TEMPLATE
         super().__init__(image_processor, tokenizer, chat_template=chat_template, **kwargs)
 
-    def __call__(self, images=None, text=None, return_tensors=None, padding=True,
-                 **kwargs) -> BatchFeature:
+    def __call__(
+        self, images=None, text=None, return_tensors=None, padding=True, **kwargs
+    ) -> BatchFeature:
         if text is None:
-            raise ValueError("ConceptMoEProcessor needs text (with one <image> per image, e.g. "
-                             "from apply_chat_template)")
+            raise ValueError(
+                "ConceptMoEProcessor needs text (with one <image> "
+                "per image, e.g. from apply_chat_template)"
+            )
         texts = [text] if isinstance(text, str) else list(text)
         flat = _flatten(images)
         wanted = sum(t.count(IMAGE_TOKEN) for t in texts)
         if wanted != len(flat):
-            raise ValueError(f"the text has {wanted} {IMAGE_TOKEN} placeholder(s) but {len(flat)} "
-                             f"image(s) were "
-                             "given: one image per placeholder, in order")
+            raise ValueError(
+                f"the text has {wanted} {IMAGE_TOKEN} placeholder(s) but {len(flat)} "
+                "image(s) were given: one image per placeholder, in order"
+            )
         vision = self.image_processor.preprocess(flat) if flat else None
         grids = vision["image_grids"].tolist() if vision is not None else []
         expanded, k = [], 0
@@ -131,8 +148,13 @@ class ConceptMoEProcessor(ProcessorMixin):
             # None for a source without one (Qwen): trained without it too
             bos = self.tokenizer.bos_token
             expanded.append(out if not bos or out.startswith(bos) else bos + out)
-        enc = self.tokenizer(expanded, add_special_tokens=False, padding=padding,
-                             return_tensors=return_tensors, **kwargs)
+        enc = self.tokenizer(
+            expanded,
+            add_special_tokens=False,
+            padding=padding,
+            return_tensors=return_tensors,
+            **kwargs,
+        )
         data = dict(enc)
         if vision is not None:
             data.update(vision)

@@ -1,6 +1,7 @@
 """The ratio loss (ConceptMoE eq. 4) over the batch, and its per-document form (beyond the paper).
 
 F (the boundary fraction) carries no gradient; gradients reach p only through G (the mean p)."""
+
 from __future__ import annotations
 
 import math
@@ -20,12 +21,19 @@ def document_ratio_target(F_: torch.Tensor, R: float, slack: float) -> torch.Ten
     Inside the band eq. 4 at R_d = 1/F is 1 with zero gradient in G, so the document is free;
     outside, the document is pulled towards the nearest edge. F = 0 (no boundary) reads as an
     infinite ratio."""
-    return torch.where(F_ > 0, 1 / F_.clamp_min(1e-12),
-                       torch.full_like(F_, math.inf)).clamp(R / slack, R * slack)
+    return torch.where(F_ > 0, 1 / F_.clamp_min(1e-12), torch.full_like(F_, math.inf)).clamp(
+        R / slack, R * slack
+    )
 
 
-def document_ratio_loss(n_S: torch.Tensor, b_S: torch.Tensor, psum_S: torch.Tensor, N: torch.Tensor,
-                        R: float, slack: float) -> torch.Tensor:
+def document_ratio_loss(
+    n_S: torch.Tensor,
+    b_S: torch.Tensor,
+    psum_S: torch.Tensor,
+    N: torch.Tensor,
+    R: float,
+    slack: float,
+) -> torch.Tensor:
     """Sum over documents d of (n_d / N) * eq. 4(F_d, G_d, R_d), with F_d, G_d a document's own
     boundary fraction and mean p and R_d its `document_ratio_target`. Weighted by tokens over the
     group's global count N, so the gradient on one token's p has the scale of the batch loss's, and

@@ -21,6 +21,7 @@ intent wins (fewest structural changes; for loops the target loop count; for wid
 broken by mismatch. When no candidate is within tol (granularity too coarse, e.g. 2 experts), the
 best mismatch is returned with `within_tol = False` and a note.
 """
+
 from __future__ import annotations
 
 import math
@@ -40,8 +41,8 @@ STRATEGIES = {
 class Reallocation:
     name: str
     config: ModelConfig
-    flops_ratio: float        # per-token FLOPs / baseline's
-    params_ratio: float       # total parameters / baseline's
+    flops_ratio: float  # per-token FLOPs / baseline's
+    params_ratio: float  # total parameters / baseline's
     within_tol: bool
     note: str = ""
 
@@ -68,7 +69,7 @@ def _int_candidates(fn, x0: int, target: float, lo: int, hi: int, step: int = 1)
     y0, y1 = fn(x0), fn(x1)
     slope = (y1 - y0) / (x1 - x0)
     x = x0 if slope == 0 else x0 + (target - y0) / slope
-    x = min(max(x, lo), hi)          # out of reach: the nearest end is the best there is
+    x = min(max(x, lo), hi)  # out of reach: the nearest end is the best there is
     base = math.floor(x / step) * step
     cands = {base - step, base, base + step, base + 2 * step}
     return sorted(c for c in cands if lo <= c <= hi)
@@ -76,8 +77,11 @@ def _int_candidates(fn, x0: int, target: float, lo: int, hi: int, step: int = 1)
 
 def _concept_start(base: ModelConfig, ratio: float) -> ModelConfig:
     """The baseline with chunking on at ratio R and an explicit concept MoE (to be edited)."""
-    return replace(base, chunk=replace(base.chunk, enabled=True, target_ratio=float(ratio)),
-                   concept_moe=replace(base.c_moe))
+    return replace(
+        base,
+        chunk=replace(base.chunk, enabled=True, target_ratio=float(ratio)),
+        concept_moe=replace(base.c_moe),
+    )
 
 
 def _with(cfg: ModelConfig, k_tok: int | None = None, **concept_moe) -> ModelConfig:
@@ -122,10 +126,11 @@ class _Search:
         ok = key[0] == 0
         notes = [note] if note else []
         if not ok:
-            notes.append(f"best mismatch {max(abs(fr - 1), abs(pr - 1)):.1%} exceeds "
-                         f"{self.tol:.0%}: no integer "
-                         "choice of this strategy's knobs gets closer (granularity, or top_k "
-                         "capped by num_experts)")
+            notes.append(
+                f"best mismatch {max(abs(fr - 1), abs(pr - 1)):.1%} exceeds "
+                f"{self.tol:.0%}: no integer choice of this strategy's knobs "
+                "gets closer (granularity, or top_k capped by num_experts)"
+            )
         elif key[1] and off_intent_note:
             notes.append(off_intent_note)
         return Reallocation(name, cfg, fr, pr, ok, "; ".join(notes))
@@ -135,8 +140,7 @@ def _expert_counts(s: _Search, cfg: ModelConfig, e0: int, step: int) -> list[int
     """Concept expert counts to try: the baseline's and those giving back the chunk/joint parameters."""
     # top_k capped at the count so that every count tried is a valid config (parameters do not
     # depend on top_k)
-    # noqa: E731
-    fn = lambda e: count_params(_with(cfg, num_experts=e, top_k=min(cfg.c_moe.top_k, e)))["total"]
+    fn = lambda e: count_params(_with(cfg, num_experts=e, top_k=min(cfg.c_moe.top_k, e)))["total"]  # noqa: E731
     cands = _int_candidates(fn, e0, s.p0, step, e0, step)
     return sorted(set(cands) | {e0}, reverse=True)
 
@@ -150,13 +154,17 @@ def _search_setup(base: ModelConfig, ratio: float, tol: float, extra_tok_k: int)
     """The search, the concept model at the target ratio, and the token-level top-k values to try
     (raising the token top-k pays FLOPs back when there are token layers)."""
     k0 = base.moe.top_k
-    tok_range = range(k0, min(base.moe.num_experts, k0 + extra_tok_k) + 1) \
-        if base.encoder_layers + base.decoder_layers else [k0]
+    tok_range = (
+        range(k0, min(base.moe.num_experts, k0 + extra_tok_k) + 1)
+        if base.encoder_layers + base.decoder_layers
+        else [k0]
+    )
     return _Search(base, tol), _concept_start(base, ratio), tok_range
 
 
-def _more_experts(base: ModelConfig, ratio: float, tol: float,
-                  extra_tok_k: int = 2) -> Reallocation:
+def _more_experts(
+    base: ModelConfig, ratio: float, tol: float, extra_tok_k: int = 2
+) -> Reallocation:
     s, start, tok_range = _search_setup(base, ratio, tol, extra_tok_k)
     k0, kc0, e0 = base.moe.top_k, base.c_moe.top_k, base.c_moe.num_experts
     step = base.c_moe.grove_groups or 1
@@ -165,14 +173,24 @@ def _more_experts(base: ModelConfig, ratio: float, tol: float,
         for e_c in _expert_counts(s, cfg_t, e0, step):
             cfg_e = _with(cfg_t, num_experts=e_c, top_k=min(kc0, e_c))
             for k_c in _fit_topk(s, cfg_e, min(kc0, e_c), e_c):
-                s.offer(_with(cfg_e, top_k=k_c), dev=(k_tok - k0) + (e0 - e_c) / step,
-                        off_intent=k_c <= kc0)
-    return s.result("more_experts",
-                    off_intent_note="matched only without raising the concept top_k")
+                s.offer(
+                    _with(cfg_e, top_k=k_c),
+                    dev=(k_tok - k0) + (e0 - e_c) / step,
+                    off_intent=k_c <= kc0,
+                )
+    return s.result(
+        "more_experts", off_intent_note="matched only without raising the concept top_k"
+    )
 
 
-def _loop_more_experts(base: ModelConfig, ratio: float, tol: float, loop_fraction: float = 0.25,
-                       loop_layers: int | None = None, extra_tok_k: int = 2) -> Reallocation:
+def _loop_more_experts(
+    base: ModelConfig,
+    ratio: float,
+    tol: float,
+    loop_fraction: float = 0.25,
+    loop_layers: int | None = None,
+    extra_tok_k: int = 2,
+) -> Reallocation:
     lc = base.concept_layers
     target = loop_layers if loop_layers else max(1, round(loop_fraction * lc))
     if not 1 <= target <= lc:
@@ -181,7 +199,7 @@ def _loop_more_experts(base: ModelConfig, ratio: float, tol: float, loop_fractio
     k0, kc0, e0 = base.moe.top_k, base.c_moe.top_k, base.c_moe.num_experts
     step = base.c_moe.grove_groups or 1
     for ell in range(1, lc + 1):
-        first = (lc - ell) // 2          # loop the middle ("intermediate") layers
+        first = (lc - ell) // 2  # loop the middle ("intermediate") layers
         looped = replace(start, loop_start=first, loop_end=first + ell, loop_times=1)
         for k_tok in tok_range:
             cfg_t = _with(looped, k_tok)
@@ -190,13 +208,20 @@ def _loop_more_experts(base: ModelConfig, ratio: float, tol: float, loop_fractio
                 for k_c in _fit_topk(s, cfg_e, min(kc0, e_c), e_c):
                     dev = abs(ell - target) + (k_tok - k0) + (e0 - e_c) / step
                     s.offer(_with(cfg_e, top_k=k_c), dev, off_intent=k_c <= kc0)
-    return s.result("loop_more_experts", note=f"target loop layers {target}",
-                    off_intent_note="the loops alone spend the freed FLOPs: concept top_k not "
-                                    "raised")
+    return s.result(
+        "loop_more_experts",
+        note=f"target loop layers {target}",
+        off_intent_note="the loops alone spend the freed FLOPs: concept top_k not raised",
+    )
 
 
-def _wider_concept(base: ModelConfig, ratio: float, tol: float, concept_heads: int | None = None,
-                  max_heads: int = 8) -> Reallocation:
+def _wider_concept(
+    base: ModelConfig,
+    ratio: float,
+    tol: float,
+    concept_heads: int | None = None,
+    max_heads: int = 8,
+) -> Reallocation:
     s = _Search(base, tol)
     start = _concept_start(base, ratio)
     d, hq, hkv = base.c_hidden, base.c_heads, base.c_kv_heads
@@ -209,13 +234,16 @@ def _wider_concept(base: ModelConfig, ratio: float, tol: float, concept_heads: i
     heads = sorted(heads, key=lambda h: abs(h / hq - want))[:max_heads]
     if concept_heads is not None:
         if concept_heads % group or concept_heads <= hq:
-            raise ValueError(f"concept_heads must be a multiple of {group} (num_heads / "
-                             f"num_kv_heads) above num_heads={hq}, got {concept_heads}")
+            raise ValueError(
+                f"concept_heads must be a multiple of {group} (num_heads / "
+                f"num_kv_heads) above num_heads={hq}, got {concept_heads}"
+            )
         heads = [concept_heads]
     for h_c in heads:
         d_c = round(d * h_c / hq)
-        wide = replace(start, concept_hidden_size=d_c, concept_num_heads=h_c,
-                       concept_num_kv_heads=h_c // group)
+        wide = replace(
+            start, concept_hidden_size=d_c, concept_num_heads=h_c, concept_num_kv_heads=h_c // group
+        )
         for k_c in range(max(1, kc0 - 2), kc0 + 3):
             e_c, he, slope = e0, he0, 0.0
             # alternate the FLOPs-matching expert size and the params-matching count
@@ -224,26 +252,32 @@ def _wider_concept(base: ModelConfig, ratio: float, tol: float, concept_heads: i
                 f_a = flops_per_token(cfg)["total"]
                 slope = max(flops_per_token(_with(cfg, expert_hidden=he + 1))["total"] - f_a, 1e-9)
                 he = max(1, round(he + (s.f0 - f_a) / slope))
-                # noqa: E731
-                p_fn = lambda e: count_params(_with(cfg, expert_hidden=he, num_experts=e))["total"]
+                p_fn = lambda e: count_params(_with(cfg, expert_hidden=he, num_experts=e))["total"]  # noqa: E731
                 e_cands = _int_candidates(p_fn, e_c, s.p0, max(k_c, step), 1 << 20, step)
                 e_c = e_cands[len(e_cands) // 2] if e_cands else e_c
-            q_k = q    # round expert sizes to multiples of q unless one step moves FLOPs by > tol/4
+            q_k = q  # round expert sizes to multiples of q unless one step moves FLOPs by > tol/4
             while q_k > 1 and slope * q_k > s.tol / 4 * s.f0:
                 q_k //= 2
             for he_r in {max(q_k, he // q_k * q_k + j * q_k) for j in (-1, 0, 1, 2)}:
-                # noqa: E731
-                p_fn = lambda e: count_params(_with(wide, top_k=k_c, expert_hidden=he_r,
-                                                    num_experts=e))["total"]
+
+                def p_fn(e, he_r=he_r):
+                    sized = _with(wide, top_k=k_c, expert_hidden=he_r, num_experts=e)
+                    return count_params(sized)["total"]
+
                 for e_r in _int_candidates(p_fn, e_c, s.p0, max(k_c, step), 1 << 20, step):
                     dev = 10 * abs(h_c / hq - want) / want + abs(k_c - kc0)
                     s.offer(_with(wide, top_k=k_c, expert_hidden=he_r, num_experts=e_r), dev)
     return s.result("wider_concept", note=f"width target sqrt(R) = {want:.3f}")
 
 
-def search_reallocations(baseline_cfg: ModelConfig, ratio: float, tol: float = 0.02,
-                         loop_fraction: float = 0.25, loop_layers: int | None = None,
-                         concept_heads: int | None = None) -> dict[str, Reallocation]:
+def search_reallocations(
+    baseline_cfg: ModelConfig,
+    ratio: float,
+    tol: float = 0.02,
+    loop_fraction: float = 0.25,
+    loop_layers: int | None = None,
+    concept_heads: int | None = None,
+) -> dict[str, Reallocation]:
     """The three section-3.5 strategies for `baseline_cfg` at compression ratio `ratio`,
     with match info.
 
@@ -252,28 +286,35 @@ def search_reallocations(baseline_cfg: ModelConfig, ratio: float, tol: float = 0
     (paper 4.2: 1.5x).
     """
     if baseline_cfg.chunk.enabled:
-        raise ValueError("reallocate expects the MoE baseline (chunk.enabled: false); "
-                         "use cfg.baseline() for the same model without chunking")
+        raise ValueError(
+            "reallocate expects the MoE baseline (chunk.enabled: false); "
+            "use cfg.baseline() for the same model without chunking"
+        )
     if not ratio > 1.0:
         raise ValueError(f"compression ratio R must be > 1, got {ratio}")
     if baseline_cfg.concept_layers < 1:
-        raise ValueError("the baseline has no concept layers (concept_layers = 0): nothing to "
-                         "compress")
+        raise ValueError(
+            "the baseline has no concept layers (concept_layers = 0): nothing to compress"
+        )
     return {
         "more_experts": _more_experts(baseline_cfg, ratio, tol),
-        "loop_more_experts": _loop_more_experts(baseline_cfg, ratio, tol, loop_fraction,
-                                                loop_layers),
+        "loop_more_experts": _loop_more_experts(
+            baseline_cfg, ratio, tol, loop_fraction, loop_layers
+        ),
         "wider_concept": _wider_concept(baseline_cfg, ratio, tol, concept_heads),
     }
 
 
-def reallocate(baseline_cfg: ModelConfig, ratio: float, tol: float = 0.02, **options) -> dict[str, ModelConfig]:
+def reallocate(
+    baseline_cfg: ModelConfig, ratio: float, tol: float = 0.02, **options
+) -> dict[str, ModelConfig]:
     """ConceptMoE configs for the three strategies, matched to the baseline's FLOPs and parameters.
 
     `options` go to `search_reallocations` (loop_fraction, loop_layers, concept_heads).
     """
-    return {k: r.config for k, r in search_reallocations(baseline_cfg, ratio, tol,
-                                                         **options).items()}
+    return {
+        k: r.config for k, r in search_reallocations(baseline_cfg, ratio, tol, **options).items()
+    }
 
 
 def describe_changes(base: ModelConfig, cfg: ModelConfig) -> str:
@@ -284,48 +325,78 @@ def describe_changes(base: ModelConfig, cfg: ModelConfig) -> str:
     if cfg.moe.top_k != base.moe.top_k:
         out.append(f"E/D top_k {base.moe.top_k}->{cfg.moe.top_k}")
     bm, cm = base.c_moe, cfg.c_moe
-    for field, label in (("top_k", "C top_k"), ("num_experts", "C experts"),
-                         ("expert_hidden", "C expert_hidden")):
+    for field, label in (
+        ("top_k", "C top_k"),
+        ("num_experts", "C experts"),
+        ("expert_hidden", "C expert_hidden"),
+    ):
         if getattr(cm, field) != getattr(bm, field):
             out.append(f"{label} {getattr(bm, field)}->{getattr(cm, field)}")
     if cfg.c_hidden != base.c_hidden or cfg.c_heads != base.c_heads:
-        out.append(f"C hidden {base.c_hidden}->{cfg.c_hidden}, heads "
-                   f"{base.c_heads}/{base.c_kv_heads}->{cfg.c_heads}/{cfg.c_kv_heads}")
+        out.append(
+            f"C hidden {base.c_hidden}->{cfg.c_hidden}, heads "
+            f"{base.c_heads}/{base.c_kv_heads}->{cfg.c_heads}/{cfg.c_kv_heads}"
+        )
     if len(cfg.concept_schedule) != len(base.concept_schedule):
         out.append(f"loop layers [{cfg.loop_start},{cfg.loop_end})x{cfg.loop_times}")
     return "; ".join(out) or "-"
 
 
-def comparison_table(baseline_cfg: ModelConfig, ratio: float, seq_len: int = 32768,
-                     bytes_per_el: int = 2, causal: bool = True, tol: float = 0.02,
-                     extra: dict[str, ModelConfig] | None = None,
-                     found: dict[str, Reallocation] | None = None, **options) -> list[dict]:
+def comparison_table(
+    baseline_cfg: ModelConfig,
+    ratio: float,
+    seq_len: int = 32768,
+    bytes_per_el: int = 2,
+    causal: bool = True,
+    tol: float = 0.02,
+    extra: dict[str, ModelConfig] | None = None,
+    found: dict[str, Reallocation] | None = None,
+    **options,
+) -> list[dict]:
     """Rows of Table 1 with numbers: the baseline, the three strategies and any `extra` configs.
 
     Reductions are baseline / config (concept model alone, as in Table 1, and the whole model).
     `found` reuses a `search_reallocations` result (e.g. when tabulating several sequence lengths).
     """
     base = summary(baseline_cfg, None, seq_len, bytes_per_el, causal)
-    rows = [dict(name="baseline", method="Baseline (MoE)", changes="-", within_tol=True, note="",
-                 **base)]
-    found = found if found is not None else search_reallocations(baseline_cfg, ratio, tol,
-                                                                 **options)
+    rows = [
+        dict(
+            name="baseline", method="Baseline (MoE)", changes="-", within_tol=True, note="", **base
+        )
+    ]
+    found = (
+        found if found is not None else search_reallocations(baseline_cfg, ratio, tol, **options)
+    )
     items = [(k, STRATEGIES[k], r.config, r.within_tol, r.note) for k, r in found.items()]
     for k, cfg in (extra or {}).items():
         items.append((k, k, cfg, None, ""))
     for name, method, cfg, ok, note in items:
         row = summary(cfg, None, seq_len, bytes_per_el, causal)
         if ok is None:
-            err = max(abs(row["flops_per_token"] / base["flops_per_token"] - 1),
-                      abs(row["total_params"] / base["total_params"] - 1))
+            err = max(
+                abs(row["flops_per_token"] / base["flops_per_token"] - 1),
+                abs(row["total_params"] / base["total_params"] - 1),
+            )
             ok = err <= tol
-        rows.append(dict(name=name, method=method, changes=describe_changes(baseline_cfg, cfg),
-                         within_tol=ok, note=note, **row))
+        rows.append(
+            dict(
+                name=name,
+                method=method,
+                changes=describe_changes(baseline_cfg, cfg),
+                within_tol=ok,
+                note=note,
+                **row,
+            )
+        )
     for row in rows:
         row["flops_ratio"] = row["flops_per_token"] / base["flops_per_token"]
         row["params_ratio"] = row["total_params"] / base["total_params"]
-        row["attn_reduction_concept"] = base["attn_map_flops_concept"] / max(row["attn_map_flops_concept"], 1e-30)
-        row["kv_reduction_concept"] = base["kv_cache_bytes_concept"] / max(row["kv_cache_bytes_concept"], 1e-30)
+        row["attn_reduction_concept"] = base["attn_map_flops_concept"] / max(
+            row["attn_map_flops_concept"], 1e-30
+        )
+        row["kv_reduction_concept"] = base["kv_cache_bytes_concept"] / max(
+            row["kv_cache_bytes_concept"], 1e-30
+        )
         row["attn_reduction"] = base["attn_map_flops"] / max(row["attn_map_flops"], 1e-30)
         row["kv_reduction"] = base["kv_cache_bytes"] / max(row["kv_cache_bytes"], 1e-30)
     return rows

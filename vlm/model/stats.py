@@ -1,4 +1,5 @@
 """Per-modality chunking statistics and the loss split by sample kind (text-only vs image-text)."""
+
 from __future__ import annotations
 
 import torch
@@ -22,8 +23,12 @@ def lm_losses(logits_BTV: torch.Tensor, labels_BT: torch.Tensor, doc_BT, modalit
     mmloss/textloss), and the detached per-position loss [B, T] (0 where unlabelled) for statistics
     by kind and source."""
     labelled = labels_BT != IGNORE_INDEX
-    tok_loss = F.cross_entropy(logits_BTV.float().flatten(0, 1), labels_BT.flatten().clamp_min(0),
-                               reduction="none").view_as(labels_BT) * labelled
+    tok_loss = (
+        F.cross_entropy(
+            logits_BTV.float().flatten(0, 1), labels_BT.flatten().clamp_min(0), reduction="none"
+        ).view_as(labels_BT)
+        * labelled
+    )
     n = labelled.sum()
     lm = tok_loss.sum() / n.clamp_min(1)
     mm = sample_has_image(doc_BT, modality_BT)
@@ -42,9 +47,13 @@ def chunk_stats(p_BT, b_BT, doc_BT, modality_BT) -> dict[str, torch.Tensor]:
         n = sel.sum()
         nb = (b_BT & sel).sum()
         suffix = "ratio" if name == "all" else name
-        out[f"compression/{suffix}"] = n.float() / nb.clamp_min(1).float() if name == "all" else \
-            torch.where(nb > 0, n.float() / nb.clamp_min(1).float(),
-                        torch.zeros((), device=n.device))
+        out[f"compression/{suffix}"] = (
+            n.float() / nb.clamp_min(1).float()
+            if name == "all"
+            else torch.where(
+                nb > 0, n.float() / nb.clamp_min(1).float(), torch.zeros((), device=n.device)
+            )
+        )
         out[f"tokens/{name}"] = n.float()
         out[f"boundaries/{name}"] = nb.float()
         out[f"boundary_p/{name}"] = (p_BT.detach().float() * sel).sum() / n.clamp_min(1)
@@ -62,8 +71,13 @@ def summarize(out, batch) -> dict[str, float]:
     tensors = chunk_stats(p_BT, b_BT, batch.doc_ids, batch.modality)
     for name, (val, n) in out.loss_split.items():
         tensors[name], tensors[name + "#n"] = val, n.float()
-    tensors.update({"lm_loss": out.lm_loss.detach(), "ratio_loss": out.ratio_loss.detach(),
-                    "balance_loss": out.balance_loss.detach()})
+    tensors.update(
+        {
+            "lm_loss": out.lm_loss.detach(),
+            "ratio_loss": out.ratio_loss.detach(),
+            "balance_loss": out.balance_loss.detach(),
+        }
+    )
     stats = dict(zip(tensors, torch.stack([t.float() for t in tensors.values()]).tolist()))
     for name in out.loss_split:
         if stats.pop(name + "#n") == 0:

@@ -12,6 +12,7 @@ by its name.
   loads, the top-k router's score quantiles): to set aside around a pass that must not count, to
   drop for a skipped step, and to apply after an applied one, summed over ranks in one collective.
 """
+
 from __future__ import annotations
 
 from typing import Callable
@@ -78,5 +79,5 @@ class TrainingControls:
         parts = flat.split([t.numel() for t in stats])
         for m, load in zip(self.moes, parts):
             m.update_bias(load)
-        for m, q in zip(self.topk, parts[len(self.moes):]):
+        for m, q in zip(self.topk, parts[len(self.moes) :]):
             m.update_threshold(q)

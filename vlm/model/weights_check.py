@@ -14,6 +14,7 @@ that leaves every value finite (flipped bytes) is caught too. A mismatch is one 
 and both digests; weights edited on purpose load with `VLM_SKIP_WEIGHT_CHECKSUM=1`. An export
 without `checksums.json` (written before they were recorded, or by other tools) loads as before.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -31,9 +32,18 @@ INDEX = "model.safetensors.index.json"
 CHECKSUMS = "checksums.json"
 SKIP_CHECKSUM_ENV = "VLM_SKIP_WEIGHT_CHECKSUM"
 SKIP_HINT = f"if the weights were edited on purpose, load them with {SKIP_CHECKSUM_ENV}=1"
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-           "U8": torch.uint8, "BOOL": torch.bool}
+_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 
 
 class WeightsError(ConfigError):
@@ -47,7 +57,9 @@ def weight_files(path: Path) -> list[Path]:
         try:
             shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as e:
-            raise WeightsError(f"{index}: not a readable safetensors index ({type(e).__name__})") from None
+            raise WeightsError(
+                f"{index}: not a readable safetensors index ({type(e).__name__})"
+            ) from None
         files = [path / s for s in shards]
         for f in files:
             if not f.is_file() or f.resolve().parent != path.resolve():
@@ -71,8 +83,9 @@ def expected_tensors(config) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     if isinstance(want, str):
         want = getattr(torch, want.removeprefix("torch."), None)
     if not isinstance(want, torch.dtype) or not want.is_floating_point:
-        raise WeightsError(f"config dtype {getattr(config, 'dtype', None)!r} is not a "
-                           f"floating-point torch dtype")
+        raise WeightsError(
+            f"config dtype {getattr(config, 'dtype', None)!r} is not a floating-point torch dtype"
+        )
     with torch.device("meta"):
         model = ConceptMoEVLM(*config.build_configs()).to(want)
     out = {f"vlm.{k}": (tuple(t.shape), t.dtype) for k, t in model.state_dict().items()}
@@ -98,10 +111,12 @@ def check_exported_weights(path: str | Path, config) -> None:
     except WeightsError as e:
         raise WeightsError(f"{path / 'config.json'}: {e}") from None
     except (RuntimeError, ValueError, TypeError, OverflowError) as e:
-        raise WeightsError(f"{path / 'config.json'}: describes no model that can be built ({e})") from None
+        raise WeightsError(
+            f"{path / 'config.json'}: describes no model that can be built ({e})"
+        ) from None
     found: dict[str, Path] = {}
     headers: dict[str, tuple[tuple[int, ...], str]] = {}
-    stored: dict[str, str] = {}   # today's name -> the file's (legacy_names)
+    stored: dict[str, str] = {}  # today's name -> the file's (legacy_names)
     files = weight_files(path)
     for f in files:
         try:
@@ -110,27 +125,32 @@ def check_exported_weights(path: str | Path, config) -> None:
                     sl, k = h.get_slice(name), current_key(name)
                     headers[k] = (tuple(sl.get_shape()), sl.get_dtype())
                     found[k], stored[k] = f, name
-        # safetensors raises its own error types (and OSError) for unreadable files
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own error types (and OSError) for unreadable files
             raise WeightsError(f"{f}: not a readable safetensors file ({_reason(e)})") from None
     for k, (shape, dtype) in expected.items():
         if k not in headers:
-            raise WeightsError(f"{_where(path, files)}: tensor {k} is missing (the config needs "
-                               f"{list(shape)} {_name(dtype)})")
+            raise WeightsError(
+                f"{_where(path, files)}: tensor {k} is missing "
+                f"(the config needs {list(shape)} {_name(dtype)})"
+            )
         got_shape, got_dtype = headers[k]
         if got_shape != shape:
-            raise WeightsError(f"{found[k]}: tensor {k} has shape {list(got_shape)}, the config "
-                               f"needs {list(shape)}")
+            raise WeightsError(
+                f"{found[k]}: tensor {k} has shape "
+                f"{list(got_shape)}, the config needs {list(shape)}"
+            )
         got = _DTYPES.get(got_dtype)
         if got != dtype:
-            raise WeightsError(f"{found[k]}: tensor {k} has dtype "
-                               f"{_name(got) if got else got_dtype}, the config needs "
-                               f"{_name(dtype)}")
+            raise WeightsError(
+                f"{found[k]}: tensor {k} has dtype "
+                f"{_name(got) if got else got_dtype}, the config needs {_name(dtype)}"
+            )
     extra = [k for k in headers if k not in expected]
     if extra:
-        raise WeightsError(f"{found[extra[0]]}: tensor {extra[0]} is not part of the model its "
-                           f"config describes"
-                           + (f" ({len(extra) - 1} more)" if len(extra) > 1 else ""))
+        raise WeightsError(
+            f"{found[extra[0]]}: tensor {extra[0]} is not part of the model its config describes"
+            + (f" ({len(extra) - 1} more)" if len(extra) > 1 else "")
+        )
     for f in files:
         try:
             with safe_open(str(f), framework="pt") as h:
@@ -140,11 +160,13 @@ def check_exported_weights(path: str | Path, config) -> None:
                     t = h.get_tensor(stored[k])
                     if t.is_floating_point() and not bool(torch.isfinite(t).all()):
                         bad = int((~torch.isfinite(t)).sum())
-                        raise WeightsError(f"{f}: tensor {k} has {bad} non-finite values (NaN or "
-                                           f"inf) of {t.numel()}")
+                        raise WeightsError(
+                            f"{f}: tensor {k} has {bad} non-finite "
+                            f"values (NaN or inf) of {t.numel()}"
+                        )
         except WeightsError:
             raise
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001
             raise WeightsError(f"{f}: not a readable safetensors file ({_reason(e)})") from None
     verify_checksums(path, files)
 
@@ -189,27 +211,34 @@ def verify_checksums(path: str | Path, files: list[Path] | None = None) -> None:
     try:
         record = json.loads(record_file.read_text())
         recorded = record["files"]
-        if record.get("algorithm", "sha256") != "sha256" or not isinstance(recorded, dict) or \
-                not all(isinstance(v, str) for v in recorded.values()):
-            raise ValueError("expected {\"algorithm\": \"sha256\", \"files\": {name: digest}}")
+        if (
+            record.get("algorithm", "sha256") != "sha256"
+            or not isinstance(recorded, dict)
+            or not all(isinstance(v, str) for v in recorded.values())
+        ):
+            raise ValueError('expected {"algorithm": "sha256", "files": {name: digest}}')
     except (OSError, ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as e:
-        raise WeightsError(f"{record_file}: not a readable checksum file ({_reason(e)}); "
-                           f"{SKIP_HINT}") from None
+        raise WeightsError(
+            f"{record_file}: not a readable checksum file ({_reason(e)}); {SKIP_HINT}"
+        ) from None
     files = weight_files(path) if files is None else files
     if (path / INDEX).is_file():
         files = [path / INDEX, *files]
     for f in files:
         if f.name not in recorded:
-            raise WeightsError(f"{f}: not listed in {record_file} (written after the export); "
-                               f"{SKIP_HINT}")
+            raise WeightsError(
+                f"{f}: not listed in {record_file} (written after the export); {SKIP_HINT}"
+            )
     for name, want in recorded.items():
         f = path / name
         if not f.is_file() or f.resolve().parent != path.resolve():
             raise WeightsError(f"{f}: recorded in {record_file} but missing; {SKIP_HINT}")
         got = sha256_file(f)
         if got != want.lower():
-            raise WeightsError(f"{f}: SHA-256 is {got}, {CHECKSUMS} recorded {want} at export (the "
-                               f"file changed since); {SKIP_HINT}")
+            raise WeightsError(
+                f"{f}: SHA-256 is {got}, {CHECKSUMS} recorded {want} "
+                f"at export (the file changed since); {SKIP_HINT}"
+            )
 
 
 def read_config(path: Path, config_class):

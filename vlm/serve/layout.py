@@ -1,5 +1,6 @@
 """The concept state's layout per request (state.py declares it to vLLM): shapes, dtypes and bytes,
 without vLLM, so that the benchmark can size it anywhere."""
+
 from __future__ import annotations
 
 import math
@@ -47,6 +48,8 @@ def state_dtypes(mc: ModelConfig, dtype: torch.dtype) -> tuple[torch.dtype, ...]
 
 def state_bytes(mc: ModelConfig, capacity: int, dtype: torch.dtype) -> int:
     """A request's state, all layers."""
-    one = sum(math.prod(s) * torch.empty((), dtype=d).element_size()
-              for s, d in zip(state_shapes(mc, capacity), state_dtypes(mc, dtype)))
+    one = sum(
+        math.prod(s) * torch.empty((), dtype=d).element_size()
+        for s, d in zip(state_shapes(mc, capacity), state_dtypes(mc, dtype))
+    )
     return state_layers(mc) * one

@@ -7,6 +7,7 @@ prefill chunk that continues a prompt) run their one-token `step`, as `ConceptMo
 does. Between steps the state lives in vLLM's slots (state.py); a step gathers its rows and writes
 back what changed.
 """
+
 from __future__ import annotations
 
 import logging
@@ -30,8 +31,13 @@ def capped(ch: Chunks, capacity: int) -> Chunks:
         return ch
     cut = lambda t: None if t is None else t[:, :capacity]  # noqa: E731
     cidx_BT = torch.where(ch.cidx_BT < capacity, ch.cidx_BT, torch.full_like(ch.cidx_BT, -1))
-    return ch._replace(cidx_BT=cidx_BT, cdoc_BM=cut(ch.cdoc_BM), cpos_BM=cut(ch.cpos_BM),
-                       cp_BM=cut(ch.cp_BM), cgate_BM=cut(ch.cgate_BM))
+    return ch._replace(
+        cidx_BT=cidx_BT,
+        cdoc_BM=cut(ch.cdoc_BM),
+        cpos_BM=cut(ch.cpos_BM),
+        cp_BM=cut(ch.cp_BM),
+        cgate_BM=cut(ch.cgate_BM),
+    )
 
 
 class Middle:
@@ -40,13 +46,16 @@ class Middle:
     def __init__(self, lm: ConceptMoELM, state: ConceptStates):
         self.lm, self.state = lm, state
         self.passes = len(lm.cfg.concept_schedule)
-        self.overflows = 0   # concepts that found their request's slot full (counted, logged)
+        self.overflows = 0  # concepts that found their request's slot full (counted, logged)
 
     def _overflow(self, n: int) -> None:
         self.overflows += n
-        log.warning("concept capacity %d reached: %d concepts not kept so far; outputs now "
-                    "differ from `vlm chat` (raise --concept-capacity)", self.state.capacity,
-                    self.overflows)
+        log.warning(
+            "concept capacity %d reached: %d concepts not kept so far; "
+            "outputs now differ from `vlm chat` (raise --concept-capacity)",
+            self.state.capacity,
+            self.overflows,
+        )
 
     # ------------------------------------------------------------ a request's first prefill
     def prefill(self, h_1TD: torch.Tensor, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,15 +79,24 @@ class Middle:
             caches.append(KVCache(k[slot][None], v[slot][None], zero_1))
         if lm.concept_up is not None:
             c_1MD = lm.concept_up(c_1MD)
-        cctx = StackContext.build(ch.cdoc_BM, ch.cpos_BM, cfg.head_dim, cfg.rope_theta, c_1MD.dtype,
-                                  cfg.attn_backend, use_rope=cfg.concept_pos == "rope")
+        cctx = StackContext.build(
+            ch.cdoc_BM,
+            ch.cpos_BM,
+            cfg.head_dim,
+            cfg.rope_theta,
+            c_1MD.dtype,
+            cfg.attn_backend,
+            use_rope=cfg.concept_pos == "rope",
+        )
         c_1MD, _ = run_stack(lm.concept, c_1MD, cctx, cfg.concept_schedule, caches=caches)
         if lm.concept_down is not None:
             c_1MD = lm.concept_down(c_1MD)
         smoothed_1MD = lm.dechunk.smooth(c_1MD, ch)
         z_1TD, cread_1TD, cread_in_1TD = lm.dechunk(h_1TD, c_1MD, ch, concept_in_1MD, smoothed_1MD)
-        st = ChunkState.join(lm.chunker.prefill_state(h_1TD, doc_1T, ch),
-                             lm.dechunk.prefill_state(doc_1T, ch, cread_1TD, cread_in_1TD))
+        st = ChunkState.join(
+            lm.chunker.prefill_state(h_1TD, doc_1T, ch),
+            lm.dechunk.prefill_state(doc_1T, ch, cread_1TD, cread_in_1TD),
+        )
         self._put(torch.tensor([slot], device=h_1TD.device), st)
         return z_1TD[0], cread_1TD[0]
 
@@ -91,7 +109,7 @@ class Middle:
         full_B = n_B >= C
         # the filled entries and the one this step may write: the gather costs what attention reads
         used = min(int(n_B.max()) + 1, C)
-        caches, rows_kv = [], []   # the rows' keys and values, gathered; `KVCache` writes in place
+        caches, rows_kv = [], []  # the rows' keys and values, gathered; `KVCache` writes in place
         for n in range(self.passes):
             k, v = self.state.concept_kv(n)
             rows_kv.append((k[slots_B, :, :used], v[slots_B, :, :used]))
@@ -111,7 +129,7 @@ class Middle:
         d = lm.dechunk.step(h_BD[:, None], c_B1D, ck, st)
         st.n_concepts_B.copy_(n_B + fired_B.long())
         self._put(slots_B, st)
-        rows = fired_B.nonzero().flatten()   # only their entry at pos_B changed
+        rows = fired_B.nonzero().flatten()  # only their entry at pos_B changed
         for n, (k_BJCd, v_BJCd) in enumerate(rows_kv):
             k, v = self.state.concept_kv(n)
             k[slots_B[rows], :, pos_B[rows]] = k_BJCd[rows, :, pos_B[rows]]
@@ -122,8 +140,14 @@ class Middle:
     def _get(self, slots_B: torch.Tensor, dtype: torch.dtype) -> ChunkState:
         s = self.state.chunk[slots_B]
         ema_in = s[:, EMA_IN].clone() if self.lm.cfg.chunk.residual == "delta" else None
-        return ChunkState(s[:, KEY].to(dtype), s[:, PENDING].to(dtype), s[:, COUNTS, 0].long(),
-                          s[:, EMA].clone(), s[:, COUNTS, 1].long(), ema_in)
+        return ChunkState(
+            s[:, KEY].to(dtype),
+            s[:, PENDING].to(dtype),
+            s[:, COUNTS, 0].long(),
+            s[:, EMA].clone(),
+            s[:, COUNTS, 1].long(),
+            ema_in,
+        )
 
     def _put(self, slots_B: torch.Tensor, st: ChunkState) -> None:
         s = torch.zeros(len(slots_B), *self.state.chunk.shape[1:], device=slots_B.device)

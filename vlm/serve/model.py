@@ -7,6 +7,7 @@ the plain MoE baseline (`model.chunk.enabled: false`), whose concept layers run 
 and so are token layers on the paged cache. `vlm.serve.engine.engine_kwargs` picks the class
 from the export's config.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -24,8 +25,11 @@ from vlm.model.layers import rope_cos_sin
 from vlm.model.multimodal import ConceptMoEVLM
 from vlm.serve.layout import concept_capacity, state_dtypes, state_layers, state_shapes
 from vlm.serve.middle import Middle
-from vlm.serve.processor import (ConceptMoEDummyInputsBuilder, ConceptMoEMultiModalProcessor,
-                                 ConceptMoEProcessingInfo)
+from vlm.serve.processor import (
+    ConceptMoEDummyInputsBuilder,
+    ConceptMoEMultiModalProcessor,
+    ConceptMoEProcessingInfo,
+)
 from vlm.serve.state import ConceptState, ConceptStates, copy_funcs
 from vlm.serve.token_attention import PagedBlock
 
@@ -46,8 +50,10 @@ def _capacity(vllm_config: VllmConfig) -> int:
 
 
 _register_processor = MULTIMODAL_REGISTRY.register_processor(
-    ConceptMoEMultiModalProcessor, info=ConceptMoEProcessingInfo,
-    dummy_inputs=ConceptMoEDummyInputsBuilder)
+    ConceptMoEMultiModalProcessor,
+    info=ConceptMoEProcessingInfo,
+    dummy_inputs=ConceptMoEDummyInputsBuilder,
+)
 
 
 class _ServedModel(nn.Module, SupportsMultiModal):
@@ -57,21 +63,30 @@ class _ServedModel(nn.Module, SupportsMultiModal):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
         mc, vc = _configs(vllm_config)
-        unsupported = [name for name, on in (
-            ("decoder_mode: cross_attention", mc.decoder_mode != "joint"),
-            ("chunk.grid_aware_boundaries", mc.chunk.grid_aware_boundaries)) if on]
+        unsupported = [
+            name
+            for name, on in (
+                ("decoder_mode: cross_attention", mc.decoder_mode != "joint"),
+                ("chunk.grid_aware_boundaries", mc.chunk.grid_aware_boundaries),
+            )
+            if on
+        ]
         if unsupported:
-            raise ConfigError(f"vLLM serving does not support {', '.join(unsupported)} yet "
-                              "(docs/serving.md)")
+            raise ConfigError(
+                f"vLLM serving does not support {', '.join(unsupported)} yet (docs/serving.md)"
+            )
         self.mc = mc
         self.vlm = ConceptMoEVLM(mc, vc).eval()
         lm, cache = self.vlm.lm, vllm_config.cache_config
         w = mc.attention_window
         E, C = len(lm.encoder), state_layers(mc)
-        self.paged_encoder = nn.ModuleList(PagedBlock(b, cache, w, f"serve.layers.{i}.attn")
-                                           for i, b in enumerate(lm.encoder))
-        self.paged_decoder = nn.ModuleList(PagedBlock(b, cache, w, f"serve.layers.{E + C + i}.attn")
-                                           for i, b in enumerate(lm.decoder))
+        self.paged_encoder = nn.ModuleList(
+            PagedBlock(b, cache, w, f"serve.layers.{i}.attn") for i, b in enumerate(lm.encoder)
+        )
+        self.paged_decoder = nn.ModuleList(
+            PagedBlock(b, cache, w, f"serve.layers.{E + C + i}.attn")
+            for i, b in enumerate(lm.decoder)
+        )
 
     @classmethod
     def get_placeholder_str(cls, modality: str, i: int) -> str | None:
@@ -96,22 +111,26 @@ class _ServedModel(nn.Module, SupportsMultiModal):
         sizes = ((grids_I2[:, 0] // merge) * (grids_I2[:, 1] // merge)).tolist()
         return tuple(feats_ND.split(sizes))
 
-    def embed_input_ids(self, input_ids: torch.Tensor, multimodal_embeddings=None, *,
-                        is_multimodal=None, **kwargs) -> torch.Tensor:
+    def embed_input_ids(
+        self, input_ids: torch.Tensor, multimodal_embeddings=None, *, is_multimodal=None, **kwargs
+    ) -> torch.Tensor:
         x_ND = self.vlm.lm.embed(input_ids)
         if multimodal_embeddings is None or len(multimodal_embeddings) == 0:
             return x_ND
         from vllm.model_executor.models.utils import _merge_multimodal_embeddings
 
-        return _merge_multimodal_embeddings(inputs_embeds=x_ND,
-                                            multimodal_embeddings=multimodal_embeddings,
-                                            is_multimodal=is_multimodal)
+        return _merge_multimodal_embeddings(
+            inputs_embeds=x_ND,
+            multimodal_embeddings=multimodal_embeddings,
+            is_multimodal=is_multimodal,
+        )
 
     def rope(self, positions_N: torch.Tensor, dtype):
         return rope_cos_sin(positions_N[None], self.mc.head_dim, self.mc.rope_theta, dtype)
 
-    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None,
-                **kwargs):
+    def forward(
+        self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs
+    ):
         x_ND = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
         rope = self.rope(positions, x_ND.dtype)
         for blk in self.paged_encoder:
@@ -133,7 +152,7 @@ class _ServedModel(nn.Module, SupportsMultiModal):
         """The export's tensors by their names (`vlm.…`, as `ConceptMoEForCausalLM` saves them),
         through `load_state_dict`, so that the model's renames of older names apply; every tensor
         must come."""
-        sd = {name[len("vlm."):]: w for name, w in weights if name.startswith("vlm.")}
+        sd = {name[len("vlm.") :]: w for name, w in weights if name.startswith("vlm.")}
         missing, _ = self.vlm.load_state_dict(sd, strict=False)
         tied = {"lm.lm_head.weight"} if self.mc.tie_embeddings else set()
         persistent = {n for n, _ in self.vlm.named_parameters()} | set(self.vlm.state_dict())
@@ -155,7 +174,8 @@ class MoEBaselineForVllm(_ServedModel):
         E = len(lm.encoder)
         self.paged_concept = nn.ModuleList(
             PagedBlock(lm.concept[i], cache, 0, f"serve.layers.{E + n}.attn")
-            for n, i in enumerate(self.mc.concept_schedule))
+            for n, i in enumerate(self.mc.concept_schedule)
+        )
 
     def middle(self, h_ND, positions_N, rope):
         lm = self.vlm.lm
@@ -182,27 +202,34 @@ class ConceptMoEForVllm(_ServedModel, HasInnerState, IsHybrid):
     def get_mamba_state_copy_func(cls):
         raise NotImplementedError("the states follow the config: get_mamba_state_copy_funcs")
 
-    def get_mamba_state_copy_funcs(self, mamba_types):   # vLLM calls it on the model
+    def get_mamba_state_copy_funcs(self, mamba_types):  # vLLM calls it on the model
         return {t: copy_funcs(self.mc) for t in mamba_types}
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         if self.vlm.lm.chunker is None:
-            raise ConfigError("this export is the MoE baseline (no chunking): serve it as "
-                              "ConceptMoEBaselineForCausalLM (`vlm serve` picks it)")
+            raise ConfigError(
+                "this export is the MoE baseline (no chunking): serve it "
+                "as ConceptMoEBaselineForCausalLM (`vlm serve` picks it)"
+            )
         # both would hand the model states it does not keep (docs/serving.md): refused, not
         # served wrong
         if vllm_config.speculative_config is not None:
-            raise ConfigError("speculative decoding is not supported for ConceptMoE "
-                              "(docs/serving.md)")
+            raise ConfigError(
+                "speculative decoding is not supported for ConceptMoE (docs/serving.md)"
+            )
         if vllm_config.cache_config.enable_prefix_caching:
-            raise ConfigError("prefix caching is not supported for ConceptMoE: pass "
-                              "--no-enable-prefix-caching (`vlm serve` does; docs/serving.md)")
+            raise ConfigError(
+                "prefix caching is not supported for ConceptMoE: pass "
+                "--no-enable-prefix-caching (`vlm serve` does; docs/serving.md)"
+            )
         E, cap = len(self.vlm.lm.encoder), _capacity(vllm_config)
         dtype = vllm_config.model_config.dtype
         # a plain list: vLLM finds the layers by their names (they hold no weights)
-        self.concept_states = [ConceptState(self.mc, cap, dtype, STATE_PREFIX.format(E + n))
-                               for n in range(state_layers(self.mc))]
+        self.concept_states = [
+            ConceptState(self.mc, cap, dtype, STATE_PREFIX.format(E + n))
+            for n in range(state_layers(self.mc))
+        ]
         # every state layer gets the same metadata: the first one's is read
         self.state_prefix = self.concept_states[0].prefix
         self._middle = Middle(self.vlm.lm, ConceptStates(self.concept_states))
@@ -210,7 +237,7 @@ class ConceptMoEForVllm(_ServedModel, HasInnerState, IsHybrid):
     def middle(self, h_ND, positions_N, rope):
         meta = get_forward_context().attn_metadata
         m = meta.get(self.state_prefix) if isinstance(meta, dict) else None
-        if m is None:   # vLLM's profiling run: no request owns a slot
+        if m is None:  # vLLM's profiling run: no request owns a slot
             return h_ND, torch.zeros_like(h_ND)
         z_ND, c_ND = torch.empty_like(h_ND), torch.empty_like(h_ND)
         nd = m.num_decode_tokens
@@ -219,8 +246,9 @@ class ConceptMoEForVllm(_ServedModel, HasInnerState, IsHybrid):
             # a one-token prompt counts as a decode: it starts its slot
             first_B = positions_N[:nd] == 0
             for i in first_B.nonzero().flatten().tolist():
-                z_ND[i:i + 1], c_ND[i:i + 1] = self._middle.prefill(h_ND[None, i:i + 1],
-                                                                    int(slots_B[i]))
+                z_ND[i : i + 1], c_ND[i : i + 1] = self._middle.prefill(
+                    h_ND[None, i : i + 1], int(slots_B[i])
+                )
             rest = (~first_B).nonzero().flatten()
             if len(rest):
                 z_ND[rest], c_ND[rest] = self._middle.step(h_ND[rest], slots_B[rest])
@@ -229,10 +257,11 @@ class ConceptMoEForVllm(_ServedModel, HasInnerState, IsHybrid):
             slots = m.state_indices_tensor_p.long().tolist()
             for i in range(m.num_prefills):
                 s, e, slot = qsl[i], qsl[i + 1], slots[i]
-                if bool(m.has_initial_states_p[i]):   # a later chunk of a prompt: token by token
+                if bool(m.has_initial_states_p[i]):  # a later chunk of a prompt: token by token
                     for t in range(s, e):
-                        z_ND[t:t + 1], c_ND[t:t + 1] = self._middle.step(
-                            h_ND[t:t + 1], torch.tensor([slot], device=h_ND.device))
+                        z_ND[t : t + 1], c_ND[t : t + 1] = self._middle.step(
+                            h_ND[t : t + 1], torch.tensor([slot], device=h_ND.device)
+                        )
                 else:
                     z_ND[s:e], c_ND[s:e] = self._middle.prefill(h_ND[None, s:e], slot)
         return z_ND, c_ND

@@ -7,6 +7,7 @@ requests.json: {"max_tokens": N, "batches": [[{"prompt": str, "images": [png pat
 each batch goes to the engine at once (vLLM batches its requests). out.json: {"batches":
 [[{"token_ids": [...], "prompt_token_ids": [...], "text": str}, ...]], "seconds": [...]}.
 """
+
 from __future__ import annotations
 
 import json
@@ -44,9 +45,16 @@ def run(final_dir: str, requests: dict, **engine) -> dict:
         t0 = time.perf_counter()
         res = llm.generate(engine_inputs(llm, batch), params, use_tqdm=False)
         out["seconds"].append(time.perf_counter() - t0)
-        out["batches"].append([{"token_ids": list(o.outputs[0].token_ids),
-                                "text": o.outputs[0].text,
-                                "prompt_token_ids": list(o.prompt_token_ids)} for o in res])
+        out["batches"].append(
+            [
+                {
+                    "token_ids": list(o.outputs[0].token_ids),
+                    "text": o.outputs[0].text,
+                    "prompt_token_ids": list(o.prompt_token_ids),
+                }
+                for o in res
+            ]
+        )
     return out
 
 

@@ -9,6 +9,7 @@ its tokens.
 
 Only imported inside vLLM's processes (it imports vllm).
 """
+
 from __future__ import annotations
 
 import torch

@@ -5,6 +5,7 @@ concept term); only the attention over the cache is vLLM's. vLLM's CPU kernels t
 (32, 64, 80, ...): a smaller head is zero-padded, which changes no dot product and no output (the
 padded value columns are 0 and are cut off), at the price of the padding in the cache.
 """
+
 from __future__ import annotations
 
 import torch
@@ -32,9 +33,15 @@ class PagedBlock(nn.Module):
         # not a submodule: the weights keep the names the checkpoint gives them
         self.block_ref = [block]
         self.hd, self.pad = attn.hd, padded_head_size(attn.hd)
-        self.attn = Attention(attn.h, self.pad, attn.hd ** -0.5, num_kv_heads=attn.kv,
-                              cache_config=cache_config, per_layer_sliding_window=window or None,
-                              prefix=prefix)
+        self.attn = Attention(
+            attn.h,
+            self.pad,
+            attn.hd**-0.5,
+            num_kv_heads=attn.kv,
+            cache_config=cache_config,
+            per_layer_sliding_window=window or None,
+            prefix=prefix,
+        )
 
     def forward(self, x_ND: torch.Tensor, rope, c_ND: torch.Tensor | None = None) -> torch.Tensor:
         blk = self.block_ref[0]
@@ -43,6 +50,6 @@ class PagedBlock(nn.Module):
         pad = self.pad - self.hd
         flat = lambda t: F.pad(t[0].transpose(0, 1), (0, pad)).flatten(1)  # noqa: E731
         out_NHP = self.attn(flat(q), flat(k), flat(v)).view(x_ND.shape[0], a.h, self.pad)
-        x_ND = x_ND + a.o_proj(out_NHP[..., :self.hd].flatten(1))
+        x_ND = x_ND + a.o_proj(out_NHP[..., : self.hd].flatten(1))
         y_ND, _ = blk.moe(blk.ffn_norm(x_ND), accumulate_load=False)
         return x_ND + y_ND

@@ -1,4 +1,5 @@
 """`python -m vlm.train ...` is `vlm train ...` (handy under launchers: `torchrun --nproc_per_node 2 -m vlm.train`)."""
+
 from __future__ import annotations
 
 import sys

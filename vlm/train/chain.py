@@ -12,6 +12,7 @@ stage in flight saves a checkpoint after its step, no later stage starts, and th
 + the signal (a second signal exits at once). The trainer is imported when the command runs (as
 for `vlm train`).
 """
+
 from __future__ import annotations
 
 import json
@@ -30,7 +31,7 @@ def finished(run_dir: Path) -> bool:
     summary = run_dir / "summary.json"
     if not summary.is_file() or not (run_dir / "final" / "config.json").is_file():
         return False
-    try:   # a summary cut short by a kill mid-write means the stage did not finish
+    try:  # a summary cut short by a kill mid-write means the stage did not finish
         return json.loads(summary.read_text()).get("exit_code") == 0
     except (OSError, ValueError, AttributeError):
         return False
@@ -53,23 +54,26 @@ def run_chain(configs: list[str], out: Path, overrides: list[str], log=print, st
     for k, cfg in enumerate(stage_cfgs):
         check_deepspeed_config(cfg.deepspeed, cfg.optim, int(os.environ.get("WORLD_SIZE", "1")))
         if k and cfg.train.init_from:
-            raise ConfigError(f"{configs[k]}: train.init_from is set by the chain (the previous "
-                              f"stage's final/); "
-                              "remove it from the stage config")
+            raise ConfigError(
+                f"{configs[k]}: train.init_from is set by the chain (the "
+                "previous stage's final/); remove it from the stage config"
+            )
     for k, (path, run_dir) in enumerate(zip(configs, dirs)):
         if finished(run_dir):
             log(f"stage {k} ({path}): done earlier, {run_dir / 'final'}")
             continue
         if stop.requested:
-            log(f"stopped by {stop.name} before stage {k} ({path}); run the same command again to "
-                f"continue")
+            log(
+                f"stopped by {stop.name} before stage {k} "
+                f"({path}); run the same command again to continue"
+            )
             return stop.code
         extra = [f"train.init_from={dirs[k - 1] / 'final'}"] if k else []
         cfg = load_train_config(path, overrides + extra)
         log(f"stage {k} ({path}) -> {run_dir}" + (f", from {dirs[k - 1] / 'final'}" if k else ""))
         try:
             rc = Trainer(cfg, run_dir, resume=None, on_end=registered_run_end(), stop=stop).train()
-        except Preempted as e:   # stopped in the vision warm-up, its state saved
+        except Preempted as e:  # stopped in the vision warm-up, its state saved
             log(str(e))
             rc = e.code
         if rc != 0:
@@ -83,7 +87,9 @@ def split_configs(items: list[str]) -> tuple[list[str], list[str]]:
     """The positionals of `vlm chain`: stage configs, and `key=value` overrides wherever they stand."""
     configs = [a for a in items if "=" not in a]
     if not configs:
-        raise ConfigError("vlm chain needs at least one stage config before its key=value overrides")
+        raise ConfigError(
+            "vlm chain needs at least one stage config before its key=value overrides"
+        )
     return configs, [a for a in items if "=" in a]
 
 
@@ -97,11 +103,17 @@ def _chain_command(args) -> int:
 
 
 def add_chain_command(subparsers) -> None:
-    p = subparsers.add_parser("chain", help="run training stages in order, each from the previous "
-                                            "stage's final/",
-                              description=__doc__.split("\n\n")[0])
-    p.add_argument("configs", nargs="+", metavar="CONFIG [key=value]",
-                   help="stage configs, in order; then dotted overrides applied to every stage")
+    p = subparsers.add_parser(
+        "chain",
+        help="run training stages in order, each from the previous stage's final/",
+        description=__doc__.split("\n\n")[0],
+    )
+    p.add_argument(
+        "configs",
+        nargs="+",
+        metavar="CONFIG [key=value]",
+        help="stage configs, in order; then dotted overrides applied to every stage",
+    )
     p.add_argument("--out", required=True, help="chain directory (one sub-directory per stage)")
     refuse_set_option(p)
     p.set_defaults(func=_chain_command, overrides=[])

@@ -20,6 +20,7 @@ With several ranks a failed write is held until every rank has written its part,
 compare and all raise the same WriteError: a disk full on one rank ends every rank in one line
 instead of leaving the others in a collective.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -38,9 +39,12 @@ import torch
 
 from vlm.train.distributed import broadcast_object, gather_object
 from vlm.train.engine import CheckpointRefused, safe_load
-# noqa: F401
-from vlm.train.write_errors import (DISK_ERRNOS, WriteError, _KeepsWriteError, describe_write_error,
-                                    disk_full_guess, is_disk_error, torch_save)
+from vlm.train.write_errors import (
+    WriteError,
+    describe_write_error,
+    disk_full_guess,
+    torch_save,
+)
 
 log = logging.getLogger(__name__)
 
@@ -101,8 +105,13 @@ def damaged_file(ckpt: Path) -> str | None:
 def _numpy_rng_state() -> dict[str, Any]:
     """numpy's global RNG state with its key array as a tensor: loadable with torch.load(weights_only=True)."""
     st = np.random.get_state(legacy=False)
-    return {**st, "state": {"key": torch.from_numpy(st["state"]["key"].astype(np.int64)),
-                            "pos": st["state"]["pos"]}}
+    return {
+        **st,
+        "state": {
+            "key": torch.from_numpy(st["state"]["key"].astype(np.int64)),
+            "pos": st["state"]["pos"],
+        },
+    }
 
 
 def _set_numpy_rng_state(st: dict[str, Any]) -> None:
@@ -114,8 +123,11 @@ def rng_state() -> dict[str, Any]:
     """Every generator a run draws from. CUDA's only where this process has initialised CUDA (a run
     on the GPU has, before its first step): a CPU run on a machine with a GPU drew nothing from
     them, and `is_available()` says that a GPU exists, not that the run uses it."""
-    state = {"python": random.getstate(), "numpy": _numpy_rng_state(),
-             "torch": torch.get_rng_state()}
+    state = {
+        "python": random.getstate(),
+        "numpy": _numpy_rng_state(),
+        "torch": torch.get_rng_state(),
+    }
     if torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -155,8 +167,15 @@ def clean_partial(ckpt_root: Path) -> None:
                 shutil.rmtree(p, ignore_errors=True)
 
 
-def save_checkpoint(engine, ckpt_root: Path, step: int, trainer_state: dict, rank: int,
-                    world_size: int, keep_last: int) -> Path:
+def save_checkpoint(
+    engine,
+    ckpt_root: Path,
+    step: int,
+    trainer_state: dict,
+    rank: int,
+    world_size: int,
+    keep_last: int,
+) -> Path:
     """Collective: every rank calls it. Returns the final checkpoint directory; WriteError (the
     `.tmp-` folder removed, older checkpoints untouched) when the files cannot be written, on
     every rank when any rank's write failed: a rank never leaves the save alone (the others would
@@ -174,12 +193,13 @@ def save_checkpoint(engine, ckpt_root: Path, step: int, trainer_state: dict, ran
         # DeepSpeed's setting
         zipfile = getattr(engine.checkpoint_engine, "zipfile_serialization", True)
         engine.checkpoint_engine.save = lambda state_dict, path: held.run(
-            torch_save, state_dict, path, _use_new_zipfile_serialization=zipfile)
+            torch_save, state_dict, path, _use_new_zipfile_serialization=zipfile
+        )
     try:
         held.run(engine.save_checkpoint, str(tmp), tag=DS_TAG, save_latest=False)
     finally:
         if ds_save is not None:
-            del engine.checkpoint_engine.save   # back to the class's method
+            del engine.checkpoint_engine.save  # back to the class's method
     held.run(torch_save, trainer_state, tmp / f"rank_{rank:05d}.pt")
     _agree(held, step, ckpt_root, tmp, rank)
     if rank == 0:
@@ -195,7 +215,7 @@ class _HeldError:
         self.error: BaseException | None = None
 
     def run(self, fn, *args, **kwargs) -> None:
-        if self.error is not None:   # the save failed here already: nothing more to write
+        if self.error is not None:  # the save failed here already: nothing more to write
             return
         try:
             fn(*args, **kwargs)
@@ -210,14 +230,22 @@ def _make_tmp(ckpt_root: Path, tmp: Path) -> None:
     tmp.mkdir()
 
 
-def _commit(ckpt_root: Path, tmp: Path, final: Path, step: int, world_size: int,
-            keep_last: int) -> None:
+def _commit(
+    ckpt_root: Path, tmp: Path, final: Path, step: int, world_size: int, keep_last: int
+) -> None:
     """Rank 0, once every rank wrote its files: meta.json (written last), the rename into place, the pruning."""
-    (tmp / "meta.json").write_text(json.dumps({"step": step, "world_size": world_size,
-                                               "time": time.time(),
-                                               "files": file_digests(tmp)}))
+    (tmp / "meta.json").write_text(
+        json.dumps(
+            {
+                "step": step,
+                "world_size": world_size,
+                "time": time.time(),
+                "files": file_digests(tmp),
+            }
+        )
+    )
     _fsync_tree(tmp)
-    if final.exists():   # same step saved twice (e.g. a final save right after a periodic one)
+    if final.exists():  # same step saved twice (e.g. a final save right after a periodic one)
         old = ckpt_root / f".del-{final.name}"
         os.replace(final, old)
         shutil.rmtree(old, ignore_errors=True)
@@ -243,13 +271,15 @@ def _agree(held: _HeldError, step: int, ckpt_root: Path, tmp: Path, rank: int) -
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
     if isinstance(mine, RuntimeError):
-        raise held.error   # not the machine's doing: a bug, with its traceback
+        raise held.error  # not the machine's doing: a bug, with its traceback
     r, what = next(((r, d) for r, d in failed if r == rank), failed[0])
     previous = latest_checkpoint(ckpt_root)
     keep = previous if previous is not None else "the start of the run (no checkpoint yet)"
     on = f" (on rank {r})" if r != rank else ""
-    raise WriteError(f"cannot write checkpoint step {step}: {what}{on}; removed the partial "
-                     f"{tmp.name}, the resume point stays {keep}") from None
+    raise WriteError(
+        f"cannot write checkpoint step {step}: {what}{on}; removed "
+        f"the partial {tmp.name}, the resume point stays {keep}"
+    ) from None
 
 
 def save_state_dir(root: Path, name: str, state: dict) -> Path:
@@ -262,14 +292,15 @@ def save_state_dir(root: Path, name: str, state: dict) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         torch_save(state, tmp / "state.pt")
-        (tmp / "meta.json").write_text(json.dumps({"time": time.time(),
-                                                   "files": file_digests(tmp)}))
+        (tmp / "meta.json").write_text(
+            json.dumps({"time": time.time(), "files": file_digests(tmp)})
+        )
         _fsync_tree(tmp)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise WriteError(f"cannot write {final}: {describe_write_error(e, tmp)}; removed the "
-                         f"partial {tmp.name}") \
-            from None
+        raise WriteError(
+            f"cannot write {final}: {describe_write_error(e, tmp)}; removed the partial {tmp.name}"
+        ) from None
     if final.exists():
         old = root / f".del-{name}"
         os.replace(final, old)
@@ -296,19 +327,26 @@ def load_checkpoint(engine, ckpt: Path, rank: int, world_size: int) -> dict:
     CheckpointRefused (one line naming the file) on every rank when a rank cannot use its part."""
     meta = json.loads((ckpt / "meta.json").read_text())
     if meta["world_size"] != world_size:
-        raise CheckpointRefused(f"checkpoint {ckpt} was written by {meta['world_size']} ranks; "
-                                f"resume it with the same number of processes (got {world_size}) "
-                                f"so the data order and ZeRO partitions match")
-    load_path, _ = engine.load_checkpoint(str(ckpt), tag=DS_TAG, load_optimizer_states=True,
-                                          load_lr_scheduler_states=False, load_module_strict=True)
+        raise CheckpointRefused(
+            f"checkpoint {ckpt} was written by {meta['world_size']} ranks; resume it with the same "
+            f"number of processes (got {world_size}) so the data order and ZeRO partitions match"
+        )
+    load_path, _ = engine.load_checkpoint(
+        str(ckpt),
+        tag=DS_TAG,
+        load_optimizer_states=True,
+        load_lr_scheduler_states=False,
+        load_module_strict=True,
+    )
     if load_path is None:
         raise CheckpointRefused(f"DeepSpeed could not load the checkpoint in {ckpt / DS_TAG}")
     state_file = ckpt / f"rank_{rank:05d}.pt"
     state, why = None, None
     try:
         if not state_file.is_file():
-            raise CheckpointRefused(f"checkpoint {ckpt} has no trainer state for rank {rank} "
-                                    f"({state_file.name})")
+            raise CheckpointRefused(
+                f"checkpoint {ckpt} has no trainer state for rank {rank} ({state_file.name})"
+            )
         # tensors and plain containers only: a crafted checkpoint cannot run code
         state = safe_load(state_file)
     except CheckpointRefused as e:
@@ -347,22 +385,25 @@ def resume_point(ckpt_root: Path, rank: int, resume: bool | None, log=log.info) 
 
     found = find_resume_point(ckpt_root, rank, warn=lambda m: log(f"warning: {m}"))
     if resume is True and found is None:
-        if list_checkpoints(ckpt_root):   # there are some, all damaged: starting over would hide it
+        if list_checkpoints(ckpt_root):  # there are some, all damaged: starting over would hide it
             raise ConfigError(f"--resume: no intact checkpoint in {ckpt_root}")
         # a requeue script can always pass --resume: a run preempted before its first checkpoint
         # starts over
         log(f"--resume: no checkpoint in {ckpt_root} yet: starting the run from the beginning")
     if resume is False and found is not None:
-        raise ConfigError(f"{ckpt_root.parent} already has checkpoints ({found.name}); resume it "
-                          f"or use a new --out")
+        raise ConfigError(
+            f"{ckpt_root.parent} already has checkpoints "
+            f"({found.name}); resume it or use a new --out"
+        )
     return found
 
 
 class Checkpointer:
     """Writes the run's checkpoints and decides by itself when (`maybe_save`: every `save_every` steps)."""
 
-    def __init__(self, engine, root: Path, save_every: int, keep_last: int, rank: int,
-                 world_size: int):
+    def __init__(
+        self, engine, root: Path, save_every: int, keep_last: int, rank: int, world_size: int
+    ):
         self.engine, self.root = engine, root
         self.save_every, self.keep_last = save_every, keep_last
         self.rank, self.world_size = rank, world_size
@@ -370,8 +411,9 @@ class Checkpointer:
 
     def save(self, step: int, state: dict) -> Path:
         """Collective: every rank calls it."""
-        path = save_checkpoint(self.engine, self.root, step, state, self.rank, self.world_size,
-                               self.keep_last)
+        path = save_checkpoint(
+            self.engine, self.root, step, state, self.rank, self.world_size, self.keep_last
+        )
         self.last_saved = step
         return path
 

@@ -15,6 +15,7 @@ every rank; a checkpoint refused on resume (a pickle, another world size) is one
 RUN_DIR that holds an earlier run's outputs and no checkpoint to resume from is refused unless
 --overwrite (vlm.train.run_dir).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,7 +33,7 @@ DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "default.yaml
 def default_config_path() -> Path:
     if DEFAULT_CONFIG.is_file():
         return DEFAULT_CONFIG
-    try:   # an installed package carries configs/ as package data
+    try:  # an installed package carries configs/ as package data
         import configs
 
         return Path(configs.__file__).parent / "default.yaml"
@@ -41,29 +42,44 @@ def default_config_path() -> Path:
 
 
 def add_train_command(subparsers) -> None:
-    p = subparsers.add_parser("train", help="train a ConceptMoE VLM (the main job)",
-                              description="Train with DeepSpeed on CPU or GPU. Overrides are "
-                                          "dotted keys, e.g. optim.lr=0.001 "
-                                          "model.chunk.target_ratio=3")
+    p = subparsers.add_parser(
+        "train",
+        help="train a ConceptMoE VLM (the main job)",
+        description="Train with DeepSpeed on CPU or GPU. Overrides are "
+        "dotted keys, e.g. optim.lr=0.001 model.chunk.target_ratio=3",
+    )
     p.add_argument("--config", default=None, help="YAML config (default: configs/default.yaml)")
     p.add_argument("--out", default="runs/default", help="run directory (default: runs/default)")
     p.add_argument("--max-steps", type=int, default=None, help="override train.max_steps")
     p.add_argument("--save-every", type=int, default=None, help="override checkpoint.save_every")
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--resume", action="store_true",
-                   help="resume from RUN_DIR's latest checkpoint (a run without one yet starts "
-                        "from the beginning)")
-    g.add_argument("--no-resume", action="store_true",
-                   help="refuse to start if RUN_DIR already has checkpoints")
-    g.add_argument("--overwrite", action="store_true",
-                   help="start from step 0 in a RUN_DIR that holds an earlier run, deleting what "
-                        "that run wrote there (checkpoints, final/, metrics, summary); without it "
-                        "such a RUN_DIR with nothing to resume from is refused")
-    p.add_argument("--print-config", action="store_true",
-                   help="print the resolved config (YAML) and exit")
-    p.add_argument("--accept-optim-change", action="store_true",
-                   help="on resume, take this config's optim.* settings (e.g. a lower optim.lr) "
-                        "instead of refusing")
+    g.add_argument(
+        "--resume",
+        action="store_true",
+        help="resume from RUN_DIR's latest checkpoint (a "
+        "run without one yet starts from the beginning)",
+    )
+    g.add_argument(
+        "--no-resume",
+        action="store_true",
+        help="refuse to start if RUN_DIR already has checkpoints",
+    )
+    g.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start from step 0 in a RUN_DIR that holds an earlier run, deleting "
+        "what that run wrote there (checkpoints, final/, metrics, summary); "
+        "without it such a RUN_DIR with nothing to resume from is refused",
+    )
+    p.add_argument(
+        "--print-config", action="store_true", help="print the resolved config (YAML) and exit"
+    )
+    p.add_argument(
+        "--accept-optim-change",
+        action="store_true",
+        help="on resume, take this config's optim.* settings "
+        "(e.g. a lower optim.lr) instead of refusing",
+    )
     # deepspeed launcher
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
@@ -77,8 +93,9 @@ def resolve_config(args):
     overrides = list(args.overrides)
     for text in overrides:
         if "=" not in text:
-            raise ConfigError(f"argument {text!r}: expected a dotted override KEY=VALUE (e.g. "
-                              f"optim.lr=0.001)")
+            raise ConfigError(
+                f"argument {text!r}: expected a dotted override KEY=VALUE (e.g. optim.lr=0.001)"
+            )
     if args.max_steps is not None:
         overrides.append(f"train.max_steps={args.max_steps}")
     if args.save_every is not None:
@@ -96,7 +113,7 @@ def train_command(args) -> int:
             rc = _train(args, stop)
         finally:
             _leave_process_group()
-    if rc is None and stop.requested:   # stopped before training began: nothing was written
+    if rc is None and stop.requested:  # stopped before training began: nothing was written
         print(f"vlm train: stopped by {stop.name} before the run started", file=sys.stderr)
         return stop.code
     return rc
@@ -108,7 +125,12 @@ def _leave_process_group() -> None:
     after its one line was printed). One process keeps its in-memory group (a caller in the same
     process may train again)."""
     dist = sys.modules.get("torch.distributed")
-    if dist is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if (
+        dist is not None
+        and dist.is_available()
+        and dist.is_initialized()
+        and dist.get_world_size() > 1
+    ):
         try:
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - exiting anyway
@@ -116,7 +138,7 @@ def _leave_process_group() -> None:
 
 
 def _train(args, stop) -> int | None:
-    cfg = resolve_config(args)   # ConfigError -> one line, exit 2 (vlm.cli.main)
+    cfg = resolve_config(args)  # ConfigError -> one line, exit 2 (vlm.cli.main)
     if args.print_config:
         print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
         return 0
@@ -125,18 +147,24 @@ def _train(args, stop) -> int | None:
     check_deepspeed_config(cfg.deepspeed, cfg.optim, int(os.environ.get("WORLD_SIZE", "1")))
     if args.local_rank is not None:
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
-    from vlm.train.checkpoint import WriteError, describe_write_error, is_disk_error
     from vlm.train.engine import CheckpointRefused
     from vlm.train.signals import Preempted
     from vlm.train.trainer import Trainer, registered_run_end
+    from vlm.train.write_errors import WriteError, describe_write_error, is_disk_error
 
     if stop.requested:
         return None
     resume = True if args.resume else (False if args.no_resume else None)
     try:
-        trainer = Trainer(cfg, args.out, resume=resume,
-                          accept_optim_change=args.accept_optim_change,
-                          on_end=registered_run_end(), stop=stop, overwrite=args.overwrite)
+        trainer = Trainer(
+            cfg,
+            args.out,
+            resume=resume,
+            accept_optim_change=args.accept_optim_change,
+            on_end=registered_run_end(),
+            stop=stop,
+            overwrite=args.overwrite,
+        )
         return trainer.train()
     except Preempted as e:
         print(e)

@@ -3,6 +3,7 @@ each is a function called from one place in the step or the trainer (a call that
 would hang the others: keeping them here makes that visible). `tests/test_layers.py`-style check:
 `tests/test_collectives.py` fails when a module of vlm/train/ other than this one and distributed.py
 calls an all-reduce."""
+
 from __future__ import annotations
 
 import torch

@@ -4,6 +4,7 @@ optimisation, DeepSpeed, logging).
 Every section is a validated dataclass (configs/config.py): a wrong key or value stops the run at
 once with one line naming the dotted field and what is allowed.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -11,11 +12,19 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from configs.config import (
+    ConfigError,
+    ValidatedOnInit,
+    apply_overrides,
+    check,
+    flatten,
+    from_dict,
+    load_yaml,
+)
 from data_pipelines.config import DataConfig, SourceConfig
 from data_pipelines.default_dataset import IMAGE_PARTS
 from vision.config import VisionConfig
 from vision.image_processor import ImageProcessorConfig
-from configs.config import ConfigError, ValidatedOnInit, apply_overrides, check, flatten, from_dict, load_yaml
 from vlm.model.config import ConvertConfig, ModelConfig
 
 
@@ -30,21 +39,27 @@ class OptimConfig(ValidatedOnInit):
     eps: float = 1e-8
     schedule: Literal["cosine", "wsd", "constant"] = "cosine"
     warmup_steps: int = 50
-    decay_fraction: float = 0.2      # WSD: share of the post-warm-up steps spent decaying
-    clip: float = 1.0                # global gradient-norm clip; 0 disables
-    grad_accum: int = 1              # micro-batches per optimizer step (per rank)
+    decay_fraction: float = 0.2  # WSD: share of the post-warm-up steps spent decaying
+    clip: float = 1.0  # global gradient-norm clip; 0 disables
+    grad_accum: int = 1  # micro-batches per optimizer step (per rank)
 
     def validate(self) -> None:
         check(self.lr > 0, f"optim.lr must be > 0, got {self.lr}")
-        check(0 <= self.min_lr <= self.lr, f"optim.min_lr must be in [0, lr={self.lr}], got "
-                                           f"{self.min_lr}")
+        check(
+            0 <= self.min_lr <= self.lr,
+            f"optim.min_lr must be in [0, lr={self.lr}], got {self.min_lr}",
+        )
         check(self.weight_decay >= 0, f"optim.weight_decay must be >= 0, got {self.weight_decay}")
-        check(all(0 <= b < 1 for b in self.betas),
-              f"optim.betas must lie in [0, 1), got {list(self.betas)}")
+        check(
+            all(0 <= b < 1 for b in self.betas),
+            f"optim.betas must lie in [0, 1), got {list(self.betas)}",
+        )
         check(self.eps > 0, f"optim.eps must be > 0, got {self.eps}")
         check(self.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
-        check(0 < self.decay_fraction <= 1, f"optim.decay_fraction must be in (0, 1], got "
-                                            f"{self.decay_fraction}")
+        check(
+            0 < self.decay_fraction <= 1,
+            f"optim.decay_fraction must be in (0, 1], got {self.decay_fraction}",
+        )
         check(self.clip >= 0, f"optim.clip must be >= 0 (0 disables), got {self.clip}")
         check(self.grad_accum >= 1, f"optim.grad_accum must be >= 1, got {self.grad_accum}")
 
@@ -56,7 +71,7 @@ class DeepSpeedConfig(ValidatedOnInit):
     zero_stage: Literal[0, 1, 2, 3] = 0
     bf16: bool = False
     offload_optimizer: Literal["none", "cpu"] = "none"
-    offload_param: Literal["none", "cpu"] = "none"   # ZeRO-3 only
+    offload_param: Literal["none", "cpu"] = "none"  # ZeRO-3 only
     overlap_comm: bool = False
     reduce_bucket_size: int = 50_000_000
     # a DeepSpeed JSON merged over the generated config (e.g. configs/ds_zero2.json)
@@ -65,15 +80,21 @@ class DeepSpeedConfig(ValidatedOnInit):
     extra: dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> None:
-        check(self.offload_param == "none" or self.zero_stage == 3,
-              f"deepspeed.offload_param={self.offload_param!r} needs zero_stage 3, got "
-              f"{self.zero_stage}")
-        check(self.offload_optimizer == "none" or self.zero_stage >= 1,
-              f"deepspeed.offload_optimizer={self.offload_optimizer!r} needs zero_stage >= 1")
+        check(
+            self.offload_param == "none" or self.zero_stage == 3,
+            f"deepspeed.offload_param={self.offload_param!r} "
+            f"needs zero_stage 3, got {self.zero_stage}",
+        )
+        check(
+            self.offload_optimizer == "none" or self.zero_stage >= 1,
+            f"deepspeed.offload_optimizer={self.offload_optimizer!r} needs zero_stage >= 1",
+        )
         check(self.reduce_bucket_size >= 1, "deepspeed.reduce_bucket_size must be >= 1")
         if self.config_file:
-            check(Path(self.config_file).is_file(),
-                  f"deepspeed.config_file {self.config_file} does not exist")
+            check(
+                Path(self.config_file).is_file(),
+                f"deepspeed.config_file {self.config_file} does not exist",
+            )
 
 
 @dataclass
@@ -81,22 +102,25 @@ class ParamsConfig(ValidatedOnInit):
     """How parameters are grouped: DLCM's decoupled muP, per-part learning-rate multipliers, freezing."""
 
     mup: bool = False
-    mup_base_width: int = 128              # d_base of DLCM eq. 18
-    mup_token_lr: float | None = None      # eta_token^base (eq. 19); None = optim.lr
-    mup_concept_lr: float | None = None    # eta_concept^base (eq. 20); None = optim.lr
-    concept_lr_mult: float = 1.0           # without muP: concept model rate = lr * this
+    mup_base_width: int = 128  # d_base of DLCM eq. 18
+    mup_token_lr: float | None = None  # eta_token^base (eq. 19); None = optim.lr
+    mup_concept_lr: float | None = None  # eta_concept^base (eq. 20); None = optim.lr
+    concept_lr_mult: float = 1.0  # without muP: concept model rate = lr * this
     # vision encoder rate = lr * this (read when the encoder trains)
     vision_lr_mult: float = 0.5
-    projector_lr_mult: float = 0.5         # projector (and patch merger) rate = lr * this
+    projector_lr_mult: float = 0.5  # projector (and patch merger) rate = lr * this
     # module prefixes, e.g. ["vision.encoder", "lm.embed"]
     freeze: list[str] = field(default_factory=list)
 
     def validate(self) -> None:
-        check(self.mup_base_width >= 1, f"params.mup_base_width must be >= 1, got "
-                                        f"{self.mup_base_width}")
+        check(
+            self.mup_base_width >= 1,
+            f"params.mup_base_width must be >= 1, got {self.mup_base_width}",
+        )
         for name in ("concept_lr_mult", "vision_lr_mult", "projector_lr_mult"):
-            check(getattr(self, name) >= 0,
-                  f"params.{name} must be >= 0, got {getattr(self, name)}")
+            check(
+                getattr(self, name) >= 0, f"params.{name} must be >= 0, got {getattr(self, name)}"
+            )
         for name in ("mup_token_lr", "mup_concept_lr"):
             v = getattr(self, name)
             check(v is None or v > 0, f"params.{name} must be > 0 or null, got {v}")
@@ -109,16 +133,16 @@ REPORTERS = ("tensorboard", "wandb")
 class LoggingConfig(ValidatedOnInit):
     # optimizer steps between metrics.jsonl lines / TensorBoard scalars
     log_every: int = 1
-    eval_every: int = 100            # steps between held-out evals and dashboard images; 0 disables
-    eval_batches: int = 2            # held-out batches per eval
+    eval_every: int = 100  # steps between held-out evals and dashboard images; 0 disables
+    eval_batches: int = 2  # held-out batches per eval
     # where metrics go besides metrics.jsonl: "tensorboard" (RUN_DIR/tb, the dashboard) and/or
     # "wandb" (RUN_DIR/wandb; the `track` extra). wandb_mode "offline" needs no network: `wandb
     # sync` uploads later.
     report_to: list[str] = field(default_factory=lambda: ["tensorboard"])
     wandb_project: str = "conceptmoe-vlm"
     wandb_mode: Literal["offline", "online", "disabled"] = "offline"
-    histogram_every: int = 25        # steps between p / expert-load histograms; 0 disables
-    progress: bool = True            # tqdm bar on rank 0
+    histogram_every: int = 25  # steps between p / expert-load histograms; 0 disables
+    progress: bool = True  # tqdm bar on rank 0
     # Held-out data for evals; empty = the default dataset's val split when data.sources is empty
     # (else no held-out loss: the dashboard pictures then come from the current training batch).
     eval_sources: list[SourceConfig] = field(default_factory=list)
@@ -127,19 +151,26 @@ class LoggingConfig(ValidatedOnInit):
         check(self.log_every >= 1, f"logging.log_every must be >= 1, got {self.log_every}")
         check(self.eval_every >= 0, f"logging.eval_every must be >= 0, got {self.eval_every}")
         check(self.eval_batches >= 1, f"logging.eval_batches must be >= 1, got {self.eval_batches}")
-        check(self.histogram_every >= 0, f"logging.histogram_every must be >= 0, got "
-                                         f"{self.histogram_every}")
+        check(
+            self.histogram_every >= 0,
+            f"logging.histogram_every must be >= 0, got {self.histogram_every}",
+        )
         for name in self.report_to:
-            check(name in REPORTERS, f"logging.report_to entry {name!r}: allowed values "
-                                     f"{', '.join(map(repr, REPORTERS))}")
-        check("wandb" not in self.report_to or importlib.util.find_spec("wandb") is not None,
-              "logging.report_to includes 'wandb' but wandb is not installed: pip install -e "
-              "\".[track]\"")
+            check(
+                name in REPORTERS,
+                f"logging.report_to entry {name!r}: allowed "
+                f"values {', '.join(map(repr, REPORTERS))}",
+            )
+        check(
+            "wandb" not in self.report_to or importlib.util.find_spec("wandb") is not None,
+            "logging.report_to includes 'wandb' but wandb is not installed: pip install -e "
+            '".[track]"',
+        )
 
 
 @dataclass
 class CheckpointConfig(ValidatedOnInit):
-    save_every: int = 500            # optimizer steps between checkpoints; 0 = only at the end
+    save_every: int = 500  # optimizer steps between checkpoints; 0 = only at the end
     keep_last: int = 2
 
     def validate(self) -> None:
@@ -154,9 +185,9 @@ class RunConfig(ValidatedOnInit):
     stage: Literal["text", "vl", "ct"] = "vl"
     max_steps: int = 3000
     seed: int = 0
-    deterministic: bool = True        # torch deterministic algorithms (bitwise resume on CPU)
-    threads: int = 0                  # torch intra-op threads; 0 = torch's default
-    max_nonfinite_in_row: int = 5     # this many skipped (non-finite) steps in a row stop the run
+    deterministic: bool = True  # torch deterministic algorithms (bitwise resume on CPU)
+    threads: int = 0  # torch intra-op threads; 0 = torch's default
+    max_nonfinite_in_row: int = 5  # this many skipped (non-finite) steps in a row stop the run
     # the share of the samples read that the loader may skip (bad, too long for a row, ...) before
     # the run stops, at the first log past it once 50 samples were read (the importers'
     # --max-skip-share); 1 = never stop
@@ -168,26 +199,36 @@ class RunConfig(ValidatedOnInit):
     # DLCM's global parser: the ratio loss sees the statistics of the whole global batch (every
     # micro-batch and rank); false = each micro-batch's own statistics (DLCM Table 4's ablation)
     global_parser: bool = True
-    vqa_eval: bool = True             # run the built-in VQA eval at the end when available
-    vqa_max_samples: int = 1000       # every question of the default dataset's test split (~900)
+    vqa_eval: bool = True  # run the built-in VQA eval at the end when available
+    vqa_max_samples: int = 1000  # every question of the default dataset's test split (~900)
 
     def validate(self) -> None:
         check(self.max_steps >= 1, f"train.max_steps must be >= 1, got {self.max_steps}")
         check(self.threads >= 0, f"train.threads must be >= 0, got {self.threads}")
-        check(self.max_nonfinite_in_row >= 1, f"train.max_nonfinite_in_row must be >= 1, got "
-                                              f"{self.max_nonfinite_in_row}")
-        check(self.vqa_max_samples >= 1, f"train.vqa_max_samples must be >= 1, got "
-                                         f"{self.vqa_max_samples}")
-        check(0 <= self.max_skip_share <= 1, f"train.max_skip_share must be in [0, 1], got "
-                                             f"{self.max_skip_share}")
+        check(
+            self.max_nonfinite_in_row >= 1,
+            f"train.max_nonfinite_in_row must be >= 1, got {self.max_nonfinite_in_row}",
+        )
+        check(
+            self.vqa_max_samples >= 1,
+            f"train.vqa_max_samples must be >= 1, got {self.vqa_max_samples}",
+        )
+        check(
+            0 <= self.max_skip_share <= 1,
+            f"train.max_skip_share must be in [0, 1], got {self.max_skip_share}",
+        )
         if self.stage == "ct":
-            check(bool(self.convert_from), "train.stage 'ct' needs train.convert_from (a "
-                                           "pretrained MoE folder)")
+            check(
+                bool(self.convert_from),
+                "train.stage 'ct' needs train.convert_from (a pretrained MoE folder)",
+            )
         if self.init_from:
             check(Path(self.init_from).exists(), f"train.init_from {self.init_from} does not exist")
         if self.convert_from:
-            check(Path(self.convert_from).exists(),
-                  f"train.convert_from {self.convert_from} does not exist")
+            check(
+                Path(self.convert_from).exists(),
+                f"train.convert_from {self.convert_from} does not exist",
+            )
 
 
 @dataclass
@@ -196,11 +237,11 @@ class VisionWarmupConfig(ValidatedOnInit):
     their images (vlm/train/vision_warmup.py). Skipped when the encoder comes from
     `train.init_from`, a pretrained vision.timm_checkpoint or a resumed run."""
 
-    steps: int = 1000                # 0: no warm-up
+    steps: int = 1000  # 0: no warm-up
     images_per_step: int = 32
-    lr: float = 2e-3                 # AdamW, linear warm-up then cosine to 0
+    lr: float = 2e-3  # AdamW, linear warm-up then cosine to 0
     weight_decay: float = 0.05
-    min_word_count: int = 20         # words in fewer captions than this are not predicted
+    min_word_count: int = 20  # words in fewer captions than this are not predicted
     # caption samples read from the training sources (in shard order)
     max_captions: int = 4000
     # captions scored after the warm-up (the default data's val split)
@@ -214,14 +255,20 @@ class VisionWarmupConfig(ValidatedOnInit):
     def validate(self) -> None:
         check(self.steps >= 0, f"vision_warmup.steps must be >= 0, got {self.steps}")
         for name in ("images_per_step", "min_word_count", "max_captions"):
-            check(getattr(self, name) >= 1, f"vision_warmup.{name} must be >= 1, got "
-                                            f"{getattr(self, name)}")
-        check(self.max_captions >= self.images_per_step,
-              f"vision_warmup.max_captions={self.max_captions} must be >= "
-              f"images_per_step={self.images_per_step}")
+            check(
+                getattr(self, name) >= 1,
+                f"vision_warmup.{name} must be >= 1, got {getattr(self, name)}",
+            )
+        check(
+            self.max_captions >= self.images_per_step,
+            f"vision_warmup.max_captions={self.max_captions} "
+            f"must be >= images_per_step={self.images_per_step}",
+        )
         check(self.lr > 0, f"vision_warmup.lr must be > 0, got {self.lr}")
-        check(self.weight_decay >= 0, f"vision_warmup.weight_decay must be >= 0, got "
-                                      f"{self.weight_decay}")
+        check(
+            self.weight_decay >= 0,
+            f"vision_warmup.weight_decay must be >= 0, got {self.weight_decay}",
+        )
         check(self.held_out >= 0, f"vision_warmup.held_out must be >= 0, got {self.held_out}")
 
 
@@ -246,48 +293,71 @@ class TrainConfig(ValidatedOnInit):
         one. A saved run config repeats it under data (to_dict writes both), which is accepted when
         it equals vision.processor."""
         if self.vision is not None and self.data.processor is not self.vision.processor:
-            check(self.data.processor in (ImageProcessorConfig(), self.vision.processor),
-                  "data.processor is set, but with a vision section the loader uses "
-                  "vision.processor: state the image processor there only (data.processor is for "
-                  "configs without vision)")
+            check(
+                self.data.processor in (ImageProcessorConfig(), self.vision.processor),
+                "data.processor is set, but with a vision section the "
+                "loader uses vision.processor: state the image processor "
+                "there only (data.processor is for configs without vision)",
+            )
             self.data = replace(self.data, processor=self.vision.processor)
         super().__post_init__()
 
     def validate(self) -> None:
         stage = self.train.stage
         if stage == "text":
-            check(self.vision is None, "train.stage 'text' trains the LLM alone: set vision: null "
-                                       "(or use stage 'vl')")
+            check(
+                self.vision is None,
+                "train.stage 'text' trains the LLM alone: set vision: null (or use stage 'vl')",
+            )
         if stage == "vl":
-            check(self.vision is not None,
-                  "train.stage 'vl' needs a vision section (vision: {...})")
+            check(
+                self.vision is not None, "train.stage 'vl' needs a vision section (vision: {...})"
+            )
         # vision_warmup applies to a fresh tower in stage 'vl' only; elsewhere (no tower, stage
         # 'text' or 'ct', a pretrained tower: vlm.train.stages.pretrained_tower) it has nothing to
         # warm and is not run, so a config on `base: default.yaml` need not reset it
-        if self.vision_warmup.steps and stage == "vl" and self.vision is not None and not self.vision.timm_checkpoint:
-            check(not self.vision.freeze_encoder and not any(
-                p in ("vision", "vision.encoder") for p in self.params.freeze),
-                  "vision_warmup.steps > 0 trains the vision encoder, which this config freezes "
-                  "(vision.freeze_encoder / params.freeze): set vision_warmup.steps: 0")
+        if (
+            self.vision_warmup.steps
+            and stage == "vl"
+            and self.vision is not None
+            and not self.vision.timm_checkpoint
+        ):
+            check(
+                not self.vision.freeze_encoder
+                and not any(p in ("vision", "vision.encoder") for p in self.params.freeze),
+                "vision_warmup.steps > 0 trains the vision encoder, which this config "
+                "freezes (vision.freeze_encoder / params.freeze): set vision_warmup.steps: 0",
+            )
         if self.params.mup:
-            check(not self.model.tie_embeddings,
-                  "params.mup needs model.tie_embeddings: false (the output layer gets its own "
-                  "rate and logit scale)")
+            check(
+                not self.model.tie_embeddings,
+                "params.mup needs model.tie_embeddings: false (the "
+                "output layer gets its own rate and logit scale)",
+            )
         if self.vision is None:
-            image_parts = [p for p in IMAGE_PARTS if not self.data.default_parts
-                           or p in self.data.default_parts]
-            check(bool(self.data.sources) or not image_parts,
-                  f"vision: null, but the default dataset's parts {image_parts} carry images: set "
-                  "data.default_parts: [text] (or give a vision section)")
+            image_parts = [
+                p
+                for p in IMAGE_PARTS
+                if not self.data.default_parts or p in self.data.default_parts
+            ]
+            check(
+                bool(self.data.sources) or not image_parts,
+                f"vision: null, but the default dataset's parts {image_parts} carry "
+                "images: set data.default_parts: [text] (or give a vision section)",
+            )
             # params.vision_lr_mult / projector_lr_mult have no parameters to scale then: they are
             # not read
         for prefix in self.params.freeze:
-            check(prefix.split(".")[0] in ("lm", "vision"),
-                  f"params.freeze entry {prefix!r} must start with 'lm.' or 'vision.' (a module "
-                  f"prefix of the model)")
-            check(not (prefix.startswith("vision") and self.vision is None),
-                  f"params.freeze entry {prefix!r} names the vision tower but the config has no "
-                  f"vision section")
+            check(
+                prefix.split(".")[0] in ("lm", "vision"),
+                f"params.freeze entry {prefix!r} must start with "
+                "'lm.' or 'vision.' (a module prefix of the model)",
+            )
+            check(
+                not (prefix.startswith("vision") and self.vision is None),
+                f"params.freeze entry {prefix!r} names the vision "
+                "tower but the config has no vision section",
+            )
 
 
 # Model keys a run that continues a checkpoint (train.init_from, train.convert_from) may set to a
@@ -297,15 +367,36 @@ class TrainConfig(ValidatedOnInit):
 # model key not listed here must equal the stored value. `vocab_size` may only grow (rows added for
 # tokens added to the tokenizer, vlm.model.convert.fit_vocab).
 MAY_CHANGE_FROM_CHECKPOINT = (
-    "chunk.target_ratio", "chunk.modality_target_ratios", "chunk.ratio_loss_weight",
-    "chunk.document_slack", "chunk.document_weight", "chunk.tau", "chunk.boundary_noise",
-    "chunk.noise_sigma", "moe.balance_loss_weight", "moe.z_loss_weight", "moe.bias_update_rate",
+    "chunk.target_ratio",
+    "chunk.modality_target_ratios",
+    "chunk.ratio_loss_weight",
+    "chunk.document_slack",
+    "chunk.document_weight",
+    "chunk.tau",
+    "chunk.boundary_noise",
+    "chunk.noise_sigma",
+    "moe.balance_loss_weight",
+    "moe.z_loss_weight",
+    "moe.bias_update_rate",
     # its selection bias starts at zero: the routing is the stored one at start
-    "moe.bias_update", "moe.loss_free_balancing",
-    "concept_moe.top_k", "concept_moe.balance_loss_weight", "concept_moe.z_loss_weight",
-    "concept_moe.bias_update_rate", "concept_moe.bias_update", "concept_moe.loss_free_balancing",
-    "loop_start", "loop_end", "loop_times", "attn_backend", "init_std", "compile",
-    "activation_checkpoint", "chunk.capacity_slack", "chunk.eval_capacity_slack")
+    "moe.bias_update",
+    "moe.loss_free_balancing",
+    "concept_moe.top_k",
+    "concept_moe.balance_loss_weight",
+    "concept_moe.z_loss_weight",
+    "concept_moe.bias_update_rate",
+    "concept_moe.bias_update",
+    "concept_moe.loss_free_balancing",
+    "loop_start",
+    "loop_end",
+    "loop_times",
+    "attn_backend",
+    "init_std",
+    "compile",
+    "activation_checkpoint",
+    "chunk.capacity_slack",
+    "chunk.eval_capacity_slack",
+)
 
 
 def load_train_config(path: str | Path | None, overrides: list[str] | None = None) -> TrainConfig:
@@ -342,12 +433,17 @@ def check_not_shadowed(data: dict) -> None:
     if not isinstance(chunk, dict) or "target_ratio" not in chunk:
         return
     per = chunk.get("modality_target_ratios")
-    if isinstance(per, dict) and per and all(v is not None for v in per.values()) and \
-            not any(_same_number(v, chunk["target_ratio"]) for v in per.values()):
-        raise ConfigError(f"model.chunk.target_ratio={chunk['target_ratio']} is shadowed by "
-                          f"model.chunk.modality_target_ratios={per}: every modality has its own "
-                          f"target; set a modality to null to follow target_ratio, or state only "
-                          f"one of the two")
+    if (
+        isinstance(per, dict)
+        and per
+        and all(v is not None for v in per.values())
+        and not any(_same_number(v, chunk["target_ratio"]) for v in per.values())
+    ):
+        raise ConfigError(
+            f"model.chunk.target_ratio={chunk['target_ratio']} is shadowed by "
+            f"model.chunk.modality_target_ratios={per}: every modality has its own target; "
+            "set a modality to null to follow target_ratio, or state only one of the two"
+        )
 
 
 def _same_number(a, b) -> bool:
@@ -376,5 +472,15 @@ def migrate_run_config(data: dict) -> dict:
     return data
 
 
-__all__ = ["TrainConfig", "OptimConfig", "DeepSpeedConfig", "ParamsConfig", "LoggingConfig",
-           "CheckpointConfig", "RunConfig", "ConvertConfig", "load_train_config", "ConfigError"]
+__all__ = [
+    "TrainConfig",
+    "OptimConfig",
+    "DeepSpeedConfig",
+    "ParamsConfig",
+    "LoggingConfig",
+    "CheckpointConfig",
+    "RunConfig",
+    "ConvertConfig",
+    "load_train_config",
+    "ConfigError",
+]

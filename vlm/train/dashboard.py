@@ -5,6 +5,7 @@ targets, throughput, learning rate, expert-load imbalance. Histograms: p per mod
 per layer. At eval steps: an image with its merged patches outlined by concept and a text sample
 with '|' at its concept boundaries.
 """
+
 from __future__ import annotations
 
 import math
@@ -16,14 +17,23 @@ import torch
 from configs.batch import IMAGE, TEXT
 
 SCALAR_GROUPS = {
-    "loss": "loss/total", "lm_loss": "loss/lm", "aux_loss": "loss/ratio_aux",
-    "balance_loss": "loss/balance", "loss/text_only": "loss/text_only",
-    "loss/image_text": "loss/image_text", "compression/ratio": "compression/all",
-    "compression/text": "compression/text", "compression/image": "compression/image",
-    "boundary_p/all": "boundary_p/all", "boundary_p/text": "boundary_p/text",
-    "boundary_p/image": "boundary_p/image", "tokens_per_s": "throughput/tokens_per_s",
-    "step_time_s": "throughput/step_time_s", "lr": "optim/lr",
-    "grad_norm": "optim/grad_norm", "moe/adjugate_per_token": "moe/adjugate_per_token",
+    "loss": "loss/total",
+    "lm_loss": "loss/lm",
+    "aux_loss": "loss/ratio_aux",
+    "balance_loss": "loss/balance",
+    "loss/text_only": "loss/text_only",
+    "loss/image_text": "loss/image_text",
+    "compression/ratio": "compression/all",
+    "compression/text": "compression/text",
+    "compression/image": "compression/image",
+    "boundary_p/all": "boundary_p/all",
+    "boundary_p/text": "boundary_p/text",
+    "boundary_p/image": "boundary_p/image",
+    "tokens_per_s": "throughput/tokens_per_s",
+    "step_time_s": "throughput/step_time_s",
+    "lr": "optim/lr",
+    "grad_norm": "optim/grad_norm",
+    "moe/adjugate_per_token": "moe/adjugate_per_token",
 }
 
 
@@ -33,8 +43,9 @@ class Dashboard:
 
         # purge_step drops events an interrupted run logged after its last checkpoint (all of them
         # when a run starts afresh in a directory that has old event files).
-        self.writer = SummaryWriter(str(log_dir), purge_step=0 if resume_step is None
-                                    else resume_step + 1)
+        self.writer = SummaryWriter(
+            str(log_dir), purge_step=0 if resume_step is None else resume_step + 1
+        )
         self.targets = targets
 
     def scalars(self, rec: dict) -> None:
@@ -44,9 +55,19 @@ class Dashboard:
             if val is None or not isinstance(val, (int, float)) or key == "step":
                 continue
             tag = SCALAR_GROUPS.get(key)
-            if tag is None and key.startswith(("val/", "moe/max_over_mean/", "skipped/", "vqa/",
-                                               "vision/", "text/",
-                                               "doc_ratio/", "loss/kind/", "loss/source/")):
+            if tag is None and key.startswith(
+                (
+                    "val/",
+                    "moe/max_over_mean/",
+                    "skipped/",
+                    "vqa/",
+                    "vision/",
+                    "text/",
+                    "doc_ratio/",
+                    "loss/kind/",
+                    "loss/source/",
+                )
+            ):
                 tag = key
             if tag is None and key == "nonfinite_steps":
                 tag = "faults/nonfinite_steps"
@@ -55,29 +76,34 @@ class Dashboard:
         for name, target in self.targets.items():
             w.add_scalar(f"target/{name}", target, step)
 
-    def histograms(self, step: int,
-                   chunking: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
-                   loads: dict[str, torch.Tensor]) -> None:
+    def histograms(
+        self,
+        step: int,
+        chunking: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+        loads: dict[str, torch.Tensor],
+    ) -> None:
         """p per modality from (p, boundary, modality) of one micro-batch; expert load shares per layer."""
         w = self.writer
         if chunking is not None:
             p, _, mod = chunking
-            valid = p > 0   # padding has p = 0; a real token has p > 0 almost surely
+            valid = p > 0  # padding has p = 0; a real token has p > 0 almost surely
             for name, m in (("text", TEXT), ("image", IMAGE)):
                 vals = p[(mod == m) & valid].float().cpu()
                 if vals.numel():
-                    w.add_histogram(f"boundary_p_hist/{name}", vals.numpy(), step,
-                                    bins=np.linspace(0, 1, 41))
+                    w.add_histogram(
+                        f"boundary_p_hist/{name}", vals.numpy(), step, bins=np.linspace(0, 1, 41)
+                    )
         for k, load in loads.items():
             total = float(load.sum())
             if total > 0:
                 frac = (load / total).numpy()
                 # One "sample" per expert at its load share, so the histogram shows how
                 # loads spread.
-                w.add_histogram(f"expert_load/{k[len('load/'):]}", frac, step)
+                w.add_histogram(f"expert_load/{k[len('load/') :]}", frac, step)
 
-    def document_histograms(self, step: int, hist_Y2X: torch.Tensor, loss_Y2: torch.Tensor,
-                            names: list[str]) -> None:
+    def document_histograms(
+        self, step: int, hist_Y2X: torch.Tensor, loss_Y2: torch.Tensor, names: list[str]
+    ) -> None:
         """Per kind (and source) and modality: the distribution of the step's documents' realized
         ratios (`doc_ratio_hist/KIND/MOD`, log2 of tokens per concept; documents with no concept on
         the modality sit at log2 = 8), next to the p10 / p50 / p90 scalars of metrics.jsonl."""
@@ -94,11 +120,16 @@ class Dashboard:
                     continue
                 vals = torch.tensor(mids, dtype=torch.float64)
                 self.writer.add_histogram_raw(
-                    f"doc_ratio_hist/{names[g]}/{m}", min=0.0,
+                    f"doc_ratio_hist/{names[g]}/{m}",
+                    min=0.0,
                     max=max(v for v, c in zip(mids, counts) if c > 0),
-                    num=n, sum=float((vals * counts).sum()),
-                    sum_squares=float((vals ** 2 * counts).sum()),
-                    bucket_limits=limits, bucket_counts=counts.tolist(), global_step=step)
+                    num=n,
+                    sum=float((vals * counts).sum()),
+                    sum_squares=float((vals**2 * counts).sum()),
+                    bucket_limits=limits,
+                    bucket_counts=counts.tolist(),
+                    global_step=step,
+                )
 
     def pictures(self, step: int, image_HW3: np.ndarray | None, text: str | None) -> None:
         if image_HW3 is not None:

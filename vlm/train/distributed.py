@@ -4,6 +4,7 @@ A single `vlm train` needs no launcher: the rendezvous variables a launcher woul
 in (rank 0 of 1, a free local port). Under `deepspeed`/`torchrun` they are already set and used
 as they are.
 """
+
 from __future__ import annotations
 
 import logging

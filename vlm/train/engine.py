@@ -5,6 +5,7 @@ The learning-rate schedule is a torch LambdaLR that the trainer steps itself aft
 applied optimizer step (a skipped, non-finite step must not advance it); its state travels
 in our checkpoint.
 """
+
 from __future__ import annotations
 
 import json
@@ -31,8 +32,11 @@ def _merge(base: dict, over: dict) -> dict:
 def _generated(ds: DeepSpeedConfig, optim: OptimConfig, world_size: int) -> dict:
     zero: dict = {"stage": ds.zero_stage}
     if ds.zero_stage >= 1:
-        zero.update(overlap_comm=ds.overlap_comm, reduce_bucket_size=ds.reduce_bucket_size,
-                    contiguous_gradients=True)
+        zero.update(
+            overlap_comm=ds.overlap_comm,
+            reduce_bucket_size=ds.reduce_bucket_size,
+            contiguous_gradients=True,
+        )
         if ds.offload_optimizer != "none":
             zero["offload_optimizer"] = {"device": ds.offload_optimizer}
     if ds.zero_stage == 3:
@@ -48,7 +52,7 @@ def _generated(ds: DeepSpeedConfig, optim: OptimConfig, world_size: int) -> dict
         "zero_optimization": zero,
         "bf16": {"enabled": ds.bf16},
         "fp16": {"enabled": False},
-        "steps_per_print": 10 ** 12,
+        "steps_per_print": 10**12,
         "wall_clock_breakdown": False,
         "zero_allow_untested_optimizer": True,
         # offload with our torch AdamW (no DeepSpeedCPUAdam build)
@@ -60,14 +64,19 @@ def _read_user_json(ds: DeepSpeedConfig) -> dict:
     try:
         user = json.loads(Path(ds.config_file).read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError(f"deepspeed.config_file {ds.config_file} cannot be read as JSON: {e}") from None
+        raise ConfigError(
+            f"deepspeed.config_file {ds.config_file} cannot be read as JSON: {e}"
+        ) from None
     if not isinstance(user, dict):
         raise ConfigError(f"deepspeed.config_file {ds.config_file}: expected a JSON object")
     for section in ("optimizer", "scheduler"):
         if user.pop(section, None) is not None:
-            log.warning("deepspeed.config_file %s: its %r section is ignored; the run's optimizer "
-                        "(torch AdamW) and learning-rate schedule come from optim.*",
-                        ds.config_file, section)
+            log.warning(
+                "deepspeed.config_file %s: its %r section is ignored; the run's "
+                "optimizer (torch AdamW) and learning-rate schedule come from optim.*",
+                ds.config_file,
+                section,
+            )
     return user
 
 
@@ -76,8 +85,11 @@ def deepspeed_config(ds: DeepSpeedConfig, optim: OptimConfig, world_size: int) -
     `deepspeed.*` and `optim.*`, then the user's JSON file and `deepspeed.extra` on top, their
     "auto" values filled in."""
     user = _read_user_json(ds) if ds.config_file else {}
-    stage = user.get("zero_optimization",
-                     {}).get("stage") if isinstance(user.get("zero_optimization"), dict) else None
+    stage = (
+        user.get("zero_optimization", {}).get("stage")
+        if isinstance(user.get("zero_optimization"), dict)
+        else None
+    )
     # generate the defaults of the stage that will run
     if isinstance(stage, int) and stage in (0, 1, 2, 3):
         ds = replace(ds, zero_stage=stage)
@@ -106,11 +118,16 @@ def effective_settings(ds: DeepSpeedConfig, ds_json: dict) -> DeepSpeedConfig:
     """`deepspeed.*` as the merged JSON actually runs it (a config file may set the stage or
     precision): what the banner prints and config.yaml records."""
     zero = ds_json.get("zero_optimization", {})
-    offload = {k: zero.get(k, {}).get("device", getattr(ds, k))
-               for k in ("offload_optimizer", "offload_param")}
-    return replace(ds, zero_stage=int(zero.get("stage", ds.zero_stage)),
-                   bf16=bool(ds_json.get("bf16", {}).get("enabled", ds.bf16)),
-                   **{k: v for k, v in offload.items() if v in ("none", "cpu")})
+    offload = {
+        k: zero.get(k, {}).get("device", getattr(ds, k))
+        for k in ("offload_optimizer", "offload_param")
+    }
+    return replace(
+        ds,
+        zero_stage=int(zero.get("stage", ds.zero_stage)),
+        bf16=bool(ds_json.get("bf16", {}).get("enabled", ds.bf16)),
+        **{k: v for k, v in offload.items() if v in ("none", "cpu")},
+    )
 
 
 def _same_kinds(ours: dict, merged: dict, where: str = "") -> None:
@@ -119,13 +136,24 @@ def _same_kinds(ours: dict, merged: dict, where: str = "") -> None:
     fails steps later."""
     for k, a in ours.items():
         b, key = merged.get(k), f"{where}{k}"
-        kind = (dict if isinstance(a, dict) else bool if isinstance(a, bool) else
-                (int, float) if isinstance(a, (int, float)) else None)
-        ok = kind is None or (isinstance(b, kind) and not (kind != bool and isinstance(b, bool)))
+        kind = (
+            dict
+            if isinstance(a, dict)
+            else bool
+            if isinstance(a, bool)
+            else (int, float)
+            if isinstance(a, (int, float))
+            else None
+        )
+        ok = kind is None or (
+            isinstance(b, kind) and not (kind is not bool and isinstance(b, bool))
+        )
         if not ok:
             expected = "an object" if kind is dict else "true/false" if kind is bool else "a number"
-            raise ConfigError(f"deepspeed config key {key}={b!r} (from deepspeed.extra or "
-                              f"deepspeed.config_file): expected {expected}")
+            raise ConfigError(
+                f"deepspeed config key {key}={b!r} (from deepspeed.extra "
+                f"or deepspeed.config_file): expected {expected}"
+            )
         if kind is dict:
             _same_kinds(a, b, key + ".")
 
@@ -142,13 +170,16 @@ def check_deepspeed_config(ds: DeepSpeedConfig, optim: OptimConfig, world_size: 
     probe = {k: v for k, v in cfg.items() if k != "train_batch_size"}
     try:
         DeepSpeedJSON(probe)
-    # noqa: BLE001 - pydantic ValidationError, AssertionError, TypeError, ...
-    except Exception as e:
-        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()
-                 and "errors.pydantic.dev" not in ln]
-        raise ConfigError("deepspeed config (from deepspeed.* / deepspeed.extra / "
-                          "deepspeed.config_file) is "
-                          f"invalid: {' | '.join(lines) or type(e).__name__}") from None
+    except Exception as e:  # noqa: BLE001 - pydantic ValidationError, AssertionError, TypeError, ...
+        lines = [
+            ln.strip()
+            for ln in str(e).splitlines()
+            if ln.strip() and "errors.pydantic.dev" not in ln
+        ]
+        raise ConfigError(
+            "deepspeed config (from deepspeed.* / deepspeed.extra / "
+            f"deepspeed.config_file) is invalid: {' | '.join(lines) or type(e).__name__}"
+        ) from None
     return cfg
 
 
@@ -174,13 +205,15 @@ def grads_finite(grads: list[torch.Tensor]) -> bool:
     """Every rank's gradients are finite (one host sync; a collective when distributed)."""
     from vlm.train.collectives import all_finite
 
-    ok = torch.stack([torch.isfinite(g).all()
-                      for g in grads]).all() if grads else torch.tensor(True)
+    ok = (
+        torch.stack([torch.isfinite(g).all() for g in grads]).all() if grads else torch.tensor(True)
+    )
     return all_finite(ok, grads[0].device if grads else torch.device("cpu"))
 
 
-def build_optimizer(groups: list[dict], optim: OptimConfig,
-                    skip_nonfinite: bool = False) -> torch.optim.Optimizer:
+def build_optimizer(
+    groups: list[dict], optim: OptimConfig, skip_nonfinite: bool = False
+) -> torch.optim.Optimizer:
     """torch AdamW over the groups (per-group lr / weight decay / eps already set); with
     `skip_nonfinite` one that skips a step with a non-finite gradient itself (for the plain fp32
     path: `plain_fp32`).
@@ -190,10 +223,17 @@ def build_optimizer(groups: list[dict], optim: OptimConfig,
     float tensor on a device the fused kernel supports."""
     cls = SkipNonFiniteAdamW if skip_nonfinite else torch.optim.AdamW
     params = [p for g in groups for p in g["params"]]
-    fused = bool(params) and all(p.is_floating_point() and p.device.type in ("cuda", "cpu")
-                                 for p in params)
-    return cls(groups, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps,
-               weight_decay=optim.weight_decay, fused=fused)
+    fused = bool(params) and all(
+        p.is_floating_point() and p.device.type in ("cuda", "cpu") for p in params
+    )
+    return cls(
+        groups,
+        lr=optim.lr,
+        betas=tuple(optim.betas),
+        eps=optim.eps,
+        weight_decay=optim.weight_decay,
+        fused=fused,
+    )
 
 
 # The optimizer settings a resumed run takes from its config with --accept-optim-change (the
@@ -205,8 +245,9 @@ def optimizer_settings(optimizer: torch.optim.Optimizer) -> list[dict]:
     return [{k: g[k] for k in OPTIM_SETTINGS if k in g} for g in optimizer.param_groups]
 
 
-def resume_schedule(optimizer: torch.optim.Optimizer, scheduler, saved: dict,
-                    settings: list[dict] | None = None) -> None:
+def resume_schedule(
+    optimizer: torch.optim.Optimizer, scheduler, saved: dict, settings: list[dict] | None = None
+) -> None:
     """The schedule at the checkpoint's step (`saved`: its state dict), and every group's rate from
     it. With `settings` (optimizer_settings taken before the checkpoint was loaded): those settings,
     and the schedule continuing from the saved step with their base rates; one public `step()` from
@@ -217,8 +258,13 @@ def resume_schedule(optimizer: torch.optim.Optimizer, scheduler, saved: dict,
     else:
         for group, values in zip(optimizer.param_groups, settings):
             group.update(values)
-        scheduler.load_state_dict(dict(saved, base_lrs=[v["initial_lr"] for v in settings],
-                                       last_epoch=saved["last_epoch"] - 1))
+        scheduler.load_state_dict(
+            dict(
+                saved,
+                base_lrs=[v["initial_lr"] for v in settings],
+                last_epoch=saved["last_epoch"] - 1,
+            )
+        )
         # "lr_scheduler.step() before optimizer.step()": a resume, not a mistake
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
@@ -236,14 +282,22 @@ def build_engine(model: torch.nn.Module, groups: list[dict], cfg: TrainConfig, w
     ds_json = deepspeed_config(cfg.deepspeed, cfg.optim, world_size)
     o = cfg.optim
     optimizer = build_optimizer(groups, o, skip_nonfinite=plain_fp32(ds_json))
-    scheduler = build_scheduler(optimizer, schedule=o.schedule, warmup=o.warmup_steps,
-                                total=cfg.train.max_steps, lr=o.lr, min_lr=o.min_lr,
-                                decay_fraction=o.decay_fraction)
+    scheduler = build_scheduler(
+        optimizer,
+        schedule=o.schedule,
+        warmup=o.warmup_steps,
+        total=cfg.train.max_steps,
+        lr=o.lr,
+        min_lr=o.min_lr,
+        decay_fraction=o.decay_fraction,
+    )
     engine = initialize(model, optimizer, ds_json)
     # plain_fp32 misjudged it
     if is_plain_fp32(engine) and not isinstance(engine.optimizer, SkipNonFiniteAdamW):
-        raise RuntimeError("DeepSpeed steps the optimizer directly (stage 0, fp32) but it does not "
-                           "skip non-finite steps")
+        raise RuntimeError(
+            "DeepSpeed steps the optimizer directly (stage "
+            "0, fp32) but it does not skip non-finite steps"
+        )
     return optimizer, scheduler, ds_json, engine
 
 
@@ -252,7 +306,7 @@ def initialize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ds_conf
     import deepspeed
 
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
-    engine.checkpoint_engine.load = safe_load   # DeepSpeed's own loader unpickles arbitrary objects
+    engine.checkpoint_engine.load = safe_load  # DeepSpeed's own loader unpickles arbitrary objects
     return engine
 
 
@@ -295,19 +349,26 @@ def safe_load(path, map_location=None):
         with torch.serialization.safe_globals([LossScaler, ZeroStageEnum, fragment_address]):
             return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
-        raise CheckpointRefused(f"checkpoint {path}: refused, it holds objects other than tensors "
-                                f"and plain containers "
-                           f"({str(e).splitlines()[-1][:200]})") from None
+        raise CheckpointRefused(
+            f"checkpoint {path}: refused, it holds objects other than "
+            f"tensors and plain containers ({str(e).splitlines()[-1][:200]})"
+        ) from None
 
 
 def plain_fp32(ds_json: dict) -> bool:
     """The DeepSpeed JSON runs stage 0 without bf16 / fp16 (what `is_plain_fp32` says of the engine it makes)."""
     enabled = lambda k: bool((ds_json.get(k) or {}).get("enabled", False))  # noqa: E731
-    return int((ds_json.get("zero_optimization") or {}).get("stage",
-                                                            0)) == 0 and not enabled("bf16") \
+    return (
+        int((ds_json.get("zero_optimization") or {}).get("stage", 0)) == 0
+        and not enabled("bf16")
         and not enabled("fp16")
+    )
 
 
 def is_plain_fp32(engine) -> bool:
     """Stage 0 without bf16: DeepSpeed steps our torch optimizer directly and checks nothing for overflow."""
-    return engine.zero_optimization_stage() == 0 and not engine.bfloat16_enabled() and not engine.fp16_enabled()
+    return (
+        engine.zero_optimization_stage() == 0
+        and not engine.bfloat16_enabled()
+        and not engine.fp16_enabled()
+    )

@@ -5,27 +5,30 @@ final/ that exists is always whole. A write that fails (a full disk) removes the
 raises WriteError: one line naming the file and the reason; an earlier final/ and the checkpoints
 stay as they were.
 """
+
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import re
 import shutil
 from pathlib import Path
-
-import errno
-import re
 
 import torch
 
 from vlm.model.hf import save_pretrained
-from vlm.train.checkpoint import DISK_ERRNOS, WriteError, describe_write_error
 from vlm.train.distributed import barrier
 from vlm.train.param_groups import folded_logit_scale
+from vlm.train.write_errors import DISK_ERRNOS, WriteError, describe_write_error
 
 
 def nonfinite_tensors(module: torch.nn.Module) -> list[str]:
-    return [n for n, t in [*module.named_parameters(), *module.named_buffers()]
-            if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    return [
+        n
+        for n, t in [*module.named_parameters(), *module.named_buffers()]
+        if t.is_floating_point() and not bool(torch.isfinite(t).all())
+    ]
 
 
 def _as_os_error(e: Exception, path: Path) -> OSError | None:
@@ -39,8 +42,9 @@ def _as_os_error(e: Exception, path: Path) -> OSError | None:
     return None
 
 
-def export_final(engine, run_dir: Path, tokenizer, logit_scale: float, is_main: bool,
-                 log) -> Path | None:
+def export_final(
+    engine, run_dir: Path, tokenizer, logit_scale: float, is_main: bool, log
+) -> Path | None:
     """Collective. Written to a temp dir and renamed into place; None (nothing written) when a
     weight is not finite: a final/ must always be usable."""
     final, tmp = run_dir / "final", run_dir / ".tmp-final"
@@ -48,13 +52,16 @@ def export_final(engine, run_dir: Path, tokenizer, logit_scale: float, is_main: 
     ctx = contextlib.nullcontext()
     if engine.zero_optimization_stage() == 3:
         import deepspeed
+
         ctx = deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None)
     with ctx:
         bad = nonfinite_tensors(module)
         if bad:
-            log(f"not exporting final/: non-finite values in {len(bad)} tensors "
-                f"({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}); the last finite "
-                f"checkpoint is in {run_dir / 'checkpoints'}")
+            log(
+                f"not exporting final/: non-finite values in {len(bad)} tensors "
+                f"({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}); the "
+                f"last finite checkpoint is in {run_dir / 'checkpoints'}"
+            )
             return None
         if is_main:
             if tmp.exists():
@@ -62,15 +69,17 @@ def export_final(engine, run_dir: Path, tokenizer, logit_scale: float, is_main: 
             try:
                 with folded_logit_scale(module, logit_scale):
                     save_pretrained(module, tmp, tokenizer=tokenizer)
-            except Exception as e:   # safetensors raises its own error type for a failed write
+            except Exception as e:  # safetensors raises its own error type for a failed write
                 shutil.rmtree(tmp, ignore_errors=True)
                 err = _as_os_error(e, tmp / "model.safetensors")
                 if err is None or err.errno not in DISK_ERRNOS + (errno.ENOSPC,):
                     raise
-                raise WriteError(f"cannot export {final}: {describe_write_error(err, tmp)}; "
-                                 f"removed the partial {tmp.name}; the trained weights are in the "
-                                 f"last checkpoint in {run_dir / 'checkpoints'}") from None
-            if final.exists():   # the old final/ goes only once the new one is complete
+                raise WriteError(
+                    f"cannot export {final}: {describe_write_error(err, tmp)}; "
+                    f"removed the partial {tmp.name}; the trained weights are "
+                    f"in the last checkpoint in {run_dir / 'checkpoints'}"
+                ) from None
+            if final.exists():  # the old final/ goes only once the new one is complete
                 old = run_dir / ".del-final"
                 shutil.rmtree(old, ignore_errors=True)
                 os.replace(final, old)
@@ -97,5 +106,7 @@ def write_extras(final: Path, files: dict[str, "Path | str | None"]) -> None:
                 dest.write_text(content)
         except OSError as e:
             dest.unlink(missing_ok=True)
-            raise WriteError(f"cannot write {describe_write_error(e, dest)}; removed the partial "
-                             f"{name} (the model in {final} is complete)") from None
+            raise WriteError(
+                f"cannot write {describe_write_error(e, dest)}; removed "
+                f"the partial {name} (the model in {final} is complete)"
+            ) from None

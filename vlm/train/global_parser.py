@@ -13,6 +13,7 @@ boundary samples, seeded per micro-batch) while the parser `collect`s their sums
 them over ranks, and every real micro-batch then sees those totals. One micro-batch per step needs
 no extra pass.
 """
+
 from __future__ import annotations
 
 from typing import Callable
@@ -28,7 +29,7 @@ class GlobalParser:
 
     def __init__(self, all_reduce: Callable[[torch.Tensor], torch.Tensor] = ratio_statistics):
         self.across_ranks = all_reduce
-        self.total_Z3: torch.Tensor | None = None       # the step's global sums, once known
+        self.total_Z3: torch.Tensor | None = None  # the step's global sums, once known
         self.collected: list[torch.Tensor] | None = None
         self.calls = 0
 
@@ -50,7 +51,7 @@ class GlobalParser:
         local_Z3 = local_Z3.detach().float()
         if self.collected is not None:
             self.collected.append(local_Z3)
-            return local_Z3                      # the statistics pass's own loss is never used
+            return local_Z3  # the statistics pass's own loss is never used
         self.calls += 1
         # one micro-batch: its sums over ranks are the global ones
         if self.total_Z3 is None:

@@ -15,6 +15,7 @@ lr = eta_base / s and AdamW eps = eps / s, with s = width / d_base (eq. 18-20) a
 sigma^2 / s; embeddings, vectors (norm gains, biases) and the output layer keep the base rate; the
 logits are scaled by 1 / s_token (eq. 21).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -27,8 +28,14 @@ from torch import nn
 from configs.config import ConfigError
 
 CONCEPT_PREFIXES = ("lm.concept.", "lm.concept_down.")
-TOKEN_PREFIXES = ("lm.encoder.", "lm.chunker.", "lm.concept_up.", "lm.dechunk.", "lm.decoder.",
-                  "lm.norm.")
+TOKEN_PREFIXES = (
+    "lm.encoder.",
+    "lm.chunker.",
+    "lm.concept_up.",
+    "lm.dechunk.",
+    "lm.decoder.",
+    "lm.norm.",
+)
 PROJECTOR_PREFIXES = ("vision.projector.", "vision.encoder.merger.")
 
 
@@ -73,8 +80,10 @@ def freeze_prefixes(model: nn.Module, prefixes: list[str]) -> int:
         hits = [n for n in names if n == prefix or n.startswith(prefix.rstrip(".") + ".")]
         if not hits:
             tops = sorted({".".join(n.split(".")[:2]) for n in names})
-            raise ConfigError(f"params.freeze entry {prefix!r} matches no parameter; module "
-                              f"prefixes: {', '.join(tops)}")
+            raise ConfigError(
+                f"params.freeze entry {prefix!r} matches no "
+                f"parameter; module prefixes: {', '.join(tops)}"
+            )
         params = dict(model.named_parameters())
         for n in hits:
             params[n].requires_grad_(False)
@@ -106,8 +115,9 @@ def apply_mup_init(model: nn.Module, s_token: float, s_concept: float) -> None:
             p.mul_(1.0 / math.sqrt(s_token if part == "token" else s_concept))
 
 
-def apply_mup(model: nn.Module, params_cfg, hidden: int, concept_hidden: int,
-              fresh_lm: bool) -> float:
+def apply_mup(
+    model: nn.Module, params_cfg, hidden: int, concept_hidden: int, fresh_lm: bool
+) -> float:
     """params.mup: a fresh LLM gets muP's initialisation; a pretrained one, which computes plain
     logits, has lm_head divided by the logit multiplier so that hook x weights is the same function.
     Installs the multiplier's forward hook and returns it (1.0, and nothing done, without muP)."""
@@ -124,8 +134,9 @@ def apply_mup(model: nn.Module, params_cfg, hidden: int, concept_hidden: int,
     return scale
 
 
-def build_param_groups(model: nn.Module, optim, params_cfg, hidden: int,
-                       concept_hidden: int) -> list[dict]:
+def build_param_groups(
+    model: nn.Module, optim, params_cfg, hidden: int, concept_hidden: int
+) -> list[dict]:
     """AdamW groups (only trainable tensors), each with a `name`, its own lr, weight decay and eps."""
     s_tok, s_con = mup_width_multipliers(hidden, concept_hidden, params_cfg.mup_base_width)
     groups: dict[tuple, dict] = {}
@@ -141,20 +152,27 @@ def build_param_groups(model: nn.Module, optim, params_cfg, hidden: int,
             lr *= params_cfg.projector_lr_mult
         elif params_cfg.mup and matrix and part in ("token", "concept"):
             s = s_tok if part == "token" else s_con
-            base = (params_cfg.mup_token_lr if part == "token"
-                    else params_cfg.mup_concept_lr) or optim.lr
+            base = (
+                params_cfg.mup_token_lr if part == "token" else params_cfg.mup_concept_lr
+            ) or optim.lr
             lr, eps = mup_hidden_lr(base, s), eps / s
         elif part == "concept" and not params_cfg.mup:
             lr *= params_cfg.concept_lr_mult
         decay = optim.weight_decay if matrix and part != "embed" else 0.0
         key = (part, matrix, lr, decay, eps)
         if key not in groups:
-            groups[key] = {"name": f"{part}/{'matrix' if matrix else 'vector'}", "params": [],
-                           "lr": lr, "weight_decay": decay, "eps": eps}
+            groups[key] = {
+                "name": f"{part}/{'matrix' if matrix else 'vector'}",
+                "params": [],
+                "lr": lr,
+                "weight_decay": decay,
+                "eps": eps,
+            }
         groups[key]["params"].append(p)
     if not groups:
-        raise ConfigError("no trainable parameters: params.freeze (or vision.freeze_encoder) froze "
-                          "everything")
+        raise ConfigError(
+            "no trainable parameters: params.freeze (or vision.freeze_encoder) froze everything"
+        )
     return list(groups.values())
 
 
@@ -168,7 +186,7 @@ def folded_logit_scale(model: nn.Module, scale: float):
     hook = getattr(model, "_mup_logit_hook", None)
     if hook is not None:
         hook.remove()
-    orig = head.weight.detach().clone()   # restore bit for bit, not by dividing back
+    orig = head.weight.detach().clone()  # restore bit for bit, not by dividing back
     with torch.no_grad():
         head.weight.mul_(scale)
     try:
@@ -191,5 +209,8 @@ def install_logit_scale(model: nn.Module, scale: float) -> None:
 
 
 def describe_groups(groups: list[dict]) -> list[str]:
-    return [f"{g['name']}: {sum(p.numel() for p in g['params']):,} params, lr {g['lr']:.3g}, "
-            f"wd {g['weight_decay']:.3g}, eps {g['eps']:.3g}" for g in groups]
+    return [
+        f"{g['name']}: {sum(p.numel() for p in g['params']):,} params, lr "
+        f"{g['lr']:.3g}, wd {g['weight_decay']:.3g}, eps {g['eps']:.3g}"
+        for g in groups
+    ]

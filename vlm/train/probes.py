@@ -5,6 +5,7 @@ A vision tower that collapses (every image token the same vector) or explodes (n
 text embeddings) leaves the LLM blind while the losses still fall on text; these scalars show it
 early. Values are from this rank's last training forward (diagnostics, not global means).
 """
+
 from __future__ import annotations
 
 import torch
@@ -27,7 +28,9 @@ class ActivationProbe:
             # spread across tokens relative to their size: 0 means every image token is the
             # same vector
             if o.shape[0] > 1:
-                self.values["vision/token_spread"] = o.std(0).norm() / o.norm(dim=-1).mean().clamp_min(1e-12)
+                self.values["vision/token_spread"] = o.std(0).norm() / o.norm(
+                    dim=-1
+                ).mean().clamp_min(1e-12)
 
     def _embed(self, mod, inputs, out_BTD: torch.Tensor) -> None:
         if mod.training:

@@ -1,6 +1,7 @@
 """Pictures of what the chunk module did: an image with its merged patches outlined by concept, and
 a text sample with its concept boundaries marked. Used by the TensorBoard dashboard at eval steps.
 """
+
 from __future__ import annotations
 
 import colorsys
@@ -30,8 +31,9 @@ def concept_ids(boundary_BT: torch.Tensor) -> torch.Tensor:
     return b.cumsum(1) - b
 
 
-def first_image(batch: PackedBatch, patch_size: int, merge: int,
-                denormalize) -> tuple[np.ndarray, int, int, tuple[int, int]] | None:
+def first_image(
+    batch: PackedBatch, patch_size: int, merge: int, denormalize
+) -> tuple[np.ndarray, int, int, tuple[int, int]] | None:
     """(pixels HxWx3 uint8, row, first token position, merged grid) of the batch's first image, or None."""
     if batch.image_grids is None or batch.image_grids.numel() == 0:
         return None
@@ -47,8 +49,9 @@ def first_image(batch: PackedBatch, patch_size: int, merge: int,
     return pixels, row, start, (rows // merge, cols // merge)
 
 
-def render_image_concepts(pixels: np.ndarray, concept_of_token: np.ndarray, grid: tuple[int, int],
-                          scale: int = 4) -> np.ndarray:
+def render_image_concepts(
+    pixels: np.ndarray, concept_of_token: np.ndarray, grid: tuple[int, int], scale: int = 4
+) -> np.ndarray:
     """Overlay each merged patch with its concept's colour and outline the borders between concepts.
 
     `concept_of_token` holds the concept id of each image token in raster order of the merged grid.
@@ -79,21 +82,23 @@ def render_image_concepts(pixels: np.ndarray, concept_of_token: np.ndarray, grid
     return np.asarray(Image.alpha_composite(img.convert("RGBA"), overlay).convert("RGB"))
 
 
-def image_concept_picture(batch: PackedBatch, boundary_BT: torch.Tensor, patch_size: int,
-                          merge: int, denormalize) -> np.ndarray | None:
+def image_concept_picture(
+    batch: PackedBatch, boundary_BT: torch.Tensor, patch_size: int, merge: int, denormalize
+) -> np.ndarray | None:
     found = first_image(batch, patch_size, merge, denormalize)
     if found is None:
         return None
     pixels, row, start, grid = found
     n = grid[0] * grid[1]
-    cid = concept_ids(boundary_BT.cpu())[row, start:start + n].numpy()
+    cid = concept_ids(boundary_BT.cpu())[row, start : start + n].numpy()
     if cid.shape[0] != n:
         return None
     return render_image_concepts(pixels, cid, grid)
 
 
-def text_with_boundaries(batch: PackedBatch, boundary_BT: torch.Tensor, decode,
-                         max_tokens: int = 400, sep: str = "|") -> str:
+def text_with_boundaries(
+    batch: PackedBatch, boundary_BT: torch.Tensor, decode, max_tokens: int = 400, sep: str = "|"
+) -> str:
     """The first document of the batch with `sep` after every concept (runs of image tokens collapsed)."""
     row = 0
     doc = batch.doc_ids[row].cpu()
@@ -102,7 +107,7 @@ def text_with_boundaries(batch: PackedBatch, boundary_BT: torch.Tensor, decode,
     b = boundary_BT[row].cpu()
     pos = (doc == doc[0]).nonzero().flatten()[:max_tokens].tolist() if doc[0] >= 0 else []
     pieces, cur, img_run = [], [], 0
-    for t in pos:   # display only (a few hundred tokens at eval steps), not a hot path
+    for t in pos:  # display only (a few hundred tokens at eval steps), not a hot path
         if mod[t] == IMAGE:
             if cur:
                 pieces.append(decode(cur))

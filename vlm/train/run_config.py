@@ -1,5 +1,6 @@
 """What a run's config says beyond training itself: its compression targets for the dashboards, and
 which of its keys a resumed run may change."""
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -8,8 +9,15 @@ from configs.config import ConfigError, flatten
 from vlm.train.config import TrainConfig
 
 # Config keys a resumed run may change (everything else must match the checkpointed run).
-RESUMABLE_CHANGES = ("train.max_steps", "checkpoint.", "logging.", "train.vqa_eval",
-                     "train.vqa_max_samples", "train.threads", "train.max_skip_share")
+RESUMABLE_CHANGES = (
+    "train.max_steps",
+    "checkpoint.",
+    "logging.",
+    "train.vqa_eval",
+    "train.vqa_max_samples",
+    "train.threads",
+    "train.max_skip_share",
+)
 
 
 def evolve(cfg: TrainConfig, **sections) -> TrainConfig:
@@ -33,8 +41,17 @@ def config_targets(cfg: TrainConfig) -> dict[str, float]:
 
 # With --accept-optim-change (the documented fix after non-finite steps: a lower optim.lr) these may
 # change too; grad_accum may not (it changes how the data stream is cut into steps).
-OPTIM_CHANGES = ("optim.lr", "optim.min_lr", "optim.weight_decay", "optim.betas", "optim.eps",
-                 "optim.clip", "optim.warmup_steps", "optim.schedule", "optim.decay_fraction")
+OPTIM_CHANGES = (
+    "optim.lr",
+    "optim.min_lr",
+    "optim.weight_decay",
+    "optim.betas",
+    "optim.eps",
+    "optim.clip",
+    "optim.warmup_steps",
+    "optim.schedule",
+    "optim.decay_fraction",
+)
 
 
 def _resolved(flat: dict) -> dict:
@@ -42,8 +59,10 @@ def _resolved(flat: dict) -> dict:
     follows (what the run trained with), so that a run written before nulls were allowed resumes
     under a config using them."""
     prefix = "model.chunk.modality_target_ratios."
-    return {k: flat.get("model.chunk.target_ratio") if k.startswith(prefix) and v is None else v
-            for k, v in flat.items()}
+    return {
+        k: flat.get("model.chunk.target_ratio") if k.startswith(prefix) and v is None else v
+        for k, v in flat.items()
+    }
 
 
 def check_resume_config(saved: dict, now: dict, accept_optim_change: bool = False) -> None:
@@ -52,6 +71,7 @@ def check_resume_config(saved: dict, now: dict, accept_optim_change: bool = Fals
     for key in sorted(set(a) | set(b)):
         if a.get(key) != b.get(key) and not key.startswith(allowed):
             hint = " (or --accept-optim-change)" if key.startswith(OPTIM_CHANGES) else ""
-            raise ConfigError(f"cannot resume: {key} was {a.get(key)!r} in the checkpointed run, "
-                              f"now {b.get(key)!r}; use a new --out directory or the same "
-                              f"config{hint}")
+            raise ConfigError(
+                f"cannot resume: {key} was {a.get(key)!r} in the checkpointed run, now "
+                f"{b.get(key)!r}; use a new --out directory or the same config{hint}"
+            )

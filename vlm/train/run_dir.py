@@ -13,6 +13,7 @@ the same command then starts it.
 A config error found once the run folder exists removes the folder when this run made it
 (`made_by_this_run`), so that a bad config leaves nothing behind.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,9 +25,22 @@ from configs.config import ConfigError
 
 # what a run writes into its folder (vlm.train.trainer, metrics, tracking, vision_warmup,
 # run_summary): what --overwrite deletes; anything else in the folder is left alone
-RUN_FILES = ("checkpoints", "final", ".tmp-final", ".del-final", "summary.json", "metrics.jsonl",
-             "report.png", "config.yaml", "deepspeed_config.json", "tb", "vision_warmup.json",
-             "vision_load_report.txt", "wandb_id", "wandb")
+RUN_FILES = (
+    "checkpoints",
+    "final",
+    ".tmp-final",
+    ".del-final",
+    "summary.json",
+    "metrics.jsonl",
+    "report.png",
+    "config.yaml",
+    "deepspeed_config.json",
+    "tb",
+    "vision_warmup.json",
+    "vision_load_report.txt",
+    "wandb_id",
+    "wandb",
+)
 
 
 def logged_steps(metrics: Path) -> int:
@@ -67,9 +81,11 @@ def refusal(run_dir: Path, resume: bool | None) -> str | None:
     if resume is True and not finished:
         return None
     again = "" if finished else ", --resume to start this unfinished run over from step 0"
-    return (f"{run_dir} holds the outputs of an earlier run ({', '.join(found)}) and no checkpoint "
-            f"to resume from: training here would replace them. Give a new --out{again}, or "
-            f"--overwrite to delete them and start over")
+    return (
+        f"{run_dir} holds the outputs of an earlier run ({', '.join(found)}) "
+        "and no checkpoint to resume from: training here would replace them. "
+        f"Give a new --out{again}, or --overwrite to delete them and start over"
+    )
 
 
 def clear_run(run_dir: Path) -> list[str]:
@@ -109,8 +125,9 @@ def made_by_this_run(run_dir: Path, is_main: bool):
         raise
 
 
-def check_start(run_dir: Path, resume: bool | None, overwrite: bool | None, resume_from,
-                is_main: bool) -> None:
+def check_start(
+    run_dir: Path, resume: bool | None, overwrite: bool | None, resume_from, is_main: bool
+) -> None:
     """Collective when distributed. ConfigError on every rank when a run that found nothing to
     resume (`resume_from` None) would replace an earlier run's outputs (rank 0 looks); overwrite
     None (a caller that owns the folder, as `vlm chain` does its stages') skips the check."""

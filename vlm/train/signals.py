@@ -19,6 +19,7 @@ group is different: torch gives its workers their own SIGTERM handler, they end,
 with torch's "worker killed" error instead of a checkpoint; schedulers that signal only the main
 process (or num_workers: 0, the default) are fine.
 """
+
 from __future__ import annotations
 
 import os
@@ -94,15 +95,23 @@ class StopFlag:
         if os.getpid() != self._pid:
             return
         if self.signum is not None:
-            print(f"vlm train: second {signal.Signals(signum).name}: exiting now, without a "
-                  f"checkpoint", file=sys.stderr, flush=True)
+            print(
+                f"vlm train: second {signal.Signals(signum).name}: "
+                "exiting now, without a checkpoint",
+                file=sys.stderr,
+                flush=True,
+            )
             os._exit(exit_code(signum))
         self.signum = signum
         # said at once (a step or a save can take a while): someone at a terminal knows the
         # Ctrl-C was heard, a log shows when the signal came; the outcome is one more line when
         # the run stops
-        print(f"vlm train: {signal.Signals(signum).name} received: {self.heard} (send it again to "
-              f"exit at once)", file=sys.stderr, flush=True)
+        print(
+            f"vlm train: {signal.Signals(signum).name} received: "
+            f"{self.heard} (send it again to exit at once)",
+            file=sys.stderr,
+            flush=True,
+        )
         if self._interruptible:
             self._interruptible = False
             raise Interrupted()

@@ -7,6 +7,7 @@ exact for the LLM (vlm.model.flops.count_params, in Python integers:
 vision tower, so the check never refuses a model that could be built. Without it such a config fails
 inside torch with a traceback (or is killed by the OOM killer) after the run folder was made.
 """
+
 from __future__ import annotations
 
 import os
@@ -14,7 +15,7 @@ from pathlib import Path
 
 from configs.config import ConfigError
 
-BYTES_PER_PARAM = 4   # float32, as built
+BYTES_PER_PARAM = 4  # float32, as built
 
 
 def memory_limit_bytes() -> int | None:
@@ -47,7 +48,7 @@ def vision_params_lower_bound(vision, llm_hidden: int) -> int:
 
 def check_buildable(cfg, limit: int | None = None) -> None:
     """ConfigError (one line) when the model of `cfg` (a TrainConfig) cannot be allocated on this machine."""
-    if cfg.train.stage == "ct":   # the architecture comes from the checkpoint being converted
+    if cfg.train.stage == "ct":  # the architecture comes from the checkpoint being converted
         return
     from vlm.model.flops import count_params
 
@@ -58,11 +59,12 @@ def check_buildable(cfg, limit: int | None = None) -> None:
     limit = memory_limit_bytes() if limit is None else limit
     if limit is not None and need > limit:
         m = cfg.model
-        raise ConfigError(f"model: {_num(n)} parameters need {_bytes(need)} to build in float32, "
-                          f"more than this machine's {_bytes(limit)} of memory "
-                          f"(model.hidden_size={m.hidden_size}, model.vocab_size={m.vocab_size}, "
-                          f"model.moe.num_experts={m.moe.num_experts}, "
-                          f"model.moe.expert_hidden={m.moe.expert_hidden}); choose smaller sizes")
+        raise ConfigError(
+            f"model: {_num(n)} parameters need {_bytes(need)} to build in float32, more than "
+            f"this machine's {_bytes(limit)} of memory (model.hidden_size={m.hidden_size}, "
+            f"model.vocab_size={m.vocab_size}, model.moe.num_experts={m.moe.num_experts}, "
+            f"model.moe.expert_hidden={m.moe.expert_hidden}); choose smaller sizes"
+        )
 
 
 def _num(n: int) -> str:

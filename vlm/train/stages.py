@@ -9,6 +9,7 @@
 - ct:   continual training of a pretrained MoE converted into a ConceptMoE by vlm.model.convert
         (ConceptMoE section 4.3; the converter owns the weight mapping and the reallocation).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,8 +20,13 @@ import torch
 from torch import nn
 
 from configs.config import ConfigError, flatten, from_dict, to_dict
+from data_pipelines.tokenizer import (
+    Tokenizer,
+    TokenizerError,
+    is_source_tokenizer_dir,
+    load_tokenizer,
+)
 from vlm.model.config import ModelConfig
-from data_pipelines.tokenizer import Tokenizer, TokenizerError, is_source_tokenizer_dir, load_tokenizer
 from vlm.model.convert import convert_state, fit_vocab, load_source, to_conceptmoe_config
 from vlm.model.hf import MODEL_TYPE, load_vlm
 from vlm.model.legacy_names import current_keys
@@ -43,8 +49,10 @@ def resolve_weights_path(path: Path) -> Path:
     ckpt = latest_checkpoint(path / "checkpoints")
     if ckpt is not None:
         return ckpt
-    raise ConfigError(f"train.init_from {path}: not an exported model (config.json), a checkpoint "
-                      f"(meta.json) or a run directory with final/ or checkpoints/")
+    raise ConfigError(
+        f"train.init_from {path}: not an exported model (config.json), a "
+        "checkpoint (meta.json) or a run directory with final/ or checkpoints/"
+    )
 
 
 def read_model_state(path: Path) -> dict[str, torch.Tensor]:
@@ -54,14 +62,16 @@ def read_model_state(path: Path) -> dict[str, torch.Tensor]:
         return load_vlm(path).state_dict()
 
     bad = None if checksums_skipped() else damaged_file(path)
-    if bad is not None:   # the checksums the checkpoint recorded, as a resume checks them
-        raise ConfigError(f"train.init_from {path}: a damaged checkpoint, {bad} against the "
-                          f"checksums in its meta.json; {SKIP_HINT}")
+    if bad is not None:  # the checksums the checkpoint recorded, as a resume checks them
+        raise ConfigError(
+            f"train.init_from {path}: a damaged checkpoint, {bad} "
+            f"against the checksums in its meta.json; {SKIP_HINT}"
+        )
     ds_dir = path / "ds"
     module_file = ds_dir / "mp_rank_00_model_states.pt"
     state = safe_load(module_file, map_location="cpu") if module_file.is_file() else {}
     module = state.get("module")
-    if not module:   # ZeRO 0-2 keep the whole module in that file; ZeRO-3 leaves it empty
+    if not module:  # ZeRO 0-2 keep the whole module in that file; ZeRO-3 leaves it empty
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         module = get_fp32_state_dict_from_zero_checkpoint(str(path), tag="ds")
@@ -91,26 +101,34 @@ def load_pretrained_weights(model: ConceptMoEVLM, path: Path) -> dict[str, int]:
     parts = {"lm": model.lm, "vision": model.vision}
     loaded: dict[str, int] = {}
     for part, module in parts.items():
-        src = {k[len(part) + 1:]: v for k, v in state.items() if k.startswith(part + ".")}
+        src = {k[len(part) + 1 :]: v for k, v in state.items() if k.startswith(part + ".")}
         if not src:
             if part == "lm":
-                raise ConfigError(f"train.init_from {path}: the stored model has no LLM weights "
-                                  f"(no 'lm.' tensors)")
-            continue   # a text-stage source: the vision tower starts fresh
+                raise ConfigError(
+                    f"train.init_from {path}: the stored model "
+                    "has no LLM weights (no 'lm.' tensors)"
+                )
+            continue  # a text-stage source: the vision tower starts fresh
         if module is None:
-            continue   # a text stage started from a VL run keeps only the LLM
+            continue  # a text stage started from a VL run keeps only the LLM
         mine = module.state_dict()
         missing = sorted(set(mine) - set(src))
         shape_bad = [k for k in mine if k in src and src[k].shape != mine[k].shape]
-        extra = sorted(set(src) - set(mine))   # e.g. qk_norm=false would drop the stored q/k norms
+        extra = sorted(set(src) - set(mine))  # e.g. qk_norm=false would drop the stored q/k norms
         if missing or shape_bad or extra:
             k = (missing or shape_bad or extra)[0]
-            what = "is missing" if missing else \
-                f"has shape {tuple(src[k].shape)}, the config needs {tuple(mine[k].shape)}" if shape_bad else \
-                "is stored but has no place in the model"
+            what = (
+                "is missing"
+                if missing
+                else f"has shape {tuple(src[k].shape)}, the config needs {tuple(mine[k].shape)}"
+                if shape_bad
+                else "is stored but has no place in the model"
+            )
             section = "model" if part == "lm" else "vision"
-            raise ConfigError(f"train.init_from {path}: tensor {part}.{k} {what}; the {section} "
-                              f"section must match the stored model's")
+            raise ConfigError(
+                f"train.init_from {path}: tensor {part}.{k} {what}; "
+                f"the {section} section must match the stored model's"
+            )
         module.load_state_dict({k: src[k] for k in mine}, strict=True)
         loaded[part] = len(mine)
     return loaded
@@ -144,7 +162,7 @@ def merge_model_section(stored: ModelConfig, cfg: TrainConfig, where: Path) -> M
     if stated is None:
         default = flatten(_model_dict(ModelConfig()))
         stated = {k for k, v in mine.items() if k not in default or default[k] != v}
-    else:   # a section stated as a whole (modality_target_ratios: {...}) compares key by key
+    else:  # a section stated as a whole (modality_target_ratios: {...}) compares key by key
         stated = {k for k in mine if any(k == s or k.startswith(s + ".") for s in stated)}
     out = _model_dict(stored)
     for key in sorted(stated):
@@ -152,14 +170,15 @@ def merge_model_section(stored: ModelConfig, cfg: TrainConfig, where: Path) -> M
         if value == old:
             continue
         if key == "vocab_size" and old is not None and value > old:
-            _set(out, key, value)       # grown by fit_vocab below: the stored rows stay
+            _set(out, key, value)  # grown by fit_vocab below: the stored rows stay
             continue
         if key.startswith(MAY_CHANGE_FROM_CHECKPOINT):
             _set(out, key, value)
             continue
-        raise ConfigError(f"model.{key}: the checkpoint {where} has {old!r}, this config "
-                          f"{value!r}; it may not change when continuing a checkpoint (drop it to "
-                          f"keep the stored value)")
+        raise ConfigError(
+            f"model.{key}: the checkpoint {where} has {old!r}, this config {value!r}; it may "
+            "not change when continuing a checkpoint (drop it to keep the stored value)"
+        )
     if out["concept_moe"] == to_dict(stored.moe) and stored.concept_moe is None:
         out["concept_moe"] = None
     vocab = out.pop("vocab_size")
@@ -185,9 +204,15 @@ def rebuild(model: ConceptMoEVLM, mc: ModelConfig, where: Path) -> ConceptMoEVLM
         missing, unexpected = new.load_state_dict(model.state_dict(), strict=False)
         lost = [k for k in missing if not any(p in k for p in _FRESH_STATE)]
         if unexpected or lost:
-            what = f"stored tensor {unexpected[0]} has no place" if unexpected else f"tensor {lost[0]} is not stored"
-            raise ConfigError(f"{where}: {what} in the model this config describes; its model "
-                              f"section must match the stored model's")
+            what = (
+                f"stored tensor {unexpected[0]} has no place"
+                if unexpected
+                else f"tensor {lost[0]} is not stored"
+            )
+            raise ConfigError(
+                f"{where}: {what} in the model this config describes; "
+                "its model section must match the stored model's"
+            )
     fit_vocab(new, grow)
     return new
 
@@ -219,9 +244,13 @@ def convert_pretrained(cfg: TrainConfig) -> ConceptMoEVLM:
     import json
 
     path = Path(cfg.train.convert_from)
-    info = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
-    if info.get("model_type") == MODEL_TYPE and info.get("model", {}).get("chunk", {}).get("enabled", True):
-        model = load_vlm(path)                   # the output of `vlm convert`
+    info = (
+        json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
+    )
+    if info.get("model_type") == MODEL_TYPE and info.get("model", {}).get("chunk", {}).get(
+        "enabled", True
+    ):
+        model = load_vlm(path)  # the output of `vlm convert`
     else:
         opt = cfg.convert
         sd, base, _ = load_source(path, opt)
@@ -262,8 +291,10 @@ def resolve_tokenizer(cfg: TrainConfig) -> TrainConfig:
     if cfg.data.tokenizer in ("byte", "default"):
         return evolve(cfg, data=replace(cfg.data, tokenizer=str(src)))
     if not is_source_tokenizer_dir(Path(cfg.data.tokenizer_path)):
-        raise ConfigError(f"data.tokenizer {cfg.data.tokenizer!r}: the model from {src} keeps its "
-                          f"own tokenizer and chat format; drop data.tokenizer (or set it to {src})")
+        raise ConfigError(
+            f"data.tokenizer {cfg.data.tokenizer!r}: the model from {src} keeps its "
+            f"own tokenizer and chat format; drop data.tokenizer (or set it to {src})"
+        )
     return cfg
 
 
@@ -275,8 +306,9 @@ def load_run_tokenizer(cfg: TrainConfig) -> Tokenizer:
         return load_tokenizer(cfg.data.tokenizer_path)
     try:
         tok = load_tokenizer(cfg.data.tokenizer_path)
-        tok.chat_segments([{"role": "user", "content": "hi"},
-                           {"role": "assistant", "content": "hello"}] * 2)
+        tok.chat_segments(
+            [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}] * 2
+        )
     except TokenizerError as e:
         raise ConfigError(str(e)) from None
     return tok
@@ -296,7 +328,9 @@ def vision_load_report(model: nn.Module) -> str | None:
     return None if report is None else str(report)
 
 
-def build_stage_model(cfg: TrainConfig, tokenizer: Tokenizer | None = None) -> tuple[nn.Module, set[str]]:
+def build_stage_model(
+    cfg: TrainConfig, tokenizer: Tokenizer | None = None
+) -> tuple[nn.Module, set[str]]:
     """The model this stage trains, and which of its parts ("lm", "vision") start from fresh weights
     (muP init applies to a fresh LLM, the vision warm-up to a fresh vision tower). A pretrained
     model whose vocabulary is smaller than `tokenizer` (the image tokens a source's tokenizer gets)
@@ -317,12 +351,15 @@ def build_stage_model(cfg: TrainConfig, tokenizer: Tokenizer | None = None) -> t
             mc = merge_model_section(stored, cfg, where)
             grow, mc = mc.vocab_size, dataclasses.replace(mc, vocab_size=stored.vocab_size)
     model = ConceptMoEVLM(mc, cfg.vision if stage == "vl" else None)
-    parts = {"lm"} | ({"vision"} if model.vision is not None and not pretrained_tower(cfg)
-                      else set())
+    parts = {"lm"} | (
+        {"vision"} if model.vision is not None and not pretrained_tower(cfg) else set()
+    )
     if cfg.train.init_from:
         loaded = load_pretrained_weights(model, Path(cfg.train.init_from))
-        fit_vocab(model, max(grow, tokenizer.vocab_size if getattr(tokenizer, "kind",
-                                                                   "") == "source" else 0))
+        fit_vocab(
+            model,
+            max(grow, tokenizer.vocab_size if getattr(tokenizer, "kind", "") == "source" else 0),
+        )
         return model, parts - set(loaded)
     return model, parts
 
@@ -332,7 +369,7 @@ def with_built_model(cfg: TrainConfig, model: ConceptMoEVLM) -> TrainConfig:
     converted model's model and vision sections (stage ct), a continued checkpoint's model section
     (train.init_from); a fresh model is `cfg`'s own."""
     if cfg.train.stage == "ct":
-        vision = model.vision_cfg   # a converted VLM's own tower patchifies with its own processor
+        vision = model.vision_cfg  # a converted VLM's own tower patchifies with its own processor
         data = cfg.data if vision is None else replace(cfg.data, processor=vision.processor)
         return evolve(cfg, model=model.model_cfg, vision=vision, data=data)
     if cfg.train.init_from:

@@ -19,6 +19,7 @@ every rank: not once per micro-batch, and never from the statistics pass. The st
 model only through vlm.model.training_controls, and to the other ranks only through
 vlm.train.collectives.
 """
+
 from __future__ import annotations
 
 import torch
@@ -35,7 +36,7 @@ def boundary_seed(seed: int, step: int, index: int) -> int:
 
     Keyed by position in the global batch, not by rank, so sampling does not depend on how the
     global batch is split over ranks and micro-batches (and is reproduced exactly on resume)."""
-    return (seed * 0x9E3779B1 + (step + 1) * 0x85EBCA77 + index * 0xC2B2AE3D) % (2 ** 63 - 1)
+    return (seed * 0x9E3779B1 + (step + 1) * 0x85EBCA77 + index * 0xC2B2AE3D) % (2**63 - 1)
 
 
 def prepare(batch: PackedBatch, device: torch.device, float_dtype: torch.dtype) -> PackedBatch:
@@ -53,9 +54,19 @@ def poison_backward(engine) -> None:
 
 
 @torch.no_grad()
-def statistics_pass(model, window: list[PackedBatch], parser: GlobalParser, step: int, *, seed: int,
-                    rank: int, world_size: int, device: torch.device, float_dtype: torch.dtype,
-                    controls: TrainingControls | None = None) -> None:
+def statistics_pass(
+    model,
+    window: list[PackedBatch],
+    parser: GlobalParser,
+    step: int,
+    *,
+    seed: int,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    float_dtype: torch.dtype,
+    controls: TrainingControls | None = None,
+) -> None:
     """Forward every micro-batch without gradients, with the boundary samples its real pass will
     draw, so that the parser knows the global batch's statistics before the first backward. The MoE
     loads and the top-k score quantiles these forwards count are put back: the step's updates must
@@ -70,11 +81,22 @@ def statistics_pass(model, window: list[PackedBatch], parser: GlobalParser, step
     controls.restore_statistics(kept)
 
 
-def train_step(engine, window: list[PackedBatch], step: int, *, seed: int, rank: int,
-               world_size: int, parser: GlobalParser | None, device: torch.device,
-               float_dtype: torch.dtype = torch.float32, loss_hook=None,
-               bytes_per_id: torch.Tensor | None = None, sources: list[str] = (),
-               controls: TrainingControls | None = None) -> StepRecord:
+def train_step(
+    engine,
+    window: list[PackedBatch],
+    step: int,
+    *,
+    seed: int,
+    rank: int,
+    world_size: int,
+    parser: GlobalParser | None,
+    device: torch.device,
+    float_dtype: torch.dtype = torch.float32,
+    loss_hook=None,
+    bytes_per_id: torch.Tensor | None = None,
+    sources: list[str] = (),
+    controls: TrainingControls | None = None,
+) -> StepRecord:
     """Forward/backward every micro-batch of `window` and take (or skip) one optimizer step; after
     an applied one the model's accumulated statistics move its balancing biases and top-k thresholds
     (`controls`: the model's training interface, built from `engine.module` when not given).
@@ -86,8 +108,10 @@ def train_step(engine, window: list[PackedBatch], step: int, *, seed: int, rank:
     """
     micro, ranks = len(window), world_size
     if micro != engine.gradient_accumulation_steps():
-        raise ValueError(f"window of {micro} micro-batches but the engine accumulates "
-                         f"{engine.gradient_accumulation_steps()}")
+        raise ValueError(
+            f"window of {micro} micro-batches but the engine "
+            f"accumulates {engine.gradient_accumulation_steps()}"
+        )
     controls = controls or TrainingControls(engine.module)
     controls.move_thresholds_per_step()
     n_local = [float(labelled_counts(b)[0]) for b in window]
@@ -95,9 +119,18 @@ def train_step(engine, window: list[PackedBatch], step: int, *, seed: int, rank:
     if parser is not None:
         parser.start_step()
         if micro > 1:
-            statistics_pass(engine.module, window, parser, step, seed=seed, rank=rank,
-                            world_size=ranks, device=device, float_dtype=float_dtype,
-                            controls=controls)
+            statistics_pass(
+                engine.module,
+                window,
+                parser,
+                step,
+                seed=seed,
+                rank=rank,
+                world_size=ranks,
+                device=device,
+                float_dtype=float_dtype,
+                controls=controls,
+            )
     acc = StepAccumulator(device, bytes_per_id, len(sources))
     bad = False
     chunking = None
@@ -108,8 +141,9 @@ def train_step(engine, window: list[PackedBatch], step: int, *, seed: int, rank:
             out = engine(batch)
             if loss_hook is not None:
                 out = loss_hook(out, k)
-            bad = not collectives.all_finite(torch.isfinite(out.loss.detach().float()).all(),
-                                             device)
+            bad = not collectives.all_finite(
+                torch.isfinite(out.loss.detach().float()).all(), device
+            )
             if not bad:
                 w = n_local[k] * micro * ranks / max(N, 1.0)
                 # the global parser's ratio loss is this micro-batch's share of the global one (the

@@ -5,6 +5,7 @@ The run's id is kept in RUN_DIR/wandb_id, so a resumed run continues the same wa
 (`resume="allow"`); steps it already logged before the checkpoint it resumed from are sent again and
 wandb keeps the later values.
 """
+
 from __future__ import annotations
 
 import os
@@ -20,20 +21,34 @@ class WandbTracker:
         try:
             import wandb
         except ImportError:
-            raise ConfigError("logging.report_to includes 'wandb' but wandb is not installed: "
-                              "pip install -e \".[track]\"") from None
+            raise ConfigError(
+                "logging.report_to includes 'wandb' but wandb is not installed: "
+                'pip install -e ".[track]"'
+            ) from None
         self.wandb = wandb
         id_file = run_dir / "wandb_id"
         run_id = id_file.read_text().strip() if id_file.is_file() else wandb.util.generate_id()
         id_file.write_text(run_id)
         os.environ.setdefault("WANDB_SILENT", "true")
-        self.run = wandb.init(project=project, dir=str(run_dir), mode=mode, id=run_id,
-                              name=run_dir.name, resume="allow", config=config)
+        self.run = wandb.init(
+            project=project,
+            dir=str(run_dir),
+            mode=mode,
+            id=run_id,
+            name=run_dir.name,
+            resume="allow",
+            config=config,
+        )
 
     def scalars(self, rec: dict) -> None:
-        values = {k: v for k, v in rec.items() if k != "step" and isinstance(v, (int, float))
-                  and not isinstance(v, bool)
-                  and np.isfinite(v)}
+        values = {
+            k: v
+            for k, v in rec.items()
+            if k != "step"
+            and isinstance(v, (int, float))
+            and not isinstance(v, bool)
+            and np.isfinite(v)
+        }
         self.run.log(values, step=int(rec["step"]))
 
     def pictures(self, step: int, image_HW3: np.ndarray | None, text: str | None) -> None:

@@ -6,6 +6,7 @@ which steps it logs, evaluates and draws; the checkpointer which steps it saves)
 exported model at the end (the built-in VQA check) is handed in as `on_end` callbacks, registered
 under the `vlm.run_end` entry points, so the trainer imports nothing above it.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -25,11 +26,17 @@ import yaml
 from configs.config import ConfigError, to_dict
 from data_pipelines.default_dataset import ensure_default_dataset
 from vlm.model.training_controls import TrainingControls
-from vlm.train import collectives
 from vlm.train import checkpoint as ckpt_lib
+from vlm.train import collectives
 from vlm.train.config import TrainConfig
 from vlm.train.distributed import DistInfo, barrier, init_distributed
-from vlm.train.engine import build_engine, compile_model, effective_settings, optimizer_settings, resume_schedule
+from vlm.train.engine import (
+    build_engine,
+    compile_model,
+    effective_settings,
+    optimizer_settings,
+    resume_schedule,
+)
 from vlm.train.export import export_final
 from vlm.train.global_parser import GlobalParser
 from vlm.train.loaders import build_loaders, check_row_fits, skipped_samples
@@ -41,7 +48,12 @@ from vlm.train.run_dir import check_start, clear_run, made_by_this_run
 from vlm.train.run_summary import write_summary
 from vlm.train.signals import STEP_IN_FLIGHT, Interrupted, StopFlag
 from vlm.train.sizes import check_buildable
-from vlm.train.stages import build_stage_model, load_run_tokenizer, resolve_tokenizer, with_built_model
+from vlm.train.stages import (
+    build_stage_model,
+    load_run_tokenizer,
+    resolve_tokenizer,
+    with_built_model,
+)
 from vlm.train.step import train_step
 from vlm.train.validation import HeldOut
 from vlm.train.vision_warmup import warm_up_vision
@@ -56,9 +68,18 @@ def registered_run_end() -> list[RunEnd]:
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, run_dir: str | Path, resume: bool | None = None, log=print,
-                 accept_optim_change: bool = False, on_end: list[RunEnd] = (), loss_hook=None,
-                 stop: StopFlag | None = None, overwrite: bool | None = None):
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        run_dir: str | Path,
+        resume: bool | None = None,
+        log=print,
+        accept_optim_change: bool = False,
+        on_end: list[RunEnd] = (),
+        loss_hook=None,
+        stop: StopFlag | None = None,
+        overwrite: bool | None = None,
+    ):
         """resume: True = must resume; None = resume when RUN_DIR has a checkpoint; False = refuse
         if it has one. overwrite (vlm.train.run_dir): False = a run with nothing to resume refuses a
         RUN_DIR holding an earlier run's outputs; True = start over, deleting them (checkpoints
@@ -74,7 +95,11 @@ class Trainer:
         `cfg` says (a continued model's tokenizer and model section, the DeepSpeed settings the
         merged JSON runs): config.yaml, the banner and the summary show it."""
         self.cfg, self.run_dir, self.log_fn = cfg, Path(run_dir), log
-        self.on_end, self.loss_hook, self.accept_optim_change = list(on_end), loss_hook, accept_optim_change
+        self.on_end, self.loss_hook, self.accept_optim_change = (
+            list(on_end),
+            loss_hook,
+            accept_optim_change,
+        )
         self.stop = stop if stop is not None else StopFlag()
         # what a signal does until the last step (a chain's next stage included)
         self.stop.heard = STEP_IN_FLIGHT
@@ -87,17 +112,30 @@ class Trainer:
             self.resume_from = self._open_run_dir(resume, overwrite)
             self._prepare_data()
             model, fresh = self._build_model()
-            warm_up_vision(model, fresh, self.cfg, resuming=self.resume_from is not None,
-                           device=self.dist.device, run_dir=self.run_dir, is_main=self.is_main,
-                           log=self.log, stop=self.stop)
+            warm_up_vision(
+                model,
+                fresh,
+                self.cfg,
+                resuming=self.resume_from is not None,
+                device=self.dist.device,
+                run_dir=self.run_dir,
+                is_main=self.is_main,
+                log=self.log,
+                stop=self.stop,
+            )
             self._build_engine(model, fresh)
             self._check_resume_config()
             self._reset_state()
             self._build_loaders()
         ck = self.cfg.checkpoint
-        self.checkpointer = ckpt_lib.Checkpointer(self.engine, self.ckpt_root, ck.save_every,
-                                                  ck.keep_last, self.dist.rank,
-                                                  self.dist.world_size)
+        self.checkpointer = ckpt_lib.Checkpointer(
+            self.engine,
+            self.ckpt_root,
+            ck.save_every,
+            ck.keep_last,
+            self.dist.rank,
+            self.dist.world_size,
+        )
 
     # ---------------------------------------------------------------- the run
     def train(self) -> int:
@@ -109,13 +147,23 @@ class Trainer:
             self.log(f"resumed from {self.resume_from} at step {self.step}")
         self._write_run_files()
         resume_step = self.step if self.resume_from is not None else None
-        metrics = MetricsLogger(cfg.logging, cfg.train.max_steps, self.run_dir, resume_step,
-                                config_targets(cfg), self.is_main, self.step,
-                                run_config=to_dict(cfg), groups=group_names(self.source_names))
-        self.log(f"model: {self.n_params:,} parameters ({self.n_trainable:,} trainable); "
-                 f"{self.dist.world_size} rank(s) on {self.dist.device}; ZeRO "
-                 f"{cfg.deepspeed.zero_stage}{', bf16' if cfg.deepspeed.bf16 else ''}"
-                 f"{f'; {self.compiled_blocks} blocks compiled' if self.compiled_blocks else ''}")
+        metrics = MetricsLogger(
+            cfg.logging,
+            cfg.train.max_steps,
+            self.run_dir,
+            resume_step,
+            config_targets(cfg),
+            self.is_main,
+            self.step,
+            run_config=to_dict(cfg),
+            groups=group_names(self.source_names),
+        )
+        self.log(
+            f"model: {self.n_params:,} parameters ({self.n_trainable:,} trainable); "
+            f"{self.dist.world_size} rank(s) on {self.dist.device}; ZeRO "
+            f"{cfg.deepspeed.zero_stage}{', bf16' if cfg.deepspeed.bf16 else ''}"
+            f"{f'; {self.compiled_blocks} blocks compiled' if self.compiled_blocks else ''}"
+        )
         for line in self.groups_desc:
             self.log(f"  group {line}")
         batches = iter(self.loader)
@@ -125,7 +173,7 @@ class Trainer:
             if self._stop_requested():
                 metrics.close()
                 return self._stopped()
-            t0 = time.perf_counter()   # throughput counts data loading too
+            t0 = time.perf_counter()  # throughput counts data loading too
             window = list(itertools.islice(batches, cfg.optim.grad_accum))
             if len(window) < cfg.optim.grad_accum:
                 self.log(f"data exhausted after {self.step} steps (data.epochs={cfg.data.epochs})")
@@ -137,8 +185,9 @@ class Trainer:
             data_stop = None
             if metrics.should_log(self.step, record.applied):
                 # a collective; the same answer on every rank
-                skipped, data_stop = skipped_samples(self.loader, self.source_names,
-                                                     cfg.train.max_skip_share, self.dist.device)
+                skipped, data_stop = skipped_samples(
+                    self.loader, self.source_names, cfg.train.max_skip_share, self.dist.device
+                )
                 record.scalars.update(skipped)
             if metrics.should_eval(self.step):
                 # a collective
@@ -148,10 +197,12 @@ class Trainer:
                 metrics.write(record)
             if self.nonfinite_in_row >= cfg.train.max_nonfinite_in_row:
                 path = self.checkpointer.save(self.step, self.trainer_state())
-                self.log(f"stopping: {self.nonfinite_in_row} non-finite steps in a row (step "
-                         f"{self.step}); nothing was applied for them. Checkpoint: {path}. Lower "
-                         f"optim.lr (resume with --resume --accept-optim-change optim.lr=...), "
-                         f"check the data, or raise train.max_nonfinite_in_row.")
+                self.log(
+                    f"stopping: {self.nonfinite_in_row} non-finite steps in a row (step "
+                    f"{self.step}); nothing was applied for them. Checkpoint: {path}. "
+                    "Lower optim.lr (resume with --resume --accept-optim-change "
+                    "optim.lr=...), check the data, or raise train.max_nonfinite_in_row."
+                )
                 rc = 1
                 break
             if data_stop is not None:
@@ -169,22 +220,27 @@ class Trainer:
 
     def _stop_requested(self) -> bool:
         """A SIGTERM / SIGINT on any rank stops every rank after the same step (a collective when distributed)."""
-        return collectives.stop_requested(self.stop.requested, self.dist.device,
-                                          self.dist.world_size)
+        return collectives.stop_requested(
+            self.stop.requested, self.dist.device, self.dist.world_size
+        )
 
     def _stopped(self) -> int:
         """Checkpoint the step just finished and say so in one line; the exit code of the signal."""
-        signum = self.stop.signum or signal.SIGTERM   # a rank that did not see the signal itself
+        signum = self.stop.signum or signal.SIGTERM  # a rank that did not see the signal itself
         name = signal.Signals(signum).name
         if self.step == 0 and self.resume_from is None:
-            self.log(f"stopped by {name} before the first step: nothing to save; the same command "
-                     f"starts the run (--resume included)")
+            self.log(
+                f"stopped by {name} before the first step: nothing to save; "
+                "the same command starts the run (--resume included)"
+            )
         else:
             # WriteError: reported by the CLI
             self.checkpointer.save_unless_saved(self.step, self.trainer_state)
-            self.log(f"stopped by {name} after step {self.step}: checkpoint "
-                     f"{self.ckpt_root / ckpt_lib.step_dir_name(self.step)}; continue with the "
-                     f"same command and --resume")
+            self.log(
+                f"stopped by {name} after step {self.step}: checkpoint "
+                f"{self.ckpt_root / ckpt_lib.step_dir_name(self.step)}; "
+                "continue with the same command and --resume"
+            )
         return 128 + int(signum)
 
     def _finish(self, rc: int) -> int:
@@ -193,11 +249,12 @@ class Trainer:
         results: dict = {"vqa": None}
         if rc == 0:
             self.stop.heard = "stopping once final/ is exported (the last step is in a checkpoint)"
-            final = export_final(self.engine, self.run_dir, self.tokenizer, self.logit_scale,
-                                 self.is_main, self.log)
+            final = export_final(
+                self.engine, self.run_dir, self.tokenizer, self.logit_scale, self.is_main, self.log
+            )
             if final is None:
                 rc = 1
-            elif not self._stop_requested():     # a collective
+            elif not self._stop_requested():  # a collective
                 if self.is_main:
                     self._run_end(final, results)
                 barrier()
@@ -206,9 +263,16 @@ class Trainer:
                 return self._stopped_at_the_end()
         if not self.is_main:
             return rc
-        lines = write_summary(self.run_dir, self.cfg, steps=self.step, wall=wall, results=results,
-                              nonfinite_total=self.nonfinite_total,
-                              data_counters=self.loader.counters, rc=rc)
+        lines = write_summary(
+            self.run_dir,
+            self.cfg,
+            steps=self.step,
+            wall=wall,
+            results=results,
+            nonfinite_total=self.nonfinite_total,
+            data_counters=self.loader.counters,
+            rc=rc,
+        )
         self.log("\n".join(["", "=" * 72, "summary", "=" * 72] + lines))
         return rc
 
@@ -226,10 +290,12 @@ class Trainer:
         """A signal after the last step: final/ is exported, no summary is written; the same command
         (it resumes from the last checkpoint, where nothing is left to train) exports again,
         evaluates and summarises."""
-        signum = self.stop.signum or signal.SIGTERM   # a rank that did not see the signal itself
-        self.log(f"stopped by {signal.Signals(signum).name} after the last step ({self.step}), "
-                 f"before the end-of-run evaluation and summary; the same command finishes the run "
-                 f"from {self.ckpt_root / ckpt_lib.step_dir_name(self.step)}")
+        signum = self.stop.signum or signal.SIGTERM  # a rank that did not see the signal itself
+        self.log(
+            f"stopped by {signal.Signals(signum).name} after the last step ({self.step}), "
+            "before the end-of-run evaluation and summary; the same command finishes the "
+            f"run from {self.ckpt_root / ckpt_lib.step_dir_name(self.step)}"
+        )
         return 128 + int(signum)
 
     # ---------------------------------------------------------------- one step
@@ -240,11 +306,21 @@ class Trainer:
     def train_step(self, window, loss_hook=None) -> StepRecord:
         cfg = self.cfg
         self.probe.clear()
-        return train_step(self.engine, window, self.step, seed=cfg.train.seed, rank=self.dist.rank,
-                          world_size=self.dist.world_size, parser=self.parser,
-                          device=self.dist.device, float_dtype=self.float_dtype, loss_hook=loss_hook
-                          or self.loss_hook, bytes_per_id=self.bytes_per_id,
-                          sources=self.source_names, controls=self.controls)
+        return train_step(
+            self.engine,
+            window,
+            self.step,
+            seed=cfg.train.seed,
+            rank=self.dist.rank,
+            world_size=self.dist.world_size,
+            parser=self.parser,
+            device=self.dist.device,
+            float_dtype=self.float_dtype,
+            loss_hook=loss_hook or self.loss_hook,
+            bytes_per_id=self.bytes_per_id,
+            sources=self.source_names,
+            controls=self.controls,
+        )
 
     def after_step(self, result: StepRecord) -> None:
         """Schedule and loss-free balancing move only when the optimizer applied the step."""
@@ -296,8 +372,9 @@ class Trainer:
         self.ckpt_root = self.run_dir / "checkpoints"
         if self.is_main:
             if overwrite and (gone := clear_run(self.run_dir)):
-                self.log(f"--overwrite: deleted the earlier run's {', '.join(gone)} in "
-                         f"{self.run_dir}")
+                self.log(
+                    f"--overwrite: deleted the earlier run's {', '.join(gone)} in {self.run_dir}"
+                )
             self.run_dir.mkdir(parents=True, exist_ok=True)
             ckpt_lib.clean_partial(self.ckpt_root)
         barrier()
@@ -315,7 +392,7 @@ class Trainer:
             barrier()
         self.cfg = resolve_tokenizer(self.cfg)
         self.tokenizer = load_run_tokenizer(self.cfg)
-        check_row_fits(self.cfg, self.tokenizer)   # before the model is built
+        check_row_fits(self.cfg, self.tokenizer)  # before the model is built
         self.bytes_per_id = torch.as_tensor(self.tokenizer.bytes_per_id, device=self.dist.device)
 
     def _build_model(self) -> tuple[torch.nn.Module, set[str]]:
@@ -323,9 +400,11 @@ class Trainer:
         model, fresh = build_stage_model(self.cfg, self.tokenizer)
         self.cfg = cfg = with_built_model(self.cfg, model)
         if cfg.model.vocab_size < self.tokenizer.vocab_size:
-            raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the "
-                              f"tokenizer's {self.tokenizer.vocab_size} ids "
-                              f"({cfg.data.tokenizer_path}); raise model.vocab_size")
+            raise ConfigError(
+                f"model.vocab_size={cfg.model.vocab_size} is smaller "
+                f"than the tokenizer's {self.tokenizer.vocab_size} ids "
+                f"({cfg.data.tokenizer_path}); raise model.vocab_size"
+            )
         if cfg.params.freeze:
             freeze_prefixes(model, cfg.params.freeze)
         return model, fresh
@@ -333,20 +412,25 @@ class Trainer:
     def _build_engine(self, model: torch.nn.Module, fresh: set[str]) -> None:
         """muP, the parameter groups, optimizer, schedule and DeepSpeed engine, and what hooks into its module."""
         cfg = self.cfg
-        self.logit_scale = apply_mup(model, cfg.params, cfg.model.hidden_size, cfg.model.c_hidden,
-                                     "lm" in fresh)
-        groups = build_param_groups(model, cfg.optim, cfg.params, cfg.model.hidden_size,
-                                    cfg.model.c_hidden)
+        self.logit_scale = apply_mup(
+            model, cfg.params, cfg.model.hidden_size, cfg.model.c_hidden, "lm" in fresh
+        )
+        groups = build_param_groups(
+            model, cfg.optim, cfg.params, cfg.model.hidden_size, cfg.model.c_hidden
+        )
         self.groups_desc = describe_groups(groups)
         self.compiled_blocks = compile_model(model, self.cfg, self.dist.device)
-        self.optimizer, self.scheduler, self.ds_config, self.engine = build_engine(model, groups, cfg,
-                                                                                   self.dist.world_size)
+        self.optimizer, self.scheduler, self.ds_config, self.engine = build_engine(
+            model, groups, cfg, self.dist.world_size
+        )
         # what runs
         self.cfg = evolve(cfg, deepspeed=effective_settings(cfg.deepspeed, self.ds_config))
         self.float_dtype = torch.bfloat16 if self.engine.bfloat16_enabled() else torch.float32
         self.probe = ActivationProbe(self.engine.module)
         self.controls = TrainingControls(self.engine.module)
-        self.parser = GlobalParser(collectives.ratio_statistics) if cfg.train.global_parser else None
+        self.parser = (
+            GlobalParser(collectives.ratio_statistics) if cfg.train.global_parser else None
+        )
         if self.parser is not None and not self.controls.set_statistics_hook(self.parser):
             self.parser = None
         self.n_params = sum(p.numel() for p in model.parameters())
@@ -355,8 +439,11 @@ class Trainer:
     def _check_resume_config(self) -> None:
         """A resumed run's config (as it runs) matches the checkpointed run's, but for what may change."""
         if self.resume_from is not None and (self.run_dir / "config.yaml").is_file():
-            check_resume_config(yaml.safe_load((self.run_dir / "config.yaml").read_text()),
-                                to_dict(self.cfg), self.accept_optim_change)
+            check_resume_config(
+                yaml.safe_load((self.run_dir / "config.yaml").read_text()),
+                to_dict(self.cfg),
+                self.accept_optim_change,
+            )
 
     def _reset_state(self) -> None:
         self.step = 0
@@ -370,31 +457,53 @@ class Trainer:
         d = self.dist
         self.loader, eval_batches = build_loaders(self.cfg, self.tokenizer, d.rank, d.world_size)
         self.source_names = [s.label for s in self.loader.sources]
-        self.held_out = HeldOut(self.engine, eval_batches, self.parser, d.device, self.float_dtype,
-                                self.cfg.data.processor, self.tokenizer)
+        self.held_out = HeldOut(
+            self.engine,
+            eval_batches,
+            self.parser,
+            d.device,
+            self.float_dtype,
+            self.cfg.data.processor,
+            self.tokenizer,
+        )
 
     # ---------------------------------------------------------------- state
     def trainer_state(self) -> dict:
-        return {"step": self.step, "scheduler": self.scheduler.state_dict(),
-                "rng": ckpt_lib.rng_state(), "loader": self.loader.state_dict(),
-                "nonfinite_total": self.nonfinite_total, "nonfinite_in_row": self.nonfinite_in_row,
-                "wall_s": self.wall_before + (time.time() - self.t_start)}
+        return {
+            "step": self.step,
+            "scheduler": self.scheduler.state_dict(),
+            "rng": ckpt_lib.rng_state(),
+            "loader": self.loader.state_dict(),
+            "nonfinite_total": self.nonfinite_total,
+            "nonfinite_in_row": self.nonfinite_in_row,
+            "wall_s": self.wall_before + (time.time() - self.t_start),
+        }
 
     def restore(self, path: Path) -> None:
         # this config's: the checkpoint's come back with its state
         settings = optimizer_settings(self.optimizer)
         state = ckpt_lib.load_checkpoint(self.engine, path, self.dist.rank, self.dist.world_size)
-        resume_schedule(self.optimizer, self.scheduler, state["scheduler"],
-                        settings if self.accept_optim_change else None)
+        resume_schedule(
+            self.optimizer,
+            self.scheduler,
+            state["scheduler"],
+            settings if self.accept_optim_change else None,
+        )
         ckpt_lib.set_rng_state(state["rng"])
         if state.get("loader") is not None:
             self.loader.load_state_dict(state["loader"])
         self.step = state["step"]
-        self.nonfinite_total, self.nonfinite_in_row = state["nonfinite_total"], state["nonfinite_in_row"]
+        self.nonfinite_total, self.nonfinite_in_row = (
+            state["nonfinite_total"],
+            state["nonfinite_in_row"],
+        )
         self.wall_before = state.get("wall_s", 0.0)
 
     def _write_run_files(self) -> None:
         if self.is_main:
-            (self.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(self.cfg),
-                                                                     sort_keys=False))
-            (self.run_dir / "deepspeed_config.json").write_text(json.dumps(self.ds_config, indent=2))
+            (self.run_dir / "config.yaml").write_text(
+                yaml.safe_dump(to_dict(self.cfg), sort_keys=False)
+            )
+            (self.run_dir / "deepspeed_config.json").write_text(
+                json.dumps(self.ds_config, indent=2)
+            )

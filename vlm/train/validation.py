@@ -1,4 +1,5 @@
 """Held-out evaluation during training: loss and compression in eval mode, and the chunking pictures."""
+
 from __future__ import annotations
 
 import torch
@@ -10,9 +11,18 @@ from vlm.train.metrics import StepAccumulator
 from vlm.train.render import image_concept_picture, text_with_boundaries
 from vlm.train.step import prepare
 
-EVAL_KEYS = ("lm_loss", "loss/text_only", "bpb/text", "loss/image_text", "compression/ratio",
-             "compression/text", "compression/image", "boundary_p/all", "boundary_p/text",
-             "boundary_p/image")
+EVAL_KEYS = (
+    "lm_loss",
+    "loss/text_only",
+    "bpb/text",
+    "loss/image_text",
+    "compression/ratio",
+    "compression/text",
+    "compression/image",
+    "boundary_p/all",
+    "boundary_p/text",
+    "boundary_p/image",
+)
 
 
 class HeldOut:
@@ -20,8 +30,16 @@ class HeldOut:
     without any, the pictures come from the current training batch. `run` is a collective: every
     rank calls it."""
 
-    def __init__(self, engine, batches: list, parser, device: torch.device,
-                 float_dtype: torch.dtype, processor_cfg, tokenizer):
+    def __init__(
+        self,
+        engine,
+        batches: list,
+        parser,
+        device: torch.device,
+        float_dtype: torch.dtype,
+        processor_cfg,
+        tokenizer,
+    ):
         self.engine, self.batches, self.parser = engine, batches, parser
         self.device, self.float_dtype = device, float_dtype
         self.processor_cfg, self.tokenizer = processor_cfg, tokenizer
@@ -52,14 +70,19 @@ class HeldOut:
             rec = acc.record(0, collectives.step_metrics, ratio_weight=0.0).scalars
             # the aggregates, and per kind of sample the documents' ratio per modality (eval mode):
             # p10 / p50 / p90
-            val = {f"val/{k}": v for k, v in rec.items() if k in EVAL_KEYS
-                   or k.startswith("doc_ratio/")}
+            val = {
+                f"val/{k}": v
+                for k, v in rec.items()
+                if k in EVAL_KEYS or k.startswith("doc_ratio/")
+            }
         return val, (self._pictures(*first) if draw and first is not None else None)
 
     def _pictures(self, batch, boundary_BT) -> tuple:
         proc = self.processor_cfg
-        img = image_concept_picture(batch, boundary_BT, proc.patch_size, proc.merge,
-                                    ImageProcessor(proc).denormalize)
-        txt = text_with_boundaries(batch, boundary_BT,
-                                   lambda ids: self.tokenizer.decode(ids, skip_special=False))
+        img = image_concept_picture(
+            batch, boundary_BT, proc.patch_size, proc.merge, ImageProcessor(proc).denormalize
+        )
+        txt = text_with_boundaries(
+            batch, boundary_BT, lambda ids: self.tokenizer.decode(ids, skip_special=False)
+        )
         return img, txt

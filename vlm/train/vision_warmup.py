@@ -18,6 +18,7 @@ when a SIGTERM / SIGINT asks the run to stop. The next start of the same run (wi
 --resume) continues it from there and draws the same images, so an interrupted warm-up ends where an
 uninterrupted one would.
 """
+
 from __future__ import annotations
 
 import json
@@ -38,12 +39,12 @@ from configs.config import ConfigError, to_dict
 from data_pipelines.loader import resolve_sources
 from data_pipelines.samples import iter_samples
 from data_pipelines.schema import IMAGE_TOKEN, Sample
+from vision.image_processor import ImageError, ImageProcessor, ProcessedImage
 from vlm.train.checkpoint import load_state_dir, rng_state, save_state_dir, set_rng_state
 from vlm.train.schedule import build_scheduler
-from vision.image_processor import ImageError, ImageProcessor, ProcessedImage
 
-WORD = re.compile(r"[^\W\d_]{2,}")   # letters only, two or more; lower-cased
-STATE_NAME = "vision_warmup"          # RUN_DIR/checkpoints/vision_warmup/
+WORD = re.compile(r"[^\W\d_]{2,}")  # letters only, two or more; lower-cased
+STATE_NAME = "vision_warmup"  # RUN_DIR/checkpoints/vision_warmup/
 
 
 def caption_words(text: str) -> set[str]:
@@ -62,7 +63,7 @@ def is_caption(sample: Sample) -> bool:
 class Captions:
     images: list[bytes]
     words: list[set[str]]
-    names: list[str]     # where each came from, for messages
+    names: list[str]  # where each came from, for messages
 
 
 def collect_captions(patterns: list[str], limit: int) -> Captions:
@@ -86,8 +87,10 @@ def word_vocabulary(words: list[set[str]], min_count: int) -> list[str]:
 
 def max_pool_per_image(x_ND: torch.Tensor, tokens_per_image: list[int]) -> torch.Tensor:
     """[N, D] packed tokens of several images -> [I, D] element-wise max over each image's tokens."""
-    image_id_N = torch.repeat_interleave(torch.arange(len(tokens_per_image), device=x_ND.device),
-                                         torch.tensor(tokens_per_image, device=x_ND.device))
+    image_id_N = torch.repeat_interleave(
+        torch.arange(len(tokens_per_image), device=x_ND.device),
+        torch.tensor(tokens_per_image, device=x_ND.device),
+    )
     out_ID = x_ND.new_full((len(tokens_per_image), x_ND.shape[1]), float("-inf"))
     return out_ID.scatter_reduce(0, image_id_N[:, None].expand_as(x_ND), x_ND, reduce="amax")
 
@@ -107,7 +110,7 @@ def _process(processor: ImageProcessor, data: bytes, name: str) -> ProcessedImag
     try:
         return processor(data, source=name)
     except ImageError:
-        return None   # the loader skips and counts the same image; here it is simply not used
+        return None  # the loader skips and counts the same image; here it is simply not used
 
 
 def _batch(images: list[ProcessedImage | None], words: list[set[str]], index: dict[str, int]):
@@ -119,13 +122,29 @@ def _batch(images: list[ProcessedImage | None], words: list[set[str]], index: di
             if w in index:
                 y_IV[row, index[w]] = 1.0
     ps = [images[i] for i in kept]
-    return (torch.cat([p.patches_PD for p in ps]), torch.cat([p.coords_P2 for p in ps]),
-            torch.tensor([p.grid for p in ps]), [p.num_tokens for p in ps], y_IV)
+    return (
+        torch.cat([p.patches_PD for p in ps]),
+        torch.cat([p.coords_P2 for p in ps]),
+        torch.tensor([p.grid for p in ps]),
+        [p.num_tokens for p in ps],
+        y_IV,
+    )
 
 
-def run_vision_warmup(encoder: nn.Module, processor: ImageProcessor, cfg, data_cfg, *, seed: int,
-                      device: torch.device, run_dir: Path | None, log: Callable[[str], None],
-                      state_dir: Path | None = None, fingerprint: str = "", stop=None) -> dict:
+def run_vision_warmup(
+    encoder: nn.Module,
+    processor: ImageProcessor,
+    cfg,
+    data_cfg,
+    *,
+    seed: int,
+    device: torch.device,
+    run_dir: Path | None,
+    log: Callable[[str], None],
+    state_dir: Path | None = None,
+    fingerprint: str = "",
+    stop=None,
+) -> dict:
     """Train `encoder` in place for cfg.steps steps on caption words; returns (and writes)
     what it learnt.
 
@@ -139,33 +158,42 @@ def run_vision_warmup(encoder: nn.Module, processor: ImageProcessor, cfg, data_c
     train_patterns = [p for s in resolve_sources(data_cfg) for p in map(str, s.paths)]
     caps = collect_captions(train_patterns, cfg.max_captions)
     if len(caps.images) < cfg.images_per_step:
-        raise ConfigError(f"vision_warmup needs at least "
-                          f"vision_warmup.images_per_step={cfg.images_per_step} "
-                         f"caption samples (one image, plain text) in the training data, found "
-                         f"{len(caps.images)}; "
-                         "set vision_warmup.steps: 0 or add captions")
+        raise ConfigError(
+            f"vision_warmup needs at least vision_warmup.images_per_step={cfg.images_per_step} "
+            "caption samples (one image, plain text) in the training data, found "
+            f"{len(caps.images)}; set vision_warmup.steps: 0 or add captions"
+        )
     held = Captions([], [], [])
-    if not data_cfg.sources:   # the default dataset: its val split is the held-out set
-        val_patterns = [p for s in resolve_sources(replace(data_cfg, split="val"))
-                        for p in map(str, s.paths)]
+    if not data_cfg.sources:  # the default dataset: its val split is the held-out set
+        val_patterns = [
+            p for s in resolve_sources(replace(data_cfg, split="val")) for p in map(str, s.paths)
+        ]
         held = collect_captions(val_patterns, cfg.held_out)
-    if not held.images:        # otherwise the last captions collected are held out
+    if not held.images:  # otherwise the last captions collected are held out
         k = min(cfg.held_out, len(caps.images) // 10)
         if k:
             held = Captions(caps.images[-k:], caps.words[-k:], caps.names[-k:])
             caps = Captions(caps.images[:-k], caps.words[:-k], caps.names[:-k])
     vocab = word_vocabulary(caps.words, cfg.min_word_count)
     if not vocab:
-        raise ConfigError(f"vision_warmup: no word occurs in "
-                          f"vision_warmup.min_word_count={cfg.min_word_count} of "
-                         f"the {len(caps.images)} captions found; lower it")
+        raise ConfigError(
+            f"vision_warmup: no word occurs in vision_warmup.min_word_count={cfg.min_word_count} "
+            f"of the {len(caps.images)} captions found; lower it"
+        )
     index = {w: j for j, w in enumerate(vocab)}
     readout = WordReadout(encoder.out_dim, len(vocab)).to(device)
     params = [p for p in encoder.parameters() if p.requires_grad] + list(readout.parameters())
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     warm = max(1, cfg.steps // 20)
-    sched = build_scheduler(opt, schedule="cosine", warmup=warm, total=cfg.steps, lr=cfg.lr,
-                            min_lr=0.0, decay_fraction=0.0)
+    sched = build_scheduler(
+        opt,
+        schedule="cosine",
+        warmup=warm,
+        total=cfg.steps,
+        lr=cfg.lr,
+        min_lr=0.0,
+        decay_fraction=0.0,
+    )
     rng = random.Random(f"vision-warmup:{seed}")
     processed: dict[int, ProcessedImage | None] = {}
     was_training = encoder.training
@@ -173,12 +201,18 @@ def run_vision_warmup(encoder: nn.Module, processor: ImageProcessor, cfg, data_c
     losses: list[float] = []
     every = max(1, cfg.steps // 10)
     start = 0
-    saved = load_state_dir(state_dir, STATE_NAME,
-                           warn=lambda m: log(f"warning: {m}")) if state_dir else None
-    if saved is not None and (saved.get("fingerprint") != fingerprint
-                              or saved.get("vocabulary") != vocab):
-        log(f"warning: {state_dir / STATE_NAME} was written by a warm-up with other settings; "
-            f"starting it over")
+    saved = (
+        load_state_dir(state_dir, STATE_NAME, warn=lambda m: log(f"warning: {m}"))
+        if state_dir
+        else None
+    )
+    if saved is not None and (
+        saved.get("fingerprint") != fingerprint or saved.get("vocabulary") != vocab
+    ):
+        log(
+            f"warning: {state_dir / STATE_NAME} was written by "
+            "a warm-up with other settings; starting it over"
+        )
         saved = None
     if saved is not None:
         encoder.load_state_dict(saved["encoder"])
@@ -193,21 +227,34 @@ def run_vision_warmup(encoder: nn.Module, processor: ImageProcessor, cfg, data_c
     def save(done: int) -> Path | None:
         if state_dir is None:
             return None
-        return save_state_dir(state_dir, STATE_NAME, {
-            "fingerprint": fingerprint, "vocabulary": vocab, "step": done, "losses": losses,
-            "encoder": encoder.state_dict(), "readout": readout.state_dict(),
-            "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-            "sampler": rng.getstate(), "rng": rng_state()})
+        return save_state_dir(
+            state_dir,
+            STATE_NAME,
+            {
+                "fingerprint": fingerprint,
+                "vocabulary": vocab,
+                "step": done,
+                "losses": losses,
+                "encoder": encoder.state_dict(),
+                "readout": readout.state_dict(),
+                "optimizer": opt.state_dict(),
+                "scheduler": sched.state_dict(),
+                "sampler": rng.getstate(),
+                "rng": rng_state(),
+            },
+        )
 
     for step in range(start, cfg.steps):
         pick = rng.sample(range(len(caps.images)), cfg.images_per_step)
-        for i in pick:   # each image is decoded and patchified once, on first use
+        for i in pick:  # each image is decoded and patchified once, on first use
             if i not in processed:
                 processed[i] = _process(processor, caps.images[i], caps.names[i])
-        patches, coords, grids, tokens, y_IV = _batch([processed[i] for i in pick],
-                                                      [caps.words[i] for i in pick], index)
-        logits_IV = readout(encoder(patches.to(device), coords.to(device), grids.to(device)),
-                            tokens)
+        patches, coords, grids, tokens, y_IV = _batch(
+            [processed[i] for i in pick], [caps.words[i] for i in pick], index
+        )
+        logits_IV = readout(
+            encoder(patches.to(device), coords.to(device), grids.to(device)), tokens
+        )
         loss = F.binary_cross_entropy_with_logits(logits_IV, y_IV.to(device))
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -217,41 +264,59 @@ def run_vision_warmup(encoder: nn.Module, processor: ImageProcessor, cfg, data_c
         losses.append(loss.item())
         periodic = (step + 1) % every == 0 or step + 1 == cfg.steps
         if periodic:
-            log(f"vision warm-up {step + 1}/{cfg.steps}: word loss "
-                f"{sum(losses[-every:]) / len(losses[-every:]):.4f} ({time.time() - t0:.0f} s)")
+            log(
+                f"vision warm-up {step + 1}/{cfg.steps}: word loss "
+                f"{sum(losses[-every:]) / len(losses[-every:]):.4f} ({time.time() - t0:.0f} s)"
+            )
         if stop is not None and stop.requested:
             encoder.train(was_training)
-            return {"stopped": True, "step": step + 1, "steps": cfg.steps,
-                    "checkpoint": save(step + 1)}
+            return {
+                "stopped": True,
+                "step": step + 1,
+                "steps": cfg.steps,
+                "checkpoint": save(step + 1),
+            }
         # and at the end: a kill before the run's first checkpoint does not lose the warm-up
         if periodic:
             save(step + 1)
     encoder.train(was_training)
-    result = {"steps": cfg.steps, "captions": len(caps.images), "vocabulary": vocab,
-              "loss_first": losses[0], "loss_last": sum(losses[-every:]) / len(losses[-every:])}
+    result = {
+        "steps": cfg.steps,
+        "captions": len(caps.images),
+        "vocabulary": vocab,
+        "loss_first": losses[0],
+        "loss_last": sum(losses[-every:]) / len(losses[-every:]),
+    }
     if held.images:
         with torch.no_grad():
             accs, labels = [], []
             for i in range(0, len(held.images), 64):
-                imgs = [_process(processor, d, n)
-                        for d, n in zip(held.images[i:i + 64], held.names[i:i + 64])]
-                patches, coords, grids, tokens, y_IV = _batch(imgs, held.words[i:i + 64], index)
-                logits_IV = readout(encoder(patches.to(device), coords.to(device),
-                                            grids.to(device)), tokens)
+                imgs = [
+                    _process(processor, d, n)
+                    for d, n in zip(held.images[i : i + 64], held.names[i : i + 64])
+                ]
+                patches, coords, grids, tokens, y_IV = _batch(imgs, held.words[i : i + 64], index)
+                logits_IV = readout(
+                    encoder(patches.to(device), coords.to(device), grids.to(device)), tokens
+                )
                 accs.append(((logits_IV.cpu() > 0).float() == y_IV).float())
                 labels.append(y_IV)
             right_IV = torch.cat(accs)
             rate_V = torch.cat(labels).mean(0)
         result["held_out_captions"] = right_IV.shape[0]
-        result["held_out_word_accuracy"] = {w: round(float(right_IV[:, j].mean()), 4)
-                                            for j, w in enumerate(vocab)}
+        result["held_out_word_accuracy"] = {
+            w: round(float(right_IV[:, j].mean()), 4) for j, w in enumerate(vocab)
+        }
         # what always guessing a word's more common state scores: the accuracy to beat
-        result["held_out_word_base_rate"] = {w: round(float(max(r, 1 - r)), 4)
-                                             for w, r in zip(vocab, rate_V.tolist())}
+        result["held_out_word_base_rate"] = {
+            w: round(float(max(r, 1 - r)), 4) for w, r in zip(vocab, rate_V.tolist())
+        }
         result["held_out_all_words_right"] = round(float(right_IV.all(1).float().mean()), 4)
-        log(f"vision warm-up: {result['held_out_all_words_right']:.1%} of {right_IV.shape[0]} "
-            f"held-out captions have every word right; per word "
-            f"{min(result['held_out_word_accuracy'].values()):.1%} at worst")
+        log(
+            f"vision warm-up: {result['held_out_all_words_right']:.1%} of "
+            f"{right_IV.shape[0]} held-out captions have every word right; per "
+            f"word {min(result['held_out_word_accuracy'].values()):.1%} at worst"
+        )
     result["seconds"] = round(time.time() - t0, 1)
     if run_dir is not None:
         (run_dir / "vision_warmup.json").write_text(json.dumps(result, indent=1))
@@ -261,13 +326,30 @@ def run_vision_warmup(encoder: nn.Module, processor: ImageProcessor, cfg, data_c
 def warmup_fingerprint(cfg) -> str:
     """The settings that decide what the vision warm-up computes (cfg: the run's TrainConfig,
     resolved): its checkpoint resumes only under them."""
-    return json.dumps({"vision": to_dict(cfg.vision), "warmup": to_dict(cfg.vision_warmup),
-                       "data": to_dict(cfg.data), "seed": cfg.train.seed}, sort_keys=True,
-                      default=str)
+    return json.dumps(
+        {
+            "vision": to_dict(cfg.vision),
+            "warmup": to_dict(cfg.vision_warmup),
+            "data": to_dict(cfg.data),
+            "seed": cfg.train.seed,
+        },
+        sort_keys=True,
+        default=str,
+    )
 
 
-def warm_up_vision(model: nn.Module, fresh: set[str], cfg, *, resuming: bool, device: torch.device,
-                   run_dir: Path, is_main: bool, log: Callable[[str], None], stop) -> None:
+def warm_up_vision(
+    model: nn.Module,
+    fresh: set[str],
+    cfg,
+    *,
+    resuming: bool,
+    device: torch.device,
+    run_dir: Path,
+    is_main: bool,
+    log: Callable[[str], None],
+    stop,
+) -> None:
     """The run's vision step before the engine exists. A fresh tower in stage vl is warmed up on
     rank 0's captions (not when resuming: the checkpoint has the weights), and every rank starts
     from rank 0's result; with vision_warmup.freeze_after it is then frozen. A pretrained tower
@@ -282,19 +364,35 @@ def warm_up_vision(model: nn.Module, fresh: set[str], cfg, *, resuming: bool, de
     warm_cfg, vl = cfg.vision_warmup, cfg.train.stage == "vl"
     if "vision" in fresh and warm_cfg.steps and vl and not resuming:
         ckpt_root = run_dir / "checkpoints"
-        warm = run_vision_warmup(model.vision.encoder.to(device), cfg.vision.build_processor(),
-                                 warm_cfg, cfg.data, seed=cfg.train.seed, device=device,
-                                 run_dir=run_dir if is_main else None, log=log,
-                                 state_dir=ckpt_root if is_main else None,
-                                 fingerprint=warmup_fingerprint(cfg), stop=stop)
+        warm = run_vision_warmup(
+            model.vision.encoder.to(device),
+            cfg.vision.build_processor(),
+            warm_cfg,
+            cfg.data,
+            seed=cfg.train.seed,
+            device=device,
+            run_dir=run_dir if is_main else None,
+            log=log,
+            state_dir=ckpt_root if is_main else None,
+            fingerprint=warmup_fingerprint(cfg),
+            stop=stop,
+        )
         if warm.get("stopped"):
             name = signal.Signals(stop.signum or signal.SIGTERM).name
-            raise Preempted(stop.code or 143, f"stopped by {name} in the vision warm-up at step "
-                                              f"{warm['step']}/{warm['steps']}: its state is in "
-                                              f"{warm['checkpoint']}; the same command (--resume "
-                                              f"included) continues it")
+            raise Preempted(
+                stop.code or 143,
+                f"stopped by {name} in the vision warm-up at step "
+                f"{warm['step']}/{warm['steps']}: its state is in {warm['checkpoint']}; "
+                "the same command (--resume included) continues it",
+            )
         broadcast_module(model.vision.encoder)
-    if warm_cfg.steps and warm_cfg.freeze_after and vl and cfg.vision is not None and not pretrained_tower(cfg):
+    if (
+        warm_cfg.steps
+        and warm_cfg.freeze_after
+        and vl
+        and cfg.vision is not None
+        and not pretrained_tower(cfg)
+    ):
         freeze_prefixes(model, ["vision.encoder"])
     report = vision_load_report(model)
     if report is not None:

@@ -2,6 +2,7 @@
 naming the path and the system's reason, never a traceback. torch.save reports a failed write as
 "iostream error" or "unexpected pos" without the errno, so every torch.save of a checkpoint
 (DeepSpeed's included) writes through a file object that keeps the OSError."""
+
 from __future__ import annotations
 
 import errno
@@ -17,8 +18,15 @@ class WriteError(RuntimeError):
 
 
 # errors that come from the machine, not from a bug: reported in one line, never as a traceback
-DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EFBIG, errno.EACCES,
-               errno.EPERM)
+DISK_ERRNOS = (
+    errno.ENOSPC,
+    errno.EDQUOT,
+    errno.EROFS,
+    errno.EIO,
+    errno.EFBIG,
+    errno.EACCES,
+    errno.EPERM,
+)
 
 
 class _KeepsWriteError:
@@ -38,7 +46,7 @@ class _KeepsWriteError:
     def flush(self):
         return self.fh.flush()
 
-    def __getattr__(self, name):   # tell, seek, fileno, ...: the real file's
+    def __getattr__(self, name):  # tell, seek, fileno, ...: the real file's
         return getattr(self.fh, name)
 
 

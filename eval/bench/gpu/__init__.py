@@ -49,6 +49,7 @@ The files: settings.py (modes, budget), device.py and devices.py (the device and
 the section runner, the hard stop), one file per section group (train, prefill, decode, memory,
 targets) and report.py (table, figure).
 """
+
 from __future__ import annotations
 
 import torch
@@ -61,8 +62,17 @@ from eval.bench.gpu.report import plot, table
 from eval.bench.gpu.settings import PART, SETTINGS, Settings
 from eval.bench.gpu.state import Run
 
-__all__ = ["PART", "SECTIONS", "SETTINGS", "Device", "Settings", "launch_counts", "plot", "run",
-           "table"]
+__all__ = [
+    "PART",
+    "SECTIONS",
+    "SETTINGS",
+    "Device",
+    "Settings",
+    "launch_counts",
+    "plot",
+    "run",
+    "table",
+]
 
 
 def _device(r: Run) -> None:
@@ -71,20 +81,26 @@ def _device(r: Run) -> None:
     if not r.peak:
         r.res["notes"].append(g["peak_note"])
     if not r.dev.cuda:
-        r.res["notes"].append(f"launches on a CPU: eager steps count {common.OPERATORS_METRIC} "
-                              f"(count_operators); "
-                              "compiled ones cannot run under its dispatch mode and count the "
-                              "profiler's aten leaf ops, views included: compare eager and "
-                              "compiled launches on CUDA")
+        r.res["notes"].append(
+            f"launches on a CPU: eager steps count {common.OPERATORS_METRIC} (count_operators); "
+            "compiled ones cannot run under its dispatch mode and count the profiler's aten "
+            "leaf ops, views included: compare eager and compiled launches on CUDA"
+        )
 
 
 # in order: two training compiles before the decode step's, the rest of them after it with what time
 # is left
-_MEASURED = (("device", _device), ("train_eager", train.eager),
-             ("launches_eager", train.launches_eager),
-             ("prefill", prefill.prefill), ("decode_eager", decode.eager),
-             ("memory", memory.memory), ("train_compiled", train.compiled),
-             ("decode_compiled", decode.compiled), ("train_compiled_rest", train.compiled_rest))
+_MEASURED = (
+    ("device", _device),
+    ("train_eager", train.eager),
+    ("launches_eager", train.launches_eager),
+    ("prefill", prefill.prefill),
+    ("decode_eager", decode.eager),
+    ("memory", memory.memory),
+    ("train_compiled", train.compiled),
+    ("decode_compiled", decode.compiled),
+    ("train_compiled_rest", train.compiled_rest),
+)
 SECTIONS = tuple(name for name, _ in _MEASURED) + ("targets",)
 
 

@@ -1,6 +1,7 @@
 """What `vlm bench gpu` needs of torch.compile: the compiled decode step, a backend other than
 inductor for `compile_blocks` (--smoke), Dynamo's graph count (recompiles while timed), and room for
 many graphs."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -20,6 +21,7 @@ def compiled_step(model: ConceptMoELM, backend: str) -> Callable:
     def step(x_BD, cache, force_B=None):
         cache.make_room(1)
         return compiled(x_BD, cache, force_B=force_B)
+
     return step
 
 
@@ -35,6 +37,7 @@ def compile_backend(backend: str):
     def with_backend(self, *args, **kwargs):
         kwargs.setdefault("backend", backend)
         return original(self, *args, **kwargs)
+
     torch.nn.Module.compile = with_backend
     try:
         yield
@@ -62,8 +65,10 @@ def raise_recompile_limits() -> dict:
 
     c = torch._dynamo.config
     before = {}
-    for names, value in ((("recompile_limit", "cache_size_limit"), 64),
-                         (("accumulated_recompile_limit", "accumulated_cache_size_limit"), 2048)):
+    for names, value in (
+        (("recompile_limit", "cache_size_limit"), 64),
+        (("accumulated_recompile_limit", "accumulated_cache_size_limit"), 2048),
+    ):
         # torch renamed them; older ones have the second
         name = next((n for n in names if hasattr(c, n)), None)
         if name:

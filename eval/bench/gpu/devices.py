@@ -26,6 +26,7 @@ A device is matched by a table key found in `torch.cuda.get_device_name()` as a 
 "H100 PCIe" precedes "H100". An unknown device gets no peak: MFU is then reported as null with a
 note naming the device.
 """
+
 from __future__ import annotations
 
 import re
@@ -37,7 +38,7 @@ PEAK_BF16_TFLOPS: tuple[tuple[str, str, float, bool], ...] = (
     ("H200", "NVIDIA H200 SXM", 989.4, False),
     ("H100 PCIe", "NVIDIA H100 PCIe", 756.5, False),
     ("H100 NVL", "NVIDIA H100 NVL", 835.5, False),
-    ("H100", "NVIDIA H100 SXM", 989.4, False),       # "NVIDIA H100 80GB HBM3" is the SXM part
+    ("H100", "NVIDIA H100 SXM", 989.4, False),  # "NVIDIA H100 80GB HBM3" is the SXM part
     ("H800 PCIe", "NVIDIA H800 PCIe", 756.5, False),
     ("H800", "NVIDIA H800 SXM", 989.4, False),
     ("B200", "NVIDIA B200", 2250.0, False),
@@ -56,6 +57,11 @@ def peak_bf16(device_name: str) -> dict | None:
     """{'match', 'device', 'tflops', 'flops', 'approximate'} for a CUDA device name, or None when not in the table."""
     for key, what, tflops, approx in PEAK_BF16_TFLOPS:
         if re.search(rf"(?<![a-z0-9]){re.escape(key.lower())}(?![a-z0-9])", device_name.lower()):
-            return {"match": key, "device": what, "tflops": tflops, "flops": tflops * 1e12,
-                    "approximate": approx}
+            return {
+                "match": key,
+                "device": what,
+                "tflops": tflops,
+                "flops": tflops * 1e12,
+                "approximate": approx,
+            }
     return None

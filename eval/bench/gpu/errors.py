@@ -1,4 +1,5 @@
 """An exception as one line of the JSON: what was raised, and the project line that raised it."""
+
 from __future__ import annotations
 
 import re
@@ -16,11 +17,14 @@ def reason(e: BaseException) -> str:
     msg = f"{type(e).__name__}: {text.splitlines()[0] if text else ''}".strip()[:300]
     frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)', text)
     if not frames:
-        frames = [(f.filename, str(f.lineno), f.name)
-                  for f in traceback.extract_tb(e.__traceback__)]
-    mine = [f for f in frames if str(ROOT) in f[0]
-            and not any(x in f[0] for x in ("/eval/bench/", "-packages/"))] \
-        or frames[-1:]
+        frames = [
+            (f.filename, str(f.lineno), f.name) for f in traceback.extract_tb(e.__traceback__)
+        ]
+    mine = [
+        f
+        for f in frames
+        if str(ROOT) in f[0] and not any(x in f[0] for x in ("/eval/bench/", "-packages/"))
+    ] or frames[-1:]
     if mine:
         path, line, fn = mine[-1]
         try:

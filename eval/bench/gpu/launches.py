@@ -3,6 +3,7 @@ synchronisations. CPU (--smoke): eager steps count the operators they dispatch
 (eval.bench.common.count_operators, the project's one definition); a compiled step cannot run under
 that dispatch mode, so it counts the profiler's aten leaf ops, which include views: on a CPU the two
 are not comparable (eager against compiled is a CUDA figure)."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -22,19 +23,25 @@ def launch_counts(events, cuda: bool, steps: int) -> dict:
     from torch.autograd import DeviceType
 
     if not cuda:
-        aten = [e for e in events if e.device_type == DeviceType.CPU
-                and e.name.startswith("aten::")]
+        aten = [
+            e for e in events if e.device_type == DeviceType.CPU and e.name.startswith("aten::")
+        ]
         leaves = sum(not any(c.name.startswith("aten::") for c in e.cpu_children) for e in aten)
         return {"metric": ATEN_LEAVES, "per_step": leaves / steps}
     kinds = [_kind(e) for e in events if e.device_type == DeviceType.CUDA]
     kernels = kinds.count("kernel")
     syncs = sum(e.device_type == DeviceType.CPU and e.name in HOST_SYNCS for e in events)
-    out = {"metric": KERNELS, "per_step": kernels / steps,
-           "memcpy_per_step": kinds.count("gpu_memcpy") / steps,
-           "host_syncs_per_step": max(0, syncs - 1) / steps}
+    out = {
+        "metric": KERNELS,
+        "per_step": kernels / steps,
+        "memcpy_per_step": kinds.count("gpu_memcpy") / steps,
+        "host_syncs_per_step": max(0, syncs - 1) / steps,
+    }
     if not kernels:
-        out.update(per_step=None, reason="the profiler recorded no CUDA kernel (CUPTI activity "
-                                         "tracing unavailable?)")
+        out.update(
+            per_step=None,
+            reason="the profiler recorded no CUDA kernel (CUPTI activity tracing unavailable?)",
+        )
     return out
 
 
@@ -44,8 +51,15 @@ def _kind(e) -> str:
     if a:
         return a
     n = e.name
-    return "gpu_memcpy" if n.startswith("Memcpy") else "gpu_memset" if n.startswith("Memset") else \
-        "cuda_sync" if "Sync" in n else "kernel"
+    return (
+        "gpu_memcpy"
+        if n.startswith("Memcpy")
+        else "gpu_memset"
+        if n.startswith("Memset")
+        else "cuda_sync"
+        if "Sync" in n
+        else "kernel"
+    )
 
 
 def count_launches(dev: Device, fn: Callable[[], object], steps: int, compiled: bool) -> dict:
@@ -64,7 +78,9 @@ def count_launches(dev: Device, fn: Callable[[], object], steps: int, compiled: 
 
 def repeated(fn: Callable[[], object], calls: int) -> tuple[Callable[[], None], int]:
     """`calls` calls of a one-step `fn` as one counted call: (the call, its steps)."""
+
     def run():
         for _ in range(calls):
             fn()
+
     return run, calls

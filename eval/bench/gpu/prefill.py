@@ -6,6 +6,7 @@ so that inference is exact whatever a prompt's ratio, at the cost of the unused 
 projections (the experts and the attention skip them). A third row per ConceptMoE, "forced, tight",
 runs with the training capacity (`chunk.capacity_slack`) instead: what a deployment that sets
 `eval_capacity_slack` gets."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -27,7 +28,11 @@ def prefill(r: Run) -> str | None:
     s = r.s
     last, skipped, t_start = 0.0, [], time.perf_counter()
     for T in s.prefill_lens:
-        if skipped or r.budget.left() < max(20.0, 2.5 * last) or time.perf_counter() - t_start > s.prefill_max_s:
+        if (
+            skipped
+            or r.budget.left() < max(20.0, 2.5 * last)
+            or time.perf_counter() - t_start > s.prefill_max_s
+        ):
             skipped.append(T)
             continue
         t0 = time.perf_counter()
@@ -42,35 +47,56 @@ def prefill(r: Run) -> str | None:
 def _at(r: Run, T: int) -> None:
     s, dev = r.s, r.dev
     batch, force = make_batch(1, T, r.cfgs[BASELINE].vocab_size, dev, seed=2), r.force(1, T)
-    fns, extra, of = {}, {}, {}   # of: the candidate a row's model is
+    fns, extra, of = {}, {}, {}  # of: the candidate a row's model is
     for n, m in r.models.items():
         if not r.cfgs[n].chunk.enabled:
-            fns[n], extra[n], of[n] = timed(dev, forward_fn(m, batch, None)), {"boundaries": "none", "R": 1.0}, n
+            fns[n], extra[n], of[n] = (
+                timed(dev, forward_fn(m, batch, None)),
+                {"boundaries": "none", "R": 1.0},
+                n,
+            )
             continue
         for kind, f in (("forced", force), ("learned", None)):
             k = f"{n} ({kind})"
             fns[k], of[k] = timed(dev, forward_fn(m, batch, f)), n
-            extra[k] = {"boundaries": kind, "R": s.ratio} if f is not None else \
-                {"boundaries": kind, **_realized(m, batch)}
+            extra[k] = (
+                {"boundaries": kind, "R": s.ratio}
+                if f is not None
+                else {"boundaries": kind, **_realized(m, batch)}
+            )
         k = f"{n} (forced, tight)"
         fns[k], of[k] = timed(dev, _with_eval_capacity(m, forward_fn(m, batch, force))), n
-        extra[k] = {"boundaries": "forced", "R": s.ratio,
-                    "eval_capacity_slack": m.cfg.chunk.capacity_slack}
+        extra[k] = {
+            "boundaries": "forced",
+            "R": s.ratio,
+            "eval_capacity_slack": m.cfg.chunk.capacity_slack,
+        }
     fns = r.warm(fns, 1, f"prefill T={T}")
     secs = common.measure(fns, s.prefill_repeats, warmup=0)
-    rs = r.rows(common.per_second(secs, T), {"section": "prefill", "rows": 1, "seq_len": T},
-                "prefill tokens/s", "tok/s", {k: v for k, v in extra.items() if k in fns})
-    for row in rs:   # learned rows: the model FLOPs at the router's own ratio
+    rs = r.rows(
+        common.per_second(secs, T),
+        {"section": "prefill", "rows": 1, "seq_len": T},
+        "prefill tokens/s",
+        "tok/s",
+        {k: v for k, v in extra.items() if k in fns},
+    )
+    for row in rs:  # learned rows: the model FLOPs at the router's own ratio
         f, a = model_flops(r.cfgs[of[row["candidate"]]], row["R"], T)
-        row["mfu"], row["mfu_incl_attn_map"] = r.mfu(f * row["median"]), r.mfu((f + a) * row["median"])
-    r.log(f"  prefill T={T}: " + ", ".join(f"{row['candidate']} x{row['ratio_vs_baseline']:.2f}"
-                                           for row in rs))
+        row["mfu"], row["mfu_incl_attn_map"] = (
+            r.mfu(f * row["median"]),
+            r.mfu((f + a) * row["median"]),
+        )
+    r.log(
+        f"  prefill T={T}: "
+        + ", ".join(f"{row['candidate']} x{row['ratio_vs_baseline']:.2f}" for row in rs)
+    )
     del batch
     dev.free()
 
 
 def _with_eval_capacity(model, fn):
     """`fn` with the chunk module's eval capacity set to its training one for the call."""
+
     def call():
         ch = model.chunker
         before = ch.cfg
@@ -79,6 +105,7 @@ def _with_eval_capacity(model, fn):
             return fn()
         finally:
             ch.cfg = before
+
     return call
 
 

@@ -1,5 +1,6 @@
 """The models, batches and steps `vlm bench gpu` times: gpu.yaml's LLM and its reallocations, a
 training step, a forward, and decode rounds from a prefilled prompt."""
+
 from __future__ import annotations
 
 import copy
@@ -24,14 +25,22 @@ def llm_config(s: Settings) -> ModelConfig:
     """gpu.yaml's LLM through the project's config system; --smoke: the same structure at toy width."""
     from vlm.train.config import load_train_config
 
-    cfg = load_train_config(ROOT / s.config).model   # an absolute s.config replaces ROOT
+    cfg = load_train_config(ROOT / s.config).model  # an absolute s.config replaces ROOT
     # the smallest widths whose reallocations keep grouped_mm's 16-byte rows
     # (wider_concept's experts)
     if s.tiny:
-        cfg = replace(cfg, vocab_size=512, hidden_size=128, num_heads=4, num_kv_heads=2,
-                      head_dim=32, encoder_layers=1, concept_layers=2, decoder_layers=1,
-                      moe=replace(cfg.moe, num_experts=16, top_k=2, expert_hidden=32,
-                                  shared_hidden=64))
+        cfg = replace(
+            cfg,
+            vocab_size=512,
+            hidden_size=128,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=32,
+            encoder_layers=1,
+            concept_layers=2,
+            decoder_layers=1,
+            moe=replace(cfg.moe, num_experts=16, top_k=2, expert_hidden=32, shared_hidden=64),
+        )
     return cfg
 
 
@@ -50,7 +59,7 @@ def model_flops(cfg: ModelConfig, R: float | None, seq_len: int) -> tuple[float,
 
 def build(cfg: ModelConfig, dev: Device, dtype: torch.dtype, seed: int = 0) -> ConceptMoELM:
     torch.manual_seed(seed)
-    with dev.device:   # parameters initialised on the device: no CPU init of 700M parameters
+    with dev.device:  # parameters initialised on the device: no CPU init of 700M parameters
         model = ConceptMoELM(cfg)
     return model.to(device=dev.device, dtype=dtype)
 
@@ -68,8 +77,9 @@ def optimizer(model: torch.nn.Module, dev: Device) -> torch.optim.Optimizer:
 def make_batch(B: int, T: int, vocab: int, dev: Device, seed: int) -> PackedBatch:
     g = torch.Generator().manual_seed(seed)
     ids_BT = torch.randint(0, vocab, (B, T), generator=g)
-    return PackedBatch.stack([PackedBatch.from_documents([r.tolist()], row_len=T)
-                              for r in ids_BT]).to(dev.device)
+    return PackedBatch.stack(
+        [PackedBatch.from_documents([r.tolist()], row_len=T) for r in ids_BT]
+    ).to(dev.device)
 
 
 def train_step(model, opt, batch: PackedBatch, force) -> Callable[[], None]:
@@ -79,6 +89,7 @@ def train_step(model, opt, batch: PackedBatch, force) -> Callable[[], None]:
         opt.zero_grad(set_to_none=True)
         out.loss.backward()
         opt.step()
+
     return fn
 
 
@@ -87,18 +98,21 @@ def forward_fn(model, batch: PackedBatch, force) -> Callable[[], None]:
         model.eval()
         with torch.no_grad():
             model(batch, force=force)
+
     return fn
 
 
 def timed(dev: Device, fn: Callable[[], object]) -> Callable[[], float]:
     """A self-timed call (common.measure takes a returned float as the call's time) with the device
     synchronised on both sides: a CUDA call returns before its kernels end."""
+
     def run() -> float:
         dev.sync()
         t0 = time.perf_counter()
         fn()
         dev.sync()
         return time.perf_counter() - t0
+
     return run
 
 
@@ -107,15 +121,17 @@ class DecodeRig:
     its caches, so every round decodes the same positions. Boundaries fire at rate 1/R (the same
     pattern every round)."""
 
-    def __init__(self, model: ConceptMoELM, B: int, P: int, steps: int, R: float, dev: Device,
-                 seed: int = 0):
+    def __init__(
+        self, model: ConceptMoELM, B: int, P: int, steps: int, R: float, dev: Device, seed: int = 0
+    ):
         self.model, self.steps, self.dev = model, steps, dev
         g = torch.Generator().manual_seed(seed)
         self.batch = make_batch(B, P, model.cfg.vocab_size, dev, seed)
         self.pristine = self.prefill()
         with torch.no_grad():
-            self.xs = model.embed(torch.randint(0, model.cfg.vocab_size, (steps, B),
-                                                generator=g).to(dev.device))
+            self.xs = model.embed(
+                torch.randint(0, model.cfg.vocab_size, (steps, B), generator=g).to(dev.device)
+            )
         self.fires = None
         if model.cfg.chunk.enabled:
             self.fires = (torch.rand(steps, B, generator=g) < 1.0 / R).to(dev.device)
@@ -136,12 +152,14 @@ class DecodeRig:
         return self.prefill()
 
     def run(self, step, cache) -> None:
-        for i in range(self.steps):   # one step per token is what decoding is
+        for i in range(self.steps):  # one step per token is what decoding is
             step(self.xs[i], cache, force_B=None if self.fires is None else self.fires[i])
 
     def round(self, step) -> Callable[[], float]:
         """A self-timed round: the copy of the caches is made before the clock starts."""
+
         def fn() -> float:
             cache = self.fresh()
             return timed(self.dev, lambda: self.run(step, cache))()
+
         return fn

@@ -1,4 +1,5 @@
 """What `vlm bench gpu` measures in each mode (full, quick, smoke), and the time budget that bounds a run."""
+
 from __future__ import annotations
 
 import time
@@ -12,7 +13,7 @@ class Settings:
     name: str = "full"
     # its `model` section is the LLM measured (relative to the project root)
     config: str = "configs/gpu.yaml"
-    tiny: bool = False                   # smoke: the same structure at toy width
+    tiny: bool = False  # smoke: the same structure at toy width
     # R the reallocations are matched at and boundaries are forced at
     ratio: float = 2.0
     dtype: str = "bfloat16"
@@ -26,11 +27,11 @@ class Settings:
     prefill_max_s: float = 90.0
     decode_context: int = 2048
     decode_batches: list[int] = field(default_factory=lambda: [1, 8])
-    decode_steps: int = 16               # decode steps per timed round
+    decode_steps: int = 16  # decode steps per timed round
     decode_repeats: int = 3
-    decode_max_s: float = 60.0           # no new batch size starts after this long in the section
+    decode_max_s: float = 60.0  # no new batch size starts after this long in the section
     memory_ac: tuple[str, ...] = ("none", "selective")
-    launch_steps: int = 1                # steps profiled for kernel counts
+    launch_steps: int = 1  # steps profiled for kernel counts
     compile_backend: str = "inductor"
     # training steps compiled first: the baseline, then by eager speed
     compile_train: int = 2
@@ -42,7 +43,7 @@ class Settings:
     budget_s: float = 400.0
     # CUDA: past this (a compile that does not end), write the JSON and exit 3
     hard_stop_s: float | None = 450.0
-    compile_reserve_s: float = 90.0      # a training compile starts only with this much budget left
+    compile_reserve_s: float = 90.0  # a training compile starts only with this much budget left
     decode_compile_reserve_s: float = 120.0
     # where the JSON is written after every section (the CLI sets it)
     out: str | None = None
@@ -50,17 +51,41 @@ class Settings:
 
 SETTINGS = {
     "full": Settings(),
-    "quick": Settings(name="quick", train_repeats=3, prefill_lens=[4096, 16384], decode_steps=8,
-                      decode_repeats=2, compile_train=1, compile_train_rest=False, compile_decode=1,
-                      budget_s=240.0, hard_stop_s=270.0),
+    "quick": Settings(
+        name="quick",
+        train_repeats=3,
+        prefill_lens=[4096, 16384],
+        decode_steps=8,
+        decode_repeats=2,
+        compile_train=1,
+        compile_train_rest=False,
+        compile_decode=1,
+        budget_s=240.0,
+        hard_stop_s=270.0,
+    ),
     # aot_eager: Dynamo's tracing, fullgraph checks and AOT autograd without inductor's code
     # generation, which takes minutes on 2 CPU cores
-    "smoke": Settings(name="smoke", tiny=True, train_len=128, train_repeats=2, warmup=1,
-                      prefill_lens=[64, 128], prefill_repeats=2, decode_context=32, decode_steps=3,
-                      decode_repeats=2, launch_steps=1, compile_backend="aot_eager",
-                      compile_train=2, compile_train_rest=False, compile_decode=1,
-                      budget_s=300.0, hard_stop_s=None, compile_reserve_s=0.0,
-                      decode_compile_reserve_s=0.0),
+    "smoke": Settings(
+        name="smoke",
+        tiny=True,
+        train_len=128,
+        train_repeats=2,
+        warmup=1,
+        prefill_lens=[64, 128],
+        prefill_repeats=2,
+        decode_context=32,
+        decode_steps=3,
+        decode_repeats=2,
+        launch_steps=1,
+        compile_backend="aot_eager",
+        compile_train=2,
+        compile_train_rest=False,
+        compile_decode=1,
+        budget_s=300.0,
+        hard_stop_s=None,
+        compile_reserve_s=0.0,
+        decode_compile_reserve_s=0.0,
+    ),
 }
 
 

@@ -1,6 +1,7 @@
 """What the sections of `vlm bench gpu` share: the result (written after every section), the models,
 the budget, and the rules every section follows (a failure is recorded and the run goes on; a step
 that never ends is stopped)."""
+
 from __future__ import annotations
 
 import os
@@ -13,7 +14,11 @@ from dataclasses import asdict
 import torch
 
 from eval.bench import common
-from eval.bench.gpu.compiling import graphs_compiled, raise_recompile_limits, restore_recompile_limits
+from eval.bench.gpu.compiling import (
+    graphs_compiled,
+    raise_recompile_limits,
+    restore_recompile_limits,
+)
 from eval.bench.gpu.device import Device
 from eval.bench.gpu.errors import reason
 from eval.bench.gpu.launches import count_launches
@@ -45,11 +50,29 @@ class Run:
         self.peak = info["peak"]["flops"] if info.get("peak") else None
         base_cfg = self.cfgs[BASELINE]
         self.res = common.result(
-            PART, asdict(s), [], mode=s.name, complete=False, gpu=info, sections={}, errors={},
-            unavailable={}, notes=[], memory=[], launches=[], eager_vs_compiled=[], targets=[],
-            configs={n: {"params": count_params(c)["total"],
-                         "flops_per_token": model_flops(c, s.ratio, 4096)[0],
-                         "changes": describe_changes(base_cfg, c)} for n, c in self.cfgs.items()})
+            PART,
+            asdict(s),
+            [],
+            mode=s.name,
+            complete=False,
+            gpu=info,
+            sections={},
+            errors={},
+            unavailable={},
+            notes=[],
+            memory=[],
+            launches=[],
+            eager_vs_compiled=[],
+            targets=[],
+            configs={
+                n: {
+                    "params": count_params(c)["total"],
+                    "flops_per_token": model_flops(c, s.ratio, 4096)[0],
+                    "changes": describe_changes(base_cfg, c),
+                }
+                for n, c in self.cfgs.items()
+            },
+        )
         self.res["machine"]["device"] = f"cuda: {info['name']}" if self.dev.cuda else "cpu"
         self.current = "device"
         # before any compile: the model's FlexAttention's too
@@ -63,20 +86,24 @@ class Run:
     def hard_stop(self) -> None:
         """The budget is checked between steps; a step that does not end (a compile) is stopped
         here: what was measured is written, the section is marked, and the process exits with 3."""
-        self.res["sections"][self.current] = {"status": "killed",
-                                              "why": f"still running {self.s.hard_stop_s:g} s "
-                                                                         "after the start (hard "
-                                                                         "stop)"}
-        self.res["notes"].append(f"hard stop at {self.s.hard_stop_s:g} s in section "
-                                 f"{self.current}: the sections "
-                                 "after it did not run")
+        self.res["sections"][self.current] = {
+            "status": "killed",
+            "why": f"still running {self.s.hard_stop_s:g} s after the start (hard stop)",
+        }
+        self.res["notes"].append(
+            f"hard stop at {self.s.hard_stop_s:g} s in section "
+            f"{self.current}: the sections after it did not run"
+        )
         try:
             self.save()
             print(table(self.res), flush=True)
         finally:
-            print(f"vlm bench gpu: stopped after {self.s.hard_stop_s:g} s in section "
-                  f"{self.current}; what was measured is in {self.s.out}/gpu.json", file=sys.stderr,
-                  flush=True)
+            print(
+                f"vlm bench gpu: stopped after {self.s.hard_stop_s:g} s in section "
+                f"{self.current}; what was measured is in {self.s.out}/gpu.json",
+                file=sys.stderr,
+                flush=True,
+            )
             os._exit(3)
 
     def save(self) -> None:
@@ -94,9 +121,10 @@ class Run:
         should (None: all of it)."""
         left = self.budget.left()
         if budgeted and left <= 0:
-            self.res["sections"][name] = {"status": "skipped",
-                                          "why": f"time budget: {max(left, 0):.0f} s left of "
-                                                                      f"{self.s.budget_s:.0f} s"}
+            self.res["sections"][name] = {
+                "status": "skipped",
+                "why": f"time budget: {max(left, 0):.0f} s left of {self.s.budget_s:.0f} s",
+            }
             self.log(f"  gpu {name}: skipped (budget)")
             self.save()
             return
@@ -109,9 +137,11 @@ class Run:
             self.error(name, e)
             why = None
         status = "error" if len(self.res["errors"]) > n_err else "partial" if why else "done"
-        self.res["sections"][name] = {"status": status,
-                                      "seconds": round(time.perf_counter() - t0, 1),
-                                      **({"why": why} if why else {})}
+        self.res["sections"][name] = {
+            "status": status,
+            "seconds": round(time.perf_counter() - t0, 1),
+            **({"why": why} if why else {}),
+        }
         self.save()
 
     def close(self) -> dict:
@@ -123,8 +153,9 @@ class Run:
         self.save()
         return self.res
 
-    def warm(self, fns: dict[str, Callable], times: int, label: str, compiled: str | None = None
-             ) -> dict[str, Callable]:
+    def warm(
+        self, fns: dict[str, Callable], times: int, label: str, compiled: str | None = None
+    ) -> dict[str, Callable]:
         """The candidates whose first `times` calls run. The others are errors, or, for a compiled
         step (`compiled` names it), unavailable: a compiled step that fails after its first call is
         still a compile failure."""
@@ -142,8 +173,14 @@ class Run:
                     self.error(f"{label}: {name}", e)
         return ok
 
-    def rows(self, values: dict[str, list[float]], setting: dict, metric: str, unit: str,
-             extra: dict[str, dict] | None = None) -> list[dict]:
+    def rows(
+        self,
+        values: dict[str, list[float]],
+        setting: dict,
+        metric: str,
+        unit: str,
+        extra: dict[str, dict] | None = None,
+    ) -> list[dict]:
         """common.rows, added to the result; without the baseline (a compiled step of one candidate)
         the ratio is nan rather than a ratio to some other candidate."""
         if not values:
@@ -156,8 +193,9 @@ class Run:
         self.res["rows"] += rs
         return rs
 
-    def launches(self, mode: str, step: str,
-                 jobs: dict[str, Callable[[], tuple[Callable, int]]]) -> None:
+    def launches(
+        self, mode: str, step: str, jobs: dict[str, Callable[[], tuple[Callable, int]]]
+    ) -> None:
         """Launches per step of each candidate. A job does its setup (not counted) and returns what
         to count: a call and the steps it runs."""
         for n, job in jobs.items():
@@ -173,9 +211,10 @@ class Run:
         slower than it should be, and its figure includes compile time: say so."""
         after = graphs_compiled()
         if before is not None and after is not None and after > before:
-            self.res["notes"].append(f"{what}: {after - before} graph(s) compiled while timed "
-                                     f"(recompiles: the "
-                                     "figure includes compile time)")
+            self.res["notes"].append(
+                f"{what}: {after - before} graph(s) compiled while "
+                "timed (recompiles: the figure includes compile time)"
+            )
 
     def mfu(self, flops_per_s: float) -> float | None:
         return round(flops_per_s / self.peak, 4) if self.peak else None

@@ -1,4 +1,5 @@
 """The training step's sections: tokens/s and MFU eager, its launches, and the same step with compiled blocks."""
+
 from __future__ import annotations
 
 import time
@@ -20,39 +21,45 @@ def eager(r: Run) -> None:
             r.opts[n] = optimizer(r.models[n], r.dev)
         except Exception as e:  # noqa: BLE001
             r.error(f"build: {n}", e)
-    r.train_batch = make_batch(s.train_rows, s.train_len, r.cfgs[BASELINE].vocab_size, r.dev,
-                               seed=1)
+    r.train_batch = make_batch(
+        s.train_rows, s.train_len, r.cfgs[BASELINE].vocab_size, r.dev, seed=1
+    )
     r.train_force = r.force(s.train_rows, s.train_len)
     time_train(r, "eager", list(r.models), s.warmup)
 
 
 def launches_eager(r: Run) -> None:
     r.launches("eager", "train", {n: _counted(r, n) for n in r.models})
-    for o in r.opts.values():   # the gradients are not needed again before the compiled steps
+    for o in r.opts.values():  # the gradients are not needed again before the compiled steps
         o.zero_grad(set_to_none=True)
 
 
 def compiled(r: Run) -> str | None:
     """The first `compile_train` candidates in `compile_order`, compiled before the decode step is."""
-    return _compile_and_time(r, _compile_order(r)[:r.s.compile_train], again=[])
+    return _compile_and_time(r, _compile_order(r)[: r.s.compile_train], again=[])
 
 
 def compiled_rest(r: Run) -> str | None:
     """The other candidates, with what time is left, timed against the baseline's compiled step again."""
-    names = [n for n in _compile_order(r)[r.s.compile_train:] if n in r.models]
+    names = [n for n in _compile_order(r)[r.s.compile_train :] if n in r.models]
     if not r.s.compile_train_rest:
         for n in names:
             r.res["unavailable"][f"{n} (compiled train)"] = (
-                f"not compiled: the {r.s.name} settings compile the first {r.s.compile_train} "
-                f"candidates only")
+                f"not compiled: the {r.s.name} settings compile "
+                f"the first {r.s.compile_train} candidates only"
+            )
         return None
     return _compile_and_time(r, names, again=[BASELINE] if BASELINE in r.compile_s else [])
 
 
 def time_train(r: Run, mode: str, names: list[str], warmup: int) -> list[dict]:
     s = r.s
-    fns = r.warm({n: timed(r.dev, _step(r, n)) for n in names}, warmup, f"train {mode}",
-                 "compiled train" if mode == "compiled" else None)
+    fns = r.warm(
+        {n: timed(r.dev, _step(r, n)) for n in names},
+        warmup,
+        f"train {mode}",
+        "compiled train" if mode == "compiled" else None,
+    )
     if not fns:
         return []
     tokens = s.train_rows * s.train_len
@@ -61,22 +68,43 @@ def time_train(r: Run, mode: str, names: list[str], warmup: int) -> list[dict]:
     r.check_recompiles(g0, f"train {mode}")
     flops = {n: model_flops(r.cfgs[n], s.ratio, s.train_len) for n in fns}
     # filled in from the row
-    extra = {n: {"R": s.ratio if r.cfgs[n].chunk.enabled else 1.0, "step_ms": None,
-                 "train_flops_per_token": 3 * flops[n][0], "mfu": None, "mfu_incl_attn_map": None,
-                 **({"compile_s": round(r.compile_s[n], 1)} if mode == "compiled"
-                    and n in r.compile_s else {})}
-             for n in fns}
-    rs = r.rows(common.per_second(secs, tokens),
-                {"section": "train", "mode": mode, "rows": s.train_rows,
-                                                  "seq_len": s.train_len}, "train tokens/s",
-                "tok/s", extra)
+    extra = {
+        n: {
+            "R": s.ratio if r.cfgs[n].chunk.enabled else 1.0,
+            "step_ms": None,
+            "train_flops_per_token": 3 * flops[n][0],
+            "mfu": None,
+            "mfu_incl_attn_map": None,
+            **(
+                {"compile_s": round(r.compile_s[n], 1)}
+                if mode == "compiled" and n in r.compile_s
+                else {}
+            ),
+        }
+        for n in fns
+    }
+    rs = r.rows(
+        common.per_second(secs, tokens),
+        {"section": "train", "mode": mode, "rows": s.train_rows, "seq_len": s.train_len},
+        "train tokens/s",
+        "tok/s",
+        extra,
+    )
     for row in rs:
         f, a = flops[row["candidate"]]
         row["step_ms"] = round(1000 * tokens / row["median"], 2)
-        row["mfu"], row["mfu_incl_attn_map"] = r.mfu(3 * f * row["median"]), r.mfu(3 * (f + a) * row["median"])
-    r.log(f"  train {mode}: " + ", ".join(
-        f"{row['candidate']} {row['median']:,.0f} tok/s"
-        + ("" if row["mfu"] is None else f" MFU {100 * row['mfu']:.1f} %") for row in rs))
+        row["mfu"], row["mfu_incl_attn_map"] = (
+            r.mfu(3 * f * row["median"]),
+            r.mfu(3 * (f + a) * row["median"]),
+        )
+    r.log(
+        f"  train {mode}: "
+        + ", ".join(
+            f"{row['candidate']} {row['median']:,.0f} tok/s"
+            + ("" if row["mfu"] is None else f" MFU {100 * row['mfu']:.1f} %")
+            for row in rs
+        )
+    )
     return rs
 
 
@@ -94,9 +122,11 @@ def _counted(r: Run, n: str):
 
 def _compile_order(r: Run) -> list[str]:
     """The baseline (the MFU target), then the reallocations by their eager training speed."""
-    eager_tps = {row["candidate"]: row["median"] for row in r.res["rows"]
-                 if row["setting"].get("section") == "train"
-                 and row["setting"].get("mode") == "eager"}
+    eager_tps = {
+        row["candidate"]: row["median"]
+        for row in r.res["rows"]
+        if row["setting"].get("section") == "train" and row["setting"].get("mode") == "eager"
+    }
     return [BASELINE] + sorted(r.reallocs, key=lambda n: -eager_tps.get(n, 0.0))
 
 
@@ -112,16 +142,17 @@ def _compile_and_time(r: Run, names: list[str], again: list[str]) -> str | None:
         reserve = max(s.compile_reserve_s, 1.2 * max(r.compile_s.values(), default=0.0))
         if r.budget.left() < reserve:
             skipped.append(n)
-            r.res["unavailable"][f"{n} (compiled train)"] = (f"skipped: time budget "
-                                                             f"({r.budget.left():.0f} s left, a "
-                                                             f"compile needs ~{reserve:.0f} s)")
+            r.res["unavailable"][f"{n} (compiled train)"] = (
+                f"skipped: time budget ({r.budget.left():.0f} "
+                f"s left, a compile needs ~{reserve:.0f} s)"
+            )
             continue
         t0 = time.perf_counter()
         try:
             with compile_backend(s.compile_backend):
                 if not compile_blocks(r.models[n]):
                     raise RuntimeError("compile_blocks found no transformer block to compile")
-            _step(r, n)()   # compiles the forward and the backward
+            _step(r, n)()  # compiles the forward and the backward
             r.dev.sync()
             r.compile_s[n] = time.perf_counter() - t0
             done.append(n)
