@@ -25,6 +25,7 @@ from vlm.model.config import ConvertConfig
 from vlm.model.convert import convert_state, load_source, to_conceptmoe_config
 from vlm.model.layers import doc_starts
 from vlm.model.multimodal import ConceptMoEVLM
+from vlm.model.stats import lm_loss
 
 
 def random_boundaries(doc_BT: torch.Tensor, ratio: float, seed: int) -> torch.Tensor:
@@ -74,10 +75,10 @@ def start_losses(
         itertools.islice(build_loader(cfg, load_tokenizer(src_dir)), batches)
     ):
         force = random_boundaries(batch.doc_ids, ratio, seed + i)
-        sums["source MoE"] += float(source.eval()(batch).lm_loss)
-        sums["converted (delta)"] += float(model.eval()(batch, force=force).lm_loss)
-        sums["converted (zero residual)"] += float(zero.eval()(batch, force=force).lm_loss)
-        sums["converted, all boundaries"] += float(model.eval()(batch, force="all").lm_loss)
+        sums["source MoE"] += float(lm_loss(source.eval()(batch), batch))
+        sums["converted (delta)"] += float(lm_loss(model.eval()(batch, force=force), batch))
+        sums["converted (zero residual)"] += float(lm_loss(zero.eval()(batch, force=force), batch))
+        sums["converted, all boundaries"] += float(lm_loss(model.eval()(batch, force="all"), batch))
         n += 1
     return {k: v / max(n, 1) for k, v in sums.items()}
 

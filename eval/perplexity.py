@@ -16,10 +16,10 @@ import torch
 
 from data_pipelines.config import DataConfig, SourceConfig
 from data_pipelines.loader import build_loader
-from vlm.train.metrics import StepAccumulator
+from vlm.train.metrics import StepAccumulator, token_losses
 
 KEYS = (
-    "lm_loss",
+    "loss/lm",
     "loss/text_only",
     "bpb/text",
     "loss/image_text",
@@ -54,11 +54,12 @@ def perplexity(
         if max_batches is not None and n >= max_batches:
             break
         batch = batch.to(chat.device)
-        acc.add(chat.model(batch), batch)
+        out = chat.model(batch)
+        acc.add_output(out, batch, token_loss_BT=token_losses(out, batch))
         n += 1
     if not n:
         raise ValueError("no samples to score (empty shards?)")
-    rec = acc.record(0, lambda x: x, ratio_weight=0.0).scalars
+    rec = acc.record(0, lambda x: x).scalars
     return {"batches": n, **{k: rec.get(k) for k in KEYS}}
 
 
@@ -78,7 +79,7 @@ def run(args) -> int:
     )
     fmt = lambda v: "n/a" if v is None else f"{v:.4f}"  # noqa: E731
     print(f"{args.ckpt}: {res['batches']} batches")
-    print(f"  LM loss (all)        {fmt(res['lm_loss'])}")
+    print(f"  LM loss (all)        {fmt(res['loss/lm'])}")
     print(
         f"  text-only samples    {fmt(res['loss/text_only'])}   "
         f"({fmt(res['bpb/text'])} bits per byte)"

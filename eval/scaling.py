@@ -125,18 +125,17 @@ def run_point(run_dir: str | Path) -> Point:
     """One run's point: N and P from its config (non-embedding), D from its metrics, R and L from its end."""
     from vlm.model.flops import count_params
     from vlm.train.config import load_train_config
+    from vlm.train.metrics import read_metrics
 
     run_dir = Path(run_dir)
     cfg = load_train_config(run_dir / "config.yaml").model
     counts = count_params(cfg)
-    recs = [
-        json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()
-    ]
+    recs = read_metrics(run_dir / "metrics.jsonl")
     if not recs:
         raise ValueError(f"{run_dir}: no metrics")
     tail = recs[-max(len(recs) // 10, 1) :]
     ratios = [r["compression/ratio"] for r in tail if r.get("compression/ratio")]
-    val = [r["val/lm_loss"] for r in recs if r.get("val/lm_loss") is not None]
+    val = [r["val/loss/lm"] for r in recs if r.get("val/loss/lm") is not None]
     N = float(counts["total"] - counts.get("embedding", 0))
     concept = float(counts.get("concept", 0))
     return Point(
@@ -144,7 +143,7 @@ def run_point(run_dir: str | Path) -> Point:
         D=float(sum(r.get("tokens", 0) for r in recs)),
         R=float(np.mean(ratios)) if ratios else 1.0,
         P=concept / N if N else 0.0,
-        L=float(val[-1] if val else tail[-1]["lm_loss"]),
+        L=float(val[-1] if val else tail[-1]["loss/lm"]),
     )
 
 

@@ -22,6 +22,8 @@ from configs.batch import PackedBatch
 from vlm.model.compile import compile_blocks
 from vlm.model.conceptmoe import ConceptMoELM
 from vlm.model.config import ChunkConfig, ModelConfig, MoEConfig
+from vlm.model.context import ForwardContext
+from vlm.train.losses import Loss, Totals, labelled_tokens
 
 V = 97
 
@@ -69,9 +71,21 @@ def packed_batch(seed: int = 0) -> PackedBatch:
     return PackedBatch.stack([PackedBatch.from_documents(r, row_len=112) for r in rows])
 
 
-def train_loss(model, batch):
-    out = model(batch)
-    return out.loss, out.logits
+def totals(batch) -> Totals:
+    """The global batch's sums a training loss reads, counted outside the graph (as the step does)."""
+    n = float(labelled_tokens(batch))
+    return Totals(1, {}, n, n)
+
+
+def seeded(seed: int) -> ForwardContext:
+    """The same boundary noise on every call (a tensor seed: no recompilation)."""
+    return ForwardContext(torch.tensor(seed))
+
+
+def train_loss(model, batch, totals, context, loss):
+    """The training forward and the loss the trainer back-propagates (vlm.train.losses)."""
+    out = model(batch, context=context)
+    return loss(out, batch, totals).backprop, out.logits
 
 
 def grads(model) -> dict[str, torch.Tensor]:
@@ -92,15 +106,11 @@ def check_training_step(kind: str, backend: str) -> None:
     eager = ConceptMoELM(cfg).train()
     compiled = copy.deepcopy(eager)
     batch = packed_batch()
-    for m in (eager, compiled):
-        if m.chunker is not None:
-            # the same boundary noise in both (a tensor seed: no recompilation)
-            m.chunker.seed_boundaries(7)
     torch._dynamo.reset()
     fn = torch.compile(train_loss, fullgraph=True, backend=backend)
-    loss_c, logits_c = fn(compiled, batch)
+    loss_c, logits_c = fn(compiled, batch, totals(batch), seeded(7), Loss(cfg))
     loss_c.backward()
-    loss_e, logits_e = train_loss(eager, batch)
+    loss_e, logits_e = train_loss(eager, batch, totals(batch), seeded(7), Loss(cfg))
     loss_e.backward()
     torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-6)
     # padding holds what each backend leaves there (eager: docs, compiled: sdpa)
@@ -203,9 +213,8 @@ def test_per_block_compilation_matches_eager_over_steps_without_recompiling():
         batch = packed_batch(seed=step)
         losses = []
         for m, opt in zip((eager, compiled), opts):
-            m.chunker.seed_boundaries(step)
             opt.zero_grad()
-            loss = m(batch).loss
+            loss = train_loss(m, batch, totals(batch), seeded(step), Loss(m.cfg))[0]
             loss.backward()
             opt.step()
             losses.append(loss.detach())

@@ -16,19 +16,20 @@ import torch
 
 from configs.batch import IMAGE, TEXT
 from configs.config import ConfigError, flatten, to_dict
-from vlm.model.chunking import ChunkModule
 from vlm.train.config import MAY_CHANGE_FROM_CHECKPOINT, TrainConfig, load_train_config
+from vlm.train.losses import ratio_groups
 from vlm.train.run_config import OPTIM_CHANGES, RESUMABLE_CHANGES, config_targets
 
 DEFAULT = "configs/default.yaml"
 
 
 def chunk_targets(cfg: TrainConfig) -> dict:
-    """What the chunk module trains towards, read from the module: each ratio group's target, by modality."""
-    ch = ChunkModule(cfg.model.chunk, 8)
-    valid = torch.ones(1, 2, dtype=torch.bool)
+    """What the ratio loss trains the chunk module towards (vlm.train.losses): each ratio group's
+    target, by modality."""
+    doc = torch.zeros(1, 2, dtype=torch.long)
     modality = torch.tensor([[TEXT, IMAGE]])
-    return {tuple(mask[0].tolist()): r for mask, r in ch.ratio_groups(valid, modality)}
+    groups = ratio_groups(cfg.model.chunk, doc, modality)
+    return {tuple(mask[0].tolist()): r for mask, r in groups}
 
 
 def optimizer_lr(cfg: TrainConfig) -> float:

@@ -142,14 +142,14 @@ def test_ct_keeps_the_source_chat_format(
     cfg["data"]["sources"] = [s for s in cfg["data"]["sources"] if s["name"].endswith("/text")]
     cfg["logging"]["eval_sources"] = []
     tr = make_trainer(cfg, run_dir)
-    tok = tr.tokenizer
+    tok = tr.run.tokenizer
     assert tok.kind == "source" and tok.eos_id == src_tok.eos_token_id and tok.bos_id is None
     assert tok.pad_id == src_tok.pad_token_id
     # the image tokens (never role tokens) at the first free ids; the model grows to hold them only
     # when needed
     assert [tok.hf.convert_tokens_to_ids(t) for t in IMAGE_TOKENS] == list(range(n_src, n_src + 4))
     assert tok.vocab_size == n_src + 4
-    emb = tr.engine.module.lm.embed.weight.detach()
+    emb = tr.run.engine.module.lm.embed.weight.detach()
     assert emb.shape[0] == (src.config.vocab_size if pad_vocab else n_src + 4)
     assert torch.equal(emb[: src.config.vocab_size], src.model.embed_tokens.weight)
     if not pad_vocab:  # the stated initialisation: the mean of the source's rows
@@ -260,9 +260,9 @@ def test_a_vl_stage_after_ct_keeps_the_source_format(
     )
     vl["model"] = {}
     tr = make_trainer(vl, tmp_path / "vl")
-    assert tr.tokenizer.kind == "source" and tr.tokenizer.eos_id == src_tok.eos_token_id
+    assert tr.run.tokenizer.kind == "source" and tr.run.tokenizer.eos_id == src_tok.eos_token_id
     # the CT model's settings
-    assert tr.cfg.model.chunk.enabled and tr.cfg.model.hidden_size == 32
+    assert tr.run.cfg.model.chunk.enabled and tr.run.cfg.model.hidden_size == 32
     assert tr.train() == 0
     proc = AutoProcessor.from_pretrained(str(tmp_path / "vl" / "final"))
     msgs = [{"role": "user", "content": "<image>\nwhat is it?"}]
@@ -294,7 +294,7 @@ def test_a_ct_run_with_the_source_tokenizer_resumes(
     assert make_trainer(cfg, tmp_path / "ct").train() == 0
     cfg["train"]["max_steps"] = 2
     tr = make_trainer(cfg, tmp_path / "ct", resume=True)
-    assert tr.cfg.data.tokenizer == str(src_dir) and tr.tokenizer.kind == "source"
+    assert tr.run.cfg.data.tokenizer == str(src_dir) and tr.run.tokenizer.kind == "source"
     assert tr.train() == 0 and tr.step == 2
 
 

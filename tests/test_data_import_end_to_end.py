@@ -152,7 +152,7 @@ def test_import_finetune_from_final_and_evaluate(
         json.loads(x)
         for x in (tmp_path / "runs" / "mine" / "metrics.jsonl").read_text().splitlines()
     ]
-    train = [r for r in lines if "lm_loss" in r or "loss" in r]
+    train = [r for r in lines if "loss" in r]
     assert train and not any(
         k.startswith("skipped/") and v
         for r in lines
@@ -182,7 +182,7 @@ def test_import_finetune_from_final_and_evaluate(
     assert rc == 0, out[-2000:] + err[-2000:]
     res = json.loads((tmp_path / "ppl.json").read_text())
     assert (
-        res["batches"] == 2 and math.isfinite(res["lm_loss"]) and res["loss/image_text"] is not None
+        res["batches"] == 2 and math.isfinite(res["loss/lm"]) and res["loss/image_text"] is not None
     )
     rc, out, err = _main(
         ["eval", "lmms-tasks", "--caption-shards", str(cc), "--out", str(tmp_path / "tasks")]

@@ -11,6 +11,7 @@ from configs.batch import IMAGE, KINDS, TEXT
 from configs.config import ConfigError
 from vlm.model.chunking import ChunkModule
 from vlm.model.config import ChunkConfig
+from vlm.model.context import ForwardContext
 from vlm.model.doc_stats import (
     document_counts,
     document_labels,
@@ -20,7 +21,8 @@ from vlm.model.doc_stats import (
     summarize_documents,
 )
 from vlm.model.ratio_loss import document_ratio_loss, document_ratio_target, ratio_loss
-from vlm.train.metrics import FIELDS, StepAccumulator, group_names, group_record
+from vlm.train.losses import ratio_loss_value
+from vlm.train.metrics import GROUP_LOSS, HISTOGRAMS, StepAccumulator, group_names, group_record
 
 
 def _two_kind_row():
@@ -79,10 +81,6 @@ def test_training_histograms_give_the_per_kind_quantiles_and_sum_over_micro_batc
     assert histogram_quantiles(hist[KINDS.index("text"), 0]) is None
     # The trainer's accumulator: two micro-batches of the same row count each document twice.
 
-    class Out:
-        chunks = type("C", (), {"b_BT": b})()
-        token_loss_BT = torch.ones(1, 24)
-
     class Batch:
         labels = torch.tensor([[1] * 22 + [-100] * 2])
         doc_ids, modality = doc, mod
@@ -91,15 +89,9 @@ def test_training_histograms_give_the_per_kind_quantiles_and_sum_over_micro_batc
     Batch.kind = kind
     acc = StepAccumulator(torch.device("cpu"), n_sources=2)
     for _ in range(2):
-        acc.add_groups(Out(), Batch(), doc >= 0)
-    vec = torch.cat(
-        [
-            torch.zeros(len(FIELDS), dtype=torch.float64),
-            acc.doc_hist.flatten(),
-            acc.group_loss.flatten(),
-        ]
-    )
-    rec = group_record(vec, group_names(["captions", "vqa"]))
+        acc._add_groups(Batch(), b, doc >= 0, torch.ones(1, 24))
+    sums = acc.reduce(lambda t: t)
+    rec = group_record(sums[HISTOGRAMS], sums[GROUP_LOSS], group_names(["captions", "vqa"]))
     assert rec["doc_ratio/caption/image/docs"] == 2 and rec["doc_ratio/source:vqa/text/docs"] == 2
     # each source holds its own document: the caption (source 0) merged whole, the chat sample
     # (source 1) not
@@ -149,7 +141,7 @@ def _train_router(slack, steps=300, seed=0):
     D, L = 16, 24
     cfg = ChunkConfig(router="linear", target_ratio=2.0, document_slack=slack)
     ch = ChunkModule(cfg, D)
-    ch.seed_boundaries(seed)
+    seeded = ForwardContext(torch.tensor(seed))
     kind_vec = torch.randn(2, D)
     opt = torch.optim.Adam(ch.parameters(), lr=3e-2)
     doc = torch.arange(8).repeat_interleave(L)[None]  # 8 documents of L tokens in one row
@@ -157,15 +149,18 @@ def _train_router(slack, steps=300, seed=0):
     kind_BT = kind_S[doc]
     for _ in range(steps):
         h = kind_vec[kind_BT] + 0.5 * torch.randn(1, 8 * L, D)
-        out = ch(h, doc)
+        out = ch(h, doc, context=seeded)
         task = (out.p_BT * torch.where(kind_BT == 0, -1.0, 1.0)).mean()
-        loss = 0.2 * task + out.loss
+        loss = 0.2 * task + ratio_loss_value(out, doc, None, cfg)[0]
         opt.zero_grad()
         loss.backward()
         opt.step()
     with torch.no_grad():
         b = torch.cat(
-            [ch(kind_vec[kind_BT] + 0.5 * torch.randn(1, 8 * L, D), doc).b_BT for _ in range(10)]
+            [
+                ch(kind_vec[kind_BT] + 0.5 * torch.randn(1, 8 * L, D), doc, context=seeded).b_BT
+                for _ in range(10)
+            ]
         )
     kind_BT = kind_BT.expand_as(b)
     return [float((kind_BT == k).sum() / (b & (kind_BT == k)).sum().clamp_min(1)) for k in (0, 1)]

@@ -11,7 +11,7 @@ def test_ppl_reports_loss_and_bits_per_byte_per_kind(exported_vlm, tiny_default)
     res = perplexity(
         chat, [str(tiny_default / "val")], str(tiny_default), max_batches=8, row_tokens=256
     )
-    assert res["batches"] >= 1 and res["lm_loss"] > 0
+    assert res["batches"] >= 1 and res["loss/lm"] > 0
     assert res["loss/text_only"] > 0 and res["loss/image_text"] > 0
     # byte tokenizer: every predicted text token is one byte or a 0-byte special (eos)
     assert 1.0 <= res["bpb/text"] / (res["loss/text_only"] / math.log(2)) < 1.5

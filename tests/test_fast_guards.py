@@ -95,31 +95,28 @@ def _packed_row(docs, pad: int = 2):
     return torch.tensor([doc]), torch.tensor([p]), torch.tensor([bnd])
 
 
-def test_chunk_module_adds_the_token_weighted_document_term_and_micro_batches_sum_to_the_batch():
-    """ChunkModule.compute_ratio_loss: the band's term is document_weight * sum_d n_d / N eq4_d on
-    top of the batch term, N the group's global token count, so two micro-batches (under the global
-    parser's sums) add up to the whole batch's term."""
-    from vlm.model.chunking import ChunkModule
+def test_the_ratio_loss_adds_the_token_weighted_document_term_and_micro_batches_sum_to_the_batch():
+    """vlm.train.losses.ratio_loss_value: the band's term is document_weight * sum_d n_d / N eq4_d
+    on top of the batch term, N the group's global token count, so two micro-batches (under the
+    global parser's sums) add up to the whole batch's term."""
+    from types import SimpleNamespace
+
     from vlm.model.config import ChunkConfig
+    from vlm.train.losses import ratio_loss_value
 
     weight = 3.0
-    band = ChunkModule(
-        ChunkConfig(
-            router="linear", target_ratio=_R, document_slack=_SLACK, document_weight=weight
-        ),
-        8,
+    band = ChunkConfig(
+        router="linear", target_ratio=_R, document_slack=_SLACK, document_weight=weight
     )
-    plain = ChunkModule(ChunkConfig(router="linear", target_ratio=_R), 8)
+    plain = ChunkConfig(router="linear", target_ratio=_R)
     N = float(sum(d[0] for d in _DOCS))
 
-    def doc_term(docs, hook=None):
+    def doc_term(docs, glob=None):
         doc, p, b = _packed_row(docs)
-        for m in (band, plain):
-            m.stats_hook = hook
-        groups = [(doc >= 0, _R)]
+        chunks = SimpleNamespace(p_BT=p, b_BT=b)
         return float(
-            band.compute_ratio_loss(p, b, groups, doc)[0]
-            - plain.compute_ratio_loss(p, b, groups, doc)[0]
+            ratio_loss_value(chunks, doc, None, band, glob)[0]
+            - ratio_loss_value(chunks, doc, None, plain, glob)[0]
         )
 
     whole = doc_term(_DOCS)
@@ -129,7 +126,7 @@ def test_chunk_module_adds_the_token_weighted_document_term_and_micro_batches_su
     # two micro-batches: the global parser hands each the whole batch's sums (boundaries, sum of
     # p, tokens)
     glob = torch.tensor([[sum(d[1] for d in _DOCS), sum(d[0] * d[2] for d in _DOCS), N]])
-    parts = [doc_term(_DOCS[:2], lambda local: glob), doc_term(_DOCS[2:], lambda local: glob)]
+    parts = [doc_term(_DOCS[:2], glob), doc_term(_DOCS[2:], glob)]
     assert sum(parts) == pytest.approx(whole, rel=1e-5), (
         f"micro-batch shares {parts} do not sum to {whole}"
     )
@@ -181,30 +178,27 @@ def _moe_loads(model) -> torch.Tensor:
     return torch.cat([m.load_accum.clone() for m in model.modules() if isinstance(m, MoE)])
 
 
-def test_the_statistics_pass_puts_the_moe_loads_back():
-    from vlm.train.global_parser import GlobalParser, install
+def _settings(model, seed: int = 0):
+    from vlm.model.training_controls import TrainingControls
+    from vlm.train.losses import Loss
+    from vlm.train.step import StepSettings
+
+    return StepSettings(Loss(model.cfg), TrainingControls(model), seed, 0, 1, torch.device("cpu"))
+
+
+def test_the_statistics_pass_leaves_the_moe_loads_as_they_were():
     from vlm.train.step import statistics_pass
 
     model = _balancing_lm()
     window = _micro_batches(3)
     with torch.no_grad():
-        # a training forward counts its loads (what the pass must undo)
+        # a training forward counts its loads (what the pass must not add to)
         model(window[0])
     before = _moe_loads(model)
     assert float(before.sum()) > 0
-    parser = GlobalParser(all_reduce=lambda t: t.clone())
-    install(model, parser)
-    parser.start_step()
-    statistics_pass(
-        model,
-        window,
-        parser,
-        0,
-        seed=0,
-        rank=0,
-        world_size=1,
-        device=torch.device("cpu"),
-        float_dtype=torch.float32,
+    sums = statistics_pass(model, window, 0, _settings(model))
+    assert set(sums) == {"ratio"} and float(sums["ratio"][0, 2]) == sum(
+        int((b.doc_ids >= 0).sum()) for b in window
     )
     after = _moe_loads(model)
     assert torch.equal(after, before), (
@@ -218,7 +212,6 @@ def test_a_step_with_the_statistics_pass_counts_each_token_once_in_the_balancing
     once), not twice."""
     from vlm.train.distributed import init_distributed
     from vlm.train.engine import initialize
-    from vlm.train.global_parser import GlobalParser, install
     from vlm.train.step import train_step
 
     micro = 2
@@ -238,8 +231,6 @@ def test_a_step_with_the_statistics_pass_counts_each_token_once_in_the_balancing
             "zero_allow_untested_optimizer": True,
         },
     )
-    parser = GlobalParser(all_reduce=lambda t: t.clone())
-    install(model, parser)
     window = _micro_batches(micro)
     handed = []  # what the step hands the balancing update, across ranks (here: one)
 
@@ -251,9 +242,7 @@ def test_a_step_with_the_statistics_pass_counts_each_token_once_in_the_balancing
     from vlm.train import collectives
 
     monkeypatch.setattr(collectives, "model_statistics", model_statistics)
-    res = train_step(
-        engine, window, 0, seed=3, rank=0, world_size=1, parser=parser, device=torch.device("cpu")
-    )
+    res = train_step(engine, window, 0, _settings(model, seed=3))
     assert res.applied and len(handed) == 1
     # the real passes' loads, all layers
     real = float(sum(v.sum() for v in res.loads.values()))
@@ -396,8 +385,8 @@ def test_a_stop_in_training_checkpoints_the_last_step_and_returns_the_signal_cod
     )
     assert not (run / "final").exists()
     again = make_trainer(cfg, run, resume=True)
-    assert again.resume_from == run / "checkpoints" / f"step_{n:08d}"
-    again.restore(again.resume_from)
+    assert again.run.resume_from == run / "checkpoints" / f"step_{n:08d}"
+    again.restore(again.run.resume_from)
     assert again.step == n
 
 

@@ -37,6 +37,7 @@ import torch
 from configs.batch import PackedBatch
 from vlm.model.conceptmoe import ConceptMoELM
 from vlm.model.config import ChunkConfig, ModelConfig, MoEConfig
+from vlm.train.losses import training_loss
 
 V = 97
 
@@ -170,7 +171,7 @@ def run(
     # the backward too: it may recompute (activation checkpointing)
     with ExpertChoices(replay) as choices:
         out = m(batch, force=force)
-        out.loss.backward()
+        training_loss(out, batch, m.cfg).backward()
     assert choices.recorded, (
         "vlm.model.moe.select_experts was never called: nothing to replay, nothing fixed"
     )
@@ -247,7 +248,10 @@ def test_flash_varlen_equals_sdpa_in_fp16_and_bf16():
 
 def moe_pass(moe, x: torch.Tensor, dispatch: str):
     """(output, input gradient, gate-weight gradient) of one MoE forward and backward through `dispatch`."""
-    moe.dispatch = dispatch
+    twin = type(moe)(dataclasses.replace(moe.cfg, dispatch=dispatch), moe.dim)
+    twin.to(device=moe.w_gate_EDF.device, dtype=moe.w_gate_EDF.dtype)
+    twin.load_state_dict(moe.state_dict())
+    moe = twin
     moe.zero_grad(set_to_none=True)
     x.grad = None
     y = moe(x)[0]

@@ -11,6 +11,7 @@ import torch
 
 from vlm.model.config import MoEConfig
 from vlm.model.moe import MoE, loss_free_bias_step, update_moe_biases
+from vlm.train.losses import training_loss
 
 
 # the layer tests/test_moe.py's tests build (test modules share no imported helpers)
@@ -83,7 +84,7 @@ def test_load_accumulation_update_and_all_reduce():
         torch.manual_seed(0)
         lm = ConceptMoELM(cfg).train()
         lm.activation_checkpoint = mode
-        lm(batch).loss.backward()
+        training_loss(lm(batch), batch, cfg).backward()
         accums[mode] = torch.cat([moe.load_accum for moe in lm.modules() if isinstance(moe, MoE)])
     # 3 layers x top-2 x 26 real tokens: padding unseen
     assert float(accums["none"].sum()) == 3 * 2 * 26

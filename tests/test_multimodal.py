@@ -12,6 +12,7 @@ from vision.navit import NaViTConfig
 from vlm.model.config import ChunkConfig, ModelConfig, MoEConfig
 from vlm.model.multimodal import ConceptMoEVLM
 from vlm.model.stats import summarize
+from vlm.train.losses import ratio_groups, training_loss
 
 V, PAD_IMG = 64, 1
 
@@ -173,15 +174,14 @@ def test_separate_ratio_targets_per_modality(setup):
     torch.manual_seed(0)
     m = ConceptMoEVLM(lm_cfg(modality_target_ratios={"text": 2.0, "image": 4.0}), vision_cfg())
     b = row([[[5, 6, 7], image(0, (16, 16)), [8, 9]]], proc, 24)
-    ch = m.lm.chunker
-    groups = ch.ratio_groups(b.doc_ids >= 0, b.modality)
+    groups = ratio_groups(m.model_cfg.chunk, b.doc_ids, b.modality)
     assert (
         [r for _, r in groups] == [4.0, 2.0]
         and int(groups[0][0].sum()) == 4
         and int(groups[1][0].sum()) == 5
     )
     out = m.train()(b)
-    out.loss.backward()
+    training_loss(out, b, m.model_cfg).backward()
     assert m.lm.chunker.q_proj.weight.grad.abs().sum() > 0
 
 
@@ -208,7 +208,7 @@ def test_caption_training_lowers_loss_and_reports_both_ratios():
         batch = PackedBatch.stack(rows)
         out = m(batch)
         opt.zero_grad()
-        out.loss.backward()
+        training_loss(out, batch, m.model_cfg).backward()
         opt.step()
         s = summarize(out, batch)
         losses.append(s["loss/image_text"])

@@ -195,6 +195,15 @@ def engine_for(model: torch.nn.Module, micro: int):
     return engine
 
 
+def settings(model, seed: int = 0):
+    """What train_step needs from a run, for one rank on the CPU."""
+    from vlm.model.training_controls import TrainingControls
+    from vlm.train.losses import Loss
+    from vlm.train.step import StepSettings
+
+    return StepSettings(Loss(model.cfg), TrainingControls(model), seed, 0, 1, torch.device("cpu"))
+
+
 # ------------------------------------------------------------------ DLCM global parser
 def test_global_parser_with_gradient_accumulation_gives_one_big_batch_gradient():
     """Three micro-batches with the global parser and a non-zero ratio-loss weight: the summed
@@ -202,7 +211,7 @@ def test_global_parser_with_gradient_accumulation_gives_one_big_batch_gradient()
     needs the statistics pass to draw each micro-batch's own boundary samples (same seeds as its
     real pass) and the ratio loss weighted micro x ranks (each micro-batch's part of the global loss
     is summed, not averaged)."""
-    from vlm.train.global_parser import GlobalParser, install
+    from vlm.train.losses import training_loss
     from vlm.train.step import train_step
 
     # R = 4 while F starts near 1/2: the ratio loss's gradient is far from 0
@@ -211,18 +220,12 @@ def test_global_parser_with_gradient_accumulation_gives_one_big_batch_gradient()
     reference = copy.deepcopy(model)
     window = micro_batches(micro)
     engine = engine_for(model, micro)
-    parser = GlobalParser(all_reduce=lambda t: t.clone())
-    install(model, parser)
     drawn = []
     res = train_step(
         engine,
         window,
         0,
-        seed=7,
-        rank=0,
-        world_size=1,
-        parser=parser,
-        device=torch.device("cpu"),
+        settings(model, seed=7),
         loss_hook=lambda out, k: drawn.append(out.chunks.b_BT) or out,
     )
     assert res.applied and len(drawn) == micro
@@ -230,7 +233,7 @@ def test_global_parser_with_gradient_accumulation_gives_one_big_batch_gradient()
     F_ = float(big.chunks.b_BT.sum() / (cat_rows(window).doc_ids >= 0).sum())
     assert abs(F_ - 1 / R) > 0.1
     reference.zero_grad()
-    (big.lm_loss + weight * big.ratio_loss).backward()
+    training_loss(big, cat_rows(window), reference.cfg).backward()
     want = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
     assert engine.grads.keys() == want.keys()
     for n, g in want.items():
@@ -246,7 +249,6 @@ def test_topk_threshold_moves_once_per_optimizer_step_from_the_real_passes():
     step the threshold takes one step, threshold <- 0.9 threshold + 0.1 mean(quantiles of the step's
     real passes), so its rate does not depend on gradient accumulation, and the global parser's
     no-gradient statistics pass (which sees the same micro-batches again) leaves no trace."""
-    from vlm.train.global_parser import GlobalParser, install
     from vlm.train.step import train_step
 
     micro, R = 2, 3.0
@@ -255,7 +257,7 @@ def test_topk_threshold_moves_once_per_optimizer_step_from_the_real_passes():
     seen = []
     real = chunker.topk_boundaries
 
-    def spy(w_BT, doc_BT):
+    def spy(w_BT, doc_BT, statistics):
         seen.append(
             (
                 torch.is_grad_enabled(),
@@ -264,23 +266,12 @@ def test_topk_threshold_moves_once_per_optimizer_step_from_the_real_passes():
                 ),
             )
         )
-        return real(w_BT, doc_BT)
+        return real(w_BT, doc_BT, statistics)
 
     chunker.topk_boundaries = spy
     engine = engine_for(model, micro)
-    parser = GlobalParser(all_reduce=lambda t: t.clone())
-    install(model, parser)
     before = float(chunker.threshold)
-    train_step(
-        engine,
-        micro_batches(micro),
-        0,
-        seed=0,
-        rank=0,
-        world_size=1,
-        parser=parser,
-        device=torch.device("cpu"),
-    )
+    train_step(engine, micro_batches(micro), 0, settings(model))
     real_q = [q for grad, q in seen if grad]
     assert len(real_q) == micro and len(seen) == 2 * micro  # the statistics pass ran too
     want = 0.9 * before + 0.1 * float(torch.stack(real_q).mean())
@@ -292,12 +283,8 @@ def test_topk_threshold_moves_once_per_optimizer_step_from_the_real_passes():
         engine,
         micro_batches(micro),
         1,
-        seed=0,
-        rank=0,
-        world_size=1,
-        parser=parser,
-        device=torch.device("cpu"),
-        loss_hook=lambda out, k: dataclasses.replace(out, loss=out.loss + float("nan")),
+        settings(model),
+        loss_hook=lambda out, k: dataclasses.replace(out, logits=out.logits + float("nan")),
     )
     assert not res.applied
     assert float(chunker.threshold) == pytest.approx(want, rel=1e-6, abs=1e-7)

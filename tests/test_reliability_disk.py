@@ -92,7 +92,7 @@ def test_disk_full_on_a_real_tmpfs(
     _fill(small_disk, leave=64 * 1024)
 
     with pytest.raises(WriteError) as e:  # the save, in-process
-        tr.checkpointer.save(3, tr.trainer_state())
+        tr.run.checkpointer.save(3, tr.trainer_state())
     msg = str(e.value)
     assert (
         NO_SPACE in msg
@@ -101,7 +101,7 @@ def test_disk_full_on_a_real_tmpfs(
         and "\n" not in msg
     ), msg
     with pytest.raises(WriteError) as e:  # the export
-        export_final(tr.engine, run, tr.tokenizer, 1.0, True, print)
+        export_final(tr.run.engine, run, tr.run.tokenizer, 1.0, True, print)
     assert NO_SPACE in str(e.value) and str(run / ".tmp-final") in str(e.value)
     assert _leftovers(run) == [] and _digests(run / "final") == final_before
 
@@ -163,7 +163,7 @@ def test_injected_enospc_in_a_checkpoint_save(
 
     monkeypatch.setattr(ckpt_lib._KeepsWriteError, "write", write)
     with pytest.raises(ckpt_lib.WriteError) as e:
-        tr.checkpointer.save(3, tr.trainer_state())
+        tr.run.checkpointer.save(3, tr.trainer_state())
     msg = str(e.value)
     assert msg.startswith(
         f"cannot write checkpoint step 3: {run / 'checkpoints' / '.tmp-step_00000003'}/"
@@ -198,5 +198,5 @@ def test_injected_enospc_in_the_export_leaves_no_partial_final(
         match=f"cannot export {run / 'final'}: {run / '.tmp-final' / 'tokenizer.json'}: "
         f"{NO_SPACE}; removed the partial .tmp-final",
     ):
-        export_lib.export_final(tr.engine, run, tr.tokenizer, 1.0, True, print)
+        export_lib.export_final(tr.run.engine, run, tr.run.tokenizer, 1.0, True, print)
     assert _leftovers(run) == [] and _digests(run / "final") == final_before

@@ -152,7 +152,7 @@ def test_what_is_not_an_output_and_what_resume_may_start_over(
     stopped.mkdir()
     shutil.copy(src / "config.yaml", stopped / "config.yaml")
     (stopped / "metrics.jsonl").write_text("")
-    assert make_trainer(cfg, stopped, overwrite=False).resume_from is None
+    assert make_trainer(cfg, stopped, overwrite=False).run.resume_from is None
 
     killed = tmp_path / "killed"
     killed.mkdir()
@@ -176,7 +176,7 @@ def test_a_run_with_checkpoints_still_resumes_by_default(
     assert make_trainer(cfg, run, overwrite=False).train() == 0
     cfg["train"]["max_steps"] = 3
     tr = make_trainer(cfg, run, overwrite=False)
-    assert tr.resume_from is not None and tr.train() == 0 and tr.step == 3
+    assert tr.run.resume_from is not None and tr.train() == 0 and tr.step == 3
 
 
 # ---------------------------------------------------------------- item 3: rows that drop images,
@@ -331,6 +331,6 @@ def test_a_source_that_loses_too_much_stops_the_run_though_the_whole_does_not(
     stop = [m for m in said if m.startswith("stopping:")]
     assert len(stop) == 1 and "from source mixed" in stop[0] and "corrupt_image=" in stop[0], said
     assert "samples read from source mixed" in stop[0]
-    lost = sum(n for r, n in tr.loader.counters.items() if r != "filtered_kind")
+    lost = sum(n for r, n in tr.run.loader.counters.items() if r != "filtered_kind")
     # the whole was within the limit: the source's rule stopped it
-    assert 0 < lost < 0.1 * tr.loader.stats["samples_read"]
+    assert 0 < lost < 0.1 * tr.run.loader.stats["samples_read"]

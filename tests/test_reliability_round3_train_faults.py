@@ -142,7 +142,7 @@ def test_sigterm_in_the_end_of_run_evaluation_stops_it_and_the_same_command_fini
         on_end=[lambda f, c, r, log: done.append(f) or {"eval_done": True}],
         overwrite=False,
     )
-    assert tr.resume_from == run / "checkpoints" / "step_00000002"
+    assert tr.run.resume_from == run / "checkpoints" / "step_00000002"
     assert tr.train() == 0 and tr.step == 2 and done == [run / "final"]
     assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [
         1,

@@ -1,6 +1,7 @@
-"""A value logged per step travels through one record: the step's `StepRecord`, from the
-accumulator's sums to metrics.jsonl, TensorBoard and W&B alike. A value added where the step's means
-are made reaches every sink, and every sink receives the same line."""
+"""A value logged per step is added in one place and reaches every sink under one name: the step's
+`StepRecord`, from the accumulator's sums by name (one all-reduce, sorted by key) to metrics.jsonl,
+TensorBoard, W&B and the run's summary. The sinks here are the real ones: TensorBoard's event file
+and W&B's offline run are read back."""
 
 import json
 
@@ -10,60 +11,89 @@ import torch
 from vlm.train import metrics
 
 
-class Recorder:
-    """Stands in for a sink (the dashboard, the W&B tracker) and keeps what it was handed."""
+def _tensorboard_scalars(tb_dir) -> dict[str, dict[int, float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    seen: dict[str, list] = {}
-
-    def __init__(self, name):
-        self.name = name
-        Recorder.seen[name] = []
-
-    def scalars(self, rec):
-        Recorder.seen[self.name].append(dict(rec))
-
-    def pictures(self, step, image, text):
-        pass
-
-    def histograms(self, step, chunking, loads):
-        Recorder.seen[self.name + "/histograms"] = Recorder.seen.get(
-            self.name + "/histograms", []
-        ) + [step]
-
-    def document_histograms(self, step, hist, loss, names):
-        pass
-
-    def close(self):
-        pass
+    ea = EventAccumulator(str(tb_dir), size_guidance={"scalars": 0})
+    ea.Reload()
+    return {tag: {e.step: e.value for e in ea.Scalars(tag)} for tag in ea.Tags()["scalars"]}
 
 
-def test_a_value_made_with_the_step_means_reaches_every_sink_unchanged(
-    tiny_data, tiny_config, make_trainer, tmp_path, torch_globals, monkeypatch
+def _wandb_history(run_dir) -> dict[int, dict]:
+    """What an offline W&B run logged, by step (its run-*.wandb record log, read back)."""
+    from wandb.proto import wandb_internal_pb2
+    from wandb.sdk.internal import datastore
+
+    (path,) = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
+    ds = datastore.DataStore()
+    ds.open_for_scan(str(path))
+    steps = {}
+    while (data := ds.scan_data()) is not None:
+        rec = wandb_internal_pb2.Record()
+        rec.ParseFromString(data)
+        if rec.WhichOneof("record_type") == "history":
+            items = {
+                i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item
+            }
+            steps.setdefault(items["_step"], {}).update(items)
+    return steps
+
+
+def _numbers(rec: dict) -> dict[str, float]:
+    return {
+        k: float(v)
+        for k, v in rec.items()
+        if k != "step" and isinstance(v, (int, float)) and v is not None
+    }
+
+
+def test_every_number_of_every_logged_line_is_in_tensorboard_at_its_step(
+    tiny_data, tiny_config, make_trainer, tmp_path, torch_globals
 ):
-    made = metrics.step_scalars
-
-    def planted(vec, *args, **kwargs):  # the one place a step's means are made
-        return {
-            **made(vec, *args, **kwargs),
-            "planted/tokens_twice": 2 * int(vec[metrics.IDX["tokens/all"]]),
-        }
-
-    monkeypatch.setattr(metrics, "step_scalars", planted)
-    monkeypatch.setattr(metrics, "Dashboard", lambda *a, **k: Recorder("tensorboard"))
-    monkeypatch.setattr(metrics, "WandbTracker", lambda *a, **k: Recorder("wandb"))
-    cfg = tiny_config(
-        tiny_data,
-        logging={"report_to": ["tensorboard", "wandb"], "log_every": 1, "histogram_every": 1},
-    )
+    cfg = tiny_config(tiny_data, logging={"log_every": 1, "eval_every": 2})
     run = tmp_path / "run"
     assert make_trainer(cfg, run).train() == 0
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in lines if "planted/tokens_twice" in r]
-    assert len(steps) == cfg["train"]["max_steps"]
-    assert all(r["planted/tokens_twice"] == 2 * r["tokens"] > 0 for r in steps)
-    for sink in ("tensorboard", "wandb"):
-        assert [metrics.finite_or_none(r) for r in Recorder.seen[sink]] == lines, sink
-    assert Recorder.seen["tensorboard/histograms"] == [r["step"] for r in steps]
+    tb = _tensorboard_scalars(run / "tb")
+    for rec in lines:
+        for key, value in _numbers(rec).items():
+            assert key in tb and rec["step"] in tb[key], f"{key} at step {rec['step']}"
+            assert tb[key][rec["step"]] == pytest.approx(value, rel=1e-6), key
+    last = _numbers(lines[-1])
+    # the loss terms, the data's counters and the held-out evaluation among them
+    for key in ("loss/lm", "loss/ratio", "loss/balance", "tokens", "tokens/text", "val/loss/lm"):
+        assert key in last, key
+    summary = json.loads((run / "summary.json").read_text())["last"]
+    assert _numbers(summary) == pytest.approx(last)
+
+
+def test_a_value_added_in_one_place_reaches_every_sink(
+    tiny_data, tiny_config, make_trainer, tmp_path, torch_globals, monkeypatch
+):
+    """A statistic added where a micro-batch's metrics are added (`add_output`) reaches
+    metrics.jsonl, TensorBoard, W&B (a real offline run, read back) and the summary, unrenamed."""
+    pytest.importorskip("wandb")
+    made = metrics.StepAccumulator.add_output
+
+    def planted(self, out, batch, *args, **kwargs):
+        made(self, out, batch, *args, **kwargs)
+        self.add_mean("planted/logit_mean", out.logits.float().mean() * 10, 10)
+
+    monkeypatch.setattr(metrics.StepAccumulator, "add_output", planted)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    cfg = tiny_config(tiny_data, logging={"report_to": ["tensorboard", "wandb"], "log_every": 1})
+    run = tmp_path / "run"
+    assert make_trainer(cfg, run).train() == 0
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert all("planted/logit_mean" in r for r in lines if not r.get("skipped"))
+    last = lines[-1]
+    tb = _tensorboard_scalars(run / "tb")
+    assert tb["planted/logit_mean"][last["step"]] == pytest.approx(last["planted/logit_mean"])
+    logged = _wandb_history(run)[last["step"]]
+    for key, value in _numbers(last).items():
+        assert logged.get(key) == pytest.approx(value, rel=1e-6), key
+    summary = json.loads((run / "summary.json").read_text())["last"]
+    assert summary["planted/logit_mean"] == last["planted/logit_mean"]
 
 
 def test_a_skipped_step_is_a_record_too():
@@ -73,18 +103,27 @@ def test_a_skipped_step_is_a_record_too():
     assert done.scalars["tokens_per_s"] == 200 and "skipped" not in done.scalars
 
 
-def test_the_record_of_an_accumulator_holds_its_global_means_and_the_tensors_drawn():
+def test_sums_are_reduced_by_name_in_one_collective_and_means_derived_from_them():
     acc = metrics.StepAccumulator(torch.device("cpu"))
-    acc.parts.append(
-        torch.zeros(len(metrics.FIELDS), dtype=torch.float64).index_fill(
-            0, torch.tensor([metrics.IDX["n_lab"], metrics.IDX["tokens/all"]]), 10.0
-        )
-    )
-    acc.parts[0][metrics.IDX["lm_sum"]] = 25.0
-    acc.loads["layer0"] = torch.tensor([3.0, 1.0])
-    doubled = acc.record(7, lambda flat: 2 * flat)  # two ranks holding the same sums
-    assert doubled.step == 7 and doubled.applied
-    assert doubled.scalars["lm_loss"] == pytest.approx(2.5) and doubled.scalars["tokens"] == 20
-    assert doubled.scalars["moe/max_over_mean/layer0"] == pytest.approx(1.5)
-    assert torch.equal(doubled.loads["load/layer0"], torch.tensor([6.0, 2.0], dtype=torch.float64))
-    assert doubled.groups is not None and doubled.groups[0].shape[1:] == (2, metrics.NBINS)
+    acc.add_mean("loss/x", 25.0, 10)  # a mean over 10 tokens
+    acc.add_mean("compression/y", 3.0, 0)  # no weight anywhere: no value
+    acc.add_count("tokens", 10)
+    acc.add("load/layer0", torch.tensor([3.0, 1.0]))
+    calls = []
+
+    def two_ranks(flat):  # two ranks holding the same sums
+        calls.append(flat.numel())
+        return 2 * flat
+
+    rec = acc.record(7, two_ranks)
+    assert len(calls) == 1 and rec.step == 7 and rec.applied
+    assert rec.scalars["loss/x"] == pytest.approx(2.5) and rec.scalars["compression/y"] is None
+    assert rec.scalars["tokens"] == 20 and isinstance(rec.scalars["tokens"], int)
+    assert rec.scalars["moe/max_over_mean/layer0"] == pytest.approx(1.5)
+    assert torch.equal(rec.loads["load/layer0"], torch.tensor([6.0, 2.0], dtype=torch.float64))
+    # earlier runs' names are read as today's
+    assert metrics.current_names({"lm_loss": 1.0, "val/lm_loss": 2.0, "aux_loss": 3.0}) == {
+        "loss/lm": 1.0,
+        "val/loss/lm": 2.0,
+        "loss/ratio": 3.0,
+    }

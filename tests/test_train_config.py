@@ -297,7 +297,7 @@ def test_the_run_records_the_stage_its_deepspeed_json_set(
     tr = make_trainer(cfg, tmp_path / "run")
     assert tr.train() == 0
     saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
-    assert saved["deepspeed"]["zero_stage"] == 2 and tr.engine.zero_optimization_stage() == 2
+    assert saved["deepspeed"]["zero_stage"] == 2 and tr.run.engine.zero_optimization_stage() == 2
 
 
 def test_cli_override_scientific_notation_is_a_number():

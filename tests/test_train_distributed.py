@@ -34,7 +34,7 @@ def _worker(rank: int, world: int, port: int, cfg, out: str) -> None:
     tr = Trainer(cfg, os.path.join(out, f"run{world}"), log=lambda *_: None)
     # The same two one-row batches everywhere: one process takes both as micro-batches, two take
     # one each.
-    it = iter(build_loader(cfg.data, tr.tokenizer, 0, 1))
+    it = iter(build_loader(cfg.data, tr.run.tokenizer, 0, 1))
     rows = [next(it), next(it)]
     window = rows if world == 1 else [rows[rank]]
     res = tr.train_step(window)
@@ -42,18 +42,18 @@ def _worker(rank: int, world: int, port: int, cfg, out: str) -> None:
     assert res.applied and res.step == 1
     rec = res.scalars
     if rank == 0:
-        params = {n: p.detach().clone() for n, p in tr.engine.module.named_parameters()}
+        params = {n: p.detach().clone() for n, p in tr.run.engine.module.named_parameters()}
         torch.save({"rec": rec, "params": params}, os.path.join(out, f"world{world}.pt"))
     torch.distributed.barrier()
 
 
 @pytest.mark.slow
 def test_two_ranks_match_one_rank_first_step(tiny_data, tmp_path, tiny_config, load_tiny):
-    # ratio_loss_weight 0: the ratio loss is still computed (and compared) but the parameter update
-    # is then exactly the global-batch gradient in both layouts (with a weight, micro-batch k of one
-    # process only sees the running sums of micro-batches <= k, as in DLCM's accumulation).
+    # the ratio loss on the step's global statistics (DLCM's global parser): one process makes a
+    # statistics pass over its two micro-batches first, two processes all-reduce theirs, and both
+    # update with the global batch's gradient
     base = tiny_config(tiny_data, data={"rows_per_batch": 1}, logging={"eval_every": 0})
-    base["model"]["chunk"]["ratio_loss_weight"] = 0.0
+    base["model"]["chunk"]["ratio_loss_weight"] = 0.1
     one = dict(base, optim={**base["optim"], "grad_accum": 2})
     two = dict(base, optim={**base["optim"], "grad_accum": 1})
     mp.spawn(_worker, args=(1, _free_port(), load_tiny(one), str(tmp_path)), nprocs=1, join=True)
@@ -66,9 +66,9 @@ def test_two_ranks_match_one_rank_first_step(tiny_data, tmp_path, tiny_config, l
         assert ra[key] == rb[key], key
     for key in (
         "loss",
-        "lm_loss",
-        "aux_loss",
-        "balance_loss",
+        "loss/lm",
+        "loss/ratio",
+        "loss/balance",
         "loss/text_only",
         "loss/image_text",
         "boundary_p/text",
@@ -124,7 +124,7 @@ def test_torchrun_two_processes_cli(
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in recs] == [1, 2] and all(r["lm_loss"] > 0 for r in recs)
+    assert [r["step"] for r in recs] == [1, 2] and all(r["loss/lm"] > 0 for r in recs)
     ckpt = run_dir / "checkpoints" / "step_00000002"
     assert (ckpt / "rank_00000.pt").is_file() and (ckpt / "rank_00001.pt").is_file()
     assert (run_dir / "final" / "config.json").is_file()

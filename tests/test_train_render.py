@@ -45,7 +45,7 @@ def test_report_png_and_summary(tmp_path):
     recs = [
         {
             "step": s,
-            "lm_loss": 5 - s * 0.1,
+            "loss/lm": 5 - s * 0.1,
             "loss/text_only": 5 - s * 0.05,
             "loss/image_text": 4.8 - s * 0.1,
             "compression/ratio": 2 + 0.01 * s,
@@ -58,7 +58,7 @@ def test_report_png_and_summary(tmp_path):
         }
         for s in range(1, 21)
     ]
-    recs[-1]["val/lm_loss"] = 3.1
+    recs[-1]["val/loss/lm"] = 3.1
     # the last step's per-document figures: chat prompts unmerged, captions merged whole (no concept
     # on the image)
     recs[-1].update(

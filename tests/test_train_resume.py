@@ -124,7 +124,7 @@ def test_resume_refuses_a_changed_config(
     # More steps is a legitimate continuation (automatic resume) ...
     cfg["train"]["max_steps"] = 3
     tr = make_trainer(cfg, run_dir)
-    assert tr.resume_from is not None and tr.train() == 0 and tr.step == 3
+    assert tr.run.resume_from is not None and tr.train() == 0 and tr.step == 3
     assert [r["step"] for r in _records(run_dir)] == [1, 2, 3]
     # ... a different learning rate is not.
     cfg["optim"]["lr"] = 0.1
@@ -138,7 +138,7 @@ def test_resume_refuses_a_changed_config(
     from vlm.train.trainer import Trainer
 
     fresh = Trainer(load_tiny(cfg), tmp_path / "empty", resume=True, log=said.append)
-    assert fresh.resume_from is None and any(
+    assert fresh.run.resume_from is None and any(
         "no checkpoint in" in m and "from the beginning" in m for m in said
     )
     # ... but checkpoints that are all damaged are not silently trained over
@@ -181,7 +181,7 @@ def test_damaged_latest_checkpoint_falls_back_to_an_intact_one(
     said = []
     cfg["train"]["max_steps"] = 6
     tr = Trainer(load_tiny(cfg), run_dir, resume=True, log=said.append)
-    assert tr.resume_from == ckpts[0]
+    assert tr.run.resume_from == ckpts[0]
     assert any("damaged" in m and victim.name in m for m in said), said
 
 
@@ -279,13 +279,13 @@ def test_accept_optim_change_resumes_with_the_new_rates(
     with pytest.raises(ConfigError, match="or --accept-optim-change"):
         make_trainer(cfg, run_dir)
     tr = Trainer(load_tiny(cfg), run_dir, log=lambda *_: None, accept_optim_change=True)
-    tr.restore(tr.resume_from)
+    tr.restore(tr.run.resume_from)
     assert tr.step == 4
-    groups = tr.optimizer.param_groups
+    groups = tr.run.optimizer.param_groups
     assert max(g["lr"] for g in groups) == pytest.approx(1e-4) and all(
         g["weight_decay"] == 0.0 for g in groups
     )
-    assert tr.optimizer.state  # Adam moments came back from the checkpoint
+    assert tr.run.optimizer.state  # Adam moments came back from the checkpoint
 
 
 def test_accept_optim_change_continues_the_schedule_from_the_new_base_rates(
@@ -310,14 +310,14 @@ def test_accept_optim_change_continues_the_schedule_from_the_new_base_rates(
     cfg["train"]["max_steps"] = 8
     cfg["optim"].update(lr=1e-3, min_lr=1e-4)
     tr = Trainer(load_tiny(cfg), run_dir, log=lambda *_: None, accept_optim_change=True)
-    fresh_base = list(tr.scheduler.base_lrs)
-    tr.restore(tr.resume_from)
-    sched = tr.scheduler
+    fresh_base = list(tr.run.scheduler.base_lrs)
+    tr.restore(tr.run.resume_from)
+    sched = tr.run.scheduler
     assert tr.step == 4 and sched.last_epoch == 4
     assert sched.base_lrs == fresh_base and len(set(fresh_base)) > 1
     want = [b * fn(4) for b, fn in zip(fresh_base, sched.lr_lambdas)]
     assert sched.get_last_lr() == want
-    assert [g["lr"] for g in tr.optimizer.param_groups] == want
-    assert [g["initial_lr"] for g in tr.optimizer.param_groups] == fresh_base
+    assert [g["lr"] for g in tr.run.optimizer.param_groups] == want
+    assert [g["initial_lr"] for g in tr.run.optimizer.param_groups] == fresh_base
     sched.step()
     assert sched.get_last_lr() == [b * fn(5) for b, fn in zip(fresh_base, sched.lr_lambdas)]

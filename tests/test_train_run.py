@@ -15,8 +15,9 @@ import yaml
 REQUIRED = [
     "step",
     "loss",
-    "lm_loss",
-    "aux_loss",
+    "loss/lm",
+    "loss/ratio",
+    "loss/balance",
     "lr",
     "tokens_per_s",
     "compression/ratio",
@@ -71,7 +72,7 @@ def test_train_single_process_run_dir(
         missing = [k for k in REQUIRED if k not in r]
         assert not missing, missing
         assert r["tokens"] > 0 and r["tokens_per_s"] > 0 and r["compression/ratio"] >= 1
-    assert all("val/lm_loss" in r for r in recs if r["step"] % 2 == 0)
+    assert all("val/loss/lm" in r for r in recs if r["step"] % 2 == 0)
     # bits per byte of the text-only samples: the byte tokenizer's targets are bytes or 0-byte
     # specials (eos), so bpb / (loss / ln 2) = tokens / bytes >= 1, exactly 1 when no eos is a
     # target. The two metrics are separate float divisions of the same sums, so an exact 1 may come
@@ -104,8 +105,8 @@ def test_train_single_process_run_dir(
         "boundary_p/image",
         "loss/image_text",
         "target/ratio",
-        "throughput/tokens_per_s",
-        "val/lm_loss",
+        "tokens_per_s",
+        "val/loss/lm",
     ):
         assert t in tags["scalars"], t
     assert "concepts/image" in tags["images"]
@@ -119,7 +120,7 @@ def test_train_single_process_run_dir(
         .decode()
     )
     assert "|" in text and len(text) > 20
-    _hf_logits_match(run_dir, tr.engine.module, tr.tokenizer)
+    _hf_logits_match(run_dir, tr.run.engine.module, tr.run.tokenizer)
     card = (run_dir / "final" / "README.md").read_text()  # the model card written at export
     assert (
         "compression" in card
@@ -142,27 +143,27 @@ def test_mup_zero1_grad_accum_export(tiny_data, tmp_path, torch_globals, tiny_co
     )
     run_dir = tmp_path / "run"
     tr = make_trainer(cfg, run_dir)
-    assert tr.logit_scale == pytest.approx(0.5)
+    assert tr.run.logit_scale == pytest.approx(0.5)
     assert tr.train() == 0
     rec = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
-    assert rec["step"] == 2 and rec["lm_loss"] > 0
-    _hf_logits_match(run_dir, tr.engine.module, tr.tokenizer)
+    assert rec["step"] == 2 and rec["loss/lm"] > 0
+    _hf_logits_match(run_dir, tr.run.engine.module, tr.run.tokenizer)
 
 
 def _nan_hook(out, k):
-    return dataclasses.replace(out, loss=out.loss + float("nan"))
+    return dataclasses.replace(out, logits=out.logits + float("nan"))
 
 
 def _nan_grad_hook(out, k):
     """A finite loss whose gradient is NaN: d/dx sqrt(|x - x|) is inf * 0 at 0."""
-    poison = (out.lm_loss - out.lm_loss.detach()).abs().sqrt()
-    return dataclasses.replace(out, lm_loss=out.lm_loss + poison, loss=out.loss + poison.detach())
+    poison = (out.logits - out.logits.detach()).abs().sqrt()
+    return dataclasses.replace(out, logits=out.logits + poison)
 
 
 def _snapshot(tr):
-    return {n: p.detach().clone() for n, p in tr.engine.module.named_parameters()} | {
+    return {n: p.detach().clone() for n, p in tr.run.engine.module.named_parameters()} | {
         n: b.detach().clone()
-        for n, b in tr.engine.module.named_buffers()
+        for n, b in tr.run.engine.module.named_buffers()
         if n.endswith("expert_bias")
     }
 
@@ -175,12 +176,12 @@ def test_nonfinite_step_is_skipped(
         tiny_data, deepspeed={"zero_stage": zero_stage}, optim={"grad_accum": grad_accum}
     )
     tr = make_trainer(cfg, tmp_path / "run")
-    it = iter(tr.loader)
+    it = iter(tr.run.loader)
     window = lambda: [next(it) for _ in range(grad_accum)]  # noqa: E731
     tr.after_step(tr.train_step(window()))
     before = _snapshot(tr)
-    opt_before = copy.deepcopy(tr.optimizer.state_dict()["state"])
-    epoch = tr.scheduler.last_epoch
+    opt_before = copy.deepcopy(tr.run.optimizer.state_dict()["state"])
+    epoch = tr.run.scheduler.last_epoch
     res = tr.train_step(
         window(), loss_hook=lambda out, k: _nan_hook(out, k) if k == bad_micro else out
     )
@@ -188,17 +189,17 @@ def test_nonfinite_step_is_skipped(
     assert not res.applied and tr.nonfinite_total == 1 and tr.nonfinite_in_row == 1
     after = _snapshot(tr)
     assert all(torch.equal(before[n], after[n]) for n in before), "a skipped step changed the model"
-    assert tr.scheduler.last_epoch == epoch
+    assert tr.run.scheduler.last_epoch == epoch
     # DeepSpeed counts the skipped step itself (on the plain fp32 path the optimizer reports it as
     # an overflow)
     assert (
-        tr.engine.skipped_steps == 1
-        and tr.engine.global_steps == tr.step == 2
-        and not tr.engine.was_step_applied()
+        tr.run.engine.skipped_steps == 1
+        and tr.run.engine.global_steps == tr.step == 2
+        and not tr.run.engine.was_step_applied()
     )
     # no stale gradient of the skipped window survives into the next step
-    assert all(p.grad is None or not p.grad.any() for p in tr.engine.module.parameters())
-    opt_after = tr.optimizer.state_dict()["state"]
+    assert all(p.grad is None or not p.grad.any() for p in tr.run.engine.module.parameters())
+    opt_after = tr.run.optimizer.state_dict()["state"]
     assert all(
         torch.equal(a, b)
         for k in opt_before
@@ -207,7 +208,7 @@ def test_nonfinite_step_is_skipped(
     )
     assert all(
         float(m.load_accum.abs().sum()) == 0
-        for m in tr.engine.module.modules()
+        for m in tr.run.engine.module.modules()
         if hasattr(m, "load_accum")
     )
     res = tr.train_step(window())
@@ -224,7 +225,7 @@ def test_finite_loss_with_nonfinite_gradient_is_skipped(
 ):
     cfg = tiny_config(tiny_data, deepspeed={"zero_stage": zero_stage})
     tr = make_trainer(cfg, tmp_path / "run")
-    it = iter(tr.loader)
+    it = iter(tr.run.loader)
     tr.after_step(tr.train_step([next(it)]))
     before = _snapshot(tr)
     res = tr.train_step([next(it)], loss_hook=_nan_grad_hook)
@@ -235,7 +236,7 @@ def test_finite_loss_with_nonfinite_gradient_is_skipped(
         "a NaN gradient reached the weights"
     )
     res = tr.train_step([next(it)])
-    assert res.applied and all(torch.isfinite(p).all() for p in tr.engine.module.parameters())
+    assert res.applied and all(torch.isfinite(p).all() for p in tr.run.engine.module.parameters())
 
 
 def test_nonfinite_in_a_row_stops_with_checkpoint(
@@ -284,15 +285,15 @@ def test_loss_weighting_gives_the_global_token_mean(
         return make_trainer(cfg, tmp_path / name)
 
     whole, split = trainer(2, 1, "whole"), trainer(1, 2, "split")
-    it = iter(build_loader(split.cfg.data, split.tokenizer, 0, 1))
+    it = iter(build_loader(split.run.cfg.data, split.run.tokenizer, 0, 1))
     a, b = next(it), next(it)
     na, nb = int(labelled_counts(a)[0]), int(labelled_counts(b)[0])
     assert na != nb, "pick rows with different label counts so the weighting matters"
     whole.after_step(whole.train_step([PackedBatch.stack([a, b])]))
     split.after_step(split.train_step([a, b]))
     pw, ps = (
-        dict(whole.engine.module.named_parameters()),
-        dict(split.engine.module.named_parameters()),
+        dict(whole.run.engine.module.named_parameters()),
+        dict(split.run.engine.module.named_parameters()),
     )
     for n in pw:
         torch.testing.assert_close(ps[n], pw[n], rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
@@ -320,15 +321,17 @@ def test_nonfinite_weights_are_never_exported(
 
     tr = make_trainer(tiny_config(tiny_data), tmp_path / "run")
     with torch.no_grad():
-        next(tr.engine.module.parameters())[0].fill_(float("nan"))
+        next(tr.run.engine.module.parameters())[0].fill_(float("nan"))
     assert (
-        export_final(tr.engine, tr.run_dir, tr.tokenizer, tr.logit_scale, tr.is_main, tr.log)
+        export_final(
+            tr.run.engine, tr.run.dir, tr.run.tokenizer, tr.run.logit_scale, tr.run.is_main, tr.log
+        )
         is None
     )
     assert (
         not (tmp_path / "run" / "final").exists() and not (tmp_path / "run" / ".tmp-final").exists()
     )
-    lines = summary_lines([{"step": 1, "lm_loss": 1.0}], {}, None, tmp_path / "run", 1.0, 0, {})
+    lines = summary_lines([{"step": 1, "loss/lm": 1.0}], {}, None, tmp_path / "run", 1.0, 0, {})
     assert "no final/ exported" in lines[-1] and "final" not in lines[-1].replace(
         "no final/ exported", ""
     )

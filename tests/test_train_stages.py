@@ -36,12 +36,12 @@ def test_text_then_vl_from_its_llm(tiny_data, tmp_path, torch_globals, tiny_conf
         logging={"eval_every": 0},
     )
     tr = make_trainer(vl_cfg, tmp_path / "vl")
-    module = tr.engine.module
+    module = tr.run.engine.module
     # every LLM tensor comes from the text run
     for name, t in pretrained.lm.state_dict().items():
         assert torch.equal(module.lm.state_dict()[name], t), name
     assert module.vision is not None and module.vision.projector is not None
-    groups = {g["name"]: g["lr"] for g in tr.optimizer.param_groups}
+    groups = {g["name"]: g["lr"] for g in tr.run.optimizer.param_groups}
     assert groups["projector/matrix"] == pytest.approx(10 * groups["token/matrix"])
     assert "embed/matrix" not in groups  # frozen
     embed_before = module.lm.embed.weight.detach().clone()
@@ -87,13 +87,13 @@ def test_ct_stage_converts_a_transformers_moe(
     cfg["model"] = {}  # the model section is the checkpoint's (a differing value would be refused)
     run_dir = tmp_path / "ct"
     tr = make_trainer(cfg, run_dir)
-    m = tr.engine.module
+    m = tr.run.engine.module
     assert (
-        tr.cfg.model.hidden_size == 32
-        and tr.cfg.model.concept_layers == 2
-        and tr.cfg.model.chunk.enabled
+        tr.run.cfg.model.hidden_size == 32
+        and tr.run.cfg.model.concept_layers == 2
+        and tr.run.cfg.model.chunk.enabled
     )
-    assert tr.cfg.model.chunk.target_ratio == 3.0
+    assert tr.run.cfg.model.chunk.target_ratio == 3.0
     # pretrained weights kept
     assert torch.equal(m.lm.embed.weight, src.model.embed_tokens.weight)
     assert torch.equal(m.lm.lm_head.weight, src.lm_head.weight)
@@ -103,7 +103,7 @@ def test_ct_stage_converts_a_transformers_moe(
     saved = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert saved["model"]["concept_layers"] == 2 and saved["train"]["stage"] == "ct"
     rec = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
-    assert rec["compression/text"] is not None and rec["lm_loss"] > 0
+    assert rec["compression/text"] is not None and rec["loss/lm"] > 0
 
 
 def test_mup_continuation_keeps_the_pretrained_function(
@@ -138,8 +138,8 @@ def test_mup_continuation_keeps_the_pretrained_function(
             logging={"eval_every": 0},
         )
         tr = make_trainer(cfg, tmp_path / f"vl_{src.name}")
-        assert tr.logit_scale == pytest.approx(0.25)
-        m = tr.engine.module.eval()
+        assert tr.run.logit_scale == pytest.approx(0.25)
+        m = tr.run.engine.module.eval()
         with torch.no_grad():
             got = m(batch).logits
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5, msg=lambda e: f"{src.name}: {e}")
@@ -167,7 +167,7 @@ def test_vl_init_from_carries_the_whole_vlm(
             train={"stage": "vl", "max_steps": 1, "init_from": str(src), "seed": 7},
             logging={"eval_every": 0},
         )
-        module = make_trainer(nxt, tmp_path / f"full_{src.name}").engine.module
+        module = make_trainer(nxt, tmp_path / f"full_{src.name}").run.engine.module
         state = module.state_dict()
         vision_keys = [k for k in trained if k.startswith("vision.")]
         assert any(k.startswith("vision.encoder.") for k in vision_keys)

@@ -89,7 +89,7 @@ def test_a_vl_run_leaves_its_config_alone(
     tr, cfg, before = _set_up(cfg_dict, tmp_path / "run", load_tiny)
     assert to_dict(cfg) == before, "the trainer rewrote the config it was handed"
     assert cfg.deepspeed.zero_stage == 0
-    assert tr.cfg.deepspeed.zero_stage == 1 and tr.engine.zero_optimization_stage() == 1
+    assert tr.run.cfg.deepspeed.zero_stage == 1 and tr.run.engine.zero_optimization_stage() == 1
     assert tr.train() == 0
     assert to_dict(cfg) == before
     assert (
@@ -121,9 +121,11 @@ def test_a_ct_run_leaves_its_config_alone(
     cfg_dict["logging"]["eval_sources"] = []
     tr, cfg, before = _set_up(cfg_dict, tmp_path / "ct", load_tiny)
     assert to_dict(cfg) == before, "the trainer rewrote the config it was handed"
-    assert cfg.data.tokenizer == "byte" and tr.cfg.data.tokenizer == str(tmp_path / "src")
-    assert tr.cfg.model.hidden_size == 32 and tr.cfg.model.hidden_size != cfg.model.hidden_size
-    assert tr.cfg.model == tr.engine.module.model_cfg
+    assert cfg.data.tokenizer == "byte" and tr.run.cfg.data.tokenizer == str(tmp_path / "src")
+    assert (
+        tr.run.cfg.model.hidden_size == 32 and tr.run.cfg.model.hidden_size != cfg.model.hidden_size
+    )
+    assert tr.run.cfg.model == tr.run.engine.module.model_cfg
     assert tr.train() == 0
     assert to_dict(cfg) == before
     saved = yaml.safe_load((tmp_path / "ct" / "config.yaml").read_text())

@@ -155,7 +155,7 @@ def test_a_pretrained_tower_skips_the_warm_up_stays_trainable_and_reports(
     )
     lines = []
     tr = Trainer(load_tiny(cfg), tmp_path / "run", log=lines.append)
-    enc = tr.engine.module.vision.encoder
+    enc = tr.run.engine.module.vision.encoder
     assert not (tmp_path / "run" / "vision_warmup.json").exists()  # no warm-up ran
     # and nothing froze the tower
     assert all(p.requires_grad for p in enc.parameters())

@@ -208,14 +208,15 @@ def test_freeze_after_keeps_the_warmed_encoder_for_the_run_and_its_resumes(
     )
     run = tmp_path / "run"
     t = make_trainer(cfg, run)
-    enc = t.engine.module.vision.encoder
+    enc = t.run.engine.module.vision.encoder
     assert not any(p.requires_grad for p in enc.parameters())
     warmed = {k: v.clone() for k, v in enc.state_dict().items()}
-    proj = {k: v.clone() for k, v in t.engine.module.vision.projector.state_dict().items()}
+    proj = {k: v.clone() for k, v in t.run.engine.module.vision.projector.state_dict().items()}
     assert t.train() == 0
     assert all(torch.equal(v, enc.state_dict()[k]) for k, v in warmed.items())
     assert not all(
-        torch.equal(v, t.engine.module.vision.projector.state_dict()[k]) for k, v in proj.items()
+        torch.equal(v, t.run.engine.module.vision.projector.state_dict()[k])
+        for k, v in proj.items()
     )
     resumed = make_trainer(cfg, run, resume=True)
-    assert not any(p.requires_grad for p in resumed.engine.module.vision.encoder.parameters())
+    assert not any(p.requires_grad for p in resumed.run.engine.module.vision.encoder.parameters())

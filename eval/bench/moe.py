@@ -99,9 +99,7 @@ def hf_block(ours: MoE, implementation: str):
 def _ours(dispatch: str) -> MoE:
     torch.manual_seed(0)
     cfg = replace(BASE.moe, balance_loss_weight=0.0, z_loss_weight=0.0, loss_free_balancing=False)
-    m = MoE(cfg, BASE.hidden_size)
-    m.dispatch = dispatch
-    return m
+    return MoE(replace(cfg, dispatch=dispatch), BASE.hidden_size)
 
 
 def candidates() -> tuple[dict[str, callable], dict[str, str]]:

@@ -227,11 +227,9 @@ class Run:
     def __init__(self, path: Path):
         self.path = Path(path)
         self.summary = json.loads((self.path / "summary.json").read_text())
-        self.records = [
-            json.loads(line)
-            for line in (self.path / "metrics.jsonl").read_text().splitlines()
-            if line.strip()
-        ]
+        from vlm.train.metrics import read_metrics  # torch: not for `vlm --help`
+
+        self.records = read_metrics(self.path / "metrics.jsonl")
 
     def values(self, key: str) -> list[float]:
         return [r[key] for r in self.records if r.get(key) is not None]

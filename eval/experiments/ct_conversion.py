@@ -40,11 +40,11 @@ METRICS = [
 
 def read(run: Run, seed_runs: dict[str, Run]) -> dict:
     row = losses(run)
-    row["step0"] = run.first("lm_loss")
+    row["step0"] = run.first("loss/lm")
     moe, src = seed_runs.get("moe"), seed_runs.get("source")
     ct = moe is not None and run.path != src.path and row["step0"] is not None
     # the source starts from scratch
-    row["step0_gap"] = row["step0"] - moe.first("lm_loss") if ct else None
+    row["step0_gap"] = row["step0"] - moe.first("loss/lm") if ct else None
     row["flops"] = flops_vs(run, src, RATIO) if src is not None else None
     # one step: only its start means anything
     if run.path == getattr(seed_runs.get("convert"), "path", None):

@@ -10,7 +10,7 @@ from eval.experiments.core import Metric, Run, configs_dir
 
 TEXT_CONFIG = "experiment_text.yaml"
 HELD_OUT = (
-    "the run's last val/lm_loss (eval mode: boundaries where p >= 0.5) on "
+    "the run's last val/loss/lm (eval mode: boundaries where p >= 0.5) on "
     "the default dataset's val-split text, 12 batches of 4 x 256 tokens"
 )
 
@@ -31,8 +31,8 @@ TRAIN_R_DOC = Metric("train_R_p50", "train R, median document (last 10 %)", 2)
 def losses(run: Run) -> dict:
     """Held-out and training LM loss, realized compression (tokens per concept) held out and in training."""
     row = {
-        "val_loss": run.last_val("lm_loss"),
-        "train_loss": run.tail("lm_loss"),
+        "val_loss": run.last_val("loss/lm"),
+        "train_loss": run.tail("loss/lm"),
         "val_R": run.last_val("compression/ratio"),
         "train_R": run.tail("compression/ratio"),
     }

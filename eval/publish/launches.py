@@ -58,6 +58,7 @@ def count(name: str, backend: str) -> int:
     from vlm.model.reallocate import reallocate
     from vlm.train.config import OptimConfig
     from vlm.train.engine import build_optimizer
+    from vlm.train.losses import training_loss
 
     base = ModelConfig(
         vocab_size=1024,
@@ -87,7 +88,7 @@ def count(name: str, backend: str) -> int:
     def step():
         out = model(batch, force=force)
         opt.zero_grad(set_to_none=True)
-        out.loss.backward()
+        training_loss(out, batch, model.cfg).backward()
         opt.step()
 
     step()

@@ -20,6 +20,7 @@ from vlm.model.attention import (
 )
 from vlm.model.cache import KVCache
 from vlm.model.config import MoEConfig
+from vlm.model.context import Statistics
 from vlm.model.cross_attention import ConceptMemory, ConceptStep, CrossAttention
 from vlm.model.layers import RMSNorm, rope_cos_sin
 from vlm.model.moe import MoE, MoEStats
@@ -211,13 +212,15 @@ def run_stack(
     checkpoint: str = "none",
     states: list | None = None,
     cross_caches: list[KVCache] | None = None,
+    statistics: Statistics = "per_forward",
 ) -> tuple[torch.Tensor, list[MoEStats]]:
     """Run `blocks` in `schedule` order (layer loops repeat indices); layers >= joint_from get the
     concept input (`c_BTD`: a tensor for joint decoding, a ConceptMemory for cross-attention, whose
     prefill caches are `cross_caches`, one per layer from joint_from on). `checkpoint`: activation
     checkpointing per block in training ("none", "selective", "full"); `states` collects each
     block's output. In training each block's expert loads go into its MoE's `load_accum` here, once
-    per pass (a recomputation does not count again)."""
+    per pass (a recomputation does not count again), unless `statistics` is "off"
+    (vlm.model.context)."""
     stats = []
     for n, i in enumerate(schedule if schedule is not None else range(len(blocks))):
         c = c_BTD if joint_from is not None and i >= joint_from else None
@@ -229,7 +232,7 @@ def run_stack(
             x_BTD, s = _checkpointed(blk, checkpoint, x_BTD, ctx, c, None)
         else:
             x_BTD, s = blk(x_BTD, ctx, c, cache, xc)
-        if blk.training and blk.moe.cfg.loss_free_balancing:
+        if blk.training and blk.moe.cfg.loss_free_balancing and statistics != "off":
             blk.moe.load_accum.add_(s.load_E)
         stats.append(s)
         if states is not None:

@@ -9,19 +9,17 @@ another document or one built from later tokens.
 from __future__ import annotations
 
 import math
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from configs.batch import IMAGE, TEXT
 from vlm.model.cache import RouterState
 from vlm.model.config import ChunkConfig
-from vlm.model.doc_stats import document_slots
+from vlm.model.context import DEFAULT, ForwardContext, Statistics
 from vlm.model.layers import doc_starts, positions_in_doc
 from vlm.model.noise import normal, uniform
-from vlm.model.ratio_loss import document_ratio_loss, ratio_loss
 
 
 # ---------------------------------------------------------------- equations
@@ -66,8 +64,6 @@ class Chunks(NamedTuple):
     cdoc_BM: torch.Tensor
     cpos_BM: torch.Tensor  # index of the concept within its document
     cp_BM: torch.Tensor  # p at each concept's boundary
-    loss: torch.Tensor  # ratio loss (eq. 4), summed over ratio groups
-    local_stats: torch.Tensor  # [Z, 3] (boundaries, sum p, tokens) per ratio group
     # 0-d: boundaries past their row's concept capacity (concepts not computed)
     overflow: torch.Tensor
     # Synergy eq. 3's gate sigmoid(w) at each concept's boundary (topk router); None: the concepts
@@ -105,31 +101,15 @@ class ChunkModule(nn.Module):
             # (sum of batch quantiles, batches) since the last `update_threshold`; not saved: a
             # step's partial sums
             self.register_buffer("quantile_accum", torch.zeros(2), persistent=False)
-        # True (set by train_step): training forwards only accumulate the threshold statistics and
-        # the trainer folds them in once per optimizer step; False (a module used alone): every
-        # training forward moves it
-        self.threshold_per_step = False
         self.every = max(2, round(cfg.target_ratio))  # the fixed router's spacing
-        # Global parser (DLCM): maps local [Z, 3] sums to global ones (ranks, micro-batches). Set by
-        # the trainer.
-        self.stats_hook: Callable[[torch.Tensor], torch.Tensor] | None = None
-        # Boundary noise (vlm.model.noise): a pure function of this seed and the position. Unseeded,
-        # every training forward draws a fresh seed from torch's RNG; `seed_boundaries` fixes it (a
-        # step's passes).
-        self.register_buffer("noise_seed", torch.zeros((), dtype=torch.long), persistent=False)
-        self.seeded = False
 
-    def seed_boundaries(self, seed: int | None) -> None:
-        """The seed of the next forwards' boundary noise (None: a fresh one per forward). Held in a
-        tensor, so a new seed is no new compilation."""
-        self.seeded = seed is not None
-        if seed is not None:
-            self.noise_seed.fill_(seed % (2**63 - 1))
-
-    def _noise_seed(self) -> torch.Tensor:
-        if self.seeded:
-            return self.noise_seed
-        return torch.randint(0, 2**62, (), device=self.noise_seed.device)
+    @staticmethod
+    def _noise_seed(context: ForwardContext, device: torch.device) -> torch.Tensor:
+        """The seed of this forward's boundary noise: the step's, or a fresh draw from torch's
+        generator."""
+        if context.noise_seed is not None:
+            return context.noise_seed
+        return torch.randint(0, 2**62, (), device=device)
 
     def capacity(self, T: int, training: bool | None = None) -> int:
         """The static concept capacity of a T-token row (`concept_capacity` at the smallest target
@@ -163,7 +143,9 @@ class ChunkModule(nn.Module):
         p = torch.where(start, torch.ones_like(p), p)
         return torch.where(doc_BT >= 0, p, torch.zeros_like(p)), start
 
-    def topk_boundaries(self, w_BT: torch.Tensor, doc_BT: torch.Tensor) -> torch.Tensor:
+    def topk_boundaries(
+        self, w_BT: torch.Tensor, doc_BT: torch.Tensor, statistics: Statistics = "per_forward"
+    ) -> torch.Tensor:
         """Synergy eq. 2 in training: the ceil(n / R) highest-scoring tokens of
         each n-token document.
 
@@ -197,8 +179,9 @@ class ChunkModule(nn.Module):
         has = valid.any()
         q = torch.nanquantile(torch.where(valid, w_BT, float("nan")).flatten(), 1 - 1 / R)
         q = torch.where(has, q, torch.zeros_like(q))
-        self.quantile_accum.add_(torch.stack([q, has.float()]))
-        if not self.threshold_per_step:
+        if statistics != "off":
+            self.quantile_accum.add_(torch.stack([q, has.float()]))
+        if statistics == "per_forward":
             self.update_threshold()
         return b
 
@@ -224,61 +207,19 @@ class ChunkModule(nn.Module):
             return None
         return torch.sigmoid(self.score(h_BTD).squeeze(-1).float())
 
-    def ratio_groups(self, valid_BT, modality_BT):
-        """Token masks and targets of the ratio losses: one joint group, or one per modality."""
-        targets = self.cfg.modality_targets()
-        if targets:
-            names = {"text": TEXT, "image": IMAGE}
-            return [(valid_BT & (modality_BT == names[m]), r) for m, r in sorted(targets.items())]
-        return [(valid_BT, self.cfg.target_ratio)]
-
-    def compute_ratio_loss(self, p_BT, b_BT, groups, doc_BT=None):
-        """Eq. 4 per ratio group over the global batch (the paper), plus with
-        `document_slack` the per-document term (`document_ratio_loss`) of each group. Returns
-        (loss, local [Z, 3] sums)."""
-        masks = torch.stack([m for m, _ in groups])  # [Z, B, T]
-        pf = p_BT.float()
-        sum_p = (masks * pf).flatten(1).sum(-1)  # [Z] with grad
-        local = torch.stack(
-            [
-                (masks & b_BT).flatten(1).sum(-1).float(),
-                sum_p.detach(),
-                masks.flatten(1).sum(-1).float(),
-            ],
-            -1,
-        )  # [Z, 3]
-        glob = self.stats_hook(local) if self.stats_hook is not None else local
-        count = glob[:, 2].clamp_min(1)
-        F_ = glob[:, 0] / count
-        G = (sum_p + (glob[:, 1] - local[:, 1])) / count
-        # A group with no tokens anywhere contributes nothing (masked on device: no host sync
-        # per group).
-        losses = torch.stack([ratio_loss(F_[k], G[k], r) for k, (_, r) in enumerate(groups)])
-        loss = torch.where(glob[:, 2] > 0, losses, torch.zeros_like(losses)).sum()
-        if self.cfg.holds_documents and doc_BT is not None:
-            slot_BT, S = document_slots(doc_BT)
-            idx = slot_BT.flatten()
-            # one or two groups: a loop over modalities, not tokens
-            for k, (mask, r) in enumerate(groups):
-                m = mask.flatten().float()
-                n_S = pf.new_zeros(S).index_add(0, idx, m)
-                b_S = pf.new_zeros(S).index_add(0, idx, m * b_BT.flatten().float())
-                p_S = pf.new_zeros(S).index_add(0, idx, m * pf.flatten())
-                loss = loss + self.cfg.document_weight * document_ratio_loss(
-                    n_S, b_S, p_S, glob[k, 2], r, self.cfg.document_slack
-                )
-        return loss, local
-
     def forward(
         self,
         h_BTD,
         doc_BT,
-        modality_BT=None,
         above_BT=None,
         force: str | torch.Tensor | None = None,
+        context: ForwardContext = DEFAULT,
     ) -> Chunks:
+        """The boundaries of a packed batch and where its concepts go. `force`: boundaries set by the
+        caller (a [B, T] mask, or "all"). In training the boundaries are sampled (eq. 5-6) with
+        `context.noise_seed`; the ratio loss on p and the boundaries is the trainer's
+        (vlm.train.losses)."""
         valid = doc_BT >= 0
-        modality_BT = torch.zeros_like(doc_BT) if modality_BT is None else modality_BT
         p, start = self.boundary_prob(h_BTD, doc_BT, above_BT)
         if isinstance(force, torch.Tensor):
             b = force.bool() | start
@@ -288,18 +229,19 @@ class ChunkModule(nn.Module):
             b = valid.clone()
         elif self.training and self.cfg.router == "topk":
             # ranked by the raw scores: p = sigmoid(w - tau) saturates and would tie the best ones
-            b = self.topk_boundaries(self.score(h_BTD).squeeze(-1).detach().float(), doc_BT) | start
+            w_BT = self.score(h_BTD).squeeze(-1).detach().float()
+            b = self.topk_boundaries(w_BT, doc_BT, context.statistics) | start
         elif self.training and self.cfg.boundary_noise == "bernoulli":
-            u = uniform(self._noise_seed(), tuple(p.shape), p.device)
+            u = uniform(self._noise_seed(context, p.device), tuple(p.shape), p.device)
             b = sample_boundaries(sharpen(p.detach(), self.cfg.tau), u) | start
         elif self.training and self.cfg.boundary_noise == "gaussian":
-            noise = normal(self._noise_seed(), tuple(p.shape), p.device) * self.cfg.noise_sigma
+            seed = self._noise_seed(context, p.device)
+            noise = normal(seed, tuple(p.shape), p.device) * self.cfg.noise_sigma
             b = (p.detach() + noise >= 0.5) | start
         else:
             b = (p >= 0.5) | start
         b = b & valid
         sel = torch.where(b, p, 1 - p)
-        loss, local = self.compute_ratio_loss(p, b, self.ratio_groups(valid, modality_BT), doc_BT)
         # Concepts go into a static capacity of M per row (no host synchronisation): everything
         # scatters into a spill column M (non-boundary tokens, and boundaries past the capacity)
         # that is dropped. Tokens whose concept lies past the capacity read none (cidx -1); those
@@ -323,9 +265,7 @@ class ChunkModule(nn.Module):
         # each concept keeps its boundary token's gate (the spill column M is dropped)
         if gate_BT is not None:
             cgate = gate_BT.new_zeros(doc_BT.shape[0], M + 1).scatter(1, slot_BT, gate_BT)[:, :M]
-        return Chunks(
-            p, b, sel, cidx, cdoc, positions_in_doc(cdoc), cp, loss, local, overflow, cgate
-        )
+        return Chunks(p, b, sel, cidx, cdoc, positions_in_doc(cdoc), cp, overflow, cgate)
 
     def merge(self, h_BTD: torch.Tensor, doc_BT: torch.Tensor, ch: Chunks) -> torch.Tensor:
         """Concepts [B, M, D] from token states: `last` takes h at the boundary, `sum`/`mean` pool

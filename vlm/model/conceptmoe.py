@@ -22,11 +22,11 @@ from vlm.model.block import (
 from vlm.model.cache import ChunkState, InferenceCache, KVCache
 from vlm.model.chunking import ChunkModule, Chunks, ChunkStep
 from vlm.model.config import ModelConfig
+from vlm.model.context import DEFAULT, ForwardContext
 from vlm.model.cross_attention import ConceptMemory, ConceptStep
 from vlm.model.dechunk import Dechunk
 from vlm.model.layers import RMSNorm, rope_cos_sin
-from vlm.model.output import ModelOutput, ratio_weight, total_loss
-from vlm.model.stats import lm_losses
+from vlm.model.output import ModelOutput
 
 
 class ConceptMoELM(nn.Module):
@@ -126,15 +126,15 @@ class ConceptMoELM(nn.Module):
         x_BTD,
         doc_BT,
         pos_BT,
-        modality_BT,
         above_BT=None,
         force=None,
         cache: InferenceCache | None = None,
         states: list | None = None,
+        context: ForwardContext = DEFAULT,
     ):
         """Final hidden states [B, T, D] (before the norm), the chunking, and the MoE stats of every
         layer. With `cache` (prefill: one document per row) every layer's keys and values and the
-        chunk state are kept."""
+        chunk state are kept. `context`: what a training forward needs from its step."""
         cfg = self.cfg
         ctx = StackContext.build(
             doc_BT,
@@ -154,12 +154,13 @@ class ConceptMoELM(nn.Module):
             caches=cache.encoder if cache else None,
             checkpoint=ckpt,
             states=states,
+            statistics=context.statistics,
         )
         ch: Chunks | None = None
         if self.chunker is None:
             c_BMD, cdoc_BM, cpos_BM = h_BTD, doc_BT, pos_BT
         else:
-            ch = self.chunker(h_BTD, doc_BT, modality_BT, above_BT, force)
+            ch = self.chunker(h_BTD, doc_BT, above_BT, force, context)
             c_BMD, cdoc_BM, cpos_BM = self.chunker.merge(h_BTD, doc_BT, ch), ch.cdoc_BM, ch.cpos_BM
         concept_in_BMD = c_BMD
         if cache is not None:  # capacity: the prompt's concepts plus one per token still to come
@@ -185,6 +186,7 @@ class ConceptMoELM(nn.Module):
             cfg.concept_schedule,
             caches=cache.concept if cache else None,
             checkpoint=ckpt,
+            statistics=context.statistics,
         )
         moe_stats += s
         if self.concept_down is not None:
@@ -218,6 +220,7 @@ class ConceptMoELM(nn.Module):
             checkpoint=ckpt,
             states=states,
             cross_caches=cache.cross if cache else None,
+            statistics=context.statistics,
         )
         return out_BTD, ch, moe_stats + s
 
@@ -273,11 +276,11 @@ class ConceptMoELM(nn.Module):
         B, T, _ = x_BTD.shape
         cache = self.allocate_inference_cache(B, T + max_new_tokens, x_BTD)
         out_BTD, ch, moe_stats = self.hidden(
-            x_BTD, batch.doc_ids, batch.position_ids, batch.modality, above_BT, cache=cache
+            x_BTD, batch.doc_ids, batch.position_ids, above_BT, cache=cache
         )
         cache.len_B = (batch.doc_ids >= 0).sum(1)
         cache.used_tokens, cache.used_concepts = T, ch.cdoc_BM.shape[1] if ch is not None else T
-        return self.assemble(self.lm_head(self.norm(out_BTD)), batch, ch, moe_stats), cache
+        return self.assemble(self.lm_head(self.norm(out_BTD)), ch, moe_stats), cache
 
     @torch.no_grad()
     def step(
@@ -364,43 +367,31 @@ class ConceptMoELM(nn.Module):
         above_BT=None,
         force: str | torch.Tensor | None = None,
         output_hidden_states: bool = False,
+        context: ForwardContext = DEFAULT,
     ) -> ModelOutput:
         x_BTD = self.embed(batch.input_ids) if inputs_embeds is None else inputs_embeds
         states = [] if output_hidden_states else None
         out_BTD, ch, moe_stats = self.hidden(
-            x_BTD, batch.doc_ids, batch.position_ids, batch.modality, above_BT, force, states=states
+            x_BTD,
+            batch.doc_ids,
+            batch.position_ids,
+            above_BT,
+            force,
+            states=states,
+            context=context,
         )
         normed_BTD = self.norm(out_BTD)
-        out = self.assemble(self.lm_head(normed_BTD), batch, ch, moe_stats)
+        out = self.assemble(self.lm_head(normed_BTD), ch, moe_stats)
         if states is not None:
             out.hidden_states = (x_BTD, *states[:-1], normed_BTD)
         return out
 
-    def assemble(self, logits_BTV, batch: PackedBatch, ch: Chunks | None, moe_stats) -> ModelOutput:
-        """Losses; the chunking and the per-layer MoE outcomes travel as they are (no host transfer here)."""
-        lm, split, token_loss = lm_losses(logits_BTV, batch.labels, batch.doc_ids, batch.modality)
-        zero = logits_BTV.new_zeros(())
-        ratio = ch.loss if ch is not None else zero
-        balance = torch.stack([s.aux_loss for s in moe_stats]).mean() if moe_stats else zero
-        weight = ratio_weight(self.cfg)
-        loss = total_loss(lm, ratio, balance, weight)
+    def assemble(self, logits_BTV, ch: Chunks | None, moe_stats) -> ModelOutput:
+        """The output: the logits, the chunking and each MoE pass's outcome as they are (no host
+        transfer here; the losses are the trainer's: vlm.train.losses)."""
         names = (
             [f"encoder.{i}" for i in range(len(self.encoder))]
             + [f"concept.{i}" for i in self.cfg.concept_schedule]
             + [f"decoder.{i}" for i in range(len(self.decoder))]
         )
-        moe = {}
-        for name, s in zip(names, moe_stats):
-            moe.setdefault(name, s)  # a looped concept layer reports its first pass
-        return ModelOutput(
-            logits_BTV,
-            loss,
-            lm,
-            ratio,
-            balance,
-            split,
-            ch,
-            moe,
-            token_loss_BT=token_loss,
-            ratio_weight=weight,
-        )
+        return ModelOutput(logits_BTV, ch, list(zip(names, moe_stats)))

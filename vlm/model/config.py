@@ -38,8 +38,16 @@ class MoEConfig(ValidatedOnInit):
     grove_groups: int = 0
     grove_hidden: int = 32  # intermediate size of an adjugate expert
     grove_lambda: float = 0.05
+    # how the experts run: "auto" is torch._grouped_mm where it can run this dtype and these
+    # sizes (vlm.model.moe_dispatch.grouped_mm_available), else a loop over the experts; the
+    # others force one (benchmarks, tests). A kernel choice: the numbers are the same.
+    dispatch: Literal["auto", "grouped_mm", "loop"] = "auto"
 
     def validate(self) -> None:
+        check(
+            self.dispatch in ("auto", "grouped_mm", "loop"),
+            f"dispatch: got {self.dispatch!r}, allowed values: 'auto', 'grouped_mm', 'loop'",
+        )
         check(self.num_experts >= 1, f"num_experts must be >= 1, got {self.num_experts}")
         check(
             1 <= self.top_k <= self.num_experts,

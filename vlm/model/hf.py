@@ -34,6 +34,7 @@ from vlm.model.layers import positions_in_doc
 from vlm.model.legacy_names import KEY_MAPPING
 from vlm.model.multimodal import ConceptMoEVLM
 from vlm.model.processing import CHAT_TEMPLATE, ConceptMoEImageProcessor, ConceptMoEProcessor
+from vlm.model.stats import lm_labels, lm_losses
 from vlm.model.weights_check import check_exported_weights, read_config, write_checksums
 
 MODEL_TYPE = "conceptmoe_vlm"
@@ -246,8 +247,11 @@ class ConceptMoEForCausalLM(PreTrainedModel, GenerationMixin):
         out = self.vlm(batch, output_hidden_states=bool(output_hidden_states))
         if self.on_prefill is not None:
             self.on_prefill(out, batch)
+        loss = None
+        if labels is not None:  # the mean next-token loss, as transformers' models report it
+            loss = lm_losses(out.logits, lm_labels(batch), batch.doc_ids, batch.modality)[0]
         return CausalLMOutputWithPast(
-            loss=out.lm_loss if labels is not None else None,
+            loss=loss,
             logits=out.logits,
             hidden_states=out.hidden_states,
         )

@@ -12,7 +12,7 @@ expert loads.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -22,17 +22,22 @@ from vlm.model.config import MoEConfig
 from vlm.model.legacy_names import rename_legacy_keys
 from vlm.model.moe_dispatch import expert_swiglu, grouped_mm_available, sort_by_group
 
-DispatchMode = Literal["auto", "grouped_mm", "loop"]
-
 
 @dataclass
 class MoEStats:
-    # balance_loss_weight * switch balance + z_loss_weight * z-loss (scalar)
-    aux_loss: torch.Tensor
+    """What one MoE layer's forward counted: the router's auxiliary losses, unweighted (their
+    weights are the layer config's, applied by the trainer's loss: vlm.train.losses), and the
+    routing outcome."""
+
+    # Switch balance loss (0-d, with grad); None where cfg.balance_loss_weight is 0 (not computed)
+    balance: torch.Tensor | None
+    # router z-loss (0-d, with grad); None where cfg.z_loss_weight is 0
+    z: torch.Tensor | None
     # [E] float: token->expert assignments per expert in this call (detached)
     load_E: torch.Tensor
     # 0-d: adjugate-expert evaluations / tokens (None: Grove is off)
     adjugate_per_token: torch.Tensor | None
+    cfg: MoEConfig  # the layer's settings (the weights of its losses)
 
 
 def mean_adjugate_per_token(stats: list[MoEStats]) -> torch.Tensor | float:
@@ -258,9 +263,6 @@ class MoE(nn.Module):
         if dim < 1:
             raise ValueError(f"MoE: dim must be >= 1, got {dim}")
         self.cfg, self.dim, self.num_experts = cfg, dim, cfg.num_experts
-        # "auto": grouped_mm when grouped_mm_available(), else the per-expert loop. Settable
-        # for tests/benchmarks.
-        self.dispatch: DispatchMode = "auto"
         E, hidden = cfg.num_experts, cfg.expert_hidden  # (F is torch.nn.functional here)
         self.router = nn.Linear(dim, E, bias=False)
         self.w_gate_EDF = nn.Parameter(torch.empty(E, dim, hidden))
@@ -297,12 +299,12 @@ class MoE(nn.Module):
         return self
 
     def _use_grouped(self, x_AD: torch.Tensor, *weights: torch.Tensor) -> bool:
-        if self.dispatch == "loop":
+        if self.cfg.dispatch == "loop":
             return False
         ok = grouped_mm_available(x_AD, *weights)
-        if self.dispatch == "grouped_mm" and not ok:
+        if self.cfg.dispatch == "grouped_mm" and not ok:
             raise RuntimeError(
-                f"MoE.dispatch='grouped_mm' but torch._grouped_mm cannot run dtype {x_AD.dtype} "
+                f"moe.dispatch='grouped_mm' but torch._grouped_mm cannot run dtype {x_AD.dtype} "
                 f"on {x_AD.device.type} with dim={self.dim} (needs 16-byte aligned rows)"
             )
         return ok
@@ -339,15 +341,15 @@ class MoE(nn.Module):
         valid_f = None if valid_N is None else valid_N.float()
 
         N = x_ND.shape[0]  # a shape: static, no synchronisation
-        terms = []
-        if cfg.balance_loss_weight and N:
-            balance = switch_balance_loss(
-                r.scores_NE, None, cfg.router == "sigmoid", valid_f, load_E
+        balance = z = None  # computed where their weight asks for them
+        if cfg.balance_loss_weight:
+            balance = (
+                switch_balance_loss(r.scores_NE, None, cfg.router == "sigmoid", valid_f, load_E)
+                if N
+                else logits_NE.new_zeros(())
             )
-            terms.append(cfg.balance_loss_weight * balance)
-        if cfg.z_loss_weight and N:
-            terms.append(cfg.z_loss_weight * router_z_loss(logits_NE, valid_f))
-        aux = sum(terms[1:], terms[0]) if terms else logits_NE.new_zeros(())
+        if cfg.z_loss_weight:
+            z = router_z_loss(logits_NE, valid_f) if N else logits_NE.new_zeros(())
 
         dtype = (
             torch.get_autocast_dtype(dev_type)
@@ -391,9 +393,8 @@ class MoE(nn.Module):
         if self.shared is not None:
             shared_ND = self.shared(x_c)
             out_ND = out_ND + (shared_ND if pad_N1 is None else shared_ND.masked_fill(pad_N1, 0))
-        return out_ND.to(x_ND.dtype), MoEStats(
-            aux, load_E.detach(), None if adj_per_token is None else adj_per_token.detach()
-        )
+        adj = None if adj_per_token is None else adj_per_token.detach()
+        return out_ND.to(x_ND.dtype), MoEStats(balance, z, load_E.detach(), adj, cfg)
 
     @torch.no_grad()
     def update_bias(self, load_E: torch.Tensor | None = None) -> None:

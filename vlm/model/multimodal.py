@@ -7,16 +7,15 @@ is kept per modality (see vlm/model/stats.py).
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 from torch import nn
 
-from configs.batch import IGNORE_INDEX, IMAGE, PackedBatch
+from configs.batch import IMAGE, PackedBatch
 from configs.config import ConfigError
 from vision.projector import token_rows_cols
 from vlm.model.conceptmoe import ConceptMoELM
 from vlm.model.config import ModelConfig
+from vlm.model.context import DEFAULT, ForwardContext
 from vlm.model.output import ModelOutput
 
 
@@ -71,17 +70,18 @@ class ConceptMoEVLM(nn.Module):
         batch: PackedBatch,
         force: str | torch.Tensor | None = None,
         output_hidden_states: bool = False,
+        context: ForwardContext = DEFAULT,
     ) -> ModelOutput:
-        # Images are never predicted, whatever the data says.
-        batch = dataclasses.replace(
-            batch, labels=batch.labels.masked_fill(batch.modality == IMAGE, IGNORE_INDEX)
-        )
+        """The LM's output on the batch with its images encoded and spliced in (image tokens carry
+        no LM loss: vlm.model.stats.lm_labels). `context`: what a training forward needs from its
+        step (vlm.model.context)."""
         return self.lm(
             batch,
             inputs_embeds=self.embed(batch),
             above_BT=self.above_index(batch),
             force=force,
             output_hidden_states=output_hidden_states,
+            context=context,
         )
 
     @torch.no_grad()

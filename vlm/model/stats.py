@@ -18,6 +18,12 @@ def sample_has_image(doc_BT: torch.Tensor, modality_BT: torch.Tensor) -> torch.T
     return has[key].view(B, T).bool() & (doc_BT >= 0)
 
 
+def lm_labels(batch) -> torch.Tensor:
+    """[B, T] the targets of the LM loss: the batch's labels, with every image token left out
+    (images are never predicted, whatever the data says)."""
+    return batch.labels.masked_fill(batch.modality == IMAGE, IGNORE_INDEX)
+
+
 def lm_losses(logits_BTV: torch.Tensor, labels_BT: torch.Tensor, doc_BT, modality_BT):
     """Mean next-token loss, the same split into image-text and text-only samples (the paper's
     mmloss/textloss), and the detached per-position loss [B, T] (0 where unlabelled) for statistics
@@ -36,6 +42,11 @@ def lm_losses(logits_BTV: torch.Tensor, labels_BT: torch.Tensor, doc_BT, modalit
     for name, sel in (("loss/image_text", labelled & mm), ("loss/text_only", labelled & ~mm)):
         split[name] = (tok_loss.detach() * sel).sum() / sel.sum().clamp_min(1), sel.sum()
     return lm, split, tok_loss.detach()
+
+
+def lm_loss(out, batch) -> torch.Tensor:
+    """0-d: the mean next-token loss of a model's output on `batch` (with its gradient)."""
+    return lm_losses(out.logits, lm_labels(batch), batch.doc_ids, batch.modality)[0]
 
 
 def chunk_stats(p_BT, b_BT, doc_BT, modality_BT) -> dict[str, torch.Tensor]:
@@ -61,28 +72,23 @@ def chunk_stats(p_BT, b_BT, doc_BT, modality_BT) -> dict[str, torch.Tensor]:
 
 
 def summarize(out, batch) -> dict[str, float]:
-    """The scalar statistics of one forward as Python floats, in one host transfer: losses, the
-    loss split (a sample kind absent from the batch is absent here), and tokens / boundaries /
-    realized ratio / mean p overall and per modality (eval mode gives the realized compression at
-    p >= 0.5)."""
+    """The scalar statistics of one forward as Python floats, in one host transfer: the LM loss
+    (`loss/lm`) and its split by sample kind (a kind absent from the batch is absent here), and
+    tokens / boundaries / realized ratio / mean p overall and per modality (eval mode gives the
+    realized compression at p >= 0.5)."""
     valid = batch.doc_ids >= 0
     b_BT = out.chunks.b_BT if out.chunks is not None else valid
     p_BT = out.chunks.p_BT if out.chunks is not None else valid.float()
     tensors = chunk_stats(p_BT, b_BT, batch.doc_ids, batch.modality)
-    for name, (val, n) in out.loss_split.items():
+    lm, split, _ = lm_losses(out.logits, lm_labels(batch), batch.doc_ids, batch.modality)
+    for name, (val, n) in split.items():
         tensors[name], tensors[name + "#n"] = val, n.float()
-    tensors.update(
-        {
-            "lm_loss": out.lm_loss.detach(),
-            "ratio_loss": out.ratio_loss.detach(),
-            "balance_loss": out.balance_loss.detach(),
-        }
-    )
+    tensors["loss/lm"] = lm.detach()
     stats = dict(zip(tensors, torch.stack([t.float() for t in tensors.values()]).tolist()))
-    for name in out.loss_split:
+    for name in split:
         if stats.pop(name + "#n") == 0:
             stats.pop(name)
-    if out.moe:
+    if out.moe_passes:
         stats["moe/adjugate_per_token"] = float(mean_adjugate_per_token(list(out.moe.values())))
     if out.chunks is not None:
         stats["chunk/overflow"] = float(out.chunks.overflow)

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from vlm.train.distributed import broadcast_object, gather_object
+from vlm.train import collectives
 from vlm.train.engine import CheckpointRefused, safe_load
 from vlm.train.write_errors import (
     WriteError,
@@ -265,7 +265,7 @@ def _agree(held: _HeldError, step: int, ckpt_root: Path, tmp: Path, rank: int) -
     if isinstance(mine, RuntimeError):
         mine = disk_full_guess(mine, ckpt_root)
     said = None if mine is None else describe_write_error(mine, tmp)
-    failed = [(r, d) for r, d in enumerate(gather_object(said)) if d is not None]
+    failed = [(r, d) for r, d in enumerate(collectives.every_rank(said)) if d is not None]
     if not failed:
         return
     if rank == 0:
@@ -352,7 +352,7 @@ def load_checkpoint(engine, ckpt: Path, rank: int, world_size: int) -> dict:
     except CheckpointRefused as e:
         why = str(e)
     # a rank alone with its refusal would leave the
-    refused = [w for w in gather_object(why) if w is not None]
+    refused = [w for w in collectives.every_rank(why) if w is not None]
     # others waiting in the first step's collective
     if refused:
         raise CheckpointRefused(why or refused[0])
@@ -372,7 +372,7 @@ def find_resume_point(ckpt_root: Path, rank: int, warn=log.warning) -> Path | No
     """Rank 0 decides which checkpoint every rank resumes from: the newest whose files match their checksums."""
     found = newest_intact_checkpoint(ckpt_root, warn) if rank == 0 else None
     choice = str(found) if found is not None else None
-    choice = broadcast_object(choice)
+    choice = collectives.decision_of_rank0(choice)
     return Path(choice) if choice else None
 
 

@@ -112,29 +112,14 @@ def train_command(args) -> int:
         try:
             rc = _train(args, stop)
         finally:
-            _leave_process_group()
+            if "vlm.train.distributed" in sys.modules:  # a run started: never imported for nothing
+                from vlm.train.distributed import leave_process_group
+
+                leave_process_group()
     if rc is None and stop.requested:  # stopped before training began: nothing was written
         print(f"vlm train: stopped by {stop.name} before the run started", file=sys.stderr)
         return stop.code
     return rc
-
-
-def _leave_process_group() -> None:
-    """Several ranks: tear the process group down before the interpreter exits (gloo's threads left
-    running at exit abort the process, "terminate called without an active exception", exit -6,
-    after its one line was printed). One process keeps its in-memory group (a caller in the same
-    process may train again)."""
-    dist = sys.modules.get("torch.distributed")
-    if (
-        dist is not None
-        and dist.is_available()
-        and dist.is_initialized()
-        and dist.get_world_size() > 1
-    ):
-        try:
-            dist.destroy_process_group()
-        except Exception:  # noqa: BLE001 - exiting anyway
-            pass
 
 
 def _train(args, stop) -> int | None:

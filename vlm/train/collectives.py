@@ -1,29 +1,92 @@
 """Every collective a training run makes, named here: all ranks call each one, in the same order, so
-each is a function called from one place in the step or the trainer (a call that only rank 0 makes
-would hang the others: keeping them here makes that visible). `tests/test_layers.py`-style check:
-`tests/test_collectives.py` fails when a module of vlm/train/ other than this one and distributed.py
-calls an all-reduce."""
+each is a function called from one place in the step, the trainer or a save (a call that only rank 0
+makes would hang the others: keeping them here makes that visible). `tests/test_collectives.py`
+fails when any module of vlm/ other than this one calls torch.distributed's collectives.
+
+Without a process group (one process) every collective is the identity.
+"""
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
-from vlm.train.distributed import all_reduce_min, all_reduce_sum
+
+# ---------------------------------------------------------------- primitives
+def _several() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def labelled_tokens(n_local: float, device: torch.device) -> float:
-    """The step's labelled tokens over all ranks (each micro-batch's LM loss is weighted by its share)."""
-    return float(all_reduce_sum(torch.tensor([n_local], dtype=torch.float64, device=device))[0])
+def _all_reduce(x: torch.Tensor, op) -> torch.Tensor:
+    """Reduced over the ranks (a copy; the input is left alone)."""
+    if not _several():
+        return x.clone()
+    y = x.detach().clone()
+    dist.all_reduce(y, op=op)
+    return y
+
+
+def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
+    return _all_reduce(x, dist.ReduceOp.SUM)
+
+
+def all_reduce_min(x: torch.Tensor) -> torch.Tensor:
+    return _all_reduce(x, dist.ReduceOp.MIN)
+
+
+def barrier() -> None:
+    """Every rank waits for the others (rank 0 built the default data, wrote the export, ...)."""
+    if _several():
+        dist.barrier()
+
+
+def broadcast_object(obj, src: int = 0):
+    """Rank `src`'s `obj` (picklable: paths, decisions) on every rank."""
+    if not _several():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def gather_object(obj) -> list:
+    """Every rank's `obj` (picklable), by rank; also a barrier. [obj] without a process group."""
+    if not _several():
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast_module(module: torch.nn.Module, src: int = 0) -> None:
+    """Every rank's parameters and buffers become rank `src`'s (in place)."""
+    if not _several():
+        return
+    with torch.no_grad():
+        for t in list(module.parameters()) + list(module.buffers()):
+            dist.broadcast(t.data, src=src)
+
+
+# ---------------------------------------------------------------- a step's
+def loss_statistics(
+    sums: dict[str, torch.Tensor], labelled: float, device: torch.device
+) -> tuple[dict[str, torch.Tensor], float]:
+    """The loss terms' statistics over the global batch (vlm.train.losses.Totals: by term, each in
+    its own dtype and shape) and its labelled tokens, in one all-reduce."""
+    keys = sorted(sums)
+    head = torch.tensor([labelled], dtype=torch.float64, device=device)
+    flat = all_reduce_sum(torch.cat([head] + [sums[k].double().flatten() for k in keys]))
+    out, i = {}, 1
+    for k in keys:
+        n = sums[k].numel()
+        out[k] = flat[i : i + n].view(sums[k].shape).to(sums[k].dtype)
+        i += n
+    return out, float(flat[0])
 
 
 def all_finite(finite: torch.Tensor, device: torch.device) -> bool:
     """Whether a micro-batch's loss (or a step's gradients) is finite on every rank."""
     return float(all_reduce_min(finite.to(torch.float64).reshape(1).to(device))[0]) >= 1.0
-
-
-def ratio_statistics(sums: torch.Tensor) -> torch.Tensor:
-    """DLCM's global parser: the ratio-loss sums of every rank (vlm.train.global_parser)."""
-    return all_reduce_sum(sums)
 
 
 def step_metrics(vec: torch.Tensor) -> torch.Tensor:
@@ -48,3 +111,20 @@ def stop_requested(requested: bool, device: torch.device, world_size: int) -> bo
     if world_size == 1:
         return requested
     return bool(all_reduce_sum(torch.tensor([float(requested)], device=device)).item() > 0)
+
+
+# ---------------------------------------------------------------- a run's set-up and saves
+def decision_of_rank0(choice):
+    """Rank 0 decides (the checkpoint to resume from, whether a run folder may be used): every
+    rank gets its answer."""
+    return broadcast_object(choice, src=0)
+
+
+def every_rank(obj) -> list:
+    """Each rank's part of a decision (its save's error, its refusal of a checkpoint), by rank."""
+    return gather_object(obj)
+
+
+def weights_of_rank0(module: torch.nn.Module) -> None:
+    """Every rank's module becomes rank 0's (the vision warm-up trained it on rank 0)."""
+    broadcast_module(module, src=0)

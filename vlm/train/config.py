@@ -387,6 +387,8 @@ MAY_CHANGE_FROM_CHECKPOINT = (
     "concept_moe.bias_update_rate",
     "concept_moe.bias_update",
     "concept_moe.loss_free_balancing",
+    "moe.dispatch",
+    "concept_moe.dispatch",
     "loop_start",
     "loop_end",
     "loop_times",

@@ -1,9 +1,10 @@
 """The live per-modality compression dashboard (TensorBoard, rank 0 only).
 
-Scalars: losses (split by sample kind), compression ratio and mean p per modality with their
-targets, throughput, learning rate, expert-load imbalance. Histograms: p per modality, expert load
-per layer. At eval steps: an image with its merged patches outlined by concept and a text sample
-with '|' at its concept boundaries.
+Scalars: every number a step logs in metrics.jsonl, under the same name (losses by term and by
+sample kind, compression ratio and mean p per modality with their targets, throughput, learning
+rate, expert-load imbalance, data counters, held-out evaluation). Histograms: p per modality,
+expert load per layer. At eval steps: an image with its merged patches outlined by concept and a
+text sample with '|' at its concept boundaries.
 """
 
 from __future__ import annotations
@@ -15,26 +16,6 @@ import numpy as np
 import torch
 
 from configs.batch import IMAGE, TEXT
-
-SCALAR_GROUPS = {
-    "loss": "loss/total",
-    "lm_loss": "loss/lm",
-    "aux_loss": "loss/ratio_aux",
-    "balance_loss": "loss/balance",
-    "loss/text_only": "loss/text_only",
-    "loss/image_text": "loss/image_text",
-    "compression/ratio": "compression/all",
-    "compression/text": "compression/text",
-    "compression/image": "compression/image",
-    "boundary_p/all": "boundary_p/all",
-    "boundary_p/text": "boundary_p/text",
-    "boundary_p/image": "boundary_p/image",
-    "tokens_per_s": "throughput/tokens_per_s",
-    "step_time_s": "throughput/step_time_s",
-    "lr": "optim/lr",
-    "grad_norm": "optim/grad_norm",
-    "moe/adjugate_per_token": "moe/adjugate_per_token",
-}
 
 
 class Dashboard:
@@ -49,32 +30,15 @@ class Dashboard:
         self.targets = targets
 
     def scalars(self, rec: dict) -> None:
+        """Every number of the step's metrics.jsonl line, under its own name (the names group
+        themselves by their first part: loss/, compression/, boundary_p/, val/, ...), and the
+        compression targets next to them."""
         step = rec["step"]
-        w = self.writer
         for key, val in rec.items():
-            if val is None or not isinstance(val, (int, float)) or key == "step":
-                continue
-            tag = SCALAR_GROUPS.get(key)
-            if tag is None and key.startswith(
-                (
-                    "val/",
-                    "moe/max_over_mean/",
-                    "skipped/",
-                    "vqa/",
-                    "vision/",
-                    "text/",
-                    "doc_ratio/",
-                    "loss/kind/",
-                    "loss/source/",
-                )
-            ):
-                tag = key
-            if tag is None and key == "nonfinite_steps":
-                tag = "faults/nonfinite_steps"
-            if tag is not None:
-                w.add_scalar(tag, val, step)
+            if key != "step" and isinstance(val, (int, float)) and val is not None:
+                self.writer.add_scalar(key, float(val), step)
         for name, target in self.targets.items():
-            w.add_scalar(f"target/{name}", target, step)
+            self.writer.add_scalar(f"target/{name}", target, step)
 
     def histograms(
         self,

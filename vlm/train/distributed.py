@@ -1,4 +1,5 @@
-"""Process-group setup for the DeepSpeed engine, with or without a launcher, and small collectives.
+"""Process-group setup for the DeepSpeed engine, with or without a launcher (the collectives a run
+makes are in vlm.train.collectives).
 
 A single `vlm train` needs no launcher: the rendezvous variables a launcher would set are filled
 in (rank 0 of 1, a free local port). Under `deepspeed`/`torchrun` they are already set and used
@@ -83,49 +84,13 @@ def init_distributed() -> DistInfo:
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device)
 
 
-def _all_reduce(x: torch.Tensor, op) -> torch.Tensor:
-    """Reduced over data-parallel ranks (a copy; the input is left alone). Identity without a process group."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return x.clone()
-    y = x.detach().clone()
-    dist.all_reduce(y, op=op)
-    return y
-
-
-def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
-    return _all_reduce(x, dist.ReduceOp.SUM)
-
-
-def all_reduce_min(x: torch.Tensor) -> torch.Tensor:
-    return _all_reduce(x, dist.ReduceOp.MIN)
-
-
-def barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
-
-
-def broadcast_object(obj, src: int = 0):
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
-
-
-def gather_object(obj) -> list:
-    """Every rank's `obj` (picklable), by rank; also a barrier. [obj] without a process group."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return [obj]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def broadcast_module(module: torch.nn.Module, src: int = 0) -> None:
-    """Every rank's parameters and buffers become rank `src`'s (in place)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return
-    with torch.no_grad():
-        for t in list(module.parameters()) + list(module.buffers()):
-            dist.broadcast(t.data, src=src)
+def leave_process_group() -> None:
+    """Several ranks: tear the process group down before the interpreter exits (gloo's threads left
+    running at exit abort the process, "terminate called without an active exception", exit -6,
+    after its one line was printed). One process keeps its in-memory group (a caller in the same
+    process may train again)."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - exiting anyway
+            pass

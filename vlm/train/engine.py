@@ -273,13 +273,12 @@ def resume_schedule(
         group["lr"] = lr
 
 
-def build_engine(model: torch.nn.Module, groups: list[dict], cfg: TrainConfig, world_size: int):
+def build_engine(model: torch.nn.Module, groups: list[dict], cfg: TrainConfig, ds_json: dict):
     """The run's optimizer over `groups` (on the plain fp32 path one that skips a non-finite step
-    itself), its learning-rate schedule, the DeepSpeed JSON (deepspeed_config) and the engine:
-    (optimizer, scheduler, json, engine)."""
+    itself), its learning-rate schedule and the DeepSpeed engine running `ds_json`
+    (deepspeed_config): (optimizer, scheduler, engine)."""
     from vlm.train.schedule import build_scheduler
 
-    ds_json = deepspeed_config(cfg.deepspeed, cfg.optim, world_size)
     o = cfg.optim
     optimizer = build_optimizer(groups, o, skip_nonfinite=plain_fp32(ds_json))
     scheduler = build_scheduler(
@@ -295,10 +294,10 @@ def build_engine(model: torch.nn.Module, groups: list[dict], cfg: TrainConfig, w
     # plain_fp32 misjudged it
     if is_plain_fp32(engine) and not isinstance(engine.optimizer, SkipNonFiniteAdamW):
         raise RuntimeError(
-            "DeepSpeed steps the optimizer directly (stage "
-            "0, fp32) but it does not skip non-finite steps"
+            "DeepSpeed steps the optimizer directly (stage 0, fp32) but it does not skip "
+            "non-finite steps"
         )
-    return optimizer, scheduler, ds_json, engine
+    return optimizer, scheduler, engine
 
 
 def initialize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ds_config: dict):

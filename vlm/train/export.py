@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from vlm.model.hf import save_pretrained
-from vlm.train.distributed import barrier
+from vlm.train import collectives
 from vlm.train.param_groups import folded_logit_scale
 from vlm.train.write_errors import DISK_ERRNOS, WriteError, describe_write_error
 
@@ -87,7 +87,7 @@ def export_final(
                 shutil.rmtree(old, ignore_errors=True)
             else:
                 os.replace(tmp, final)
-    barrier()
+    collectives.barrier()
     return final
 
 

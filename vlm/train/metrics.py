@@ -1,8 +1,13 @@
-"""Step metrics: per-micro-batch sums, one all-reduce per optimizer step, one JSON line
-per logged step.
+"""Step metrics: sums kept by name on the device, one all-reduce per optimizer step, one JSON line
+per logged step that every sink receives.
 
-Everything that is a mean over tokens is carried as (sum, count) so that the logged value is the
-mean over the GLOBAL batch (all ranks, all micro-batches), whatever the split of rows across ranks.
+Legend: B rows, T tokens, E experts, Y statistics groups (kinds of sample, then sources), X bins.
+
+A logged value is added in one place, `StepAccumulator.add_output`, as a sum by name: a plain sum
+(`add`), a count (`add_count`, logged as an int), or a mean (`add_mean(name, total, weight)`, logged
+as total / weight over the global batch: every micro-batch of every rank, whatever the split of
+rows across ranks; None where the weight is 0). `reduce` all-reduces every sum in one collective,
+by sorted key; `record` derives the means and hands one `StepRecord` to every sink.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from configs.batch import IGNORE_INDEX, IMAGE, KINDS, PackedBatch
+from configs.batch import IGNORE_INDEX, KINDS, PackedBatch
 from vlm.model.doc_stats import MODS as DOC_MODS
 from vlm.model.doc_stats import (
     NBINS,
@@ -26,174 +31,187 @@ from vlm.model.doc_stats import (
     histogram_quantiles,
 )
 from vlm.model.moe import mean_adjugate_per_token
-from vlm.model.output import ModelOutput, total_loss
-from vlm.model.stats import chunk_stats, sample_has_image
+from vlm.model.output import ModelOutput
+from vlm.model.stats import chunk_stats, lm_labels, lm_losses, sample_has_image
 from vlm.train.config import LoggingConfig
 from vlm.train.dashboard import Dashboard
+from vlm.train.losses import LossResult
 from vlm.train.tracking import WandbTracker
 
 MODS = ("all", "text", "image")
-# Fixed order of the summed scalars.
-FIELDS = (
-    [
-        "n_lab",
-        "lm_sum",
-        "n_text_only",
-        "text_only_sum",
-        "n_image_text",
-        "image_text_sum",
-        "balance_sum",
-        "micro",
-        "adjugate_sum",
-        "bytes_text_only",
-        "ratio_weight_sum",
-        "overflow_sum",
-    ]
-    + [f"tokens/{m}" for m in MODS]
-    + [f"boundaries/{m}" for m in MODS]
-    + [f"psum/{m}" for m in MODS]
-)
-IDX = {k: i for i, k in enumerate(FIELDS)}
+WEIGHT = "#weight"  # suffix of a mean's weight among the sums
+HISTOGRAMS, GROUP_LOSS = "groups/doc_ratio_hist", "groups/loss"  # [Y, 2, X], [Y, 2] sums
 
 
 def labelled_counts(batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Labelled positions overall, in text-only samples and in image-text samples (images carry no loss)."""
-    labelled = (batch.labels != IGNORE_INDEX) & (batch.modality != IMAGE)
+    """Positions with an LM loss overall, in text-only samples and in image-text samples."""
+    labelled = lm_labels(batch) != IGNORE_INDEX
     mm = sample_has_image(batch.doc_ids, batch.modality)
     return labelled.sum(), (labelled & ~mm).sum(), (labelled & mm).sum()
 
 
 class StepAccumulator:
-    """Sums of one optimizer step on this rank, kept on the device; `reduce()` all-reduces them in
-    one call and brings them to the host in one transfer."""
+    """Sums of one optimizer step on this rank, by name, kept on the device; `reduce()` all-reduces
+    them in one call and brings them to the host in one transfer."""
 
     def __init__(
-        self, device: torch.device, bytes_per_id: torch.Tensor | None = None, n_sources: int = 0
+        self,
+        device: torch.device,
+        bytes_per_id: torch.Tensor | None = None,
+        n_sources: int = 0,
     ):
         """bytes_per_id: UTF-8 bytes per token id (the tokenizer's), for bits per byte of the text.
         n_sources: the run's data sources, for per-source statistics next to the per-kind ones."""
         self.device = device
         self.bytes_per_id = bytes_per_id
         self.n_groups = len(KINDS) + n_sources
-        # per group (kinds, then sources): document-ratio histograms per modality, and (LM loss
-        # sum, labelled)
-        self.doc_hist = torch.zeros(self.n_groups, 2, NBINS, dtype=torch.float64, device=device)
-        self.group_loss = torch.zeros(self.n_groups, 2, dtype=torch.float64, device=device)
-        self.parts: list[torch.Tensor] = []
-        self.loads: dict[str, torch.Tensor] = {}
-        self.ratio_loss = torch.zeros((), device=device)
+        self.sums: dict[str, torch.Tensor] = {}
+        self.counts: set[str] = set()
 
-    def add(self, out: ModelOutput, batch: PackedBatch) -> None:
-        n, n_to, n_it = labelled_counts(batch)
-        valid = batch.doc_ids >= 0
+    def add(self, name: str, value) -> None:
+        """Add to the sum `name` (a number or a tensor of any shape, summed over the global batch)."""
+        v = torch.as_tensor(value).detach().to(self.device, torch.float64)
+        self.sums[name] = self.sums[name] + v if name in self.sums else v
+
+    def add_count(self, name: str, value) -> None:
+        """A sum of counts, logged as an int."""
+        self.counts.add(name)
+        self.add(name, value)
+
+    def add_mean(self, name: str, total, weight) -> None:
+        """A mean over the global batch: logged as sum(total) / sum(weight) (None where 0)."""
+        self.add(name, total)
+        self.add(name + WEIGHT, weight)
+
+    def add_output(
+        self,
+        out: ModelOutput,
+        batch: PackedBatch,
+        loss: LossResult | None = None,
+        token_loss_BT: torch.Tensor | None = None,
+    ) -> None:
+        """What one micro-batch adds to the step's metrics: every loss term (`loss/NAME`, and the
+        weighted total `loss`), the LM loss by kind of sample and in bits per byte, tokens,
+        boundaries, realized compression and mean p per modality, expert loads, the Grove adjugate
+        rate, concept overflow, and per kind and source the documents' ratios and LM loss. Without
+        `loss` (a model scored, not trained: held-out batches, `vlm eval ppl`), `token_loss_BT`
+        gives the LM loss, `loss/lm`, as the mean over every batch's labelled tokens."""
+        if loss is not None:
+            for name, share in loss.shares().items():
+                self.add(name, share)
+            token_loss_BT = loss.detail.get("token_loss_BT")
+        elif token_loss_BT is not None:
+            labelled = lm_labels(batch) != IGNORE_INDEX
+            self.add_mean("loss/lm", token_loss_BT.sum(), labelled.sum())
+        valid_BT = batch.doc_ids >= 0
         ch = out.chunks
-        cs = chunk_stats(
-            ch.p_BT if ch is not None else valid.float(),
-            ch.b_BT if ch is not None else valid,
-            batch.doc_ids,
-            batch.modality,
-        )
-        zero = out.lm_loss.new_zeros(())
-        split = {k: m.detach() for k, (m, _) in out.loss_split.items()}
-        adj = torch.as_tensor(mean_adjugate_per_token(list(out.moe.values())) if out.moe else 0.0)
-        text_bytes = zero_b = torch.zeros((), device=batch.labels.device)
-        if self.bytes_per_id is not None:
-            labelled = (batch.labels != IGNORE_INDEX) & (batch.modality != IMAGE)
-            text_only = labelled & ~sample_has_image(batch.doc_ids, batch.modality)
-            per_pos = self.bytes_per_id.to(batch.labels.device)[
-                batch.labels.clamp(0, len(self.bytes_per_id) - 1)
-            ]
-            text_bytes = torch.where(text_only, per_pos, zero_b.long()).sum()
-        values = {
-            "n_lab": n,
-            "lm_sum": out.lm_loss.detach() * n,
-            "n_text_only": n_to,
-            "bytes_text_only": text_bytes,
-            "text_only_sum": split.get("loss/text_only", zero) * n_to,
-            "n_image_text": n_it,
-            "image_text_sum": split.get("loss/image_text", zero) * n_it,
-            "balance_sum": out.balance_loss.detach(),
-            "micro": torch.ones(()),
-            "adjugate_sum": adj,
-            "ratio_weight_sum": torch.tensor(float(out.ratio_weight), dtype=torch.float64),
-            "overflow_sum": ch.overflow.detach() if ch is not None else zero,
-        }
+        p_BT = ch.p_BT if ch is not None else valid_BT.float()
+        b_BT = ch.b_BT if ch is not None else valid_BT
+        cs = chunk_stats(p_BT, b_BT, batch.doc_ids, batch.modality)
         for m in MODS:
-            values[f"tokens/{m}"] = cs[f"tokens/{m}"]
-            values[f"boundaries/{m}"] = cs[f"boundaries/{m}"]
-            values[f"psum/{m}"] = cs[f"boundary_p/{m}"] * cs[f"tokens/{m}"]
-        self.parts.append(torch.stack([values[k].to(self.device, torch.float64) for k in FIELDS]))
-        self.add_groups(out, batch, valid)
-        # The last micro-batch's ratio loss is computed on the step's global F and G
-        # (global parser).
-        self.ratio_loss = out.ratio_loss.detach()
-        for k, st in out.moe.items():
-            load = st.load_E.detach().double()
-            self.loads[k] = self.loads[k] + load if k in self.loads else load
+            n = cs[f"tokens/{m}"]
+            self.add_count("tokens" if m == "all" else f"tokens/{m}", n)
+            ratio = "compression/ratio" if m == "all" else f"compression/{m}"
+            self.add_mean(ratio, n, cs[f"boundaries/{m}"])
+            self.add_mean(f"boundary_p/{m}", cs[f"boundary_p/{m}"] * n, n)
+        self.add_count("chunk/overflow", ch.overflow if ch is not None else 0)
+        if out.moe_passes:
+            self.add_mean(
+                "moe/adjugate_per_token", mean_adjugate_per_token(list(out.moe.values())), 1
+            )
+            for k, st in out.moe.items():
+                self.add(f"load/{k}", st.load_E)
+        if token_loss_BT is not None:
+            self._add_lm_split(batch, token_loss_BT)
+        self._add_groups(batch, b_BT, valid_BT, token_loss_BT)
 
-    def add_groups(self, out: ModelOutput, batch: PackedBatch, valid: torch.Tensor) -> None:
+    def _add_lm_split(self, batch: PackedBatch, token_loss_BT: torch.Tensor) -> None:
+        """The LM loss of text-only and image-text samples (the paper's textloss / mmloss), and the
+        text-only samples' bits per UTF-8 byte they predict."""
+        labelled = lm_labels(batch) != IGNORE_INDEX
+        mm = sample_has_image(batch.doc_ids, batch.modality)
+        text_only = labelled & ~mm
+        for name, sel in (("loss/text_only", text_only), ("loss/image_text", labelled & mm)):
+            self.add_mean(name, (token_loss_BT * sel).sum(), sel.sum())
+        if self.bytes_per_id is not None:
+            ids = batch.labels.clamp(0, len(self.bytes_per_id) - 1)
+            per_pos = self.bytes_per_id.to(batch.labels.device)[ids]
+            text_bytes = torch.where(text_only, per_pos, torch.zeros_like(per_pos)).sum()
+            bits = (token_loss_BT.double() * text_only).sum() / math.log(2)
+            self.add_mean("bpb/text", bits, text_bytes)
+
+    def _add_groups(self, batch, b_BT, valid_BT, token_loss_BT) -> None:
         """Per kind of sample and per source: each document's realized ratio per modality into the
         histograms, and the LM loss sums."""
-        b_BT = out.chunks.b_BT if out.chunks is not None else valid
+        hist_YMX = torch.zeros(self.n_groups, 2, NBINS, dtype=torch.float64, device=self.device)
+        loss_Y2 = torch.zeros(self.n_groups, 2, dtype=torch.float64, device=self.device)
         counts = document_counts(b_BT, batch.doc_ids, batch.modality)
         nk = len(KINDS)
         labels = [(batch.kind, 0, nk), (batch.source, nk, self.n_groups - nk)]
-        lab_BT = (batch.labels != IGNORE_INDEX) & (batch.modality != IMAGE)
+        lab_BT = lm_labels(batch) != IGNORE_INDEX
         for label_BT, offset, n in labels:
             if label_BT is None or n == 0:
                 continue
             group_S = document_labels(label_BT, batch.doc_ids)
-            self.doc_hist[offset : offset + n] += group_histogram(counts, group_S, n).to(
-                self.device
-            )
-            if out.token_loss_BT is not None:
+            hist_YMX[offset : offset + n] += group_histogram(counts, group_S, n).to(self.device)
+            if token_loss_BT is not None:
                 g = torch.where(lab_BT & (label_BT >= 0) & (label_BT < n), label_BT, n).flatten()
                 sums = torch.zeros(n + 1, 2, dtype=torch.float64, device=g.device)
-                sums[:, 0].index_add_(0, g, out.token_loss_BT.flatten().double())
+                sums[:, 0].index_add_(0, g, token_loss_BT.flatten().double())
                 sums[:, 1].index_add_(0, g, lab_BT.flatten().double())
-                self.group_loss[offset : offset + n] += sums[:n].to(self.device)
+                loss_Y2[offset : offset + n] += sums[:n].to(self.device)
+        self.add(HISTOGRAMS, hist_YMX)
+        self.add(GROUP_LOSS, loss_Y2)
 
-    def reduce(self, across_ranks) -> tuple[torch.Tensor, dict[str, torch.Tensor], float]:
-        """(summed fields followed by the per-group histograms and losses, per-layer expert loads,
-        the last ratio loss), all on the host, from one all-reduce."""
-        keys = sorted(self.loads)
-        vec = (
-            torch.stack(self.parts).sum(0)
-            if self.parts
-            else torch.zeros(len(FIELDS), dtype=torch.float64, device=self.device)
-        )
-        vec = torch.cat([vec, self.doc_hist.flatten(), self.group_loss.flatten()])
-        flat = across_ranks(torch.cat([vec] + [self.loads[k].to(self.device) for k in keys]))
-        flat = torch.cat([flat, self.ratio_loss.to(flat).reshape(1)]).cpu()
-        vec, rest = flat[: len(vec)], flat[len(vec) : -1]
-        loads, i = {}, 0
+    def reduce(self, across_ranks) -> dict[str, torch.Tensor]:
+        """Every sum over the global batch, on the host, from one all-reduce (`across_ranks`) of
+        all of them in sorted key order."""
+        keys = sorted(self.sums)
+        if not keys:
+            return {}
+        flat = across_ranks(torch.cat([self.sums[k].flatten() for k in keys])).cpu()
+        out, i = {}, 0
         for k in keys:
-            n = self.loads[k].numel()
-            loads[f"load/{k}"] = rest[i : i + n]
+            n = self.sums[k].numel()
+            out[k] = flat[i : i + n].view(self.sums[k].shape)
             i += n
-        return vec, loads, float(flat[-1])
+        return out
 
-    def record(
-        self,
-        step: int,
-        across_ranks,
-        ratio_weight: float | None = None,
-        groups: list[str] | None = None,
-    ) -> StepRecord:
-        """The step's record from one all-reduce of its sums (`across_ranks`): global means, the
-        experts' load imbalance, and the tensors the dashboard draws. `ratio_weight`, `groups`: as
-        in `step_scalars`."""
-        vec, loads, ratio_loss = self.reduce(across_ranks)
-        scalars = step_scalars(vec, ratio_loss, ratio_weight, groups)
+    def record(self, step: int, across_ranks, groups: list[str] | None = None) -> StepRecord:
+        """The step's record from one all-reduce of its sums: every sum and mean by name, the
+        documents' ratios and the LM loss per group, the experts' load imbalance, and the tensors
+        the dashboard draws."""
+        sums = self.reduce(across_ranks)
+        scalars = derived_scalars(sums, self.counts)
+        loads = {k: v for k, v in sums.items() if k.startswith("load/")}
         scalars.update(load_imbalance(loads))
-        return StepRecord(step, True, scalars, loads, groups=group_parts(vec))
+        parts = None
+        if HISTOGRAMS in sums:
+            parts = (sums[HISTOGRAMS], sums[GROUP_LOSS])
+            scalars.update(group_record(*parts, groups))
+        return StepRecord(step, True, scalars, loads, groups=parts)
 
 
-def group_parts(vec: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The per-group part of a reduced vector: ([Y, 2, NBINS] document-ratio histograms, [Y, 2] loss sums)."""
-    tail = vec[len(FIELDS) :]
-    Y = tail.numel() // (2 * NBINS + 2)
-    return tail[: Y * 2 * NBINS].view(Y, 2, NBINS), tail[Y * 2 * NBINS :].view(Y, 2)
+def token_losses(out: ModelOutput, batch: PackedBatch) -> torch.Tensor:
+    """[B, T] the next-token loss at each position with an LM loss (0 elsewhere), detached: for a
+    model scored rather than trained."""
+    return lm_losses(out.logits, lm_labels(batch), batch.doc_ids, batch.modality)[2]
+
+
+def derived_scalars(sums: dict[str, torch.Tensor], counts: set[str] = frozenset()) -> dict:
+    """The logged scalars of reduced sums: a mean where the sum has a weight (None where it is 0),
+    an int for a count, the sum itself otherwise. Tensors that are not scalars (loads, group
+    histograms) are not scalars here."""
+    out = {}
+    for k, v in sums.items():
+        if k.endswith(WEIGHT) or v.numel() != 1:
+            continue
+        if k + WEIGHT in sums:
+            w = float(sums[k + WEIGHT])
+            out[k] = float(v) / w if w > 0 else None
+        else:
+            out[k] = int(round(float(v))) if k in counts else float(v)
+    return out
 
 
 def group_names(source_names: list[str] | None = None) -> list[str]:
@@ -201,75 +219,28 @@ def group_names(source_names: list[str] | None = None) -> list[str]:
     return list(KINDS) + [f"source:{n}" for n in (source_names or [])]
 
 
-def group_record(vec: torch.Tensor, names: list[str] | None = None) -> dict:
+def group_record(
+    hist_YMX: torch.Tensor, loss_Y2: torch.Tensor, names: list[str] | None = None
+) -> dict:
     """Per kind (and source): the documents' ratio per modality as p10 / p50 / p90
     (`doc_ratio/KIND/MOD/pNN`, with `.../docs` and `.../no_concept` share), and the LM loss
     (`loss/kind/KIND`, `loss/source/NAME`)."""
-    hist, loss = group_parts(vec)
     names = names or group_names()
     rec = {}
-    for g in range(hist.shape[0]):
+    for g in range(hist_YMX.shape[0]):
         name = names[g] if g < len(names) else f"group{g}"
         for j, m in enumerate(DOC_MODS):
-            q = histogram_quantiles(hist[g, j])
+            q = histogram_quantiles(hist_YMX[g, j])
             if q is not None:
                 for k, v in q.items():
                     rec[f"doc_ratio/{name}/{m}/{k}"] = v
-        if loss[g, 1] > 0:
+        if loss_Y2[g, 1] > 0:
             key = (
                 f"loss/source/{name[len('source:') :]}"
                 if name.startswith("source:")
                 else f"loss/kind/{name}"
             )
-            rec[key] = float(loss[g, 0] / loss[g, 1])
-    return rec
-
-
-def _div(a: float, b: float) -> float | None:
-    return a / b if b > 0 else None
-
-
-def step_scalars(
-    vec: torch.Tensor,
-    ratio_loss: float,
-    ratio_weight: float | None = None,
-    groups: list[str] | None = None,
-) -> dict:
-    """The global means of one step's reduced sums. Absent modalities give null. `loss` is
-    `total_loss` of the logged parts, the ratio loss weighted as the model weighted it
-    (`ModelOutput.ratio_weight`, carried in `vec`) unless `ratio_weight` says otherwise (0: the LM
-    and balance losses only)."""
-    v = {k: float(vec[i]) for k, i in IDX.items()}
-    lm = _div(v["lm_sum"], v["n_lab"]) or 0.0
-    balance = v["balance_sum"] / max(v["micro"], 1)
-    if ratio_weight is None:
-        ratio_weight = v["ratio_weight_sum"] / max(v["micro"], 1)
-    rec = {
-        "loss": total_loss(lm, ratio_loss, balance, ratio_weight),
-        "lm_loss": lm,
-        "aux_loss": ratio_loss,
-        "balance_loss": balance,
-        "tokens": int(v["tokens/all"]),
-        "loss/text_only": _div(v["text_only_sum"], v["n_text_only"]),
-        # bits per byte of the text-only samples: their summed loss in bits over the UTF-8 bytes
-        # they predict
-        "bpb/text": _div(v["text_only_sum"] / math.log(2), v["bytes_text_only"]),
-        "loss/image_text": _div(v["image_text_sum"], v["n_image_text"]),
-        "compression/ratio": _div(v["tokens/all"], v["boundaries/all"]),
-        "compression/text": _div(v["tokens/text"], v["boundaries/text"]),
-        "compression/image": _div(v["tokens/image"], v["boundaries/image"]),
-        "boundary_p/all": _div(v["psum/all"], v["tokens/all"]),
-        "boundary_p/text": _div(v["psum/text"], v["tokens/text"]),
-        "boundary_p/image": _div(v["psum/image"], v["tokens/image"]),
-        "tokens/text": int(v["tokens/text"]),
-        "tokens/image": int(v["tokens/image"]),
-        "moe/adjugate_per_token": v["adjugate_sum"] / max(v["micro"], 1),
-        # boundaries past their row's static concept capacity (vlm.model.chunking.concept_capacity):
-        # concepts the concept model did not compute, over the step
-        "chunk/overflow": int(v["overflow_sum"]),
-    }
-    if vec.numel() > len(FIELDS):
-        rec.update(group_record(vec, groups))
+            rec[key] = float(loss_Y2[g, 0] / loss_Y2[g, 1])
     return rec
 
 
@@ -355,10 +326,29 @@ class MetricsFile:
         self.fh.close()
 
 
+# Names earlier versions wrote into metrics.jsonl, and today's (a reader of an older run's file sees
+# today's names)
+LEGACY_KEYS = {"lm_loss": "loss/lm", "aux_loss": "loss/ratio", "balance_loss": "loss/balance"}
+
+
+def current_names(rec: dict) -> dict:
+    """A metrics.jsonl record with today's names (`val/lm_loss` -> `val/loss/lm`, ...)."""
+    out = {}
+    for k, v in rec.items():
+        base = k[len("val/") :] if k.startswith("val/") else k
+        if base in LEGACY_KEYS:
+            k = ("val/" if k.startswith("val/") else "") + LEGACY_KEYS[base]
+        out.setdefault(k, v)
+    return out
+
+
 def read_metrics(path: Path) -> list[dict]:
+    """RUN_DIR/metrics.jsonl's records, in today's names."""
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [
+        current_names(json.loads(line)) for line in path.read_text().splitlines() if line.strip()
+    ]
 
 
 class MetricsLogger:

@@ -42,10 +42,10 @@ def write_report(
     fig, axes = plt.subplots(1, 4, figsize=(21, 4.5))
     ax = axes[0]
     for key, label in (
-        ("lm_loss", "LM loss (all)"),
+        ("loss/lm", "LM loss (all)"),
         ("loss/text_only", "text-only samples"),
         ("loss/image_text", "image-text samples"),
-        ("val/lm_loss", "held-out"),
+        ("val/loss/lm", "held-out"),
     ):
         s, v = _series(records, key)
         if len(s):
@@ -222,8 +222,8 @@ def summary_lines(
     lines = [
         f"run: {run_dir}  steps: {last['step']}  wall time: {wall_s / 60:.1f} min",
         (
-            f"loss: {fmt(first.get('lm_loss'))} (first step) -> "
-            f"{fmt(_tail_mean(records, 'lm_loss'))} (last 10 %)"
+            f"loss: {fmt(first.get('loss/lm'))} (first step) -> "
+            f"{fmt(_tail_mean(records, 'loss/lm'))} (last 10 %)"
         ),
         (
             f"  text-only samples:  {fmt(_tail_mean(records, 'loss/text_only'))}   "
@@ -244,10 +244,10 @@ def summary_lines(
                 else ""
             ),
         )
-    val = [r for r in records if r.get("val/lm_loss") is not None]
+    val = [r for r in records if r.get("val/loss/lm") is not None]
     if val:
         lines.append(
-            f"  held-out LM loss:   {fmt(val[-1]['val/lm_loss'])} (step {val[-1]['step']})"
+            f"  held-out LM loss:   {fmt(val[-1]['val/loss/lm'])} (step {val[-1]['step']})"
         )
     joint = targets.get("ratio")
     lines.append(

@@ -131,10 +131,10 @@ def check_start(
     """Collective when distributed. ConfigError on every rank when a run that found nothing to
     resume (`resume_from` None) would replace an earlier run's outputs (rank 0 looks); overwrite
     None (a caller that owns the folder, as `vlm chain` does its stages') skips the check."""
-    from vlm.train.distributed import broadcast_object
+    from vlm.train import collectives
 
     if overwrite is not False or resume_from is not None:
         return
-    why = broadcast_object(refusal(run_dir, resume) if is_main else None)
+    why = collectives.decision_of_rank0(refusal(run_dir, resume) if is_main else None)
     if why is not None:
         raise ConfigError(why)

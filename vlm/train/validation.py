@@ -6,13 +6,12 @@ import torch
 
 from vision.image_processor import ImageProcessor
 from vlm.train import collectives
-from vlm.train.global_parser import install
-from vlm.train.metrics import StepAccumulator
+from vlm.train.metrics import StepAccumulator, token_losses
 from vlm.train.render import image_concept_picture, text_with_boundaries
-from vlm.train.step import prepare
+from vlm.train.step import StepSettings, prepare
 
 EVAL_KEYS = (
-    "lm_loss",
+    "loss/lm",
     "loss/text_only",
     "bpb/text",
     "loss/image_text",
@@ -30,44 +29,31 @@ class HeldOut:
     without any, the pictures come from the current training batch. `run` is a collective: every
     rank calls it."""
 
-    def __init__(
-        self,
-        engine,
-        batches: list,
-        parser,
-        device: torch.device,
-        float_dtype: torch.dtype,
-        processor_cfg,
-        tokenizer,
-    ):
-        self.engine, self.batches, self.parser = engine, batches, parser
-        self.device, self.float_dtype = device, float_dtype
+    def __init__(self, engine, batches: list, s: StepSettings, processor_cfg, tokenizer):
+        self.engine, self.batches, self.s = engine, batches, s
         self.processor_cfg, self.tokenizer = processor_cfg, tokenizer
-        self.bytes_per_id = torch.as_tensor(tokenizer.bytes_per_id, device=device)
 
     @torch.no_grad()
     def run(self, fallback_batch, draw: bool) -> tuple[dict, tuple | None]:
-        """({"val/...": value}, (picture, text) or None)."""
-        engine = self.engine
+        """({"val/...": value}, (picture, text) or None): the LM loss is the mean over the
+        labelled tokens of every held-out batch of every rank."""
+        engine, s = self.engine, self.s
         engine.eval()
-        # eval statistics stay local: no collective inside the forward
-        install(engine.module, None)
-        acc = StepAccumulator(self.device, self.bytes_per_id)
+        acc = StepAccumulator(s.device, s.bytes_per_id)
         first = None
         try:
             for b in self.batches or [fallback_batch]:
-                b = prepare(b, self.device, self.float_dtype)
+                b = prepare(b, s.device, s.float_dtype)
                 out = engine(b)
                 if self.batches:
-                    acc.add(out, b)
+                    acc.add_output(out, b, token_loss_BT=token_losses(out, b))
                 if first is None and out.chunks is not None:
                     first = (b, out.chunks.b_BT)
         finally:
             engine.train()
-            install(engine.module, self.parser)
         val = {}
         if self.batches:
-            rec = acc.record(0, collectives.step_metrics, ratio_weight=0.0).scalars
+            rec = acc.record(0, collectives.step_metrics).scalars
             # the aggregates, and per kind of sample the documents' ratio per modality (eval mode):
             # p10 / p50 / p90
             val = {

@@ -356,7 +356,7 @@ def warm_up_vision(
     (vision.timm_checkpoint) is neither, and what its checkpoint gave is logged and written to
     RUN_DIR/vision_load_report.txt. cfg: the run's TrainConfig (resolved); stop: its StopFlag (a
     stop during the warm-up raises Preempted after the warm-up saved its state)."""
-    from vlm.train.distributed import broadcast_module
+    from vlm.train import collectives
     from vlm.train.param_groups import freeze_prefixes
     from vlm.train.signals import Preempted
     from vlm.train.stages import pretrained_tower, vision_load_report
@@ -385,7 +385,7 @@ def warm_up_vision(
                 f"{warm['step']}/{warm['steps']}: its state is in {warm['checkpoint']}; "
                 "the same command (--resume included) continues it",
             )
-        broadcast_module(model.vision.encoder)
+        collectives.weights_of_rank0(model.vision.encoder)
     if (
         warm_cfg.steps
         and warm_cfg.freeze_after

@@ -19,6 +19,7 @@ from vlm.model.conceptmoe import ConceptMoELM
 from vlm.model.config import ModelConfig
 from vlm.model.flops import attention_map_flops, flops_per_token
 from vlm.model.reallocate import reallocate
+from vlm.train.losses import training_loss
 
 
 def llm_config(s: Settings) -> ModelConfig:
@@ -87,7 +88,7 @@ def train_step(model, opt, batch: PackedBatch, force) -> Callable[[], None]:
         model.train()
         out = model(batch, force=force)
         opt.zero_grad(set_to_none=True)
-        out.loss.backward()
+        training_loss(out, batch, model.cfg).backward()
         opt.step()
 
     return fn

@@ -1,0 +1,303 @@
+"""The training loss, in one place: named terms, each a value and a weight; the total is their sum.
+
+Legend: B rows, T tokens, Z ratio groups (one joint group, or one per modality).
+
+A term is a function of what the model computed (`ModelOutput`: logits, the chunking, each MoE
+pass's router statistics), of the batch, and of `Totals`: sums over the whole global batch (every
+micro-batch of every rank), which the step makes in one all-reduce before any backward. It returns a
+`TermValue`:
+
+- `value`: this micro-batch's value of the term, with its gradient;
+- `scale`: the factor DeepSpeed's averaging needs (the engine divides each micro-batch's loss by the
+  micro-batches of the global batch, `Totals.micro_batches`): 1 for a term that is a mean over
+  micro-batches, `micro_batches` for one computed from global statistics (its gradient reaches only
+  this micro-batch's inputs, and the parts sum to the global gradient), `n * micro_batches / N` for
+  a mean over the global batch's N tokens of which this micro-batch holds n;
+- `share`: this micro-batch's part of the term's value over the global batch, detached (the shares
+  of every micro-batch and rank sum to it: what is logged as `loss/NAME`).
+
+The step back-propagates sum(value * weight * scale) over the terms, in TERMS' order, and logs
+`loss` = sum(weight * loss/NAME). A weight of 0 leaves a term out (not computed).
+
+Adding a term (docs/design.md, "Adding a loss term"): write its function here, add it to TERMS with
+the config field that holds its weight; a term that needs a sum over the global batch also gives a
+`statistics` function (local sums, detached), and finds their global sums in `totals.sums[NAME]`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from configs.batch import IGNORE_INDEX, IMAGE, TEXT, PackedBatch
+from vlm.model.config import ChunkConfig, ModelConfig
+from vlm.model.doc_stats import document_slots
+from vlm.model.output import ModelOutput
+from vlm.model.ratio_loss import document_ratio_loss, ratio_loss
+from vlm.model.stats import lm_labels, lm_losses
+
+
+@dataclass(frozen=True)
+class Totals:
+    """Sums over the whole global batch that the terms need (the step's one all-reduce)."""
+
+    micro_batches: int  # micro-batches in the global batch: accumulation steps x ranks
+    sums: dict[str, torch.Tensor] = field(default_factory=dict)  # by statistic, on the device
+    labelled: float = 0.0  # labelled (LM loss) tokens in the global batch
+    # this micro-batch's labelled tokens, counted on the host before its forward (None: counted
+    # here, a host read where the batch is on a GPU)
+    micro_labelled: float | None = None
+
+
+@dataclass
+class TermValue:
+    value: torch.Tensor  # this micro-batch's value (0-d, with grad)
+    scale: float  # its factor in the back-propagated sum (see the module docstring)
+    share: torch.Tensor  # detached 0-d: its part of the term's value over the global batch
+    # what else the term computed that statistics read (the LM loss per position), detached
+    detail: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+TermFn = Callable[[ModelOutput, PackedBatch, ModelConfig, Totals], TermValue]
+StatisticsFn = Callable[[ModelOutput, PackedBatch, ModelConfig], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Term:
+    name: str  # logged as loss/NAME
+    fn: TermFn
+    weight: Callable[[ModelConfig], float]  # from the config (0: the term is left out)
+    # local sums (detached) whose totals over the global batch the term reads (totals.sums[name])
+    statistics: StatisticsFn | None = None
+
+
+# ---------------------------------------------------------------- the LM loss
+
+
+def labelled_tokens(batch: PackedBatch) -> torch.Tensor:
+    """0-d: the positions of `batch` the LM loss is on."""
+    return (lm_labels(batch) != IGNORE_INDEX).sum()
+
+
+def lm_term(out: ModelOutput, batch: PackedBatch, cfg: ModelConfig, totals: Totals) -> TermValue:
+    """Next-token cross-entropy, the mean over the global batch's labelled tokens."""
+    lm, _, token_loss_BT = lm_losses(out.logits, lm_labels(batch), batch.doc_ids, batch.modality)
+    n = totals.micro_labelled
+    n = float(labelled_tokens(batch)) if n is None else n
+    N = max(totals.labelled, 1.0)
+    detail = {"token_loss_BT": token_loss_BT}  # for the statistics by kind and source
+    return TermValue(lm, n * totals.micro_batches / N, lm.detach() * (n / N), detail)
+
+
+# ---------------------------------------------------------------- the ratio loss (eq. 4)
+
+
+def ratio_groups(
+    cfg: ChunkConfig, doc_BT: torch.Tensor, modality_BT: torch.Tensor | None
+) -> list[tuple[torch.Tensor, float]]:
+    """Token masks [B, T] and targets of the ratio losses: one joint group, or one per modality."""
+    valid_BT = doc_BT >= 0
+    targets = cfg.modality_targets()
+    if targets:
+        names = {"text": TEXT, "image": IMAGE}
+        return [(valid_BT & (modality_BT == names[m]), r) for m, r in sorted(targets.items())]
+    return [(valid_BT, cfg.target_ratio)]
+
+
+def _ratio_sums(chunks, doc_BT, modality_BT, cfg: ChunkConfig):
+    """The ratio groups, p as float, the sum of p per group (with grad) and the local [Z, 3] sums
+    (boundaries, sum of p, tokens)."""
+    groups = ratio_groups(cfg, doc_BT, modality_BT)
+    masks_ZBT = torch.stack([m for m, _ in groups])
+    p_BT = chunks.p_BT.float()
+    sum_p_Z = (masks_ZBT * p_BT).flatten(1).sum(-1)
+    local_Z3 = torch.stack(
+        [
+            (masks_ZBT & chunks.b_BT).flatten(1).sum(-1).float(),
+            sum_p_Z.detach(),
+            masks_ZBT.flatten(1).sum(-1).float(),
+        ],
+        -1,
+    )
+    return groups, p_BT, sum_p_Z, local_Z3
+
+
+def ratio_loss_value(
+    chunks, doc_BT, modality_BT, cfg: ChunkConfig, glob_Z3: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the ratio loss of one chunking, its batch part detached): eq. 4 per ratio group from the
+    boundary fraction F and mean p G over `glob_Z3`'s sums (DLCM's global parser; None: this batch's
+    own), plus with `cfg.document_slack` the per-document band (`document_ratio_loss`, weighted by
+    `cfg.document_weight`). F carries no gradient; G's gradient reaches only this batch's p, and
+    summing the micro-batches' gradients gives the global one's exactly."""
+    groups, p_BT, sum_p_Z, local_Z3 = _ratio_sums(chunks, doc_BT, modality_BT, cfg)
+    glob_Z3 = local_Z3 if glob_Z3 is None else glob_Z3
+    count_Z = glob_Z3[:, 2].clamp_min(1)
+    F_Z = glob_Z3[:, 0] / count_Z
+    G_Z = (sum_p_Z + (glob_Z3[:, 1] - local_Z3[:, 1])) / count_Z
+    # a group with no tokens anywhere contributes nothing (masked on the device: no host sync)
+    losses_Z = torch.stack([ratio_loss(F_Z[k], G_Z[k], r) for k, (_, r) in enumerate(groups)])
+    loss = torch.where(glob_Z3[:, 2] > 0, losses_Z, torch.zeros_like(losses_Z)).sum()
+    batch_part = loss.detach()
+    if cfg.holds_documents:
+        slot_BT, S = document_slots(doc_BT)
+        idx_N = slot_BT.flatten()
+        b_N = chunks.b_BT.flatten().float()
+        for k, (mask_BT, r) in enumerate(groups):  # one or two groups: not a loop over tokens
+            m_N = mask_BT.flatten().float()
+            n_S = p_BT.new_zeros(S).index_add(0, idx_N, m_N)
+            b_S = p_BT.new_zeros(S).index_add(0, idx_N, m_N * b_N)
+            p_S = p_BT.new_zeros(S).index_add(0, idx_N, m_N * p_BT.flatten())
+            loss = loss + cfg.document_weight * document_ratio_loss(
+                n_S, b_S, p_S, glob_Z3[k, 2], r, cfg.document_slack
+            )
+    return loss, batch_part
+
+
+def ratio_statistics(out: ModelOutput, batch: PackedBatch, cfg: ModelConfig) -> torch.Tensor:
+    """[Z, 3] local sums of the ratio loss (boundaries, sum of p, tokens) per group."""
+    return _ratio_sums(out.chunks, batch.doc_ids, batch.modality, cfg.chunk)[3]
+
+
+def ratio_term(out: ModelOutput, batch: PackedBatch, cfg: ModelConfig, totals: Totals) -> TermValue:
+    """The ratio loss (`ratio_loss_value`), on the global batch's statistics where the run asks
+    for them (`totals.sums["ratio"]`, train.global_parser)."""
+    glob_Z3 = totals.sums.get("ratio")
+    loss, batch_part = ratio_loss_value(
+        out.chunks, batch.doc_ids, batch.modality, cfg.chunk, glob_Z3
+    )
+    K = totals.micro_batches
+    if glob_Z3 is None:  # each micro-batch's own loss: a mean over micro-batches
+        return TermValue(loss, 1.0, loss.detach() / K)
+    # the batch term is the global one on every micro-batch (logged once); the per-document term's
+    # micro-batch parts, weighted by tokens over the global count, add up
+    return TermValue(loss, float(K), batch_part / K + (loss.detach() - batch_part))
+
+
+# ---------------------------------------------------------------- the routers' losses
+
+
+def _router_mean(out: ModelOutput, pick) -> torch.Tensor | None:
+    """The mean over every MoE pass of a weighted router loss (`pick(stats)`: (weight, value or
+    None)); a pass whose loss is off counts as 0, so the mean is over every pass."""
+    if not out.moe_passes:
+        return None
+    parts = []
+    for _, s in out.moe_passes:
+        w, x = pick(s)
+        parts.append(w * x if x is not None else s.load_E.new_zeros(()))
+    return torch.stack(parts).mean()
+
+
+def _per_micro_batch(value: torch.Tensor, totals: Totals) -> TermValue:
+    """A term that is a mean over the global batch's micro-batches."""
+    return TermValue(value, 1.0, value.detach() / totals.micro_batches)
+
+
+def balance_term(
+    out: ModelOutput, batch: PackedBatch, cfg: ModelConfig, totals: Totals
+) -> TermValue:
+    """The Switch balance loss of each MoE pass, weighted by its layer's
+    `balance_loss_weight` (token-level and concept-level layers have their own), averaged over the
+    passes and the micro-batches."""
+    value = _router_mean(out, lambda s: (s.cfg.balance_loss_weight, s.balance))
+    return _per_micro_batch(value, totals)
+
+
+def z_term(out: ModelOutput, batch: PackedBatch, cfg: ModelConfig, totals: Totals) -> TermValue:
+    """The router z-loss (ST-MoE) of each MoE pass, weighted by its layer's `z_loss_weight`,
+    averaged over the passes and the micro-batches."""
+    return _per_micro_batch(_router_mean(out, lambda s: (s.cfg.z_loss_weight, s.z)), totals)
+
+
+def _any_moe(cfg: ModelConfig, field_name: str) -> float:
+    """1 where some MoE layer's own weight is on (those weights are applied per layer), else 0."""
+    return 1.0 if getattr(cfg.moe, field_name) or getattr(cfg.c_moe, field_name) else 0.0
+
+
+TERMS: tuple[Term, ...] = (
+    Term("lm", lm_term, lambda cfg: 1.0),
+    Term(
+        "ratio",
+        ratio_term,
+        lambda cfg: cfg.chunk.ratio_loss_weight if cfg.chunk.enabled else 0.0,
+        statistics=ratio_statistics,
+    ),
+    Term("balance", balance_term, lambda cfg: _any_moe(cfg, "balance_loss_weight")),
+    Term("z", z_term, lambda cfg: _any_moe(cfg, "z_loss_weight")),
+)
+
+
+# ---------------------------------------------------------------- the total
+
+
+@dataclass
+class LossResult:
+    # what the step back-propagates: sum of value * weight * scale (0-d, with grad)
+    backprop: torch.Tensor
+    terms: dict[str, TermValue]
+    weights: dict[str, float]
+
+    @property
+    def detail(self) -> dict[str, torch.Tensor]:
+        return {k: v for t in self.terms.values() for k, v in t.detail.items()}
+
+    def shares(self) -> dict[str, torch.Tensor]:
+        """`loss/NAME` and the weighted total `loss`: this micro-batch's parts of their values over
+        the global batch (detached; summed over micro-batches and ranks, they are the step's)."""
+        out = {f"loss/{n}": t.share for n, t in self.terms.items()}
+        total = None
+        for n, t in self.terms.items():
+            part = t.share * self.weights[n]
+            total = part if total is None else total + part
+        out["loss"] = total
+        return out
+
+
+class Loss:
+    """The run's loss: the terms of TERMS whose weight is not 0, for one model config.
+    `global_parser`: the ratio loss reads the global batch's statistics (train.global_parser)."""
+
+    def __init__(self, cfg: ModelConfig, global_parser: bool = True, terms=None):
+        self.cfg = cfg
+        terms = TERMS if terms is None else terms
+        self.weights = {t.name: w for t in terms if (w := float(t.weight(cfg)))}
+        self.terms = [t for t in terms if t.name in self.weights]
+        # the statistics summed over the global batch before the terms (the lm term's token
+        # count always; the others' where the run asks for global statistics)
+        self.global_statistics = [
+            t
+            for t in self.terms
+            if t.statistics is not None and (global_parser or t.name != "ratio")
+        ]
+
+    @property
+    def needs_output_statistics(self) -> bool:
+        """Whether a term needs sums over the global batch of what the forward computes (then a
+        step of several micro-batches makes a statistics pass first)."""
+        return bool(self.global_statistics)
+
+    def statistics(self, out: ModelOutput, batch: PackedBatch) -> dict[str, torch.Tensor]:
+        """This micro-batch's local sums, detached, by term."""
+        return {t.name: t.statistics(out, batch, self.cfg).detach() for t in self.global_statistics}
+
+    def __call__(
+        self, out: ModelOutput, batch: PackedBatch, totals: Totals | None = None
+    ) -> LossResult:
+        """The terms of one micro-batch; without `totals`, the batch is the whole global batch
+        (a model used alone: its total is the loss of this batch)."""
+        if totals is None:
+            totals = Totals(1, self.statistics(out, batch), float(labelled_tokens(batch)))
+        values = {t.name: t.fn(out, batch, self.cfg, totals) for t in self.terms}
+        backprop = None
+        for name, t in values.items():
+            part = t.value * (self.weights[name] * t.scale)
+            backprop = part if backprop is None else backprop + part
+        return LossResult(backprop, values, self.weights)
+
+
+def training_loss(out: ModelOutput, batch: PackedBatch, cfg: ModelConfig) -> torch.Tensor:
+    """The training loss of one batch on its own (benchmarks, tests): every term, local statistics."""
+    return Loss(cfg)(out, batch).backprop

@@ -1,0 +1,244 @@
+"""A training run, built once: `build_run(...) -> Run`.
+
+Building a run learns what the config alone does not say: a continued model's tokenizer and model
+section, the DeepSpeed settings the merged JSON runs. `build_run` works that out first, in order
+(the run folder and the resume point, the data and the tokenizer, the model, the engine's
+settings), and makes the effective config once; everything else (the engine, the loaders, the
+held-out set) is built from it. The `Run` it returns is never changed: the trainer
+(vlm.train.trainer) only loops over it, and RUN_DIR/config.yaml, the banner and the summary show
+its config.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import yaml
+
+from configs.config import ConfigError, to_dict
+from data_pipelines.default_dataset import ensure_default_dataset
+from vlm.model.training_controls import TrainingControls
+from vlm.train import checkpoint as ckpt_lib
+from vlm.train import collectives
+from vlm.train.config import RunConfig, TrainConfig
+from vlm.train.distributed import DistInfo, init_distributed
+from vlm.train.engine import build_engine, compile_model, deepspeed_config, effective_settings
+from vlm.train.loaders import build_loaders, check_row_fits
+from vlm.train.losses import Loss
+from vlm.train.metrics import group_names
+from vlm.train.param_groups import apply_mup, build_param_groups, describe_groups, freeze_prefixes
+from vlm.train.probes import ActivationProbe
+from vlm.train.run_config import check_resume_config, evolve
+from vlm.train.run_dir import check_start, clear_run, made_by_this_run
+from vlm.train.sizes import check_buildable
+from vlm.train.stages import (
+    build_stage_model,
+    load_run_tokenizer,
+    resolve_tokenizer,
+    with_built_model,
+)
+from vlm.train.step import StepSettings
+from vlm.train.validation import HeldOut
+from vlm.train.vision_warmup import warm_up_vision
+
+
+@dataclass(frozen=True)
+class Run:
+    cfg: TrainConfig  # the effective config: what runs
+    dir: Path
+    dist: DistInfo
+    resume_from: Path | None  # the checkpoint the run continues from (None: a fresh start)
+    tokenizer: Any
+    engine: Any  # DeepSpeed's engine; its .module is the model
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    ds_config: dict  # the DeepSpeed JSON the engine runs
+    loader: Any  # the training stream (data_pipelines.loader.PackedLoader)
+    held_out: HeldOut
+    step: StepSettings  # what each optimizer step needs
+    checkpointer: ckpt_lib.Checkpointer
+    probe: ActivationProbe
+    logit_scale: float | None  # muP's output scale (None without muP)
+    banner: tuple[str, ...]  # what the run is, for the log
+
+    @property
+    def is_main(self) -> bool:
+        return self.dist.is_main
+
+    @property
+    def ckpt_root(self) -> Path:
+        return self.dir / "checkpoints"
+
+    def write_files(self) -> None:
+        """RUN_DIR/config.yaml (the effective config) and deepspeed_config.json (rank 0)."""
+        if self.is_main:
+            (self.dir / "config.yaml").write_text(
+                yaml.safe_dump(to_dict(self.cfg), sort_keys=False)
+            )
+            (self.dir / "deepspeed_config.json").write_text(json.dumps(self.ds_config, indent=2))
+
+
+def set_up_process(run: RunConfig) -> None:
+    """Threads, determinism and seeds, before anything draws a random number."""
+    if run.threads:
+        torch.set_num_threads(run.threads)
+    if run.deterministic:
+        # deterministic cuBLAS on GPU
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    random.seed(run.seed)
+    np.random.seed(run.seed)
+    torch.manual_seed(run.seed)
+
+
+def open_run_dir(
+    run_dir: Path, resume: bool | None, overwrite: bool | None, dist: DistInfo, log
+) -> Path | None:
+    """RUN_DIR exists without a partial checkpoint; the checkpoint to resume from (None: a fresh
+    start, which may not replace an earlier run's outputs unless `overwrite`: vlm.train.run_dir)."""
+    ckpt_root = run_dir / "checkpoints"
+    if dist.is_main:
+        if overwrite and (gone := clear_run(run_dir)):
+            log(f"--overwrite: deleted the earlier run's {', '.join(gone)} in {run_dir}")
+        run_dir.mkdir(parents=True, exist_ok=True)
+        ckpt_lib.clean_partial(ckpt_root)
+    collectives.barrier()
+    found = ckpt_lib.resume_point(ckpt_root, dist.rank, resume, log=log)
+    # rank 0 decides for every rank
+    check_start(run_dir, resume, overwrite, found, dist.is_main)
+    return found
+
+
+def prepare_data(cfg: TrainConfig, dist: DistInfo):
+    """The default dataset (built once, by rank 0, before any rank opens it) and the run's
+    tokenizer: a continued pretrained model keeps its own (stages.resolve_tokenizer). Returns the
+    config naming that tokenizer, and the tokenizer."""
+    if not cfg.data.sources:
+        if dist.is_main:
+            ensure_default_dataset(cfg.data.default_dir)
+        collectives.barrier()
+    cfg = resolve_tokenizer(cfg)
+    tokenizer = load_run_tokenizer(cfg)
+    check_row_fits(cfg, tokenizer)  # before the model is built
+    return cfg, tokenizer
+
+
+def build_model(cfg: TrainConfig, tokenizer):
+    """The stage's model, its fresh parts, and the config naming the model built; params.freeze
+    applied."""
+    model, fresh = build_stage_model(cfg, tokenizer)
+    cfg = with_built_model(cfg, model)
+    if cfg.model.vocab_size < tokenizer.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
+            f"{tokenizer.vocab_size} ids ({cfg.data.tokenizer_path}); raise model.vocab_size"
+        )
+    if cfg.params.freeze:
+        freeze_prefixes(model, cfg.params.freeze)
+    return model, fresh, cfg
+
+
+def check_resume(cfg: TrainConfig, run_dir: Path, resume_from, accept_optim_change: bool) -> None:
+    """A resumed run's config (as it runs) matches the checkpointed run's, but for what may change."""
+    if resume_from is not None and (run_dir / "config.yaml").is_file():
+        check_resume_config(
+            yaml.safe_load((run_dir / "config.yaml").read_text()),
+            to_dict(cfg),
+            accept_optim_change,
+        )
+
+
+def build_run(
+    cfg: TrainConfig,
+    run_dir: Path,
+    *,
+    resume: bool | None,
+    overwrite: bool | None,
+    accept_optim_change: bool,
+    log: Callable[[str], None],
+    stop,
+) -> Run:
+    """The run of `cfg` in `run_dir` (arguments as vlm.train.trainer.Trainer's). A config error
+    found here leaves no run folder behind (vlm.train.run_dir.made_by_this_run)."""
+    check_buildable(cfg)  # before the run folder exists: nothing is left behind
+    dist = init_distributed()
+    set_up_process(cfg.train)
+    say = log if dist.is_main else (lambda msg: None)
+    with made_by_this_run(run_dir, dist.is_main):
+        resume_from = open_run_dir(run_dir, resume, overwrite, dist, say)
+        cfg, tokenizer = prepare_data(cfg, dist)
+        model, fresh, cfg = build_model(cfg, tokenizer)
+        warm_up_vision(
+            model,
+            fresh,
+            cfg,
+            resuming=resume_from is not None,
+            device=dist.device,
+            run_dir=run_dir,
+            is_main=dist.is_main,
+            log=say,
+            stop=stop,
+        )
+        logit_scale = apply_mup(
+            model, cfg.params, cfg.model.hidden_size, cfg.model.c_hidden, "lm" in fresh
+        )
+        groups = build_param_groups(
+            model, cfg.optim, cfg.params, cfg.model.hidden_size, cfg.model.c_hidden
+        )
+        compiled_blocks = compile_model(model, cfg, dist.device)
+        ds_json = deepspeed_config(cfg.deepspeed, cfg.optim, dist.world_size)
+        cfg = evolve(cfg, deepspeed=effective_settings(cfg.deepspeed, ds_json))  # what runs
+        check_resume(cfg, run_dir, resume_from, accept_optim_change)
+        optimizer, scheduler, engine = build_engine(model, groups, cfg, ds_json)
+        loader, eval_batches = build_loaders(cfg, tokenizer, dist.rank, dist.world_size)
+        float_dtype = torch.bfloat16 if engine.bfloat16_enabled() else torch.float32
+        settings = StepSettings(
+            loss=Loss(cfg.model, global_parser=cfg.train.global_parser),
+            controls=TrainingControls(engine.module),
+            seed=cfg.train.seed,
+            rank=dist.rank,
+            ranks=dist.world_size,
+            device=dist.device,
+            float_dtype=float_dtype,
+            bytes_per_id=torch.as_tensor(tokenizer.bytes_per_id, device=dist.device),
+            groups=tuple(group_names([s.label for s in loader.sources])),
+        )
+        held_out = HeldOut(engine, eval_batches, settings, cfg.data.processor, tokenizer)
+    n_params = sum(p.numel() for p in model.parameters())
+    n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    summary = (
+        f"model: {n_params:,} parameters ({n_trainable:,} trainable); "
+        f"{dist.world_size} rank(s) on {dist.device}; ZeRO {cfg.deepspeed.zero_stage}"
+        f"{', bf16' if cfg.deepspeed.bf16 else ''}"
+        f"{f'; {compiled_blocks} blocks compiled' if compiled_blocks else ''}"
+    )
+    banner = (summary, *(f"  group {line}" for line in describe_groups(groups)))
+    ck = cfg.checkpoint
+    checkpointer = ckpt_lib.Checkpointer(
+        engine, run_dir / "checkpoints", ck.save_every, ck.keep_last, dist.rank, dist.world_size
+    )
+    return Run(
+        cfg=cfg,
+        dir=run_dir,
+        dist=dist,
+        resume_from=resume_from,
+        tokenizer=tokenizer,
+        engine=engine,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        ds_config=ds_json,
+        loader=loader,
+        held_out=held_out,
+        step=settings,
+        checkpointer=checkpointer,
+        probe=ActivationProbe(engine.module),
+        logit_scale=logit_scale,
+        banner=banner,
+    )
