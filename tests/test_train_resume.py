@@ -132,6 +132,18 @@ def test_resume_refuses_a_changed_config(
         ConfigError, match="cannot resume: optim.lr was 0.003 in the checkpointed run, now 0.1"
     ):
         make_trainer(cfg, run_dir)
+    # a DeepSpeed setting the run no longer states is named with what it got
+    cfg["optim"]["lr"] = 3e-3
+    with pytest.raises(
+        ConfigError,
+        match=r"deepspeed.extra was \{'wall_clock_breakdown': False\} in the checkpointed run, "
+        r"now \{\}",
+    ):
+        from vlm.train.run_config import check_resume_config
+
+        check_resume_config(
+            {"deepspeed": {"extra": {"wall_clock_breakdown": False}}}, {"deepspeed": {"extra": {}}}
+        )
     # --resume on a run with no checkpoint yet (preempted before its first save) starts it,
     # saying so
     said = []

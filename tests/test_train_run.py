@@ -311,6 +311,11 @@ def test_zero3_trains_and_exports(tiny_data, tmp_path, torch_globals, tiny_confi
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert lines[-1]["step"] == 2 and all(torch.isfinite(torch.tensor(r["loss"])) for r in lines)
     assert (run_dir / "final" / "config.json").is_file()
+    # the banner counts the whole model, not this rank's ZeRO-3 partition (0 before)
+    from vlm.model.multimodal import ConceptMoEVLM
+
+    whole = sum(p.numel() for p in ConceptMoEVLM(tr.run.cfg.model, tr.run.cfg.vision).parameters())
+    assert f"model: {whole:,} parameters ({whole:,} trainable)" in tr.run.banner[0]
 
 
 def test_nonfinite_weights_are_never_exported(

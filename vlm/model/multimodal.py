@@ -33,7 +33,7 @@ class ConceptMoEVLM(nn.Module):
         if batch.image_grids is None or batch.image_grids.numel() == 0:
             if image_BT.any():
                 raise ValueError(f"batch has {int(image_BT.sum())} image positions but no images")
-            return x_BTD
+            return self._with_vision_in_graph(x_BTD)
         if self.vision is None:
             raise ConfigError(
                 "the data carries images but the config has no vision tower (vision: "
@@ -48,6 +48,19 @@ class ConceptMoEVLM(nn.Module):
         x_BTD = x_BTD.clone()
         x_BTD[image_BT] = feats_ND.to(x_BTD.dtype)
         return x_BTD
+
+    def _with_vision_in_graph(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        """A text-only batch in training still reaches every trainable vision weight, with a zero
+        gradient: data-parallel ranks reduce their gradients bucket by bucket as they are produced,
+        and a rank whose batch has no image would otherwise skip the tower's and hang or garble the
+        others' reductions (what LLaVA does with an empty slice of image features)."""
+        if self.vision is None or not (self.training and torch.is_grad_enabled()):
+            return x_BTD
+        trainable = [p for p in self.vision.parameters() if p.requires_grad]
+        if not trainable:
+            return x_BTD
+        zero = torch.stack([p.sum() for p in trainable]).sum() * 0.0
+        return x_BTD + zero.to(x_BTD.dtype)
 
     def above_index(self, batch: PackedBatch) -> torch.Tensor | None:
         """For 2D-aware boundaries: the row position of the token above each image token in its grid, else -1."""

@@ -37,7 +37,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from vlm.train import collectives
+from vlm.train import collectives, reshard
+from vlm.train.checksums import file_digests
 from vlm.train.engine import CheckpointRefused, safe_load
 from vlm.train.write_errors import (
     WriteError,
@@ -75,15 +76,6 @@ def _fsync_dir(path: Path) -> None:
         pass
     finally:
         os.close(fd)
-
-
-def file_digests(root: Path) -> dict[str, str]:
-    """SHA-256 of every file under `root` except meta.json, by relative path."""
-    out = {}
-    for path in sorted(p for p in root.rglob("*") if p.is_file() and p.name != "meta.json"):
-        with open(path, "rb") as fh:
-            out[path.relative_to(root).as_posix()] = hashlib.file_digest(fh, "sha256").hexdigest()
-    return out
 
 
 def damaged_file(ckpt: Path) -> str | None:
@@ -196,7 +188,13 @@ def save_checkpoint(
             torch_save, state_dict, path, _use_new_zipfile_serialization=zipfile
         )
     try:
-        held.run(engine.save_checkpoint, str(tmp), tag=DS_TAG, save_latest=False)
+        held.run(
+            engine.save_checkpoint,
+            str(tmp),
+            tag=DS_TAG,
+            client_state=reshard.client_state(),  # what a resume on other ranks needs
+            save_latest=False,
+        )
     finally:
         if ds_save is not None:
             del engine.checkpoint_engine.save  # back to the class's method
@@ -322,25 +320,27 @@ def load_state_dir(root: Path, name: str, warn=log.warning) -> dict | None:
     return safe_load(d / "state.pt")
 
 
-def load_checkpoint(engine, ckpt: Path, rank: int, world_size: int) -> dict:
-    """Collective: restore the engine from `ckpt` and return this rank's trainer state.
-    CheckpointRefused (one line naming the file) on every rank when a rank cannot use its part."""
-    meta = json.loads((ckpt / "meta.json").read_text())
-    if meta["world_size"] != world_size:
-        raise CheckpointRefused(
-            f"checkpoint {ckpt} was written by {meta['world_size']} ranks; resume it with the same "
-            f"number of processes (got {world_size}) so the data order and ZeRO partitions match"
-        )
+def load_checkpoint(engine, ckpt: Path, rank: int, world_size: int, log=log.info) -> dict:
+    """Collective: restore the engine from `ckpt` and return this rank's trainer state. A checkpoint
+    written by another number of ranks loads through DeepSpeed's universal checkpoint
+    (vlm.train.reshard; the engine was built for it). CheckpointRefused (one line naming the file)
+    on every rank when a rank cannot use its part."""
+    written = reshard.written_by(ckpt)
+    load_dir = ckpt
+    if written != world_size and engine.load_universal_checkpoint():
+        load_dir = reshard.universal_folder(ckpt, DS_TAG, rank == 0, log)
     load_path, _ = engine.load_checkpoint(
-        str(ckpt),
+        str(load_dir),
         tag=DS_TAG,
         load_optimizer_states=True,
         load_lr_scheduler_states=False,
         load_module_strict=True,
     )
     if load_path is None:
-        raise CheckpointRefused(f"DeepSpeed could not load the checkpoint in {ckpt / DS_TAG}")
-    state_file = ckpt / f"rank_{rank:05d}.pt"
+        raise CheckpointRefused(f"DeepSpeed could not load the checkpoint in {load_dir / DS_TAG}")
+    # the trainer state is the same on every rank but for its RNG streams: a rank the checkpoint
+    # did not have takes rank 0's
+    state_file = ckpt / f"rank_{rank if rank < written else 0:05d}.pt"
     state, why = None, None
     try:
         if not state_file.is_file():
@@ -351,9 +351,8 @@ def load_checkpoint(engine, ckpt: Path, rank: int, world_size: int) -> dict:
         state = safe_load(state_file)
     except CheckpointRefused as e:
         why = str(e)
-    # a rank alone with its refusal would leave the
+    # a rank alone with its refusal would leave the others waiting in the first step's collective
     refused = [w for w in collectives.every_rank(why) if w is not None]
-    # others waiting in the first step's collective
     if refused:
         raise CheckpointRefused(why or refused[0])
     return state

@@ -41,7 +41,14 @@ class OptimConfig(ValidatedOnInit):
     warmup_steps: int = 50
     decay_fraction: float = 0.2  # WSD: share of the post-warm-up steps spent decaying
     clip: float = 1.0  # global gradient-norm clip; 0 disables
-    grad_accum: int = 1  # micro-batches per optimizer step (per rank)
+    # Rows per optimizer step over every rank: the global batch. The micro-batches per rank follow
+    # from it and the number of ranks, global_batch_rows / (data.rows_per_batch x ranks), so a run
+    # trains the same steps on 1 or on 8 processes. null: data.rows_per_batch x grad_accum x the
+    # ranks the run starts on, recorded in RUN_DIR/config.yaml (a resume on other ranks keeps it).
+    global_batch_rows: int | None = None
+    # micro-batches per optimizer step per rank: where global_batch_rows is null, what the global
+    # batch is made of on the ranks the run starts on; else derived from it (config.yaml shows it)
+    grad_accum: int = 1
 
     def validate(self) -> None:
         check(self.lr > 0, f"optim.lr must be > 0, got {self.lr}")
@@ -62,6 +69,10 @@ class OptimConfig(ValidatedOnInit):
         )
         check(self.clip >= 0, f"optim.clip must be >= 0 (0 disables), got {self.clip}")
         check(self.grad_accum >= 1, f"optim.grad_accum must be >= 1, got {self.grad_accum}")
+        check(
+            self.global_batch_rows is None or self.global_batch_rows >= 1,
+            f"optim.global_batch_rows must be >= 1 or null, got {self.global_batch_rows}",
+        )
 
 
 @dataclass

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from configs.config import ConfigError
+
 
 @dataclass
 class DistInfo:
@@ -35,10 +37,50 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def first_host(nodelist: str) -> str:
+    """The first host of a SLURM node list: "gpu[07-09,12],cpu3" -> "gpu07" (zero padding kept)."""
+    head = nodelist.split(",")[0] if "[" not in nodelist.split(",")[0] else nodelist
+    if "[" not in head:
+        return head.strip()
+    prefix, rest = head.split("[", 1)
+    first = rest.split("]", 1)[0].split(",")[0].split("-")[0]
+    return prefix.strip() + first
+
+
+def slurm_rank_env(env: dict[str, str]) -> dict[str, str] | None:
+    """The torch.distributed variables of a process SLURM started as one task of several (`srun`,
+    no launcher of its own), as Lightning reads them: its rank among the step's tasks, their number,
+    its rank on its node, the first node of the job as the rendezvous host and a port derived from the
+    job id (MASTER_ADDR / MASTER_PORT, where set, win). None where SLURM started no several tasks.
+    ConfigError (one line) for a multi-task allocation whose process srun did not start: it would
+    wait for peers that never come."""
+    tasks = int(env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS") or "1")
+    if tasks <= 1:
+        return None
+    if "SLURM_STEP_ID" not in env and "SLURM_STEPID" not in env:
+        raise ConfigError(
+            f"SLURM allocated {tasks} tasks but this process was not started by srun (no "
+            "SLURM_STEP_ID): start every task with `srun vlm train ...`, or one torchrun per node "
+            "(configs/slurm/train.sbatch); a single process needs WORLD_SIZE=1"
+        )
+    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "127.0.0.1"
+    return {
+        "RANK": env["SLURM_PROCID"],
+        "WORLD_SIZE": str(tasks),
+        "LOCAL_RANK": env.get("SLURM_LOCALID", "0"),
+        "MASTER_ADDR": env.get("MASTER_ADDR") or first_host(nodelist),
+        "MASTER_PORT": env.get("MASTER_PORT")
+        or str(15000 + int(env.get("SLURM_JOB_ID", "0")) % 20000),
+    }
+
+
 def fill_launcher_env() -> None:
-    """Set RANK/LOCAL_RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT where no launcher did (one process)."""
+    """Set RANK/LOCAL_RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT where no launcher did: from SLURM's
+    variables for a task `srun` started (slurm_rank_env), else as one process."""
     if "WORLD_SIZE" not in os.environ:
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+        os.environ.update(
+            slurm_rank_env(os.environ) or dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+        )
     os.environ.setdefault("LOCAL_RANK", os.environ.get("RANK", "0"))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(_free_port()))

@@ -333,9 +333,10 @@ class CheckpointRefused(RuntimeError):
     without a traceback."""
 
 
-def safe_load(path, map_location=None):
+def safe_load(path, map_location=None, load=None):
     """torch.load for DeepSpeed's checkpoint files, tensors and plain containers only (a crafted
-    checkpoint cannot run code); anything else is refused with the file named."""
+    checkpoint cannot run code); anything else is refused with the file named. `load`: the
+    torch.load to call (None: torch.load as it is now)."""
     import pickle
 
     from deepspeed.runtime.fp16.loss_scaler import LossScaler
@@ -346,7 +347,7 @@ def safe_load(path, map_location=None):
     # is called)
     try:
         with torch.serialization.safe_globals([LossScaler, ZeroStageEnum, fragment_address]):
-            return torch.load(path, map_location=map_location, weights_only=True)
+            return (load or torch.load)(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
         raise CheckpointRefused(
             f"checkpoint {path}: refused, it holds objects other than "

@@ -26,7 +26,7 @@ from configs.config import ConfigError, to_dict
 from data_pipelines.default_dataset import ensure_default_dataset
 from vlm.model.training_controls import TrainingControls
 from vlm.train import checkpoint as ckpt_lib
-from vlm.train import collectives
+from vlm.train import collectives, reshard
 from vlm.train.config import RunConfig, TrainConfig
 from vlm.train.distributed import DistInfo, init_distributed
 from vlm.train.engine import build_engine, compile_model, deepspeed_config, effective_settings
@@ -35,7 +35,12 @@ from vlm.train.losses import Loss
 from vlm.train.metrics import group_names
 from vlm.train.param_groups import apply_mup, build_param_groups, describe_groups, freeze_prefixes
 from vlm.train.probes import ActivationProbe
-from vlm.train.run_config import check_resume_config, evolve
+from vlm.train.run_config import (
+    check_resume_config,
+    evolve,
+    saved_global_batch,
+    with_global_batch,
+)
 from vlm.train.run_dir import check_start, clear_run, made_by_this_run
 from vlm.train.sizes import check_buildable
 from vlm.train.stages import (
@@ -145,14 +150,16 @@ def build_model(cfg: TrainConfig, tokenizer):
     return model, fresh, cfg
 
 
-def check_resume(cfg: TrainConfig, run_dir: Path, resume_from, accept_optim_change: bool) -> None:
-    """A resumed run's config (as it runs) matches the checkpointed run's, but for what may change."""
-    if resume_from is not None and (run_dir / "config.yaml").is_file():
-        check_resume_config(
-            yaml.safe_load((run_dir / "config.yaml").read_text()),
-            to_dict(cfg),
-            accept_optim_change,
-        )
+def saved_config(run_dir: Path, resume_from: Path | None) -> dict | None:
+    """The config.yaml of the run a resume continues, its global batch stated (a run written before
+    there was one states rows x accumulation x the ranks that wrote it); None: a fresh start."""
+    path = run_dir / "config.yaml"
+    if resume_from is None or not path.is_file():
+        return None
+    saved = yaml.safe_load(path.read_text())
+    batch = saved_global_batch(saved, reshard.written_by(resume_from))
+    saved.setdefault("optim", {})["global_batch_rows"] = batch
+    return saved
 
 
 def build_run(
@@ -193,9 +200,15 @@ def build_run(
             model, cfg.optim, cfg.params, cfg.model.hidden_size, cfg.model.c_hidden
         )
         compiled_blocks = compile_model(model, cfg, dist.device)
+        saved = saved_config(run_dir, resume_from)
+        kept = saved["optim"]["global_batch_rows"] if saved else None
+        cfg = with_global_batch(cfg, dist.world_size, kept)
         ds_json = deepspeed_config(cfg.deepspeed, cfg.optim, dist.world_size)
         cfg = evolve(cfg, deepspeed=effective_settings(cfg.deepspeed, ds_json))  # what runs
-        check_resume(cfg, run_dir, resume_from, accept_optim_change)
+        if reshard.needs_universal(resume_from, dist.world_size, ds_json):
+            ds_json = reshard.with_universal_loading(ds_json)
+        if saved is not None:  # what may not change on resume
+            check_resume_config(saved, to_dict(cfg), accept_optim_change)
         optimizer, scheduler, engine = build_engine(model, groups, cfg, ds_json)
         loader, eval_batches = build_loaders(cfg, tokenizer, dist.rank, dist.world_size)
         float_dtype = torch.bfloat16 if engine.bfloat16_enabled() else torch.float32
@@ -211,8 +224,9 @@ def build_run(
             groups=tuple(group_names([s.label for s in loader.sources])),
         )
         held_out = HeldOut(engine, eval_batches, settings, cfg.data.processor, tokenizer)
-    n_params = sum(p.numel() for p in model.parameters())
-    n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    # ZeRO-3 leaves each rank a partition: ds_numel is the whole parameter's size
+    sizes = [(getattr(p, "ds_numel", p.numel()), p.requires_grad) for p in model.parameters()]
+    n_params, n_trainable = sum(n for n, _ in sizes), sum(n for n, t in sizes if t)
     summary = (
         f"model: {n_params:,} parameters ({n_trainable:,} trainable); "
         f"{dist.world_size} rank(s) on {dist.device}; ZeRO {cfg.deepspeed.zero_stage}"

@@ -11,6 +11,8 @@ from vlm.train.config import TrainConfig
 # Config keys a resumed run may change (everything else must match the checkpointed run).
 RESUMABLE_CHANGES = (
     "train.max_steps",
+    # derived: the global batch's micro-batches per rank on the ranks the run resumes on
+    "optim.grad_accum",
     "checkpoint.",
     "logging.",
     "train.vqa_eval",
@@ -65,6 +67,33 @@ def _resolved(flat: dict) -> dict:
     }
 
 
+def saved_global_batch(saved: dict, written_by: int) -> int:
+    """The global batch (rows per optimizer step) of a checkpointed run's config.yaml; one written
+    before it was stated: its rows per micro-batch x accumulation x the ranks that wrote it."""
+    optim, data = saved.get("optim") or {}, saved.get("data") or {}
+    if optim.get("global_batch_rows") is not None:
+        return int(optim["global_batch_rows"])
+    return int(data.get("rows_per_batch", 1)) * int(optim.get("grad_accum", 1)) * written_by
+
+
+def with_global_batch(cfg: TrainConfig, world_size: int, saved: int | None) -> TrainConfig:
+    """The config with its global batch stated (`optim.global_batch_rows`: this config's; else a
+    resumed run's, `saved`; else rows x accumulation on these ranks) and the micro-batches per rank
+    it takes on `world_size` ranks (`optim.grad_accum`). ConfigError where the ranks cannot split
+    it into whole micro-batches."""
+    o, rows = cfg.optim, cfg.data.rows_per_batch
+    G = o.global_batch_rows if o.global_batch_rows is not None else saved
+    G = rows * o.grad_accum * world_size if G is None else G
+    if G % (rows * world_size):
+        raise ConfigError(
+            f"optim.global_batch_rows={G} is not a whole number of micro-batches on {world_size} "
+            f"rank(s): it must be a multiple of data.rows_per_batch x ranks = {rows} x "
+            f"{world_size} = {rows * world_size}; change optim.global_batch_rows or "
+            "data.rows_per_batch, or run on a number of ranks that divides it"
+        )
+    return evolve(cfg, optim=replace(o, global_batch_rows=G, grad_accum=G // (rows * world_size)))
+
+
 def check_resume_config(saved: dict, now: dict, accept_optim_change: bool = False) -> None:
     a, b = _resolved(flatten(saved)), _resolved(flatten(now))
     allowed = RESUMABLE_CHANGES + (OPTIM_CHANGES if accept_optim_change else ())
@@ -72,6 +101,23 @@ def check_resume_config(saved: dict, now: dict, accept_optim_change: bool = Fals
         if a.get(key) != b.get(key) and not key.startswith(allowed):
             hint = " (or --accept-optim-change)" if key.startswith(OPTIM_CHANGES) else ""
             raise ConfigError(
-                f"cannot resume: {key} was {a.get(key)!r} in the checkpointed run, now "
-                f"{b.get(key)!r}; use a new --out directory or the same config{hint}"
+                f"cannot resume: {key} was {_said(saved, key, a)} in the checkpointed run, now "
+                f"{_said(now, key, b)}; use a new --out directory or the same config{hint}"
             )
+
+
+def _said(tree: dict, key: str, flat: dict) -> str:
+    """A value as the config states it: the leaf, or the whole mapping at `key` (flattening writes an
+    empty mapping as a leaf, a full one as its keys); 'absent' with the mapping it was looked up in."""
+    if key in flat:
+        return repr(flat[key])
+    node, parent = tree, tree
+    for part in key.split("."):
+        parent, node = node, node.get(part, _ABSENT) if isinstance(node, dict) else _ABSENT
+    if node is not _ABSENT:
+        return repr(node)
+    where = key.rsplit(".", 1)[0]
+    return f"absent ({where} = {parent!r})" if isinstance(parent, dict) else "absent"
+
+
+_ABSENT = object()

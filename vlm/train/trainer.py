@@ -293,7 +293,9 @@ class Trainer:
         run = self.run
         # this config's: the checkpoint's come back with its state
         settings = optimizer_settings(run.optimizer)
-        state = ckpt_lib.load_checkpoint(run.engine, path, run.dist.rank, run.dist.world_size)
+        state = ckpt_lib.load_checkpoint(
+            run.engine, path, run.dist.rank, run.dist.world_size, log=self.log
+        )
         resume_schedule(
             run.optimizer,
             run.scheduler,
