@@ -43,7 +43,13 @@ from vlm.train.loaders import build_loaders, check_row_fits, skipped_samples
 from vlm.train.metrics import MetricsLogger, StepRecord, group_names
 from vlm.train.param_groups import apply_mup, build_param_groups, describe_groups, freeze_prefixes
 from vlm.train.probes import ActivationProbe
-from vlm.train.run_config import check_resume_config, config_targets, evolve
+from vlm.train.run_config import (
+    check_resume_config,
+    check_resume_steps,
+    config_targets,
+    evolve,
+    saved_run_config,
+)
 from vlm.train.run_dir import check_start, clear_run, made_by_this_run
 from vlm.train.run_summary import write_summary
 from vlm.train.signals import STEP_IN_FLIGHT, Interrupted, StopFlag
@@ -438,12 +444,12 @@ class Trainer:
 
     def _check_resume_config(self) -> None:
         """A resumed run's config (as it runs) matches the checkpointed run's, but for what may change."""
-        if self.resume_from is not None and (self.run_dir / "config.yaml").is_file():
-            check_resume_config(
-                yaml.safe_load((self.run_dir / "config.yaml").read_text()),
-                to_dict(self.cfg),
-                self.accept_optim_change,
-            )
+        if self.resume_from is not None:
+            step = ckpt_lib.checkpoint_step(self.resume_from)
+            check_resume_steps(step, self.cfg.train.max_steps, self.resume_from)
+        saved = saved_run_config(self.run_dir, self.log) if self.resume_from else None
+        if saved is not None:
+            check_resume_config(saved, to_dict(self.cfg), self.accept_optim_change)
 
     def _reset_state(self) -> None:
         self.step = 0
