@@ -170,7 +170,12 @@ def iter_texts(patterns: list[str], limit: int | None = None):
 
 
 def _train_tokenizer(args) -> int:
+    from configs.folder_lock import folder_problem
     from data_pipelines.tokenizer import train_bpe
+
+    problem = folder_problem(args.out)  # before the shards are read and the tokenizer trained
+    if problem is not None:
+        raise ValueError(f"--out {args.out}: {problem}")
 
     tok = train_bpe(
         iter_texts(args.shards, args.limit),

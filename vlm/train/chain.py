@@ -85,9 +85,7 @@ def _run_stages(configs, dirs, overrides, log, stop, is_main) -> int:
         log(f"stage {k} ({path}) -> {run_dir}" + (f", from {dirs[k - 1] / 'final'}" if k else ""))
         try:
             with hold_run_dir(run_dir, is_main, "vlm chain"):
-                trainer = Trainer(
-                    cfg, run_dir, resume=None, on_end=registered_run_end(), stop=stop
-                )
+                trainer = Trainer(cfg, run_dir, resume=None, on_end=registered_run_end(), stop=stop)
                 rc = trainer.train()
         except Preempted as e:  # stopped in the vision warm-up, its state saved
             log(str(e))

@@ -28,9 +28,7 @@ import signal
 import sys
 from contextlib import contextmanager
 
-SIGNALS = (signal.SIGTERM, signal.SIGINT) + (
-    (signal.SIGHUP,) if hasattr(signal, "SIGHUP") else ()
-)
+SIGNALS = (signal.SIGTERM, signal.SIGINT) + ((signal.SIGHUP,) if hasattr(signal, "SIGHUP") else ())
 
 
 def exit_code(signum: int) -> int:
