@@ -66,7 +66,11 @@ def _build_default(args) -> int:
         **{k: getattr(args, k) for k in _DEFAULT_FIELDS if getattr(args, k) is not None}
     )
     t0 = time.time()
-    out = build_default(args.out, cfg) if args.force else ensure_default_dataset(args.out, cfg)
+    out = (
+        build_default(args.out, cfg)
+        if args.force
+        else ensure_default_dataset(args.out, cfg, wait=False)
+    )
     print(f"default dataset in {out} ({time.time() - t0:.1f}s)")
     for split in ("train", "val", "test"):
         # a split built with 0 items is empty

@@ -277,13 +277,18 @@ def default_info(directory: str | os.PathLike) -> dict | None:
 
 
 def ensure_default_dataset(
-    directory: str | os.PathLike, cfg: DefaultDatasetConfig | None = None, progress: bool = True
+    directory: str | os.PathLike,
+    cfg: DefaultDatasetConfig | None = None,
+    progress: bool = True,
+    wait: bool = True,
 ) -> Path:
     """Build the default dataset into `directory` unless a complete build is there already.
 
     With `cfg=None` any complete build of this generator version is accepted (so a custom
     `vlm data build-default --train-scenes ...` is kept); with a `cfg` its settings must match too.
-    """
+    Another process building into `directory` is waited for (the ranks of a run, two runs on one
+    machine), then its build is used; with `wait=False` it is `FolderBusy` (`vlm data
+    build-default` says so and stops)."""
     directory = Path(directory)
 
     def ok() -> bool:
@@ -299,7 +304,7 @@ def ensure_default_dataset(
     _check_replaceable(directory)
     made = not directory.exists()
     # another process building it (another rank, another run): waited for, then used
-    with lock_folder(directory, "vlm data build-default", wait=True):
+    with lock_folder(directory, "vlm data build-default", wait=wait):
         if ok():
             return directory
         try:

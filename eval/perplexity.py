@@ -68,7 +68,14 @@ def perplexity(
 def run(args) -> int:
     """`vlm eval ppl` (its arguments are declared in eval/cli.py)."""
     from data_pipelines.reader import SHARD_SUFFIXES, ShardError, local_source, resolve_shards
-    from eval.preflight import check_model_dir, check_out_file, default_data, fail, load_model
+    from eval.preflight import (
+        DEFAULT_DATA,
+        check_model_dir,
+        check_out_file,
+        default_data,
+        fail,
+        load_model,
+    )
 
     prog = "vlm eval ppl"
     check_model_dir(args.ckpt, prog)
@@ -89,7 +96,7 @@ def run(args) -> int:
                 f"({', '.join(SHARD_SUFFIXES)}); import text or tables first (`vlm data "
                 "import-table`)",
             )
-    data_dir = args.default_dir
+    data_dir = args.default_dir or DEFAULT_DATA
     if not args.data:
         data_dir = str(default_data(args.default_dir, prog, args.build, flag="--default-dir"))
     chat = load_model(args.ckpt, prog)
