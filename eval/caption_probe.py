@@ -109,11 +109,13 @@ def run(args: argparse.Namespace) -> int:
     prog = "vlm eval probe"
     check_model_dir(args.ckpt, prog)  # before the dataset is built and the items read
     out = check_out_file(args.out, prog)
-    data = default_data(args.data, prog, args.build)
+    ready = default_data(args.data, prog, args.build)
+    model = load_model(args.ckpt, prog)
+    data = ready()
     items = probe_items(iter_samples([str(data / args.split / "caption-*.tar")]), args.limit)
     if not items:
         raise SystemExit(f"no caption samples with scenes in {data / args.split}")
-    res = run_probes(load_model(args.ckpt, prog), items)
+    res = run_probes(model, items)
     print(format_probes(res))
     if out is not None:
         out.write_text(json.dumps(res, indent=2))

@@ -97,9 +97,10 @@ def run(args) -> int:
                 "import-table`)",
             )
     data_dir = args.default_dir or DEFAULT_DATA
-    if not args.data:
-        data_dir = str(default_data(args.default_dir, prog, args.build, flag="--default-dir"))
+    ready = None if args.data else default_data(args.default_dir, prog, args.build, "--default-dir")
     chat = load_model(args.ckpt, prog)
+    if ready is not None:
+        data_dir = str(ready())
     try:
         res = perplexity(chat, args.data, data_dir, args.max_batches, args.row_tokens)
     except (ShardError, ValueError) as e:  # shards that hold nothing the model can score

@@ -25,7 +25,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import NoReturn
+from typing import Callable, NoReturn
 
 from configs.arg_types import whole_number
 
@@ -113,15 +113,18 @@ def shard_folder(path: Path) -> bool:
     return path.is_dir() and any(path.glob("*.tar"))
 
 
-def default_data(data: str | None, prog: str, build: bool = False, flag: str = "--data") -> Path:
-    """The default dataset folder `data` names (None: DEFAULT_DATA), built there when missing and
-    left at its default or `build`; one line and exit 2 for a folder that is something else, or a
-    missing one that was named without `--build`."""
+def default_data(
+    data: str | None, prog: str, build: bool = False, flag: str = "--data"
+) -> Callable[[], Path]:
+    """The default dataset folder `data` names (None: DEFAULT_DATA), checked now: one line and exit
+    2 for a folder that is something else, or a missing one that was named without `--build`.
+    Returns what gives the folder, building it there first when it is missing (called once the
+    model has loaded: a mistake found by loading it costs no build)."""
     from data_pipelines.default_dataset import default_info, ensure_default_dataset
 
     path = Path(data or DEFAULT_DATA)
     if default_info(path):
-        return path
+        return lambda: path
     if path.exists() and not path.is_dir():
         fail(prog, f"{flag} {path} is a file; give the folder of `vlm data build-default`")
     if path.is_dir() and any(p for p in path.iterdir() if not p.name.startswith(".")):
@@ -137,8 +140,14 @@ def default_data(data: str | None, prog: str, build: bool = False, flag: str = "
             f"{flag} {path} does not exist; add --build to build the default dataset there "
             "(about 58 MB), or give the folder of `vlm data build-default`",
         )
-    print(f"{prog}: building the default dataset in {path} (about 58 MB, once)", file=sys.stderr)
-    return ensure_default_dataset(path)
+
+    def built() -> Path:
+        print(
+            f"{prog}: building the default dataset in {path} (about 58 MB, once)", file=sys.stderr
+        )
+        return ensure_default_dataset(path)
+
+    return built
 
 
 def load_model(ckpt: str | os.PathLike, prog: str):

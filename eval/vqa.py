@@ -195,6 +195,7 @@ def run(args: argparse.Namespace) -> int:
     check_model_dir(args.ckpt, prog)
     out = check_out_file(args.out, prog)
     given = Path(args.data) if args.data is not None else None
+    ready = None
     if given is not None and not default_info(given) and shard_folder(given):
         # imported shards: their meta.qa questions, the majority answers from them
         shards, train, held_out = str(given / "*.tar"), None, [str(given / "*.tar")]
@@ -207,10 +208,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"{prog}: scoring the VQA questions of the shards in {given}", file=sys.stderr)
     else:
         # An existing default dataset (whatever its size settings) is used as it is
-        data = default_data(args.data, prog, args.build)
+        ready = default_data(args.data, prog, args.build)
+    model = load_model(args.ckpt, prog)
+    if ready is not None:
+        data = ready()  # built now, when missing: the model loaded
         shards = str(data / args.split / "vqa-*.tar")
         train, held_out = str(data / "train" / "vqa-*.tar"), held_out_shards(data, args.split)
-    model = load_model(args.ckpt, prog)
     res = run_vqa_eval(
         model,
         shards,
