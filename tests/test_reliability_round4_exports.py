@@ -208,6 +208,18 @@ def test_a_garbage_generation_config_is_refused_not_replaced_by_defaults(
         assert "generation_config.json" in str(e.value) and says in str(e.value), str(e.value)
 
 
+@pytest.mark.parametrize("text", ["{not json", "[258]", '{"eos_token_id": "end"}'])
+def test_a_garbage_generation_config_of_a_convert_source_is_one_line(text, tmp_path):
+    """A transformers source (Qwen3-MoE, Mixtral) is read for its stop ids before its weights."""
+    from vlm.model.convert import source_token_ids
+
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 2}))
+    (tmp_path / "generation_config.json").write_text(text)
+    with pytest.raises(WeightsError) as e:
+        source_token_ids(tmp_path)
+    assert str(tmp_path / "generation_config.json") in str(e.value) and "\n" not in str(e.value)
+
+
 @pytest.mark.parametrize("key,value", [("patch_size", 8), ("merge", 1), ("mean", [0.5, 0.5, 0.5])])
 def test_a_processor_config_that_disagrees_with_the_model_is_refused_when_loading(
     key, value, exported_vlm, tmp_path

@@ -230,11 +230,14 @@ def _source_stop_ids(src: Path) -> list[int] | None:
     """The source's generation_config.json eos ids when it lists several (a chat model's end of
     turn and its eos, as an export of this project states them): the converted model stops at
     all of them."""
-    import json
+
+    from vlm.model.weights_check import read_json_object
 
     f = src / "generation_config.json"
-    ids = json.loads(f.read_text()).get("eos_token_id") if f.is_file() else None
-    return [int(i) for i in ids] if isinstance(ids, list) and len(ids) > 1 else None
+    ids = read_json_object(f, "generation config").get("eos_token_id") if f.is_file() else None
+    if isinstance(ids, list) and len(ids) > 1 and all(isinstance(i, int) for i in ids):
+        return [int(i) for i in ids]
+    return None
 
 
 def max_logit_difference(source: Path, converted: Path, tokens: int = 48, seed: int = 0) -> float:
