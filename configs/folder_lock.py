@@ -74,7 +74,9 @@ class FolderLock:
         self.count -= 1
         if self.count > 0 or self.fd is None:
             return
-        FolderLock._held.pop(os.path.realpath(self.folder), None)
+        real = os.path.realpath(self.folder)
+        if FolderLock._held.get(real) is self:
+            del FolderLock._held[real]
         try:
             # removed while still held: a writer that opened it meanwhile finds it unlinked and
             # opens the path again (see `lock_folder`)
@@ -107,11 +109,17 @@ def lock_folder(
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     real = os.path.realpath(folder)
-    mine = FolderLock._held.get(real)
-    if mine is not None and mine.fd is not None:
-        mine.count += 1
-        return mine
     path = folder / LOCK_NAME
+    mine = FolderLock._held.pop(real, None)
+    if mine is not None and mine.fd is not None:
+        try:
+            still = os.path.samestat(os.stat(path), os.fstat(mine.fd))
+        except OSError:  # the folder was removed and made again since: a new lock
+            still = False
+        if still:
+            FolderLock._held[real] = mine
+            mine.count += 1
+            return mine
     say = say or (lambda line: print(line, file=sys.stderr, flush=True))
     if fcntl is None:  # pragma: no cover
         return FolderLock(folder, None, path)

@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 
 from data_pipelines.cli import add_data_commands
-from data_pipelines.import_run import prev_state_path, state_path
+from data_pipelines.import_run import state_path
 from data_pipelines.import_sources import ImporterError
 from data_pipelines.importers import import_folder, import_table
 from data_pipelines.samples import iter_samples
@@ -196,6 +196,8 @@ def _interrupted_import(tmp_path: Path, png, monkeypatch) -> tuple[Path, Path]:
     "damage", ["cut short", "not an object", "a count that is text", "the file gone"]
 )
 def test_a_damaged_state_falls_back_to_the_one_before(damage, tmp_path, png, monkeypatch, capsys):
+    from data_pipelines.import_run import prev_state_path
+
     table, out = _interrupted_import(tmp_path, png, monkeypatch)
     sp = state_path(out, "shard")
     assert json.loads(sp.read_text())["next_row"] == 9
@@ -218,6 +220,8 @@ def test_a_damaged_state_falls_back_to_the_one_before(damage, tmp_path, png, mon
 
 
 def test_a_state_with_nothing_to_fall_back_to_is_one_line(tmp_path, png, monkeypatch):
+    from data_pipelines.import_run import prev_state_path
+
     table, out = _interrupted_import(tmp_path, png, monkeypatch)
     state_path(out, "shard").write_text("{cut")
     prev_state_path(out, "shard").write_text("{cut")

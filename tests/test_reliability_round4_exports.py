@@ -16,6 +16,8 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -356,7 +358,24 @@ def test_a_fifo_attached_in_the_chat_is_never_opened(images, exported_vlm):
     chat = load_eval_model(exported_vlm)
     out = io.StringIO()
     pipe = images["FIFO"][0]
-    assert run_chat(chat, [f"/image {pipe}", "hello"], out=out, max_new_tokens=2) == 0
+    opened, stop = [], threading.Event()
+
+    def watch():  # a reader that opened the FIFO is freed (and seen): broken code ends, not hangs
+        while not stop.is_set():
+            try:
+                os.close(os.open(pipe, os.O_WRONLY | os.O_NONBLOCK))
+                opened.append(True)
+            except OSError:
+                pass
+            time.sleep(0.005)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        assert run_chat(chat, [f"/image {pipe}", "hello"], out=out, max_new_tokens=2) == 0
+        assert run_chat(chat, ["hello"], out=io.StringIO(), images=[str(pipe)]) == 2
+    finally:
+        stop.set()
+        watcher.join()
     assert "a FIFO (named pipe), not an image file" in out.getvalue()
-    assert out.getvalue().count("model> ") == 1
-    assert run_chat(chat, ["hello"], out=io.StringIO(), images=[str(pipe)]) == 2
+    assert out.getvalue().count("model> ") == 1 and not opened

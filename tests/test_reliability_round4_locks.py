@@ -22,8 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from configs.folder_lock import LOCK_NAME, FolderBusy, lock_folder
-
+LOCK_NAME = ".vlm-lock"  # configs.folder_lock.LOCK_NAME
 HOLD = """
 import sys, time
 from configs.folder_lock import lock_folder
@@ -77,6 +76,8 @@ def _one_line(err: str) -> str:
 # ------------------------------------------------------------------------------------------------
 # the lock itself
 def test_a_second_writer_is_refused_naming_the_first(tmp_path, holder):
+    from configs.folder_lock import FolderBusy, lock_folder
+
     proc = holder(tmp_path / "out")
     with pytest.raises(FolderBusy) as e:
         lock_folder(tmp_path / "out", "second")
@@ -86,6 +87,8 @@ def test_a_second_writer_is_refused_naming_the_first(tmp_path, holder):
 
 
 def test_a_lock_left_by_a_killed_writer_is_taken_over_with_a_line(tmp_path, holder):
+    from configs.folder_lock import lock_folder
+
     proc = holder(tmp_path / "out")
     proc.send_signal(signal.SIGKILL)
     proc.wait()
@@ -101,7 +104,11 @@ def test_a_lock_left_by_a_killed_writer_is_taken_over_with_a_line(tmp_path, hold
 def test_the_lock_file_goes_with_its_holder_and_is_not_a_run_or_an_import(tmp_path):
     """While held the folder holds only the lock file: no run outputs, no shards, an empty
     export folder; released, nothing is left."""
+    from configs.folder_lock import LOCK_NAME as NAME
+    from configs.folder_lock import lock_folder
     from vlm.train.run_dir import refusal, run_outputs
+
+    assert NAME == LOCK_NAME
 
     run = tmp_path / "run"
     lock = lock_folder(run, "test")
