@@ -294,6 +294,7 @@ def test_the_workers_end_with_the_import(sig, slow_table, tmp_path, ROOT, subpro
         stderr=subprocess.PIPE,
         text=True,
     )
+    workers: list[int] = []
     try:
         deadline = time.time() + 120
         while len(_children(proc.pid)) < 2 or not (out / "shard-000000.tar").exists():
@@ -301,6 +302,7 @@ def test_the_workers_end_with_the_import(sig, slow_table, tmp_path, ROOT, subpro
             time.sleep(0.05)
         workers = _children(proc.pid)
         proc.send_signal(sig)
+        # orphaned workers would hold its output pipes open: a timeout here is that failure
         _, err = proc.communicate(timeout=60)
         deadline = time.time() + 10
         while any(_alive(w) for w in workers) and time.time() < deadline:
@@ -310,6 +312,9 @@ def test_the_workers_end_with_the_import(sig, slow_table, tmp_path, ROOT, subpro
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        for w in workers:  # what broken code leaves: not left running after the test
+            if _alive(w):
+                os.kill(w, signal.SIGKILL)
     if sig == signal.SIGTERM:
         lines = err.strip().splitlines()
         assert proc.returncode == 143 and len(lines) == 1 and "Traceback" not in err, err
