@@ -218,7 +218,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
             "dotted KEY, e.g. model.chunk.target_ratio=2"
         )
     key, raw = text.split("=", 1)
-    value = yaml.safe_load(raw) if raw.strip() else None
+    value = parse_yaml(raw, f"override {text!r}") if raw.strip() else None
     if isinstance(value, str):
         try:  # YAML 1.1 reads "1e-3" as a string; on the command line it means a number
             value = float(value) if _FLOAT_RE.fullmatch(value) else value
@@ -265,21 +265,69 @@ def deep_merge(base: dict, over: dict) -> dict:
     return out
 
 
+class _DuplicateKey(Exception):
+    def __init__(self, key: Any, first: int, again: int):
+        super().__init__(key)
+        self.key, self.first, self.again = key, first, again
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, except that a key written twice in one mapping (at any depth) is an
+    error: PyYAML keeps the last one silently, so a section written twice (`optim:` at the top and
+    again at the bottom) would drop the first one's settings."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor` merges on purpose
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    if key in seen:
+                        raise _DuplicateKey(key, seen[key], key_node.start_mark.line + 1)
+                    seen[key] = key_node.start_mark.line + 1
+                except TypeError:  # an unhashable key: PyYAML's own error follows
+                    pass
+        return super().construct_mapping(node, deep=deep)
+
+
+def parse_yaml(text: str, where: str) -> Any:
+    """YAML text -> data, with a key written twice in one mapping an error (ConfigError naming
+    `where`, the key and both lines)."""
+    try:
+        return yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader: no Python objects
+    except _DuplicateKey as e:
+        raise ConfigError(
+            f"{where}: key {e.key!r} is written twice in the same mapping (lines {e.first} "
+            f"and {e.again}); the second would silently replace the first: merge them"
+        ) from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{where} is not valid YAML: {e}") from None
+
+
 def load_yaml(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict:
     """A YAML mapping. A top-level `base: OTHER.yaml` (relative to this file) is loaded first and
     this file's keys are merged over it, so that a recipe stage states only what differs from the
-    config it builds on."""
+    config it builds on. A key written twice in one mapping and an empty file are errors (not the
+    last key's value, not the default run)."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+        text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise ConfigError(
             f"config file {path} is not UTF-8 text (byte {e.start}: {e.reason})"
         ) from None
+    except OSError as e:
+        raise ConfigError(f"config file {path} cannot be read ({e.strerror or e})") from None
+    data = parse_yaml(text, f"config file {path}")
+    if data is None:
+        raise ConfigError(
+            f"config file {path} is empty (no settings in it); write the settings that differ "
+            "from the defaults, or leave --config out to run configs/default.yaml"
+        )
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path}: top level must be a mapping")
     base = data.pop("base", None)

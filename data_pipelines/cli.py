@@ -21,13 +21,14 @@ DEFAULT_MAX_SKIP_SHARE_TEXT = "0.1"
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
+    from configs.folder_lock import FolderBusy
     from data_pipelines.import_sources import ImporterError
     from data_pipelines.reader import ShardError
     from data_pipelines.tokenizer import TokenizerError
 
     # OSError last: a folder that cannot be written, a full disk, ... as one line (the importers
     # name the path)
-    return ShardError, ImporterError, TokenizerError, ValueError, OSError
+    return ShardError, ImporterError, TokenizerError, FolderBusy, ValueError, OSError
 
 
 def _guarded(fn):
@@ -65,7 +66,11 @@ def _build_default(args) -> int:
         **{k: getattr(args, k) for k in _DEFAULT_FIELDS if getattr(args, k) is not None}
     )
     t0 = time.time()
-    out = build_default(args.out, cfg) if args.force else ensure_default_dataset(args.out, cfg)
+    out = (
+        build_default(args.out, cfg)
+        if args.force
+        else ensure_default_dataset(args.out, cfg, wait=False)
+    )
     print(f"default dataset in {out} ({time.time() - t0:.1f}s)")
     for split in ("train", "val", "test"):
         # a split built with 0 items is empty
@@ -86,7 +91,8 @@ def _stats(args) -> int:
 def _run_import(args, fn, *pos, **kw) -> int:
     """An import with its report: exit 0 when done, 1 when more than --max-skip-share of the rows
     were skipped, 2 when nothing could be imported (one line on stderr naming the first skipped
-    rows), 130 when interrupted (the same command resumes). `--json`: the summary as one JSON object
+    rows), 128 + the signal when stopped by SIGINT (130), SIGTERM (143) or SIGHUP (129), in one
+    line saying where the same command resumes. `--json`: the summary as one JSON object
     on stdout, whatever the outcome."""
     from data_pipelines.import_run import (
         DEFAULT_MAX_SKIP_SHARE,
@@ -116,7 +122,7 @@ def _run_import(args, fn, *pos, **kw) -> int:
         if args.json:
             print(json.dumps({**e.summary, "error": str(e)}))
         print(f"error: {e}", file=sys.stderr)
-        return 130 if isinstance(e, ImportInterrupted) else 2
+        return 128 + int(e.signum) if isinstance(e, ImportInterrupted) else 2
     if args.json:
         print(json.dumps(summary))
     else:
@@ -168,7 +174,12 @@ def iter_texts(patterns: list[str], limit: int | None = None):
 
 
 def _train_tokenizer(args) -> int:
+    from configs.folder_lock import folder_problem
     from data_pipelines.tokenizer import train_bpe
+
+    problem = folder_problem(args.out)  # before the shards are read and the tokenizer trained
+    if problem is not None:
+        raise ValueError(f"--out {args.out}: {problem}")
 
     tok = train_bpe(
         iter_texts(args.shards, args.limit),

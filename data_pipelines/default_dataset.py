@@ -21,12 +21,12 @@ import json
 import os
 import random
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from configs.config import ValidatedOnInit, check, to_dict
+from configs.folder_lock import LOCK_NAME, lock_folder
 from data_pipelines.progress import Progress
 from data_pipelines.scenes import caption, questions, relations, render_scene, sample_scene
 from data_pipelines.schema import IMAGE_TOKEN, Sample
@@ -146,23 +146,52 @@ def _text(cfg: DefaultDatasetConfig, split: str, index: int) -> Sample:
     return Sample(key=f"text{index:06d}", kind="text", text=document(rng))
 
 
-def build_default(
-    out: str | os.PathLike, cfg: DefaultDatasetConfig | None = None, progress: bool = True
-) -> Path:
-    """Write the default dataset into `out` (replaced if present) and return it."""
-    cfg = cfg or DefaultDatasetConfig()
-    cfg.validate()
-    out = Path(out)
+# where a build writes before its parts are moved into place (inside OUT, under OUT's lock: one
+# that a killed build left is removed by the next)
+BUILD_TMP = ".build-tmp"
+BUILD_PARTS = ("train", "val", "test", "tokenizer")
+
+
+def _check_replaceable(out: Path) -> None:
+    leftovers = (BUILD_TMP, LOCK_NAME)
     if out.exists() and (
-        not out.is_dir() or (any(out.iterdir()) and not (out / INFO_FILE).exists())
+        not out.is_dir()
+        or (any(p.name not in leftovers for p in out.iterdir()) and not (out / INFO_FILE).exists())
     ):
         raise FileExistsError(
             f"{out} exists and is not a default-dataset folder (no {INFO_FILE}); "
             "refusing to replace it: choose an empty or new folder"
         )
+
+
+def build_default(
+    out: str | os.PathLike,
+    cfg: DefaultDatasetConfig | None = None,
+    progress: bool = True,
+    wait: bool = False,
+) -> Path:
+    """Write the default dataset into `out` (replaced if present) and return it. One build at a
+    time per folder (OUT's lock: configs.folder_lock): another process's build in progress is
+    `FolderBusy`, or with `wait` waited for."""
+    cfg = cfg or DefaultDatasetConfig()
+    cfg.validate()
+    out = Path(out)
+    _check_replaceable(out)
+    made = not out.exists()
+    with lock_folder(out, "vlm data build-default", wait=wait):
+        try:
+            return _build(out, cfg, progress)
+        except BaseException:
+            if made:
+                shutil.rmtree(out, ignore_errors=True)
+            raise
+
+
+def _build(out: Path, cfg: DefaultDatasetConfig, progress: bool) -> Path:
     t0 = time.time()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    tmp = out / BUILD_TMP
+    shutil.rmtree(tmp, ignore_errors=True)  # a build killed part way (kill -9) left it
+    tmp.mkdir()
     try:
         counts: dict[str, dict[str, int]] = {}
         plan = [("train", cfg.train_scenes), ("val", cfg.val_scenes), ("test", cfg.test_scenes)]
@@ -225,12 +254,17 @@ def build_default(
             "build_seconds": round(time.time() - t0, 3),
         }
         (tmp / INFO_FILE).write_text(json.dumps(info, indent=1))
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+        # the old build's record first (an interrupted replacement is no complete build), its
+        # parts, then the new parts and their record last
+        (out / INFO_FILE).unlink(missing_ok=True)
+        for name in BUILD_PARTS:
+            if (out / name).is_dir():
+                shutil.rmtree(out / name)
+            if (tmp / name).exists():
+                os.replace(tmp / name, out / name)
+        os.replace(tmp / INFO_FILE, out / INFO_FILE)
     finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
@@ -243,13 +277,18 @@ def default_info(directory: str | os.PathLike) -> dict | None:
 
 
 def ensure_default_dataset(
-    directory: str | os.PathLike, cfg: DefaultDatasetConfig | None = None, progress: bool = True
+    directory: str | os.PathLike,
+    cfg: DefaultDatasetConfig | None = None,
+    progress: bool = True,
+    wait: bool = True,
 ) -> Path:
     """Build the default dataset into `directory` unless a complete build is there already.
 
     With `cfg=None` any complete build of this generator version is accepted (so a custom
     `vlm data build-default --train-scenes ...` is kept); with a `cfg` its settings must match too.
-    """
+    Another process building into `directory` is waited for (the ranks of a run, two runs on one
+    machine), then its build is used; with `wait=False` it is `FolderBusy` (`vlm data
+    build-default` says so and stops)."""
     directory = Path(directory)
 
     def ok() -> bool:
@@ -262,12 +301,18 @@ def ensure_default_dataset(
 
     if ok():
         return directory
-    try:
-        return build_default(directory, cfg, progress=progress)
-    except OSError:
-        if ok():  # another process (e.g. another rank) finished the same build first
+    _check_replaceable(directory)
+    made = not directory.exists()
+    # another process building it (another rank, another run): waited for, then used
+    with lock_folder(directory, "vlm data build-default", wait=wait):
+        if ok():
             return directory
-        raise
+        try:
+            return build_default(directory, cfg, progress=progress)
+        except BaseException:
+            if made:
+                shutil.rmtree(directory, ignore_errors=True)
+            raise
 
 
 def default_sources(directory: str | os.PathLike, split: str = "train") -> list[dict]:

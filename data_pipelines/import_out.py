@@ -4,10 +4,10 @@ fail part way (a full disk) turned into one line naming the file (`writing` -> `
 from __future__ import annotations
 
 import os
-import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
+from configs.folder_lock import folder_problem
 from data_pipelines.import_sources import ImporterError
 
 
@@ -36,18 +36,9 @@ def check_out(out: str | os.PathLike) -> None:
     """Raise ImporterError (one line) unless shards can be written into `out` (or it can be
     created): checked before an import reads anything, by writing and removing an empty file where
     OUT is or would be made."""
-    p = Path(out)
-    here = p
-    try:
-        while not (here.exists() or here.is_symlink()) and here != here.parent:
-            here = here.parent
-        if not here.is_dir():
-            what = "a file" if here.exists() else "a broken link"
-            raise ImporterError(f"--out {out}: {here} is {what}, not a folder")
-        fd, probe = tempfile.mkstemp(prefix=".vlm-write-check-", dir=here)
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as e:
-        raise ImporterError(
-            f"--out {out}: cannot write in {here} ({os_reason(e)}); give a folder you can write to"
-        ) from None
+    problem = folder_problem(out)
+    if problem is None:
+        return
+    if problem.startswith("cannot write"):
+        problem += "; give a folder you can write to"
+    raise ImporterError(f"--out {out}: {problem}")

@@ -26,6 +26,7 @@ import os
 import re
 import signal
 import stat
+import sys
 import warnings
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -190,6 +191,62 @@ def inside(path: Path, roots: list[Path]) -> bool:
     return False
 
 
+def _image_file(value: Any, roots: list[Path]) -> Path | None:
+    """The file an image value names (a path, or a struct's path without bytes) as `load_image`
+    reads it: the first existing candidate; None for bytes, `data:` URIs and names found nowhere."""
+    if isinstance(value, dict):
+        return None if value.get("bytes") else _image_file(value.get("path"), roots)
+    if not isinstance(value, str) or not value.strip() or value.startswith("data:"):
+        return None
+    p = Path(value)
+    for cand in [p] if p.is_absolute() else [r / p for r in roots]:
+        if cand.exists() and not cand.is_dir():
+            return cand
+    return None
+
+
+def file_stat(path: Path) -> list:
+    """What an import's input fingerprint records of a file it reads: [path, size, mtime_ns]
+    (a file that is gone: [path, None, None])."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return [os.fspath(path), None, None]
+    return [os.fspath(path), st.st_size, st.st_mtime_ns]
+
+
+def row_inputs(item: Any, settings: RowSettings) -> list:
+    """The files a table row makes the import read (its images given as paths), as `file_stat`s:
+    what the input fingerprint of an import-table holds beyond the table itself, so that an image
+    replaced since the import is seen."""
+    if not isinstance(item, dict) or "__error__" in item:
+        return []
+    col = settings.columns.get("image") or guess_column(item, "image")
+    try:
+        values = _as_list(item.get(col), "images") if col else []
+    except Skip:
+        return []
+    out = []
+    for v in values:
+        name = v.get("path") if isinstance(v, dict) and not v.get("bytes") else v
+        if isinstance(name, str) and name.strip() and not name.startswith("data:"):
+            # one found nowhere counts too: the file added since is a change
+            found = _image_file(name, settings.roots)
+            out.append(file_stat(found) if found is not None else [name, None, None])
+    return out
+
+
+def file_inputs(item: tuple[str, Any], settings: FileSettings) -> list:
+    """The files an image-folder item makes the import read: the image and its sidecar caption."""
+    rel, caption = item
+    path = settings.root / rel
+    out = [file_stat(path)]
+    if caption is None:
+        sides = [path.with_suffix("." + e) for e in settings.caption_exts]
+        out += [file_stat(side) for side in sides if side.is_file()][:1]
+    return out
+
+
 def load_image(value: Any, roots: list[Path], confine: bool = True) -> bytes:
     if isinstance(value, (bytes, bytearray, memoryview)):
         return bytes(value)
@@ -203,17 +260,16 @@ def load_image(value: Any, roots: list[Path], confine: bool = True) -> bytes:
         except Exception:  # noqa: BLE001
             raise Skip("bad_image_data", "a data: URI that is not base64") from None
     if isinstance(value, str) and value.strip():
-        p = Path(value)
-        for cand in [p] if p.is_absolute() else [r / p for r in roots]:
-            if cand.exists() and not cand.is_dir():
-                if confine and not inside(cand, roots):
-                    raise Skip(
-                        "outside_root",
-                        f"image {value!r} leads outside {', '.join(map(str, roots))} "
-                        "(--image-root FOLDER reads images under FOLDER, "
-                        "--allow-outside-root reads them anywhere)",
-                    )
-                return read_file(cand, f"image {value!r}")
+        cand = _image_file(value, roots)
+        if cand is not None:
+            if confine and not inside(cand, roots):
+                raise Skip(
+                    "outside_root",
+                    f"image {value!r} leads outside {', '.join(map(str, roots))} "
+                    "(--image-root FOLDER reads images under FOLDER, "
+                    "--allow-outside-root reads them anywhere)",
+                )
+            return read_file(cand, f"image {value!r}")
         raise Skip(
             "missing_image_file", f"image {value!r} not found under {', '.join(map(str, roots))}"
         )
@@ -376,6 +432,13 @@ def convert_file(index: int, item: tuple[str, Any], settings: FileSettings) -> S
     rel, caption = item
     root = settings.root
     path = root / rel
+    try:
+        rel.encode("utf-8")
+    except UnicodeEncodeError:
+        raise Skip(
+            "non_utf8_file_name",
+            f"{shown_name(rel)}: the file name is not UTF-8 (rename the file to import it)",
+        ) from None
     if caption is False:
         raise Skip("missing_caption", f"{rel} is not in the captions table")
     # (reason, detail): its row in the captions table cannot be used
@@ -433,12 +496,55 @@ def convert_file(index: int, item: tuple[str, Any], settings: FileSettings) -> S
 _WORKER: tuple | None = None
 
 
-def init_worker(convert, settings) -> None:
-    """A worker's set-up: what to convert with. Ctrl-C reaches the whole process group; the main
-    process handles it (keeps the complete shards, says how to resume) and stops the workers, which
-    ignore it."""
+def shown_name(name: str) -> str:
+    """A file name as text that can be printed and written as UTF-8: the bytes of a name that is
+    not UTF-8 (held as surrogates) shown as \\xNN."""
+    return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
+# prctl(2): deliver a signal to this process when its parent dies
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent: int) -> None:
+    """End this worker when the import's process ends, however it ends (kill -9 included): on
+    Linux the kernel sends SIGKILL (prctl PR_SET_PDEATHSIG); elsewhere a thread polls the parent.
+    Without it a worker blocked writing a result to a parent that is gone lives on."""
+    import ctypes
+    import threading
+    import time
+
+    armed = False
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            armed = libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
+        except (OSError, AttributeError):
+            armed = False
+    if os.getppid() != parent:  # the parent died before the signal was armed
+        os._exit(1)
+    if armed:
+        return
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def init_worker(convert, settings, parent: int | None = None) -> None:
+    """A worker's set-up: what to convert with. Ctrl-C, SIGTERM and SIGHUP reach the whole process
+    group (a terminal, a job scheduler); the main process handles them (keeps the complete shards,
+    says how to resume) and stops the workers, which ignore them, and which end with it whatever
+    ends it (`_die_with_parent`)."""
     global _WORKER
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for sig in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+        if sig is not None:
+            signal.signal(sig, signal.SIG_IGN)
+    if parent is not None:
+        _die_with_parent(parent)
     _WORKER = (convert, settings)
 
 
@@ -453,16 +559,8 @@ def convert_chunk(
         try:
             out.append((i, convert(i, item, settings)))
         except Skip as s:
-            out.append(
-                (
-                    i,
-                    (
-                        s.reason,
-                        s.detail,
-                        row_id(item) or (item[0] if isinstance(item, tuple) else None),
-                    ),
-                )
-            )
+            rid = row_id(item) or (item[0] if isinstance(item, tuple) else None)
+            out.append((i, (s.reason, s.detail, shown_name(rid) if rid is not None else None)))
         except (
             OSError,
             ValueError,

@@ -7,10 +7,21 @@ with a summary.
   does not depend on `workers`).
 - **Resumable and idempotent.** Shards are written into `OUT/.PREFIX.partial/` and moved into OUT
   when full; after each, `OUT/PREFIX.import.json` records the input's fingerprint (file names,
-  sizes, modification times, the options), the next row and the counts so far. The same command
-  again resumes at the last full shard (a crash at 90 % redoes at most one shard); once complete it
-  does nothing and reports the same summary. Another input or other options into the same OUT/PREFIX
-  is refused unless `overwrite`.
+  sizes, modification times, the options), a digest of the size and modification time of every
+  file the rows made it read (images, sidecar captions: `inputs`), the next row and the counts so
+  far (the state before it is kept as `OUT/.PREFIX.import.prev.json`). The same command again
+  resumes at the last full shard (a crash at 90 % redoes at most one shard); once complete it does
+  nothing and reports the same summary, after checking that the files it read are unchanged.
+  Another input, other options, or files changed since (a caption edited, an image replaced) into
+  the same OUT/PREFIX are refused unless `overwrite`.
+- **Damage.** A state file that no import wrote (cut short, not an object) is replaced by the one
+  before it, with a warning; a shard the state lists that is gone makes the import start again
+  from the start (with a warning) instead of reporting samples that are not there.
+- **One writer.** The import holds OUT's lock (configs.folder_lock) while it runs: a second import
+  into the same OUT is refused in one line naming the first.
+- **Stopping.** SIGINT, SIGTERM and SIGHUP keep the complete shards and say in one line at which row
+  the same command resumes (exit 128 + the signal); the worker processes end with the import
+  however it ends (kill -9 included: `import_rows.init_worker`).
 - **Failing loudly.** Nothing written (no rows, or all skipped) raises `ImportFailed` whose one-line
   message names the first skipped rows and their reasons; skipping more than `max_skip_share` of the
   rows sets the summary's status to `too_many_skipped` (the CLI exits 1). A source that breaks part
@@ -23,11 +34,14 @@ with a summary.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import multiprocessing
 import os
 import shutil
+import signal
 import sys
+import threading
 import time
 from collections import Counter, deque
 from concurrent.futures import ProcessPoolExecutor
@@ -36,6 +50,7 @@ from itertools import islice
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from configs.folder_lock import FolderBusy, lock_folder
 from data_pipelines.import_out import WriteFailed, check_out, os_reason, writing
 from data_pipelines.import_rows import convert_chunk, init_worker
 from data_pipelines.import_sources import ImporterError
@@ -58,7 +73,16 @@ class ImportFailed(ImporterError):
 
 
 class ImportInterrupted(ImportFailed):
-    """Ctrl-C / SIGINT during an import: complete shards are kept; the same command resumes."""
+    """Ctrl-C / SIGINT, SIGTERM or SIGHUP during an import: complete shards are kept; the same
+    command resumes. `signum`: the signal (the CLI exits 128 + it)."""
+
+    def __init__(self, message: str, summary: dict[str, Any], signum: int = signal.SIGINT):
+        super().__init__(message, summary)
+        self.signum = signum
+
+
+class _Stopped(KeyboardInterrupt):
+    """SIGTERM / SIGHUP, raised where the import is, as Ctrl-C raises KeyboardInterrupt."""
 
 
 class ImportWriteFailed(ImportFailed):
@@ -86,6 +110,110 @@ def _mp_context():
 
 def state_path(out: Path, prefix: str) -> Path:
     return out / f"{prefix}.import.json"
+
+
+def prev_state_path(out: Path, prefix: str) -> Path:
+    """The state saved before the current one: what a damaged state falls back to."""
+    return out / f".{prefix}.import.prev.json"
+
+
+_STATE_FIELDS = {
+    "next_row": int,
+    "next_shard": int,
+    "written": int,
+    "skipped": dict,
+    "examples": list,
+    "shards": list,
+}
+
+
+def _state_problem(state: Any) -> str | None:
+    """What makes `state` something no import wrote (None: it is usable)."""
+    if not isinstance(state, dict):
+        return f"a JSON {type(state).__name__}, not an object"
+    for k, t in _STATE_FIELDS.items():
+        v = state.get(k)
+        if not isinstance(v, t) or isinstance(v, bool) or (t is int and v < 0):
+            return (
+                f"its {k!r} is {str(v)[:40]!r}, not {'a count' if t is int else 'a ' + t.__name__}"
+            )
+    if not all(isinstance(n, str) for n in state["shards"]):
+        return "its 'shards' is not a list of names"
+    if state.get("complete") and not isinstance(state.get("summary"), dict):
+        return "it says complete but holds no summary"
+    return None
+
+
+def _load_state(path: Path) -> tuple[dict | None, str | None]:
+    try:
+        state = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        return None, f"not valid JSON: {type(e).__name__}"
+    except OSError as e:
+        return None, f"cannot be read: {os_reason(e)}"
+    problem = _state_problem(state)
+    return (None, problem) if problem else (state, None)
+
+
+def read_state(out: Path, prefix: str, warn) -> dict | None:
+    """The import state in OUT (None: there is none). A damaged one falls back to the state saved
+    before it, with a warning; ImporterError when there is no usable one to fall back to."""
+    sp, prev = state_path(out, prefix), prev_state_path(out, prefix)
+    if not sp.is_file():
+        # a save stopped between keeping the previous state and writing the new one
+        return _load_state(prev)[0] if prev.is_file() else None
+    state, problem = _load_state(sp)
+    if state is not None:
+        return state
+    older, _ = _load_state(prev) if prev.is_file() else (None, None)
+    if older is None:
+        raise ImporterError(
+            f"{sp} is damaged ({problem}) and no earlier state is kept: the import cannot resume "
+            "from it; --overwrite imports again from the start"
+        )
+    warn(
+        f"warning: {sp} is damaged ({problem}); resuming from the state saved before it (row "
+        f"{older['next_row']})"
+    )
+    return older
+
+
+def _save_state(out: Path, prefix: str, state: dict) -> None:
+    """The new state, the current one kept as the previous one (what a damage falls back to)."""
+    sp = state_path(out, prefix)
+    if sp.is_file():
+        os.replace(sp, prev_state_path(out, prefix))
+    write_atomic(sp, json.dumps(state))
+
+
+def _fold_inputs(digest: str, stats: list) -> str:
+    """The inputs digest after one more row's files (`import_rows.file_stat` lists)."""
+    if not stats:
+        return digest
+    text = digest + json.dumps(stats)
+    return hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest()
+
+
+def _missing_shard(out: Path, names: list[str]) -> str | None:
+    """The first shard a state lists that is not in OUT (deleted, or lost to a concurrent writer)."""
+    return next((n for n in names if not (out / n).is_file()), None)
+
+
+def _on_signals(caught: dict):
+    """SIGTERM / SIGHUP raise `_Stopped` where the import is (main thread only), as Ctrl-C does;
+    what it replaced, to put back. A second signal while the import winds down is ignored: the
+    winding down is short, and cutting it would leave the shard being moved half listed."""
+
+    def handle(signum, frame) -> None:
+        if caught:
+            return
+        caught["signum"] = signum
+        raise _Stopped()
+
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    sigs = [signal.SIGTERM] + ([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])
+    return {sig: signal.signal(sig, handle) for sig in sigs}
 
 
 def _shard_index(name: str, prefix: str) -> int | None:
@@ -211,10 +339,14 @@ def run_import(
     max_skip_share: float = DEFAULT_MAX_SKIP_SHARE,
     overwrite: bool = False,
     extra: dict | None = None,
+    inputs: Callable[[Any], list] | None = None,
+    warn: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Convert `items` with `convert(index, item, settings)` (a module-level function: it
     runs in workers) and write the samples into shards in `out`; returns the summary (see
-    the module docstring)."""
+    the module docstring). `inputs(item)`: the files an item makes the import read, as
+    `import_rows.file_stat`s (called in this process; their digest is the state's `inputs`).
+    `warn(line)`: where warnings go (default: stderr)."""
     if not 0 <= max_skip_share <= 1:
         raise ImporterError(f"max skip share must be in [0, 1], got {max_skip_share}")
     if max_count < 1 or max_bytes < 1 or workers < 0:
@@ -222,194 +354,289 @@ def run_import(
             "--max-count and --max-bytes must be >= 1 and --workers "
             f">= 0, got {max_count}, {max_bytes}, {workers}"
         )
-    out = Path(out)
-    check_out(out)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ImporterError(f"--out {out}: cannot create it ({os_reason(e)})") from None
     if "." in prefix or "/" in prefix or not prefix:
         raise ImporterError(f"shard prefix {prefix!r} must be non-empty and hold no '.' or '/'")
-    sp = state_path(out, prefix)
-    key = {
-        "source": os.path.realpath(source) if os.path.exists(source) else source,
-        "fingerprint": fingerprint,
-        "prefix": prefix,
-        "max_count": max_count,
-        "max_bytes": max_bytes,
-        **(extra or {}),
-    }
-    key = json.loads(json.dumps(key, default=str))
-    state = None
-    if sp.is_file():
-        try:
-            state = json.loads(sp.read_text())
-        except ValueError:
-            state = None
-    same = (
-        isinstance(state, dict)
-        and state.get("version") == STATE_VERSION
-        and state.get("key") == key
-    )
-    if same and not overwrite and state.get("complete"):
-        return _finalise(dict(state["summary"], already_imported=True), max_skip_share)
-    if not same or overwrite:
-        theirs = state is not None or any(
-            _shard_index(p.name, prefix) is not None for p in out.glob(f"{prefix}-*.tar")
-        )
-        if theirs and not overwrite:
-            what = (
-                "an import of another input or with other options"
-                if state
-                else "shards not written by an import"
-            )
-            raise ImporterError(
-                f"{out} already holds {prefix}-*.tar from {what}; "
-                "use --overwrite, or another --out or --prefix"
-            )
-        _remove_shards(out, prefix, 0)
-        sp.unlink(missing_ok=True)
-        state = None
-    start_row = int(state["next_row"]) if state else 0
-    skipped: Counter = Counter(state["skipped"]) if state else Counter()
-    examples: list[dict] = list(state["examples"]) if state else []
-    written = int(state["written"]) if state else 0
-    names: list[str] = list(state["shards"]) if state else []
-    start_shard = int(state["next_shard"]) if state else 0
-    _remove_shards(out, prefix, start_shard)
-    t0 = time.time()
-    rows = start_row
-    summary: dict[str, Any] = {
-        "status": "ok",
-        "source": source,
-        "format": fmt,
-        "unit": unit,
-        "out": str(out),
-        "prefix": prefix,
-    }
-
-    def snapshot(next_row: int, complete: bool = False) -> dict:
-        # called when a shard is full, before the row that opens the next one is counted: the counts
-        # then are those of the rows before `next_row`
-        return {
-            "version": STATE_VERSION,
-            "key": key,
-            "next_row": next_row,
-            "next_shard": shards.index,
-            "written": written,
-            "skipped": dict(skipped),
-            "examples": list(examples),
-            "shards": names + shards.names,
-            "complete": complete,
-        }
-
-    # the next shard of the last state saved: shards from it on are not recorded
-    saved = [start_shard]
-
-    def save(next_row: int) -> None:
-        state = snapshot(next_row)
-        with writing(sp):
-            write_atomic(sp, json.dumps(state))
-        saved[0] = state["next_shard"]
-
-    shards = _Shards(out, prefix, max_count, max_bytes, start_shard, save)
-    source_error = write_error = None
-    interrupted = broken = False
-    pool = None
-    # before any thread (the progress bar's) starts: workers are forked where that exists
-    if workers > 0:
-        pool = ProcessPoolExecutor(
-            workers, mp_context=_mp_context(), initializer=init_worker, initargs=(convert, settings)
-        )
-        # the workers start now (a fork pool starts all of them at its first task)
-        pool.submit(int).result()
-    bar = Progress(total, desc, progress, unit=unit)
-    if start_row:
-        bar.update(start_row)
+    out = Path(out)
+    check_out(out)
+    warn = warn or (lambda line: print(line, file=sys.stderr, flush=True))
     try:
-        it = enumerate(items)
-        for _ in islice(it, start_row):  # resume: rows before the last full shard were imported
-            pass
-        in_flight: deque = deque()
-        exhausted = False
-        while True:
-            while not exhausted and len(in_flight) < max(2, 3 * workers):
-                try:
-                    chunk = list(islice(it, CHUNK_ROWS))
-                except ImporterError as e:  # the source broke part way: keep what came before
-                    source_error, chunk, exhausted = str(e), [], True
-                if not chunk:
-                    exhausted = True
-                    break
-                in_flight.append(pool.submit(convert_chunk, chunk) if pool else chunk)
-            if not in_flight:
-                break
-            head = in_flight.popleft()
-            for i, res in head.result() if pool else convert_chunk(head, convert, settings):
-                rows = i + 1
-                bar.update()
-                if isinstance(res, Sample):
-                    shards.write(res, i)
-                    written += 1
-                else:
-                    reason, detail, rid = res
-                    skipped[reason] += 1
-                    if len(examples) < MAX_EXAMPLES:
-                        examples.append({"row": i, "id": rid, "reason": reason, "detail": detail})
-        shards.finish(next_row=rows)
-    except KeyboardInterrupt:
-        interrupted = True
-    except BrokenProcessPool:
-        broken = True
-    except WriteFailed as e:
-        write_error = e
-    finally:
-        bar.close()
-        if pool is not None:
-            pool.shutdown(wait=not (interrupted or broken), cancel_futures=True)
-    shards.discard()
-    summary.update(
-        {
-            "rows": rows,
-            "written": written,
-            "skipped": dict(sorted(skipped.items())),
-            "examples": examples,
-            "shards": [str(out / n) for n in names + shards.names],
-            "resumed_at_row": start_row or None,
-            "workers": workers,
-            "seconds": round(time.time() - t0, 3),
-            "rows_per_s": round((rows - start_row) / max(time.time() - t0, 1e-9), 1),
+        lock = lock_folder(out, f"vlm data {desc}", say=warn)  # makes OUT
+    except FolderBusy as e:
+        raise ImporterError(str(e)) from None
+    except OSError as e:
+        raise ImporterError(f"--out {out}: cannot create it ({os_reason(e)})") from None
+    try:
+        key = {
+            "source": os.path.realpath(source) if os.path.exists(source) else source,
+            "fingerprint": fingerprint,
+            "prefix": prefix,
+            "max_count": max_count,
+            "max_bytes": max_bytes,
+            **(extra or {}),
         }
-    )
-    if write_error is not None:
-        _failed_write(write_error, summary, out, prefix, saved[0], sp, source)
-    if interrupted or broken:
-        state_now = json.loads(sp.read_text()) if sp.is_file() else {"next_row": 0, "written": 0}
-        summary["status"] = "interrupted"
-        what = "interrupted" if interrupted else "stopped: a worker process died (out of memory?)"
-        raise (ImportInterrupted if interrupted else ImportFailed)(
-            f"import of {source} {what} after {rows} rows; "
-            f"{state_now['written']} samples in complete shards are kept; run "
-            f"the same command again to resume at row {state_now['next_row']}",
-            summary,
-        )
-    if source_error is None:
-        done = snapshot(rows, complete=True)
-        done["summary"] = {k: v for k, v in summary.items() if k not in ("already_imported",)}
-        try:
+        key = json.loads(json.dumps(key, default=str))
+        job = _Job(items, convert, settings, out, source, fmt, key, prefix, unit, inputs, warn)
+        done = job.resume_point(overwrite)
+        if done is not None:
+            return _finalise(dict(done, already_imported=True), max_skip_share)
+        return job.run(max_count, max_bytes, workers, progress, total, desc, max_skip_share)
+    finally:
+        lock.release()
+
+
+def _forget(out: Path, prefix: str) -> None:
+    """Drop an import's shards and state (--overwrite, or a start over)."""
+    _remove_shards(out, prefix, 0)
+    state_path(out, prefix).unlink(missing_ok=True)
+    prev_state_path(out, prefix).unlink(missing_ok=True)
+
+
+class _Job:
+    """One run of an import into OUT/PREFIX: where it starts (`resume_point`), then `run`."""
+
+    def __init__(self, items, convert, settings, out, source, fmt, key, prefix, unit, inputs, warn):
+        self.convert, self.settings, self.out, self.source = convert, settings, out, source
+        self.fmt, self.key, self.prefix, self.unit = fmt, key, prefix, unit
+        self.inputs, self.warn = inputs, warn
+        self.it = enumerate(items)
+        self.state: dict | None = None
+        self.digest = ""
+
+    def resume_point(self, overwrite: bool) -> dict | None:
+        """Sets `self.state` (None: from the start) and positions the rows after what was
+        imported; the earlier summary when a complete import of the same input is there."""
+        out, prefix = self.out, self.prefix
+        if overwrite:
+            _forget(out, prefix)
+            return None
+        state = read_state(out, prefix, self.warn)
+        if state is None:
+            if any(_shard_index(p.name, prefix) is not None for p in out.glob(f"{prefix}-*.tar")):
+                raise ImporterError(
+                    f"{out} already holds {prefix}-*.tar from shards not written by an import; "
+                    "use --overwrite, or another --out or --prefix"
+                )
+            _forget(out, prefix)
+            return None
+        if state.get("version") != STATE_VERSION or state.get("key") != self.key:
+            raise ImporterError(
+                f"{out} already holds {prefix}-*.tar from an import of another input or with "
+                "other options; use --overwrite, or another --out or --prefix"
+            )
+        lost = _missing_shard(out, state["shards"])
+        if lost is not None:
+            self.warn(
+                f"warning: {out / lost}, listed by the import state, is missing: importing "
+                f"{self.source} again from the start"
+            )
+            _forget(out, prefix)
+            return None
+        complete = bool(state.get("complete"))
+        upto = None if complete else state["next_row"]
+        recorded = state.get("inputs")
+        if isinstance(recorded, str) and (recorded or not complete):
+            # the files the rows made the import read, unchanged since (a complete import: every
+            # row; a resume: the rows imported so far)
+            for _, item in islice(self.it, upto):
+                self.digest = _fold_inputs(self.digest, self.inputs(item) if self.inputs else [])
+            if self.digest != recorded:
+                when = "since the import" if complete else "since the import began"
+                raise ImporterError(
+                    f"{out} holds {prefix}-*.tar imported from {self.source}, but files it read "
+                    f"changed {when} (the size or modification time of an image"
+                    f"{' or caption' if self.unit == 'image' else ''}); --overwrite imports it "
+                    "again"
+                )
+        elif not complete:
+            for _ in islice(self.it, upto):  # rows before the last full shard were imported
+                pass
+        if complete:
+            return state["summary"]
+        self.state = state
+        return None
+
+    def run(self, max_count, max_bytes, workers, progress, total, desc, max_skip_share) -> dict:
+        out, prefix, source, state = self.out, self.prefix, self.source, self.state
+        start_row = int(state["next_row"]) if state else 0
+        skipped: Counter = Counter(state["skipped"]) if state else Counter()
+        examples: list[dict] = list(state["examples"]) if state else []
+        written = int(state["written"]) if state else 0
+        names: list[str] = list(state["shards"]) if state else []
+        start_shard = int(state["next_shard"]) if state else 0
+        _remove_shards(out, prefix, start_shard)
+        t0 = time.time()
+        rows = start_row
+        digest = [self.digest]
+        summary: dict[str, Any] = {
+            "status": "ok",
+            "source": source,
+            "format": self.fmt,
+            "unit": self.unit,
+            "out": str(out),
+            "prefix": prefix,
+        }
+        sp = state_path(out, prefix)
+
+        def snapshot(next_row: int, complete: bool = False) -> dict:
+            # called when a shard is full, before the row that opens the next one is counted: the
+            # counts then are those of the rows before `next_row`
+            return {
+                "version": STATE_VERSION,
+                "key": self.key,
+                "next_row": next_row,
+                "next_shard": shards.index,
+                "written": written,
+                "skipped": dict(skipped),
+                "examples": list(examples),
+                "shards": names + shards.names,
+                "inputs": digest[0],
+                "complete": complete,
+            }
+
+        # the next shard of the last state saved: shards from it on are not recorded
+        saved = [start_shard]
+
+        def save(next_row: int) -> None:
+            state = snapshot(next_row)
             with writing(sp):
-                write_atomic(sp, json.dumps(done))
+                _save_state(out, prefix, state)
+            saved[0] = state["next_shard"]
+
+        shards = _Shards(out, prefix, max_count, max_bytes, start_shard, save)
+        source_error = write_error = None
+        interrupted = broken = False
+        caught: dict = {}
+        handlers = _on_signals(caught)
+        pool = None
+        try:
+            # before any thread (the progress bar's) starts: workers are forked where that exists
+            if workers > 0:
+                pool = ProcessPoolExecutor(
+                    workers,
+                    mp_context=_mp_context(),
+                    initializer=init_worker,
+                    initargs=(self.convert, self.settings, os.getpid()),
+                )
+                # the workers start now (a fork pool starts all of them at its first task)
+                pool.submit(int).result()
+            bar = Progress(total, desc, progress, unit=self.unit)
+            if start_row:
+                bar.update(start_row)
+            try:
+                in_flight: deque = deque()
+                exhausted = False
+                while True:
+                    while not exhausted and len(in_flight) < max(2, 3 * workers):
+                        try:
+                            chunk = list(islice(self.it, CHUNK_ROWS))
+                        except ImporterError as e:  # the source broke part way: keep what came
+                            source_error, chunk, exhausted = str(e), [], True
+                        if not chunk:
+                            exhausted = True
+                            break
+                        files = [self.inputs(item) if self.inputs else [] for _, item in chunk]
+                        work = pool.submit(convert_chunk, chunk) if pool else chunk
+                        in_flight.append((work, files))
+                    if not in_flight:
+                        break
+                    head, files = in_flight.popleft()
+                    done = (
+                        head.result() if pool else convert_chunk(head, self.convert, self.settings)
+                    )
+                    for (i, res), read in zip(done, files):
+                        rows = i + 1
+                        bar.update()
+                        if isinstance(res, Sample):
+                            shards.write(res, i)
+                            written += 1
+                        else:
+                            reason, detail, rid = res
+                            skipped[reason] += 1
+                            if len(examples) < MAX_EXAMPLES:
+                                examples.append(
+                                    {"row": i, "id": rid, "reason": reason, "detail": detail}
+                                )
+                        digest[0] = _fold_inputs(digest[0], read)
+                shards.finish(next_row=rows)
+            finally:
+                bar.close()
+        except KeyboardInterrupt:
+            interrupted = True
+        except BrokenProcessPool:
+            broken = True
         except WriteFailed as e:
-            # every shard is in place: the same command finds them and writes this again
-            _failed_write(e, summary, out, prefix, saved[0], sp, source)
-    else:
-        summary["status"] = "source_error"
-        summary["error"] = source_error
-    return _finalise(summary, max_skip_share)
+            write_error = e
+        finally:
+            if pool is not None:
+                if interrupted or broken:  # at once: a worker is not left finishing its chunk
+                    for proc in list((getattr(pool, "_processes", None) or {}).values()):
+                        proc.kill()
+                pool.shutdown(wait=not (interrupted or broken), cancel_futures=True)
+            shards.discard()
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
+        summary.update(
+            {
+                "rows": rows,
+                "written": written,
+                "skipped": dict(sorted(skipped.items())),
+                "examples": examples,
+                "shards": [str(out / n) for n in names + shards.names],
+                "resumed_at_row": start_row or None,
+                "workers": workers,
+                "seconds": round(time.time() - t0, 3),
+                "rows_per_s": round((rows - start_row) / max(time.time() - t0, 1e-9), 1),
+            }
+        )
+        if write_error is not None:
+            _failed_write(write_error, summary, out, prefix, saved[0], source)
+        if interrupted or broken:
+            state_now = _state_or_start(out, prefix)
+            summary["status"] = "interrupted"
+            signum = caught.get("signum", signal.SIGINT)
+            what = (
+                (
+                    "interrupted"
+                    if signum == signal.SIGINT
+                    else f"stopped by {signal.Signals(signum).name}"
+                )
+                if interrupted
+                else "stopped: a worker process died (out of memory?)"
+            )
+            message = (
+                f"import of {source} {what} after {rows} rows; "
+                f"{state_now['written']} samples in complete shards are kept; run "
+                f"the same command again to resume at row {state_now['next_row']}"
+            )
+            if interrupted:
+                raise ImportInterrupted(message, summary, signum)
+            raise ImportFailed(message, summary)
+        if source_error is None:
+            final = snapshot(rows, complete=True)
+            final["summary"] = {k: v for k, v in summary.items() if k not in ("already_imported",)}
+            try:
+                with writing(sp):
+                    _save_state(out, prefix, final)
+            except WriteFailed as e:
+                # every shard is in place: the same command finds them and writes this again
+                _failed_write(e, summary, out, prefix, saved[0], source)
+        else:
+            summary["status"] = "source_error"
+            summary["error"] = source_error
+        return _finalise(summary, max_skip_share)
+
+
+def _state_or_start(out: Path, prefix: str) -> dict:
+    """The state the same command resumes from, for the line that says so."""
+    try:
+        state = read_state(out, prefix, lambda line: None)
+    except ImporterError:
+        state = None
+    return state or {"next_row": 0, "written": 0}
 
 
 def _failed_write(
-    e: WriteFailed, summary: dict, out: Path, prefix: str, saved_shard: int, sp: Path, source: str
+    e: WriteFailed, summary: dict, out: Path, prefix: str, saved_shard: int, source: str
 ) -> None:
     """A write failed (the partial shard is already dropped): drop the full shards no state records
     (best effort: the same command drops them too) and raise ImportWriteFailed, saying where the
@@ -418,7 +645,7 @@ def _failed_write(
         _remove_shards(out, prefix, saved_shard)
     except OSError:
         pass
-    state = json.loads(sp.read_text()) if sp.is_file() else {"next_row": 0, "written": 0}
+    state = _state_or_start(out, prefix)
     summary.update(
         status="write_error",
         shards=[str(out / n) for n in state.get("shards", [])],

@@ -12,7 +12,9 @@ in, read streaming.
 Nothing is read whole into memory. A row that cannot be parsed comes as `{"__error__": (reason,
 detail)}` and is skipped and counted by the importer (a row in another text encoding also carries
 `"__row__"`: its values with the undecodable bytes as surrogates, so that a captions table can say
-which file it was for); a file that cannot be read at all raises `ImporterError` naming it.
+which file it was for); a file that cannot be read at all raises `ImporterError` naming it. A JSON
+object that writes a key twice, at any depth, is such a row (`duplicate_key`: a reader would keep
+one of the two values), and a CSV header that names a column twice stops the import.
 """
 
 from __future__ import annotations
@@ -259,23 +261,79 @@ def _one_line(e: BaseException | str) -> str:
 
 # ------------------------------------------------------------------------------------------------
 # readers
+class DuplicateKey(ValueError):
+    """A JSON object that writes one key twice."""
+
+
+def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict:
+    """json's object_pairs_hook: an object, unless a key comes twice."""
+    out: dict = {}
+    for k, v in pairs:
+        if k in out:
+            raise DuplicateKey(k)
+        out[k] = v
+    return out
+
+
+class _SeenKeys(dict):
+    """ijson's mapping type: a dict that remembers the keys written twice in it (ijson itself keeps
+    the last value silently)."""
+
+    twice: list[str] | None = None
+
+    def __setitem__(self, key, value) -> None:
+        if key in self:
+            self.twice = [*(self.twice or []), key]
+        super().__setitem__(key, value)
+
+
+def _twice(value: Any) -> str | None:
+    """The first key written twice in an object anywhere inside `value` (ijson items)."""
+    if isinstance(value, _SeenKeys) and value.twice:
+        return value.twice[0]
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+    return next((k for v in items if (k := _twice(v)) is not None), None)
+
+
+def _plain(value: Any) -> Any:
+    """ijson's mappings as plain dicts (what the workers receive)."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _duplicate(where: str, key: str) -> dict:
+    return {
+        "__error__": (
+            "duplicate_key",
+            (
+                f"{where}: key {key!r} is written twice in one object (a reader keeps one of "
+                "the two values: fix the row)"
+            ),
+        )
+    }
+
+
 def _json_rows(path: Path, src: RowSource) -> Iterator[dict]:
     import ijson
 
     n = 0
     with open(path, "rb") as f:
         try:
-            for item in ijson.items(f, "item", use_float=True):
-                yield (
-                    item
-                    if isinstance(item, dict)
-                    else {
+            for item in ijson.items(f, "item", use_float=True, map_type=_SeenKeys):
+                if (key := _twice(item)) is not None:
+                    yield _duplicate(f"{path.name} item {n}", key)
+                elif isinstance(item, dict):
+                    yield _plain(item)
+                else:
+                    yield {
                         "__error__": (
                             "bad_row",
                             f"item {n} is a {type(item).__name__}, not an object",
                         )
                     }
-                )
                 n += 1
         except ijson.JSONError as e:
             raise ImporterError(
@@ -307,7 +365,10 @@ def _jsonl_rows(path: Path, src: RowSource) -> Iterator[dict]:
                 yield {**bad, "__row__": row} if isinstance(row, dict) else bad
                 continue
             try:
-                row = json.loads(text)
+                row = json.loads(text, object_pairs_hook=_unique_pairs)
+            except DuplicateKey as e:
+                yield _duplicate(f"{path.name} line {n}", str(e))
+                continue
             except (ValueError, RecursionError) as e:
                 yield {
                     "__error__": ("bad_row", f"{path.name} line {n}: invalid JSON ({_one_line(e)})")
@@ -327,6 +388,17 @@ def _csv_rows(path: Path, src: RowSource) -> Iterator[dict]:
     )
     with open(path, encoding=enc, errors="surrogateescape", newline="") as f:
         reader = csv.DictReader(f, delimiter="," if src.fmt == "csv" else "\t")
+        try:
+            header = reader.fieldnames or []
+        except csv.Error as e:
+            raise ImporterError(f"table {path}: line 1: {_one_line(e)}") from None
+        twice = sorted({c for c in header if header.count(c) > 1})
+        if twice:
+            cols = [i + 1 for i, c in enumerate(header) if c == twice[0]]
+            raise ImporterError(
+                f"table {path}: column {twice[0]!r} is named twice in the header (columns "
+                f"{' and '.join(map(str, cols))}); a reader keeps one of them: rename one"
+            )
         try:
             for row in reader:
                 try:

@@ -26,7 +26,10 @@ from data_pipelines.import_rows import (
     RowSettings,
     convert_file,
     convert_row,
+    file_inputs,
     guess_column,
+    row_inputs,
+    shown_name,
 )
 from data_pipelines.import_run import (
     DEFAULT_MAX_SKIP_SHARE,
@@ -144,6 +147,7 @@ def import_table(
         desc="import-table",
         max_skip_share=max_skip_share,
         overwrite=overwrite,
+        inputs=lambda row: row_inputs(row, settings),
         extra={
             "columns": given,
             "roots": [str(r.resolve()) for r in roots],
@@ -156,11 +160,15 @@ def import_table(
     return summary
 
 
-def _caption_mapping(captions: str | os.PathLike, encoding: str) -> tuple[dict[str, Any], int]:
-    """file name -> caption, or -> (reason, detail) for a row that names its file but cannot be used
-    (a caption not in `encoding`); and the number of rows that could not be read at all."""
+def _caption_mapping(
+    captions: str | os.PathLike, encoding: str
+) -> tuple[dict[str, list[Any]], int]:
+    """file name -> its captions in table order (a file listed several times, as COCO lists 5
+    captions per image, gets one sample per caption), each a caption or (reason, detail) for a row
+    that names its file but cannot be used (a caption not in `encoding`); and the number of rows
+    that could not be read at all."""
     src = open_source(captions, encoding=encoding)
-    mapping: dict[str, Any] = {}
+    mapping: dict[str, list[Any]] = {}
     fcol = tcol = None
     unread = 0
     for row in src.rows():
@@ -186,7 +194,7 @@ def _caption_mapping(captions: str | os.PathLike, encoding: str) -> tuple[dict[s
                     f"its columns: {sorted(map(str, data))}"
                 )
         if data.get(fcol) is not None and data.get(tcol) is not None:
-            mapping[str(data[fcol])] = (
+            mapping.setdefault(str(data[fcol]), []).append(
                 tuple(row["__error__"]) if "__error__" in row else str(data[tcol])
             )
     return mapping, unread
@@ -235,23 +243,48 @@ def import_folder(
     mapping, unread = _caption_mapping(captions, encoding) if captions is not None else (None, 0)
     files = _image_entries(root, recursive)
 
+    # each image with each of its captions (by the file's path in the folder, else its name)
+    used: set[str] = set()
+    pairs: list[tuple[str, Any]] = []
+    for rel in files:
+        if mapping is None:
+            pairs.append((rel, None))
+            continue
+        name = rel if rel in mapping else rel.rsplit("/", 1)[-1]
+        found = mapping.get(name)
+        if found:
+            used.add(name)
+            pairs += [(rel, caption) for caption in found]
+        elif unread:
+            why = (
+                f"{shown_name(rel)} is not in the captions table, {unread} of whose rows could "
+                "not be read (another encoding? see --encoding)"
+            )
+            pairs.append((rel, ("missing_caption", why)))
+        else:
+            pairs.append((rel, False))  # not listed
+    if mapping is not None:  # rows naming a file the folder does not hold are counted too
+        pairs += [
+            (
+                name,
+                (
+                    "missing_image_file",
+                    f"{shown_name(name)} is in the captions table, not in {root}",
+                ),
+            )
+            for name, found in mapping.items()
+            if name not in used
+            for _ in found
+        ]
+
     def items():
-        for rel in files:
-            caption = None
-            if mapping is not None:
-                # False: not listed
-                caption = mapping.get(rel, mapping.get(rel.rsplit("/", 1)[-1], False))
-                if caption is False and unread:
-                    caption = (
-                        "missing_caption",
-                        (
-                            f"{rel} is not in the captions table, {unread} of whose "
-                            "rows could not be read (another encoding? see --encoding)"
-                        ),
-                    )
-            yield rel, caption
+        yield from pairs
 
     fp = hashlib.sha256("\n".join(files).encode("utf-8", "surrogateescape")).hexdigest()
+    if mapping is not None and len(pairs) != len(files):
+        # the rows, not the files: an import made before each caption of a file became a sample
+        # does not resume into this one
+        fp = hashlib.sha256(f"{fp}\n{len(pairs)}".encode()).hexdigest()
     cap_fp = None
     if captions is not None:
         st = Path(captions).stat()
@@ -274,12 +307,13 @@ def import_folder(
         source=str(root),
         fmt="image folder",
         fingerprint=[fp, len(files), cap_fp],
+        inputs=lambda item: file_inputs(item, settings),
         prefix=prefix,
         max_count=max_count,
         max_bytes=max_bytes,
         workers=workers,
         progress=progress,
-        total=len(files),
+        total=len(pairs),
         unit="image",
         desc="import-folder",
         max_skip_share=max_skip_share,

@@ -193,6 +193,19 @@ class BPETokenizer(Tokenizer):
         )
 
 
+def _json_object(path: Path) -> dict:
+    """A tokenizer file that must hold a JSON object; TokenizerError naming it otherwise."""
+    try:
+        info = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        raise TokenizerError(f"tokenizer file {path} cannot be read ({type(e).__name__})") from None
+    if not isinstance(info, dict):
+        raise TokenizerError(
+            f"tokenizer file {path} holds a JSON {type(info).__name__}, not an object"
+        )
+    return info
+
+
 def _load_tokenizer_json(path: Path) -> BPETokenizer:
     from tokenizers import Tokenizer as HFTokenizer
 
@@ -215,12 +228,12 @@ def is_source_tokenizer_dir(path: Path) -> bool:
     path = Path(path)
     meta = path / META_FILE
     if meta.is_file():
-        return json.loads(meta.read_text()).get("kind") == "source"
+        return _json_object(meta).get("kind") == "source"
     if not (path / "tokenizer.json").is_file() or not (path / "tokenizer_config.json").is_file():
         return False
     if (path / "chat_template.jinja").is_file() or (path / "chat_template.json").is_file():
         return True
-    return bool(json.loads((path / "tokenizer_config.json").read_text()).get("chat_template"))
+    return bool(_json_object(path / "tokenizer_config.json").get("chat_template"))
 
 
 class SourceTokenizer(Tokenizer):
@@ -363,7 +376,7 @@ def load_tokenizer(path_or_kind: str | os.PathLike) -> Tokenizer:
     if p.is_dir():
         meta = p / META_FILE
         if meta.is_file():
-            info = json.loads(meta.read_text())
+            info = _json_object(meta)
             if info.get("kind") == "byte":
                 return ByteTokenizer()
             if info.get("kind") == "source":

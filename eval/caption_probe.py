@@ -27,9 +27,7 @@ import io
 import json
 import re
 from dataclasses import dataclass
-from pathlib import Path
 
-from data_pipelines.default_dataset import default_info, ensure_default_dataset
 from data_pipelines.samples import iter_samples
 from data_pipelines.scenes import CELL_PHRASE
 from data_pipelines.schema import IMAGE_TOKEN
@@ -106,16 +104,18 @@ def format_probes(res: dict) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """`vlm eval probe` (its arguments are declared in eval/cli.py)."""
-    from eval.preflight import check_model_dir, check_out_file, load_model
+    from eval.preflight import check_model_dir, check_out_file, default_data, load_model
 
     prog = "vlm eval probe"
     check_model_dir(args.ckpt, prog)  # before the dataset is built and the items read
     out = check_out_file(args.out, prog)
-    data = Path(args.data) if default_info(args.data) else ensure_default_dataset(args.data)
+    ready = default_data(args.data, prog, args.build)
+    model = load_model(args.ckpt, prog)
+    data = ready()
     items = probe_items(iter_samples([str(data / args.split / "caption-*.tar")]), args.limit)
     if not items:
         raise SystemExit(f"no caption samples with scenes in {data / args.split}")
-    res = run_probes(load_model(args.ckpt, prog), items)
+    res = run_probes(model, items)
     print(format_probes(res))
     if out is not None:
         out.write_text(json.dumps(res, indent=2))

@@ -131,7 +131,16 @@ def add_eval_commands(subparsers: argparse._SubParsersAction) -> argparse._SubPa
     )
     p.add_argument("--ckpt", required=True, help="exported model directory (RUN_DIR/final)")
     p.add_argument(
-        "--data", default="data/default", help="default dataset directory (built if missing)"
+        "--data",
+        default=None,
+        help="default dataset directory (default: data/default, built there if missing), or a "
+        "folder of imported VQA shards (their meta.qa questions are scored)",
+    )
+    p.add_argument(
+        "--build",
+        action="store_true",
+        help="build the default dataset at --data when it is not there (without it a --data "
+        "that does not exist is refused: a typo does not build 58 MB)",
     )
     p.add_argument("--split", default="test", choices=["test", "val"])
     # --limit 0 is refused, not read as "no limit" or "none": leave the flag out to score
@@ -152,7 +161,15 @@ def add_eval_commands(subparsers: argparse._SubParsersAction) -> argparse._SubPa
     )
     p.add_argument("--ckpt", required=True, help="exported model directory (RUN_DIR/final)")
     p.add_argument(
-        "--data", default="data/default", help="default dataset directory (built if missing)"
+        "--data",
+        default=None,
+        help="default dataset directory (default: data/default, built there if missing)",
+    )
+    p.add_argument(
+        "--build",
+        action="store_true",
+        help="build the default dataset at --data when it is not there (without it a --data "
+        "that does not exist is refused: a typo does not build 58 MB)",
     )
     p.add_argument("--split", default="val", choices=["train", "val", "test"])
     p.add_argument("--limit", type=positive_int, default=300, help="items per probe")
@@ -172,7 +189,14 @@ def add_eval_commands(subparsers: argparse._SubParsersAction) -> argparse._SubPa
         help="shards (dirs, globs, files); default: the default dataset's val split",
     )
     p.add_argument(
-        "--default-dir", default="data/default", help="the default dataset (built if missing)"
+        "--default-dir",
+        default=None,
+        help="the default dataset (default: data/default, built there if missing)",
+    )
+    p.add_argument(
+        "--build",
+        action="store_true",
+        help="build the default dataset at --default-dir when it is not there",
     )
     p.add_argument("--max-batches", type=positive_int)
     p.add_argument("--row-tokens", type=positive_int, default=512)
@@ -195,8 +219,18 @@ def add_eval_commands(subparsers: argparse._SubParsersAction) -> argparse._SubPa
         "--batches", type=positive_int, default=8, help="validation batches scored (default 8)"
     )
     p.add_argument(
-        "--data", default="data/default", help="default dataset folder (its val split is scored)"
+        "--data",
+        default=None,
+        help="default dataset folder (its val split is scored; default: data/default, built "
+        "there if missing)",
     )
+    p.add_argument(
+        "--build",
+        action="store_true",
+        help="build the default dataset at --data when it is not there (without it a --data "
+        "that does not exist is refused: a typo does not build 58 MB)",
+    )
+
     p.set_defaults(func=_later("eval.ct_start"))
     return sub
 

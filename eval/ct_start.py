@@ -85,7 +85,10 @@ def start_losses(
 
 def run(args: argparse.Namespace) -> int:
     """`vlm eval ct-start` (its arguments are declared in eval/cli.py)."""
-    losses = start_losses(args.src, args.ratio, args.batches, args.data)
+    from eval.preflight import default_data
+
+    data = default_data(args.data, "vlm eval ct-start", args.build)()
+    losses = start_losses(args.src, args.ratio, args.batches, str(data))
     print(
         "LM loss at the start of continual training, boundaries "
         f"at R = {args.ratio:g} ({args.batches} val batches):"

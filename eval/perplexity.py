@@ -58,25 +58,54 @@ def perplexity(
         acc.add_output(out, batch, token_loss_BT=token_losses(out, batch))
         n += 1
     if not n:
-        raise ValueError("no samples to score (empty shards?)")
+        raise ValueError(
+            f"no samples to score in {', '.join(shards) if shards else data_dir} (empty shards, "
+            "or none could be read)"
+        )
     rec = acc.record(0, lambda x: x).scalars
     return {"batches": n, **{k: rec.get(k) for k in KEYS}}
 
 
 def run(args) -> int:
     """`vlm eval ppl` (its arguments are declared in eval/cli.py)."""
-    from eval.preflight import check_model_dir, check_out_file, load_model
-
-    check_model_dir(args.ckpt, "vlm eval ppl")
-    # before the model loads and the batches are scored
-    out = check_out_file(args.out, "vlm eval ppl")
-    res = perplexity(
-        load_model(args.ckpt, "vlm eval ppl"),
-        args.data,
-        args.default_dir,
-        args.max_batches,
-        args.row_tokens,
+    from data_pipelines.reader import SHARD_SUFFIXES, ShardError, local_source, resolve_shards
+    from eval.preflight import (
+        DEFAULT_DATA,
+        check_model_dir,
+        check_out_file,
+        default_data,
+        fail,
+        load_model,
     )
+
+    prog = "vlm eval ppl"
+    check_model_dir(args.ckpt, prog)
+    # before the model loads and the batches are scored
+    out = check_out_file(args.out, prog)
+    for pattern in args.data or []:
+        try:
+            found = resolve_shards(pattern)
+        except ShardError as e:
+            fail(prog, f"--data {pattern}: {e}")
+        not_shards = [
+            p for p in found if local_source(str(p)) and not str(p).endswith(SHARD_SUFFIXES)
+        ]
+        if not_shards:
+            fail(
+                prog,
+                f"--data {pattern}: {not_shards[0]} is not a webdataset shard "
+                f"({', '.join(SHARD_SUFFIXES)}); import text or tables first (`vlm data "
+                "import-table`)",
+            )
+    data_dir = args.default_dir or DEFAULT_DATA
+    ready = None if args.data else default_data(args.default_dir, prog, args.build, "--default-dir")
+    chat = load_model(args.ckpt, prog)
+    if ready is not None:
+        data_dir = str(ready())
+    try:
+        res = perplexity(chat, args.data, data_dir, args.max_batches, args.row_tokens)
+    except (ShardError, ValueError) as e:  # shards that hold nothing the model can score
+        fail(prog, str(e))
     fmt = lambda v: "n/a" if v is None else f"{v:.4f}"  # noqa: E731
     print(f"{args.ckpt}: {res['batches']} batches")
     print(f"  LM loss (all)        {fmt(res['loss/lm'])}")

@@ -9,6 +9,10 @@ mistake, found in a second rather than after minutes of evaluation.
   is not computed.
 - `load_model`: `vlm.generate.load_eval_model` after `check_model_dir` (a damaged export is refused
   by the loader itself, in one line, through `vlm.cli`'s ConfigError handling).
+- `default_data`: the default dataset a command reads (`--data`): one that is there is used; a
+  missing one is built only where it was left at its default (with a line saying so first) or
+  `--build` asks for it, so that a typo does not build 58 MB at the typo; a folder of other shards
+  (an import) is named as such.
 
 Only the standard library at import: `eval/cli.py` imports this while `vlm --help`
 builds its parser.
@@ -21,7 +25,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import NoReturn
+from typing import Callable, NoReturn
 
 from configs.arg_types import whole_number
 
@@ -99,6 +103,51 @@ def check_out_dir(out: str | os.PathLike, prog: str) -> Path:
     except OSError as e:
         fail(prog, f"cannot write --out {path}: {_why(e)}")
     return path
+
+
+DEFAULT_DATA = "data/default"
+
+
+def shard_folder(path: Path) -> bool:
+    """A folder of webdataset shards (an import's output, not a default dataset)."""
+    return path.is_dir() and any(path.glob("*.tar"))
+
+
+def default_data(
+    data: str | None, prog: str, build: bool = False, flag: str = "--data"
+) -> Callable[[], Path]:
+    """The default dataset folder `data` names (None: DEFAULT_DATA), checked now: one line and exit
+    2 for a folder that is something else, or a missing one that was named without `--build`.
+    Returns what gives the folder, building it there first when it is missing (called once the
+    model has loaded: a mistake found by loading it costs no build)."""
+    from data_pipelines.default_dataset import default_info, ensure_default_dataset
+
+    path = Path(data or DEFAULT_DATA)
+    if default_info(path):
+        return lambda: path
+    if path.exists() and not path.is_dir():
+        fail(prog, f"{flag} {path} is a file; give the folder of `vlm data build-default`")
+    if path.is_dir() and any(p for p in path.iterdir() if not p.name.startswith(".")):
+        what = "shards (an import?)" if shard_folder(path) else "files"
+        fail(
+            prog,
+            f"{flag} {path} holds {what} but no default dataset (no default.json); give the "
+            "folder of `vlm data build-default`",
+        )
+    if data is not None and not build:
+        fail(
+            prog,
+            f"{flag} {path} does not exist; add --build to build the default dataset there "
+            "(about 58 MB), or give the folder of `vlm data build-default`",
+        )
+
+    def built() -> Path:
+        print(
+            f"{prog}: building the default dataset in {path} (about 58 MB, once)", file=sys.stderr
+        )
+        return ensure_default_dataset(path)
+
+    return built
 
 
 def load_model(ckpt: str | os.PathLike, prog: str):

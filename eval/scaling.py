@@ -254,7 +254,10 @@ def report(
 
 def _run(args: argparse.Namespace) -> int:
     from configs.config import ConfigError
+    from eval.preflight import check_out_dir
 
+    if args.out:  # before the fit: a file named as --out is one line
+        check_out_dir(args.out, "vlm scaling fit")
     try:
         points = [run_point(r) for r in args.runs]
     except (OSError, ValueError, KeyError) as e:  # a run that is not finished: one line

@@ -210,6 +210,10 @@ def train_sweep(args: argparse.Namespace) -> tuple[list[Path], list[str]] | None
     steps = args.steps or base_steps(args.budget_minutes * 60, args.jobs)
     rec = recipe(steps, args.runs)
     out = Path(args.out)
+    if not args.dry_run:  # before the first run trains
+        from eval.preflight import check_out_dir
+
+        check_out_dir(out, "vlm scaling sweep")
     jobs = plan(rec, out, extra=list(args.overrides))
     rows = describe(jobs, list(args.overrides))  # validates every run's config once
     print(format_plan(rows))

@@ -12,13 +12,21 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import sys
 from pathlib import Path
 
 from tqdm import tqdm
 
 from data_pipelines.chat import iter_vqa_samples, normalize_answer, strip_answer, vqa_prompt
-from data_pipelines.default_dataset import default_info, ensure_default_dataset
-from eval.preflight import check_model_dir, check_out_file, load_model
+from data_pipelines.default_dataset import default_info
+from eval.preflight import (
+    check_model_dir,
+    check_out_file,
+    default_data,
+    fail,
+    load_model,
+    shard_folder,
+)
 from vlm.generate import load_eval_model
 from vlm.model.doc_stats import format_distribution, summarize_documents
 
@@ -186,19 +194,34 @@ def run(args: argparse.Namespace) -> int:
     prog = "vlm eval vqa"
     check_model_dir(args.ckpt, prog)
     out = check_out_file(args.out, prog)
+    given = Path(args.data) if args.data is not None else None
+    ready = None
+    if given is not None and not default_info(given) and shard_folder(given):
+        # imported shards: their meta.qa questions, the majority answers from them
+        shards, train, held_out = str(given / "*.tar"), None, [str(given / "*.tar")]
+        if next(iter(iter_vqa_samples(shards, limit=1)), None) is None:
+            fail(
+                prog,
+                f"--data {given}: its shards hold no VQA questions (samples with meta.qa, as "
+                "`vlm data import-table` writes from question/answer columns)",
+            )
+        print(f"{prog}: scoring the VQA questions of the shards in {given}", file=sys.stderr)
+    else:
+        # An existing default dataset (whatever its size settings) is used as it is
+        ready = default_data(args.data, prog, args.build)
     model = load_model(args.ckpt, prog)
-    # An existing default dataset (whatever its size settings) is used as it is; a missing one
-    # is built.
-    data = Path(args.data) if default_info(args.data) else ensure_default_dataset(args.data)
-    split = Path(data) / args.split
+    if ready is not None:
+        data = ready()  # built now, when missing: the model loaded
+        shards = str(data / args.split / "vqa-*.tar")
+        train, held_out = str(data / "train" / "vqa-*.tar"), held_out_shards(data, args.split)
     res = run_vqa_eval(
         model,
-        str(split / "vqa-*.tar"),
-        train_shards=str(Path(data) / "train" / "vqa-*.tar"),
+        shards,
+        train_shards=train,
         limit=args.limit,
         batch_size=args.batch_size,
         blind=not args.no_blind,
-        compression_shards=held_out_shards(data, args.split),
+        compression_shards=held_out,
     )
     print(format_report(res))
     if out is not None:

@@ -4,10 +4,11 @@
 cores makes torch's pool thrash and tests slow down by orders of magnitude).
 
 Shared helpers are fixtures here, never imported from sibling test modules: data (`png`,
-`write_text_shards`, `decode_docs`, `batches_equal`, `TINY_DEFAULT`, `tiny_default`) and trainer
+`write_text_shards`, `decode_docs`, `batches_equal`, `TINY_DEFAULT`, `tiny_default`), trainer
 (`ROOT`, `TINY`, `tiny_data`, `tiny_config`, `write_config`, `load_tiny`, `make_trainer`,
-`torch_globals`, `subprocess_env`, `run_train_cli`). A fixture that gives a helper function returns
-the function itself, so a test calls it by the same name.
+`torch_globals`, `subprocess_env`, `run_train_cli`) and outputs (`read_only_dir`: a folder that
+refuses writes). A fixture that gives a helper function returns the function itself, so a test
+calls it by the same name.
 
 Devices: the suite is a CPU suite, on a machine with a GPU too. Every test runs on the CPU unless it
 is marked `gpu` (the CUDA instances in tests/test_gpu.py; `make test-gpu` runs them). A test that
@@ -459,3 +460,41 @@ def exported_vlm(tmp_path_factory):
     )
     (out.parent / "broken.png").write_bytes(b"\x89PNG not really")
     return out
+
+
+# ---- folders that refuse writes
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """A folder nothing can be written into (for the commands that write an output): chmod 555 for a
+    user; as root (whom chmod does not stop) a read-only tmpfs where mounting is allowed; skipped
+    elsewhere. Checked by trying to write into it."""
+    d = tmp_path / "ro"
+    d.mkdir()
+    mounted = False
+    if os.geteuid() != 0:
+        d.chmod(0o555)
+    elif (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(d)], capture_output=True
+        ).returncode
+        == 0
+    ):
+        mounted = True
+    else:
+        pytest.skip(
+            "running as root (chmod does not stop root) and mounting a read-only tmpfs is "
+            "not allowed; the tests of a file in the way of --out cover the same check"
+        )
+    try:
+        try:
+            (d / "probe").write_bytes(b"x")
+        except OSError:
+            pass
+        else:
+            pytest.skip(f"{d} could not be made read-only here")
+        yield d
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", str(d)], capture_output=True)
+        else:
+            d.chmod(0o755)

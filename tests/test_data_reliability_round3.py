@@ -10,7 +10,6 @@ import argparse
 import json
 import logging
 import os
-import subprocess
 import threading
 import time
 
@@ -48,43 +47,6 @@ def _leftovers(d):
 
 # ------------------------------------------------------------------------------------------------
 # unwritable --out
-@pytest.fixture
-def read_only_dir(tmp_path):
-    """A folder nothing can be written into: chmod 555 for a user; as root (whom chmod does not
-    stop) a read-only tmpfs where mounting is allowed; skipped elsewhere. Checked by trying to write
-    into it."""
-    d = tmp_path / "ro"
-    d.mkdir()
-    mounted = False
-    if os.geteuid() != 0:
-        d.chmod(0o555)
-    elif (
-        subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(d)], capture_output=True
-        ).returncode
-        == 0
-    ):
-        mounted = True
-    else:
-        pytest.skip(
-            "running as root (chmod does not stop root) and mounting a read-only tmpfs is "
-            "not allowed; test_a_file_in_the_way_of_out_is_one_line covers the same check"
-        )
-    try:
-        try:
-            (d / "probe").write_bytes(b"x")
-        except OSError:
-            pass
-        else:
-            pytest.skip(f"{d} could not be made read-only here")
-        yield d
-    finally:
-        if mounted:
-            subprocess.run(["umount", "-l", str(d)], capture_output=True)
-        else:
-            d.chmod(0o755)
-
-
 def _commands(tmp_path, png):
     (tmp_path / "imgs").mkdir(exist_ok=True)
     (tmp_path / "imgs" / "a.png").write_bytes(png())

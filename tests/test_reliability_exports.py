@@ -19,13 +19,20 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from vlm.model.weights_check import CHECKSUMS, SKIP_CHECKSUM_ENV, WeightsError
+from vlm.model.weights_check import CHECKSUMS, SKIP_CHECKSUM_ENV, TOKENIZER_FILES, WeightsError
 
 EMBED = "vlm.lm.embed.weight"
 
 
 def _sha(path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _recorded(folder) -> dict[str, str]:
+    """What an export records: its weights, and the tokenizer files that fix what an id means
+    (issue 45: a swapped tokenizer is refused like flipped weights)."""
+    names = ["model.safetensors"] + [n for n in TOKENIZER_FILES if (folder / n).is_file()]
+    return {n: _sha(folder / n) for n in names}
 
 
 def _flip(f, tensor: str = EMBED, nbytes: int = 4096, mask: int = 0x20) -> None:
@@ -57,10 +64,8 @@ def _assert_one_line(msg: str, bad, want: str, got: str) -> None:
 
 def test_an_export_records_the_sha256_of_its_weight_files(exported_vlm):
     record = json.loads((exported_vlm / CHECKSUMS).read_text())
-    assert record == {
-        "algorithm": "sha256",
-        "files": {"model.safetensors": _sha(exported_vlm / "model.safetensors")},
-    }
+    assert record == {"algorithm": "sha256", "files": _recorded(exported_vlm)}
+    assert {"tokenizer.json", "vlm_tokenizer.json"} <= set(record["files"])
 
 
 def test_the_trainers_export_records_checksums_and_stop_ids(tiny_vlm, tmp_path):
@@ -70,9 +75,7 @@ def test_the_trainers_export_records_checksums_and_stop_ids(tiny_vlm, tmp_path):
     model, tok = tiny_vlm()
     engine = SimpleNamespace(module=model, zero_optimization_stage=lambda: 0)
     final = export_final(engine, tmp_path, tok, 1.0, True, print)
-    assert json.loads((final / CHECKSUMS).read_text())["files"] == {
-        "model.safetensors": _sha(final / "model.safetensors")
-    }
+    assert json.loads((final / CHECKSUMS).read_text())["files"] == _recorded(final)
     assert json.loads((final / "generation_config.json").read_text())["eos_token_id"] == [
         tok.eos_id,
         tok.end_id,
@@ -262,9 +265,7 @@ def test_vlm_convert_writes_checksums_and_keeps_the_stop_ids(tiny_vlm, tmp_path)
         == 0
     )
     ct = tmp_path / "ct"
-    assert json.loads((ct / CHECKSUMS).read_text())["files"] == {
-        "model.safetensors": _sha(ct / "model.safetensors")
-    }
+    assert json.loads((ct / CHECKSUMS).read_text())["files"] == _recorded(ct)
     assert json.loads((ct / "generation_config.json").read_text())["eos_token_id"] == [
         tok.eos_id,
         tok.end_id,

@@ -1,7 +1,8 @@
-"""Preemption with real signals to `python -m vlm.train`: SIGTERM / SIGINT finish the step in
-flight, checkpoint it and exit 143 / 130 with one line; a second signal exits at once; the vision
-warm-up checkpoints too, and the same command with --resume continues it (ending where an
-uninterrupted warm-up ends) or starts a run that has no checkpoint yet."""
+"""Preemption with real signals to `python -m vlm.train`: SIGTERM / SIGINT / SIGHUP (a closed
+terminal, issue 45) finish the step in flight, checkpoint it and exit 143 / 130 / 129 with one line;
+a second signal exits at once; the vision warm-up checkpoints too, and the same command with
+--resume continues it (ending where an uninterrupted warm-up ends) or starts a run that has no
+checkpoint yet."""
 
 from __future__ import annotations
 
@@ -56,7 +57,9 @@ def _finish(proc, out, err, tmp):
     return (tmp / "out.txt").read_text(), (tmp / "err.txt").read_text()
 
 
-@pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+@pytest.mark.parametrize(
+    "sig,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130), (signal.SIGHUP, 129)]
+)
 def test_a_signal_checkpoints_the_step_in_flight_and_exits_with_its_code(
     tiny_data, tmp_path, tiny_config, write_config, ROOT, subprocess_env, sig, code
 ):

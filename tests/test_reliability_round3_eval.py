@@ -34,7 +34,7 @@ def _no_work(monkeypatch, what: str, command: str) -> None:
     def started(*args, **kwargs):
         raise AssertionError(f"{what} started before the arguments were checked")
 
-    import eval.caption_probe
+    import data_pipelines.default_dataset
     import eval.export_tasks
     import eval.longctx.sweep
     import eval.perplexity
@@ -42,8 +42,8 @@ def _no_work(monkeypatch, what: str, command: str) -> None:
     import vlm.generate
 
     work = [
-        (eval.vqa, "ensure_default_dataset"),
-        (eval.caption_probe, "ensure_default_dataset"),
+        # every `vlm eval` command builds a missing dataset through eval.preflight.default_data
+        (data_pipelines.default_dataset, "ensure_default_dataset"),
         (eval.vqa, "load_eval_model"),
         (eval.perplexity, "perplexity"),
         (eval.export_tasks, "vqa_records"),

@@ -13,13 +13,17 @@ images, and each image is shrunk to the patch grid the model sees when it is att
 count checked from the header before anything is decoded): a conversation keeps kilobytes per image,
 not the upload's decoded size. The decode buffers of a large image are handed back to the operating
 system at once (`release_freed_memory`), so that a long-running process (the demo) does not keep the
-largest uploads' memory. Numeric options are checked when they are parsed.
+largest uploads' memory. Numeric options are checked when they are parsed, and each `--image` before
+the model loads: a missing file, a folder, a FIFO or device (never opened: opening a FIFO waits for
+a writer), or a file that is not an image is one line and exit 2, not a turn answered without it.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import os
+import stat
 import sys
 from pathlib import Path
 
@@ -65,6 +69,38 @@ def release_freed_memory() -> None:
         trim(0)
 
 
+_SPECIAL = (
+    (stat.S_ISDIR, "a folder"),
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def image_file_problem(path: str) -> str | None:
+    """Why `path` cannot be an image for the model (None: it can be read as one), from its stat
+    and its header alone: a special file is never opened."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return "no such file"
+    except OSError as e:
+        return e.strerror or str(e)
+    if not stat.S_ISREG(st.st_mode):
+        kind = next((k for test, k in _SPECIAL if test(st.st_mode)), "a special file")
+        return f"{kind}, not an image file"
+    try:
+        # the header only: enough to know it is an image (the processor decodes it later)
+        with Image.open(path):
+            pass
+    except UnidentifiedImageError:
+        return "not an image (no image format recognises it)"
+    except (OSError, Image.DecompressionBombError) as e:
+        return str(e) or type(e).__name__
+    return None
+
+
 class Conversation:
     """The turns so far and their images, in the order their placeholders appear."""
 
@@ -91,6 +127,9 @@ class Conversation:
                 f"cannot use image {path}: this conversation holds {self.max_images} "
                 "images already (the most it takes); start a new one"
             )
+        problem = image_file_problem(path)
+        if problem is not None:
+            return f"cannot use image {path}: {problem}"
         try:
             im = self._load(path)
         except (OSError, UnidentifiedImageError, Image.DecompressionBombError, ImageError) as e:
@@ -218,7 +257,13 @@ def run_chat(
 
     conv = Conversation(chat, max_new_tokens, temperature, max_prompt_tokens=max_prompt_tokens)
     for path in images:
-        print(conv.attach(path), file=out)
+        message = conv.attach(path)
+        if message.startswith("cannot use image"):
+            # asked for on the command line: a first turn answered without it would look like an
+            # answer about it
+            print(f"vlm chat: --image {message.removeprefix('cannot use image ')}", file=sys.stderr)
+            return 2
+        print(message, file=out)
     prompt = lambda: print("you> ", end="", file=out, flush=True) if interactive else None  # noqa: E731
     prompt()
     for line in lines:
@@ -296,6 +341,11 @@ def _run(args) -> int:
         raise ConfigError(
             f"--ckpt {args.ckpt}: no exported model there (expected RUN_DIR/final with config.json)"
         )
+    for path in args.image:  # before the model loads
+        problem = image_file_problem(path)
+        if problem is not None:
+            print(f"vlm chat: --image {path}: {problem}", file=sys.stderr)
+            return 2
     from vlm.model.weights_check import WeightsError
 
     try:

@@ -12,6 +12,7 @@ import sys
 from importlib.metadata import entry_points
 
 from configs.config import ConfigError, parse_args_anywhere
+from configs.folder_lock import FolderBusy
 
 COMMANDS = "vlm.commands"
 
@@ -64,6 +65,9 @@ def main(argv: list[str] | None = None) -> int:
         rc = args.func(args)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
+        return 2
+    except FolderBusy as e:  # a second writer into a folder another process is writing
+        print(f"vlm {args.command}: {e}", file=sys.stderr)
         return 2
     return int(rc or 0)
 

@@ -1,16 +1,27 @@
 """`vlm convert SRC --out DIR`: turn a pretrained MoE into a ConceptMoE for continual training.
 
 The model code is imported when the command runs, not when `vlm` registers it (as
-for `vlm train`)."""
+for `vlm train`).
+
+DIR is checked before the source is read: it may not be SRC, inside it or around it (the export
+would overwrite the model it reads), and a DIR that holds anything (another model) is replaced only
+with `--overwrite`, whole: the converted model is written into `DIR/.convert-partial/` and moved in
+once complete, after the folder's old files were removed, so no file of the old model (its README,
+its processor config) is left beside the new one and a failed write leaves the old model as it was.
+One `vlm convert` writes into DIR at a time (DIR's lock, configs.folder_lock)."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 from pathlib import Path
 
 from configs.config import ConfigError
+from configs.folder_lock import folder_problem, is_lock_file, lock_folder
 from vlm.model.config import ConvertConfig
+
+PARTIAL = ".convert-partial"
 
 
 def _loop(text: str) -> tuple[int, int, int]:
@@ -85,13 +96,83 @@ def add_convert_command(sub) -> None:
     p.add_argument(
         "--check-tol", type=float, default=1e-3, help="largest logit difference --check accepts"
     )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace what --out holds (another model), all of it; without it a folder that "
+        "holds anything is refused",
+    )
     p.set_defaults(func=run_convert)
 
 
+def check_out(src: Path, out: Path, overwrite: bool) -> None:
+    """ConfigError (one line) unless the converted model may be written into `out`, before the
+    source is read."""
+    s, o = src.resolve(), out.resolve()
+    if o == s or s in o.parents or o in s.parents:
+        where = "is" if o == s else "is inside" if s in o.parents else "holds"
+        raise ConfigError(
+            f"--out {out} {where} the source folder {src}: writing there would overwrite the "
+            "model being converted; give another folder"
+        )
+    problem = folder_problem(out)
+    if problem is not None:
+        raise ConfigError(f"--out {out}: {problem}")
+    held = sorted(p.name for p in out.iterdir() if not is_lock_file(p.name)) if out.is_dir() else []
+    held = [n for n in held if n != PARTIAL]
+    if held and not overwrite:
+        listed = ", ".join(held[:6]) + (f" and {len(held) - 6} more" if len(held) > 6 else "")
+        raise ConfigError(
+            f"--out {out} already holds {'a model' if 'config.json' in held else 'files'} "
+            f"({listed}); converting would replace its weights and leave the rest beside the new "
+            "model: give a new or empty folder, or --overwrite to replace all of it"
+        )
+
+
+def _move_in(partial: Path, out: Path) -> None:
+    """The complete conversion in `partial` becomes `out`'s content: everything else in `out`
+    (an overwritten model's files) is removed first."""
+    for p in out.iterdir():
+        if p == partial or is_lock_file(p.name):
+            continue
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        else:
+            p.unlink()
+    for p in partial.iterdir():
+        os.replace(p, out / p.name)
+    partial.rmdir()
+
+
 def run_convert(args) -> int:
+    src, final = Path(args.source), Path(args.out)
+    check_out(src, final, args.overwrite)
+    with lock_folder(final, "vlm convert"):
+        partial = final / PARTIAL
+        shutil.rmtree(partial, ignore_errors=True)  # a conversion killed part way left it
+        try:
+            rc = _convert(args, partial)
+            _move_in(partial, final)
+        finally:
+            shutil.rmtree(partial, ignore_errors=True)
+    print(f"wrote {final}")
+    if args.check:
+        diff = max_logit_difference(src, final)
+        print(
+            f"check: largest logit difference vs the source, every boundary on: {diff:.3g} "
+            f"({'ok' if diff <= args.check_tol else 'FAILED'}, tolerance {args.check_tol:g})"
+        )
+        if diff > args.check_tol:
+            return 1
+    return rc
+
+
+def _convert(args, out: Path) -> int:
+    """The conversion, written into `out` (the partial folder)."""
     from vlm.model.convert import TOKENIZER_FILES, convert, source_token_ids
     from vlm.model.flops import count_params, flops_per_token
     from vlm.model.hf import save_pretrained
+    from vlm.model.weights_check import write_checksums
 
     opt = ConvertConfig(
         encoder_layers=args.encoder_layers,
@@ -121,7 +202,6 @@ def run_convert(args) -> int:
             f"{100 * abs(f_new / f_base - 1):.1f}% (> {100 * args.tol:.0f}%); "
             "adjust --concept-top-k / --loop (see `vlm flops`)"
         )
-    out = Path(args.out)
     src = Path(args.source)
     save_pretrained(model, out)
     ids = source_token_ids(src)
@@ -142,15 +222,7 @@ def run_convert(args) -> int:
     for name in TOKENIZER_FILES:
         if (src / name).is_file():
             shutil.copy(src / name, out / name)
-    print(f"wrote {out}")
-    if args.check:
-        diff = max_logit_difference(src, out)
-        print(
-            f"check: largest logit difference vs the source, every boundary on: {diff:.3g} "
-            f"({'ok' if diff <= args.check_tol else 'FAILED'}, tolerance {args.check_tol:g})"
-        )
-        if diff > args.check_tol:
-            return 1
+    write_checksums(out, tokenizer=True)  # the tokenizer files as copied
     return 0
 
 
@@ -158,11 +230,14 @@ def _source_stop_ids(src: Path) -> list[int] | None:
     """The source's generation_config.json eos ids when it lists several (a chat model's end of
     turn and its eos, as an export of this project states them): the converted model stops at
     all of them."""
-    import json
+
+    from vlm.model.weights_check import read_json_object
 
     f = src / "generation_config.json"
-    ids = json.loads(f.read_text()).get("eos_token_id") if f.is_file() else None
-    return [int(i) for i in ids] if isinstance(ids, list) and len(ids) > 1 else None
+    ids = read_json_object(f, "generation config").get("eos_token_id") if f.is_file() else None
+    if isinstance(ids, list) and len(ids) > 1 and all(isinstance(i, int) for i in ids):
+        return [int(i) for i in ids]
+    return None
 
 
 def max_logit_difference(source: Path, converted: Path, tokens: int = 48, seed: int = 0) -> float:

@@ -444,8 +444,10 @@ def _run(args) -> int:
         raise ConfigError(
             "--example needs an image and at least one question: --example IMAGE QUESTION ..."
         )
-    if args.example and not Path(args.example[0]).is_file():
-        raise ConfigError(f"--example: image {args.example[0]} not found")
+    from vlm.chat_cli import image_file_problem
+
+    if args.example and (problem := image_file_problem(args.example[0])) is not None:
+        raise ConfigError(f"--example: image {args.example[0]}: {problem}")
     from vision.image_processor import ImageError
     from vlm.model.weights_check import WeightsError
 

@@ -18,7 +18,9 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from configs.arg_types import finite_number, whole_number
 from configs.config import ConfigError, apply_overrides, from_dict, load_yaml
+from configs.folder_lock import folder_problem
 from vlm.cli import refuse_set_option
 from vlm.model.config import ModelConfig
 from vlm.model.reallocate import comparison_table, search_reallocations
@@ -182,7 +184,24 @@ def plot_scaling(rows_by_len: dict[int, list[dict]], path: str | Path) -> None:
     plt.close(fig)
 
 
+def _plot_problem(plot: str) -> str | None:
+    """Why the --plot PNG cannot be written (None: it can), found before any work."""
+    path = Path(plot)
+    if path.is_dir():
+        return f"--plot {path} is a folder; give a file name, e.g. {path / 'flops.png'}"
+    problem = folder_problem(path.parent)
+    if problem is None and path.exists():
+        try:
+            open(path, "ab").close()  # an existing file: writable, left as it is
+        except OSError as e:
+            problem = f"cannot write {path} ({e.strerror or e})"
+    return None if problem is None else f"--plot {path}: {problem}"
+
+
 def run_flops(args: argparse.Namespace) -> int:
+    if args.plot and (problem := _plot_problem(args.plot)) is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     try:
         overrides = args.overrides
         if overrides and not args.config:
@@ -252,7 +271,13 @@ def run_flops(args: argparse.Namespace) -> int:
             )
             for n in lens
         }
-        plot_scaling(by_len, args.plot)
+        try:
+            plot_scaling(by_len, args.plot)
+        except OSError as e:  # the disk filled, the folder went read-only since the check
+            print(
+                f"error: --plot {args.plot}: cannot write it ({e.strerror or e})", file=sys.stderr
+            )
+            return 2
         print(f"wrote {args.plot}", file=sys.stderr)
     return 0
 
@@ -270,16 +295,21 @@ def add_flops_command(subparsers) -> argparse.ArgumentParser:
         "--baseline", help="baseline MoE config YAML (its `model:`) for a ConceptMoE --config"
     )
     p.add_argument(
-        "--ratio", type=float, help="compression ratio R (default: model.chunk.target_ratio)"
+        "--ratio",
+        type=finite_number("a compression ratio", 1.0, strict=True),
+        help="compression ratio R (default: model.chunk.target_ratio)",
     )
     p.add_argument(
         "--seq-len",
-        type=int,
+        type=whole_number("tokens"),
         default=32768,
         help="sequence length N for attention map and KV cache",
     )
     p.add_argument(
-        "--bytes-per-el", type=int, default=2, help="bytes per KV-cache element (2 = bf16)"
+        "--bytes-per-el",
+        type=whole_number("bytes"),
+        default=2,
+        help="bytes per KV-cache element (2 = bf16)",
     )
     p.add_argument(
         "--full-attention",
@@ -287,14 +317,19 @@ def add_flops_command(subparsers) -> argparse.ArgumentParser:
         help="count N^2 attention pairs, not causal N(N+1)/2",
     )
     p.add_argument(
-        "--tol", type=float, default=0.02, help="matching tolerance on FLOPs and parameters"
+        "--tol",
+        type=finite_number("a tolerance", 0.0),
+        default=0.02,
+        help="matching tolerance on FLOPs and parameters",
     )
     p.add_argument(
-        "--loop-layers", type=int, help="strategy 2: target number of looped concept layers"
+        "--loop-layers",
+        type=whole_number("layers"),
+        help="strategy 2: target number of looped concept layers",
     )
     p.add_argument(
         "--concept-heads",
-        type=int,
+        type=whole_number("heads"),
         help="strategy 3: concept head count (default ~ sqrt(R) x heads)",
     )
     p.add_argument("--json", action="store_true", help="print the rows as JSON")

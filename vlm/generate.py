@@ -368,4 +368,21 @@ def load_eval_model(ckpt_dir: str | Path, device: str | None = None) -> ConceptM
     if not (ckpt_dir / "config.json").is_file():
         raise FileNotFoundError(f"{ckpt_dir}: not an exported model directory (no config.json)")
     device = device or default_device()
-    return ConceptMoEChat(load_vlm(ckpt_dir), load_tokenizer(ckpt_dir), device=device)
+    model = load_vlm(ckpt_dir)  # WeightsError (one line) for a damaged export
+    return ConceptMoEChat(model, load_export_tokenizer(ckpt_dir), device=device)
+
+
+def load_export_tokenizer(ckpt_dir: Path):
+    """An export's own tokenizer, checked against its config (hf.check_export_tokenizer);
+    WeightsError naming the folder when its tokenizer files are missing, unreadable or another
+    model's."""
+    from data_pipelines.tokenizer import TokenizerError
+    from vlm.model.hf import ConceptMoEConfig, check_export_tokenizer
+    from vlm.model.weights_check import WeightsError, read_config
+
+    try:
+        tok = load_tokenizer(ckpt_dir)
+    except (TokenizerError, OSError, ValueError) as e:
+        raise WeightsError(f"{ckpt_dir}: its tokenizer cannot be loaded ({e})") from None
+    check_export_tokenizer(ckpt_dir, read_config(ckpt_dir, ConceptMoEConfig), tok)
+    return tok

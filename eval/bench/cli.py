@@ -20,7 +20,6 @@ import importlib
 import sys
 import time
 from dataclasses import replace
-from pathlib import Path
 
 PARTS = ("model", "decode", "moe", "loader", "attention", "vision")
 CKPT_PARTS = ("realized",)  # parts that measure a trained checkpoint (--ckpt)
@@ -64,9 +63,13 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from eval.bench import common  # torch and the model: imported when a benchmark runs
+    from eval.preflight import check_model_dir, check_out_dir
 
     mode = "smoke" if args.smoke else "quick" if args.quick else "full"
-    out = Path(args.out)
+    # before any part runs: a result that cannot be written is not measured (a part takes minutes)
+    out = check_out_dir(args.out, "vlm bench")
+    if args.ckpt is not None:
+        check_model_dir(args.ckpt, "vlm bench")
     if args.part in GPU_PARTS and not args.smoke and not torch.cuda.is_available():
         print(
             f"vlm bench {args.part}: no CUDA device here (torch "

@@ -111,6 +111,11 @@ def _command(args: argparse.Namespace) -> int:
     extra = list(args.overrides) + (
         [f"train.vqa_max_samples={args.vqa_limit}"] if args.vqa_limit else []
     )
+    from eval.preflight import check_out_dir
+
+    # before the first run trains: a file named as --out is one line, not a traceback later
+    default = f"runs/experiments/{args.name}" if args.name else "runs/experiments"
+    check_out_dir(args.out or default, "vlm experiment")
     if args.name:
         out = Path(args.out or f"runs/experiments/{args.name}")
         result = run_recipe(

@@ -247,18 +247,22 @@ TOKENIZER_FILES = (
 def source_token_ids(path: str | Path) -> dict[str, int]:
     """eos / bos / pad ids from a transformers checkpoint's config.json and generation_config.json
     (the latter wins: chat models state the eos that ends an answer there)."""
+    from vlm.model.weights_check import WeightsError, read_json_object
+
     path, out = Path(path), {}
     for name in ("config.json", "generation_config.json"):
         f = path / name
         if f.is_file():
-            info = json.loads(f.read_text())
+            info = read_json_object(f, "source config")  # WeightsError naming a garbage file
             for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
                 v = info.get(key)
                 # several eos ids: the first is the one the tokenizer names
                 if isinstance(v, list):
                     v = v[0] if v else None
                 if v is not None:
-                    out[key] = int(v)
+                    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                        raise WeightsError(f"{f}: {key} {v!r} is not a token id")
+                    out[key] = v
     return out
 
 

@@ -27,6 +27,17 @@ import torch
 from configs.config import ConfigError
 from vlm.model.legacy_names import current_key
 
+# the files that fix which text an id means: swapped for another model's, the model reads its
+# prompts with ids it was not trained on (empty answers, a score of 0) though every weight is intact.
+# An export records them beside its weights (`write_checksums(..., tokenizer=True)`).
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "vlm_tokenizer.json",
+    "byte_tokenizer.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+)
 SAFETENSORS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 CHECKSUMS = "checksums.json"
@@ -176,10 +187,12 @@ def sha256_file(path: Path) -> str:
         return hashlib.file_digest(fh, "sha256").hexdigest()
 
 
-def write_checksums(path: str | Path) -> Path | None:
+def write_checksums(path: str | Path, tokenizer: bool = False) -> Path | None:
     """Record the SHA-256 of the export's weight files (and its shard index) in
     `path/checksums.json`, the `files` mapping of a checkpoint's meta.json; an export without
-    safetensors weights gets none (a stale one is removed). Returns the file written."""
+    safetensors weights gets none (a stale one is removed). `tokenizer`: its tokenizer files too
+    (TOKENIZER_FILES; what the project's exporters write, once every file is in place). Returns
+    the file written."""
     path = Path(path)
     out = path / CHECKSUMS
     try:
@@ -189,6 +202,8 @@ def write_checksums(path: str | Path) -> Path | None:
         return None
     if (path / INDEX).is_file():
         files = [path / INDEX, *files]
+    if tokenizer:
+        files += [path / n for n in TOKENIZER_FILES if (path / n).is_file()]
     record = {"algorithm": "sha256", "files": {f.name: sha256_file(f) for f in files}}
     tmp = path / f".{CHECKSUMS}.tmp"
     tmp.write_text(json.dumps(record, indent=2) + "\n")
@@ -234,6 +249,12 @@ def verify_checksums(path: str | Path, files: list[Path] | None = None) -> None:
         if not f.is_file() or f.resolve().parent != path.resolve():
             raise WeightsError(f"{f}: recorded in {record_file} but missing; {SKIP_HINT}")
         got = sha256_file(f)
+        if got != want.lower() and name in TOKENIZER_FILES:
+            raise WeightsError(
+                f"{f}: SHA-256 is {got}, {CHECKSUMS} recorded {want} at export: the tokenizer "
+                "changed since (swapped for another model's?), and the model would read text "
+                f"with ids it was not trained on; {SKIP_HINT}"
+            )
         if got != want.lower():
             raise WeightsError(
                 f"{f}: SHA-256 is {got}, {CHECKSUMS} recorded {want} "
@@ -241,17 +262,29 @@ def verify_checksums(path: str | Path, files: list[Path] | None = None) -> None:
             )
 
 
+def read_json_object(f: Path, what: str) -> dict:
+    """A JSON file that must hold an object, or WeightsError naming it."""
+    try:
+        info = json.loads(f.read_text(encoding="utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        raise WeightsError(f"{f}: not a readable {what} ({_reason(e)})") from None
+    if not isinstance(info, dict):
+        raise WeightsError(
+            f"{f}: not a readable {what} (a JSON {type(info).__name__}, not an object)"
+        )
+    return info
+
+
 def read_config(path: Path, config_class):
     """The export's config, or WeightsError naming config.json."""
     cfg_file = path / "config.json"
-    try:
-        json.loads(cfg_file.read_text())
-    except (OSError, ValueError, UnicodeDecodeError) as e:
-        raise WeightsError(f"{cfg_file}: not a readable model config ({_reason(e)})") from None
+    read_json_object(cfg_file, "model config")
     try:
         return config_class.from_pretrained(str(path))
     except ConfigError as e:
         raise WeightsError(f"{cfg_file}: {e}") from None
+    except (ValueError, TypeError, KeyError, AttributeError) as e:  # transformers' own checks
+        raise WeightsError(f"{cfg_file}: not a readable model config ({_reason(e)})") from None
 
 
 def _where(path: Path, files: list[Path]) -> Path:

@@ -43,11 +43,11 @@ def run_chain(configs: list[str], out: Path, overrides: list[str], log=print, st
     between stages."""
     from vlm.train.config import load_train_config
     from vlm.train.engine import check_deepspeed_config
-    from vlm.train.signals import Preempted, StopFlag
-    from vlm.train.trainer import Trainer, registered_run_end
+    from vlm.train.run_dir import check_out_dir, hold_run_dir
+    from vlm.train.signals import StopFlag
 
     stop = stop if stop is not None else StopFlag()
-
+    check_out_dir(out)  # a file named as --out: one line before the configs are read
     dirs = stage_dirs(configs, out)
     # every stage's config is read and validated before any work starts
     stage_cfgs = [load_train_config(c, overrides) for c in configs]
@@ -58,6 +58,18 @@ def run_chain(configs: list[str], out: Path, overrides: list[str], log=print, st
                 f"{configs[k]}: train.init_from is set by the chain (the "
                 "previous stage's final/); remove it from the stage config"
             )
+    is_main = int(os.environ.get("RANK", "0")) == 0
+    # one chain per folder: a second `vlm chain` into it is refused before a stage starts
+    with hold_run_dir(out, is_main, "vlm chain", keep_contents=True):
+        return _run_stages(configs, dirs, overrides, log, stop, is_main)
+
+
+def _run_stages(configs, dirs, overrides, log, stop, is_main) -> int:
+    from vlm.train.config import load_train_config
+    from vlm.train.run_dir import hold_run_dir
+    from vlm.train.signals import Preempted
+    from vlm.train.trainer import Trainer, registered_run_end
+
     for k, (path, run_dir) in enumerate(zip(configs, dirs)):
         if finished(run_dir):
             log(f"stage {k} ({path}): done earlier, {run_dir / 'final'}")
@@ -72,7 +84,9 @@ def run_chain(configs: list[str], out: Path, overrides: list[str], log=print, st
         cfg = load_train_config(path, overrides + extra)
         log(f"stage {k} ({path}) -> {run_dir}" + (f", from {dirs[k - 1] / 'final'}" if k else ""))
         try:
-            rc = Trainer(cfg, run_dir, resume=None, on_end=registered_run_end(), stop=stop).train()
+            with hold_run_dir(run_dir, is_main, "vlm chain"):
+                trainer = Trainer(cfg, run_dir, resume=None, on_end=registered_run_end(), stop=stop)
+                rc = trainer.train()
         except Preempted as e:  # stopped in the vision warm-up, its state saved
             log(str(e))
             rc = e.code

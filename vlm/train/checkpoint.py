@@ -8,8 +8,8 @@ Layout of RUN_DIR/checkpoints/step_00000100/:
 Everything is written into `.tmp-step_...`, fsynced, then renamed; a crash mid-save leaves only a
 `.tmp-` folder that `latest_checkpoint` never picks (and the next run deletes). Old checkpoints are
 renamed to `.del-` before removal for the same reason. A checkpoint damaged after it was written (a
-truncated file, a flipped bit) fails its checksums on resume, and the newest intact one is used
-instead, with a warning.
+truncated file, a flipped bit, a meta.json cut short or not a JSON object) fails its checks on
+resume, and the newest intact one is used instead, with a warning.
 
 A save that cannot be written (a full disk, a quota, a read-only mount) raises `WriteError`: one
 line with the path and the system's reason ("No space left on device"), after the `.tmp-` folder was
@@ -78,10 +78,52 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def damaged_file(ckpt: Path) -> str | None:
-    """The first file of `ckpt` that is missing or differs from its recorded checksum (None: intact,
-    or a checkpoint written before checksums were recorded)."""
-    recorded = json.loads((ckpt / "meta.json").read_text()).get("files")
+class DamagedMeta(ValueError):
+    """A checkpoint's meta.json that cannot be what a save wrote (cut short, not an object, a
+    field of the wrong type); the message says what is wrong with it."""
+
+
+def read_meta(ckpt: Path, need: tuple[str, ...] = ()) -> dict:
+    """`ckpt`/meta.json as a save wrote it: a JSON object whose `files` (when present) maps names
+    to SHA-256 digests and whose `step` / `world_size` (when present, and always the keys in
+    `need`) are whole numbers. DamagedMeta otherwise."""
+    try:
+        meta = json.loads((ckpt / "meta.json").read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise DamagedMeta(f"not valid JSON ({type(e).__name__}: {str(e)[:80]})") from None
+    except OSError as e:
+        raise DamagedMeta(f"cannot be read ({e.strerror or e})") from None
+    if not isinstance(meta, dict):
+        raise DamagedMeta(f"a JSON {type(meta).__name__}, not an object")
+    files = meta.get("files")
+    if files is not None and not (
+        isinstance(files, dict)
+        and all(isinstance(k, str) and isinstance(v, str) for k, v in files.items())
+    ):
+        raise DamagedMeta("its 'files' is not a mapping of file names to SHA-256 digests")
+    for key in ("step", "world_size"):
+        v = meta.get(key)
+        if (key in need or v is not None) and not (
+            isinstance(v, int) and not isinstance(v, bool) and v >= (key == "world_size")
+        ):
+            raise DamagedMeta(f"its {key!r} is {v!r}, not a whole number")
+    return meta
+
+
+def checkpoint_step(ckpt: Path) -> int:
+    """The step a checkpoint was saved at (its folder's name)."""
+    m = STEP_RE.match(ckpt.name)
+    return int(m.group(1)) if m else read_meta(ckpt, ("step",))["step"]
+
+
+def damaged_file(ckpt: Path, need: tuple[str, ...] = ()) -> str | None:
+    """The first file of `ckpt` that is missing, differs from its recorded checksum, or is a
+    meta.json that no save wrote (`read_meta`) (None: intact, or a checkpoint written before
+    checksums were recorded)."""
+    try:
+        recorded = read_meta(ckpt, need).get("files")
+    except DamagedMeta as e:
+        return f"meta.json ({e})"
     if recorded is None:
         return None
     for rel, digest in recorded.items():
@@ -325,7 +367,7 @@ def load_checkpoint(engine, ckpt: Path, rank: int, world_size: int, log=log.info
     written by another number of ranks loads through DeepSpeed's universal checkpoint
     (vlm.train.reshard; the engine was built for it). CheckpointRefused (one line naming the file)
     on every rank when a rank cannot use its part."""
-    written = reshard.written_by(ckpt)
+    written = read_meta(ckpt, ("world_size",))["world_size"]  # checked by the resume point
     load_dir = ckpt
     if written != world_size and engine.load_universal_checkpoint():
         load_dir = reshard.universal_folder(ckpt, DS_TAG, rank == 0, log)
@@ -360,7 +402,7 @@ def load_checkpoint(engine, ckpt: Path, rank: int, world_size: int, log=log.info
 
 def newest_intact_checkpoint(ckpt_root: Path, warn=log.warning) -> Path | None:
     for _, ckpt in reversed(list_checkpoints(ckpt_root)):
-        bad = damaged_file(ckpt)
+        bad = damaged_file(ckpt, ("step", "world_size"))
         if bad is None:
             return ckpt
         warn(f"checkpoint {ckpt} is damaged: {bad}; trying the one before it")

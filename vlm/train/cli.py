@@ -8,12 +8,13 @@ The config is read and validated before anything else happens; a bad key or valu
 The trainer (torch, DeepSpeed) is imported when the command runs, not when `vlm` registers it: every
 subcommand's registration runs on each `vlm` call, and `vlm data ...` should not wait for DeepSpeed.
 
-Preemption and failures the machine causes are one line each: SIGTERM / SIGINT checkpoint after the
-step in flight and exit 143 / 130 (a second signal exits at once; vlm.train.signals); a checkpoint,
+Preemption and failures the machine causes are one line each: SIGTERM / SIGINT / SIGHUP checkpoint
+after the step in flight and exit 143 / 130 / 129 (a second signal exits at once; vlm.train.signals); a checkpoint,
 export or log that cannot be written (a full disk) names the path and the reason and exits 1, on
 every rank; a checkpoint refused on resume (a pickle, another world size) is one line too, exit 1. A
 RUN_DIR that holds an earlier run's outputs and no checkpoint to resume from is refused unless
---overwrite (vlm.train.run_dir).
+--overwrite, and a RUN_DIR another process is training into is refused in one line naming it
+(vlm.train.run_dir). SIGHUP (the terminal closed) stops a run as SIGTERM does, exit 129.
 """
 
 from __future__ import annotations
@@ -127,6 +128,9 @@ def _train(args, stop) -> int | None:
     if args.print_config:
         print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
         return 0
+    from vlm.train.run_dir import check_out_dir
+
+    check_out_dir(Path(args.out))  # every rank: a file named as --out is one line, not a traceback
     from vlm.train.engine import check_deepspeed_config
 
     check_deepspeed_config(cfg.deepspeed, cfg.optim, int(os.environ.get("WORLD_SIZE", "1")))
@@ -140,17 +144,21 @@ def _train(args, stop) -> int | None:
     if stop.requested:
         return None
     resume = True if args.resume else (False if args.no_resume else None)
+    from vlm.train.run_dir import hold_run_dir
+
     try:
-        trainer = Trainer(
-            cfg,
-            args.out,
-            resume=resume,
-            accept_optim_change=args.accept_optim_change,
-            on_end=registered_run_end(),
-            stop=stop,
-            overwrite=args.overwrite,
-        )
-        return trainer.train()
+        # one writer per run folder (rank 0 holds it for every rank)
+        with hold_run_dir(Path(args.out), int(os.environ.get("RANK", "0")) == 0, "vlm train"):
+            trainer = Trainer(
+                cfg,
+                args.out,
+                resume=resume,
+                accept_optim_change=args.accept_optim_change,
+                on_end=registered_run_end(),
+                stop=stop,
+                overwrite=args.overwrite,
+            )
+            return trainer.train()
     except Preempted as e:
         print(e)
         return e.code

@@ -303,18 +303,34 @@ def finite_or_none(rec: dict) -> dict:
 
 class MetricsFile:
     """RUN_DIR/metrics.jsonl. On resume, lines past the resumed step (written after the last
-    checkpoint by the interrupted run) are dropped so the file reads as one uninterrupted run."""
+    checkpoint by the interrupted run) are dropped so the file reads as one uninterrupted run, and
+    so is a line that is not a JSON object (the half-written last line of a run stopped by a full
+    disk or a kill), with a warning naming it."""
 
-    def __init__(self, path: Path, resume_step: int | None):
+    def __init__(self, path: Path, resume_step: int | None, warn=None):
         self.path = path
         if resume_step is None:
             path.write_text("")
         elif path.exists():
-            keep = [
-                line
-                for line in path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= resume_step
-            ]
+            keep, bad = [], []
+            raw = path.read_bytes().decode("utf-8", "replace")
+            for n, line in enumerate(raw.splitlines(), 1):
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    rec = None
+                if not isinstance(rec, dict):
+                    bad.append(n)
+                elif _step_of(rec) <= resume_step:
+                    keep.append(line)
+            if bad:
+                last = " (the last one: cut short when the run stopped)" if bad == [n] else ""
+                (warn or _stderr)(
+                    f"warning: {path}: dropped {len(bad)} line(s) that are not a JSON record, "
+                    f"line {', '.join(map(str, bad[:5]))}{last}"
+                )
             path.write_text("".join(line + "\n" for line in keep))
         self.fh = open(path, "a")
 
@@ -340,6 +356,15 @@ def current_names(rec: dict) -> dict:
             k = ("val/" if k.startswith("val/") else "") + LEGACY_KEYS[base]
         out.setdefault(k, v)
     return out
+
+
+def _step_of(rec: dict) -> int | float:
+    step = rec.get("step", 0)
+    return step if isinstance(step, (int, float)) and not isinstance(step, bool) else 0
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 def read_metrics(path: Path) -> list[dict]:

@@ -37,8 +37,10 @@ from vlm.train.param_groups import apply_mup, build_param_groups, describe_group
 from vlm.train.probes import ActivationProbe
 from vlm.train.run_config import (
     check_resume_config,
+    check_resume_steps,
     evolve,
     saved_global_batch,
+    saved_run_config,
     with_global_batch,
 )
 from vlm.train.run_dir import check_start, clear_run, made_by_this_run
@@ -150,15 +152,16 @@ def build_model(cfg: TrainConfig, tokenizer):
     return model, fresh, cfg
 
 
-def saved_config(run_dir: Path, resume_from: Path | None) -> dict | None:
+def saved_config(run_dir: Path, resume_from: Path | None, warn) -> dict | None:
     """The config.yaml of the run a resume continues, its global batch stated (a run written before
-    there was one states rows x accumulation x the ranks that wrote it); None: a fresh start."""
-    path = run_dir / "config.yaml"
-    if resume_from is None or not path.is_file():
+    there was one states rows x accumulation x the ranks that wrote it); None: a fresh start, or a
+    config.yaml missing or damaged (with a warning: the checkpoint is what the run resumes from)."""
+    saved = saved_run_config(run_dir, warn) if resume_from is not None else None
+    if saved is None:
         return None
-    saved = yaml.safe_load(path.read_text())
-    batch = saved_global_batch(saved, reshard.written_by(resume_from))
-    saved.setdefault("optim", {})["global_batch_rows"] = batch
+    optim = saved.get("optim") if isinstance(saved.get("optim"), dict) else {}
+    optim["global_batch_rows"] = saved_global_batch(saved, reshard.written_by(resume_from))
+    saved["optim"] = optim
     return saved
 
 
@@ -200,7 +203,10 @@ def build_run(
             model, cfg.optim, cfg.params, cfg.model.hidden_size, cfg.model.c_hidden
         )
         compiled_blocks = compile_model(model, cfg, dist.device)
-        saved = saved_config(run_dir, resume_from)
+        if resume_from is not None:  # not below the step the checkpoint reached
+            step = ckpt_lib.checkpoint_step(resume_from)
+            check_resume_steps(step, cfg.train.max_steps, resume_from)
+        saved = saved_config(run_dir, resume_from, say)
         kept = saved["optim"]["global_batch_rows"] if saved else None
         cfg = with_global_batch(cfg, dist.world_size, kept)
         ds_json = deepspeed_config(cfg.deepspeed, cfg.optim, dist.world_size)

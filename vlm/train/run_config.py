@@ -4,6 +4,7 @@ which of its keys a resumed run may change."""
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 from configs.config import ConfigError, flatten
 from vlm.train.config import TrainConfig
@@ -121,3 +122,39 @@ def _said(tree: dict, key: str, flat: dict) -> str:
 
 
 _ABSENT = object()
+
+
+def check_resume_steps(checkpoint_step: int, max_steps: int, ckpt) -> None:
+    """A resumed run may raise train.max_steps, or keep it at the checkpoint's step (the run
+    finishes: export, evaluation, summary), but not set it below the step the checkpoint reached:
+    nothing would train, and config.yaml would say fewer steps than the weights had."""
+    if max_steps < checkpoint_step:
+        raise ConfigError(
+            f"cannot resume: the checkpoint {ckpt} is at step {checkpoint_step}, past "
+            f"train.max_steps={max_steps}; give train.max_steps >= {checkpoint_step}, or a new "
+            "--out to train a shorter run"
+        )
+
+
+def saved_run_config(run_dir: Path, warn) -> dict | None:
+    """RUN_DIR/config.yaml as the checkpointed run wrote it, for `check_resume_config`; None (with a
+    warning, the resume goes on) when it is missing or damaged (cut short, not a mapping): the
+    checkpoint itself is what the run resumes from, config.yaml only what it is compared with."""
+    import yaml
+
+    path = Path(run_dir) / "config.yaml"
+    if not path.is_file():
+        return None
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        why = f"not readable YAML ({type(e).__name__})"
+    else:
+        if isinstance(data, dict):
+            return data
+        why = f"a {type(data).__name__}, not a mapping"
+    warn(
+        f"warning: {path} is damaged ({why}): this run's config cannot be compared with the "
+        "checkpointed run's; resuming with this one (it is written again now)"
+    )
+    return None

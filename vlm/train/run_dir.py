@@ -12,6 +12,13 @@ the same command then starts it.
 
 A config error found once the run folder exists removes the folder when this run made it
 (`made_by_this_run`), so that a bad config leaves nothing behind.
+
+One writer per run folder: `vlm train` and each stage of `vlm chain` hold the folder's lock
+(configs.folder_lock; rank 0 for all ranks) while they run (`hold_run_dir`), so a second `vlm
+train` into the same --out (a resubmitted job, the same command in another terminal) is refused in
+one line naming the first, instead of both appending to one metrics.jsonl. `--overwrite` deletes
+only from a folder that holds a run's `config.yaml`: a folder that merely holds files named like a
+run's outputs is not a run's.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from configs.config import ConfigError
+from configs.folder_lock import folder_problem, lock_folder
 
 # what a run writes into its folder (vlm.train.trainer, metrics, tracking, vision_warmup,
 # run_summary): what --overwrite deletes; anything else in the folder is left alone
@@ -89,7 +97,17 @@ def refusal(run_dir: Path, resume: bool | None) -> str | None:
 
 
 def clear_run(run_dir: Path) -> list[str]:
-    """--overwrite: delete what an earlier run wrote into `run_dir` (RUN_FILES only); the names deleted."""
+    """--overwrite: delete what an earlier run wrote into `run_dir` (RUN_FILES only); the names
+    deleted. ConfigError, deleting nothing, when `run_dir` holds such names but no run's
+    config.yaml (a folder of something else)."""
+    present = [n for n in RUN_FILES if (run_dir / n).exists() or (run_dir / n).is_symlink()]
+    if present and not _holds_run_config(run_dir / "config.yaml"):
+        raise ConfigError(
+            f"--overwrite: {run_dir} is not a run folder (no run config.yaml in it), so nothing "
+            f"in it is deleted, though it holds {', '.join(present[:5])}"
+            f"{f' and {len(present) - 5} more' if len(present) > 5 else ''}; give the run's own "
+            "folder or a new --out"
+        )
     gone = []
     for name in RUN_FILES:
         path = run_dir / name
@@ -101,6 +119,56 @@ def clear_run(run_dir: Path) -> list[str]:
             continue
         gone.append(name)
     return gone
+
+
+def _holds_run_config(path: Path) -> bool:
+    """`path` is a config.yaml a run wrote: a YAML mapping with a model and a train section."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return False
+    return isinstance(data, dict) and isinstance(data.get("model"), dict) and "train" in data
+
+
+def check_out_dir(run_dir: Path) -> None:
+    """ConfigError (one line) unless a run can write into `run_dir`: a file where the folder or a
+    parent should be, a folder that refuses new files. Before any work."""
+    problem = folder_problem(run_dir)
+    if problem is not None:
+        raise ConfigError(f"--out {run_dir}: {problem}; give a folder you can write to")
+
+
+@contextmanager
+def hold_run_dir(run_dir: Path, is_main: bool, command: str, keep_contents: bool = False):
+    """Rank 0 holds `run_dir`'s lock for the block (configs.folder_lock.FolderBusy when another
+    process holds it); a ConfigError inside removes the folders that making `run_dir` for the lock
+    created, as `made_by_this_run` does (`keep_contents`: only when nothing else was written into
+    them: a chain's folder keeps the stages that finished)."""
+    if not is_main:
+        yield
+        return
+    check_out_dir(run_dir)
+    made = first_missing(run_dir)
+    lock = lock_folder(run_dir, command)
+    try:
+        yield
+    except ConfigError:
+        lock.release()
+        lock = None
+        if made is not None and made.exists():
+            if not keep_contents:
+                shutil.rmtree(made, ignore_errors=True)
+            elif not any(run_dir.iterdir()):
+                for p in (run_dir, *run_dir.parents):
+                    p.rmdir()
+                    if p == made:
+                        break
+        raise
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 def first_missing(path: Path) -> Path | None:

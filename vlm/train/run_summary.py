@@ -33,7 +33,11 @@ def write_summary(
         records, run_dir / "report.png", targets, title=f"{run_dir.name}: stage {cfg.train.stage}"
     )
     warm_file = run_dir / "vision_warmup.json"
-    warmup = json.loads(warm_file.read_text()) if warm_file.is_file() else None
+    try:  # a file damaged since the warm-up wrote it leaves the summary without it
+        warmup = json.loads(warm_file.read_text()) if warm_file.is_file() else None
+    except (OSError, ValueError):
+        warmup = None
+    warmup = warmup if isinstance(warmup, dict) else None
     lines = summary_lines(
         records, targets, results["vqa"], run_dir, wall, nonfinite_total, data_counters, warmup
     )

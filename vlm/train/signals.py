@@ -1,9 +1,10 @@
-"""Preemption: SIGTERM (what SLURM and Kubernetes send before they kill) and SIGINT (Ctrl-C) stop a
-run cleanly.
+"""Preemption: SIGTERM (what SLURM and Kubernetes send before they kill), SIGINT (Ctrl-C) and SIGHUP
+(the terminal or SSH session the run was started from closed) stop a run cleanly.
 
 The first signal sets a flag (and says so on stderr): the step in flight finishes, the trainer (or
 the vision warm-up) writes a checkpoint and returns the conventional exit code, 128 + the signal
-number (130 for SIGINT, 143 for SIGTERM). Python runs a handler between bytecodes, never inside a
+number (130 for SIGINT, 143 for SIGTERM, 129 for SIGHUP: a run left in a closed terminal keeps its
+last steps instead of dying without a checkpoint). Python runs a handler between bytecodes, never inside a
 torch kernel, so setting a flag cannot corrupt a step. A second signal means "now": one line, and
 the process exits at once without saving (os._exit: no cleanup that could hang on a collective or a
 full disk).
@@ -27,7 +28,7 @@ import signal
 import sys
 from contextlib import contextmanager
 
-SIGNALS = (signal.SIGTERM, signal.SIGINT)
+SIGNALS = (signal.SIGTERM, signal.SIGINT) + ((signal.SIGHUP,) if hasattr(signal, "SIGHUP") else ())
 
 
 def exit_code(signum: int) -> int:
@@ -54,7 +55,7 @@ STEP_IN_FLIGHT = "finishing this step and saving a checkpoint"
 
 
 class StopFlag:
-    """Set by the first SIGTERM / SIGINT; `requested` is what the loops poll. `heard`: what the
+    """Set by the first SIGTERM / SIGINT / SIGHUP; `requested` is what the loops poll. `heard`: what the
     first signal makes the run do (said on stderr when it comes)."""
 
     def __init__(self) -> None:

@@ -303,7 +303,10 @@ def load_run_tokenizer(cfg: TrainConfig) -> Tokenizer:
     template must split a conversation into prompt and answer (checked now rather than by
     the data loader mid-run)."""
     if source_tokenizer_dir(cfg) is None:
-        return load_tokenizer(cfg.data.tokenizer_path)
+        tok = load_tokenizer(cfg.data.tokenizer_path)
+        if cfg.train.init_from:
+            check_init_tokenizer(cfg, tok)
+        return tok
     try:
         tok = load_tokenizer(cfg.data.tokenizer_path)
         tok.chat_segments(
@@ -312,6 +315,65 @@ def load_run_tokenizer(cfg: TrainConfig) -> Tokenizer:
     except TokenizerError as e:
         raise ConfigError(str(e)) from None
     return tok
+
+
+# text whose ids tell two tokenizers apart (merges, bytes, specials)
+_PROBE_TEXT = "The red square, left of 2 blue circles: é 漢 <|end|> <image>\n  tabs\tand spaces"
+
+
+def _same_tokenizer(a: Tokenizer, b: Tokenizer) -> bool:
+    return (
+        type(a).__name__ == type(b).__name__
+        and a.vocab_size == b.vocab_size
+        and (a.eos_id, a.pad_id, a.bos_id) == (b.eos_id, b.pad_id, b.bos_id)
+        and a.encode(_PROBE_TEXT) == b.encode(_PROBE_TEXT)
+    )
+
+
+def _trained_tokenizer(where: Path) -> tuple[Tokenizer | None, str, str]:
+    """The tokenizer the model stored at `where` was trained with, where it was found, and the
+    data.tokenizer that names it: an export carries its own; a checkpoint's run names it in its
+    config.yaml. (None, "", "") when that cannot be told (an export without tokenizer files, a run
+    config naming a tokenizer that is gone)."""
+    import yaml
+
+    try:
+        if (where / "config.json").is_file():
+            if (where / "vlm_tokenizer.json").is_file() or (where / "tokenizer.json").is_file():
+                return load_tokenizer(where), str(where), str(where)
+            return None, "", ""
+        run_cfg = where.parent.parent / "config.yaml"
+        data = yaml.safe_load(run_cfg.read_text()) if run_cfg.is_file() else None
+        d = data.get("data") if isinstance(data, dict) else None
+        if not isinstance(d, dict) or not isinstance(d.get("tokenizer"), str):
+            return None, "", ""
+        kind = d["tokenizer"]
+        path = (
+            str(Path(str(d.get("default_dir", "data/default"))) / "tokenizer")
+            if kind == "default"
+            else kind
+        )
+        if path != "byte" and not Path(path).exists():
+            return None, "", ""
+        return load_tokenizer(path), f"{run_cfg}", path
+    except (TokenizerError, OSError, ValueError, yaml.YAMLError):
+        return None, "", ""
+
+
+def check_init_tokenizer(cfg: TrainConfig, tok: Tokenizer) -> None:
+    """ConfigError when `train.init_from` names a model trained with another tokenizer than the one
+    this run reads its data with: its embeddings would be read at ids that meant other text
+    (training goes on at a loss of 16 instead of where the model left off)."""
+    where = resolve_weights_path(Path(cfg.train.init_from))
+    theirs, found, setting = _trained_tokenizer(where)
+    if theirs is None or _same_tokenizer(theirs, tok):
+        return
+    raise ConfigError(
+        f"data.tokenizer {cfg.data.tokenizer!r} ({type(tok).__name__}, {tok.vocab_size} ids) is "
+        f"not the tokenizer the model in train.init_from {cfg.train.init_from} was trained with "
+        f"({type(theirs).__name__}, {theirs.vocab_size} ids, from {found}): its embeddings would "
+        f"be read at ids that meant other text; set data.tokenizer={setting} (the model's own)"
+    )
 
 
 def pretrained_tower(cfg: TrainConfig) -> bool:
