@@ -192,11 +192,19 @@ def test_packing_efficiency_on_default_data(tiny_default):
     assert kinds["image"] and "packing efficiency" in ld.report()
 
 
-def test_source_with_too_few_samples_for_the_splits(tmp_path):
+def test_a_source_of_one_sample_serves_any_number_of_ranks_and_workers(tmp_path, decode_docs):
+    """Every rank plans the one global order: a source smaller than ranks x workers leaves none of
+    them without data (the split loader refused it)."""
     with ShardWriter(tmp_path) as w:
         w.write(Sample(key="only", kind="text", text="one"))
-    cfg = DataConfig(sources=[SourceConfig(path=str(tmp_path))], num_workers=2)
-    with pytest.raises(ValueError, match="fewer than world_size x workers"):
-        build_loader(cfg, TOK)
+    cfg = DataConfig(
+        sources=[SourceConfig(path=str(tmp_path))],
+        num_workers=2,
+        epochs=3,
+        rows_per_batch=1,
+        pack_buffer=1,
+    )
+    got = [decode_docs(b, TOK) for r in range(2) for b in build_loader(cfg, TOK, r, 2)]
+    assert sorted(got) == [["one"]] * 3
     with pytest.raises(ValueError, match="matches no files"):
         build_loader(DataConfig(sources=[SourceConfig(path=str(tmp_path / "*.nothing"))]), TOK)
