@@ -205,7 +205,10 @@ class _PlanAhead:
                 except queue.Empty:
                     pass
             self.thread.join()
-        self.rounds.close()
+        try:
+            self.rounds.close()
+        except ValueError:  # at interpreter exit: the thread stopped inside the generator
+            pass
 
 
 class PackedLoader:

@@ -31,6 +31,8 @@ SCALAR_GROUPS = {
     "boundary_p/image": "boundary_p/image",
     "tokens_per_s": "throughput/tokens_per_s",
     "step_time_s": "throughput/step_time_s",
+    "data/wait_s": "throughput/data_wait_s",
+    "data/wait_share": "throughput/data_wait_share",
     "lr": "optim/lr",
     "grad_norm": "optim/grad_norm",
     "moe/adjugate_per_token": "moe/adjugate_per_token",

@@ -27,6 +27,7 @@ import torch
 from configs.batch import PackedBatch
 from vlm.model.training_controls import TrainingControls
 from vlm.train import collectives
+from vlm.train.device_feed import prepare
 from vlm.train.global_parser import GlobalParser
 from vlm.train.metrics import StepAccumulator, StepRecord, group_names, labelled_counts
 
@@ -37,13 +38,6 @@ def boundary_seed(seed: int, step: int, index: int) -> int:
     Keyed by position in the global batch, not by rank, so sampling does not depend on how the
     global batch is split over ranks and micro-batches (and is reproduced exactly on resume)."""
     return (seed * 0x9E3779B1 + (step + 1) * 0x85EBCA77 + index * 0xC2B2AE3D) % (2**63 - 1)
-
-
-def prepare(batch: PackedBatch, device: torch.device, float_dtype: torch.dtype) -> PackedBatch:
-    batch = batch.to(device)
-    if batch.pixel_patches is not None and batch.pixel_patches.dtype != float_dtype:
-        batch.pixel_patches = batch.pixel_patches.to(float_dtype)
-    return batch
 
 
 def poison_backward(engine) -> None:

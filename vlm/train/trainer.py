@@ -29,6 +29,7 @@ from vlm.model.training_controls import TrainingControls
 from vlm.train import checkpoint as ckpt_lib
 from vlm.train import collectives
 from vlm.train.config import TrainConfig
+from vlm.train.device_feed import DeviceFeed
 from vlm.train.distributed import DistInfo, barrier, init_distributed
 from vlm.train.engine import (
     build_engine,
@@ -166,7 +167,9 @@ class Trainer:
         )
         for line in self.groups_desc:
             self.log(f"  group {line}")
-        batches = iter(self.loader)
+        batches = DeviceFeed(
+            self.loader, self.dist.device, self.float_dtype, cfg.data.prefetch_to_device
+        )
         self.t_start = time.time()
         rc = 0
         while self.step < cfg.train.max_steps:
@@ -181,7 +184,7 @@ class Trainer:
             lr = self.current_lr()
             record = self.train_step(window)
             self.after_step(record)
-            self._add_step_scalars(record, lr, time.perf_counter() - t0)
+            self._add_step_scalars(record, lr, time.perf_counter() - t0, batches.take_wait())
             data_stop = None
             if metrics.should_log(self.step, record.applied):
                 # a collective; the same answer on every rank
@@ -333,9 +336,14 @@ class Trainer:
             self.nonfinite_total += 1
             self.nonfinite_in_row += 1
 
-    def _add_step_scalars(self, record: StepRecord, lr: float, seconds: float) -> None:
-        """What only the trainer knows of a step: lr, wall time, gradient norm, activation probes, skipped steps."""
+    def _add_step_scalars(
+        self, record: StepRecord, lr: float, seconds: float, data_wait: float = 0.0
+    ) -> None:
+        """What only the trainer knows of a step: lr, wall time and the part of it spent waiting
+        for data, gradient norm, activation probes, skipped steps."""
         record.timed(lr, seconds)
+        record.scalars["data/wait_s"] = data_wait
+        record.scalars["data/wait_share"] = data_wait / seconds if seconds > 0 else 0.0
         if record.applied:
             record.scalars.update(self.probe.read())
             grad_norm = self.engine.get_global_grad_norm()

@@ -9,7 +9,7 @@ from vlm.train import collectives
 from vlm.train.global_parser import install
 from vlm.train.metrics import StepAccumulator
 from vlm.train.render import image_concept_picture, text_with_boundaries
-from vlm.train.step import prepare
+from vlm.train.device_feed import prepare
 
 EVAL_KEYS = (
     "lm_loss",
