@@ -294,12 +294,14 @@ class PackedLoader:
             planner.load_state_dict(self.position)
         M = self.world_size
         while True:
-            mine = None
-            for _ in range(M):
+            # a round is M consecutive micro-batches, the m-th of them rank m's (counted from the
+            # position the loader started at: after a resume on other ranks the rounds start there)
+            mine, m = None, 0
+            for m in range(M):
                 plan = planner.next_plan()
                 if plan is None:
                     break
-                if plan.index % M == self.rank:
+                if m == self.rank:
                     mine = plan
             else:
                 yield mine, planner.state_dict(), None
@@ -309,7 +311,7 @@ class PackedLoader:
             rest = planner.take_pending()
             if mine is not None:
                 yield mine, planner.state_dict(), None
-            yield None, planner.state_dict(), rest if planner.next_index % M == self.rank else None
+            yield None, planner.state_dict(), rest if m == self.rank else None
             return
 
     def _received(self, tally: Tally | None, lost: Tally | None, position: dict) -> None:
