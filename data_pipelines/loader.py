@@ -22,7 +22,7 @@ import os
 import queue
 import signal
 import threading
-from collections import Counter, deque
+from collections import deque
 from typing import Iterator
 
 import torch

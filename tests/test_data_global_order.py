@@ -163,8 +163,8 @@ def test_the_pixels_reaching_the_encoder_equal_the_float_path_before(tmp_path):
     enc = NaViTConfig(hidden_size=32, num_layers=1, num_heads=2, pos="rope2d")
     tower = VisionConfig(processor=proc, encoder=enc).build(64)
     captured = []
-    tower.encoder.forward = lambda x, *a, **k: captured.append(x) or torch.zeros(
-        x.shape[0], tower.encoder.out_dim
+    tower.encoder.forward = lambda x, *a, **k: (
+        captured.append(x) or torch.zeros(x.shape[0], tower.encoder.out_dim)
     )
     tower(batch.pixel_patches, batch.patch_coords, batch.image_grids)
     assert captured[0].dtype == torch.float32 and torch.equal(captured[0], want)

@@ -141,10 +141,13 @@ def test_loader_ranks_and_workers_cover_every_sample_once(tmp_path, write_text_s
     assert seen == Counter(texts)
 
 
-def test_rank_split_rows_gives_the_same_global_batch_for_any_world_size(
+def test_two_ranks_micro_batches_stack_into_one_ranks_batches_of_twice_the_rows(
     tiny_default, batches_equal
 ):
-    cfg = _cfg(tiny_default, rank_split="rows", rows_per_batch=2)
+    """Rows are packed in one global order: rank 0 and rank 1's micro-batches of a round, stacked,
+    are the micro-batch of one rank with twice the rows (the global batch of the old
+    rank_split="rows", which the loader no longer reads)."""
+    cfg = _cfg(tiny_default, rows_per_batch=2)
     single = [b for _, b in zip(range(3), build_loader(replace(cfg, rows_per_batch=4), TOK))]
     per_rank = [
         [b for _, b in zip(range(3), build_loader(cfg, TOK, rank=r, world_size=2))]

@@ -325,7 +325,9 @@ class ImageProcessor:
                 warnings.simplefilter("ignore", Image.DecompressionBombWarning)
                 if img.format == "JPEG" and img.mode in ("RGB", "L", "YCbCr"):
                     swap = plan.orientation in (5, 6, 7, 8)
-                    img.draft(img.mode, ((rows if swap else cols) * p, (cols if swap else rows) * p))
+                    img.draft(
+                        img.mode, ((rows if swap else cols) * p, (cols if swap else rows) * p)
+                    )
                 img.load()
                 if plan.orientation != 1:
                     img = img.transpose(UPRIGHT[plan.orientation])

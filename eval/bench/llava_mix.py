@@ -73,7 +73,10 @@ def conversation(rng: np.random.Generator, with_image: bool) -> list[dict]:
         )
         turns += [
             {"role": "user", "content": q},
-            {"role": "assistant", "content": a if long else _sentence(rng, int(rng.integers(1, 4)))},
+            {
+                "role": "assistant",
+                "content": a if long else _sentence(rng, int(rng.integers(1, 4))),
+            },
         ]
     return turns
 
@@ -106,5 +109,7 @@ def write_llava_mix(
             turns = conversation(rng, not text_only)
             imgs = [] if text_only else [pictures[i % images]]
             kind = "text" if text_only else "pair"
-            w.write(Sample(f"s{i:07d}", kind, turns=turns, images=imgs, image_exts=["jpg"] * len(imgs)))
+            w.write(
+                Sample(f"s{i:07d}", kind, turns=turns, images=imgs, image_exts=["jpg"] * len(imgs))
+            )
     return out

@@ -476,5 +476,7 @@ def _postfix(rec: dict) -> dict:
         "R_img": f(rec.get("compression/image")),
         "tok/s": f(rec.get("tokens_per_s"), 0),
         # the share of the step spent waiting for the loader: high means the data is the bottleneck
-        "data": "-" if rec.get("data/wait_share") is None else f"{100 * rec['data/wait_share']:.0f}%",
+        "data": "-"
+        if rec.get("data/wait_share") is None
+        else f"{100 * rec['data/wait_share']:.0f}%",
     }

@@ -6,10 +6,10 @@ import torch
 
 from vision.image_processor import ImageProcessor
 from vlm.train import collectives
+from vlm.train.device_feed import prepare
 from vlm.train.global_parser import install
 from vlm.train.metrics import StepAccumulator
 from vlm.train.render import image_concept_picture, text_with_boundaries
-from vlm.train.device_feed import prepare
 
 EVAL_KEYS = (
     "lm_loss",
