@@ -250,3 +250,17 @@ def test_counts_survive_a_resume_on_another_number_of_ranks(tmp_path, png):
     planned = {k: v for k, v in whole.counters.items()}
     # the PNG cut short is found only when it is decoded: in this shard order after the state
     assert counters == planned and read == whole.stats["samples_read"]
+
+
+def test_an_exported_model_normalises_uint8_pixels_as_the_trained_one(exported_vlm):
+    """transformers builds a loaded model on the meta device: what the tower normalises with must
+    not live in a buffer it leaves uninitialised."""
+    from vision.image_processor import channel_stats, normalize_pixels
+    from vlm.model.hf import load_vlm
+
+    tower = load_vlm(exported_vlm).vision
+    p = tower.patch_size
+    pixels = torch.randint(0, 256, (6, 3 * p * p), dtype=torch.uint8)
+    mean, std = (channel_stats(v, p) for v in (tower.pixel_mean, tower.pixel_std))
+    assert torch.equal(tower.pixels_to_input(pixels), normalize_pixels(pixels, mean, std))
+    assert torch.isfinite(tower.pixels_to_input(pixels)).all()

@@ -246,9 +246,16 @@ def normalize_pixels(
     return (x - mean_D) / std_D
 
 
-def channel_stats(values: tuple[float, ...], patch_size: int) -> torch.Tensor:
-    """[3 * patch_size**2] float32: each channel's value repeated over a patch's pixels (c, ph, pw)."""
-    return torch.tensor(values, dtype=torch.float32).repeat_interleave(patch_size**2)
+def channel_stats(
+    values: tuple[float, ...], patch_size: int, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """[3 * patch_size**2] float32: each channel's value repeated over a patch's pixels (c, ph, pw).
+    Filled on `device` from Python floats (rounded to float32 as numpy rounds them): no copy from
+    the host, so a GPU step does not wait for one."""
+    out = torch.empty(len(values), patch_size**2, dtype=torch.float32, device=device)
+    for c, v in enumerate(values):
+        out[c].fill_(float(v))
+    return out.reshape(-1)
 
 
 class ImageProcessor:

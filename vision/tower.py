@@ -29,25 +29,30 @@ class VisionTower(nn.Module):
                 f"projector in_dim={projector.in_dim} != encoder out_dim={encoder.out_dim}"
             )
         self.encoder, self.projector, self.merge = encoder, projector, merge
-        patch = int(getattr(encoder, "patch_size", 0) or 0)
-        # Held as the float32 values' bits in int32: `model.to(torch.bfloat16)` (DeepSpeed's bf16)
-        # casts every floating buffer, which would round the mean and std, but moves integer ones
-        # unchanged. Not in the state dict: they come from the config, checkpoints stay as they were.
-        for name, values in (("pixel_mean_bits_D", mean), ("pixel_std_bits_D", std)):
-            bits = channel_stats(values, patch).view(torch.int32)
-            self.register_buffer(name, bits, persistent=False)
+        self.patch_size = int(getattr(encoder, "patch_size", 0) or 0)
+        self.pixel_mean, self.pixel_std = tuple(mean), tuple(std)
+        # Per device, made there and kept out of the module's buffers: a buffer would be rounded by
+        # `model.to(torch.bfloat16)` (DeepSpeed's bf16), and a non-persistent one is left
+        # uninitialised by transformers' from_pretrained (it builds the model on the meta device).
+        self._pixel_stats: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def pixels_to_input(self, patches_PD: torch.Tensor) -> torch.Tensor:
         """uint8 pixels -> normalised float32 (the encoder casts to its own dtype); floats as they are."""
         if patches_PD.dtype != torch.uint8:
             return patches_PD
-        mean_D = self.pixel_mean_bits_D.view(torch.float32)
-        if patches_PD.shape[-1] != mean_D.shape[0]:
+        if patches_PD.shape[-1] != 3 * self.patch_size**2:
             raise ValueError(
                 f"uint8 patches of {patches_PD.shape[-1]} values, but the tower's patches hold "
-                f"{mean_D.shape[0]} (3 x patch_size**2)"
+                f"{3 * self.patch_size**2} (3 x patch_size**2)"
             )
-        return normalize_pixels(patches_PD, mean_D, self.pixel_std_bits_D.view(torch.float32))
+        stats = self._pixel_stats.get(patches_PD.device)
+        if stats is None:
+            stats = tuple(
+                channel_stats(v, self.patch_size, patches_PD.device)
+                for v in (self.pixel_mean, self.pixel_std)
+            )
+            self._pixel_stats[patches_PD.device] = stats
+        return normalize_pixels(patches_PD, *stats)
 
     @property
     def out_dim(self) -> int:
