@@ -189,7 +189,12 @@ class _PlanAhead:
         self.thread = threading.Thread(target=self._run, name="data-planner", daemon=True)
         self.thread.start()
         while True:
-            item = self.queue.get()
+            try:
+                item = self.queue.get(timeout=0.1)
+            except queue.Empty:
+                if self.stop.is_set() and not self.thread.is_alive():
+                    raise RuntimeError("the loader's planning thread was stopped") from None
+                continue
             if item is _END:
                 return
             if isinstance(item, BaseException):
@@ -383,7 +388,9 @@ class PackedLoader:
                 self._received(rest, None, position)
         finally:
             del it
-            self._close()
+            ahead.close()  # this iteration's: a later `iter(loader)` may have started its own
+            if self._ahead is ahead:
+                self._ahead = None
 
     def _close(self) -> None:
         """Stop the planning thread of an earlier iteration (its DataLoader is gone with it)."""

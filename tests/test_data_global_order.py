@@ -264,3 +264,17 @@ def test_an_exported_model_normalises_uint8_pixels_as_the_trained_one(exported_v
     mean, std = (channel_stats(v, p) for v in (tower.pixel_mean, tower.pixel_std))
     assert torch.equal(tower.pixels_to_input(pixels), normalize_pixels(pixels, mean, std))
     assert torch.isfinite(tower.pixels_to_input(pixels)).all()
+
+
+def test_a_second_iteration_does_not_stop_when_the_first_is_collected(tiny_default, batches_equal):
+    """Each iteration owns its planning thread: dropping an earlier, unfinished iterator leaves the
+    current one running, and both start from the position last delivered."""
+    cfg = _cfg(tiny_default, num_workers=1)
+    full = _by_index(cfg, 1, 0, 4)
+    ld = build_loader(cfg, TOK)
+    first = iter(ld)
+    assert batches_equal(next(first), full[0])
+    second = iter(ld)
+    assert batches_equal(next(second), full[1])
+    del first  # its cleanup must not stop the second iteration's planner
+    assert batches_equal(next(second), full[2]) and batches_equal(next(second), full[3])
