@@ -57,13 +57,16 @@ class DataConfig(ValidatedOnInit):
     shuffle_buffer: int = 512  # samples per source held for shuffling (0: stream order)
     pack_buffer: int = 64  # tokenized samples the packer chooses from when filling a row
     seed: int = 0
-    num_workers: int = 0  # DataLoader worker processes per rank (0: in the main process)
-    # how ranks share the data: "samples" = each rank reads its own part of every source (no
-    # duplicated work); "rows" = every rank builds the same global batch of rows_per_batch x
-    # world_size rows and keeps its rows, so the global batch does not depend on the number of ranks
-    # (costs world_size x the CPU work)
+    # DataLoader worker processes per rank that decode the rank's micro-batches (0: in the main
+    # process); may change on resume: the data does not depend on it
+    num_workers: int = 0
+    # no longer read: the data is one global order of micro-batches whatever the number of ranks
+    # (docs/data.md); accepted so that configs written before still load
     rank_split: Literal["samples", "rows"] = "samples"
     prefetch_factor: int = 2
+    # micro-batches sent to the GPU ahead of the step that uses them (pinned memory, a side stream;
+    # 0: each when it is used); the CPU has nothing to overlap and ignores it
+    prefetch_to_device: int = 2
     # None: loop forever (training); N: stop after N passes over every source
     epochs: int | None = None
     # "byte"; "default": the BPE tokenizer built with the embedded default dataset
@@ -92,6 +95,10 @@ class DataConfig(ValidatedOnInit):
         check(self.num_workers >= 0, f"num_workers must be >= 0, got {self.num_workers}")
         check(
             self.prefetch_factor >= 1, f"prefetch_factor must be >= 1, got {self.prefetch_factor}"
+        )
+        check(
+            self.prefetch_to_device >= 0,
+            f"prefetch_to_device must be >= 0, got {self.prefetch_to_device}",
         )
         check(
             self.epochs is None or self.epochs >= 1,

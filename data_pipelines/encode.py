@@ -1,4 +1,6 @@
-"""Sample -> token ids with images expanded, per-token target flags, and processed images.
+"""Sample -> token ids with images expanded, per-token target flags, and its images: planned (the
+training loader: grid and orientation read from each header, decoded later, only by the rank that
+trains on the sample) or processed at once (prompts: normalised float patches).
 
 Each `<image>` placeholder becomes `<image_start>` + num_tokens x `<image_pad>` + `<image_end>`; the
 document is framed by `<bos>` ... `<eos>`. `target[t]` says whether token t may be a training target
@@ -7,12 +9,9 @@ document is framed by `<bos>` ... `<eos>`. `target[t]` says whether token t may 
 
 from __future__ import annotations
 
-import io
-import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
-from PIL import Image
 
 from data_pipelines.schema import (
     CORRUPT_IMAGE,
@@ -25,14 +24,21 @@ from data_pipelines.schema import (
     Sample,
 )
 from data_pipelines.tokenizer import Tokenizer
-from vision.image_processor import ImageError, ImageProcessor, ProcessedImage
+from vision.image_processor import (
+    ImageError,
+    ImagePlan,
+    ImageProcessor,
+    ImageTooLarge,
+    ProcessedImage,
+)
 
 
 @dataclass
 class EncodedSample:
     ids: np.ndarray  # [L] int64
     target: np.ndarray  # [L] bool
-    images: list[ProcessedImage] = field(default_factory=list)
+    # ImagePlan (the training loader: decoded when the batch is made) or ProcessedImage (prompts)
+    images: list[ImagePlan | ProcessedImage] = field(default_factory=list)
     key: str = ""
     truncated: bool = False
     kind: str = "text"  # one of configs.batch.KINDS (statistics only)
@@ -43,33 +49,36 @@ class EncodedSample:
 
     @property
     def num_patches(self) -> int:
-        return sum(int(im.patches_PD.shape[0]) for im in self.images)
+        return sum(im.grid[0] * im.grid[1] for im in self.images)
 
 
-def _header_size(data: bytes, max_pixels: int, where: str) -> None:
-    """Classify oversized images from the header before anything is decoded."""
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            with Image.open(io.BytesIO(data)) as im:
-                w, h = im.size
-    except Image.DecompressionBombError as e:
-        raise BadSample(IMAGE_TOO_LARGE, f"{where}: {e}") from None
-    except Exception:  # noqa: BLE001 - unidentifiable: the processor reports it as corrupt
-        return
-    if w * h > max_pixels:
-        raise BadSample(
-            IMAGE_TOO_LARGE, f"{where}: {w}x{h} = {w * h} pixels exceeds max_pixels={max_pixels}"
-        )
+def image_where(sample: Sample, i: int) -> str:
+    return f"{i} of sample {sample.key} in {sample.source}"
+
+
+def plan_images(sample: Sample, processor: ImageProcessor) -> list[ImagePlan]:
+    """Each image's grid and orientation from its header alone: an oversized one is
+    image_too_large, one whose header cannot be read (or states no pixels) corrupt_image. Pixels
+    that do not decode are found when the batch is made (data_pipelines.materialise)."""
+    out = []
+    for i, data in enumerate(sample.images):
+        try:
+            out.append(processor.plan(data, source=image_where(sample, i)))
+        except ImageTooLarge as e:
+            raise BadSample(IMAGE_TOO_LARGE, str(e)) from None
+        except ImageError as e:
+            raise BadSample(CORRUPT_IMAGE, str(e)) from None
+    return out
 
 
 def process_images(sample: Sample, processor: ImageProcessor) -> list[ProcessedImage]:
+    """Every image decoded and normalised now (prompts; `vlm data stats --scan`)."""
     out = []
     for i, data in enumerate(sample.images):
-        where = f"image {i} of sample {sample.key} in {sample.source}"
-        _header_size(data, processor.cfg.max_pixels, where)
         try:
-            out.append(processor(data, source=where))
+            out.append(processor(data, source=image_where(sample, i)))
+        except ImageTooLarge as e:
+            raise BadSample(IMAGE_TOO_LARGE, str(e)) from None
         except ImageError as e:
             raise BadSample(CORRUPT_IMAGE, str(e)) from None
     return out
@@ -115,12 +124,14 @@ def encode_sample(
     loss_on: str = "all",
     long_text: str = "truncate",
     allow_empty_text: bool = False,
+    decode_images: bool = True,
 ) -> list[EncodedSample]:
     """Tokenize, expand and check one sample; returns one EncodedSample
     (several with long_text="split").
 
     `allow_empty_text` is for prompts: an image-only prompt ("<image>") is valid input to
-    generation, while as training data it would teach nothing."""
+    generation, while as training data it would teach nothing. `decode_images=False` (the
+    training loader) plans the images from their headers instead of decoding them."""
     if sample.turns is not None:
         # the tokenizer's chat format: ours or a source's
         segments = tok.chat_segments(sample.turns)
@@ -150,7 +161,10 @@ def encode_sample(
     ids, target = np.concatenate(parts), np.concatenate(flags)
     if tok.is_special[ids].all() and not (allow_empty_text and sample.images):
         raise BadSample(EMPTY_TEXT, f"sample {sample.key} in {sample.source}: no text tokens")
-    images = process_images(sample, processor) if sample.images else []
+    if not sample.images:
+        images = []
+    else:
+        images = (process_images if decode_images else plan_images)(sample, processor)
     try:
         ids, target = expand_images(ids, target, [im.num_tokens for im in images], tok)
     except BadSample as e:

@@ -1,34 +1,39 @@
 """The packed loader: `build_loader(cfg, tokenizer, rank, world_size) -> PackedLoader`
 (iterable of PackedBatch).
 
-With `num_workers = W > 0` each rank runs W logical workers in torch DataLoader processes; each
-worker packs whole batches from its own split of every source. torch hands out batches strictly
-round-robin (a finished worker keeps answering with an end marker so the rotation never changes),
-and every batch travels with its worker's state after producing it. The loader keeps the last state
-per worker and which worker is next; restoring starts the DataLoader rotated so that worker comes
-first, which reproduces the uninterrupted sequence exactly. `iter(loader)` always continues from the
-current state.
+The data is one global sequence of micro-batches g = 0, 1, 2, ... (data_pipelines.plan), whose
+content depends on the data config, the tokenizer and g only. Rank r of M yields g = r, r + M,
+r + 2M, ...: every rank plans every micro-batch (cheap: no image is decoded) and materialises only
+its own (data_pipelines.materialise: decoding, resizing). With `num_workers = W > 0` a thread plans
+ahead and the rank's plans go to a map-style DataLoader whose W worker processes materialise them;
+the DataLoader hands the results back in order, so the sequence does not depend on W either.
+
+M consecutive micro-batches (one per rank) are a round. The state after a round is the planner's
+(the same on every rank, whatever M and W); `state_dict()` is that of the last round this rank has
+received its micro-batch of, and `load_state_dict` on a loader of any (rank, world_size,
+num_workers) continues with the next micro-batch. `iter(loader)` always continues from the current
+state.
 """
 
 from __future__ import annotations
 
-import copy
 import logging
 import os
+import queue
 import signal
 import threading
-from collections import Counter
+from collections import deque
 from typing import Iterator
 
 import torch
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torch.utils.data import DataLoader, Dataset
 
 from configs.batch import PackedBatch
 from configs.config import to_dict
 from data_pipelines.config import DataConfig, SourceConfig
 from data_pipelines.default_dataset import default_sources, ensure_default_dataset
-from data_pipelines.packing import select_rows
-from data_pipelines.pipeline import ResolvedSource, WorkerPipeline
+from data_pipelines.materialise import materialise
+from data_pipelines.plan import MicroBatchPlan, Planner, ResolvedSource, Tally
 from data_pipelines.reader import (
     ShardError,
     listed_but_missing,
@@ -37,11 +42,13 @@ from data_pipelines.reader import (
     shard_name,
 )
 from data_pipelines.tokenizer import Tokenizer
+from vision.image_processor import ImageProcessor
 
 log = logging.getLogger("data_pipelines")
 MISSING_NAMED = 10  # a warning about deleted shards names this many, then says how many more
 
-STATE_VERSION = 1
+# 2: one global order of micro-batches (version 1 split the data by rank and worker)
+STATE_VERSION = 2
 
 
 def resolve_sources(cfg: DataConfig) -> list[ResolvedSource]:
@@ -123,18 +130,90 @@ def _identity(x):
     return x
 
 
-class _WorkerDataset(IterableDataset):
-    def __init__(self, loader: "PackedLoader", rotation: int):
-        self.loader, self.rotation = loader, rotation
+class _Materialise(Dataset):
+    """Map-style: a plan in, (its index, the micro-batch, what decoding lost) out, in a worker."""
+
+    def __init__(self, loader: "PackedLoader"):
+        self.args = (
+            loader.cfg.row_tokens,
+            loader.tok.pad_id,
+            loader.tok.image_pad_id,
+            loader.processor,
+            [s.label for s in loader.sources],
+        )
+
+    def __getitem__(self, plan: MicroBatchPlan):
+        batch, lost = materialise(plan, *self.args, shared=True)
+        return plan.index, batch, lost
+
+
+class _Plans:
+    """The DataLoader's sampler: this rank's plans, from the planning thread's queue."""
+
+    def __init__(self, items: Iterator):
+        self.items = items
 
     def __iter__(self):
-        info = get_worker_info()
-        w = (info.id + self.rotation) % info.num_workers
-        pipe = self.loader._pipeline(w)
+        return self.items
+
+
+_END = object()
+
+
+class _PlanAhead:
+    """Runs `rounds` (the planner) in a thread, `depth` rounds ahead of the DataLoader."""
+
+    def __init__(self, rounds: Iterator, depth: int):
+        self.rounds, self.queue = rounds, queue.Queue(maxsize=depth)
+        self.stop = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    def _run(self) -> None:
+        try:
+            for item in self.rounds:
+                while not self.stop.is_set():
+                    try:
+                        self.queue.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if self.stop.is_set():
+                    return
+            self.queue.put(_END)
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer, which raises it
+            self.queue.put(e)
+
+    def __iter__(self):
+        # started on the first request, which the DataLoader makes after forking its workers:
+        # no thread runs while they are forked
+        self.thread = threading.Thread(target=self._run, name="data-planner", daemon=True)
+        self.thread.start()
         while True:
-            batch = pipe.next_batch()
-            # batch None: this worker is done (sent on every later request)
-            yield w, batch, pipe.state_dict()
+            try:
+                item = self.queue.get(timeout=0.1)
+            except queue.Empty:
+                if self.stop.is_set() and not self.thread.is_alive():
+                    raise RuntimeError("the loader's planning thread was stopped") from None
+                continue
+            if item is _END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def close(self) -> None:
+        self.stop.set()
+        if self.thread is not None:
+            while self.thread.is_alive():
+                try:
+                    self.queue.get(timeout=0.1)
+                except queue.Empty:
+                    pass
+            self.thread.join()
+        try:
+            self.rounds.close()
+        except ValueError:  # at interpreter exit: the thread stopped inside the generator
+            pass
 
 
 class PackedLoader:
@@ -148,25 +227,22 @@ class PackedLoader:
     ):
         self.cfg, self.tok, self.sources = cfg, tokenizer, sources
         self.rank, self.world_size = rank, world_size
-        self.num_logical = max(cfg.num_workers, 1)
-        self.by_rows = cfg.rank_split == "rows" and world_size > 1
-        self.num_splits = (1 if self.by_rows else world_size) * self.num_logical
+        self.processor = ImageProcessor(cfg.processor)
         for s in sources:
-            total = sum(s.counts)
-            if total < self.num_splits:
-                raise ShardError(
-                    f"source {s.label} has {total} samples, fewer than world_size "
-                    f"x workers = {self.num_splits}: some workers would get none"
-                )
-        self.worker_states: list[dict | None] = [None] * self.num_logical
-        self.next_worker = 0
-        self.batches = 0
+            if sum(s.counts) < 1:
+                raise ShardError(f"source {s.label} has no samples")
+        # the planner's state after the last round delivered (None: the start)
+        self.position: dict | None = None
+        # counts: restored with a state (on rank 0 only, so that the sum over ranks counts them
+        # once), and this rank's micro-batches since
+        self.base, self.own = Tally(), Tally()
+        self._ahead: _PlanAhead | None = None
 
     # ---------------------------------------------------------------- state
     def fingerprint(self) -> dict:
         c = self.cfg
         # shard file names, not paths: a dataset folder may move (or be served over http) between
-        # the checkpoint and the resume
+        # the checkpoint and the resume. Ranks and workers are not in it: they do not change the data.
         return {
             "sources": [
                 [[shard_name(p) for p in s.paths], s.counts, s.weight, s.kind] for s in self.sources
@@ -176,138 +252,175 @@ class PackedLoader:
             "rows_per_batch": c.rows_per_batch,
             "shuffle_buffer": c.shuffle_buffer,
             "pack_buffer": c.pack_buffer,
-            "workers": self.num_logical,
-            "rank": self.rank,
-            "world_size": self.world_size,
             "epochs": c.epochs,
             "loss_on": c.loss_on,
             "long_text": c.long_text,
-            "rank_split": c.rank_split,
             "vocab_size": self.tok.vocab_size,
             "processor": to_dict(c.processor),
         }
 
     def state_dict(self) -> dict:
+        """The position after the last round this rank received its micro-batch of: the same dict
+        on every rank, whatever the number of ranks and workers."""
         return {
             "version": STATE_VERSION,
             "fingerprint": self.fingerprint(),
-            "batches": self.batches,
-            "next_worker": self.next_worker,
-            "workers": copy.deepcopy(self.worker_states),
+            "planner": self.position,
         }
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("version") != STATE_VERSION:
-            raise ValueError(f"loader state version {state.get('version')} != {STATE_VERSION}")
+            raise ValueError(
+                f"the checkpoint's data position (loader state version {state.get('version')}) "
+                f"cannot be carried over to this loader (version {STATE_VERSION}: one global "
+                "order of micro-batches); start a new run, e.g. with train.init_from"
+            )
         mine, theirs = self.fingerprint(), state["fingerprint"]
         diff = [k for k in mine if to_dict(mine[k]) != to_dict(theirs.get(k))]
         if diff:
             k = diff[0]
             raise ValueError(
                 f"loader state does not match this data config: {k} was {theirs.get(k)!r}, now "
-                f"{mine[k]!r} (resume needs the same sources, seed, sizes, workers and ranks)"
+                f"{mine[k]!r} (resume needs the same sources, seed, sizes and tokenizer)"
             )
-        self.batches, self.next_worker = state["batches"], state["next_worker"]
-        self.worker_states = copy.deepcopy(state["workers"])
+        self._close()
+        self.position = state["planner"]
+        totals = Tally() if self.position is None else Tally.from_dict(self.position["totals"])
+        self.base, self.own = (totals if self.rank == 0 else Tally()), Tally()
 
     # ---------------------------------------------------------------- iteration
-    def _pipeline(self, w: int) -> WorkerPipeline:
-        if self.by_rows:  # every rank runs the same global pipeline and keeps its rows
-            pipe = WorkerPipeline(
-                self.cfg,
-                self.sources,
-                self.tok,
-                w,
-                self.num_splits,
-                rows_per_batch=self.cfg.rows_per_batch * self.world_size,
-            )
-        else:
-            pipe = WorkerPipeline(
-                self.cfg, self.sources, self.tok, self.rank * self.num_logical + w, self.num_splits
-            )
-        if self.worker_states[w] is not None:
-            pipe.load_state_dict(self.worker_states[w])
-        return pipe
+    def _rounds(self) -> Iterator[tuple[MicroBatchPlan | None, dict, Tally | None]]:
+        """(this rank's plan, the planner's state after its round, None) round after round, then
+        (None, the final state, what this rank counts of the samples read after the last
+        micro-batch) once the data is exhausted."""
+        planner = Planner(self.cfg, self.sources, self.tok, self.processor)
+        planner.warn = self.rank == 0
+        if self.position is not None:
+            planner.load_state_dict(self.position)
+        M = self.world_size
+        while True:
+            # a round is M consecutive micro-batches, the m-th of them rank m's (counted from the
+            # position the loader started at: after a resume on other ranks the rounds start there)
+            mine, m = None, 0
+            for m in range(M):
+                plan = planner.next_plan()
+                if plan is None:
+                    break
+                if m == self.rank:
+                    mine = plan
+            else:
+                yield mine, planner.state_dict(), None
+                continue
+            # the data is exhausted: what was read after the last micro-batch is counted by the
+            # rank the next micro-batch would have gone to
+            rest = planner.take_pending()
+            if mine is not None:
+                yield mine, planner.state_dict(), None
+            yield None, planner.state_dict(), rest if m == self.rank else None
+            return
 
-    def _mine(self, batch: PackedBatch | None) -> PackedBatch | None:
-        """This rank's rows of a global batch (rank_split="rows"); None when a last, short batch has none."""
-        if batch is None or not self.by_rows:
-            return batch
-        b = self.cfg.rows_per_batch
-        if batch.input_ids.shape[0] <= self.rank * b:
-            return None
-        return select_rows(batch, self.rank * b, (self.rank + 1) * b)
-
-    def _record(self, w: int, state: dict) -> None:
-        self.worker_states[w] = state
-        self.next_worker = (w + 1) % self.num_logical
+    def _received(self, tally: Tally | None, lost: Tally | None, position: dict) -> None:
+        for t in (tally, lost):
+            if t is not None:
+                self.own.add(t)
+        self.position = position
 
     def __iter__(self) -> Iterator[PackedBatch]:
+        self._close()
         if self.cfg.num_workers == 0:
-            pipe = self._pipeline(0)
-            while (batch := self._mine(_single_threaded(pipe.next_batch))) is not None:
-                self._record(0, pipe.state_dict())
-                self.batches += 1
-                yield batch
-            self._record(0, pipe.state_dict())
+            args = (
+                self.cfg.row_tokens,
+                self.tok.pad_id,
+                self.tok.image_pad_id,
+                self.processor,
+                [s.label for s in self.sources],
+            )
+            rounds = self._rounds()
+            try:
+                for plan, position, rest in rounds:
+                    if plan is None:
+                        self._received(rest, None, position)
+                        return
+                    batch, lost = _single_threaded(lambda: materialise(plan, *args))
+                    self._received(plan.tally, lost, position)
+                    yield batch
+            finally:
+                rounds.close()
             return
+        yield from self._with_workers()
+
+    def _with_workers(self) -> Iterator[PackedBatch]:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        done = {
-            w
-            for w, s in enumerate(self.worker_states)
-            if s is not None and s["ended"] and not s["pool"]
-        }
-        if len(done) == self.num_logical:
-            return
+        W = self.cfg.num_workers
+        # (index, tally, position) of the plans handed to the DataLoader, in order; the end of the
+        # data comes last as (None, what this rank counts of it, the final position)
+        inflight: deque = deque()
+
+        def plans():
+            for plan, position, rest in ahead:
+                if plan is None:
+                    inflight.append((None, rest, position))
+                    return
+                inflight.append((plan.index, plan.tally, position))
+                yield plan
+
+        ahead = self._ahead = _PlanAhead(self._rounds(), depth=max(2, W))
         dl = DataLoader(
-            _WorkerDataset(self, self.next_worker),
+            _Materialise(self),
             batch_size=None,
-            num_workers=self.cfg.num_workers,
+            sampler=_Plans(plans()),
+            num_workers=W,
             collate_fn=_identity,
             prefetch_factor=self.cfg.prefetch_factor,
             persistent_workers=False,
             worker_init_fn=_leave_stop_signals_to_the_trainer,
         )
-        for w, batch, state in dl:
-            self._record(w, state)
-            batch = self._mine(batch)
-            if batch is None:
-                done.add(w)
-                if len(done) == self.num_logical:
-                    return
-                continue
-            self.batches += 1
-            yield batch
+        it = iter(dl)
+        try:
+            for index, batch, lost in it:
+                expected, tally, position = inflight.popleft()
+                if index != expected:  # the DataLoader returns in order; a change there would show
+                    raise RuntimeError(f"micro-batch {index} arrived where {expected} was due")
+                self._received(tally, lost, position)
+                yield batch
+            if inflight:  # the end of the data
+                _, rest, position = inflight.popleft()
+                self._received(rest, None, position)
+        finally:
+            del it
+            ahead.close()  # this iteration's: a later `iter(loader)` may have started its own
+            if self._ahead is ahead:
+                self._ahead = None
+
+    def _close(self) -> None:
+        """Stop the planning thread of an earlier iteration (its DataLoader is gone with it)."""
+        if self._ahead is not None:
+            self._ahead.close()
+            self._ahead = None
 
     # ---------------------------------------------------------------- reporting
-    def _sum(self, key: str) -> Counter:
-        total: Counter = Counter()
-        for s in self.worker_states:
-            if s is not None:
-                total.update(s[key])
-        return total
+    def _tally(self) -> Tally:
+        t = Tally()
+        t.add(self.base)
+        t.add(self.own)
+        return t
 
     @property
     def counters(self) -> dict[str, int]:
-        """Skipped samples by reason, over all workers of this rank (for batches delivered so far)."""
-        return dict(sorted(self._sum("counters").items()))
+        """Skipped samples by reason, for this rank's micro-batches delivered so far (summed over
+        ranks: the whole run's)."""
+        return dict(sorted((k, v) for k, v in self._tally().counters.items() if v))
 
     @property
     def stats(self) -> dict[str, int]:
-        return dict(sorted(self._sum("stats").items()))
+        return dict(sorted(self._tally().stats.items()))
 
     def by_source(self) -> dict[str, tuple[int, dict[str, int]]]:
-        """Per source label: (samples read, skipped by reason), over all workers of this rank."""
-        read: Counter = Counter()
-        skipped: dict[str, Counter] = {}
-        for s in self.worker_states:
-            if s is not None:
-                read.update(s.get("read_by_source", {}))
-                for label, c in s.get("skipped_by_source", {}).items():
-                    skipped.setdefault(label, Counter()).update(c)
+        """Per source label: (samples read, skipped by reason), for this rank's micro-batches."""
+        t = self._tally()
         return {
-            label: (read[label], dict(skipped.get(label, {})))
-            for label in sorted(set(read) | set(skipped))
+            label: (t.read_by_source[label], dict(t.skipped_by_source.get(label, {})))
+            for label in sorted(set(t.read_by_source) | set(t.skipped_by_source))
         }
 
     def packing_efficiency(self) -> float:

@@ -72,16 +72,30 @@ def best_subset(lengths: np.ndarray, room: int) -> list[int]:
 
 
 def assemble_batch(rows: list[list[EncodedSample]], row_tokens: int, tok: Tokenizer) -> PackedBatch:
-    """Rows of encoded samples -> PackedBatch (labels shifted, masked at document ends, padding,
-    images and non-target tokens; images concatenated row by row, left to right)."""
+    """Rows of encoded samples whose images are processed (prompts: normalised float patches) ->
+    PackedBatch; images concatenated row by row, left to right. The training loader's batches,
+    whose images are planned, are made by data_pipelines.materialise."""
+    batch = token_batch(rows, row_tokens, tok.pad_id, tok.image_pad_id)
+    images = [im for row in rows for s in row for im in s.images]
+    if images:
+        batch.pixel_patches = torch.cat([im.patches_PD for im in images], 0)
+        batch.patch_coords = torch.cat([im.coords_P2 for im in images], 0)
+        batch.image_grids = torch.tensor([list(im.grid) for im in images], dtype=torch.long)
+    return batch
+
+
+def token_batch(
+    rows: list[list[EncodedSample]], row_tokens: int, pad_id: int, image_pad_id: int
+) -> PackedBatch:
+    """The token fields of a PackedBatch (labels shifted, masked at document ends, padding, images
+    and non-target tokens); no images."""
     B, T = len(rows), row_tokens
-    ids = np.full((B, T), tok.pad_id, dtype=np.int64)
+    ids = np.full((B, T), pad_id, dtype=np.int64)
     doc = np.full((B, T), -1, dtype=np.int64)
     pos = np.zeros((B, T), dtype=np.int64)
     target = np.zeros((B, T), dtype=bool)
     kind = np.full((B, T), -1, dtype=np.int64)
     source = np.full((B, T), -1, dtype=np.int64)
-    images = []
     for r, row in enumerate(rows):
         o = 0
         for d, s in enumerate(row):
@@ -94,9 +108,8 @@ def assemble_batch(rows: list[list[EncodedSample]], row_tokens: int, tok: Tokeni
             target[r, o : o + n] = s.target
             kind[r, o : o + n] = KINDS.index(s.kind)
             source[r, o : o + n] = s.source
-            images += s.images
             o += n
-    is_image = (ids == tok.image_pad_id) & (doc >= 0)
+    is_image = (ids == image_pad_id) & (doc >= 0)
     labels = np.full((B, T), IGNORE_INDEX, dtype=np.int64)
     keep = (
         (doc[:, 1:] == doc[:, :-1])
@@ -107,7 +120,7 @@ def assemble_batch(rows: list[list[EncodedSample]], row_tokens: int, tok: Tokeni
     )
     labels[:, :-1] = np.where(keep, ids[:, 1:], IGNORE_INDEX)
     modality = np.where(is_image, IMAGE, TEXT)
-    batch = PackedBatch(
+    return PackedBatch(
         input_ids=torch.from_numpy(ids),
         labels=torch.from_numpy(labels),
         doc_ids=torch.from_numpy(doc),
@@ -116,11 +129,6 @@ def assemble_batch(rows: list[list[EncodedSample]], row_tokens: int, tok: Tokeni
         kind=torch.from_numpy(kind),
         source=torch.from_numpy(source),
     )
-    if images:
-        batch.pixel_patches = torch.cat([im.patches_PD for im in images], 0)
-        batch.patch_coords = torch.cat([im.coords_P2 for im in images], 0)
-        batch.image_grids = torch.tensor([list(im.grid) for im in images], dtype=torch.long)
-    return batch
 
 
 def select_rows(batch: PackedBatch, start: int, stop: int) -> PackedBatch:

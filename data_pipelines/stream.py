@@ -1,15 +1,15 @@
-"""Per-worker sample streams: split a source over ranks x workers, loop epochs,
-shuffle, mix sources.
+"""Sample streams: loop epochs, shuffle, mix sources.
 
-Splitting: the source's samples, numbered over its shards in sorted order, are cut into
-`num_splits` contiguous ranges (sizes differ by at most one); split `rank * workers + worker` reads
-only its range, as (shard, start, stop) segments, so every sample is read by exactly one worker per
-epoch. Shuffling: segment order is permuted per epoch, then a shuffle buffer (webdataset-style)
-draws samples at random. All randomness is numpy PCG64 seeded from (seed, source, split[, epoch]);
-the state is the reading position, the buffered samples as (shard, index) references and the
-generator state, all plain Python values, so a restored stream re-reads its buffered samples and
-continues bit for bit (a URL shard has no random access: re-reading sample k of one streams through
-the k before it).
+The loader reads every source as one stream (split 0 of 1: one global order, whatever the number
+of ranks and workers). Splitting remains for other readers: the source's samples, numbered over
+its shards in sorted order, are cut into `num_splits` contiguous ranges (sizes differ by at most
+one), read as (shard, start, stop) segments. Shuffling: segment order is permuted per epoch, then a
+shuffle buffer (webdataset-style) draws samples at random. All randomness is numpy PCG64 seeded
+from (seed, source, split[, epoch]); the state is the reading position, the buffered samples as
+(shard, index) references and the generator state, all plain Python values, so a restored stream
+re-reads its buffered samples and continues bit for bit (a URL shard has no random access:
+re-reading sample k of one streams through the k before it). The buffer keeps its references apart
+from its samples, so that a state is a shallow copy of one list, not a walk over the buffer.
 """
 
 from __future__ import annotations
@@ -70,7 +70,9 @@ class SourceStream:
         self.epochs = epochs
         self.epoch, self.seg_pos, self.offset, self.epoch_read = 0, 0, 0, False
         self.exhausted = not self.segments
-        self.buffer: list[tuple[tuple[int, int], Any]] = []
+        # the shuffle buffer: (shard, index) references and their raw samples, in step
+        self.refs: list[tuple[int, int]] = []
+        self.raws: list[Any] = []
         self.rng = _rng(seed, index, split, 1)
         self._order = self._epoch_order()
         self._reader = None
@@ -110,17 +112,18 @@ class SourceStream:
     def next(self):
         """Next (ref, raw | BadSample) in shuffled order; None once the configured epochs are done."""
         while not self.exhausted:
-            while len(self.buffer) < self.buffer_size and not self.epoch_read:
+            while len(self.refs) < self.buffer_size and not self.epoch_read:
                 item = self._read_one()
                 if item is None:
                     self.epoch_read = True
                 elif isinstance(item[1], BadSample):
                     return item  # bad samples bypass the buffer (nothing to shuffle)
                 else:
-                    self.buffer.append(item)
-            if self.buffer:
-                j = int(self.rng.integers(len(self.buffer))) if self.shuffle else 0
-                return self.buffer.pop(j)
+                    self.refs.append(item[0])
+                    self.raws.append(item[1])
+            if self.refs:
+                j = int(self.rng.integers(len(self.refs))) if self.shuffle else 0
+                return self.refs.pop(j), self.raws.pop(j)
             self.epoch += 1
             self.seg_pos, self.offset, self.epoch_read, self._reader = 0, 0, False, None
             self._order = self._epoch_order()
@@ -135,7 +138,7 @@ class SourceStream:
             "offset": self.offset,
             "epoch_read": self.epoch_read,
             "exhausted": self.exhausted,
-            "buffer": [list(ref) for ref, _ in self.buffer],
+            "buffer": list(self.refs),  # (shard, index) tuples: immutable, so a shallow copy
             "rng": self.rng.bit_generator.state,
         }
 
@@ -144,8 +147,8 @@ class SourceStream:
         self.epoch_read, self.exhausted = state["epoch_read"], state["exhausted"]
         self.rng.bit_generator.state = state["rng"]
         self._order, self._reader = self._epoch_order(), None
-        refs = [tuple(r) for r in state["buffer"]]
-        self.buffer = [(ref, raw) for ref, raw in zip(refs, self.fetch(refs))]
+        self.refs = [tuple(r) for r in state["buffer"]]
+        self.raws = self.fetch(self.refs)
 
     def fetch(self, refs: list[tuple[int, int]]) -> list[Any]:
         """Raw samples for (shard, index) references (re-reading each shard once)."""

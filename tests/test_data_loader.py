@@ -141,10 +141,13 @@ def test_loader_ranks_and_workers_cover_every_sample_once(tmp_path, write_text_s
     assert seen == Counter(texts)
 
 
-def test_rank_split_rows_gives_the_same_global_batch_for_any_world_size(
+def test_two_ranks_micro_batches_stack_into_one_ranks_batches_of_twice_the_rows(
     tiny_default, batches_equal
 ):
-    cfg = _cfg(tiny_default, rank_split="rows", rows_per_batch=2)
+    """Rows are packed in one global order: rank 0 and rank 1's micro-batches of a round, stacked,
+    are the micro-batch of one rank with twice the rows (the global batch of the old
+    rank_split="rows", which the loader no longer reads)."""
+    cfg = _cfg(tiny_default, rows_per_batch=2)
     single = [b for _, b in zip(range(3), build_loader(replace(cfg, rows_per_batch=4), TOK))]
     per_rank = [
         [b for _, b in zip(range(3), build_loader(cfg, TOK, rank=r, world_size=2))]
@@ -192,11 +195,19 @@ def test_packing_efficiency_on_default_data(tiny_default):
     assert kinds["image"] and "packing efficiency" in ld.report()
 
 
-def test_source_with_too_few_samples_for_the_splits(tmp_path):
+def test_a_source_of_one_sample_serves_any_number_of_ranks_and_workers(tmp_path, decode_docs):
+    """Every rank plans the one global order: a source smaller than ranks x workers leaves none of
+    them without data (the split loader refused it)."""
     with ShardWriter(tmp_path) as w:
         w.write(Sample(key="only", kind="text", text="one"))
-    cfg = DataConfig(sources=[SourceConfig(path=str(tmp_path))], num_workers=2)
-    with pytest.raises(ValueError, match="fewer than world_size x workers"):
-        build_loader(cfg, TOK)
+    cfg = DataConfig(
+        sources=[SourceConfig(path=str(tmp_path))],
+        num_workers=2,
+        epochs=3,
+        rows_per_batch=1,
+        pack_buffer=1,
+    )
+    got = [decode_docs(b, TOK) for r in range(2) for b in build_loader(cfg, TOK, r, 2)]
+    assert sorted(got) == [["one"]] * 3
     with pytest.raises(ValueError, match="matches no files"):
         build_loader(DataConfig(sources=[SourceConfig(path=str(tmp_path / "*.nothing"))]), TOK)

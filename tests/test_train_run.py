@@ -7,6 +7,7 @@ import copy
 import dataclasses
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -14,6 +15,8 @@ import yaml
 
 REQUIRED = [
     "step",
+    "data/wait_s",
+    "data/wait_share",
     "loss",
     "loss/lm",
     "loss/ratio",
@@ -72,6 +75,8 @@ def test_train_single_process_run_dir(
         missing = [k for k in REQUIRED if k not in r]
         assert not missing, missing
         assert r["tokens"] > 0 and r["tokens_per_s"] > 0 and r["compression/ratio"] >= 1
+        # the loader's wait is part of the step's wall time
+        assert 0 <= r["data/wait_s"] <= r["step_time_s"] and 0 <= r["data/wait_share"] <= 1
     assert all("val/loss/lm" in r for r in recs if r["step"] % 2 == 0)
     # bits per byte of the text-only samples: the byte tokenizer's targets are bytes or 0-byte
     # specials (eos), so bpb / (loss / ln 2) = tokens / bytes >= 1, exactly 1 when no eos is a
@@ -389,3 +394,5 @@ def test_a_redirected_log_gets_plain_progress_lines(
     )
     assert "\r" not in proc.stderr and "\r" not in proc.stdout
     assert "train step 4/4" in proc.stderr
+    # the share of the step spent waiting for data, in every progress line
+    assert re.search(r"train step 4/4 .*data \d+%", proc.stderr)

@@ -118,4 +118,10 @@ class VisionConfig(ValidatedOnInit):
         if self.freeze_encoder:
             for name, p in enc.named_parameters():
                 p.requires_grad_(name.startswith("merger."))
-        return VisionTower(enc, Projector(self.projector, enc.out_dim, llm_hidden), merge)
+        return VisionTower(
+            enc,
+            Projector(self.projector, enc.out_dim, llm_hidden),
+            merge,
+            self.processor.mean,
+            self.processor.std,
+        )

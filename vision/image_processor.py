@@ -8,6 +8,7 @@ conv patch embedding flattens onto it directly, plus each patch's (row, col) in 
 
 from __future__ import annotations
 
+import functools
 import io
 import math
 import os
@@ -20,6 +21,11 @@ import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from configs.config import ValidatedOnInit, check
+
+try:  # optional: views of Pillow's pixels without a copy (rgb_view)
+    import pyarrow as _pa
+except ImportError:  # pragma: no cover - the copying path gives the same pixels
+    _pa = None
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -86,7 +92,8 @@ class ProcessedImage:
 
 
 def choose_grid(height: int, width: int, cfg: ImageProcessorConfig) -> tuple[int, int]:
-    """(rows, cols) in patches for an image of `height` x `width` pixels.
+    """(rows, cols) in patches for an image of `height` x `width` pixels (cached: a data set holds
+    few distinct sizes, and scoring every candidate costs a quarter of a millisecond).
 
     Works in merge-units (merge x merge patch blocks). The target is the image's natural size in
     units, each side raised to at least one unit (so a 1x1000 strip aims for 1 x 36 units, not for
@@ -94,9 +101,18 @@ def choose_grid(height: int, width: int, cfg: ImageProcessorConfig) -> tuple[int
     count (and column count) is scored at once by the squared log errors in aspect ratio and in
     area, and the best one wins.
     """
-    unit = cfg.patch_size * cfg.merge
-    m2 = cfg.merge**2
-    min_u, max_u = math.ceil(cfg.min_patches / m2), cfg.max_patches // m2
+    return _choose_grid(
+        int(height), int(width), cfg.patch_size, cfg.merge, cfg.min_patches, cfg.max_patches
+    )
+
+
+@functools.lru_cache(maxsize=65536)
+def _choose_grid(
+    height: int, width: int, patch_size: int, merge: int, min_patches: int, max_patches: int
+) -> tuple[int, int]:
+    unit = patch_size * merge
+    m2 = merge**2
+    min_u, max_u = math.ceil(min_patches / m2), max_patches // m2
     r0, c0 = max(height / unit, 1.0), max(width / unit, 1.0)
     area = min(max(r0 * c0, min_u), max_u)
     aspect = r0 / c0
@@ -117,7 +133,7 @@ def choose_grid(height: int, width: int, cfg: ImageProcessorConfig) -> tuple[int
     score = np.log(rows / cols / aspect) ** 2 + np.log(rows * cols / area) ** 2
     score = np.round(np.where(np.isnan(score), np.inf, score), 12)
     best = int(np.lexsort((-rows * cols, score))[0])  # ties: the larger grid
-    return int(rows[best]) * cfg.merge, int(cols[best]) * cfg.merge
+    return int(rows[best]) * merge, int(cols[best]) * merge
 
 
 def to_rgb(img: Image.Image) -> Image.Image:
@@ -159,39 +175,186 @@ def unpatchify(patches_PD: torch.Tensor, grid: tuple[int, int], patch: int) -> t
     return x.reshape(c, rows * patch, cols * patch)
 
 
+def rgb_view(img: Image.Image) -> np.ndarray:
+    """[H, W, 3] uint8 pixels of an RGB image. Where Pillow exports its memory through the Arrow C
+    data interface (Pillow >= 11.2, with pyarrow installed) this is a view of it (RGB is held as
+    RGBX); else `np.asarray` copies it out, at about a tenth of a resize's time per image."""
+    if _pa is not None and img.mode == "RGB":
+        try:
+            arr = _pa.array(img)
+            if isinstance(arr.type, _pa.FixedSizeListType) and arr.type.list_size == 4:
+                flat = arr.flatten().to_numpy(zero_copy_only=True)
+                return flat.reshape(img.height, img.width, 4)[..., :3]
+        except Exception:  # noqa: BLE001 - not exportable (an older Pillow, a chunked image): copy
+            pass
+    return np.asarray(img)
+
+
 def grid_coords(rows: int, cols: int) -> torch.Tensor:
     """[rows*cols, 2] (row, col) in raster order."""
     r, c = torch.meshgrid(torch.arange(rows), torch.arange(cols), indexing="ij")
     return torch.stack([r.reshape(-1), c.reshape(-1)], dim=1)
 
 
+# EXIF orientation tag -> the transpose that shows the image upright (ImageOps.exif_transpose's table)
+ORIENTATION_TAG = 0x0112
+UPRIGHT = {
+    2: Image.Transpose.FLIP_LEFT_RIGHT,
+    3: Image.Transpose.ROTATE_180,
+    4: Image.Transpose.FLIP_TOP_BOTTOM,
+    5: Image.Transpose.TRANSPOSE,
+    6: Image.Transpose.ROTATE_270,
+    7: Image.Transpose.TRANSVERSE,
+    8: Image.Transpose.ROTATE_90,
+}
+
+
+class ImageTooLarge(ImageError):
+    """An image whose header states more pixels than max_pixels (nothing was decoded)."""
+
+
+@dataclass(frozen=True)
+class ImagePlan:
+    """An image placed in a batch before it is decoded: its bytes, its patch grid and EXIF
+    orientation (both read from the header: `ImageProcessor.plan`), and where it came from, for
+    messages. `ImageProcessor.pixels_into` decodes it to exactly that grid."""
+
+    data: bytes
+    grid: tuple[int, int]  # (rows, cols) in patches, upright
+    orientation: int  # EXIF orientation tag, 1 = as stored
+    source: str = ""
+    merge: int = 1
+
+    @property
+    def num_tokens(self) -> int:
+        return (self.grid[0] // self.merge) * (self.grid[1] // self.merge)
+
+    @property
+    def num_patches(self) -> int:
+        return self.grid[0] * self.grid[1]
+
+
+def normalize_pixels(
+    pixels_PD: torch.Tensor, mean_D: torch.Tensor, std_D: torch.Tensor
+) -> torch.Tensor:
+    """uint8 patches (0..255, channel-major inside a patch) -> the normalised float32 patches the
+    encoder reads: the processor's float path computes the same operations in the same order, so
+    the numbers are equal (`mean_D`, `std_D`: per channel, each repeated patch_size**2 times)."""
+    # a Python scalar multiplies in float32, as numpy's float32 scalar does; mean and std are
+    # tensors, since CUDA divides by a scalar as a multiplication by its reciprocal
+    x = pixels_PD.to(torch.float32) * (1 / 255.0)
+    return (x - mean_D) / std_D
+
+
+def channel_stats(
+    values: tuple[float, ...], patch_size: int, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """[3 * patch_size**2] float32: each channel's value repeated over a patch's pixels (c, ph, pw).
+    Filled on `device` from Python floats (rounded to float32 as numpy rounds them): no copy from
+    the host, so a GPU step does not wait for one."""
+    out = torch.empty(len(values), patch_size**2, dtype=torch.float32, device=device)
+    for c, v in enumerate(values):
+        out[c].fill_(float(v))
+    return out.reshape(-1)
+
+
 class ImageProcessor:
+    """Bytes, a path or a Pillow image -> patches. Two outputs of one computation: `pixels` (uint8,
+    what the training loader ships; the model normalises them on its device: `normalize_pixels`)
+    and `__call__` (normalised float32, for prompts and tools)."""
+
     def __init__(self, cfg: ImageProcessorConfig | None = None):
         self.cfg = cfg or ImageProcessorConfig()  # validated when it was made
         self._mean_3 = np.asarray(self.cfg.mean, dtype=np.float32)
         self._std_3 = np.asarray(self.cfg.std, dtype=np.float32)
+        p2 = self.cfg.patch_size**2
+        self._mean_D = np.repeat(self._mean_3, p2)
+        self._std_D = np.repeat(self._std_3, p2)
 
     def __call__(
         self, image: "Image.Image | bytes | str | os.PathLike", source: str = ""
     ) -> ProcessedImage:
-        img = self.load(image, source, for_patches=True)
-        rows, cols = choose_grid(img.height, img.width, self.cfg)
-        p = self.cfg.patch_size
-        img = img.resize((cols * p, rows * p), Image.Resampling.BICUBIC)
+        pixels_PD, grid = self.pixels(image, source)
         # numpy, not torch: single-threaded and cheap in data-loader workers (torch's OpenMP pool
-        # stalls on busy machines for arrays this small).
-        x_HW3 = np.asarray(img, dtype=np.float32) * np.float32(1 / 255.0)
-        x_HW3 = (x_HW3 - self._mean_3) / self._std_3
-        patches = (
-            x_HW3.reshape(rows, p, cols, p, 3)
-            .transpose(0, 2, 4, 1, 3)
-            .reshape(rows * cols, 3 * p * p)
-        )
-        return ProcessedImage(
-            torch.from_numpy(np.ascontiguousarray(patches)),
-            grid_coords(rows, cols),
-            (rows, cols),
-            self.cfg.merge,
+        # stalls on busy machines for arrays this small). The operations of normalize_pixels.
+        x_PD = pixels_PD.astype(np.float32) * np.float32(1 / 255.0)
+        x_PD = (x_PD - self._mean_D) / self._std_D
+        return ProcessedImage(torch.from_numpy(x_PD), grid_coords(*grid), grid, self.cfg.merge)
+
+    def pixels(
+        self, image: "Image.Image | bytes | str | os.PathLike", source: str = ""
+    ) -> tuple[np.ndarray, tuple[int, int]]:
+        """([P, 3*patch*patch] uint8 patches, (rows, cols)). Encoded bytes (or a file) get their
+        grid from the header, as the loader plans them; a Pillow image from its size."""
+        if isinstance(image, Image.Image):
+            img = self._finish(image, source or "<PIL image>")
+            grid = choose_grid(img.height, img.width, self.cfg)
+            out = np.empty((grid[0] * grid[1], 3 * self.cfg.patch_size**2), dtype=np.uint8)
+            self._patchify_into(self._resize(img, grid), grid, out)
+            return out, grid
+        data, name = self._read(image, source)
+        plan = self.plan(data, name)
+        out = np.empty((plan.num_patches, 3 * self.cfg.patch_size**2), dtype=np.uint8)
+        self.pixels_into(plan, out)
+        return out, plan.grid
+
+    # ------------------------------------------------------------ plan, then decode
+    def plan(self, data: bytes, source: str = "") -> ImagePlan:
+        """Read the header only (size, EXIF orientation) and choose the grid. Raises ImageTooLarge
+        over max_pixels, ImageError when the header cannot be read or states no pixels."""
+        img = self._open(data, source)
+        w, h = img.size
+        self._check_size(w, h, source)
+        orientation = 1
+        # A PNG keeps its EXIF in a chunk Pillow reads only with the pixels when it follows them:
+        # the header's view is what both the plan and the decode go by.
+        if "exif" in img.info or img.format not in ("PNG", None):
+            try:
+                orientation = int(img.getexif().get(ORIENTATION_TAG, 1) or 1)
+            except Exception:  # noqa: BLE001 - a broken EXIF block: shown as stored, as Pillow does
+                orientation = 1
+            orientation = orientation if orientation in UPRIGHT else 1
+        if orientation in (5, 6, 7, 8):
+            w, h = h, w
+        return ImagePlan(data, choose_grid(h, w, self.cfg), orientation, source, self.cfg.merge)
+
+    def pixels_into(self, plan: ImagePlan, out_PD: np.ndarray) -> None:
+        """Decode a planned image into `out_PD` ([P, 3*patch*patch] uint8, P = its grid's patches):
+        a JPEG at the smallest DCT scale still at least the grid's pixel size, upright, RGB, one
+        bicubic resize to the grid. Raises ImageError when the pixels cannot be decoded."""
+        name = plan.source or "<bytes>"
+        img = self._open(plan.data, name)
+        self._check_size(*img.size, name)
+        rows, cols = plan.grid
+        p = self.cfg.patch_size
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+                if img.format == "JPEG" and img.mode in ("RGB", "L", "YCbCr"):
+                    swap = plan.orientation in (5, 6, 7, 8)
+                    img.draft(
+                        img.mode, ((rows if swap else cols) * p, (cols if swap else rows) * p)
+                    )
+                img.load()
+                if plan.orientation != 1:
+                    img = img.transpose(UPRIGHT[plan.orientation])
+                img = to_rgb(img)
+        except Exception as e:  # noqa: BLE001 - truncated streams, bad chunks, decoder errors
+            raise ImageError(f"image {name}: cannot be decoded ({type(e).__name__}: {e})") from None
+        self._patchify_into(self._resize(img, plan.grid), plan.grid, out_PD)
+
+    def _resize(self, img: Image.Image, grid: tuple[int, int]) -> Image.Image:
+        p = self.cfg.patch_size
+        size = (grid[1] * p, grid[0] * p)
+        return img if img.size == size else img.resize(size, Image.Resampling.BICUBIC)
+
+    def _patchify_into(self, img: Image.Image, grid: tuple[int, int], out_PD: np.ndarray) -> None:
+        """Raster order over the grid, (c, ph, pw) inside a patch: one strided copy, in uint8."""
+        rows, cols = grid
+        p = self.cfg.patch_size
+        x = rgb_view(img)
+        out_PD.reshape(rows, cols, 3, p, p)[...] = x.reshape(rows, p, cols, p, 3).transpose(
+            0, 2, 4, 1, 3
         )
 
     def tokens_for_size(self, height: int, width: int) -> int:
@@ -200,12 +363,16 @@ class ImageProcessor:
         return (rows // self.cfg.merge) * (cols // self.cfg.merge)
 
     def denormalize(self, patches_PD: torch.Tensor) -> torch.Tensor:
-        """Undo the mean/std normalisation of patches (values back in 0..1)."""
-        p2 = self.cfg.patch_size**2
-        mean = torch.from_numpy(self._mean_3).repeat_interleave(p2).to(patches_PD)
-        std = torch.from_numpy(self._std_3).repeat_interleave(p2).to(patches_PD)
+        """Patches back to values in 0..1: normalised floats undo the mean/std, uint8 pixels are
+        divided by 255."""
+        if patches_PD.dtype == torch.uint8:
+            return patches_PD.float() / 255.0
+        patches_PD = patches_PD.float()
+        mean = torch.from_numpy(self._mean_D).to(patches_PD)
+        std = torch.from_numpy(self._std_D).to(patches_PD)
         return patches_PD * std + mean
 
+    # ------------------------------------------------------------ decoding
     def load(
         self,
         image: "Image.Image | bytes | str | os.PathLike",
@@ -217,30 +384,35 @@ class ImageProcessor:
         for_patches: the image will be resized to its patch grid, so a JPEG may be decoded at a
         reduced DCT scale (libjpeg's draft mode) that is still at least the grid's pixel size.
         """
+        if isinstance(image, Image.Image):
+            return self._finish(image, source or "<PIL image>")
+        data, name = self._read(image, source)
+        return self._decode(data, name, for_patches)
+
+    def _read(self, image, source: str) -> tuple[bytes, str]:
         if isinstance(image, (str, os.PathLike)):
             name = source or os.fspath(image)
             if not os.path.isfile(image):
                 raise ImageError(f"image {name}: file not found")
             with open(image, "rb") as f:
-                data = f.read()
-            return self._decode(data, name, for_patches)
+                return f.read(), name
         if isinstance(image, (bytes, bytearray, memoryview)):
-            return self._decode(bytes(image), source or "<bytes>", for_patches)
-        if isinstance(image, Image.Image):
-            return self._finish(image, source or "<PIL image>")
+            return bytes(image), source or "<bytes>"
         raise ImageError(
             f"image {source or '<unknown>'}: expected a PIL "
             f"image, bytes or a path, got {type(image).__name__}"
         )
 
-    def _decode(self, data: bytes, name: str, for_patches: bool = False) -> Image.Image:
+    def _open(self, data: bytes, name: str) -> Image.Image:
         if not data:
             raise ImageError(f"image {name}: empty data (0 bytes)")
         try:
-            img = Image.open(io.BytesIO(data))
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+                return Image.open(io.BytesIO(data))
         except Image.DecompressionBombError as e:
             # Pillow's own guard fires in open() for absurd headers
-            raise ImageError(
+            raise ImageTooLarge(
                 f"image {name}: exceeds the pixel limit, "
                 f"max_pixels={self.cfg.max_pixels} (decompression-bomb guard: {e})"
             ) from None
@@ -250,17 +422,22 @@ class ImageProcessor:
             ) from None
         except Exception as e:  # noqa: BLE001 - Pillow raises many types (SyntaxError, struct.error, ...) on broken headers
             raise ImageError(f"image {name}: cannot be read ({type(e).__name__}: {e})") from None
-        return self._finish(img, name, for_patches)
 
-    def _finish(self, img: Image.Image, name: str, for_patches: bool = False) -> Image.Image:
-        w, h = img.size
+    def _check_size(self, w: int, h: int, name: str) -> None:
         if w < 1 or h < 1:
             raise ImageError(f"image {name}: has no pixels ({w}x{h})")
         if w * h > self.cfg.max_pixels:  # read from the header: nothing has been decoded yet
-            raise ImageError(
+            raise ImageTooLarge(
                 f"image {name}: {w}x{h} = {w * h} pixels exceeds "
                 f"max_pixels={self.cfg.max_pixels} (decompression-bomb guard)"
             )
+
+    def _decode(self, data: bytes, name: str, for_patches: bool = False) -> Image.Image:
+        return self._finish(self._open(data, name), name, for_patches)
+
+    def _finish(self, img: Image.Image, name: str, for_patches: bool = False) -> Image.Image:
+        w, h = img.size
+        self._check_size(w, h, name)
         try:
             with warnings.catch_warnings():
                 # our own guard is above

@@ -2,6 +2,7 @@
 each part's table.
 
     vlm bench [model|decode|moe|loader|attention|vision|realized|gpu|all] [--quick] [--out DIR] [--ckpt DIR]
+    vlm bench loader [--config RUN.yaml] [--data SHARDS] [--tokens-per-s N]
 
 `realized` (prefill with the boundaries a trained router draws on real prompts) needs a checkpoint:
 `all` runs it when --ckpt is given. `gpu` (MFU, prefill, decode, memory and kernel launches of
@@ -48,8 +49,19 @@ def add_bench_command(subparsers) -> None:
     )
     ap.add_argument(
         "--data",
-        help="loader part, full mode: default dataset folder (built there if missing); "
-        "realized part: the checkpoint's default dataset (default data/default)",
+        help="loader part: shards to read (a folder, glob or URL) in place of the config's "
+        "sources (default: the config's own, or a generated LLaVA-style mix when it names "
+        "none); realized part: the checkpoint's default dataset (default data/default)",
+    )
+    ap.add_argument(
+        "--config",
+        help="loader part: the run config whose data section and loader path are measured "
+        "(default configs/gpu.yaml)",
+    )
+    ap.add_argument(
+        "--tokens-per-s",
+        type=float,
+        help="loader part: the training rate the cores per GPU are stated at (default 100000)",
     )
     ap.add_argument(
         "--ckpt",
@@ -84,8 +96,13 @@ def run(args: argparse.Namespace) -> int:
     for part in parts:
         mod = importlib.import_module(f"eval.bench.{part}")
         settings = mod.SETTINGS[mode]
-        if part == "loader" and args.data:
-            settings = replace(settings, data=args.data)
+        if part == "loader":
+            settings = replace(
+                settings,
+                **({"data": args.data} if args.data else {}),
+                **({"config": args.config} if args.config else {}),
+                **({"tokens_per_s": args.tokens_per_s} if args.tokens_per_s else {}),
+            )
         if part == "realized":
             settings = replace(
                 settings, ckpt=args.ckpt, **({"data": args.data} if args.data else {})

@@ -1,29 +1,34 @@
-"""Loader throughput (samples/s, non-padding tokens/s) and packing efficiency per number of
-DataLoader workers.
+"""The training loader as the trainer runs it, on a run config and its data: tokens/s, images/s,
+tokens per CPU-second and the CPU cores one GPU needs at a stated rate, per number of DataLoader
+workers.
 
-Each round builds a fresh loader per worker count and reads `batches` batches after the first batch
-of every worker, so process start-up is not timed. Packing efficiency is the share of non-padding
-positions (target >= 97 %); it does not depend on the round. Baseline: in-process loading (0
-workers). The full setting reads the default dataset (`--data`, built there if missing); quick and
-smoke build a small one into a temp folder.
+    vlm bench loader --config configs/gpu.yaml                       # a generated LLaVA-style mix
+    vlm bench loader --config mine.yaml                             # the config's own data.sources
+    vlm bench loader --config mine.yaml --data /data/shards         # other shards, same settings
+    vlm bench loader --config mine.yaml --tokens-per-s 60000        # cores per GPU at 60K tokens/s
+
+The loader is built by the trainer's own path (vlm.train.loaders.build_loaders, rank 0 of 1) with
+`data.num_workers` set per candidate, so what is measured is what a training run gets: the planner,
+the workers decoding the rank's micro-batches, the batches as they reach the training loop (not
+their copy to a GPU). Each round builds a fresh loader per worker count and times `batches`
+micro-batches after every worker has delivered one (start-up, and the shuffle buffer's first fill,
+are not timed). CPU time is the loader's: this process (the planning thread) and its workers.
+Tokens count non-padding positions. Cores per GPU = the stated tokens/s / tokens per CPU-second: the
+cores a GPU training at that rate keeps busy decoding its data.
+
+Without --data and with a config that names no sources the data is a generated LLaVA-style mix
+(eval.bench.llava_mix: chat about photo-like JPEGs of 336-768 px, 6 % text-only), written into a
+temporary folder and deleted afterwards. The quick setting uses a smaller mix and shuffle buffer.
 """
 
 from __future__ import annotations
 
+import os
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from configs.batch import IMAGE
-from data_pipelines.config import DEFAULT_DIR, DataConfig
-from data_pipelines.default_dataset import (
-    DefaultDatasetConfig,
-    build_default,
-    ensure_default_dataset,
-)
-from data_pipelines.loader import build_loader
-from data_pipelines.tokenizer import load_tokenizer
 from eval.bench import common
 
 PART = "loader"
@@ -31,106 +36,198 @@ PART = "loader"
 
 @dataclass
 class Settings:
-    workers: list[int] = field(default_factory=lambda: [0, 1, 2])
-    batches: int = 100
-    row_tokens: int = 1024
-    rows: int = 8
-    pack_buffer: int = 64
-    tokenizer: str = "byte"
+    config: str = "configs/gpu.yaml"
+    # a user's shards (a folder, glob or URL) in place of the config's sources; None: the config's
+    # own, or a generated LLaVA-style mix when it names none
+    data: str | None = None
+    workers: list[int] = field(default_factory=lambda: [0, 1, 2, 4])
+    batches: int = 12  # micro-batches timed per round and worker count
     repeats: int = 3
-    # every round starts fresh processes; their start-up is excluded anyway
-    warmup: int = 0
-    data: str | None = DEFAULT_DIR  # None: a small default dataset in a temp folder,
-    # with this many training scenes (a tenth as many text documents)
-    temp_scenes: int = 200
+    warmup: int = 0  # every round starts fresh processes; their start-up is excluded anyway
+    tokens_per_s: float = 100_000.0  # the rate the cores per GPU are stated at
+    mix_samples: int = 6000  # the generated mix: more than the gpu config's shuffle buffer holds
+    mix_images: int = 300  # distinct pictures, cycled over the samples
+    overrides: list[str] = field(default_factory=list)  # dotted config overrides, as `vlm train`'s
+    label: str = ""  # what was measured, when it is not this checkout (a before/after pair)
 
 
 SETTINGS = {
     "full": Settings(),
-    "quick": Settings(batches=40, data=None),
+    "quick": Settings(
+        workers=[0, 1],
+        batches=3,
+        repeats=2,
+        mix_samples=600,
+        mix_images=40,
+        overrides=["data.shuffle_buffer=256"],
+    ),
     "smoke": Settings(
-        workers=[0, 1], batches=3, row_tokens=256, rows=2, repeats=2, data=None, temp_scenes=40
+        workers=[0, 1],
+        batches=2,
+        repeats=2,
+        mix_samples=120,
+        mix_images=8,
+        overrides=[
+            "data.shuffle_buffer=16",
+            "data.row_tokens=1024",
+            "data.rows_per_batch=2",
+            "data.pack_buffer=16",
+        ],
     ),
 }
 
 
-def reader(s: Settings, data_dir: str, workers: int, counts: list):
-    """A self-timed pass over `s.batches` batches; appends (samples, tokens, slots, image tokens) to `counts`."""
-    cfg = DataConfig(
-        default_dir=data_dir,
-        row_tokens=s.row_tokens,
-        rows_per_batch=s.rows,
-        num_workers=workers,
-        pack_buffer=s.pack_buffer,
-        seed=0,
-        tokenizer=s.tokenizer,
-    )
-    tok = load_tokenizer(s.tokenizer)
+def _cpu_seconds() -> float:
+    """CPU time of this process (every thread) and of its live children (the DataLoader workers)."""
+    total = time.process_time()
+    try:
+        import psutil
+
+        for child in psutil.Process().children(recursive=True):
+            try:
+                t = child.cpu_times()
+                total += t.user + t.system
+            except psutil.Error:  # it ended in between: its time is lost to both readings
+                pass
+    except ImportError:  # without psutil: /proc
+        for pid in _children(os.getpid()):
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            except (OSError, IndexError, ValueError):
+                pass
+    return total
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        return []
+    out = [int(k) for k in kids]
+    for k in list(out):
+        out += _children(k)
+    return out
+
+
+def config_path(s: Settings) -> Path:
+    """The config as given; the default one from this checkout when run elsewhere."""
+    p = Path(s.config)
+    if not p.exists() and s.config == Settings.config:
+        return Path(__file__).resolve().parents[2] / s.config
+    return p
+
+
+def run_config(s: Settings, data: str | None, workers: int):
+    """The run config as the trainer would load it, with this round's workers and data."""
+    from vlm.train.config import load_train_config
+
+    over = [*s.overrides, f"data.num_workers={workers}", "logging.eval_every=0"]
+    if data is not None:
+        over.append(f"data.sources=[{{path: '{data}'}}]")
+    return load_train_config(config_path(s), over)
+
+
+def reader(s: Settings, data: str | None, workers: int, counts: list):
+    """A self-timed pass over `s.batches` micro-batches; appends (tokens, images, image tokens,
+    slots, cpu seconds) to `counts`."""
+    from configs.batch import IMAGE
+    from data_pipelines.tokenizer import load_tokenizer
+    from vlm.train.loaders import build_loaders
+
+    cfg = run_config(s, data, workers)
+    tok = load_tokenizer(cfg.data.tokenizer_path)
 
     def read() -> float:
-        loader = build_loader(cfg, tok)
-        warm = max(workers, 1)
-        tokens = slots = image_tokens = 0
-        for i, batch in enumerate(loader):
-            if i == warm - 1:  # every worker has delivered once
-                t0, before = time.perf_counter(), loader.stats["samples_packed"]
-                continue
-            if i >= warm + s.batches - 1:
-                break
+        loader, _ = build_loaders(cfg, tok, 0, 1)
+        it = iter(loader)
+        for _ in range(max(workers, 1)):  # every worker has delivered once
+            next(it)
+        tokens = images = image_tokens = slots = 0
+        cpu0, t0 = _cpu_seconds(), time.perf_counter()
+        for _, batch in zip(range(s.batches), it):
             tokens += int(batch.valid.sum())
             slots += batch.valid.numel()
             image_tokens += int((batch.modality == IMAGE).sum())
-        elapsed = time.perf_counter() - t0
-        counts.append((loader.stats["samples_packed"] - before, tokens, slots, image_tokens))
+            images += 0 if batch.image_grids is None else int(batch.image_grids.shape[0])
+        elapsed, cpu = time.perf_counter() - t0, _cpu_seconds() - cpu0
+        del it
+        counts.append((tokens, images, image_tokens, slots, cpu))
         return elapsed
 
     return read
 
 
+def _data(s: Settings, tmp: Path) -> tuple[str | None, str]:
+    """(the shards to read, None for the config's own; what they are, for the JSON)."""
+    if s.data is not None:
+        return s.data, s.data
+    if run_config(s, None, 0).data.sources:
+        return None, f"the sources of {s.config}"
+    from eval.bench.llava_mix import write_llava_mix
+
+    folder = write_llava_mix(tmp / "llava_mix", s.mix_samples, s.mix_images)
+    return str(folder), (
+        f"generated LLaVA-style mix: {s.mix_samples} chat samples, photo-like JPEGs of 336-768 px "
+        f"({s.mix_images} distinct), 6 % text-only"
+    )
+
+
 def run(s: Settings, log=print) -> dict:
-    tmp = tempfile.TemporaryDirectory() if s.data is None else None
-    try:
-        data_dir = str(Path(tmp.name) / "default") if tmp else s.data
+    with tempfile.TemporaryDirectory(prefix="vlm-bench-loader-") as tmp:
         t0 = time.perf_counter()
-        if tmp:
-            small = DefaultDatasetConfig(
-                train_scenes=s.temp_scenes,
-                val_scenes=4,
-                test_scenes=4,
-                interleaved_docs=max(1, s.temp_scenes // 12),
-                text_docs=s.temp_scenes // 10,
-            )
-            build_default(data_dir, small, progress=False)
-        else:
-            ensure_default_dataset(data_dir, progress=False)
+        data, described = _data(s, Path(tmp))
         build_s = time.perf_counter() - t0
         counts = {f"workers={w}": [] for w in s.workers}
-        fns = {name: reader(s, data_dir, w, counts[name]) for name, w in zip(counts, s.workers)}
+        fns = {name: reader(s, data, w, counts[name]) for name, w in zip(counts, s.workers)}
         secs = common.measure(fns, s.repeats, s.warmup)
-    finally:
-        if tmp:
-            tmp.cleanup()
+        cfg = run_config(s, data, 0)
     timed = {n: c[-s.repeats :] for n, c in counts.items()}  # the warm-up passes come first
+    per_round = {
+        "tokens/s": lambda c, t: c[0] / t,
+        "images/s": lambda c, t: c[1] / t,
+        "tokens per CPU-second": lambda c, t: c[0] / c[4],
+        "images per CPU-second": lambda c, t: c[1] / c[4],
+        "cores per GPU": lambda c, t: s.tokens_per_s * c[4] / c[0],
+    }
+    units = {
+        "tokens/s": "tok/s",
+        "images/s": "img/s",
+        "tokens per CPU-second": "tok/cpu-s",
+        "images per CPU-second": "img/cpu-s",
+        "cores per GPU": "cores",
+    }
     extra = {}
     for n, c in timed.items():
-        _, tokens, slots, image = c[-1]
+        tokens, images, image_tokens, slots, _ = (sum(x) for x in zip(*c))
         extra[n] = {
             "packing_efficiency": round(tokens / max(slots, 1), 4),
-            "image_token_share": round(image / max(tokens, 1), 4),
+            "image_token_share": round(image_tokens / max(tokens, 1), 4),
+            "tokens_per_micro_batch": round(tokens / max(len(c) * s.batches, 1)),
         }
-    setting = {"row_tokens": s.row_tokens, "rows": s.rows}
+    setting = {"row_tokens": cfg.data.row_tokens, "rows": cfg.data.rows_per_batch}
     out = []
-    for i, metric, unit in ((0, "samples/s", "sample/s"), (1, "tokens/s", "tok/s")):
-        values = {n: [c[i] / t for c, t in zip(timed[n], secs[n])] for n in secs}
-        out += common.rows(values, next(iter(secs)), setting, metric, unit, extra)
-    log("  loader: " + ", ".join(f"{r['candidate']} {r['median']:.0f} {r['metric']}" for r in out))
+    for metric, fn in per_round.items():
+        values = {n: [fn(c, t) for c, t in zip(timed[n], secs[n])] for n in secs}
+        out += common.rows(values, next(iter(secs)), setting, metric, units[metric], extra)
+    log(
+        "  loader: "
+        + ", ".join(
+            f"{r['candidate']} {r['median']:,.0f} tok/cpu-s"
+            for r in out
+            if r["metric"] == "tokens per CPU-second"
+        )
+    )
     return common.result(
         PART,
         asdict(s),
         out,
         dataset_build_seconds=round(build_s, 2),
-        dataset="small default (temp)" if tmp else data_dir,
-        notes=["tokens/s counts non-padding tokens; 'per worker' = value / max(workers, 1)"],
+        dataset=described,
+        notes=[
+            "tokens count non-padding positions; CPU time is this process's and its workers'",
+            f"cores per GPU: cores the loader keeps busy at {s.tokens_per_s:,.0f} tokens/s",
+        ],
     )
 
 
@@ -143,6 +240,7 @@ def plot(res: dict, path) -> None:
             "candidate": r["metric"],
         }
         for r in res["rows"]
+        if r["metric"] in ("tokens per CPU-second", "tokens/s")
     ]
     common.plot(
         {**res, "rows": rows},
@@ -150,6 +248,7 @@ def plot(res: dict, path) -> None:
         x="workers",
         panels=("metric",),
         y="median",
+        ylabel="tokens",
         logx=False,
-        title="loader throughput vs DataLoader workers (0 = in process)",
+        title="the training loader vs DataLoader workers (0 = in process)",
     )

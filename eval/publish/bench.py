@@ -163,3 +163,40 @@ def serve_table(src: dict[str, Any]) -> str:
         for r in [res[m][e]]
     ]
     return table(["model", "engine", "tok/s b1", "tok/s b8", "TTFT b1 (ms)", "TTFT b8 (ms)"], rows)
+
+
+LOADER, LOADER_BEFORE = "eval/bench/results/loader.json", "docs/results/data/loader_before.json"
+LOADER_METRICS = (
+    ("tokens per CPU-second", 0),
+    ("images per CPU-second", 0),
+    ("cores per GPU", 2),
+)
+
+
+def _loader_cells(res: dict[str, Any], metric: str, workers: str, decimals: int) -> str:
+    (r,) = [r for r in res["rows"] if r["metric"] == metric and r["candidate"] == workers]
+    fmt = (lambda x: f"{x:,.0f}") if decimals == 0 else (lambda x: num(x, decimals))
+    return f"{fmt(r['median'])} ({fmt(r['spread']['min'])}-{fmt(r['spread']['max'])})"
+
+
+def loader_table(src: dict[str, Any]) -> str:
+    """`vlm bench loader` (configs/gpu.yaml, the generated LLaVA-style mix) before and after
+    issue 44, per DataLoader worker count: median (min-max) over interleaved rounds."""
+    now, before = src[LOADER], src[LOADER_BEFORE]
+    workers = [w for w in (f"workers={n}" for n in now["settings"]["workers"])]
+    target = now["settings"]["tokens_per_s"]
+    header = ["DataLoader workers"]
+    for metric, _ in LOADER_METRICS:
+        what = (
+            f"cores per GPU at {target / 1000:.0f}K tokens/s"
+            if metric == "cores per GPU"
+            else metric
+        )
+        header += [f"{what}, before", "now"]
+    rows = []
+    for w in workers:
+        cells = [w.split("=")[1]]
+        for metric, d in LOADER_METRICS:
+            cells += [_loader_cells(before, metric, w, d), _loader_cells(now, metric, w, d)]
+        rows.append(cells)
+    return table(header, rows)

@@ -71,6 +71,14 @@ TABLES = (
         "cannot be re-counted here;\n`vlm results --rerun launches` re-counts the rest",
     ),
     Table("bench-serve", BENCH, (bench.SERVE,), bench.serve_table),
+    Table(
+        "bench-loader",
+        BENCH,
+        (bench.LOADER_BEFORE, bench.LOADER),
+        bench.loader_table,
+        note="before: e057e07's loader measured by this checkout's bench "
+        "(docs/results/data/README.md)",
+    ),
     _rec("compression-batch-loss", COMPRESSION, "batch_loss_default.json"),
     _rec("compression-band-pilots", COMPRESSION, "band_pilots.json"),
     Table("compression-seeds", COMPRESSION, (runs.SEEDS,), runs.seeds_compression),

@@ -291,7 +291,8 @@ class StepRecord:
         return self
 
 
-TIMING_KEYS = ("tokens_per_s", "step_time_s")
+# wall-clock figures: they differ between an uninterrupted and a resumed run
+TIMING_KEYS = ("tokens_per_s", "step_time_s", "data/wait_s", "data/wait_share")
 
 
 def finite_or_none(rec: dict) -> dict:
@@ -489,4 +490,8 @@ def _postfix(rec: dict) -> dict:
         "R_text": f(rec.get("compression/text")),
         "R_img": f(rec.get("compression/image")),
         "tok/s": f(rec.get("tokens_per_s"), 0),
+        # the share of the step spent waiting for the loader: high means the data is the bottleneck
+        "data": "-"
+        if rec.get("data/wait_share") is None
+        else f"{100 * rec['data/wait_share']:.0f}%",
     }

@@ -38,7 +38,7 @@ def first_image(
     if batch.image_grids is None or batch.image_grids.numel() == 0:
         return None
     rows, cols = (int(v) for v in batch.image_grids[0])
-    patches = batch.pixel_patches[: rows * cols].float().cpu()
+    patches = batch.pixel_patches[: rows * cols].cpu()  # denormalize reads uint8 or float
     x = denormalize(patches).clamp(0, 1)
     img_3HW = unpatchify(x, (rows, cols), patch_size)
     pixels = (img_3HW.permute(1, 2, 0).numpy() * 255).round().astype(np.uint8)

@@ -20,6 +20,11 @@ RESUMABLE_CHANGES = (
     "train.vqa_max_samples",
     "train.threads",
     "train.max_skip_share",
+    # how the data is loaded, not what it is: the loader's order depends on neither
+    "data.num_workers",
+    "data.prefetch_factor",
+    "data.prefetch_to_device",
+    "data.rank_split",
 )
 
 

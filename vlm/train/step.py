@@ -32,6 +32,7 @@ from configs.batch import PackedBatch
 from vlm.model.context import ForwardContext, Statistics
 from vlm.model.training_controls import TrainingControls
 from vlm.train import collectives
+from vlm.train.device_feed import prepare
 from vlm.train.losses import Loss, Totals, labelled_tokens
 from vlm.train.metrics import StepAccumulator, StepRecord
 
@@ -70,13 +71,6 @@ def forward_context(
     k * ranks + rank) and what it does with the routing statistics it counts."""
     seed = boundary_seed(s.seed, step, k * s.ranks + s.rank)
     return ForwardContext(torch.tensor(seed, dtype=torch.long, device=s.device), statistics)
-
-
-def prepare(batch: PackedBatch, device: torch.device, float_dtype: torch.dtype) -> PackedBatch:
-    batch = batch.to(device)
-    if batch.pixel_patches is not None and batch.pixel_patches.dtype != float_dtype:
-        batch.pixel_patches = batch.pixel_patches.to(float_dtype)
-    return batch
 
 
 def poison_backward(engine) -> None:
@@ -124,7 +118,8 @@ def train_step(
             f"{engine.gradient_accumulation_steps()}"
         )
     K = micro * s.ranks
-    n_local = [float(labelled_tokens(b)) for b in window]  # on the host, before the transfer
+    # every micro-batch's labelled tokens in one host read
+    n_local = torch.stack([labelled_tokens(b) for b in window]).double().tolist()
     labelled = sum(n_local)
     totals = None
     if not s.loss.needs_output_statistics:

@@ -23,6 +23,7 @@ from configs.config import to_dict
 from vlm.train import checkpoint as ckpt_lib
 from vlm.train import collectives
 from vlm.train.config import TrainConfig
+from vlm.train.device_feed import DeviceFeed
 from vlm.train.engine import optimizer_settings, resume_schedule
 from vlm.train.export import export_final
 from vlm.train.loaders import skipped_samples
@@ -108,7 +109,9 @@ class Trainer:
         )
         for line in run.banner:
             self.log(line)
-        batches = iter(run.loader)
+        batches = DeviceFeed(
+            run.loader, run.dist.device, run.step.float_dtype, cfg.data.prefetch_to_device
+        )
         self.t_start = time.time()
         rc = 0
         while self.step < cfg.train.max_steps:
@@ -123,7 +126,7 @@ class Trainer:
             lr = self.current_lr()
             record = self.train_step(window)
             self.after_step(record)
-            self._add_step_scalars(record, lr, time.perf_counter() - t0)
+            self._add_step_scalars(record, lr, time.perf_counter() - t0, batches.take_wait())
             data_stop = None
             if metrics.should_log(self.step, record.applied):
                 # a collective; the same answer on every rank
@@ -263,9 +266,14 @@ class Trainer:
             self.nonfinite_total += 1
             self.nonfinite_in_row += 1
 
-    def _add_step_scalars(self, record: StepRecord, lr: float, seconds: float) -> None:
-        """What only the trainer knows of a step: lr, wall time, gradient norm, activation probes, skipped steps."""
+    def _add_step_scalars(
+        self, record: StepRecord, lr: float, seconds: float, data_wait: float = 0.0
+    ) -> None:
+        """What only the trainer knows of a step: lr, wall time and the part of it spent waiting
+        for data, gradient norm, activation probes, skipped steps."""
         record.timed(lr, seconds)
+        record.scalars["data/wait_s"] = data_wait
+        record.scalars["data/wait_share"] = data_wait / seconds if seconds > 0 else 0.0
         if record.applied:
             record.scalars.update(self.run.probe.read())
             grad_norm = self.run.engine.get_global_grad_norm()
@@ -304,7 +312,10 @@ class Trainer:
         )
         ckpt_lib.set_rng_state(state["rng"])
         if state.get("loader") is not None:
-            run.loader.load_state_dict(state["loader"])
+            try:
+                run.loader.load_state_dict(state["loader"])
+            except ValueError as e:  # a data position this loader cannot continue: one line
+                raise ckpt_lib.CheckpointRefused(f"checkpoint {path}: {e}") from None
         self.step = state["step"]
         self.nonfinite_total = state["nonfinite_total"]
         self.nonfinite_in_row = state["nonfinite_in_row"]

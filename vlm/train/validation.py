@@ -6,9 +6,10 @@ import torch
 
 from vision.image_processor import ImageProcessor
 from vlm.train import collectives
+from vlm.train.device_feed import prepare
 from vlm.train.metrics import StepAccumulator, token_losses
 from vlm.train.render import image_concept_picture, text_with_boundaries
-from vlm.train.step import StepSettings, prepare
+from vlm.train.step import StepSettings
 
 EVAL_KEYS = (
     "loss/lm",
