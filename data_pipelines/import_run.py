@@ -569,8 +569,7 @@ class _Job:
         finally:
             if pool is not None:
                 if interrupted or broken:  # at once: a worker is not left finishing its chunk
-                    for proc in list((getattr(pool, "_processes", None) or {}).values()):
-                        proc.kill()
+                    _kill_workers(pool)
                 pool.shutdown(wait=not (interrupted or broken), cancel_futures=True)
             shards.discard()
             for sig, handler in handlers.items():
@@ -624,6 +623,21 @@ class _Job:
             summary["status"] = "source_error"
             summary["error"] = source_error
         return _finalise(summary, max_skip_share)
+
+
+def _kill_workers(pool: ProcessPoolExecutor) -> None:
+    """Kill a pool's workers at once. A worker killed while sending a result leaves half a message
+    in the result pipe; the pool's manager thread then waits for the rest forever, and so would
+    the interpreter's exit, which joins that thread. Once the workers are dead this process holds
+    the pipe's last write end: closing it ends that wait (the manager sees a broken pool)."""
+    procs = list((getattr(pool, "_processes", None) or {}).values())
+    for proc in procs:
+        proc.kill()
+    for proc in procs:
+        proc.join(timeout=10)
+    writer = getattr(getattr(pool, "_result_queue", None), "_writer", None)
+    if writer is not None and not any(proc.is_alive() for proc in procs):
+        writer.close()
 
 
 def _state_or_start(out: Path, prefix: str) -> dict:

@@ -42,10 +42,12 @@ def run_chain(configs: list[str], out: Path, overrides: list[str], log=print, st
     StopFlag that SIGTERM / SIGINT set (vlm.train.signals), polled by each stage's trainer and
     between stages."""
     from vlm.train.config import load_train_config
+    from vlm.train.distributed import fill_launcher_env
     from vlm.train.engine import check_deepspeed_config
     from vlm.train.run_dir import check_out_dir, hold_run_dir
     from vlm.train.signals import StopFlag
 
+    fill_launcher_env()  # SLURM tasks learn their rank before rank 0 alone takes the lock
     stop = stop if stop is not None else StopFlag()
     check_out_dir(out)  # a file named as --out: one line before the configs are read
     dirs = stage_dirs(configs, out)

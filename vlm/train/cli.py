@@ -128,8 +128,10 @@ def _train(args, stop) -> int | None:
     if args.print_config:
         print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
         return 0
+    from vlm.train.distributed import fill_launcher_env
     from vlm.train.run_dir import check_out_dir
 
+    fill_launcher_env()  # SLURM tasks learn their rank before rank 0 alone takes the folder's lock
     check_out_dir(Path(args.out))  # every rank: a file named as --out is one line, not a traceback
     from vlm.train.engine import check_deepspeed_config
 
