@@ -50,13 +50,32 @@ class ConceptMoEVLM(nn.Module):
         return x_BTD
 
     def _with_vision_in_graph(self, x_BTD: torch.Tensor) -> torch.Tensor:
-        """A text-only batch in training still reaches every trainable vision weight, with a zero
-        gradient: data-parallel ranks reduce their gradients bucket by bucket as they are produced,
-        and a rank whose batch has no image would otherwise skip the tower's and hang or garble the
-        others' reductions (what LLaVA does with an empty slice of image features)."""
-        if self.vision is None or not (self.training and torch.is_grad_enabled()):
+        """A batch without images still takes part in the tower's collectives. Data-parallel ranks
+        reduce gradients bucket by bucket as they are produced (ZeRO 0-2): a rank whose batch has
+        no image would skip the tower's and hang or garble the others' reductions, so its trainable
+        vision weights join the graph with a zero gradient (what LLaVA does with an empty slice of
+        image features). ZeRO-3 also gathers the tower's partitioned weights, trainable or not, in
+        every forward, on every rank: there the tower runs on one blank image of the smallest grid
+        (a few patches) and its output joins with weight zero."""
+        if self.vision is None:
             return x_BTD
-        trainable = [p for p in self.vision.parameters() if p.requires_grad]
+        params = list(self.vision.parameters())
+        if any(hasattr(p, "ds_id") for p in params):  # ZeRO-3: partitioned, gathered per forward
+            side = self.vision.merge
+            patch_dim = 3 * self.vision.patch_size**2
+            patches_PD = torch.zeros(side * side, patch_dim, device=x_BTD.device)
+            rows, cols = torch.meshgrid(
+                torch.arange(side, device=x_BTD.device),
+                torch.arange(side, device=x_BTD.device),
+                indexing="ij",
+            )
+            coords_P2 = torch.stack([rows.flatten(), cols.flatten()], 1)
+            grid_12 = torch.tensor([[side, side]], device=x_BTD.device)
+            blank_ND = self.vision(patches_PD, coords_P2, grid_12)
+            return x_BTD + (blank_ND.sum() * 0.0).to(x_BTD.dtype)
+        if not (self.training and torch.is_grad_enabled()):
+            return x_BTD
+        trainable = [p for p in params if p.requires_grad]
         if not trainable:
             return x_BTD
         zero = torch.stack([p.sum() for p in trainable]).sum() * 0.0

@@ -23,6 +23,7 @@ instead of leaving the others in a collective.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -362,24 +363,31 @@ def load_state_dir(root: Path, name: str, warn=log.warning) -> dict | None:
     return safe_load(d / "state.pt")
 
 
+def basic_optimizer(engine) -> torch.optim.Optimizer:
+    """The torch optimizer under DeepSpeed's wrapper (ZeRO, bf16), or the engine's own."""
+    return getattr(engine.optimizer, "optimizer", engine.optimizer)
+
+
 def load_checkpoint(engine, ckpt: Path, rank: int, world_size: int, log=log.info) -> dict:
     """Collective: restore the engine from `ckpt` and return this rank's trainer state. A checkpoint
     written by another number of ranks loads through DeepSpeed's universal checkpoint
     (vlm.train.reshard; the engine was built for it). CheckpointRefused (one line naming the file)
     on every rank when a rank cannot use its part."""
     written = read_meta(ckpt, ("world_size",))["world_size"]  # checked by the resume point
-    load_dir = ckpt
-    if written != world_size and engine.load_universal_checkpoint():
-        load_dir = reshard.universal_folder(ckpt, DS_TAG, rank == 0, log)
-    load_path, _ = engine.load_checkpoint(
-        str(load_dir),
-        tag=DS_TAG,
-        load_optimizer_states=True,
-        load_lr_scheduler_states=False,
-        load_module_strict=True,
-    )
+    universal = written != world_size and engine.load_universal_checkpoint()
+    load_dir = reshard.universal_folder(ckpt, DS_TAG, rank == 0, log) if universal else ckpt
+    with reshard.tensors_only() if universal else contextlib.nullcontext():
+        load_path, _ = engine.load_checkpoint(
+            str(load_dir),
+            tag=DS_TAG,
+            load_optimizer_states=True,
+            load_lr_scheduler_states=False,
+            load_module_strict=True,
+        )
     if load_path is None:
         raise CheckpointRefused(f"DeepSpeed could not load the checkpoint in {load_dir / DS_TAG}")
+    if universal:
+        reshard.mend_optimizer(basic_optimizer(engine), load_dir, DS_TAG)
     # the trainer state is the same on every rank but for its RNG streams: a rank the checkpoint
     # did not have takes rank 0's
     state_file = ckpt / f"rank_{rank if rank < written else 0:05d}.pt"

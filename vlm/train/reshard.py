@@ -27,6 +27,7 @@ import torch
 
 from vlm.train import collectives
 from vlm.train.checksums import file_digests
+from vlm.train.engine import CheckpointRefused
 
 UNIVERSAL = "universal"
 
@@ -71,9 +72,9 @@ def with_universal_loading(ds_json: dict) -> dict:
 
 
 @contextlib.contextmanager
-def _tensors_only():
-    """DeepSpeed's converter loads the checkpoint's files with torch.load(weights_only=False): here
-    it loads them as tensors and plain containers only (vlm.train.engine.safe_load's rule)."""
+def tensors_only():
+    """DeepSpeed's converter and its universal loaders read files with torch.load(weights_only=False):
+    here they load as tensors and plain containers only (vlm.train.engine.safe_load's rule)."""
     from vlm.train.engine import safe_load
 
     real = torch.load
@@ -116,14 +117,14 @@ def convert(ckpt: Path, ds_tag: str, log) -> Path:
     args = SimpleNamespace(
         input_folder=str(ckpt / ds_tag),
         output_folder=str(tmp / ds_tag),
-        num_extract_workers=1,  # in this process: the files load through _tensors_only
+        num_extract_workers=1,  # in this process: the files load through tensors_only
         num_merge_workers=1,
         keep_temp_folder=False,
         strict=True,
         # checkpoints written before save_checkpoint stated it (reshard.client_state)
         inject_missing_state=True,
     )
-    with _tensors_only(), contextlib.redirect_stdout(None):
+    with tensors_only(), contextlib.redirect_stdout(None):
         ds_to_universal.main(args)
     (tmp / "meta.json").write_text(json.dumps({"files": file_digests(tmp)}))
     tmp.rename(out)
@@ -136,3 +137,27 @@ def universal_folder(ckpt: Path, ds_tag: str, is_main: bool, log) -> Path:
         convert(ckpt, ds_tag, log)
     collectives.barrier()
     return ckpt / UNIVERSAL
+
+
+def mend_optimizer(optimizer: torch.optim.Optimizer, universal: Path, ds_tag: str) -> None:
+    """Undo two slips of DeepSpeed's ZeRO-3 universal loader. It gives every parameter's state the
+    same step-count tensor, which torch's AdamW increments in place once per group, so the bias
+    correction ran ahead by the number of groups from the first step after a resume (its loss
+    still matched, the next did not): each state gets its own copy. And it gives every group the
+    first group's settings (weight decay 0 for all, where the first group is the embeddings'): the
+    converted optimizer state keeps each group's, matched here by name."""
+    for state in optimizer.state.values():
+        if torch.is_tensor(state.get("step")):
+            state["step"] = state["step"].clone()
+    from vlm.train.engine import OPTIM_SETTINGS, safe_load
+
+    saved = safe_load(universal / ds_tag / "zero" / "optimizer_state.pt")
+    groups = {g.get("name"): g for g in saved["optimizer_state_dict"]["param_groups"]}
+    for group in optimizer.param_groups:
+        old = groups.get(group.get("name"))
+        if old is None:
+            raise CheckpointRefused(
+                f"checkpoint {universal.parent}: its optimizer has no parameter group "
+                f"{group.get('name')!r} (it has {sorted(map(str, groups))})"
+            )
+        group.update({k: old[k] for k in OPTIM_SETTINGS if k in old})
