@@ -20,6 +20,9 @@ RESUMABLE_CHANGES = (
     "train.vqa_max_samples",
     "train.threads",
     "train.max_skip_share",
+    # the checkpoint's own files say which expert degree it resumes on
+    # (vlm.train.expert_parallel.check_resume); the capacity only changes what is dropped
+    "parallel.",
 )
 
 
