@@ -45,6 +45,13 @@ class ExpertExchange(Protocol):
         Differentiable (the backward is the reverse exchange); the same shape on every rank."""
         ...
 
+    def common_slots(self, slots: int, device: torch.device) -> int:
+        """The slots the capacity is computed from, the same on every rank of the group: `slots`
+        where every rank's forward has the same shapes (a GPU's static shapes, a compiled graph),
+        the largest over the group on an eager CPU, where the chunk module sizes the concept
+        sequence by the batch's boundaries (vlm.model.chunking: the host is the device there)."""
+        ...
+
 
 class LoopbackExchange:
     """An exchange with no other process: every row comes back to where it was (row j of the
@@ -58,10 +65,13 @@ class LoopbackExchange:
     def all_to_all(self, x: torch.Tensor) -> torch.Tensor:
         return x.clone()
 
+    def common_slots(self, slots: int, device: torch.device) -> int:
+        return slots
+
 
 def capacity(slots: int, ranks: int, factor: float | None) -> int:
-    """Rows per (rank, expert rank) block: all of the rank's `slots` (None: nothing can be dropped),
-    else ceil(factor x slots / ranks), at most `slots`."""
+    """Rows per (rank, expert rank) block: all of a rank's `slots` (factor None: nothing can be
+    dropped), else ceil(factor x slots / ranks), at most `slots`."""
     if factor is None:
         return slots
     return min(slots, math.ceil(factor * slots / ranks))
@@ -126,7 +136,7 @@ def exchanged_swiglu(
     past the capacity (0-d). `slots` are sorted by global expert; the weights are this rank's
     E/P experts."""
     P, A, D = exchange.size, slots.tok_A.shape[0], x_ND.shape[-1]
-    C = capacity(A, P, exchange.capacity_factor)
+    C = capacity(exchange.common_slots(A, x_ND.device), P, exchange.capacity_factor)
     x_PCD, sent_PL, row_A, overflow = pack(x_ND, slots, P, C)
     got_PCD = exchange.all_to_all(x_PCD)
     got_PL = exchange.all_to_all(sent_PL)

@@ -235,7 +235,9 @@ def save_checkpoint(
             engine.save_checkpoint,
             str(tmp),
             tag=DS_TAG,
-            client_state=reshard.client_state(),  # what a resume on other ranks needs
+            # what a resume on other ranks needs; expert parallelism resumes on the same ranks
+            # only, and DeepSpeed's MoE checkpoint reserves that key for itself
+            client_state={} if getattr(engine, "has_moe_layers", False) else reshard.client_state(),
             save_latest=False,
         )
     finally:

@@ -147,8 +147,20 @@ class GroupExchange:
 
         return all_to_all_single_autograd(x.contiguous(), None, None, self.group)
 
+    def common_slots(self, slots: int, device: torch.device) -> int:
+        if device.type != "cpu" or torch.compiler.is_compiling():
+            return slots
+        return int(expert_group_max(torch.tensor([slots]), self.group)[0])
+
     def __deepcopy__(self, memo):
         return self  # a process group is not copied with a module
+
+
+def expert_group_max(x: torch.Tensor, group) -> torch.Tensor:
+    """The largest value over an expert-parallel group (a copy)."""
+    y = x.detach().clone()
+    dist.all_reduce(y, op=dist.ReduceOp.MAX, group=group)
+    return y
 
 
 def all_gather_experts(x: torch.Tensor, exchange: GroupExchange) -> torch.Tensor:

@@ -1,0 +1,143 @@
+"""Expert parallelism in training (issue 43 item 3), two processes with gloo: `parallel.expert=2`
+trains the same losses and weights as `parallel.expert=1` on the same two ranks, token-level and
+concept-level MoE layers alike, with the loss-free bias and Grove adjugates on; each rank holds half
+of every layer's routed experts; a run stopped at step 2 resumes with the losses of the
+uninterrupted one; a checkpoint does not resume on another expert degree (one line)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(
+    rank: int, world: int, port: int, cfg_dict, run_dir: str, result: str, stop_after: int
+) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    torch.set_num_threads(1)
+    from configs.config import ConfigError, from_dict
+    from vlm.model.moe import MoE
+    from vlm.train.config import TrainConfig
+    from vlm.train.signals import StopFlag
+    from vlm.train.trainer import Trainer
+
+    lines: list[str] = []
+    stop, forwards = StopFlag(), []
+
+    def stop_in_step(out, k):  # as a SIGTERM during that step: the run saves it and stops
+        forwards.append(k)
+        if len(forwards) == stop_after:
+            stop.request(signal.SIGTERM)
+        return out
+
+    try:
+        cfg = from_dict(TrainConfig, cfg_dict)
+        tr = Trainer(cfg, run_dir, log=lines.append, stop=stop, loss_hook=stop_in_step)
+    except ConfigError as e:
+        if rank == 0:
+            torch.save({"refused": str(e)}, result)
+        return
+    model = tr.run.engine.module
+    held = {
+        n: (m.local_experts, m.num_experts) for n, m in model.named_modules() if isinstance(m, MoE)
+    }
+    rc = tr.train()
+    if rank == 0:
+        torch.save({"rc": rc, "held": held, "log": lines}, result)
+
+
+def _train(tmp_path, name: str, cfg: dict, stop_after: int = 0) -> dict:
+    """`cfg` trained on two processes into tmp_path/name (stopped as by a SIGTERM in step
+    `stop_after` where given): rank 0's exit code, the experts each MoE layer held, its log and
+    metrics.jsonl, or the one line of a refused config."""
+    run_dir, result = tmp_path / name, tmp_path / f"{name}.pt"
+    args = (2, _free_port(), cfg, str(run_dir), str(result), stop_after)
+    mp.spawn(_worker, args=args, nprocs=2, join=True)
+    out = torch.load(result, weights_only=False)
+    if "refused" not in out:
+        metrics = run_dir / "metrics.jsonl"
+        out["steps"] = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return out
+
+
+def _final_weights(run_dir) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(run_dir / "final" / "model.safetensors"))
+
+
+def _config(tiny_config, tiny_data, expert: int, steps: int = 4, **model) -> dict:
+    cfg = tiny_config(
+        tiny_data,
+        train={"max_steps": steps},
+        logging={"eval_every": 0, "histogram_every": 0},
+        checkpoint={"save_every": 2, "keep_last": 3},
+        parallel={"expert": expert},
+    )
+    cfg["model"]["moe"].update(model)
+    return cfg
+
+
+LOSSES = ("loss", "loss/lm", "loss/ratio", "loss/balance", "compression/ratio")
+
+
+def _same_steps(a: list[dict], b: list[dict]) -> None:
+    assert [r["step"] for r in a] == [r["step"] for r in b]
+    for ra, rb in zip(a, b):
+        for key in LOSSES + (("grad_norm",) if "grad_norm" in ra else ()):
+            assert rb[key] == pytest.approx(ra[key], rel=2e-5, abs=1e-6), (ra["step"], key)
+
+
+@pytest.mark.slow
+def test_two_expert_ranks_train_what_one_does_and_resume(tiny_data, tmp_path, tiny_config):
+    # Grove adjugates (one group per pair of experts) and the loss-free bias on: every MoE layer
+    # (encoder and decoder: token level; concept model: concept level) splits its 4 experts 2 + 2
+    grove = {"grove_groups": 2, "grove_lambda": 0.25, "loss_free_balancing": True}
+    one = _train(tmp_path, "ep1", _config(tiny_config, tiny_data, 1, **grove))
+    two = _train(tmp_path, "ep2", _config(tiny_config, tiny_data, 2, **grove))
+    assert one["rc"] == two["rc"] == 0
+    assert set(two["held"].values()) == {(2, 4)} and set(one["held"].values()) == {(4, 4)}
+    assert len(two["held"]) == 3  # encoder, concept and decoder layers
+    assert any("experts: 1/2 per rank" in line for line in two["log"])
+    _same_steps(one["steps"], two["steps"])
+    # the loss-free bias moved (it is part of the weights compared below)
+    w1, w2 = _final_weights(tmp_path / "ep1"), _final_weights(tmp_path / "ep2")
+    assert set(w1) == set(w2)
+    bias = [k for k in w1 if k.endswith("expert_bias")]
+    assert bias and all(float(w1[k].abs().sum()) > 0 for k in bias)
+    for k in w1:  # the export gathered every expert
+        torch.testing.assert_close(w2[k], w1[k], rtol=1e-4, atol=1e-6, msg=lambda m: f"{k}: {m}")
+
+    # stopped after step 2 (its checkpoint), resumed to step 4: the uninterrupted run's losses
+    cfg = _config(tiny_config, tiny_data, 2, **grove)
+    stopped = _train(tmp_path, "ep2_resumed", cfg, stop_after=2)
+    assert stopped["rc"] == 128 + signal.SIGTERM and len(stopped["steps"]) == 2
+    ckpt = tmp_path / "ep2_resumed" / "checkpoints" / "step_00000002"
+    assert (ckpt / "experts_rank_00000.pt").is_file() and (ckpt / "experts_rank_00001.pt").is_file()
+    resumed = _train(tmp_path, "ep2_resumed", cfg)
+    assert resumed["rc"] == 0
+    _same_steps(two["steps"], resumed["steps"])
+
+    # onto another expert degree: one line naming what may change
+    other = _train(tmp_path, "ep2_resumed", _config(tiny_config, tiny_data, 1, steps=6, **grove))
+    assert "refused" in other, other.get("log")
+    assert "parallel.expert=2 on 2 ranks" in other["refused"]
+    assert "\n" not in other["refused"]
