@@ -64,13 +64,13 @@ def _worker(
         torch.save({"rc": rc, "held": held, "log": lines}, result)
 
 
-def _train(tmp_path, name: str, cfg: dict, stop_after: int = 0) -> dict:
+def _train(tmp_path, name: str, cfg: dict, stop_after: int = 0, world: int = 2) -> dict:
     """`cfg` trained on two processes into tmp_path/name (stopped as by a SIGTERM in step
-    `stop_after` where given): rank 0's exit code, the experts each MoE layer held, its log and
+    `stop_after` where given) on `world` processes: rank 0's exit code, the experts each MoE layer held, its log and
     metrics.jsonl, or the one line of a refused config."""
     run_dir, result = tmp_path / name, tmp_path / f"{name}.pt"
-    args = (2, _free_port(), cfg, str(run_dir), str(result), stop_after)
-    mp.spawn(_worker, args=args, nprocs=2, join=True)
+    args = (world, _free_port(), cfg, str(run_dir), str(result), stop_after)
+    mp.spawn(_worker, args=args, nprocs=world, join=True)
     out = torch.load(result, weights_only=False)
     if "refused" not in out:
         metrics = run_dir / "metrics.jsonl"
@@ -141,3 +141,32 @@ def test_two_expert_ranks_train_what_one_does_and_resume(tiny_data, tmp_path, ti
     assert "refused" in other, other.get("log")
     assert "parallel.expert=2 on 2 ranks" in other["refused"]
     assert "\n" not in other["refused"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero_stage", [1, 2])
+def test_zero_partitions_the_expert_shards_over_their_replicas(
+    tiny_data, tmp_path, tiny_config, zero_stage
+):
+    # 4 ranks, 2 expert ranks: each shard is held by 2 ranks, which reduce its gradient (and ZeRO
+    # partitions its optimizer state) between themselves only
+    runs = {}
+    for P in (1, 2):
+        cfg = _config(tiny_config, tiny_data, P, steps=3)
+        cfg["deepspeed"] = {"zero_stage": zero_stage}
+        runs[P] = _train(tmp_path, f"ep{P}", cfg, world=4)
+        assert runs[P]["rc"] == 0
+    assert any(
+        "experts: 1/2 per rank" in line and "2 rank(s) per shard" in line for line in runs[2]["log"]
+    )
+    _same_steps(runs[1]["steps"], runs[2]["steps"])
+
+
+@pytest.mark.slow
+def test_a_small_capacity_logs_its_overflow(tiny_data, tmp_path, tiny_config):
+    cfg = _config(tiny_config, tiny_data, 2, steps=1)
+    cfg["parallel"]["capacity_factor"] = 0.5
+    small = _train(tmp_path, "small", cfg)
+    assert small["rc"] == 0 and small["steps"][0]["moe/overflow"] > 0
+    dropless = _train(tmp_path, "dropless", _config(tiny_config, tiny_data, 2, steps=1))
+    assert dropless["steps"][0]["moe/overflow"] == 0
