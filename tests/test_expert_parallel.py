@@ -191,3 +191,24 @@ def test_exchanged_forward_compiles_with_fullgraph_and_static_shapes():
     ref, _ = m(x, valid)
     torch.testing.assert_close(out, ref)
     assert x.grad is not None and st.overflow is not None
+
+
+def test_bench_alltoall_states_the_bytes_and_times_the_exchange():
+    from eval.bench import alltoall
+
+    res = alltoall.run(alltoall.SETTINGS["smoke"], log=lambda _: None)
+    rows = {r["candidate"]: r for r in res["rows"]}
+    assert set(rows) == {
+        alltoall.BASELINE,
+        "all_to_all (dropless)",
+        "exchanged layer (dropless)",
+        "all_to_all (capacity 1.25)",
+        "exchanged layer (capacity 1.25)",
+    }
+    assert all(r["median"] > 0 for r in rows.values())
+    # 64 tokens x top-2 = 128 slots per peer (dropless) of 64 fp32 values; half of it leaves
+    assert rows["all_to_all (dropless)"]["capacity_rows"] == 128
+    assert rows["all_to_all (dropless)"]["MB_sent_per_rank"] == round(2 * 128 * 64 * 4 / 2 / 1e6, 3)
+    assert rows["all_to_all (capacity 1.25)"]["capacity_rows"] == capacity(128, 2, 1.25) == 80
+    assert rows["exchanged layer (dropless)"]["overflow_slots"] == 0
+    assert res["notes"] == [alltoall.LOOPBACK_NOTE]  # one process here

@@ -34,6 +34,10 @@ def all_reduce_min(x: torch.Tensor) -> torch.Tensor:
     return _all_reduce(x, dist.ReduceOp.MIN)
 
 
+def all_reduce_max(x: torch.Tensor) -> torch.Tensor:
+    return _all_reduce(x, dist.ReduceOp.MAX)
+
+
 def barrier() -> None:
     """Every rank waits for the others (rank 0 built the default data, wrote the export, ...)."""
     if _several():
