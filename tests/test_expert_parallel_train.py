@@ -2,7 +2,9 @@
 trains the same losses and weights as `parallel.expert=1` on the same two ranks, token-level and
 concept-level MoE layers alike, with the loss-free bias and Grove adjugates on; each rank holds half
 of every layer's routed experts; a run stopped at step 2 resumes with the losses of the
-uninterrupted one; a checkpoint does not resume on another expert degree (one line)."""
+uninterrupted one; a checkpoint does not resume on another expert degree (one line) and starts a
+new run of any degree through train.init_from. With 4 ranks, ZeRO 1 and 2 reduce and partition each
+shard over its 2 replicas and train the same losses; a small capacity logs its overflow."""
 
 from __future__ import annotations
 
@@ -141,6 +143,10 @@ def test_two_expert_ranks_train_what_one_does_and_resume(tiny_data, tmp_path, ti
     assert "refused" in other, other.get("log")
     assert "parallel.expert=2 on 2 ranks" in other["refused"]
     assert "\n" not in other["refused"]
+    # what the refusal offers instead: a new run from the checkpoint's weights, every expert whole
+    fresh = _config(tiny_config, tiny_data, 1, steps=1, **grove)
+    fresh["train"]["init_from"] = str(ckpt)
+    assert _train(tmp_path, "from_ep2", fresh)["rc"] == 0
 
 
 @pytest.mark.slow
