@@ -83,6 +83,7 @@ def _worker(rank: int, world: int, port: int, factor, result: str) -> None:
     import torch.distributed as dist
 
     from vlm.train.collectives import GroupExchange
+    from vlm.train.expert_parallel import even_eval_batches
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -100,8 +101,11 @@ def _worker(rank: int, world: int, port: int, factor, result: str) -> None:
         # every rank's routed slots per expert, for the expected overflow
         loads = [torch.zeros(4) for _ in range(world)]
         dist.all_gather(loads, whole["load"])
+        # held-out batches: every rank runs as many exchanged forwards (rank r has 3 + r)
+        evals = len(even_eval_batches(list(range(3 + rank)), m.exchange, torch.device("cpu")))
         torch.save(
-            {"whole": whole, "split": split, "held": held, "loads": loads}, f"{result}.{rank}"
+            {"whole": whole, "split": split, "held": held, "loads": loads, "evals": evals},
+            f"{result}.{rank}",
         )
     finally:
         dist.destroy_process_group()
@@ -117,6 +121,7 @@ def test_two_expert_ranks_compute_what_one_layer_does(tmp_path):
     for rank, r in enumerate(_two_ranks(tmp_path)):
         whole, split = r["whole"], r["split"]
         assert r["held"] == 2  # half of the 4 experts
+        assert r["evals"] == 3
         assert float(split["overflow"]) == 0  # dropless by default
         for k in ("out", "load", "balance", "z", "dx"):
             torch.testing.assert_close(split[k], whole[k], msg=lambda m, k=k: f"{k}: {m}")

@@ -114,6 +114,16 @@ def set_up(model: nn.Module, parallel, world_size: int) -> ExpertParallel | None
     return ExpertParallel(P, rank, replicas, name, exchange, local, total)
 
 
+def even_eval_batches(batches: list, ep: ExpertParallel | None, device: torch.device) -> list:
+    """The held-out batches cut to the fewest any rank has: with experts split every forward is a
+    collective, so the ranks must run as many (a rank left with none uses its step's batch, as
+    all do then)."""
+    if ep is None:
+        return batches
+    n = collectives.all_reduce_min(torch.tensor([len(batches)], device=device))
+    return batches[: int(n[0])]
+
+
 def check_engine(ep: ExpertParallel | None, zero_stage: int) -> None:
     if ep is not None and zero_stage == 3:
         raise ConfigError(

@@ -231,6 +231,7 @@ def build_run(
         with ep_lib.deepspeed_view(model, ep):
             optimizer, scheduler, engine = build_engine(model, groups, cfg, ds_json, clip)
         loader, eval_batches = build_loaders(cfg, tokenizer, dist.rank, dist.world_size)
+        eval_batches = ep_lib.even_eval_batches(eval_batches, ep, dist.device)
         float_dtype = torch.bfloat16 if engine.bfloat16_enabled() else torch.float32
         settings = StepSettings(
             loss=Loss(cfg.model, global_parser=cfg.train.global_parser),
