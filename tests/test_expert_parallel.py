@@ -217,3 +217,34 @@ def test_bench_alltoall_states_the_bytes_and_times_the_exchange():
     assert rows["all_to_all (capacity 1.25)"]["capacity_rows"] == capacity(128, 2, 1.25) == 80
     assert rows["exchanged layer (dropless)"]["overflow_slots"] == 0
     assert res["notes"] == [alltoall.LOOPBACK_NOTE]  # one process here
+
+
+@pytest.mark.parametrize(
+    "sections, says",
+    [
+        ({"parallel": {"expert": 3}}, "parallel.expert=3 does not divide model.moe.num_experts=8"),
+        (
+            {"parallel": {"expert": 2}, "deepspeed": {"zero_stage": 3}},
+            "parallel.expert=2 with deepspeed.zero_stage 3",
+        ),
+        ({"parallel": {"capacity_factor": 0}}, "parallel.capacity_factor must be > 0 or null"),
+    ],
+)
+def test_a_config_expert_parallelism_cannot_run_is_one_line(sections, says):
+    from configs.config import ConfigError
+    from vlm.train.config import TrainConfig
+
+    with pytest.raises(ConfigError, match=says) as e:
+        TrainConfig(**sections)
+    assert "\n" not in str(e.value)
+
+
+def test_the_ranks_must_split_into_expert_groups():
+    from configs.config import ConfigError
+    from vlm.train.config import ParallelConfig
+    from vlm.train.expert_parallel import set_up
+
+    with pytest.raises(ConfigError, match=r"parallel.expert=2 does not divide the 3 rank\(s\)"):
+        set_up(torch.nn.Sequential(make_moe()), ParallelConfig(expert=2), 3)
+    with pytest.raises(ConfigError, match="does not divide a MoE layer's 4 experts"):
+        set_up(torch.nn.Sequential(make_moe()), ParallelConfig(expert=8), 8)
