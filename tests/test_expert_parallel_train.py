@@ -87,11 +87,13 @@ def _final_weights(run_dir) -> dict[str, torch.Tensor]:
     return load_file(str(run_dir / "final" / "model.safetensors"))
 
 
-def _config(tiny_config, tiny_data, expert: int, steps: int = 4, **model) -> dict:
+def _config(
+    tiny_config, tiny_data, expert: int, steps: int = 4, eval_every: int = 0, **model
+) -> dict:
     cfg = tiny_config(
         tiny_data,
         train={"max_steps": steps},
-        logging={"eval_every": 0, "histogram_every": 0},
+        logging={"eval_every": eval_every, "histogram_every": 0},
         checkpoint={"save_every": 2, "keep_last": 3},
         parallel={"expert": expert},
     )
@@ -105,7 +107,8 @@ LOSSES = ("loss", "loss/lm", "loss/ratio", "loss/balance", "compression/ratio")
 def _same_steps(a: list[dict], b: list[dict]) -> None:
     assert [r["step"] for r in a] == [r["step"] for r in b]
     for ra, rb in zip(a, b):
-        for key in LOSSES + (("grad_norm",) if "grad_norm" in ra else ()):
+        held_out = tuple(k for k in ra if k.startswith("val/"))
+        for key in LOSSES + held_out + (("grad_norm",) if "grad_norm" in ra else ()):
             assert rb[key] == pytest.approx(ra[key], rel=2e-5, abs=1e-6), (ra["step"], key)
 
 
@@ -113,9 +116,11 @@ def _same_steps(a: list[dict], b: list[dict]) -> None:
 def test_two_expert_ranks_train_what_one_does_and_resume(tiny_data, tmp_path, tiny_config):
     # Grove adjugates (one group per pair of experts) and the loss-free bias on: every MoE layer
     # (encoder and decoder: token level; concept model: concept level) splits its 4 experts 2 + 2
-    grove = {"grove_groups": 2, "grove_lambda": 0.25, "loss_free_balancing": True}
-    one = _train(tmp_path, "ep1", _config(tiny_config, tiny_data, 1, **grove))
-    two = _train(tmp_path, "ep2", _config(tiny_config, tiny_data, 2, **grove))
+    # held-out evaluations at steps 2 and 4: exchanged forwards in eval mode, the same on every rank
+    kw = {"grove_groups": 2, "grove_lambda": 0.25, "loss_free_balancing": True, "eval_every": 2}
+    one = _train(tmp_path, "ep1", _config(tiny_config, tiny_data, 1, **kw))
+    two = _train(tmp_path, "ep2", _config(tiny_config, tiny_data, 2, **kw))
+    assert "val/loss/lm" in two["steps"][1]
     assert one["rc"] == two["rc"] == 0
     assert set(two["held"].values()) == {(2, 4)} and set(one["held"].values()) == {(4, 4)}
     assert len(two["held"]) == 3  # encoder, concept and decoder layers
@@ -130,7 +135,7 @@ def test_two_expert_ranks_train_what_one_does_and_resume(tiny_data, tmp_path, ti
         torch.testing.assert_close(w2[k], w1[k], rtol=1e-4, atol=1e-6, msg=lambda m: f"{k}: {m}")
 
     # stopped after step 2 (its checkpoint), resumed to step 4: the uninterrupted run's losses
-    cfg = _config(tiny_config, tiny_data, 2, **grove)
+    cfg = _config(tiny_config, tiny_data, 2, **kw)
     stopped = _train(tmp_path, "ep2_resumed", cfg, stop_after=2)
     assert stopped["rc"] == 128 + signal.SIGTERM and len(stopped["steps"]) == 2
     ckpt = tmp_path / "ep2_resumed" / "checkpoints" / "step_00000002"
@@ -140,12 +145,12 @@ def test_two_expert_ranks_train_what_one_does_and_resume(tiny_data, tmp_path, ti
     _same_steps(two["steps"], resumed["steps"])
 
     # onto another expert degree: one line naming what may change
-    other = _train(tmp_path, "ep2_resumed", _config(tiny_config, tiny_data, 1, steps=6, **grove))
+    other = _train(tmp_path, "ep2_resumed", _config(tiny_config, tiny_data, 1, steps=6, **kw))
     assert "refused" in other, other.get("log")
     assert "parallel.expert=2 on 2 ranks" in other["refused"]
     assert "\n" not in other["refused"]
     # what the refusal offers instead: a new run from the checkpoint's weights, every expert whole
-    fresh = _config(tiny_config, tiny_data, 1, steps=1, **grove)
+    fresh = _config(tiny_config, tiny_data, 1, steps=1, **kw)
     fresh["train"]["init_from"] = str(ckpt)
     assert _train(tmp_path, "from_ep2", fresh)["rc"] == 0
 
