@@ -83,6 +83,7 @@ _INVALID = {
     "ConvertConfig": {"target_ratio": 1.0},
     "OptimConfig": {"lr": 0.0},
     "DeepSpeedConfig": {"offload_param": "cpu"},
+    "ParallelConfig": {"expert": 0},
     "ParamsConfig": {"vision_lr_mult": -1.0},
     "LoggingConfig": {"log_every": 0},
     "CheckpointConfig": {"keep_last": 0},

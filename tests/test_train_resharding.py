@@ -76,7 +76,11 @@ def test_one_and_two_processes_train_the_same_steps(tiny_data, tiny_config, load
     _close(one, two, [1, 2, 3], rel=1e-5)
 
 
-@pytest.mark.parametrize("n,m,zero", [(2, 1, 2), (1, 2, 3), (2, 4, 2), (1, 2, 2), (2, 1, 3), (2, 1, 1), (1, 4, 3)], ids=str)
+@pytest.mark.parametrize(
+    "n,m,zero",
+    [(2, 1, 2), (1, 2, 3), (2, 4, 2), (1, 2, 2), (2, 1, 3), (2, 1, 1), (1, 4, 3)],
+    ids=str,
+)
 def test_a_run_stopped_on_n_ranks_continues_on_m(
     n, m, zero, tiny_data, tiny_config, load_tiny, tmp_path
 ):

@@ -1,13 +1,15 @@
 """`vlm bench`: run benchmark parts and write DIR/<part>.json and DIR/<part>.png; prints
 each part's table.
 
-    vlm bench [model|decode|moe|loader|attention|vision|realized|gpu|all] [--quick] [--out DIR] [--ckpt DIR]
+    vlm bench [model|decode|moe|loader|attention|vision|realized|gpu|alltoall|all] [--quick] [--out DIR] [--ckpt DIR]
     vlm bench loader [--config RUN.yaml] [--data SHARDS] [--tokens-per-s N]
 
 `realized` (prefill with the boundaries a trained router draws on real prompts) needs a checkpoint:
 `all` runs it when --ckpt is given. `gpu` (MFU, prefill, decode, memory and kernel launches of
 configs/gpu.yaml's LLM on one CUDA device, in under 8 minutes) runs only when named, and refuses
-without CUDA unless --smoke.
+without CUDA unless --smoke. `alltoall` (expert parallelism's token exchange on one MoE layer)
+runs only when named, under `torchrun --nproc_per_node N -m eval.bench alltoall` for N expert
+ranks (CUDA: nccl, else gloo).
 
 --quick: fewer lengths and rounds (`all` in under 5 minutes on 2 CPU cores). --smoke (not in
 --help): tiny shapes and two rounds, for tests of one part's plumbing; its figures say
@@ -25,6 +27,9 @@ from dataclasses import replace
 PARTS = ("model", "decode", "moe", "loader", "attention", "vision")
 CKPT_PARTS = ("realized",)  # parts that measure a trained checkpoint (--ckpt)
 GPU_PARTS = ("gpu",)  # parts that measure a CUDA device: never in `all`, only when named
+# parts that measure several processes (torchrun --nproc_per_node N -m eval.bench PART): only
+# when named; one process measures what it can alone
+DIST_PARTS = ("alltoall",)
 
 
 def add_bench_command(subparsers) -> None:
@@ -34,7 +39,10 @@ def add_bench_command(subparsers) -> None:
         description=__doc__.split("\n\n")[0],
     )
     ap.add_argument(
-        "part", nargs="?", default="all", choices=PARTS + CKPT_PARTS + GPU_PARTS + ("all",)
+        "part",
+        nargs="?",
+        default="all",
+        choices=PARTS + CKPT_PARTS + GPU_PARTS + DIST_PARTS + ("all",),
     )
     ap.add_argument(
         "--quick",
@@ -112,6 +120,8 @@ def run(args: argparse.Namespace) -> int:
             settings = replace(settings, out=str(out))
         t0 = time.perf_counter()
         res = mod.run(settings, log=lambda msg: print(msg, file=sys.stderr, flush=True))
+        if res.pop("rank", 0):  # under torchrun: rank 0 reports
+            continue
         res["mode"], res["wall_seconds"] = mode, round(time.perf_counter() - t0, 1)
         path = common.write_json(res, out)
         mod.plot(res, out / f"{part}.png")

@@ -19,6 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from vlm.model.config import MoEConfig
+from vlm.model.expert_parallel import ExpertExchange, exchanged_swiglu, local_slice
 from vlm.model.legacy_names import rename_legacy_keys
 from vlm.model.moe_dispatch import expert_swiglu, grouped_mm_available, sort_by_group
 
@@ -38,6 +39,15 @@ class MoEStats:
     # 0-d: adjugate-expert evaluations / tokens (None: Grove is off)
     adjugate_per_token: torch.Tensor | None
     cfg: MoEConfig  # the layer's settings (the weights of its losses)
+    # 0-d: (token, choice) slots past the expert-parallel capacity, computed by no expert (None:
+    # the layer holds every expert, nothing is exchanged; vlm.model.expert_parallel)
+    overflow: torch.Tensor | None = None
+
+
+def expert_overflow(stats: list[MoEStats]) -> torch.Tensor | None:
+    """The slots the layers' expert-parallel capacity dropped, summed (None: no layer exchanges)."""
+    on = [s.overflow for s in stats if s.overflow is not None]
+    return torch.stack(on).sum() if on else None
 
 
 def mean_adjugate_per_token(stats: list[MoEStats]) -> torch.Tensor | float:
@@ -280,6 +290,8 @@ class MoE(nn.Module):
             self.adj_down_GFD = nn.Parameter(torch.empty(G, adj_hidden, dim))
         self.register_buffer("expert_bias", torch.zeros(E), persistent=True)
         self.register_buffer("load_accum", torch.zeros(E), persistent=True)
+        # the expert-parallel group (None: this layer holds every routed expert): shard_experts
+        self.exchange: ExpertExchange | None = None
         self.reset_parameters(init_std)
         self.register_load_state_dict_pre_hook(rename_legacy_keys)  # older names (legacy_names)
 
@@ -297,6 +309,31 @@ class MoE(nn.Module):
         self.expert_bias.data = self.expert_bias.data.float()
         self.load_accum.data = self.load_accum.data.float()
         return self
+
+    @torch.no_grad()
+    def shard_experts(self, exchange: ExpertExchange) -> None:
+        """Keep only this rank's E/P routed experts (a slice of the ones the layer was built or
+        loaded with) and exchange tokens with the ranks that hold the others from now on. The
+        router, the shared experts, the Grove adjugate experts (small: one per group) and the
+        balancing state stay whole on every rank. Called once, when a run is built."""
+        if self.exchange is not None:
+            raise RuntimeError("MoE.shard_experts: the layer's experts are sharded already")
+        keep = local_slice(self.num_experts, exchange.size, exchange.rank)
+        for name in ("w_gate_EDF", "w_up_EDF", "w_down_EFD"):
+            full = getattr(self, name)
+            part = nn.Parameter(full[keep].clone(), requires_grad=full.requires_grad)
+            setattr(self, name, part)
+        self.exchange = exchange
+
+    def routed_expert_weights(self) -> tuple[nn.Parameter, nn.Parameter, nn.Parameter]:
+        """The routed experts' gate, up and down projections ([E or E/P, ...]: what
+        `shard_experts` splits)."""
+        return self.w_gate_EDF, self.w_up_EDF, self.w_down_EFD
+
+    @property
+    def local_experts(self) -> int:
+        """The routed experts whose weights this layer holds (all of them without an exchange)."""
+        return self.w_gate_EDF.shape[0]
 
     def _use_grouped(self, x_AD: torch.Tensor, *weights: torch.Tensor) -> bool:
         if self.cfg.dispatch == "loop":
@@ -357,14 +394,13 @@ class MoE(nn.Module):
             else x_ND.dtype
         )
         x_c = x_ND.to(dtype)
-        y_AD = expert_swiglu(
-            x_c,
-            slots,
-            self.w_gate_EDF,
-            self.w_up_EDF,
-            self.w_down_EFD,
-            self._use_grouped(x_c, self.w_gate_EDF, self.w_down_EFD),
-        )
+        experts = (self.w_gate_EDF, self.w_up_EDF, self.w_down_EFD)
+        use_grouped = self._use_grouped(x_c, self.w_gate_EDF, self.w_down_EFD)
+        overflow = None
+        if self.exchange is None:
+            y_AD = expert_swiglu(x_c, slots, *experts, use_grouped)
+        else:  # the experts live on several ranks: vlm.model.expert_parallel
+            y_AD, overflow = exchanged_swiglu(x_c, slots, *experts, self.exchange, use_grouped)
         y_AD = y_AD * r.weights_NK.reshape(-1)[slots.order_A].to(dtype)[:, None]
         out_ND = torch.zeros_like(x_c).index_add_(0, slots.tok_A, y_AD)
 
@@ -394,7 +430,8 @@ class MoE(nn.Module):
             shared_ND = self.shared(x_c)
             out_ND = out_ND + (shared_ND if pad_N1 is None else shared_ND.masked_fill(pad_N1, 0))
         adj = None if adj_per_token is None else adj_per_token.detach()
-        return out_ND.to(x_ND.dtype), MoEStats(balance, z, load_E.detach(), adj, cfg)
+        stats = MoEStats(balance, z, load_E.detach(), adj, cfg, overflow)
+        return out_ND.to(x_ND.dtype), stats
 
     @torch.no_grad()
     def update_bias(self, load_E: torch.Tensor | None = None) -> None:
@@ -416,8 +453,9 @@ class MoE(nn.Module):
 
     def extra_repr(self) -> str:
         c = self.cfg
+        held = "" if self.exchange is None else f" ({self.local_experts} here)"
         return (
-            f"dim={self.dim}, experts={c.num_experts}, top_k={c.top_k}, "
+            f"dim={self.dim}, experts={c.num_experts}{held}, top_k={c.top_k}, "
             f"hidden={c.expert_hidden}, router={c.router}, "
             f"shared={c.num_shared_experts}x{c.shared_hidden}, grove_groups={c.grove_groups}"
         )

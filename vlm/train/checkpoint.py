@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from vlm.train import collectives, reshard
+from vlm.train import expert_parallel as ep_lib
 from vlm.train.checksums import file_digests
 from vlm.train.engine import CheckpointRefused, safe_load
 from vlm.train.write_errors import (
@@ -235,13 +236,17 @@ def save_checkpoint(
             engine.save_checkpoint,
             str(tmp),
             tag=DS_TAG,
-            client_state=reshard.client_state(),  # what a resume on other ranks needs
+            # what a resume on other ranks needs; expert parallelism resumes on the same ranks
+            # only, and DeepSpeed's MoE checkpoint reserves that key for itself
+            client_state={} if getattr(engine, "has_moe_layers", False) else reshard.client_state(),
             save_latest=False,
         )
     finally:
         if ds_save is not None:
             del engine.checkpoint_engine.save  # back to the class's method
     held.run(torch_save, trainer_state, tmp / f"rank_{rank:05d}.pt")
+    # this rank's routed experts where they are split over ranks (DeepSpeed's module file: rank 0's)
+    held.run(ep_lib.save_shard, engine.module, tmp, rank, world_size, torch_save)
     _agree(held, step, ckpt_root, tmp, rank)
     if rank == 0:
         held.run(_commit, ckpt_root, tmp, final, step, world_size, keep_last)
@@ -388,6 +393,8 @@ def load_checkpoint(engine, ckpt: Path, rank: int, world_size: int, log=log.info
         raise CheckpointRefused(f"DeepSpeed could not load the checkpoint in {load_dir / DS_TAG}")
     if universal:
         reshard.mend_optimizer(basic_optimizer(engine), load_dir, DS_TAG)
+    # each rank's own routed experts (expert parallelism; the module file held rank 0's)
+    experts_why = ep_lib.restore_shard(engine.module, ckpt, rank)
     # the trainer state is the same on every rank but for its RNG streams: a rank the checkpoint
     # did not have takes rank 0's
     state_file = ckpt / f"rank_{rank if rank < written else 0:05d}.pt"
@@ -401,6 +408,7 @@ def load_checkpoint(engine, ckpt: Path, rank: int, world_size: int, log=log.info
         state = safe_load(state_file)
     except CheckpointRefused as e:
         why = str(e)
+    why = why or experts_why
     # a rank alone with its refusal would leave the others waiting in the first step's collective
     refused = [w for w in collectives.every_rank(why) if w is not None]
     if refused:

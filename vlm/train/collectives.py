@@ -34,6 +34,10 @@ def all_reduce_min(x: torch.Tensor) -> torch.Tensor:
     return _all_reduce(x, dist.ReduceOp.MIN)
 
 
+def all_reduce_max(x: torch.Tensor) -> torch.Tensor:
+    return _all_reduce(x, dist.ReduceOp.MAX)
+
+
 def barrier() -> None:
     """Every rank waits for the others (rank 0 built the default data, wrote the export, ...)."""
     if _several():
@@ -128,3 +132,50 @@ def every_rank(obj) -> list:
 def weights_of_rank0(module: torch.nn.Module) -> None:
     """Every rank's module becomes rank 0's (the vision warm-up trained it on rank 0)."""
     broadcast_module(module, src=0)
+
+
+# ---------------------------------------------------------------- expert parallelism
+class GroupExchange:
+    """The expert-parallel group of this rank as its MoE layers see it
+    (vlm.model.expert_parallel.ExpertExchange): `size` ranks holding E/size experts each, this one
+    the `rank`-th. The all-to-all is torch's functional collective with its autograd (the backward
+    is the reverse all-to-all), which torch.compile traces into a graph; equal splits, so its
+    sizes are shapes and no rank reads another's counts on the host."""
+
+    def __init__(self, group, size: int, rank: int, capacity_factor: float | None):
+        self.group, self.size, self.rank = group, size, rank
+        self.capacity_factor = capacity_factor
+
+    def all_to_all(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+        return all_to_all_single_autograd(x.contiguous(), None, None, self.group)
+
+    def common_slots(self, slots: int, device: torch.device) -> int:
+        if device.type != "cpu" or torch.compiler.is_compiling():
+            return slots
+        return int(expert_group_max(torch.tensor([slots]), self.group)[0])
+
+    def __deepcopy__(self, memo):
+        return self  # a process group is not copied with a module
+
+
+def expert_group_max(x: torch.Tensor, group) -> torch.Tensor:
+    """The largest value over an expert-parallel group (a copy)."""
+    y = x.detach().clone()
+    dist.all_reduce(y, op=dist.ReduceOp.MAX, group=group)
+    return y
+
+
+def all_gather_experts(x: torch.Tensor, exchange: GroupExchange) -> torch.Tensor:
+    """[n, ...] on each rank of the expert-parallel group -> [size * n, ...], by rank (a layer's
+    whole set of routed experts from its shards: an export)."""
+    parts = [torch.empty_like(x) for _ in range(exchange.size)]
+    dist.all_gather(parts, x.detach().contiguous(), group=exchange.group)
+    return torch.cat(parts)
+
+
+def expert_gradient_square(local: torch.Tensor) -> torch.Tensor:
+    """The squared gradient norm of the expert parameters summed over every rank (each rank holds
+    other experts, or the same ones in another expert-data-parallel replica)."""
+    return all_reduce_sum(local)

@@ -109,6 +109,28 @@ class DeepSpeedConfig(ValidatedOnInit):
 
 
 @dataclass
+class ParallelConfig(ValidatedOnInit):
+    """How the ranks share the model beyond data parallelism (docs/training.md, "Expert
+    parallelism")."""
+
+    # Each MoE layer's routed experts split over this many ranks (tokens exchanged with
+    # all-to-all); the ranks holding the same shard are its ZeRO data-parallel replicas. Divides the
+    # number of ranks and every MoE layer's expert count. 1: every rank holds every expert.
+    expert: int = 1
+    # Rows one rank sends to one expert rank per MoE layer, as a multiple of its token slots / expert
+    # (N x top_k / expert): 1.25 leaves 25 % room over a perfect balance; slots past it are computed
+    # by no expert and counted (moe/overflow). null: every slot fits (dropless, exact).
+    capacity_factor: float | None = None
+
+    def validate(self) -> None:
+        check(self.expert >= 1, f"parallel.expert must be >= 1, got {self.expert}")
+        check(
+            self.capacity_factor is None or self.capacity_factor > 0,
+            f"parallel.capacity_factor must be > 0 or null (dropless), got {self.capacity_factor}",
+        )
+
+
+@dataclass
 class ParamsConfig(ValidatedOnInit):
     """How parameters are grouped: DLCM's decoupled muP, per-part learning-rate multipliers, freezing."""
 
@@ -290,6 +312,7 @@ class TrainConfig(ValidatedOnInit):
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     params: ParamsConfig = field(default_factory=ParamsConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -338,6 +361,22 @@ class TrainConfig(ValidatedOnInit):
                 and not any(p in ("vision", "vision.encoder") for p in self.params.freeze),
                 "vision_warmup.steps > 0 trains the vision encoder, which this config "
                 "freezes (vision.freeze_encoder / params.freeze): set vision_warmup.steps: 0",
+            )
+        ep = self.parallel.expert
+        # a continued model's expert counts are the checkpoint's: checked once it is built
+        # (vlm.train.expert_parallel.set_up)
+        if ep > 1 and not (self.train.init_from or self.train.convert_from):
+            for name, moe in (("moe", self.model.moe), ("concept_moe", self.model.concept_moe)):
+                check(
+                    moe is None or moe.num_experts % ep == 0,
+                    f"parallel.expert={ep} does not divide model.{name}.num_experts="
+                    f"{moe.num_experts if moe else 0}: use a divisor of it",
+                )
+        if ep > 1:
+            check(
+                self.deepspeed.zero_stage != 3,
+                f"parallel.expert={ep} with deepspeed.zero_stage 3: DeepSpeed's ZeRO-3 partitions "
+                "only its own AutoEP layers' experts; use zero_stage 0, 1 or 2",
             )
         if self.params.mup:
             check(
@@ -489,6 +528,7 @@ __all__ = [
     "TrainConfig",
     "OptimConfig",
     "DeepSpeedConfig",
+    "ParallelConfig",
     "ParamsConfig",
     "LoggingConfig",
     "CheckpointConfig",

@@ -136,3 +136,21 @@ def leave_process_group() -> None:
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - exiting anyway
             pass
+
+
+def expert_parallel_groups(size: int):
+    """DeepSpeed's expert-parallel and expert-data-parallel process groups for `size` expert ranks
+    (made once; its layout: ranks r and r' share their experts' shard when r = r' mod `size`, and
+    r // size numbers the expert-parallel groups). Returns (the groups' name, this rank's
+    expert-parallel group, its rank in it, the number of ranks holding each shard)."""
+    from deepspeed.utils import groups
+
+    name = f"ep_size_{size}"
+    if name not in groups._get_expert_parallel_group_dict():
+        groups._create_expert_and_data_parallel(size)
+    return (
+        name,
+        groups._get_expert_parallel_group(name),
+        groups._get_expert_parallel_rank(name),
+        groups._get_expert_data_parallel_world_size(name),
+    )

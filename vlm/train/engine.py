@@ -191,14 +191,21 @@ class SkipNonFiniteAdamW(torch.optim.AdamW):
     this optimizer directly and checks nothing itself: a skipped step then advances DeepSpeed's
     counters as on every other path, through DeepSpeed's own code."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, clip=None, **kwargs):
+        """`clip(params) -> norm`: clips the gradients itself before each applied step (expert
+        parallelism's exact global norm, vlm.train.expert_parallel.ExpertAwareClip, where
+        DeepSpeed's own clipping is off); DeepSpeed logs the norm it returns."""
         super().__init__(*args, **kwargs)
-        self.overflow = False
+        self.overflow, self.clip = False, clip
 
     def step(self, closure=None):
-        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
-        self.overflow = not grads_finite(grads)
-        return None if self.overflow else super().step(closure)
+        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        self.overflow = not grads_finite([p.grad for p in params])
+        if self.overflow:
+            return None
+        if self.clip is not None:
+            self._global_grad_norm = self.clip(params)  # read by the engine after the step
+        return super().step(closure)
 
 
 def grads_finite(grads: list[torch.Tensor]) -> bool:
@@ -212,11 +219,11 @@ def grads_finite(grads: list[torch.Tensor]) -> bool:
 
 
 def build_optimizer(
-    groups: list[dict], optim: OptimConfig, skip_nonfinite: bool = False
+    groups: list[dict], optim: OptimConfig, skip_nonfinite: bool = False, clip=None
 ) -> torch.optim.Optimizer:
     """torch AdamW over the groups (per-group lr / weight decay / eps already set); with
     `skip_nonfinite` one that skips a step with a non-finite gradient itself (for the plain fp32
-    path: `plain_fp32`).
+    path: `plain_fp32`), and clips with `clip` (SkipNonFiniteAdamW) when given.
 
     Fused (one kernel per parameter group and step, on CUDA and CPU alike, instead of about ten per
     parameter tensor: the unfused AdamW took 11-14 % of an H100 step) wherever every parameter is a
@@ -226,8 +233,10 @@ def build_optimizer(
     fused = bool(params) and all(
         p.is_floating_point() and p.device.type in ("cuda", "cpu") for p in params
     )
+    own = {"clip": clip} if skip_nonfinite else {}
     return cls(
         groups,
+        **own,
         lr=optim.lr,
         betas=tuple(optim.betas),
         eps=optim.eps,
@@ -273,14 +282,16 @@ def resume_schedule(
         group["lr"] = lr
 
 
-def build_engine(model: torch.nn.Module, groups: list[dict], cfg: TrainConfig, ds_json: dict):
+def build_engine(
+    model: torch.nn.Module, groups: list[dict], cfg: TrainConfig, ds_json: dict, clip=None
+):
     """The run's optimizer over `groups` (on the plain fp32 path one that skips a non-finite step
-    itself), its learning-rate schedule and the DeepSpeed engine running `ds_json`
-    (deepspeed_config): (optimizer, scheduler, engine)."""
+    itself, and clips with `clip` when given), its learning-rate schedule and the DeepSpeed engine
+    running `ds_json` (deepspeed_config): (optimizer, scheduler, engine)."""
     from vlm.train.schedule import build_scheduler
 
     o = cfg.optim
-    optimizer = build_optimizer(groups, o, skip_nonfinite=plain_fp32(ds_json))
+    optimizer = build_optimizer(groups, o, skip_nonfinite=plain_fp32(ds_json), clip=clip)
     scheduler = build_scheduler(
         optimizer,
         schedule=o.schedule,

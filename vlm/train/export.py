@@ -19,6 +19,7 @@ import torch
 
 from vlm.model.hf import save_pretrained
 from vlm.train import collectives
+from vlm.train.expert_parallel import gathered_experts
 from vlm.train.param_groups import folded_logit_scale
 from vlm.train.write_errors import DISK_ERRNOS, WriteError, describe_write_error
 
@@ -54,7 +55,8 @@ def export_final(
         import deepspeed
 
         ctx = deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None)
-    with ctx:
+    # experts split over ranks: every rank's shard, for the export of the whole model
+    with ctx, gathered_experts(module):
         bad = nonfinite_tensors(module)
         if bad:
             log(

@@ -30,7 +30,7 @@ from vlm.model.doc_stats import (
     group_histogram,
     histogram_quantiles,
 )
-from vlm.model.moe import mean_adjugate_per_token
+from vlm.model.moe import expert_overflow, mean_adjugate_per_token
 from vlm.model.output import ModelOutput
 from vlm.model.stats import chunk_stats, lm_labels, lm_losses, sample_has_image
 from vlm.train.config import LoggingConfig
@@ -121,6 +121,9 @@ class StepAccumulator:
             )
             for k, st in out.moe.items():
                 self.add(f"load/{k}", st.load_E)
+            overflow = expert_overflow([s for _, s in out.moe_passes])
+            if overflow is not None:  # expert parallelism's capacity (vlm.model.expert_parallel)
+                self.add_count("moe/overflow", overflow)
         if token_loss_BT is not None:
             self._add_lm_split(batch, token_loss_BT)
         self._add_groups(batch, b_BT, valid_BT, token_loss_BT)

@@ -210,7 +210,7 @@ def install_logit_scale(model: nn.Module, scale: float) -> None:
 
 def describe_groups(groups: list[dict]) -> list[str]:
     return [
-        f"{g['name']}: {sum(p.numel() for p in g['params']):,} params, lr "
+        f"{g.get('label', g['name'])}: {sum(p.numel() for p in g['params']):,} params, lr "
         f"{g['lr']:.3g}, wd {g['weight_decay']:.3g}, eps {g['eps']:.3g}"
         for g in groups
     ]

@@ -27,9 +27,16 @@ from data_pipelines.default_dataset import ensure_default_dataset
 from vlm.model.training_controls import TrainingControls
 from vlm.train import checkpoint as ckpt_lib
 from vlm.train import collectives, reshard
+from vlm.train import expert_parallel as ep_lib
 from vlm.train.config import RunConfig, TrainConfig
 from vlm.train.distributed import DistInfo, init_distributed
-from vlm.train.engine import build_engine, compile_model, deepspeed_config, effective_settings
+from vlm.train.engine import (
+    build_engine,
+    compile_model,
+    deepspeed_config,
+    effective_settings,
+    plain_fp32,
+)
 from vlm.train.loaders import build_loaders, check_row_fits
 from vlm.train.losses import Loss
 from vlm.train.metrics import group_names
@@ -199,13 +206,17 @@ def build_run(
         logit_scale = apply_mup(
             model, cfg.params, cfg.model.hidden_size, cfg.model.c_hidden, "lm" in fresh
         )
+        # each rank keeps its shard of the routed experts (None: every rank holds them all)
+        ep = ep_lib.set_up(model, cfg.parallel, dist.world_size)
         groups = build_param_groups(
             model, cfg.optim, cfg.params, cfg.model.hidden_size, cfg.model.c_hidden
         )
+        groups = ep_lib.split_groups(groups, ep)
         compiled_blocks = compile_model(model, cfg, dist.device)
         if resume_from is not None:  # not below the step the checkpoint reached
             step = ckpt_lib.checkpoint_step(resume_from)
             check_resume_steps(step, cfg.train.max_steps, resume_from)
+            ep_lib.check_resume(resume_from, cfg.parallel.expert, dist.world_size)
         saved = saved_config(run_dir, resume_from, say)
         kept = saved["optim"]["global_batch_rows"] if saved else None
         cfg = with_global_batch(cfg, dist.world_size, kept)
@@ -215,8 +226,12 @@ def build_run(
             ds_json = reshard.with_universal_loading(ds_json)
         if saved is not None:  # what may not change on resume
             check_resume_config(saved, to_dict(cfg), accept_optim_change)
-        optimizer, scheduler, engine = build_engine(model, groups, cfg, ds_json)
+        ep_lib.check_engine(ep, cfg.deepspeed.zero_stage)
+        ds_json, clip = ep_lib.plain_fp32_clip(ep, ds_json, plain_fp32(ds_json))
+        with ep_lib.deepspeed_view(model, ep):
+            optimizer, scheduler, engine = build_engine(model, groups, cfg, ds_json, clip)
         loader, eval_batches = build_loaders(cfg, tokenizer, dist.rank, dist.world_size)
+        eval_batches = ep_lib.even_eval_batches(eval_batches, ep, dist.device)
         float_dtype = torch.bfloat16 if engine.bfloat16_enabled() else torch.float32
         settings = StepSettings(
             loss=Loss(cfg.model, global_parser=cfg.train.global_parser),
@@ -233,13 +248,17 @@ def build_run(
     # ZeRO-3 leaves each rank a partition: ds_numel is the whole parameter's size
     sizes = [(getattr(p, "ds_numel", p.numel()), p.requires_grad) for p in model.parameters()]
     n_params, n_trainable = sum(n for n, _ in sizes), sum(n for n, t in sizes if t)
+    if ep is not None:  # the experts the other expert ranks hold
+        n_params += ep.total_params - ep.local_params
+        n_trainable += ep.total_params - ep.local_params if ep_lib.experts_train(model) else 0
     summary = (
         f"model: {n_params:,} parameters ({n_trainable:,} trainable); "
         f"{dist.world_size} rank(s) on {dist.device}; ZeRO {cfg.deepspeed.zero_stage}"
         f"{', bf16' if cfg.deepspeed.bf16 else ''}"
         f"{f'; {compiled_blocks} blocks compiled' if compiled_blocks else ''}"
     )
-    banner = (summary, *(f"  group {line}" for line in describe_groups(groups)))
+    banner = (summary, *([ep.banner()] if ep else []))
+    banner += tuple(f"  group {line}" for line in describe_groups(groups))
     ck = cfg.checkpoint
     checkpointer = ckpt_lib.Checkpointer(
         engine, run_dir / "checkpoints", ck.save_every, ck.keep_last, dist.rank, dist.world_size

@@ -25,6 +25,9 @@ RESUMABLE_CHANGES = (
     "data.prefetch_factor",
     "data.prefetch_to_device",
     "data.rank_split",
+    # the checkpoint's own files say which expert degree it resumes on
+    # (vlm.train.expert_parallel.check_resume); the capacity only changes what is dropped
+    "parallel.",
 )
 
 

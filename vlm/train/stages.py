@@ -35,6 +35,7 @@ from vlm.model.weights_check import SKIP_HINT, checksums_skipped
 from vlm.train.checkpoint import damaged_file, latest_checkpoint
 from vlm.train.config import MAY_CHANGE_FROM_CHECKPOINT, TrainConfig
 from vlm.train.engine import safe_load
+from vlm.train.expert_parallel import whole_experts
 from vlm.train.run_config import evolve
 
 
@@ -75,6 +76,7 @@ def read_model_state(path: Path) -> dict[str, torch.Tensor]:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         module = get_fp32_state_dict_from_zero_checkpoint(str(path), tag="ds")
+    module = whole_experts(path, module)  # experts split over ranks: every shard
     return _fold_checkpoint_logit_scale(current_keys(module), path.parent.parent / "config.yaml")
 
 

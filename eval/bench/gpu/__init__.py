@@ -25,6 +25,11 @@ reallocations of `vlm.model.reallocate` at R = 2):
   after the eager `cache.make_room(1)` that `model.step` does first), ms per step: the fastest
   ConceptMoE, then the baseline, batch 8 before batch 1.
 - train_compiled_rest: the other reallocations' training steps compiled, when time is left.
+- expert_exchange: expert parallelism's token exchange on one MoE layer of the LLM
+  (eval/bench/alltoall.py) at train_rows x train_len tokens: one process has no peer, so a loopback
+  of 2 expert ranks times the packing, sorting and unpacking around the all-to-all, and the rows
+  state the bytes 2 ranks would send; the all-to-all between GPUs and the exchanged layer's step:
+  `torchrun --nproc_per_node N -m eval.bench alltoall`.
 - targets: the issue's goals as PASS / FAIL / n/a lines next to the figures (never assertions), and
   eager against compiled for every step measured both ways.
 
@@ -51,6 +56,8 @@ targets) and report.py (table, figure).
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 
@@ -88,6 +95,33 @@ def _device(r: Run) -> None:
         )
 
 
+def _expert_exchange(r: Run) -> None:
+    from eval.bench import alltoall
+    from eval.bench.gpu.rig import llm_config
+    from vlm.model.expert_parallel import LoopbackExchange
+
+    s = alltoall.Settings(
+        tokens=[r.s.train_rows * r.s.train_len], repeats=r.s.train_repeats, warmup=r.s.warmup
+    )
+    cfg = llm_config(r.s)
+    rows = alltoall.measure(
+        s,
+        replace(cfg.moe, loss_free_balancing=False),
+        cfg.hidden_size,
+        lambda cf: LoopbackExchange(2, 0, cf),
+        0,
+        1,
+        r.dev.device,
+        None,
+        r.log,
+    )
+    for row in rows:
+        row["setting"]["section"] = "expert_exchange"
+    r.res["rows"] += rows
+    r.res["notes"].append(f"expert_exchange: {alltoall.LOOPBACK_NOTE}")
+    r.dev.free()
+
+
 # in order: two training compiles before the decode step's, the rest of them after it with what time
 # is left
 _MEASURED = (
@@ -99,6 +133,7 @@ _MEASURED = (
     ("memory", memory.memory),
     ("train_compiled", train.compiled),
     ("decode_compiled", decode.compiled),
+    ("expert_exchange", _expert_exchange),
     ("train_compiled_rest", train.compiled_rest),
 )
 SECTIONS = tuple(name for name, _ in _MEASURED) + ("targets",)

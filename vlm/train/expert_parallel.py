@@ -1,0 +1,337 @@
+"""Expert parallelism, the trainer's side (the model's: vlm.model.expert_parallel).
+
+`parallel.expert: P` splits every MoE layer's routed experts over P ranks; the world's W ranks form
+W/P expert-parallel groups of P consecutive ranks (DeepSpeed's layout), and the W/P ranks holding
+the same shard (r, r + P, r + 2P, ...) are its expert-data-parallel group. Everything else (the
+router, shared and Grove adjugate experts, attention, embeddings, the vision tower) is replicated on
+every rank as before.
+
+Built once with the run (`set_up`, between the model and the engine): DeepSpeed's process groups;
+each MoE layer keeps its slice of the experts it was built or loaded with (every rank builds the
+same whole model from the same seed, so the shards are exactly what one rank holding every expert
+would train) and gets the exchange of its group; the expert parameters carry DeepSpeed's marks
+(`allreduce = False`, `group_name`), so that the engine reduces their gradients within their
+expert-data-parallel group only (divided by W, the world, as for every other gradient: a shard's
+gradient sums every rank's tokens already, which the exchange's backward brought home), ZeRO 1/2
+partitions them over that group, and the optimizer's groups put them apart (`split_groups`). ZeRO-3
+partitions DeepSpeed's own AutoEP layers only: refused.
+
+The gradient norm for `optim.clip` is exact on every path: ZeRO 1/2 and the bf16 optimizer sum each
+rank's partitions over the world; on the plain fp32 path DeepSpeed would average each rank's own
+norm, so the optimizer clips there itself (`ExpertAwareClip`).
+
+Checkpoints: DeepSpeed's files as its MoE support writes them (the module from rank 0, the optimizer
+per expert rank or ZeRO partition) and, from every rank, `experts_rank_NNNNN.pt`, its shard of the
+routed experts, restored after DeepSpeed's load (`restore_shard`). A checkpoint resumes on the
+expert degree and the number of ranks that wrote it (`check_resume`: one line otherwise); its
+weights start a run of any degree through `train.init_from` (`whole_experts` puts the shards back
+together). The export gathers the shards (`gathered_experts`): final/ holds every expert.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from configs.config import ConfigError
+from vlm.model.moe import MoE
+from vlm.train import collectives
+
+SHARD_FILE = "experts_rank_{:05d}.pt"
+
+
+@dataclass(frozen=True)
+class ExpertParallel:
+    size: int  # P: ranks the experts of a layer are split over
+    rank: int  # this rank's place in its expert-parallel group
+    replicas: int  # ranks holding the same shard (its expert-data-parallel group)
+    group_name: str  # DeepSpeed's name of the groups
+    exchange: collectives.GroupExchange
+    local_params: int  # routed-expert parameters this rank holds
+    total_params: int  # ... in the whole model
+
+    def banner(self) -> str:
+        cap = self.exchange.capacity_factor
+        return (
+            f"experts: 1/{self.size} per rank ({self.local_params:,} of {self.total_params:,} "
+            f"expert parameters); {self.replicas} rank(s) per shard; all-to-all capacity "
+            + ("dropless (every slot)" if cap is None else f"{cap:g} x slots / {self.size}")
+        )
+
+
+def moe_layers(module: nn.Module) -> list[MoE]:
+    return [m for m in module.modules() if isinstance(m, MoE)]
+
+
+def sharded_layers(module: nn.Module) -> list[MoE]:
+    return [m for m in moe_layers(module) if m.exchange is not None]
+
+
+def experts_train(module: nn.Module) -> bool:
+    """Some sharded routed expert is trained (not frozen)."""
+    return any(p.requires_grad for m in sharded_layers(module) for p in m.routed_expert_weights())
+
+
+def is_expert(p: torch.Tensor) -> bool:
+    """DeepSpeed's mark of an expert parameter (deepspeed.moe.utils.is_moe_param)."""
+    return getattr(p, "allreduce", True) is False
+
+
+def set_up(model: nn.Module, parallel, world_size: int) -> ExpertParallel | None:
+    """Split the model's routed experts over `parallel.expert` ranks (None, nothing done, for 1).
+    ConfigError (one line) where the ranks or a layer's experts do not divide."""
+    P = parallel.expert
+    if P == 1:
+        return None
+    if world_size % P:
+        raise ConfigError(
+            f"parallel.expert={P} does not divide the {world_size} rank(s) of this run: "
+            "use a divisor of the number of ranks"
+        )
+    layers = moe_layers(model)
+    if not layers:
+        raise ConfigError(f"parallel.expert={P}: the model has no MoE layer to split")
+    for E in sorted({m.num_experts for m in layers}):
+        if E % P:
+            raise ConfigError(
+                f"parallel.expert={P} does not divide a MoE layer's {E} experts "
+                "(model.moe.num_experts / model.concept_moe.num_experts): use a divisor of it"
+            )
+    from vlm.train.distributed import expert_parallel_groups
+
+    name, group, rank, replicas = expert_parallel_groups(P)
+    exchange = collectives.GroupExchange(group, P, rank, parallel.capacity_factor)
+    total = sum(p.numel() for m in layers for p in m.routed_expert_weights())
+    for m in layers:
+        m.shard_experts(exchange)
+        for p in m.routed_expert_weights():
+            p.allreduce, p.group_name = False, name  # DeepSpeed's marks
+    local = sum(p.numel() for m in layers for p in m.routed_expert_weights())
+    return ExpertParallel(P, rank, replicas, name, exchange, local, total)
+
+
+def even_eval_batches(batches: list, ep: ExpertParallel | None, device: torch.device) -> list:
+    """The held-out batches cut to the fewest any rank has: with experts split every forward is a
+    collective, so the ranks must run as many (a rank left with none uses its step's batch, as
+    all do then)."""
+    if ep is None:
+        return batches
+    n = collectives.all_reduce_min(torch.tensor([len(batches)], device=device))
+    return batches[: int(n[0])]
+
+
+def check_engine(ep: ExpertParallel | None, zero_stage: int) -> None:
+    if ep is not None and zero_stage == 3:
+        raise ConfigError(
+            f"parallel.expert={ep.size} with deepspeed.zero_stage 3: DeepSpeed's ZeRO-3 "
+            "partitions only its own AutoEP layers' experts; use zero_stage 0, 1 or 2 (ZeRO 1/2 "
+            "partition the expert shards over their replicas)"
+        )
+
+
+def split_groups(groups: list[dict], ep: ExpertParallel | None) -> list[dict]:
+    """The optimizer's groups with the expert parameters apart, as DeepSpeed's MoE support needs
+    them (deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer): each in a group
+    of its own, named by its expert-parallel groups and marked `moe`, with the settings of the group
+    it came from (`label` keeps that group's name for the banner)."""
+    if ep is None:
+        return groups
+    out = []
+    for g in groups:
+        dense = [p for p in g["params"] if not is_expert(p)]
+        experts = [p for p in g["params"] if is_expert(p)]
+        if dense:
+            out.append({**g, "params": dense})
+        if experts:
+            label = f"{g['name']} (experts, 1/{ep.size})"
+            out.append({**g, "params": experts, "name": ep.group_name, "moe": True, "label": label})
+    return out
+
+
+@contextlib.contextmanager
+def deepspeed_view(model: nn.Module, ep: ExpertParallel | None):
+    """While DeepSpeed's engine is built around `model`: a parameterless marker of DeepSpeed's own
+    MoE layer class inside it. The engine decides that a model has expert parameters
+    (`has_moe_layers`: expert gradients reduced within their replicas, ZeRO groups split, MoE
+    checkpoint files) only by finding an instance of that class while it is built; our layers
+    are not DeepSpeed's (their router, Grove adjugates, balancing and static exchange are ours). The
+    marker is gone when the engine exists: the model keeps only its own modules."""
+    if ep is None or not experts_train(
+        model
+    ):  # frozen experts: nothing to reduce, no optimizer state
+        yield
+        return
+    from deepspeed.moe.layer import MoE as DeepSpeedMoE
+
+    class ExpertMarker(DeepSpeedMoE):
+        def __init__(self):
+            nn.Module.__init__(self)
+            self.num_experts = max(m.num_experts for m in sharded_layers(model))
+            self.ep_size, self.expert_group_name = ep.size, ep.group_name
+            self.num_local_experts = 0  # the shards are saved by save_shard
+
+        def set_deepspeed_parallelism(self, use_data_before_expert_parallel_=False):
+            pass  # the groups exist: set_up made them
+
+        def forward(self, *args, **kwargs):
+            raise RuntimeError("the expert-parallel marker computes nothing")
+
+    name = "_deepspeed_expert_marker"
+    model.add_module(name, ExpertMarker())
+    try:
+        yield
+    finally:
+        del model._modules[name]
+
+
+def plain_fp32_clip(ep: ExpertParallel | None, ds_json: dict, plain: bool):
+    """On the plain fp32 path with expert parallelism: (the DeepSpeed JSON without its own gradient
+    clipping, the optimizer's exact clipping); else (ds_json, None)."""
+    clip = float(ds_json.get("gradient_clipping") or 0.0)
+    if ep is None or not plain or clip <= 0:
+        return ds_json, None
+    return {**ds_json, "gradient_clipping": 0.0}, ExpertAwareClip(clip, ep.replicas)
+
+
+class ExpertAwareClip:
+    """`optim.clip` by the global gradient norm where some parameters are expert shards: the
+    replicated parameters' squared norm (the same on every rank) plus the expert shards' summed over
+    every rank once (each shard's replicas hold the same gradient, hence / replicas); then
+    DeepSpeed's rule, g * min(1, clip / (norm + 1e-6)). Returns the norm."""
+
+    def __init__(self, max_norm: float, replicas: int):
+        self.max_norm, self.replicas = max_norm, replicas
+
+    @torch.no_grad()
+    def __call__(self, params: list[torch.Tensor]) -> torch.Tensor:
+        grads = [(p.grad, is_expert(p)) for p in params if p.grad is not None]
+        if not grads:
+            return torch.zeros(())
+        dev = grads[0][0].device
+        sq = torch.zeros(2, dtype=torch.float32, device=dev)
+        for g, expert in grads:
+            sq[int(expert)] += g.detach().float().norm().square()
+        experts = collectives.expert_gradient_square(sq[1:]) / self.replicas
+        norm = (sq[0] + experts[0]).sqrt()
+        coef = (self.max_norm / (norm + 1e-6)).clamp_max(1.0)
+        for g, _ in grads:
+            g.mul_(coef.to(g.dtype))
+        return norm
+
+
+# ---------------------------------------------------------------- checkpoints
+def _named_shard(module: nn.Module) -> dict[str, torch.Tensor]:
+    ids = {id(p) for m in sharded_layers(module) for p in m.routed_expert_weights()}
+    return {n: p for n, p in module.named_parameters() if id(p) in ids}
+
+
+def save_shard(module: nn.Module, folder: Path, rank: int, world_size: int, save) -> None:
+    """This rank's routed experts into `folder`/experts_rank_NNNNN.pt with the expert degree and
+    the ranks that wrote it (nothing without expert parallelism); `save(obj, path)`: the
+    checkpoint's writer."""
+    layers = sharded_layers(module)
+    if not layers:
+        return
+    ex = layers[0].exchange
+    state = {
+        "expert_parallel": ex.size,
+        "expert_rank": ex.rank,
+        "world_size": world_size,
+        "tensors": {n: p.detach().cpu() for n, p in _named_shard(module).items()},
+    }
+    save(state, Path(folder) / SHARD_FILE.format(rank))
+
+
+def _load(path: Path) -> dict:
+    from vlm.train.engine import safe_load
+
+    return safe_load(path, map_location="cpu")
+
+
+def written_degree(ckpt: Path) -> tuple[int, int | None]:
+    """(parallel.expert, ranks) of the run that wrote `ckpt`: (1, None) for a checkpoint without
+    expert shards."""
+    first = Path(ckpt) / SHARD_FILE.format(0)
+    if not first.is_file():
+        return 1, None
+    state = _load(first)
+    return int(state["expert_parallel"]), int(state["world_size"])
+
+
+def check_resume(ckpt: Path, expert: int, world_size: int) -> None:
+    """A checkpoint resumes on the expert degree and, with experts split, the number of ranks that
+    wrote it (its expert shards and their Adam moments are not resharded): ConfigError otherwise."""
+    P, W = written_degree(ckpt)
+    if P == expert and (P == 1 or W == world_size):
+        return
+    was = f"parallel.expert={P}" + (f" on {W} ranks" if W else "")
+    now = f"parallel.expert={expert} on {world_size} rank(s)"
+    keep = f"parallel.expert={P}" + (f" on {W} ranks" if W else "")
+    raise ConfigError(
+        f"cannot resume from {ckpt}: written with {was}, this run has {now}; expert shards and "
+        f"their Adam moments are not resharded: resume with {keep}, or start a new run from its "
+        f"weights with train.init_from={ckpt}"
+    )
+
+
+def restore_shard(module: nn.Module, ckpt: Path, rank: int) -> str | None:
+    """This rank's routed experts from `ckpt` (DeepSpeed's module file holds rank 0's); None when
+    done (or nothing to do), else why not (one line, for the caller's refusal)."""
+    mine = _named_shard(module)
+    if not mine:
+        return None
+    path = Path(ckpt) / SHARD_FILE.format(rank)
+    if not path.is_file():
+        return f"checkpoint {ckpt} has no expert shard for rank {rank} ({path.name})"
+    state = _load(path)
+    ex = sharded_layers(module)[0].exchange
+    if (state["expert_parallel"], state["expert_rank"]) != (ex.size, ex.rank):
+        return (
+            f"{path}: written as expert rank {state['expert_rank']} of {state['expert_parallel']}"
+        )
+    with torch.no_grad():
+        for n, p in mine.items():
+            t = state["tensors"].get(n)
+            if t is None or t.shape != p.shape:
+                return f"{path}: no tensor {n} of shape {tuple(p.shape)}"
+            p.data.copy_(t)
+    return None
+
+
+def whole_experts(ckpt: Path, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A checkpoint's module state dict (`state`, DeepSpeed's module file: rank 0's shard of the
+    routed experts) with every expert put back from the shards of `ckpt` (as it is without them)."""
+    P, _ = written_degree(ckpt)
+    if P == 1:
+        return state
+    by_rank: dict[int, dict] = {}
+    for path in sorted(Path(ckpt).glob(SHARD_FILE.replace("{:05d}", "*"))):
+        shard = _load(path)
+        by_rank.setdefault(int(shard["expert_rank"]), shard["tensors"])
+    if sorted(by_rank) != list(range(P)):
+        raise ConfigError(f"{ckpt}: expert shards of {P} ranks expected, found {sorted(by_rank)}")
+    out = dict(state)
+    for n in by_rank[0]:
+        out[n] = torch.cat([by_rank[r][n] for r in range(P)])
+    return out
+
+
+@contextlib.contextmanager
+def gathered_experts(module: nn.Module):
+    """Collective: inside, every MoE layer holds all its routed experts (gathered from its
+    expert-parallel group; an export); after, its shard again."""
+    swapped = []
+    try:
+        for m in sharded_layers(module):
+            for p in m.routed_expert_weights():
+                whole = collectives.all_gather_experts(p.data, m.exchange)
+                swapped.append((p, p.data))
+                p.data = whole
+        yield
+    finally:
+        for p, shard in swapped:
+            p.data = shard
