@@ -75,6 +75,24 @@ class Chunks(NamedTuple):
     cgate_BM: torch.Tensor | None = None
 
 
+def within_capacity(ch: Chunks, capacity: int) -> Chunks:
+    """The chunking with at most `capacity` concepts per row (caches of that size given from
+    outside, e.g. a serving engine's per-request slot): the static capacity's rule, concepts past it
+    are not computed, the tokens that would read them read none, and they count as overflow."""
+    if ch.cdoc_BM.shape[1] <= capacity:
+        return ch
+    cut = lambda t: None if t is None else t[:, :capacity]  # noqa: E731
+    past_BT = ch.cidx_BT >= capacity
+    return ch._replace(
+        cidx_BT=torch.where(past_BT, torch.full_like(ch.cidx_BT, -1), ch.cidx_BT),
+        cdoc_BM=cut(ch.cdoc_BM),
+        cpos_BM=cut(ch.cpos_BM),
+        cp_BM=cut(ch.cp_BM),
+        cgate_BM=cut(ch.cgate_BM),
+        overflow=ch.overflow + (ch.b_BT & past_BT).sum().float(),
+    )
+
+
 class ChunkStep(NamedTuple):
     """One decode step's chunking (`ChunkModule.step`): `forward` and `merge` for one new token per
     row. Every row is present (fixed shapes); only the rows with `b_B` close a concept, the others'
