@@ -152,11 +152,9 @@ class ChunkModule(nn.Module):
     def capacity(self, T: int, training: bool | None = None) -> int:
         """The static concept capacity of a T-token row (`concept_capacity` at the smallest target
         ratio), with the training or the eval slack (None: the module's mode)."""
-        R = min(list((self.cfg.modality_targets() or {}).values()) or [self.cfg.target_ratio])
         training = self.training if training is None else training
-        return concept_capacity(
-            T, self.cfg.capacity_slack if training else self.cfg.eval_capacity_slack, R
-        )
+        slack = self.cfg.capacity_slack if training else self.cfg.eval_capacity_slack
+        return concept_capacity(T, slack, self.cfg.smallest_target)
 
     def boundary_prob(self, h_BTD, doc_BT, above_BT=None):
         if self.cfg.router == "cosine":

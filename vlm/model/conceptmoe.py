@@ -291,8 +291,10 @@ class ConceptMoELM(nn.Module):
         full (the concepts closed so far fill their capacity: caches of a fixed size given from
         outside; `InferenceCache.make_room` keeps the model's own from filling) keeps no new concept:
         as if its boundary had not fired, counted in `dropped_B`. Such caches must have their write
-        position within the capacity (their length at most capacity - 1). `force_B` sets the
-        boundaries instead of the router."""
+        position within the capacity (their length at most capacity - 1), where a full row still
+        writes (fixed shapes): its last entry is scratch, so such a caller works on copies and keeps
+        the rows that gained a concept, as the vLLM plugin does. `force_B` sets the boundaries
+        instead of the router."""
         if self.chunker is None:  # every token is a concept, at its token position
             return MiddleStep(self.concept_step(h_B1D, cache.len_B, None, cache), None)
         state = cache.chunk

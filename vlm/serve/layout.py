@@ -22,8 +22,7 @@ def concept_capacity(mc: ModelConfig, max_model_len: int, override: int | None) 
     token: the exact bound, which no request can overflow)."""
     if override:
         return int(override)
-    R = min(list((mc.chunk.modality_targets() or {}).values()) or [mc.chunk.target_ratio])
-    return model_capacity(max_model_len, mc.chunk.eval_capacity_slack, R)
+    return model_capacity(max_model_len, mc.chunk.eval_capacity_slack, mc.chunk.smallest_target)
 
 
 def state_layers(mc: ModelConfig) -> int:
