@@ -14,7 +14,9 @@ import json
 import os
 import socket
 import subprocess
+import sys
 import time
+import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -278,3 +280,189 @@ def test_vlm_serve_answers_8_concurrent_chats_as_vlm_chat(exported_vlm, tmp_path
         except subprocess.TimeoutExpired:
             server.kill()
         log.close()
+
+
+def _tree_rss(pid: int) -> int:
+    """Bytes resident in process `pid` and its descendants."""
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) * 1024
+            for t in os.listdir(f"/proc/{p}/task"):
+                todo += [int(c) for c in Path(f"/proc/{p}/task/{t}/children").read_text().split()]
+        except OSError:  # the process ended meanwhile
+            pass
+    return total
+
+
+def _rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS")
+
+
+def _post_status(port: int, body: dict) -> tuple[int, str]:
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/chat/completions",
+        json.dumps(body).encode(),
+        {"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=300) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def _gradient_png(side: int) -> bytes:
+    """A side x side RGB PNG that compresses well (a gradient: a few MB at 7000)."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    y, x = np.mgrid[0:side, 0:side]
+    arr = np.stack(
+        [x * 255 // (side - 1), y * 255 // (side - 1), (x + y) * 255 // (2 * side - 2)], -1
+    ).astype(np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, format="PNG", compress_level=1)
+    return buf.getvalue()
+
+
+def test_vlm_serve_takes_data_images_only_bounded_and_leaves_nothing_behind(exported_vlm, tmp_path):
+    """Issue 45's server items, on a running `vlm serve`: an image URL of any scheme but `data:`
+    (http to a service on this machine, a redirect, file, https, ftp) is a 400 naming `data:` and
+    the local service sees no request; 8 concurrent 7000 x 7000 PNGs are answered (one as `vlm chat`
+    answers it) and leave the API server within 1.5x its idle memory; an image over the model's
+    max_pixels is a 400; the server leaves no folder in the temp directory."""
+    import tempfile
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    from vlm.generate import load_eval_model
+
+    hits: list[str] = []
+    png = (exported_vlm.parent / "a.png").read_bytes()
+
+    class Local(BaseHTTPRequestHandler):  # a service on this machine the server must not reach
+        def do_GET(self):
+            hits.append(self.path)
+            if self.path == "/redirect":
+                self.send_response(302)
+                self.send_header("Location", "/secret.png")
+                self.end_headers()
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", "image/png")
+            self.end_headers()
+            self.wfile.write(png)
+
+        def log_message(self, *args):
+            pass
+
+    local = HTTPServer(("127.0.0.1", 0), Local)
+    threading.Thread(target=local.serve_forever, daemon=True).start()
+    lp = local.server_address[1]
+    temp = set(Path(tempfile.gettempdir()).glob("vlm-serve-*"))
+    port = _free_port()
+    log = (tmp_path / "server.log").open("w")
+    server = subprocess.Popen(
+        [str(SERVE_BIN / "vlm"), "serve", str(exported_vlm), "--port", str(port)]
+        + ["--max-model-len", "256"],
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+
+    def body(url: str, max_tokens: int = 4) -> dict:
+        content = [{"type": "image_url", "image_url": {"url": url}}]
+        content.append({"type": "text", "text": "What is in the image?"})
+        return {
+            "model": str(exported_vlm),
+            "temperature": 0,
+            "max_tokens": max_tokens,
+            "messages": [{"role": "user", "content": content}],
+            "return_token_ids": True,
+        }
+
+    try:
+        big = _gradient_png(7000)
+        deadline = time.time() + 150
+        while True:
+            assert server.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2)
+                break
+            except OSError:
+                assert time.time() < deadline, "the server did not come up in 150 s"
+                time.sleep(1)
+        for url in (
+            f"http://127.0.0.1:{lp}/a.png",
+            f"http://localhost:{lp}/a.png",
+            f"http://localhost:{lp}/redirect",
+            "file:///etc/hostname",
+            "https://example.com/a.png",
+            "ftp://example.com/a.png",
+        ):
+            status, text = _post_status(port, body(url))
+            assert status == 400 and "data:" in text, (url, status, text[:300])
+        assert hits == []
+        ok, _ = _post_status(port, body("data:image/png;base64," + base64.b64encode(png).decode()))
+        assert ok == 200
+        time.sleep(2)
+        idle = _rss(server.pid)
+        url = "data:image/png;base64," + base64.b64encode(big).decode()
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(lambda i: _post_status(port, body(url, 8)), range(8)))
+        assert [a[0] for a in answers] == [200] * 8
+        time.sleep(3)
+        after = _rss(server.pid)
+        assert after <= 1.5 * idle, f"API server RSS {idle / 1e6:.0f} -> {after / 1e6:.0f} MB"
+        # the shrunk image is the one `vlm chat` sees: the same answer
+        chat = load_eval_model(exported_vlm, device="cpu")
+        prompt = chat.tokenizer.format_chat(
+            [{"role": "user", "content": "<image>\nWhat is in the image?"}],
+            add_generation_prompt=True,
+        )
+        rows: dict = {}
+        chat.generate([prompt], [[big]], max_new_tokens=8, on_tokens=lambda r: rows.update(r=r))
+        served = json.loads(answers[0][1])["choices"][0]["token_ids"]
+        assert served[: len(rows["r"][0])] == rows["r"][0][: len(served)]
+        status, text = _post_status(
+            port, body("data:image/png;base64," + base64.b64encode(_gradient_png(7100)).decode())
+        )
+        assert status == 400 and "over the limit of 50000000" in text, text[:300]
+    finally:
+        server.terminate()
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        log.close()
+        local.shutdown()
+    assert set(Path(tempfile.gettempdir()).glob("vlm-serve-*")) == temp
+
+
+def test_vlm_chat_runs_in_the_serve_venv(exported_vlm):
+    """`.venv-serve/bin/vlm chat` (transformers < 5.20 there) answers as the project's venv does."""
+    turn = "hello there\n"
+    got = [
+        subprocess.run(
+            [*cmd, "chat", "--ckpt", str(exported_vlm), "--max-new-tokens", "8"],
+            input=turn,
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=300,
+        )
+        for cmd in ([str(SERVE_BIN / "vlm")], [sys.executable, "-m", "vlm.cli"])
+    ]
+    for p in got:
+        assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert got[0].stdout == got[1].stdout and "model>" in got[0].stdout
