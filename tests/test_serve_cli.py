@@ -45,7 +45,10 @@ def test_server_binds_localhost_with_the_exports_settings(exported_vlm):
     value = lambda flag: argv[argv.index(flag) + 1]  # noqa: E731
     assert value("--host") == "127.0.0.1" and value("--port") == "8123"
     assert value("--model") == str(exported_vlm) and value("--dtype") == "float32"
-    assert json.loads(value("--hf-overrides")) == {"concept_capacity": 64}
+    overrides = json.loads(value("--hf-overrides"))
+    assert overrides["concept_capacity"] == 64
+    # the paged token layers' geometry (the tiny model's head of 8 padded to the CPU kernels' 32)
+    assert overrides["head_dim"] == 32 and overrides["num_key_value_heads"] == 2
     assert "--no-enable-prefix-caching" in argv and "--enforce-eager" in argv
     # the template itself (vLLM reads a value that names no file as the template): no temp file
     template = value("--chat-template")

@@ -18,7 +18,7 @@ from configs.batch import PackedBatch
 from vlm.model.cache import InferenceCache, KVCache
 from vlm.model.conceptmoe import ConceptMoELM
 from vlm.model.config import ChunkConfig, ModelConfig, MoEConfig
-from vlm.serve.layout import state_dtypes, state_layers, state_shapes
+from vlm.serve.layout import ConceptStates, StatePlan, state_dtypes, state_shapes
 from vlm.serve.middle import Middle
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,24 +41,21 @@ def lm_cfg(**chunk) -> ModelConfig:
     )
 
 
-class Slots:
-    """vLLM's state for the concept layers as `ConceptStates` sees it: one tensor per state shape
-    and layer, `n` slots each."""
+class Layer:
+    """What vLLM hands a `ConceptState`: its `kv_cache`, one tensor per state shape, `n` slots."""
 
-    def __init__(self, mc: ModelConfig, capacity: int, n: int):
-        pairs = zip(state_shapes(mc, capacity), state_dtypes(mc, torch.float32))
-        one = [(s, d) for s, d in pairs]
-        self.layers = [
-            [torch.zeros(n, *s, dtype=d) for s, d in one] for _ in range(state_layers(mc))
-        ]
-        self.capacity = capacity
+    def __init__(self, mc: ModelConfig, plan: StatePlan, n: int):
+        pairs = zip(state_shapes(mc, plan), state_dtypes(mc, torch.float32))
+        self.kv_cache = tuple(torch.zeros(n, *s, dtype=d) for s, d in pairs)
 
-    def concept_kv(self, n: int):
-        return self.layers[n][0], self.layers[n][1]
 
-    @property
-    def chunk(self) -> torch.Tensor:
-        return self.layers[0][2]
+def Slots(mc: ModelConfig, capacity: int, n: int, entries: int | None = None) -> ConceptStates:
+    """The state layers of `n` slots for `capacity` concepts per pass: one layer per pass, or each
+    pass cut into layers of `entries` (as `plan_state` cuts it to vLLM's pages)."""
+    passes = max(1, len(mc.concept_schedule))
+    e = entries or capacity
+    plan = StatePlan(passes, -(-capacity // e), e)
+    return ConceptStates([Layer(mc, plan, n) for _ in range(plan.layers)], plan)
 
 
 def _batch(lengths: list[int], seed: int) -> PackedBatch:
@@ -104,11 +101,14 @@ VARIANTS = {
 }
 
 
+@pytest.mark.parametrize("entries", [None, 5])
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_slots_give_the_models_decoder_inputs(variant, monkeypatch):
+def test_slots_give_the_models_decoder_inputs(variant, entries, monkeypatch):
     """Two prompts (9 and 5 tokens) prefilled one by one into slots 3 and 0, then 12 steps batched
     over those slots: every z and c equals the model's own prefill and decode steps (a padded batch
-    of both rows) to float precision."""
+    of both rows) to float precision; with each pass in one state layer, and cut into layers of 5
+    concepts (vLLM's pages: a slot's concepts gathered from several layers, written to the right
+    one)."""
     torch.manual_seed(0)
     model = ConceptMoELM(VARIANTS[variant]).eval()
     calls = _recorded(model, monkeypatch)
@@ -121,7 +121,7 @@ def test_slots_give_the_models_decoder_inputs(variant, monkeypatch):
     assert len(calls) == 1 + steps
     monkeypatch.undo()  # the plugin calls the same methods: record no more
 
-    serve = Middle(model, Slots(model.cfg, capacity=max(lengths) + steps, n=4))
+    serve = Middle(model, Slots(model.cfg, capacity=max(lengths) + steps, n=4, entries=entries))
     h_BTD, z_BTD, c_BTD = calls[0]
     fired = 0
     for r, (n, slot) in enumerate(zip(lengths, slots.tolist())):

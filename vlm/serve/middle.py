@@ -1,11 +1,13 @@
 """Chunk module, concept model and dechunk of a vLLM batch, on the per-request concept state.
 
 The model's own middle does the work (`ConceptMoELM.middle` and `middle_step`), so that the numbers
-are the ones `vlm chat` computes: a request's first prefill runs `middle` on the prompt with the
-concept caches as views of its slot (they fill it), as `ConceptMoELM.prefill` does; decode tokens
-(and a prefill chunk that continues a prompt) run `middle_step` over the rows' state, as
-`ConceptMoELM.decode_step` does. Between steps the state lives in vLLM's slots (state.py): this
-file only moves it between the slots and the model's state objects.
+are the ones `vlm chat` computes: a request's first prefill runs `middle` on the prompt into concept
+caches of the slot's capacity, as `ConceptMoELM.prefill` does, then copies their concepts to the
+slot's pages; decode tokens (and a prefill chunk that continues a prompt) run `middle_step` over the
+rows' state gathered from their pages, as `ConceptMoELM.decode_step` does, and write back the one
+entry each row added. Between steps the state lives in vLLM's slots (state.py, laid out by
+layout.py's `ConceptStates`): this file only moves it between the slots and the model's state
+objects.
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ from vlm.model.cache import ChunkState, InferenceCache, KVCache
 from vlm.model.conceptmoe import ConceptMoELM
 from vlm.serve.layout import COUNTS, EMA, EMA_IN, KEY, PENDING
 
-if TYPE_CHECKING:  # state.py imports vLLM; this file runs without it (tests/test_serve_middle.py)
-    from vlm.serve.state import ConceptStates
+if TYPE_CHECKING:
+    from vlm.serve.layout import ConceptStates
 
 log = logging.getLogger(__name__)
 
@@ -50,18 +52,23 @@ class Middle:
         request's slot."""
         T, dev = h_1TD.shape[1], h_1TD.device
         zero_1 = torch.zeros(1, dtype=torch.long, device=dev)
-        # views of the slot: the concept caches' `fill` writes the prompt's concepts straight into
-        # vLLM's state (the model keeps the first ones that fit it)
-        caches = []
-        for n in range(self.passes):
-            k, v = self.state.concept_kv(n)
-            caches.append(KVCache(k[slot][None], v[slot][None], zero_1.clone()))
+        # caches of the slot's capacity (a prompt closes at most T concepts): the model keeps the
+        # first concepts that fit, and they go to the slot's pages after
+        cfg, dtype = self.lm.cfg, self.state.layers[0].kv_cache[0].dtype
+        size = min(T, self.state.capacity)
+        caches = [
+            KVCache.allocate(1, cfg.c_kv_heads, size, cfg.head_dim, dtype, dev)
+            for _ in range(self.passes)
+        ]
         cache = InferenceCache([], caches, [], zero_1, capacity=T)
         doc_1T = torch.zeros(1, T, dtype=torch.long, device=dev)
         pos_1T = torch.arange(T, device=dev)[None]
         # the modality only splits the ratio loss and the statistics: no boundary depends on it
         mid = self.lm.middle(h_1TD, doc_1T, pos_1T, cache=cache)
         self._overflow(int(mid.chunks.overflow))
+        for n, c in enumerate(caches):
+            m = int(c.len_B[0])
+            self.state.fill(n, slot, c.k_BJCd[0, :, :m], c.v_BJCd[0, :, :m])
         self._put(torch.tensor([slot], device=dev), cache.chunk)
         return mid.z_BTD[0], mid.c_BTD[0]
 
@@ -75,8 +82,7 @@ class Middle:
         used = min(int(n_B.max()) + 1, C)
         caches, rows_kv = [], []  # the rows' keys and values, gathered; `KVCache` writes in place
         for n in range(self.passes):
-            k, v = self.state.concept_kv(n)
-            rows_kv.append((k[slots_B, :, :used], v[slots_B, :, :used]))
+            rows_kv.append(self.state.gather(n, slots_B, used))
             # a full slot writes past its last entry's place and keeps nothing (`middle_step`
             # drops its concept)
             caches.append(KVCache(*rows_kv[-1], n_B.clamp_max(C - 1)))
@@ -90,9 +96,8 @@ class Middle:
         pos_B = n_B.clamp_max(C - 1)
         rows = (st.n_concepts_B > n_B).nonzero().flatten()  # only their entry at pos_B changed
         for n, (k_BJCd, v_BJCd) in enumerate(rows_kv):
-            k, v = self.state.concept_kv(n)
-            k[slots_B[rows], :, pos_B[rows]] = k_BJCd[rows, :, pos_B[rows]]
-            v[slots_B[rows], :, pos_B[rows]] = v_BJCd[rows, :, pos_B[rows]]
+            at = pos_B[rows]
+            self.state.put(n, slots_B[rows], at, k_BJCd[rows, :, at], v_BJCd[rows, :, at])
         return mid.z_B1D[:, 0], mid.c_B1D[:, 0]
 
     # ------------------------------------------------------------ the slots
