@@ -165,14 +165,25 @@ def test_concept_model_through_vllm_equals_vlm_chat(exported_vlm, tmp_path):
 def test_concept_capacity_overflow_is_counted_not_fatal(exported_vlm, tmp_path):
     """A request that closes more concepts than its slot holds: the engine keeps serving
     (the concepts past the capacity are dropped, as the model's static capacity drops
-    them, and logged)."""
+    them, and logged). The capacity asked for (16) is rounded up to what the state's page holds
+    (a token block of 32 tokens' keys and values: 123 concepts of the tiny model beside its chunk
+    state), so a prompt of 585 tokens overflows it."""
     p = _prompts(str(exported_vlm.parent / "a.png"))
+    long = {"prompt": "The quick brown fox jumps over the lazy dog. " * 13}
     log: list = []
     got = _through_vllm(
-        exported_vlm, [[p[4], p[1]]], tmp_path, log=log, max_model_len=256, concept_capacity=16
+        exported_vlm,
+        [[long, p[1]]],
+        tmp_path,
+        log=log,
+        max_model_len=1024,
+        concept_capacity=16,
+        block_size=32,
     )
     assert [len(r["token_ids"]) for r in got[0]] == [MAX_TOKENS, MAX_TOKENS]
-    assert "concept capacity 16 reached" in log[0]
+    cache = json.loads((tmp_path / "vllm_out.json").read_text())["cache"]
+    assert cache["block_size"] == 32 and cache["concept_capacity"] == 123
+    assert "concept capacity 123 reached" in log[0]
 
 
 def test_moe_baseline_through_vllm_equals_vlm_chat(baseline_export, exported_vlm, tmp_path):
@@ -180,6 +191,29 @@ def test_moe_baseline_through_vllm_equals_vlm_chat(baseline_export, exported_vlm
     batches = _batches(baseline_export)
     got = _through_vllm(baseline_export, batches, tmp_path, max_model_len=256)
     _assert_equal(_reference(baseline_export, batches), got)
+
+
+def test_concept_state_in_whole_pages_admits_more_requests_than_the_baseline(tmp_path):
+    """vLLM gives every state layer one page per request, the size of a token block's page: the
+    concept state is cut into whole pages (no padding, the token blocks not raised), so at equal
+    cache memory vLLM admits more concurrent requests of max-model-len tokens for the ConceptMoE
+    (concepts in a state sized by --concept-capacity) than for its MoE baseline (every layer's
+    keys and values per token). The benchmark's models (head of 64: no head padding), at its
+    capacity of 304 concepts for 512 tokens."""
+    from vlm.serve.bench import build_exports
+
+    got = {}
+    for name, final in build_exports(tmp_path).items():
+        capacity = 304 if name == "conceptmoe" else None
+        _through_vllm(
+            final, [], tmp_path, max_model_len=512, concept_capacity=capacity, cache_gib=0.25
+        )
+        got[name] = json.loads((tmp_path / "vllm_out.json").read_text())["cache"]
+    cmoe, base = got["conceptmoe"], got["baseline"]
+    assert cmoe["block_size"] == base["block_size"] == 128  # vLLM's CPU default, not raised
+    assert cmoe["state_page_fill"] > 0.99 and cmoe["concept_capacity"] >= 304
+    # per request: 4 token layers x 4 blocks + 12 state pages, against 8 layers x 4 blocks
+    assert cmoe["max_concurrency"] > 1.1 * base["max_concurrency"]
 
 
 def _free_port() -> int:
@@ -305,6 +339,11 @@ def _rss(pid: int) -> int:
     raise RuntimeError("no VmRSS")
 
 
+def _rss_all(pid: int) -> tuple[int, int]:
+    """(the API server's RSS, with its engine core and worker)."""
+    return _rss(pid), _tree_rss(pid)
+
+
 def _post_status(port: int, body: dict) -> tuple[int, str]:
     req = urllib.request.Request(
         f"http://127.0.0.1:{port}/v1/chat/completions",
@@ -416,14 +455,19 @@ def test_vlm_serve_takes_data_images_only_bounded_and_leaves_nothing_behind(expo
         ok, _ = _post_status(port, body("data:image/png;base64," + base64.b64encode(png).decode()))
         assert ok == 200
         time.sleep(2)
-        idle = _rss(server.pid)
+        idle, idle_all = _rss_all(server.pid)
         url = "data:image/png;base64," + base64.b64encode(big).decode()
         with ThreadPoolExecutor(8) as pool:
             answers = list(pool.map(lambda i: _post_status(port, body(url, 8)), range(8)))
         assert [a[0] for a in answers] == [200] * 8
         time.sleep(3)
-        after = _rss(server.pid)
+        after, after_all = _rss_all(server.pid)
+        print(
+            f"RSS: API server {idle / 1e6:.0f} -> {after / 1e6:.0f} MB, with its engine "
+            f"{idle_all / 1e6:.0f} -> {after_all / 1e6:.0f} MB"
+        )
         assert after <= 1.5 * idle, f"API server RSS {idle / 1e6:.0f} -> {after / 1e6:.0f} MB"
+        assert after_all <= 1.5 * idle_all, f"with its engine {idle_all:.3g} -> {after_all:.3g} B"
         # the shrunk image is the one `vlm chat` sees: the same answer
         chat = load_eval_model(exported_vlm, device="cpu")
         prompt = chat.tokenizer.format_chat(
