@@ -163,3 +163,38 @@ def serve_table(src: dict[str, Any]) -> str:
         for r in [res[m][e]]
     ]
     return table(["model", "engine", "tok/s b1", "tok/s b8", "TTFT b1 (ms)", "TTFT b8 (ms)"], rows)
+
+
+def serve_cache_table(src: dict[str, Any]) -> str:
+    """`python -m vlm.serve.bench`: what vLLM allocated for each model in the same cache memory,
+    and how many requests of max-model-len tokens it admits at once (its maximum concurrency)."""
+    res = src[SERVE]
+    rows = []
+    for m, label in SERVE_MODELS.items():
+        v = res[m]["vllm"]
+        state = (
+            f"{v['state_layers']} x {v['state_entries']} ({v['concept_capacity']} per pass)"
+            if "state_layers" in v
+            else "none"
+        )
+        base = res["baseline"]["vllm"]["max_concurrency"]
+        rows.append(
+            [
+                label,
+                str(v["block_size"]),
+                state,
+                f"{v['kv_cache_tokens']:,}",
+                f"{num(v['max_concurrency'], 1)} ({num(v['max_concurrency'] / base, 2)}x)",
+            ]
+        )
+    L = res["conceptmoe"]["vllm"]["max_model_len"]
+    return table(
+        [
+            "model",
+            "token block",
+            "concept state: layers x concepts",
+            "KV cache (tokens)",
+            f"admitted {L}-token requests",
+        ],
+        rows,
+    )

@@ -71,6 +71,7 @@ TABLES = (
         "cannot be re-counted here;\n`vlm results --rerun launches` re-counts the rest",
     ),
     Table("bench-serve", BENCH, (bench.SERVE,), bench.serve_table),
+    Table("bench-serve-cache", BENCH, (bench.SERVE,), bench.serve_cache_table),
     _rec("compression-batch-loss", COMPRESSION, "batch_loss_default.json"),
     _rec("compression-band-pilots", COMPRESSION, "band_pilots.json"),
     Table("compression-seeds", COMPRESSION, (runs.SEEDS,), runs.seeds_compression),
