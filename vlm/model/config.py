@@ -150,7 +150,9 @@ class ChunkConfig(ValidatedOnInit):
     def smallest_target(self) -> float:
         """The smallest target ratio (of the per-modality ones, else the joint one): the one that
         asks for the most concepts, so the one a static concept capacity is sized for."""
-        return min((self.modality_targets() or {}).values(), default=self.target_ratio)
+        # a list, not min(..., default=): torch.compile traces this (chunking's capacity) and
+        # dynamo handles no `default`
+        return min(list((self.modality_targets() or {}).values()) or [self.target_ratio])
 
     @property
     def holds_documents(self) -> bool:
