@@ -8,13 +8,9 @@ project imports this package.
 
 from __future__ import annotations
 
-# the architecture an export's config.json names, and the one `engine_kwargs` gives the MoE baseline
-ARCH = "ConceptMoEForCausalLM"
-BASELINE_ARCH = "ConceptMoEBaselineForCausalLM"
-# the media connector that takes `data:` images only (media.py), by its name in vLLM's registry
-# (`VLLM_MEDIA_CONNECTOR`), and the variable naming the export whose image processor bounds them
-CONNECTOR = "vlm-data-only"
-EXPORT_ENV = "VLM_SERVE_EXPORT"
+from vlm.serve.names import ARCH, BASELINE_ARCH, CONNECTOR, EXPORT_ENV
+
+__all__ = ["ARCH", "BASELINE_ARCH", "CONNECTOR", "EXPORT_ENV", "register"]
 
 
 def register() -> None:

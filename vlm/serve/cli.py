@@ -130,7 +130,7 @@ def server_env(final_dir: str | Path) -> dict[str, str]:
     """What `vlm serve` adds to vLLM's environment: images only from `data:` URLs, bounded by the
     export's `max_pixels` (vlm/serve/media.py, with vLLM's own header check at the same bound), and
     no media redirects followed (nothing is fetched anyway)."""
-    from vlm.serve import CONNECTOR, EXPORT_ENV
+    from vlm.serve.names import CONNECTOR, EXPORT_ENV
 
     cfg = json.loads((Path(final_dir) / "config.json").read_text())
     processor = (cfg.get("vision") or {}).get("processor") or {}

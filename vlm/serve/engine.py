@@ -7,8 +7,8 @@ from pathlib import Path
 
 from configs.config import from_dict
 from vlm.model.config import ModelConfig
-from vlm.serve import BASELINE_ARCH
 from vlm.serve.layout import padded_head_size
+from vlm.serve.names import BASELINE_ARCH
 
 
 def engine_kwargs(

@@ -31,7 +31,7 @@ from vllm.multimodal.media.connector import global_thread_pool
 from vllm.multimodal.media.image import ImageMediaIO
 
 from vlm.chat_cli import TRIM_PIXELS, release_freed_memory
-from vlm.serve import EXPORT_ENV
+from vlm.serve.names import EXPORT_ENV
 
 
 def refusal(url: str) -> str | None:
