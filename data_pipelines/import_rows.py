@@ -35,7 +35,7 @@ from typing import Any
 
 from PIL import Image
 
-from data_pipelines.schema import IMAGE_EXTS, IMAGE_TOKEN, Sample
+from data_pipelines.schema import IMAGE_EXTS, IMAGE_TOKEN, Sample, kind_for
 
 COLUMN_GUESSES = {
     "image": (
@@ -139,7 +139,7 @@ def check_image(data: bytes) -> str:
     return ext if ext in IMAGE_EXTS else "png"
 
 
-_KINDS = (
+_FILE_KINDS = (
     (stat.S_ISFIFO, "a FIFO (named pipe)"),
     (stat.S_ISCHR, "a character device"),
     (stat.S_ISBLK, "a block device"),
@@ -149,7 +149,7 @@ _KINDS = (
 
 
 def _not_regular(mode: int, what: str) -> Skip:
-    kind = next((k for test, k in _KINDS if test(mode)), "a special file")
+    kind = next((k for test, k in _FILE_KINDS if test(mode)), "a special file")
     return Skip("not_regular_file", f"{what} is {kind}, not a regular file")
 
 
@@ -402,10 +402,9 @@ def convert_row(index: int, row: dict, settings: RowSettings) -> Sample:
         raise Skip("empty_text", "the text is empty")
     images = [load_image(v, settings.roots, settings.confine) for v in image_values]
     exts = [check_image(d) for d in images]
-    kind = "text" if not images else "pair" if len(images) == 1 else "interleaved"
     sample = Sample(
         key=f"row{index:09d}",
-        kind=kind,
+        kind=kind_for(len(images)),
         text=text,
         turns=turns,
         images=images,

@@ -16,7 +16,7 @@ import torch
 
 from configs.batch import IGNORE_INDEX, IMAGE, KINDS, TEXT, PackedBatch
 from data_pipelines.encode import EncodedSample, encode_sample
-from data_pipelines.schema import Sample
+from data_pipelines.schema import Sample, kind_for
 from data_pipelines.tokenizer import Tokenizer
 
 
@@ -163,8 +163,13 @@ def make_prompt_batch(
 
     encoded = []
     for i, (text, imgs) in enumerate(prompts):
-        kind = "text" if not imgs else "pair" if len(imgs) == 1 else "interleaved"
-        s = Sample(key=f"prompt{i}", kind=kind, text=text, images=list(imgs), source="<prompt>")
+        s = Sample(
+            key=f"prompt{i}",
+            kind=kind_for(len(imgs)),
+            text=text,
+            images=list(imgs),
+            source="<prompt>",
+        )
         e = encode_sample(s, tok, processor, row_tokens=1 << 30, allow_empty_text=True)[0]
         if not add_eos:
             e = EncodedSample(e.ids[:-1], e.target[:-1], e.images, e.key)

@@ -16,7 +16,10 @@ from typing import Any
 
 from configs.config import ConfigError
 
-KINDS = ("pair", "interleaved", "text")
+# What a sample is (its `kind` field in the shards): an image-text pair, interleaved images and text,
+# or text alone. Statistics count documents by another vocabulary, configs.batch.KINDS (a chat turn
+# and a caption are both pairs): data_pipelines.encode.stats_kind maps one to the other.
+SAMPLE_KINDS = ("pair", "interleaved", "text")
 IMAGE_EXTS = ("png", "jpg", "jpeg", "webp", "bmp", "gif", "tif", "tiff", "ppm")
 TEXT_EXTS = ("txt", "text", "caption")
 IMAGE_TOKEN = "<image>"
@@ -77,6 +80,12 @@ class BadSample(ValueError):
         self.reason, self.count = reason, count
 
 
+def kind_for(n_images: int) -> str:
+    """The kind of a sample that does not state one, by its images: the one rule (shards, importers,
+    prompts)."""
+    return "text" if not n_images else "pair" if n_images == 1 else "interleaved"
+
+
 @dataclass
 class Sample:
     """One training sample. `text` holds `<image>` placeholders (one per image, in order); chat
@@ -117,8 +126,8 @@ def encode_sample(sample: Sample) -> dict[str, Any]:
     """Sample -> tar members for `webdataset.TarWriter` (bytes values, `__key__`)."""
     if "." in sample.key or "/" in sample.key or not sample.key:
         raise ValueError(f"sample key {sample.key!r}: must be non-empty and hold no '.' or '/'")
-    if sample.kind not in KINDS:
-        raise ValueError(f"sample {sample.key}: kind {sample.kind!r} not one of {KINDS}")
+    if sample.kind not in SAMPLE_KINDS:
+        raise ValueError(f"sample {sample.key}: kind {sample.kind!r} not one of {SAMPLE_KINDS}")
     meta: dict[str, Any] = {"kind": sample.kind}
     if sample.turns is not None:
         meta["turns"] = sample.turns
@@ -210,11 +219,9 @@ def decode_sample(
         )
     meta = _parse_json(raw["json"], where) if "json" in raw else None
     if meta is not None and not is_metadata_json(meta, raw):
-        kind = meta.get("kind") or (
-            "text" if not ordered else "pair" if len(ordered) == 1 else "interleaved"
-        )
-        if kind not in KINDS:
-            raise BadSample(INVALID_FIELD, f"{where}: kind {kind!r} not one of {KINDS}")
+        kind = meta.get("kind") or kind_for(len(ordered))
+        if kind not in SAMPLE_KINDS:
+            raise BadSample(INVALID_FIELD, f"{where}: kind {kind!r} not one of {SAMPLE_KINDS}")
         turns = _check_turns(meta["turns"], where) if meta.get("turns") is not None else None
         text = meta.get("text")
         if turns is None:
@@ -248,7 +255,7 @@ def decode_sample(
                 f"{sorted(k for k in raw if not k.startswith('__'))})",
             )
         turns = None
-        kind = "text" if not ordered else "pair" if len(ordered) == 1 else "interleaved"
+        kind = kind_for(len(ordered))
     sample = Sample(
         key=key,
         kind=kind,

@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -36,14 +38,22 @@ def test_serve_refuses_a_directory_without_an_export(tmp_path, capsys):
 
 
 def test_server_binds_localhost_with_the_exports_settings(exported_vlm):
+    temp = set(Path(tempfile.gettempdir()).iterdir())
     argv = server_argv(_args(str(exported_vlm), "--port", "8123", "--concept-capacity", "64"))
+    # nothing written for the server: a start leaves no folder behind (it execs vLLM: no exit hook)
+    assert set(Path(tempfile.gettempdir()).iterdir()) == temp
     value = lambda flag: argv[argv.index(flag) + 1]  # noqa: E731
     assert value("--host") == "127.0.0.1" and value("--port") == "8123"
     assert value("--model") == str(exported_vlm) and value("--dtype") == "float32"
-    assert json.loads(value("--hf-overrides")) == {"concept_capacity": 64}
+    overrides = json.loads(value("--hf-overrides"))
+    assert overrides["concept_capacity"] == 64
+    # the paged token layers' geometry (the tiny model's head of 8 padded to the CPU kernels' 32)
+    assert overrides["head_dim"] == 32 and overrides["num_key_value_heads"] == 2
     assert "--no-enable-prefix-caching" in argv and "--enforce-eager" in argv
-    template = open(value("--chat-template")).read()
+    # the template itself (vLLM reads a value that names no file as the template): no temp file
+    template = value("--chat-template")
     assert template.startswith("{{ bos_token }}")  # the project's prompts start with <bos>
+    assert "<|assistant|>" in template
     argv = server_argv(_args(str(exported_vlm), "--host", "0.0.0.0"))
     assert argv[argv.index("--host") + 1] == "0.0.0.0"
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from eval.experiments.core import Metric, Recipe, Run, Variant, better, no_worse
 
-KINDS = ("chat", "caption", "text", "interleaved")
+# the modalities each kind of document (configs.batch.KINDS) has, in the order the tables show them
 MODS = {
     "chat": ("text", "image"),
     "caption": ("text", "image"),
@@ -33,7 +33,7 @@ METRICS = [
     Metric("prompt_text_p50", "VQA prompt text R (median)", 2, ref=2.0),
     Metric("prompt_gap", "|VQA prompt text R - 2|", 2),
     Metric("prompt_image_p50", "VQA prompt image R (median)", 2, ref=2.0),
-] + [Metric(f"{k}_{m}_p50", f"{k} {m} R (median doc)", 2, ref=2.0) for k in KINDS for m in MODS[k]]
+] + [Metric(f"{k}_{m}_p50", f"{k} {m} R (median doc)", 2, ref=2.0) for k in MODS for m in MODS[k]]
 
 
 def _finite(v):
@@ -53,7 +53,7 @@ def read(run: Run, seed_runs: dict[str, Run]) -> dict:
         row["worst_type"] = min(acc[t] - best[t] for t in acc if t != "all")
     held = vqa.get("held_out_compression") or {}
     ok = 0
-    for k in KINDS:
+    for k in MODS:
         for m in MODS[k]:
             d = (held.get(k) or {}).get(m)
             if not d:

@@ -200,3 +200,36 @@ def loader_table(src: dict[str, Any]) -> str:
             cells += [_loader_cells(before, metric, w, d), _loader_cells(now, metric, w, d)]
         rows.append(cells)
     return table(header, rows)
+def serve_cache_table(src: dict[str, Any]) -> str:
+    """`python -m vlm.serve.bench`: what vLLM allocated for each model in the same cache memory,
+    and how many requests of max-model-len tokens it admits at once (its maximum concurrency)."""
+    res = src[SERVE]
+    rows = []
+    for m, label in SERVE_MODELS.items():
+        v = res[m]["vllm"]
+        state = (
+            f"{v['state_layers']} x {v['state_entries']} ({v['concept_capacity']} per pass)"
+            if "state_layers" in v
+            else "none"
+        )
+        base = res["baseline"]["vllm"]["max_concurrency"]
+        rows.append(
+            [
+                label,
+                str(v["block_size"]),
+                state,
+                f"{v['kv_cache_tokens']:,}",
+                f"{num(v['max_concurrency'], 1)} ({num(v['max_concurrency'] / base, 2)}x)",
+            ]
+        )
+    L = res["conceptmoe"]["vllm"]["max_model_len"]
+    return table(
+        [
+            "model",
+            "token block",
+            "concept state: layers x concepts",
+            "KV cache (tokens)",
+            f"admitted {L}-token requests",
+        ],
+        rows,
+    )

@@ -79,6 +79,7 @@ TABLES = (
         note="before: e057e07's loader measured by this checkout's bench "
         "(docs/results/data/README.md)",
     ),
+    Table("bench-serve-cache", BENCH, (bench.SERVE,), bench.serve_cache_table),
     _rec("compression-batch-loss", COMPRESSION, "batch_loss_default.json"),
     _rec("compression-band-pilots", COMPRESSION, "band_pilots.json"),
     Table("compression-seeds", COMPRESSION, (runs.SEEDS,), runs.seeds_compression),

@@ -18,7 +18,7 @@ BATCH_LOSS = "docs/results/data/recorded/batch_loss_default.json"
 IMAGE_RUNS = "docs/results/data/recorded/image_runs.json"
 CLAIMS = "docs/results/data/recorded/claims.json"
 SCALING = "docs/results/data/recorded/scaling_fit.json"
-KINDS = (
+KIND_LABELS = (
     ("prompt", "VQA prompt"),
     ("chat", "VQA sample"),
     ("caption", "caption"),
@@ -52,7 +52,7 @@ def medians(runs: list[dict[str, Any]]) -> list[float]:
     return [
         s["p50"]
         for run in runs
-        for kind, _ in KINDS
+        for kind, _ in KIND_LABELS
         for mod in ("text", "image")
         if (s := doc_stats(run, kind, mod))
     ]
@@ -70,7 +70,7 @@ def readme_compression(src: dict[str, Any]) -> str:
         "text": "text document",
     }
     rows = []
-    for kind, _ in KINDS:
+    for kind, _ in KIND_LABELS:
         cells = [labels[kind]]
         for mod in ("text", "image"):
             got = [doc_stats(run, kind, mod) for run in runs]
@@ -90,7 +90,7 @@ def seeds_compression(src: dict[str, Any]) -> str:
     and the aggregates."""
     runs = seeds(src)
     rows = []
-    for kind, label in KINDS:
+    for kind, label in KIND_LABELS:
         for mod in ("text", "image"):
             got = [doc_stats(run, kind, mod) for run in runs]
             if any(g is None for g in got):

@@ -71,6 +71,24 @@ class Chunks(NamedTuple):
     cgate_BM: torch.Tensor | None = None
 
 
+def within_capacity(ch: Chunks, capacity: int) -> Chunks:
+    """The chunking with at most `capacity` concepts per row (caches of that size given from
+    outside, e.g. a serving engine's per-request slot): the static capacity's rule, concepts past it
+    are not computed, the tokens that would read them read none, and they count as overflow."""
+    if ch.cdoc_BM.shape[1] <= capacity:
+        return ch
+    cut = lambda t: None if t is None else t[:, :capacity]  # noqa: E731
+    past_BT = ch.cidx_BT >= capacity
+    return ch._replace(
+        cidx_BT=torch.where(past_BT, torch.full_like(ch.cidx_BT, -1), ch.cidx_BT),
+        cdoc_BM=cut(ch.cdoc_BM),
+        cpos_BM=cut(ch.cpos_BM),
+        cp_BM=cut(ch.cp_BM),
+        cgate_BM=cut(ch.cgate_BM),
+        overflow=ch.overflow + (ch.b_BT & past_BT).sum().float(),
+    )
+
+
 class ChunkStep(NamedTuple):
     """One decode step's chunking (`ChunkModule.step`): `forward` and `merge` for one new token per
     row. Every row is present (fixed shapes); only the rows with `b_B` close a concept, the others'
@@ -114,11 +132,9 @@ class ChunkModule(nn.Module):
     def capacity(self, T: int, training: bool | None = None) -> int:
         """The static concept capacity of a T-token row (`concept_capacity` at the smallest target
         ratio), with the training or the eval slack (None: the module's mode)."""
-        R = min(list((self.cfg.modality_targets() or {}).values()) or [self.cfg.target_ratio])
         training = self.training if training is None else training
-        return concept_capacity(
-            T, self.cfg.capacity_slack if training else self.cfg.eval_capacity_slack, R
-        )
+        slack = self.cfg.capacity_slack if training else self.cfg.eval_capacity_slack
+        return concept_capacity(T, slack, self.cfg.smallest_target)
 
     def boundary_prob(self, h_BTD, doc_BT, above_BT=None):
         if self.cfg.router == "cosine":

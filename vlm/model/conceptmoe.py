@@ -7,6 +7,8 @@ every token and the decoder reads their output directly.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
@@ -20,13 +22,34 @@ from vlm.model.block import (
     step_stack,
 )
 from vlm.model.cache import ChunkState, InferenceCache, KVCache
-from vlm.model.chunking import ChunkModule, Chunks, ChunkStep
+from vlm.model.chunking import ChunkModule, Chunks, ChunkStep, within_capacity
 from vlm.model.config import ModelConfig
 from vlm.model.context import DEFAULT, ForwardContext
 from vlm.model.cross_attention import ConceptMemory, ConceptStep
 from vlm.model.dechunk import Dechunk
 from vlm.model.layers import RMSNorm, rope_cos_sin
 from vlm.model.output import ModelOutput
+
+
+class Middle(NamedTuple):
+    """What `ConceptMoELM.middle` hands the decoder: its input z (eq. 10), what its concept reads
+    take (joint decoding's EMA concept per token, the cross-attention decoder's `ConceptMemory`, or
+    None for the MoE baseline), the chunking (None for the baseline) and the concept layers' MoE
+    stats."""
+
+    z_BTD: torch.Tensor
+    c_BTD: torch.Tensor | ConceptMemory | None
+    chunks: Chunks | None
+    moe_stats: list
+
+
+class MiddleStep(NamedTuple):
+    """`ConceptMoELM.middle_step`'s: the decoder's input and concept read for one token per row, and
+    the rows whose new concept found their concept caches full (None where none can be)."""
+
+    z_B1D: torch.Tensor
+    c_B1D: torch.Tensor | ConceptStep | None
+    dropped_B: torch.Tensor | None = None
 
 
 class ConceptMoELM(nn.Module):
@@ -156,16 +179,58 @@ class ConceptMoELM(nn.Module):
             states=states,
             statistics=context.statistics,
         )
+        mid = self.middle(h_BTD, doc_BT, pos_BT, above_BT, force, ctx, cache, context)
+        if states is not None:
+            states.append(mid.z_BTD)
+        out_BTD, s = run_stack(
+            self.decoder,
+            mid.z_BTD,
+            ctx,
+            c_BTD=mid.c_BTD,
+            joint_from=self.joint_from,
+            caches=cache.decoder if cache else None,
+            checkpoint=ckpt,
+            states=states,
+            cross_caches=cache.cross if cache else None,
+            statistics=context.statistics,
+        )
+        return out_BTD, mid.chunks, moe_stats + mid.moe_stats + s
+
+    # ---------------------------------------------------------------- the middle
+    # chunk -> concept model -> dechunk, between the encoder and the decoder: `middle` for whole
+    # sequences, `middle_step` for one token per row over explicit state (the concept caches and the
+    # chunk state of an `InferenceCache`), `allocate_concept_caches` beside them. The model's own
+    # paths call them, and so does the vLLM plugin (vlm/serve) with views of its per-request slots.
+    def middle(
+        self,
+        h_BTD,
+        doc_BT,
+        pos_BT,
+        above_BT=None,
+        force=None,
+        ctx: StackContext | None = None,
+        cache: InferenceCache | None = None,
+        context: ForwardContext = DEFAULT,
+    ) -> Middle:
+        """The decoder's input and what its concept reads take, from the encoder's output. With
+        `cache` (prefill: one document per row) the concept caches are filled and the chunk state
+        set (`cache.chunk`); concept caches already in `cache` (given from outside, of a fixed
+        capacity) keep the first concepts that fit them (`within_capacity`), else they are allocated
+        for the prompt's concepts plus one per token still to come. `ctx`: the token stack's
+        context (the cross-attention decoder's concept memory reads it; built when not given)."""
+        cfg = self.cfg
         ch: Chunks | None = None
         if self.chunker is None:
             c_BMD, cdoc_BM, cpos_BM = h_BTD, doc_BT, pos_BT
         else:
             ch = self.chunker(h_BTD, doc_BT, above_BT, force, context)
+            if cache is not None and cache.concept:
+                ch = within_capacity(ch, cache.concept[0].capacity)
             c_BMD, cdoc_BM, cpos_BM = self.chunker.merge(h_BTD, doc_BT, ch), ch.cdoc_BM, ch.cpos_BM
         concept_in_BMD = c_BMD
-        if cache is not None:  # capacity: the prompt's concepts plus one per token still to come
+        if cache is not None and not cache.concept:
             self.allocate_concept_caches(
-                cache, c_BMD.shape[1] + cache.capacity - x_BTD.shape[1], x_BTD
+                cache, c_BMD.shape[1] + cache.capacity - h_BTD.shape[1], h_BTD
             )
         if self.concept_up is not None:
             c_BMD = self.concept_up(c_BMD)
@@ -179,50 +244,87 @@ class ConceptMoELM(nn.Module):
             use_rope=cfg.concept_pos == "rope",
             compiled=self.compiled,
         )
-        c_BMD, s = run_stack(
+        c_BMD, moe_stats = run_stack(
             self.concept,
             c_BMD,
             cctx,
             cfg.concept_schedule,
             caches=cache.concept if cache else None,
-            checkpoint=ckpt,
+            checkpoint=self.activation_checkpoint,
             statistics=context.statistics,
         )
-        moe_stats += s
         if self.concept_down is not None:
             c_BMD = self.concept_down(c_BMD)
         if ch is None:
-            z_BTD, cread_BTD = c_BMD, None
-        else:
-            smoothed_BMD = self.dechunk.smooth(c_BMD, ch)
-            z_BTD, cread_BTD, cread_in_BTD = self.dechunk(
-                h_BTD, c_BMD, ch, concept_in_BMD, smoothed_BMD
-            )
-            if cache is not None:
-                cache.chunk = ChunkState.join(
-                    self.chunker.prefill_state(h_BTD, doc_BT, ch),
-                    self.dechunk.prefill_state(doc_BT, ch, cread_BTD, cread_in_BTD),
-                )
-            # the decoder attends over the smoothed concepts instead of adding its own (eq. 11)
-            if self.cross:
-                cread_BTD = ConceptMemory.build(
-                    smoothed_BMD, ch.cidx_BT, ch.b_BT, doc_BT, ctx, cfg.head_dim
-                )
-        if states is not None:
-            states.append(z_BTD)
-        out_BTD, s = run_stack(
-            self.decoder,
-            z_BTD,
-            ctx,
-            c_BTD=cread_BTD,
-            joint_from=self.joint_from,
-            caches=cache.decoder if cache else None,
-            checkpoint=ckpt,
-            states=states,
-            cross_caches=cache.cross if cache else None,
-            statistics=context.statistics,
+            return Middle(c_BMD, None, None, moe_stats)
+        smoothed_BMD = self.dechunk.smooth(c_BMD, ch)
+        z_BTD, cread_BTD, cread_in_BTD = self.dechunk(
+            h_BTD, c_BMD, ch, concept_in_BMD, smoothed_BMD
         )
-        return out_BTD, ch, moe_stats + s
+        if cache is not None:
+            cache.chunk = ChunkState.join(
+                self.chunker.prefill_state(h_BTD, doc_BT, ch),
+                self.dechunk.prefill_state(doc_BT, ch, cread_BTD, cread_in_BTD),
+            )
+        # the decoder attends over the smoothed concepts instead of adding its own (eq. 11)
+        if self.cross:
+            if ctx is None:
+                ctx = StackContext.build(
+                    doc_BT,
+                    pos_BT,
+                    cfg.head_dim,
+                    cfg.rope_theta,
+                    h_BTD.dtype,
+                    cfg.attn_backend,
+                    window=cfg.attention_window,
+                    compiled=self.compiled,
+                )
+            cread_BTD = ConceptMemory.build(
+                smoothed_BMD, ch.cidx_BT, ch.b_BT, doc_BT, ctx, cfg.head_dim
+            )
+        return Middle(z_BTD, cread_BTD, ch, moe_stats)
+
+    def middle_step(
+        self, h_B1D: torch.Tensor, cache: InferenceCache, force_B: torch.Tensor | None = None
+    ) -> MiddleStep:
+        """`middle` for one new token per row ([B, 1, D], the encoder's output), over the concept
+        caches and chunk state of `cache` (updated in place). Fixed shapes, no host synchronisation
+        (but on CPU, see below): every row runs the concept model; the rows whose boundary did not
+        fire keep their caches as they were (masked, not sliced out). A row whose concept caches are
+        full (the concepts closed so far fill their capacity: caches of a fixed size given from
+        outside; `InferenceCache.make_room` keeps the model's own from filling) keeps no new concept:
+        as if its boundary had not fired, counted in `dropped_B`. Such caches must have their write
+        position within the capacity (their length at most capacity - 1), where a full row still
+        writes (fixed shapes): its last entry is scratch, so such a caller works on copies and keeps
+        the rows that gained a concept, as the vLLM plugin does. `force_B` sets the boundaries
+        instead of the router."""
+        if self.chunker is None:  # every token is a concept, at its token position
+            return MiddleStep(self.concept_step(h_B1D, cache.len_B, None, cache), None)
+        state = cache.chunk
+        ck: ChunkStep = self.chunker.step(h_B1D[:, 0], state, force_B)
+        pos_B = state.n_concepts_B  # the new concept's place: the concepts closed so far
+        dropped_B = None
+        if cache.concept:
+            full_B = pos_B >= cache.concept[0].capacity
+            dropped_B = ck.b_B & full_B
+            ck = ck._replace(b_B=ck.b_B & ~full_B)
+        if (
+            h_B1D.device.type == "cpu"
+            and not torch.compiler.is_compiling()
+            and not bool(ck.b_B.any())
+        ):
+            # The CPU's host is its device: when no row closed a concept (half the steps at R = 2,
+            # batch 1), the concept model's results would all be dropped, so it is not run. Same
+            # numbers, less work.
+            c_B1D = torch.zeros_like(h_B1D)
+        else:
+            c_B1D = self.concept_step(ck.c_BD[:, None], pos_B, ck.b_B, cache)
+        d = self.dechunk.step(h_B1D, c_B1D, ck, state)
+        # the cross-attention decoder appends the new (smoothed) concepts to its caches; joint
+        # decoding reads c
+        return MiddleStep(
+            d.z_B1D, ConceptStep(d.c_B1D, ck.b_B) if self.cross else d.c_B1D, dropped_B
+        )
 
     # ---------------------------------------------------------------- inference with caches
     def _caches(
@@ -305,34 +407,13 @@ class ConceptMoELM(nn.Module):
         cfg = self.cfg
         rope = rope_cos_sin(cache.len_B[:, None], cfg.head_dim, cfg.rope_theta, x_BD.dtype)
         h_B1D = step_stack(self.encoder, x_BD[:, None], rope, cache.encoder)
-        if self.chunker is None:  # every token is a concept
-            z_B1D = self.concept_step(h_B1D, cache.len_B, None, cache)
-            cread_B1D = None
-        else:
-            ck: ChunkStep = self.chunker.step(h_B1D[:, 0], cache.chunk, force_B)
-            pos_B = cache.chunk.n_concepts_B  # the new concept's place: the concepts closed so far
-            if (
-                x_BD.device.type == "cpu"
-                and not torch.compiler.is_compiling()
-                and not bool(ck.b_B.any())
-            ):
-                # The CPU's host is its device: when no row closed a concept (half the steps at R =
-                # 2, batch 1), the concept model's results would all be dropped, so it is not run.
-                # Same numbers, less work.
-                c_B1D = torch.zeros_like(h_B1D)
-            else:
-                c_B1D = self.concept_step(ck.c_BD[:, None], pos_B, ck.b_B, cache)
-            d = self.dechunk.step(h_B1D, c_B1D, ck, cache.chunk)
-            z_B1D = d.z_B1D
-            # the cross-attention decoder appends the new (smoothed) concepts to its caches; joint
-            # decoding reads c
-            cread_B1D = ConceptStep(d.c_B1D, ck.b_B) if self.cross else d.c_B1D
+        mid = self.middle_step(h_B1D, cache, force_B)
         out_B1D = step_stack(
             self.decoder,
-            z_B1D,
+            mid.z_B1D,
             rope,
             cache.decoder,
-            c_B1D=cread_B1D,
+            c_B1D=mid.c_B1D,
             joint_from=self.joint_from,
             cross_caches=cache.cross,
         )

@@ -79,6 +79,17 @@ class MoEConfig(ValidatedOnInit):
             )
 
 
+def resolve_targets(
+    target_ratio: float | None, modality_target_ratios: dict[str, float | None] | None
+) -> dict[str, float] | None:
+    """The null-target rule: each modality's own target, a null one following `target_ratio`; None
+    when there are no per-modality targets (one joint target). `ChunkConfig.modality_targets`, and
+    what reads a config as a dict (a run's saved config, a resumed run's comparison), apply it here."""
+    if not modality_target_ratios:
+        return None
+    return {m: target_ratio if r is None else r for m, r in modality_target_ratios.items()}
+
+
 @dataclass
 class ChunkConfig(ValidatedOnInit):
     """Chunk / dechunk / joint decoding (ConceptMoE sections 3.2-3.4)."""
@@ -139,12 +150,17 @@ class ChunkConfig(ValidatedOnInit):
 
     def modality_targets(self) -> dict[str, float] | None:
         """The target of each modality's own ratio loss (null entries follow target_ratio), or None:
-        one joint loss at target_ratio. Everything that reads a target reads it here."""
-        if not self.modality_target_ratios:
-            return None
-        return {
-            m: self.target_ratio if r is None else r for m, r in self.modality_target_ratios.items()
-        }
+        one joint loss at target_ratio. Everything that reads a target reads it here (or, from a
+        config as a dict, through `resolve_targets`)."""
+        return resolve_targets(self.target_ratio, self.modality_target_ratios)
+
+    @property
+    def smallest_target(self) -> float:
+        """The smallest target ratio (of the per-modality ones, else the joint one): the one that
+        asks for the most concepts, so the one a static concept capacity is sized for."""
+        # a list, not min(..., default=): torch.compile traces this (chunking's capacity) and
+        # dynamo handles no `default`
+        return min(list((self.modality_targets() or {}).values()) or [self.target_ratio])
 
     @property
     def holds_documents(self) -> bool:
@@ -193,7 +209,7 @@ class ChunkConfig(ValidatedOnInit):
                 "document_slack must be >= 1 (a document's ratio "
                 f"lies in [R/s, R*s]), got {self.document_slack}",
             )
-            low = min((self.modality_targets() or {}).values(), default=self.target_ratio)
+            low = self.smallest_target
             check(
                 low / self.document_slack > 1.0,
                 f"document_slack={self.document_slack} lets a document's ratio fall to R/s = "

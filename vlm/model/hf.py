@@ -44,6 +44,12 @@ from vlm.model.weights_check import (
 )
 
 MODEL_TYPE = "conceptmoe_vlm"
+# The name `generate` carries a model's cache under between its forwards: `cache` from transformers
+# 5.20 on, `past_key_values` before (the serve venv's vLLM pins transformers < 5.20). The
+# concept-level `InferenceCache` travels under whichever this transformers reads.
+CACHE_NAME = (
+    "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+)
 
 
 class ConceptMoEConfig(PretrainedConfig):
@@ -226,6 +232,8 @@ class ConceptMoEForCausalLM(PreTrainedModel, GenerationMixin):
         """`output_hidden_states`: token-level states (embeddings, each encoder layer, the decoder
         input, each decoder layer, the last one normed); the concept layers run on concepts and are
         not among them."""
+        if CACHE_NAME != "cache" and cache is None:  # an older transformers' generate
+            cache = kwargs.pop(CACHE_NAME, None)
         unsupported = [
             k
             for k in ("output_attentions", "inputs_embeds", "past_key_values", "position_ids")
@@ -239,9 +247,8 @@ class ConceptMoEForCausalLM(PreTrainedModel, GenerationMixin):
                 "built by `generate`; positions follow `attention_mask`)"
             )
         if cache is not None:  # a decode step: one new token per row
-            return CausalLMOutputWithPast(
-                logits=self.vlm.step(input_ids[:, -1], cache)[:, None], cache=cache
-            )
+            logits = self.vlm.step(input_ids[:, -1], cache)[:, None]
+            return CausalLMOutputWithPast(logits=logits, **{CACHE_NAME: cache})
         batch = self.to_batch(
             input_ids, attention_mask, pixel_patches, patch_coords, image_grids, labels
         )
@@ -264,7 +271,7 @@ class ConceptMoEForCausalLM(PreTrainedModel, GenerationMixin):
                 self.on_prefill(out, right)
             back = (torch.arange(T, device=input_ids.device)[None] - shift_B[:, None]) % T
             logits = out.logits.gather(1, back[..., None].expand(-1, -1, out.logits.shape[-1]))
-            return CausalLMOutputWithPast(logits=logits, cache=new_cache)
+            return CausalLMOutputWithPast(logits=logits, **{CACHE_NAME: new_cache})
         out = self.vlm(batch, output_hidden_states=bool(output_hidden_states))
         if self.on_prefill is not None:
             self.on_prefill(out, batch)
@@ -288,8 +295,9 @@ class ConceptMoEForCausalLM(PreTrainedModel, GenerationMixin):
         use_cache=None,
         **kwargs,
     ):
+        cache = cache if cache is not None else kwargs.get(CACHE_NAME)
         if cache is not None:  # the images were encoded at prefill; only the newest token goes in
-            return {"input_ids": input_ids[:, -1:], "cache": cache}
+            return {"input_ids": input_ids[:, -1:], CACHE_NAME: cache}
         return {
             "input_ids": input_ids,
             "attention_mask": attention_mask,

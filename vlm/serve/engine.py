@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from vlm.serve import BASELINE_ARCH
+from configs.config import from_dict
+from vlm.model.config import ModelConfig
+from vlm.serve.layout import padded_head_size
+from vlm.serve.names import BASELINE_ARCH
 
 
 def engine_kwargs(
@@ -24,9 +27,15 @@ def engine_kwargs(
     non-hybrid model). `cache_gib`: the memory for the KV cache and the concept states (on CPU vLLM
     otherwise reserves 92 % of the machine's memory). `extra`: any other engine argument, as is."""
     final_dir = Path(final_dir)
-    cfg = json.loads((final_dir / "config.json").read_text())
-    overrides: dict = {}
-    if not cfg.get("model", {}).get("chunk", {}).get("enabled", True):
+    mc = from_dict(ModelConfig, json.loads((final_dir / "config.json").read_text())["model"])
+    # the token layers' cache geometry as the paged layers hold it (token_attention.py), which
+    # vLLM sizes its pages and the concept state's by (layout.py); it would guess hidden / heads
+    # and every head a key-value head
+    overrides: dict = {
+        "head_dim": padded_head_size(mc.head_dim),
+        "num_key_value_heads": mc.num_kv_heads,
+    }
+    if not mc.chunk.enabled:
         overrides["architectures"] = [BASELINE_ARCH]
     if concept_capacity:
         overrides["concept_capacity"] = int(concept_capacity)
@@ -43,6 +52,5 @@ def engine_kwargs(
         kv_cache_memory_bytes=int(cache_gib * 2**30),
         gpu_memory_utilization=0.05,
     )
-    if overrides:
-        out["hf_overrides"] = overrides
+    out["hf_overrides"] = overrides
     return {**out, **extra}

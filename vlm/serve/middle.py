@@ -1,43 +1,30 @@
 """Chunk module, concept model and dechunk of a vLLM batch, on the per-request concept state.
 
-The project's own modules do the work (`ChunkModule`, `Dechunk`, the concept blocks with
-`KVCache`), so that the numbers are the ones `vlm chat` computes: a request's first prefill runs
-their parallel `forward` and fills its slot, as `ConceptMoELM.prefill` does; decode tokens (and a
-prefill chunk that continues a prompt) run their one-token `step`, as `ConceptMoELM.decode_step`
-does. Between steps the state lives in vLLM's slots (state.py); a step gathers its rows and writes
-back what changed.
+The model's own middle does the work (`ConceptMoELM.middle` and `middle_step`), so that the numbers
+are the ones `vlm chat` computes: a request's first prefill runs `middle` on the prompt into concept
+caches of the slot's capacity, as `ConceptMoELM.prefill` does, then copies their concepts to the
+slot's pages; decode tokens (and a prefill chunk that continues a prompt) run `middle_step` over the
+rows' state gathered from their pages, as `ConceptMoELM.decode_step` does, and write back the one
+entry each row added. Between steps the state lives in vLLM's slots (state.py, laid out by
+layout.py's `ConceptStates`): this file only moves it between the slots and the model's state
+objects.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 
-from vlm.model.block import StackContext, run_stack
 from vlm.model.cache import ChunkState, InferenceCache, KVCache
-from vlm.model.chunking import Chunks
 from vlm.model.conceptmoe import ConceptMoELM
 from vlm.serve.layout import COUNTS, EMA, EMA_IN, KEY, PENDING
-from vlm.serve.state import ConceptStates
+
+if TYPE_CHECKING:
+    from vlm.serve.layout import ConceptStates
 
 log = logging.getLogger(__name__)
-
-
-def capped(ch: Chunks, capacity: int) -> Chunks:
-    """The chunking with at most `capacity` concepts: the model's own rule for a static capacity
-    (concepts past it are not computed, the tokens that would read them read none)."""
-    if ch.cdoc_BM.shape[1] <= capacity:
-        return ch
-    cut = lambda t: None if t is None else t[:, :capacity]  # noqa: E731
-    cidx_BT = torch.where(ch.cidx_BT < capacity, ch.cidx_BT, torch.full_like(ch.cidx_BT, -1))
-    return ch._replace(
-        cidx_BT=cidx_BT,
-        cdoc_BM=cut(ch.cdoc_BM),
-        cpos_BM=cut(ch.cpos_BM),
-        cp_BM=cut(ch.cp_BM),
-        cgate_BM=cut(ch.cgate_BM),
-    )
 
 
 class Middle:
@@ -49,6 +36,8 @@ class Middle:
         self.overflows = 0  # concepts that found their request's slot full (counted, logged)
 
     def _overflow(self, n: int) -> None:
+        if not n:
+            return
         self.overflows += n
         log.warning(
             "concept capacity %d reached: %d concepts not kept so far; "
@@ -61,80 +50,55 @@ class Middle:
     def prefill(self, h_1TD: torch.Tensor, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(z, c) [T, D]: the decoder's input and the EMA concept each prompt token reads; fills the
         request's slot."""
-        lm, cfg, C = self.lm, self.lm.cfg, self.state.capacity
-        T = h_1TD.shape[1]
-        doc_1T = torch.zeros(1, T, dtype=torch.long, device=h_1TD.device)
+        T, dev = h_1TD.shape[1], h_1TD.device
+        zero_1 = torch.zeros(1, dtype=torch.long, device=dev)
+        # caches of the slot's capacity (a prompt closes at most T concepts): the model keeps the
+        # first concepts that fit, and they go to the slot's pages after
+        cfg, dtype = self.lm.cfg, self.state.layers[0].kv_cache[0].dtype
+        size = min(T, self.state.capacity)
+        caches = [
+            KVCache.allocate(1, cfg.c_kv_heads, size, cfg.head_dim, dtype, dev)
+            for _ in range(self.passes)
+        ]
+        cache = InferenceCache([], caches, [], zero_1, capacity=T)
+        doc_1T = torch.zeros(1, T, dtype=torch.long, device=dev)
+        pos_1T = torch.arange(T, device=dev)[None]
         # the modality only splits the ratio loss and the statistics: no boundary depends on it
-        ch = lm.chunker(h_1TD, doc_1T)
-        if ch.cdoc_BM.shape[1] > C:
-            self._overflow(ch.cdoc_BM.shape[1] - C)
-            ch = capped(ch, C)
-        c_1MD = lm.chunker.merge(h_1TD, doc_1T, ch)
-        concept_in_1MD = c_1MD
-        caches = []
-        for n in range(self.passes):
-            k, v = self.state.concept_kv(n)
-            zero_1 = torch.zeros(1, dtype=torch.long, device=h_1TD.device)
-            # views of the slot: `fill` writes the prompt's concepts straight into vLLM's state
-            caches.append(KVCache(k[slot][None], v[slot][None], zero_1))
-        if lm.concept_up is not None:
-            c_1MD = lm.concept_up(c_1MD)
-        cctx = StackContext.build(
-            ch.cdoc_BM,
-            ch.cpos_BM,
-            cfg.head_dim,
-            cfg.rope_theta,
-            c_1MD.dtype,
-            cfg.attn_backend,
-            use_rope=cfg.concept_pos == "rope",
-        )
-        c_1MD, _ = run_stack(lm.concept, c_1MD, cctx, cfg.concept_schedule, caches=caches)
-        if lm.concept_down is not None:
-            c_1MD = lm.concept_down(c_1MD)
-        smoothed_1MD = lm.dechunk.smooth(c_1MD, ch)
-        z_1TD, cread_1TD, cread_in_1TD = lm.dechunk(h_1TD, c_1MD, ch, concept_in_1MD, smoothed_1MD)
-        st = ChunkState.join(
-            lm.chunker.prefill_state(h_1TD, doc_1T, ch),
-            lm.dechunk.prefill_state(doc_1T, ch, cread_1TD, cread_in_1TD),
-        )
-        self._put(torch.tensor([slot], device=h_1TD.device), st)
-        return z_1TD[0], cread_1TD[0]
+        mid = self.lm.middle(h_1TD, doc_1T, pos_1T, cache=cache)
+        self._overflow(int(mid.chunks.overflow))
+        for n, c in enumerate(caches):
+            m = int(c.len_B[0])
+            self.state.fill(n, slot, c.k_BJCd[0, :, :m], c.v_BJCd[0, :, :m])
+        self._put(torch.tensor([slot], device=dev), cache.chunk)
+        return mid.z_BTD[0], mid.c_BTD[0]
 
     # ------------------------------------------------------------ one token per row
     def step(self, h_BD: torch.Tensor, slots_B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(z, c) [B, D] of one new token per row, each in its slot (`decode_step`'s middle)."""
-        lm, C = self.lm, self.state.capacity
+        C = self.state.capacity
         st = self._get(slots_B, h_BD.dtype)
         n_B = st.n_concepts_B.clone()
-        full_B = n_B >= C
         # the filled entries and the one this step may write: the gather costs what attention reads
         used = min(int(n_B.max()) + 1, C)
         caches, rows_kv = [], []  # the rows' keys and values, gathered; `KVCache` writes in place
         for n in range(self.passes):
-            k, v = self.state.concept_kv(n)
-            rows_kv.append((k[slots_B, :, :used], v[slots_B, :, :used]))
-            # a full slot writes past its last entry's place and keeps nothing (see fired_B)
+            rows_kv.append(self.state.gather(n, slots_B, used))
+            # a full slot writes past its last entry's place and keeps nothing (`middle_step`
+            # drops its concept)
             caches.append(KVCache(*rows_kv[-1], n_B.clamp_max(C - 1)))
+        # the gathered caches hold `used` entries; a row is full against them (n >= used) exactly
+        # when it is against its slot (n >= C): n <= max(n) < used unless used = C
         cache = InferenceCache([], caches, [], n_B.clone(), st)
-        ck = lm.chunker.step(h_BD, st)
-        fired_B = ck.b_B & ~full_B
-        if bool((ck.b_B & full_B).any()):
-            self._overflow(int((ck.b_B & full_B).sum()))
-        pos_B = n_B.clamp_max(C - 1)
-        # when no row closed a concept the concept model's results would all be dropped
-        if bool(ck.b_B.any()):
-            c_B1D = lm.concept_step(ck.c_BD[:, None], pos_B, fired_B, cache)
-        else:
-            c_B1D = torch.zeros_like(h_BD[:, None])
-        d = lm.dechunk.step(h_BD[:, None], c_B1D, ck, st)
-        st.n_concepts_B.copy_(n_B + fired_B.long())
+        mid = self.lm.middle_step(h_BD[:, None], cache)
+        if mid.dropped_B is not None:
+            self._overflow(int(mid.dropped_B.sum()))
         self._put(slots_B, st)
-        rows = fired_B.nonzero().flatten()  # only their entry at pos_B changed
+        pos_B = n_B.clamp_max(C - 1)
+        rows = (st.n_concepts_B > n_B).nonzero().flatten()  # only their entry at pos_B changed
         for n, (k_BJCd, v_BJCd) in enumerate(rows_kv):
-            k, v = self.state.concept_kv(n)
-            k[slots_B[rows], :, pos_B[rows]] = k_BJCd[rows, :, pos_B[rows]]
-            v[slots_B[rows], :, pos_B[rows]] = v_BJCd[rows, :, pos_B[rows]]
-        return d.z_B1D[:, 0], d.c_B1D[:, 0]
+            at = pos_B[rows]
+            self.state.put(n, slots_B[rows], at, k_BJCd[rows, :, at], v_BJCd[rows, :, at])
+        return mid.z_B1D[:, 0], mid.c_B1D[:, 0]
 
     # ------------------------------------------------------------ the slots
     def _get(self, slots_B: torch.Tensor, dtype: torch.dtype) -> ChunkState:

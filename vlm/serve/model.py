@@ -10,6 +10,7 @@ from the export's config.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 
 import torch
@@ -23,15 +24,26 @@ from configs.config import ConfigError
 from data_pipelines.schema import IMAGE_TOKEN
 from vlm.model.layers import rope_cos_sin
 from vlm.model.multimodal import ConceptMoEVLM
-from vlm.serve.layout import concept_capacity, state_dtypes, state_layers, state_shapes
+from vlm.serve.layout import (
+    ConceptStates,
+    StatePlan,
+    concept_capacity,
+    plan_state,
+    state_dtypes,
+    state_shapes,
+    token_page_bytes,
+)
 from vlm.serve.middle import Middle
 from vlm.serve.processor import (
     ConceptMoEDummyInputsBuilder,
     ConceptMoEMultiModalProcessor,
     ConceptMoEProcessingInfo,
 )
-from vlm.serve.state import ConceptState, ConceptStates, copy_funcs
+from vlm.serve.state import ConceptState, copy_funcs
 from vlm.serve.token_attention import PagedBlock
+
+# under vLLM's logger: its handler, format and level (INFO) apply
+log = logging.getLogger("vllm." + __name__)
 
 # vLLM reads a layer's index from its name (one integer, unique): encoder, then the concept state
 # layers (or the baseline's concept passes), then decoder
@@ -42,11 +54,16 @@ def _configs(vllm_config: VllmConfig):
     return vllm_config.model_config.hf_config.build_configs()
 
 
-def _capacity(vllm_config: VllmConfig) -> int:
+def _plan(vllm_config: VllmConfig) -> StatePlan:
+    """The concept state's layout: the capacity asked for (`--concept-capacity`, else the model's
+    eval rule) cut to the token cache's page (vLLM's block size, the same in every process that
+    asks)."""
     mc, _ = _configs(vllm_config)
-    hf = vllm_config.model_config.hf_config
-    max_len = vllm_config.model_config.max_model_len
-    return concept_capacity(mc, max_len, getattr(hf, "concept_capacity", None))
+    hf, model = vllm_config.model_config.hf_config, vllm_config.model_config
+    capacity = concept_capacity(mc, model.max_model_len, getattr(hf, "concept_capacity", None))
+    block = vllm_config.cache_config.block_size
+    page = token_page_bytes(mc, block, model.dtype) if block else None
+    return plan_state(mc, capacity, model.dtype, page, mc.encoder_layers + mc.decoder_layers)
 
 
 _register_processor = MULTIMODAL_REGISTRY.register_processor(
@@ -79,7 +96,9 @@ class _ServedModel(nn.Module, SupportsMultiModal):
         self.vlm = ConceptMoEVLM(mc, vc).eval()
         lm, cache = self.vlm.lm, vllm_config.cache_config
         w = mc.attention_window
-        E, C = len(lm.encoder), state_layers(mc)
+        # the ConceptMoE's state layers, or the baseline's concept passes (paged token layers)
+        C = _plan(vllm_config).layers if lm.chunker is not None else len(mc.concept_schedule)
+        E = len(lm.encoder)
         self.paged_encoder = nn.ModuleList(
             PagedBlock(b, cache, w, f"serve.layers.{i}.attn") for i, b in enumerate(lm.encoder)
         )
@@ -192,7 +211,7 @@ class ConceptMoEForVllm(_ServedModel, HasInnerState, IsHybrid):
 
     @classmethod
     def get_mamba_state_shape_from_config(cls, vllm_config: VllmConfig):
-        return state_shapes(_configs(vllm_config)[0], _capacity(vllm_config))
+        return state_shapes(_configs(vllm_config)[0], _plan(vllm_config))
 
     @classmethod
     def get_mamba_state_dtype_from_config(cls, vllm_config: VllmConfig):
@@ -223,16 +242,27 @@ class ConceptMoEForVllm(_ServedModel, HasInnerState, IsHybrid):
                 "prefix caching is not supported for ConceptMoE: pass "
                 "--no-enable-prefix-caching (`vlm serve` does; docs/serving.md)"
             )
-        E, cap = len(self.vlm.lm.encoder), _capacity(vllm_config)
+        E, plan = len(self.vlm.lm.encoder), _plan(vllm_config)
         dtype = vllm_config.model_config.dtype
         # a plain list: vLLM finds the layers by their names (they hold no weights)
         self.concept_states = [
-            ConceptState(self.mc, cap, dtype, STATE_PREFIX.format(E + n))
-            for n in range(state_layers(self.mc))
+            ConceptState(self.mc, plan, dtype, STATE_PREFIX.format(E + n))
+            for n in range(plan.layers)
         ]
+        log.info(
+            "concept state: %d layers of %d concepts (%d per pass and request, %d asked for)",
+            plan.layers,
+            plan.entries,
+            plan.capacity,
+            concept_capacity(
+                self.mc,
+                vllm_config.model_config.max_model_len,
+                getattr(vllm_config.model_config.hf_config, "concept_capacity", None),
+            ),
+        )
         # every state layer gets the same metadata: the first one's is read
         self.state_prefix = self.concept_states[0].prefix
-        self._middle = Middle(self.vlm.lm, ConceptStates(self.concept_states))
+        self._middle = Middle(self.vlm.lm, ConceptStates(self.concept_states, plan))
 
     def middle(self, h_ND, positions_N, rope):
         meta = get_forward_context().attn_metadata

@@ -5,7 +5,8 @@
 
 requests.json: {"max_tokens": N, "batches": [[{"prompt": str, "images": [png path, ...]}, ...]]};
 each batch goes to the engine at once (vLLM batches its requests). out.json: {"batches":
-[[{"token_ids": [...], "prompt_token_ids": [...], "text": str}, ...]], "seconds": [...]}.
+[[{"token_ids": [...], "prompt_token_ids": [...], "text": str}, ...]], "seconds": [...], "cache":
+{...}} (`cache_figures`: what vLLM allocated, and how many requests it admits at once).
 """
 
 from __future__ import annotations
@@ -32,6 +33,36 @@ def engine_inputs(llm, requests: list[dict]) -> list[dict]:
     return out
 
 
+def cache_figures(llm) -> dict:
+    """vLLM's cache as the engine sized it: the token block (tokens per page), the pages (blocks),
+    the tokens they hold, and the requests of max-model-len tokens it admits at once (its
+    "maximum concurrency"); for a ConceptMoE also the concept state's layout (layout.py's
+    `plan_state`) and how full a state page is (1: no padding)."""
+    from vlm.serve.layout import state_bytes, token_page_bytes
+    from vlm.serve.model import _configs, _plan
+
+    cfg = llm.llm_engine.vllm_config
+    cache = cfg.cache_config
+    out = {
+        "block_size": cache.block_size,
+        "kv_blocks": cache.num_gpu_blocks,
+        "kv_cache_tokens": cache.kv_cache_size_tokens,
+        "max_concurrency": cache.kv_cache_max_concurrency,
+        "max_model_len": cfg.model_config.max_model_len,
+    }
+    mc, _ = _configs(cfg)
+    if mc.chunk.enabled:
+        plan, dtype = _plan(cfg), cfg.model_config.dtype
+        page = token_page_bytes(mc, cache.block_size, dtype)
+        out.update(
+            state_layers=plan.layers,
+            state_entries=plan.entries,
+            concept_capacity=plan.capacity,
+            state_page_fill=state_bytes(mc, plan, dtype) / plan.layers / page,
+        )
+    return out
+
+
 def run(final_dir: str, requests: dict, **engine) -> dict:
     from vllm import LLM, SamplingParams
 
@@ -40,7 +71,7 @@ def run(final_dir: str, requests: dict, **engine) -> dict:
     llm = LLM(**engine_kwargs(final_dir, **engine))
     # vlm chat stops at <eos> only; the caller cuts there
     params = SamplingParams(temperature=0.0, max_tokens=requests["max_tokens"], ignore_eos=True)
-    out: dict = {"batches": [], "seconds": []}
+    out: dict = {"batches": [], "seconds": [], "cache": cache_figures(llm)}
     for batch in requests["batches"]:
         t0 = time.perf_counter()
         res = llm.generate(engine_inputs(llm, batch), params, use_tqdm=False)

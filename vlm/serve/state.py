@@ -1,8 +1,8 @@
 """The concept model's per-request state, declared to vLLM as a Mamba-style state.
 
 One request owns one slot for its whole life: the concept model's keys and values (one entry per
-realized concept, `capacity` entries, one state layer per concept pass) and the chunk state (the
-router's last key, the pending merge, the dechunk's EMA, the counters). vLLM's hybrid KV cache
+realized concept, each pass's cut into state layers of one page each: layout.py's `plan_state`) and
+the chunk state (the router's last key, the pending merge, the dechunk's EMA, the counters). vLLM's hybrid KV cache
 manager allocates the slots beside the paged token-level KV cache and hands each step every
 request's slot (`state_indices_tensor_*`), so what a request holds scales with its concepts, not
 its tokens.
@@ -19,13 +19,13 @@ from vllm.model_executor.layers.mamba.mamba_utils import get_temporal_copy_spec
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from vlm.model.config import ModelConfig
-from vlm.serve.layout import state_dtypes, state_shapes
+from vlm.serve.layout import StatePlan, state_dtypes, state_shapes
 
 
 def copy_funcs(mc: ModelConfig) -> tuple:
     """How vLLM copies a slot's states (prefix caching's "align" mode, speculative decoding):
     each whole. Neither is enabled for this model (model.py refuses both)."""
-    return (get_temporal_copy_spec,) * len(state_shapes(mc, 1))
+    return (get_temporal_copy_spec,) * len(state_shapes(mc, StatePlan(1, 1, 1)))
 
 
 class ConceptState(MambaBase):
@@ -33,9 +33,9 @@ class ConceptState(MambaBase):
     (`kv_cache`). The SHORT_CONV backend builds the metadata this needs (slots,
     prefill/decode split, initial states)."""
 
-    def __init__(self, mc: ModelConfig, capacity: int, dtype: torch.dtype, prefix: str):
+    def __init__(self, mc: ModelConfig, plan: StatePlan, dtype: torch.dtype, prefix: str):
         super().__init__()
-        self.mc, self.capacity, self.dtype, self.prefix = mc, capacity, dtype, prefix
+        self.mc, self.plan, self.dtype, self.prefix = mc, plan, dtype, prefix
         ctx = get_current_vllm_config().compilation_config.static_forward_context
         if prefix in ctx:
             raise ValueError(f"Duplicate layer name: {prefix}")
@@ -43,7 +43,7 @@ class ConceptState(MambaBase):
         self.kv_cache = (torch.tensor([]),)
 
     def get_state_shape(self):
-        return state_shapes(self.mc, self.capacity)
+        return state_shapes(self.mc, self.plan)
 
     def get_state_dtype(self):
         return state_dtypes(self.mc, self.dtype)
@@ -51,20 +51,3 @@ class ConceptState(MambaBase):
     @property
     def mamba_type(self) -> MambaAttentionBackendEnum:
         return MambaAttentionBackendEnum.SHORT_CONV
-
-
-class ConceptStates:
-    """The state layers of one model: pass n's keys and values in layer n, the chunk state in
-    layer 0."""
-
-    def __init__(self, layers: list[ConceptState]):
-        self.layers, self.capacity = layers, layers[0].capacity
-
-    def concept_kv(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """[slots, kv_heads, capacity, head_dim] keys and values of concept pass n."""
-        return self.layers[n].kv_cache[0], self.layers[n].kv_cache[1]
-
-    @property
-    def chunk(self) -> torch.Tensor:
-        """[slots, CHUNK_ROWS, D] fp32."""
-        return self.layers[0].kv_cache[2]

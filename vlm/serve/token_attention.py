@@ -14,13 +14,7 @@ from torch import nn
 from vllm.model_executor.layers.attention import Attention
 
 from vlm.model.block import Block
-
-# vLLM's CPU attention backend (cpu_attn.py): the head sizes its kernels are built for
-CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
-
-
-def padded_head_size(head_dim: int) -> int:
-    return next(s for s in CPU_HEAD_SIZES if s >= head_dim)
+from vlm.serve.layout import padded_head_size
 
 
 class PagedBlock(nn.Module):

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
+from vlm.model.config import ChunkConfig, resolve_targets
 from vlm.model.doc_stats import MODS, format_distribution
 
 
@@ -322,12 +323,8 @@ def model_card(cfg: dict, summary: list[str], title: str) -> str:
     """final/README.md: what was trained on what, how it went (the run's summary) and the report picture."""
     m, data, run = cfg["model"], cfg["data"], cfg["train"]
     chunk = m.get("chunk", {})
-    ratios = {
-        m: chunk.get("target_ratio") if r is None else r
-        for m, r in (
-            chunk.get("modality_target_ratios") or {"joint": chunk.get("target_ratio")}
-        ).items()
-    }
+    R = chunk.get("target_ratio", ChunkConfig.target_ratio)
+    ratios = resolve_targets(R, chunk.get("modality_target_ratios")) or {"joint": R}
     sources = (
         ", ".join(s["path"] for s in data.get("sources") or [])
         or f"the embedded default dataset ({data['default_dir']})"

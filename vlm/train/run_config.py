@@ -7,6 +7,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from configs.config import ConfigError, flatten
+from vlm.model.config import resolve_targets
 from vlm.train.config import TrainConfig
 
 # Config keys a resumed run may change (everything else must match the checkpointed run).
@@ -70,10 +71,9 @@ def _resolved(flat: dict) -> dict:
     follows (what the run trained with), so that a run written before nulls were allowed resumes
     under a config using them."""
     prefix = "model.chunk.modality_target_ratios."
-    return {
-        k: flat.get("model.chunk.target_ratio") if k.startswith(prefix) and v is None else v
-        for k, v in flat.items()
-    }
+    per = {k[len(prefix) :]: v for k, v in flat.items() if k.startswith(prefix)}
+    targets = resolve_targets(flat.get("model.chunk.target_ratio"), per) or {}
+    return {**flat, **{prefix + m: r for m, r in targets.items()}}
 
 
 def saved_global_batch(saved: dict, written_by: int) -> int:
