@@ -200,6 +200,8 @@ def loader_table(src: dict[str, Any]) -> str:
             cells += [_loader_cells(before, metric, w, d), _loader_cells(now, metric, w, d)]
         rows.append(cells)
     return table(header, rows)
+
+
 def serve_cache_table(src: dict[str, Any]) -> str:
     """`python -m vlm.serve.bench`: what vLLM allocated for each model in the same cache memory,
     and how many requests of max-model-len tokens it admits at once (its maximum concurrency)."""

@@ -152,7 +152,8 @@ def mend_optimizer(optimizer: torch.optim.Optimizer, universal: Path, ds_tag: st
     from vlm.train.engine import OPTIM_SETTINGS, safe_load
 
     saved = safe_load(universal / ds_tag / "zero" / "optimizer_state.pt")
-    groups = {g.get("name"): g for g in saved["optimizer_state_dict"]["param_groups"]}
+    # (top level in every stage's file; ZeRO-3's also inside its optimizer_state_dict)
+    groups = {g.get("name"): g for g in saved["param_groups"]}
     for group in optimizer.param_groups:
         old = groups.get(group.get("name"))
         if old is None:
