@@ -78,9 +78,10 @@ def expert_swiglu(
     # a fill, not a product: garbage never leaks
     x_AD = x_ND[disp.tok_A].masked_fill(disp.dead_A1, 0)
     if use_grouped:
-        offs_E = disp.counts_G.cumsum(0, dtype=torch.int32)
+        # where each group's rows end in the sorted slots: grouped_mm's `offs`
+        ends_G = disp.counts_G.cumsum(0, dtype=torch.int32)
         y_AD = grouped_mm(
-            F.silu(grouped_mm(x_AD, wg, offs_E)) * grouped_mm(x_AD, wu, offs_E), wd, offs_E
+            F.silu(grouped_mm(x_AD, wg, ends_G)) * grouped_mm(x_AD, wu, ends_G), wd, ends_G
         )
         return y_AD.masked_fill(disp.dead_A1, 0)
     sizes = disp.counts_G.tolist()
