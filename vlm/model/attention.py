@@ -1,6 +1,9 @@
 """Attention over packed rows: backends, and the GQA self-attention layer with joint
 decoding (eq. 11).
 
+Legend: B rows, T tokens, D width, N flat tokens or patches, Q query heads, J key/value heads, d
+head width.
+
 Every backend computes the same thing: causal attention restricted to the query's own document.
 The choice is one function (`resolve_backend`), picked at run time; tests compare them on one input.
 """

@@ -1,5 +1,7 @@
 """Chunk (ConceptMoE section 3.2) over packed rows; the dechunk (3.3) is in dechunk.py.
 
+Legend: B rows, T tokens, D width, M concept slots, N flat tokens or patches.
+
 Convention (DESIGN.md): a boundary at n closes a concept made of the tokens after the previous
 boundary (within the same document) up to and including n; tokens n .. next boundary - 1 read that
 concept. The first token of every document is a boundary (p = 1), so no token reads a concept of

@@ -1,6 +1,8 @@
 """Per-document compression: each document's realized ratio per modality, and its
 distribution per group.
 
+Legend: B rows, T tokens, S documents, X bins.
+
 A batch aggregate (all tokens / all concepts) lets the router meet its target with all-or-nothing
 documents: a caption merged into one concept and a chat prompt left unmerged average to R = 2. So
 compression is judged per document: a document's ratio for a modality is its tokens of that modality

@@ -1,4 +1,7 @@
-"""Eq. 8's EMA over concepts, c_m = p_m x_m + (1 - p_m) c_{m-1}, as a blocked parallel scan (no loop over concepts)."""
+"""Eq. 8's EMA over concepts, c_m = p_m x_m + (1 - p_m) c_{m-1}, as a blocked parallel scan (no loop over concepts).
+
+Legend: B rows, D width, M concept slots, U scan blocks, L concepts per scan block.
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,10 @@
 """How the experts (and Grove's adjugate groups) see their tokens: the (token, choice) slots sorted
 by group, so that each group reads one contiguous slice of rows, and the SwiGLU those rows go
-through (one `torch._grouped_mm` per projection where it can run, else a loop over the groups)."""
+through (one `torch._grouped_mm` per projection where it can run, else a loop over the groups).
+
+Legend: D width, E experts, K experts chosen per token, F expert hidden width, G Grove groups, A
+(token, choice) slots sorted by expert, N flat tokens or patches.
+"""
 
 from __future__ import annotations
 
