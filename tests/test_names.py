@@ -132,3 +132,43 @@ def test_a_legend_is_read_as_written(tmp_path):
         pass
     else:
         raise AssertionError("a malformed entry passed")
+
+
+def test_suffixes_match_the_tensors_dimensions_at_run_time():
+    """A suffix names as many dimensions as its tensor has: every suffixed local of the model's code
+    is checked when its function returns, over a forward and a backward of every language-model
+    variant of test_state_dict_keys and of the top-k router with mean merging (a name that
+    misstated its shape, `n_BM` for a flat [B * (M + 1)] count, was found so)."""
+    import sys
+
+    import torch
+    from test_state_dict_keys import _lm, variants
+
+    from configs.batch import PackedBatch
+    from vlm.model.config import ChunkConfig
+    from vlm.model.multimodal import ConceptMoEVLM
+
+    code = str(ROOT / "vlm")
+    bad = set()
+
+    def check(frame, event, arg):
+        if event != "return" or not frame.f_code.co_filename.startswith(code):
+            return
+        for name, value in frame.f_locals.items():
+            m = SUFFIXED.match(name)
+            if m and isinstance(value, torch.Tensor) and value.dim() != len(m.group("suffix")):
+                where = f"{Path(frame.f_code.co_filename).relative_to(ROOT)}:{frame.f_code.co_name}"
+                bad.add(f"{where}: {name} has shape {tuple(value.shape)}")
+
+    batch = PackedBatch.from_documents([[1, 5, 9, 3, 7, 2], [4, 4, 8]], row_len=12)
+    configs = [m for m, vision_cfg in variants().values() if vision_cfg is None]
+    configs.append(_lm(chunk=ChunkConfig(router="topk", merge="mean")))
+    for model_cfg in configs:
+        torch.manual_seed(0)
+        model = ConceptMoEVLM(model_cfg, None)
+        sys.setprofile(check)
+        try:
+            model(batch).logits.sum().backward()
+        finally:
+            sys.setprofile(None)
+    assert not bad, "\n".join(sorted(bad))
