@@ -1,6 +1,8 @@
 """Materialising: a planned micro-batch -> PackedBatch, the expensive part of loading (decoding,
 resizing, patchifying), done only by the rank that trains on it.
 
+Legend: I images.
+
 Pixels stay uint8 from the decoder to the device (a quarter of float32's bytes; the vision tower
 normalises them there). Each image is resized once and copied once, straight into one buffer for
 the whole micro-batch (in shared memory inside a DataLoader worker, so that handing it to the

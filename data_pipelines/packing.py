@@ -1,5 +1,7 @@
 """Packing encoded samples into rows of a fixed token budget and assembling PackedBatch tensors.
 
+Legend: D width, P patches.
+
 Row filling: the oldest waiting sample opens a row (so nothing waits forever), then the subset of
 the other waiting samples (a pool of `pack_buffer`) that fills the rest of the row best is added: an
 exact 0/1 knapsack over lengths, which leaves much less padding than greedy best fit when samples

@@ -1,5 +1,7 @@
 """The loss a MoE -> ConceptMoE conversion starts continual training from, with real boundaries.
 
+Legend: B rows, T tokens.
+
     vlm eval ct-start SRC [--ratio 1.5] [--batches 8] [--data data/default]
 
 With every boundary on, the converted model is the source (tested exactly). What matters for

@@ -1,5 +1,7 @@
 """`vlm eval ppl`: held-out LM loss and bits per byte of an exported model, per kind of sample.
 
+Legend: B rows, T tokens.
+
     vlm eval ppl --ckpt RUN/final [--data SHARDS ...] [--max-batches N] [--out result.json]
 
 Without --data: the default dataset's validation split. Samples are packed and scored as in training

@@ -1,4 +1,7 @@
-"""`vlm chat`: multi-turn image chat in the terminal; piped input gives one answer per line and exit code 0."""
+"""`vlm chat`: multi-turn image chat in the terminal; piped input gives one answer per line and exit code 0.
+
+Legend: D width, P patches.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""Chunk / dechunk equations against the paper (eq. 2-10, Appendix B)."""
+"""Chunk / dechunk equations against the paper (eq. 2-10, Appendix B).
+
+Legend: B rows, T tokens, D width, M concept slots.
+"""
 
 import pytest
 import torch

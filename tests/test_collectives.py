@@ -1,5 +1,7 @@
 """The step has one road to the model and one to the other ranks (issues 36 and 42).
 
+Legend: B rows, T tokens.
+
 - What a forward needs from the step arrives as an argument (`vlm.model.context.ForwardContext`):
   the step sets no attribute on a module and finds no buffer by its name; what forwards count for
   the updates after a step goes through `vlm.model.training_controls.TrainingControls`.

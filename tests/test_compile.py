@@ -1,5 +1,7 @@
 """Every model path is one graph: no host synchronisation, no graph break (DESIGN.md "On the GPU").
 
+Legend: B rows.
+
 On the CPU, `torch.compile(..., fullgraph=True)` is the proof: an `.item()`, `int(tensor)`,
 `.tolist()`, `nonzero`, boolean-mask indexing or a Python branch on a tensor's value inside the path
 is a graph break, which fullgraph turns into an error. The fast tier traces with the `aot_eager`

@@ -1,7 +1,10 @@
 """DLCM's causal cross-attention decoder (`model.decoder_mode: cross_attention`, DLCM eq. 12-14 by
 concept replication, eq. 17): causal, packing-safe, cached decoding equal to full recompute, counted
 by `vlm flops`, trainable, convertible, exportable. Its layer equal to the L x M masked form of eq.
-14: tests/test_cross_attention_eq14.py."""
+14: tests/test_cross_attention_eq14.py.
+
+Legend: B rows.
+"""
 
 from __future__ import annotations
 

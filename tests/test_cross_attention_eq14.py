@@ -3,7 +3,10 @@
 eq. 14 written out (each token attends to the concepts 0 .. j(t) of its own document, each concept
 once), forward and backward, on every attention backend, with a sliding window that does not limit
 the concepts, on a flash kernel that gets only causal varlen segments, and with a 256-wide head that
-leaves flash for SDPA. The decoder in the model: tests/test_cross_attention_decoder.py."""
+leaves flash for SDPA. The decoder in the model: tests/test_cross_attention_decoder.py.
+
+Legend: B rows, T tokens, D width, M concept slots.
+"""
 
 from __future__ import annotations
 

@@ -1,7 +1,10 @@
 """One global order of micro-batches: what a rank trains on depends on the micro-batch's number
 only, never on the number of ranks or workers, and a run resumes on any number of either. The
 pixels reach the encoder as uint8 and are normalised there to exactly the numbers the host's float
-path made. Counts summed over ranks are exact."""
+path made. Counts summed over ranks are exact.
+
+Legend: D width, P patches.
+"""
 
 from __future__ import annotations
 

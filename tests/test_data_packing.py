@@ -1,4 +1,7 @@
-"""Tokenizing, image expansion, packing and labels on hand-built samples (values counted by hand)."""
+"""Tokenizing, image expansion, packing and labels on hand-built samples (values counted by hand).
+
+Legend: D width, P patches.
+"""
 
 from __future__ import annotations
 

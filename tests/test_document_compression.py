@@ -1,6 +1,9 @@
 """Compression is judged per document and per kind of sample, and the per-document ratio loss holds
 every kind near its target where the batch loss alone lets the router split all-or-nothing by kind
-(DESIGN.md, Modalities)."""
+(DESIGN.md, Modalities).
+
+Legend: B rows, T tokens, S documents.
+"""
 
 import math
 

@@ -1,5 +1,7 @@
 """Expert parallelism, the MoE layer (vlm.model.expert_parallel; training: test_expert_parallel_train.py).
 
+Legend: E experts.
+
 - Two ranks (gloo) holding 2 of 4 experts each compute what one layer holding all 4 computes on
   each rank's own tokens: outputs, statistics (loads, balance and z losses), the gradients of the
   tokens, the router and the Grove adjugates, and each expert's gradient summed over the ranks;

@@ -2,6 +2,8 @@
 `make test-fast` (`pytest -m "not slow"`) let through. Each test here fails on its bug and
 runs in seconds:
 
+Legend: B rows, T tokens.
+
 1. the per-document ratio loss averaged over documents instead of weighted by n_d / N;
 2. the statistics pass counting MoE loads a second time (its `load_accum` not put back);
 3. a pretrained SigLIP / CLIP tower whose intermediate size is not a multiple of its width (SigLIP:

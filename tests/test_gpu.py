@@ -2,6 +2,8 @@
 bf16 (flash-attn varlen included when installed), grouped_mm expert dispatch equals the per-expert
 loop, and cached decoding equals a full forward.
 
+Legend: D width, E experts, F expert hidden width.
+
 Run the CUDA instances on a machine with a GPU with `make test-gpu` (`pytest -m gpu tests`); they
 are marked `gpu` and skipped, with the reason, where there is none. Each check but flash-attn's also
 has a CPU instance, which runs in the ordinary suite: the tolerances were measured on the CPU

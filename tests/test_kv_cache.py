@@ -1,6 +1,9 @@
 """Concept-level KV-cache decoding equals full recompute: same tokens, logits within 1e-4, for a
 ragged batch of mixed text and image prompts, for every reallocation of the concept model and for
-the MoE baseline."""
+the MoE baseline.
+
+Legend: B rows, T tokens, D width, P patches.
+"""
 
 from __future__ import annotations
 

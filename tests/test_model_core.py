@@ -1,4 +1,7 @@
-"""The ConceptMoE LM: causality, packing isolation, lossless start from the baseline, backends, learning."""
+"""The ConceptMoE LM: causality, packing isolation, lossless start from the baseline, backends, learning.
+
+Legend: B rows, T tokens, Q query heads.
+"""
 
 import dataclasses
 

@@ -1,5 +1,9 @@
 """MoE layer: dispatch paths vs a dense reference, Grove adjugate experts, loss-free balancing,
-routers. The balancing's bookkeeping (loads counted, bias steps): tests/test_moe_bias_update.py."""
+routers. The balancing's bookkeeping (loads counted, bias steps): tests/test_moe_bias_update.py.
+
+Legend: D width, E experts, K experts chosen per token, F expert hidden width, G Grove groups, A
+(token, choice) slots sorted by expert, N flat tokens or patches.
+"""
 
 from __future__ import annotations
 

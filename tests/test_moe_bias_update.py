@@ -3,7 +3,10 @@ in training only, once per routed token slot however activation checkpointing re
 update_moe_biases all-reduces every layer's loads in one call, moves each layer's bias by its own
 loads (the sign step, or Grove eq. 8's RMS-normalised step), recentres it and resets the counts;
 with balancing off the bias never moves; the balancing state stays fp32 in a bf16 layer. That the
-bias evens the loads out: tests/test_moe.py."""
+bias evens the loads out: tests/test_moe.py.
+
+Legend: D width, E experts, F expert hidden width.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""Vision + ConceptMoE: interleaving, joint compression, per-modality statistics, isolation, learning."""
+"""Vision + ConceptMoE: interleaving, joint compression, per-modality statistics, isolation, learning.
+
+Legend: B rows, T tokens, D width, P patches.
+"""
 
 import numpy as np
 import pytest

@@ -1,7 +1,10 @@
 """The papers' equations where a one-line slip keeps every other test green (issue 28's planted
 bugs): joint decoding (ConceptMoE eq. 11), the delta residual's straight-through gradient (eq. 10),
 Synergy's gate (eq. 3-4), the top-k router's inference threshold (moved once per optimizer step),
-and DLCM's global parser under gradient accumulation (one big batch's gradient)."""
+and DLCM's global parser under gradient accumulation (one big batch's gradient).
+
+Legend: B rows, T tokens, D width, M concept slots.
+"""
 
 from __future__ import annotations
 

@@ -2,6 +2,8 @@
 token for token (text and image prompts, batch 1 and 8, the ConceptMoE and the MoE baseline), and
 `vlm serve` answers 8 concurrent `/v1/chat/completions` requests with `vlm chat`'s answers.
 
+Legend: T tokens, E experts, G Grove groups.
+
 vLLM lives in its own venv (`make serve-venv`, .venv-serve): the tests run it in subprocesses and
 compare with the project's own generation in this process; they are skipped where that venv is
 absent. One engine per test (about 25 s to start).

@@ -3,7 +3,10 @@
 chunk -> concept model -> dechunk. Runs without vLLM: the slots are plain tensors laid out as
 vLLM's (`vlm.serve.layout`), so what the serve tests (skipped without vLLM) check end to end is
 checked here on every machine: prefill into a slot and batched steps over slots give the decoder
-inputs that `ConceptMoELM.prefill` / `step` compute."""
+inputs that `ConceptMoELM.prefill` / `step` compute.
+
+Legend: B rows, T tokens, D width, J key/value heads, C KV cache entries, d head width.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""Packed NaViT encoder: block-diagonal isolation, padding invariance, merge order, both position schemes."""
+"""Packed NaViT encoder: block-diagonal isolation, padding invariance, merge order, both position schemes.
+
+Legend: P patches.
+"""
 
 import pytest
 import torch

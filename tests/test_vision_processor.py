@@ -1,4 +1,7 @@
-"""Image processor: budgets, aspect ratio, every mode to RGB, safe decoding, exact patchify round trip."""
+"""Image processor: budgets, aspect ratio, every mode to RGB, safe decoding, exact patchify round trip.
+
+Legend: D width, P patches, H height, W width.
+"""
 
 import io
 import random

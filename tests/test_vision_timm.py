@@ -1,6 +1,9 @@
 """timm interop without timm: hand-built timm-layout checkpoints load into the packed encoder
 and give the same features as a hand-written timm ViT forward; the wrapper is tested only
-where timm imports."""
+where timm imports.
+
+Legend: P patches, H height, W width.
+"""
 
 import importlib.util
 

@@ -1,4 +1,7 @@
-"""Vision tower = encoder + projector: config round trip, gradients, a tiny training run, processor -> tower."""
+"""Vision tower = encoder + projector: config round trip, gradients, a tiny training run, processor -> tower.
+
+Legend: D width, N flat tokens or patches, P patches.
+"""
 
 import pytest
 import torch

@@ -1,4 +1,7 @@
-"""The vision warm-up: a fresh encoder learns the words of its images' captions before step 0 of a VL run."""
+"""The vision warm-up: a fresh encoder learns the words of its images' captions before step 0 of a VL run.
+
+Legend: D width, N flat tokens or patches.
+"""
 
 import json
 

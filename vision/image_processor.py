@@ -1,6 +1,8 @@
 """Image processor: decode any image safely, resize to a patch budget keeping the
 aspect ratio, patchify.
 
+Legend: D width, P patches, H height, W width.
+
 Pillow only (torchvision does not import on a CPU-only torch). The output is what the packed NaViT
 encoder consumes: one row per patch, channel-major inside a patch (c, ph, pw), so that a timm ViT's
 conv patch embedding flattens onto it directly, plus each patch's (row, col) in its image's grid.

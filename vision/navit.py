@@ -1,5 +1,8 @@
 """Packed NaViT encoder ("Patch n' Pack"): images of any resolution share one sequence.
 
+Legend: D width, N flat tokens or patches, I images, P patches, H height, W width, Q query heads, J
+key/value heads, d head width.
+
 Pre-norm ViT blocks whose parameter names follow timm's VisionTransformer (patch_embed.proj,
 blocks.i.norm1 / attn.qkv / attn.proj / norm2 / mlp.fc1 / mlp.fc2, norm), so timm weights load
 by name. Attention is block-diagonal over images; an optional 2x2 merge (Qwen2-VL) turns

@@ -1,6 +1,9 @@
 """Patch n' Pack bookkeeping: which image each packed patch belongs to, the block-diagonal
 attention, and the 2x2 merge that turns patches into LLM tokens.
 
+Legend: D width, N flat tokens or patches, I images, P patches, Q query heads, J key/value heads, d
+head width.
+
 All images' patches share ONE sequence. `PackLayout` is computed once per forward from the patch
 coordinates, the image grids and an optional validity mask (padding), and every layer reuses it.
 """

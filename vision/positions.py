@@ -1,5 +1,7 @@
 """2D position information for packed patches: factorised learned embeddings or 2D RoPE.
 
+Legend: P patches, Q query heads, d head width, f frequencies.
+
 Both read only a patch's own (row, col), so an image's encoding does not depend on what it
 is packed with.
 """

@@ -1,4 +1,7 @@
-"""Projector from vision tokens to the LLM's hidden size (ConceptMoE sec. 4.2 uses a linear one)."""
+"""Projector from vision tokens to the LLM's hidden size (ConceptMoE sec. 4.2 uses a linear one).
+
+Legend: D width, N flat tokens or patches, I images, f frequencies.
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,8 @@
 """timm interop: load a timm ViT state dict from a LOCAL file into the packed NaViTEncoder, and an
 optional wrapper that runs a timm ViT (incl. `naflexvit_*`) as the tower's encoder.
 
+Legend: D width, N flat tokens or patches, I images, P patches, H height, W width.
+
 Loading needs no timm: it maps timm's key names and shapes by hand. Nothing here downloads anything.
 """
 

@@ -1,4 +1,7 @@
-"""The vision tower the LLM calls: packed encoder (NaViT or a timm backbone) followed by the projector."""
+"""The vision tower the LLM calls: packed encoder (NaViT or a timm backbone) followed by the projector.
+
+Legend: D width, I images, P patches.
+"""
 
 from __future__ import annotations
 

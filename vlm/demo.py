@@ -1,6 +1,8 @@
 """`vlm demo --ckpt DIR [--host 127.0.0.1] [--port 7860]`: image chat in the browser (gradio),
 answers streamed.
 
+Legend: B rows, T tokens.
+
 Upload an image, ask about it over several turns; beside the answer the demo shows what makes
 ConceptMoE different: the image with its merged patches outlined by concept, the conversation text
 with its concept boundaries marked (`|`), and the realized compression (tokens per concept) of text

@@ -1,6 +1,8 @@
 """Batched generation and scoring for prompts with images: the model behind every evaluator and the
 chat demo.
 
+Legend: B rows, T tokens, V vocabulary.
+
 `ConceptMoEChat` satisfies `eval.protocol.EvalModel`. There is one decode loop: transformers'
 `generate` on the model's wrapper (vlm/model/hf.py), which prefills the concept-level caches once
 and then runs one cached step per token, batched over prompts of different lengths and image counts

@@ -1,6 +1,8 @@
 """Attention over packed rows (several documents per row): time and the size of the T x T
 temporaries, per backend.
 
+Legend: B rows, T tokens, S documents.
+
 Backends (vlm.model.attention): `sdpa` with the dense packed mask (the fallback, and the CPU path
 under torch.compile; the mask is built once per stack, so it is built outside the timed call here),
 `eager` (scores materialised in fp32), per-document SDPA (one causal call per document: the CPU

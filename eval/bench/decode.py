@@ -1,6 +1,8 @@
 """Decode tokens/s and KV-cache bytes of ConceptMoE against its MoE baseline, per context length and
 batch size.
 
+Legend: B rows, J key/value heads, C KV cache entries, d head width.
+
 Every model gets caches filled to the context length (random keys and values: decode cost depends on
 how much is cached, not on what) and then decodes `steps` tokens per round. ConceptMoE's caches hold
 the context's T/R concepts and its boundaries fire at rate 1/R (forced, as a trained model at

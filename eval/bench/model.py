@@ -1,5 +1,7 @@
 """Prefill and training tokens/s of the three FLOPs-matched reallocations against the MoE baseline.
 
+Legend: B rows, T tokens, M concept slots.
+
 The baseline is a small MoE (`BASE`: hidden 256, 1 + 6 + 1 layers, 16 experts top-2) with chunking
 off; the candidates are ConceptMoE section 3.5's reallocations of it (vlm.model.reallocate). Their
 boundaries are forced at exactly T/R positions per row (the row's start included), which is what a

@@ -1,6 +1,9 @@
 """Our MoE layer (vlm.model.moe.MoE) against transformers' Qwen3MoeSparseMoeBlock and a plain
 per-expert loop.
 
+Legend: D width, E experts, K experts chosen per token, F expert hidden width, A (token, choice)
+slots sorted by expert, N flat tokens or patches.
+
 All candidates compute the same function at the same shapes (hidden, expert hidden, experts and
 top-k of the model part's BASE): the transformers block and the reference loop get a copy of our
 weights, and the JSON records each one's largest output difference from ours. Our layer runs with

@@ -1,6 +1,8 @@
 """Prefill tokens/s with the boundaries a trained router really draws on real prompts, against the
 MoE baseline.
 
+Legend: B rows, T tokens.
+
 The `model` part forces exactly T/R boundaries per row: the speed a user gets if the router
 realizes the design ratio R on their inputs. This part reads the boundaries instead from a
 checkpoint (`--ckpt RUN_DIR/final`): its router, in eval mode (p >= 0.5), on that checkpoint's own

@@ -1,5 +1,7 @@
 """The packed NaViT encoder against encoding the same images one at a time (images/s).
 
+Legend: D width, P patches.
+
 Images of random sizes go through the real image processor; the encoder then runs packed (one
 sequence of all images' patches) with per-image attention or with one dense block-diagonal mask, and
 image by image (the baseline). The JSON records each packed output's largest difference from the

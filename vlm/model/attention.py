@@ -1,6 +1,9 @@
 """Attention over packed rows: backends, and the GQA self-attention layer with joint
 decoding (eq. 11).
 
+Legend: B rows, T tokens, D width, N flat tokens or patches, Q query heads, J key/value heads, d
+head width.
+
 Every backend computes the same thing: causal attention restricted to the query's own document.
 The choice is one function (`resolve_backend`), picked at run time; tests compare them on one input.
 """
@@ -225,22 +228,25 @@ def attend(
     v_BJTd,
     doc_BT,
     backend: str,
-    mask_B1TT=None,
+    doc_mask=None,
     causal: bool = True,
     window: int = 0,
 ):
-    """Packed attention; `mask_B1TT` may be passed in to share it across the layers of a stack (it
-    then already holds the sliding `window`; per backend it is the flash layout, the document
-    segments or the BlockMask)."""
+    """Packed attention. `doc_mask` may be passed in to share it across the layers of a stack (it
+    then already holds the sliding `window`); what it is depends on the backend: "sdpa" and "eager"
+    a bool [B, 1, T, T] tensor (`packed_mask`), "flash" and "varlen" the varlen layout
+    (`flash_layout`: token indices, cumulative lengths, longest segment), "docs" the per-row
+    document segments (`doc_segments`), "flex" a FlexAttention BlockMask
+    (`document_block_mask`)."""
     if backend in ("flash", "varlen"):
-        layout = mask_B1TT if mask_B1TT is not None else flash_layout(doc_BT)
+        layout = doc_mask if doc_mask is not None else flash_layout(doc_BT)
         return _varlen(q_BQTd, k_BJTd, v_BJTd, layout, causal, window, backend)
     if backend == "docs":
-        segments = mask_B1TT if mask_B1TT is not None else doc_segments(doc_BT)
+        segments = doc_mask if doc_mask is not None else doc_segments(doc_BT)
         return _per_document(q_BQTd, k_BJTd, v_BJTd, doc_BT, segments, causal, window)
     if backend == "flex":
         block_mask = (
-            mask_B1TT if mask_B1TT is not None else document_block_mask(doc_BT, causal, window)
+            doc_mask if doc_mask is not None else document_block_mask(doc_BT, causal, window)
         )
         return _flex()(
             q_BQTd,
@@ -249,12 +255,12 @@ def attend(
             block_mask=block_mask,
             enable_gqa=k_BJTd.shape[1] != q_BQTd.shape[1],
         )
-    if mask_B1TT is None:
-        mask_B1TT = packed_mask(doc_BT, causal, window)
+    if doc_mask is None:
+        doc_mask = packed_mask(doc_BT, causal, window)
     if backend == "eager":
-        return _eager(q_BQTd, k_BJTd, v_BJTd, mask_B1TT)
+        return _eager(q_BQTd, k_BJTd, v_BJTd, doc_mask)
     return F.scaled_dot_product_attention(
-        q_BQTd, k_BJTd, v_BJTd, attn_mask=mask_B1TT, enable_gqa=k_BJTd.shape[1] != q_BQTd.shape[1]
+        q_BQTd, k_BJTd, v_BJTd, attn_mask=doc_mask, enable_gqa=k_BJTd.shape[1] != q_BQTd.shape[1]
     )
 
 

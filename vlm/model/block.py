@@ -1,5 +1,8 @@
 """Pre-norm transformer block (attention [+ cross-attention to concepts] + MoE feed-forward) and the
-packed-row context a stack shares."""
+packed-row context a stack shares.
+
+Legend: B rows, T tokens, D width, E experts, N flat tokens or patches.
+"""
 
 from __future__ import annotations
 

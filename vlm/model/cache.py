@@ -1,6 +1,8 @@
 """Inference caches: token-level KV for encoder and decoder layers, concept-level KV for
 the concept model.
 
+Legend: B rows, T tokens, D width, Q query heads, J key/value heads, C cache entries, d head width.
+
 Rows are ragged: each has its own length (tokens, or concepts for a concept cache: the concept
 model's, and the cross-attention decoder's, which keeps one key/value per concept). A cache is one
 padded buffer per layer plus the lengths; appending writes at each row's length, attention masks

@@ -1,5 +1,7 @@
 """Chunk (ConceptMoE section 3.2) over packed rows; the dechunk (3.3) is in dechunk.py.
 
+Legend: B rows, T tokens, D width, M concept slots, N flat tokens or patches.
+
 Convention (DESIGN.md): a boundary at n closes a concept made of the tokens after the previous
 boundary (within the same document) up to and including n; tokens n .. next boundary - 1 read that
 concept. The first token of every document is a boundary (p = 1), so no token reads a concept of
@@ -214,14 +216,15 @@ class ChunkModule(nn.Module):
         )
         self.quantile_accum.zero_()
 
-    def concept_gate(self, h_BTD: torch.Tensor) -> torch.Tensor | None:
+    def concept_gate(self, h: torch.Tensor) -> torch.Tensor | None:
         """Synergy eq. 3: sigma_i = sigmoid(w_i), w_i (eq. 1) the score of the token that closes the
         concept; None for the other routers (their concepts are not gated; eq. 10's STE(sel)
         multiplies them instead). Against eq. 10's STE on the top-k router: held-out loss 0.9712 vs
-        0.9718 at step 300, 3 seeds (docs/deviations.md)."""
+        0.9718 at step 300, 3 seeds (docs/deviations.md). `h`: [B, T, D] in a forward, [B, D] in a
+        decode step; the gate has its shape without D."""
         if self.cfg.router != "topk":
             return None
-        return torch.sigmoid(self.score(h_BTD).squeeze(-1).float())
+        return torch.sigmoid(self.score(h).squeeze(-1).float())
 
     def forward(
         self,
@@ -307,10 +310,10 @@ class ChunkModule(nn.Module):
         out = h_BTD.new_zeros(B * (M + 1), D).index_add(0, flat_N, h_BTD.reshape(-1, D))
         out = out.view(B, M + 1, D)[:, :M]
         if self.cfg.merge == "mean":
-            n_BM = h_BTD.new_zeros(B * (M + 1)).index_add(
+            counts = h_BTD.new_zeros(B * (M + 1)).index_add(
                 0, flat_N, h_BTD.new_ones(flat_N.shape[0])
             )
-            out = out / n_BM.view(B, M + 1)[:, :M].clamp_min(1)[..., None]
+            out = out / counts.view(B, M + 1)[:, :M].clamp_min(1)[..., None]
         return out
 
     # ---------------------------------------------------------------- inference

@@ -1,6 +1,8 @@
 """The ConceptMoE language model: embed -> encoder E -> chunk -> concept model C -> dechunk ->
 decoder D -> logits.
 
+Legend: B rows, T tokens, D width, V vocabulary, M concept slots.
+
 With `chunk.enabled = False` the same code is the plain MoE baseline: the concept layers run on
 every token and the decoder reads their output directly.
 """

@@ -1,6 +1,8 @@
 """DLCM's causal cross-attention decoder (DLCM 3.5.2, eq. 12-14) by concept replication
 (4.1, eq. 17).
 
+Legend: B rows, T tokens, D width, M concept slots, Q query heads, J key/value heads, d head width.
+
 `model.decoder_mode: cross_attention` gives every concept-reading decoder layer (the same layers
 joint decoding, ConceptMoE eq. 11, would use) a cross-attention sublayer between its self-attention
 and its MoE: queries from the token stream (eq. 12), keys and values from the smoothed concepts (eq.

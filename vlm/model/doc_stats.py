@@ -1,6 +1,8 @@
 """Per-document compression: each document's realized ratio per modality, and its
 distribution per group.
 
+Legend: B rows, T tokens, S documents.
+
 A batch aggregate (all tokens / all concepts) lets the router meet its target with all-or-nothing
 documents: a caption merged into one concept and a chat prompt left unmerged average to R = 2. So
 compression is judged per document: a document's ratio for a modality is its tokens of that modality
@@ -90,10 +92,10 @@ def bin_value(i: int) -> float:
     return math.sqrt(EDGES[i] * EDGES[i + 1])
 
 
-def histogram_quantiles(hist_X, qs=(0.1, 0.5, 0.9)) -> dict[str, float] | None:
+def histogram_quantiles(hist, qs=(0.1, 0.5, 0.9)) -> dict[str, float] | None:
     """Quantiles (nearest rank) of the documents a histogram counts, plus their number and the share
     with no concept; None when it counts none."""
-    counts = [float(x) for x in hist_X]
+    counts = [float(x) for x in hist]
     total = sum(counts)
     if total <= 0:
         return None

@@ -1,4 +1,7 @@
-"""Eq. 8's EMA over concepts, c_m = p_m x_m + (1 - p_m) c_{m-1}, as a blocked parallel scan (no loop over concepts)."""
+"""Eq. 8's EMA over concepts, c_m = p_m x_m + (1 - p_m) c_{m-1}, as a blocked parallel scan (no loop over concepts).
+
+Legend: B rows, D width, M concept slots, U scan blocks, L concepts per scan block.
+"""
 
 from __future__ import annotations
 
@@ -6,18 +9,19 @@ import torch
 import torch.nn.functional as F
 
 
-def segsum(x_L: torch.Tensor) -> torch.Tensor:
-    """[..., L] -> [..., L, L] with out[i, j] = sum_{j < k <= i} x[k] (and -inf above the diagonal).
+def segsum(x: torch.Tensor) -> torch.Tensor:
+    """[..., n] -> [..., n, n] with out[i, j] = sum_{j < k <= i} x[k] (and -inf above the diagonal).
+    The scan passes the decays within each block ([B, U, L]) and the blocks' totals ([B, U]).
 
     Built by a masked cumsum rather than differences of cumsums so that -inf entries
     (restarts) stay exact.
     """
-    L = x_L.shape[-1]
-    xx = x_L[..., None].expand(*x_L.shape, L)
-    strict = torch.ones(L, L, dtype=torch.bool, device=x_L.device).tril(-1)
+    n = x.shape[-1]
+    xx = x[..., None].expand(*x.shape, n)
+    strict = torch.ones(n, n, dtype=torch.bool, device=x.device).tril(-1)
     ss = xx.masked_fill(~strict, 0).cumsum(-2)
     return ss.masked_fill(
-        ~strict.logical_or(torch.eye(L, dtype=torch.bool, device=x_L.device)), float("-inf")
+        ~strict.logical_or(torch.eye(n, dtype=torch.bool, device=x.device)), float("-inf")
     )
 
 

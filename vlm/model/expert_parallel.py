@@ -1,6 +1,10 @@
 """Expert parallelism, the model's side: a MoE layer that holds E/P of the routed experts and
 exchanges tokens with the P - 1 ranks that hold the others.
 
+Legend: D width, F expert hidden width, G Grove groups, A (token, choice) slots sorted by expert, N
+flat tokens or patches, P expert ranks, C capacity rows per rank, L this rank's experts, R received
+rows (P x C).
+
 The router stays replicated: every rank scores all E experts for its own tokens, so the loads, the
 loss-free balancing bias and the balance / z losses are computed as without expert parallelism.
 What moves is the expert computation. The (token, choice) slots, sorted by expert, are cut into P

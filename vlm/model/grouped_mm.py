@@ -1,6 +1,8 @@
 """Grouped matmul that torch.compile can trace in every dtype: `torch._grouped_mm` as
 a custom operator.
 
+Legend: D width, E experts, F expert hidden width, A (token, choice) slots sorted by expert.
+
 `torch._grouped_mm(x_AD, w_EDF, offs=offs_E)` multiplies rows [offs[e-1], offs[e]) of x by w[e],
 with no host synchronisation (the offsets stay on the device). Its compile-time (meta) kernel
 accepts bf16 only, as the CUDA kernel does, so in fp32 (CPU training, tests) torch.compile cannot

@@ -1,5 +1,7 @@
 """transformers integration: a PreTrainedModel wrapper, AutoModel registration and export.
 
+Legend: B rows.
+
 `final/` directories written by `save_pretrained` load with
 `AutoModelForCausalLM.from_pretrained(dir)` after `import vlm.model.hf` (importing this module
 registers the Auto classes; every loader here imports it). The wrapper's forward takes ordinary

@@ -1,4 +1,7 @@
-"""Small building blocks shared by every stack: RMSNorm, rotary embeddings, packed-row positions."""
+"""Small building blocks shared by every stack: RMSNorm, rotary embeddings, packed-row positions.
+
+Legend: B rows, T tokens, Q query heads, d head width, f rotary frequencies.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,8 @@
 """Mixture-of-experts feed-forward layer.
 
+Legend: D width, E experts, K experts chosen per token, F expert hidden width, G Grove groups, A
+(token, choice) slots sorted by expert, N flat tokens or patches.
+
 Top-k router (softmax or sigmoid scores, routing in fp32), SwiGLU experts dispatched by sorting the
 token->expert assignments by expert and running each expert on its contiguous slice (one
 `torch._grouped_mm` per projection where it is available, else a loop over experts), optional

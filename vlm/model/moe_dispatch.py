@@ -1,6 +1,10 @@
 """How the experts (and Grove's adjugate groups) see their tokens: the (token, choice) slots sorted
 by group, so that each group reads one contiguous slice of rows, and the SwiGLU those rows go
-through (one `torch._grouped_mm` per projection where it can run, else a loop over the groups)."""
+through (one `torch._grouped_mm` per projection where it can run, else a loop over the groups).
+
+Legend: D width, E experts, K experts chosen per token, F expert hidden width, G Grove groups, A
+(token, choice) slots sorted by expert, N flat tokens or patches.
+"""
 
 from __future__ import annotations
 
@@ -78,9 +82,10 @@ def expert_swiglu(
     # a fill, not a product: garbage never leaks
     x_AD = x_ND[disp.tok_A].masked_fill(disp.dead_A1, 0)
     if use_grouped:
-        offs_E = disp.counts_G.cumsum(0, dtype=torch.int32)
+        # where each group's rows end in the sorted slots: grouped_mm's `offs`
+        ends_G = disp.counts_G.cumsum(0, dtype=torch.int32)
         y_AD = grouped_mm(
-            F.silu(grouped_mm(x_AD, wg, offs_E)) * grouped_mm(x_AD, wu, offs_E), wd, offs_E
+            F.silu(grouped_mm(x_AD, wg, ends_G)) * grouped_mm(x_AD, wu, ends_G), wd, ends_G
         )
         return y_AD.masked_fill(disp.dead_A1, 0)
     sizes = disp.counts_G.tolist()

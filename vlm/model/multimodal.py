@@ -1,6 +1,8 @@
 """The vision-language model: vision tower + projector splice image tokens into the
 ConceptMoE LM's sequence.
 
+Legend: B rows, T tokens, D width, N flat tokens or patches, I images, P patches.
+
 The chunk module then compresses both modalities jointly (ConceptMoE section 4.2); every statistic
 is kept per modality (see vlm/model/stats.py).
 """

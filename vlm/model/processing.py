@@ -1,6 +1,8 @@
 """transformers processors for exported models: `AutoProcessor.from_pretrained(final)`
 after `import vlm.model.hf`.
 
+Legend: D width, P patches.
+
 The standard multimodal calls work as for LLaVA or Qwen2-VL:
 
     text = proc.apply_chat_template(messages, add_generation_prompt=True)   # content lists, system role

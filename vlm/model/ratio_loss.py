@@ -1,5 +1,7 @@
 """The ratio loss (ConceptMoE eq. 4) over the batch, and its per-document form (beyond the paper).
 
+Legend: S documents.
+
 F (the boundary fraction) carries no gradient; gradients reach p only through G (the mean p)."""
 
 from __future__ import annotations

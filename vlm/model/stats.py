@@ -1,4 +1,7 @@
-"""Per-modality chunking statistics and the loss split by sample kind (text-only vs image-text)."""
+"""Per-modality chunking statistics and the loss split by sample kind (text-only vs image-text).
+
+Legend: B rows, T tokens, V vocabulary.
+"""
 
 from __future__ import annotations
 

@@ -3,6 +3,8 @@
 off), at batch 1 and 8; the concept cache's bytes against a per-token cache; and how many requests
 of max-model-len tokens vLLM admits at once for each, in the same cache memory (`--cache-gib`).
 
+Legend: B rows.
+
     .venv/bin/python -m vlm.serve.bench --out runs/serve_bench
 
 Runs in the project's venv and the vLLM half in the serve venv (`make serve-venv`), one engine at a

@@ -1,6 +1,8 @@
 """The concept state's layout per request (state.py declares it to vLLM): shapes, dtypes and bytes,
 without vLLM, so that the benchmark and the tests can size it anywhere.
 
+Legend: B rows, M concept slots, J key/value heads, d head width.
+
 vLLM's hybrid KV cache manager gives every layer's page one size, the token cache's block page (a
 block of tokens' keys and values in one token layer), and a state layer takes one page per request
 whatever it holds: a state larger than a page makes vLLM raise the token block size until one page

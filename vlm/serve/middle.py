@@ -1,5 +1,7 @@
 """Chunk module, concept model and dechunk of a vLLM batch, on the per-request concept state.
 
+Legend: B rows, T tokens, D width, J key/value heads, C KV cache entries, d head width.
+
 The model's own middle does the work (`ConceptMoELM.middle` and `middle_step`), so that the numbers
 are the ones `vlm chat` computes: a request's first prefill runs `middle` on the prompt into concept
 caches of the slot's capacity, as `ConceptMoELM.prefill` does, then copies their concepts to the

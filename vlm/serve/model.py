@@ -1,6 +1,8 @@
 """The project's model as a vLLM model: token-level layers on vLLM's paged attention, the concept
 model on a per-request concept-only state (state.py, middle.py).
 
+Legend: B rows, D width, N flat tokens or patches, I images.
+
 `ConceptMoEForVllm` serves a ConceptMoE export (`IsHybrid`: vLLM's hybrid KV cache manager
 keeps the paged token cache and the concept state side by side); `MoEBaselineForVllm` serves
 the plain MoE baseline (`model.chunk.enabled: false`), whose concept layers run on every token

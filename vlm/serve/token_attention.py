@@ -1,5 +1,7 @@
 """A token-level block of the project's model whose self-attention runs on vLLM's paged KV cache.
 
+Legend: D width, N flat tokens or patches, P patches, H height.
+
 The block's own weights compute q, k and v as `Attention._heads` does (QK-norm, RoPE, eq. 11's joint
 concept term); only the attention over the cache is vLLM's. vLLM's CPU kernels take a few head sizes
 (32, 64, 80, ...): a smaller head is zero-padded, which changes no dot product and no output (the

@@ -1,5 +1,7 @@
 """The live per-modality compression dashboard (TensorBoard, rank 0 only).
 
+Legend: H height, W width, X histogram bins, Y kinds of sample.
+
 Scalars: every number a step logs in metrics.jsonl, under the same name (losses by term and by
 sample kind, compression ratio and mean p per modality with their targets, throughput, learning
 rate, expert-load imbalance, data counters, held-out evaluation). Histograms: p per modality,

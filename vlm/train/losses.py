@@ -1,6 +1,7 @@
 """The training loss, in one place: named terms, each a value and a weight; the total is their sum.
 
-Legend: B rows, T tokens, Z ratio groups (one joint group, or one per modality).
+Legend: B rows, T tokens, E experts, N flat tokens, S documents, Z ratio groups (one joint group, or
+one per modality).
 
 A term is a function of what the model computed (`ModelOutput`: logits, the chunking, each MoE
 pass's router statistics), of the batch, and of `Totals`: sums over the whole global batch (every

@@ -1,7 +1,8 @@
 """Step metrics: sums kept by name on the device, one all-reduce per optimizer step, one JSON line
 per logged step that every sink receives.
 
-Legend: B rows, T tokens, E experts, Y statistics groups (kinds of sample, then sources), X bins.
+Legend: B rows, T tokens, E experts, S documents, Y statistics groups (kinds of sample, then
+sources), X bins; the 2 of `hist_Y2X` is the modality (text, image).
 
 A logged value is added in one place, `StepAccumulator.add_output`, as a sum by name: a plain sum
 (`add`), a count (`add_count`, logged as an int), or a mean (`add_mean(name, total, weight)`, logged
@@ -146,7 +147,7 @@ class StepAccumulator:
     def _add_groups(self, batch, b_BT, valid_BT, token_loss_BT) -> None:
         """Per kind of sample and per source: each document's realized ratio per modality into the
         histograms, and the LM loss sums."""
-        hist_YMX = torch.zeros(self.n_groups, 2, NBINS, dtype=torch.float64, device=self.device)
+        hist_Y2X = torch.zeros(self.n_groups, 2, NBINS, dtype=torch.float64, device=self.device)
         loss_Y2 = torch.zeros(self.n_groups, 2, dtype=torch.float64, device=self.device)
         counts = document_counts(b_BT, batch.doc_ids, batch.modality)
         nk = len(KINDS)
@@ -156,14 +157,14 @@ class StepAccumulator:
             if label_BT is None or n == 0:
                 continue
             group_S = document_labels(label_BT, batch.doc_ids)
-            hist_YMX[offset : offset + n] += group_histogram(counts, group_S, n).to(self.device)
+            hist_Y2X[offset : offset + n] += group_histogram(counts, group_S, n).to(self.device)
             if token_loss_BT is not None:
                 g = torch.where(lab_BT & (label_BT >= 0) & (label_BT < n), label_BT, n).flatten()
                 sums = torch.zeros(n + 1, 2, dtype=torch.float64, device=g.device)
                 sums[:, 0].index_add_(0, g, token_loss_BT.flatten().double())
                 sums[:, 1].index_add_(0, g, lab_BT.flatten().double())
                 loss_Y2[offset : offset + n] += sums[:n].to(self.device)
-        self.add(HISTOGRAMS, hist_YMX)
+        self.add(HISTOGRAMS, hist_Y2X)
         self.add(GROUP_LOSS, loss_Y2)
 
     def reduce(self, across_ranks) -> dict[str, torch.Tensor]:
@@ -223,17 +224,17 @@ def group_names(source_names: list[str] | None = None) -> list[str]:
 
 
 def group_record(
-    hist_YMX: torch.Tensor, loss_Y2: torch.Tensor, names: list[str] | None = None
+    hist_Y2X: torch.Tensor, loss_Y2: torch.Tensor, names: list[str] | None = None
 ) -> dict:
     """Per kind (and source): the documents' ratio per modality as p10 / p50 / p90
     (`doc_ratio/KIND/MOD/pNN`, with `.../docs` and `.../no_concept` share), and the LM loss
     (`loss/kind/KIND`, `loss/source/NAME`)."""
     names = names or group_names()
     rec = {}
-    for g in range(hist_YMX.shape[0]):
+    for g in range(hist_Y2X.shape[0]):
         name = names[g] if g < len(names) else f"group{g}"
         for j, m in enumerate(DOC_MODS):
-            q = histogram_quantiles(hist_YMX[g, j])
+            q = histogram_quantiles(hist_Y2X[g, j])
             if q is not None:
                 for k, v in q.items():
                     rec[f"doc_ratio/{name}/{m}/{k}"] = v

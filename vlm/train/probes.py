@@ -1,6 +1,8 @@
 """Activation probes for the dashboard: how large and how varied the vision tokens are next
 to the text.
 
+Legend: B rows, T tokens, D width, N flat tokens or patches.
+
 A vision tower that collapses (every image token the same vector) or explodes (norms far above the
 text embeddings) leaves the LLM blind while the losses still fall on text; these scalars show it
 early. Values are from this rank's last training forward (diagnostics, not global means).

@@ -1,5 +1,7 @@
 """Pictures of what the chunk module did: an image with its merged patches outlined by concept, and
 a text sample with its concept boundaries marked. Used by the TensorBoard dashboard at eval steps.
+
+Legend: B rows, T tokens, H height, W width.
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
 """One optimizer step over a window of micro-batches: the loss terms with the statistics of the
 whole global batch, the non-finite skip, and the step's record.
 
+Legend: B rows, T tokens.
+
 The loss (vlm.train.losses) is a sum of named terms; the step gives them `Totals`, the sums over
 the global batch (every micro-batch of every rank) they need, in one all-reduce before the first
 backward: the labelled tokens (known from the batches) and, with DLCM's global parser, the ratio

@@ -1,6 +1,8 @@
 """Weights & Biases next to TensorBoard: the same scalars and pictures, offline
 unless told otherwise.
 
+Legend: H height, W width.
+
 The run's id is kept in RUN_DIR/wandb_id, so a resumed run continues the same wandb run
 (`resume="allow"`); steps it already logged before the checkpoint it resumed from are sent again and
 wandb keeps the later values.

@@ -1,4 +1,7 @@
-"""Held-out evaluation during training: loss and compression in eval mode, and the chunking pictures."""
+"""Held-out evaluation during training: loss and compression in eval mode, and the chunking pictures.
+
+Legend: B rows, T tokens.
+"""
 
 from __future__ import annotations
 

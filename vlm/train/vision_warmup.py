@@ -1,6 +1,8 @@
 """Vision warm-up before step 0: the encoder learns to name what its images show
 from their captions.
 
+Legend: D width, V vocabulary, N flat tokens or patches, I images, P patches.
+
 CatLIP-style (Mehta et al., 2024): every caption becomes the set of its words, and the encoder is
 trained to predict that set (multi-label binary cross-entropy) from its image. The image-level score
 of a word is the MAX over the image's tokens of a linear read-out, not the mean: a word names one

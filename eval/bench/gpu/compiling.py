@@ -1,6 +1,9 @@
 """What `vlm bench gpu` needs of torch.compile: the compiled decode step, a backend other than
 inductor for `compile_blocks` (--smoke), Dynamo's graph count (recompiles while timed), and room for
-many graphs."""
+many graphs.
+
+Legend: B rows, D width.
+"""
 
 from __future__ import annotations
 

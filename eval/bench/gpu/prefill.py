@@ -1,6 +1,8 @@
 """The prefill section: forward tokens/s of one row at each length, with boundaries forced at T/R
 and learned.
 
+Legend: B rows, T tokens.
+
 Eval mode sizes the concept stack by `chunk.eval_capacity_slack`, null by default: all T positions,
 so that inference is exact whatever a prompt's ratio, at the cost of the unused positions' dense
 projections (the experts and the attention skip them). A third row per ConceptMoE, "forced, tight",

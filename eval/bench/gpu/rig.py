@@ -1,5 +1,8 @@
 """The models, batches and steps `vlm bench gpu` times: gpu.yaml's LLM and its reallocations, a
-training step, a forward, and decode rounds from a prefilled prompt."""
+training step, a forward, and decode rounds from a prefilled prompt.
+
+Legend: B rows, T tokens.
+"""
 
 from __future__ import annotations
 
