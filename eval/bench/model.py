@@ -60,7 +60,7 @@ class Settings:
 SETTINGS = {
     "full": Settings(),
     "quick": Settings(seq_lens=[1024, 2048], repeats=5, prefill_only=[16384]),
-    "smoke": Settings(seq_lens=[64, 128], repeats=2),
+    "smoke": Settings(seq_lens=[64, 128], repeats=2, prefill_only=[256]),
 }
 
 
