@@ -244,9 +244,12 @@ def test_a_config_expert_parallelism_cannot_run_is_one_line(sections, says):
 def test_the_ranks_must_split_into_expert_groups():
     from configs.config import ConfigError
     from vlm.train.config import ParallelConfig
+    from vlm.train.distributed import ProcessGroups
     from vlm.train.expert_parallel import set_up
+    from vlm.train.layout import ParallelLayout
 
     with pytest.raises(ConfigError, match=r"parallel.expert=2 does not divide the 3 rank\(s\)"):
-        set_up(torch.nn.Sequential(make_moe()), ParallelConfig(expert=2), 3)
+        ParallelLayout.of(ParallelConfig(expert=2), 3)
+    layout = ParallelLayout.of(ParallelConfig(expert=8), 8)
     with pytest.raises(ConfigError, match="does not divide a MoE layer's 4 experts"):
-        set_up(torch.nn.Sequential(make_moe()), ParallelConfig(expert=8), 8)
+        set_up(torch.nn.Sequential(make_moe()), ParallelConfig(expert=8), layout, ProcessGroups())

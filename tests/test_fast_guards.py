@@ -182,10 +182,13 @@ def _moe_loads(model) -> torch.Tensor:
 
 def _settings(model, seed: int = 0):
     from vlm.model.training_controls import TrainingControls
+    from vlm.train.layout import ParallelLayout
     from vlm.train.losses import Loss
     from vlm.train.step import StepSettings
 
-    return StepSettings(Loss(model.cfg), TrainingControls(model), seed, 0, 1, torch.device("cpu"))
+    return StepSettings(
+        Loss(model.cfg), TrainingControls(model), seed, ParallelLayout(1, 0), torch.device("cpu")
+    )
 
 
 def test_the_statistics_pass_leaves_the_moe_loads_as_they_were():

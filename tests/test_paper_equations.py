@@ -201,10 +201,13 @@ def engine_for(model: torch.nn.Module, micro: int):
 def settings(model, seed: int = 0):
     """What train_step needs from a run, for one rank on the CPU."""
     from vlm.model.training_controls import TrainingControls
+    from vlm.train.layout import ParallelLayout
     from vlm.train.losses import Loss
     from vlm.train.step import StepSettings
 
-    return StepSettings(Loss(model.cfg), TrainingControls(model), seed, 0, 1, torch.device("cpu"))
+    return StepSettings(
+        Loss(model.cfg), TrainingControls(model), seed, ParallelLayout(1, 0), torch.device("cpu")
+    )
 
 
 # ------------------------------------------------------------------ DLCM global parser

@@ -71,13 +71,15 @@ def _group():
         dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return (lambda cf: LoopbackExchange(2, 0, cf)), 0, 1, dev, None
     from vlm.train import collectives
-    from vlm.train.distributed import expert_parallel_groups, init_distributed
+    from vlm.train.distributed import init_distributed, make_groups
+    from vlm.train.layout import ParallelLayout
 
     info = init_distributed()
-    _, group, rank, _ = expert_parallel_groups(info.world_size)
+    layout = ParallelLayout(info.world_size, info.rank, expert=info.world_size)
+    group = make_groups(layout).expert
 
     def make(cf):
-        return collectives.GroupExchange(group, info.world_size, rank, cf)
+        return collectives.GroupExchange(group, info.world_size, layout.expert_rank, cf)
 
     return make, info.rank, info.world_size, info.device, collectives.all_reduce_max
 

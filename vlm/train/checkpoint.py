@@ -3,7 +3,7 @@
 Layout of RUN_DIR/checkpoints/step_00000100/:
     ds/               DeepSpeed's save_checkpoint (module, optimizer / ZeRO partitions, engine counters)
     rank_00000.pt     per-rank trainer state: step, scheduler, RNG (python, numpy, torch), data-loader state
-    meta.json         written last: step, world size, SHA-256 of every other file
+    meta.json         written last: step, world size and parallel layout, SHA-256 of every other file
 
 Everything is written into `.tmp-step_...`, fsynced, then renamed; a crash mid-save leaves only a
 `.tmp-` folder that `latest_checkpoint` never picks (and the next run deletes). Old checkpoints are
@@ -42,6 +42,7 @@ from vlm.train import collectives, reshard
 from vlm.train import expert_parallel as ep_lib
 from vlm.train.checksums import file_digests
 from vlm.train.engine import CheckpointRefused, safe_load
+from vlm.train.layout import ParallelLayout
 from vlm.train.write_errors import (
     WriteError,
     describe_write_error,
@@ -208,8 +209,7 @@ def save_checkpoint(
     ckpt_root: Path,
     step: int,
     trainer_state: dict,
-    rank: int,
-    world_size: int,
+    layout: ParallelLayout,
     keep_last: int,
 ) -> Path:
     """Collective: every rank calls it. Returns the final checkpoint directory; WriteError (the
@@ -217,6 +217,7 @@ def save_checkpoint(
     every rank when any rank's write failed: a rank never leaves the save alone (the others would
     wait for it in the next collective forever), it holds its error until all ranks have done
     their part and compared."""
+    rank, world_size = layout.rank, layout.world
     final = ckpt_root / step_dir_name(step)
     tmp = ckpt_root / f".tmp-{step_dir_name(step)}"
     held = _HeldError()
@@ -249,7 +250,7 @@ def save_checkpoint(
     held.run(ep_lib.save_shard, engine.module, tmp, rank, world_size, torch_save)
     _agree(held, step, ckpt_root, tmp, rank)
     if rank == 0:
-        held.run(_commit, ckpt_root, tmp, final, step, world_size, keep_last)
+        held.run(_commit, ckpt_root, tmp, final, step, layout, keep_last)
     _agree(held, step, ckpt_root, tmp, rank)
     return final
 
@@ -277,14 +278,15 @@ def _make_tmp(ckpt_root: Path, tmp: Path) -> None:
 
 
 def _commit(
-    ckpt_root: Path, tmp: Path, final: Path, step: int, world_size: int, keep_last: int
+    ckpt_root: Path, tmp: Path, final: Path, step: int, layout: ParallelLayout, keep_last: int
 ) -> None:
     """Rank 0, once every rank wrote its files: meta.json (written last), the rename into place, the pruning."""
     (tmp / "meta.json").write_text(
         json.dumps(
             {
                 "step": step,
-                "world_size": world_size,
+                "world_size": layout.world,
+                "layout": layout.as_dict(),
                 "time": time.time(),
                 "files": file_digests(tmp),
             }
@@ -458,19 +460,15 @@ def resume_point(ckpt_root: Path, rank: int, resume: bool | None, log=log.info) 
 class Checkpointer:
     """Writes the run's checkpoints and decides by itself when (`maybe_save`: every `save_every` steps)."""
 
-    def __init__(
-        self, engine, root: Path, save_every: int, keep_last: int, rank: int, world_size: int
-    ):
+    def __init__(self, engine, root: Path, save_every: int, keep_last: int, layout: ParallelLayout):
         self.engine, self.root = engine, root
         self.save_every, self.keep_last = save_every, keep_last
-        self.rank, self.world_size = rank, world_size
+        self.layout = layout
         self.last_saved = -1
 
     def save(self, step: int, state: dict) -> Path:
         """Collective: every rank calls it."""
-        path = save_checkpoint(
-            self.engine, self.root, step, state, self.rank, self.world_size, self.keep_last
-        )
+        path = save_checkpoint(self.engine, self.root, step, state, self.layout, self.keep_last)
         self.last_saved = step
         return path
 

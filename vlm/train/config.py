@@ -110,8 +110,8 @@ class DeepSpeedConfig(ValidatedOnInit):
 
 @dataclass
 class ParallelConfig(ValidatedOnInit):
-    """How the ranks share the model beyond data parallelism (docs/training.md, "Expert
-    parallelism")."""
+    """How the ranks share the work beyond data parallelism (vlm.train.layout; docs/training.md,
+    "Expert parallelism")."""
 
     # Each MoE layer's routed experts split over this many ranks (tokens exchanged with
     # all-to-all); the ranks holding the same shard are its ZeRO data-parallel replicas. Divides the
@@ -121,9 +121,14 @@ class ParallelConfig(ValidatedOnInit):
     # (N x top_k / expert): 1.25 leaves 25 % room over a perfect balance; slots past it are computed
     # by no expert and counted (moe/overflow). null: every slot fits (dropless, exact).
     capacity_factor: float | None = None
+    # Each row of a micro-batch split over this many consecutive ranks (sequence parallelism; the
+    # world / sequence data-parallel replicas read micro-batches of their own). Divides the number
+    # of ranks. `vlm plan` plans it; training it is docs/training.md's "Long rows".
+    sequence: int = 1
 
     def validate(self) -> None:
         check(self.expert >= 1, f"parallel.expert must be >= 1, got {self.expert}")
+        check(self.sequence >= 1, f"parallel.sequence must be >= 1, got {self.sequence}")
         check(
             self.capacity_factor is None or self.capacity_factor > 0,
             f"parallel.capacity_factor must be > 0 or null (dropless), got {self.capacity_factor}",

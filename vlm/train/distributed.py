@@ -138,19 +138,52 @@ def leave_process_group() -> None:
             pass
 
 
-def expert_parallel_groups(size: int):
-    """DeepSpeed's expert-parallel and expert-data-parallel process groups for `size` expert ranks
-    (made once; its layout: ranks r and r' share their experts' shard when r = r' mod `size`, and
-    r // size numbers the expert-parallel groups). Returns (the groups' name, this rank's
-    expert-parallel group, its rank in it, the number of ranks holding each shard)."""
+@dataclass(frozen=True)
+class ProcessGroups:
+    """A running job's process groups for this rank (vlm.train.layout.ParallelLayout says which
+    ranks each holds). None where the group would hold this rank alone."""
+
+    sequence: object | None = None  # the ranks sharing this rank's rows
+    expert: object | None = None  # the ranks sharing this rank's MoE layers' experts
+    expert_name: str = ""  # DeepSpeed's name of the expert groups (its parameters' group_name)
+
+
+def make_groups(layout) -> ProcessGroups:
+    """Every process group `layout` needs, made once, in the same order on every rank (torch asks
+    every rank to take part in making each group, its own or not). The expert groups are
+    DeepSpeed's own (its MoE support finds them by name when it reduces expert gradients and
+    partitions them): `deepspeed_expert_groups` makes them and checks that DeepSpeed put this
+    rank where the layout does."""
+    sequence = None
+    if layout.sequence > 1:
+        for ranks in layout.sequence_groups():
+            group = dist.new_group(ranks)
+            if layout.rank in ranks:
+                sequence = group
+    expert, name = None, ""
+    if layout.expert > 1:
+        name, expert = deepspeed_expert_groups(layout)
+    return ProcessGroups(sequence=sequence, expert=expert, expert_name=name)
+
+
+def deepspeed_expert_groups(layout) -> tuple[str, object]:
+    """DeepSpeed's expert-parallel and expert-data-parallel groups for `layout.expert` ranks,
+    through its private group API (DeepSpeed offers no public way to make them outside its own MoE
+    layer, which our layers are not; tests/test_parallel_layout.py pins the DeepSpeed version this
+    was written for). Its legacy layout is the project's: consecutive ranks share a layer's
+    experts, ranks r = r' mod P hold the same shard. Returns (the groups' name, this rank's
+    expert-parallel group)."""
     from deepspeed.utils import groups
 
-    name = f"ep_size_{size}"
+    name = f"ep_size_{layout.expert}"
     if name not in groups._get_expert_parallel_group_dict():
-        groups._create_expert_and_data_parallel(size)
-    return (
-        name,
-        groups._get_expert_parallel_group(name),
-        groups._get_expert_parallel_rank(name),
-        groups._get_expert_data_parallel_world_size(name),
-    )
+        groups._create_expert_and_data_parallel(layout.expert)
+    ranks = list(groups._get_expert_parallel_group_ranks(name))
+    mine = next(g for g in layout.expert_groups() if layout.rank in g)
+    edp = dist.get_world_size(group=groups._get_expert_data_parallel_group(name))
+    if ranks != mine or edp != layout.expert_replicas:
+        raise RuntimeError(
+            f"DeepSpeed put rank {layout.rank} in expert group {ranks} ({edp} replicas); the "
+            f"layout says {mine} ({layout.expert_replicas}): its group layout changed"
+        )
+    return name, groups._get_expert_parallel_group(name)

@@ -81,17 +81,13 @@ def is_expert(p: torch.Tensor) -> bool:
     return getattr(p, "allreduce", True) is False
 
 
-def set_up(model: nn.Module, parallel, world_size: int) -> ExpertParallel | None:
-    """Split the model's routed experts over `parallel.expert` ranks (None, nothing done, for 1).
-    ConfigError (one line) where the ranks or a layer's experts do not divide."""
-    P = parallel.expert
+def set_up(model: nn.Module, parallel, layout, groups) -> ExpertParallel | None:
+    """Split the model's routed experts over `layout.expert` ranks (None, nothing done, for 1), in
+    the expert groups `groups` (vlm.train.distributed.make_groups) holds. ConfigError (one line)
+    where a layer's experts do not divide."""
+    P = layout.expert
     if P == 1:
         return None
-    if world_size % P:
-        raise ConfigError(
-            f"parallel.expert={P} does not divide the {world_size} rank(s) of this run: "
-            "use a divisor of the number of ranks"
-        )
     layers = moe_layers(model)
     if not layers:
         raise ConfigError(f"parallel.expert={P}: the model has no MoE layer to split")
@@ -101,17 +97,19 @@ def set_up(model: nn.Module, parallel, world_size: int) -> ExpertParallel | None
                 f"parallel.expert={P} does not divide a MoE layer's {E} experts "
                 "(model.moe.num_experts / model.concept_moe.num_experts): use a divisor of it"
             )
-    from vlm.train.distributed import expert_parallel_groups
-
-    name, group, rank, replicas = expert_parallel_groups(P)
-    exchange = collectives.GroupExchange(group, P, rank, parallel.capacity_factor)
+    name = groups.expert_name
+    exchange = collectives.GroupExchange(
+        groups.expert, P, layout.expert_rank, parallel.capacity_factor
+    )
     total = sum(p.numel() for m in layers for p in m.routed_expert_weights())
     for m in layers:
         m.shard_experts(exchange)
         for p in m.routed_expert_weights():
             p.allreduce, p.group_name = False, name  # DeepSpeed's marks
     local = sum(p.numel() for m in layers for p in m.routed_expert_weights())
-    return ExpertParallel(P, rank, replicas, name, exchange, local, total)
+    return ExpertParallel(
+        P, layout.expert_rank, layout.expert_replicas, name, exchange, local, total
+    )
 
 
 def even_eval_batches(batches: list, ep: ExpertParallel | None, device: torch.device) -> list:

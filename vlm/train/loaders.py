@@ -104,12 +104,13 @@ def skip_share_stop(
 
 
 def skipped_samples(
-    loader, sources: list[str], limit: float, device
+    loader, sources: list[str], limit: float, device, counts: bool = True
 ) -> tuple[dict[str, int], str | None]:
     """The samples skipped so far, by reason (`skipped/REASON`, summed over ranks in one
     collective), and the line that stops the run when the skipped share passes `limit` over all the
     data or in one source (one kind of sample each in the default data): a source the run loses is
-    not hidden by the others' volume. None while neither does."""
+    not hidden by the others' volume. None while neither does. `counts`: whether this rank's
+    counters count (ParallelLayout.counts_data: the ranks sharing a row read the same samples)."""
     by_source = loader.by_source()
     groups = [(None, (int(loader.stats.get("samples_read", 0)), loader.counters))]
     groups += [(label, by_source.get(label, (0, {}))) for label in sources]
@@ -121,7 +122,7 @@ def skipped_samples(
         ],
         dtype=torch.float64,
     )
-    flat = collectives.data_counters(vec.to(device)).cpu().tolist()
+    flat = collectives.data_counters(vec.to(device) * counts).cpu().tolist()
     n = len(REASONS) + 1
     counts = [
         (label, int(flat[i * n]), dict(zip(REASONS, map(int, flat[i * n + 1 : (i + 1) * n]))))

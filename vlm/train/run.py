@@ -29,7 +29,7 @@ from vlm.train import checkpoint as ckpt_lib
 from vlm.train import collectives, reshard
 from vlm.train import expert_parallel as ep_lib
 from vlm.train.config import RunConfig, TrainConfig
-from vlm.train.distributed import DistInfo, init_distributed
+from vlm.train.distributed import DistInfo, ProcessGroups, init_distributed, make_groups
 from vlm.train.engine import (
     build_engine,
     compile_model,
@@ -37,6 +37,7 @@ from vlm.train.engine import (
     effective_settings,
     plain_fp32,
 )
+from vlm.train.layout import ParallelLayout
 from vlm.train.loaders import build_loaders, check_row_fits
 from vlm.train.losses import Loss
 from vlm.train.metrics import group_names
@@ -68,6 +69,8 @@ class Run:
     cfg: TrainConfig  # the effective config: what runs
     dir: Path
     dist: DistInfo
+    layout: ParallelLayout  # how the ranks share the work (vlm.train.layout)
+    groups: ProcessGroups  # this rank's process groups of the layout
     resume_from: Path | None  # the checkpoint the run continues from (None: a fresh start)
     tokenizer: Any
     engine: Any  # DeepSpeed's engine; its .module is the model
@@ -97,6 +100,15 @@ class Run:
                 yaml.safe_dump(to_dict(self.cfg), sort_keys=False)
             )
             (self.dir / "deepspeed_config.json").write_text(json.dumps(self.ds_config, indent=2))
+
+
+def check_trainable(layout: ParallelLayout) -> None:
+    """ConfigError (one line) for a layout `vlm plan` plans but the trainer cannot run yet."""
+    if layout.sequence > 1:
+        raise ConfigError(
+            f"parallel.sequence={layout.sequence}: sequence-parallel training is not built yet "
+            "(`vlm plan` plans it); use parallel.sequence: 1"
+        )
 
 
 def set_up_process(run: RunConfig) -> None:
@@ -186,6 +198,9 @@ def build_run(
     found here leaves no run folder behind (vlm.train.run_dir.made_by_this_run)."""
     check_buildable(cfg)  # before the run folder exists: nothing is left behind
     dist = init_distributed()
+    layout = ParallelLayout.of(cfg.parallel, dist.world_size, dist.rank)
+    check_trainable(layout)
+    groups = make_groups(layout)
     set_up_process(cfg.train)
     say = log if dist.is_main else (lambda msg: None)
     with made_by_this_run(run_dir, dist.is_main):
@@ -207,20 +222,20 @@ def build_run(
             model, cfg.params, cfg.model.hidden_size, cfg.model.c_hidden, "lm" in fresh
         )
         # each rank keeps its shard of the routed experts (None: every rank holds them all)
-        ep = ep_lib.set_up(model, cfg.parallel, dist.world_size)
-        groups = build_param_groups(
+        ep = ep_lib.set_up(model, cfg.parallel, layout, groups)
+        param_groups = build_param_groups(
             model, cfg.optim, cfg.params, cfg.model.hidden_size, cfg.model.c_hidden
         )
-        groups = ep_lib.split_groups(groups, ep)
+        param_groups = ep_lib.split_groups(param_groups, ep)
         compiled_blocks = compile_model(model, cfg, dist.device)
         if resume_from is not None:  # not below the step the checkpoint reached
             step = ckpt_lib.checkpoint_step(resume_from)
             check_resume_steps(step, cfg.train.max_steps, resume_from)
-            ep_lib.check_resume(resume_from, cfg.parallel.expert, dist.world_size)
+            ep_lib.check_resume(resume_from, layout.expert, layout.world)
         saved = saved_config(run_dir, resume_from, say)
         kept = saved["optim"]["global_batch_rows"] if saved else None
-        cfg = with_global_batch(cfg, dist.world_size, kept)
-        ds_json = deepspeed_config(cfg.deepspeed, cfg.optim, dist.world_size)
+        cfg = with_global_batch(cfg, layout.data, kept)
+        ds_json = deepspeed_config(cfg.deepspeed, cfg.optim, layout.data)
         cfg = evolve(cfg, deepspeed=effective_settings(cfg.deepspeed, ds_json))  # what runs
         if reshard.needs_universal(resume_from, dist.world_size, ds_json):
             ds_json = reshard.with_universal_loading(ds_json)
@@ -229,16 +244,15 @@ def build_run(
         ep_lib.check_engine(ep, cfg.deepspeed.zero_stage)
         ds_json, clip = ep_lib.plain_fp32_clip(ep, ds_json, plain_fp32(ds_json))
         with ep_lib.deepspeed_view(model, ep):
-            optimizer, scheduler, engine = build_engine(model, groups, cfg, ds_json, clip)
-        loader, eval_batches = build_loaders(cfg, tokenizer, dist.rank, dist.world_size)
+            optimizer, scheduler, engine = build_engine(model, param_groups, cfg, ds_json, clip)
+        loader, eval_batches = build_loaders(cfg, tokenizer, layout.data_rank, layout.data)
         eval_batches = ep_lib.even_eval_batches(eval_batches, ep, dist.device)
         float_dtype = torch.bfloat16 if engine.bfloat16_enabled() else torch.float32
         settings = StepSettings(
             loss=Loss(cfg.model, global_parser=cfg.train.global_parser),
             controls=TrainingControls(engine.module),
             seed=cfg.train.seed,
-            rank=dist.rank,
-            ranks=dist.world_size,
+            layout=layout,
             device=dist.device,
             float_dtype=float_dtype,
             bytes_per_id=torch.as_tensor(tokenizer.bytes_per_id, device=dist.device),
@@ -253,20 +267,22 @@ def build_run(
         n_trainable += ep.total_params - ep.local_params if ep_lib.experts_train(model) else 0
     summary = (
         f"model: {n_params:,} parameters ({n_trainable:,} trainable); "
-        f"{dist.world_size} rank(s) on {dist.device}; ZeRO {cfg.deepspeed.zero_stage}"
+        f"{layout.describe()} on {dist.device}; ZeRO {cfg.deepspeed.zero_stage}"
         f"{', bf16' if cfg.deepspeed.bf16 else ''}"
         f"{f'; {compiled_blocks} blocks compiled' if compiled_blocks else ''}"
     )
     banner = (summary, *([ep.banner()] if ep else []))
-    banner += tuple(f"  group {line}" for line in describe_groups(groups))
+    banner += tuple(f"  group {line}" for line in describe_groups(param_groups))
     ck = cfg.checkpoint
     checkpointer = ckpt_lib.Checkpointer(
-        engine, run_dir / "checkpoints", ck.save_every, ck.keep_last, dist.rank, dist.world_size
+        engine, run_dir / "checkpoints", ck.save_every, ck.keep_last, layout
     )
     return Run(
         cfg=cfg,
         dir=run_dir,
         dist=dist,
+        layout=layout,
+        groups=groups,
         resume_from=resume_from,
         tokenizer=tokenizer,
         engine=engine,

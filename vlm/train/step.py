@@ -35,6 +35,7 @@ from vlm.model.context import ForwardContext, Statistics
 from vlm.model.training_controls import TrainingControls
 from vlm.train import collectives
 from vlm.train.device_feed import prepare
+from vlm.train.layout import ParallelLayout
 from vlm.train.losses import Loss, Totals, labelled_tokens
 from vlm.train.metrics import StepAccumulator, StepRecord
 
@@ -46,8 +47,7 @@ class StepSettings:
     loss: Loss
     controls: TrainingControls
     seed: int  # train.seed: the boundary noise's
-    rank: int
-    ranks: int  # data-parallel ranks
+    layout: ParallelLayout  # how the ranks share the work
     device: torch.device
     float_dtype: torch.dtype = torch.float32
     bytes_per_id: torch.Tensor | None = None  # the tokenizer's, for bits per byte
@@ -69,9 +69,10 @@ def boundary_seed(seed: int, step: int, index: int) -> int:
 def forward_context(
     s: StepSettings, step: int, k: int, statistics: Statistics = "per_step"
 ) -> ForwardContext:
-    """What the forward of micro-batch k of this rank needs: its boundary seed (global micro-batch
-    k * ranks + rank) and what it does with the routing statistics it counts."""
-    seed = boundary_seed(s.seed, step, k * s.ranks + s.rank)
+    """What the forward of micro-batch k of this rank needs: its boundary seed (its global
+    micro-batch: ParallelLayout.global_micro_batch) and what it does with the routing statistics it
+    counts."""
+    seed = boundary_seed(s.seed, step, s.layout.global_micro_batch(k))
     return ForwardContext(torch.tensor(seed, dtype=torch.long, device=s.device), statistics)
 
 
@@ -119,7 +120,7 @@ def train_step(
             f"window of {micro} micro-batches but the engine accumulates "
             f"{engine.gradient_accumulation_steps()}"
         )
-    K = micro * s.ranks
+    K = micro * s.layout.data
     # every micro-batch's labelled tokens in one host read
     n_local = torch.stack([labelled_tokens(b) for b in window]).double().tolist()
     labelled = sum(n_local)

@@ -132,7 +132,11 @@ class Trainer:
                 # a collective; the same answer on every rank
                 sources = [s.label for s in run.loader.sources]
                 skipped, data_stop = skipped_samples(
-                    run.loader, sources, cfg.train.max_skip_share, run.dist.device
+                    run.loader,
+                    sources,
+                    cfg.train.max_skip_share,
+                    run.dist.device,
+                    run.layout.counts_data,
                 )
                 record.scalars.update(skipped)
             if metrics.should_eval(self.step):
@@ -166,8 +170,8 @@ class Trainer:
 
     def _stop_requested(self) -> bool:
         """A SIGTERM / SIGINT on any rank stops every rank after the same step (a collective when distributed)."""
-        d = self.run.dist
-        return collectives.stop_requested(self.stop.requested, d.device, d.world_size)
+        run = self.run
+        return collectives.stop_requested(self.stop.requested, run.dist.device, run.layout.world)
 
     def _stopped(self) -> int:
         """Checkpoint the step just finished and say so in one line; the exit code of the signal."""
@@ -302,7 +306,7 @@ class Trainer:
         # this config's: the checkpoint's come back with its state
         settings = optimizer_settings(run.optimizer)
         state = ckpt_lib.load_checkpoint(
-            run.engine, path, run.dist.rank, run.dist.world_size, log=self.log
+            run.engine, path, run.layout.rank, run.layout.world, log=self.log
         )
         resume_schedule(
             run.optimizer,
