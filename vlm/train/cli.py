@@ -138,6 +138,7 @@ def _train(args, stop) -> int | None:
     check_deepspeed_config(cfg.deepspeed, cfg.optim, int(os.environ.get("WORLD_SIZE", "1")))
     if args.local_rank is not None:
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
+    from vlm.train.distributed import StartupFailed, is_timeout, timeout_line, who_fell_behind
     from vlm.train.engine import CheckpointRefused
     from vlm.train.signals import Preempted
     from vlm.train.trainer import Trainer, registered_run_end
@@ -167,6 +168,19 @@ def _train(args, stop) -> int | None:
     except (WriteError, CheckpointRefused) as e:
         print(f"vlm train: {e}", file=sys.stderr)
         return 1
+    except StartupFailed as e:
+        print(e, file=sys.stderr)
+        return e.code
+    except RuntimeError as e:
+        if not is_timeout(e):
+            raise
+        # every rank stuck in the collective gets here; the lowest one says which rank they
+        # waited for, and all leave at once: tearing the group down would wait for that rank too
+        behind, report = who_fell_behind(min(30.0, max(5.0, cfg.parallel.timeout_s / 4)))
+        if report:
+            print(timeout_line(cfg.parallel.timeout_s, behind), file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)
     except OSError as e:
         if not is_disk_error(e):
             raise

@@ -110,6 +110,16 @@ def data_counters(vec: torch.Tensor) -> torch.Tensor:
     return all_reduce_sum(vec)
 
 
+def per_rank(values: list[float], device: torch.device) -> torch.Tensor:
+    """[ranks, len(values)] float64: every rank's `values` (a logged step's wall-clock figures), by
+    rank, in one all-reduce of a one-hot block (a few KB at a thousand ranks)."""
+    if not _several():
+        return torch.tensor([values], dtype=torch.float64)
+    block = torch.zeros(dist.get_world_size(), len(values), dtype=torch.float64, device=device)
+    block[dist.get_rank()] = torch.tensor(values, dtype=torch.float64, device=device)
+    return all_reduce_sum(block).cpu()
+
+
 def stop_requested(requested: bool, device: torch.device, world_size: int) -> bool:
     """A SIGTERM / SIGINT seen on any rank stops every rank after the same step."""
     if world_size == 1:

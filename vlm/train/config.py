@@ -125,10 +125,17 @@ class ParallelConfig(ValidatedOnInit):
     # world / sequence data-parallel replicas read micro-batches of their own). Divides the number
     # of ranks. `vlm plan` plans it; training it is docs/training.md's "Long rows".
     sequence: int = 1
+    # Seconds any rank waits for the others: at start-up (a rank that never started) and in every
+    # collective after it (a stalled rank: a hung GPU, a dead mount). Past it the job ends on every
+    # rank with one line naming the timeout and, where it can be told, the rank that fell behind.
+    # DeepSpeed's own default; a stretch only rank 0 works through (building the default data, the
+    # vision warm-up) must fit in it.
+    timeout_s: float = 1800.0
 
     def validate(self) -> None:
         check(self.expert >= 1, f"parallel.expert must be >= 1, got {self.expert}")
         check(self.sequence >= 1, f"parallel.sequence must be >= 1, got {self.sequence}")
+        check(self.timeout_s > 0, f"parallel.timeout_s must be > 0 seconds, got {self.timeout_s}")
         check(
             self.capacity_factor is None or self.capacity_factor > 0,
             f"parallel.capacity_factor must be > 0 or null (dropless), got {self.capacity_factor}",

@@ -8,9 +8,12 @@ as they are.
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import socket
+import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -47,14 +50,37 @@ def first_host(nodelist: str) -> str:
     return prefix.strip() + first
 
 
+def _slurm_int(env: dict[str, str], name: str, default: str | None = None) -> int:
+    """SLURM variable `name` as a non-negative integer; ConfigError (one line) naming it where it is
+    missing or not a number."""
+    text = env.get(name, default)
+    if text is None:
+        raise ConfigError(f"SLURM variable {name} is not set: start every task with srun")
+    if not text.strip().isdigit():
+        raise ConfigError(f"SLURM variable {name}={text!r} is not a non-negative integer")
+    return int(text)
+
+
+def slurm_port(env: dict[str, str]) -> int:
+    """The rendezvous port of a job step (MASTER_PORT, where set, wins): from the job id and the
+    step id, so that two jobs on one node, or two srun steps of one job, do not share one (one
+    would die with EADDRINUSE). Ports 20000-59999, above the registered services most nodes run
+    and below Linux's ephemeral range (32768-60999 overlaps it, as torchrun's own choice does)."""
+    job = _slurm_int(env, "SLURM_JOB_ID", "0")
+    step = _slurm_int(env, "SLURM_STEP_ID", env.get("SLURM_STEPID", "0"))
+    return 20000 + (job * 7 + step) % 40000
+
+
 def slurm_rank_env(env: dict[str, str]) -> dict[str, str] | None:
     """The torch.distributed variables of a process SLURM started as one task of several (`srun`,
     no launcher of its own), as Lightning reads them: its rank among the step's tasks, their number,
     its rank on its node, the first node of the job as the rendezvous host and a port derived from the
-    job id (MASTER_ADDR / MASTER_PORT, where set, win). None where SLURM started no several tasks.
-    ConfigError (one line) for a multi-task allocation whose process srun did not start: it would
-    wait for peers that never come."""
-    tasks = int(env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS") or "1")
+    job and step ids (MASTER_ADDR / MASTER_PORT, where set, win). None where SLURM started no
+    several tasks. ConfigError (one line) for a multi-task allocation whose process srun did not
+    start (it would wait for peers that never come), for a task number outside the step's tasks,
+    and for a SLURM variable that is missing or not a number."""
+    name = "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in env else "SLURM_NTASKS"
+    tasks = _slurm_int(env, name, "1")
     if tasks <= 1:
         return None
     if "SLURM_STEP_ID" not in env and "SLURM_STEPID" not in env:
@@ -63,14 +89,19 @@ def slurm_rank_env(env: dict[str, str]) -> dict[str, str] | None:
             "SLURM_STEP_ID): start every task with `srun vlm train ...`, or one torchrun per node "
             "(configs/slurm/train.sbatch); a single process needs WORLD_SIZE=1"
         )
+    rank = _slurm_int(env, "SLURM_PROCID")
+    if rank >= tasks:
+        raise ConfigError(
+            f"SLURM_PROCID={rank} is not one of the step's {tasks} tasks ({name}={tasks}): "
+            "start every task with srun, which sets both"
+        )
     nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "127.0.0.1"
     return {
-        "RANK": env["SLURM_PROCID"],
+        "RANK": str(rank),
         "WORLD_SIZE": str(tasks),
-        "LOCAL_RANK": env.get("SLURM_LOCALID", "0"),
+        "LOCAL_RANK": str(_slurm_int(env, "SLURM_LOCALID", "0")),
         "MASTER_ADDR": env.get("MASTER_ADDR") or first_host(nodelist),
-        "MASTER_PORT": env.get("MASTER_PORT")
-        or str(15000 + int(env.get("SLURM_JOB_ID", "0")) % 20000),
+        "MASTER_PORT": env.get("MASTER_PORT") or str(slurm_port(env)),
     }
 
 
@@ -95,8 +126,60 @@ def quiet_deepspeed() -> None:
         h.setLevel(logging.WARNING)
 
 
-def init_distributed() -> DistInfo:
-    """Initialise the process group through DeepSpeed (gloo on CPU, nccl on GPU) and return who we are."""
+class StartupFailed(Exception):
+    """The ranks did not all meet (a peer that never started, a wrong MASTER_ADDR) within the
+    timeout, or a signal asked this rank to stop while it waited: one line to print, and the exit
+    code."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
+
+
+def _rendezvous(join, timeout_s: float, stop) -> None:
+    """Run `join` (the process group's rendezvous) so that a wait for peers ends: after
+    `timeout_s` (torch's store raises then) or, at once, when `stop` (a StopFlag) is set by a
+    SIGTERM / SIGINT. torch waits for peers inside C++, where Python runs no signal handler, so
+    the wait runs in a thread and this (main) thread polls."""
+    box: dict = {}
+
+    def target():
+        try:
+            join()
+        except BaseException as e:  # noqa: BLE001 - handed to the main thread
+            box["error"] = e
+
+    thread = threading.Thread(target=target, name="vlm-rendezvous", daemon=True)
+    thread.start()
+    where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    who = f"rank {os.environ.get('RANK', '?')} of {os.environ.get('WORLD_SIZE', '?')}"
+    while thread.is_alive():
+        thread.join(0.2)
+        if stop is not None and stop.requested:
+            raise StartupFailed(
+                f"vlm train: {who} stopped by {stop.name} while waiting for the other ranks at "
+                f"{where}",
+                stop.code,
+            )
+    error = box.get("error")
+    if error is not None:
+        raise StartupFailed(
+            f"vlm train: {who}: the ranks did not all meet at {where} within "
+            f"parallel.timeout_s={timeout_s:g} s (a rank that never started, or another "
+            f"MASTER_ADDR / MASTER_PORT): {str(error).splitlines()[0]}",
+            1,
+        )
+
+
+def init_distributed(timeout_s: float | None = None, stop=None) -> DistInfo:
+    """Initialise the process group through DeepSpeed (gloo on CPU, nccl on GPU) and return who we
+    are. `timeout_s` (parallel.timeout_s) bounds the start-up's wait for the other ranks and every
+    collective after it; StartupFailed (one line) when the ranks do not meet in time or `stop` is
+    set while waiting (None: parallel.timeout_s's default)."""
+    if timeout_s is None:
+        from vlm.train.config import ParallelConfig
+
+        timeout_s = ParallelConfig().timeout_s
     fill_launcher_env()
     import deepspeed
     from deepspeed.accelerator import get_accelerator
@@ -111,11 +194,18 @@ def init_distributed() -> DistInfo:
         # (by module path: the attribute deepspeed.comm.torch is the torch package itself)
         importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     backend = get_accelerator().communication_backend_name()
+    timeout = datetime.timedelta(seconds=timeout_s)
     if os.environ.get("WORLD_SIZE") == "1" and not dist.is_initialized():
         # one process: an in-memory store instead of a TCP rendezvous store listening on
         # every interface
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    deepspeed.init_distributed(dist_backend=backend, verbose=False)
+        dist.init_process_group(
+            backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+        )
+    _rendezvous(
+        lambda: deepspeed.init_distributed(dist_backend=backend, verbose=False, timeout=timeout),
+        timeout_s,
+        stop,
+    )
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     acc = get_accelerator()
     if acc.device_name() == "cpu":
@@ -187,3 +277,55 @@ def deepspeed_expert_groups(layout) -> tuple[str, object]:
             f"layout says {mine} ({layout.expert_replicas}): its group layout changed"
         )
     return name, groups._get_expert_parallel_group(name)
+
+
+# ---------------------------------------------------------------- a rank that stalls
+def is_timeout(error: BaseException) -> bool:
+    """Whether `error` is a collective (or the store behind it) giving up on a peer: gloo's "Timed
+    out waiting ... for recv", "Application timeout caused pair closure", NCCL's watchdog's
+    "Watchdog caught collective operation timeout", the store's "Timed out after ... waiting"."""
+    text = str(error).lower()
+    return isinstance(error, RuntimeError) and (
+        "timed out" in text or "timeout" in text or "pair closure" in text
+    )
+
+
+def _default_store():
+    """The job's rendezvous store (torch keeps it with the default group; no public accessor)."""
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._get_default_store()
+
+
+def who_fell_behind(grace_s: float) -> tuple[list[int] | None, bool]:
+    """After this rank's collective timed out: the ranks that did not time out too, and whether
+    this rank is the one to report it (the lowest rank that did). Every rank stuck in the
+    collective times out within moments of the others and says so in the job's store; a rank that
+    never says so within `grace_s` is the one they all waited for (stopped, hung, dead). (None,
+    True) where the store cannot be reached (it lives in rank 0's process: rank 0 is then the one
+    that stalled, or is gone)."""
+    try:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        store = _default_store()
+        store.set(f"vlm/timed_out/{rank}", "1")
+        time.sleep(grace_s)
+        heard = [store.check([f"vlm/timed_out/{r}"]) for r in range(world)]
+    except Exception:  # noqa: BLE001 - the store is gone with its rank: say what is known
+        return None, True
+    behind = [r for r, h in enumerate(heard) if not h]
+    return behind, rank == min(r for r, h in enumerate(heard) if h)
+
+
+def timeout_line(timeout_s: float, behind: list[int] | None) -> str:
+    who = (
+        "the rank(s) it waited for could not be told (rank 0, which holds the job's store, is gone)"
+        if behind is None
+        else "every rank reached it"  # a collective that is itself slower than the timeout
+        if not behind
+        else f"rank(s) {', '.join(map(str, behind[:8]))}{' ...' if len(behind) > 8 else ''} "
+        "did not reach it (stopped, hung or dead)"
+    )
+    return (
+        f"vlm train: a collective waited more than parallel.timeout_s={timeout_s:g} s: {who}; "
+        "ending the job on every rank (the last checkpoint is the resume point)"
+    )

@@ -296,7 +296,14 @@ class StepRecord:
 
 
 # wall-clock figures: they differ between an uninterrupted and a resumed run
-TIMING_KEYS = ("tokens_per_s", "step_time_s", "data/wait_s", "data/wait_share")
+TIMING_KEYS = (
+    "tokens_per_s",
+    "step_time_s",
+    "data/wait_s",
+    "data/wait_share",
+    "time/slowest_rank",
+    "data/wait_slowest_rank",
+)
 
 
 def finite_or_none(rec: dict) -> dict:

@@ -197,7 +197,7 @@ def build_run(
     """The run of `cfg` in `run_dir` (arguments as vlm.train.trainer.Trainer's). A config error
     found here leaves no run folder behind (vlm.train.run_dir.made_by_this_run)."""
     check_buildable(cfg)  # before the run folder exists: nothing is left behind
-    dist = init_distributed()
+    dist = init_distributed(cfg.parallel.timeout_s, stop)
     layout = ParallelLayout.of(cfg.parallel, dist.world_size, dist.rank)
     check_trainable(layout)
     groups = make_groups(layout)

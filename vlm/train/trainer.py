@@ -43,6 +43,26 @@ def registered_run_end() -> list[RunEnd]:
     return [ep.load() for ep in entry_points(group=RUN_END_GROUP)]
 
 
+def slowest_rank(scalars: dict, device) -> dict[str, float]:
+    """A logged step's wall-clock figures as its slowest rank saw them (a collective): the step
+    ends when its last rank does, and a straggler (a slow GPU, a slow mount) is invisible in rank
+    0's own figures. Also says which rank was slowest."""
+    mine = [scalars.get("step_time_s", 0.0), scalars.get("data/wait_s", 0.0)]
+    times = collectives.per_rank(mine, device)
+    slow, waits = int(times[:, 0].argmax()), int(times[:, 1].argmax())
+    seconds, wait = float(times[slow, 0]), float(times[waits, 1])
+    out = {
+        "step_time_s": seconds,
+        "data/wait_s": wait,
+        "data/wait_share": float(times[slow, 1]) / seconds if seconds > 0 else 0.0,
+        "time/slowest_rank": slow,
+        "data/wait_slowest_rank": waits,
+    }
+    if "tokens_per_s" in scalars and seconds > 0:
+        out["tokens_per_s"] = scalars.get("tokens", 0) / seconds
+    return out
+
+
 class Trainer:
     def __init__(
         self,
@@ -139,6 +159,7 @@ class Trainer:
                     run.layout.counts_data,
                 )
                 record.scalars.update(skipped)
+                record.scalars.update(slowest_rank(record.scalars, run.dist.device))
             if metrics.should_eval(self.step):
                 # a collective
                 val, record.pictures = run.held_out.run(window[-1], draw=run.is_main)
