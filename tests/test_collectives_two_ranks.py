@@ -1,6 +1,8 @@
-"""Every named collective on two real ranks (gloo, a FileStore, no DeepSpeed engine), in seconds: what
-only the slow multi-rank training tests caught before (issue 52). One start of the two ranks runs every part; each
-test reads its part and names the collective that broke.
+"""Every named collective on two real ranks (gloo, a FileStore, no DeepSpeed engine), in seconds:
+what only the slow multi-rank training tests caught before (issue 52). One start of the two ranks
+runs every part; each test reads its part and names the collective that broke.
+
+Legend: B rows, T tokens.
 
 - the primitives and each named collective of vlm/train/collectives.py sum (or take the minimum,
   the maximum, rank 0's value, every rank's value in rank order) over the ranks;
@@ -227,7 +229,7 @@ def _gathered_experts(rank: int) -> dict:
     m.shard_experts(c.GroupExchange(dist.group.WORLD, WORLD, rank, None))
     with gathered_experts(m):
         inside = {n: p.detach().clone() for n, p in m.named_parameters()}
-    after = m.w_up_EDF.shape[0]
+    after = m.local_experts
     return {"whole": whole, "inside": inside, "after": after}
 
 
