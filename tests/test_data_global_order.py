@@ -47,7 +47,9 @@ def _by_index(cfg: DataConfig, world: int, workers: int, n: int, state=None) -> 
             ld.load_state_dict(state)
         for k, b in zip(range(math.ceil((n - r) / world)), ld):
             out[r + k * world] = b
-    assert sorted(out) == list(range(n))
+    assert sorted(out) == list(range(n)), (
+        f"{world} rank(s) x {workers} worker(s) delivered micro-batches {sorted(out)}, not 0..{n - 1}"
+    )
     return out
 
 
@@ -57,10 +59,13 @@ def test_micro_batches_do_not_depend_on_ranks_or_workers(
 ):
     cfg = _cfg(tiny_default)
     single = _by_index(cfg, 1, 0, 8)
-    assert any(b.pixel_patches is not None for b in single.values())
+    assert any(b.pixel_patches is not None for b in single.values()), "no image in 8 batches"
     assert not batches_equal(single[0], single[1])
     split = _by_index(cfg, world, workers, 8)
-    assert all(batches_equal(single[g], split[g]) for g in range(8))
+    differ = [g for g in range(8) if not batches_equal(single[g], split[g])]
+    assert not differ, (
+        f"micro-batches {differ} differ on {world} ranks x {workers} workers from one rank's"
+    )
 
 
 def test_a_state_from_two_ranks_resumes_on_one_and_on_four(tiny_default, batches_equal):
@@ -72,14 +77,19 @@ def test_a_state_from_two_ranks_resumes_on_one_and_on_four(tiny_default, batches
     for r in range(2):
         ld = build_loader(replace(cfg, num_workers=2), TOK, r, 2)
         got = [b for _, b in zip(range(3), ld)]  # rounds 0, 1, 2: g = 0..5
-        assert all(batches_equal(b, full[r + 2 * k]) for k, b in enumerate(got))
+        differ = [r + 2 * k for k, b in enumerate(got) if not batches_equal(b, full[r + 2 * k])]
+        assert not differ, f"rank {r} of 2: micro-batches {differ} differ from one rank's"
         buf = io.BytesIO()
         torch.save(ld.state_dict(), buf)  # as a checkpoint holds it
         states.append(torch.load(io.BytesIO(buf.getvalue()), weights_only=True))
-    assert states[0] == states[1]
+    assert states[0] == states[1], "the two ranks' loader states after the same round differ"
     for world, workers in ((1, 0), (4, 1), (4, 0)):
         rest = _by_index(cfg, world, workers, 8, state=states[0])
-        assert all(batches_equal(rest[g], full[6 + g]) for g in range(8)), (world, workers)
+        differ = [6 + g for g in range(8) if not batches_equal(rest[g], full[6 + g])]
+        assert not differ, (
+            f"resumed on {world} rank(s) x {workers} worker(s) from a 2-rank state: micro-batches "
+            f"{differ} differ from the uninterrupted run's"
+        )
 
 
 def test_a_state_of_the_split_loader_is_refused_in_one_line(tiny_default):

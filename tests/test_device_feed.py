@@ -24,11 +24,14 @@ def _batches(tiny_default, n):
 
 def test_cpu_feed_hands_over_the_loaders_batches(tiny_default, batches_equal):
     host = _batches(tiny_default, 4)
-    assert any(b.pixel_patches is not None for b in host)
+    assert any(b.pixel_patches is not None for b in host), "no image in the loader's 4 batches"
     got = list(DeviceFeed(iter(host), "cpu", torch.bfloat16, depth=3))
-    assert len(got) == 4 and all(batches_equal(a, b) for a, b in zip(host, got))
+    assert len(got) == 4, f"the feed handed over {len(got)} of the loader's 4 batches"
+    differ = [i for i, (a, b) in enumerate(zip(host, got)) if not batches_equal(a, b)]
+    assert not differ, f"batches {differ} changed on their way through the feed"
     # uint8 pixels are not cast: the tower normalises them
-    assert all(b.pixel_patches.dtype == torch.uint8 for b in got if b.pixel_patches is not None)
+    dtypes = {b.pixel_patches.dtype for b in got if b.pixel_patches is not None}
+    assert dtypes == {torch.uint8}, f"pixels reached the step as {dtypes}, not uint8"
 
 
 def test_normalised_float_pixels_are_cast_to_the_run_dtype():
@@ -57,5 +60,7 @@ def test_cuda_feed_copies_ahead_from_pinned_memory(tiny_default, batches_equal):
     first = next(feed)
     assert len(feed.ready) == 2  # the next two are on their way while the first is used
     got = [first, *feed]
-    assert all(b.input_ids.is_cuda for b in got)
-    assert all(batches_equal(a, b.to("cpu")) for a, b in zip(host, got))
+    on_host = [i for i, b in enumerate(got) if not b.input_ids.is_cuda]
+    assert not on_host, f"batches {on_host} were not moved to the GPU"
+    differ = [i for i, (a, b) in enumerate(zip(host, got)) if not batches_equal(a, b.to("cpu"))]
+    assert not differ, f"batches {differ} changed on their way to the GPU (a copy not waited for?)"

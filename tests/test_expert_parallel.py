@@ -18,7 +18,7 @@ import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from rank_processes import spawn
 
 from vlm.model.config import MoEConfig
 from vlm.model.expert_parallel import LoopbackExchange, capacity
@@ -96,6 +96,19 @@ def _worker(rank: int, world: int, port: int, factor, result: str) -> None:
         m = make_moe()
         m.shard_experts(GroupExchange(dist.group.WORLD, world, rank, factor))
         held = m.local_experts
+        # the all-to-all's sizes are shapes: ranks that disagree on the capacity make gloo abort
+        # the process ("op.preamble.length <= op.nbytes") without naming what differs
+        own = len(x) * m.cfg.top_k
+        agreed = [None] * world
+        dist.all_gather_object(agreed, m.exchange.common_slots(own, torch.device("cpu")))
+        if len(set(agreed)) > 1:
+            why = (
+                f"the ranks' exchange capacities differ: common_slots gave {agreed} for slot "
+                "counts of their own; each must take the group's largest "
+                "(collectives.GroupExchange.common_slots), else the all-to-all sizes disagree"
+            )
+            torch.save({"error": why}, f"{result}.{rank}")
+            return
         split = _run(m, x, valid)
         # the whole layer's expert gradients, summed over the ranks (what a shard's gradient is)
         for n in ("w_gate_EDF", "w_up_EDF", "w_down_EFD"):
@@ -115,16 +128,26 @@ def _worker(rank: int, world: int, port: int, factor, result: str) -> None:
 
 def _two_ranks(tmp_path, factor=None) -> list[dict]:
     result = str(tmp_path / "r")
-    mp.spawn(_worker, args=(2, _free_port(), factor, result), nprocs=2, join=True)
-    return [torch.load(f"{result}.{r}", weights_only=True) for r in range(2)]
+    what = f"the MoE layer split over 2 gloo ranks (capacity factor {factor})"
+    spawn(_worker, (2, _free_port(), factor, result), 2, what)
+    out = [torch.load(f"{result}.{r}", weights_only=True) for r in range(2)]
+    for rank, r in enumerate(out):
+        assert "error" not in r, f"rank {rank}: {r['error']}"
+    return out
 
 
 def test_two_expert_ranks_compute_what_one_layer_does(tmp_path):
     for rank, r in enumerate(_two_ranks(tmp_path)):
         whole, split = r["whole"], r["split"]
-        assert r["held"] == 2  # half of the 4 experts
-        assert r["evals"] == 3
-        assert float(split["overflow"]) == 0  # dropless by default
+        assert r["held"] == 2, f"rank {rank} holds {r['held']} of the 4 experts, not 2"
+        assert r["evals"] == 3, (
+            f"rank {rank} kept {r['evals']} held-out batches, not the fewest any rank has (3): "
+            "the ranks would run different numbers of exchanged forwards "
+            "(vlm/train/expert_parallel.py even_eval_batches)"
+        )
+        assert float(split["overflow"]) == 0, (
+            f"rank {rank}: {float(split['overflow'])} slots over the capacity, dropless by default"
+        )
         for k in ("out", "load", "balance", "z", "dx"):
             torch.testing.assert_close(split[k], whole[k], msg=lambda m, k=k: f"{k}: {m}")
         for k, g in split.items():
@@ -147,7 +170,10 @@ def test_a_small_capacity_counts_the_slots_it_leaves_out(tmp_path):
         sent = r["loads"][rank].view(2, 2).sum(1)
         want = float((sent - C).clamp_min(0).sum())
         assert want > 0  # the setting does overflow
-        assert float(r["split"]["overflow"]) == want
+        assert float(r["split"]["overflow"]) == want, (
+            f"rank {rank}: {float(r['split']['overflow'])} slots counted over the capacity "
+            f"{C}, the slots it left out are {want}"
+        )
         # the statistics are the router's: the same whether or not a slot was computed
         torch.testing.assert_close(r["split"]["load"], r["whole"]["load"])
         assert not torch.allclose(r["split"]["out"], r["whole"]["out"])
@@ -212,7 +238,8 @@ def test_bench_alltoall_states_the_bytes_and_times_the_exchange():
         "all_to_all (capacity 1.25)",
         "exchanged layer (capacity 1.25)",
     }
-    assert all(r["median"] > 0 for r in rows.values())
+    untimed = [c for c, r in rows.items() if not r["median"] > 0]
+    assert not untimed, f"vlm bench alltoall: no time measured for {untimed}"
     # 64 tokens x top-2 = 128 slots per peer (dropless) of 64 fp32 values; half of it leaves
     assert rows["all_to_all (dropless)"]["capacity_rows"] == 128
     assert rows["all_to_all (dropless)"]["MB_sent_per_rank"] == round(2 * 128 * 64 * 4 / 2 / 1e6, 3)

@@ -16,7 +16,7 @@ import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from rank_processes import spawn
 
 
 def _free_port() -> int:
@@ -73,7 +73,7 @@ def _train(tmp_path, name: str, cfg: dict, stop_after: int = 0, world: int = 2) 
     metrics.jsonl, or the one line of a refused config."""
     run_dir, result = tmp_path / name, tmp_path / f"{name}.pt"
     args = (world, _free_port(), cfg, str(run_dir), str(result), stop_after)
-    mp.spawn(_worker, args=args, nprocs=world, join=True)
+    spawn(_worker, args, world, f"run {name} on {world} ranks")
     out = torch.load(result, weights_only=False)
     if "refused" not in out:
         metrics = run_dir / "metrics.jsonl"
@@ -105,11 +105,16 @@ LOSSES = ("loss", "loss/lm", "loss/ratio", "loss/balance", "compression/ratio")
 
 
 def _same_steps(a: list[dict], b: list[dict]) -> None:
-    assert [r["step"] for r in a] == [r["step"] for r in b]
+    """Run b logs the steps, losses, held-out losses and gradient norms of run a (the reference)."""
+    assert [r["step"] for r in a] == [r["step"] for r in b], (
+        f"steps logged {[r['step'] for r in b]}, the reference run's {[r['step'] for r in a]}"
+    )
     for ra, rb in zip(a, b):
         held_out = tuple(k for k in ra if k.startswith("val/"))
         for key in LOSSES + held_out + (("grad_norm",) if "grad_norm" in ra else ()):
-            assert rb[key] == pytest.approx(ra[key], rel=2e-5, abs=1e-6), (ra["step"], key)
+            assert rb[key] == pytest.approx(ra[key], rel=2e-5, abs=1e-6), (
+                f"step {ra['step']}: {key} = {rb[key]}, the reference run's {ra[key]}"
+            )
 
 
 @pytest.mark.slow
@@ -120,29 +125,47 @@ def test_two_expert_ranks_train_what_one_does_and_resume(tiny_data, tmp_path, ti
     kw = {"grove_groups": 2, "grove_lambda": 0.25, "loss_free_balancing": True, "eval_every": 2}
     one = _train(tmp_path, "ep1", _config(tiny_config, tiny_data, 1, **kw))
     two = _train(tmp_path, "ep2", _config(tiny_config, tiny_data, 2, **kw))
-    assert "val/loss/lm" in two["steps"][1]
-    assert one["rc"] == two["rc"] == 0
-    assert set(two["held"].values()) == {(2, 4)} and set(one["held"].values()) == {(4, 4)}
-    assert len(two["held"]) == 3  # encoder, concept and decoder layers
-    assert any("experts: 1/2 per rank" in line for line in two["log"])
+    assert "val/loss/lm" in two["steps"][1], "no held-out evaluation logged at step 2"
+    assert (one["rc"], two["rc"]) == (0, 0), f"exit codes {one['rc']}, {two['rc']}, not 0"
+    assert set(two["held"].values()) == {(2, 4)} and set(one["held"].values()) == {(4, 4)}, (
+        f"(experts held, experts) per MoE layer: {two['held']} at parallel.expert=2, "
+        f"{one['held']} at 1; each rank must hold 2 of 4 at 2, all 4 at 1"
+    )
+    assert len(two["held"]) == 3, (
+        f"MoE layers split: {sorted(two['held'])}, not 3 (enc, concept, dec)"
+    )
+    assert any("experts: 1/2 per rank" in line for line in two["log"]), (
+        "no 'experts: 1/2 per rank' banner in the log"
+    )
     _same_steps(one["steps"], two["steps"])
-    assert all(r["moe/overflow"] == 0 for r in two["steps"])  # dropless by default
+    overflow = [r["moe/overflow"] for r in two["steps"]]
+    assert overflow == [0] * len(overflow), f"slots over the capacity when dropless: {overflow}"
     # the loss-free bias moved (it is part of the weights compared below)
     w1, w2 = _final_weights(tmp_path / "ep1"), _final_weights(tmp_path / "ep2")
-    assert set(w1) == set(w2)
+    assert set(w1) == set(w2), (
+        f"exported tensors differ: only at parallel.expert=1 {sorted(set(w1) - set(w2))}, only at "
+        f"2 {sorted(set(w2) - set(w1))}"
+    )
     bias = [k for k in w1 if k.endswith("expert_bias")]
-    assert bias and all(float(w1[k].abs().sum()) > 0 for k in bias)
+    still = [k for k in bias if float(w1[k].abs().sum()) == 0]
+    assert bias and not still, f"the loss-free bias never moved in {still or 'any layer (none)'}"
     for k in w1:  # the export gathered every expert
         torch.testing.assert_close(w2[k], w1[k], rtol=1e-4, atol=1e-6, msg=lambda m: f"{k}: {m}")
 
     # stopped after step 2 (its checkpoint), resumed to step 4: the uninterrupted run's losses
     cfg = _config(tiny_config, tiny_data, 2, **kw)
     stopped = _train(tmp_path, "ep2_resumed", cfg, stop_after=2)
-    assert stopped["rc"] == 128 + signal.SIGTERM and len(stopped["steps"]) == 2
+    assert stopped["rc"] == 128 + signal.SIGTERM and len(stopped["steps"]) == 2, (
+        f"SIGTERM in step 2: exit code {stopped['rc']} after {len(stopped['steps'])} steps, not "
+        f"{128 + signal.SIGTERM} after 2"
+    )
     ckpt = tmp_path / "ep2_resumed" / "checkpoints" / "step_00000002"
-    assert (ckpt / "experts_rank_00000.pt").is_file() and (ckpt / "experts_rank_00001.pt").is_file()
+    shards = sorted(p.name for p in ckpt.glob("experts_rank_*.pt"))
+    assert shards == ["experts_rank_00000.pt", "experts_rank_00001.pt"], (
+        f"the checkpoint holds expert shards {shards}, not one per rank"
+    )
     resumed = _train(tmp_path, "ep2_resumed", cfg)
-    assert resumed["rc"] == 0
+    assert resumed["rc"] == 0, f"the resume exited {resumed['rc']}"
     _same_steps(two["steps"], resumed["steps"])
 
     # onto another expert degree: one line naming what may change
@@ -153,7 +176,8 @@ def test_two_expert_ranks_train_what_one_does_and_resume(tiny_data, tmp_path, ti
     # what the refusal offers instead: a new run from the checkpoint's weights, every expert whole
     fresh = _config(tiny_config, tiny_data, 1, steps=1, **kw)
     fresh["train"]["init_from"] = str(ckpt)
-    assert _train(tmp_path, "from_ep2", fresh)["rc"] == 0
+    rc = _train(tmp_path, "from_ep2", fresh)["rc"]
+    assert rc == 0, f"a parallel.expert=1 run from the expert-parallel checkpoint exited {rc}"
 
 
 @pytest.mark.slow
@@ -166,15 +190,19 @@ def test_zero_reduces_each_expert_shard_over_its_replicas(tiny_data, tmp_path, t
         cfg = _config(tiny_config, tiny_data, P, steps=3)
         cfg["deepspeed"] = {"zero_stage": zero_stage}
         out = _train(tmp_path, f"ep{P}_zero{zero_stage}", cfg, world=4)
-        assert out["rc"] == 0
+        assert out["rc"] == 0, f"parallel.expert={P}, ZeRO {zero_stage}: exit code {out['rc']}"
         return out
 
     ref = run(1, 2)
-    assert all("grad_norm" in r for r in ref["steps"])
-    assert max(r["grad_norm"] for r in ref["steps"]) > 1.0  # optim.clip (1.0) acts
+    missing = [r["step"] for r in ref["steps"] if "grad_norm" not in r]
+    assert not missing, f"ZeRO 2 logged no grad_norm at steps {missing}"
+    norms = [r["grad_norm"] for r in ref["steps"]]
+    assert max(norms) > 1.0, f"gradient norms {norms}: optim.clip (1.0) never acts, nothing tested"
     for zero_stage in (0, 2):
         split = run(2, zero_stage)
-        assert any("2 rank(s) per shard" in line for line in split["log"])
+        assert any("2 rank(s) per shard" in line for line in split["log"]), (
+            f"ZeRO {zero_stage}: no '2 rank(s) per shard' banner: the shards have no replicas"
+        )
         _same_steps(ref["steps"], split["steps"])
 
 
@@ -183,4 +211,5 @@ def test_a_small_capacity_logs_its_overflow(tiny_data, tmp_path, tiny_config):
     cfg = _config(tiny_config, tiny_data, 2, steps=1)
     cfg["parallel"]["capacity_factor"] = 0.5
     small = _train(tmp_path, "small", cfg)
-    assert small["rc"] == 0 and small["steps"][0]["moe/overflow"] > 0
+    assert small["rc"] == 0, f"exit code {small['rc']}"
+    assert small["steps"][0]["moe/overflow"] > 0, "capacity_factor 0.5 logged no moe/overflow"

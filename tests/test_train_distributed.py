@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from rank_processes import spawn
 
 
 def _free_port() -> int:
@@ -56,14 +56,20 @@ def test_two_ranks_match_one_rank_first_step(tiny_data, tmp_path, tiny_config, l
     base["model"]["chunk"]["ratio_loss_weight"] = 0.1
     one = dict(base, optim={**base["optim"], "grad_accum": 2})
     two = dict(base, optim={**base["optim"], "grad_accum": 1})
-    mp.spawn(_worker, args=(1, _free_port(), load_tiny(one), str(tmp_path)), nprocs=1, join=True)
-    mp.spawn(_worker, args=(2, _free_port(), load_tiny(two), str(tmp_path)), nprocs=2, join=True)
+    spawn(_worker, (1, _free_port(), load_tiny(one), str(tmp_path)), 1, "one rank's first step")
+    spawn(_worker, (2, _free_port(), load_tiny(two), str(tmp_path)), 2, "two ranks' first step")
     a, b = torch.load(tmp_path / "world1.pt"), torch.load(tmp_path / "world2.pt")
     ra, rb = a["rec"], b["rec"]
-    assert ra["tokens"] == rb["tokens"] and ra["tokens/image"] == rb["tokens/image"]
+    for key in ("tokens", "tokens/image"):
+        assert ra[key] == rb[key], (
+            f"{key}: {rb[key]} on two ranks, {ra[key]} on one: not the same global batch"
+        )
     # same sampled boundaries
     for key in ("compression/ratio", "compression/text", "compression/image"):
-        assert ra[key] == rb[key], key
+        assert ra[key] == rb[key], (
+            f"{key}: {rb[key]} on two ranks, {ra[key]} on one: other boundaries drawn (the "
+            "noise is keyed by the micro-batch's place in the global batch)"
+        )
     for key in (
         "loss",
         "loss/lm",
@@ -75,9 +81,12 @@ def test_two_ranks_match_one_rank_first_step(tiny_data, tmp_path, tiny_config, l
         "boundary_p/image",
     ):
         if ra[key] is None:
-            assert rb[key] is None
+            assert rb[key] is None, f"{key}: {rb[key]} on two ranks, not logged on one"
             continue
-        assert rb[key] == pytest.approx(ra[key], rel=1e-6, abs=1e-7), key
+        assert rb[key] == pytest.approx(ra[key], rel=1e-6, abs=1e-7), (
+            f"{key}: {rb[key]} on two ranks, {ra[key]} on one over the same global batch (a "
+            "statistic not summed over the ranks?)"
+        )
     # and the same update
     for n, p in a["params"].items():
         torch.testing.assert_close(

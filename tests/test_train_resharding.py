@@ -12,7 +12,7 @@ import os
 import socket
 
 import pytest
-import torch.multiprocessing as mp
+from rank_processes import spawn
 
 pytestmark = pytest.mark.slow
 
@@ -41,7 +41,9 @@ def _worker(rank: int, world: int, port: int, cfg, run_dir: str) -> None:
 
 def _train(world: int, cfg, run_dir) -> dict[int, dict]:
     """Train `cfg` in `run_dir` on `world` processes (resuming what is there); its metrics by step."""
-    mp.spawn(_worker, args=(world, _free_port(), cfg, str(run_dir)), nprocs=world, join=True)
+    spawn(
+        _worker, (world, _free_port(), cfg, str(run_dir)), world, f"{run_dir.name} on {world} ranks"
+    )
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return {r["step"]: r for r in map(json.loads, lines)}
 
@@ -63,10 +65,16 @@ def _config(tiny_data, tiny_config, load_tiny, zero: int, steps: int):
 
 
 def _close(a: dict, b: dict, steps, keys=("loss", "loss/lm", "loss/ratio"), rel=1e-3) -> None:
+    """Run b's steps `steps` log what run a's do (a: the reference)."""
     for s in steps:
         for k in keys:
-            assert b[s][k] == pytest.approx(a[s][k], rel=rel), (s, k, a[s][k], b[s][k])
-        assert b[s]["tokens"] == a[s]["tokens"], s  # the same samples
+            assert b[s][k] == pytest.approx(a[s][k], rel=rel), (
+                f"step {s}: {k} = {b[s][k]}, the reference run's {a[s][k]} (rel. tolerance {rel})"
+            )
+        assert b[s]["tokens"] == a[s]["tokens"], (
+            f"step {s} trained on {b[s]['tokens']} tokens, the reference run's on "
+            f"{a[s]['tokens']}: not the same samples"
+        )
 
 
 def test_one_and_two_processes_train_the_same_steps(tiny_data, tiny_config, load_tiny, tmp_path):
@@ -91,6 +99,11 @@ def test_a_run_stopped_on_n_ranks_continues_on_m(
     run = tmp_path / "resumed"
     _train(n, _config(tiny_data, tiny_config, load_tiny, zero, 3), run)
     resumed = _train(m, _config(tiny_data, tiny_config, load_tiny, zero, 6), run)
-    assert sorted(resumed) == [1, 2, 3, 4, 5, 6]
+    assert sorted(resumed) == [1, 2, 3, 4, 5, 6], (
+        f"stopped at step 3 on {n} ranks and resumed on {m}: metrics.jsonl logs steps "
+        f"{sorted(resumed)}, not 1..6 once each"
+    )
     _close(whole, resumed, [4, 5, 6])
-    assert (run / "checkpoints" / "step_00000003" / "universal" / "meta.json").is_file()
+    assert (run / "checkpoints" / "step_00000003" / "universal" / "meta.json").is_file(), (
+        f"a ZeRO-{zero} checkpoint of {n} ranks resumed on {m} without a universal/ conversion"
+    )
