@@ -104,12 +104,13 @@ def _step(rank: int, world: int, window) -> dict:
     scalars, the boundaries of each global micro-batch, the averaged gradient and the balancing
     biases after the step."""
     from vlm.model.training_controls import TrainingControls
+    from vlm.train.layout import ParallelLayout
     from vlm.train.losses import Loss
     from vlm.train.step import StepSettings, train_step
 
     model = _tiny_lm()
     settings = StepSettings(
-        Loss(model.cfg, global_parser=True), TrainingControls(model), 7, rank, world,
+        Loss(model.cfg, global_parser=True), TrainingControls(model), 7, ParallelLayout(world, rank),
         torch.device("cpu"),
     )  # fmt: skip
     engine = _AveragingEngine(model, len(window), world)

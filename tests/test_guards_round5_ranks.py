@@ -66,6 +66,7 @@ def test_the_loss_sees_the_micro_batches_of_every_rank(monkeypatch):
     from vlm.model.conceptmoe import ConceptMoELM
     from vlm.model.config import ChunkConfig, ModelConfig, MoEConfig
     from vlm.model.training_controls import TrainingControls
+    from vlm.train.layout import ParallelLayout
     from vlm.train.losses import Loss
     from vlm.train.step import StepSettings, train_step
 
@@ -102,7 +103,9 @@ def test_the_loss_sees_the_micro_batches_of_every_rank(monkeypatch):
             return True
 
     window = [PackedBatch.from_documents([[5, 6, 7, 8, 9, 10]]) for _ in range(3)]
-    s = StepSettings(Recording(cfg), TrainingControls(model), 0, 1, 2, torch.device("cpu"))
+    s = StepSettings(
+        Recording(cfg), TrainingControls(model), 0, ParallelLayout(2, 1), torch.device("cpu")
+    )
     train_step(Engine(), window, 0, s)
     assert seen == [6, 6, 6], (
         f"the loss of each of rank 1's 3 micro-batches was weighted for {seen} micro-batches in "
@@ -117,10 +120,11 @@ def test_each_micro_batch_draws_the_noise_of_its_place_in_the_global_batch(world
     """Rank r's k-th micro-batch of a step is the loader's g = r + k x ranks within the step; its
     boundary noise is that g's on any number of ranks, so 1, 2 or 4 ranks draw the same boundaries
     for the same micro-batch."""
+    from vlm.train.layout import ParallelLayout
     from vlm.train.step import StepSettings, boundary_seed, forward_context
 
     for rank in range(world):
-        s = StepSettings(None, None, 5, rank, world, torch.device("cpu"))
+        s = StepSettings(None, None, 5, ParallelLayout(world, rank), torch.device("cpu"))
         for k in range(accum):
             g = rank + k * world
             got = int(forward_context(s, 3, k).noise_seed)
