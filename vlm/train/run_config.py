@@ -139,6 +139,11 @@ def check_resume_config(
     for key in sorted(set(a) | set(b)):
         if a.get(key) != b.get(key) and not key.startswith(allowed):
             hint = " (or --accept-optim-change)" if key.startswith(OPTIM_CHANGES) else ""
+            if key == "optim.global_batch_rows":
+                hint = (
+                    "; the global batch cannot change on resume (it decides which samples each "
+                    "step trains): on more ranks, resume with a smaller data.rows_per_batch"
+                )
             raise ConfigError(
                 f"cannot resume: {key} was {_said(saved, key, a)} in the checkpointed run, now "
                 f"{_said(now, key, b)}; use a new --out directory or the same config{hint}"
