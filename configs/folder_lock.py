@@ -124,11 +124,13 @@ def _open_record(path: Path) -> tuple[int, bool] | None:
         fd = os.open(path, flags)
     except FileNotFoundError:
         return None
-    except OSError as e:  # ELOOP: a link; EISDIR: a folder; ENXIO: a socket
+    except OSError as e:  # ELOOP: a link; EISDIR: a folder; ENXIO: a socket; EACCES
         try:
             mode = os.lstat(path).st_mode
         except OSError:
-            raise e from None
+            mode = None
+        if mode is None or stat.S_ISREG(mode):
+            raise FolderBusy(f"cannot open the lock file {path} ({e.strerror or e})") from None
         raise _not_a_lock_file(path, mode) from None
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):
@@ -425,21 +427,29 @@ def _check_enclosing(folder: Path) -> None:
             continue
         try:
             rec = _read_record(fd)
+            elsewhere = bool(rec) and rec.get("host") != socket.gethostname()
             try:
                 fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-                held = False  # closing the fd lets go of the shared lock
+                # free here; a holder on another machine may not show (closing lets go)
+                held = elsewhere and not _take_over_allowed()
             except BlockingIOError:
                 held = True
             except OSError:  # no flock here: the record says
-                held = bool(rec) and (
-                    rec.get("host") != socket.gethostname() or _pid_runs(rec.get("pid"))
+                held = (elsewhere and not _take_over_allowed()) or (
+                    bool(rec) and not elsewhere and _pid_runs(rec.get("pid"))
                 )
         finally:
             os.close(fd)
         if held:
+            how = (
+                f" (if it is no longer running, {TAKE_OVER_ENV}=1 writes inside regardless)"
+                if elsewhere
+                else ""
+            )
             raise FolderBusy(
                 f"{folder} is inside {outer}, which is being written by another process: "
-                f"{describe(rec)}; give a folder outside it, or wait for that process to finish"
+                f"{describe(rec)}{how}; give a folder outside it, or wait for that process to "
+                "finish"
             )
 
 

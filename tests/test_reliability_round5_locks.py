@@ -153,6 +153,10 @@ def test_a_lock_recorded_by_another_host_is_not_taken_over(tmp_path, monkeypatch
     assert "pid 4242 on node7-not-this-one" in msg and "another machine" in msg, msg
     assert "VLM_TAKE_OVER_LOCK=1" in msg and "\n" not in msg, msg
     assert said == [] and (out / LOCK).read_bytes() == before  # its record stays as it was
+    with pytest.raises(FolderBusy) as e:  # nor is a folder inside it written (vlm convert's final/)
+        lock_folder(out / "final", "inside")
+    assert f"{out / 'final'} is inside {out}" in str(e.value) and "node7" in str(e.value), e.value
+    assert not (out / "final").exists()
 
     monkeypatch.setenv("VLM_TAKE_OVER_LOCK", "1")
     lock = lock_folder(out, "second", say=said.append)
