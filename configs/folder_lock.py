@@ -270,7 +270,10 @@ def lock_folder(
     made = _first_missing(folder)
     folder.mkdir(parents=True, exist_ok=True)
     try:
-        lock = _take(folder, path, command, wait, say)
+        try:
+            lock = _take(folder, path, command, wait, say)
+        except OSError as e:  # writing the record (a full disk): the lock's reason, not mkdir's
+            raise FolderBusy(f"cannot lock {folder}: {path}: {e.strerror or e}") from None
     except BaseException:
         if made is not None:
             _remove_empty(folder, made)
