@@ -243,15 +243,36 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return data
 
 
+def check_unique_overrides(overrides: list[str]) -> None:
+    """ConfigError (one line) when the same dotted key is given twice on one command line: the
+    last would silently win, as a key written twice in a YAML mapping would (refused too)."""
+    seen: dict[str, str] = {}
+    for text in overrides:
+        if "=" not in text:
+            continue
+        key = ".".join(k.strip() for k in text.split("=", 1)[0].split("."))
+        if key in seen:
+            raise ConfigError(
+                f"override {key} is given twice ({seen[key]} and {text}); the second would "
+                "silently replace the first: give it once"
+            )
+        seen[key] = text
+
+
 def parse_args_anywhere(parser, argv: list[str] | None):
     """`parser.parse_args`, except that `key=value` overrides may also follow options (`vlm train
-    a=1 --max-steps 1 b=2`): argparse stops collecting a positional list at the first option."""
+    a=1 --max-steps 1 b=2`): argparse stops collecting a positional list at the first option. The
+    same key twice among them is one line (`config error: ...`), exit 2."""
     args, extra = parser.parse_known_args(argv)
     stray = [a for a in extra if a.startswith("-") or "=" not in a]
     if stray or (extra and vars(args).get("overrides") is None):  # a subcommand without overrides
         parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
     if extra:
         args.overrides = [*args.overrides, *extra]
+    try:
+        check_unique_overrides(list(vars(args).get("overrides") or []))
+    except ConfigError as e:
+        parser.exit(2, f"config error: {e}\n")
     return args
 
 
@@ -313,7 +334,7 @@ def load_yaml(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict:
     last key's value, not the default run)."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist")
+        raise ConfigError(f"config file {path} {_not_a_file(path)}")
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
@@ -345,9 +366,18 @@ def load_yaml(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict:
         raise ConfigError(f"config file {path}: base {base} makes a cycle: {cycle}")
     if not base_path.is_file():
         raise ConfigError(
-            f"config file {path}: base {base} does not exist (looked for {base_path})"
+            f"config file {path}: base {base} {_not_a_file(base_path)} (looked for {base_path})"
         )
     return deep_merge(load_yaml(base_path, chain), data)
+
+
+def _not_a_file(path: Path) -> str:
+    """What a config path that is no file is, as the refusal says it."""
+    if path.is_dir():
+        return "is a folder, not a YAML file: name the .yaml file in it"
+    if path.exists():
+        return "is not a regular file (a FIFO or a device?): name a YAML file"
+    return "does not exist"
 
 
 def load_config(

@@ -242,14 +242,16 @@ class PackedLoader:
     def fingerprint(self) -> dict:
         c = self.cfg
         # shard file names, not paths: a dataset folder may move (or be served over http) between
-        # the checkpoint and the resume. Ranks and workers are not in it: they do not change the data.
+        # the checkpoint and the resume. Ranks and workers are not in it: they do not change the
+        # data; nor is rows_per_batch: the planner packs row after row whatever a micro-batch
+        # holds, so a position after a whole global batch is the same row for any micro-batch
+        # size that divides it (vlm.train.run_config: a resume keeps the global batch)
         return {
             "sources": [
                 [[shard_name(p) for p in s.paths], s.counts, s.weight, s.kind] for s in self.sources
             ],
             "seed": c.seed,
             "row_tokens": c.row_tokens,
-            "rows_per_batch": c.rows_per_batch,
             "shuffle_buffer": c.shuffle_buffer,
             "pack_buffer": c.pack_buffer,
             "epochs": c.epochs,

@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -335,7 +336,9 @@ def test_a_killed_build_leaves_nothing_the_next_build_keeps(tmp_path, TINY_DEFAU
     out = tmp_path / "default"
     (out / BUILD_TMP / "train").mkdir(parents=True)  # what a build killed part way leaves
     (out / BUILD_TMP / "train" / "vqa-000000.tar").write_bytes(b"x" * 1000)
-    (out / ".vlm-lock").write_text(json.dumps({"pid": 999999999, "host": "h", "since": 0}))
+    # a record of this machine (one of another machine is not taken over: issue 52)
+    rec = {"pid": 999999999, "host": socket.gethostname(), "since": 0}
+    (out / ".vlm-lock").write_text(json.dumps(rec))
     build_default(out, TINY_DEFAULT, progress=False)
     assert default_info(out) is not None
     assert sorted(p.name for p in out.iterdir()) == [

@@ -8,7 +8,9 @@ would overwrite the model it reads), and a DIR that holds anything (another mode
 with `--overwrite`, whole: the converted model is written into `DIR/.convert-partial/` and moved in
 once complete, after the folder's old files were removed, so no file of the old model (its README,
 its processor config) is left beside the new one and a failed write leaves the old model as it was.
-One `vlm convert` writes into DIR at a time (DIR's lock, configs.folder_lock)."""
+One `vlm convert` writes into DIR at a time (DIR's lock, configs.folder_lock), and none into a
+folder inside one another process writes (`--out RUN/final` while RUN trains is refused). Its files
+get the permissions the umask gives (configs.file_modes: safetensors writes its file 0600)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import shutil
 from pathlib import Path
 
 from configs.config import ConfigError
+from configs.file_modes import follow_umask
 from configs.folder_lock import folder_problem, is_lock_file, lock_folder
 from vlm.model.config import ConvertConfig
 
@@ -152,6 +155,7 @@ def run_convert(args) -> int:
         shutil.rmtree(partial, ignore_errors=True)  # a conversion killed part way left it
         try:
             rc = _convert(args, partial)
+            follow_umask(partial)
             _move_in(partial, final)
         finally:
             shutil.rmtree(partial, ignore_errors=True)

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
-from configs.config import ConfigError
+from configs.config import ConfigError, check_unique_overrides
 from vlm.cli import refuse_set_option
 
 
@@ -52,9 +53,10 @@ def run_chain(configs: list[str], out: Path, overrides: list[str], log=print, st
     check_out_dir(out)  # a file named as --out: one line before the configs are read
     dirs = stage_dirs(configs, out)
     # every stage's config is read and validated before any work starts
-    stage_cfgs = [load_train_config(c, overrides) for c in configs]
-    for k, cfg in enumerate(stage_cfgs):
-        check_deepspeed_config(cfg.deepspeed, cfg.optim, int(os.environ.get("WORLD_SIZE", "1")))
+    for k, path in enumerate(configs):
+        with stage_named(k, path):
+            cfg = load_train_config(path, overrides)
+            check_deepspeed_config(cfg.deepspeed, cfg.optim, int(os.environ.get("WORLD_SIZE", "1")))
         if k and cfg.train.init_from:
             raise ConfigError(
                 f"{configs[k]}: train.init_from is set by the chain (the "
@@ -83,10 +85,12 @@ def _run_stages(configs, dirs, overrides, log, stop, is_main) -> int:
             )
             return stop.code
         extra = [f"train.init_from={dirs[k - 1] / 'final'}"] if k else []
-        cfg = load_train_config(path, overrides + extra)
+        with stage_named(k, path):
+            cfg = load_train_config(path, overrides + extra)
         log(f"stage {k} ({path}) -> {run_dir}" + (f", from {dirs[k - 1] / 'final'}" if k else ""))
         try:
-            with hold_run_dir(run_dir, is_main, "vlm chain"):
+            # a config error found once the stage's run is built names the stage too
+            with stage_named(k, path), hold_run_dir(run_dir, is_main, "vlm chain"):
                 trainer = Trainer(cfg, run_dir, resume=None, on_end=registered_run_end(), stop=stop)
                 rc = trainer.train()
         except Preempted as e:  # stopped in the vision warm-up, its state saved
@@ -97,6 +101,15 @@ def _run_stages(configs, dirs, overrides, log, stop, is_main) -> int:
             return rc
     log(f"chain done: {dirs[-1] / 'final'}")
     return 0
+
+
+@contextmanager
+def stage_named(k: int, path: str):
+    """A ConfigError inside names the stage and its file (`stage 1 (b.yaml): optim.lr: ...`)."""
+    try:
+        yield
+    except ConfigError as e:
+        raise ConfigError(f"stage {k} ({path}): {e}") from None
 
 
 def split_configs(items: list[str]) -> tuple[list[str], list[str]]:
@@ -113,9 +126,11 @@ def _chain_command(args) -> int:
     from vlm.train.signals import stop_on_signals
 
     configs, overrides = split_configs(args.configs)
+    overrides = [*overrides, *args.overrides]
+    check_unique_overrides(overrides)
     # Ctrl-C is a flag the stages poll, never a KeyboardInterrupt traceback
     with stop_on_signals() as stop:
-        return run_chain(configs, Path(args.out), [*overrides, *args.overrides], stop=stop)
+        return run_chain(configs, Path(args.out), overrides, stop=stop)
 
 
 def add_chain_command(subparsers) -> None:

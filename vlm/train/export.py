@@ -4,6 +4,10 @@ It is written into RUN_DIR/.tmp-final and renamed into place only when every fil
 final/ that exists is always whole. A write that fails (a full disk) removes the partial folder and
 raises WriteError: one line naming the file and the reason; an earlier final/ and the checkpoints
 stay as they were.
+
+Its files get the permissions the umask gives (configs.file_modes: safetensors writes 0600), and it
+replaces a `final/` only when that is this run's (vlm.train.run_dir.export_refusal): one that another
+writer made during the run is left as it is, and the export refused in one line.
 """
 
 from __future__ import annotations
@@ -17,10 +21,12 @@ from pathlib import Path
 
 import torch
 
+from configs.file_modes import follow_umask
 from vlm.model.hf import save_pretrained
 from vlm.train import collectives
 from vlm.train.expert_parallel import gathered_experts
 from vlm.train.param_groups import folded_logit_scale
+from vlm.train.run_dir import export_refusal, exported
 from vlm.train.write_errors import DISK_ERRNOS, WriteError, describe_write_error
 
 
@@ -49,6 +55,12 @@ def export_final(
     """Collective. Written to a temp dir and renamed into place; None (nothing written) when a
     weight is not finite: a final/ must always be usable."""
     final, tmp = run_dir / "final", run_dir / ".tmp-final"
+    why = collectives.decision_of_rank0(export_refusal(run_dir) if is_main else None)
+    if why is not None:
+        raise WriteError(
+            f"not exporting {final}: {why}; the trained weights are in the last checkpoint in "
+            f"{run_dir / 'checkpoints'}: move {final} away and run the same command to export them"
+        )
     module = engine.module
     ctx = contextlib.nullcontext()
     if engine.zero_optimization_stage() == 3:
@@ -71,6 +83,7 @@ def export_final(
             try:
                 with folded_logit_scale(module, logit_scale):
                     save_pretrained(module, tmp, tokenizer=tokenizer)
+                follow_umask(tmp)
             except Exception as e:  # safetensors raises its own error type for a failed write
                 shutil.rmtree(tmp, ignore_errors=True)
                 err = _as_os_error(e, tmp / "model.safetensors")
@@ -89,6 +102,7 @@ def export_final(
                 shutil.rmtree(old, ignore_errors=True)
             else:
                 os.replace(tmp, final)
+            exported(run_dir)
     collectives.barrier()
     return final
 

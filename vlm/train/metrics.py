@@ -315,18 +315,20 @@ def finite_or_none(rec: dict) -> dict:
 
 class MetricsFile:
     """RUN_DIR/metrics.jsonl. On resume, lines past the resumed step (written after the last
-    checkpoint by the interrupted run) are dropped so the file reads as one uninterrupted run, and
-    so is a line that is not a JSON object (the half-written last line of a run stopped by a full
-    disk or a kill), with a warning naming it."""
+    checkpoint by the interrupted run, and logged again by this one) are dropped so the file reads
+    as one uninterrupted run. A line that is not a JSON object (the half-written last line of a run
+    stopped by a full disk or a kill) is moved, as it was, to `metrics.jsonl.cut-<time>` beside
+    it, with a warning naming both: nothing is deleted."""
 
     def __init__(self, path: Path, resume_step: int | None, warn=None):
         self.path = path
         if resume_step is None:
             path.write_text("")
         elif path.exists():
-            keep, bad = [], []
-            raw = path.read_bytes().decode("utf-8", "replace")
-            for n, line in enumerate(raw.splitlines(), 1):
+            keep, bad, cut = [], [], []
+            lines = path.read_bytes().split(b"\n")
+            for n, raw in enumerate(lines, 1):
+                line = raw.decode("utf-8", "replace")
                 if not line.strip():
                     continue
                 try:
@@ -335,13 +337,18 @@ class MetricsFile:
                     rec = None
                 if not isinstance(rec, dict):
                     bad.append(n)
+                    cut.append(raw)
                 elif _step_of(rec) <= resume_step:
                     keep.append(line)
             if bad:
-                last = " (the last one: cut short when the run stopped)" if bad == [n] else ""
+                aside = path.with_name(f"{path.name}.cut-{time.strftime('%Y%m%d-%H%M%S')}")
+                while aside.exists():  # a second resume within the same second
+                    aside = aside.with_name(aside.name + "+")
+                aside.write_bytes(b"".join(raw + b"\n" for raw in cut))
+                last = " (the last one: cut short when the run stopped)" if bad[-1] >= n - 1 else ""
                 (warn or _stderr)(
-                    f"warning: {path}: dropped {len(bad)} line(s) that are not a JSON record, "
-                    f"line {', '.join(map(str, bad[:5]))}{last}"
+                    f"warning: {path}: {len(bad)} line(s) that are not a JSON record, line "
+                    f"{', '.join(map(str, bad[:5]))}{last}, moved as they were to {aside.name}"
                 )
             path.write_text("".join(line + "\n" for line in keep))
         self.fh = open(path, "a")
@@ -380,12 +387,28 @@ def _stderr(line: str) -> None:
 
 
 def read_metrics(path: Path) -> list[dict]:
-    """RUN_DIR/metrics.jsonl's records, in today's names."""
+    """RUN_DIR/metrics.jsonl's records, in today's names. ValueError (one line naming the file and
+    the line) on a line that is not a JSON record: a run stopped mid-write leaves its last line
+    cut short, and resuming the run repairs the file."""
     if not path.exists():
         return []
-    return [
-        current_names(json.loads(line)) for line in path.read_text().splitlines() if line.strip()
-    ]
+    out = []
+    for n, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except ValueError as e:
+            rec, why = None, f"{type(e).__name__}: {e}"
+        else:
+            why = f"a JSON {type(rec).__name__}, not a record"
+        if not isinstance(rec, dict):
+            raise ValueError(
+                f"{path} line {n} is not a JSON record ({why}); a run stopped while writing it "
+                "leaves it cut short: resuming the run (the same command) moves it aside"
+            )
+        out.append(current_names(rec))
+    return out
 
 
 class MetricsLogger:

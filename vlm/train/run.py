@@ -240,7 +240,7 @@ def build_run(
         if reshard.needs_universal(resume_from, dist.world_size, ds_json):
             ds_json = reshard.with_universal_loading(ds_json)
         if saved is not None:  # what may not change on resume
-            check_resume_config(saved, to_dict(cfg), accept_optim_change)
+            check_resume_config(saved, to_dict(cfg), accept_optim_change, say=say)
         ep_lib.check_engine(ep, cfg.deepspeed.zero_stage)
         ds_json, clip = ep_lib.plain_fp32_clip(ep, ds_json, plain_fp32(ds_json))
         with ep_lib.deepspeed_view(model, ep):

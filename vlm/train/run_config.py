@@ -15,6 +15,11 @@ RESUMABLE_CHANGES = (
     "train.max_steps",
     # derived: the global batch's micro-batches per rank on the ranks the run resumes on
     "optim.grad_accum",
+    # the rows of one micro-batch, while the global batch stays (optim.global_batch_rows is
+    # compared): the planner packs row after row and a step takes the next global batch of them
+    # however they are cut into micro-batches, so the same samples train in the same steps
+    # (what lets a default single-process run, one micro-batch per step, continue on more ranks)
+    "data.rows_per_batch",
     "checkpoint.",
     "logging.",
     "train.vqa_eval",
@@ -94,6 +99,19 @@ def with_global_batch(cfg: TrainConfig, world_size: int, saved: int | None) -> T
     G = o.global_batch_rows if o.global_batch_rows is not None else saved
     G = rows * o.grad_accum * world_size if G is None else G
     if G % (rows * world_size):
+        fits = [r for r in range(rows - 1, 0, -1) if G % (r * world_size) == 0]
+        if saved is not None:  # a resume: the global batch is the checkpointed run's
+            fix = (
+                f"resume with data.rows_per_batch={fits[0]} (the same samples train in the same "
+                "steps), or run on a number of ranks that divides it"
+                if fits
+                else f"run on a number of ranks that divides {G}"
+            )
+            raise ConfigError(
+                f"cannot resume on {world_size} rank(s): the run's global batch, "
+                f"optim.global_batch_rows={G}, is not a whole number of micro-batches of "
+                f"data.rows_per_batch={rows} rows on each: {fix}"
+            )
         raise ConfigError(
             f"optim.global_batch_rows={G} is not a whole number of micro-batches on {world_size} "
             f"rank(s): it must be a multiple of data.rows_per_batch x ranks = {rows} x "
@@ -103,12 +121,29 @@ def with_global_batch(cfg: TrainConfig, world_size: int, saved: int | None) -> T
     return evolve(cfg, optim=replace(o, global_batch_rows=G, grad_accum=G // (rows * world_size)))
 
 
-def check_resume_config(saved: dict, now: dict, accept_optim_change: bool = False) -> None:
+def check_resume_config(
+    saved: dict, now: dict, accept_optim_change: bool = False, say=None
+) -> None:
+    """ConfigError (one line) on a key a resume may not change; `say(line)` is told of a
+    micro-batch size that changed (allowed: the global batch stays)."""
     a, b = _resolved(flatten(saved)), _resolved(flatten(now))
+    rows = "data.rows_per_batch"
+    if say is not None and a.get(rows) is not None and a.get(rows) != b.get(rows):
+        say(
+            f"note: {rows} was {a[rows]} in the checkpointed run, now {b[rows]}: the global "
+            f"batch stays {b.get('optim.global_batch_rows')} rows, so the same samples train in "
+            "the same steps, cut into other micro-batches (their boundary noise and expert "
+            "capacity are drawn per micro-batch)"
+        )
     allowed = RESUMABLE_CHANGES + (OPTIM_CHANGES if accept_optim_change else ())
     for key in sorted(set(a) | set(b)):
         if a.get(key) != b.get(key) and not key.startswith(allowed):
             hint = " (or --accept-optim-change)" if key.startswith(OPTIM_CHANGES) else ""
+            if key == "optim.global_batch_rows":
+                hint = (
+                    "; the global batch cannot change on resume (it decides which samples each "
+                    "step trains): on more ranks, resume with a smaller data.rows_per_batch"
+                )
             raise ConfigError(
                 f"cannot resume: {key} was {_said(saved, key, a)} in the checkpointed run, now "
                 f"{_said(now, key, b)}; use a new --out directory or the same config{hint}"

@@ -19,17 +19,23 @@ train` into the same --out (a resubmitted job, the same command in another termi
 one line naming the first, instead of both appending to one metrics.jsonl. `--overwrite` deletes
 only from a folder that holds a run's `config.yaml`: a folder that merely holds files named like a
 run's outputs is not a run's.
+
+The lock covers the folders inside the run folder too (a `vlm convert --out RUN/final` while RUN
+trains is refused), and the trainer's export replaces `final/` only when it is the one that was there
+when the run took its lock (`export_refusal`): a `final/` another writer made during the run (where
+locks do not hold) is left as it is, and the export refused in one line.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
 
 from configs.config import ConfigError
-from configs.folder_lock import folder_problem, lock_folder
+from configs.folder_lock import FolderBusy, folder_problem, held_lock, lock_folder
 
 # what a run writes into its folder (vlm.train.trainer, metrics, tracking, vision_warmup,
 # run_summary): what --overwrite deletes; anything else in the folder is left alone
@@ -109,7 +115,9 @@ def clear_run(run_dir: Path) -> list[str]:
             "folder or a new --out"
         )
     gone = []
-    for name in RUN_FILES:
+    # the cut lines a resume kept beside metrics.jsonl (vlm.train.metrics.MetricsFile)
+    cut = sorted(p.name for p in run_dir.glob("metrics.jsonl.cut-*")) if run_dir.is_dir() else []
+    for name in (*RUN_FILES, *cut):
         path = run_dir / name
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path)
@@ -152,6 +160,8 @@ def hold_run_dir(run_dir: Path, is_main: bool, command: str, keep_contents: bool
     check_out_dir(run_dir)
     made = first_missing(run_dir)
     lock = lock_folder(run_dir, command)
+    real = os.path.realpath(run_dir)
+    _FINAL_AT_START[real] = _identity(run_dir / "final")
     try:
         yield
     except ConfigError:
@@ -167,8 +177,54 @@ def hold_run_dir(run_dir: Path, is_main: bool, command: str, keep_contents: bool
                         break
         raise
     finally:
+        _FINAL_AT_START.pop(real, None)
         if lock is not None:
             lock.release()
+
+
+# `final/` of each run folder this process holds, as it was when the lock was taken (or as this
+# run's export left it): what the export may replace
+_FINAL_AT_START: dict[str, tuple | None] = {}
+
+
+def _identity(path: Path) -> tuple | None:
+    """Which folder `path` is and when its entries last changed (None: nothing there)."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_mtime_ns)
+
+
+def export_refusal(run_dir: Path) -> str | None:
+    """Why the export may not replace `run_dir/final` now (None: it may): the run folder's lock
+    was removed or replaced during the run, or `final/` is not what it was when the run took the
+    lock (another writer made or changed it). A run not held by `hold_run_dir` (a Trainer built
+    directly) is not checked."""
+    lock = held_lock(run_dir)
+    if lock is not None:
+        try:
+            lock.check()
+        except FolderBusy as e:
+            return str(e)
+    real = os.path.realpath(run_dir)
+    if real not in _FINAL_AT_START:
+        return None
+    final = run_dir / "final"
+    now = _identity(final)
+    if now is None or now == _FINAL_AT_START[real]:
+        return None
+    return (
+        f"{final} was {'made' if _FINAL_AT_START[real] is None else 'changed'} during this run by "
+        "another writer; it is left as it is"
+    )
+
+
+def exported(run_dir: Path) -> None:
+    """This run's export made `run_dir/final`: a later export of the same run may replace it."""
+    real = os.path.realpath(run_dir)
+    if real in _FINAL_AT_START:
+        _FINAL_AT_START[real] = _identity(run_dir / "final")
 
 
 def first_missing(path: Path) -> Path | None:

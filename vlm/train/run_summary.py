@@ -23,10 +23,12 @@ def write_summary(
     nonfinite_total: int,
     data_counters: dict,
     rc: int,
+    moe_dropped: int = 0,
 ) -> list[str]:
     """report.png and summary.json from RUN_DIR/metrics.jsonl; with rc 0 (final/ was exported)
-    final/ gets a model card and the report picture. cfg: the run's (resolved) config. Returns the
-    summary's lines."""
+    final/ gets a model card and the report picture. cfg: the run's (resolved) config.
+    moe_dropped: the expert choices expert parallelism's capacity dropped over the run (a line and
+    `moe_dropped_choices`). Returns the summary's lines."""
     records = read_metrics(run_dir / "metrics.jsonl")
     targets = config_targets(cfg)
     picture = write_report(
@@ -41,6 +43,11 @@ def write_summary(
     lines = summary_lines(
         records, targets, results["vqa"], run_dir, wall, nonfinite_total, data_counters, warmup
     )
+    if moe_dropped:  # expert parallelism's capacity: what the model computed differs
+        lines.append(
+            f"expert choices dropped by the capacity (parallel.capacity_factor="
+            f"{cfg.parallel.capacity_factor}): {moe_dropped:,} over {steps} steps"
+        )
     (run_dir / "summary.json").write_text(
         json.dumps(
             {
@@ -49,6 +56,7 @@ def write_summary(
                 **results,
                 "vision_warmup": warmup,
                 "nonfinite_steps": nonfinite_total,
+                "moe_dropped_choices": moe_dropped,
                 "last": records[-1] if records else None,
                 "exit_code": rc,
             },

@@ -104,6 +104,8 @@ class Trainer:
         # the loop's state (restored from a checkpoint by `restore`)
         self.step = 0
         self.nonfinite_total = self.nonfinite_in_row = 0
+        # expert choices past expert parallelism's capacity (moe/overflow), summed over the run
+        self.moe_dropped = 0
         self.wall_before, self.t_start = 0.0, time.time()
 
     # ---------------------------------------------------------------- the run
@@ -243,6 +245,7 @@ class Trainer:
             nonfinite_total=self.nonfinite_total,
             data_counters=run.loader.counters,
             rc=rc,
+            moe_dropped=self.moe_dropped,
         )
         self.log("\n".join(["", "=" * 72, "summary", "=" * 72] + lines))
         return rc
@@ -284,12 +287,26 @@ class Trainer:
         """The schedule moves only when the optimizer applied the step (the balancing biases and
         top-k thresholds moved in the step)."""
         self.step += 1
+        self._count_dropped(int(result.scalars.get("moe/overflow") or 0))
         if result.applied:
             self.run.scheduler.step()
             self.nonfinite_in_row = 0
         else:
             self.nonfinite_total += 1
             self.nonfinite_in_row += 1
+
+    def _count_dropped(self, dropped: int) -> None:
+        """Expert choices the capacity dropped this step: summed for the summary, and said on the
+        console the first time (they change what the model computes, not only a metric)."""
+        if dropped and not self.moe_dropped:
+            self.log(
+                f"warning: step {self.step}: {dropped:,} expert choices were past the expert "
+                f"capacity (parallel.capacity_factor={self.run.cfg.parallel.capacity_factor}) "
+                "and computed by no expert; raise parallel.capacity_factor, or null for none "
+                "dropped. Each step's count is moe/overflow in metrics.jsonl, the run's total "
+                "goes into summary.json"
+            )
+        self.moe_dropped += dropped
 
     def _add_step_scalars(
         self, record: StepRecord, lr: float, seconds: float, data_wait: float = 0.0
@@ -319,6 +336,7 @@ class Trainer:
             "loader": self.run.loader.state_dict(),
             "nonfinite_total": self.nonfinite_total,
             "nonfinite_in_row": self.nonfinite_in_row,
+            "moe_dropped": self.moe_dropped,
             "wall_s": self.wall_before + (time.time() - self.t_start),
         }
 
@@ -344,4 +362,5 @@ class Trainer:
         self.step = state["step"]
         self.nonfinite_total = state["nonfinite_total"]
         self.nonfinite_in_row = state["nonfinite_in_row"]
+        self.moe_dropped = int(state.get("moe_dropped", 0))  # absent in older checkpoints
         self.wall_before = state.get("wall_s", 0.0)
