@@ -191,6 +191,8 @@ def test_the_serving_state_holds_the_capacity_asked_for_in_whole_pages(block):
     holding as many entries as fit beside the chunk state, and no more layers than it takes (but
     for vLLM's grouping)."""
     from vlm.serve.layout import (
+        CHUNK,
+        KV,
         MIN_ENTRIES,
         plan_state,
         state_bytes,
@@ -201,8 +203,8 @@ def test_the_serving_state_holds_the_capacity_asked_for_in_whole_pages(block):
     dtype = torch.float32
     page = token_page_bytes(mc, block, dtype)
     token_layers = mc.encoder_layers + mc.decoder_layers
-    entry = 2 * mc.c_kv_heads * mc.head_dim * 4
-    chunk = 5 * mc.hidden_size * 4
+    entry = len(KV) * mc.c_kv_heads * mc.head_dim * 4
+    chunk = CHUNK.rows * mc.hidden_size * 4
     for capacity in range(1, 601):
         plan = plan_state(mc, capacity, dtype, page, token_layers)
         assert plan.capacity >= capacity, (

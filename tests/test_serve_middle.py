@@ -21,7 +21,7 @@ from configs.batch import PackedBatch
 from vlm.model.cache import InferenceCache, KVCache
 from vlm.model.conceptmoe import ConceptMoELM
 from vlm.model.config import ChunkConfig, ModelConfig, MoEConfig
-from vlm.serve.layout import ConceptStates, StatePlan, state_dtypes, state_shapes
+from vlm.serve.layout import CHUNK, ConceptStates, StatePlan, state_dtypes, state_shapes
 from vlm.serve.middle import Middle
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,6 +59,11 @@ def Slots(mc: ModelConfig, capacity: int, n: int, entries: int | None = None) ->
     e = entries or capacity
     plan = StatePlan(passes, -(-capacity // e), e)
     return ConceptStates([Layer(mc, plan, n) for _ in range(plan.layers)], plan)
+
+
+def concepts(serve: Middle) -> torch.Tensor:
+    """Each slot's concept count, as it lies in the slots' chunk state."""
+    return CHUNK.of(serve.state.chunk, "n_concepts_B")
 
 
 def _batch(lengths: list[int], seed: int) -> PackedBatch:
@@ -132,14 +137,14 @@ def test_slots_give_the_models_decoder_inputs(variant, entries, monkeypatch):
         torch.testing.assert_close(z, z_BTD[r, :n], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(c, c_BTD[r, :n], rtol=1e-5, atol=1e-5)
     for h_BD, z_BD, c_BD in calls[1:]:
-        before = serve.state.chunk[slots, 4, 1].clone()
+        before = concepts(serve)[slots].clone()
         z, c = serve.step(h_BD, slots)
-        fired += int((serve.state.chunk[slots, 4, 1] > before).sum())
+        fired += int((concepts(serve)[slots] > before).sum())
         torch.testing.assert_close(z, z_BD, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(c, c_BD, rtol=1e-5, atol=1e-5)
     # the steps closed concepts (the concept model ran on the slots), and kept them all
     assert fired > 0 and serve.overflows == 0
-    n_concepts = serve.state.chunk[slots, 4, 1].long()
+    n_concepts = concepts(serve)[slots].long()
     torch.testing.assert_close(n_concepts, cache.chunk.n_concepts_B)
 
 
@@ -178,11 +183,11 @@ def test_a_slot_overflow_is_counted_and_serving_goes_on(caplog):
     with caplog.at_level("WARNING"):
         serve.prefill(h, 1)
     assert serve.overflows > 0 and "concept capacity 2 reached" in caplog.text
-    assert int(serve.state.chunk[1, 4, 1]) == 2
+    assert int(concepts(serve)[1]) == 2
     before = serve.overflows
     for _ in range(6):
         serve.step(torch.randn(1, model.cfg.hidden_size) * 3, torch.tensor([1]))
-    assert int(serve.state.chunk[1, 4, 1]) == 2 and serve.overflows > before
+    assert int(concepts(serve)[1]) == 2 and serve.overflows > before
 
 
 # what the concept path is made of: the plugin may call the model's middle, never these

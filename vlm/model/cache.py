@@ -110,27 +110,36 @@ class KVCache:
         return int(self.len_B.sum()) * per_pos
 
 
+def kept(dtype: str, **default):
+    """A field of a state carried from one step to the next, and its dtype there: "hidden" (the
+    hidden states'), "float32" or "long"; its width is its name's suffix (`_BD` a vector per row,
+    `_B` a number). Declared once, here: what keeps the state outside the model (a serving engine's
+    slots, vlm/serve/layout.py) lays it out from these fields."""
+    return field(metadata={"dtype": dtype}, **default)
+
+
 @dataclass
 class RouterState:
     """What the chunk module carries from one token to the next, per row (`ChunkModule.step`)."""
 
     # the router's key (cosine) or hidden state (linear) of the last token
-    last_key_BD: torch.Tensor
+    last_key_BD: torch.Tensor = kept("hidden")
     # merge of the tokens after the last boundary (sum; `last` ignores it)
-    pending_BD: torch.Tensor
+    pending_BD: torch.Tensor = kept("hidden")
     # how many tokens that is (for `mean`; the fixed router's place in the document)
-    pending_n_B: torch.Tensor
+    pending_n_B: torch.Tensor = kept("long")
 
 
 @dataclass
 class DechunkState:
     """What the dechunk carries from one concept to the next, per row (`Dechunk.step`)."""
 
-    # eq. 8's EMA at the last closed concept: what the next token reads (fp32)
-    ema_BD: torch.Tensor
-    n_concepts_B: torch.Tensor  # concepts closed so far (the next concept's position)
-    # residual "delta": the same EMA over the concept model's inputs
-    ema_in_BD: torch.Tensor | None = None
+    # eq. 8's EMA at the last closed concept: what the next token reads
+    ema_BD: torch.Tensor = kept("float32")
+    # concepts closed so far (the next concept's position)
+    n_concepts_B: torch.Tensor = kept("long")
+    # residual "delta": the same EMA over the concept model's inputs (None otherwise)
+    ema_in_BD: torch.Tensor | None = kept("float32", default=None)
 
 
 @dataclass

@@ -12,22 +12,96 @@ are split along the concept axis over as many state layers as it takes, each one
 as many as fit beside the chunk state; the capacity is rounded up to those whole pages (the padding
 would have been paid anyway), and the layer count chosen so that vLLM's grouping of layers adds no
 padding layers.
+
+What a state layer holds is computed from the model's own state classes (vlm/model/cache.py): the
+concept cache's keys and values (`KVCache`'s `_BJCd` fields: `KV`) and the chunk state
+(`ChunkState`'s fields: `CHUNK`), so a field added to either is carried in the slots, or refused
+by name when this module is imported, and never silently misaligned.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
+from vlm.model.cache import ChunkState, KVCache
 from vlm.model.chunking import concept_capacity as model_capacity
 from vlm.model.config import ModelConfig
 
-# rows of the fp32 chunk-state tensor: router key, pending merge, EMA, EMA over the concept model's
-# inputs (residual "delta"), counters (pending tokens, concepts)
-KEY, PENDING, EMA, EMA_IN, COUNTS = range(5)
-CHUNK_ROWS = 5
+
+class ChunkRows:
+    """Where each field of a chunk state (vlm/model/cache.py's `ChunkState`: the router's and the
+    dechunk's) lies in a slot's fp32 [rows, D] tensor, computed from the class's fields: a vector
+    (`_BD`) one row each, in field order, then the numbers (`_B`) side by side in one row (exact in
+    fp32 up to 2^24). A field added to the state is carried, or refused here (by name) when the
+    slots cannot hold it, never left out."""
+
+    def __init__(self, state: type):
+        vectors, numbers = [], []
+        for f in fields(state):
+            width = f.name.rpartition("_")[2]
+            if "dtype" not in f.metadata or width not in ("BD", "B"):
+                raise TypeError(
+                    f"{state.__name__}.{f.name}: a serving slot holds state fields declared "
+                    "with `kept(dtype)` (vlm/model/cache.py) and named _BD or _B"
+                )
+            (vectors if width == "BD" else numbers).append(f.name)
+        self.state, self.rows = state, len(vectors) + bool(numbers)
+        # field -> (row, column; None: the whole row)
+        self.at = {name: (r, None) for r, name in enumerate(vectors)}
+        self.at |= {name: (len(vectors), c) for c, name in enumerate(numbers)}
+        self.dtypes = {f.name: f.metadata["dtype"] for f in fields(state)}
+        # the fields a model may leave None (one it does not use)
+        self.optional = {f.name for f in fields(state) if f.default is None}
+        self.numbers = len(numbers)
+
+    def shape(self, width: int) -> tuple[int, int]:
+        if width < self.numbers:
+            raise ValueError(
+                f"a chunk state row of width {width} cannot hold {self.numbers} counters"
+            )
+        return self.rows, width
+
+    def of(self, held: torch.Tensor, name: str) -> torch.Tensor:
+        """Field `name` of every slot in `held` ([B, CHUNK.rows, D]): [B, D] or [B], a view."""
+        row, col = self.at[name]
+        return held[:, row] if col is None else held[:, row, col]
+
+    def write(self, st, held: torch.Tensor) -> None:
+        """Every field of state `st` (each row's) into held, in fp32 (a None field stays as is)."""
+        for name in self.at:
+            if (t := getattr(st, name)) is not None:
+                self.of(held, name)[:] = t.float()
+
+    def read(self, held: torch.Tensor, hidden: torch.dtype, absent=frozenset()):
+        """The state held in held (copies), each field in its declared dtype (`hidden`: the hidden
+        states'); the optional fields named in `absent` (a model that does not use them) None."""
+        if unknown := set(absent) - self.optional:
+            raise ValueError(f"{self.state.__name__} has no optional field {sorted(unknown)}")
+        dtypes = {"hidden": hidden, "float32": torch.float32, "long": torch.long}
+        return self.state(
+            **{
+                name: None
+                if name in absent
+                else self.of(held, name).to(dtypes[self.dtypes[name]], copy=True)
+                for name in self.at
+            }
+        )
+
+
+CHUNK = ChunkRows(ChunkState)
+# a state layer's tensors: the concept cache's per-entry ones (KVCache's `_BJCd` fields: its keys
+# and values), each [slots, J, entries, d] in the model's dtype, then the chunk state; the cache's
+# other fields are not stored, each is known in a slot:
+NOT_STORED = {
+    "len_B": "the chunk state's n_concepts_B (one entry per concept)",
+    "window": "0 (a concept cache reads every entry)",
+}
+KV = tuple(f.name for f in fields(KVCache) if f.name.endswith("_BJCd"))
+if unplaced := {f.name for f in fields(KVCache)} - set(KV) - set(NOT_STORED):
+    raise TypeError(f"KVCache fields {sorted(unplaced)}: the serving state layers do not hold them")
 # vLLM's CPU attention backend (cpu_attn.py): the head sizes its kernels are built for
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 # the fewest concept entries worth a state layer: a page that holds fewer is widened (see plan_state)
@@ -106,8 +180,8 @@ def plan_state(
     passes = max(1, len(mc.concept_schedule))
     if page_bytes is None:
         return StatePlan(passes, 1, capacity)
-    entry = 2 * mc.c_kv_heads * mc.head_dim * _size(dtype)
-    chunk = CHUNK_ROWS * mc.hidden_size * 4
+    entry = len(KV) * mc.c_kv_heads * mc.head_dim * _size(dtype)
+    chunk = CHUNK.rows * mc.hidden_size * 4
     page = page_bytes * math.ceil((chunk + MIN_ENTRIES * entry) / page_bytes)
     entries = (page - chunk) // entry
     per_pass = math.ceil(capacity / entries)
@@ -119,14 +193,13 @@ def plan_state(
 
 
 def state_shapes(mc: ModelConfig, plan: StatePlan) -> tuple[tuple[int, ...], ...]:
-    """One state layer's: its keys and values, then the chunk state."""
+    """One state layer's: its keys and values (`KV`), then the chunk state (`CHUNK`)."""
     kv = (mc.c_kv_heads, plan.entries, mc.head_dim)
-    return kv, kv, (CHUNK_ROWS, mc.hidden_size)
+    return (kv,) * len(KV) + (CHUNK.shape(mc.hidden_size),)
 
 
 def state_dtypes(mc: ModelConfig, dtype: torch.dtype) -> tuple[torch.dtype, ...]:
-    # the counters live in the fp32 tensor: exact up to 2^24 concepts
-    return dtype, dtype, torch.float32
+    return (dtype,) * len(KV) + (torch.float32,)
 
 
 def state_bytes(mc: ModelConfig, plan: StatePlan, dtype: torch.dtype) -> int:
@@ -139,23 +212,23 @@ def state_bytes(mc: ModelConfig, plan: StatePlan, dtype: torch.dtype) -> int:
 
 class ConceptStates:
     """A model's concept state in vLLM's state layers (`layers`: objects whose `kv_cache` holds
-    [slots, kv_heads, entries, head_dim] keys and values and the [slots, CHUNK_ROWS, D] fp32 chunk
-    state, as vLLM hands them to `ConceptState`), laid out by `plan`: a pass's concepts over its
-    layers, gathered and scattered here."""
+    the tensors `state_shapes` declares: [slots, kv_heads, entries, head_dim] for each of `KV`, then
+    the [slots, CHUNK.rows, D] fp32 chunk state, as vLLM hands them to `ConceptState`), laid out by
+    `plan`: a pass's concepts over its layers, gathered and scattered here. Keys and values go in
+    and out as tuples in `KV`'s order."""
 
     def __init__(self, layers: list, plan: StatePlan):
         self.layers, self.plan, self.capacity = layers, plan, plan.capacity
 
-    def _kv(self, n: int, j: int) -> tuple[torch.Tensor, torch.Tensor]:
-        cache = self.layers[n * self.plan.per_pass + j].kv_cache
-        return cache[0], cache[1]
+    def _kv(self, n: int, j: int) -> tuple[torch.Tensor, ...]:
+        return self.layers[n * self.plan.per_pass + j].kv_cache[: len(KV)]
 
     @property
     def chunk(self) -> torch.Tensor:
-        """[slots, CHUNK_ROWS, D] fp32: the first layer's."""
-        return self.layers[0].kv_cache[2]
+        """[slots, CHUNK.rows, D] fp32: the first layer's."""
+        return self.layers[0].kv_cache[len(KV)]
 
-    def gather(self, n: int, slots_B: torch.Tensor, used: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather(self, n: int, slots_B: torch.Tensor, used: int) -> tuple[torch.Tensor, ...]:
         """Pass n's first `used` entries of each slot, [B, kv_heads, used, head_dim] keys and values
         (copies)."""
         E = self.plan.entries
@@ -165,22 +238,20 @@ class ConceptStates:
         ]
         if len(parts) == 1:
             return parts[0]
-        return torch.cat([p[0] for p in parts], 2), torch.cat([p[1] for p in parts], 2)
+        return tuple(torch.cat(ts, 2) for ts in zip(*parts))
 
-    def put(self, n: int, slots_B, pos_B, k_BJd: torch.Tensor, v_BJd: torch.Tensor) -> None:
+    def put(self, n: int, slots_B, pos_B, kv_BJd: tuple[torch.Tensor, ...]) -> None:
         """Pass n's entry at position pos_B[i] of slot slots_B[i] (one per row)."""
         E = self.plan.entries
         layer_B, at_B = pos_B // E, pos_B % E
         for j in layer_B.unique().tolist():
             rows = (layer_B == j).nonzero().flatten()
-            k, v = self._kv(n, j)
-            k[slots_B[rows], :, at_B[rows]] = k_BJd[rows]
-            v[slots_B[rows], :, at_B[rows]] = v_BJd[rows]
+            for t, new_BJd in zip(self._kv(n, j), kv_BJd, strict=True):
+                t[slots_B[rows], :, at_B[rows]] = new_BJd[rows]
 
-    def fill(self, n: int, slot: int, k_JMd: torch.Tensor, v_JMd: torch.Tensor) -> None:
+    def fill(self, n: int, slot: int, kv_JMd: tuple[torch.Tensor, ...]) -> None:
         """Pass n's first M entries of one slot."""
-        E, M = self.plan.entries, k_JMd.shape[1]
+        E, M = self.plan.entries, kv_JMd[0].shape[1]
         for j in range(math.ceil(M / E)):
-            k, v = self._kv(n, j)
-            k[slot, :, : min(E, M - j * E)] = k_JMd[:, j * E : (j + 1) * E]
-            v[slot, :, : min(E, M - j * E)] = v_JMd[:, j * E : (j + 1) * E]
+            for t, new_JMd in zip(self._kv(n, j), kv_JMd, strict=True):
+                t[slot, :, : min(E, M - j * E)] = new_JMd[:, j * E : (j + 1) * E]

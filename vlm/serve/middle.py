@@ -21,7 +21,7 @@ import torch
 
 from vlm.model.cache import ChunkState, InferenceCache, KVCache
 from vlm.model.conceptmoe import ConceptMoELM
-from vlm.serve.layout import COUNTS, EMA, EMA_IN, KEY, PENDING
+from vlm.serve.layout import CHUNK, KV
 
 if TYPE_CHECKING:
     from vlm.serve.layout import ConceptStates
@@ -35,6 +35,8 @@ class Middle:
     def __init__(self, lm: ConceptMoELM, state: ConceptStates):
         self.lm, self.state = lm, state
         self.passes = len(lm.cfg.concept_schedule)
+        # the chunk state's optional fields this model leaves None
+        self.absent = frozenset(() if lm.cfg.chunk.residual == "delta" else ("ema_in_BD",))
         self.overflows = 0  # concepts that found their request's slot full (counted, logged)
 
     def _overflow(self, n: int) -> None:
@@ -70,7 +72,7 @@ class Middle:
         self._overflow(int(mid.chunks.overflow))
         for n, c in enumerate(caches):
             m = int(c.len_B[0])
-            self.state.fill(n, slot, c.k_BJCd[0, :, :m], c.v_BJCd[0, :, :m])
+            self.state.fill(n, slot, tuple(getattr(c, name)[0, :, :m] for name in KV))
         self._put(torch.tensor([slot], device=dev), cache.chunk)
         return mid.z_BTD[0], mid.c_BTD[0]
 
@@ -87,7 +89,7 @@ class Middle:
             rows_kv.append(self.state.gather(n, slots_B, used))
             # a full slot writes past its last entry's place and keeps nothing (`middle_step`
             # drops its concept)
-            caches.append(KVCache(*rows_kv[-1], n_B.clamp_max(C - 1)))
+            caches.append(KVCache(**dict(zip(KV, rows_kv[-1])), len_B=n_B.clamp_max(C - 1)))
         # the gathered caches hold `used` entries; a row is full against them (n >= used) exactly
         # when it is against its slot (n >= C): n <= max(n) < used unless used = C
         cache = InferenceCache([], caches, [], n_B.clone(), st)
@@ -97,29 +99,17 @@ class Middle:
         self._put(slots_B, st)
         pos_B = n_B.clamp_max(C - 1)
         rows = (st.n_concepts_B > n_B).nonzero().flatten()  # only their entry at pos_B changed
-        for n, (k_BJCd, v_BJCd) in enumerate(rows_kv):
+        for n, kv_BJCd in enumerate(rows_kv):
             at = pos_B[rows]
-            self.state.put(n, slots_B[rows], at, k_BJCd[rows, :, at], v_BJCd[rows, :, at])
+            self.state.put(n, slots_B[rows], at, tuple(t[rows, :, at] for t in kv_BJCd))
         return mid.z_B1D[:, 0], mid.c_B1D[:, 0]
 
     # ------------------------------------------------------------ the slots
     def _get(self, slots_B: torch.Tensor, dtype: torch.dtype) -> ChunkState:
-        s = self.state.chunk[slots_B]
-        ema_in = s[:, EMA_IN].clone() if self.lm.cfg.chunk.residual == "delta" else None
-        return ChunkState(
-            s[:, KEY].to(dtype),
-            s[:, PENDING].to(dtype),
-            s[:, COUNTS, 0].long(),
-            s[:, EMA].clone(),
-            s[:, COUNTS, 1].long(),
-            ema_in,
-        )
+        """The rows' chunk state from their slots (copies), laid out as layout.py's `CHUNK`."""
+        return CHUNK.read(self.state.chunk[slots_B], dtype, self.absent)
 
     def _put(self, slots_B: torch.Tensor, st: ChunkState) -> None:
         s = torch.zeros(len(slots_B), *self.state.chunk.shape[1:], device=slots_B.device)
-        s[:, KEY], s[:, PENDING] = st.last_key_BD.float(), st.pending_BD.float()
-        s[:, EMA] = st.ema_BD.float()
-        if st.ema_in_BD is not None:
-            s[:, EMA_IN] = st.ema_in_BD.float()
-        s[:, COUNTS, 0], s[:, COUNTS, 1] = st.pending_n_B.float(), st.n_concepts_B.float()
+        CHUNK.write(st, s)
         self.state.chunk[slots_B] = s

@@ -2,10 +2,11 @@
 
 One request owns one slot for its whole life: the concept model's keys and values (one entry per
 realized concept, each pass's cut into state layers of one page each: layout.py's `plan_state`) and
-the chunk state (the router's last key, the pending merge, the dechunk's EMA, the counters). vLLM's hybrid KV cache
-manager allocates the slots beside the paged token-level KV cache and hands each step every
-request's slot (`state_indices_tensor_*`), so what a request holds scales with its concepts, not
-its tokens.
+the chunk state (vlm/model/cache.py's `ChunkState`: the router's last key, the pending merge, the
+dechunk's EMA, the counters; each field's place computed from the class: layout.py's `CHUNK`).
+vLLM's hybrid KV cache manager allocates the slots beside the paged token-level KV cache and hands
+each step every request's slot (`state_indices_tensor_*`), so what a request holds scales with its
+concepts, not its tokens.
 
 Only imported inside vLLM's processes (it imports vllm).
 """
