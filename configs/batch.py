@@ -16,8 +16,9 @@ TEXT, IMAGE = 0, 1
 MODALITIES = {"text": TEXT, "image": IMAGE}
 IGNORE_INDEX = -100
 # The kind of sample a document is, for per-kind statistics (compression is judged per kind:
-# see DESIGN.md). Not the shards' sample kinds (data_pipelines.schema.SAMPLE_KINDS: a chat turn and a
-# caption are both "pair" there); data_pipelines.encode.stats_kind maps a sample to one of these.
+# docs/design.md, "Compression is judged per document"). Not the shards' sample kinds
+# (data_pipelines.schema.SAMPLE_KINDS: a chat turn and a caption are both "pair" there);
+# data_pipelines.encode.stats_kind maps a sample to one of these.
 KINDS = ("chat", "caption", "interleaved", "text")
 
 

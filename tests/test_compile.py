@@ -1,4 +1,5 @@
-"""Every model path is one graph: no host synchronisation, no graph break (DESIGN.md "On the GPU").
+"""Every model path is one graph: no host synchronisation, no graph break (docs/design.md, "Static
+shapes, no host synchronisation").
 
 Legend: B rows.
 

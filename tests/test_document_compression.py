@@ -1,6 +1,6 @@
 """Compression is judged per document and per kind of sample, and the per-document ratio loss holds
 every kind near its target where the batch loss alone lets the router split all-or-nothing by kind
-(DESIGN.md, Modalities).
+(docs/design.md, "Compression is judged per document").
 
 Legend: B rows, T tokens, S documents.
 """

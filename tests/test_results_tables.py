@@ -151,7 +151,7 @@ def pct(x: float) -> str:
 def test_figures_the_prose_repeats_agree_with_the_json():
     """Figures outside the tables, checked where cheap: the README's default run against the
     vqa.json it cites, the realized-boundary prefill span against realized.json, the seeds' VQA
-    margins in compression.md."""
+    margins in docs/results/compression.md."""
     readme = (ROOT / "README.md").read_text()
     vqa = json.loads((ROOT / runs.RUN_VQA).read_text())
     row = next(line for line in readme.splitlines() if line.startswith("| the default run ("))

@@ -86,7 +86,7 @@ def readme_compression(src: dict[str, Any]) -> str:
 
 
 def seeds_compression(src: dict[str, Any]) -> str:
-    """compression.md: median (p10-p90) per kind and modality, one column per seed,
+    """docs/results/compression.md: median (p10-p90) per kind and modality, one column per seed,
     and the aggregates."""
     runs = seeds(src)
     rows = []
@@ -115,7 +115,7 @@ def seeds_compression(src: dict[str, Any]) -> str:
 
 
 def seeds_vqa(src: dict[str, Any]) -> str:
-    """compression.md: held-out VQA per question type, model / majority answer / blind
+    """docs/results/compression.md: held-out VQA per question type, model / majority answer / blind
     model, per seed."""
     runs = seeds(src)
     rows = []

@@ -2,10 +2,10 @@
 
 Legend: B rows, T tokens, D width, M concept slots, N flat tokens or patches.
 
-Convention (DESIGN.md): a boundary at n closes a concept made of the tokens after the previous
-boundary (within the same document) up to and including n; tokens n .. next boundary - 1 read that
-concept. The first token of every document is a boundary (p = 1), so no token reads a concept of
-another document or one built from later tokens.
+Convention (docs/design.md, "Causality"): a boundary at n closes a concept made of the tokens after
+the previous boundary (within the same document) up to and including n; tokens n .. next
+boundary - 1 read that concept. The first token of every document is a boundary (p = 1), so no
+token reads a concept of another document or one built from later tokens.
 """
 
 from __future__ import annotations

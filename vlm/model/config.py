@@ -136,12 +136,13 @@ class ChunkConfig(ValidatedOnInit):
     # band it is 0, so a large weight only sets how hard a document outside it is pulled back
     # against the LM loss's pressure
     document_weight: float = 30.0
-    # Static concept capacity (the model runs without host synchronisation, DESIGN.md "On the GPU"):
-    # in training each row's concept model gets ceil(T * capacity_slack / R) positions (R the
-    # smallest target; rounded up to a multiple of 16, at most T) instead of as many as its
-    # boundaries; concepts past it are not computed, the tokens that would read them read none
-    # (their decoder input is the residual alone), and they are counted (`Chunks.overflow`, logged
-    # as chunk/overflow). null: capacity T, which never overflows.
+    # Static concept capacity (the model runs without host synchronisation: docs/design.md, "Static
+    # shapes, no host synchronisation"): in training each row's concept model gets
+    # ceil(T * capacity_slack / R) positions (R the smallest target; rounded up to a multiple of 16,
+    # at most T) instead of as many as its boundaries; concepts past it are not computed, the
+    # tokens that would read them read none (their decoder input is the residual alone), and they
+    # are counted (`Chunks.overflow`, logged as chunk/overflow). null: capacity T, which never
+    # overflows.
     capacity_slack: float | None = 1.25
     # the same in eval mode (held-out loss, prefill, generation); null (T) keeps inference exact
     # whatever a prompt's ratio, at the cost of computing the unused capacity's dense projections in

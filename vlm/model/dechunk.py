@@ -4,7 +4,8 @@ with the state `prefill_state` builds after a prompt).
 
 Legend: B rows, T tokens, D width, M concept slots.
 
-Convention (DESIGN.md): token n reads the EMA at concept psi(n), the last one closed at or before n.
+Convention (docs/design.md, "Dechunk"): token n reads the EMA at concept psi(n), the last one
+closed at or before n.
 """
 
 from __future__ import annotations
