@@ -17,8 +17,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 # a path ending in .md, not the tail of a longer path or a URL; then, optionally, the passage
 CITED = re.compile(r"""(?<![\w/.*:-])([\w./-]*\w\.md)\b(?:(?:'s)?,?\s+"([^"]+)")?""")
-# files the code writes, named where it says so, not documents it cites
-WRITTEN = {"claims.md", "final/README.md"}
+# files the code writes, named where it says so (`vlm experiment --all --out DIR`, the export's
+# model card), not documents it cites
+WRITTEN = {"DIR/claims.md", "claims.md", "final/README.md"}
 
 
 def python_files() -> list[Path]:
@@ -72,7 +73,7 @@ def test_every_cited_markdown_file_and_passage_exists():
         for line, text in prose(path):
             for m in CITED.finditer(text):
                 cited, passage = m.group(1), m.group(2)
-                if any(cited == w or cited.endswith("/" + w) for w in WRITTEN):
+                if cited in WRITTEN:
                     continue
                 found = resolve(cited, path)
                 if found is None:
