@@ -188,7 +188,8 @@ def test_zero_partitions_and_expert_shards(small_config):
     whole = make_plan(str(path), 1, [], device="cpu").parameters
     assert whole["experts"] > 0.8 * whole["total"]
     assert ep["weights"] < 0.7 * two["weights"]
-    assert ep["optimizer"] > two["optimizer"]  # expert state over 1 replica, not 2
+    # half the experts' state over 1 replica: as much as all of it over 2
+    assert ep["optimizer"] == pytest.approx(two["optimizer"], rel=0.01)
 
 
 def test_meta_activations_are_the_cpu_runs(small_config):
@@ -261,6 +262,10 @@ def test_plan_agrees_with_the_measured_peak(small_config, tmp_path, world, secti
     path, cfg = small_config(**sections)
     plan = make_plan(str(path), world, [], device="cpu")
     measured = _measured_peak(cfg, world, tmp_path)
+    print(
+        f"{world} rank(s) {sections}: planned {plan.peak / 2**20:.1f} MiB, measured "
+        f"{measured / 2**20:.1f} MiB ({plan.peak / measured - 1:+.1%})"
+    )
     assert plan.peak == pytest.approx(measured, rel=0.25), (
         f"planned {plan.peak / 2**20:.1f} MiB per rank, measured {measured / 2**20:.1f} MiB on "
         f"{world} rank(s): {plan.memory}"

@@ -49,7 +49,7 @@ class ActivationMeasure:
     rows: int
     row_tokens: int  # tokens of a row on this rank (row_tokens / sequence)
     held: dict[str, int]  # bytes each part holds at the end of the forward (kept for the backward)
-    peak: int  # most bytes alive over the forward and backward (parameters' gradients excluded)
+    peak: int  # most bytes alive over the forward and backward (with `keep_gradients`, theirs too)
     loss_tile_tokens: int
     loss_untiled: int  # the [T, V] logits' figure: bf16/fp32 logits, their fp32 copy, log-softmax
     notes: list[str] = field(default_factory=list)
@@ -171,6 +171,7 @@ def measure_llm(
     frozen: list[str] = (),
     tile_tokens: int = 0,
     on: str = "meta",
+    keep_gradients: bool = False,
 ) -> ActivationMeasure:
     """The LLM's activations for one micro-batch of `rows` rows of `row_tokens` tokens (this
     rank's shard of each row) on the meta device. `expert`, `capacity_factor`: the experts split
@@ -178,7 +179,11 @@ def measure_llm(
     static exchange's C = every slot). `frozen`: module prefixes of the VLM ("lm.embed") whose
     parameters do not train. `device`: the device the run trains on (the loss's tile size). `on`:
     "meta", or "cpu" to run the same forward and backward with real tensors on the CPU's own kernels
-    (small sizes: what the tests compare the meta figures with)."""
+    (small sizes: what the tests compare the meta figures with). `keep_gradients`: the parameters'
+    gradients stay where the backward puts them and count (ZeRO 0-1 keep them whole from the
+    backward to the step, and the backward's peak is met with those of the layers it has passed);
+    else each is dropped as it is made (ZeRO 2-3 move it into their partitioned buffers, planned
+    with the model states)."""
     from vlm.model.conceptmoe import ConceptMoELM
     from vlm.model.expert_parallel import LoopbackExchange
     from vlm.model.moe import MoE
@@ -195,8 +200,8 @@ def measure_llm(
                 m.shard_experts(LoopbackExchange(expert, 0, capacity_factor))
     for name, p in lm.named_parameters():
         p.requires_grad_(not _frozen("lm." + name, list(frozen)))
-        # a parameter's gradient is the optimizer's (model states), not an activation
-        p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+        if not keep_gradients:
+            p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
     tile = loss_tile_tokens(V, device, tile_tokens)
 
     live = LiveBytes(on)
@@ -311,32 +316,51 @@ class VisionMeasure:
 
 
 def measure_vision(
-    vision_cfg, llm_hidden: int, dtype: torch.dtype, frozen: list[str]
+    vision_cfg, llm_hidden: int, dtype: torch.dtype, frozen: list[str], device: str = "cuda"
 ) -> VisionMeasure:
     """What the vision tower (encoder and projector) holds for the backward per image of the largest
     grid the processor makes (`max_patches`), measured on the CPU with real tensors at the config's
     sizes (its images' grids are read on the host, so the meta device cannot run it): the bytes
     held after one image and after two, their difference. `frozen`: module prefixes of the VLM
-    ("vision.encoder") that do not train."""
+    ("vision.encoder") that do not train. For a GPU run (`device` not "cpu") its attention keeps
+    what flash attention keeps (`_FlashKeeps`), as on a GPU; the CPU's SDPA over an image keeps
+    the n x n attention weights."""
     from dataclasses import replace as dc_replace
+
+    from vision import navit
 
     proc = vision_cfg.processor
     m = proc.merge
     side = max(m, int(proc.max_patches**0.5) // m * m)
     rows, cols = side, max(m, proc.max_patches // side // m * m)
-    tower = dc_replace(vision_cfg, timm_checkpoint=None).build(llm_hidden).to(dtype)
+    with torch.device("meta"):  # the weights' values do not matter here: not initialised
+        tower = dc_replace(vision_cfg, timm_checkpoint=None).build(llm_hidden)
+    tower = tower.to_empty(device="cpu").to(dtype)
     tower.train()
     for name, p in tower.named_parameters():
         p.requires_grad_(not _frozen("vision." + name, list(frozen)))
-    r, c = torch.meshgrid(torch.arange(rows), torch.arange(cols), indexing="ij")
+    # with flash attention an image's memory is linear in its patches: a small grid measures a
+    # patch's share (the CPU's kernel is quadratic in them: measured at the largest grid)
+    h, w = (rows, cols) if device == "cpu" else (2 * m, 2 * m)
+    r, c = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
     coords_P2 = torch.stack([r.flatten(), c.flatten()], 1)
     held = []
+
+    def flash(q_QPd, k_JPd, v_JPd, layout, kernel, mask_PP=None):
+        return _FlashKeeps.apply(q_QPd, k_JPd, v_JPd, False)
+
+    kernels = (
+        mock.patch.object(navit, "packed_attention", flash)
+        if device != "cpu"
+        else contextlib.nullcontext()
+    )
     for n in (1, 2):
         live = LiveBytes("cpu")
-        with live:
-            patches_PD = torch.rand(n * rows * cols, 3 * proc.patch_size**2)
-            out_ND = tower(patches_PD, coords_P2.repeat(n, 1), torch.tensor([[rows, cols]] * n))
+        with kernels, live:
+            patches_PD = torch.rand(n * h * w, 3 * proc.patch_size**2)
+            out_ND = tower(patches_PD, coords_P2.repeat(n, 1), torch.tensor([[h, w]] * n))
             held.append(live.now - patches_PD.untyped_storage().nbytes())
             if out_ND.requires_grad:
                 out_ND.float().sum().backward()
-    return VisionMeasure(held[1] - held[0], rows * cols, (rows // m) * (cols // m))
+    per_image = (held[1] - held[0]) * rows * cols // (h * w)
+    return VisionMeasure(per_image, rows * cols, (rows // m) * (cols // m))

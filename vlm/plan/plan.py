@@ -8,9 +8,11 @@ and the checkpoint a rank writes. Where the run would need what the trainer does
 sequence split across ranks, issue 51; the variable-size dropless expert exchange, issue 50) the
 plan plans it as those issues describe it and lists it in `needs`.
 
-The peak is the largest of three moments of a step: the start of the backward (model states,
-every activation the forward kept, the loss's tile, the engine's backward buffers, and the
-gradients already accumulated when a step has several micro-batches), the end of the backward
+The peak is the largest of three moments of a step: the backward's peak (model states, the
+forward's and backward's activations at their most with the loss's tile, the engine's backward
+buffers, and the gradients: under ZeRO 0-1 those the backward has made so far, counted with the
+activations, or all of them when a step accumulates micro-batches; under ZeRO 2-3 their
+partitioned buffer), the end of the backward
 (the gradients whole, and stage 0's all-reduce buffer) and the optimizer step (its fp32 gradient
 partition). On the CPU, where the host is the device, also the model's build: today every rank
 builds the whole model in fp32 before DeepSpeed keeps its share (issue 48 item 2 changes that).
@@ -172,6 +174,10 @@ def make_plan(
         )
         factor = VARIABLE_EXCHANGE_FACTOR
     row = cfg.data.row_tokens // S
+    micro = cfg.optim.grad_accum
+    # ZeRO 0-1 keep the gradients in the parameters from the backward to the step: the backward's
+    # peak meets those made so far (with accumulation all of them, the last micro-batch's included)
+    in_params = ds.zero_stage <= 1
     act = measure_llm(
         mc,
         rows=cfg.data.rows_per_batch,
@@ -183,6 +189,7 @@ def make_plan(
         device=device,
         frozen=[f for f in frozen if f.startswith("lm")],
         tile_tokens=getattr(mc, "loss_tile_tokens", 0),
+        keep_gradients=in_params and micro == 1,
     )
     notes += act.notes
     static = None
@@ -198,14 +205,16 @@ def make_plan(
             device=device,
             frozen=[f for f in frozen if f.startswith("lm")],
             tile_tokens=getattr(mc, "loss_tile_tokens", 0),
+            keep_gradients=in_params and micro == 1,
         )
         notes.append(
             f"today's static dropless exchange (buffers of all {P} x the rank's slots) would "
             f"need {static.peak / GiB:.1f} GiB of activations instead of {act.peak / GiB:.1f}"
         )
-    vision = _vision(vlm, vision_cfg, mc, dtype, frozen, act.tokens, image_share)
-    micro = cfg.optim.grad_accum
-    accumulated = states.gradients if micro > 1 else 0
+    vision = _vision(vlm, vision_cfg, mc, dtype, frozen, act.tokens, image_share, device)
+    # the gradients the backward's peak meets besides those it makes (measured with it for ZeRO 0-1
+    # and one micro-batch): the earlier micro-batches' whole, or ZeRO 2-3's partition buffer
+    accumulated = states.gradients if micro > 1 or not in_params else 0
     backward_start = (
         states.weights
         + states.optimizer
@@ -254,11 +263,11 @@ def make_plan(
     return plan
 
 
-def _vision(vlm, vision_cfg, mc, dtype, frozen, tokens, image_share) -> dict:
+def _vision(vlm, vision_cfg, mc, dtype, frozen, tokens, image_share, device) -> dict:
     if vlm.vision is None:
         return {"bytes": 0, "images": 0}
     share = 1.0 if image_share is None else image_share
-    v = measure_vision(vision_cfg, mc.hidden_size, dtype, frozen)
+    v = measure_vision(vision_cfg, mc.hidden_size, dtype, frozen, device)
     images = math.ceil(share * tokens / v.tokens) if share else 0
     return {
         "bytes": images * v.per_image,
