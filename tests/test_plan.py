@@ -193,8 +193,10 @@ def test_zero_partitions_and_expert_shards(small_config):
 
 
 def test_meta_activations_are_the_cpu_runs(small_config):
-    """The planner's forward and backward on the meta device allocate what the same model's
-    forward and backward allocate on the CPU with real tensors and the CPU's own kernels."""
+    """The planner's forward and backward on the meta device allocate, byte for byte, what the same
+    model's forward and backward allocate on the CPU with real tensors and the CPU's own kernels
+    (its per-document SDPA keeps what the planner's flash-attention stand-in keeps), part by part
+    and at the peak, with and without activation checkpointing."""
     from configs.config import from_dict
     from vlm.model.config import ModelConfig
     from vlm.plan.activations import measure_llm
@@ -204,9 +206,9 @@ def test_meta_activations_are_the_cpu_runs(small_config):
         mc = from_dict(ModelConfig, {**cfg["model"], "activation_checkpoint": ac})
         kw = dict(rows=1, row_tokens=512, dtype=torch.float32, device="cpu")
         meta, cpu = measure_llm(mc, **kw), measure_llm(mc, on="cpu", **kw)
-        assert meta.peak == pytest.approx(cpu.peak, rel=0.05), ac
-        for part in ("encoder layers", "concept layers", "chunk module", "dechunk"):
-            assert meta.held[part] == pytest.approx(cpu.held[part], rel=0.1), (ac, part)
+        assert meta.held == cpu.held, ac
+        assert meta.peak == cpu.peak, ac
+        assert "concept layers" in meta.held and meta.held["concept layers"] > 0
 
 
 # ---------------------------------------------------------------- against measured runs
@@ -270,3 +272,36 @@ def test_plan_agrees_with_the_measured_peak(small_config, tmp_path, world, secti
         f"planned {plan.peak / 2**20:.1f} MiB per rank, measured {measured / 2**20:.1f} MiB on "
         f"{world} rank(s): {plan.memory}"
     )
+
+
+@pytest.mark.slow
+def test_the_papers_90b_ct_at_128k_fits_on_512_gpus(ROOT, capsys):
+    """Issue 48's command: the paper's 90B continual training at 128K tokens on 512 GPUs of 80 GB,
+    experts over 64 ranks and each row over 8, fits, and says what it needs that the trainer does
+    not do yet (the sequence split, the variable-size expert exchange)."""
+    argv = [
+        "--config",
+        str(ROOT / "configs" / "paper_ct_90b_top15.yaml"),
+        "--ranks",
+        "512",
+        "--gpu-memory-gb",
+        "80",
+        "parallel.expert=64",
+        "parallel.sequence=8",
+        "model.activation_checkpoint=full",
+        "data.row_tokens=131072",
+        "data.rows_per_batch=1",
+        "--json",
+    ]
+    rc, out, err = _plan_cli(argv, capsys)
+    assert rc == 0, err
+    plan = json.loads(out)
+    assert plan["fits"] is True, plan["per_rank_gb"]
+    assert plan["tokens_per_micro_batch"] == 131072 // 8
+    assert any("issue 51" in n for n in plan["needs"]) and any(
+        "issue 50" in n for n in plan["needs"]
+    )
+    # each rank holds 1/64 of the 576 experts and every dense weight, in bf16
+    params = plan["parameters"]
+    assert params["this_rank"] == params["total"] - params["experts"] + params["experts"] // 64
+    assert plan["memory_bytes"]["weights"] >= 2 * params["this_rank"]

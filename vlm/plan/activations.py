@@ -1,8 +1,8 @@
 """Activation memory of one micro-batch's forward and backward on one rank, measured by running the
 model's own code on the meta device at the run's sizes.
 
-Legend: B rows, T tokens, D width, N flat tokens or patches, Q query heads, J key/value heads, d
-head width.
+Legend: B rows, T tokens, D width, N flat tokens or patches, P patches, Q query heads, J key/value
+heads, d head width.
 
 The LLM is built on the meta device (its parameters have shapes and no memory) with the run's
 width, depth, experts, dtype and activation checkpointing, its routed experts sharded as the run

@@ -230,7 +230,11 @@ def make_plan(
         "reduction": after + states.reduce_extra,
         "step": after + states.step_extra,
     }
-    build = 4 * sum(s.numel for s in shares) + 4 * sum(s.local for s in shares if s.expert)
+    # today: the whole model in fp32 on every rank, and with experts split, each layer's slice
+    # copied out before the whole is dropped (MoE.shard_experts)
+    build = 4 * sum(s.numel for s in shares)
+    if P > 1:
+        build += 4 * sum(s.local for s in shares if s.expert)
     if device == "cpu":
         moments["build"] = build
     peak = max(moments.values())
