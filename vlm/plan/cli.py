@@ -57,9 +57,12 @@ def format_plan(plan) -> str:
     if plan.gpu_memory_gb is not None:
         need = plan.per_rank_gb * (1 + d["headroom"]["fragmentation"]) + plan.reserved_gb
         verdict = "fits" if plan.fits else "does NOT fit"
+        reserve = (
+            f" + {plan.reserved_gb:g} GiB (CUDA context, NCCL, cuBLAS)" if plan.reserved_gb else ""
+        )
         lines.append(
-            f"  {verdict} in {plan.gpu_memory_gb:g} GiB: peak x 1.10 (allocator fragmentation) + "
-            f"{plan.reserved_gb:g} GiB (CUDA context, NCCL, cuBLAS) = {need:.2f} GiB"
+            f"  {verdict} in {plan.gpu_memory_gb:g} GiB: peak x 1.10 (allocator fragmentation)"
+            f"{reserve} = {need:.2f} GiB"
         )
     lines.append("activations held at the end of the forward, bytes per token, by part")
     per = act["bytes_per_token_by_part"]
