@@ -14,6 +14,7 @@ expert loads.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Callable
 
@@ -367,7 +368,9 @@ class MoE(nn.Module):
             )
         cfg, E = self.cfg, self.num_experts
         dev_type = x_ND.device.type
-        with torch.autocast(dev_type, enabled=False):
+        # the meta device (where `vlm plan` runs the model at sizes no machine holds) has no autocast
+        autocast = torch.amp.is_autocast_available(dev_type)
+        with torch.autocast(dev_type, enabled=False) if autocast else contextlib.nullcontext():
             logits_NE = F.linear(x_ND.float(), self.router.weight.float())
         r = route(logits_NE, cfg, self.expert_bias)
         pad_N1 = None if valid_N is None else ~valid_N[:, None]
@@ -393,7 +396,7 @@ class MoE(nn.Module):
 
         dtype = (
             torch.get_autocast_dtype(dev_type)
-            if torch.is_autocast_enabled(dev_type)
+            if autocast and torch.is_autocast_enabled(dev_type)
             else x_ND.dtype
         )
         x_c = x_ND.to(dtype)

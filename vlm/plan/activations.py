@@ -1,0 +1,366 @@
+"""Activation memory of one micro-batch's forward and backward on one rank, measured by running the
+model's own code on the meta device at the run's sizes.
+
+Legend: B rows, T tokens, D width, N flat tokens or patches, P patches, Q query heads, J key/value
+heads, d head width.
+
+The LLM is built on the meta device (its parameters have shapes and no memory) with the run's
+width, depth, experts, dtype and activation checkpointing, its routed experts sharded as the run
+shards them (`MoE.shard_experts` with a loopback exchange of the run's expert degree), and one
+micro-batch of `rows x row_tokens / sequence` tokens goes forward, through the tiled loss, and
+backward, while `LiveBytes` counts every tensor the code allocates (vlm.plan.tracker). Nothing is
+computed and nothing is held, so a 90B model at 16K tokens per rank is measured in seconds on a
+laptop. What the meta device cannot run is stood in for, and said here:
+
+- the attention kernel keeps what flash attention keeps for its backward (q, k, v, its output, a
+  float32 log-sum-exp per head and query; its backward a float32 dq accumulator), the kernel a GPU
+  runs; CPU's per-document SDPA keeps the same. With sequence parallelism (S > 1) the Ulysses
+  exchange's copies of q, k, v and the output are kept too (DeepSpeed's DistributedAttention
+  exchanges sequence for heads around the kernel: the same bytes as the shard's own);
+- the experts run the grouped-matmul path (a GPU's static shapes; the per-expert loop reads counts
+  on the host), and the chunk module takes its static concept capacity (`chunk.capacity_slack`:
+  what a GPU computes; an eager CPU run computes only the concepts its batch has, fewer);
+- the row is one document (the shapes do not depend on the documents).
+
+The vision tower reads its images' grids on the host, so it is measured on the CPU, with real
+tensors at the config's sizes, on one and two images of `max_patches` patches, and scaled to the
+images a rank's rows can hold (`vision_bytes`). Each figure says where it comes from (`source`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field, replace
+from unittest import mock
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vlm.plan.tracker import LiveBytes
+
+MiB = 2**20
+
+
+@dataclass
+class ActivationMeasure:
+    """One micro-batch of one rank, forward and backward."""
+
+    rows: int
+    row_tokens: int  # tokens of a row on this rank (row_tokens / sequence)
+    held: dict[str, int]  # bytes each part holds at the end of the forward (kept for the backward)
+    peak: int  # most bytes alive over the forward and backward (with `keep_gradients`, theirs too)
+    loss_tile_tokens: int
+    loss_untiled: int  # the [T, V] logits' figure: bf16/fp32 logits, their fp32 copy, log-softmax
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def tokens(self) -> int:
+        return self.rows * self.row_tokens
+
+
+# ---------------------------------------------------------------- the stand-ins
+class _FlashKeeps(torch.autograd.Function):
+    """The attention kernel as flash attention holds memory: it keeps q, k, v, its output and a
+    float32 log-sum-exp per head and query; its backward makes dq, dk, dv and a float32 dq
+    accumulator. With `exchange` the Ulysses all-to-all's copies are made and kept as well."""
+
+    @staticmethod
+    def forward(ctx, q_BQTd, k_BJTd, v_BJTd, exchange: bool):
+        if exchange:  # sequence -> heads: the kernel's operands are new tensors of the same bytes
+            q_BQTd, k_BJTd, v_BJTd = (torch.empty_like(t) for t in (q_BQTd, k_BJTd, v_BJTd))
+        out_BQTd = torch.empty_like(q_BQTd)
+        lse = q_BQTd.new_empty(q_BQTd.shape[:-1], dtype=torch.float32)
+        ctx.save_for_backward(q_BQTd, k_BJTd, v_BJTd, out_BQTd, lse)
+        return torch.empty_like(out_BQTd) if exchange else out_BQTd.view_as(out_BQTd)
+
+    @staticmethod
+    def backward(ctx, g_BQTd):
+        q_BQTd, k_BJTd, v_BJTd, _, _ = ctx.saved_tensors
+        accum = torch.empty_like(q_BQTd, dtype=torch.float32)
+        grads = [torch.empty_like(t) for t in (q_BQTd, k_BJTd, v_BJTd)]
+        del accum
+        return (*grads, None)
+
+
+def _attend_keeping(sequence: int):
+    def attend(q_BQTd, k_BJTd, v_BJTd, doc_BT, backend, doc_mask=None, causal=True, window=0):
+        return _FlashKeeps.apply(q_BQTd, k_BJTd, v_BJTd, sequence > 1)
+
+    return attend
+
+
+@contextlib.contextmanager
+def planning_kernels(sequence: int = 1):
+    """Inside: the model's attention is `_FlashKeeps` (no T x T mask is built) and its experts take
+    the grouped-matmul path, so that it runs on the meta device as a GPU runs it."""
+    from vlm.model import attention, block, cross_attention, moe
+
+    attend = _attend_keeping(sequence)
+    with contextlib.ExitStack() as stack:
+        for module in (attention, cross_attention):
+            stack.enter_context(mock.patch.object(module, "attend", attend))
+        for module in (block, cross_attention):
+            stack.enter_context(mock.patch.object(module, "packed_mask", lambda *a, **k: None))
+        stack.enter_context(mock.patch.object(moe, "grouped_mm_available", lambda *a: True))
+        yield
+
+
+# ---------------------------------------------------------------- the loss
+def loss_tile_tokens(vocab: int, device: str, setting: int = 0) -> int:
+    """Tokens per tile of the LM loss: vlm.model.tiled_loss's rule where it exists; until it is
+    merged, the same rule (tiles of at most 256 MiB of float32 logits on an accelerator, 64 MiB on
+    the CPU) stands in for it."""
+    try:
+        from vlm.model.tiled_loss import tokens_per_tile
+    except ImportError:  # stand-in until the tiled loss (issue 48 item 3) is merged
+        budget = (64 if device == "cpu" else 256) * MiB
+        return setting if setting > 0 else max(1, budget // (4 * vocab))
+    return tokens_per_tile(vocab, torch.device(device), setting)
+
+
+def _tile_loss(head: nn.Module, h_ND: torch.Tensor, target_N: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(head(h_ND).float(), target_N, reduction="none")
+
+
+def tiled_token_loss(h_ND, head, target_N, tile: int) -> torch.Tensor:
+    """Each token's cross-entropy, `tile` tokens at a time, each tile's logits recomputed in the
+    backward: vlm.model.tiled_loss.token_cross_entropy where it exists, else the same computation
+    (stand-in until it is merged)."""
+    try:
+        from vlm.model.tiled_loss import token_cross_entropy
+    except ImportError:
+        parts = [
+            torch.utils.checkpoint.checkpoint(
+                _tile_loss,
+                head,
+                h_ND[s : s + tile],
+                target_N[s : s + tile],
+                use_reentrant=False,
+                preserve_rng_state=False,
+            )
+            for s in range(0, h_ND.shape[0], tile)
+        ]
+        return torch.cat(parts)
+    return token_cross_entropy(h_ND, head, target_N, tile)
+
+
+def untiled_loss_bytes(tokens: int, vocab: int, dtype: torch.dtype) -> int:
+    """What the [T, V] loss holds at its peak: the logits in the model's dtype, their float32 copy
+    and the log-softmax cross-entropy keeps (float32), then its gradient (float32) in the backward
+    while the log-softmax is still held."""
+    b = torch.empty((), dtype=dtype).element_size()
+    return tokens * vocab * (b + 4 + 4 + 4)
+
+
+# ---------------------------------------------------------------- the LLM
+def _frozen(name: str, prefixes: list[str]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def measure_llm(
+    model_cfg,
+    *,
+    rows: int,
+    row_tokens: int,
+    dtype: torch.dtype,
+    expert: int = 1,
+    capacity_factor: float | None = None,
+    sequence: int = 1,
+    device: str = "cuda",
+    frozen: list[str] = (),
+    tile_tokens: int = 0,
+    on: str = "meta",
+    keep_gradients: bool = False,
+) -> ActivationMeasure:
+    """The LLM's activations for one micro-batch of `rows` rows of `row_tokens` tokens (this
+    rank's shard of each row) on the meta device. `expert`, `capacity_factor`: the experts split
+    over that many ranks, each MoE layer's exchange buffer C rows per peer (None: dropless, the
+    static exchange's C = every slot). `frozen`: module prefixes of the VLM ("lm.embed") whose
+    parameters do not train. `device`: the device the run trains on (the loss's tile size). `on`:
+    "meta", or "cpu" to run the same forward and backward with real tensors on the CPU's own kernels
+    (small sizes: what the tests compare the meta figures with). `keep_gradients`: the parameters'
+    gradients stay where the backward puts them and count (ZeRO 0-1 keep them whole from the
+    backward to the step, and the backward's peak is met with those of the layers it has passed);
+    else each is dropped as it is made (ZeRO 2-3 move it into their partitioned buffers, planned
+    with the model states)."""
+    from vlm.model.conceptmoe import ConceptMoELM
+    from vlm.model.expert_parallel import LoopbackExchange
+    from vlm.model.moe import MoE
+
+    meta = on == "meta"
+    cfg = replace(model_cfg, attn_backend="sdpa" if meta else "auto", compile=False)
+    B, T, V = rows, row_tokens, cfg.vocab_size
+    with torch.device(on):
+        lm = ConceptMoELM(cfg).to(dtype)
+    lm.train()
+    if expert > 1:
+        for m in lm.modules():
+            if isinstance(m, MoE):
+                m.shard_experts(LoopbackExchange(expert, 0, capacity_factor))
+    for name, p in lm.named_parameters():
+        p.requires_grad_(not _frozen("lm." + name, list(frozen)))
+        if not keep_gradients:
+            p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+    tile = loss_tile_tokens(V, device, tile_tokens)
+
+    live = LiveBytes(on)
+    parts = _Parts(lm, live)
+    kernels = planning_kernels(sequence) if meta else contextlib.nullcontext()
+    with kernels, live:
+        with torch.device(on):
+            ids_BT = torch.randint(0, V, (B, T))
+            doc_BT = torch.zeros(B, T, dtype=torch.long)
+            pos_BT = torch.arange(T).expand(B, T)
+        x_BTD = lm.embed(ids_BT)
+        out_BTD, chunks, stats = lm.hidden(x_BTD, doc_BT, pos_BT)
+        with parts.part("final norm and loss"):
+            h_ND = lm.norm(out_BTD).flatten(0, 1)
+            tok_loss_N = tiled_token_loss(h_ND, lm.lm_head, ids_BT.flatten(), tile)
+            loss = tok_loss_N.sum()
+            for s in stats:  # the router's loss terms, as the trainer's loss adds them
+                for term in (s.balance, s.z):
+                    if term is not None:
+                        loss = loss + term
+            if chunks is not None:
+                loss = loss + chunks.p_BT.float().mean()  # the ratio loss reads p
+        held = parts.close()
+        loss.backward()
+    notes = []
+    if cfg.chunk.enabled and cfg.chunk.capacity_slack is None:
+        notes.append("chunk.capacity_slack null: the concept model runs on every token's slot")
+    return ActivationMeasure(
+        rows=B,
+        row_tokens=T,
+        held=held,
+        peak=live.peak,
+        loss_tile_tokens=tile,
+        loss_untiled=untiled_loss_bytes(B * T, V, dtype),
+        notes=notes,
+    )
+
+
+class _Parts:
+    """Which part of the model holds what at the end of the forward: the bytes still alive that were
+    allocated between each part's start and end (its kept tensors and its output, which the next
+    part keeps as its input). Parts: the embedding, every layer (its attention and MoE apart too),
+    the chunk module (its merge included), the dechunk (its smoothing included), the final norm and
+    the loss; "other" is what runs between them (the stacks' rotary tables and contexts)."""
+
+    def __init__(self, lm: nn.Module, live: LiveBytes):
+        self.live, self.held, self.hooks, self.open = live, {}, [], True
+        # under full checkpointing a layer keeps its input alone: its parts keep nothing apart
+        self.sub = lm.activation_checkpoint != "full"
+        self.start = live.now
+        named = [("embedding", lm.embed)]
+        for stack in ("encoder", "concept", "decoder"):
+            for block in getattr(lm, stack):
+                named += [(f"{stack} layers", block)]
+                if self.sub:
+                    named += [(f"{stack} attention", block.attn), (f"{stack} MoE", block.moe)]
+        for label, module in named:
+            self._hook(label, module)
+        for label, owner, method in (
+            ("chunk module", lm.chunker, "forward"),
+            ("chunk module", lm.chunker, "merge"),
+            ("dechunk", lm.dechunk, "forward"),
+            ("dechunk", lm.dechunk, "smooth"),
+        ):
+            if owner is not None:
+                self._wrap(label, owner, method)
+
+    def _add(self, label: str, bytes_: int) -> None:
+        if self.open:  # the backward's recomputation runs the layers again: not counted
+            self.held[label] = self.held.get(label, 0) + bytes_
+
+    def _hook(self, label, module):
+        def pre(*a, **k):
+            module._plan_start = self.live.now
+
+        def post(*a, **k):
+            self._add(label, self.live.now - module._plan_start)
+
+        self.hooks += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+
+    def _wrap(self, label, owner, method):
+        inner = getattr(owner, method)
+
+        def wrapped(*a, **k):
+            with self.part(label):
+                return inner(*a, **k)
+
+        setattr(owner, method, wrapped)
+
+    @contextlib.contextmanager
+    def part(self, label: str):
+        start = self.live.now
+        yield
+        self._add(label, self.live.now - start)
+
+    def close(self) -> dict[str, int]:
+        """The parts' figures (stop counting), with "other" the rest of what is alive."""
+        self.open = False
+        for h in self.hooks:
+            h.remove()
+        whole = [k for k in self.held if not k.endswith(("attention", "MoE"))]
+        self.held["other"] = self.live.now - self.start - sum(self.held[k] for k in whole)
+        return self.held
+
+
+# ---------------------------------------------------------------- the vision tower
+@dataclass
+class VisionMeasure:
+    per_image: int  # bytes one image of `patches` patches holds at the end of the forward
+    patches: int  # patches of the largest image the processor makes
+    tokens: int  # the LLM tokens it becomes
+
+
+def measure_vision(
+    vision_cfg, llm_hidden: int, dtype: torch.dtype, frozen: list[str], device: str = "cuda"
+) -> VisionMeasure:
+    """What the vision tower (encoder and projector) holds for the backward per image of the largest
+    grid the processor makes (`max_patches`), measured on the CPU with real tensors at the config's
+    sizes (its images' grids are read on the host, so the meta device cannot run it): the bytes
+    held after one image and after two, their difference. `frozen`: module prefixes of the VLM
+    ("vision.encoder") that do not train. For a GPU run (`device` not "cpu") its attention keeps
+    what flash attention keeps (`_FlashKeeps`), as on a GPU; the CPU's SDPA over an image keeps
+    the n x n attention weights."""
+    from dataclasses import replace as dc_replace
+
+    from vision import navit
+
+    proc = vision_cfg.processor
+    m = proc.merge
+    side = max(m, int(proc.max_patches**0.5) // m * m)
+    rows, cols = side, max(m, proc.max_patches // side // m * m)
+    with torch.device("meta"):  # the weights' values do not matter here: not initialised
+        tower = dc_replace(vision_cfg, timm_checkpoint=None).build(llm_hidden)
+    tower = tower.to_empty(device="cpu").to(dtype)
+    tower.train()
+    for name, p in tower.named_parameters():
+        p.requires_grad_(not _frozen("vision." + name, list(frozen)))
+    # with flash attention an image's memory is linear in its patches: a small grid measures a
+    # patch's share (the CPU's kernel is quadratic in them: measured at the largest grid)
+    h, w = (rows, cols) if device == "cpu" else (2 * m, 2 * m)
+    r, c = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+    coords_P2 = torch.stack([r.flatten(), c.flatten()], 1)
+    held = []
+
+    def flash(q_QPd, k_JPd, v_JPd, layout, kernel, mask_PP=None):
+        return _FlashKeeps.apply(q_QPd, k_JPd, v_JPd, False)
+
+    kernels = (
+        mock.patch.object(navit, "packed_attention", flash)
+        if device != "cpu"
+        else contextlib.nullcontext()
+    )
+    for n in (1, 2):
+        live = LiveBytes("cpu")
+        with kernels, live:
+            patches_PD = torch.rand(n * h * w, 3 * proc.patch_size**2)
+            out_ND = tower(patches_PD, coords_P2.repeat(n, 1), torch.tensor([[h, w]] * n))
+            held.append(live.now - patches_PD.untyped_storage().nbytes())
+            if out_ND.requires_grad:
+                out_ND.float().sum().backward()
+    per_image = (held[1] - held[0]) * rows * cols // (h * w)
+    return VisionMeasure(per_image, rows * cols, (rows // m) * (cols // m))
