@@ -8,6 +8,8 @@ Without a process group (one process) every collective is the identity.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -138,18 +140,30 @@ def weights_of_rank0(module: torch.nn.Module) -> None:
 class GroupExchange:
     """The expert-parallel group of this rank as its MoE layers see it
     (vlm.model.expert_parallel.ExpertExchange): `size` ranks holding E/size experts each, this one
-    the `rank`-th. The all-to-all is torch's functional collective with its autograd (the backward
-    is the reverse all-to-all), which torch.compile traces into a graph; equal splits, so its
-    sizes are shapes and no rank reads another's counts on the host."""
+    the `rank`-th; `variable` says how a layer sends its blocks (parallel.exchange). Both
+    all-to-alls are torch's functional collective with its autograd (the backward is the reverse
+    all-to-all): equal splits, whose sizes are shapes (torch.compile traces it into a graph), or
+    the split sizes a layer read on the host. `traffic` counts what each forward sends."""
 
-    def __init__(self, group, size: int, rank: int, capacity_factor: float | None):
+    def __init__(
+        self, group, size: int, rank: int, capacity_factor: float | None, variable: bool = True
+    ):
         self.group, self.size, self.rank = group, size, rank
-        self.capacity_factor = capacity_factor
+        self.capacity_factor, self.variable = capacity_factor, variable
+        self.traffic = ExchangeTraffic()
 
     def all_to_all(self, x: torch.Tensor) -> torch.Tensor:
         from torch.distributed._functional_collectives import all_to_all_single_autograd
 
+        if not torch.compiler.is_compiling():
+            self.traffic.add(x, [x.shape[0] // self.size] * self.size, self.rank)
         return all_to_all_single_autograd(x.contiguous(), None, None, self.group)
+
+    def all_to_all_v(self, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
+        from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+        self.traffic.add(x, send, self.rank)
+        return all_to_all_single_autograd(x.contiguous(), list(recv), list(send), self.group)
 
     def common_slots(self, slots: int, device: torch.device) -> int:
         if device.type != "cpu" or torch.compiler.is_compiling():
@@ -158,6 +172,25 @@ class GroupExchange:
 
     def __deepcopy__(self, memo):
         return self  # a process group is not copied with a module
+
+
+class ExchangeTraffic:
+    """Bytes a rank's expert exchanges sent in their forwards (the backward sends as much again),
+    counted on the host from the shapes and split sizes: `total` through the all-to-alls (the
+    block a rank keeps included: it is a row of the exchange), `to_peers` to the other ranks, and
+    `calls`. `clear()` starts again."""
+
+    def __init__(self):
+        self.clear()
+
+    def clear(self) -> None:
+        self.total = self.to_peers = self.calls = 0
+
+    def add(self, x: torch.Tensor, send: list[int], rank: int) -> None:
+        row = math.prod(x.shape[1:]) * x.element_size()
+        self.total += sum(send) * row
+        self.to_peers += (sum(send) - send[rank]) * row
+        self.calls += 1
 
 
 def expert_group_max(x: torch.Tensor, group) -> torch.Tensor:

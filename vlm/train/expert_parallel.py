@@ -56,9 +56,14 @@ class ExpertParallel:
 
     def banner(self) -> str:
         cap = self.exchange.capacity_factor
+        how = (
+            "variable (each block's real rows; counts read on the host per layer)"
+            if self.exchange.variable
+            else "static (every block padded to the capacity)"
+        )
         return (
             f"experts: 1/{self.size} per rank ({self.local_params:,} of {self.total_params:,} "
-            f"expert parameters); {self.replicas} rank(s) per shard; all-to-all capacity "
+            f"expert parameters); {self.replicas} rank(s) per shard; all-to-all {how}, capacity "
             + ("dropless (every slot)" if cap is None else f"{cap:g} x slots / {self.size}")
         )
 
@@ -99,7 +104,7 @@ def set_up(model: nn.Module, parallel, layout, groups) -> ExpertParallel | None:
             )
     name = groups.expert_name
     exchange = collectives.GroupExchange(
-        groups.expert, P, layout.expert_rank, parallel.capacity_factor
+        groups.expert, P, layout.expert_rank, parallel.capacity_factor, parallel.variable_exchange
     )
     total = sum(p.numel() for m in layers for p in m.routed_expert_weights())
     for m in layers:
