@@ -119,7 +119,7 @@ def _worker(rank: int, world: int, port: int, factor, result: str) -> None:
         variable, static = _split(factor, True), _split(factor, False)
         held = variable.local_experts
         split = {"variable": _run(variable, x, valid), "static": _run(static, x, valid)}
-        traffic = {"variable": variable.exchange.traffic.total}
+        traffic = {"variable": variable.exchange.traffic.forward}
         # the whole layer's expert gradients, summed over the ranks (what a shard's gradient is)
         for n in ("w_gate_EDF", "w_up_EDF", "w_down_EFD"):
             dist.all_reduce(whole[f"d.{n}"])
@@ -229,7 +229,7 @@ def _traffic_worker(rank: int, world: int, port: int, result: str) -> None:
                 m = make_moe(num_experts=TRAFFIC_EXPERTS)
                 m.shard_experts(GroupExchange(group, P, rank % P, None, how == "variable"))
                 res = _run(m, x, valid)
-                out[f"{how} {P}"] = m.exchange.traffic.total
+                out[f"{how} {P}"] = m.exchange.traffic.forward
                 out[f"overflow {how} {P}"] = float(res["overflow"])
         loads = [torch.zeros(TRAFFIC_EXPERTS) for _ in range(world)]
         dist.all_gather(loads, res["load"])  # the router's, the same with any exchange
@@ -339,21 +339,26 @@ def test_bench_alltoall_states_the_bytes_and_times_the_exchange():
     from eval.bench import alltoall
 
     res = alltoall.run(alltoall.SETTINGS["smoke"], log=lambda _: None)
-    rows = {r["candidate"]: r for r in res["rows"]}
-    assert set(rows) == {
-        alltoall.BASELINE,
-        "all_to_all (dropless)",
-        "exchanged layer (dropless)",
-        "all_to_all (capacity 1.25)",
-        "exchanged layer (capacity 1.25)",
-    }
-    assert all(r["median"] > 0 for r in rows.values())
-    # 64 tokens x top-2 = 128 slots per peer (dropless) of 64 fp32 values; half of it leaves
-    assert rows["all_to_all (dropless)"]["capacity_rows"] == 128
-    assert rows["all_to_all (dropless)"]["MB_sent_per_rank"] == round(2 * 128 * 64 * 4 / 2 / 1e6, 3)
-    assert rows["all_to_all (capacity 1.25)"]["capacity_rows"] == capacity(128, 2, 1.25) == 80
-    assert rows["exchanged layer (dropless)"]["overflow_slots"] == 0
-    assert res["notes"] == [alltoall.LOOPBACK_NOTE]  # one process here
+    assert res["notes"] == [alltoall.LOOPBACK_NOTE, alltoall.ROUTING_NOTE]  # one process here
+    by = {}
+    for r in res["rows"]:
+        by[r["setting"]["what"], r["setting"]["expert_ranks"], r["candidate"]] = r
+    assert all(r["median"] > 0 for r in res["rows"])
+    # 64 tokens x top-2 of 64 fp32 values; per forward the rows go out and come home
+    routed = 2 * 64 * 2 * 64 * 4
+    for P in (2, 4):
+        static = by["exchange", P, "static exchange (dropless)"]
+        variable = by["exchange", P, "variable exchange (dropless)"]
+        # the static buffers hold P x every slot; the variable exchange what was routed
+        assert static["x_routed"] == pytest.approx(P, rel=0.01)
+        assert variable["x_routed"] == pytest.approx(1, rel=0.01)
+        assert variable["MB_fwd"] == pytest.approx(routed / 1e6, rel=0.01)
+        # the backward sends the rows again
+        assert variable["MB_sent_per_rank_fwd_bwd"] == pytest.approx(2 * routed / 1e6, rel=0.01)
+        assert variable["overflow_slots"] == static["overflow_slots"] == 0
+        assert by["exchange", P, "static exchange (capacity 1.25)"]["x_routed"] < P
+        assert by["layer", P, alltoall.BASELINE]["ratio_vs_baseline"] == 1
+        assert by["layer", P, "variable exchanged layer (dropless)"]["overflow_slots"] == 0
 
 
 @pytest.mark.parametrize(

@@ -59,6 +59,7 @@ class ExpertExchange(Protocol):
     # True: each block travels at its real size (`all_to_all_v`, the sizes read on the host once per
     # layer); False: in a static [P, C] buffer (`all_to_all`, no host read)
     variable: bool
+    traffic: ExchangeTraffic  # the bytes its all-to-alls sent (and their backwards will)
 
     def all_to_all(self, x: torch.Tensor) -> torch.Tensor:
         """[P, ...] -> [P, ...]: row j goes to rank j; row s of the result came from rank s.
@@ -79,11 +80,33 @@ class ExpertExchange(Protocol):
         ...
 
 
+class ExchangeTraffic:
+    """Bytes an exchange sent, counted on the host from the shapes and split sizes (no read of a
+    device value): `forward` through the forwards' all-to-alls (the block a rank keeps included:
+    it is part of the collective), `backward` what their reverse exchanges will send (autograd
+    runs them: the differentiable ones, the rows), `to_peers` the forwards' bytes to the other
+    ranks, and `calls`. `clear()` starts again."""
+
+    def __init__(self):
+        self.clear()
+
+    def clear(self) -> None:
+        self.forward = self.backward = self.to_peers = self.calls = 0
+
+    def add(self, x: torch.Tensor, send: list[int], rank: int) -> None:
+        row = math.prod(x.shape[1:]) * x.element_size()
+        self.forward += sum(send) * row
+        self.backward += sum(send) * row if x.requires_grad else 0
+        self.to_peers += (sum(send) - send[rank]) * row
+        self.calls += 1
+
+
 class LoopbackExchange:
     """An exchange with no other process: every row comes back to where it was (row j of the
     result is row j of the input). With `size` 1 it is exact expert parallelism on one rank; with
     more it computes nothing meaningful and exists to trace the exchanged path's shapes (the
-    static-shape test compiles it with fullgraph=True) and to time what surrounds the exchange."""
+    static-shape test compiles it with fullgraph=True) and to time what surrounds the exchange;
+    its `traffic` is what rank `rank` of `size` would send."""
 
     def __init__(
         self,
@@ -94,13 +117,17 @@ class LoopbackExchange:
     ):
         self.size, self.rank, self.capacity_factor = size, rank, capacity_factor
         self.variable = variable
+        self.traffic = ExchangeTraffic()
 
     def all_to_all(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.compiler.is_compiling():
+            self.traffic.add(x, [x.shape[0] // self.size] * self.size, self.rank)
         return x.clone()
 
     def all_to_all_v(self, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
         if list(send) != list(recv):  # what came back is what was sent: the sizes must agree
             raise ValueError(f"a loopback exchange receives what it sends: {send} != {recv}")
+        self.traffic.add(x, send, self.rank)
         return x.clone()
 
     def common_slots(self, slots: int, device: torch.device) -> int:

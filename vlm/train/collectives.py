@@ -8,10 +8,10 @@ Without a process group (one process) every collective is the identity.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
+
+from vlm.model.expert_parallel import ExchangeTraffic
 
 
 # ---------------------------------------------------------------- primitives
@@ -143,14 +143,14 @@ class GroupExchange:
     the `rank`-th; `variable` says how a layer sends its blocks (parallel.exchange). Both
     all-to-alls are torch's functional collective with its autograd (the backward is the reverse
     all-to-all): equal splits, whose sizes are shapes (torch.compile traces it into a graph), or
-    the split sizes a layer read on the host. `traffic` counts what each forward sends."""
+    the split sizes a layer read on the host."""
 
     def __init__(
         self, group, size: int, rank: int, capacity_factor: float | None, variable: bool = True
     ):
         self.group, self.size, self.rank = group, size, rank
         self.capacity_factor, self.variable = capacity_factor, variable
-        self.traffic = ExchangeTraffic()
+        self.traffic = ExchangeTraffic()  # what the forwards sent
 
     def all_to_all(self, x: torch.Tensor) -> torch.Tensor:
         from torch.distributed._functional_collectives import all_to_all_single_autograd
@@ -172,25 +172,6 @@ class GroupExchange:
 
     def __deepcopy__(self, memo):
         return self  # a process group is not copied with a module
-
-
-class ExchangeTraffic:
-    """Bytes a rank's expert exchanges sent in their forwards (the backward sends as much again),
-    counted on the host from the shapes and split sizes: `total` through the all-to-alls (the
-    block a rank keeps included: it is a row of the exchange), `to_peers` to the other ranks, and
-    `calls`. `clear()` starts again."""
-
-    def __init__(self):
-        self.clear()
-
-    def clear(self) -> None:
-        self.total = self.to_peers = self.calls = 0
-
-    def add(self, x: torch.Tensor, send: list[int], rank: int) -> None:
-        row = math.prod(x.shape[1:]) * x.element_size()
-        self.total += sum(send) * row
-        self.to_peers += (sum(send) - send[rank]) * row
-        self.calls += 1
 
 
 def expert_group_max(x: torch.Tensor, group) -> torch.Tensor:
