@@ -365,10 +365,7 @@ def test_bench_alltoall_states_the_bytes_and_times_the_exchange():
     "sections, says",
     [
         ({"parallel": {"expert": 3}}, "parallel.expert=3 does not divide model.moe.num_experts=8"),
-        (
-            {"parallel": {"expert": 2}, "deepspeed": {"zero_stage": 3}},
-            "parallel.expert=2 with deepspeed.zero_stage 3",
-        ),
+        ({"parallel": {"exchange": "padded"}}, "parallel.exchange must be one of variable, static"),
         ({"parallel": {"capacity_factor": 0}}, "parallel.capacity_factor must be > 0 or null"),
     ],
 )

@@ -1,11 +1,12 @@
 """Expert parallelism in training (issue 43 item 3), two processes with gloo: `parallel.expert=2`
-trains the same losses and weights as `parallel.expert=1` on the same two ranks, token-level and
-concept-level MoE layers alike, with the loss-free bias and Grove adjugates on; each rank holds half
-of every layer's routed experts; a run stopped at step 2 resumes with the losses of the
-uninterrupted one; a checkpoint does not resume on another expert degree (one line) and starts a
-new run of any degree through train.init_from. With 4 ranks, ZeRO 0 and 2 reduce (and partition) each
-shard over its 2 replicas and train the same losses and gradient norms; a small capacity logs its
-overflow."""
+trains the same losses and weights as `parallel.expert=1` on the same two ranks, with the variable
+exchange and with the static one, token-level and concept-level MoE layers alike, with the loss-free
+bias and Grove adjugates on; each rank holds half of every layer's routed experts; a run stopped at
+step 2 resumes with the losses of the uninterrupted one; a checkpoint does not resume on another
+expert degree (one line) and starts a new run of any degree through train.init_from. Under ZeRO-3
+(the rest partitioned over the ranks) it trains and resumes what ZeRO-3 without expert parallelism
+does. With 4 ranks, ZeRO 0, 2 and 3 reduce (and partition) each shard over its 2 replicas and train
+the same losses and gradient norms; a small capacity logs its overflow."""
 
 from __future__ import annotations
 
@@ -170,20 +171,51 @@ def test_zero_reduces_each_expert_shard_over_its_replicas(tiny_data, tmp_path, t
     # themselves only (ZeRO 2 also partitions its optimizer state over them); the reference is
     # ZeRO 2 without expert parallelism, whose gradient norm DeepSpeed logs: with experts split
     # ZeRO 0 clips by the optimizer's own global norm (ExpertAwareClip), ZeRO 2 by DeepSpeed's
-    def run(P, zero_stage):
+    def run(P, zero_stage, stop_after=0):
         cfg = _config(tiny_config, tiny_data, P, steps=3)
         cfg["deepspeed"] = {"zero_stage": zero_stage}
-        out = _train(tmp_path, f"ep{P}_zero{zero_stage}", cfg, world=4)
-        assert out["rc"] == 0
+        out = _train(tmp_path, f"ep{P}_zero{zero_stage}", cfg, stop_after, world=4)
+        assert out["rc"] == (128 + signal.SIGTERM if stop_after else 0)
         return out
 
     ref = run(1, 2)
     assert all("grad_norm" in r for r in ref["steps"])
     assert max(r["grad_norm"] for r in ref["steps"]) > 1.0  # optim.clip (1.0) acts
-    for zero_stage in (0, 2):
+    for zero_stage in (0, 2, 3):
+        if zero_stage == 3:
+            # ZeRO-3 partitions each shard's weights over its 2 replicas too (AutoEP's
+            # placement): stopped after step 2, its shards gathered into the checkpoint, and
+            # resumed into the partitions
+            run(2, zero_stage, stop_after=2)
         split = run(2, zero_stage)
         assert any("2 rank(s) per shard" in line for line in split["log"])
         _same_steps(ref["steps"], split["steps"])
+
+
+@pytest.mark.slow
+def test_zero3_with_split_experts_trains_and_resumes_what_zero3_does(
+    tiny_data, tmp_path, tiny_config
+):
+    # ZeRO-3 partitions every replicated weight over the 2 ranks; each rank's expert shard has no
+    # other replica here (it is partitioned over its expert-data-parallel group, of 1 rank), so
+    # its checkpoint file is gathered from and restored into ZeRO-3's partitions
+    def config(P):
+        cfg = _config(tiny_config, tiny_data, P)
+        cfg["deepspeed"] = {"zero_stage": 3}
+        return cfg
+
+    ref = _train(tmp_path, "z3_ep1", config(1))
+    stopped = _train(tmp_path, "z3_ep2", config(2), stop_after=2)
+    assert stopped["rc"] == 128 + signal.SIGTERM and len(stopped["steps"]) == 2
+    assert any("experts: 1/2 per rank" in line for line in stopped["log"])
+    resumed = _train(tmp_path, "z3_ep2", config(2))
+    assert ref["rc"] == resumed["rc"] == 0
+    # steps 1-2 before the stop, 3-4 after the resume: the losses and norms of ZeRO-3 alone
+    _same_steps(ref["steps"], resumed["steps"])
+    w1, w2 = _final_weights(tmp_path / "z3_ep1"), _final_weights(tmp_path / "z3_ep2")
+    assert set(w1) == set(w2)
+    for k in w1:
+        torch.testing.assert_close(w2[k], w1[k], rtol=1e-4, atol=1e-6, msg=lambda m: f"{k}: {m}")
 
 
 @pytest.mark.slow

@@ -2,12 +2,16 @@
 MoE layers of `configs/gpu.yaml` and the paper's 90B configs: the bytes each rank sends and the
 time, of the exchange alone and of the exchanged layer against the same layer holding every expert.
 
+Legend: A (token, choice) slots sorted by expert, D width, K experts chosen per token, N tokens of a
+rank, R rows an expert rank received.
+
     torchrun --nproc_per_node N -m eval.bench alltoall [--quick]   # N ranks: N expert ranks
     vlm bench alltoall [--quick]                                   # one process: see below
 
 Each rank routes its own `tokens` tokens (random, as a training step's would be) at a config's
 token-level MoE layer (the ConceptMoE-top15 config's concept-level layer too, at tokens / R
-concepts, top-15); P ranks hold E/P experts each. Per exchange (variable: each block's real rows
+concepts, top-15; a layer an earlier config has is measured once); P ranks hold E/P experts
+each. Per exchange (variable: each block's real rows
 after an all-to-all of the counts and one host read; static: [P, C] buffers, no host read) and
 capacity (dropless, nothing can be dropped; `capacity_factor`, slots past it counted as overflow):
 - exchange: the model's round trip (rows out, sorted by local expert, results home) with the
@@ -84,7 +88,7 @@ def layers_of(s: Settings) -> list[Layer]:
     from eval.bench.gpu.errors import ROOT
     from vlm.train.config import load_train_config
 
-    out = []
+    out, seen = [], set()
     for path in s.configs:
         cfg = load_train_config(ROOT / path).model
         moe = replace(cfg.moe, loss_free_balancing=False)
@@ -92,13 +96,17 @@ def layers_of(s: Settings) -> list[Layer]:
             moe = replace(moe, num_experts=8, top_k=2, expert_hidden=32, shared_hidden=32)
             out.append(Layer(path, "moe", moe, 64, 1.0))
             continue
-        out.append(Layer(path, "moe", moe, cfg.hidden_size, 1.0))
+        layers = [Layer(path, "moe", moe, cfg.hidden_size, 1.0)]
         concept = cfg.concept_moe
         if concept is not None and concept != cfg.moe and cfg.chunk.enabled:
             concept = replace(concept, loss_free_balancing=False)
-            out.append(
-                Layer(path, "concept_moe", concept, cfg.hidden_size, 1 / cfg.chunk.target_ratio)
-            )
+            share = 1 / cfg.chunk.target_ratio
+            layers.append(Layer(path, "concept_moe", concept, cfg.hidden_size, share))
+        for ly in layers:  # a layer an earlier config has (the CT configs' token level) once
+            key = (repr(ly.moe), ly.dim, ly.token_share)
+            if key not in seen:
+                seen.add(key)
+                out.append(ly)
     return out
 
 

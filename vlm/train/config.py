@@ -395,12 +395,6 @@ class TrainConfig(ValidatedOnInit):
                     f"parallel.expert={ep} does not divide model.{name}.num_experts="
                     f"{moe.num_experts if moe else 0}: use a divisor of it",
                 )
-        if ep > 1:
-            check(
-                self.deepspeed.zero_stage != 3,
-                f"parallel.expert={ep} with deepspeed.zero_stage 3: DeepSpeed's ZeRO-3 partitions "
-                "only its own AutoEP layers' experts; use zero_stage 0, 1 or 2",
-            )
         if self.params.mup:
             check(
                 not self.model.tie_embeddings,
