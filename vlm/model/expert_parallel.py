@@ -85,7 +85,8 @@ class ExchangeTraffic:
     device value): `forward` through the forwards' all-to-alls (the block a rank keeps included:
     it is part of the collective), `backward` what their reverse exchanges will send (autograd
     runs them: the differentiable ones, the rows), `to_peers` the forwards' bytes to the other
-    ranks, and `calls`. `clear()` starts again."""
+    ranks, and `calls`. Eager calls only: a compiled graph's static exchange is not counted.
+    `clear()` starts again."""
 
     def __init__(self):
         self.clear()
