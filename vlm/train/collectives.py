@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from vlm.model.expert_parallel import ExchangeTraffic
+
 
 # ---------------------------------------------------------------- primitives
 def _several() -> bool:
@@ -148,18 +150,30 @@ def weights_of_rank0(module: torch.nn.Module) -> None:
 class GroupExchange:
     """The expert-parallel group of this rank as its MoE layers see it
     (vlm.model.expert_parallel.ExpertExchange): `size` ranks holding E/size experts each, this one
-    the `rank`-th. The all-to-all is torch's functional collective with its autograd (the backward
-    is the reverse all-to-all), which torch.compile traces into a graph; equal splits, so its
-    sizes are shapes and no rank reads another's counts on the host."""
+    the `rank`-th; `variable` says how a layer sends its blocks (parallel.exchange). Both
+    all-to-alls are torch's functional collective with its autograd (the backward is the reverse
+    all-to-all): equal splits, whose sizes are shapes (torch.compile traces it into a graph), or
+    the split sizes a layer read on the host."""
 
-    def __init__(self, group, size: int, rank: int, capacity_factor: float | None):
+    def __init__(
+        self, group, size: int, rank: int, capacity_factor: float | None, variable: bool = True
+    ):
         self.group, self.size, self.rank = group, size, rank
-        self.capacity_factor = capacity_factor
+        self.capacity_factor, self.variable = capacity_factor, variable
+        self.traffic = ExchangeTraffic()  # what the forwards sent
 
     def all_to_all(self, x: torch.Tensor) -> torch.Tensor:
         from torch.distributed._functional_collectives import all_to_all_single_autograd
 
+        if not torch.compiler.is_compiling():
+            self.traffic.add(x, [x.shape[0] // self.size] * self.size, self.rank)
         return all_to_all_single_autograd(x.contiguous(), None, None, self.group)
+
+    def all_to_all_v(self, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
+        from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+        self.traffic.add(x, send, self.rank)
+        return all_to_all_single_autograd(x.contiguous(), list(recv), list(send), self.group)
 
     def common_slots(self, slots: int, device: torch.device) -> int:
         if device.type != "cpu" or torch.compiler.is_compiling():

@@ -108,6 +108,9 @@ class DeepSpeedConfig(ValidatedOnInit):
             )
 
 
+EXCHANGES = ("variable", "static")
+
+
 @dataclass
 class ParallelConfig(ValidatedOnInit):
     """How the ranks share the work beyond data parallelism (vlm.train.layout; docs/training.md,
@@ -121,6 +124,11 @@ class ParallelConfig(ValidatedOnInit):
     # (N x top_k / expert): 1.25 leaves 25 % room over a perfect balance; slots past it are computed
     # by no expert and counted (moe/overflow). null: every slot fits (dropless, exact).
     capacity_factor: float | None = None
+    # How a MoE layer's tokens travel to their experts' ranks (vlm.model.expert_parallel): variable,
+    # each block at its real size (the counts exchanged first and read on the host once per layer;
+    # a compiled block breaks its graph there); static, every block in a buffer of the capacity's
+    # rows (no host read: fullgraph compilation; dropless, it sends and computes P x the tokens).
+    exchange: str = "variable"
     # Each row of a micro-batch split over this many consecutive ranks (sequence parallelism; the
     # world / sequence data-parallel replicas read micro-batches of their own). Divides the number
     # of ranks. `vlm plan` plans it; training with it is refused for now (docs/training.md, "The
@@ -133,10 +141,20 @@ class ParallelConfig(ValidatedOnInit):
     # vision warm-up) must fit in it.
     timeout_s: float = 1800.0
 
+    @property
+    def variable_exchange(self) -> bool:
+        """Whether MoE layers exchange blocks at their real sizes (then a compiled block is not one
+        graph: vlm.train.engine.compile_model)."""
+        return self.expert > 1 and self.exchange == "variable"
+
     def validate(self) -> None:
         check(self.expert >= 1, f"parallel.expert must be >= 1, got {self.expert}")
         check(self.sequence >= 1, f"parallel.sequence must be >= 1, got {self.sequence}")
         check(self.timeout_s > 0, f"parallel.timeout_s must be > 0 seconds, got {self.timeout_s}")
+        check(
+            self.exchange in EXCHANGES,
+            f"parallel.exchange must be one of {', '.join(EXCHANGES)}, got {self.exchange!r}",
+        )
         check(
             self.capacity_factor is None or self.capacity_factor > 0,
             f"parallel.capacity_factor must be > 0 or null (dropless), got {self.capacity_factor}",
@@ -385,12 +403,6 @@ class TrainConfig(ValidatedOnInit):
                     f"parallel.expert={ep} does not divide model.{name}.num_experts="
                     f"{moe.num_experts if moe else 0}: use a divisor of it",
                 )
-        if ep > 1:
-            check(
-                self.deepspeed.zero_stage != 3,
-                f"parallel.expert={ep} with deepspeed.zero_stage 3: DeepSpeed's ZeRO-3 partitions "
-                "only its own AutoEP layers' experts; use zero_stage 0, 1 or 2",
-            )
         if self.params.mup:
             check(
                 not self.model.tie_embeddings,

@@ -332,9 +332,11 @@ def compile_model(model: torch.nn.Module, cfg: TrainConfig, device: torch.device
     if not on:
         return 0
     # Before Hopper the experts run as a loop that reads their counts on the host
-    # (vlm.model.moe.expert_swiglu): a graph break per MoE layer there, so the blocks compile in
-    # pieces instead of refusing
-    fullgraph = not (device.type == "cuda" and torch.cuda.get_device_capability(device) < (9, 0))
+    # (vlm.model.moe.expert_swiglu), and the variable expert exchange reads its sizes there
+    # (vlm.model.expert_parallel): a graph break per MoE layer, so the blocks compile in pieces
+    # instead of refusing
+    old_gpu = device.type == "cuda" and torch.cuda.get_device_capability(device) < (9, 0)
+    fullgraph = not (old_gpu or cfg.parallel.variable_exchange)
     return compile_blocks(model, fullgraph=fullgraph)
 
 

@@ -14,7 +14,11 @@ would train) and gets the exchange of its group; the expert parameters carry Dee
 expert-data-parallel group only (divided by W, the world, as for every other gradient: a shard's
 gradient sums every rank's tokens already, which the exchange's backward brought home), ZeRO 1/2
 partitions them over that group, and the optimizer's groups put them apart (`split_groups`). ZeRO-3
-partitions DeepSpeed's own AutoEP layers only: refused.
+partitions expert weights only for DeepSpeed's own AutoEP layers: the engine is shown an AutoEP
+marker and the expert parameters carry AutoEP's placement (`deepspeed_view`), so that it partitions
+each shard over its expert-data-parallel group and everything else over the world. How each MoE
+layer's tokens travel (parallel.exchange: variable or static) is its exchange's
+(collectives.GroupExchange).
 
 The gradient norm for `optim.clip` is exact on every path: ZeRO 1/2 and the bf16 optimizer sum each
 rank's partitions over the world; on the plain fp32 path DeepSpeed would average each rank's own
@@ -22,7 +26,8 @@ norm, so the optimizer clips there itself (`ExpertAwareClip`).
 
 Checkpoints: DeepSpeed's files as its MoE support writes them (the module from rank 0, the optimizer
 per expert rank or ZeRO partition) and, from every rank, `experts_rank_NNNNN.pt`, its shard of the
-routed experts, restored after DeepSpeed's load (`restore_shard`). A checkpoint resumes on the
+routed experts (under ZeRO-3 gathered from its partitions), restored after DeepSpeed's load
+(`restore_shard`; under ZeRO-3 into its partitions). A checkpoint resumes on the
 expert degree and the number of ranks that wrote it (`check_resume`: one line otherwise); its
 weights start a run of any degree through `train.init_from` (`whole_experts` puts the shards back
 together). The export gathers the shards (`gathered_experts`): final/ holds every expert.
@@ -56,9 +61,14 @@ class ExpertParallel:
 
     def banner(self) -> str:
         cap = self.exchange.capacity_factor
+        how = (
+            "variable (each block's real rows; counts read on the host per layer)"
+            if self.exchange.variable
+            else "static (every block padded to the capacity)"
+        )
         return (
             f"experts: 1/{self.size} per rank ({self.local_params:,} of {self.total_params:,} "
-            f"expert parameters); {self.replicas} rank(s) per shard; all-to-all capacity "
+            f"expert parameters); {self.replicas} rank(s) per shard; all-to-all {how}, capacity "
             + ("dropless (every slot)" if cap is None else f"{cap:g} x slots / {self.size}")
         )
 
@@ -99,7 +109,7 @@ def set_up(model: nn.Module, parallel, layout, groups) -> ExpertParallel | None:
             )
     name = groups.expert_name
     exchange = collectives.GroupExchange(
-        groups.expert, P, layout.expert_rank, parallel.capacity_factor
+        groups.expert, P, layout.expert_rank, parallel.capacity_factor, parallel.variable_exchange
     )
     total = sum(p.numel() for m in layers for p in m.routed_expert_weights())
     for m in layers:
@@ -122,15 +132,6 @@ def even_eval_batches(batches: list, ep: ExpertParallel | None, device: torch.de
     return batches[: int(n[0])]
 
 
-def check_engine(ep: ExpertParallel | None, zero_stage: int) -> None:
-    if ep is not None and zero_stage == 3:
-        raise ConfigError(
-            f"parallel.expert={ep.size} with deepspeed.zero_stage 3: DeepSpeed's ZeRO-3 "
-            "partitions only its own AutoEP layers' experts; use zero_stage 0, 1 or 2 (ZeRO 1/2 "
-            "partition the expert shards over their replicas)"
-        )
-
-
 def split_groups(groups: list[dict], ep: ExpertParallel | None) -> list[dict]:
     """The optimizer's groups with the expert parameters apart, as DeepSpeed's MoE support needs
     them (deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer): each in a group
@@ -151,19 +152,30 @@ def split_groups(groups: list[dict], ep: ExpertParallel | None) -> list[dict]:
 
 
 @contextlib.contextmanager
-def deepspeed_view(model: nn.Module, ep: ExpertParallel | None):
+def deepspeed_view(model: nn.Module, ep: ExpertParallel | None, zero_stage: int = 0):
     """While DeepSpeed's engine is built around `model`: a parameterless marker of DeepSpeed's own
     MoE layer class inside it. The engine decides that a model has expert parameters
     (`has_moe_layers`: expert gradients reduced within their replicas, ZeRO groups split, MoE
     checkpoint files) only by finding an instance of that class while it is built; our layers
-    are not DeepSpeed's (their router, Grove adjugates, balancing and static exchange are ours). The
-    marker is gone when the engine exists: the model keeps only its own modules."""
-    if ep is None or not experts_train(
-        model
-    ):  # frozen experts: nothing to reduce, no optimizer state
+    are not DeepSpeed's (their router, Grove adjugates, balancing and exchange are ours). Under
+    ZeRO-3 the marker is of its AutoEP layer class (the one its ZeRO-3 accepts) and the expert
+    parameters carry AutoEP's placement (`ds_zero_placement_family`: partitioned over their
+    expert-data-parallel group, not the world), frozen ones too: ZeRO-3 partitions every
+    parameter. The marker is gone when the engine exists: the model keeps only its own modules."""
+    zero3 = ep is not None and zero_stage == 3
+    # frozen experts under ZeRO 0-2: nothing to reduce, no optimizer state
+    if ep is None or not (experts_train(model) or zero3):
         yield
         return
-    from deepspeed.moe.layer import MoE as DeepSpeedMoE
+    if zero3:
+        from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer as DeepSpeedMoE
+
+        for m in sharded_layers(model):
+            for p in m.routed_expert_weights():
+                p.ds_zero_placement_family = "autoep_expert"
+                p.ds_zero_partition_group_name = ep.group_name
+    else:
+        from deepspeed.moe.layer import MoE as DeepSpeedMoE
 
     class ExpertMarker(DeepSpeedMoE):
         def __init__(self):
@@ -172,7 +184,7 @@ def deepspeed_view(model: nn.Module, ep: ExpertParallel | None):
             self.ep_size, self.expert_group_name = ep.size, ep.group_name
             self.num_local_experts = 0  # the shards are saved by save_shard
 
-        def set_deepspeed_parallelism(self, use_data_before_expert_parallel_=False):
+        def set_deepspeed_parallelism(self, use_data_before_expert_parallel_=False, **_):
             pass  # the groups exist: set_up made them
 
         def forward(self, *args, **kwargs):
@@ -227,19 +239,36 @@ def _named_shard(module: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p for n, p in module.named_parameters() if id(p) in ids}
 
 
+@contextlib.contextmanager
+def _whole_shard(params: list[torch.Tensor], written: bool):
+    """Collective under ZeRO-3: inside, each expert parameter holds this rank's whole shard
+    (ZeRO-3 partitions it over its expert-data-parallel group: gathered there); `written`: what
+    the group's first rank holds on leaving is partitioned again. Nothing to do otherwise."""
+    if not any(hasattr(p, "ds_id") for p in params):
+        yield
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=0 if written else None):
+        yield
+
+
 def save_shard(module: nn.Module, folder: Path, rank: int, world_size: int, save) -> None:
     """This rank's routed experts into `folder`/experts_rank_NNNNN.pt with the expert degree and
     the ranks that wrote it (nothing without expert parallelism); `save(obj, path)`: the
-    checkpoint's writer."""
+    checkpoint's writer. Collective under ZeRO-3."""
     layers = sharded_layers(module)
     if not layers:
         return
     ex = layers[0].exchange
+    named = _named_shard(module)
+    with _whole_shard(list(named.values()), written=False):
+        tensors = {n: p.detach().cpu().clone() for n, p in named.items()}
     state = {
         "expert_parallel": ex.size,
         "expert_rank": ex.rank,
         "world_size": world_size,
-        "tensors": {n: p.detach().cpu() for n, p in _named_shard(module).items()},
+        "tensors": tensors,
     }
     save(state, Path(folder) / SHARD_FILE.format(rank))
 
@@ -278,10 +307,16 @@ def check_resume(ckpt: Path, expert: int, world_size: int) -> None:
 
 def restore_shard(module: nn.Module, ckpt: Path, rank: int) -> str | None:
     """This rank's routed experts from `ckpt` (DeepSpeed's module file holds rank 0's); None when
-    done (or nothing to do), else why not (one line, for the caller's refusal)."""
+    done (or nothing to do), else why not (one line, for the caller's refusal). Collective under
+    ZeRO-3 (every rank gathers, whatever its file says)."""
     mine = _named_shard(module)
     if not mine:
         return None
+    with _whole_shard(list(mine.values()), written=True):
+        return _copy_shard(mine, module, ckpt, rank)
+
+
+def _copy_shard(mine: dict, module: nn.Module, ckpt: Path, rank: int) -> str | None:
     path = Path(ckpt) / SHARD_FILE.format(rank)
     if not path.is_file():
         return f"checkpoint {ckpt} has no expert shard for rank {rank} ({path.name})"

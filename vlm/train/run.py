@@ -241,9 +241,8 @@ def build_run(
             ds_json = reshard.with_universal_loading(ds_json)
         if saved is not None:  # what may not change on resume
             check_resume_config(saved, to_dict(cfg), accept_optim_change, say=say)
-        ep_lib.check_engine(ep, cfg.deepspeed.zero_stage)
         ds_json, clip = ep_lib.plain_fp32_clip(ep, ds_json, plain_fp32(ds_json))
-        with ep_lib.deepspeed_view(model, ep):
+        with ep_lib.deepspeed_view(model, ep, cfg.deepspeed.zero_stage):
             optimizer, scheduler, engine = build_engine(model, param_groups, cfg, ds_json, clip)
         loader, eval_batches = build_loaders(cfg, tokenizer, layout.data_rank, layout.data)
         eval_batches = ep_lib.even_eval_batches(eval_batches, ep, dist.device)

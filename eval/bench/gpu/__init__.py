@@ -104,16 +104,20 @@ def _expert_exchange(r: Run) -> None:
         tokens=[r.s.train_rows * r.s.train_len], repeats=r.s.train_repeats, warmup=r.s.warmup
     )
     cfg = llm_config(r.s)
+    moe = replace(cfg.moe, loss_free_balancing=False)
+    layer = alltoall.Layer(r.s.config, "moe", moe, cfg.hidden_size, 1.0)
+    skipped: dict[str, str] = {}
     rows = alltoall.measure(
         s,
-        replace(cfg.moe, loss_free_balancing=False),
-        cfg.hidden_size,
-        lambda cf: LoopbackExchange(2, 0, cf),
+        layer,
+        2,
+        lambda P, cf, variable: LoopbackExchange(P, 0, cf, variable),
         0,
         1,
         r.dev.device,
         None,
         r.log,
+        skipped,
     )
     for row in rows:
         row["setting"]["section"] = "expert_exchange"
