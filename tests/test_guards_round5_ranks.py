@@ -52,7 +52,7 @@ def test_a_global_batch_left_unstated_is_rows_times_accumulation_on_the_starting
     started = with_global_batch(cfg, 2, None)
     assert started.optim.global_batch_rows == 12 and started.optim.grad_accum == 3
     # resumed on 4 ranks with the 12 rows the run recorded: 12 / (2 x 4) is no whole number
-    with pytest.raises(ConfigError, match="global_batch_rows=12 .* 2 x 4 = 8"):
+    with pytest.raises(ConfigError, match=r"cannot resume on 4 rank\(s\).*global_batch_rows=12"):
         with_global_batch(cfg, 4, 12)
     assert with_global_batch(cfg, 6, 12).optim.grad_accum == 1
     assert with_global_batch(cfg, 1, 12).optim.grad_accum == 6

@@ -94,7 +94,6 @@ def _plan_cli(argv: list[str], capsys) -> tuple[int, str, str]:
             2,
             "data.row_tokens=1001 does not split over parallel.sequence=2",
         ),
-        (["parallel.expert=2", "deepspeed.zero_stage=3"], 2, "deepspeed.zero_stage 3"),
         (["model.hidden=3"], 1, "model.hidden"),
         (["optim.global_batch_rows=3"], 2, "optim.global_batch_rows=3"),
     ],

@@ -197,7 +197,9 @@ def measure_llm(
     if expert > 1:
         for m in lm.modules():
             if isinstance(m, MoE):
-                m.shard_experts(LoopbackExchange(expert, 0, capacity_factor))
+                # static buffers of C rows per peer: the variable exchange is planned as one
+                # at its bound on the rows it moves (plan.VARIABLE_EXCHANGE_FACTOR)
+                m.shard_experts(LoopbackExchange(expert, 0, capacity_factor, variable=False))
     for name, p in lm.named_parameters():
         p.requires_grad_(not _frozen("lm." + name, list(frozen)))
         if not keep_gradients:

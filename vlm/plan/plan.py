@@ -167,10 +167,11 @@ def make_plan(
             f"parallel.sequence={S}: sequence parallelism (issue 51; the trainer refuses it today)"
         )
     factor = cfg.parallel.capacity_factor
-    if P > 1 and factor is None:
-        needs.append(
-            f"parallel.expert={P} dropless: the variable-size exchange (issue 50), planned at "
-            f"{VARIABLE_EXCHANGE_FACTOR} x the balanced routed rows"
+    variable_dropless = P > 1 and factor is None and cfg.parallel.exchange == "variable"
+    if variable_dropless:
+        notes.append(
+            f"parallel.expert={P} dropless, variable exchange: planned at "
+            f"{VARIABLE_EXCHANGE_FACTOR} x the balanced routed rows (a skewed router moves more)"
         )
         factor = VARIABLE_EXCHANGE_FACTOR
     row = cfg.data.row_tokens // S
@@ -193,7 +194,7 @@ def make_plan(
     )
     notes += act.notes
     static = None
-    if P > 1 and cfg.parallel.capacity_factor is None:
+    if variable_dropless:
         static = measure_llm(
             mc,
             rows=cfg.data.rows_per_batch,
@@ -208,7 +209,7 @@ def make_plan(
             keep_gradients=in_params and micro == 1,
         )
         notes.append(
-            f"today's static dropless exchange (buffers of all {P} x the rank's slots) would "
+            f"the static dropless exchange (parallel.exchange: static; buffers of all {P} x the rank's slots) would "
             f"need {static.peak / GiB:.1f} GiB of activations instead of {act.peak / GiB:.1f}"
         )
     vision = _vision(vlm, vision_cfg, mc, dtype, frozen, act.tokens, image_share, device)
