@@ -31,7 +31,7 @@ from vlm.model.cross_attention import ConceptMemory, ConceptStep
 from vlm.model.dechunk import Dechunk
 from vlm.model.layers import RMSNorm, rope_cos_sin
 from vlm.model.output import ModelOutput
-from vlm.model.tiled_loss import tokens_per_tile
+from vlm.model.tiled_loss import LMHead, tokens_per_tile
 
 
 class Middle(NamedTuple):
@@ -109,7 +109,7 @@ class ConceptMoELM(nn.Module):
         # blocks are compiled (vlm.model.compile)
         self.activation_checkpoint = cfg.activation_checkpoint
         self.compiled = False
-        self.lm_head = nn.Linear(D, cfg.vocab_size, bias=False)
+        self.lm_head = LMHead(D, cfg.vocab_size)
         self.apply(self._init)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight

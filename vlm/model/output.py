@@ -40,7 +40,7 @@ class ModelOutput:
     # not tokens.
     hidden_states: tuple[torch.Tensor, ...] | None = None
     # [B, T, D] the final hidden states after the norm, and the output layer that turns them into
-    # logits (called as a module, so that its hooks apply: muP's logit multiplier)
+    # logits, or into each token's loss a tile at a time (vlm.model.tiled_loss.LMHead)
     final_BTD: torch.Tensor | None = None
     head: nn.Module | None = None
     # tokens per tile of the loss's logits (vlm.model.tiled_loss.tokens_per_tile)

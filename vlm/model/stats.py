@@ -12,7 +12,6 @@ import torch
 
 from configs.batch import IGNORE_INDEX, IMAGE, MODALITIES
 from vlm.model.moe import mean_adjugate_per_token
-from vlm.model.tiled_loss import token_cross_entropy
 
 
 def sample_has_image(doc_BT: torch.Tensor, modality_BT: torch.Tensor) -> torch.Tensor:
@@ -35,8 +34,8 @@ def lm_token_losses(out, labels_BT: torch.Tensor) -> torch.Tensor:
     from the output's final hidden states and output layer, a tile of tokens at a time
     (vlm.model.tiled_loss: no [T, V] logits)."""
     labelled = labels_BT != IGNORE_INDEX
-    loss_N = token_cross_entropy(
-        out.final_BTD.flatten(0, 1), out.head, labels_BT.flatten().clamp_min(0), out.tile_tokens
+    loss_N = out.head(
+        out.final_BTD.flatten(0, 1), labels_BT.flatten().clamp_min(0), out.tile_tokens
     )
     return loss_N.view_as(labels_BT) * labelled
 
