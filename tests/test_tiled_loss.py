@@ -280,9 +280,9 @@ def test_a_large_vocabulary_trains_within_half_a_row_s_logits_of_a_small_one(
 ):
     """Issue 48: a tiny model with a 151,936-entry vocabulary trains on 2,048-token rows with a
     peak at most half of one row's fp32 logits (594 MiB) above the same run at a 1,024-entry
-    vocabulary. Measured before the tiles: 579 MiB and 5,424 MiB, 8.2 half-rows apart; with them
-    597 MiB and 934 MiB (the larger embedding and output layer with their gradients and Adam
-    moments, 148 MiB, and one tile's logits and their gradients)."""
+    vocabulary. Measured (one step) before the tiles: 571 MiB and 5,323 MiB, eight half-rows
+    apart; with them 569 MiB and 839 MiB (the larger embedding and output layer with their
+    gradients and Adam moments, 148 MiB, and one tile's logits and their gradients)."""
     peaks = {}
     for vocab in (1024, 151_936):
         cfg = tiny_config(
