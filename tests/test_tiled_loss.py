@@ -6,7 +6,7 @@ computes no logits and its backward keeps none; the prefill and the transformers
 the logits of the positions they return only; and a 151,936-entry vocabulary trains on 2,048-token
 rows within half a row's fp32 logits of a 1,024-entry one.
 
-Legend: B rows, T tokens, D width, N tokens of every row, V vocabulary.
+Legend: B rows, T tokens, D width, V vocabulary, P patches.
 """
 
 from __future__ import annotations

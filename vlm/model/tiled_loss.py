@@ -44,10 +44,10 @@ def tokens_per_tile(vocab_size: int, device: torch.device, setting: int = 0) -> 
     return max(1, budget // (4 * vocab_size))
 
 
-def _logits(h_ND: torch.Tensor, weight_VD: torch.Tensor, scale: float) -> torch.Tensor:
-    """[N, V] in the model's dtype, as `LMHead.forward` computes them."""
-    z_NV = F.linear(h_ND, weight_VD)
-    return z_NV * scale if scale != 1.0 else z_NV
+def _logits(h: torch.Tensor, weight_VD: torch.Tensor, scale: float) -> torch.Tensor:
+    """[..., V] the logits of `h` ([..., D]) in the model's dtype, times the logit scale."""
+    z = F.linear(h, weight_VD)
+    return z * scale if scale != 1.0 else z
 
 
 class TiledCrossEntropy(torch.autograd.Function):
