@@ -120,7 +120,9 @@ class LMHead(nn.Linear):
         self, h: torch.Tensor, target_N: torch.Tensor | None = None, tile: int = 0
     ) -> torch.Tensor:
         """The logits of `h` ([..., D] -> [..., V]); with `target_N`, `h` is [N, D] and the result
-        is [N] fp32: each token's cross-entropy against its target, `tile` tokens at a time."""
+        is [N] fp32: each token's cross-entropy against its target, `tile` tokens at a time (0: the
+        default size, `tokens_per_tile`)."""
         if target_N is None:
             return _logits(h, self.weight, self.logit_scale)
+        tile = tile or tokens_per_tile(self.out_features, h.device)
         return TiledCrossEntropy.apply(h, self.weight, target_N, self.logit_scale, tile)
