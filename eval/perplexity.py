@@ -18,6 +18,7 @@ import torch
 
 from data_pipelines.config import DataConfig, SourceConfig
 from data_pipelines.loader import build_loader
+from vlm.model.context import ForwardContext
 from vlm.train.metrics import StepAccumulator, token_losses
 
 KEYS = (
@@ -56,7 +57,8 @@ def perplexity(
         if max_batches is not None and n >= max_batches:
             break
         batch = batch.to(chat.device)
-        out = chat.model(batch)
+        # no [B, T, V] logits: the loss makes them a tile of tokens at a time
+        out = chat.model(batch, context=ForwardContext(logits=False))
         acc.add_output(out, batch, token_loss_BT=token_losses(out, batch))
         n += 1
     if not n:

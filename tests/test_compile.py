@@ -1,7 +1,7 @@
 """Every model path is one graph: no host synchronisation, no graph break (docs/design.md, "Static
 shapes, no host synchronisation").
 
-Legend: B rows.
+Legend: B rows, T tokens, D width, V vocabulary.
 
 On the CPU, `torch.compile(..., fullgraph=True)` is the proof: an `.item()`, `int(tensor)`,
 `.tolist()`, `nonzero`, boolean-mask indexing or a Python branch on a tensor's value inside the path
@@ -43,6 +43,9 @@ def config(kind: str, **chunk) -> ModelConfig:
         concept_layers=1,
         decoder_layers=1,
         attn_backend="auto",
+        # the loss's logits in four tiles of the 224 tokens (vlm.model.tiled_loss), the last one
+        # short: the tiles are part of the graph
+        loss_tile_tokens=64,
         moe=MoEConfig(
             num_experts=4,
             top_k=2,
@@ -81,14 +84,15 @@ def totals(batch) -> Totals:
 
 
 def seeded(seed: int) -> ForwardContext:
-    """The same boundary noise on every call (a tensor seed: no recompilation)."""
-    return ForwardContext(torch.tensor(seed))
+    """The same boundary noise on every call (a tensor seed: no recompilation), and no logits: the
+    trainer's forward, whose loss makes them a tile of tokens at a time."""
+    return ForwardContext(torch.tensor(seed), logits=False)
 
 
 def train_loss(model, batch, totals, context, loss):
     """The training forward and the loss the trainer back-propagates (vlm.train.losses)."""
     out = model(batch, context=context)
-    return loss(out, batch, totals).backprop, out.logits
+    return loss(out, batch, totals).backprop, out.final_BTD
 
 
 def grads(model) -> dict[str, torch.Tensor]:
@@ -111,14 +115,14 @@ def check_training_step(kind: str, backend: str) -> None:
     batch = packed_batch()
     torch._dynamo.reset()
     fn = torch.compile(train_loss, fullgraph=True, backend=backend)
-    loss_c, logits_c = fn(compiled, batch, totals(batch), seeded(7), Loss(cfg))
+    loss_c, final_c = fn(compiled, batch, totals(batch), seeded(7), Loss(cfg))
     loss_c.backward()
-    loss_e, logits_e = train_loss(eager, batch, totals(batch), seeded(7), Loss(cfg))
+    loss_e, final_e = train_loss(eager, batch, totals(batch), seeded(7), Loss(cfg))
     loss_e.backward()
     torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-6)
     # padding holds what each backend leaves there (eager: docs, compiled: sdpa)
     valid = batch.doc_ids >= 0
-    torch.testing.assert_close(logits_c[valid], logits_e[valid], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(final_c[valid], final_e[valid], rtol=1e-4, atol=1e-5)
     ge, gc = grads(eager), grads(compiled)
     assert ge.keys() == gc.keys() and len(ge) > 10
     for n in ge:
@@ -151,11 +155,12 @@ def check_prefill_and_decode(kind: str, backend: str) -> None:
     out_c, cache_c = prefill(batch)
     out_e, cache_e = model.prefill(batch, max_new_tokens=steps)
     valid = batch.doc_ids >= 0
-    torch.testing.assert_close(out_c.logits[valid], out_e.logits[valid], rtol=1e-4, atol=1e-5)
+    # the prefill's logits are those of each prompt's last token
+    torch.testing.assert_close(out_c.final_BTD[valid], out_e.final_BTD[valid], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(out_c.last_logits_BV, out_e.last_logits_BV, rtol=1e-4, atol=1e-5)
     cache_c.used_tokens, cache_c.used_concepts = cache_e.used_tokens, cache_e.used_concepts
     decode = torch.compile(model.decode_step, fullgraph=True, backend=backend)
-    last = (batch.doc_ids >= 0).sum(1) - 1
-    tok = out_e.logits[torch.arange(2), last].argmax(-1)
+    tok = out_e.last_logits_BV.argmax(-1)
     fired = []
     for _ in range(steps):  # one graph for every step: fixed shapes whatever fires
         for cache in (cache_c, cache_e):

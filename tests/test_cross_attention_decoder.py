@@ -3,7 +3,7 @@ concept replication, eq. 17): causal, packing-safe, cached decoding equal to ful
 by `vlm flops`, trainable, convertible, exportable. Its layer equal to the L x M masked form of eq.
 14: tests/test_cross_attention_eq14.py.
 
-Legend: B rows.
+Legend: B rows, V vocabulary.
 """
 
 from __future__ import annotations
@@ -157,7 +157,7 @@ def test_cached_decoding_equals_full_recompute(name, seeded_lm, rand_docs):
     rows = [list(r) for r in rand_docs(V, [9, 4, 15, 1], 21)]
     B, steps = len(rows), 30
     out, cache = m.prefill(_rows_batch(rows), max_new_tokens=5)  # the caches must grow on the way
-    logits = out.logits[torch.arange(B), torch.tensor([len(r) - 1 for r in rows])]
+    logits = out.last_logits_BV
     fired = []
     for _ in range(steps):
         full = m(_rows_batch(rows)).logits[

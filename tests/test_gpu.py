@@ -2,7 +2,7 @@
 bf16 (flash-attn varlen included when installed), grouped_mm expert dispatch equals the per-expert
 loop, and cached decoding equals a full forward.
 
-Legend: D width, E experts, F expert hidden width.
+Legend: B rows, D width, E experts, F expert hidden width, V vocabulary.
 
 Run the CUDA instances on a machine with a GPU with `make test-gpu` (`pytest -m gpu tests`); they
 are marked `gpu` and skipped, with the reason, where there is none. Each check but flash-attn's also
@@ -313,7 +313,7 @@ def decode_gaps(device: str, seed: int = 0, backend: str = "auto", steps: int = 
     gaps = []
     with torch.no_grad():
         out, cache = m.prefill(batch(rows), max_new_tokens=steps)
-        logits = out.logits[torch.arange(2, device=device), last(rows)]
+        logits = out.last_logits_BV
         for _ in range(steps):
             full = m(batch(rows)).logits[torch.arange(2, device=device), last(rows)]
             gaps.append(rel_max(logits, full))

@@ -2,7 +2,7 @@
 ragged batch of mixed text and image prompts, for every reallocation of the concept model and for
 the MoE baseline.
 
-Legend: B rows, T tokens, D width, P patches.
+Legend: B rows, T tokens, D width, P patches, V vocabulary.
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ def decode_both(model, rows, sample: bool):
     gen_f = torch.Generator().manual_seed(0)
     out, cache = model.prefill(batch_of(rows, [[] for _ in rows]), STEPS)
     last = torch.tensor([len(r[0]) - 1 for r in rows])
-    logits_c = out.logits[torch.arange(B), last]
+    logits_c = out.last_logits_BV
     generated: list[list[int]] = [[] for _ in rows]
     gaps = []
     for _ in range(STEPS):

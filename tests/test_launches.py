@@ -16,6 +16,7 @@ from eval.bench.common import count_operators
 from eval.bench.model import boundaries_at_ratio
 from vlm.model.conceptmoe import ConceptMoELM
 from vlm.model.config import ModelConfig, MoEConfig
+from vlm.model.context import ForwardContext
 from vlm.model.reallocate import reallocate
 from vlm.train.config import OptimConfig
 from vlm.train.engine import build_optimizer
@@ -62,7 +63,8 @@ def test_one_training_step_launches_at_most_half_what_it_did(name, backend):
     force = boundaries_at_ratio(2, T, 2.0) if cfg.chunk.enabled else None
 
     def step():
-        out = model(batch, force=force)
+        # the trainer's forward: no [B, T, V] logits, the loss makes them in tiles
+        out = model(batch, force=force, context=ForwardContext(logits=False))
         opt.zero_grad(set_to_none=True)
         training_loss(out, batch, model.cfg).backward()
         opt.step()

@@ -1,7 +1,10 @@
 """The training loss is named terms in one place (vlm.train.losses): each a value and a weight, the
 total their weighted sum; a micro-batch's parts of a global batch add up to the whole batch's loss and
 gradient; and a new term is one function and one weight, seen in the total, the gradient,
-metrics.jsonl and TensorBoard (docs/design.md, "Adding a loss term")."""
+metrics.jsonl and TensorBoard (docs/design.md, "Adding a loss term").
+
+Legend: B rows, T tokens, D width.
+"""
 
 from __future__ import annotations
 
@@ -96,9 +99,10 @@ def test_micro_batches_add_up_to_the_whole_batch_in_value_and_gradient():
 
 
 def probe_term(out, batch, cfg, totals) -> losses.TermValue:
-    """A term added the way docs/design.md says: the mean squared logit of this micro-batch, a mean
-    over the global batch's micro-batches."""
-    value = out.logits.float().square().mean()
+    """A term added the way docs/design.md says: the mean square of this micro-batch's final hidden
+    states (what a training forward returns: vlm.model.tiled_loss), a mean over the global batch's
+    micro-batches."""
+    value = out.final_BTD.float().square().mean()
     return losses.TermValue(value, 1.0, value.detach() / totals.micro_batches)
 
 
@@ -112,11 +116,12 @@ def test_a_new_term_is_in_the_total_and_the_gradient(monkeypatch):
     out = m(batch)
     res = Loss(m.cfg)(out, batch)
     without = Loss(m.cfg, terms=losses.TERMS[:-1])(out, batch)
-    probe = out.logits.float().square().mean()
+    h = out.final_BTD
+    probe = h.float().square().mean()
     torch.testing.assert_close(res.backprop, without.backprop + 0.5 * probe)
-    (g,) = torch.autograd.grad(res.backprop, [out.logits], retain_graph=True)
-    (g0,) = torch.autograd.grad(without.backprop, [out.logits])
-    torch.testing.assert_close(g - g0, 0.5 * 2 * out.logits.detach() / out.logits.numel())
+    (g,) = torch.autograd.grad(res.backprop, [h], retain_graph=True)
+    (g0,) = torch.autograd.grad(without.backprop, [h])
+    torch.testing.assert_close(g - g0, 0.5 * 2 * h.detach() / h.numel())
 
 
 def test_a_new_term_is_logged_under_its_name_everywhere(

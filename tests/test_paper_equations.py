@@ -290,7 +290,7 @@ def test_topk_threshold_moves_once_per_optimizer_step_from_the_real_passes():
         micro_batches(micro),
         1,
         settings(model),
-        loss_hook=lambda out, k: dataclasses.replace(out, logits=out.logits + float("nan")),
+        loss_hook=lambda out, k: dataclasses.replace(out, final_BTD=out.final_BTD + float("nan")),
     )
     assert not res.applied
     assert float(chunker.threshold) == pytest.approx(want, rel=1e-6, abs=1e-7)

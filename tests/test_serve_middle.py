@@ -5,7 +5,8 @@ vLLM's (`vlm.serve.layout`), so what the serve tests (skipped without vLLM) chec
 checked here on every machine: prefill into a slot and batched steps over slots give the decoder
 inputs that `ConceptMoELM.prefill` / `step` compute.
 
-Legend: B rows, T tokens, D width, J key/value heads, C KV cache entries, d head width.
+Legend: B rows, T tokens, D width, J key/value heads, C KV cache entries, d head width, V
+vocabulary.
 """
 
 from __future__ import annotations
@@ -123,7 +124,7 @@ def test_slots_give_the_models_decoder_inputs(variant, entries, monkeypatch):
     lengths, slots, steps = [9, 5], torch.tensor([3, 0]), 12
     batch = _batch(lengths, seed=1)
     out, cache = model.prefill(batch, max_new_tokens=steps)
-    tok = out.logits[torch.arange(2), torch.tensor(lengths) - 1].argmax(-1)
+    tok = out.last_logits_BV.argmax(-1)
     for _ in range(steps):
         tok = model.step(model.embed(tok), cache).argmax(-1)
     assert len(calls) == 1 + steps

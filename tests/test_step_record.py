@@ -1,7 +1,10 @@
 """A value logged per step is added in one place and reaches every sink under one name: the step's
 `StepRecord`, from the accumulator's sums by name (one all-reduce, sorted by key) to metrics.jsonl,
 TensorBoard, W&B and the run's summary. The sinks here are the real ones: TensorBoard's event file
-and W&B's offline run are read back."""
+and W&B's offline run are read back.
+
+Legend: B rows, T tokens, D width.
+"""
 
 import json
 
@@ -77,7 +80,7 @@ def test_a_value_added_in_one_place_reaches_every_sink(
 
     def planted(self, out, batch, *args, **kwargs):
         made(self, out, batch, *args, **kwargs)
-        self.add_mean("planted/logit_mean", out.logits.float().mean() * 10, 10)
+        self.add_mean("planted/hidden_mean", out.final_BTD.float().mean() * 10, 10)
 
     monkeypatch.setattr(metrics.StepAccumulator, "add_output", planted)
     monkeypatch.setenv("WANDB_MODE", "offline")
@@ -85,15 +88,15 @@ def test_a_value_added_in_one_place_reaches_every_sink(
     run = tmp_path / "run"
     assert make_trainer(cfg, run).train() == 0
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert all("planted/logit_mean" in r for r in lines if not r.get("skipped"))
+    assert all("planted/hidden_mean" in r for r in lines if not r.get("skipped"))
     last = lines[-1]
     tb = _tensorboard_scalars(run / "tb")
-    assert tb["planted/logit_mean"][last["step"]] == pytest.approx(last["planted/logit_mean"])
+    assert tb["planted/hidden_mean"][last["step"]] == pytest.approx(last["planted/hidden_mean"])
     logged = _wandb_history(run)[last["step"]]
     for key, value in _numbers(last).items():
         assert logged.get(key) == pytest.approx(value, rel=1e-6), key
     summary = json.loads((run / "summary.json").read_text())["last"]
-    assert summary["planted/logit_mean"] == last["planted/logit_mean"]
+    assert summary["planted/hidden_mean"] == last["planted/hidden_mean"]
 
 
 def test_a_skipped_step_is_a_record_too():

@@ -1,5 +1,8 @@
 """`vlm train` in one process: run directory, dashboard, export, non-finite steps. The global
-parser in training: tests/test_train_global_parser.py."""
+parser in training: tests/test_train_global_parser.py.
+
+Legend: B rows, T tokens, D width.
+"""
 
 from __future__ import annotations
 
@@ -156,13 +159,13 @@ def test_mup_zero1_grad_accum_export(tiny_data, tmp_path, torch_globals, tiny_co
 
 
 def _nan_hook(out, k):
-    return dataclasses.replace(out, logits=out.logits + float("nan"))
+    return dataclasses.replace(out, final_BTD=out.final_BTD + float("nan"))
 
 
 def _nan_grad_hook(out, k):
     """A finite loss whose gradient is NaN: d/dx sqrt(|x - x|) is inf * 0 at 0."""
-    poison = (out.logits - out.logits.detach()).abs().sqrt()
-    return dataclasses.replace(out, logits=out.logits + poison)
+    poison = (out.final_BTD - out.final_BTD.detach()).abs().sqrt()
+    return dataclasses.replace(out, final_BTD=out.final_BTD + poison)
 
 
 def _snapshot(tr):

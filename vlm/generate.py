@@ -7,7 +7,8 @@ Legend: B rows, T tokens, V vocabulary.
 `generate` on the model's wrapper (vlm/model/hf.py), which prefills the concept-level caches once
 and then runs one cached step per token, batched over prompts of different lengths and image counts
 (left-padded rows). Scoring (`loglikelihood`) encodes each distinct context once and teacher-forces
-the candidates through cached steps.
+the candidates through cached steps. No path computes the logits of a position it does not read:
+the prefill those of each prompt's last token, a full forward those of the scored positions.
 """
 
 from __future__ import annotations
@@ -25,10 +26,14 @@ from data_pipelines.config import DataConfig, SourceConfig
 from data_pipelines.loader import build_loader
 from data_pipelines.packing import make_prompt_batch
 from data_pipelines.tokenizer import load_tokenizer
+from vlm.model.context import ForwardContext
 from vlm.model.doc_stats import document_ratios, summarize_documents
 from vlm.model.hf import ConceptMoEForCausalLM, hf_config_for, load_vlm
 from vlm.model.multimodal import ConceptMoEVLM
 from vlm.model.stats import summarize
+
+# a forward whose logits are read at a few positions (or not at all) computes none for the others
+NO_LOGITS = ForwardContext(logits=False)
 
 
 def _png(img) -> bytes:
@@ -191,7 +196,7 @@ class ConceptMoEChat:
             if max_batches is not None and i >= max_batches:
                 break
             batch = batch.to(self.device)
-            out = self.model(batch)
+            out = self.model(batch, context=NO_LOGITS)
             b_BT = out.chunks.b_BT if out.chunks is not None else batch.doc_ids >= 0
             docs += document_ratios(b_BT, batch.doc_ids, batch.modality, batch.kind)
         return summarize_documents(docs)
@@ -323,13 +328,14 @@ class ConceptMoEChat:
             lengths = (batch.doc_ids >= 0).sum(1)
             r, j = real.nonzero(as_tuple=True)
             _put(batch, r, lengths[r] + j, cont_BT[r, j])
-            out = self.model(batch)
+            out = self.model(batch, context=NO_LOGITS)
             self._record(summarize(out, batch))
-            # Token j of the continuation is predicted at position len(context) + j - 1.
+            # Token j of the continuation is predicted at position len(context) + j - 1: the
+            # logits of those positions only.
             pos_BT = (lengths[:, None] + torch.arange(longest, device=self.device)[None] - 1).clamp(
                 max=batch.input_ids.shape[1] - 1
             )
-            logits_BTV = out.logits[torch.arange(B)[:, None], pos_BT]
+            logits_BTV = out.logits_at(pos_BT)
         logp_BTV = torch.log_softmax(logits_BTV.float(), -1)
         tok_logp = logp_BTV.gather(-1, cont_BT[..., None]).squeeze(-1)
         greedy = (logp_BTV.argmax(-1) == cont_BT) | ~real
@@ -344,9 +350,8 @@ class ConceptMoEChat:
         prompt = self.prompt_batch([contexts[i] for i in uniq], [images[i] for i in uniq])
         out, cache = self.model.prefill(prompt, cont_BT.shape[1])
         self._record(summarize(out, prompt))
-        last = (prompt.doc_ids >= 0).sum(1) - 1
         cache = cache.select(of_pair)
-        steps = [out.logits[of_pair, last[of_pair]]]
+        steps = [out.last_logits_BV[of_pair]]
         for j in range(cont_BT.shape[1] - 1):
             steps.append(self.model.step(cont_BT[:, j], cache))
         return torch.stack(steps, 1)

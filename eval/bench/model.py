@@ -25,6 +25,7 @@ from configs.batch import PackedBatch
 from eval.bench import common
 from vlm.model.conceptmoe import ConceptMoELM
 from vlm.model.config import ModelConfig, MoEConfig
+from vlm.model.context import ForwardContext
 from vlm.model.flops import attention_map_flops, flops_per_token
 from vlm.model.reallocate import reallocate
 from vlm.train.losses import training_loss
@@ -85,7 +86,8 @@ def _step(model: ConceptMoELM, opt, batch: PackedBatch, force, train: bool):
     def run():
         model.train(train)
         if train:
-            out = model(batch, force=force)
+            # the trainer's forward: no [B, T, V] logits, the loss makes them in tiles
+            out = model(batch, force=force, context=ForwardContext(logits=False))
             opt.zero_grad(set_to_none=True)
             training_loss(out, batch, model.cfg).backward()
             opt.step()

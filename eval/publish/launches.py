@@ -55,6 +55,7 @@ def count(name: str, backend: str) -> int:
     from eval.bench.model import boundaries_at_ratio
     from vlm.model.conceptmoe import ConceptMoELM
     from vlm.model.config import ModelConfig, MoEConfig
+    from vlm.model.context import ForwardContext
     from vlm.model.reallocate import reallocate
     from vlm.train.config import OptimConfig
     from vlm.train.engine import build_optimizer
@@ -86,7 +87,8 @@ def count(name: str, backend: str) -> int:
     )
 
     def step():
-        out = model(batch, force=force)
+        # the trainer's forward: no [B, T, V] logits, the loss makes them in tiles
+        out = model(batch, force=force, context=ForwardContext(logits=False))
         opt.zero_grad(set_to_none=True)
         training_loss(out, batch, model.cfg).backward()
         opt.step()

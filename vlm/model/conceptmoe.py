@@ -1,5 +1,5 @@
 """The ConceptMoE language model: embed -> encoder E -> chunk -> concept model C -> dechunk ->
-decoder D -> logits.
+decoder D -> logits (or the final hidden states the loss makes them from, a tile at a time).
 
 Legend: B rows, T tokens, D width, V vocabulary, M concept slots.
 
@@ -31,6 +31,7 @@ from vlm.model.cross_attention import ConceptMemory, ConceptStep
 from vlm.model.dechunk import Dechunk
 from vlm.model.layers import RMSNorm, rope_cos_sin
 from vlm.model.output import ModelOutput
+from vlm.model.tiled_loss import LMHead, tokens_per_tile
 
 
 class Middle(NamedTuple):
@@ -108,7 +109,7 @@ class ConceptMoELM(nn.Module):
         # blocks are compiled (vlm.model.compile)
         self.activation_checkpoint = cfg.activation_checkpoint
         self.compiled = False
-        self.lm_head = nn.Linear(D, cfg.vocab_size, bias=False)
+        self.lm_head = LMHead(D, cfg.vocab_size)
         self.apply(self._init)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
@@ -375,7 +376,8 @@ class ConceptMoELM(nn.Module):
         above_BT=None,
         max_new_tokens: int = 0,
     ) -> tuple[ModelOutput, InferenceCache]:
-        """The prompts' output (one document per row, right-padded) and the caches `step` continues from."""
+        """The prompts' output (one document per row, right-padded) and the caches `step` continues
+        from. The output's logits are those of each row's last token (`last_logits_BV`)."""
         x_BTD = self.embed(batch.input_ids) if inputs_embeds is None else inputs_embeds
         B, T, _ = x_BTD.shape
         cache = self.allocate_inference_cache(B, T + max_new_tokens, x_BTD)
@@ -384,7 +386,11 @@ class ConceptMoELM(nn.Module):
         )
         cache.len_B = (batch.doc_ids >= 0).sum(1)
         cache.used_tokens, cache.used_concepts = T, ch.cdoc_BM.shape[1] if ch is not None else T
-        return self.assemble(self.lm_head(self.norm(out_BTD)), ch, moe_stats), cache
+        out = self.assemble(None, self.norm(out_BTD), ch, moe_stats)
+        # the logits of each row's last token only: what generation reads
+        last_B = (cache.len_B - 1).clamp_min(0)
+        out.last_logits_BV = out.logits_at(last_B[:, None])[:, 0]
+        return out, cache
 
     @torch.no_grad()
     def step(
@@ -464,17 +470,28 @@ class ConceptMoELM(nn.Module):
             context=context,
         )
         normed_BTD = self.norm(out_BTD)
-        out = self.assemble(self.lm_head(normed_BTD), ch, moe_stats)
+        # a training forward leaves the logits to the loss, which makes them a tile at a time
+        logits_BTV = self.lm_head(normed_BTD) if context.logits else None
+        out = self.assemble(logits_BTV, normed_BTD, ch, moe_stats)
         if states is not None:
             out.hidden_states = (x_BTD, *states[:-1], normed_BTD)
         return out
 
-    def assemble(self, logits_BTV, ch: Chunks | None, moe_stats) -> ModelOutput:
-        """The output: the logits, the chunking and each MoE pass's outcome as they are (no host
-        transfer here; the losses are the trainer's: vlm.train.losses)."""
+    def assemble(self, logits_BTV, normed_BTD, ch: Chunks | None, moe_stats) -> ModelOutput:
+        """The output: the logits (None: not computed), the final hidden states with the output
+        layer and the loss's tile size, the chunking and each MoE pass's outcome as they are (no
+        host transfer here; the losses are the trainer's: vlm.train.losses)."""
         names = (
             [f"encoder.{i}" for i in range(len(self.encoder))]
             + [f"concept.{i}" for i in self.cfg.concept_schedule]
             + [f"decoder.{i}" for i in range(len(self.decoder))]
         )
-        return ModelOutput(logits_BTV, ch, list(zip(names, moe_stats)))
+        tile = tokens_per_tile(self.cfg.vocab_size, normed_BTD.device, self.cfg.loss_tile_tokens)
+        return ModelOutput(
+            logits_BTV,
+            ch,
+            list(zip(names, moe_stats)),
+            final_BTD=normed_BTD,
+            head=self.lm_head,
+            tile_tokens=tile,
+        )

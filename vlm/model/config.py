@@ -279,6 +279,9 @@ class ModelConfig(ValidatedOnInit):
     # and expert outputs, recompute the elementwise work between them: torch's selective
     # checkpointing); full (keep only the block's input, recompute the whole block)
     activation_checkpoint: Literal["none", "selective", "full"] = "none"
+    # tokens per tile of the LM loss's logits (vlm.model.tiled_loss: no [T, V] logits for a row);
+    # 0: as many as keep a tile's fp32 logits within 256 MiB on an accelerator, 64 MiB on the CPU
+    loss_tile_tokens: int = 0
 
     def validate(self) -> None:
         check(
@@ -286,6 +289,11 @@ class ModelConfig(ValidatedOnInit):
             f"attention_window must be >= 0 (0: whole document), got {self.attention_window}",
         )
         check(self.vocab_size >= 2, "vocab_size must be >= 2")
+        check(
+            self.loss_tile_tokens >= 0,
+            f"loss_tile_tokens must be >= 0 (0: sized from the vocabulary), got "
+            f"{self.loss_tile_tokens}",
+        )
         check(self.init_std > 0, f"init_std must be > 0, got {self.init_std}")
         check(
             self.num_heads % self.num_kv_heads == 0,

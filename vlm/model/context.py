@@ -1,9 +1,9 @@
 """What a training forward needs from the step that runs it, passed as an argument.
 
-A module is never steered by an attribute set from outside: the boundary noise's seed and what the
-forward does with the routing statistics it counts arrive here, with every forward. A module used
-alone (a test, a benchmark, a notebook) takes the default: a fresh noise seed per forward, and the
-statistics applied as it goes.
+A module is never steered by an attribute set from outside: the boundary noise's seed, what the
+forward does with the routing statistics it counts and whether it computes the logits arrive here,
+with every forward. A module used alone (a test, a benchmark, a notebook) takes the default: a fresh
+noise seed per forward, the statistics applied as it goes, and the logits of every position.
 """
 
 from __future__ import annotations
@@ -29,6 +29,10 @@ class ForwardContext:
     # from torch's generator.
     noise_seed: torch.Tensor | None = None
     statistics: Statistics = "per_forward"
+    # False: the output carries no [B, T, V] logits, only the final hidden states and the output
+    # layer, from which the loss computes them in tiles of tokens (vlm.model.tiled_loss): what a
+    # training forward, a statistics pass and a scoring pass ask for
+    logits: bool = True
 
 
 DEFAULT = ForwardContext()

@@ -1,13 +1,15 @@
 """transformers integration: a PreTrainedModel wrapper, AutoModel registration and export.
 
-Legend: B rows.
+Legend: B rows, T tokens, D width.
 
 `final/` directories written by `save_pretrained` load with
 `AutoModelForCausalLM.from_pretrained(dir)` after `import vlm.model.hf` (importing this module
 registers the Auto classes; every loader here imports it). The wrapper's forward takes ordinary
 (left- or right-padded) `input_ids`/`attention_mask`; each row is one document. `generate(...,
 use_cache=True)` (the default) runs the model's own prefill and cached steps: the concept-level
-`InferenceCache` travels as generate's `cache`; `use_cache=False` re-runs the prefix.
+`InferenceCache` travels as generate's `cache`; `use_cache=False` re-runs the prefix. The forward
+computes the logits of the positions asked for only (`logits_to_keep`; `generate` asks for the last
+one), and its loss with `labels` in tiles of tokens (vlm.model.tiled_loss).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from configs.config import ConfigError, from_dict, to_dict
 from vision.config import VisionConfig
 from vlm.model.cache import InferenceCache
 from vlm.model.config import ModelConfig
+from vlm.model.context import ForwardContext
 from vlm.model.layers import positions_in_doc
 from vlm.model.legacy_names import KEY_MAPPING
 from vlm.model.multimodal import ConceptMoEVLM
@@ -229,11 +232,15 @@ class ConceptMoEForCausalLM(PreTrainedModel, GenerationMixin):
         cache: InferenceCache | None = None,
         use_cache: bool | None = None,
         output_hidden_states: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
         **kwargs,
     ):
         """`output_hidden_states`: token-level states (embeddings, each encoder layer, the decoder
         input, each decoder layer, the last one normed); the concept layers run on concepts and are
-        not among them."""
+        not among them. `logits_to_keep` (transformers' convention): the logits of the last that
+        many positions, or of the positions a 1-d tensor lists; 0 (the default) all of them
+        (`generate` asks for the last one only). The loss with `labels` never needs them: it is
+        computed in tiles of tokens (vlm.model.tiled_loss)."""
         if CACHE_NAME != "cache" and cache is None:  # an older transformers' generate
             cache = kwargs.pop(CACHE_NAME, None)
         unsupported = [
@@ -254,11 +261,12 @@ class ConceptMoEForCausalLM(PreTrainedModel, GenerationMixin):
         batch = self.to_batch(
             input_ids, attention_mask, pixel_patches, patch_coords, image_grids, labels
         )
+        T = input_ids.shape[1]
+        keep_T = kept_positions(logits_to_keep, T, input_ids.device)
         if use_cache and labels is None:
-            # Prefill right-aligned rows (the caches fill from position 0), then put the logits back
-            # in place.
+            # Prefill right-aligned rows (the caches fill from position 0), then read the logits
+            # of the kept positions from where they went.
             shift_B = (batch.doc_ids < 0).long().cumprod(1).sum(1)  # left padding per row
-            T = input_ids.shape[1]
             to_right = (torch.arange(T, device=input_ids.device)[None] + shift_B[:, None]) % T
             right = PackedBatch(
                 *(t.gather(1, to_right) for t in (batch.input_ids, batch.labels, batch.doc_ids)),
@@ -271,18 +279,25 @@ class ConceptMoEForCausalLM(PreTrainedModel, GenerationMixin):
             out, new_cache = self.vlm.prefill(right)
             if self.on_prefill is not None:
                 self.on_prefill(out, right)
-            back = (torch.arange(T, device=input_ids.device)[None] - shift_B[:, None]) % T
-            logits = out.logits.gather(1, back[..., None].expand(-1, -1, out.logits.shape[-1]))
+            logits = out.logits_at((keep_T[None] - shift_B[:, None]) % T)
             return CausalLMOutputWithPast(logits=logits, **{CACHE_NAME: new_cache})
-        out = self.vlm(batch, output_hidden_states=bool(output_hidden_states))
+        out = self.vlm(
+            batch,
+            output_hidden_states=bool(output_hidden_states),
+            context=ForwardContext(logits=False),
+        )
         if self.on_prefill is not None:
             self.on_prefill(out, batch)
         loss = None
         if labels is not None:  # the mean next-token loss, as transformers' models report it
-            loss = lm_losses(out.logits, lm_labels(batch), batch.doc_ids, batch.modality)[0]
+            loss = lm_losses(out, lm_labels(batch), batch.doc_ids, batch.modality)[0]
+        if isinstance(logits_to_keep, int) and logits_to_keep == 0:
+            logits = out.head(out.final_BTD)
+        else:
+            logits = out.logits_at(keep_T[None].expand(input_ids.shape[0], -1))
         return CausalLMOutputWithPast(
             loss=loss,
-            logits=out.logits,
+            logits=logits,
             hidden_states=out.hidden_states,
         )
 
@@ -307,7 +322,16 @@ class ConceptMoEForCausalLM(PreTrainedModel, GenerationMixin):
             "patch_coords": patch_coords,
             "image_grids": image_grids,
             "use_cache": use_cache,
+            "logits_to_keep": kwargs.get("logits_to_keep", 0),
         }
+
+
+def kept_positions(logits_to_keep: int | torch.Tensor, T: int, device) -> torch.Tensor:
+    """The positions whose logits a forward returns, by transformers' `logits_to_keep`: the last
+    that many (0: all T), or the positions a 1-d tensor lists."""
+    if isinstance(logits_to_keep, torch.Tensor):
+        return logits_to_keep.to(device)
+    return torch.arange(T - logits_to_keep if 0 < logits_to_keep <= T else 0, T, device=device)
 
 
 def register() -> None:

@@ -1,12 +1,14 @@
 """Per-modality chunking statistics and the loss split by sample kind (text-only vs image-text).
 
-Legend: B rows, T tokens, V vocabulary.
+Legend: B rows, T tokens, D width, N tokens of every row.
+
+The LM loss is computed from a model output's final hidden states and output layer in tiles of
+tokens (vlm.model.tiled_loss), never from `[B, T, V]` logits.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from configs.batch import IGNORE_INDEX, IMAGE, MODALITIES
 from vlm.model.moe import mean_adjugate_per_token
@@ -27,17 +29,23 @@ def lm_labels(batch) -> torch.Tensor:
     return batch.labels.masked_fill(batch.modality == IMAGE, IGNORE_INDEX)
 
 
-def lm_losses(logits_BTV: torch.Tensor, labels_BT: torch.Tensor, doc_BT, modality_BT):
-    """Mean next-token loss, the same split into image-text and text-only samples (the paper's
-    mmloss/textloss), and the detached per-position loss [B, T] (0 where unlabelled) for statistics
-    by kind and source."""
+def lm_token_losses(out, labels_BT: torch.Tensor) -> torch.Tensor:
+    """[B, T] fp32: the next-token loss at each labelled position (0 elsewhere), with its gradient,
+    from the output's final hidden states and output layer, a tile of tokens at a time
+    (vlm.model.tiled_loss: no [T, V] logits)."""
     labelled = labels_BT != IGNORE_INDEX
-    tok_loss = (
-        F.cross_entropy(
-            logits_BTV.float().flatten(0, 1), labels_BT.flatten().clamp_min(0), reduction="none"
-        ).view_as(labels_BT)
-        * labelled
+    loss_N = out.head(
+        out.final_BTD.flatten(0, 1), labels_BT.flatten().clamp_min(0), out.tile_tokens
     )
+    return loss_N.view_as(labels_BT) * labelled
+
+
+def lm_losses(out, labels_BT: torch.Tensor, doc_BT, modality_BT):
+    """Mean next-token loss of a model's output (`lm_token_losses`), the same split into image-text
+    and text-only samples (the paper's mmloss/textloss), and the detached per-position loss [B, T]
+    (0 where unlabelled) for statistics by kind and source."""
+    labelled = labels_BT != IGNORE_INDEX
+    tok_loss = lm_token_losses(out, labels_BT)
     n = labelled.sum()
     lm = tok_loss.sum() / n.clamp_min(1)
     mm = sample_has_image(doc_BT, modality_BT)
@@ -49,7 +57,7 @@ def lm_losses(logits_BTV: torch.Tensor, labels_BT: torch.Tensor, doc_BT, modalit
 
 def lm_loss(out, batch) -> torch.Tensor:
     """0-d: the mean next-token loss of a model's output on `batch` (with its gradient)."""
-    return lm_losses(out.logits, lm_labels(batch), batch.doc_ids, batch.modality)[0]
+    return lm_losses(out, lm_labels(batch), batch.doc_ids, batch.modality)[0]
 
 
 def chunk_stats(p_BT, b_BT, doc_BT, modality_BT) -> dict[str, torch.Tensor]:
@@ -83,7 +91,7 @@ def summarize(out, batch) -> dict[str, float]:
     b_BT = out.chunks.b_BT if out.chunks is not None else valid
     p_BT = out.chunks.p_BT if out.chunks is not None else valid.float()
     tensors = chunk_stats(p_BT, b_BT, batch.doc_ids, batch.modality)
-    lm, split, _ = lm_losses(out.logits, lm_labels(batch), batch.doc_ids, batch.modality)
+    lm, split, _ = lm_losses(out, lm_labels(batch), batch.doc_ids, batch.modality)
     for name, (val, n) in split.items():
         tensors[name], tensors[name + "#n"] = val, n.float()
     tensors["loss/lm"] = lm.detach()

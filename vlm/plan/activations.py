@@ -34,9 +34,9 @@ from dataclasses import dataclass, field, replace
 from unittest import mock
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from vlm.model.tiled_loss import tokens_per_tile
 from vlm.plan.tracker import LiveBytes
 
 MiB = 2**20
@@ -108,41 +108,8 @@ def planning_kernels(sequence: int = 1):
 
 # ---------------------------------------------------------------- the loss
 def loss_tile_tokens(vocab: int, device: str, setting: int = 0) -> int:
-    """Tokens per tile of the LM loss: vlm.model.tiled_loss's rule where it exists; until it is
-    merged, the same rule (tiles of at most 256 MiB of float32 logits on an accelerator, 64 MiB on
-    the CPU) stands in for it."""
-    try:
-        from vlm.model.tiled_loss import tokens_per_tile
-    except ImportError:  # stand-in until the tiled loss (issue 48 item 3) is merged
-        budget = (64 if device == "cpu" else 256) * MiB
-        return setting if setting > 0 else max(1, budget // (4 * vocab))
+    """Tokens per tile of the LM loss, by the loss's own rule (vlm.model.tiled_loss)."""
     return tokens_per_tile(vocab, torch.device(device), setting)
-
-
-def _tile_loss(head: nn.Module, h_ND: torch.Tensor, target_N: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(head(h_ND).float(), target_N, reduction="none")
-
-
-def tiled_token_loss(h_ND, head, target_N, tile: int) -> torch.Tensor:
-    """Each token's cross-entropy, `tile` tokens at a time, each tile's logits recomputed in the
-    backward: vlm.model.tiled_loss.token_cross_entropy where it exists, else the same computation
-    (stand-in until it is merged)."""
-    try:
-        from vlm.model.tiled_loss import token_cross_entropy
-    except ImportError:
-        parts = [
-            torch.utils.checkpoint.checkpoint(
-                _tile_loss,
-                head,
-                h_ND[s : s + tile],
-                target_N[s : s + tile],
-                use_reentrant=False,
-                preserve_rng_state=False,
-            )
-            for s in range(0, h_ND.shape[0], tile)
-        ]
-        return torch.cat(parts)
-    return token_cross_entropy(h_ND, head, target_N, tile)
 
 
 def untiled_loss_bytes(tokens: int, vocab: int, dtype: torch.dtype) -> int:
@@ -218,7 +185,7 @@ def measure_llm(
         out_BTD, chunks, stats = lm.hidden(x_BTD, doc_BT, pos_BT)
         with parts.part("final norm and loss"):
             h_ND = lm.norm(out_BTD).flatten(0, 1)
-            tok_loss_N = tiled_token_loss(h_ND, lm.lm_head, ids_BT.flatten(), tile)
+            tok_loss_N = lm.lm_head(h_ND, ids_BT.flatten(), tile)  # the tiled loss itself
             loss = tok_loss_N.sum()
             for s in stats:  # the router's loss terms, as the trainer's loss adds them
                 for term in (s.balance, s.z):

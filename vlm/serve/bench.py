@@ -3,7 +3,7 @@
 off), at batch 1 and 8; the concept cache's bytes against a per-token cache; and how many requests
 of max-model-len tokens vLLM admits at once for each, in the same cache memory (`--cache-gib`).
 
-Legend: B rows.
+Legend: B rows, V vocabulary.
 
     .venv/bin/python -m vlm.serve.bench --out runs/serve_bench
 
@@ -150,8 +150,7 @@ def cache_bytes(chat, text, imgs, new_tokens: int) -> dict:
     model's would hold with one entry per token."""
     batch = chat.prompt_batch(text, imgs)
     out, cache = chat.model.prefill(batch, new_tokens)
-    last = (batch.doc_ids >= 0).sum(1) - 1
-    tok = out.logits[torch.arange(len(text)), last].argmax(-1)
+    tok = out.last_logits_BV.argmax(-1)
     for _ in range(new_tokens - 1):
         tok = chat.model.step(tok, cache).argmax(-1)
     B, tokens = len(text), int(cache.len_B.sum())

@@ -471,6 +471,7 @@ MAY_CHANGE_FROM_CHECKPOINT = (
     "init_std",
     "compile",
     "activation_checkpoint",
+    "loss_tile_tokens",
     "chunk.capacity_slack",
     "chunk.eval_capacity_slack",
 )

@@ -3,10 +3,10 @@
 Legend: B rows, T tokens, E experts, N flat tokens, S documents, Z ratio groups (one joint group, or
 one per modality).
 
-A term is a function of what the model computed (`ModelOutput`: logits, the chunking, each MoE
-pass's router statistics), of the batch, and of `Totals`: sums over the whole global batch (every
-micro-batch of every rank), which the step makes in one all-reduce before any backward. It returns a
-`TermValue`:
+A term is a function of what the model computed (`ModelOutput`: the final hidden states and the
+output layer, the chunking, each MoE pass's router statistics), of the batch, and of `Totals`: sums
+over the whole global batch (every micro-batch of every rank), which the step makes in one
+all-reduce before any backward. It returns a `TermValue`:
 
 - `value`: this micro-batch's value of the term, with its gradient;
 - `scale`: the factor DeepSpeed's averaging needs (the engine divides each micro-batch's loss by the
@@ -83,8 +83,9 @@ def labelled_tokens(batch: PackedBatch) -> torch.Tensor:
 
 
 def lm_term(out: ModelOutput, batch: PackedBatch, cfg: ModelConfig, totals: Totals) -> TermValue:
-    """Next-token cross-entropy, the mean over the global batch's labelled tokens."""
-    lm, _, token_loss_BT = lm_losses(out.logits, lm_labels(batch), batch.doc_ids, batch.modality)
+    """Next-token cross-entropy, the mean over the global batch's labelled tokens, computed in
+    tiles of tokens from the final hidden states (vlm.model.tiled_loss: no [T, V] logits)."""
+    lm, _, token_loss_BT = lm_losses(out, lm_labels(batch), batch.doc_ids, batch.modality)
     n = totals.micro_labelled
     n = float(labelled_tokens(batch)) if n is None else n
     N = max(totals.labelled, 1.0)

@@ -33,7 +33,7 @@ from vlm.model.doc_stats import (
 )
 from vlm.model.moe import expert_overflow, mean_adjugate_per_token
 from vlm.model.output import ModelOutput
-from vlm.model.stats import chunk_stats, lm_labels, lm_losses, sample_has_image
+from vlm.model.stats import chunk_stats, lm_labels, lm_token_losses, sample_has_image
 from vlm.train.config import LoggingConfig
 from vlm.train.dashboard import Dashboard
 from vlm.train.losses import LossResult
@@ -198,8 +198,8 @@ class StepAccumulator:
 
 def token_losses(out: ModelOutput, batch: PackedBatch) -> torch.Tensor:
     """[B, T] the next-token loss at each position with an LM loss (0 elsewhere), detached: for a
-    model scored rather than trained."""
-    return lm_losses(out.logits, lm_labels(batch), batch.doc_ids, batch.modality)[2]
+    model scored rather than trained (computed in tiles of tokens: vlm.model.stats)."""
+    return lm_token_losses(out, lm_labels(batch)).detach()
 
 
 def derived_scalars(sums: dict[str, torch.Tensor], counts: set[str] = frozenset()) -> dict:

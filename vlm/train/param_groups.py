@@ -183,9 +183,8 @@ def folded_logit_scale(model: nn.Module, scale: float):
     if scale == 1.0:
         yield
         return
-    hook = getattr(model, "_mup_logit_hook", None)
-    if hook is not None:
-        hook.remove()
+    installed = head.logit_scale
+    head.logit_scale = 1.0
     orig = head.weight.detach().clone()  # restore bit for bit, not by dividing back
     with torch.no_grad():
         head.weight.mul_(scale)
@@ -194,18 +193,13 @@ def folded_logit_scale(model: nn.Module, scale: float):
     finally:
         with torch.no_grad():
             head.weight.copy_(orig)
-        if hook is not None:
-            install_logit_scale(model, scale)
+        head.logit_scale = installed
 
 
 def install_logit_scale(model: nn.Module, scale: float) -> None:
-    """Multiply the lm_head's output by `scale` (muP eq. 21) with a forward hook."""
-    if scale == 1.0:
-        return
-    old = getattr(model, "_mup_logit_hook", None)
-    if old is not None:
-        old.remove()
-    model._mup_logit_hook = model.lm.lm_head.register_forward_hook(lambda m, inp, out: out * scale)
+    """The lm_head multiplies its logits by `scale` (muP eq. 21): its `logit_scale`, which the
+    loss's tiles apply as the logits do (vlm.model.tiled_loss.LMHead)."""
+    model.lm.lm_head.logit_scale = scale
 
 
 def describe_groups(groups: list[dict]) -> list[str]:

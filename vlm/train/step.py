@@ -9,7 +9,8 @@ backward: the labelled tokens (known from the batches) and, with DLCM's global p
 loss's statistics, which only a forward knows. With several micro-batches per rank a statistics
 pass forwards each of them first, without gradients, drawing the boundaries its real pass will draw
 (the noise is seeded by the micro-batch's place in the global batch) and counting no routing
-statistics (`ForwardContext(statistics="off")`); one micro-batch needs no extra pass: its forward's
+statistics (`ForwardContext(statistics="off")`); no forward of a step computes `[B, T, V]` logits
+(the LM term makes them in tiles of tokens: vlm.model.tiled_loss); one micro-batch needs no extra pass: its forward's
 statistics are all-reduced before its backward.
 
 Non-finite loss or gradient. Finiteness of the loss is agreed over ranks after each forward. A bad
@@ -70,10 +71,12 @@ def forward_context(
     s: StepSettings, step: int, k: int, statistics: Statistics = "per_step"
 ) -> ForwardContext:
     """What the forward of micro-batch k of this rank needs: its boundary seed (its global
-    micro-batch: ParallelLayout.global_micro_batch) and what it does with the routing statistics it
-    counts."""
+    micro-batch: ParallelLayout.global_micro_batch), what it does with the routing statistics it
+    counts, and no logits (the loss makes them from the final hidden states, a tile of tokens at a
+    time)."""
     seed = boundary_seed(s.seed, step, s.layout.global_micro_batch(k))
-    return ForwardContext(torch.tensor(seed, dtype=torch.long, device=s.device), statistics)
+    seed_t = torch.tensor(seed, dtype=torch.long, device=s.device)
+    return ForwardContext(seed_t, statistics, logits=False)
 
 
 def poison_backward(engine) -> None:

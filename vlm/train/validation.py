@@ -8,11 +8,15 @@ from __future__ import annotations
 import torch
 
 from vision.image_processor import ImageProcessor
+from vlm.model.context import ForwardContext
 from vlm.train import collectives
 from vlm.train.device_feed import prepare
 from vlm.train.metrics import StepAccumulator, token_losses
 from vlm.train.render import image_concept_picture, text_with_boundaries
 from vlm.train.step import StepSettings
+
+# a held-out forward computes no [B, T, V] logits: the loss makes them a tile of tokens at a time
+SCORING = ForwardContext(logits=False)
 
 EVAL_KEYS = (
     "loss/lm",
@@ -48,7 +52,7 @@ class HeldOut:
         try:
             for b in self.batches or [fallback_batch]:
                 b = prepare(b, s.device, s.float_dtype)
-                out = engine(b)
+                out = engine(b, context=SCORING)
                 if self.batches:
                     acc.add_output(out, b, token_loss_BT=token_losses(out, b))
                 if first is None and out.chunks is not None:

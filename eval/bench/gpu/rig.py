@@ -20,6 +20,7 @@ from eval.bench.gpu.settings import Settings
 from eval.bench.model import BASELINE
 from vlm.model.conceptmoe import ConceptMoELM
 from vlm.model.config import ModelConfig
+from vlm.model.context import ForwardContext
 from vlm.model.flops import attention_map_flops, flops_per_token
 from vlm.model.reallocate import reallocate
 from vlm.train.losses import training_loss
@@ -89,7 +90,8 @@ def make_batch(B: int, T: int, vocab: int, dev: Device, seed: int) -> PackedBatc
 def train_step(model, opt, batch: PackedBatch, force) -> Callable[[], None]:
     def fn():
         model.train()
-        out = model(batch, force=force)
+        # the trainer's forward: no [B, T, V] logits, the loss makes them in tiles
+        out = model(batch, force=force, context=ForwardContext(logits=False))
         opt.zero_grad(set_to_none=True)
         training_loss(out, batch, model.cfg).backward()
         opt.step()
