@@ -23,7 +23,7 @@ from vlm.train.layout import ParallelLayout
 
 
 @dataclass
-class PlanConfig:
+class PlannedRun:
     cfg: TrainConfig  # the run's config (sources that are not here left out)
     model: ModelConfig  # the model the run builds
     layout: ParallelLayout  # rank 0 of the run's layout
@@ -35,7 +35,7 @@ def _absent_sources(data: dict) -> list[str]:
     return [k for k in ("init_from", "convert_from") if run.get(k) and not Path(run[k]).exists()]
 
 
-def load_plan_config(path: str, overrides: list[str], ranks: int) -> PlanConfig:
+def load_plan_config(path: str, overrides: list[str], ranks: int) -> PlannedRun:
     """ConfigError (one line) for a config `vlm train` would refuse, or a layout the ranks cannot
     have (a degree that does not divide them)."""
     if ranks < 1:
@@ -69,7 +69,7 @@ def load_plan_config(path: str, overrides: list[str], ranks: int) -> PlanConfig:
                 f"parallel.expert={layout.expert} does not divide model.{name}.num_experts="
                 f"{moe.num_experts}: use a divisor of it"
             )
-    return PlanConfig(cfg, model, layout, notes + more)
+    return PlannedRun(cfg, model, layout, notes + more)
 
 
 def planned_model(cfg: TrainConfig) -> tuple[ModelConfig, list[str]]:
