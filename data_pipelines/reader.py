@@ -544,9 +544,9 @@ def shard_counts(
             counts.append(int(entry["count"]))
             continue
         log.warning(
-            "shard %s has no manifest entry; counting its samples by %s it",
+            "shard %s has no manifest entry; counting its samples by %s",
             p,
-            "streaming" if isinstance(p, str) else "reading",
+            "streaming it" if isinstance(p, str) else "reading it (or its loader index)",
         )
         try:
             counts.append(count(p)[0])
@@ -557,12 +557,7 @@ def shard_counts(
             # One slot: the worker that owns it tries to read it and counts it once as an
             # unreadable shard (as for a manifest-listed shard that no longer reads), instead of
             # stopping the run.
-            log.warning(
-                "shard %s cannot be read (%s: %s); it is skipped and counted",
-                p,
-                type(e).__name__,
-                e,
-            )
+            log.warning("shard %s cannot be read (%s); it is skipped and counted", p, _described(e))
             counts.append(1)
     return counts
 
