@@ -116,7 +116,8 @@ class IndexedShards:
             for i, item in number_samples(groups, path, errors, end, start, stop, expected, True):
                 yield i, item if isinstance(item, BadSample) else index.entry(item["__i__"])
             return
-        for i, raw in iter_shard(path, start, stop, expected, count_unreachable=True):
+        io = self.catalog.io
+        for i, raw in iter_shard(path, start, stop, expected, count_unreachable=True, io=io):
             if not isinstance(raw, BadSample):
                 raw = self.catalog.entry_from_raw(raw, self.settings)
             yield i, raw

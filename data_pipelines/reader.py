@@ -270,8 +270,10 @@ def iter_shard(
     stop: int | None = None,
     expected: int | None = None,
     count_unreachable: bool = False,
+    io: Counter | None = None,
 ) -> Iterator[tuple[int, Any]]:
-    """Yield (index, raw sample or BadSample) for samples `start <= index < stop` of one shard.
+    """Yield (index, raw sample or BadSample) for samples `start <= index < stop` of one shard
+    (with `io`, the bytes of a local shard read are counted under "shard_bytes").
 
     Samples before `start` are read but not yielded (resume skips this way). `expected` is the
     shard's count (from the manifest, or from reading it) and lets every lost sample be counted:
@@ -295,7 +297,14 @@ def iter_shard(
     errors: list = []
     end: dict = {}
     yield from number_samples(
-        _groups(path, errors, end), path, errors, end, start, stop, expected, count_unreachable
+        _groups(path, errors, end, io=io),
+        path,
+        errors,
+        end,
+        start,
+        stop,
+        expected,
+        count_unreachable,
     )
 
 
