@@ -358,15 +358,19 @@ class ShardIndex:
     def entry(self, i: int) -> Entry:
         self.io["index_entries"] += 1
         s = self.samples
-        images = tuple(
-            ImageHeader(*self.images[j], self._message(self.image_messages, j))
-            for j in range(self.image_ends[i - 1] if i else 0, self.image_ends[i])
-        )
+        first, stop = self.image_ends[i - 1] if i else 0, self.image_ends[i]
+        if self.image_messages:
+            images = tuple(
+                ImageHeader(*self.images[j], self._message(self.image_messages, j))
+                for j in range(first, stop)
+            )
+        else:
+            images = tuple(ImageHeader(*self.images[j]) for j in range(first, stop))
         code = self.reason[i]
         return Entry(
             s.keys[i],
             self.names[code - 1] if code else None,
-            self._message(self.messages, i),
+            self._message(self.messages, i) if self.messages else "",
             self.tokens[i],
             self.last[i],
             bool(self.mismatch[i]),

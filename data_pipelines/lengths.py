@@ -140,48 +140,57 @@ class Sizer:
 
     def __init__(self, processor: ImageProcessor, row_tokens: int, long_text: str):
         self.processor, self.row_tokens, self.long_text = processor, row_tokens, long_text
-        self.merge = processor.cfg.merge
+        self.max_pixels = processor.cfg.max_pixels
+        self._tokens: dict[tuple[int, int, int], int] = {}  # LLM tokens by header: few sizes
 
-    def pieces(self, e: Entry) -> list[Piece]:
+    def _image_tokens(self, e: Entry, i: int, im: ImageHeader, where: str) -> int:
+        n = self._tokens.get(im[:3])
+        if n is not None:
+            return n
+        name = f"{i} of sample {e.key} in {where}"
+        if im.status == HEADER_REFUSED:
+            raise BadSample(IMAGE_TOO_LARGE, im.message)
+        if im.status != HEADER_OK:
+            raise BadSample(CORRUPT_IMAGE, im.message)
+        try:
+            self.processor.check_size(im.w, im.h, name)
+        except ImageTooLarge as err:
+            raise BadSample(IMAGE_TOO_LARGE, str(err)) from None
+        except ImageError as err:
+            raise BadSample(CORRUPT_IMAGE, str(err)) from None
+        n = self.processor.plan_size(b"", im.w, im.h, im.orientation).num_tokens
+        if im.status == HEADER_OK:  # a size that passed the checks: the same answer next time
+            self._tokens[im[:3]] = n
+        return n
+
+    def pieces(self, e: Entry, source: int = -1) -> list[Piece]:
+        """The entry's pieces (of source number `source`); BadSample when it cannot be used."""
         if e.reason is not None:
             raise BadSample(e.reason, e.message)
-        source = e.raw["__url__"] if e.raw is not None else str(e.path)
-        num_tokens = []
-        for i, im in enumerate(e.images):
-            name = f"{i} of sample {e.key} in {source}"
-            if im.status == HEADER_REFUSED:
-                raise BadSample(IMAGE_TOO_LARGE, im.message)
-            if im.status != HEADER_OK:
-                raise BadSample(CORRUPT_IMAGE, im.message)
-            try:
-                self.processor.check_size(im.w, im.h, name)
-            except ImageTooLarge as err:
-                raise BadSample(IMAGE_TOO_LARGE, str(err)) from None
-            except ImageError as err:
-                raise BadSample(CORRUPT_IMAGE, str(err)) from None
-            plan = self.processor.plan_size(b"", im.w, im.h, im.orientation)
-            num_tokens.append(plan.num_tokens)
+        where = e.raw["__url__"] if e.raw is not None else str(e.path)
+        num_tokens = tuple(self._image_tokens(e, i, im, where) for i, im in enumerate(e.images))
         if e.mismatch:
             raise BadSample(IMAGE_COUNT, e.message)
-        expanded = e.tokens + sum(n + 1 for n in num_tokens)
+        added = sum(num_tokens) + len(num_tokens)  # each <image> id: start, pads, end
+        expanded = e.tokens + added
         row = self.row_tokens
         if expanded <= row:
-            return [Piece(e, 0, expanded, tuple(num_tokens), False)]
+            return [Piece(e, 0, expanded, num_tokens, False, source)]
         if num_tokens:
-            last_end = e.last_image + sum(n + 1 for n in num_tokens)
+            last_end = e.last_image + added
             if last_end + 1 >= row:  # keep at least one text token after the last image
                 raise BadSample(
                     TOO_LONG,
-                    f"sample {e.key} in {source}: {expanded} tokens with images ending at "
+                    f"sample {e.key} in {where}: {expanded} tokens with images ending at "
                     f"{last_end + 1} do not fit a row of {row}",
                 )
-            return [Piece(e, 0, row, tuple(num_tokens), True)]
+            return [Piece(e, 0, row, num_tokens, True, source)]
         if self.long_text == "split":
             return [
-                Piece(e, k, min(row, expanded - s), (), True)
+                Piece(e, k, min(row, expanded - s), (), True, source)
                 for k, s in enumerate(range(0, expanded, row))
             ]
-        return [Piece(e, 0, row, (), True)]
+        return [Piece(e, 0, row, (), True, source)]
 
 
 __all__ = [

@@ -51,28 +51,33 @@ class Packer:
             return []
         row = [self.pool.pop(0)]
         room = self.row_tokens - self.lengths.pop(0)
-        chosen = set(best_subset(self.lengths, room)) if room > 0 and self.pool else set()
-        if chosen:
-            row += [item for i, item in enumerate(self.pool) if i in chosen]
-            self.pool = [item for i, item in enumerate(self.pool) if i not in chosen]
-            self.lengths = [n for i, n in enumerate(self.lengths) if i not in chosen]
+        chosen = best_subset(self.lengths, room) if room > 0 and self.pool else []
+        for i in reversed(chosen):  # ascending indices: popped from the back, kept in pool order
+            row.insert(1, self.pool.pop(i))
+            del self.lengths[i]
         return row
 
 
 def best_subset(lengths, room: int) -> list[int]:
     """Indices of a subset of `lengths` with the largest sum <= `room` (0/1 knapsack over reachable
     sums, each step's set of sums one integer's bits: a shift and an or per candidate sample, never
-    a loop over tokens)."""
-    lengths = [int(n) for n in lengths]
-    mask = (1 << (room + 1)) - 1
+    a loop over tokens). Of the subsets with that sum, the one the walk back from the last sample
+    finds (always the same: the order of the global plan depends on it)."""
+    if not isinstance(lengths, list):  # the packer keeps a list of ints already
+        lengths = [int(n) for n in lengths]
+    mask, full = (1 << (room + 1)) - 1, 1 << room
     reach = [1]  # reach[i]: bit s set when s is a sum of some of the first i samples
     for n in lengths:
         r = reach[-1]
         reach.append(r | ((r << n) & mask) if n <= room else r)
+        if reach[-1] & full:
+            # a full row: the later samples cannot raise the sum, and the walk back passes over
+            # them (each sum reachable without them), so they need not be looked at
+            break
     total = reach[-1].bit_length() - 1
     chosen = []
     # walk back: sample i-1 was needed iff the sum was not reachable without it
-    for i in range(len(lengths), 0, -1):
+    for i in range(len(reach) - 1, 0, -1):
         if not (reach[i - 1] >> total) & 1:
             chosen.append(i - 1)
             total -= lengths[i - 1]

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from data_pipelines.config import DataConfig
@@ -181,11 +181,9 @@ class Planner:
         )
 
     def _check_pass(self, src: int) -> None:
-        """Called with each sample of source `src`: when its stream has begun another pass, the
-        one before must have packed a sample."""
+        """Source `src`'s stream has begun another pass: the one before must have packed a
+        sample."""
         epoch = self.streams[src].epoch
-        if epoch == self.pass_epoch[src]:
-            return
         if not self.pass_usable[src]:
             s, skipped = self.sources[src], self.pass_skipped[src]
             raise ShardError(
@@ -198,26 +196,33 @@ class Planner:
         self.pass_skipped[src], self.pass_first[src] = Counter(), ""
 
     def _fill_pool(self) -> None:
-        while self.packer.need() > 0 and not self.ended:
-            item = self.mixer.next()
-            if item is None:
-                self.ended = True
-                return
-            src, ref, entry = item
-            self._check_pass(src)
-            self.pending.stats["samples_read"] += 1
-            self.pending.read_by_source[self.sources[src].label] += 1
-            try:
-                if isinstance(entry, BadSample):
-                    raise entry
-                pieces = self.sizer.pieces(entry)
-            except BadSample as e:
-                self._skip(e, src)
-                continue
-            self.pass_usable[src] = True
-            self.pending.stats["truncated"] += pieces[0].truncated
-            for piece in pieces:
-                self.packer.add((src, ref[0], ref[1], piece.piece), replace(piece, source=src))
+        read = [0] * len(self.sources)  # counted once at the end: this runs per sample
+        try:
+            while self.packer.need() > 0 and not self.ended:
+                item = self.mixer.next()
+                if item is None:
+                    self.ended = True
+                    return
+                src, ref, entry = item
+                if self.streams[src].epoch != self.pass_epoch[src]:
+                    self._check_pass(src)
+                read[src] += 1
+                try:
+                    if isinstance(entry, BadSample):
+                        raise entry
+                    pieces = self.sizer.pieces(entry, src)
+                except BadSample as e:
+                    self._skip(e, src)
+                    continue
+                self.pass_usable[src] = True
+                self.pending.stats["truncated"] += pieces[0].truncated
+                for piece in pieces:
+                    self.packer.add((src, ref[0], ref[1], piece.piece), piece)
+        finally:
+            self.pending.stats["samples_read"] += sum(read)
+            for src, n in enumerate(read):
+                if n:
+                    self.pending.read_by_source[self.sources[src].label] += n
 
     def next_plan(self) -> MicroBatchPlan | None:
         """The next micro-batch of the global sequence; None once the data is exhausted (what was
@@ -275,7 +280,7 @@ class Planner:
         self.packer.pool, self.packer.lengths = [], []
         for src, shard, idx, piece in refs:
             # deterministic: the same pieces as before
-            got = self.sizer.pieces(entries[src][(shard, idx)])[piece]
-            self.packer.add((src, shard, idx, piece), replace(got, source=src))
+            got = self.sizer.pieces(entries[src][(shard, idx)], src)[piece]
+            self.packer.add((src, shard, idx, piece), got)
         self.pass_usable = [True] * len(self.sources)  # not known of the passes begun before
         self.pass_epoch = [s.epoch for s in self.streams]

@@ -229,9 +229,14 @@ def read_sample(path: Path, start: int, end: int, key: str, io: Counter | None =
     a local tar (from the loader's index). Raises ShardError when they are not the sample `key`'s
     members (the shard changed since it was indexed) or cannot be read."""
     try:
-        with open(path, "rb") as f:
+        # unbuffered: exactly the sample's bytes are read, not a buffer's worth more
+        with open(path, "rb", buffering=0) as f:
             f.seek(start)
-            data = f.read(end - start)
+            parts, left = [], end - start
+            while left > 0 and (part := f.read(left)):
+                parts.append(part)
+                left -= len(part)
+            data = b"".join(parts)
     except OSError as e:
         raise ShardError(f"shard {path}: sample {key} cannot be read ({os_error(e)})") from None
     if io is not None:
