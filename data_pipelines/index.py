@@ -63,6 +63,8 @@ INDEX_DIR = ".vlm-index"
 SETTLED_S = 2.0
 COMPRESSED_SUFFIXES = (".gz", ".tgz", ".bz2", ".xz")
 NOT_IMAGE = -1  # a member's header status: not an image member
+# what a catalog counts (Catalog.io)
+IO_KEYS = ("shard_bytes", "index_bytes", "samples_decoded", "index_entries")
 # stands for the shard's path in the messages an index keeps (the folder may move)
 SHARD = "\x00shard\x00"
 
@@ -394,6 +396,8 @@ class Catalog:
     ):
         self.tok, self.processor, self.cache = tok, processor, cache
         self.io = io if io is not None else Counter()
+        for k in IO_KEYS:  # every key there from the start: another thread may read it meanwhile
+            self.io.setdefault(k, 0)
         self._loaded: OrderedDict[tuple[Path, str], ShardIndex] = OrderedDict()
         # built here and not written (the shard had just changed, or no folder takes it)
         self._unwritten: dict[Path, ShardRead] = {}
@@ -487,12 +491,13 @@ class Catalog:
         if samples.header["compressed"]:
             return samples
         n, broken = samples.header["groups"], samples.header["broken"]
+        raws, built.raws = built.raws, []  # not kept (a shard kept in memory keeps its arrays)
         for s in settings:
             entries = [
                 None
                 if i == n - 1 and broken
                 else sample_entry(
-                    *built.raws[i],
+                    *raws[i],
                     self.tok,
                     s.kind,
                     s.caption_field,
@@ -667,6 +672,12 @@ class Catalog:
         first = rank * len(todo) // world_size
         for j in range(len(todo)):
             path, s = todo[(first + j) % len(todo)]
+            done = self._find(path, _tokens_name(path, s.key))
+            try:
+                if done is not None and done.stat().st_mtime_ns >= path.stat().st_mtime_ns:
+                    continue  # built (by another rank meanwhile): checked when it is planned
+            except OSError:
+                pass
             before = self.io["shard_bytes"]
             try:
                 self.shard(path, s)

@@ -35,7 +35,7 @@ from configs.batch import PackedBatch
 from configs.config import to_dict
 from data_pipelines.config import DataConfig, SourceConfig
 from data_pipelines.default_dataset import default_sources, ensure_default_dataset
-from data_pipelines.index import Catalog
+from data_pipelines.index import IO_KEYS, Catalog
 from data_pipelines.materialise import Materialiser
 from data_pipelines.plan import MicroBatchPlan, Planner, ResolvedSource, Tally
 from data_pipelines.reader import (
@@ -150,7 +150,7 @@ class _Materialise(Dataset):
         self.materialiser = materialiser
 
     def __getitem__(self, plan: MicroBatchPlan):
-        batch, lost, io = _single_threaded(lambda: self.materialiser(plan, shared=True))
+        batch, lost, io = self.materialiser(plan, shared=True)
         return plan.index, batch, lost, io
 
 
@@ -355,7 +355,7 @@ class PackedLoader:
         index files), `samples_decoded` (samples read and decoded: this rank's own, and those it
         indexed), `index_entries` (index entries planning took). Planning's and this rank's
         micro-batches' (in its workers too) together."""
-        return dict(sorted((Counter(self.catalog.io) + self.read_io).items()))
+        return {k: self.catalog.io.get(k, 0) + self.read_io.get(k, 0) for k in IO_KEYS}
 
     def __iter__(self) -> Iterator[PackedBatch]:
         self._close()

@@ -70,3 +70,35 @@ def test_rank_0_of_64_reads_and_decodes_what_rank_0_of_1_does(llava_like, batche
     )
     # it did plan the 64 micro-batches of each round, from the index alone: an entry or more each
     assert io64["index_entries"] >= 64 * OWN > io1["index_entries"]
+
+
+def test_bench_loader_measures_rank_r_of_m(tmp_path):
+    """`vlm bench loader --world-size M --rank R` builds rank R of M's loader and reports its CPU
+    time and bytes read per micro-batch of its own."""
+    import json
+
+    from vlm.cli import main
+
+    assert (
+        main(
+            [
+                "bench",
+                "loader",
+                "--smoke",
+                "--world-size",
+                "4",
+                "--rank",
+                "3",
+                "--out",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
+    res = json.loads((tmp_path / "loader.json").read_text())
+    assert res["settings"]["world_size"] == 4 and res["settings"]["rank"] == 3
+    rows = {r["metric"]: r for r in res["rows"] if r["candidate"] == "workers=0"}
+    assert rows["CPU-seconds per micro-batch"]["setting"]["world_size"] == 4
+    assert rows["CPU-seconds per micro-batch"]["median"] > 0
+    assert rows["MB read per micro-batch"]["median"] > 0
+    assert rows["MB read per micro-batch"]["index_entries_per_micro_batch"] > 0
