@@ -54,7 +54,7 @@ from configs.folder_lock import FolderBusy, lock_folder
 from data_pipelines.import_out import WriteFailed, check_out, os_reason, writing
 from data_pipelines.import_rows import convert_chunk, init_worker
 from data_pipelines.import_sources import ImporterError
-from data_pipelines.index import drop_index, move_index
+from data_pipelines.index_layers import drop_index, move_index
 from data_pipelines.progress import Progress
 from data_pipelines.schema import Sample
 from data_pipelines.writer import ShardWriter, read_manifest, update_manifest, write_atomic

@@ -35,7 +35,8 @@ from configs.batch import PackedBatch
 from configs.config import to_dict
 from data_pipelines.config import DataConfig, SourceConfig
 from data_pipelines.default_dataset import default_sources, ensure_default_dataset
-from data_pipelines.index import IO_KEYS, Catalog
+from data_pipelines.index import Catalog
+from data_pipelines.index_layers import IO_KEYS
 from data_pipelines.materialise import Materialiser
 from data_pipelines.plan import MicroBatchPlan, Planner, ResolvedSource, Tally
 from data_pipelines.reader import (

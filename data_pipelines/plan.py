@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from data_pipelines.config import DataConfig
-from data_pipelines.index import Catalog, SourceSettings, indexable
+from data_pipelines.index import Catalog
+from data_pipelines.index_layers import SourceSettings, indexable
 from data_pipelines.lengths import Piece, Sizer
 from data_pipelines.packing import Packer
 from data_pipelines.reader import iter_shard, number_samples

@@ -18,7 +18,7 @@ from typing import Any
 import webdataset as wds
 from PIL import Image
 
-from data_pipelines.index import write_samples_index
+from data_pipelines.index_layers import write_samples_index
 from data_pipelines.manifest import (  # noqa: F401 - where the importers and tools found them
     MANIFEST,
     MANIFEST_VERSION,

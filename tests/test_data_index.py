@@ -13,8 +13,9 @@ from dataclasses import replace
 import pytest
 
 from data_pipelines.config import DataConfig, SourceConfig
-from data_pipelines.index import INDEX_DIR, Catalog, shard_stat
+from data_pipelines.index import Catalog
 from data_pipelines.index_file import MAGIC, IndexFile
+from data_pipelines.index_layers import INDEX_DIR, shard_stat
 from data_pipelines.loader import build_loader
 from data_pipelines.schema import Sample
 from data_pipelines.tokenizer import ByteTokenizer
