@@ -75,6 +75,9 @@ class DataConfig(ValidatedOnInit):
     # how images are patchified (validated when it is made); a training config with a vision section
     # sets it to vision.processor, so only configs without one state it here
     processor: ImageProcessorConfig = field(default_factory=ImageProcessorConfig)
+    # where the loader keeps the index of shards whose folder cannot be written (docs/data.md);
+    # "": ~/.cache/vlm/loader-index ($XDG_CACHE_HOME/vlm/loader-index)
+    index_cache: str = ""
     loss_on: Literal["all", "assistant"] = "all"  # "assistant": chat samples train on answers only
     long_text: Literal["truncate", "split"] = "truncate"  # text-only documents longer than a row
 

@@ -132,6 +132,20 @@ def encode_sample(
     `allow_empty_text` is for prompts: an image-only prompt ("<image>") is valid input to
     generation, while as training data it would teach nothing. `decode_images=False` (the
     training loader) plans the images from their headers instead of decoding them."""
+    ids, target = tokenize_sample(sample, tok, loss_on, allow_empty_text)
+    if not sample.images:
+        images = []
+    else:
+        images = (process_images if decode_images else plan_images)(sample, processor)
+    return fit_row(sample, ids, target, images, tok, row_tokens, long_text)
+
+
+def tokenize_sample(
+    sample: Sample, tok: Tokenizer, loss_on: str = "all", allow_empty_text: bool = False
+) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, target) of a sample before its images are expanded (each `<image>` one id), framed by
+    `<bos>` and `<eos>`; raises BadSample for reserved tokens in the text and for a sample without
+    text. What the loader's index records of a sample's text (data_pipelines.lengths)."""
     if sample.turns is not None:
         # the tokenizer's chat format: ours or a source's
         segments = tok.chat_segments(sample.turns)
@@ -161,10 +175,19 @@ def encode_sample(
     ids, target = np.concatenate(parts), np.concatenate(flags)
     if tok.is_special[ids].all() and not (allow_empty_text and sample.images):
         raise BadSample(EMPTY_TEXT, f"sample {sample.key} in {sample.source}: no text tokens")
-    if not sample.images:
-        images = []
-    else:
-        images = (process_images if decode_images else plan_images)(sample, processor)
+    return ids, target
+
+
+def fit_row(
+    sample: Sample,
+    ids: np.ndarray,
+    target: np.ndarray,
+    images: list,
+    tok: Tokenizer,
+    row_tokens: int,
+    long_text: str = "truncate",
+) -> list[EncodedSample]:
+    """The tokenized sample with its images expanded, cut to fit rows of `row_tokens`."""
     try:
         ids, target = expand_images(ids, target, [im.num_tokens for im in images], tok)
     except BadSample as e:

@@ -54,6 +54,7 @@ from configs.folder_lock import FolderBusy, lock_folder
 from data_pipelines.import_out import WriteFailed, check_out, os_reason, writing
 from data_pipelines.import_rows import convert_chunk, init_worker
 from data_pipelines.import_sources import ImporterError
+from data_pipelines.index_layers import drop_index, move_index
 from data_pipelines.progress import Progress
 from data_pipelines.schema import Sample
 from data_pipelines.writer import ShardWriter, read_manifest, update_manifest, write_atomic
@@ -233,6 +234,7 @@ def _remove_shards(out: Path, prefix: str, first: int) -> None:
         if i is not None and i >= first:
             p.unlink()
             gone.add(p.name)
+    drop_index(out, gone)
     m = read_manifest(out)
     if m is None:
         return
@@ -292,6 +294,7 @@ class _Shards:
             entry = self.writer.entries[0]
             with writing(self.out / entry["name"]):
                 os.replace(self.tmp / entry["name"], self.out / entry["name"])
+                move_index(self.tmp, self.out, entry["name"])
             with writing(self.out / "manifest.json"):
                 update_manifest(self.out, [entry])
             self.names.append(entry["name"])

@@ -3,8 +3,11 @@
 
 The data is one global sequence of micro-batches g = 0, 1, 2, ... (data_pipelines.plan), whose
 content depends on the data config, the tokenizer and g only. Rank r of M yields g = r, r + M,
-r + 2M, ...: every rank plans every micro-batch (cheap: no image is decoded) and materialises only
-its own (data_pipelines.materialise: decoding, resizing). With `num_workers = W > 0` a thread plans
+r + 2M, ...: every rank plans every micro-batch from the loader's index (data_pipelines.index: no
+shard is read to plan) and materialises only its own (data_pipelines.materialise: reading those
+samples' bytes, decoding, resizing). Building the loader makes sure every local shard is indexed
+(the ranks share a first build) and counts the shards from their manifest or index. With
+`num_workers = W > 0` a thread plans
 ahead and the rank's plans go to a map-style DataLoader whose W worker processes materialise them;
 the DataLoader hands the results back in order, so the sequence does not depend on W either.
 
@@ -22,7 +25,7 @@ import os
 import queue
 import signal
 import threading
-from collections import deque
+from collections import Counter, deque
 from typing import Iterator
 
 import torch
@@ -32,7 +35,9 @@ from configs.batch import PackedBatch
 from configs.config import to_dict
 from data_pipelines.config import DataConfig, SourceConfig
 from data_pipelines.default_dataset import default_sources, ensure_default_dataset
-from data_pipelines.materialise import materialise
+from data_pipelines.index import Catalog
+from data_pipelines.index_layers import IO_KEYS
+from data_pipelines.materialise import Materialiser
 from data_pipelines.plan import MicroBatchPlan, Planner, ResolvedSource, Tally
 from data_pipelines.reader import (
     ShardError,
@@ -51,8 +56,13 @@ MISSING_NAMED = 10  # a warning about deleted shards names this many, then says 
 STATE_VERSION = 2
 
 
-def resolve_sources(cfg: DataConfig) -> list[ResolvedSource]:
-    """Source configs -> shard paths with per-shard counts (default dataset when `sources` is empty)."""
+def resolve_sources(
+    cfg: DataConfig, catalog: Catalog | None = None, rank: int = 0, world_size: int = 1
+) -> list[ResolvedSource]:
+    """Source configs -> shard paths with per-shard counts (default dataset when `sources` is empty).
+    With `catalog` (the loader's), the local shards are indexed first (rank `rank` of `world_size`
+    taking its share of a first build), and a shard without a manifest entry is counted from its
+    index instead of by reading it."""
     sources = cfg.sources
     if not sources:
         ensure_default_dataset(cfg.default_dir)
@@ -71,7 +81,10 @@ def resolve_sources(cfg: DataConfig) -> list[ResolvedSource]:
         paths = resolve_shards(s.path)  # local: sorted; URLs: in webdataset's expansion order
         if missing := listed_but_missing(s.path):
             paths = sorted(paths + missing)
-        counts = shard_counts(paths)
+        if catalog is not None:
+            settings = catalog.settings(s.kind, s.caption_field)
+            catalog.prepare([(p, settings) for p in paths], rank, world_size)
+        counts = shard_counts(paths, catalog.count if catalog is not None else None)
         if missing:
             gone = set(missing)
             lost = sum(n for p, n in zip(paths, counts) if p in gone)
@@ -131,20 +144,15 @@ def _identity(x):
 
 
 class _Materialise(Dataset):
-    """Map-style: a plan in, (its index, the micro-batch, what decoding lost) out, in a worker."""
+    """Map-style: a plan in, (its index, the micro-batch, what reading and decoding lost, what was
+    read) out, in a worker."""
 
-    def __init__(self, loader: "PackedLoader"):
-        self.args = (
-            loader.cfg.row_tokens,
-            loader.tok.pad_id,
-            loader.tok.image_pad_id,
-            loader.processor,
-            [s.label for s in loader.sources],
-        )
+    def __init__(self, materialiser: Materialiser):
+        self.materialiser = materialiser
 
     def __getitem__(self, plan: MicroBatchPlan):
-        batch, lost = materialise(plan, *self.args, shared=True)
-        return plan.index, batch, lost
+        batch, lost, io = self.materialiser(plan, shared=True)
+        return plan.index, batch, lost, io
 
 
 class _Plans:
@@ -224,10 +232,23 @@ class PackedLoader:
         sources: list[ResolvedSource],
         rank: int = 0,
         world_size: int = 1,
+        catalog: Catalog | None = None,
     ):
         self.cfg, self.tok, self.sources = cfg, tokenizer, sources
         self.rank, self.world_size = rank, world_size
         self.processor = ImageProcessor(cfg.processor)
+        # what planning reads (the index; shards it indexes) and what this rank's micro-batches
+        # read, apart: the planner may run in a thread of its own
+        self.catalog = catalog or Catalog(tokenizer, self.processor, cfg.index_cache)
+        self.read_io: Counter = Counter()
+        self.materialiser = Materialiser(
+            tokenizer,
+            self.processor,
+            cfg.row_tokens,
+            cfg.loss_on,
+            cfg.long_text,
+            [(s.label, s.kind, s.caption_field) for s in sources],
+        )
         for s in sources:
             if sum(s.counts) < 1:
                 raise ShardError(f"source {s.label} has no samples")
@@ -295,7 +316,7 @@ class PackedLoader:
         """(this rank's plan, the planner's state after its round, None) round after round, then
         (None, the final state, what this rank counts of the samples read after the last
         micro-batch) once the data is exhausted."""
-        planner = Planner(self.cfg, self.sources, self.tok, self.processor)
+        planner = Planner(self.cfg, self.sources, self.tok, self.processor, self.catalog)
         planner.warn = self.rank == 0
         if self.position is not None:
             planner.load_state_dict(self.position)
@@ -321,30 +342,35 @@ class PackedLoader:
             yield None, planner.state_dict(), rest if m == self.rank else None
             return
 
-    def _received(self, tally: Tally | None, lost: Tally | None, position: dict) -> None:
+    def _received(
+        self, tally: Tally | None, lost: Tally | None, position: dict, io: Counter | None = None
+    ) -> None:
         for t in (tally, lost):
             if t is not None:
                 self.own.add(t)
+        if io:
+            self.read_io.update(io)
         self.position = position
+
+    @property
+    def io(self) -> dict[str, int]:
+        """What this loader has read so far: `shard_bytes` and `index_bytes` (bytes of shard and
+        index files), `samples_decoded` (samples read and decoded: this rank's own, and those it
+        indexed), `index_entries` (index entries planning took). Planning's and this rank's
+        micro-batches' (in its workers too) together."""
+        return {k: self.catalog.io.get(k, 0) + self.read_io.get(k, 0) for k in IO_KEYS}
 
     def __iter__(self) -> Iterator[PackedBatch]:
         self._close()
         if self.cfg.num_workers == 0:
-            args = (
-                self.cfg.row_tokens,
-                self.tok.pad_id,
-                self.tok.image_pad_id,
-                self.processor,
-                [s.label for s in self.sources],
-            )
             rounds = self._rounds()
             try:
                 for plan, position, rest in rounds:
                     if plan is None:
                         self._received(rest, None, position)
                         return
-                    batch, lost = _single_threaded(lambda: materialise(plan, *args))
-                    self._received(plan.tally, lost, position)
+                    batch, lost, io = _single_threaded(lambda: self.materialiser(plan))
+                    self._received(plan.tally, lost, position, io)
                     yield batch
             finally:
                 rounds.close()
@@ -368,7 +394,7 @@ class PackedLoader:
 
         ahead = self._ahead = _PlanAhead(self._rounds(), depth=max(2, W))
         dl = DataLoader(
-            _Materialise(self),
+            _Materialise(self.materialiser),
             batch_size=None,
             sampler=_Plans(plans()),
             num_workers=W,
@@ -379,11 +405,11 @@ class PackedLoader:
         )
         it = iter(dl)
         try:
-            for index, batch, lost in it:
+            for index, batch, lost, io in it:
                 expected, tally, position = inflight.popleft()
                 if index != expected:  # the DataLoader returns in order; a change there would show
                     raise RuntimeError(f"micro-batch {index} arrived where {expected} was due")
-                self._received(tally, lost, position)
+                self._received(tally, lost, position, io)
                 yield batch
             if inflight:  # the end of the data
                 _, rest, position = inflight.popleft()
@@ -450,4 +476,6 @@ def build_loader(
         raise ValueError(
             f"tokenizer vocab_size={tokenizer.vocab_size} does not cover its special ids"
         )
-    return PackedLoader(cfg, tokenizer, resolve_sources(cfg), rank, world_size)
+    catalog = Catalog(tokenizer, ImageProcessor(cfg.processor), cfg.index_cache)
+    sources = resolve_sources(cfg, catalog, rank, world_size)
+    return PackedLoader(cfg, tokenizer, sources, rank, world_size, catalog)

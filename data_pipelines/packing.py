@@ -23,53 +23,64 @@ from data_pipelines.tokenizer import Tokenizer
 
 
 class Packer:
-    """A pool of (ref, EncodedSample) in arrival order; `next_row` takes one row's worth out of it
-    (samples keep their pool order within the row)."""
+    """A pool of (ref, sample) in arrival order, a sample being anything with a length (an
+    EncodedSample, a planned lengths.Piece); `next_row` takes one row's worth out of it (samples
+    keep their pool order within the row)."""
 
     def __init__(self, row_tokens: int, pack_buffer: int):
         self.row_tokens = row_tokens
         self.pack_buffer = pack_buffer
-        self.pool: list[tuple[Any, EncodedSample]] = []
+        self.pool: list[tuple[Any, Any]] = []
+        self.lengths: list[int] = []  # of the pool's samples, in step
 
     def need(self) -> int:
         return max(self.pack_buffer - len(self.pool), 0)
 
-    def add(self, ref: Any, sample: EncodedSample) -> None:
-        if len(sample) > self.row_tokens:
+    def add(self, ref: Any, sample: Any) -> None:
+        n = len(sample)
+        if n > self.row_tokens:
             raise ValueError(
-                f"sample {sample.key}: {len(sample)} tokens exceed row_tokens={self.row_tokens}"
+                f"sample {getattr(sample, 'key', ref)}: {n} tokens exceed "
+                f"row_tokens={self.row_tokens}"
             )
         self.pool.append((ref, sample))
+        self.lengths.append(n)
 
-    def next_row(self) -> list[tuple[Any, EncodedSample]]:
+    def next_row(self) -> list[tuple[Any, Any]]:
         if not self.pool:
             return []
         row = [self.pool.pop(0)]
-        room = self.row_tokens - len(row[0][1])
-        lengths = np.fromiter((len(s) for _, s in self.pool), dtype=np.int64, count=len(self.pool))
-        chosen = set(best_subset(lengths, room)) if room > 0 and self.pool else set()
-        row += [item for i, item in enumerate(self.pool) if i in chosen]
-        self.pool = [item for i, item in enumerate(self.pool) if i not in chosen]
+        room = self.row_tokens - self.lengths.pop(0)
+        chosen = best_subset(self.lengths, room) if room > 0 and self.pool else []
+        for i in reversed(chosen):  # ascending indices: popped from the back, kept in pool order
+            row.insert(1, self.pool.pop(i))
+            del self.lengths[i]
         return row
 
 
-def best_subset(lengths: np.ndarray, room: int) -> list[int]:
+def best_subset(lengths, room: int) -> list[int]:
     """Indices of a subset of `lengths` with the largest sum <= `room` (0/1 knapsack over reachable
-    sums: one vector operation per candidate sample, never a loop over tokens)."""
-    n = len(lengths)
-    reach = np.zeros((n + 1, room + 1), dtype=bool)
-    reach[0, 0] = True
-    for i, length in enumerate(lengths.tolist()):
-        reach[i + 1] = reach[i]
-        if length <= room:
-            reach[i + 1, length:] |= reach[i, : room + 1 - length]
-    total = int(np.flatnonzero(reach[n])[-1])
+    sums, each step's set of sums one integer's bits: a shift and an or per candidate sample, never
+    a loop over tokens). Of the subsets with that sum, the one the walk back from the last sample
+    finds (always the same: the order of the global plan depends on it)."""
+    if not isinstance(lengths, list):  # the packer keeps a list of ints already
+        lengths = [int(n) for n in lengths]
+    mask, full = (1 << (room + 1)) - 1, 1 << room
+    reach = [1]  # reach[i]: bit s set when s is a sum of some of the first i samples
+    for n in lengths:
+        r = reach[-1]
+        reach.append(r | ((r << n) & mask) if n <= room else r)
+        if reach[-1] & full:
+            # a full row: the later samples cannot raise the sum, and the walk back passes over
+            # them (each sum reachable without them), so they need not be looked at
+            break
+    total = reach[-1].bit_length() - 1
     chosen = []
-    # walk back: item i-1 was needed iff the sum was not reachable without it
-    for i in range(n, 0, -1):
-        if not reach[i - 1, total]:
+    # walk back: sample i-1 was needed iff the sum was not reachable without it
+    for i in range(len(reach) - 1, 0, -1):
+        if not (reach[i - 1] >> total) & 1:
             chosen.append(i - 1)
-            total -= int(lengths[i - 1])
+            total -= lengths[i - 1]
     return chosen[::-1]
 
 

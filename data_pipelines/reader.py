@@ -15,18 +15,21 @@ from __future__ import annotations
 
 import fnmatch
 import glob
+import io as io_module
 import logging
 import lzma
 import os
 import re
 import tarfile
 import zlib
+from collections import Counter
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import braceexpand
 from webdataset.tariterators import base_plus_ext
 
+from data_pipelines.manifest import read_manifest
 from data_pipelines.schema import (
     MANIFEST_MISMATCH,
     MISSING_SHARD,
@@ -48,7 +51,6 @@ from data_pipelines.urls import (
     url_folder,
     url_scheme,
 )
-from data_pipelines.writer import read_manifest
 
 log = logging.getLogger("data_pipelines")
 SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")
@@ -121,7 +123,46 @@ def _block_at(path: Path, offset: int) -> bytes:
         return b""
 
 
-def _groups(path: Shard, on_error: list, end: dict) -> Iterator[dict[str, Any]]:
+class Counted:
+    """A binary file whose reads are added to `io[what]` (the loader counts the bytes it reads)."""
+
+    def __init__(self, f, io: Counter | None, what: str):
+        self.f, self.io, self.what = f, io, what
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.f.read(n)
+        if self.io is not None:
+            self.io[self.what] += len(data)
+        return data
+
+    def seek(self, *args) -> int:
+        return self.f.seek(*args)
+
+    def tell(self) -> int:
+        return self.f.tell()
+
+    def close(self) -> None:
+        self.f.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.f.close()
+
+
+def member_key(ti: tarfile.TarInfo) -> tuple[str, str] | None:
+    """(sample key, member suffix) of a tar member that belongs to a sample, else None (directories,
+    links, webdataset's `__key__`-style metadata, names without a suffix)."""
+    if not ti.isreg() or _META.match(ti.name):
+        return None
+    prefix, suffix = base_plus_ext(ti.name)
+    return None if prefix is None else (prefix, suffix.lower())
+
+
+def _groups(
+    path: Shard, on_error: list, end: dict, members: list | None = None, io: Counter | None = None
+) -> Iterator[dict[str, Any]]:
     """Tar members -> raw samples {"__key__", "__url__", ext: bytes}; a failed member read ends the
     shard with one sample marked "__broken__" (the one the failing member belongs to).
 
@@ -130,31 +171,35 @@ def _groups(path: Shard, on_error: list, end: dict) -> Iterator[dict[str, Any]]:
     non-zero block) means the tar breaks there, and the header's name, when readable, tells whether
     the last sample is whole. `end["truncated"]` is set when the tar breaks. A URL shard is one
     gopen stream (urls.UrlStream, which keeps the bytes tarfile just read); a local file is reopened
-    to read that block.
+    to read that block. With `members`, each member read is appended as (sample number, suffix,
+    header offset, data offset, size) (data_pipelines.index); with `io`, the bytes read are counted
+    under "shard_bytes" (a local file's).
     """
     sample: dict[str, Any] | None = None
     seen_member, failed_name = False, None
     url = isinstance(path, str)
-    with UrlStream(path) if url else open(path, "rb") as f:
+    number = -1  # of the sample being read
+    with UrlStream(path) if url else Counted(open(path, "rb"), io, "shard_bytes") as f:
         tf = None
         try:
             tf = tarfile.open(fileobj=f, mode="r|" if url else "r|*")
             for ti in tf:
                 seen_member = True
-                if not ti.isreg() or _META.match(ti.name):
+                if member_key(ti) is None:
                     continue
                 failed_name = ti.name
                 data = tf.extractfile(ti).read()
                 failed_name = None
-                prefix, suffix = base_plus_ext(ti.name)
-                if prefix is None:
-                    continue
+                prefix, suffix = member_key(ti)
                 if sample is not None and prefix != sample["__key__"]:
                     yield sample
                     sample = None
                 if sample is None:
                     sample = {"__key__": prefix, "__url__": str(path)}
-                sample[suffix.lower()] = data
+                    number += 1
+                sample[suffix] = data
+                if members is not None:
+                    members.append((number, suffix, ti.offset, ti.offset_data, ti.size))
         except READ_ERRORS as e:
             if not seen_member:
                 raise
@@ -179,14 +224,61 @@ def _groups(path: Shard, on_error: list, end: dict) -> Iterator[dict[str, Any]]:
         yield sample
 
 
+def read_sample(path: Path, start: int, end: int, key: str, io: Counter | None = None) -> dict:
+    """The raw sample {"__key__", "__url__", ext: bytes} whose members lie at bytes [start, end) of
+    a local tar (from the loader's index). Raises ShardError when they are not the sample `key`'s
+    members (the shard changed since it was indexed) or cannot be read."""
+    try:
+        # unbuffered: exactly the sample's bytes are read, not a buffer's worth more
+        with open(path, "rb", buffering=0) as f:
+            f.seek(start)
+            parts, left = [], end - start
+            while left > 0 and (part := f.read(left)):
+                parts.append(part)
+                left -= len(part)
+            data = b"".join(parts)
+    except OSError as e:
+        raise ShardError(f"shard {path}: sample {key} cannot be read ({os_error(e)})") from None
+    if io is not None:
+        io["shard_bytes"] += len(data)
+    raw: dict[str, Any] = {"__key__": key, "__url__": str(path)}
+    try:
+        # two zero blocks: the range holds members, not the archive's end
+        tf = tarfile.open(fileobj=io_module.BytesIO(data + bytes(2 * BLOCK)), mode="r:")
+        for ti in tf:
+            mk = member_key(ti)
+            if mk is None:
+                continue
+            if mk[0] != key:
+                raise ShardError(f"holds a member of sample {mk[0]}")
+            raw[mk[1]] = tf.extractfile(ti).read()
+    except (tarfile.TarError, EOFError, OSError, ShardError) as e:
+        raise ShardError(
+            f"shard {path}: bytes {start}-{end} are not sample {key} any more ({e}); the shard "
+            "changed since it was indexed"
+        ) from None
+    if len(raw) == 2 or len(data) != end - start:
+        raise ShardError(
+            f"shard {path}: bytes {start}-{end} are not sample {key} any more (cut short); the "
+            "shard changed since it was indexed"
+        )
+    return raw
+
+
+def os_error(e: OSError) -> str:
+    return e.strerror or " ".join(str(e).split()) or type(e).__name__
+
+
 def iter_shard(
     path: str | os.PathLike,
     start: int = 0,
     stop: int | None = None,
     expected: int | None = None,
     count_unreachable: bool = False,
+    io: Counter | None = None,
 ) -> Iterator[tuple[int, Any]]:
-    """Yield (index, raw sample or BadSample) for samples `start <= index < stop` of one shard.
+    """Yield (index, raw sample or BadSample) for samples `start <= index < stop` of one shard
+    (with `io`, the bytes of a local shard read are counted under "shard_bytes").
 
     Samples before `start` are read but not yielded (resume skips this way). `expected` is the
     shard's count (from the manifest, or from reading it) and lets every lost sample be counted:
@@ -204,34 +296,77 @@ def iter_shard(
     cut short.
     """
     path = as_shard(path)
-    at_end = stop is None or expected is None or stop >= expected
-    if expected is not None:
-        stop = expected if stop is None else min(stop, expected)
     if isinstance(path, Path) and not path.exists():
-        if expected is None:
-            yield -1, BadSample(MISSING_SHARD, f"shard {path} is gone")
-            return
-        # the loader names every such shard in one warning when it resolves the
-        # source (loader.resolve_sources)
-        log.debug("shard %s is listed in its manifest (%d samples) but is gone", path, expected)
-        for i in range(start, stop):
-            yield (
-                i,
-                BadSample(
-                    MISSING_SHARD,
-                    f"shard {path} is listed in its manifest but gone: sample {i} lost",
-                ),
-            )
+        yield from _missing(path, start, stop, expected)
         return
     errors: list = []
     end: dict = {}
+    yield from number_samples(
+        _groups(path, errors, end, io=io),
+        path,
+        errors,
+        end,
+        start,
+        stop,
+        expected,
+        count_unreachable,
+    )
+
+
+def _missing(path: Path, start: int, stop: int | None, expected: int | None):
+    if expected is None:
+        yield -1, BadSample(MISSING_SHARD, f"shard {path} is gone")
+        return
+    stop = expected if stop is None else min(stop, expected)
+    # the loader names every such shard in one warning when it resolves the
+    # source (loader.resolve_sources)
+    log.debug("shard %s is listed in its manifest (%d samples) but is gone", path, expected)
+    for i in range(start, stop):
+        yield (
+            i,
+            BadSample(
+                MISSING_SHARD,
+                f"shard {path} is listed in its manifest but gone: sample {i} lost",
+            ),
+        )
+
+
+class ReadFailure(Exception):
+    """A read error recorded by the loader's index, raised again where the shard is read from the
+    index: `text` is how the error read ("OSError: ...")."""
+
+    def __init__(self, text: str):
+        super().__init__(text)
+        self.text = text
+
+
+def _described(e: BaseException) -> str:
+    return e.text if isinstance(e, ReadFailure) else f"{type(e).__name__}: {e}"
+
+
+def number_samples(
+    groups: Iterator[dict[str, Any]],
+    path: Shard,
+    errors: list,
+    end: dict,
+    start: int = 0,
+    stop: int | None = None,
+    expected: int | None = None,
+    count_unreachable: bool = False,
+) -> Iterator[tuple[int, Any]]:
+    """iter_shard's numbering of a shard's samples (`groups`, as `_groups` yields them, filling
+    `errors` and `end` as it goes); the loader's index replays a shard through it from what it
+    recorded (data_pipelines.index), so that both count every sample alike."""
+    at_end = stop is None or expected is None or stop >= expected
+    if expected is not None:
+        stop = expected if stop is None else min(stop, expected)
     n, held, extra = 0, None, 0
 
     def out(i: int, raw: Any):
         return (i, raw) if start <= i and (stop is None or i < stop) else None
 
     try:
-        for raw in _groups(path, errors, end):
+        for raw in groups:
             if held is not None and (o := out(*held)):
                 yield o
             held = None
@@ -251,8 +386,7 @@ def iter_shard(
                     UNREADABLE_SHARD,
                     str(e)
                     if isinstance(e, ShardError)
-                    else f"shard {path} cannot be opened or read "
-                    f"as a tar file: {type(e).__name__}: {e}",
+                    else f"shard {path} cannot be opened or read as a tar file: {_described(e)}",
                 ),
             )
             return
@@ -264,12 +398,12 @@ def iter_shard(
         if raw.get("__broken__"):
             name, exn = errors[0] if errors else (None, "the tar breaks after it")
             what = f"member {name}" if name else "a member"
+            why = _described(exn) if errors else exn
             held = (
                 i,
                 BadSample(
                     UNREADABLE_MEMBER,
-                    f"shard {path}: {what} of sample {raw['__key__']} cannot be "
-                    f"read ({type(exn).__name__ + ': ' if errors else ''}{exn})",
+                    f"shard {path}: {what} of sample {raw['__key__']} cannot be read ({why})",
                 ),
             )
         else:
@@ -384,10 +518,15 @@ class ManifestEntries:
         return self._by_dir[d].get(shard_name(shard))
 
 
-def shard_counts(paths: list[Shard]) -> list[int]:
+def shard_counts(
+    paths: list[Shard], count: Callable[[Shard], tuple[int, bool]] | None = None
+) -> list[int]:
     """Per-shard sample counts: from each folder's manifest.json, else (or when the entry's
     `file_bytes` disagrees with the file: the shard was rewritten) by reading the shard (a URL
-    shard: streaming it once). A URL shard that cannot be fetched raises ShardError naming it."""
+    shard: streaming it once), or with `count` (the loader's index: (samples, whether the tar
+    breaks), raising as reading would). A URL shard that cannot be fetched raises ShardError
+    naming it."""
+    count = count or _count
     manifest_entry = ManifestEntries()
     counts = []
     for p in paths:
@@ -402,7 +541,7 @@ def shard_counts(paths: list[Shard]) -> list[int]:
             # is now; a broken one keeps the manifest's count, so that every promised sample it
             # lost is counted.
             try:
-                n, broken = _count(p)
+                n, broken = count(p)
             except Exception:  # noqa: BLE001 - no longer a tar: its reader counts it as unreadable_shard
                 n, broken = 0, True
             log.warning(
@@ -419,12 +558,12 @@ def shard_counts(paths: list[Shard]) -> list[int]:
             counts.append(int(entry["count"]))
             continue
         log.warning(
-            "shard %s has no manifest entry; counting its samples by %s it",
+            "shard %s has no manifest entry; counting its samples by %s",
             p,
-            "streaming" if isinstance(p, str) else "reading",
+            "streaming it" if isinstance(p, str) else "reading it (or its loader index)",
         )
         try:
-            counts.append(count_samples(p))
+            counts.append(count(p)[0])
         except ShardError:
             # a URL that cannot be fetched: a wrong source, as a local path that does not exist
             raise
@@ -432,12 +571,7 @@ def shard_counts(paths: list[Shard]) -> list[int]:
             # One slot: the worker that owns it tries to read it and counts it once as an
             # unreadable shard (as for a manifest-listed shard that no longer reads), instead of
             # stopping the run.
-            log.warning(
-                "shard %s cannot be read (%s: %s); it is skipped and counted",
-                p,
-                type(e).__name__,
-                e,
-            )
+            log.warning("shard %s cannot be read (%s); it is skipped and counted", p, _described(e))
             counts.append(1)
     return counts
 
@@ -464,6 +598,9 @@ __all__ = [
     "listed_but_missing",
     "ManifestEntries",
     "iter_shard",
+    "number_samples",
+    "read_sample",
+    "member_key",
     "count_samples",
     "shard_counts",
     "fetch_samples",

@@ -66,6 +66,11 @@ METADATA_KEPT = ("key", "url", "status", "width", "height", "original_width", "o
 _IMAGE_MEMBER = re.compile(r"^(?:(\d+)\.)?(" + "|".join(IMAGE_EXTS) + r")$")
 
 
+def image_member(name: str) -> re.Match | None:
+    """A member suffix that is an image (`0.jpg`, `jpg`): (its number or None, its extension)."""
+    return _IMAGE_MEMBER.match(name)
+
+
 class ShardError(ConfigError):
     """A source pattern or shard that cannot be used (no match, missing file, a URL that cannot
     be fetched); names the path or URL. A config problem: the commands report it in one line,

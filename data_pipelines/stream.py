@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -48,8 +48,22 @@ def _rng(*seed: int) -> np.random.Generator:
     return np.random.Generator(np.random.PCG64([int(s) for s in seed]))
 
 
+class RawShards:
+    """How a stream reads its shards by default: raw samples (reader.iter_shard). The loader reads
+    index entries instead (data_pipelines.plan.IndexedShards): the same numbering, the same bad
+    samples, no sample bytes."""
+
+    def read(self, path, start: int, stop: int, expected: int) -> Iterator[tuple[int, Any]]:
+        # mid-run, a URL that no longer answers is counted (unreadable_shard), not fatal
+        return iter_shard(path, start=start, stop=stop, expected=expected, count_unreachable=True)
+
+    def fetch(self, path, indices: set[int], expected: int) -> dict[int, Any]:
+        return fetch_samples(path, indices, expected)
+
+
 class SourceStream:
-    """The samples of one source for one split: (ref, raw sample | BadSample), epoch after epoch."""
+    """The samples of one source for one split: (ref, raw sample | BadSample), epoch after epoch
+    (with `shards`, what it reads instead of raw samples)."""
 
     def __init__(
         self,
@@ -61,7 +75,9 @@ class SourceStream:
         seed: int,
         shuffle_buffer: int,
         epochs: int | None,
+        shards: RawShards | None = None,
     ):
+        self.shards = shards or RawShards()
         self.index, self.paths, self.counts = index, paths, counts
         self.split, self.seed = split, seed
         self.segments = split_range(counts, split, num_splits)
@@ -91,13 +107,11 @@ class SourceStream:
         while self.seg_pos < len(self.segments):
             seg = self.segments[self._order[self.seg_pos]]
             if self._reader is None:
-                # mid-run, a URL that no longer answers is counted (unreadable_shard), not fatal
-                self._reader = iter_shard(
+                self._reader = self.shards.read(
                     self.paths[seg.shard],
-                    start=seg.start + self.offset,
-                    stop=seg.stop,
-                    expected=self.counts[seg.shard],
-                    count_unreachable=True,
+                    seg.start + self.offset,
+                    seg.stop,
+                    self.counts[seg.shard],
                 )
             item = next(self._reader, None)
             if item is None or item[0] < 0:  # segment done, or the shard cannot be opened at all
@@ -151,11 +165,13 @@ class SourceStream:
         self.raws = self.fetch(self.refs)
 
     def fetch(self, refs: list[tuple[int, int]]) -> list[Any]:
-        """Raw samples for (shard, index) references (re-reading each shard once)."""
+        """Samples for (shard, index) references (re-reading each shard once, or from its index)."""
         wanted: dict[int, set[int]] = {}
         for shard, idx in refs:
             wanted.setdefault(shard, set()).add(idx)
-        got = {s: fetch_samples(self.paths[s], idx, self.counts[s]) for s, idx in wanted.items()}
+        got = {
+            s: self.shards.fetch(self.paths[s], idx, self.counts[s]) for s, idx in wanted.items()
+        }
         missing = [(s, i) for s, i in refs if i not in got[s]]
         if missing:
             s, i = missing[0]

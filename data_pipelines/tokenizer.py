@@ -160,6 +160,9 @@ class BPETokenizer(Tokenizer):
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
 
+    def _identity(self) -> str:
+        return super()._identity() + self.tok.to_str()
+
     def _count_bytes(self) -> np.ndarray:
         """A byte-level BPE token's string has one character per byte (GPT-2's table); other
         vocabularies are measured by decoding each token alone."""
@@ -299,6 +302,12 @@ class SourceTokenizer(Tokenizer):
 
     def encode(self, text: str) -> list[int]:
         return self.hf.backend_tokenizer.encode(text, add_special_tokens=False).ids
+
+    def _identity(self) -> str:
+        ids = [self.bos_id, self.eos_id, self.pad_id, sorted(self.special_ids)]
+        return json.dumps([super()._identity(), ids, self.chat_template]) + (
+            self.hf.backend_tokenizer.to_str()
+        )
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [

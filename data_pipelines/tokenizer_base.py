@@ -4,6 +4,8 @@ chat format and bits-per-byte counts."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
 
@@ -62,6 +64,16 @@ class Tokenizer:
             ]
         ] = True
 
+    def identity(self) -> str:
+        """A digest of what decides how text becomes ids (the vocabulary, the merges, the special
+        tokens, the chat format): the loader's index keeps token counts per identity."""
+        if getattr(self, "_identity_digest", None) is None:
+            self._identity_digest = _digest(self._identity())
+        return self._identity_digest
+
+    def _identity(self) -> str:
+        return json.dumps([type(self).__name__, self.vocab_size, sorted(self._special_ids.items())])
+
     def token_id(self, special: str) -> int:
         return self._special_ids[special]
 
@@ -106,3 +118,7 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(vocab_size={self.vocab_size})"
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:32]

@@ -29,8 +29,8 @@ from urllib.request import url2pathname
 from webdataset.gopen import Pipe, gopen, gopen_curl, gopen_schemes
 from webdataset.shardlists import expand_urls
 
+from data_pipelines.manifest import MANIFEST
 from data_pipelines.schema import ShardError
-from data_pipelines.writer import MANIFEST
 
 log = logging.getLogger("data_pipelines")
 # compressed tar streams, by their magic bytes (as tarfile's "r|*" detects them)

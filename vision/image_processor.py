@@ -304,9 +304,25 @@ class ImageProcessor:
     def plan(self, data: bytes, source: str = "") -> ImagePlan:
         """Read the header only (size, EXIF orientation) and choose the grid. Raises ImageTooLarge
         over max_pixels, ImageError when the header cannot be read or states no pixels."""
+        w, h, orientation = self.read_header(data, source)
+        self.check_size(w, h, source)
+        return self.plan_size(data, w, h, orientation, source)
+
+    def plan_size(
+        self, data: bytes, w: int, h: int, orientation: int, source: str = ""
+    ) -> ImagePlan:
+        """The plan of an image whose header said (w, h, orientation) and whose size was checked
+        (the loader's index keeps headers: data_pipelines.index)."""
+        if orientation in (5, 6, 7, 8):
+            w, h = h, w
+        return ImagePlan(data, choose_grid(h, w, self.cfg), orientation, source, self.cfg.merge)
+
+    def read_header(self, data: bytes, source: str = "") -> tuple[int, int, int]:
+        """(width, height, EXIF orientation) as stored, from the header alone. Raises ImageTooLarge
+        when Pillow's own guard refuses the header, ImageError when it cannot be read; the size is
+        not checked against max_pixels here (`check_size`)."""
         img = self._open(data, source)
         w, h = img.size
-        self._check_size(w, h, source)
         orientation = 1
         # A PNG keeps its EXIF in a chunk Pillow reads only with the pixels when it follows them:
         # the header's view is what both the plan and the decode go by.
@@ -316,9 +332,7 @@ class ImageProcessor:
             except Exception:  # noqa: BLE001 - a broken EXIF block: shown as stored, as Pillow does
                 orientation = 1
             orientation = orientation if orientation in UPRIGHT else 1
-        if orientation in (5, 6, 7, 8):
-            w, h = h, w
-        return ImagePlan(data, choose_grid(h, w, self.cfg), orientation, source, self.cfg.merge)
+        return w, h, orientation
 
     def pixels_into(self, plan: ImagePlan, out_PD: np.ndarray) -> None:
         """Decode a planned image into `out_PD` ([P, 3*patch*patch] uint8, P = its grid's patches):
@@ -424,6 +438,10 @@ class ImageProcessor:
             ) from None
         except Exception as e:  # noqa: BLE001 - Pillow raises many types (SyntaxError, struct.error, ...) on broken headers
             raise ImageError(f"image {name}: cannot be read ({type(e).__name__}: {e})") from None
+
+    def check_size(self, w: int, h: int, name: str) -> None:
+        """ImageError for an image without pixels, ImageTooLarge over max_pixels."""
+        self._check_size(w, h, name)
 
     def _check_size(self, w: int, h: int, name: str) -> None:
         if w < 1 or h < 1:

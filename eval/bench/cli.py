@@ -2,7 +2,7 @@
 each part's table.
 
     vlm bench [model|decode|moe|loader|attention|vision|realized|gpu|alltoall|all] [--quick] [--out DIR] [--ckpt DIR]
-    vlm bench loader [--config RUN.yaml] [--data SHARDS] [--tokens-per-s N]
+    vlm bench loader [--config RUN.yaml] [--data SHARDS] [--tokens-per-s N] [--world-size M --rank R]
 
 `realized` (prefill with the boundaries a trained router draws on real prompts) needs a checkpoint:
 `all` runs it when --ckpt is given. `gpu` (MFU, prefill, decode, memory and kernel launches of
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import math
 import sys
 import time
 from dataclasses import replace
@@ -72,6 +73,17 @@ def add_bench_command(subparsers) -> None:
         help="loader part: the training rate the cores per GPU are stated at (default 100000)",
     )
     ap.add_argument(
+        "--world-size",
+        type=int,
+        help="loader part: measure the loader of one rank of this many data-parallel ranks "
+        "(default 1): per micro-batch of its own, each of which costs planning M of them",
+    )
+    ap.add_argument(
+        "--rank",
+        type=int,
+        help="loader part: the rank measured, 0 .. world size - 1 (default 0)",
+    )
+    ap.add_argument(
         "--ckpt",
         help="realized part: a trained checkpoint (RUN_DIR/final) whose "
         "router's boundaries on its own held-out prompts are timed",
@@ -86,6 +98,9 @@ def run(args: argparse.Namespace) -> int:
     from eval.preflight import check_model_dir, check_out_dir
 
     mode = "smoke" if args.smoke else "quick" if args.quick else "full"
+    if (problem := loader_args_problem(args)) is not None:
+        print(f"vlm bench: {problem}", file=sys.stderr)
+        return 2
     # before any part runs: a result that cannot be written is not measured (a part takes minutes)
     out = check_out_dir(args.out, "vlm bench")
     if args.ckpt is not None:
@@ -109,7 +124,9 @@ def run(args: argparse.Namespace) -> int:
                 settings,
                 **({"data": args.data} if args.data else {}),
                 **({"config": args.config} if args.config else {}),
-                **({"tokens_per_s": args.tokens_per_s} if args.tokens_per_s else {}),
+                **({"tokens_per_s": args.tokens_per_s} if args.tokens_per_s is not None else {}),
+                **({"world_size": args.world_size} if args.world_size is not None else {}),
+                **({"rank": args.rank} if args.rank is not None else {}),
             )
         if part == "realized":
             settings = replace(
@@ -135,6 +152,20 @@ def run(args: argparse.Namespace) -> int:
             rc = 1
     print(f"total {time.perf_counter() - t_all:.1f} s")
     return rc
+
+
+def loader_args_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the loader part's numbers, in one line; None when nothing is."""
+    tps = args.tokens_per_s
+    if tps is not None and not (math.isfinite(tps) and tps > 0):
+        return f"--tokens-per-s must be a number of tokens per second > 0, got {tps:g}"
+    world = 1 if args.world_size is None else args.world_size
+    if world < 1:
+        return f"--world-size must be >= 1 (the number of data-parallel ranks), got {world}"
+    rank = 0 if args.rank is None else args.rank
+    if not 0 <= rank < world:
+        return f"--rank must be in 0 .. {world - 1} (--world-size {world}), got {rank}"
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:

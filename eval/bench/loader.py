@@ -1,20 +1,25 @@
 """The training loader as the trainer runs it, on a run config and its data: tokens/s, images/s,
-tokens per CPU-second and the CPU cores one GPU needs at a stated rate, per number of DataLoader
-workers.
+tokens per CPU-second, CPU time and bytes read per micro-batch, and the CPU cores one GPU needs at a
+stated rate, per number of DataLoader workers; as rank R of M ranks.
 
     vlm bench loader --config configs/gpu.yaml                       # a generated LLaVA-style mix
     vlm bench loader --config mine.yaml                             # the config's own data.sources
     vlm bench loader --config mine.yaml --data /data/shards         # other shards, same settings
     vlm bench loader --config mine.yaml --tokens-per-s 60000        # cores per GPU at 60K tokens/s
+    vlm bench loader --world-size 64 --rank 0                       # rank 0's loader of 64 ranks
 
-The loader is built by the trainer's own path (vlm.train.loaders.build_loaders, rank 0 of 1) with
-`data.num_workers` set per candidate, so what is measured is what a training run gets: the planner,
-the workers decoding the rank's micro-batches, the batches as they reach the training loop (not
-their copy to a GPU). Each round builds a fresh loader per worker count and times `batches`
-micro-batches after every worker has delivered one (start-up, and the shuffle buffer's first fill,
-are not timed). CPU time is the loader's: this process (the planning thread) and its workers.
-Tokens count non-padding positions. Cores per GPU = the stated tokens/s / tokens per CPU-second: the
-cores a GPU training at that rate keeps busy decoding its data.
+The loader is built by the trainer's own path (vlm.train.loaders.build_loaders, rank R of M: 0 of
+1 unless --rank / --world-size say otherwise) with `data.num_workers` set per candidate, so what is
+measured is what a training run gets: the planner, the workers decoding the rank's micro-batches,
+the batches as they reach the training loop (not their copy to a GPU). Each round builds a fresh
+loader per worker count and times `batches` of the rank's own micro-batches after every worker has
+delivered one (start-up, the index's first build and the shuffle buffer's first fill are not
+timed): the same number at any M, each of which costs planning M micro-batches. CPU time is the
+loader's: this process (the planning thread) and its workers. Bytes read are the loader's own count
+(shard and index files: `PackedLoader.io`) and, as a check, the bytes every read() of this process
+and its workers returned (/proc/PID/io rchar: page cache included). Tokens count non-padding
+positions. Cores per GPU = the stated tokens/s / tokens per CPU-second: the cores a GPU training at
+that rate keeps busy with its data.
 
 Without --data and with a config that names no sources the data is a generated LLaVA-style mix
 (eval.bench.llava_mix: chat about photo-like JPEGs of 336-768 px, 6 % text-only), written into a
@@ -45,6 +50,9 @@ class Settings:
     repeats: int = 3
     warmup: int = 0  # every round starts fresh processes; their start-up is excluded anyway
     tokens_per_s: float = 100_000.0  # the rate the cores per GPU are stated at
+    # the loader measured is rank `rank` of `world_size` (data-parallel ranks)
+    world_size: int = 1
+    rank: int = 0
     mix_samples: int = 6000  # the generated mix: more than the gpu config's shuffle buffer holds
     mix_images: int = 300  # distinct pictures, cycled over the samples
     overrides: list[str] = field(default_factory=list)  # dotted config overrides, as `vlm train`'s
@@ -99,6 +107,20 @@ def _cpu_seconds() -> float:
     return total
 
 
+def _rchar() -> int:
+    """Bytes the read() calls of this process and its live children have returned (/proc rchar);
+    0 where /proc is not there."""
+    total = 0
+    for pid in [os.getpid(), *_children(os.getpid())]:
+        try:
+            for line in Path(f"/proc/{pid}/io").read_text().splitlines():
+                if line.startswith("rchar:"):
+                    total += int(line.split()[1])
+        except (OSError, ValueError):
+            pass
+    return total
+
+
 def _children(pid: int) -> list[int]:
     try:
         kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
@@ -128,9 +150,12 @@ def run_config(s: Settings, data: str | None, workers: int):
     return load_train_config(config_path(s), over)
 
 
+IO_KEYS = ("shard_bytes", "index_bytes", "samples_decoded", "index_entries")
+
+
 def reader(s: Settings, data: str | None, workers: int, counts: list):
-    """A self-timed pass over `s.batches` micro-batches; appends (tokens, images, image tokens,
-    slots, cpu seconds) to `counts`."""
+    """A self-timed pass over `s.batches` of the rank's own micro-batches; appends (tokens, images,
+    image tokens, slots, cpu seconds, {what the loader read}, rchar bytes) to `counts`."""
     from configs.batch import IMAGE
     from data_pipelines.tokenizer import load_tokenizer
     from vlm.train.loaders import build_loaders
@@ -139,11 +164,12 @@ def reader(s: Settings, data: str | None, workers: int, counts: list):
     tok = load_tokenizer(cfg.data.tokenizer_path)
 
     def read() -> float:
-        loader, _ = build_loaders(cfg, tok, 0, 1)
+        loader, _ = build_loaders(cfg, tok, s.rank, s.world_size)
         it = iter(loader)
         for _ in range(max(workers, 1)):  # every worker has delivered once
             next(it)
         tokens = images = image_tokens = slots = 0
+        io0, rchar0 = loader.io, _rchar()
         cpu0, t0 = _cpu_seconds(), time.perf_counter()
         for _, batch in zip(range(s.batches), it):
             tokens += int(batch.valid.sum())
@@ -151,8 +177,10 @@ def reader(s: Settings, data: str | None, workers: int, counts: list):
             image_tokens += int((batch.modality == IMAGE).sum())
             images += 0 if batch.image_grids is None else int(batch.image_grids.shape[0])
         elapsed, cpu = time.perf_counter() - t0, _cpu_seconds() - cpu0
+        rchar, io = _rchar() - rchar0, loader.io
+        read_io = {k: io.get(k, 0) - io0.get(k, 0) for k in IO_KEYS}
         del it
-        counts.append((tokens, images, image_tokens, slots, cpu))
+        counts.append((tokens, images, image_tokens, slots, cpu, read_io, rchar))
         return elapsed
 
     return read
@@ -189,6 +217,11 @@ def run(s: Settings, log=print) -> dict:
         "tokens per CPU-second": lambda c, t: c[0] / c[4],
         "images per CPU-second": lambda c, t: c[1] / c[4],
         "cores per GPU": lambda c, t: s.tokens_per_s * c[4] / c[0],
+        "CPU-seconds per micro-batch": lambda c, t: c[4] / s.batches,
+        "MB read per micro-batch": lambda c, t: (
+            (c[5]["shard_bytes"] + c[5]["index_bytes"]) / s.batches / 1e6
+        ),
+        "MB read() per micro-batch": lambda c, t: c[6] / s.batches / 1e6,
     }
     units = {
         "tokens/s": "tok/s",
@@ -196,26 +229,41 @@ def run(s: Settings, log=print) -> dict:
         "tokens per CPU-second": "tok/cpu-s",
         "images per CPU-second": "img/cpu-s",
         "cores per GPU": "cores",
+        "CPU-seconds per micro-batch": "cpu-s",
+        "MB read per micro-batch": "MB",
+        "MB read() per micro-batch": "MB",
     }
     extra = {}
     for n, c in timed.items():
-        tokens, images, image_tokens, slots, _ = (sum(x) for x in zip(*c))
+        tokens, images, image_tokens, slots = (sum(x[i] for x in c) for i in range(4))
+        mbs = max(len(c) * s.batches, 1)
         extra[n] = {
             "packing_efficiency": round(tokens / max(slots, 1), 4),
             "image_token_share": round(image_tokens / max(tokens, 1), 4),
-            "tokens_per_micro_batch": round(tokens / max(len(c) * s.batches, 1)),
+            "tokens_per_micro_batch": round(tokens / mbs),
+            # planning's work (entries it took from the index) and decoding's (samples read whole)
+            **{
+                f"{k}_per_micro_batch": round(sum(x[5][k] for x in c) / mbs, 1)
+                for k in ("index_entries", "samples_decoded")
+            },
         }
-    setting = {"row_tokens": cfg.data.row_tokens, "rows": cfg.data.rows_per_batch}
+    setting = {
+        "row_tokens": cfg.data.row_tokens,
+        "rows": cfg.data.rows_per_batch,
+        "world_size": s.world_size,
+        "rank": s.rank,
+    }
     out = []
     for metric, fn in per_round.items():
         values = {n: [fn(c, t) for c, t in zip(timed[n], secs[n])] for n in secs}
         out += common.rows(values, next(iter(secs)), setting, metric, units[metric], extra)
+    med = {(r["candidate"], r["metric"]): r["median"] for r in out}
     log(
-        "  loader: "
+        f"  loader, rank {s.rank} of {s.world_size}, per own micro-batch: "
         + ", ".join(
-            f"{r['candidate']} {r['median']:,.0f} tok/cpu-s"
-            for r in out
-            if r["metric"] == "tokens per CPU-second"
+            f"{n} {med[(n, 'CPU-seconds per micro-batch')]:.3f} CPU-s, "
+            f"{med[(n, 'MB read per micro-batch')]:.2f} MB read"
+            for n in timed
         )
     )
     return common.result(
@@ -227,6 +275,14 @@ def run(s: Settings, log=print) -> dict:
         notes=[
             "tokens count non-padding positions; CPU time is this process's and its workers'",
             f"cores per GPU: cores the loader keeps busy at {s.tokens_per_s:,.0f} tokens/s",
+            (
+                f"rank {s.rank} of {s.world_size}: per micro-batch = per micro-batch of this "
+                f"rank's own; each costs planning {s.world_size} micro-batch(es)"
+            ),
+            (
+                "MB read: shard and index files, as the loader counts them; MB read(): every "
+                "read() of the process and its workers (/proc rchar, page cache included)"
+            ),
         ],
     )
 
