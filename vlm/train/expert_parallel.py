@@ -7,9 +7,10 @@ router, shared and Grove adjugate experts, attention, embeddings, the vision tow
 every rank as before.
 
 Built once with the run (`set_up`, between the model and the engine): DeepSpeed's process groups;
-each MoE layer keeps its slice of the experts it was built or loaded with (every rank builds the
-same whole model from the same seed, so the shards are exactly what one rank holding every expert
-would train) and gets the exchange of its group; the expert parameters carry DeepSpeed's marks
+each MoE layer holds its slice of the experts from construction on (vlm.train.build_share: a rank
+allocates its E/P experts only and keeps its rows of the whole build's draws, so the shards are
+exactly what one rank holding every expert would train; a layer built whole keeps its slice here)
+and gets the exchange of its group; the expert parameters carry DeepSpeed's marks
 (`allreduce = False`, `group_name`), so that the engine reduces their gradients within their
 expert-data-parallel group only (divided by W, the world, as for every other gradient: a shard's
 gradient sums every rank's tokens already, which the exchange's backward brought home), ZeRO 1/2
@@ -31,6 +32,7 @@ together). The export gathers the shards (`gathered_experts`): final/ holds ever
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +41,7 @@ from torch import nn
 
 from configs.config import ConfigError
 from vlm.model.moe import MoE
+from vlm.model.share_init import whole_shape
 from vlm.train import collectives
 
 SHARD_FILE = "experts_rank_{:05d}.pt"
@@ -97,11 +100,13 @@ def set_up(model: nn.Module, parallel, layout, groups) -> ExpertParallel | None:
                 f"parallel.expert={P} does not divide a MoE layer's {E} experts "
                 "(model.moe.num_experts / model.concept_moe.num_experts): use a divisor of it"
             )
+    # layers built at their shard (vlm.train.build_share) hold E/P experts from construction on;
+    # a whole one keeps its slice here
     name = groups.expert_name
     exchange = collectives.GroupExchange(
         groups.expert, P, layout.expert_rank, parallel.capacity_factor
     )
-    total = sum(p.numel() for m in layers for p in m.routed_expert_weights())
+    total = sum(math.prod(whole_shape(p)) for m in layers for p in m.routed_expert_weights())
     for m in layers:
         m.shard_experts(exchange)
         for p in m.routed_expert_weights():
@@ -123,9 +128,15 @@ def even_eval_batches(batches: list, ep: ExpertParallel | None, device: torch.de
 
 
 def check_engine(ep: ExpertParallel | None, zero_stage: int) -> None:
-    if ep is not None and zero_stage == 3:
+    if ep is not None:
+        check_expert_zero(ep.size, zero_stage)
+
+
+def check_expert_zero(expert: int, zero_stage: int) -> None:
+    """ConfigError (one line) for expert parallelism under ZeRO-3 (before anything is built)."""
+    if expert > 1 and zero_stage == 3:
         raise ConfigError(
-            f"parallel.expert={ep.size} with deepspeed.zero_stage 3: DeepSpeed's ZeRO-3 "
+            f"parallel.expert={expert} with deepspeed.zero_stage 3: DeepSpeed's ZeRO-3 "
             "partitions only its own AutoEP layers' experts; use zero_stage 0, 1 or 2 (ZeRO 1/2 "
             "partition the expert shards over their replicas)"
         )

@@ -24,10 +24,12 @@ import yaml
 
 from configs.config import ConfigError, to_dict
 from data_pipelines.default_dataset import ensure_default_dataset
+from vlm.model.shares import WHOLE, Sharding
 from vlm.model.training_controls import TrainingControls
 from vlm.train import checkpoint as ckpt_lib
 from vlm.train import collectives, reshard
 from vlm.train import expert_parallel as ep_lib
+from vlm.train.build_share import prepare_for_engine
 from vlm.train.config import RunConfig, TrainConfig
 from vlm.train.distributed import DistInfo, ProcessGroups, init_distributed, make_groups
 from vlm.train.engine import (
@@ -156,10 +158,20 @@ def prepare_data(cfg: TrainConfig, dist: DistInfo):
     return cfg, tokenizer
 
 
-def build_model(cfg: TrainConfig, tokenizer):
-    """The stage's model, its fresh parts, and the config naming the model built; params.freeze
-    applied."""
-    model, fresh = build_stage_model(cfg, tokenizer)
+def model_sharding(cfg: TrainConfig, layout: ParallelLayout) -> tuple[Sharding, dict]:
+    """What this rank builds and keeps of the model (vlm.model.shares), from the ZeRO stage and
+    precision the DeepSpeed JSON will run, and that JSON as the build sees it (ZeRO-3's
+    construction reads it). Expert parallelism under ZeRO-3 is refused here, before any build."""
+    ds_json = deepspeed_config(cfg.deepspeed, cfg.optim, layout.data)
+    ds = effective_settings(cfg.deepspeed, ds_json)
+    ep_lib.check_expert_zero(layout.expert, ds.zero_stage)
+    return Sharding.of(layout, ds.zero_stage, ds.bf16), ds_json
+
+
+def build_model(cfg: TrainConfig, tokenizer, sharding: Sharding = WHOLE, ds_json=None):
+    """The stage's model at this rank's share, its fresh parts, and the config naming the model
+    built; params.freeze applied."""
+    model, fresh = build_stage_model(cfg, tokenizer, sharding, ds_json)
     cfg = with_built_model(cfg, model)
     if cfg.model.vocab_size < tokenizer.vocab_size:
         raise ConfigError(
@@ -206,7 +218,8 @@ def build_run(
     with made_by_this_run(run_dir, dist.is_main):
         resume_from = open_run_dir(run_dir, resume, overwrite, dist, say)
         cfg, tokenizer = prepare_data(cfg, dist)
-        model, fresh, cfg = build_model(cfg, tokenizer)
+        sharding, ds_build = model_sharding(cfg, layout)
+        model, fresh, cfg = build_model(cfg, tokenizer, sharding, ds_build)
         warm_up_vision(
             model,
             fresh,
@@ -243,6 +256,7 @@ def build_run(
             check_resume_config(saved, to_dict(cfg), accept_optim_change)
         ep_lib.check_engine(ep, cfg.deepspeed.zero_stage)
         ds_json, clip = ep_lib.plain_fp32_clip(ep, ds_json, plain_fp32(ds_json))
+        prepare_for_engine(model, sharding, dist.device)
         with ep_lib.deepspeed_view(model, ep):
             optimizer, scheduler, engine = build_engine(model, param_groups, cfg, ds_json, clip)
         loader, eval_batches = build_loaders(cfg, tokenizer, layout.data_rank, layout.data)
