@@ -16,10 +16,11 @@ order, vlm.model.share_init), kept at the rank's share (vlm.model.shares):
 The vision tower is small and replicated: it is built whole in fp32 after the LLM, as today (the
 vision warm-up trains it before the engine casts or partitions it).
 
-Transient peak per rank on top of its share: one chunk of draws (16 MiB) with expert parallelism or
-bf16; under ZeRO-3 one module's own parameters, whole, between its construction and its partition
-(the largest: a MoE layer's routed experts, 3 E D F, or the embedding / head, V D), in the build's
-dtype.
+Transient peak per rank on top of its share (`build_bytes`): one chunk of draws (16 MiB) with
+expert parallelism or bf16; under ZeRO-3 one module's own parameters, whole, between its
+construction and its partition (the largest: a MoE layer's routed experts, 3 E D F, or the
+embedding / head, V D), in the build's dtype. Growing a pretrained vocabulary holds the stored
+embedding whole in fp32 once more, for the mean of its rows (convert.fit_vocab's rule).
 """
 
 from __future__ import annotations
@@ -46,8 +47,9 @@ _OTHER_DRAWS = {"bernoulli_", "exponential_", "random_", "cauchy_", "log_normal_
 
 
 class _Fp32Draws(TorchDispatchMode):
-    """Every in-place draw into a CPU tensor of another float dtype made in fp32 and cast: the
-    values and the generator's advance of a whole fp32 build cast afterwards."""
+    """Every in-place draw into a CPU tensor of another float dtype made in fp32 and cast, a chunk
+    at a time (vlm.model.share_init): the values and the generator's advance of a whole fp32 build
+    cast afterwards."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -58,11 +60,22 @@ class _Fp32Draws(TorchDispatchMode):
             and t.is_floating_point()
             and t.dtype != torch.float32
             and t.device.type == "cpu"
+            and t.is_contiguous()
         )
-        if low and name in _FP32_DRAWS:
-            tmp = torch.empty(t.shape, dtype=torch.float32)
-            func(tmp, *args[1:], **kwargs)
-            t.copy_(tmp)
+        if low and name == "normal_":
+            mean = kwargs.get("mean", args[1] if len(args) > 1 else 0.0)
+            std = kwargs.get("std", args[2] if len(args) > 2 else 1.0)
+            draw_normal_into(t.view(-1), t.numel(), mean, std, 0)
+            return t
+        if low and name == "uniform_":  # one draw per element: any chunks make the same values
+            low_, high = (
+                kwargs.get("from", args[1] if len(args) > 1 else 0.0),
+                kwargs.get("to", args[2] if len(args) > 2 else 1.0),
+            )
+            flat = t.view(-1)
+            for a in range(0, flat.numel(), CHUNK):
+                piece = flat[a : a + CHUNK]
+                piece.copy_(torch.empty(piece.numel()).uniform_(low_, high))
             return t
         if low and name in _OTHER_DRAWS:
             raise RuntimeError(
@@ -231,3 +244,22 @@ def fill_grown_rows_(
             if v > w.shape[0]:
                 w = torch.cat([w, w.mean(0, keepdim=True).expand(v - w.shape[0], -1)])
         assign_rows_(params[name], old, w[old:], sharding)
+
+
+def build_bytes(mc: ModelConfig, sharding: Sharding = WHOLE) -> tuple[int, int]:
+    """(bytes of LLM weights this rank of `sharding` keeps, bytes it holds transiently while it
+    builds them), from the LLM built on the meta device (its real parameter names and shapes) and
+    vlm.model.shares.share_of."""
+    from vlm.model.share_init import CHUNK
+    from vlm.model.shares import share_of
+
+    with torch.device("meta"):
+        lm = ConceptMoELM(mc)
+    kept = sum(share_of(sharding, n, p.shape).numel for n, p in lm.named_parameters())
+    if sharding.zero_stage == 3:  # one module whole between its __init__ and its partition
+        transient = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in lm.modules())
+    elif sharding.whole:
+        transient = 0
+    else:
+        transient = CHUNK * 4 // sharding.bytes_per_param
+    return kept * sharding.bytes_per_param, transient * sharding.bytes_per_param

@@ -1,0 +1,232 @@
+"""Each rank builds and loads only its share of the model (issue 48 item 2), with the weights a whole
+build makes for the same seed: the whole build sliced (an expert shard's rows, a ZeRO-3 partition's
+flat range) or cast (bf16), tensor by tensor, bit-equal; the generator left where the whole build
+leaves it, so that everything drawn after (the vision tower, dropout, the data order) is the same.
+Loading reads only the rows a rank keeps."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from vlm.model import share_init
+from vlm.model.config import ChunkConfig, ModelConfig, MoEConfig
+from vlm.model.multimodal import ConceptMoEVLM
+from vlm.model.share_init import draw_normal_into
+from vlm.model.shares import Sharding, share_of
+from vlm.train import build_share
+from vlm.train.build_share import build_vlm, consume_build
+
+# every kind of tensor the LLM has: routed, shared and Grove experts, a linear dechunk residual
+# (identity-initialised), joint decoding, sizes that 16 does not divide
+MC = ModelConfig(
+    vocab_size=263,
+    hidden_size=36,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=10,
+    moe=MoEConfig(
+        num_experts=4,
+        top_k=2,
+        expert_hidden=20,
+        num_shared_experts=1,
+        shared_hidden=12,
+        grove_groups=2,
+        grove_lambda=0.25,
+    ),
+    chunk=ChunkConfig(residual="linear"),
+    init_std=0.2,
+)
+
+
+def _vision():
+    from vision.config import VisionConfig
+    from vision.image_processor import ImageProcessorConfig
+    from vision.navit import NaViTConfig
+
+    return VisionConfig(
+        processor=ImageProcessorConfig(patch_size=4, min_patches=4, max_patches=16, merge=2),
+        encoder=NaViTConfig(hidden_size=16, num_layers=1, num_heads=2, max_grid=16),
+    )
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """Draws cut into chunks of 48 elements, so that the tiny model's tensors take the chunked path."""
+    monkeypatch.setattr(share_init, "CHUNK", 48)
+    monkeypatch.setattr(build_share, "CHUNK", 48)
+
+
+def _whole(seed: int = 0):
+    torch.manual_seed(seed)
+    model = ConceptMoEVLM(MC, _vision())
+    return {n: p.detach() for n, p in model.named_parameters()}, torch.rand(4)
+
+
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 47, 48, 49, 63, 96, 97, 100, 1000, 1001])
+def test_chunked_normal_draws_are_the_whole_tensors_draws(n):
+    for start, stop in [(0, n), (0, n // 2), (n // 3, n), (n // 4, 3 * n // 4)]:
+        torch.manual_seed(n)
+        whole = torch.empty(n).normal_(0.5, 0.02)
+        after = torch.rand(3)
+        torch.manual_seed(n)
+        got = torch.empty(stop - start, dtype=torch.float64)
+        draw_normal_into(got, n, 0.5, 0.02, start, chunk=16)
+        assert torch.equal(got, whole[start:stop].double()), (n, start, stop)
+        assert torch.equal(torch.rand(3), after), f"{n} draws advanced the generator differently"
+
+
+@pytest.mark.parametrize(
+    "sharding",
+    [
+        Sharding(world=2, rank=0, expert=2),
+        Sharding(world=2, rank=1, expert=2),
+        Sharding(bf16=True),
+        Sharding(world=4, rank=3, expert=4, bf16=True),
+    ],
+    ids=["expert-rank-0", "expert-rank-1", "bf16", "expert-rank-3-of-4-bf16"],
+)
+def test_a_shard_build_is_the_whole_build_sliced(sharding, small_chunks):
+    whole, after = _whole()
+    torch.manual_seed(0)
+    model = build_vlm(MC, _vision(), sharding)
+    assert torch.equal(torch.rand(4), after), "the generator is not where a whole build leaves it"
+    for name, p in model.named_parameters():
+        s = share_of(sharding, name, whole[name].shape)
+        want = whole[name][s.rows[0] : s.rows[1]]
+        # the LLM in the training dtype; the vision tower whole in fp32 (its warm-up trains it so)
+        want = want.to(sharding.dtype) if name.startswith("lm.") else want
+        assert p.dtype == want.dtype and p.shape == want.shape, name
+        assert torch.equal(p.detach(), want), f"{name} differs from the whole build's"
+    for m in (m for m in model.modules() if hasattr(m, "w_gate_EDF")):  # held from construction on
+        E = m.num_experts // sharding.expert
+        for w in m.routed_expert_weights():
+            assert w.shape[0] == E and w.untyped_storage().nbytes() == w.numel() * w.element_size()
+
+
+def test_a_consume_build_advances_the_generator_as_a_whole_build():
+    _, after = _whole(seed=3)
+    torch.manual_seed(3)
+    consume_build(MC, _vision())
+    assert torch.equal(torch.rand(4), after)
+
+
+def test_init_from_reads_only_the_rows_a_rank_keeps(tmp_path, monkeypatch, small_chunks):
+    from vlm.model import share_load
+    from vlm.model.hf import save_pretrained
+    from vlm.train.stages import load_pretrained_weights
+
+    torch.manual_seed(5)
+    src = ConceptMoEVLM(MC)
+    save_pretrained(src, tmp_path / "src")
+    stored = dict(src.state_dict())
+    reads: list[tuple[str, int, int]] = []
+    rows = share_load.Safetensors.rows
+
+    def recorded(self, name, a, b):
+        reads.append((name, a, b))
+        return rows(self, name, a, b)
+
+    monkeypatch.setattr(share_load.Safetensors, "rows", recorded)
+    sharding = Sharding(world=2, rank=1, expert=2, bf16=True)
+    model = build_vlm(MC, None, sharding)
+    load_pretrained_weights(model, tmp_path / "src", [300], sharding)
+    for name, p in model.named_parameters():
+        w = stored[name]
+        if name in ("lm.embed.weight", "lm.lm_head.weight"):  # grown to 300 rows by their mean
+            w = torch.cat([w, w.mean(0, keepdim=True).expand(300 - w.shape[0], -1)])
+        s = share_of(sharding, name, w.shape)
+        assert torch.equal(p.detach(), w[s.rows[0] : s.rows[1]].to(torch.bfloat16)), name
+    expert_reads = [(a, b) for n, a, b in reads if n.endswith("_EDF") or n.endswith("_EFD")]
+    assert expert_reads and set(expert_reads) == {(2, 4)}, "a rank read experts it does not keep"
+
+
+def test_transformers_moe_rows_are_the_converted_tensors(tmp_path):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from vlm.model.config import ConvertConfig
+    from vlm.model.convert import hf_model_config, hf_state_dict_to_ours
+    from vlm.model.share_load import TransformersMoE
+
+    common = dict(vocab_size=64, hidden_size=16, num_hidden_layers=4, num_attention_heads=4)
+    hf = Qwen3MoeForCausalLM(
+        Qwen3MoeConfig(
+            moe_intermediate_size=8,
+            num_experts=4,
+            head_dim=4,
+            num_key_value_heads=2,
+            num_experts_per_tok=2,
+            **common,
+        )
+    )
+    hf.save_pretrained(tmp_path)
+    base = hf_model_config(hf.config, ConvertConfig(encoder_layers=1, decoder_layers=1))
+    want = hf_state_dict_to_ours(hf.state_dict(), base)
+    stored = TransformersMoE(tmp_path, base)
+    assert set(stored.shapes()) == set(want)
+    for name, w in want.items():
+        assert stored.shapes()[name] == tuple(w.shape), name
+        assert torch.equal(stored.rows(name, 1, 3), w[1:3]), name
+
+
+# ---------------------------------------------------------------- ZeRO-3, two processes
+def _zero3_worker(rank: int, world: int, port: int, src: str, bf16: bool) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    torch.set_num_threads(1)
+    import deepspeed
+
+    from vlm.train.distributed import init_distributed
+    from vlm.train.stages import load_pretrained_weights
+
+    init_distributed()
+    whole, after = _whole()
+    sharding = Sharding(world=world, rank=rank, zero_stage=3, bf16=bf16)
+    torch.manual_seed(0)
+    model = build_vlm(MC, _vision(), sharding)
+    assert torch.equal(torch.rand(4), after)
+    lm = [(n, p) for n, p in model.named_parameters() if n.startswith("lm.")]
+    assert lm and all(hasattr(p, "ds_tensor") and p.numel() == 0 for _, p in lm)
+    for name, p in lm:  # this rank's partition, as vlm.model.shares says
+        s = share_of(sharding, name, whole[name].shape)
+        got = p.ds_tensor.view(-1)[: s.numel]
+        want = whole[name].reshape(-1)[s.flat[0] : s.flat[1]].to(sharding.dtype)
+        assert torch.equal(got, want), f"rank {rank}: {name}'s partition"
+    with deepspeed.zero.GatheredParameters([p for _, p in lm]):  # and as DeepSpeed gathers it
+        for name, p in lm:
+            assert torch.equal(p.data, whole[name].to(sharding.dtype)), f"{name} gathered"
+    # init_from into the partitions, the vocabulary grown to 300 rows
+    stored = dict(torch.load(f"{src}/state.pt"))
+    load_pretrained_weights(model, f"{src}/export", [300], sharding)
+    lm = [(n, p) for n, p in model.named_parameters() if n.startswith("lm.")]
+    with deepspeed.zero.GatheredParameters([p for _, p in lm]):
+        for name, p in lm:
+            w = stored[name]
+            if name in ("lm.embed.weight", "lm.lm_head.weight"):
+                w = torch.cat([w, w.mean(0, keepdim=True).expand(300 - w.shape[0], -1)])
+            assert torch.equal(p.data, w.to(sharding.dtype)), f"{name} loaded"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_zero3_ranks_build_and_load_their_partitions(bf16, tmp_path):
+    from vlm.model.hf import save_pretrained
+
+    torch.manual_seed(5)
+    src = ConceptMoEVLM(replace(MC))
+    save_pretrained(src, tmp_path / "export")
+    torch.save(src.state_dict(), tmp_path / "state.pt")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_zero3_worker, args=(2, port, str(tmp_path), bf16), nprocs=2, join=True)
