@@ -11,6 +11,7 @@ its config.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -29,7 +30,7 @@ from vlm.model.training_controls import TrainingControls
 from vlm.train import checkpoint as ckpt_lib
 from vlm.train import collectives, reshard
 from vlm.train import expert_parallel as ep_lib
-from vlm.train.build_share import prepare_for_engine
+from vlm.train.build_share import prepare_for_engine, transients_returned
 from vlm.train.config import RunConfig, TrainConfig
 from vlm.train.distributed import DistInfo, ProcessGroups, init_distributed, make_groups
 from vlm.train.engine import (
@@ -171,7 +172,8 @@ def model_sharding(cfg: TrainConfig, layout: ParallelLayout) -> tuple[Sharding, 
 def build_model(cfg: TrainConfig, tokenizer, sharding: Sharding = WHOLE, ds_json=None):
     """The stage's model at this rank's share, its fresh parts, and the config naming the model
     built; params.freeze applied."""
-    model, fresh = build_stage_model(cfg, tokenizer, sharding, ds_json)
+    with contextlib.nullcontext() if sharding.whole else transients_returned():
+        model, fresh = build_stage_model(cfg, tokenizer, sharding, ds_json)
     cfg = with_built_model(cfg, model)
     if cfg.model.vocab_size < tokenizer.vocab_size:
         raise ConfigError(
