@@ -107,6 +107,9 @@ def test_a_shard_build_is_the_whole_build_sliced(sharding, small_chunks):
         E = m.num_experts // sharding.expert
         for w in m.routed_expert_weights():
             assert w.shape[0] == E and w.untyped_storage().nbytes() == w.numel() * w.element_size()
+    # what the size check and `vlm plan` count is what was built
+    held = sum(p.numel() * p.element_size() for p in model.lm.parameters())
+    assert build_share.build_bytes(MC, sharding)[0] == held
 
 
 def test_a_consume_build_advances_the_generator_as_a_whole_build():
@@ -144,6 +147,22 @@ def test_init_from_reads_only_the_rows_a_rank_keeps(tmp_path, monkeypatch, small
         assert torch.equal(p.detach(), w[s.rows[0] : s.rows[1]].to(torch.bfloat16)), name
     expert_reads = [(a, b) for n, a, b in reads if n.endswith("_EDF") or n.endswith("_EFD")]
     assert expert_reads and set(expert_reads) == {(2, 4)}, "a rank read experts it does not keep"
+
+
+def test_the_size_check_counts_this_ranks_share(tiny_data, tiny_config, load_tiny):
+    """Eight ranks on a node that cannot hold eight whole fp32 models: ZeRO-3's shares are built,
+    ZeRO 0's whole models are refused in one line."""
+    from configs.config import ConfigError
+    from vlm.train.sizes import check_buildable, rank_share_bytes
+
+    zero0 = load_tiny(tiny_config(tiny_data))
+    zero3 = load_tiny(tiny_config(tiny_data, deepspeed={"zero_stage": 3}))
+    share0, share3 = rank_share_bytes(zero0, 8, 5)[0], rank_share_bytes(zero3, 8, 5)[0]
+    assert share3 < share0 / 2
+    check_buildable(zero3, limit=8 * share3, env=(8, 5, 8))
+    with pytest.raises(ConfigError, match=r"to build in float32, more than .* x 8 ranks on this node;") as err:
+        check_buildable(zero0, limit=8 * share3, env=(8, 5, 8))
+    assert "\n" not in str(err.value)
 
 
 def test_transformers_moe_rows_are_the_converted_tensors(tmp_path):
@@ -202,6 +221,8 @@ def _zero3_worker(rank: int, world: int, port: int, src: str, bf16: bool) -> Non
         got = p.ds_tensor.view(-1)[: s.numel]
         want = whole[name].reshape(-1)[s.flat[0] : s.flat[1]].to(sharding.dtype)
         assert torch.equal(got, want), f"rank {rank}: {name}'s partition"
+    kept = sum(share_of(sharding, n, whole[n].shape).numel for n, _ in lm)
+    assert build_share.build_bytes(MC, sharding)[0] == kept * (2 if bf16 else 4)
     with deepspeed.zero.GatheredParameters([p for _, p in lm]):  # and as DeepSpeed gathers it
         for name, p in lm:
             assert torch.equal(p.data, whole[name].to(sharding.dtype)), f"{name} gathered"
