@@ -8,9 +8,8 @@ resident memory at that moment (what the run held before: libraries, the process
 and the tokenizer). The kernel's peak (VmHWM) is reset there (`/proc/self/clear_refs`, 5), so the
 figure covers the build, the weight loading and the engine's partitioning.
 
-Measured on 2 CPU cores (docs/training.md, "Building a rank's share"): before issue 48 every rank
-built the whole model, 1,452 MB on 1 rank, 1,386 MB on each of 2 (0.95); after, 1,390 MB and
-730 MB (0.53)."""
+Measured (docs/training.md, "Building a rank's share"): before issue 48 every rank built the whole
+model, 1,296 MB on 1 rank, 1,251 MB on each of 2 (0.97); after, 1,250 MB and 667 MB (0.53)."""
 
 from __future__ import annotations
 
