@@ -25,8 +25,9 @@ Checkpoints: DeepSpeed's files as its MoE support writes them (the module from r
 per expert rank or ZeRO partition) and, from every rank, `experts_rank_NNNNN.pt`, its shard of the
 routed experts, restored after DeepSpeed's load (`restore_shard`). A checkpoint resumes on the
 expert degree and the number of ranks that wrote it (`check_resume`: one line otherwise); its
-weights start a run of any degree through `train.init_from` (`whole_experts` puts the shards back
-together). The export gathers the shards (`gathered_experts`): final/ holds every expert.
+weights start a run of any degree through `train.init_from` (vlm.train.checkpoint_tensors reads each
+rank's rows from the shards that hold them). The export gathers the shards (`gathered_experts`):
+final/ holds every expert.
 """
 
 from __future__ import annotations
@@ -309,24 +310,6 @@ def restore_shard(module: nn.Module, ckpt: Path, rank: int) -> str | None:
                 return f"{path}: no tensor {n} of shape {tuple(p.shape)}"
             p.data.copy_(t)
     return None
-
-
-def whole_experts(ckpt: Path, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A checkpoint's module state dict (`state`, DeepSpeed's module file: rank 0's shard of the
-    routed experts) with every expert put back from the shards of `ckpt` (as it is without them)."""
-    P, _ = written_degree(ckpt)
-    if P == 1:
-        return state
-    by_rank: dict[int, dict] = {}
-    for path in sorted(Path(ckpt).glob(SHARD_FILE.replace("{:05d}", "*"))):
-        shard = _load(path)
-        by_rank.setdefault(int(shard["expert_rank"]), shard["tensors"])
-    if sorted(by_rank) != list(range(P)):
-        raise ConfigError(f"{ckpt}: expert shards of {P} ranks expected, found {sorted(by_rank)}")
-    out = dict(state)
-    for n in by_rank[0]:
-        out[n] = torch.cat([by_rank[r][n] for r in range(P)])
-    return out
 
 
 @contextlib.contextmanager

@@ -8,6 +8,11 @@
         (vision encoder, projector, LLM) from a VL run, the LLM alone from a text run.
 - ct:   continual training of a pretrained MoE converted into a ConceptMoE by vlm.model.convert
         (ConceptMoE section 4.3; the converter owns the weight mapping and the reallocation).
+
+Every rank builds and loads only its share (vlm.model.shares: its expert shard, its ZeRO-3
+partitions, in the training dtype; vlm.train.build_share), reading from the source only the rows
+of each tensor that cover it (vlm.model.share_load, vlm.train.checkpoint_tensors), with the weights
+of a whole build and load for the same seed.
 """
 
 from __future__ import annotations
