@@ -98,7 +98,7 @@ def check_buildable(cfg, limit: int | None = None, env: tuple[int, int, int] | N
         return
     try:
         need, dtype = rank_share_bytes(cfg, world, rank)
-    except (RuntimeError, OverflowError, ValueError, MemoryError):
+    except (RuntimeError, OverflowError, ValueError, TypeError, MemoryError):
         need, dtype = whole, "float32"  # too large to build even on the meta device
     if need * local > limit:
         m = cfg.model
