@@ -244,6 +244,14 @@ def _zero3_build_and_load(rank: int, world: int, src: str, bf16: bool) -> None:
             if name in ("lm.embed.weight", "lm.lm_head.weight"):
                 w = torch.cat([w, w.mean(0, keepdim=True).expand(300 - w.shape[0], -1)])
             assert torch.equal(p.data, w.to(sharding.dtype)), f"{name} loaded"
+    # muP's init scale after the build writes the partitions too
+    from vlm.train.param_groups import apply_mup_init
+
+    apply_mup_init(model, 4.0, 4.0)  # hidden matrices x 1/2
+    q = dict(lm)["lm.encoder.0.attn.q_proj.weight"]
+    with deepspeed.zero.GatheredParameters([q]):
+        want = stored["lm.encoder.0.attn.q_proj.weight"].to(sharding.dtype).mul_(0.5)
+        assert torch.equal(q.data, want), "muP's scale missed a partition"
 
 
 @pytest.mark.slow

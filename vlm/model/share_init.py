@@ -16,7 +16,8 @@ The init ops here (`init_normal_`, `fill_`, `scale_`, `assign_`, `assign_rows_`)
 - a whole tensor in another dtype (bf16): fp32 draws cast, as a whole fp32 build cast afterwards;
 - rows a..b-1 of a tensor of R rows (`mark_rows`: a MoE layer's expert shard);
 - a DeepSpeed ZeRO-3 partition (`param.ds_tensor`, the whole one's size in `param.ds_numel`): the
-  flat range vlm.model.shares.zero3_partition gives the rank of the build's sharding;
+  flat range vlm.model.shares.zero3_partition gives its rank (`mark_partition`, else the rank of
+  the build's sharding);
 - a meta tensor (a build for shapes only): nothing, and no draws.
 """
 
@@ -64,6 +65,11 @@ def partitioned(p: torch.Tensor) -> bool:
     return getattr(p, "ds_tensor", None) is not None and p.data.numel() != getattr(p, "ds_numel", 0)
 
 
+def mark_partition(p: torch.Tensor, world: int, rank: int) -> None:
+    """`p`'s ZeRO-3 partition is rank `rank`'s of `world` (read by the init ops after the build)."""
+    p.partition_of = (int(world), int(rank))
+
+
 def whole_shape(p: torch.Tensor) -> tuple[int, ...]:
     """The shape of the whole parameter `p` is (a share of)."""
     if hasattr(p, "ds_shape"):
@@ -77,7 +83,8 @@ def held(p: torch.Tensor, sharding=None) -> tuple[torch.Tensor, int, int]:
     the whole tensor's number of elements)."""
     if partitioned(p):
         sharding = current() if sharding is None else sharding
-        start, stop, size = zero3_partition(p.ds_numel, sharding.world, sharding.rank)
+        world, rank = getattr(p, "partition_of", (sharding.world, sharding.rank))
+        start, stop, size = zero3_partition(p.ds_numel, world, rank)
         if size != p.ds_tensor.numel():
             raise RuntimeError(
                 f"a ZeRO-3 partition of {p.ds_tensor.numel()} elements, the sharding "

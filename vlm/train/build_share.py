@@ -37,7 +37,14 @@ from configs.config import ConfigError
 from vlm.model.conceptmoe import ConceptMoELM
 from vlm.model.config import ModelConfig
 from vlm.model.multimodal import ConceptMoEVLM
-from vlm.model.share_init import CHUNK, assign_rows_, draw_normal_into, partitioned, whole_shape
+from vlm.model.share_init import (
+    CHUNK,
+    assign_rows_,
+    draw_normal_into,
+    mark_partition,
+    partitioned,
+    whole_shape,
+)
 from vlm.model.shares import WHOLE, Sharding, building
 
 # draws whose values a low-precision tensor gets from an fp32 draw cast (torch's normal_ on bf16
@@ -196,7 +203,11 @@ def build_lm(mc: ModelConfig, sharding: Sharding = WHOLE, ds_json: dict | None =
     construction)."""
     check_experts_divide(mc, sharding.expert)
     with building(sharding), params_in(sharding.dtype), zero3_construction(sharding, ds_json):
-        return ConceptMoELM(mc)
+        lm = ConceptMoELM(mc)
+    for p in lm.parameters():  # for what writes its partition later (init_from, muP)
+        if partitioned(p):
+            mark_partition(p, sharding.world, sharding.rank)
+    return lm
 
 
 def build_vlm(
@@ -240,6 +251,7 @@ def grow_vocab_(model: ConceptMoEVLM, vocab_size: int, sharding: Sharding = WHOL
         new = nn.Parameter(torch.empty(shape, dtype=p.dtype), requires_grad=p.requires_grad)
         if partitioned(p) or hasattr(p, "ds_id"):
             p.convert_to_zero_parameters([new])
+            mark_partition(new, sharding.world, sharding.rank)
         return new
 
     with torch.no_grad():
