@@ -9,7 +9,7 @@ and the tokenizer). The kernel's peak (VmHWM) is reset there (`/proc/self/clear_
 figure covers the build, the weight loading and the engine's partitioning.
 
 Measured (docs/training.md, "Building a rank's share"): before issue 48 every rank built the whole
-model, 1,296 MB on 1 rank, 1,251 MB on each of 2 (0.97); after, 1,250 MB and 667 MB (0.53)."""
+model, 1,300 MB on 1 rank, 1,256 MB on each of 2 (0.97); after, 1,250 MB and 667 MB (0.53)."""
 
 from __future__ import annotations
 
