@@ -31,6 +31,7 @@ from vlm.model.cross_attention import ConceptMemory, ConceptStep
 from vlm.model.dechunk import Dechunk
 from vlm.model.layers import RMSNorm, rope_cos_sin
 from vlm.model.output import ModelOutput
+from vlm.model.share_init import fill_, init_normal_
 from vlm.model.tiled_loss import LMHead, tokens_per_tile
 
 
@@ -132,9 +133,9 @@ class ConceptMoELM(nn.Module):
         if isinstance(m, (nn.Linear, nn.Embedding)) and not (
             self.dechunk is not None and m is self.dechunk.residual
         ):
-            nn.init.normal_(m.weight, std=self.cfg.init_std)
+            init_normal_(m.weight, std=self.cfg.init_std)  # at this rank's share (share_init)
             if getattr(m, "bias", None) is not None:
-                nn.init.zeros_(m.bias)
+                fill_(m.bias, 0.0)
 
     @torch.no_grad()
     def zero_joint_projections(self) -> None:
@@ -143,9 +144,9 @@ class ConceptMoELM(nn.Module):
         for blk in self.decoder:
             if blk.attn.joint:
                 for proj in (blk.attn.cq_proj, blk.attn.ck_proj, blk.attn.cv_proj):
-                    proj.weight.zero_()
+                    fill_(proj.weight, 0.0)
             if blk.cross is not None:
-                blk.cross.o_proj.weight.zero_()
+                fill_(blk.cross.o_proj.weight, 0.0)
 
     def hidden(
         self,

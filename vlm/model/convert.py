@@ -22,6 +22,7 @@ from configs.config import ConfigError
 from vlm.model.config import ChunkConfig, ConvertConfig, ModelConfig, MoEConfig
 from vlm.model.hf import MODEL_TYPE, load_vlm
 from vlm.model.multimodal import ConceptMoEVLM
+from vlm.model.share_init import fill_, init_normal_
 
 SUPPORTED = ("qwen3_moe", "mixtral")
 
@@ -159,6 +160,36 @@ def to_conceptmoe_config(base: ModelConfig, opt: ConvertConfig) -> ModelConfig:
     return cfg
 
 
+# the tensors a converted model adds to its source: they keep their conversion init
+NEW_PARTS = (
+    "lm.chunker.",
+    "lm.dechunk.",
+    ".attn.cq_proj",
+    ".attn.ck_proj",
+    ".attn.cv_proj",
+    # cross-attention decoder layers (W_O zeroed by conversion_init_)
+    ".attn.concept_norm",
+    ".cross.",
+    ".cross_norm.",
+    ".moe.expert_bias",
+    ".moe.load_accum",  # balancing state starts fresh
+    ".moe.adj_",  # Grove upcycling's adjugate experts
+)
+
+
+def conversion_init_(model: ConceptMoEVLM) -> None:
+    """The new parts' conversion init, after the source's tensors are in: zero joint-decoding
+    projections, and Grove 3.4's adjugates (N(0, 0.006), down-projections zero). Each rank
+    initialises its share (vlm.model.share_init)."""
+    with torch.no_grad():
+        model.lm.zero_joint_projections()
+        for name, p in model.named_parameters():
+            if ".moe.adj_down" in name:
+                fill_(p, 0.0)
+            elif ".moe.adj_" in name:
+                init_normal_(p, 0.006)
+
+
 def convert_state(
     source: ConceptMoEVLM | dict[str, torch.Tensor], cfg: ModelConfig, vision_cfg=None
 ) -> ConceptMoEVLM:
@@ -168,31 +199,10 @@ def convert_state(
     missing, unexpected = model.load_state_dict(sd, strict=False)
     if unexpected:
         raise ValueError(f"source tensors with no place in the ConceptMoE: {unexpected[:5]}")
-    new_parts = (
-        "lm.chunker.",
-        "lm.dechunk.",
-        ".attn.cq_proj",
-        ".attn.ck_proj",
-        ".attn.cv_proj",
-        # cross-attention decoder layers (W_O zeroed below)
-        ".attn.concept_norm",
-        ".cross.",
-        ".cross_norm.",
-        ".moe.expert_bias",
-        ".moe.load_accum",  # balancing state starts fresh
-        ".moe.adj_",
-    )  # Grove upcycling's adjugate experts
-    lost = [k for k in missing if not any(p in k for p in new_parts)]
+    lost = [k for k in missing if not any(p in k for p in NEW_PARTS)]
     if lost:
         raise ValueError(f"pretrained tensors missing from the source: {lost[:5]}")
-    with torch.no_grad():
-        model.lm.zero_joint_projections()
-        # Grove 3.4: adjugates N(0, 0.006), down-projections zero
-        for name, p in model.named_parameters():
-            if ".moe.adj_down" in name:
-                p.zero_()
-            elif ".moe.adj_" in name:
-                p.normal_(0.0, 0.006)
+    conversion_init_(model)
     return model
 
 
@@ -284,6 +294,30 @@ def load_source(path: str | Path, opt: ConvertConfig):
     base = hf_model_config(hf_cfg, opt)
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     return hf_state_dict_to_ours(hf.state_dict(), base), base, None
+
+
+def source_tensors(path: str | Path, opt: ConvertConfig):
+    """(the ConceptMoE config a source converts to, its LLM's tensors by this model's names, read
+    by rows: vlm.model.share_load): our own exported baseline (its safetensors, after the export's
+    checks) or a transformers Qwen3-MoE / Mixtral checkpoint (its safetensors, per expert),
+    without loading either whole."""
+    from vlm.model.hf import checked_export_config
+    from vlm.model.share_load import TransformersMoE, export_tensors
+
+    path = Path(path)
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise ConfigError(f"{path}: no config.json; expected a transformers checkpoint directory")
+    model_type = json.loads(cfg_file.read_text()).get("model_type")
+    if model_type == MODEL_TYPE:
+        base, _ = checked_export_config(path).build_configs()
+        if base.chunk.enabled:
+            raise ConfigError(f"{path} is already a ConceptMoE (chunk.enabled=true)")
+        return to_conceptmoe_config(base, opt), export_tensors(path)
+    from transformers import AutoConfig
+
+    base = hf_model_config(AutoConfig.from_pretrained(str(path)), opt)
+    return to_conceptmoe_config(base, opt), TransformersMoE(path, base)
 
 
 def convert(path: str | Path, opt: ConvertConfig) -> tuple[ConceptMoEVLM, ModelConfig]:

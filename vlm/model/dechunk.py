@@ -19,6 +19,7 @@ from vlm.model.cache import DechunkState
 from vlm.model.config import ChunkConfig
 from vlm.model.ema_scan import ema_scan
 from vlm.model.layers import doc_starts
+from vlm.model.share_init import assign_
 
 if TYPE_CHECKING:  # chunking.py re-exports this module's names: no import back at run time
     from vlm.model.chunking import Chunks, ChunkStep
@@ -68,9 +69,8 @@ class Dechunk(nn.Module):
         # H-Net's residual projection; identity at init reproduces eq. 10, conversion starts it
         # at zero.
         self.residual = nn.Linear(dim, dim, bias=False) if cfg.residual == "linear" else None
-        if self.residual is not None:
-            with torch.no_grad():
-                self.residual.weight.copy_(torch.eye(dim))
+        if self.residual is not None:  # at this rank's share (a ZeRO-3 partition, share_init)
+            assign_(self.residual.weight, torch.eye(dim))
 
     @staticmethod
     def ema_step(concept_BD: torch.Tensor, p_B: torch.Tensor, ema_BD: torch.Tensor) -> torch.Tensor:

@@ -507,6 +507,18 @@ def check_export_tokenizer(path: Path, config: ConceptMoEConfig, tok) -> None:
             )
 
 
+def checked_export_config(path: str | Path) -> ConceptMoEConfig:
+    """The config of the export at `path`, after the checks `from_pretrained` makes (generation and
+    processor settings, every tensor's name, shape and dtype, the checksums) except reading the
+    values: a reader of its share checks those it reads (vlm.model.share_load)."""
+    path = Path(path)
+    config = read_config(path, ConceptMoEConfig)
+    check_generation_config(path, config)
+    check_processor_config(path, config)
+    check_exported_weights(path, config, values=False)
+    return config
+
+
 def load_vlm(path: str | Path) -> ConceptMoEVLM:
     """The training-side model from an exported directory."""
     return ConceptMoEForCausalLM.from_pretrained(str(path)).vlm

@@ -26,6 +26,8 @@ from vlm.model.config import MoEConfig
 from vlm.model.expert_parallel import ExpertExchange, exchanged_swiglu, local_slice
 from vlm.model.legacy_names import rename_legacy_keys
 from vlm.model.moe_dispatch import expert_swiglu, grouped_mm_available, sort_by_group
+from vlm.model.share_init import init_normal_, mark_rows
+from vlm.model.shares import current, expert_rows
 
 
 @dataclass
@@ -279,9 +281,19 @@ class MoE(nn.Module):
         self.cfg, self.dim, self.num_experts = cfg, dim, cfg.num_experts
         E, hidden = cfg.num_experts, cfg.expert_hidden  # (F is torch.nn.functional here)
         self.router = nn.Linear(dim, E, bias=False)
-        self.w_gate_EDF = nn.Parameter(torch.empty(E, dim, hidden))
-        self.w_up_EDF = nn.Parameter(torch.empty(E, dim, hidden))
-        self.w_down_EFD = nn.Parameter(torch.empty(E, hidden, dim))
+        # the routed experts this layer builds and holds: its expert shard when the model is built
+        # for expert parallelism (vlm.model.shares.building), else all E
+        sharding = current()
+        self.expert_rows = (
+            expert_rows(E, sharding.expert, sharding.expert_rank) if sharding.expert > 1 else (0, E)
+        )
+        n = self.expert_rows[1] - self.expert_rows[0]
+        self.w_gate_EDF = nn.Parameter(torch.empty(n, dim, hidden))
+        self.w_up_EDF = nn.Parameter(torch.empty(n, dim, hidden))
+        self.w_down_EFD = nn.Parameter(torch.empty(n, hidden, dim))
+        if n != E:
+            for p in self.routed_expert_weights():
+                mark_rows(p, self.expert_rows, E)
         self.shared = (
             SwiGLU(dim, cfg.num_shared_experts * cfg.shared_hidden)
             if cfg.num_shared_experts
@@ -301,8 +313,10 @@ class MoE(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self, init_std: float = 0.02) -> None:
+        # every tensor drawn whole (an expert shard keeps its rows of the whole draw), so that a
+        # rank building its share draws what a whole build does (vlm.model.share_init)
         for p in self.parameters():
-            nn.init.normal_(p, mean=0.0, std=init_std)
+            init_normal_(p, init_std)
         self.expert_bias.zero_()
         self.load_accum.zero_()
 
@@ -316,17 +330,28 @@ class MoE(nn.Module):
 
     @torch.no_grad()
     def shard_experts(self, exchange: ExpertExchange) -> None:
-        """Keep only this rank's E/P routed experts (a slice of the ones the layer was built or
-        loaded with) and exchange tokens with the ranks that hold the others from now on. The
-        router, the shared experts, the Grove adjugate experts (small: one per group) and the
-        balancing state stay whole on every rank. Called once, when a run is built."""
+        """Exchange tokens with the ranks that hold the other routed experts from now on, keeping
+        only this rank's E/P: a layer built at its shard (vlm.model.shares.building) holds them
+        already, a whole one keeps its slice. The router, the shared experts, the Grove adjugate
+        experts (small: one per group) and the balancing state stay whole on every rank. Called
+        once, when a run is built."""
         if self.exchange is not None:
             raise RuntimeError("MoE.shard_experts: the layer's experts are sharded already")
         keep = local_slice(self.num_experts, exchange.size, exchange.rank)
+        if self.expert_rows == (keep.start, keep.stop):  # built at its shard: nothing to cut
+            self.exchange = exchange
+            return
+        if self.expert_rows != (0, self.num_experts):
+            raise RuntimeError(
+                f"MoE.shard_experts: the layer holds experts {self.expert_rows}, expert rank "
+                f"{exchange.rank} of {exchange.size} needs {(keep.start, keep.stop)}"
+            )
         for name in ("w_gate_EDF", "w_up_EDF", "w_down_EFD"):
             full = getattr(self, name)
             part = nn.Parameter(full[keep].clone(), requires_grad=full.requires_grad)
+            mark_rows(part, (keep.start, keep.stop), self.num_experts)
             setattr(self, name, part)
+        self.expert_rows = (keep.start, keep.stop)
         self.exchange = exchange
 
     def routed_expert_weights(self) -> tuple[nn.Parameter, nn.Parameter, nn.Parameter]:
@@ -337,7 +362,7 @@ class MoE(nn.Module):
     @property
     def local_experts(self) -> int:
         """The routed experts whose weights this layer holds (all of them without an exchange)."""
-        return self.w_gate_EDF.shape[0]
+        return self.expert_rows[1] - self.expert_rows[0]
 
     def _use_grouped(self, x_AD: torch.Tensor, *weights: torch.Tensor) -> bool:
         if self.cfg.dispatch == "loop":

@@ -22,10 +22,12 @@ from vlm.model.output import ModelOutput
 
 
 class ConceptMoEVLM(nn.Module):
-    def __init__(self, model_cfg: ModelConfig, vision_cfg=None):
+    def __init__(self, model_cfg: ModelConfig, vision_cfg=None, lm: ConceptMoELM | None = None):
+        """`lm`: the LLM built already (at a rank's share: vlm.train.build_share), else built
+        here; the vision tower is built after it either way (the draws of a whole build's order)."""
         super().__init__()
         self.model_cfg, self.vision_cfg = model_cfg, vision_cfg
-        self.lm = ConceptMoELM(model_cfg)
+        self.lm = ConceptMoELM(model_cfg) if lm is None else lm
         self.vision = vision_cfg.build(model_cfg.hidden_size) if vision_cfg is not None else None
 
     def embed(self, batch: PackedBatch) -> torch.Tensor:

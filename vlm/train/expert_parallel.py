@@ -7,9 +7,10 @@ router, shared and Grove adjugate experts, attention, embeddings, the vision tow
 every rank as before.
 
 Built once with the run (`set_up`, between the model and the engine): DeepSpeed's process groups;
-each MoE layer keeps its slice of the experts it was built or loaded with (every rank builds the
-same whole model from the same seed, so the shards are exactly what one rank holding every expert
-would train) and gets the exchange of its group; the expert parameters carry DeepSpeed's marks
+each MoE layer holds its slice of the experts from construction on (vlm.train.build_share: a rank
+allocates its E/P experts only and keeps its rows of the whole build's draws, so the shards are
+exactly what one rank holding every expert would train; a layer built whole keeps its slice here)
+and gets the exchange of its group; the expert parameters carry DeepSpeed's marks
 (`allreduce = False`, `group_name`), so that the engine reduces their gradients within their
 expert-data-parallel group only (divided by W, the world, as for every other gradient: a shard's
 gradient sums every rank's tokens already, which the exchange's backward brought home), ZeRO 1/2
@@ -29,13 +30,15 @@ per expert rank or ZeRO partition) and, from every rank, `experts_rank_NNNNN.pt`
 routed experts (under ZeRO-3 gathered from its partitions), restored after DeepSpeed's load
 (`restore_shard`; under ZeRO-3 into its partitions). A checkpoint resumes on the
 expert degree and the number of ranks that wrote it (`check_resume`: one line otherwise); its
-weights start a run of any degree through `train.init_from` (`whole_experts` puts the shards back
-together). The export gathers the shards (`gathered_experts`): final/ holds every expert.
+weights start a run of any degree through `train.init_from` (vlm.train.checkpoint_tensors reads each
+rank's rows from the shards that hold them). The export gathers the shards (`gathered_experts`):
+final/ holds every expert.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,6 +47,7 @@ from torch import nn
 
 from configs.config import ConfigError
 from vlm.model.moe import MoE
+from vlm.model.share_init import whole_shape
 from vlm.train import collectives
 
 SHARD_FILE = "experts_rank_{:05d}.pt"
@@ -107,11 +111,13 @@ def set_up(model: nn.Module, parallel, layout, groups) -> ExpertParallel | None:
                 f"parallel.expert={P} does not divide a MoE layer's {E} experts "
                 "(model.moe.num_experts / model.concept_moe.num_experts): use a divisor of it"
             )
+    # layers built at their shard (vlm.train.build_share) hold E/P experts from construction on;
+    # a whole one keeps its slice here
     name = groups.expert_name
     exchange = collectives.GroupExchange(
         groups.expert, P, layout.expert_rank, parallel.capacity_factor, parallel.variable_exchange
     )
-    total = sum(p.numel() for m in layers for p in m.routed_expert_weights())
+    total = sum(math.prod(whole_shape(p)) for m in layers for p in m.routed_expert_weights())
     for m in layers:
         m.shard_experts(exchange)
         for p in m.routed_expert_weights():
@@ -333,24 +339,6 @@ def _copy_shard(mine: dict, module: nn.Module, ckpt: Path, rank: int) -> str | N
                 return f"{path}: no tensor {n} of shape {tuple(p.shape)}"
             p.data.copy_(t)
     return None
-
-
-def whole_experts(ckpt: Path, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A checkpoint's module state dict (`state`, DeepSpeed's module file: rank 0's shard of the
-    routed experts) with every expert put back from the shards of `ckpt` (as it is without them)."""
-    P, _ = written_degree(ckpt)
-    if P == 1:
-        return state
-    by_rank: dict[int, dict] = {}
-    for path in sorted(Path(ckpt).glob(SHARD_FILE.replace("{:05d}", "*"))):
-        shard = _load(path)
-        by_rank.setdefault(int(shard["expert_rank"]), shard["tensors"])
-    if sorted(by_rank) != list(range(P)):
-        raise ConfigError(f"{ckpt}: expert shards of {P} ranks expected, found {sorted(by_rank)}")
-    out = dict(state)
-    for n in by_rank[0]:
-        out[n] = torch.cat([by_rank[r][n] for r in range(P)])
-    return out
 
 
 @contextlib.contextmanager

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from configs.config import ConfigError
+from vlm.model.share_init import held, scale_, whole_shape
 
 CONCEPT_PREFIXES = ("lm.concept.", "lm.concept_down.")
 TOKEN_PREFIXES = (
@@ -108,11 +109,11 @@ def apply_mup_init(model: nn.Module, s_token: float, s_concept: float) -> None:
     identity-initialised residual projection is left alone.
     """
     for name, p in model.named_parameters():
-        if p.ndim < 2 or ".dechunk.residual" in name:
+        if len(whole_shape(p)) < 2 or ".dechunk.residual" in name:
             continue
         part = part_of(name)
-        if part in ("token", "concept"):
-            p.mul_(1.0 / math.sqrt(s_token if part == "token" else s_concept))
+        if part in ("token", "concept"):  # this rank's share (a ZeRO-3 partition: share_init)
+            scale_(p, 1.0 / math.sqrt(s_token if part == "token" else s_concept))
 
 
 def apply_mup(
@@ -129,7 +130,7 @@ def apply_mup(
         apply_mup_init(model, s_tok, s_con)
     else:
         with torch.no_grad():
-            model.lm.lm_head.weight.div_(scale)
+            held(model.lm.lm_head.weight)[0].div_(scale)  # this rank's share
     install_logit_scale(model, scale)
     return scale
 
@@ -144,7 +145,7 @@ def build_param_groups(
         if not p.requires_grad:
             continue
         part = part_of(name)
-        matrix = p.ndim >= 2
+        matrix = len(whole_shape(p)) >= 2  # a ZeRO-3 partition is flat: its whole shape says
         lr, eps = optim.lr, optim.eps
         if part == "vision":
             lr *= params_cfg.vision_lr_mult
@@ -202,9 +203,15 @@ def install_logit_scale(model: nn.Module, scale: float) -> None:
     model.lm.lm_head.logit_scale = scale
 
 
+def held_numel(p: torch.Tensor) -> int:
+    """Elements of `p` as this rank counts them: its expert shard, or the whole tensor of a
+    ZeRO-3 partition (as once the engine partitioned it)."""
+    return getattr(p, "ds_numel", p.numel())
+
+
 def describe_groups(groups: list[dict]) -> list[str]:
     return [
-        f"{g.get('label', g['name'])}: {sum(p.numel() for p in g['params']):,} params, lr "
+        f"{g.get('label', g['name'])}: {sum(held_numel(p) for p in g['params']):,} params, lr "
         f"{g['lr']:.3g}, wd {g['weight_decay']:.3g}, eps {g['eps']:.3g}"
         for g in groups
     ]

@@ -11,6 +11,7 @@ its config.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -24,10 +25,12 @@ import yaml
 
 from configs.config import ConfigError, to_dict
 from data_pipelines.default_dataset import ensure_default_dataset
+from vlm.model.shares import WHOLE, Sharding
 from vlm.model.training_controls import TrainingControls
 from vlm.train import checkpoint as ckpt_lib
 from vlm.train import collectives, reshard
 from vlm.train import expert_parallel as ep_lib
+from vlm.train.build_share import prepare_for_engine, transients_returned
 from vlm.train.config import RunConfig, TrainConfig
 from vlm.train.distributed import DistInfo, ProcessGroups, init_distributed, make_groups
 from vlm.train.engine import (
@@ -156,10 +159,24 @@ def prepare_data(cfg: TrainConfig, dist: DistInfo):
     return cfg, tokenizer
 
 
-def build_model(cfg: TrainConfig, tokenizer):
-    """The stage's model, its fresh parts, and the config naming the model built; params.freeze
-    applied."""
-    model, fresh = build_stage_model(cfg, tokenizer)
+def model_sharding(cfg: TrainConfig, layout: ParallelLayout) -> tuple[Sharding, dict]:
+    """What this rank builds and keeps of the model (vlm.model.shares), from the ZeRO stage and
+    precision the DeepSpeed JSON will run, and that JSON as the build sees it (ZeRO-3's
+    construction reads it). Expert parallelism under ZeRO-3: the experts are built at their shard
+    and the dense weights whole, and the engine partitions both when it is built (its AutoEP
+    placement: vlm.train.expert_parallel.deepspeed_view); zero.Init would partition the experts
+    over the world, not over their replicas."""
+    ds_json = deepspeed_config(cfg.deepspeed, cfg.optim, layout.data)
+    ds = effective_settings(cfg.deepspeed, ds_json)
+    stage = 0 if layout.expert > 1 and ds.zero_stage == 3 else ds.zero_stage
+    return Sharding.of(layout, stage, ds.bf16), ds_json
+
+
+def build_model(cfg: TrainConfig, tokenizer, sharding: Sharding = WHOLE, ds_json=None):
+    """The stage's model at this rank's share, its fresh parts, and the config naming the model
+    built; params.freeze applied."""
+    with contextlib.nullcontext() if sharding.whole else transients_returned():
+        model, fresh = build_stage_model(cfg, tokenizer, sharding, ds_json)
     cfg = with_built_model(cfg, model)
     if cfg.model.vocab_size < tokenizer.vocab_size:
         raise ConfigError(
@@ -206,7 +223,8 @@ def build_run(
     with made_by_this_run(run_dir, dist.is_main):
         resume_from = open_run_dir(run_dir, resume, overwrite, dist, say)
         cfg, tokenizer = prepare_data(cfg, dist)
-        model, fresh, cfg = build_model(cfg, tokenizer)
+        sharding, ds_build = model_sharding(cfg, layout)
+        model, fresh, cfg = build_model(cfg, tokenizer, sharding, ds_build)
         warm_up_vision(
             model,
             fresh,
@@ -242,6 +260,7 @@ def build_run(
         if saved is not None:  # what may not change on resume
             check_resume_config(saved, to_dict(cfg), accept_optim_change, say=say)
         ds_json, clip = ep_lib.plain_fp32_clip(ep, ds_json, plain_fp32(ds_json))
+        prepare_for_engine(model, sharding, dist.device)
         with ep_lib.deepspeed_view(model, ep, cfg.deepspeed.zero_stage):
             optimizer, scheduler, engine = build_engine(model, param_groups, cfg, ds_json, clip)
         loader, eval_batches = build_loaders(cfg, tokenizer, layout.data_rank, layout.data)

@@ -1,11 +1,14 @@
 """Sizes that cannot be allocated are refused from the config, before anything is built or written.
 
-Every rank builds the whole model in float32 before DeepSpeed shards anything, so 4 bytes a
-parameter must fit in this machine's memory (physical RAM, or a smaller cgroup limit). The count is
-exact for the LLM (vlm.model.flops.count_params, in Python integers:
-`model.hidden_size=99999999999999999999` is a number, not an overflow) and a lower bound for the
-vision tower, so the check never refuses a model that could be built. Without it such a config fails
-inside torch with a traceback (or is killed by the OOM killer) after the run folder was made.
+Each rank builds only its share of the model (vlm.train.build_share): its expert shard, its ZeRO-3
+partitions, in the training dtype, plus a transient (one module under ZeRO-3, a chunk of draws
+otherwise), and the vision tower whole in fp32. What the ranks of this node build together must fit
+in its memory (physical RAM, or a smaller cgroup limit). The share is counted from the LLM built on
+the meta device with vlm.model.shares' rules (exact); the vision tower's from a lower bound, so the
+check never refuses a model that could be built. A model too large to describe at all (the whole
+count, vlm.model.flops.count_params, in Python integers: `model.hidden_size=99999999999999999999` is
+a number, not an overflow) is refused from that count. Without the check such a config fails inside
+torch with a traceback (or is killed by the OOM killer) after the run folder was made.
 """
 
 from __future__ import annotations
@@ -46,24 +49,68 @@ def vision_params_lower_bound(vision, llm_hidden: int) -> int:
     return enc.num_layers * (4 * h * h + 2 * h * mlp) + 3 * p * p * h + out_dim * llm_hidden
 
 
-def check_buildable(cfg, limit: int | None = None) -> None:
-    """ConfigError (one line) when the model of `cfg` (a TrainConfig) cannot be allocated on this machine."""
+def launch_env() -> tuple[int, int, int]:
+    """(ranks in the job, this rank, ranks on this node) as the launcher states them (1, 0, 1
+    without one)."""
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    rank = int(os.environ.get("RANK", "0") or 0)
+    local = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_NODE") or "1"
+    return world, rank, int(local) if local.isdigit() else 1
+
+
+def rank_share_bytes(cfg, world: int, rank: int) -> tuple[int, str]:
+    """Bytes one rank of `world` holds at the peak of building the model of `cfg` (a TrainConfig):
+    its share of the LLM and the transient (build_share.build_bytes), the vision tower whole in
+    fp32 (a lower bound); and the dtype its LLM is built in."""
+    from vlm.model.shares import Sharding
+    from vlm.train.build_share import build_bytes
+    from vlm.train.engine import deepspeed_config, effective_settings
+    from vlm.train.layout import ParallelLayout
+
+    layout = ParallelLayout.of(cfg.parallel, world, rank)
+    ds = effective_settings(cfg.deepspeed, deepspeed_config(cfg.deepspeed, cfg.optim, layout.data))
+    sharding = Sharding.of(layout, ds.zero_stage, ds.bf16)
+    kept, transient = build_bytes(cfg.model, sharding)
+    vision = (
+        vision_params_lower_bound(cfg.vision, cfg.model.hidden_size)
+        if cfg.train.stage == "vl"
+        else 0
+    )
+    return kept + transient + vision * BYTES_PER_PARAM, str(sharding.dtype).removeprefix("torch.")
+
+
+def check_buildable(cfg, limit: int | None = None, env: tuple[int, int, int] | None = None) -> None:
+    """ConfigError (one line) when the ranks of this node cannot build their shares of the model of
+    `cfg` (a TrainConfig) in this machine's memory (`limit`; `env`: launch_env())."""
     if cfg.train.stage == "ct":  # the architecture comes from the checkpoint being converted
         return
     from vlm.model.flops import count_params
 
+    limit = memory_limit_bytes() if limit is None else limit
+    if limit is None:
+        return
+    world, rank, local = launch_env() if env is None else env
     n = int(count_params(cfg.model)["total"])
     if cfg.train.stage == "vl":
         n += vision_params_lower_bound(cfg.vision, cfg.model.hidden_size)
-    need = n * BYTES_PER_PARAM
-    limit = memory_limit_bytes() if limit is None else limit
-    if limit is not None and need > limit:
+    whole = n * BYTES_PER_PARAM
+    if whole <= limit // max(local, 1):  # every rank could build the whole model in fp32
+        return
+    try:
+        need, dtype = rank_share_bytes(cfg, world, rank)
+    except (RuntimeError, OverflowError, ValueError, TypeError, MemoryError):
+        need, dtype = whole, "float32"  # too large to build even on the meta device
+    if need * local > limit:
         m = cfg.model
+        share = "the whole model" if need >= whole else "this rank's share"
+        on = f" x {local} ranks on this node" if local > 1 else ""
         raise ConfigError(
-            f"model: {_num(n)} parameters need {_bytes(need)} to build in float32, more than "
-            f"this machine's {_bytes(limit)} of memory (model.hidden_size={m.hidden_size}, "
-            f"model.vocab_size={m.vocab_size}, model.moe.num_experts={m.moe.num_experts}, "
-            f"model.moe.expert_hidden={m.moe.expert_hidden}); choose smaller sizes"
+            f"model: {_num(n)} parameters need {_bytes(need * local)} to build in {dtype}, more "
+            f"than this machine's {_bytes(limit)} of memory ({share}: {_bytes(need)}{on}; "
+            f"model.hidden_size={m.hidden_size}, model.vocab_size={m.vocab_size}, "
+            f"model.moe.num_experts={m.moe.num_experts}, model.moe.expert_hidden="
+            f"{m.moe.expert_hidden}); choose smaller sizes, or share the model over more ranks "
+            "(deepspeed.zero_stage 3, parallel.expert)"
         )
 
 

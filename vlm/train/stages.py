@@ -8,6 +8,11 @@
         (vision encoder, projector, LLM) from a VL run, the LLM alone from a text run.
 - ct:   continual training of a pretrained MoE converted into a ConceptMoE by vlm.model.convert
         (ConceptMoE section 4.3; the converter owns the weight mapping and the reallocation).
+
+Every rank builds and loads only its share (vlm.model.shares: its expert shard, its ZeRO-3
+partitions, in the training dtype; vlm.train.build_share), reading from the source only the rows
+of each tensor that cover it (vlm.model.share_load, vlm.train.checkpoint_tensors), with the weights
+of a whole build and load for the same seed.
 """
 
 from __future__ import annotations
@@ -27,15 +32,17 @@ from data_pipelines.tokenizer import (
     load_tokenizer,
 )
 from vlm.model.config import ModelConfig
-from vlm.model.convert import convert_state, fit_vocab, load_source, to_conceptmoe_config
-from vlm.model.hf import MODEL_TYPE, load_vlm
-from vlm.model.legacy_names import current_keys
+from vlm.model.convert import NEW_PARTS, conversion_init_, source_tensors
+from vlm.model.hf import MODEL_TYPE, checked_export_config
 from vlm.model.multimodal import ConceptMoEVLM
+from vlm.model.share_init import whole_shape
+from vlm.model.share_load import Stored, export_tensors, load_share_, state_targets, whole_shapes
+from vlm.model.shares import WHOLE, Sharding
 from vlm.model.weights_check import SKIP_HINT, checksums_skipped
+from vlm.train.build_share import build_vlm, consume_build, fill_grown_rows_, grow_vocab_
 from vlm.train.checkpoint import damaged_file, latest_checkpoint
+from vlm.train.checkpoint_tensors import checkpoint_tensors
 from vlm.train.config import MAY_CHANGE_FROM_CHECKPOINT, TrainConfig
-from vlm.train.engine import safe_load
-from vlm.train.expert_parallel import whole_experts
 from vlm.train.run_config import evolve
 
 
@@ -56,11 +63,14 @@ def resolve_weights_path(path: Path) -> Path:
     )
 
 
-def read_model_state(path: Path) -> dict[str, torch.Tensor]:
-    """Full (unsharded) state dict of the VLM stored at `path` (export or checkpoint)."""
+def stored_tensors(path: Path) -> Stored:
+    """The tensors of the VLM stored at `path` (an export, a checkpoint or a run directory), by the
+    model's names, read by rows (vlm.model.share_load): an export's safetensors after its checks,
+    a checkpoint's module memory-mapped after its checksums (vlm.train.checkpoint_tensors)."""
     path = resolve_weights_path(path)
     if (path / "config.json").is_file():
-        return load_vlm(path).state_dict()
+        checked_export_config(path)
+        return export_tensors(path)
 
     bad = None if checksums_skipped() else damaged_file(path)
     if bad is not None:  # the checksums the checkpoint recorded, as a resume checks them
@@ -68,42 +78,52 @@ def read_model_state(path: Path) -> dict[str, torch.Tensor]:
             f"train.init_from {path}: a damaged checkpoint, {bad} "
             f"against the checksums in its meta.json; {SKIP_HINT}"
         )
-    ds_dir = path / "ds"
-    module_file = ds_dir / "mp_rank_00_model_states.pt"
-    state = safe_load(module_file, map_location="cpu") if module_file.is_file() else {}
-    module = state.get("module")
-    if not module:  # ZeRO 0-2 keep the whole module in that file; ZeRO-3 leaves it empty
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    scale = _checkpoint_logit_scale(path.parent.parent / "config.yaml")
+    fold = None
+    if scale is not None:
 
-        module = get_fp32_state_dict_from_zero_checkpoint(str(path), tag="ds")
-    module = whole_experts(path, module)  # experts split over ranks: every shard
-    return _fold_checkpoint_logit_scale(current_keys(module), path.parent.parent / "config.yaml")
+        def fold(name: str, t: torch.Tensor) -> torch.Tensor:
+            return t * scale if name == "lm.lm_head.weight" else t
+
+    return checkpoint_tensors(path, fold)
 
 
-def _fold_checkpoint_logit_scale(state: dict, run_config: Path) -> dict:
+def read_model_state(path: Path) -> dict[str, torch.Tensor]:
+    """Full (unsharded) state dict of the VLM stored at `path` (export or checkpoint)."""
+    stored = stored_tensors(Path(path))
+    return {k: stored.whole(k) for k in stored.shapes()}
+
+
+def _checkpoint_logit_scale(run_config: Path) -> float | None:
     """A muP run's checkpoint holds lm_head without its logit multiplier (a forward hook applies
-    it); fold it in so that every source reads as the function it computes, like an export does."""
-    if not run_config.is_file() or "lm.lm_head.weight" not in state:
-        return state
+    it): the multiplier to fold in so that every source reads as the function it computes, like an
+    export does (None: not a muP run)."""
+    if not run_config.is_file():
+        return None
     import yaml
 
     run = yaml.safe_load(run_config.read_text()) or {}
     params, model = run.get("params") or {}, run.get("model") or {}
     if params.get("mup"):
-        scale = params.get("mup_base_width", 128) / model.get("hidden_size", 1)
-        state = dict(state, **{"lm.lm_head.weight": state["lm.lm_head.weight"] * scale})
-    return state
+        return params.get("mup_base_width", 128) / model.get("hidden_size", 1)
+    return None
 
 
-def load_pretrained_weights(model: ConceptMoEVLM, path: Path) -> dict[str, int]:
-    """Copy a stored model's tensors into `model`: the LLM (`lm.*`, required) and, when the
-    source has them, the vision encoder and projector (`vision.*`). Returns how many tensors
-    each part received."""
-    state = read_model_state(Path(path))
+def load_pretrained_weights(
+    model: ConceptMoEVLM, path: Path, grow: list[int] | None = None, sharding: Sharding = WHOLE
+) -> dict[str, int]:
+    """Copy a stored model's tensors into `model`, each rank its share (`sharding`): the LLM
+    (`lm.*`, required) and, when the source has them, the vision encoder and projector
+    (`vision.*`). `grow`: vocabulary sizes the embedding (and head) grow through after the stored
+    rows (vlm.model.convert.fit_vocab's rule, kept at the share: build_share.fill_grown_rows_).
+    Returns how many tensors each part received."""
+    stored = stored_tensors(Path(path))
+    have = stored.shapes()
     parts = {"lm": model.lm, "vision": model.vision}
     loaded: dict[str, int] = {}
+    plan: list[tuple[str, dict]] = []
     for part, module in parts.items():
-        src = {k[len(part) + 1 :]: v for k, v in state.items() if k.startswith(part + ".")}
+        src = {k[len(part) + 1 :]: v for k, v in have.items() if k.startswith(part + ".")}
         if not src:
             if part == "lm":
                 raise ConfigError(
@@ -113,16 +133,17 @@ def load_pretrained_weights(model: ConceptMoEVLM, path: Path) -> dict[str, int]:
             continue  # a text-stage source: the vision tower starts fresh
         if module is None:
             continue  # a text stage started from a VL run keeps only the LLM
-        mine = module.state_dict()
+        targets = state_targets(module)
+        mine = whole_shapes(targets)
         missing = sorted(set(mine) - set(src))
-        shape_bad = [k for k in mine if k in src and src[k].shape != mine[k].shape]
+        shape_bad = [k for k in mine if k in src and src[k] != mine[k]]
         extra = sorted(set(src) - set(mine))  # e.g. qk_norm=false would drop the stored q/k norms
         if missing or shape_bad or extra:
             k = (missing or shape_bad or extra)[0]
             what = (
                 "is missing"
                 if missing
-                else f"has shape {tuple(src[k].shape)}, the config needs {tuple(mine[k].shape)}"
+                else f"has shape {tuple(src[k])}, the config needs {tuple(mine[k])}"
                 if shape_bad
                 else "is stored but has no place in the model"
             )
@@ -131,9 +152,25 @@ def load_pretrained_weights(model: ConceptMoEVLM, path: Path) -> dict[str, int]:
                 f"train.init_from {path}: tensor {part}.{k} {what}; "
                 f"the {section} section must match the stored model's"
             )
-        module.load_state_dict({k: src[k] for k in mine}, strict=True)
-        loaded[part] = len(mine)
+        plan.append((part, targets))
+    old = whole_shape(model.lm.embed.weight)[0]
+    grown = grow_vocab_(model, max(grow or [0]), sharding)
+    for part, targets in plan:
+        if grown and part == "lm":  # the targets grown since: the model's tensors now
+            targets = {**targets, **state_targets(model.lm)}
+        load_share_(
+            {f"{part}.{k}": t for k, t in targets.items()},
+            stored,
+            sharding=sharding,
+            rows_of=lambda name: old if name in _VOCAB_ROWS else 1 << 62,
+        )
+        loaded[part] = len(targets)
+    if grown:
+        fill_grown_rows_(model, stored.whole, old, sorted(grow or []), sharding)
     return loaded
+
+
+_VOCAB_ROWS = ("lm.embed.weight", "lm.lm_head.weight")
 
 
 def _model_dict(mc: ModelConfig) -> dict:
@@ -188,37 +225,6 @@ def merge_model_section(stored: ModelConfig, cfg: TrainConfig, where: Path) -> M
     return dataclasses.replace(merged, vocab_size=vocab) if vocab != stored.vocab_size else merged
 
 
-# Tensors a model built from a merged config may lack that the stored one has no counterpart for:
-# fresh balancing state (a stored model that balanced without the loss-free bias).
-_FRESH_STATE = (".moe.expert_bias", ".moe.load_accum")
-
-
-def rebuild(model: ConceptMoEVLM, mc: ModelConfig, where: Path) -> ConceptMoEVLM:
-    """`model`'s tensors in a model built from `mc` (a merged model section). A stored tensor the
-    new model has no place for, or a tensor of the new model the stored one lacks, is an error:
-    nothing is dropped silently."""
-    if mc == model.model_cfg:
-        return model
-    grow = mc.vocab_size
-    mc = dataclasses.replace(mc, vocab_size=model.model_cfg.vocab_size)
-    new = ConceptMoEVLM(mc, model.vision_cfg) if mc != model.model_cfg else model
-    if new is not model:
-        missing, unexpected = new.load_state_dict(model.state_dict(), strict=False)
-        lost = [k for k in missing if not any(p in k for p in _FRESH_STATE)]
-        if unexpected or lost:
-            what = (
-                f"stored tensor {unexpected[0]} has no place"
-                if unexpected
-                else f"tensor {lost[0]} is not stored"
-            )
-            raise ConfigError(
-                f"{where}: {what} in the model this config describes; "
-                "its model section must match the stored model's"
-            )
-    fit_vocab(new, grow)
-    return new
-
-
 def stored_model_config(path: Path) -> ModelConfig | None:
     """The model section a checkpoint was made with: an export's config.json, or the run config a
     checkpoint's run directory holds (RUN_DIR/config.yaml); None when neither says."""
@@ -239,26 +245,72 @@ def stored_model_config(path: Path) -> ModelConfig | None:
     return None
 
 
-def convert_pretrained(cfg: TrainConfig) -> ConceptMoEVLM:
+def convert_pretrained(
+    cfg: TrainConfig,
+    sharding: Sharding = WHOLE,
+    ds_json: dict | None = None,
+    grow: list[int] | None = None,
+) -> ConceptMoEVLM:
     """Stage 'ct': a pretrained MoE converted by vlm.model.convert (or an already converted export),
-    with a fresh vision tower + projector attached when the config has a vision section and the
-    source has none."""
+    each rank building and loading its share (`sharding`), with a fresh vision tower + projector
+    attached when the config has a vision section and the source has none. `grow`: vocabulary
+    sizes the embedding grows through after the model section's (a source tokenizer's added
+    ids). The weights are a whole conversion's with the same seed: the export is read without
+    drawing (as transformers' loader builds on the meta device), a source is converted into a
+    fresh build, and the generator advances past a second build where the model section differs
+    from the stored one (the model was once rebuilt from it)."""
     import json
 
     path = Path(cfg.train.convert_from)
     info = (
         json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
     )
-    if info.get("model_type") == MODEL_TYPE and info.get("model", {}).get("chunk", {}).get(
+    converted = info.get("model_type") == MODEL_TYPE and info.get("model", {}).get("chunk", {}).get(
         "enabled", True
-    ):
-        model = load_vlm(path)  # the output of `vlm convert`
+    )
+    if converted:  # the output of `vlm convert`
+        stored_mc, vision_cfg = checked_export_config(path).build_configs()
+        stored = export_tensors(path)
     else:
-        opt = cfg.convert
-        sd, base, _ = load_source(path, opt)
-        lm_sd = {k: v for k, v in sd.items() if k.startswith("lm.")}
-        model = convert_state(lm_sd, to_conceptmoe_config(base, opt), None)
-    model = rebuild(model, merge_model_section(model.model_cfg, cfg, path), path)
+        stored_mc, stored = source_tensors(path, cfg.convert)
+        vision_cfg = None
+    merged = merge_model_section(stored_mc, cfg, path)
+    mc = dataclasses.replace(merged, vocab_size=stored_mc.vocab_size)
+    if converted:
+        with torch.random.fork_rng(devices=[]):
+            model = build_vlm(mc, vision_cfg, sharding, ds_json)
+    else:
+        model = build_vlm(mc, None, sharding, ds_json)
+    have = {k: v for k, v in stored.shapes().items() if converted or k.startswith("lm.")}
+    targets = state_targets(model)
+    mine = whole_shapes(targets)
+    unexpected = sorted(set(have) - set(mine))
+    lost = [k for k in mine if k not in have and (converted or not any(p in k for p in NEW_PARTS))]
+    wrong = [k for k in mine if k in have and have[k] != mine[k]]
+    if unexpected:
+        raise ValueError(f"source tensors with no place in the ConceptMoE: {unexpected[:5]}")
+    if lost:
+        raise ValueError(f"pretrained tensors missing from the source: {lost[:5]}")
+    if wrong:
+        raise ValueError(
+            f"{path}: tensor {wrong[0]} has shape {list(have[wrong[0]])}, "
+            f"the converted model needs {list(mine[wrong[0]])}"
+        )
+    old = stored_mc.vocab_size
+    sizes = [merged.vocab_size, *(grow or [])]
+    grown = grow_vocab_(model, max(sizes), sharding)
+    load_share_(
+        {k: t for k, t in state_targets(model).items() if k in have},
+        stored,
+        sharding=sharding,
+        rows_of=lambda name: old if name in _VOCAB_ROWS else 1 << 62,
+    )
+    if not converted:
+        conversion_init_(model)
+    if mc != stored_mc:
+        consume_build(mc, vision_cfg)
+    if grown:
+        fill_grown_rows_(model, stored.whole, old, sizes, sharding)
     if cfg.vision is not None and model.vision is None:
         model.vision = cfg.vision.build(model.model_cfg.hidden_size)
         model.vision_cfg = cfg.vision
@@ -393,19 +445,21 @@ def vision_load_report(model: nn.Module) -> str | None:
 
 
 def build_stage_model(
-    cfg: TrainConfig, tokenizer: Tokenizer | None = None
+    cfg: TrainConfig,
+    tokenizer: Tokenizer | None = None,
+    sharding: Sharding = WHOLE,
+    ds_json: dict | None = None,
 ) -> tuple[nn.Module, set[str]]:
-    """The model this stage trains, and which of its parts ("lm", "vision") start from fresh weights
-    (muP init applies to a fresh LLM, the vision warm-up to a fresh vision tower). A pretrained
-    model whose vocabulary is smaller than `tokenizer` (the image tokens a source's tokenizer gets)
-    grows to fit it (convert.fit_vocab). `cfg` is left as it is: `with_built_model` says what the
-    model runs."""
+    """The model this stage trains, built and loaded at this rank's share (`sharding`, vlm.model.
+    shares; `ds_json`: the run's DeepSpeed JSON, for ZeRO-3), and which of its parts ("lm",
+    "vision") start from fresh weights (muP init applies to a fresh LLM, the vision warm-up to a
+    fresh vision tower). A pretrained model whose vocabulary is smaller than `tokenizer` (the image
+    tokens a source's tokenizer gets) grows to fit it (convert.fit_vocab's rule). `cfg` is left as
+    it is: `with_built_model` says what the model runs."""
     stage = cfg.train.stage
+    source = tokenizer.vocab_size if getattr(tokenizer, "kind", "") == "source" else 0
     if stage == "ct":
-        model = convert_pretrained(cfg)
-        if tokenizer is not None and getattr(tokenizer, "kind", "") == "source":
-            fit_vocab(model, tokenizer.vocab_size)
-        return model, set()
+        return convert_pretrained(cfg, sharding, ds_json, [source] if source else []), set()
     grow, mc = 0, cfg.model
     # the model section is the checkpoint's, with the config's permitted changes
     if cfg.train.init_from:
@@ -414,16 +468,13 @@ def build_stage_model(
         if stored is not None:
             mc = merge_model_section(stored, cfg, where)
             grow, mc = mc.vocab_size, dataclasses.replace(mc, vocab_size=stored.vocab_size)
-    model = ConceptMoEVLM(mc, cfg.vision if stage == "vl" else None)
+    model = build_vlm(mc, cfg.vision if stage == "vl" else None, sharding, ds_json)
     parts = {"lm"} | (
         {"vision"} if model.vision is not None and not pretrained_tower(cfg) else set()
     )
     if cfg.train.init_from:
-        loaded = load_pretrained_weights(model, Path(cfg.train.init_from))
-        fit_vocab(
-            model,
-            max(grow, tokenizer.vocab_size if getattr(tokenizer, "kind", "") == "source" else 0),
-        )
+        where = Path(cfg.train.init_from)
+        loaded = load_pretrained_weights(model, where, [max(grow, source)], sharding)
         return model, parts - set(loaded)
     return model, parts
 
