@@ -131,3 +131,27 @@ def test_logged_step_times_are_the_slowest_ranks(tmp_path):
     )
     assert got["step_time_s"] == 2.0 and got["time/slowest_rank"] == 0
     assert got["tokens_per_s"] == 50.0
+
+
+def test_groups_made_without_a_timeout_get_parallel_timeout_s():
+    """DeepSpeed reduces the gradients in a clone of the world it makes without a timeout: with
+    torch's default (30 minutes) a stalled rank hung the job past parallel.timeout_s. Written for
+    torch 2.13, whose new_group reads its default from distributed_c10d's module global."""
+    import datetime
+
+    import torch
+    from torch.distributed import distributed_c10d
+
+    from vlm.train.distributed import default_group_timeout
+
+    assert torch.__version__.startswith("2.13"), (
+        f"torch {torch.__version__}: check vlm.train.distributed.default_group_timeout against "
+        "torch.distributed.distributed_c10d._get_default_timeout, then update this pin"
+    )
+    before = distributed_c10d.default_pg_timeout, distributed_c10d.default_pg_nccl_timeout
+    try:
+        default_group_timeout(datetime.timedelta(seconds=7))
+        got = distributed_c10d._get_default_timeout(distributed_c10d.Backend.GLOO)
+        assert got == datetime.timedelta(seconds=7), f"a new gloo group would wait {got}"
+    finally:
+        distributed_c10d.default_pg_timeout, distributed_c10d.default_pg_nccl_timeout = before

@@ -206,6 +206,7 @@ def init_distributed(timeout_s: float | None = None, stop=None) -> DistInfo:
         timeout_s,
         stop,
     )
+    default_group_timeout(timeout)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     acc = get_accelerator()
     if acc.device_name() == "cpu":
@@ -214,6 +215,18 @@ def init_distributed(timeout_s: float | None = None, stop=None) -> DistInfo:
         acc.set_device(local_rank)
         device = torch.device(acc.device_name(local_rank))
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device)
+
+
+def default_group_timeout(timeout: datetime.timedelta) -> None:
+    """Every process group made after this call waits `timeout` in a collective, not torch's default
+    30 minutes: DeepSpeed makes its own groups without one (its clone of the world, which reduces the
+    gradients; its expert groups), and a rank stalled in one of them would hang the job past
+    parallel.timeout_s. torch reads the default from this module global when a group is made without
+    a timeout (tests/test_timeouts.py pins the torch version this was written for)."""
+    from torch.distributed import distributed_c10d
+
+    distributed_c10d.default_pg_timeout = timeout
+    distributed_c10d.default_pg_nccl_timeout = timeout
 
 
 def leave_process_group() -> None:
