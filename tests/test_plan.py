@@ -303,3 +303,34 @@ def test_the_papers_90b_ct_at_128k_fits_on_512_gpus(ROOT, capsys):
     params = plan["parameters"]
     assert params["this_rank"] == params["total"] - params["experts"] + params["experts"] // 64
     assert plan["memory_bytes"]["weights"] >= 2 * params["this_rank"]
+
+
+def test_the_longest_row_fits_and_one_granule_more_does_not(ROOT, capsys):
+    """`--longest-row` (issue 51 item 4): the row it names fits the GPU, the next granule does not
+    (both planned), and splitting the row over two sequence ranks lets a longer row fit than one
+    rank fits."""
+    from vlm.plan.longest import GRANULE
+    from vlm.plan.plan import make_plan
+
+    cfg = str(ROOT / "configs" / "default.yaml")
+    argv = ["--config", cfg, "--ranks", "2", "--gpu-memory-gb", "0.5", "--device", "cpu"]
+    rc, out, err = _plan_cli([*argv, "--longest-row", "--json", "parallel.sequence=2"], capsys)
+    assert rc == 0, err
+    found = json.loads(out)
+    T, step = found["longest_row_tokens"], 2 * GRANULE
+    assert T > 0 and T % step == 0, found["tried"]
+    verdict = {t["row_tokens"]: t["fits"] for t in found["tried"]}
+    assert verdict.get(T) is True and verdict.get(T + step) is False, verdict
+    assert found["plan"]["fits"] is True and found["plan"]["tokens_per_micro_batch"] == T // 2
+    one = make_plan(
+        cfg,
+        1,
+        [f"data.row_tokens={T}", "data.rows_per_batch=1"],
+        gpu_memory_gb=0.5,
+        device="cpu",
+    )
+    assert not one.fits, (
+        f"one rank fits the {T}-token row that needed two ({one.per_rank_gb:.2f} GiB)"
+    )
+    rc, _, err = _plan_cli(["--config", cfg, "--ranks", "2", "--longest-row"], capsys)
+    assert rc == 2 and "--longest-row needs --gpu-memory-gb" in err, err

@@ -4,6 +4,8 @@
     vlm plan --config configs/paper_ct_90b_top15.yaml --ranks 512 --gpu-memory-gb 80 \\
         parallel.expert=64 parallel.sequence=8 model.activation_checkpoint=full \\
         data.row_tokens=131072 data.rows_per_batch=1 --json
+    vlm plan --config configs/gpu.yaml --ranks 8 --gpu-memory-gb 80 --longest-row \\
+        model.activation_checkpoint=full parallel.sequence=2
 
 No weights, data or GPU: the model is built on the meta device with the run's sharding, and one
 micro-batch's forward and backward run there at the run's sizes (docs/training.md, "What fits
@@ -89,10 +91,33 @@ def format_plan(plan) -> str:
     return "\n".join(lines)
 
 
+def format_longest(found) -> str:
+    """`--longest-row` as the terminal shows it: the row, how it was found, and its plan."""
+    a, b = found.fit
+    lines = [
+        f"longest row: {found.row_tokens:,} tokens"
+        if found.row_tokens
+        else "longest row: none fits (not even the shortest row planned)",
+        (
+            f"  the backward's peak along the row: {a / 2**30:.2f} GiB + {b / 2**20:.3f} MiB per "
+            "token (two plans), then planned at the row itself"
+        ),
+    ]
+    lines += [
+        f"  planned {t:>10,} tokens: {g:8.2f} GiB, {'fits' if f else 'does not fit'}"
+        for t, g, f in found.tried
+    ]
+    if found.plan is not None:
+        lines.append(format_plan(found.plan))
+    return "\n".join(lines)
+
+
 def run_plan(args: argparse.Namespace) -> int:
     from configs.config import ConfigError
     from vlm.plan.plan import make_plan
 
+    if args.longest_row:
+        return _run_longest(args)
     try:
         plan = make_plan(
             args.config,
@@ -106,6 +131,29 @@ def run_plan(args: argparse.Namespace) -> int:
         print(f"vlm plan: {e}", file=sys.stderr)
         return 2
     print(json.dumps(plan.as_dict(), indent=2) if args.json else format_plan(plan))
+    return 0
+
+
+def _run_longest(args: argparse.Namespace) -> int:
+    from configs.config import ConfigError
+    from vlm.plan.longest import longest_row
+
+    if args.gpu_memory_gb is None:
+        print("vlm plan: --longest-row needs --gpu-memory-gb (the memory to fit)", file=sys.stderr)
+        return 2
+    try:
+        found = longest_row(
+            args.config,
+            args.ranks,
+            args.overrides,
+            args.gpu_memory_gb,
+            device=args.device,
+            image_share=args.image_share,
+        )
+    except (ConfigError, OSError) as e:
+        print(f"vlm plan: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(found.as_dict(), indent=2) if args.json else format_longest(found))
     return 0
 
 
@@ -134,6 +182,11 @@ def add_plan_command(subparsers) -> argparse.ArgumentParser:
         "--image-share",
         type=finite_number("a share of a row's tokens", 0.0),
         help="image tokens' share of a row in the worst micro-batch (default 1: all of it)",
+    )
+    p.add_argument(
+        "--longest-row",
+        action="store_true",
+        help="find the longest row (one per micro-batch) that fits --gpu-memory-gb",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument(
