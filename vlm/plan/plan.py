@@ -5,8 +5,8 @@ The model is built on the meta device (no weights, no data, no accelerator) with
 model states for the ZeRO stage (vlm.plan.states), one micro-batch's activations measured by
 running the model's code at the run's sizes (vlm.plan.activations), the communication of a step
 and the checkpoint a rank writes. Where the run would need what the trainer does not do yet (a
-sequence split across ranks, issue 51; the variable-size dropless expert exchange, issue 50) the
-plan plans it as those issues describe it and lists it in `needs`.
+sequence split across ranks, issue 51) the plan plans it as that issue describes it and lists it
+in `needs`.
 
 The peak is the largest of three moments of a step: the backward's peak (model states, the
 forward's and backward's activations at their most with the loss's tile, the engine's backward
@@ -14,8 +14,8 @@ buffers, and the gradients: under ZeRO 0-1 those the backward has made so far, c
 activations, or all of them when a step accumulates micro-batches; under ZeRO 2-3 their
 partitioned buffer), the end of the backward
 (the gradients whole, and stage 0's all-reduce buffer) and the optimizer step (its fp32 gradient
-partition). On the CPU, where the host is the device, also the model's build: today every rank
-builds the whole model in fp32 before DeepSpeed keeps its share (issue 48 item 2 changes that).
+partition). On the CPU, where the host is the device, also the model's build: each rank builds
+its share of the LLM (vlm.train.build_share) and the vision tower whole.
 
 Fitting on a GPU of G GiB: the peak plus 10 % (the caching allocator's fragmentation: blocks
 freed but not reusable for a larger request) must stay within G minus 3 GiB (the CUDA context,
@@ -231,11 +231,14 @@ def make_plan(
         "reduction": after + states.reduce_extra,
         "step": after + states.step_extra,
     }
-    # today: the whole model in fp32 on every rank, and with experts split, each layer's slice
-    # copied out before the whole is dropped (MoE.shard_experts)
-    build = 4 * sum(s.numel for s in shares)
-    if P > 1:
-        build += 4 * sum(s.local for s in shares if s.expert)
+    # each rank builds its share of the LLM (vlm.train.build_share), plus a transient (a chunk of
+    # draws, or under ZeRO-3 one module whole before zero.Init partitions it); the tower whole, fp32
+    from vlm.model.shares import Sharding
+    from vlm.train.build_share import build_bytes
+
+    kept, transient = build_bytes(mc, Sharding.of(layout, ds.zero_stage, ds.bf16))
+    tower = vlm.vision.parameters() if vlm.vision is not None else ()
+    build = kept + transient + 4 * sum(p.numel() for p in tower)
     if device == "cpu":
         moments["build"] = build
     peak = max(moments.values())

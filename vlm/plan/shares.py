@@ -1,13 +1,7 @@
-"""What one rank keeps of each parameter: its share of the routed experts and the ZeRO group its
-training states are partitioned over.
-
-STAND-IN: the trainer's own answer to "what does rank r keep of parameter X" is being written
-with the code that makes each rank build only its share (issue 48 item 2, expected as
-vlm/train/shares.py). Until it is merged this module says it the way the trainer does today, and
-the planner asks only here, so that the two can be made one:
-- a MoE layer's routed experts (`MoE.routed_expert_weights`) are split over `parallel.expert` ranks
-  along their first dimension (vlm.model.expert_parallel.local_slice); their ZeRO partitions are
-  spread over the shard's expert-data-parallel replicas (world / expert ranks);
+"""What one rank keeps of each parameter for its training states: its share of the routed experts
+(vlm.model.shares, the trainer's own answer) and the ZeRO group its states are partitioned over.
+- a MoE layer's routed experts are split over `parallel.expert` ranks along their first dimension;
+  their ZeRO partitions are spread over the shard's expert-data-parallel replicas (world / P);
 - every other parameter is whole on every rank; ZeRO partitions it over the whole world (every
   rank, sequence-parallel ones included, computes gradients of its own tokens);
 - under ZeRO-3 a parameter of at most `stage3_param_persistence_threshold` elements stays whole
@@ -43,20 +37,16 @@ class Share:
         return math.ceil(self.local / self.group)
 
 
-def routed_expert_ids(model: nn.Module) -> set[int]:
-    from vlm.model.moe import MoE
-
-    return {id(p) for m in model.modules() if isinstance(m, MoE) for p in m.routed_expert_weights()}
-
-
 def rank_shares(model: nn.Module, layout) -> list[Share]:
     """Each parameter of `model` (built whole, on the meta device) as rank `layout.rank` keeps
     it; `requires_grad` says whether it trains."""
-    experts = routed_expert_ids(model)
+    from vlm.model.shares import Sharding, is_routed_expert, share_of
+
+    sharding = Sharding.of(layout, 0, False)  # the expert slice; ZeRO's partition is Share's
     out = []
     for name, p in model.named_parameters():
-        expert = id(p) in experts
-        local = p.numel() // layout.expert if expert else p.numel()
+        expert = is_routed_expert(name)
+        local = share_of(sharding, name, p.shape).numel
         group = layout.expert_replicas if expert else layout.world
         out.append(Share(name, p.numel(), local, expert, p.requires_grad, group))
     return out
