@@ -2,7 +2,10 @@
 function, and each is pinned here to the DeepSpeed it was written for (0.19), with what of
 DeepSpeed it relies on checked as far as a test can without processes: a new DeepSpeed fails here,
 naming the function to check, before it fails a run. (vlm.train.distributed.deepspeed_expert_groups
-is pinned the same way in tests/test_parallel_layout.py.)"""
+is pinned the same way in tests/test_parallel_layout.py.)
+
+Legend: E experts, D width, F expert hidden width.
+"""
 
 from __future__ import annotations
 
