@@ -60,9 +60,9 @@ def move_loss_keys(data: dict, say=None) -> dict:
     moved = pop_moved_loss_keys(model)
     if not moved:
         return data
-    loss = data.get("loss")
-    if not isinstance(loss, dict):
-        loss = data["loss"] = {} if loss is None else loss
+    if data.get("loss") is None:
+        data["loss"] = {}
+    loss = data["loss"]
     if not isinstance(loss, dict):
         return data  # a loss section that is not a mapping: from_dict says so in one line
     defaults = LossConfig()
