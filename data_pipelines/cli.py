@@ -16,7 +16,7 @@ from data_pipelines import import_bench
 from data_pipelines.import_sources import FORMATS
 
 __all__ = ["add_data_commands"]
-# data_pipelines.import_run.DEFAULT_MAX_SKIP_SHARE (tests/test_cli.py checks)
+# data_pipelines.import_summary.DEFAULT_MAX_SKIP_SHARE (tests/test_cli.py checks)
 DEFAULT_MAX_SKIP_SHARE_TEXT = "0.1"
 
 
@@ -94,11 +94,11 @@ def _run_import(args, fn, *pos, **kw) -> int:
     rows), 128 + the signal when stopped by SIGINT (130), SIGTERM (143) or SIGHUP (129), in one
     line saying where the same command resumes. `--json`: the summary as one JSON object
     on stdout, whatever the outcome."""
-    from data_pipelines.import_run import (
+    from data_pipelines.import_run import default_workers
+    from data_pipelines.import_summary import (
         DEFAULT_MAX_SKIP_SHARE,
         ImportFailed,
         ImportInterrupted,
-        default_workers,
     )
     from data_pipelines.importers import summary_lines
 

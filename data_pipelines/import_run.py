@@ -1,5 +1,6 @@
 """Running an import: rows -> worker processes (decode and check) -> shards, resumable,
-with a summary.
+with a summary. Its parts: the state file (`import_state`), the shards (`import_shards`), the
+summary and the errors it ends with (`import_summary`).
 
 - **Workers.** Rows are cut into chunks and converted (`import_rows.convert_chunk`: images read,
   decoded and checked) in `workers` spawned processes; at most a few chunks per worker are in
@@ -34,11 +35,9 @@ with a summary.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import multiprocessing
 import os
-import shutil
 import signal
 import sys
 import threading
@@ -53,41 +52,33 @@ from typing import Any, Callable, Iterable
 from configs.folder_lock import FolderBusy, lock_folder
 from data_pipelines.import_out import WriteFailed, check_out, os_reason, writing
 from data_pipelines.import_rows import convert_chunk, init_worker
+from data_pipelines.import_shards import ImportShards, remove_shards, shard_index
 from data_pipelines.import_sources import ImporterError
-from data_pipelines.index_layers import drop_index, move_index
+from data_pipelines.import_state import (
+    STATE_VERSION,
+    fold_inputs,
+    missing_shard,
+    prev_state_path,
+    read_state,
+    save_state,
+    state_path,
+)
+from data_pipelines.import_summary import (
+    DEFAULT_MAX_SKIP_SHARE,
+    MAX_EXAMPLES,
+    ImportFailed,
+    ImportInterrupted,
+    ImportWriteFailed,
+    finalise,
+)
 from data_pipelines.progress import Progress
 from data_pipelines.schema import Sample
-from data_pipelines.writer import ShardWriter, read_manifest, update_manifest, write_atomic
 
-STATE_VERSION = 1
-MAX_EXAMPLES = 5
-DEFAULT_MAX_SKIP_SHARE = 0.1
 CHUNK_ROWS = 32
-
-
-class ImportFailed(ImporterError):
-    """An import that wrote nothing (or whose source broke part way); `summary` says what was read."""
-
-    def __init__(self, message: str, summary: dict[str, Any]):
-        super().__init__(message)
-        self.summary = summary
-
-
-class ImportInterrupted(ImportFailed):
-    """Ctrl-C / SIGINT, SIGTERM or SIGHUP during an import: complete shards are kept; the same
-    command resumes. `signum`: the signal (the CLI exits 128 + it)."""
-
-    def __init__(self, message: str, summary: dict[str, Any], signum: int = signal.SIGINT):
-        super().__init__(message, summary)
-        self.signum = signum
 
 
 class _Stopped(KeyboardInterrupt):
     """SIGTERM / SIGHUP, raised where the import is, as Ctrl-C raises KeyboardInterrupt."""
-
-
-class ImportWriteFailed(ImportFailed):
-    """A write into OUT failed part way (a full disk): complete shards are kept; the same command resumes."""
 
 
 def default_workers() -> int:
@@ -109,97 +100,6 @@ def _mp_context():
     return multiprocessing.get_context("fork" if "fork" in methods else "spawn")
 
 
-def state_path(out: Path, prefix: str) -> Path:
-    return out / f"{prefix}.import.json"
-
-
-def prev_state_path(out: Path, prefix: str) -> Path:
-    """The state saved before the current one: what a damaged state falls back to."""
-    return out / f".{prefix}.import.prev.json"
-
-
-_STATE_FIELDS = {
-    "next_row": int,
-    "next_shard": int,
-    "written": int,
-    "skipped": dict,
-    "examples": list,
-    "shards": list,
-}
-
-
-def _state_problem(state: Any) -> str | None:
-    """What makes `state` something no import wrote (None: it is usable)."""
-    if not isinstance(state, dict):
-        return f"a JSON {type(state).__name__}, not an object"
-    for k, t in _STATE_FIELDS.items():
-        v = state.get(k)
-        if not isinstance(v, t) or isinstance(v, bool) or (t is int and v < 0):
-            return (
-                f"its {k!r} is {str(v)[:40]!r}, not {'a count' if t is int else 'a ' + t.__name__}"
-            )
-    if not all(isinstance(n, str) for n in state["shards"]):
-        return "its 'shards' is not a list of names"
-    if state.get("complete") and not isinstance(state.get("summary"), dict):
-        return "it says complete but holds no summary"
-    return None
-
-
-def _load_state(path: Path) -> tuple[dict | None, str | None]:
-    try:
-        state = json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as e:
-        return None, f"not valid JSON: {type(e).__name__}"
-    except OSError as e:
-        return None, f"cannot be read: {os_reason(e)}"
-    problem = _state_problem(state)
-    return (None, problem) if problem else (state, None)
-
-
-def read_state(out: Path, prefix: str, warn) -> dict | None:
-    """The import state in OUT (None: there is none). A damaged one falls back to the state saved
-    before it, with a warning; ImporterError when there is no usable one to fall back to."""
-    sp, prev = state_path(out, prefix), prev_state_path(out, prefix)
-    if not sp.is_file():
-        # a save stopped between keeping the previous state and writing the new one
-        return _load_state(prev)[0] if prev.is_file() else None
-    state, problem = _load_state(sp)
-    if state is not None:
-        return state
-    older, _ = _load_state(prev) if prev.is_file() else (None, None)
-    if older is None:
-        raise ImporterError(
-            f"{sp} is damaged ({problem}) and no earlier state is kept: the import cannot resume "
-            "from it; --overwrite imports again from the start"
-        )
-    warn(
-        f"warning: {sp} is damaged ({problem}); resuming from the state saved before it (row "
-        f"{older['next_row']})"
-    )
-    return older
-
-
-def _save_state(out: Path, prefix: str, state: dict) -> None:
-    """The new state, the current one kept as the previous one (what a damage falls back to)."""
-    sp = state_path(out, prefix)
-    if sp.is_file():
-        os.replace(sp, prev_state_path(out, prefix))
-    write_atomic(sp, json.dumps(state))
-
-
-def _fold_inputs(digest: str, stats: list) -> str:
-    """The inputs digest after one more row's files (`import_rows.file_stat` lists)."""
-    if not stats:
-        return digest
-    text = digest + json.dumps(stats)
-    return hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest()
-
-
-def _missing_shard(out: Path, names: list[str]) -> str | None:
-    """The first shard a state lists that is not in OUT (deleted, or lost to a concurrent writer)."""
-    return next((n for n in names if not (out / n).is_file()), None)
-
-
 def _on_signals(caught: dict):
     """SIGTERM / SIGHUP raise `_Stopped` where the import is (main thread only), as Ctrl-C does;
     what it replaced, to put back. A second signal while the import winds down is ignored: the
@@ -215,111 +115,6 @@ def _on_signals(caught: dict):
         return {}
     sigs = [signal.SIGTERM] + ([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])
     return {sig: signal.signal(sig, handle) for sig in sigs}
-
-
-def _shard_index(name: str, prefix: str) -> int | None:
-    stem = (
-        name[len(prefix) + 1 : -len(".tar")]
-        if name.startswith(prefix + "-") and name.endswith(".tar")
-        else ""
-    )
-    return int(stem) if stem.isdigit() else None
-
-
-def _remove_shards(out: Path, prefix: str, first: int) -> None:
-    """Delete PREFIX-NNNNNN.tar with NNNNNN >= first and their manifest entries."""
-    gone = set()
-    for p in out.glob(f"{prefix}-*.tar"):
-        i = _shard_index(p.name, prefix)
-        if i is not None and i >= first:
-            p.unlink()
-            gone.add(p.name)
-    drop_index(out, gone)
-    m = read_manifest(out)
-    if m is None:
-        return
-    drop = {
-        e.get("name")
-        for e in m["shards"]
-        if e.get("name") in gone
-        or ((i := _shard_index(str(e.get("name")), prefix)) is not None and i >= first)
-    }
-    if drop:
-        update_manifest(out, [], drop=drop)
-
-
-class _Shards:
-    """Shards of one import: full ones moved from the partial folder into OUT, each followed by a state save."""
-
-    def __init__(
-        self, out: Path, prefix: str, max_count: int, max_bytes: int, start: int, save: Callable
-    ):
-        self.out, self.prefix, self.max_count, self.max_bytes = out, prefix, max_count, max_bytes
-        self.tmp = out / f".{prefix}.partial"
-        shutil.rmtree(self.tmp, ignore_errors=True)
-        self.index, self.save = start, save
-        self.writer: ShardWriter | None = None
-        self.count = self.bytes = 0
-        self.names: list[str] = []
-
-    def _path(self) -> Path:
-        return self.tmp / f"{self.prefix}-{self.index:06d}.tar"
-
-    def write(self, sample: Sample, row: int) -> None:
-        if self.writer is not None and (
-            self.count >= self.max_count or self.bytes >= self.max_bytes
-        ):
-            self.finish(next_row=row)
-        with writing(self._path()):
-            if self.writer is None:
-                self.tmp.mkdir(parents=True, exist_ok=True)
-                self.writer = ShardWriter(
-                    self.tmp,
-                    self.prefix,
-                    max_count=sys.maxsize,
-                    max_bytes=sys.maxsize,
-                    start_index=self.index,
-                )
-                self.count = self.bytes = 0
-            self.writer.write(sample)
-        self.count += 1
-        self.bytes += sum(len(d) for d in sample.images) + len(
-            sample.all_text().encode("utf-8", "replace")
-        )
-
-    def finish(self, next_row: int) -> None:
-        if self.writer is not None:
-            with writing(self._path()):
-                self.writer.close()
-            entry = self.writer.entries[0]
-            with writing(self.out / entry["name"]):
-                os.replace(self.tmp / entry["name"], self.out / entry["name"])
-                move_index(self.tmp, self.out, entry["name"])
-            with writing(self.out / "manifest.json"):
-                update_manifest(self.out, [entry])
-            self.names.append(entry["name"])
-            self.writer = None
-            self.index += 1
-        self.save(next_row)
-
-    def discard(self) -> None:
-        """Drop the shard being written (after an interruption): the same command rewrites it."""
-        if self.writer is not None:
-            self.writer.abort()
-            self.writer = None
-        shutil.rmtree(self.tmp, ignore_errors=True)
-
-
-def _examples_line(examples: list[dict]) -> str:
-    parts = []
-    for e in examples:
-        who = f"row {e['row']}" + (f" ({e['id']})" if e.get("id") else "")
-        parts.append(f"{who}: {e['reason']}" + (f" ({e['detail']})" if e.get("detail") else ""))
-    return "; ".join(parts)
-
-
-def _counts(skipped: dict) -> str:
-    return ", ".join(f"{k}={v}" for k, v in sorted(skipped.items()))
 
 
 def run_import(
@@ -381,7 +176,7 @@ def run_import(
         job = _Job(items, convert, settings, out, source, fmt, key, prefix, unit, inputs, warn)
         done = job.resume_point(overwrite)
         if done is not None:
-            return _finalise(dict(done, already_imported=True), max_skip_share)
+            return finalise(dict(done, already_imported=True), max_skip_share)
         return job.run(max_count, max_bytes, workers, progress, total, desc, max_skip_share)
     finally:
         lock.release()
@@ -389,7 +184,7 @@ def run_import(
 
 def _forget(out: Path, prefix: str) -> None:
     """Drop an import's shards and state (--overwrite, or a start over)."""
-    _remove_shards(out, prefix, 0)
+    remove_shards(out, prefix, 0)
     state_path(out, prefix).unlink(missing_ok=True)
     prev_state_path(out, prefix).unlink(missing_ok=True)
 
@@ -414,7 +209,7 @@ class _Job:
             return None
         state = read_state(out, prefix, self.warn)
         if state is None:
-            if any(_shard_index(p.name, prefix) is not None for p in out.glob(f"{prefix}-*.tar")):
+            if any(shard_index(p.name, prefix) is not None for p in out.glob(f"{prefix}-*.tar")):
                 raise ImporterError(
                     f"{out} already holds {prefix}-*.tar from shards not written by an import; "
                     "use --overwrite, or another --out or --prefix"
@@ -426,7 +221,7 @@ class _Job:
                 f"{out} already holds {prefix}-*.tar from an import of another input or with "
                 "other options; use --overwrite, or another --out or --prefix"
             )
-        lost = _missing_shard(out, state["shards"])
+        lost = missing_shard(out, state["shards"])
         if lost is not None:
             self.warn(
                 f"warning: {out / lost}, listed by the import state, is missing: importing "
@@ -441,7 +236,7 @@ class _Job:
             # the files the rows made the import read, unchanged since (a complete import: every
             # row; a resume: the rows imported so far)
             for _, item in islice(self.it, upto):
-                self.digest = _fold_inputs(self.digest, self.inputs(item) if self.inputs else [])
+                self.digest = fold_inputs(self.digest, self.inputs(item) if self.inputs else [])
             if self.digest != recorded:
                 when = "since the import" if complete else "since the import began"
                 raise ImporterError(
@@ -466,7 +261,7 @@ class _Job:
         written = int(state["written"]) if state else 0
         names: list[str] = list(state["shards"]) if state else []
         start_shard = int(state["next_shard"]) if state else 0
-        _remove_shards(out, prefix, start_shard)
+        remove_shards(out, prefix, start_shard)
         t0 = time.time()
         rows = start_row
         digest = [self.digest]
@@ -502,10 +297,10 @@ class _Job:
         def save(next_row: int) -> None:
             state = snapshot(next_row)
             with writing(sp):
-                _save_state(out, prefix, state)
+                save_state(out, prefix, state)
             saved[0] = state["next_shard"]
 
-        shards = _Shards(out, prefix, max_count, max_bytes, start_shard, save)
+        shards = ImportShards(out, prefix, max_count, max_bytes, start_shard, save)
         source_error = write_error = None
         interrupted = broken = False
         caught: dict = {}
@@ -559,7 +354,7 @@ class _Job:
                                 examples.append(
                                     {"row": i, "id": rid, "reason": reason, "detail": detail}
                                 )
-                        digest[0] = _fold_inputs(digest[0], read)
+                        digest[0] = fold_inputs(digest[0], read)
                 shards.finish(next_row=rows)
             finally:
                 bar.close()
@@ -618,14 +413,14 @@ class _Job:
             final["summary"] = {k: v for k, v in summary.items() if k not in ("already_imported",)}
             try:
                 with writing(sp):
-                    _save_state(out, prefix, final)
+                    save_state(out, prefix, final)
             except WriteFailed as e:
                 # every shard is in place: the same command finds them and writes this again
                 _failed_write(e, summary, out, prefix, saved[0], source)
         else:
             summary["status"] = "source_error"
             summary["error"] = source_error
-        return _finalise(summary, max_skip_share)
+        return finalise(summary, max_skip_share)
 
 
 def _kill_workers(pool: ProcessPoolExecutor) -> None:
@@ -659,7 +454,7 @@ def _failed_write(
     (best effort: the same command drops them too) and raise ImportWriteFailed, saying where the
     same command resumes."""
     try:
-        _remove_shards(out, prefix, saved_shard)
+        remove_shards(out, prefix, saved_shard)
     except OSError:
         pass
     state = _state_or_start(out, prefix)
@@ -674,58 +469,3 @@ def _failed_write(
         f"access) again, run the same command to resume at row {state['next_row']}",
         summary,
     )
-
-
-def _finalise(summary: dict[str, Any], max_skip_share: float) -> dict[str, Any]:
-    rows, written, skipped = summary["rows"], summary["written"], summary["skipped"]
-    share = (rows - written) / rows if rows else 0.0
-    summary["skip_share"] = round(share, 6)
-    summary["max_skip_share"] = max_skip_share
-    src = summary["source"]
-    if summary.get("error"):
-        kept = f"; {written} samples written before it are kept" if written else ""
-        raise ImportFailed(f"{summary['error']}{kept}", summary)
-    if rows == 0:
-        summary["status"] = "nothing_written"
-        raise ImportFailed(
-            f"nothing imported: {src} holds no {summary.get('unit', 'row')}s", summary
-        )
-    if written == 0:
-        summary["status"] = "nothing_written"
-        raise ImportFailed(
-            f"nothing imported from {src}: all {rows} {summary.get('unit', 'row')}s "
-            f"skipped ({_counts(skipped)}); first: {_examples_line(summary['examples'])}",
-            summary,
-        )
-    summary["status"] = "too_many_skipped" if share > max_skip_share else "ok"
-    return summary
-
-
-def summary_lines(summary: dict[str, Any]) -> list[str]:
-    """The human-readable report of an import."""
-    lines = []
-    if summary.get("already_imported"):
-        lines.append(
-            f"already imported into {summary['out']} (same input and options): nothing to do"
-        )
-    elif summary.get("resumed_at_row"):
-        lines.append(f"resumed at row {summary['resumed_at_row']}")
-    lines.append(
-        f"wrote {summary['written']} samples into {len(summary['shards'])} shard(s) from "
-        f"{summary['rows']} rows ({summary['format']}, {summary.get('rows_per_s', 0):.0f} rows/s)"
-    )
-    if summary["skipped"]:
-        lines.append(
-            f"skipped {summary['rows'] - summary['written']} ({100 * summary['skip_share']:.1f} "
-            f"%): {_counts(summary['skipped'])}; first: {_examples_line(summary['examples'])}"
-        )
-    if summary.get("columns"):
-        lines.append(
-            "columns: " + ", ".join(f"{k}={v}" for k, v in summary["columns"].items() if v)
-        )
-    if summary["status"] == "too_many_skipped":
-        lines.append(
-            f"warning: {100 * summary['skip_share']:.1f} % of the rows were skipped, more "
-            f"than the allowed {100 * summary['max_skip_share']:.1f} % (--max-skip-share)"
-        )
-    return lines

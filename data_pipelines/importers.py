@@ -31,15 +31,15 @@ from data_pipelines.import_rows import (
     row_inputs,
     shown_name,
 )
-from data_pipelines.import_run import (
+from data_pipelines.import_run import run_import
+from data_pipelines.import_sources import ImporterError, RowSource, open_source
+from data_pipelines.import_summary import (
     DEFAULT_MAX_SKIP_SHARE,
     ImportFailed,
     ImportInterrupted,
     ImportWriteFailed,
-    run_import,
     summary_lines,
 )
-from data_pipelines.import_sources import ImporterError, RowSource, open_source
 from data_pipelines.schema import IMAGE_EXTS
 
 __all__ = [

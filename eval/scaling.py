@@ -125,7 +125,7 @@ def run_point(run_dir: str | Path) -> Point:
     """One run's point: N and P from its config (non-embedding), D from its metrics, R and L from its end."""
     from vlm.model.flops import count_params
     from vlm.train.config import load_train_config
-    from vlm.train.metrics import read_metrics
+    from vlm.train.metrics_sinks import read_metrics
 
     run_dir = Path(run_dir)
     cfg = load_train_config(run_dir / "config.yaml").model

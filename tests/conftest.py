@@ -219,8 +219,8 @@ _TINY = {
         "encoder_layers": 1,
         "concept_layers": 1,
         "decoder_layers": 1,
-        "moe": {"num_experts": 4, "top_k": 2, "expert_hidden": 32, "balance_loss_weight": 0.01},
-        "chunk": {"enabled": True, "target_ratio": 2.0, "ratio_loss_weight": 0.03, "merge": "sum"},
+        "moe": {"num_experts": 4, "top_k": 2, "expert_hidden": 32},
+        "chunk": {"enabled": True, "target_ratio": 2.0, "merge": "sum"},
     },
     "vision": {
         "processor": {"patch_size": 14, "min_patches": 4, "max_patches": 16, "merge": 2},

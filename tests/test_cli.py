@@ -161,6 +161,6 @@ def test_the_old_bench_module_form_is_the_same_command():
 
 def test_data_help_states_the_importers_default_skip_share():
     from data_pipelines.cli import DEFAULT_MAX_SKIP_SHARE_TEXT
-    from data_pipelines.import_run import DEFAULT_MAX_SKIP_SHARE
+    from data_pipelines.import_summary import DEFAULT_MAX_SKIP_SHARE
 
     assert float(DEFAULT_MAX_SKIP_SHARE_TEXT) == DEFAULT_MAX_SKIP_SHARE

@@ -46,7 +46,7 @@ def _tiny_lm():
         decoder_layers=1,
         moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=16, loss_free_balancing=True),
         # R = 4 while F starts near 1/2: the ratio loss's gradient is far from 0
-        chunk=ChunkConfig(target_ratio=4.0, ratio_loss_weight=0.5),
+        chunk=ChunkConfig(target_ratio=4.0),  # with loss.ratio 0.5 (_step)
     )
     return ConceptMoELM(cfg).train()
 
@@ -105,12 +105,14 @@ def _step(rank: int, world: int, window) -> dict:
     biases after the step."""
     from vlm.model.training_controls import TrainingControls
     from vlm.train.layout import ParallelLayout
+    from vlm.train.loss_config import LossConfig
     from vlm.train.losses import Loss
     from vlm.train.step import StepSettings, train_step
 
     model = _tiny_lm()
     settings = StepSettings(
-        Loss(model.cfg, global_parser=True), TrainingControls(model), 7, ParallelLayout(world, rank),
+        Loss(model.cfg, LossConfig(ratio=0.5), global_parser=True), TrainingControls(model), 7,
+        ParallelLayout(world, rank),
         torch.device("cpu"),
     )  # fmt: skip
     engine = _AveragingEngine(model, len(window), world)

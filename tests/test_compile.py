@@ -26,6 +26,7 @@ from vlm.model.compile import compile_blocks
 from vlm.model.conceptmoe import ConceptMoELM
 from vlm.model.config import ChunkConfig, ModelConfig, MoEConfig
 from vlm.model.context import ForwardContext
+from vlm.train.loss_config import LossConfig
 from vlm.train.losses import Loss, Totals, labelled_tokens
 
 V = 97
@@ -52,7 +53,6 @@ def config(kind: str, **chunk) -> ModelConfig:
             expert_hidden=16,
             num_shared_experts=1,
             shared_hidden=16,
-            z_loss_weight=1e-3,
         ),
         chunk=ChunkConfig(**chunk),
     )
@@ -66,6 +66,10 @@ MODELS = {
     # the other router family and eq. 3's gate
     "topk_grove": {"router": "topk", "residual": "delta"},
 }
+
+
+# every router loss in the graph
+WEIGHTS = LossConfig(z=1e-3)
 
 
 def packed_batch(seed: int = 0) -> PackedBatch:
@@ -86,7 +90,9 @@ def totals(batch) -> Totals:
 def seeded(seed: int) -> ForwardContext:
     """The same boundary noise on every call (a tensor seed: no recompilation), and no logits: the
     trainer's forward, whose loss makes them a tile of tokens at a time."""
-    return ForwardContext(torch.tensor(seed), logits=False)
+    return ForwardContext(
+        torch.tensor(seed), logits=False, router_losses=frozenset({"balance", "z"})
+    )
 
 
 def train_loss(model, batch, totals, context, loss):
@@ -115,9 +121,9 @@ def check_training_step(kind: str, backend: str) -> None:
     batch = packed_batch()
     torch._dynamo.reset()
     fn = torch.compile(train_loss, fullgraph=True, backend=backend)
-    loss_c, final_c = fn(compiled, batch, totals(batch), seeded(7), Loss(cfg))
+    loss_c, final_c = fn(compiled, batch, totals(batch), seeded(7), Loss(cfg, WEIGHTS))
     loss_c.backward()
-    loss_e, final_e = train_loss(eager, batch, totals(batch), seeded(7), Loss(cfg))
+    loss_e, final_e = train_loss(eager, batch, totals(batch), seeded(7), Loss(cfg, WEIGHTS))
     loss_e.backward()
     torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-6)
     # padding holds what each backend leaves there (eager: docs, compiled: sdpa)
@@ -222,7 +228,7 @@ def test_per_block_compilation_matches_eager_over_steps_without_recompiling():
         losses = []
         for m, opt in zip((eager, compiled), opts):
             opt.zero_grad()
-            loss = train_loss(m, batch, totals(batch), seeded(step), Loss(m.cfg))[0]
+            loss = train_loss(m, batch, totals(batch), seeded(step), Loss(m.cfg, WEIGHTS))[0]
             loss.backward()
             opt.step()
             losses.append(loss.detach())

@@ -78,6 +78,7 @@ def test_each_config_is_validated_once_however_it_is_made():
 # TrainConfig too).
 _INVALID = {
     "MoEConfig": {"top_k": 9},
+    "LossConfig": {"balance": -1.0},
     "ChunkConfig": {"target_ratio": 0.5},
     "ModelConfig": {"num_heads": 3},
     "ConvertConfig": {"target_ratio": 1.0},

@@ -31,8 +31,8 @@ from pathlib import Path
 import pytest
 
 from data_pipelines.cli import add_data_commands
-from data_pipelines.import_run import state_path
 from data_pipelines.import_sources import ImporterError
+from data_pipelines.import_state import state_path
 from data_pipelines.importers import import_folder, import_table
 from data_pipelines.samples import iter_samples
 
@@ -171,13 +171,14 @@ def test_a_file_name_that_is_not_utf8_is_skipped_and_counted(tmp_path, png, caps
 # resumes that survive damage
 def _interrupted_import(tmp_path: Path, png, monkeypatch) -> tuple[Path, Path]:
     """An import of 12 rows into shards of 3, stopped (Ctrl-C) after its 3rd shard."""
-    import data_pipelines.import_run as run
+    from data_pipelines.import_shards import ImportShards
+    from data_pipelines.import_summary import ImportInterrupted
 
     (tmp_path / "a.png").write_bytes(png())
     rows = [{"image": "a.png", "caption": f"caption {i}"} for i in range(12)]
     (tmp_path / "t.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "out"
-    real = run._Shards.finish
+    real = ImportShards.finish
     seen = []
 
     def finish(self, next_row):
@@ -186,10 +187,10 @@ def _interrupted_import(tmp_path: Path, png, monkeypatch) -> tuple[Path, Path]:
         if len(seen) == 3:
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(run._Shards, "finish", finish)
-    with pytest.raises(run.ImportInterrupted):
+    monkeypatch.setattr(ImportShards, "finish", finish)
+    with pytest.raises(ImportInterrupted):
         import_table(tmp_path / "t.jsonl", out, max_count=3)
-    monkeypatch.setattr(run._Shards, "finish", real)
+    monkeypatch.setattr(ImportShards, "finish", real)
     return tmp_path / "t.jsonl", out
 
 
@@ -197,7 +198,7 @@ def _interrupted_import(tmp_path: Path, png, monkeypatch) -> tuple[Path, Path]:
     "damage", ["cut short", "not an object", "a count that is text", "the file gone"]
 )
 def test_a_damaged_state_falls_back_to_the_one_before(damage, tmp_path, png, monkeypatch, capsys):
-    from data_pipelines.import_run import prev_state_path
+    from data_pipelines.import_state import prev_state_path
 
     table, out = _interrupted_import(tmp_path, png, monkeypatch)
     sp = state_path(out, "shard")
@@ -221,7 +222,7 @@ def test_a_damaged_state_falls_back_to_the_one_before(damage, tmp_path, png, mon
 
 
 def test_a_state_with_nothing_to_fall_back_to_is_one_line(tmp_path, png, monkeypatch):
-    from data_pipelines.import_run import prev_state_path
+    from data_pipelines.import_state import prev_state_path
 
     table, out = _interrupted_import(tmp_path, png, monkeypatch)
     state_path(out, "shard").write_text("{cut")

@@ -172,5 +172,5 @@ def _train_router(slack, steps=300, seed=0):
 def test_batch_loss_alone_splits_by_kind_and_the_document_band_holds_both_kinds_near_the_target():
     chat, caption = _train_router(slack=None)
     assert chat < 1.2 and caption > 6  # the split: the average meets R = 2, neither kind does
-    chat, caption = _train_router(slack=1.3)  # the default's band [1.54, 2.6] and document_weight
+    chat, caption = _train_router(slack=1.3)  # the default's band [1.54, 2.6] and loss.document
     assert 4 / 3 <= chat <= 3 and 4 / 3 <= caption <= 3

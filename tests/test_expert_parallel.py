@@ -39,8 +39,6 @@ def make_moe(**kw) -> MoE:
         top_k=2,
         expert_hidden=8,
         shared_hidden=8,
-        balance_loss_weight=0.01,
-        z_loss_weight=1e-3,
         grove_groups=2,
         grove_hidden=8,
         grove_lambda=0.25,

@@ -106,10 +106,8 @@ def test_the_ratio_loss_adds_the_token_weighted_document_term_and_micro_batches_
     from vlm.model.config import ChunkConfig
     from vlm.train.losses import ratio_loss_value
 
-    weight = 3.0
-    band = ChunkConfig(
-        router="linear", target_ratio=_R, document_slack=_SLACK, document_weight=weight
-    )
+    weight = 3.0  # loss.document
+    band = ChunkConfig(router="linear", target_ratio=_R, document_slack=_SLACK)
     plain = ChunkConfig(router="linear", target_ratio=_R)
     N = float(sum(d[0] for d in _DOCS))
 
@@ -117,7 +115,7 @@ def test_the_ratio_loss_adds_the_token_weighted_document_term_and_micro_batches_
         doc, p, b = _packed_row(docs)
         chunks = SimpleNamespace(p_BT=p, b_BT=b)
         return float(
-            ratio_loss_value(chunks, doc, None, band, glob)[0]
+            ratio_loss_value(chunks, doc, None, band, glob, document_weight=weight)[0]
             - ratio_loss_value(chunks, doc, None, plain, glob)[0]
         )
 
@@ -153,7 +151,6 @@ def _balancing_lm():
             num_experts=4,
             top_k=2,
             expert_hidden=16,
-            balance_loss_weight=0.0,
             loss_free_balancing=True,
         ),
         chunk=ChunkConfig(target_ratio=2.0),
@@ -183,12 +180,14 @@ def _moe_loads(model) -> torch.Tensor:
 def _settings(model, seed: int = 0):
     from vlm.model.training_controls import TrainingControls
     from vlm.train.layout import ParallelLayout
+    from vlm.train.loss_config import LossConfig
     from vlm.train.losses import Loss
     from vlm.train.step import StepSettings
 
     return StepSettings(
-        Loss(model.cfg), TrainingControls(model), seed, ParallelLayout(1, 0), torch.device("cpu")
-    )
+        Loss(model.cfg, LossConfig(balance=0.0)), TrainingControls(model), seed,
+        ParallelLayout(1, 0), torch.device("cpu"),
+    )  # fmt: skip
 
 
 def test_the_statistics_pass_leaves_the_moe_loads_as_they_were():

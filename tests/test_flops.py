@@ -245,7 +245,8 @@ def test_paper_configs_parse_and_sizes(name):
     # one balancing method, as the configs' comments say: loss-free alone (the paper does not state
     # its own)
     for moe in (cfg.moe, cfg.concept_moe or cfg.moe):
-        assert moe.loss_free_balancing and moe.balance_loss_weight == 0.0
+        assert moe.loss_free_balancing
+    assert yaml.safe_load((CONFIGS / name).read_text())["loss"] == {"balance": 0.0}
 
 
 @pytest.mark.parametrize(

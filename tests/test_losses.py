@@ -18,12 +18,13 @@ from vlm.model.conceptmoe import ConceptMoELM
 from vlm.model.config import ChunkConfig, ModelConfig, MoEConfig
 from vlm.model.stats import lm_loss
 from vlm.train import losses
+from vlm.train.loss_config import LossConfig
 from vlm.train.losses import Loss, Term, Totals, labelled_tokens, ratio_loss_value
 
 V = 64
 
 
-def lm(balance: float = 0.01, **chunk) -> ConceptMoELM:
+def lm(**chunk) -> ConceptMoELM:
     torch.manual_seed(0)
     cfg = ModelConfig(
         vocab_size=V,
@@ -34,7 +35,7 @@ def lm(balance: float = 0.01, **chunk) -> ConceptMoELM:
         encoder_layers=1,
         concept_layers=2,
         decoder_layers=1,
-        moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=16, balance_loss_weight=balance),
+        moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=16),
         chunk=ChunkConfig(**{"target_ratio": 4.0, "document_slack": 1.5, **chunk}),
     )
     return ConceptMoELM(cfg).eval()  # eval: the same boundaries in every pass
@@ -52,10 +53,10 @@ def rows(n: int, seed: int = 1) -> list[PackedBatch]:
 
 
 def test_the_total_is_the_weighted_sum_of_the_named_terms():
-    m = lm(ratio_loss_weight=0.25)
+    m = lm()
     (batch,) = rows(1)
     out = m(batch)
-    res = Loss(m.cfg)(out, batch)
+    res = Loss(m.cfg, LossConfig(ratio=0.25))(out, batch)
     assert list(res.terms) == ["lm", "ratio", "balance"]  # z: weight 0, left out
     assert res.weights == {"lm": 1.0, "ratio": 0.25, "balance": 1.0}
     lm_value = lm_loss(out, batch)
@@ -75,8 +76,8 @@ def test_micro_batches_add_up_to_the_whole_batch_in_value_and_gradient():
     engine averages them, have the gradient of the three rows as one batch, and their logged shares
     sum to its values (LM loss weighted by tokens, ratio loss on the global F and G with its
     per-document band). The balance loss is a mean over micro-batches, so it is off here."""
-    m = lm(balance=0.0, ratio_loss_weight=0.5)
-    loss = Loss(m.cfg)
+    m = lm()
+    loss = Loss(m.cfg, LossConfig(ratio=0.5, balance=0.0))
     micro = rows(3)
     whole = PackedBatch.stack(micro)
     params = [p for p in m.parameters() if p.requires_grad]
@@ -98,7 +99,7 @@ def test_micro_batches_add_up_to_the_whole_batch_in_value_and_gradient():
         torch.testing.assert_close(sum(r.shares()[name] for r in results), value, rtol=1e-5, atol=0)
 
 
-def probe_term(out, batch, cfg, totals) -> losses.TermValue:
+def probe_term(out, batch, cfg, weights, totals) -> losses.TermValue:
     """A term added the way docs/design.md says: the mean square of this micro-batch's final hidden
     states (what a training forward returns: vlm.model.tiled_loss), a mean over the global batch's
     micro-batches."""
@@ -106,7 +107,7 @@ def probe_term(out, batch, cfg, totals) -> losses.TermValue:
     return losses.TermValue(value, 1.0, value.detach() / totals.micro_batches)
 
 
-PROBE = Term("probe", probe_term, lambda cfg: 0.5)
+PROBE = Term("probe", probe_term, lambda cfg, weights: 0.5)
 
 
 def test_a_new_term_is_in_the_total_and_the_gradient(monkeypatch):

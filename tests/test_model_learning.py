@@ -11,6 +11,7 @@ from configs.batch import PackedBatch
 from vlm.model.conceptmoe import ConceptMoELM
 from vlm.model.config import ChunkConfig, ModelConfig, MoEConfig
 from vlm.model.stats import lm_loss, summarize
+from vlm.train.loss_config import LossConfig
 from vlm.train.losses import training_loss
 
 
@@ -48,7 +49,7 @@ def test_compression_reaches_target_while_lm_loss_falls():
         concept_layers=1,
         decoder_layers=1,
         moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=64),
-        chunk=ChunkConfig(target_ratio=2.0, ratio_loss_weight=0.1, merge="last"),
+        chunk=ChunkConfig(target_ratio=2.0, merge="last"),  # with loss.ratio 0.1
     )
     m = ConceptMoELM(cfg).train()
     opt = torch.optim.AdamW(m.parameters(), lr=3e-3)
@@ -58,7 +59,7 @@ def test_compression_reaches_target_while_lm_loss_falls():
         batch = next(stream)
         out = m(batch)
         opt.zero_grad()
-        training_loss(out, batch, m.cfg).backward()
+        training_loss(out, batch, m.cfg, LossConfig(ratio=0.1)).backward()
         opt.step()
         lm.append(lm_loss(out, batch).item())
         ratio.append(summarize(out, batch)["compression/ratio"])

@@ -28,9 +28,7 @@ def make_moe(dim=16, **kw) -> MoE:
         top_k=3,
         expert_hidden=12,
         shared_hidden=8,
-        balance_loss_weight=0.01,
         # Grove's bound g/n for 2 groups of 8
-        z_loss_weight=1e-3,
         grove_hidden=8,
         grove_lambda=0.25,
     )
@@ -114,8 +112,6 @@ def test_grouped_mm_equals_loop_equals_dense(router, shared, grove, norm):
         num_shared_experts=shared,
         grove_groups=grove,
         norm_topk_prob=norm,
-        balance_loss_weight=0.0,
-        z_loss_weight=0.0,
     )
     m.expert_bias.copy_(torch.linspace(-0.05, 0.05, 8))  # the bias must change selection only
     x = torch.randn(37, 16)
@@ -194,7 +190,7 @@ def test_grouped_mm_bf16_and_fallback_on_misaligned_dims():
 def test_grove_adjugate_once_per_token_per_group_and_eq4(monkeypatch):
     # 8 experts in 2 groups with top-3: every token has >= 2 selected experts in one group
     # (pigeonhole), so a per-expert adjugate would run more often than a per-group one.
-    m = make_moe(num_experts=8, top_k=3, grove_groups=2, balance_loss_weight=0.0, z_loss_weight=0.0)
+    m = make_moe(num_experts=8, top_k=3, grove_groups=2)
     x = torch.randn(23, 16)
     calls = []
     real = moe_mod.expert_swiglu
@@ -402,7 +398,7 @@ def test_balance_and_z_loss_values_and_sigmoid_router():
 
     # A uniform router (zero weights): balance loss is exactly 1 whatever the tie-break,
     # z-loss log(E)^2.
-    m = make_moe(balance_loss_weight=0.5, z_loss_weight=0.25, loss_free_balancing=False)
+    m = make_moe(loss_free_balancing=False)
     with torch.no_grad():
         m.router.weight.zero_()
     stats = m(torch.randn(12, 16))[1]
@@ -411,7 +407,7 @@ def test_balance_and_z_loss_values_and_sigmoid_router():
 
     # Sigmoid router: weights are sigmoid(selected logits) renormalised, output matches the dense
     # reference, and the aux loss trains the router.
-    m = make_moe(router="sigmoid", norm_topk_prob=True, balance_loss_weight=0.1, z_loss_weight=0.01)
+    m = make_moe(router="sigmoid", norm_topk_prob=True)
     x = torch.randn(20, 16)
     logits = x @ m.router.weight.t()
     r = route(logits, m.cfg, m.expert_bias)

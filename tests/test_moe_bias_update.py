@@ -24,9 +24,7 @@ def make_moe(dim=16, **kw) -> MoE:
         top_k=3,
         expert_hidden=12,
         shared_hidden=8,
-        balance_loss_weight=0.01,
         # Grove's bound g/n for 2 groups of 8
-        z_loss_weight=1e-3,
         grove_hidden=8,
         grove_lambda=0.25,
     )

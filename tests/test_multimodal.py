@@ -15,6 +15,7 @@ from vision.navit import NaViTConfig
 from vlm.model.config import ChunkConfig, ModelConfig, MoEConfig
 from vlm.model.multimodal import ConceptMoEVLM
 from vlm.model.stats import summarize
+from vlm.train.loss_config import LossConfig
 from vlm.train.losses import ratio_groups, training_loss
 
 V, PAD_IMG = 64, 1
@@ -192,7 +193,7 @@ def test_caption_training_lowers_loss_and_reports_both_ratios():
     """Tiny generated image-caption set: the caption token names the image's colour."""
     torch.manual_seed(0)
     vc = vision_cfg()
-    m = ConceptMoEVLM(lm_cfg(ratio_loss_weight=0.1), vc).train()
+    m = ConceptMoEVLM(lm_cfg(), vc).train()
     proc = vc.build_processor()
     colours = {30: (255, 0, 0), 31: (0, 255, 0), 32: (0, 0, 255), 33: (255, 255, 0)}
     opt = torch.optim.AdamW(m.parameters(), lr=3e-3)
@@ -211,7 +212,7 @@ def test_caption_training_lowers_loss_and_reports_both_ratios():
         batch = PackedBatch.stack(rows)
         out = m(batch)
         opt.zero_grad()
-        training_loss(out, batch, m.model_cfg).backward()
+        training_loss(out, batch, m.model_cfg, LossConfig(ratio=0.1)).backward()
         opt.step()
         s = summarize(out, batch)
         losses.append(s["loss/image_text"])

@@ -22,6 +22,7 @@ from vlm.model.config import ChunkConfig, ModelConfig, MoEConfig
 from vlm.model.dechunk import Dechunk, plug_back
 from vlm.model.ema_scan import ema_scan
 from vlm.model.layers import doc_starts
+from vlm.train.loss_config import LossConfig
 
 
 # ------------------------------------------------------------------ ConceptMoE eq. 11
@@ -120,6 +121,10 @@ def test_topk_router_gates_each_concept_by_sigmoid_of_its_score_eq3():
 
 
 # ------------------------------------------------------------------ engine and data for train_step
+# the tiny model's loss: no balance loss (its step is a mean over micro-batches)
+NO_BALANCE = LossConfig(balance=0.0)
+
+
 def tiny_lm(**chunk) -> ConceptMoELM:
     torch.manual_seed(0)
     cfg = ModelConfig(
@@ -135,7 +140,6 @@ def tiny_lm(**chunk) -> ConceptMoELM:
             num_experts=4,
             top_k=2,
             expert_hidden=16,
-            balance_loss_weight=0.0,
             loss_free_balancing=False,
         ),
         chunk=ChunkConfig(**chunk),
@@ -198,7 +202,7 @@ def engine_for(model: torch.nn.Module, micro: int):
     return engine
 
 
-def settings(model, seed: int = 0):
+def settings(model, seed: int = 0, weights: LossConfig = NO_BALANCE):
     """What train_step needs from a run, for one rank on the CPU."""
     from vlm.model.training_controls import TrainingControls
     from vlm.train.layout import ParallelLayout
@@ -206,7 +210,11 @@ def settings(model, seed: int = 0):
     from vlm.train.step import StepSettings
 
     return StepSettings(
-        Loss(model.cfg), TrainingControls(model), seed, ParallelLayout(1, 0), torch.device("cpu")
+        Loss(model.cfg, weights),
+        TrainingControls(model),
+        seed,
+        ParallelLayout(1, 0),
+        torch.device("cpu"),
     )
 
 
@@ -222,7 +230,8 @@ def test_global_parser_with_gradient_accumulation_gives_one_big_batch_gradient()
 
     # R = 4 while F starts near 1/2: the ratio loss's gradient is far from 0
     micro, R, weight = 3, 4.0, 0.5
-    model = tiny_lm(target_ratio=R, ratio_loss_weight=weight)
+    model = tiny_lm(target_ratio=R)
+    weights = LossConfig(ratio=weight, balance=0.0)
     reference = copy.deepcopy(model)
     window = micro_batches(micro)
     engine = engine_for(model, micro)
@@ -231,7 +240,7 @@ def test_global_parser_with_gradient_accumulation_gives_one_big_batch_gradient()
         engine,
         window,
         0,
-        settings(model, seed=7),
+        settings(model, seed=7, weights=weights),
         loss_hook=lambda out, k: drawn.append(out.chunks.b_BT) or out,
     )
     assert res.applied and len(drawn) == micro
@@ -239,7 +248,7 @@ def test_global_parser_with_gradient_accumulation_gives_one_big_batch_gradient()
     F_ = float(big.chunks.b_BT.sum() / (cat_rows(window).doc_ids >= 0).sum())
     assert abs(F_ - 1 / R) > 0.1
     reference.zero_grad()
-    training_loss(big, cat_rows(window), reference.cfg).backward()
+    training_loss(big, cat_rows(window), reference.cfg, weights).backward()
     want = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
     assert engine.grads.keys() == want.keys()
     for n, g in want.items():

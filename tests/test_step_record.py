@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from vlm.train import metrics
+from vlm.train import metrics, metrics_sinks
 
 
 def _tensorboard_scalars(tb_dir) -> dict[str, dict[int, float]]:
@@ -125,7 +125,7 @@ def test_sums_are_reduced_by_name_in_one_collective_and_means_derived_from_them(
     assert rec.scalars["moe/max_over_mean/layer0"] == pytest.approx(1.5)
     assert torch.equal(rec.loads["load/layer0"], torch.tensor([6.0, 2.0], dtype=torch.float64))
     # earlier runs' names are read as today's
-    assert metrics.current_names({"lm_loss": 1.0, "val/lm_loss": 2.0, "aux_loss": 3.0}) == {
+    assert metrics_sinks.current_names({"lm_loss": 1.0, "val/lm_loss": 2.0, "aux_loss": 3.0}) == {
         "loss/lm": 1.0,
         "val/loss/lm": 2.0,
         "loss/ratio": 3.0,

@@ -53,7 +53,7 @@ def test_two_ranks_match_one_rank_first_step(tiny_data, tmp_path, tiny_config, l
     # statistics pass over its two micro-batches first, two processes all-reduce theirs, and both
     # update with the global batch's gradient
     base = tiny_config(tiny_data, data={"rows_per_batch": 1}, logging={"eval_every": 0})
-    base["model"]["chunk"]["ratio_loss_weight"] = 0.1
+    base["loss"] = {"ratio": 0.1}
     one = dict(base, optim={**base["optim"], "grad_accum": 2})
     two = dict(base, optim={**base["optim"], "grad_accum": 1})
     spawn(_worker, (1, _free_port(), load_tiny(one), str(tmp_path)), 1, "one rank's first step")

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from vlm.train.metrics import TIMING_KEYS
+from vlm.train.metrics_sinks import TIMING_KEYS
 
 
 def _records(run_dir):

@@ -289,7 +289,7 @@ def test_loss_weighting_gives_the_global_token_mean(
             logging={"eval_every": 0},
         )
         cfg["model"]["chunk"]["enabled"] = False
-        cfg["model"]["moe"]["balance_loss_weight"] = 0.0
+        cfg["loss"] = {"balance": 0.0}
         return make_trainer(cfg, tmp_path / name)
 
     whole, split = trainer(2, 1, "whole"), trainer(1, 2, "split")

@@ -19,10 +19,10 @@ from dataclasses import replace
 from pathlib import Path
 
 from configs.arg_types import finite_number, whole_number
-from configs.config import ConfigError, apply_overrides, from_dict, load_yaml
+from configs.config import ConfigError, apply_overrides, load_yaml
 from configs.folder_lock import folder_problem
 from vlm.cli import refuse_set_option
-from vlm.model.config import ModelConfig
+from vlm.model.config import ModelConfig, model_config_from
 from vlm.model.reallocate import comparison_table, search_reallocations
 
 
@@ -36,7 +36,7 @@ def load_model_config(path: str | Path, overrides: list[str] | None = None) -> M
     model = data["model"] or {}
     if not isinstance(model, dict):
         raise ConfigError(f"config file {path}: 'model' must be a mapping, got {model!r}")
-    return from_dict(ModelConfig, model, "model")
+    return model_config_from(model, "model")
 
 
 def _si(x: float, unit: str = "") -> str:

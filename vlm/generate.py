@@ -380,11 +380,12 @@ def load_eval_model(ckpt_dir: str | Path, device: str | None = None) -> ConceptM
 
 
 def load_export_tokenizer(ckpt_dir: Path):
-    """An export's own tokenizer, checked against its config (hf.check_export_tokenizer);
+    """An export's own tokenizer, checked against its config (export_checks.check_export_tokenizer);
     WeightsError naming the folder when its tokenizer files are missing, unreadable or another
     model's."""
     from data_pipelines.tokenizer import TokenizerError
-    from vlm.model.hf import ConceptMoEConfig, check_export_tokenizer
+    from vlm.model.export_checks import check_export_tokenizer
+    from vlm.model.hf import ConceptMoEConfig
     from vlm.model.weights_check import WeightsError, read_config
 
     try:

@@ -99,9 +99,12 @@ def hf_block(ours: MoE, implementation: str):
     return block
 
 
+NO_LOSSES: frozenset[str] = frozenset()  # the auxiliary losses off (see the module docstring)
+
+
 def _ours(dispatch: str) -> MoE:
     torch.manual_seed(0)
-    cfg = replace(BASE.moe, balance_loss_weight=0.0, z_loss_weight=0.0, loss_free_balancing=False)
+    cfg = replace(BASE.moe, loss_free_balancing=False)
     return MoE(replace(cfg, dispatch=dispatch), BASE.hidden_size)
 
 
@@ -121,9 +124,9 @@ def candidates() -> tuple[dict[str, callable], dict[str, str]]:
         unavailable["hf experts_implementation='grouped_mm'"] = f"{type(e).__name__}: {e}"[:200]
     probe = torch.zeros(1, ours.dim)
     auto = "grouped_mm" if grouped_mm_available(probe, ours.w_gate_EDF, ours.w_down_EFD) else "loop"
-    fns[f"ours MoE (dispatch auto: {auto})"] = (ours, lambda x: ours(x)[0])
+    fns[f"ours MoE (dispatch auto: {auto})"] = (ours, lambda x: ours(x, losses=NO_LOSSES)[0])
     if auto != "loop":
-        fns["ours MoE (dispatch loop)"] = (loop, lambda x: loop(x)[0])
+        fns["ours MoE (dispatch loop)"] = (loop, lambda x: loop(x, losses=NO_LOSSES)[0])
     ref = LoopReference(ours)
     fns["per-expert loop reference"] = (ref, ref)
     return fns, unavailable

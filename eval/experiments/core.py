@@ -227,7 +227,7 @@ class Run:
     def __init__(self, path: Path):
         self.path = Path(path)
         self.summary = json.loads((self.path / "summary.json").read_text())
-        from vlm.train.metrics import read_metrics  # torch: not for `vlm --help`
+        from vlm.train.metrics_sinks import read_metrics  # torch: not for `vlm --help`
 
         self.records = read_metrics(self.path / "metrics.jsonl")
 

@@ -48,10 +48,9 @@ def losses(run: Run) -> dict:
 
 def model_config(run: Run):
     """The run's model as it trained (for a continual-training run: the converted architecture)."""
-    from configs.config import from_dict
-    from vlm.model.config import ModelConfig
+    from vlm.model.config import model_config_from
 
-    return from_dict(ModelConfig, run.config()["model"], "model")
+    return model_config_from(run.config()["model"], "model")
 
 
 def flops_vs(run: Run, baseline: Run, ratio: float) -> float:

@@ -23,7 +23,7 @@ from vlm.model.attention import (
 )
 from vlm.model.cache import KVCache
 from vlm.model.config import MoEConfig
-from vlm.model.context import Statistics
+from vlm.model.context import DEFAULT_ROUTER_LOSSES, Statistics
 from vlm.model.cross_attention import ConceptMemory, ConceptStep, CrossAttention
 from vlm.model.layers import RMSNorm, rope_cos_sin
 from vlm.model.moe import MoE, MoEStats
@@ -42,6 +42,8 @@ class StackContext:
     mask: object
     valid_BT: torch.Tensor  # bool: the real tokens (the ones the experts see)
     window: int = 0  # sliding-window attention (0: the whole document)
+    # the router losses the MoE layers compute (vlm.model.context.ForwardContext.router_losses)
+    router_losses: frozenset[str] = DEFAULT_ROUTER_LOSSES
 
     @staticmethod
     def build(
@@ -54,6 +56,7 @@ class StackContext:
         use_rope=True,
         window: int = 0,
         compiled: bool = False,
+        router_losses: frozenset[str] = DEFAULT_ROUTER_LOSSES,
     ) -> "StackContext":
         backend = resolve_backend(backend, doc_BT.device, compiled)
         rope = rope_cos_sin(positions_BT, head_dim, theta, dtype) if use_rope else None
@@ -65,7 +68,7 @@ class StackContext:
             mask = doc_segments(doc_BT)
         else:  # flash, varlen
             mask = flash_layout(doc_BT)
-        return StackContext(doc_BT, rope, backend, mask, doc_BT >= 0, window)
+        return StackContext(doc_BT, rope, backend, mask, doc_BT >= 0, window, router_losses)
 
 
 class Block(nn.Module):
@@ -128,7 +131,10 @@ class Block(nn.Module):
         # the stack counts the loads (run_stack), outside any recomputation.
         B, T, D = x_BTD.shape
         y_ND, stats = self.moe(
-            self.ffn_norm(x_BTD).view(B * T, D), ctx.valid_BT.view(B * T), accumulate_load=False
+            self.ffn_norm(x_BTD).view(B * T, D),
+            ctx.valid_BT.view(B * T),
+            accumulate_load=False,
+            losses=ctx.router_losses,
         )
         return x_BTD + y_ND.view(B, T, D), stats
 
@@ -155,7 +161,7 @@ class Block(nn.Module):
         )
         if self.cross is not None and c is not None:
             x_B1D = x_B1D + self.cross.step(self.cross_norm(x_B1D), c, cross_cache)
-        y_BD, _ = self.moe(self.ffn_norm(x_B1D[:, 0]), accumulate_load=False)
+        y_BD, _ = self.moe(self.ffn_norm(x_B1D[:, 0]), accumulate_load=False, losses=frozenset())
         return x_B1D + y_BD[:, None]
 
 

@@ -172,6 +172,7 @@ class ConceptMoELM(nn.Module):
             cfg.attn_backend,
             window=cfg.attention_window,
             compiled=self.compiled,
+            router_losses=context.router_losses,
         )
         ckpt = self.activation_checkpoint
         h_BTD, moe_stats = run_stack(
@@ -247,6 +248,7 @@ class ConceptMoELM(nn.Module):
             cfg.attn_backend,
             use_rope=cfg.concept_pos == "rope",
             compiled=self.compiled,
+            router_losses=context.router_losses,
         )
         c_BMD, moe_stats = run_stack(
             self.concept,
@@ -282,6 +284,7 @@ class ConceptMoELM(nn.Module):
                     cfg.attn_backend,
                     window=cfg.attention_window,
                     compiled=self.compiled,
+                    router_losses=context.router_losses,
                 )
             cread_BTD = ConceptMemory.build(
                 smoothed_BMD, ch.cidx_BT, ch.b_BT, doc_BT, ctx, cfg.head_dim

@@ -5,7 +5,44 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from configs.config import ValidatedOnInit, check
+from configs.config import ValidatedOnInit, check, from_dict
+
+# The loss weights a model config held before they moved to the training config's `loss:` section
+# (vlm.train.loss_config.LossConfig), by their old key in the model section and their new one: an
+# older config, run directory, checkpoint or export still states them
+MOVED_LOSS_KEYS = {
+    "chunk.ratio_loss_weight": "loss.ratio",
+    "chunk.document_weight": "loss.document",
+    "moe.balance_loss_weight": "loss.balance",
+    "moe.z_loss_weight": "loss.z",
+    "concept_moe.balance_loss_weight": "loss.concept_balance",
+    "concept_moe.z_loss_weight": "loss.concept_z",
+}
+
+
+def pop_moved_loss_keys(model: dict) -> dict[str, object]:
+    """Takes the loss weights of MOVED_LOSS_KEYS out of a model mapping (a config's model
+    section, an export's config.json "model"), in place; returns them by their old dotted key."""
+    found = {}
+    if not isinstance(model, dict):
+        return found
+    for key in MOVED_LOSS_KEYS:
+        section, name = key.split(".")
+        sub = model.get(section)
+        if isinstance(sub, dict) and name in sub:
+            found[key] = sub.pop(name)
+    return found
+
+
+def model_config_from(data: dict, path: str = "") -> "ModelConfig":
+    """A ModelConfig from a stored model mapping (an export's config.json, a run's config.yaml):
+    loss weights it holds from before they moved to the training config are not the model's and
+    are left out (a training run reads them: vlm.train.loss_config.move_loss_keys)."""
+    import copy
+
+    data = copy.deepcopy(data)
+    pop_moved_loss_keys(data)
+    return from_dict(ModelConfig, data, path)
 
 
 @dataclass
@@ -27,8 +64,6 @@ class MoEConfig(ValidatedOnInit):
     # ones sum to less than 1); "renormalised" rescales them to sum to 1 (= a softmax over the
     # chosen logits; not the paper)
     grove_weights: Literal["softmax", "renormalised"] = "softmax"
-    balance_loss_weight: float = 0.01  # Switch-style; 0 disables
-    z_loss_weight: float = 0.0
     loss_free_balancing: bool = True  # Grove eq. 6-10 / DeepSeek-V3 bias, selection only
     bias_update_rate: float = 1e-3
     # loss-free bias step: "sign" (DeepSeek-V3, torchtitan: rate * sign(mean load - load)) or "rms"
@@ -101,7 +136,6 @@ class ChunkConfig(ValidatedOnInit):
     # training, a learned score threshold at inference (causal)
     router: Literal["cosine", "linear", "fixed", "topk"] = "cosine"
     target_ratio: float = 2.0  # R in eq. 4
-    ratio_loss_weight: float = 0.03  # lambda
     tau: float = 6.0  # sharpening temperature, eq. 5
     # how training draws boundaries from p (section 4.6): eq. 5-6's Bernoulli on the sharpened p; p
     # plus N(0, noise_sigma) thresholded at 0.5; or none (the eval-mode threshold in training too)
@@ -132,10 +166,7 @@ class ChunkConfig(ValidatedOnInit):
     # See `document_ratio_loss`. The fixed and topk routers place R-spaced / n/R boundaries in every
     # document themselves: the band holds by construction and adds nothing.
     document_slack: float | None = None
-    # weight of that per-document term relative to the batch term's (ratio_loss_weight): inside the
-    # band it is 0, so a large weight only sets how hard a document outside it is pulled back
-    # against the LM loss's pressure
-    document_weight: float = 30.0
+    # (its weight, like every loss term's, is the training config's: loss.document)
     # Static concept capacity (the model runs without host synchronisation: docs/design.md, "Static
     # shapes, no host synchronisation"): in training each row's concept model gets
     # ceil(T * capacity_slack / R) positions (R the smallest target; rounded up to a multiple of 16,
@@ -173,7 +204,6 @@ class ChunkConfig(ValidatedOnInit):
         check(
             self.target_ratio > 1.0, f"target_ratio must be > 1 (R = N/M), got {self.target_ratio}"
         )
-        check(self.ratio_loss_weight >= 0, "ratio_loss_weight must be >= 0")
         check(self.tau >= 1.0, f"tau must be >= 1, got {self.tau}")
         check(self.noise_sigma > 0, f"noise_sigma must be > 0, got {self.noise_sigma}")
         if self.router == "fixed":
@@ -202,9 +232,6 @@ class ChunkConfig(ValidatedOnInit):
                 f"{name} must be >= 1 (concepts per row: T * slack / R) or null (T), got {v}",
             )
         if self.document_slack is not None:
-            check(
-                self.document_weight > 0, f"document_weight must be > 0, got {self.document_weight}"
-            )
             check(
                 self.document_slack >= 1.0,
                 "document_slack must be >= 1 (a document's ratio "

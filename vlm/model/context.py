@@ -1,7 +1,8 @@
 """What a training forward needs from the step that runs it, passed as an argument.
 
 A module is never steered by an attribute set from outside: the boundary noise's seed, what the
-forward does with the routing statistics it counts and whether it computes the logits arrive here,
+forward does with the routing statistics it counts, whether it computes the logits and which router
+losses arrive here,
 with every forward. A module used alone (a test, a benchmark, a notebook) takes the default: a fresh
 noise seed per forward, the statistics applied as it goes, and the logits of every position.
 """
@@ -21,6 +22,12 @@ import torch
 #   "off": not counted (a pass that must not count twice, e.g. the global parser's statistics pass).
 Statistics = Literal["per_forward", "per_step", "off"]
 
+# The router losses the MoE layers compute ("balance": Switch, "z": ST-MoE's z-loss): the trainer
+# asks for those its loss weighs (vlm.train.losses.Loss.router_losses); a model used alone computes
+# those the default loss section weighs (loss.balance 0.01, loss.z 0)
+ROUTER_LOSSES = frozenset({"balance", "z"})
+DEFAULT_ROUTER_LOSSES = frozenset({"balance"})
+
 
 @dataclass(frozen=True)
 class ForwardContext:
@@ -33,6 +40,7 @@ class ForwardContext:
     # layer, from which the loss computes them in tiles of tokens (vlm.model.tiled_loss): what a
     # training forward, a statistics pass and a scoring pass ask for
     logits: bool = True
+    router_losses: frozenset[str] = DEFAULT_ROUTER_LOSSES
 
 
 DEFAULT = ForwardContext()

@@ -9,7 +9,8 @@ registers the Auto classes; every loader here imports it). The wrapper's forward
 use_cache=True)` (the default) runs the model's own prefill and cached steps: the concept-level
 `InferenceCache` travels as generate's `cache`; `use_cache=False` re-runs the prefix. The forward
 computes the logits of the positions asked for only (`logits_to_keep`; `generate` asks for the last
-one), and its loss with `labels` in tiles of tokens (vlm.model.tiled_loss).
+one), and its loss with `labels` in tiles of tokens (vlm.model.tiled_loss). What an export's other
+files must agree with before it loads: vlm.model.export_checks.
 """
 
 from __future__ import annotations
@@ -33,20 +34,15 @@ from configs.batch import IGNORE_INDEX, IMAGE, TEXT, PackedBatch
 from configs.config import ConfigError, from_dict, to_dict
 from vision.config import VisionConfig
 from vlm.model.cache import InferenceCache
-from vlm.model.config import ModelConfig
+from vlm.model.config import model_config_from
 from vlm.model.context import ForwardContext
+from vlm.model.export_checks import check_generation_config, check_processor_config
 from vlm.model.layers import positions_in_doc
 from vlm.model.legacy_names import KEY_MAPPING
 from vlm.model.multimodal import ConceptMoEVLM
 from vlm.model.processing import CHAT_TEMPLATE, ConceptMoEImageProcessor, ConceptMoEProcessor
 from vlm.model.stats import lm_labels, lm_losses
-from vlm.model.weights_check import (
-    WeightsError,
-    check_exported_weights,
-    read_config,
-    read_json_object,
-    write_checksums,
-)
+from vlm.model.weights_check import check_exported_weights, read_config, write_checksums
 
 MODEL_TYPE = "conceptmoe_vlm"
 # The name `generate` carries a model's cache under between its forwards: `cache` from transformers
@@ -72,7 +68,7 @@ class ConceptMoEConfig(PretrainedConfig):
         self.image_pad_id = image_pad_id
         if not isinstance(self.model, dict):
             raise ConfigError(f"'model' is {type(self.model).__name__}, not a mapping")
-        mc = from_dict(ModelConfig, self.model)
+        mc = model_config_from(self.model)
         # transformers' generate/save read these standard names; they restate the model section,
         # and one that says otherwise (edited by hand) would report a model that is not the one
         # built
@@ -95,7 +91,7 @@ class ConceptMoEConfig(PretrainedConfig):
         super().__init__(**kwargs)
 
     def build_configs(self):
-        mc = from_dict(ModelConfig, self.model)
+        mc = model_config_from(self.model)
         vc = None
         if self.vision is not None:
             vc = from_dict(VisionConfig, _drop_legacy_vision_keys(self.vision))
@@ -413,98 +409,6 @@ def _keeps_source_format(out_dir: str | Path) -> bool:
     from data_pipelines.tokenizer import is_source_tokenizer_dir
 
     return is_source_tokenizer_dir(Path(out_dir))
-
-
-def _ids(value) -> list | None:
-    """A generation setting's token ids as a list (None: unset); ValueError for anything else."""
-    if value is None:
-        return None
-    ids = value if isinstance(value, list) else [value]
-    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
-        raise ValueError(f"{value!r} is not a token id or a list of them")
-    return ids
-
-
-def check_generation_config(path: Path, config: ConceptMoEConfig) -> None:
-    """generation_config.json, when there, must be an object whose eos / pad / bos are token ids of
-    the model: transformers replaces a file it cannot read by defaults silently (a garbage file
-    made `generate` stop at id 2, a letter of this vocabulary)."""
-    f = Path(path) / "generation_config.json"
-    if not f.is_file():
-        return
-    info = read_json_object(f, "generation config")
-    for key in ("eos_token_id", "pad_token_id", "bos_token_id"):
-        try:
-            ids = _ids(info.get(key))
-        except ValueError as e:
-            raise WeightsError(f"{f}: {key} {e}") from None
-        bad = [i for i in ids or [] if i >= config.vocab_size]
-        if bad:
-            raise WeightsError(
-                f"{f}: {key} {bad[0]} is not an id of the model's {config.vocab_size}-token "
-                "vocabulary"
-            )
-
-
-def check_processor_config(path: Path, config: ConceptMoEConfig) -> None:
-    """processor_config.json, when there, must give the image processor the settings the model's
-    vision section trained with: another patch size or merge cuts images into patches the model
-    cannot read (transformers' generate then fails deep inside the vision tower); other mean / std
-    or patch limits feed it pixels it never saw."""
-    f = Path(path) / "processor_config.json"
-    if not f.is_file():
-        return
-    info = read_json_object(f, "processor config")
-    proc = info.get("image_processor", {})
-    if config.vision is None or proc in ({}, None):
-        return
-    if not isinstance(proc, dict):
-        raise WeightsError(f"{f}: image_processor is {type(proc).__name__}, not an object")
-    want = (config.vision or {}).get("processor") or {}
-    for key in sorted(set(proc) & set(want)):
-        a, b = proc[key], want[key]
-        same = (
-            all(abs(float(x) - float(y)) <= 1e-6 for x, y in zip(a, b)) and len(a) == len(b)
-            if isinstance(a, list) and isinstance(b, list)
-            else a == b
-        )
-        if not same:
-            raise WeightsError(
-                f"{f}: image_processor.{key} is {a!r}, the model's config.json says "
-                f"vision.processor.{key}: {b!r} (what it was trained with); the two must agree"
-            )
-
-
-def check_export_tokenizer(path: Path, config: ConceptMoEConfig, tok) -> None:
-    """The tokenizer read from an export must be the model's: every id inside its vocabulary and
-    the special ids the config records (eos, pad, bos, the image placeholder) the same. A
-    tokenizer swapped for another model's makes the model read its prompts with ids it was not
-    trained on: empty answers, a score of 0, and exit 0."""
-    checks = [("vocab size", tok.vocab_size, config.vocab_size)]
-    # a pretrained model's own tokenizer: its config states the eos that ends an answer, which
-    # need not be the tokenizer's
-    if getattr(tok, "kind", None) != "source":
-        checks += [
-            (name, getattr(tok, attr, None), getattr(config, key, None))
-            for name, attr, key in (
-                ("eos id", "eos_id", "eos_token_id"),
-                ("pad id", "pad_id", "pad_token_id"),
-                ("bos id", "bos_id", "bos_token_id"),
-            )
-        ]
-    if config.image_pad_id >= 0:
-        checks.append(
-            ("image placeholder id", getattr(tok, "image_pad_id", None), config.image_pad_id)
-        )
-    for name, theirs, ours in checks:
-        if ours is None or theirs is None:
-            continue
-        wrong = theirs > ours if name == "vocab size" else theirs != ours
-        if wrong:
-            raise WeightsError(
-                f"{path}: the tokenizer's {name} is {theirs}, the model's config.json says "
-                f"{ours}: the tokenizer files are not this model's (swapped for another's?)"
-            )
 
 
 def checked_export_config(path: str | Path) -> ConceptMoEConfig:

@@ -23,6 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from vlm.model.config import MoEConfig
+from vlm.model.context import ROUTER_LOSSES
 from vlm.model.expert_parallel import ExpertExchange, exchanged_swiglu, local_slice
 from vlm.model.legacy_names import rename_legacy_keys
 from vlm.model.moe_dispatch import expert_swiglu, grouped_mm_available, sort_by_group
@@ -33,18 +34,19 @@ from vlm.model.shares import current, expert_rows
 @dataclass
 class MoEStats:
     """What one MoE layer's forward counted: the router's auxiliary losses, unweighted (their
-    weights are the layer config's, applied by the trainer's loss: vlm.train.losses), and the
-    routing outcome."""
+    weights are the training config's loss section, applied by the trainer's loss:
+    vlm.train.losses), and the routing outcome."""
 
-    # Switch balance loss (0-d, with grad); None where cfg.balance_loss_weight is 0 (not computed)
+    # Switch balance loss (0-d, with grad); None where the forward was not asked for it ("balance"
+    # not in its `losses`: a weight of 0, not computed)
     balance: torch.Tensor | None
-    # router z-loss (0-d, with grad); None where cfg.z_loss_weight is 0
+    # router z-loss (0-d, with grad); None where not asked for ("z")
     z: torch.Tensor | None
     # [E] float: token->expert assignments per expert in this call (detached)
     load_E: torch.Tensor
     # 0-d: adjugate-expert evaluations / tokens (None: Grove is off)
     adjugate_per_token: torch.Tensor | None
-    cfg: MoEConfig  # the layer's settings (the weights of its losses)
+    cfg: MoEConfig  # the layer's settings
     # 0-d: (token, choice) slots past the expert-parallel capacity, computed by no expert (None:
     # the layer holds every expert, nothing is exchanged; vlm.model.expert_parallel)
     overflow: torch.Tensor | None = None
@@ -376,7 +378,11 @@ class MoE(nn.Module):
         return ok
 
     def forward(
-        self, x_ND: torch.Tensor, valid_N: torch.Tensor | None = None, accumulate_load: bool = True
+        self,
+        x_ND: torch.Tensor,
+        valid_N: torch.Tensor | None = None,
+        accumulate_load: bool = True,
+        losses: frozenset[str] = ROUTER_LOSSES,
     ) -> tuple[torch.Tensor, MoEStats]:
         """[N, D] -> [N, D] and the layer's statistics. `valid_N` (bool): the rows that are real
         tokens; the others (padding, unused concept capacity) are routed nowhere, computed by no
@@ -386,7 +392,8 @@ class MoE(nn.Module):
         In training the loads are added to `load_accum` for the next balancing step; a
         transformer block passes `accumulate_load=False` and its stack adds them
         (vlm.model.block.run_stack) outside the block, so that activation checkpointing's
-        recomputation does not count them twice."""
+        recomputation does not count them twice. `losses`: the router losses to compute (a layer
+        used alone: both; in a model, those its forward's context asks for, vlm.model.context)."""
         if x_ND.dim() != 2 or x_ND.shape[-1] != self.dim:
             raise ValueError(
                 f"MoE expects x_ND of shape [tokens, {self.dim}], got {tuple(x_ND.shape)}"
@@ -409,14 +416,14 @@ class MoE(nn.Module):
         valid_f = None if valid_N is None else valid_N.float()
 
         N = x_ND.shape[0]  # a shape: static, no synchronisation
-        balance = z = None  # computed where their weight asks for them
-        if cfg.balance_loss_weight:
+        balance = z = None  # computed where the loss weighs them (`losses`)
+        if "balance" in losses:
             balance = (
                 switch_balance_loss(r.scores_NE, None, cfg.router == "sigmoid", valid_f, load_E)
                 if N
                 else logits_NE.new_zeros(())
             )
-        if cfg.z_loss_weight:
+        if "z" in losses:
             z = router_z_loss(logits_NE, valid_f) if N else logits_NE.new_zeros(())
 
         dtype = (

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from configs.config import ConfigError, apply_overrides, from_dict, load_yaml
-from vlm.model.config import ModelConfig
+from vlm.model.config import ModelConfig, model_config_from
 from vlm.train.config import TrainConfig, load_train_config, migrate_run_config
 from vlm.train.layout import ParallelLayout
 
@@ -40,7 +40,7 @@ def load_plan_config(path: str, overrides: list[str], ranks: int) -> PlannedRun:
     have (a degree that does not divide them)."""
     if ranks < 1:
         raise ConfigError(f"--ranks must be >= 1, got {ranks}")
-    data = apply_overrides(migrate_run_config(load_yaml(path)), list(overrides))
+    data = migrate_run_config(apply_overrides(load_yaml(path), list(overrides)))
     notes: list[str] = []
     absent = _absent_sources(data)
     if not absent:
@@ -106,7 +106,7 @@ def _source_model(src: Path, cfg: TrainConfig) -> ModelConfig | None:
         return None
     info = json.loads(cfg_file.read_text())
     if info.get("model_type") == MODEL_TYPE:
-        model = from_dict(ModelConfig, info["model"])
+        model = model_config_from(info["model"])
         return model if model.chunk.enabled else to_conceptmoe_config(model, cfg.convert)
     from transformers import AutoConfig
 

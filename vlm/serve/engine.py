@@ -5,8 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from configs.config import from_dict
-from vlm.model.config import ModelConfig
+from vlm.model.config import model_config_from
 from vlm.serve.layout import padded_head_size
 from vlm.serve.names import BASELINE_ARCH
 
@@ -27,7 +26,7 @@ def engine_kwargs(
     non-hybrid model). `cache_gib`: the memory for the KV cache and the concept states (on CPU vLLM
     otherwise reserves 92 % of the machine's memory). `extra`: any other engine argument, as is."""
     final_dir = Path(final_dir)
-    mc = from_dict(ModelConfig, json.loads((final_dir / "config.json").read_text())["model"])
+    mc = model_config_from(json.loads((final_dir / "config.json").read_text())["model"])
     # the token layers' cache geometry as the paged layers hold it (token_attention.py), which
     # vLLM sizes its pages and the concept state's by (layout.py); it would guess hidden / heads
     # and every head a key-value head

@@ -47,5 +47,5 @@ class PagedBlock(nn.Module):
         flat = lambda t: F.pad(t[0].transpose(0, 1), (0, pad)).flatten(1)  # noqa: E731
         out_NHP = self.attn(flat(q), flat(k), flat(v)).view(x_ND.shape[0], a.h, self.pad)
         x_ND = x_ND + a.o_proj(out_NHP[..., : self.hd].flatten(1))
-        y_ND, _ = blk.moe(blk.ffn_norm(x_ND), accumulate_load=False)
+        y_ND, _ = blk.moe(blk.ffn_norm(x_ND), accumulate_load=False, losses=frozenset())
         return x_ND + y_ND

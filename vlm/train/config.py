@@ -26,6 +26,7 @@ from data_pipelines.default_dataset import IMAGE_PARTS
 from vision.config import VisionConfig
 from vision.image_processor import ImageProcessorConfig
 from vlm.model.config import ConvertConfig, ModelConfig
+from vlm.train.loss_config import LossConfig, move_loss_keys, stderr_line
 
 
 @dataclass
@@ -342,6 +343,8 @@ class TrainConfig(ValidatedOnInit):
     vision: VisionConfig | None = field(default_factory=VisionConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    # the loss terms' weights (vlm.train.losses): the run's, not the model's
+    loss: LossConfig = field(default_factory=LossConfig)
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     params: ParamsConfig = field(default_factory=ParamsConfig)
@@ -437,28 +440,23 @@ class TrainConfig(ValidatedOnInit):
 
 # Model keys a run that continues a checkpoint (train.init_from, train.convert_from) may set to a
 # value other than the checkpoint's: they change how the model trains, not what its stored tensors
-# compute with every boundary on (conversion sets the lossless start: ratio target, concept top-k
+# compute with every boundary on (the loss weights are no model keys but the run's `loss:` section;
+# conversion sets the lossless start: ratio target, concept top-k
 # and loops go through `convert:` on a raw source, see vlm.model.convert.to_conceptmoe_config). A
 # model key not listed here must equal the stored value. `vocab_size` may only grow (rows added for
 # tokens added to the tokenizer, vlm.model.convert.fit_vocab).
 MAY_CHANGE_FROM_CHECKPOINT = (
     "chunk.target_ratio",
     "chunk.modality_target_ratios",
-    "chunk.ratio_loss_weight",
     "chunk.document_slack",
-    "chunk.document_weight",
     "chunk.tau",
     "chunk.boundary_noise",
     "chunk.noise_sigma",
-    "moe.balance_loss_weight",
-    "moe.z_loss_weight",
     "moe.bias_update_rate",
     # its selection bias starts at zero: the routing is the stored one at start
     "moe.bias_update",
     "moe.loss_free_balancing",
     "concept_moe.top_k",
-    "concept_moe.balance_loss_weight",
-    "concept_moe.z_loss_weight",
     "concept_moe.bias_update_rate",
     "concept_moe.bias_update",
     "concept_moe.loss_free_balancing",
@@ -484,14 +482,18 @@ def load_train_config(path: str | Path | None, overrides: list[str] | None = Non
     A config that continues a checkpoint (train.init_from / train.convert_from) takes its model
     section from the checkpoint: only the model keys this file itself and the overrides state
     count (its `base:` files' model section describes another model), and `model_stated` records
-    them for vlm.train.stages.merge_model_section."""
-    data = migrate_run_config(load_yaml(path) if path else {})
+    them for vlm.train.stages.merge_model_section. Loss weights stated the way older versions did,
+    in the model section, are moved to the loss section with a one-line note each
+    (vlm.train.loss_config.move_loss_keys)."""
+    data = load_yaml(path) if path else {}
     apply_overrides(data, overrides or [])
+    data = migrate_run_config(data, say=stderr_line)
     run = data.get("train") or {}
     stated = None
     if isinstance(run, dict) and (run.get("init_from") or run.get("convert_from")):
-        own = migrate_run_config(_own_yaml(path) if path else {})
+        own = _own_yaml(path) if path else {}
         apply_overrides(own, [o for o in overrides or [] if o.strip().startswith("model.")])
+        own = migrate_run_config(own)
         model = own.get("model") or {}
         data["model"] = model
         stated = set(flatten(model)) if isinstance(model, dict) else set()
@@ -539,10 +541,12 @@ def _own_yaml(path: str | Path) -> dict:
     return data if isinstance(data, dict) else {}
 
 
-def migrate_run_config(data: dict) -> dict:
-    """Keys that earlier versions wrote into RUN_DIR/config.yaml, in today's form, so that old runs
-    still resume and serve as `init_from`: `logging.tensorboard: bool` became
-    `logging.report_to`."""
+def migrate_run_config(data: dict, say=None) -> dict:
+    """Keys that earlier versions wrote into RUN_DIR/config.yaml (or a config stated), in today's
+    form, so that old runs still resume and serve as `init_from`: `logging.tensorboard: bool`
+    became `logging.report_to`; the loss weights moved from the model section to `loss:`
+    (`say(line)`: told of each, None: quiet)."""
+    move_loss_keys(data, say)
     logging_ = data.get("logging")
     if isinstance(logging_, dict) and "tensorboard" in logging_:
         on = logging_.pop("tensorboard")
@@ -553,6 +557,7 @@ def migrate_run_config(data: dict) -> dict:
 __all__ = [
     "TrainConfig",
     "OptimConfig",
+    "LossConfig",
     "DeepSpeedConfig",
     "ParallelConfig",
     "ParamsConfig",

@@ -126,6 +126,18 @@ def quiet_deepspeed() -> None:
         h.setLevel(logging.WARNING)
 
 
+def skip_deepspeed_shm_build() -> None:
+    """One process has nothing to all-reduce: DeepSpeed's torch backend would still JIT-compile its
+    CPU shared-memory collective as it starts (about a minute on a fresh machine, before the first
+    step of the README's main job). The builder it calls, the module-level
+    `deepspeed.comm.torch.build_shm_op`, is replaced by one that builds nothing: a private hook
+    (tests/test_deepspeed_internals.py pins the DeepSpeed version this was written for)."""
+    import importlib
+
+    # (by module path: the attribute deepspeed.comm.torch is the torch package itself)
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+
+
 class StartupFailed(Exception):
     """The ranks did not all meet (a peer that never started, a wrong MASTER_ADDR) within the
     timeout, or a signal asked this rank to stop while it waited: one line to print, and the exit
@@ -186,13 +198,7 @@ def init_distributed(timeout_s: float | None = None, stop=None) -> DistInfo:
 
     quiet_deepspeed()
     if os.environ.get("WORLD_SIZE") == "1":
-        # One process has nothing to all-reduce: skip JIT-compiling DeepSpeed's CPU shared-memory
-        # collective (about a minute on a fresh machine, before the first step of the README's
-        # main job).
-        import importlib
-
-        # (by module path: the attribute deepspeed.comm.torch is the torch package itself)
-        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+        skip_deepspeed_shm_build()
     backend = get_accelerator().communication_backend_name()
     timeout = datetime.timedelta(seconds=timeout_s)
     if os.environ.get("WORLD_SIZE") == "1" and not dist.is_initialized():

@@ -196,16 +196,28 @@ class SkipNonFiniteAdamW(torch.optim.AdamW):
         parallelism's exact global norm, vlm.train.expert_parallel.ExpertAwareClip, where
         DeepSpeed's own clipping is off); DeepSpeed logs the norm it returns."""
         super().__init__(*args, **kwargs)
-        self.overflow, self.clip = False, clip
+        self.clip = clip
+        report_step(self, skipped=False)
 
     def step(self, closure=None):
         params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
-        self.overflow = not grads_finite([p.grad for p in params])
-        if self.overflow:
+        skipped = not grads_finite([p.grad for p in params])
+        norm = None if skipped or self.clip is None else self.clip(params)
+        report_step(self, skipped, norm)
+        if skipped:
             return None
-        if self.clip is not None:
-            self._global_grad_norm = self.clip(params)  # read by the engine after the step
         return super().step(closure)
+
+
+def report_step(optimizer: torch.optim.Optimizer, skipped: bool, norm=None) -> None:
+    """What DeepSpeed's engine reads from a client optimizer after its step
+    (`DeepSpeedEngine._take_model_step`): `overflow` (True: the step counts as skipped,
+    `was_step_applied()` is False) and, when there is one, `_global_grad_norm` (what
+    `get_global_grad_norm()` then says). A private protocol of the engine's, not an API
+    (tests/test_deepspeed_internals.py pins the DeepSpeed version this was written for)."""
+    optimizer.overflow = skipped
+    if norm is not None:
+        optimizer._global_grad_norm = norm
 
 
 def grads_finite(grads: list[torch.Tensor]) -> bool:
@@ -316,8 +328,17 @@ def initialize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ds_conf
     import deepspeed
 
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
-    engine.checkpoint_engine.load = safe_load  # DeepSpeed's own loader unpickles arbitrary objects
+    load_checkpoints_safely(engine)
     return engine
+
+
+def load_checkpoints_safely(engine) -> None:
+    """DeepSpeed's checkpoint engine loads every file with a plain torch.load, which unpickles
+    arbitrary objects: the engine's `checkpoint_engine.load`, through which its
+    `load_checkpoint` reads every file, becomes `safe_load` (tensors and plain containers only).
+    An attribute of the engine's, replaced (tests/test_deepspeed_internals.py pins the DeepSpeed
+    version this was written for)."""
+    engine.checkpoint_engine.load = safe_load
 
 
 def compile_model(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> int:

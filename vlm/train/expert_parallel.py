@@ -95,6 +95,15 @@ def is_expert(p: torch.Tensor) -> bool:
     return getattr(p, "allreduce", True) is False
 
 
+def mark_expert(p: torch.Tensor, group_name: str) -> None:
+    """Mark `p` as DeepSpeed marks an expert parameter of its own MoE layers: `allreduce` False
+    (deepspeed.moe.utils.is_moe_param: its gradient is reduced within the expert-data-parallel
+    group only) and `group_name`, the expert groups' name (its engine and ZeRO find that group by
+    it). Attributes its MoE layer sets, not an API (tests/test_deepspeed_internals.py pins the
+    DeepSpeed version this was written for)."""
+    p.allreduce, p.group_name = False, group_name
+
+
 def set_up(model: nn.Module, parallel, layout, groups) -> ExpertParallel | None:
     """Split the model's routed experts over `layout.expert` ranks (None, nothing done, for 1), in
     the expert groups `groups` (vlm.train.distributed.make_groups) holds. ConfigError (one line)
@@ -121,7 +130,7 @@ def set_up(model: nn.Module, parallel, layout, groups) -> ExpertParallel | None:
     for m in layers:
         m.shard_experts(exchange)
         for p in m.routed_expert_weights():
-            p.allreduce, p.group_name = False, name  # DeepSpeed's marks
+            mark_expert(p, name)
     local = sum(p.numel() for m in layers for p in m.routed_expert_weights())
     return ExpertParallel(
         P, layout.expert_rank, layout.expert_replicas, name, exchange, local, total
@@ -167,7 +176,9 @@ def deepspeed_view(model: nn.Module, ep: ExpertParallel | None, zero_stage: int 
     ZeRO-3 the marker is of its AutoEP layer class (the one its ZeRO-3 accepts) and the expert
     parameters carry AutoEP's placement (`ds_zero_placement_family`: partitioned over their
     expert-data-parallel group, not the world), frozen ones too: ZeRO-3 partitions every
-    parameter. The marker is gone when the engine exists: the model keeps only its own modules."""
+    parameter. The marker is gone when the engine exists: the model keeps only its own modules.
+    All of it is DeepSpeed's inside, not an API (tests/test_deepspeed_internals.py pins the
+    DeepSpeed version this was written for)."""
     zero3 = ep is not None and zero_stage == 3
     # frozen experts under ZeRO 0-2: nothing to reduce, no optimizer state
     if ep is None or not (experts_train(model) or zero3):

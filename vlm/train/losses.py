@@ -20,8 +20,11 @@ all-reduce before any backward. It returns a `TermValue`:
 The step back-propagates sum(value * weight * scale) over the terms, in TERMS' order, and logs
 `loss` = sum(weight * loss/NAME). A weight of 0 leaves a term out (not computed).
 
+The weights are the training config's `loss:` section (vlm.train.loss_config.LossConfig), one per
+term, so that a run continuing a checkpoint may change them as it changes its learning rate.
+
 Adding a term (docs/design.md, "Adding a loss term"): write its function here, add it to TERMS with
-the config field that holds its weight; a term that needs a sum over the global batch also gives a
+the `loss:` field that holds its weight; a term that needs a sum over the global batch also gives a
 `statistics` function (local sums, detached), and finds their global sums in `totals.sums[NAME]`.
 """
 
@@ -38,6 +41,7 @@ from vlm.model.doc_stats import document_slots
 from vlm.model.output import ModelOutput
 from vlm.model.ratio_loss import document_ratio_loss, ratio_loss
 from vlm.model.stats import lm_labels, lm_losses
+from vlm.train.loss_config import LossConfig
 
 
 @dataclass(frozen=True)
@@ -61,7 +65,7 @@ class TermValue:
     detail: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-TermFn = Callable[[ModelOutput, PackedBatch, ModelConfig, Totals], TermValue]
+TermFn = Callable[[ModelOutput, PackedBatch, ModelConfig, LossConfig, Totals], TermValue]
 StatisticsFn = Callable[[ModelOutput, PackedBatch, ModelConfig], torch.Tensor]
 
 
@@ -69,7 +73,8 @@ StatisticsFn = Callable[[ModelOutput, PackedBatch, ModelConfig], torch.Tensor]
 class Term:
     name: str  # logged as loss/NAME
     fn: TermFn
-    weight: Callable[[ModelConfig], float]  # from the config (0: the term is left out)
+    # from the model and the loss section (0: the term is left out)
+    weight: Callable[[ModelConfig, LossConfig], float]
     # local sums (detached) whose totals over the global batch the term reads (totals.sums[name])
     statistics: StatisticsFn | None = None
 
@@ -82,7 +87,9 @@ def labelled_tokens(batch: PackedBatch) -> torch.Tensor:
     return (lm_labels(batch) != IGNORE_INDEX).sum()
 
 
-def lm_term(out: ModelOutput, batch: PackedBatch, cfg: ModelConfig, totals: Totals) -> TermValue:
+def lm_term(
+    out: ModelOutput, batch: PackedBatch, cfg: ModelConfig, w: LossConfig, totals: Totals
+) -> TermValue:
     """Next-token cross-entropy, the mean over the global batch's labelled tokens, computed in
     tiles of tokens from the final hidden states (vlm.model.tiled_loss: no [T, V] logits)."""
     lm, _, token_loss_BT = lm_losses(out, lm_labels(batch), batch.doc_ids, batch.modality)
@@ -127,13 +134,18 @@ def _ratio_sums(chunks, doc_BT, modality_BT, cfg: ChunkConfig):
 
 
 def ratio_loss_value(
-    chunks, doc_BT, modality_BT, cfg: ChunkConfig, glob_Z3: torch.Tensor | None = None
+    chunks,
+    doc_BT,
+    modality_BT,
+    cfg: ChunkConfig,
+    glob_Z3: torch.Tensor | None = None,
+    document_weight: float = LossConfig.document,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(the ratio loss of one chunking, its batch part detached): eq. 4 per ratio group from the
     boundary fraction F and mean p G over `glob_Z3`'s sums (DLCM's global parser; None: this batch's
     own), plus with `cfg.document_slack` the per-document band (`document_ratio_loss`, weighted by
-    `cfg.document_weight`). F carries no gradient; G's gradient reaches only this batch's p, and
-    summing the micro-batches' gradients gives the global one's exactly."""
+    `document_weight`: loss.document). F carries no gradient; G's gradient reaches only this
+    batch's p, and summing the micro-batches' gradients gives the global one's exactly."""
     groups, p_BT, sum_p_Z, local_Z3 = _ratio_sums(chunks, doc_BT, modality_BT, cfg)
     glob_Z3 = local_Z3 if glob_Z3 is None else glob_Z3
     count_Z = glob_Z3[:, 2].clamp_min(1)
@@ -152,7 +164,7 @@ def ratio_loss_value(
             n_S = p_BT.new_zeros(S).index_add(0, idx_N, m_N)
             b_S = p_BT.new_zeros(S).index_add(0, idx_N, m_N * b_N)
             p_S = p_BT.new_zeros(S).index_add(0, idx_N, m_N * p_BT.flatten())
-            loss = loss + cfg.document_weight * document_ratio_loss(
+            loss = loss + document_weight * document_ratio_loss(
                 n_S, b_S, p_S, glob_Z3[k, 2], r, cfg.document_slack
             )
     return loss, batch_part
@@ -163,12 +175,14 @@ def ratio_statistics(out: ModelOutput, batch: PackedBatch, cfg: ModelConfig) -> 
     return _ratio_sums(out.chunks, batch.doc_ids, batch.modality, cfg.chunk)[3]
 
 
-def ratio_term(out: ModelOutput, batch: PackedBatch, cfg: ModelConfig, totals: Totals) -> TermValue:
+def ratio_term(
+    out: ModelOutput, batch: PackedBatch, cfg: ModelConfig, w: LossConfig, totals: Totals
+) -> TermValue:
     """The ratio loss (`ratio_loss_value`), on the global batch's statistics where the run asks
     for them (`totals.sums["ratio"]`, train.global_parser)."""
     glob_Z3 = totals.sums.get("ratio")
     loss, batch_part = ratio_loss_value(
-        out.chunks, batch.doc_ids, batch.modality, cfg.chunk, glob_Z3
+        out.chunks, batch.doc_ids, batch.modality, cfg.chunk, glob_Z3, w.document
     )
     K = totals.micro_batches
     if glob_Z3 is None:  # each micro-batch's own loss: a mean over micro-batches
@@ -181,15 +195,16 @@ def ratio_term(out: ModelOutput, batch: PackedBatch, cfg: ModelConfig, totals: T
 # ---------------------------------------------------------------- the routers' losses
 
 
-def _router_mean(out: ModelOutput, pick) -> torch.Tensor | None:
-    """The mean over every MoE pass of a weighted router loss (`pick(stats)`: (weight, value or
-    None)); a pass whose loss is off counts as 0, so the mean is over every pass."""
+def _router_mean(out: ModelOutput, w: LossConfig, term: str) -> torch.Tensor | None:
+    """The mean over every MoE pass of router loss `term` ("balance", "z"), each weighted by its
+    layer's weight (`LossConfig.router_weight`: the concept model's layers may have their own); a
+    pass whose weight is 0 counts as 0, so the mean is over every pass."""
     if not out.moe_passes:
         return None
     parts = []
-    for _, s in out.moe_passes:
-        w, x = pick(s)
-        parts.append(w * x if x is not None else s.load_E.new_zeros(()))
+    for name, s in out.moe_passes:
+        weight, x = w.router_weight(term, name.startswith("concept.")), getattr(s, term)
+        parts.append(weight * x if x is not None and weight else s.load_E.new_zeros(()))
     return torch.stack(parts).mean()
 
 
@@ -199,37 +214,41 @@ def _per_micro_batch(value: torch.Tensor, totals: Totals) -> TermValue:
 
 
 def balance_term(
-    out: ModelOutput, batch: PackedBatch, cfg: ModelConfig, totals: Totals
+    out: ModelOutput, batch: PackedBatch, cfg: ModelConfig, w: LossConfig, totals: Totals
 ) -> TermValue:
-    """The Switch balance loss of each MoE pass, weighted by its layer's
-    `balance_loss_weight` (token-level and concept-level layers have their own), averaged over the
-    passes and the micro-batches."""
-    value = _router_mean(out, lambda s: (s.cfg.balance_loss_weight, s.balance))
-    return _per_micro_batch(value, totals)
+    """The Switch balance loss of each MoE pass, weighted by its layer's weight (loss.balance;
+    loss.concept_balance for the concept model's), averaged over the passes and the
+    micro-batches."""
+    return _per_micro_batch(_router_mean(out, w, "balance"), totals)
 
 
-def z_term(out: ModelOutput, batch: PackedBatch, cfg: ModelConfig, totals: Totals) -> TermValue:
-    """The router z-loss (ST-MoE) of each MoE pass, weighted by its layer's `z_loss_weight`,
-    averaged over the passes and the micro-batches."""
-    return _per_micro_batch(_router_mean(out, lambda s: (s.cfg.z_loss_weight, s.z)), totals)
+def z_term(
+    out: ModelOutput, batch: PackedBatch, cfg: ModelConfig, w: LossConfig, totals: Totals
+) -> TermValue:
+    """The router z-loss (ST-MoE) of each MoE pass, weighted by its layer's weight (loss.z;
+    loss.concept_z for the concept model's), averaged over the passes and the micro-batches."""
+    return _per_micro_batch(_router_mean(out, w, "z"), totals)
 
 
-def _any_moe(cfg: ModelConfig, field_name: str) -> float:
-    """1 where some MoE layer's own weight is on (those weights are applied per layer), else 0."""
-    return 1.0 if getattr(cfg.moe, field_name) or getattr(cfg.c_moe, field_name) else 0.0
+def _any_layer(w: LossConfig, term: str) -> float:
+    """1 where some MoE layer's weight of router loss `term` is on (those weights are applied per
+    layer, in `_router_mean`), else 0."""
+    return 1.0 if w.router_weight(term, False) or w.router_weight(term, True) else 0.0
 
 
 TERMS: tuple[Term, ...] = (
-    Term("lm", lm_term, lambda cfg: 1.0),
+    Term("lm", lm_term, lambda cfg, w: 1.0),
     Term(
         "ratio",
         ratio_term,
-        lambda cfg: cfg.chunk.ratio_loss_weight if cfg.chunk.enabled else 0.0,
+        lambda cfg, w: w.ratio if cfg.chunk.enabled else 0.0,
         statistics=ratio_statistics,
     ),
-    Term("balance", balance_term, lambda cfg: _any_moe(cfg, "balance_loss_weight")),
-    Term("z", z_term, lambda cfg: _any_moe(cfg, "z_loss_weight")),
+    Term("balance", balance_term, lambda cfg, w: _any_layer(w, "balance")),
+    Term("z", z_term, lambda cfg, w: _any_layer(w, "z")),
 )
+# the terms the MoE layers compute for (vlm.model.context.ForwardContext.router_losses)
+ROUTER_TERMS = ("balance", "z")
 
 
 # ---------------------------------------------------------------- the total
@@ -259,13 +278,21 @@ class LossResult:
 
 
 class Loss:
-    """The run's loss: the terms of TERMS whose weight is not 0, for one model config.
-    `global_parser`: the ratio loss reads the global batch's statistics (train.global_parser)."""
+    """The run's loss: the terms of TERMS whose weight is not 0, for one model config and the
+    run's loss section (`weights`; None: the defaults). `global_parser`: the ratio loss reads the
+    global batch's statistics (train.global_parser)."""
 
-    def __init__(self, cfg: ModelConfig, global_parser: bool = True, terms=None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        weights: LossConfig | None = None,
+        global_parser: bool = True,
+        terms=None,
+    ):
         self.cfg = cfg
+        self.loss_cfg = LossConfig() if weights is None else weights
         terms = TERMS if terms is None else terms
-        self.weights = {t.name: w for t in terms if (w := float(t.weight(cfg)))}
+        self.weights = {t.name: w for t in terms if (w := float(t.weight(cfg, self.loss_cfg)))}
         self.terms = [t for t in terms if t.name in self.weights]
         # the statistics summed over the global batch before the terms (the lm term's token
         # count always; the others' where the run asks for global statistics)
@@ -274,6 +301,12 @@ class Loss:
             for t in self.terms
             if t.statistics is not None and (global_parser or t.name != "ratio")
         ]
+
+    @property
+    def router_losses(self) -> frozenset[str]:
+        """The router losses the forward must compute (ForwardContext.router_losses): those of
+        the terms left in."""
+        return frozenset(n for n in ROUTER_TERMS if n in self.weights)
 
     @property
     def needs_output_statistics(self) -> bool:
@@ -292,7 +325,7 @@ class Loss:
         (a model used alone: its total is the loss of this batch)."""
         if totals is None:
             totals = Totals(1, self.statistics(out, batch), float(labelled_tokens(batch)))
-        values = {t.name: t.fn(out, batch, self.cfg, totals) for t in self.terms}
+        values = {t.name: t.fn(out, batch, self.cfg, self.loss_cfg, totals) for t in self.terms}
         backprop = None
         for name, t in values.items():
             part = t.value * (self.weights[name] * t.scale)
@@ -300,6 +333,9 @@ class Loss:
         return LossResult(backprop, values, self.weights)
 
 
-def training_loss(out: ModelOutput, batch: PackedBatch, cfg: ModelConfig) -> torch.Tensor:
-    """The training loss of one batch on its own (benchmarks, tests): every term, local statistics."""
-    return Loss(cfg)(out, batch).backprop
+def training_loss(
+    out: ModelOutput, batch: PackedBatch, cfg: ModelConfig, weights: LossConfig | None = None
+) -> torch.Tensor:
+    """The training loss of one batch on its own (benchmarks, tests): every term, local statistics;
+    `weights` None: the default loss section."""
+    return Loss(cfg, weights)(out, batch).backprop

@@ -267,7 +267,7 @@ def build_run(
         eval_batches = ep_lib.even_eval_batches(eval_batches, ep, dist.device)
         float_dtype = torch.bfloat16 if engine.bfloat16_enabled() else torch.float32
         settings = StepSettings(
-            loss=Loss(cfg.model, global_parser=cfg.train.global_parser),
+            loss=Loss(cfg.model, cfg.loss, global_parser=cfg.train.global_parser),
             controls=TrainingControls(engine.module),
             seed=cfg.train.seed,
             layout=layout,

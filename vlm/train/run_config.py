@@ -8,7 +8,7 @@ from pathlib import Path
 
 from configs.config import ConfigError, flatten
 from vlm.model.config import resolve_targets
-from vlm.train.config import TrainConfig
+from vlm.train.config import TrainConfig, migrate_run_config
 
 # Config keys a resumed run may change (everything else must match the checkpointed run).
 RESUMABLE_CHANGES = (
@@ -194,7 +194,7 @@ def saved_run_config(run_dir: Path, warn) -> dict | None:
         why = f"not readable YAML ({type(e).__name__})"
     else:
         if isinstance(data, dict):
-            return data
+            return migrate_run_config(data)  # an older run's keys in today's form
         why = f"a {type(data).__name__}, not a mapping"
     warn(
         f"warning: {path} is damaged ({why}): this run's config cannot be compared with the "

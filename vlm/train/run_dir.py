@@ -115,7 +115,7 @@ def clear_run(run_dir: Path) -> list[str]:
             "folder or a new --out"
         )
     gone = []
-    # the cut lines a resume kept beside metrics.jsonl (vlm.train.metrics.MetricsFile)
+    # the cut lines a resume kept beside metrics.jsonl (vlm.train.metrics_sinks.MetricsFile)
     cut = sorted(p.name for p in run_dir.glob("metrics.jsonl.cut-*")) if run_dir.is_dir() else []
     for name in (*RUN_FILES, *cut):
         path = run_dir / name

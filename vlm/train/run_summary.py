@@ -8,7 +8,7 @@ from pathlib import Path
 from configs.config import to_dict
 from vlm.train.config import TrainConfig
 from vlm.train.export import write_extras
-from vlm.train.metrics import read_metrics
+from vlm.train.metrics_sinks import read_metrics
 from vlm.train.report import model_card, summary_lines, write_report
 from vlm.train.run_config import config_targets
 

@@ -24,14 +24,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from configs.config import ConfigError, flatten, from_dict, to_dict
+from configs.config import ConfigError, flatten, to_dict
 from data_pipelines.tokenizer import (
     Tokenizer,
     TokenizerError,
     is_source_tokenizer_dir,
     load_tokenizer,
 )
-from vlm.model.config import ModelConfig
+from vlm.model.config import ModelConfig, model_config_from
 from vlm.model.convert import NEW_PARTS, conversion_init_, source_tensors
 from vlm.model.hf import MODEL_TYPE, checked_export_config
 from vlm.model.multimodal import ConceptMoEVLM
@@ -221,7 +221,7 @@ def merge_model_section(stored: ModelConfig, cfg: TrainConfig, where: Path) -> M
     if out["concept_moe"] == to_dict(stored.moe) and stored.concept_moe is None:
         out["concept_moe"] = None
     vocab = out.pop("vocab_size")
-    merged = from_dict(ModelConfig, dict(out, vocab_size=stored.vocab_size))
+    merged = model_config_from(dict(out, vocab_size=stored.vocab_size))
     return dataclasses.replace(merged, vocab_size=vocab) if vocab != stored.vocab_size else merged
 
 
@@ -234,14 +234,14 @@ def stored_model_config(path: Path) -> ModelConfig | None:
     if (path / "config.json").is_file():
         info = json.loads((path / "config.json").read_text())
         if info.get("model_type") == MODEL_TYPE and isinstance(info.get("model"), dict):
-            return from_dict(ModelConfig, info["model"])
+            return model_config_from(info["model"])
         return None
     run_config = path.parent.parent / "config.yaml"
     if run_config.is_file():
         import yaml
 
         model = (yaml.safe_load(run_config.read_text()) or {}).get("model")
-        return from_dict(ModelConfig, model) if isinstance(model, dict) else None
+        return model_config_from(model) if isinstance(model, dict) else None
     return None
 
 

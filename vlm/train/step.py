@@ -72,11 +72,13 @@ def forward_context(
 ) -> ForwardContext:
     """What the forward of micro-batch k of this rank needs: its boundary seed (its global
     micro-batch: ParallelLayout.global_micro_batch), what it does with the routing statistics it
-    counts, and no logits (the loss makes them from the final hidden states, a tile of tokens at a
-    time)."""
+    counts, no logits (the loss makes them from the final hidden states, a tile of tokens at a
+    time) and the router losses the run's loss weighs."""
     seed = boundary_seed(s.seed, step, s.layout.global_micro_batch(k))
     seed_t = torch.tensor(seed, dtype=torch.long, device=s.device)
-    return ForwardContext(seed_t, statistics, logits=False)
+    # the statistics pass's forwards make no loss: no router losses either
+    router_losses = frozenset() if statistics == "off" else s.loss.router_losses
+    return ForwardContext(seed_t, statistics, logits=False, router_losses=router_losses)
 
 
 def poison_backward(engine) -> None:

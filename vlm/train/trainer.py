@@ -27,7 +27,8 @@ from vlm.train.device_feed import DeviceFeed
 from vlm.train.engine import optimizer_settings, resume_schedule
 from vlm.train.export import export_final
 from vlm.train.loaders import skipped_samples
-from vlm.train.metrics import MetricsLogger, StepRecord
+from vlm.train.metrics import StepRecord
+from vlm.train.metrics_sinks import MetricsLogger
 from vlm.train.run import Run, build_run
 from vlm.train.run_config import config_targets
 from vlm.train.run_summary import write_summary
