@@ -27,6 +27,7 @@ from vlm.model.context import Statistics
 from vlm.model.cross_attention import ConceptMemory, ConceptStep, CrossAttention
 from vlm.model.layers import RMSNorm, rope_cos_sin
 from vlm.model.moe import MoE, MoEStats
+from vlm.model.sequence_parallel import SequenceShard
 
 
 @dataclass
@@ -42,6 +43,9 @@ class StackContext:
     mask: object
     valid_BT: torch.Tensor  # bool: the real tokens (the ones the experts see)
     window: int = 0  # sliding-window attention (0: the whole document)
+    # sequence parallelism: the stack holds this rank's part of each row (valid_BT and rope are
+    # its, doc_BT and the mask the whole row's: attention runs over the row, vlm.model.sequence_parallel)
+    shard: SequenceShard | None = None
 
     @staticmethod
     def build(
@@ -54,7 +58,9 @@ class StackContext:
         use_rope=True,
         window: int = 0,
         compiled: bool = False,
+        shard: SequenceShard | None = None,
     ) -> "StackContext":
+        """`shard`: `doc_BT` is the whole rows', `positions_BT` this rank's part of them."""
         backend = resolve_backend(backend, doc_BT.device, compiled)
         rope = rope_cos_sin(positions_BT, head_dim, theta, dtype) if use_rope else None
         if backend in ("sdpa", "eager"):
@@ -65,7 +71,8 @@ class StackContext:
             mask = doc_segments(doc_BT)
         else:  # flash, varlen
             mask = flash_layout(doc_BT)
-        return StackContext(doc_BT, rope, backend, mask, doc_BT >= 0, window)
+        valid_BT = (doc_BT if shard is None else shard.local(doc_BT)) >= 0
+        return StackContext(doc_BT, rope, backend, mask, valid_BT, window, shard)
 
 
 class Block(nn.Module):
@@ -119,6 +126,7 @@ class Block(nn.Module):
             c_BTD,
             cache,
             window=ctx.window,
+            shard=ctx.shard,
         )
         if self.cross is not None and c is not None:  # DLCM eq. 14's residual
             x_BTD = x_BTD + self.cross(
@@ -128,7 +136,10 @@ class Block(nn.Module):
         # the stack counts the loads (run_stack), outside any recomputation.
         B, T, D = x_BTD.shape
         y_ND, stats = self.moe(
-            self.ffn_norm(x_BTD).view(B * T, D), ctx.valid_BT.view(B * T), accumulate_load=False
+            self.ffn_norm(x_BTD).view(B * T, D),
+            ctx.valid_BT.reshape(B * T),
+            accumulate_load=False,
+            shard=ctx.shard,
         )
         return x_BTD + y_ND.view(B, T, D), stats
 
