@@ -1,7 +1,8 @@
 """`vlm bench`: run benchmark parts and write DIR/<part>.json and DIR/<part>.png; prints
 each part's table.
 
-    vlm bench [model|decode|moe|loader|attention|vision|realized|gpu|alltoall|longrow|all] [--quick] [--out DIR] [--ckpt DIR]
+    vlm bench [model|decode|moe|loader|attention|vision|realized|gpu|alltoall|longrow|all]
+              [--quick] [--out DIR] [--ckpt DIR]
     vlm bench loader [--config RUN.yaml] [--data SHARDS] [--tokens-per-s N] [--world-size M --rank R]
 
 `realized` (prefill with the boundaries a trained router draws on real prompts) needs a checkpoint:

@@ -499,7 +499,8 @@ class ConceptMoELM(nn.Module):
     ) -> ModelOutput:
         x_BTD = self.embed(batch.input_ids) if inputs_embeds is None else inputs_embeds
         if self.sequence_shard is not None:  # this rank's tokens (the documents stay whole)
-            x_BTD = self.sequence_shard.local(x_BTD)
+            # a copy: a view would keep the whole row's embeddings alive through the backward
+            x_BTD = self.sequence_shard.local(x_BTD).clone()
         states = [] if output_hidden_states else None
         out_BTD, ch, moe_stats = self.hidden(
             x_BTD,
