@@ -111,6 +111,13 @@ def test_default_conceptmoe_split_over_4_ranks_with_experts_and_zero2(
     _same_losses(one, four["steps"])
     for a, b in zip(one, four["steps"]):  # the per-document ratio loss, exact as the rest
         assert abs(a["loss/ratio"] - b["loss/ratio"]) < 1e-3
+    # every statistic is the rows' (per-document ratios by kind and source, the loss by kind of
+    # sample, compression per modality), not a shard's
+    for a, b in zip(one, four["steps"]):
+        keys = [k for k in a if k.startswith(("doc_ratio/", "compression/", "loss/", "bpb/"))]
+        assert any(k.startswith("doc_ratio/") for k in keys)
+        for k in keys:
+            assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-4), (a["step"], k)
     # it still compresses both modalities (the step's realized ratio per modality)
     for r in four["steps"]:
         assert r["compression/text"] > 1.2 and r["compression/image"] > 1.2, r

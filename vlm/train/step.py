@@ -150,6 +150,9 @@ def train_step(
         if not bad:
             batch = prepare(batch, s.device, s.float_dtype)
             out = engine(batch, context=forward_context(s, step, k))
+            row = None
+            if s.shard is not None:  # the whole rows, for the per-document statistics
+                row = (batch, out.chunks.row_b_BT if out.chunks is not None else None, s.shard)
             batch = local_batch(batch, s.shard)  # what this rank's output is of
             if loss_hook is not None:
                 out = loss_hook(out, k)
@@ -160,7 +163,7 @@ def train_step(
             bad = not collectives.all_finite(finite, s.device)
             if not bad:
                 engine.backward(loss.backprop)
-                acc.add_output(out, batch, loss)
+                acc.add_output(out, batch, loss, row=row)
                 if out.chunks is not None:
                     chunking = (out.chunks.p_BT.detach(), out.chunks.b_BT.detach(), batch.modality)
             del out, loss

@@ -55,8 +55,11 @@ class HeldOut:
                 b = prepare(b, s.device, s.float_dtype)
                 out = engine(b, context=SCORING)
                 part = local_batch(b, s.shard)  # what this rank's output is of
+                row = None
+                if s.shard is not None:  # the whole rows, for the per-document statistics
+                    row = (b, out.chunks.row_b_BT if out.chunks is not None else None, s.shard)
                 if self.batches:
-                    acc.add_output(out, part, token_loss_BT=token_losses(out, part))
+                    acc.add_output(out, part, token_loss_BT=token_losses(out, part), row=row)
                 if first is None and out.chunks is not None:
                     row_b = out.chunks.row_b_BT  # the whole rows' (sequence parallelism)
                     first = (b, out.chunks.b_BT if row_b is None else row_b)
