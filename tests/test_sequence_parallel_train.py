@@ -117,7 +117,10 @@ def test_default_conceptmoe_split_over_4_ranks_with_experts_and_zero2(
         keys = [k for k in a if k.startswith(("doc_ratio/", "compression/", "loss/", "bpb/"))]
         assert any(k.startswith("doc_ratio/") for k in keys)
         for k in keys:
-            assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-4), (a["step"], k)
+            if a[k] is None or b.get(k) is None:  # e.g. no image in the step
+                assert a[k] is None and b.get(k) is None, (a["step"], k)
+            else:
+                assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-4), (a["step"], k)
     # it still compresses both modalities (the step's realized ratio per modality)
     for r in four["steps"]:
         assert r["compression/text"] > 1.2 and r["compression/image"] > 1.2, r
