@@ -3,7 +3,9 @@ computation, on 2 gloo ranks in one spawn: each piece's split result, gathered, 
 row's (values and gradients), and so does a whole ConceptMoE forward and backward. Each check fails
 on an off-by-one in its piece (a halo from the wrong shard, a carry that skips a shard, a prefix sum
 that counts this shard's own boundaries, a per-document sum left local, heads or tokens exchanged
-in the wrong order)."""
+in the wrong order).
+
+Legend: B rows, T tokens, D width, M concept slots, S document slots."""
 
 from __future__ import annotations
 

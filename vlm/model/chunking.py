@@ -1,6 +1,7 @@
 """Chunk (ConceptMoE section 3.2) over packed rows; the dechunk (3.3) is in dechunk.py.
 
-Legend: B rows, T tokens, D width, M concept slots, N flat tokens or patches.
+Legend: B rows, T tokens, D width, M concept slots, N flat tokens or patches, L tokens of a rank
+(sequence parallelism), K concept slots of a rank (sequence parallelism).
 
 Convention (docs/design.md, "Causality"): a boundary at n closes a concept made of the tokens after
 the previous boundary (within the same document) up to and including n; tokens n .. next

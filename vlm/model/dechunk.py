@@ -2,7 +2,8 @@
 input z (eq. 10) with STE, over a whole sequence (`forward`) and for one new token per row (`step`,
 with the state `prefill_state` builds after a prompt).
 
-Legend: B rows, T tokens, D width, M concept slots.
+Legend: B rows, T tokens, D width, M concept slots, K concept slots of a rank (sequence
+parallelism).
 
 Convention (docs/design.md, "Dechunk"): token n reads the EMA at concept psi(n), the last one
 closed at or before n.

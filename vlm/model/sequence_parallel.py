@@ -1,8 +1,8 @@
 """Sequence parallelism, the model's side: a row split over S ranks, and the pieces that cross the
 shards so that the split computes what one rank holding the whole row computes.
 
-Legend: B rows, T tokens of the row, L tokens of a shard (T / S), D width, H query heads, J key/value
-heads, d head width, M concept slots of the row, K concept slots of a shard (M / S), S ranks.
+Legend: B rows, T tokens of the row, L tokens of a shard (T / S), D width, H query heads, G heads
+of a rank (H / S), d head width, K concept slots of a shard (the row's M / S), S ranks.
 
 Rank s of a sequence group holds tokens [s L, (s + 1) L) of every row, and concept slots
 [s K, (s + 1) K) of the row's static concept capacity (M padded to a multiple of S), whichever token
@@ -161,18 +161,18 @@ def ulysses_to_heads(x_BHLd: torch.Tensor, shard: SequenceShard) -> torch.Tensor
     whole row): rank s keeps heads [s H / S, (s + 1) H / S)."""
     B, H, L, d = x_BHLd.shape
     S = shard.size
-    x_SBhLd = x_BHLd.view(B, S, H // S, L, d).transpose(0, 1)
-    y_SBhLd = _all_to_all(x_SBhLd, shard)  # row s: rank s's tokens of my heads
-    return y_SBhLd.permute(1, 2, 0, 3, 4).reshape(B, H // S, S * L, d)
+    x_SBGLd = x_BHLd.view(B, S, H // S, L, d).transpose(0, 1)
+    y_SBGLd = _all_to_all(x_SBGLd, shard)  # row s: rank s's tokens of my heads
+    return y_SBGLd.permute(1, 2, 0, 3, 4).reshape(B, H // S, S * L, d)
 
 
-def ulysses_to_sequence(y_BhTd: torch.Tensor, shard: SequenceShard) -> torch.Tensor:
+def ulysses_to_sequence(y_BGTd: torch.Tensor, shard: SequenceShard) -> torch.Tensor:
     """The inverse of `ulysses_to_heads`: [B, H / S, T, d] -> [B, H, L, d]."""
-    B, h, T, d = y_BhTd.shape
+    B, G, T, d = y_BGTd.shape
     S = shard.size
-    x_SBhLd = y_BhTd.view(B, h, S, T // S, d).permute(2, 0, 1, 3, 4)
-    y_SBhLd = _all_to_all(x_SBhLd, shard)  # row s: my tokens of rank s's heads
-    return y_SBhLd.transpose(0, 1).reshape(B, S * h, T // S, d)
+    x_SBGLd = y_BGTd.view(B, G, S, T // S, d).permute(2, 0, 1, 3, 4)
+    y_SBGLd = _all_to_all(x_SBGLd, shard)  # row s: my tokens of rank s's heads
+    return y_SBGLd.transpose(0, 1).reshape(B, S * G, T // S, d)
 
 
 def ulysses_attention(q, k, v, shard: SequenceShard, attend_row):
