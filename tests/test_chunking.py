@@ -196,7 +196,7 @@ def test_train_mode_samples_boundaries_at_the_papers_flip_rate(monkeypatch):
     p = torch.linspace(0, 1, T)[None]
     mod = ChunkModule(ChunkConfig(tau=6.0), 2)
     start = torch.zeros(1, T, dtype=torch.bool)
-    monkeypatch.setattr(mod, "boundary_prob", lambda h, doc, above=None: (p, start))
+    monkeypatch.setattr(mod, "boundary_prob", lambda h, doc, above=None, shard=None: (p, start))
     h, doc = torch.zeros(1, T, 2), torch.zeros(1, T, dtype=torch.long)
     torch.manual_seed(0)
     flips = (mod.train()(h, doc).b_BT != (p >= 0.5)).float().mean().item()
@@ -252,7 +252,9 @@ def test_boundary_noise_options(noise, monkeypatch):
     p = torch.linspace(0, 1, T)[None]
     mod = ChunkModule(ChunkConfig(boundary_noise=noise, noise_sigma=0.1), 2).train()
     monkeypatch.setattr(
-        mod, "boundary_prob", lambda h, doc, above=None: (p, torch.zeros(1, T, dtype=torch.bool))
+        mod,
+        "boundary_prob",
+        lambda h, doc, above=None, shard=None: (p, torch.zeros(1, T, dtype=torch.bool)),
     )
     torch.manual_seed(0)
     flip = mod(torch.zeros(1, T, 2), torch.zeros(1, T, dtype=torch.long)).b_BT != (p >= 0.5)

@@ -1,7 +1,8 @@
 """`vlm bench`: run benchmark parts and write DIR/<part>.json and DIR/<part>.png; prints
 each part's table.
 
-    vlm bench [model|decode|moe|loader|attention|vision|realized|gpu|alltoall|all] [--quick] [--out DIR] [--ckpt DIR]
+    vlm bench [model|decode|moe|loader|attention|vision|realized|gpu|alltoall|longrow|all]
+              [--quick] [--out DIR] [--ckpt DIR]
     vlm bench loader [--config RUN.yaml] [--data SHARDS] [--tokens-per-s N] [--world-size M --rank R]
 
 `realized` (prefill with the boundaries a trained router draws on real prompts) needs a checkpoint:
@@ -9,7 +10,9 @@ each part's table.
 configs/gpu.yaml's LLM on one CUDA device, in under 8 minutes) runs only when named, and refuses
 without CUDA unless --smoke. `alltoall` (expert parallelism's token exchange on one MoE layer)
 runs only when named, under `torchrun --nproc_per_node N -m eval.bench alltoall` for N expert
-ranks (CUDA: nccl, else gloo).
+ranks (CUDA: nccl, else gloo). `longrow` (a training forward and backward of one long row split
+over the ranks by sequence parallelism: time and the row's peak memory per rank) likewise, under
+`torchrun --nproc_per_node S -m eval.bench longrow` for S sequence ranks (one process: S = 1).
 
 --quick: fewer lengths and rounds (`all` in under 5 minutes on 2 CPU cores). --smoke (not in
 --help): tiny shapes and two rounds, for tests of one part's plumbing; its figures say
@@ -30,7 +33,7 @@ CKPT_PARTS = ("realized",)  # parts that measure a trained checkpoint (--ckpt)
 GPU_PARTS = ("gpu",)  # parts that measure a CUDA device: never in `all`, only when named
 # parts that measure several processes (torchrun --nproc_per_node N -m eval.bench PART): only
 # when named; one process measures what it can alone
-DIST_PARTS = ("alltoall",)
+DIST_PARTS = ("alltoall", "longrow")
 
 
 def add_bench_command(subparsers) -> None:

@@ -18,6 +18,7 @@ from torch import nn
 
 from vlm.model.cache import KVCache
 from vlm.model.layers import RMSNorm, apply_rope, rms_norm
+from vlm.model.sequence_parallel import SequenceShard, ulysses_attention
 
 try:  # optional GPU kernel
     from flash_attn import flash_attn_varlen_func  # type: ignore
@@ -341,13 +342,25 @@ class Attention(nn.Module):
         c_BTD=None,
         cache: KVCache | None = None,
         window: int = 0,
+        shard: SequenceShard | None = None,
     ):
-        """`cache` (prefill): each row is one document; its keys and values are kept for `step`."""
+        """`cache` (prefill): each row is one document; its keys and values are kept for `step`.
+        `shard` (sequence parallelism): x holds this rank's tokens and `doc_BT` (and `mask`) the
+        whole rows': Ulysses' exchange gives each rank the whole row for some heads."""
         B, T, _ = x_BTD.shape
         q, k, v = self._heads(x_BTD, c_BTD, rope)
         if cache is not None:
             cache.fill(k, v, (doc_BT >= 0).sum(1))
-        out = attend(q, k, v, doc_BT, backend, mask, window=window)
+        if shard is not None:
+            out = ulysses_attention(
+                q,
+                k,
+                v,
+                shard,
+                lambda q, k, v: attend(q, k, v, doc_BT, backend, mask, window=window),
+            )
+        else:
+            out = attend(q, k, v, doc_BT, backend, mask, window=window)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.h * self.hd))
 
     def step(self, x_B1D, rope, cache: KVCache, advance_B: torch.Tensor | None = None, c_B1D=None):

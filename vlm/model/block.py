@@ -27,6 +27,7 @@ from vlm.model.context import DEFAULT_ROUTER_LOSSES, Statistics
 from vlm.model.cross_attention import ConceptMemory, ConceptStep, CrossAttention
 from vlm.model.layers import RMSNorm, rope_cos_sin
 from vlm.model.moe import MoE, MoEStats
+from vlm.model.sequence_parallel import SequenceShard
 
 
 @dataclass
@@ -44,6 +45,9 @@ class StackContext:
     window: int = 0  # sliding-window attention (0: the whole document)
     # the router losses the MoE layers compute (vlm.model.context.ForwardContext.router_losses)
     router_losses: frozenset[str] = DEFAULT_ROUTER_LOSSES
+    # sequence parallelism: the stack holds this rank's part of each row (valid_BT and rope are
+    # its, doc_BT and the mask the whole row's: attention runs over the row, vlm.model.sequence_parallel)
+    shard: SequenceShard | None = None
 
     @staticmethod
     def build(
@@ -57,7 +61,9 @@ class StackContext:
         window: int = 0,
         compiled: bool = False,
         router_losses: frozenset[str] = DEFAULT_ROUTER_LOSSES,
+        shard: SequenceShard | None = None,
     ) -> "StackContext":
+        """`shard`: `doc_BT` is the whole rows', `positions_BT` this rank's part of them."""
         backend = resolve_backend(backend, doc_BT.device, compiled)
         rope = rope_cos_sin(positions_BT, head_dim, theta, dtype) if use_rope else None
         if backend in ("sdpa", "eager"):
@@ -68,7 +74,8 @@ class StackContext:
             mask = doc_segments(doc_BT)
         else:  # flash, varlen
             mask = flash_layout(doc_BT)
-        return StackContext(doc_BT, rope, backend, mask, doc_BT >= 0, window, router_losses)
+        valid_BT = (doc_BT if shard is None else shard.local(doc_BT)) >= 0
+        return StackContext(doc_BT, rope, backend, mask, valid_BT, window, router_losses, shard)
 
 
 class Block(nn.Module):
@@ -122,6 +129,7 @@ class Block(nn.Module):
             c_BTD,
             cache,
             window=ctx.window,
+            shard=ctx.shard,
         )
         if self.cross is not None and c is not None:  # DLCM eq. 14's residual
             x_BTD = x_BTD + self.cross(
@@ -132,9 +140,10 @@ class Block(nn.Module):
         B, T, D = x_BTD.shape
         y_ND, stats = self.moe(
             self.ffn_norm(x_BTD).view(B * T, D),
-            ctx.valid_BT.view(B * T),
+            ctx.valid_BT.reshape(B * T),
             accumulate_load=False,
             losses=ctx.router_losses,
+            shard=ctx.shard,
         )
         return x_BTD + y_ND.view(B, T, D), stats
 

@@ -1,6 +1,7 @@
 """Chunk (ConceptMoE section 3.2) over packed rows; the dechunk (3.3) is in dechunk.py.
 
-Legend: B rows, T tokens, D width, M concept slots, N flat tokens or patches.
+Legend: B rows, T tokens, D width, M concept slots, N flat tokens or patches, L tokens of a rank
+(sequence parallelism), K concept slots of a rank (sequence parallelism).
 
 Convention (docs/design.md, "Causality"): a boundary at n closes a concept made of the tokens after
 the previous boundary (within the same document) up to and including n; tokens n .. next
@@ -22,6 +23,13 @@ from vlm.model.config import ChunkConfig
 from vlm.model.context import DEFAULT, ForwardContext, Statistics
 from vlm.model.layers import doc_starts, positions_in_doc
 from vlm.model.noise import normal, uniform
+from vlm.model.sequence_parallel import (
+    SequenceShard,
+    gather_detached,
+    padded_slots,
+    previous_token,
+    reduce_scatter,
+)
 
 
 # ---------------------------------------------------------------- equations
@@ -71,6 +79,11 @@ class Chunks(NamedTuple):
     # Synergy eq. 3's gate sigmoid(w) at each concept's boundary (topk router); None: the concepts
     # are not gated and eq. 10's STE(sel) multiplies them
     cgate_BM: torch.Tensor | None = None
+    # Sequence parallelism (vlm.model.sequence_parallel): the fields above are this rank's tokens
+    # and concept slots; these are the whole row's boundaries and concept documents (index data,
+    # the same on every rank of the group). None on one rank.
+    row_b_BT: torch.Tensor | None = None
+    row_cdoc_BM: torch.Tensor | None = None
 
 
 def within_capacity(ch: Chunks, capacity: int) -> Chunks:
@@ -138,8 +151,22 @@ class ChunkModule(nn.Module):
         slack = self.cfg.capacity_slack if training else self.cfg.eval_capacity_slack
         return concept_capacity(T, slack, self.cfg.smallest_target)
 
-    def boundary_prob(self, h_BTD, doc_BT, above_BT=None):
-        if self.cfg.router == "cosine":
+    def boundary_prob(self, h_BTD, doc_BT, above_BT=None, shard: SequenceShard | None = None):
+        """p [B, T] and the document starts. `shard`: h holds this rank's tokens of rows whose
+        documents `doc_BT` gives whole; the first token compares with the previous shard's last
+        (`previous_token`: a one-token halo), and p and the starts are this rank's."""
+        if shard is not None:
+            if self.cfg.router not in ("cosine", "linear", "fixed") or above_BT is not None:
+                raise ValueError(
+                    "sequence parallelism supports the cosine, linear and fixed routers"
+                )
+            row_doc_BT = doc_BT
+            doc_BT = shard.local(doc_BT)
+        if self.cfg.router == "cosine" and shard is not None:
+            q, k = self.q_proj(h_BTD), self.k_proj(h_BTD)
+            cos = F.cosine_similarity(q.float(), previous_token(k, shard).float(), dim=-1, eps=1e-6)
+            p = ((1 - cos) / 2).clamp(0, 1)
+        elif self.cfg.router == "cosine":
             q, k = self.q_proj(h_BTD), self.k_proj(h_BTD)
             p = cosine_boundary_prob(q, k)
             if above_BT is not None:
@@ -149,15 +176,17 @@ class ChunkModule(nn.Module):
                 cos_up = F.cosine_similarity(q.float(), k_above.float(), dim=-1, eps=1e-6)
                 p = torch.where(has, (p + ((1 - cos_up) / 2).clamp(0, 1)) / 2, p)
         elif self.cfg.router == "fixed":
-            p = (positions_in_doc(doc_BT) % self.every == 0).to(h_BTD.dtype)
+            pos_BT = positions_in_doc(doc_BT if shard is None else row_doc_BT)
+            pos_BT = pos_BT if shard is None else shard.local(pos_BT)
+            p = (pos_BT % self.every == 0).to(h_BTD.dtype)
         elif self.cfg.router == "topk":
             # p = sigmoid(w - tau): p >= 0.5 is w >= tau, the causal rule inference uses
             # (see topk_boundaries)
             p = torch.sigmoid(self.score(h_BTD).squeeze(-1).float() - self.threshold)
         else:
-            prev = F.pad(h_BTD[:, :-1], (0, 0, 1, 0))
+            prev = previous_token(h_BTD, shard)
             p = torch.sigmoid(self.score(torch.cat([h_BTD, prev], -1)).squeeze(-1).float())
-        start = doc_starts(doc_BT)
+        start = doc_starts(doc_BT) if shard is None else shard.local(doc_starts(row_doc_BT))
         p = torch.where(start, torch.ones_like(p), p)
         return torch.where(doc_BT >= 0, p, torch.zeros_like(p)), start
 
@@ -233,13 +262,26 @@ class ChunkModule(nn.Module):
         above_BT=None,
         force: str | torch.Tensor | None = None,
         context: ForwardContext = DEFAULT,
+        shard: SequenceShard | None = None,
     ) -> Chunks:
         """The boundaries of a packed batch and where its concepts go. `force`: boundaries set by the
         caller (a [B, T] mask, or "all"). In training the boundaries are sampled (eq. 5-6) with
         `context.noise_seed`; the ratio loss on p and the boundaries is the trainer's
-        (vlm.train.losses)."""
+        (vlm.train.losses). `shard` (sequence parallelism): h holds this rank's tokens, `doc_BT`
+        (and a `force` mask) the whole rows'; see `sharded_layout`."""
+        p, start = self.boundary_prob(h_BTD, doc_BT, above_BT, shard)
+        row_doc_BT = doc_BT
+        index = None
+        if shard is not None:
+            doc_BT = shard.local(doc_BT)
+            force = shard.local(force) if isinstance(force, torch.Tensor) else force
+            # the noise at each token's flat position in the rows, whatever the rank
+            B, T = row_doc_BT.shape
+            lo, hi = shard.span(T)
+            index = torch.arange(B, device=p.device)[:, None] * T + torch.arange(
+                lo, hi, device=p.device
+            )
         valid = doc_BT >= 0
-        p, start = self.boundary_prob(h_BTD, doc_BT, above_BT)
         if isinstance(force, torch.Tensor):
             b = force.bool() | start
         elif force == "all":
@@ -251,16 +293,18 @@ class ChunkModule(nn.Module):
             w_BT = self.score(h_BTD).squeeze(-1).detach().float()
             b = self.topk_boundaries(w_BT, doc_BT, context.statistics) | start
         elif self.training and self.cfg.boundary_noise == "bernoulli":
-            u = uniform(self._noise_seed(context, p.device), tuple(p.shape), p.device)
+            u = uniform(self._noise_seed(context, p.device), tuple(p.shape), p.device, index=index)
             b = sample_boundaries(sharpen(p.detach(), self.cfg.tau), u) | start
         elif self.training and self.cfg.boundary_noise == "gaussian":
             seed = self._noise_seed(context, p.device)
-            noise = normal(seed, tuple(p.shape), p.device) * self.cfg.noise_sigma
+            noise = normal(seed, tuple(p.shape), p.device, index) * self.cfg.noise_sigma
             b = (p.detach() + noise >= 0.5) | start
         else:
             b = (p >= 0.5) | start
         b = b & valid
         sel = torch.where(b, p, 1 - p)
+        if shard is not None:
+            return self.sharded_layout(p, b, sel, row_doc_BT, force == "all", shard)
         # Concepts go into a static capacity of M per row (no host synchronisation): everything
         # scatters into a spill column M (non-boundary tokens, and boundaries past the capacity)
         # that is dropped. Tokens whose concept lies past the capacity read none (cidx -1); those
@@ -286,23 +330,65 @@ class ChunkModule(nn.Module):
             cgate = gate_BT.new_zeros(doc_BT.shape[0], M + 1).scatter(1, slot_BT, gate_BT)[:, :M]
         return Chunks(p, b, sel, cidx, cdoc, positions_in_doc(cdoc), cp, overflow, cgate)
 
-    def merge(self, h_BTD: torch.Tensor, doc_BT: torch.Tensor, ch: Chunks) -> torch.Tensor:
+    def sharded_layout(
+        self,
+        p_BL: torch.Tensor,
+        b_BL: torch.Tensor,
+        sel_BL: torch.Tensor,
+        row_doc_BT: torch.Tensor,
+        every_token: bool,
+        shard: SequenceShard,
+    ) -> Chunks:
+        """`forward`'s concept layout under sequence parallelism, from this rank's boundaries: the
+        row's boundary mask is gathered (one byte per token), so each concept's index in the row is
+        a prefix sum over the group and every rank knows the documents of the row's concepts (the
+        concept attention's masks); this rank keeps its tokens' reads and its concept slots (the
+        row's static capacity M padded to a multiple of S), whose p arrive by a reduce-scatter from
+        the shards that hold their boundaries. Overflow counts this rank's boundaries."""
+        B, T = row_doc_BT.shape
+        b_BT = gather_detached(b_BL, shard)
+        M = T if every_token else self.capacity(T)
+        count_BT = b_BT.long().cumsum(1) - 1
+        if row_doc_BT.device.type == "cpu" and not torch.compiler.is_compiling():
+            M = min(M, int(count_BT[:, -1].max()) + 1) if b_BT.numel() else 0  # as `forward`
+        Mp = padded_slots(max(M, 1), shard.size)
+        fits_BT = count_BT < M
+        cidx_BT = torch.where((row_doc_BT >= 0) & fits_BT, count_BT, -1)
+        slot_BT = torch.where(b_BT & fits_BT, count_BT, Mp)
+        cdoc_BM = torch.full((B, Mp + 1), -1, dtype=row_doc_BT.dtype, device=row_doc_BT.device)
+        cdoc_BM = cdoc_BM.scatter(1, slot_BT, row_doc_BT)[:, :Mp]
+        slot_BL = shard.local(slot_BT)
+        cp_BK = reduce_scatter(p_BL.new_zeros(B, Mp + 1).scatter(1, slot_BL, p_BL)[:, :Mp], shard)
+        overflow = (b_BL & ~shard.local(fits_BT)).sum().float()
+        return Chunks(
+            p_BL,
+            b_BL,
+            sel_BL,
+            shard.local(cidx_BT),
+            shard.local(cdoc_BM),
+            shard.local(positions_in_doc(cdoc_BM)),
+            cp_BK,
+            overflow,
+            None,
+            b_BT,
+            cdoc_BM,
+        )
+
+    def merge(
+        self,
+        h_BTD: torch.Tensor,
+        doc_BT: torch.Tensor,
+        ch: Chunks,
+        shard: SequenceShard | None = None,
+    ) -> torch.Tensor:
         """Concepts [B, M, D] from token states: `last` takes h at the boundary, `sum`/`mean` pool
-        the concept's tokens."""
+        the concept's tokens. `shard`: h holds this rank's tokens and `doc_BT` the whole rows';
+        each shard pools its tokens into the row's concept slots, and a reduce-scatter sums the
+        shards' parts of this rank's slots ([B, M / S, D])."""
+        if shard is not None:
+            return self._sharded_merge(h_BTD, doc_BT, ch, shard)
         B, M = ch.cdoc_BM.shape
-        if self.cfg.merge == "last":
-            slot_BT = torch.where(ch.b_BT & (ch.cidx_BT >= 0), ch.cidx_BT, M)
-        else:
-            # Token n belongs to the concept closed by the first boundary at or after n, if that
-            # boundary is in n's own document (a document's tail after its last boundary forms no
-            # concept) and within capacity.
-            seg_BT = ch.b_BT.long().cumsum(1) - ch.b_BT.long()
-            member = (
-                (doc_BT >= 0)
-                & (seg_BT < M)
-                & (ch.cdoc_BM.gather(1, seg_BT.clamp(0, max(M - 1, 0))) == doc_BT)
-            )
-            slot_BT = torch.where(member, seg_BT, M)
+        slot_BT = self.concept_slots(ch.b_BT, ch.cidx_BT, ch.cdoc_BM, doc_BT)
         # a spill slot M per row takes every non-member token and is dropped: no boolean indexing,
         # no host sync
         flat_N = (slot_BT + torch.arange(B, device=slot_BT.device)[:, None] * (M + 1)).flatten()
@@ -315,6 +401,42 @@ class ChunkModule(nn.Module):
             )
             out = out / counts.view(B, M + 1)[:, :M].clamp_min(1)[..., None]
         return out
+
+    def concept_slots(self, b_BT, cidx_BT, cdoc_BM, doc_BT) -> torch.Tensor:
+        """[B, T]: the concept slot each token is pooled into (M, the dropped spill slot, for none)."""
+        M = cdoc_BM.shape[1]
+        if self.cfg.merge == "last":
+            return torch.where(b_BT & (cidx_BT >= 0), cidx_BT, M)
+        # Token n belongs to the concept closed by the first boundary at or after n, if that
+        # boundary is in n's own document (a document's tail after its last boundary forms no
+        # concept) and within capacity.
+        seg_BT = b_BT.long().cumsum(1) - b_BT.long()
+        member = (
+            (doc_BT >= 0)
+            & (seg_BT < M)
+            & (cdoc_BM.gather(1, seg_BT.clamp(0, max(M - 1, 0))) == doc_BT)
+        )
+        return torch.where(member, seg_BT, M)
+
+    def _sharded_merge(self, h_BLD, row_doc_BT, ch: Chunks, shard: SequenceShard) -> torch.Tensor:
+        B, Mp = ch.row_cdoc_BM.shape
+        # a concept exists (within the capacity) where its slot holds a document
+        count_BT = ch.row_b_BT.long().cumsum(1) - 1
+        held_BT = ch.row_cdoc_BM.gather(1, count_BT.clamp(0, Mp - 1)) >= 0
+        row_cidx_BT = torch.where((row_doc_BT >= 0) & (count_BT < Mp) & held_BT, count_BT, -1)
+        slot_BT = self.concept_slots(ch.row_b_BT, row_cidx_BT, ch.row_cdoc_BM, row_doc_BT)
+        rows_B1 = torch.arange(B, device=slot_BT.device)[:, None] * (Mp + 1)
+        flat_N = (shard.local(slot_BT) + rows_B1).flatten()
+        D = h_BLD.shape[-1]
+        part = h_BLD.new_zeros(B * (Mp + 1), D).index_add(0, flat_N, h_BLD.reshape(-1, D))
+        out_BKD = reduce_scatter(part.view(B, Mp + 1, D)[:, :Mp], shard)
+        if self.cfg.merge == "mean":  # the pool sizes, from the row's layout (no exchange)
+            counts = torch.zeros(B * (Mp + 1), device=slot_BT.device).index_add(
+                0, (slot_BT + rows_B1).flatten(), torch.ones(slot_BT.numel(), device=slot_BT.device)
+            )
+            n_BK = shard.local(counts.view(B, Mp + 1)[:, :Mp]).clamp_min(1)
+            out_BKD = out_BKD / n_BK[..., None].to(out_BKD.dtype)
+        return out_BKD
 
     # ---------------------------------------------------------------- inference
     def step(

@@ -31,6 +31,7 @@ from vlm.model.cross_attention import ConceptMemory, ConceptStep
 from vlm.model.dechunk import Dechunk
 from vlm.model.layers import RMSNorm, rope_cos_sin
 from vlm.model.output import ModelOutput
+from vlm.model.sequence_parallel import SequenceShard
 from vlm.model.share_init import fill_, init_normal_
 from vlm.model.tiled_loss import LMHead, tokens_per_tile
 
@@ -110,12 +111,41 @@ class ConceptMoELM(nn.Module):
         # blocks are compiled (vlm.model.compile)
         self.activation_checkpoint = cfg.activation_checkpoint
         self.compiled = False
+        # sequence parallelism (vlm.model.sequence_parallel): this rank's place in the group its
+        # rows are split over, set once by the trainer (`shard_sequence`); None: whole rows
+        self.sequence_shard: SequenceShard | None = None
         self.lm_head = LMHead(D, cfg.vocab_size)
         self.apply(self._init)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         if cfg.chunk.joint_decoding_zero_init:
             self.zero_joint_projections()
+
+    def shard_sequence(self, shard: SequenceShard | None) -> None:
+        """Split every row of a training forward over `shard`'s group: this rank computes its
+        tokens [s T / S, (s + 1) T / S) and its share of the concept slots, and its output (final
+        hidden states, chunking, MoE statistics) is its tokens' (the trainer's loss reads this
+        rank's part of the batch: vlm.train.sequence_shard). Refused (ValueError, one line) for
+        what it cannot split."""
+        if shard is not None and shard.size > 1:
+            for ok, what in (
+                (not self.cross, "model.decoder_mode: cross_attention"),
+                (self.chunker is None or self.cfg.chunk.router != "topk", "chunk.router: topk"),
+                (not self.cfg.chunk.grid_aware_boundaries, "chunk.grid_aware_boundaries: true"),
+                (self.cfg.attention_window == 0, "model.attention_window > 0"),
+            ):
+                if not ok:
+                    raise ValueError(f"parallel.sequence={shard.size} does not support {what}")
+            for heads, name in (
+                (self.cfg.num_heads, "num_heads"),
+                (self.cfg.c_heads, "concept heads"),
+            ):
+                if heads % shard.size:
+                    raise ValueError(
+                        f"parallel.sequence={shard.size} must divide the attention's {heads} "
+                        f"query heads (model.{name}): Ulysses splits heads over the group"
+                    )
+        self.sequence_shard = shard if shard is not None and shard.size > 1 else None
 
     @property
     def gradient_checkpointing(self) -> bool:
@@ -163,9 +193,10 @@ class ConceptMoELM(nn.Module):
         layer. With `cache` (prefill: one document per row) every layer's keys and values and the
         chunk state are kept. `context`: what a training forward needs from its step."""
         cfg = self.cfg
+        shard = self.sequence_shard if cache is None else None
         ctx = StackContext.build(
             doc_BT,
-            pos_BT,
+            pos_BT if shard is None else shard.local(pos_BT),
             cfg.head_dim,
             cfg.rope_theta,
             x_BTD.dtype,
@@ -173,6 +204,7 @@ class ConceptMoELM(nn.Module):
             window=cfg.attention_window,
             compiled=self.compiled,
             router_losses=context.router_losses,
+            shard=shard,
         )
         ckpt = self.activation_checkpoint
         h_BTD, moe_stats = run_stack(
@@ -225,13 +257,18 @@ class ConceptMoELM(nn.Module):
         context (the cross-attention decoder's concept memory reads it; built when not given)."""
         cfg = self.cfg
         ch: Chunks | None = None
-        if self.chunker is None:
-            c_BMD, cdoc_BM, cpos_BM = h_BTD, doc_BT, pos_BT
+        # sequence parallelism: h holds this rank's tokens, doc_BT and pos_BT the whole rows'
+        shard = self.sequence_shard if cache is None else None
+        row_cdoc_BM = None  # the whole row's concept documents (their attention's masks)
+        if self.chunker is None:  # every token a concept: the concept stack splits as the tokens
+            c_BMD, row_cdoc_BM = h_BTD, doc_BT
+            cpos_BM = pos_BT if shard is None else shard.local(pos_BT)
         else:
-            ch = self.chunker(h_BTD, doc_BT, above_BT, force, context)
+            ch = self.chunker(h_BTD, doc_BT, above_BT, force, context, shard)
             if cache is not None and cache.concept:
                 ch = within_capacity(ch, cache.concept[0].capacity)
-            c_BMD, cdoc_BM, cpos_BM = self.chunker.merge(h_BTD, doc_BT, ch), ch.cdoc_BM, ch.cpos_BM
+            c_BMD = self.chunker.merge(h_BTD, doc_BT, ch, shard)
+            row_cdoc_BM, cpos_BM = ch.cdoc_BM if shard is None else ch.row_cdoc_BM, ch.cpos_BM
         concept_in_BMD = c_BMD
         if cache is not None and not cache.concept:
             self.allocate_concept_caches(
@@ -240,7 +277,7 @@ class ConceptMoELM(nn.Module):
         if self.concept_up is not None:
             c_BMD = self.concept_up(c_BMD)
         cctx = StackContext.build(
-            cdoc_BM,
+            row_cdoc_BM,
             cpos_BM,
             cfg.head_dim,
             cfg.rope_theta,
@@ -249,6 +286,7 @@ class ConceptMoELM(nn.Module):
             use_rope=cfg.concept_pos == "rope",
             compiled=self.compiled,
             router_losses=context.router_losses,
+            shard=shard,
         )
         c_BMD, moe_stats = run_stack(
             self.concept,
@@ -263,9 +301,9 @@ class ConceptMoELM(nn.Module):
             c_BMD = self.concept_down(c_BMD)
         if ch is None:
             return Middle(c_BMD, None, None, moe_stats)
-        smoothed_BMD = self.dechunk.smooth(c_BMD, ch)
+        smoothed_BMD = self.dechunk.smooth(c_BMD, ch, shard)
         z_BTD, cread_BTD, cread_in_BTD = self.dechunk(
-            h_BTD, c_BMD, ch, concept_in_BMD, smoothed_BMD
+            h_BTD, c_BMD, ch, concept_in_BMD, smoothed_BMD, shard
         )
         if cache is not None:
             cache.chunk = ChunkState.join(
@@ -463,6 +501,9 @@ class ConceptMoELM(nn.Module):
         context: ForwardContext = DEFAULT,
     ) -> ModelOutput:
         x_BTD = self.embed(batch.input_ids) if inputs_embeds is None else inputs_embeds
+        if self.sequence_shard is not None:  # this rank's tokens (the documents stay whole)
+            # a copy: a view would keep the whole row's embeddings alive through the backward
+            x_BTD = self.sequence_shard.local(x_BTD).clone()
         states = [] if output_hidden_states else None
         out_BTD, ch, moe_stats = self.hidden(
             x_BTD,

@@ -2,7 +2,8 @@
 input z (eq. 10) with STE, over a whole sequence (`forward`) and for one new token per row (`step`,
 with the state `prefill_state` builds after a prompt).
 
-Legend: B rows, T tokens, D width, M concept slots.
+Legend: B rows, T tokens, D width, M concept slots, K concept slots of a rank (sequence
+parallelism).
 
 Convention (docs/design.md, "Dechunk"): token n reads the EMA at concept psi(n), the last one
 closed at or before n.
@@ -19,6 +20,7 @@ from vlm.model.cache import DechunkState
 from vlm.model.config import ChunkConfig
 from vlm.model.ema_scan import ema_scan
 from vlm.model.layers import doc_starts
+from vlm.model.sequence_parallel import SequenceShard, all_gather, sharded_ema_scan
 from vlm.model.share_init import assign_
 
 if TYPE_CHECKING:  # chunking.py re-exports this module's names: no import back at run time
@@ -88,10 +90,27 @@ class Dechunk(nn.Module):
         )
 
     @staticmethod
-    def smooth(concepts_BMD: torch.Tensor, ch: Chunks) -> torch.Tensor:
+    def smooth(
+        concepts_BMD: torch.Tensor, ch: Chunks, shard: SequenceShard | None = None
+    ) -> torch.Tensor:
         """Eq. 8 at concept level, [B, M, D], restarted at each document (DLCM's concept smoothing
-        S, eq. 11 there: what the cross-attention decoder attends over), over the gated concepts."""
-        return ema_scan(Dechunk.gated(concepts_BMD, ch), ch.cp_BM, doc_starts(ch.cdoc_BM))
+        S, eq. 11 there: what the cross-attention decoder attends over), over the gated concepts.
+        `shard`: this rank's concept slots, carried on from the earlier shards'."""
+        return Dechunk._ema(Dechunk.gated(concepts_BMD, ch), ch, shard)
+
+    @staticmethod
+    def _ema(x_BMD: torch.Tensor, ch: Chunks, shard: SequenceShard | None) -> torch.Tensor:
+        if shard is None:
+            return ema_scan(x_BMD, ch.cp_BM, doc_starts(ch.cdoc_BM))
+        reset_BK = shard.local(doc_starts(ch.row_cdoc_BM))
+        return sharded_ema_scan(x_BMD, ch.cp_BM, reset_BK, shard)
+
+    @staticmethod
+    def read(smoothed_BMD: torch.Tensor, ch: Chunks, shard: SequenceShard | None) -> torch.Tensor:
+        """Eq. 9's plug-back; under sequence parallelism from the row's slots gathered from their
+        ranks."""
+        row_BMD = smoothed_BMD if shard is None else all_gather(smoothed_BMD, shard)
+        return plug_back(row_BMD, ch.cidx_BT)
 
     def forward(
         self,
@@ -100,14 +119,15 @@ class Dechunk(nn.Module):
         ch: Chunks,
         inputs_BMD: torch.Tensor | None = None,
         smoothed_BMD: torch.Tensor | None = None,
+        shard: SequenceShard | None = None,
     ):
         """(z, c, c_in): the decoder input (eq. 10), the EMA concept each token reads and, for
         residual "delta" (which needs `inputs_BMD`, the concept model's inputs), the same EMA
         over those inputs (else None). `smoothed_BMD`: `smooth(concepts_BMD, ch)` when the caller
         has it already."""
         if smoothed_BMD is None:
-            smoothed_BMD = self.smooth(concepts_BMD, ch)
-        c_BTD = plug_back(smoothed_BMD, ch.cidx_BT)
+            smoothed_BMD = self.smooth(concepts_BMD, ch, shard)
+        c_BTD = self.read(smoothed_BMD, ch, shard)
         if ch.cgate_BM is None:
             gate = ste(ch.sel_BT)[..., None].to(c_BTD.dtype)
         else:
@@ -116,8 +136,7 @@ class Dechunk(nn.Module):
         if self.cfg.residual == "delta":
             # the STE multiplies the whole update c - c_in: on c alone the forward is the same but
             # p's gradient would miss -c_in
-            reset = doc_starts(ch.cdoc_BM)
-            c_in_BTD = plug_back(ema_scan(self.gated(inputs_BMD, ch), ch.cp_BM, reset), ch.cidx_BT)
+            c_in_BTD = self.read(self._ema(self.gated(inputs_BMD, ch), ch, shard), ch, shard)
             return h_BTD + (c_BTD - c_in_BTD) * gate, c_BTD, c_in_BTD
         res = self.residual(h_BTD) if self.residual is not None else h_BTD
         return res + c_BTD * gate, c_BTD, None

@@ -29,10 +29,12 @@ NBINS = len(EDGES) + 1
 OVERFLOW, NO_CONCEPT = len(EDGES) - 1, len(EDGES)
 
 
-def document_slots(doc_BT: torch.Tensor) -> tuple[torch.Tensor, int]:
+def document_slots(doc_BT: torch.Tensor, row_tokens: int | None = None) -> tuple[torch.Tensor, int]:
     """A slot per (row, document): [B, T] slot index (row * (T + 1) + doc; padding goes to the row's
-    spare slot T) and the number of slots."""
+    spare slot T) and the number of slots. `row_tokens`: T where `doc_BT` is part of longer rows (a
+    sequence shard's: every shard of a row then numbers its documents' slots alike)."""
     B, T = doc_BT.shape
+    T = T if row_tokens is None else row_tokens
     rows = torch.arange(B, device=doc_BT.device)[:, None] * (T + 1)
     return rows + torch.where(doc_BT >= 0, doc_BT, torch.full_like(doc_BT, T)), B * (T + 1)
 

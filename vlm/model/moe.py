@@ -27,6 +27,7 @@ from vlm.model.context import ROUTER_LOSSES
 from vlm.model.expert_parallel import ExpertExchange, exchanged_swiglu, local_slice
 from vlm.model.legacy_names import rename_legacy_keys
 from vlm.model.moe_dispatch import expert_swiglu, grouped_mm_available, sort_by_group
+from vlm.model.sequence_parallel import SequenceShard, row_sum
 from vlm.model.share_init import init_normal_, mark_rows
 from vlm.model.shares import current, expert_rows
 
@@ -147,6 +148,7 @@ def switch_balance_loss(
     normalise_scores: bool,
     valid_N: torch.Tensor | None = None,
     load_E: torch.Tensor | None = None,
+    shard: SequenceShard | None = None,
 ) -> torch.Tensor:
     """Switch Transformer balance loss E * sum_i f_i P_i (f_i: share of assignments, P_i:
     mean score), over the `valid_N` tokens (all when None; padding's sentinel assignments
@@ -166,16 +168,23 @@ def switch_balance_loss(
     load_E = expert_load(experts_NK, num_experts) if load_E is None else load_E
     # sum_i f_i P_i = (load . sum over valid tokens of the scores) / (assignments * valid tokens)
     score_sum_E = probs_NE.sum(0) if valid_N is None else torch.mv(probs_NE.t(), valid_N)
-    n = probs_NE.shape[0] if valid_N is None else valid_N.sum()
+    n = probs_NE.new_tensor(probs_NE.shape[0]) if valid_N is None else valid_N.sum()
+    # sequence parallelism: the row's sums, each rank's gradient through its own tokens
+    load_E, score_sum_E, n = (row_sum(t, shard) for t in (load_E, score_sum_E, n))
     return num_experts * torch.dot(load_E, score_sum_E) / (load_E.sum() * n).clamp_min(1)
 
 
-def router_z_loss(logits_NE: torch.Tensor, valid_N: torch.Tensor | None = None) -> torch.Tensor:
-    """ST-MoE router z-loss: mean over (valid) tokens of logsumexp(logits)^2."""
+def router_z_loss(
+    logits_NE: torch.Tensor,
+    valid_N: torch.Tensor | None = None,
+    shard: SequenceShard | None = None,
+) -> torch.Tensor:
+    """ST-MoE router z-loss: mean over (valid) tokens of logsumexp(logits)^2 (`shard`: over the
+    row's tokens, as `switch_balance_loss`)."""
     z_N = logits_NE.float().logsumexp(dim=-1).square()
     if valid_N is None:
-        return z_N.mean()
-    return (z_N * valid_N).sum() / valid_N.sum().clamp_min(1)
+        valid_N = torch.ones_like(z_N)
+    return row_sum((z_N * valid_N).sum(), shard) / row_sum(valid_N.sum(), shard).clamp_min(1)
 
 
 def loss_free_bias_step(
@@ -383,6 +392,7 @@ class MoE(nn.Module):
         valid_N: torch.Tensor | None = None,
         accumulate_load: bool = True,
         losses: frozenset[str] = ROUTER_LOSSES,
+        shard: SequenceShard | None = None,
     ) -> tuple[torch.Tensor, MoEStats]:
         """[N, D] -> [N, D] and the layer's statistics. `valid_N` (bool): the rows that are real
         tokens; the others (padding, unused concept capacity) are routed nowhere, computed by no
@@ -393,7 +403,9 @@ class MoE(nn.Module):
         transformer block passes `accumulate_load=False` and its stack adds them
         (vlm.model.block.run_stack) outside the block, so that activation checkpointing's
         recomputation does not count them twice. `losses`: the router losses to compute (a layer
-        used alone: both; in a model, those its forward's context asks for, vlm.model.context)."""
+        used alone: both; in a model, those its forward's context asks for, vlm.model.context).
+        `shard` (sequence parallelism): the tokens are this rank's part of rows split over its
+        group; the balance and z losses are the rows'."""
         if x_ND.dim() != 2 or x_ND.shape[-1] != self.dim:
             raise ValueError(
                 f"MoE expects x_ND of shape [tokens, {self.dim}], got {tuple(x_ND.shape)}"
@@ -419,12 +431,14 @@ class MoE(nn.Module):
         balance = z = None  # computed where the loss weighs them (`losses`)
         if "balance" in losses:
             balance = (
-                switch_balance_loss(r.scores_NE, None, cfg.router == "sigmoid", valid_f, load_E)
+                switch_balance_loss(
+                    r.scores_NE, None, cfg.router == "sigmoid", valid_f, load_E, shard
+                )
                 if N
                 else logits_NE.new_zeros(())
             )
         if "z" in losses:
-            z = router_z_loss(logits_NE, valid_f) if N else logits_NE.new_zeros(())
+            z = router_z_loss(logits_NE, valid_f, shard) if N else logits_NE.new_zeros(())
 
         dtype = (
             torch.get_autocast_dtype(dev_type)

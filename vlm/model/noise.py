@@ -30,20 +30,33 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 
 
 def uniform(
-    seed: torch.Tensor, shape: tuple[int, ...], device: torch.device, stream: int = 0
+    seed: torch.Tensor,
+    shape: tuple[int, ...],
+    device: torch.device,
+    stream: int = 0,
+    index: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """float32 in [0, 1) of `shape`, one value per flat position, from a 0-d int64 `seed`; `stream`
-    picks an independent sequence for the same seed (e.g. the two uniforms of Box-Muller)."""
+    picks an independent sequence for the same seed (e.g. the two uniforms of Box-Muller). `index`
+    (int64 of `shape`): the flat positions to draw at, where the tensor is part of a larger one (a
+    sequence shard of a row: the noise is a function of the position in the row, not the rank)."""
     n = math.prod(shape)
-    i = torch.arange(n, device=device, dtype=torch.int64) * 2 + stream
+    flat = torch.arange(n, device=device, dtype=torch.int64) if index is None else index.flatten()
+    i = flat * 2 + stream
     s = seed.to(device=device, dtype=torch.int64)
     x = _mix32((i ^ (s & _M32)) & _M32)
     x = _mix32(x ^ ((s >> 32) & _M32))
     return ((x >> 8).to(torch.float32) * 2.0**-24).view(shape)
 
 
-def normal(seed: torch.Tensor, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """Standard normal noise of `shape` (Box-Muller on two independent uniform streams)."""
-    u1 = 1.0 - uniform(seed, shape, device, 0)  # (0, 1]: log is finite
-    u2 = uniform(seed, shape, device, 1)
+def normal(
+    seed: torch.Tensor,
+    shape: tuple[int, ...],
+    device: torch.device,
+    index: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Standard normal noise of `shape` (Box-Muller on two independent uniform streams); `index` as
+    `uniform`'s."""
+    u1 = 1.0 - uniform(seed, shape, device, 0, index)  # (0, 1]: log is finite
+    u2 = uniform(seed, shape, device, 1, index)
     return torch.sqrt(-2.0 * torch.log(u1)) * torch.cos(2 * math.pi * u2)

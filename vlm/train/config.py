@@ -132,8 +132,8 @@ class ParallelConfig(ValidatedOnInit):
     exchange: str = "variable"
     # Each row of a micro-batch split over this many consecutive ranks (sequence parallelism; the
     # world / sequence data-parallel replicas read micro-batches of their own). Divides the number
-    # of ranks. `vlm plan` plans it; training with it is refused for now (docs/training.md, "The
-    # parallel layout").
+    # of ranks (docs/training.md, "Sequence parallelism"; vlm.train.sequence_shard says what it
+    # refuses).
     sequence: int = 1
     # Seconds any rank waits for the others: at start-up (a rank that never started) and in every
     # collective after it (a stalled rank: a hung GPU, a dead mount). Past it the job ends on every

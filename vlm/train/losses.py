@@ -30,6 +30,7 @@ the `loss:` field that holds its weight; a term that needs a sum over the global
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -40,6 +41,7 @@ from vlm.model.config import ChunkConfig, ModelConfig
 from vlm.model.doc_stats import document_slots
 from vlm.model.output import ModelOutput
 from vlm.model.ratio_loss import document_ratio_loss, ratio_loss
+from vlm.model.sequence_parallel import SequenceShard, row_sum
 from vlm.model.stats import lm_labels, lm_losses
 from vlm.train.loss_config import LossConfig
 
@@ -54,6 +56,14 @@ class Totals:
     # this micro-batch's labelled tokens, counted on the host before its forward (None: counted
     # here, a host read where the batch is on a GPU)
     micro_labelled: float | None = None
+    # sequence parallelism (vlm.train.sequence_shard): the batch is this rank's part of its rows,
+    # one of `micro_batches` parts (micro x world); a term that is its row's on each of the S ranks
+    # (balance, z, per-document ratio) is scaled by S and logged as 1/S on each. None: whole rows
+    shard: SequenceShard | None = None
+
+    @property
+    def sequence(self) -> int:
+        return 1 if self.shard is None else self.shard.size
 
 
 @dataclass
@@ -140,12 +150,16 @@ def ratio_loss_value(
     cfg: ChunkConfig,
     glob_Z3: torch.Tensor | None = None,
     document_weight: float = LossConfig.document,
+    shard: SequenceShard | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(the ratio loss of one chunking, its batch part detached): eq. 4 per ratio group from the
     boundary fraction F and mean p G over `glob_Z3`'s sums (DLCM's global parser; None: this batch's
     own), plus with `cfg.document_slack` the per-document band (`document_ratio_loss`, weighted by
     `document_weight`: loss.document). F carries no gradient; G's gradient reaches only this
-    batch's p, and summing the micro-batches' gradients gives the global one's exactly."""
+    batch's p, and summing the micro-batches' gradients gives the global one's exactly. `shard`:
+    the batch is this rank's part of its rows; a document's sums are the row's (`row_sum`: each
+    rank's gradient through its own tokens), so the per-document term is the row's on every rank
+    of the group."""
     groups, p_BT, sum_p_Z, local_Z3 = _ratio_sums(chunks, doc_BT, modality_BT, cfg)
     glob_Z3 = local_Z3 if glob_Z3 is None else glob_Z3
     count_Z = glob_Z3[:, 2].clamp_min(1)
@@ -156,14 +170,15 @@ def ratio_loss_value(
     loss = torch.where(glob_Z3[:, 2] > 0, losses_Z, torch.zeros_like(losses_Z)).sum()
     batch_part = loss.detach()
     if cfg.holds_documents:
-        slot_BT, S = document_slots(doc_BT)
+        row_T = None if shard is None else doc_BT.shape[1] * shard.size
+        slot_BT, S = document_slots(doc_BT, row_T)
         idx_N = slot_BT.flatten()
         b_N = chunks.b_BT.flatten().float()
         for k, (mask_BT, r) in enumerate(groups):  # one or two groups: not a loop over tokens
             m_N = mask_BT.flatten().float()
-            n_S = p_BT.new_zeros(S).index_add(0, idx_N, m_N)
-            b_S = p_BT.new_zeros(S).index_add(0, idx_N, m_N * b_N)
-            p_S = p_BT.new_zeros(S).index_add(0, idx_N, m_N * p_BT.flatten())
+            n_S = row_sum(p_BT.new_zeros(S).index_add(0, idx_N, m_N), shard)
+            b_S = row_sum(p_BT.new_zeros(S).index_add(0, idx_N, m_N * b_N), shard)
+            p_S = row_sum(p_BT.new_zeros(S).index_add(0, idx_N, m_N * p_BT.flatten()), shard)
             loss = loss + document_weight * document_ratio_loss(
                 n_S, b_S, p_S, glob_Z3[k, 2], r, cfg.document_slack
             )
@@ -182,14 +197,16 @@ def ratio_term(
     for them (`totals.sums["ratio"]`, train.global_parser)."""
     glob_Z3 = totals.sums.get("ratio")
     loss, batch_part = ratio_loss_value(
-        out.chunks, batch.doc_ids, batch.modality, cfg.chunk, glob_Z3, w.document
+        out.chunks, batch.doc_ids, batch.modality, cfg.chunk, glob_Z3, w.document, totals.shard
     )
     K = totals.micro_batches
     if glob_Z3 is None:  # each micro-batch's own loss: a mean over micro-batches
         return TermValue(loss, 1.0, loss.detach() / K)
     # the batch term is the global one on every micro-batch (logged once); the per-document term's
-    # micro-batch parts, weighted by tokens over the global count, add up
-    return TermValue(loss, float(K), batch_part / K + (loss.detach() - batch_part))
+    # micro-batch parts, weighted by tokens over the global count, add up (each row's is on its S
+    # ranks: logged 1/S on each)
+    doc_part = (loss.detach() - batch_part) / totals.sequence
+    return TermValue(loss, float(K), batch_part / K + doc_part)
 
 
 # ---------------------------------------------------------------- the routers' losses
@@ -209,8 +226,10 @@ def _router_mean(out: ModelOutput, w: LossConfig, term: str) -> torch.Tensor | N
 
 
 def _per_micro_batch(value: torch.Tensor, totals: Totals) -> TermValue:
-    """A term that is a mean over the global batch's micro-batches."""
-    return TermValue(value, 1.0, value.detach() / totals.micro_batches)
+    """A term that is a mean over the global batch's micro-batches (its rows': with sequence
+    parallelism a row's value is on each of its S ranks, each with the gradient of its tokens, so
+    it is scaled by S and the S parts' gradients add up to the row's)."""
+    return TermValue(value, float(totals.sequence), value.detach() / totals.micro_batches)
 
 
 def balance_term(
@@ -288,9 +307,13 @@ class Loss:
         weights: LossConfig | None = None,
         global_parser: bool = True,
         terms=None,
+        shard: SequenceShard | None = None,
     ):
+        """`shard`: each batch is this rank's part of rows split over its group (sequence
+        parallelism: vlm.train.sequence_shard)."""
         self.cfg = cfg
         self.loss_cfg = LossConfig() if weights is None else weights
+        self.shard = shard
         terms = TERMS if terms is None else terms
         self.weights = {t.name: w for t in terms if (w := float(t.weight(cfg, self.loss_cfg)))}
         self.terms = [t for t in terms if t.name in self.weights]
@@ -325,6 +348,8 @@ class Loss:
         (a model used alone: its total is the loss of this batch)."""
         if totals is None:
             totals = Totals(1, self.statistics(out, batch), float(labelled_tokens(batch)))
+        if self.shard is not None:
+            totals = dataclasses.replace(totals, shard=self.shard)
         values = {t.name: t.fn(out, batch, self.cfg, self.loss_cfg, totals) for t in self.terms}
         backprop = None
         for name, t in values.items():

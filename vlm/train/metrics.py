@@ -83,13 +83,18 @@ class StepAccumulator:
         batch: PackedBatch,
         loss: LossResult | None = None,
         token_loss_BT: torch.Tensor | None = None,
+        row: tuple | None = None,
     ) -> None:
         """What one micro-batch adds to the step's metrics: every loss term (`loss/NAME`, and the
         weighted total `loss`), the LM loss by kind of sample and in bits per byte, tokens,
         boundaries, realized compression and mean p per modality, expert loads, the Grove adjugate
         rate, concept overflow, and per kind and source the documents' ratios and LM loss. Without
         `loss` (a model scored, not trained: held-out batches, `vlm eval ppl`), `token_loss_BT`
-        gives the LM loss, `loss/lm`, as the mean over every batch's labelled tokens."""
+        gives the LM loss, `loss/lm`, as the mean over every batch's labelled tokens. `row`
+        (sequence parallelism: `batch` and `out` are this rank's part of their rows): (the whole
+        batch, the whole rows' boundaries, the SequenceShard); a sample's kind (image-text or
+        text-only) and each document's ratio are then the rows' (the documents counted by the
+        group's first rank)."""
         if loss is not None:
             for name, share in loss.shares().items():
                 self.add(name, share)
@@ -119,14 +124,18 @@ class StepAccumulator:
             if overflow is not None:  # expert parallelism's capacity (vlm.model.expert_parallel)
                 self.add_count("moe/overflow", overflow)
         if token_loss_BT is not None:
-            self._add_lm_split(batch, token_loss_BT)
-        self._add_groups(batch, b_BT, valid_BT, token_loss_BT)
+            self._add_lm_split(batch, token_loss_BT, row)
+        self._add_groups(batch, b_BT, valid_BT, token_loss_BT, row)
 
-    def _add_lm_split(self, batch: PackedBatch, token_loss_BT: torch.Tensor) -> None:
+    def _add_lm_split(self, batch: PackedBatch, token_loss_BT: torch.Tensor, row=None) -> None:
         """The LM loss of text-only and image-text samples (the paper's textloss / mmloss), and the
         text-only samples' bits per UTF-8 byte they predict."""
         labelled = lm_labels(batch) != IGNORE_INDEX
-        mm = sample_has_image(batch.doc_ids, batch.modality)
+        if row is None:
+            mm = sample_has_image(batch.doc_ids, batch.modality)
+        else:  # a sample's kind is its whole document's
+            whole, _, shard = row
+            mm = shard.local(sample_has_image(whole.doc_ids, whole.modality))
         text_only = labelled & ~mm
         for name, sel in (("loss/text_only", text_only), ("loss/image_text", labelled & mm)):
             self.add_mean(name, (token_loss_BT * sel).sum(), sel.sum())
@@ -137,19 +146,26 @@ class StepAccumulator:
             bits = (token_loss_BT.double() * text_only).sum() / math.log(2)
             self.add_mean("bpb/text", bits, text_bytes)
 
-    def _add_groups(self, batch, b_BT, valid_BT, token_loss_BT) -> None:
+    def _add_groups(self, batch, b_BT, valid_BT, token_loss_BT, row=None) -> None:
         """Per kind of sample and per source: each document's realized ratio per modality into the
         histograms, and the LM loss sums."""
         hist_Y2X = torch.zeros(self.n_groups, 2, NBINS, dtype=torch.float64, device=self.device)
         loss_Y2 = torch.zeros(self.n_groups, 2, dtype=torch.float64, device=self.device)
-        counts = document_counts(b_BT, batch.doc_ids, batch.modality)
+        docs, doc_b_BT = batch, b_BT
+        if row is not None:  # the whole rows' documents, counted once per group
+            docs, doc_b_BT, shard = row
+            doc_b_BT = doc_b_BT if doc_b_BT is not None else docs.doc_ids >= 0
+        counts = document_counts(doc_b_BT, docs.doc_ids, docs.modality)
+        if row is not None and row[2].rank != 0:
+            counts = torch.zeros_like(counts)
         nk = len(KINDS)
         labels = [(batch.kind, 0, nk), (batch.source, nk, self.n_groups - nk)]
+        doc_labels = [docs.kind, docs.source]
         lab_BT = lm_labels(batch) != IGNORE_INDEX
-        for label_BT, offset, n in labels:
+        for (label_BT, offset, n), doc_label_BT in zip(labels, doc_labels):
             if label_BT is None or n == 0:
                 continue
-            group_S = document_labels(label_BT, batch.doc_ids)
+            group_S = document_labels(doc_label_BT, docs.doc_ids)
             hist_Y2X[offset : offset + n] += group_histogram(counts, group_S, n).to(self.device)
             if token_loss_BT is not None:
                 g = torch.where(lab_BT & (label_BT >= 0) & (label_BT < n), label_BT, n).flatten()

@@ -30,6 +30,7 @@ from vlm.model.training_controls import TrainingControls
 from vlm.train import checkpoint as ckpt_lib
 from vlm.train import collectives, reshard
 from vlm.train import expert_parallel as ep_lib
+from vlm.train import sequence_shard as sp_lib
 from vlm.train.build_share import prepare_for_engine, transients_returned
 from vlm.train.config import RunConfig, TrainConfig
 from vlm.train.distributed import DistInfo, ProcessGroups, init_distributed, make_groups
@@ -105,13 +106,10 @@ class Run:
             (self.dir / "deepspeed_config.json").write_text(json.dumps(self.ds_config, indent=2))
 
 
-def check_trainable(layout: ParallelLayout) -> None:
-    """ConfigError (one line) for a layout `vlm plan` plans but the trainer cannot run yet."""
-    if layout.sequence > 1:
-        raise ConfigError(
-            f"parallel.sequence={layout.sequence}: sequence-parallel training is not built yet "
-            "(`vlm plan` plans it); use parallel.sequence: 1"
-        )
+def check_trainable(cfg: TrainConfig, layout: ParallelLayout) -> None:
+    """ConfigError (one line) for a layout the trainer cannot run (sequence parallelism's limits:
+    vlm.train.sequence_shard)."""
+    sp_lib.check(cfg, layout)
 
 
 def set_up_process(run: RunConfig) -> None:
@@ -166,7 +164,7 @@ def model_sharding(cfg: TrainConfig, layout: ParallelLayout) -> tuple[Sharding, 
     and the dense weights whole, and the engine partitions both when it is built (its AutoEP
     placement: vlm.train.expert_parallel.deepspeed_view); zero.Init would partition the experts
     over the world, not over their replicas."""
-    ds_json = deepspeed_config(cfg.deepspeed, cfg.optim, layout.data)
+    ds_json = deepspeed_config(cfg.deepspeed, cfg.optim, layout.world)
     ds = effective_settings(cfg.deepspeed, ds_json)
     stage = 0 if layout.expert > 1 and ds.zero_stage == 3 else ds.zero_stage
     return Sharding.of(layout, stage, ds.bf16), ds_json
@@ -216,7 +214,7 @@ def build_run(
     check_buildable(cfg)  # before the run folder exists: nothing is left behind
     dist = init_distributed(cfg.parallel.timeout_s, stop)
     layout = ParallelLayout.of(cfg.parallel, dist.world_size, dist.rank)
-    check_trainable(layout)
+    check_trainable(cfg, layout)
     groups = make_groups(layout)
     set_up_process(cfg.train)
     say = log if dist.is_main else (lambda msg: None)
@@ -241,6 +239,8 @@ def build_run(
         )
         # each rank keeps its shard of the routed experts (None: every rank holds them all)
         ep = ep_lib.set_up(model, cfg.parallel, layout, groups)
+        # each rank computes its part of every row (None: whole rows)
+        shard = sp_lib.set_up(model, layout, groups)
         param_groups = build_param_groups(
             model, cfg.optim, cfg.params, cfg.model.hidden_size, cfg.model.c_hidden
         )
@@ -253,7 +253,9 @@ def build_run(
         saved = saved_config(run_dir, resume_from, say)
         kept = saved["optim"]["global_batch_rows"] if saved else None
         cfg = with_global_batch(cfg, layout.data, kept)
-        ds_json = deepspeed_config(cfg.deepspeed, cfg.optim, layout.data)
+        # DeepSpeed averages every gradient over the world; with sequence parallelism each rank's
+        # part of a row counts as one of micro x world parts (vlm.train.step)
+        ds_json = deepspeed_config(cfg.deepspeed, cfg.optim, layout.world)
         cfg = evolve(cfg, deepspeed=effective_settings(cfg.deepspeed, ds_json))  # what runs
         if reshard.needs_universal(resume_from, dist.world_size, ds_json):
             ds_json = reshard.with_universal_loading(ds_json)
@@ -267,12 +269,13 @@ def build_run(
         eval_batches = ep_lib.even_eval_batches(eval_batches, ep, dist.device)
         float_dtype = torch.bfloat16 if engine.bfloat16_enabled() else torch.float32
         settings = StepSettings(
-            loss=Loss(cfg.model, cfg.loss, global_parser=cfg.train.global_parser),
+            loss=Loss(cfg.model, cfg.loss, global_parser=cfg.train.global_parser, shard=shard),
             controls=TrainingControls(engine.module),
             seed=cfg.train.seed,
             layout=layout,
             device=dist.device,
             float_dtype=float_dtype,
+            shard=shard,
             bytes_per_id=torch.as_tensor(tokenizer.bytes_per_id, device=dist.device),
             groups=tuple(group_names([s.label for s in loader.sources])),
         )

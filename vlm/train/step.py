@@ -33,12 +33,14 @@ import torch
 
 from configs.batch import PackedBatch
 from vlm.model.context import ForwardContext, Statistics
+from vlm.model.sequence_parallel import SequenceShard
 from vlm.model.training_controls import TrainingControls
 from vlm.train import collectives
 from vlm.train.device_feed import prepare
 from vlm.train.layout import ParallelLayout
 from vlm.train.losses import Loss, Totals, labelled_tokens
 from vlm.train.metrics import StepAccumulator, StepRecord
+from vlm.train.sequence_shard import local_batch
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,9 @@ class StepSettings:
     float_dtype: torch.dtype = torch.float32
     bytes_per_id: torch.Tensor | None = None  # the tokenizer's, for bits per byte
     groups: tuple[str, ...] = ()  # the statistics groups' names (kinds of sample, then sources)
+    # sequence parallelism: this rank's part of each row (the model computes it; the loss and the
+    # metrics read it: vlm.train.sequence_shard); None: whole rows
+    shard: SequenceShard | None = None
 
     @property
     def n_sources(self) -> int:
@@ -96,7 +101,7 @@ def statistics_pass(model, window: list[PackedBatch], step: int, s: StepSettings
     for k, batch in enumerate(window):
         batch = prepare(batch, s.device, s.float_dtype)
         out = model(batch, context=forward_context(s, step, k, statistics="off"))
-        for name, t in s.loss.statistics(out, batch).items():
+        for name, t in s.loss.statistics(out, local_batch(batch, s.shard)).items():
             sums[name] = sums[name] + t if name in sums else t
     return sums
 
@@ -125,9 +130,13 @@ def train_step(
             f"window of {micro} micro-batches but the engine accumulates "
             f"{engine.gradient_accumulation_steps()}"
         )
-    K = micro * s.layout.data
-    # every micro-batch's labelled tokens in one host read
-    n_local = torch.stack([labelled_tokens(b) for b in window]).double().tolist()
+    # the parts of the global batch the terms' scales count (vlm.train.losses): with sequence
+    # parallelism each rank's part of a row is one, so K = micro x world (DeepSpeed's divisor)
+    K = micro * s.layout.world
+    # every micro-batch's labelled tokens (this rank's part) in one host read
+    n_local = (
+        torch.stack([labelled_tokens(local_batch(b, s.shard)) for b in window]).double().tolist()
+    )
     labelled = sum(n_local)
     totals = None
     if not s.loss.needs_output_statistics:
@@ -143,6 +152,10 @@ def train_step(
         if not bad:
             batch = prepare(batch, s.device, s.float_dtype)
             out = engine(batch, context=forward_context(s, step, k))
+            row = None
+            if s.shard is not None:  # the whole rows, for the per-document statistics
+                row = (batch, out.chunks.row_b_BT if out.chunks is not None else None, s.shard)
+            batch = local_batch(batch, s.shard)  # what this rank's output is of
             if loss_hook is not None:
                 out = loss_hook(out, k)
             if totals is None:  # one micro-batch: its statistics are the rank's
@@ -152,7 +165,7 @@ def train_step(
             bad = not collectives.all_finite(finite, s.device)
             if not bad:
                 engine.backward(loss.backprop)
-                acc.add_output(out, batch, loss)
+                acc.add_output(out, batch, loss, row=row)
                 if out.chunks is not None:
                     chunking = (out.chunks.p_BT.detach(), out.chunks.b_BT.detach(), batch.modality)
             del out, loss

@@ -13,6 +13,7 @@ from vlm.train import collectives
 from vlm.train.device_feed import prepare
 from vlm.train.metrics import StepAccumulator, token_losses
 from vlm.train.render import image_concept_picture, text_with_boundaries
+from vlm.train.sequence_shard import local_batch
 from vlm.train.step import StepSettings
 
 # a held-out forward computes no [B, T, V] logits: the loss makes them a tile of tokens at a time
@@ -53,10 +54,15 @@ class HeldOut:
             for b in self.batches or [fallback_batch]:
                 b = prepare(b, s.device, s.float_dtype)
                 out = engine(b, context=SCORING)
+                part = local_batch(b, s.shard)  # what this rank's output is of
+                row = None
+                if s.shard is not None:  # the whole rows, for the per-document statistics
+                    row = (b, out.chunks.row_b_BT if out.chunks is not None else None, s.shard)
                 if self.batches:
-                    acc.add_output(out, b, token_loss_BT=token_losses(out, b))
+                    acc.add_output(out, part, token_loss_BT=token_losses(out, part), row=row)
                 if first is None and out.chunks is not None:
-                    first = (b, out.chunks.b_BT)
+                    row_b = out.chunks.row_b_BT  # the whole rows' (sequence parallelism)
+                    first = (b, out.chunks.b_BT if row_b is None else row_b)
         finally:
             engine.train()
         val = {}
