@@ -94,6 +94,16 @@ def _plan_cli(argv: list[str], capsys) -> tuple[int, str, str]:
             2,
             "data.row_tokens=1001 does not split over parallel.sequence=2",
         ),
+        (
+            ["parallel.sequence=2", "deepspeed.zero_stage=3"],
+            2,
+            "parallel.sequence=2 with deepspeed.zero_stage=3 is not supported",
+        ),
+        (
+            ["parallel.sequence=2", "model.chunk.router=topk"],
+            2,
+            "parallel.sequence=2 does not support chunk.router: topk",
+        ),
         (["model.hidden=3"], 1, "model.hidden"),
         (["optim.global_batch_rows=3"], 2, "optim.global_batch_rows=3"),
     ],
@@ -276,8 +286,7 @@ def test_plan_agrees_with_the_measured_peak(small_config, tmp_path, world, secti
 @pytest.mark.slow
 def test_the_papers_90b_ct_at_128k_fits_on_512_gpus(ROOT, capsys):
     """Issue 48's command: the paper's 90B continual training at 128K tokens on 512 GPUs of 80 GB,
-    experts over 64 ranks and each row over 8, fits, and says what it needs that the trainer does
-    not do yet (the sequence split)."""
+    experts over 64 ranks and each row over 8, fits, and needs nothing the trainer does not do."""
     argv = [
         "--config",
         str(ROOT / "configs" / "paper_ct_90b_top15.yaml"),
@@ -297,8 +306,7 @@ def test_the_papers_90b_ct_at_128k_fits_on_512_gpus(ROOT, capsys):
     plan = json.loads(out)
     assert plan["fits"] is True, plan["per_rank_gb"]
     assert plan["tokens_per_micro_batch"] == 131072 // 8
-    assert any("issue 51" in n for n in plan["needs"]), plan["needs"]
-    assert not any("issue 50" in n for n in plan["needs"]), "the variable exchange trains today"
+    assert plan["needs"] == [], plan["needs"]
     # each rank holds 1/64 of the 576 experts and every dense weight, in bf16
     params = plan["parameters"]
     assert params["this_rank"] == params["total"] - params["experts"] + params["experts"] // 64

@@ -4,9 +4,9 @@ The model is built on the meta device (no weights, no data, no accelerator) with
 (vlm.train.layout), each parameter's share as the trainer keeps it (vlm.plan.shares), DeepSpeed's
 model states for the ZeRO stage (vlm.plan.states), one micro-batch's activations measured by
 running the model's code at the run's sizes (vlm.plan.activations), the communication of a step
-and the checkpoint a rank writes. Where the run would need what the trainer does not do yet (a
-sequence split across ranks, issue 51) the plan plans it as that issue describes it and lists it
-in `needs`.
+and the checkpoint a rank writes. A layout the trainer refuses (a sequence split the model cannot
+compute exactly, a degree that does not divide) is the trainer's one line; `needs` lists what a
+layout would need that the trainer does not do (nothing today).
 
 The peak is the largest of three moments of a step: the backward's peak (model states, the
 forward's and backward's activations at their most with the loss's tile, the engine's backward
@@ -163,9 +163,7 @@ def make_plan(
     dtype = torch.bfloat16 if ds.bf16 else torch.float32
     needs, notes = [], list(pc.notes)
     if S > 1:
-        needs.append(
-            f"parallel.sequence={S}: sequence parallelism (issue 51; the trainer refuses it today)"
-        )
+        _check_sequence_split(cfg, layout, vlm)
     factor = cfg.parallel.capacity_factor
     variable_dropless = P > 1 and factor is None and cfg.parallel.exchange == "variable"
     if variable_dropless:
@@ -269,6 +267,21 @@ def make_plan(
         gpu_memory_gb=gpu_memory_gb,
     )
     return plan
+
+
+def _check_sequence_split(cfg, layout, vlm) -> None:
+    """ConfigError (the trainer's one line) where the trainer would refuse to split the rows over
+    parallel.sequence ranks (vlm.train.sequence_shard, ConceptMoELM.shard_sequence)."""
+    from vlm.model.sequence_parallel import SequenceShard
+    from vlm.train import sequence_shard
+
+    sequence_shard.check(cfg, layout)
+    try:
+        vlm.lm.shard_sequence(SequenceShard(None, 0, layout.sequence))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    finally:
+        vlm.lm.shard_sequence(None)
 
 
 def _vision(vlm, vision_cfg, mc, dtype, frozen, tokens, image_share, device) -> dict:
