@@ -53,6 +53,12 @@ test: install-eval lint
 test-fast: install-eval lint
 	$(BIN)/python -m pytest -n 2 -m "not slow" tests
 
+# the tests that repeat a check the suite makes once, at more layouts or backends (the whole resharding
+# matrix, inductor besides the trainer's per-block compilation): too long for every run on 2 cores
+.PHONY: test-extended
+test-extended: install-eval
+	VLM_TEST_EXTENDED=1 $(BIN)/python -m pytest -n 2 -m extended tests
+
 # the CUDA tests, on a machine with a GPU: tests/test_gpu.py's CUDA instances and every other test marked gpu, in one
 # process (one GPU). Refuses to run where torch sees no GPU, where every one of them would be skipped.
 test-gpu: install-eval

@@ -199,12 +199,14 @@ def test_prefill_and_decode_step_trace_as_one_graph(kind):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # the trainer's path, inductor per block, is the test after these
 @pytest.mark.parametrize("kind", ["baseline", "conceptmoe"])
 def test_training_step_compiles_with_inductor_and_matches_eager(kind):
     check_training_step(kind, "inductor")
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_prefill_and_decode_step_compile_with_inductor_and_match_eager():
     check_prefill_and_decode("conceptmoe", "inductor")
 

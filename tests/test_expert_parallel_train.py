@@ -166,6 +166,7 @@ def test_two_expert_ranks_train_what_one_does_and_resume(tiny_data, tmp_path, ti
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_zero_reduces_each_expert_shard_over_its_replicas(tiny_data, tmp_path, tiny_config):
     # 4 ranks, 2 expert ranks: each shard is held by 2 ranks, which reduce its gradient between
     # themselves only (ZeRO 2 also partitions its optimizer state over them); the reference is

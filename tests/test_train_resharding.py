@@ -84,11 +84,12 @@ def test_one_and_two_processes_train_the_same_steps(tiny_data, tiny_config, load
     _close(one, two, [1, 2, 3], rel=1e-5)
 
 
-# each stage and both directions within the suite's budget; VLM_ALL_RESHARDS=1 adds the rest of
+# each stage and both directions within the suite's budget; VLM_TEST_EXTENDED=1 adds the rest of
 # the matrix (docs/training.md quotes a run of all of it)
-RESHARDS = [(2, 1, 2), (1, 2, 3), (2, 4, 1)]
-if os.environ.get("VLM_ALL_RESHARDS") == "1":
-    RESHARDS += [(1, 2, 1), (1, 2, 2), (2, 1, 3), (2, 1, 1), (1, 4, 3), (4, 2, 2)]
+RESHARDS = [(2, 1, 2), (1, 2, 3)] + [
+    pytest.param(*r, marks=pytest.mark.extended)
+    for r in [(2, 4, 1), (1, 2, 1), (1, 2, 2), (2, 1, 3), (2, 1, 1), (1, 4, 3), (4, 2, 2)]
+]
 
 
 @pytest.mark.parametrize("n,m,zero", RESHARDS, ids=str)
