@@ -50,6 +50,7 @@ def format_plan(plan) -> str:
         ("gradients", mem["gradients"]),
         ("optimizer state (AdamW moments, fp32 master)", mem["optimizer"]),
         ("activations (forward + backward peak)", mem["activations"]),
+        ("the sequence split's whole-row buffers", mem["sequence_row_buffers"]),
         ("vision tower", mem["vision"]),
         ("engine buffers (reduce buckets, gathered params)", mem["engine_buffers"]),
     ]

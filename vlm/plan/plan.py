@@ -211,6 +211,7 @@ def make_plan(
             f"need {static.peak / GiB:.1f} GiB of activations instead of {act.peak / GiB:.1f}"
         )
     vision = _vision(vlm, vision_cfg, mc, dtype, frozen, act.tokens, image_share, device)
+    row_buffers = _sequence_row_buffers(mc, cfg.data.rows_per_batch, cfg.data.row_tokens, S, dtype)
     # the gradients the backward's peak meets besides those it makes (measured with it for ZeRO 0-1
     # and one micro-batch): the earlier micro-batches' whole, or ZeRO 2-3's partition buffer
     accumulated = states.gradients if micro > 1 or not in_params else 0
@@ -219,6 +220,7 @@ def make_plan(
         + states.optimizer
         + states.resident_buffers
         + act.peak
+        + row_buffers
         + vision["bytes"]
         + states.backward_buffers
         + accumulated
@@ -245,6 +247,7 @@ def make_plan(
         "gradients": states.gradients,
         "optimizer": states.optimizer,
         "activations": act.peak,
+        "sequence_row_buffers": row_buffers,
         "vision": vision["bytes"],
         "engine_buffers": states.backward_buffers + states.resident_buffers,
         "host_build": build,
@@ -267,6 +270,25 @@ def make_plan(
         gpu_memory_gb=gpu_memory_gb,
     )
     return plan
+
+
+def _sequence_row_buffers(mc, rows: int, T: int, S: int, dtype) -> int:
+    """What a rank of a sequence split holds of the whole row, beyond its T / S tokens'
+    activations (transient, all at once at worst; docs/training.md, "Sequence parallelism"): the
+    row's embeddings before it keeps its part, the row's index tensors (document ids, positions,
+    the boundary mask, the concept layout: about five int64 a token) and the concept slots'
+    whole-row buffers (the reduce-scatter's input, its reduced copy, the all-gathered smoothed
+    concepts: M x D each)."""
+    if S == 1:
+        return 0
+    from vlm.model.chunking import concept_capacity
+
+    e = dtype.itemsize
+    per_row = T * mc.hidden_size * e + 5 * 8 * T
+    if mc.chunk.enabled:
+        M = concept_capacity(T, mc.chunk.capacity_slack, mc.chunk.smallest_target)
+        per_row += 3 * M * mc.c_hidden * e
+    return rows * per_row
 
 
 def _check_sequence_split(cfg, layout, vlm) -> None:
