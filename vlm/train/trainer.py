@@ -21,7 +21,7 @@ from typing import Callable
 
 from configs.config import to_dict
 from vlm.train import checkpoint as ckpt_lib
-from vlm.train import collectives
+from vlm.train import ckpt_resume, collectives
 from vlm.train.config import TrainConfig
 from vlm.train.device_feed import DeviceFeed
 from vlm.train.engine import optimizer_settings, resume_schedule
@@ -167,6 +167,7 @@ class Trainer:
                 val, record.pictures = run.held_out.run(window[-1], draw=run.is_main)
                 record.scalars.update(val)
             if run.is_main:
+                record.scalars.update(run.checkpointer.take_metrics())
                 metrics.write(record)
             if self.nonfinite_in_row >= cfg.train.max_nonfinite_in_row:
                 path = run.checkpointer.save(self.step, self.trainer_state())
@@ -176,6 +177,7 @@ class Trainer:
                     "optim.lr (resume with --resume --accept-optim-change optim.lr=...), check "
                     "the data, or raise train.max_nonfinite_in_row."
                 )
+                self.run.checkpointer.wait()
                 rc = 1
                 break
             if data_stop is not None:
@@ -185,6 +187,7 @@ class Trainer:
             run.checkpointer.maybe_save(self.step, self.trainer_state)
         if rc == 0:
             run.checkpointer.save_unless_saved(self.step, self.trainer_state)
+        run.checkpointer.wait()  # the last checkpoint is complete before the run goes on
         metrics.close()
         # asked to stop during the last step: no export, no evaluation
         if rc == 0 and self._stop_requested():
@@ -208,6 +211,7 @@ class Trainer:
         else:
             # WriteError: reported by the CLI
             self.run.checkpointer.save_unless_saved(self.step, self.trainer_state)
+            self.run.checkpointer.wait()
             self.log(
                 f"stopped by {name} after step {self.step}: checkpoint "
                 f"{self.run.ckpt_root / ckpt_lib.step_dir_name(self.step)}; continue with the "
@@ -345,8 +349,15 @@ class Trainer:
         # this config's: the checkpoint's come back with its state
         settings = optimizer_settings(run.optimizer)
         state = ckpt_lib.load_checkpoint(
-            run.engine, path, run.layout.rank, run.layout.world, log=self.log
-        )
+            run.engine, path, run.layout.rank, run.layout.world, log=self.log,
+            expert=run.layout.expert,
+        )  # fmt: skip
+        # each rank's verification and load times, for the first metrics line (a collective)
+        times = collectives.every_rank(dict(ckpt_resume.timings))
+        if run.is_main:
+            run.checkpointer.record_resume(
+                {k: [t.get(k, 0.0) for t in times] for k in ("verify_s", "load_s")}
+            )
         resume_schedule(
             run.optimizer,
             run.scheduler,
