@@ -296,6 +296,7 @@ class BackgroundSave:
         if failed:
             shutil.rmtree(staged.tmp, ignore_errors=True)
             r, what = failed[0]
+            r = r if self.layout.world > 1 else None
             return {
                 "error": str(_failure(staged.step, self.root, staged.tmp, what, r)),
                 "ranks": ranks,
