@@ -1,7 +1,8 @@
 """`vlm bench`: run benchmark parts and write DIR/<part>.json and DIR/<part>.png; prints
 each part's table.
 
-    vlm bench [model|decode|moe|loader|attention|vision|realized|gpu|alltoall|all] [--quick] [--out DIR] [--ckpt DIR]
+    vlm bench [model|decode|moe|loader|attention|vision|realized|gpu|alltoall|checkpoint|all]
+              [--quick] [--out DIR] [--ckpt DIR]
     vlm bench loader [--config RUN.yaml] [--data SHARDS] [--tokens-per-s N] [--world-size M --rank R]
 
 `realized` (prefill with the boundaries a trained router draws on real prompts) needs a checkpoint:
@@ -9,7 +10,8 @@ each part's table.
 configs/gpu.yaml's LLM on one CUDA device, in under 8 minutes) runs only when named, and refuses
 without CUDA unless --smoke. `alltoall` (expert parallelism's token exchange on one MoE layer)
 runs only when named, under `torchrun --nproc_per_node N -m eval.bench alltoall` for N expert
-ranks (CUDA: nccl, else gloo).
+ranks (CUDA: nccl, else gloo). `checkpoint` (one rank's share of a checkpoint: staged, written and
+hashed in the background, verified on resume, against the synchronous save) runs only when named.
 
 --quick: fewer lengths and rounds (`all` in under 5 minutes on 2 CPU cores). --smoke (not in
 --help): tiny shapes and two rounds, for tests of one part's plumbing; its figures say
@@ -31,6 +33,8 @@ GPU_PARTS = ("gpu",)  # parts that measure a CUDA device: never in `all`, only w
 # parts that measure several processes (torchrun --nproc_per_node N -m eval.bench PART): only
 # when named; one process measures what it can alone
 DIST_PARTS = ("alltoall",)
+# parts that measure the machine's disk: only when named
+DISK_PARTS = ("checkpoint",)
 
 
 def add_bench_command(subparsers) -> None:
@@ -43,7 +47,7 @@ def add_bench_command(subparsers) -> None:
         "part",
         nargs="?",
         default="all",
-        choices=PARTS + CKPT_PARTS + GPU_PARTS + DIST_PARTS + ("all",),
+        choices=PARTS + CKPT_PARTS + GPU_PARTS + DIST_PARTS + DISK_PARTS + ("all",),
     )
     ap.add_argument(
         "--quick",
