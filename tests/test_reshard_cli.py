@@ -5,6 +5,9 @@ no conversion is one line."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+
 import pytest
 
 pytestmark = pytest.mark.slow
@@ -31,9 +34,13 @@ def test_vlm_reshard_converts_with_workers(tiny_data, tmp_path, tiny_config, mak
     assert universal_intact(ckpt), "the conversion is not whole (its meta.json's digests)"
     assert list((ckpt / "universal" / "ds" / "zero").iterdir()), "no parameter converted"
 
-    plain = tmp_path / "plain"
-    cfg["deepspeed"] = {"zero_stage": 0}
-    assert make_trainer(cfg, plain).train() == 0
-    assert main(["reshard", str(plain)]) == 2
+    # ZeRO 0 in fp32: the module file holds the whole optimizer state, nothing to convert
+    plain = tmp_path / "plain" / "checkpoints" / "step_00000001"
+    (plain / "ds").mkdir(parents=True)
+    (plain / "ds" / "mp_rank_00_model_states.pt").write_bytes(b"whole")
+    digest = hashlib.sha256(b"whole").hexdigest()
+    files = {"ds/mp_rank_00_model_states.pt": digest}
+    (plain / "meta.json").write_text(json.dumps({"step": 1, "world_size": 1, "files": files}))
+    assert main(["reshard", str(tmp_path / "plain")]) == 2
     err = capsys.readouterr().err.strip()
     assert "needs no conversion" in err and "\n" not in err, err
