@@ -188,11 +188,22 @@ class Trainer:
         if rc == 0:
             run.checkpointer.save_unless_saved(self.step, self.trainer_state)
         run.checkpointer.wait()  # the last checkpoint is complete before the run goes on
+        self._say_last_save()
         metrics.close()
         # asked to stop during the last step: no export, no evaluation
         if rc == 0 and self._stop_requested():
             return self._stopped()
         return self._finish(rc)
+
+    def _say_last_save(self) -> None:
+        """The last save's times (no step line follows it to carry them into metrics.jsonl)."""
+        m = self.run.checkpointer.take_metrics() if self.run.is_main else {}
+        if "checkpoint/step" in m:
+            self.log(
+                f"checkpoint step {m['checkpoint/step']}: the step waited "
+                f"{m['checkpoint/stage_s']:.2f} s to stage it, each rank wrote and hashed its "
+                f"share in the background (slowest {m['checkpoint/write_s']:.2f} s)"
+            )
 
     def _stop_requested(self) -> bool:
         """A SIGTERM / SIGINT on any rank stops every rank after the same step (a collective when distributed)."""
