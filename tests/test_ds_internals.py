@@ -21,7 +21,8 @@ def test_the_deepspeed_internals_are_those_they_were_written_for(tmp_path):
 
     assert deepspeed.__version__.startswith("0.19."), (
         f"DeepSpeed {deepspeed.__version__}: check vlm.train.ds_internals (engine_writes, "
-        "moe_optimizer_file, module_file, restore_engine_counters, to_universal) against it, then "
+        "moe_optimizer_file, module_file, restore_engine_counters, to_universal, "
+        "universal_optimizer_file) against it, then "
         "update this pin"
     )
     # engine_writes: the engine writes every checkpoint file through its checkpoint engine's save
@@ -49,6 +50,13 @@ def test_the_deepspeed_internals_are_those_they_were_written_for(tmp_path):
                 "keep_temp_folder", "no_strict", "inject_missing_state"):  # fmt: skip
         assert f"--{opt}" in parser_src, f"ds_to_universal has no --{opt}"
     assert "args.strict" in inspect.getsource(ds_to_universal)
+    # universal_optimizer_file: where the converter writes the groups' settings
+    assert 'os.path.join(zero_output_folder, "optimizer_state.pt")' in inspect.getsource(
+        ds_to_universal
+    )
+    assert (
+        ds_internals.universal_optimizer_file(tmp_path) == tmp_path / "zero" / "optimizer_state.pt"
+    )
 
 
 def test_engine_writes_captures_every_write_and_puts_the_method_back():

@@ -12,6 +12,8 @@ that test until each is checked against it).
   load that regroups expert shards itself (vlm.train.expert_regroup).
 - `to_universal`: `deepspeed.checkpoint.ds_to_universal.main`, its arguments a namespace of its
   command line's options.
+- `universal_optimizer_file`: where that conversion keeps the optimizer's parameter groups (their
+  settings, by name: what vlm.train.reshard.mend_optimizer gives back to each group).
 """
 
 from __future__ import annotations
@@ -74,3 +76,8 @@ def to_universal(input_folder: Path, output_folder: Path, workers: int) -> None:
         inject_missing_state=True,
     )
     ds_to_universal.main(args)
+
+
+def universal_optimizer_file(universal_tag_dir: Path) -> Path:
+    """The converter's `zero/optimizer_state.pt` (its `param_groups`) in a universal tag folder."""
+    return Path(universal_tag_dir) / "zero" / "optimizer_state.pt"

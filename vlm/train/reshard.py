@@ -158,7 +158,7 @@ def mend_optimizer(optimizer: torch.optim.Optimizer, universal: Path, ds_tag: st
             state["step"] = state["step"].clone()
     from vlm.train.engine import OPTIM_SETTINGS, safe_load
 
-    saved = safe_load(universal / ds_tag / "zero" / "optimizer_state.pt")
+    saved = safe_load(ds_internals.universal_optimizer_file(universal / ds_tag))
     # (top level in every stage's file; ZeRO-3's also inside its optimizer_state_dict)
     groups = {g.get("name"): g for g in saved["param_groups"]}
     for group in optimizer.param_groups:
