@@ -264,6 +264,12 @@ class BackgroundSave:
             self._run()
 
     def _run(self) -> None:
+        try:
+            self._write_and_commit()
+        except BaseException as e:  # noqa: BLE001 - a peer gone, a bug: raised by `join`
+            self.error = self.error or e
+
+    def _write_and_commit(self) -> None:
         staged, rank = self.staged, self.layout.rank
         try:
             report = write_share(staged)
@@ -291,7 +297,7 @@ class BackgroundSave:
         if not failed:
             try:
                 commit_s = commit(staged, reports, self.layout)
-            except OSError as e:
+            except Exception as e:  # noqa: BLE001 - every rank waits for this outcome
                 failed = [(0, describe_write_error(e, staged.tmp))]
         if failed:
             shutil.rmtree(staged.tmp, ignore_errors=True)
@@ -309,6 +315,8 @@ class BackgroundSave:
             self.thread.join()
         if self.error is not None:
             raise self.error
+        if self.outcome is None:  # pragma: no cover - _run always sets one or an error
+            raise RuntimeError(f"the checkpoint writer of step {self.staged.step} left no outcome")
         if self.outcome["error"] is not None:
             raise WriteError(self.outcome["error"])
         return self.outcome

@@ -167,7 +167,8 @@ class Trainer:
                 val, record.pictures = run.held_out.run(window[-1], draw=run.is_main)
                 record.scalars.update(val)
             if run.is_main:
-                record.scalars.update(run.checkpointer.take_metrics())
+                if metrics.should_log(self.step, record.applied):  # the saves' times, once
+                    record.scalars.update(run.checkpointer.take_metrics())
                 metrics.write(record)
             if self.nonfinite_in_row >= cfg.train.max_nonfinite_in_row:
                 path = run.checkpointer.save(self.step, self.trainer_state())
