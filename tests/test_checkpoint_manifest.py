@@ -155,3 +155,18 @@ def test_a_failed_background_write_is_one_line_at_the_next_wait(tmp_path, monkey
     with pytest.raises(WriteError, match=r"cannot write checkpoint step 1: .*No space left"):
         cp.wait()
     assert list(root.iterdir()) == [], "the partial folder of the failed save is left"
+
+
+def test_the_checkpoint_benchmark_times_each_phase():
+    """`vlm bench checkpoint` (its smoke settings: the plumbing, not the speed)."""
+    from eval.bench import checkpoint as bench
+
+    res = bench.run(bench.SETTINGS["smoke"], log=lambda *_: None)
+    got = {r["candidate"] for r in res["rows"]}
+    assert got == {
+        "staged (step blocked)",
+        "written + hashed (background)",
+        "verified (resume)",
+        bench.BASELINE,
+    }, got
+    assert all(r["median"] > 0 for r in res["rows"]), res["rows"]
