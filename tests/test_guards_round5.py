@@ -130,25 +130,28 @@ def _expert_checkpoint(tmp_path, degree: int, ranks: int):
 
 
 @pytest.mark.parametrize("degree, written, now", [(2, 4, 2), (2, 2, 4), (2, 4, 8)])
-def test_an_expert_checkpoint_does_not_resume_on_another_number_of_ranks(
+def test_an_expert_checkpoint_moves_between_rank_counts_only_where_it_regroups(
     tmp_path, degree, written, now
 ):
-    """Its expert shards and their Adam moments are per rank (ZeRO partitions them over the shard's
-    replicas): the same degree on another number of ranks is refused too, naming both."""
+    """Its expert shards and their Adam moments regroup on load on the plain fp32 path (ZeRO 0:
+    one torch state dict per expert rank, vlm.train.expert_regroup); under ZeRO 1-3 or bf16 they
+    are in flat partitions over the shard's replicas, and the same degree on another number of
+    ranks is refused, naming both."""
     from configs.config import ConfigError
     from vlm.train.expert_parallel import check_resume
 
     ckpt = _expert_checkpoint(tmp_path, degree, written)
-    check_resume(ckpt, degree, written)  # the ranks that wrote it: resumes
+    check_resume(ckpt, degree, written, plain=False)  # the ranks that wrote it: resumes
+    check_resume(ckpt, degree, now, plain=True)  # regrouped on load
     try:
-        check_resume(ckpt, degree, now)
+        check_resume(ckpt, degree, now, plain=False)
     except ConfigError as e:
         msg = str(e)
     else:
         pytest.fail(
             f"a checkpoint of parallel.expert={degree} written by {written} ranks was accepted for "
-            f"a resume on {now} ranks at the same degree: check_resume compares the expert degree "
-            "only, not the ranks that wrote the checkpoint (vlm/train/expert_parallel.py)"
+            f"a ZeRO-2 resume on {now} ranks at the same degree: check_resume compares the expert "
+            "degree only, not the ranks that wrote the checkpoint (vlm/train/expert_parallel.py)"
         )
     assert f"parallel.expert={degree} on {written} ranks" in msg and "\n" not in msg, msg
     assert f"on {now} rank(s)" in msg, msg
@@ -161,9 +164,10 @@ def test_a_checkpoint_without_expert_shards_resumes_on_any_number_of_ranks(tmp_p
     plain = tmp_path / "plain"
     plain.mkdir()
     for ranks in (1, 2, 4):
-        check_resume(plain, 1, ranks)
+        check_resume(plain, 1, ranks, plain=False)
+    check_resume(plain, 2, 2, plain=True)  # its experts are whole: regrouped into shards on load
     with pytest.raises(ConfigError, match="parallel.expert=1"):
-        check_resume(plain, 2, 2)
+        check_resume(plain, 2, 2, plain=False)
 
 
 # ======================================== 3. the serving state: whole pages, rounded up

@@ -200,12 +200,15 @@ def _moe():
 
 
 def test_expert_shards_are_saved_checked_restored_and_put_back_together(tmp_path):
-    """4 ranks at parallel.expert=2 save their shards; the checkpoint resumes on 2 x 2 only, each rank
-    gets its own shard back, and `checkpoint_tensors` (train.init_from) reads every expert's rows."""
+    """4 ranks at parallel.expert=2 save their shards; under ZeRO 1-3 the checkpoint resumes on 2 x 2
+    only (on the plain fp32 path it regroups onto any degree: expert_regroup), each rank gets its
+    own shard back, and the shards put end to end (checkpoint_tensors: train.init_from and the
+    regrouping load) rebuild every expert."""
     from configs.config import ConfigError
     from vlm.model.expert_parallel import LoopbackExchange
-    from vlm.train.checkpoint_tensors import checkpoint_tensors
+    from vlm.train.checkpoint_tensors import CheckpointTensors
     from vlm.train.expert_parallel import (
+        SHARD_FILE,
         check_resume,
         restore_shard,
         save_shard,
@@ -221,10 +224,11 @@ def test_expert_shards_are_saved_checked_restored_and_put_back_together(tmp_path
         f"4 ranks at parallel.expert=2 saved shards that read back as (degree, ranks) = "
         f"{written_degree(tmp_path)}: the ranks that wrote them are not recorded (save_shard)"
     )
-    check_resume(tmp_path, 2, 4)
+    check_resume(tmp_path, 2, 4, plain=False)
     for expert, world in ((2, 2), (1, 4), (4, 4)):
+        check_resume(tmp_path, expert, world, plain=True)
         with pytest.raises(ConfigError, match="parallel.expert=2 on 4 ranks"):
-            check_resume(tmp_path, expert, world)
+            check_resume(tmp_path, expert, world, plain=False)
     experts = ("moe.w_gate_EDF", "moe.w_up_EDF", "moe.w_down_EFD")
     for rank in range(4):
         m = _moe()
@@ -241,12 +245,15 @@ def test_expert_shards_are_saved_checked_restored_and_put_back_together(tmp_path
                     f"rank {rank}'s {n} after restore_shard is not its shard of the saved experts"
                 )
     module_file = {n: (t[:2] if n in experts else t) for n, t in whole.items()}  # rank 0's
-    (tmp_path / "ds").mkdir()
-    torch.save({"module": module_file}, tmp_path / "ds" / "mp_rank_00_model_states.pt")
-    stored = checkpoint_tensors(tmp_path)
+    shards = {}
+    for r in range(4):
+        shard = torch.load(tmp_path / SHARD_FILE.format(r), weights_only=True)
+        shards.setdefault(shard["expert_rank"], shard["tensors"])
+    rebuilt = CheckpointTensors(module_file, str(tmp_path), shards)
     for n, t in whole.items():
-        rebuilt = stored.rows(n, 0, t.shape[0]) if t.dim() else stored.rows(n, 0, 0)
-        assert torch.equal(rebuilt, t), f"checkpoint_tensors: {n} is not the whole layer's"
+        got = rebuilt.rows(n, 0, t.shape[0]) if t.dim() else rebuilt.rows(n, 0, 1)
+        assert torch.equal(got, t), f"the shards put end to end: {n} is not the whole layer's"
+        assert rebuilt.shapes()[n] == tuple(t.shape), (n, rebuilt.shapes()[n])
     # a shard of the wrong expert rank is refused, naming it
     m = _moe()
     m["moe"].shard_experts(LoopbackExchange(2, 1))

@@ -91,8 +91,9 @@ def test_disk_full_on_a_real_tmpfs(
     # room for log lines, not for a checkpoint (1.2 MB) or an export
     _fill(small_disk, leave=64 * 1024)
 
-    with pytest.raises(WriteError) as e:  # the save, in-process
+    with pytest.raises(WriteError) as e:  # the save, in-process (written in the background)
         tr.run.checkpointer.save(3, tr.trainer_state())
+        tr.run.checkpointer.wait()
     msg = str(e.value)
     assert (
         NO_SPACE in msg
@@ -162,8 +163,9 @@ def test_injected_enospc_in_a_checkpoint_save(
         return real_write(self, data)
 
     monkeypatch.setattr(ckpt_lib._KeepsWriteError, "write", write)
-    with pytest.raises(ckpt_lib.WriteError) as e:
+    with pytest.raises(ckpt_lib.WriteError) as e:  # reported once the background write ends
         tr.run.checkpointer.save(3, tr.trainer_state())
+        tr.run.checkpointer.wait()
     msg = str(e.value)
     assert msg.startswith(
         f"cannot write checkpoint step 3: {run / 'checkpoints' / '.tmp-step_00000003'}/"

@@ -200,13 +200,13 @@ def test_a_config_error_after_the_folder_through_the_cli(
 
 _ENOSPC_ON_RANK_1 = r"""
 import errno, os, sys
-from vlm.train import checkpoint as ck
-real, victim = ck.torch_save, os.environ["ENOSPC_FILE"]
-def torch_save(obj, path, **kw):
+from vlm.train import ckpt_save as ck
+real, victim = ck.write_file, os.environ["ENOSPC_FILE"]
+def write_file(obj, path, *args, **kw):
     if os.path.basename(str(path)).startswith(victim):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
-    return real(obj, path, **kw)
-ck.torch_save = torch_save
+    return real(obj, path, *args, **kw)
+ck.write_file = write_file
 from vlm.cli import main
 sys.exit(main(["train", *sys.argv[1:]]))
 """

@@ -1,7 +1,7 @@
 """`vlm bench`: run benchmark parts and write DIR/<part>.json and DIR/<part>.png; prints
 each part's table.
 
-    vlm bench [model|decode|moe|loader|attention|vision|realized|gpu|alltoall|longrow|all]
+    vlm bench [model|decode|moe|loader|attention|vision|realized|gpu|alltoall|longrow|checkpoint|all]
               [--quick] [--out DIR] [--ckpt DIR]
     vlm bench loader [--config RUN.yaml] [--data SHARDS] [--tokens-per-s N] [--world-size M --rank R]
 
@@ -13,6 +13,8 @@ runs only when named, under `torchrun --nproc_per_node N -m eval.bench alltoall`
 ranks (CUDA: nccl, else gloo). `longrow` (a training forward and backward of one long row split
 over the ranks by sequence parallelism: time and the row's peak memory per rank) likewise, under
 `torchrun --nproc_per_node S -m eval.bench longrow` for S sequence ranks (one process: S = 1).
+`checkpoint` (one rank's share of a checkpoint: staged, written and hashed in the background,
+verified on resume, against the synchronous save) runs only when named.
 
 --quick: fewer lengths and rounds (`all` in under 5 minutes on 2 CPU cores). --smoke (not in
 --help): tiny shapes and two rounds, for tests of one part's plumbing; its figures say
@@ -34,6 +36,8 @@ GPU_PARTS = ("gpu",)  # parts that measure a CUDA device: never in `all`, only w
 # parts that measure several processes (torchrun --nproc_per_node N -m eval.bench PART): only
 # when named; one process measures what it can alone
 DIST_PARTS = ("alltoall", "longrow")
+# parts that measure the machine's disk: only when named
+DISK_PARTS = ("checkpoint",)
 
 
 def add_bench_command(subparsers) -> None:
@@ -46,7 +50,7 @@ def add_bench_command(subparsers) -> None:
         "part",
         nargs="?",
         default="all",
-        choices=PARTS + CKPT_PARTS + GPU_PARTS + DIST_PARTS + ("all",),
+        choices=PARTS + CKPT_PARTS + GPU_PARTS + DIST_PARTS + DISK_PARTS + ("all",),
     )
     ap.add_argument(
         "--quick",

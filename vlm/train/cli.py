@@ -85,6 +85,10 @@ def add_train_command(subparsers) -> None:
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
     p.set_defaults(func=train_command)
+    # `vlm reshard`, registered with `vlm train` (the entry points are the installed package's)
+    from vlm.train.reshard_cli import add_reshard_command
+
+    add_reshard_command(subparsers)
 
 
 def resolve_config(args):

@@ -64,6 +64,34 @@ def gather_object(obj) -> list:
     return out
 
 
+def side_group():
+    """A second group of every rank (gloo: host memory) for the collectives of a background thread
+    (a checkpoint's writer), which may run while the main thread's collectives do: two threads
+    must not share one group. None without a process group. Collective: every rank creates it,
+    in the same order."""
+    if not _several():
+        return None
+    return dist.new_group(backend="gloo")
+
+
+def side_gather(obj, group) -> list:
+    """Every rank's `obj`, by rank, through `side_group`'s group; [obj] without one."""
+    if group is None:
+        return [obj]
+    out = [None] * dist.get_world_size(group=group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def side_broadcast(obj, group, src: int = 0):
+    """Rank `src`'s `obj` on every rank, through `side_group`'s group."""
+    if group is None:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
 def broadcast_module(module: torch.nn.Module, src: int = 0) -> None:
     """Every rank's parameters and buffers become rank `src`'s (in place)."""
     if not _several():

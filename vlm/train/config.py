@@ -237,6 +237,9 @@ class LoggingConfig(ValidatedOnInit):
 class CheckpointConfig(ValidatedOnInit):
     save_every: int = 500  # optimizer steps between checkpoints; 0 = only at the end
     keep_last: int = 2
+    # write each checkpoint in a background thread per rank (the step waits only while the state
+    # is copied to host memory); false: the step waits for the write (vlm.train.ckpt_save)
+    background: bool = True
 
     def validate(self) -> None:
         check(self.save_every >= 0, f"checkpoint.save_every must be >= 0, got {self.save_every}")

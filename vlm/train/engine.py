@@ -273,7 +273,13 @@ def resume_schedule(
     it. With `settings` (optimizer_settings taken before the checkpoint was loaded): those settings,
     and the schedule continuing from the saved step with their base rates; one public `step()` from
     the step before recomputes every rate as base x multiplier(step), so that `get_last_lr()` says
-    the same."""
+    the same. A checkpoint of another number of parameter groups (expert parallelism puts the
+    experts in groups of their own: a resume at another degree) continues its step with this
+    run's groups and base rates (the same config: vlm.train.run_config), one schedule for all."""
+    n = len(optimizer.param_groups)
+    if len(saved.get("base_lrs", ())) != n:
+        settings = settings or optimizer_settings(optimizer)
+        saved = dict(saved, lr_lambdas=[saved["lr_lambdas"][0]] * n, _last_lr=[0.0] * n)
     if settings is None:
         scheduler.load_state_dict(saved)
     else:

@@ -28,9 +28,10 @@ norm, so the optimizer clips there itself (`ExpertAwareClip`).
 Checkpoints: DeepSpeed's files as its MoE support writes them (the module from rank 0, the optimizer
 per expert rank or ZeRO partition) and, from every rank, `experts_rank_NNNNN.pt`, its shard of the
 routed experts (under ZeRO-3 gathered from its partitions), restored after DeepSpeed's load
-(`restore_shard`; under ZeRO-3 into its partitions). A checkpoint resumes on the
-expert degree and the number of ranks that wrote it (`check_resume`: one line otherwise); its
-weights start a run of any degree through `train.init_from` (vlm.train.checkpoint_tensors reads each
+(`restore_shard`; under ZeRO-3 into its partitions). Under ZeRO 0 a checkpoint resumes on any
+expert degree and number of ranks (its shards regrouped on load: vlm.train.expert_regroup), under
+ZeRO 1-3 on the degree and the number of ranks that wrote it (`check_resume`: one line otherwise);
+its weights start a run of any degree through `train.init_from` (vlm.train.checkpoint_tensors reads each
 rank's rows from the shards that hold them). The export gathers the shards (`gathered_experts`):
 final/ holds every expert.
 """
@@ -306,19 +307,33 @@ def written_degree(ckpt: Path) -> tuple[int, int | None]:
     return int(state["expert_parallel"]), int(state["world_size"])
 
 
-def check_resume(ckpt: Path, expert: int, world_size: int) -> None:
-    """A checkpoint resumes on the expert degree and, with experts split, the number of ranks that
-    wrote it (its expert shards and their Adam moments are not resharded): ConfigError otherwise."""
+def _written_under_zero(ckpt: Path) -> bool:
+    """`ckpt`'s optimizer state is in ZeRO's flat partitions (ZeRO 1-3), not torch state dicts."""
+    ds = Path(ckpt) / "ds"
+    return ds.is_dir() and any(ds.glob("*zero_pp_rank_*_optim_states.pt"))
+
+
+def check_resume(ckpt: Path, expert: int, world_size: int, plain: bool = True) -> None:
+    """A checkpoint resumes on any expert degree and number of ranks on the engine's plain fp32
+    path (`plain`: ZeRO 0 without bf16; its expert shards and their Adam moments are regrouped on
+    load: vlm.train.expert_regroup); under ZeRO 1-3 or bf16 (the moments in flat partitions) on
+    the degree and, with experts split, the ranks that wrote it only: ConfigError otherwise."""
     P, W = written_degree(ckpt)
     if P == expert and (P == 1 or W == world_size):
         return
+    written_zero = _written_under_zero(ckpt)
+    if plain and not written_zero:
+        return
     was = f"parallel.expert={P}" + (f" on {W} ranks" if W else "")
     now = f"parallel.expert={expert} on {world_size} rank(s)"
-    keep = f"parallel.expert={P}" + (f" on {W} ranks" if W else "")
+    under = ("this run: ZeRO 0, fp32" if plain else "this run: ZeRO 1-3 or bf16") + (
+        "; the checkpoint: ZeRO 1-3" if written_zero else ""
+    )
     raise ConfigError(
         f"cannot resume from {ckpt}: written with {was}, this run has {now}; expert shards and "
-        f"their Adam moments are not resharded: resume with {keep}, or start a new run from its "
-        f"weights with train.init_from={ckpt}"
+        "their Adam moments move to another degree or number of ranks under ZeRO 0 without bf16 "
+        f"only ({under}): resume with {was}, or start a new run from its weights with "
+        f"train.init_from={ckpt}"
     )
 
 

@@ -25,6 +25,14 @@ TIMING_KEYS = (
     "time/slowest_rank",
     "data/wait_slowest_rank",
 )
+# ... and whole families of them: a save's and a resume's times by rank (vlm.train.ckpt_save), in the
+# line of the step logged after the save finished or the run resumed
+TIMING_PREFIXES = ("checkpoint/", "resume/")
+
+
+def is_timing(key: str) -> bool:
+    """A metrics.jsonl key that measures the machine, not the training (differs from run to run)."""
+    return key in TIMING_KEYS or key.startswith(TIMING_PREFIXES)
 
 
 def finite_or_none(rec: dict) -> dict:

@@ -5,7 +5,9 @@ data-parallel ranks that wrote it, so a checkpoint's `ds/` files only load on as
 another number, the checkpoint is converted once into DeepSpeed's universal format (one file per
 parameter for its fp32 weights and each Adam moment: `deepspeed.checkpoint.ds_to_universal`), which
 any number of ranks loads (`checkpoint.load_universal`), each taking its own partition. The conversion
-goes into the checkpoint's own folder (`universal/`, written into `.tmp-universal` and renamed, with
+runs in worker processes (DeepSpeed's converter parallelises its extraction over the ranks' files
+and its merge over the parameters; `vlm reshard RUN --workers K` runs it offline) and goes into the
+checkpoint's own folder (`universal/`, written into `.tmp-universal` and renamed, with
 the SHA-256 of every file it wrote); a later resume on yet another count reuses it. A plain fp32 run
 without ZeRO keeps one full optimizer state and loads on any number of ranks as it is.
 
@@ -19,13 +21,13 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
-from vlm.train import collectives
+from vlm.train import collectives, ds_internals
 from vlm.train.checksums import file_digests
 from vlm.train.engine import CheckpointRefused
 
@@ -102,37 +104,42 @@ def universal_intact(ckpt: Path) -> bool:
     return recorded == file_digests(root)
 
 
-def convert(ckpt: Path, ds_tag: str, log) -> Path:
-    """Rank 0: `ckpt/universal` from `ckpt`'s DeepSpeed files (once; a damaged earlier conversion is
-    made again). Returns the folder."""
-    from deepspeed.checkpoint import ds_to_universal
+def default_workers() -> int:
+    """The conversion's worker processes: the cores this process may use (at most 16: each worker
+    holds the parameters it converts)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(16, cores))
 
+
+def convert(ckpt: Path, ds_tag: str, log, workers: int | None = None) -> Path:
+    """`ckpt/universal` from `ckpt`'s DeepSpeed files, spread over `workers` processes (default:
+    `default_workers`) for each of the converter's phases (once; a damaged earlier conversion is
+    made again). Returns the folder."""
     out = ckpt / UNIVERSAL
     if universal_intact(ckpt):
         return out
     tmp = ckpt / f".tmp-{UNIVERSAL}"
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.rmtree(out, ignore_errors=True)
-    log(f"converting {ckpt.name} (written by {written_by(ckpt)} ranks) to a universal checkpoint")
-    args = SimpleNamespace(
-        input_folder=str(ckpt / ds_tag),
-        output_folder=str(tmp / ds_tag),
-        num_extract_workers=1,  # in this process: the files load through tensors_only
-        num_merge_workers=1,
-        keep_temp_folder=False,
-        strict=True,
-        # checkpoints written before save_checkpoint stated it (reshard.client_state)
-        inject_missing_state=True,
+    workers = workers or default_workers()
+    log(
+        f"converting {ckpt.name} (written by {written_by(ckpt)} ranks) to a universal checkpoint "
+        f"with {workers} worker(s)"
     )
+    # the workers are forked: they load through tensors_only too
     with tensors_only(), contextlib.redirect_stdout(None):
-        ds_to_universal.main(args)
+        ds_internals.to_universal(ckpt / ds_tag, tmp / ds_tag, workers)
     (tmp / "meta.json").write_text(json.dumps({"files": file_digests(tmp)}))
     tmp.rename(out)
     return out
 
 
 def universal_folder(ckpt: Path, ds_tag: str, is_main: bool, log) -> Path:
-    """Collective: the universal checkpoint of `ckpt`, converted by rank 0 while the others wait."""
+    """Collective: the universal checkpoint of `ckpt`, converted by rank 0's worker processes while
+    the others wait (`vlm reshard RUN --workers K` converts it ahead of the resume, offline)."""
     if is_main:
         convert(ckpt, ds_tag, log)
     collectives.barrier()
@@ -151,7 +158,7 @@ def mend_optimizer(optimizer: torch.optim.Optimizer, universal: Path, ds_tag: st
             state["step"] = state["step"].clone()
     from vlm.train.engine import OPTIM_SETTINGS, safe_load
 
-    saved = safe_load(universal / ds_tag / "zero" / "optimizer_state.pt")
+    saved = safe_load(ds_internals.universal_optimizer_file(universal / ds_tag))
     # (top level in every stage's file; ZeRO-3's also inside its optimizer_state_dict)
     groups = {g.get("name"): g for g in saved["param_groups"]}
     for group in optimizer.param_groups:

@@ -137,7 +137,7 @@ def open_run_dir(
         run_dir.mkdir(parents=True, exist_ok=True)
         ckpt_lib.clean_partial(ckpt_root)
     collectives.barrier()
-    found = ckpt_lib.resume_point(ckpt_root, dist.rank, resume, log=log)
+    found = ckpt_lib.resume_point(ckpt_root, dist.rank, resume, log=log, world=dist.world_size)
     # rank 0 decides for every rank
     check_start(run_dir, resume, overwrite, found, dist.is_main)
     return found
@@ -249,7 +249,6 @@ def build_run(
         if resume_from is not None:  # not below the step the checkpoint reached
             step = ckpt_lib.checkpoint_step(resume_from)
             check_resume_steps(step, cfg.train.max_steps, resume_from)
-            ep_lib.check_resume(resume_from, layout.expert, layout.world)
         saved = saved_config(run_dir, resume_from, say)
         kept = saved["optim"]["global_batch_rows"] if saved else None
         cfg = with_global_batch(cfg, layout.data, kept)
@@ -257,6 +256,8 @@ def build_run(
         # part of a row counts as one of micro x world parts (vlm.train.step)
         ds_json = deepspeed_config(cfg.deepspeed, cfg.optim, layout.world)
         cfg = evolve(cfg, deepspeed=effective_settings(cfg.deepspeed, ds_json))  # what runs
+        if resume_from is not None:
+            ep_lib.check_resume(resume_from, layout.expert, layout.world, plain_fp32(ds_json))
         if reshard.needs_universal(resume_from, dist.world_size, ds_json):
             ds_json = reshard.with_universal_loading(ds_json)
         if saved is not None:  # what may not change on resume
@@ -296,7 +297,7 @@ def build_run(
     banner += tuple(f"  group {line}" for line in describe_groups(param_groups))
     ck = cfg.checkpoint
     checkpointer = ckpt_lib.Checkpointer(
-        engine, run_dir / "checkpoints", ck.save_every, ck.keep_last, layout
+        engine, run_dir / "checkpoints", ck.save_every, ck.keep_last, layout, ck.background
     )
     return Run(
         cfg=cfg,

@@ -21,7 +21,7 @@ from typing import Callable
 
 from configs.config import to_dict
 from vlm.train import checkpoint as ckpt_lib
-from vlm.train import collectives
+from vlm.train import ckpt_resume, collectives
 from vlm.train.config import TrainConfig
 from vlm.train.device_feed import DeviceFeed
 from vlm.train.engine import optimizer_settings, resume_schedule
@@ -168,6 +168,8 @@ class Trainer:
                 val, record.pictures = run.held_out.run(window[-1], draw=run.is_main)
                 record.scalars.update(val)
             if run.is_main:
+                if metrics.should_log(self.step, record.applied):  # the saves' times, once
+                    record.scalars.update(run.checkpointer.take_metrics())
                 metrics.write(record)
             if self.nonfinite_in_row >= cfg.train.max_nonfinite_in_row:
                 path = run.checkpointer.save(self.step, self.trainer_state())
@@ -177,6 +179,7 @@ class Trainer:
                     "optim.lr (resume with --resume --accept-optim-change optim.lr=...), check "
                     "the data, or raise train.max_nonfinite_in_row."
                 )
+                self.run.checkpointer.wait()
                 rc = 1
                 break
             if data_stop is not None:
@@ -186,11 +189,23 @@ class Trainer:
             run.checkpointer.maybe_save(self.step, self.trainer_state)
         if rc == 0:
             run.checkpointer.save_unless_saved(self.step, self.trainer_state)
+        run.checkpointer.wait()  # the last checkpoint is complete before the run goes on
+        self._say_last_save()
         metrics.close()
         # asked to stop during the last step: no export, no evaluation
         if rc == 0 and self._stop_requested():
             return self._stopped()
         return self._finish(rc)
+
+    def _say_last_save(self) -> None:
+        """The last save's times (no step line follows it to carry them into metrics.jsonl)."""
+        m = self.run.checkpointer.take_metrics() if self.run.is_main else {}
+        if "checkpoint/step" in m:
+            self.log(
+                f"checkpoint step {m['checkpoint/step']}: the step waited "
+                f"{m['checkpoint/stage_s']:.2f} s to stage it, each rank wrote and hashed its "
+                f"share in the background (slowest {m['checkpoint/write_s']:.2f} s)"
+            )
 
     def _stop_requested(self) -> bool:
         """A SIGTERM / SIGINT on any rank stops every rank after the same step (a collective when distributed)."""
@@ -209,6 +224,7 @@ class Trainer:
         else:
             # WriteError: reported by the CLI
             self.run.checkpointer.save_unless_saved(self.step, self.trainer_state)
+            self.run.checkpointer.wait()
             self.log(
                 f"stopped by {name} after step {self.step}: checkpoint "
                 f"{self.run.ckpt_root / ckpt_lib.step_dir_name(self.step)}; continue with the "
@@ -346,8 +362,15 @@ class Trainer:
         # this config's: the checkpoint's come back with its state
         settings = optimizer_settings(run.optimizer)
         state = ckpt_lib.load_checkpoint(
-            run.engine, path, run.layout.rank, run.layout.world, log=self.log
-        )
+            run.engine, path, run.layout.rank, run.layout.world, log=self.log,
+            expert=run.layout.expert,
+        )  # fmt: skip
+        # each rank's verification and load times, for the first metrics line (a collective)
+        times = collectives.every_rank(dict(ckpt_resume.timings))
+        if run.is_main:
+            run.checkpointer.record_resume(
+                {k: [t.get(k, 0.0) for t in times] for k in ("verify_s", "load_s")}
+            )
         resume_schedule(
             run.optimizer,
             run.scheduler,

@@ -50,18 +50,28 @@ class _KeepsWriteError:
         return getattr(self.fh, name)
 
 
+def torch_save_file(obj, fh, path, **kwargs) -> None:
+    """torch.save into the open file `fh` (of `path`) that fails with the OSError (errno, path) of
+    a failed write instead of torch's message."""
+    w = _KeepsWriteError(fh)
+    try:
+        torch.save(obj, w, **kwargs)
+    except RuntimeError:
+        if w.error is not None:
+            raise OSError(w.error.errno, w.error.strerror, str(path)) from None
+        raise
+    except OSError as e:
+        if e.filename is None:
+            raise OSError(e.errno, e.strerror, str(path)) from None
+        raise
+
+
 def torch_save(obj, path, **kwargs) -> None:
     """torch.save that fails with the OSError (errno, path) of a failed write instead of torch's message."""
     path = Path(path)
     try:
         with open(path, "wb") as fh:
-            w = _KeepsWriteError(fh)
-            try:
-                torch.save(obj, w, **kwargs)
-            except RuntimeError:
-                if w.error is not None:
-                    raise OSError(w.error.errno, w.error.strerror, str(path)) from None
-                raise
+            torch_save_file(obj, fh, path, **kwargs)
     except OSError as e:
         if e.filename is None:
             raise OSError(e.errno, e.strerror, str(path)) from None

@@ -1,0 +1,128 @@
+"""Checkpoints at scale on real ranks (gloo; issue 49 item 2, issue 50 item 2), one scenario: a run
+with `parallel.expert=2` on 2 ranks saves at steps 3 and 6; its step-3 checkpoint (the later one
+removed, as if the run had stopped there) resumes with `parallel.expert=1` on 1 rank and with
+`parallel.expert=4` on 4 ranks, and steps 4-6 log the uninterrupted run's losses (weights, Adam
+moments, schedule and data position carried over: the expert shards regrouped on load). The
+2-rank and 4-rank saves record each file's writer: every rank wrote (and hashed) its own files and
+rank 0 nothing beyond its share and the engine's module file; the resumes verified in parallel
+(each rank's verification time is in metrics.jsonl, as are the saves')."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+
+import pytest
+from rank_processes import spawn
+
+pytestmark = pytest.mark.slow
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, cfg, run_dir: str) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    import torch
+
+    torch.set_num_threads(1)
+    from vlm.train.trainer import Trainer
+
+    assert Trainer(cfg, run_dir, log=lambda *_: None).train() == 0
+
+
+def _train(world: int, cfg, run_dir) -> dict[int, dict]:
+    spawn(
+        _worker, (world, _free_port(), cfg, str(run_dir)), world, f"{run_dir.name} on {world} ranks"
+    )
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r for r in map(json.loads, lines)}
+
+
+def _config(tiny_data, tiny_config, load_tiny, expert: int):
+    """Four rows per optimizer step, one per micro-batch; a constant rate (the resumed run follows
+    the uninterrupted one's schedule); experts split over `expert` ranks."""
+    cfg = tiny_config(
+        tiny_data,
+        data={"rows_per_batch": 1},
+        optim={"global_batch_rows": 4, "schedule": "constant", "warmup_steps": 0},
+        logging={"eval_every": 0, "histogram_every": 0},
+        checkpoint={"save_every": 3, "keep_last": 2},
+        train={"max_steps": 6, "vqa_eval": False},
+        parallel={"expert": expert},
+    )
+    return load_tiny(cfg)
+
+
+def _writers(ckpt) -> dict[int, set[str]]:
+    meta = json.loads((ckpt / "meta.json").read_text())
+    assert set(meta["writers"]) == set(meta["files"]), "a file of meta.json has no writer"
+    out: dict[int, set[str]] = {}
+    for rel, r in meta["writers"].items():
+        out.setdefault(r, set()).add(rel)
+    return out
+
+
+def _check_own_files(ckpt, world: int) -> None:
+    """Each rank wrote and hashed its trainer state and expert shard; rank 0 nothing but its own
+    share and the engine's module file."""
+    by = _writers(ckpt)
+    assert sorted(by) == list(range(world)), (
+        f"{ckpt.name} of {world} ranks: files written by ranks {sorted(by)}: not every rank "
+        "wrote (and hashed) its own share"
+    )
+    for r in range(world):
+        assert {f"rank_{r:05d}.pt", f"experts_rank_{r:05d}.pt"} <= by[r], (r, sorted(by[r]))
+    allowed = {
+        "rank_00000.pt",
+        "experts_rank_00000.pt",
+        "ds/mp_rank_00_model_states.pt",
+        "ds/expp_rank_0_mp_rank_00_optim_states.pt",
+    }
+    assert by[0] <= allowed, f"rank 0 wrote more than its share: {sorted(by[0] - allowed)}"
+
+
+def test_an_expert_parallel_checkpoint_resumes_on_other_degrees_and_ranks(
+    tiny_data, tiny_config, load_tiny, tmp_path
+):
+    whole_dir = tmp_path / "whole"
+    whole = _train(2, _config(tiny_data, tiny_config, load_tiny, 2), whole_dir)
+    ckpts = whole_dir / "checkpoints"
+    _check_own_files(ckpts / "step_00000003", 2)
+    saved = whole[4]
+    assert saved["checkpoint/step"] == 3 and len(saved["checkpoint/ranks"]["write_s"]) == 2, (
+        "metrics.jsonl does not record the step-3 save's times by rank: "
+        f"{ {k: v for k, v in saved.items() if k.startswith('checkpoint/')} }"
+    )
+    for expert, world in ((1, 1), (4, 4)):
+        run = tmp_path / f"ep{expert}_on{world}"
+        shutil.copytree(whole_dir, run, ignore=shutil.ignore_patterns("final", "summary.json"))
+        shutil.rmtree(run / "checkpoints" / "step_00000006")  # as if stopped after step 3
+        resumed = _train(world, _config(tiny_data, tiny_config, load_tiny, expert), run)
+        assert sorted(resumed) == [1, 2, 3, 4, 5, 6], sorted(resumed)
+        for s in (4, 5, 6):
+            for k in ("loss", "loss/lm", "loss/ratio", "loss/balance"):
+                # exact but for float summation order (measured: <= 5e-8); the experts' Adam
+                # moments zeroed on load moved them by 3e-5 .. 5e-4, past the issue's 1e-3 bound
+                assert resumed[s][k] == pytest.approx(whole[s][k], rel=1e-6), (
+                    f"parallel.expert=2 on 2 ranks resumed at step 3 with parallel.expert="
+                    f"{expert} on {world} rank(s): step {s} {k} = {resumed[s][k]}, the "
+                    f"uninterrupted run's {whole[s][k]}: the regrouped experts, their Adam "
+                    "moments or the data position moved (vlm/train/expert_regroup.py)"
+                )
+            assert resumed[s]["tokens"] == whole[s]["tokens"], (s, "not the same samples")
+        verify = resumed[4]["resume/ranks"]["verify_s"]
+        assert len(verify) == world, f"the resume's verification times by rank: {verify}"
+        if world == 4:
+            _check_own_files(run / "checkpoints" / "step_00000006", 4)

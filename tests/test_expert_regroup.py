@@ -1,0 +1,111 @@
+"""An expert-parallel checkpoint regrouped on load without ranks (issue 50 item 2): the files two
+expert ranks wrote (their expert shards, DeepSpeed's optimizer file per expert rank with the names of
+its parameters, the module file) load into one rank holding every expert (P' = 1) and into expert
+rank 1 of 4 (P' = 4): the weights and both Adam moments of each expert are the run's, whatever the
+degree. The multi-rank run that trains on after such a resume is tests/test_checkpoint_ranks.py."""
+
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+
+import torch
+
+EXPERTS = ("moe.w_gate_EDF", "moe.w_up_EDF", "moe.w_down_EFD")
+
+
+def _moe():
+    from vlm.model.config import MoEConfig
+    from vlm.model.moe import MoE
+
+    torch.manual_seed(0)
+    return torch.nn.ModuleDict(
+        {"moe": MoE(MoEConfig(num_experts=4, top_k=2, expert_hidden=8), 16, init_std=0.3)}
+    )
+
+
+def _trained():
+    """The whole layer after one AdamW step: the weights and moments a run of any degree holds."""
+    model = _moe()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    for i, p in enumerate(model.parameters()):
+        p.grad = torch.randn_like(p) * (i + 1)
+    opt.step()
+    return model, opt
+
+
+def _shard(model, opt, P: int, rank: int):
+    """Expert rank `rank` of P's part of the run: its layer and an optimizer holding its rows."""
+    from vlm.model.expert_parallel import LoopbackExchange
+
+    whole = dict(model.named_parameters())
+    part = copy.deepcopy(model)
+    part["moe"].shard_experts(LoopbackExchange(P, rank))
+    popt = torch.optim.AdamW(part.parameters(), lr=0.1)
+    n = 4 // P
+    for name, p in part.named_parameters():
+        st = opt.state[whole[name]]
+        rows = slice(rank * n, (rank + 1) * n) if name in EXPERTS else slice(None)
+        popt.state[p] = {k: (v[rows].clone() if v.dim() else v.clone()) for k, v in st.items()}
+    return part, popt
+
+
+def _checkpoint(tmp_path, model, opt, P: int = 2):
+    """What P expert ranks on P ranks write (ZeRO 0)."""
+    from vlm.train import ds_internals
+    from vlm.train.ckpt_save import optimizer_names
+    from vlm.train.expert_parallel import save_shard
+
+    ckpt = tmp_path / "step_00000003"
+    (ckpt / "ds").mkdir(parents=True)
+    for r in range(P):
+        part, popt = _shard(model, opt, P, r)
+        save_shard(part, ckpt, r, P, lambda obj, path: torch.save(obj, path))
+        engine = SimpleNamespace(module=part, optimizer=popt)
+        torch.save(
+            {"step": 3, "optimizer_names": optimizer_names(engine)}, ckpt / f"rank_{r:05d}.pt"
+        )
+        torch.save(
+            {"optimizer": popt.state_dict()}, ds_internals.moe_optimizer_file(ckpt / "ds", r)
+        )
+        if r == 0:
+            module = {"module": part.state_dict(), "global_steps": 3, "skipped_steps": 0}
+            torch.save(module, ds_internals.module_file(ckpt / "ds"))
+    return ckpt
+
+
+def _loaded(ckpt, P: int, rank: int):
+    from vlm.model.expert_parallel import LoopbackExchange
+    from vlm.train import expert_regroup
+
+    fresh = _moe()
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.zero_()
+    if P > 1:
+        fresh["moe"].shard_experts(LoopbackExchange(P, rank))
+    opt = torch.optim.AdamW(fresh.parameters(), lr=0.1)
+    engine = SimpleNamespace(module=fresh, train_batch_size=lambda: 4)
+    expert_regroup.load(engine, ckpt, opt)
+    assert engine.global_steps == 3, "the engine's step counters were not restored"
+    return fresh, opt
+
+
+def test_expert_shards_and_their_moments_regroup_onto_any_degree(tmp_path):
+    model, opt = _trained()
+    ckpt = _checkpoint(tmp_path, model, opt)
+    whole = dict(model.named_parameters())
+    for P, rank in ((1, 0), (4, 1)):
+        fresh, fopt = _loaded(ckpt, P, rank)
+        n = 4 // P
+        for name, p in fresh.named_parameters():
+            rows = slice(rank * n, (rank + 1) * n) if name in EXPERTS else slice(None)
+            want = whole[name].detach()[rows]
+            assert torch.equal(p.detach(), want), f"P'={P}, rank {rank}: {name}'s weights"
+            for key in ("exp_avg", "exp_avg_sq"):
+                got, ref = fopt.state[p][key], opt.state[whole[name]][key][rows]
+                assert torch.equal(got, ref), (
+                    f"P'={P}, rank {rank}: {name}'s {key} is not the run's rows {rows}: the "
+                    "expert shards' Adam moments were not regrouped (vlm/train/expert_regroup.py)"
+                )
+            assert float(fopt.state[p]["step"]) == 1.0

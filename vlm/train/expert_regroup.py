@@ -1,0 +1,124 @@
+"""An expert-parallel checkpoint resumed at another expert degree or on another number of ranks:
+its expert shards regrouped on load, with their Adam moments (issue 50 item 2).
+
+A checkpoint written at degree P on N ranks holds every expert once: expert rank j's E/P experts of
+each MoE layer in `experts_rank_NNNNN.pt` (vlm.train.expert_parallel), its optimizer state in
+DeepSpeed's `expp_rank_j` file (ZeRO 0: the torch optimizer's state dict of a rank holding shard j,
+its parameters numbered group by group), the dense weights and the engine's counters in the
+module file. The rank file of each writer names its optimizer's parameters in that order
+(vlm.train.ckpt_save.optimizer_names), so every state maps back to a parameter by name. Resumed at
+degree P' on N' ranks, each rank takes the rows of its own E/P' experts of every expert tensor and
+of its two Adam moments from the shards that hold them (the whole run's expert k is row k of the
+shards put end to end) and the dense weights and moments as they were; the schedule, the data
+position and the RNG streams come with the trainer state as for any resume. A checkpoint without
+expert shards (P = 1) resumes at P' > 1 the same way, its module holding every expert.
+
+Supported where the optimizer state is one torch state dict per expert rank: ZeRO 0 (fp32, the
+engine's plain path); ZeRO 1-3 keep it in flat partitions and a change of degree there is refused
+in one line (vlm.train.expert_parallel.check_resume).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from vlm.model.shares import is_routed_expert
+from vlm.train import ds_internals
+from vlm.train.checkpoint_tensors import checkpoint_tensors
+from vlm.train.engine import CheckpointRefused, safe_load
+from vlm.train.expert_parallel import sharded_layers, written_degree
+
+
+def needed(ckpt: Path, expert: int, world: int) -> bool:
+    """A resume from `ckpt` at degree `expert` on `world` ranks regroups the expert shards (the
+    degree or, with experts split, the ranks differ from the writer's)."""
+    P, W = written_degree(ckpt)
+    if P == 1 and expert == 1:
+        return False
+    return (P, W) != (expert, world)
+
+
+def _named_states(ckpt: Path, optim_file: Path, writer: int) -> dict[str, dict]:
+    """The optimizer state of writer `writer`'s file by parameter name."""
+    rank_file = Path(ckpt) / f"rank_{writer:05d}.pt"
+    names = safe_load(rank_file).get("optimizer_names")
+    if names is None:
+        raise CheckpointRefused(
+            f"checkpoint {ckpt}: {rank_file.name} does not name its optimizer's parameters "
+            "(written before expert shards could be regrouped): resume with the expert degree "
+            "and ranks that wrote it"
+        )
+    sd = safe_load(optim_file)["optimizer"]
+    out = {}
+    for group, group_names in zip(sd["param_groups"], names, strict=True):
+        for idx, name in zip(group["params"], group_names, strict=True):
+            if idx in sd["state"]:
+                out[name] = sd["state"][idx]
+    return out
+
+
+def _old_states(ckpt: Path, P: int) -> tuple[dict[str, dict], list[dict[str, dict]]]:
+    """(every parameter's state as the first writer kept it, each expert rank's states)."""
+    ds = Path(ckpt) / "ds"
+    if P == 1:
+        states = _named_states(ckpt, ds_internals.module_file(ds), 0)
+        return states, [states]
+    # expert rank j's file is written by the first rank holding shard j: rank j
+    shards = [_named_states(ckpt, ds_internals.moe_optimizer_file(ds, j), j) for j in range(P)]
+    return shards[0], shards
+
+
+def _expert_rows(per_shard: list[torch.Tensor], a: int, b: int) -> torch.Tensor:
+    return torch.cat(per_shard)[a:b]
+
+
+def load(engine, ckpt: Path, optimizer: torch.optim.Optimizer) -> None:
+    """Every rank: the engine's module and optimizer from `ckpt`, the routed experts regrouped for
+    this rank's expert shard. CheckpointRefused (one line) where the checkpoint lacks a part."""
+    ckpt = Path(ckpt)
+    module = engine.module
+    P, _ = written_degree(ckpt)
+    stored = checkpoint_tensors(ckpt)
+    layers = sharded_layers(module)
+    ex = layers[0].exchange if layers else None
+    have = stored.shapes()
+    sd = {}
+    for name, t in module.state_dict().items():
+        if name not in have:
+            raise CheckpointRefused(f"checkpoint {ckpt}: no tensor {name} in its module")
+        if ex is not None and is_routed_expert(name):
+            n = t.shape[0]
+            sd[name] = stored.rows(name, ex.rank * n, (ex.rank + 1) * n)
+        else:
+            sd[name] = stored.rows(name, 0, have[name][0] if have[name] else 1)
+    module.load_state_dict(sd, strict=True)
+    dense, shards = _old_states(ckpt, P)
+    for name, p in module.named_parameters():
+        if not p.requires_grad:
+            continue
+        if is_routed_expert(name):
+            per = [s.get(name) for s in shards]
+            if any(s is None for s in per):
+                continue  # not trained yet (no state): as the engine's own load leaves it
+            n = p.shape[0]
+            a = ex.rank * n if ex is not None else 0
+            state = {}
+            for key, v in per[0].items():
+                if torch.is_tensor(v) and v.dim() >= 1 and v.shape[1:] == p.shape[1:]:
+                    state[key] = _expert_rows([s[key] for s in per], a, a + n).clone()
+                else:
+                    state[key] = v.clone() if torch.is_tensor(v) else v
+        else:
+            old = dense.get(name)
+            if old is None:
+                continue
+            state = {k: v.clone() if torch.is_tensor(v) else v for k, v in old.items()}
+        optimizer.state[p] = {
+            k: v.to(p.device) if torch.is_tensor(v) and v.dim() >= 1 else v
+            for k, v in state.items()
+        }
+    ds_internals.restore_engine_counters(
+        engine, safe_load(ds_internals.module_file(ckpt / "ds"), map_location="cpu")
+    )
