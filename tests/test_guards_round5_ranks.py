@@ -120,11 +120,14 @@ def test_each_micro_batch_draws_the_noise_of_its_place_in_the_global_batch(world
     """Rank r's k-th micro-batch of a step is the loader's g = r + k x ranks within the step; its
     boundary noise is that g's on any number of ranks, so 1, 2 or 4 ranks draw the same boundaries
     for the same micro-batch."""
+    from vlm.model.config import ModelConfig
     from vlm.train.layout import ParallelLayout
+    from vlm.train.losses import Loss
     from vlm.train.step import StepSettings, boundary_seed, forward_context
 
+    loss = Loss(ModelConfig())
     for rank in range(world):
-        s = StepSettings(None, None, 5, ParallelLayout(world, rank), torch.device("cpu"))
+        s = StepSettings(loss, None, 5, ParallelLayout(world, rank), torch.device("cpu"))
         for k in range(accum):
             g = rank + k * world
             got = int(forward_context(s, 3, k).noise_seed)

@@ -134,7 +134,6 @@ def _pieces(shard) -> dict[str, float]:
 def _model(shard) -> dict[str, float]:
     """A whole ConceptMoE training forward and backward, split and unsplit: the shard's final
     states, boundaries and concept count, and every parameter's gradient summed over the group."""
-    import torch.distributed as dist
 
     from configs.batch import PackedBatch
     from vlm.model.conceptmoe import ConceptMoELM
@@ -200,7 +199,7 @@ def _model(shard) -> dict[str, float]:
             if p.grad is None:
                 continue
             gsum = p.grad.clone()
-            dist.all_reduce(gsum, group=shard.group)
+            shard.comm.sum_(gsum)
             worst = max(worst, _err(gsum, want[n]) / max(1.0, float(want[n].abs().max())))
         out[f"{name}_grads"] = worst
         model.zero_grad()
@@ -211,12 +210,13 @@ def _worker(rank: int, port: int, result: str) -> None:
     import torch.distributed as dist
 
     from vlm.model.sequence_parallel import SequenceShard
+    from vlm.train.collectives import SequenceGroup
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     try:
-        shard = SequenceShard(dist.group.WORLD, rank, WORLD)
+        shard = SequenceShard(SequenceGroup(dist.group.WORLD), rank, WORLD)
         out = {**_pieces(shard), **_model(shard)}
         torch.save(out, f"{result}.{rank}")
     finally:

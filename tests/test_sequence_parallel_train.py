@@ -158,6 +158,7 @@ def _memory_worker(rank: int, port: int, result: str) -> None:
     from vlm.model.context import ForwardContext
     from vlm.model.sequence_parallel import SequenceShard
     from vlm.plan.tracker import LiveBytes
+    from vlm.train.collectives import SequenceGroup
     from vlm.train.config import load_train_config
     from vlm.train.losses import Loss
     from vlm.train.sequence_shard import local_batch
@@ -171,7 +172,10 @@ def _memory_worker(rank: int, port: int, result: str) -> None:
         model = ConceptMoELM(mcfg).train()
         batch = _row(16384, 0.125, mcfg.vocab_size, 0, torch.device("cpu"))
         peaks = {}
-        for name, shard in (("whole", None), ("split", SequenceShard(dist.group.WORLD, rank, 2))):
+        for name, shard in (
+            ("whole", None),
+            ("split", SequenceShard(SequenceGroup(dist.group.WORLD), rank, 2)),
+        ):
             model.shard_sequence(shard)
             live = LiveBytes("cpu")
             with live:

@@ -49,6 +49,7 @@ SETTINGS = {
 def _group():
     """(shard or None, rank, ranks, device) under torchrun; one process: S = 1."""
     from vlm.model.sequence_parallel import SequenceShard
+    from vlm.train.collectives import SequenceGroup
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:
@@ -59,7 +60,12 @@ def _group():
     info = init_distributed()
     layout = ParallelLayout(info.world_size, info.rank, sequence=info.world_size)
     group = make_groups(layout).sequence
-    return SequenceShard(group, info.rank, info.world_size), info.rank, info.world_size, info.device
+    return (
+        SequenceShard(SequenceGroup(group), info.rank, info.world_size),
+        info.rank,
+        info.world_size,
+        info.device,
+    )
 
 
 def _row(T: int, doc_fraction: float, vocab: int, seed: int, dev):

@@ -27,22 +27,38 @@ Every collective here with a gradient has its backward a collective too: each ra
 reach its loss (a rank that ignores one, e.g. the first shard's halo, multiplies it by 0), and
 every rank runs the same collectives in the same order.
 
-The group is the trainer's (vlm.train.sequence_shard makes it); the model only calls these functions.
+The group and its collectives are the trainer's (vlm.train.sequence_shard makes them,
+vlm.train.collectives.SequenceGroup runs them); the model only calls these functions.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
-import torch.distributed as dist
+
+
+class SequenceComm(Protocol):
+    """The collectives of a sequence-parallel group, as the trainer gives them to the model
+    (vlm.train.collectives.SequenceGroup): the model calls no torch.distributed itself."""
+
+    def gather(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's `x`, in rank order (no gradient)."""
+
+    def sum_(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` summed over the group, in place (no gradient)."""
+
+    def swap(self, x_S: torch.Tensor) -> torch.Tensor:
+        """[S, ...] -> [S, ...]: row j goes to rank j, row s of the result came from rank s
+        (differentiable: the backward is the reverse swap)."""
 
 
 @dataclass(frozen=True)
 class SequenceShard:
     """This rank's place in its sequence-parallel group."""
 
-    group: object  # the torch process group of the S ranks sharing a row
+    comm: SequenceComm | None  # the group's collectives (None: a shard no forward runs on)
     rank: int  # s: this rank's shard, 0 .. S - 1 (0: the row's first tokens)
     size: int  # S
 
@@ -66,9 +82,7 @@ def padded_slots(M: int, S: int) -> int:
 
 # ---------------------------------------------------------------- collectives with gradients
 def _gather_list(x: torch.Tensor, shard: SequenceShard) -> list[torch.Tensor]:
-    parts = [torch.empty_like(x) for _ in range(shard.size)]
-    dist.all_gather(parts, x.contiguous(), group=shard.group)
-    return parts
+    return shard.comm.gather(x)
 
 
 class _AllGather(torch.autograd.Function):
@@ -88,8 +102,7 @@ class _AllGather(torch.autograd.Function):
 def _reduce_scatter(x: torch.Tensor, dim: int, shard: SequenceShard) -> torch.Tensor:
     """Sum over the group, this rank's part along `dim` (all-reduce then a copy of the part: gloo has
     no reduce-scatter)."""
-    x = x.contiguous().clone()
-    dist.all_reduce(x, group=shard.group)
+    x = shard.comm.sum_(x.contiguous().clone())
     return shard.local(x, dim).clone()
 
 
@@ -125,8 +138,7 @@ def row_sum(x: torch.Tensor, shard: SequenceShard | None) -> torch.Tensor:
     row's and the group's gradients add up to the row's. None: x."""
     if shard is None:
         return x
-    total = x.detach().clone()
-    dist.all_reduce(total, group=shard.group)
+    total = shard.comm.sum_(x.detach().clone())
     return x + (total - x.detach())
 
 
@@ -149,11 +161,7 @@ def previous_token(x_BLD: torch.Tensor, shard: SequenceShard | None) -> torch.Te
 # ---------------------------------------------------------------- Ulysses attention
 def _all_to_all(x: torch.Tensor, shard: SequenceShard) -> torch.Tensor:
     """[S, ...] -> [S, ...]: row j goes to rank j, row s of the result came from rank s."""
-    from torch.distributed._functional_collectives import all_to_all_single_autograd
-
-    out = all_to_all_single_autograd(x.contiguous(), None, None, shard.group)
-    # the functional collective returns an async tensor: wait before reshaping it
-    return out.wait() if hasattr(out, "wait") else out
+    return shard.comm.swap(x)
 
 
 def ulysses_to_heads(x_BHLd: torch.Tensor, shard: SequenceShard) -> torch.Tensor:

@@ -174,6 +174,34 @@ def weights_of_rank0(module: torch.nn.Module) -> None:
     broadcast_module(module, src=0)
 
 
+# ---------------------------------------------------------------- sequence parallelism
+class SequenceGroup:
+    """The sequence-parallel group of this rank as the model's row split sees it
+    (vlm.model.sequence_parallel.SequenceComm)."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def gather(self, x: torch.Tensor) -> list[torch.Tensor]:
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return parts
+
+    def sum_(self, x: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    def swap(self, x_S: torch.Tensor) -> torch.Tensor:
+        from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+        out = all_to_all_single_autograd(x_S.contiguous(), None, None, self.group)
+        # the functional collective returns an async tensor: wait before it is reshaped
+        return out.wait() if hasattr(out, "wait") else out
+
+    def __deepcopy__(self, memo):
+        return self  # a process group is not copied with a module
+
+
 # ---------------------------------------------------------------- expert parallelism
 class GroupExchange:
     """The expert-parallel group of this rank as its MoE layers see it

@@ -58,7 +58,10 @@ def set_up(model, layout, groups) -> SequenceShard | None:
     ConfigError (one line) for a model the split cannot compute exactly."""
     if layout.sequence == 1:
         return None
-    shard = SequenceShard(groups.sequence, layout.sequence_rank, layout.sequence)
+    from vlm.train.collectives import SequenceGroup
+
+    comm = SequenceGroup(groups.sequence)
+    shard = SequenceShard(comm, layout.sequence_rank, layout.sequence)
     lm = getattr(model, "lm", model)
     try:
         lm.shard_sequence(shard)
