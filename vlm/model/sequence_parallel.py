@@ -49,7 +49,7 @@ class SequenceComm(Protocol):
     def sum_(self, x: torch.Tensor) -> torch.Tensor:
         """`x` summed over the group, in place (no gradient)."""
 
-    def swap(self, x_S: torch.Tensor) -> torch.Tensor:
+    def swap(self, x: torch.Tensor) -> torch.Tensor:
         """[S, ...] -> [S, ...]: row j goes to rank j, row s of the result came from rank s
         (differentiable: the backward is the reverse swap)."""
 

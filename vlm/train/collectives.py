@@ -191,10 +191,10 @@ class SequenceGroup:
         dist.all_reduce(x, group=self.group)
         return x
 
-    def swap(self, x_S: torch.Tensor) -> torch.Tensor:
+    def swap(self, x: torch.Tensor) -> torch.Tensor:
         from torch.distributed._functional_collectives import all_to_all_single_autograd
 
-        out = all_to_all_single_autograd(x_S.contiguous(), None, None, self.group)
+        out = all_to_all_single_autograd(x.contiguous(), None, None, self.group)
         # the functional collective returns an async tensor: wait before it is reshaped
         return out.wait() if hasattr(out, "wait") else out
 
