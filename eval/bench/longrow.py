@@ -92,7 +92,12 @@ def run(s: Settings, log=print) -> dict:
     from vlm.train.sequence_shard import local_batch
 
     shard, rank, world, dev = _group()
-    cfg_path = s.config or ("configs/gpu.yaml" if dev.type == "cuda" else "configs/default.yaml")
+    from eval.bench.gpu.errors import ROOT
+
+    # the shipped configs from the repository, wherever the bench runs from
+    cfg_path = s.config or str(
+        ROOT / "configs" / ("gpu.yaml" if dev.type == "cuda" else "default.yaml")
+    )
     mcfg = from_dict(ModelConfig, to_dict(load_train_config(cfg_path).model))
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     torch.manual_seed(0)
