@@ -81,3 +81,65 @@ def to_universal(input_folder: Path, output_folder: Path, workers: int) -> None:
 def universal_optimizer_file(universal_tag_dir: Path) -> Path:
     """The converter's `zero/optimizer_state.pt` (its `param_groups`) in a universal tag folder."""
     return Path(universal_tag_dir) / "zero" / "optimizer_state.pt"
+
+
+ZERO_FILE = "zero_pp_rank_{}_mp_rank_00_optim_states.pt"  # bf16: with DeepSpeed's "bf16_" prefix
+
+
+def zero_optimizer_file(ds_dir: Path, dp_rank: int) -> Path | None:
+    """DeepSpeed's `_get_zero_ckpt_name` of data-parallel rank `dp_rank` (ZeRO 1-2; the dense
+    group's rank: every rank writes one, its expert groups' partitions in it too); None if absent."""
+    for prefix in ("", "bf16_"):
+        path = Path(ds_dir) / (prefix + ZERO_FILE.format(dp_rank))
+        if path.is_file():
+            return path
+    return None
+
+
+def zero_fragments(state: dict):
+    """(parameter name, {"fp32", "exp_avg", "exp_avg_sq": this writer's fragment, flat}, step)
+    for each parameter with a fragment in one ZeRO 1-2 optimizer file (stage_1_and_2 `state_dict`:
+    per parameter group one flat fp32 partition, its Adam state in the base optimizer's state of
+    that group's one parameter, and `param_slice_mappings`: name -> (numel, start) in it)."""
+    osd = state["optimizer_state_dict"]
+    base = osd["base_optimizer_state"]
+    per_group = base if isinstance(base, list) else [base["state"][g] for g in sorted(base["state"])]
+    for g, mapping in enumerate(osd["param_slice_mappings"]):
+        flat = osd["single_partition_of_fp32_groups"][g]
+        adam = per_group[g]
+        for name, addr in mapping.items():
+            a, n = int(addr.start), int(addr.numel)
+            parts = {"fp32": flat[a : a + n]}
+            for key in ("exp_avg", "exp_avg_sq"):
+                parts[key] = adam[key][a : a + n]
+            step = adam.get("step", osd.get("base_optimizer_state_step"))
+            yield name, parts, step
+
+
+def zero_write(zero_optimizer, full) -> None:
+    """This rank's ZeRO 1-2 partitions from whole tensors: `full(name)` gives a parameter's
+    {"fp32", "exp_avg", "exp_avg_sq": whole tensor, "step"} (None: leave it). Each parameter's
+    fragment (`_hp_mapping`: where it lies in the parameter and in the group's flat fp32
+    partition) is copied into the partition and into the base optimizer's state of that
+    partition, which is created here as the optimizer's first step would (Adam's state is lazy)."""
+    import torch
+
+    opt = zero_optimizer.optimizer
+    for g, lps in enumerate(zero_optimizer.bit16_groups):
+        flat = zero_optimizer.single_partition_of_fp32_groups[g]
+        state = opt.state[flat]
+        for lp in lps:
+            mapping = getattr(lp, "_hp_mapping", None)
+            whole = full(zero_optimizer.param_names[lp]) if mapping is not None else None
+            if whole is None:
+                continue
+            hp = mapping.get_hp_fragment_address()
+            lo = mapping.lp_fragment_address
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key not in state:
+                    state[key] = torch.zeros_like(flat)
+            step = whole["step"]
+            state["step"] = step.clone() if torch.is_tensor(step) else step
+            for key, dest in (("fp32", flat), ("exp_avg", state["exp_avg"]), ("exp_avg_sq", state["exp_avg_sq"])):
+                src = whole[key].reshape(-1)[lo.start : lo.start + lo.numel]
+                dest.data[hp.start : hp.start + hp.numel].copy_(src.to(dest.dtype))

@@ -405,6 +405,14 @@ def plain_fp32(ds_json: dict) -> bool:
     )
 
 
+def zero12_fp32(ds_json: dict) -> bool:
+    """The DeepSpeed JSON runs ZeRO stage 1 or 2 without bf16 / fp16 (its optimizer state in flat
+    fp32 partitions that vlm.train.expert_regroup rebuilds for another expert degree)."""
+    enabled = lambda k: bool((ds_json.get(k) or {}).get("enabled", False))  # noqa: E731
+    stage = int((ds_json.get("zero_optimization") or {}).get("stage", 0))
+    return stage in (1, 2) and not enabled("bf16") and not enabled("fp16")
+
+
 def is_plain_fp32(engine) -> bool:
     """Stage 0 without bf16: DeepSpeed steps our torch optimizer directly and checks nothing for overflow."""
     return (

@@ -313,28 +313,47 @@ def _written_under_zero(ckpt: Path) -> bool:
     return ds.is_dir() and any(ds.glob("*zero_pp_rank_*_optim_states.pt"))
 
 
-def check_resume(ckpt: Path, expert: int, world_size: int, plain: bool = True) -> None:
-    """A checkpoint resumes on any expert degree and number of ranks on the engine's plain fp32
-    path (`plain`: ZeRO 0 without bf16; its expert shards and their Adam moments are regrouped on
-    load: vlm.train.expert_regroup); under ZeRO 1-3 or bf16 (the moments in flat partitions) on
-    the degree and, with experts split, the ranks that wrote it only: ConfigError otherwise."""
+def check_resume(
+    ckpt: Path, expert: int, world_size: int, plain: bool = True, zero12: bool = False
+) -> None:
+    """A checkpoint resumes on any expert degree and number of ranks (its expert shards and their
+    Adam moments regrouped on load: vlm.train.expert_regroup) where both it and this run keep the
+    optimizer state in a form that regroups: ZeRO 0 fp32 (`plain`: one torch state dict per
+    expert rank) or ZeRO 1-2 fp32 (`zero12`: flat fp32 partitions, rebuilt per parameter). Under
+    bf16 / fp16, ZeRO 3, or between the two forms, on the degree and, with experts split, the
+    ranks that wrote it only: ConfigError otherwise."""
     P, W = written_degree(ckpt)
     if P == expert and (P == 1 or W == world_size):
         return
-    written_zero = _written_under_zero(ckpt)
-    if plain and not written_zero:
+    written = _written_form(ckpt)
+    if (plain and written == "plain") or (zero12 and written == "zero12"):
         return
     was = f"parallel.expert={P}" + (f" on {W} ranks" if W else "")
     now = f"parallel.expert={expert} on {world_size} rank(s)"
-    under = ("this run: ZeRO 0, fp32" if plain else "this run: ZeRO 1-3 or bf16") + (
-        "; the checkpoint: ZeRO 1-3" if written_zero else ""
-    )
+    this = "ZeRO 0, fp32" if plain else "ZeRO 1-2, fp32" if zero12 else "ZeRO 3, bf16 or fp16"
+    form = {"plain": "ZeRO 0, fp32", "zero12": "ZeRO 1-2, fp32", "other": "bf16, fp16 or ZeRO 3"}
     raise ConfigError(
         f"cannot resume from {ckpt}: written with {was}, this run has {now}; expert shards and "
-        "their Adam moments move to another degree or number of ranks under ZeRO 0 without bf16 "
-        f"only ({under}): resume with {was}, or start a new run from its weights with "
+        "their Adam moments move to another degree or number of ranks only from fp32 ZeRO 0 to "
+        f"ZeRO 0 or from fp32 ZeRO 1-2 to ZeRO 1-2 (this run: {this}; the checkpoint: "
+        f"{form[written]}): resume with {was}, or start a new run from its weights with "
         f"train.init_from={ckpt}"
     )
+
+
+def _written_form(ckpt: Path) -> str:
+    """How `ckpt` keeps its optimizer state: "plain" (ZeRO 0 fp32 torch state dicts), "zero12"
+    (ZeRO 1-2 fp32 flat partitions) or "other" (bf16 / fp16 files, ZeRO 3 partitions)."""
+    ds = Path(ckpt) / "ds"
+    if not ds.is_dir():
+        return "plain"
+    if any(ds.glob("bf16_*")) or any(ds.glob("*zero3*")):
+        return "other"
+    if not _written_under_zero(ckpt):
+        return "plain"
+    first = sorted(ds.glob("zero_pp_rank_*_optim_states.pt"))[0]
+    state = _load(first).get("optimizer_state_dict", {})
+    return "zero12" if "param_slice_mappings" in state and "single_partition_of_fp32_groups" in state else "other"
 
 
 def restore_shard(module: nn.Module, ckpt: Path, rank: int) -> str | None:

@@ -27,8 +27,9 @@ import torch
 from vlm.model.shares import is_routed_expert
 from vlm.train import ds_internals
 from vlm.train.checkpoint_tensors import checkpoint_tensors
+from vlm.train.ckpt_layout import read_meta
 from vlm.train.engine import CheckpointRefused, safe_load
-from vlm.train.expert_parallel import sharded_layers, written_degree
+from vlm.train.expert_parallel import SHARD_FILE, sharded_layers, written_degree
 
 
 def needed(ckpt: Path, expert: int, world: int) -> bool:
@@ -94,6 +95,17 @@ def load(engine, ckpt: Path, optimizer: torch.optim.Optimizer) -> None:
         else:
             sd[name] = stored.rows(name, 0, have[name][0] if have[name] else 1)
     module.load_state_dict(sd, strict=True)
+    if ds_internals.zero_optimizer_file(ckpt / "ds", 0) is not None:
+        _load_zero(engine, ckpt, P, ex)
+    else:
+        _load_plain(module, ckpt, P, ex, optimizer)
+    ds_internals.restore_engine_counters(
+        engine, safe_load(ds_internals.module_file(ckpt / "ds"), map_location="cpu")
+    )
+
+
+def _load_plain(module, ckpt: Path, P: int, ex, optimizer) -> None:
+    """ZeRO 0: each parameter's torch optimizer state, expert rows regrouped."""
     dense, shards = _old_states(ckpt, P)
     for name, p in module.named_parameters():
         if not p.requires_grad:
@@ -119,6 +131,56 @@ def load(engine, ckpt: Path, optimizer: torch.optim.Optimizer) -> None:
             k: v.to(p.device) if torch.is_tensor(v) and v.dim() >= 1 else v
             for k, v in state.items()
         }
-    ds_internals.restore_engine_counters(
-        engine, safe_load(ds_internals.module_file(ckpt / "ds"), map_location="cpu")
-    )
+
+
+def _zero_wholes(ckpt: Path, P: int) -> dict[tuple[int | None, str], dict]:
+    """ZeRO 1-2: each parameter's whole fp32 master and Adam moments (flat) as the writers kept
+    them, keyed (expert rank, name) for routed experts and (None, name) otherwise. A parameter's
+    fragments lie in its group's partitions in the order of the group's ranks: the dense group's
+    are all ranks, an expert group's the ranks holding that shard, each in global rank order."""
+    ds = ckpt / "ds"
+    W = read_meta(ckpt, ("world_size",))["world_size"]
+    frags: dict[tuple[int | None, str], list] = {}
+    for r in range(W):
+        path = ds_internals.zero_optimizer_file(ds, r)
+        if path is None:
+            raise CheckpointRefused(f"checkpoint {ckpt}: no ZeRO optimizer file of rank {r} in ds/")
+        j = int(safe_load(ckpt / SHARD_FILE.format(r))["expert_rank"]) if P > 1 else 0
+        for name, parts, step in ds_internals.zero_fragments(safe_load(path, map_location="cpu")):
+            key = (j if is_routed_expert(name) else None, name)
+            frags.setdefault(key, []).append((r, parts, step))
+    out = {}
+    for key, got in frags.items():
+        got.sort(key=lambda t: t[0])
+        out[key] = {k: torch.cat([g[1][k] for g in got]) for k in ("fp32", "exp_avg", "exp_avg_sq")}
+        out[key]["step"] = got[0][2]
+    return out
+
+
+def _load_zero(engine, ckpt: Path, P: int, ex) -> None:
+    """ZeRO 1-2: this rank's flat partitions (fp32 masters, both moments, Adam's step) rebuilt
+    from the whole parameters, routed experts' rows regrouped for this rank's shard."""
+    wholes = _zero_wholes(ckpt, P)
+    shapes = {n: p.shape for n, p in engine.module.named_parameters()}
+
+    def full(name: str) -> dict | None:
+        shape = shapes[name]
+        if not is_routed_expert(name):
+            w = wholes.get((None, name))
+            return None if w is None else {k: _shaped(v, shape) for k, v in w.items()}
+        per = [wholes.get((j, name)) for j in range(P)]
+        if any(w is None for w in per):
+            return None
+        n = shape[0]
+        a = ex.rank * n if ex is not None else 0
+        out = {"step": per[0]["step"]}
+        for k in ("fp32", "exp_avg", "exp_avg_sq"):
+            rows = torch.cat([w[k].view(-1, *shape[1:]) for w in per])
+            out[k] = rows[a : a + n]
+        return out
+
+    ds_internals.zero_write(engine.optimizer, full)
+
+
+def _shaped(v, shape):
+    return v.view(shape) if torch.is_tensor(v) and v.dim() >= 1 else v

@@ -40,6 +40,7 @@ from vlm.train.engine import (
     deepspeed_config,
     effective_settings,
     plain_fp32,
+    zero12_fp32,
 )
 from vlm.train.layout import ParallelLayout
 from vlm.train.loaders import build_loaders, check_row_fits
@@ -257,7 +258,9 @@ def build_run(
         ds_json = deepspeed_config(cfg.deepspeed, cfg.optim, layout.world)
         cfg = evolve(cfg, deepspeed=effective_settings(cfg.deepspeed, ds_json))  # what runs
         if resume_from is not None:
-            ep_lib.check_resume(resume_from, layout.expert, layout.world, plain_fp32(ds_json))
+            ep_lib.check_resume(
+                resume_from, layout.expert, layout.world, plain_fp32(ds_json), zero12_fp32(ds_json)
+            )
         if reshard.needs_universal(resume_from, dist.world_size, ds_json):
             ds_json = reshard.with_universal_loading(ds_json)
         if saved is not None:  # what may not change on resume
