@@ -103,7 +103,9 @@ def zero_fragments(state: dict):
     that group's one parameter, and `param_slice_mappings`: name -> (numel, start) in it)."""
     osd = state["optimizer_state_dict"]
     base = osd["base_optimizer_state"]
-    per_group = base if isinstance(base, list) else [base["state"][g] for g in sorted(base["state"])]
+    per_group = (
+        base if isinstance(base, list) else [base["state"][g] for g in sorted(base["state"])]
+    )
     for g, mapping in enumerate(osd["param_slice_mappings"]):
         flat = osd["single_partition_of_fp32_groups"][g]
         adam = per_group[g]
@@ -140,6 +142,10 @@ def zero_write(zero_optimizer, full) -> None:
                     state[key] = torch.zeros_like(flat)
             step = whole["step"]
             state["step"] = step.clone() if torch.is_tensor(step) else step
-            for key, dest in (("fp32", flat), ("exp_avg", state["exp_avg"]), ("exp_avg_sq", state["exp_avg_sq"])):
+            for key, dest in (
+                ("fp32", flat),
+                ("exp_avg", state["exp_avg"]),
+                ("exp_avg_sq", state["exp_avg_sq"]),
+            ):
                 src = whole[key].reshape(-1)[lo.start : lo.start + lo.numel]
                 dest.data[hp.start : hp.start + hp.numel].copy_(src.to(dest.dtype))

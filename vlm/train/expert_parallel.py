@@ -353,7 +353,11 @@ def _written_form(ckpt: Path) -> str:
         return "plain"
     first = sorted(ds.glob("zero_pp_rank_*_optim_states.pt"))[0]
     state = _load(first).get("optimizer_state_dict", {})
-    return "zero12" if "param_slice_mappings" in state and "single_partition_of_fp32_groups" in state else "other"
+    return (
+        "zero12"
+        if "param_slice_mappings" in state and "single_partition_of_fp32_groups" in state
+        else "other"
+    )
 
 
 def restore_shard(module: nn.Module, ckpt: Path, rank: int) -> str | None:
