@@ -157,6 +157,35 @@ def test_an_expert_checkpoint_moves_between_rank_counts_only_where_it_regroups(
     assert f"on {now} rank(s)" in msg, msg
 
 
+@pytest.mark.parametrize("form", ["zero12", "bf16", "zero3"])
+def test_an_expert_checkpoint_under_zero_moves_only_between_fp32_zero_1_2_runs(tmp_path, form):
+    """ZeRO 1-2 fp32 partitions (stage_1_and_2's file: per group a flat partition and each
+    parameter's fragment in it) are rebuilt per parameter on load (vlm.train.expert_regroup) for a
+    ZeRO 1-2 fp32 run at another degree; bf16 files, ZeRO-3 partitions, or a ZeRO 0 run are
+    refused in one line naming both forms."""
+    from configs.config import ConfigError
+    from vlm.train.expert_parallel import check_resume
+
+    ckpt = _expert_checkpoint(tmp_path, 2, 2)
+    (ckpt / "ds").mkdir()
+    osd = {"single_partition_of_fp32_groups": [], "param_slice_mappings": []}
+    if form == "zero3":
+        osd = {"fp32_flat_groups": []}
+    name = ("bf16_" if form == "bf16" else "") + "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    torch.save({"optimizer_state_dict": osd}, ckpt / "ds" / name)
+    if form == "zero12":
+        check_resume(ckpt, 1, 1, plain=False, zero12=True)  # rebuilt on load
+    for plain, zero12 in ((True, False), (False, False)) + (
+        ((False, True),) if form != "zero12" else ()
+    ):
+        with pytest.raises(ConfigError) as e:
+            check_resume(ckpt, 1, 1, plain=plain, zero12=zero12)
+        msg = str(e.value)
+        assert "parallel.expert=2 on 2 ranks" in msg and "\n" not in msg, msg
+        want = "ZeRO 1-2, fp32" if form == "zero12" else "bf16, fp16 or ZeRO 3"
+        assert f"the checkpoint: {want}" in msg, msg
+
+
 def test_a_checkpoint_without_expert_shards_resumes_on_any_number_of_ranks(tmp_path):
     from configs.config import ConfigError
     from vlm.train.expert_parallel import check_resume
