@@ -28,9 +28,10 @@ norm, so the optimizer clips there itself (`ExpertAwareClip`).
 Checkpoints: DeepSpeed's files as its MoE support writes them (the module from rank 0, the optimizer
 per expert rank or ZeRO partition) and, from every rank, `experts_rank_NNNNN.pt`, its shard of the
 routed experts (under ZeRO-3 gathered from its partitions), restored after DeepSpeed's load
-(`restore_shard`; under ZeRO-3 into its partitions). Under ZeRO 0 a checkpoint resumes on any
-expert degree and number of ranks (its shards regrouped on load: vlm.train.expert_regroup), under
-ZeRO 1-3 on the degree and the number of ranks that wrote it (`check_resume`: one line otherwise);
+(`restore_shard`; under ZeRO-3 into its partitions). Under ZeRO 0 and fp32 ZeRO 1-2 a checkpoint
+resumes on any expert degree and number of ranks under the same form (its shards regrouped on
+load: vlm.train.expert_regroup), under bf16 or ZeRO 3 on the degree and the number of ranks that
+wrote it (`check_resume`: one line otherwise);
 its weights start a run of any degree through `train.init_from` (vlm.train.checkpoint_tensors reads each
 rank's rows from the shards that hold them). The export gathers the shards (`gathered_experts`):
 final/ holds every expert.
