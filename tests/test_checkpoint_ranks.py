@@ -5,7 +5,8 @@ removed, as if the run had stopped there) resumes with `parallel.expert=1` on 1 
 moments, schedule and data position carried over: the expert shards regrouped on load). The
 2-rank and 4-rank saves record each file's writer: every rank wrote (and hashed) its own files and
 rank 0 nothing beyond its share and the engine's module file; the resumes verified in parallel
-(each rank's verification time is in metrics.jsonl, as are the saves')."""
+(each rank's verification time is in metrics.jsonl, as are the saves'). The same resumes under
+ZeRO 2 (the optimizer state in flat fp32 partitions, rebuilt per parameter)."""
 
 from __future__ import annotations
 

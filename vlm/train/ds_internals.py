@@ -14,6 +14,10 @@ that test until each is checked against it).
   command line's options.
 - `universal_optimizer_file`: where that conversion keeps the optimizer's parameter groups (their
   settings, by name: what vlm.train.reshard.mend_optimizer gives back to each group).
+- `zero_optimizer_file`, `zero_fragments`, `zero_write`: a ZeRO 1-2 rank's optimizer file, each
+  parameter's fragment of the fp32 master and Adam moments in it, and this run's partitions
+  written from whole parameters (vlm.train.expert_regroup, an expert-parallel checkpoint at
+  another degree).
 """
 
 from __future__ import annotations
