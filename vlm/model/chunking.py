@@ -58,6 +58,16 @@ def concept_capacity(T: int, slack: float | None, R: float) -> int:
     return min(T, -(-math.ceil(T * slack / R) // 16) * 16)
 
 
+def used_capacity(M: int, count_BT: torch.Tensor) -> int:
+    """The static capacity M, or on an eager CPU the concepts the rows use (count_BT: each token's
+    concept index, the boundaries' running count - 1). The CPU's host is its device: reading the
+    largest count costs nothing there, and the capacity's unused columns (read by no token) need
+    not be computed. Same numbers, less work; GPUs and compiled graphs keep the static shape."""
+    if count_BT.device.type != "cpu" or torch.compiler.is_compiling():
+        return M
+    return min(M, int(count_BT[:, -1].max()) + 1) if count_BT.numel() else 0
+
+
 # ---------------------------------------------------------------- modules
 class Chunks(NamedTuple):
     """Everything the rest of the model needs to know about one chunking of a batch.
@@ -311,11 +321,7 @@ class ChunkModule(nn.Module):
         # concepts are counted, not hidden.
         M = doc_BT.shape[1] if force == "all" else self.capacity(doc_BT.shape[1])
         count_BT = b.long().cumsum(1) - 1
-        if doc_BT.device.type == "cpu" and not torch.compiler.is_compiling():
-            # The CPU's host is its device: reading the largest count costs nothing there, and the
-            # capacity's unused columns (read by no token) need not be computed. Same numbers, less
-            # work; GPUs keep the static shape.
-            M = min(M, int(count_BT[:, -1].max()) + 1) if b.numel() else 0
+        M = used_capacity(M, count_BT)
         fits = count_BT < M
         cidx = torch.where(valid & fits, count_BT, torch.full_like(doc_BT, -1))
         overflow = (b & ~fits).sum().float()
@@ -349,8 +355,7 @@ class ChunkModule(nn.Module):
         b_BT = gather_detached(b_BL, shard)
         M = T if every_token else self.capacity(T)
         count_BT = b_BT.long().cumsum(1) - 1
-        if row_doc_BT.device.type == "cpu" and not torch.compiler.is_compiling():
-            M = min(M, int(count_BT[:, -1].max()) + 1) if b_BT.numel() else 0  # as `forward`
+        M = used_capacity(M, count_BT)
         Mp = padded_slots(max(M, 1), shard.size)
         fits_BT = count_BT < M
         cidx_BT = torch.where((row_doc_BT >= 0) & fits_BT, count_BT, -1)
