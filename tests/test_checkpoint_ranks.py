@@ -51,7 +51,7 @@ def _train(world: int, cfg, run_dir) -> dict[int, dict]:
     return {r["step"]: r for r in map(json.loads, lines)}
 
 
-def _config(tiny_data, tiny_config, load_tiny, expert: int, zero: int = 0):
+def _config(tiny_data, tiny_config, load_tiny, expert: int, zero: int = 0, bf16: bool = False):
     """Four rows per optimizer step, one per micro-batch; a constant rate (the resumed run follows
     the uninterrupted one's schedule); experts split over `expert` ranks."""
     cfg = tiny_config(
@@ -62,7 +62,7 @@ def _config(tiny_data, tiny_config, load_tiny, expert: int, zero: int = 0):
         checkpoint={"save_every": 3, "keep_last": 2},
         train={"max_steps": 6, "vqa_eval": False},
         parallel={"expert": expert},
-        deepspeed={"zero_stage": zero},
+        deepspeed={"zero_stage": zero, "bf16": bf16},
     )
     return load_tiny(cfg)
 
@@ -130,24 +130,31 @@ def test_an_expert_parallel_checkpoint_resumes_on_other_degrees_and_ranks(
             _check_own_files(run / "checkpoints" / "step_00000006", 4)
 
 
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
 def test_a_zero2_expert_parallel_checkpoint_resumes_on_other_degrees_and_ranks(
-    tiny_data, tiny_config, load_tiny, tmp_path
+    tiny_data, tiny_config, load_tiny, tmp_path, bf16
 ):
-    """The same under ZeRO 2 (issue 50 item 2): the optimizer state in flat fp32 partitions per
-    parameter group (the expert groups' over their replicas); each expert parameter's fp32 master
-    and moments rebuilt from the writers' fragments and written into this run's partitions
+    """The same under ZeRO 2 (issue 50 item 2), in fp32 and in bf16 (configs/gpu.yaml's and the
+    paper configs' form): the optimizer state in flat fp32 partitions per parameter group (the
+    expert groups' over their replicas); each expert parameter's fp32 master and moments rebuilt
+    from the writers' fragments and written into this run's partitions
     (vlm.train.expert_regroup)."""
+    cfg = lambda expert: _config(tiny_data, tiny_config, load_tiny, expert, zero=2, bf16=bf16)  # noqa: E731
     whole_dir = tmp_path / "whole"
-    whole = _train(2, _config(tiny_data, tiny_config, load_tiny, 2, zero=2), whole_dir)
+    whole = _train(2, cfg(2), whole_dir)
     for expert, world in ((1, 1), (4, 4)):
         run = tmp_path / f"ep{expert}_on{world}"
         shutil.copytree(whole_dir, run, ignore=shutil.ignore_patterns("final", "summary.json"))
         shutil.rmtree(run / "checkpoints" / "step_00000006")  # as if stopped after step 3
-        resumed = _train(world, _config(tiny_data, tiny_config, load_tiny, expert, zero=2), run)
+        resumed = _train(world, cfg(expert), run)
         assert sorted(resumed) == [1, 2, 3, 4, 5, 6], sorted(resumed)
         for s in (4, 5, 6):
+            # step 4 runs on the loaded weights: exact in both. After it bf16 sums the gradients
+            # over other ranks in another order (measured: steps 5-6 within 2.1e-4 at 1 and 4
+            # ranks); the experts' second moments zeroed on load moved step 5 by 6 %
+            rel = 1e-6 if s == 4 or not bf16 else 1e-3
             for k in ("loss", "loss/lm", "loss/ratio", "loss/balance"):
-                assert resumed[s][k] == pytest.approx(whole[s][k], rel=1e-6), (
+                assert resumed[s][k] == pytest.approx(whole[s][k], rel=rel), (
                     f"ZeRO 2, parallel.expert=2 on 2 ranks resumed at step 3 with parallel."
                     f"expert={expert} on {world} rank(s): step {s} {k} = {resumed[s][k]}, the "
                     f"uninterrupted run's {whole[s][k]}: the rebuilt fp32 masters, Adam moments "

@@ -134,17 +134,17 @@ def test_an_expert_checkpoint_moves_between_rank_counts_only_where_it_regroups(
     tmp_path, degree, written, now
 ):
     """Its expert shards and their Adam moments regroup on load on the plain fp32 path (ZeRO 0:
-    one torch state dict per expert rank, vlm.train.expert_regroup); under ZeRO 1-3 or bf16 they
-    are in flat partitions over the shard's replicas, and the same degree on another number of
-    ranks is refused, naming both."""
+    one torch state dict per expert rank, vlm.train.expert_regroup); under ZeRO 3 they are in
+    partitions over the shard's replicas that do not regroup, and the same degree on another
+    number of ranks is refused, naming both."""
     from configs.config import ConfigError
     from vlm.train.expert_parallel import check_resume
 
     ckpt = _expert_checkpoint(tmp_path, degree, written)
-    check_resume(ckpt, degree, written, plain=False)  # the ranks that wrote it: resumes
-    check_resume(ckpt, degree, now, plain=True)  # regrouped on load
+    check_resume(ckpt, degree, written, "zero3")  # the ranks that wrote it: resumes
+    check_resume(ckpt, degree, now, "zero0")  # regrouped on load
     try:
-        check_resume(ckpt, degree, now, plain=False)
+        check_resume(ckpt, degree, now, "zero3")
     except ConfigError as e:
         msg = str(e)
     else:
@@ -157,33 +157,38 @@ def test_an_expert_checkpoint_moves_between_rank_counts_only_where_it_regroups(
     assert f"on {now} rank(s)" in msg, msg
 
 
-@pytest.mark.parametrize("form", ["zero12", "bf16", "zero3"])
-def test_an_expert_checkpoint_under_zero_moves_only_between_fp32_zero_1_2_runs(tmp_path, form):
-    """ZeRO 1-2 fp32 partitions (stage_1_and_2's file: per group a flat partition and each
-    parameter's fragment in it) are rebuilt per parameter on load (vlm.train.expert_regroup) for a
-    ZeRO 1-2 fp32 run at another degree; bf16 files, ZeRO-3 partitions, or a ZeRO 0 run are
-    refused in one line naming both forms."""
+@pytest.mark.parametrize("written", ["zero12", "zero12-bf16", "zero3", "zero0-bf16", "fp16"])
+def test_an_expert_checkpoint_moves_only_between_runs_of_its_optimizer_form(tmp_path, written):
+    """ZeRO 1-2 partitions, fp32 or bf16 (stage_1_and_2's file: per group a flat fp32 partition and
+    each parameter's fragment in it, its DeepSpeed config beside), are rebuilt per parameter on
+    load (vlm.train.expert_regroup) for a ZeRO 1-2 run at another degree; ZeRO-3 partitions, the
+    stage-0 bf16 optimizer's flat groups, fp16, or a run of another form are refused in one line
+    naming both forms."""
     from configs.config import ConfigError
-    from vlm.train.expert_parallel import check_resume
+    from vlm.train.expert_parallel import FORMS, check_resume, written_form
 
     ckpt = _expert_checkpoint(tmp_path, 2, 2)
     (ckpt / "ds").mkdir()
-    osd = {"single_partition_of_fp32_groups": [], "param_slice_mappings": []}
-    if form == "zero3":
-        osd = {"fp32_flat_groups": []}
-    name = ("bf16_" if form == "bf16" else "") + "zero_pp_rank_0_mp_rank_00_optim_states.pt"
-    torch.save({"optimizer_state_dict": osd}, ckpt / "ds" / name)
+    if written == "zero0-bf16":  # stage 0: the optimizer state in the expert ranks' files
+        sd = {"optimizer": {"fp32_groups_flat": [], "optimizer_state_dict": {}}}
+        torch.save(sd, ckpt / "ds" / "expp_rank_0_mp_rank_00_optim_states.pt")
+    else:
+        stage = 3 if written == "zero3" else 2
+        ds_config = {"zero_optimization": {"stage": stage}, "bf16": {"enabled": "bf16" in written}}
+        if written == "fp16":
+            ds_config["fp16"] = {"enabled": True}
+        name = ("bf16_" if "bf16" in written else "") + "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+        torch.save({"optimizer_state_dict": {}, "ds_config": ds_config}, ckpt / "ds" / name)
+    form = written.replace("zero12-bf16", "zero12")
+    assert written_form(ckpt) == form, f"{written}'s files read as {written_form(ckpt)}"
     if form == "zero12":
-        check_resume(ckpt, 1, 1, plain=False, zero12=True)  # rebuilt on load
-    for plain, zero12 in ((True, False), (False, False)) + (
-        ((False, True),) if form != "zero12" else ()
-    ):
+        check_resume(ckpt, 1, 1, "zero12")  # rebuilt on load
+    for now in sorted(set(FORMS) - ({"zero12"} if form == "zero12" else set())):
         with pytest.raises(ConfigError) as e:
-            check_resume(ckpt, 1, 1, plain=plain, zero12=zero12)
+            check_resume(ckpt, 1, 1, now)
         msg = str(e.value)
         assert "parallel.expert=2 on 2 ranks" in msg and "\n" not in msg, msg
-        want = "ZeRO 1-2, fp32" if form == "zero12" else "bf16, fp16 or ZeRO 3"
-        assert f"the checkpoint: {want}" in msg, msg
+        assert f"this run: {FORMS[now]}; the checkpoint: {FORMS[form]}" in msg, msg
 
 
 def test_a_checkpoint_without_expert_shards_resumes_on_any_number_of_ranks(tmp_path):
@@ -193,10 +198,10 @@ def test_a_checkpoint_without_expert_shards_resumes_on_any_number_of_ranks(tmp_p
     plain = tmp_path / "plain"
     plain.mkdir()
     for ranks in (1, 2, 4):
-        check_resume(plain, 1, ranks, plain=False)
-    check_resume(plain, 2, 2, plain=True)  # its experts are whole: regrouped into shards on load
+        check_resume(plain, 1, ranks, "zero3")
+    check_resume(plain, 2, 2, "zero0")  # its experts are whole: regrouped into shards on load
     with pytest.raises(ConfigError, match="parallel.expert=1"):
-        check_resume(plain, 2, 2, plain=False)
+        check_resume(plain, 2, 2, "zero3")
 
 
 # ======================================== 3. the serving state: whole pages, rounded up

@@ -405,12 +405,20 @@ def plain_fp32(ds_json: dict) -> bool:
     )
 
 
-def zero12_fp32(ds_json: dict) -> bool:
-    """The DeepSpeed JSON runs ZeRO stage 1 or 2 without bf16 / fp16 (its optimizer state in flat
-    fp32 partitions that vlm.train.expert_regroup rebuilds for another expert degree)."""
+def optimizer_form(ds_json: dict) -> str:
+    """How a run with this DeepSpeed JSON keeps its optimizer state (what a checkpoint's files say
+    of the run that wrote it: vlm.train.expert_parallel.written_form): "zero0" (stage 0, fp32: our
+    torch optimizer's state dicts), "zero0-bf16" (stage 0, bf16: DeepSpeed's fp16 optimizer's flat
+    fp32 groups), "zero12" (stage 1-2, fp32 or bf16: flat fp32 partitions), "zero3" or "fp16"."""
     enabled = lambda k: bool((ds_json.get(k) or {}).get("enabled", False))  # noqa: E731
     stage = int((ds_json.get("zero_optimization") or {}).get("stage", 0))
-    return stage in (1, 2) and not enabled("bf16") and not enabled("fp16")
+    if enabled("fp16"):
+        return "fp16"
+    if stage == 3:
+        return "zero3"
+    if stage in (1, 2):
+        return "zero12"
+    return "zero0-bf16" if enabled("bf16") else "zero0"
 
 
 def is_plain_fp32(engine) -> bool:

@@ -28,10 +28,10 @@ norm, so the optimizer clips there itself (`ExpertAwareClip`).
 Checkpoints: DeepSpeed's files as its MoE support writes them (the module from rank 0, the optimizer
 per expert rank or ZeRO partition) and, from every rank, `experts_rank_NNNNN.pt`, its shard of the
 routed experts (under ZeRO-3 gathered from its partitions), restored after DeepSpeed's load
-(`restore_shard`; under ZeRO-3 into its partitions). Under ZeRO 0 and fp32 ZeRO 1-2 a checkpoint
-resumes on any expert degree and number of ranks under the same form (its shards regrouped on
-load: vlm.train.expert_regroup), under bf16 or ZeRO 3 on the degree and the number of ranks that
-wrote it (`check_resume`: one line otherwise);
+(`restore_shard`; under ZeRO-3 into its partitions). Under ZeRO 0 fp32 and ZeRO 1-2 (fp32 or
+bf16) a checkpoint resumes on any expert degree and number of ranks under the same form (its shards
+regrouped on load: vlm.train.expert_regroup), under ZeRO 3 or bf16 at stage 0 on the degree and
+the number of ranks that wrote it (`check_resume`: one line otherwise);
 its weights start a run of any degree through `train.init_from` (vlm.train.checkpoint_tensors reads each
 rank's rows from the shards that hold them). The export gathers the shards (`gathered_experts`):
 final/ holds every expert.
@@ -308,57 +308,51 @@ def written_degree(ckpt: Path) -> tuple[int, int | None]:
     return int(state["expert_parallel"]), int(state["world_size"])
 
 
-def _written_under_zero(ckpt: Path) -> bool:
-    """`ckpt`'s optimizer state is in ZeRO's flat partitions (ZeRO 1-3), not torch state dicts."""
-    ds = Path(ckpt) / "ds"
-    return ds.is_dir() and any(ds.glob("*zero_pp_rank_*_optim_states.pt"))
+# the optimizer forms whose expert shards and moments regroup onto another degree or number of
+# ranks (vlm.train.expert_regroup), as vlm.train.engine.optimizer_form names them
+REGROUPS = {"zero0": "ZeRO 0 fp32", "zero12": "ZeRO 1-2 (fp32 or bf16)"}
+FORMS = {**REGROUPS, "zero0-bf16": "ZeRO 0 bf16", "zero3": "ZeRO 3", "fp16": "fp16"}
 
 
-def check_resume(
-    ckpt: Path, expert: int, world_size: int, plain: bool = True, zero12: bool = False
-) -> None:
+def check_resume(ckpt: Path, expert: int, world_size: int, form: str) -> None:
     """A checkpoint resumes on any expert degree and number of ranks (its expert shards and their
-    Adam moments regrouped on load: vlm.train.expert_regroup) where both it and this run keep the
-    optimizer state in a form that regroups: ZeRO 0 fp32 (`plain`: one torch state dict per
-    expert rank) or ZeRO 1-2 fp32 (`zero12`: flat fp32 partitions, rebuilt per parameter). Under
-    bf16 / fp16, ZeRO 3, or between the two forms, on the degree and, with experts split, the
-    ranks that wrote it only: ConfigError otherwise."""
+    Adam moments regrouped on load: vlm.train.expert_regroup) where it and this run keep the
+    optimizer state in the same form (`form`: vlm.train.engine.optimizer_form) and that form
+    regroups (REGROUPS); otherwise on the degree and, with experts split, the ranks that wrote it
+    only: ConfigError (one line) otherwise."""
     P, W = written_degree(ckpt)
     if P == expert and (P == 1 or W == world_size):
         return
-    written = _written_form(ckpt)
-    if (plain and written == "plain") or (zero12 and written == "zero12"):
+    written = written_form(ckpt)
+    if written == form and form in REGROUPS:
         return
     was = f"parallel.expert={P}" + (f" on {W} ranks" if W else "")
     now = f"parallel.expert={expert} on {world_size} rank(s)"
-    this = "ZeRO 0, fp32" if plain else "ZeRO 1-2, fp32" if zero12 else "ZeRO 3, bf16 or fp16"
-    form = {"plain": "ZeRO 0, fp32", "zero12": "ZeRO 1-2, fp32", "other": "bf16, fp16 or ZeRO 3"}
     raise ConfigError(
         f"cannot resume from {ckpt}: written with {was}, this run has {now}; expert shards and "
-        "their Adam moments move to another degree or number of ranks only from fp32 ZeRO 0 to "
-        f"ZeRO 0 or from fp32 ZeRO 1-2 to ZeRO 1-2 (this run: {this}; the checkpoint: "
-        f"{form[written]}): resume with {was}, or start a new run from its weights with "
-        f"train.init_from={ckpt}"
+        "their Adam moments move to another degree or number of ranks only between runs that "
+        f"keep the optimizer the same way, under {' or '.join(REGROUPS.values())} (this run: "
+        f"{FORMS[form]}; the checkpoint: {FORMS[written]}): resume with {was}, or start a new "
+        f"run from its weights with train.init_from={ckpt}"
     )
 
 
-def _written_form(ckpt: Path) -> str:
-    """How `ckpt` keeps its optimizer state: "plain" (ZeRO 0 fp32 torch state dicts), "zero12"
-    (ZeRO 1-2 fp32 flat partitions) or "other" (bf16 / fp16 files, ZeRO 3 partitions)."""
+def written_form(ckpt: Path) -> str:
+    """How `ckpt` keeps its optimizer state, named as vlm.train.engine.optimizer_form names a
+    run's: from the DeepSpeed config its ZeRO files record, else (stage 0) from its optimizer
+    state (DeepSpeed's fp16 optimizer, which runs bf16 at stage 0, keeps flat fp32 groups)."""
     ds = Path(ckpt) / "ds"
-    if not ds.is_dir():
-        return "plain"
-    if any(ds.glob("bf16_*")) or any(ds.glob("*zero3*")):
-        return "other"
-    if not _written_under_zero(ckpt):
-        return "plain"
-    first = sorted(ds.glob("zero_pp_rank_*_optim_states.pt"))[0]
-    state = _load(first).get("optimizer_state_dict", {})
-    return (
-        "zero12"
-        if "param_slice_mappings" in state and "single_partition_of_fp32_groups" in state
-        else "other"
-    )
+    zero = sorted(ds.glob("*zero_pp_rank_*_optim_states.pt")) if ds.is_dir() else []
+    if zero:
+        from vlm.train.engine import optimizer_form
+
+        return optimizer_form(_load(zero[0]).get("ds_config") or {})
+    files = sorted(ds.glob("expp_rank_*_optim_states.pt")) if ds.is_dir() else []
+    files = files or ([ds / "mp_rank_00_model_states.pt"] if ds.is_dir() else [])
+    for path in files[:1]:
+        if path.is_file() and "fp32_groups_flat" in (_load(path).get("optimizer") or {}):
+            return "zero0-bf16"
+    return "zero0"
 
 
 def restore_shard(module: nn.Module, ckpt: Path, rank: int) -> str | None:

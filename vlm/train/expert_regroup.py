@@ -14,13 +14,14 @@ position and the RNG streams come with the trainer state as for any resume. A ch
 expert shards (P = 1) resumes at P' > 1 the same way, its module holding every expert.
 
 Under ZeRO 0 (fp32, the engine's plain path) the optimizer state is one torch state dict per expert
-rank. Under fp32 ZeRO 1-2 it is in flat partitions: per parameter group one flat fp32 tensor of its
+rank. Under ZeRO 1-2 (fp32 or bf16: the same optimizer, bf16 weights beside its fp32 masters) it is
+in flat partitions: per parameter group one flat fp32 tensor of its
 parameters in order, padded, split in equal partitions over the group's ranks (the dense group over
 every rank, an expert group over its shard's replicas), every rank's file (`zero_pp_rank_R`) naming
 each parameter's fragment in its partition; each parameter's fp32 master and moments are put
 together from the writers' fragments and written into this run's partitions after the module loads
-(vlm.train.ds_internals.zero_fragments / zero_write). bf16, fp16, ZeRO 3 and a change between the
-two forms are refused in one line (vlm.train.expert_parallel.check_resume).
+(vlm.train.ds_internals.zero_fragments / zero_write). Other forms (ZeRO 3, bf16 at stage 0, fp16)
+and a change of form are refused in one line (vlm.train.expert_parallel.check_resume).
 """
 
 from __future__ import annotations

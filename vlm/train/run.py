@@ -39,8 +39,8 @@ from vlm.train.engine import (
     compile_model,
     deepspeed_config,
     effective_settings,
+    optimizer_form,
     plain_fp32,
-    zero12_fp32,
 )
 from vlm.train.layout import ParallelLayout
 from vlm.train.loaders import build_loaders, check_row_fits
@@ -258,9 +258,7 @@ def build_run(
         ds_json = deepspeed_config(cfg.deepspeed, cfg.optim, layout.world)
         cfg = evolve(cfg, deepspeed=effective_settings(cfg.deepspeed, ds_json))  # what runs
         if resume_from is not None:
-            ep_lib.check_resume(
-                resume_from, layout.expert, layout.world, plain_fp32(ds_json), zero12_fp32(ds_json)
-            )
+            ep_lib.check_resume(resume_from, layout.expert, layout.world, optimizer_form(ds_json))
         if reshard.needs_universal(resume_from, dist.world_size, ds_json):
             ds_json = reshard.with_universal_loading(ds_json)
         if saved is not None:  # what may not change on resume
