@@ -122,9 +122,10 @@ def zero_fragments(state: dict):
             yield name, parts, step
 
 
-def zero_write(zero_optimizer, full) -> None:
-    """This rank's ZeRO 1-2 partitions from whole tensors: `full(name)` gives a parameter's
-    {"fp32", "exp_avg", "exp_avg_sq": whole tensor, "step"} (None: leave it). Each parameter's
+def zero_write(zero_optimizer, part) -> None:
+    """This rank's ZeRO 1-2 partitions from the run's parameters: `part(name, start, numel)` gives
+    elements [start, start + numel) of a parameter (flattened, as this rank holds it) as
+    {"fp32", "exp_avg", "exp_avg_sq": flat tensors, "step"} (None: leave it). Each parameter's
     fragment (`_hp_mapping`: where it lies in the parameter and in the group's flat fp32
     partition) is copied into the partition and into the base optimizer's state of that
     partition, which is created here as the optimizer's first step would (Adam's state is lazy)."""
@@ -136,20 +137,21 @@ def zero_write(zero_optimizer, full) -> None:
         state = opt.state[flat]
         for lp in lps:
             mapping = getattr(lp, "_hp_mapping", None)
-            whole = full(zero_optimizer.param_names[lp]) if mapping is not None else None
-            if whole is None:
+            if mapping is None:
                 continue
             hp = mapping.get_hp_fragment_address()
             lo = mapping.lp_fragment_address
+            got = part(zero_optimizer.param_names[lp], lo.start, lo.numel)
+            if got is None:
+                continue
             for key in ("exp_avg", "exp_avg_sq"):
                 if key not in state:
                     state[key] = torch.zeros_like(flat)
-            step = whole["step"]
+            step = got["step"]
             state["step"] = step.clone() if torch.is_tensor(step) else step
             for key, dest in (
                 ("fp32", flat),
                 ("exp_avg", state["exp_avg"]),
                 ("exp_avg_sq", state["exp_avg_sq"]),
             ):
-                src = whole[key].reshape(-1)[lo.start : lo.start + lo.numel]
-                dest.data[hp.start : hp.start + hp.numel].copy_(src.to(dest.dtype))
+                dest.data[hp.start : hp.start + hp.numel].copy_(got[key].to(dest.dtype))

@@ -26,6 +26,8 @@ and a change of form are refused in one line (vlm.train.expert_parallel.check_re
 
 from __future__ import annotations
 
+import functools
+import math
 from pathlib import Path
 
 import torch
@@ -47,6 +49,12 @@ def needed(ckpt: Path, expert: int, world: int) -> bool:
     return (P, W) != (expert, world)
 
 
+def _mapped(path: Path) -> dict:
+    """A checkpoint file memory-mapped: a rank reads the pages of the elements it takes, not the
+    world's optimizer state (tensors and plain containers only: safe_load)."""
+    return safe_load(path, map_location="cpu", load=functools.partial(torch.load, mmap=True))
+
+
 def _named_states(ckpt: Path, optim_file: Path, writer: int) -> dict[str, dict]:
     """The optimizer state of writer `writer`'s file by parameter name."""
     rank_file = Path(ckpt) / f"rank_{writer:05d}.pt"
@@ -57,7 +65,7 @@ def _named_states(ckpt: Path, optim_file: Path, writer: int) -> dict[str, dict]:
             "(written before expert shards could be regrouped): resume with the expert degree "
             "and ranks that wrote it"
         )
-    sd = safe_load(optim_file)["optimizer"]
+    sd = _mapped(optim_file)["optimizer"]
     out = {}
     for group, group_names in zip(sd["param_groups"], names, strict=True):
         for idx, name in zip(group["params"], group_names, strict=True):
@@ -77,8 +85,15 @@ def _old_states(ckpt: Path, P: int) -> tuple[dict[str, dict], list[dict[str, dic
     return shards[0], shards
 
 
-def _expert_rows(per_shard: list[torch.Tensor], a: int, b: int) -> torch.Tensor:
-    return torch.cat(per_shard)[a:b]
+def _rows(per_shard: list[torch.Tensor], a: int, b: int) -> torch.Tensor:
+    """Rows [a, b) of the shards put end to end, read from the shards that hold them only."""
+    out, start = [], 0
+    for t in per_shard:
+        lo, hi = max(a, start), min(b, start + t.shape[0])
+        if lo < hi:
+            out.append(t[lo - start : hi - start])
+        start += t.shape[0]
+    return torch.cat(out)
 
 
 def load(engine, ckpt: Path, optimizer: torch.optim.Optimizer) -> None:
@@ -125,7 +140,7 @@ def _load_plain(module, ckpt: Path, P: int, ex, optimizer) -> None:
             state = {}
             for key, v in per[0].items():
                 if torch.is_tensor(v) and v.dim() >= 1 and v.shape[1:] == p.shape[1:]:
-                    state[key] = _expert_rows([s[key] for s in per], a, a + n).clone()
+                    state[key] = _rows([s[key] for s in per], a, a + n).clone()
                 else:
                     state[key] = v.clone() if torch.is_tensor(v) else v
         else:
@@ -139,54 +154,73 @@ def _load_plain(module, ckpt: Path, P: int, ex, optimizer) -> None:
         }
 
 
-def _zero_wholes(ckpt: Path, P: int) -> dict[tuple[int | None, str], dict]:
-    """ZeRO 1-2: each parameter's whole fp32 master and Adam moments (flat) as the writers kept
-    them, keyed (expert rank, name) for routed experts and (None, name) otherwise. A parameter's
-    fragments lie in its group's partitions in the order of the group's ranks: the dense group's
-    are all ranks, an expert group's the ranks holding that shard, each in global rank order."""
+KEYS = ("fp32", "exp_avg", "exp_avg_sq")
+
+
+class Fragments:
+    """One parameter of the whole run, flattened, as the writers' fragments of it: a dense one's
+    fragments in the order of its group's ranks (all ranks), a routed expert's shards end to end
+    (expert k is row k), each shard's fragments in the order of its replicas' ranks. A read takes
+    its elements from the fragments that hold them only."""
+
+    def __init__(self):
+        self.pieces: list[tuple[tuple, dict]] = []  # ((shard, rank), {key: flat fragment})
+        self.step = None
+
+    def add(self, order: tuple, parts: dict, step) -> None:
+        self.pieces.append((order, parts))
+        self.step = step if self.step is None else self.step
+
+    def read(self, start: int, numel: int) -> dict | None:
+        """Elements [start, start + numel) of the fp32 master and both moments, with Adam's step;
+        None where the writers hold fewer (a parameter not trained yet)."""
+        self.pieces.sort(key=lambda t: t[0])
+        out: dict = {k: [] for k in KEYS}
+        at, end = 0, start + numel
+        for _, parts in self.pieces:
+            n = parts["fp32"].numel()
+            lo, hi = max(start, at), min(end, at + n)
+            if lo < hi:
+                for k in KEYS:
+                    out[k].append(parts[k][lo - at : hi - at])
+            at += n
+        if sum(t.numel() for t in out["fp32"]) != numel:
+            return None
+        return {**{k: torch.cat(v) for k, v in out.items()}, "step": self.step}
+
+
+def zero_params(ckpt: Path, P: int) -> dict[str, Fragments]:
+    """ZeRO 1-2: each parameter of the run as the writers' fragments of its fp32 master and Adam
+    moments (their files memory-mapped). A parameter's fragments lie in its group's partitions in
+    the order of the group's ranks: the dense group's are all ranks, an expert group's the ranks
+    holding that shard, each in global rank order."""
     ds = ckpt / "ds"
     W = read_meta(ckpt, ("world_size",))["world_size"]
-    frags: dict[tuple[int | None, str], list] = {}
+    params: dict[str, Fragments] = {}
     for r in range(W):
         path = ds_internals.zero_optimizer_file(ds, r)
         if path is None:
             raise CheckpointRefused(f"checkpoint {ckpt}: no ZeRO optimizer file of rank {r} in ds/")
         j = int(safe_load(ckpt / SHARD_FILE.format(r))["expert_rank"]) if P > 1 else 0
-        for name, parts, step in ds_internals.zero_fragments(safe_load(path, map_location="cpu")):
-            key = (j if is_routed_expert(name) else None, name)
-            frags.setdefault(key, []).append((r, parts, step))
-    out = {}
-    for key, got in frags.items():
-        got.sort(key=lambda t: t[0])
-        out[key] = {k: torch.cat([g[1][k] for g in got]) for k in ("fp32", "exp_avg", "exp_avg_sq")}
-        out[key]["step"] = got[0][2]
-    return out
+        for name, parts, step in ds_internals.zero_fragments(_mapped(path)):
+            order = (j, r) if is_routed_expert(name) else (0, r)
+            params.setdefault(name, Fragments()).add(order, parts, step)
+    return params
 
 
 def _load_zero(engine, ckpt: Path, P: int, ex) -> None:
-    """ZeRO 1-2: this rank's flat partitions (fp32 masters, both moments, Adam's step) rebuilt
-    from the whole parameters, routed experts' rows regrouped for this rank's shard."""
-    wholes = _zero_wholes(ckpt, P)
+    """ZeRO 1-2: this rank's flat partitions (fp32 masters, both moments, Adam's step) from the
+    writers' fragments, a routed expert's at this rank's rows of the run's experts."""
+    params = zero_params(ckpt, P)
     shapes = {n: p.shape for n, p in engine.module.named_parameters()}
 
-    def full(name: str) -> dict | None:
-        shape = shapes[name]
-        if not is_routed_expert(name):
-            w = wholes.get((None, name))
-            return None if w is None else {k: _shaped(v, shape) for k, v in w.items()}
-        per = [wholes.get((j, name)) for j in range(P)]
-        if any(w is None for w in per):
+    def part(name: str, start: int, numel: int) -> dict | None:
+        whole = params.get(name)
+        if whole is None:
             return None
-        n = shape[0]
-        a = ex.rank * n if ex is not None else 0
-        out = {"step": per[0]["step"]}
-        for k in ("fp32", "exp_avg", "exp_avg_sq"):
-            rows = torch.cat([w[k].view(-1, *shape[1:]) for w in per])
-            out[k] = rows[a : a + n]
-        return out
+        offset = 0
+        if is_routed_expert(name) and ex is not None:  # this rank's rows of the run's experts
+            offset = ex.rank * math.prod(shapes[name])
+        return whole.read(offset + start, numel)
 
-    ds_internals.zero_write(engine.optimizer, full)
-
-
-def _shaped(v, shape):
-    return v.view(shape) if torch.is_tensor(v) and v.dim() >= 1 else v
+    ds_internals.zero_write(engine.optimizer, part)
