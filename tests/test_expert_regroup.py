@@ -109,3 +109,29 @@ def test_expert_shards_and_their_moments_regroup_onto_any_degree(tmp_path):
                     "expert shards' Adam moments were not regrouped (vlm/train/expert_regroup.py)"
                 )
             assert float(fopt.state[p]["step"]) == 1.0
+
+
+def test_a_zero_partition_reads_its_elements_from_the_fragments_that_hold_them():
+    """A parameter's ZeRO 1-2 fragments (any order of arrival; a routed expert's shards end to
+    end, each shard's replicas in rank order): a range across fragment boundaries is the whole
+    run's elements, a range the writers do not hold is None, and a fragment outside the range is
+    not read (a rank's reads follow its share)."""
+    from vlm.train.expert_regroup import KEYS, Fragments
+
+    whole = {k: torch.arange(20.0) * (i + 1) for i, k in enumerate(KEYS)}
+    cuts = {(1, 3): (15, 20), (0, 0): (0, 6), (1, 1): (10, 15), (0, 2): (6, 10)}  # (shard, rank)
+    frags = Fragments()
+    for order, (a, b) in cuts.items():
+        parts = {k: v[a:b] for k, v in whole.items()}
+        if order == (1, 3):  # outside the read below: only its size may be looked at
+            parts = {"fp32": parts["fp32"]}
+        frags.add(order, parts, step=3)
+    got = frags.read(4, 9)
+    for k in KEYS:
+        assert torch.equal(got[k], whole[k][4:13]), f"{k}: {got[k]} is not elements 4..12"
+    assert got["step"] == 3
+    partial = Fragments()
+    for order in ((0, 0), (0, 2), (1, 1)):  # shard 1's replica on rank 3 is missing
+        a, b = cuts[order]
+        partial.add(order, {k: v[a:b] for k, v in whole.items()}, step=3)
+    assert partial.read(12, 8) is None, "elements no writer held were made up"
