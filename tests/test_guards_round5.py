@@ -160,17 +160,17 @@ def test_an_expert_checkpoint_moves_between_rank_counts_only_where_it_regroups(
 @pytest.mark.parametrize("written", ["zero12", "zero12-bf16", "zero3", "zero0-bf16", "fp16"])
 def test_an_expert_checkpoint_moves_only_between_runs_of_its_optimizer_form(tmp_path, written):
     """ZeRO 1-2 partitions, fp32 or bf16 (stage_1_and_2's file: per group a flat fp32 partition and
-    each parameter's fragment in it, its DeepSpeed config beside), are rebuilt per parameter on
-    load (vlm.train.expert_regroup) for a ZeRO 1-2 run at another degree; ZeRO-3 partitions, the
-    stage-0 bf16 optimizer's flat groups, fp16, or a run of another form are refused in one line
+    each parameter's fragment in it, its DeepSpeed config beside), and the stage-0 bf16
+    optimizer's fp32 copies regroup on load (vlm.train.expert_regroup) for a run of the same form
+    at another degree; ZeRO-3 partitions, fp16, or a run of another form are refused in one line
     naming both forms."""
     from configs.config import ConfigError
-    from vlm.train.expert_parallel import FORMS, check_resume, written_form
+    from vlm.train.expert_parallel import FORMS, REGROUPS, check_resume, written_form
 
     ckpt = _expert_checkpoint(tmp_path, 2, 2)
     (ckpt / "ds").mkdir()
     if written == "zero0-bf16":  # stage 0: the optimizer state in the expert ranks' files
-        sd = {"optimizer": {"fp32_groups_flat": [], "optimizer_state_dict": {}}}
+        sd = {"optimizer": {"fp32_groups": [], "optimizer_state_dict": {}}}
         torch.save(sd, ckpt / "ds" / "expp_rank_0_mp_rank_00_optim_states.pt")
     else:
         stage = 3 if written == "zero3" else 2
@@ -181,9 +181,9 @@ def test_an_expert_checkpoint_moves_only_between_runs_of_its_optimizer_form(tmp_
         torch.save({"optimizer_state_dict": {}, "ds_config": ds_config}, ckpt / "ds" / name)
     form = written.replace("zero12-bf16", "zero12")
     assert written_form(ckpt) == form, f"{written}'s files read as {written_form(ckpt)}"
-    if form == "zero12":
-        check_resume(ckpt, 1, 1, "zero12")  # rebuilt on load
-    for now in sorted(set(FORMS) - ({"zero12"} if form == "zero12" else set())):
+    if form in REGROUPS:
+        check_resume(ckpt, 1, 1, form)  # regrouped on load
+    for now in sorted(set(FORMS) - ({form} & set(REGROUPS))):
         with pytest.raises(ConfigError) as e:
             check_resume(ckpt, 1, 1, now)
         msg = str(e.value)

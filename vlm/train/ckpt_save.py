@@ -80,12 +80,16 @@ def write_file(obj, path: Path, zipfile: bool = True) -> tuple[str, float]:
 def optimizer_names(engine) -> list[list[str]] | None:
     """The names of the optimizer's parameters, group by group, in the order torch's optimizer
     state dict numbers them: what maps DeepSpeed's optimizer files back to parameters
-    (vlm.train.expert_regroup)."""
+    (vlm.train.expert_regroup). Under bf16 at stage 0 the torch optimizer steps fp32 copies,
+    group by group in the order of the weights they copy (vlm.train.ds_internals.fp32_copies)."""
     opt = getattr(engine, "optimizer", None)
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    copied = ds_internals.fp32_copies(opt)
+    if copied is not None:
+        return [[names.get(id(p), "") for p, _ in group] for group in copied]
     opt = getattr(opt, "optimizer", opt)
     if opt is None or not hasattr(opt, "param_groups"):
         return None
-    names = {id(p): n for n, p in engine.module.named_parameters()}
     return [[names.get(id(p), "") for p in g["params"]] for g in opt.param_groups]
 
 

@@ -14,6 +14,8 @@ that test until each is checked against it).
   command line's options.
 - `universal_optimizer_file`: where that conversion keeps the optimizer's parameter groups (their
   settings, by name: what vlm.train.reshard.mend_optimizer gives back to each group).
+- `fp32_copies`, `fp32_masters`: bf16 at stage 0, where DeepSpeed's unfused fp16 optimizer keeps an
+  fp32 copy of each weight that our torch optimizer steps (a run's pairs; a file's copies).
 - `zero_optimizer_file`, `zero_fragments`, `zero_write`: a ZeRO 1-2 rank's optimizer file, each
   parameter's fragment of the fp32 master and Adam moments in it, and this run's partitions
   written from whole parameters (vlm.train.expert_regroup, an expert-parallel checkpoint at
@@ -85,6 +87,21 @@ def to_universal(input_folder: Path, output_folder: Path, workers: int) -> None:
 def universal_optimizer_file(universal_tag_dir: Path) -> Path:
     """The converter's `zero/optimizer_state.pt` (its `param_groups`) in a universal tag folder."""
     return Path(universal_tag_dir) / "zero" / "optimizer_state.pt"
+
+
+def fp32_copies(optimizer) -> list[list[tuple]] | None:
+    """Under bf16 at stage 0 (DeepSpeed's unfused fp16 optimizer, `fp16_groups` / `fp32_groups`:
+    our torch optimizer steps an fp32 copy of each weight, its groups the copies in the order of
+    the weights), per group the (weight, its fp32 copy) pairs; None for any other optimizer."""
+    lp, hp = getattr(optimizer, "fp16_groups", None), getattr(optimizer, "fp32_groups", None)
+    if lp is None or hp is None:
+        return None
+    return [list(zip(a, b, strict=True)) for a, b in zip(lp, hp, strict=True)]
+
+
+def fp32_masters(optimizer_state: dict) -> list[list] | None:
+    """The fp32 copies (`fp32_groups`) a stage-0 bf16 optimizer's file holds, None in any other."""
+    return optimizer_state.get("fp32_groups")
 
 
 ZERO_FILE = "zero_pp_rank_{}_mp_rank_00_optim_states.pt"  # bf16: with DeepSpeed's "bf16_" prefix

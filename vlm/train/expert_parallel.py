@@ -28,10 +28,10 @@ norm, so the optimizer clips there itself (`ExpertAwareClip`).
 Checkpoints: DeepSpeed's files as its MoE support writes them (the module from rank 0, the optimizer
 per expert rank or ZeRO partition) and, from every rank, `experts_rank_NNNNN.pt`, its shard of the
 routed experts (under ZeRO-3 gathered from its partitions), restored after DeepSpeed's load
-(`restore_shard`; under ZeRO-3 into its partitions). Under ZeRO 0 fp32 and ZeRO 1-2 (fp32 or
-bf16) a checkpoint resumes on any expert degree and number of ranks under the same form (its shards
-regrouped on load: vlm.train.expert_regroup), under ZeRO 3 or bf16 at stage 0 on the degree and
-the number of ranks that wrote it (`check_resume`: one line otherwise);
+(`restore_shard`; under ZeRO-3 into its partitions). Under ZeRO 0 and ZeRO 1-2 (fp32 or bf16) a
+checkpoint resumes on any expert degree and number of ranks under the same form (its shards
+regrouped on load: vlm.train.expert_regroup), under ZeRO 3 on the degree and the number of ranks
+that wrote it (`check_resume`: one line otherwise);
 its weights start a run of any degree through `train.init_from` (vlm.train.checkpoint_tensors reads each
 rank's rows from the shards that hold them). The export gathers the shards (`gathered_experts`):
 final/ holds every expert.
@@ -293,9 +293,12 @@ def save_shard(module: nn.Module, folder: Path, rank: int, world_size: int, save
 
 
 def _load(path: Path) -> dict:
+    """Memory-mapped: what is read of it is what is used (tensors and plain containers only)."""
+    import functools
+
     from vlm.train.engine import safe_load
 
-    return safe_load(path, map_location="cpu")
+    return safe_load(path, map_location="cpu", load=functools.partial(torch.load, mmap=True))
 
 
 def written_degree(ckpt: Path) -> tuple[int, int | None]:
@@ -310,8 +313,12 @@ def written_degree(ckpt: Path) -> tuple[int, int | None]:
 
 # the optimizer forms whose expert shards and moments regroup onto another degree or number of
 # ranks (vlm.train.expert_regroup), as vlm.train.engine.optimizer_form names them
-REGROUPS = {"zero0": "ZeRO 0 fp32", "zero12": "ZeRO 1-2 (fp32 or bf16)"}
-FORMS = {**REGROUPS, "zero0-bf16": "ZeRO 0 bf16", "zero3": "ZeRO 3", "fp16": "fp16"}
+REGROUPS = {
+    "zero0": "ZeRO 0 fp32",
+    "zero0-bf16": "ZeRO 0 bf16",
+    "zero12": "ZeRO 1-2 (fp32 or bf16)",
+}
+FORMS = {**REGROUPS, "zero3": "ZeRO 3", "fp16": "fp16"}
 
 
 def check_resume(ckpt: Path, expert: int, world_size: int, form: str) -> None:
@@ -340,7 +347,7 @@ def check_resume(ckpt: Path, expert: int, world_size: int, form: str) -> None:
 def written_form(ckpt: Path) -> str:
     """How `ckpt` keeps its optimizer state, named as vlm.train.engine.optimizer_form names a
     run's: from the DeepSpeed config its ZeRO files record, else (stage 0) from its optimizer
-    state (DeepSpeed's fp16 optimizer, which runs bf16 at stage 0, keeps flat fp32 groups)."""
+    state (DeepSpeed's fp16 optimizers, which run bf16 at stage 0, keep fp32 copies beside it)."""
     ds = Path(ckpt) / "ds"
     zero = sorted(ds.glob("*zero_pp_rank_*_optim_states.pt")) if ds.is_dir() else []
     if zero:
@@ -350,7 +357,8 @@ def written_form(ckpt: Path) -> str:
     files = sorted(ds.glob("expp_rank_*_optim_states.pt")) if ds.is_dir() else []
     files = files or ([ds / "mp_rank_00_model_states.pt"] if ds.is_dir() else [])
     for path in files[:1]:
-        if path.is_file() and "fp32_groups_flat" in (_load(path).get("optimizer") or {}):
+        held = _load(path).get("optimizer") or {}
+        if "fp32_groups" in held or "fp32_groups_flat" in held:
             return "zero0-bf16"
     return "zero0"
 

@@ -37,7 +37,7 @@ from vlm.train import ds_internals
 from vlm.train.checkpoint_tensors import checkpoint_tensors
 from vlm.train.ckpt_layout import read_meta
 from vlm.train.engine import CheckpointRefused, safe_load
-from vlm.train.expert_parallel import SHARD_FILE, sharded_layers, written_degree
+from vlm.train.expert_parallel import SHARD_FILE, sharded_layers, written_degree, written_form
 
 
 def needed(ckpt: Path, expert: int, world: int) -> bool:
@@ -56,7 +56,8 @@ def _mapped(path: Path) -> dict:
 
 
 def _named_states(ckpt: Path, optim_file: Path, writer: int) -> dict[str, dict]:
-    """The optimizer state of writer `writer`'s file by parameter name."""
+    """The optimizer state of writer `writer`'s file by parameter name; under bf16 at stage 0 with
+    the parameter's fp32 copy (the master) under "fp32"."""
     rank_file = Path(ckpt) / f"rank_{writer:05d}.pt"
     names = safe_load(rank_file).get("optimizer_names")
     if names is None:
@@ -66,11 +67,15 @@ def _named_states(ckpt: Path, optim_file: Path, writer: int) -> dict[str, dict]:
             "and ranks that wrote it"
         )
     sd = _mapped(optim_file)["optimizer"]
+    torch_sd = sd.get("optimizer_state_dict", sd)  # under DeepSpeed's fp16 optimizer: inside it
+    masters = ds_internals.fp32_masters(sd) or [[None] * len(g) for g in names]
     out = {}
-    for group, group_names in zip(sd["param_groups"], names, strict=True):
-        for idx, name in zip(group["params"], group_names, strict=True):
-            if idx in sd["state"]:
-                out[name] = sd["state"][idx]
+    for group, group_names, copies in zip(torch_sd["param_groups"], names, masters, strict=True):
+        for idx, name, master in zip(group["params"], group_names, copies, strict=True):
+            if idx in torch_sd["state"]:
+                out[name] = dict(torch_sd["state"][idx])
+                if master is not None:
+                    out[name]["fp32"] = master
     return out
 
 
@@ -116,19 +121,22 @@ def load(engine, ckpt: Path, optimizer: torch.optim.Optimizer) -> None:
         else:
             sd[name] = stored.rows(name, 0, have[name][0] if have[name] else 1)
     module.load_state_dict(sd, strict=True)
-    if ds_internals.zero_optimizer_file(ckpt / "ds", 0) is not None:
+    if written_form(ckpt) == "zero12":
         _load_zero(engine, ckpt, P, ex)
     else:
-        _load_plain(module, ckpt, P, ex, optimizer)
+        _load_plain(engine, ckpt, P, ex, optimizer)
     ds_internals.restore_engine_counters(
         engine, safe_load(ds_internals.module_file(ckpt / "ds"), map_location="cpu")
     )
 
 
-def _load_plain(module, ckpt: Path, P: int, ex, optimizer) -> None:
-    """ZeRO 0: each parameter's torch optimizer state, expert rows regrouped."""
+def _load_plain(engine, ckpt: Path, P: int, ex, optimizer) -> None:
+    """ZeRO 0: each parameter's torch optimizer state, expert rows regrouped; under bf16 (the fp16
+    optimizer's fp32 copies stepped by the torch optimizer) each copy and its state likewise."""
     dense, shards = _old_states(ckpt, P)
-    for name, p in module.named_parameters():
+    copies = ds_internals.fp32_copies(getattr(engine, "optimizer", None))
+    stepped = {id(w): c for group in copies or [] for w, c in group}
+    for name, p in engine.module.named_parameters():
         if not p.requires_grad:
             continue
         if is_routed_expert(name):
@@ -148,7 +156,16 @@ def _load_plain(module, ckpt: Path, P: int, ex, optimizer) -> None:
             if old is None:
                 continue
             state = {k: v.clone() if torch.is_tensor(v) else v for k, v in old.items()}
-        optimizer.state[p] = {
+        target = stepped.get(id(p), p)
+        master = state.pop("fp32", None)
+        if copies is not None:
+            if master is None:
+                raise CheckpointRefused(
+                    f"checkpoint {ckpt}: no fp32 copy of {name} in its optimizer files "
+                    "(not written under bf16)"
+                )
+            target.data.copy_(master)
+        optimizer.state[target] = {
             k: v.to(p.device) if torch.is_tensor(v) and v.dim() >= 1 else v
             for k, v in state.items()
         }
