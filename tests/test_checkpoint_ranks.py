@@ -145,7 +145,9 @@ def test_the_optimizers_other_forms_resume_on_other_degrees_and_ranks(
     cfg = lambda expert: _config(tiny_data, tiny_config, load_tiny, expert, zero=zero, bf16=bf16)  # noqa: E731
     whole_dir = tmp_path / "whole"
     whole = _train(2, cfg(2), whole_dir)
-    for expert, world in ((1, 1), (4, 4)):
+    # the bf16 forms at the harder move only (4 ranks, each expert's rows from a shard's half;
+    # one rank's regroup is the fp32 case's code)
+    for expert, world in ((4, 4),) if bf16 else ((1, 1), (4, 4)):
         run = tmp_path / f"ep{expert}_on{world}"
         shutil.copytree(whole_dir, run, ignore=shutil.ignore_patterns("final", "summary.json"))
         shutil.rmtree(run / "checkpoints" / "step_00000006")  # as if stopped after step 3
