@@ -125,9 +125,7 @@ def load(engine, ckpt: Path, optimizer: torch.optim.Optimizer) -> None:
         _load_zero(engine, ckpt, P, ex)
     else:
         _load_plain(engine, ckpt, P, ex, optimizer)
-    ds_internals.restore_engine_counters(
-        engine, safe_load(ds_internals.module_file(ckpt / "ds"), map_location="cpu")
-    )
+    ds_internals.restore_engine_counters(engine, _mapped(ds_internals.module_file(ckpt / "ds")))
 
 
 def _load_plain(engine, ckpt: Path, P: int, ex, optimizer) -> None:
@@ -218,7 +216,7 @@ def zero_params(ckpt: Path, P: int) -> dict[str, Fragments]:
         path = ds_internals.zero_optimizer_file(ds, r)
         if path is None:
             raise CheckpointRefused(f"checkpoint {ckpt}: no ZeRO optimizer file of rank {r} in ds/")
-        j = int(safe_load(ckpt / SHARD_FILE.format(r))["expert_rank"]) if P > 1 else 0
+        j = int(_mapped(ckpt / SHARD_FILE.format(r))["expert_rank"]) if P > 1 else 0
         for name, parts, step in ds_internals.zero_fragments(_mapped(path)):
             order = (j, r) if is_routed_expert(name) else (0, r)
             params.setdefault(name, Fragments()).add(order, parts, step)
