@@ -224,6 +224,25 @@ def test_meta_activations_are_the_cpu_runs(small_config):
         assert "concept layers" in meta.held and meta.held["concept layers"] > 0
 
 
+def test_a_collectives_wrapper_is_not_counted_again():
+    """The functional collectives return their output inside an AsyncCollectiveTensor, a wrapper
+    whose storage has a size and no memory: the counter counts the tensor it wraps once (it took
+    the wrapper for a second copy of every block the expert exchange received, 17 MiB of the
+    4-rank run's peak), and what is computed from or viewed through it as from the tensor."""
+    import torch.distributed._functional_collectives  # registers the ops
+
+    from vlm.plan.tracker import LiveBytes
+
+    live = LiveBytes("cpu")
+    with live:
+        x_ND = torch.empty(1000, 250)
+        wrapped = torch.ops._c10d_functional._wrap_tensor_autograd(x_ND)
+        doubled = wrapped * 2
+        flat = wrapped.view(-1)
+    assert type(wrapped).__name__ == "AsyncCollectiveTensor" and flat.numel() == 250_000
+    assert live.now == live.peak == 2 * x_ND.nbytes, doubled.shape
+
+
 def test_the_planned_variable_exchange_allocates_what_the_trainers_does(small_config):
     """The variable exchange reads its blocks' sizes on the host, which the meta device cannot:
     the planner gives its round trip the sizes it plans (PlannedExchange). At the sizes a loopback
