@@ -38,6 +38,7 @@ images a rank's rows can hold (`vision_bytes`). Each figure says where it comes 
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass, field, replace
 from unittest import mock
 
@@ -162,8 +163,6 @@ class PlannedExchange:
 
     def sizes(self, slots: int) -> tuple[int, int]:
         """(rows sent, rows received) of a layer whose rank has `slots` slots."""
-        import math
-
         from vlm.model.expert_parallel import capacity
 
         bound = self.size * capacity(slots, self.size, self.capacity_factor)
