@@ -9,7 +9,11 @@ plan's for the same config and ranks planned for the CPU. The test model's chunk
 boundary every second token and its concept capacity is exactly T / 2: an eager CPU run computes
 only the concepts its batch has, a GPU the static capacity the plan plans, and a learned router's
 count moves with training (from capacity to a fifth of it in one step here), which would measure
-the router rather than the planner.
+the router rather than the planner. For the same reason the experts' exchange runs at a capacity
+factor of 1: the plan holds a rank's experts to the capacity's bound (every peer fills its block
+for them, P x C rows received), and this run's router fills it for its busiest rank (in three MoE
+layers of four, 97 % in the fourth); at factor 2 the bound is 2 x a rank's slots, and the router
+sends its busiest rank 1.0 to 1.95 x them (the plan +15 %; docs/training.md).
 """
 
 from __future__ import annotations
@@ -220,6 +224,55 @@ def test_meta_activations_are_the_cpu_runs(small_config):
         assert "concept layers" in meta.held and meta.held["concept layers"] > 0
 
 
+def test_a_collectives_wrapper_is_not_counted_again():
+    """The functional collectives return their output inside an AsyncCollectiveTensor, a wrapper
+    whose storage has a size and no memory: the counter counts the tensor it wraps once (it took
+    the wrapper for a second copy of every block the expert exchange received, 17 MiB of the
+    4-rank run's peak), and what is computed from or viewed through it as from the tensor."""
+    import torch.distributed._functional_collectives  # registers the ops
+
+    from vlm.plan.tracker import LiveBytes
+
+    live = LiveBytes("cpu")
+    with live:
+        x_ND = torch.empty(1000, 250)
+        wrapped = torch.ops._c10d_functional._wrap_tensor_autograd(x_ND)
+        doubled = wrapped * 2
+        flat = wrapped.view(-1)
+    assert type(wrapped).__name__ == "AsyncCollectiveTensor" and flat.numel() == 250_000
+    assert live.now == live.peak == 2 * x_ND.nbytes, doubled.shape
+
+
+def test_the_planned_variable_exchange_allocates_what_the_trainers_does(small_config):
+    """The variable exchange reads its blocks' sizes on the host, which the meta device cannot:
+    the planner gives its round trip the sizes it plans (PlannedExchange). At the sizes a loopback
+    exchange has (it receives what it sends: every slot, dropless) the meta run allocates, part by
+    part and at the peak, what the model's own variable round trip allocates on the CPU."""
+    from unittest import mock
+
+    from configs.config import from_dict
+    from vlm.model import expert_parallel
+    from vlm.model.config import ModelConfig
+    from vlm.plan.activations import measure_llm
+
+    class Variable(expert_parallel.LoopbackExchange):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **{**k, "variable": True})
+
+    _, cfg = small_config()
+    mc = from_dict(ModelConfig, cfg["model"])
+    kw = dict(rows=1, row_tokens=512, dtype=torch.float32, device="cpu", expert=2)
+    meta = measure_llm(mc, variable=True, received=1.0, **kw)
+    with mock.patch.object(expert_parallel, "LoopbackExchange", Variable):
+        cpu = measure_llm(mc, on="cpu", **kw)
+    assert meta.held == cpu.held
+    assert meta.peak == cpu.peak
+    # at the capacity's bound (factor 1 over 2 ranks: both peers' blocks full) it receives as
+    # many rows: the same bytes; planned at 1.25 x its slots, more
+    assert measure_llm(mc, variable=True, capacity_factor=1.0, **kw).held == meta.held
+    assert measure_llm(mc, variable=True, received=1.25, **kw).peak > meta.peak
+
+
 # ---------------------------------------------------------------- against measured runs
 def _measure_worker(rank: int, world: int, port: int, cfg_dict: dict, out: str) -> None:
     os.environ.update(
@@ -263,7 +316,7 @@ def _measured_peak(cfg: dict, world: int, out) -> int:
     [
         (1, {"deepspeed": {"zero_stage": 0}}),
         (2, {"deepspeed": {"zero_stage": 3}}),
-        (4, {"deepspeed": {"zero_stage": 2}, "parallel": {"expert": 2, "capacity_factor": 2.0}}),
+        (4, {"deepspeed": {"zero_stage": 2}, "parallel": {"expert": 2, "capacity_factor": 1.0}}),
     ],
     ids=["1 rank ZeRO-0", "2 ranks ZeRO-3", "4 ranks ZeRO-2 experts over 2"],
 )
@@ -277,7 +330,9 @@ def test_plan_agrees_with_the_measured_peak(small_config, tmp_path, world, secti
         f"{world} rank(s) {sections}: planned {plan.peak / 2**20:.1f} MiB, measured "
         f"{measured / 2**20:.1f} MiB ({plan.peak / measured - 1:+.1%})"
     )
-    assert plan.peak == pytest.approx(measured, rel=0.25), (
+    # measured within 0.5 % (docs/training.md); 5 % catches ZeRO-2's gradient buffers met at the
+    # loss (+7 %) and the experts' optimizer state partitioned over the world (-9 %)
+    assert plan.peak == pytest.approx(measured, rel=0.05), (
         f"planned {plan.peak / 2**20:.1f} MiB per rank, measured {measured / 2**20:.1f} MiB on "
         f"{world} rank(s): {plan.memory}"
     )

@@ -20,6 +20,14 @@ laptop. What the meta device cannot run is stood in for, and said here:
 - the experts run the grouped-matmul path (a GPU's static shapes; the per-expert loop reads counts
   on the host), and the chunk module takes its static concept capacity (`chunk.capacity_slack`:
   what a GPU computes; an eager CPU run computes only the concepts its batch has, fewer);
+- the variable-size expert exchange reads its blocks' sizes on the host, which the meta device
+  has not: its round trip runs with the sizes the plan assumes (`PlannedExchange`: the rank sends
+  its slots within the capacity and receives the rows planned for its experts), every buffer of
+  it as the trainer's exchange makes them;
+- the engine's gradient buffers that ZeRO 1-2 allocate during the backward (`gradient_buffers`:
+  the reduce bucket with the first gradient, ZeRO-2's gradient partition at the bucket's first
+  reduction) are counted from where the backward's gradients reach them, so its peak meets them
+  only where they exist (not at the loss, where the activations are at their most);
 - the row is one document (the shapes do not depend on the documents).
 
 The vision tower reads its images' grids on the host, so it is measured on the CPU, with real
@@ -30,6 +38,7 @@ images a rank's rows can hold (`vision_bytes`). Each figure says where it comes 
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass, field, replace
 from unittest import mock
 
@@ -50,6 +59,8 @@ class ActivationMeasure:
     row_tokens: int  # tokens of a row on this rank (row_tokens / sequence)
     held: dict[str, int]  # bytes each part holds at the end of the forward (kept for the backward)
     peak: int  # most bytes alive over the forward and backward (with `keep_gradients`, theirs too)
+    # the same with the engine's gradient buffers where they exist (`gradient_buffers`)
+    peak_with_gradient_buffers: int
     loss_tile_tokens: int
     loss_untiled: int  # the [T, V] logits' figure: bf16/fp32 logits, their fp32 copy, log-softmax
     notes: list[str] = field(default_factory=list)
@@ -106,6 +117,116 @@ def planning_kernels(sequence: int = 1):
         yield
 
 
+class _Exchanged(torch.autograd.Function):
+    """An all-to-all's output of `rows` rows (a new tensor, as the collective's is); its backward,
+    the reverse exchange, makes one of the input's rows."""
+
+    @staticmethod
+    def forward(ctx, x_SD, rows: int):
+        ctx.shape = x_SD.shape
+        return x_SD.new_empty((rows, *x_SD.shape[1:]))
+
+    @staticmethod
+    def backward(ctx, g_RD):
+        return g_RD.new_empty(ctx.shape), None
+
+
+def _even(total: int, parts: int) -> list[int]:
+    """`total` split into `parts` sizes that differ by at most one."""
+    return [total // parts + (i < total % parts) for i in range(parts)]
+
+
+class PlannedExchange:
+    """The variable-size exchange (vlm.model.expert_parallel.variable_round_trip) as the planner
+    runs it, with no other rank and no host read: rank 0 of `size` sends its A slots within the
+    capacity (min(A, P x C) rows) and receives `received` x A rows (None: the capacity's bound,
+    P x C: every peer fills its block for this rank's experts), at most P x C. The collectives'
+    outputs are new tensors of those rows; nothing is computed."""
+
+    variable = True
+
+    def __init__(self, size: int, capacity_factor: float | None, received: float | None):
+        from vlm.model.expert_parallel import ExchangeTraffic
+
+        self.size, self.rank, self.capacity_factor = size, 0, capacity_factor
+        self.received = received
+        self.traffic = ExchangeTraffic()
+
+    def all_to_all(self, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    def all_to_all_v(self, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
+        return _Exchanged.apply(x, sum(recv))
+
+    def common_slots(self, slots: int, device: torch.device) -> int:
+        return slots
+
+    def sizes(self, slots: int) -> tuple[int, int]:
+        """(rows sent, rows received) of a layer whose rank has `slots` slots."""
+        from vlm.model.expert_parallel import capacity
+
+        bound = self.size * capacity(slots, self.size, self.capacity_factor)
+        received = bound if self.received is None else math.ceil(self.received * slots)
+        return min(slots, bound), min(received, bound)
+
+
+def _planned_variable(slots, exchange: PlannedExchange, device: torch.device):
+    """`plan_variable`'s answer for a `PlannedExchange`: its sizes, split evenly over the peers and
+    the rank's local experts, with no host read."""
+    from vlm.model.expert_parallel import VariablePlan
+
+    P, A = exchange.size, slots.tok_A.shape[0]
+    L = slots.counts_G.shape[0] // P
+    S, R = exchange.sizes(A)
+    got_PL = torch.tensor(_even(R, P * L), device=device).view(P, L)
+    src_S = torch.arange(S, device=device)
+    overflow = torch.zeros((), dtype=torch.long, device=device)
+    return VariablePlan(_even(S, P), _even(R, P), src_S, got_PL, overflow)
+
+
+@contextlib.contextmanager
+def _planned_exchanges():
+    """Inside: a layer whose exchange is a `PlannedExchange` takes its planned sizes."""
+    from vlm.model import expert_parallel
+
+    real = expert_parallel.plan_variable
+
+    def plan_variable(slots, exchange, device):
+        if isinstance(exchange, PlannedExchange):
+            return _planned_variable(slots, exchange, device)
+        return real(slots, exchange, device)
+
+    with mock.patch.object(expert_parallel, "plan_variable", plan_variable):
+        yield
+
+
+class _GradientBuffers(LiveBytes):
+    """`LiveBytes` that also follows the engine's gradient buffers, which appear as the backward
+    makes gradients and stay to its end without being allocated here: `buffers` is a list of
+    (elements, bytes), each buffer there once more than `elements` gradient elements have been
+    made (0: with the first gradient). `peak_with_buffers`: the most of the live bytes and the
+    buffers there at the time."""
+
+    def __init__(self, device: str, buffers: list[tuple[int, int]]):
+        super().__init__(device)
+        self.pending = sorted(b for b in buffers if b[1])
+        self.made = 0  # gradient elements
+        self.extra = 0  # bytes of the buffers there
+        self.peak_with_buffers = 0
+
+    def gradient(self, p) -> None:
+        """A post-accumulate-grad hook: `p`'s gradient was made."""
+        self.made += p.numel()
+        while self.pending and self.made > self.pending[0][0]:
+            self.extra += self.pending.pop(0)[1]
+        self.peak_with_buffers = max(self.peak_with_buffers, self.now + self.extra)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        self.peak_with_buffers = max(self.peak_with_buffers, self.now + self.extra)
+        return out
+
+
 # ---------------------------------------------------------------- the loss
 def loss_tile_tokens(vocab: int, device: str, setting: int = 0) -> int:
     """Tokens per tile of the LM loss, by the loss's own rule (vlm.model.tiled_loss)."""
@@ -133,24 +254,31 @@ def measure_llm(
     dtype: torch.dtype,
     expert: int = 1,
     capacity_factor: float | None = None,
+    variable: bool = False,
+    received: float | None = None,
     sequence: int = 1,
     device: str = "cuda",
     frozen: list[str] = (),
     tile_tokens: int = 0,
     on: str = "meta",
     keep_gradients: bool = False,
+    gradient_buffers: list[tuple[int, int]] = (),
 ) -> ActivationMeasure:
     """The LLM's activations for one micro-batch of `rows` rows of `row_tokens` tokens (this
     rank's shard of each row) on the meta device. `expert`, `capacity_factor`: the experts split
-    over that many ranks, each MoE layer's exchange buffer C rows per peer (None: dropless, the
-    static exchange's C = every slot). `frozen`: module prefixes of the VLM ("lm.embed") whose
+    over that many ranks, C rows per peer (None: dropless, C = every slot); `variable`: the
+    exchange sends each block at its real size (`PlannedExchange`, receiving `received` x the
+    rank's slots, None: the capacity's P x C), else in static [P, C] buffers (parallel.exchange:
+    static). `frozen`: module prefixes of the VLM ("lm.embed") whose
     parameters do not train. `device`: the device the run trains on (the loss's tile size). `on`:
     "meta", or "cpu" to run the same forward and backward with real tensors on the CPU's own kernels
     (small sizes: what the tests compare the meta figures with). `keep_gradients`: the parameters'
     gradients stay where the backward puts them and count (ZeRO 0-1 keep them whole from the
     backward to the step, and the backward's peak is met with those of the layers it has passed);
     else each is dropped as it is made (ZeRO 2-3 move it into their partitioned buffers, planned
-    with the model states)."""
+    with the model states). `gradient_buffers`: (elements, bytes) of each buffer the engine
+    allocates once the backward has made more than that many gradient elements and holds to its
+    end (`peak_with_gradient_buffers` counts them)."""
     from vlm.model.conceptmoe import ConceptMoELM
     from vlm.model.expert_parallel import LoopbackExchange
     from vlm.model.moe import MoE
@@ -164,19 +292,23 @@ def measure_llm(
     if expert > 1:
         for m in lm.modules():
             if isinstance(m, MoE):
-                # static buffers of C rows per peer: the variable exchange is planned as one
-                # at its bound on the rows it moves (plan.VARIABLE_EXCHANGE_FACTOR)
-                m.shard_experts(LoopbackExchange(expert, 0, capacity_factor, variable=False))
+                m.shard_experts(
+                    PlannedExchange(expert, capacity_factor, received)
+                    if variable
+                    else LoopbackExchange(expert, 0, capacity_factor, variable=False)
+                )
+    live = _GradientBuffers(on, list(gradient_buffers))
     for name, p in lm.named_parameters():
         p.requires_grad_(not _frozen("lm." + name, list(frozen)))
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(live.gradient)
         if not keep_gradients:
             p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
     tile = loss_tile_tokens(V, device, tile_tokens)
 
-    live = LiveBytes(on)
     parts = _Parts(lm, live)
     kernels = planning_kernels(sequence) if meta else contextlib.nullcontext()
-    with kernels, live:
+    with kernels, _planned_exchanges(), live:
         with torch.device(on):
             ids_BT = torch.randint(0, V, (B, T))
             doc_BT = torch.zeros(B, T, dtype=torch.long)
@@ -203,6 +335,7 @@ def measure_llm(
         row_tokens=T,
         held=held,
         peak=live.peak,
+        peak_with_gradient_buffers=max(live.peak, live.peak_with_buffers),
         loss_tile_tokens=tile,
         loss_untiled=untiled_loss_bytes(B * T, V, dtype),
         notes=notes,

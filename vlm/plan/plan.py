@@ -12,7 +12,9 @@ The peak is the largest of three moments of a step: the backward's peak (model s
 forward's and backward's activations at their most with the loss's tile, the engine's backward
 buffers, and the gradients: under ZeRO 0-1 those the backward has made so far, counted with the
 activations, or all of them when a step accumulates micro-batches; under ZeRO 2-3 their
-partitioned buffer), the end of the backward
+partitioned buffer; with one micro-batch ZeRO 1-2 allocate their reduce bucket and ZeRO-2 its
+gradient partition during the backward, and they are met where they appear, not at the loss's
+peak before them), the end of the backward
 (the gradients whole, and stage 0's all-reduce buffer) and the optimizer step (its fp32 gradient
 partition). On the CPU, where the host is the device, also the model's build: each rank builds
 its share of the LLM (vlm.train.build_share) and the vision tower whole.
@@ -165,18 +167,35 @@ def make_plan(
     if S > 1:
         _check_sequence_split(cfg, layout, vlm)
     factor = cfg.parallel.capacity_factor
-    variable_dropless = P > 1 and factor is None and cfg.parallel.exchange == "variable"
+    variable = P > 1 and cfg.parallel.exchange == "variable"
+    variable_dropless = variable and factor is None
+    # the rows an exchange moves: the variable dropless one at its bound for a balanced router
+    moved_factor = VARIABLE_EXCHANGE_FACTOR if variable_dropless else factor
     if variable_dropless:
         notes.append(
             f"parallel.expert={P} dropless, variable exchange: planned at "
             f"{VARIABLE_EXCHANGE_FACTOR} x the balanced routed rows (a skewed router moves more)"
         )
-        factor = VARIABLE_EXCHANGE_FACTOR
+    elif variable:
+        notes.append(
+            f"parallel.expert={P}, variable exchange at parallel.capacity_factor={factor}: planned "
+            "at the capacity's bound (every peer fills its block for this rank's experts)"
+        )
     row = cfg.data.row_tokens // S
     micro = cfg.optim.grad_accum
     # ZeRO 0-1 keep the gradients in the parameters from the backward to the step: the backward's
     # peak meets those made so far (with accumulation all of them, the last micro-batch's included)
     in_params = ds.zero_stage <= 1
+    # ZeRO 1-2 allocate their reduce bucket with a step's first gradient and ZeRO-2 its gradient
+    # partition at the bucket's first reduction (once its reduce_bucket_size elements are full),
+    # and hold them to the step: with one micro-batch the backward's peak at the loss precedes
+    # them, and the meta run meets them where the backward's gradients reach them
+    during_backward = ds.zero_stage in (1, 2) and micro == 1
+    gradient_buffers = []
+    if during_backward:
+        gradient_buffers.append((0, states.backward_buffers))
+        if ds.zero_stage == 2:
+            gradient_buffers.append((ds.reduce_bucket_size, states.gradients))
     act = measure_llm(
         mc,
         rows=cfg.data.rows_per_batch,
@@ -184,11 +203,14 @@ def make_plan(
         dtype=dtype,
         expert=P,
         capacity_factor=factor,
+        variable=variable,
+        received=VARIABLE_EXCHANGE_FACTOR if variable_dropless else None,
         sequence=S,
         device=device,
         frozen=[f for f in frozen if f.startswith("lm")],
         tile_tokens=getattr(mc, "loss_tile_tokens", 0),
         keep_gradients=in_params and micro == 1,
+        gradient_buffers=gradient_buffers,
     )
     notes += act.notes
     static = None
@@ -213,17 +235,19 @@ def make_plan(
     vision = _vision(vlm, vision_cfg, mc, dtype, frozen, act.tokens, image_share, device)
     row_buffers = _sequence_row_buffers(mc, cfg.data.rows_per_batch, cfg.data.row_tokens, S, dtype)
     # the gradients the backward's peak meets besides those it makes (measured with it for ZeRO 0-1
-    # and one micro-batch): the earlier micro-batches' whole, or ZeRO 2-3's partition buffer
+    # and one micro-batch): the earlier micro-batches' whole, or ZeRO 2-3's partition buffer; and
+    # the engine's backward buffers (ZeRO 1-2 with one micro-batch: met where they appear)
     accumulated = states.gradients if micro > 1 or not in_params else 0
+    engine_and_activations = act.peak + states.backward_buffers + accumulated
+    if during_backward:
+        engine_and_activations = act.peak_with_gradient_buffers
     backward_start = (
         states.weights
         + states.optimizer
         + states.resident_buffers
-        + act.peak
         + row_buffers
         + vision["bytes"]
-        + states.backward_buffers
-        + accumulated
+        + engine_and_activations
     )
     after = states.weights + states.optimizer + states.resident_buffers + states.gradients
     moments = {
@@ -263,7 +287,7 @@ def make_plan(
         peak=peak,
         moments=moments,
         activations=_activations(act, mc, vision, static, cfg),
-        communication=_communication(shares, act, mc, layout, ds, micro, dtype, factor),
+        communication=_communication(shares, act, mc, layout, ds, micro, dtype, moved_factor),
         checkpoint=_checkpoint(shares, ds.zero_stage, ds.bf16, layout),
         needs=needs,
         notes=notes + [states.path],

@@ -7,7 +7,10 @@ meta device included: there a storage has a size and no memory, which is how `vl
 model's forward and backward at sizes no machine holds. A storage is counted once (views share it)
 and only by the operator that made it (an output whose storage is one of the operator's inputs,
 or was made before the mode was entered, is a view or an in-place result, not an allocation). A
-storage is released when its last tensor goes (a weak reference's callback).
+tensor subclass that wraps others (torch's AsyncCollectiveTensor, which the functional collectives
+return around their output) holds no memory of its own: its storage has a size and no data, and
+only the tensors it wraps, counted when they were made, are. A storage is released when its last
+tensor goes (a weak reference's callback).
 """
 
 from __future__ import annotations
@@ -15,12 +18,25 @@ from __future__ import annotations
 import weakref
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 
+def _tensors(tree) -> list[torch.Tensor]:
+    """The tensors in `tree` that hold memory: a wrapper subclass's inner tensors in its place."""
+    out = []
+    for t in tree_flatten(tree)[0]:
+        if not isinstance(t, torch.Tensor):
+            continue
+        if is_traceable_wrapper_subclass(t):
+            out += _tensors([getattr(t, name) for name in t.__tensor_flatten__()[0]])
+        else:
+            out.append(t)
+    return out
+
+
 def _storages(tree) -> list[torch.UntypedStorage]:
-    return [t.untyped_storage() for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
+    return [t.untyped_storage() for t in _tensors(tree)]
 
 
 class LiveBytes(TorchDispatchMode):
