@@ -13,14 +13,16 @@ shards put end to end) and the dense weights and moments as they were; the sched
 position and the RNG streams come with the trainer state as for any resume. A checkpoint without
 expert shards (P = 1) resumes at P' > 1 the same way, its module holding every expert.
 
-Under ZeRO 0 (fp32, the engine's plain path) the optimizer state is one torch state dict per expert
-rank. Under ZeRO 1-2 (fp32 or bf16: the same optimizer, bf16 weights beside its fp32 masters) it is
-in flat partitions: per parameter group one flat fp32 tensor of its
-parameters in order, padded, split in equal partitions over the group's ranks (the dense group over
-every rank, an expert group over its shard's replicas), every rank's file (`zero_pp_rank_R`) naming
-each parameter's fragment in its partition; each parameter's fp32 master and moments are put
-together from the writers' fragments and written into this run's partitions after the module loads
-(vlm.train.ds_internals.zero_fragments / zero_write). Other forms (ZeRO 3, bf16 at stage 0, fp16)
+Under ZeRO 0 the optimizer state is one torch state dict per expert rank: in fp32 (the engine's
+plain path) of the weights themselves, in bf16 of the fp32 copies DeepSpeed's unfused fp16 optimizer
+keeps of them (in the file beside it: each copy regroups with its moments). Under ZeRO 1-2 (fp32 or
+bf16: the same optimizer, bf16 weights beside its fp32 masters) it is in flat partitions: per
+parameter group one flat fp32 tensor of its parameters in order, padded, split in equal partitions
+over the group's ranks (the dense group over every rank, an expert group over its shard's
+replicas), every rank's file (`zero_pp_rank_R`) naming each parameter's fragment in its partition;
+each rank reads the elements of its new partitions from the writers' fragments that hold them
+(`Fragments`) and writes them after the module loads (vlm.train.ds_internals.zero_fragments /
+zero_write). Every file is memory-mapped: a rank reads its share, not the world's state. Other forms
 and a change of form are refused in one line (vlm.train.expert_parallel.check_resume).
 """
 
