@@ -153,3 +153,56 @@ def zero_write(zero_optimizer, full) -> None:
             ):
                 src = whole[key].reshape(-1)[lo.start : lo.start + lo.numel]
                 dest.data[hp.start : hp.start + hp.numel].copy_(src.to(dest.dtype))
+
+
+# ---------------------------------------------------------------- ZeRO-3 (expert_regroup_zero3)
+ZERO3_MODEL_FILE = "zero_pp_rank_{}_mp_rank_00_model_states.pt"
+
+
+def zero3_model_file(ds_dir: Path, dp_rank: int) -> Path:
+    """DeepSpeed's `_get_zero_ckpt_name` of a ZeRO-3 rank's model states (its buffers, its
+    partitions' shapes, the engine's step counters: ZeRO-3 writes no `mp_rank_00` module file)."""
+    return Path(ds_dir) / ZERO3_MODEL_FILE.format(dp_rank)
+
+
+def zero3_partition(param) -> tuple[int, int, int]:
+    """(this rank's place in the group ZeRO-3 partitions `param` over, the group's size, the
+    elements of one partition, padding included): the parameter's `ds_process_group` (AutoEP's
+    placement: an expert shard's replicas; absent: the world) and `ds_tensor`, its partition."""
+    import torch.distributed as dist
+
+    group = getattr(param, "ds_process_group", None)
+    return dist.get_rank(group), dist.get_world_size(group), param.ds_tensor.numel()
+
+
+def zero3_write_partition(param, values) -> None:
+    """This rank's partition of `param`'s weights (`ds_tensor`, in the parameter's dtype) from
+    `values`, the partition's elements flat. Gathered parameters see it after
+    `zero3_rewritten`."""
+    param.ds_tensor.data.copy_(values.to(param.ds_tensor.dtype).view(-1))
+
+
+def zero3_adam_state(zero_optimizer, step) -> None:
+    """Adam's state of every sub-group's flat fp32 partition (`fp32_partitioned_groups_flat`,
+    the base optimizer's `state`), created as the optimizer's first step would (Adam's state is
+    lazy: DeepSpeed's local-state setters find none before it) with its step count `step`."""
+    import torch
+
+    for flat in zero_optimizer.fp32_partitioned_groups_flat:
+        state = zero_optimizer.optimizer.state[flat]
+        for key in ("exp_avg", "exp_avg_sq"):
+            if key not in state:
+                state[key] = torch.zeros_like(flat)
+        state["step"] = step.clone() if torch.is_tensor(step) else step
+
+
+@contextlib.contextmanager
+def zero3_rewritten(zero_optimizer):
+    """Collective: inside, the partitions of a ZeRO-3 optimizer's parameters are written; on
+    leaving the parameters ZeRO-3 keeps gathered (its persistent ones) are gathered from them
+    again: the optimizer's `checkpoint_event_prologue` / `_epilogue`, around its own load."""
+    zero_optimizer.checkpoint_event_prologue()
+    try:
+        yield
+    finally:
+        zero_optimizer.checkpoint_event_epilogue()
