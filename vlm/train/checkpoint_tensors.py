@@ -49,6 +49,16 @@ class Renamed(Stored):
     def rows(self, name: str, a: int, b: int) -> torch.Tensor:
         return self.stored.rows(self.names[name], a, b)
 
+    # a ZeRO-3 checkpoint's optimizer state (Zero3Checkpoint)
+    def elements(self, name: str, lo: int, hi: int, key: str = "fp32") -> torch.Tensor:
+        return self.stored.elements(self.names[name], lo, hi, key)
+
+    def optimized(self, name: str) -> bool:
+        return self.stored.optimized(self.names[name])
+
+    def adam_step(self):
+        return self.stored.adam_step()
+
 
 class CheckpointTensors(InMemory):
     """The module state of a checkpoint (memory-mapped where the file allows), with the routed

@@ -28,10 +28,11 @@ norm, so the optimizer clips there itself (`ExpertAwareClip`).
 Checkpoints: DeepSpeed's files as its MoE support writes them (the module from rank 0, the optimizer
 per expert rank or ZeRO partition) and, from every rank, `experts_rank_NNNNN.pt`, its shard of the
 routed experts (under ZeRO-3 gathered from its partitions), restored after DeepSpeed's load
-(`restore_shard`; under ZeRO-3 into its partitions). Under ZeRO 0 fp32 and ZeRO 1-2 (fp32 or
-bf16) a checkpoint resumes on any expert degree and number of ranks under the same form (its shards
-regrouped on load: vlm.train.expert_regroup), under ZeRO 3 or bf16 at stage 0 on the degree and
-the number of ranks that wrote it (`check_resume`: one line otherwise);
+(`restore_shard`; under ZeRO-3 into its partitions). Under ZeRO 0 fp32, ZeRO 1-2 and ZeRO 3
+(fp32 or bf16) a checkpoint resumes on any expert degree and number of ranks under the same form
+(its shards regrouped on load: vlm.train.expert_regroup, vlm.train.expert_regroup_zero3), under
+bf16 at stage 0 or fp16 on the degree and the number of ranks that wrote it (`check_resume`: one
+line otherwise);
 its weights start a run of any degree through `train.init_from` (vlm.train.checkpoint_tensors reads each
 rank's rows from the shards that hold them). The export gathers the shards (`gathered_experts`):
 final/ holds every expert.
@@ -310,8 +311,12 @@ def written_degree(ckpt: Path) -> tuple[int, int | None]:
 
 # the optimizer forms whose expert shards and moments regroup onto another degree or number of
 # ranks (vlm.train.expert_regroup), as vlm.train.engine.optimizer_form names them
-REGROUPS = {"zero0": "ZeRO 0 fp32", "zero12": "ZeRO 1-2 (fp32 or bf16)"}
-FORMS = {**REGROUPS, "zero0-bf16": "ZeRO 0 bf16", "zero3": "ZeRO 3", "fp16": "fp16"}
+REGROUPS = {
+    "zero0": "ZeRO 0 fp32",
+    "zero12": "ZeRO 1-2 (fp32 or bf16)",
+    "zero3": "ZeRO 3 (fp32 or bf16)",
+}
+FORMS = {**REGROUPS, "zero0-bf16": "ZeRO 0 bf16", "fp16": "fp16"}
 
 
 def check_resume(ckpt: Path, expert: int, world_size: int, form: str) -> None:

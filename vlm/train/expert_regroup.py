@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from vlm.model.shares import is_routed_expert
-from vlm.train import ds_internals
+from vlm.train import ds_internals, expert_regroup_zero3
 from vlm.train.checkpoint_tensors import checkpoint_tensors
 from vlm.train.ckpt_layout import read_meta
 from vlm.train.engine import CheckpointRefused, safe_load
@@ -84,6 +84,8 @@ def _expert_rows(per_shard: list[torch.Tensor], a: int, b: int) -> torch.Tensor:
 def load(engine, ckpt: Path, optimizer: torch.optim.Optimizer) -> None:
     """Every rank: the engine's module and optimizer from `ckpt`, the routed experts regrouped for
     this rank's expert shard. CheckpointRefused (one line) where the checkpoint lacks a part."""
+    if engine.zero_optimization_stage() == 3:  # every parameter partitioned: its own regroup
+        return expert_regroup_zero3.load(engine, ckpt)
     ckpt = Path(ckpt)
     module = engine.module
     P, _ = written_degree(ckpt)
