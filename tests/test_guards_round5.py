@@ -134,23 +134,23 @@ def test_an_expert_checkpoint_moves_between_rank_counts_only_where_it_regroups(
     tmp_path, degree, written, now
 ):
     """Its expert shards and their Adam moments regroup on load on the plain fp32 path (ZeRO 0:
-    one torch state dict per expert rank, vlm.train.expert_regroup); under ZeRO 3 they are in
-    partitions over the shard's replicas that do not regroup, and the same degree on another
-    number of ranks is refused, naming both."""
+    one torch state dict per expert rank, vlm.train.expert_regroup); under bf16 at stage 0 (the
+    fp16 optimizer's flat groups) they do not regroup, and the same degree on another number of
+    ranks is refused, naming both."""
     from configs.config import ConfigError
     from vlm.train.expert_parallel import check_resume
 
     ckpt = _expert_checkpoint(tmp_path, degree, written)
-    check_resume(ckpt, degree, written, "zero3")  # the ranks that wrote it: resumes
+    check_resume(ckpt, degree, written, "zero0-bf16")  # the ranks that wrote it: resumes
     check_resume(ckpt, degree, now, "zero0")  # regrouped on load
     try:
-        check_resume(ckpt, degree, now, "zero3")
+        check_resume(ckpt, degree, now, "zero0-bf16")
     except ConfigError as e:
         msg = str(e)
     else:
         pytest.fail(
             f"a checkpoint of parallel.expert={degree} written by {written} ranks was accepted for "
-            f"a ZeRO-2 resume on {now} ranks at the same degree: check_resume compares the expert "
+            f"a bf16 stage-0 resume on {now} ranks at the same degree: check_resume compares the expert "
             "degree only, not the ranks that wrote the checkpoint (vlm/train/expert_parallel.py)"
         )
     assert f"parallel.expert={degree} on {written} ranks" in msg and "\n" not in msg, msg
@@ -161,11 +161,11 @@ def test_an_expert_checkpoint_moves_between_rank_counts_only_where_it_regroups(
 def test_an_expert_checkpoint_moves_only_between_runs_of_its_optimizer_form(tmp_path, written):
     """ZeRO 1-2 partitions, fp32 or bf16 (stage_1_and_2's file: per group a flat fp32 partition and
     each parameter's fragment in it, its DeepSpeed config beside), are rebuilt per parameter on
-    load (vlm.train.expert_regroup) for a ZeRO 1-2 run at another degree; ZeRO-3 partitions, the
-    stage-0 bf16 optimizer's flat groups, fp16, or a run of another form are refused in one line
-    naming both forms."""
+    load (vlm.train.expert_regroup) for a ZeRO 1-2 run at another degree, ZeRO-3 partitions for a
+    ZeRO-3 run (vlm.train.expert_regroup_zero3); the stage-0 bf16 optimizer's flat groups, fp16,
+    or a run of another form are refused in one line naming both forms."""
     from configs.config import ConfigError
-    from vlm.train.expert_parallel import FORMS, check_resume, written_form
+    from vlm.train.expert_parallel import FORMS, REGROUPS, check_resume, written_form
 
     ckpt = _expert_checkpoint(tmp_path, 2, 2)
     (ckpt / "ds").mkdir()
@@ -181,9 +181,10 @@ def test_an_expert_checkpoint_moves_only_between_runs_of_its_optimizer_form(tmp_
         torch.save({"optimizer_state_dict": {}, "ds_config": ds_config}, ckpt / "ds" / name)
     form = written.replace("zero12-bf16", "zero12")
     assert written_form(ckpt) == form, f"{written}'s files read as {written_form(ckpt)}"
-    if form == "zero12":
-        check_resume(ckpt, 1, 1, "zero12")  # rebuilt on load
-    for now in sorted(set(FORMS) - ({"zero12"} if form == "zero12" else set())):
+    regroups = {form} & set(REGROUPS)
+    for now in regroups:
+        check_resume(ckpt, 1, 1, now)  # rebuilt on load
+    for now in sorted(set(FORMS) - regroups):
         with pytest.raises(ConfigError) as e:
             check_resume(ckpt, 1, 1, now)
         msg = str(e.value)
@@ -198,10 +199,10 @@ def test_a_checkpoint_without_expert_shards_resumes_on_any_number_of_ranks(tmp_p
     plain = tmp_path / "plain"
     plain.mkdir()
     for ranks in (1, 2, 4):
-        check_resume(plain, 1, ranks, "zero3")
+        check_resume(plain, 1, ranks, "zero0-bf16")
     check_resume(plain, 2, 2, "zero0")  # its experts are whole: regrouped into shards on load
     with pytest.raises(ConfigError, match="parallel.expert=1"):
-        check_resume(plain, 2, 2, "zero3")
+        check_resume(plain, 2, 2, "zero0-bf16")
 
 
 # ======================================== 3. the serving state: whole pages, rounded up

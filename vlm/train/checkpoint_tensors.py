@@ -7,12 +7,15 @@ vlm.train.engine.safe_load), so a rank reads the pages of the elements it keeps 
   that file holds expert rank 0's shard; every rank's `experts_rank_NNNNN.pt` holds its own
   (vlm.train.expert_parallel), and the rows of an expert tensor are read from the shards that
   hold them.
-- ZeRO-3 leaves the module empty: a trained parameter exists only as the W writers' fp32 optimizer
-  partitions (`*_optim_states.pt`, `fp32_flat_groups`: each rank's partition of every parameter of
-  a group, ceil(numel / W) elements each, one after another in the order of the model file's
-  `param_shapes`), a frozen one as each rank's `frozen_param_fragments`, buffers in the module.
-  Element k of a parameter is element k mod p of writer k // p's partition (DeepSpeed's
-  zero_to_fp32 layout), so a rank reads the pieces of its share from the writers that hold them.
+- ZeRO-3 leaves the module empty: a trained parameter exists only as its writers' fp32 optimizer
+  partitions (`*_optim_states.pt`, `fp32_flat_groups`: per sub-group each rank's partition of its
+  every parameter, ceil(numel / n) elements each over the sub-group's n ranks, one after another
+  in the order of the model file's `param_shapes`; n is the world, or with experts split an expert
+  shard's holders, as the file's `ds_zero_partition_groups` says), its Adam moments beside them
+  in the same layout, a frozen one as each rank's `frozen_param_fragments`, buffers in the module.
+  Element k of a parameter is element k mod p of its k // p-th partition (DeepSpeed's zero_to_fp32
+  layout), so a rank reads the pieces of its share from the writers that hold them; a routed
+  expert's whole tensor is its shards put end to end.
 """
 
 from __future__ import annotations

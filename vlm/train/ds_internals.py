@@ -18,6 +18,14 @@ that test until each is checked against it).
   parameter's fragment of the fp32 master and Adam moments in it, and this run's partitions
   written from whole parameters (vlm.train.expert_regroup, an expert-parallel checkpoint at
   another degree).
+- `zero3_model_file`, `zero3_partition`, `zero3_write_partition`, `zero3_adam_state`,
+  `zero3_rewritten`: under ZeRO-3 (vlm.train.expert_regroup_zero3), a rank's model-states file
+  (ZeRO-3 writes no module file), a parameter's partition group and partition (its
+  `ds_process_group`, `ds_tensor`), that partition written, Adam's lazily created state of each
+  sub-group's flat fp32 partition (`fp32_partitioned_groups_flat`) with its step count, and the
+  optimizer's `checkpoint_event_prologue` / `_epilogue` around writing partitions (its persistent
+  parameters gathered again). The fp32 masters and moments themselves go through DeepSpeed's
+  documented `safe_set_local_fp32_param` / `safe_set_local_optimizer_state`.
 """
 
 from __future__ import annotations

@@ -36,7 +36,9 @@ def load(engine, ckpt: Path) -> None:
     ckpt = Path(ckpt)
     stored = checkpoint_tensors(ckpt)
     if not hasattr(stored, "elements"):
-        raise CheckpointRefused(f"checkpoint {ckpt}: not written under ZeRO-3 (no partitions in ds/)")
+        raise CheckpointRefused(
+            f"checkpoint {ckpt}: not written under ZeRO-3 (no partitions in ds/)"
+        )
     module = engine.module
     layers = sharded_layers(module)
     ex = layers[0].exchange if layers else None
