@@ -18,10 +18,10 @@ that test until each is checked against it).
   parameter's fragment of the fp32 master and Adam moments in it, and this run's partitions
   written from whole parameters (vlm.train.expert_regroup, an expert-parallel checkpoint at
   another degree).
-- `zero3_model_file`, `zero3_partition`, `zero3_write_partition`, `zero3_adam_state`,
+- `zero3_model_file`, `zero3_partition_group`, `zero3_write_partition`, `zero3_adam_state`,
   `zero3_rewritten`: under ZeRO-3 (vlm.train.expert_regroup_zero3), a rank's model-states file
-  (ZeRO-3 writes no module file), a parameter's partition group and partition (its
-  `ds_process_group`, `ds_tensor`), that partition written, Adam's lazily created state of each
+  (ZeRO-3 writes no module file), the group a parameter is partitioned over (its
+  `ds_process_group`), its partition written (`ds_tensor`), Adam's lazily created state of each
   sub-group's flat fp32 partition (`fp32_partitioned_groups_flat`) with its step count, and the
   optimizer's `checkpoint_event_prologue` / `_epilogue` around writing partitions (its persistent
   parameters gathered again). The fp32 masters and moments themselves go through DeepSpeed's
@@ -173,14 +173,14 @@ def zero3_model_file(ds_dir: Path, dp_rank: int) -> Path:
     return Path(ds_dir) / ZERO3_MODEL_FILE.format(dp_rank)
 
 
-def zero3_partition(param) -> tuple[int, int, int]:
-    """(this rank's place in the group ZeRO-3 partitions `param` over, the group's size, the
-    elements of one partition, padding included): the parameter's `ds_process_group` (AutoEP's
-    placement: an expert shard's replicas; absent: the world) and `ds_tensor`, its partition."""
+def zero3_partition_group(param) -> tuple[int, int]:
+    """(this rank's place in the group ZeRO-3 partitions `param` over, the group's size): the
+    parameter's `ds_process_group` (AutoEP's placement: an expert shard's replicas; absent: the
+    world)."""
     import torch.distributed as dist
 
     group = getattr(param, "ds_process_group", None)
-    return dist.get_rank(group), dist.get_world_size(group), param.ds_tensor.numel()
+    return dist.get_rank(group), dist.get_world_size(group)
 
 
 def zero3_write_partition(param, values) -> None:

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from vlm.model.shares import is_routed_expert
+from vlm.model.shares import is_routed_expert, zero3_partition
 from vlm.train import ds_internals
 from vlm.train.checkpoint_tensors import checkpoint_tensors
 from vlm.train.engine import CheckpointRefused, safe_load
@@ -43,13 +43,14 @@ def load(engine, ckpt: Path) -> None:
     layers = sharded_layers(module)
     ex = layers[0].exchange if layers else None
     have = stored.shapes()
-    zero = engine.optimizer
+    zero, step = engine.optimizer, stored.adam_step()
     with ds_internals.zero3_rewritten(zero):
-        ds_internals.zero3_adam_state(zero, stored.adam_step())
+        if step is not None:  # None: written before the first step, no Adam state yet
+            ds_internals.zero3_adam_state(zero, step)
         for name, p in module.named_parameters():
             expert = ex is not None and is_routed_expert(name)
             _check_shape(ckpt, name, have, _whole_shape(p, ex.size if expert else 1))
-            _load_partition(stored, name, p, ex.rank if expert else 0)
+            _load_partition(stored, name, p, ex.rank if expert else 0, step is not None)
         kept = set(module.state_dict())  # persistent buffers only
         with torch.no_grad():
             for name, b in module.named_buffers():
@@ -78,16 +79,17 @@ def _check_shape(ckpt: Path, name: str, have: dict, want: tuple[int, ...]) -> No
         )
 
 
-def _load_partition(stored, name: str, p, shard: int) -> None:
+def _load_partition(stored, name: str, p, shard: int, moments: bool) -> None:
     """Parameter `p`'s partition on this rank: its elements of this rank's tensor (the `shard`-th
     of a routed expert's shards, the whole tensor otherwise), padded as ZeRO-3 pads the last
-    partition, into its weights and, if it trains, its fp32 master and Adam moments."""
+    partition, into its weights and, if it trains, its fp32 master and (`moments`) its Adam
+    moments."""
     from deepspeed.utils import safe_set_local_fp32_param, safe_set_local_optimizer_state
 
-    n = p.ds_numel
-    index, _, part = ds_internals.zero3_partition(p)
-    start = shard * n  # this rank's tensor in the whole one, flat
-    lo, hi = start + min(index * part, n), start + min((index + 1) * part, n)
+    index, count = ds_internals.zero3_partition_group(p)
+    a, b, part = zero3_partition(p.ds_numel, count, index)
+    start = shard * p.ds_numel  # this rank's tensor in the whole one, flat
+    lo, hi = start + a, start + b
 
     def mine(key: str) -> torch.Tensor:
         t = stored.elements(name, lo, hi, key).float()
@@ -98,6 +100,6 @@ def _load_partition(stored, name: str, p, shard: int) -> None:
     if not p.requires_grad:
         return
     safe_set_local_fp32_param(p, fp32)
-    if stored.optimized(name):  # else trained from here on: moments zero, as Adam starts
+    if moments and stored.optimized(name):  # else trained from here: moments zero, as Adam starts
         for key in MOMENTS:
             safe_set_local_optimizer_state(p, mine(key), key)
