@@ -13,6 +13,7 @@ from __future__ import annotations
 import shutil
 
 import pytest
+import torch
 from test_checkpoint_ranks import _config, _train
 
 pytestmark = pytest.mark.slow
@@ -24,6 +25,7 @@ def test_a_zero3_expert_parallel_checkpoint_resumes_on_other_degrees_and_ranks(
     cfg = lambda expert: _config(tiny_data, tiny_config, load_tiny, expert, zero=3)  # noqa: E731
     whole_dir = tmp_path / "whole"
     whole = _train(2, cfg(2), whole_dir)
+    _check_whole_experts(whole_dir / "checkpoints" / "step_00000003")
     for expert, world in ((1, 1), (4, 4)):
         run = tmp_path / f"ep{expert}_on{world}"
         shutil.copytree(whole_dir, run, ignore=shutil.ignore_patterns("final", "summary.json"))
@@ -42,3 +44,19 @@ def test_a_zero3_expert_parallel_checkpoint_resumes_on_other_degrees_and_ranks(
                     "Adam moments or the data position moved (vlm/train/expert_regroup_zero3.py)"
                 )
             assert resumed[s]["tokens"] == whole[s]["tokens"], (s, "not the same samples")
+
+
+def _check_whole_experts(ckpt) -> None:
+    """The checkpoint's partitions read whole (checkpoint_tensors: the regroup's and
+    train.init_from's reader) give every expert as the ranks' gathered shards hold it: each
+    expert sub-group is partitioned over its shard's holders only, not over the world."""
+    from vlm.train.checkpoint_tensors import checkpoint_tensors
+    from vlm.train.expert_parallel import SHARD_FILE
+
+    stored = checkpoint_tensors(ckpt)
+    shards = [torch.load(ckpt / SHARD_FILE.format(r))["tensors"] for r in range(2)]
+    for name in shards[0]:
+        assert torch.equal(stored.whole(name), torch.cat([s[name] for s in shards])), (
+            f"{ckpt.name}: {name} read from the ZeRO-3 partitions is not the expert shards put "
+            "end to end (vlm/train/checkpoint_tensors.py Zero3Checkpoint)"
+        )
