@@ -228,6 +228,8 @@ class Zero3Checkpoint(Stored):
             if a < b:
                 pieces += self._read(own, piece, a - base, b - base, key)
             base += piece.numel
+        if not pieces:  # a partition of padding only (a tensor smaller than its ranks)
+            return torch.empty(0)
         return torch.cat(pieces) if len(pieces) != 1 else pieces[0]
 
     def optimized(self, name: str) -> bool:
