@@ -177,10 +177,9 @@ def zero3_partition_group(param) -> tuple[int, int]:
     """(this rank's place in the group ZeRO-3 partitions `param` over, the group's size): the
     parameter's `ds_process_group` (AutoEP's placement: an expert shard's replicas; absent: the
     world)."""
-    import torch.distributed as dist
+    from vlm.train.collectives import place_in
 
-    group = getattr(param, "ds_process_group", None)
-    return dist.get_rank(group), dist.get_world_size(group)
+    return place_in(getattr(param, "ds_process_group", None))
 
 
 def zero3_write_partition(param, values) -> None:
