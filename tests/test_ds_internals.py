@@ -159,3 +159,37 @@ def test_engine_writes_captures_every_write_and_puts_the_method_back():
         engine.checkpoint_engine.save({"w": torch.ones(1)}, "x.pt")
     assert seen == [("x.pt", False)]
     assert engine.checkpoint_engine.save.__func__ is Writer.save
+
+
+def test_the_zero3_internals_are_those_they_were_written_for(tmp_path):
+    """vlm.train.expert_regroup_zero3's DeepSpeed insides, each pinned: the model-states file's
+    name, the attributes a parameter's partition and group live in, the flat fp32 partitions
+    whose (lazy) Adam state the local setters write into, the persistent parameters gathered again
+    after a load."""
+    import deepspeed
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Stage3
+
+    from vlm.train import ds_internals
+
+    assert deepspeed.__version__.startswith("0.19."), (
+        f"DeepSpeed {deepspeed.__version__}: check vlm.train.ds_internals (zero3_model_file, "
+        "zero3_partition_group, zero3_write_partition, zero3_adam_state, zero3_rewritten) "
+        "against it, then update this pin"
+    )
+    fake = SimpleNamespace(checkpoint_mp_rank=0, zero_optimization_partition_weights=lambda: True)
+    got = DeepSpeedEngine._get_ckpt_name(fake, str(tmp_path), "ds", pp_placeholder=3)
+    assert Path(got) == ds_internals.zero3_model_file(tmp_path / "ds", 3), got
+    src = lambda f: inspect.getsource(f)  # noqa: E731
+    assert 'getattr(param, "ds_process_group", self.dp_process_group)' in src(
+        Stage3._get_param_partition_group
+    )
+    assert "self.optimizer.state[fp32_param][optim_state_key]" in src(
+        Stage3._get_fp32_opt_state_partition
+    )
+    assert "fp32_param = self.fp32_partitioned_groups_flat[group_idx]" in src(
+        Stage3._get_fp32_opt_state_partition
+    )
+    assert "param.ds_tensor" in src(Stage3._create_fp16_partitions_with_defragmentation)
+    assert "persistent_parameters[0].all_gather" in src(Stage3.checkpoint_event_epilogue)
+    assert "_partition_all_parameters" in src(Stage3.checkpoint_event_prologue)

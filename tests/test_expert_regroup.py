@@ -85,7 +85,9 @@ def _loaded(ckpt, P: int, rank: int):
     if P > 1:
         fresh["moe"].shard_experts(LoopbackExchange(P, rank))
     opt = torch.optim.AdamW(fresh.parameters(), lr=0.1)
-    engine = SimpleNamespace(module=fresh, train_batch_size=lambda: 4)
+    engine = SimpleNamespace(
+        module=fresh, train_batch_size=lambda: 4, zero_optimization_stage=lambda: 0
+    )
     expert_regroup.load(engine, ckpt, opt)
     assert engine.global_steps == 3, "the engine's step counters were not restored"
     return fresh, opt

@@ -134,23 +134,23 @@ def test_an_expert_checkpoint_moves_between_rank_counts_only_where_it_regroups(
     tmp_path, degree, written, now
 ):
     """Its expert shards and their Adam moments regroup on load on the plain fp32 path (ZeRO 0:
-    one torch state dict per expert rank, vlm.train.expert_regroup); under ZeRO 3 they are in
-    partitions over the shard's replicas that do not regroup, and the same degree on another
-    number of ranks is refused, naming both."""
+    one torch state dict per expert rank, vlm.train.expert_regroup); a run of another form (here
+    fp16, which never regroups) is refused at the same degree on another number of ranks, naming
+    both."""
     from configs.config import ConfigError
     from vlm.train.expert_parallel import check_resume
 
     ckpt = _expert_checkpoint(tmp_path, degree, written)
-    check_resume(ckpt, degree, written, "zero3")  # the ranks that wrote it: resumes
+    check_resume(ckpt, degree, written, "fp16")  # the ranks that wrote it: resumes
     check_resume(ckpt, degree, now, "zero0")  # regrouped on load
     try:
-        check_resume(ckpt, degree, now, "zero3")
+        check_resume(ckpt, degree, now, "fp16")
     except ConfigError as e:
         msg = str(e)
     else:
         pytest.fail(
             f"a checkpoint of parallel.expert={degree} written by {written} ranks was accepted for "
-            f"a ZeRO-2 resume on {now} ranks at the same degree: check_resume compares the expert "
+            f"a bf16 stage-0 resume on {now} ranks at the same degree: check_resume compares the expert "
             "degree only, not the ranks that wrote the checkpoint (vlm/train/expert_parallel.py)"
         )
     assert f"parallel.expert={degree} on {written} ranks" in msg and "\n" not in msg, msg
@@ -160,10 +160,10 @@ def test_an_expert_checkpoint_moves_between_rank_counts_only_where_it_regroups(
 @pytest.mark.parametrize("written", ["zero12", "zero12-bf16", "zero3", "zero0-bf16", "fp16"])
 def test_an_expert_checkpoint_moves_only_between_runs_of_its_optimizer_form(tmp_path, written):
     """ZeRO 1-2 partitions, fp32 or bf16 (stage_1_and_2's file: per group a flat fp32 partition and
-    each parameter's fragment in it, its DeepSpeed config beside), and the stage-0 bf16
-    optimizer's fp32 copies regroup on load (vlm.train.expert_regroup) for a run of the same form
-    at another degree; ZeRO-3 partitions, fp16, or a run of another form are refused in one line
-    naming both forms."""
+    each parameter's fragment in it, its DeepSpeed config beside), ZeRO-3 partitions and the
+    stage-0 bf16 optimizer's fp32 copies regroup on load (vlm.train.expert_regroup,
+    vlm.train.expert_regroup_zero3) for a run of the same form at another degree; fp16, or a run
+    of another form, is refused in one line naming both forms."""
     from configs.config import ConfigError
     from vlm.train.expert_parallel import FORMS, REGROUPS, check_resume, written_form
 
@@ -181,9 +181,10 @@ def test_an_expert_checkpoint_moves_only_between_runs_of_its_optimizer_form(tmp_
         torch.save({"optimizer_state_dict": {}, "ds_config": ds_config}, ckpt / "ds" / name)
     form = written.replace("zero12-bf16", "zero12")
     assert written_form(ckpt) == form, f"{written}'s files read as {written_form(ckpt)}"
-    if form in REGROUPS:
-        check_resume(ckpt, 1, 1, form)  # regrouped on load
-    for now in sorted(set(FORMS) - ({form} & set(REGROUPS))):
+    regroups = {form} & set(REGROUPS)
+    for now in regroups:
+        check_resume(ckpt, 1, 1, now)  # regrouped on load
+    for now in sorted(set(FORMS) - regroups):
         with pytest.raises(ConfigError) as e:
             check_resume(ckpt, 1, 1, now)
         msg = str(e.value)
@@ -198,10 +199,10 @@ def test_a_checkpoint_without_expert_shards_resumes_on_any_number_of_ranks(tmp_p
     plain = tmp_path / "plain"
     plain.mkdir()
     for ranks in (1, 2, 4):
-        check_resume(plain, 1, ranks, "zero3")
+        check_resume(plain, 1, ranks, "fp16")
     check_resume(plain, 2, 2, "zero0")  # its experts are whole: regrouped into shards on load
     with pytest.raises(ConfigError, match="parallel.expert=1"):
-        check_resume(plain, 2, 2, "zero3")
+        check_resume(plain, 2, 2, "fp16")
 
 
 # ======================================== 3. the serving state: whole pages, rounded up

@@ -203,8 +203,8 @@ def _moe():
 
 
 def test_expert_shards_are_saved_checked_restored_and_put_back_together(tmp_path):
-    """4 ranks at parallel.expert=2 save their shards; under ZeRO 3 the checkpoint resumes on 2 x 2
-    only (on the plain fp32 path it regroups onto any degree: expert_regroup), each rank gets its
+    """4 ranks at parallel.expert=2 save their shards; under fp16 the checkpoint resumes on 2 x 2
+    only (under the other forms it regroups onto any degree: expert_regroup), each rank gets its
     own shard back, and the shards put end to end (checkpoint_tensors: train.init_from and the
     regrouping load) rebuild every expert."""
     from configs.config import ConfigError
@@ -227,11 +227,11 @@ def test_expert_shards_are_saved_checked_restored_and_put_back_together(tmp_path
         f"4 ranks at parallel.expert=2 saved shards that read back as (degree, ranks) = "
         f"{written_degree(tmp_path)}: the ranks that wrote them are not recorded (save_shard)"
     )
-    check_resume(tmp_path, 2, 4, "zero3")
+    check_resume(tmp_path, 2, 4, "fp16")
     for expert, world in ((2, 2), (1, 4), (4, 4)):
         check_resume(tmp_path, expert, world, "zero0")
         with pytest.raises(ConfigError, match="parallel.expert=2 on 4 ranks"):
-            check_resume(tmp_path, expert, world, "zero3")
+            check_resume(tmp_path, expert, world, "fp16")
     experts = ("moe.w_gate_EDF", "moe.w_up_EDF", "moe.w_down_EFD")
     for rank in range(4):
         m = _moe()

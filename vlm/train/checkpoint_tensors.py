@@ -7,18 +7,22 @@ vlm.train.engine.safe_load), so a rank reads the pages of the elements it keeps 
   that file holds expert rank 0's shard; every rank's `experts_rank_NNNNN.pt` holds its own
   (vlm.train.expert_parallel), and the rows of an expert tensor are read from the shards that
   hold them.
-- ZeRO-3 leaves the module empty: a trained parameter exists only as the W writers' fp32 optimizer
-  partitions (`*_optim_states.pt`, `fp32_flat_groups`: each rank's partition of every parameter of
-  a group, ceil(numel / W) elements each, one after another in the order of the model file's
-  `param_shapes`), a frozen one as each rank's `frozen_param_fragments`, buffers in the module.
-  Element k of a parameter is element k mod p of writer k // p's partition (DeepSpeed's
-  zero_to_fp32 layout), so a rank reads the pieces of its share from the writers that hold them.
+- ZeRO-3 leaves the module empty: a trained parameter exists only as its writers' fp32 optimizer
+  partitions (`*_optim_states.pt`, `fp32_flat_groups`: per sub-group each rank's partition of its
+  every parameter, ceil(numel / n) elements each over the sub-group's n ranks, one after another
+  in the order of the model file's `param_shapes`; n is the world, or with experts split an expert
+  shard's holders, as the file's `ds_zero_partition_groups` says), its Adam moments beside them
+  in the same layout, a frozen one as each rank's `frozen_param_fragments`, buffers in the module.
+  Element k of a parameter is element k mod p of its k // p-th partition (DeepSpeed's zero_to_fp32
+  layout), so a rank reads the pieces of its share from the writers that hold them; a routed
+  expert's whole tensor is its shards put end to end.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -47,6 +51,16 @@ class Renamed(Stored):
 
     def rows(self, name: str, a: int, b: int) -> torch.Tensor:
         return self.stored.rows(self.names[name], a, b)
+
+    # a ZeRO-3 checkpoint's optimizer state (Zero3Checkpoint)
+    def elements(self, name: str, lo: int, hi: int, key: str = "fp32") -> torch.Tensor:
+        return self.stored.elements(self.names[name], lo, hi, key)
+
+    def optimized(self, name: str) -> bool:
+        return self.stored.optimized(self.names[name])
+
+    def adam_step(self):
+        return self.stored.adam_step()
 
 
 class CheckpointTensors(InMemory):
@@ -82,9 +96,46 @@ def _rank_of(f: Path) -> int:
     return int(f.name.split("zero_pp_rank_")[1].split("_")[0])
 
 
+def _expert_ranks(ckpt: Path, W: int) -> list[int]:
+    """Each writer's expert rank (all 0 without experts split): whose shard its expert
+    parameters are."""
+    P, _ = written_degree(ckpt)
+    if P == 1:
+        return [0] * W
+    out = []
+    for r in range(W):
+        f = ckpt / SHARD_FILE.format(r)
+        if not f.is_file():
+            from configs.config import ConfigError
+
+            raise ConfigError(f"{ckpt}: no expert shard of rank {r} ({f.name})")
+        out.append(int(_mapped(f)["expert_rank"]))
+    return out
+
+
+@dataclass
+class _Piece:
+    """One writer-side tensor (a dense parameter, or one expert shard of an expert parameter) as
+    its partitions lie: element k is element k % p of partition k // p, partition i at `offset`
+    in sub-group `group` of writer `writer` (group None: a frozen tensor's fragment)."""
+
+    shape: tuple[int, ...]
+    p: int
+    parts: dict[int, tuple[int, int | None, int]]  # partition index -> (writer, group, offset)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
 class Zero3Checkpoint(Stored):
     """The weights of a ZeRO-3 checkpoint's `ds/` directory, read by rows from the partitions of
-    every rank that wrote it (memory-mapped: only the pages of the rows asked for are read)."""
+    every rank that wrote it (memory-mapped: only the pages of the rows asked for are read), and
+    the Adam moments of a trained parameter by elements (`elements`: vlm.train.expert_regroup_zero3).
+    Each optimizer sub-group is partitioned over its own group of writers (the optimizer file's
+    `ds_zero_partition_groups`, with experts split: an expert shard's over the ranks holding it;
+    without: every sub-group over every writer); a routed expert's whole tensor is its shards put
+    end to end."""
 
     def __init__(self, ds_dir: Path, where: str, transform=None):
         self.where, self.transform = where, transform or (lambda name, t: t)
@@ -98,20 +149,41 @@ class Zero3Checkpoint(Stored):
                 f"(found {len(model_files)} and {len(optim_files)} files in {ds_dir})"
             )
         models = [_mapped(f) for f in model_files]
+        optims = [_mapped(f)["optimizer_state_dict"] for f in optim_files]
         self.W = len(models)
-        self.flat = [
-            list(_mapped(f)["optimizer_state_dict"]["fp32_flat_groups"]) for f in optim_files
-        ]
-        # name -> (offset of its partitions in each rank's concatenated groups, partition, shape)
-        self.trained: dict[str, tuple[int, int, tuple[int, ...]]] = {}
-        offset = 0
-        for group in models[0]["param_shapes"]:
-            for name, shape in group.items():
-                p = -(-math.prod(shape) // self.W)
-                self.trained[name] = (offset, p, tuple(shape))
-                offset += p
-        self.frozen = {k: tuple(v) for k, v in (models[0].get("frozen_param_shapes") or {}).items()}
+        self.flat = [list(o["fp32_flat_groups"]) for o in optims]
+        self.states = [_group_states(o) for o in optims]
         self.fragments = [m.get("frozen_param_fragments") or {} for m in models]
+        expert_rank = _expert_ranks(ds_dir.parent, self.W)
+        # (name, expert rank or 0) -> its piece
+        pieces: dict[tuple[str, int], _Piece] = {}
+        for r, (m, o) in enumerate(zip(models, optims, strict=True)):
+            groups = o.get("ds_zero_partition_groups")
+            for g, shapes in enumerate(m["param_shapes"]):
+                count, index = (
+                    (groups[g]["partition_count"], groups[g]["partition_rank"])
+                    if groups
+                    else (self.W, r)
+                )
+                offset = 0
+                for name, shape in shapes.items():
+                    p = -(-math.prod(shape) // count)
+                    key = (name, expert_rank[r] if is_routed_expert(current_key(name)) else 0)
+                    piece = pieces.setdefault(key, _Piece(tuple(shape), p, {}))
+                    piece.parts[index] = (r, g, offset)
+                    offset += p
+            for name, frag in self.fragments[r].items():
+                routed = is_routed_expert(current_key(name))
+                j = expert_rank[r] if routed else 0
+                # a frozen tensor is partitioned as a trained one is: a shard over its holders
+                holders = [w for w in range(self.W) if not routed or expert_rank[w] == j]
+                shape = tuple(m["frozen_param_shapes"][name])
+                piece = pieces.setdefault((name, j), _Piece(shape, frag.numel(), {}))
+                piece.parts[holders.index(r)] = (r, None, 0)
+        self.pieces: dict[str, list[_Piece]] = {}
+        for (name, _), piece in sorted(pieces.items()):
+            self.pieces.setdefault(name, []).append(piece)
+        self.frozen = set(models[0].get("frozen_param_shapes") or {})
         module = models[0].get("module") or {}
         self.buffers = {k: module[k] for k in models[0].get("buffer_names", []) if k in module}
         self.shared = dict(models[0].get("shared_params") or {})  # name -> the name it is
@@ -119,41 +191,75 @@ class Zero3Checkpoint(Stored):
     def _own(self, name: str) -> str:
         return self.shared.get(name, name)
 
+    def _shape(self, name: str) -> tuple[int, ...]:
+        first, *more = self.pieces[name]
+        if not more:
+            return first.shape
+        return (sum(p.shape[0] for p in self.pieces[name]), *first.shape[1:])
+
     def shapes(self) -> dict[str, tuple[int, ...]]:
-        out = {k: v[2] for k, v in self.trained.items()}
-        out.update(self.frozen)
+        out = {k: self._shape(k) for k in self.pieces}
         out.update({k: tuple(v.shape) for k, v in self.buffers.items()})
         out.update({k: out[v] for k, v in self.shared.items() if v in out})
         return out
 
-    def _partition(self, name: str, r: int, lo: int, hi: int) -> torch.Tensor:
-        """Elements lo .. hi - 1 of writer r's partition of parameter `name`."""
-        if name in self.frozen:
-            return self.fragments[r][name].reshape(-1)[lo:hi]
-        offset = self.trained[name][0]
-        pieces, base = [], 0
-        for t in self.flat[r]:  # the rank's groups, concatenated
-            a, b = max(offset + lo, base), min(offset + hi, base + t.numel())
+    def _source(self, name: str, writer: int, group: int | None, key: str) -> torch.Tensor:
+        if group is None:  # frozen: no optimizer state
+            return self.fragments[writer][name].reshape(-1)
+        if key == "fp32":
+            return self.flat[writer][group]
+        return self.states[writer][group][key]
+
+    def _read(self, name: str, piece: _Piece, lo: int, hi: int, key: str) -> list[torch.Tensor]:
+        """Elements lo .. hi - 1 of one piece, from the partitions that hold them."""
+        out, p = [], piece.p
+        for i in range(lo // p, -(-hi // p)):
+            writer, group, offset = piece.parts[i]
+            a, b = max(lo, i * p) - i * p, min(hi, (i + 1) * p) - i * p
+            out.append(self._source(name, writer, group, key)[offset + a : offset + b])
+        return out
+
+    def elements(self, name: str, lo: int, hi: int, key: str = "fp32") -> torch.Tensor:
+        """Elements lo .. hi - 1 of the whole parameter `name`, flat: its fp32 master (`fp32`) or
+        an Adam moment (`exp_avg`, `exp_avg_sq`)."""
+        own, pieces, base = self._own(name), [], 0
+        for piece in self.pieces[own]:
+            a, b = max(lo, base), min(hi, base + piece.numel)
             if a < b:
-                pieces.append(t[a - base : b - base])
-            base += t.numel()
+                pieces += self._read(own, piece, a - base, b - base, key)
+            base += piece.numel
+        if not pieces:  # a partition of padding only (a tensor smaller than its ranks)
+            return torch.empty(0)
         return torch.cat(pieces) if len(pieces) != 1 else pieces[0]
+
+    def optimized(self, name: str) -> bool:
+        """`name` was trained (its Adam moments are in the writers' optimizer state)."""
+        return self._own(name) not in self.frozen
+
+    def adam_step(self):
+        """Adam's step count as the writers kept it (every sub-group steps together)."""
+        for states in self.states[0]:
+            if states is not None and "step" in states:
+                return states["step"]
+        return None
 
     def rows(self, name: str, a: int, b: int) -> torch.Tensor:
         own = self._own(name)
         if own in self.buffers:
             t = self.buffers[own]
             return self.transform(name, t if t.dim() == 0 else t[a:b])
-        shape = self.frozen.get(own) or self.trained[own][2]
-        p = -(-math.prod(shape) // self.W)
+        shape = self._shape(own)
         per_row = math.prod(shape[1:]) if shape else 1
-        start, stop = a * per_row, (b * per_row if shape else 1)
-        pieces = [
-            self._partition(own, r, max(start, r * p) - r * p, min(stop, (r + 1) * p) - r * p)
-            for r in range(start // p, -(-stop // p))
-        ]
-        flat = torch.cat(pieces) if pieces else torch.empty(0)
+        flat = self.elements(own, a * per_row, b * per_row if shape else 1)
         return self.transform(name, flat.view(b - a, *shape[1:]) if shape else flat.view(()))
+
+
+def _group_states(zero_state: dict) -> list[dict | None]:
+    """The base optimizer's state of each sub-group (its one flat fp32 partition), in sub-group
+    order: the groups' parameters numbered one after another."""
+    base = zero_state["optimizer_state_dict"]
+    order = [i for group in base["param_groups"] for i in group["params"]]
+    return [base["state"].get(i) for i in order]
 
 
 def checkpoint_tensors(path: Path, transform=None) -> Stored:

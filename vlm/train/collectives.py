@@ -259,3 +259,8 @@ def expert_gradient_square(local: torch.Tensor) -> torch.Tensor:
     """The squared gradient norm of the expert parameters summed over every rank (each rank holds
     other experts, or the same ones in another expert-data-parallel replica)."""
     return all_reduce_sum(local)
+
+
+def place_in(group) -> tuple[int, int]:
+    """(this rank's place in process group `group`, the group's size); None: the world."""
+    return dist.get_rank(group), dist.get_world_size(group)

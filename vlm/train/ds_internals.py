@@ -20,6 +20,14 @@ that test until each is checked against it).
   parameter's fragment of the fp32 master and Adam moments in it, and this run's partitions
   written from whole parameters (vlm.train.expert_regroup, an expert-parallel checkpoint at
   another degree).
+- `zero3_model_file`, `zero3_partition_group`, `zero3_write_partition`, `zero3_adam_state`,
+  `zero3_rewritten`: under ZeRO-3 (vlm.train.expert_regroup_zero3), a rank's model-states file
+  (ZeRO-3 writes no module file), the group a parameter is partitioned over (its
+  `ds_process_group`), its partition written (`ds_tensor`), Adam's lazily created state of each
+  sub-group's flat fp32 partition (`fp32_partitioned_groups_flat`) with its step count, and the
+  optimizer's `checkpoint_event_prologue` / `_epilogue` around writing partitions (its persistent
+  parameters gathered again). The fp32 masters and moments themselves go through DeepSpeed's
+  documented `safe_set_local_fp32_param` / `safe_set_local_optimizer_state`.
 """
 
 from __future__ import annotations
@@ -172,3 +180,55 @@ def zero_write(zero_optimizer, part) -> None:
                 ("exp_avg_sq", state["exp_avg_sq"]),
             ):
                 dest.data[hp.start : hp.start + hp.numel].copy_(got[key].to(dest.dtype))
+
+
+# ---------------------------------------------------------------- ZeRO-3 (expert_regroup_zero3)
+ZERO3_MODEL_FILE = "zero_pp_rank_{}_mp_rank_00_model_states.pt"
+
+
+def zero3_model_file(ds_dir: Path, dp_rank: int) -> Path:
+    """DeepSpeed's `_get_zero_ckpt_name` of a ZeRO-3 rank's model states (its buffers, its
+    partitions' shapes, the engine's step counters: ZeRO-3 writes no `mp_rank_00` module file)."""
+    return Path(ds_dir) / ZERO3_MODEL_FILE.format(dp_rank)
+
+
+def zero3_partition_group(param) -> tuple[int, int]:
+    """(this rank's place in the group ZeRO-3 partitions `param` over, the group's size): the
+    parameter's `ds_process_group` (AutoEP's placement: an expert shard's replicas; absent: the
+    world)."""
+    from vlm.train.collectives import place_in
+
+    return place_in(getattr(param, "ds_process_group", None))
+
+
+def zero3_write_partition(param, values) -> None:
+    """This rank's partition of `param`'s weights (`ds_tensor`, in the parameter's dtype) from
+    `values`, the partition's elements flat. Gathered parameters see it after
+    `zero3_rewritten`."""
+    param.ds_tensor.data.copy_(values.to(param.ds_tensor.dtype).view(-1))
+
+
+def zero3_adam_state(zero_optimizer, step) -> None:
+    """Adam's state of every sub-group's flat fp32 partition (`fp32_partitioned_groups_flat`,
+    the base optimizer's `state`), created as the optimizer's first step would (Adam's state is
+    lazy: DeepSpeed's local-state setters find none before it) with its step count `step`."""
+    import torch
+
+    for flat in zero_optimizer.fp32_partitioned_groups_flat:
+        state = zero_optimizer.optimizer.state[flat]
+        for key in ("exp_avg", "exp_avg_sq"):
+            if key not in state:
+                state[key] = torch.zeros_like(flat)
+        state["step"] = step.clone() if torch.is_tensor(step) else step
+
+
+@contextlib.contextmanager
+def zero3_rewritten(zero_optimizer):
+    """Collective: inside, the partitions of a ZeRO-3 optimizer's parameters are written; on
+    leaving the parameters ZeRO-3 keeps gathered (its persistent ones) are gathered from them
+    again: the optimizer's `checkpoint_event_prologue` / `_epilogue`, around its own load."""
+    zero_optimizer.checkpoint_event_prologue()
+    try:
+        yield
+    finally:
+        zero_optimizer.checkpoint_event_epilogue()

@@ -28,9 +28,10 @@ norm, so the optimizer clips there itself (`ExpertAwareClip`).
 Checkpoints: DeepSpeed's files as its MoE support writes them (the module from rank 0, the optimizer
 per expert rank or ZeRO partition) and, from every rank, `experts_rank_NNNNN.pt`, its shard of the
 routed experts (under ZeRO-3 gathered from its partitions), restored after DeepSpeed's load
-(`restore_shard`; under ZeRO-3 into its partitions). Under ZeRO 0 and ZeRO 1-2 (fp32 or bf16) a
-checkpoint resumes on any expert degree and number of ranks under the same form (its shards
-regrouped on load: vlm.train.expert_regroup), under ZeRO 3 on the degree and the number of ranks
+(`restore_shard`; under ZeRO-3 into its partitions). Under every optimizer form but fp16 (ZeRO 0,
+ZeRO 1-2 and ZeRO 3, fp32 or bf16) a checkpoint resumes on any expert degree and number of ranks
+under the same form (its shards regrouped on load: vlm.train.expert_regroup,
+vlm.train.expert_regroup_zero3), under fp16 or another form on the degree and the number of ranks
 that wrote it (`check_resume`: one line otherwise);
 its weights start a run of any degree through `train.init_from` (vlm.train.checkpoint_tensors reads each
 rank's rows from the shards that hold them). The export gathers the shards (`gathered_experts`):
@@ -317,8 +318,9 @@ REGROUPS = {
     "zero0": "ZeRO 0 fp32",
     "zero0-bf16": "ZeRO 0 bf16",
     "zero12": "ZeRO 1-2 (fp32 or bf16)",
+    "zero3": "ZeRO 3 (fp32 or bf16)",
 }
-FORMS = {**REGROUPS, "zero3": "ZeRO 3", "fp16": "fp16"}
+FORMS = {**REGROUPS, "fp16": "fp16"}
 
 
 def check_resume(ckpt: Path, expert: int, world_size: int, form: str) -> None:

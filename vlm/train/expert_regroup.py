@@ -22,8 +22,9 @@ over the group's ranks (the dense group over every rank, an expert group over it
 replicas), every rank's file (`zero_pp_rank_R`) naming each parameter's fragment in its partition;
 each rank reads the elements of its new partitions from the writers' fragments that hold them
 (`Fragments`) and writes them after the module loads (vlm.train.ds_internals.zero_fragments /
-zero_write). Every file is memory-mapped: a rank reads its share, not the world's state. Other forms
-and a change of form are refused in one line (vlm.train.expert_parallel.check_resume).
+zero_write). Under ZeRO 3 every parameter exists only as its partitions: vlm.train.expert_regroup_zero3.
+Every file is memory-mapped: a rank reads its share, not the world's state. fp16 and a change of
+form are refused in one line (vlm.train.expert_parallel.check_resume).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from pathlib import Path
 import torch
 
 from vlm.model.shares import is_routed_expert
-from vlm.train import ds_internals
+from vlm.train import ds_internals, expert_regroup_zero3
 from vlm.train.checkpoint_tensors import checkpoint_tensors
 from vlm.train.ckpt_layout import read_meta
 from vlm.train.engine import CheckpointRefused, safe_load
@@ -106,6 +107,8 @@ def _rows(per_shard: list[torch.Tensor], a: int, b: int) -> torch.Tensor:
 def load(engine, ckpt: Path, optimizer: torch.optim.Optimizer) -> None:
     """Every rank: the engine's module and optimizer from `ckpt`, the routed experts regrouped for
     this rank's expert shard. CheckpointRefused (one line) where the checkpoint lacks a part."""
+    if engine.zero_optimization_stage() == 3:  # every parameter partitioned: its own regroup
+        return expert_regroup_zero3.load(engine, ckpt)
     ckpt = Path(ckpt)
     module = engine.module
     P, _ = written_degree(ckpt)
