@@ -99,8 +99,9 @@ def test_the_deepspeed_internals_are_those_they_were_written_for(tmp_path):
 
 
 def test_zero_fragments_and_zero_write_move_a_parameter_between_partition_layouts():
-    """A parameter split over two writers' partitions, read back whole and written into one
-    reader's partition at another offset: every value lands where the reader keeps it."""
+    """A parameter split over two writers' partitions, read back and written into one reader's
+    partition at another offset: the reader asks for its fragment's elements only, and every
+    value lands where the reader keeps it."""
     from deepspeed.utils.tensor_fragment import fragment_address
 
     from vlm.train.ds_internals import zero_fragments, zero_write
@@ -136,7 +137,14 @@ def test_zero_fragments_and_zero_write_move_a_parameter_between_partition_layout
         single_partition_of_fp32_groups=[flat],
         param_names={lp: "w"},
     )
-    zero_write(zopt, lambda name: {k: t.view(2, 3) if k != "step" else t for k, t in whole.items()})
+    asked = []
+
+    def part(name, start, numel):  # elements [start, start + numel) of the flattened parameter
+        asked.append((name, start, numel))
+        return {k: t[start : start + numel] if k != "step" else t for k, t in whole.items()}
+
+    zero_write(zopt, part)
+    assert asked == [("w", 2, 4)], f"zero_write asked for {asked}, not w's elements 2..5"
     state = zopt.optimizer.state[flat]
     assert torch.equal(flat, torch.tensor([0.0, 2, 3, 4, 5]))
     assert torch.equal(state["exp_avg"], torch.tensor([0.0, 12, 13, 14, 15]))
