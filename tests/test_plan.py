@@ -235,12 +235,12 @@ def test_a_collectives_wrapper_is_not_counted_again():
 
     live = LiveBytes("cpu")
     with live:
-        x_ND = torch.empty(1000, 250)
-        wrapped = torch.ops._c10d_functional._wrap_tensor_autograd(x_ND)
+        sent = torch.empty(1000, 250)
+        wrapped = torch.ops._c10d_functional._wrap_tensor_autograd(sent)
         doubled = wrapped * 2
         flat = wrapped.view(-1)
     assert type(wrapped).__name__ == "AsyncCollectiveTensor" and flat.numel() == 250_000
-    assert live.now == live.peak == 2 * x_ND.nbytes, doubled.shape
+    assert live.now == live.peak == 2 * sent.nbytes, doubled.shape
 
 
 def test_the_planned_variable_exchange_allocates_what_the_trainers_does(small_config):

@@ -2,7 +2,8 @@
 model's own code on the meta device at the run's sizes.
 
 Legend: B rows, T tokens, D width, N flat tokens or patches, P patches, Q query heads, J key/value
-heads, d head width.
+heads, d head width, A the planned expert exchange's (token, choice) slots, G the layer's experts
+(Grove-grouped), L a rank's experts, S sent rows, R received rows.
 
 The LLM is built on the meta device (its parameters have shapes and no memory) with the run's
 width, depth, experts, dtype and activation checkpointing, its routed experts sharded as the run
