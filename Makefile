@@ -47,7 +47,7 @@ format: install
 	$(BIN)/ruff check --fix .
 
 test: install-eval lint
-	$(BIN)/python -m pytest -n 2 --dist worksteal --durations=25 tests
+	$(BIN)/python -m pytest -n 2 --durations=25 tests
 
 # what a developer runs while working: everything but the tests marked slow
 test-fast: install-eval lint

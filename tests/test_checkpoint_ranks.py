@@ -138,7 +138,8 @@ def test_an_expert_parallel_checkpoint_resumes_on_other_degrees_and_ranks(
         # the ZeRO 1-2 regroup's code, in fp32: what zero2-bf16 runs, again (make test-extended)
         pytest.param(2, False, id="zero2-fp32", marks=pytest.mark.extended),
         pytest.param(2, True, id="zero2-bf16"),
-        pytest.param(0, True, id="zero0-bf16"),
+        # the fp32 copies' regroup, without ranks: tests/test_expert_regroup.py (the runs: extended)
+        pytest.param(0, True, id="zero0-bf16", marks=pytest.mark.extended),
         pytest.param(3, False, id="zero3-fp32"),
     ],
 )
@@ -160,9 +161,9 @@ def test_the_optimizers_other_forms_resume_on_other_degrees_and_ranks(
     whole = _train(2, cfg(2), whole_dir)
     if zero == 3:
         _check_whole_experts(whole_dir / "checkpoints" / "step_00000003")
-    # the bf16 forms at the harder move only (4 ranks, each expert's rows from a shard's half;
-    # one rank's regroup is the fp32 case's code)
-    for expert, world in ((4, 4),) if bf16 else ((1, 1), (4, 4)):
+    # the harder move only (4 ranks, each expert's rows from a shard's half) but in the extended
+    # fp32 ZeRO 2 run; one rank's regroup (experts whole) is the same code with other rows
+    for expert, world in ((1, 1), (4, 4)) if (zero, bf16) == (2, False) else ((4, 4),):
         run = tmp_path / f"ep{expert}_on{world}"
         shutil.copytree(whole_dir, run, ignore=shutil.ignore_patterns("final", "summary.json"))
         shutil.rmtree(run / "checkpoints" / "step_00000006")  # as if stopped after step 3

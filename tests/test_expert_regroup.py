@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 EXPERTS = ("moe.w_gate_EDF", "moe.w_up_EDF", "moe.w_down_EFD")
@@ -50,8 +51,9 @@ def _shard(model, opt, P: int, rank: int):
     return part, popt
 
 
-def _checkpoint(tmp_path, model, opt, P: int = 2):
-    """What P expert ranks on P ranks write (ZeRO 0)."""
+def _checkpoint(tmp_path, model, opt, P: int = 2, bf16: bool = False):
+    """What P expert ranks on P ranks write (ZeRO 0). In bf16 the module holds bf16 weights and
+    DeepSpeed's fp16 optimizer file the fp32 copies its torch optimizer steps (`fp32_groups`)."""
     from vlm.train import ds_internals
     from vlm.train.ckpt_save import optimizer_names
     from vlm.train.expert_parallel import save_shard
@@ -60,21 +62,29 @@ def _checkpoint(tmp_path, model, opt, P: int = 2):
     (ckpt / "ds").mkdir(parents=True)
     for r in range(P):
         part, popt = _shard(model, opt, P, r)
-        save_shard(part, ckpt, r, P, lambda obj, path: torch.save(obj, path))
-        engine = SimpleNamespace(module=part, optimizer=popt)
+        held, optimizer = part, popt
+        if bf16:
+            held = copy.deepcopy(part).to(torch.bfloat16)
+            copies = [list(part.parameters())]
+            optimizer = SimpleNamespace(fp16_groups=[list(held.parameters())], fp32_groups=copies)
+        save_shard(held, ckpt, r, P, lambda obj, path: torch.save(obj, path))
+        engine = SimpleNamespace(module=held, optimizer=optimizer)
         torch.save(
             {"step": 3, "optimizer_names": optimizer_names(engine)}, ckpt / f"rank_{r:05d}.pt"
         )
-        torch.save(
-            {"optimizer": popt.state_dict()}, ds_internals.moe_optimizer_file(ckpt / "ds", r)
-        )
+        state = popt.state_dict()
+        if bf16:
+            state = {"optimizer_state_dict": state, "fp32_groups": copies}
+        torch.save({"optimizer": state}, ds_internals.moe_optimizer_file(ckpt / "ds", r))
         if r == 0:
-            module = {"module": part.state_dict(), "global_steps": 3, "skipped_steps": 0}
+            module = {"module": held.state_dict(), "global_steps": 3, "skipped_steps": 0}
             torch.save(module, ds_internals.module_file(ckpt / "ds"))
     return ckpt
 
 
-def _loaded(ckpt, P: int, rank: int):
+def _loaded(ckpt, P: int, rank: int, bf16: bool = False):
+    """A fresh run's expert rank `rank` of P after the regrouping load: (its module, the
+    parameters its torch optimizer steps (in bf16 the fp32 copies), that optimizer)."""
     from vlm.model.expert_parallel import LoopbackExchange
     from vlm.train import expert_regroup
 
@@ -84,33 +94,51 @@ def _loaded(ckpt, P: int, rank: int):
             p.zero_()
     if P > 1:
         fresh["moe"].shard_experts(LoopbackExchange(P, rank))
-    opt = torch.optim.AdamW(fresh.parameters(), lr=0.1)
+    stepped, wrapper = list(fresh.parameters()), None
+    if bf16:
+        fresh.to(torch.bfloat16)
+        stepped = [p.detach().float().clone().requires_grad_() for p in fresh.parameters()]
+        wrapper = SimpleNamespace(fp16_groups=[list(fresh.parameters())], fp32_groups=[stepped])
+    opt = torch.optim.AdamW(stepped, lr=0.1)
     engine = SimpleNamespace(
-        module=fresh, train_batch_size=lambda: 4, zero_optimization_stage=lambda: 0
+        module=fresh,
+        optimizer=wrapper,
+        train_batch_size=lambda: 4,
+        zero_optimization_stage=lambda: 0,
     )
     expert_regroup.load(engine, ckpt, opt)
     assert engine.global_steps == 3, "the engine's step counters were not restored"
-    return fresh, opt
+    return fresh, dict(zip((n for n, _ in fresh.named_parameters()), stepped)), opt
 
 
-def test_expert_shards_and_their_moments_regroup_onto_any_degree(tmp_path):
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_expert_shards_and_their_moments_regroup_onto_any_degree(tmp_path, bf16):
+    """ZeRO 0, fp32 and bf16 (DeepSpeed's fp16 optimizer: the torch optimizer steps fp32 copies
+    of the bf16 weights, in its file beside the torch state dict): each expert's weights, its
+    fp32 copy and both moments are the run's at any degree."""
     model, opt = _trained()
-    ckpt = _checkpoint(tmp_path, model, opt)
+    ckpt = _checkpoint(tmp_path, model, opt, bf16=bf16)
     whole = dict(model.named_parameters())
     for P, rank in ((1, 0), (4, 1)):
-        fresh, fopt = _loaded(ckpt, P, rank)
+        fresh, stepped, fopt = _loaded(ckpt, P, rank, bf16)
         n = 4 // P
         for name, p in fresh.named_parameters():
             rows = slice(rank * n, (rank + 1) * n) if name in EXPERTS else slice(None)
             want = whole[name].detach()[rows]
-            assert torch.equal(p.detach(), want), f"P'={P}, rank {rank}: {name}'s weights"
+            assert torch.equal(p.detach(), want.to(p.dtype)), (
+                f"P'={P}, rank {rank}: {name}'s weights"
+            )
+            q = stepped[name]
+            assert torch.equal(q.detach(), want), (
+                f"P'={P}, rank {rank}: {name}'s fp32 master is not the run's rows {rows}"
+            )
             for key in ("exp_avg", "exp_avg_sq"):
-                got, ref = fopt.state[p][key], opt.state[whole[name]][key][rows]
+                got, ref = fopt.state[q][key], opt.state[whole[name]][key][rows]
                 assert torch.equal(got, ref), (
                     f"P'={P}, rank {rank}: {name}'s {key} is not the run's rows {rows}: the "
                     "expert shards' Adam moments were not regrouped (vlm/train/expert_regroup.py)"
                 )
-            assert float(fopt.state[p]["step"]) == 1.0
+            assert float(fopt.state[q]["step"]) == 1.0
 
 
 def test_a_zero_partition_reads_its_elements_from_the_fragments_that_hold_them():
