@@ -20,7 +20,6 @@ vlm.train.engine.safe_load), so a rank reads the pages of the elements it keeps 
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,12 +29,8 @@ import torch
 from vlm.model.legacy_names import current_key, current_keys
 from vlm.model.share_load import InMemory, Stored
 from vlm.model.shares import is_routed_expert
-from vlm.train.engine import safe_load
+from vlm.train.engine import load_mapped as _mapped
 from vlm.train.expert_parallel import SHARD_FILE, written_degree
-
-
-def _mapped(path: Path) -> dict:
-    return safe_load(path, map_location="cpu", load=functools.partial(torch.load, mmap=True))
 
 
 class Renamed(Stored):
@@ -84,12 +79,19 @@ class CheckpointTensors(InMemory):
         P = len(self.shards)
         if P <= 1 or not is_routed_expert(name):
             return super().rows(name, a, b)
-        per = self.shards[0][name].shape[0]
-        pieces = []
-        for j in range(a // per, -(-b // per)):
-            lo, hi = max(a, j * per) - j * per, min(b, (j + 1) * per) - j * per
-            pieces.append(self.shards[j][name][lo:hi])
-        return self.transform(name, torch.cat(pieces))
+        return self.transform(name, shard_rows([self.shards[j][name] for j in range(P)], a, b))
+
+
+def shard_rows(shards: list[torch.Tensor], a: int, b: int) -> torch.Tensor:
+    """Rows [a, b) of `shards` put end to end (a routed expert's whole tensor: expert k is row k),
+    sliced from the shards that hold them only (memory-mapped, the others are not read)."""
+    out, start = [], 0
+    for t in shards:
+        lo, hi = max(a, start), min(b, start + t.shape[0])
+        if lo < hi:
+            out.append(t[lo - start : hi - start])
+        start += t.shape[0]
+    return torch.cat(out) if len(out) != 1 else out[0]
 
 
 def _rank_of(f: Path) -> int:

@@ -8,6 +8,7 @@ in our checkpoint.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import warnings
@@ -373,6 +374,12 @@ class CheckpointRefused(RuntimeError):
     without a traceback."""
 
 
+def load_mapped(path) -> dict:
+    """`safe_load` of a checkpoint file memory-mapped: what is read of it is the pages of the
+    tensors' elements that are used (a rank reads its share of the writers' files)."""
+    return safe_load(path, map_location="cpu", load=functools.partial(torch.load, mmap=True))
+
+
 def safe_load(path, map_location=None, load=None):
     """torch.load for DeepSpeed's checkpoint files, tensors and plain containers only (a crafted
     checkpoint cannot run code); anything else is refused with the file named. `load`: the
@@ -397,12 +404,7 @@ def safe_load(path, map_location=None, load=None):
 
 def plain_fp32(ds_json: dict) -> bool:
     """The DeepSpeed JSON runs stage 0 without bf16 / fp16 (what `is_plain_fp32` says of the engine it makes)."""
-    enabled = lambda k: bool((ds_json.get(k) or {}).get("enabled", False))  # noqa: E731
-    return (
-        int((ds_json.get("zero_optimization") or {}).get("stage", 0)) == 0
-        and not enabled("bf16")
-        and not enabled("fp16")
-    )
+    return optimizer_form(ds_json) == "zero0"
 
 
 def optimizer_form(ds_json: dict) -> str:

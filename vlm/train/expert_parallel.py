@@ -52,6 +52,7 @@ from configs.config import ConfigError
 from vlm.model.moe import MoE
 from vlm.model.share_init import whole_shape
 from vlm.train import collectives
+from vlm.train.engine import load_mapped, optimizer_form
 
 SHARD_FILE = "experts_rank_{:05d}.pt"
 
@@ -293,22 +294,13 @@ def save_shard(module: nn.Module, folder: Path, rank: int, world_size: int, save
     save(state, Path(folder) / SHARD_FILE.format(rank))
 
 
-def _load(path: Path) -> dict:
-    """Memory-mapped: what is read of it is what is used (tensors and plain containers only)."""
-    import functools
-
-    from vlm.train.engine import safe_load
-
-    return safe_load(path, map_location="cpu", load=functools.partial(torch.load, mmap=True))
-
-
 def written_degree(ckpt: Path) -> tuple[int, int | None]:
     """(parallel.expert, ranks) of the run that wrote `ckpt`: (1, None) for a checkpoint without
     expert shards."""
     first = Path(ckpt) / SHARD_FILE.format(0)
     if not first.is_file():
         return 1, None
-    state = _load(first)
+    state = load_mapped(first)
     return int(state["expert_parallel"]), int(state["world_size"])
 
 
@@ -353,13 +345,11 @@ def written_form(ckpt: Path) -> str:
     ds = Path(ckpt) / "ds"
     zero = sorted(ds.glob("*zero_pp_rank_*_optim_states.pt")) if ds.is_dir() else []
     if zero:
-        from vlm.train.engine import optimizer_form
-
-        return optimizer_form(_load(zero[0]).get("ds_config") or {})
+        return optimizer_form(load_mapped(zero[0]).get("ds_config") or {})
     files = sorted(ds.glob("expp_rank_*_optim_states.pt")) if ds.is_dir() else []
     files = files or ([ds / "mp_rank_00_model_states.pt"] if ds.is_dir() else [])
     for path in files[:1]:
-        held = _load(path).get("optimizer") or {}
+        held = load_mapped(path).get("optimizer") or {}
         if "fp32_groups" in held or "fp32_groups_flat" in held:
             return "zero0-bf16"
     return "zero0"
@@ -380,7 +370,7 @@ def _copy_shard(mine: dict, module: nn.Module, ckpt: Path, rank: int) -> str | N
     path = Path(ckpt) / SHARD_FILE.format(rank)
     if not path.is_file():
         return f"checkpoint {ckpt} has no expert shard for rank {rank} ({path.name})"
-    state = _load(path)
+    state = load_mapped(path)
     ex = sharded_layers(module)[0].exchange
     if (state["expert_parallel"], state["expert_rank"]) != (ex.size, ex.rank):
         return (

@@ -29,7 +29,6 @@ form are refused in one line (vlm.train.expert_parallel.check_resume).
 
 from __future__ import annotations
 
-import functools
 import math
 from pathlib import Path
 
@@ -37,9 +36,10 @@ import torch
 
 from vlm.model.shares import is_routed_expert
 from vlm.train import ds_internals, expert_regroup_zero3
-from vlm.train.checkpoint_tensors import checkpoint_tensors
+from vlm.train.checkpoint_tensors import checkpoint_tensors, shard_rows
 from vlm.train.ckpt_layout import read_meta
 from vlm.train.engine import CheckpointRefused, safe_load
+from vlm.train.engine import load_mapped as _mapped
 from vlm.train.expert_parallel import SHARD_FILE, sharded_layers, written_degree, written_form
 
 
@@ -50,12 +50,6 @@ def needed(ckpt: Path, expert: int, world: int) -> bool:
     if P == 1 and expert == 1:
         return False
     return (P, W) != (expert, world)
-
-
-def _mapped(path: Path) -> dict:
-    """A checkpoint file memory-mapped: a rank reads the pages of the elements it takes, not the
-    world's optimizer state (tensors and plain containers only: safe_load)."""
-    return safe_load(path, map_location="cpu", load=functools.partial(torch.load, mmap=True))
 
 
 def _named_states(ckpt: Path, optim_file: Path, writer: int) -> dict[str, dict]:
@@ -91,17 +85,6 @@ def _old_states(ckpt: Path, P: int) -> tuple[dict[str, dict], list[dict[str, dic
     # expert rank j's file is written by the first rank holding shard j: rank j
     shards = [_named_states(ckpt, ds_internals.moe_optimizer_file(ds, j), j) for j in range(P)]
     return shards[0], shards
-
-
-def _rows(per_shard: list[torch.Tensor], a: int, b: int) -> torch.Tensor:
-    """Rows [a, b) of the shards put end to end, read from the shards that hold them only."""
-    out, start = [], 0
-    for t in per_shard:
-        lo, hi = max(a, start), min(b, start + t.shape[0])
-        if lo < hi:
-            out.append(t[lo - start : hi - start])
-        start += t.shape[0]
-    return torch.cat(out)
 
 
 def load(engine, ckpt: Path, optimizer: torch.optim.Optimizer) -> None:
@@ -151,7 +134,7 @@ def _load_plain(engine, ckpt: Path, P: int, ex, optimizer) -> None:
             state = {}
             for key, v in per[0].items():
                 if torch.is_tensor(v) and v.dim() >= 1 and v.shape[1:] == p.shape[1:]:
-                    state[key] = _rows([s[key] for s in per], a, a + n).clone()
+                    state[key] = shard_rows([s[key] for s in per], a, a + n).clone()
                 else:
                     state[key] = v.clone() if torch.is_tensor(v) else v
         else:
