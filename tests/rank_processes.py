@@ -5,6 +5,9 @@ a bare "process 0 terminated with signal SIGABRT" names neither."""
 
 from __future__ import annotations
 
+import os
+import socket
+
 import pytest
 import torch.multiprocessing as mp
 
@@ -27,3 +30,21 @@ def spawn(fn, args: tuple, nprocs: int, what: str) -> None:
     except mp.ProcessRaisedException as e:
         last = str(e).strip().splitlines()[-1]
         pytest.fail(f"{what}: rank {e.error_index} of {nprocs} raised {last}\n{e}")
+
+
+def free_port() -> int:
+    """A TCP port free on this host now (a spawned world's rendezvous, a test's server)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def join_world(rank: int, world: int, port: int) -> None:
+    """In a spawned process: torch's env:// variables for rank `rank` of `world` on this host."""
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )

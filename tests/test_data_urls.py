@@ -9,7 +9,6 @@ import functools
 import gzip
 import io
 import re
-import socket
 import tarfile
 import threading
 from collections import Counter
@@ -17,6 +16,7 @@ from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
+from rank_processes import free_port
 
 from configs.config import ConfigError
 from data_pipelines.cli import add_data_commands
@@ -164,16 +164,10 @@ def test_file_urls_name_local_files(shards, batches_equal):
         SourceConfig(path=f"file:{d}/nope.tar").validate()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_unreachable_urls_and_failing_commands_give_a_clear_error(shards, http_server, capsys):
     d, _ = shards
     base, _ = http_server(d)
-    port = _free_port()
+    port = free_port()
     cases = {
         "pipe:false": r"the command `false` exited with status 1",
         f"pipe:cat {d}/missing.tar": r"the command `cat .*missing.tar` exited with status 1",

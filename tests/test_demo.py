@@ -9,6 +9,7 @@ import sys
 import numpy as np
 import pytest
 from PIL import Image
+from rank_processes import free_port
 
 gr = pytest.importorskip("gradio")
 gradio_client = pytest.importorskip("gradio_client")
@@ -23,12 +24,6 @@ def exported(exported_vlm):
     return exported_vlm
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def served(exported):
     from vlm.generate import load_eval_model
@@ -36,7 +31,7 @@ def served(exported):
     app = build_app(
         load_eval_model(exported), max_new_tokens=6, max_prompt_tokens=300, max_upload_mb=UPLOAD_MB
     )
-    port = _free_port()
+    port = free_port()
     launch_app(app, "127.0.0.1", port, max_upload_mb=UPLOAD_MB, block=False)
     try:
         yield f"http://127.0.0.1:{port}/"
@@ -141,7 +136,7 @@ def test_an_example_conversation_opens_every_page(exported):
         max_new_tokens=6,
         example=(str(exported.parent / "a.png"), ["what is this?"]),
     )
-    port = _free_port()
+    port = free_port()
     launch_app(app, "127.0.0.1", port, block=False)
     try:
         history, picture, boundaries, compression = _client(f"http://127.0.0.1:{port}/").predict(
@@ -195,7 +190,7 @@ def test_memory_after_20_sessions_of_large_uploads_stays_within_1_5x(exported, t
     app = build_app(
         load_eval_model(exported), max_new_tokens=2, max_prompt_tokens=300, max_upload_mb=5
     )
-    port = _free_port()
+    port = free_port()
     launch_app(app, "127.0.0.1", port, max_upload_mb=5, block=False)
     url = f"http://127.0.0.1:{port}/"
     try:
@@ -354,7 +349,7 @@ def test_memory_after_7000x7000_uploads_from_4_concurrent_clients_stays_within_1
     app = build_app(
         load_eval_model(exported), max_new_tokens=2, max_prompt_tokens=300, max_upload_mb=5
     )
-    port = _free_port()
+    port = free_port()
     launch_app(app, "127.0.0.1", port, max_upload_mb=5, block=False)
     url = f"http://127.0.0.1:{port}/"
     answered, peak, done = [], [0], threading.Event()

@@ -20,11 +20,11 @@ Legend: E experts.
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+from rank_processes import free_port
 
 from vlm.model.config import MoEConfig
 from vlm.model.expert_parallel import LoopbackExchange, capacity
@@ -77,12 +77,6 @@ def _run(m: MoE, x: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Tensor
     }
     res.update({f"d.{n}": p.grad.clone() for n, p in m.named_parameters()})
     return res
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _init(rank: int, world: int, port: int) -> None:
@@ -145,7 +139,7 @@ def _worker(rank: int, world: int, port: int, factor, result: str) -> None:
 
 def _spawn(tmp_path, worker, world: int, *args) -> list[dict]:
     result = str(tmp_path / f"r{world}")
-    mp.spawn(worker, args=(world, _free_port(), *args, result), nprocs=world, join=True)
+    mp.spawn(worker, args=(world, free_port(), *args, result), nprocs=world, join=True)
     return [torch.load(f"{result}.{r}", weights_only=True) for r in range(world)]
 
 

@@ -12,31 +12,18 @@ the same losses and gradient norms; a small capacity logs its overflow."""
 from __future__ import annotations
 
 import json
-import os
 import signal
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from rank_processes import free_port, join_world
 
 
 def _worker(
     rank: int, world: int, port: int, cfg_dict, run_dir: str, result: str, stop_after: int
 ) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+    join_world(rank, world, port)
     torch.set_num_threads(1)
     from configs.config import ConfigError, from_dict
     from vlm.model.moe import MoE
@@ -74,7 +61,7 @@ def _train(tmp_path, name: str, cfg: dict, stop_after: int = 0, world: int = 2) 
     `stop_after` where given) on `world` processes: rank 0's exit code, the experts each MoE layer held, its log and
     metrics.jsonl, or the one line of a refused config."""
     run_dir, result = tmp_path / name, tmp_path / f"{name}.pt"
-    args = (world, _free_port(), cfg, str(run_dir), str(result), stop_after)
+    args = (world, free_port(), cfg, str(run_dir), str(result), stop_after)
     mp.spawn(_worker, args=args, nprocs=world, join=True)
     out = torch.load(result, weights_only=False)
     if "refused" not in out:

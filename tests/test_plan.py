@@ -21,19 +21,13 @@ from __future__ import annotations
 import copy
 import json
 import os
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+from rank_processes import free_port, join_world
 
 GiB = 2**30
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _small(tiny_data, tiny_config, **sections) -> dict:
@@ -275,13 +269,7 @@ def test_the_planned_variable_exchange_allocates_what_the_trainers_does(small_co
 
 # ---------------------------------------------------------------- against measured runs
 def _measure_worker(rank: int, world: int, port: int, cfg_dict: dict, out: str) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+    join_world(rank, world, port)
     torch.set_num_threads(1)
     from configs.config import from_dict
     from vlm.plan.tracker import LiveBytes
@@ -304,7 +292,7 @@ def _measure_worker(rank: int, world: int, port: int, cfg_dict: dict, out: str) 
 
 
 def _measured_peak(cfg: dict, world: int, out) -> int:
-    mp.spawn(_measure_worker, args=(world, _free_port(), cfg, str(out)), nprocs=world, join=True)
+    mp.spawn(_measure_worker, args=(world, free_port(), cfg, str(out)), nprocs=world, join=True)
     return max(
         json.loads((out / f"peak{world}_{r}.json").read_text())["peak"] for r in range(world)
     )

@@ -7,12 +7,12 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
+from rank_processes import free_port
 
 
 def _cfg(tiny_config, tiny_data, steps=2, **sections):
@@ -212,12 +212,6 @@ sys.exit(main(["train", *sys.argv[1:]]))
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("zero,victim", [(0, "rank_00001.pt"), (2, "zero_pp_rank_1_")])
 def test_a_full_disk_on_one_rank_ends_every_rank(
@@ -230,7 +224,7 @@ def test_a_full_disk_on_one_rank_ends_every_rank(
     cfg = _cfg(tiny_config, tiny_data, deepspeed={"zero_stage": zero})
     path = write_config(cfg, tmp_path / "c.yaml")
     run = tmp_path / "run"
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in (0, 1):
         env = dict(

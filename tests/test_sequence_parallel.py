@@ -10,20 +10,14 @@ Legend: B rows, T tokens, D width, M concept slots, S document slots."""
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
+from rank_processes import free_port
 
 from tests.rank_processes import spawn
 
 WORLD = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rows(T: int, seed: int = 0) -> torch.Tensor:
@@ -227,7 +221,7 @@ def _worker(rank: int, port: int, result: str) -> None:
 def split_errors(tmp_path_factory) -> dict[str, float]:
     """Every check's largest difference over both ranks."""
     result = str(tmp_path_factory.mktemp("sp") / "r")
-    spawn(_worker, (_free_port(), result), WORLD, "sequence-parallel pieces on 2 gloo ranks")
+    spawn(_worker, (free_port(), result), WORLD, "sequence-parallel pieces on 2 gloo ranks")
     per_rank = [torch.load(f"{result}.{r}", weights_only=True) for r in range(WORLD)]
     return {k: max(r[k] for r in per_rank) for k in per_rank[0]}
 

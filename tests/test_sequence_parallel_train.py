@@ -9,20 +9,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 
 import pytest
 import torch
+from rank_processes import free_port, join_world
 
 from tests.rank_processes import spawn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _config(data_dir, *overrides: str) -> dict:
@@ -48,13 +42,7 @@ def _config(data_dir, *overrides: str) -> dict:
 
 
 def _worker(rank: int, world: int, port: int, cfg: dict, run_dir: str, result: str) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+    join_world(rank, world, port)
     torch.set_num_threads(1)
     from configs.config import from_dict
     from vlm.train.config import TrainConfig
@@ -72,7 +60,7 @@ def _steps(run_dir) -> list[dict]:
 
 def _train(tmp_path, name: str, cfg: dict, world: int) -> dict:
     run_dir, result = tmp_path / name, tmp_path / f"{name}.pt"
-    args = (world, _free_port(), cfg, str(run_dir), str(result))
+    args = (world, free_port(), cfg, str(run_dir), str(result))
     spawn(_worker, args, world, f"{name} on {world} gloo ranks")
     out = torch.load(result, weights_only=False)
     out["steps"] = _steps(run_dir)
@@ -193,7 +181,7 @@ def _memory_worker(rank: int, port: int, result: str) -> None:
 def test_a_16k_row_split_over_2_ranks_takes_at_most_065_of_the_peak(tmp_path):
     """Measured 0.48 (0.330 of 0.682 GB; `vlm bench longrow` gives the same figures)."""
     result = str(tmp_path / "peak")
-    spawn(_memory_worker, (_free_port(), result), 2, "16K-token row's peak on 2 gloo ranks")
+    spawn(_memory_worker, (free_port(), result), 2, "16K-token row's peak on 2 gloo ranks")
     peaks = [torch.load(f"{result}.{r}", weights_only=True) for r in range(2)]
     whole = min(p["whole"] for p in peaks)
     split = max(p["split"] for p in peaks)

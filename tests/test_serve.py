@@ -14,7 +14,6 @@ from __future__ import annotations
 import base64
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from rank_processes import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVE_BIN = ROOT / ".venv-serve" / "bin"
@@ -218,12 +218,6 @@ def test_concept_state_in_whole_pages_admits_more_requests_than_the_baseline(tmp
     assert cmoe["max_concurrency"] > 1.1 * base["max_concurrency"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _post(port: int, body: dict) -> dict:
     req = urllib.request.Request(
         f"http://127.0.0.1:{port}/v1/chat/completions",
@@ -244,7 +238,7 @@ def test_vlm_serve_answers_8_concurrent_chats_as_vlm_chat(exported_vlm, tmp_path
 
     png = (exported_vlm.parent / "a.png").read_bytes()
     url = "data:image/png;base64," + base64.b64encode(png).decode()
-    port = _free_port()
+    port = free_port()
     log = (tmp_path / "server.log").open("w")
     server = subprocess.Popen(
         [
@@ -410,7 +404,7 @@ def test_vlm_serve_takes_data_images_only_bounded_and_leaves_nothing_behind(expo
     threading.Thread(target=local.serve_forever, daemon=True).start()
     lp = local.server_address[1]
     temp = set(Path(tempfile.gettempdir()).glob("vlm-serve-*"))
-    port = _free_port()
+    port = free_port()
     log = (tmp_path / "server.log").open("w")
     server = subprocess.Popen(
         [str(SERVE_BIN / "vlm"), "serve", str(exported_vlm), "--port", str(port)]

@@ -6,13 +6,13 @@ Loading reads only the rows a rank keeps."""
 
 from __future__ import annotations
 
-import os
 import socket
 from dataclasses import replace
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+from rank_processes import join_world
 
 from vlm.model import share_init
 from vlm.model.config import ChunkConfig, ModelConfig, MoEConfig
@@ -197,13 +197,7 @@ def test_transformers_moe_rows_are_the_converted_tensors(tmp_path):
 
 # ---------------------------------------------------------------- ZeRO-3, two processes
 def _zero3_worker(rank: int, world: int, port: int, src: str) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+    join_world(rank, world, port)
     torch.set_num_threads(1)
     from vlm.train.distributed import init_distributed
 
@@ -272,13 +266,7 @@ def test_zero3_ranks_build_and_load_their_partitions(tmp_path):
 
 
 def _train_worker(rank: int, world: int, port: int, cfg: dict, run_dir: str) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+    join_world(rank, world, port)
     torch.set_num_threads(1)
     from configs.config import from_dict
     from vlm.train.config import TrainConfig

@@ -13,13 +13,13 @@ model, 1,300 MB on 1 rank, 1,256 MB on each of 2 (0.97); after, 1,250 MB and 667
 
 from __future__ import annotations
 
-import os
 import re
 import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+from rank_processes import join_world
 
 pytestmark = pytest.mark.slow
 
@@ -46,13 +46,7 @@ def _kb(field: str) -> int:
 
 
 def _worker(rank: int, world: int, port: int, cfg_dict: dict, run_dir: str, out: str) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+    join_world(rank, world, port)
     torch.set_num_threads(1)
     from configs.config import from_dict
     from vlm.train import run as run_lib

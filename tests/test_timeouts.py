@@ -13,12 +13,7 @@ import sys
 import time
 
 import pytest
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from rank_processes import free_port
 
 
 def _listening(port: int) -> bool:
@@ -57,7 +52,7 @@ def test_a_peer_that_never_starts_ends_the_wait_in_one_line(
     """Rank 0 of 2 alone: it waited ten minutes (DeepSpeed's 30) without a word."""
     cfg = write_config(tiny_config(tiny_data, parallel={"timeout_s": 5}), tmp_path / "c.yaml")
     t0 = time.time()
-    p = _task(cfg, tmp_path / "run", 0, _free_port(), subprocess_env)
+    p = _task(cfg, tmp_path / "run", 0, free_port(), subprocess_env)
     out, err = p.communicate(timeout=120)
     assert p.returncode == 1, err
     assert time.time() - t0 < 60
@@ -71,7 +66,7 @@ def test_a_sigterm_while_waiting_for_peers_is_obeyed(
     """torch waits for peers inside C++, where Python's handler never ran: SIGTERM and SIGINT were
     acknowledged and ignored."""
     cfg = write_config(tiny_config(tiny_data, parallel={"timeout_s": 300}), tmp_path / "c.yaml")
-    port = _free_port()
+    port = free_port()
     p = _task(cfg, tmp_path / "run", 0, port, subprocess_env)
     end = time.time() + 120
     while time.time() < end and not _listening(port):  # rank 0 holds the store: in the rendezvous
@@ -96,7 +91,7 @@ def test_a_stalled_rank_ends_the_job_naming_it(
         tiny_config(tiny_data, parallel={"timeout_s": 20}, train={"max_steps": 40}),
         tmp_path / "c.yaml",
     )
-    run, port = tmp_path / "run", _free_port()
+    run, port = tmp_path / "run", free_port()
     ranks = [_task(cfg, run, r, port, subprocess_env) for r in range(2)]
     try:
         metrics = run / "metrics.jsonl"

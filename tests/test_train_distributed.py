@@ -4,29 +4,16 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
-from rank_processes import spawn
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from rank_processes import free_port, join_world, spawn
 
 
 def _worker(rank: int, world: int, port: int, cfg, out: str) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+    join_world(rank, world, port)
     torch.set_num_threads(1)
     from data_pipelines.loader import build_loader
     from vlm.train.trainer import Trainer
@@ -56,8 +43,8 @@ def test_two_ranks_match_one_rank_first_step(tiny_data, tmp_path, tiny_config, l
     base["loss"] = {"ratio": 0.1}
     one = dict(base, optim={**base["optim"], "grad_accum": 2})
     two = dict(base, optim={**base["optim"], "grad_accum": 1})
-    spawn(_worker, (1, _free_port(), load_tiny(one), str(tmp_path)), 1, "one rank's first step")
-    spawn(_worker, (2, _free_port(), load_tiny(two), str(tmp_path)), 2, "two ranks' first step")
+    spawn(_worker, (1, free_port(), load_tiny(one), str(tmp_path)), 1, "one rank's first step")
+    spawn(_worker, (2, free_port(), load_tiny(two), str(tmp_path)), 2, "two ranks' first step")
     a, b = torch.load(tmp_path / "world1.pt"), torch.load(tmp_path / "world2.pt")
     ra, rb = a["rec"], b["rec"]
     for key in ("tokens", "tokens/image"):
@@ -117,7 +104,7 @@ def test_torchrun_two_processes_cli(
             "--nproc_per_node",
             "2",
             "--master_port",
-            str(_free_port()),
+            str(free_port()),
             "-m",
             "vlm.train",
             "--config",

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from rank_processes import free_port
 
 from configs.config import ConfigError
 from vlm.train.distributed import first_host, slurm_port, slurm_rank_env
@@ -36,12 +36,6 @@ exit $rc
 SCONTROL = """#!/bin/bash
 echo 127.0.0.1
 """
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env(subprocess_env, **extra) -> dict:
@@ -101,7 +95,7 @@ def test_slurm_tasks_without_a_launcher_train_as_one_run(
     tiny_data, tiny_config, write_config, subprocess_env, tmp_path
 ):
     cfg = write_config(tiny_config(tiny_data, train={"max_steps": 2}), tmp_path / "c.yaml")
-    run, port = tmp_path / "run", _free_port()
+    run, port = tmp_path / "run", free_port()
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", "vlm.train", "--config", str(cfg), "--out", str(run)],
@@ -150,7 +144,7 @@ def test_the_batch_script_trains_one_run_across_two_nodes(
         OUT=run,
         GPUS_PER_NODE=1,
         PYTHON=sys.executable,
-        MASTER_PORT=_free_port(),
+        MASTER_PORT=free_port(),
     )
     p = subprocess.run(
         ["bash", str(ROOT / "configs" / "slurm" / "train.sbatch"), "train.max_steps=2"],

@@ -8,29 +8,15 @@ Each run is real processes (torch.multiprocessing, gloo), as `deepspeed` / `torc
 from __future__ import annotations
 
 import json
-import os
-import socket
 
 import pytest
-from rank_processes import spawn
+from rank_processes import free_port, join_world, spawn
 
 pytestmark = pytest.mark.slow
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank: int, world: int, port: int, cfg, run_dir: str) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+    join_world(rank, world, port)
     import torch
 
     torch.set_num_threads(1)
@@ -42,7 +28,7 @@ def _worker(rank: int, world: int, port: int, cfg, run_dir: str) -> None:
 def _train(world: int, cfg, run_dir) -> dict[int, dict]:
     """Train `cfg` in `run_dir` on `world` processes (resuming what is there); its metrics by step."""
     spawn(
-        _worker, (world, _free_port(), cfg, str(run_dir)), world, f"{run_dir.name} on {world} ranks"
+        _worker, (world, free_port(), cfg, str(run_dir)), world, f"{run_dir.name} on {world} ranks"
     )
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return {r["step"]: r for r in map(json.loads, lines)}
